@@ -1,0 +1,69 @@
+// AdamW over an adapter's parameters with fp32 master weights and fp32 moments, global
+// gradient-norm clipping, and learning-rate schedules. Reads each Parameter's main_grad,
+// writes the updated value back in the model dtype, and zeroes main_grad.
+//
+// Fails closed: a non-finite gradient norm is an error and nothing is updated.
+#ifndef LORASTEP_LIB_ADAMW_H_
+#define LORASTEP_LIB_ADAMW_H_
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lib/adapter.h"
+
+namespace lorastep {
+
+enum class LrScheduleKind { kConstant, kWarmupConstant, kCosine };
+
+struct AdamWParams {
+  double lr = 1e-5;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  double max_grad_norm = 0.0;  // global-norm clip; 0 = off
+  LrScheduleKind schedule = LrScheduleKind::kConstant;
+  int64_t warmup_steps = 0;
+  int64_t total_steps = 0;     // cosine: steps until min_lr_ratio * lr
+  double min_lr_ratio = 0.0;
+};
+
+absl::StatusOr<LrScheduleKind> ParseLrSchedule(const std::string& name);  // constant|warmup|cosine
+// INVALID_ARGUMENT naming the field ("adamw.beta2: must be in [0, 1)").
+absl::Status ValidateAdamWParams(const AdamWParams& params);
+// The learning rate of the step that follows `steps_taken` earlier steps.
+double ScheduledLearningRate(const AdamWParams& params, int64_t steps_taken);
+
+struct OptimizerStepResult {
+  double grad_norm = 0;  // before clipping
+  double lr = 0;
+  int64_t step = 0;      // steps taken, this one included
+};
+
+class AdamW {
+ public:
+  // Takes fp32 master copies of `adapter`'s current values; zero moments.
+  explicit AdamW(Adapter* adapter);
+
+  absl::StatusOr<OptimizerStepResult> Step(const AdamWParams& params);
+
+  int64_t steps_taken() const { return steps_; }
+  void set_steps_taken(int64_t steps) { steps_ = steps; }
+  // Optimizer state in parameter order (for checkpoints); writes through to the live state.
+  std::vector<at::Tensor>& master() { return master_; }
+  std::vector<at::Tensor>& exp_avg() { return exp_avg_; }
+  std::vector<at::Tensor>& exp_avg_sq() { return exp_avg_sq_; }
+  // Copies master weights into the adapter's values (after a state load).
+  void PublishMasterToParameters();
+
+ private:
+  Adapter* adapter_;
+  std::vector<at::Tensor> master_, exp_avg_, exp_avg_sq_;
+  int64_t steps_ = 0;
+};
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_ADAMW_H_

@@ -1,0 +1,98 @@
+#include "lib/adapter.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "lib/status_macros.h"
+
+namespace lorastep {
+namespace {
+
+at::Tensor ZerosFp32Like(const at::Tensor& t) {
+  return at::zeros(t.sizes(), t.options().dtype(at::kFloat));
+}
+
+std::array<int64_t, 2> LinearShape(const ModelConfig& c, int slot) {
+  const int64_t h = c.hidden_size, kv = c.num_key_value_heads * c.head_dim(),
+                f = c.intermediate_size;
+  switch (slot) {
+    case kQProj: case kOProj: return {h, h};
+    case kKProj: case kVProj: return {kv, h};
+    case kGateProj: case kUpProj: return {f, h};
+    default: return {h, f};  // down_proj
+  }
+}
+
+}  // namespace
+
+std::string Adapter::PeftKey(size_t layer, int slot, bool is_b) {
+  return absl::StrCat("base_model.model.model.layers.", layer, ".", LinearSlotModulePath(slot),
+                      is_b ? ".lora_B.weight" : ".lora_A.weight");
+}
+
+absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const LoraConfig& lora,
+                                            const at::Device& device, at::ScalarType dtype,
+                                            uint64_t seed) {
+  LORASTEP_RETURN_IF_ERROR(ValidateLoraConfig(lora));
+  if (lora.full_finetune()) {
+    return absl::InvalidArgumentError("lora.rank: 0 means full fine-tuning, not LoRA");
+  }
+  LORASTEP_ASSIGN_OR_RETURN(auto targeted, ResolveLoraTargets(lora));
+  Adapter adapter;
+  adapter.lora_ = lora;
+  adapter.lora_by_layer_.resize(model.num_hidden_layers);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (int64_t layer = 0; layer < model.num_hidden_layers; ++layer) {
+    for (int slot = 0; slot < kNumLinearSlots; ++slot) {
+      if (!targeted[slot]) continue;
+      const auto [out, in] = LinearShape(model, slot);
+      const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+      at::Tensor a = at::empty({lora.rank, in}, at::kFloat).uniform_(-bound, bound, gen);
+      at::Tensor b = at::zeros({out, lora.rank}, at::kFloat);
+      LoraFactors& f = adapter.lora_by_layer_[layer][slot];
+      f.a = static_cast<int>(adapter.parameters_.size());
+      adapter.parameters_.push_back({PeftKey(layer, slot, false), a.to(device, dtype), {}});
+      f.b = static_cast<int>(adapter.parameters_.size());
+      adapter.parameters_.push_back({PeftKey(layer, slot, true), b.to(device, dtype), {}});
+    }
+  }
+  for (auto& p : adapter.parameters_) {
+    p.value.requires_grad_(true);
+    p.main_grad = ZerosFp32Like(p.value);
+  }
+  return adapter;
+}
+
+Adapter Adapter::CreateFullFinetune(const ModelWeights& base) {
+  Adapter adapter;
+  adapter.lora_.rank = 0;
+  adapter.full_weights_ = base;
+  adapter.full_main_grads_ = base;
+  ForEachNamedTensor(adapter.full_weights_, [&](const std::string& name, at::Tensor& t) {
+    t = t.detach().clone().requires_grad_(true);
+    adapter.parameters_.push_back({name, t, ZerosFp32Like(t)});
+  });
+  // Mirror each parameter's main_grad into the model-shaped struct (same order).
+  size_t i = 0;
+  ForEachNamedTensor(adapter.full_main_grads_, [&](const std::string&, at::Tensor& t) {
+    t = adapter.parameters_[i++].main_grad;
+  });
+  return adapter;
+}
+
+const LoraFactors* Adapter::lora(size_t layer, int slot) const {
+  if (layer >= lora_by_layer_.size()) return nullptr;
+  const LoraFactors& f = lora_by_layer_[layer][slot];
+  return f.a < 0 ? nullptr : &f;
+}
+
+void Adapter::ZeroMainGrads() {
+  for (auto& p : parameters_) {
+    p.main_grad.zero_();
+    if (p.value.grad().defined()) p.value.mutable_grad() = at::Tensor();
+  }
+}
+
+}  // namespace lorastep

@@ -1,0 +1,28 @@
+// Per-token log-probabilities and entropies of target tokens, computed in chunks of tokens so
+// the fp32 [tokens, vocab] logits of a whole micro-batch never exist at once: forward keeps
+// only the hidden states; backward recomputes each chunk's logits. Peak extra memory is
+// O(chunk_tokens * vocab), independent of the micro-batch size.
+#ifndef LORASTEP_LIB_LOGPROBS_H_
+#define LORASTEP_LIB_LOGPROBS_H_
+
+#include <ATen/ATen.h>
+
+#include "lib/linear.h"
+
+namespace lorastep {
+
+struct TokenScores {
+  at::Tensor logprobs;  // fp32 [T]
+  at::Tensor entropy;   // fp32 [T]
+};
+
+// hidden: [T, H]; weight: [V, H] (the LM head); targets: int64 [T].
+// Differentiable in hidden and, when `weight_main_grad` is defined, in weight (accumulated
+// like a trainable linear, fused or not per `grad`).
+TokenScores ChunkedTokenScores(const at::Tensor& hidden, const at::Tensor& weight,
+                               const at::Tensor& weight_main_grad, const at::Tensor& targets,
+                               int64_t chunk_tokens, const GradOptions& grad);
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_LOGPROBS_H_

@@ -1,0 +1,39 @@
+// The Qwen2 / Qwen2.5 decoder forward: RMSNorm, RoPE, grouped-query causal attention with
+// q/k/v bias, SwiGLU MLP, residuals, final norm. Base weights are frozen; an Adapter adds
+// LoRA branches (or, with rank 0, replaces the weights with trainable ones).
+// Every matmul with a weight goes through lib/linear.h (one 2-D GEMM each way).
+#ifndef LORASTEP_LIB_QWEN2_H_
+#define LORASTEP_LIB_QWEN2_H_
+
+#include <ATen/ATen.h>
+
+#include "lib/adapter.h"
+#include "lib/linear.h"
+#include "lib/model_config.h"
+#include "lib/model_weights.h"
+
+namespace lorastep {
+
+struct ForwardOptions {
+  GradOptions grad;
+  bool training = true;  // LoRA dropout is active only while training
+  // Draws LoRA dropout masks (on CPU, so a run's stream is its own and device-independent).
+  at::Generator* dropout_generator = nullptr;
+};
+
+// tokens: int64 [b, s] (right-padded; causal attention keeps padding out of real positions).
+// Returns the final-normed hidden states [b, s, H]. `adapter` may be null (base model only).
+at::Tensor Qwen2Hidden(const ModelConfig& config, const ModelWeights& base, const Adapter* adapter,
+                       const at::Tensor& tokens, const ForwardOptions& options);
+
+// The LM-head weight the hidden states are scored with, and its main_grad (defined only when
+// it is trainable, i.e. full fine-tuning).
+const at::Tensor& OutputWeight(const ModelWeights& base, const Adapter* adapter);
+at::Tensor OutputMainGrad(const Adapter* adapter);
+
+// Hugging Face's Qwen2RMSNorm: normalize in fp32, cast back, then scale.
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_QWEN2_H_

@@ -1,0 +1,59 @@
+// Every difference between Debian's LibTorch 1.13 (CPU) and torch 2.11 (CUDA) that lorastep
+// touches lives here, so the rest of lib/ compiles unchanged against both.
+#ifndef LORASTEP_LIB_TORCH_COMPAT_H_
+#define LORASTEP_LIB_TORCH_COMPAT_H_
+
+#include <ATen/ATen.h>
+#include <c10/core/Allocator.h>
+#include <torch/version.h>
+
+#include <cmath>
+
+#define LORASTEP_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) ||           \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+namespace lorastep {
+namespace compat {
+
+// out_fp32 += a @ b with fp32 accumulation, in place: the fused weight-gradient GEMM.
+// On CUDA with torch >= 2.5 and bf16/fp16 inputs this is one cuBLAS GEMM with C = A·B + 1·C
+// and an fp32 C (aten::addmm.dtype_out); elsewhere the inputs are upcast first (same math).
+inline void AddMatmulFp32(at::Tensor& out_fp32, const at::Tensor& a, const at::Tensor& b) {
+#if LORASTEP_TORCH_AT_LEAST(2, 5)
+  if (a.is_cuda() && a.scalar_type() != at::kFloat && a.scalar_type() == b.scalar_type()) {
+    at::addmm_out(out_fp32, out_fp32, a, b, at::kFloat, /*beta=*/1, /*alpha=*/1);
+    return;
+  }
+#endif
+  out_fp32.addmm_(a.to(at::kFloat), b.to(at::kFloat));
+}
+
+// Causal self-attention. q: [b, heads, s, d]; k, v: [b, heads, s, d] (already expanded for
+// grouped-query attention). Uses fused SDPA where the torch version has it.
+inline at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+#if LORASTEP_TORCH_AT_LEAST(2, 0)
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                          /*is_causal=*/true);
+#else
+  const int64_t s = q.size(-2);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * scale;
+  at::Tensor mask = at::ones({s, s}, q.options().dtype(at::kBool)).triu(1);
+  scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  return at::matmul(probs, v);
+#endif
+}
+
+// The integer type of MemoryReportingInfoBase::reportMemoryUsage's totals.
+#if LORASTEP_TORCH_AT_LEAST(2, 0)
+using MemoryTotal = size_t;
+#else
+using MemoryTotal = int64_t;
+#endif
+
+}  // namespace compat
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_TORCH_COMPAT_H_

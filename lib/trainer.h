@@ -1,0 +1,114 @@
+// The training core of one run, with no gRPC in it: a frozen base model (shareable between
+// runs), an Adapter, AdamW state and counters. What worker/ wraps.
+//
+// Example:
+//   ASSIGN_OR_RETURN(auto base, LoadBaseModel("/models/qwen", "cpu", ""));
+//   ASSIGN_OR_RETURN(auto trainer, Trainer::Create(base, options));
+//   ASSIGN_OR_RETURN(auto fb, trainer->ForwardBackward(datums, loss));   // accumulates
+//   ASSIGN_OR_RETURN(auto step, trainer->OptimStep(adamw));              // applies, zeroes
+//
+// Every call validates its whole input before any work; an error changes nothing (no half
+// applied step, accumulated gradients kept as before the call).
+// Thread-safety: not thread-safe; callers order calls per run.
+#ifndef LORASTEP_LIB_TRAINER_H_
+#define LORASTEP_LIB_TRAINER_H_
+
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lib/adamw.h"
+#include "lib/adapter.h"
+#include "lib/batch.h"
+#include "lib/linear.h"
+#include "lib/loss_config.h"
+#include "lib/metrics.h"
+#include "lib/model_weights.h"
+
+namespace lorastep {
+
+struct BaseModel {
+  std::string path;
+  ModelConfig config;
+  ModelWeights weights;  // frozen
+  at::Device device = at::kCPU;
+  at::ScalarType dtype = at::kFloat;
+};
+
+// device: "cpu", "cuda", "cuda:1"; dtype: "" (config.json's), "float32", "bfloat16", "float16".
+absl::StatusOr<std::shared_ptr<const BaseModel>> LoadBaseModel(const std::string& folder,
+                                                               const std::string& device,
+                                                               const std::string& dtype);
+
+struct TrainerOptions {
+  LoraConfig lora;
+  GradOptions grad;
+  uint64_t seed = 0;                          // LoRA init and dropout stream
+  int64_t max_tokens_per_microbatch = 8192;   // padded tokens per forward/backward
+  int64_t logprob_chunk_tokens = 1024;        // tokens per chunk of the fp32 logits
+  double peak_flops = 0;                      // for MFU; 0 = 989e12 on CUDA, none on CPU
+  BatchLimits limits;
+};
+
+struct ForwardBackwardResult {
+  std::vector<std::vector<float>> logprobs;  // per datum, per position
+  Metrics metrics;
+};
+
+struct OptimStepResult {
+  Metrics metrics;
+  int64_t learner_version = 0;
+  std::string adapter_sha256;  // digest of the updated trainable tensors
+};
+
+class Trainer {
+ public:
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(std::shared_ptr<const BaseModel> base,
+                                                         const TrainerOptions& options);
+
+  // Forward + backward over all datums in micro-batches; gradients accumulate until OptimStep.
+  absl::StatusOr<ForwardBackwardResult> ForwardBackward(const std::vector<Datum>& datums,
+                                                        const LossConfig& loss);
+  // Log-probs only (old or reference log-probs), no gradients.
+  absl::StatusOr<ForwardBackwardResult> Forward(const std::vector<Datum>& datums);
+  // Finalizes gradients, clips, steps AdamW, zeroes gradients, bumps the learner version.
+  absl::StatusOr<OptimStepResult> OptimStep(const AdamWParams& params);
+  // A whole rollout batch: ForwardBackward then OptimStep; metrics of both.
+  absl::StatusOr<OptimStepResult> TrainStep(const std::vector<Datum>& datums,
+                                            const LossConfig& loss, const AdamWParams& params);
+
+  // Training state: trainable tensors, optimizer state, counters, dropout RNG; atomic.
+  absl::Status SaveState(const std::string& folder,
+                         const std::function<absl::Status(const std::string&)>& fault_point =
+                             nullptr) const;
+  absl::Status LoadState(const std::string& folder);
+  // PEFT adapter folder (LoRA runs).
+  absl::Status ExportAdapter(const std::string& folder) const;
+
+  int64_t learner_version() const { return optimizer_->steps_taken(); }
+  const Adapter& adapter() const { return *adapter_; }
+  Adapter& mutable_adapter() { return *adapter_; }
+  const BaseModel& base() const { return *base_; }
+  std::string AdapterSha256() const;
+
+ private:
+  Trainer(std::shared_ptr<const BaseModel> base, const TrainerOptions& options, Adapter adapter);
+  absl::StatusOr<ForwardBackwardResult> RunMicroBatches(const std::vector<Datum>& datums,
+                                                        const LossConfig* loss);
+  void SyncDevice() const;
+
+  std::shared_ptr<const BaseModel> base_;
+  TrainerOptions options_;
+  std::unique_ptr<Adapter> adapter_;
+  std::unique_ptr<AdamW> optimizer_;
+  at::Generator dropout_generator_;
+  int64_t pending_backward_calls_ = 0;  // ForwardBackward calls since the last OptimStep
+};
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_TRAINER_H_

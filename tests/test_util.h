@@ -1,0 +1,60 @@
+// Test helpers: status assertions and scratch folders under TEST_TMPDIR.
+#ifndef LORASTEP_TESTS_TEST_UTIL_H_
+#define LORASTEP_TESTS_TEST_UTIL_H_
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+
+#define LORASTEP_TEST_CONCAT_INNER_(a, b) a##b
+#define LORASTEP_TEST_CONCAT_(a, b) LORASTEP_TEST_CONCAT_INNER_(a, b)
+
+#define ASSERT_OK(expr)                                          \
+  do {                                                           \
+    auto lorastep_s_ = ::lorastep::testing::ToStatus(expr);      \
+    ASSERT_TRUE(lorastep_s_.ok()) << lorastep_s_;                \
+  } while (false)
+#define ASSERT_OK_AND_ASSIGN(lhs, expr)                                          \
+  auto LORASTEP_TEST_CONCAT_(so_, __LINE__) = (expr);                            \
+  ASSERT_TRUE(LORASTEP_TEST_CONCAT_(so_, __LINE__).ok())                         \
+      << LORASTEP_TEST_CONCAT_(so_, __LINE__).status();                          \
+  lhs = std::move(LORASTEP_TEST_CONCAT_(so_, __LINE__)).value()
+
+namespace lorastep {
+namespace testing {
+
+inline absl::Status ToStatus(const absl::Status& s) { return s; }
+template <typename T>
+absl::Status ToStatus(const absl::StatusOr<T>& s) {
+  return s.status();
+}
+
+// Matches a status (or StatusOr) with `code` whose message contains `substring`.
+MATCHER_P2(StatusIs, code, substring, "") {
+  absl::Status s = ToStatus(arg);
+  *result_listener << "status is " << s;
+  return s.code() == code && s.message().find(substring) != absl::string_view::npos;
+}
+
+// A fresh, empty folder for one test.
+inline std::string ScratchDir(const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  std::string root = base != nullptr ? base : "/tmp";
+  std::string dir = absl::StrCat(root, "/lorastep_", name, "_", getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+}  // namespace testing
+}  // namespace lorastep
+
+#endif  // LORASTEP_TESTS_TEST_UTIL_H_
