@@ -15,11 +15,18 @@ std::vector<int64_t> ShapeWithLastDim(const at::Tensor& t, int64_t last) {
   return shape;
 }
 
+// main_grad travels as a plain value, not a tensor argument: autograd must not treat it as
+// an input (it may be undefined for frozen weights, and never receives a gradient).
+struct MainGradRef {
+  at::Tensor tensor;
+};
+
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& weight, const at::Tensor& main_grad, bool fused,
+                            const at::Tensor& weight, MainGradRef main_grad_ref, bool fused,
                             bool fp32_dgrad) {
+    const at::Tensor& main_grad = main_grad_ref.tensor;
     const bool trainable = main_grad.defined();
     ctx->saved_data["trainable"] = trainable;
     ctx->saved_data["fused"] = fused;
@@ -68,7 +75,7 @@ at::Tensor LinearInputGrad(const at::Tensor& grad_output, const at::Tensor& weig
 
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& main_grad,
                   const GradOptions& options) {
-  return LinearFunction::apply(x, weight, main_grad, options.fused_wgrad, options.fp32_dgrad);
+  return LinearFunction::apply(x, weight, MainGradRef{main_grad}, options.fused_wgrad, options.fp32_dgrad);
 }
 
 }  // namespace lorastep

@@ -19,13 +19,19 @@ ChunkStats ChunkLogits(const at::Tensor& h, const at::Tensor& weight) {
   return {logits, at::logsumexp(logits, -1)};
 }
 
+// See linear.cc: main_grad is carried as a value, not as an autograd input.
+struct MainGradRef {
+  at::Tensor tensor;
+};
+
 class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 const at::Tensor& hidden, const at::Tensor& weight,
-                                                const at::Tensor& main_grad,
+                                                MainGradRef main_grad_ref,
                                                 const at::Tensor& targets, int64_t chunk,
                                                 bool fused, bool fp32_dgrad) {
+    const at::Tensor& main_grad = main_grad_ref.tensor;
     const int64_t t = hidden.size(0);
     at::Tensor logprobs = at::empty({t}, hidden.options().dtype(at::kFloat));
     at::Tensor entropy = at::empty({t}, hidden.options().dtype(at::kFloat));
@@ -104,7 +110,7 @@ class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction
 TokenScores ChunkedTokenScores(const at::Tensor& hidden, const at::Tensor& weight,
                                const at::Tensor& weight_main_grad, const at::Tensor& targets,
                                int64_t chunk_tokens, const GradOptions& grad) {
-  auto out = TokenScoresFunction::apply(hidden, weight, weight_main_grad, targets,
+  auto out = TokenScoresFunction::apply(hidden, weight, MainGradRef{weight_main_grad}, targets,
                                         std::max<int64_t>(1, chunk_tokens), grad.fused_wgrad,
                                         grad.fp32_dgrad);
   return {out[0], out[1]};

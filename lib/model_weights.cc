@@ -159,7 +159,7 @@ absl::Status SaveModel(const std::string& folder, const ModelConfig& config,
   LORASTEP_RETURN_IF_ERROR(WriteStringToFile(folder + "/config.json", ModelConfigToJson(config)));
   std::vector<std::pair<std::string, at::Tensor>> named;
   ForEachNamedTensor(weights, [&](const std::string& name, const at::Tensor& t) {
-    named.emplace_back(name, t);
+    if (t.defined()) named.emplace_back(name, t);
   });
   if (shards <= 1) {
     TensorWriteList list;
