@@ -1,0 +1,255 @@
+// (g) Checkpoints: save, load, continue is bitwise the same as uninterrupted training; an
+// interrupted save leaves the previous checkpoint loadable. Plus the trainer's contracts:
+// k ForwardBackward + OptimStep == TrainStep, bad calls change nothing, PEFT export/import.
+#include "lib/trainer.h"
+
+#include <filesystem>
+
+#include "lib/file_util.h"
+#include "lib/peft_io.h"
+#include "lib/safetensors.h"
+#include "tests/test_util.h"
+#include "tests/torch_test_util.h"
+
+namespace lorastep {
+namespace {
+
+using ::lorastep::testing::ScratchDir;
+using ::lorastep::testing::StatusIs;
+
+std::string TinyModel(const std::string& dir) {
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  EXPECT_TRUE(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)).ok());
+  return dir + "/model";
+}
+
+std::vector<Datum> RlBatch(int step, int64_t vocab) {
+  std::vector<Datum> out;
+  for (int i = 0; i < 4; ++i) {
+    Datum d;
+    const int n = 5 + (i * 3 + step) % 6;
+    for (int j = 0; j < n; ++j) {
+      d.tokens.push_back((i * 7 + j * 3 + step) % vocab);
+      d.target_tokens.push_back((i * 5 + j * 11 + step) % vocab);
+      d.logprobs.push_back(-4.0f - 0.1f * j);
+      d.advantages.push_back(j < 2 ? 0.0f : (i % 2 == 0 ? 1.0f : -0.5f));
+    }
+    out.push_back(d);
+  }
+  return out;
+}
+
+TrainerOptions Options() {
+  TrainerOptions o;
+  o.lora.rank = 4;
+  o.lora.alpha = 8;
+  o.lora.dropout = 0.1;  // exercises the checkpointed dropout RNG
+  o.seed = 17;
+  o.max_tokens_per_microbatch = 24;
+  o.logprob_chunk_tokens = 7;
+  return o;
+}
+
+LossConfig Ppo() {
+  LossConfig l;
+  l.kind = LossKind::kPpo;
+  return l;
+}
+
+AdamWParams Adam() {
+  AdamWParams p;
+  p.lr = 1e-2;
+  p.weight_decay = 0.1;
+  p.max_grad_norm = 1.0;
+  p.beta2 = 0.98;
+  return p;
+}
+
+class TrainerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ScratchDir(::testing::UnitTest::GetInstance()->current_test_info()->name());
+    auto base = LoadBaseModel(TinyModel(dir_), ::lorastep::testing::TestDevice().str(), "float32");
+    ASSERT_TRUE(base.ok()) << base.status();
+    base_ = *base;
+  }
+  std::unique_ptr<Trainer> NewTrainer(TrainerOptions o = Options()) {
+    auto t = Trainer::Create(base_, o);
+    EXPECT_TRUE(t.ok()) << t.status();
+    return std::move(t).value();
+  }
+  std::string dir_;
+  std::shared_ptr<const BaseModel> base_;
+};
+
+TEST_F(TrainerTest, SaveLoadContinueIsBitwiseIdenticalToUninterrupted) {
+  auto straight = NewTrainer();
+  for (int s = 0; s < 4; ++s) ASSERT_OK(straight->TrainStep(RlBatch(s, 96), Ppo(), Adam()));
+
+  auto first = NewTrainer();
+  for (int s = 0; s < 2; ++s) ASSERT_OK(first->TrainStep(RlBatch(s, 96), Ppo(), Adam()));
+  ASSERT_OK(first->SaveState(dir_ + "/ckpt"));
+  auto resumed = NewTrainer();
+  ASSERT_OK(resumed->LoadState(dir_ + "/ckpt"));
+  EXPECT_EQ(resumed->learner_version(), 2);
+  EXPECT_EQ(resumed->AdapterSha256(), first->AdapterSha256());
+  for (int s = 2; s < 4; ++s) ASSERT_OK(resumed->TrainStep(RlBatch(s, 96), Ppo(), Adam()));
+  EXPECT_EQ(resumed->AdapterSha256(), straight->AdapterSha256());
+  // And the adapter really moved (the comparison is not between two untouched adapters).
+  EXPECT_NE(straight->AdapterSha256(), NewTrainer()->AdapterSha256());
+}
+
+TEST_F(TrainerTest, InterruptedSaveLeavesThePreviousCheckpointLoadable) {
+  auto trainer = NewTrainer();
+  ASSERT_OK(trainer->TrainStep(RlBatch(0, 96), Ppo(), Adam()));
+  ASSERT_OK(trainer->SaveState(dir_ + "/ckpt"));
+  const std::string saved_sha = trainer->AdapterSha256();
+  ASSERT_OK(trainer->TrainStep(RlBatch(1, 96), Ppo(), Adam()));
+  for (const char* stage : {"trainable_written", "files_written", "before_swap"}) {
+    auto crash = [stage](const std::string& at) -> absl::Status {
+      if (at == stage) return absl::AbortedError(absl::StrCat("simulated crash at ", at));
+      return absl::OkStatus();
+    };
+    EXPECT_THAT(trainer->SaveState(dir_ + "/ckpt", crash),
+                StatusIs(absl::StatusCode::kAborted, "simulated crash"));
+    auto reader = NewTrainer();
+    ASSERT_OK(reader->LoadState(dir_ + "/ckpt"));
+    EXPECT_EQ(reader->AdapterSha256(), saved_sha) << stage;
+    EXPECT_EQ(reader->learner_version(), 1);
+  }
+  // A later complete save replaces it (leftover temporary folders do not get in the way).
+  ASSERT_OK(trainer->SaveState(dir_ + "/ckpt"));
+  auto reader = NewTrainer();
+  ASSERT_OK(reader->LoadState(dir_ + "/ckpt"));
+  EXPECT_EQ(reader->AdapterSha256(), trainer->AdapterSha256());
+}
+
+TEST_F(TrainerTest, LoadingACorruptCheckpointChangesNothing) {
+  auto trainer = NewTrainer();
+  ASSERT_OK(trainer->TrainStep(RlBatch(0, 96), Ppo(), Adam()));
+  ASSERT_OK(trainer->SaveState(dir_ + "/ckpt"));
+  ASSERT_OK(WriteStringToFile(dir_ + "/ckpt/optimizer.safetensors", "garbage"));
+  auto other = NewTrainer();
+  const std::string before = other->AdapterSha256();
+  EXPECT_THAT(other->LoadState(dir_ + "/ckpt"), StatusIs(absl::StatusCode::kInvalidArgument, "optimizer.safetensors"));
+  EXPECT_EQ(other->AdapterSha256(), before);
+  EXPECT_EQ(other->learner_version(), 0);
+  TrainerOptions o = Options();
+  o.lora.rank = 2;
+  EXPECT_THAT(NewTrainer(o)->LoadState(dir_ + "/ckpt"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "lora config"));
+}
+
+TEST_F(TrainerTest, ForwardBackwardCallsThenOptimStepEqualOneTrainStep) {
+  TrainerOptions o = Options();
+  o.lora.dropout = 0;  // the split changes dropout draws' order; compare the math alone
+  auto whole = NewTrainer(o);
+  auto parts = NewTrainer(o);
+  std::vector<Datum> batch = RlBatch(3, 96);
+  LossConfig loss = Ppo();
+  loss.normalization = LossNormalization::kSum;  // sums split exactly across calls
+  ASSERT_OK_AND_ASSIGN(OptimStepResult a, whole->TrainStep(batch, loss, Adam()));
+  ASSERT_OK(parts->ForwardBackward({batch[0], batch[1]}, loss));
+  ASSERT_OK(parts->ForwardBackward({batch[2], batch[3]}, loss));
+  ASSERT_OK_AND_ASSIGN(OptimStepResult b, parts->OptimStep(Adam()));
+  EXPECT_NEAR(a.metrics.Get("grad_norm:sum"), b.metrics.Get("grad_norm:sum"), 1e-6);
+  auto& pa = whole->adapter().parameters();
+  auto& pb = parts->adapter().parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_LT(::lorastep::testing::MaxAbsDiff(pa[i].value, pb[i].value), 1e-6) << pa[i].name;
+  }
+  EXPECT_EQ(a.learner_version, 1);
+  EXPECT_GT(a.metrics.Get("tokens_loss:sum"), 0);
+  EXPECT_TRUE(a.metrics.Has("pg_clipfrac:mean"));
+  EXPECT_TRUE(a.metrics.Has("time_backward_s:sum"));
+}
+
+TEST_F(TrainerTest, BadCallsChangeNothing) {
+  auto clean = NewTrainer();
+  auto probed = NewTrainer();
+  ASSERT_OK(clean->TrainStep(RlBatch(0, 96), Ppo(), Adam()));
+  ASSERT_OK(probed->TrainStep(RlBatch(0, 96), Ppo(), Adam()));
+  std::vector<Datum> bad = RlBatch(1, 96);
+  bad[2].advantages[3] = NAN;
+  EXPECT_THAT(probed->TrainStep(bad, Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kInvalidArgument, "datums[2].advantages[3]: not finite"));
+  AdamWParams bad_adam = Adam();
+  bad_adam.beta2 = 1.5;
+  EXPECT_THAT(probed->TrainStep(RlBatch(1, 96), Ppo(), bad_adam),
+              StatusIs(absl::StatusCode::kInvalidArgument, "adamw.beta2"));
+  LossConfig bad_loss = Ppo();
+  bad_loss.clip_eps_low = 2;
+  EXPECT_THAT(probed->ForwardBackward(RlBatch(1, 96), bad_loss),
+              StatusIs(absl::StatusCode::kInvalidArgument, "loss.clip_eps_low"));
+  std::vector<Datum> oov = RlBatch(1, 96);
+  oov[0].tokens[0] = 96;
+  EXPECT_THAT(probed->Forward(oov), StatusIs(absl::StatusCode::kInvalidArgument, "datums[0].tokens[0]"));
+  EXPECT_EQ(probed->learner_version(), 1);
+  ASSERT_OK(clean->TrainStep(RlBatch(1, 96), Ppo(), Adam()));
+  ASSERT_OK(probed->TrainStep(RlBatch(1, 96), Ppo(), Adam()));
+  EXPECT_EQ(clean->AdapterSha256(), probed->AdapterSha256());
+}
+
+TEST_F(TrainerTest, ForwardReturnsTheLogprobsForwardBackwardUses) {
+  TrainerOptions o = Options();
+  o.lora.dropout = 0;
+  auto trainer = NewTrainer(o);
+  auto batch = RlBatch(0, 96);
+  ASSERT_OK_AND_ASSIGN(ForwardBackwardResult f, trainer->Forward(batch));
+  ASSERT_OK_AND_ASSIGN(ForwardBackwardResult fb, trainer->ForwardBackward(batch, Ppo()));
+  ASSERT_EQ(f.logprobs.size(), batch.size());
+  for (size_t d = 0; d < batch.size(); ++d) {
+    ASSERT_EQ(f.logprobs[d].size(), batch[d].tokens.size());
+    for (size_t i = 0; i < f.logprobs[d].size(); ++i) {
+      EXPECT_FLOAT_EQ(f.logprobs[d][i], fb.logprobs[d][i]);
+      EXPECT_LT(f.logprobs[d][i], 0.0f);
+    }
+  }
+  // At step 0 with LoRA-B = 0 and old = the trainer's own log-probs, PPO's ratio is exactly 1
+  // (miles' CI check: |ppo_kl| < 1e-8, pg_clipfrac < 1e-10).
+  auto on_policy = batch;
+  for (size_t d = 0; d < batch.size(); ++d) on_policy[d].old_logprobs = f.logprobs[d];
+  ASSERT_OK_AND_ASSIGN(ForwardBackwardResult again, trainer->ForwardBackward(on_policy, Ppo()));
+  EXPECT_LT(std::abs(again.metrics.Get("ppo_kl:mean")), 1e-8);
+  EXPECT_LT(again.metrics.Get("pg_clipfrac:mean"), 1e-10);
+}
+
+TEST_F(TrainerTest, PeftExportImportRoundTripAndErrors) {
+  auto trainer = NewTrainer();
+  ASSERT_OK(trainer->TrainStep(RlBatch(0, 96), Ppo(), Adam()));
+  ASSERT_OK(trainer->ExportAdapter(dir_ + "/peft"));
+  ASSERT_OK_AND_ASSIGN(std::string cfg, ReadFileToString(dir_ + "/peft/adapter_config.json"));
+  EXPECT_NE(cfg.find("\"peft_type\": \"LORA\""), std::string::npos);
+  ASSERT_OK_AND_ASSIGN(SafetensorsFile f, SafetensorsFile::Open(dir_ + "/peft/adapter_model.safetensors"));
+  EXPECT_TRUE(f.Find("base_model.model.model.layers.1.mlp.down_proj.lora_B.weight").ok());
+  auto fresh = NewTrainer();
+  ASSERT_OK(ImportPeftAdapter(dir_ + "/peft", &fresh->mutable_adapter()));
+  EXPECT_EQ(fresh->AdapterSha256(), trainer->AdapterSha256());
+  TrainerOptions o = Options();
+  o.lora.rank = 8;
+  auto other = NewTrainer(o);
+  const std::string before = other->AdapterSha256();
+  EXPECT_THAT(ImportPeftAdapter(dir_ + "/peft", &other->mutable_adapter()),
+              StatusIs(absl::StatusCode::kInvalidArgument, "r: 4 does not match"));
+  EXPECT_EQ(other->AdapterSha256(), before);
+}
+
+TEST_F(TrainerTest, FullFinetuneRankZeroTrainsEveryWeight) {
+  TrainerOptions o = Options();
+  o.lora.rank = 0;
+  auto trainer = NewTrainer(o);
+  const size_t n = trainer->adapter().parameters().size();
+  EXPECT_EQ(n, 2 + 12 * 2u);  // embed + final norm; per layer 2 norms, 7 linears, 3 biases
+  std::vector<at::Tensor> before;
+  for (const auto& p : trainer->adapter().parameters()) before.push_back(p.value.detach().clone());
+  ASSERT_OK(trainer->TrainStep(RlBatch(0, 96), Ppo(), Adam()));
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_FALSE(at::equal(before[i], trainer->adapter().parameters()[i].value))
+        << trainer->adapter().parameters()[i].name;
+  }
+  EXPECT_THAT(trainer->ExportAdapter(dir_ + "/x"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "rank-0"));
+}
+
+}  // namespace
+}  // namespace lorastep
