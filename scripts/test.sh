@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-bazel test //... --test_output=errors "$@"
+# Tests always run (the disk cache would otherwise replay earlier results).
+bazel test //... --test_output=errors --nocache_test_results "$@"
