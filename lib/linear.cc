@@ -15,12 +15,6 @@ std::vector<int64_t> ShapeWithLastDim(const at::Tensor& t, int64_t last) {
   return shape;
 }
 
-// main_grad travels as a plain value, not a tensor argument: autograd must not treat it as
-// an input (it may be undefined for frozen weights, and never receives a gradient).
-struct MainGradRef {
-  at::Tensor tensor;
-};
-
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,

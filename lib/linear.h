@@ -25,6 +25,13 @@ struct GradOptions {
   bool fp32_dgrad = false;  // compute input gradients in fp32, then cast back
 };
 
+// How custom autograd functions receive a main_grad buffer: as a plain value, not a tensor
+// argument, so autograd never treats it as an input (it may be undefined for frozen
+// weights, and it never receives a gradient).
+struct MainGradRef {
+  at::Tensor tensor;
+};
+
 // All leading dims folded into one: [..., k] -> [n, k]. A view whenever strides allow.
 at::Tensor FoldLeadingDims(const at::Tensor& x);
 

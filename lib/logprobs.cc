@@ -19,11 +19,6 @@ ChunkStats ChunkLogits(const at::Tensor& h, const at::Tensor& weight) {
   return {logits, at::logsumexp(logits, -1)};
 }
 
-// See linear.cc: main_grad is carried as a value, not as an autograd input.
-struct MainGradRef {
-  at::Tensor tensor;
-};
-
 class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
