@@ -1,0 +1,99 @@
+// Frozen-weight dgrad microbenchmark at the seed's shape (Qwen2.5-0.5B output layer):
+// grad_output [s, b, V] x W [V, H], three ways, side by side in one process:
+//   contiguous_ms         at::matmul on a tensor laid out [s, b, V]
+//   flattened_strided_ms  lorastep::LinearInputGrad on the [b, s, V] -> [s, b, V] view
+//   naive_strided_ms      at::matmul on that same view (what the seed's bug ran)
+// Each figure is the median over `reps` timings of `inner` back-to-back calls, with the
+// device synchronized around each timing. Writes JSON to --out.
+//   dgrad_bench --device cuda --out dgrad.json --machine "NVIDIA H200" --command "..."
+#include <ATen/ATen.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "lib/linear.h"
+#include "nlohmann/json.hpp"
+
+namespace {
+
+void Sync(const at::Device& device) {
+  if (device.is_cuda()) at::zeros({1}, at::TensorOptions().device(device)).item<float>();
+}
+
+double MedianMs(const at::Device& device, int reps, int inner, const std::function<void()>& fn) {
+  for (int i = 0; i < 3; ++i) fn();  // warm-up: handles, workspaces, autotuning
+  std::vector<double> ms;
+  for (int r = 0; r < reps; ++r) {
+    Sync(device);
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < inner; ++i) fn();
+    Sync(device);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / inner);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string device_name = "cpu", out = "dgrad.json", machine = "unknown", command;
+  int64_t s = 512, b = 1, v = 151936, h = 896;
+  std::string dtype = "bfloat16";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string f = argv[i], val = argv[i + 1];
+    if (f == "--device") device_name = val;
+    else if (f == "--out") out = val;
+    else if (f == "--machine") machine = val;
+    else if (f == "--command") command = val;
+    else if (f == "--s") s = std::stoll(val);
+    else if (f == "--b") b = std::stoll(val);
+    else if (f == "--v") v = std::stoll(val);
+    else if (f == "--h") h = std::stoll(val);
+    else if (f == "--dtype") dtype = val;
+  }
+  const at::Device device(device_name);
+  const at::ScalarType type = dtype == "float32" ? at::kFloat : at::kBFloat16;
+  const auto options = at::TensorOptions().device(device).dtype(type);
+  at::Tensor w = at::randn({v, h}, options);
+  at::Tensor contiguous = at::randn({s, b, v}, options);
+  at::Tensor strided = at::randn({b, s, v}, options).transpose(0, 1);
+  const bool cuda = device.is_cuda();
+  const int reps = cuda ? 21 : 5;
+  const double contiguous_ms = MedianMs(device, reps, cuda ? 50 : 2, [&] { at::matmul(contiguous, w); });
+  const double flattened_ms =
+      MedianMs(device, reps, cuda ? 50 : 2, [&] { lorastep::LinearInputGrad(strided, w, false); });
+  const double naive_ms = MedianMs(device, reps, cuda ? 3 : 1, [&] { at::matmul(strided, w); });
+  // The three must agree (same data through different kernels).
+  at::Tensor ref = at::matmul(strided.contiguous(), w).to(at::kFloat);
+  const double err_flat = ((lorastep::LinearInputGrad(strided, w, false).to(at::kFloat) - ref).norm() / ref.norm()).item<double>();
+
+  std::time_t now = std::time(nullptr);
+  char date[32];
+  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  nlohmann::ordered_json j;
+  j["date"] = date;
+  j["machine"] = machine;
+  j["device"] = device_name;
+  j["torch_version"] = TORCH_VERSION;
+  j["command"] = command;
+  j["shape"] = {{"s", s}, {"b", b}, {"V", v}, {"H", h}, {"dtype", dtype}};
+  j["contiguous_ms"] = contiguous_ms;
+  j["flattened_strided_ms"] = flattened_ms;
+  j["naive_strided_ms"] = naive_ms;
+  j["flattened_over_contiguous"] = flattened_ms / contiguous_ms;
+  j["naive_over_flattened"] = naive_ms / flattened_ms;
+  j["flattened_rel_err"] = err_flat;
+  j["method"] = "median of reps timings of inner back-to-back calls, device synced around each";
+  std::ofstream(out) << j.dump(2) << "\n";
+  std::cout << j.dump(2) << "\n";
+  return 0;
+}

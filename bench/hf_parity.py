@@ -1,0 +1,84 @@
+"""Parity of lorastep against Hugging Face transformers + PEFT on the same weights.
+
+Runs lorastep_parity (C++) for a model folder, then loads the same safetensors with
+transformers' Qwen2ForCausalLM and the exported adapter with PEFT, and compares:
+base-model logits, the LoRA loss, and every LoRA factor's gradient.
+Usage: python3 bench/hf_parity.py --model DIR --parity-bin build/lorastep_parity
+       --device cuda --dtype bfloat16 --out result.json
+"""
+import argparse, datetime, json, os, subprocess, sys
+
+import torch
+from safetensors.torch import load_file
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--parity-bin", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--workdir", default="/tmp/lorastep_parity")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tolerance", type=float, default=2e-2)
+    args = ap.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    subprocess.run([args.parity_bin, "--model", args.model, "--workdir", args.workdir,
+                    "--device", args.device, "--dtype", args.dtype], check=True)
+    ours = load_file(os.path.join(args.workdir, "ours.safetensors"))
+
+    import transformers, peft
+    from transformers import AutoModelForCausalLM
+    from peft import PeftModel
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype,
+                                                 attn_implementation="sdpa").to(args.device)
+    model.eval()
+    tokens = ours["tokens"].to(args.device)
+    with torch.no_grad():
+        ref_logits = model(input_ids=tokens).logits.float()
+    our_logits = ours["logits"].to(args.device)
+    diff = (our_logits - ref_logits)
+    logits_max_abs = diff.abs().max().item()
+    logits_rel = (diff.norm() / ref_logits.norm()).item()
+
+    pm = PeftModel.from_pretrained(model, os.path.join(args.workdir, "adapter"), is_trainable=True)
+    pm.train()
+    logits = pm(input_ids=tokens).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1)
+    loss = -logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).mean()
+    loss.backward()
+    num = den = 0.0
+    worst = 0.0
+    n = 0
+    for name, p in pm.named_parameters():
+        if "lora_" not in name:
+            continue
+        key = name.replace(".default", "")
+        g_ref = p.grad.float()
+        g_ours = ours[key].to(args.device)
+        num += (g_ours - g_ref).pow(2).sum().item()
+        den += g_ref.pow(2).sum().item()
+        worst = max(worst, ((g_ours - g_ref).norm() / g_ref.norm().clamp_min(1e-30)).item())
+        n += 1
+    assert n == len([k for k in ours if "lora_" in k]), "parameter sets differ"
+    result = {
+        "date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+        "peft_version": peft.__version__, "dtype": args.dtype,
+        "command": " ".join(sys.argv),
+        "tokens_shape": list(tokens.shape),
+        "logits_max_abs_diff": logits_max_abs, "logits_rel_err": logits_rel,
+        "loss_ours": ours["loss"].item(), "loss_peft": loss.item(),
+        "lora_grad_rel_err": (num / den) ** 0.5, "lora_grad_worst_tensor_rel_err": worst,
+        "lora_tensors_compared": n, "tolerance": args.tolerance,
+    }
+    result["pass"] = result["logits_rel_err"] < args.tolerance and result["lora_grad_rel_err"] < args.tolerance
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

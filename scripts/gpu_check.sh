@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On the H200 machine (device tool): build with CMake against torch 2.11 + the carried
+# Debian sysroot (.sysroot: absl, nlohmann-json, gtest, OpenSSL; scripts/make_sysroot.sh),
+# run the tests on CUDA, the dgrad microbenchmark, and the HF/PEFT parity checks.
+# Results land in $OUT (or ./out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+SYSROOT=$PWD/.sysroot
+TORCH_DIR=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')
+TORCH_CMAKE=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+export LIBRARY_PATH=$SYSROOT/usr/lib/x86_64-linux-gnu
+export LD_LIBRARY_PATH=$SYSROOT/usr/lib/x86_64-linux-gnu:$TORCH_DIR/lib:${LD_LIBRARY_PATH:-}
+export TORCH_CUDA_ARCH_LIST=9.0
+MACHINE=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)
+{
+  echo "machine: $MACHINE"; python3 -c 'import torch,transformers,peft;print("torch",torch.__version__,"cuda",torch.version.cuda,"transformers",transformers.__version__,"peft",peft.__version__)'
+} | tee "$OUT/env.txt"
+step() { echo "=== $*"; }
+step configure
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$TORCH_CMAKE;$SYSROOT/usr" -DOPENSSL_ROOT_DIR="$SYSROOT/usr" \
+  -DCMAKE_CUDA_ARCHITECTURES=90 > "$OUT/cmake.log" 2>&1 || { tail -40 "$OUT/cmake.log"; exit 1; }
+step build
+ninja -C build-gpu -j16 > "$OUT/build.log" 2>&1 || { grep -B2 -A12 -m3 "error" "$OUT/build.log"; exit 1; }
+step "tests on cuda"
+(cd build-gpu && LORASTEP_TEST_DEVICE=cuda ctest --output-on-failure) > "$OUT/ctest_cuda.log" 2>&1
+tail -15 "$OUT/ctest_cuda.log"
+step "dgrad bench"
+build-gpu/dgrad_bench --device cuda --out "$OUT/dgrad.json" --machine "$MACHINE" \
+  --command "scripts/gpu_check.sh (build-gpu/dgrad_bench --device cuda)" | grep -E "_ms|over|err"
+step "parity"
+build-gpu/lorastep_genmodel --preset qwen2.5-0.5b --dtype bfloat16 --seed 1 --out /tmp/q05 
+for dt in float32 bfloat16; do
+  tol=1e-3; [ "$dt" = bfloat16 ] && tol=3e-2
+  PYTHONUNBUFFERED=1 python3 bench/hf_parity.py --model /tmp/q05 --parity-bin build-gpu/lorastep_parity \
+    --device cuda --dtype $dt --tolerance $tol --workdir /tmp/par_$dt --out "$OUT/hf_parity_$dt.json" 2>&1 | tail -22
+done

@@ -1,0 +1,90 @@
+// Produces what the Hugging Face / PEFT parity check compares against (bench/hf_parity.py):
+// for a model folder, it draws a random LoRA adapter (nonzero B), exports it in PEFT format,
+// then writes to --workdir/ours.safetensors:
+//   tokens        int64 [b, s]      the inputs (seeded)
+//   logits        fp32  [b, s, V]   base-model logits (no adapter)
+//   loss          fp32  []          mean next-token cross entropy with the adapter
+//   <PEFT key>    fp32              the adapter's main_grad for that loss
+//   lorastep_parity --model DIR --workdir DIR [--device cuda] [--dtype bfloat16] [--rank 32]
+#include <ATen/ATen.h>
+
+#include <iostream>
+#include <string>
+
+#include "lib/grad_finalizer.h"
+#include "lib/logprobs.h"
+#include "lib/peft_io.h"
+#include "lib/qwen2.h"
+#include "lib/tensor_bytes.h"
+#include "lib/trainer.h"
+
+using namespace lorastep;
+
+int Fail(const absl::Status& s) {
+  std::cerr << s << "\n";
+  return 1;
+}
+
+int main(int argc, char** argv) {
+  std::string model, workdir, device = "cpu", dtype = "";
+  int64_t rank = 32, batch = 2, seq = 128;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string f = argv[i], v = argv[i + 1];
+    if (f == "--model") model = v;
+    else if (f == "--workdir") workdir = v;
+    else if (f == "--device") device = v;
+    else if (f == "--dtype") dtype = v;
+    else if (f == "--rank") rank = std::stoll(v);
+    else if (f == "--seq") seq = std::stoll(v);
+  }
+  auto base = LoadBaseModel(model, device, dtype);
+  if (!base.ok()) return Fail(base.status());
+  TrainerOptions options;
+  options.lora.rank = rank;
+  options.lora.alpha = static_cast<double>(rank);
+  options.seed = 5;
+  auto trainer = Trainer::Create(*base, options);
+  if (!trainer.ok()) return Fail(trainer.status());
+  Adapter& adapter = (*trainer)->mutable_adapter();
+  {
+    at::NoGradGuard g;
+    at::manual_seed(11);
+    for (auto& p : adapter.parameters()) {
+      if (p.name.find("lora_B") != std::string::npos) {
+        p.value.copy_(at::randn(p.value.sizes()) * 0.02);
+      }
+    }
+  }
+  if (auto s = ExportPeftAdapter(workdir + "/adapter", adapter, model); !s.ok()) return Fail(s);
+
+  const ModelConfig& c = (*base)->config;
+  at::manual_seed(3);
+  at::Tensor tokens = at::randint(0, c.vocab_size, {batch, seq}, at::kLong);
+  at::Tensor tokens_dev = tokens.to((*base)->device);
+  TensorWriteList out;
+  ForwardOptions fwd;
+  fwd.training = false;
+  {
+    at::NoGradGuard g;
+    at::Tensor hidden = Qwen2Hidden(c, (*base)->weights, nullptr, tokens_dev, fwd);
+    at::Tensor logits = at::matmul(hidden, (*base)->weights.output_weight().t()).to(at::kFloat);
+    if (auto s = out.Add("logits", logits); !s.ok()) return Fail(s);
+  }
+  // Cross entropy of predicting tokens[:, 1:] from tokens[:, :-1], mean over positions.
+  at::Tensor hidden = Qwen2Hidden(c, (*base)->weights, &adapter, tokens_dev, fwd);
+  at::Tensor h = hidden.narrow(1, 0, seq - 1).reshape({-1, c.hidden_size});
+  at::Tensor targets = tokens_dev.narrow(1, 1, seq - 1).reshape({-1});
+  TokenScores scores = ChunkedTokenScores(h, (*base)->weights.output_weight(), at::Tensor(),
+                                          targets, 1024, GradOptions{});
+  at::Tensor loss = -scores.logprobs.mean();
+  loss.backward();
+  if (auto s = FinalizeGradients(&adapter); !s.ok()) return Fail(s);
+  if (auto s = out.Add("tokens", tokens); !s.ok()) return Fail(s);
+  if (auto s = out.Add("loss", loss.detach().to(at::kFloat)); !s.ok()) return Fail(s);
+  for (const auto& p : adapter.parameters()) {
+    if (auto s = out.Add(p.name, p.main_grad); !s.ok()) return Fail(s);
+  }
+  if (auto s = out.WriteTo(workdir + "/ours.safetensors"); !s.ok()) return Fail(s);
+  std::cout << "loss " << loss.item<double>() << "; wrote " << workdir << "/ours.safetensors\n";
+  return 0;
+}
