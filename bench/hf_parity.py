@@ -38,6 +38,16 @@ def main():
     with torch.no_grad():
         ref_logits = model(input_ids=tokens).logits.float()
     our_logits = ours["logits"].to(args.device)
+    # Noise floor: the same HF model in fp32 against itself in the tested dtype.
+    floor = None
+    if dtype != torch.float32:
+        model32 = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,
+                                                       attn_implementation="sdpa").to(args.device)
+        with torch.no_grad():
+            logits32 = model32(input_ids=tokens).logits.float()
+        floor = ((ref_logits - logits32).norm() / logits32.norm()).item()
+        ours_vs_fp32 = ((our_logits - logits32).norm() / logits32.norm()).item()
+        del model32
     diff = (our_logits - ref_logits)
     logits_max_abs = diff.abs().max().item()
     logits_rel = (diff.norm() / ref_logits.norm()).item()
@@ -73,6 +83,8 @@ def main():
         "loss_ours": ours["loss"].item(), "loss_peft": loss.item(),
         "lora_grad_rel_err": (num / den) ** 0.5, "lora_grad_worst_tensor_rel_err": worst,
         "lora_tensors_compared": n, "tolerance": args.tolerance,
+        "hf_dtype_vs_hf_fp32_logits_rel_err": floor,
+        "ours_dtype_vs_hf_fp32_logits_rel_err": ours_vs_fp32 if floor is not None else None,
     }
     result["pass"] = result["logits_rel_err"] < args.tolerance and result["lora_grad_rel_err"] < args.tolerance
     with open(args.out, "w") as f:

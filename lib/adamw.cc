@@ -1,4 +1,5 @@
 #include "lib/adamw.h"
+#include <ATen/core/grad_mode.h>
 
 #include <cmath>
 

@@ -6,7 +6,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "lib/file_util.h"
@@ -17,17 +16,17 @@ namespace lorastep {
 absl::Status WriteFolderAtomically(
     const std::string& folder, const std::function<absl::Status(const std::string&)>& write_files,
     const std::function<absl::Status(const std::string& stage)>& fault_point) {
-  std::filesystem::path target(folder);
-  if (target.filename().empty()) target = target.parent_path();
-  const std::string parent = target.parent_path().empty() ? "." : target.parent_path().string();
+  std::string target = folder;
+  while (target.size() > 1 && target.back() == '/') target.pop_back();
+  const std::string parent = ParentPath(target);
   LORASTEP_RETURN_IF_ERROR(MakeDirectories(parent));
-  const std::string tmp = absl::StrCat(target.string(), ".tmp-", getpid());
+  const std::string tmp = absl::StrCat(target, ".tmp-", getpid());
   LORASTEP_RETURN_IF_ERROR(RemoveAll(tmp));
   LORASTEP_RETURN_IF_ERROR(MakeDirectories(tmp));
   LORASTEP_RETURN_IF_ERROR(write_files(tmp));
   LORASTEP_RETURN_IF_ERROR(SyncDirectory(tmp));
   if (fault_point) LORASTEP_RETURN_IF_ERROR(fault_point("files_written"));
-  if (PathExists(target.string())) {
+  if (PathExists(target)) {
     if (fault_point) LORASTEP_RETURN_IF_ERROR(fault_point("before_swap"));
     if (renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) != 0) {
       return absl::InternalError(

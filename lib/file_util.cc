@@ -6,10 +6,9 @@
 
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
+#include <ftw.h>
 #include <fstream>
 #include <sstream>
-#include <system_error>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -86,18 +85,38 @@ bool PathExists(const std::string& path) {
   return stat(path.c_str(), &st) == 0;
 }
 
+// POSIX rather than std::filesystem on purpose: torch 2.11's libtorch.so exports its own
+// std::filesystem symbols, and calls bound to them crashed (seen on the H200 build).
 absl::Status RemoveAll(const std::string& path) {
-  std::error_code ec;
-  std::filesystem::remove_all(path, ec);
-  if (ec) return absl::InternalError(absl::StrCat(path, ": cannot remove: ", ec.message()));
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) return absl::OkStatus();  // already absent
+  auto remove_one = [](const char* p, const struct stat*, int, struct FTW*) -> int {
+    return remove(p);
+  };
+  if (nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS) != 0) {
+    return ErrnoError("cannot remove", path);
+  }
   return absl::OkStatus();
 }
 
 absl::Status MakeDirectories(const std::string& path) {
-  std::error_code ec;
-  std::filesystem::create_directories(path, ec);
-  if (ec) return absl::InternalError(absl::StrCat(path, ": cannot create folder: ", ec.message()));
+  if (path.empty()) return absl::OkStatus();
+  for (size_t pos = 1; pos <= path.size(); ++pos) {
+    if (pos != path.size() && path[pos] != '/') continue;
+    const std::string prefix = path.substr(0, pos);
+    if (mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+      return ErrnoError("cannot create folder", prefix);
+    }
+  }
   return absl::OkStatus();
+}
+
+std::string ParentPath(const std::string& path) {
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  const size_t slash = p.rfind('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : p.substr(0, slash);
 }
 
 }  // namespace lorastep

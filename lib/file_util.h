@@ -36,6 +36,8 @@ bool PathExists(const std::string& path);
 // Removes a file or a folder tree; absent paths are fine.
 absl::Status RemoveAll(const std::string& path);
 absl::Status MakeDirectories(const std::string& path);
+// "a/b/c" -> "a/b"; "c" -> "."; trailing slashes ignored.
+std::string ParentPath(const std::string& path);
 
 }  // namespace lorastep
 

@@ -1,4 +1,5 @@
 #include "lib/grad_finalizer.h"
+#include <ATen/core/grad_mode.h>
 
 #include "lib/torch_status.h"
 

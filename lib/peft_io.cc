@@ -1,4 +1,5 @@
 #include "lib/peft_io.h"
+#include <ATen/core/grad_mode.h>
 
 #include <cmath>
 #include <vector>

@@ -1,4 +1,5 @@
 #include "lib/trainer.h"
+#include <ATen/core/grad_mode.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <sys/resource.h>

@@ -23,13 +23,24 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$TORCH_CMAKE;$SYSROOT/usr" -DOPENSSL_ROOT_DIR="$SYSROOT/usr" \
   -DCMAKE_CUDA_ARCHITECTURES=90 > "$OUT/cmake.log" 2>&1 || { tail -40 "$OUT/cmake.log"; exit 1; }
 step build
-ninja -C build-gpu -j16 > "$OUT/build.log" 2>&1 || { grep -B2 -A12 -m3 "error" "$OUT/build.log"; exit 1; }
+ninja -C build-gpu -j16 -k 0 > "$OUT/build.log" 2>&1 || { grep -E "error:" "$OUT/build.log" | sort -u | head -40; exit 1; }
+STEPS=${GPU_CHECK_STEPS:-tests bench parity}
+if [[ " $STEPS " == *" debug "* ]]; then
+  step "trainer_test under cuda-gdb"
+  cuda-gdb -batch -ex 'set print thread-events off' -ex run -ex 'x/8ga $sp' \
+    -ex 'info symbol *(long*)$sp' -ex 'info threads' --args build-gpu/trainer_test --gtest_filter="${GTEST_FILTER:-*}" 2>&1 | grep -vE "^\[New Thread|^\[Thread" | tail -60
+fi
+if [[ " $STEPS " == *" tests "* ]]; then
 step "tests on cuda"
 (cd build-gpu && LORASTEP_TEST_DEVICE=cuda ctest --output-on-failure) > "$OUT/ctest_cuda.log" 2>&1
 tail -15 "$OUT/ctest_cuda.log"
+fi
+if [[ " $STEPS " == *" bench "* ]]; then
 step "dgrad bench"
 build-gpu/dgrad_bench --device cuda --out "$OUT/dgrad.json" --machine "$MACHINE" \
   --command "scripts/gpu_check.sh (build-gpu/dgrad_bench --device cuda)" | grep -E "_ms|over|err"
+fi
+if [[ " $STEPS " == *" parity "* ]]; then
 step "parity"
 build-gpu/lorastep_genmodel --preset qwen2.5-0.5b --dtype bfloat16 --seed 1 --out /tmp/q05 
 for dt in float32 bfloat16; do
@@ -37,3 +48,4 @@ for dt in float32 bfloat16; do
   PYTHONUNBUFFERED=1 python3 bench/hf_parity.py --model /tmp/q05 --parity-bin build-gpu/lorastep_parity \
     --device cuda --dtype $dt --tolerance $tol --workdir /tmp/par_$dt --out "$OUT/hf_parity_$dt.json" 2>&1 | tail -22
 done
+fi

@@ -2,6 +2,7 @@
 // (c) the frozen dgrad of a [b,s,V] tensor viewed as [s,b,V] runs one 2-D GEMM (aten::mm),
 // never a batched one, and matches the reference.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/record_function.h>
 
 #include <mutex>

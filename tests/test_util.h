@@ -7,12 +7,12 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <filesystem>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "lib/file_util.h"
 
 #define LORASTEP_TEST_CONCAT_INNER_(a, b) a##b
 #define LORASTEP_TEST_CONCAT_(a, b) LORASTEP_TEST_CONCAT_INNER_(a, b)
@@ -49,8 +49,8 @@ inline std::string ScratchDir(const std::string& name) {
   const char* base = std::getenv("TEST_TMPDIR");
   std::string root = base != nullptr ? base : "/tmp";
   std::string dir = absl::StrCat(root, "/lorastep_", name, "_", getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
+  EXPECT_TRUE(RemoveAll(dir).ok());
+  EXPECT_TRUE(MakeDirectories(dir).ok());
   return dir;
 }
 

@@ -3,7 +3,6 @@
 // k ForwardBackward + OptimStep == TrainStep, bad calls change nothing, PEFT export/import.
 #include "lib/trainer.h"
 
-#include <filesystem>
 
 #include "lib/file_util.h"
 #include "lib/peft_io.h"

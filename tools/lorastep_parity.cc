@@ -7,6 +7,7 @@
 //   <PEFT key>    fp32              the adapter's main_grad for that loss
 //   lorastep_parity --model DIR --workdir DIR [--device cuda] [--dtype bfloat16] [--rank 32]
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <iostream>
 #include <string>

@@ -1,0 +1,63 @@
+#include "lib/file_util.h"
+
+#include "lib/checkpoint_dir.h"
+#include "tests/test_util.h"
+
+namespace lorastep {
+namespace {
+
+using ::lorastep::testing::ScratchDir;
+using ::lorastep::testing::StatusIs;
+
+TEST(FileUtilTest, MakeAndRemoveNestedFolders) {
+  const std::string dir = ScratchDir("fu_nested");
+  ASSERT_OK(MakeDirectories(dir + "/a/b/c"));
+  ASSERT_OK(WriteStringToFile(dir + "/a/b/c/f.txt", "x"));
+  ASSERT_OK(MakeDirectories(dir + "/a/b/c"));  // existing is fine
+  ASSERT_OK(RemoveAll(dir + "/a"));
+  EXPECT_FALSE(PathExists(dir + "/a"));
+  ASSERT_OK(RemoveAll(dir + "/a"));  // absent is fine
+}
+
+TEST(FileUtilTest, ErrorsNameThePath) {
+  const std::string dir = ScratchDir("fu_err");
+  ASSERT_OK(WriteStringToFile(dir + "/file", "x"));
+  EXPECT_THAT(MakeDirectories(dir + "/file/sub"),
+              StatusIs(absl::StatusCode::kInternal, dir + "/file/sub: cannot create folder"));
+  EXPECT_THAT(ReadFileToString(dir + "/none"), StatusIs(absl::StatusCode::kNotFound, "none"));
+  EXPECT_THAT(FileWriter::Create(dir + "/missing/x"),
+              StatusIs(absl::StatusCode::kInternal, "cannot create"));
+  EXPECT_THAT(SyncDirectory(dir + "/none"), StatusIs(absl::StatusCode::kInternal, "cannot open folder"));
+}
+
+TEST(FileUtilTest, ParentPath) {
+  EXPECT_EQ(ParentPath("a/b/c"), "a/b");
+  EXPECT_EQ(ParentPath("a/b/c/"), "a/b");
+  EXPECT_EQ(ParentPath("c"), ".");
+  EXPECT_EQ(ParentPath("/c"), "/");
+}
+
+TEST(CheckpointDirTest, ReplacesAtomicallyAndSurvivesFaults) {
+  const std::string dir = ScratchDir("ckdir");
+  auto writer = [](const std::string& text) {
+    return [text](const std::string& tmp) { return WriteStringToFile(tmp + "/v", text); };
+  };
+  ASSERT_OK(WriteFolderAtomically(dir + "/ck", writer("one")));
+  EXPECT_EQ(ReadFileToString(dir + "/ck/v").value(), "one");
+  auto crash = [](const std::string& stage) -> absl::Status {
+    return stage == "before_swap" ? absl::AbortedError("crash") : absl::OkStatus();
+  };
+  EXPECT_THAT(WriteFolderAtomically(dir + "/ck", writer("two"), crash),
+              StatusIs(absl::StatusCode::kAborted, "crash"));
+  EXPECT_EQ(ReadFileToString(dir + "/ck/v").value(), "one");
+  ASSERT_OK(WriteFolderAtomically(dir + "/ck/", writer("three")));
+  EXPECT_EQ(ReadFileToString(dir + "/ck/v").value(), "three");
+  EXPECT_THAT(WriteFolderAtomically(dir + "/ck", [](const std::string&) {
+                return absl::InternalError("disk full");
+              }),
+              StatusIs(absl::StatusCode::kInternal, "disk full"));
+  EXPECT_EQ(ReadFileToString(dir + "/ck/v").value(), "three");
+}
+
+}  // namespace
+}  // namespace lorastep
