@@ -32,8 +32,11 @@ if [[ " $STEPS " == *" debug "* ]]; then
 fi
 if [[ " $STEPS " == *" tests "* ]]; then
 step "tests on cuda"
-(cd build-gpu && LORASTEP_TEST_DEVICE=cuda ctest --output-on-failure) > "$OUT/ctest_cuda.log" 2>&1
-tail -15 "$OUT/ctest_cuda.log"
+for dt in float32 bfloat16; do
+  (cd build-gpu && LORASTEP_TEST_DEVICE=cuda LORASTEP_TEST_DTYPE=$dt ctest --output-on-failure) \
+    > "$OUT/ctest_cuda_$dt.log" 2>&1
+  echo "cuda $dt:"; grep -E "tests passed|Passed|Failed|\*\*\*" "$OUT/ctest_cuda_$dt.log"
+done
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
 step "dgrad bench"

@@ -22,6 +22,8 @@ namespace {
 
 using ::lorastep::testing::RelErr;
 using ::lorastep::testing::TestDevice;
+using ::lorastep::testing::TestDtype;
+using ::lorastep::testing::Tol;
 
 // Records the names of every ATen op dispatched on this thread while alive.
 class OpRecorder {
@@ -48,9 +50,10 @@ class OpRecorder {
 TEST(FrozenDgradTest, StridedViewRunsOneTwoDimensionalGemm) {
   const at::Device dev = TestDevice();
   const int64_t s = 64, b = 1, v = 256, h = 32;
-  at::Tensor w = at::randn({v, h}, at::TensorOptions().device(dev));
+  const auto opts = at::TensorOptions().device(dev).dtype(TestDtype());
+  at::Tensor w = at::randn({v, h}, opts);
   // grad_output as the backward of logits.transpose(0, 1) delivers it: [b,s,V] seen as [s,b,V].
-  at::Tensor g = at::randn({b, s, v}, at::TensorOptions().device(dev)).transpose(0, 1);
+  at::Tensor g = at::randn({b, s, v}, opts).transpose(0, 1);
   ASSERT_TRUE(g.is_contiguous());  // size-1 dims hide the bad stride: exactly the trap
   at::Tensor reference = at::matmul(g.contiguous(), w);
   at::Tensor out;
@@ -61,7 +64,7 @@ TEST(FrozenDgradTest, StridedViewRunsOneTwoDimensionalGemm) {
   EXPECT_EQ(OpRecorder::Ops().count("aten::mm"), 1u);
   EXPECT_EQ(OpRecorder::Ops().count("aten::bmm"), 0u);
   EXPECT_EQ(out.sizes(), reference.sizes());
-  EXPECT_LT(RelErr(out, reference), 1e-6);
+  EXPECT_LT(RelErr(out, reference), Tol(1e-6));
 #if LORASTEP_TORCH_AT_LEAST(2, 0)
   // Since torch 2, the unflattened matmul on this view dispatches the batched GEMM instead
   // (the seed's bug); 1.13 still folded it.
@@ -105,7 +108,8 @@ TEST_P(LoraLinearTest, OutputAndEveryGradientMatchDenseReference) {
   lora.rank = 4;
   lora.alpha = 8;
   lora.target_modules = {"q_proj", "down_proj"};
-  Adapter adapter = Adapter::CreateLora(c, lora, dev, at::kFloat, 11).value();
+  const auto opts = at::TensorOptions().device(dev).dtype(TestDtype());
+  Adapter adapter = Adapter::CreateLora(c, lora, dev, TestDtype(), 11).value();
   // B starts at zero; give it values so every gradient path is exercised.
   for (auto& p : adapter.parameters()) {
     at::NoGradGuard g;
@@ -117,9 +121,9 @@ TEST_P(LoraLinearTest, OutputAndEveryGradientMatchDenseReference) {
   EXPECT_EQ(adapter.parameters()[f->a].name,
             "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight");
   at::Tensor a = adapter.parameters()[f->a].value, b = adapter.parameters()[f->b].value;
-  at::Tensor w = at::randn({c.hidden_size, c.hidden_size}, at::TensorOptions().device(dev));
-  at::Tensor x = at::randn({2, 7, c.hidden_size}, at::TensorOptions().device(dev)).requires_grad_(true);
-  at::Tensor upstream = at::randn({2, 7, c.hidden_size}, at::TensorOptions().device(dev));
+  at::Tensor w = at::randn({c.hidden_size, c.hidden_size}, opts);
+  at::Tensor x = at::randn({2, 7, c.hidden_size}, opts).requires_grad_(true);
+  at::Tensor upstream = at::randn({2, 7, c.hidden_size}, opts);
 
   GradOptions grad{fused, false};
   const Parameter& pa = adapter.parameters()[f->a];
@@ -130,16 +134,16 @@ TEST_P(LoraLinearTest, OutputAndEveryGradientMatchDenseReference) {
   (y * upstream).sum().backward();
   ASSERT_OK(FinalizeGradients(&adapter));
 
-  at::Tensor xr = x.detach().clone().requires_grad_(true);
-  at::Tensor ar = a.detach().clone().requires_grad_(true);
-  at::Tensor br = b.detach().clone().requires_grad_(true);
-  at::Tensor yr = at::matmul(xr, w.t()) + at::matmul(at::matmul(xr, ar.t()), br.t()) * lora.scale();
-  (yr * upstream).sum().backward();
+  // Dense reference in fp64 on the same (possibly bf16-rounded) values.
+  auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(true); };
+  at::Tensor xr = f64(x), ar = f64(a), br = f64(b);
+  at::Tensor yr = at::matmul(xr, f64(w).t()) + at::matmul(at::matmul(xr, ar.t()), br.t()) * lora.scale();
+  (yr * upstream.to(at::kDouble)).sum().backward();
 
-  EXPECT_LT(RelErr(y, yr), 1e-6);
-  EXPECT_LT(RelErr(x.grad(), xr.grad()), 1e-6);
-  EXPECT_LT(RelErr(pa.main_grad, ar.grad()), 1e-6);
-  EXPECT_LT(RelErr(pb.main_grad, br.grad()), 1e-6);
+  EXPECT_LT(RelErr(y, yr), Tol(1e-6));
+  EXPECT_LT(RelErr(x.grad(), xr.grad()), Tol(1e-6));
+  EXPECT_LT(RelErr(pa.main_grad, ar.grad()), Tol(1e-6));
+  EXPECT_LT(RelErr(pb.main_grad, br.grad()), Tol(1e-6));
   // The fused path leaves the autograd-visible gradient empty: the real one is in main_grad.
   EXPECT_FALSE(pa.value.grad().defined());
   // A second finalization must not add anything again.
@@ -152,14 +156,14 @@ TEST_P(LoraLinearTest, FusedAndUnfusedGiveTheSameModelGradients) {
   const at::Device dev = TestDevice();
   ModelConfig c = ModelConfigPreset("tiny").value();
   ModelWeights w = RandomModelWeights(c, 5);
-  ForEachNamedTensor(w, [&](const std::string&, at::Tensor& t) { t = t.to(dev); });
+  ForEachNamedTensor(w, [&](const std::string&, at::Tensor& t) { t = t.to(dev, TestDtype()); });
   LoraConfig lora;
   lora.rank = 4;
   lora.alpha = 4;
   at::Tensor tokens = at::randint(0, c.vocab_size, {2, 9}, at::kLong).to(dev);
   std::vector<at::Tensor> grads[2];
   for (int fused = 0; fused < 2; ++fused) {
-    Adapter adapter = Adapter::CreateLora(c, lora, dev, at::kFloat, 3).value();
+    Adapter adapter = Adapter::CreateLora(c, lora, dev, TestDtype(), 3).value();
     at::manual_seed(99);  // the same nonzero B for both variants
     for (auto& p : adapter.parameters()) {
       at::NoGradGuard g;
@@ -168,14 +172,14 @@ TEST_P(LoraLinearTest, FusedAndUnfusedGiveTheSameModelGradients) {
     ForwardOptions options;
     options.grad.fused_wgrad = fused == 1;
     at::Tensor h = Qwen2Hidden(c, w, &adapter, tokens, options);
-    h.pow(2).sum().backward();
+    h.to(at::kFloat).pow(2).sum().backward();
     ASSERT_OK(FinalizeGradients(&adapter));
     for (auto& p : adapter.parameters()) grads[fused].push_back(p.main_grad.clone());
   }
   ASSERT_EQ(grads[0].size(), 2u * 7 * c.num_hidden_layers);
   for (size_t i = 0; i < grads[0].size(); ++i) {
     EXPECT_GT(grads[0][i].abs().sum().item<double>(), 0) << i;
-    EXPECT_LT(RelErr(grads[1][i], grads[0][i]), 1e-5) << i;
+    EXPECT_LT(RelErr(grads[1][i], grads[0][i]), Tol(1e-5)) << i;
   }
 }
 

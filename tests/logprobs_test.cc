@@ -47,24 +47,28 @@ Reference Unchunked(const at::Tensor& h, const at::Tensor& w, const at::Tensor& 
 
 TEST(ChunkedTokenScoresTest, EqualsUnchunkedValuesAndGradients) {
   const int64_t t = 37, h = 16, v = 50;
-  at::Tensor hidden = at::randn({t, h}, at::kDouble).to(at::kFloat);
-  at::Tensor w = at::randn({v, h});
-  at::Tensor targets = at::randint(0, v, {t}, at::kLong);
-  at::Tensor upstream_lp = at::randn({t}), upstream_ent = at::randn({t});
+  const auto opts = at::TensorOptions().device(::lorastep::testing::TestDevice()).dtype(
+      ::lorastep::testing::TestDtype());
+  using ::lorastep::testing::Tol;
+  at::Tensor hidden = at::randn({t, h}, opts);
+  at::Tensor w = at::randn({v, h}, opts);
+  at::Tensor targets = at::randint(0, v, {t}, at::kLong).to(opts.device());
+  at::Tensor upstream_lp = at::randn({t}, opts.dtype(at::kFloat)),
+             upstream_ent = at::randn({t}, opts.dtype(at::kFloat));
   for (int64_t chunk : {1, 5, 37, 64}) {
     at::Tensor h1 = hidden.clone().requires_grad_(true);
     at::Tensor h2 = hidden.clone().requires_grad_(true);
     at::Tensor w1 = w.clone().requires_grad_(true);
     at::Tensor w2 = w.clone().requires_grad_(true);
-    at::Tensor mg = at::zeros_like(w);
+    at::Tensor mg = at::zeros_like(w, at::kFloat);
     TokenScores s = ChunkedTokenScores(h1, w1, mg, targets, chunk, GradOptions{true, false});
     Reference r = Unchunked(h2, w2, targets);
-    EXPECT_LT(RelErr(s.logprobs, r.logprobs), 1e-6) << chunk;
-    EXPECT_LT(RelErr(s.entropy, r.entropy), 1e-5) << chunk;  // fp32: lse - E[z] vs -E[log p]
+    EXPECT_LT(RelErr(s.logprobs, r.logprobs), Tol(1e-6)) << chunk;
+    EXPECT_LT(RelErr(s.entropy, r.entropy), Tol(1e-5)) << chunk;  // fp32: lse - E[z] vs -E[log p]
     ((s.logprobs * upstream_lp).sum() + (s.entropy * upstream_ent).sum()).backward();
     ((r.logprobs * upstream_lp).sum() + (r.entropy * upstream_ent).sum()).backward();
-    EXPECT_LT(RelErr(h1.grad(), h2.grad()), 1e-5) << chunk;
-    EXPECT_LT(RelErr(mg, w2.grad()), 1e-5) << chunk;  // fused LM-head gradient (full FT)
+    EXPECT_LT(RelErr(h1.grad(), h2.grad()), Tol(1e-5)) << chunk;
+    EXPECT_LT(RelErr(mg, w2.grad()), Tol(1e-5)) << chunk;  // fused LM-head gradient (full FT)
     EXPECT_FALSE(w1.grad().defined());
   }
 }

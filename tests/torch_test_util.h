@@ -19,6 +19,19 @@ inline at::Device TestDevice() {
   return at::Device(d != nullptr ? d : "cpu");
 }
 
+// The dtype under test (LORASTEP_TEST_DTYPE: float32 default, bfloat16 on the GPU run).
+inline at::ScalarType TestDtype() {
+  const char* d = std::getenv("LORASTEP_TEST_DTYPE");
+  return d != nullptr && std::string(d) == "bfloat16" ? at::kBFloat16 : at::kFloat;
+}
+inline std::string TestDtypeName() { return TestDtype() == at::kBFloat16 ? "bfloat16" : "float32"; }
+
+// A tolerance stated for fp32, widened for bf16 (8 mantissa bits: rel ~4e-3 per rounding,
+// a few roundings deep).
+inline double Tol(double fp32_tolerance) {
+  return TestDtype() == at::kBFloat16 ? 3e-2 : fp32_tolerance;
+}
+
 // Relative error ||a - b|| / ||b|| in fp64.
 inline double RelErr(const at::Tensor& a, const at::Tensor& b) {
   at::Tensor x = a.detach().to(at::kCPU, at::kDouble), y = b.detach().to(at::kCPU, at::kDouble);

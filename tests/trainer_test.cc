@@ -68,7 +68,8 @@ class TrainerTest : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = ScratchDir(::testing::UnitTest::GetInstance()->current_test_info()->name());
-    auto base = LoadBaseModel(TinyModel(dir_), ::lorastep::testing::TestDevice().str(), "float32");
+    auto base = LoadBaseModel(TinyModel(dir_), ::lorastep::testing::TestDevice().str(),
+                              ::lorastep::testing::TestDtypeName());
     ASSERT_TRUE(base.ok()) << base.status();
     base_ = *base;
   }
@@ -151,11 +152,13 @@ TEST_F(TrainerTest, ForwardBackwardCallsThenOptimStepEqualOneTrainStep) {
   ASSERT_OK(parts->ForwardBackward({batch[0], batch[1]}, loss));
   ASSERT_OK(parts->ForwardBackward({batch[2], batch[3]}, loss));
   ASSERT_OK_AND_ASSIGN(OptimStepResult b, parts->OptimStep(Adam()));
-  EXPECT_NEAR(a.metrics.Get("grad_norm:sum"), b.metrics.Get("grad_norm:sum"), 1e-6);
+  EXPECT_NEAR(a.metrics.Get("grad_norm:sum"), b.metrics.Get("grad_norm:sum"),
+              ::lorastep::testing::Tol(1e-6) * a.metrics.Get("grad_norm:sum"));
   auto& pa = whole->adapter().parameters();
   auto& pb = parts->adapter().parameters();
   for (size_t i = 0; i < pa.size(); ++i) {
-    EXPECT_LT(::lorastep::testing::MaxAbsDiff(pa[i].value, pb[i].value), 1e-6) << pa[i].name;
+    EXPECT_LT(::lorastep::testing::MaxAbsDiff(pa[i].value, pb[i].value),
+              ::lorastep::testing::Tol(1e-6)) << pa[i].name;
   }
   EXPECT_EQ(a.learner_version, 1);
   EXPECT_GT(a.metrics.Get("tokens_loss:sum"), 0);
