@@ -12,6 +12,28 @@ import torch
 from safetensors.torch import load_file
 
 
+def lora_grads(pm, tokens):
+    """Mean next-token cross entropy and the gradient of every LoRA factor, by PEFT key."""
+    pm.train()
+    logits = pm(input_ids=tokens).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1)
+    loss = -logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).mean()
+    loss.backward()
+    grads = {name.replace(".default", ""): p.grad.float().clone()
+             for name, p in pm.named_parameters() if "lora_" in name}
+    return loss, grads
+
+
+def compare(a, b):
+    """Global relative error of dict a against reference dict b, and the worst tensor's."""
+    num = den = worst = 0.0
+    for k, ref in b.items():
+        num += (a[k] - ref).pow(2).sum().item()
+        den += ref.pow(2).sum().item()
+        worst = max(worst, ((a[k] - ref).norm() / ref.norm().clamp_min(1e-30)).item())
+    return (num / den) ** 0.5, worst
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -47,31 +69,23 @@ def main():
             logits32 = model32(input_ids=tokens).logits.float()
         floor = ((ref_logits - logits32).norm() / logits32.norm()).item()
         ours_vs_fp32 = ((our_logits - logits32).norm() / logits32.norm()).item()
+        grads32 = lora_grads(PeftModel.from_pretrained(model32, os.path.join(args.workdir, "adapter"),
+                                                       is_trainable=True), tokens)[1]
         del model32
     diff = (our_logits - ref_logits)
     logits_max_abs = diff.abs().max().item()
     logits_rel = (diff.norm() / ref_logits.norm()).item()
 
     pm = PeftModel.from_pretrained(model, os.path.join(args.workdir, "adapter"), is_trainable=True)
-    pm.train()
-    logits = pm(input_ids=tokens).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], -1)
-    loss = -logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).mean()
-    loss.backward()
-    num = den = 0.0
-    worst = 0.0
-    n = 0
-    for name, p in pm.named_parameters():
-        if "lora_" not in name:
-            continue
-        key = name.replace(".default", "")
-        g_ref = p.grad.float()
-        g_ours = ours[key].to(args.device)
-        num += (g_ours - g_ref).pow(2).sum().item()
-        den += g_ref.pow(2).sum().item()
-        worst = max(worst, ((g_ours - g_ref).norm() / g_ref.norm().clamp_min(1e-30)).item())
-        n += 1
-    assert n == len([k for k in ours if "lora_" in k]), "parameter sets differ"
+    loss, ref_grads = lora_grads(pm, tokens)
+    our_grads = {k: ours[k].to(args.device) for k in ref_grads}
+    assert len(ref_grads) == len([k for k in ours if "lora_" in k]), "parameter sets differ"
+    grad_rel, worst = compare(our_grads, ref_grads)
+    n = len(ref_grads)
+    grad_floor = ours_vs_fp32_grad = None
+    if floor is not None:
+        grad_floor = compare(ref_grads, grads32)[0]
+        ours_vs_fp32_grad = compare(our_grads, grads32)[0]
     result = {
         "date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
@@ -81,7 +95,9 @@ def main():
         "tokens_shape": list(tokens.shape),
         "logits_max_abs_diff": logits_max_abs, "logits_rel_err": logits_rel,
         "loss_ours": ours["loss"].item(), "loss_peft": loss.item(),
-        "lora_grad_rel_err": (num / den) ** 0.5, "lora_grad_worst_tensor_rel_err": worst,
+        "lora_grad_rel_err": grad_rel, "lora_grad_worst_tensor_rel_err": worst,
+        "peft_dtype_vs_peft_fp32_grad_rel_err": grad_floor,
+        "ours_dtype_vs_peft_fp32_grad_rel_err": ours_vs_fp32_grad,
         "lora_tensors_compared": n, "tolerance": args.tolerance,
         "hf_dtype_vs_hf_fp32_logits_rel_err": floor,
         "ours_dtype_vs_hf_fp32_logits_rel_err": ours_vs_fp32 if floor is not None else None,
