@@ -1,0 +1,137 @@
+// AdamW against a scalar reference written from the algorithm (PyTorch's AdamW: decoupled
+// decay, bias correction), clipping, schedules, and fail-closed behaviour.
+#include "lib/adamw.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <cmath>
+
+#include "tests/test_util.h"
+
+namespace lorastep {
+namespace {
+
+using ::lorastep::testing::StatusIs;
+
+Adapter OneParameterAdapter(float value) {
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  c.num_hidden_layers = 1;
+  LoraConfig lora;
+  lora.rank = 1;
+  lora.target_modules = {"q_proj"};
+  Adapter a = Adapter::CreateLora(c, lora, at::kCPU, at::kFloat, 1).value();
+  for (auto& p : a.parameters()) {
+    at::NoGradGuard g;
+    p.value.fill_(value);
+  }
+  return a;
+}
+
+TEST(AdamWTest, MatchesScalarReferenceWithDecayAndBiasCorrection) {
+  Adapter adapter = OneParameterAdapter(0.5f);
+  AdamW opt(&adapter);
+  AdamWParams p;
+  p.lr = 0.1;
+  p.beta1 = 0.9;
+  p.beta2 = 0.99;
+  p.eps = 1e-8;
+  p.weight_decay = 0.1;
+  double w = 0.5, m = 0, v = 0;
+  const double grads[3] = {0.3, -0.2, 0.05};
+  for (int t = 1; t <= 3; ++t) {
+    for (auto& prm : adapter.parameters()) prm.main_grad.fill_(grads[t - 1]);
+    ASSERT_OK_AND_ASSIGN(OptimizerStepResult r, opt.Step(p));
+    const double g = grads[t - 1];
+    w *= 1 - p.lr * p.weight_decay;
+    m = p.beta1 * m + (1 - p.beta1) * g;
+    v = p.beta2 * v + (1 - p.beta2) * g * g;
+    const double mhat = m / (1 - std::pow(p.beta1, t)), vhat = v / (1 - std::pow(p.beta2, t));
+    w -= p.lr * mhat / (std::sqrt(vhat) + p.eps);
+    EXPECT_EQ(r.step, t);
+    EXPECT_NEAR(adapter.parameters()[0].value[0][0].item<double>(), w, 1e-6) << t;
+    EXPECT_EQ(adapter.parameters()[0].main_grad.abs().sum().item<double>(), 0.0);  // zeroed
+  }
+}
+
+TEST(AdamWTest, ClipsByTheGlobalNormAndReportsItBeforeClipping) {
+  Adapter adapter = OneParameterAdapter(0.0f);
+  AdamW opt(&adapter);
+  int64_t n = 0;
+  for (auto& prm : adapter.parameters()) {
+    prm.main_grad.fill_(2.0);
+    n += prm.main_grad.numel();
+  }
+  AdamWParams p;
+  p.max_grad_norm = 1.0;
+  p.lr = 1e-3;
+  ASSERT_OK_AND_ASSIGN(OptimizerStepResult r, opt.Step(p));
+  EXPECT_NEAR(r.grad_norm, 2.0 * std::sqrt(static_cast<double>(n)), 1e-4);
+  // After clipping, Adam's first step still moves each weight by ~lr (sign of the gradient).
+  EXPECT_NEAR(adapter.parameters()[0].value[0][0].item<double>(), -1e-3, 1e-6);
+  EXPECT_NEAR(opt.exp_avg()[0][0][0].item<double>(), 0.1 * 2.0 / (2.0 * std::sqrt(double(n))), 1e-6);
+}
+
+TEST(AdamWTest, NonFiniteGradientFailsClosed) {
+  Adapter adapter = OneParameterAdapter(0.25f);
+  AdamW opt(&adapter);
+  adapter.parameters()[1].main_grad[0][0] = NAN;
+  EXPECT_THAT(opt.Step(AdamWParams()), StatusIs(absl::StatusCode::kFailedPrecondition, "non-finite"));
+  EXPECT_EQ(opt.steps_taken(), 0);
+  EXPECT_FLOAT_EQ(adapter.parameters()[0].value[0][0].item<float>(), 0.25f);
+  EXPECT_EQ(opt.exp_avg()[0].abs().sum().item<double>(), 0.0);
+}
+
+TEST(AdamWTest, Schedules) {
+  AdamWParams p;
+  p.lr = 1.0;
+  EXPECT_DOUBLE_EQ(ScheduledLearningRate(p, 5), 1.0);
+  p.schedule = LrScheduleKind::kWarmupConstant;
+  p.warmup_steps = 4;
+  EXPECT_DOUBLE_EQ(ScheduledLearningRate(p, 0), 0.25);
+  EXPECT_DOUBLE_EQ(ScheduledLearningRate(p, 3), 1.0);
+  EXPECT_DOUBLE_EQ(ScheduledLearningRate(p, 9), 1.0);
+  p.schedule = LrScheduleKind::kCosine;
+  p.total_steps = 14;
+  p.min_lr_ratio = 0.1;
+  EXPECT_DOUBLE_EQ(ScheduledLearningRate(p, 1), 0.5);                     // warming up
+  EXPECT_NEAR(ScheduledLearningRate(p, 4), 1.0, 1e-12);                   // peak
+  EXPECT_NEAR(ScheduledLearningRate(p, 9), 0.1 + 0.9 * 0.5, 1e-12);       // halfway
+  EXPECT_NEAR(ScheduledLearningRate(p, 14), 0.1, 1e-12);                  // floor
+  EXPECT_NEAR(ScheduledLearningRate(p, 40), 0.1, 1e-12);                  // stays there
+}
+
+TEST(AdamWTest, ValidationNamesTheField) {
+  AdamWParams p;
+  p.lr = -1;
+  EXPECT_THAT(ValidateAdamWParams(p), StatusIs(absl::StatusCode::kInvalidArgument, "adamw.lr"));
+  p = AdamWParams();
+  p.beta1 = 1;
+  EXPECT_THAT(ValidateAdamWParams(p), StatusIs(absl::StatusCode::kInvalidArgument, "adamw.beta1"));
+  p = AdamWParams();
+  p.eps = 0;
+  EXPECT_THAT(ValidateAdamWParams(p), StatusIs(absl::StatusCode::kInvalidArgument, "adamw.eps"));
+  p = AdamWParams();
+  p.weight_decay = -0.1;
+  EXPECT_THAT(ValidateAdamWParams(p), StatusIs(absl::StatusCode::kInvalidArgument, "weight_decay"));
+  p = AdamWParams();
+  p.max_grad_norm = NAN;
+  EXPECT_THAT(ValidateAdamWParams(p), StatusIs(absl::StatusCode::kInvalidArgument, "max_grad_norm"));
+  p = AdamWParams();
+  p.schedule = LrScheduleKind::kCosine;
+  EXPECT_THAT(ValidateAdamWParams(p), StatusIs(absl::StatusCode::kInvalidArgument, "total_steps"));
+  p = AdamWParams();
+  p.warmup_steps = -1;
+  EXPECT_THAT(ValidateAdamWParams(p), StatusIs(absl::StatusCode::kInvalidArgument, "warmup_steps"));
+  p = AdamWParams();
+  p.min_lr_ratio = 2;
+  EXPECT_THAT(ValidateAdamWParams(p), StatusIs(absl::StatusCode::kInvalidArgument, "min_lr_ratio"));
+  EXPECT_THAT(ParseLrSchedule("linear"), StatusIs(absl::StatusCode::kInvalidArgument, "adamw.schedule"));
+  Adapter adapter = OneParameterAdapter(0.f);
+  AdamW opt(&adapter);
+  p = AdamWParams();
+  p.beta2 = 2;
+  EXPECT_THAT(opt.Step(p), StatusIs(absl::StatusCode::kInvalidArgument, "beta2"));
+}
+
+}  // namespace
+}  // namespace lorastep
