@@ -80,6 +80,17 @@ float LossMask(const Datum& datum, size_t i) {
   return 1.0f;
 }
 
+BatchTotals ComputeBatchTotals(const std::vector<Datum>& datums) {
+  BatchTotals totals;
+  for (const Datum& d : datums) {
+    double n = 0;
+    for (size_t i = 0; i < d.tokens.size(); ++i) n += LossMask(d, i) != 0 ? 1 : 0;
+    totals.loss_tokens += n;
+    totals.samples += n > 0 ? 1 : 0;
+  }
+  return totals;
+}
+
 absl::Status ValidateForwardBatch(const std::vector<Datum>& datums, int64_t vocab_size,
                                   const BatchLimits& limits) {
   return CheckTokens(datums, vocab_size, limits);

@@ -26,6 +26,14 @@ struct Datum {
 // advantages[i] != 0, else 1.
 float LossMask(const Datum& datum, size_t i);
 
+// Batch-wide loss denominators. When a batch is split across calls or ranks, every part is
+// normalized with the totals of the whole batch so the parts' gradients sum to the batch's.
+struct BatchTotals {
+  double loss_tokens = 0;  // loss-bearing positions
+  double samples = 0;      // samples with at least one loss-bearing position
+};
+BatchTotals ComputeBatchTotals(const std::vector<Datum>& datums);
+
 struct BatchLimits {
   int64_t max_datums = 1 << 16;
   int64_t max_tokens_per_datum = 1 << 17;

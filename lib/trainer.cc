@@ -123,7 +123,8 @@ std::string Trainer::AdapterSha256() const {
 }
 
 absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector<Datum>& datums,
-                                                               const LossConfig* loss) {
+                                                               const LossConfig* loss,
+                                                               const BatchOptions& batch) {
   const ModelConfig& config = base_->config;
   const bool backward = loss != nullptr;
   ForwardBackwardResult result;
@@ -142,8 +143,14 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     if (sample_tokens[d] > 0) den.samples += 1;
   }
   den.sample_tokens = at::tensor(sample_tokens, at::kFloat);
+  if (batch.totals != nullptr) {
+    den.loss_tokens = batch.totals->loss_tokens;
+    den.samples = batch.totals->samples;
+  }
 
-  const auto micro_batches = SplitIntoMicroBatches(datums, options_.max_tokens_per_microbatch);
+  const auto micro_batches = SplitIntoMicroBatches(
+      datums, batch.max_tokens_per_microbatch > 0 ? batch.max_tokens_per_microbatch
+                                                  : options_.max_tokens_per_microbatch);
   ForwardOptions fwd_options{options_.grad, /*training=*/backward, &dropout_generator_};
   double t_data = 0, t_forward = 0, t_backward = 0, flops = 0, real_tokens = 0;
   const double lora_params = adapter_->full_finetune()
@@ -258,20 +265,37 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   return result;
 }
 
+absl::StatusOr<Trainer::CallSnapshot> Trainer::Snapshot() {
+  if (pending_backward_calls_ > 0) LORASTEP_RETURN_IF_ERROR(FinalizeGradients(adapter_.get()));
+  return GuardTorch([&]() -> absl::StatusOr<CallSnapshot> {
+    CallSnapshot snapshot;
+    snapshot.pending_backward_calls = pending_backward_calls_;
+    snapshot.dropout_rng = dropout_generator_.get_state();
+    if (pending_backward_calls_ > 0) {  // else nothing accumulated: undo = zero
+      for (const Parameter& p : adapter_->parameters()) snapshot.main_grads.push_back(p.main_grad.clone());
+    }
+    return snapshot;
+  });
+}
+
+void Trainer::Restore(const CallSnapshot& snapshot) {
+  at::NoGradGuard no_grad;
+  adapter_->ZeroMainGrads();
+  auto& params = adapter_->parameters();
+  for (size_t i = 0; i < snapshot.main_grads.size(); ++i) params[i].main_grad.copy_(snapshot.main_grads[i]);
+  dropout_generator_.set_state(snapshot.dropout_rng);
+  pending_backward_calls_ = snapshot.pending_backward_calls;
+}
+
 absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector<Datum>& datums,
-                                                               const LossConfig& loss) {
+                                                               const LossConfig& loss,
+                                                               const BatchOptions& batch) {
   LORASTEP_RETURN_IF_ERROR(ValidateBatch(datums, loss, base_->config.vocab_size, options_.limits));
   // Keep what earlier calls accumulated so a failure mid-call can restore it exactly.
-  std::vector<at::Tensor> backup;
-  if (pending_backward_calls_ > 0) {
-    LORASTEP_RETURN_IF_ERROR(FinalizeGradients(adapter_.get()));
-    for (const Parameter& p : adapter_->parameters()) backup.push_back(p.main_grad.clone());
-  }
-  auto result = GuardTorch([&] { return RunMicroBatches(datums, &loss); });
+  LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot, Snapshot());
+  auto result = GuardTorch([&] { return RunMicroBatches(datums, &loss, batch); });
   if (!result.ok()) {
-    at::NoGradGuard no_grad;
-    adapter_->ZeroMainGrads();
-    for (size_t i = 0; i < backup.size(); ++i) adapter_->parameters()[i].main_grad.copy_(backup[i]);
+    Restore(snapshot);
     return result.status();
   }
   ++pending_backward_calls_;
@@ -280,7 +304,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector
 
 absl::StatusOr<ForwardBackwardResult> Trainer::Forward(const std::vector<Datum>& datums) {
   LORASTEP_RETURN_IF_ERROR(ValidateForwardBatch(datums, base_->config.vocab_size, options_.limits));
-  return GuardTorch([&] { return RunMicroBatches(datums, nullptr); });
+  return GuardTorch([&] { return RunMicroBatches(datums, nullptr, BatchOptions{}); });
 }
 
 absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWParams& params) {
@@ -305,13 +329,18 @@ absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWParams& params) {
 
 absl::StatusOr<OptimStepResult> Trainer::TrainStep(const std::vector<Datum>& datums,
                                                    const LossConfig& loss,
-                                                   const AdamWParams& params) {
+                                                   const AdamWParams& params,
+                                                   const BatchOptions& batch) {
   // Validate the optimizer parameters too before any work: a bad call changes nothing.
   LORASTEP_RETURN_IF_ERROR(ValidateAdamWParams(params));
   auto t0 = Clock::now();
-  LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult fb, ForwardBackward(datums, loss));
+  LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot, Snapshot());
+  LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult fb, ForwardBackward(datums, loss, batch));
   auto step = OptimStep(params);
-  if (!step.ok()) return step.status();
+  if (!step.ok()) {  // e.g. a non-finite gradient norm: undo this call entirely
+    Restore(snapshot);
+    return step.status();
+  }
   step->metrics.Merge(fb.metrics);
   const double total = SecondsSince(t0);
   step->metrics.Add("time_step_s:sum", total);

@@ -54,6 +54,14 @@ struct TrainerOptions {
   BatchLimits limits;
 };
 
+// Per-call overrides for how a batch is run.
+struct BatchOptions {
+  // Denominators of the whole batch when this call carries only part of it (else computed
+  // from the datums of this call).
+  const BatchTotals* totals = nullptr;
+  int64_t max_tokens_per_microbatch = 0;  // 0 = TrainerOptions' value
+};
+
 struct ForwardBackwardResult {
   std::vector<std::vector<float>> logprobs;  // per datum, per position
   Metrics metrics;
@@ -72,14 +80,17 @@ class Trainer {
 
   // Forward + backward over all datums in micro-batches; gradients accumulate until OptimStep.
   absl::StatusOr<ForwardBackwardResult> ForwardBackward(const std::vector<Datum>& datums,
-                                                        const LossConfig& loss);
+                                                        const LossConfig& loss,
+                                                        const BatchOptions& batch = {});
   // Log-probs only (old or reference log-probs), no gradients.
   absl::StatusOr<ForwardBackwardResult> Forward(const std::vector<Datum>& datums);
   // Finalizes gradients, clips, steps AdamW, zeroes gradients, bumps the learner version.
   absl::StatusOr<OptimStepResult> OptimStep(const AdamWParams& params);
   // A whole rollout batch: ForwardBackward then OptimStep; metrics of both.
+  // On any error nothing changes: gradients accumulated by earlier calls are kept as they were.
   absl::StatusOr<OptimStepResult> TrainStep(const std::vector<Datum>& datums,
-                                            const LossConfig& loss, const AdamWParams& params);
+                                            const LossConfig& loss, const AdamWParams& params,
+                                            const BatchOptions& batch = {});
 
   // Training state: trainable tensors, optimizer state, counters, dropout RNG; atomic.
   absl::Status SaveState(const std::string& folder,
@@ -90,6 +101,7 @@ class Trainer {
   absl::Status ExportAdapter(const std::string& folder) const;
 
   int64_t learner_version() const { return optimizer_->steps_taken(); }
+  int64_t pending_backward_calls() const { return pending_backward_calls_; }
   const Adapter& adapter() const { return *adapter_; }
   Adapter& mutable_adapter() { return *adapter_; }
   const BaseModel& base() const { return *base_; }
@@ -98,7 +110,17 @@ class Trainer {
  private:
   Trainer(std::shared_ptr<const BaseModel> base, const TrainerOptions& options, Adapter adapter);
   absl::StatusOr<ForwardBackwardResult> RunMicroBatches(const std::vector<Datum>& datums,
-                                                        const LossConfig* loss);
+                                                        const LossConfig* loss,
+                                                        const BatchOptions& batch);
+  // What a mutating call may change before it fails: accumulated gradients (after folding
+  // autograd grads in) and the dropout stream. Restored so a failed call changes nothing.
+  struct CallSnapshot {
+    std::vector<at::Tensor> main_grads;  // empty when nothing was accumulated
+    at::Tensor dropout_rng;
+    int64_t pending_backward_calls = 0;
+  };
+  absl::StatusOr<CallSnapshot> Snapshot();
+  void Restore(const CallSnapshot& snapshot);
   void SyncDevice() const;
 
   std::shared_ptr<const BaseModel> base_;
