@@ -1,0 +1,225 @@
+#include "clients/cpp/trainer_client.h"
+
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <cstdio>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "lib/status_macros.h"
+#include "server/grpc_status.h"
+
+namespace lorastep {
+namespace {
+
+template <typename Req, typename Resp, typename Method>
+absl::StatusOr<Resp> Call(v1::Trainer::Stub* stub, Method method, const Req& req) {
+  grpc::ClientContext ctx;
+  Resp resp;
+  grpc::Status s = (stub->*method)(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return resp;
+}
+
+bool Transient(const absl::Status& s) {
+  return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s);
+}
+
+}  // namespace
+
+std::string NewRequestId() {
+  static thread_local std::mt19937_64 rng(std::random_device{}());
+  char buf[33];
+  std::snprintf(buf, sizeof(buf), "%016llx%016llx", static_cast<unsigned long long>(rng()),
+                static_cast<unsigned long long>(rng()));
+  return buf;
+}
+
+TrainerClient::TrainerClient(std::shared_ptr<grpc::Channel> channel)
+    : channel_(std::move(channel)), stub_(v1::Trainer::NewStub(channel_)) {}
+
+absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const std::string& address,
+                                                                      int timeout_seconds) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(1 << 30);
+  args.SetMaxSendMessageSize(1 << 30);
+  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() +
+                                 std::chrono::seconds(timeout_seconds))) {
+    return absl::UnavailableError(absl::StrCat("cannot reach ", address));
+  }
+  return std::unique_ptr<TrainerClient>(new TrainerClient(channel));
+}
+
+#define LORASTEP_CLIENT_CALL(Method, Req, Resp)                              \
+  absl::StatusOr<v1::Resp> TrainerClient::Method(const v1::Req& req) {       \
+    return Call<v1::Req, v1::Resp>(stub_.get(), &v1::Trainer::Stub::Method, req); \
+  }
+LORASTEP_CLIENT_CALL(CreateRun, CreateRunRequest, Run)
+LORASTEP_CLIENT_CALL(ForwardBackward, ForwardBackwardRequest, ForwardBackwardResponse)
+LORASTEP_CLIENT_CALL(Forward, ForwardRequest, ForwardBackwardResponse)
+LORASTEP_CLIENT_CALL(OptimStep, OptimStepRequest, StepResponse)
+LORASTEP_CLIENT_CALL(TrainStep, TrainStepRequest, StepResponse)
+LORASTEP_CLIENT_CALL(SaveState, SaveStateRequest, SaveStateResponse)
+LORASTEP_CLIENT_CALL(LoadState, LoadStateRequest, Run)
+LORASTEP_CLIENT_CALL(ExportAdapter, ExportAdapterRequest, ExportAdapterResponse)
+LORASTEP_CLIENT_CALL(GetStepMetrics, GetStepMetricsRequest, GetStepMetricsResponse)
+#undef LORASTEP_CLIENT_CALL
+
+absl::StatusOr<v1::Run> TrainerClient::GetRun(const std::string& run_id) {
+  v1::GetRunRequest req;
+  req.set_run_id(run_id);
+  return Call<v1::GetRunRequest, v1::Run>(stub_.get(), &v1::Trainer::Stub::GetRun, req);
+}
+
+absl::StatusOr<v1::ListRunsResponse> TrainerClient::ListRuns() {
+  return Call<v1::ListRunsRequest, v1::ListRunsResponse>(stub_.get(), &v1::Trainer::Stub::ListRuns,
+                                                         v1::ListRunsRequest());
+}
+
+absl::Status TrainerClient::WatchMetrics(
+    const v1::WatchMetricsRequest& req, const std::function<bool(const v1::StepRecord&)>& on_record) {
+  grpc::ClientContext ctx;
+  auto reader = stub_->WatchMetrics(&ctx, req);
+  v1::StepRecord record;
+  while (reader->Read(&record)) {
+    if (!on_record(record)) {
+      ctx.TryCancel();
+      break;
+    }
+  }
+  grpc::Status s = reader->Finish();
+  if (s.error_code() == grpc::StatusCode::CANCELLED) return absl::OkStatus();
+  return FromGrpcStatus(s);
+}
+
+absl::StatusOr<bool> TrainerClient::Healthy() {
+  // grpc.health.v1.Health/Check with an empty service name, as a raw call: the health
+  // messages are tiny (field 1: service string / status enum), so encode them by hand.
+  grpc::ClientContext ctx;
+  grpc::GenericStub generic(channel_);
+  grpc::ByteBuffer request, response;
+  grpc::Slice empty("", 0);
+  request = grpc::ByteBuffer(&empty, 1);
+  grpc::Status status;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                    [&](grpc::Status s) {
+                      std::lock_guard<std::mutex> lock(mu);
+                      status = s;
+                      done = true;
+                      cv.notify_one();
+                    });
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return done; });
+  if (!status.ok()) return FromGrpcStatus(status);
+  std::vector<grpc::Slice> slices;
+  response.Dump(&slices);
+  std::string bytes;
+  for (auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  // HealthCheckResponse{status = SERVING (1)} encodes as 0x08 0x01.
+  return bytes.size() >= 2 && bytes[0] == 0x08 && bytes[1] == 0x01;
+}
+
+absl::StatusOr<RunSession> RunSession::Create(TrainerClient* client, const v1::LoraConfig& lora,
+                                              uint64_t seed, const std::string& run_id) {
+  v1::CreateRunRequest req;
+  req.set_request_id(NewRequestId());
+  *req.mutable_lora() = lora;
+  req.set_seed(seed);
+  req.set_run_id(run_id);
+  absl::StatusOr<v1::Run> run;
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    run = client->CreateRun(req);
+    if (run.ok() || !Transient(run.status())) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100 << attempt));
+  }
+  if (!run.ok()) return run.status();
+  return RunSession(client, run->run_id(), run->next_sequence_id());
+}
+
+absl::StatusOr<RunSession> RunSession::Attach(TrainerClient* client, const std::string& run_id) {
+  LORASTEP_ASSIGN_OR_RETURN(v1::Run run, client->GetRun(run_id));
+  return RunSession(client, run.run_id(), run.next_sequence_id());
+}
+
+template <typename Resp, typename CallFn>
+absl::StatusOr<Resp> RunSession::Mutate(CallFn call) {
+  const std::string request_id = NewRequestId();
+  absl::StatusOr<Resp> result;
+  for (int attempt = 0; attempt < max_attempts; ++attempt) {
+    result = call(request_id, next_sequence_id_);
+    if (result.ok() || !Transient(result.status())) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100 << attempt));
+  }
+  if (result.ok()) ++next_sequence_id_;
+  return result;
+}
+
+absl::StatusOr<v1::ForwardBackwardResponse> RunSession::ForwardBackward(
+    const std::vector<v1::Datum>& datums, const v1::LossConfig& loss) {
+  v1::ForwardBackwardRequest req;
+  req.set_run_id(run_id_);
+  req.mutable_datums()->Assign(datums.begin(), datums.end());
+  *req.mutable_loss() = loss;
+  return Mutate<v1::ForwardBackwardResponse>([&](const std::string& rid, int64_t seq) {
+    req.set_request_id(rid);
+    req.set_sequence_id(seq);
+    return client_->ForwardBackward(req);
+  });
+}
+
+absl::StatusOr<v1::ForwardBackwardResponse> RunSession::Forward(const std::vector<v1::Datum>& datums) {
+  v1::ForwardRequest req;
+  req.set_run_id(run_id_);
+  req.mutable_datums()->Assign(datums.begin(), datums.end());
+  return client_->Forward(req);
+}
+
+absl::StatusOr<v1::StepResponse> RunSession::OptimStep(const v1::AdamWParams& adamw) {
+  v1::OptimStepRequest req;
+  req.set_run_id(run_id_);
+  *req.mutable_adamw() = adamw;
+  return Mutate<v1::StepResponse>([&](const std::string& rid, int64_t seq) {
+    req.set_request_id(rid);
+    req.set_sequence_id(seq);
+    return client_->OptimStep(req);
+  });
+}
+
+absl::StatusOr<v1::StepResponse> RunSession::TrainStep(const std::vector<v1::Datum>& datums,
+                                                       const v1::LossConfig& loss,
+                                                       const v1::AdamWParams& adamw,
+                                                       int64_t max_tokens_per_microbatch) {
+  v1::TrainStepRequest req;
+  req.set_run_id(run_id_);
+  req.mutable_datums()->Assign(datums.begin(), datums.end());
+  *req.mutable_loss() = loss;
+  *req.mutable_adamw() = adamw;
+  req.set_max_tokens_per_microbatch(max_tokens_per_microbatch);
+  return Mutate<v1::StepResponse>([&](const std::string& rid, int64_t seq) {
+    req.set_request_id(rid);
+    req.set_sequence_id(seq);
+    return client_->TrainStep(req);
+  });
+}
+
+absl::StatusOr<v1::Run> RunSession::LoadState(const std::string& path) {
+  v1::LoadStateRequest req;
+  req.set_run_id(run_id_);
+  req.set_path(path);
+  return Mutate<v1::Run>([&](const std::string& rid, int64_t seq) {
+    req.set_request_id(rid);
+    req.set_sequence_id(seq);
+    return client_->LoadState(req);
+  });
+}
+
+}  // namespace lorastep

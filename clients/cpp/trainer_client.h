@@ -1,0 +1,94 @@
+// C++ client of the lorastep Trainer API.
+//
+// TrainerClient makes single calls (absl::Status errors). RunSession wraps one run for an
+// orchestrator loop: it fills request_id and sequence_id, and retries transient failures
+// (UNAVAILABLE, DEADLINE_EXCEEDED) with the same request_id, which the server applies once.
+//
+// Example:
+//   ASSIGN_OR_RETURN(auto client, TrainerClient::Connect("127.0.0.1:50051"));
+//   ASSIGN_OR_RETURN(RunSession run, RunSession::Create(client.get(), lora, /*seed=*/0));
+//   ASSIGN_OR_RETURN(v1::StepResponse step, run.TrainStep(datums, loss, adamw));
+//
+// Thread-safety: TrainerClient is thread-safe; a RunSession is not (calls on a run are
+// sequential by contract).
+#ifndef LORASTEP_CLIENTS_CPP_TRAINER_CLIENT_H_
+#define LORASTEP_CLIENTS_CPP_TRAINER_CLIENT_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include <functional>
+
+#include "lorastep/v1/trainer.grpc.pb.h"
+
+namespace lorastep {
+
+class TrainerClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<TrainerClient>> Connect(const std::string& address,
+                                                                int timeout_seconds = 30);
+
+  absl::StatusOr<v1::Run> CreateRun(const v1::CreateRunRequest& req);
+  absl::StatusOr<v1::Run> GetRun(const std::string& run_id);
+  absl::StatusOr<v1::ListRunsResponse> ListRuns();
+  absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(const v1::ForwardBackwardRequest& req);
+  absl::StatusOr<v1::ForwardBackwardResponse> Forward(const v1::ForwardRequest& req);
+  absl::StatusOr<v1::StepResponse> OptimStep(const v1::OptimStepRequest& req);
+  absl::StatusOr<v1::StepResponse> TrainStep(const v1::TrainStepRequest& req);
+  absl::StatusOr<v1::SaveStateResponse> SaveState(const v1::SaveStateRequest& req);
+  absl::StatusOr<v1::Run> LoadState(const v1::LoadStateRequest& req);
+  absl::StatusOr<v1::ExportAdapterResponse> ExportAdapter(const v1::ExportAdapterRequest& req);
+  absl::StatusOr<v1::GetStepMetricsResponse> GetStepMetrics(const v1::GetStepMetricsRequest& req);
+  // Streams step records to `on_record` until it returns false or the stream ends.
+  absl::Status WatchMetrics(const v1::WatchMetricsRequest& req,
+                            const std::function<bool(const v1::StepRecord&)>& on_record);
+  // grpc.health.v1 status of the server ("" = overall): true when SERVING.
+  absl::StatusOr<bool> Healthy();
+
+ private:
+  explicit TrainerClient(std::shared_ptr<grpc::Channel> channel);
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Trainer::Stub> stub_;
+};
+
+// A random 128-bit hex id for request_id.
+std::string NewRequestId();
+
+class RunSession {
+ public:
+  static absl::StatusOr<RunSession> Create(TrainerClient* client, const v1::LoraConfig& lora,
+                                           uint64_t seed, const std::string& run_id = "");
+  // Continues an existing run from its current next_sequence_id.
+  static absl::StatusOr<RunSession> Attach(TrainerClient* client, const std::string& run_id);
+
+  const std::string& run_id() const { return run_id_; }
+  int64_t next_sequence_id() const { return next_sequence_id_; }
+
+  absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(const std::vector<v1::Datum>& datums,
+                                                              const v1::LossConfig& loss);
+  absl::StatusOr<v1::ForwardBackwardResponse> Forward(const std::vector<v1::Datum>& datums);
+  absl::StatusOr<v1::StepResponse> OptimStep(const v1::AdamWParams& adamw);
+  absl::StatusOr<v1::StepResponse> TrainStep(const std::vector<v1::Datum>& datums,
+                                             const v1::LossConfig& loss,
+                                             const v1::AdamWParams& adamw,
+                                             int64_t max_tokens_per_microbatch = 0);
+  absl::StatusOr<v1::Run> LoadState(const std::string& path);
+
+  int max_attempts = 5;  // transient failures are retried with the same request_id
+
+ private:
+  RunSession(TrainerClient* client, std::string run_id, int64_t next)
+      : client_(client), run_id_(std::move(run_id)), next_sequence_id_(next) {}
+  template <typename Resp, typename Call>
+  absl::StatusOr<Resp> Mutate(Call call);
+
+  TrainerClient* client_;
+  std::string run_id_;
+  int64_t next_sequence_id_;
+};
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_CLIENTS_CPP_TRAINER_CLIENT_H_

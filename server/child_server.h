@@ -1,0 +1,41 @@
+// A lorastep server binary run as a child process on this machine: the coordinator's
+// embedded local worker, or a coordinator started by tests and tools. Stops it on
+// destruction: SIGTERM, then SIGKILL after a grace period.
+#ifndef LORASTEP_SERVER_CHILD_SERVER_H_
+#define LORASTEP_SERVER_CHILD_SERVER_H_
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace lorastep {
+
+class ChildServer {
+ public:
+  // Runs `binary` with `args` plus --port 0 --port_file; waits until it reports its port.
+  // Both server binaries take those two flags.
+  static absl::StatusOr<ChildServer> Start(const std::string& binary,
+                                                  const std::vector<std::string>& args,
+                                                  int timeout_seconds);
+  ChildServer(ChildServer&& other) noexcept;
+  ChildServer& operator=(ChildServer&&) = delete;
+  ~ChildServer();
+
+  std::string address() const;
+  void Stop();
+
+ private:
+  ChildServer(pid_t pid, int port) : pid_(pid), port_(port) {}
+  pid_t pid_ = -1;
+  int port_ = 0;
+};
+
+// The worker binary next to `argv0` (CMake layout) or in ../worker/ (Bazel layout).
+std::string FindWorkerBinary(const std::string& argv0);
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_SERVER_CHILD_SERVER_H_

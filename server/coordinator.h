@@ -1,0 +1,93 @@
+// The coordinator's core, without gRPC: run registry, per-run ordering and exactly-once
+// (request_id / sequence_id), validation before any work, batch sharding to workers,
+// step-metric history and watchers. Speaks the API's protobuf messages; workers are reached
+// through WorkerClient.
+//
+// Exactly once: a mutating call whose request_id was already applied returns the recorded
+// response and applies nothing. A new call must carry sequence_id == the run's
+// next_sequence_id (else FAILED_PRECONDITION); success advances it by one. A call that fails
+// changes nothing (workers guarantee it for their part) and consumes no sequence id.
+//
+// Thread-safety: all methods are thread-safe. Calls on one run are serialized.
+#ifndef LORASTEP_SERVER_COORDINATOR_H_
+#define LORASTEP_SERVER_COORDINATOR_H_
+
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lib/batch.h"
+#include "lorastep/v1/trainer.pb.h"
+#include "server/worker_client.h"
+
+namespace lorastep {
+
+struct CoordinatorOptions {
+  size_t max_step_history = 10000;       // step records kept per run
+  size_t max_recorded_requests = 4096;   // request_ids remembered per run for retries
+  BatchLimits limits;
+};
+
+class Coordinator {
+ public:
+  using Watcher = std::function<void(const v1::StepRecord&)>;
+
+  Coordinator(std::vector<std::unique_ptr<WorkerClient>> workers, CoordinatorOptions options);
+  // Reads each worker's model and vocabulary; every worker must serve the same model.
+  absl::Status Start();
+
+  absl::StatusOr<v1::Run> CreateRun(const v1::CreateRunRequest& req);
+  absl::StatusOr<v1::Run> GetRun(const std::string& run_id);
+  std::vector<v1::Run> ListRuns();
+  absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(const v1::ForwardBackwardRequest& req);
+  absl::StatusOr<v1::ForwardBackwardResponse> Forward(const v1::ForwardRequest& req);
+  absl::StatusOr<v1::StepResponse> OptimStep(const v1::OptimStepRequest& req);
+  absl::StatusOr<v1::StepResponse> TrainStep(const v1::TrainStepRequest& req);
+  absl::StatusOr<v1::SaveStateResponse> SaveState(const v1::SaveStateRequest& req);
+  absl::StatusOr<v1::Run> LoadState(const v1::LoadStateRequest& req);
+  absl::StatusOr<v1::ExportAdapterResponse> ExportAdapter(const v1::ExportAdapterRequest& req);
+  absl::StatusOr<v1::GetStepMetricsResponse> GetStepMetrics(const v1::GetStepMetricsRequest& req);
+
+  // Registers `watcher` for new step records of a run and returns the kept records with
+  // step >= since_step in `backlog` (atomically: no record is missed or sent twice).
+  // The watcher runs on the thread that made the step; it must not block.
+  absl::StatusOr<int64_t> Watch(const std::string& run_id, int64_t since_step, Watcher watcher,
+                                std::vector<v1::StepRecord>* backlog);
+  // After Unwatch returns, the watcher is not running and is never called again.
+  void Unwatch(const std::string& run_id, int64_t watch_id);
+
+  const std::string& model_path() const { return model_path_; }
+
+ private:
+  struct RunState;
+  absl::StatusOr<std::shared_ptr<RunState>> FindRun(const std::string& run_id);
+  // Looks up a recorded response (returns true and fills `out`), or checks the sequence id.
+  absl::StatusOr<bool> Replay(RunState& run, const std::string& method,
+                              const std::string& request_id, int64_t sequence_id,
+                              google::protobuf::Message* out);
+  void Record(RunState& run, const std::string& method, const std::string& request_id,
+              const google::protobuf::Message& response);
+  int64_t AppendStep(RunState& run, const std::string& kind, const v1::StepResponse& step);
+
+  std::vector<std::unique_ptr<WorkerClient>> workers_;
+  CoordinatorOptions options_;
+  std::string model_path_;
+  int64_t vocab_size_ = 0;
+
+  std::mutex mu_;  // guards runs_, create_requests_, creating_*, next_run_number_
+  std::map<std::string, std::shared_ptr<RunState>> runs_;
+  std::map<std::string, std::string> create_requests_;  // request_id -> run_id
+  std::set<std::string> creating_ids_;       // run ids whose worker-side creation is in flight
+  std::set<std::string> creating_requests_;  // their request ids
+  int64_t next_run_number_ = 1;
+};
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_SERVER_COORDINATOR_H_

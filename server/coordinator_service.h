@@ -1,0 +1,64 @@
+// The public Trainer API over gRPC: a thin adapter that hands each call to the Coordinator
+// on an executor chosen by run id (calls on one run stay in arrival order; no gRPC thread
+// blocks on training work) and converts statuses in server/grpc_status.
+#ifndef LORASTEP_SERVER_COORDINATOR_SERVICE_H_
+#define LORASTEP_SERVER_COORDINATOR_SERVICE_H_
+
+#include <memory>
+#include <vector>
+
+#include "lorastep/v1/trainer.grpc.pb.h"
+#include "server/coordinator.h"
+#include "server/serial_executor.h"
+
+namespace lorastep {
+
+class CoordinatorService final : public v1::Trainer::CallbackService {
+ public:
+  explicit CoordinatorService(Coordinator* core, size_t executors = 4);
+
+  grpc::ServerUnaryReactor* CreateRun(grpc::CallbackServerContext* ctx,
+                                      const v1::CreateRunRequest* req, v1::Run* resp) override;
+  grpc::ServerUnaryReactor* GetRun(grpc::CallbackServerContext* ctx, const v1::GetRunRequest* req,
+                                   v1::Run* resp) override;
+  grpc::ServerUnaryReactor* ListRuns(grpc::CallbackServerContext* ctx,
+                                     const v1::ListRunsRequest* req,
+                                     v1::ListRunsResponse* resp) override;
+  grpc::ServerUnaryReactor* ForwardBackward(grpc::CallbackServerContext* ctx,
+                                            const v1::ForwardBackwardRequest* req,
+                                            v1::ForwardBackwardResponse* resp) override;
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const v1::ForwardRequest* req,
+                                    v1::ForwardBackwardResponse* resp) override;
+  grpc::ServerUnaryReactor* OptimStep(grpc::CallbackServerContext* ctx,
+                                      const v1::OptimStepRequest* req,
+                                      v1::StepResponse* resp) override;
+  grpc::ServerUnaryReactor* TrainStep(grpc::CallbackServerContext* ctx,
+                                      const v1::TrainStepRequest* req,
+                                      v1::StepResponse* resp) override;
+  grpc::ServerUnaryReactor* SaveState(grpc::CallbackServerContext* ctx,
+                                      const v1::SaveStateRequest* req,
+                                      v1::SaveStateResponse* resp) override;
+  grpc::ServerUnaryReactor* LoadState(grpc::CallbackServerContext* ctx,
+                                      const v1::LoadStateRequest* req, v1::Run* resp) override;
+  grpc::ServerUnaryReactor* ExportAdapter(grpc::CallbackServerContext* ctx,
+                                          const v1::ExportAdapterRequest* req,
+                                          v1::ExportAdapterResponse* resp) override;
+  grpc::ServerUnaryReactor* GetStepMetrics(grpc::CallbackServerContext* ctx,
+                                           const v1::GetStepMetricsRequest* req,
+                                           v1::GetStepMetricsResponse* resp) override;
+  grpc::ServerWriteReactor<v1::StepRecord>* WatchMetrics(
+      grpc::CallbackServerContext* ctx, const v1::WatchMetricsRequest* req) override;
+
+ private:
+  // Runs `call` (returning absl::StatusOr<Resp>) on the run's executor and finishes with it.
+  template <typename Resp, typename Call>
+  grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, const std::string& run_id,
+                                  Resp* resp, Call call);
+
+  Coordinator* core_;
+  std::vector<std::unique_ptr<SerialExecutor>> executors_;
+};
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_SERVER_COORDINATOR_SERVICE_H_

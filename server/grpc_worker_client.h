@@ -1,0 +1,39 @@
+// WorkerClient over gRPC (a channel to one lorastep_worker).
+#ifndef LORASTEP_SERVER_GRPC_WORKER_CLIENT_H_
+#define LORASTEP_SERVER_GRPC_WORKER_CLIENT_H_
+
+#include <memory>
+#include <string>
+
+#include "lorastep/v1/worker.grpc.pb.h"
+#include "server/worker_client.h"
+
+namespace lorastep {
+
+class GrpcWorkerClient final : public WorkerClient {
+ public:
+  explicit GrpcWorkerClient(const std::string& address);
+  // Waits until the channel is ready (or the deadline passes).
+  absl::Status WaitReady(int timeout_seconds);
+
+  std::string address() const override { return address_; }
+  absl::StatusOr<v1::WorkerInfo> Info() override;
+  absl::Status CreateRun(const v1::WorkerCreateRunRequest& req) override;
+  absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(
+      const v1::WorkerForwardBackwardRequest& req) override;
+  absl::StatusOr<v1::ForwardBackwardResponse> Forward(const v1::WorkerForwardRequest& req) override;
+  absl::StatusOr<v1::StepResponse> OptimStep(const v1::WorkerOptimStepRequest& req) override;
+  absl::StatusOr<v1::StepResponse> TrainStep(const v1::WorkerTrainStepRequest& req) override;
+  absl::StatusOr<v1::WorkerPathResponse> SaveState(const v1::WorkerPathRequest& req) override;
+  absl::StatusOr<v1::WorkerPathResponse> LoadState(const v1::WorkerPathRequest& req) override;
+  absl::StatusOr<v1::WorkerPathResponse> ExportAdapter(const v1::WorkerPathRequest& req) override;
+
+ private:
+  std::string address_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Worker::Stub> stub_;
+};
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_SERVER_GRPC_WORKER_CLIENT_H_

@@ -1,0 +1,32 @@
+// Conversions between the API's protobuf messages and lib/ types. Torch-free, so the
+// coordinator validates requests without LibTorch. Unknown names and out-of-range options
+// are INVALID_ARGUMENT naming the field.
+#ifndef LORASTEP_SERVER_PROTO_CONVERT_H_
+#define LORASTEP_SERVER_PROTO_CONVERT_H_
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lib/adamw_params.h"
+#include "lib/batch.h"
+#include "lib/loss_config.h"
+#include "lib/lora_config.h"
+#include "lib/metrics.h"
+#include "lorastep/v1/trainer.pb.h"
+
+namespace lorastep {
+
+std::vector<Datum> DatumsFromProto(const google::protobuf::RepeatedPtrField<v1::Datum>& datums);
+void DatumToProto(const Datum& datum, v1::Datum* out);
+absl::StatusOr<LossConfig> LossConfigFromProto(const v1::LossConfig& proto);
+// Unset fields take AdamWParams' defaults; the result is validated.
+absl::StatusOr<AdamWParams> AdamWParamsFromProto(const v1::AdamWParams& proto);
+LoraConfig LoraConfigFromProto(const v1::LoraConfig& proto);
+void LoraConfigToProto(const LoraConfig& config, v1::LoraConfig* out);
+void MetricsToProto(const Metrics& metrics, google::protobuf::Map<std::string, double>* out);
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_SERVER_PROTO_CONVERT_H_

@@ -1,0 +1,36 @@
+// Starting a gRPC server with health checking and reflection, and waiting for SIGINT/SIGTERM.
+#ifndef LORASTEP_SERVER_SERVER_RUNNER_H_
+#define LORASTEP_SERVER_SERVER_RUNNER_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace lorastep {
+
+// Blocks SIGINT and SIGTERM in this thread (and threads started after it); call first in main.
+void BlockShutdownSignals();
+// Waits until SIGINT or SIGTERM arrives.
+void WaitForShutdownSignal();
+
+// Binds `host:port` (port 0 = any free port), registers the services, switches on
+// grpc.health.v1 and reflection. `*bound_port` receives the port.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
+    const std::string& host, int port, const std::vector<grpc::Service*>& services,
+    int* bound_port);
+
+// Writes the port atomically (temp file + rename) so a parent polling the file never reads
+// half of it.
+absl::Status WritePortFile(const std::string& path, int port);
+
+// "--name value" / "--name=value" flags; bare "--name" is "true".
+std::map<std::string, std::string> ParseFlags(int argc, char** argv);
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_SERVER_SERVER_RUNNER_H_

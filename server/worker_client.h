@@ -1,0 +1,32 @@
+// How the coordinator talks to one worker. The coordinator core depends on this interface
+// only; GrpcWorkerClient (grpc_worker_client.h) is the real one. Calls block: the
+// coordinator makes them from its own executor threads, never from gRPC threads.
+#ifndef LORASTEP_SERVER_WORKER_CLIENT_H_
+#define LORASTEP_SERVER_WORKER_CLIENT_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "lorastep/v1/worker.pb.h"
+
+namespace lorastep {
+
+class WorkerClient {
+ public:
+  virtual ~WorkerClient() = default;
+  virtual std::string address() const = 0;
+  virtual absl::StatusOr<v1::WorkerInfo> Info() = 0;
+  virtual absl::Status CreateRun(const v1::WorkerCreateRunRequest& req) = 0;
+  virtual absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(
+      const v1::WorkerForwardBackwardRequest& req) = 0;
+  virtual absl::StatusOr<v1::ForwardBackwardResponse> Forward(const v1::WorkerForwardRequest& req) = 0;
+  virtual absl::StatusOr<v1::StepResponse> OptimStep(const v1::WorkerOptimStepRequest& req) = 0;
+  virtual absl::StatusOr<v1::StepResponse> TrainStep(const v1::WorkerTrainStepRequest& req) = 0;
+  virtual absl::StatusOr<v1::WorkerPathResponse> SaveState(const v1::WorkerPathRequest& req) = 0;
+  virtual absl::StatusOr<v1::WorkerPathResponse> LoadState(const v1::WorkerPathRequest& req) = 0;
+  virtual absl::StatusOr<v1::WorkerPathResponse> ExportAdapter(const v1::WorkerPathRequest& req) = 0;
+};
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_SERVER_WORKER_CLIENT_H_

@@ -1,0 +1,405 @@
+// End-to-end tests of the service with real processes on 127.0.0.1: a lorastep_coordinator
+// that spawns its local lorastep_worker, driven through the C++ client. No mocks.
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+#include <thread>
+
+#include <google/protobuf/util/message_differencer.h>
+
+#include "clients/cpp/trainer_client.h"
+#include "lib/file_util.h"
+#include "lib/model_weights.h"
+#include "lib/safetensors.h"
+#include "lib/trainer.h"
+#include "server/child_server.h"
+#include "tests/test_util.h"
+
+namespace lorastep {
+namespace {
+
+using ::lorastep::testing::ScratchDir;
+using ::lorastep::testing::StatusIs;
+
+// Server binaries: $LORASTEP_BIN_DIR (CMake build folder), else Bazel's runfiles.
+std::string Binary(const std::string& bazel_path) {
+  if (const char* dir = std::getenv("LORASTEP_BIN_DIR")) {
+    return std::string(dir) + "/" + bazel_path.substr(bazel_path.rfind('/') + 1);
+  }
+  const char* runfiles = std::getenv("TEST_SRCDIR");
+  return std::string(runfiles != nullptr ? runfiles : ".") + "/lorastep/" + bazel_path;
+}
+
+v1::Datum MakeDatum(int i, int step, int n, int64_t vocab) {
+  v1::Datum d;
+  for (int j = 0; j < n; ++j) {
+    d.add_tokens((i * 7 + j * 3 + step) % vocab);
+    d.add_target_tokens((i * 5 + j * 11 + step) % vocab);
+    d.add_logprobs(-4.0f - 0.1f * j);
+    d.add_advantages(j < 2 ? 0.0f : (i % 2 == 0 ? 1.0f : -0.5f));
+  }
+  return d;
+}
+
+std::vector<v1::Datum> Batch(int step, int n = 8) {
+  std::vector<v1::Datum> out;
+  for (int i = 0; i < 4; ++i) out.push_back(MakeDatum(i, step, n + (i % 2) * (step % 3), 96));
+  return out;
+}
+
+v1::LossConfig Ppo() {
+  v1::LossConfig l;
+  l.set_loss_fn("ppo");
+  return l;
+}
+
+v1::AdamWParams Adam() {
+  v1::AdamWParams a;
+  a.set_lr(1e-2);
+  a.set_beta2(0.98);
+  a.set_weight_decay(0.1);
+  a.set_max_grad_norm(1.0);
+  return a;
+}
+
+v1::LoraConfig Lora(double dropout = 0.0) {
+  v1::LoraConfig l;
+  l.set_rank(4);
+  l.set_alpha(8);
+  l.set_dropout(dropout);
+  return l;
+}
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::string(ScratchDir("service"));
+    ModelConfig c = ModelConfigPreset("tiny").value();
+    ASSERT_OK(SaveModel(*dir_ + "/model", c, RandomModelWeights(c, 1)));
+    auto server = ChildServer::Start(Binary("server/lorastep_coordinator"),
+                                     {"--model", *dir_ + "/model", "--worker_binary",
+                                      Binary("worker/lorastep_worker")},
+                                     120);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = new ChildServer(std::move(server).value());
+    auto client = TrainerClient::Connect(server_->address());
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = client->release();
+  }
+  static void TearDownTestSuite() {
+    delete client_;
+    delete server_;  // SIGTERM: the coordinator stops its worker
+  }
+  RunSession NewRun(uint64_t seed = 7, double dropout = 0.0) {
+    auto run = RunSession::Create(client_, Lora(dropout), seed);
+    EXPECT_TRUE(run.ok()) << run.status();
+    return std::move(run).value();
+  }
+
+  static std::string* dir_;
+  static ChildServer* server_;
+  static TrainerClient* client_;
+};
+std::string* ServiceTest::dir_ = nullptr;
+ChildServer* ServiceTest::server_ = nullptr;
+TrainerClient* ServiceTest::client_ = nullptr;
+
+TEST_F(ServiceTest, HealthAndRunRegistry) {
+  ASSERT_OK_AND_ASSIGN(bool healthy, client_->Healthy());
+  EXPECT_TRUE(healthy);
+  RunSession run = NewRun();
+  ASSERT_OK_AND_ASSIGN(v1::Run got, client_->GetRun(run.run_id()));
+  EXPECT_EQ(got.lora().rank(), 4);
+  EXPECT_EQ(got.next_sequence_id(), 1);
+  EXPECT_EQ(got.base_model(), *dir_ + "/model");
+  ASSERT_OK_AND_ASSIGN(v1::ListRunsResponse list, client_->ListRuns());
+  bool found = false;
+  for (const auto& r : list.runs()) found |= r.run_id() == run.run_id();
+  EXPECT_TRUE(found);
+}
+
+TEST_F(ServiceTest, TrainStepOverGrpcEqualsLibDirectly) {
+  RunSession run = NewRun(/*seed=*/21);
+  auto base = LoadBaseModel(*dir_ + "/model", "cpu", "");
+  ASSERT_TRUE(base.ok()) << base.status();
+  TrainerOptions options;
+  options.lora.rank = 4;
+  options.lora.alpha = 8;
+  options.seed = 21;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Trainer> local, Trainer::Create(*base, options));
+  LossConfig loss;
+  loss.kind = LossKind::kPpo;
+  AdamWParams adam;
+  adam.lr = 1e-2;
+  adam.beta2 = 0.98;
+  adam.weight_decay = 0.1;
+  adam.max_grad_norm = 1.0;
+  for (int step = 0; step < 3; ++step) {
+    std::vector<v1::Datum> batch = Batch(step);
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse remote, run.TrainStep(batch, Ppo(), Adam()));
+    std::vector<Datum> datums;
+    for (const auto& d : batch) {
+      Datum x;
+      x.tokens.assign(d.tokens().begin(), d.tokens().end());
+      x.target_tokens.assign(d.target_tokens().begin(), d.target_tokens().end());
+      x.logprobs.assign(d.logprobs().begin(), d.logprobs().end());
+      x.advantages.assign(d.advantages().begin(), d.advantages().end());
+      datums.push_back(x);
+    }
+    ASSERT_OK_AND_ASSIGN(OptimStepResult direct, local->TrainStep(datums, loss, adam));
+    EXPECT_EQ(remote.adapter_sha256(), direct.adapter_sha256) << step;
+    EXPECT_EQ(remote.learner_version(), direct.learner_version);
+    for (const char* m : {"loss:sum", "pg_loss:sum", "grad_norm:sum", "pg_clipfrac:mean",
+                          "ppo_kl:mean", "entropy:mean", "tokens_loss:sum", "tokens_physical:sum"}) {
+      ASSERT_TRUE(remote.metrics().count(m)) << m;
+      EXPECT_DOUBLE_EQ(remote.metrics().at(m), direct.metrics.Get(m)) << m;
+    }
+  }
+}
+
+TEST_F(ServiceTest, ForwardBackwardCallsPlusOptimStepEqualOneTrainStep) {
+  RunSession whole = NewRun(3), parts = NewRun(3);
+  std::vector<v1::Datum> batch;
+  for (int i = 0; i < 4; ++i) batch.push_back(MakeDatum(i, 0, 8, 96));  // equal lengths
+  v1::LossConfig loss = Ppo();
+  loss.set_normalization("sum");
+  // 16 padded tokens per micro-batch: TrainStep runs [d0,d1] then [d2,d3], like the calls.
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse a, whole.TrainStep(batch, loss, Adam(), 16));
+  ASSERT_OK(parts.ForwardBackward({batch[0], batch[1]}, loss));
+  ASSERT_OK_AND_ASSIGN(v1::Run mid, client_->GetRun(parts.run_id()));
+  EXPECT_EQ(mid.pending_forward_backward(), 1);
+  ASSERT_OK(parts.ForwardBackward({batch[2], batch[3]}, loss));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse b, parts.OptimStep(Adam()));
+  EXPECT_EQ(a.adapter_sha256(), b.adapter_sha256());
+  EXPECT_EQ(b.learner_version(), 1);
+  EXPECT_DOUBLE_EQ(a.metrics().at("grad_norm:sum"), b.metrics().at("grad_norm:sum"));
+}
+
+TEST_F(ServiceTest, RetriedRequestIdAppliesOnce) {
+  RunSession run = NewRun();
+  v1::TrainStepRequest req;
+  req.set_run_id(run.run_id());
+  req.set_request_id("retry-me");
+  req.set_sequence_id(1);
+  for (const auto& d : Batch(0)) *req.add_datums() = d;
+  *req.mutable_loss() = Ppo();
+  *req.mutable_adamw() = Adam();
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse first, client_->TrainStep(req));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse again, client_->TrainStep(req));
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(first, again));
+  EXPECT_EQ(first.adapter_sha256(), again.adapter_sha256());
+  ASSERT_OK_AND_ASSIGN(v1::Run state, client_->GetRun(run.run_id()));
+  EXPECT_EQ(state.learner_version(), 1);
+  EXPECT_EQ(state.next_sequence_id(), 2);
+  v1::GetStepMetricsRequest mreq;
+  mreq.set_run_id(run.run_id());
+  ASSERT_OK_AND_ASSIGN(v1::GetStepMetricsResponse history, client_->GetStepMetrics(mreq));
+  EXPECT_EQ(history.steps_size(), 1);
+  // The same request_id for another call is refused.
+  v1::OptimStepRequest opt;
+  opt.set_run_id(run.run_id());
+  opt.set_request_id("retry-me");
+  opt.set_sequence_id(2);
+  EXPECT_THAT(client_->OptimStep(opt), StatusIs(absl::StatusCode::kInvalidArgument, "request_id"));
+  // A retried CreateRun returns the same run.
+  v1::CreateRunRequest create;
+  create.set_request_id("create-once");
+  *create.mutable_lora() = Lora();
+  ASSERT_OK_AND_ASSIGN(v1::Run r1, client_->CreateRun(create));
+  ASSERT_OK_AND_ASSIGN(v1::Run r2, client_->CreateRun(create));
+  EXPECT_EQ(r1.run_id(), r2.run_id());
+}
+
+TEST_F(ServiceTest, OutOfOrderSequenceIdsAreRefused) {
+  RunSession run = NewRun();
+  v1::ForwardBackwardRequest req;
+  req.set_run_id(run.run_id());
+  req.set_request_id("fb-1");
+  req.set_sequence_id(2);  // next is 1
+  for (const auto& d : Batch(0)) *req.add_datums() = d;
+  *req.mutable_loss() = Ppo();
+  EXPECT_THAT(client_->ForwardBackward(req),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "sequence_id: expected 1, got 2"));
+  req.set_sequence_id(0);
+  EXPECT_THAT(client_->ForwardBackward(req), StatusIs(absl::StatusCode::kFailedPrecondition, "sequence_id"));
+  req.set_sequence_id(1);
+  ASSERT_OK(client_->ForwardBackward(req));
+  req.set_request_id("fb-2");  // a new call reusing the consumed id
+  EXPECT_THAT(client_->ForwardBackward(req), StatusIs(absl::StatusCode::kFailedPrecondition, "expected 2"));
+}
+
+TEST_F(ServiceTest, InterleavedRunsOnOneWorkerEachEqualThatRunAlone) {
+  RunSession a = NewRun(11, 0.1), b = NewRun(12, 0.1), alone = NewRun(11, 0.1);
+  std::string a_sha, alone_sha;
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse ra, a.TrainStep(Batch(step), Ppo(), Adam()));
+    ASSERT_OK(b.TrainStep(Batch(step + 10), Ppo(), Adam()));
+    a_sha = ra.adapter_sha256();
+  }
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse r, alone.TrainStep(Batch(step), Ppo(), Adam()));
+    alone_sha = r.adapter_sha256();
+  }
+  EXPECT_EQ(a_sha, alone_sha);
+}
+
+TEST_F(ServiceTest, BadCallBetweenGoodCallsChangesNothing) {
+  RunSession probed = NewRun(5, 0.1), clean = NewRun(5, 0.1);
+  ASSERT_OK(probed.TrainStep(Batch(0), Ppo(), Adam()));
+  ASSERT_OK(clean.TrainStep(Batch(0), Ppo(), Adam()));
+  std::vector<v1::Datum> bad = Batch(1);
+  bad[1].set_advantages(3, NAN);
+  EXPECT_THAT(probed.TrainStep(bad, Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kInvalidArgument, "datums[1].advantages[3]: not finite"));
+  std::vector<v1::Datum> overflow = Batch(1);  // valid input, non-finite gradient at the worker
+  for (auto& d : overflow)
+    for (int i = 0; i < d.advantages_size(); ++i)
+      if (d.advantages(i) != 0) d.set_advantages(i, 3e38f);
+  EXPECT_THAT(probed.TrainStep(overflow, Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "non-finite"));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse p, probed.TrainStep(Batch(1), Ppo(), Adam()));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse c, clean.TrainStep(Batch(1), Ppo(), Adam()));
+  EXPECT_EQ(p.adapter_sha256(), c.adapter_sha256());
+  EXPECT_EQ(p.learner_version(), 2);
+  ASSERT_OK_AND_ASSIGN(v1::Run state, client_->GetRun(probed.run_id()));
+  EXPECT_EQ(state.next_sequence_id(), 3);  // the failed calls consumed no sequence id
+}
+
+TEST_F(ServiceTest, EveryValidationErrorNamesTheField) {
+  RunSession run = NewRun();
+  struct Case {
+    const char* what;
+    std::function<void(v1::TrainStepRequest*)> mutate;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"token out of vocab", [](auto* r) { r->mutable_datums(2)->set_tokens(1, 96); },
+       "datums[2].tokens[1]: id 96 outside [0, 96)"},
+      {"negative target", [](auto* r) { r->mutable_datums(0)->set_target_tokens(0, -1); },
+       "datums[0].target_tokens[0]"},
+      {"length mismatch", [](auto* r) { r->mutable_datums(1)->mutable_target_tokens()->RemoveLast(); },
+       "datums[1].target_tokens: length"},
+      {"nan logprob", [](auto* r) { r->mutable_datums(3)->set_logprobs(0, NAN); },
+       "datums[3].logprobs[0]: not finite"},
+      {"inf advantage", [](auto* r) { r->mutable_datums(0)->set_advantages(4, INFINITY); },
+       "datums[0].advantages[4]: not finite"},
+      {"missing logprobs", [](auto* r) { r->mutable_datums(0)->clear_logprobs(); },
+       "datums[0].logprobs: required"},
+      {"negative weight", [](auto* r) {
+         for (int i = 0; i < r->datums(0).tokens_size(); ++i) r->mutable_datums(0)->add_weights(1);
+         r->mutable_datums(0)->set_weights(2, -1);
+       }, "datums[0].weights[2]: negative"},
+      {"empty batch", [](auto* r) { r->clear_datums(); }, "datums: empty batch"},
+      {"empty datum", [](auto* r) {
+         r->mutable_datums(0)->clear_tokens();
+         r->mutable_datums(0)->clear_target_tokens();
+       }, "datums[0].tokens: empty"},
+      {"unknown loss", [](auto* r) { r->mutable_loss()->set_loss_fn("dpo"); }, "loss.loss_fn: unknown 'dpo'"},
+      {"clip low", [](auto* r) { r->mutable_loss()->set_clip_eps_low(1.5); }, "loss.clip_eps_low"},
+      {"dual clip", [](auto* r) { r->mutable_loss()->set_dual_clip_c(0.5); }, "loss.dual_clip_c"},
+      {"kl estimator", [](auto* r) { r->mutable_loss()->set_kl_estimator("k9"); }, "loss.kl_estimator"},
+      {"kl without ref", [](auto* r) { r->mutable_loss()->set_kl_coef(0.1); },
+       "datums[0].ref_logprobs: required"},
+      {"normalization", [](auto* r) { r->mutable_loss()->set_normalization("mean"); }, "loss.normalization"},
+      {"tis cap", [](auto* r) { r->mutable_loss()->set_tis_cap(-1); }, "loss.tis_cap"},
+      {"beta2", [](auto* r) { r->mutable_adamw()->set_beta2(1.5); }, "adamw.beta2"},
+      {"lr", [](auto* r) { r->mutable_adamw()->set_lr(-1); }, "adamw.lr"},
+      {"schedule", [](auto* r) { r->mutable_adamw()->set_schedule("linear"); }, "adamw.schedule"},
+      {"max tokens", [](auto* r) { r->set_max_tokens_per_microbatch(-5); }, "max_tokens_per_microbatch"},
+      {"request id", [](auto* r) { r->clear_request_id(); }, "request_id: required"},
+  };
+  for (const Case& c : cases) {
+    v1::TrainStepRequest req;
+    req.set_run_id(run.run_id());
+    req.set_request_id(std::string("v-") + c.what);
+    req.set_sequence_id(1);
+    for (const auto& d : Batch(0)) *req.add_datums() = d;
+    *req.mutable_loss() = Ppo();
+    *req.mutable_adamw() = Adam();
+    c.mutate(&req);
+    EXPECT_THAT(client_->TrainStep(req), StatusIs(absl::StatusCode::kInvalidArgument, c.message))
+        << c.what;
+  }
+  ASSERT_OK_AND_ASSIGN(v1::Run state, client_->GetRun(run.run_id()));
+  EXPECT_EQ(state.next_sequence_id(), 1);
+  EXPECT_EQ(state.learner_version(), 0);
+
+  v1::CreateRunRequest create;
+  create.set_request_id("bad-create");
+  create.mutable_lora()->set_rank(-1);
+  EXPECT_THAT(client_->CreateRun(create), StatusIs(absl::StatusCode::kInvalidArgument, "lora.rank"));
+  create.mutable_lora()->set_rank(4);
+  create.mutable_lora()->set_alpha(4);
+  create.mutable_lora()->add_target_modules("mlp");
+  EXPECT_THAT(client_->CreateRun(create),
+              StatusIs(absl::StatusCode::kInvalidArgument, "lora.target_modules[0]: unknown module 'mlp'"));
+  create.mutable_lora()->clear_target_modules();
+  create.set_base_model("/elsewhere");
+  EXPECT_THAT(client_->CreateRun(create), StatusIs(absl::StatusCode::kInvalidArgument, "base_model"));
+  create.set_base_model("");
+  create.clear_request_id();
+  EXPECT_THAT(client_->CreateRun(create), StatusIs(absl::StatusCode::kInvalidArgument, "request_id"));
+  EXPECT_THAT(client_->GetRun("nope"), StatusIs(absl::StatusCode::kNotFound, "run_id: no run 'nope'"));
+  v1::SaveStateRequest save;
+  save.set_run_id(run.run_id());
+  EXPECT_THAT(client_->SaveState(save), StatusIs(absl::StatusCode::kInvalidArgument, "path: required"));
+  v1::GetStepMetricsRequest metrics;
+  metrics.set_run_id(run.run_id());
+  metrics.set_limit(-1);
+  EXPECT_THAT(client_->GetStepMetrics(metrics), StatusIs(absl::StatusCode::kInvalidArgument, "limit"));
+  std::vector<v1::Datum> bad_forward = Batch(0);
+  bad_forward[0].set_tokens(0, 1000);
+  EXPECT_THAT(run.Forward(bad_forward), StatusIs(absl::StatusCode::kInvalidArgument, "datums[0].tokens[0]"));
+  v1::CreateRunRequest dup;
+  dup.set_request_id("dup-id");
+  dup.set_run_id(run.run_id());
+  *dup.mutable_lora() = Lora();
+  EXPECT_THAT(client_->CreateRun(dup), StatusIs(absl::StatusCode::kAlreadyExists, "exists"));
+}
+
+TEST_F(ServiceTest, SaveLoadExportAndMetricsThroughTheApi) {
+  RunSession run = NewRun(9);
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse s1, run.TrainStep(Batch(0), Ppo(), Adam()));
+  v1::SaveStateRequest save;
+  save.set_run_id(run.run_id());
+  save.set_path(*dir_ + "/ckpt-" + run.run_id());
+  ASSERT_OK(client_->SaveState(save));
+  ASSERT_OK(run.TrainStep(Batch(1), Ppo(), Adam()));
+  ASSERT_OK_AND_ASSIGN(v1::Run loaded, run.LoadState(save.path()));
+  EXPECT_EQ(loaded.learner_version(), 1);
+  v1::ExportAdapterRequest exp;
+  exp.set_run_id(run.run_id());
+  exp.set_path(*dir_ + "/peft-" + run.run_id());
+  ASSERT_OK_AND_ASSIGN(v1::ExportAdapterResponse exported, client_->ExportAdapter(exp));
+  EXPECT_EQ(exported.adapter_sha256(), s1.adapter_sha256());  // back at the saved adapter
+  EXPECT_TRUE(PathExists(exp.path() + "/adapter_config.json"));
+  ASSERT_OK_AND_ASSIGN(SafetensorsFile f, SafetensorsFile::Open(exp.path() + "/adapter_model.safetensors"));
+  EXPECT_EQ(f.entries().size(), 2u * 7 * 2);
+
+  // Metric history and the stream: backlog first, then a new step as it happens.
+  v1::GetStepMetricsRequest mreq;
+  mreq.set_run_id(run.run_id());
+  mreq.set_since_step(1);
+  ASSERT_OK_AND_ASSIGN(v1::GetStepMetricsResponse history, client_->GetStepMetrics(mreq));
+  ASSERT_EQ(history.steps_size(), 1);
+  EXPECT_EQ(history.steps(0).step(), 1);
+  EXPECT_GT(history.steps(0).metrics().at("tokens_per_s:sum"), 0);
+  std::vector<int64_t> seen;
+  std::thread watcher([&] {
+    v1::WatchMetricsRequest w;
+    w.set_run_id(run.run_id());
+    absl::Status s = client_->WatchMetrics(w, [&](const v1::StepRecord& r) {
+      seen.push_back(r.step());
+      return seen.size() < 3;
+    });
+    EXPECT_TRUE(s.ok()) << s;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_OK(run.TrainStep(Batch(2), Ppo(), Adam()));
+  watcher.join();
+  EXPECT_EQ(seen, (std::vector<int64_t>{0, 1, 2}));
+}
+
+}  // namespace
+}  // namespace lorastep

@@ -1,0 +1,104 @@
+#include "worker/worker_core.h"
+
+#include "absl/strings/str_cat.h"
+#include "lib/status_macros.h"
+
+namespace lorastep {
+
+absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerOptions& options) {
+  LORASTEP_ASSIGN_OR_RETURN(std::shared_ptr<const BaseModel> base,
+                            LoadBaseModel(options.model_path, options.device, options.dtype));
+  return std::unique_ptr<WorkerCore>(new WorkerCore(options, std::move(base)));
+}
+
+size_t WorkerCore::num_runs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return runs_.size();
+}
+
+absl::StatusOr<Trainer*> WorkerCore::Find(const std::string& run_id) {
+  auto it = runs_.find(run_id);
+  if (it == runs_.end()) return absl::NotFoundError(absl::StrCat("run_id: no run '", run_id, "'"));
+  return it->second.get();
+}
+
+absl::Status WorkerCore::CreateRun(const std::string& run_id, const LoraConfig& lora,
+                                   uint64_t seed) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (runs_.count(run_id)) {
+    return absl::AlreadyExistsError(absl::StrCat("run_id: '", run_id, "' exists"));
+  }
+  TrainerOptions o;
+  o.lora = lora;
+  o.seed = seed;
+  o.grad = options_.grad;
+  o.max_tokens_per_microbatch = options_.max_tokens_per_microbatch;
+  o.logprob_chunk_tokens = options_.logprob_chunk_tokens;
+  LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(base_, o));
+  runs_[run_id] = std::move(trainer);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ForwardBackwardResult> WorkerCore::ForwardBackward(
+    const std::string& run_id, const std::vector<Datum>& datums, const LossConfig& loss,
+    const BatchTotals& totals) {
+  std::lock_guard<std::mutex> lock(mu_);
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
+  BatchOptions batch;
+  batch.totals = &totals;
+  return t->ForwardBackward(datums, loss, batch);
+}
+
+absl::StatusOr<ForwardBackwardResult> WorkerCore::Forward(const std::string& run_id,
+                                                          const std::vector<Datum>& datums) {
+  std::lock_guard<std::mutex> lock(mu_);
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
+  return t->Forward(datums);
+}
+
+absl::StatusOr<OptimStepResult> WorkerCore::OptimStep(const std::string& run_id,
+                                                      const AdamWParams& params) {
+  std::lock_guard<std::mutex> lock(mu_);
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
+  return t->OptimStep(params);
+}
+
+absl::StatusOr<OptimStepResult> WorkerCore::TrainStep(const std::string& run_id,
+                                                      const std::vector<Datum>& datums,
+                                                      const LossConfig& loss,
+                                                      const AdamWParams& params,
+                                                      const BatchTotals& totals,
+                                                      int64_t max_tokens) {
+  std::lock_guard<std::mutex> lock(mu_);
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
+  BatchOptions batch;
+  batch.totals = &totals;
+  batch.max_tokens_per_microbatch = max_tokens;
+  return t->TrainStep(datums, loss, params, batch);
+}
+
+absl::StatusOr<WorkerCore::PathResult> WorkerCore::SaveState(const std::string& run_id,
+                                                             const std::string& path) {
+  std::lock_guard<std::mutex> lock(mu_);
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
+  LORASTEP_RETURN_IF_ERROR(t->SaveState(path));
+  return PathResult{t->AdapterSha256(), t->learner_version()};
+}
+
+absl::StatusOr<WorkerCore::PathResult> WorkerCore::LoadState(const std::string& run_id,
+                                                             const std::string& path) {
+  std::lock_guard<std::mutex> lock(mu_);
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
+  LORASTEP_RETURN_IF_ERROR(t->LoadState(path));
+  return PathResult{t->AdapterSha256(), t->learner_version()};
+}
+
+absl::StatusOr<WorkerCore::PathResult> WorkerCore::ExportAdapter(const std::string& run_id,
+                                                                 const std::string& path) {
+  std::lock_guard<std::mutex> lock(mu_);
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
+  LORASTEP_RETURN_IF_ERROR(t->ExportAdapter(path));
+  return PathResult{t->AdapterSha256(), t->learner_version()};
+}
+
+}  // namespace lorastep

@@ -1,0 +1,56 @@
+// The worker's gRPC adapter: converts protos to lib/ types, runs the call on the worker's
+// serial executor (never on a gRPC thread), converts the status in server/grpc_status.
+#ifndef LORASTEP_WORKER_WORKER_SERVICE_H_
+#define LORASTEP_WORKER_WORKER_SERVICE_H_
+
+#include <memory>
+
+#include "lorastep/v1/worker.grpc.pb.h"
+#include "server/serial_executor.h"
+#include "worker/worker_core.h"
+
+namespace lorastep {
+
+class WorkerService final : public v1::Worker::CallbackService {
+ public:
+  explicit WorkerService(WorkerCore* core) : core_(core) {}
+
+  grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* ctx, const v1::WorkerInfoRequest* req,
+                                 v1::WorkerInfo* resp) override;
+  grpc::ServerUnaryReactor* CreateRun(grpc::CallbackServerContext* ctx,
+                                      const v1::WorkerCreateRunRequest* req,
+                                      v1::WorkerCreateRunResponse* resp) override;
+  grpc::ServerUnaryReactor* ForwardBackward(grpc::CallbackServerContext* ctx,
+                                            const v1::WorkerForwardBackwardRequest* req,
+                                            v1::ForwardBackwardResponse* resp) override;
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx,
+                                    const v1::WorkerForwardRequest* req,
+                                    v1::ForwardBackwardResponse* resp) override;
+  grpc::ServerUnaryReactor* OptimStep(grpc::CallbackServerContext* ctx,
+                                      const v1::WorkerOptimStepRequest* req,
+                                      v1::StepResponse* resp) override;
+  grpc::ServerUnaryReactor* TrainStep(grpc::CallbackServerContext* ctx,
+                                      const v1::WorkerTrainStepRequest* req,
+                                      v1::StepResponse* resp) override;
+  grpc::ServerUnaryReactor* SaveState(grpc::CallbackServerContext* ctx,
+                                      const v1::WorkerPathRequest* req,
+                                      v1::WorkerPathResponse* resp) override;
+  grpc::ServerUnaryReactor* LoadState(grpc::CallbackServerContext* ctx,
+                                      const v1::WorkerPathRequest* req,
+                                      v1::WorkerPathResponse* resp) override;
+  grpc::ServerUnaryReactor* ExportAdapter(grpc::CallbackServerContext* ctx,
+                                          const v1::WorkerPathRequest* req,
+                                          v1::WorkerPathResponse* resp) override;
+
+ private:
+  // Queues `work` (returning absl::Status) and finishes the call when it has run.
+  template <typename Work>
+  grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, Work work);
+
+  WorkerCore* core_;
+  SerialExecutor executor_;
+};
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_WORKER_WORKER_SERVICE_H_
