@@ -1,0 +1,87 @@
+"""The Python client drives a full loop against a running coordinator (started by
+python_client_test.sh): create, forward, forward_backward + optim_step, train_step,
+metrics, watch, save/load, export, and a validation error."""
+import os
+import sys
+import threading
+
+from lorastep import LorastepError, TrainingClient
+
+
+def datum(i, n=10, vocab=96):
+    return {"tokens": [(i * 7 + j * 3) % vocab for j in range(n)],
+            "target_tokens": [(i * 5 + j * 11) % vocab for j in range(n)],
+            "logprobs": [-4.0] * n,
+            "advantages": [0.0, 0.0] + [1.0 if i % 2 else -0.5] * (n - 2)}
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+    print("ok -", what)
+
+
+def main():
+    address, tmp = sys.argv[1], sys.argv[2]
+    client = TrainingClient(address)
+    run = client.create_run(rank=4, alpha=8, seed=3)
+    check(any(r.run_id == run.run_id for r in client.list_runs()), "run listed")
+    batch = [datum(i) for i in range(4)]
+    fwd = run.forward(batch)
+    check(len(fwd["logprobs"]) == 4 and len(fwd["logprobs"][0]) == 10, "forward log-probs shape")
+    for d, lp in zip(batch, fwd["logprobs"]):
+        d["old_logprobs"] = lp
+    fb = run.forward_backward(batch, loss={"loss_fn": "ppo"})
+    check(abs(fb["metrics"]["ppo_kl:mean"]) < 1e-6, "on-policy ppo_kl ~ 0 at step 0")
+    step = run.optim_step(adamw={"lr": 1e-2})
+    check(step["learner_version"] == 1, "optim_step bumps the learner version")
+    records = []
+    watcher_ready = threading.Event()
+
+    def watch():
+        for r in run.watch():
+            records.append(r["step"])
+            watcher_ready.set()
+            if len(records) == 3:
+                break
+
+    t = threading.Thread(target=watch)
+    t.start()
+    watcher_ready.wait(10)
+    for _ in range(2):
+        out = run.train_step(batch, loss={"loss_fn": "ppo"}, adamw={"lr": 1e-2})
+    t.join(30)
+    check(records == [0, 1, 2], f"watch streamed backlog and new steps {records}")
+    check(out["learner_version"] == 3 and len(out["adapter_sha256"]) == 64, "train_step result")
+    hist = run.metrics()
+    check([h["step"] for h in hist] == [0, 1, 2] and "loss:sum" in hist[-1]["metrics"],
+          "metric history")
+    ckpt = os.path.join(tmp, "ckpt")
+    run.save(ckpt)
+    run.train_step(batch, loss={"loss_fn": "ppo"}, adamw={"lr": 1e-2})
+    check(run.load(ckpt) == 3, "load restores the learner version")
+    exported = run.export(os.path.join(tmp, "peft"))
+    check(exported["adapter_sha256"] == out["adapter_sha256"], "export publishes the restored adapter")
+    check(os.path.exists(os.path.join(tmp, "peft", "adapter_model.safetensors")), "PEFT files")
+    bad = [dict(batch[0])]
+    bad[0]["advantages"] = [float("nan")] * 10
+    try:
+        run.train_step(bad, loss={"loss_fn": "ppo"})
+        raise AssertionError("a NaN advantage was accepted")
+    except LorastepError as e:
+        check(e.code.name == "INVALID_ARGUMENT" and "datums[0].advantages[0]" in e.details,
+              "validation error names the field")
+    try:
+        run.train_step(batch, loss={"loss_fn": "nope"})
+        raise AssertionError("an unknown loss was accepted")
+    except LorastepError as e:
+        check(e.code.name == "INVALID_ARGUMENT" and "loss_fn" in e.details, "unknown loss refused")
+    again = client.attach(run.run_id)
+    check(again.train_step(batch, loss={"loss_fn": "ppo"})["learner_version"] == 4,
+          "a second client continues the run's sequence")
+    client.close()
+    print("1 passed, 0 failed")
+
+
+if __name__ == "__main__":
+    main()
