@@ -1,8 +1,30 @@
 #!/usr/bin/env bash
-# Installs dependencies (Debian 12), builds, and runs a local GRPO-style LoRA training demo
-# through lib/ on a generated small model: a metrics table per step, then a PEFT adapter.
+# The main job, from a fresh Debian 12 machine: installs dependencies, builds, starts a
+# coordinator with one local worker on a generated small Qwen2-shaped model, runs the
+# example GRPO orchestrator loop (Python client) for a few real training steps, shows the
+# step metrics with the CLI, exports the adapter, and shuts everything down.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-bazel build //tools:lorastep_demo
-./bazel-bin/tools/lorastep_demo --steps "${STEPS:-8}" --workdir "${WORKDIR:-/tmp/lorastep-demo}"
+bazel build //server:lorastep_coordinator //worker:lorastep_worker //tools:lorastep_genmodel \
+  //clients/cli:lorastep //clients/python:python_client
+WORK=${WORKDIR:-/tmp/lorastep-demo}
+rm -rf "$WORK" && mkdir -p "$WORK"
+./bazel-bin/tools/lorastep_genmodel --preset small --seed 1 --out "$WORK/model"
+./bazel-bin/server/lorastep_coordinator --model "$WORK/model" --port 0 \
+  --port_file "$WORK/port" 2> "$WORK/server.log" &
+PID=$!
+trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
+for _ in $(seq 600); do [ -s "$WORK/port" ] && break; sleep 0.1; done
+ADDRESS=127.0.0.1:$(cat "$WORK/port")
+echo "coordinator + local worker serving on $ADDRESS"
+PYTHONPATH="$PWD/clients/python:$PWD/bazel-bin/clients/python" /usr/bin/python3 \
+  clients/python/examples/grpo_loop.py --address "$ADDRESS" --vocab 512 --steps "${STEPS:-8}" \
+  --export "$WORK/adapter"
+echo
+echo "step metrics kept by the coordinator (lorastep metrics):"
+./bazel-bin/clients/cli/lorastep --address "$ADDRESS" metrics --run run-1 \
+  --names loss:sum,grad_norm:sum,entropy:mean,tokens_per_s:sum,model_flops:sum,time_step_s:sum
+kill $PID && wait $PID 2>/dev/null || true
+trap - EXIT
+echo "coordinator and worker stopped"

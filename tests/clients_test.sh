@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Starts a real coordinator (+ its local worker) on a generated tiny model, then runs the
+# Python client test, the example loop and the CLI against it.
+set -euo pipefail
+R="${TEST_SRCDIR:-$PWD}/lorastep"
+TMP="${TEST_TMPDIR:-$(mktemp -d)}"
+"$R/tools/lorastep_genmodel" --preset tiny --out "$TMP/model" >/dev/null
+"$R/server/lorastep_coordinator" --model "$TMP/model" --port 0 --port_file "$TMP/port" \
+  --worker_binary "$R/worker/lorastep_worker" &
+PID=$!
+trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
+for _ in $(seq 600); do [ -s "$TMP/port" ] && break; sleep 0.1; done
+PORT=$(cat "$TMP/port")
+export PYTHONPATH="$R/clients/python:$(dirname "$R")/lorastep/clients/python"
+/usr/bin/python3 "$R/tests/python_client_test.py" "127.0.0.1:$PORT" "$TMP"
+/usr/bin/python3 "$R/clients/python/examples/grpo_loop.py" --address "127.0.0.1:$PORT" \
+  --vocab 96 --steps 4
+# The CLI against the same coordinator.
+CLI="$R/clients/cli/lorastep --address 127.0.0.1:$PORT"
+$CLI runs | grep -q "^run-1 "
+for i in 0 1 2 3; do
+  echo '{"tokens":[1,2,3,4,5,6],"target_tokens":[2,3,4,5,6,7],"logprobs":[-4,-4,-4,-4,-4,-4],"advantages":[0,1,1,1,1,'"$((i % 2))"']}'
+done > "$TMP/data.jsonl"
+RUN=$($CLI create --rank 4 --alpha 8)
+$CLI train --run "$RUN" --data "$TMP/data.jsonl" --batch 2 --lr 1e-3 | tee "$TMP/train.txt"
+[ "$(grep -c '^ *[0-9]' "$TMP/train.txt")" = 2 ] || { echo "expected 2 train steps"; exit 1; }
+$CLI metrics --run "$RUN" --names loss:sum,grad_norm:sum | tee "$TMP/metrics.txt"
+[ "$(grep -c '^ *[0-9]' "$TMP/metrics.txt")" = 2 ] || { echo "expected 2 metric rows"; exit 1; }
+$CLI watch --run "$RUN" --count 2 > "$TMP/watch.txt"
+[ "$(grep -c '^ *[0-9]' "$TMP/watch.txt")" = 2 ] || { echo "watch: expected 2 rows"; exit 1; }
+$CLI export --run "$RUN" --path "$TMP/cli-peft" | grep -q "sha256"
+echo '{"tokens":[1,2],"target_tokens":[2]}' > "$TMP/bad.jsonl"
+if $CLI train --run "$RUN" --data "$TMP/bad.jsonl" 2> "$TMP/err.txt"; then echo "bad data accepted"; exit 1; fi
+grep -q "datums\[0\].target_tokens: length" "$TMP/err.txt"
+echo '{"tokens":[1,2],"bogus":[2]}' > "$TMP/bad2.jsonl"
+if $CLI train --run "$RUN" --data "$TMP/bad2.jsonl" 2> "$TMP/err2.txt"; then echo "unknown field accepted"; exit 1; fi
+grep -q "line 1: unknown field bogus" "$TMP/err2.txt"
+echo "cli: 1 passed, 0 failed"
