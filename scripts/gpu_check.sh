@@ -10,8 +10,9 @@ OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 SYSROOT=$PWD/.sysroot
 TORCH_DIR=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')
 TORCH_CMAKE=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
-export LIBRARY_PATH=$SYSROOT/usr/lib/x86_64-linux-gnu
-export LD_LIBRARY_PATH=$SYSROOT/usr/lib/x86_64-linux-gnu:$TORCH_DIR/lib:${LD_LIBRARY_PATH:-}
+export LIBRARY_PATH=$SYSROOT/usr/lib/x86_64-linux-gnu:$SYSROOT/lib/x86_64-linux-gnu
+export LD_LIBRARY_PATH=$SYSROOT/usr/lib/x86_64-linux-gnu:$SYSROOT/lib/x86_64-linux-gnu:$TORCH_DIR/lib:${LD_LIBRARY_PATH:-}
+export PATH=$SYSROOT/usr/bin:$PATH  # protoc, grpc_cpp_plugin
 export TORCH_CUDA_ARCH_LIST=9.0
 MACHINE=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)
 {
@@ -21,10 +22,11 @@ step() { echo "=== $*"; }
 step configure
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$TORCH_CMAKE;$SYSROOT/usr" -DOPENSSL_ROOT_DIR="$SYSROOT/usr" \
+  -DProtobuf_ROOT="$SYSROOT/usr" \
   -DCMAKE_CUDA_ARCHITECTURES=90 > "$OUT/cmake.log" 2>&1 || { tail -40 "$OUT/cmake.log"; exit 1; }
 step build
 ninja -C build-gpu -j16 -k 0 > "$OUT/build.log" 2>&1 || { grep -E "error:" "$OUT/build.log" | sort -u | head -40; exit 1; }
-STEPS=${GPU_CHECK_STEPS:-tests bench parity}
+STEPS=${GPU_CHECK_STEPS:-tests bench parity service}
 if [[ " $STEPS " == *" debug "* ]]; then
   step "trainer_test under cuda-gdb"
   cuda-gdb -batch -ex 'set print thread-events off' -ex run -ex 'x/8ga $sp' \
@@ -51,4 +53,10 @@ for dt in float32 bfloat16; do
   PYTHONUNBUFFERED=1 python3 bench/hf_parity.py --model /tmp/q05 --parity-bin build-gpu/lorastep_parity \
     --device cuda --dtype $dt --tolerance $tol --workdir /tmp/par_$dt --out "$OUT/hf_parity_$dt.json" 2>&1 | tail -22
 done
+fi
+if [[ " $STEPS " == *" service "* ]]; then
+  step "service overhead (qwen2.5-0.5b bf16, 64 x 512 tokens)"
+  MACHINE="$MACHINE" VERSIONS="$(tail -1 "$OUT/env.txt")" \
+    bench/service_overhead.sh build-gpu qwen2.5-0.5b cuda bfloat16 "$OUT/service_overhead_gpu.json" \
+    overhead_fraction_gpu | grep -E "overhead_fraction_gpu|client_step|worker_step" -A6 | head -24
 fi

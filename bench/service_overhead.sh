@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Starts a coordinator + local worker on a generated model and measures service overhead.
+#   bench/service_overhead.sh BIN_DIR PRESET DEVICE DTYPE OUT_JSON KEY
+# BIN_DIR holds lorastep_coordinator, lorastep_worker, lorastep_genmodel, service_overhead
+# (a CMake build folder; for Bazel pass bazel-bin and the script finds the subfolders).
+set -euo pipefail
+BIN=$1 PRESET=$2 DEVICE=$3 DTYPE=$4 OUT=$5 KEY=$6
+find_bin() { for p in "$BIN/$1" "$BIN/server/$1" "$BIN/worker/$1" "$BIN/tools/$1" "$BIN/bench/$1"; do
+  [ -x "$p" ] && { echo "$p"; return; }; done; echo "missing $1" >&2; exit 1; }
+WORK=$(mktemp -d)
+trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true; rm -rf "$WORK"' EXIT
+"$(find_bin lorastep_genmodel)" --preset "$PRESET" --dtype "$DTYPE" --seed 1 --out "$WORK/model" >/dev/null
+VOCAB=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['vocab_size'])" "$WORK/model/config.json")
+"$(find_bin lorastep_coordinator)" --model "$WORK/model" --device "$DEVICE" --port 0 \
+  --port_file "$WORK/port" --worker_binary "$(find_bin lorastep_worker)" 2> "$WORK/server.log" &
+PID=$!
+for _ in $(seq 1200); do [ -s "$WORK/port" ] && break; sleep 0.1; done
+[ -s "$WORK/port" ] || { cat "$WORK/server.log"; exit 1; }
+"$(find_bin service_overhead)" --address "127.0.0.1:$(cat "$WORK/port")" --vocab "$VOCAB" \
+  --seqs 64 --len 512 --steps "${STEPS:-5}" --out "$OUT" --key "$KEY" \
+  --machine "${MACHINE:-$(uname -n) $(nproc) cores}" --versions "${VERSIONS:-}" \
+  --model "$PRESET $DTYPE on $DEVICE" --command "bench/service_overhead.sh $*"
