@@ -19,5 +19,4 @@ rm -rf "$tmp" .sysroot/usr/share/doc .sysroot/usr/share/man
 for l in $(find .sysroot -type l -lname "/*"); do
   ln -sf "$(realpath --relative-to="$(dirname "$l")" ".sysroot$(readlink "$l")")" "$l"
 done
-rm -f .sysroot/usr/bin/grpc_{php,ruby,csharp,node,objective_c}_plugin
 du -sh .sysroot
