@@ -189,6 +189,25 @@ int64_t Coordinator::AppendStep(RunState& run, const std::string& kind,
   return record.step();
 }
 
+absl::StatusOr<BatchTotals> Coordinator::ValidatedTotals(
+    const google::protobuf::RepeatedPtrField<v1::Datum>& datums_proto,
+    const v1::LossConfig& loss_proto) {
+  LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(loss_proto));
+  std::vector<Datum> datums = DatumsFromProto(datums_proto);
+  LORASTEP_RETURN_IF_ERROR(ValidateBatch(datums, loss, vocab_size_, options_.limits));
+  // The batch-wide denominators travel with it, so a shard normalizes like the whole batch
+  // (data-parallel shards on several workers use the same totals).
+  return ComputeBatchTotals(datums);
+}
+
+void Coordinator::CommitStep(RunState& run, const std::string& method, const std::string& kind,
+                             const std::string& request_id, v1::StepResponse* resp) {
+  run.run.set_learner_version(resp->learner_version());
+  run.run.set_pending_forward_backward(0);
+  resp->set_step(AppendStep(run, kind, *resp));
+  Record(run, method, request_id, *resp);
+}
+
 absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
     const v1::ForwardBackwardRequest& req) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
@@ -197,10 +216,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
   LORASTEP_ASSIGN_OR_RETURN(bool replayed, Replay(*run, "ForwardBackward", req.request_id(),
                                                   req.sequence_id(), &resp));
   if (replayed) return resp;
-  LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(req.loss()));
-  std::vector<Datum> datums = DatumsFromProto(req.datums());
-  LORASTEP_RETURN_IF_ERROR(ValidateBatch(datums, loss, vocab_size_, options_.limits));
-  const BatchTotals totals = ComputeBatchTotals(datums);
+  LORASTEP_ASSIGN_OR_RETURN(const BatchTotals totals, ValidatedTotals(req.datums(), req.loss()));
   v1::WorkerForwardBackwardRequest wreq;
   wreq.set_run_id(req.run_id());
   *wreq.mutable_datums() = req.datums();
@@ -236,10 +252,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepReque
   wreq.set_run_id(req.run_id());
   *wreq.mutable_adamw() = req.adamw();
   LORASTEP_ASSIGN_OR_RETURN(resp, run->worker->OptimStep(wreq));
-  run->run.set_learner_version(resp.learner_version());
-  run->run.set_pending_forward_backward(0);
-  resp.set_step(AppendStep(*run, "optim_step", resp));
-  Record(*run, "OptimStep", req.request_id(), resp);
+  CommitStep(*run, "OptimStep", "optim_step", req.request_id(), &resp);
   return resp;
 }
 
@@ -253,13 +266,8 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
   if (req.max_tokens_per_microbatch() < 0) {
     return absl::InvalidArgumentError("max_tokens_per_microbatch: must be >= 0");
   }
-  LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(req.loss()));
   LORASTEP_RETURN_IF_ERROR(AdamWParamsFromProto(req.adamw()).status());
-  std::vector<Datum> datums = DatumsFromProto(req.datums());
-  LORASTEP_RETURN_IF_ERROR(ValidateBatch(datums, loss, vocab_size_, options_.limits));
-  // The batch-wide denominators travel with it, so a shard normalizes like the whole batch
-  // (data-parallel shards on several workers use the same totals).
-  const BatchTotals totals = ComputeBatchTotals(datums);
+  LORASTEP_ASSIGN_OR_RETURN(const BatchTotals totals, ValidatedTotals(req.datums(), req.loss()));
   v1::WorkerTrainStepRequest wreq;
   wreq.set_run_id(req.run_id());
   *wreq.mutable_datums() = req.datums();
@@ -269,10 +277,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
   wreq.set_batch_samples(totals.samples);
   wreq.set_max_tokens_per_microbatch(req.max_tokens_per_microbatch());
   LORASTEP_ASSIGN_OR_RETURN(resp, run->worker->TrainStep(wreq));
-  run->run.set_learner_version(resp.learner_version());
-  run->run.set_pending_forward_backward(0);
-  resp.set_step(AppendStep(*run, "train_step", resp));
-  Record(*run, "TrainStep", req.request_id(), resp);
+  CommitStep(*run, "TrainStep", "train_step", req.request_id(), &resp);
   return resp;
 }
 

@@ -74,6 +74,12 @@ class Coordinator {
   void Record(RunState& run, const std::string& method, const std::string& request_id,
               const google::protobuf::Message& response);
   int64_t AppendStep(RunState& run, const std::string& kind, const v1::StepResponse& step);
+  // After a successful optimizer step: learner version, history, watchers, exactly-once record.
+  void CommitStep(RunState& run, const std::string& method, const std::string& kind,
+                  const std::string& request_id, v1::StepResponse* resp);
+  // Validates loss and datums; the batch-wide loss denominators.
+  absl::StatusOr<BatchTotals> ValidatedTotals(
+      const google::protobuf::RepeatedPtrField<v1::Datum>& datums, const v1::LossConfig& loss);
 
   std::vector<std::unique_ptr<WorkerClient>> workers_;
   CoordinatorOptions options_;

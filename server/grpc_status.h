@@ -2,14 +2,26 @@
 #ifndef LORASTEP_SERVER_GRPC_STATUS_H_
 #define LORASTEP_SERVER_GRPC_STATUS_H_
 
+#include <grpcpp/client_context.h>
 #include <grpcpp/support/status.h>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace lorastep {
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// One blocking unary call on a generated stub, as absl::StatusOr.
+template <typename Resp, typename Stub, typename Req, typename Method>
+absl::StatusOr<Resp> CallUnary(Stub* stub, Method method, const Req& req) {
+  grpc::ClientContext ctx;
+  Resp resp;
+  grpc::Status s = (stub->*method)(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return resp;
+}
 
 }  // namespace lorastep
 

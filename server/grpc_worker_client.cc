@@ -8,19 +8,6 @@
 #include "server/grpc_status.h"
 
 namespace lorastep {
-namespace {
-
-template <typename Req, typename Resp, typename Method>
-absl::StatusOr<Resp> Call(v1::Worker::Stub* stub, Method method, const Req& req) {
-  grpc::ClientContext ctx;
-  Resp resp;
-  grpc::Status s = (stub->*method)(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpcStatus(s);
-  return resp;
-}
-
-}  // namespace
-
 GrpcWorkerClient::GrpcWorkerClient(const std::string& address) : address_(address) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);
@@ -38,43 +25,43 @@ absl::Status GrpcWorkerClient::WaitReady(int timeout_seconds) {
 }
 
 absl::StatusOr<v1::WorkerInfo> GrpcWorkerClient::Info() {
-  return Call<v1::WorkerInfoRequest, v1::WorkerInfo>(stub_.get(), &v1::Worker::Stub::Info,
+  return CallUnary<v1::WorkerInfo>(stub_.get(), &v1::Worker::Stub::Info,
                                                      v1::WorkerInfoRequest());
 }
 absl::Status GrpcWorkerClient::CreateRun(const v1::WorkerCreateRunRequest& req) {
-  return Call<v1::WorkerCreateRunRequest, v1::WorkerCreateRunResponse>(
+  return CallUnary<v1::WorkerCreateRunResponse>(
              stub_.get(), &v1::Worker::Stub::CreateRun, req)
       .status();
 }
 absl::StatusOr<v1::ForwardBackwardResponse> GrpcWorkerClient::ForwardBackward(
     const v1::WorkerForwardBackwardRequest& req) {
-  return Call<v1::WorkerForwardBackwardRequest, v1::ForwardBackwardResponse>(
+  return CallUnary<v1::ForwardBackwardResponse>(
       stub_.get(), &v1::Worker::Stub::ForwardBackward, req);
 }
 absl::StatusOr<v1::ForwardBackwardResponse> GrpcWorkerClient::Forward(
     const v1::WorkerForwardRequest& req) {
-  return Call<v1::WorkerForwardRequest, v1::ForwardBackwardResponse>(
+  return CallUnary<v1::ForwardBackwardResponse>(
       stub_.get(), &v1::Worker::Stub::Forward, req);
 }
 absl::StatusOr<v1::StepResponse> GrpcWorkerClient::OptimStep(const v1::WorkerOptimStepRequest& req) {
-  return Call<v1::WorkerOptimStepRequest, v1::StepResponse>(stub_.get(),
+  return CallUnary<v1::StepResponse>(stub_.get(),
                                                             &v1::Worker::Stub::OptimStep, req);
 }
 absl::StatusOr<v1::StepResponse> GrpcWorkerClient::TrainStep(const v1::WorkerTrainStepRequest& req) {
-  return Call<v1::WorkerTrainStepRequest, v1::StepResponse>(stub_.get(),
+  return CallUnary<v1::StepResponse>(stub_.get(),
                                                             &v1::Worker::Stub::TrainStep, req);
 }
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::SaveState(const v1::WorkerPathRequest& req) {
-  return Call<v1::WorkerPathRequest, v1::WorkerPathResponse>(stub_.get(),
+  return CallUnary<v1::WorkerPathResponse>(stub_.get(),
                                                              &v1::Worker::Stub::SaveState, req);
 }
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::LoadState(const v1::WorkerPathRequest& req) {
-  return Call<v1::WorkerPathRequest, v1::WorkerPathResponse>(stub_.get(),
+  return CallUnary<v1::WorkerPathResponse>(stub_.get(),
                                                              &v1::Worker::Stub::LoadState, req);
 }
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::ExportAdapter(
     const v1::WorkerPathRequest& req) {
-  return Call<v1::WorkerPathRequest, v1::WorkerPathResponse>(
+  return CallUnary<v1::WorkerPathResponse>(
       stub_.get(), &v1::Worker::Stub::ExportAdapter, req);
 }
 

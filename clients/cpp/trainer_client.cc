@@ -17,15 +17,6 @@
 namespace lorastep {
 namespace {
 
-template <typename Req, typename Resp, typename Method>
-absl::StatusOr<Resp> Call(v1::Trainer::Stub* stub, Method method, const Req& req) {
-  grpc::ClientContext ctx;
-  Resp resp;
-  grpc::Status s = (stub->*method)(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpcStatus(s);
-  return resp;
-}
-
 bool Transient(const absl::Status& s) {
   return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s);
 }
@@ -58,7 +49,7 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const std:
 
 #define LORASTEP_CLIENT_CALL(Method, Req, Resp)                              \
   absl::StatusOr<v1::Resp> TrainerClient::Method(const v1::Req& req) {       \
-    return Call<v1::Req, v1::Resp>(stub_.get(), &v1::Trainer::Stub::Method, req); \
+    return CallUnary<v1::Resp>(stub_.get(), &v1::Trainer::Stub::Method, req); \
   }
 LORASTEP_CLIENT_CALL(CreateRun, CreateRunRequest, Run)
 LORASTEP_CLIENT_CALL(ForwardBackward, ForwardBackwardRequest, ForwardBackwardResponse)
@@ -74,11 +65,11 @@ LORASTEP_CLIENT_CALL(GetStepMetrics, GetStepMetricsRequest, GetStepMetricsRespon
 absl::StatusOr<v1::Run> TrainerClient::GetRun(const std::string& run_id) {
   v1::GetRunRequest req;
   req.set_run_id(run_id);
-  return Call<v1::GetRunRequest, v1::Run>(stub_.get(), &v1::Trainer::Stub::GetRun, req);
+  return CallUnary<v1::Run>(stub_.get(), &v1::Trainer::Stub::GetRun, req);
 }
 
 absl::StatusOr<v1::ListRunsResponse> TrainerClient::ListRuns() {
-  return Call<v1::ListRunsRequest, v1::ListRunsResponse>(stub_.get(), &v1::Trainer::Stub::ListRuns,
+  return CallUnary<v1::ListRunsResponse>(stub_.get(), &v1::Trainer::Stub::ListRuns,
                                                          v1::ListRunsRequest());
 }
 
