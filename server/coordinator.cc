@@ -42,23 +42,33 @@ absl::Status RequireRequestId(const std::string& request_id) {
 
 }  // namespace
 
-Coordinator::Coordinator(std::vector<std::unique_ptr<WorkerClient>> workers,
-                         CoordinatorOptions options)
-    : workers_(std::move(workers)), options_(options) {}
-
-absl::Status Coordinator::Start() {
-  if (workers_.empty()) return absl::FailedPreconditionError("coordinator: no workers");
-  for (auto& w : workers_) {
-    LORASTEP_ASSIGN_OR_RETURN(v1::WorkerInfo info, w->Info());
-    if (model_path_.empty()) {
-      model_path_ = info.model_path();
-      vocab_size_ = info.vocab_size();
-    } else if (info.model_path() != model_path_) {
-      return absl::FailedPreconditionError(absl::StrCat("worker ", w->address(), " serves ",
-                                                        info.model_path(), ", not ", model_path_));
-    }
+absl::Status Coordinator::AddWorker(std::unique_ptr<WorkerClient> worker) {
+  LORASTEP_ASSIGN_OR_RETURN(v1::WorkerInfo info, worker->Info());
+  std::lock_guard<std::mutex> lock(mu_);
+  if (workers_.empty()) {
+    model_path_ = info.model_path();
+    vocab_size_ = info.vocab_size();
+  } else if (info.model_path() != model_path_ || info.vocab_size() != vocab_size_) {
+    return absl::FailedPreconditionError(absl::StrCat("worker ", worker->address(), " serves ",
+                                                      info.model_path(), ", not ", model_path_));
   }
+  workers_.push_back(std::move(worker));
   return absl::OkStatus();
+}
+
+size_t Coordinator::num_workers() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return workers_.size();
+}
+
+std::string Coordinator::model_path() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return model_path_;
+}
+
+int64_t Coordinator::vocab_size() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return vocab_size_;
 }
 
 absl::StatusOr<std::shared_ptr<Coordinator::RunState>> Coordinator::FindRun(
@@ -73,11 +83,14 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req) 
   LORASTEP_RETURN_IF_ERROR(RequireRequestId(req.request_id()));
   LoraConfig lora = LoraConfigFromProto(req.lora());
   LORASTEP_RETURN_IF_ERROR(ValidateLoraConfig(lora));
+  std::unique_lock<std::mutex> lock(mu_);
+  if (workers_.empty()) {
+    return absl::UnavailableError("coordinator: no workers registered yet; retry");
+  }
   if (!req.base_model().empty() && req.base_model() != model_path_) {
     return absl::InvalidArgumentError(absl::StrCat("base_model: workers serve '", model_path_,
                                                    "', not '", req.base_model(), "'"));
   }
-  std::unique_lock<std::mutex> lock(mu_);
   auto prior = create_requests_.find(req.request_id());
   if (prior != create_requests_.end()) {  // retried CreateRun: the run it made
     auto run = runs_.at(prior->second);
@@ -194,7 +207,7 @@ absl::StatusOr<BatchTotals> Coordinator::ValidatedTotals(
     const v1::LossConfig& loss_proto) {
   LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(loss_proto));
   std::vector<Datum> datums = DatumsFromProto(datums_proto);
-  LORASTEP_RETURN_IF_ERROR(ValidateBatch(datums, loss, vocab_size_, options_.limits));
+  LORASTEP_RETURN_IF_ERROR(ValidateBatch(datums, loss, vocab_size(), options_.limits));
   // The batch-wide denominators travel with it, so a shard normalizes like the whole batch
   // (data-parallel shards on several workers use the same totals).
   return ComputeBatchTotals(datums);
@@ -233,7 +246,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::Forwa
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
   std::vector<Datum> datums = DatumsFromProto(req.datums());
-  LORASTEP_RETURN_IF_ERROR(ValidateForwardBatch(datums, vocab_size_, options_.limits));
+  LORASTEP_RETURN_IF_ERROR(ValidateForwardBatch(datums, vocab_size(), options_.limits));
   v1::WorkerForwardRequest wreq;
   wreq.set_run_id(req.run_id());
   *wreq.mutable_datums() = req.datums();

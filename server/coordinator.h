@@ -38,9 +38,11 @@ class Coordinator {
  public:
   using Watcher = std::function<void(const v1::StepRecord&)>;
 
-  Coordinator(std::vector<std::unique_ptr<WorkerClient>> workers, CoordinatorOptions options);
-  // Reads each worker's model and vocabulary; every worker must serve the same model.
-  absl::Status Start();
+  explicit Coordinator(CoordinatorOptions options) : options_(options) {}
+  // Adds a worker (at start-up, or when a remote worker registers). Reads its model and
+  // vocabulary; every worker must serve the same model. New runs are spread over workers.
+  absl::Status AddWorker(std::unique_ptr<WorkerClient> worker);
+  size_t num_workers();
 
   absl::StatusOr<v1::Run> CreateRun(const v1::CreateRunRequest& req);
   absl::StatusOr<v1::Run> GetRun(const std::string& run_id);
@@ -62,7 +64,7 @@ class Coordinator {
   // After Unwatch returns, the watcher is not running and is never called again.
   void Unwatch(const std::string& run_id, int64_t watch_id);
 
-  const std::string& model_path() const { return model_path_; }
+  std::string model_path();
 
  private:
   struct RunState;
@@ -81,12 +83,14 @@ class Coordinator {
   absl::StatusOr<BatchTotals> ValidatedTotals(
       const google::protobuf::RepeatedPtrField<v1::Datum>& datums, const v1::LossConfig& loss);
 
-  std::vector<std::unique_ptr<WorkerClient>> workers_;
+  int64_t vocab_size();
+
   CoordinatorOptions options_;
+
+  std::mutex mu_;  // guards everything below
+  std::vector<std::unique_ptr<WorkerClient>> workers_;
   std::string model_path_;
   int64_t vocab_size_ = 0;
-
-  std::mutex mu_;  // guards runs_, create_requests_, creating_*, next_run_number_
   std::map<std::string, std::shared_ptr<RunState>> runs_;
   std::map<std::string, std::string> create_requests_;  // request_id -> run_id
   std::set<std::string> creating_ids_;       // run ids whose worker-side creation is in flight

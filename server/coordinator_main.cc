@@ -1,8 +1,11 @@
 // lorastep_coordinator: the public Trainer API. By default it starts one local worker
-// process on the given model; with --workers it uses running workers instead.
+// process on the given model; with --workers it uses running workers instead; with
+// --wait_for_workers it starts with none and waits for workers to register
+// (lorastep_worker --register_with this address).
 //   lorastep_coordinator --model DIR [--device cpu] [--dtype D] [--port 50051] [--host 127.0.0.1]
-//                        [--port_file F] [--workers host:port,host:port] [--worker_binary PATH]
-//                        [--max_tokens_per_microbatch N] [--worker_start_timeout_s 300]
+//                        [--port_file F] [--workers host:port,host:port] [--wait_for_workers]
+//                        [--worker_binary PATH] [--max_tokens_per_microbatch N]
+//                        [--worker_start_timeout_s 300]
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -12,6 +15,7 @@
 #include "server/coordinator.h"
 #include "server/coordinator_service.h"
 #include "server/grpc_worker_client.h"
+#include "server/registry_service.h"
 #include "server/child_server.h"
 #include "server/server_runner.h"
 
@@ -27,7 +31,7 @@ int main(int argc, char** argv) {
   std::optional<ChildServer> local;
   if (flags.count("workers")) {
     addresses = absl::StrSplit(flags["workers"], ',', absl::SkipEmpty());
-  } else {
+  } else if (!flags.count("wait_for_workers")) {
     if (flags["model"].empty()) {
       std::cerr << "lorastep_coordinator: --model (for the local worker) or --workers is required\n";
       return 2;
@@ -45,25 +49,28 @@ int main(int argc, char** argv) {
     local.emplace(std::move(started).value());
     addresses.push_back(local->address());
   }
-  std::vector<std::unique_ptr<WorkerClient>> workers;
+  Coordinator core{CoordinatorOptions()};
   for (const auto& a : addresses) {
     auto client = std::make_unique<GrpcWorkerClient>(a);
     if (auto s = client->WaitReady(60); !s.ok()) return fail(s);
-    workers.push_back(std::move(client));
+    if (auto s = core.AddWorker(std::move(client)); !s.ok()) return fail(s);
   }
-  Coordinator core(std::move(workers), CoordinatorOptions());
-  if (auto s = core.Start(); !s.ok()) return fail(s);
   CoordinatorService service(&core);
+  RegistryService registry(&core);
   int port = 0;
   auto server = StartGrpcServer(flags.count("host") ? flags["host"] : "127.0.0.1",
-                                flags.count("port") ? std::stoi(flags["port"]) : 50051, {&service},
-                                &port);
+                                flags.count("port") ? std::stoi(flags["port"]) : 50051,
+                                {&service, &registry}, &port);
   if (!server.ok()) return fail(server.status());
   if (flags.count("port_file")) {
     if (auto s = WritePortFile(flags["port_file"], port); !s.ok()) return fail(s);
   }
-  std::cerr << "lorastep_coordinator: serving " << core.model_path() << " on port " << port
-            << " with " << addresses.size() << " worker(s)\n";
+  if (addresses.empty()) {
+    std::cerr << "lorastep_coordinator: port " << port << ", waiting for workers to register\n";
+  } else {
+    std::cerr << "lorastep_coordinator: serving " << core.model_path() << " on port " << port
+              << " with " << addresses.size() << " worker(s)\n";
+  }
   WaitForShutdownSignal();
   std::cerr << "lorastep_coordinator: shutting down\n";
   (*server)->Shutdown();

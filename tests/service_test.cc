@@ -8,7 +8,11 @@
 
 #include <google/protobuf/util/message_differencer.h>
 
+#include <grpcpp/grpcpp.h>
+
 #include "clients/cpp/trainer_client.h"
+#include "lorastep/v1/worker.grpc.pb.h"
+#include "server/grpc_status.h"
 #include "lib/file_util.h"
 #include "lib/model_weights.h"
 #include "lib/safetensors.h"
@@ -399,6 +403,56 @@ TEST_F(ServiceTest, SaveLoadExportAndMetricsThroughTheApi) {
   ASSERT_OK(run.TrainStep(Batch(2), Ppo(), Adam()));
   watcher.join();
   EXPECT_EQ(seen, (std::vector<int64_t>{0, 1, 2}));
+}
+
+}  // namespace
+}  // namespace lorastep
+
+namespace lorastep {
+namespace {
+
+// A coordinator started with no worker waits for workers to register themselves.
+TEST(RegistrationTest, RemoteWorkersRegisterAndServeRuns) {
+  const std::string dir = ScratchDir("registry");
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  ModelConfig other = c;
+  other.vocab_size = 128;
+  ASSERT_OK(SaveModel(dir + "/other", other, RandomModelWeights(other, 2)));
+  ASSERT_OK_AND_ASSIGN(ChildServer coordinator,
+                       ChildServer::Start(Binary("server/lorastep_coordinator"),
+                                          {"--wait_for_workers"}, 60));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<TrainerClient> client,
+                       TrainerClient::Connect(coordinator.address()));
+  v1::CreateRunRequest early;
+  early.set_request_id("early");
+  *early.mutable_lora() = Lora();
+  EXPECT_THAT(client->CreateRun(early), StatusIs(absl::StatusCode::kUnavailable, "no workers"));
+
+  ASSERT_OK_AND_ASSIGN(ChildServer worker,
+                       ChildServer::Start(Binary("worker/lorastep_worker"),
+                                          {"--model", dir + "/model", "--register_with",
+                                           coordinator.address()},
+                                          60));
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 1));  // retries
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse step, run.TrainStep(Batch(0), Ppo(), Adam()));
+  EXPECT_EQ(step.learner_version(), 1);
+
+  // A worker serving another model is refused; an empty address is invalid.
+  ASSERT_OK_AND_ASSIGN(ChildServer stranger,
+                       ChildServer::Start(Binary("worker/lorastep_worker"),
+                                          {"--model", dir + "/other"}, 60));
+  auto channel = grpc::CreateChannel(coordinator.address(), grpc::InsecureChannelCredentials());
+  auto registry = v1::Registry::NewStub(channel);
+  v1::RegisterWorkerRequest req;
+  req.set_address(stranger.address());
+  EXPECT_THAT((CallUnary<v1::RegisterWorkerResponse>(registry.get(),
+                                                      &v1::Registry::Stub::RegisterWorker, req)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "serves"));
+  req.set_address("");
+  EXPECT_THAT((CallUnary<v1::RegisterWorkerResponse>(registry.get(),
+                                                      &v1::Registry::Stub::RegisterWorker, req)),
+              StatusIs(absl::StatusCode::kInvalidArgument, "address: required"));
 }
 
 }  // namespace

@@ -2,11 +2,44 @@
 // the internal Worker API.
 //   lorastep_worker --model DIR [--device cuda:0] [--dtype bfloat16] [--host 127.0.0.1]
 //                   [--port 0] [--port_file F] [--max_tokens_per_microbatch N] [--unfused_wgrad]
+//                   [--register_with COORDINATOR_HOST:PORT] [--advertise_host H]
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
 #include <iostream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "lorastep/v1/worker.grpc.pb.h"
+#include "server/grpc_status.h"
 
 #include "server/server_runner.h"
 #include "worker/worker_core.h"
 #include "worker/worker_service.h"
+
+namespace {
+
+// Announces this worker to a coordinator, retrying while the coordinator starts.
+absl::Status RegisterWithCoordinator(const std::string& coordinator, const std::string& self,
+                                     int timeout_seconds) {
+  auto channel = grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials());
+  auto stub = lorastep::v1::Registry::NewStub(channel);
+  lorastep::v1::RegisterWorkerRequest req;
+  req.set_address(self);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_seconds);
+  absl::Status last;
+  while (std::chrono::steady_clock::now() < deadline) {
+    auto r = lorastep::CallUnary<lorastep::v1::RegisterWorkerResponse>(
+        stub.get(), &lorastep::v1::Registry::Stub::RegisterWorker, req);
+    if (r.ok()) return absl::OkStatus();
+    last = r.status();
+    if (!absl::IsUnavailable(last)) return last;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("registering with ", coordinator, ": ", last.message()));
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace lorastep;
@@ -46,6 +79,16 @@ int main(int argc, char** argv) {
   }
   std::cerr << "lorastep_worker: serving " << options.model_path << " on port " << port << " ("
             << (*core)->base().device.str() << ")\n";
+  if (flags.count("register_with")) {
+    const std::string self = absl::StrCat(
+        flags.count("advertise_host") ? flags["advertise_host"] : (flags.count("host") ? flags["host"] : "127.0.0.1"),
+        ":", port);
+    if (auto s = RegisterWithCoordinator(flags["register_with"], self, 60); !s.ok()) {
+      std::cerr << "lorastep_worker: " << s << "\n";
+      (*server)->Shutdown();
+      return 1;
+    }
+  }
   WaitForShutdownSignal();
   (*server)->Shutdown();
   return 0;

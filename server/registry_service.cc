@@ -1,0 +1,31 @@
+#include "server/registry_service.h"
+
+#include <iostream>
+
+#include "lib/status_macros.h"
+#include "server/grpc_status.h"
+#include "server/grpc_worker_client.h"
+
+namespace lorastep {
+
+grpc::ServerUnaryReactor* RegistryService::RegisterWorker(grpc::CallbackServerContext* ctx,
+                                                          const v1::RegisterWorkerRequest* req,
+                                                          v1::RegisterWorkerResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  executor_.Submit([this, reactor, req, resp] {
+    absl::Status status = [&]() -> absl::Status {
+      if (req->address().empty()) return absl::InvalidArgumentError("address: required");
+      auto worker = std::make_unique<GrpcWorkerClient>(req->address());
+      LORASTEP_RETURN_IF_ERROR(worker->WaitReady(30));
+      LORASTEP_RETURN_IF_ERROR(core_->AddWorker(std::move(worker)));
+      resp->set_num_workers(static_cast<int64_t>(core_->num_workers()));
+      std::cerr << "lorastep_coordinator: worker " << req->address() << " registered ("
+                << resp->num_workers() << " in all)\n";
+      return absl::OkStatus();
+    }();
+    reactor->Finish(ToGrpcStatus(status));
+  });
+  return reactor;
+}
+
+}  // namespace lorastep
