@@ -4,6 +4,7 @@
 // per step; the median over --steps steps after one warm-up step is reported.
 //   service_overhead --address A --vocab V [--seqs 64] [--len 512] [--steps 5]
 //                    [--out F.json] [--machine M] [--command C] [--key overhead_fraction_cpu]
+//                    [--rank 32 (0 = full fine-tuning)] [--max_tokens 0 (worker default)]
 #include <algorithm>
 #include <chrono>
 #include <ctime>
@@ -28,8 +29,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   v1::LoraConfig lora;
-  lora.set_rank(32);
+  lora.set_rank(std::stoll(get("rank", "32")));  // 0 = full fine-tuning
   lora.set_alpha(32);
+  const int64_t max_tokens = std::stoll(get("max_tokens", "0"));
   auto run = RunSession::Create(client->get(), lora, 0);
   if (!run.ok()) {
     std::cerr << run.status() << "\n";
@@ -52,7 +54,7 @@ int main(int argc, char** argv) {
   std::vector<double> fractions, client_s, worker_s;
   for (int s = 0; s <= steps; ++s) {
     auto t0 = std::chrono::steady_clock::now();
-    auto r = run->TrainStep(batch, loss, adamw);
+    auto r = run->TrainStep(batch, loss, adamw, max_tokens);
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!r.ok()) {
       std::cerr << r.status() << "\n";
@@ -76,7 +78,8 @@ int main(int argc, char** argv) {
   j["library_versions"] = get("versions", "");
   j["command"] = get("command", "");
   j["model"] = get("model", "");
-  j["batch"] = {{"sequences", seqs}, {"tokens_per_sequence", len}, {"lora_rank", 32}};
+  j["batch"] = {{"sequences", seqs}, {"tokens_per_sequence", len}, {"lora_rank", lora.rank()},
+                {"max_tokens_per_microbatch", max_tokens}};
   j[get("key", "overhead_fraction")] = median;
   j["client_step_s"] = client_s;
   j["worker_step_s"] = worker_s;

@@ -323,7 +323,11 @@ absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWParams& params) {
   result.metrics.Add("lr:sum", step->lr);
   pending_backward_calls_ = 0;
   result.learner_version = optimizer_->steps_taken();
-  result.adapter_sha256 = AdapterSha256();
+  if (!adapter_->full_finetune() || options_.digest_full_finetune_steps) {
+    t0 = Clock::now();
+    result.adapter_sha256 = AdapterSha256();
+    result.metrics.Add("time_digest_s:sum", SecondsSince(t0));
+  }
   return result;
 }
 

@@ -60,3 +60,15 @@ if [[ " $STEPS " == *" service "* ]]; then
     bench/service_overhead.sh build-gpu qwen2.5-0.5b cuda bfloat16 "$OUT/service_overhead_gpu.json" \
     overhead_fraction_gpu | grep -E "overhead_fraction_gpu|client_step|worker_step" -A6 | head -24
 fi
+if [[ " $STEPS " == *" peer "* ]]; then
+  step "side by side: transformers + PEFT vs lorastep (0.5B shape, bf16, 64 x 512, micro-batch 8)"
+  [ -d /tmp/q05 ] || build-gpu/lorastep_genmodel --preset qwen2.5-0.5b --dtype bfloat16 --seed 1 --out /tmp/q05 >/dev/null
+  for mode in lora full; do
+    python3 bench/peft_step.py --model /tmp/q05 --mode $mode --out "$OUT/peer_$mode.json" 2>&1 | tail -1
+  done
+  for rank in 32 0; do
+    RANK=$rank MAX_TOKENS=4096 STEPS=3 MACHINE="$MACHINE" bench/service_overhead.sh build-gpu \
+      qwen2.5-0.5b cuda bfloat16 "$OUT/ours_rank$rank.json" overhead_fraction_gpu > /dev/null
+    python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print('lorastep rank',sys.argv[2],d['worker_step_s'])" "$OUT/ours_rank$rank.json" $rank
+  done
+fi

@@ -30,7 +30,8 @@ namespace lorastep {
 
 struct CoordinatorOptions {
   size_t max_step_history = 10000;       // step records kept per run
-  size_t max_recorded_requests = 4096;   // request_ids remembered per run for retries
+  // request_ids remembered per run for retries; each keeps its whole response (log-probs).
+  size_t max_recorded_requests = 256;
   BatchLimits limits;
 };
 

@@ -164,6 +164,8 @@ TEST_F(TrainerTest, ForwardBackwardCallsThenOptimStepEqualOneTrainStep) {
   EXPECT_GT(a.metrics.Get("tokens_loss:sum"), 0);
   EXPECT_TRUE(a.metrics.Has("pg_clipfrac:mean"));
   EXPECT_TRUE(a.metrics.Has("time_backward_s:sum"));
+  EXPECT_TRUE(a.metrics.Has("time_digest_s:sum"));
+  EXPECT_EQ(a.adapter_sha256.size(), 64u);
 }
 
 TEST_F(TrainerTest, BadCallsChangeNothing) {
@@ -251,7 +253,9 @@ TEST_F(TrainerTest, FullFinetuneRankZeroTrainsEveryWeight) {
   EXPECT_EQ(n, 2 + 12 * 2u);  // embed + final norm; per layer 2 norms, 7 linears, 3 biases
   std::vector<at::Tensor> before;
   for (const auto& p : trainer->adapter().parameters()) before.push_back(p.value.detach().clone());
-  ASSERT_OK(trainer->TrainStep(RlBatch(0, 96), Ppo(), Adam()));
+  ASSERT_OK_AND_ASSIGN(OptimStepResult step, trainer->TrainStep(RlBatch(0, 96), Ppo(), Adam()));
+  EXPECT_EQ(step.adapter_sha256, "");  // per-step digest skipped for full fine-tuning
+  EXPECT_FALSE(step.metrics.Has("time_digest_s:sum"));
   for (size_t i = 0; i < n; ++i) {
     EXPECT_FALSE(at::equal(before[i], trainer->adapter().parameters()[i].value))
         << trainer->adapter().parameters()[i].name;
