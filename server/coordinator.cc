@@ -35,6 +35,13 @@ int64_t NowMs() {
       .count();
 }
 
+v1::WorkerPathRequest PathRequest(const std::string& run_id, const std::string& path) {
+  v1::WorkerPathRequest req;
+  req.set_run_id(run_id);
+  req.set_path(path);
+  return req;
+}
+
 absl::Status RequireRequestId(const std::string& request_id) {
   if (request_id.empty()) return absl::InvalidArgumentError("request_id: required for this call");
   return absl::OkStatus();
@@ -298,9 +305,7 @@ absl::StatusOr<v1::SaveStateResponse> Coordinator::SaveState(const v1::SaveState
   if (req.path().empty()) return absl::InvalidArgumentError("path: required");
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
-  v1::WorkerPathRequest wreq;
-  wreq.set_run_id(req.run_id());
-  wreq.set_path(req.path());
+  const v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
   LORASTEP_ASSIGN_OR_RETURN(v1::WorkerPathResponse w, run->worker->SaveState(wreq));
   v1::SaveStateResponse resp;
   resp.set_path(req.path());
@@ -316,9 +321,7 @@ absl::StatusOr<v1::Run> Coordinator::LoadState(const v1::LoadStateRequest& req) 
   LORASTEP_ASSIGN_OR_RETURN(bool replayed,
                             Replay(*run, "LoadState", req.request_id(), req.sequence_id(), &resp));
   if (replayed) return resp;
-  v1::WorkerPathRequest wreq;
-  wreq.set_run_id(req.run_id());
-  wreq.set_path(req.path());
+  const v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
   LORASTEP_ASSIGN_OR_RETURN(v1::WorkerPathResponse w, run->worker->LoadState(wreq));
   run->run.set_learner_version(w.learner_version());
   run->run.set_pending_forward_backward(0);
@@ -332,9 +335,7 @@ absl::StatusOr<v1::ExportAdapterResponse> Coordinator::ExportAdapter(
   if (req.path().empty()) return absl::InvalidArgumentError("path: required");
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
-  v1::WorkerPathRequest wreq;
-  wreq.set_run_id(req.run_id());
-  wreq.set_path(req.path());
+  const v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
   LORASTEP_ASSIGN_OR_RETURN(v1::WorkerPathResponse w, run->worker->ExportAdapter(wreq));
   v1::ExportAdapterResponse resp;
   resp.set_path(req.path());
