@@ -38,6 +38,9 @@ class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction
       at::Tensor p = at::exp(cs.logits - cs.lse.unsqueeze(1));
       entropy.narrow(0, start, n).copy_(cs.lse - (p * cs.logits).sum(1));
     }
+    // Leave the gradient of an unused output (entropy, when its coefficient is 0) undefined
+    // rather than a tensor of zeros: backward then skips its passes over [chunk, V].
+    ctx->set_materialize_grads(false);
     ctx->saved_data["chunk"] = chunk;
     ctx->saved_data["fused"] = fused;
     ctx->saved_data["fp32_dgrad"] = fp32_dgrad;

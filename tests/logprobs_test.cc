@@ -100,3 +100,22 @@ TEST(ChunkedTokenScoresTest, PeakMemoryIsBoundedByTheChunk) {
 
 }  // namespace
 }  // namespace lorastep
+
+namespace lorastep {
+namespace {
+
+// With only log-probs used, backward gets no entropy gradient and must still be exact.
+TEST(ChunkedTokenScoresTest, UnusedEntropyOutputNeedsNoGradient) {
+  const int64_t t = 9, h = 8, v = 20;
+  at::Tensor hidden = at::randn({t, h}).requires_grad_(true);
+  at::Tensor w = at::randn({v, h});
+  at::Tensor targets = at::randint(0, v, {t}, at::kLong);
+  TokenScores s = ChunkedTokenScores(hidden, w, at::Tensor(), targets, 4, GradOptions{});
+  s.logprobs.sum().backward();
+  at::Tensor h2 = hidden.detach().clone().requires_grad_(true);
+  at::log_softmax(at::matmul(h2, w.t()), -1).gather(1, targets.unsqueeze(1)).sum().backward();
+  EXPECT_LT(::lorastep::testing::RelErr(hidden.grad(), h2.grad()), 1e-5);
+}
+
+}  // namespace
+}  // namespace lorastep
