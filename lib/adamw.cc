@@ -15,12 +15,6 @@ AdamW::AdamW(Adapter* adapter) : adapter_(adapter) {
   }
 }
 
-void AdamW::PublishMasterToParameters() {
-  at::NoGradGuard no_grad;
-  auto& params = adapter_->parameters();
-  for (size_t i = 0; i < params.size(); ++i) params[i].value.copy_(master_[i]);
-}
-
 absl::StatusOr<OptimizerStepResult> AdamW::Step(const AdamWParams& p) {
   auto valid = ValidateAdamWParams(p);
   if (!valid.ok()) return valid;

@@ -35,8 +35,6 @@ class AdamW {
   std::vector<at::Tensor>& master() { return master_; }
   std::vector<at::Tensor>& exp_avg() { return exp_avg_; }
   std::vector<at::Tensor>& exp_avg_sq() { return exp_avg_sq_; }
-  // Copies master weights into the adapter's values (after a state load).
-  void PublishMasterToParameters();
 
  private:
   Adapter* adapter_;

@@ -171,6 +171,4 @@ absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name) {
   return c;
 }
 
-std::vector<std::string> ModelConfigPresetNames() { return {"tiny", "small", "qwen2.5-0.5b"}; }
-
 }  // namespace lorastep

@@ -40,7 +40,6 @@ std::string ModelConfigToJson(const ModelConfig& config);
 // Named shapes: "tiny" (fast CPU tests), "small" (CPU demo), "qwen2.5-0.5b" (the miles
 // example's shape: 24 layers, H 896, FFN 4864, 14 heads, 2 KV groups, vocab 151936).
 absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name);
-std::vector<std::string> ModelConfigPresetNames();
 
 }  // namespace lorastep
 

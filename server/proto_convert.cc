@@ -29,16 +29,6 @@ std::vector<Datum> DatumsFromProto(const google::protobuf::RepeatedPtrField<v1::
   return out;
 }
 
-void DatumToProto(const Datum& d, v1::Datum* out) {
-  out->mutable_tokens()->Add(d.tokens.begin(), d.tokens.end());
-  out->mutable_target_tokens()->Add(d.target_tokens.begin(), d.target_tokens.end());
-  out->mutable_weights()->Add(d.weights.begin(), d.weights.end());
-  out->mutable_logprobs()->Add(d.logprobs.begin(), d.logprobs.end());
-  out->mutable_advantages()->Add(d.advantages.begin(), d.advantages.end());
-  out->mutable_ref_logprobs()->Add(d.ref_logprobs.begin(), d.ref_logprobs.end());
-  out->mutable_old_logprobs()->Add(d.old_logprobs.begin(), d.old_logprobs.end());
-}
-
 absl::StatusOr<LossConfig> LossConfigFromProto(const v1::LossConfig& p) {
   LossConfig c;
   LORASTEP_ASSIGN_OR_RETURN(c.kind, ParseLossKind(p.loss_fn().empty() ? "cross_entropy" : p.loss_fn()));

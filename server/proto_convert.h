@@ -19,7 +19,6 @@
 namespace lorastep {
 
 std::vector<Datum> DatumsFromProto(const google::protobuf::RepeatedPtrField<v1::Datum>& datums);
-void DatumToProto(const Datum& datum, v1::Datum* out);
 absl::StatusOr<LossConfig> LossConfigFromProto(const v1::LossConfig& proto);
 // Unset fields take AdamWParams' defaults; the result is validated.
 absl::StatusOr<AdamWParams> AdamWParamsFromProto(const v1::AdamWParams& proto);

@@ -21,11 +21,6 @@ void SerialExecutor::Submit(std::function<void()> task) {
   cv_.notify_one();
 }
 
-size_t SerialExecutor::queued() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return tasks_.size();
-}
-
 void SerialExecutor::Loop() {
   for (;;) {
     std::function<void()> task;

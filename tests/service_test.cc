@@ -13,6 +13,7 @@
 #include "clients/cpp/trainer_client.h"
 #include "lorastep/v1/worker.grpc.pb.h"
 #include "server/grpc_status.h"
+#include "server/proto_convert.h"
 #include "lib/file_util.h"
 #include "lib/model_weights.h"
 #include "lib/safetensors.h"
@@ -142,15 +143,8 @@ TEST_F(ServiceTest, TrainStepOverGrpcEqualsLibDirectly) {
   for (int step = 0; step < 3; ++step) {
     std::vector<v1::Datum> batch = Batch(step);
     ASSERT_OK_AND_ASSIGN(v1::StepResponse remote, run.TrainStep(batch, Ppo(), Adam()));
-    std::vector<Datum> datums;
-    for (const auto& d : batch) {
-      Datum x;
-      x.tokens.assign(d.tokens().begin(), d.tokens().end());
-      x.target_tokens.assign(d.target_tokens().begin(), d.target_tokens().end());
-      x.logprobs.assign(d.logprobs().begin(), d.logprobs().end());
-      x.advantages.assign(d.advantages().begin(), d.advantages().end());
-      datums.push_back(x);
-    }
+    google::protobuf::RepeatedPtrField<v1::Datum> batch_proto(batch.begin(), batch.end());
+    std::vector<Datum> datums = DatumsFromProto(batch_proto);
     ASSERT_OK_AND_ASSIGN(OptimStepResult direct, local->TrainStep(datums, loss, adam));
     EXPECT_EQ(remote.adapter_sha256(), direct.adapter_sha256) << step;
     EXPECT_EQ(remote.learner_version(), direct.learner_version);
