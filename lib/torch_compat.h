@@ -53,6 +53,15 @@ using MemoryTotal = size_t;
 using MemoryTotal = int64_t;
 #endif
 
+// c10d's collective backend base class: ProcessGroupGloo/NCCL derive from ProcessGroup in
+// 1.13 and from Backend since 2.0 (same allreduce/allgather/send/recv/barrier methods).
+// A macro, so this header needs no c10d include.
+#if LORASTEP_TORCH_AT_LEAST(2, 0)
+#define LORASTEP_C10D_BACKEND ::c10d::Backend
+#else
+#define LORASTEP_C10D_BACKEND ::c10d::ProcessGroup
+#endif
+
 }  // namespace compat
 }  // namespace lorastep
 

@@ -27,14 +27,7 @@ namespace {
 using ::lorastep::testing::ScratchDir;
 using ::lorastep::testing::StatusIs;
 
-// Server binaries: $LORASTEP_BIN_DIR (CMake build folder), else Bazel's runfiles.
-std::string Binary(const std::string& bazel_path) {
-  if (const char* dir = std::getenv("LORASTEP_BIN_DIR")) {
-    return std::string(dir) + "/" + bazel_path.substr(bazel_path.rfind('/') + 1);
-  }
-  const char* runfiles = std::getenv("TEST_SRCDIR");
-  return std::string(runfiles != nullptr ? runfiles : ".") + "/lorastep/" + bazel_path;
-}
+std::string Binary(const std::string& bazel_path) { return lorastep::testing::TestBinary(bazel_path); }
 
 v1::Datum MakeDatum(int i, int step, int n, int64_t vocab) {
   v1::Datum d;

@@ -44,6 +44,16 @@ MATCHER_P2(StatusIs, code, substring, "") {
   return s.code() == code && s.message().find(substring) != absl::string_view::npos;
 }
 
+// A binary built with the tests: $LORASTEP_BIN_DIR (CMake build folder), else Bazel's
+// runfiles. `bazel_path` is the label's path, e.g. "worker/lorastep_worker".
+inline std::string TestBinary(const std::string& bazel_path) {
+  if (const char* dir = std::getenv("LORASTEP_BIN_DIR")) {
+    return std::string(dir) + "/" + bazel_path.substr(bazel_path.rfind('/') + 1);
+  }
+  const char* runfiles = std::getenv("TEST_SRCDIR");
+  return std::string(runfiles != nullptr ? runfiles : ".") + "/lorastep/" + bazel_path;
+}
+
 // A fresh, empty folder for one test.
 inline std::string ScratchDir(const std::string& name) {
   const char* base = std::getenv("TEST_TMPDIR");

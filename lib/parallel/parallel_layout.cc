@@ -1,0 +1,147 @@
+#include "lib/parallel/parallel_layout.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace lorastep {
+
+const char* GroupKindName(GroupKind kind) {
+  switch (kind) {
+    case GroupKind::kTensor: return "tensor";
+    case GroupKind::kData: return "data";
+    case GroupKind::kPipeline: return "pipeline";
+    case GroupKind::kStage: return "stage";
+    case GroupKind::kModelParallel: return "model_parallel";
+    case GroupKind::kWorld: return "world";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<ParallelLayout> ParallelLayout::Create(const ParallelSizes& sizes, int world_size) {
+  if (sizes.tp < 1) return absl::InvalidArgumentError(absl::StrCat("tp: must be >= 1, got ", sizes.tp));
+  if (sizes.pp < 1) return absl::InvalidArgumentError(absl::StrCat("pp: must be >= 1, got ", sizes.pp));
+  if (sizes.dp < 1) return absl::InvalidArgumentError(absl::StrCat("dp: must be >= 1, got ", sizes.dp));
+  if (static_cast<int64_t>(sizes.tp) * sizes.pp * sizes.dp != world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("world_size: ", world_size, " != tp * pp * dp = ",
+                                                   sizes.tp, " * ", sizes.pp, " * ", sizes.dp));
+  }
+  return ParallelLayout(sizes);
+}
+
+RankCoords ParallelLayout::Coords(int rank) const {
+  RankCoords c;
+  c.tp = rank % sizes_.tp;
+  c.dp = (rank / sizes_.tp) % sizes_.dp;
+  c.pp = rank / (sizes_.tp * sizes_.dp);
+  return c;
+}
+
+int ParallelLayout::Rank(const RankCoords& c) const {
+  return c.tp + sizes_.tp * (c.dp + sizes_.dp * c.pp);
+}
+
+namespace {
+
+// Whether ranks with coordinates a and b fall into the same group of `kind`.
+bool SameGroup(GroupKind kind, const RankCoords& a, const RankCoords& b) {
+  switch (kind) {
+    case GroupKind::kTensor: return a.pp == b.pp && a.dp == b.dp;
+    case GroupKind::kData: return a.pp == b.pp && a.tp == b.tp;
+    case GroupKind::kPipeline: return a.tp == b.tp && a.dp == b.dp;
+    case GroupKind::kStage: return a.pp == b.pp;
+    case GroupKind::kModelParallel: return a.dp == b.dp;
+    case GroupKind::kWorld: return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+std::vector<int> ParallelLayout::Group(GroupKind kind, int rank) const {
+  const RankCoords me = Coords(rank);
+  std::vector<int> ranks;
+  for (int r = 0; r < world_size(); ++r) {
+    if (SameGroup(kind, me, Coords(r))) ranks.push_back(r);
+  }
+  return ranks;
+}
+
+std::vector<std::vector<int>> ParallelLayout::Groups(GroupKind kind) const {
+  std::vector<std::vector<int>> groups;
+  std::vector<bool> seen(world_size(), false);
+  for (int r = 0; r < world_size(); ++r) {
+    if (seen[r]) continue;
+    groups.push_back(Group(kind, r));
+    for (int m : groups.back()) seen[m] = true;
+  }
+  return groups;
+}
+
+int ParallelLayout::GroupIndex(GroupKind kind, int rank) const {
+  const auto groups = Groups(kind);
+  for (size_t i = 0; i < groups.size(); ++i) {
+    for (int m : groups[i]) {
+      if (m == rank) return static_cast<int>(i);
+    }
+  }
+  return -1;
+}
+
+std::string ParallelLayout::ToString() const {
+  return absl::StrCat("tp", sizes_.tp, " x pp", sizes_.pp, " x dp", sizes_.dp);
+}
+
+std::pair<int64_t, int64_t> EvenRange(int64_t total, int parts, int index) {
+  const int64_t base = total / parts, extra = total % parts;
+  const int64_t begin = index * base + std::min<int64_t>(index, extra);
+  return {begin, begin + base + (index < extra ? 1 : 0)};
+}
+
+absl::Status ValidateLayoutForModel(const ParallelSizes& sizes, const ModelConfig& c) {
+  if (c.num_attention_heads % sizes.tp != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("tp: ", sizes.tp, " does not divide num_attention_heads ",
+                                                   c.num_attention_heads));
+  }
+  if (c.num_key_value_heads % sizes.tp != 0 && sizes.tp % c.num_key_value_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tp: ", sizes.tp, " neither divides nor is a multiple of num_key_value_heads ",
+        c.num_key_value_heads));
+  }
+  if (c.intermediate_size % sizes.tp != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("tp: ", sizes.tp, " does not divide intermediate_size ",
+                                                   c.intermediate_size));
+  }
+  if (sizes.tp > c.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("tp: ", sizes.tp, " exceeds vocab_size ", c.vocab_size));
+  }
+  if (sizes.pp > c.num_hidden_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("pp: ", sizes.pp, " exceeds num_hidden_layers ",
+                                                   c.num_hidden_layers));
+  }
+  return absl::OkStatus();
+}
+
+ModelShard MakeModelShard(const ParallelSizes& sizes, const RankCoords& coords,
+                          const ModelConfig& c) {
+  ModelShard s;
+  s.tp = sizes.tp;
+  s.tp_rank = coords.tp;
+  s.pp = sizes.pp;
+  s.pp_rank = coords.pp;
+  std::tie(s.layer_begin, s.layer_end) = EvenRange(c.num_hidden_layers, sizes.pp, coords.pp);
+  s.heads = c.num_attention_heads / sizes.tp;
+  s.head_begin = s.heads * coords.tp;
+  if (c.num_key_value_heads >= sizes.tp) {
+    s.kv_heads = c.num_key_value_heads / sizes.tp;
+    s.kv_head_begin = s.kv_heads * coords.tp;
+  } else {  // fewer KV heads than ranks: each rank keeps the one its query heads read
+    s.kv_heads = 1;
+    s.kv_head_begin = s.head_begin / (c.num_attention_heads / c.num_key_value_heads);
+  }
+  const int64_t ffn = c.intermediate_size / sizes.tp;
+  s.ffn_begin = ffn * coords.tp;
+  s.ffn_end = s.ffn_begin + ffn;
+  std::tie(s.vocab_begin, s.vocab_end) = EvenRange(c.vocab_size, sizes.tp, coords.tp);
+  return s;
+}
+
+}  // namespace lorastep

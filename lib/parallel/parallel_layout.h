@@ -1,0 +1,118 @@
+// Where every rank of a tensor x pipeline x data parallel mesh sits, and which ranks form
+// each communication group. No torch: the coordinator and the workers share it.
+//
+// Rank order is Megatron-LM's, tensor fastest, then data, then pipeline:
+//
+//   rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+//
+// so the ranks of one tensor group are adjacent (one host's NVLink domain in practice) and a
+// pipeline stage owns one contiguous block of tp * dp ranks. Example, tp=2 pp=2 dp=2:
+//
+//   stage 0: ranks 0..3   tensor groups {0,1} {2,3}   data groups {0,2} {1,3}
+//   stage 1: ranks 4..7   tensor groups {4,5} {6,7}   data groups {4,6} {5,7}
+//   pipeline groups {0,4} {1,5} {2,6} {3,7}; stage (tensor+data) groups {0..3} {4..7}
+//
+// Example:
+//   ASSIGN_OR_RETURN(ParallelLayout layout, ParallelLayout::Create({2, 2, 2}, 8));
+//   RankCoords c = layout.Coords(5);            // tp 1, dp 0, pp 1
+//   std::vector<int> g = layout.Group(GroupKind::kTensor, 5);   // {4, 5}
+//
+// Thread-safety: immutable after Create; safe to share.
+#ifndef LORASTEP_LIB_PARALLEL_PARALLEL_LAYOUT_H_
+#define LORASTEP_LIB_PARALLEL_PARALLEL_LAYOUT_H_
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "lib/model_config.h"
+
+namespace lorastep {
+
+struct ParallelSizes {
+  int tp = 1;  // tensor-parallel ranks (attention heads, FFN width, vocabulary split)
+  int pp = 1;  // pipeline stages (contiguous layer ranges)
+  int dp = 1;  // data-parallel replicas (the batch split by tokens)
+  int world() const { return tp * pp * dp; }
+};
+
+struct RankCoords {
+  int tp = 0;
+  int pp = 0;
+  int dp = 0;
+  bool operator==(const RankCoords& o) const { return tp == o.tp && pp == o.pp && dp == o.dp; }
+};
+
+enum class GroupKind {
+  kTensor,         // same stage and replica: shards of one model copy's layers
+  kData,           // same tensor rank and stage: replicas of the same shard
+  kPipeline,       // same tensor rank and replica: the stages of one model copy
+  kStage,          // same stage: tensor + data ranks (replicated LoRA factors reduce here)
+  kModelParallel,  // same replica: tensor x pipeline ranks (one whole model copy)
+  kWorld,
+};
+const char* GroupKindName(GroupKind kind);
+
+class ParallelLayout {
+ public:
+  // world_size must equal tp * pp * dp; each size >= 1. Errors name the field.
+  static absl::StatusOr<ParallelLayout> Create(const ParallelSizes& sizes, int world_size);
+  ParallelLayout() = default;  // world size 1
+
+  const ParallelSizes& sizes() const { return sizes_; }
+  int world_size() const { return sizes_.world(); }
+  RankCoords Coords(int rank) const;
+  int Rank(const RankCoords& coords) const;
+
+  // Ranks of `kind`'s group that contains `rank`, ascending.
+  std::vector<int> Group(GroupKind kind, int rank) const;
+  // Every group of `kind`, each ascending, in order of their smallest rank.
+  std::vector<std::vector<int>> Groups(GroupKind kind) const;
+  // Index of the group of `kind` containing `rank` among Groups(kind) (a stable name for it).
+  int GroupIndex(GroupKind kind, int rank) const;
+
+  bool IsFirstStage(int rank) const { return Coords(rank).pp == 0; }
+  bool IsLastStage(int rank) const { return Coords(rank).pp == sizes_.pp - 1; }
+
+  std::string ToString() const;  // "tp2 x pp2 x dp2"
+
+ private:
+  explicit ParallelLayout(ParallelSizes sizes) : sizes_(sizes) {}
+  ParallelSizes sizes_;
+};
+
+// Half-open range [begin, end) of `total` items that part `index` of `parts` gets: contiguous,
+// sizes differing by at most one, earlier parts larger.
+std::pair<int64_t, int64_t> EvenRange(int64_t total, int parts, int index);
+
+// Checks that `config` can be cut by `sizes`: tp divides num_attention_heads and
+// intermediate_size; num_key_value_heads divisible by tp, or tp divisible by it (each KV
+// head then replicated on tp / num_key_value_heads ranks); tp <= vocab_size;
+// pp <= num_hidden_layers. INVALID_ARGUMENT naming the flag ("tp: ...", "pp: ...").
+absl::Status ValidateLayoutForModel(const ParallelSizes& sizes, const ModelConfig& config);
+
+// How one rank's shard of the model is cut. Everything a model-parallel forward needs;
+// size 1 everywhere reproduces the whole model.
+struct ModelShard {
+  int tp = 1, tp_rank = 0;
+  int pp = 1, pp_rank = 0;
+  int64_t layer_begin = 0, layer_end = 0;  // this stage's decoder layers
+  int64_t heads = 0;                       // query heads on this rank
+  int64_t kv_heads = 0;                    // key/value heads on this rank
+  int64_t head_begin = 0;                  // first query head of this rank
+  int64_t kv_head_begin = 0;               // first key/value head of this rank
+  int64_t ffn_begin = 0, ffn_end = 0;      // intermediate (SwiGLU) columns
+  int64_t vocab_begin = 0, vocab_end = 0;  // embedding / LM-head rows
+  bool first_stage() const { return pp_rank == 0; }
+  bool last_stage() const { return pp_rank == pp - 1; }
+  bool whole() const { return tp == 1 && pp == 1; }
+};
+ModelShard MakeModelShard(const ParallelSizes& sizes, const RankCoords& coords,
+                          const ModelConfig& config);
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_PARALLEL_PARALLEL_LAYOUT_H_

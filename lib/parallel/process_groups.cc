@@ -1,0 +1,268 @@
+#include "lib/parallel/process_groups.h"
+
+#include <cstdlib>
+
+#if defined(LORASTEP_WITH_GLOO)
+#ifndef USE_C10D_GLOO
+#define USE_C10D_GLOO
+#endif
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+#if defined(LORASTEP_WITH_NCCL)
+#ifndef USE_C10D_NCCL
+#define USE_C10D_NCCL
+#endif
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "lib/status_macros.h"
+#include "lib/torch_compat.h"
+
+namespace lorastep {
+namespace c10d_impl {
+
+struct Handles {
+  c10::intrusive_ptr<::c10d::Store> store;
+  c10::intrusive_ptr<LORASTEP_C10D_BACKEND> backend;
+};
+
+}  // namespace c10d_impl
+
+namespace {
+
+::c10d::ReduceOp ToC10d(ReduceKind op) {
+  switch (op) {
+    case ReduceKind::kMax: return ::c10d::ReduceOp::MAX;
+    case ReduceKind::kMin: return ::c10d::ReduceOp::MIN;
+    case ReduceKind::kSum: break;
+  }
+  return ::c10d::ReduceOp::SUM;
+}
+
+bool LooksLikeTimeout(const std::string& what) {
+  for (const char* word : {"imed out", "imeout", "timeout"}) {
+    if (what.find(word) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// Runs one c10d call and waits for it, turning exceptions and timeouts into a status.
+template <typename Issue>
+absl::Status RunWork(CommGroup* group, const char* op, std::chrono::milliseconds timeout,
+                     Issue issue, absl::Status (CommGroup::*fail)(const char*, const std::string&, bool)) {
+  try {
+    c10::intrusive_ptr<::c10d::Work> work = issue();
+    if (!work->wait(timeout)) return (group->*fail)(op, "did not complete", true);
+    return absl::OkStatus();
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    return (group->*fail)(op, what.substr(0, what.find('\n')), LooksLikeTimeout(what));
+  }
+}
+
+}  // namespace
+
+CommGroup::CommGroup(GroupKind kind, int index, std::vector<int> ranks, int my_rank)
+    : kind_(kind), index_(index), ranks_(std::move(ranks)) {
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    if (ranks_[i] == my_rank) group_rank_ = static_cast<int>(i);
+  }
+}
+
+CommGroup::~CommGroup() = default;
+
+std::string CommGroup::name() const {
+  return absl::StrCat(GroupKindName(kind_), " group ", index_, " {", absl::StrJoin(ranks_, ","), "}");
+}
+
+absl::Status CommGroup::Check(const char* op) const {
+  if (broken_ != nullptr && *broken_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        op, " on ", name(), ": communicators are unusable after an earlier collective failure; "
+        "the mesh must be rebuilt"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CommGroup::Failed(const char* op, const std::string& what, bool timed_out) {
+  if (broken_ != nullptr) *broken_ = true;
+#if defined(LORASTEP_WITH_NCCL)
+  // A timed-out NCCL communicator may hold kernels that never finish: abort it.
+  if (handles_ != nullptr && handles_->backend) {
+    if (auto* nccl = dynamic_cast<::c10d::ProcessGroupNCCL*>(handles_->backend.get())) {
+      try {
+        nccl->abort();
+      } catch (...) {
+      }
+    }
+  }
+#endif
+  const std::string msg = absl::StrCat(op, " on ", name(), " (this rank ", ranks_[group_rank_],
+                                       "): ", timed_out ? "timed out after " : "failed: ",
+                                       timed_out ? absl::StrCat(timeout_.count(), " ms (a peer died or never arrived): ", what) : what);
+  return timed_out ? absl::DeadlineExceededError(msg) : absl::UnavailableError(msg);
+}
+
+absl::Status CommGroup::AllReduce(at::Tensor& tensor, ReduceKind op) {
+  if (size() == 1) return absl::OkStatus();
+  LORASTEP_RETURN_IF_ERROR(Check("allreduce"));
+  std::vector<at::Tensor> ts{tensor};
+  ::c10d::AllreduceOptions opts;
+  opts.reduceOp = ToC10d(op);
+  return RunWork(this, "allreduce", timeout_, [&] { return handles_->backend->allreduce(ts, opts); },
+                 &CommGroup::Failed);
+}
+
+absl::Status CommGroup::AllReduceCoalesced(std::vector<at::Tensor>& tensors, ReduceKind op) {
+  if (size() == 1 || tensors.empty()) return absl::OkStatus();
+  std::vector<at::Tensor> flat_parts;
+  for (const auto& t : tensors) flat_parts.push_back(t.reshape({-1}));
+  at::Tensor flat = at::cat(flat_parts);
+  LORASTEP_RETURN_IF_ERROR(AllReduce(flat, op));
+  int64_t offset = 0;
+  for (auto& t : tensors) {
+    t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<at::Tensor>> CommGroup::AllGather(const at::Tensor& tensor) {
+  if (size() == 1) return std::vector<at::Tensor>{tensor};
+  LORASTEP_RETURN_IF_ERROR(Check("allgather"));
+  std::vector<at::Tensor> in{tensor.contiguous()};
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int i = 0; i < size(); ++i) out[0].push_back(at::empty_like(in[0]));
+  LORASTEP_RETURN_IF_ERROR(RunWork(this, "allgather", timeout_,
+                                   [&] { return handles_->backend->allgather(out, in); },
+                                   &CommGroup::Failed));
+  return out[0];
+}
+
+absl::Status CommGroup::Broadcast(at::Tensor& tensor, int root) {
+  if (size() == 1) return absl::OkStatus();
+  LORASTEP_RETURN_IF_ERROR(Check("broadcast"));
+  std::vector<at::Tensor> ts{tensor};
+  ::c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  return RunWork(this, "broadcast", timeout_, [&] { return handles_->backend->broadcast(ts, opts); },
+                 &CommGroup::Failed);
+}
+
+absl::Status CommGroup::Send(const at::Tensor& tensor, int dst, int tag) {
+  LORASTEP_RETURN_IF_ERROR(Check("send"));
+  std::vector<at::Tensor> ts{tensor.contiguous()};
+  return RunWork(this, "send", timeout_, [&] { return handles_->backend->send(ts, dst, tag); },
+                 &CommGroup::Failed);
+}
+
+absl::Status CommGroup::Recv(at::Tensor& tensor, int src, int tag) {
+  LORASTEP_RETURN_IF_ERROR(Check("recv"));
+  at::Tensor buffer = tensor.is_contiguous() ? tensor : at::empty_like(tensor, at::MemoryFormat::Contiguous);
+  std::vector<at::Tensor> ts{buffer};
+  LORASTEP_RETURN_IF_ERROR(RunWork(this, "recv", timeout_,
+                                   [&] { return handles_->backend->recv(ts, src, tag); },
+                                   &CommGroup::Failed));
+  if (!buffer.is_same(tensor)) tensor.copy_(buffer);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(const ProcessGroupsOptions& options) {
+  const int world = options.layout.world_size();
+  if (options.rank < 0 || options.rank >= world) {
+    return absl::InvalidArgumentError(absl::StrCat("rank: ", options.rank, " not in [0, ", world, ")"));
+  }
+  auto groups = std::unique_ptr<ProcessGroups>(new ProcessGroups(options));
+  if (world > 1) {
+    const size_t colon = options.store_address.rfind(':');
+    int port = 0;
+    if (colon == std::string::npos ||
+        !absl::SimpleAtoi(options.store_address.substr(colon + 1), &port) || port <= 0 || port > 65535) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rendezvous: '", options.store_address, "' is not host:port"));
+    }
+    try {
+      ::c10d::TCPStoreOptions store_options;
+      store_options.port = static_cast<uint16_t>(port);
+      store_options.isServer = options.rank == 0;
+      store_options.numWorkers = world;
+      store_options.waitWorkers = false;
+      store_options.timeout = options.timeout;
+      groups->store_ = std::make_unique<c10d_impl::Handles>();
+      groups->store_->store = c10::make_intrusive<::c10d::TCPStore>(
+          options.store_address.substr(0, colon), store_options);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("rendezvous at ", options.store_address, ": ", e.what()));
+    }
+  }
+  LORASTEP_RETURN_IF_ERROR(groups->Build());
+  return groups;
+}
+
+ProcessGroups::ProcessGroups(ProcessGroupsOptions options) : options_(std::move(options)) {}
+ProcessGroups::~ProcessGroups() = default;
+
+CommGroup& ProcessGroups::group(GroupKind kind) { return *groups_.at(kind); }
+
+absl::Status ProcessGroups::Rebuild(int generation) {
+  generation_ = generation;
+  return Build();
+}
+
+absl::Status ProcessGroups::Build() {
+  groups_.clear();
+  broken_ = false;
+  const ParallelLayout& layout = options_.layout;
+  const at::Device device(options_.device);
+  for (GroupKind kind : {GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline,
+                         GroupKind::kStage, GroupKind::kModelParallel, GroupKind::kWorld}) {
+    const int index = layout.GroupIndex(kind, options_.rank);
+    auto group = std::make_unique<CommGroup>(kind, index, layout.Group(kind, options_.rank), options_.rank);
+    group->timeout_ = options_.timeout;
+    group->broken_ = &broken_;
+    if (group->size() > 1) {
+      // Each group rendezvous under its own key prefix; a new generation never meets the
+      // sockets of a failed one.
+      auto prefix = c10::make_intrusive<::c10d::PrefixStore>(
+          absl::StrCat("gen", generation_, "/", GroupKindName(kind), "/", index), store_->store);
+      group->handles_ = std::make_unique<c10d_impl::Handles>();
+      try {
+        if (device.is_cuda()) {
+#if defined(LORASTEP_WITH_NCCL)
+          // wait() honours the timeout and throws instead of hanging (DESIGN.md, H200 notes).
+          setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);
+          auto opts = ::c10d::ProcessGroupNCCL::Options::create();
+          opts->timeout = options_.timeout;
+          group->handles_->backend = c10::make_intrusive<::c10d::ProcessGroupNCCL>(
+              prefix, group->rank(), group->size(), opts);
+#else
+          return absl::UnimplementedError("device: CUDA collectives need a build with NCCL");
+#endif
+        } else {
+#if defined(LORASTEP_WITH_GLOO)
+          auto opts = ::c10d::ProcessGroupGloo::Options::create(options_.timeout);
+          opts->devices.push_back(::c10d::ProcessGroupGloo::createDeviceForHostname(options_.gloo_host));
+          group->handles_->backend = c10::make_intrusive<::c10d::ProcessGroupGloo>(
+              prefix, group->rank(), group->size(), opts);
+#else
+          return absl::UnimplementedError("device: CPU collectives need a build with gloo");
+#endif
+        }
+      } catch (const std::exception& e) {
+        broken_ = true;
+        const std::string what = e.what();
+        return absl::DeadlineExceededError(absl::StrCat("creating ", group->name(), ": ",
+                                                        what.substr(0, what.find('\n'))));
+      }
+    }
+    groups_[kind] = std::move(group);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace lorastep

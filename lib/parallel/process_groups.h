@@ -1,0 +1,126 @@
+// c10d communication groups of one rank of a ParallelLayout, with absl::Status errors and
+// timeouts: ProcessGroupGloo on CPU (Debian's LibTorch), ProcessGroupNCCL on CUDA (torch
+// 2.11). Rendezvous over a TCPStore served by rank 0 at the address the coordinator hands
+// every worker.
+//
+// Contract (as c10d's): every rank of a group must issue the same collectives on it in the
+// same order; a collective returns when this rank's part is done (synchronous: the caller's
+// stream/thread waits). The parallel engine guarantees the order by running one call at a
+// time per worker, and the coordinator sends every call to all ranks in one mesh-wide order.
+//
+// Failure: a peer that dies or never arrives makes the collective fail on every rank that
+// reached it within `timeout` (DEADLINE_EXCEEDED, or UNAVAILABLE for a lost connection),
+// never a hang. After a failure the group's communicator is unusable (NCCL is aborted);
+// every later collective on any group of this ProcessGroups fails fast with
+// FAILED_PRECONDITION until Rebuild() makes new communicators under a new store prefix.
+//
+// Example:
+//   ProcessGroupsOptions o{"127.0.0.1:29500", rank, layout, "cpu", absl::Seconds(60)};
+//   ASSIGN_OR_RETURN(auto groups, ProcessGroups::Create(o));
+//   RETURN_IF_ERROR(groups->group(GroupKind::kData).AllReduce(flat_grads));
+//
+// Thread-safety: not thread-safe; one thread issues collectives (the worker's executor).
+#ifndef LORASTEP_LIB_PARALLEL_PROCESS_GROUPS_H_
+#define LORASTEP_LIB_PARALLEL_PROCESS_GROUPS_H_
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lib/parallel/parallel_layout.h"
+
+namespace lorastep {
+
+namespace c10d_impl {
+struct Handles;  // c10d objects; kept out of this header (c10d headers compile slowly)
+}
+
+enum class ReduceKind { kSum, kMax, kMin };
+
+// One group of ranks this rank belongs to. Size 1: every collective is a local no-op.
+class CommGroup {
+ public:
+  CommGroup(GroupKind kind, int index, std::vector<int> ranks, int my_rank);
+  ~CommGroup();
+  CommGroup(const CommGroup&) = delete;
+  CommGroup& operator=(const CommGroup&) = delete;
+
+  GroupKind kind() const { return kind_; }
+  int size() const { return static_cast<int>(ranks_.size()); }
+  int rank() const { return group_rank_; }        // this rank's index in ranks()
+  const std::vector<int>& ranks() const { return ranks_; }  // global ranks, ascending
+  std::string name() const;  // "data group 1 {1,3}"
+
+  // In place over the group. One collective per call.
+  absl::Status AllReduce(at::Tensor& tensor, ReduceKind op = ReduceKind::kSum);
+  // Several tensors of one dtype and device in one collective (flattened, reduced, copied
+  // back); for many small tensors.
+  absl::Status AllReduceCoalesced(std::vector<at::Tensor>& tensors, ReduceKind op = ReduceKind::kSum);
+  // Every member's `tensor` (same shape everywhere), in group-rank order.
+  absl::StatusOr<std::vector<at::Tensor>> AllGather(const at::Tensor& tensor);
+  absl::Status Broadcast(at::Tensor& tensor, int root_group_rank);
+  // Point to point (pipeline activations). `tensor` shape and dtype agreed by both sides.
+  absl::Status Send(const at::Tensor& tensor, int dst_group_rank, int tag = 0);
+  absl::Status Recv(at::Tensor& tensor, int src_group_rank, int tag = 0);
+
+ private:
+  friend class ProcessGroups;
+  absl::Status Check(const char* op) const;
+  absl::Status Failed(const char* op, const std::string& what, bool timed_out);
+
+  GroupKind kind_;
+  int index_;
+  std::vector<int> ranks_;
+  int group_rank_ = 0;
+  std::chrono::milliseconds timeout_{0};
+  std::unique_ptr<c10d_impl::Handles> handles_;  // null for size 1
+  bool* broken_ = nullptr;                        // shared by all groups of a ProcessGroups
+};
+
+struct ProcessGroupsOptions {
+  std::string store_address;  // host:port of the TCPStore; rank 0 serves it
+  int rank = 0;
+  ParallelLayout layout;
+  std::string device = "cpu";  // "cpu" -> gloo; "cuda[:N]" -> NCCL
+  std::string gloo_host = "127.0.0.1";  // address gloo binds on this host (CPU meshes)
+  // Every collective and the rendezvous must finish within this, or fail on every rank.
+  std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+};
+
+class ProcessGroups {
+ public:
+  // Connects to the store and builds every group containing this rank (all ranks build the
+  // groups in the same kind order, so the rendezvous cannot deadlock).
+  static absl::StatusOr<std::unique_ptr<ProcessGroups>> Create(const ProcessGroupsOptions& options);
+  ~ProcessGroups();
+
+  const ParallelLayout& layout() const { return options_.layout; }
+  int rank() const { return options_.rank; }
+  RankCoords coords() const { return options_.layout.Coords(options_.rank); }
+  CommGroup& group(GroupKind kind);
+  bool broken() const { return broken_; }
+  int generation() const { return generation_; }
+
+  // New communicators for every group under generation `generation` (all ranks call it with
+  // the same value, after a failure). Groups of earlier generations are dropped.
+  absl::Status Rebuild(int generation);
+
+ private:
+  explicit ProcessGroups(ProcessGroupsOptions options);
+  absl::Status Build();
+
+  ProcessGroupsOptions options_;
+  std::unique_ptr<c10d_impl::Handles> store_;  // the TCPStore
+  std::map<GroupKind, std::unique_ptr<CommGroup>> groups_;
+  int generation_ = 0;
+  bool broken_ = false;
+};
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_PARALLEL_PROCESS_GROUPS_H_

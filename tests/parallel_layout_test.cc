@@ -1,0 +1,93 @@
+#include "lib/parallel/parallel_layout.h"
+
+#include <set>
+
+#include "tests/test_util.h"
+
+namespace lorastep {
+namespace {
+
+using ::lorastep::testing::StatusIs;
+using ::testing::ElementsAre;
+
+TEST(ParallelLayoutTest, MegatronOrderTensorFastest) {
+  ASSERT_OK_AND_ASSIGN(ParallelLayout l, ParallelLayout::Create({2, 2, 2}, 8));
+  EXPECT_EQ(l.Coords(0), (RankCoords{0, 0, 0}));
+  EXPECT_EQ(l.Coords(1), (RankCoords{1, 0, 0}));
+  EXPECT_EQ(l.Coords(2), (RankCoords{0, 0, 1}));
+  EXPECT_EQ(l.Coords(5), (RankCoords{1, 1, 0}));
+  for (int r = 0; r < 8; ++r) EXPECT_EQ(l.Rank(l.Coords(r)), r);
+  EXPECT_THAT(l.Group(GroupKind::kTensor, 5), ElementsAre(4, 5));
+  EXPECT_THAT(l.Group(GroupKind::kData, 5), ElementsAre(5, 7));
+  EXPECT_THAT(l.Group(GroupKind::kPipeline, 5), ElementsAre(1, 5));
+  EXPECT_THAT(l.Group(GroupKind::kStage, 5), ElementsAre(4, 5, 6, 7));
+  EXPECT_THAT(l.Group(GroupKind::kModelParallel, 5), ElementsAre(0, 1, 4, 5));
+  EXPECT_EQ(l.Groups(GroupKind::kTensor).size(), 4u);
+  EXPECT_EQ(l.GroupIndex(GroupKind::kStage, 5), 1);
+  EXPECT_TRUE(l.IsLastStage(5));
+  EXPECT_TRUE(l.IsFirstStage(3));
+}
+
+TEST(ParallelLayoutTest, GroupsPartitionTheWorld) {
+  ASSERT_OK_AND_ASSIGN(ParallelLayout l, ParallelLayout::Create({2, 3, 2}, 12));
+  for (GroupKind kind : {GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline,
+                         GroupKind::kStage, GroupKind::kModelParallel, GroupKind::kWorld}) {
+    std::multiset<int> seen;
+    for (const auto& g : l.Groups(kind)) seen.insert(g.begin(), g.end());
+    EXPECT_EQ(seen.size(), 12u) << GroupKindName(kind);
+    EXPECT_EQ(std::set<int>(seen.begin(), seen.end()).size(), 12u) << GroupKindName(kind);
+  }
+  EXPECT_EQ(l.Groups(GroupKind::kData)[0].size(), 2u);
+  EXPECT_EQ(l.Groups(GroupKind::kPipeline)[0].size(), 3u);
+}
+
+TEST(ParallelLayoutTest, InvalidSizesNameTheFlag) {
+  EXPECT_THAT(ParallelLayout::Create({2, 2, 2}, 6), StatusIs(absl::StatusCode::kInvalidArgument, "world_size"));
+  EXPECT_THAT(ParallelLayout::Create({0, 1, 1}, 0), StatusIs(absl::StatusCode::kInvalidArgument, "tp:"));
+  EXPECT_THAT(ParallelLayout::Create({1, -1, 1}, 1), StatusIs(absl::StatusCode::kInvalidArgument, "pp:"));
+  EXPECT_THAT(ParallelLayout::Create({1, 1, 0}, 0), StatusIs(absl::StatusCode::kInvalidArgument, "dp:"));
+}
+
+TEST(ParallelLayoutTest, ModelChecks) {
+  ASSERT_OK_AND_ASSIGN(ModelConfig c, ModelConfigPreset("tiny"));  // 4 heads, 2 KV, 2 layers
+  EXPECT_TRUE(ValidateLayoutForModel({2, 2, 2}, c).ok());
+  EXPECT_TRUE(ValidateLayoutForModel({4, 1, 1}, c).ok());  // KV heads replicated
+  EXPECT_THAT(ValidateLayoutForModel({3, 1, 1}, c),
+              StatusIs(absl::StatusCode::kInvalidArgument, "tp: 3 does not divide num_attention_heads"));
+  EXPECT_THAT(ValidateLayoutForModel({1, 3, 1}, c),
+              StatusIs(absl::StatusCode::kInvalidArgument, "pp: 3 exceeds num_hidden_layers"));
+  c.intermediate_size = 66;
+  EXPECT_THAT(ValidateLayoutForModel({4, 1, 1}, c),
+              StatusIs(absl::StatusCode::kInvalidArgument, "intermediate_size"));
+}
+
+TEST(ParallelLayoutTest, ShardsCoverTheModel) {
+  ASSERT_OK_AND_ASSIGN(ModelConfig c, ModelConfigPreset("tiny"));
+  c.num_hidden_layers = 5;
+  c.vocab_size = 97;
+  int64_t layers = 0, vocab = 0;
+  for (int pp = 0; pp < 2; ++pp) {
+    ModelShard s = MakeModelShard({2, 2, 1}, {0, pp, 0}, c);
+    EXPECT_EQ(s.layer_begin, layers);
+    layers = s.layer_end;
+  }
+  EXPECT_EQ(layers, 5);
+  for (int tp = 0; tp < 2; ++tp) {
+    ModelShard s = MakeModelShard({2, 1, 1}, {tp, 0, 0}, c);
+    EXPECT_EQ(s.vocab_begin, vocab);
+    vocab = s.vocab_end;
+    EXPECT_EQ(s.heads, 2);
+    EXPECT_EQ(s.head_begin, 2 * tp);
+    EXPECT_EQ(s.kv_heads, 1);
+    EXPECT_EQ(s.kv_head_begin, tp);
+    EXPECT_EQ(s.ffn_end - s.ffn_begin, 32);
+  }
+  EXPECT_EQ(vocab, 97);
+  // tp 4 > 2 KV heads: ranks 0,1 read KV head 0; ranks 2,3 KV head 1.
+  EXPECT_EQ(MakeModelShard({4, 1, 1}, {1, 0, 0}, c).kv_head_begin, 0);
+  EXPECT_EQ(MakeModelShard({4, 1, 1}, {2, 0, 0}, c).kv_head_begin, 1);
+  EXPECT_TRUE(MakeModelShard({1, 1, 4}, {0, 0, 3}, c).whole());
+}
+
+}  // namespace
+}  // namespace lorastep

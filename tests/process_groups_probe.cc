@@ -1,0 +1,109 @@
+// One rank of a real multi-process c10d test (driven by process_groups_test.cc):
+//   process_groups_probe SCENARIO RANK WORLD TP PP DP STORE_PORT TIMEOUT_MS
+// Prints "OK" and exits 0 when the scenario's checks hold on this rank; otherwise prints
+// what failed and exits 1. Scenario "missing_peer": the last rank leaves before the
+// collective; the others print "ERROR <code> <elapsed_ms>" for the error they got.
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <iostream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "lib/parallel/process_groups.h"
+
+namespace {
+
+using namespace lorastep;
+
+int Fail(const std::string& what) {
+  std::cout << "FAIL " << what << std::endl;
+  return 1;
+}
+
+// Each group kind: the SUM of (global rank + 1) over its members, and allgather order.
+int RunCollectives(ProcessGroups& groups) {
+  const int rank = groups.rank();
+  for (GroupKind kind : {GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline,
+                         GroupKind::kStage, GroupKind::kModelParallel, GroupKind::kWorld}) {
+    CommGroup& g = groups.group(kind);
+    double want = 0;
+    for (int r : g.ranks()) want += r + 1;
+    at::Tensor t = at::full({3}, rank + 1.0, at::kDouble);
+    if (auto s = g.AllReduce(t); !s.ok()) return Fail(s.ToString());
+    if (t[2].item<double>() != want) return Fail(absl::StrCat(g.name(), " sum ", t[2].item<double>()));
+    at::Tensor mx = at::full({1}, rank + 0.0, at::kFloat);
+    if (auto s = g.AllReduce(mx, ReduceKind::kMax); !s.ok()) return Fail(s.ToString());
+    if (mx.item<float>() != g.ranks().back()) return Fail(absl::StrCat(g.name(), " max"));
+    std::vector<at::Tensor> several{at::ones({2, 2}), at::full({3}, rank + 0.0)};
+    if (auto s = g.AllReduceCoalesced(several); !s.ok()) return Fail(s.ToString());
+    if (several[0][1][1].item<float>() != g.size()) return Fail(absl::StrCat(g.name(), " coalesced"));
+    auto gathered = g.AllGather(at::full({2}, rank + 0.0, at::kFloat));
+    if (!gathered.ok()) return Fail(gathered.status().ToString());
+    for (int i = 0; i < g.size(); ++i) {
+      if ((*gathered)[i][0].item<float>() != g.ranks()[i]) return Fail(absl::StrCat(g.name(), " gather"));
+    }
+    at::Tensor b = at::full({2}, rank + 0.0, at::kFloat);
+    if (auto s = g.Broadcast(b, 0); !s.ok()) return Fail(s.ToString());
+    if (b[0].item<float>() != g.ranks()[0]) return Fail(absl::StrCat(g.name(), " broadcast"));
+  }
+  // Pipeline point to point: each stage sends to the next.
+  CommGroup& pipe = groups.group(GroupKind::kPipeline);
+  if (pipe.size() > 1) {
+    if (pipe.rank() + 1 < pipe.size()) {
+      if (auto s = pipe.Send(at::full({4}, rank + 0.5, at::kFloat), pipe.rank() + 1); !s.ok()) {
+        return Fail(s.ToString());
+      }
+    }
+    if (pipe.rank() > 0) {
+      at::Tensor in = at::zeros({4}, at::kFloat);
+      if (auto s = pipe.Recv(in, pipe.rank() - 1); !s.ok()) return Fail(s.ToString());
+      if (in[3].item<float>() != pipe.ranks()[pipe.rank() - 1] + 0.5f) return Fail("recv value");
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 9) return Fail("usage");
+  const std::string scenario = argv[1];
+  const int rank = std::stoi(argv[2]), world = std::stoi(argv[3]);
+  ParallelSizes sizes{std::stoi(argv[4]), std::stoi(argv[5]), std::stoi(argv[6])};
+  auto layout = ParallelLayout::Create(sizes, world);
+  if (!layout.ok()) return Fail(layout.status().ToString());
+  ProcessGroupsOptions o;
+  o.store_address = absl::StrCat("127.0.0.1:", argv[7]);
+  o.rank = rank;
+  o.layout = *layout;
+  o.timeout = std::chrono::milliseconds(std::stoi(argv[8]));
+  auto groups = ProcessGroups::Create(o);
+  if (!groups.ok()) return Fail(groups.status().ToString());
+  if (scenario == "collectives") {
+    if (int rc = RunCollectives(**groups); rc != 0) return rc;
+    // After a rebuild (new generation) the groups work again.
+    if (auto s = (*groups)->Rebuild(1); !s.ok()) return Fail(s.ToString());
+    if (int rc = RunCollectives(**groups); rc != 0) return rc;
+  } else if (scenario == "missing_peer") {
+    if (rank == world - 1) {
+      std::cout << "LEFT" << std::endl;
+      return 0;  // never reaches the collective
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    at::Tensor t = at::ones({8});
+    absl::Status s = (*groups)->group(GroupKind::kWorld).AllReduce(t);
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                        std::chrono::steady_clock::now() - t0).count();
+    if (s.ok()) return Fail("allreduce without a peer succeeded");
+    // Later collectives fail fast until a rebuild.
+    absl::Status again = (*groups)->group(GroupKind::kWorld).AllReduce(t);
+    std::cout << "ERROR " << absl::StatusCodeToString(s.code()) << " " << ms << " "
+              << absl::StatusCodeToString(again.code()) << " | " << s.message() << std::endl;
+    return 0;
+  } else {
+    return Fail("unknown scenario");
+  }
+  std::cout << "OK" << std::endl;
+  return 0;
+}

@@ -1,0 +1,61 @@
+// Real processes, real c10d gloo groups over a TCPStore on loopback.
+#include <chrono>
+#include <cstdlib>
+
+#include "absl/strings/str_cat.h"
+#include "tests/process_runner.h"
+#include "tests/test_util.h"
+
+namespace lorastep {
+namespace {
+
+using ::lorastep::testing::FreeTcpPort;
+using ::lorastep::testing::RunProcesses;
+using ::lorastep::testing::ScratchDir;
+
+std::string ProbePath() { return lorastep::testing::TestBinary("tests/process_groups_probe"); }
+
+std::vector<std::vector<std::string>> Commands(const std::string& scenario, int tp, int pp, int dp,
+                                               int timeout_ms) {
+  const int world = tp * pp * dp, port = FreeTcpPort();
+  std::vector<std::vector<std::string>> cmds;
+  for (int r = 0; r < world; ++r) {
+    cmds.push_back({ProbePath(), scenario, std::to_string(r), std::to_string(world), std::to_string(tp),
+                    std::to_string(pp), std::to_string(dp), std::to_string(port),
+                    std::to_string(timeout_ms)});
+  }
+  return cmds;
+}
+
+TEST(ProcessGroupsTest, EveryGroupOfTp2Pp2Dp2) {
+  auto results = RunProcesses(Commands("collectives", 2, 2, 2, 60000), ScratchDir("pg8"), 240);
+  for (size_t r = 0; r < results.size(); ++r) {
+    EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ": " << results[r].output;
+    EXPECT_NE(results[r].output.find("OK"), std::string::npos) << "rank " << r << ": " << results[r].output;
+  }
+}
+
+TEST(ProcessGroupsTest, MissingPeerIsAnErrorOnEveryRankWithinTheTimeout) {
+  constexpr int kTimeoutMs = 3000;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto results = RunProcesses(Commands("missing_peer", 1, 1, 3, kTimeoutMs), ScratchDir("pgmiss"), 120);
+  const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(results.size(), 3u);
+  EXPECT_NE(results[2].output.find("LEFT"), std::string::npos) << results[2].output;
+  for (int r = 0; r < 2; ++r) {
+    const std::string& out = results[r].output;
+    EXPECT_EQ(results[r].exit_code, 0) << out;
+    ASSERT_NE(out.find("ERROR "), std::string::npos) << "rank " << r << ": " << out;
+    std::istringstream in(out.substr(out.find("ERROR ") + 6));
+    std::string code, again;
+    long ms = 0;
+    in >> code >> ms >> again;
+    EXPECT_TRUE(code == "DEADLINE_EXCEEDED" || code == "UNAVAILABLE") << out;
+    EXPECT_LE(ms, kTimeoutMs + 5000) << out;  // bounded by the timeout, never a hang
+    EXPECT_EQ(again, "FAILED_PRECONDITION") << out;  // broken until rebuilt
+  }
+  EXPECT_LT(wall_s, 60);
+}
+
+}  // namespace
+}  // namespace lorastep

@@ -1,0 +1,99 @@
+// Test helper: runs several real processes side by side (ranks of a c10d mesh), captures
+// each one's stdout, and waits for all of them with a deadline (stragglers are killed).
+#ifndef LORASTEP_TESTS_PROCESS_RUNNER_H_
+#define LORASTEP_TESTS_PROCESS_RUNNER_H_
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace lorastep {
+namespace testing {
+
+struct ProcessResult {
+  int exit_code = -1;  // -1: killed at the deadline or by a signal
+  std::string output;  // stdout
+};
+
+// A TCP port free right now on 127.0.0.1.
+inline int FreeTcpPort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// Starts every command line at once; returns their results in order.
+inline std::vector<ProcessResult> RunProcesses(const std::vector<std::vector<std::string>>& commands,
+                                               const std::string& scratch, int timeout_seconds) {
+  std::vector<pid_t> pids;
+  std::vector<std::string> outs;
+  for (size_t i = 0; i < commands.size(); ++i) {
+    outs.push_back(scratch + "/proc_" + std::to_string(i) + ".out");
+    pid_t pid = fork();
+    if (pid == 0) {
+      int fd = open(outs.back().c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, 1);
+      std::vector<char*> argv;
+      for (const auto& a : commands[i]) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    pids.push_back(pid);
+  }
+  std::vector<ProcessResult> results(commands.size());
+  std::vector<bool> done(commands.size(), false);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_seconds);
+  size_t remaining = commands.size();
+  while (remaining > 0) {
+    for (size_t i = 0; i < pids.size(); ++i) {
+      if (done[i]) continue;
+      int status = 0;
+      if (waitpid(pids[i], &status, WNOHANG) == pids[i]) {
+        done[i] = true;
+        --remaining;
+        results[i].exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+    }
+    if (remaining == 0) break;
+    if (std::chrono::steady_clock::now() > deadline) {
+      for (size_t i = 0; i < pids.size(); ++i) {
+        if (!done[i]) {
+          kill(pids[i], SIGKILL);
+          waitpid(pids[i], nullptr, 0);
+        }
+      }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (size_t i = 0; i < outs.size(); ++i) {
+    std::ifstream in(outs[i]);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    results[i].output = ss.str();
+  }
+  return results;
+}
+
+}  // namespace testing
+}  // namespace lorastep
+
+#endif  // LORASTEP_TESTS_PROCESS_RUNNER_H_
