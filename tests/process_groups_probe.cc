@@ -1,13 +1,15 @@
 // One rank of a real multi-process c10d test (driven by process_groups_test.cc):
 //   process_groups_probe SCENARIO RANK WORLD TP PP DP STORE_PORT TIMEOUT_MS
 // Prints "OK" and exits 0 when the scenario's checks hold on this rank; otherwise prints
-// what failed and exits 1. Scenario "missing_peer": the last rank leaves before the
-// collective; the others print "ERROR <code> <elapsed_ms>" for the error they got.
+// what failed and exits 1. Scenarios "dead_peer" / "absent_peer": the last rank exits / stays
+// alive without ever reaching the collective; the others print "ERROR <code> <elapsed_ms>
+// <code of a later collective> | message" for the error they got.
 #include <ATen/ATen.h>
 
 #include <chrono>
 #include <iostream>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "lib/parallel/process_groups.h"
@@ -85,10 +87,12 @@ int main(int argc, char** argv) {
     // After a rebuild (new generation) the groups work again.
     if (auto s = (*groups)->Rebuild(1); !s.ok()) return Fail(s.ToString());
     if (int rc = RunCollectives(**groups); rc != 0) return rc;
-  } else if (scenario == "missing_peer") {
+  } else if (scenario == "dead_peer" || scenario == "absent_peer") {
     if (rank == world - 1) {
       std::cout << "LEFT" << std::endl;
-      return 0;  // never reaches the collective
+      // dead: exits (its sockets close); absent: stays alive but never reaches the collective.
+      if (scenario == "absent_peer") std::this_thread::sleep_for(3 * o.timeout + std::chrono::seconds(2));
+      return 0;
     }
     const auto t0 = std::chrono::steady_clock::now();
     at::Tensor t = at::ones({8});

@@ -35,10 +35,10 @@ TEST(ProcessGroupsTest, EveryGroupOfTp2Pp2Dp2) {
   }
 }
 
-TEST(ProcessGroupsTest, MissingPeerIsAnErrorOnEveryRankWithinTheTimeout) {
+void ExpectErrorOnEveryOtherRank(const std::string& scenario, const std::string& want_code) {
   constexpr int kTimeoutMs = 3000;
   const auto t0 = std::chrono::steady_clock::now();
-  auto results = RunProcesses(Commands("missing_peer", 1, 1, 3, kTimeoutMs), ScratchDir("pgmiss"), 120);
+  auto results = RunProcesses(Commands(scenario, 1, 1, 3, kTimeoutMs), ScratchDir(scenario), 120);
   const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_EQ(results.size(), 3u);
   EXPECT_NE(results[2].output.find("LEFT"), std::string::npos) << results[2].output;
@@ -50,11 +50,19 @@ TEST(ProcessGroupsTest, MissingPeerIsAnErrorOnEveryRankWithinTheTimeout) {
     std::string code, again;
     long ms = 0;
     in >> code >> ms >> again;
-    EXPECT_TRUE(code == "DEADLINE_EXCEEDED" || code == "UNAVAILABLE") << out;
+    EXPECT_EQ(code, want_code) << out;
     EXPECT_LE(ms, kTimeoutMs + 5000) << out;  // bounded by the timeout, never a hang
     EXPECT_EQ(again, "FAILED_PRECONDITION") << out;  // broken until rebuilt
   }
   EXPECT_LT(wall_s, 60);
+}
+
+TEST(ProcessGroupsTest, DeadPeerIsAnErrorOnEveryRank) {
+  ExpectErrorOnEveryOtherRank("dead_peer", "UNAVAILABLE");
+}
+
+TEST(ProcessGroupsTest, AbsentPeerTimesOutOnEveryRankWithinTheTimeout) {
+  ExpectErrorOnEveryOtherRank("absent_peer", "DEADLINE_EXCEEDED");
 }
 
 }  // namespace
