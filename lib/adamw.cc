@@ -15,17 +15,23 @@ AdamW::AdamW(Adapter* adapter) : adapter_(adapter) {
   }
 }
 
-absl::StatusOr<OptimizerStepResult> AdamW::Step(const AdamWParams& p) {
+absl::StatusOr<OptimizerStepResult> AdamW::Step(const AdamWParams& p,
+                                                c10::optional<double> grad_norm) {
   auto valid = ValidateAdamWParams(p);
   if (!valid.ok()) return valid;
   auto& params = adapter_->parameters();
   at::NoGradGuard no_grad;
   // Global L2 norm over every main_grad, in fp64 so the sum does not lose small terms.
-  double sq = 0.0;
-  for (const Parameter& prm : params) {
-    sq += prm.main_grad.to(at::kDouble).pow(2).sum().item<double>();
+  double norm = 0.0;
+  if (grad_norm.has_value()) {
+    norm = *grad_norm;
+  } else {
+    double sq = 0.0;
+    for (const Parameter& prm : params) {
+      sq += prm.main_grad.to(at::kDouble).pow(2).sum().item<double>();
+    }
+    norm = std::sqrt(sq);
   }
-  const double norm = std::sqrt(sq);
   if (!std::isfinite(norm)) {
     return absl::FailedPreconditionError(
         "optimizer: non-finite gradient norm; step refused, parameters unchanged");

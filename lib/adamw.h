@@ -27,7 +27,10 @@ class AdamW {
   // Takes fp32 master copies of `adapter`'s current values; zero moments.
   explicit AdamW(Adapter* adapter);
 
-  absl::StatusOr<OptimizerStepResult> Step(const AdamWParams& params);
+  // `grad_norm`: the global norm of the main_grads when the caller computed it across ranks
+  // (GradFinalizer); absent = computed here over this adapter's main_grads.
+  absl::StatusOr<OptimizerStepResult> Step(const AdamWParams& params,
+                                           c10::optional<double> grad_norm = c10::nullopt);
 
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t steps) { steps_ = steps; }

@@ -10,10 +10,6 @@
 namespace lorastep {
 namespace {
 
-at::Tensor ZerosFp32Like(const at::Tensor& t) {
-  return at::zeros(t.sizes(), t.options().dtype(at::kFloat));
-}
-
 std::array<int64_t, 2> LinearShape(const ModelConfig& c, int slot) {
   const int64_t h = c.hidden_size, kv = c.num_key_value_heads * c.head_dim(),
                 f = c.intermediate_size;
@@ -58,10 +54,8 @@ absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const Lora
       adapter.parameters_.push_back({PeftKey(layer, slot, true), b.to(device, dtype), {}});
     }
   }
-  for (auto& p : adapter.parameters_) {
-    p.value.requires_grad_(true);
-    p.main_grad = ZerosFp32Like(p.value);
-  }
+  for (auto& p : adapter.parameters_) p.value.requires_grad_(true);
+  adapter.PackMainGrads();
   return adapter;
 }
 
@@ -72,8 +66,9 @@ Adapter Adapter::CreateFullFinetune(const ModelWeights& base) {
   adapter.full_main_grads_ = base;
   ForEachNamedTensor(adapter.full_weights_, [&](const std::string& name, at::Tensor& t) {
     t = t.detach().clone().requires_grad_(true);
-    adapter.parameters_.push_back({name, t, ZerosFp32Like(t)});
+    adapter.parameters_.push_back({name, t, {}});
   });
+  adapter.PackMainGrads();
   // Mirror each parameter's main_grad into the model-shaped struct (same order).
   size_t i = 0;
   ForEachNamedTensor(adapter.full_main_grads_, [&](const std::string&, at::Tensor& t) {
@@ -88,9 +83,34 @@ const LoraFactors* Adapter::lora(size_t layer, int slot) const {
   return f.a < 0 ? nullptr : &f;
 }
 
+void Adapter::PackMainGrads() {
+  for (int bucket = 0; bucket < 2; ++bucket) {
+    int64_t total = 0;
+    at::TensorOptions options;
+    for (const Parameter& p : parameters_) {
+      if (static_cast<int>(p.tensor_replicated) != bucket) continue;
+      total += p.value.numel();
+      options = p.value.options().dtype(at::kFloat).requires_grad(false);
+    }
+    if (total == 0) {
+      grad_buckets_[bucket] = at::Tensor();
+      continue;
+    }
+    grad_buckets_[bucket] = at::zeros({total}, options);
+    int64_t offset = 0;
+    for (Parameter& p : parameters_) {
+      if (static_cast<int>(p.tensor_replicated) != bucket) continue;
+      p.main_grad = grad_buckets_[bucket].narrow(0, offset, p.value.numel()).view(p.value.sizes());
+      offset += p.value.numel();
+    }
+  }
+}
+
 void Adapter::ZeroMainGrads() {
+  for (at::Tensor& bucket : grad_buckets_) {
+    if (bucket.defined()) bucket.zero_();
+  }
   for (auto& p : parameters_) {
-    p.main_grad.zero_();
     if (p.value.grad().defined()) p.value.mutable_grad() = at::Tensor();
   }
 }

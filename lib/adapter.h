@@ -22,8 +22,17 @@ namespace lorastep {
 struct Parameter {
   std::string name;      // PEFT key for LoRA factors, Hugging Face name for full weights
   at::Tensor value;      // requires_grad; model dtype
-  at::Tensor main_grad;  // fp32, same shape; the gradient the optimizer consumes
+  at::Tensor main_grad;  // fp32, same shape; the gradient the optimizer consumes (a view
+                         // into the adapter's flat gradient bucket)
+  // The same value on every tensor-parallel rank of a stage, while each rank computes only a
+  // partial gradient (the LoRA factor on the unsplit side of a split linear): its gradient
+  // is SUM-reduced over the stage's tensor+data group. Else split (or unsplit at tp 1) and
+  // reduced over the data group only.
+  bool tensor_replicated = false;
 };
+
+// Which flat fp32 buffer a parameter's main_grad lives in; one collective covers a bucket.
+enum class GradBucket { kSplit = 0, kTensorReplicated = 1 };
 
 // LoRA factors of one linear: y += scale * B (A x). A: [rank, in], B: [out, rank].
 struct LoraFactors {
@@ -54,13 +63,21 @@ class Adapter {
   const ModelWeights& full_main_grads() const { return full_main_grads_; }
 
   void ZeroMainGrads();
+  // The flat fp32 buffer holding the main_grads of one bucket (undefined when empty).
+  const at::Tensor& grad_bucket(GradBucket bucket) const {
+    return grad_buckets_[static_cast<int>(bucket)];
+  }
 
   // PEFT key of a LoRA factor: base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight
   static std::string PeftKey(size_t layer, int slot, bool is_b);
 
  private:
+  // Makes every main_grad a view into one contiguous fp32 buffer per bucket.
+  void PackMainGrads();
+
   LoraConfig lora_;
   std::vector<Parameter> parameters_;
+  std::array<at::Tensor, 2> grad_buckets_;
   std::vector<std::array<LoraFactors, kNumLinearSlots>> lora_by_layer_;
   ModelWeights full_weights_;
   ModelWeights full_main_grads_;

@@ -1,11 +1,14 @@
 #include "lib/grad_finalizer.h"
 #include <ATen/core/grad_mode.h>
 
+#include <cmath>
+
+#include "lib/status_macros.h"
 #include "lib/torch_status.h"
 
 namespace lorastep {
 
-absl::Status FinalizeGradients(Adapter* adapter) {
+absl::Status FoldLocalGradients(Adapter* adapter) {
   return GuardTorch([&]() -> absl::Status {
     at::NoGradGuard no_grad;
     for (Parameter& p : adapter->parameters()) {
@@ -15,6 +18,42 @@ absl::Status FinalizeGradients(Adapter* adapter) {
       grad = at::Tensor();  // moved into main_grad: never added twice
     }
     return absl::OkStatus();
+  });
+}
+
+namespace {
+
+at::Tensor SumOfSquares(const at::Tensor& bucket) {
+  if (!bucket.defined()) return at::zeros({}, at::kDouble);
+  return bucket.to(at::kDouble).pow(2).sum();  // fp64: small terms are not lost
+}
+
+}  // namespace
+
+absl::StatusOr<double> FinalizeStepGradients(Adapter* adapter, ProcessGroups* groups,
+                                             const GradFinalizeOptions& options) {
+  return GuardTorch([&]() -> absl::StatusOr<double> {
+    at::NoGradGuard no_grad;
+    at::Tensor split = adapter->grad_bucket(GradBucket::kSplit);
+    at::Tensor replicated = adapter->grad_bucket(GradBucket::kTensorReplicated);
+    if (groups != nullptr) {
+      if (replicated.defined()) {
+        for (int i = 0; i < options.replicated_reductions; ++i) {
+          LORASTEP_RETURN_IF_ERROR(groups->group(GroupKind::kStage).AllReduce(replicated));
+        }
+      }
+      if (split.defined()) LORASTEP_RETURN_IF_ERROR(groups->group(GroupKind::kData).AllReduce(split));
+    }
+    // Split tensors are distinct on every tensor rank and stage: their squares add up over
+    // the model-parallel group. Replicated ones are equal on tensor ranks: counted once.
+    at::Tensor sq = SumOfSquares(split);
+    const bool count_replicated = groups == nullptr || groups->coords().tp == 0;
+    if (count_replicated) sq = sq + SumOfSquares(replicated).to(sq.device());
+    sq = sq.reshape({1});
+    if (groups != nullptr) {
+      LORASTEP_RETURN_IF_ERROR(groups->group(GroupKind::kModelParallel).AllReduce(sq));
+    }
+    return std::sqrt(sq.item<double>());
   });
 }
 

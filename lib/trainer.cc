@@ -266,7 +266,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
 }
 
 absl::StatusOr<Trainer::CallSnapshot> Trainer::Snapshot() {
-  if (pending_backward_calls_ > 0) LORASTEP_RETURN_IF_ERROR(FinalizeGradients(adapter_.get()));
+  if (pending_backward_calls_ > 0) LORASTEP_RETURN_IF_ERROR(FoldLocalGradients(adapter_.get()));
   return GuardTorch([&]() -> absl::StatusOr<CallSnapshot> {
     CallSnapshot snapshot;
     snapshot.pending_backward_calls = pending_backward_calls_;
@@ -311,24 +311,48 @@ absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWParams& params) {
   LORASTEP_RETURN_IF_ERROR(ValidateAdamWParams(params));
   OptimStepResult result;
   auto t0 = Clock::now();
-  LORASTEP_RETURN_IF_ERROR(FinalizeGradients(adapter_.get()));
+  LORASTEP_RETURN_IF_ERROR(FoldLocalGradients(adapter_.get()));
+  // On a mesh the reduction rewrites main_grad: keep the local gradients so a step refused
+  // after it (non-finite norm, a peer's failure) leaves them as they were.
+  LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot,
+                            options_.groups != nullptr ? Snapshot() : CallSnapshot{});
+  auto norm = FinalizeStepGradients(adapter_.get(), options_.groups, options_.finalize);
+  if (!norm.ok()) {
+    if (options_.groups != nullptr) Restore(snapshot);
+    return norm.status();
+  }
   SyncDevice();
   result.metrics.Add("time_grad_finalize_s:sum", SecondsSince(t0));
   t0 = Clock::now();
-  auto step = GuardTorch([&] { return optimizer_->Step(params); });
-  if (!step.ok()) return step.status();
+  auto step = GuardTorch([&] { return optimizer_->Step(params, *norm); });
+  if (!step.ok()) {
+    if (options_.groups != nullptr) Restore(snapshot);
+    return step.status();
+  }
   SyncDevice();
   result.metrics.Add("time_optimizer_s:sum", SecondsSince(t0));
   result.metrics.Add("grad_norm:sum", step->grad_norm);
   result.metrics.Add("lr:sum", step->lr);
   pending_backward_calls_ = 0;
   result.learner_version = optimizer_->steps_taken();
-  if (!adapter_->full_finetune() || options_.digest_full_finetune_steps) {
+  const bool mesh = options_.groups != nullptr && options_.groups->layout().world_size() > 1;
+  if (mesh || !adapter_->full_finetune() || options_.digest_full_finetune_steps) {
     t0 = Clock::now();
     result.adapter_sha256 = AdapterSha256();
+    result.replica_digests = ReplicaDigests(result.adapter_sha256);
     result.metrics.Add("time_digest_s:sum", SecondsSince(t0));
   }
   return result;
+}
+
+std::map<std::string, std::string> Trainer::ReplicaDigests(const std::string& trainable_sha256) const {
+  std::map<std::string, std::string> digests{{"trainable", trainable_sha256}};
+  std::vector<at::Tensor> replicated;
+  for (const Parameter& p : adapter_->parameters()) {
+    if (p.tensor_replicated) replicated.push_back(p.value);
+  }
+  if (!replicated.empty()) digests["tensor_replicated"] = TensorsSha256(replicated);
+  return digests;
 }
 
 absl::StatusOr<OptimStepResult> Trainer::TrainStep(const std::vector<Datum>& datums,

@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +25,7 @@
 #include "lib/adamw.h"
 #include "lib/adapter.h"
 #include "lib/batch.h"
+#include "lib/grad_finalizer.h"
 #include "lib/linear.h"
 #include "lib/loss_config.h"
 #include "lib/metrics.h"
@@ -56,6 +58,10 @@ struct TrainerOptions {
   // off there unless asked for (SaveState/ExportAdapter still report it).
   bool digest_full_finetune_steps = false;
   BatchLimits limits;
+  // The mesh this run trains on (not owned; outlives the Trainer). Null = world size 1.
+  // Every rank of the mesh makes the same calls in the same order.
+  ProcessGroups* groups = nullptr;
+  GradFinalizeOptions finalize;  // test-only switches of the gradient finalization
 };
 
 // Per-call overrides for how a batch is run.
@@ -75,6 +81,10 @@ struct OptimStepResult {
   Metrics metrics;
   int64_t learner_version = 0;
   std::string adapter_sha256;  // digest of the updated trainable tensors ("" when skipped)
+  // SHA-256 of this rank's copy of each replicated tensor family, for cross-rank comparison
+  // (on a mesh): "trainable" (every trainable tensor of this rank: equal across the data
+  // group) and, with tensor parallelism, "tensor_replicated" (equal across the stage).
+  std::map<std::string, std::string> replica_digests;
 };
 
 class Trainer {
@@ -126,6 +136,7 @@ class Trainer {
   absl::StatusOr<CallSnapshot> Snapshot();
   void Restore(const CallSnapshot& snapshot);
   void SyncDevice() const;
+  std::map<std::string, std::string> ReplicaDigests(const std::string& trainable_sha256) const;
 
   std::shared_ptr<const BaseModel> base_;
   TrainerOptions options_;

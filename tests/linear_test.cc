@@ -132,7 +132,7 @@ TEST_P(LoraLinearTest, OutputAndEveryGradientMatchDenseReference) {
                  Linear(Linear(x, pa.value, pa.main_grad, grad), pb.value, pb.main_grad, grad) *
                      lora.scale();
   (y * upstream).sum().backward();
-  ASSERT_OK(FinalizeGradients(&adapter));
+  ASSERT_OK(FoldLocalGradients(&adapter));
 
   // Dense reference in fp64 on the same (possibly bf16-rounded) values.
   auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(true); };
@@ -148,7 +148,7 @@ TEST_P(LoraLinearTest, OutputAndEveryGradientMatchDenseReference) {
   EXPECT_FALSE(pa.value.grad().defined());
   // A second finalization must not add anything again.
   at::Tensor before = pa.main_grad.clone();
-  ASSERT_OK(FinalizeGradients(&adapter));
+  ASSERT_OK(FoldLocalGradients(&adapter));
   EXPECT_TRUE(at::equal(before, pa.main_grad));
 }
 
@@ -173,7 +173,7 @@ TEST_P(LoraLinearTest, FusedAndUnfusedGiveTheSameModelGradients) {
     options.grad.fused_wgrad = fused == 1;
     at::Tensor h = Qwen2Hidden(c, w, &adapter, tokens, options);
     h.to(at::kFloat).pow(2).sum().backward();
-    ASSERT_OK(FinalizeGradients(&adapter));
+    ASSERT_OK(FoldLocalGradients(&adapter));
     for (auto& p : adapter.parameters()) grads[fused].push_back(p.main_grad.clone());
   }
   ASSERT_EQ(grads[0].size(), 2u * 7 * c.num_hidden_layers);

@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
                                           targets, 1024, GradOptions{});
   at::Tensor loss = -scores.logprobs.mean();
   loss.backward();
-  if (auto s = FinalizeGradients(&adapter); !s.ok()) return Fail(s);
+  if (auto s = FoldLocalGradients(&adapter); !s.ok()) return Fail(s);
   if (auto s = out.Add("tokens", tokens); !s.ok()) return Fail(s);
   if (auto s = out.Add("loss", loss.detach().to(at::kFloat)); !s.ok()) return Fail(s);
   for (const auto& p : adapter.parameters()) {
