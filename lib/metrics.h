@@ -6,6 +6,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 namespace lorastep {
 
@@ -27,10 +28,23 @@ class Metrics {
   double Get(const std::string& name) const;
   // Every metric's reduced value, sorted by name.
   std::map<std::string, double> Reduced() const;
+  const std::map<std::string, Accumulator>& accumulators() const { return values_; }
+  // Merges one partial (as Merge does for each of another Metrics' entries).
+  void AddAccumulator(const std::string& name, const Accumulator& partial);
 
  private:
   std::map<std::string, Accumulator> values_;
 };
+
+// Merges the metrics of the ranks of a mesh into the step's metrics:
+//  - data metrics (losses, token counts, means, FLOPs, throughput) from the reporting ranks
+//    only -- one per data-parallel replica (tensor rank 0 of the last stage) -- as sums and
+//    counts, so a replica's tensor and pipeline ranks are counted once;
+//  - time_* (phase times): the slowest rank (the step waits for it);
+//  - grad_norm / lr: identical on every rank, taken from `per_rank[0]`;
+//  - mfu: summed over the reporting replicas and divided by the world size;
+//  - :max metrics (peak memory): the largest over every rank.
+Metrics MergeRankMetrics(const std::vector<Metrics>& per_rank, const std::vector<bool>& reporting);
 
 }  // namespace lorastep
 

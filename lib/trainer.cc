@@ -290,16 +290,37 @@ void Trainer::Restore(const CallSnapshot& snapshot) {
 absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector<Datum>& datums,
                                                                const LossConfig& loss,
                                                                const BatchOptions& batch) {
-  LORASTEP_RETURN_IF_ERROR(ValidateBatch(datums, loss, base_->config.vocab_size, options_.limits));
+  absl::Status valid = ValidateBatch(datums, loss, base_->config.vocab_size, options_.limits);
+  if (options_.groups == nullptr) LORASTEP_RETURN_IF_ERROR(valid);
   // Keep what earlier calls accumulated so a failure mid-call can restore it exactly.
   LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot, Snapshot());
-  auto result = GuardTorch([&] { return RunMicroBatches(datums, &loss, batch); });
-  if (!result.ok()) {
+  absl::StatusOr<ForwardBackwardResult> result =
+      valid.ok() ? GuardTorch([&] { return RunMicroBatches(datums, &loss, batch); })
+                 : absl::StatusOr<ForwardBackwardResult>(valid);
+  absl::Status agreed = AgreeOnOutcome(result.status());
+  if (!agreed.ok()) {
     Restore(snapshot);
-    return result.status();
+    return agreed;
   }
   ++pending_backward_calls_;
   return result;
+}
+
+absl::Status Trainer::AgreeOnOutcome(const absl::Status& local) {
+  if (options_.groups == nullptr) return local;
+  return GuardTorch([&]() -> absl::Status {
+    at::Tensor ok = at::full({1}, local.ok() ? 1.0f : 0.0f,
+                             at::TensorOptions().device(base_->device).dtype(at::kFloat));
+    absl::Status vote = options_.groups->group(GroupKind::kWorld).AllReduce(ok, ReduceKind::kMin);
+    if (!local.ok()) return local;
+    if (!vote.ok()) return vote;
+    if (ok.item<float>() < 1.0f) {
+      return absl::AbortedError(absl::StrCat("rank ", options_.groups->rank(),
+                                             ": another rank of the mesh failed this call; "
+                                             "nothing was applied"));
+    }
+    return absl::OkStatus();
+  });
 }
 
 absl::StatusOr<ForwardBackwardResult> Trainer::Forward(const std::vector<Datum>& datums) {
@@ -317,6 +338,7 @@ absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWParams& params) {
   LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot,
                             options_.groups != nullptr ? Snapshot() : CallSnapshot{});
   auto norm = FinalizeStepGradients(adapter_.get(), options_.groups, options_.finalize);
+  if (absl::Status agreed = AgreeOnOutcome(norm.status()); !agreed.ok()) norm = agreed;
   if (!norm.ok()) {
     if (options_.groups != nullptr) Restore(snapshot);
     return norm.status();
@@ -457,6 +479,7 @@ absl::Status Trainer::LoadState(const std::string& folder) {
     }
     LORASTEP_ASSIGN_OR_RETURN(const SafetensorsEntry* rng, optimizer.Find("rng.dropout"));
     LORASTEP_ASSIGN_OR_RETURN(at::Tensor rng_state, TensorFromEntry(*rng));
+    LORASTEP_RETURN_IF_ERROR(AgreeOnOutcome(absl::OkStatus()));
     // Commit.
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {

@@ -136,6 +136,9 @@ class Trainer {
   absl::StatusOr<CallSnapshot> Snapshot();
   void Restore(const CallSnapshot& snapshot);
   void SyncDevice() const;
+  // On a mesh: every rank votes with its outcome (a world-group MIN all-reduce) before it
+  // commits, so either every rank applies a call or none does. World size 1: `local`.
+  absl::Status AgreeOnOutcome(const absl::Status& local);
   std::map<std::string, std::string> ReplicaDigests(const std::string& trainable_sha256) const;
 
   std::shared_ptr<const BaseModel> base_;

@@ -1,6 +1,9 @@
 #include "server/child_server.h"
 
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -11,54 +14,93 @@
 
 #include "absl/strings/str_cat.h"
 #include "lib/file_util.h"
+#include "lib/status_macros.h"
 
 namespace lorastep {
 
 absl::StatusOr<ChildServer> ChildServer::Start(const std::string& binary,
-                                                             const std::vector<std::string>& args,
-                                                             int timeout_seconds) {
+                                               const std::vector<std::string>& args,
+                                               int timeout_seconds) {
+  LORASTEP_ASSIGN_OR_RETURN(std::vector<ChildServer> one, StartAll(binary, {args}, timeout_seconds));
+  return std::move(one[0]);
+}
+
+absl::StatusOr<std::vector<ChildServer>> ChildServer::StartAll(
+    const std::string& binary, const std::vector<std::vector<std::string>>& args_per_child,
+    int timeout_seconds) {
   if (access(binary.c_str(), X_OK) != 0) {
     return absl::NotFoundError(absl::StrCat("server binary not found: ", binary));
   }
   char dir_template[] = "/tmp/lorastep-child-XXXXXX";
   if (mkdtemp(dir_template) == nullptr) return absl::InternalError("cannot make a temp folder");
-  const std::string port_file = std::string(dir_template) + "/port";
-  std::vector<std::string> argv_s = {binary};
-  argv_s.insert(argv_s.end(), args.begin(), args.end());
-  argv_s.insert(argv_s.end(), {"--port", "0", "--port_file", port_file});
-  pid_t pid = fork();
-  if (pid < 0) return absl::InternalError("fork failed");
-  if (pid == 0) {
-    // The child must not inherit the coordinator's blocked shutdown signals.
-    sigset_t none;
-    sigemptyset(&none);
-    pthread_sigmask(SIG_SETMASK, &none, nullptr);
-    std::vector<char*> argv;
-    for (auto& a : argv_s) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    execv(binary.c_str(), argv.data());
-    _exit(127);
+  std::vector<pid_t> pids;
+  std::vector<std::string> port_files;
+  auto kill_all = [&] {
+    for (pid_t pid : pids) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+    RemoveAll(dir_template).IgnoreError();
+  };
+  // Every child starts before any is waited for: ranks of a mesh meet at a rendezvous
+  // before they serve.
+  for (size_t i = 0; i < args_per_child.size(); ++i) {
+    port_files.push_back(absl::StrCat(dir_template, "/port", i));
+    std::vector<std::string> argv_s = {binary};
+    argv_s.insert(argv_s.end(), args_per_child[i].begin(), args_per_child[i].end());
+    argv_s.insert(argv_s.end(), {"--port", "0", "--port_file", port_files.back()});
+    pid_t pid = fork();
+    if (pid < 0) {
+      kill_all();
+      return absl::InternalError("fork failed");
+    }
+    if (pid == 0) {
+      // The child must not inherit the coordinator's blocked shutdown signals, and goes
+      // when its parent goes (no orphaned workers).
+      sigset_t none;
+      sigemptyset(&none);
+      pthread_sigmask(SIG_SETMASK, &none, nullptr);
+      prctl(PR_SET_PDEATHSIG, SIGTERM);
+      std::vector<char*> argv;
+      for (auto& a : argv_s) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(binary.c_str(), argv.data());
+      _exit(127);
+    }
+    pids.push_back(pid);
   }
+  std::vector<int> ports(pids.size(), 0);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_seconds);
   while (std::chrono::steady_clock::now() < deadline) {
-    auto text = ReadFileToString(port_file);
-    if (text.ok() && !text->empty()) {
-      RemoveAll(dir_template).IgnoreError();
-      return ChildServer(pid, std::atoi(text->c_str()));
+    size_t ready = 0;
+    for (size_t i = 0; i < pids.size(); ++i) {
+      if (ports[i] == 0) {
+        auto text = ReadFileToString(port_files[i]);
+        if (text.ok() && !text->empty()) ports[i] = std::atoi(text->c_str());
+      }
+      if (ports[i] != 0) {
+        ++ready;
+        continue;
+      }
+      int status = 0;
+      if (waitpid(pids[i], &status, WNOHANG) == pids[i]) {
+        pids.erase(pids.begin() + i);
+        kill_all();
+        return absl::InternalError(absl::StrCat("child ", i, " exited during start-up (status ",
+                                                status, "); see its stderr"));
+      }
     }
-    int status = 0;
-    if (waitpid(pid, &status, WNOHANG) == pid) {
+    if (ready == pids.size()) {
       RemoveAll(dir_template).IgnoreError();
-      return absl::InternalError(absl::StrCat("child exited during start-up (status ", status,
-                                              "); see its stderr"));
+      std::vector<ChildServer> children;
+      for (size_t i = 0; i < pids.size(); ++i) children.push_back(ChildServer(pids[i], ports[i]));
+      return children;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  kill(pid, SIGKILL);
-  waitpid(pid, nullptr, 0);
-  RemoveAll(dir_template).IgnoreError();
+  kill_all();
   return absl::DeadlineExceededError(
-      absl::StrCat("child did not report a port within ", timeout_seconds, " s"));
+      absl::StrCat("children did not report a port within ", timeout_seconds, " s"));
 }
 
 ChildServer::ChildServer(ChildServer&& other) noexcept
@@ -81,6 +123,22 @@ void ChildServer::Stop() {
   kill(pid_, SIGKILL);
   waitpid(pid_, nullptr, 0);
   pid_ = -1;
+}
+
+int FreeLocalPort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
 }
 
 std::string FindWorkerBinary(const std::string& argv0) {

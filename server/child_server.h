@@ -20,11 +20,17 @@ class ChildServer {
   static absl::StatusOr<ChildServer> Start(const std::string& binary,
                                                   const std::vector<std::string>& args,
                                                   int timeout_seconds);
+  // Starts every child at once, then waits until all have reported their ports (ranks of a
+  // mesh rendezvous before serving). If any fails, all are killed.
+  static absl::StatusOr<std::vector<ChildServer>> StartAll(
+      const std::string& binary, const std::vector<std::vector<std::string>>& args_per_child,
+      int timeout_seconds);
   ChildServer(ChildServer&& other) noexcept;
   ChildServer& operator=(ChildServer&&) = delete;
   ~ChildServer();
 
   std::string address() const;
+  pid_t pid() const { return pid_; }
   void Stop();
 
  private:
@@ -32,6 +38,9 @@ class ChildServer {
   pid_t pid_ = -1;
   int port_ = 0;
 };
+
+// A TCP port that is free on 127.0.0.1 right now (for a rendezvous the children bind).
+int FreeLocalPort();
 
 // The worker binary next to `argv0` (CMake layout) or in ../worker/ (Bazel layout).
 std::string FindWorkerBinary(const std::string& argv0);

@@ -1,11 +1,16 @@
 #include "server/coordinator.h"
 
+#include <algorithm>
 #include <chrono>
+#include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "lib/adamw_params.h"
 #include "lib/lora_config.h"
 #include "lib/status_macros.h"
+#include "lib/metrics.h"
 #include "server/proto_convert.h"
 
 namespace lorastep {
@@ -13,7 +18,7 @@ namespace lorastep {
 struct Coordinator::RunState {
   std::mutex mu;  // serializes calls on this run; guards everything below
   v1::Run run;
-  WorkerClient* worker = nullptr;
+  std::vector<WorkerClient*> ranks;  // rank -> worker (one worker when not on a mesh)
   struct Recorded {
     std::string method;
     std::string response;  // serialized
@@ -49,23 +54,46 @@ absl::Status RequireRequestId(const std::string& request_id) {
 
 }  // namespace
 
+Coordinator::Coordinator(CoordinatorOptions options) : options_(options) {
+  auto layout = ParallelLayout::Create(options_.mesh, options_.mesh.world());
+  if (layout.ok()) layout_ = *layout;  // sizes were validated by the caller (main)
+}
+
 absl::Status Coordinator::AddWorker(std::unique_ptr<WorkerClient> worker) {
   LORASTEP_ASSIGN_OR_RETURN(v1::WorkerInfo info, worker->Info());
   std::lock_guard<std::mutex> lock(mu_);
-  if (workers_.empty()) {
+  if (on_mesh()) {
+    const ParallelSizes& m = options_.mesh;
+    if (info.world_size() != m.world() || info.tp() != m.tp || info.pp() != m.pp || info.dp() != m.dp) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "worker ", worker->address(), " is rank ", info.rank(), " of a tp", info.tp(), " x pp",
+          info.pp(), " x dp", info.dp(), " mesh, not of ", layout_.ToString()));
+    }
+    if (workers_.size() != static_cast<size_t>(m.world())) workers_.resize(m.world());
+    if (workers_[info.rank()] != nullptr) {
+      return absl::AlreadyExistsError(absl::StrCat("worker ", worker->address(), ": rank ",
+                                                   info.rank(), " is already registered"));
+    }
+  }
+  const bool first = std::none_of(workers_.begin(), workers_.end(), [](const auto& w) { return w != nullptr; });
+  if (first) {
     model_path_ = info.model_path();
     vocab_size_ = info.vocab_size();
   } else if (info.model_path() != model_path_ || info.vocab_size() != vocab_size_) {
     return absl::FailedPreconditionError(absl::StrCat("worker ", worker->address(), " serves ",
                                                       info.model_path(), ", not ", model_path_));
   }
-  workers_.push_back(std::move(worker));
+  if (on_mesh()) {
+    workers_[info.rank()] = std::move(worker);
+  } else {
+    workers_.push_back(std::move(worker));
+  }
   return absl::OkStatus();
 }
 
 size_t Coordinator::num_workers() {
   std::lock_guard<std::mutex> lock(mu_);
-  return workers_.size();
+  return std::count_if(workers_.begin(), workers_.end(), [](const auto& w) { return w != nullptr; });
 }
 
 std::string Coordinator::model_path() {
@@ -91,8 +119,12 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req) 
   LoraConfig lora = LoraConfigFromProto(req.lora());
   LORASTEP_RETURN_IF_ERROR(ValidateLoraConfig(lora));
   std::unique_lock<std::mutex> lock(mu_);
-  if (workers_.empty()) {
-    return absl::UnavailableError("coordinator: no workers registered yet; retry");
+  const size_t registered =
+      std::count_if(workers_.begin(), workers_.end(), [](const auto& w) { return w != nullptr; });
+  if (registered == 0 || (on_mesh() && registered < static_cast<size_t>(options_.mesh.world()))) {
+    return absl::UnavailableError(absl::StrCat("coordinator: ", registered, " of ",
+                                               on_mesh() ? options_.mesh.world() : 1,
+                                               " workers registered yet; retry"));
   }
   if (!req.base_model().empty() && req.base_model() != model_path_) {
     return absl::InvalidArgumentError(absl::StrCat("base_model: workers serve '", model_path_,
@@ -117,7 +149,11 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req) 
     return absl::AlreadyExistsError(absl::StrCat("run_id: '", run_id, "' exists"));
   }
   auto state = std::make_shared<RunState>();
-  state->worker = workers_[(runs_.size() + creating_ids_.size()) % workers_.size()].get();
+  if (on_mesh()) {
+    for (auto& w : workers_) state->ranks.push_back(w.get());
+  } else {
+    state->ranks.push_back(workers_[(runs_.size() + creating_ids_.size()) % workers_.size()].get());
+  }
   state->run.set_run_id(run_id);
   state->run.set_base_model(model_path_);
   LoraConfigToProto(lora, state->run.mutable_lora());
@@ -131,7 +167,12 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req) 
   wreq.set_run_id(run_id);
   *wreq.mutable_lora() = state->run.lora();
   wreq.set_seed(req.seed());
-  absl::Status created = state->worker->CreateRun(wreq);
+  // Same seed on every rank: replicas start bitwise equal.
+  absl::Status created =
+      FanOut<bool>(*state, AllRanks(*state), [&](int, WorkerClient* w) -> absl::StatusOr<bool> {
+        LORASTEP_RETURN_IF_ERROR(w->CreateRun(wreq));
+        return true;
+      }).status();
   lock.lock();
   creating_ids_.erase(run_id);
   creating_requests_.erase(req.request_id());
@@ -202,6 +243,8 @@ int64_t Coordinator::AppendStep(RunState& run, const std::string& kind,
   record.set_unix_time_ms(NowMs());
   record.set_adapter_sha256(step.adapter_sha256());
   *record.mutable_metrics() = step.metrics();
+  *record.mutable_replica_hashes() = step.replica_hashes();
+  record.set_replicas_equal(step.replicas_equal());
   run.history.push_back(record);
   while (run.history.size() > options_.max_step_history) run.history.pop_front();
   std::lock_guard<std::mutex> lock(run.watch_mu);
@@ -220,6 +263,201 @@ absl::StatusOr<BatchTotals> Coordinator::ValidatedTotals(
   return ComputeBatchTotals(datums);
 }
 
+std::vector<int> Coordinator::AllRanks(const RunState& run) const {
+  std::vector<int> ranks(run.ranks.size());
+  for (size_t i = 0; i < ranks.size(); ++i) ranks[i] = static_cast<int>(i);
+  return ranks;
+}
+
+v1::MeshCall Coordinator::MeshHeader(const RunState& run, const std::string& request_id,
+                                     bool check_version) {
+  v1::MeshCall mesh;
+  mesh.set_request_id(request_id);
+  mesh.set_expected_learner_version(check_version ? run.run.learner_version() : -1);
+  return mesh;  // generation: filled by FanOut under the mesh lock
+}
+
+template <typename Resp>
+absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
+    RunState& run, const std::vector<int>& ranks,
+    const std::function<absl::StatusOr<Resp>(int rank, WorkerClient*)>& call) {
+  std::lock_guard<std::mutex> mesh_lock(mesh_mu_);
+  std::vector<absl::StatusOr<Resp>> results(ranks.size(), absl::UnknownError("not run"));
+  if (ranks.size() == 1) {
+    results[0] = call(ranks[0], run.ranks[ranks[0]]);
+  } else {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      threads.emplace_back([&, i] { results[i] = call(ranks[i], run.ranks[ranks[i]]); });
+    }
+    for (auto& t : threads) t.join();
+  }
+  // Root causes first: a rank that failed on its own, before those that only saw a peer
+  // fail (ABORTED by the outcome vote, or a collective that timed out waiting for it).
+  std::vector<std::pair<int, absl::Status>> failed;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (!results[i].ok()) failed.push_back({ranks[i], results[i].status()});
+  }
+  if (!failed.empty()) {
+    ++mesh_generation_;  // communicators may be broken: every rank rebuilds at the next call
+    std::stable_sort(failed.begin(), failed.end(), [](const auto& a, const auto& b) {
+      auto secondary = [](const absl::Status& s) {
+        return absl::IsAborted(s) || absl::IsDeadlineExceeded(s) ||
+               (absl::IsUnavailable(s) && s.message().find(" group ") != absl::string_view::npos);
+      };
+      return !secondary(a.second) && secondary(b.second);
+    });
+    if (!on_mesh()) return failed[0].second;
+    std::string msg;
+    for (const auto& [rank, status] : failed) {
+      const RankCoords c = layout_.Coords(rank);
+      absl::StrAppend(&msg, msg.empty() ? "" : "; ", "rank ", rank, " (tp", c.tp, " pp", c.pp,
+                      " dp", c.dp, ", ", run.ranks[rank]->address(), "): ", status.message());
+    }
+    return absl::Status(failed[0].second.code(),
+                        absl::StrCat(failed.size(), " of ", ranks.size(),
+                                     " ranks failed; nothing was applied: ", msg));
+  }
+  std::vector<Resp> out;
+  for (auto& r : results) out.push_back(std::move(r).value());
+  return out;
+}
+
+absl::Status Coordinator::CheckShardable(int num_datums) {
+  if (on_mesh() && num_datums < options_.mesh.dp) {
+    return absl::InvalidArgumentError(absl::StrCat("datums: ", num_datums,
+                                                   " datums cannot be split over dp = ",
+                                                   options_.mesh.dp, " replicas"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::vector<int>> Coordinator::ShardsByTokens(
+    const google::protobuf::RepeatedPtrField<v1::Datum>& datums) {
+  const int dp = on_mesh() ? options_.mesh.dp : 1;
+  std::vector<std::vector<int>> shards(dp);
+  // Longest first onto the lightest replica (LPT); each shard then back in request order.
+  std::vector<int> order(datums.size());
+  for (int i = 0; i < datums.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return datums[a].tokens_size() > datums[b].tokens_size();
+  });
+  std::vector<int64_t> load(dp, 0);
+  for (int i : order) {
+    const int lightest = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    shards[lightest].push_back(i);
+    load[lightest] += datums[i].tokens_size();
+  }
+  for (auto& shard : shards) std::sort(shard.begin(), shard.end());
+  return shards;
+}
+
+namespace {
+
+google::protobuf::RepeatedPtrField<v1::Datum> Subset(
+    const google::protobuf::RepeatedPtrField<v1::Datum>& datums, const std::vector<int>& indices) {
+  google::protobuf::RepeatedPtrField<v1::Datum> out;
+  for (int i : indices) *out.Add() = datums[i];
+  return out;
+}
+
+}  // namespace
+
+v1::ForwardBackwardResponse Coordinator::MergeForward(
+    const std::vector<std::vector<int>>& shards, int num_datums,
+    const std::vector<v1::WorkerForwardBackwardResponse>& per_rank) {
+  v1::ForwardBackwardResponse out;
+  std::vector<Metrics> metrics;
+  std::vector<bool> reporting;
+  for (int i = 0; i < num_datums; ++i) out.add_logprobs();
+  for (size_t r = 0; r < per_rank.size(); ++r) {
+    metrics.push_back(MetricsFromPartials(per_rank[r].partials()));
+    const RankCoords c = layout_.Coords(static_cast<int>(r));
+    const bool reports = c.tp == 0 && c.pp == options_.mesh.pp - 1;
+    reporting.push_back(reports);
+    if (!reports) continue;
+    const std::vector<int>& shard = shards[on_mesh() ? c.dp : 0];
+    for (size_t j = 0; j < shard.size(); ++j) {
+      *out.mutable_logprobs(shard[j]) = per_rank[r].result().logprobs(static_cast<int>(j));
+    }
+  }
+  MetricsToProto(MergeRankMetrics(metrics, reporting), out.mutable_metrics());
+  return out;
+}
+
+void Coordinator::CheckReplicas(RunState& run, const std::vector<v1::WorkerStepResponse>& per_rank,
+                                v1::StepResponse* resp) {
+  if (!on_mesh()) return;
+  bool all_equal = true;
+  std::string diverged;
+  // (stage, tensor rank or -1, family) -> ranks that hold a copy
+  std::map<std::tuple<int, int, std::string>, std::vector<int>> families;
+  for (size_t r = 0; r < per_rank.size(); ++r) {
+    const RankCoords c = layout_.Coords(static_cast<int>(r));
+    for (const auto& [family, sha] : per_rank[r].replica_digests()) {
+      const int tensor_rank = family == "tensor_replicated" ? -1 : c.tp;
+      families[{c.pp, tensor_rank, family}].push_back(static_cast<int>(r));
+    }
+  }
+  for (const auto& [key, ranks] : families) {
+    const auto& [stage, tensor_rank, family] = key;
+    v1::ReplicaHash* h = resp->add_replica_hashes();
+    h->set_stage(stage);
+    h->set_tensor_rank(tensor_rank);
+    h->set_family(family);
+    const std::string& first = per_rank[ranks[0]].replica_digests().at(family);
+    h->set_sha256(first);
+    bool equal = true;
+    std::vector<int> differing;
+    for (int r : ranks) {
+      h->add_ranks(r);
+      if (per_rank[r].replica_digests().at(family) != first) {
+        equal = false;
+        differing.push_back(r);
+      }
+    }
+    h->set_equal(equal);
+    if (!equal) {
+      all_equal = false;
+      absl::StrAppend(&diverged, diverged.empty() ? "" : "; ", "stage ", stage, " ", family,
+                      tensor_rank >= 0 ? absl::StrCat(" (tensor rank ", tensor_rank, ")") : "",
+                      ": ranks ", absl::StrJoin(differing, ","), " differ from rank ", ranks[0]);
+    }
+  }
+  resp->set_replicas_equal(all_equal);
+  if (!all_equal) {
+    run.run.set_diverged(absl::StrCat("replicas diverged after learner_version ",
+                                      resp->learner_version(), ": ", diverged));
+  }
+}
+
+absl::StatusOr<v1::StepResponse> Coordinator::MergeSteps(RunState& run,
+                                                          std::vector<v1::WorkerStepResponse> per_rank) {
+  v1::StepResponse resp = per_rank[0].result();
+  if (!on_mesh()) {
+    resp.set_replicas_equal(true);  // one copy: nothing to compare
+    return resp;
+  }
+  std::vector<Metrics> metrics;
+  std::vector<bool> reporting;
+  for (size_t r = 0; r < per_rank.size(); ++r) {
+    metrics.push_back(MetricsFromPartials(per_rank[r].partials()));
+    const RankCoords c = layout_.Coords(static_cast<int>(r));
+    reporting.push_back(c.tp == 0 && c.pp == options_.mesh.pp - 1);
+  }
+  resp.clear_metrics();
+  MetricsToProto(MergeRankMetrics(metrics, reporting), resp.mutable_metrics());
+  CheckReplicas(run, per_rank, &resp);
+  return resp;
+}
+
+absl::Status Coordinator::CheckNotDiverged(const RunState& run) {
+  if (run.run.diverged().empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("run '", run.run.run_id(), "' is diverged (", run.run.diverged(),
+                   "); LoadState a checkpoint to continue"));
+}
+
 void Coordinator::CommitStep(RunState& run, const std::string& method, const std::string& kind,
                              const std::string& request_id, v1::StepResponse* resp) {
   run.run.set_learner_version(resp->learner_version());
@@ -236,14 +474,26 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
   LORASTEP_ASSIGN_OR_RETURN(bool replayed, Replay(*run, "ForwardBackward", req.request_id(),
                                                   req.sequence_id(), &resp));
   if (replayed) return resp;
+  LORASTEP_RETURN_IF_ERROR(CheckNotDiverged(*run));
   LORASTEP_ASSIGN_OR_RETURN(const BatchTotals totals, ValidatedTotals(req.datums(), req.loss()));
-  v1::WorkerForwardBackwardRequest wreq;
-  wreq.set_run_id(req.run_id());
-  *wreq.mutable_datums() = req.datums();
-  *wreq.mutable_loss() = req.loss();
-  wreq.set_batch_loss_tokens(totals.loss_tokens);
-  wreq.set_batch_samples(totals.samples);
-  LORASTEP_ASSIGN_OR_RETURN(resp, run->worker->ForwardBackward(wreq));
+  LORASTEP_RETURN_IF_ERROR(CheckShardable(req.datums_size()));
+  const auto shards = ShardsByTokens(req.datums());
+  const v1::MeshCall mesh = MeshHeader(*run, req.request_id(), true);
+  LORASTEP_ASSIGN_OR_RETURN(
+      auto per_rank,
+      FanOut<v1::WorkerForwardBackwardResponse>(
+          *run, AllRanks(*run), [&](int rank, WorkerClient* w) {
+            v1::WorkerForwardBackwardRequest wreq;
+            wreq.set_run_id(req.run_id());
+            *wreq.mutable_datums() = Subset(req.datums(), shards[on_mesh() ? layout_.Coords(rank).dp : 0]);
+            *wreq.mutable_loss() = req.loss();
+            wreq.set_batch_loss_tokens(totals.loss_tokens);
+            wreq.set_batch_samples(totals.samples);
+            *wreq.mutable_mesh() = mesh;
+            wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+            return w->ForwardBackward(wreq);
+          }));
+  resp = on_mesh() ? MergeForward(shards, req.datums_size(), per_rank) : per_rank[0].result();
   run->run.set_pending_forward_backward(run->run.pending_forward_backward() + 1);
   Record(*run, "ForwardBackward", req.request_id(), resp);
   return resp;
@@ -254,10 +504,20 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::Forwa
   std::lock_guard<std::mutex> lock(run->mu);
   std::vector<Datum> datums = DatumsFromProto(req.datums());
   LORASTEP_RETURN_IF_ERROR(ValidateForwardBatch(datums, vocab_size(), options_.limits));
-  v1::WorkerForwardRequest wreq;
-  wreq.set_run_id(req.run_id());
-  *wreq.mutable_datums() = req.datums();
-  return run->worker->Forward(wreq);
+  LORASTEP_RETURN_IF_ERROR(CheckShardable(req.datums_size()));
+  const auto shards = ShardsByTokens(req.datums());
+  LORASTEP_ASSIGN_OR_RETURN(
+      auto per_rank,
+      FanOut<v1::WorkerForwardBackwardResponse>(
+          *run, AllRanks(*run), [&](int rank, WorkerClient* w) {
+            v1::WorkerForwardRequest wreq;
+            wreq.set_run_id(req.run_id());
+            *wreq.mutable_datums() = Subset(req.datums(), shards[on_mesh() ? layout_.Coords(rank).dp : 0]);
+            wreq.mutable_mesh()->set_expected_learner_version(-1);
+            wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+            return w->Forward(wreq);
+          }));
+  return on_mesh() ? MergeForward(shards, req.datums_size(), per_rank) : per_rank[0].result();
 }
 
 absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepRequest& req) {
@@ -267,11 +527,19 @@ absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepReque
   LORASTEP_ASSIGN_OR_RETURN(bool replayed,
                             Replay(*run, "OptimStep", req.request_id(), req.sequence_id(), &resp));
   if (replayed) return resp;
+  LORASTEP_RETURN_IF_ERROR(CheckNotDiverged(*run));
   LORASTEP_RETURN_IF_ERROR(AdamWParamsFromProto(req.adamw()).status());
-  v1::WorkerOptimStepRequest wreq;
-  wreq.set_run_id(req.run_id());
-  *wreq.mutable_adamw() = req.adamw();
-  LORASTEP_ASSIGN_OR_RETURN(resp, run->worker->OptimStep(wreq));
+  const v1::MeshCall mesh = MeshHeader(*run, req.request_id(), true);
+  LORASTEP_ASSIGN_OR_RETURN(
+      auto per_rank, FanOut<v1::WorkerStepResponse>(*run, AllRanks(*run), [&](int, WorkerClient* w) {
+        v1::WorkerOptimStepRequest wreq;
+        wreq.set_run_id(req.run_id());
+        *wreq.mutable_adamw() = req.adamw();
+        *wreq.mutable_mesh() = mesh;
+        wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+        return w->OptimStep(wreq);
+      }));
+  LORASTEP_ASSIGN_OR_RETURN(resp, MergeSteps(*run, std::move(per_rank)));
   CommitStep(*run, "OptimStep", "optim_step", req.request_id(), &resp);
   return resp;
 }
@@ -283,20 +551,31 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
   LORASTEP_ASSIGN_OR_RETURN(bool replayed,
                             Replay(*run, "TrainStep", req.request_id(), req.sequence_id(), &resp));
   if (replayed) return resp;
+  LORASTEP_RETURN_IF_ERROR(CheckNotDiverged(*run));
   if (req.max_tokens_per_microbatch() < 0) {
     return absl::InvalidArgumentError("max_tokens_per_microbatch: must be >= 0");
   }
   LORASTEP_RETURN_IF_ERROR(AdamWParamsFromProto(req.adamw()).status());
   LORASTEP_ASSIGN_OR_RETURN(const BatchTotals totals, ValidatedTotals(req.datums(), req.loss()));
-  v1::WorkerTrainStepRequest wreq;
-  wreq.set_run_id(req.run_id());
-  *wreq.mutable_datums() = req.datums();
-  *wreq.mutable_loss() = req.loss();
-  *wreq.mutable_adamw() = req.adamw();
-  wreq.set_batch_loss_tokens(totals.loss_tokens);
-  wreq.set_batch_samples(totals.samples);
-  wreq.set_max_tokens_per_microbatch(req.max_tokens_per_microbatch());
-  LORASTEP_ASSIGN_OR_RETURN(resp, run->worker->TrainStep(wreq));
+  LORASTEP_RETURN_IF_ERROR(CheckShardable(req.datums_size()));
+  const auto shards = ShardsByTokens(req.datums());
+  const v1::MeshCall mesh = MeshHeader(*run, req.request_id(), true);
+  LORASTEP_ASSIGN_OR_RETURN(
+      auto per_rank,
+      FanOut<v1::WorkerStepResponse>(*run, AllRanks(*run), [&](int rank, WorkerClient* w) {
+        v1::WorkerTrainStepRequest wreq;
+        wreq.set_run_id(req.run_id());
+        *wreq.mutable_datums() = Subset(req.datums(), shards[on_mesh() ? layout_.Coords(rank).dp : 0]);
+        *wreq.mutable_loss() = req.loss();
+        *wreq.mutable_adamw() = req.adamw();
+        wreq.set_batch_loss_tokens(totals.loss_tokens);
+        wreq.set_batch_samples(totals.samples);
+        wreq.set_max_tokens_per_microbatch(req.max_tokens_per_microbatch());
+        *wreq.mutable_mesh() = mesh;
+        wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+        return w->TrainStep(wreq);
+      }));
+  LORASTEP_ASSIGN_OR_RETURN(resp, MergeSteps(*run, std::move(per_rank)));
   CommitStep(*run, "TrainStep", "train_step", req.request_id(), &resp);
   return resp;
 }
@@ -305,11 +584,16 @@ absl::StatusOr<v1::SaveStateResponse> Coordinator::SaveState(const v1::SaveState
   if (req.path().empty()) return absl::InvalidArgumentError("path: required");
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
-  const v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
-  LORASTEP_ASSIGN_OR_RETURN(v1::WorkerPathResponse w, run->worker->SaveState(wreq));
+  // Data-parallel replicas hold identical state: rank 0 writes it (a world-1 checkpoint).
+  LORASTEP_ASSIGN_OR_RETURN(
+      auto per_rank, FanOut<v1::WorkerPathResponse>(*run, {0}, [&](int, WorkerClient* w) {
+        v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
+        wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+        return w->SaveState(wreq);
+      }));
   v1::SaveStateResponse resp;
   resp.set_path(req.path());
-  resp.set_learner_version(w.learner_version());
+  resp.set_learner_version(per_rank[0].learner_version());
   return resp;
 }
 
@@ -321,10 +605,17 @@ absl::StatusOr<v1::Run> Coordinator::LoadState(const v1::LoadStateRequest& req) 
   LORASTEP_ASSIGN_OR_RETURN(bool replayed,
                             Replay(*run, "LoadState", req.request_id(), req.sequence_id(), &resp));
   if (replayed) return resp;
-  const v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
-  LORASTEP_ASSIGN_OR_RETURN(v1::WorkerPathResponse w, run->worker->LoadState(wreq));
-  run->run.set_learner_version(w.learner_version());
+  const v1::MeshCall mesh = MeshHeader(*run, req.request_id(), false);
+  LORASTEP_ASSIGN_OR_RETURN(
+      auto per_rank, FanOut<v1::WorkerPathResponse>(*run, AllRanks(*run), [&](int, WorkerClient* w) {
+        v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
+        *wreq.mutable_mesh() = mesh;
+        wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+        return w->LoadState(wreq);
+      }));
+  run->run.set_learner_version(per_rank[0].learner_version());
   run->run.set_pending_forward_backward(0);
+  run->run.clear_diverged();  // every rank now holds the checkpoint's state
   Record(*run, "LoadState", req.request_id(), run->run);  // bumps next_sequence_id
   resp = run->run;
   return resp;
@@ -335,12 +626,16 @@ absl::StatusOr<v1::ExportAdapterResponse> Coordinator::ExportAdapter(
   if (req.path().empty()) return absl::InvalidArgumentError("path: required");
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
-  const v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
-  LORASTEP_ASSIGN_OR_RETURN(v1::WorkerPathResponse w, run->worker->ExportAdapter(wreq));
+  LORASTEP_ASSIGN_OR_RETURN(
+      auto per_rank, FanOut<v1::WorkerPathResponse>(*run, {0}, [&](int, WorkerClient* w) {
+        v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
+        wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+        return w->ExportAdapter(wreq);
+      }));
   v1::ExportAdapterResponse resp;
   resp.set_path(req.path());
-  resp.set_adapter_sha256(w.adapter_sha256());
-  resp.set_learner_version(w.learner_version());
+  resp.set_adapter_sha256(per_rank[0].adapter_sha256());
+  resp.set_learner_version(per_rank[0].learner_version());
   return resp;
 }
 

@@ -23,6 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "lib/batch.h"
+#include "lib/parallel/parallel_layout.h"
 #include "lorastep/v1/trainer.pb.h"
 #include "server/worker_client.h"
 
@@ -33,15 +34,20 @@ struct CoordinatorOptions {
   // request_ids remembered per run for retries; each keeps its whole response (log-probs).
   size_t max_recorded_requests = 256;
   BatchLimits limits;
+  // The mesh the workers form (world 1: each worker is on its own and runs are spread over
+  // them). With world > 1 the workers are the mesh's ranks, every run lives on all of them,
+  // and every call fans out to all ranks in one mesh-wide order.
+  ParallelSizes mesh;
 };
 
 class Coordinator {
  public:
   using Watcher = std::function<void(const v1::StepRecord&)>;
 
-  explicit Coordinator(CoordinatorOptions options) : options_(options) {}
+  explicit Coordinator(CoordinatorOptions options);
   // Adds a worker (at start-up, or when a remote worker registers). Reads its model and
   // vocabulary; every worker must serve the same model. New runs are spread over workers.
+  // On a mesh the worker's reported rank and sizes must fit `options.mesh`.
   absl::Status AddWorker(std::unique_ptr<WorkerClient> worker);
   size_t num_workers();
 
@@ -85,8 +91,33 @@ class Coordinator {
       const google::protobuf::RepeatedPtrField<v1::Datum>& datums, const v1::LossConfig& loss);
 
   int64_t vocab_size();
+  bool on_mesh() const { return options_.mesh.world() > 1; }
+
+  // Runs `call` on each of `ranks` of `run` concurrently, under the mesh lock (one call at a
+  // time on the mesh, so all ranks see calls in one order). Any failure fails the whole
+  // call, naming the ranks, and makes the next call rebuild communicators.
+  template <typename Resp>
+  absl::StatusOr<std::vector<Resp>> FanOut(
+      RunState& run, const std::vector<int>& ranks,
+      const std::function<absl::StatusOr<Resp>(int rank, WorkerClient*)>& call);
+  std::vector<int> AllRanks(const RunState& run) const;
+  // The mesh header of a call: request id, expected learner version, generation.
+  v1::MeshCall MeshHeader(const RunState& run, const std::string& request_id, bool check_version);
+  // Datums of each data-parallel replica, balanced by token count (in request order).
+  std::vector<std::vector<int>> ShardsByTokens(const google::protobuf::RepeatedPtrField<v1::Datum>& datums);
+  absl::Status CheckShardable(int num_datums);
+  // Compares the replica digests of every family after a step; fills the response.
+  void CheckReplicas(RunState& run, const std::vector<v1::WorkerStepResponse>& per_rank,
+                     v1::StepResponse* resp);
+  absl::StatusOr<v1::StepResponse> MergeSteps(RunState& run, std::vector<v1::WorkerStepResponse> per_rank);
+  v1::ForwardBackwardResponse MergeForward(const std::vector<std::vector<int>>& shards, int num_datums,
+                                           const std::vector<v1::WorkerForwardBackwardResponse>& per_rank);
+  absl::Status CheckNotDiverged(const RunState& run);
 
   CoordinatorOptions options_;
+  ParallelLayout layout_;
+  std::mutex mesh_mu_;           // held for the whole of a mesh call
+  int64_t mesh_generation_ = 0;  // guarded by mesh_mu_
 
   std::mutex mu_;  // guards everything below
   std::vector<std::unique_ptr<WorkerClient>> workers_;

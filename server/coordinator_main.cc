@@ -6,12 +6,18 @@
 //                        [--port_file F] [--workers host:port,host:port] [--wait_for_workers]
 //                        [--worker_binary PATH] [--max_tokens_per_microbatch N]
 //                        [--worker_start_timeout_s 300]
+//                        [--tp T --pp P --dp D] [--collective_timeout_s S]
+// With --tp/--pp/--dp (default 1) it starts tp*pp*dp local workers, rank r on cuda:r (or a
+// CPU process each), forming one mesh; with --workers the listed workers must be the ranks
+// of such a mesh (started with matching --rank/--tp/--pp/--dp/--rendezvous).
 #include <iostream>
 #include <memory>
 #include <optional>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "lib/parallel/parallel_layout.h"
 #include "server/coordinator.h"
 #include "server/coordinator_service.h"
 #include "server/grpc_worker_client.h"
@@ -27,8 +33,17 @@ int main(int argc, char** argv) {
     std::cerr << "lorastep_coordinator: " << s << "\n";
     return 1;
   };
+  CoordinatorOptions options;
+  for (auto [flag, field] : {std::pair<const char*, int*>{"tp", &options.mesh.tp},
+                             {"pp", &options.mesh.pp}, {"dp", &options.mesh.dp}}) {
+    if (flags.count(flag)) *field = std::stoi(flags[flag]);
+  }
+  if (auto layout = ParallelLayout::Create(options.mesh, options.mesh.world()); !layout.ok()) {
+    return fail(layout.status());
+  }
+  const int world = options.mesh.world();
   std::vector<std::string> addresses;
-  std::optional<ChildServer> local;
+  std::vector<ChildServer> local;
   if (flags.count("workers")) {
     addresses = absl::StrSplit(flags["workers"], ',', absl::SkipEmpty());
   } else if (!flags.count("wait_for_workers")) {
@@ -37,19 +52,36 @@ int main(int argc, char** argv) {
       return 2;
     }
     std::vector<std::string> args = {"--model", flags["model"]};
-    for (const char* pass : {"device", "dtype", "max_tokens_per_microbatch"}) {
+    for (const char* pass : {"dtype", "max_tokens_per_microbatch", "collective_timeout_s",
+                             "test_replicated_reductions"}) {
       if (flags.count(pass)) args.insert(args.end(), {std::string("--") + pass, flags[pass]});
     }
     if (flags.count("unfused_wgrad")) args.push_back("--unfused_wgrad");
+    const std::string device = flags.count("device") ? flags["device"] : "cpu";
+    // One worker per rank (one per GPU: rank r on cuda:r), meeting at a TCPStore that
+    // rank 0 serves on a free local port.
+    std::vector<std::vector<std::string>> per_rank;
+    const std::string rendezvous = world > 1 ? absl::StrCat("127.0.0.1:", FreeLocalPort()) : "";
+    for (int r = 0; r < world; ++r) {
+      std::vector<std::string> a = args;
+      const bool cuda = device.rfind("cuda", 0) == 0;
+      a.insert(a.end(), {"--device", cuda && world > 1 ? absl::StrCat("cuda:", r) : device});
+      if (world > 1) {
+        a.insert(a.end(), {"--rank", std::to_string(r), "--tp", std::to_string(options.mesh.tp),
+                           "--pp", std::to_string(options.mesh.pp), "--dp",
+                           std::to_string(options.mesh.dp), "--rendezvous", rendezvous});
+      }
+      per_rank.push_back(std::move(a));
+    }
     const std::string binary =
         flags.count("worker_binary") ? flags["worker_binary"] : FindWorkerBinary(argv[0]);
     const int timeout = flags.count("worker_start_timeout_s") ? std::stoi(flags["worker_start_timeout_s"]) : 300;
-    auto started = ChildServer::Start(binary, args, timeout);
+    auto started = ChildServer::StartAll(binary, per_rank, timeout);
     if (!started.ok()) return fail(started.status());
-    local.emplace(std::move(started).value());
-    addresses.push_back(local->address());
+    local = std::move(started).value();
+    for (const auto& child : local) addresses.push_back(child.address());
   }
-  Coordinator core{CoordinatorOptions()};
+  Coordinator core{options};
   for (const auto& a : addresses) {
     auto client = std::make_unique<GrpcWorkerClient>(a);
     if (auto s = client->WaitReady(60); !s.ok()) return fail(s);
@@ -74,6 +106,6 @@ int main(int argc, char** argv) {
   WaitForShutdownSignal();
   std::cerr << "lorastep_coordinator: shutting down\n";
   (*server)->Shutdown();
-  if (local) local->Stop();
+  for (auto& child : local) child.Stop();
   return 0;
 }

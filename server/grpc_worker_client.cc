@@ -33,22 +33,22 @@ absl::Status GrpcWorkerClient::CreateRun(const v1::WorkerCreateRunRequest& req) 
              stub_.get(), &v1::Worker::Stub::CreateRun, req)
       .status();
 }
-absl::StatusOr<v1::ForwardBackwardResponse> GrpcWorkerClient::ForwardBackward(
+absl::StatusOr<v1::WorkerForwardBackwardResponse> GrpcWorkerClient::ForwardBackward(
     const v1::WorkerForwardBackwardRequest& req) {
-  return CallUnary<v1::ForwardBackwardResponse>(
+  return CallUnary<v1::WorkerForwardBackwardResponse>(
       stub_.get(), &v1::Worker::Stub::ForwardBackward, req);
 }
-absl::StatusOr<v1::ForwardBackwardResponse> GrpcWorkerClient::Forward(
+absl::StatusOr<v1::WorkerForwardBackwardResponse> GrpcWorkerClient::Forward(
     const v1::WorkerForwardRequest& req) {
-  return CallUnary<v1::ForwardBackwardResponse>(
+  return CallUnary<v1::WorkerForwardBackwardResponse>(
       stub_.get(), &v1::Worker::Stub::Forward, req);
 }
-absl::StatusOr<v1::StepResponse> GrpcWorkerClient::OptimStep(const v1::WorkerOptimStepRequest& req) {
-  return CallUnary<v1::StepResponse>(stub_.get(),
+absl::StatusOr<v1::WorkerStepResponse> GrpcWorkerClient::OptimStep(const v1::WorkerOptimStepRequest& req) {
+  return CallUnary<v1::WorkerStepResponse>(stub_.get(),
                                                             &v1::Worker::Stub::OptimStep, req);
 }
-absl::StatusOr<v1::StepResponse> GrpcWorkerClient::TrainStep(const v1::WorkerTrainStepRequest& req) {
-  return CallUnary<v1::StepResponse>(stub_.get(),
+absl::StatusOr<v1::WorkerStepResponse> GrpcWorkerClient::TrainStep(const v1::WorkerTrainStepRequest& req) {
+  return CallUnary<v1::WorkerStepResponse>(stub_.get(),
                                                             &v1::Worker::Stub::TrainStep, req);
 }
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::SaveState(const v1::WorkerPathRequest& req) {

@@ -19,11 +19,11 @@ class GrpcWorkerClient final : public WorkerClient {
   std::string address() const override { return address_; }
   absl::StatusOr<v1::WorkerInfo> Info() override;
   absl::Status CreateRun(const v1::WorkerCreateRunRequest& req) override;
-  absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(
+  absl::StatusOr<v1::WorkerForwardBackwardResponse> ForwardBackward(
       const v1::WorkerForwardBackwardRequest& req) override;
-  absl::StatusOr<v1::ForwardBackwardResponse> Forward(const v1::WorkerForwardRequest& req) override;
-  absl::StatusOr<v1::StepResponse> OptimStep(const v1::WorkerOptimStepRequest& req) override;
-  absl::StatusOr<v1::StepResponse> TrainStep(const v1::WorkerTrainStepRequest& req) override;
+  absl::StatusOr<v1::WorkerForwardBackwardResponse> Forward(const v1::WorkerForwardRequest& req) override;
+  absl::StatusOr<v1::WorkerStepResponse> OptimStep(const v1::WorkerOptimStepRequest& req) override;
+  absl::StatusOr<v1::WorkerStepResponse> TrainStep(const v1::WorkerTrainStepRequest& req) override;
   absl::StatusOr<v1::WorkerPathResponse> SaveState(const v1::WorkerPathRequest& req) override;
   absl::StatusOr<v1::WorkerPathResponse> LoadState(const v1::WorkerPathRequest& req) override;
   absl::StatusOr<v1::WorkerPathResponse> ExportAdapter(const v1::WorkerPathRequest& req) override;

@@ -87,4 +87,21 @@ void MetricsToProto(const Metrics& metrics, google::protobuf::Map<std::string, d
   for (const auto& [name, value] : metrics.Reduced()) (*out)[name] = value;
 }
 
+void MetricPartialsToProto(const Metrics& metrics,
+                           google::protobuf::RepeatedPtrField<v1::MetricPartial>* out) {
+  for (const auto& [name, a] : metrics.accumulators()) {
+    v1::MetricPartial* p = out->Add();
+    p->set_name(name);
+    p->set_sum(a.sum);
+    p->set_count(a.count);
+    p->set_max(a.max);
+  }
+}
+
+Metrics MetricsFromPartials(const google::protobuf::RepeatedPtrField<v1::MetricPartial>& partials) {
+  Metrics m;
+  for (const auto& p : partials) m.AddAccumulator(p.name(), {p.sum(), p.count(), p.max()});
+  return m;
+}
+
 }  // namespace lorastep

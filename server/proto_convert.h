@@ -15,6 +15,7 @@
 #include "lib/lora_config.h"
 #include "lib/metrics.h"
 #include "lorastep/v1/trainer.pb.h"
+#include "lorastep/v1/worker.pb.h"
 
 namespace lorastep {
 
@@ -25,6 +26,10 @@ absl::StatusOr<AdamWParams> AdamWParamsFromProto(const v1::AdamWParams& proto);
 LoraConfig LoraConfigFromProto(const v1::LoraConfig& proto);
 void LoraConfigToProto(const LoraConfig& config, v1::LoraConfig* out);
 void MetricsToProto(const Metrics& metrics, google::protobuf::Map<std::string, double>* out);
+// Sums, counts and maxima, so metrics of several ranks merge exactly.
+void MetricPartialsToProto(const Metrics& metrics,
+                           google::protobuf::RepeatedPtrField<v1::MetricPartial>* out);
+Metrics MetricsFromPartials(const google::protobuf::RepeatedPtrField<v1::MetricPartial>& partials);
 
 }  // namespace lorastep
 

@@ -17,11 +17,11 @@ class WorkerClient {
   virtual std::string address() const = 0;
   virtual absl::StatusOr<v1::WorkerInfo> Info() = 0;
   virtual absl::Status CreateRun(const v1::WorkerCreateRunRequest& req) = 0;
-  virtual absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(
+  virtual absl::StatusOr<v1::WorkerForwardBackwardResponse> ForwardBackward(
       const v1::WorkerForwardBackwardRequest& req) = 0;
-  virtual absl::StatusOr<v1::ForwardBackwardResponse> Forward(const v1::WorkerForwardRequest& req) = 0;
-  virtual absl::StatusOr<v1::StepResponse> OptimStep(const v1::WorkerOptimStepRequest& req) = 0;
-  virtual absl::StatusOr<v1::StepResponse> TrainStep(const v1::WorkerTrainStepRequest& req) = 0;
+  virtual absl::StatusOr<v1::WorkerForwardBackwardResponse> Forward(const v1::WorkerForwardRequest& req) = 0;
+  virtual absl::StatusOr<v1::WorkerStepResponse> OptimStep(const v1::WorkerOptimStepRequest& req) = 0;
+  virtual absl::StatusOr<v1::WorkerStepResponse> TrainStep(const v1::WorkerTrainStepRequest& req) = 0;
   virtual absl::StatusOr<v1::WorkerPathResponse> SaveState(const v1::WorkerPathRequest& req) = 0;
   virtual absl::StatusOr<v1::WorkerPathResponse> LoadState(const v1::WorkerPathRequest& req) = 0;
   virtual absl::StatusOr<v1::WorkerPathResponse> ExportAdapter(const v1::WorkerPathRequest& req) = 0;

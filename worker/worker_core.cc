@@ -6,9 +6,43 @@
 namespace lorastep {
 
 absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerOptions& options) {
+  LORASTEP_ASSIGN_OR_RETURN(ParallelLayout layout,
+                            ParallelLayout::Create(options.sizes, options.sizes.world()));
+  if (options.sizes.tp > 1 || options.sizes.pp > 1) {
+    return absl::UnimplementedError(
+        "tp/pp: tensor and pipeline parallelism are not built yet; use dp (data parallel)");
+  }
   LORASTEP_ASSIGN_OR_RETURN(std::shared_ptr<const BaseModel> base,
                             LoadBaseModel(options.model_path, options.device, options.dtype));
-  return std::unique_ptr<WorkerCore>(new WorkerCore(options, std::move(base)));
+  LORASTEP_RETURN_IF_ERROR(ValidateLayoutForModel(options.sizes, base->config));
+  auto core = std::unique_ptr<WorkerCore>(new WorkerCore(options, std::move(base)));
+  if (layout.world_size() > 1) {
+    if (options.rendezvous.empty()) {
+      return absl::InvalidArgumentError("rendezvous: required when tp * pp * dp > 1");
+    }
+    ProcessGroupsOptions g;
+    g.store_address = options.rendezvous;
+    g.rank = options.rank;
+    g.layout = layout;
+    g.device = core->base_->device.str();
+    g.timeout = options.collective_timeout;
+    LORASTEP_ASSIGN_OR_RETURN(core->groups_, ProcessGroups::Create(g));
+  }
+  return core;
+}
+
+absl::StatusOr<Trainer*> WorkerCore::Prepare(const std::string& run_id, const MeshCallInfo& mesh) {
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
+  if (groups_ != nullptr && (mesh.generation != groups_->generation() || groups_->broken())) {
+    // Every rank gets the same generation with the same call, so all rebuild together.
+    LORASTEP_RETURN_IF_ERROR(groups_->Rebuild(static_cast<int>(mesh.generation)));
+  }
+  if (mesh.expected_learner_version >= 0 && mesh.expected_learner_version != t->learner_version()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "learner_version: rank ", options_.rank, " of run '", run_id, "' is at ",
+        t->learner_version(), ", the coordinator expected ", mesh.expected_learner_version));
+  }
+  return t;
 }
 
 size_t WorkerCore::num_runs() const {
@@ -34,6 +68,8 @@ absl::Status WorkerCore::CreateRun(const std::string& run_id, const LoraConfig& 
   o.grad = options_.grad;
   o.max_tokens_per_microbatch = options_.max_tokens_per_microbatch;
   o.logprob_chunk_tokens = options_.logprob_chunk_tokens;
+  o.groups = groups_.get();
+  o.finalize = options_.finalize;
   LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(base_, o));
   runs_[run_id] = std::move(trainer);
   return absl::OkStatus();
@@ -41,25 +77,28 @@ absl::Status WorkerCore::CreateRun(const std::string& run_id, const LoraConfig& 
 
 absl::StatusOr<ForwardBackwardResult> WorkerCore::ForwardBackward(
     const std::string& run_id, const std::vector<Datum>& datums, const LossConfig& loss,
-    const BatchTotals& totals) {
+    const BatchTotals& totals,
+    const MeshCallInfo& mesh) {
   std::lock_guard<std::mutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
   BatchOptions batch;
   batch.totals = &totals;
   return t->ForwardBackward(datums, loss, batch);
 }
 
 absl::StatusOr<ForwardBackwardResult> WorkerCore::Forward(const std::string& run_id,
-                                                          const std::vector<Datum>& datums) {
+                                                          const std::vector<Datum>& datums,
+                                                          const MeshCallInfo& mesh) {
   std::lock_guard<std::mutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
   return t->Forward(datums);
 }
 
 absl::StatusOr<OptimStepResult> WorkerCore::OptimStep(const std::string& run_id,
-                                                      const AdamWParams& params) {
+                                                      const AdamWParams& params,
+                                                      const MeshCallInfo& mesh) {
   std::lock_guard<std::mutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
   return t->OptimStep(params);
 }
 
@@ -68,9 +107,10 @@ absl::StatusOr<OptimStepResult> WorkerCore::TrainStep(const std::string& run_id,
                                                       const LossConfig& loss,
                                                       const AdamWParams& params,
                                                       const BatchTotals& totals,
-                                                      int64_t max_tokens) {
+                                                      int64_t max_tokens,
+                                                      const MeshCallInfo& mesh) {
   std::lock_guard<std::mutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
   BatchOptions batch;
   batch.totals = &totals;
   batch.max_tokens_per_microbatch = max_tokens;
@@ -86,9 +126,10 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::SaveState(const std::string& 
 }
 
 absl::StatusOr<WorkerCore::PathResult> WorkerCore::LoadState(const std::string& run_id,
-                                                             const std::string& path) {
+                                                             const std::string& path,
+                                                             const MeshCallInfo& mesh) {
   std::lock_guard<std::mutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
   LORASTEP_RETURN_IF_ERROR(t->LoadState(path));
   return PathResult{t->AdapterSha256(), t->learner_version()};
 }

@@ -7,6 +7,7 @@
 #ifndef LORASTEP_WORKER_WORKER_CORE_H_
 #define LORASTEP_WORKER_WORKER_CORE_H_
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "lib/parallel/process_groups.h"
 #include "lib/trainer.h"
 
 namespace lorastep {
@@ -25,6 +27,19 @@ struct WorkerOptions {
   int64_t max_tokens_per_microbatch = 8192;
   int64_t logprob_chunk_tokens = 1024;
   GradOptions grad;
+  // Place in a mesh (world size 1 by default). The coordinator starts every rank with the
+  // same sizes and rendezvous address; rank 0 serves the TCPStore there.
+  int rank = 0;
+  ParallelSizes sizes;
+  std::string rendezvous;  // host:port
+  std::chrono::milliseconds collective_timeout{std::chrono::seconds(120)};
+  GradFinalizeOptions finalize;  // test-only switches
+};
+
+// What the coordinator sends with every call on a mesh (see worker.proto's MeshCall).
+struct MeshCallInfo {
+  int64_t expected_learner_version = -1;  // -1: not checked
+  int64_t generation = 0;
 };
 
 class WorkerCore {
@@ -33,35 +48,45 @@ class WorkerCore {
 
   const BaseModel& base() const { return *base_; }
   const WorkerOptions& options() const { return options_; }
+  ProcessGroups* groups() const { return groups_.get(); }
   size_t num_runs() const;
 
   absl::Status CreateRun(const std::string& run_id, const LoraConfig& lora, uint64_t seed);
   absl::StatusOr<ForwardBackwardResult> ForwardBackward(const std::string& run_id,
                                                         const std::vector<Datum>& datums,
                                                         const LossConfig& loss,
-                                                        const BatchTotals& totals);
+                                                        const BatchTotals& totals,
+                                                        const MeshCallInfo& mesh = {});
   absl::StatusOr<ForwardBackwardResult> Forward(const std::string& run_id,
-                                                const std::vector<Datum>& datums);
-  absl::StatusOr<OptimStepResult> OptimStep(const std::string& run_id, const AdamWParams& params);
+                                                const std::vector<Datum>& datums,
+                                                const MeshCallInfo& mesh = {});
+  absl::StatusOr<OptimStepResult> OptimStep(const std::string& run_id, const AdamWParams& params,
+                                            const MeshCallInfo& mesh = {});
   absl::StatusOr<OptimStepResult> TrainStep(const std::string& run_id,
                                             const std::vector<Datum>& datums,
                                             const LossConfig& loss, const AdamWParams& params,
-                                            const BatchTotals& totals, int64_t max_tokens);
+                                            const BatchTotals& totals, int64_t max_tokens,
+                                            const MeshCallInfo& mesh = {});
   struct PathResult {
     std::string adapter_sha256;
     int64_t learner_version = 0;
   };
   absl::StatusOr<PathResult> SaveState(const std::string& run_id, const std::string& path);
-  absl::StatusOr<PathResult> LoadState(const std::string& run_id, const std::string& path);
+  absl::StatusOr<PathResult> LoadState(const std::string& run_id, const std::string& path,
+                                       const MeshCallInfo& mesh = {});
   absl::StatusOr<PathResult> ExportAdapter(const std::string& run_id, const std::string& path);
 
  private:
   WorkerCore(WorkerOptions options, std::shared_ptr<const BaseModel> base)
       : options_(std::move(options)), base_(std::move(base)) {}
   absl::StatusOr<Trainer*> Find(const std::string& run_id);  // requires mu_
+  // Before a call on a mesh: rebuilds communicators for a new generation, checks the
+  // learner version. Requires mu_. Returns the run.
+  absl::StatusOr<Trainer*> Prepare(const std::string& run_id, const MeshCallInfo& mesh);
 
   WorkerOptions options_;
   std::shared_ptr<const BaseModel> base_;
+  std::unique_ptr<ProcessGroups> groups_;  // null at world size 1
   mutable std::mutex mu_;
   std::map<std::string, std::unique_ptr<Trainer>> runs_;
 };

@@ -3,6 +3,8 @@
 //   lorastep_worker --model DIR [--device cuda:0] [--dtype bfloat16] [--host 127.0.0.1]
 //                   [--port 0] [--port_file F] [--max_tokens_per_microbatch N] [--unfused_wgrad]
 //                   [--register_with COORDINATOR_HOST:PORT] [--advertise_host H]
+//                   [--rank R --tp T --pp P --dp D --rendezvous HOST:PORT]
+//                   [--collective_timeout_s S]
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
@@ -57,6 +59,20 @@ int main(int argc, char** argv) {
     options.max_tokens_per_microbatch = std::stoll(flags["max_tokens_per_microbatch"]);
   }
   options.grad.fused_wgrad = !flags.count("unfused_wgrad");
+  // Mesh: --rank R --tp T --pp P --dp D --rendezvous HOST:PORT [--collective_timeout_s S].
+  if (flags.count("rank")) options.rank = std::stoi(flags["rank"]);
+  if (flags.count("tp")) options.sizes.tp = std::stoi(flags["tp"]);
+  if (flags.count("pp")) options.sizes.pp = std::stoi(flags["pp"]);
+  if (flags.count("dp")) options.sizes.dp = std::stoi(flags["dp"]);
+  if (flags.count("rendezvous")) options.rendezvous = flags["rendezvous"];
+  if (flags.count("collective_timeout_s")) {
+    options.collective_timeout = std::chrono::seconds(std::stoi(flags["collective_timeout_s"]));
+  }
+  // Test only: reductions of tensor-replicated gradients per step (1 correct; 0 and 2 are
+  // the bugs the replica check must catch).
+  if (flags.count("test_replicated_reductions")) {
+    options.finalize.replicated_reductions = std::stoi(flags["test_replicated_reductions"]);
+  }
   auto core = WorkerCore::Create(options);
   if (!core.ok()) {
     std::cerr << "lorastep_worker: " << core.status() << "\n";

@@ -1,5 +1,6 @@
 #include "worker/worker_service.h"
 
+#include "absl/strings/str_cat.h"
 #include "lib/adamw.h"
 #include "lib/status_macros.h"
 #include "server/grpc_status.h"
@@ -8,15 +9,25 @@
 namespace lorastep {
 namespace {
 
-void FillForwardResponse(const ForwardBackwardResult& r, v1::ForwardBackwardResponse* resp) {
-  for (const auto& lp : r.logprobs) resp->add_logprobs()->mutable_values()->Add(lp.begin(), lp.end());
-  MetricsToProto(r.metrics, resp->mutable_metrics());
+void FillForwardResponse(const ForwardBackwardResult& r, v1::WorkerForwardBackwardResponse* resp) {
+  for (const auto& lp : r.logprobs) {
+    resp->mutable_result()->add_logprobs()->mutable_values()->Add(lp.begin(), lp.end());
+  }
+  MetricsToProto(r.metrics, resp->mutable_result()->mutable_metrics());
+  MetricPartialsToProto(r.metrics, resp->mutable_partials());
 }
 
-void FillStepResponse(const OptimStepResult& r, v1::StepResponse* resp) {
-  resp->set_learner_version(r.learner_version);
-  resp->set_adapter_sha256(r.adapter_sha256);
-  MetricsToProto(r.metrics, resp->mutable_metrics());
+void FillStepResponse(const OptimStepResult& r, v1::WorkerStepResponse* resp) {
+  resp->mutable_result()->set_learner_version(r.learner_version);
+  resp->mutable_result()->set_adapter_sha256(r.adapter_sha256);
+  MetricsToProto(r.metrics, resp->mutable_result()->mutable_metrics());
+  MetricPartialsToProto(r.metrics, resp->mutable_partials());
+  for (const auto& [family, sha] : r.replica_digests) (*resp->mutable_replica_digests())[family] = sha;
+}
+
+MeshCallInfo MeshFromProto(const v1::MeshCall& mesh) {
+  return MeshCallInfo{mesh.request_id().empty() ? -1 : mesh.expected_learner_version(),
+                      mesh.mesh_generation()};
 }
 
 }  // namespace
@@ -30,6 +41,36 @@ grpc::ServerUnaryReactor* WorkerService::Defer(grpc::CallbackServerContext* ctx,
   return reactor;
 }
 
+template <typename Work>
+grpc::ServerUnaryReactor* WorkerService::DeferOnce(grpc::CallbackServerContext* ctx,
+                                                   const v1::MeshCall& mesh, const char* method,
+                                                   google::protobuf::Message* resp, Work work) {
+  return Defer(ctx, [this, &mesh, method, resp, work = std::move(work)]() mutable -> absl::Status {
+    const std::string& id = mesh.request_id();
+    if (!id.empty()) {
+      auto it = recorded_.find(id);
+      if (it != recorded_.end()) {
+        if (it->second.first != method) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("request_id: '", id, "' was used for ", it->second.first));
+        }
+        resp->ParseFromString(it->second.second);
+        return absl::OkStatus();
+      }
+    }
+    absl::Status s = work();
+    if (s.ok() && !id.empty()) {
+      recorded_[id] = {method, resp->SerializeAsString()};
+      recorded_order_.push_back(id);
+      while (recorded_order_.size() > kRecordedCalls) {
+        recorded_.erase(recorded_order_.front());
+        recorded_order_.pop_front();
+      }
+    }
+    return s;
+  });
+}
+
 grpc::ServerUnaryReactor* WorkerService::Info(grpc::CallbackServerContext* ctx,
                                               const v1::WorkerInfoRequest*, v1::WorkerInfo* resp) {
   resp->set_model_path(core_->options().model_path);
@@ -37,6 +78,12 @@ grpc::ServerUnaryReactor* WorkerService::Info(grpc::CallbackServerContext* ctx,
   resp->set_dtype(c10::toString(core_->base().dtype));
   resp->set_vocab_size(core_->base().config.vocab_size);
   resp->set_num_runs(static_cast<int64_t>(core_->num_runs()));
+  const WorkerOptions& o = core_->options();
+  resp->set_rank(o.rank);
+  resp->set_world_size(o.sizes.world());
+  resp->set_tp(o.sizes.tp);
+  resp->set_pp(o.sizes.pp);
+  resp->set_dp(o.sizes.dp);
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -52,13 +99,14 @@ grpc::ServerUnaryReactor* WorkerService::CreateRun(grpc::CallbackServerContext* 
 
 grpc::ServerUnaryReactor* WorkerService::ForwardBackward(grpc::CallbackServerContext* ctx,
                                                          const v1::WorkerForwardBackwardRequest* req,
-                                                         v1::ForwardBackwardResponse* resp) {
-  return Defer(ctx, [this, req, resp]() -> absl::Status {
+                                                         v1::WorkerForwardBackwardResponse* resp) {
+  return DeferOnce(ctx, req->mesh(), "ForwardBackward", resp, [this, req, resp]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(req->loss()));
     BatchTotals totals{req->batch_loss_tokens(), req->batch_samples()};
     LORASTEP_ASSIGN_OR_RETURN(
         ForwardBackwardResult r,
-        core_->ForwardBackward(req->run_id(), DatumsFromProto(req->datums()), loss, totals));
+        core_->ForwardBackward(req->run_id(), DatumsFromProto(req->datums()), loss, totals,
+                               MeshFromProto(req->mesh())));
     FillForwardResponse(r, resp);
     return absl::OkStatus();
   });
@@ -66,10 +114,11 @@ grpc::ServerUnaryReactor* WorkerService::ForwardBackward(grpc::CallbackServerCon
 
 grpc::ServerUnaryReactor* WorkerService::Forward(grpc::CallbackServerContext* ctx,
                                                  const v1::WorkerForwardRequest* req,
-                                                 v1::ForwardBackwardResponse* resp) {
+                                                 v1::WorkerForwardBackwardResponse* resp) {
   return Defer(ctx, [this, req, resp]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult r,
-                              core_->Forward(req->run_id(), DatumsFromProto(req->datums())));
+                              core_->Forward(req->run_id(), DatumsFromProto(req->datums()),
+                                             MeshFromProto(req->mesh())));
     FillForwardResponse(r, resp);
     return absl::OkStatus();
   });
@@ -77,10 +126,11 @@ grpc::ServerUnaryReactor* WorkerService::Forward(grpc::CallbackServerContext* ct
 
 grpc::ServerUnaryReactor* WorkerService::OptimStep(grpc::CallbackServerContext* ctx,
                                                    const v1::WorkerOptimStepRequest* req,
-                                                   v1::StepResponse* resp) {
-  return Defer(ctx, [this, req, resp]() -> absl::Status {
+                                                   v1::WorkerStepResponse* resp) {
+  return DeferOnce(ctx, req->mesh(), "OptimStep", resp, [this, req, resp]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(AdamWParams adamw, AdamWParamsFromProto(req->adamw()));
-    LORASTEP_ASSIGN_OR_RETURN(OptimStepResult r, core_->OptimStep(req->run_id(), adamw));
+    LORASTEP_ASSIGN_OR_RETURN(OptimStepResult r,
+                              core_->OptimStep(req->run_id(), adamw, MeshFromProto(req->mesh())));
     FillStepResponse(r, resp);
     return absl::OkStatus();
   });
@@ -88,15 +138,15 @@ grpc::ServerUnaryReactor* WorkerService::OptimStep(grpc::CallbackServerContext* 
 
 grpc::ServerUnaryReactor* WorkerService::TrainStep(grpc::CallbackServerContext* ctx,
                                                    const v1::WorkerTrainStepRequest* req,
-                                                   v1::StepResponse* resp) {
-  return Defer(ctx, [this, req, resp]() -> absl::Status {
+                                                   v1::WorkerStepResponse* resp) {
+  return DeferOnce(ctx, req->mesh(), "TrainStep", resp, [this, req, resp]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(req->loss()));
     LORASTEP_ASSIGN_OR_RETURN(AdamWParams adamw, AdamWParamsFromProto(req->adamw()));
     BatchTotals totals{req->batch_loss_tokens(), req->batch_samples()};
     LORASTEP_ASSIGN_OR_RETURN(
         OptimStepResult r,
         core_->TrainStep(req->run_id(), DatumsFromProto(req->datums()), loss, adamw, totals,
-                         req->max_tokens_per_microbatch()));
+                         req->max_tokens_per_microbatch(), MeshFromProto(req->mesh())));
     FillStepResponse(r, resp);
     return absl::OkStatus();
   });
@@ -114,8 +164,19 @@ grpc::ServerUnaryReactor* WorkerService::TrainStep(grpc::CallbackServerContext* 
     });                                                                                       \
   }
 LORASTEP_WORKER_PATH_CALL(SaveState)
-LORASTEP_WORKER_PATH_CALL(LoadState)
 LORASTEP_WORKER_PATH_CALL(ExportAdapter)
 #undef LORASTEP_WORKER_PATH_CALL
+
+grpc::ServerUnaryReactor* WorkerService::LoadState(grpc::CallbackServerContext* ctx,
+                                                   const v1::WorkerPathRequest* req,
+                                                   v1::WorkerPathResponse* resp) {
+  return DeferOnce(ctx, req->mesh(), "LoadState", resp, [this, req, resp]() -> absl::Status {
+    LORASTEP_ASSIGN_OR_RETURN(WorkerCore::PathResult r,
+                              core_->LoadState(req->run_id(), req->path(), MeshFromProto(req->mesh())));
+    resp->set_adapter_sha256(r.adapter_sha256);
+    resp->set_learner_version(r.learner_version);
+    return absl::OkStatus();
+  });
+}
 
 }  // namespace lorastep

@@ -3,7 +3,10 @@
 #ifndef LORASTEP_WORKER_WORKER_SERVICE_H_
 #define LORASTEP_WORKER_WORKER_SERVICE_H_
 
+#include <deque>
+#include <map>
 #include <memory>
+#include <string>
 
 #include "lorastep/v1/worker.grpc.pb.h"
 #include "server/serial_executor.h"
@@ -22,16 +25,16 @@ class WorkerService final : public v1::Worker::CallbackService {
                                       v1::WorkerCreateRunResponse* resp) override;
   grpc::ServerUnaryReactor* ForwardBackward(grpc::CallbackServerContext* ctx,
                                             const v1::WorkerForwardBackwardRequest* req,
-                                            v1::ForwardBackwardResponse* resp) override;
+                                            v1::WorkerForwardBackwardResponse* resp) override;
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx,
                                     const v1::WorkerForwardRequest* req,
-                                    v1::ForwardBackwardResponse* resp) override;
+                                    v1::WorkerForwardBackwardResponse* resp) override;
   grpc::ServerUnaryReactor* OptimStep(grpc::CallbackServerContext* ctx,
                                       const v1::WorkerOptimStepRequest* req,
-                                      v1::StepResponse* resp) override;
+                                      v1::WorkerStepResponse* resp) override;
   grpc::ServerUnaryReactor* TrainStep(grpc::CallbackServerContext* ctx,
                                       const v1::WorkerTrainStepRequest* req,
-                                      v1::StepResponse* resp) override;
+                                      v1::WorkerStepResponse* resp) override;
   grpc::ServerUnaryReactor* SaveState(grpc::CallbackServerContext* ctx,
                                       const v1::WorkerPathRequest* req,
                                       v1::WorkerPathResponse* resp) override;
@@ -46,8 +49,18 @@ class WorkerService final : public v1::Worker::CallbackService {
   // Queues `work` (returning absl::Status) and finishes the call when it has run.
   template <typename Work>
   grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, Work work);
+  // Defer for mutating calls: a request_id already applied returns its recorded response
+  // and runs nothing (exactly once on every rank, whatever the coordinator retries).
+  template <typename Work>
+  grpc::ServerUnaryReactor* DeferOnce(grpc::CallbackServerContext* ctx, const v1::MeshCall& mesh,
+                                      const char* method, google::protobuf::Message* resp, Work work);
 
   WorkerCore* core_;
+  // request_id -> (method, serialized response), the most recent kRecordedCalls; touched
+  // only on the executor thread.
+  static constexpr size_t kRecordedCalls = 256;
+  std::map<std::string, std::pair<std::string, std::string>> recorded_;
+  std::deque<std::string> recorded_order_;
   SerialExecutor executor_;
 };
 
