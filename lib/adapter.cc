@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "lib/status_macros.h"
 
@@ -30,7 +31,7 @@ std::string Adapter::PeftKey(size_t layer, int slot, bool is_b) {
 
 absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const LoraConfig& lora,
                                             const at::Device& device, at::ScalarType dtype,
-                                            uint64_t seed) {
+                                            uint64_t seed, const ModelShard* shard) {
   LORASTEP_RETURN_IF_ERROR(ValidateLoraConfig(lora));
   if (lora.full_finetune()) {
     return absl::InvalidArgumentError("lora.rank: 0 means full fine-tuning, not LoRA");
@@ -38,20 +39,38 @@ absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const Lora
   LORASTEP_ASSIGN_OR_RETURN(auto targeted, ResolveLoraTargets(lora));
   Adapter adapter;
   adapter.lora_ = lora;
-  adapter.lora_by_layer_.resize(model.num_hidden_layers);
+  const ModelShard whole = MakeModelShard({}, {}, model);
+  const ModelShard& s = shard != nullptr ? *shard : whole;
+  adapter.lora_by_layer_.resize(s.layer_end - s.layer_begin);
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   for (int64_t layer = 0; layer < model.num_hidden_layers; ++layer) {
     for (int slot = 0; slot < kNumLinearSlots; ++slot) {
       if (!targeted[slot]) continue;
       const auto [out, in] = LinearShape(model, slot);
       const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+      // Drawn for every layer so each rank's stream matches world size 1.
       at::Tensor a = at::empty({lora.rank, in}, at::kFloat).uniform_(-bound, bound, gen);
       at::Tensor b = at::zeros({out, lora.rank}, at::kFloat);
-      LoraFactors& f = adapter.lora_by_layer_[layer][slot];
+      if (layer < s.layer_begin || layer >= s.layer_end) continue;
+      const LinearSplit split = LinearSplitOf(s, slot, model);
+      Parameter pa{PeftKey(layer, slot, false), {}, {}};
+      Parameter pb{PeftKey(layer, slot, true), {}, {}};
+      if (IsColumnParallel(slot)) {  // y_i = W_i x + s B_i (A x)
+        b = b.narrow(0, split.begin, split.end - split.begin);
+        pa.role = kReplicatedPartial;
+        pb.split_dim = 0;
+      } else {  // y = sum_i (W_i x_i + s B (A_i x_i))
+        a = a.narrow(1, split.begin, split.end - split.begin);
+        pa.split_dim = 1;
+        pb.role = kReplicatedPartial;
+      }
+      pa.value = a.contiguous().to(device, dtype);
+      pb.value = b.contiguous().to(device, dtype);
+      LoraFactors& f = adapter.lora_by_layer_[layer - s.layer_begin][slot];
       f.a = static_cast<int>(adapter.parameters_.size());
-      adapter.parameters_.push_back({PeftKey(layer, slot, false), a.to(device, dtype), {}});
+      adapter.parameters_.push_back(std::move(pa));
       f.b = static_cast<int>(adapter.parameters_.size());
-      adapter.parameters_.push_back({PeftKey(layer, slot, true), b.to(device, dtype), {}});
+      adapter.parameters_.push_back(std::move(pb));
     }
   }
   for (auto& p : adapter.parameters_) p.value.requires_grad_(true);
@@ -66,7 +85,14 @@ Adapter Adapter::CreateFullFinetune(const ModelWeights& base) {
   adapter.full_main_grads_ = base;
   ForEachNamedTensor(adapter.full_weights_, [&](const std::string& name, at::Tensor& t) {
     t = t.detach().clone().requires_grad_(true);
-    adapter.parameters_.push_back({name, t, {}});
+    Parameter p{name, t, {}};
+    if (absl::EndsWith(name, "norm.weight")) {
+      p.role = kReplicatedFull;  // same input and upstream gradient on every tensor rank
+    } else {
+      const bool row_parallel = absl::StrContains(name, "o_proj.weight") || absl::StrContains(name, "down_proj.weight");
+      p.split_dim = row_parallel ? 1 : 0;
+    }
+    adapter.parameters_.push_back(std::move(p));
   });
   adapter.PackMainGrads();
   // Mirror each parameter's main_grad into the model-shaped struct (same order).
@@ -84,11 +110,11 @@ const LoraFactors* Adapter::lora(size_t layer, int slot) const {
 }
 
 void Adapter::PackMainGrads() {
-  for (int bucket = 0; bucket < 2; ++bucket) {
+  for (int bucket = 0; bucket < kNumGradBuckets; ++bucket) {
     int64_t total = 0;
     at::TensorOptions options;
     for (const Parameter& p : parameters_) {
-      if (static_cast<int>(p.tensor_replicated) != bucket) continue;
+      if (p.role != bucket) continue;
       total += p.value.numel();
       options = p.value.options().dtype(at::kFloat).requires_grad(false);
     }
@@ -99,7 +125,7 @@ void Adapter::PackMainGrads() {
     grad_buckets_[bucket] = at::zeros({total}, options);
     int64_t offset = 0;
     for (Parameter& p : parameters_) {
-      if (static_cast<int>(p.tensor_replicated) != bucket) continue;
+      if (p.role != bucket) continue;
       p.main_grad = grad_buckets_[bucket].narrow(0, offset, p.value.numel()).view(p.value.sizes());
       offset += p.value.numel();
     }

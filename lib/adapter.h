@@ -24,15 +24,26 @@ struct Parameter {
   at::Tensor value;      // requires_grad; model dtype
   at::Tensor main_grad;  // fp32, same shape; the gradient the optimizer consumes (a view
                          // into the adapter's flat gradient bucket)
-  // The same value on every tensor-parallel rank of a stage, while each rank computes only a
-  // partial gradient (the LoRA factor on the unsplit side of a split linear): its gradient
-  // is SUM-reduced over the stage's tensor+data group. Else split (or unsplit at tp 1) and
-  // reduced over the data group only.
-  bool tensor_replicated = false;
+  // How the tensor is laid over the tensor-parallel ranks of a stage; see TensorRole.
+  int role = 0;  // a TensorRole
+  int split_dim = -1;  // kSplit: the dim cut across tensor ranks (in tensor-rank order)
 };
 
-// Which flat fp32 buffer a parameter's main_grad lives in; one collective covers a bucket.
-enum class GradBucket { kSplit = 0, kTensorReplicated = 1 };
+// How a trainable tensor sits on the tensor-parallel ranks, which decides its reduction.
+//  kSplit: each rank holds a different slice (or the whole tensor at tp 1); its gradient is
+//    complete on the rank: SUM over the data group only.
+//  kReplicatedPartial: every rank holds the same value but computes only a partial gradient
+//    -- the LoRA factor on the unsplit side of a split linear (A of q/k/v/gate/up, B of
+//    o/down). SUM over the stage's tensor+data group, exactly once: the dense form of the
+//    second seed's bug is skipping (or repeating) that reduction.
+//  kReplicatedFull: same value, and the same complete gradient on every rank (norm weights
+//    under full fine-tuning): SUM over the data group; counted once in the norm.
+enum TensorRole { kSplit = 0, kReplicatedPartial = 1, kReplicatedFull = 2 };
+
+// Which flat fp32 buffer a parameter's main_grad lives in (one per TensorRole); one
+// collective covers a bucket.
+enum class GradBucket { kSplit = 0, kReplicatedPartial = 1, kReplicatedFull = 2 };
+constexpr int kNumGradBuckets = 3;
 
 // LoRA factors of one linear: y += scale * B (A x). A: [rank, in], B: [out, rank].
 struct LoraFactors {
@@ -44,10 +55,15 @@ class Adapter {
  public:
   // LoRA: A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming_uniform(a=sqrt(5))), B = 0,
   // drawn on CPU from `seed` so every device gets the same factors.
+  // With a `shard`, the factors are drawn for the whole model (the same stream as world
+  // size 1) and this rank keeps its part: the stage's layers; on column-parallel q/k/v/
+  // gate/up, A whole (kReplicatedPartial) and B's rows of this rank; on row-parallel o/down,
+  // A's columns of this rank and B whole (kReplicatedPartial).
   static absl::StatusOr<Adapter> CreateLora(const ModelConfig& model, const LoraConfig& lora,
                                             const at::Device& device, at::ScalarType dtype,
-                                            uint64_t seed);
-  // rank 0: a trainable copy of every base tensor.
+                                            uint64_t seed, const ModelShard* shard = nullptr);
+  // rank 0: a trainable copy of every base tensor (of this rank's shard of the base).
+  // Norm weights are kReplicatedFull; the rest kSplit.
   static Adapter CreateFullFinetune(const ModelWeights& base);
 
   const LoraConfig& lora_config() const { return lora_; }
@@ -77,7 +93,7 @@ class Adapter {
 
   LoraConfig lora_;
   std::vector<Parameter> parameters_;
-  std::array<at::Tensor, 2> grad_buckets_;
+  std::array<at::Tensor, kNumGradBuckets> grad_buckets_;
   std::vector<std::array<LoraFactors, kNumLinearSlots>> lora_by_layer_;
   ModelWeights full_weights_;
   ModelWeights full_main_grads_;

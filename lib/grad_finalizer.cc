@@ -35,20 +35,25 @@ absl::StatusOr<double> FinalizeStepGradients(Adapter* adapter, ProcessGroups* gr
   return GuardTorch([&]() -> absl::StatusOr<double> {
     at::NoGradGuard no_grad;
     at::Tensor split = adapter->grad_bucket(GradBucket::kSplit);
-    at::Tensor replicated = adapter->grad_bucket(GradBucket::kTensorReplicated);
+    at::Tensor partial = adapter->grad_bucket(GradBucket::kReplicatedPartial);
+    at::Tensor full = adapter->grad_bucket(GradBucket::kReplicatedFull);
     if (groups != nullptr) {
-      if (replicated.defined()) {
+      if (partial.defined()) {
         for (int i = 0; i < options.replicated_reductions; ++i) {
-          LORASTEP_RETURN_IF_ERROR(groups->group(GroupKind::kStage).AllReduce(replicated));
+          LORASTEP_RETURN_IF_ERROR(groups->group(GroupKind::kStage).AllReduce(partial));
         }
       }
-      if (split.defined()) LORASTEP_RETURN_IF_ERROR(groups->group(GroupKind::kData).AllReduce(split));
+      for (at::Tensor* bucket : {&split, &full}) {
+        if (bucket->defined()) LORASTEP_RETURN_IF_ERROR(groups->group(GroupKind::kData).AllReduce(*bucket));
+      }
     }
     // Split tensors are distinct on every tensor rank and stage: their squares add up over
     // the model-parallel group. Replicated ones are equal on tensor ranks: counted once.
     at::Tensor sq = SumOfSquares(split);
     const bool count_replicated = groups == nullptr || groups->coords().tp == 0;
-    if (count_replicated) sq = sq + SumOfSquares(replicated).to(sq.device());
+    if (count_replicated) {
+      sq = sq + SumOfSquares(partial).to(sq.device()) + SumOfSquares(full).to(sq.device());
+    }
     sq = sq.reshape({1});
     if (groups != nullptr) {
       LORASTEP_RETURN_IF_ERROR(groups->group(GroupKind::kModelParallel).AllReduce(sq));

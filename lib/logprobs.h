@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include "lib/linear.h"
+#include "lib/parallel/tensor_parallel.h"
 
 namespace lorastep {
 
@@ -19,9 +20,13 @@ struct TokenScores {
 // hidden: [T, H]; weight: [V, H] (the LM head); targets: int64 [T].
 // Differentiable in hidden and, when `weight_main_grad` is defined, in weight (accumulated
 // like a trainable linear, fused or not per `grad`).
+// Vocab-parallel when `vocab.group` has several ranks: `weight` is this rank's vocabulary
+// slice, targets stay global ids, every rank gets the same log-probs and entropies, and the
+// gradient of `hidden` is summed over the group (full logits are never gathered).
 TokenScores ChunkedTokenScores(const at::Tensor& hidden, const at::Tensor& weight,
                                const at::Tensor& weight_main_grad, const at::Tensor& targets,
-                               int64_t chunk_tokens, const GradOptions& grad);
+                               int64_t chunk_tokens, const GradOptions& grad,
+                               const VocabShard& vocab = {});
 
 }  // namespace lorastep
 

@@ -25,7 +25,7 @@ void VisitNamed(Weights& w, Fn&& fn) {
   fn("model.embed_tokens.weight", w.embed_tokens);
   for (size_t i = 0; i < w.layers.size(); ++i) {
     auto& layer = w.layers[i];
-    const std::string prefix = absl::StrCat("model.layers.", i, ".");
+    const std::string prefix = absl::StrCat("model.layers.", w.first_layer + static_cast<int64_t>(i), ".");
     fn(prefix + "input_layernorm.weight", layer.input_norm);
     for (int s = 0; s < kNumLinearSlots; ++s) {
       fn(absl::StrCat(prefix, LinearSlotModulePath(s), ".weight"), layer.linear[s]);
@@ -205,6 +205,32 @@ ModelWeights RandomModelWeights(const ModelConfig& config, uint64_t seed) {
     t = f.to(type);
   });
   return w;
+}
+
+ModelWeights ShardModelWeights(const ModelWeights& full, const ModelConfig& config,
+                               const ModelShard& shard) {
+  if (shard.whole()) return full;
+  auto cut = [](const at::Tensor& t, int dim, int64_t begin, int64_t end) {
+    return t.narrow(dim, begin, end - begin).clone();
+  };
+  ModelWeights out;
+  out.first_layer = shard.layer_begin;
+  out.embed_tokens = cut(full.embed_tokens, 0, shard.vocab_begin, shard.vocab_end);
+  if (full.lm_head.defined()) out.lm_head = cut(full.lm_head, 0, shard.vocab_begin, shard.vocab_end);
+  out.final_norm = full.final_norm;
+  for (int64_t layer = shard.layer_begin; layer < shard.layer_end; ++layer) {
+    const LayerWeights& src = full.layers[layer];
+    LayerWeights dst;
+    dst.input_norm = src.input_norm;
+    dst.post_attention_norm = src.post_attention_norm;
+    for (int slot = 0; slot < kNumLinearSlots; ++slot) {
+      const LinearSplit split = LinearSplitOf(shard, slot, config);
+      dst.linear[slot] = cut(src.linear[slot], split.dim, split.begin, split.end);
+      if (slot < 3) dst.qkv_bias[slot] = cut(src.qkv_bias[slot], 0, split.begin, split.end);
+    }
+    out.layers.push_back(std::move(dst));
+  }
+  return out;
 }
 
 }  // namespace lorastep

@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "lib/lora_config.h"
 #include "lib/model_config.h"
+#include "lib/parallel/parallel_layout.h"
 
 namespace lorastep {
 
@@ -30,6 +31,7 @@ struct ModelWeights {
   std::vector<LayerWeights> layers;
   at::Tensor final_norm;  // [H]
   at::Tensor lm_head;     // [V, H]; undefined when tied to embed_tokens
+  int64_t first_layer = 0;  // global index of layers[0] (a pipeline stage holds a range)
 
   const at::Tensor& output_weight() const { return lm_head.defined() ? lm_head : embed_tokens; }
 };
@@ -58,6 +60,13 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& folder, const at::Devic
 // Writes config.json + model.safetensors (or `shards` files + index when shards > 1).
 absl::Status SaveModel(const std::string& folder, const ModelConfig& config,
                        const ModelWeights& weights, int shards = 1);
+
+// This rank's part of `full`: the stage's layers (layers[0] is global layer
+// shard.layer_begin), linears cut as LinearSplitOf says (q/k/v biases with their rows),
+// embedding and LM head cut by vocabulary rows; norms whole. Copies (the full model can be
+// freed). A whole shard returns `full` itself.
+ModelWeights ShardModelWeights(const ModelWeights& full, const ModelConfig& config,
+                               const ModelShard& shard);
 
 // Random weights (normal(0, 0.02) matrices, norms near 1, small biases), deterministic in
 // `seed`, made on CPU in config.torch_dtype.

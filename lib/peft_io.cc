@@ -15,7 +15,8 @@
 namespace lorastep {
 
 absl::Status ExportPeftAdapter(const std::string& folder, const Adapter& adapter,
-                               const std::string& base_model_path) {
+                               const std::string& base_model_path,
+                               const std::vector<at::Tensor>* values) {
   if (adapter.full_finetune()) {
     return absl::FailedPreconditionError(
         "export: a rank-0 (full fine-tuning) run has no adapter; save the model instead");
@@ -46,7 +47,10 @@ absl::Status ExportPeftAdapter(const std::string& folder, const Adapter& adapter
   LORASTEP_RETURN_IF_ERROR(
       WriteStringToFile(folder + "/adapter_config.json", config.dump(2) + "\n"));
   TensorWriteList list;
-  for (const Parameter& p : adapter.parameters()) LORASTEP_RETURN_IF_ERROR(list.Add(p.name, p.value));
+  const auto& params = adapter.parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    LORASTEP_RETURN_IF_ERROR(list.Add(params[i].name, values != nullptr ? (*values)[i] : params[i].value));
+  }
   return list.WriteTo(folder + "/adapter_model.safetensors", {{"format", "pt"}});
 }
 

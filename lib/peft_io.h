@@ -5,15 +5,18 @@
 #define LORASTEP_LIB_PEFT_IO_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "lib/adapter.h"
 
 namespace lorastep {
 
-// Writes exactly the trained factors (in their training dtype).
+// Writes exactly the trained factors (in their training dtype). `values`: whole tensors in
+// parameter order when the adapter holds tensor-parallel slices (else its own values).
 absl::Status ExportPeftAdapter(const std::string& folder, const Adapter& adapter,
-                               const std::string& base_model_path);
+                               const std::string& base_model_path,
+                               const std::vector<at::Tensor>* values = nullptr);
 
 // Loads factors into a LoRA adapter of the same rank, alpha and targets. Mismatched config,
 // a missing key or a wrong shape is INVALID_ARGUMENT naming it; on error nothing changes.

@@ -62,9 +62,13 @@ class LayerRunner {
 
   at::Tensor Layer(size_t i, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) const {
     const LayerWeights& lw = weights_.layers[i];
-    const int64_t b = x.size(0), s = x.size(1), nh = c_.num_attention_heads,
-                  nkv = c_.num_key_value_heads, d = c_.head_dim();
-    at::Tensor h = RmsNorm(x, lw.input_norm, c_.rms_norm_eps);
+    const ModelShard* shard = options_.shard;
+    CommGroup* tp = options_.tensor_group;
+    // Heads of this tensor rank (all of them without tensor parallelism).
+    const int64_t b = x.size(0), s = x.size(1), d = c_.head_dim(),
+                  nh = shard != nullptr ? shard->heads : c_.num_attention_heads,
+                  nkv = shard != nullptr ? shard->kv_heads : c_.num_key_value_heads;
+    at::Tensor h = CopyToTensorRegion(RmsNorm(x, lw.input_norm, c_.rms_norm_eps), tp);
     at::Tensor q = Project(i, kQProj, h).view({b, s, nh, d}).transpose(1, 2);
     at::Tensor k = Project(i, kKProj, h).view({b, s, nkv, d}).transpose(1, 2);
     at::Tensor v = Project(i, kVProj, h).view({b, s, nkv, d}).transpose(1, 2);
@@ -75,10 +79,11 @@ class LayerRunner {
       v = v.repeat_interleave(nh / nkv, 1);
     }
     at::Tensor attn = compat::CausalAttention(q, k, v).transpose(1, 2).reshape({b, s, nh * d});
-    x = x + Project(i, kOProj, attn);
-    h = RmsNorm(x, lw.post_attention_norm, c_.rms_norm_eps);
+    // Row-parallel o/down give partial sums (LoRA's B(A_i x_i) included): one all-reduce each.
+    x = x + ReduceFromTensorRegion(Project(i, kOProj, attn), tp);
+    h = CopyToTensorRegion(RmsNorm(x, lw.post_attention_norm, c_.rms_norm_eps), tp);
     at::Tensor act = at::silu(Project(i, kGateProj, h)) * Project(i, kUpProj, h);
-    return x + Project(i, kDownProj, act);
+    return x + ReduceFromTensorRegion(Project(i, kDownProj, act), tp);
   }
 
  private:
@@ -112,7 +117,10 @@ at::Tensor Qwen2Hidden(const ModelConfig& config, const ModelWeights& base, cons
   const bool full = adapter != nullptr && adapter->full_finetune();
   const ModelWeights& weights = full ? adapter->full_weights() : base;
   const ModelWeights* main_grads = full ? &adapter->full_main_grads() : nullptr;
-  at::Tensor x = at::embedding(weights.embed_tokens, tokens);
+  at::Tensor x = options.shard != nullptr
+                     ? VocabParallelEmbedding(weights.embed_tokens, tokens, options.shard->vocab_begin,
+                                              options.tensor_group)
+                     : at::embedding(weights.embed_tokens, tokens);
   auto [cos, sin] = RopeTables(config, tokens.size(1), x.options());
   LayerRunner runner(config, weights, main_grads, full ? nullptr : adapter, options);
   for (size_t i = 0; i < weights.layers.size(); ++i) x = runner.Layer(i, x, cos, sin);

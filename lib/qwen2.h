@@ -11,6 +11,8 @@
 #include "lib/linear.h"
 #include "lib/model_config.h"
 #include "lib/model_weights.h"
+#include "lib/parallel/parallel_layout.h"
+#include "lib/parallel/tensor_parallel.h"
 
 namespace lorastep {
 
@@ -19,10 +21,16 @@ struct ForwardOptions {
   bool training = true;  // LoRA dropout is active only while training
   // Draws LoRA dropout masks (on CPU, so a run's stream is its own and device-independent).
   at::Generator* dropout_generator = nullptr;
+  // Tensor parallelism: the weights (and the adapter) hold this rank's shard; q/k/v/gate/up
+  // are column-parallel, o/down row-parallel, the embedding vocab-parallel (Megatron).
+  // Null shard or group: the whole model.
+  const ModelShard* shard = nullptr;
+  CommGroup* tensor_group = nullptr;
 };
 
 // tokens: int64 [b, s] (right-padded; causal attention keeps padding out of real positions).
-// Returns the final-normed hidden states [b, s, H]. `adapter` may be null (base model only).
+// Returns the final-normed hidden states [b, s, H] (the same on every tensor rank).
+// `adapter` may be null (base model only).
 at::Tensor Qwen2Hidden(const ModelConfig& config, const ModelWeights& base, const Adapter* adapter,
                        const at::Tensor& tokens, const ForwardOptions& options);
 

@@ -22,6 +22,8 @@ std::string FirstLine(const char* what) {
 absl::Status StatusFromCurrentException() {
   try {
     throw;
+  } catch (const StatusError& e) {
+    return e.status();
   } catch (const c10::OutOfMemoryError& e) {
     return absl::ResourceExhaustedError(absl::StrCat("out of memory: ", FirstLine(e.what())));
   } catch (const c10::IndexError& e) {

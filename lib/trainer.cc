@@ -61,7 +61,9 @@ double PeakHostMemoryBytes() {
 
 absl::StatusOr<std::shared_ptr<const BaseModel>> LoadBaseModel(const std::string& folder,
                                                                const std::string& device,
-                                                               const std::string& dtype) {
+                                                               const std::string& dtype,
+                                                               const ParallelSizes& sizes,
+                                                               const RankCoords& coords) {
   return GuardTorch([&]() -> absl::StatusOr<std::shared_ptr<const BaseModel>> {
     auto base = std::make_shared<BaseModel>();
     base->path = folder;
@@ -73,7 +75,10 @@ absl::StatusOr<std::shared_ptr<const BaseModel>> LoadBaseModel(const std::string
     }
     LORASTEP_ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(folder, base->device, type));
     base->config = loaded.config;
-    base->weights = std::move(loaded.weights);
+    LORASTEP_RETURN_IF_ERROR(ValidateLayoutForModel(sizes, base->config));
+    base->shard = MakeModelShard(sizes, coords, base->config);
+    base->weights = ShardModelWeights(loaded.weights, base->config, base->shard);
+    loaded.weights = ModelWeights();
     base->dtype = base->weights.embed_tokens.scalar_type();
     return std::shared_ptr<const BaseModel>(base);
   });
@@ -105,7 +110,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(std::shared_ptr<const B
     } else {
       LORASTEP_ASSIGN_OR_RETURN(adapter, Adapter::CreateLora(base->config, options.lora,
                                                              base->device, base->dtype,
-                                                             options.seed));
+                                                             options.seed, &base->shard));
     }
     return std::unique_ptr<Trainer>(new Trainer(base, options, std::move(adapter)));
   });
@@ -152,6 +157,14 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
       datums, batch.max_tokens_per_microbatch > 0 ? batch.max_tokens_per_microbatch
                                                   : options_.max_tokens_per_microbatch);
   ForwardOptions fwd_options{options_.grad, /*training=*/backward, &dropout_generator_};
+  CommGroup* tensor_group = options_.groups != nullptr && base_->shard.tp > 1
+                                ? &options_.groups->group(GroupKind::kTensor)
+                                : nullptr;
+  if (tensor_group != nullptr) {
+    fwd_options.shard = &base_->shard;
+    fwd_options.tensor_group = tensor_group;
+  }
+  const VocabShard vocab{tensor_group, base_->shard.vocab_begin};
   double t_data = 0, t_forward = 0, t_backward = 0, flops = 0, real_tokens = 0;
   const double lora_params = adapter_->full_finetune()
                                  ? 0.0
@@ -202,7 +215,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     TokenScores scores =
         ChunkedTokenScores(selected, OutputWeight(base_->weights, adapter_.get()),
                            OutputMainGrad(adapter_.get()), targets_t,
-                           options_.logprob_chunk_tokens, options_.grad);
+                           options_.logprob_chunk_tokens, options_.grad, vocab);
     at::Tensor lp_cpu = scores.logprobs.detach().to(at::kCPU);
     {
       const float* lp = lp_cpu.data_ptr<float>();
@@ -360,8 +373,11 @@ absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWParams& params) {
   const bool mesh = options_.groups != nullptr && options_.groups->layout().world_size() > 1;
   if (mesh || !adapter_->full_finetune() || options_.digest_full_finetune_steps) {
     t0 = Clock::now();
-    result.adapter_sha256 = AdapterSha256();
-    result.replica_digests = ReplicaDigests(result.adapter_sha256);
+    const std::string local_sha = AdapterSha256();
+    result.replica_digests = ReplicaDigests(local_sha);
+    // The reported adapter digest is of whole tensors, the same at every layout.
+    const bool sliced = options_.groups != nullptr && base_->shard.tp > 1;
+    result.adapter_sha256 = !sliced ? local_sha : adapter_->full_finetune() ? "" : FullAdapterSha256();
     result.metrics.Add("time_digest_s:sum", SecondsSince(t0));
   }
   return result;
@@ -371,7 +387,7 @@ std::map<std::string, std::string> Trainer::ReplicaDigests(const std::string& tr
   std::map<std::string, std::string> digests{{"trainable", trainable_sha256}};
   std::vector<at::Tensor> replicated;
   for (const Parameter& p : adapter_->parameters()) {
-    if (p.tensor_replicated) replicated.push_back(p.value);
+    if (p.role != kSplit) replicated.push_back(p.value);
   }
   if (!replicated.empty()) digests["tensor_replicated"] = TensorsSha256(replicated);
   return digests;
@@ -397,23 +413,85 @@ absl::StatusOr<OptimStepResult> Trainer::TrainStep(const std::vector<Datum>& dat
   return step;
 }
 
+bool Trainer::WritesGatheredState() const {
+  if (options_.groups == nullptr) return true;
+  const RankCoords c = options_.groups->coords();
+  return c.tp == 0 && c.pp == 0 && c.dp == 0;
+}
+
+absl::StatusOr<std::vector<at::Tensor>> Trainer::GatherTensorSplits(
+    const std::vector<at::Tensor>& local) const {
+  const auto& params = adapter_->parameters();
+  if (options_.groups == nullptr || base_->shard.tp == 1) return local;
+  CommGroup& tp = options_.groups->group(GroupKind::kTensor);
+  std::vector<at::Tensor> full;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].role != kSplit) {
+      full.push_back(local[i]);
+      continue;
+    }
+    // Slices may differ by one row (an uneven vocabulary split): pad to the largest,
+    // gather, trim each to its own size, concatenate in tensor-rank order.
+    const int dim = params[i].split_dim;
+    at::Tensor size = at::full({1}, static_cast<double>(local[i].size(dim)),
+                               local[i].options().dtype(at::kDouble));
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> sizes, tp.AllGather(size));
+    int64_t largest = 0;
+    for (const auto& n : sizes) largest = std::max<int64_t>(largest, static_cast<int64_t>(n.item<double>()));
+    at::Tensor padded = local[i];
+    if (padded.size(dim) < largest) {
+      std::vector<int64_t> pad_shape(padded.sizes().begin(), padded.sizes().end());
+      pad_shape[dim] = largest - padded.size(dim);
+      padded = at::cat({padded, at::zeros(pad_shape, padded.options())}, dim);
+    }
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> parts, tp.AllGather(padded));
+    for (size_t r = 0; r < parts.size(); ++r) {
+      parts[r] = parts[r].narrow(dim, 0, static_cast<int64_t>(sizes[r].item<double>()));
+    }
+    full.push_back(at::cat(parts, dim));
+  }
+  return full;
+}
+
 absl::Status Trainer::ExportAdapter(const std::string& folder) const {
-  return GuardTorch([&] { return ExportPeftAdapter(folder, *adapter_, base_->path); });
+  return GuardTorch([&]() -> absl::Status {
+    std::vector<at::Tensor> local;
+    for (const Parameter& p : adapter_->parameters()) local.push_back(p.value);
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> full, GatherTensorSplits(local));
+    if (!WritesGatheredState()) return absl::OkStatus();
+    return ExportPeftAdapter(folder, *adapter_, base_->path, &full);
+  });
+}
+
+std::string Trainer::FullAdapterSha256() const {
+  std::vector<at::Tensor> local;
+  for (const Parameter& p : adapter_->parameters()) local.push_back(p.value);
+  auto full = GatherTensorSplits(local);
+  return full.ok() ? TensorsSha256(*full) : "";
 }
 
 absl::Status Trainer::SaveState(
     const std::string& folder,
     const std::function<absl::Status(const std::string&)>& fault_point) const {
   return GuardTorch([&]() -> absl::Status {
+    // Layout-independent: tensor-parallel slices are gathered into whole tensors, so a
+    // checkpoint saved on any mesh loads on any other (and at world size 1).
+    std::vector<at::Tensor> values;
+    for (const Parameter& p : adapter_->parameters()) values.push_back(p.value);
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> full_values, GatherTensorSplits(values));
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> full_master, GatherTensorSplits(optimizer_->master()));
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> full_avg, GatherTensorSplits(optimizer_->exp_avg()));
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> full_avg_sq,
+                              GatherTensorSplits(optimizer_->exp_avg_sq()));
+    if (!WritesGatheredState()) return absl::OkStatus();
     auto write = [&](const std::string& tmp) -> absl::Status {
       TensorWriteList trainable, optimizer;
       const auto& params = adapter_->parameters();
       for (size_t i = 0; i < params.size(); ++i) {
-        LORASTEP_RETURN_IF_ERROR(trainable.Add(params[i].name, params[i].value));
-        LORASTEP_RETURN_IF_ERROR(optimizer.Add(params[i].name + ".master", optimizer_->master()[i]));
-        LORASTEP_RETURN_IF_ERROR(optimizer.Add(params[i].name + ".exp_avg", optimizer_->exp_avg()[i]));
-        LORASTEP_RETURN_IF_ERROR(
-            optimizer.Add(params[i].name + ".exp_avg_sq", optimizer_->exp_avg_sq()[i]));
+        LORASTEP_RETURN_IF_ERROR(trainable.Add(params[i].name, full_values[i]));
+        LORASTEP_RETURN_IF_ERROR(optimizer.Add(params[i].name + ".master", full_master[i]));
+        LORASTEP_RETURN_IF_ERROR(optimizer.Add(params[i].name + ".exp_avg", full_avg[i]));
+        LORASTEP_RETURN_IF_ERROR(optimizer.Add(params[i].name + ".exp_avg_sq", full_avg_sq[i]));
       }
       LORASTEP_RETURN_IF_ERROR(optimizer.Add("rng.dropout", dropout_generator_.get_state()));
       LORASTEP_RETURN_IF_ERROR(trainable.WriteTo(tmp + "/trainable.safetensors"));
@@ -452,26 +530,31 @@ absl::Status Trainer::LoadState(const std::string& folder) {
     LORASTEP_ASSIGN_OR_RETURN(SafetensorsFile optimizer,
                               SafetensorsFile::Open(folder + "/optimizer.safetensors"));
     // Stage everything, checking names and shapes, before touching live state.
-    auto stage = [](const SafetensorsFile& file, const std::string& name,
-                    const at::Tensor& like) -> absl::StatusOr<at::Tensor> {
+    // Checkpoints hold whole tensors; a tensor-parallel rank keeps its slice of each split one.
+    const int tp = base_->shard.tp, tp_rank = base_->shard.tp_rank;
+    auto stage = [&](const SafetensorsFile& file, const std::string& name,
+                     const Parameter& param) -> absl::StatusOr<at::Tensor> {
+      const at::Tensor& like = param.value;
       auto entry = file.Find(name);
       if (!entry.ok()) return absl::InvalidArgumentError(entry.status().message());
-      if (!(*entry)->shape.empty() || like.dim() != 0) {
-        std::vector<int64_t> want(like.sizes().begin(), like.sizes().end());
-        if ((*entry)->shape != want) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(file.path(), ": tensor '", name, "': shape mismatch"));
-        }
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor t, TensorFromEntry(**entry));
+      if (tp > 1 && param.role == kSplit && t.dim() == like.dim() && t.dim() > param.split_dim) {
+        const auto [begin, end] = EvenRange(t.size(param.split_dim), tp, tp_rank);
+        t = t.narrow(param.split_dim, begin, end - begin);
       }
-      return TensorFromEntry(**entry);
+      if (!t.sizes().equals(like.sizes())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(file.path(), ": tensor '", name, "': shape mismatch"));
+      }
+      return t;
     };
     const auto& params = adapter_->parameters();
     std::vector<at::Tensor> values, master, avg, avg_sq;
     for (size_t i = 0; i < params.size(); ++i) {
-      LORASTEP_ASSIGN_OR_RETURN(at::Tensor v, stage(trainable, params[i].name, params[i].value));
-      LORASTEP_ASSIGN_OR_RETURN(at::Tensor ms, stage(optimizer, params[i].name + ".master", params[i].value));
-      LORASTEP_ASSIGN_OR_RETURN(at::Tensor a, stage(optimizer, params[i].name + ".exp_avg", params[i].value));
-      LORASTEP_ASSIGN_OR_RETURN(at::Tensor s, stage(optimizer, params[i].name + ".exp_avg_sq", params[i].value));
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor v, stage(trainable, params[i].name, params[i]));
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor ms, stage(optimizer, params[i].name + ".master", params[i]));
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor a, stage(optimizer, params[i].name + ".exp_avg", params[i]));
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor s, stage(optimizer, params[i].name + ".exp_avg_sq", params[i]));
       values.push_back(v);
       master.push_back(ms);
       avg.push_back(a);

@@ -39,12 +39,16 @@ struct BaseModel {
   ModelWeights weights;  // frozen
   at::Device device = at::kCPU;
   at::ScalarType dtype = at::kFloat;
+  ModelShard shard;  // the part of the model `weights` holds (whole by default)
 };
 
 // device: "cpu", "cuda", "cuda:1"; dtype: "" (config.json's), "float32", "bfloat16", "float16".
+// With `sizes`/`coords` (a mesh) only this rank's shard is kept (ShardModelWeights).
 absl::StatusOr<std::shared_ptr<const BaseModel>> LoadBaseModel(const std::string& folder,
                                                                const std::string& device,
-                                                               const std::string& dtype);
+                                                               const std::string& dtype,
+                                                               const ParallelSizes& sizes = {},
+                                                               const RankCoords& coords = {});
 
 struct TrainerOptions {
   LoraConfig lora;
@@ -120,6 +124,8 @@ class Trainer {
   Adapter& mutable_adapter() { return *adapter_; }
   const BaseModel& base() const { return *base_; }
   std::string AdapterSha256() const;
+  // SHA-256 of the whole (gathered) adapter: the same at every layout. Collective on a mesh.
+  std::string FullAdapterSha256() const;
 
  private:
   Trainer(std::shared_ptr<const BaseModel> base, const TrainerOptions& options, Adapter adapter);
@@ -140,6 +146,11 @@ class Trainer {
   // commits, so either every rank applies a call or none does. World size 1: `local`.
   absl::Status AgreeOnOutcome(const absl::Status& local);
   std::map<std::string, std::string> ReplicaDigests(const std::string& trainable_sha256) const;
+  // Whole tensors from this rank's slices (tensor ranks all-gather split parameters; a
+  // collective every rank of the tensor group makes). `local` is in parameter order.
+  absl::StatusOr<std::vector<at::Tensor>> GatherTensorSplits(const std::vector<at::Tensor>& local) const;
+  // The rank that writes gathered checkpoints and exports (tensor 0, stage 0, replica 0).
+  bool WritesGatheredState() const;
 
   std::shared_ptr<const BaseModel> base_;
   TrainerOptions options_;

@@ -584,9 +584,10 @@ absl::StatusOr<v1::SaveStateResponse> Coordinator::SaveState(const v1::SaveState
   if (req.path().empty()) return absl::InvalidArgumentError("path: required");
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
-  // Data-parallel replicas hold identical state: rank 0 writes it (a world-1 checkpoint).
+  // Every rank takes part (tensor ranks gather their slices); rank 0 writes one
+  // layout-independent checkpoint, the same as at world size 1.
   LORASTEP_ASSIGN_OR_RETURN(
-      auto per_rank, FanOut<v1::WorkerPathResponse>(*run, {0}, [&](int, WorkerClient* w) {
+      auto per_rank, FanOut<v1::WorkerPathResponse>(*run, AllRanks(*run), [&](int, WorkerClient* w) {
         v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
         wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
         return w->SaveState(wreq);
@@ -627,7 +628,7 @@ absl::StatusOr<v1::ExportAdapterResponse> Coordinator::ExportAdapter(
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
   LORASTEP_ASSIGN_OR_RETURN(
-      auto per_rank, FanOut<v1::WorkerPathResponse>(*run, {0}, [&](int, WorkerClient* w) {
+      auto per_rank, FanOut<v1::WorkerPathResponse>(*run, AllRanks(*run), [&](int, WorkerClient* w) {
         v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
         wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
         return w->ExportAdapter(wreq);

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "clients/cpp/trainer_client.h"
+#include "lib/file_util.h"
 #include "lib/model_weights.h"
 #include "lib/safetensors.h"
 #include "lib/tensor_bytes.h"
@@ -177,6 +178,98 @@ TEST_F(MeshTest, DataParallelEqualsWorldOneForLoraAndFullFinetuneFusedAndUnfused
     ExpectSame(Train(dp2, 4, tag + "_lora"), lora1, tag + " lora");
     ExpectSame(Train(dp2, 0, tag + "_full"), full1, tag + " full");
   }
+}
+
+TEST_F(MeshTest, TensorParallelEqualsWorldOne) {
+  Coordinator world1 = Start({});
+  const Trace lora1 = Train(world1, 4, "tw1_lora");
+  const Trace full1 = Train(world1, 0, "tw1_full");
+  {
+    Coordinator tp2 = Start({"--tp", "2"});
+    ExpectSame(Train(tp2, 4, "tp2_lora"), lora1, "tp2 lora");
+    ExpectSame(Train(tp2, 0, "tp2_full"), full1, "tp2 full");
+  }
+  Coordinator tp2dp2 = Start({"--tp", "2", "--dp", "2", "--unfused_wgrad"});
+  ExpectSame(Train(tp2dp2, 4, "tp2dp2_lora"), lora1, "tp2 x dp2 lora unfused");
+}
+
+// The dense form of the second seed: without the stage-group SUM of the replicated factors'
+// partial gradients, tensor ranks update them differently; the replica check catches it
+// and the run refuses further training.
+TEST_F(MeshTest, SkippedReplicatedReductionIsCaughtAndTheRunRefused) {
+  Coordinator tp2 = Start({"--tp", "2", "--test_replicated_reductions", "0"});
+  v1::LoraConfig lora;
+  lora.set_rank(4);
+  lora.set_alpha(8);
+  auto run = RunSession::Create(tp2.client.get(), lora, 11);
+  ASSERT_TRUE(run.ok()) << run.status();
+  bool caught = false;
+  for (int step = 0; step < 2 && !caught; ++step) {
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse r, run->TrainStep(Batch(step), Ppo(), Adam()));
+    caught = !r.replicas_equal();
+    if (caught) {
+      bool named = false;
+      for (const auto& h : r.replica_hashes()) named |= !h.equal() && h.family() == "tensor_replicated";
+      EXPECT_TRUE(named) << r.DebugString();
+    }
+  }
+  EXPECT_TRUE(caught);
+  auto refused = run->TrainStep(Batch(2), Ppo(), Adam());
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition, "diverged"));
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition, "stage 0 tensor_replicated: ranks 1 differ from rank 0"));
+}
+
+// Reducing the replicated factors twice keeps replicas equal but doubles their gradient:
+// the comparison with world size 1 catches it.
+TEST_F(MeshTest, DoubledReplicatedReductionIsCaughtAgainstWorldOne) {
+  Coordinator world1 = Start({});
+  const Trace want = Train(world1, 4, "dbl_w1");
+  Coordinator tp2 = Start({"--tp", "2", "--test_replicated_reductions", "2"});
+  const Trace got = Train(tp2, 4, "dbl_tp2");
+  ASSERT_FALSE(got.grad_norm.empty());
+  EXPECT_GT(RelErr(got.grad_norm[0], want.grad_norm[0]), 1e-3);
+}
+
+TEST_F(MeshTest, StateSavedOnOneLayoutLoadsOnAnother) {
+  v1::LoraConfig lora;
+  lora.set_rank(4);
+  lora.set_alpha(8);
+  Coordinator world1 = Start({});
+  Coordinator tp2dp2 = Start({"--tp", "2", "--dp", "2"});
+  auto export_bytes = [&](Coordinator& c, const std::string& run_id, const std::string& name) {
+    v1::ExportAdapterRequest req;
+    req.set_run_id(run_id);
+    req.set_path(*dir_ + "/xfer_" + name);
+    auto r = c.client->ExportAdapter(req);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return ReadFileToString(req.path() + "/adapter_model.safetensors").value();
+  };
+  // Train on the mesh, save, load at world size 1: the same adapter, bit for bit.
+  auto mesh_run = RunSession::Create(tp2dp2.client.get(), lora, 5);
+  ASSERT_TRUE(mesh_run.ok()) << mesh_run.status();
+  for (int step = 0; step < 2; ++step) ASSERT_OK(mesh_run->TrainStep(Batch(step), Ppo(), Adam()).status());
+  v1::SaveStateRequest save;
+  save.set_run_id(mesh_run->run_id());
+  save.set_path(*dir_ + "/state_mesh");
+  ASSERT_OK(tp2dp2.client->SaveState(save).status());
+  auto single = RunSession::Create(world1.client.get(), lora, 99);
+  ASSERT_TRUE(single.ok()) << single.status();
+  ASSERT_OK(single->LoadState(save.path()).status());
+  EXPECT_EQ(export_bytes(world1, single->run_id(), "single"), export_bytes(tp2dp2, mesh_run->run_id(), "mesh"));
+  // Continuing on both equals (within tolerance) and replicas stay equal.
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse a, mesh_run->TrainStep(Batch(2), Ppo(), Adam()));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse b, single->TrainStep(Batch(2), Ppo(), Adam()));
+  EXPECT_TRUE(a.replicas_equal());
+  EXPECT_LT(RelErr(a.metrics().at("loss:sum"), b.metrics().at("loss:sum")), kRelTol);
+  EXPECT_LT(RelErr(a.metrics().at("grad_norm:sum"), b.metrics().at("grad_norm:sum")), kRelTol);
+  // The reverse: saved at world size 1, loaded on the mesh.
+  save.set_run_id(single->run_id());
+  save.set_path(*dir_ + "/state_single");
+  ASSERT_OK(world1.client->SaveState(save).status());
+  auto mesh2 = RunSession::Create(tp2dp2.client.get(), lora, 77);
+  ASSERT_TRUE(mesh2.ok()) << mesh2.status();
+  ASSERT_OK(mesh2->LoadState(save.path()).status());
+  EXPECT_EQ(export_bytes(tp2dp2, mesh2->run_id(), "mesh2"), export_bytes(world1, single->run_id(), "single2"));
 }
 
 TEST_F(MeshTest, BatchSmallerThanTheReplicasIsRefused) {

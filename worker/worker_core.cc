@@ -8,13 +8,16 @@ namespace lorastep {
 absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerOptions& options) {
   LORASTEP_ASSIGN_OR_RETURN(ParallelLayout layout,
                             ParallelLayout::Create(options.sizes, options.sizes.world()));
-  if (options.sizes.tp > 1 || options.sizes.pp > 1) {
-    return absl::UnimplementedError(
-        "tp/pp: tensor and pipeline parallelism are not built yet; use dp (data parallel)");
+  if (options.sizes.pp > 1) {
+    return absl::UnimplementedError("pp: pipeline parallelism is not built yet; use tp and dp");
   }
   LORASTEP_ASSIGN_OR_RETURN(std::shared_ptr<const BaseModel> base,
-                            LoadBaseModel(options.model_path, options.device, options.dtype));
-  LORASTEP_RETURN_IF_ERROR(ValidateLayoutForModel(options.sizes, base->config));
+                            LoadBaseModel(options.model_path, options.device, options.dtype,
+                                          options.sizes, layout.Coords(options.rank)));
+  if (options.sizes.tp > base->config.num_key_value_heads) {
+    return absl::UnimplementedError(
+        "tp: more tensor ranks than num_key_value_heads (replicated KV heads) is not built yet");
+  }
   auto core = std::unique_ptr<WorkerCore>(new WorkerCore(options, std::move(base)));
   if (layout.world_size() > 1) {
     if (options.rendezvous.empty()) {
@@ -118,11 +121,12 @@ absl::StatusOr<OptimStepResult> WorkerCore::TrainStep(const std::string& run_id,
 }
 
 absl::StatusOr<WorkerCore::PathResult> WorkerCore::SaveState(const std::string& run_id,
-                                                             const std::string& path) {
+                                                             const std::string& path,
+    const MeshCallInfo& mesh) {
   std::lock_guard<std::mutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
   LORASTEP_RETURN_IF_ERROR(t->SaveState(path));
-  return PathResult{t->AdapterSha256(), t->learner_version()};
+  return PathResult{t->FullAdapterSha256(), t->learner_version()};
 }
 
 absl::StatusOr<WorkerCore::PathResult> WorkerCore::LoadState(const std::string& run_id,
@@ -131,15 +135,16 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::LoadState(const std::string& 
   std::lock_guard<std::mutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
   LORASTEP_RETURN_IF_ERROR(t->LoadState(path));
-  return PathResult{t->AdapterSha256(), t->learner_version()};
+  return PathResult{t->FullAdapterSha256(), t->learner_version()};
 }
 
 absl::StatusOr<WorkerCore::PathResult> WorkerCore::ExportAdapter(const std::string& run_id,
-                                                                 const std::string& path) {
+                                                                 const std::string& path,
+    const MeshCallInfo& mesh) {
   std::lock_guard<std::mutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
   LORASTEP_RETURN_IF_ERROR(t->ExportAdapter(path));
-  return PathResult{t->AdapterSha256(), t->learner_version()};
+  return PathResult{t->FullAdapterSha256(), t->learner_version()};
 }
 
 }  // namespace lorastep

@@ -71,10 +71,12 @@ class WorkerCore {
     std::string adapter_sha256;
     int64_t learner_version = 0;
   };
-  absl::StatusOr<PathResult> SaveState(const std::string& run_id, const std::string& path);
+  absl::StatusOr<PathResult> SaveState(const std::string& run_id, const std::string& path,
+                                       const MeshCallInfo& mesh = {});
   absl::StatusOr<PathResult> LoadState(const std::string& run_id, const std::string& path,
                                        const MeshCallInfo& mesh = {});
-  absl::StatusOr<PathResult> ExportAdapter(const std::string& run_id, const std::string& path);
+  absl::StatusOr<PathResult> ExportAdapter(const std::string& run_id, const std::string& path,
+                                           const MeshCallInfo& mesh = {});
 
  private:
   WorkerCore(WorkerOptions options, std::shared_ptr<const BaseModel> base)

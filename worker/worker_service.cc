@@ -157,7 +157,8 @@ grpc::ServerUnaryReactor* WorkerService::TrainStep(grpc::CallbackServerContext* 
                                                   const v1::WorkerPathRequest* req,          \
                                                   v1::WorkerPathResponse* resp) {            \
     return Defer(ctx, [this, req, resp]() -> absl::Status {                                   \
-      LORASTEP_ASSIGN_OR_RETURN(WorkerCore::PathResult r, core_->Method(req->run_id(), req->path())); \
+      LORASTEP_ASSIGN_OR_RETURN(WorkerCore::PathResult r,                                    \
+                                core_->Method(req->run_id(), req->path(), MeshFromProto(req->mesh()))); \
       resp->set_adapter_sha256(r.adapter_sha256);                                             \
       resp->set_learner_version(r.learner_version);                                           \
       return absl::OkStatus();                                                                \

@@ -144,4 +144,27 @@ ModelShard MakeModelShard(const ParallelSizes& sizes, const RankCoords& coords,
   return s;
 }
 
+bool IsColumnParallel(int slot) { return slot != 3 && slot != 6; }  // kOProj, kDownProj
+
+LinearSplit LinearSplitOf(const ModelShard& s, int slot, const ModelConfig& c) {
+  const int64_t d = c.head_dim();
+  LinearSplit split;
+  split.dim = IsColumnParallel(slot) ? 0 : 1;
+  switch (slot) {
+    case 0: case 3:  // q rows, o columns: this rank's query heads
+      split.begin = s.head_begin * d;
+      split.end = (s.head_begin + s.heads) * d;
+      break;
+    case 1: case 2:  // k, v: this rank's key/value heads
+      split.begin = s.kv_head_begin * d;
+      split.end = (s.kv_head_begin + s.kv_heads) * d;
+      break;
+    default:  // gate, up rows; down columns
+      split.begin = s.ffn_begin;
+      split.end = s.ffn_end;
+      break;
+  }
+  return split;
+}
+
 }  // namespace lorastep

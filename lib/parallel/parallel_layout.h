@@ -113,6 +113,15 @@ struct ModelShard {
 ModelShard MakeModelShard(const ParallelSizes& sizes, const RankCoords& coords,
                           const ModelConfig& config);
 
+// How the weight [out, in] of linear `slot` (a LinearSlot) is cut on a tensor rank:
+// column-parallel q/k/v/gate/up split `out` (dim 0), row-parallel o/down split `in` (dim 1).
+struct LinearSplit {
+  int dim = 0;           // 0: output rows (column-parallel), 1: input columns (row-parallel)
+  int64_t begin = 0, end = 0;
+};
+LinearSplit LinearSplitOf(const ModelShard& shard, int slot, const ModelConfig& config);
+bool IsColumnParallel(int slot);  // q, k, v, gate, up
+
 }  // namespace lorastep
 
 #endif  // LORASTEP_LIB_PARALLEL_PARALLEL_LAYOUT_H_
