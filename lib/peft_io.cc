@@ -14,9 +14,9 @@
 
 namespace lorastep {
 
-absl::Status ExportPeftAdapter(const std::string& folder, const Adapter& adapter,
-                               const std::string& base_model_path,
-                               const std::vector<at::Tensor>* values) {
+absl::Status ExportPeftAdapter(
+    const std::string& folder, const Adapter& adapter, const std::string& base_model_path,
+    const std::vector<std::pair<std::string, at::Tensor>>* tensors) {
   if (adapter.full_finetune()) {
     return absl::FailedPreconditionError(
         "export: a rank-0 (full fine-tuning) run has no adapter; save the model instead");
@@ -47,9 +47,10 @@ absl::Status ExportPeftAdapter(const std::string& folder, const Adapter& adapter
   LORASTEP_RETURN_IF_ERROR(
       WriteStringToFile(folder + "/adapter_config.json", config.dump(2) + "\n"));
   TensorWriteList list;
-  const auto& params = adapter.parameters();
-  for (size_t i = 0; i < params.size(); ++i) {
-    LORASTEP_RETURN_IF_ERROR(list.Add(params[i].name, values != nullptr ? (*values)[i] : params[i].value));
+  if (tensors != nullptr) {
+    for (const auto& [name, t] : *tensors) LORASTEP_RETURN_IF_ERROR(list.Add(name, t));
+  } else {
+    for (const Parameter& p : adapter.parameters()) LORASTEP_RETURN_IF_ERROR(list.Add(p.name, p.value));
   }
   return list.WriteTo(folder + "/adapter_model.safetensors", {{"format", "pt"}});
 }

@@ -5,6 +5,7 @@
 #define LORASTEP_LIB_PEFT_IO_H_
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -12,11 +13,12 @@
 
 namespace lorastep {
 
-// Writes exactly the trained factors (in their training dtype). `values`: whole tensors in
-// parameter order when the adapter holds tensor-parallel slices (else its own values).
-absl::Status ExportPeftAdapter(const std::string& folder, const Adapter& adapter,
-                               const std::string& base_model_path,
-                               const std::vector<at::Tensor>* values = nullptr);
+// Writes exactly the trained factors (in their training dtype). `tensors`: the whole
+// adapter by PEFT key when this rank holds only part of it (tensor slices, one pipeline
+// stage); else the adapter's own values.
+absl::Status ExportPeftAdapter(
+    const std::string& folder, const Adapter& adapter, const std::string& base_model_path,
+    const std::vector<std::pair<std::string, at::Tensor>>* tensors = nullptr);
 
 // Loads factors into a LoRA adapter of the same rank, alpha and targets. Mismatched config,
 // a missing key or a wrong shape is INVALID_ARGUMENT naming it; on error nothing changes.

@@ -112,19 +112,44 @@ at::Tensor OutputMainGrad(const Adapter* adapter) {
   return at::Tensor();
 }
 
-at::Tensor Qwen2Hidden(const ModelConfig& config, const ModelWeights& base, const Adapter* adapter,
-                       const at::Tensor& tokens, const ForwardOptions& options) {
+namespace {
+
+const ModelWeights& WeightsFor(const ModelWeights& base, const Adapter* adapter) {
+  return adapter != nullptr && adapter->full_finetune() ? adapter->full_weights() : base;
+}
+
+}  // namespace
+
+at::Tensor Qwen2Embed(const ModelConfig&, const ModelWeights& base, const Adapter* adapter,
+                      const at::Tensor& tokens, const ForwardOptions& options) {
+  const ModelWeights& weights = WeightsFor(base, adapter);
+  return options.shard != nullptr
+             ? VocabParallelEmbedding(weights.embed_tokens, tokens, options.shard->vocab_begin,
+                                      options.tensor_group)
+             : at::embedding(weights.embed_tokens, tokens);
+}
+
+at::Tensor Qwen2Layers(const ModelConfig& config, const ModelWeights& base, const Adapter* adapter,
+                       at::Tensor x, const ForwardOptions& options) {
   const bool full = adapter != nullptr && adapter->full_finetune();
-  const ModelWeights& weights = full ? adapter->full_weights() : base;
+  const ModelWeights& weights = WeightsFor(base, adapter);
   const ModelWeights* main_grads = full ? &adapter->full_main_grads() : nullptr;
-  at::Tensor x = options.shard != nullptr
-                     ? VocabParallelEmbedding(weights.embed_tokens, tokens, options.shard->vocab_begin,
-                                              options.tensor_group)
-                     : at::embedding(weights.embed_tokens, tokens);
-  auto [cos, sin] = RopeTables(config, tokens.size(1), x.options());
+  auto [cos, sin] = RopeTables(config, x.size(1), x.options());
   LayerRunner runner(config, weights, main_grads, full ? nullptr : adapter, options);
   for (size_t i = 0; i < weights.layers.size(); ++i) x = runner.Layer(i, x, cos, sin);
-  return RmsNorm(x, weights.final_norm, config.rms_norm_eps);
+  return x;
+}
+
+at::Tensor Qwen2FinalNorm(const ModelConfig& config, const ModelWeights& base,
+                          const Adapter* adapter, const at::Tensor& x) {
+  return RmsNorm(x, WeightsFor(base, adapter).final_norm, config.rms_norm_eps);
+}
+
+at::Tensor Qwen2Hidden(const ModelConfig& config, const ModelWeights& base, const Adapter* adapter,
+                       const at::Tensor& tokens, const ForwardOptions& options) {
+  at::Tensor x = Qwen2Embed(config, base, adapter, tokens, options);
+  x = Qwen2Layers(config, base, adapter, x, options);
+  return Qwen2FinalNorm(config, base, adapter, x);
 }
 
 }  // namespace lorastep

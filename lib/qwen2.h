@@ -34,6 +34,15 @@ struct ForwardOptions {
 at::Tensor Qwen2Hidden(const ModelConfig& config, const ModelWeights& base, const Adapter* adapter,
                        const at::Tensor& tokens, const ForwardOptions& options);
 
+// The three pieces of Qwen2Hidden, for pipeline stages: the first stage embeds, every stage
+// runs its layers (weights.layers: this stage's range), the last applies the final norm.
+at::Tensor Qwen2Embed(const ModelConfig& config, const ModelWeights& base, const Adapter* adapter,
+                      const at::Tensor& tokens, const ForwardOptions& options);
+at::Tensor Qwen2Layers(const ModelConfig& config, const ModelWeights& base, const Adapter* adapter,
+                       at::Tensor x, const ForwardOptions& options);
+at::Tensor Qwen2FinalNorm(const ModelConfig& config, const ModelWeights& base,
+                          const Adapter* adapter, const at::Tensor& x);
+
 // The LM-head weight the hidden states are scored with, and its main_grad (defined only when
 // it is trainable, i.e. full fine-tuning).
 const at::Tensor& OutputWeight(const ModelWeights& base, const Adapter* adapter);

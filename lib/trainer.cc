@@ -2,9 +2,15 @@
 #include <ATen/core/grad_mode.h>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
+#include <deque>
 
 #include "absl/strings/str_cat.h"
 #include "lib/checkpoint_dir.h"
@@ -103,6 +109,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(std::shared_ptr<const B
   if (options.logprob_chunk_tokens <= 0) {
     return absl::InvalidArgumentError("logprob_chunk_tokens: must be > 0");
   }
+  if (options.lora.full_finetune() && base->shard.pp > 1) {
+    return absl::UnimplementedError(
+        "lora.rank: full fine-tuning across pipeline stages (tied embedding group) is not built "
+        "yet; use LoRA, or tp/dp");
+  }
   return GuardTorch([&]() -> absl::StatusOr<std::unique_ptr<Trainer>> {
     Adapter adapter;
     if (options.lora.full_finetune()) {
@@ -175,91 +186,133 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
                                    }();
   const double matmul_passes = !backward ? 1.0 : adapter_->full_finetune() ? 3.0 : 2.0;
 
-  for (const auto& mb : micro_batches) {
-    auto t0 = Clock::now();
-    int64_t longest = 0;
-    for (size_t d : mb) longest = std::max<int64_t>(longest, datums[d].tokens.size());
-    const int64_t b = static_cast<int64_t>(mb.size());
-    std::vector<int64_t> tokens(b * longest, 0), positions, targets, sample_of;
+  // Host-side inputs of every micro-batch, built before any compute.
+  struct MicroBatch {
+    const std::vector<size_t>* datums = nullptr;
+    int64_t b = 0, longest = 0;
+    at::Tensor tokens, positions, targets;  // on the device
     std::vector<float> mask;
+    std::vector<int64_t> sample_of;
     std::vector<const std::vector<float>*> adv, samp, old, ref;
-    for (int64_t r = 0; r < b; ++r) {
-      const Datum& datum = datums[mb[r]];
-      const int64_t n = static_cast<int64_t>(datum.tokens.size());
-      for (int64_t i = 0; i < n; ++i) {
-        tokens[r * longest + i] = datum.tokens[i];
-        positions.push_back(r * longest + i);
-        targets.push_back(datum.target_tokens[i]);
-        sample_of.push_back(static_cast<int64_t>(mb[r]));
-        mask.push_back(LossMask(datum, i));
+  };
+  std::vector<MicroBatch> mbs;
+  const auto device = base_->device;
+  {
+    auto t0 = Clock::now();
+    for (const auto& mb : micro_batches) {
+      MicroBatch data;
+      data.datums = &mb;
+      for (size_t d : mb) data.longest = std::max<int64_t>(data.longest, datums[d].tokens.size());
+      data.b = static_cast<int64_t>(mb.size());
+      std::vector<int64_t> tokens(data.b * data.longest, 0), positions, targets;
+      for (int64_t r = 0; r < data.b; ++r) {
+        const Datum& datum = datums[mb[r]];
+        const int64_t n = static_cast<int64_t>(datum.tokens.size());
+        for (int64_t i = 0; i < n; ++i) {
+          tokens[r * data.longest + i] = datum.tokens[i];
+          positions.push_back(r * data.longest + i);
+          targets.push_back(datum.target_tokens[i]);
+          data.sample_of.push_back(static_cast<int64_t>(mb[r]));
+          data.mask.push_back(LossMask(datum, i));
+        }
+        data.adv.push_back(&datum.advantages);
+        data.samp.push_back(&datum.logprobs);
+        data.old.push_back(&datum.old_logprobs);
+        data.ref.push_back(&datum.ref_logprobs);
+        physical += static_cast<double>(data.longest);
+        real_tokens += static_cast<double>(n);
+        flops += DatumFlops(config, n, matmul_passes, lora_params);
       }
-      adv.push_back(&datum.advantages);
-      samp.push_back(&datum.logprobs);
-      old.push_back(&datum.old_logprobs);
-      ref.push_back(&datum.ref_logprobs);
-      physical += static_cast<double>(longest);
-      real_tokens += static_cast<double>(n);
-      flops += DatumFlops(config, n, matmul_passes, lora_params);
+      data.tokens = at::tensor(tokens, at::kLong).view({data.b, data.longest}).to(device);
+      data.positions = at::tensor(positions, at::kLong).to(device);
+      data.targets = at::tensor(targets, at::kLong).to(device);
+      mbs.push_back(std::move(data));
     }
-    const auto device = base_->device;
-    at::Tensor tokens_t = at::tensor(tokens, at::kLong).view({b, longest}).to(device);
-    at::Tensor positions_t = at::tensor(positions, at::kLong).to(device);
-    at::Tensor targets_t = at::tensor(targets, at::kLong).to(device);
     t_data += SecondsSince(t0);
+  }
 
-    t0 = Clock::now();
-    c10::optional<at::NoGradGuard> no_grad;
-    if (!backward) no_grad.emplace();
-    at::Tensor hidden = Qwen2Hidden(config, base_->weights, adapter_.get(), tokens_t, fwd_options);
-    at::Tensor selected = FoldLeadingDims(hidden).index_select(0, positions_t);
+  // The last stage's head: final norm, log-probs of the targets, the loss and its metrics.
+  // Returns the micro-batch's (already normalized) loss, undefined for a forward-only call.
+  auto head = [&](const MicroBatch& mb, const at::Tensor& layers_out) -> at::Tensor {
+    at::Tensor hidden = Qwen2FinalNorm(config, base_->weights, adapter_.get(), layers_out);
+    at::Tensor selected = FoldLeadingDims(hidden).index_select(0, mb.positions);
     TokenScores scores =
         ChunkedTokenScores(selected, OutputWeight(base_->weights, adapter_.get()),
-                           OutputMainGrad(adapter_.get()), targets_t,
+                           OutputMainGrad(adapter_.get()), mb.targets,
                            options_.logprob_chunk_tokens, options_.grad, vocab);
     at::Tensor lp_cpu = scores.logprobs.detach().to(at::kCPU);
     {
       const float* lp = lp_cpu.data_ptr<float>();
       size_t offset = 0;
-      for (size_t d : mb) {
+      for (size_t d : *mb.datums) {
         result.logprobs[d].assign(lp + offset, lp + offset + datums[d].tokens.size());
         offset += datums[d].tokens.size();
       }
     }
-    at::Tensor loss_value;
-    if (backward) {
-      auto any = [](const std::vector<const std::vector<float>*>& v) {
-        for (const auto* p : v) if (!p->empty()) return true;
-        return false;
-      };
-      LossInputs in;
-      in.logprobs = scores.logprobs;
-      in.entropy = scores.entropy;
-      in.mask = at::tensor(mask, at::kFloat).to(device);
-      in.sample_index = at::tensor(sample_of, at::kLong).to(device);
-      in.advantages = FloatsOrUndefined(adv, any(adv));
-      in.sampler_logprobs = FloatsOrUndefined(samp, any(samp));
-      in.old_logprobs = FloatsOrUndefined(old, any(old));
-      in.ref_logprobs = FloatsOrUndefined(ref, any(ref));
-      for (at::Tensor* t : {&in.advantages, &in.sampler_logprobs, &in.old_logprobs, &in.ref_logprobs}) {
-        if (t->defined()) *t = t->to(device);
-      }
-      LossDenominators mb_den = den;
-      mb_den.sample_tokens = den.sample_tokens.to(device);
-      loss_value = ComputeLoss(*loss, in, mb_den, &m);
-    } else {
-      at::Tensor bearing = (at::tensor(mask, at::kFloat) != 0).to(at::kDouble);
+    if (!backward) {
+      at::Tensor bearing = (at::tensor(mb.mask, at::kFloat) != 0).to(at::kDouble);
       m.Add("entropy:mean", (scores.entropy.detach().to(at::kCPU).to(at::kDouble) * bearing).sum().item<double>(),
             bearing.sum().item<double>());
+      return at::Tensor();
     }
-    SyncDevice();
-    t_forward += SecondsSince(t0);
+    auto any = [](const std::vector<const std::vector<float>*>& v) {
+      for (const auto* p : v) if (!p->empty()) return true;
+      return false;
+    };
+    LossInputs in;
+    in.logprobs = scores.logprobs;
+    in.entropy = scores.entropy;
+    in.mask = at::tensor(mb.mask, at::kFloat).to(device);
+    in.sample_index = at::tensor(mb.sample_of, at::kLong).to(device);
+    in.advantages = FloatsOrUndefined(mb.adv, any(mb.adv));
+    in.sampler_logprobs = FloatsOrUndefined(mb.samp, any(mb.samp));
+    in.old_logprobs = FloatsOrUndefined(mb.old, any(mb.old));
+    in.ref_logprobs = FloatsOrUndefined(mb.ref, any(mb.ref));
+    for (at::Tensor* t : {&in.advantages, &in.sampler_logprobs, &in.old_logprobs, &in.ref_logprobs}) {
+      if (t->defined()) *t = t->to(device);
+    }
+    LossDenominators mb_den = den;
+    mb_den.sample_tokens = den.sample_tokens.to(device);
+    return ComputeLoss(*loss, in, mb_den, &m);
+  };
 
-    if (backward) {
-      t0 = Clock::now();
-      loss_value.backward();
+  c10::optional<at::NoGradGuard> no_grad;
+  if (!backward) no_grad.emplace();
+  if (base_->shard.pp == 1) {
+    for (const MicroBatch& mb : mbs) {
+      auto t0 = Clock::now();
+      at::Tensor x = Qwen2Embed(config, base_->weights, adapter_.get(), mb.tokens, fwd_options);
+      x = Qwen2Layers(config, base_->weights, adapter_.get(), x, fwd_options);
+      at::Tensor loss_value = head(mb, x);
       SyncDevice();
-      t_backward += SecondsSince(t0);
+      t_forward += SecondsSince(t0);
+      if (backward) {
+        t0 = Clock::now();
+        loss_value.backward();
+        SyncDevice();
+        t_backward += SecondsSince(t0);
+      }
     }
+  } else {
+    LORASTEP_RETURN_IF_ERROR(RunPipelineSchedule(
+        static_cast<int>(mbs.size()), backward,
+        [&](int i) { return std::vector<int64_t>{mbs[i].b, mbs[i].longest, config.hidden_size}; },
+        [&](int i, const at::Tensor& x_in) -> at::Tensor {  // this stage's forward
+          at::Tensor x = base_->shard.first_stage()
+                             ? Qwen2Embed(config, base_->weights, adapter_.get(), mbs[i].tokens, fwd_options)
+                             : x_in;
+          x = Qwen2Layers(config, base_->weights, adapter_.get(), x, fwd_options);
+          return base_->shard.last_stage() ? head(mbs[i], x) : x;
+        },
+        &t_forward, &t_backward));
+  }
+  if (!base_->shard.last_stage()) {  // only the last stage sees the loss: no data metrics here
+    m = Metrics();
+    m.Add("time_data_s:sum", t_data);
+    m.Add("time_forward_s:sum", t_forward);
+    if (backward) m.Add("time_backward_s:sum", t_backward);
+    m.Set("peak_host_memory_bytes:max", PeakHostMemoryBytes());
+    return result;
   }
   m.Add("tokens_physical:sum", physical);
   m.Add("tokens_nonpadding:sum", real_tokens);
@@ -276,6 +329,102 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   if (peak > 0 && compute_s > 0) m.Add("mfu:sum", flops / compute_s / peak);
   m.Set("peak_host_memory_bytes:max", PeakHostMemoryBytes());
   return result;
+}
+
+absl::Status Trainer::RunPipelineSchedule(
+    int num_micro_batches, bool backward,
+    const std::function<std::vector<int64_t>(int)>& activation_shape,
+    const std::function<at::Tensor(int, const at::Tensor&)>& forward, double* t_forward,
+    double* t_backward) {
+  constexpr int kActivationTag = 0, kGradientTag = 1;
+  CommGroup& pipe = options_.groups->group(GroupKind::kPipeline);
+  const bool first = base_->shard.first_stage(), last = base_->shard.last_stage();
+  const int prev = pipe.rank() - 1, next = pipe.rank() + 1;
+  const at::TensorOptions act = at::TensorOptions().device(base_->device).dtype(base_->dtype);
+  struct InFlight {
+    int index;
+    at::Tensor input;   // received activation (a leaf that collects its gradient)
+    at::Tensor output;  // stage output, or the loss on the last stage
+  };
+  std::deque<InFlight> in_flight;
+
+  auto receive_input = [&](int i) -> absl::StatusOr<at::Tensor> {
+    if (first) return at::Tensor();
+    at::Tensor x = at::empty(activation_shape(i), act);
+    LORASTEP_RETURN_IF_ERROR(pipe.Recv(x, prev, kActivationTag));
+    if (backward) x.requires_grad_(true);
+    return x;
+  };
+  auto run_forward = [&](int i, const at::Tensor& x) {
+    auto t0 = Clock::now();
+    at::Tensor y = forward(i, x);
+    SyncDevice();
+    *t_forward += SecondsSince(t0);
+    in_flight.push_back({i, x, y});
+    return y;
+  };
+  // Backward of the oldest micro-batch given its output gradient; returns its input's.
+  auto run_backward = [&](const at::Tensor& grad_output) {
+    InFlight f = std::move(in_flight.front());
+    in_flight.pop_front();
+    auto t0 = Clock::now();
+    if (last) {
+      f.output.backward();
+    } else {
+      f.output.backward(grad_output);
+    }
+    SyncDevice();
+    *t_backward += SecondsSince(t0);
+    return first ? at::Tensor() : f.input.grad();
+  };
+  auto output_grad_buffer = [&]() { return at::empty(activation_shape(in_flight.front().index), act); };
+
+  if (!backward) {
+    for (int i = 0; i < num_micro_batches; ++i) {
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor x, receive_input(i));
+      at::Tensor y = run_forward(i, x);
+      in_flight.clear();
+      if (!last) LORASTEP_RETURN_IF_ERROR(pipe.Send(y, next, kActivationTag));
+    }
+    return absl::OkStatus();
+  }
+  const int stages = pipe.size();
+  const int warmup = std::min(stages - pipe.rank() - 1, num_micro_batches);
+  const int steady = num_micro_batches - warmup;
+  for (int i = 0; i < warmup; ++i) {
+    LORASTEP_ASSIGN_OR_RETURN(at::Tensor x, receive_input(i));
+    at::Tensor y = run_forward(i, x);
+    LORASTEP_RETURN_IF_ERROR(pipe.Send(y.detach(), next, kActivationTag));
+  }
+  at::Tensor x;
+  if (steady > 0) {
+    LORASTEP_ASSIGN_OR_RETURN(x, receive_input(warmup));
+  }
+  for (int j = 0; j < steady; ++j) {
+    const int i = warmup + j;
+    at::Tensor y = run_forward(i, x);
+    at::Tensor grad_output;
+    if (!last) {  // send this output, receive the oldest output's gradient
+      grad_output = output_grad_buffer();
+      at::Tensor y_out = y.detach();
+      LORASTEP_RETURN_IF_ERROR(pipe.SendRecv(&y_out, next, kActivationTag, &grad_output, next, kGradientTag));
+    }
+    at::Tensor grad_input = run_backward(grad_output);
+    if (j == steady - 1) {
+      if (!first) LORASTEP_RETURN_IF_ERROR(pipe.Send(grad_input, prev, kGradientTag));
+    } else if (!first) {  // send the input gradient, receive the next input
+      x = at::empty(activation_shape(i + 1), act);
+      LORASTEP_RETURN_IF_ERROR(pipe.SendRecv(&grad_input, prev, kGradientTag, &x, prev, kActivationTag));
+      x.requires_grad_(true);
+    }
+  }
+  for (int k = 0; k < warmup; ++k) {
+    at::Tensor grad_output = output_grad_buffer();
+    LORASTEP_RETURN_IF_ERROR(pipe.Recv(grad_output, next, kGradientTag));
+    at::Tensor grad_input = run_backward(grad_output);
+    if (!first) LORASTEP_RETURN_IF_ERROR(pipe.Send(grad_input, prev, kGradientTag));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Trainer::CallSnapshot> Trainer::Snapshot() {
@@ -453,46 +602,118 @@ absl::StatusOr<std::vector<at::Tensor>> Trainer::GatherTensorSplits(
   return full;
 }
 
+absl::StatusOr<std::vector<Trainer::NamedTensor>> Trainer::GatherStages(
+    std::vector<NamedTensor> local) const {
+  if (options_.groups == nullptr || base_->shard.pp == 1) return local;
+  const RankCoords c = options_.groups->coords();
+  if (c.tp != 0 || c.dp != 0) return local;  // replica 0's tensor rank 0 of each stage takes part
+  CommGroup& pipe = options_.groups->group(GroupKind::kPipeline);
+  // Each later stage sends its tensors to stage 0 as one safetensors blob (a size, then
+  // the bytes): stages hold different tensors, so a shape-agreeing collective cannot.
+  char path_template[] = "/tmp/lorastep-stage-XXXXXX";
+  const int fd = mkstemp(path_template);
+  if (fd < 0) return absl::InternalError("gathering stages: cannot make a temp file");
+  close(fd);
+  const std::string path = path_template;
+  auto cleanup = [&] { unlink(path.c_str()); };
+  if (pipe.rank() != 0) {
+    TensorWriteList list;
+    for (const auto& [name, t] : local) LORASTEP_RETURN_IF_ERROR(list.Add(name, t));
+    LORASTEP_RETURN_IF_ERROR(list.WriteTo(path));
+    auto bytes = ReadFileToString(path);
+    cleanup();
+    if (!bytes.ok()) return bytes.status();
+    at::Tensor size = at::full({1}, static_cast<double>(bytes->size()), at::kDouble);
+    at::Tensor blob = at::empty({static_cast<int64_t>(bytes->size())}, at::kByte);
+    std::memcpy(blob.data_ptr(), bytes->data(), bytes->size());
+    const at::Device device = base_->device;
+    LORASTEP_RETURN_IF_ERROR(pipe.Send(size.to(device), 0, 2));
+    LORASTEP_RETURN_IF_ERROR(pipe.Send(blob.to(device), 0, 3));
+    return local;
+  }
+  std::vector<NamedTensor> all = std::move(local);
+  for (int stage = 1; stage < pipe.size(); ++stage) {
+    at::Tensor size = at::empty({1}, at::TensorOptions().dtype(at::kDouble).device(base_->device));
+    LORASTEP_RETURN_IF_ERROR(pipe.Recv(size, stage, 2));
+    at::Tensor blob = at::empty({static_cast<int64_t>(size.item<double>())},
+                                at::TensorOptions().dtype(at::kByte).device(base_->device));
+    LORASTEP_RETURN_IF_ERROR(pipe.Recv(blob, stage, 3));
+    blob = blob.to(at::kCPU);
+    LORASTEP_RETURN_IF_ERROR(WriteStringToFile(
+        path, std::string(static_cast<const char*>(blob.data_ptr()), blob.numel())));
+    auto file = SafetensorsFile::Open(path);
+    if (!file.ok()) {
+      cleanup();
+      return file.status();
+    }
+    // The header's JSON object has no order; the sender wrote the tensors in its order.
+    std::vector<const SafetensorsEntry*> in_file_order;
+    for (const auto& e : file->entries()) in_file_order.push_back(&e);
+    std::sort(in_file_order.begin(), in_file_order.end(),
+              [](const SafetensorsEntry* a, const SafetensorsEntry* b) { return a->data < b->data; });
+    for (const SafetensorsEntry* e : in_file_order) {
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor t, TensorFromEntry(*e));
+      all.push_back({e->name, t.clone().to(base_->device)});
+    }
+  }
+  cleanup();
+  return all;
+}
+
+absl::StatusOr<std::vector<Trainer::NamedTensor>> Trainer::WholeAdapter() const {
+  std::vector<at::Tensor> local;
+  for (const Parameter& p : adapter_->parameters()) local.push_back(p.value);
+  LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> full, GatherTensorSplits(local));
+  std::vector<NamedTensor> named;
+  for (size_t i = 0; i < full.size(); ++i) named.push_back({adapter_->parameters()[i].name, full[i]});
+  return GatherStages(std::move(named));
+}
+
 absl::Status Trainer::ExportAdapter(const std::string& folder) const {
   return GuardTorch([&]() -> absl::Status {
-    std::vector<at::Tensor> local;
-    for (const Parameter& p : adapter_->parameters()) local.push_back(p.value);
-    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> full, GatherTensorSplits(local));
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<NamedTensor> whole, WholeAdapter());
     if (!WritesGatheredState()) return absl::OkStatus();
-    return ExportPeftAdapter(folder, *adapter_, base_->path, &full);
+    return ExportPeftAdapter(folder, *adapter_, base_->path, &whole);
   });
 }
 
 std::string Trainer::FullAdapterSha256() const {
-  std::vector<at::Tensor> local;
-  for (const Parameter& p : adapter_->parameters()) local.push_back(p.value);
-  auto full = GatherTensorSplits(local);
-  return full.ok() ? TensorsSha256(*full) : "";
+  auto whole = GuardTorch([&] { return WholeAdapter(); });
+  if (!whole.ok() || !WritesGatheredState()) return "";
+  std::vector<at::Tensor> values;
+  for (const auto& [name, t] : *whole) values.push_back(t);
+  return TensorsSha256(values);
 }
 
 absl::Status Trainer::SaveState(
     const std::string& folder,
     const std::function<absl::Status(const std::string&)>& fault_point) const {
   return GuardTorch([&]() -> absl::Status {
-    // Layout-independent: tensor-parallel slices are gathered into whole tensors, so a
-    // checkpoint saved on any mesh loads on any other (and at world size 1).
+    // Layout-independent: tensor-parallel slices are gathered into whole tensors and the
+    // stages' tensors into one list, so a checkpoint saved on any mesh loads on any other
+    // (and at world size 1).
+    const auto& params = adapter_->parameters();
     std::vector<at::Tensor> values;
-    for (const Parameter& p : adapter_->parameters()) values.push_back(p.value);
+    for (const Parameter& p : params) values.push_back(p.value);
     LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> full_values, GatherTensorSplits(values));
     LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> full_master, GatherTensorSplits(optimizer_->master()));
     LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> full_avg, GatherTensorSplits(optimizer_->exp_avg()));
     LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> full_avg_sq,
                               GatherTensorSplits(optimizer_->exp_avg_sq()));
+    std::vector<NamedTensor> trainable_local, optimizer_local;
+    for (size_t i = 0; i < params.size(); ++i) {
+      trainable_local.push_back({params[i].name, full_values[i]});
+      optimizer_local.push_back({params[i].name + ".master", full_master[i]});
+      optimizer_local.push_back({params[i].name + ".exp_avg", full_avg[i]});
+      optimizer_local.push_back({params[i].name + ".exp_avg_sq", full_avg_sq[i]});
+    }
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<NamedTensor> trainable_all, GatherStages(std::move(trainable_local)));
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<NamedTensor> optimizer_all, GatherStages(std::move(optimizer_local)));
     if (!WritesGatheredState()) return absl::OkStatus();
     auto write = [&](const std::string& tmp) -> absl::Status {
       TensorWriteList trainable, optimizer;
-      const auto& params = adapter_->parameters();
-      for (size_t i = 0; i < params.size(); ++i) {
-        LORASTEP_RETURN_IF_ERROR(trainable.Add(params[i].name, full_values[i]));
-        LORASTEP_RETURN_IF_ERROR(optimizer.Add(params[i].name + ".master", full_master[i]));
-        LORASTEP_RETURN_IF_ERROR(optimizer.Add(params[i].name + ".exp_avg", full_avg[i]));
-        LORASTEP_RETURN_IF_ERROR(optimizer.Add(params[i].name + ".exp_avg_sq", full_avg_sq[i]));
-      }
+      for (const auto& [name, t] : trainable_all) LORASTEP_RETURN_IF_ERROR(trainable.Add(name, t));
+      for (const auto& [name, t] : optimizer_all) LORASTEP_RETURN_IF_ERROR(optimizer.Add(name, t));
       LORASTEP_RETURN_IF_ERROR(optimizer.Add("rng.dropout", dropout_generator_.get_state()));
       LORASTEP_RETURN_IF_ERROR(trainable.WriteTo(tmp + "/trainable.safetensors"));
       if (fault_point) LORASTEP_RETURN_IF_ERROR(fault_point("trainable_written"));
@@ -504,7 +725,7 @@ absl::Status Trainer::SaveState(
       state["lora"] = {{"rank", lora.rank}, {"alpha", lora.alpha}, {"dropout", lora.dropout},
                        {"target_modules", lora.target_modules}};
       state["base_model"] = base_->path;
-      state["parameter_count"] = params.size();
+      state["parameter_count"] = trainable_all.size();
       return WriteStringToFile(tmp + "/trainer_state.json", state.dump(2) + "\n");
     };
     return WriteFolderAtomically(folder, write, fault_point);

@@ -146,9 +146,24 @@ class Trainer {
   // commits, so either every rank applies a call or none does. World size 1: `local`.
   absl::Status AgreeOnOutcome(const absl::Status& local);
   std::map<std::string, std::string> ReplicaDigests(const std::string& trainable_sha256) const;
+  // This pipeline stage's part of a call's micro-batches: Megatron's 1F1B (warm-up forwards,
+  // one-forward-one-backward steady state with paired send/receive, cool-down backwards),
+  // or all forwards for a forward-only call. `forward(i, input)` runs micro-batch i on this
+  // stage (input: the received activation; undefined on the first stage) and returns the
+  // stage output, or on the last stage the loss.
+  absl::Status RunPipelineSchedule(int num_micro_batches, bool backward,
+                                   const std::function<std::vector<int64_t>(int)>& activation_shape,
+                                   const std::function<at::Tensor(int, const at::Tensor&)>& forward,
+                                   double* t_forward, double* t_backward);
   // Whole tensors from this rank's slices (tensor ranks all-gather split parameters; a
   // collective every rank of the tensor group makes). `local` is in parameter order.
   absl::StatusOr<std::vector<at::Tensor>> GatherTensorSplits(const std::vector<at::Tensor>& local) const;
+  using NamedTensor = std::pair<std::string, at::Tensor>;
+  // Pipeline stages' whole tensors in stage order, on stage 0 (of replica 0, tensor rank 0);
+  // other ranks get their own list back. A point-to-point exchange over the pipeline group.
+  absl::StatusOr<std::vector<NamedTensor>> GatherStages(std::vector<NamedTensor> local) const;
+  // The whole adapter (every stage, whole tensors), complete on the writing rank.
+  absl::StatusOr<std::vector<NamedTensor>> WholeAdapter() const;
   // The rank that writes gathered checkpoints and exports (tensor 0, stage 0, replica 0).
   bool WritesGatheredState() const;
 

@@ -8,9 +8,6 @@ namespace lorastep {
 absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerOptions& options) {
   LORASTEP_ASSIGN_OR_RETURN(ParallelLayout layout,
                             ParallelLayout::Create(options.sizes, options.sizes.world()));
-  if (options.sizes.pp > 1) {
-    return absl::UnimplementedError("pp: pipeline parallelism is not built yet; use tp and dp");
-  }
   LORASTEP_ASSIGN_OR_RETURN(std::shared_ptr<const BaseModel> base,
                             LoadBaseModel(options.model_path, options.device, options.dtype,
                                           options.sizes, layout.Coords(options.rank)));

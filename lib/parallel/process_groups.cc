@@ -172,6 +172,28 @@ absl::Status CommGroup::Recv(at::Tensor& tensor, int src, int tag) {
   return absl::OkStatus();
 }
 
+absl::Status CommGroup::SendRecv(const at::Tensor* send, int dst, int send_tag, at::Tensor* recv,
+                                 int src, int recv_tag) {
+  if (send == nullptr && recv == nullptr) return absl::OkStatus();
+  if (recv == nullptr) return Send(*send, dst, send_tag);
+  if (send == nullptr) return Recv(*recv, src, recv_tag);
+  LORASTEP_RETURN_IF_ERROR(Check("sendrecv"));
+  std::vector<at::Tensor> out{send->contiguous()};
+  at::Tensor buffer = recv->is_contiguous() ? *recv : at::empty_like(*recv, at::MemoryFormat::Contiguous);
+  std::vector<at::Tensor> in{buffer};
+  c10::intrusive_ptr<::c10d::Work> send_work, recv_work;
+  try {
+    send_work = handles_->backend->send(out, dst, send_tag);
+    recv_work = handles_->backend->recv(in, src, recv_tag);
+  } catch (const std::exception& e) {
+    return Failed("sendrecv", e.what(), LooksLikeTimeout(e.what()));
+  }
+  LORASTEP_RETURN_IF_ERROR(RunWork(this, "sendrecv", timeout_, [&] { return send_work; }, &CommGroup::Failed));
+  LORASTEP_RETURN_IF_ERROR(RunWork(this, "sendrecv", timeout_, [&] { return recv_work; }, &CommGroup::Failed));
+  if (!buffer.is_same(*recv)) recv->copy_(buffer);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(const ProcessGroupsOptions& options) {
   const int world = options.layout.world_size();
   if (options.rank < 0 || options.rank >= world) {

@@ -67,6 +67,10 @@ class CommGroup {
   // Point to point (pipeline activations). `tensor` shape and dtype agreed by both sides.
   absl::Status Send(const at::Tensor& tensor, int dst_group_rank, int tag = 0);
   absl::Status Recv(at::Tensor& tensor, int src_group_rank, int tag = 0);
+  // A send and a receive posted together, then both awaited (either may be null): two
+  // neighbours exchanging at once cannot block each other (1F1B's steady state).
+  absl::Status SendRecv(const at::Tensor* send, int dst_group_rank, int send_tag, at::Tensor* recv,
+                        int src_group_rank, int recv_tag);
 
  private:
   friend class ProcessGroups;
