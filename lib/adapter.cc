@@ -78,12 +78,24 @@ absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const Lora
   return adapter;
 }
 
-Adapter Adapter::CreateFullFinetune(const ModelWeights& base) {
+Adapter Adapter::CreateFullFinetune(const ModelWeights& base, const ModelShard* shard,
+                                    bool tied_embeddings) {
   Adapter adapter;
   adapter.lora_.rank = 0;
   adapter.full_weights_ = base;
   adapter.full_main_grads_ = base;
+  const bool first = shard == nullptr || shard->first_stage();
+  const bool last = shard == nullptr || shard->last_stage();
+  const bool staged = shard != nullptr && shard->pp > 1;
+  // Which named tensors this stage uses, hence trains.
+  auto used = [&](const std::string& name) {
+    if (name == "model.embed_tokens.weight") return first || (last && tied_embeddings);
+    if (name == "model.norm.weight" || name == "lm_head.weight") return last;
+    return true;
+  };
+  std::vector<at::Tensor*> trained_slots;
   ForEachNamedTensor(adapter.full_weights_, [&](const std::string& name, at::Tensor& t) {
+    if (!used(name)) return;  // left as the frozen base tensor
     t = t.detach().clone().requires_grad_(true);
     Parameter p{name, t, {}};
     if (absl::EndsWith(name, "norm.weight")) {
@@ -92,13 +104,18 @@ Adapter Adapter::CreateFullFinetune(const ModelWeights& base) {
       const bool row_parallel = absl::StrContains(name, "o_proj.weight") || absl::StrContains(name, "down_proj.weight");
       p.split_dim = row_parallel ? 1 : 0;
     }
+    if (staged && tied_embeddings && name == "model.embed_tokens.weight") {
+      p.tied_across_stages = true;
+      p.stage_copy = !first;  // the last stage's copy of the first stage's embedding
+    }
     adapter.parameters_.push_back(std::move(p));
   });
   adapter.PackMainGrads();
-  // Mirror each parameter's main_grad into the model-shaped struct (same order).
+  // Mirror each trained parameter's main_grad into the model-shaped struct (same order);
+  // tensors this stage does not train keep no main_grad.
   size_t i = 0;
-  ForEachNamedTensor(adapter.full_main_grads_, [&](const std::string&, at::Tensor& t) {
-    t = adapter.parameters_[i++].main_grad;
+  ForEachNamedTensor(adapter.full_main_grads_, [&](const std::string& name, at::Tensor& t) {
+    t = used(name) ? adapter.parameters_[i++].main_grad : at::Tensor();
   });
   return adapter;
 }

@@ -27,6 +27,12 @@ struct Parameter {
   // How the tensor is laid over the tensor-parallel ranks of a stage; see TensorRole.
   int role = 0;  // a TensorRole
   int split_dim = -1;  // kSplit: the dim cut across tensor ranks (in tensor-rank order)
+  // A copy of a tensor another pipeline stage owns too (the tied embedding on the last
+  // stage): its gradient is summed over the embedding group, its square is not counted in
+  // the norm here, and it is not written twice.
+  bool stage_copy = false;
+  // Held on both the first and last stage (the tied embedding): SUM over the embedding group.
+  bool tied_across_stages = false;
 };
 
 // How a trainable tensor sits on the tensor-parallel ranks, which decides its reduction.
@@ -62,9 +68,11 @@ class Adapter {
   static absl::StatusOr<Adapter> CreateLora(const ModelConfig& model, const LoraConfig& lora,
                                             const at::Device& device, at::ScalarType dtype,
                                             uint64_t seed, const ModelShard* shard = nullptr);
-  // rank 0: a trainable copy of every base tensor (of this rank's shard of the base).
-  // Norm weights are kReplicatedFull; the rest kSplit.
-  static Adapter CreateFullFinetune(const ModelWeights& base);
+  // rank 0: a trainable copy of every base tensor this rank's stage uses (of its shard of
+  // the base): its layers; the embedding on the first stage; the final norm and LM head on
+  // the last (a tied embedding there too). Norm weights are kReplicatedFull; the rest kSplit.
+  static Adapter CreateFullFinetune(const ModelWeights& base, const ModelShard* shard = nullptr,
+                                    bool tied_embeddings = false);
 
   const LoraConfig& lora_config() const { return lora_; }
   bool full_finetune() const { return lora_.full_finetune(); }

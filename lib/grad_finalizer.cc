@@ -38,6 +38,13 @@ absl::StatusOr<double> FinalizeStepGradients(Adapter* adapter, ProcessGroups* gr
     at::Tensor partial = adapter->grad_bucket(GradBucket::kReplicatedPartial);
     at::Tensor full = adapter->grad_bucket(GradBucket::kReplicatedFull);
     if (groups != nullptr) {
+      // The tied embedding's two copies (first and last stage) each hold part of its
+      // gradient (lookup, LM head): Megatron's embedding-group all-reduce.
+      for (Parameter& p : adapter->parameters()) {
+        if (p.tied_across_stages) {
+          LORASTEP_RETURN_IF_ERROR(groups->group(GroupKind::kEmbedding).AllReduce(p.main_grad));
+        }
+      }
       if (partial.defined()) {
         for (int i = 0; i < options.replicated_reductions; ++i) {
           LORASTEP_RETURN_IF_ERROR(groups->group(GroupKind::kStage).AllReduce(partial));
@@ -50,6 +57,9 @@ absl::StatusOr<double> FinalizeStepGradients(Adapter* adapter, ProcessGroups* gr
     // Split tensors are distinct on every tensor rank and stage: their squares add up over
     // the model-parallel group. Replicated ones are equal on tensor ranks: counted once.
     at::Tensor sq = SumOfSquares(split);
+    for (const Parameter& p : adapter->parameters()) {  // another stage counts its copy
+      if (p.stage_copy) sq = sq - SumOfSquares(p.main_grad).to(sq.device());
+    }
     const bool count_replicated = groups == nullptr || groups->coords().tp == 0;
     if (count_replicated) {
       sq = sq + SumOfSquares(partial).to(sq.device()) + SumOfSquares(full).to(sq.device());

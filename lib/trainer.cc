@@ -109,15 +109,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(std::shared_ptr<const B
   if (options.logprob_chunk_tokens <= 0) {
     return absl::InvalidArgumentError("logprob_chunk_tokens: must be > 0");
   }
-  if (options.lora.full_finetune() && base->shard.pp > 1) {
-    return absl::UnimplementedError(
-        "lora.rank: full fine-tuning across pipeline stages (tied embedding group) is not built "
-        "yet; use LoRA, or tp/dp");
-  }
   return GuardTorch([&]() -> absl::StatusOr<std::unique_ptr<Trainer>> {
     Adapter adapter;
     if (options.lora.full_finetune()) {
-      adapter = Adapter::CreateFullFinetune(base->weights);
+      adapter = Adapter::CreateFullFinetune(base->weights, &base->shard,
+                                            base->config.tie_word_embeddings);
     } else {
       LORASTEP_ASSIGN_OR_RETURN(adapter, Adapter::CreateLora(base->config, options.lora,
                                                              base->device, base->dtype,
@@ -702,6 +698,7 @@ absl::Status Trainer::SaveState(
                               GatherTensorSplits(optimizer_->exp_avg_sq()));
     std::vector<NamedTensor> trainable_local, optimizer_local;
     for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].stage_copy) continue;  // the first stage writes the tied embedding
       trainable_local.push_back({params[i].name, full_values[i]});
       optimizer_local.push_back({params[i].name + ".master", full_master[i]});
       optimizer_local.push_back({params[i].name + ".exp_avg", full_avg[i]});

@@ -196,16 +196,20 @@ TEST_F(MeshTest, TensorParallelEqualsWorldOne) {
 TEST_F(MeshTest, PipelineParallelEqualsWorldOne) {
   Coordinator world1 = Start({});
   const Trace lora1 = Train(world1, 4, "pw1_lora");
+  const Trace full1 = Train(world1, 0, "pw1_full");
   {
     Coordinator pp2 = Start({"--pp", "2"});
     ExpectSame(Train(pp2, 4, "pp2_lora"), lora1, "pp2 lora");
+    ExpectSame(Train(pp2, 0, "pp2_full"), full1, "pp2 full (tied embedding across stages)");
   }
   {
     Coordinator pp2 = Start({"--pp", "2", "--unfused_wgrad"});
     ExpectSame(Train(pp2, 4, "pp2_lora_unfused"), lora1, "pp2 lora unfused");
+    ExpectSame(Train(pp2, 0, "pp2_full_unfused"), full1, "pp2 full unfused");
   }
   Coordinator world8 = Start({"--tp", "2", "--pp", "2", "--dp", "2"});
   ExpectSame(Train(world8, 4, "tp2pp2dp2_lora"), lora1, "tp2 x pp2 x dp2 lora");
+  ExpectSame(Train(world8, 0, "tp2pp2dp2_full"), full1, "tp2 x pp2 x dp2 full");
 }
 
 // The dense form of the second seed: without the stage-group SUM of the replicated factors'

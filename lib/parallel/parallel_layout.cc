@@ -12,6 +12,7 @@ const char* GroupKindName(GroupKind kind) {
     case GroupKind::kStage: return "stage";
     case GroupKind::kModelParallel: return "model_parallel";
     case GroupKind::kWorld: return "world";
+    case GroupKind::kEmbedding: return "embedding";
   }
   return "unknown";
 }
@@ -50,6 +51,7 @@ bool SameGroup(GroupKind kind, const RankCoords& a, const RankCoords& b) {
     case GroupKind::kStage: return a.pp == b.pp;
     case GroupKind::kModelParallel: return a.dp == b.dp;
     case GroupKind::kWorld: return true;
+    case GroupKind::kEmbedding: break;
   }
   return false;
 }
@@ -58,6 +60,11 @@ bool SameGroup(GroupKind kind, const RankCoords& a, const RankCoords& b) {
 
 std::vector<int> ParallelLayout::Group(GroupKind kind, int rank) const {
   const RankCoords me = Coords(rank);
+  if (kind == GroupKind::kEmbedding) {
+    const int last = sizes_.pp - 1;
+    if (sizes_.pp == 1 || (me.pp != 0 && me.pp != last)) return {rank};
+    return {Rank({me.tp, 0, me.dp}), Rank({me.tp, last, me.dp})};
+  }
   std::vector<int> ranks;
   for (int r = 0; r < world_size(); ++r) {
     if (SameGroup(kind, me, Coords(r))) ranks.push_back(r);

@@ -53,6 +53,9 @@ enum class GroupKind {
   kStage,          // same stage: tensor + data ranks (replicated LoRA factors reduce here)
   kModelParallel,  // same replica: tensor x pipeline ranks (one whole model copy)
   kWorld,
+  // The first and last stage of one tensor rank and replica, which both hold the tied
+  // embedding (lookup on the first, LM head on the last); a middle stage is alone in its own.
+  kEmbedding,
 };
 const char* GroupKindName(GroupKind kind);
 

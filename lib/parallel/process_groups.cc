@@ -242,7 +242,8 @@ absl::Status ProcessGroups::Build() {
   const ParallelLayout& layout = options_.layout;
   const at::Device device(options_.device);
   for (GroupKind kind : {GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline,
-                         GroupKind::kStage, GroupKind::kModelParallel, GroupKind::kWorld}) {
+                         GroupKind::kStage, GroupKind::kModelParallel, GroupKind::kWorld,
+                         GroupKind::kEmbedding}) {
     const int index = layout.GroupIndex(kind, options_.rank);
     auto group = std::make_unique<CommGroup>(kind, index, layout.Group(kind, options_.rank), options_.rank);
     group->timeout_ = options_.timeout;
