@@ -36,3 +36,10 @@ echo '{"tokens":[1,2],"bogus":[2]}' > "$TMP/bad2.jsonl"
 if $CLI train --run "$RUN" --data "$TMP/bad2.jsonl" 2> "$TMP/err2.txt"; then echo "unknown field accepted"; exit 1; fi
 grep -q "line 1: unknown field bogus" "$TMP/err2.txt"
 echo "cli: 1 passed, 0 failed"
+# A TP2 x PP2 x DP2 mesh of 8 CPU worker processes behind a second coordinator.
+"$R/server/lorastep_coordinator" --model "$TMP/model" --port 0 --port_file "$TMP/port8" \
+  --worker_binary "$R/worker/lorastep_worker" --tp 2 --pp 2 --dp 2 --collective_timeout_s 60 &
+PID8=$!
+trap 'kill $PID $PID8 2>/dev/null; wait $PID $PID8 2>/dev/null || true' EXIT
+for _ in $(seq 1200); do [ -s "$TMP/port8" ] && break; sleep 0.1; done
+/usr/bin/python3 "$R/tests/python_mesh_test.py" "127.0.0.1:$(cat "$TMP/port8")"

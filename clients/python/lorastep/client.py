@@ -38,6 +38,12 @@ def _message(cls, fields):
     return cls(**(fields or {}))
 
 
+def _replica_hash(h):
+    """One replicated tensor family on one pipeline stage, compared across its ranks."""
+    return {"stage": h.stage, "tensor_rank": h.tensor_rank, "family": h.family,
+            "sha256": h.sha256, "equal": h.equal, "ranks": list(h.ranks)}
+
+
 def _metrics(m):
     return dict(sorted(m.items()))
 
@@ -149,10 +155,13 @@ class Run:
     @staticmethod
     def _step(r):
         return {"step": r.step, "learner_version": r.learner_version,
-                "adapter_sha256": r.adapter_sha256, "metrics": _metrics(r.metrics)}
+                "adapter_sha256": r.adapter_sha256, "metrics": _metrics(r.metrics),
+                "replicas_equal": r.replicas_equal,
+                "replica_hashes": [_replica_hash(h) for h in r.replica_hashes]}
 
     @staticmethod
     def _record(s):
         return {"step": s.step, "kind": s.kind, "learner_version": s.learner_version,
                 "unix_time_ms": s.unix_time_ms, "adapter_sha256": s.adapter_sha256,
-                "metrics": _metrics(s.metrics)}
+                "metrics": _metrics(s.metrics), "replicas_equal": s.replicas_equal,
+                "replica_hashes": [_replica_hash(h) for h in s.replica_hashes]}
