@@ -2,9 +2,12 @@
 // groups over a TCPStore, fan-out over gRPC. Every figure is compared with the same run on
 // one worker (world size 1): per-step loss and grad_norm, Forward log-probs, and the
 // exported adapter, within 1e-5 relative. Replicas must be bitwise equal after every step.
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 
+#include "absl/strings/str_format.h"
 #include "clients/cpp/trainer_client.h"
 #include "lib/file_util.h"
 #include "lib/model_weights.h"
@@ -62,6 +65,17 @@ v1::AdamWParams Adam() {
 }
 
 double RelErr(double a, double b) { return std::abs(a - b) / std::max(1e-12, std::abs(b)); }
+
+// Largest relative error per compared layout and whether every mesh step had equal
+// replicas; written as JSON to $LORASTEP_PARALLEL_JSON when set (bench/parallel_cpu.sh).
+std::map<std::string, double>& MaxErrors() {
+  static auto* m = new std::map<std::string, double>();
+  return *m;
+}
+bool& AllReplicasEqual() {
+  static bool equal = true;
+  return equal;
+}
 
 struct Coordinator {
   std::unique_ptr<ChildServer> server;
@@ -124,6 +138,7 @@ class MeshTest : public ::testing::Test {
       if (step < 2) t.loss.push_back(r->metrics().at("loss:sum"));
       t.grad_norm.push_back(r->metrics().at("grad_norm:sum"));
       EXPECT_TRUE(r->replicas_equal()) << name << " step " << step;
+      AllReplicasEqual() = AllReplicasEqual() && r->replicas_equal();
       for (const auto& h : r->replica_hashes()) EXPECT_TRUE(h.equal()) << h.DebugString();
     }
     auto fwd = run->Forward(Batch(5));
@@ -143,14 +158,17 @@ class MeshTest : public ::testing::Test {
   }
 
   static void ExpectSame(const Trace& got, const Trace& want, const std::string& what) {
+    double& worst = MaxErrors()[what];
     ASSERT_EQ(got.loss.size(), want.loss.size()) << what;
     for (size_t i = 0; i < want.loss.size(); ++i) {
+      worst = std::max({worst, RelErr(got.loss[i], want.loss[i]), RelErr(got.grad_norm[i], want.grad_norm[i])});
       EXPECT_LT(RelErr(got.loss[i], want.loss[i]), kRelTol) << what << " loss step " << i;
       EXPECT_LT(RelErr(got.grad_norm[i], want.grad_norm[i]), kRelTol) << what << " grad_norm step " << i;
     }
     ASSERT_EQ(got.logprobs.size(), want.logprobs.size()) << what;
     for (size_t d = 0; d < want.logprobs.size(); ++d) {
       for (size_t i = 0; i < want.logprobs[d].size(); ++i) {
+        worst = std::max(worst, RelErr(got.logprobs[d][i], want.logprobs[d][i]));
         EXPECT_LT(RelErr(got.logprobs[d][i], want.logprobs[d][i]), kRelTol) << what << " logprob " << d;
       }
     }
@@ -158,8 +176,26 @@ class MeshTest : public ::testing::Test {
     for (const auto& [name, w] : want.adapter) {
       const at::Tensor& g = got.adapter.at(name);
       const double err = (g - w).abs().max().item<double>() / std::max(1e-12, w.abs().max().item<double>());
+      worst = std::max(worst, err);
       EXPECT_LT(err, kRelTol) << what << " " << name;
     }
+  }
+
+  static void TearDownTestSuite() {
+    const char* out = std::getenv("LORASTEP_PARALLEL_JSON");
+    if (out == nullptr || MaxErrors().empty()) return;
+    std::string json = "{\n  \"max_rel_err\": {";
+    double world8 = 0;
+    bool first = true;
+    for (const auto& [what, err] : MaxErrors()) {
+      absl::StrAppend(&json, first ? "\n" : ",\n", "    \"", what, "\": ", absl::StrFormat("%.3g", err));
+      first = false;
+      if (what.rfind("tp2 x pp2 x dp2", 0) == 0) world8 = std::max(world8, err);
+    }
+    absl::StrAppend(&json, "\n  },\n  \"cpu_world8_max_rel_err\": ", absl::StrFormat("%.3g", world8),
+                    ",\n  \"replicas_equal\": ", AllReplicasEqual() ? "true" : "false",
+                    ",\n  \"tolerance\": ", kRelTol, "\n}\n");
+    EXPECT_TRUE(WriteStringToFile(out, json).ok());
   }
 
   static std::string* dir_;
