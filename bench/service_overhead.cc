@@ -14,7 +14,7 @@
 
 #include "clients/cpp/trainer_client.h"
 #include "nlohmann/json.hpp"
-#include "server/server_runner.h"
+#include "rpc/server_runner.h"
 
 int main(int argc, char** argv) {
   using namespace lorastep;

@@ -11,7 +11,7 @@
 #include "lib/lora_config.h"
 #include "lib/status_macros.h"
 #include "lib/metrics.h"
-#include "server/proto_convert.h"
+#include "rpc/proto_convert.h"
 
 namespace lorastep {
 

@@ -23,7 +23,7 @@
 #include "server/grpc_worker_client.h"
 #include "server/registry_service.h"
 #include "server/child_server.h"
-#include "server/server_runner.h"
+#include "rpc/server_runner.h"
 
 int main(int argc, char** argv) {
   using namespace lorastep;

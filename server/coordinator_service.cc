@@ -4,7 +4,7 @@
 #include <functional>
 #include <mutex>
 
-#include "server/grpc_status.h"
+#include "rpc/grpc_status.h"
 
 namespace lorastep {
 namespace {

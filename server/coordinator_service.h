@@ -1,6 +1,6 @@
 // The public Trainer API over gRPC: a thin adapter that hands each call to the Coordinator
 // on an executor chosen by run id (calls on one run stay in arrival order; no gRPC thread
-// blocks on training work) and converts statuses in server/grpc_status.
+// blocks on training work) and converts statuses in rpc/grpc_status.
 #ifndef LORASTEP_SERVER_COORDINATOR_SERVICE_H_
 #define LORASTEP_SERVER_COORDINATOR_SERVICE_H_
 
@@ -9,7 +9,7 @@
 
 #include "lorastep/v1/trainer.grpc.pb.h"
 #include "server/coordinator.h"
-#include "server/serial_executor.h"
+#include "rpc/serial_executor.h"
 
 namespace lorastep {
 

@@ -5,7 +5,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
-#include "server/grpc_status.h"
+#include "rpc/grpc_status.h"
 
 namespace lorastep {
 GrpcWorkerClient::GrpcWorkerClient(const std::string& address) : address_(address) {

@@ -3,7 +3,7 @@
 #include <iostream>
 
 #include "lib/status_macros.h"
-#include "server/grpc_status.h"
+#include "rpc/grpc_status.h"
 #include "server/grpc_worker_client.h"
 
 namespace lorastep {

@@ -5,7 +5,7 @@
 
 #include "lorastep/v1/worker.grpc.pb.h"
 #include "server/coordinator.h"
-#include "server/serial_executor.h"
+#include "rpc/serial_executor.h"
 
 namespace lorastep {
 

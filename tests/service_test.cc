@@ -12,8 +12,8 @@
 
 #include "clients/cpp/trainer_client.h"
 #include "lorastep/v1/worker.grpc.pb.h"
-#include "server/grpc_status.h"
-#include "server/proto_convert.h"
+#include "rpc/grpc_status.h"
+#include "rpc/proto_convert.h"
 #include "lib/file_util.h"
 #include "lib/model_weights.h"
 #include "lib/safetensors.h"

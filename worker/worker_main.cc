@@ -13,9 +13,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "lorastep/v1/worker.grpc.pb.h"
-#include "server/grpc_status.h"
+#include "rpc/grpc_status.h"
 
-#include "server/server_runner.h"
+#include "rpc/server_runner.h"
 #include "worker/worker_core.h"
 #include "worker/worker_service.h"
 

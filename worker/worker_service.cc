@@ -3,8 +3,8 @@
 #include "absl/strings/str_cat.h"
 #include "lib/adamw.h"
 #include "lib/status_macros.h"
-#include "server/grpc_status.h"
-#include "server/proto_convert.h"
+#include "rpc/grpc_status.h"
+#include "rpc/proto_convert.h"
 
 namespace lorastep {
 namespace {

@@ -1,5 +1,5 @@
 // The worker's gRPC adapter: converts protos to lib/ types, runs the call on the worker's
-// serial executor (never on a gRPC thread), converts the status in server/grpc_status.
+// serial executor (never on a gRPC thread), converts the status in rpc/grpc_status.
 #ifndef LORASTEP_WORKER_WORKER_SERVICE_H_
 #define LORASTEP_WORKER_WORKER_SERVICE_H_
 
@@ -9,7 +9,7 @@
 #include <string>
 
 #include "lorastep/v1/worker.grpc.pb.h"
-#include "server/serial_executor.h"
+#include "rpc/serial_executor.h"
 #include "worker/worker_core.h"
 
 namespace lorastep {

@@ -18,7 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "clients/cpp/trainer_client.h"
 #include "nlohmann/json.hpp"
-#include "server/server_runner.h"
+#include "rpc/server_runner.h"
 
 namespace lorastep {
 namespace {

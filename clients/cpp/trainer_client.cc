@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lib/status_macros.h"
-#include "server/grpc_status.h"
+#include "rpc/grpc_status.h"
 
 namespace lorastep {
 namespace {

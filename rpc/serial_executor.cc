@@ -1,4 +1,4 @@
-#include "server/serial_executor.h"
+#include "rpc/serial_executor.h"
 
 namespace lorastep {
 

@@ -1,7 +1,7 @@
 // Runs submitted closures one at a time, in order, on its own thread. gRPC handlers hand
 // their work to one and return at once, so no gRPC thread blocks on training work.
-#ifndef LORASTEP_SERVER_SERIAL_EXECUTOR_H_
-#define LORASTEP_SERVER_SERIAL_EXECUTOR_H_
+#ifndef LORASTEP_RPC_SERIAL_EXECUTOR_H_
+#define LORASTEP_RPC_SERIAL_EXECUTOR_H_
 
 #include <condition_variable>
 #include <deque>
@@ -32,4 +32,4 @@ class SerialExecutor {
 
 }  // namespace lorastep
 
-#endif  // LORASTEP_SERVER_SERIAL_EXECUTOR_H_
+#endif  // LORASTEP_RPC_SERIAL_EXECUTOR_H_

@@ -1,8 +1,8 @@
 // Conversions between the API's protobuf messages and lib/ types. Torch-free, so the
 // coordinator validates requests without LibTorch. Unknown names and out-of-range options
 // are INVALID_ARGUMENT naming the field.
-#ifndef LORASTEP_SERVER_PROTO_CONVERT_H_
-#define LORASTEP_SERVER_PROTO_CONVERT_H_
+#ifndef LORASTEP_RPC_PROTO_CONVERT_H_
+#define LORASTEP_RPC_PROTO_CONVERT_H_
 
 #include <map>
 #include <string>
@@ -33,4 +33,4 @@ Metrics MetricsFromPartials(const google::protobuf::RepeatedPtrField<v1::MetricP
 
 }  // namespace lorastep
 
-#endif  // LORASTEP_SERVER_PROTO_CONVERT_H_
+#endif  // LORASTEP_RPC_PROTO_CONVERT_H_

@@ -1,4 +1,4 @@
-#include "server/server_runner.h"
+#include "rpc/server_runner.h"
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>

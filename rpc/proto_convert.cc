@@ -1,4 +1,4 @@
-#include "server/proto_convert.h"
+#include "rpc/proto_convert.h"
 
 #include "lib/status_macros.h"
 

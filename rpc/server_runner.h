@@ -1,6 +1,6 @@
 // Starting a gRPC server with health checking and reflection, and waiting for SIGINT/SIGTERM.
-#ifndef LORASTEP_SERVER_SERVER_RUNNER_H_
-#define LORASTEP_SERVER_SERVER_RUNNER_H_
+#ifndef LORASTEP_RPC_SERVER_RUNNER_H_
+#define LORASTEP_RPC_SERVER_RUNNER_H_
 
 #include <grpcpp/grpcpp.h>
 
@@ -33,4 +33,4 @@ std::map<std::string, std::string> ParseFlags(int argc, char** argv);
 
 }  // namespace lorastep
 
-#endif  // LORASTEP_SERVER_SERVER_RUNNER_H_
+#endif  // LORASTEP_RPC_SERVER_RUNNER_H_

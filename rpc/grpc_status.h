@@ -1,6 +1,6 @@
 // The one place where absl::Status and grpc::Status are converted (both directions).
-#ifndef LORASTEP_SERVER_GRPC_STATUS_H_
-#define LORASTEP_SERVER_GRPC_STATUS_H_
+#ifndef LORASTEP_RPC_GRPC_STATUS_H_
+#define LORASTEP_RPC_GRPC_STATUS_H_
 
 #include <grpcpp/client_context.h>
 #include <grpcpp/support/status.h>
@@ -25,4 +25,4 @@ absl::StatusOr<Resp> CallUnary(Stub* stub, Method method, const Req& req) {
 
 }  // namespace lorastep
 
-#endif  // LORASTEP_SERVER_GRPC_STATUS_H_
+#endif  // LORASTEP_RPC_GRPC_STATUS_H_
