@@ -23,8 +23,8 @@ absl::Status FoldLocalGradients(Adapter* adapter) {
 
 namespace {
 
-at::Tensor SumOfSquares(const at::Tensor& bucket) {
-  if (!bucket.defined()) return at::zeros({}, at::kDouble);
+at::Tensor SumOfSquares(const at::Tensor& bucket, const at::Device& device) {
+  if (!bucket.defined()) return at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
   return bucket.to(at::kDouble).pow(2).sum();  // fp64: small terms are not lost
 }
 
@@ -56,14 +56,15 @@ absl::StatusOr<double> FinalizeStepGradients(Adapter* adapter, ProcessGroups* gr
     }
     // Split tensors are distinct on every tensor rank and stage: their squares add up over
     // the model-parallel group. Replicated ones are equal on tensor ranks: counted once.
-    at::Tensor sq = SumOfSquares(split);
+    // The collectives need the device of the gradients (NCCL takes CUDA tensors only).
+    const at::Device device = adapter->parameters().empty() ? at::Device(at::kCPU)
+                                                            : adapter->parameters()[0].main_grad.device();
+    at::Tensor sq = SumOfSquares(split, device);
     for (const Parameter& p : adapter->parameters()) {  // another stage counts its copy
-      if (p.stage_copy) sq = sq - SumOfSquares(p.main_grad).to(sq.device());
+      if (p.stage_copy) sq = sq - SumOfSquares(p.main_grad, device);
     }
     const bool count_replicated = groups == nullptr || groups->coords().tp == 0;
-    if (count_replicated) {
-      sq = sq + SumOfSquares(partial).to(sq.device()) + SumOfSquares(full).to(sq.device());
-    }
+    if (count_replicated) sq = sq + SumOfSquares(partial, device) + SumOfSquares(full, device);
     sq = sq.reshape({1});
     if (groups != nullptr) {
       LORASTEP_RETURN_IF_ERROR(groups->group(GroupKind::kModelParallel).AllReduce(sq));

@@ -19,14 +19,18 @@ MACHINE=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | hea
   echo "machine: $MACHINE"; python3 -c 'import torch,transformers,peft;print("torch",torch.__version__,"cuda",torch.version.cuda,"transformers",transformers.__version__,"peft",peft.__version__)'
 } | tee "$OUT/env.txt"
 step() { echo "=== $*"; }
+NCCL_DIR=$(python3 -c 'import nvidia.nccl as n;print(list(n.__path__)[0])')
+export LD_LIBRARY_PATH=$NCCL_DIR/lib:$LD_LIBRARY_PATH
+GPUS=$(nvidia-smi -L | wc -l)
 step configure
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$TORCH_CMAKE;$SYSROOT/usr" -DOPENSSL_ROOT_DIR="$SYSROOT/usr" \
-  -DProtobuf_ROOT="$SYSROOT/usr" \
+  -DProtobuf_ROOT="$SYSROOT/usr" -DLORASTEP_WITH_NCCL=ON -DLORASTEP_NCCL_INCLUDE="$NCCL_DIR/include" \
   -DCMAKE_CUDA_ARCHITECTURES=90 > "$OUT/cmake.log" 2>&1 || { tail -40 "$OUT/cmake.log"; exit 1; }
 step build
 ninja -C build-gpu -j16 -k 0 > "$OUT/build.log" 2>&1 || { grep -E "error:" "$OUT/build.log" | sort -u | head -40; exit 1; }
 STEPS=${GPU_CHECK_STEPS:-tests bench parity service}
+[[ " $STEPS " == *" build-only "* ]] && exit 0
 if [[ " $STEPS " == *" debug "* ]]; then
   step "trainer_test under cuda-gdb"
   cuda-gdb -batch -ex 'set print thread-events off' -ex run -ex 'x/8ga $sp' \
@@ -34,9 +38,9 @@ if [[ " $STEPS " == *" debug "* ]]; then
 fi
 if [[ " $STEPS " == *" tests "* ]]; then
 step "tests on cuda"
-for dt in float32 bfloat16; do
-  (cd build-gpu && LORASTEP_TEST_DEVICE=cuda LORASTEP_TEST_DTYPE=$dt ctest --output-on-failure) \
-    > "$OUT/ctest_cuda_$dt.log" 2>&1
+for dt in ${GPU_TEST_DTYPES:-float32 bfloat16}; do
+  (cd build-gpu && LORASTEP_TEST_DEVICE=cuda LORASTEP_TEST_GPUS=$GPUS LORASTEP_TEST_DTYPE=$dt \
+    ctest --output-on-failure ${CTEST_ARGS:-}) > "$OUT/ctest_cuda_$dt.log" 2>&1
   echo "cuda $dt:"; grep -E "tests passed|Passed|Failed|\*\*\*" "$OUT/ctest_cuda_$dt.log"
 done
 fi
@@ -48,7 +52,7 @@ fi
 if [[ " $STEPS " == *" parity "* ]]; then
 step "parity"
 build-gpu/lorastep_genmodel --preset qwen2.5-0.5b --dtype bfloat16 --seed 1 --out /tmp/q05 
-for dt in float32 bfloat16; do
+for dt in ${GPU_TEST_DTYPES:-float32 bfloat16}; do
   tol=1e-3; [ "$dt" = bfloat16 ] && tol=3e-2
   PYTHONUNBUFFERED=1 python3 bench/hf_parity.py --model /tmp/q05 --parity-bin build-gpu/lorastep_parity \
     --device cuda --dtype $dt --tolerance $tol --workdir /tmp/par_$dt --out "$OUT/hf_parity_$dt.json" 2>&1 | tail -22

@@ -89,9 +89,20 @@ class MeshTest : public ::testing::Test {
     ModelConfig c = ModelConfigPreset("tiny").value();
     ASSERT_OK(SaveModel(*dir_ + "/model", c, RandomModelWeights(c, 3)));
   }
+  // CPU (gloo) by default; LORASTEP_TEST_DEVICE=cuda runs the ranks on cuda:0.. with NCCL.
+  static bool OnCuda() {
+    const char* d = std::getenv("LORASTEP_TEST_DEVICE");
+    return d != nullptr && std::string(d).rfind("cuda", 0) == 0;
+  }
+  // Whether this machine has devices for `world` ranks (LORASTEP_TEST_GPUS on CUDA).
+  static bool Fits(int world) {
+    const char* gpus = std::getenv("LORASTEP_TEST_GPUS");
+    return !OnCuda() || world <= (gpus != nullptr ? std::atoi(gpus) : 1);
+  }
   static Coordinator Start(std::vector<std::string> extra) {
     std::vector<std::string> args = {"--model", *dir_ + "/model", "--worker_binary",
                                      TestBinary("worker/lorastep_worker"), "--collective_timeout_s", "20"};
+    if (OnCuda()) args.insert(args.end(), {"--device", "cuda"});
     args.insert(args.end(), extra.begin(), extra.end());
     auto server = ChildServer::Start(TestBinary("server/lorastep_coordinator"), args, 120);
     EXPECT_TRUE(server.ok()) << server.status();
@@ -203,6 +214,7 @@ class MeshTest : public ::testing::Test {
 std::string* MeshTest::dir_ = nullptr;
 
 TEST_F(MeshTest, DataParallelEqualsWorldOneForLoraAndFullFinetuneFusedAndUnfused) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
   Coordinator world1 = Start({});
   const Trace lora1 = Train(world1, 4, "w1_lora");
   const Trace full1 = Train(world1, 0, "w1_full");
@@ -217,6 +229,7 @@ TEST_F(MeshTest, DataParallelEqualsWorldOneForLoraAndFullFinetuneFusedAndUnfused
 }
 
 TEST_F(MeshTest, TensorParallelEqualsWorldOne) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
   Coordinator world1 = Start({});
   const Trace lora1 = Train(world1, 4, "tw1_lora");
   const Trace full1 = Train(world1, 0, "tw1_full");
@@ -225,11 +238,13 @@ TEST_F(MeshTest, TensorParallelEqualsWorldOne) {
     ExpectSame(Train(tp2, 4, "tp2_lora"), lora1, "tp2 lora");
     ExpectSame(Train(tp2, 0, "tp2_full"), full1, "tp2 full");
   }
+  if (!Fits(4)) return;
   Coordinator tp2dp2 = Start({"--tp", "2", "--dp", "2", "--unfused_wgrad"});
   ExpectSame(Train(tp2dp2, 4, "tp2dp2_lora"), lora1, "tp2 x dp2 lora unfused");
 }
 
 TEST_F(MeshTest, PipelineParallelEqualsWorldOne) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
   Coordinator world1 = Start({});
   const Trace lora1 = Train(world1, 4, "pw1_lora");
   const Trace full1 = Train(world1, 0, "pw1_full");
@@ -243,6 +258,7 @@ TEST_F(MeshTest, PipelineParallelEqualsWorldOne) {
     ExpectSame(Train(pp2, 4, "pp2_lora_unfused"), lora1, "pp2 lora unfused");
     ExpectSame(Train(pp2, 0, "pp2_full_unfused"), full1, "pp2 full unfused");
   }
+  if (!Fits(8)) return;
   Coordinator world8 = Start({"--tp", "2", "--pp", "2", "--dp", "2"});
   ExpectSame(Train(world8, 4, "tp2pp2dp2_lora"), lora1, "tp2 x pp2 x dp2 lora");
   ExpectSame(Train(world8, 0, "tp2pp2dp2_full"), full1, "tp2 x pp2 x dp2 full");
@@ -252,6 +268,7 @@ TEST_F(MeshTest, PipelineParallelEqualsWorldOne) {
 // partial gradients, tensor ranks update them differently; the replica check catches it
 // and the run refuses further training.
 TEST_F(MeshTest, SkippedReplicatedReductionIsCaughtAndTheRunRefused) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
   Coordinator tp2 = Start({"--tp", "2", "--test_replicated_reductions", "0"});
   v1::LoraConfig lora;
   lora.set_rank(4);
@@ -277,6 +294,7 @@ TEST_F(MeshTest, SkippedReplicatedReductionIsCaughtAndTheRunRefused) {
 // Reducing the replicated factors twice keeps replicas equal but doubles their gradient:
 // the comparison with world size 1 catches it.
 TEST_F(MeshTest, DoubledReplicatedReductionIsCaughtAgainstWorldOne) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
   Coordinator world1 = Start({});
   const Trace want = Train(world1, 4, "dbl_w1");
   Coordinator tp2 = Start({"--tp", "2", "--test_replicated_reductions", "2"});
@@ -286,11 +304,13 @@ TEST_F(MeshTest, DoubledReplicatedReductionIsCaughtAgainstWorldOne) {
 }
 
 TEST_F(MeshTest, StateSavedOnOneLayoutLoadsOnAnother) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
   v1::LoraConfig lora;
   lora.set_rank(4);
   lora.set_alpha(8);
   Coordinator world1 = Start({});
-  Coordinator tp2dp2 = Start({"--tp", "2", "--pp", "2", "--dp", "2"});  // all 8 ranks
+  // All 8 ranks where the machine has room for them (CPU), else tensor-parallel pairs.
+  Coordinator tp2dp2 = Fits(8) ? Start({"--tp", "2", "--pp", "2", "--dp", "2"}) : Start({"--tp", "2"});
   auto export_bytes = [&](Coordinator& c, const std::string& run_id, const std::string& name) {
     v1::ExportAdapterRequest req;
     req.set_run_id(run_id);
@@ -330,6 +350,7 @@ TEST_F(MeshTest, StateSavedOnOneLayoutLoadsOnAnother) {
 }
 
 TEST_F(MeshTest, BatchSmallerThanTheReplicasIsRefused) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
   Coordinator dp2 = Start({"--dp", "2"});
   v1::LoraConfig lora;
   lora.set_rank(4);
@@ -344,6 +365,7 @@ TEST_F(MeshTest, BatchSmallerThanTheReplicasIsRefused) {
 }
 
 TEST_F(MeshTest, KilledWorkerFailsTheCallNamingTheRankAndNothingIsApplied) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
   Coordinator dp2 = Start({"--dp", "2"});
   v1::LoraConfig lora;
   lora.set_rank(4);

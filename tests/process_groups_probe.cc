@@ -1,5 +1,6 @@
 // One rank of a real multi-process c10d test (driven by process_groups_test.cc):
-//   process_groups_probe SCENARIO RANK WORLD TP PP DP STORE_PORT TIMEOUT_MS
+//   process_groups_probe SCENARIO RANK WORLD TP PP DP STORE_PORT TIMEOUT_MS [DEVICE]
+// DEVICE "cpu" (gloo, the default) or "cuda" (NCCL; rank r on cuda:r).
 // Prints "OK" and exits 0 when the scenario's checks hold on this rank; otherwise prints
 // what failed and exits 1. Scenarios "dead_peer" / "absent_peer": the last rank exits / stays
 // alive without ever reaching the collective; the others print "ERROR <code> <elapsed_ms>
@@ -23,29 +24,32 @@ int Fail(const std::string& what) {
   return 1;
 }
 
+at::TensorOptions g_options;  // the device collectives run on
+
 // Each group kind: the SUM of (global rank + 1) over its members, and allgather order.
 int RunCollectives(ProcessGroups& groups) {
   const int rank = groups.rank();
+  const at::TensorOptions& o = g_options;
   for (GroupKind kind : {GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline,
                          GroupKind::kStage, GroupKind::kModelParallel, GroupKind::kWorld}) {
     CommGroup& g = groups.group(kind);
     double want = 0;
     for (int r : g.ranks()) want += r + 1;
-    at::Tensor t = at::full({3}, rank + 1.0, at::kDouble);
+    at::Tensor t = at::full({3}, rank + 1.0, o.dtype(at::kDouble));
     if (auto s = g.AllReduce(t); !s.ok()) return Fail(s.ToString());
     if (t[2].item<double>() != want) return Fail(absl::StrCat(g.name(), " sum ", t[2].item<double>()));
-    at::Tensor mx = at::full({1}, rank + 0.0, at::kFloat);
+    at::Tensor mx = at::full({1}, rank + 0.0, o.dtype(at::kFloat));
     if (auto s = g.AllReduce(mx, ReduceKind::kMax); !s.ok()) return Fail(s.ToString());
     if (mx.item<float>() != g.ranks().back()) return Fail(absl::StrCat(g.name(), " max"));
-    std::vector<at::Tensor> several{at::ones({2, 2}), at::full({3}, rank + 0.0)};
+    std::vector<at::Tensor> several{at::ones({2, 2}, o), at::full({3}, rank + 0.0, o)};
     if (auto s = g.AllReduceCoalesced(several); !s.ok()) return Fail(s.ToString());
     if (several[0][1][1].item<float>() != g.size()) return Fail(absl::StrCat(g.name(), " coalesced"));
-    auto gathered = g.AllGather(at::full({2}, rank + 0.0, at::kFloat));
+    auto gathered = g.AllGather(at::full({2}, rank + 0.0, o.dtype(at::kFloat)));
     if (!gathered.ok()) return Fail(gathered.status().ToString());
     for (int i = 0; i < g.size(); ++i) {
       if ((*gathered)[i][0].item<float>() != g.ranks()[i]) return Fail(absl::StrCat(g.name(), " gather"));
     }
-    at::Tensor b = at::full({2}, rank + 0.0, at::kFloat);
+    at::Tensor b = at::full({2}, rank + 0.0, o.dtype(at::kFloat));
     if (auto s = g.Broadcast(b, 0); !s.ok()) return Fail(s.ToString());
     if (b[0].item<float>() != g.ranks()[0]) return Fail(absl::StrCat(g.name(), " broadcast"));
   }
@@ -53,12 +57,12 @@ int RunCollectives(ProcessGroups& groups) {
   CommGroup& pipe = groups.group(GroupKind::kPipeline);
   if (pipe.size() > 1) {
     if (pipe.rank() + 1 < pipe.size()) {
-      if (auto s = pipe.Send(at::full({4}, rank + 0.5, at::kFloat), pipe.rank() + 1); !s.ok()) {
+      if (auto s = pipe.Send(at::full({4}, rank + 0.5, o.dtype(at::kFloat)), pipe.rank() + 1); !s.ok()) {
         return Fail(s.ToString());
       }
     }
     if (pipe.rank() > 0) {
-      at::Tensor in = at::zeros({4}, at::kFloat);
+      at::Tensor in = at::zeros({4}, o.dtype(at::kFloat));
       if (auto s = pipe.Recv(in, pipe.rank() - 1); !s.ok()) return Fail(s.ToString());
       if (in[3].item<float>() != pipe.ranks()[pipe.rank() - 1] + 0.5f) return Fail("recv value");
     }
@@ -69,7 +73,7 @@ int RunCollectives(ProcessGroups& groups) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 9) return Fail("usage");
+  if (argc != 9 && argc != 10) return Fail("usage");
   const std::string scenario = argv[1];
   const int rank = std::stoi(argv[2]), world = std::stoi(argv[3]);
   ParallelSizes sizes{std::stoi(argv[4]), std::stoi(argv[5]), std::stoi(argv[6])};
@@ -80,6 +84,9 @@ int main(int argc, char** argv) {
   o.rank = rank;
   o.layout = *layout;
   o.timeout = std::chrono::milliseconds(std::stoi(argv[8]));
+  const std::string device = argc == 10 && std::string(argv[9]) == "cuda" ? absl::StrCat("cuda:", rank) : "cpu";
+  o.device = device;
+  g_options = at::TensorOptions().device(at::Device(device));
   auto groups = ProcessGroups::Create(o);
   if (!groups.ok()) return Fail(groups.status().ToString());
   if (scenario == "collectives") {
@@ -95,7 +102,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     const auto t0 = std::chrono::steady_clock::now();
-    at::Tensor t = at::ones({8});
+    at::Tensor t = at::ones({8}, g_options);
     absl::Status s = (*groups)->group(GroupKind::kWorld).AllReduce(t);
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                         std::chrono::steady_clock::now() - t0).count();
