@@ -2,6 +2,8 @@
 #ifndef LORASTEP_RPC_GRPC_STATUS_H_
 #define LORASTEP_RPC_GRPC_STATUS_H_
 
+#include <chrono>
+
 #include <grpcpp/client_context.h>
 #include <grpcpp/support/status.h>
 
@@ -13,10 +15,13 @@ namespace lorastep {
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
-// One blocking unary call on a generated stub, as absl::StatusOr.
+// One blocking unary call on a generated stub, as absl::StatusOr. `timeout` > 0 sets the
+// call's deadline (DEADLINE_EXCEEDED when it passes).
 template <typename Resp, typename Stub, typename Req, typename Method>
-absl::StatusOr<Resp> CallUnary(Stub* stub, Method method, const Req& req) {
+absl::StatusOr<Resp> CallUnary(Stub* stub, Method method, const Req& req,
+                               std::chrono::seconds timeout = std::chrono::seconds(0)) {
   grpc::ClientContext ctx;
+  if (timeout.count() > 0) ctx.set_deadline(std::chrono::system_clock::now() + timeout);
   Resp resp;
   grpc::Status s = (stub->*method)(&ctx, req, &resp);
   if (!s.ok()) return FromGrpcStatus(s);

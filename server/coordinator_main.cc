@@ -7,6 +7,7 @@
 //                        [--worker_binary PATH] [--max_tokens_per_microbatch N]
 //                        [--worker_start_timeout_s 300]
 //                        [--tp T --pp P --dp D] [--collective_timeout_s S]
+//                        [--worker_call_timeout_s 3600]
 // With --tp/--pp/--dp (default 1) it starts tp*pp*dp local workers, rank r on cuda:r (or a
 // CPU process each), forming one mesh; with --workers the listed workers must be the ranks
 // of such a mesh (started with matching --rank/--tp/--pp/--dp/--rendezvous).
@@ -42,6 +43,8 @@ int main(int argc, char** argv) {
     return fail(layout.status());
   }
   const int world = options.mesh.world();
+  const int worker_call_timeout =
+      flags.count("worker_call_timeout_s") ? std::stoi(flags["worker_call_timeout_s"]) : 3600;
   std::vector<std::string> addresses;
   std::vector<ChildServer> local;
   if (flags.count("workers")) {
@@ -83,7 +86,7 @@ int main(int argc, char** argv) {
   }
   Coordinator core{options};
   for (const auto& a : addresses) {
-    auto client = std::make_unique<GrpcWorkerClient>(a);
+    auto client = std::make_unique<GrpcWorkerClient>(a, std::chrono::seconds(worker_call_timeout));
     if (auto s = client->WaitReady(60); !s.ok()) return fail(s);
     if (auto s = core.AddWorker(std::move(client)); !s.ok()) return fail(s);
   }

@@ -8,7 +8,8 @@
 #include "rpc/grpc_status.h"
 
 namespace lorastep {
-GrpcWorkerClient::GrpcWorkerClient(const std::string& address) : address_(address) {
+GrpcWorkerClient::GrpcWorkerClient(const std::string& address, std::chrono::seconds call_timeout)
+    : address_(address), call_timeout_(call_timeout) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);
   args.SetMaxSendMessageSize(1 << 30);
@@ -26,43 +27,43 @@ absl::Status GrpcWorkerClient::WaitReady(int timeout_seconds) {
 
 absl::StatusOr<v1::WorkerInfo> GrpcWorkerClient::Info() {
   return CallUnary<v1::WorkerInfo>(stub_.get(), &v1::Worker::Stub::Info,
-                                                     v1::WorkerInfoRequest());
+                                                     v1::WorkerInfoRequest(), call_timeout_);
 }
 absl::Status GrpcWorkerClient::CreateRun(const v1::WorkerCreateRunRequest& req) {
   return CallUnary<v1::WorkerCreateRunResponse>(
-             stub_.get(), &v1::Worker::Stub::CreateRun, req)
+             stub_.get(), &v1::Worker::Stub::CreateRun, req, call_timeout_)
       .status();
 }
 absl::StatusOr<v1::WorkerForwardBackwardResponse> GrpcWorkerClient::ForwardBackward(
     const v1::WorkerForwardBackwardRequest& req) {
   return CallUnary<v1::WorkerForwardBackwardResponse>(
-      stub_.get(), &v1::Worker::Stub::ForwardBackward, req);
+      stub_.get(), &v1::Worker::Stub::ForwardBackward, req, call_timeout_);
 }
 absl::StatusOr<v1::WorkerForwardBackwardResponse> GrpcWorkerClient::Forward(
     const v1::WorkerForwardRequest& req) {
   return CallUnary<v1::WorkerForwardBackwardResponse>(
-      stub_.get(), &v1::Worker::Stub::Forward, req);
+      stub_.get(), &v1::Worker::Stub::Forward, req, call_timeout_);
 }
 absl::StatusOr<v1::WorkerStepResponse> GrpcWorkerClient::OptimStep(const v1::WorkerOptimStepRequest& req) {
   return CallUnary<v1::WorkerStepResponse>(stub_.get(),
-                                                            &v1::Worker::Stub::OptimStep, req);
+                                                            &v1::Worker::Stub::OptimStep, req, call_timeout_);
 }
 absl::StatusOr<v1::WorkerStepResponse> GrpcWorkerClient::TrainStep(const v1::WorkerTrainStepRequest& req) {
   return CallUnary<v1::WorkerStepResponse>(stub_.get(),
-                                                            &v1::Worker::Stub::TrainStep, req);
+                                                            &v1::Worker::Stub::TrainStep, req, call_timeout_);
 }
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::SaveState(const v1::WorkerPathRequest& req) {
   return CallUnary<v1::WorkerPathResponse>(stub_.get(),
-                                                             &v1::Worker::Stub::SaveState, req);
+                                                             &v1::Worker::Stub::SaveState, req, call_timeout_);
 }
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::LoadState(const v1::WorkerPathRequest& req) {
   return CallUnary<v1::WorkerPathResponse>(stub_.get(),
-                                                             &v1::Worker::Stub::LoadState, req);
+                                                             &v1::Worker::Stub::LoadState, req, call_timeout_);
 }
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::ExportAdapter(
     const v1::WorkerPathRequest& req) {
   return CallUnary<v1::WorkerPathResponse>(
-      stub_.get(), &v1::Worker::Stub::ExportAdapter, req);
+      stub_.get(), &v1::Worker::Stub::ExportAdapter, req, call_timeout_);
 }
 
 }  // namespace lorastep

@@ -2,6 +2,7 @@
 #ifndef LORASTEP_SERVER_GRPC_WORKER_CLIENT_H_
 #define LORASTEP_SERVER_GRPC_WORKER_CLIENT_H_
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -12,7 +13,10 @@ namespace lorastep {
 
 class GrpcWorkerClient final : public WorkerClient {
  public:
-  explicit GrpcWorkerClient(const std::string& address);
+  // Every call carries a deadline of `call_timeout` (a training step on a large batch takes
+  // minutes; a worker that hangs must not hold the mesh forever).
+  explicit GrpcWorkerClient(const std::string& address,
+                            std::chrono::seconds call_timeout = std::chrono::seconds(3600));
   // Waits until the channel is ready (or the deadline passes).
   absl::Status WaitReady(int timeout_seconds);
 
@@ -30,6 +34,7 @@ class GrpcWorkerClient final : public WorkerClient {
 
  private:
   std::string address_;
+  std::chrono::seconds call_timeout_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Worker::Stub> stub_;
 };

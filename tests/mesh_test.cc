@@ -158,7 +158,9 @@ class MeshTest : public ::testing::Test {
     if (rank > 0) {
       v1::ExportAdapterRequest req;
       req.set_run_id(run->run_id());
-      req.set_path(*dir_ + "/export_" + name);
+      std::string folder = "export_" + name;
+      std::replace(folder.begin(), folder.end(), ' ', '_');
+      req.set_path(*dir_ + "/" + folder);
       auto exported = c.client->ExportAdapter(req);
       EXPECT_TRUE(exported.ok()) << exported.status();
       auto file = SafetensorsFile::Open(req.path() + "/adapter_model.safetensors");
@@ -233,10 +235,13 @@ TEST_F(MeshTest, TensorParallelEqualsWorldOne) {
   Coordinator world1 = Start({});
   const Trace lora1 = Train(world1, 4, "tw1_lora");
   const Trace full1 = Train(world1, 0, "tw1_full");
-  {
-    Coordinator tp2 = Start({"--tp", "2"});
-    ExpectSame(Train(tp2, 4, "tp2_lora"), lora1, "tp2 lora");
-    ExpectSame(Train(tp2, 0, "tp2_full"), full1, "tp2 full");
+  for (const bool unfused : {false, true}) {
+    std::vector<std::string> flags = {"--tp", "2"};
+    if (unfused) flags.push_back("--unfused_wgrad");
+    Coordinator tp2 = Start(flags);
+    const std::string tag = unfused ? "tp2 unfused" : "tp2";
+    ExpectSame(Train(tp2, 4, tag + "_lora"), lora1, tag + " lora");
+    ExpectSame(Train(tp2, 0, tag + "_full"), full1, tag + " full");
   }
   if (!Fits(4)) return;
   Coordinator tp2dp2 = Start({"--tp", "2", "--dp", "2", "--unfused_wgrad"});
@@ -259,9 +264,14 @@ TEST_F(MeshTest, PipelineParallelEqualsWorldOne) {
     ExpectSame(Train(pp2, 0, "pp2_full_unfused"), full1, "pp2 full unfused");
   }
   if (!Fits(8)) return;
-  Coordinator world8 = Start({"--tp", "2", "--pp", "2", "--dp", "2"});
-  ExpectSame(Train(world8, 4, "tp2pp2dp2_lora"), lora1, "tp2 x pp2 x dp2 lora");
-  ExpectSame(Train(world8, 0, "tp2pp2dp2_full"), full1, "tp2 x pp2 x dp2 full");
+  for (const bool unfused : {false, true}) {
+    std::vector<std::string> flags = {"--tp", "2", "--pp", "2", "--dp", "2"};
+    if (unfused) flags.push_back("--unfused_wgrad");
+    Coordinator world8 = Start(flags);
+    const std::string tag = unfused ? "tp2 x pp2 x dp2 unfused" : "tp2 x pp2 x dp2";
+    ExpectSame(Train(world8, 4, tag + "_lora"), lora1, tag + " lora");
+    ExpectSame(Train(world8, 0, tag + "_full"), full1, tag + " full");
+  }
 }
 
 // The dense form of the second seed: without the stage-group SUM of the replicated factors'
