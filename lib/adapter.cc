@@ -59,6 +59,8 @@ absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const Lora
         b = b.narrow(0, split.begin, split.end - split.begin);
         pa.role = kReplicatedPartial;
         pb.split_dim = 0;
+        // k/v held whole on every tensor rank (tp > KV heads): B too, with partial gradients.
+        if (split.replicated) pb.role = kReplicatedPartial;
       } else {  // y = sum_i (W_i x_i + s B (A_i x_i))
         a = a.narrow(1, split.begin, split.end - split.begin);
         pa.split_dim = 1;
@@ -98,8 +100,11 @@ Adapter Adapter::CreateFullFinetune(const ModelWeights& base, const ModelShard* 
     if (!used(name)) return;  // left as the frozen base tensor
     t = t.detach().clone().requires_grad_(true);
     Parameter p{name, t, {}};
+    const bool kv = absl::StrContains(name, "k_proj.") || absl::StrContains(name, "v_proj.");
     if (absl::EndsWith(name, "norm.weight")) {
       p.role = kReplicatedFull;  // same input and upstream gradient on every tensor rank
+    } else if (kv && shard != nullptr && shard->kv_replicated) {
+      p.role = kReplicatedPartial;  // whole k/v on every rank; each uses one head's part
     } else {
       const bool row_parallel = absl::StrContains(name, "o_proj.weight") || absl::StrContains(name, "down_proj.weight");
       p.split_dim = row_parallel ? 1 : 0;

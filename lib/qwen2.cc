@@ -72,11 +72,17 @@ class LayerRunner {
     at::Tensor q = Project(i, kQProj, h).view({b, s, nh, d}).transpose(1, 2);
     at::Tensor k = Project(i, kKProj, h).view({b, s, nkv, d}).transpose(1, 2);
     at::Tensor v = Project(i, kVProj, h).view({b, s, nkv, d}).transpose(1, 2);
+    int64_t kv_used = nkv;
+    if (shard != nullptr && shard->kv_select >= 0) {  // replicated KV heads: the one we read
+      k = k.narrow(1, shard->kv_select, 1);
+      v = v.narrow(1, shard->kv_select, 1);
+      kv_used = 1;
+    }
     q = q * cos + RotateHalf(q) * sin;
     k = k * cos + RotateHalf(k) * sin;
-    if (nkv != nh) {  // grouped-query attention: each K/V head serves nh/nkv query heads
-      k = k.repeat_interleave(nh / nkv, 1);
-      v = v.repeat_interleave(nh / nkv, 1);
+    if (kv_used != nh) {  // grouped-query attention: each K/V head serves nh/kv query heads
+      k = k.repeat_interleave(nh / kv_used, 1);
+      v = v.repeat_interleave(nh / kv_used, 1);
     }
     at::Tensor attn = compat::CausalAttention(q, k, v).transpose(1, 2).reshape({b, s, nh * d});
     // Row-parallel o/down give partial sums (LoRA's B(A_i x_i) included): one all-reduce each.

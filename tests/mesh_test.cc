@@ -244,8 +244,14 @@ TEST_F(MeshTest, TensorParallelEqualsWorldOne) {
     ExpectSame(Train(tp2, 0, tag + "_full"), full1, tag + " full");
   }
   if (!Fits(4)) return;
-  Coordinator tp2dp2 = Start({"--tp", "2", "--dp", "2", "--unfused_wgrad"});
-  ExpectSame(Train(tp2dp2, 4, "tp2dp2_lora"), lora1, "tp2 x dp2 lora unfused");
+  {
+    Coordinator tp2dp2 = Start({"--tp", "2", "--dp", "2", "--unfused_wgrad"});
+    ExpectSame(Train(tp2dp2, 4, "tp2dp2_lora"), lora1, "tp2 x dp2 lora unfused");
+  }
+  // 4 tensor ranks, 2 KV heads: k/v replicated on the tensor group.
+  Coordinator tp4 = Start({"--tp", "4"});
+  ExpectSame(Train(tp4, 4, "tp4_lora"), lora1, "tp4 (replicated KV heads) lora");
+  ExpectSame(Train(tp4, 0, "tp4_full"), full1, "tp4 (replicated KV heads) full");
 }
 
 TEST_F(MeshTest, PipelineParallelEqualsWorldOne) {

@@ -83,9 +83,15 @@ TEST(ParallelLayoutTest, ShardsCoverTheModel) {
     EXPECT_EQ(s.ffn_end - s.ffn_begin, 32);
   }
   EXPECT_EQ(vocab, 97);
-  // tp 4 > 2 KV heads: ranks 0,1 read KV head 0; ranks 2,3 KV head 1.
-  EXPECT_EQ(MakeModelShard({4, 1, 1}, {1, 0, 0}, c).kv_head_begin, 0);
-  EXPECT_EQ(MakeModelShard({4, 1, 1}, {2, 0, 0}, c).kv_head_begin, 1);
+  // tp 4 > 2 KV heads: every rank holds both (replicated); ranks 0,1 read head 0, 2,3 head 1.
+  const ModelShard r1 = MakeModelShard({4, 1, 1}, {1, 0, 0}, c);
+  EXPECT_TRUE(r1.kv_replicated);
+  EXPECT_EQ(r1.kv_heads, 2);
+  EXPECT_EQ(r1.kv_select, 0);
+  EXPECT_EQ(MakeModelShard({4, 1, 1}, {2, 0, 0}, c).kv_select, 1);
+  EXPECT_TRUE(LinearSplitOf(r1, 1, c).replicated);
+  EXPECT_EQ(LinearSplitOf(r1, 1, c).end, 2 * c.head_dim());
+  EXPECT_FALSE(LinearSplitOf(MakeModelShard({2, 1, 1}, {1, 0, 0}, c), 1, c).replicated);
   EXPECT_TRUE(MakeModelShard({1, 1, 4}, {0, 0, 3}, c).whole());
 }
 

@@ -11,10 +11,6 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerOptio
   LORASTEP_ASSIGN_OR_RETURN(std::shared_ptr<const BaseModel> base,
                             LoadBaseModel(options.model_path, options.device, options.dtype,
                                           options.sizes, layout.Coords(options.rank)));
-  if (options.sizes.tp > base->config.num_key_value_heads) {
-    return absl::UnimplementedError(
-        "tp: more tensor ranks than num_key_value_heads (replicated KV heads) is not built yet");
-  }
   auto core = std::unique_ptr<WorkerCore>(new WorkerCore(options, std::move(base)));
   if (layout.world_size() > 1) {
     if (options.rendezvous.empty()) {

@@ -140,9 +140,11 @@ ModelShard MakeModelShard(const ParallelSizes& sizes, const RankCoords& coords,
   if (c.num_key_value_heads >= sizes.tp) {
     s.kv_heads = c.num_key_value_heads / sizes.tp;
     s.kv_head_begin = s.kv_heads * coords.tp;
-  } else {  // fewer KV heads than ranks: each rank keeps the one its query heads read
-    s.kv_heads = 1;
-    s.kv_head_begin = s.head_begin / (c.num_attention_heads / c.num_key_value_heads);
+  } else {  // fewer KV heads than ranks: all of them, replicated; use the one our queries read
+    s.kv_heads = c.num_key_value_heads;
+    s.kv_head_begin = 0;
+    s.kv_replicated = sizes.tp > 1;
+    s.kv_select = s.kv_replicated ? s.head_begin / (c.num_attention_heads / c.num_key_value_heads) : -1;
   }
   const int64_t ffn = c.intermediate_size / sizes.tp;
   s.ffn_begin = ffn * coords.tp;
@@ -165,6 +167,7 @@ LinearSplit LinearSplitOf(const ModelShard& s, int slot, const ModelConfig& c) {
     case 1: case 2:  // k, v: this rank's key/value heads
       split.begin = s.kv_head_begin * d;
       split.end = (s.kv_head_begin + s.kv_heads) * d;
+      split.replicated = s.kv_replicated;
       break;
     default:  // gate, up rows; down columns
       split.begin = s.ffn_begin;

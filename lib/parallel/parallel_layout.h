@@ -107,6 +107,10 @@ struct ModelShard {
   int64_t kv_heads = 0;                    // key/value heads on this rank
   int64_t head_begin = 0;                  // first query head of this rank
   int64_t kv_head_begin = 0;               // first key/value head of this rank
+  // More tensor ranks than KV heads: every rank holds all KV heads (k/v weights replicated
+  // on the tensor group, each rank with a partial gradient) and uses head `kv_select`.
+  bool kv_replicated = false;
+  int64_t kv_select = -1;
   int64_t ffn_begin = 0, ffn_end = 0;      // intermediate (SwiGLU) columns
   int64_t vocab_begin = 0, vocab_end = 0;  // embedding / LM-head rows
   bool first_stage() const { return pp_rank == 0; }
@@ -121,6 +125,7 @@ ModelShard MakeModelShard(const ParallelSizes& sizes, const RankCoords& coords,
 struct LinearSplit {
   int dim = 0;           // 0: output rows (column-parallel), 1: input columns (row-parallel)
   int64_t begin = 0, end = 0;
+  bool replicated = false;  // whole on every tensor rank (k/v when tp > KV heads)
 };
 LinearSplit LinearSplitOf(const ModelShard& shard, int slot, const ModelConfig& config);
 bool IsColumnParallel(int slot);  // q, k, v, gate, up
