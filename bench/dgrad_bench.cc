@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "lib/linear.h"
+#include "lib/model/linear.h"
 #include "nlohmann/json.hpp"
 
 namespace {

@@ -9,11 +9,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "lib/adamw_params.h"
-#include "lib/batch.h"
-#include "lib/loss_config.h"
-#include "lib/lora_config.h"
-#include "lib/metrics.h"
+#include "lib/training/adamw_params.h"
+#include "lib/training/batch.h"
+#include "lib/training/loss_config.h"
+#include "lib/model/lora_config.h"
+#include "lib/training/metrics.h"
 #include "lorastep/v1/trainer.pb.h"
 #include "lorastep/v1/worker.pb.h"
 

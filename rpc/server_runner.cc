@@ -6,7 +6,7 @@
 #include <stdio.h>
 
 #include "absl/strings/str_cat.h"
-#include "lib/file_util.h"
+#include "lib/io/file_util.h"
 #include "lib/status_macros.h"
 
 namespace lorastep {

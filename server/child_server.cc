@@ -13,7 +13,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "lib/file_util.h"
+#include "lib/io/file_util.h"
 #include "lib/status_macros.h"
 
 namespace lorastep {

@@ -7,10 +7,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "lib/adamw_params.h"
-#include "lib/lora_config.h"
+#include "lib/training/adamw_params.h"
+#include "lib/model/lora_config.h"
 #include "lib/status_macros.h"
-#include "lib/metrics.h"
+#include "lib/training/metrics.h"
 #include "rpc/proto_convert.h"
 
 namespace lorastep {

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "lib/batch.h"
+#include "lib/training/batch.h"
 #include "lib/parallel/parallel_layout.h"
 #include "lorastep/v1/trainer.pb.h"
 #include "server/worker_client.h"

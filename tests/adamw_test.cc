@@ -1,6 +1,6 @@
 // AdamW against a scalar reference written from the algorithm (PyTorch's AdamW: decoupled
 // decay, bias correction), clipping, schedules, and fail-closed behaviour.
-#include "lib/adamw.h"
+#include "lib/training/adamw.h"
 
 #include <ATen/core/grad_mode.h>
 

@@ -1,6 +1,6 @@
-#include "lib/file_util.h"
+#include "lib/io/file_util.h"
 
-#include "lib/checkpoint_dir.h"
+#include "lib/io/checkpoint_dir.h"
 #include "tests/test_util.h"
 
 namespace lorastep {

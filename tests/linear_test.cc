@@ -9,10 +9,10 @@
 #include <set>
 #include <string>
 
-#include "lib/adapter.h"
-#include "lib/grad_finalizer.h"
-#include "lib/linear.h"
-#include "lib/qwen2.h"
+#include "lib/model/adapter.h"
+#include "lib/training/grad_finalizer.h"
+#include "lib/model/linear.h"
+#include "lib/model/qwen2.h"
 #include "lib/torch_compat.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"

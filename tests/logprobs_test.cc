@@ -1,6 +1,6 @@
 // (e) Chunked log-probs/entropy equal the unchunked computation (values and gradients),
 // and their peak memory is bounded by the chunk, not by tokens x vocab.
-#include "lib/logprobs.h"
+#include "lib/model/logprobs.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/Allocator.h>

@@ -1,9 +1,9 @@
 // (d) Every loss and metric against values computed by hand in the comments.
-#include "lib/losses.h"
+#include "lib/training/losses.h"
 
 #include <cmath>
 
-#include "lib/batch.h"
+#include "lib/training/batch.h"
 #include "tests/test_util.h"
 
 namespace lorastep {

@@ -9,10 +9,10 @@
 
 #include "absl/strings/str_format.h"
 #include "clients/cpp/trainer_client.h"
-#include "lib/file_util.h"
-#include "lib/model_weights.h"
-#include "lib/safetensors.h"
-#include "lib/tensor_bytes.h"
+#include "lib/io/file_util.h"
+#include "lib/model/model_weights.h"
+#include "lib/io/safetensors.h"
+#include "lib/io/tensor_bytes.h"
 #include "server/child_server.h"
 #include "tests/test_util.h"
 

@@ -4,9 +4,9 @@
 
 #include <cmath>
 
-#include "lib/file_util.h"
-#include "lib/model_weights.h"
-#include "lib/qwen2.h"
+#include "lib/io/file_util.h"
+#include "lib/model/model_weights.h"
+#include "lib/model/qwen2.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
 

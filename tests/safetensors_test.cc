@@ -1,10 +1,10 @@
-#include "lib/safetensors.h"
+#include "lib/io/safetensors.h"
 
 #include <cstring>
 #include <fstream>
 #include <vector>
 
-#include "lib/file_util.h"
+#include "lib/io/file_util.h"
 #include "tests/test_util.h"
 
 namespace lorastep {

@@ -12,7 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "lib/file_util.h"
+#include "lib/io/file_util.h"
 
 #define LORASTEP_TEST_CONCAT_INNER_(a, b) a##b
 #define LORASTEP_TEST_CONCAT_(a, b) LORASTEP_TEST_CONCAT_INNER_(a, b)

@@ -8,8 +8,8 @@
 #include <cstdlib>
 #include <string>
 
-#include "lib/model_config.h"
-#include "lib/model_weights.h"
+#include "lib/model/model_config.h"
+#include "lib/model/model_weights.h"
 
 namespace lorastep {
 namespace testing {

@@ -1,12 +1,12 @@
 // (g) Checkpoints: save, load, continue is bitwise the same as uninterrupted training; an
 // interrupted save leaves the previous checkpoint loadable. Plus the trainer's contracts:
 // k ForwardBackward + OptimStep == TrainStep, bad calls change nothing, PEFT export/import.
-#include "lib/trainer.h"
+#include "lib/training/trainer.h"
 
 
-#include "lib/file_util.h"
-#include "lib/peft_io.h"
-#include "lib/safetensors.h"
+#include "lib/io/file_util.h"
+#include "lib/model/peft_io.h"
+#include "lib/io/safetensors.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
 

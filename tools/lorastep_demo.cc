@@ -10,8 +10,8 @@
 #include <random>
 #include <string>
 
-#include "lib/model_weights.h"
-#include "lib/trainer.h"
+#include "lib/model/model_weights.h"
+#include "lib/training/trainer.h"
 
 using namespace lorastep;
 

@@ -4,8 +4,8 @@
 #include <iostream>
 #include <string>
 
-#include "lib/model_config.h"
-#include "lib/model_weights.h"
+#include "lib/model/model_config.h"
+#include "lib/model/model_weights.h"
 
 int main(int argc, char** argv) {
   std::string preset = "tiny", out, dtype;

@@ -12,12 +12,12 @@
 #include <iostream>
 #include <string>
 
-#include "lib/grad_finalizer.h"
-#include "lib/logprobs.h"
-#include "lib/peft_io.h"
-#include "lib/qwen2.h"
-#include "lib/tensor_bytes.h"
-#include "lib/trainer.h"
+#include "lib/training/grad_finalizer.h"
+#include "lib/model/logprobs.h"
+#include "lib/model/peft_io.h"
+#include "lib/model/qwen2.h"
+#include "lib/io/tensor_bytes.h"
+#include "lib/training/trainer.h"
 
 using namespace lorastep;
 

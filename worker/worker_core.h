@@ -16,7 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "lib/parallel/process_groups.h"
-#include "lib/trainer.h"
+#include "lib/training/trainer.h"
 
 namespace lorastep {
 

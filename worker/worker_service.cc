@@ -1,7 +1,7 @@
 #include "worker/worker_service.h"
 
 #include "absl/strings/str_cat.h"
-#include "lib/adamw.h"
+#include "lib/training/adamw.h"
 #include "lib/status_macros.h"
 #include "rpc/grpc_status.h"
 #include "rpc/proto_convert.h"

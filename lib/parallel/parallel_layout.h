@@ -28,7 +28,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "lib/model_config.h"
+#include "lib/model/model_config.h"
 
 namespace lorastep {
 

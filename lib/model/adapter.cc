@@ -1,0 +1,166 @@
+#include "lib/model/adapter.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "lib/status_macros.h"
+
+namespace lorastep {
+namespace {
+
+std::array<int64_t, 2> LinearShape(const ModelConfig& c, int slot) {
+  const int64_t h = c.hidden_size, kv = c.num_key_value_heads * c.head_dim(),
+                f = c.intermediate_size;
+  switch (slot) {
+    case kQProj: case kOProj: return {h, h};
+    case kKProj: case kVProj: return {kv, h};
+    case kGateProj: case kUpProj: return {f, h};
+    default: return {h, f};  // down_proj
+  }
+}
+
+}  // namespace
+
+std::string Adapter::PeftKey(size_t layer, int slot, bool is_b) {
+  return absl::StrCat("base_model.model.model.layers.", layer, ".", LinearSlotModulePath(slot),
+                      is_b ? ".lora_B.weight" : ".lora_A.weight");
+}
+
+absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const LoraConfig& lora,
+                                            const at::Device& device, at::ScalarType dtype,
+                                            uint64_t seed, const ModelShard* shard) {
+  LORASTEP_RETURN_IF_ERROR(ValidateLoraConfig(lora));
+  if (lora.full_finetune()) {
+    return absl::InvalidArgumentError("lora.rank: 0 means full fine-tuning, not LoRA");
+  }
+  LORASTEP_ASSIGN_OR_RETURN(auto targeted, ResolveLoraTargets(lora));
+  Adapter adapter;
+  adapter.lora_ = lora;
+  const ModelShard whole = MakeModelShard({}, {}, model);
+  const ModelShard& s = shard != nullptr ? *shard : whole;
+  adapter.lora_by_layer_.resize(s.layer_end - s.layer_begin);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (int64_t layer = 0; layer < model.num_hidden_layers; ++layer) {
+    for (int slot = 0; slot < kNumLinearSlots; ++slot) {
+      if (!targeted[slot]) continue;
+      const auto [out, in] = LinearShape(model, slot);
+      const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+      // Drawn for every layer so each rank's stream matches world size 1.
+      at::Tensor a = at::empty({lora.rank, in}, at::kFloat).uniform_(-bound, bound, gen);
+      at::Tensor b = at::zeros({out, lora.rank}, at::kFloat);
+      if (layer < s.layer_begin || layer >= s.layer_end) continue;
+      const LinearSplit split = LinearSplitOf(s, slot, model);
+      Parameter pa{PeftKey(layer, slot, false), {}, {}};
+      Parameter pb{PeftKey(layer, slot, true), {}, {}};
+      if (IsColumnParallel(slot)) {  // y_i = W_i x + s B_i (A x)
+        b = b.narrow(0, split.begin, split.end - split.begin);
+        pa.role = kReplicatedPartial;
+        pb.split_dim = 0;
+        // k/v held whole on every tensor rank (tp > KV heads): B too, with partial gradients.
+        if (split.replicated) pb.role = kReplicatedPartial;
+      } else {  // y = sum_i (W_i x_i + s B (A_i x_i))
+        a = a.narrow(1, split.begin, split.end - split.begin);
+        pa.split_dim = 1;
+        pb.role = kReplicatedPartial;
+      }
+      pa.value = a.contiguous().to(device, dtype);
+      pb.value = b.contiguous().to(device, dtype);
+      LoraFactors& f = adapter.lora_by_layer_[layer - s.layer_begin][slot];
+      f.a = static_cast<int>(adapter.parameters_.size());
+      adapter.parameters_.push_back(std::move(pa));
+      f.b = static_cast<int>(adapter.parameters_.size());
+      adapter.parameters_.push_back(std::move(pb));
+    }
+  }
+  for (auto& p : adapter.parameters_) p.value.requires_grad_(true);
+  adapter.PackMainGrads();
+  return adapter;
+}
+
+Adapter Adapter::CreateFullFinetune(const ModelWeights& base, const ModelShard* shard,
+                                    bool tied_embeddings) {
+  Adapter adapter;
+  adapter.lora_.rank = 0;
+  adapter.full_weights_ = base;
+  adapter.full_main_grads_ = base;
+  const bool first = shard == nullptr || shard->first_stage();
+  const bool last = shard == nullptr || shard->last_stage();
+  const bool staged = shard != nullptr && shard->pp > 1;
+  // Which named tensors this stage uses, hence trains.
+  auto used = [&](const std::string& name) {
+    if (name == "model.embed_tokens.weight") return first || (last && tied_embeddings);
+    if (name == "model.norm.weight" || name == "lm_head.weight") return last;
+    return true;
+  };
+  std::vector<at::Tensor*> trained_slots;
+  ForEachNamedTensor(adapter.full_weights_, [&](const std::string& name, at::Tensor& t) {
+    if (!used(name)) return;  // left as the frozen base tensor
+    t = t.detach().clone().requires_grad_(true);
+    Parameter p{name, t, {}};
+    const bool kv = absl::StrContains(name, "k_proj.") || absl::StrContains(name, "v_proj.");
+    if (absl::EndsWith(name, "norm.weight")) {
+      p.role = kReplicatedFull;  // same input and upstream gradient on every tensor rank
+    } else if (kv && shard != nullptr && shard->kv_replicated) {
+      p.role = kReplicatedPartial;  // whole k/v on every rank; each uses one head's part
+    } else {
+      const bool row_parallel = absl::StrContains(name, "o_proj.weight") || absl::StrContains(name, "down_proj.weight");
+      p.split_dim = row_parallel ? 1 : 0;
+    }
+    if (staged && tied_embeddings && name == "model.embed_tokens.weight") {
+      p.tied_across_stages = true;
+      p.stage_copy = !first;  // the last stage's copy of the first stage's embedding
+    }
+    adapter.parameters_.push_back(std::move(p));
+  });
+  adapter.PackMainGrads();
+  // Mirror each trained parameter's main_grad into the model-shaped struct (same order);
+  // tensors this stage does not train keep no main_grad.
+  size_t i = 0;
+  ForEachNamedTensor(adapter.full_main_grads_, [&](const std::string& name, at::Tensor& t) {
+    t = used(name) ? adapter.parameters_[i++].main_grad : at::Tensor();
+  });
+  return adapter;
+}
+
+const LoraFactors* Adapter::lora(size_t layer, int slot) const {
+  if (layer >= lora_by_layer_.size()) return nullptr;
+  const LoraFactors& f = lora_by_layer_[layer][slot];
+  return f.a < 0 ? nullptr : &f;
+}
+
+void Adapter::PackMainGrads() {
+  for (int bucket = 0; bucket < kNumGradBuckets; ++bucket) {
+    int64_t total = 0;
+    at::TensorOptions options;
+    for (const Parameter& p : parameters_) {
+      if (p.role != bucket) continue;
+      total += p.value.numel();
+      options = p.value.options().dtype(at::kFloat).requires_grad(false);
+    }
+    if (total == 0) {
+      grad_buckets_[bucket] = at::Tensor();
+      continue;
+    }
+    grad_buckets_[bucket] = at::zeros({total}, options);
+    int64_t offset = 0;
+    for (Parameter& p : parameters_) {
+      if (p.role != bucket) continue;
+      p.main_grad = grad_buckets_[bucket].narrow(0, offset, p.value.numel()).view(p.value.sizes());
+      offset += p.value.numel();
+    }
+  }
+}
+
+void Adapter::ZeroMainGrads() {
+  for (at::Tensor& bucket : grad_buckets_) {
+    if (bucket.defined()) bucket.zero_();
+  }
+  for (auto& p : parameters_) {
+    if (p.value.grad().defined()) p.value.mutable_grad() = at::Tensor();
+  }
+}
+
+}  // namespace lorastep

@@ -1,0 +1,112 @@
+// The trainable part of a run over a frozen base model: LoRA factors on chosen linears, or,
+// with rank 0, a full trainable copy of the weights. Each trainable tensor is a Parameter
+// with an fp32 main_grad buffer that backward (fused) or the gradient finalizer (unfused)
+// fills. Several adapters can share one frozen base without touching it.
+#ifndef LORASTEP_LIB_MODEL_ADAPTER_H_
+#define LORASTEP_LIB_MODEL_ADAPTER_H_
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lib/model/lora_config.h"
+#include "lib/model/model_config.h"
+#include "lib/model/model_weights.h"
+
+namespace lorastep {
+
+struct Parameter {
+  std::string name;      // PEFT key for LoRA factors, Hugging Face name for full weights
+  at::Tensor value;      // requires_grad; model dtype
+  at::Tensor main_grad;  // fp32, same shape; the gradient the optimizer consumes (a view
+                         // into the adapter's flat gradient bucket)
+  // How the tensor is laid over the tensor-parallel ranks of a stage; see TensorRole.
+  int role = 0;  // a TensorRole
+  int split_dim = -1;  // kSplit: the dim cut across tensor ranks (in tensor-rank order)
+  // A copy of a tensor another pipeline stage owns too (the tied embedding on the last
+  // stage): its gradient is summed over the embedding group, its square is not counted in
+  // the norm here, and it is not written twice.
+  bool stage_copy = false;
+  // Held on both the first and last stage (the tied embedding): SUM over the embedding group.
+  bool tied_across_stages = false;
+};
+
+// How a trainable tensor sits on the tensor-parallel ranks, which decides its reduction.
+//  kSplit: each rank holds a different slice (or the whole tensor at tp 1); its gradient is
+//    complete on the rank: SUM over the data group only.
+//  kReplicatedPartial: every rank holds the same value but computes only a partial gradient
+//    -- the LoRA factor on the unsplit side of a split linear (A of q/k/v/gate/up, B of
+//    o/down). SUM over the stage's tensor+data group, exactly once: the dense form of the
+//    second seed's bug is skipping (or repeating) that reduction.
+//  kReplicatedFull: same value, and the same complete gradient on every rank (norm weights
+//    under full fine-tuning): SUM over the data group; counted once in the norm.
+enum TensorRole { kSplit = 0, kReplicatedPartial = 1, kReplicatedFull = 2 };
+
+// Which flat fp32 buffer a parameter's main_grad lives in (one per TensorRole); one
+// collective covers a bucket.
+enum class GradBucket { kSplit = 0, kReplicatedPartial = 1, kReplicatedFull = 2 };
+constexpr int kNumGradBuckets = 3;
+
+// LoRA factors of one linear: y += scale * B (A x). A: [rank, in], B: [out, rank].
+struct LoraFactors {
+  int a = -1;  // index into Adapter::parameters()
+  int b = -1;
+};
+
+class Adapter {
+ public:
+  // LoRA: A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming_uniform(a=sqrt(5))), B = 0,
+  // drawn on CPU from `seed` so every device gets the same factors.
+  // With a `shard`, the factors are drawn for the whole model (the same stream as world
+  // size 1) and this rank keeps its part: the stage's layers; on column-parallel q/k/v/
+  // gate/up, A whole (kReplicatedPartial) and B's rows of this rank; on row-parallel o/down,
+  // A's columns of this rank and B whole (kReplicatedPartial).
+  static absl::StatusOr<Adapter> CreateLora(const ModelConfig& model, const LoraConfig& lora,
+                                            const at::Device& device, at::ScalarType dtype,
+                                            uint64_t seed, const ModelShard* shard = nullptr);
+  // rank 0: a trainable copy of every base tensor this rank's stage uses (of its shard of
+  // the base): its layers; the embedding on the first stage; the final norm and LM head on
+  // the last (a tied embedding there too). Norm weights are kReplicatedFull; the rest kSplit.
+  static Adapter CreateFullFinetune(const ModelWeights& base, const ModelShard* shard = nullptr,
+                                    bool tied_embeddings = false);
+
+  const LoraConfig& lora_config() const { return lora_; }
+  bool full_finetune() const { return lora_.full_finetune(); }
+
+  std::vector<Parameter>& parameters() { return parameters_; }
+  const std::vector<Parameter>& parameters() const { return parameters_; }
+
+  // LoRA factors on (layer, slot), or nullptr when that linear has none.
+  const LoraFactors* lora(size_t layer, int slot) const;
+  // Full fine-tuning: the trainable weights and their main_grads in model layout.
+  const ModelWeights& full_weights() const { return full_weights_; }
+  const ModelWeights& full_main_grads() const { return full_main_grads_; }
+
+  void ZeroMainGrads();
+  // The flat fp32 buffer holding the main_grads of one bucket (undefined when empty).
+  const at::Tensor& grad_bucket(GradBucket bucket) const {
+    return grad_buckets_[static_cast<int>(bucket)];
+  }
+
+  // PEFT key of a LoRA factor: base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight
+  static std::string PeftKey(size_t layer, int slot, bool is_b);
+
+ private:
+  // Makes every main_grad a view into one contiguous fp32 buffer per bucket.
+  void PackMainGrads();
+
+  LoraConfig lora_;
+  std::vector<Parameter> parameters_;
+  std::array<at::Tensor, kNumGradBuckets> grad_buckets_;
+  std::vector<std::array<LoraFactors, kNumLinearSlots>> lora_by_layer_;
+  ModelWeights full_weights_;
+  ModelWeights full_main_grads_;
+};
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_MODEL_ADAPTER_H_

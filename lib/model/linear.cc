@@ -1,0 +1,75 @@
+#include "lib/model/linear.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <vector>
+
+#include "lib/torch_compat.h"
+
+namespace lorastep {
+namespace {
+
+std::vector<int64_t> ShapeWithLastDim(const at::Tensor& t, int64_t last) {
+  std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+  shape.back() = last;
+  return shape;
+}
+
+class LinearFunction : public torch::autograd::Function<LinearFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, MainGradRef main_grad_ref, bool fused,
+                            bool fp32_dgrad) {
+    const at::Tensor& main_grad = main_grad_ref.tensor;
+    const bool trainable = main_grad.defined();
+    ctx->saved_data["trainable"] = trainable;
+    ctx->saved_data["fused"] = fused;
+    ctx->saved_data["fp32_dgrad"] = fp32_dgrad;
+    if (trainable) ctx->saved_data["main_grad"] = main_grad;
+    // x is only needed for the weight gradient; frozen layers keep just the weight.
+    ctx->save_for_backward({trainable ? x : at::Tensor(), weight});
+    at::Tensor y = at::mm(FoldLeadingDims(x), weight.t());
+    return y.view(ShapeWithLastDim(x, weight.size(0)));
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor& grad_output = grads[0];
+    at::Tensor grad_x, grad_w;
+    if (ctx->needs_input_grad(0)) {
+      grad_x = LinearInputGrad(grad_output, weight, ctx->saved_data["fp32_dgrad"].toBool());
+    }
+    if (ctx->saved_data["trainable"].toBool()) {
+      at::Tensor g2d = FoldLeadingDims(grad_output);
+      at::Tensor x2d = FoldLeadingDims(x);
+      if (ctx->saved_data["fused"].toBool()) {
+        at::Tensor main_grad = ctx->saved_data["main_grad"].toTensor();
+        compat::AddMatmulFp32(main_grad, g2d.t(), x2d);
+      } else {
+        grad_w = at::mm(g2d.t(), x2d);
+      }
+    }
+    return {grad_x, grad_w, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor FoldLeadingDims(const at::Tensor& x) { return x.reshape({-1, x.size(-1)}); }
+
+at::Tensor LinearInputGrad(const at::Tensor& grad_output, const at::Tensor& weight, bool fp32) {
+  at::Tensor g2d = FoldLeadingDims(grad_output);
+  at::Tensor out = fp32 ? at::mm(g2d.to(at::kFloat), weight.to(at::kFloat)).to(grad_output.scalar_type())
+                        : at::mm(g2d, weight);
+  return out.view(ShapeWithLastDim(grad_output, weight.size(1)));
+}
+
+at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& main_grad,
+                  const GradOptions& options) {
+  return LinearFunction::apply(x, weight, MainGradRef{main_grad}, options.fused_wgrad, options.fp32_dgrad);
+}
+
+}  // namespace lorastep

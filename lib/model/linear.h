@@ -1,0 +1,49 @@
+// Linear layers whose backward never dispatches a batched GEMM.
+//
+// The first seed: a frozen linear's input gradient is grad_output @ W. When grad_output is a
+// [s, b, V] view of a [b, s, V] tensor, at::matmul cannot fold the leading dims by stride and
+// runs one mat-vec per token (bmm), re-reading W each time; is_contiguous() cannot tell.
+// Every linear here folds all leading dims into one, runs exactly one 2-D GEMM, and restores
+// the shape. LoRA's A and B matmuls are linears too, so they take the same path.
+//
+// Trainable weights collect gradients in an fp32 `main_grad` buffer (Megatron's layout):
+//  - fused:   backward's weight-gradient GEMM accumulates straight into main_grad
+//             (C = A·B + 1·C with fp32 C); the autograd-visible grad is left empty.
+//  - unfused: backward returns the weight gradient to autograd (param.grad), and the
+//             gradient finalizer adds it into main_grad afterwards.
+// Both give the same main_grad; the second seed's failure mode is exactly a hook that only
+// sees param.grad while the real gradient went to main_grad.
+#ifndef LORASTEP_LIB_MODEL_LINEAR_H_
+#define LORASTEP_LIB_MODEL_LINEAR_H_
+
+#include <ATen/ATen.h>
+
+namespace lorastep {
+
+struct GradOptions {
+  bool fused_wgrad = true;  // accumulate weight gradients straight into main_grad
+  bool fp32_dgrad = false;  // compute input gradients in fp32, then cast back
+};
+
+// How custom autograd functions receive a main_grad buffer: as a plain value, not a tensor
+// argument, so autograd never treats it as an input (it may be undefined for frozen
+// weights, and it never receives a gradient).
+struct MainGradRef {
+  at::Tensor tensor;
+};
+
+// All leading dims folded into one: [..., k] -> [n, k]. A view whenever strides allow.
+at::Tensor FoldLeadingDims(const at::Tensor& x);
+
+// grad_output @ weight as one 2-D GEMM, shaped like grad_output with the last dim replaced
+// by weight.size(1). With fp32 set the GEMM runs in fp32 and the result is cast back.
+at::Tensor LinearInputGrad(const at::Tensor& grad_output, const at::Tensor& weight, bool fp32);
+
+// y = x @ weight^T, differentiable in x and, when `main_grad` is defined, in weight.
+// `weight` must require grad when trainable (so a node exists even if x does not).
+at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& main_grad,
+                  const GradOptions& options);
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_MODEL_LINEAR_H_

@@ -1,0 +1,208 @@
+#include "lib/model/logprobs.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+
+#include "lib/torch_compat.h"
+#include "lib/torch_status.h"
+
+namespace lorastep {
+namespace {
+
+struct ChunkStats {
+  at::Tensor logits;  // fp32 [c, V]
+  at::Tensor lse;     // fp32 [c]
+};
+
+ChunkStats ChunkLogits(const at::Tensor& h, const at::Tensor& weight) {
+  at::Tensor logits = at::mm(h, weight.t()).to(at::kFloat);
+  return {logits, at::logsumexp(logits, -1)};
+}
+
+CommGroup* GroupFromToken(int64_t t) { return reinterpret_cast<CommGroup*>(static_cast<intptr_t>(t)); }
+
+void AllReduceOrThrow(at::Tensor& t, CommGroup* group, ReduceKind op = ReduceKind::kSum) {
+  ThrowIfError(group->AllReduce(t, op));
+}
+
+// Vocab-parallel statistics of one chunk: this rank's logits [n, V_i] are a slice of the
+// vocabulary. The global log-sum-exp is max-shifted (MAX all-reduce, then SUM of exp);
+// the target's logit comes from the rank that holds it (SUM of masked gathers), and
+// E_p[z] (for the entropy) is a SUM of local parts. Three small all-reduces per chunk;
+// full logits never leave their rank.
+struct ParallelChunk {
+  at::Tensor logits;  // fp32 [n, V_i]
+  at::Tensor lse;     // fp32 [n], global
+  at::Tensor target;  // fp32 [n], the target's logit
+  at::Tensor ez;      // fp32 [n], E_p[z] over the whole vocabulary
+};
+
+ParallelChunk ParallelChunkStats(const at::Tensor& h, const at::Tensor& weight, const at::Tensor& tgt,
+                                 int64_t vocab_begin, CommGroup* group) {
+  ParallelChunk c;
+  c.logits = at::mm(h, weight.t()).to(at::kFloat);
+  at::Tensor m = std::get<0>(c.logits.max(1)).contiguous();
+  AllReduceOrThrow(m, group, ReduceKind::kMax);
+  at::Tensor sumexp = at::exp(c.logits - m.unsqueeze(1)).sum(1).contiguous();
+  AllReduceOrThrow(sumexp, group);
+  c.lse = m + at::log(sumexp);
+  const int64_t rows = weight.size(0);
+  at::Tensor local = tgt - vocab_begin;
+  at::Tensor in_range = (local >= 0) & (local < rows);
+  at::Tensor idx = at::where(in_range, local, at::zeros_like(local)).unsqueeze(1);
+  at::Tensor p = at::exp(c.logits - c.lse.unsqueeze(1));
+  at::Tensor parts = at::stack({c.logits.gather(1, idx).squeeze(1) * in_range.to(at::kFloat),
+                                (p * c.logits).sum(1)}).contiguous();
+  AllReduceOrThrow(parts, group);
+  c.target = parts[0];
+  c.ez = parts[1];
+  return c;
+}
+
+class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& hidden, const at::Tensor& weight,
+                                                MainGradRef main_grad_ref,
+                                                const at::Tensor& targets, int64_t chunk,
+                                                bool fused, bool fp32_dgrad, int64_t group_token,
+                                                int64_t vocab_begin) {
+    const at::Tensor& main_grad = main_grad_ref.tensor;
+    const int64_t t = hidden.size(0);
+    CommGroup* group = GroupFromToken(group_token);
+    at::Tensor logprobs = at::empty({t}, hidden.options().dtype(at::kFloat));
+    at::Tensor entropy = at::empty({t}, hidden.options().dtype(at::kFloat));
+    at::Tensor lse_all, ez_all;  // kept for backward on the vocab-parallel path
+    if (group != nullptr) {
+      lse_all = at::empty({t}, hidden.options().dtype(at::kFloat));
+      ez_all = at::empty({t}, hidden.options().dtype(at::kFloat));
+    }
+    for (int64_t start = 0; start < t; start += chunk) {
+      const int64_t n = std::min(chunk, t - start);
+      if (group != nullptr) {
+        ParallelChunk pc = ParallelChunkStats(hidden.narrow(0, start, n), weight,
+                                              targets.narrow(0, start, n), vocab_begin, group);
+        logprobs.narrow(0, start, n).copy_(pc.target - pc.lse);
+        entropy.narrow(0, start, n).copy_(pc.lse - pc.ez);
+        lse_all.narrow(0, start, n).copy_(pc.lse);
+        ez_all.narrow(0, start, n).copy_(pc.ez);
+        continue;
+      }
+      ChunkStats cs = ChunkLogits(hidden.narrow(0, start, n), weight);
+      at::Tensor tgt = targets.narrow(0, start, n).unsqueeze(1);
+      logprobs.narrow(0, start, n).copy_(cs.logits.gather(1, tgt).squeeze(1) - cs.lse);
+      at::Tensor p = at::exp(cs.logits - cs.lse.unsqueeze(1));
+      entropy.narrow(0, start, n).copy_(cs.lse - (p * cs.logits).sum(1));
+    }
+    ctx->saved_data["group"] = group_token;
+    ctx->saved_data["vocab_begin"] = vocab_begin;
+    if (group != nullptr) {
+      ctx->saved_data["lse"] = lse_all;
+      ctx->saved_data["ez"] = ez_all;
+    }
+    // Leave the gradient of an unused output (entropy, when its coefficient is 0) undefined
+    // rather than a tensor of zeros: backward then skips its passes over [chunk, V].
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["chunk"] = chunk;
+    ctx->saved_data["fused"] = fused;
+    ctx->saved_data["fp32_dgrad"] = fp32_dgrad;
+    ctx->saved_data["trainable"] = main_grad.defined();
+    if (main_grad.defined()) ctx->saved_data["main_grad"] = main_grad;
+    ctx->save_for_backward({hidden, weight, targets});
+    return {logprobs, entropy};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& hidden = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor& targets = saved[2];
+    const at::Tensor& g_lp = grads[0];
+    const at::Tensor& g_ent = grads[1];
+    const int64_t chunk = ctx->saved_data["chunk"].toInt();
+    const bool trainable = ctx->saved_data["trainable"].toBool();
+    const bool fused = ctx->saved_data["fused"].toBool();
+    const bool fp32_dgrad = ctx->saved_data["fp32_dgrad"].toBool();
+    const int64_t t = hidden.size(0);
+    at::Tensor grad_hidden = ctx->needs_input_grad(0) ? at::empty_like(hidden) : at::Tensor();
+    at::Tensor grad_weight;
+    if (trainable && !fused) grad_weight = at::zeros_like(weight, at::kFloat);
+    at::Tensor main_grad = trainable ? ctx->saved_data["main_grad"].toTensor() : at::Tensor();
+    CommGroup* group = GroupFromToken(ctx->saved_data["group"].toInt());
+    const int64_t vocab_begin = ctx->saved_data["vocab_begin"].toInt();
+
+    for (int64_t start = 0; start < t; start += chunk) {
+      const int64_t n = std::min(chunk, t - start);
+      at::Tensor h = hidden.narrow(0, start, n);
+      ChunkStats cs;
+      at::Tensor mean_z;
+      at::Tensor tgt = targets.narrow(0, start, n);
+      if (group != nullptr) {
+        cs.logits = at::mm(h, weight.t()).to(at::kFloat);
+        cs.lse = ctx->saved_data["lse"].toTensor().narrow(0, start, n);
+        mean_z = ctx->saved_data["ez"].toTensor().narrow(0, start, n).unsqueeze(1);
+        tgt = tgt - vocab_begin;  // local row; out-of-slice targets get no one-hot term
+      } else {
+        cs = ChunkLogits(h, weight);
+      }
+      at::Tensor p = at::exp(cs.logits - cs.lse.unsqueeze(1));
+      // d logprob[target] / d z = onehot(target) - p
+      at::Tensor gz = at::zeros_like(cs.logits);
+      if (g_lp.defined()) {
+        at::Tensor gl = g_lp.narrow(0, start, n).unsqueeze(1);
+        gz = -p * gl;
+        if (group != nullptr) {
+          at::Tensor in_range = (tgt >= 0) & (tgt < weight.size(0));
+          at::Tensor idx = at::where(in_range, tgt, at::zeros_like(tgt)).unsqueeze(1);
+          gz.scatter_add_(1, idx, gl * in_range.unsqueeze(1).to(at::kFloat));
+        } else {
+          gz.scatter_add_(1, tgt.unsqueeze(1), gl);
+        }
+      }
+      // d entropy / d z_j = -p_j (z_j - E_p[z])
+      if (g_ent.defined()) {
+        if (!mean_z.defined()) mean_z = (p * cs.logits).sum(1, /*keepdim=*/true);
+        gz = gz - g_ent.narrow(0, start, n).unsqueeze(1) * p * (cs.logits - mean_z);
+      }
+      at::Tensor gz_model = gz.to(hidden.scalar_type());
+      if (grad_hidden.defined()) {
+        at::Tensor gh = LinearInputGrad(fp32_dgrad ? gz : gz_model, weight, fp32_dgrad);
+        // Each rank holds the part of dL/dh from its vocabulary slice: SUM over the group.
+        if (group != nullptr) {
+          gh = gh.contiguous();
+          AllReduceOrThrow(gh, group);
+        }
+        grad_hidden.narrow(0, start, n).copy_(gh);
+      }
+      if (trainable) {
+        if (fused) {
+          compat::AddMatmulFp32(main_grad, gz_model.t(), h);
+        } else {
+          grad_weight.addmm_(gz_model.t().to(at::kFloat), h.to(at::kFloat));
+        }
+      }
+    }
+    if (grad_weight.defined()) grad_weight = grad_weight.to(weight.scalar_type());
+    return {grad_hidden, grad_weight, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+TokenScores ChunkedTokenScores(const at::Tensor& hidden, const at::Tensor& weight,
+                               const at::Tensor& weight_main_grad, const at::Tensor& targets,
+                               int64_t chunk_tokens, const GradOptions& grad,
+                               const VocabShard& vocab) {
+  CommGroup* group = vocab.group != nullptr && vocab.group->size() > 1 ? vocab.group : nullptr;
+  auto out = TokenScoresFunction::apply(hidden, weight, MainGradRef{weight_main_grad}, targets,
+                                        std::max<int64_t>(1, chunk_tokens), grad.fused_wgrad,
+                                        grad.fp32_dgrad,
+                                        static_cast<int64_t>(reinterpret_cast<intptr_t>(group)),
+                                        vocab.begin);
+  return {out[0], out[1]};
+}
+
+}  // namespace lorastep

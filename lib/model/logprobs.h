@@ -1,0 +1,33 @@
+// Per-token log-probabilities and entropies of target tokens, computed in chunks of tokens so
+// the fp32 [tokens, vocab] logits of a whole micro-batch never exist at once: forward keeps
+// only the hidden states; backward recomputes each chunk's logits. Peak extra memory is
+// O(chunk_tokens * vocab), independent of the micro-batch size.
+#ifndef LORASTEP_LIB_MODEL_LOGPROBS_H_
+#define LORASTEP_LIB_MODEL_LOGPROBS_H_
+
+#include <ATen/ATen.h>
+
+#include "lib/model/linear.h"
+#include "lib/parallel/tensor_parallel.h"
+
+namespace lorastep {
+
+struct TokenScores {
+  at::Tensor logprobs;  // fp32 [T]
+  at::Tensor entropy;   // fp32 [T]
+};
+
+// hidden: [T, H]; weight: [V, H] (the LM head); targets: int64 [T].
+// Differentiable in hidden and, when `weight_main_grad` is defined, in weight (accumulated
+// like a trainable linear, fused or not per `grad`).
+// Vocab-parallel when `vocab.group` has several ranks: `weight` is this rank's vocabulary
+// slice, targets stay global ids, every rank gets the same log-probs and entropies, and the
+// gradient of `hidden` is summed over the group (full logits are never gathered).
+TokenScores ChunkedTokenScores(const at::Tensor& hidden, const at::Tensor& weight,
+                               const at::Tensor& weight_main_grad, const at::Tensor& targets,
+                               int64_t chunk_tokens, const GradOptions& grad,
+                               const VocabShard& vocab = {});
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_MODEL_LOGPROBS_H_

@@ -1,0 +1,39 @@
+// Which linears get LoRA adapters, and how large. rank 0 means full fine-tuning.
+#ifndef LORASTEP_LIB_MODEL_LORA_CONFIG_H_
+#define LORASTEP_LIB_MODEL_LORA_CONFIG_H_
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace lorastep {
+
+// The seven linears of a Qwen2 layer, in PEFT/HF module-name order.
+enum LinearSlot { kQProj = 0, kKProj, kVProj, kOProj, kGateProj, kUpProj, kDownProj };
+constexpr int kNumLinearSlots = 7;
+// "q_proj", ... ; and the module path inside a layer: "self_attn.q_proj", "mlp.gate_proj".
+const char* LinearSlotName(int slot);
+const char* LinearSlotModulePath(int slot);
+
+struct LoraConfig {
+  int64_t rank = 32;        // 0 = full fine-tuning (every weight trainable)
+  double alpha = 32.0;      // scale = alpha / rank
+  double dropout = 0.0;     // on the LoRA branch's input, training only
+  // Module names ("q_proj", ...) or the single entry "all-linear".
+  std::vector<std::string> target_modules = {"all-linear"};
+
+  double scale() const { return rank > 0 ? alpha / static_cast<double>(rank) : 0.0; }
+  bool full_finetune() const { return rank == 0; }
+};
+
+// Errors name the field: "lora.rank: must be >= 0", "lora.target_modules[2]: unknown 'foo'".
+absl::Status ValidateLoraConfig(const LoraConfig& config);
+// targeted[slot] is true when that linear gets an adapter.
+absl::StatusOr<std::array<bool, kNumLinearSlots>> ResolveLoraTargets(const LoraConfig& config);
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_MODEL_LORA_CONFIG_H_

@@ -1,0 +1,46 @@
+// Shape of a Qwen2 / Qwen2.5 decoder, read from (and written as) a Hugging Face config.json.
+#ifndef LORASTEP_LIB_MODEL_MODEL_CONFIG_H_
+#define LORASTEP_LIB_MODEL_MODEL_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace lorastep {
+
+struct ModelConfig {
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;        // H
+  int64_t intermediate_size = 0;  // SwiGLU width
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;  // grouped-query attention: heads share K/V in groups
+  int64_t max_position_embeddings = 32768;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 1e6;          // RoPE base
+  bool tie_word_embeddings = true;  // LM head reuses the embedding matrix
+  std::string torch_dtype = "bfloat16";  // "float32", "float16" or "bfloat16"
+
+  int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  // Parameters that enter a matmul per token (the 'M' of 6M / 4M FLOPs), LM head included.
+  int64_t MatmulParameterCount() const;
+  // Every parameter, embeddings and norms included (tied embeddings counted once).
+  int64_t TotalParameterCount() const;
+};
+
+// Validates fields and their relations; errors name the field.
+absl::Status ValidateModelConfig(const ModelConfig& config);
+// Parses a Hugging Face config.json text (model_type qwen2).
+absl::StatusOr<ModelConfig> ParseModelConfigJson(const std::string& json_text);
+// Serializes to a Hugging Face config.json that transformers' Qwen2ForCausalLM loads.
+std::string ModelConfigToJson(const ModelConfig& config);
+
+// Named shapes: "tiny" (fast CPU tests), "small" (CPU demo), "qwen2.5-0.5b" (the miles
+// example's shape: 24 layers, H 896, FFN 4864, 14 heads, 2 KV groups, vocab 151936).
+absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name);
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_MODEL_MODEL_CONFIG_H_

@@ -1,0 +1,236 @@
+#include "lib/model/model_weights.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <map>
+#include <memory>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "lib/io/file_util.h"
+#include "lib/io/safetensors.h"
+#include "lib/status_macros.h"
+#include "lib/io/tensor_bytes.h"
+#include "lib/torch_status.h"
+#include "nlohmann/json.hpp"
+
+namespace lorastep {
+namespace {
+
+const char* const kBiasNames[3] = {"q_proj", "k_proj", "v_proj"};
+
+template <typename Weights, typename Fn>
+void VisitNamed(Weights& w, Fn&& fn) {
+  fn("model.embed_tokens.weight", w.embed_tokens);
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    auto& layer = w.layers[i];
+    const std::string prefix = absl::StrCat("model.layers.", w.first_layer + static_cast<int64_t>(i), ".");
+    fn(prefix + "input_layernorm.weight", layer.input_norm);
+    for (int s = 0; s < kNumLinearSlots; ++s) {
+      fn(absl::StrCat(prefix, LinearSlotModulePath(s), ".weight"), layer.linear[s]);
+      if (s < 3) fn(absl::StrCat(prefix, "self_attn.", kBiasNames[s], ".bias"), layer.qkv_bias[s]);
+    }
+    fn(prefix + "post_attention_layernorm.weight", layer.post_attention_norm);
+  }
+  fn("model.norm.weight", w.final_norm);
+  if (w.lm_head.defined()) fn("lm_head.weight", w.lm_head);
+}
+
+// Finds which file holds each tensor: one model.safetensors, or an index's weight_map.
+absl::StatusOr<std::map<std::string, std::string>> TensorFiles(const std::string& folder) {
+  std::map<std::string, std::string> files;
+  const std::string index_path = folder + "/model.safetensors.index.json";
+  if (PathExists(index_path)) {
+    LORASTEP_ASSIGN_OR_RETURN(std::string text, ReadFileToString(index_path));
+    nlohmann::json index = nlohmann::json::parse(text, nullptr, false);
+    if (index.is_discarded() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
+      return absl::InvalidArgumentError(absl::StrCat(index_path, ": no weight_map object"));
+    }
+    for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
+      files[it.key()] = folder + "/" + it->get<std::string>();
+    }
+    return files;
+  }
+  const std::string single = folder + "/model.safetensors";
+  if (!PathExists(single)) {
+    return absl::NotFoundError(
+        absl::StrCat(folder, ": neither model.safetensors nor model.safetensors.index.json"));
+  }
+  files["*"] = single;
+  return files;
+}
+
+std::vector<int64_t> Shape(const at::Tensor& t) { return {t.sizes().begin(), t.sizes().end()}; }
+
+}  // namespace
+
+void ForEachNamedTensor(ModelWeights& weights,
+                        const std::function<void(const std::string&, at::Tensor&)>& fn) {
+  VisitNamed(weights, fn);
+}
+
+void ForEachNamedTensor(const ModelWeights& weights,
+                        const std::function<void(const std::string&, const at::Tensor&)>& fn) {
+  VisitNamed(weights, fn);
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> ExpectedTensorShapes(
+    const ModelConfig& c) {
+  const int64_t h = c.hidden_size, kv = c.num_key_value_heads * c.head_dim(),
+                f = c.intermediate_size;
+  const std::array<std::vector<int64_t>, kNumLinearSlots> linear_shapes = {
+      std::vector<int64_t>{h, h}, {kv, h}, {kv, h}, {h, h}, {f, h}, {f, h}, {h, f}};
+  const std::array<int64_t, 3> bias_sizes = {h, kv, kv};
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  out.emplace_back("model.embed_tokens.weight", std::vector<int64_t>{c.vocab_size, h});
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string prefix = absl::StrCat("model.layers.", i, ".");
+    out.emplace_back(prefix + "input_layernorm.weight", std::vector<int64_t>{h});
+    for (int s = 0; s < kNumLinearSlots; ++s) {
+      out.emplace_back(absl::StrCat(prefix, LinearSlotModulePath(s), ".weight"), linear_shapes[s]);
+      if (s < 3) {
+        out.emplace_back(absl::StrCat(prefix, "self_attn.", kBiasNames[s], ".bias"),
+                         std::vector<int64_t>{bias_sizes[s]});
+      }
+    }
+    out.emplace_back(prefix + "post_attention_layernorm.weight", std::vector<int64_t>{h});
+  }
+  out.emplace_back("model.norm.weight", std::vector<int64_t>{h});
+  if (!c.tie_word_embeddings) out.emplace_back("lm_head.weight", std::vector<int64_t>{c.vocab_size, h});
+  return out;
+}
+
+absl::StatusOr<LoadedModel> LoadModel(const std::string& folder, const at::Device& device,
+                                      c10::optional<at::ScalarType> dtype) {
+  LoadedModel model;
+  LORASTEP_ASSIGN_OR_RETURN(std::string config_text, ReadFileToString(folder + "/config.json"));
+  LORASTEP_ASSIGN_OR_RETURN(model.config, ParseModelConfigJson(config_text));
+  at::ScalarType type;
+  if (dtype.has_value()) {
+    type = *dtype;
+  } else {
+    LORASTEP_ASSIGN_OR_RETURN(type, ScalarTypeFromName(model.config.torch_dtype));
+  }
+  LORASTEP_ASSIGN_OR_RETURN(auto files, TensorFiles(folder));
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> open_files;
+  auto open_file = [&](const std::string& path) -> absl::StatusOr<SafetensorsFile*> {
+    auto it = open_files.find(path);
+    if (it != open_files.end()) return it->second.get();
+    LORASTEP_ASSIGN_OR_RETURN(SafetensorsFile f, SafetensorsFile::Open(path));
+    auto owned = std::make_unique<SafetensorsFile>(std::move(f));
+    SafetensorsFile* raw = owned.get();
+    open_files[path] = std::move(owned);
+    return raw;
+  };
+
+  std::map<std::string, at::Tensor> loaded;
+  for (const auto& [name, shape] : ExpectedTensorShapes(model.config)) {
+    auto file_it = files.count("*") ? files.find("*") : files.find(name);
+    if (file_it == files.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(folder, ": tensor '", name,
+                                                     "' is not in the weight map"));
+    }
+    LORASTEP_ASSIGN_OR_RETURN(SafetensorsFile * file, open_file(file_it->second));
+    auto entry = file->Find(name);
+    if (!entry.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(file->path(), ": missing tensor '", name, "'"));
+    }
+    if ((*entry)->shape != shape) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          file->path(), ": tensor '", name, "': shape mismatch: config.json implies [",
+          absl::StrJoin(shape, ", "), "], file has [", absl::StrJoin((*entry)->shape, ", "), "]"));
+    }
+    LORASTEP_ASSIGN_OR_RETURN(at::Tensor cpu, TensorFromEntry(**entry));
+    auto moved = GuardTorch([&]() -> absl::StatusOr<at::Tensor> { return cpu.to(device, type); });
+    if (!moved.ok()) return moved.status();
+    loaded[name] = *moved;
+  }
+  model.weights.layers.resize(model.config.num_hidden_layers);
+  if (!model.config.tie_word_embeddings) model.weights.lm_head = at::empty({0});
+  ForEachNamedTensor(model.weights,
+                     [&](const std::string& name, at::Tensor& t) { t = loaded.at(name); });
+  return model;
+}
+
+absl::Status SaveModel(const std::string& folder, const ModelConfig& config,
+                       const ModelWeights& weights, int shards) {
+  LORASTEP_RETURN_IF_ERROR(MakeDirectories(folder));
+  LORASTEP_RETURN_IF_ERROR(WriteStringToFile(folder + "/config.json", ModelConfigToJson(config)));
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  ForEachNamedTensor(weights, [&](const std::string& name, const at::Tensor& t) {
+    if (t.defined()) named.emplace_back(name, t);
+  });
+  if (shards <= 1) {
+    TensorWriteList list;
+    for (const auto& [name, t] : named) LORASTEP_RETURN_IF_ERROR(list.Add(name, t));
+    return list.WriteTo(folder + "/model.safetensors", {{"format", "pt"}});
+  }
+  nlohmann::ordered_json index;
+  index["metadata"] = {{"total_size", 0}};
+  int64_t total = 0;
+  const size_t per_shard = (named.size() + shards - 1) / shards;
+  for (int s = 0; s < shards; ++s) {
+    const std::string file =
+        absl::StrCat("model-", absl::Dec(s + 1, absl::kZeroPad5), "-of-",
+                     absl::Dec(shards, absl::kZeroPad5), ".safetensors");
+    TensorWriteList list;
+    for (size_t i = s * per_shard; i < std::min(named.size(), (s + 1) * per_shard); ++i) {
+      LORASTEP_RETURN_IF_ERROR(list.Add(named[i].first, named[i].second));
+      index["weight_map"][named[i].first] = file;
+      total += named[i].second.numel() * named[i].second.element_size();
+    }
+    LORASTEP_RETURN_IF_ERROR(list.WriteTo(folder + "/" + file, {{"format", "pt"}}));
+  }
+  index["metadata"]["total_size"] = total;
+  return WriteStringToFile(folder + "/model.safetensors.index.json", index.dump(2) + "\n");
+}
+
+ModelWeights RandomModelWeights(const ModelConfig& config, uint64_t seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const at::ScalarType type = ScalarTypeFromName(config.torch_dtype).value_or(at::kFloat);
+  ModelWeights w;
+  w.layers.resize(config.num_hidden_layers);
+  if (!config.tie_word_embeddings) w.lm_head = at::empty({0});
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (auto& [name, shape] : ExpectedTensorShapes(config)) shapes[name] = shape;
+  ForEachNamedTensor(w, [&](const std::string& name, at::Tensor& t) {
+    const auto& shape = shapes.at(name);
+    at::Tensor f = at::empty(shape, at::kFloat);
+    if (name.find("norm") != std::string::npos) {
+      f.normal_(1.0, 0.1, gen);  // near 1, but not exactly: tests see the norm weights
+    } else {
+      f.normal_(0.0, 0.02, gen);  // matrices and biases alike
+    }
+    t = f.to(type);
+  });
+  return w;
+}
+
+ModelWeights ShardModelWeights(const ModelWeights& full, const ModelConfig& config,
+                               const ModelShard& shard) {
+  if (shard.whole()) return full;
+  auto cut = [](const at::Tensor& t, int dim, int64_t begin, int64_t end) {
+    return t.narrow(dim, begin, end - begin).clone();
+  };
+  ModelWeights out;
+  out.first_layer = shard.layer_begin;
+  out.embed_tokens = cut(full.embed_tokens, 0, shard.vocab_begin, shard.vocab_end);
+  if (full.lm_head.defined()) out.lm_head = cut(full.lm_head, 0, shard.vocab_begin, shard.vocab_end);
+  out.final_norm = full.final_norm;
+  for (int64_t layer = shard.layer_begin; layer < shard.layer_end; ++layer) {
+    const LayerWeights& src = full.layers[layer];
+    LayerWeights dst;
+    dst.input_norm = src.input_norm;
+    dst.post_attention_norm = src.post_attention_norm;
+    for (int slot = 0; slot < kNumLinearSlots; ++slot) {
+      const LinearSplit split = LinearSplitOf(shard, slot, config);
+      dst.linear[slot] = cut(src.linear[slot], split.dim, split.begin, split.end);
+      if (slot < 3) dst.qkv_bias[slot] = cut(src.qkv_bias[slot], 0, split.begin, split.end);
+    }
+    out.layers.push_back(std::move(dst));
+  }
+  return out;
+}
+
+}  // namespace lorastep

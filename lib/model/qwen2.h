@@ -1,0 +1,56 @@
+// The Qwen2 / Qwen2.5 decoder forward: RMSNorm, RoPE, grouped-query causal attention with
+// q/k/v bias, SwiGLU MLP, residuals, final norm. Base weights are frozen; an Adapter adds
+// LoRA branches (or, with rank 0, replaces the weights with trainable ones).
+// Every matmul with a weight goes through lib/model/linear.h (one 2-D GEMM each way).
+#ifndef LORASTEP_LIB_MODEL_QWEN2_H_
+#define LORASTEP_LIB_MODEL_QWEN2_H_
+
+#include <ATen/ATen.h>
+
+#include "lib/model/adapter.h"
+#include "lib/model/linear.h"
+#include "lib/model/model_config.h"
+#include "lib/model/model_weights.h"
+#include "lib/parallel/parallel_layout.h"
+#include "lib/parallel/tensor_parallel.h"
+
+namespace lorastep {
+
+struct ForwardOptions {
+  GradOptions grad;
+  bool training = true;  // LoRA dropout is active only while training
+  // Draws LoRA dropout masks (on CPU, so a run's stream is its own and device-independent).
+  at::Generator* dropout_generator = nullptr;
+  // Tensor parallelism: the weights (and the adapter) hold this rank's shard; q/k/v/gate/up
+  // are column-parallel, o/down row-parallel, the embedding vocab-parallel (Megatron).
+  // Null shard or group: the whole model.
+  const ModelShard* shard = nullptr;
+  CommGroup* tensor_group = nullptr;
+};
+
+// tokens: int64 [b, s] (right-padded; causal attention keeps padding out of real positions).
+// Returns the final-normed hidden states [b, s, H] (the same on every tensor rank).
+// `adapter` may be null (base model only).
+at::Tensor Qwen2Hidden(const ModelConfig& config, const ModelWeights& base, const Adapter* adapter,
+                       const at::Tensor& tokens, const ForwardOptions& options);
+
+// The three pieces of Qwen2Hidden, for pipeline stages: the first stage embeds, every stage
+// runs its layers (weights.layers: this stage's range), the last applies the final norm.
+at::Tensor Qwen2Embed(const ModelConfig& config, const ModelWeights& base, const Adapter* adapter,
+                      const at::Tensor& tokens, const ForwardOptions& options);
+at::Tensor Qwen2Layers(const ModelConfig& config, const ModelWeights& base, const Adapter* adapter,
+                       at::Tensor x, const ForwardOptions& options);
+at::Tensor Qwen2FinalNorm(const ModelConfig& config, const ModelWeights& base,
+                          const Adapter* adapter, const at::Tensor& x);
+
+// The LM-head weight the hidden states are scored with, and its main_grad (defined only when
+// it is trainable, i.e. full fine-tuning).
+const at::Tensor& OutputWeight(const ModelWeights& base, const Adapter* adapter);
+at::Tensor OutputMainGrad(const Adapter* adapter);
+
+// Hugging Face's Qwen2RMSNorm: normalize in fp32, cast back, then scale.
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_MODEL_QWEN2_H_

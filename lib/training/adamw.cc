@@ -1,0 +1,61 @@
+#include "lib/training/adamw.h"
+#include <ATen/core/grad_mode.h>
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace lorastep {
+
+AdamW::AdamW(Adapter* adapter) : adapter_(adapter) {
+  for (const Parameter& p : adapter_->parameters()) {
+    master_.push_back(p.value.detach().to(at::kFloat).clone());
+    exp_avg_.push_back(at::zeros_like(master_.back()));
+    exp_avg_sq_.push_back(at::zeros_like(master_.back()));
+  }
+}
+
+absl::StatusOr<OptimizerStepResult> AdamW::Step(const AdamWParams& p,
+                                                c10::optional<double> grad_norm) {
+  auto valid = ValidateAdamWParams(p);
+  if (!valid.ok()) return valid;
+  auto& params = adapter_->parameters();
+  at::NoGradGuard no_grad;
+  // Global L2 norm over every main_grad, in fp64 so the sum does not lose small terms.
+  double norm = 0.0;
+  if (grad_norm.has_value()) {
+    norm = *grad_norm;
+  } else {
+    double sq = 0.0;
+    for (const Parameter& prm : params) {
+      sq += prm.main_grad.to(at::kDouble).pow(2).sum().item<double>();
+    }
+    norm = std::sqrt(sq);
+  }
+  if (!std::isfinite(norm)) {
+    return absl::FailedPreconditionError(
+        "optimizer: non-finite gradient norm; step refused, parameters unchanged");
+  }
+  const double clip = (p.max_grad_norm > 0 && norm > p.max_grad_norm)
+                          ? p.max_grad_norm / (norm + 1e-6)
+                          : 1.0;
+  const double lr = ScheduledLearningRate(p, steps_);
+  const int64_t t = steps_ + 1;
+  const double bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(t));
+  const double bc2 = 1.0 - std::pow(p.beta2, static_cast<double>(t));
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor g = params[i].main_grad;
+    if (clip != 1.0) g = g * clip;
+    exp_avg_[i].mul_(p.beta1).add_(g, 1.0 - p.beta1);
+    exp_avg_sq_[i].mul_(p.beta2).addcmul_(g, g, 1.0 - p.beta2);
+    if (p.weight_decay > 0) master_[i].mul_(1.0 - lr * p.weight_decay);
+    at::Tensor denom = (exp_avg_sq_[i] / bc2).sqrt_().add_(p.eps);
+    master_[i].addcdiv_(exp_avg_[i], denom, -lr / bc1);
+    params[i].value.copy_(master_[i]);
+  }
+  adapter_->ZeroMainGrads();
+  steps_ = t;
+  return OptimizerStepResult{norm, lr, t};
+}
+
+}  // namespace lorastep

@@ -1,0 +1,50 @@
+// AdamW over an adapter's parameters with fp32 master weights and fp32 moments, global
+// gradient-norm clipping, and learning-rate schedules. Reads each Parameter's main_grad,
+// writes the updated value back in the model dtype, and zeroes main_grad.
+//
+// Fails closed: a non-finite gradient norm is an error and nothing is updated.
+#ifndef LORASTEP_LIB_TRAINING_ADAMW_H_
+#define LORASTEP_LIB_TRAINING_ADAMW_H_
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lib/training/adamw_params.h"
+#include "lib/model/adapter.h"
+
+namespace lorastep {
+
+struct OptimizerStepResult {
+  double grad_norm = 0;  // before clipping
+  double lr = 0;
+  int64_t step = 0;      // steps taken, this one included
+};
+
+class AdamW {
+ public:
+  // Takes fp32 master copies of `adapter`'s current values; zero moments.
+  explicit AdamW(Adapter* adapter);
+
+  // `grad_norm`: the global norm of the main_grads when the caller computed it across ranks
+  // (GradFinalizer); absent = computed here over this adapter's main_grads.
+  absl::StatusOr<OptimizerStepResult> Step(const AdamWParams& params,
+                                           c10::optional<double> grad_norm = c10::nullopt);
+
+  int64_t steps_taken() const { return steps_; }
+  void set_steps_taken(int64_t steps) { steps_ = steps; }
+  // Optimizer state in parameter order (for checkpoints); writes through to the live state.
+  std::vector<at::Tensor>& master() { return master_; }
+  std::vector<at::Tensor>& exp_avg() { return exp_avg_; }
+  std::vector<at::Tensor>& exp_avg_sq() { return exp_avg_sq_; }
+
+ private:
+  Adapter* adapter_;
+  std::vector<at::Tensor> master_, exp_avg_, exp_avg_sq_;
+  int64_t steps_ = 0;
+};
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_TRAINING_ADAMW_H_

@@ -1,0 +1,72 @@
+#include "lib/training/loss_config.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace lorastep {
+
+absl::StatusOr<LossKind> ParseLossKind(const std::string& name) {
+  if (name == "cross_entropy") return LossKind::kCrossEntropy;
+  if (name == "importance_sampling") return LossKind::kImportanceSampling;
+  if (name == "ppo") return LossKind::kPpo;
+  if (name == "cispo") return LossKind::kCispo;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "loss.loss_fn: unknown '", name, "' (cross_entropy, importance_sampling, ppo, cispo)"));
+}
+
+const char* LossKindName(LossKind kind) {
+  switch (kind) {
+    case LossKind::kCrossEntropy: return "cross_entropy";
+    case LossKind::kImportanceSampling: return "importance_sampling";
+    case LossKind::kPpo: return "ppo";
+    case LossKind::kCispo: return "cispo";
+  }
+  return "?";
+}
+
+absl::StatusOr<KlEstimator> ParseKlEstimator(const std::string& name) {
+  if (name == "k1") return KlEstimator::kK1;
+  if (name == "k2") return KlEstimator::kK2;
+  if (name == "k3" || name == "low_var_kl") return KlEstimator::kK3;
+  return absl::InvalidArgumentError(
+      absl::StrCat("loss.kl_estimator: unknown '", name, "' (k1, k2, k3, low_var_kl)"));
+}
+
+absl::StatusOr<LossNormalization> ParseLossNormalization(const std::string& name) {
+  if (name == "token") return LossNormalization::kToken;
+  if (name == "sequence") return LossNormalization::kSequence;
+  if (name == "sum") return LossNormalization::kSum;
+  return absl::InvalidArgumentError(
+      absl::StrCat("loss.normalization: unknown '", name, "' (token, sequence, sum)"));
+}
+
+absl::Status ValidateLossConfig(const LossConfig& c) {
+  auto finite = [](double v) { return std::isfinite(v); };
+  if (!finite(c.clip_eps_low) || c.clip_eps_low < 0 || c.clip_eps_low >= 1) {
+    return absl::InvalidArgumentError("loss.clip_eps_low: must be in [0, 1)");
+  }
+  if (!finite(c.clip_eps_high) || c.clip_eps_high < 0) {
+    return absl::InvalidArgumentError("loss.clip_eps_high: must be >= 0");
+  }
+  if (!finite(c.dual_clip_c) || (c.dual_clip_c != 0 && c.dual_clip_c <= 1)) {
+    return absl::InvalidArgumentError("loss.dual_clip_c: must be 0 (off) or > 1");
+  }
+  if (!finite(c.cispo_ratio_low) || !finite(c.cispo_ratio_high) || c.cispo_ratio_low < 0 ||
+      c.cispo_ratio_high <= c.cispo_ratio_low) {
+    return absl::InvalidArgumentError(
+        "loss.cispo_ratio_high: need 0 <= cispo_ratio_low < cispo_ratio_high");
+  }
+  if (!finite(c.tis_cap) || c.tis_cap < 0) {
+    return absl::InvalidArgumentError("loss.tis_cap: must be >= 0 (0 = off)");
+  }
+  if (!finite(c.kl_coef) || c.kl_coef < 0) {
+    return absl::InvalidArgumentError("loss.kl_coef: must be >= 0");
+  }
+  if (!finite(c.entropy_coef)) {
+    return absl::InvalidArgumentError("loss.entropy_coef: not finite");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace lorastep

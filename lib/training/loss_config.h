@@ -1,0 +1,43 @@
+// The loss of a ForwardBackward call and its options, as RL trainers name them.
+#ifndef LORASTEP_LIB_TRAINING_LOSS_CONFIG_H_
+#define LORASTEP_LIB_TRAINING_LOSS_CONFIG_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace lorastep {
+
+enum class LossKind { kCrossEntropy, kImportanceSampling, kPpo, kCispo };
+enum class KlEstimator { kK1, kK2, kK3 };
+// token: divide by the batch's loss-bearing token count; sequence: mean over samples of each
+// sample's token mean; sum: no division (Tinker's cross_entropy).
+enum class LossNormalization { kToken, kSequence, kSum };
+
+struct LossConfig {
+  LossKind kind = LossKind::kCrossEntropy;
+  double clip_eps_low = 0.2;    // ppo: ratio clipped to [1 - low, 1 + high]
+  double clip_eps_high = 0.28;
+  double dual_clip_c = 0.0;     // ppo dual clip for A < 0; 0 = off, else > 1
+  double cispo_ratio_low = 0.0;   // cispo: stop-gradient weight clamp(ratio, low, high)
+  double cispo_ratio_high = 4.0;
+  double tis_cap = 0.0;         // truncated importance sampling cap C; 0 = off
+  double kl_coef = 0.0;         // KL penalty to ref_logprobs; 0 = off
+  KlEstimator kl_estimator = KlEstimator::kK3;
+  double entropy_coef = 0.0;    // loss -= entropy_coef * entropy
+  LossNormalization normalization = LossNormalization::kToken;
+
+  bool is_rl() const { return kind != LossKind::kCrossEntropy; }
+};
+
+absl::StatusOr<LossKind> ParseLossKind(const std::string& name);  // "ppo", ...
+absl::StatusOr<KlEstimator> ParseKlEstimator(const std::string& name);  // k1, k2, k3, low_var_kl
+absl::StatusOr<LossNormalization> ParseLossNormalization(const std::string& name);
+const char* LossKindName(LossKind kind);
+
+// Range checks; INVALID_ARGUMENT naming the option ("loss.clip_eps_low: must be in [0, 1)").
+absl::Status ValidateLossConfig(const LossConfig& config);
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_TRAINING_LOSS_CONFIG_H_

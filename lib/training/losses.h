@@ -1,0 +1,41 @@
+// Token-level RL and supervised losses (formulas in ../shared/REFERENCE.md) with their metrics.
+// Inputs are flat over the positions of one micro-batch; normalization uses batch-wide
+// denominators so micro-batch losses (and their gradients) sum to the batch loss.
+#ifndef LORASTEP_LIB_TRAINING_LOSSES_H_
+#define LORASTEP_LIB_TRAINING_LOSSES_H_
+
+#include <ATen/ATen.h>
+
+#include "lib/training/loss_config.h"
+#include "lib/training/metrics.h"
+
+namespace lorastep {
+
+struct LossInputs {
+  at::Tensor logprobs;          // fp32 [N], differentiable: the trainer's current log-probs
+  at::Tensor entropy;           // fp32 [N], differentiable
+  at::Tensor mask;              // fp32 [N]: LossMask per position (0 = not loss-bearing)
+  at::Tensor sample_index;      // int64 [N]: which sample of the batch each position is in
+  at::Tensor advantages;        // fp32 [N] or undefined
+  at::Tensor sampler_logprobs;  // fp32 [N] or undefined: the rollout's log-probs
+  at::Tensor old_logprobs;      // fp32 [N] or undefined: the trainer's old log-probs
+  at::Tensor ref_logprobs;      // fp32 [N] or undefined
+};
+
+struct LossDenominators {
+  double loss_tokens = 0;  // loss-bearing positions in the whole batch
+  // per-sample loss-bearing counts, indexed like sample_index (sequence normalization)
+  at::Tensor sample_tokens;
+  double samples = 0;  // samples with at least one loss-bearing position, whole batch
+};
+
+// Returns the scalar loss of these positions (already normalized) and adds metrics:
+// loss:sum, pg_loss:sum, entropy:mean, and as they apply pg_clipfrac:mean,
+// pg_clipfrac_lower:mean (dual clip), ppo_kl:mean, kl_ref:mean, tis:mean, tis_clipfrac:mean,
+// train_rollout_logprob_abs_diff:mean, train_rollout_kl:mean.
+at::Tensor ComputeLoss(const LossConfig& config, const LossInputs& in,
+                       const LossDenominators& denominators, Metrics* metrics);
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_TRAINING_LOSSES_H_

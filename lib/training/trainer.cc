@@ -1,0 +1,800 @@
+#include "lib/training/trainer.h"
+#include <ATen/core/grad_mode.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+
+#include "absl/strings/str_cat.h"
+#include "lib/io/checkpoint_dir.h"
+#include "lib/io/digest.h"
+#include "lib/io/file_util.h"
+#include "lib/training/grad_finalizer.h"
+#include "lib/model/logprobs.h"
+#include "lib/training/losses.h"
+#include "lib/model/peft_io.h"
+#include "lib/model/qwen2.h"
+#include "lib/io/safetensors.h"
+#include "lib/status_macros.h"
+#include "lib/io/tensor_bytes.h"
+#include "lib/torch_compat.h"
+#include "lib/torch_status.h"
+#include "nlohmann/json.hpp"
+
+namespace lorastep {
+namespace {
+
+constexpr int kStateFormatVersion = 1;
+constexpr double kH200DenseBf16Flops = 989e12;  // datasheet; MFU's denominator on CUDA
+
+using Clock = std::chrono::steady_clock;
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+at::Tensor FloatsOrUndefined(const std::vector<const std::vector<float>*>& parts, bool any) {
+  if (!any) return at::Tensor();
+  std::vector<float> flat;
+  for (const auto* p : parts) flat.insert(flat.end(), p->begin(), p->end());
+  return at::tensor(flat, at::kFloat);
+}
+
+// Model FLOPs of a datum of n tokens: matmul FLOPs per token times n, plus causal attention
+// (QK^T and AV, 2*2*d per query-key pair, n(n+1)/2 pairs per layer). `passes`: 1 forward,
+// 2 forward + dgrad (LoRA: frozen weights have no wgrad), 3 forward + dgrad + wgrad.
+double DatumFlops(const ModelConfig& c, int64_t n, double matmul_passes, double lora_params) {
+  const double attn_pairs = 0.5 * static_cast<double>(n) * static_cast<double>(n + 1);
+  const double attn_fwd = 4.0 * c.num_hidden_layers * c.hidden_size * attn_pairs;
+  const double attn_passes = matmul_passes > 1 ? 3.0 : 1.0;  // backward of attention is 2x
+  return 2.0 * matmul_passes * static_cast<double>(c.MatmulParameterCount()) * n +
+         (matmul_passes > 1 ? 6.0 : 2.0) * lora_params * n + attn_passes * attn_fwd;
+}
+
+double PeakHostMemoryBytes() {
+  struct rusage usage;
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) * 1024.0;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const BaseModel>> LoadBaseModel(const std::string& folder,
+                                                               const std::string& device,
+                                                               const std::string& dtype,
+                                                               const ParallelSizes& sizes,
+                                                               const RankCoords& coords) {
+  return GuardTorch([&]() -> absl::StatusOr<std::shared_ptr<const BaseModel>> {
+    auto base = std::make_shared<BaseModel>();
+    base->path = folder;
+    base->device = at::Device(device);
+    c10::optional<at::ScalarType> type;
+    if (!dtype.empty()) {
+      LORASTEP_ASSIGN_OR_RETURN(at::ScalarType t, ScalarTypeFromName(dtype));
+      type = t;
+    }
+    LORASTEP_ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(folder, base->device, type));
+    base->config = loaded.config;
+    LORASTEP_RETURN_IF_ERROR(ValidateLayoutForModel(sizes, base->config));
+    base->shard = MakeModelShard(sizes, coords, base->config);
+    base->weights = ShardModelWeights(loaded.weights, base->config, base->shard);
+    loaded.weights = ModelWeights();
+    base->dtype = base->weights.embed_tokens.scalar_type();
+    return std::shared_ptr<const BaseModel>(base);
+  });
+}
+
+Trainer::Trainer(std::shared_ptr<const BaseModel> base, const TrainerOptions& options,
+                 Adapter adapter)
+    : base_(std::move(base)),
+      options_(options),
+      adapter_(std::make_unique<Adapter>(std::move(adapter))),
+      dropout_generator_(at::make_generator<at::CPUGeneratorImpl>(options.seed ^ 0x5eedd0d0ull)) {
+  optimizer_ = std::make_unique<AdamW>(adapter_.get());
+}
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(std::shared_ptr<const BaseModel> base,
+                                                         const TrainerOptions& options) {
+  if (base == nullptr) return absl::InvalidArgumentError("base: no model");
+  LORASTEP_RETURN_IF_ERROR(ValidateLoraConfig(options.lora));
+  if (options.max_tokens_per_microbatch <= 0) {
+    return absl::InvalidArgumentError("max_tokens_per_microbatch: must be > 0");
+  }
+  if (options.logprob_chunk_tokens <= 0) {
+    return absl::InvalidArgumentError("logprob_chunk_tokens: must be > 0");
+  }
+  return GuardTorch([&]() -> absl::StatusOr<std::unique_ptr<Trainer>> {
+    Adapter adapter;
+    if (options.lora.full_finetune()) {
+      adapter = Adapter::CreateFullFinetune(base->weights, &base->shard,
+                                            base->config.tie_word_embeddings);
+    } else {
+      LORASTEP_ASSIGN_OR_RETURN(adapter, Adapter::CreateLora(base->config, options.lora,
+                                                             base->device, base->dtype,
+                                                             options.seed, &base->shard));
+    }
+    return std::unique_ptr<Trainer>(new Trainer(base, options, std::move(adapter)));
+  });
+}
+
+void Trainer::SyncDevice() const {
+  // A device-to-host copy waits for all work queued on the current stream.
+  if (base_->device.is_cuda()) at::zeros({1}, at::TensorOptions().device(base_->device)).item<float>();
+}
+
+std::string Trainer::AdapterSha256() const {
+  std::vector<at::Tensor> values;
+  for (const Parameter& p : adapter_->parameters()) values.push_back(p.value);
+  return TensorsSha256(values);
+}
+
+absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector<Datum>& datums,
+                                                               const LossConfig* loss,
+                                                               const BatchOptions& batch) {
+  const ModelConfig& config = base_->config;
+  const bool backward = loss != nullptr;
+  ForwardBackwardResult result;
+  Metrics& m = result.metrics;
+  result.logprobs.resize(datums.size());
+
+  // Batch-wide denominators, so micro-batch losses sum to the batch loss.
+  LossDenominators den;
+  std::vector<float> sample_tokens(datums.size(), 0.0f);
+  double physical = 0;
+  for (size_t d = 0; d < datums.size(); ++d) {
+    for (size_t i = 0; i < datums[d].tokens.size(); ++i) {
+      if (LossMask(datums[d], i) != 0) sample_tokens[d] += 1;
+    }
+    den.loss_tokens += sample_tokens[d];
+    if (sample_tokens[d] > 0) den.samples += 1;
+  }
+  den.sample_tokens = at::tensor(sample_tokens, at::kFloat);
+  if (batch.totals != nullptr) {
+    den.loss_tokens = batch.totals->loss_tokens;
+    den.samples = batch.totals->samples;
+  }
+
+  const auto micro_batches = SplitIntoMicroBatches(
+      datums, batch.max_tokens_per_microbatch > 0 ? batch.max_tokens_per_microbatch
+                                                  : options_.max_tokens_per_microbatch);
+  ForwardOptions fwd_options{options_.grad, /*training=*/backward, &dropout_generator_};
+  CommGroup* tensor_group = options_.groups != nullptr && base_->shard.tp > 1
+                                ? &options_.groups->group(GroupKind::kTensor)
+                                : nullptr;
+  if (tensor_group != nullptr) {
+    fwd_options.shard = &base_->shard;
+    fwd_options.tensor_group = tensor_group;
+  }
+  const VocabShard vocab{tensor_group, base_->shard.vocab_begin};
+  double t_data = 0, t_forward = 0, t_backward = 0, flops = 0, real_tokens = 0;
+  const double lora_params = adapter_->full_finetune()
+                                 ? 0.0
+                                 : [&] {
+                                     double n = 0;
+                                     for (const auto& p : adapter_->parameters()) n += p.value.numel();
+                                     return n;
+                                   }();
+  const double matmul_passes = !backward ? 1.0 : adapter_->full_finetune() ? 3.0 : 2.0;
+
+  // Host-side inputs of every micro-batch, built before any compute.
+  struct MicroBatch {
+    const std::vector<size_t>* datums = nullptr;
+    int64_t b = 0, longest = 0;
+    at::Tensor tokens, positions, targets;  // on the device
+    std::vector<float> mask;
+    std::vector<int64_t> sample_of;
+    std::vector<const std::vector<float>*> adv, samp, old, ref;
+  };
+  std::vector<MicroBatch> mbs;
+  const auto device = base_->device;
+  {
+    auto t0 = Clock::now();
+    for (const auto& mb : micro_batches) {
+      MicroBatch data;
+      data.datums = &mb;
+      for (size_t d : mb) data.longest = std::max<int64_t>(data.longest, datums[d].tokens.size());
+      data.b = static_cast<int64_t>(mb.size());
+      std::vector<int64_t> tokens(data.b * data.longest, 0), positions, targets;
+      for (int64_t r = 0; r < data.b; ++r) {
+        const Datum& datum = datums[mb[r]];
+        const int64_t n = static_cast<int64_t>(datum.tokens.size());
+        for (int64_t i = 0; i < n; ++i) {
+          tokens[r * data.longest + i] = datum.tokens[i];
+          positions.push_back(r * data.longest + i);
+          targets.push_back(datum.target_tokens[i]);
+          data.sample_of.push_back(static_cast<int64_t>(mb[r]));
+          data.mask.push_back(LossMask(datum, i));
+        }
+        data.adv.push_back(&datum.advantages);
+        data.samp.push_back(&datum.logprobs);
+        data.old.push_back(&datum.old_logprobs);
+        data.ref.push_back(&datum.ref_logprobs);
+        physical += static_cast<double>(data.longest);
+        real_tokens += static_cast<double>(n);
+        flops += DatumFlops(config, n, matmul_passes, lora_params);
+      }
+      data.tokens = at::tensor(tokens, at::kLong).view({data.b, data.longest}).to(device);
+      data.positions = at::tensor(positions, at::kLong).to(device);
+      data.targets = at::tensor(targets, at::kLong).to(device);
+      mbs.push_back(std::move(data));
+    }
+    t_data += SecondsSince(t0);
+  }
+
+  // The last stage's head: final norm, log-probs of the targets, the loss and its metrics.
+  // Returns the micro-batch's (already normalized) loss, undefined for a forward-only call.
+  auto head = [&](const MicroBatch& mb, const at::Tensor& layers_out) -> at::Tensor {
+    at::Tensor hidden = Qwen2FinalNorm(config, base_->weights, adapter_.get(), layers_out);
+    at::Tensor selected = FoldLeadingDims(hidden).index_select(0, mb.positions);
+    TokenScores scores =
+        ChunkedTokenScores(selected, OutputWeight(base_->weights, adapter_.get()),
+                           OutputMainGrad(adapter_.get()), mb.targets,
+                           options_.logprob_chunk_tokens, options_.grad, vocab);
+    at::Tensor lp_cpu = scores.logprobs.detach().to(at::kCPU);
+    {
+      const float* lp = lp_cpu.data_ptr<float>();
+      size_t offset = 0;
+      for (size_t d : *mb.datums) {
+        result.logprobs[d].assign(lp + offset, lp + offset + datums[d].tokens.size());
+        offset += datums[d].tokens.size();
+      }
+    }
+    if (!backward) {
+      at::Tensor bearing = (at::tensor(mb.mask, at::kFloat) != 0).to(at::kDouble);
+      m.Add("entropy:mean", (scores.entropy.detach().to(at::kCPU).to(at::kDouble) * bearing).sum().item<double>(),
+            bearing.sum().item<double>());
+      return at::Tensor();
+    }
+    auto any = [](const std::vector<const std::vector<float>*>& v) {
+      for (const auto* p : v) if (!p->empty()) return true;
+      return false;
+    };
+    LossInputs in;
+    in.logprobs = scores.logprobs;
+    in.entropy = scores.entropy;
+    in.mask = at::tensor(mb.mask, at::kFloat).to(device);
+    in.sample_index = at::tensor(mb.sample_of, at::kLong).to(device);
+    in.advantages = FloatsOrUndefined(mb.adv, any(mb.adv));
+    in.sampler_logprobs = FloatsOrUndefined(mb.samp, any(mb.samp));
+    in.old_logprobs = FloatsOrUndefined(mb.old, any(mb.old));
+    in.ref_logprobs = FloatsOrUndefined(mb.ref, any(mb.ref));
+    for (at::Tensor* t : {&in.advantages, &in.sampler_logprobs, &in.old_logprobs, &in.ref_logprobs}) {
+      if (t->defined()) *t = t->to(device);
+    }
+    LossDenominators mb_den = den;
+    mb_den.sample_tokens = den.sample_tokens.to(device);
+    return ComputeLoss(*loss, in, mb_den, &m);
+  };
+
+  c10::optional<at::NoGradGuard> no_grad;
+  if (!backward) no_grad.emplace();
+  if (base_->shard.pp == 1) {
+    for (const MicroBatch& mb : mbs) {
+      auto t0 = Clock::now();
+      at::Tensor x = Qwen2Embed(config, base_->weights, adapter_.get(), mb.tokens, fwd_options);
+      x = Qwen2Layers(config, base_->weights, adapter_.get(), x, fwd_options);
+      at::Tensor loss_value = head(mb, x);
+      SyncDevice();
+      t_forward += SecondsSince(t0);
+      if (backward) {
+        t0 = Clock::now();
+        loss_value.backward();
+        SyncDevice();
+        t_backward += SecondsSince(t0);
+      }
+    }
+  } else {
+    LORASTEP_RETURN_IF_ERROR(RunPipelineSchedule(
+        static_cast<int>(mbs.size()), backward,
+        [&](int i) { return std::vector<int64_t>{mbs[i].b, mbs[i].longest, config.hidden_size}; },
+        [&](int i, const at::Tensor& x_in) -> at::Tensor {  // this stage's forward
+          at::Tensor x = base_->shard.first_stage()
+                             ? Qwen2Embed(config, base_->weights, adapter_.get(), mbs[i].tokens, fwd_options)
+                             : x_in;
+          x = Qwen2Layers(config, base_->weights, adapter_.get(), x, fwd_options);
+          return base_->shard.last_stage() ? head(mbs[i], x) : x;
+        },
+        &t_forward, &t_backward));
+  }
+  if (!base_->shard.last_stage()) {  // only the last stage sees the loss: no data metrics here
+    m = Metrics();
+    m.Add("time_data_s:sum", t_data);
+    m.Add("time_forward_s:sum", t_forward);
+    if (backward) m.Add("time_backward_s:sum", t_backward);
+    m.Set("peak_host_memory_bytes:max", PeakHostMemoryBytes());
+    return result;
+  }
+  m.Add("tokens_physical:sum", physical);
+  m.Add("tokens_nonpadding:sum", real_tokens);
+  m.Add("tokens_loss:sum", den.loss_tokens);
+  m.Add("micro_batches:sum", static_cast<double>(micro_batches.size()));
+  m.Add("time_data_s:sum", t_data);
+  m.Add("time_forward_s:sum", t_forward);
+  if (backward) m.Add("time_backward_s:sum", t_backward);
+  const double compute_s = t_forward + t_backward;
+  m.Add("model_flops:sum", flops);
+  if (compute_s > 0) m.Add("tokens_per_s:sum", real_tokens / compute_s);
+  const double peak = options_.peak_flops > 0 ? options_.peak_flops
+                                              : (base_->device.is_cuda() ? kH200DenseBf16Flops : 0);
+  if (peak > 0 && compute_s > 0) m.Add("mfu:sum", flops / compute_s / peak);
+  m.Set("peak_host_memory_bytes:max", PeakHostMemoryBytes());
+  return result;
+}
+
+absl::Status Trainer::RunPipelineSchedule(
+    int num_micro_batches, bool backward,
+    const std::function<std::vector<int64_t>(int)>& activation_shape,
+    const std::function<at::Tensor(int, const at::Tensor&)>& forward, double* t_forward,
+    double* t_backward) {
+  constexpr int kActivationTag = 0, kGradientTag = 1;
+  CommGroup& pipe = options_.groups->group(GroupKind::kPipeline);
+  const bool first = base_->shard.first_stage(), last = base_->shard.last_stage();
+  const int prev = pipe.rank() - 1, next = pipe.rank() + 1;
+  const at::TensorOptions act = at::TensorOptions().device(base_->device).dtype(base_->dtype);
+  struct InFlight {
+    int index;
+    at::Tensor input;   // received activation (a leaf that collects its gradient)
+    at::Tensor output;  // stage output, or the loss on the last stage
+  };
+  std::deque<InFlight> in_flight;
+
+  auto receive_input = [&](int i) -> absl::StatusOr<at::Tensor> {
+    if (first) return at::Tensor();
+    at::Tensor x = at::empty(activation_shape(i), act);
+    LORASTEP_RETURN_IF_ERROR(pipe.Recv(x, prev, kActivationTag));
+    if (backward) x.requires_grad_(true);
+    return x;
+  };
+  auto run_forward = [&](int i, const at::Tensor& x) {
+    auto t0 = Clock::now();
+    at::Tensor y = forward(i, x);
+    SyncDevice();
+    *t_forward += SecondsSince(t0);
+    in_flight.push_back({i, x, y});
+    return y;
+  };
+  // Backward of the oldest micro-batch given its output gradient; returns its input's.
+  auto run_backward = [&](const at::Tensor& grad_output) {
+    InFlight f = std::move(in_flight.front());
+    in_flight.pop_front();
+    auto t0 = Clock::now();
+    if (last) {
+      f.output.backward();
+    } else {
+      f.output.backward(grad_output);
+    }
+    SyncDevice();
+    *t_backward += SecondsSince(t0);
+    return first ? at::Tensor() : f.input.grad();
+  };
+  auto output_grad_buffer = [&]() { return at::empty(activation_shape(in_flight.front().index), act); };
+
+  if (!backward) {
+    for (int i = 0; i < num_micro_batches; ++i) {
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor x, receive_input(i));
+      at::Tensor y = run_forward(i, x);
+      in_flight.clear();
+      if (!last) LORASTEP_RETURN_IF_ERROR(pipe.Send(y, next, kActivationTag));
+    }
+    return absl::OkStatus();
+  }
+  const int stages = pipe.size();
+  const int warmup = std::min(stages - pipe.rank() - 1, num_micro_batches);
+  const int steady = num_micro_batches - warmup;
+  for (int i = 0; i < warmup; ++i) {
+    LORASTEP_ASSIGN_OR_RETURN(at::Tensor x, receive_input(i));
+    at::Tensor y = run_forward(i, x);
+    LORASTEP_RETURN_IF_ERROR(pipe.Send(y.detach(), next, kActivationTag));
+  }
+  at::Tensor x;
+  if (steady > 0) {
+    LORASTEP_ASSIGN_OR_RETURN(x, receive_input(warmup));
+  }
+  for (int j = 0; j < steady; ++j) {
+    const int i = warmup + j;
+    at::Tensor y = run_forward(i, x);
+    at::Tensor grad_output;
+    if (!last) {  // send this output, receive the oldest output's gradient
+      grad_output = output_grad_buffer();
+      at::Tensor y_out = y.detach();
+      LORASTEP_RETURN_IF_ERROR(pipe.SendRecv(&y_out, next, kActivationTag, &grad_output, next, kGradientTag));
+    }
+    at::Tensor grad_input = run_backward(grad_output);
+    if (j == steady - 1) {
+      if (!first) LORASTEP_RETURN_IF_ERROR(pipe.Send(grad_input, prev, kGradientTag));
+    } else if (!first) {  // send the input gradient, receive the next input
+      x = at::empty(activation_shape(i + 1), act);
+      LORASTEP_RETURN_IF_ERROR(pipe.SendRecv(&grad_input, prev, kGradientTag, &x, prev, kActivationTag));
+      x.requires_grad_(true);
+    }
+  }
+  for (int k = 0; k < warmup; ++k) {
+    at::Tensor grad_output = output_grad_buffer();
+    LORASTEP_RETURN_IF_ERROR(pipe.Recv(grad_output, next, kGradientTag));
+    at::Tensor grad_input = run_backward(grad_output);
+    if (!first) LORASTEP_RETURN_IF_ERROR(pipe.Send(grad_input, prev, kGradientTag));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Trainer::CallSnapshot> Trainer::Snapshot() {
+  if (pending_backward_calls_ > 0) LORASTEP_RETURN_IF_ERROR(FoldLocalGradients(adapter_.get()));
+  return GuardTorch([&]() -> absl::StatusOr<CallSnapshot> {
+    CallSnapshot snapshot;
+    snapshot.pending_backward_calls = pending_backward_calls_;
+    snapshot.dropout_rng = dropout_generator_.get_state();
+    if (pending_backward_calls_ > 0) {  // else nothing accumulated: undo = zero
+      for (const Parameter& p : adapter_->parameters()) snapshot.main_grads.push_back(p.main_grad.clone());
+    }
+    return snapshot;
+  });
+}
+
+void Trainer::Restore(const CallSnapshot& snapshot) {
+  at::NoGradGuard no_grad;
+  adapter_->ZeroMainGrads();
+  auto& params = adapter_->parameters();
+  for (size_t i = 0; i < snapshot.main_grads.size(); ++i) params[i].main_grad.copy_(snapshot.main_grads[i]);
+  dropout_generator_.set_state(snapshot.dropout_rng);
+  pending_backward_calls_ = snapshot.pending_backward_calls;
+}
+
+absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector<Datum>& datums,
+                                                               const LossConfig& loss,
+                                                               const BatchOptions& batch) {
+  absl::Status valid = ValidateBatch(datums, loss, base_->config.vocab_size, options_.limits);
+  if (options_.groups == nullptr) LORASTEP_RETURN_IF_ERROR(valid);
+  // Keep what earlier calls accumulated so a failure mid-call can restore it exactly.
+  LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot, Snapshot());
+  absl::StatusOr<ForwardBackwardResult> result =
+      valid.ok() ? GuardTorch([&] { return RunMicroBatches(datums, &loss, batch); })
+                 : absl::StatusOr<ForwardBackwardResult>(valid);
+  absl::Status agreed = AgreeOnOutcome(result.status());
+  if (!agreed.ok()) {
+    Restore(snapshot);
+    return agreed;
+  }
+  ++pending_backward_calls_;
+  return result;
+}
+
+absl::Status Trainer::AgreeOnOutcome(const absl::Status& local) {
+  if (options_.groups == nullptr) return local;
+  return GuardTorch([&]() -> absl::Status {
+    at::Tensor ok = at::full({1}, local.ok() ? 1.0f : 0.0f,
+                             at::TensorOptions().device(base_->device).dtype(at::kFloat));
+    absl::Status vote = options_.groups->group(GroupKind::kWorld).AllReduce(ok, ReduceKind::kMin);
+    if (!local.ok()) return local;
+    if (!vote.ok()) return vote;
+    if (ok.item<float>() < 1.0f) {
+      return absl::AbortedError(absl::StrCat("rank ", options_.groups->rank(),
+                                             ": another rank of the mesh failed this call; "
+                                             "nothing was applied"));
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<ForwardBackwardResult> Trainer::Forward(const std::vector<Datum>& datums) {
+  LORASTEP_RETURN_IF_ERROR(ValidateForwardBatch(datums, base_->config.vocab_size, options_.limits));
+  return GuardTorch([&] { return RunMicroBatches(datums, nullptr, BatchOptions{}); });
+}
+
+absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWParams& params) {
+  LORASTEP_RETURN_IF_ERROR(ValidateAdamWParams(params));
+  OptimStepResult result;
+  auto t0 = Clock::now();
+  LORASTEP_RETURN_IF_ERROR(FoldLocalGradients(adapter_.get()));
+  // On a mesh the reduction rewrites main_grad: keep the local gradients so a step refused
+  // after it (non-finite norm, a peer's failure) leaves them as they were.
+  LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot,
+                            options_.groups != nullptr ? Snapshot() : CallSnapshot{});
+  auto norm = FinalizeStepGradients(adapter_.get(), options_.groups, options_.finalize);
+  if (absl::Status agreed = AgreeOnOutcome(norm.status()); !agreed.ok()) norm = agreed;
+  if (!norm.ok()) {
+    if (options_.groups != nullptr) Restore(snapshot);
+    return norm.status();
+  }
+  SyncDevice();
+  result.metrics.Add("time_grad_finalize_s:sum", SecondsSince(t0));
+  t0 = Clock::now();
+  auto step = GuardTorch([&] { return optimizer_->Step(params, *norm); });
+  if (!step.ok()) {
+    if (options_.groups != nullptr) Restore(snapshot);
+    return step.status();
+  }
+  SyncDevice();
+  result.metrics.Add("time_optimizer_s:sum", SecondsSince(t0));
+  result.metrics.Add("grad_norm:sum", step->grad_norm);
+  result.metrics.Add("lr:sum", step->lr);
+  pending_backward_calls_ = 0;
+  result.learner_version = optimizer_->steps_taken();
+  const bool mesh = options_.groups != nullptr && options_.groups->layout().world_size() > 1;
+  if (mesh || !adapter_->full_finetune() || options_.digest_full_finetune_steps) {
+    t0 = Clock::now();
+    const std::string local_sha = AdapterSha256();
+    result.replica_digests = ReplicaDigests(local_sha);
+    // The reported adapter digest is of whole tensors, the same at every layout.
+    const bool sliced = options_.groups != nullptr && base_->shard.tp > 1;
+    result.adapter_sha256 = !sliced ? local_sha : adapter_->full_finetune() ? "" : FullAdapterSha256();
+    result.metrics.Add("time_digest_s:sum", SecondsSince(t0));
+  }
+  return result;
+}
+
+std::map<std::string, std::string> Trainer::ReplicaDigests(const std::string& trainable_sha256) const {
+  std::map<std::string, std::string> digests{{"trainable", trainable_sha256}};
+  std::vector<at::Tensor> replicated;
+  for (const Parameter& p : adapter_->parameters()) {
+    if (p.role != kSplit) replicated.push_back(p.value);
+  }
+  if (!replicated.empty()) digests["tensor_replicated"] = TensorsSha256(replicated);
+  return digests;
+}
+
+absl::StatusOr<OptimStepResult> Trainer::TrainStep(const std::vector<Datum>& datums,
+                                                   const LossConfig& loss,
+                                                   const AdamWParams& params,
+                                                   const BatchOptions& batch) {
+  // Validate the optimizer parameters too before any work: a bad call changes nothing.
+  LORASTEP_RETURN_IF_ERROR(ValidateAdamWParams(params));
+  auto t0 = Clock::now();
+  LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot, Snapshot());
+  LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult fb, ForwardBackward(datums, loss, batch));
+  auto step = OptimStep(params);
+  if (!step.ok()) {  // e.g. a non-finite gradient norm: undo this call entirely
+    Restore(snapshot);
+    return step.status();
+  }
+  step->metrics.Merge(fb.metrics);
+  const double total = SecondsSince(t0);
+  step->metrics.Add("time_step_s:sum", total);
+  return step;
+}
+
+bool Trainer::WritesGatheredState() const {
+  if (options_.groups == nullptr) return true;
+  const RankCoords c = options_.groups->coords();
+  return c.tp == 0 && c.pp == 0 && c.dp == 0;
+}
+
+absl::StatusOr<std::vector<at::Tensor>> Trainer::GatherTensorSplits(
+    const std::vector<at::Tensor>& local) const {
+  const auto& params = adapter_->parameters();
+  if (options_.groups == nullptr || base_->shard.tp == 1) return local;
+  CommGroup& tp = options_.groups->group(GroupKind::kTensor);
+  std::vector<at::Tensor> full;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].role != kSplit) {
+      full.push_back(local[i]);
+      continue;
+    }
+    // Slices may differ by one row (an uneven vocabulary split): pad to the largest,
+    // gather, trim each to its own size, concatenate in tensor-rank order.
+    const int dim = params[i].split_dim;
+    at::Tensor size = at::full({1}, static_cast<double>(local[i].size(dim)),
+                               local[i].options().dtype(at::kDouble));
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> sizes, tp.AllGather(size));
+    int64_t largest = 0;
+    for (const auto& n : sizes) largest = std::max<int64_t>(largest, static_cast<int64_t>(n.item<double>()));
+    at::Tensor padded = local[i];
+    if (padded.size(dim) < largest) {
+      std::vector<int64_t> pad_shape(padded.sizes().begin(), padded.sizes().end());
+      pad_shape[dim] = largest - padded.size(dim);
+      padded = at::cat({padded, at::zeros(pad_shape, padded.options())}, dim);
+    }
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> parts, tp.AllGather(padded));
+    for (size_t r = 0; r < parts.size(); ++r) {
+      parts[r] = parts[r].narrow(dim, 0, static_cast<int64_t>(sizes[r].item<double>()));
+    }
+    full.push_back(at::cat(parts, dim));
+  }
+  return full;
+}
+
+absl::StatusOr<std::vector<Trainer::NamedTensor>> Trainer::GatherStages(
+    std::vector<NamedTensor> local) const {
+  if (options_.groups == nullptr || base_->shard.pp == 1) return local;
+  const RankCoords c = options_.groups->coords();
+  if (c.tp != 0 || c.dp != 0) return local;  // replica 0's tensor rank 0 of each stage takes part
+  CommGroup& pipe = options_.groups->group(GroupKind::kPipeline);
+  // Each later stage sends its tensors to stage 0 as one safetensors blob (a size, then
+  // the bytes): stages hold different tensors, so a shape-agreeing collective cannot.
+  char path_template[] = "/tmp/lorastep-stage-XXXXXX";
+  const int fd = mkstemp(path_template);
+  if (fd < 0) return absl::InternalError("gathering stages: cannot make a temp file");
+  close(fd);
+  const std::string path = path_template;
+  auto cleanup = [&] { unlink(path.c_str()); };
+  if (pipe.rank() != 0) {
+    TensorWriteList list;
+    for (const auto& [name, t] : local) LORASTEP_RETURN_IF_ERROR(list.Add(name, t));
+    LORASTEP_RETURN_IF_ERROR(list.WriteTo(path));
+    auto bytes = ReadFileToString(path);
+    cleanup();
+    if (!bytes.ok()) return bytes.status();
+    at::Tensor size = at::full({1}, static_cast<double>(bytes->size()), at::kDouble);
+    at::Tensor blob = at::empty({static_cast<int64_t>(bytes->size())}, at::kByte);
+    std::memcpy(blob.data_ptr(), bytes->data(), bytes->size());
+    const at::Device device = base_->device;
+    LORASTEP_RETURN_IF_ERROR(pipe.Send(size.to(device), 0, 2));
+    LORASTEP_RETURN_IF_ERROR(pipe.Send(blob.to(device), 0, 3));
+    return local;
+  }
+  std::vector<NamedTensor> all = std::move(local);
+  for (int stage = 1; stage < pipe.size(); ++stage) {
+    at::Tensor size = at::empty({1}, at::TensorOptions().dtype(at::kDouble).device(base_->device));
+    LORASTEP_RETURN_IF_ERROR(pipe.Recv(size, stage, 2));
+    at::Tensor blob = at::empty({static_cast<int64_t>(size.item<double>())},
+                                at::TensorOptions().dtype(at::kByte).device(base_->device));
+    LORASTEP_RETURN_IF_ERROR(pipe.Recv(blob, stage, 3));
+    blob = blob.to(at::kCPU);
+    LORASTEP_RETURN_IF_ERROR(WriteStringToFile(
+        path, std::string(static_cast<const char*>(blob.data_ptr()), blob.numel())));
+    auto file = SafetensorsFile::Open(path);
+    if (!file.ok()) {
+      cleanup();
+      return file.status();
+    }
+    // The header's JSON object has no order; the sender wrote the tensors in its order.
+    std::vector<const SafetensorsEntry*> in_file_order;
+    for (const auto& e : file->entries()) in_file_order.push_back(&e);
+    std::sort(in_file_order.begin(), in_file_order.end(),
+              [](const SafetensorsEntry* a, const SafetensorsEntry* b) { return a->data < b->data; });
+    for (const SafetensorsEntry* e : in_file_order) {
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor t, TensorFromEntry(*e));
+      all.push_back({e->name, t.clone().to(base_->device)});
+    }
+  }
+  cleanup();
+  return all;
+}
+
+absl::StatusOr<std::vector<Trainer::NamedTensor>> Trainer::WholeAdapter() const {
+  std::vector<at::Tensor> local;
+  for (const Parameter& p : adapter_->parameters()) local.push_back(p.value);
+  LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> full, GatherTensorSplits(local));
+  std::vector<NamedTensor> named;
+  for (size_t i = 0; i < full.size(); ++i) named.push_back({adapter_->parameters()[i].name, full[i]});
+  return GatherStages(std::move(named));
+}
+
+absl::Status Trainer::ExportAdapter(const std::string& folder) const {
+  return GuardTorch([&]() -> absl::Status {
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<NamedTensor> whole, WholeAdapter());
+    if (!WritesGatheredState()) return absl::OkStatus();
+    return ExportPeftAdapter(folder, *adapter_, base_->path, &whole);
+  });
+}
+
+std::string Trainer::FullAdapterSha256() const {
+  auto whole = GuardTorch([&] { return WholeAdapter(); });
+  if (!whole.ok() || !WritesGatheredState()) return "";
+  std::vector<at::Tensor> values;
+  for (const auto& [name, t] : *whole) values.push_back(t);
+  return TensorsSha256(values);
+}
+
+absl::Status Trainer::SaveState(
+    const std::string& folder,
+    const std::function<absl::Status(const std::string&)>& fault_point) const {
+  return GuardTorch([&]() -> absl::Status {
+    // Layout-independent: tensor-parallel slices are gathered into whole tensors and the
+    // stages' tensors into one list, so a checkpoint saved on any mesh loads on any other
+    // (and at world size 1).
+    const auto& params = adapter_->parameters();
+    std::vector<at::Tensor> values;
+    for (const Parameter& p : params) values.push_back(p.value);
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> full_values, GatherTensorSplits(values));
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> full_master, GatherTensorSplits(optimizer_->master()));
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> full_avg, GatherTensorSplits(optimizer_->exp_avg()));
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> full_avg_sq,
+                              GatherTensorSplits(optimizer_->exp_avg_sq()));
+    std::vector<NamedTensor> trainable_local, optimizer_local;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].stage_copy) continue;  // the first stage writes the tied embedding
+      trainable_local.push_back({params[i].name, full_values[i]});
+      optimizer_local.push_back({params[i].name + ".master", full_master[i]});
+      optimizer_local.push_back({params[i].name + ".exp_avg", full_avg[i]});
+      optimizer_local.push_back({params[i].name + ".exp_avg_sq", full_avg_sq[i]});
+    }
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<NamedTensor> trainable_all, GatherStages(std::move(trainable_local)));
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<NamedTensor> optimizer_all, GatherStages(std::move(optimizer_local)));
+    if (!WritesGatheredState()) return absl::OkStatus();
+    auto write = [&](const std::string& tmp) -> absl::Status {
+      TensorWriteList trainable, optimizer;
+      for (const auto& [name, t] : trainable_all) LORASTEP_RETURN_IF_ERROR(trainable.Add(name, t));
+      for (const auto& [name, t] : optimizer_all) LORASTEP_RETURN_IF_ERROR(optimizer.Add(name, t));
+      LORASTEP_RETURN_IF_ERROR(optimizer.Add("rng.dropout", dropout_generator_.get_state()));
+      LORASTEP_RETURN_IF_ERROR(trainable.WriteTo(tmp + "/trainable.safetensors"));
+      if (fault_point) LORASTEP_RETURN_IF_ERROR(fault_point("trainable_written"));
+      LORASTEP_RETURN_IF_ERROR(optimizer.WriteTo(tmp + "/optimizer.safetensors"));
+      const LoraConfig& lora = adapter_->lora_config();
+      nlohmann::ordered_json state;
+      state["format_version"] = kStateFormatVersion;
+      state["optimizer_steps"] = optimizer_->steps_taken();
+      state["lora"] = {{"rank", lora.rank}, {"alpha", lora.alpha}, {"dropout", lora.dropout},
+                       {"target_modules", lora.target_modules}};
+      state["base_model"] = base_->path;
+      state["parameter_count"] = trainable_all.size();
+      return WriteStringToFile(tmp + "/trainer_state.json", state.dump(2) + "\n");
+    };
+    return WriteFolderAtomically(folder, write, fault_point);
+  });
+}
+
+absl::Status Trainer::LoadState(const std::string& folder) {
+  return GuardTorch([&]() -> absl::Status {
+    LORASTEP_ASSIGN_OR_RETURN(std::string text, ReadFileToString(folder + "/trainer_state.json"));
+    nlohmann::json state = nlohmann::json::parse(text, nullptr, false);
+    if (state.is_discarded() || state.value("format_version", 0) != kStateFormatVersion) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(folder, "/trainer_state.json: unreadable or unknown format_version"));
+    }
+    const LoraConfig& lora = adapter_->lora_config();
+    if (state["lora"]["rank"] != lora.rank || state["lora"]["alpha"] != lora.alpha ||
+        state["lora"]["target_modules"] != lora.target_modules) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(folder, ": lora config in the checkpoint differs from this run's"));
+    }
+    LORASTEP_ASSIGN_OR_RETURN(SafetensorsFile trainable,
+                              SafetensorsFile::Open(folder + "/trainable.safetensors"));
+    LORASTEP_ASSIGN_OR_RETURN(SafetensorsFile optimizer,
+                              SafetensorsFile::Open(folder + "/optimizer.safetensors"));
+    // Stage everything, checking names and shapes, before touching live state.
+    // Checkpoints hold whole tensors; a tensor-parallel rank keeps its slice of each split one.
+    const int tp = base_->shard.tp, tp_rank = base_->shard.tp_rank;
+    auto stage = [&](const SafetensorsFile& file, const std::string& name,
+                     const Parameter& param) -> absl::StatusOr<at::Tensor> {
+      const at::Tensor& like = param.value;
+      auto entry = file.Find(name);
+      if (!entry.ok()) return absl::InvalidArgumentError(entry.status().message());
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor t, TensorFromEntry(**entry));
+      if (tp > 1 && param.role == kSplit && t.dim() == like.dim() && t.dim() > param.split_dim) {
+        const auto [begin, end] = EvenRange(t.size(param.split_dim), tp, tp_rank);
+        t = t.narrow(param.split_dim, begin, end - begin);
+      }
+      if (!t.sizes().equals(like.sizes())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(file.path(), ": tensor '", name, "': shape mismatch"));
+      }
+      return t;
+    };
+    const auto& params = adapter_->parameters();
+    std::vector<at::Tensor> values, master, avg, avg_sq;
+    for (size_t i = 0; i < params.size(); ++i) {
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor v, stage(trainable, params[i].name, params[i]));
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor ms, stage(optimizer, params[i].name + ".master", params[i]));
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor a, stage(optimizer, params[i].name + ".exp_avg", params[i]));
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor s, stage(optimizer, params[i].name + ".exp_avg_sq", params[i]));
+      values.push_back(v);
+      master.push_back(ms);
+      avg.push_back(a);
+      avg_sq.push_back(s);
+    }
+    LORASTEP_ASSIGN_OR_RETURN(const SafetensorsEntry* rng, optimizer.Find("rng.dropout"));
+    LORASTEP_ASSIGN_OR_RETURN(at::Tensor rng_state, TensorFromEntry(*rng));
+    LORASTEP_RETURN_IF_ERROR(AgreeOnOutcome(absl::OkStatus()));
+    // Commit.
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      adapter_->parameters()[i].value.copy_(values[i]);
+      optimizer_->master()[i].copy_(master[i]);
+      optimizer_->exp_avg()[i].copy_(avg[i]);
+      optimizer_->exp_avg_sq()[i].copy_(avg_sq[i]);
+    }
+    optimizer_->set_steps_taken(state["optimizer_steps"].get<int64_t>());
+    dropout_generator_.set_state(rng_state);
+    adapter_->ZeroMainGrads();
+    pending_backward_calls_ = 0;
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace lorastep

@@ -1,0 +1,180 @@
+// The training core of one run, with no gRPC in it: a frozen base model (shareable between
+// runs), an Adapter, AdamW state and counters. What worker/ wraps.
+//
+// Example:
+//   ASSIGN_OR_RETURN(auto base, LoadBaseModel("/models/qwen", "cpu", ""));
+//   ASSIGN_OR_RETURN(auto trainer, Trainer::Create(base, options));
+//   ASSIGN_OR_RETURN(auto fb, trainer->ForwardBackward(datums, loss));   // accumulates
+//   ASSIGN_OR_RETURN(auto step, trainer->OptimStep(adamw));              // applies, zeroes
+//
+// Every call validates its whole input before any work; an error changes nothing (no half
+// applied step, accumulated gradients kept as before the call).
+// Thread-safety: not thread-safe; callers order calls per run.
+#ifndef LORASTEP_LIB_TRAINING_TRAINER_H_
+#define LORASTEP_LIB_TRAINING_TRAINER_H_
+
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lib/training/adamw.h"
+#include "lib/model/adapter.h"
+#include "lib/training/batch.h"
+#include "lib/training/grad_finalizer.h"
+#include "lib/model/linear.h"
+#include "lib/training/loss_config.h"
+#include "lib/training/metrics.h"
+#include "lib/model/model_weights.h"
+
+namespace lorastep {
+
+struct BaseModel {
+  std::string path;
+  ModelConfig config;
+  ModelWeights weights;  // frozen
+  at::Device device = at::kCPU;
+  at::ScalarType dtype = at::kFloat;
+  ModelShard shard;  // the part of the model `weights` holds (whole by default)
+};
+
+// device: "cpu", "cuda", "cuda:1"; dtype: "" (config.json's), "float32", "bfloat16", "float16".
+// With `sizes`/`coords` (a mesh) only this rank's shard is kept (ShardModelWeights).
+absl::StatusOr<std::shared_ptr<const BaseModel>> LoadBaseModel(const std::string& folder,
+                                                               const std::string& device,
+                                                               const std::string& dtype,
+                                                               const ParallelSizes& sizes = {},
+                                                               const RankCoords& coords = {});
+
+struct TrainerOptions {
+  LoraConfig lora;
+  GradOptions grad;
+  uint64_t seed = 0;                          // LoRA init and dropout stream
+  int64_t max_tokens_per_microbatch = 8192;   // padded tokens per forward/backward
+  int64_t logprob_chunk_tokens = 1024;        // tokens per chunk of the fp32 logits
+  double peak_flops = 0;                      // for MFU; 0 = 989e12 on CUDA, none on CPU
+  // SHA-256 of the trainable tensors after each step. LoRA adapters are small (35 MB for
+  // r32 on the 0.5B shape); a full fine-tune's 1 GB copy + hash costs ~1 s a step, so it is
+  // off there unless asked for (SaveState/ExportAdapter still report it).
+  bool digest_full_finetune_steps = false;
+  BatchLimits limits;
+  // The mesh this run trains on (not owned; outlives the Trainer). Null = world size 1.
+  // Every rank of the mesh makes the same calls in the same order.
+  ProcessGroups* groups = nullptr;
+  GradFinalizeOptions finalize;  // test-only switches of the gradient finalization
+};
+
+// Per-call overrides for how a batch is run.
+struct BatchOptions {
+  // Denominators of the whole batch when this call carries only part of it (else computed
+  // from the datums of this call).
+  const BatchTotals* totals = nullptr;
+  int64_t max_tokens_per_microbatch = 0;  // 0 = TrainerOptions' value
+};
+
+struct ForwardBackwardResult {
+  std::vector<std::vector<float>> logprobs;  // per datum, per position
+  Metrics metrics;
+};
+
+struct OptimStepResult {
+  Metrics metrics;
+  int64_t learner_version = 0;
+  std::string adapter_sha256;  // digest of the updated trainable tensors ("" when skipped)
+  // SHA-256 of this rank's copy of each replicated tensor family, for cross-rank comparison
+  // (on a mesh): "trainable" (every trainable tensor of this rank: equal across the data
+  // group) and, with tensor parallelism, "tensor_replicated" (equal across the stage).
+  std::map<std::string, std::string> replica_digests;
+};
+
+class Trainer {
+ public:
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(std::shared_ptr<const BaseModel> base,
+                                                         const TrainerOptions& options);
+
+  // Forward + backward over all datums in micro-batches; gradients accumulate until OptimStep.
+  absl::StatusOr<ForwardBackwardResult> ForwardBackward(const std::vector<Datum>& datums,
+                                                        const LossConfig& loss,
+                                                        const BatchOptions& batch = {});
+  // Log-probs only (old or reference log-probs), no gradients.
+  absl::StatusOr<ForwardBackwardResult> Forward(const std::vector<Datum>& datums);
+  // Finalizes gradients, clips, steps AdamW, zeroes gradients, bumps the learner version.
+  absl::StatusOr<OptimStepResult> OptimStep(const AdamWParams& params);
+  // A whole rollout batch: ForwardBackward then OptimStep; metrics of both.
+  // On any error nothing changes: gradients accumulated by earlier calls are kept as they were.
+  absl::StatusOr<OptimStepResult> TrainStep(const std::vector<Datum>& datums,
+                                            const LossConfig& loss, const AdamWParams& params,
+                                            const BatchOptions& batch = {});
+
+  // Training state: trainable tensors, optimizer state, counters, dropout RNG; atomic.
+  absl::Status SaveState(const std::string& folder,
+                         const std::function<absl::Status(const std::string&)>& fault_point =
+                             nullptr) const;
+  absl::Status LoadState(const std::string& folder);
+  // PEFT adapter folder (LoRA runs).
+  absl::Status ExportAdapter(const std::string& folder) const;
+
+  int64_t learner_version() const { return optimizer_->steps_taken(); }
+  int64_t pending_backward_calls() const { return pending_backward_calls_; }
+  const Adapter& adapter() const { return *adapter_; }
+  Adapter& mutable_adapter() { return *adapter_; }
+  const BaseModel& base() const { return *base_; }
+  std::string AdapterSha256() const;
+  // SHA-256 of the whole (gathered) adapter: the same at every layout. Collective on a mesh.
+  std::string FullAdapterSha256() const;
+
+ private:
+  Trainer(std::shared_ptr<const BaseModel> base, const TrainerOptions& options, Adapter adapter);
+  absl::StatusOr<ForwardBackwardResult> RunMicroBatches(const std::vector<Datum>& datums,
+                                                        const LossConfig* loss,
+                                                        const BatchOptions& batch);
+  // What a mutating call may change before it fails: accumulated gradients (after folding
+  // autograd grads in) and the dropout stream. Restored so a failed call changes nothing.
+  struct CallSnapshot {
+    std::vector<at::Tensor> main_grads;  // empty when nothing was accumulated
+    at::Tensor dropout_rng;
+    int64_t pending_backward_calls = 0;
+  };
+  absl::StatusOr<CallSnapshot> Snapshot();
+  void Restore(const CallSnapshot& snapshot);
+  void SyncDevice() const;
+  // On a mesh: every rank votes with its outcome (a world-group MIN all-reduce) before it
+  // commits, so either every rank applies a call or none does. World size 1: `local`.
+  absl::Status AgreeOnOutcome(const absl::Status& local);
+  std::map<std::string, std::string> ReplicaDigests(const std::string& trainable_sha256) const;
+  // This pipeline stage's part of a call's micro-batches: Megatron's 1F1B (warm-up forwards,
+  // one-forward-one-backward steady state with paired send/receive, cool-down backwards),
+  // or all forwards for a forward-only call. `forward(i, input)` runs micro-batch i on this
+  // stage (input: the received activation; undefined on the first stage) and returns the
+  // stage output, or on the last stage the loss.
+  absl::Status RunPipelineSchedule(int num_micro_batches, bool backward,
+                                   const std::function<std::vector<int64_t>(int)>& activation_shape,
+                                   const std::function<at::Tensor(int, const at::Tensor&)>& forward,
+                                   double* t_forward, double* t_backward);
+  // Whole tensors from this rank's slices (tensor ranks all-gather split parameters; a
+  // collective every rank of the tensor group makes). `local` is in parameter order.
+  absl::StatusOr<std::vector<at::Tensor>> GatherTensorSplits(const std::vector<at::Tensor>& local) const;
+  using NamedTensor = std::pair<std::string, at::Tensor>;
+  // Pipeline stages' whole tensors in stage order, on stage 0 (of replica 0, tensor rank 0);
+  // other ranks get their own list back. A point-to-point exchange over the pipeline group.
+  absl::StatusOr<std::vector<NamedTensor>> GatherStages(std::vector<NamedTensor> local) const;
+  // The whole adapter (every stage, whole tensors), complete on the writing rank.
+  absl::StatusOr<std::vector<NamedTensor>> WholeAdapter() const;
+  // The rank that writes gathered checkpoints and exports (tensor 0, stage 0, replica 0).
+  bool WritesGatheredState() const;
+
+  std::shared_ptr<const BaseModel> base_;
+  TrainerOptions options_;
+  std::unique_ptr<Adapter> adapter_;
+  std::unique_ptr<AdamW> optimizer_;
+  at::Generator dropout_generator_;
+  int64_t pending_backward_calls_ = 0;  // ForwardBackward calls since the last OptimStep
+};
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_TRAINING_TRAINER_H_
