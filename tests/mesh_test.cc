@@ -14,6 +14,7 @@
 #include "lib/io/safetensors.h"
 #include "lib/io/tensor_bytes.h"
 #include "server/child_server.h"
+#include "tests/proto_test_util.h"
 #include "tests/test_util.h"
 
 namespace lorastep {
@@ -28,17 +29,7 @@ constexpr double kRelTol = 1e-5;
 // Variable lengths so shards and micro-batches differ between world sizes.
 std::vector<v1::Datum> Batch(int step) {
   std::vector<v1::Datum> out;
-  for (int i = 0; i < 7; ++i) {
-    v1::Datum d;
-    const int n = 5 + (i * 3 + step) % 7;
-    for (int j = 0; j < n; ++j) {
-      d.add_tokens((i * 7 + j * 3 + step) % 96);
-      d.add_target_tokens((i * 5 + j * 11 + step) % 96);
-      d.add_logprobs(-4.0f - 0.1f * j);
-      d.add_advantages(j < 2 ? 0.0f : (i % 2 == 0 ? 1.0f : -0.5f));
-    }
-    out.push_back(d);
-  }
+  for (int i = 0; i < 7; ++i) out.push_back(testing::RlDatum(i, step, 5 + (i * 3 + step) % 7, 96));
   return out;
 }
 
@@ -203,12 +194,34 @@ class MeshTest : public ::testing::Test {
     for (const auto& [what, err] : MaxErrors()) {
       absl::StrAppend(&json, first ? "\n" : ",\n", "    \"", what, "\": ", absl::StrFormat("%.3g", err));
       first = false;
-      if (what.rfind("tp2 x pp2 x dp2", 0) == 0) world8 = std::max(world8, err);
+      if (what.rfind("tp2 x pp2 x dp2 ", 0) == 0) world8 = std::max(world8, err);
     }
     absl::StrAppend(&json, "\n  },\n  \"cpu_world8_max_rel_err\": ", absl::StrFormat("%.3g", world8),
                     ",\n  \"replicas_equal\": ", AllReplicasEqual() ? "true" : "false",
                     ",\n  \"tolerance\": ", kRelTol, "\n}\n");
     EXPECT_TRUE(WriteStringToFile(out, json).ok());
+  }
+
+  struct WorldOne {
+    Trace lora, full;
+  };
+  static WorldOne TrainWorldOne(const std::string& tag) {
+    Coordinator c = Start({});
+    return {Train(c, 4, tag + "_lora"), Train(c, 0, tag + "_full")};
+  }
+  // LoRA and full fine-tuning on the layout `flags`, with fused and unfused main_grad (or
+  // unfused only), each against world size 1.
+  static void ExpectLayoutEqualsWorldOne(const std::vector<std::string>& flags, const std::string& tag,
+                                         const WorldOne& want, bool unfused_only = false) {
+    for (const bool unfused : {false, true}) {
+      if (unfused_only && !unfused) continue;
+      std::vector<std::string> f = flags;
+      if (unfused) f.push_back("--unfused_wgrad");
+      Coordinator mesh = Start(f);
+      const std::string what = tag + (unfused ? " unfused" : " fused");
+      ExpectSame(Train(mesh, 4, what + " lora"), want.lora, what + " lora");
+      ExpectSame(Train(mesh, 0, what + " full"), want.full, what + " full");
+    }
   }
 
   static std::string* dir_;
@@ -217,67 +230,26 @@ std::string* MeshTest::dir_ = nullptr;
 
 TEST_F(MeshTest, DataParallelEqualsWorldOneForLoraAndFullFinetuneFusedAndUnfused) {
   if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
-  Coordinator world1 = Start({});
-  const Trace lora1 = Train(world1, 4, "w1_lora");
-  const Trace full1 = Train(world1, 0, "w1_full");
-  for (const bool unfused : {false, true}) {
-    std::vector<std::string> flags = {"--dp", "2"};
-    if (unfused) flags.push_back("--unfused_wgrad");
-    Coordinator dp2 = Start(flags);
-    const std::string tag = unfused ? "dp2_unfused" : "dp2_fused";
-    ExpectSame(Train(dp2, 4, tag + "_lora"), lora1, tag + " lora");
-    ExpectSame(Train(dp2, 0, tag + "_full"), full1, tag + " full");
-  }
+  const WorldOne want = TrainWorldOne("dw1");
+  ExpectLayoutEqualsWorldOne({"--dp", "2"}, "dp2", want);
 }
 
 TEST_F(MeshTest, TensorParallelEqualsWorldOne) {
   if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
-  Coordinator world1 = Start({});
-  const Trace lora1 = Train(world1, 4, "tw1_lora");
-  const Trace full1 = Train(world1, 0, "tw1_full");
-  for (const bool unfused : {false, true}) {
-    std::vector<std::string> flags = {"--tp", "2"};
-    if (unfused) flags.push_back("--unfused_wgrad");
-    Coordinator tp2 = Start(flags);
-    const std::string tag = unfused ? "tp2 unfused" : "tp2";
-    ExpectSame(Train(tp2, 4, tag + "_lora"), lora1, tag + " lora");
-    ExpectSame(Train(tp2, 0, tag + "_full"), full1, tag + " full");
-  }
+  const WorldOne want = TrainWorldOne("tw1");
+  ExpectLayoutEqualsWorldOne({"--tp", "2"}, "tp2", want);
   if (!Fits(4)) return;
-  {
-    Coordinator tp2dp2 = Start({"--tp", "2", "--dp", "2", "--unfused_wgrad"});
-    ExpectSame(Train(tp2dp2, 4, "tp2dp2_lora"), lora1, "tp2 x dp2 lora unfused");
-  }
+  ExpectLayoutEqualsWorldOne({"--tp", "2", "--dp", "2"}, "tp2 x dp2", want, /*unfused_only=*/true);
   // 4 tensor ranks, 2 KV heads: k/v replicated on the tensor group.
-  Coordinator tp4 = Start({"--tp", "4"});
-  ExpectSame(Train(tp4, 4, "tp4_lora"), lora1, "tp4 (replicated KV heads) lora");
-  ExpectSame(Train(tp4, 0, "tp4_full"), full1, "tp4 (replicated KV heads) full");
+  ExpectLayoutEqualsWorldOne({"--tp", "4"}, "tp4 (replicated KV heads)", want, /*unfused_only=*/true);
 }
 
 TEST_F(MeshTest, PipelineParallelEqualsWorldOne) {
   if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
-  Coordinator world1 = Start({});
-  const Trace lora1 = Train(world1, 4, "pw1_lora");
-  const Trace full1 = Train(world1, 0, "pw1_full");
-  {
-    Coordinator pp2 = Start({"--pp", "2"});
-    ExpectSame(Train(pp2, 4, "pp2_lora"), lora1, "pp2 lora");
-    ExpectSame(Train(pp2, 0, "pp2_full"), full1, "pp2 full (tied embedding across stages)");
-  }
-  {
-    Coordinator pp2 = Start({"--pp", "2", "--unfused_wgrad"});
-    ExpectSame(Train(pp2, 4, "pp2_lora_unfused"), lora1, "pp2 lora unfused");
-    ExpectSame(Train(pp2, 0, "pp2_full_unfused"), full1, "pp2 full unfused");
-  }
+  const WorldOne want = TrainWorldOne("pw1");
+  ExpectLayoutEqualsWorldOne({"--pp", "2"}, "pp2", want);  // full FT: tied embedding across stages
   if (!Fits(8)) return;
-  for (const bool unfused : {false, true}) {
-    std::vector<std::string> flags = {"--tp", "2", "--pp", "2", "--dp", "2"};
-    if (unfused) flags.push_back("--unfused_wgrad");
-    Coordinator world8 = Start(flags);
-    const std::string tag = unfused ? "tp2 x pp2 x dp2 unfused" : "tp2 x pp2 x dp2";
-    ExpectSame(Train(world8, 4, tag + "_lora"), lora1, tag + " lora");
-    ExpectSame(Train(world8, 0, tag + "_full"), full1, tag + " full");
-  }
+  ExpectLayoutEqualsWorldOne({"--tp", "2", "--pp", "2", "--dp", "2"}, "tp2 x pp2 x dp2", want);
 }
 
 // The dense form of the second seed: without the stage-group SUM of the replicated factors'

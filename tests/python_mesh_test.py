@@ -4,19 +4,7 @@ record carries per-stage replica hashes, all equal, and training moves the polic
 import sys
 
 from lorastep import TrainingClient
-
-
-def datum(i, n=12, vocab=96):
-    return {"tokens": [(i * 7 + j * 3) % vocab for j in range(n)],
-            "target_tokens": [(i * 5 + j * 11) % vocab for j in range(n)],
-            "logprobs": [-4.0] * n,
-            "advantages": [0.0, 0.0] + [1.0 if i % 2 else -0.5] * (n - 2)}
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
-    print("ok -", what)
+from python_client_test import check, datum
 
 
 def main():

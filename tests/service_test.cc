@@ -19,6 +19,7 @@
 #include "lib/io/safetensors.h"
 #include "lib/training/trainer.h"
 #include "server/child_server.h"
+#include "tests/proto_test_util.h"
 #include "tests/test_util.h"
 
 namespace lorastep {
@@ -30,14 +31,7 @@ using ::lorastep::testing::StatusIs;
 std::string Binary(const std::string& bazel_path) { return lorastep::testing::TestBinary(bazel_path); }
 
 v1::Datum MakeDatum(int i, int step, int n, int64_t vocab) {
-  v1::Datum d;
-  for (int j = 0; j < n; ++j) {
-    d.add_tokens((i * 7 + j * 3 + step) % vocab);
-    d.add_target_tokens((i * 5 + j * 11 + step) % vocab);
-    d.add_logprobs(-4.0f - 0.1f * j);
-    d.add_advantages(j < 2 ? 0.0f : (i % 2 == 0 ? 1.0f : -0.5f));
-  }
-  return d;
+  return lorastep::testing::RlDatum(i, step, n, vocab);
 }
 
 std::vector<v1::Datum> Batch(int step, int n = 8) {
