@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <thread>
 
 #include "absl/strings/str_format.h"
 #include "clients/cpp/trainer_client.h"
@@ -335,6 +336,36 @@ TEST_F(MeshTest, StateSavedOnOneLayoutLoadsOnAnother) {
   ASSERT_OK(mesh2->LoadState(save.path()).status());
   EXPECT_TRUE(export_bytes(tp2dp2, mesh2->run_id(), "mesh2") ==
               export_bytes(world1, single->run_id(), "single2"));
+}
+
+// Two runs trained at once from two client threads on one mesh: the coordinator sends every
+// call to all ranks in one mesh-wide order, so their collectives never cross; each run ends
+// bitwise where it ends when trained alone.
+TEST_F(MeshTest, TwoRunsAtOnceOnOneMeshEachEqualThatRunAlone) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
+  Coordinator mesh = Start({"--tp", "2"});
+  v1::LoraConfig lora;
+  lora.set_rank(4);
+  lora.set_alpha(8);
+  auto train = [&](uint64_t seed, int offset, std::string* sha) {
+    auto run = RunSession::Create(mesh.client.get(), lora, seed);
+    ASSERT_TRUE(run.ok()) << run.status();
+    for (int step = 0; step < 3; ++step) {
+      auto r = run->TrainStep(Batch(step + offset), Ppo(), Adam());
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_TRUE(r->replicas_equal());
+      *sha = r->adapter_sha256();
+    }
+  };
+  std::string alone_a, alone_b, together_a, together_b;
+  train(1, 0, &alone_a);
+  train(2, 4, &alone_b);
+  std::thread other([&] { train(2, 4, &together_b); });
+  train(1, 0, &together_a);
+  other.join();
+  EXPECT_EQ(together_a, alone_a);
+  EXPECT_EQ(together_b, alone_b);
+  EXPECT_NE(alone_a, alone_b);
 }
 
 TEST_F(MeshTest, BatchSmallerThanTheReplicasIsRefused) {
