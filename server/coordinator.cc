@@ -91,6 +91,24 @@ absl::Status Coordinator::AddWorker(std::unique_ptr<WorkerClient> worker) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<MeshAssignment> Coordinator::AssignRank(const std::string& host) {
+  if (host.empty()) return absl::InvalidArgumentError("host: required");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!on_mesh()) {
+    return absl::FailedPreconditionError("coordinator: runs no mesh (--tp/--pp/--dp all 1); register as is");
+  }
+  if (next_join_rank_ >= options_.mesh.world()) {
+    return absl::FailedPreconditionError(absl::StrCat("coordinator: all ", options_.mesh.world(),
+                                                      " ranks of ", layout_.ToString(), " are taken"));
+  }
+  MeshAssignment a;
+  a.rank = next_join_rank_++;
+  a.sizes = options_.mesh;
+  if (a.rank == 0) rendezvous_ = absl::StrCat(host, ":", options_.rendezvous_port);
+  a.rendezvous = rendezvous_;
+  return a;
+}
+
 size_t Coordinator::num_workers() {
   std::lock_guard<std::mutex> lock(mu_);
   return std::count_if(workers_.begin(), workers_.end(), [](const auto& w) { return w != nullptr; });

@@ -38,6 +38,15 @@ struct CoordinatorOptions {
   // them). With world > 1 the workers are the mesh's ranks, every run lives on all of them,
   // and every call fans out to all ranks in one mesh-wide order.
   ParallelSizes mesh;
+  // Port of the TCPStore that rank 0 serves when workers join by registration (JoinMesh).
+  int rendezvous_port = 29500;
+};
+
+// A rank handed to a worker that joins the mesh by registration.
+struct MeshAssignment {
+  int rank = 0;
+  ParallelSizes sizes;
+  std::string rendezvous;  // host:port
 };
 
 class Coordinator {
@@ -50,6 +59,10 @@ class Coordinator {
   // On a mesh the worker's reported rank and sizes must fit `options.mesh`.
   absl::Status AddWorker(std::unique_ptr<WorkerClient> worker);
   size_t num_workers();
+  // Gives the next free rank of the mesh to a worker at `host` (registration order; the
+  // first is rank 0 and serves the rendezvous). FAILED_PRECONDITION when this coordinator
+  // runs no mesh or every rank is taken; INVALID_ARGUMENT for an empty host.
+  absl::StatusOr<MeshAssignment> AssignRank(const std::string& host);
 
   absl::StatusOr<v1::Run> CreateRun(const v1::CreateRunRequest& req);
   absl::StatusOr<v1::Run> GetRun(const std::string& run_id);
@@ -128,6 +141,8 @@ class Coordinator {
   std::set<std::string> creating_ids_;       // run ids whose worker-side creation is in flight
   std::set<std::string> creating_requests_;  // their request ids
   int64_t next_run_number_ = 1;
+  int next_join_rank_ = 0;      // guarded by mu_
+  std::string rendezvous_;      // set when rank 0 joins; guarded by mu_
 };
 
 }  // namespace lorastep

@@ -7,7 +7,10 @@
 //                        [--worker_binary PATH] [--max_tokens_per_microbatch N]
 //                        [--worker_start_timeout_s 300]
 //                        [--tp T --pp P --dp D] [--collective_timeout_s S]
-//                        [--worker_call_timeout_s 3600]
+//                        [--worker_call_timeout_s 3600] [--rendezvous_port 29500]
+// With --wait_for_workers and --tp/--pp/--dp, workers started with --register_with and no
+// --rank get their ranks here in the order they ask (JoinMesh); rank 0 serves the
+// rendezvous at its host and --rendezvous_port.
 // With --tp/--pp/--dp (default 1) it starts tp*pp*dp local workers, rank r on cuda:r (or a
 // CPU process each), forming one mesh; with --workers the listed workers must be the ranks
 // of such a mesh (started with matching --rank/--tp/--pp/--dp/--rendezvous).
@@ -42,6 +45,7 @@ int main(int argc, char** argv) {
   if (auto layout = ParallelLayout::Create(options.mesh, options.mesh.world()); !layout.ok()) {
     return fail(layout.status());
   }
+  if (flags.count("rendezvous_port")) options.rendezvous_port = std::stoi(flags["rendezvous_port"]);
   const int world = options.mesh.world();
   const int worker_call_timeout =
       flags.count("worker_call_timeout_s") ? std::stoi(flags["worker_call_timeout_s"]) : 3600;

@@ -28,4 +28,22 @@ grpc::ServerUnaryReactor* RegistryService::RegisterWorker(grpc::CallbackServerCo
   return reactor;
 }
 
+grpc::ServerUnaryReactor* RegistryService::JoinMesh(grpc::CallbackServerContext* ctx,
+                                                    const v1::JoinMeshRequest* req,
+                                                    v1::JoinMeshResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  absl::Status status = [&]() -> absl::Status {
+    LORASTEP_ASSIGN_OR_RETURN(MeshAssignment a, core_->AssignRank(req->host()));
+    resp->set_rank(a.rank);
+    resp->set_tp(a.sizes.tp);
+    resp->set_pp(a.sizes.pp);
+    resp->set_dp(a.sizes.dp);
+    resp->set_rendezvous(a.rendezvous);
+    std::cerr << "lorastep_coordinator: rank " << a.rank << " given to " << req->host() << "\n";
+    return absl::OkStatus();
+  }();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
 }  // namespace lorastep

@@ -15,6 +15,9 @@ class RegistryService final : public v1::Registry::CallbackService {
   grpc::ServerUnaryReactor* RegisterWorker(grpc::CallbackServerContext* ctx,
                                            const v1::RegisterWorkerRequest* req,
                                            v1::RegisterWorkerResponse* resp) override;
+  grpc::ServerUnaryReactor* JoinMesh(grpc::CallbackServerContext* ctx,
+                                     const v1::JoinMeshRequest* req,
+                                     v1::JoinMeshResponse* resp) override;
 
  private:
   Coordinator* core_;

@@ -368,6 +368,31 @@ TEST_F(MeshTest, TwoRunsAtOnceOnOneMeshEachEqualThatRunAlone) {
   EXPECT_NE(alone_a, alone_b);
 }
 
+// Remote workers started without ranks join a coordinator's mesh by registration: ranks in
+// the order they ask, rank 0 serving the rendezvous; the mesh trains like any other.
+TEST_F(MeshTest, WorkersJoiningByRegistrationGetRanksAndTrain) {
+  if (OnCuda()) GTEST_SKIP() << "CPU workers";
+  const WorldOne want = TrainWorldOne("jw1");
+  auto server = ChildServer::Start(TestBinary("server/lorastep_coordinator"),
+                                   {"--wait_for_workers", "--dp", "2", "--rendezvous_port",
+                                    std::to_string(FreeLocalPort())},
+                                   60);
+  ASSERT_TRUE(server.ok()) << server.status();
+  Coordinator mesh;
+  mesh.server = std::make_unique<ChildServer>(std::move(server).value());
+  const std::vector<std::string> worker = {"--model", *dir_ + "/model", "--register_with",
+                                           mesh.server->address(), "--collective_timeout_s", "20"};
+  auto workers = ChildServer::StartAll(TestBinary("worker/lorastep_worker"), {worker, worker}, 120);
+  ASSERT_TRUE(workers.ok()) << workers.status();
+  auto client = TrainerClient::Connect(mesh.server->address());
+  ASSERT_TRUE(client.ok()) << client.status();
+  mesh.client = std::move(client).value();
+  ExpectSame(Train(mesh, 4, "joined dp2 lora"), want.lora, "joined dp2 lora");
+  // A third worker finds every rank taken.
+  auto extra = ChildServer::Start(TestBinary("worker/lorastep_worker"), worker, 60);
+  EXPECT_FALSE(extra.ok());
+}
+
 TEST_F(MeshTest, BatchSmallerThanTheReplicasIsRefused) {
   if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
   Coordinator dp2 = Start({"--dp", "2"});

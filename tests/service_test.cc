@@ -434,6 +434,14 @@ TEST(RegistrationTest, RemoteWorkersRegisterAndServeRuns) {
   EXPECT_THAT((CallUnary<v1::RegisterWorkerResponse>(registry.get(),
                                                       &v1::Registry::Stub::RegisterWorker, req)),
               StatusIs(absl::StatusCode::kInvalidArgument, "address: required"));
+  // Joining a mesh: this coordinator runs none; a host is required.
+  v1::JoinMeshRequest join;
+  join.set_host("127.0.0.1");
+  EXPECT_THAT((CallUnary<v1::JoinMeshResponse>(registry.get(), &v1::Registry::Stub::JoinMesh, join)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "runs no mesh"));
+  join.set_host("");
+  EXPECT_THAT((CallUnary<v1::JoinMeshResponse>(registry.get(), &v1::Registry::Stub::JoinMesh, join)),
+              StatusIs(absl::StatusCode::kInvalidArgument, "host: required"));
 }
 
 }  // namespace

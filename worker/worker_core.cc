@@ -22,6 +22,7 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerOptio
     g.layout = layout;
     g.device = core->base_->device.str();
     g.timeout = options.collective_timeout;
+    g.gloo_host = options.gloo_host;
     LORASTEP_ASSIGN_OR_RETURN(core->groups_, ProcessGroups::Create(g));
   }
   return core;

@@ -32,6 +32,7 @@ struct WorkerOptions {
   int rank = 0;
   ParallelSizes sizes;
   std::string rendezvous;  // host:port
+  std::string gloo_host = "127.0.0.1";  // this host's address for CPU (gloo) meshes
   std::chrono::milliseconds collective_timeout{std::chrono::seconds(120)};
   GradFinalizeOptions finalize;  // test-only switches
 };

@@ -41,6 +41,26 @@ absl::Status RegisterWithCoordinator(const std::string& coordinator, const std::
   return absl::DeadlineExceededError(absl::StrCat("registering with ", coordinator, ": ", last.message()));
 }
 
+// Asks the coordinator for a rank of its mesh. NOT_FOUND-like answers (no mesh there) come
+// back as FAILED_PRECONDITION: the worker then registers on its own, at world size 1.
+absl::StatusOr<lorastep::v1::JoinMeshResponse> JoinMesh(const std::string& coordinator,
+                                                        const std::string& host, int timeout_seconds) {
+  auto channel = grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials());
+  auto stub = lorastep::v1::Registry::NewStub(channel);
+  lorastep::v1::JoinMeshRequest req;
+  req.set_host(host);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_seconds);
+  absl::Status last;
+  while (std::chrono::steady_clock::now() < deadline) {
+    auto r = lorastep::CallUnary<lorastep::v1::JoinMeshResponse>(
+        stub.get(), &lorastep::v1::Registry::Stub::JoinMesh, req);
+    if (r.ok() || !absl::IsUnavailable(r.status())) return r;
+    last = r.status();
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("joining the mesh of ", coordinator, ": ", last.message()));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -73,6 +93,24 @@ int main(int argc, char** argv) {
   if (flags.count("test_replicated_reductions")) {
     options.finalize.replicated_reductions = std::stoi(flags["test_replicated_reductions"]);
   }
+  const std::string advertise_host =
+      flags.count("advertise_host") ? flags["advertise_host"] : (flags.count("host") ? flags["host"] : "127.0.0.1");
+  options.gloo_host = advertise_host;
+  if (flags.count("register_with") && !flags.count("rank")) {
+    // A coordinator running a mesh hands out the rank (and sizes, rendezvous) first.
+    auto joined = JoinMesh(flags["register_with"], advertise_host, 60);
+    if (joined.ok()) {
+      options.rank = joined->rank();
+      options.sizes = {joined->tp(), joined->pp(), joined->dp()};
+      options.rendezvous = joined->rendezvous();
+      std::cerr << "lorastep_worker: rank " << options.rank << " of " << options.sizes.world()
+                << ", rendezvous " << options.rendezvous << "\n";
+    } else if (!absl::IsFailedPrecondition(joined.status()) ||
+               joined.status().message().find("runs no mesh") == absl::string_view::npos) {
+      std::cerr << "lorastep_worker: " << joined.status() << "\n";
+      return 1;
+    }
+  }
   auto core = WorkerCore::Create(options);
   if (!core.ok()) {
     std::cerr << "lorastep_worker: " << core.status() << "\n";
@@ -96,9 +134,7 @@ int main(int argc, char** argv) {
   std::cerr << "lorastep_worker: serving " << options.model_path << " on port " << port << " ("
             << (*core)->base().device.str() << ")\n";
   if (flags.count("register_with")) {
-    const std::string self = absl::StrCat(
-        flags.count("advertise_host") ? flags["advertise_host"] : (flags.count("host") ? flags["host"] : "127.0.0.1"),
-        ":", port);
+    const std::string self = absl::StrCat(advertise_host, ":", port);
     if (auto s = RegisterWithCoordinator(flags["register_with"], self, 60); !s.ok()) {
       std::cerr << "lorastep_worker: " << s << "\n";
       (*server)->Shutdown();
