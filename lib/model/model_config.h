@@ -10,7 +10,23 @@
 
 namespace lorastep {
 
+// Routed-expert (MoE) MLP settings, as transformers' Qwen2-MoE / Qwen3-MoE configs name them.
+// num_experts 0: every layer is a dense MLP.
+struct MoeConfig {
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;     // top-k of the router's softmax
+  int64_t moe_intermediate_size = 0;   // each expert's SwiGLU width
+  bool norm_topk_prob = false;         // renormalize the top-k probabilities to sum to 1
+  int64_t decoder_sparse_step = 1;     // MoE on layers with (i + 1) % step == 0 ...
+  std::vector<int64_t> mlp_only_layers;  // ... except these, which stay dense
+  // Qwen2-MoE's shared expert (always on, gated by sigmoid(x . w)); 0 = none (Qwen3-MoE).
+  int64_t shared_expert_intermediate_size = 0;
+};
+
 struct ModelConfig {
+  // "qwen2" (dense), "qwen2_moe" or "qwen3_moe". MoE configs parse and validate; training
+  // them lands with the MoE issue (LoadModel refuses them until then).
+  std::string model_type = "qwen2";
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;        // H
   int64_t intermediate_size = 0;  // SwiGLU width
@@ -22,8 +38,15 @@ struct ModelConfig {
   double rope_theta = 1e6;          // RoPE base
   bool tie_word_embeddings = true;  // LM head reuses the embedding matrix
   std::string torch_dtype = "bfloat16";  // "float32", "float16" or "bfloat16"
+  int64_t head_dim_override = 0;  // Qwen3's explicit head_dim; 0 = hidden_size / heads
+  MoeConfig moe;
 
-  int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  int64_t head_dim() const {
+    return head_dim_override > 0 ? head_dim_override : hidden_size / num_attention_heads;
+  }
+  bool is_moe() const { return moe.num_experts > 0; }
+  // Whether decoder layer `layer` has routed experts (transformers' rule).
+  bool IsMoeLayer(int64_t layer) const;
   // Parameters that enter a matmul per token (the 'M' of 6M / 4M FLOPs), LM head included.
   int64_t MatmulParameterCount() const;
   // Every parameter, embeddings and norms included (tied embeddings counted once).
@@ -38,7 +61,9 @@ absl::StatusOr<ModelConfig> ParseModelConfigJson(const std::string& json_text);
 std::string ModelConfigToJson(const ModelConfig& config);
 
 // Named shapes: "tiny" (fast CPU tests), "small" (CPU demo), "qwen2.5-0.5b" (the miles
-// example's shape: 24 layers, H 896, FFN 4864, 14 heads, 2 KV groups, vocab 151936).
+// example's shape: 24 layers, H 896, FFN 4864, 14 heads, 2 KV groups, vocab 151936);
+// MoE: "tiny-moe" (Qwen2-MoE with a shared expert, 4 experts, top-2) and
+// "qwen3-30b-a3b-reduced" (Qwen3-30B-A3B's width, 128 experts, top-8; 4 layers).
 absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name);
 
 }  // namespace lorastep

@@ -106,6 +106,11 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& folder, const at::Devic
   LoadedModel model;
   LORASTEP_ASSIGN_OR_RETURN(std::string config_text, ReadFileToString(folder + "/config.json"));
   LORASTEP_ASSIGN_OR_RETURN(model.config, ParseModelConfigJson(config_text));
+  if (model.config.is_moe()) {
+    return absl::UnimplementedError(absl::StrCat(
+        folder, "/config.json: model_type '", model.config.model_type,
+        "': MoE configs parse and validate, but routed-expert layers are not built yet"));
+  }
   at::ScalarType type;
   if (dtype.has_value()) {
     type = *dtype;
