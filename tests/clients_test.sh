@@ -5,10 +5,7 @@ set -euo pipefail
 R="${TEST_SRCDIR:-$PWD}/lorastep"
 TMP="${TEST_TMPDIR:-$(mktemp -d)}"
 "$R/tools/lorastep_genmodel" --preset tiny --out "$TMP/model" >/dev/null
-# MoE presets parse but their weights are not generated yet: refused, not written as dense.
-if "$R/tools/lorastep_genmodel" --preset tiny-moe --out "$TMP/moe" 2>/dev/null; then
-  echo "a MoE preset was generated as a dense model"; exit 1
-fi
+
 "$R/server/lorastep_coordinator" --model "$TMP/model" --port 0 --port_file "$TMP/port" \
   --worker_binary "$R/worker/lorastep_worker" &
 PID=$!

@@ -119,10 +119,10 @@ TEST(ModelTest, LoadErrorsNameTheTensor) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        "missing tensor 'model.layers.1.post_attention_layernorm.weight'"));
   EXPECT_THAT(LoadModel(dir + "/absent", at::kCPU), StatusIs(absl::StatusCode::kNotFound, "config.json"));
-  // A MoE config parses, but its layers are not built yet: refused, not loaded as dense.
+  // A MoE config over a dense model's file: the expert tensors are missing, by name.
   ASSERT_OK(WriteStringToFile(dir + "/shape/config.json", ModelConfigToJson(ModelConfigPreset("tiny-moe").value())));
   EXPECT_THAT(LoadModel(dir + "/shape", at::kCPU),
-              StatusIs(absl::StatusCode::kUnimplemented, "routed-expert layers are not built yet"));
+              StatusIs(absl::StatusCode::kInvalidArgument, "missing tensor 'model.layers.0.mlp.shared_expert.gate_proj.weight'"));
 }
 
 }  // namespace

@@ -33,10 +33,6 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (!dtype.empty()) config->torch_dtype = dtype;
-  if (config->is_moe()) {  // the weight generator writes dense layers only, for now
-    std::cerr << "preset: '" << preset << "' is a MoE shape; generating its weights is not built yet\n";
-    return 2;
-  }
   auto status = lorastep::SaveModel(out, *config, lorastep::RandomModelWeights(*config, seed), shards);
   if (!status.ok()) {
     std::cerr << status << "\n";

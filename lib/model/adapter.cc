@@ -12,10 +12,11 @@ namespace lorastep {
 namespace {
 
 std::array<int64_t, 2> LinearShape(const ModelConfig& c, int slot) {
-  const int64_t h = c.hidden_size, kv = c.num_key_value_heads * c.head_dim(),
-                f = c.intermediate_size;
+  const int64_t h = c.hidden_size, q = c.num_attention_heads * c.head_dim(),
+                kv = c.num_key_value_heads * c.head_dim(), f = c.intermediate_size;
   switch (slot) {
-    case kQProj: case kOProj: return {h, h};
+    case kQProj: return {q, h};
+    case kOProj: return {h, q};
     case kKProj: case kVProj: return {kv, h};
     case kGateProj: case kUpProj: return {f, h};
     default: return {h, f};  // down_proj
@@ -37,6 +38,12 @@ absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const Lora
     return absl::InvalidArgumentError("lora.rank: 0 means full fine-tuning, not LoRA");
   }
   LORASTEP_ASSIGN_OR_RETURN(auto targeted, ResolveLoraTargets(lora));
+  if (model.is_moe() && (targeted[kGateProj] || targeted[kUpProj] || targeted[kDownProj])) {
+    // Expert LoRA (per-expert and shared-outer) lands with the MoE issue's next step.
+    return absl::UnimplementedError(
+        "lora.target_modules: gate/up/down on a MoE model (expert LoRA) is not built yet; "
+        "target q_proj, k_proj, v_proj, o_proj");
+  }
   Adapter adapter;
   adapter.lora_ = lora;
   const ModelShard whole = MakeModelShard({}, {}, model);

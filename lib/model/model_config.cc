@@ -6,17 +6,37 @@
 namespace lorastep {
 
 int64_t ModelConfig::MatmulParameterCount() const {
-  const int64_t h = hidden_size, kv = num_key_value_heads * head_dim();
-  const int64_t per_layer = h * h /*q*/ + 2 * h * kv /*k,v*/ + h * h /*o*/ +
-                            3 * h * intermediate_size /*gate,up,down*/;
-  return num_hidden_layers * per_layer + vocab_size * h /*LM head*/;
+  const int64_t h = hidden_size, q = num_attention_heads * head_dim(),
+                kv = num_key_value_heads * head_dim();
+  int64_t total = vocab_size * h;  // LM head
+  for (int64_t layer = 0; layer < num_hidden_layers; ++layer) {
+    total += 2 * h * q /*q,o*/ + 2 * h * kv /*k,v*/;
+    if (!IsMoeLayer(layer)) {
+      total += 3 * h * intermediate_size;  // gate, up, down
+      continue;
+    }
+    // Per token: the router, top-k experts, and Qwen2-MoE's shared expert and its gate.
+    total += moe.num_experts * h + moe.num_experts_per_tok * 3 * h * moe.moe_intermediate_size;
+    if (moe.shared_expert_intermediate_size > 0) total += 3 * h * moe.shared_expert_intermediate_size + h;
+  }
+  return total;
 }
 
 int64_t ModelConfig::TotalParameterCount() const {
-  const int64_t h = hidden_size, kv = num_key_value_heads * head_dim();
-  const int64_t per_layer_extra = h + 2 * kv /*q,k,v bias*/ + 2 * h /*norms*/;
-  int64_t total = MatmulParameterCount() + num_hidden_layers * per_layer_extra + h;
+  const int64_t h = hidden_size, d = head_dim(), q = num_attention_heads * d,
+                kv = num_key_value_heads * d;
+  int64_t total = vocab_size * h /*embedding*/ + h /*final norm*/;
   if (!tie_word_embeddings) total += vocab_size * h;
+  for (int64_t layer = 0; layer < num_hidden_layers; ++layer) {
+    total += 2 * h * q + 2 * h * kv + 2 * h /*norms*/;
+    total += model_type == "qwen3_moe" ? 2 * d /*q/k norms*/ : q + 2 * kv /*q,k,v bias*/;
+    if (!IsMoeLayer(layer)) {
+      total += 3 * h * intermediate_size;
+      continue;
+    }
+    total += moe.num_experts * (h + 3 * h * moe.moe_intermediate_size);  // router + experts
+    if (moe.shared_expert_intermediate_size > 0) total += 3 * h * moe.shared_expert_intermediate_size + h;
+  }
   return total;
 }
 

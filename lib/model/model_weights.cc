@@ -6,6 +6,7 @@
 #include <memory>
 #include <set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "lib/io/file_util.h"
@@ -25,11 +26,30 @@ void VisitNamed(Weights& w, Fn&& fn) {
   fn("model.embed_tokens.weight", w.embed_tokens);
   for (size_t i = 0; i < w.layers.size(); ++i) {
     auto& layer = w.layers[i];
+    const LayerLayout& lay = layer.layout;
     const std::string prefix = absl::StrCat("model.layers.", w.first_layer + static_cast<int64_t>(i), ".");
     fn(prefix + "input_layernorm.weight", layer.input_norm);
     for (int s = 0; s < kNumLinearSlots; ++s) {
+      if (s >= kGateProj) {
+        if (!lay.mlp_slots) continue;
+        // On a MoE layer these slots are Qwen2-MoE's shared expert.
+        const std::string module = lay.moe ? absl::StrCat("mlp.shared_expert.", LinearSlotName(s))
+                                           : LinearSlotModulePath(s);
+        fn(absl::StrCat(prefix, module, ".weight"), layer.linear[s]);
+        continue;
+      }
       fn(absl::StrCat(prefix, LinearSlotModulePath(s), ".weight"), layer.linear[s]);
-      if (s < 3) fn(absl::StrCat(prefix, "self_attn.", kBiasNames[s], ".bias"), layer.qkv_bias[s]);
+      if (s < 3 && lay.qkv_bias) fn(absl::StrCat(prefix, "self_attn.", kBiasNames[s], ".bias"), layer.qkv_bias[s]);
+    }
+    if (lay.qk_norm) {
+      fn(prefix + "self_attn.q_norm.weight", layer.q_norm);
+      fn(prefix + "self_attn.k_norm.weight", layer.k_norm);
+    }
+    if (lay.moe) {
+      fn(prefix + "mlp.gate.weight", layer.router);
+      fn(prefix + "mlp.experts.gate_up_proj", layer.experts_gate_up);
+      fn(prefix + "mlp.experts.down_proj", layer.experts_down);
+      if (lay.shared_expert_gate) fn(prefix + "mlp.shared_expert_gate.weight", layer.shared_expert_gate);
     }
     fn(prefix + "post_attention_layernorm.weight", layer.post_attention_norm);
   }
@@ -75,29 +95,63 @@ void ForEachNamedTensor(const ModelWeights& weights,
   VisitNamed(weights, fn);
 }
 
+LayerLayout LayoutOfLayer(const ModelConfig& c, int64_t layer) {
+  LayerLayout l;
+  l.qkv_bias = c.model_type != "qwen3_moe";
+  l.qk_norm = c.model_type == "qwen3_moe";
+  l.moe = c.IsMoeLayer(layer);
+  l.mlp_slots = !l.moe || c.moe.shared_expert_intermediate_size > 0;
+  l.shared_expert_gate = l.moe && c.moe.shared_expert_intermediate_size > 0;
+  return l;
+}
+
+ModelWeights ModelSkeleton(const ModelConfig& c) {
+  const at::TensorOptions meta = at::TensorOptions().device(at::kMeta).dtype(at::kFloat);
+  const int64_t h = c.hidden_size, d = c.head_dim(), q = c.num_attention_heads * d,
+                kv = c.num_key_value_heads * d;
+  auto t = [&](std::vector<int64_t> shape) { return at::empty(shape, meta); };
+  ModelWeights w;
+  w.embed_tokens = t({c.vocab_size, h});
+  w.final_norm = t({h});
+  if (!c.tie_word_embeddings) w.lm_head = t({c.vocab_size, h});
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    LayerWeights l;
+    l.layout = LayoutOfLayer(c, i);
+    l.input_norm = t({h});
+    l.post_attention_norm = t({h});
+    l.linear[kQProj] = t({q, h});
+    l.linear[kKProj] = t({kv, h});
+    l.linear[kVProj] = t({kv, h});
+    l.linear[kOProj] = t({h, q});
+    if (l.layout.qkv_bias) l.qkv_bias = {t({q}), t({kv}), t({kv})};
+    if (l.layout.qk_norm) {
+      l.q_norm = t({d});
+      l.k_norm = t({d});
+    }
+    if (l.layout.mlp_slots) {
+      const int64_t f = l.layout.moe ? c.moe.shared_expert_intermediate_size : c.intermediate_size;
+      l.linear[kGateProj] = t({f, h});
+      l.linear[kUpProj] = t({f, h});
+      l.linear[kDownProj] = t({h, f});
+    }
+    if (l.layout.moe) {
+      const int64_t e = c.moe.num_experts, f = c.moe.moe_intermediate_size;
+      l.router = t({e, h});
+      l.experts_gate_up = t({e, 2 * f, h});
+      l.experts_down = t({e, h, f});
+      if (l.layout.shared_expert_gate) l.shared_expert_gate = t({1, h});
+    }
+    w.layers.push_back(std::move(l));
+  }
+  return w;
+}
+
 std::vector<std::pair<std::string, std::vector<int64_t>>> ExpectedTensorShapes(
     const ModelConfig& c) {
-  const int64_t h = c.hidden_size, kv = c.num_key_value_heads * c.head_dim(),
-                f = c.intermediate_size;
-  const std::array<std::vector<int64_t>, kNumLinearSlots> linear_shapes = {
-      std::vector<int64_t>{h, h}, {kv, h}, {kv, h}, {h, h}, {f, h}, {f, h}, {h, f}};
-  const std::array<int64_t, 3> bias_sizes = {h, kv, kv};
   std::vector<std::pair<std::string, std::vector<int64_t>>> out;
-  out.emplace_back("model.embed_tokens.weight", std::vector<int64_t>{c.vocab_size, h});
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const std::string prefix = absl::StrCat("model.layers.", i, ".");
-    out.emplace_back(prefix + "input_layernorm.weight", std::vector<int64_t>{h});
-    for (int s = 0; s < kNumLinearSlots; ++s) {
-      out.emplace_back(absl::StrCat(prefix, LinearSlotModulePath(s), ".weight"), linear_shapes[s]);
-      if (s < 3) {
-        out.emplace_back(absl::StrCat(prefix, "self_attn.", kBiasNames[s], ".bias"),
-                         std::vector<int64_t>{bias_sizes[s]});
-      }
-    }
-    out.emplace_back(prefix + "post_attention_layernorm.weight", std::vector<int64_t>{h});
-  }
-  out.emplace_back("model.norm.weight", std::vector<int64_t>{h});
-  if (!c.tie_word_embeddings) out.emplace_back("lm_head.weight", std::vector<int64_t>{c.vocab_size, h});
+  ForEachNamedTensor(ModelSkeleton(c), [&](const std::string& name, const at::Tensor& t) {
+    out.emplace_back(name, std::vector<int64_t>(t.sizes().begin(), t.sizes().end()));
+  });
   return out;
 }
 
@@ -106,11 +160,6 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& folder, const at::Devic
   LoadedModel model;
   LORASTEP_ASSIGN_OR_RETURN(std::string config_text, ReadFileToString(folder + "/config.json"));
   LORASTEP_ASSIGN_OR_RETURN(model.config, ParseModelConfigJson(config_text));
-  if (model.config.is_moe()) {
-    return absl::UnimplementedError(absl::StrCat(
-        folder, "/config.json: model_type '", model.config.model_type,
-        "': MoE configs parse and validate, but routed-expert layers are not built yet"));
-  }
   at::ScalarType type;
   if (dtype.has_value()) {
     type = *dtype;
@@ -129,8 +178,8 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& folder, const at::Devic
     return raw;
   };
 
-  std::map<std::string, at::Tensor> loaded;
-  for (const auto& [name, shape] : ExpectedTensorShapes(model.config)) {
+  // One tensor by name, shape-checked, on the device in the model dtype.
+  auto load = [&](const std::string& name, const std::vector<int64_t>& shape) -> absl::StatusOr<at::Tensor> {
     auto file_it = files.count("*") ? files.find("*") : files.find(name);
     if (file_it == files.end()) {
       return absl::InvalidArgumentError(absl::StrCat(folder, ": tensor '", name,
@@ -147,12 +196,41 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& folder, const at::Devic
           absl::StrJoin(shape, ", "), "], file has [", absl::StrJoin((*entry)->shape, ", "), "]"));
     }
     LORASTEP_ASSIGN_OR_RETURN(at::Tensor cpu, TensorFromEntry(**entry));
-    auto moved = GuardTorch([&]() -> absl::StatusOr<at::Tensor> { return cpu.to(device, type); });
-    if (!moved.ok()) return moved.status();
-    loaded[name] = *moved;
+    return GuardTorch([&]() -> absl::StatusOr<at::Tensor> { return cpu.to(device, type); });
+  };
+  auto has = [&](const std::string& name) {
+    if (!files.count("*")) return files.count(name) > 0;
+    auto file = open_file(files.at("*"));
+    return file.ok() && (*file)->Find(name).ok();
+  };
+  // Stacked experts, or assembled from one module per expert.
+  auto load_experts = [&](const std::string& name, const std::vector<int64_t>& shape) -> absl::StatusOr<at::Tensor> {
+    if (has(name)) return load(name, shape);
+    const std::string base = name.substr(0, name.rfind('.'));  // model.layers.N.mlp.experts
+    const bool gate_up = absl::EndsWith(name, "gate_up_proj");
+    const int64_t f = gate_up ? shape[1] / 2 : shape[2], h = gate_up ? shape[2] : shape[1];
+    std::vector<at::Tensor> experts;
+    for (int64_t e = 0; e < shape[0]; ++e) {
+      const std::string prefix = absl::StrCat(base, ".", e, ".");
+      if (gate_up) {
+        LORASTEP_ASSIGN_OR_RETURN(at::Tensor g, load(prefix + "gate_proj.weight", {f, h}));
+        LORASTEP_ASSIGN_OR_RETURN(at::Tensor u, load(prefix + "up_proj.weight", {f, h}));
+        experts.push_back(at::cat({g, u}, 0));
+      } else {
+        LORASTEP_ASSIGN_OR_RETURN(at::Tensor dn, load(prefix + "down_proj.weight", {h, f}));
+        experts.push_back(dn);
+      }
+    }
+    return GuardTorch([&]() -> absl::StatusOr<at::Tensor> { return at::stack(experts); });
+  };
+
+  std::map<std::string, at::Tensor> loaded;
+  for (const auto& [name, shape] : ExpectedTensorShapes(model.config)) {
+    const bool experts = absl::EndsWith(name, "mlp.experts.gate_up_proj") ||
+                         absl::EndsWith(name, "mlp.experts.down_proj");
+    LORASTEP_ASSIGN_OR_RETURN(loaded[name], experts ? load_experts(name, shape) : load(name, shape));
   }
-  model.weights.layers.resize(model.config.num_hidden_layers);
-  if (!model.config.tie_word_embeddings) model.weights.lm_head = at::empty({0});
+  model.weights = ModelSkeleton(model.config);
   ForEachNamedTensor(model.weights,
                      [&](const std::string& name, at::Tensor& t) { t = loaded.at(name); });
   return model;
@@ -194,14 +272,9 @@ absl::Status SaveModel(const std::string& folder, const ModelConfig& config,
 ModelWeights RandomModelWeights(const ModelConfig& config, uint64_t seed) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   const at::ScalarType type = ScalarTypeFromName(config.torch_dtype).value_or(at::kFloat);
-  ModelWeights w;
-  w.layers.resize(config.num_hidden_layers);
-  if (!config.tie_word_embeddings) w.lm_head = at::empty({0});
-  std::map<std::string, std::vector<int64_t>> shapes;
-  for (auto& [name, shape] : ExpectedTensorShapes(config)) shapes[name] = shape;
+  ModelWeights w = ModelSkeleton(config);
   ForEachNamedTensor(w, [&](const std::string& name, at::Tensor& t) {
-    const auto& shape = shapes.at(name);
-    at::Tensor f = at::empty(shape, at::kFloat);
+    at::Tensor f = at::empty(t.sizes(), at::kFloat);
     if (name.find("norm") != std::string::npos) {
       f.normal_(1.0, 0.1, gen);  // near 1, but not exactly: tests see the norm weights
     } else {
@@ -226,12 +299,15 @@ ModelWeights ShardModelWeights(const ModelWeights& full, const ModelConfig& conf
   for (int64_t layer = shard.layer_begin; layer < shard.layer_end; ++layer) {
     const LayerWeights& src = full.layers[layer];
     LayerWeights dst;
+    dst.layout = src.layout;
     dst.input_norm = src.input_norm;
     dst.post_attention_norm = src.post_attention_norm;
     for (int slot = 0; slot < kNumLinearSlots; ++slot) {
       const LinearSplit split = LinearSplitOf(shard, slot, config);
       dst.linear[slot] = cut(src.linear[slot], split.dim, split.begin, split.end);
-      if (slot < 3) dst.qkv_bias[slot] = cut(src.qkv_bias[slot], 0, split.begin, split.end);
+      if (slot < 3 && src.qkv_bias[slot].defined()) {
+        dst.qkv_bias[slot] = cut(src.qkv_bias[slot], 0, split.begin, split.end);
+      }
     }
     out.layers.push_back(std::move(dst));
   }

@@ -19,11 +19,29 @@
 
 namespace lorastep {
 
+// Which tensors a decoder layer has (set from the config; names and shapes follow it).
+struct LayerLayout {
+  bool qkv_bias = true;   // Qwen2 and Qwen2-MoE attention
+  bool qk_norm = false;   // Qwen3: RMSNorm over each query/key head before RoPE
+  bool moe = false;       // routed experts: router + stacked expert weights
+  // gate/up/down slots hold the dense MLP, or on a MoE layer Qwen2-MoE's shared expert.
+  bool mlp_slots = true;
+  bool shared_expert_gate = false;
+};
+LayerLayout LayoutOfLayer(const ModelConfig& config, int64_t layer);
+
 struct LayerWeights {
+  LayerLayout layout;
   at::Tensor input_norm;                          // [H]
   std::array<at::Tensor, kNumLinearSlots> linear;  // [out, in], indexed by LinearSlot
-  std::array<at::Tensor, 3> qkv_bias;              // q, k, v biases
+  std::array<at::Tensor, 3> qkv_bias;              // q, k, v biases (when layout.qkv_bias)
+  at::Tensor q_norm, k_norm;                       // [head_dim] (when layout.qk_norm)
   at::Tensor post_attention_norm;                 // [H]
+  // Routed experts (layout.moe), in transformers' in-memory layout.
+  at::Tensor router;             // [E, H]: mlp.gate.weight
+  at::Tensor experts_gate_up;    // [E, 2I, H]: gate rows, then up rows
+  at::Tensor experts_down;       // [E, H, I]
+  at::Tensor shared_expert_gate;  // [1, H] (Qwen2-MoE)
 };
 
 struct ModelWeights {
@@ -53,7 +71,10 @@ struct LoadedModel {
 };
 
 // Loads a Hugging Face folder onto `device` in `dtype` (default: config.torch_dtype).
-// Missing tensors and shape mismatches are INVALID_ARGUMENT naming the tensor.
+// Missing tensors and shape mismatches are INVALID_ARGUMENT naming the tensor. Routed
+// experts load from either layout transformers writes: stacked
+// (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) or one module
+// per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`, what save_pretrained writes).
 absl::StatusOr<LoadedModel> LoadModel(const std::string& folder, const at::Device& device,
                                       c10::optional<at::ScalarType> dtype = c10::nullopt);
 
@@ -67,6 +88,10 @@ absl::Status SaveModel(const std::string& folder, const ModelConfig& config,
 // freed). A whole shard returns `full` itself.
 ModelWeights ShardModelWeights(const ModelWeights& full, const ModelConfig& config,
                                const ModelShard& shard);
+
+// A model of `config` whose tensors are shape-only (meta device): the names and shapes
+// every loader and generator fills.
+ModelWeights ModelSkeleton(const ModelConfig& config);
 
 // Random weights (normal(0, 0.02) matrices, norms near 1, small biases), deterministic in
 // `seed`, made on CPU in config.torch_dtype.

@@ -35,7 +35,9 @@ class LayerRunner {
     const at::Tensor& w = weights_.layers[layer].linear[slot];
     at::Tensor mg = main_grads_ != nullptr ? main_grads_->layers[layer].linear[slot] : at::Tensor();
     at::Tensor y = Linear(x, w, mg, options_.grad);
-    if (slot < 3) y = y + weights_.layers[layer].qkv_bias[slot];
+    if (slot < 3 && weights_.layers[layer].qkv_bias[slot].defined()) {
+      y = y + weights_.layers[layer].qkv_bias[slot];
+    }
     const LoraFactors* f = adapter_ != nullptr ? adapter_->lora(layer, slot) : nullptr;
     if (f != nullptr) {
       const Parameter& a = adapter_->parameters()[f->a];
@@ -69,8 +71,14 @@ class LayerRunner {
                   nh = shard != nullptr ? shard->heads : c_.num_attention_heads,
                   nkv = shard != nullptr ? shard->kv_heads : c_.num_key_value_heads;
     at::Tensor h = CopyToTensorRegion(RmsNorm(x, lw.input_norm, c_.rms_norm_eps), tp);
-    at::Tensor q = Project(i, kQProj, h).view({b, s, nh, d}).transpose(1, 2);
-    at::Tensor k = Project(i, kKProj, h).view({b, s, nkv, d}).transpose(1, 2);
+    at::Tensor q = Project(i, kQProj, h).view({b, s, nh, d});
+    at::Tensor k = Project(i, kKProj, h).view({b, s, nkv, d});
+    if (lw.layout.qk_norm) {  // Qwen3: RMSNorm over each head, before RoPE
+      q = RmsNorm(q, lw.q_norm, c_.rms_norm_eps);
+      k = RmsNorm(k, lw.k_norm, c_.rms_norm_eps);
+    }
+    q = q.transpose(1, 2);
+    k = k.transpose(1, 2);
     at::Tensor v = Project(i, kVProj, h).view({b, s, nkv, d}).transpose(1, 2);
     int64_t kv_used = nkv;
     if (shard != nullptr && shard->kv_select >= 0) {  // replicated KV heads: the one we read
@@ -88,8 +96,57 @@ class LayerRunner {
     // Row-parallel o/down give partial sums (LoRA's B(A_i x_i) included): one all-reduce each.
     x = x + ReduceFromTensorRegion(Project(i, kOProj, attn), tp);
     h = CopyToTensorRegion(RmsNorm(x, lw.post_attention_norm, c_.rms_norm_eps), tp);
+    if (lw.layout.moe) return x + MoeMlp(i, h);
     at::Tensor act = at::silu(Project(i, kGateProj, h)) * Project(i, kUpProj, h);
     return x + ReduceFromTensorRegion(Project(i, kDownProj, act), tp);
+  }
+
+  // Routed experts (transformers' Qwen2-MoE / Qwen3-MoE block): router softmax in fp32,
+  // top-k, optional renormalization; tokens grouped by expert; each expert's gate/up and
+  // down are frozen linears (one 2-D GEMM each way); weighted outputs added back per token.
+  // Qwen2-MoE adds its shared expert, gated by sigmoid(x . w).
+  at::Tensor MoeMlp(size_t i, const at::Tensor& h) const {
+    const LayerWeights& lw = weights_.layers[i];
+    const int64_t hidden = h.size(-1), top_k = c_.moe.num_experts_per_tok;
+    at::Tensor x = h.reshape({-1, hidden});
+    at::Tensor logits = Linear(x, lw.router, at::Tensor(), options_.grad);
+    at::Tensor probs = at::softmax(logits.to(at::kFloat), -1);
+    auto [top_p, top_e] = probs.topk(top_k, -1);
+    if (c_.moe.norm_topk_prob) top_p = top_p / top_p.sum(-1, /*keepdim=*/true);
+    top_p = top_p.to(logits.scalar_type());
+    // Group the (token, slot) pairs by expert: one sort, then one contiguous run each.
+    at::Tensor flat_e = top_e.reshape({-1});
+    at::Tensor order = std::get<1>(flat_e.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
+    at::Tensor counts = at::bincount(flat_e, {}, c_.moe.num_experts).to(at::kCPU);
+    if (options_.routing_metrics != nullptr) {
+      const double hit = (counts > 0).sum().item<double>();
+      const double mean = counts.to(at::kDouble).mean().item<double>();
+      options_.routing_metrics->Add("moe_experts_hit:mean", hit / c_.moe.num_experts, 1.0);
+      options_.routing_metrics->Add("moe_load_max_over_mean:max",
+                                    mean > 0 ? counts.max().item<double>() / mean : 0.0);
+    }
+    at::Tensor out = at::zeros_like(x);
+    const int64_t f = lw.experts_down.size(2);
+    int64_t start = 0;
+    for (int64_t e = 0; e < c_.moe.num_experts; ++e) {
+      const int64_t n = counts[e].item<int64_t>();
+      if (n == 0) continue;
+      at::Tensor pairs = order.narrow(0, start, n);  // indices into [T * top_k]
+      start += n;
+      at::Tensor tokens = at::floor_divide(pairs, top_k);
+      at::Tensor xs = x.index_select(0, tokens);
+      at::Tensor gate_up = Linear(xs, lw.experts_gate_up[e], at::Tensor(), options_.grad);
+      at::Tensor act = at::silu(gate_up.narrow(-1, 0, f)) * gate_up.narrow(-1, f, f);
+      at::Tensor y = Linear(act, lw.experts_down[e], at::Tensor(), options_.grad);
+      y = y * top_p.reshape({-1}).index_select(0, pairs).unsqueeze(1);
+      out = out.index_add(0, tokens, y);
+    }
+    if (lw.layout.shared_expert_gate) {
+      at::Tensor act = at::silu(Project(i, kGateProj, x)) * Project(i, kUpProj, x);
+      at::Tensor shared = Project(i, kDownProj, act);
+      out = out + at::sigmoid(Linear(x, lw.shared_expert_gate, at::Tensor(), options_.grad)) * shared;
+    }
+    return out.view(h.sizes());
   }
 
  private:

@@ -9,6 +9,7 @@
 
 #include "lib/model/adapter.h"
 #include "lib/model/linear.h"
+#include "lib/training/metrics.h"
 #include "lib/model/model_config.h"
 #include "lib/model/model_weights.h"
 #include "lib/parallel/parallel_layout.h"
@@ -26,6 +27,10 @@ struct ForwardOptions {
   // Null shard or group: the whole model.
   const ModelShard* shard = nullptr;
   CommGroup* tensor_group = nullptr;
+  // MoE routing figures of each MoE layer of each forward go here when set:
+  // moe_experts_hit:mean (share of the layer's experts that got tokens) and
+  // moe_load_max_over_mean:max (the busiest expert's tokens over the mean).
+  Metrics* routing_metrics = nullptr;
 };
 
 // tokens: int64 [b, s] (right-padded; causal attention keeps padding out of real positions).

@@ -82,6 +82,10 @@ absl::StatusOr<std::shared_ptr<const BaseModel>> LoadBaseModel(const std::string
     LORASTEP_ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(folder, base->device, type));
     base->config = loaded.config;
     LORASTEP_RETURN_IF_ERROR(ValidateLayoutForModel(sizes, base->config));
+    if (base->config.model_type != "qwen2" && (sizes.tp > 1 || sizes.pp > 1)) {
+      return absl::UnimplementedError(absl::StrCat(
+          "tp/pp: sharding a ", base->config.model_type, " model is not built yet; use dp"));
+    }
     base->shard = MakeModelShard(sizes, coords, base->config);
     base->weights = ShardModelWeights(loaded.weights, base->config, base->shard);
     loaded.weights = ModelWeights();
@@ -111,7 +115,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(std::shared_ptr<const B
   }
   return GuardTorch([&]() -> absl::StatusOr<std::unique_ptr<Trainer>> {
     Adapter adapter;
-    if (options.lora.full_finetune()) {
+    if (options.lora.full_finetune() && base->config.is_moe()) {
+    return absl::UnimplementedError("lora.rank: full fine-tuning of a MoE model is not built yet");
+  }
+  if (options.lora.full_finetune()) {
       adapter = Adapter::CreateFullFinetune(base->weights, &base->shard,
                                             base->config.tie_word_embeddings);
     } else {
@@ -164,6 +171,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
       datums, batch.max_tokens_per_microbatch > 0 ? batch.max_tokens_per_microbatch
                                                   : options_.max_tokens_per_microbatch);
   ForwardOptions fwd_options{options_.grad, /*training=*/backward, &dropout_generator_};
+  fwd_options.routing_metrics = &m;
   CommGroup* tensor_group = options_.groups != nullptr && base_->shard.tp > 1
                                 ? &options_.groups->group(GroupKind::kTensor)
                                 : nullptr;
