@@ -43,10 +43,17 @@ def main():
     ap.add_argument("--workdir", default="/tmp/lorastep_parity")
     ap.add_argument("--out", required=True)
     ap.add_argument("--tolerance", type=float, default=2e-2)
+    ap.add_argument("--targets", default="", help="LoRA targets, comma-separated (default all-linear)")
+    ap.add_argument("--seq", type=int, default=0, help="tokens per sequence (default: the tool's 128)")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
-    subprocess.run([args.parity_bin, "--model", args.model, "--workdir", args.workdir,
-                    "--device", args.device, "--dtype", args.dtype], check=True)
+    cmd = [args.parity_bin, "--model", args.model, "--workdir", args.workdir,
+           "--device", args.device, "--dtype", args.dtype]
+    if args.targets:
+        cmd += ["--targets", args.targets]
+    if args.seq:
+        cmd += ["--seq", str(args.seq)]
+    subprocess.run(cmd, check=True)
     ours = load_file(os.path.join(args.workdir, "ours.safetensors"))
 
     import transformers, peft
@@ -92,7 +99,8 @@ def main():
         "torch_version": torch.__version__, "transformers_version": transformers.__version__,
         "peft_version": peft.__version__, "dtype": args.dtype,
         "command": " ".join(sys.argv),
-        "tokens_shape": list(tokens.shape),
+        "tokens_shape": list(tokens.shape), "model_type": model.config.model_type,
+        "hf_class": type(model).__name__,
         "logits_max_abs_diff": logits_max_abs, "logits_rel_err": logits_rel,
         "loss_ours": ours["loss"].item(), "loss_peft": loss.item(),
         "lora_grad_rel_err": grad_rel, "lora_grad_worst_tensor_rel_err": worst,

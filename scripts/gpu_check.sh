@@ -58,6 +58,19 @@ for dt in ${GPU_TEST_DTYPES:-float32 bfloat16}; do
     --device cuda --dtype $dt --tolerance $tol --workdir /tmp/par_$dt --out "$OUT/hf_parity_$dt.json" 2>&1 | tail -22
 done
 fi
+if [[ " $STEPS " == *" moe "* ]]; then
+  step "MoE parity against transformers (tiny Qwen2-MoE and Qwen3-MoE; attention LoRA vs PEFT)"
+  for preset in tiny-moe tiny-qwen3-moe; do
+    build-gpu/lorastep_genmodel --preset $preset --seed 2 --out /tmp/$preset > /dev/null
+    for dt in float32 bfloat16; do
+      tol=1e-3; [ "$dt" = bfloat16 ] && tol=3e-2
+      PYTHONUNBUFFERED=1 python3 bench/hf_parity.py --model /tmp/$preset --parity-bin build-gpu/lorastep_parity \
+        --device cuda --dtype $dt --tolerance $tol --targets q_proj,k_proj,v_proj,o_proj --seq 64 \
+        --workdir /tmp/moe_${preset}_$dt --out "$OUT/moe_parity_${preset}_$dt.json" 2>&1 | \
+        grep -E '"(hf_class|logits_rel_err|lora_grad_rel_err|hf_dtype_vs_hf_fp32_logits_rel_err|pass)"|Error|error' | tr -d '\n'; echo " <- $preset $dt"
+    done
+  done
+fi
 if [[ " $STEPS " == *" service "* ]]; then
   step "service overhead (qwen2.5-0.5b bf16, 64 x 512 tokens)"
   MACHINE="$MACHINE" VERSIONS="$(tail -1 "$OUT/env.txt")" \

@@ -105,7 +105,8 @@ at::Tensor ReferenceLogits(const ModelConfig& c, const ModelWeights& w, const at
 }
 
 TEST(MoeModelTest, LogitsMatchPlainReferenceBothFamilies) {
-  for (const ModelConfig& c : {ModelConfigPreset("tiny-moe").value(), Qwen3Tiny()}) {
+  for (const ModelConfig& c : {ModelConfigPreset("tiny-moe").value(), Qwen3Tiny(),
+                               ModelConfigPreset("tiny-qwen3-moe").value()}) {
     ModelWeights w = RandomModelWeights(c, 5);
     for (auto& l : w.layers) {  // a router with a real preference, so top-k matters
       if (l.layout.moe) l.router = l.router * 50;
@@ -124,41 +125,39 @@ TEST(MoeModelTest, StackedAndPerExpertLayoutsLoadTheSameWeights) {
   const ModelConfig c = ModelConfigPreset("tiny-moe").value();
   const ModelWeights w = RandomModelWeights(c, 9);
   const std::string dir = ScratchDir("moe_layouts");
-  ASSERT_OK(SaveModel(dir + "/stacked", c, w));  // transformers' in-memory names
-  // The layout save_pretrained writes: one module per expert.
-  TensorWriteList per_expert;
-  ForEachNamedTensor(w, [&](const std::string& name, const at::Tensor& t) {
-    const bool gate_up = name.find("mlp.experts.gate_up_proj") != std::string::npos;
-    const bool down = name.find("mlp.experts.down_proj") != std::string::npos;
-    if (!gate_up && !down) {
-      ASSERT_OK(per_expert.Add(name, t));
-      return;
-    }
-    const std::string base = name.substr(0, name.rfind('.'));
-    const int64_t f = c.moe.moe_intermediate_size;
-    for (int64_t e = 0; e < t.size(0); ++e) {
-      const std::string p = absl::StrCat(base, ".", e, ".");
-      if (gate_up) {
-        ASSERT_OK(per_expert.Add(p + "gate_proj.weight", t[e].narrow(0, 0, f).contiguous()));
-        ASSERT_OK(per_expert.Add(p + "up_proj.weight", t[e].narrow(0, f, f).contiguous()));
-      } else {
-        ASSERT_OK(per_expert.Add(p + "down_proj.weight", t[e].contiguous()));
-      }
-    }
-  });
-  ASSERT_OK(MakeDirectories(dir + "/per_expert"));
-  ASSERT_OK(WriteStringToFile(dir + "/per_expert/config.json", ModelConfigToJson(c)));
-  ASSERT_OK(per_expert.WriteTo(dir + "/per_expert/model.safetensors"));
+  // SaveModel writes one module per expert, as save_pretrained does.
+  ASSERT_OK(SaveModel(dir + "/per_expert", c, w));
+  ASSERT_OK_AND_ASSIGN(SafetensorsFile written, SafetensorsFile::Open(dir + "/per_expert/model.safetensors"));
+  EXPECT_TRUE(written.Find("model.layers.0.mlp.experts.3.up_proj.weight").ok());
+  EXPECT_FALSE(written.Find("model.layers.0.mlp.experts.gate_up_proj").ok());
+  // transformers' in-memory names: stacked experts.
+  TensorWriteList stacked;
+  ForEachNamedTensor(w, [&](const std::string& name, const at::Tensor& t) { ASSERT_OK(stacked.Add(name, t)); });
+  ASSERT_OK(MakeDirectories(dir + "/stacked"));
+  ASSERT_OK(WriteStringToFile(dir + "/stacked/config.json", ModelConfigToJson(c)));
+  ASSERT_OK(stacked.WriteTo(dir + "/stacked/model.safetensors"));
   ASSERT_OK_AND_ASSIGN(LoadedModel a, LoadModel(dir + "/stacked", at::kCPU));
   ASSERT_OK_AND_ASSIGN(LoadedModel b, LoadModel(dir + "/per_expert", at::kCPU));
-  int compared = 0;
   std::map<std::string, at::Tensor> from_a;
   ForEachNamedTensor(a.weights, [&](const std::string& name, const at::Tensor& t) { from_a[name] = t; });
+  int compared = 0;
   ForEachNamedTensor(b.weights, [&](const std::string& name, const at::Tensor& t) {
     EXPECT_TRUE(at::equal(from_a.at(name), t)) << name;
     ++compared;
   });
   EXPECT_EQ(compared, static_cast<int>(from_a.size()));
+  // One expert missing from a per-expert file is named.
+  TensorWriteList partial;
+  ASSERT_OK_AND_ASSIGN(SafetensorsFile full, SafetensorsFile::Open(dir + "/per_expert/model.safetensors"));
+  std::vector<at::Tensor> keep;
+  for (const auto& e : full.entries()) {
+    if (e.name == "model.layers.1.mlp.experts.2.down_proj.weight") continue;
+    keep.push_back(TensorFromEntry(e).value().clone());
+    ASSERT_OK(partial.Add(e.name, keep.back()));
+  }
+  ASSERT_OK(partial.WriteTo(dir + "/per_expert/model.safetensors"));
+  EXPECT_THAT(LoadModel(dir + "/per_expert", at::kCPU),
+              StatusIs(absl::StatusCode::kInvalidArgument, "missing tensor 'model.layers.1.mlp.experts.2.down_proj.weight'"));
 }
 
 TEST(MoeModelTest, AttentionLoraTrainsAndWhatIsNotBuiltIsRefused) {

@@ -6,11 +6,14 @@
 //   loss          fp32  []          mean next-token cross entropy with the adapter
 //   <PEFT key>    fp32              the adapter's main_grad for that loss
 //   lorastep_parity --model DIR --workdir DIR [--device cuda] [--dtype bfloat16] [--rank 32]
+//                   [--targets q_proj,k_proj,v_proj,o_proj]  (default all-linear)
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
 #include <iostream>
 #include <string>
+
+#include "absl/strings/str_split.h"
 
 #include "lib/training/grad_finalizer.h"
 #include "lib/model/logprobs.h"
@@ -27,7 +30,7 @@ int Fail(const absl::Status& s) {
 }
 
 int main(int argc, char** argv) {
-  std::string model, workdir, device = "cpu", dtype = "";
+  std::string model, workdir, device = "cpu", dtype = "", lora_targets;
   int64_t rank = 32, batch = 2, seq = 128;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string f = argv[i], v = argv[i + 1];
@@ -37,12 +40,14 @@ int main(int argc, char** argv) {
     else if (f == "--dtype") dtype = v;
     else if (f == "--rank") rank = std::stoll(v);
     else if (f == "--seq") seq = std::stoll(v);
+    else if (f == "--targets") lora_targets = v;
   }
   auto base = LoadBaseModel(model, device, dtype);
   if (!base.ok()) return Fail(base.status());
   TrainerOptions options;
   options.lora.rank = rank;
   options.lora.alpha = static_cast<double>(rank);
+  if (!lora_targets.empty()) options.lora.target_modules = absl::StrSplit(lora_targets, ',');
   options.seed = 5;
   auto trainer = Trainer::Create(*base, options);
   if (!trainer.ok()) return Fail(trainer.status());

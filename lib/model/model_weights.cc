@@ -240,9 +240,27 @@ absl::Status SaveModel(const std::string& folder, const ModelConfig& config,
                        const ModelWeights& weights, int shards) {
   LORASTEP_RETURN_IF_ERROR(MakeDirectories(folder));
   LORASTEP_RETURN_IF_ERROR(WriteStringToFile(folder + "/config.json", ModelConfigToJson(config)));
+  // Routed experts go out as one module per expert, the layout save_pretrained writes and
+  // Hub checkpoints use (LoadModel reads it and the stacked one).
   std::vector<std::pair<std::string, at::Tensor>> named;
   ForEachNamedTensor(weights, [&](const std::string& name, const at::Tensor& t) {
-    if (t.defined()) named.emplace_back(name, t);
+    if (!t.defined()) return;
+    const bool gate_up = absl::EndsWith(name, "mlp.experts.gate_up_proj");
+    if (!gate_up && !absl::EndsWith(name, "mlp.experts.down_proj")) {
+      named.emplace_back(name, t);
+      return;
+    }
+    const std::string base = name.substr(0, name.rfind('.'));
+    for (int64_t e = 0; e < t.size(0); ++e) {
+      const std::string prefix = absl::StrCat(base, ".", e, ".");
+      if (gate_up) {
+        const int64_t f = t.size(1) / 2;
+        named.emplace_back(prefix + "gate_proj.weight", t[e].narrow(0, 0, f).contiguous());
+        named.emplace_back(prefix + "up_proj.weight", t[e].narrow(0, f, f).contiguous());
+      } else {
+        named.emplace_back(prefix + "down_proj.weight", t[e].contiguous());
+      }
+    }
   });
   if (shards <= 1) {
     TensorWriteList list;
