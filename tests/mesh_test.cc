@@ -93,7 +93,7 @@ class MeshTest : public ::testing::Test {
   }
   static Coordinator Start(std::vector<std::string> extra) {
     std::vector<std::string> args = {"--model", *dir_ + "/model", "--worker_binary",
-                                     TestBinary("worker/lorastep_worker"), "--collective_timeout_s", "20"};
+                                     TestBinary("worker/lorastep_worker"), "--collective_timeout_s", "60"};
     if (OnCuda()) args.insert(args.end(), {"--device", "cuda"});
     args.insert(args.end(), extra.begin(), extra.end());
     auto server = ChildServer::Start(TestBinary("server/lorastep_coordinator"), args, 120);
@@ -381,7 +381,7 @@ TEST_F(MeshTest, WorkersJoiningByRegistrationGetRanksAndTrain) {
   Coordinator mesh;
   mesh.server = std::make_unique<ChildServer>(std::move(server).value());
   const std::vector<std::string> worker = {"--model", *dir_ + "/model", "--register_with",
-                                           mesh.server->address(), "--collective_timeout_s", "20"};
+                                           mesh.server->address(), "--collective_timeout_s", "60"};
   auto workers = ChildServer::StartAll(TestBinary("worker/lorastep_worker"), {worker, worker}, 120);
   ASSERT_TRUE(workers.ok()) << workers.status();
   auto client = TrainerClient::Connect(mesh.server->address());
