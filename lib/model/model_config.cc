@@ -281,38 +281,19 @@ absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name) {
     c.rope_theta = 1000000.0;
     c.torch_dtype = "bfloat16";
   } else if (name == "tiny-moe") {
+    c = ModelConfigPreset("tiny").value();  // tiny's attention, routed experts in every layer
     c.model_type = "qwen2_moe";
-    c.vocab_size = 96;
-    c.hidden_size = 32;
-    c.intermediate_size = 64;  // the dense MLP of mlp_only_layers
-    c.num_hidden_layers = 2;
-    c.num_attention_heads = 4;
-    c.num_key_value_heads = 2;
-    c.max_position_embeddings = 512;
-    c.rope_theta = 10000.0;
-    c.torch_dtype = "float32";
     c.moe.num_experts = 4;
     c.moe.num_experts_per_tok = 2;
     c.moe.moe_intermediate_size = 16;
     c.moe.norm_topk_prob = true;
     c.moe.shared_expert_intermediate_size = 32;
   } else if (name == "tiny-qwen3-moe") {
+    c = ModelConfigPreset("tiny-moe").value();  // same widths; Qwen3's attention, no shared expert
     c.model_type = "qwen3_moe";
-    c.vocab_size = 96;
-    c.hidden_size = 32;
-    c.intermediate_size = 64;
-    c.num_hidden_layers = 2;
-    c.num_attention_heads = 4;
-    c.num_key_value_heads = 2;
     c.head_dim_override = 16;
-    c.max_position_embeddings = 512;
-    c.rope_theta = 10000.0;
     c.tie_word_embeddings = false;
-    c.torch_dtype = "float32";
-    c.moe.num_experts = 4;
-    c.moe.num_experts_per_tok = 2;
-    c.moe.moe_intermediate_size = 16;
-    c.moe.norm_topk_prob = true;
+    c.moe.shared_expert_intermediate_size = 0;
     c.moe.mlp_only_layers = {0};
   } else if (name == "qwen3-30b-a3b-reduced") {
     c.model_type = "qwen3_moe";
