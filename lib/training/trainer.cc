@@ -495,18 +495,23 @@ absl::StatusOr<ForwardBackwardResult> Trainer::Forward(const std::vector<Datum>&
 }
 
 absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWParams& params) {
+  return StepOptimizer(params, /*restore_on_failure=*/true);
+}
+
+absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params,
+                                                       bool restore_on_failure) {
   LORASTEP_RETURN_IF_ERROR(ValidateAdamWParams(params));
   OptimStepResult result;
   auto t0 = Clock::now();
   LORASTEP_RETURN_IF_ERROR(FoldLocalGradients(adapter_.get()));
   // On a mesh the reduction rewrites main_grad: keep the local gradients so a step refused
   // after it (non-finite norm, a peer's failure) leaves them as they were.
-  LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot,
-                            options_.groups != nullptr ? Snapshot() : CallSnapshot{});
+  const bool restore = restore_on_failure && options_.groups != nullptr;
+  LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot, restore ? Snapshot() : CallSnapshot{});
   auto norm = FinalizeStepGradients(adapter_.get(), options_.groups, options_.finalize);
   if (absl::Status agreed = AgreeOnOutcome(norm.status()); !agreed.ok()) norm = agreed;
   if (!norm.ok()) {
-    if (options_.groups != nullptr) Restore(snapshot);
+    if (restore) Restore(snapshot);
     return norm.status();
   }
   SyncDevice();
@@ -514,7 +519,7 @@ absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWParams& params) {
   t0 = Clock::now();
   auto step = GuardTorch([&] { return optimizer_->Step(params, *norm); });
   if (!step.ok()) {
-    if (options_.groups != nullptr) Restore(snapshot);
+    if (restore) Restore(snapshot);
     return step.status();
   }
   SyncDevice();
@@ -529,7 +534,7 @@ absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWParams& params) {
     const std::string local_sha = AdapterSha256();
     result.replica_digests = ReplicaDigests(local_sha);
     // The reported adapter digest is of whole tensors, the same at every layout.
-    const bool sliced = options_.groups != nullptr && base_->shard.tp > 1;
+    const bool sliced = options_.groups != nullptr && !base_->shard.whole();
     result.adapter_sha256 = !sliced ? local_sha : adapter_->full_finetune() ? "" : FullAdapterSha256();
     result.metrics.Add("time_digest_s:sum", SecondsSince(t0));
   }
@@ -555,7 +560,8 @@ absl::StatusOr<OptimStepResult> Trainer::TrainStep(const std::vector<Datum>& dat
   auto t0 = Clock::now();
   LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot, Snapshot());
   LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult fb, ForwardBackward(datums, loss, batch));
-  auto step = OptimStep(params);
+  // The snapshot above covers a failed step: no second copy of the gradients.
+  auto step = StepOptimizer(params, /*restore_on_failure=*/false);
   if (!step.ok()) {  // e.g. a non-finite gradient norm: undo this call entirely
     Restore(snapshot);
     return step.status();

@@ -129,6 +129,9 @@ class Trainer {
 
  private:
   Trainer(std::shared_ptr<const BaseModel> base, const TrainerOptions& options, Adapter adapter);
+  // OptimStep's work. `restore_on_failure`: put back the local gradients a failed step
+  // reduced on a mesh (TrainStep restores its own, earlier snapshot instead).
+  absl::StatusOr<OptimStepResult> StepOptimizer(const AdamWParams& params, bool restore_on_failure);
   absl::StatusOr<ForwardBackwardResult> RunMicroBatches(const std::vector<Datum>& datums,
                                                         const LossConfig* loss,
                                                         const BatchOptions& batch);
