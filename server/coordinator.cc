@@ -75,8 +75,7 @@ absl::Status Coordinator::AddWorker(std::unique_ptr<WorkerClient> worker) {
                                                    info.rank(), " is already registered"));
     }
   }
-  const bool first = std::none_of(workers_.begin(), workers_.end(), [](const auto& w) { return w != nullptr; });
-  if (first) {
+  if (RegisteredWorkers() == 0) {
     model_path_ = info.model_path();
     vocab_size_ = info.vocab_size();
   } else if (info.model_path() != model_path_ || info.vocab_size() != vocab_size_) {
@@ -111,7 +110,7 @@ absl::StatusOr<MeshAssignment> Coordinator::AssignRank(const std::string& host) 
 
 size_t Coordinator::num_workers() {
   std::lock_guard<std::mutex> lock(mu_);
-  return std::count_if(workers_.begin(), workers_.end(), [](const auto& w) { return w != nullptr; });
+  return RegisteredWorkers();
 }
 
 std::string Coordinator::model_path() {
@@ -137,8 +136,7 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req) 
   LoraConfig lora = LoraConfigFromProto(req.lora());
   LORASTEP_RETURN_IF_ERROR(ValidateLoraConfig(lora));
   std::unique_lock<std::mutex> lock(mu_);
-  const size_t registered =
-      std::count_if(workers_.begin(), workers_.end(), [](const auto& w) { return w != nullptr; });
+  const size_t registered = RegisteredWorkers();
   if (registered == 0 || (on_mesh() && registered < static_cast<size_t>(options_.mesh.world()))) {
     return absl::UnavailableError(absl::StrCat("coordinator: ", registered, " of ",
                                                on_mesh() ? options_.mesh.world() : 1,
@@ -281,6 +279,15 @@ absl::StatusOr<BatchTotals> Coordinator::ValidatedTotals(
   return ComputeBatchTotals(datums);
 }
 
+size_t Coordinator::RegisteredWorkers() const {
+  return std::count_if(workers_.begin(), workers_.end(), [](const auto& w) { return w != nullptr; });
+}
+
+const std::vector<int>& Coordinator::ShardOfRank(const std::vector<std::vector<int>>& shards,
+                                                 int rank) const {
+  return shards[on_mesh() ? layout_.Coords(rank).dp : 0];
+}
+
 std::vector<int> Coordinator::AllRanks(const RunState& run) const {
   std::vector<int> ranks(run.ranks.size());
   for (size_t i = 0; i < ranks.size(); ++i) ranks[i] = static_cast<int>(i);
@@ -394,7 +401,7 @@ v1::ForwardBackwardResponse Coordinator::MergeForward(
     const bool reports = c.tp == 0 && c.pp == options_.mesh.pp - 1;
     reporting.push_back(reports);
     if (!reports) continue;
-    const std::vector<int>& shard = shards[on_mesh() ? c.dp : 0];
+    const std::vector<int>& shard = ShardOfRank(shards, static_cast<int>(r));
     for (size_t j = 0; j < shard.size(); ++j) {
       *out.mutable_logprobs(shard[j]) = per_rank[r].result().logprobs(static_cast<int>(j));
     }
@@ -503,7 +510,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
           *run, AllRanks(*run), [&](int rank, WorkerClient* w) {
             v1::WorkerForwardBackwardRequest wreq;
             wreq.set_run_id(req.run_id());
-            *wreq.mutable_datums() = Subset(req.datums(), shards[on_mesh() ? layout_.Coords(rank).dp : 0]);
+            *wreq.mutable_datums() = Subset(req.datums(), ShardOfRank(shards, rank));
             *wreq.mutable_loss() = req.loss();
             wreq.set_batch_loss_tokens(totals.loss_tokens);
             wreq.set_batch_samples(totals.samples);
@@ -530,7 +537,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::Forwa
           *run, AllRanks(*run), [&](int rank, WorkerClient* w) {
             v1::WorkerForwardRequest wreq;
             wreq.set_run_id(req.run_id());
-            *wreq.mutable_datums() = Subset(req.datums(), shards[on_mesh() ? layout_.Coords(rank).dp : 0]);
+            *wreq.mutable_datums() = Subset(req.datums(), ShardOfRank(shards, rank));
             wreq.mutable_mesh()->set_expected_learner_version(-1);
             wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
             return w->Forward(wreq);
@@ -583,7 +590,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
       FanOut<v1::WorkerStepResponse>(*run, AllRanks(*run), [&](int rank, WorkerClient* w) {
         v1::WorkerTrainStepRequest wreq;
         wreq.set_run_id(req.run_id());
-        *wreq.mutable_datums() = Subset(req.datums(), shards[on_mesh() ? layout_.Coords(rank).dp : 0]);
+        *wreq.mutable_datums() = Subset(req.datums(), ShardOfRank(shards, rank));
         *wreq.mutable_loss() = req.loss();
         *wreq.mutable_adamw() = req.adamw();
         wreq.set_batch_loss_tokens(totals.loss_tokens);

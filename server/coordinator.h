@@ -114,6 +114,9 @@ class Coordinator {
       RunState& run, const std::vector<int>& ranks,
       const std::function<absl::StatusOr<Resp>(int rank, WorkerClient*)>& call);
   std::vector<int> AllRanks(const RunState& run) const;
+  size_t RegisteredWorkers() const;  // requires mu_; mesh slots may still be empty
+  // The data-parallel shard (indices into the request's datums) that `rank` trains on.
+  const std::vector<int>& ShardOfRank(const std::vector<std::vector<int>>& shards, int rank) const;
   // The mesh header of a call: request id, expected learner version, generation.
   v1::MeshCall MeshHeader(const RunState& run, const std::string& request_id, bool check_version);
   // Datums of each data-parallel replica, balanced by token count (in request order).
