@@ -2,9 +2,10 @@
 side-by-side comparison with lorastep in the same run.
 
 64 sequences x 512 tokens, micro-batch 8, bf16, SDPA, PPO loss (on-policy ratio),
-torch.optim.AdamW; LoRA r32 alpha 32 on q,k,v,o,gate,up,down, or full fine-tuning.
+torch.optim.AdamW; LoRA r32 alpha 32 on q,k,v,o,gate,up,down, or full fine-tuning, or
+(fwdbwd) the model's own forward + backward with no optimizer (the MoE benchmark's peer).
 Reports the median of --steps timed steps after one warm-up (CUDA synchronized).
-    python3 bench/peft_step.py --model DIR --mode lora|full --out F.json
+    python3 bench/peft_step.py --model DIR --mode lora|full|fwdbwd --out F.json
 """
 import argparse, json, statistics, time
 
@@ -14,7 +15,7 @@ import torch
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--mode", choices=["lora", "full"], required=True)
+    ap.add_argument("--mode", choices=["lora", "full", "fwdbwd"], required=True)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -47,6 +48,9 @@ def main():
             a = adv[mb:mb + 8]
             pg = torch.max(-ratio * a, -ratio.clamp(0.8, 1.28) * a)
             (pg * (a != 0)).sum().div(n_tokens).backward()
+        if args.mode == "fwdbwd":
+            opt.zero_grad(set_to_none=True)
+            return
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -61,7 +65,10 @@ def main():
         step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    import transformers
     out = {"mode": args.mode, "step_s": statistics.median(times), "step_s_all": times,
+           "tokens_per_s": 64 * 512 / statistics.median(times),
+           "torch": torch.__version__, "transformers": transformers.__version__,
            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
            "trainable_params": sum(p.numel() for p in params)}
     json.dump(out, open(args.out, "w"), indent=2)

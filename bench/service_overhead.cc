@@ -5,7 +5,9 @@
 //   service_overhead --address A --vocab V [--seqs 64] [--len 512] [--steps 5]
 //                    [--out F.json] [--machine M] [--command C] [--key overhead_fraction_cpu]
 //                    [--rank 32 (0 = full fine-tuning)] [--max_tokens 0 (worker default)]
+//                    [--expert_lora per_expert|shared_outer (MoE)]
 #include <algorithm>
+#include <map>
 #include <chrono>
 #include <ctime>
 #include <fstream>
@@ -31,6 +33,7 @@ int main(int argc, char** argv) {
   v1::LoraConfig lora;
   lora.set_rank(std::stoll(get("rank", "32")));  // 0 = full fine-tuning
   lora.set_alpha(32);
+  lora.set_expert_lora(get("expert_lora", ""));  // MoE: per_expert (default) or shared_outer
   const int64_t max_tokens = std::stoll(get("max_tokens", "0"));
   auto run = RunSession::Create(client->get(), lora, 0);
   if (!run.ok()) {
@@ -52,6 +55,7 @@ int main(int argc, char** argv) {
   v1::AdamWParams adamw;
   adamw.set_lr(1e-5);
   std::vector<double> fractions, client_s, worker_s;
+  std::map<std::string, double> last_metrics;
   for (int s = 0; s <= steps; ++s) {
     auto t0 = std::chrono::steady_clock::now();
     auto r = run->TrainStep(batch, loss, adamw, max_tokens);
@@ -62,6 +66,8 @@ int main(int argc, char** argv) {
     }
     if (s == 0) continue;  // warm-up: allocator, kernels, caches
     const double compute = r->metrics().at("time_step_s:sum");
+    last_metrics.clear();
+    for (const auto& [k, v] : r->metrics()) last_metrics[k] = v;
     client_s.push_back(wall);
     worker_s.push_back(compute);
     fractions.push_back((wall - compute) / wall);
@@ -83,6 +89,7 @@ int main(int argc, char** argv) {
   j[get("key", "overhead_fraction")] = median;
   j["client_step_s"] = client_s;
   j["worker_step_s"] = worker_s;
+  j["last_step_metrics"] = last_metrics;
   j["overhead_fractions"] = fractions;
   j["method"] = "median over steps after one warm-up of (client wall - worker time_step_s) / client wall";
   if (flags.count("out")) std::ofstream(flags["out"]) << j.dump(2) << "\n";

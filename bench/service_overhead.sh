@@ -18,6 +18,6 @@ for _ in $(seq 1200); do [ -s "$WORK/port" ] && break; sleep 0.1; done
 [ -s "$WORK/port" ] || { cat "$WORK/server.log"; exit 1; }
 "$(find_bin service_overhead)" --address "127.0.0.1:$(cat "$WORK/port")" --vocab "$VOCAB" \
   --seqs 64 --len 512 --steps "${STEPS:-5}" --out "$OUT" --key "$KEY" \
-  --rank "${RANK:-32}" --max_tokens "${MAX_TOKENS:-0}" \
+  --rank "${RANK:-32}" --max_tokens "${MAX_TOKENS:-0}" --expert_lora "${EXPERT_LORA:-}" \
   --machine "${MACHINE:-$(uname -n) $(nproc) cores}" --versions "${VERSIONS:-}" \
   --model "$PRESET $DTYPE on $DEVICE" --command "bench/service_overhead.sh $*"

@@ -72,6 +72,7 @@ LoraConfig LoraConfigFromProto(const v1::LoraConfig& p) {
   c.alpha = p.alpha();
   c.dropout = p.dropout();
   if (p.target_modules_size() > 0) c.target_modules = ToVector<std::string>(p.target_modules());
+  if (!p.expert_lora().empty()) c.expert_lora = p.expert_lora();
   return c;
 }
 
@@ -81,6 +82,7 @@ void LoraConfigToProto(const LoraConfig& c, v1::LoraConfig* out) {
   out->set_dropout(c.dropout);
   out->clear_target_modules();
   for (const auto& m : c.target_modules) out->add_target_modules(m);
+  out->set_expert_lora(c.expert_lora);
 }
 
 void MetricsToProto(const Metrics& metrics, google::protobuf::Map<std::string, double>* out) {

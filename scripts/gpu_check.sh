@@ -71,6 +71,17 @@ if [[ " $STEPS " == *" moe "* ]]; then
     done
   done
 fi
+if [[ " $STEPS " == *" moe-bench "* ]]; then
+  step "MoE benchmark: reduced Qwen3-30B-A3B (4 layers, 128 experts, top-8), bf16, 64 x 512"
+  [ -d /tmp/q3moe ] || build-gpu/lorastep_genmodel --preset qwen3-30b-a3b-reduced --dtype bfloat16 --seed 1 --out /tmp/q3moe >/dev/null
+  python3 bench/peft_step.py --model /tmp/q3moe --mode fwdbwd --out "$OUT/moe_hf_fwdbwd.json" 2>&1 | tail -1
+  for layout in ${MOE_LAYOUTS:-shared_outer per_expert}; do
+    RANK=32 EXPERT_LORA=$layout MAX_TOKENS=4096 STEPS=3 MACHINE="$MACHINE" VERSIONS="$(tail -1 "$OUT/env.txt")" \
+      bench/service_overhead.sh build-gpu qwen3-30b-a3b-reduced cuda bfloat16 "$OUT/moe_ours_$layout.json" moe_$layout \
+      > "$OUT/moe_ours_$layout.log" 2>&1 || tail -20 "$OUT/moe_ours_$layout.log"
+    python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print('lorastep',sys.argv[2],'worker_step_s',d['worker_step_s'])" "$OUT/moe_ours_$layout.json" $layout
+  done
+fi
 if [[ " $STEPS " == *" service "* ]]; then
   step "service overhead (qwen2.5-0.5b bf16, 64 x 512 tokens)"
   MACHINE="$MACHINE" VERSIONS="$(tail -1 "$OUT/env.txt")" \

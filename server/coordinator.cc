@@ -415,20 +415,22 @@ void Coordinator::CheckReplicas(RunState& run, const std::vector<v1::WorkerStepR
   if (!on_mesh()) return;
   bool all_equal = true;
   std::string diverged;
-  // (stage, tensor rank or -1, family) -> ranks that hold a copy
-  std::map<std::tuple<int, int, std::string>, std::vector<int>> families;
+  // (stage, tensor rank or -1, ep rank or -1, family) -> ranks that hold a copy
+  std::map<std::tuple<int, int, int, std::string>, std::vector<int>> families;
   for (size_t r = 0; r < per_rank.size(); ++r) {
     const RankCoords c = layout_.Coords(static_cast<int>(r));
     for (const auto& [family, sha] : per_rank[r].replica_digests()) {
-      const int tensor_rank = family == "tensor_replicated" ? -1 : c.tp;
-      families[{c.pp, tensor_rank, family}].push_back(static_cast<int>(r));
+      const ReplicaScope scope = ReplicaFamilyScope(family);
+      families[{c.pp, scope.per_tensor_rank ? c.tp : -1, scope.per_expert_rank ? c.ep : -1, family}]
+          .push_back(static_cast<int>(r));
     }
   }
   for (const auto& [key, ranks] : families) {
-    const auto& [stage, tensor_rank, family] = key;
+    const auto& [stage, tensor_rank, expert_rank, family] = key;
     v1::ReplicaHash* h = resp->add_replica_hashes();
     h->set_stage(stage);
     h->set_tensor_rank(tensor_rank);
+    h->set_expert_rank(expert_rank);
     h->set_family(family);
     const std::string& first = per_rank[ranks[0]].replica_digests().at(family);
     h->set_sha256(first);
@@ -446,6 +448,7 @@ void Coordinator::CheckReplicas(RunState& run, const std::vector<v1::WorkerStepR
       all_equal = false;
       absl::StrAppend(&diverged, diverged.empty() ? "" : "; ", "stage ", stage, " ", family,
                       tensor_rank >= 0 ? absl::StrCat(" (tensor rank ", tensor_rank, ")") : "",
+                      expert_rank >= 0 ? absl::StrCat(" (ep rank ", expert_rank, ")") : "",
                       ": ranks ", absl::StrJoin(differing, ","), " differ from rank ", ranks[0]);
     }
   }
@@ -656,6 +659,7 @@ absl::StatusOr<v1::ExportAdapterResponse> Coordinator::ExportAdapter(
       auto per_rank, FanOut<v1::WorkerPathResponse>(*run, AllRanks(*run), [&](int, WorkerClient* w) {
         v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
         wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+        wreq.set_expand_experts(req.expand_experts());
         return w->ExportAdapter(wreq);
       }));
   v1::ExportAdapterResponse resp;

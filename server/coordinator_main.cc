@@ -39,7 +39,8 @@ int main(int argc, char** argv) {
   };
   CoordinatorOptions options;
   for (auto [flag, field] : {std::pair<const char*, int*>{"tp", &options.mesh.tp},
-                             {"pp", &options.mesh.pp}, {"dp", &options.mesh.dp}}) {
+                             {"pp", &options.mesh.pp}, {"dp", &options.mesh.dp},
+                             {"ep", &options.mesh.ep}}) {
     if (flags.count(flag)) *field = std::stoi(flags[flag]);
   }
   if (auto layout = ParallelLayout::Create(options.mesh, options.mesh.world()); !layout.ok()) {
@@ -60,7 +61,9 @@ int main(int argc, char** argv) {
     }
     std::vector<std::string> args = {"--model", flags["model"]};
     for (const char* pass : {"dtype", "max_tokens_per_microbatch", "collective_timeout_s",
-                             "test_replicated_reductions"}) {
+                             "test_replicated_reductions", "test_skip_shared_reduction",
+                             "test_shared_reductions", "test_check_grad_digests",
+                             "test_corrupt_main_grad_rank", "test_inventory_mismatch_rank"}) {
       if (flags.count(pass)) args.insert(args.end(), {std::string("--") + pass, flags[pass]});
     }
     if (flags.count("unfused_wgrad")) args.push_back("--unfused_wgrad");
@@ -76,7 +79,8 @@ int main(int argc, char** argv) {
       if (world > 1) {
         a.insert(a.end(), {"--rank", std::to_string(r), "--tp", std::to_string(options.mesh.tp),
                            "--pp", std::to_string(options.mesh.pp), "--dp",
-                           std::to_string(options.mesh.dp), "--rendezvous", rendezvous});
+                           std::to_string(options.mesh.dp), "--ep", std::to_string(options.mesh.ep),
+                           "--rendezvous", rendezvous});
       }
       per_rank.push_back(std::move(a));
     }

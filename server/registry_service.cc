@@ -38,6 +38,7 @@ grpc::ServerUnaryReactor* RegistryService::JoinMesh(grpc::CallbackServerContext*
     resp->set_tp(a.sizes.tp);
     resp->set_pp(a.sizes.pp);
     resp->set_dp(a.sizes.dp);
+    resp->set_ep(a.sizes.ep);
     resp->set_rendezvous(a.rendezvous);
     std::cerr << "lorastep_coordinator: rank " << a.rank << " given to " << req->host() << "\n";
     return absl::OkStatus();

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "clients/cpp/trainer_client.h"
 #include "lib/io/file_util.h"
 #include "lib/model/model_weights.h"
@@ -69,6 +70,17 @@ bool& AllReplicasEqual() {
   return equal;
 }
 
+// The second seed reproduced and caught (set by SharedFactorSeedIsReproducedAndCaught), and
+// the fc1 replica hashes of its failing step, for the JSON record.
+bool& SeedFailureCaught() {
+  static bool caught = false;
+  return caught;
+}
+std::string& SeedHashes() {
+  static auto* s = new std::string();
+  return *s;
+}
+
 struct Coordinator {
   std::unique_ptr<ChildServer> server;
   std::unique_ptr<TrainerClient> client;
@@ -80,6 +92,9 @@ class MeshTest : public ::testing::Test {
     dir_ = new std::string(ScratchDir("mesh"));
     ModelConfig c = ModelConfigPreset("tiny").value();
     ASSERT_OK(SaveModel(*dir_ + "/model", c, RandomModelWeights(c, 3)));
+    // Qwen2-MoE (4 experts, top-2, a gated shared expert), fp32.
+    ModelConfig moe = ModelConfigPreset("tiny-moe").value();
+    ASSERT_OK(SaveModel(*dir_ + "/moe", moe, RandomModelWeights(moe, 4)));
   }
   // CPU (gloo) by default; LORASTEP_TEST_DEVICE=cuda runs the ranks on cuda:0.. with NCCL.
   static bool OnCuda() {
@@ -91,8 +106,8 @@ class MeshTest : public ::testing::Test {
     const char* gpus = std::getenv("LORASTEP_TEST_GPUS");
     return !OnCuda() || world <= (gpus != nullptr ? std::atoi(gpus) : 1);
   }
-  static Coordinator Start(std::vector<std::string> extra) {
-    std::vector<std::string> args = {"--model", *dir_ + "/model", "--worker_binary",
+  static Coordinator Start(std::vector<std::string> extra, const std::string& model = "model") {
+    std::vector<std::string> args = {"--model", *dir_ + "/" + model, "--worker_binary",
                                      TestBinary("worker/lorastep_worker"), "--collective_timeout_s", "60"};
     if (OnCuda()) args.insert(args.end(), {"--device", "cuda"});
     args.insert(args.end(), extra.begin(), extra.end());
@@ -114,11 +129,13 @@ class MeshTest : public ::testing::Test {
 
   // 3 steps (the first two as TrainStep, the third as two ForwardBackward + OptimStep), then
   // Forward and export.
-  static Trace Train(Coordinator& c, int64_t rank, const std::string& name) {
+  static Trace Train(Coordinator& c, int64_t rank, const std::string& name,
+                     const std::string& expert_lora = "") {
     Trace t;
     v1::LoraConfig lora;
     lora.set_rank(rank);
     lora.set_alpha(8);
+    lora.set_expert_lora(expert_lora);
     auto run = RunSession::Create(c.client.get(), lora, 11);
     EXPECT_TRUE(run.ok()) << run.status();
     for (int step = 0; step < 3; ++step) {
@@ -190,14 +207,18 @@ class MeshTest : public ::testing::Test {
     const char* out = std::getenv("LORASTEP_PARALLEL_JSON");
     if (out == nullptr || MaxErrors().empty()) return;
     std::string json = "{\n  \"max_rel_err\": {";
-    double world8 = 0;
+    double world8 = 0, moe_world8 = 0;
     bool first = true;
     for (const auto& [what, err] : MaxErrors()) {
       absl::StrAppend(&json, first ? "\n" : ",\n", "    \"", what, "\": ", absl::StrFormat("%.3g", err));
       first = false;
       if (what.rfind("tp2 x pp2 x dp2 ", 0) == 0) world8 = std::max(world8, err);
+      if (what.rfind("moe ep2 x tp2 x dp2 ", 0) == 0) moe_world8 = std::max(moe_world8, err);
     }
     absl::StrAppend(&json, "\n  },\n  \"cpu_world8_max_rel_err\": ", absl::StrFormat("%.3g", world8),
+                    ",\n  \"cpu_world8_moe_max_rel_err\": ", absl::StrFormat("%.3g", moe_world8),
+                    ",\n  \"seed_failure_caught\": ", SeedFailureCaught() ? "true" : "false",
+                    ",\n  \"seed_hashes\": ", SeedHashes().empty() ? std::string("{}") : SeedHashes(),
                     ",\n  \"replicas_equal\": ", AllReplicasEqual() ? "true" : "false",
                     ",\n  \"tolerance\": ", kRelTol, "\n}\n");
     EXPECT_TRUE(WriteStringToFile(out, json).ok());
@@ -280,16 +301,20 @@ TEST_F(MeshTest, SkippedReplicatedReductionIsCaughtAndTheRunRefused) {
   EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition, "stage 0 tensor_replicated: ranks 1 differ from rank 0"));
 }
 
-// Reducing the replicated factors twice keeps replicas equal but doubles their gradient:
-// the comparison with world size 1 catches it.
-TEST_F(MeshTest, DoubledReplicatedReductionIsCaughtAgainstWorldOne) {
+// Reducing the replicated factors twice would keep replicas equal but double their
+// gradient: the finalizer counts reductions per parameter and refuses the step.
+TEST_F(MeshTest, DoubledReplicatedReductionIsRefused) {
   if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
-  Coordinator world1 = Start({});
-  const Trace want = Train(world1, 4, "dbl_w1");
   Coordinator tp2 = Start({"--tp", "2", "--test_replicated_reductions", "2"});
-  const Trace got = Train(tp2, 4, "dbl_tp2");
-  ASSERT_FALSE(got.grad_norm.empty());
-  EXPECT_GT(RelErr(got.grad_norm[0], want.grad_norm[0]), 1e-3);
+  v1::LoraConfig lora;
+  lora.set_rank(4);
+  lora.set_alpha(8);
+  auto run = RunSession::Create(tp2.client.get(), lora, 11);
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_THAT(run->TrainStep(Batch(0), Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "reduced twice in one step"));
+  ASSERT_OK_AND_ASSIGN(v1::Run state, tp2.client->GetRun(run->run_id()));
+  EXPECT_EQ(state.learner_version(), 0);
 }
 
 TEST_F(MeshTest, StateSavedOnOneLayoutLoadsOnAnother) {
@@ -428,6 +453,183 @@ TEST_F(MeshTest, KilledWorkerFailsTheCallNamingTheRankAndNothingIsApplied) {
   ASSERT_OK_AND_ASSIGN(v1::Run state, dp2.client->GetRun(run->run_id()));
   EXPECT_EQ(state.learner_version(), 1);
   EXPECT_EQ(state.next_sequence_id(), 2);
+}
+
+// MoE (Qwen2-MoE, 4 experts, top-2, gated shared expert) with expert LoRA in both layouts,
+// fused and unfused main_grad: experts split over expert-parallel ranks (tokens exchanged
+// by all-to-all), composed with tensor and data parallelism, against world size 1.
+TEST_F(MeshTest, MoeExpertParallelEqualsWorldOne) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
+  Coordinator world1 = Start({}, "moe");
+  std::map<std::string, Trace> want;
+  for (const std::string layout : {"per_expert", "shared_outer"}) want[layout] = Train(world1, 4, "mw1 " + layout, layout);
+  // 8 ranks where the machine has room (CPU), else the 2-GPU layout: experts over 2 ranks.
+  const std::vector<std::string> flags = Fits(8) ? std::vector<std::string>{"--tp", "2", "--dp", "2", "--ep", "2"}
+                                                 : std::vector<std::string>{"--dp", "2", "--ep", "2"};
+  const std::string tag = Fits(8) ? "moe ep2 x tp2 x dp2" : "moe ep2 (dp2)";
+  for (const bool unfused : {false, true}) {
+    std::vector<std::string> f = flags;
+    if (unfused) f.push_back("--unfused_wgrad");
+    Coordinator mesh = Start(f, "moe");
+    for (const std::string layout : {"per_expert", "shared_outer"}) {
+      const std::string what = absl::StrCat(tag, unfused ? " unfused " : " fused ", layout);
+      ExpectSame(Train(mesh, 4, what, layout), want[layout], what);
+    }
+  }
+}
+
+TEST_F(MeshTest, MoePipelineWithExpertParallelEqualsWorldOne) {
+  if (!Fits(4)) GTEST_SKIP() << "needs 4 GPUs";
+  Coordinator world1 = Start({}, "moe");
+  std::map<std::string, Trace> want;
+  for (const std::string layout : {"per_expert", "shared_outer"}) want[layout] = Train(world1, 4, "mpw1 " + layout, layout);
+  for (const bool unfused : {false, true}) {
+    std::vector<std::string> f = {"--pp", "2", "--dp", "2", "--ep", "2"};
+    if (unfused) f.push_back("--unfused_wgrad");
+    Coordinator mesh = Start(f, "moe");
+    for (const std::string layout : {"per_expert", "shared_outer"}) {
+      const std::string what = absl::StrCat("moe pp2 x ep2 (dp2)", unfused ? " unfused " : " fused ", layout);
+      ExpectSame(Train(mesh, 4, what, layout), want[layout], what);
+    }
+  }
+}
+
+// Shared-outer LoRA on tensor x expert x data ranks, one run: `steps` TrainSteps; returns
+// each step's response (or the first error).
+struct MoeSteps {
+  std::vector<v1::StepResponse> steps;
+  absl::Status error;
+  std::string run_id;
+};
+v1::LoraConfig SharedOuterLora() {
+  v1::LoraConfig lora;
+  lora.set_rank(4);
+  lora.set_alpha(8);
+  lora.set_expert_lora("shared_outer");
+  lora.add_target_modules("gate_proj");
+  lora.add_target_modules("up_proj");
+  lora.add_target_modules("down_proj");
+  return lora;
+}
+
+std::string FamilyHashes(const v1::StepResponse& r, const std::string& family) {
+  std::string out;
+  for (const auto& h : r.replica_hashes()) {
+    if (h.family() == family) absl::StrAppend(&out, out.empty() ? "" : ", ", "\"stage ", h.stage(), " equal ", h.equal() ? "true" : "false", "\": \"", h.sha256(), "\"");
+  }
+  return out;
+}
+
+// The second seed: with the shared-factor reduction of fc1 switched off, step 1 is healthy
+// (LoRA-B starts at zero, so fc1's shared A gets no gradient yet) and at step 2 the shared
+// fc1 LoRA-A replicas split across tensor ranks. With the digest check on, that step fails
+// before the optimizer with nothing applied; with the reduction on, 8 steps stay equal.
+TEST_F(MeshTest, SharedFactorSeedIsReproducedAndCaught) {
+  if (!Fits(4)) GTEST_SKIP() << "needs 4 GPUs";
+  const std::vector<std::string> mesh = {"--tp", "2", "--dp", "2", "--ep", "2"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), mesh.begin(), mesh.end());
+    return extra;
+  };
+  // 1. Reproduced: reduction off, checks off.
+  {
+    Coordinator c = Start(with({"--test_skip_shared_reduction", "fc1", "--test_check_grad_digests", "0"}), "moe");
+    auto run = RunSession::Create(c.client.get(), SharedOuterLora(), 11);
+    ASSERT_TRUE(run.ok()) << run.status();
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse s1, run->TrainStep(Batch(0), Ppo(), Adam()));
+    EXPECT_TRUE(s1.replicas_equal()) << s1.DebugString();
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse s2, run->TrainStep(Batch(1), Ppo(), Adam()));
+    EXPECT_FALSE(s2.replicas_equal());
+    bool fc1_split = false;
+    for (const auto& h : s2.replica_hashes()) {
+      if (h.family() == "shared_fc1" && !h.equal()) fc1_split = true;
+      if (h.family() == "shared_fc2") EXPECT_TRUE(h.equal()) << h.DebugString();
+    }
+    EXPECT_TRUE(fc1_split) << s2.DebugString();
+    SeedHashes() = absl::StrCat("{\"step1_shared_fc1\": {", FamilyHashes(s1, "shared_fc1"),
+                                "}, \"step2_shared_fc1\": {", FamilyHashes(s2, "shared_fc1"),
+                                "}, \"step2_grad_shared_fc1\": {", FamilyHashes(s2, "grad_shared_fc1"), "}}");
+    // Rank-level evidence: the two tensor ranks' copies of fc1's shared A differ.
+    std::string ranks_of_split;
+    for (const auto& h : s2.replica_hashes()) {
+      if (h.family() == "shared_fc1") ranks_of_split = absl::StrJoin(h.ranks(), ",");
+    }
+    EXPECT_EQ(ranks_of_split, "0,1,2,3");
+  }
+  // 2. Caught: reduction off, checks on. Step 2 fails before the optimizer.
+  {
+    Coordinator c = Start(with({"--test_skip_shared_reduction", "fc1"}), "moe");
+    auto run = RunSession::Create(c.client.get(), SharedOuterLora(), 11);
+    ASSERT_TRUE(run.ok()) << run.status();
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse s1, run->TrainStep(Batch(0), Ppo(), Adam()));
+    EXPECT_TRUE(s1.replicas_equal());
+    auto before = run->Forward(Batch(5));
+    ASSERT_TRUE(before.ok()) << before.status();
+    run->max_attempts = 1;
+    auto s2 = run->TrainStep(Batch(1), Ppo(), Adam());
+    EXPECT_THAT(s2, StatusIs(absl::StatusCode::kFailedPrecondition, "post-reduction fc1 gradient digests"));
+    EXPECT_THAT(s2, StatusIs(absl::StatusCode::kFailedPrecondition, "stage 0: ranks 1"));
+    EXPECT_THAT(s2, StatusIs(absl::StatusCode::kFailedPrecondition, "mlp.experts.fc1.lora_A"));
+    SeedFailureCaught() = !s2.ok() && s2.status().code() == absl::StatusCode::kFailedPrecondition &&
+                          !s1.replica_hashes().empty();
+    ASSERT_OK_AND_ASSIGN(v1::Run state, c.client->GetRun(run->run_id()));
+    EXPECT_EQ(state.learner_version(), 1);  // nothing applied on any rank
+    auto after = run->Forward(Batch(5));
+    ASSERT_TRUE(after.ok()) << after.status();
+    for (int d = 0; d < before->logprobs_size(); ++d) {
+      for (int i = 0; i < before->logprobs(d).values_size(); ++i) {
+        EXPECT_EQ(before->logprobs(d).values(i), after->logprobs(d).values(i));
+      }
+    }
+  }
+  // 3. Fixed: 8 steps, replica-equal, every one updating the adapter.
+  {
+    Coordinator c = Start(mesh, "moe");
+    auto run = RunSession::Create(c.client.get(), SharedOuterLora(), 11);
+    ASSERT_TRUE(run.ok()) << run.status();
+    std::string last_fc1;
+    for (int step = 0; step < 8; ++step) {
+      ASSERT_OK_AND_ASSIGN(v1::StepResponse r, run->TrainStep(Batch(step), Ppo(), Adam()));
+      EXPECT_TRUE(r.replicas_equal()) << "step " << step << r.DebugString();
+      EXPECT_GT(r.metrics().at("grad_norm:sum"), 0);
+      std::string fc1;
+      for (const auto& h : r.replica_hashes()) {
+        if (h.family() == "shared_fc1") fc1 = h.sha256();
+      }
+      ASSERT_FALSE(fc1.empty());
+      if (step >= 2) EXPECT_NE(fc1, last_fc1) << "fc1's shared A did not move at step " << step;
+      last_fc1 = fc1;
+    }
+  }
+}
+
+// Fail closed: one rank's corrupted main_grad, an inventory that differs on one rank, and a
+// doubled shared-factor reduction (unfused path) each fail the step with nothing applied.
+TEST_F(MeshTest, SharedFactorChecksFailClosed) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
+  struct Case {
+    std::vector<std::string> flags;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"--test_corrupt_main_grad_rank", "1"}, "post-reduction fc1 gradient digests"},
+      {{"--test_inventory_mismatch_rank", "1"}, "no gradient collective was issued"},
+      {{"--test_shared_reductions", "2", "--unfused_wgrad"}, "was reduced twice in one step"},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.message);
+    std::vector<std::string> flags = {"--tp", "2"};
+    flags.insert(flags.end(), k.flags.begin(), k.flags.end());
+    Coordinator c = Start(flags, "moe");
+    auto run = RunSession::Create(c.client.get(), SharedOuterLora(), 11);
+    ASSERT_TRUE(run.ok()) << run.status();
+    run->max_attempts = 1;
+    auto r = run->TrainStep(Batch(0), Ppo(), Adam());
+    EXPECT_THAT(r, StatusIs(absl::StatusCode::kFailedPrecondition, k.message));
+    ASSERT_OK_AND_ASSIGN(v1::Run state, c.client->GetRun(run->run_id()));
+    EXPECT_EQ(state.learner_version(), 0);
+    EXPECT_TRUE(state.diverged().empty()) << state.diverged();
+  }
 }
 
 }  // namespace

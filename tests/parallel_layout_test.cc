@@ -61,6 +61,49 @@ TEST(ParallelLayoutTest, ModelChecks) {
               StatusIs(absl::StatusCode::kInvalidArgument, "intermediate_size"));
 }
 
+// Expert parallelism is carved out of the data axis (ep_rank = dp_rank % ep).
+TEST(ParallelLayoutTest, ExpertGroupsInsideTheDataAxis) {
+  ASSERT_OK_AND_ASSIGN(ParallelLayout l, ParallelLayout::Create({2, 1, 4, 2}, 8));
+  // tp fastest: rank = tp + 2 * dp; ep = dp % 2.
+  EXPECT_EQ(l.Coords(6).ep, 1);  // dp 3
+  EXPECT_THAT(l.Group(GroupKind::kExpert, 0), ElementsAre(0, 2));      // dp 0, 1
+  EXPECT_THAT(l.Group(GroupKind::kExpert, 4), ElementsAre(4, 6));      // dp 2, 3
+  EXPECT_THAT(l.Group(GroupKind::kExpertData, 0), ElementsAre(0, 4));  // same experts
+  EXPECT_THAT(l.Group(GroupKind::kExpertStage, 3), ElementsAre(2, 3, 6, 7));
+  EXPECT_EQ(l.ToString(), "tp2 x pp1 x dp4, ep2");
+  EXPECT_THAT(ParallelLayout::Create({1, 1, 4, 3}, 4), StatusIs(absl::StatusCode::kInvalidArgument, "ep: must be >= 1 and divide dp 4"));
+  ASSERT_OK_AND_ASSIGN(ModelConfig dense, ModelConfigPreset("tiny"));
+  EXPECT_THAT(ValidateLayoutForModel({1, 1, 2, 2}, dense), StatusIs(absl::StatusCode::kInvalidArgument, "ep: 2 needs a MoE model"));
+  ASSERT_OK_AND_ASSIGN(ModelConfig moe, ModelConfigPreset("tiny-moe"));  // 4 experts
+  EXPECT_TRUE(ValidateLayoutForModel({2, 1, 4, 4}, moe).ok());
+  EXPECT_THAT(ValidateLayoutForModel({1, 1, 3, 3}, moe), StatusIs(absl::StatusCode::kInvalidArgument, "ep: 3 does not divide num_experts 4"));
+  const ModelShard s = MakeModelShard({2, 1, 4, 2}, l.Coords(3), moe);  // tp 1, dp 1 -> ep 1
+  EXPECT_EQ(s.expert_begin, 2);
+  EXPECT_EQ(s.expert_end, 4);
+  EXPECT_EQ(s.moe_ffn_begin, moe.moe.moe_intermediate_size / 2);
+  EXPECT_EQ(s.shared_ffn_end, moe.moe.shared_expert_intermediate_size);
+}
+
+// The seed's group selection: TP4 x PP2. A shared expert factor reduces over its stage's
+// tensor+data group; any rank set crossing the pipeline axis is refused.
+TEST(ParallelLayoutTest, SharedFactorGroupNeverCrossesThePipelineAxis) {
+  ASSERT_OK_AND_ASSIGN(ParallelLayout l, ParallelLayout::Create({4, 2, 1}, 8));
+  for (int r = 0; r < 8; ++r) {
+    const std::vector<int> g = SharedFactorGroup(l, r);
+    ASSERT_EQ(g.size(), 4u);
+    for (int m : g) EXPECT_EQ(l.Coords(m).pp, l.Coords(r).pp);
+    EXPECT_TRUE(SharedFactorGroupCheck(l, g).ok());
+  }
+  EXPECT_THAT(SharedFactorGroup(l, 5), ElementsAre(4, 5, 6, 7));
+  EXPECT_THAT(SharedFactorGroupCheck(l, l.Group(GroupKind::kPipeline, 1)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "{1,5} crosses the pipeline axis"));
+  EXPECT_THAT(SharedFactorGroupCheck(l, l.Group(GroupKind::kModelParallel, 0)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "crosses the pipeline axis"));
+  EXPECT_THAT(SharedFactorGroupCheck(l, l.Group(GroupKind::kWorld, 0)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "rank 0 is on stage 0, rank 4 on stage 1"));
+  EXPECT_THAT(SharedFactorGroupCheck(l, {3, 9}), StatusIs(absl::StatusCode::kFailedPrecondition, "outside the mesh"));
+}
+
 TEST(ParallelLayoutTest, ShardsCoverTheModel) {
   ASSERT_OK_AND_ASSIGN(ModelConfig c, ModelConfigPreset("tiny"));
   c.num_hidden_layers = 5;

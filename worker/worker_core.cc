@@ -134,10 +134,11 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::LoadState(const std::string& 
 
 absl::StatusOr<WorkerCore::PathResult> WorkerCore::ExportAdapter(const std::string& run_id,
                                                                  const std::string& path,
-    const MeshCallInfo& mesh) {
+                                                                 const MeshCallInfo& mesh,
+                                                                 bool expand_experts) {
   std::lock_guard<std::mutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
-  LORASTEP_RETURN_IF_ERROR(t->ExportAdapter(path));
+  LORASTEP_RETURN_IF_ERROR(t->ExportAdapter(path, expand_experts));
   return PathResult{t->FullAdapterSha256(), t->learner_version()};
 }
 

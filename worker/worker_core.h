@@ -77,7 +77,7 @@ class WorkerCore {
   absl::StatusOr<PathResult> LoadState(const std::string& run_id, const std::string& path,
                                        const MeshCallInfo& mesh = {});
   absl::StatusOr<PathResult> ExportAdapter(const std::string& run_id, const std::string& path,
-                                           const MeshCallInfo& mesh = {});
+                                           const MeshCallInfo& mesh = {}, bool expand_experts = false);
 
  private:
   WorkerCore(WorkerOptions options, std::shared_ptr<const BaseModel> base)

@@ -7,6 +7,7 @@
 //                   [--collective_timeout_s S]
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <iostream>
 #include <thread>
@@ -84,6 +85,7 @@ int main(int argc, char** argv) {
   if (flags.count("tp")) options.sizes.tp = std::stoi(flags["tp"]);
   if (flags.count("pp")) options.sizes.pp = std::stoi(flags["pp"]);
   if (flags.count("dp")) options.sizes.dp = std::stoi(flags["dp"]);
+  if (flags.count("ep")) options.sizes.ep = std::stoi(flags["ep"]);
   if (flags.count("rendezvous")) options.rendezvous = flags["rendezvous"];
   if (flags.count("collective_timeout_s")) {
     options.collective_timeout = std::chrono::seconds(std::stoi(flags["collective_timeout_s"]));
@@ -93,6 +95,24 @@ int main(int argc, char** argv) {
   if (flags.count("test_replicated_reductions")) {
     options.finalize.replicated_reductions = std::stoi(flags["test_replicated_reductions"]);
   }
+  // Test only, shared-outer expert factors (the second seed): skip one family's reduction,
+  // reduce twice, run without the digest checks, corrupt one rank's main_grad, or alter one
+  // rank's factor inventory.
+  if (flags.count("test_skip_shared_reduction")) {
+    options.finalize.skip_shared_family = flags["test_skip_shared_reduction"];
+  }
+  if (flags.count("test_shared_reductions")) {
+    options.finalize.shared_reductions = std::stoi(flags["test_shared_reductions"]);
+  }
+  if (flags.count("test_check_grad_digests")) {
+    options.finalize.check_digests = flags["test_check_grad_digests"] != "0";
+  }
+  if (flags.count("test_corrupt_main_grad_rank")) {
+    options.finalize.corrupt_main_grad_rank = std::stoi(flags["test_corrupt_main_grad_rank"]);
+  }
+  if (flags.count("test_inventory_mismatch_rank")) {
+    options.finalize.inventory_mismatch_rank = std::stoi(flags["test_inventory_mismatch_rank"]);
+  }
   const std::string advertise_host =
       flags.count("advertise_host") ? flags["advertise_host"] : (flags.count("host") ? flags["host"] : "127.0.0.1");
   options.gloo_host = advertise_host;
@@ -101,7 +121,7 @@ int main(int argc, char** argv) {
     auto joined = JoinMesh(flags["register_with"], advertise_host, 60);
     if (joined.ok()) {
       options.rank = joined->rank();
-      options.sizes = {joined->tp(), joined->pp(), joined->dp()};
+      options.sizes = {joined->tp(), joined->pp(), joined->dp(), std::max(1, joined->ep())};
       options.rendezvous = joined->rendezvous();
       std::cerr << "lorastep_worker: rank " << options.rank << " of " << options.sizes.world()
                 << ", rendezvous " << options.rendezvous << "\n";

@@ -84,6 +84,7 @@ grpc::ServerUnaryReactor* WorkerService::Info(grpc::CallbackServerContext* ctx,
   resp->set_tp(o.sizes.tp);
   resp->set_pp(o.sizes.pp);
   resp->set_dp(o.sizes.dp);
+  resp->set_ep(o.sizes.ep);
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -165,8 +166,20 @@ grpc::ServerUnaryReactor* WorkerService::TrainStep(grpc::CallbackServerContext* 
     });                                                                                       \
   }
 LORASTEP_WORKER_PATH_CALL(SaveState)
-LORASTEP_WORKER_PATH_CALL(ExportAdapter)
 #undef LORASTEP_WORKER_PATH_CALL
+
+grpc::ServerUnaryReactor* WorkerService::ExportAdapter(grpc::CallbackServerContext* ctx,
+                                                       const v1::WorkerPathRequest* req,
+                                                       v1::WorkerPathResponse* resp) {
+  return Defer(ctx, [this, req, resp]() -> absl::Status {
+    LORASTEP_ASSIGN_OR_RETURN(WorkerCore::PathResult r,
+                              core_->ExportAdapter(req->run_id(), req->path(), MeshFromProto(req->mesh()),
+                                                   req->expand_experts()));
+    resp->set_adapter_sha256(r.adapter_sha256);
+    resp->set_learner_version(r.learner_version);
+    return absl::OkStatus();
+  });
+}
 
 grpc::ServerUnaryReactor* WorkerService::LoadState(grpc::CallbackServerContext* ctx,
                                                    const v1::WorkerPathRequest* req,

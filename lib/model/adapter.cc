@@ -2,7 +2,9 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -38,30 +40,41 @@ absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const Lora
     return absl::InvalidArgumentError("lora.rank: 0 means full fine-tuning, not LoRA");
   }
   LORASTEP_ASSIGN_OR_RETURN(auto targeted, ResolveLoraTargets(lora));
-  if (model.is_moe() && (targeted[kGateProj] || targeted[kUpProj] || targeted[kDownProj])) {
-    // Expert LoRA (per-expert and shared-outer) lands with the MoE issue's next step.
-    return absl::UnimplementedError(
-        "lora.target_modules: gate/up/down on a MoE model (expert LoRA) is not built yet; "
-        "target q_proj, k_proj, v_proj, o_proj");
+  if (model.is_moe() && targeted[kGateProj] != targeted[kUpProj]) {
+    return absl::InvalidArgumentError(
+        "lora.target_modules: on a MoE model gate_proj and up_proj go together (the "
+        "experts' fused fc1)");
   }
   Adapter adapter;
   adapter.lora_ = lora;
   const ModelShard whole = MakeModelShard({}, {}, model);
   const ModelShard& s = shard != nullptr ? *shard : whole;
   adapter.lora_by_layer_.resize(s.layer_end - s.layer_begin);
+  adapter.expert_lora_by_layer_.resize(s.layer_end - s.layer_begin);
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto add = [&](Parameter p, at::Tensor value) {
+    p.value = value.contiguous().to(device, dtype);
+    adapter.parameters_.push_back(std::move(p));
+    return static_cast<int>(adapter.parameters_.size()) - 1;
+  };
   for (int64_t layer = 0; layer < model.num_hidden_layers; ++layer) {
+    const bool moe_layer = model.IsMoeLayer(layer);
+    const bool mine = layer >= s.layer_begin && layer < s.layer_end;
     for (int slot = 0; slot < kNumLinearSlots; ++slot) {
       if (!targeted[slot]) continue;
+      // On a MoE layer gate/up/down mean the routed experts (below); the shared expert of
+      // Qwen2-MoE gets no adapter.
+      if (moe_layer && slot >= kGateProj) continue;
       const auto [out, in] = LinearShape(model, slot);
       const double bound = 1.0 / std::sqrt(static_cast<double>(in));
       // Drawn for every layer so each rank's stream matches world size 1.
       at::Tensor a = at::empty({lora.rank, in}, at::kFloat).uniform_(-bound, bound, gen);
       at::Tensor b = at::zeros({out, lora.rank}, at::kFloat);
-      if (layer < s.layer_begin || layer >= s.layer_end) continue;
+      if (!mine) continue;
       const LinearSplit split = LinearSplitOf(s, slot, model);
       Parameter pa{PeftKey(layer, slot, false), {}, {}};
       Parameter pb{PeftKey(layer, slot, true), {}, {}};
+      pa.layer = pb.layer = layer;
       if (IsColumnParallel(slot)) {  // y_i = W_i x + s B_i (A x)
         b = b.narrow(0, split.begin, split.end - split.begin);
         pa.role = kReplicatedPartial;
@@ -73,18 +86,80 @@ absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const Lora
         pa.split_dim = 1;
         pb.role = kReplicatedPartial;
       }
-      pa.value = a.contiguous().to(device, dtype);
-      pb.value = b.contiguous().to(device, dtype);
       LoraFactors& f = adapter.lora_by_layer_[layer - s.layer_begin][slot];
-      f.a = static_cast<int>(adapter.parameters_.size());
-      adapter.parameters_.push_back(std::move(pa));
-      f.b = static_cast<int>(adapter.parameters_.size());
-      adapter.parameters_.push_back(std::move(pb));
+      f.a = add(std::move(pa), a);
+      f.b = add(std::move(pb), b);
     }
+    if (!moe_layer) continue;
+    LORASTEP_RETURN_IF_ERROR(adapter.AddExpertLora(model, s, layer, targeted[kGateProj],
+                                                   targeted[kDownProj], gen, add));
   }
   for (auto& p : adapter.parameters_) p.value.requires_grad_(true);
   adapter.PackMainGrads();
   return adapter;
+}
+
+absl::Status Adapter::AddExpertLora(
+    const ModelConfig& model, const ModelShard& s, int64_t layer, bool fc1, bool fc2,
+    at::Generator& gen, const std::function<int(Parameter, at::Tensor)>& add) {
+  const int64_t e = model.moe.num_experts, r = lora_.rank, h = model.hidden_size,
+                f = model.moe.moe_intermediate_size;
+  const bool shared = lora_.shared_outer();
+  const int kind = shared ? kSharedOuterAdapter : kPerExpertAdapter;
+  const int64_t eb = s.expert_begin, en = s.expert_end - s.expert_begin;
+  const int64_t fb = s.moe_ffn_begin, fn = s.moe_ffn_end - s.moe_ffn_begin;
+  const bool mine = layer >= s.layer_begin && layer < s.layer_end;
+  ExpertLoraFactors factors;
+  // A factor of this layer's experts: the rank keeps its experts (dim 0 of a stacked
+  // factor) and, of a tensor-split one, its columns of the expert width.
+  auto make = [&](const char* fc, bool is_b, at::Tensor whole, int split_dim) {
+    Parameter p{absl::StrCat("base_model.model.model.layers.", layer, ".mlp.experts.", fc,
+                             is_b ? ".lora_B.weight" : ".lora_A.weight"),
+                {}, {}};
+    p.kind = kind;
+    p.layer = layer;
+    p.family = fc;
+    at::Tensor local = whole;
+    if (whole.dim() == 2) {  // shared by every expert of the layer
+      p.role = kSharedExpert;
+      shared_factors_.push_back(SharedFactor{absl::StrCat("layers.", layer, ".experts.", fc,
+                                                          is_b ? ".lora_B" : ".lora_A"),
+                                             static_cast<int>(parameters_.size()), layer, fc,
+                                             std::vector<int64_t>(whole.sizes().begin(), whole.sizes().end())});
+    } else {
+      p.expert_split = true;
+      local = local.narrow(0, eb, en);
+      if (split_dim >= 0) {
+        p.role = kExpertSplit;
+        p.split_dim = split_dim;
+        local = local.narrow(split_dim, fb, fn);
+      } else {
+        p.role = kExpertReplicatedPartial;
+      }
+    }
+    return add(std::move(p), local);
+  };
+  if (fc1) {
+    const double bound = 1.0 / std::sqrt(static_cast<double>(h));
+    at::Tensor a = shared ? at::empty({r, h}, at::kFloat) : at::empty({e, r, h}, at::kFloat);
+    a.uniform_(-bound, bound, gen);
+    if (mine) {
+      factors.fc1_a = make("fc1", false, a, -1);
+      factors.fc1_b = make("fc1", true, at::zeros({e, 2, f, r}, at::kFloat), 2);
+    }
+  }
+  if (fc2) {
+    const double bound = 1.0 / std::sqrt(static_cast<double>(f));
+    at::Tensor a = at::empty({e, r, f}, at::kFloat).uniform_(-bound, bound, gen);
+    if (mine) {
+      factors.fc2_a = make("fc2", false, a, 2);
+      factors.fc2_b = make("fc2", true, shared ? at::zeros({h, r}, at::kFloat) : at::zeros({e, h, r}, at::kFloat), -1);
+    }
+  }
+  if (mine) expert_lora_by_layer_[layer - s.layer_begin] = factors;
+  std::sort(shared_factors_.begin(), shared_factors_.end(),
+            [](const SharedFactor& x, const SharedFactor& y) { return x.key < y.key; });
+  return absl::OkStatus();
 }
 
 Adapter Adapter::CreateFullFinetune(const ModelWeights& base, const ModelShard* shard,
@@ -132,6 +207,12 @@ Adapter Adapter::CreateFullFinetune(const ModelWeights& base, const ModelShard* 
   return adapter;
 }
 
+const ExpertLoraFactors* Adapter::expert_lora(size_t layer) const {
+  if (layer >= expert_lora_by_layer_.size()) return nullptr;
+  const ExpertLoraFactors& f = expert_lora_by_layer_[layer];
+  return f.fc1_a < 0 && f.fc2_a < 0 ? nullptr : &f;
+}
+
 const LoraFactors* Adapter::lora(size_t layer, int slot) const {
   if (layer >= lora_by_layer_.size()) return nullptr;
   const LoraFactors& f = lora_by_layer_[layer][slot];
@@ -139,6 +220,7 @@ const LoraFactors* Adapter::lora(size_t layer, int slot) const {
 }
 
 void Adapter::PackMainGrads() {
+  reductions_.assign(parameters_.size(), 0);
   for (int bucket = 0; bucket < kNumGradBuckets; ++bucket) {
     int64_t total = 0;
     at::TensorOptions options;
@@ -162,6 +244,7 @@ void Adapter::PackMainGrads() {
 }
 
 void Adapter::ZeroMainGrads() {
+  reductions_.assign(parameters_.size(), 0);
   for (at::Tensor& bucket : grad_buckets_) {
     if (bucket.defined()) bucket.zero_();
   }

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <array>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,7 +34,20 @@ struct Parameter {
   bool stage_copy = false;
   // Held on both the first and last stage (the tied embedding): SUM over the embedding group.
   bool tied_across_stages = false;
+  // How the factor was built (see AdapterKind); with `family` and the factor's
+  // dimensionality this is how replicated expert factors are found, never by name.
+  int kind = 0;           // an AdapterKind
+  int64_t layer = -1;     // global decoder layer of a LoRA factor
+  std::string family;     // expert factors: "fc1" (gate+up) or "fc2" (down)
+  bool expert_split = false;  // dim 0 holds experts, cut over the expert group
 };
+
+// Which adapter a LoRA factor belongs to.
+//  kLinear:      A and B of one dense linear (attention, dense MLP).
+//  kPerExpert:   routed experts, A_e and B_e stacked over the layer's experts (dim 0).
+//  kSharedOuter: routed experts, shared-outer: fc1's A [r, H] and fc2's B [H, r] shared by
+//                every expert of the layer (2-D), the inner factors stacked per expert.
+enum AdapterKind { kLinearAdapter = 0, kPerExpertAdapter = 1, kSharedOuterAdapter = 2 };
 
 // How a trainable tensor sits on the tensor-parallel ranks, which decides its reduction.
 //  kSplit: each rank holds a different slice (or the whole tensor at tp 1); its gradient is
@@ -44,17 +58,63 @@ struct Parameter {
 //    second seed's bug is skipping (or repeating) that reduction.
 //  kReplicatedFull: same value, and the same complete gradient on every rank (norm weights
 //    under full fine-tuning): SUM over the data group; counted once in the norm.
-enum TensorRole { kSplit = 0, kReplicatedPartial = 1, kReplicatedFull = 2 };
+// Routed-expert factors (expert_split: dim 0 cut over the expert group):
+//  kExpertSplit: complete on the rank that holds the expert (tokens of every replica of the
+//    expert group were sent to it): SUM over the expert-data group.
+//  kExpertReplicatedPartial: same value on the tensor ranks, partial gradients (per-expert
+//    A of fc1, B of fc2): SUM over the expert-stage group (tensor x expert-data).
+//  kSharedExpert: a factor shared by all of a layer's experts (shared-outer fc1 A, fc2 B):
+//    every rank of the stage holds it, each with the gradient of its own experts, tokens
+//    and tensor slice: SUM over the stage's tensor+data group, exactly once, at final
+//    gradient processing (the second seed's fix), checked by digests.
+enum TensorRole {
+  kSplit = 0,
+  kReplicatedPartial = 1,
+  kReplicatedFull = 2,
+  kExpertSplit = 3,
+  kExpertReplicatedPartial = 4,
+  kSharedExpert = 5,
+};
 
 // Which flat fp32 buffer a parameter's main_grad lives in (one per TensorRole); one
 // collective covers a bucket.
-enum class GradBucket { kSplit = 0, kReplicatedPartial = 1, kReplicatedFull = 2 };
-constexpr int kNumGradBuckets = 3;
+enum class GradBucket {
+  kSplit = 0,
+  kReplicatedPartial = 1,
+  kReplicatedFull = 2,
+  kExpertSplit = 3,
+  kExpertReplicatedPartial = 4,
+  kSharedExpert = 5,
+};
+constexpr int kNumGradBuckets = 6;
+// Whether every rank of the tensor group holds the same value of a tensor of this role.
+inline bool TensorReplicated(int role) { return role != kSplit && role != kExpertSplit; }
 
 // LoRA factors of one linear: y += scale * B (A x). A: [rank, in], B: [out, rank].
 struct LoraFactors {
   int a = -1;  // index into Adapter::parameters()
   int b = -1;
+};
+
+// LoRA factors of a MoE layer's routed experts (indices into Adapter::parameters(); -1 when
+// not targeted). Shapes on one rank (E_l experts, I_l columns of each expert's width):
+//   fc1_a: per-expert [E_l, r, H], shared-outer [r, H]
+//   fc1_b: [E_l, 2, I_l, r]   (gate rows, then up rows: fc1 is gate_proj and up_proj fused)
+//   fc2_a: [E_l, r, I_l]
+//   fc2_b: per-expert [E_l, H, r], shared-outer [H, r]
+struct ExpertLoraFactors {
+  int fc1_a = -1, fc1_b = -1, fc2_a = -1, fc2_b = -1;
+};
+
+// A factor shared by all experts of a layer, registered when the adapter is built (from the
+// adapter kind and the factor's shape). `key` is the stable per-module key that orders the
+// collectives identically on every rank ("layers.3.experts.fc1.lora_A").
+struct SharedFactor {
+  std::string key;
+  int param = -1;
+  int64_t layer = -1;
+  std::string family;           // "fc1" or "fc2"
+  std::vector<int64_t> shape;   // the whole factor's shape
 };
 
 class Adapter {
@@ -80,13 +140,22 @@ class Adapter {
   std::vector<Parameter>& parameters() { return parameters_; }
   const std::vector<Parameter>& parameters() const { return parameters_; }
 
-  // LoRA factors on (layer, slot), or nullptr when that linear has none.
+  // LoRA factors on (layer, slot), or nullptr when that linear has none. `layer` is the
+  // index into this stage's layers.
   const LoraFactors* lora(size_t layer, int slot) const;
+  // Routed-expert LoRA of (stage-local) `layer`, or nullptr.
+  const ExpertLoraFactors* expert_lora(size_t layer) const;
+  // Shared-outer factors in key order (the order of their collectives).
+  const std::vector<SharedFactor>& shared_factors() const { return shared_factors_; }
   // Full fine-tuning: the trainable weights and their main_grads in model layout.
   const ModelWeights& full_weights() const { return full_weights_; }
   const ModelWeights& full_main_grads() const { return full_main_grads_; }
 
+  // Zeroes every main_grad and the reduction counts of the step.
   void ZeroMainGrads();
+  // Over which groups parameter i's main_grad was reduced since the last ZeroMainGrads, one
+  // bit per GroupKind (the finalizer refuses a second reduction over the same group).
+  int& reductions(int i) { return reductions_[i]; }
   // The flat fp32 buffer holding the main_grads of one bucket (undefined when empty).
   const at::Tensor& grad_bucket(GradBucket bucket) const {
     return grad_buckets_[static_cast<int>(bucket)];
@@ -96,6 +165,11 @@ class Adapter {
   static std::string PeftKey(size_t layer, int slot, bool is_b);
 
  private:
+  // Routed-expert LoRA factors of global `layer` (drawn whole, kept in part when `s` is a
+  // shard); `add` appends a parameter and returns its index.
+  absl::Status AddExpertLora(const ModelConfig& model, const ModelShard& s, int64_t layer,
+                             bool fc1, bool fc2, at::Generator& gen,
+                             const std::function<int(Parameter, at::Tensor)>& add);
   // Makes every main_grad a view into one contiguous fp32 buffer per bucket.
   void PackMainGrads();
 
@@ -103,6 +177,9 @@ class Adapter {
   std::vector<Parameter> parameters_;
   std::array<at::Tensor, kNumGradBuckets> grad_buckets_;
   std::vector<std::array<LoraFactors, kNumLinearSlots>> lora_by_layer_;
+  std::vector<ExpertLoraFactors> expert_lora_by_layer_;
+  std::vector<SharedFactor> shared_factors_;
+  std::vector<int> reductions_;
   ModelWeights full_weights_;
   ModelWeights full_main_grads_;
 };

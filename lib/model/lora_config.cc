@@ -48,6 +48,10 @@ absl::Status ValidateLoraConfig(const LoraConfig& config) {
   if (!(config.dropout >= 0.0 && config.dropout < 1.0)) {
     return absl::InvalidArgumentError("lora.dropout: must be in [0, 1)");
   }
+  if (config.expert_lora != "per_expert" && config.expert_lora != "shared_outer") {
+    return absl::InvalidArgumentError(absl::StrCat("lora.expert_lora: unknown '", config.expert_lora,
+                                                   "' (expected per_expert or shared_outer)"));
+  }
   if (config.rank > 0) return ResolveLoraTargets(config).status();
   return absl::OkStatus();
 }

@@ -24,9 +24,15 @@ struct LoraConfig {
   double dropout = 0.0;     // on the LoRA branch's input, training only
   // Module names ("q_proj", ...) or the single entry "all-linear".
   std::vector<std::string> target_modules = {"all-linear"};
+  // LoRA on the routed experts of a MoE layer (gate_proj + up_proj = fc1, down_proj = fc2):
+  //  "per_expert":   A_e and B_e for every expert, on fc1 and fc2.
+  //  "shared_outer": fc1's A shared by the layer's experts, B per expert; fc2's A per
+  //                  expert, B shared (Megatron-Bridge's shared-outer grouped-expert adapter).
+  std::string expert_lora = "per_expert";
 
   double scale() const { return rank > 0 ? alpha / static_cast<double>(rank) : 0.0; }
   bool full_finetune() const { return rank == 0; }
+  bool shared_outer() const { return expert_lora == "shared_outer"; }
 };
 
 // Errors name the field: "lora.rank: must be >= 0", "lora.target_modules[2]: unknown 'foo'".

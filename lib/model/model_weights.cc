@@ -320,12 +320,27 @@ ModelWeights ShardModelWeights(const ModelWeights& full, const ModelConfig& conf
     dst.layout = src.layout;
     dst.input_norm = src.input_norm;
     dst.post_attention_norm = src.post_attention_norm;
+    dst.q_norm = src.q_norm;
+    dst.k_norm = src.k_norm;
     for (int slot = 0; slot < kNumLinearSlots; ++slot) {
-      const LinearSplit split = LinearSplitOf(shard, slot, config);
+      if (!src.linear[slot].defined()) continue;  // no shared expert on this MoE layer
+      const LinearSplit split = LinearSplitOf(shard, slot, config, src.layout.moe);
       dst.linear[slot] = cut(src.linear[slot], split.dim, split.begin, split.end);
       if (slot < 3 && src.qkv_bias[slot].defined()) {
         dst.qkv_bias[slot] = cut(src.qkv_bias[slot], 0, split.begin, split.end);
       }
+    }
+    if (src.layout.moe) {
+      // This rank's experts; of each, its columns of the SwiGLU width (gate and up rows cut
+      // alike, so gate rows still come first), and the matching columns of down.
+      const int64_t f = config.moe.moe_intermediate_size;
+      const int64_t eb = shard.expert_begin, ee = shard.expert_end;
+      const int64_t fb = shard.moe_ffn_begin, fe = shard.moe_ffn_end;
+      at::Tensor gate_up = src.experts_gate_up.narrow(0, eb, ee - eb);
+      dst.experts_gate_up = at::cat({gate_up.narrow(1, fb, fe - fb), gate_up.narrow(1, f + fb, fe - fb)}, 1);
+      dst.experts_down = cut(src.experts_down.narrow(0, eb, ee - eb), 2, fb, fe);
+      dst.router = src.router;
+      dst.shared_expert_gate = src.shared_expert_gate;
     }
     out.layers.push_back(std::move(dst));
   }

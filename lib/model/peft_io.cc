@@ -4,6 +4,7 @@
 #include <cmath>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "lib/io/file_util.h"
@@ -14,9 +15,41 @@
 
 namespace lorastep {
 
+std::vector<std::pair<std::string, at::Tensor>> PeftTensorsOf(const std::string& name, const at::Tensor& whole,
+                                                              const PeftExportOptions& options) {
+  // Expert factors are named "<prefix>mlp.experts.fc1.lora_A.weight" (checkpoint form).
+  const size_t at = name.find("mlp.experts.fc");
+  if (at == std::string::npos) return {{name, whole}};
+  const std::string prefix = name.substr(0, at) + "mlp.experts.";
+  const bool fc1 = name.compare(at, 15, "mlp.experts.fc1") == 0;
+  const bool b = absl::EndsWith(name, ".lora_B.weight");
+  const char* factor = b ? "lora_B.weight" : "lora_A.weight";
+  // fc1's A serves gate_proj and up_proj alike; its B holds gate rows then up rows.
+  const std::vector<std::string> modules =
+      fc1 ? std::vector<std::string>{"gate_proj", "up_proj"} : std::vector<std::string>{"down_proj"};
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  if (whole.dim() == 2) {  // shared by the layer's experts
+    if (!options.expand_experts) {
+      for (const auto& m : modules) out.push_back({absl::StrCat(prefix, m, ".", factor), whole});
+      return out;
+    }
+    for (int64_t e = 0; e < options.num_experts; ++e) {
+      for (const auto& m : modules) out.push_back({absl::StrCat(prefix, e, ".", m, ".", factor), whole});
+    }
+    return out;
+  }
+  for (int64_t e = 0; e < whole.size(0); ++e) {
+    for (size_t k = 0; k < modules.size(); ++k) {
+      at::Tensor t = fc1 && b ? whole[e][static_cast<int64_t>(k)] : whole[e];  // [E, 2, I, r]
+      out.push_back({absl::StrCat(prefix, e, ".", modules[k], ".", factor), t});
+    }
+  }
+  return out;
+}
+
 absl::Status ExportPeftAdapter(
     const std::string& folder, const Adapter& adapter, const std::string& base_model_path,
-    const std::vector<std::pair<std::string, at::Tensor>>* tensors) {
+    const std::vector<std::pair<std::string, at::Tensor>>* tensors, const PeftExportOptions& options) {
   if (adapter.full_finetune()) {
     return absl::FailedPreconditionError(
         "export: a rank-0 (full fine-tuning) run has no adapter; save the model instead");
@@ -43,14 +76,27 @@ absl::Status ExportPeftAdapter(
   config["use_dora"] = false;
   config["modules_to_save"] = nullptr;
   config["layers_to_transform"] = nullptr;
+  bool experts = false;
+  for (const Parameter& p : adapter.parameters()) experts = experts || !p.family.empty();
+  if (experts) {
+    // lorastep's own record of the expert layout ("per_expert" or "shared_outer", and
+    // whether shared factors were expanded); PEFT ignores unknown keys.
+    config["lorastep_expert_lora"] = lora.expert_lora;
+    config["lorastep_experts_expanded"] = options.expand_experts || !lora.shared_outer();
+  }
   LORASTEP_RETURN_IF_ERROR(MakeDirectories(folder));
   LORASTEP_RETURN_IF_ERROR(
       WriteStringToFile(folder + "/adapter_config.json", config.dump(2) + "\n"));
   TensorWriteList list;
-  if (tensors != nullptr) {
-    for (const auto& [name, t] : *tensors) LORASTEP_RETURN_IF_ERROR(list.Add(name, t));
-  } else {
-    for (const Parameter& p : adapter.parameters()) LORASTEP_RETURN_IF_ERROR(list.Add(p.name, p.value));
+  std::vector<std::pair<std::string, at::Tensor>> own;
+  if (tensors == nullptr) {
+    for (const Parameter& p : adapter.parameters()) own.push_back({p.name, p.value});
+    tensors = &own;
+  }
+  for (const auto& [name, whole] : *tensors) {
+    for (const auto& [key, t] : PeftTensorsOf(name, whole, options)) {
+      LORASTEP_RETURN_IF_ERROR(list.Add(key, t.contiguous()));
+    }
   }
   return list.WriteTo(folder + "/adapter_model.safetensors", {{"format", "pt"}});
 }
@@ -77,26 +123,75 @@ absl::Status ImportPeftAdapter(const std::string& folder, Adapter* adapter) {
   }
   LORASTEP_ASSIGN_OR_RETURN(SafetensorsFile file,
                             SafetensorsFile::Open(folder + "/adapter_model.safetensors"));
-  // Read and check everything first; only then write into the live parameters.
-  std::vector<at::Tensor> staged;
-  for (const Parameter& p : adapter->parameters()) {
-    auto entry = file.Find(p.name);
+  auto read = [&](const std::string& key, at::IntArrayRef want) -> absl::StatusOr<at::Tensor> {
+    auto entry = file.Find(key);
     if (!entry.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(file.path(), ": missing tensor '", p.name, "'"));
+      return absl::InvalidArgumentError(absl::StrCat(file.path(), ": missing tensor '", key, "'"));
     }
-    std::vector<int64_t> want(p.value.sizes().begin(), p.value.sizes().end());
-    if ((*entry)->shape != want) {
+    if (!want.equals((*entry)->shape)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          file.path(), ": tensor '", p.name, "': shape mismatch: expected [",
-          absl::StrJoin(want, ", "), "], got [", absl::StrJoin((*entry)->shape, ", "), "]"));
+          file.path(), ": tensor '", key, "': shape mismatch: expected [", absl::StrJoin(want, ", "),
+          "], got [", absl::StrJoin((*entry)->shape, ", "), "]"));
     }
     LORASTEP_ASSIGN_OR_RETURN(at::Tensor t, TensorFromEntry(**entry));
     if (!at::isfinite(t.to(at::kFloat)).all().item<bool>()) {
-      return absl::InvalidArgumentError(absl::StrCat(file.path(), ": tensor '", p.name,
-                                                     "': holds non-finite values"));
+      return absl::InvalidArgumentError(absl::StrCat(file.path(), ": tensor '", key, "': holds non-finite values"));
     }
-    staged.push_back(t);
+    return t;
+  };
+  // Copies that must agree (fc1's A under gate_proj and up_proj; an expanded shared factor).
+  auto same = [&](const at::Tensor& a, const at::Tensor& b, const std::string& key) -> absl::Status {
+    if (at::equal(a, b)) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(file.path(), ": tensor '", key,
+                                                   "' differs from the copy it must equal (fc1's A is "
+                                                   "shared by gate_proj and up_proj; a shared-outer "
+                                                   "factor by every expert)"));
+  };
+  // Read and check everything first; only then write into the live parameters.
+  std::vector<at::Tensor> staged;
+  for (const Parameter& p : adapter->parameters()) {
+    if (p.family.empty()) {
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor t, read(p.name, p.value.sizes()));
+      staged.push_back(t);
+      continue;
+    }
+    // An expert factor: its per-module keys, in (expert, module) order.
+    const bool shared = p.value.dim() == 2;
+    PeftExportOptions compact;
+    auto keys = PeftTensorsOf(p.name, p.value, compact);
+    if (shared && !file.Find(keys[0].first).ok()) {  // the expanded form: one copy per expert
+      PeftExportOptions expanded{true, 0};
+      while (file.Find(PeftTensorsOf(p.name, p.value, PeftExportOptions{true, expanded.num_experts + 1})
+                           .back().first).ok()) {
+        ++expanded.num_experts;
+      }
+      if (expanded.num_experts == 0) expanded.num_experts = 1;  // reports the missing key
+      keys = PeftTensorsOf(p.name, p.value, expanded);
+    }
+    std::vector<at::Tensor> parts;
+    for (const auto& [key, like] : keys) {
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor t, read(key, like.sizes()));
+      parts.push_back(t);
+    }
+    const bool fc1_b = p.family == "fc1" && absl::EndsWith(p.name, ".lora_B.weight");
+    const size_t per_expert = p.family == "fc1" ? 2 : 1;  // gate and up, or down
+    at::Tensor value;
+    if (shared) {
+      for (size_t i = 1; i < parts.size(); ++i) LORASTEP_RETURN_IF_ERROR(same(parts[i], parts[0], keys[i].first));
+      value = parts[0];
+    } else if (fc1_b) {
+      std::vector<at::Tensor> experts;
+      for (size_t i = 0; i < parts.size(); i += 2) experts.push_back(at::stack({parts[i], parts[i + 1]}));
+      value = at::stack(experts);
+    } else {
+      std::vector<at::Tensor> experts;
+      for (size_t i = 0; i < parts.size(); i += per_expert) {
+        if (per_expert == 2) LORASTEP_RETURN_IF_ERROR(same(parts[i + 1], parts[i], keys[i + 1].first));
+        experts.push_back(parts[i]);
+      }
+      value = at::stack(experts);
+    }
+    staged.push_back(value);
   }
   at::NoGradGuard no_grad;
   auto& params = adapter->parameters();

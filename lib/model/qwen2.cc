@@ -1,6 +1,7 @@
 #include "lib/model/qwen2.h"
 
 #include <cmath>
+#include <vector>
 
 #include "lib/torch_compat.h"
 
@@ -102,51 +103,143 @@ class LayerRunner {
   }
 
   // Routed experts (transformers' Qwen2-MoE / Qwen3-MoE block): router softmax in fp32,
-  // top-k, optional renormalization; tokens grouped by expert; each expert's gate/up and
-  // down are frozen linears (one 2-D GEMM each way); weighted outputs added back per token.
-  // Qwen2-MoE adds its shared expert, gated by sigmoid(x . w).
+  // top-k, optional renormalization; the (token, slot) pairs grouped by expert; with expert
+  // parallelism each pair goes to the rank holding its expert and comes back (all-to-all);
+  // weighted outputs added back per token. Qwen2-MoE adds its shared expert, gated by
+  // sigmoid(x . w). With tensor parallelism each rank computes its columns of every
+  // expert's width, so outputs are partial sums: one all-reduce at the end.
   at::Tensor MoeMlp(size_t i, const at::Tensor& h) const {
     const LayerWeights& lw = weights_.layers[i];
-    const int64_t hidden = h.size(-1), top_k = c_.moe.num_experts_per_tok;
+    const int64_t hidden = h.size(-1), top_k = c_.moe.num_experts_per_tok, experts = c_.moe.num_experts;
     at::Tensor x = h.reshape({-1, hidden});
     at::Tensor logits = Linear(x, lw.router, at::Tensor(), options_.grad);
     at::Tensor probs = at::softmax(logits.to(at::kFloat), -1);
     auto [top_p, top_e] = probs.topk(top_k, -1);
     if (c_.moe.norm_topk_prob) top_p = top_p / top_p.sum(-1, /*keepdim=*/true);
     top_p = top_p.to(logits.scalar_type());
-    // Group the (token, slot) pairs by expert: one sort, then one contiguous run each.
+    // Group the (token, slot) pairs by expert: one stable sort, then one contiguous run each.
     at::Tensor flat_e = top_e.reshape({-1});
     at::Tensor order = std::get<1>(flat_e.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
-    at::Tensor counts = at::bincount(flat_e, {}, c_.moe.num_experts).to(at::kCPU);
+    at::Tensor counts = at::bincount(flat_e, {}, experts);
+    at::Tensor counts_cpu = counts.to(at::kCPU);
     if (options_.routing_metrics != nullptr) {
-      const double hit = (counts > 0).sum().item<double>();
-      const double mean = counts.to(at::kDouble).mean().item<double>();
-      options_.routing_metrics->Add("moe_experts_hit:mean", hit / c_.moe.num_experts, 1.0);
+      const double hit = (counts_cpu > 0).sum().item<double>();
+      const double mean = counts_cpu.to(at::kDouble).mean().item<double>();
+      options_.routing_metrics->Add("moe_experts_hit:mean", hit / experts, 1.0);
       options_.routing_metrics->Add("moe_load_max_over_mean:max",
-                                    mean > 0 ? counts.max().item<double>() / mean : 0.0);
+                                    mean > 0 ? counts_cpu.max().item<double>() / mean : 0.0);
     }
-    at::Tensor out = at::zeros_like(x);
-    const int64_t f = lw.experts_down.size(2);
-    int64_t start = 0;
-    for (int64_t e = 0; e < c_.moe.num_experts; ++e) {
-      const int64_t n = counts[e].item<int64_t>();
-      if (n == 0) continue;
-      at::Tensor pairs = order.narrow(0, start, n);  // indices into [T * top_k]
-      start += n;
-      at::Tensor tokens = at::floor_divide(pairs, top_k);
-      at::Tensor xs = x.index_select(0, tokens);
-      at::Tensor gate_up = Linear(xs, lw.experts_gate_up[e], at::Tensor(), options_.grad);
-      at::Tensor act = at::silu(gate_up.narrow(-1, 0, f)) * gate_up.narrow(-1, f, f);
-      at::Tensor y = Linear(act, lw.experts_down[e], at::Tensor(), options_.grad);
-      y = y * top_p.reshape({-1}).index_select(0, pairs).unsqueeze(1);
-      out = out.index_add(0, tokens, y);
-    }
+    at::Tensor pair_tokens = at::floor_divide(order, top_k);
+    at::Tensor pair_weights = top_p.reshape({-1}).index_select(0, order).unsqueeze(1);
+    at::Tensor rows = x.index_select(0, pair_tokens);  // [pairs, H], grouped by expert
+    at::Tensor y = ExchangeAndRunExperts(i, rows, counts, counts_cpu);
+    at::Tensor out = at::zeros_like(x).index_add(0, pair_tokens, y * pair_weights);
     if (lw.layout.shared_expert_gate) {
       at::Tensor act = at::silu(Project(i, kGateProj, x)) * Project(i, kUpProj, x);
       at::Tensor shared = Project(i, kDownProj, act);
       out = out + at::sigmoid(Linear(x, lw.shared_expert_gate, at::Tensor(), options_.grad)) * shared;
     }
-    return out.view(h.sizes());
+    return ReduceFromTensorRegion(out, options_.tensor_group).view(h.sizes());
+  }
+
+  // Rows grouped by global expert id (counts[e] rows for expert e, on the device and on the
+  // CPU) through the experts: with an expert group, sent to the ranks holding them, regrouped
+  // by local expert, computed, and sent back into the caller's order.
+  at::Tensor ExchangeAndRunExperts(size_t i, const at::Tensor& rows, const at::Tensor& counts,
+                                   const at::Tensor& counts_cpu) const {
+    CommGroup* group = options_.expert_group;
+    if (group == nullptr || group->size() == 1) {
+      return RunExperts(i, rows, std::vector<int64_t>(counts_cpu.data_ptr<int64_t>(),
+                                                      counts_cpu.data_ptr<int64_t>() + counts_cpu.numel()));
+    }
+    const int ep = group->size();
+    const int64_t per_rank = c_.moe.num_experts / ep;
+    // Tell every member how many rows of each of its experts are coming: recv[src][e_local].
+    at::Tensor sent = counts.view({ep, per_rank});
+    at::Tensor recv = AllToAllRows(sent, group, std::vector<int64_t>(ep, 1), std::vector<int64_t>(ep, 1)).to(at::kCPU);
+    at::Tensor sent_cpu = counts_cpu.view({ep, per_rank});
+    std::vector<int64_t> in_splits(ep), out_splits(ep);
+    for (int j = 0; j < ep; ++j) {
+      in_splits[j] = sent_cpu[j].sum().item<int64_t>();
+      out_splits[j] = recv[j].sum().item<int64_t>();
+    }
+    at::Tensor received = AllToAllRows(rows, group, in_splits, out_splits);  // by source, then expert
+    // Regroup by local expert (all sources' rows of expert 0, then expert 1, ...).
+    const auto* r = recv.data_ptr<int64_t>();
+    std::vector<int64_t> src_offset(ep, 0), perm, local_counts(per_rank, 0);
+    for (int j = 1; j < ep; ++j) src_offset[j] = src_offset[j - 1] + out_splits[j - 1];
+    for (int64_t e = 0; e < per_rank; ++e) {
+      for (int j = 0; j < ep; ++j) {
+        int64_t begin = src_offset[j];
+        for (int64_t k = 0; k < e; ++k) begin += r[j * per_rank + k];
+        for (int64_t n = 0; n < r[j * per_rank + e]; ++n) perm.push_back(begin + n);
+        local_counts[e] += r[j * per_rank + e];
+      }
+    }
+    at::Tensor perm_t = at::tensor(perm, at::kLong);
+    at::Tensor inverse = at::empty_like(perm_t);
+    if (perm_t.numel() > 0) inverse.index_copy_(0, perm_t, at::arange(perm_t.numel(), at::kLong));
+    const at::Device device = rows.device();
+    at::Tensor grouped = received.index_select(0, perm_t.to(device));
+    at::Tensor y = RunExperts(i, grouped, local_counts).index_select(0, inverse.to(device));
+    return AllToAllRows(y, group, out_splits, in_splits);
+  }
+
+  // This rank's experts over rows grouped by local expert (counts[e] rows each): frozen
+  // gate/up and down (one 2-D GEMM each way per expert), plus expert LoRA when the adapter
+  // has it. Shared-outer: fc1's shared A runs once over all rows and fc2's shared B once over
+  // all experts' inner activations.
+  at::Tensor RunExperts(size_t i, const at::Tensor& rows, const std::vector<int64_t>& counts) const {
+    const LayerWeights& lw = weights_.layers[i];
+    const int64_t f = lw.experts_down.size(2);
+    if (rows.size(0) == 0) return rows.mul(0).narrow(1, 0, lw.experts_down.size(1));
+    const ExpertLoraFactors* lf = adapter_ != nullptr ? adapter_->expert_lora(i) : nullptr;
+    const Parameter* fc1_a = lf != nullptr && lf->fc1_a >= 0 ? &adapter_->parameters()[lf->fc1_a] : nullptr;
+    const Parameter* fc1_b = lf != nullptr && lf->fc1_b >= 0 ? &adapter_->parameters()[lf->fc1_b] : nullptr;
+    const Parameter* fc2_a = lf != nullptr && lf->fc2_a >= 0 ? &adapter_->parameters()[lf->fc2_a] : nullptr;
+    const Parameter* fc2_b = lf != nullptr && lf->fc2_b >= 0 ? &adapter_->parameters()[lf->fc2_b] : nullptr;
+    const double scale = adapter_ != nullptr ? adapter_->lora_config().scale() : 0.0;
+    const double p = adapter_ != nullptr ? adapter_->lora_config().dropout : 0.0;
+    auto lora_input = [&](const at::Tensor& t) { return (p > 0 && options_.training) ? Dropout(t, p) : t; };
+    // The factor of local expert e (a stacked one) or the shared one.
+    auto value = [](const Parameter* q, int64_t e) { return q->value.dim() == 2 ? q->value : q->value.select(0, e); };
+    auto grad = [](const Parameter* q, int64_t e) {
+      return q->main_grad.dim() == 2 ? q->main_grad : q->main_grad.select(0, e);
+    };
+    const bool shared_a = fc1_a != nullptr && fc1_a->value.dim() == 2;
+    const bool shared_b = fc2_b != nullptr && fc2_b->value.dim() == 2;
+    at::Tensor fc1_inner_all;
+    if (shared_a) fc1_inner_all = Linear(lora_input(rows), fc1_a->value, fc1_a->main_grad, options_.grad);
+    std::vector<at::Tensor> ys, fc2_inner;
+    int64_t start = 0;
+    for (int64_t e = 0; e < static_cast<int64_t>(counts.size()); ++e) {
+      const int64_t n = counts[e];
+      if (n == 0) continue;
+      at::Tensor xs = rows.narrow(0, start, n);
+      at::Tensor gate_up = Linear(xs, lw.experts_gate_up[e], at::Tensor(), options_.grad);
+      if (fc1_a != nullptr) {
+        at::Tensor inner = shared_a ? fc1_inner_all.narrow(0, start, n)
+                                    : Linear(lora_input(xs), value(fc1_a, e), grad(fc1_a, e), options_.grad);
+        const int64_t r = inner.size(1);
+        gate_up = gate_up + Linear(inner, value(fc1_b, e).view({2 * f, r}), grad(fc1_b, e).view({2 * f, r}),
+                                   options_.grad) * scale;
+      }
+      at::Tensor act = at::silu(gate_up.narrow(-1, 0, f)) * gate_up.narrow(-1, f, f);
+      at::Tensor y = Linear(act, lw.experts_down[e], at::Tensor(), options_.grad);
+      if (fc2_a != nullptr) {
+        at::Tensor inner = Linear(lora_input(act), value(fc2_a, e), grad(fc2_a, e), options_.grad);
+        if (shared_b) {
+          fc2_inner.push_back(inner);
+        } else {
+          y = y + Linear(inner, value(fc2_b, e), grad(fc2_b, e), options_.grad) * scale;
+        }
+      }
+      ys.push_back(y);
+      start += n;
+    }
+    at::Tensor y = at::cat(ys, 0);
+    if (shared_b) y = y + Linear(at::cat(fc2_inner, 0), fc2_b->value, fc2_b->main_grad, options_.grad) * scale;
+    return y;
   }
 
  private:

@@ -1,6 +1,7 @@
 #include "lib/parallel/parallel_layout.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace lorastep {
 
@@ -13,6 +14,9 @@ const char* GroupKindName(GroupKind kind) {
     case GroupKind::kModelParallel: return "model_parallel";
     case GroupKind::kWorld: return "world";
     case GroupKind::kEmbedding: return "embedding";
+    case GroupKind::kExpert: return "expert";
+    case GroupKind::kExpertData: return "expert_data";
+    case GroupKind::kExpertStage: return "expert_stage";
   }
   return "unknown";
 }
@@ -21,6 +25,10 @@ absl::StatusOr<ParallelLayout> ParallelLayout::Create(const ParallelSizes& sizes
   if (sizes.tp < 1) return absl::InvalidArgumentError(absl::StrCat("tp: must be >= 1, got ", sizes.tp));
   if (sizes.pp < 1) return absl::InvalidArgumentError(absl::StrCat("pp: must be >= 1, got ", sizes.pp));
   if (sizes.dp < 1) return absl::InvalidArgumentError(absl::StrCat("dp: must be >= 1, got ", sizes.dp));
+  if (sizes.ep < 1 || sizes.dp % sizes.ep != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ep: must be >= 1 and divide dp ", sizes.dp, ", got ", sizes.ep));
+  }
   if (static_cast<int64_t>(sizes.tp) * sizes.pp * sizes.dp != world_size) {
     return absl::InvalidArgumentError(absl::StrCat("world_size: ", world_size, " != tp * pp * dp = ",
                                                    sizes.tp, " * ", sizes.pp, " * ", sizes.dp));
@@ -33,6 +41,7 @@ RankCoords ParallelLayout::Coords(int rank) const {
   c.tp = rank % sizes_.tp;
   c.dp = (rank / sizes_.tp) % sizes_.dp;
   c.pp = rank / (sizes_.tp * sizes_.dp);
+  c.ep = c.dp % sizes_.ep;
   return c;
 }
 
@@ -43,8 +52,11 @@ int ParallelLayout::Rank(const RankCoords& c) const {
 namespace {
 
 // Whether ranks with coordinates a and b fall into the same group of `kind`.
-bool SameGroup(GroupKind kind, const RankCoords& a, const RankCoords& b) {
+bool SameGroup(GroupKind kind, const RankCoords& a, const RankCoords& b, int ep) {
   switch (kind) {
+    case GroupKind::kExpert: return a.pp == b.pp && a.tp == b.tp && a.dp / ep == b.dp / ep;
+    case GroupKind::kExpertData: return a.pp == b.pp && a.tp == b.tp && a.ep == b.ep;
+    case GroupKind::kExpertStage: return a.pp == b.pp && a.ep == b.ep;
     case GroupKind::kTensor: return a.pp == b.pp && a.dp == b.dp;
     case GroupKind::kData: return a.pp == b.pp && a.tp == b.tp;
     case GroupKind::kPipeline: return a.tp == b.tp && a.dp == b.dp;
@@ -67,7 +79,7 @@ std::vector<int> ParallelLayout::Group(GroupKind kind, int rank) const {
   }
   std::vector<int> ranks;
   for (int r = 0; r < world_size(); ++r) {
-    if (SameGroup(kind, me, Coords(r))) ranks.push_back(r);
+    if (SameGroup(kind, me, Coords(r), sizes_.ep)) ranks.push_back(r);
   }
   return ranks;
 }
@@ -94,7 +106,37 @@ int ParallelLayout::GroupIndex(GroupKind kind, int rank) const {
 }
 
 std::string ParallelLayout::ToString() const {
-  return absl::StrCat("tp", sizes_.tp, " x pp", sizes_.pp, " x dp", sizes_.dp);
+  return absl::StrCat("tp", sizes_.tp, " x pp", sizes_.pp, " x dp", sizes_.dp,
+                      sizes_.ep > 1 ? absl::StrCat(", ep", sizes_.ep) : "");
+}
+
+std::vector<int> SharedFactorGroup(const ParallelLayout& layout, int rank) {
+  return layout.Group(GroupKind::kStage, rank);
+}
+
+absl::Status SharedFactorGroupCheck(const ParallelLayout& layout, const std::vector<int>& ranks) {
+  if (ranks.empty()) return absl::FailedPreconditionError("shared-factor group: no ranks");
+  const int stage = layout.Coords(ranks[0]).pp;
+  for (int r : ranks) {
+    if (r < 0 || r >= layout.world_size()) {
+      return absl::FailedPreconditionError(absl::StrCat("shared-factor group: rank ", r, " outside the mesh"));
+    }
+    if (layout.Coords(r).pp != stage) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "shared-factor group {", absl::StrJoin(ranks, ","), "} crosses the pipeline axis (rank ",
+          ranks[0], " is on stage ", stage, ", rank ", r, " on stage ", layout.Coords(r).pp,
+          "); shared expert factors reduce within one stage"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+ReplicaScope ReplicaFamilyScope(const std::string& family) {
+  ReplicaScope scope;
+  const bool expert = family.rfind("experts", 0) == 0 || family.rfind("grad_experts", 0) == 0;
+  scope.per_expert_rank = expert;
+  scope.per_tensor_rank = family == "trainable" || family == "experts";
+  return scope;
 }
 
 std::pair<int64_t, int64_t> EvenRange(int64_t total, int parts, int index) {
@@ -116,6 +158,24 @@ absl::Status ValidateLayoutForModel(const ParallelSizes& sizes, const ModelConfi
   if (c.intermediate_size % sizes.tp != 0) {
     return absl::InvalidArgumentError(absl::StrCat("tp: ", sizes.tp, " does not divide intermediate_size ",
                                                    c.intermediate_size));
+  }
+  if (c.is_moe()) {
+    if (c.moe.moe_intermediate_size % sizes.tp != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tp: ", sizes.tp, " does not divide moe_intermediate_size ", c.moe.moe_intermediate_size));
+    }
+    if (c.moe.shared_expert_intermediate_size % sizes.tp != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tp: ", sizes.tp, " does not divide shared_expert_intermediate_size ",
+                       c.moe.shared_expert_intermediate_size));
+    }
+    if (c.moe.num_experts % sizes.ep != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ep: ", sizes.ep, " does not divide num_experts ", c.moe.num_experts));
+    }
+  } else if (sizes.ep > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ep: ", sizes.ep, " needs a MoE model (this one has no routed experts)"));
   }
   if (sizes.tp > c.vocab_size) {
     return absl::InvalidArgumentError(absl::StrCat("tp: ", sizes.tp, " exceeds vocab_size ", c.vocab_size));
@@ -150,12 +210,18 @@ ModelShard MakeModelShard(const ParallelSizes& sizes, const RankCoords& coords,
   s.ffn_begin = ffn * coords.tp;
   s.ffn_end = s.ffn_begin + ffn;
   std::tie(s.vocab_begin, s.vocab_end) = EvenRange(c.vocab_size, sizes.tp, coords.tp);
+  s.ep = sizes.ep;
+  s.ep_rank = coords.dp % sizes.ep;
+  std::tie(s.expert_begin, s.expert_end) = EvenRange(c.moe.num_experts, sizes.ep, s.ep_rank);
+  std::tie(s.moe_ffn_begin, s.moe_ffn_end) = EvenRange(c.moe.moe_intermediate_size, sizes.tp, coords.tp);
+  std::tie(s.shared_ffn_begin, s.shared_ffn_end) =
+      EvenRange(c.moe.shared_expert_intermediate_size, sizes.tp, coords.tp);
   return s;
 }
 
 bool IsColumnParallel(int slot) { return slot != 3 && slot != 6; }  // kOProj, kDownProj
 
-LinearSplit LinearSplitOf(const ModelShard& s, int slot, const ModelConfig& c) {
+LinearSplit LinearSplitOf(const ModelShard& s, int slot, const ModelConfig& c, bool moe_layer) {
   const int64_t d = c.head_dim();
   LinearSplit split;
   split.dim = IsColumnParallel(slot) ? 0 : 1;
@@ -169,9 +235,9 @@ LinearSplit LinearSplitOf(const ModelShard& s, int slot, const ModelConfig& c) {
       split.end = (s.kv_head_begin + s.kv_heads) * d;
       split.replicated = s.kv_replicated;
       break;
-    default:  // gate, up rows; down columns
-      split.begin = s.ffn_begin;
-      split.end = s.ffn_end;
+    default:  // gate, up rows; down columns (of the shared expert on a MoE layer)
+      split.begin = moe_layer ? s.shared_ffn_begin : s.ffn_begin;
+      split.end = moe_layer ? s.shared_ffn_end : s.ffn_end;
       break;
   }
   return split;

@@ -154,6 +154,29 @@ absl::Status CommGroup::Broadcast(at::Tensor& tensor, int root) {
                  &CommGroup::Failed);
 }
 
+absl::StatusOr<at::Tensor> CommGroup::AllToAll(const at::Tensor& input,
+                                               const std::vector<int64_t>& input_splits,
+                                               const std::vector<int64_t>& output_splits) {
+  if (static_cast<int>(input_splits.size()) != size() || static_cast<int>(output_splits.size()) != size()) {
+    return absl::InvalidArgumentError(absl::StrCat("alltoall on ", name(), ": ", input_splits.size(), " and ",
+                                                   output_splits.size(), " splits for ", size(), " members"));
+  }
+  int64_t rows = 0;
+  for (int64_t n : output_splits) rows += n;
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape[0] = rows;
+  if (size() == 1) return input;
+  LORASTEP_RETURN_IF_ERROR(Check("alltoall"));
+  at::Tensor in = input.contiguous();
+  at::Tensor out = at::empty(shape, in.options());
+  std::vector<int64_t> in_splits = input_splits, out_splits = output_splits;
+  LORASTEP_RETURN_IF_ERROR(RunWork(
+      this, "alltoall", timeout_,
+      [&] { return handles_->backend->alltoall_base(out, in, out_splits, in_splits); },
+      &CommGroup::Failed));
+  return out;
+}
+
 absl::Status CommGroup::Send(const at::Tensor& tensor, int dst, int tag) {
   LORASTEP_RETURN_IF_ERROR(Check("send"));
   std::vector<at::Tensor> ts{tensor.contiguous()};
@@ -229,7 +252,15 @@ absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(const Proce
 ProcessGroups::ProcessGroups(ProcessGroupsOptions options) : options_(std::move(options)) {}
 ProcessGroups::~ProcessGroups() = default;
 
-CommGroup& ProcessGroups::group(GroupKind kind) { return *groups_.at(kind); }
+CommGroup& ProcessGroups::group(GroupKind kind) {
+  // Without expert parallelism the expert-data and expert-stage groups are the data and
+  // stage groups (same ranks): one communicator each, not two.
+  if (options_.layout.sizes().ep == 1) {
+    if (kind == GroupKind::kExpertData) kind = GroupKind::kData;
+    if (kind == GroupKind::kExpertStage) kind = GroupKind::kStage;
+  }
+  return *groups_.at(kind);
+}
 
 absl::Status ProcessGroups::Rebuild(int generation) {
   generation_ = generation;
@@ -243,7 +274,10 @@ absl::Status ProcessGroups::Build() {
   const at::Device device(options_.device);
   for (GroupKind kind : {GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline,
                          GroupKind::kStage, GroupKind::kModelParallel, GroupKind::kWorld,
-                         GroupKind::kEmbedding}) {
+                         GroupKind::kEmbedding, GroupKind::kExpert, GroupKind::kExpertData,
+                         GroupKind::kExpertStage}) {
+    const bool alias = layout.sizes().ep == 1 && (kind == GroupKind::kExpertData || kind == GroupKind::kExpertStage);
+    if (alias) continue;  // group() answers with the data / stage group
     const int index = layout.GroupIndex(kind, options_.rank);
     auto group = std::make_unique<CommGroup>(kind, index, layout.Group(kind, options_.rank), options_.rank);
     group->timeout_ = options_.timeout;

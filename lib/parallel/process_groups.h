@@ -64,6 +64,11 @@ class CommGroup {
   // Every member's `tensor` (same shape everywhere), in group-rank order.
   absl::StatusOr<std::vector<at::Tensor>> AllGather(const at::Tensor& tensor);
   absl::Status Broadcast(at::Tensor& tensor, int root_group_rank);
+  // Rows of `input` (dim 0) go to the members in group-rank order, input_splits[j] rows to
+  // member j; returns the rows received, output_splits[j] from member j, in member order.
+  // Every member passes the splits its peers expect (exchange the counts first).
+  absl::StatusOr<at::Tensor> AllToAll(const at::Tensor& input, const std::vector<int64_t>& input_splits,
+                                      const std::vector<int64_t>& output_splits);
   // Point to point (pipeline activations). `tensor` shape and dtype agreed by both sides.
   absl::Status Send(const at::Tensor& tensor, int dst_group_rank, int tag = 0);
   absl::Status Recv(at::Tensor& tensor, int src_group_rank, int tag = 0);

@@ -41,6 +41,31 @@ class ReduceFromRegion : public torch::autograd::Function<ReduceFromRegion> {
   }
 };
 
+at::Tensor Exchanged(const at::Tensor& x, CommGroup* group, const std::vector<int64_t>& in,
+                     const std::vector<int64_t>& out) {
+  auto result = group->AllToAll(x, in, out);
+  ThrowIfError(result.status());
+  return *result;
+}
+
+class AllToAllFunction : public torch::autograd::Function<AllToAllFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, CommGroup* group,
+                            std::vector<int64_t> in, std::vector<int64_t> out) {
+    ctx->saved_data["group"] = GroupToken(group);
+    ctx->saved_data["in"] = c10::List<int64_t>(in);
+    ctx->saved_data["out"] = c10::List<int64_t>(out);
+    return Exchanged(x, group, in, out);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    CommGroup* group = GroupFromToken(ctx->saved_data["group"].toInt());
+    const std::vector<int64_t> in = ctx->saved_data["in"].toIntVector();
+    const std::vector<int64_t> out = ctx->saved_data["out"].toIntVector();
+    return {Exchanged(grads[0], group, out, in), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 bool Trivial(CommGroup* group) { return group == nullptr || group->size() == 1; }
 
 }  // namespace
@@ -53,6 +78,12 @@ at::Tensor CopyToTensorRegion(const at::Tensor& x, CommGroup* group) {
 at::Tensor ReduceFromTensorRegion(const at::Tensor& x, CommGroup* group) {
   if (Trivial(group)) return x;
   return ReduceFromRegion::apply(x, group);
+}
+
+at::Tensor AllToAllRows(const at::Tensor& x, CommGroup* group, const std::vector<int64_t>& input_splits,
+                        const std::vector<int64_t>& output_splits) {
+  if (Trivial(group)) return x;
+  return AllToAllFunction::apply(x, group, input_splits, output_splits);
 }
 
 at::Tensor VocabParallelEmbedding(const at::Tensor& weight, const at::Tensor& tokens,

@@ -15,12 +15,20 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "lib/parallel/process_groups.h"
 
 namespace lorastep {
 
 at::Tensor CopyToTensorRegion(const at::Tensor& x, CommGroup* group);
 at::Tensor ReduceFromTensorRegion(const at::Tensor& x, CommGroup* group);
+
+// Expert-parallel token exchange: rows of x go to the group's members (input_splits[j] to
+// member j), the rows received come back in member order (output_splits[j] from member j).
+// Backward sends the gradients the opposite way. Identity on a trivial group.
+at::Tensor AllToAllRows(const at::Tensor& x, CommGroup* group, const std::vector<int64_t>& input_splits,
+                        const std::vector<int64_t>& output_splits);
 
 // Embedding lookup with the vocabulary split over the group: this rank holds rows
 // [vocab_begin, vocab_begin + weight.size(0)); tokens outside give zeros, and the SUM

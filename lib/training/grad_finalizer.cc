@@ -2,7 +2,12 @@
 #include <ATen/core/grad_mode.h>
 
 #include <cmath>
+#include <cstring>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "lib/io/digest.h"
 #include "lib/status_macros.h"
 #include "lib/torch_status.h"
 
@@ -11,10 +16,15 @@ namespace lorastep {
 absl::Status FoldLocalGradients(Adapter* adapter) {
   return GuardTorch([&]() -> absl::Status {
     at::NoGradGuard no_grad;
-    for (Parameter& p : adapter->parameters()) {
-      at::Tensor& grad = p.value.mutable_grad();
+    auto& params = adapter->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor& grad = params[i].value.mutable_grad();
       if (!grad.defined()) continue;
-      p.main_grad.add_(grad.to(at::kFloat));
+      if (adapter->reductions(static_cast<int>(i)) > 0) {  // a late local gradient after the sum
+        return absl::FailedPreconditionError(absl::StrCat(
+            "gradient of ", params[i].name, " arrived after its cross-rank reduction this step"));
+      }
+      params[i].main_grad.add_(grad.to(at::kFloat));
       grad = at::Tensor();  // moved into main_grad: never added twice
     }
     return absl::OkStatus();
@@ -23,53 +33,297 @@ absl::Status FoldLocalGradients(Adapter* adapter) {
 
 namespace {
 
-at::Tensor SumOfSquares(const at::Tensor& bucket, const at::Device& device) {
-  if (!bucket.defined()) return at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
-  return bucket.to(at::kDouble).pow(2).sum();  // fp64: small terms are not lost
+constexpr int kDigestWords = 32;  // one SHA-256, a byte per element
+
+at::Tensor SumOfSquares(const at::Tensor& t, const at::Device& device) {
+  if (!t.defined()) return at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
+  return t.to(at::kDouble).pow(2).sum();  // fp64: small terms are not lost
 }
+
+// A hex SHA-256 as 32 doubles (every backend gathers doubles); absent: -1s.
+at::Tensor DigestWords(const std::string& hex, const at::Device& device) {
+  at::Tensor t = at::full({kDigestWords}, -1.0, at::kDouble);
+  for (int i = 0; i < kDigestWords && 2 * i + 1 < static_cast<int>(hex.size()); ++i) {
+    t[i] = static_cast<double>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
+  }
+  return t.to(device);
+}
+
+std::string StringSha256(const std::string& text) {
+  at::Tensor bytes = at::empty({static_cast<int64_t>(text.size())}, at::kByte);
+  if (!text.empty()) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  return TensorsSha256({bytes});
+}
+
+// The ranks of `kind`'s groups whose gathered digests (rows of `words`, by global rank)
+// disagree, as "stage S: ranks a,b differ from rank c" clauses; empty when all agree.
+// Rows of -1 (nothing to compare on that rank) are skipped.
+std::vector<std::string> Disagreements(const ParallelLayout& layout, GroupKind kind,
+                                       const std::vector<at::Tensor>& words) {
+  std::vector<std::string> out;
+  for (const std::vector<int>& group : layout.Groups(kind)) {
+    int first = -1;
+    std::vector<int> differing;
+    for (int r : group) {
+      if (words[r][0].item<double>() < 0) continue;
+      if (first < 0) {
+        first = r;
+      } else if (!at::equal(words[r], words[first])) {
+        differing.push_back(r);
+      }
+    }
+    if (!differing.empty()) {
+      out.push_back(absl::StrCat("stage ", layout.Coords(first).pp, ": ranks ",
+                                 absl::StrJoin(differing, ","), " differ from rank ", first));
+    }
+  }
+  return out;
+}
+
+class Finalizer {
+ public:
+  Finalizer(Adapter* adapter, ProcessGroups* groups, const GradFinalizeOptions& options)
+      : adapter_(adapter), groups_(groups), options_(options),
+        device_(adapter->parameters().empty() ? at::Device(at::kCPU)
+                                              : adapter->parameters()[0].main_grad.device()) {}
+
+  absl::StatusOr<GradFinalizeReport> Run() {
+    if (groups_ != nullptr) {
+      LORASTEP_RETURN_IF_ERROR(CheckInventory());
+      LORASTEP_RETURN_IF_ERROR(Reduce());
+    }
+    LORASTEP_RETURN_IF_ERROR(CheckFamilyDigests());
+    LORASTEP_ASSIGN_OR_RETURN(report_.grad_norm, GlobalNorm());
+    return report_;
+  }
+
+ private:
+  // Every rank's inventory of shared factors (ordered keys, whole shapes, the reduction
+  // group) must be the same within its stage, or the collectives below would pair up
+  // different tensors. Checked before any gradient collective.
+  absl::Status CheckInventory() {
+    std::string inventory;
+    const std::vector<int> stage = groups_->group(GroupKind::kStage).ranks();
+    for (const SharedFactor& f : adapter_->shared_factors()) {
+      absl::StrAppend(&inventory, f.key, " [", absl::StrJoin(f.shape, ","), "] stage{",
+                      absl::StrJoin(stage, ","), "}\n");
+    }
+    if (options_.inventory_mismatch_rank == groups_->rank()) inventory += "test-only extra factor\n";
+    const std::string hex = inventory.empty() ? "" : StringSha256(inventory);
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> all,
+                              groups_->group(GroupKind::kWorld).AllGather(DigestWords(hex, device_)));
+    std::vector<at::Tensor> cpu;
+    for (const auto& t : all) cpu.push_back(t.to(at::kCPU));
+    const auto bad = Disagreements(groups_->layout(), GroupKind::kStage, cpu);
+    if (!bad.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "shared expert LoRA factor inventory differs across replicas (", absl::StrJoin(bad, "; "),
+          "); no gradient collective was issued and nothing was applied"));
+    }
+    return absl::OkStatus();
+  }
+
+  // Records that parameter i was reduced over `kind`'s group this step; false if it already
+  // was (the same sum twice doubles the gradient). One bit per group kind.
+  bool MarkReduced(int i, GroupKind kind) {
+    const int bit = 1 << static_cast<int>(kind);
+    if (adapter_->reductions(i) & bit) return false;
+    adapter_->reductions(i) |= bit;
+    return true;
+  }
+
+  // SUM over `kind`'s group, refusing a second reduction of any parameter in the step.
+  absl::Status ReduceOnce(GroupKind kind, at::Tensor& flat, const std::vector<int>& params) {
+    for (int i : params) {
+      if (!MarkReduced(i, kind)) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "gradient of ", adapter_->parameters()[i].name, " (stage ", groups_->coords().pp,
+            ") was reduced twice in one step over the ", GroupKindName(kind),
+            " group; refusing the step, nothing was applied"));
+      }
+    }
+    ++report_.gradient_collectives;
+    return groups_->group(kind).AllReduce(flat);
+  }
+
+  std::vector<int> ParamsOfRole(int role) const {
+    std::vector<int> out;
+    const auto& params = adapter_->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].role == role) out.push_back(static_cast<int>(i));
+    }
+    return out;
+  }
+
+  absl::Status Reduce() {
+    auto& params = adapter_->parameters();
+    // The tied embedding's two copies (first and last stage) each hold part of its
+    // gradient (lookup, LM head): Megatron's embedding-group all-reduce.
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].tied_across_stages) {
+        LORASTEP_RETURN_IF_ERROR(ReduceOnce(GroupKind::kEmbedding, params[i].main_grad, {static_cast<int>(i)}));
+      }
+    }
+    at::Tensor partial = adapter_->grad_bucket(GradBucket::kReplicatedPartial);
+    if (partial.defined()) {
+      for (int k = 0; k < options_.replicated_reductions; ++k) {
+        LORASTEP_RETURN_IF_ERROR(ReduceOnce(GroupKind::kStage, partial, ParamsOfRole(kReplicatedPartial)));
+      }
+    }
+    LORASTEP_RETURN_IF_ERROR(ReduceSharedFactors());
+    const std::pair<GradBucket, GroupKind> rest[] = {
+        {GradBucket::kExpertReplicatedPartial, GroupKind::kExpertStage},
+        {GradBucket::kExpertSplit, GroupKind::kExpertData},
+        {GradBucket::kSplit, GroupKind::kData},
+        {GradBucket::kReplicatedFull, GroupKind::kData}};
+    for (const auto& [bucket, kind] : rest) {
+      at::Tensor flat = adapter_->grad_bucket(bucket);
+      if (flat.defined()) LORASTEP_RETURN_IF_ERROR(ReduceOnce(kind, flat, ParamsOfRole(static_cast<int>(bucket))));
+    }
+    return absl::OkStatus();
+  }
+
+  // Shared-outer factors: per family, in key order, one coalesced SUM over the stage group.
+  absl::Status ReduceSharedFactors() {
+    if (!adapter_->shared_factors().empty()) {
+      CommGroup& stage = groups_->group(GroupKind::kStage);
+      LORASTEP_RETURN_IF_ERROR(SharedFactorGroupCheck(groups_->layout(), stage.ranks()));
+      if (stage.ranks() != SharedFactorGroup(groups_->layout(), groups_->rank())) {
+        return absl::InternalError("shared-factor group: the stage communicator's ranks differ from the layout's");
+      }
+    }
+    for (const char* family : {"fc1", "fc2"}) {
+      std::vector<at::Tensor> grads;
+      std::vector<int> params;
+      for (const SharedFactor& f : adapter_->shared_factors()) {
+        if (f.family != family) continue;
+        grads.push_back(adapter_->parameters()[f.param].main_grad);
+        params.push_back(f.param);
+      }
+      if (grads.empty() || options_.skip_shared_family == family) continue;
+      for (int k = 0; k < options_.shared_reductions; ++k) {
+        for (int i : params) {
+          if (!MarkReduced(i, GroupKind::kStage)) {
+            return absl::FailedPreconditionError(absl::StrCat(
+                "shared expert LoRA factor ", adapter_->parameters()[i].name, " (", family,
+                ", stage ", groups_->coords().pp, ") was reduced twice in one step; refusing "
+                "the step, nothing was applied"));
+          }
+        }
+        ++report_.gradient_collectives;
+        LORASTEP_RETURN_IF_ERROR(groups_->group(GroupKind::kStage).AllReduceCoalesced(grads));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // One SHA-256 per present family of replicated expert factors, gathered over the world and
+  // compared inside each replica group (stage for shared-outer, expert-stage for per-expert).
+  absl::Status CheckFamilyDigests() {
+    const int rank = groups_ != nullptr ? groups_->rank() : 0;
+    for (const char* family : {"fc1", "fc2"}) {
+      std::vector<at::Tensor> grads;
+      std::vector<int> params;
+      bool shared = false;
+      const auto& all = adapter_->parameters();
+      for (const SharedFactor& f : adapter_->shared_factors()) {
+        if (f.family == family) {
+          grads.push_back(all[f.param].main_grad);
+          params.push_back(f.param);
+          shared = true;
+        }
+      }
+      for (size_t i = 0; i < all.size() && !shared; ++i) {
+        if (all[i].role == kExpertReplicatedPartial && all[i].family == family) {
+          grads.push_back(all[i].main_grad);
+          params.push_back(static_cast<int>(i));
+        }
+      }
+      if (groups_ != nullptr && options_.corrupt_main_grad_rank == rank && !grads.empty()) {
+        at::NoGradGuard no_grad;
+        grads[0].view({-1})[0].add_(1e-3);  // test only: one rank's optimizer-facing buffer
+      }
+      const std::string hex = grads.empty() ? "" : TensorsSha256(grads);
+      const std::string name = absl::StrCat(shared ? "grad_shared_" : "grad_experts_", family);
+      if (!hex.empty()) report_.family_digests[name] = hex;
+      if (groups_ == nullptr) {
+        if (!hex.empty()) report_.family_digests_agree[name] = true;
+        continue;
+      }
+      // Every rank takes part (a rank without the family sends -1s), so all reach one verdict.
+      LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> gathered,
+                                groups_->group(GroupKind::kWorld).AllGather(DigestWords(hex, device_)));
+      std::vector<at::Tensor> cpu;
+      bool present = false;
+      for (const auto& t : gathered) {
+        cpu.push_back(t.to(at::kCPU));
+        present = present || cpu.back()[0].item<double>() >= 0;
+      }
+      if (!present) continue;
+      // Which replica group: shared factors are replicated over the stage, per-expert ones
+      // over the expert-stage group. Every rank has the same adapter config, so the same kind.
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor kinds, GatherFlag(shared));
+      const GroupKind kind = kinds.max().item<double>() > 0 ? GroupKind::kStage : GroupKind::kExpertStage;
+      const auto bad = Disagreements(groups_->layout(), kind, cpu);
+      if (!hex.empty()) report_.family_digests_agree[name] = bad.empty();
+      if (!bad.empty() && options_.check_digests) {
+        std::vector<std::string> names;
+        for (int i : params) names.push_back(all[i].name);
+        return absl::FailedPreconditionError(absl::StrCat(
+            "post-reduction ", family, " gradient digests of the replicated expert LoRA factors "
+            "differ (", absl::StrJoin(bad, "; "), "; factors on this rank: ",
+            names.empty() ? std::string("none") : names.front(), names.size() > 1 ? " ..." : "",
+            "); refusing the step before the optimizer, nothing was applied"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<at::Tensor> GatherFlag(bool flag) {
+    at::Tensor t = at::full({1}, flag ? 1.0 : 0.0, at::TensorOptions().dtype(at::kDouble).device(device_));
+    LORASTEP_RETURN_IF_ERROR(groups_->group(GroupKind::kWorld).AllReduce(t, ReduceKind::kMax));
+    return t.to(at::kCPU);
+  }
+
+  // Squares of every distinct element, each counted by exactly one rank, summed over the world.
+  absl::StatusOr<double> GlobalNorm() {
+    const RankCoords c = groups_ != nullptr ? groups_->coords() : RankCoords{};
+    const int ep = groups_ != nullptr ? groups_->layout().sizes().ep : 1;
+    const bool first_replica = c.dp == 0, first_expert_replica = c.dp / ep == 0;
+    at::Tensor sq = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    auto add = [&](GradBucket b, bool counted) {
+      if (counted) sq = sq + SumOfSquares(adapter_->grad_bucket(b), device_);
+    };
+    add(GradBucket::kSplit, first_replica);
+    if (first_replica) {
+      for (const Parameter& p : adapter_->parameters()) {  // another stage counts its copy
+        if (p.stage_copy) sq = sq - SumOfSquares(p.main_grad, device_);
+      }
+    }
+    add(GradBucket::kReplicatedPartial, c.tp == 0 && first_replica);
+    add(GradBucket::kReplicatedFull, c.tp == 0 && first_replica);
+    add(GradBucket::kSharedExpert, c.tp == 0 && first_replica);
+    add(GradBucket::kExpertSplit, first_expert_replica);
+    add(GradBucket::kExpertReplicatedPartial, c.tp == 0 && first_expert_replica);
+    sq = sq.reshape({1});
+    if (groups_ != nullptr) LORASTEP_RETURN_IF_ERROR(groups_->group(GroupKind::kWorld).AllReduce(sq));
+    return std::sqrt(sq.item<double>());
+  }
+
+  Adapter* adapter_;
+  ProcessGroups* groups_;
+  const GradFinalizeOptions& options_;
+  const at::Device device_;
+  GradFinalizeReport report_;
+};
 
 }  // namespace
 
-absl::StatusOr<double> FinalizeStepGradients(Adapter* adapter, ProcessGroups* groups,
-                                             const GradFinalizeOptions& options) {
-  return GuardTorch([&]() -> absl::StatusOr<double> {
+absl::StatusOr<GradFinalizeReport> FinalizeStepGradients(Adapter* adapter, ProcessGroups* groups,
+                                                         const GradFinalizeOptions& options) {
+  return GuardTorch([&]() -> absl::StatusOr<GradFinalizeReport> {
     at::NoGradGuard no_grad;
-    at::Tensor split = adapter->grad_bucket(GradBucket::kSplit);
-    at::Tensor partial = adapter->grad_bucket(GradBucket::kReplicatedPartial);
-    at::Tensor full = adapter->grad_bucket(GradBucket::kReplicatedFull);
-    if (groups != nullptr) {
-      // The tied embedding's two copies (first and last stage) each hold part of its
-      // gradient (lookup, LM head): Megatron's embedding-group all-reduce.
-      for (Parameter& p : adapter->parameters()) {
-        if (p.tied_across_stages) {
-          LORASTEP_RETURN_IF_ERROR(groups->group(GroupKind::kEmbedding).AllReduce(p.main_grad));
-        }
-      }
-      if (partial.defined()) {
-        for (int i = 0; i < options.replicated_reductions; ++i) {
-          LORASTEP_RETURN_IF_ERROR(groups->group(GroupKind::kStage).AllReduce(partial));
-        }
-      }
-      for (at::Tensor* bucket : {&split, &full}) {
-        if (bucket->defined()) LORASTEP_RETURN_IF_ERROR(groups->group(GroupKind::kData).AllReduce(*bucket));
-      }
-    }
-    // Split tensors are distinct on every tensor rank and stage: their squares add up over
-    // the model-parallel group. Replicated ones are equal on tensor ranks: counted once.
-    // The collectives need the device of the gradients (NCCL takes CUDA tensors only).
-    const at::Device device = adapter->parameters().empty() ? at::Device(at::kCPU)
-                                                            : adapter->parameters()[0].main_grad.device();
-    at::Tensor sq = SumOfSquares(split, device);
-    for (const Parameter& p : adapter->parameters()) {  // another stage counts its copy
-      if (p.stage_copy) sq = sq - SumOfSquares(p.main_grad, device);
-    }
-    const bool count_replicated = groups == nullptr || groups->coords().tp == 0;
-    if (count_replicated) sq = sq + SumOfSquares(partial, device) + SumOfSquares(full, device);
-    sq = sq.reshape({1});
-    if (groups != nullptr) {
-      LORASTEP_RETURN_IF_ERROR(groups->group(GroupKind::kModelParallel).AllReduce(sq));
-    }
-    return std::sqrt(sq.item<double>());
+    return Finalizer(adapter, groups, options).Run();
   });
 }
 

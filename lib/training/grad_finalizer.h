@@ -4,18 +4,34 @@
 //     gradients (the unfused path, and parameters without a custom backward: embeddings,
 //     norms, biases) are added into each Parameter's fp32 main_grad exactly once and cleared.
 //  2. FinalizeStepGradients, once per optimizer step (collective; every rank of the mesh
-//     calls it in the same order): the tensor-replicated bucket (LoRA factors on the unsplit
-//     side of a split linear: each tensor rank holds a partial gradient) is SUM all-reduced
-//     over the stage's tensor+data group -- exactly once, the second seed's fix in its dense
-//     form -- and the split bucket over the data group. Each bucket is one contiguous fp32
-//     buffer, so each reduction is one collective. Then the global gradient norm: squares of
-//     split tensors summed over the model-parallel group, replicated tensors counted once,
-//     so every rank clips by the same factor.
+//     calls it in the same order), reducing each bucket over the group its role names:
+//       tied embedding      -> embedding group
+//       kReplicatedPartial  -> stage (tensor+data) group: the dense LoRA factors on the
+//                              unsplit side of a split linear
+//       kSharedExpert       -> stage group, per family (fc1, fc2), factors in key order: the
+//                              second seed's shared-outer factors, exactly once, with the
+//                              fail-closed checks below
+//       kExpertReplicatedPartial -> expert-stage group; kExpertSplit -> expert-data group
+//       kSplit, kReplicatedFull  -> data group
+//     then the global gradient norm: one world all-reduce in which every distinct element
+//     is counted by exactly one rank, so every rank clips by the same factor.
+//
+// Fail-closed (the second seed): before any gradient collective, every rank all-gathers a
+// SHA-256 of its ordered shared-factor inventory (key, whole shape, reduction group) and
+// the step fails if two ranks of a stage disagree. After the reductions every rank
+// all-gathers one SHA-256 per present fc1/fc2 family of replicated expert factors' main_grads;
+// any difference inside a replica group fails the step. A factor reduced twice in a step
+// fails it too. Failures are FAILED_PRECONDITION naming the factor, stage and ranks; the
+// verdict is computed from world-gathered evidence, so every rank fails together and the
+// trainer applies nothing.
 //
 // With k ForwardBackward calls before one OptimStep, part 1 runs k times and part 2 once:
 // the reductions never repeat.
 #ifndef LORASTEP_LIB_TRAINING_GRAD_FINALIZER_H_
 #define LORASTEP_LIB_TRAINING_GRAD_FINALIZER_H_
+
+#include <map>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "lib/model/adapter.h"
@@ -26,16 +42,36 @@ namespace lorastep {
 absl::Status FoldLocalGradients(Adapter* adapter);
 
 struct GradFinalizeOptions {
-  // Test only: how many times the tensor-replicated bucket is reduced over the stage group.
-  // 1 is correct; 0 reproduces the second seed's bug (replicas drift apart from the second
-  // update), 2 a doubled reduction. Both must be caught by the replica and norm checks.
+  // Test only: how many times the dense tensor-replicated bucket is reduced over the stage
+  // group. 1 is correct; 0 reproduces the dense form of the second seed's bug (caught by the
+  // replica hashes after the step), 2 a doubled reduction (refused before the optimizer).
   int replicated_reductions = 1;
+  // Test only, shared-outer factors: a family ("fc1", "fc2") whose reduction is skipped
+  // (the seed: the optimizer then reads rank-local gradients), how many times the others
+  // are reduced (2: a doubled reduction, refused), whether the digest checks run, a rank
+  // whose main_grad is corrupted after the reduction, a rank whose inventory is altered.
+  std::string skip_shared_family;
+  int shared_reductions = 1;
+  bool check_digests = true;
+  int corrupt_main_grad_rank = -1;
+  int inventory_mismatch_rank = -1;
 };
 
-// `groups` null = world size 1 (no communication). Returns the global L2 norm of all
-// main_grads after reduction, identical on every rank.
-absl::StatusOr<double> FinalizeStepGradients(Adapter* adapter, ProcessGroups* groups,
-                                             const GradFinalizeOptions& options = {});
+// Evidence of one finalization, for the step's metrics.
+struct GradFinalizeReport {
+  double grad_norm = 0;
+  // Per family of replicated expert factors present on this rank ("grad_shared_fc1",
+  // "grad_shared_fc2" for shared-outer, "grad_experts_fc1", "grad_experts_fc2" per-expert):
+  // whether every replica group agreed on the post-reduction gradient digest, and this
+  // rank's digest (compared again by the coordinator, see ReplicaFamilyScope).
+  std::map<std::string, bool> family_digests_agree;
+  std::map<std::string, std::string> family_digests;
+  int gradient_collectives = 0;  // collectives issued on gradients by this call
+};
+
+// `groups` null = world size 1 (no communication). The norm is identical on every rank.
+absl::StatusOr<GradFinalizeReport> FinalizeStepGradients(Adapter* adapter, ProcessGroups* groups,
+                                                         const GradFinalizeOptions& options = {});
 
 }  // namespace lorastep
 

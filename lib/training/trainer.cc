@@ -82,10 +82,6 @@ absl::StatusOr<std::shared_ptr<const BaseModel>> LoadBaseModel(const std::string
     LORASTEP_ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(folder, base->device, type));
     base->config = loaded.config;
     LORASTEP_RETURN_IF_ERROR(ValidateLayoutForModel(sizes, base->config));
-    if (base->config.model_type != "qwen2" && (sizes.tp > 1 || sizes.pp > 1)) {
-      return absl::UnimplementedError(absl::StrCat(
-          "tp/pp: sharding a ", base->config.model_type, " model is not built yet; use dp"));
-    }
     base->shard = MakeModelShard(sizes, coords, base->config);
     base->weights = ShardModelWeights(loaded.weights, base->config, base->shard);
     loaded.weights = ModelWeights();
@@ -179,6 +175,13 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     fwd_options.shard = &base_->shard;
     fwd_options.tensor_group = tensor_group;
   }
+  CommGroup* expert_group = options_.groups != nullptr && base_->shard.ep > 1
+                                ? &options_.groups->group(GroupKind::kExpert)
+                                : nullptr;
+  if (expert_group != nullptr) {
+    fwd_options.shard = &base_->shard;
+    fwd_options.expert_group = expert_group;
+  }
   const VocabShard vocab{tensor_group, base_->shard.vocab_begin};
   double t_data = 0, t_forward = 0, t_backward = 0, flops = 0, real_tokens = 0;
   const double lora_params = adapter_->full_finetune()
@@ -198,7 +201,9 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     std::vector<float> mask;
     std::vector<int64_t> sample_of;
     std::vector<const std::vector<float>*> adv, samp, old, ref;
+    bool filler = false;  // expert parallelism: keeps the group's micro-batch counts equal
   };
+  static const std::vector<size_t> kNoDatums;
   std::vector<MicroBatch> mbs;
   const auto device = base_->device;
   {
@@ -232,12 +237,30 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
       data.targets = at::tensor(targets, at::kLong).to(device);
       mbs.push_back(std::move(data));
     }
+    // Expert parallelism: every member of the expert group exchanges tokens in each
+    // micro-batch's forward and backward, so all run as many micro-batches as the busiest;
+    // the others add fillers (one padding token, no loss, zero gradient).
+    if (expert_group != nullptr) {
+      at::Tensor count = at::full({1}, static_cast<double>(mbs.size()), at::TensorOptions().dtype(at::kDouble).device(device));
+      ThrowIfError(expert_group->AllReduce(count, ReduceKind::kMax));
+      const size_t agreed = static_cast<size_t>(count.item<double>());
+      while (mbs.size() < agreed) {
+        MicroBatch filler;
+        filler.datums = &kNoDatums;
+        filler.filler = true;
+        filler.b = filler.longest = 1;
+        filler.tokens = at::zeros({1, 1}, at::TensorOptions().dtype(at::kLong).device(device));
+        mbs.push_back(std::move(filler));
+      }
+    }
     t_data += SecondsSince(t0);
   }
 
   // The last stage's head: final norm, log-probs of the targets, the loss and its metrics.
   // Returns the micro-batch's (already normalized) loss, undefined for a forward-only call.
   auto head = [&](const MicroBatch& mb, const at::Tensor& layers_out) -> at::Tensor {
+    // A filler's backward must still run every layer's exchanges: a zero loss on its output.
+    if (mb.filler) return backward ? layers_out.sum() * 0.0 : at::Tensor();
     at::Tensor hidden = Qwen2FinalNorm(config, base_->weights, adapter_.get(), layers_out);
     at::Tensor selected = FoldLeadingDims(hidden).index_select(0, mb.positions);
     TokenScores scores =
@@ -508,16 +531,17 @@ absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params
   // after it (non-finite norm, a peer's failure) leaves them as they were.
   const bool restore = restore_on_failure && options_.groups != nullptr;
   LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot, restore ? Snapshot() : CallSnapshot{});
-  auto norm = FinalizeStepGradients(adapter_.get(), options_.groups, options_.finalize);
-  if (absl::Status agreed = AgreeOnOutcome(norm.status()); !agreed.ok()) norm = agreed;
-  if (!norm.ok()) {
+  auto finalized = FinalizeStepGradients(adapter_.get(), options_.groups, options_.finalize);
+  if (absl::Status agreed = AgreeOnOutcome(finalized.status()); !agreed.ok()) finalized = agreed;
+  if (!finalized.ok()) {
     if (restore) Restore(snapshot);
-    return norm.status();
+    return finalized.status();
   }
+  const double norm = finalized->grad_norm;
   SyncDevice();
   result.metrics.Add("time_grad_finalize_s:sum", SecondsSince(t0));
   t0 = Clock::now();
-  auto step = GuardTorch([&] { return optimizer_->Step(params, *norm); });
+  auto step = GuardTorch([&] { return optimizer_->Step(params, norm); });
   if (!step.ok()) {
     if (restore) Restore(snapshot);
     return step.status();
@@ -526,6 +550,9 @@ absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params
   result.metrics.Add("time_optimizer_s:sum", SecondsSince(t0));
   result.metrics.Add("grad_norm:sum", step->grad_norm);
   result.metrics.Add("lr:sum", step->lr);
+  for (const auto& [family, agree] : finalized->family_digests_agree) {
+    result.metrics.Add(absl::StrCat(family, "_digests_agree:mean"), agree ? 1.0 : 0.0, 1.0);
+  }
   pending_backward_calls_ = 0;
   result.learner_version = optimizer_->steps_taken();
   const bool mesh = options_.groups != nullptr && options_.groups->layout().world_size() > 1;
@@ -533,6 +560,7 @@ absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params
     t0 = Clock::now();
     const std::string local_sha = AdapterSha256();
     result.replica_digests = ReplicaDigests(local_sha);
+    for (const auto& [family, sha] : finalized->family_digests) result.replica_digests[family] = sha;
     // The reported adapter digest is of whole tensors, the same at every layout.
     const bool sliced = options_.groups != nullptr && !base_->shard.whole();
     result.adapter_sha256 = !sliced ? local_sha : adapter_->full_finetune() ? "" : FullAdapterSha256();
@@ -542,12 +570,29 @@ absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params
 }
 
 std::map<std::string, std::string> Trainer::ReplicaDigests(const std::string& trainable_sha256) const {
-  std::map<std::string, std::string> digests{{"trainable", trainable_sha256}};
-  std::vector<at::Tensor> replicated;
+  // Each family is compared over the ranks that must hold equal copies of it (see
+  // ReplicaFamilyScope): routed-expert factors only among holders of the same experts.
+  std::map<std::string, std::vector<at::Tensor>> families;
+  bool any_expert = false;
   for (const Parameter& p : adapter_->parameters()) {
-    if (p.role != kSplit) replicated.push_back(p.value);
+    if (p.role == kSharedExpert) {
+      families["shared_" + p.family].push_back(p.value);
+    } else if (p.expert_split) {
+      any_expert = true;
+      families["experts"].push_back(p.value);
+      if (p.role == kExpertReplicatedPartial) families["experts_tensor_replicated"].push_back(p.value);
+    } else {
+      families["trainable"].push_back(p.value);
+      if (TensorReplicated(p.role)) families["tensor_replicated"].push_back(p.value);
+    }
   }
-  if (!replicated.empty()) digests["tensor_replicated"] = TensorsSha256(replicated);
+  std::map<std::string, std::string> digests;
+  for (const auto& [family, tensors] : families) {
+    const bool all = family == "trainable" && !any_expert && !families.count("shared_fc1") &&
+                     !families.count("shared_fc2");
+    digests[family] = all ? trainable_sha256 : TensorsSha256(tensors);
+  }
+  if (digests.empty()) digests["trainable"] = trainable_sha256;
   return digests;
 }
 
@@ -581,23 +626,29 @@ bool Trainer::WritesGatheredState() const {
 absl::StatusOr<std::vector<at::Tensor>> Trainer::GatherTensorSplits(
     const std::vector<at::Tensor>& local) const {
   const auto& params = adapter_->parameters();
-  if (options_.groups == nullptr || base_->shard.tp == 1) return local;
+  if (options_.groups == nullptr || (base_->shard.tp == 1 && base_->shard.ep == 1)) return local;
   CommGroup& tp = options_.groups->group(GroupKind::kTensor);
+  CommGroup& ep = options_.groups->group(GroupKind::kExpert);
   std::vector<at::Tensor> full;
   for (size_t i = 0; i < params.size(); ++i) {
-    if (params[i].role != kSplit) {
-      full.push_back(local[i]);
+    at::Tensor t = local[i];
+    if (params[i].expert_split && ep.size() > 1) {  // experts: equal counts, in ep-rank order
+      LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> parts, ep.AllGather(t));
+      t = at::cat(parts, 0);
+    }
+    if (TensorReplicated(params[i].role) || tp.size() == 1) {
+      full.push_back(t);
       continue;
     }
     // Slices may differ by one row (an uneven vocabulary split): pad to the largest,
     // gather, trim each to its own size, concatenate in tensor-rank order.
     const int dim = params[i].split_dim;
-    at::Tensor size = at::full({1}, static_cast<double>(local[i].size(dim)),
-                               local[i].options().dtype(at::kDouble));
+    at::Tensor size = at::full({1}, static_cast<double>(t.size(dim)),
+                               t.options().dtype(at::kDouble));
     LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> sizes, tp.AllGather(size));
     int64_t largest = 0;
     for (const auto& n : sizes) largest = std::max<int64_t>(largest, static_cast<int64_t>(n.item<double>()));
-    at::Tensor padded = local[i];
+    at::Tensor padded = t;
     if (padded.size(dim) < largest) {
       std::vector<int64_t> pad_shape(padded.sizes().begin(), padded.sizes().end());
       pad_shape[dim] = largest - padded.size(dim);
@@ -679,11 +730,12 @@ absl::StatusOr<std::vector<Trainer::NamedTensor>> Trainer::WholeAdapter() const 
   return GatherStages(std::move(named));
 }
 
-absl::Status Trainer::ExportAdapter(const std::string& folder) const {
+absl::Status Trainer::ExportAdapter(const std::string& folder, bool expand_experts) const {
   return GuardTorch([&]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(std::vector<NamedTensor> whole, WholeAdapter());
     if (!WritesGatheredState()) return absl::OkStatus();
-    return ExportPeftAdapter(folder, *adapter_, base_->path, &whole);
+    return ExportPeftAdapter(folder, *adapter_, base_->path, &whole,
+                             PeftExportOptions{expand_experts, base_->config.moe.num_experts});
   });
 }
 
@@ -770,7 +822,10 @@ absl::Status Trainer::LoadState(const std::string& folder) {
       auto entry = file.Find(name);
       if (!entry.ok()) return absl::InvalidArgumentError(entry.status().message());
       LORASTEP_ASSIGN_OR_RETURN(at::Tensor t, TensorFromEntry(**entry));
-      if (tp > 1 && param.role == kSplit && t.dim() == like.dim() && t.dim() > param.split_dim) {
+      if (base_->shard.ep > 1 && param.expert_split && t.dim() == like.dim()) {
+        t = t.narrow(0, base_->shard.expert_begin, base_->shard.expert_end - base_->shard.expert_begin);
+      }
+      if (tp > 1 && !TensorReplicated(param.role) && t.dim() == like.dim() && t.dim() > param.split_dim) {
         const auto [begin, end] = EvenRange(t.size(param.split_dim), tp, tp_rank);
         t = t.narrow(param.split_dim, begin, end - begin);
       }

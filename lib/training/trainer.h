@@ -116,7 +116,8 @@ class Trainer {
                              nullptr) const;
   absl::Status LoadState(const std::string& folder);
   // PEFT adapter folder (LoRA runs).
-  absl::Status ExportAdapter(const std::string& folder) const;
+  // PEFT folder (lib/model/peft_io.h); `expand_experts`: shared-outer factors copied per expert.
+  absl::Status ExportAdapter(const std::string& folder, bool expand_experts = false) const;
 
   int64_t learner_version() const { return optimizer_->steps_taken(); }
   int64_t pending_backward_calls() const { return pending_backward_calls_; }

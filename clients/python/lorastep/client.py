@@ -69,9 +69,11 @@ class TrainingClient:
                     continue
                 raise LorastepError(e.code(), e.details()) from None
 
-    def create_run(self, rank=32, alpha=32.0, dropout=0.0, target_modules=None, seed=0, run_id=""):
+    def create_run(self, rank=32, alpha=32.0, dropout=0.0, target_modules=None, seed=0, run_id="",
+                   expert_lora=""):
+        # expert_lora (MoE models): "per_expert" (default) or "shared_outer".
         lora = trainer_pb2.LoraConfig(rank=rank, alpha=alpha, dropout=dropout,
-                                      target_modules=target_modules or [])
+                                      target_modules=target_modules or [], expert_lora=expert_lora)
         run = self._call("CreateRun", trainer_pb2.CreateRunRequest(
             request_id=uuid.uuid4().hex, lora=lora, seed=seed, run_id=run_id))
         return Run(self, run.run_id, run.next_sequence_id)
