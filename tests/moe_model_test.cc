@@ -197,12 +197,16 @@ TEST(MoeModelTest, ExpertLoraMatchesPlainPerExpertReference) {
         SCOPED_TRACE(family + " " + layout + (fused ? " fused" : " unfused"));
         ModelConfig c = family == "qwen2_moe" ? ModelConfigPreset("tiny-moe").value() : Qwen3Tiny();
         c.torch_dtype = "float32";
-        const ModelWeights w = RandomModelWeights(c, 5);
+        // fp32 on the device under test (the GPU run too: a bf16 router could pick other
+        // experts than the fp64 reference near a tie).
+        const at::Device device = ::lorastep::testing::TestDevice();
+        ModelWeights w = RandomModelWeights(c, 5);
+        ForEachNamedTensor(w, [&](const std::string&, at::Tensor& t) { t = t.to(device); });
         LoraConfig lc;
         lc.rank = 4;
         lc.alpha = 8;
         lc.expert_lora = layout;
-        ASSERT_OK_AND_ASSIGN(Adapter adapter, Adapter::CreateLora(c, lc, at::kCPU, at::kFloat, 9));
+        ASSERT_OK_AND_ASSIGN(Adapter adapter, Adapter::CreateLora(c, lc, device, at::kFloat, 9));
         // Nonzero B (the zero init would hide A's gradient) and the reference's leaves.
         ReferenceExpertLora ref;
         ref.scale = lc.scale();
@@ -218,7 +222,7 @@ TEST(MoeModelTest, ExpertLoraMatchesPlainPerExpertReference) {
                 at::NoGradGuard no_grad;
                 p.value.copy_(at::empty(p.value.sizes(), at::kFloat).normal_(0, 0.2, gen));
               }
-              leaves[k++] = p.value.detach().to(at::kDouble).requires_grad_(true);
+              leaves[k++] = p.value.detach().to(at::kCPU, at::kDouble).requires_grad_(true);
             }
           }
           ref.layers.push_back(leaves);
@@ -227,8 +231,8 @@ TEST(MoeModelTest, ExpertLoraMatchesPlainPerExpertReference) {
         at::Tensor weights = at::randn({11, c.vocab_size}, at::kDouble);
         ForwardOptions options;
         options.grad.fused_wgrad = fused;
-        at::Tensor hidden = Qwen2Hidden(c, w, &adapter, tokens, options);
-        at::Tensor logits = hidden.matmul(w.output_weight().t())[0];
+        at::Tensor hidden = Qwen2Hidden(c, w, &adapter, tokens.to(device), options);
+        at::Tensor logits = hidden.matmul(w.output_weight().t())[0].to(at::kCPU);
         at::Tensor want = ReferenceLogits(c, w, tokens, &ref);
         EXPECT_LT(MaxAbsDiff(logits.to(at::kDouble), want), 1e-5);
         (logits.to(at::kDouble) * weights).sum().backward();
