@@ -46,6 +46,26 @@ inline at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, cons
 #endif
 }
 
+// Grouped GEMM (torch >= 2.8, CUDA, bf16/fp16 on Hopper: one CUTLASS kernel for all groups).
+// a [M, K] x b [G, K, N] with int32 `offs` (cumulative row ends of each group) -> [M, N];
+// a [M, K] x b [K, N] with offs over K -> [G, M, N]. Undefined where unavailable.
+inline bool HasGroupedMm(const at::Tensor& a) {
+#if LORASTEP_TORCH_AT_LEAST(2, 8)
+  return a.is_cuda() && (a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf);
+#else
+  (void)a;
+  return false;
+#endif
+}
+inline at::Tensor GroupedMm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
+#if LORASTEP_TORCH_AT_LEAST(2, 8)
+  return at::_grouped_mm(a, b, offs);
+#else
+  (void)a, (void)b, (void)offs;
+  return at::Tensor();
+#endif
+}
+
 // The integer type of MemoryReportingInfoBase::reportMemoryUsage's totals.
 #if LORASTEP_TORCH_AT_LEAST(2, 0)
 using MemoryTotal = size_t;

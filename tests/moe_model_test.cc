@@ -9,6 +9,7 @@
 #include <array>
 #include <cmath>
 
+#include "absl/strings/match.h"
 #include "lib/io/file_util.h"
 #include "lib/io/safetensors.h"
 #include "lib/io/tensor_bytes.h"
@@ -335,6 +336,56 @@ TEST(MoeModelTest, ExpertLoraPeftExportAndImport) {
               StatusIs(absl::StatusCode::kInvalidArgument, "missing tensor 'base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight'"));
 }
 
+// On CUDA in bf16 the experts run as grouped GEMMs: same logits and expert-factor
+// gradients as the per-expert loop, within bf16 rounding (both layouts, fused and unfused).
+TEST(MoeModelTest, GroupedExpertsMatchThePerExpertLoop) {
+  const at::Device device = ::lorastep::testing::TestDevice();
+  if (!GroupedLinearAvailable(at::zeros({8, 8}, at::TensorOptions().device(device).dtype(at::kBFloat16)), {8})) {
+    GTEST_SKIP() << "no grouped GEMM on " << device << " with this torch";
+  }
+  ModelConfig c = ModelConfigPreset("tiny-moe").value();
+  ModelWeights w = RandomModelWeights(c, 5);
+  ForEachNamedTensor(w, [&](const std::string&, at::Tensor& t) { t = t.to(device, at::kBFloat16); });
+  at::Tensor tokens = at::randint(c.vocab_size, {2, 13}, at::kLong).to(device);
+  for (const std::string layout : {"per_expert", "shared_outer"}) {
+    for (const bool fused : {true, false}) {
+      SCOPED_TRACE(layout + (fused ? " fused" : " unfused"));
+      std::vector<at::Tensor> out, grads;
+      for (const bool grouped : {true, false}) {
+        LoraConfig lc;
+        lc.rank = 8;
+        lc.alpha = 16;
+        lc.expert_lora = layout;
+        ASSERT_OK_AND_ASSIGN(Adapter adapter, Adapter::CreateLora(c, lc, device, at::kBFloat16, 9));
+        {
+          at::NoGradGuard no_grad;
+          at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(21);
+          for (Parameter& p : adapter.parameters()) {
+            if (absl::EndsWith(p.name, "lora_B.weight")) {
+              p.value.copy_(at::empty(p.value.sizes(), at::kFloat).normal_(0, 0.2, gen));
+            }
+          }
+        }
+        ForwardOptions options;
+        options.grad.fused_wgrad = fused;
+        options.grouped_experts = grouped;
+        at::Tensor h = Qwen2Hidden(c, w, &adapter, tokens, options);
+        h.to(at::kFloat).pow(2).sum().backward();
+        ASSERT_OK(FoldLocalGradients(&adapter));
+        out.push_back(h.to(at::kCPU, at::kFloat));
+        std::vector<at::Tensor> g;
+        for (const Parameter& p : adapter.parameters()) {
+          if (!p.family.empty()) g.push_back(p.main_grad.reshape({-1}).to(at::kCPU));
+        }
+        grads.push_back(at::cat(g));
+      }
+      EXPECT_LT(RelErr(out[0], out[1]), 1e-2);
+      EXPECT_LT(RelErr(grads[0], grads[1]), 3e-2);
+      EXPECT_GT(grads[1].abs().max().item<double>(), 0);
+    }
+  }
+}
+
 TEST(MoeModelTest, ExpertLoraTrainsAndWhatIsNotBuiltIsRefused) {
   const ModelConfig c = ModelConfigPreset("tiny-moe").value();
   const std::string dir = ScratchDir("moe_train");
@@ -373,10 +424,8 @@ TEST(MoeModelTest, ExpertLoraTrainsAndWhatIsNotBuiltIsRefused) {
     EXPECT_LE(r2.metrics.Get("moe_experts_hit:mean"), 1);
     EXPECT_GE(r2.metrics.Get("moe_load_max_over_mean:max"), 1);
     EXPECT_LT(r2.metrics.Get("loss:sum"), r1.metrics.Get("loss:sum"));
-    // The post-reduction gradient evidence of the replicated expert factors.
-    const std::string fc1 = layout == "shared_outer" ? "grad_shared_fc1" : "grad_experts_fc1";
-    EXPECT_EQ(r2.replica_digests.count(fc1), 1u);
-    EXPECT_EQ(r2.metrics.Get(fc1 + "_digests_agree:mean"), 1.0);
+    // One copy: no replica digests to compare (the mesh tests check them).
+    EXPECT_TRUE(r2.replica_digests.empty());
   }
   TrainerOptions full;
   full.lora.rank = 0;

@@ -56,7 +56,56 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
   }
 };
 
+class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, MainGradRef main_grad_ref, const at::Tensor& offs,
+                            bool fused) {
+    const at::Tensor& main_grad = main_grad_ref.tensor;
+    const bool trainable = main_grad.defined();
+    ctx->saved_data["trainable"] = trainable;
+    ctx->saved_data["fused"] = fused;
+    if (trainable) ctx->saved_data["main_grad"] = main_grad;
+    ctx->save_for_backward({trainable ? x : at::Tensor(), weight, offs});
+    return compat::GroupedMm(x, weight.transpose(1, 2), offs);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor& offs = saved[2];
+    const at::Tensor g = grads[0].contiguous();
+    at::Tensor grad_x, grad_w;
+    if (ctx->needs_input_grad(0)) grad_x = compat::GroupedMm(g, weight, offs);
+    if (ctx->saved_data["trainable"].toBool()) {
+      // [E, out, in]: each expert's g^T x over its rows (offsets along the contraction).
+      at::Tensor w = compat::GroupedMm(g.t(), x, offs);
+      if (ctx->saved_data["fused"].toBool()) {
+        ctx->saved_data["main_grad"].toTensor().add_(w);
+      } else {
+        grad_w = w;
+      }
+    }
+    return {grad_x, grad_w, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor GroupedLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& main_grad,
+                         const at::Tensor& offs, const GradOptions& options) {
+  return GroupedLinearFunction::apply(x, weight, MainGradRef{main_grad}, offs, options.fused_wgrad);
+}
+
+bool GroupedLinearAvailable(const at::Tensor& x, const std::vector<int64_t>& sizes) {
+  if (!compat::HasGroupedMm(x)) return false;
+  for (int64_t n : sizes) {
+    if (n % 8 != 0) return false;
+  }
+  return true;
+}
 
 at::Tensor FoldLeadingDims(const at::Tensor& x) { return x.reshape({-1, x.size(-1)}); }
 

@@ -18,6 +18,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 namespace lorastep {
 
 struct GradOptions {
@@ -43,6 +45,16 @@ at::Tensor LinearInputGrad(const at::Tensor& grad_output, const at::Tensor& weig
 // `weight` must require grad when trainable (so a node exists even if x does not).
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& main_grad,
                   const GradOptions& options);
+
+// Routed experts: rows of x grouped by expert (offs: int32 cumulative row ends, one per
+// expert), y[rows of e] = x[rows of e] @ weight[e]^T, for weight [E, out, in]. One grouped
+// GEMM each way (forward, input gradient, and the stacked weight gradient when `main_grad`
+// [E, out, in] is defined). Needs GroupedLinearAvailable.
+at::Tensor GroupedLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& main_grad,
+                         const at::Tensor& offs, const GradOptions& options);
+// Whether the build and device run grouped GEMMs for x's dtype (CUDA, bf16/fp16, torch >=
+// 2.8) and every size is a multiple of 8 (16-byte rows); else callers loop over experts.
+bool GroupedLinearAvailable(const at::Tensor& x, const std::vector<int64_t>& sizes);
 
 }  // namespace lorastep
 

@@ -208,6 +208,32 @@ class LayerRunner {
     };
     const bool shared_a = fc1_a != nullptr && fc1_a->value.dim() == 2;
     const bool shared_b = fc2_b != nullptr && fc2_b->value.dim() == 2;
+    const int64_t rank = fc1_a != nullptr ? fc1_a->value.size(-2) : fc2_a != nullptr ? fc2_a->value.size(-2) : 8;
+    if (options_.grouped_experts && GroupedLinearAvailable(rows, {rows.size(1), f, rank})) {
+      // One grouped GEMM per projection over all experts (CUDA, bf16): no per-expert loop.
+      std::vector<int32_t> ends(counts.size());
+      int64_t total = 0;
+      for (size_t e = 0; e < counts.size(); ++e) ends[e] = static_cast<int32_t>(total += counts[e]);
+      at::Tensor offs = at::tensor(ends, at::kInt).to(rows.device(), /*non_blocking=*/true);
+      auto stacked = [](const Parameter* q) { return q->value.reshape({q->value.size(0), -1, q->value.size(-1)}); };
+      auto stacked_grad = [](const Parameter* q) {
+        return q->main_grad.reshape({q->main_grad.size(0), -1, q->main_grad.size(-1)});
+      };
+      at::Tensor gate_up = GroupedLinear(rows, lw.experts_gate_up, at::Tensor(), offs, options_.grad);
+      if (fc1_a != nullptr) {
+        at::Tensor inner = shared_a ? Linear(lora_input(rows), fc1_a->value, fc1_a->main_grad, options_.grad)
+                                    : GroupedLinear(lora_input(rows), fc1_a->value, fc1_a->main_grad, offs, options_.grad);
+        gate_up = gate_up + GroupedLinear(inner, stacked(fc1_b), stacked_grad(fc1_b), offs, options_.grad) * scale;
+      }
+      at::Tensor act = at::silu(gate_up.narrow(-1, 0, f)) * gate_up.narrow(-1, f, f);
+      at::Tensor y = GroupedLinear(act, lw.experts_down, at::Tensor(), offs, options_.grad);
+      if (fc2_a != nullptr) {
+        at::Tensor inner = GroupedLinear(lora_input(act), fc2_a->value, fc2_a->main_grad, offs, options_.grad);
+        y = y + (shared_b ? Linear(inner, fc2_b->value, fc2_b->main_grad, options_.grad)
+                          : GroupedLinear(inner, fc2_b->value, fc2_b->main_grad, offs, options_.grad)) * scale;
+      }
+      return y;
+    }
     at::Tensor fc1_inner_all;
     if (shared_a) fc1_inner_all = Linear(lora_input(rows), fc1_a->value, fc1_a->main_grad, options_.grad);
     std::vector<at::Tensor> ys, fc2_inner;

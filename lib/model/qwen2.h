@@ -30,6 +30,9 @@ struct ForwardOptions {
   // Expert parallelism: this rank holds experts [shard->expert_begin, shard->expert_end);
   // routed tokens are exchanged over this group (all-to-all). Null: every expert is local.
   CommGroup* expert_group = nullptr;
+  // Routed experts through grouped GEMMs where the build and device have them (CUDA, bf16);
+  // false forces the per-expert loop (tests compare the two).
+  bool grouped_experts = true;
   // MoE routing figures of each MoE layer of each forward go here when set:
   // moe_experts_hit:mean (share of the layer's experts that got tokens) and
   // moe_load_max_over_mean:max (the busiest expert's tokens over the mean).

@@ -220,7 +220,12 @@ class Finalizer {
   // One SHA-256 per present family of replicated expert factors, gathered over the world and
   // compared inside each replica group (stage for shared-outer, expert-stage for per-expert).
   absl::Status CheckFamilyDigests() {
-    const int rank = groups_ != nullptr ? groups_->rank() : 0;
+    if (groups_ == nullptr) return absl::OkStatus();  // one copy: nothing to compare
+    // Which replica group: shared factors are replicated over the stage, per-expert ones over
+    // the expert-stage group (the same on every rank: one adapter config, one layout).
+    const GroupKind kind = adapter_->lora_config().shared_outer() ? GroupKind::kStage : GroupKind::kExpertStage;
+    if (groups_->layout().Group(kind, 0).size() < 2) return absl::OkStatus();
+    const int rank = groups_->rank();
     for (const char* family : {"fc1", "fc2"}) {
       std::vector<at::Tensor> grads;
       std::vector<int> params;
@@ -239,17 +244,13 @@ class Finalizer {
           params.push_back(static_cast<int>(i));
         }
       }
-      if (groups_ != nullptr && options_.corrupt_main_grad_rank == rank && !grads.empty()) {
+      if (options_.corrupt_main_grad_rank == rank && !grads.empty()) {
         at::NoGradGuard no_grad;
         grads[0].view({-1})[0].add_(1e-3);  // test only: one rank's optimizer-facing buffer
       }
       const std::string hex = grads.empty() ? "" : TensorsSha256(grads);
       const std::string name = absl::StrCat(shared ? "grad_shared_" : "grad_experts_", family);
       if (!hex.empty()) report_.family_digests[name] = hex;
-      if (groups_ == nullptr) {
-        if (!hex.empty()) report_.family_digests_agree[name] = true;
-        continue;
-      }
       // Every rank takes part (a rank without the family sends -1s), so all reach one verdict.
       LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> gathered,
                                 groups_->group(GroupKind::kWorld).AllGather(DigestWords(hex, device_)));
@@ -260,10 +261,6 @@ class Finalizer {
         present = present || cpu.back()[0].item<double>() >= 0;
       }
       if (!present) continue;
-      // Which replica group: shared factors are replicated over the stage, per-expert ones
-      // over the expert-stage group. Every rank has the same adapter config, so the same kind.
-      LORASTEP_ASSIGN_OR_RETURN(at::Tensor kinds, GatherFlag(shared));
-      const GroupKind kind = kinds.max().item<double>() > 0 ? GroupKind::kStage : GroupKind::kExpertStage;
       const auto bad = Disagreements(groups_->layout(), kind, cpu);
       if (!hex.empty()) report_.family_digests_agree[name] = bad.empty();
       if (!bad.empty() && options_.check_digests) {
@@ -277,12 +274,6 @@ class Finalizer {
       }
     }
     return absl::OkStatus();
-  }
-
-  absl::StatusOr<at::Tensor> GatherFlag(bool flag) {
-    at::Tensor t = at::full({1}, flag ? 1.0 : 0.0, at::TensorOptions().dtype(at::kDouble).device(device_));
-    LORASTEP_RETURN_IF_ERROR(groups_->group(GroupKind::kWorld).AllReduce(t, ReduceKind::kMax));
-    return t.to(at::kCPU);
   }
 
   // Squares of every distinct element, each counted by exactly one rank, summed over the world.

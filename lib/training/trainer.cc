@@ -559,8 +559,10 @@ absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params
   if (mesh || !adapter_->full_finetune() || options_.digest_full_finetune_steps) {
     t0 = Clock::now();
     const std::string local_sha = AdapterSha256();
-    result.replica_digests = ReplicaDigests(local_sha);
-    for (const auto& [family, sha] : finalized->family_digests) result.replica_digests[family] = sha;
+    if (mesh) {  // one copy has nothing to compare
+      result.replica_digests = ReplicaDigests(local_sha);
+      for (const auto& [family, sha] : finalized->family_digests) result.replica_digests[family] = sha;
+    }
     // The reported adapter digest is of whole tensors, the same at every layout.
     const bool sliced = options_.groups != nullptr && !base_->shard.whole();
     result.adapter_sha256 = !sliced ? local_sha : adapter_->full_finetune() ? "" : FullAdapterSha256();
