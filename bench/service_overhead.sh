@@ -9,9 +9,10 @@ find_bin() { for p in "$BIN/$1" "$BIN/server/$1" "$BIN/worker/$1" "$BIN/tools/$1
   [ -x "$p" ] && { echo "$p"; return; }; done; echo "missing $1" >&2; exit 1; }
 WORK=$(mktemp -d)
 trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true; rm -rf "$WORK"' EXIT
-"$(find_bin lorastep_genmodel)" --preset "$PRESET" --dtype "$DTYPE" --seed 1 --out "$WORK/model" >/dev/null
-VOCAB=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['vocab_size'])" "$WORK/model/config.json")
-"$(find_bin lorastep_coordinator)" --model "$WORK/model" --device "$DEVICE" --port 0 \
+MODEL=${MODEL_DIR:-$WORK/model}  # MODEL_DIR: an already generated model of PRESET/DTYPE
+[ -n "${MODEL_DIR:-}" ] || "$(find_bin lorastep_genmodel)" --preset "$PRESET" --dtype "$DTYPE" --seed 1 --out "$MODEL" >/dev/null
+VOCAB=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['vocab_size'])" "$MODEL/config.json")
+"$(find_bin lorastep_coordinator)" --model "$MODEL" --device "$DEVICE" --port 0 \
   --port_file "$WORK/port" --worker_binary "$(find_bin lorastep_worker)" 2> "$WORK/server.log" &
 PID=$!
 for _ in $(seq 1200); do [ -s "$WORK/port" ] && break; sleep 0.1; done

@@ -76,10 +76,13 @@ if [[ " $STEPS " == *" moe-bench "* ]]; then
   [ -d /tmp/q3moe ] || build-gpu/lorastep_genmodel --preset qwen3-30b-a3b-reduced --dtype bfloat16 --seed 1 --out /tmp/q3moe >/dev/null
   python3 bench/peft_step.py --model /tmp/q3moe --mode fwdbwd --out "$OUT/moe_hf_fwdbwd.json" 2>&1 | tail -1
   for layout in ${MOE_LAYOUTS:-shared_outer per_expert}; do
-    RANK=32 EXPERT_LORA=$layout MAX_TOKENS=4096 STEPS=3 MACHINE="$MACHINE" VERSIONS="$(tail -1 "$OUT/env.txt")" \
-      bench/service_overhead.sh build-gpu qwen3-30b-a3b-reduced cuda bfloat16 "$OUT/moe_ours_$layout.json" moe_$layout \
-      > "$OUT/moe_ours_$layout.log" 2>&1 || tail -20 "$OUT/moe_ours_$layout.log"
-    python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print('lorastep',sys.argv[2],'worker_step_s',d['worker_step_s'])" "$OUT/moe_ours_$layout.json" $layout
+    for mt in ${MOE_MAX_TOKENS:-4096}; do
+      MODEL_DIR=/tmp/q3moe RANK=32 EXPERT_LORA=$layout MAX_TOKENS=$mt STEPS=3 MACHINE="$MACHINE" VERSIONS="$(tail -1 "$OUT/env.txt")" \
+        bench/service_overhead.sh build-gpu qwen3-30b-a3b-reduced cuda bfloat16 "$OUT/moe_ours_${layout}_$mt.json" \
+        moe_$layout > /tmp/moe_ours_$layout.log 2>&1 || tail -20 /tmp/moe_ours_$layout.log
+      python3 -c "import json,sys;d=json.load(open(sys.argv[1]));m=d['last_step_metrics'];print('lorastep',sys.argv[2],'micro-batch',sys.argv[3],'worker_step_s',d['worker_step_s'],{k:round(v,4) for k,v in m.items() if k.startswith('time_')})" \
+        "$OUT/moe_ours_${layout}_$mt.json" $layout $mt
+    done
   done
 fi
 if [[ " $STEPS " == *" service "* ]]; then

@@ -121,18 +121,12 @@ class LayerRunner {
     at::Tensor flat_e = top_e.reshape({-1});
     at::Tensor order = std::get<1>(flat_e.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
     at::Tensor counts = at::bincount(flat_e, {}, experts);
-    at::Tensor counts_cpu = counts.to(at::kCPU);
-    if (options_.routing_metrics != nullptr) {
-      const double hit = (counts_cpu > 0).sum().item<double>();
-      const double mean = counts_cpu.to(at::kDouble).mean().item<double>();
-      options_.routing_metrics->Add("moe_experts_hit:mean", hit / experts, 1.0);
-      options_.routing_metrics->Add("moe_load_max_over_mean:max",
-                                    mean > 0 ? counts_cpu.max().item<double>() / mean : 0.0);
-    }
+    // Kept on the device: the routing figures are computed once per call (RoutingMetrics).
+    if (options_.routing_counts != nullptr) options_.routing_counts->push_back(counts);
     at::Tensor pair_tokens = at::floor_divide(order, top_k);
     at::Tensor pair_weights = top_p.reshape({-1}).index_select(0, order).unsqueeze(1);
     at::Tensor rows = x.index_select(0, pair_tokens);  // [pairs, H], grouped by expert
-    at::Tensor y = ExchangeAndRunExperts(i, rows, counts, counts_cpu);
+    at::Tensor y = ExchangeAndRunExperts(i, rows, counts);
     at::Tensor out = at::zeros_like(x).index_add(0, pair_tokens, y * pair_weights);
     if (lw.layout.shared_expert_gate) {
       at::Tensor act = at::silu(Project(i, kGateProj, x)) * Project(i, kUpProj, x);
@@ -142,16 +136,13 @@ class LayerRunner {
     return ReduceFromTensorRegion(out, options_.tensor_group).view(h.sizes());
   }
 
-  // Rows grouped by global expert id (counts[e] rows for expert e, on the device and on the
-  // CPU) through the experts: with an expert group, sent to the ranks holding them, regrouped
-  // by local expert, computed, and sent back into the caller's order.
-  at::Tensor ExchangeAndRunExperts(size_t i, const at::Tensor& rows, const at::Tensor& counts,
-                                   const at::Tensor& counts_cpu) const {
+  // Rows grouped by global expert id (counts[e] rows for expert e) through the experts: with
+  // an expert group, sent to the ranks holding them, regrouped by local expert, computed,
+  // and sent back into the caller's order.
+  at::Tensor ExchangeAndRunExperts(size_t i, const at::Tensor& rows, const at::Tensor& counts) const {
     CommGroup* group = options_.expert_group;
-    if (group == nullptr || group->size() == 1) {
-      return RunExperts(i, rows, std::vector<int64_t>(counts_cpu.data_ptr<int64_t>(),
-                                                      counts_cpu.data_ptr<int64_t>() + counts_cpu.numel()));
-    }
+    if (group == nullptr || group->size() == 1) return RunExperts(i, rows, counts);
+    const at::Tensor counts_cpu = counts.to(at::kCPU);  // the split sizes are host values
     const int ep = group->size();
     const int64_t per_rank = c_.moe.num_experts / ep;
     // Tell every member how many rows of each of its experts are coming: recv[src][e_local].
@@ -181,15 +172,16 @@ class LayerRunner {
     if (perm_t.numel() > 0) inverse.index_copy_(0, perm_t, at::arange(perm_t.numel(), at::kLong));
     const at::Device device = rows.device();
     at::Tensor grouped = received.index_select(0, perm_t.to(device));
-    at::Tensor y = RunExperts(i, grouped, local_counts).index_select(0, inverse.to(device));
+    at::Tensor y = RunExperts(i, grouped, at::tensor(local_counts, at::kLong)).index_select(0, inverse.to(device));
     return AllToAllRows(y, group, out_splits, in_splits);
   }
 
-  // This rank's experts over rows grouped by local expert (counts[e] rows each): frozen
-  // gate/up and down (one 2-D GEMM each way per expert), plus expert LoRA when the adapter
-  // has it. Shared-outer: fc1's shared A runs once over all rows and fc2's shared B once over
-  // all experts' inner activations.
-  at::Tensor RunExperts(size_t i, const at::Tensor& rows, const std::vector<int64_t>& counts) const {
+  // This rank's experts over rows grouped by local expert (counts[e] rows each, int64 on any
+  // device): frozen gate/up and down plus expert LoRA when the adapter has it, as grouped
+  // GEMMs (CUDA bf16: no host synchronization) or one 2-D GEMM each way per expert.
+  // Shared-outer: fc1's shared A runs once over all rows and fc2's shared B once over all
+  // experts' inner activations.
+  at::Tensor RunExperts(size_t i, const at::Tensor& rows, const at::Tensor& counts_any) const {
     const LayerWeights& lw = weights_.layers[i];
     const int64_t f = lw.experts_down.size(2);
     if (rows.size(0) == 0) return rows.mul(0).narrow(1, 0, lw.experts_down.size(1));
@@ -211,10 +203,7 @@ class LayerRunner {
     const int64_t rank = fc1_a != nullptr ? fc1_a->value.size(-2) : fc2_a != nullptr ? fc2_a->value.size(-2) : 8;
     if (options_.grouped_experts && GroupedLinearAvailable(rows, {rows.size(1), f, rank})) {
       // One grouped GEMM per projection over all experts (CUDA, bf16): no per-expert loop.
-      std::vector<int32_t> ends(counts.size());
-      int64_t total = 0;
-      for (size_t e = 0; e < counts.size(); ++e) ends[e] = static_cast<int32_t>(total += counts[e]);
-      at::Tensor offs = at::tensor(ends, at::kInt).to(rows.device(), /*non_blocking=*/true);
+      at::Tensor offs = counts_any.to(rows.device()).cumsum(0).to(at::kInt);
       auto stacked = [](const Parameter* q) { return q->value.reshape({q->value.size(0), -1, q->value.size(-1)}); };
       auto stacked_grad = [](const Parameter* q) {
         return q->main_grad.reshape({q->main_grad.size(0), -1, q->main_grad.size(-1)});
@@ -234,6 +223,8 @@ class LayerRunner {
       }
       return y;
     }
+    const at::Tensor counts_cpu = counts_any.to(at::kCPU);
+    const std::vector<int64_t> counts(counts_cpu.data_ptr<int64_t>(), counts_cpu.data_ptr<int64_t>() + counts_cpu.numel());
     at::Tensor fc1_inner_all;
     if (shared_a) fc1_inner_all = Linear(lora_input(rows), fc1_a->value, fc1_a->main_grad, options_.grad);
     std::vector<at::Tensor> ys, fc2_inner;
@@ -277,6 +268,17 @@ class LayerRunner {
 };
 
 }  // namespace
+
+void AddRoutingMetrics(const std::vector<at::Tensor>& counts, Metrics* metrics) {
+  if (counts.empty()) return;
+  at::Tensor all = at::stack(counts).to(at::kCPU).to(at::kDouble);  // [layers x calls, E]
+  for (int64_t row = 0; row < all.size(0); ++row) {
+    at::Tensor c = all[row];
+    const double mean = c.mean().item<double>();
+    metrics->Add("moe_experts_hit:mean", (c > 0).to(at::kDouble).mean().item<double>(), 1.0);
+    metrics->Add("moe_load_max_over_mean:max", mean > 0 ? c.max().item<double>() / mean : 0.0);
+  }
+}
 
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor xf = x.to(at::kFloat);

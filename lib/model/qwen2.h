@@ -7,6 +7,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "lib/model/adapter.h"
 #include "lib/model/linear.h"
 #include "lib/training/metrics.h"
@@ -33,10 +35,9 @@ struct ForwardOptions {
   // Routed experts through grouped GEMMs where the build and device have them (CUDA, bf16);
   // false forces the per-expert loop (tests compare the two).
   bool grouped_experts = true;
-  // MoE routing figures of each MoE layer of each forward go here when set:
-  // moe_experts_hit:mean (share of the layer's experts that got tokens) and
-  // moe_load_max_over_mean:max (the busiest expert's tokens over the mean).
-  Metrics* routing_metrics = nullptr;
+  // Each MoE layer's tokens per expert ([E] int64, on the device) are appended here when
+  // set; AddRoutingMetrics turns them into figures with one host synchronization.
+  std::vector<at::Tensor>* routing_counts = nullptr;
 };
 
 // tokens: int64 [b, s] (right-padded; causal attention keeps padding out of real positions).
@@ -58,6 +59,11 @@ at::Tensor Qwen2FinalNorm(const ModelConfig& config, const ModelWeights& base,
 // it is trainable, i.e. full fine-tuning).
 const at::Tensor& OutputWeight(const ModelWeights& base, const Adapter* adapter);
 at::Tensor OutputMainGrad(const Adapter* adapter);
+
+// moe_experts_hit:mean (share of a layer's experts that got tokens) and
+// moe_load_max_over_mean:max (the busiest expert's tokens over the mean), one value per
+// entry of `counts` (ForwardOptions::routing_counts).
+void AddRoutingMetrics(const std::vector<at::Tensor>& counts, Metrics* metrics);
 
 // Hugging Face's Qwen2RMSNorm: normalize in fp32, cast back, then scale.
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);

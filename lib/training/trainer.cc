@@ -167,7 +167,8 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
       datums, batch.max_tokens_per_microbatch > 0 ? batch.max_tokens_per_microbatch
                                                   : options_.max_tokens_per_microbatch);
   ForwardOptions fwd_options{options_.grad, /*training=*/backward, &dropout_generator_};
-  fwd_options.routing_metrics = &m;
+  std::vector<at::Tensor> routing_counts;
+  fwd_options.routing_counts = &routing_counts;
   CommGroup* tensor_group = options_.groups != nullptr && base_->shard.tp > 1
                                 ? &options_.groups->group(GroupKind::kTensor)
                                 : nullptr;
@@ -333,8 +334,11 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
         },
         &t_forward, &t_backward));
   }
+  Metrics routing;  // one host synchronization for every MoE layer of every micro-batch
+  AddRoutingMetrics(routing_counts, &routing);
+  m.Merge(routing);
   if (!base_->shard.last_stage()) {  // only the last stage sees the loss: no data metrics here
-    m = Metrics();
+    m = routing;
     m.Add("time_data_s:sum", t_data);
     m.Add("time_forward_s:sum", t_forward);
     if (backward) m.Add("time_backward_s:sum", t_backward);
