@@ -92,7 +92,24 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
   }
 };
 
+class PermuteRowsFunction : public torch::autograd::Function<PermuteRowsFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& perm, const at::Tensor& inverse) {
+    ctx->save_for_backward({inverse});
+    return x.index_select(0, perm);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0].index_select(0, ctx->get_saved_variables()[0]), at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor PermuteRows(const at::Tensor& x, const at::Tensor& perm, const at::Tensor& inverse) {
+  return PermuteRowsFunction::apply(x, perm, inverse);
+}
 
 at::Tensor GroupedLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& main_grad,
                          const at::Tensor& offs, const GradOptions& options) {

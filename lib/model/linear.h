@@ -46,6 +46,11 @@ at::Tensor LinearInputGrad(const at::Tensor& grad_output, const at::Tensor& weig
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& main_grad,
                   const GradOptions& options);
 
+// x.index_select(0, perm) for a permutation `perm` of x's rows, whose backward gathers with
+// `inverse` (inverse[perm[i]] = i) instead of scatter-adding (no atomics: the MoE dispatch
+// and combine move every token row this way).
+at::Tensor PermuteRows(const at::Tensor& x, const at::Tensor& perm, const at::Tensor& inverse);
+
 // Routed experts: rows of x grouped by expert (offs: int32 cumulative row ends, one per
 // expert), y[rows of e] = x[rows of e] @ weight[e]^T, for weight [E, out, in]. One grouped
 // GEMM each way (forward, input gradient, and the stacked weight gradient when `main_grad`

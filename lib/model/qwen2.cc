@@ -123,11 +123,14 @@ class LayerRunner {
     at::Tensor counts = at::bincount(flat_e, {}, experts);
     // Kept on the device: the routing figures are computed once per call (RoutingMetrics).
     if (options_.routing_counts != nullptr) options_.routing_counts->push_back(counts);
-    at::Tensor pair_tokens = at::floor_divide(order, top_k);
-    at::Tensor pair_weights = top_p.reshape({-1}).index_select(0, order).unsqueeze(1);
-    at::Tensor rows = x.index_select(0, pair_tokens);  // [pairs, H], grouped by expert
-    at::Tensor y = ExchangeAndRunExperts(i, rows, counts);
-    at::Tensor out = at::zeros_like(x).index_add(0, pair_tokens, y * pair_weights);
+    // Pair p = token * top_k + slot. Dispatch and combine are row permutations (gathers both
+    // ways, no scatter-add); the top-k outputs of a token are summed with their weights.
+    at::Tensor inverse = at::empty_like(order);
+    inverse.index_copy_(0, order, at::arange(order.numel(), order.options()));
+    at::Tensor pairs = x.unsqueeze(1).expand({x.size(0), top_k, hidden}).reshape({-1, hidden});
+    at::Tensor rows = PermuteRows(pairs, order, inverse);  // [pairs, H], grouped by expert
+    at::Tensor y = PermuteRows(ExchangeAndRunExperts(i, rows, counts), inverse, order);
+    at::Tensor out = (y.view({x.size(0), top_k, hidden}) * top_p.unsqueeze(-1)).sum(1);
     if (lw.layout.shared_expert_gate) {
       at::Tensor act = at::silu(Project(i, kGateProj, x)) * Project(i, kUpProj, x);
       at::Tensor shared = Project(i, kDownProj, act);
