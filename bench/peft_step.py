@@ -65,8 +65,10 @@ def main():
         step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    import transformers
-    out = {"mode": args.mode, "step_s": statistics.median(times), "step_s_all": times,
+    import datetime, sys, transformers
+    out = {"date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "machine": torch.cuda.get_device_name(), "command": "python3 " + " ".join(sys.argv),
+           "mode": args.mode, "step_s": statistics.median(times), "step_s_all": times,
            "tokens_per_s": 64 * 512 / statistics.median(times),
            "torch": torch.__version__, "transformers": transformers.__version__,
            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,

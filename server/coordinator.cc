@@ -1,5 +1,9 @@
 #include "server/coordinator.h"
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <openssl/evp.h>
+
 #include <algorithm>
 #include <chrono>
 #include <thread>
@@ -22,9 +26,13 @@ struct Coordinator::RunState {
   struct Recorded {
     std::string method;
     std::string response;  // serialized
+    std::string fingerprint;  // of the request: a reused request_id must carry the same payload
   };
   std::map<std::string, Recorded> recorded;
   std::deque<std::string> recorded_order;  // oldest first, for eviction
+  // The fingerprint of the mutating call in progress (set by Replay, stored by Record; both
+  // under `mu`, which the call holds throughout).
+  std::string current_fingerprint;
   std::deque<v1::StepRecord> history;
   int64_t next_step = 0;
   std::mutex watch_mu;  // guards watchers; held while calling them
@@ -45,6 +53,21 @@ v1::WorkerPathRequest PathRequest(const std::string& run_id, const std::string& 
   req.set_run_id(run_id);
   req.set_path(path);
   return req;
+}
+
+// SHA-256 of the request's deterministic serialization (map fields in key order).
+std::string RequestFingerprint(const google::protobuf::Message& request) {
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream stream(&bytes);
+    google::protobuf::io::CodedOutputStream out(&stream);
+    out.SetSerializationDeterministic(true);
+    request.SerializeToCodedStream(&out);
+  }
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  EVP_Digest(bytes.data(), bytes.size(), digest, &len, EVP_sha256(), nullptr);
+  return std::string(reinterpret_cast<const char*>(digest), len);
 }
 
 absl::Status RequireRequestId(const std::string& request_id) {
@@ -146,9 +169,15 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req) 
     return absl::InvalidArgumentError(absl::StrCat("base_model: workers serve '", model_path_,
                                                    "', not '", req.base_model(), "'"));
   }
+  const std::string fingerprint = RequestFingerprint(req);
   auto prior = create_requests_.find(req.request_id());
   if (prior != create_requests_.end()) {  // retried CreateRun: the run it made
-    auto run = runs_.at(prior->second);
+    if (prior->second.second != fingerprint) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request_id: '", req.request_id(), "' already created run '", prior->second.first,
+          "' from a different CreateRun request; a new run needs a new request_id"));
+    }
+    auto run = runs_.at(prior->second.first);
     lock.unlock();
     std::lock_guard<std::mutex> run_lock(run->mu);
     return run->run;
@@ -194,7 +223,7 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req) 
   creating_requests_.erase(req.request_id());
   if (!created.ok()) return created;
   runs_[run_id] = state;
-  create_requests_[req.request_id()] = run_id;
+  create_requests_[req.request_id()] = {run_id, fingerprint};
   return state->run;
 }
 
@@ -220,13 +249,21 @@ std::vector<v1::Run> Coordinator::ListRuns() {
 
 absl::StatusOr<bool> Coordinator::Replay(RunState& run, const std::string& method,
                                          const std::string& request_id, int64_t sequence_id,
+                                         const google::protobuf::Message& request,
                                          google::protobuf::Message* out) {
   LORASTEP_RETURN_IF_ERROR(RequireRequestId(request_id));
+  run.current_fingerprint = RequestFingerprint(request);
   auto it = run.recorded.find(request_id);
   if (it != run.recorded.end()) {
     if (it->second.method != method) {
       return absl::InvalidArgumentError(absl::StrCat("request_id: '", request_id,
                                                      "' was used for ", it->second.method));
+    }
+    if (it->second.fingerprint != run.current_fingerprint) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request_id: '", request_id, "' was already used for a different ", method,
+          " request (the payload differs); a retry must resend the same request, a new "
+          "request needs a new request_id"));
     }
     out->ParseFromString(it->second.response);
     return true;
@@ -241,7 +278,7 @@ absl::StatusOr<bool> Coordinator::Replay(RunState& run, const std::string& metho
 
 void Coordinator::Record(RunState& run, const std::string& method, const std::string& request_id,
                          const google::protobuf::Message& response) {
-  run.recorded[request_id] = {method, response.SerializeAsString()};
+  run.recorded[request_id] = {method, response.SerializeAsString(), run.current_fingerprint};
   run.recorded_order.push_back(request_id);
   while (run.recorded_order.size() > options_.max_recorded_requests) {
     run.recorded.erase(run.recorded_order.front());
@@ -445,6 +482,7 @@ void Coordinator::CheckReplicas(RunState& run, const std::vector<v1::WorkerStepR
     }
     h->set_equal(equal);
     if (!equal) {
+      for (int r : ranks) h->add_sha256_by_rank(per_rank[r].replica_digests().at(family));
       all_equal = false;
       absl::StrAppend(&diverged, diverged.empty() ? "" : "; ", "stage ", stage, " ", family,
                       tensor_rank >= 0 ? absl::StrCat(" (tensor rank ", tensor_rank, ")") : "",
@@ -500,7 +538,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
   std::lock_guard<std::mutex> lock(run->mu);
   v1::ForwardBackwardResponse resp;
   LORASTEP_ASSIGN_OR_RETURN(bool replayed, Replay(*run, "ForwardBackward", req.request_id(),
-                                                  req.sequence_id(), &resp));
+                                                  req.sequence_id(), req, &resp));
   if (replayed) return resp;
   LORASTEP_RETURN_IF_ERROR(CheckNotDiverged(*run));
   LORASTEP_ASSIGN_OR_RETURN(const BatchTotals totals, ValidatedTotals(req.datums(), req.loss()));
@@ -553,7 +591,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepReque
   std::lock_guard<std::mutex> lock(run->mu);
   v1::StepResponse resp;
   LORASTEP_ASSIGN_OR_RETURN(bool replayed,
-                            Replay(*run, "OptimStep", req.request_id(), req.sequence_id(), &resp));
+                            Replay(*run, "OptimStep", req.request_id(), req.sequence_id(), req, &resp));
   if (replayed) return resp;
   LORASTEP_RETURN_IF_ERROR(CheckNotDiverged(*run));
   LORASTEP_RETURN_IF_ERROR(AdamWParamsFromProto(req.adamw()).status());
@@ -577,7 +615,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
   std::lock_guard<std::mutex> lock(run->mu);
   v1::StepResponse resp;
   LORASTEP_ASSIGN_OR_RETURN(bool replayed,
-                            Replay(*run, "TrainStep", req.request_id(), req.sequence_id(), &resp));
+                            Replay(*run, "TrainStep", req.request_id(), req.sequence_id(), req, &resp));
   if (replayed) return resp;
   LORASTEP_RETURN_IF_ERROR(CheckNotDiverged(*run));
   if (req.max_tokens_per_microbatch() < 0) {
@@ -632,7 +670,7 @@ absl::StatusOr<v1::Run> Coordinator::LoadState(const v1::LoadStateRequest& req) 
   std::lock_guard<std::mutex> lock(run->mu);
   v1::Run resp;
   LORASTEP_ASSIGN_OR_RETURN(bool replayed,
-                            Replay(*run, "LoadState", req.request_id(), req.sequence_id(), &resp));
+                            Replay(*run, "LoadState", req.request_id(), req.sequence_id(), req, &resp));
   if (replayed) return resp;
   const v1::MeshCall mesh = MeshHeader(*run, req.request_id(), false);
   LORASTEP_ASSIGN_OR_RETURN(

@@ -90,8 +90,11 @@ class Coordinator {
   struct RunState;
   absl::StatusOr<std::shared_ptr<RunState>> FindRun(const std::string& run_id);
   // Looks up a recorded response (returns true and fills `out`), or checks the sequence id.
+  // A recorded request_id must come with the same request (fingerprint), else
+  // INVALID_ARGUMENT.
   absl::StatusOr<bool> Replay(RunState& run, const std::string& method,
                               const std::string& request_id, int64_t sequence_id,
+                              const google::protobuf::Message& request,
                               google::protobuf::Message* out);
   void Record(RunState& run, const std::string& method, const std::string& request_id,
               const google::protobuf::Message& response);
@@ -140,7 +143,8 @@ class Coordinator {
   std::string model_path_;
   int64_t vocab_size_ = 0;
   std::map<std::string, std::shared_ptr<RunState>> runs_;
-  std::map<std::string, std::string> create_requests_;  // request_id -> run_id
+  // request_id -> (run_id, request fingerprint)
+  std::map<std::string, std::pair<std::string, std::string>> create_requests_;
   std::set<std::string> creating_ids_;       // run ids whose worker-side creation is in flight
   std::set<std::string> creating_requests_;  // their request ids
   int64_t next_run_number_ = 1;

@@ -133,5 +133,49 @@ TEST(AdamWTest, ValidationNamesTheField) {
   EXPECT_THAT(opt.Step(p), StatusIs(absl::StatusCode::kInvalidArgument, "beta2"));
 }
 
+// A step that would overflow a parameter in its own dtype is refused by CheckStep, and
+// nothing changes: here an fp32 master value that rounds to inf in bf16.
+TEST(AdamWTest, CheckStepRefusesAnUpdateThatLeavesANonFiniteParameter) {
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  c.num_hidden_layers = 1;
+  LoraConfig lora;
+  lora.rank = 1;
+  lora.target_modules = {"q_proj"};
+  Adapter adapter = Adapter::CreateLora(c, lora, at::kCPU, at::kBFloat16, 1).value();
+  AdamW opt(&adapter);
+  AdamWParams p;
+  p.lr = 1e-3;
+  for (auto& prm : adapter.parameters()) prm.main_grad.fill_(0.1);
+  EXPECT_TRUE(opt.CheckStep(p, 1.0).ok());
+  opt.master()[1].fill_(3.4e38f);  // finite in fp32, past bf16's largest (3.39e38)
+  const at::Tensor before = adapter.parameters()[1].value.clone();
+  EXPECT_THAT(opt.CheckStep(p, 1.0),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "would make " + adapter.parameters()[1].name + " non-finite"));
+  EXPECT_TRUE(at::equal(adapter.parameters()[1].value, before));
+  EXPECT_EQ(opt.master()[1][0][0].item<float>(), 3.4e38f);
+  EXPECT_THAT(opt.CheckStep(p, NAN), StatusIs(absl::StatusCode::kFailedPrecondition, "non-finite gradient norm"));
+  p.lr = 1e30;
+  EXPECT_THAT(opt.CheckStep(p, 1.0), StatusIs(absl::StatusCode::kInvalidArgument, "adamw.lr: must be in [0, 1]"));
+}
+
+TEST(AdamWTest, HyperParametersAreBounded) {
+  AdamWParams p;
+  p.max_grad_norm = 1e300;
+  EXPECT_THAT(ValidateAdamWParams(p), StatusIs(absl::StatusCode::kInvalidArgument, "adamw.max_grad_norm"));
+  p = AdamWParams();
+  p.lr = 0.5;
+  p.weight_decay = 2;
+  EXPECT_THAT(ValidateAdamWParams(p), StatusIs(absl::StatusCode::kInvalidArgument, "lr * weight_decay < 1"));
+  p = AdamWParams();
+  p.eps = 2;
+  EXPECT_THAT(ValidateAdamWParams(p), StatusIs(absl::StatusCode::kInvalidArgument, "adamw.eps"));
+  LoraConfig lora;
+  lora.alpha = INFINITY;
+  EXPECT_THAT(ValidateLoraConfig(lora), StatusIs(absl::StatusCode::kInvalidArgument, "lora.alpha"));
+  lora.alpha = 32;
+  lora.rank = 20000;
+  EXPECT_THAT(ValidateLoraConfig(lora), StatusIs(absl::StatusCode::kInvalidArgument, "lora.rank: 20000 exceeds the limit of 1024"));
+}
+
 }  // namespace
 }  // namespace lorastep

@@ -512,10 +512,15 @@ v1::LoraConfig SharedOuterLora() {
   return lora;
 }
 
+// {"rank R": "sha256", ...} of one family's copies (every rank's when they differ).
 std::string FamilyHashes(const v1::StepResponse& r, const std::string& family) {
   std::string out;
   for (const auto& h : r.replica_hashes()) {
-    if (h.family() == family) absl::StrAppend(&out, out.empty() ? "" : ", ", "\"stage ", h.stage(), " equal ", h.equal() ? "true" : "false", "\": \"", h.sha256(), "\"");
+    if (h.family() != family) continue;
+    for (int i = 0; i < h.ranks_size(); ++i) {
+      const std::string& sha = h.equal() ? h.sha256() : h.sha256_by_rank(i);
+      absl::StrAppend(&out, out.empty() ? "" : ", ", "\"stage ", h.stage(), " rank ", h.ranks(i), "\": \"", sha, "\"");
+    }
   }
   return out;
 }
@@ -548,6 +553,11 @@ TEST_F(MeshTest, SharedFactorSeedIsReproducedAndCaught) {
       if (h.family() == "shared_fc2") EXPECT_TRUE(h.equal()) << h.DebugString();
     }
     EXPECT_TRUE(fc1_split) << s2.DebugString();
+    for (const auto& h : s2.replica_hashes()) {  // distinct hashes across the tensor ranks
+      if (h.family() != "shared_fc1") continue;
+      ASSERT_EQ(h.sha256_by_rank_size(), h.ranks_size());
+      EXPECT_NE(h.sha256_by_rank(0), h.sha256_by_rank(1));
+    }
     SeedHashes() = absl::StrCat("{\"step1_shared_fc1\": {", FamilyHashes(s1, "shared_fc1"),
                                 "}, \"step2_shared_fc1\": {", FamilyHashes(s2, "shared_fc1"),
                                 "}, \"step2_grad_shared_fc1\": {", FamilyHashes(s2, "grad_shared_fc1"), "}}");

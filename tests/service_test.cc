@@ -194,6 +194,18 @@ TEST_F(ServiceTest, RetriedRequestIdAppliesOnce) {
   ASSERT_OK_AND_ASSIGN(v1::Run r1, client_->CreateRun(create));
   ASSERT_OK_AND_ASSIGN(v1::Run r2, client_->CreateRun(create));
   EXPECT_EQ(r1.run_id(), r2.run_id());
+  // The same request_id with a different payload is refused, not answered with the old
+  // response: a different batch for the TrainStep, a different config for the CreateRun.
+  v1::TrainStepRequest other = req;
+  other.mutable_datums(0)->set_advantages(0, 0.25f);
+  EXPECT_THAT(client_->TrainStep(other), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                  "'retry-me' was already used for a different TrainStep"));
+  v1::CreateRunRequest changed = create;
+  changed.mutable_lora()->set_rank(create.lora().rank() + 1);
+  EXPECT_THAT(client_->CreateRun(changed), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                    "already created run '" + r1.run_id() + "' from a different CreateRun"));
+  ASSERT_OK_AND_ASSIGN(v1::Run after, client_->GetRun(run.run_id()));
+  EXPECT_EQ(after.learner_version(), 1);
 }
 
 TEST_F(ServiceTest, OutOfOrderSequenceIdsAreRefused) {

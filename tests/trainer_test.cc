@@ -138,6 +138,18 @@ TEST_F(TrainerTest, LoadingACorruptCheckpointChangesNothing) {
   o.lora.rank = 2;
   EXPECT_THAT(NewTrainer(o)->LoadState(dir_ + "/ckpt"),
               StatusIs(absl::StatusCode::kInvalidArgument, "lora config"));
+  // A checkpoint whose trainer_state.json has a malformed field: INVALID_ARGUMENT naming it,
+  // and the adapter is untouched (the values were staged, never committed).
+  ASSERT_OK(trainer->SaveState(dir_ + "/ckpt2"));
+  ASSERT_OK_AND_ASSIGN(std::string json, ReadFileToString(dir_ + "/ckpt2/trainer_state.json"));
+  const size_t at = json.find("\"optimizer_steps\": 1");
+  ASSERT_NE(at, std::string::npos) << json;
+  json.replace(at, std::string("\"optimizer_steps\": 1").size(), "\"optimizer_steps\": \"seven\"");
+  ASSERT_OK(WriteStringToFile(dir_ + "/ckpt2/trainer_state.json", json));
+  EXPECT_THAT(other->LoadState(dir_ + "/ckpt2"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "optimizer_steps: must be an integer"));
+  EXPECT_EQ(other->AdapterSha256(), before);
+  EXPECT_EQ(other->learner_version(), 0);
 }
 
 TEST_F(TrainerTest, ForwardBackwardCallsThenOptimStepEqualOneTrainStep) {
@@ -185,6 +197,22 @@ TEST_F(TrainerTest, BadCallsChangeNothing) {
   bad_loss.clip_eps_low = 2;
   EXPECT_THAT(probed->ForwardBackward(RlBatch(1, 96), bad_loss),
               StatusIs(absl::StatusCode::kInvalidArgument, "loss.clip_eps_low"));
+  std::vector<Datum> positive = RlBatch(1, 96);
+  positive[1].logprobs[2] = 0.5f;  // a sampler log-probability above 0
+  EXPECT_THAT(probed->TrainStep(positive, Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kInvalidArgument, "datums[1].logprobs[2]: 0.5 > 0"));
+  std::vector<Datum> long_one = RlBatch(1, 96);
+  const int64_t positions = probed->base().config.max_position_embeddings;
+  long_one[0].tokens.assign(positions + 1, 1);
+  long_one[0].target_tokens.assign(positions + 1, 1);
+  long_one[0].logprobs.assign(positions + 1, -1.0f);
+  long_one[0].advantages.assign(positions + 1, 1.0f);
+  EXPECT_THAT(probed->TrainStep(long_one, Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kInvalidArgument, "exceeds the model's max_position_embeddings"));
+  AdamWParams huge_lr = Adam();
+  huge_lr.lr = 1e30;
+  EXPECT_THAT(probed->TrainStep(RlBatch(1, 96), Ppo(), huge_lr),
+              StatusIs(absl::StatusCode::kInvalidArgument, "adamw.lr"));
   std::vector<Datum> oov = RlBatch(1, 96);
   oov[0].tokens[0] = 96;
   EXPECT_THAT(probed->Forward(oov), StatusIs(absl::StatusCode::kInvalidArgument, "datums[0].tokens[0]"));
@@ -234,13 +262,19 @@ TEST_F(TrainerTest, PeftExportImportRoundTripAndErrors) {
   ASSERT_OK_AND_ASSIGN(SafetensorsFile f, SafetensorsFile::Open(dir_ + "/peft/adapter_model.safetensors"));
   EXPECT_TRUE(f.Find("base_model.model.model.layers.1.mlp.down_proj.lora_B.weight").ok());
   auto fresh = NewTrainer();
-  ASSERT_OK(ImportPeftAdapter(dir_ + "/peft", &fresh->mutable_adapter()));
+  ASSERT_OK(fresh->ImportAdapter(dir_ + "/peft"));
+  EXPECT_EQ(fresh->AdapterSha256(), trainer->AdapterSha256());
+  // The imported values survive the next optimizer step (the master copy took them): with
+  // lr 0 the step changes nothing, where a stale master copy would revert the import.
+  AdamWParams still = Adam();
+  still.lr = 0;
+  ASSERT_OK(fresh->TrainStep(RlBatch(1, 96), Ppo(), still));
   EXPECT_EQ(fresh->AdapterSha256(), trainer->AdapterSha256());
   TrainerOptions o = Options();
   o.lora.rank = 8;
   auto other = NewTrainer(o);
   const std::string before = other->AdapterSha256();
-  EXPECT_THAT(ImportPeftAdapter(dir_ + "/peft", &other->mutable_adapter()),
+  EXPECT_THAT(other->ImportAdapter(dir_ + "/peft"),
               StatusIs(absl::StatusCode::kInvalidArgument, "r: 4 does not match"));
   EXPECT_EQ(other->AdapterSha256(), before);
 }

@@ -42,8 +42,11 @@ absl::StatusOr<std::array<bool, kNumLinearSlots>> ResolveLoraTargets(const LoraC
 
 absl::Status ValidateLoraConfig(const LoraConfig& config) {
   if (config.rank < 0) return absl::InvalidArgumentError("lora.rank: must be >= 0");
-  if (config.rank > 0 && !(config.alpha > 0) ) {
-    return absl::InvalidArgumentError("lora.alpha: must be > 0");
+  if (config.rank > kMaxLoraRank) {
+    return absl::InvalidArgumentError(absl::StrCat("lora.rank: ", config.rank, " exceeds the limit of ", kMaxLoraRank));
+  }
+  if (config.rank > 0 && !(config.alpha > 0 && config.alpha <= kMaxLoraAlpha)) {
+    return absl::InvalidArgumentError("lora.alpha: must be in (0, 1e6]");
   }
   if (!(config.dropout >= 0.0 && config.dropout < 1.0)) {
     return absl::InvalidArgumentError("lora.dropout: must be in [0, 1)");

@@ -35,6 +35,10 @@ struct LoraConfig {
   bool shared_outer() const { return expert_lora == "shared_outer"; }
 };
 
+// Bounds: rank <= 1024 (a larger one only costs memory), alpha finite in (0, 1e6].
+constexpr int64_t kMaxLoraRank = 1024;
+constexpr double kMaxLoraAlpha = 1e6;
+
 // Errors name the field: "lora.rank: must be >= 0", "lora.target_modules[2]: unknown 'foo'".
 absl::Status ValidateLoraConfig(const LoraConfig& config);
 // targeted[slot] is true when that linear gets an adapter.

@@ -32,6 +32,13 @@ class AdamW {
   absl::StatusOr<OptimizerStepResult> Step(const AdamWParams& params,
                                            c10::optional<double> grad_norm = c10::nullopt);
 
+  // Whether Step(params, grad_norm) would succeed and leave every parameter finite in its
+  // dtype (computed aside; changes nothing). FAILED_PRECONDITION naming the parameter.
+  absl::Status CheckStep(const AdamWParams& params, double grad_norm) const;
+  // After parameters were replaced from outside (an imported adapter): the fp32 master copy
+  // takes their values and the moments restart at zero, so the next step keeps them.
+  void ResyncFromParameters();
+
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t steps) { steps_ = steps; }
   // Optimizer state in parameter order (for checkpoints); writes through to the live state.

@@ -17,15 +17,18 @@ absl::StatusOr<LrScheduleKind> ParseLrSchedule(const std::string& name) {
 
 absl::Status ValidateAdamWParams(const AdamWParams& p) {
   auto bad = [](const char* what) { return absl::InvalidArgumentError(what); };
-  if (!std::isfinite(p.lr) || p.lr < 0) return bad("adamw.lr: must be finite and >= 0");
+  // Upper bounds keep one step from wrecking a run: AdamW moves each element by about lr.
+  if (!std::isfinite(p.lr) || p.lr < 0 || p.lr > kMaxLearningRate) {
+    return bad("adamw.lr: must be in [0, 1]");
+  }
   if (!(p.beta1 >= 0 && p.beta1 < 1)) return bad("adamw.beta1: must be in [0, 1)");
   if (!(p.beta2 >= 0 && p.beta2 < 1)) return bad("adamw.beta2: must be in [0, 1)");
-  if (!(p.eps > 0) || !std::isfinite(p.eps)) return bad("adamw.eps: must be > 0");
-  if (!(p.weight_decay >= 0) || !std::isfinite(p.weight_decay)) {
-    return bad("adamw.weight_decay: must be >= 0");
+  if (!(p.eps > 0 && p.eps <= 1)) return bad("adamw.eps: must be in (0, 1]");
+  if (!(p.weight_decay >= 0) || !std::isfinite(p.weight_decay) || p.lr * p.weight_decay >= 1) {
+    return bad("adamw.weight_decay: must be >= 0 with lr * weight_decay < 1");
   }
-  if (!(p.max_grad_norm >= 0) || !std::isfinite(p.max_grad_norm)) {
-    return bad("adamw.max_grad_norm: must be >= 0 (0 = off)");
+  if (!(p.max_grad_norm >= 0 && p.max_grad_norm <= kMaxGradNormClip)) {
+    return bad("adamw.max_grad_norm: must be in [0, 1e6] (0 = off)");
   }
   if (p.warmup_steps < 0) return bad("adamw.warmup_steps: must be >= 0");
   if (p.schedule == LrScheduleKind::kCosine && p.total_steps <= p.warmup_steps) {

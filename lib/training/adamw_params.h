@@ -27,6 +27,10 @@ struct AdamWParams {
 
 absl::StatusOr<LrScheduleKind> ParseLrSchedule(const std::string& name);  // constant|warmup|cosine
 // INVALID_ARGUMENT naming the field ("adamw.beta2: must be in [0, 1)").
+// Bounds of ValidateAdamWParams: lr in [0, 1], max_grad_norm in [0, 1e6].
+constexpr double kMaxLearningRate = 1.0;
+constexpr double kMaxGradNormClip = 1e6;
+
 absl::Status ValidateAdamWParams(const AdamWParams& params);
 // The learning rate of the step that follows `steps_taken` earlier steps.
 double ScheduledLearningRate(const AdamWParams& params, int64_t steps_taken);

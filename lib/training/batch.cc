@@ -48,6 +48,11 @@ absl::Status CheckTokens(const std::vector<Datum>& datums, int64_t vocab_size,
                                                      " exceeds the limit of ",
                                                      limits.max_tokens_per_datum));
     }
+    if (limits.max_positions > 0 && static_cast<int64_t>(n) > limits.max_positions) {
+      return absl::InvalidArgumentError(absl::StrCat("datums[", d, "].tokens: length ", n,
+                                                     " exceeds the model's max_position_embeddings ",
+                                                     limits.max_positions));
+    }
     total += static_cast<int64_t>(n);
     if (datum.target_tokens.size() != n) {
       return absl::InvalidArgumentError(absl::StrCat("datums[", d, "].target_tokens: length ",
@@ -114,6 +119,13 @@ absl::Status ValidateBatch(const std::vector<Datum>& datums, const LossConfig& l
           {"old_logprobs", &datum.old_logprobs, false}}) {
       s = CheckFloats(*values, n, d, field, required);
       if (!s.ok()) return s;
+      if (values == &datum.weights || values == &datum.advantages) continue;
+      for (size_t i = 0; i < values->size(); ++i) {  // log-probabilities
+        if ((*values)[i] > 0) {
+          return absl::InvalidArgumentError(absl::StrCat("datums[", d, "].", field, "[", i, "]: ",
+                                                         (*values)[i], " > 0 is not a log-probability"));
+        }
+      }
     }
     for (size_t i = 0; i < datum.weights.size(); ++i) {
       if (datum.weights[i] < 0) {

@@ -38,11 +38,13 @@ struct BatchLimits {
   int64_t max_datums = 1 << 16;
   int64_t max_tokens_per_datum = 1 << 17;
   int64_t max_total_tokens = 1 << 24;
+  int64_t max_positions = 0;  // the model's max_position_embeddings (0: no such limit)
 };
 
 // Checks everything before any work: non-empty batch, consistent lengths, token ids in
-// [0, vocab_size), finite values, the fields the loss needs. INVALID_ARGUMENT naming the
-// field, e.g. "datums[3].advantages[17]: not finite".
+// [0, vocab_size), lengths within max_positions, finite values, log-probabilities <= 0, the
+// fields the loss needs. INVALID_ARGUMENT naming the field, e.g.
+// "datums[3].advantages[17]: not finite".
 absl::Status ValidateBatch(const std::vector<Datum>& datums, const LossConfig& loss,
                            int64_t vocab_size, const BatchLimits& limits = {});
 // The subset of checks a forward-only call needs (no loss fields).

@@ -97,6 +97,8 @@ Trainer::Trainer(std::shared_ptr<const BaseModel> base, const TrainerOptions& op
       adapter_(std::make_unique<Adapter>(std::move(adapter))),
       dropout_generator_(at::make_generator<at::CPUGeneratorImpl>(options.seed ^ 0x5eedd0d0ull)) {
   optimizer_ = std::make_unique<AdamW>(adapter_.get());
+  // Positions past the model's table are refused up front (RoPE would extrapolate silently).
+  options_.limits.max_positions = base_->config.max_position_embeddings;
 }
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(std::shared_ptr<const BaseModel> base,
@@ -536,7 +538,10 @@ absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params
   const bool restore = restore_on_failure && options_.groups != nullptr;
   LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot, restore ? Snapshot() : CallSnapshot{});
   auto finalized = FinalizeStepGradients(adapter_.get(), options_.groups, options_.finalize);
-  if (absl::Status agreed = AgreeOnOutcome(finalized.status()); !agreed.ok()) finalized = agreed;
+  // Every rank checks that its update stays finite before the vote: all apply it or none.
+  absl::Status checked = finalized.status();
+  if (checked.ok()) checked = GuardTorch([&] { return optimizer_->CheckStep(params, finalized->grad_norm); });
+  if (absl::Status agreed = AgreeOnOutcome(checked); !agreed.ok()) finalized = agreed;
   if (!finalized.ok()) {
     if (restore) Restore(snapshot);
     return finalized.status();
@@ -745,6 +750,20 @@ absl::Status Trainer::ExportAdapter(const std::string& folder, bool expand_exper
   });
 }
 
+absl::Status Trainer::ImportAdapter(const std::string& folder) {
+  if (options_.groups != nullptr && options_.groups->layout().world_size() > 1) {
+    return absl::FailedPreconditionError("import: adapter import on a mesh is not built yet; "
+                                         "import at world size 1 and SaveState/LoadState");
+  }
+  return GuardTorch([&]() -> absl::Status {
+    LORASTEP_RETURN_IF_ERROR(ImportPeftAdapter(folder, adapter_.get()));
+    optimizer_->ResyncFromParameters();
+    adapter_->ZeroMainGrads();
+    pending_backward_calls_ = 0;
+    return absl::OkStatus();
+  });
+}
+
 std::string Trainer::FullAdapterSha256() const {
   auto whole = GuardTorch([&] { return WholeAdapter(); });
   if (!whole.ok() || !WritesGatheredState()) return "";
@@ -792,7 +811,7 @@ absl::Status Trainer::SaveState(
       state["format_version"] = kStateFormatVersion;
       state["optimizer_steps"] = optimizer_->steps_taken();
       state["lora"] = {{"rank", lora.rank}, {"alpha", lora.alpha}, {"dropout", lora.dropout},
-                       {"target_modules", lora.target_modules}};
+                       {"target_modules", lora.target_modules}, {"expert_lora", lora.expert_lora}};
       state["base_model"] = base_->path;
       state["parameter_count"] = trainable_all.size();
       return WriteStringToFile(tmp + "/trainer_state.json", state.dump(2) + "\n");
@@ -809,7 +828,21 @@ absl::Status Trainer::LoadState(const std::string& folder) {
       return absl::InvalidArgumentError(
           absl::StrCat(folder, "/trainer_state.json: unreadable or unknown format_version"));
     }
+    // Every field is checked before anything is staged: a malformed file changes nothing.
+    const std::string where = folder + "/trainer_state.json";
+    if (!state.contains("optimizer_steps") || !state["optimizer_steps"].is_number_integer() ||
+        state["optimizer_steps"].get<int64_t>() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": optimizer_steps: must be an integer >= 0"));
+    }
+    if (!state.contains("lora") || !state["lora"].is_object()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": lora: must be an object"));
+    }
     const LoraConfig& lora = adapter_->lora_config();
+    const std::string saved_layout = state["lora"].value("expert_lora", std::string("per_expert"));
+    if (saved_layout != lora.expert_lora) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": lora.expert_lora '", saved_layout,
+                                                     "' differs from this run's '", lora.expert_lora, "'"));
+    }
     if (state["lora"]["rank"] != lora.rank || state["lora"]["alpha"] != lora.alpha ||
         state["lora"]["target_modules"] != lora.target_modules) {
       return absl::InvalidArgumentError(

@@ -118,6 +118,10 @@ class Trainer {
   // PEFT adapter folder (LoRA runs).
   // PEFT folder (lib/model/peft_io.h); `expand_experts`: shared-outer factors copied per expert.
   absl::Status ExportAdapter(const std::string& folder, bool expand_experts = false) const;
+  // Loads a PEFT adapter folder (same rank, alpha, targets) into this run, world size 1: the
+  // optimizer's master copy takes the imported values (so they survive the next step), its
+  // moments restart, pending gradients are dropped. On error nothing changes.
+  absl::Status ImportAdapter(const std::string& folder);
 
   int64_t learner_version() const { return optimizer_->steps_taken(); }
   int64_t pending_backward_calls() const { return pending_backward_calls_; }
