@@ -13,13 +13,13 @@ namespace {
 
 using ::lorastep::testing::StatusIs;
 
-Adapter OneParameterAdapter(float value) {
+Adapter OneParameterAdapter(float value, at::ScalarType dtype = at::kFloat) {
   ModelConfig c = ModelConfigPreset("tiny").value();
   c.num_hidden_layers = 1;
   LoraConfig lora;
   lora.rank = 1;
   lora.target_modules = {"q_proj"};
-  Adapter a = Adapter::CreateLora(c, lora, at::kCPU, at::kFloat, 1).value();
+  Adapter a = Adapter::CreateLora(c, lora, at::kCPU, dtype, 1).value();
   for (auto& p : a.parameters()) {
     at::NoGradGuard g;
     p.value.fill_(value);
@@ -136,12 +136,7 @@ TEST(AdamWTest, ValidationNamesTheField) {
 // A step that would overflow a parameter in its own dtype is refused by CheckStep, and
 // nothing changes: here an fp32 master value that rounds to inf in bf16.
 TEST(AdamWTest, CheckStepRefusesAnUpdateThatLeavesANonFiniteParameter) {
-  ModelConfig c = ModelConfigPreset("tiny").value();
-  c.num_hidden_layers = 1;
-  LoraConfig lora;
-  lora.rank = 1;
-  lora.target_modules = {"q_proj"};
-  Adapter adapter = Adapter::CreateLora(c, lora, at::kCPU, at::kBFloat16, 1).value();
+  Adapter adapter = OneParameterAdapter(0.5f, at::kBFloat16);
   AdamW opt(&adapter);
   AdamWParams p;
   p.lr = 1e-3;

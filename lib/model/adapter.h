@@ -76,16 +76,9 @@ enum TensorRole {
   kSharedExpert = 5,
 };
 
-// Which flat fp32 buffer a parameter's main_grad lives in (one per TensorRole); one
-// collective covers a bucket.
-enum class GradBucket {
-  kSplit = 0,
-  kReplicatedPartial = 1,
-  kReplicatedFull = 2,
-  kExpertSplit = 3,
-  kExpertReplicatedPartial = 4,
-  kSharedExpert = 5,
-};
+// Which flat fp32 buffer a parameter's main_grad lives in: one per TensorRole, so one
+// collective covers a bucket (GradBucket::kSplit, ...).
+using GradBucket = TensorRole;
 constexpr int kNumGradBuckets = 6;
 // Whether every rank of the tensor group holds the same value of a tensor of this role.
 inline bool TensorReplicated(int role) { return role != kSplit && role != kExpertSplit; }
