@@ -35,14 +35,15 @@ void WaitForShutdownSignal() {
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
     const std::string& host, int port, const std::vector<grpc::Service*>& services,
-    int* bound_port) {
+    int* bound_port, int max_request_bytes) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(host, ":", port), grpc::InsecureServerCredentials(),
                            bound_port);
-  // Rollout batches are large: 64 x 512 tokens with four float fields is ~1 MB; allow 1 GiB.
-  builder.SetMaxReceiveMessageSize(1 << 30);
+  // Rollout batches: 64 x 512 tokens with four float fields is ~1 MB; the coordinator's
+  // default limit is 64 MiB (--max_request_mb), a worker's 1 GiB (the coordinator's calls).
+  builder.SetMaxReceiveMessageSize(max_request_bytes);
   builder.SetMaxSendMessageSize(1 << 30);
   for (grpc::Service* s : services) builder.RegisterService(s);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

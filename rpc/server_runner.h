@@ -20,9 +20,11 @@ void WaitForShutdownSignal();
 
 // Binds `host:port` (port 0 = any free port), registers the services, switches on
 // grpc.health.v1 and reflection. `*bound_port` receives the port.
+// Requests over `max_request_bytes` are refused by gRPC (RESOURCE_EXHAUSTED) before they
+// are parsed.
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
     const std::string& host, int port, const std::vector<grpc::Service*>& services,
-    int* bound_port);
+    int* bound_port, int max_request_bytes = 1 << 30);
 
 // Writes the port atomically (temp file + rename) so a parent polling the file never reads
 // half of it.

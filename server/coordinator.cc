@@ -185,6 +185,10 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req) 
   if (creating_requests_.count(req.request_id())) {
     return absl::UnavailableError("request_id: this CreateRun is still in progress; retry");
   }
+  if (runs_.size() + creating_ids_.size() >= options_.max_runs) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "max_runs: ", runs_.size(), " runs exist, the limit of this coordinator; DeleteRun one first"));
+  }
   std::string run_id = req.run_id();
   if (run_id.empty()) {
     do {
@@ -225,6 +229,29 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req) 
   runs_[run_id] = state;
   create_requests_[req.request_id()] = {run_id, fingerprint};
   return state->run;
+}
+
+absl::Status Coordinator::DeleteRun(const std::string& run_id) {
+  LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(run_id));
+  std::lock_guard<std::mutex> run_lock(run->mu);  // after any call in flight on it
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (runs_.count(run_id) == 0 || runs_.at(run_id) != run) {  // a concurrent DeleteRun won
+      return absl::NotFoundError(absl::StrCat("run_id: no run '", run_id, "'"));
+    }
+  }
+  v1::WorkerDeleteRunRequest wreq;
+  wreq.set_run_id(run_id);
+  LORASTEP_RETURN_IF_ERROR(FanOut<bool>(*run, AllRanks(*run), [&](int, WorkerClient* w) -> absl::StatusOr<bool> {
+                             LORASTEP_RETURN_IF_ERROR(w->DeleteRun(wreq));
+                             return true;
+                           }).status());
+  std::lock_guard<std::mutex> lock(mu_);
+  runs_.erase(run_id);
+  for (auto it = create_requests_.begin(); it != create_requests_.end();) {
+    it = it->second.first == run_id ? create_requests_.erase(it) : std::next(it);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::Run> Coordinator::GetRun(const std::string& run_id) {

@@ -33,6 +33,7 @@ struct CoordinatorOptions {
   size_t max_step_history = 10000;       // step records kept per run
   // request_ids remembered per run for retries; each keeps its whole response (log-probs).
   size_t max_recorded_requests = 256;
+  size_t max_runs = 256;  // CreateRun beyond it is RESOURCE_EXHAUSTED (--max_runs)
   BatchLimits limits;
   // The mesh the workers form (world 1: each worker is on its own and runs are spread over
   // them). With world > 1 the workers are the mesh's ranks, every run lives on all of them,
@@ -66,6 +67,8 @@ class Coordinator {
 
   absl::StatusOr<v1::Run> CreateRun(const v1::CreateRunRequest& req);
   absl::StatusOr<v1::Run> GetRun(const std::string& run_id);
+  // Waits for the run's call in flight, frees it on every rank, forgets it.
+  absl::Status DeleteRun(const std::string& run_id);
   std::vector<v1::Run> ListRuns();
   absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(const v1::ForwardBackwardRequest& req);
   absl::StatusOr<v1::ForwardBackwardResponse> Forward(const v1::ForwardRequest& req);

@@ -47,6 +47,14 @@ int main(int argc, char** argv) {
     return fail(layout.status());
   }
   if (flags.count("rendezvous_port")) options.rendezvous_port = std::stoi(flags["rendezvous_port"]);
+  // Bounds: the largest request a client may send (MiB), and how many runs may exist.
+  const int max_request_mb = flags.count("max_request_mb") ? std::stoi(flags["max_request_mb"]) : 64;
+  if (max_request_mb < 1 || max_request_mb > 1024) {
+    std::cerr << "lorastep_coordinator: --max_request_mb: must be in [1, 1024]\n";
+    return 2;
+  }
+  const int max_request_bytes = max_request_mb << 20;
+  if (flags.count("max_runs")) options.max_runs = std::stoul(flags["max_runs"]);
   const int world = options.mesh.world();
   const int worker_call_timeout =
       flags.count("worker_call_timeout_s") ? std::stoi(flags["worker_call_timeout_s"]) : 3600;
@@ -103,7 +111,7 @@ int main(int argc, char** argv) {
   int port = 0;
   auto server = StartGrpcServer(flags.count("host") ? flags["host"] : "127.0.0.1",
                                 flags.count("port") ? std::stoi(flags["port"]) : 50051,
-                                {&service, &registry}, &port);
+                                {&service, &registry}, &port, max_request_bytes);
   if (!server.ok()) return fail(server.status());
   if (flags.count("port_file")) {
     if (auto s = WritePortFile(flags["port_file"], port); !s.ok()) return fail(s);

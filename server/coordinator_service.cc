@@ -98,6 +98,15 @@ grpc::ServerUnaryReactor* CoordinatorService::CreateRun(grpc::CallbackServerCont
                                                         v1::Run* resp) {
   return Defer(ctx, req->run_id(), resp, [this, req] { return core_->CreateRun(*req); });
 }
+grpc::ServerUnaryReactor* CoordinatorService::DeleteRun(grpc::CallbackServerContext* ctx,
+                                                        const v1::DeleteRunRequest* req,
+                                                        v1::DeleteRunResponse* resp) {
+  return Defer(ctx, req->run_id(), resp, [this, req]() -> absl::StatusOr<v1::DeleteRunResponse> {
+    absl::Status deleted = core_->DeleteRun(req->run_id());
+    if (!deleted.ok()) return deleted;
+    return v1::DeleteRunResponse();
+  });
+}
 grpc::ServerUnaryReactor* CoordinatorService::GetRun(grpc::CallbackServerContext* ctx,
                                                      const v1::GetRunRequest* req, v1::Run* resp) {
   auto* reactor = ctx->DefaultReactor();

@@ -19,6 +19,8 @@ class CoordinatorService final : public v1::Trainer::CallbackService {
 
   grpc::ServerUnaryReactor* CreateRun(grpc::CallbackServerContext* ctx,
                                       const v1::CreateRunRequest* req, v1::Run* resp) override;
+  grpc::ServerUnaryReactor* DeleteRun(grpc::CallbackServerContext* ctx, const v1::DeleteRunRequest* req,
+                                      v1::DeleteRunResponse* resp) override;
   grpc::ServerUnaryReactor* GetRun(grpc::CallbackServerContext* ctx, const v1::GetRunRequest* req,
                                    v1::Run* resp) override;
   grpc::ServerUnaryReactor* ListRuns(grpc::CallbackServerContext* ctx,

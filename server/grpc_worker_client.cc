@@ -34,6 +34,11 @@ absl::Status GrpcWorkerClient::CreateRun(const v1::WorkerCreateRunRequest& req) 
              stub_.get(), &v1::Worker::Stub::CreateRun, req, call_timeout_)
       .status();
 }
+absl::Status GrpcWorkerClient::DeleteRun(const v1::WorkerDeleteRunRequest& req) {
+  return CallUnary<v1::WorkerDeleteRunResponse>(
+             stub_.get(), &v1::Worker::Stub::DeleteRun, req, call_timeout_)
+      .status();
+}
 absl::StatusOr<v1::WorkerForwardBackwardResponse> GrpcWorkerClient::ForwardBackward(
     const v1::WorkerForwardBackwardRequest& req) {
   return CallUnary<v1::WorkerForwardBackwardResponse>(

@@ -17,6 +17,7 @@ class WorkerClient {
   virtual std::string address() const = 0;
   virtual absl::StatusOr<v1::WorkerInfo> Info() = 0;
   virtual absl::Status CreateRun(const v1::WorkerCreateRunRequest& req) = 0;
+  virtual absl::Status DeleteRun(const v1::WorkerDeleteRunRequest& req) = 0;
   virtual absl::StatusOr<v1::WorkerForwardBackwardResponse> ForwardBackward(
       const v1::WorkerForwardBackwardRequest& req) = 0;
   virtual absl::StatusOr<v1::WorkerForwardBackwardResponse> Forward(const v1::WorkerForwardRequest& req) = 0;

@@ -405,6 +405,44 @@ namespace lorastep {
 namespace {
 
 // A coordinator started with no worker waits for workers to register themselves.
+// Bounds: a coordinator with --max_request_mb 1 --max_runs 2 refuses a larger request
+// before parsing it (the run unchanged) and a third run; DeleteRun frees a slot, and the
+// deleted run is gone everywhere.
+TEST(BoundsTest, RequestSizeAndRunCapAndDeleteRun) {
+  const std::string dir = ScratchDir("bounds");
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  auto server = ChildServer::Start(Binary("server/lorastep_coordinator"),
+                                   {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"),
+                                    "--max_request_mb", "1", "--max_runs", "2"},
+                                   120);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = TrainerClient::Connect(server->address());
+  ASSERT_TRUE(client.ok()) << client.status();
+  TrainerClient* t = client->get();
+  auto a = RunSession::Create(t, Lora(), 1);
+  auto b = RunSession::Create(t, Lora(), 2);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+  EXPECT_THAT(RunSession::Create(t, Lora(), 3),
+              StatusIs(absl::StatusCode::kResourceExhausted, "max_runs: 2 runs exist"));
+  // ~1.5 MB of datums: over the 1 MiB limit.
+  std::vector<v1::Datum> big;
+  for (int i = 0; i < 48; ++i) big.push_back(MakeDatum(i, 0, 4000, 96));
+  EXPECT_THAT(a->TrainStep(big, Ppo(), Adam()), StatusIs(absl::StatusCode::kResourceExhausted, ""));
+  ASSERT_OK_AND_ASSIGN(v1::Run state, t->GetRun(a->run_id()));
+  EXPECT_EQ(state.learner_version(), 0);
+  ASSERT_OK(a->TrainStep(Batch(0), Ppo(), Adam()).status());
+  ASSERT_OK(t->DeleteRun(a->run_id()));
+  EXPECT_THAT(t->GetRun(a->run_id()), StatusIs(absl::StatusCode::kNotFound, "no run"));
+  EXPECT_THAT(a->TrainStep(Batch(1), Ppo(), Adam()), StatusIs(absl::StatusCode::kNotFound, "no run"));
+  EXPECT_THAT(t->DeleteRun(a->run_id()), StatusIs(absl::StatusCode::kNotFound, "no run"));
+  ASSERT_OK_AND_ASSIGN(auto runs, t->ListRuns());
+  EXPECT_EQ(runs.runs_size(), 1);
+  auto c3 = RunSession::Create(t, Lora(), 3);  // the freed slot
+  ASSERT_TRUE(c3.ok()) << c3.status();
+  ASSERT_OK(c3->TrainStep(Batch(0), Ppo(), Adam()).status());
+}
+
 TEST(RegistrationTest, RemoteWorkersRegisterAndServeRuns) {
   const std::string dir = ScratchDir("registry");
   ModelConfig c = ModelConfigPreset("tiny").value();

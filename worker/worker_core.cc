@@ -72,6 +72,12 @@ absl::Status WorkerCore::CreateRun(const std::string& run_id, const LoraConfig& 
   return absl::OkStatus();
 }
 
+absl::Status WorkerCore::DeleteRun(const std::string& run_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (runs_.erase(run_id) == 0) return absl::NotFoundError(absl::StrCat("run_id: no run '", run_id, "'"));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ForwardBackwardResult> WorkerCore::ForwardBackward(
     const std::string& run_id, const std::vector<Datum>& datums, const LossConfig& loss,
     const BatchTotals& totals,

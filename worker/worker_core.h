@@ -53,6 +53,8 @@ class WorkerCore {
   size_t num_runs() const;
 
   absl::Status CreateRun(const std::string& run_id, const LoraConfig& lora, uint64_t seed);
+  // Frees the run (adapter, optimizer state). NOT_FOUND when unknown.
+  absl::Status DeleteRun(const std::string& run_id);
   absl::StatusOr<ForwardBackwardResult> ForwardBackward(const std::string& run_id,
                                                         const std::vector<Datum>& datums,
                                                         const LossConfig& loss,

@@ -97,6 +97,11 @@ grpc::ServerUnaryReactor* WorkerService::CreateRun(grpc::CallbackServerContext* 
     return core_->CreateRun(req->run_id(), LoraConfigFromProto(req->lora()), req->seed());
   });
 }
+grpc::ServerUnaryReactor* WorkerService::DeleteRun(grpc::CallbackServerContext* ctx,
+                                                   const v1::WorkerDeleteRunRequest* req,
+                                                   v1::WorkerDeleteRunResponse*) {
+  return Defer(ctx, [this, req] { return core_->DeleteRun(req->run_id()); });
+}
 
 grpc::ServerUnaryReactor* WorkerService::ForwardBackward(grpc::CallbackServerContext* ctx,
                                                          const v1::WorkerForwardBackwardRequest* req,

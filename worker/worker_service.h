@@ -23,6 +23,9 @@ class WorkerService final : public v1::Worker::CallbackService {
   grpc::ServerUnaryReactor* CreateRun(grpc::CallbackServerContext* ctx,
                                       const v1::WorkerCreateRunRequest* req,
                                       v1::WorkerCreateRunResponse* resp) override;
+  grpc::ServerUnaryReactor* DeleteRun(grpc::CallbackServerContext* ctx,
+                                      const v1::WorkerDeleteRunRequest* req,
+                                      v1::WorkerDeleteRunResponse* resp) override;
   grpc::ServerUnaryReactor* ForwardBackward(grpc::CallbackServerContext* ctx,
                                             const v1::WorkerForwardBackwardRequest* req,
                                             v1::WorkerForwardBackwardResponse* resp) override;

@@ -62,6 +62,12 @@ LORASTEP_CLIENT_CALL(ExportAdapter, ExportAdapterRequest, ExportAdapterResponse)
 LORASTEP_CLIENT_CALL(GetStepMetrics, GetStepMetricsRequest, GetStepMetricsResponse)
 #undef LORASTEP_CLIENT_CALL
 
+absl::Status TrainerClient::DeleteRun(const std::string& run_id) {
+  v1::DeleteRunRequest req;
+  req.set_run_id(run_id);
+  return CallUnary<v1::DeleteRunResponse>(stub_.get(), &v1::Trainer::Stub::DeleteRun, req).status();
+}
+
 absl::StatusOr<v1::Run> TrainerClient::GetRun(const std::string& run_id) {
   v1::GetRunRequest req;
   req.set_run_id(run_id);

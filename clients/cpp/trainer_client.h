@@ -32,6 +32,7 @@ class TrainerClient {
 
   absl::StatusOr<v1::Run> CreateRun(const v1::CreateRunRequest& req);
   absl::StatusOr<v1::Run> GetRun(const std::string& run_id);
+  absl::Status DeleteRun(const std::string& run_id);
   absl::StatusOr<v1::ListRunsResponse> ListRuns();
   absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(const v1::ForwardBackwardRequest& req);
   absl::StatusOr<v1::ForwardBackwardResponse> Forward(const v1::ForwardRequest& req);

@@ -78,6 +78,10 @@ class TrainingClient:
             request_id=uuid.uuid4().hex, lora=lora, seed=seed, run_id=run_id))
         return Run(self, run.run_id, run.next_sequence_id)
 
+    def delete_run(self, run_id):
+        """Frees the run on every rank; NOT_FOUND (LorastepError) for an unknown run."""
+        self._call("DeleteRun", trainer_pb2.DeleteRunRequest(run_id=run_id))
+
     def attach(self, run_id):
         run = self._call("GetRun", trainer_pb2.GetRunRequest(run_id=run_id))
         return Run(self, run.run_id, run.next_sequence_id)
