@@ -21,6 +21,10 @@ namespace lorastep {
 
 struct Coordinator::RunState {
   std::mutex mu;  // serializes calls on this run; guards everything below
+  // Readers (GetRun, ListRuns, GetStepMetrics) take only this, so they never wait for a
+  // training step: it guards `run` and `history`, which writers (holding `mu`) change only
+  // while holding it too.
+  mutable std::mutex view_mu;
   v1::Run run;
   std::vector<WorkerClient*> ranks;  // rank -> worker (one worker when not on a mesh)
   struct Recorded {
@@ -256,7 +260,7 @@ absl::Status Coordinator::DeleteRun(const std::string& run_id) {
 
 absl::StatusOr<v1::Run> Coordinator::GetRun(const std::string& run_id) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(run_id));
-  std::lock_guard<std::mutex> lock(run->mu);
+  std::lock_guard<std::mutex> lock(run->view_mu);
   return run->run;
 }
 
@@ -268,7 +272,7 @@ std::vector<v1::Run> Coordinator::ListRuns() {
   }
   std::vector<v1::Run> out;
   for (auto& r : runs) {
-    std::lock_guard<std::mutex> lock(r->mu);
+    std::lock_guard<std::mutex> lock(r->view_mu);
     out.push_back(r->run);
   }
   return out;
@@ -311,6 +315,7 @@ void Coordinator::Record(RunState& run, const std::string& method, const std::st
     run.recorded.erase(run.recorded_order.front());
     run.recorded_order.pop_front();
   }
+  std::lock_guard<std::mutex> view(run.view_mu);
   run.run.set_next_sequence_id(run.run.next_sequence_id() + 1);
 }
 
@@ -325,8 +330,11 @@ int64_t Coordinator::AppendStep(RunState& run, const std::string& kind,
   *record.mutable_metrics() = step.metrics();
   *record.mutable_replica_hashes() = step.replica_hashes();
   record.set_replicas_equal(step.replicas_equal());
-  run.history.push_back(record);
-  while (run.history.size() > options_.max_step_history) run.history.pop_front();
+  {
+    std::lock_guard<std::mutex> view(run.view_mu);
+    run.history.push_back(record);
+    while (run.history.size() > options_.max_step_history) run.history.pop_front();
+  }
   std::lock_guard<std::mutex> lock(run.watch_mu);
   for (auto& [id, w] : run.watchers) w(record);
   return record.step();
@@ -519,6 +527,7 @@ void Coordinator::CheckReplicas(RunState& run, const std::vector<v1::WorkerStepR
   }
   resp->set_replicas_equal(all_equal);
   if (!all_equal) {
+    std::lock_guard<std::mutex> view(run.view_mu);
     run.run.set_diverged(absl::StrCat("replicas diverged after learner_version ",
                                       resp->learner_version(), ": ", diverged));
   }
@@ -553,8 +562,11 @@ absl::Status Coordinator::CheckNotDiverged(const RunState& run) {
 
 void Coordinator::CommitStep(RunState& run, const std::string& method, const std::string& kind,
                              const std::string& request_id, v1::StepResponse* resp) {
-  run.run.set_learner_version(resp->learner_version());
-  run.run.set_pending_forward_backward(0);
+  {
+    std::lock_guard<std::mutex> view(run.view_mu);
+    run.run.set_learner_version(resp->learner_version());
+    run.run.set_pending_forward_backward(0);
+  }
   resp->set_step(AppendStep(run, kind, *resp));
   Record(run, method, request_id, *resp);
 }
@@ -587,7 +599,10 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
             return w->ForwardBackward(wreq);
           }));
   resp = on_mesh() ? MergeForward(shards, req.datums_size(), per_rank) : per_rank[0].result();
-  run->run.set_pending_forward_backward(run->run.pending_forward_backward() + 1);
+  {
+    std::lock_guard<std::mutex> view(run->view_mu);
+    run->run.set_pending_forward_backward(run->run.pending_forward_backward() + 1);
+  }
   Record(*run, "ForwardBackward", req.request_id(), resp);
   return resp;
 }
@@ -707,9 +722,12 @@ absl::StatusOr<v1::Run> Coordinator::LoadState(const v1::LoadStateRequest& req) 
         wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
         return w->LoadState(wreq);
       }));
-  run->run.set_learner_version(per_rank[0].learner_version());
-  run->run.set_pending_forward_backward(0);
-  run->run.clear_diverged();  // every rank now holds the checkpoint's state
+  {
+    std::lock_guard<std::mutex> view(run->view_mu);
+    run->run.set_learner_version(per_rank[0].learner_version());
+    run->run.set_pending_forward_backward(0);
+    run->run.clear_diverged();  // every rank now holds the checkpoint's state
+  }
   Record(*run, "LoadState", req.request_id(), run->run);  // bumps next_sequence_id
   resp = run->run;
   return resp;
@@ -738,7 +756,7 @@ absl::StatusOr<v1::GetStepMetricsResponse> Coordinator::GetStepMetrics(
     const v1::GetStepMetricsRequest& req) {
   if (req.limit() < 0) return absl::InvalidArgumentError("limit: must be >= 0");
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
-  std::lock_guard<std::mutex> lock(run->mu);
+  std::lock_guard<std::mutex> lock(run->view_mu);
   v1::GetStepMetricsResponse resp;
   for (const auto& r : run->history) {
     if (r.step() < req.since_step()) continue;

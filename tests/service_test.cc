@@ -1,5 +1,6 @@
 // End-to-end tests of the service with real processes on 127.0.0.1: a lorastep_coordinator
 // that spawns its local lorastep_worker, driven through the C++ client. No mocks.
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -405,6 +406,35 @@ namespace lorastep {
 namespace {
 
 // A coordinator started with no worker waits for workers to register themselves.
+// Read-only calls answer from the run's view while a training step holds the run: they
+// return before the step does, with the state before it.
+TEST_F(ServiceTest, ReadOnlyCallsDoNotWaitForATrainingStep) {
+  RunSession run = NewRun(21);
+  std::vector<v1::Datum> long_batch;
+  for (int i = 0; i < 128; ++i) long_batch.push_back(MakeDatum(i, 0, 500, 96));
+  std::atomic<bool> step_done{false};
+  std::atomic<int64_t> step_finished_ns{0};
+  std::thread step([&] {
+    auto r = run.TrainStep(long_batch, Ppo(), Adam());
+    EXPECT_TRUE(r.ok()) << r.status();
+    step_finished_ns = std::chrono::steady_clock::now().time_since_epoch().count();
+    step_done = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ASSERT_FALSE(step_done.load()) << "the step ended before the probe: make it longer";
+  ASSERT_OK_AND_ASSIGN(v1::Run during, client_->GetRun(run.run_id()));
+  v1::GetStepMetricsRequest mreq;
+  mreq.set_run_id(run.run_id());
+  ASSERT_OK(client_->GetStepMetrics(mreq).status());
+  ASSERT_OK(client_->ListRuns().status());
+  const int64_t probes_done_ns = std::chrono::steady_clock::now().time_since_epoch().count();
+  step.join();
+  EXPECT_LT(probes_done_ns, step_finished_ns.load());
+  EXPECT_EQ(during.learner_version(), 0);
+  ASSERT_OK_AND_ASSIGN(v1::Run after, client_->GetRun(run.run_id()));
+  EXPECT_EQ(after.learner_version(), 1);
+}
+
 // Bounds: a coordinator with --max_request_mb 1 --max_runs 2 refuses a larger request
 // before parsing it (the run unchanged) and a third run; DeleteRun frees a slot, and the
 // deleted run is gone everywhere.
