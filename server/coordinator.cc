@@ -31,7 +31,9 @@ struct Coordinator::RunState {
     std::string method;
     std::string response;  // serialized
     std::string fingerprint;  // of the request: a reused request_id must carry the same payload
+    bool evicted = false;     // the response was dropped to bound memory; the id stays known
   };
+  size_t recorded_bytes = 0;  // sum of the kept responses' sizes
   std::map<std::string, Recorded> recorded;
   std::deque<std::string> recorded_order;  // oldest first, for eviction
   // The fingerprint of the mutating call in progress (set by Replay, stored by Record; both
@@ -290,6 +292,11 @@ absl::StatusOr<bool> Coordinator::Replay(RunState& run, const std::string& metho
       return absl::InvalidArgumentError(absl::StrCat("request_id: '", request_id,
                                                      "' was used for ", it->second.method));
     }
+    if (it->second.evicted) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "request_id: '", request_id, "' was applied, but its response is no longer kept (the "
+          "run's recorded responses exceeded --max_recorded_mb); nothing was applied again"));
+    }
     if (it->second.fingerprint != run.current_fingerprint) {
       return absl::InvalidArgumentError(absl::StrCat(
           "request_id: '", request_id, "' was already used for a different ", method,
@@ -309,11 +316,25 @@ absl::StatusOr<bool> Coordinator::Replay(RunState& run, const std::string& metho
 
 void Coordinator::Record(RunState& run, const std::string& method, const std::string& request_id,
                          const google::protobuf::Message& response) {
-  run.recorded[request_id] = {method, response.SerializeAsString(), run.current_fingerprint};
+  RunState::Recorded& rec = run.recorded[request_id];
+  rec = {method, response.SerializeAsString(), run.current_fingerprint, false};
+  run.recorded_bytes += rec.response.size();
   run.recorded_order.push_back(request_id);
   while (run.recorded_order.size() > options_.max_recorded_requests) {
+    RunState::Recorded& old = run.recorded.at(run.recorded_order.front());
+    run.recorded_bytes -= old.response.size();
     run.recorded.erase(run.recorded_order.front());
     run.recorded_order.pop_front();
+  }
+  // Bounded memory: drop the oldest responses' bodies (log-probs can be large) but keep
+  // their ids and fingerprints, so a late retry is refused rather than applied twice.
+  for (const std::string& id : run.recorded_order) {
+    if (run.recorded_bytes <= options_.max_recorded_bytes) break;
+    RunState::Recorded& old = run.recorded.at(id);
+    if (old.evicted || id == request_id) continue;
+    run.recorded_bytes -= old.response.size();
+    old.response = std::string();
+    old.evicted = true;
   }
   std::lock_guard<std::mutex> view(run.view_mu);
   run.run.set_next_sequence_id(run.run.next_sequence_id() + 1);

@@ -33,6 +33,8 @@ struct CoordinatorOptions {
   size_t max_step_history = 10000;       // step records kept per run
   // request_ids remembered per run for retries; each keeps its whole response (log-probs).
   size_t max_recorded_requests = 256;
+  // Bytes of recorded responses kept per run (--max_recorded_mb); older bodies are dropped.
+  size_t max_recorded_bytes = size_t{64} << 20;
   size_t max_runs = 256;  // CreateRun beyond it is RESOURCE_EXHAUSTED (--max_runs)
   BatchLimits limits;
   // The mesh the workers form (world 1: each worker is on its own and runs are spread over

@@ -55,6 +55,9 @@ int main(int argc, char** argv) {
   }
   const int max_request_bytes = max_request_mb << 20;
   if (flags.count("max_runs")) options.max_runs = std::stoul(flags["max_runs"]);
+  if (flags.count("max_recorded_mb")) {  // may be fractional
+    options.max_recorded_bytes = static_cast<size_t>(std::stod(flags["max_recorded_mb"]) * (1 << 20));
+  }
   const int world = options.mesh.world();
   const int worker_call_timeout =
       flags.count("worker_call_timeout_s") ? std::stoi(flags["worker_call_timeout_s"]) : 3600;

@@ -444,7 +444,7 @@ TEST(BoundsTest, RequestSizeAndRunCapAndDeleteRun) {
   ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
   auto server = ChildServer::Start(Binary("server/lorastep_coordinator"),
                                    {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"),
-                                    "--max_request_mb", "1", "--max_runs", "2"},
+                                    "--max_request_mb", "1", "--max_runs", "2", "--max_recorded_mb", "0.25"},
                                    120);
   ASSERT_TRUE(server.ok()) << server.status();
   auto client = TrainerClient::Connect(server->address());
@@ -471,6 +471,29 @@ TEST(BoundsTest, RequestSizeAndRunCapAndDeleteRun) {
   auto c3 = RunSession::Create(t, Lora(), 3);  // the freed slot
   ASSERT_TRUE(c3.ok()) << c3.status();
   ASSERT_OK(c3->TrainStep(Batch(0), Ppo(), Adam()).status());
+  // Recorded responses are bounded (0.25 MiB here): two supervised ForwardBackward calls of
+  // 40k tokens (responses ~0.16 MB of log-probs each); the first's body is dropped, so its
+  // retry is refused, not re-applied.
+  v1::ForwardBackwardRequest first;
+  first.set_run_id(c3->run_id());
+  first.set_request_id("fb-first");
+  first.set_sequence_id(c3->next_sequence_id());
+  for (int i = 0; i < 80; ++i) {
+    v1::Datum* d = first.add_datums();
+    for (int j = 0; j < 500; ++j) {
+      d->add_tokens((i + j) % 96);
+      d->add_target_tokens((i * 7 + j) % 96);
+    }
+  }
+  ASSERT_OK(t->ForwardBackward(first).status());
+  v1::ForwardBackwardRequest second = first;
+  second.set_request_id("fb-second");
+  second.set_sequence_id(first.sequence_id() + 1);
+  ASSERT_OK(t->ForwardBackward(second).status());
+  EXPECT_THAT(t->ForwardBackward(first), StatusIs(absl::StatusCode::kFailedPrecondition, "no longer kept"));
+  ASSERT_OK_AND_ASSIGN(v1::Run state3, t->GetRun(c3->run_id()));
+  EXPECT_EQ(state3.pending_forward_backward(), 2);
+  ASSERT_OK(t->ForwardBackward(second).status());  // the newest response is still kept
 }
 
 TEST(RegistrationTest, RemoteWorkersRegisterAndServeRuns) {
