@@ -49,6 +49,7 @@ absl::StatusOr<std::vector<ChildServer>> ChildServer::StartAll(
     std::vector<std::string> argv_s = {binary};
     argv_s.insert(argv_s.end(), args_per_child[i].begin(), args_per_child[i].end());
     argv_s.insert(argv_s.end(), {"--port", "0", "--port_file", port_files.back()});
+    const pid_t parent = getpid();
     pid_t pid = fork();
     if (pid < 0) {
       kill_all();
@@ -61,6 +62,7 @@ absl::StatusOr<std::vector<ChildServer>> ChildServer::StartAll(
       sigemptyset(&none);
       pthread_sigmask(SIG_SETMASK, &none, nullptr);
       prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (getppid() != parent) _exit(1);  // the parent died before the signal was armed
       std::vector<char*> argv;
       for (auto& a : argv_s) argv.push_back(a.data());
       argv.push_back(nullptr);

@@ -1,5 +1,7 @@
 // End-to-end tests of the service with real processes on 127.0.0.1: a lorastep_coordinator
 // that spawns its local lorastep_worker, driven through the C++ client. No mocks.
+#include <signal.h>
+
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -11,6 +13,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/strings/str_cat.h"
 #include "clients/cpp/trainer_client.h"
 #include "lorastep/v1/worker.grpc.pb.h"
 #include "rpc/grpc_status.h"
@@ -494,6 +497,33 @@ TEST(BoundsTest, RequestSizeAndRunCapAndDeleteRun) {
   ASSERT_OK_AND_ASSIGN(v1::Run state3, t->GetRun(c3->run_id()));
   EXPECT_EQ(state3.pending_forward_backward(), 2);
   ASSERT_OK(t->ForwardBackward(second).status());  // the newest response is still kept
+}
+
+// A coordinator killed with SIGKILL takes its local worker down (parent-death signal):
+// no orphaned worker keeps the device.
+TEST(ProcessTest, KilledCoordinatorTakesItsWorkerDown) {
+  const std::string dir = ScratchDir("orphan");
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  auto server = ChildServer::Start(Binary("server/lorastep_coordinator"),
+                                   {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker")},
+                                   120);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string list = absl::StrCat("pgrep -P ", server->pid(), " > ", dir, "/children");
+  ASSERT_EQ(system(list.c_str()), 0);
+  ASSERT_OK_AND_ASSIGN(std::string children, ReadFileToString(dir + "/children"));
+  const int worker = std::atoi(children.c_str());
+  ASSERT_GT(worker, 0);
+  ASSERT_EQ(kill(worker, 0), 0);
+  ASSERT_EQ(kill(server->pid(), SIGKILL), 0);
+  bool gone = false;
+  for (int i = 0; i < 100 && !gone; ++i) {  // up to 10 s
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    // Gone, or a zombie nobody reaps yet (its parent was killed): /proc says which.
+    auto stat = ReadFileToString(absl::StrCat("/proc/", worker, "/stat"));
+    gone = !stat.ok() || stat->find(") Z ") != std::string::npos;
+  }
+  EXPECT_TRUE(gone) << "worker " << worker << " outlived its coordinator";
 }
 
 TEST(RegistrationTest, RemoteWorkersRegisterAndServeRuns) {
