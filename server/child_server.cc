@@ -112,19 +112,20 @@ ChildServer::~ChildServer() { Stop(); }
 
 std::string ChildServer::address() const { return absl::StrCat("127.0.0.1:", port_); }
 
-void ChildServer::Stop() {
-  if (pid_ <= 0) return;
+bool ChildServer::Stop() {
+  if (pid_ <= 0) return true;
   kill(pid_, SIGTERM);
   for (int i = 0; i < 100; ++i) {  // up to 10 s to shut down cleanly
     if (waitpid(pid_, nullptr, WNOHANG) == pid_) {
       pid_ = -1;
-      return;
+      return true;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   kill(pid_, SIGKILL);
   waitpid(pid_, nullptr, 0);
   pid_ = -1;
+  return false;
 }
 
 int FreeLocalPort() {

@@ -31,7 +31,8 @@ class ChildServer {
 
   std::string address() const;
   pid_t pid() const { return pid_; }
-  void Stop();
+  // SIGTERM, then SIGKILL after 10 s. True when it exited on SIGTERM within that time.
+  bool Stop();
 
  private:
   ChildServer(pid_t pid, int port) : pid_(pid), port_(port) {}

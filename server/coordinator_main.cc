@@ -127,7 +127,8 @@ int main(int argc, char** argv) {
   }
   WaitForShutdownSignal();
   std::cerr << "lorastep_coordinator: shutting down\n";
-  (*server)->Shutdown();
+  // Calls still open after the grace period (an idle WatchMetrics stream) are cancelled.
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
   for (auto& child : local) child.Stop();
   return 0;
 }

@@ -526,6 +526,35 @@ TEST(ProcessTest, KilledCoordinatorTakesItsWorkerDown) {
   EXPECT_TRUE(gone) << "worker " << worker << " outlived its coordinator";
 }
 
+// SIGTERM with an idle WatchMetrics stream open: the coordinator cancels the stream after
+// its grace period and exits (no SIGKILL needed).
+TEST(ProcessTest, SigtermExitsWithAnIdleWatchStreamOpen) {
+  const std::string dir = ScratchDir("sigterm");
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  auto server = ChildServer::Start(Binary("server/lorastep_coordinator"),
+                                   {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker")},
+                                   120);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = TrainerClient::Connect(server->address());
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto run = RunSession::Create(client->get(), Lora(), 1);
+  ASSERT_TRUE(run.ok()) << run.status();
+  std::atomic<bool> watching{false};
+  std::thread watcher([&] {
+    v1::WatchMetricsRequest req;
+    req.set_run_id(run->run_id());
+    watching = true;
+    (void)(*client)->WatchMetrics(req, [](const v1::StepRecord&) { return true; });
+  });
+  while (!watching) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the stream is open and idle
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(server->Stop()) << "needed SIGKILL";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(9));
+  watcher.join();
+}
+
 TEST(RegistrationTest, RemoteWorkersRegisterAndServeRuns) {
   const std::string dir = ScratchDir("registry");
   ModelConfig c = ModelConfigPreset("tiny").value();

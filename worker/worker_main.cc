@@ -157,11 +157,11 @@ int main(int argc, char** argv) {
     const std::string self = absl::StrCat(advertise_host, ":", port);
     if (auto s = RegisterWithCoordinator(flags["register_with"], self, 60); !s.ok()) {
       std::cerr << "lorastep_worker: " << s << "\n";
-      (*server)->Shutdown();
+      (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
       return 1;
     }
   }
   WaitForShutdownSignal();
-  (*server)->Shutdown();
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
   return 0;
 }
