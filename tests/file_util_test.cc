@@ -23,11 +23,21 @@ TEST(FileUtilTest, ErrorsNameThePath) {
   const std::string dir = ScratchDir("fu_err");
   ASSERT_OK(WriteStringToFile(dir + "/file", "x"));
   EXPECT_THAT(MakeDirectories(dir + "/file/sub"),
-              StatusIs(absl::StatusCode::kInternal, dir + "/file/sub: cannot create folder"));
+              StatusIs(absl::StatusCode::kNotFound, dir + "/file/sub: cannot create folder"));
   EXPECT_THAT(ReadFileToString(dir + "/none"), StatusIs(absl::StatusCode::kNotFound, "none"));
   EXPECT_THAT(FileWriter::Create(dir + "/missing/x"),
-              StatusIs(absl::StatusCode::kInternal, "cannot create"));
-  EXPECT_THAT(SyncDirectory(dir + "/none"), StatusIs(absl::StatusCode::kInternal, "cannot open folder"));
+              StatusIs(absl::StatusCode::kNotFound, "cannot create"));
+  EXPECT_THAT(SyncDirectory(dir + "/none"), StatusIs(absl::StatusCode::kNotFound, "cannot open folder"));
+}
+
+// A full disk is RESOURCE_EXHAUSTED (not INTERNAL), naming the path: /dev/full fails every
+// write with ENOSPC.
+TEST(FileUtilTest, FullDiskIsResourceExhausted) {
+  if (!PathExists("/dev/full")) GTEST_SKIP() << "no /dev/full here";
+  EXPECT_THAT(WriteStringToFile("/dev/full", "bytes"),
+              StatusIs(absl::StatusCode::kResourceExhausted, "/dev/full: write failed: No space left on device"));
+  EXPECT_THAT(WriteStringToFile("/nonexistent-folder/x", "bytes"),
+              StatusIs(absl::StatusCode::kNotFound, "/nonexistent-folder/x: cannot create"));
 }
 
 TEST(FileUtilTest, ParentPath) {

@@ -17,8 +17,17 @@
 namespace lorastep {
 namespace {
 
+// The status code says what the caller can do: a full disk or quota is RESOURCE_EXHAUSTED
+// (free space, retry), a missing path NOT_FOUND, no permission PERMISSION_DENIED.
 absl::Status ErrnoError(absl::string_view what, const std::string& path) {
-  return absl::InternalError(absl::StrCat(path, ": ", what, ": ", std::strerror(errno)));
+  const int err = errno;
+  const std::string msg = absl::StrCat(path, ": ", what, ": ", std::strerror(err));
+  switch (err) {
+    case ENOSPC: case EDQUOT: return absl::ResourceExhaustedError(msg);
+    case ENOENT: case ENOTDIR: return absl::NotFoundError(msg);
+    case EACCES: case EPERM: case EROFS: return absl::PermissionDeniedError(msg);
+    default: return absl::InternalError(msg);
+  }
 }
 
 }  // namespace
