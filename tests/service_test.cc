@@ -67,6 +67,19 @@ v1::LoraConfig Lora(double dropout = 0.0) {
   return l;
 }
 
+// A coordinator (and its local worker) serving a fresh tiny model under ScratchDir(name),
+// with `extra` flags.
+absl::StatusOr<ChildServer> StartTinyCoordinator(const std::string& name,
+                                                 const std::vector<std::string>& extra = {}) {
+  const std::string dir = ScratchDir(name);
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  absl::Status saved = SaveModel(dir + "/model", c, RandomModelWeights(c, 1));
+  if (!saved.ok()) return saved;
+  std::vector<std::string> args = {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker")};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120);
+}
+
 class ServiceTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -442,13 +455,7 @@ TEST_F(ServiceTest, ReadOnlyCallsDoNotWaitForATrainingStep) {
 // before parsing it (the run unchanged) and a third run; DeleteRun frees a slot, and the
 // deleted run is gone everywhere.
 TEST(BoundsTest, RequestSizeAndRunCapAndDeleteRun) {
-  const std::string dir = ScratchDir("bounds");
-  ModelConfig c = ModelConfigPreset("tiny").value();
-  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
-  auto server = ChildServer::Start(Binary("server/lorastep_coordinator"),
-                                   {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"),
-                                    "--max_request_mb", "1", "--max_runs", "2", "--max_recorded_mb", "0.25"},
-                                   120);
+  auto server = StartTinyCoordinator("bounds", {"--max_request_mb", "1", "--max_runs", "2", "--max_recorded_mb", "0.25"});
   ASSERT_TRUE(server.ok()) << server.status();
   auto client = TrainerClient::Connect(server->address());
   ASSERT_TRUE(client.ok()) << client.status();
@@ -503,11 +510,7 @@ TEST(BoundsTest, RequestSizeAndRunCapAndDeleteRun) {
 // no orphaned worker keeps the device.
 TEST(ProcessTest, KilledCoordinatorTakesItsWorkerDown) {
   const std::string dir = ScratchDir("orphan");
-  ModelConfig c = ModelConfigPreset("tiny").value();
-  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
-  auto server = ChildServer::Start(Binary("server/lorastep_coordinator"),
-                                   {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker")},
-                                   120);
+  auto server = StartTinyCoordinator("orphan_model");
   ASSERT_TRUE(server.ok()) << server.status();
   const std::string list = absl::StrCat("pgrep -P ", server->pid(), " > ", dir, "/children");
   ASSERT_EQ(system(list.c_str()), 0);
@@ -529,12 +532,7 @@ TEST(ProcessTest, KilledCoordinatorTakesItsWorkerDown) {
 // SIGTERM with an idle WatchMetrics stream open: the coordinator cancels the stream after
 // its grace period and exits (no SIGKILL needed).
 TEST(ProcessTest, SigtermExitsWithAnIdleWatchStreamOpen) {
-  const std::string dir = ScratchDir("sigterm");
-  ModelConfig c = ModelConfigPreset("tiny").value();
-  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
-  auto server = ChildServer::Start(Binary("server/lorastep_coordinator"),
-                                   {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker")},
-                                   120);
+  auto server = StartTinyCoordinator("sigterm");
   ASSERT_TRUE(server.ok()) << server.status();
   auto client = TrainerClient::Connect(server->address());
   ASSERT_TRUE(client.ok()) << client.status();

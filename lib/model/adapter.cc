@@ -94,6 +94,9 @@ absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const Lora
     LORASTEP_RETURN_IF_ERROR(adapter.AddExpertLora(model, s, layer, targeted[kGateProj],
                                                    targeted[kDownProj], gen, add));
   }
+  // Key order: the order of the shared factors' collectives on every rank.
+  std::sort(adapter.shared_factors_.begin(), adapter.shared_factors_.end(),
+            [](const SharedFactor& x, const SharedFactor& y) { return x.key < y.key; });
   for (auto& p : adapter.parameters_) p.value.requires_grad_(true);
   adapter.PackMainGrads();
   return adapter;
@@ -105,7 +108,6 @@ absl::Status Adapter::AddExpertLora(
   const int64_t e = model.moe.num_experts, r = lora_.rank, h = model.hidden_size,
                 f = model.moe.moe_intermediate_size;
   const bool shared = lora_.shared_outer();
-  const int kind = shared ? kSharedOuterAdapter : kPerExpertAdapter;
   const int64_t eb = s.expert_begin, en = s.expert_end - s.expert_begin;
   const int64_t fb = s.moe_ffn_begin, fn = s.moe_ffn_end - s.moe_ffn_begin;
   const bool mine = layer >= s.layer_begin && layer < s.layer_end;
@@ -116,7 +118,6 @@ absl::Status Adapter::AddExpertLora(
     Parameter p{absl::StrCat("base_model.model.model.layers.", layer, ".mlp.experts.", fc,
                              is_b ? ".lora_B.weight" : ".lora_A.weight"),
                 {}, {}};
-    p.kind = kind;
     p.layer = layer;
     p.family = fc;
     at::Tensor local = whole;
@@ -157,8 +158,6 @@ absl::Status Adapter::AddExpertLora(
     }
   }
   if (mine) expert_lora_by_layer_[layer - s.layer_begin] = factors;
-  std::sort(shared_factors_.begin(), shared_factors_.end(),
-            [](const SharedFactor& x, const SharedFactor& y) { return x.key < y.key; });
   return absl::OkStatus();
 }
 

@@ -34,20 +34,10 @@ struct Parameter {
   bool stage_copy = false;
   // Held on both the first and last stage (the tied embedding): SUM over the embedding group.
   bool tied_across_stages = false;
-  // How the factor was built (see AdapterKind); with `family` and the factor's
-  // dimensionality this is how replicated expert factors are found, never by name.
-  int kind = 0;           // an AdapterKind
   int64_t layer = -1;     // global decoder layer of a LoRA factor
   std::string family;     // expert factors: "fc1" (gate+up) or "fc2" (down)
   bool expert_split = false;  // dim 0 holds experts, cut over the expert group
 };
-
-// Which adapter a LoRA factor belongs to.
-//  kLinear:      A and B of one dense linear (attention, dense MLP).
-//  kPerExpert:   routed experts, A_e and B_e stacked over the layer's experts (dim 0).
-//  kSharedOuter: routed experts, shared-outer: fc1's A [r, H] and fc2's B [H, r] shared by
-//                every expert of the layer (2-D), the inner factors stacked per expert.
-enum AdapterKind { kLinearAdapter = 0, kPerExpertAdapter = 1, kSharedOuterAdapter = 2 };
 
 // How a trainable tensor sits on the tensor-parallel ranks, which decides its reduction.
 //  kSplit: each rank holds a different slice (or the whole tensor at tp 1); its gradient is

@@ -17,6 +17,27 @@ AdamW::AdamW(Adapter* adapter) : adapter_(adapter) {
   }
 }
 
+AdamW::Coefficients AdamW::StepCoefficients(const AdamWParams& p, double norm) const {
+  Coefficients k;
+  k.clip = (p.max_grad_norm > 0 && norm > p.max_grad_norm) ? p.max_grad_norm / (norm + 1e-6) : 1.0;
+  k.lr = ScheduledLearningRate(p, steps_);
+  k.t = steps_ + 1;
+  k.bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(k.t));
+  k.bc2 = 1.0 - std::pow(p.beta2, static_cast<double>(k.t));
+  return k;
+}
+
+AdamW::Update AdamW::CandidateUpdate(size_t i, const AdamWParams& p, const Coefficients& k) const {
+  at::Tensor g = adapter_->parameters()[i].main_grad;
+  if (k.clip != 1.0) g = g * k.clip;
+  Update u;
+  u.exp_avg = exp_avg_[i] * p.beta1 + g * (1.0 - p.beta1);
+  u.exp_avg_sq = exp_avg_sq_[i] * p.beta2 + g * g * (1.0 - p.beta2);
+  u.master = master_[i] * (1.0 - k.lr * p.weight_decay) -
+             u.exp_avg / ((u.exp_avg_sq / k.bc2).sqrt() + p.eps) * (k.lr / k.bc1);
+  return u;
+}
+
 absl::Status AdamW::CheckStep(const AdamWParams& p, double norm) const {
   LORASTEP_RETURN_IF_ERROR(ValidateAdamWParams(p));
   if (!std::isfinite(norm)) {
@@ -25,21 +46,13 @@ absl::Status AdamW::CheckStep(const AdamWParams& p, double norm) const {
   }
   at::NoGradGuard no_grad;
   const auto& params = adapter_->parameters();
-  const double clip = (p.max_grad_norm > 0 && norm > p.max_grad_norm) ? p.max_grad_norm / (norm + 1e-6) : 1.0;
-  const double lr = ScheduledLearningRate(p, steps_);
-  const int64_t t = steps_ + 1;
-  const double bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(t));
-  const double bc2 = 1.0 - std::pow(p.beta2, static_cast<double>(t));
+  const Coefficients k = StepCoefficients(p, norm);
   // The update computed aside: is every parameter, in its own dtype, still finite? One host
   // synchronization for all parameters.
   std::vector<at::Tensor> finite;
   for (size_t i = 0; i < params.size(); ++i) {
-    at::Tensor g = params[i].main_grad;
-    if (clip != 1.0) g = g * clip;
-    at::Tensor m = exp_avg_[i] * p.beta1 + g * (1.0 - p.beta1);
-    at::Tensor v = exp_avg_sq_[i] * p.beta2 + g * g * (1.0 - p.beta2);
-    at::Tensor w = master_[i] * (1.0 - lr * p.weight_decay) - (m / ((v / bc2).sqrt() + p.eps)) * (lr / bc1);
-    finite.push_back(at::isfinite(w.to(params[i].value.scalar_type())).all().reshape({1}));
+    const Update u = CandidateUpdate(i, p, k);
+    finite.push_back(at::isfinite(u.master.to(params[i].value.scalar_type())).all().reshape({1}));
   }
   if (!finite.empty()) {
     at::Tensor ok = at::cat(finite).to(at::kCPU);
@@ -75,26 +88,17 @@ absl::StatusOr<OptimizerStepResult> AdamW::Step(const AdamWParams& p,
     return absl::FailedPreconditionError(
         "optimizer: non-finite gradient norm; step refused, parameters unchanged");
   }
-  const double clip = (p.max_grad_norm > 0 && norm > p.max_grad_norm)
-                          ? p.max_grad_norm / (norm + 1e-6)
-                          : 1.0;
-  const double lr = ScheduledLearningRate(p, steps_);
-  const int64_t t = steps_ + 1;
-  const double bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(t));
-  const double bc2 = 1.0 - std::pow(p.beta2, static_cast<double>(t));
+  const Coefficients k = StepCoefficients(p, norm);
   for (size_t i = 0; i < params.size(); ++i) {
-    at::Tensor g = params[i].main_grad;
-    if (clip != 1.0) g = g * clip;
-    exp_avg_[i].mul_(p.beta1).add_(g, 1.0 - p.beta1);
-    exp_avg_sq_[i].mul_(p.beta2).addcmul_(g, g, 1.0 - p.beta2);
-    if (p.weight_decay > 0) master_[i].mul_(1.0 - lr * p.weight_decay);
-    at::Tensor denom = (exp_avg_sq_[i] / bc2).sqrt_().add_(p.eps);
-    master_[i].addcdiv_(exp_avg_[i], denom, -lr / bc1);
+    const Update u = CandidateUpdate(i, p, k);
+    exp_avg_[i].copy_(u.exp_avg);
+    exp_avg_sq_[i].copy_(u.exp_avg_sq);
+    master_[i].copy_(u.master);
     params[i].value.copy_(master_[i]);
   }
   adapter_->ZeroMainGrads();
-  steps_ = t;
-  return OptimizerStepResult{norm, lr, t};
+  steps_ = k.t;
+  return OptimizerStepResult{norm, k.lr, k.t};
 }
 
 void AdamW::ResyncFromParameters() {

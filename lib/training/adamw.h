@@ -47,6 +47,18 @@ class AdamW {
   std::vector<at::Tensor>& exp_avg_sq() { return exp_avg_sq_; }
 
  private:
+  // The step's scalars (clip factor, scheduled lr, step number, bias corrections), and
+  // parameter i's new state computed aside: CheckStep and Step share the one formula.
+  struct Coefficients {
+    double clip = 1.0, lr = 0.0, bc1 = 1.0, bc2 = 1.0;
+    int64_t t = 0;
+  };
+  struct Update {
+    at::Tensor exp_avg, exp_avg_sq, master;
+  };
+  Coefficients StepCoefficients(const AdamWParams& p, double norm) const;
+  Update CandidateUpdate(size_t i, const AdamWParams& p, const Coefficients& k) const;
+
   Adapter* adapter_;
   std::vector<at::Tensor> master_, exp_avg_, exp_avg_sq_;
   int64_t steps_ = 0;

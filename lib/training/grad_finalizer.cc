@@ -132,8 +132,7 @@ class Finalizer {
     return true;
   }
 
-  // SUM over `kind`'s group, refusing a second reduction of any parameter in the step.
-  absl::Status ReduceOnce(GroupKind kind, at::Tensor& flat, const std::vector<int>& params) {
+  absl::Status MarkAllReduced(const std::vector<int>& params, GroupKind kind) {
     for (int i : params) {
       if (!MarkReduced(i, kind)) {
         return absl::FailedPreconditionError(absl::StrCat(
@@ -142,7 +141,12 @@ class Finalizer {
             " group; refusing the step, nothing was applied"));
       }
     }
-    ++report_.gradient_collectives;
+    return absl::OkStatus();
+  }
+
+  // SUM over `kind`'s group, refusing a second reduction of any parameter in the step.
+  absl::Status ReduceOnce(GroupKind kind, at::Tensor& flat, const std::vector<int>& params) {
+    LORASTEP_RETURN_IF_ERROR(MarkAllReduced(params, kind));
     return groups_->group(kind).AllReduce(flat);
   }
 
@@ -202,15 +206,7 @@ class Finalizer {
       }
       if (grads.empty() || options_.skip_shared_family == family) continue;
       for (int k = 0; k < options_.shared_reductions; ++k) {
-        for (int i : params) {
-          if (!MarkReduced(i, GroupKind::kStage)) {
-            return absl::FailedPreconditionError(absl::StrCat(
-                "shared expert LoRA factor ", adapter_->parameters()[i].name, " (", family,
-                ", stage ", groups_->coords().pp, ") was reduced twice in one step; refusing "
-                "the step, nothing was applied"));
-          }
-        }
-        ++report_.gradient_collectives;
+        LORASTEP_RETURN_IF_ERROR(MarkAllReduced(params, GroupKind::kStage));
         LORASTEP_RETURN_IF_ERROR(groups_->group(GroupKind::kStage).AllReduceCoalesced(grads));
       }
     }

@@ -66,7 +66,6 @@ struct GradFinalizeReport {
   // rank's digest (compared again by the coordinator, see ReplicaFamilyScope).
   std::map<std::string, bool> family_digests_agree;
   std::map<std::string, std::string> family_digests;
-  int gradient_collectives = 0;  // collectives issued on gradients by this call
 };
 
 // `groups` null = world size 1 (no communication). The norm is identical on every rank.
