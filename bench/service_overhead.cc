@@ -6,6 +6,8 @@
 //                    [--out F.json] [--machine M] [--command C] [--key overhead_fraction_cpu]
 //                    [--rank 32 (0 = full fine-tuning)] [--max_tokens 0 (worker default)]
 //                    [--expert_lora per_expert|shared_outer (MoE)]
+//                    [--batch_file B.json (bench/make_batch.py; else random --seqs x --len)]
+//                    [--mode train|forward (Forward: log-probs only, no gradient)]
 #include <algorithm>
 #include <map>
 #include <chrono>
@@ -40,16 +42,34 @@ int main(int argc, char** argv) {
     std::cerr << run.status() << "\n";
     return 1;
   }
-  std::mt19937 rng(1);
-  std::vector<v1::Datum> batch(seqs);
-  for (auto& d : batch) {
-    for (int i = 0; i < len; ++i) {
-      d.add_tokens(rng() % vocab);
-      d.add_target_tokens(rng() % vocab);
-      d.add_logprobs(-5.0f);
-      d.add_advantages(i < len / 4 ? 0.0f : ((rng() % 2) ? 1.0f : -1.0f));
+  std::vector<v1::Datum> batch;
+  if (flags.count("batch_file")) {  // the same sequences the transformers peer runs
+    std::ifstream in(flags["batch_file"]);
+    const auto j = nlohmann::json::parse(in);
+    for (const auto& seq : j.at("sequences")) {
+      v1::Datum& d = batch.emplace_back();
+      for (int64_t t : seq.at("tokens")) d.add_tokens(t);
+      for (int64_t t : seq.at("targets")) d.add_target_tokens(t);
+      for (double a : seq.at("advantages")) {
+        d.add_advantages(static_cast<float>(a));
+        d.add_logprobs(-5.0f);
+      }
+    }
+  } else {
+    std::mt19937 rng(1);
+    batch.resize(seqs);
+    for (auto& d : batch) {
+      for (int i = 0; i < len; ++i) {
+        d.add_tokens(rng() % vocab);
+        d.add_target_tokens(rng() % vocab);
+        d.add_logprobs(-5.0f);
+        d.add_advantages(i < len / 4 ? 0.0f : ((rng() % 2) ? 1.0f : -1.0f));
+      }
     }
   }
+  const bool forward_only = get("mode", "train") == "forward";
+  int64_t batch_tokens = 0;
+  for (const auto& d : batch) batch_tokens += d.tokens_size();
   v1::LossConfig loss;
   loss.set_loss_fn("ppo");
   v1::AdamWParams adamw;
@@ -58,16 +78,29 @@ int main(int argc, char** argv) {
   std::map<std::string, double> last_metrics;
   for (int s = 0; s <= steps; ++s) {
     auto t0 = std::chrono::steady_clock::now();
-    auto r = run->TrainStep(batch, loss, adamw, max_tokens);
-    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (!r.ok()) {
-      std::cerr << r.status() << "\n";
-      return 1;
+    google::protobuf::Map<std::string, double> metrics;
+    double compute = 0;
+    if (forward_only) {
+      auto r = run->Forward(batch);
+      if (!r.ok()) {
+        std::cerr << r.status() << "\n";
+        return 1;
+      }
+      metrics = r->metrics();
+      compute = metrics.at("time_forward_s:sum") + metrics.at("time_data_s:sum");
+    } else {
+      auto r = run->TrainStep(batch, loss, adamw, max_tokens);
+      if (!r.ok()) {
+        std::cerr << r.status() << "\n";
+        return 1;
+      }
+      metrics = r->metrics();
+      compute = metrics.at("time_step_s:sum");
     }
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s == 0) continue;  // warm-up: allocator, kernels, caches
-    const double compute = r->metrics().at("time_step_s:sum");
     last_metrics.clear();
-    for (const auto& [k, v] : r->metrics()) last_metrics[k] = v;
+    for (const auto& [k, v] : metrics) last_metrics[k] = v;
     client_s.push_back(wall);
     worker_s.push_back(compute);
     fractions.push_back((wall - compute) / wall);
@@ -84,9 +117,17 @@ int main(int argc, char** argv) {
   j["library_versions"] = get("versions", "");
   j["command"] = get("command", "");
   j["model"] = get("model", "");
-  j["batch"] = {{"sequences", seqs}, {"tokens_per_sequence", len}, {"lora_rank", lora.rank()},
-                {"max_tokens_per_microbatch", max_tokens}};
+  j["batch"] = {{"sequences", batch.size()}, {"tokens", batch_tokens},
+                {"batch_file", get("batch_file", "")}, {"lora_rank", lora.rank()},
+                {"max_tokens_per_microbatch", max_tokens}, {"mode", forward_only ? "forward" : "train"}};
   j[get("key", "overhead_fraction")] = median;
+  std::vector<double> worker_sorted = worker_s;
+  std::sort(worker_sorted.begin(), worker_sorted.end());
+  j["worker_step_median_s"] = worker_sorted[worker_sorted.size() / 2];
+  j["tokens_per_s"] = batch_tokens / worker_sorted[worker_sorted.size() / 2];
+  if (last_metrics.count("peak_cuda_memory_bytes:max")) {
+    j["peak_cuda_gib"] = last_metrics["peak_cuda_memory_bytes:max"] / (1024.0 * 1024.0 * 1024.0);
+  }
   j["client_step_s"] = client_s;
   j["worker_step_s"] = worker_s;
   j["last_step_metrics"] = last_metrics;

@@ -3,6 +3,9 @@
 #   bench/service_overhead.sh BIN_DIR PRESET DEVICE DTYPE OUT_JSON KEY
 # BIN_DIR holds lorastep_coordinator, lorastep_worker, lorastep_genmodel, service_overhead
 # (a CMake build folder; for Bazel pass bazel-bin and the script finds the subfolders).
+# Environment: MODEL_DIR (a generated model), RANK (0 = full fine-tuning), MAX_TOKENS,
+# STEPS, EXPERT_LORA, BATCH_FILE (bench/make_batch.py), MODE (train|forward),
+# COORD_FLAGS (extra coordinator flags, e.g. --max_tokens_per_microbatch N for Forward).
 set -euo pipefail
 BIN=$1 PRESET=$2 DEVICE=$3 DTYPE=$4 OUT=$5 KEY=$6
 find_bin() { for p in "$BIN/$1" "$BIN/server/$1" "$BIN/worker/$1" "$BIN/tools/$1" "$BIN/bench/$1"; do
@@ -13,12 +16,13 @@ MODEL=${MODEL_DIR:-$WORK/model}  # MODEL_DIR: an already generated model of PRES
 [ -n "${MODEL_DIR:-}" ] || "$(find_bin lorastep_genmodel)" --preset "$PRESET" --dtype "$DTYPE" --seed 1 --out "$MODEL" >/dev/null
 VOCAB=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['vocab_size'])" "$MODEL/config.json")
 "$(find_bin lorastep_coordinator)" --model "$MODEL" --device "$DEVICE" --port 0 \
-  --port_file "$WORK/port" --worker_binary "$(find_bin lorastep_worker)" 2> "$WORK/server.log" &
+  --port_file "$WORK/port" --worker_binary "$(find_bin lorastep_worker)" ${COORD_FLAGS:-} 2> "$WORK/server.log" &
 PID=$!
 for _ in $(seq 1200); do [ -s "$WORK/port" ] && break; sleep 0.1; done
 [ -s "$WORK/port" ] || { cat "$WORK/server.log"; exit 1; }
 "$(find_bin service_overhead)" --address "127.0.0.1:$(cat "$WORK/port")" --vocab "$VOCAB" \
   --seqs 64 --len 512 --steps "${STEPS:-5}" --out "$OUT" --key "$KEY" \
   --rank "${RANK:-32}" --max_tokens "${MAX_TOKENS:-0}" --expert_lora "${EXPERT_LORA:-}" \
+  ${BATCH_FILE:+--batch_file "$BATCH_FILE"} --mode "${MODE:-train}" \
   --machine "${MACHINE:-$(uname -n) $(nproc) cores}" --versions "${VERSIONS:-}" \
   --model "$PRESET $DTYPE on $DEVICE" --command "bench/service_overhead.sh $*"

@@ -85,6 +85,10 @@ if [[ " $STEPS " == *" moe-bench "* ]]; then
     done
   done
 fi
+if [[ " $STEPS " == *" step "* ]]; then
+  step "step benchmark: lorastep vs transformers + PEFT (0.5B shape, bf16; fixed and variable length)"
+  bash bench/step_bench.sh build-gpu "$OUT"
+fi
 if [[ " $STEPS " == *" service "* ]]; then
   step "service overhead (qwen2.5-0.5b bf16, 64 x 512 tokens)"
   MACHINE="$MACHINE" VERSIONS="$(tail -1 "$OUT/env.txt")" \

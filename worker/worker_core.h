@@ -35,6 +35,10 @@ struct WorkerOptions {
   std::string gloo_host = "127.0.0.1";  // this host's address for CPU (gloo) meshes
   std::chrono::milliseconds collective_timeout{std::chrono::seconds(120)};
   GradFinalizeOptions finalize;  // test-only switches
+  // Benchmarks: save a Kineto trace of each run's train step `profile_train_step` to
+  // `profile_trace_path` (CUDA build). Set from LORASTEP_PROFILE_TRACE / _STEP.
+  std::string profile_trace_path;
+  int64_t profile_train_step = 0;
 };
 
 // What the coordinator sends with every call on a mesh (see worker.proto's MeshCall).

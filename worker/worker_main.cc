@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <iostream>
 #include <thread>
 
@@ -80,6 +81,12 @@ int main(int argc, char** argv) {
     options.max_tokens_per_microbatch = std::stoll(flags["max_tokens_per_microbatch"]);
   }
   options.grad.fused_wgrad = !flags.count("unfused_wgrad");
+  // Environment, so a worker the coordinator starts inherits it (bench/step_bench.sh).
+  if (const char* trace = std::getenv("LORASTEP_PROFILE_TRACE")) {
+    options.profile_trace_path = trace;
+    const char* step = std::getenv("LORASTEP_PROFILE_STEP");
+    options.profile_train_step = step != nullptr ? std::atoll(step) : 2;
+  }
   // Mesh: --rank R --tp T --pp P --dp D --rendezvous HOST:PORT [--collective_timeout_s S].
   if (flags.count("rank")) options.rank = std::stoi(flags["rank"]);
   if (flags.count("tp")) options.sizes.tp = std::stoi(flags["tp"]);

@@ -13,6 +13,7 @@
 #include <deque>
 
 #include "absl/strings/str_cat.h"
+#include "lib/device_stats.h"
 #include "lib/io/checkpoint_dir.h"
 #include "lib/io/digest.h"
 #include "lib/io/file_util.h"
@@ -146,6 +147,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   const bool backward = loss != nullptr;
   ForwardBackwardResult result;
   Metrics& m = result.metrics;
+  ResetCudaPeakAllocated(base_->device);  // this call's peak (weights included)
   result.logprobs.resize(datums.size());
 
   // Batch-wide denominators, so micro-batch losses sum to the batch loss.
@@ -345,6 +347,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     m.Add("time_forward_s:sum", t_forward);
     if (backward) m.Add("time_backward_s:sum", t_backward);
     m.Set("peak_host_memory_bytes:max", PeakHostMemoryBytes());
+    AddCudaPeakMemory(&m);
     return result;
   }
   m.Add("tokens_physical:sum", physical);
@@ -361,7 +364,13 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
                                               : (base_->device.is_cuda() ? kH200DenseBf16Flops : 0);
   if (peak > 0 && compute_s > 0) m.Add("mfu:sum", flops / compute_s / peak);
   m.Set("peak_host_memory_bytes:max", PeakHostMemoryBytes());
+  AddCudaPeakMemory(&m);
   return result;
+}
+
+void Trainer::AddCudaPeakMemory(Metrics* metrics) const {
+  const int64_t peak = CudaPeakAllocatedBytes(base_->device);
+  if (peak >= 0) metrics->Set("peak_cuda_memory_bytes:max", static_cast<double>(peak));
 }
 
 absl::Status Trainer::RunPipelineSchedule(
@@ -613,6 +622,11 @@ absl::StatusOr<OptimStepResult> Trainer::TrainStep(const std::vector<Datum>& dat
                                                    const BatchOptions& batch) {
   // Validate the optimizer parameters too before any work: a bad call changes nothing.
   LORASTEP_RETURN_IF_ERROR(ValidateAdamWParams(params));
+  const bool profile = !options_.profile_trace_path.empty() && ++train_steps_run_ == options_.profile_train_step;
+  if (profile) {
+    SyncDevice();
+    LORASTEP_RETURN_IF_ERROR(StartKernelProfile());
+  }
   auto t0 = Clock::now();
   LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot, Snapshot());
   LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult fb, ForwardBackward(datums, loss, batch));
@@ -623,8 +637,13 @@ absl::StatusOr<OptimStepResult> Trainer::TrainStep(const std::vector<Datum>& dat
     return step.status();
   }
   step->metrics.Merge(fb.metrics);
+  AddCudaPeakMemory(&step->metrics);  // forward, backward and the optimizer
   const double total = SecondsSince(t0);
   step->metrics.Add("time_step_s:sum", total);
+  if (profile) {
+    SyncDevice();
+    LORASTEP_RETURN_IF_ERROR(StopKernelProfile(options_.profile_trace_path));
+  }
   return step;
 }
 

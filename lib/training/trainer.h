@@ -66,6 +66,10 @@ struct TrainerOptions {
   // Every rank of the mesh makes the same calls in the same order.
   ProcessGroups* groups = nullptr;
   GradFinalizeOptions finalize;  // test-only switches of the gradient finalization
+  // Benchmarks: a Kineto trace of the train step numbered `profile_train_step` (1-based,
+  // counted per Trainer) is saved to `profile_trace_path` (CUDA build only).
+  std::string profile_trace_path;
+  int64_t profile_train_step = 0;
 };
 
 // Per-call overrides for how a batch is run.
@@ -150,6 +154,8 @@ class Trainer {
   absl::StatusOr<CallSnapshot> Snapshot();
   void Restore(const CallSnapshot& snapshot);
   void SyncDevice() const;
+  // peak_cuda_memory_bytes:max since the last reset (CUDA only).
+  void AddCudaPeakMemory(Metrics* metrics) const;
   // On a mesh: every rank votes with its outcome (a world-group MIN all-reduce) before it
   // commits, so either every rank applies a call or none does. World size 1: `local`.
   absl::Status AgreeOnOutcome(const absl::Status& local);
@@ -180,6 +186,7 @@ class Trainer {
   std::unique_ptr<Adapter> adapter_;
   std::unique_ptr<AdamW> optimizer_;
   at::Generator dropout_generator_;
+  int64_t train_steps_run_ = 0;  // TrainStep calls, for profile_train_step
   int64_t pending_backward_calls_ = 0;  // ForwardBackward calls since the last OptimStep
 };
 

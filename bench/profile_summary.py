@@ -1,0 +1,78 @@
+"""Summarizes a Kineto Chrome trace of one train step (LORASTEP_PROFILE_TRACE, see
+bench/step_bench.sh) into a short JSON: wall time of the traced region, GPU busy time (the
+union of kernel intervals), kernel launches, time by kernel class, and the top kernels.
+    python3 bench/profile_summary.py TRACE.json --out SUMMARY.json [--label L]
+"""
+import argparse, collections, json, re
+
+CLASSES = [  # first match wins
+    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm90_|splitk", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient", re.I)),
+    ("softmax/reduce", re.compile(r"softmax|reduce|logsumexp|norm", re.I)),
+    ("copy/cast", re.compile(r"copy|cast|convert|memcpy|memset|fill", re.I)),
+    ("index/gather", re.compile(r"index|gather|scatter|embedding", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise", re.I)),
+]
+
+
+def kernel_class(name):
+    for label, pattern in CLASSES:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--top", type=int, default=20)
+    args = ap.parse_args()
+    events = json.load(open(args.trace))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    timed = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    begin = min(e["ts"] for e in timed)
+    end = max(e["ts"] + e["dur"] for e in timed)
+    intervals = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in intervals:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    by_class = collections.defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        by_name[e["name"]][0] += 1
+        by_name[e["name"]][1] += e["dur"]
+        by_class[kernel_class(e["name"])][0] += 1
+        by_class[kernel_class(e["name"])][1] += e["dur"]
+    total = sum(v[1] for v in by_name.values())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:args.top]
+    out = {
+        "label": args.label,
+        "traced_wall_ms": (end - begin) / 1e3,
+        "gpu_busy_ms": busy / 1e3,
+        "gpu_busy_fraction": busy / (end - begin),
+        "kernel_launches": len(kernels),
+        "kernel_time_ms": total / 1e3,
+        "by_class_ms": {k: round(v[1] / 1e3, 3) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1][1])},
+        "by_class_launches": {k: v[0] for k, v in by_class.items()},
+        "top_kernels": [{"name": n[:140], "calls": v[0], "ms": round(v[1] / 1e3, 3),
+                         "share": round(v[1] / total, 4)} for n, v in top],
+    }
+    json.dump(out, open(args.out, "w"), indent=2)
+    print(json.dumps({k: out[k] for k in ("label", "traced_wall_ms", "gpu_busy_ms", "gpu_busy_fraction",
+                                          "kernel_launches", "by_class_ms")}))
+    for k in out["top_kernels"][:12]:
+        print(f"  {k['ms']:9.2f} ms {k['calls']:6d}x  {k['name'][:100]}")
+
+
+if __name__ == "__main__":
+    main()

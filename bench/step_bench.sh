@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Issue 9's side-by-side step benchmark on the H200, after scripts/gpu_check.sh's CMake
+# build (GPU_CHECK_STEPS=step runs it): one random Qwen2.5-0.5B-shaped model and the same
+# batch files (bench/make_batch.py: 64 x 512 and 64 of 128-1024 tokens) for both sides.
+#   lorastep (coordinator + worker): LoRA r32 on all linears, full fine-tuning, Forward
+#   transformers (+ PEFT): the same three, bench/peft_step.py
+# plus the bf16 GEMM peak, and a Kineto profile of one LoRA step (separate run, so the
+# profiler does not perturb the timed ones). Raw files in OUT_DIR, then step_results.py.
+#   bench/step_bench.sh BUILD_DIR OUT_DIR
+set -uo pipefail
+BIN=$1 OUT=$2
+MODEL=/tmp/q05
+[ -d $MODEL ] || "$BIN/lorastep_genmodel" --preset qwen2.5-0.5b --dtype bfloat16 --seed 1 --out $MODEL >/dev/null
+VOCAB=$(python3 -c "import json;print(json.load(open('$MODEL/config.json'))['vocab_size'])")
+MT=${STEP_MAX_TOKENS:-16384}  # lorastep's micro-batch (padded tokens)
+python3 bench/gemm_peak.py --out "$OUT/gemm_peak.json"
+for w in fixed varlen; do python3 bench/make_batch.py --vocab "$VOCAB" --workload $w --out "$OUT/batch_$w.json"; done
+run_ours() {  # mode workload rank
+  local mode=$1 w=$2 rank=$3 m=train
+  [ "$mode" = logprobs ] && m=forward
+  MODEL_DIR=$MODEL RANK=$rank MAX_TOKENS=$MT STEPS=3 MODE=$m BATCH_FILE="$OUT/batch_$w.json" \
+    COORD_FLAGS="--max_tokens_per_microbatch $MT" MACHINE="$(head -1 "$OUT/env.txt")" VERSIONS="$(tail -1 "$OUT/env.txt")" \
+    bench/service_overhead.sh "$BIN" qwen2.5-0.5b cuda bfloat16 "$OUT/ours_${mode}_$w.json" overhead_fraction \
+    > "/tmp/ours_${mode}_$w.log" 2>&1 || { echo "lorastep $mode $w failed"; tail -20 "/tmp/ours_${mode}_$w.log"; }
+  python3 -c "import json,sys;d=json.load(open(sys.argv[1]));m=d['last_step_metrics'];print('lorastep',sys.argv[2],sys.argv[3],round(d['worker_step_median_s'],4),'s',{k:round(v,4) for k,v in m.items() if k.startswith('time_')})" \
+    "$OUT/ours_${mode}_$w.json" "$mode" "$w" 2>/dev/null
+}
+for spec in ${STEP_OURS:-lora:fixed:32 full:fixed:0 logprobs:fixed:32 lora:varlen:32 full:varlen:0}; do
+  IFS=: read -r mode w rank <<< "$spec"; run_ours "$mode" "$w" "$rank"
+done
+for spec in ${STEP_HF:-lora:fixed full:fixed logprobs:fixed lora:varlen}; do
+  IFS=: read -r mode w <<< "$spec"
+  python3 bench/peft_step.py --model $MODEL --mode "$mode" --batch "$OUT/batch_$w.json" --out "$OUT/hf_${mode}_$w.json" 2>&1 | tail -1 | cut -c1-300
+done
+if [ -z "${STEP_NO_PROFILE:-}" ]; then
+  LORASTEP_PROFILE_TRACE=/tmp/lora_trace.json LORASTEP_PROFILE_STEP=2 MODEL_DIR=$MODEL RANK=32 MAX_TOKENS=$MT STEPS=2 \
+    BATCH_FILE="$OUT/batch_fixed.json" bench/service_overhead.sh "$BIN" qwen2.5-0.5b cuda bfloat16 /tmp/profiled.json x > /tmp/profiled.log 2>&1 \
+    || tail -5 /tmp/profiled.log
+  python3 bench/profile_summary.py /tmp/lora_trace.json --label "lorastep LoRA r32 train step, 64 x 512, micro-batch $MT" \
+    --out "$OUT/profile_lora_step.json"
+fi
+python3 bench/step_results.py "$OUT" $MODEL "$OUT/step.json" ${CPU_RESULT:+--cpu "$CPU_RESULT"}

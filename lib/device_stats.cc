@@ -1,0 +1,55 @@
+#include "lib/device_stats.h"
+
+#ifdef LORASTEP_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
+
+#include <set>
+#endif
+
+namespace lorastep {
+
+#ifdef LORASTEP_WITH_CUDA
+
+int64_t CudaPeakAllocatedBytes(const c10::Device& device) {
+  if (!device.is_cuda()) return -1;
+  const c10::DeviceIndex index = device.has_index() ? device.index() : 0;
+  // Index 0 of each stat array is the aggregate over pool kinds in every torch version.
+  return c10::cuda::CUDACachingAllocator::getDeviceStats(index).allocated_bytes[0].peak;
+}
+
+void ResetCudaPeakAllocated(const c10::Device& device) {
+  if (!device.is_cuda()) return;
+  c10::cuda::CUDACachingAllocator::resetPeakStats(device.has_index() ? device.index() : 0);
+}
+
+absl::Status StartKernelProfile() {
+  namespace impl = torch::profiler::impl;
+  const impl::ProfilerConfig config(impl::ProfilerState::KINETO);
+  const std::set<impl::ActivityType> activities{impl::ActivityType::CPU, impl::ActivityType::CUDA};
+  torch::autograd::profiler::prepareProfiler(config, activities);
+  torch::autograd::profiler::enableProfiler(config, activities);
+  return absl::OkStatus();
+}
+
+absl::Status StopKernelProfile(const std::string& trace_path) {
+  auto result = torch::autograd::profiler::disableProfiler();
+  if (result == nullptr) return absl::FailedPreconditionError("no profile was running");
+  result->save(trace_path);
+  return absl::OkStatus();
+}
+
+#else
+
+int64_t CudaPeakAllocatedBytes(const c10::Device&) { return -1; }
+void ResetCudaPeakAllocated(const c10::Device&) {}
+absl::Status StartKernelProfile() {
+  return absl::UnimplementedError("kernel profiles need the CUDA build");
+}
+absl::Status StopKernelProfile(const std::string&) {
+  return absl::UnimplementedError("kernel profiles need the CUDA build");
+}
+
+#endif
+
+}  // namespace lorastep

@@ -1,0 +1,28 @@
+// CUDA memory figures and a kernel-level profile, where the build has CUDA.
+// The CPU build (Debian's LibTorch 1.13) compiles the same calls as no-ops, so callers need
+// no #ifdef: memory figures are absent (-1) and a profile request is UNIMPLEMENTED.
+#ifndef LORASTEP_LIB_DEVICE_STATS_H_
+#define LORASTEP_LIB_DEVICE_STATS_H_
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace lorastep {
+
+// Peak bytes held by tensors on `device` (the caching allocator's allocated-bytes peak)
+// since the last reset; -1 for a CPU device or a build without CUDA.
+int64_t CudaPeakAllocatedBytes(const c10::Device& device);
+void ResetCudaPeakAllocated(const c10::Device& device);
+
+// A Kineto trace (CPU operators and CUDA kernels) of everything run between Start and Stop,
+// saved as a Chrome trace JSON (bench/profile_summary.py turns it into a per-kernel table).
+absl::Status StartKernelProfile();
+absl::Status StopKernelProfile(const std::string& trace_path);
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_DEVICE_STATS_H_
