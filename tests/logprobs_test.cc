@@ -119,3 +119,50 @@ TEST(ChunkedTokenScoresTest, UnusedEntropyOutputNeedsNoGradient) {
 
 }  // namespace
 }  // namespace lorastep
+
+namespace lorastep {
+namespace {
+
+// The frozen head (LoRA) prepares its input gradient in forward: values and gradients of
+// both outputs still equal the unchunked reference, at every chunk size.
+TEST(ChunkedTokenScoresTest, FrozenHeadEqualsUnchunkedValuesAndGradients) {
+  const int64_t t = 37, h = 16, v = 50;
+  const auto opts = at::TensorOptions().device(::lorastep::testing::TestDevice()).dtype(
+      ::lorastep::testing::TestDtype());
+  using ::lorastep::testing::RelErr;
+  using ::lorastep::testing::Tol;
+  at::Tensor hidden = at::randn({t, h}, opts);
+  at::Tensor w = at::randn({v, h}, opts);
+  at::Tensor targets = at::randint(0, v, {t}, at::kLong).to(opts.device());
+  at::Tensor up_lp = at::randn({t}, opts.dtype(at::kFloat)), up_ent = at::randn({t}, opts.dtype(at::kFloat));
+  for (int64_t chunk : {1, 5, 37, 64}) {
+    at::Tensor h1 = hidden.clone().requires_grad_(true);
+    at::Tensor h2 = hidden.clone().requires_grad_(true);
+    TokenScores s = ChunkedTokenScores(h1, w, at::Tensor(), targets, chunk, GradOptions{});
+    Reference r = Unchunked(h2, w, targets);
+    EXPECT_LT(RelErr(s.logprobs, r.logprobs), Tol(1e-6)) << chunk;
+    EXPECT_LT(RelErr(s.entropy, r.entropy), Tol(1e-5)) << chunk;
+    ((s.logprobs * up_lp).sum() + (s.entropy * up_ent).sum()).backward();
+    ((r.logprobs * up_lp).sum() + (r.entropy * up_ent).sum()).backward();
+    EXPECT_LT(RelErr(h1.grad(), h2.grad()), Tol(1e-5)) << chunk;
+  }
+}
+
+// entropy_grad=false skips the entropy's [T, H] product; differentiating the entropy anyway
+// is an error, not a silently wrong gradient. Without autograd nothing is prepared.
+TEST(ChunkedTokenScoresTest, FrozenHeadRefusesAnUnpreparedEntropyGradient) {
+  const int64_t t = 9, h = 8, v = 20;
+  at::Tensor hidden = at::randn({t, h}).requires_grad_(true);
+  at::Tensor w = at::randn({v, h});
+  at::Tensor targets = at::randint(0, v, {t}, at::kLong);
+  TokenScores s = ChunkedTokenScores(hidden, w, at::Tensor(), targets, 4, GradOptions{}, {},
+                                     /*entropy_grad=*/false);
+  EXPECT_THROW(s.entropy.sum().backward(), c10::Error);
+  at::NoGradGuard no_grad;
+  TokenScores plain = ChunkedTokenScores(hidden, w, at::Tensor(), targets, 4, GradOptions{});
+  EXPECT_FALSE(plain.logprobs.requires_grad());
+  EXPECT_LT(::lorastep::testing::RelErr(plain.logprobs, s.logprobs.detach()), 1e-6);
+}
+
+}  // namespace
+}  // namespace lorastep

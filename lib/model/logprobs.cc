@@ -1,5 +1,6 @@
 #include "lib/model/logprobs.h"
 
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
@@ -190,13 +191,75 @@ class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction
   }
 };
 
+// A frozen LM head (LoRA training, or no gradient at all). Backward needs the logits only
+// through two [T, H] products, so forward computes them while each chunk's logits exist and
+// backward never recomputes the logits or passes over [chunk, V] again:
+//   d logprob_t / d h_t = W[y_t] - p_t W                       (p_t W = E_p[W])
+//   d entropy_t / d h_t = -(p_t * lf_t) W - entropy_t p_t W    (lf = log-softmax)
+// (the second only when the loss differentiates the entropy).
+class FrozenHeadScoresFunction : public torch::autograd::Function<FrozenHeadScoresFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& hidden, const at::Tensor& weight,
+                                                const at::Tensor& targets, int64_t chunk,
+                                                bool prepare_grad, bool entropy_grad) {
+    const int64_t t = hidden.size(0);
+    const auto f32 = hidden.options().dtype(at::kFloat);
+    at::Tensor logprobs = at::empty({t}, f32), entropy = at::empty({t}, f32);
+    at::Tensor expected_w, entropy_w;  // [T, H] fp32: p W and (p * lf) W
+    if (prepare_grad) expected_w = at::empty({t, hidden.size(1)}, f32);
+    if (prepare_grad && entropy_grad) entropy_w = at::empty({t, hidden.size(1)}, f32);
+    for (int64_t start = 0; start < t; start += chunk) {
+      const int64_t n = std::min(chunk, t - start);
+      at::Tensor lf = at::log_softmax(at::mm(hidden.narrow(0, start, n), weight.t()), 1, at::kFloat);
+      logprobs.narrow(0, start, n).copy_(lf.gather(1, targets.narrow(0, start, n).unsqueeze(1)).squeeze(1));
+      at::Tensor p = lf.exp();
+      // -sum_v p lf as a batched dot product: no [n, V] temporary.
+      entropy.narrow(0, start, n).copy_(at::bmm(p.unsqueeze(1), lf.unsqueeze(2)).view({n}).neg());
+      if (expected_w.defined()) expected_w.narrow(0, start, n).copy_(at::mm(p.to(weight.scalar_type()), weight));
+      if (entropy_w.defined()) {
+        entropy_w.narrow(0, start, n).copy_(at::mm(p.mul_(lf).to(weight.scalar_type()), weight));
+      }
+    }
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["entropy_grad"] = entropy_w.defined();
+    ctx->save_for_backward({weight, targets, expected_w, entropy_w, entropy});
+    return {logprobs, entropy};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &weight = saved[0], &targets = saved[1], &expected_w = saved[2],
+                     &entropy_w = saved[3], &entropy = saved[4];
+    const at::Tensor &g_lp = grads[0], &g_ent = grads[1];
+    TORCH_CHECK(expected_w.defined(), "log-prob gradient of a forward run without gradients");
+    at::Tensor gh = at::zeros_like(expected_w);
+    if (g_lp.defined()) {
+      gh.add_(g_lp.unsqueeze(1) * (weight.index_select(0, targets).to(at::kFloat) - expected_w));
+    }
+    if (g_ent.defined()) {
+      TORCH_CHECK(ctx->saved_data["entropy_grad"].toBool(),
+                  "entropy gradient of a forward run with entropy_grad off");
+      gh.sub_(g_ent.unsqueeze(1) * (entropy_w + entropy.unsqueeze(1) * expected_w));
+    }
+    return {gh.to(weight.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 TokenScores ChunkedTokenScores(const at::Tensor& hidden, const at::Tensor& weight,
                                const at::Tensor& weight_main_grad, const at::Tensor& targets,
                                int64_t chunk_tokens, const GradOptions& grad,
-                               const VocabShard& vocab) {
+                               const VocabShard& vocab, bool entropy_grad) {
   CommGroup* group = vocab.group != nullptr && vocab.group->size() > 1 ? vocab.group : nullptr;
+  if (group == nullptr && !weight_main_grad.defined()) {
+    const bool prepare = at::GradMode::is_enabled() && hidden.requires_grad();
+    auto out = FrozenHeadScoresFunction::apply(hidden, weight, targets, std::max<int64_t>(1, chunk_tokens),
+                                               prepare, entropy_grad);
+    return {out[0], out[1]};
+  }
   auto out = TokenScoresFunction::apply(hidden, weight, MainGradRef{weight_main_grad}, targets,
                                         std::max<int64_t>(1, chunk_tokens), grad.fused_wgrad,
                                         grad.fp32_dgrad,

@@ -1,7 +1,9 @@
 // Per-token log-probabilities and entropies of target tokens, computed in chunks of tokens so
-// the fp32 [tokens, vocab] logits of a whole micro-batch never exist at once: forward keeps
-// only the hidden states; backward recomputes each chunk's logits. Peak extra memory is
-// O(chunk_tokens * vocab), independent of the micro-batch size.
+// the fp32 [tokens, vocab] logits of a whole micro-batch never exist at once. Peak extra
+// memory is O(chunk_tokens * vocab), independent of the micro-batch size.
+// A frozen head (LoRA) computes what backward needs while each chunk's logits exist
+// ([T, H] products), so backward never touches [T, V]; a trainable or vocab-parallel head
+// keeps the hidden states and recomputes each chunk's logits in backward.
 #ifndef LORASTEP_LIB_MODEL_LOGPROBS_H_
 #define LORASTEP_LIB_MODEL_LOGPROBS_H_
 
@@ -23,10 +25,12 @@ struct TokenScores {
 // Vocab-parallel when `vocab.group` has several ranks: `weight` is this rank's vocabulary
 // slice, targets stay global ids, every rank gets the same log-probs and entropies, and the
 // gradient of `hidden` is summed over the group (full logits are never gathered).
+// `entropy_grad`: whether the loss will differentiate the entropy (the frozen head then
+// prepares that gradient too; a backward through the entropy without it is an error).
 TokenScores ChunkedTokenScores(const at::Tensor& hidden, const at::Tensor& weight,
                                const at::Tensor& weight_main_grad, const at::Tensor& targets,
                                int64_t chunk_tokens, const GradOptions& grad,
-                               const VocabShard& vocab = {});
+                               const VocabShard& vocab = {}, bool entropy_grad = true);
 
 }  // namespace lorastep
 

@@ -271,7 +271,8 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     TokenScores scores =
         ChunkedTokenScores(selected, OutputWeight(base_->weights, adapter_.get()),
                            OutputMainGrad(adapter_.get()), mb.targets,
-                           options_.logprob_chunk_tokens, options_.grad, vocab);
+                           options_.logprob_chunk_tokens, options_.grad, vocab,
+                           /*entropy_grad=*/backward && loss->entropy_coef != 0);
     at::Tensor lp_cpu = scores.logprobs.detach().to(at::kCPU);
     {
       const float* lp = lp_cpu.data_ptr<float>();
