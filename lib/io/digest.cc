@@ -5,13 +5,14 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <thread>
 
 namespace lorastep {
 namespace {
 
-constexpr int64_t kChunkBytes = int64_t{8} << 20;  // larger tensors are hashed in parallel chunks
+constexpr int64_t kChunkBytes = int64_t{8} << 20;  // the unit of parallel hashing
 
 using Sha256 = std::array<unsigned char, 32>;
 
@@ -33,10 +34,29 @@ class Hasher {
 }  // namespace
 
 std::string TensorsSha256(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> cpu;
-  for (const at::Tensor& t : tensors) cpu.push_back(t.detach().to(at::kCPU).contiguous());
-  // Chunks of every large tensor, hashed by a few threads; each tensor then contributes its
-  // chunks' digests in order instead of its bytes (small tensors contribute their bytes).
+  // Device tensors reach the host in one copy per (device, dtype): flattened and
+  // concatenated there first, so hundreds of small adapter tensors cost one transfer.
+  std::vector<at::Tensor> cpu(tensors.size());
+  std::map<std::pair<std::string, at::ScalarType>, std::vector<size_t>> on_device;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].is_cpu()) {
+      cpu[i] = tensors[i].detach().contiguous();
+    } else {
+      on_device[{tensors[i].device().str(), tensors[i].scalar_type()}].push_back(i);
+    }
+  }
+  for (const auto& [key, members] : on_device) {
+    std::vector<at::Tensor> flat;
+    for (size_t i : members) flat.push_back(tensors[i].detach().reshape({-1}));
+    at::Tensor host = at::cat(flat).to(at::kCPU);
+    int64_t offset = 0;
+    for (size_t i : members) {
+      cpu[i] = host.narrow(0, offset, tensors[i].numel()).view(tensors[i].sizes());
+      offset += tensors[i].numel();
+    }
+  }
+  // Every tensor's bytes in chunks of at most 8 MiB, hashed by a pool of threads; the result
+  // hashes each tensor's dtype, shape and chunk digests in order.
   struct Chunk {
     const unsigned char* data;
     int64_t size;
@@ -46,7 +66,6 @@ std::string TensorsSha256(const std::vector<at::Tensor>& tensors) {
   std::vector<Chunk*> work;
   for (size_t i = 0; i < cpu.size(); ++i) {
     const int64_t bytes = cpu[i].numel() * cpu[i].element_size();
-    if (bytes <= kChunkBytes) continue;
     const auto* p = static_cast<const unsigned char*>(cpu[i].data_ptr());
     for (int64_t off = 0; off < bytes; off += kChunkBytes) chunks[i].push_back({p + off, std::min(kChunkBytes, bytes - off), {}});
   }
@@ -70,11 +89,7 @@ std::string TensorsSha256(const std::vector<at::Tensor>& tensors) {
     const std::string dtype = c10::toString(cpu[i].scalar_type());
     top.Update(dtype.data(), dtype.size());
     for (int64_t d : cpu[i].sizes()) top.Update(&d, sizeof(d));
-    if (chunks[i].empty()) {
-      top.Update(cpu[i].data_ptr(), cpu[i].numel() * cpu[i].element_size());
-    } else {
-      for (const Chunk& c : chunks[i]) top.Update(c.digest.data(), c.digest.size());
-    }
+    for (const Chunk& c : chunks[i]) top.Update(c.digest.data(), c.digest.size());
   }
   const Sha256 out = top.Final();
   std::string hex;

@@ -9,9 +9,9 @@
 
 namespace lorastep {
 
-// Hex SHA-256 over each tensor's dtype, shape and bytes (CPU, contiguous), in order. A
-// tensor over 8 MiB contributes the SHA-256s of its 8 MiB chunks instead of its bytes
-// (hashed on up to 16 threads): a large adapter's per-step digest stays cheap.
+// Hex SHA-256 over each tensor's dtype, shape and content, in order: the content enters as
+// the SHA-256s of its bytes' 8 MiB chunks (hashed on up to 16 threads), and device tensors
+// reach the host in one copy per dtype, so a per-step adapter digest stays cheap.
 std::string TensorsSha256(const std::vector<at::Tensor>& tensors);
 
 }  // namespace lorastep

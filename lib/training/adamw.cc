@@ -1,6 +1,7 @@
 #include "lib/training/adamw.h"
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -10,10 +11,28 @@
 namespace lorastep {
 
 AdamW::AdamW(Adapter* adapter) : adapter_(adapter) {
-  for (const Parameter& p : adapter_->parameters()) {
-    master_.push_back(p.value.detach().to(at::kFloat).clone());
-    exp_avg_.push_back(at::zeros_like(master_.back()));
-    exp_avg_sq_.push_back(at::zeros_like(master_.back()));
+  const auto& params = adapter_->parameters();
+  int64_t total = 0;
+  for (const Parameter& p : params) {
+    offsets_.push_back(total);
+    total += p.value.numel();
+    same_dtype_ = same_dtype_ && p.value.scalar_type() == params.front().value.scalar_type();
+  }
+  if (params.empty()) return;
+  // One flat fp32 buffer per state, in parameter order; the per-parameter tensors are views
+  // of it, so a step is a dozen kernels over the flat buffers instead of a dozen per parameter.
+  const auto f32 = params.front().value.options().dtype(at::kFloat).requires_grad(false);
+  flat_master_ = at::empty({total}, f32);
+  flat_avg_ = at::zeros({total}, f32);
+  flat_avg_sq_ = at::zeros({total}, f32);
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t n = params[i].value.numel();
+    const auto shape = params[i].value.sizes();
+    master_.push_back(flat_master_.narrow(0, offsets_[i], n).view(shape));
+    exp_avg_.push_back(flat_avg_.narrow(0, offsets_[i], n).view(shape));
+    exp_avg_sq_.push_back(flat_avg_sq_.narrow(0, offsets_[i], n).view(shape));
+    master_.back().copy_(params[i].value);
   }
 }
 
@@ -27,14 +46,17 @@ AdamW::Coefficients AdamW::StepCoefficients(const AdamWParams& p, double norm) c
   return k;
 }
 
-AdamW::Update AdamW::CandidateUpdate(size_t i, const AdamWParams& p, const Coefficients& k) const {
-  at::Tensor g = adapter_->parameters()[i].main_grad;
-  if (k.clip != 1.0) g = g * k.clip;
+AdamW::Update AdamW::CandidateUpdate(const AdamWParams& p, const Coefficients& k) const {
+  // Every main_grad flattened in parameter order (one copy kernel).
+  std::vector<at::Tensor> grads;
+  for (const Parameter& prm : adapter_->parameters()) grads.push_back(prm.main_grad.reshape({-1}));
+  at::Tensor g = at::cat(grads);
+  if (k.clip != 1.0) g.mul_(k.clip);
   Update u;
-  u.exp_avg = exp_avg_[i] * p.beta1 + g * (1.0 - p.beta1);
-  u.exp_avg_sq = exp_avg_sq_[i] * p.beta2 + g * g * (1.0 - p.beta2);
-  u.master = master_[i] * (1.0 - k.lr * p.weight_decay) -
-             u.exp_avg / ((u.exp_avg_sq / k.bc2).sqrt() + p.eps) * (k.lr / k.bc1);
+  u.exp_avg = flat_avg_ * p.beta1 + g * (1.0 - p.beta1);
+  u.exp_avg_sq = flat_avg_sq_ * p.beta2 + g.mul_(g) * (1.0 - p.beta2);
+  u.master = flat_master_ * (1.0 - k.lr * p.weight_decay) -
+             u.exp_avg / ((u.exp_avg_sq / k.bc2).sqrt_() + p.eps) * (k.lr / k.bc1);
   return u;
 }
 
@@ -44,27 +66,28 @@ absl::Status AdamW::CheckStep(const AdamWParams& p, double norm) const {
     return absl::FailedPreconditionError(
         "optimizer: non-finite gradient norm; step refused, parameters unchanged");
   }
-  at::NoGradGuard no_grad;
   const auto& params = adapter_->parameters();
-  const Coefficients k = StepCoefficients(p, norm);
+  if (params.empty()) return absl::OkStatus();
+  at::NoGradGuard no_grad;
   // The update computed aside: is every parameter, in its own dtype, still finite? One host
-  // synchronization for all parameters.
-  std::vector<at::Tensor> finite;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const Update u = CandidateUpdate(i, p, k);
-    finite.push_back(at::isfinite(u.master.to(params[i].value.scalar_type())).all().reshape({1}));
-  }
-  if (!finite.empty()) {
-    at::Tensor ok = at::cat(finite).to(at::kCPU);
+  // synchronization; the parameter is named from the first bad element's offset.
+  const at::Tensor master = CandidateUpdate(p, StepCoefficients(p, norm)).master;
+  at::Tensor bad;
+  if (same_dtype_) {
+    bad = at::isfinite(master.to(params.front().value.scalar_type())).logical_not_();
+  } else {
+    std::vector<at::Tensor> parts;
     for (size_t i = 0; i < params.size(); ++i) {
-      if (!ok[i].item<bool>()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "optimizer: the update would make ", params[i].name,
-            " non-finite; step refused, parameters unchanged"));
-      }
+      parts.push_back(at::isfinite(master.narrow(0, offsets_[i], params[i].value.numel())
+                                       .to(params[i].value.scalar_type())).logical_not_());
     }
+    bad = at::cat(parts);
   }
-  return absl::OkStatus();
+  const int64_t first = bad.any().item<bool>() ? bad.to(at::kByte).argmax().item<int64_t>() : -1;
+  if (first < 0) return absl::OkStatus();
+  const size_t i = std::upper_bound(offsets_.begin(), offsets_.end(), first) - offsets_.begin() - 1;
+  return absl::FailedPreconditionError(absl::StrCat(
+      "optimizer: the update would make ", params[i].name, " non-finite; step refused, parameters unchanged"));
 }
 
 absl::StatusOr<OptimizerStepResult> AdamW::Step(const AdamWParams& p,
@@ -78,23 +101,21 @@ absl::StatusOr<OptimizerStepResult> AdamW::Step(const AdamWParams& p,
   if (grad_norm.has_value()) {
     norm = *grad_norm;
   } else {
-    double sq = 0.0;
-    for (const Parameter& prm : params) {
-      sq += prm.main_grad.to(at::kDouble).pow(2).sum().item<double>();
-    }
-    norm = std::sqrt(sq);
+    at::Tensor sq = at::zeros({}, at::TensorOptions().dtype(at::kDouble));
+    for (const Parameter& prm : params) sq = sq + prm.main_grad.to(at::kDouble).pow(2).sum().to(at::kCPU);
+    norm = std::sqrt(sq.item<double>());
   }
   if (!std::isfinite(norm)) {
     return absl::FailedPreconditionError(
         "optimizer: non-finite gradient norm; step refused, parameters unchanged");
   }
   const Coefficients k = StepCoefficients(p, norm);
-  for (size_t i = 0; i < params.size(); ++i) {
-    const Update u = CandidateUpdate(i, p, k);
-    exp_avg_[i].copy_(u.exp_avg);
-    exp_avg_sq_[i].copy_(u.exp_avg_sq);
-    master_[i].copy_(u.master);
-    params[i].value.copy_(master_[i]);
+  if (!params.empty()) {
+    const Update u = CandidateUpdate(p, k);
+    flat_avg_.copy_(u.exp_avg);
+    flat_avg_sq_.copy_(u.exp_avg_sq);
+    flat_master_.copy_(u.master);
+    for (size_t i = 0; i < params.size(); ++i) params[i].value.copy_(master_[i]);
   }
   adapter_->ZeroMainGrads();
   steps_ = k.t;

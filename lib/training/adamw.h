@@ -41,14 +41,15 @@ class AdamW {
 
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t steps) { steps_ = steps; }
-  // Optimizer state in parameter order (for checkpoints); writes through to the live state.
+  // Optimizer state in parameter order (for checkpoints): views of the flat fp32 buffers,
+  // so copy_ into them writes through to the live state (never reassign them).
   std::vector<at::Tensor>& master() { return master_; }
   std::vector<at::Tensor>& exp_avg() { return exp_avg_; }
   std::vector<at::Tensor>& exp_avg_sq() { return exp_avg_sq_; }
 
  private:
-  // The step's scalars (clip factor, scheduled lr, step number, bias corrections), and
-  // parameter i's new state computed aside: CheckStep and Step share the one formula.
+  // The step's scalars (clip factor, scheduled lr, step number, bias corrections), and the
+  // new flat state computed aside: CheckStep and Step share the one formula.
   struct Coefficients {
     double clip = 1.0, lr = 0.0, bc1 = 1.0, bc2 = 1.0;
     int64_t t = 0;
@@ -57,10 +58,13 @@ class AdamW {
     at::Tensor exp_avg, exp_avg_sq, master;
   };
   Coefficients StepCoefficients(const AdamWParams& p, double norm) const;
-  Update CandidateUpdate(size_t i, const AdamWParams& p, const Coefficients& k) const;
+  Update CandidateUpdate(const AdamWParams& p, const Coefficients& k) const;
 
   Adapter* adapter_;
-  std::vector<at::Tensor> master_, exp_avg_, exp_avg_sq_;
+  at::Tensor flat_master_, flat_avg_, flat_avg_sq_;  // fp32, parameters in order
+  std::vector<at::Tensor> master_, exp_avg_, exp_avg_sq_;  // views of the flat buffers
+  std::vector<int64_t> offsets_;  // parameter i's first element in the flat buffers
+  bool same_dtype_ = true;
   int64_t steps_ = 0;
 };
 
