@@ -16,17 +16,19 @@
 namespace lorastep {
 namespace compat {
 
-// out_fp32 += a @ b with fp32 accumulation, in place: the fused weight-gradient GEMM.
-// On CUDA with torch >= 2.5 and bf16/fp16 inputs this is one cuBLAS GEMM with C = A·B + 1·C
-// and an fp32 C (aten::addmm.dtype_out); elsewhere the inputs are upcast first (same math).
-inline void AddMatmulFp32(at::Tensor& out_fp32, const at::Tensor& a, const at::Tensor& b) {
+// out_fp32 += alpha * (a @ b) with fp32 accumulation, in place: the fused weight-gradient
+// GEMM. On CUDA with torch >= 2.5 and bf16/fp16 inputs this is one cuBLAS GEMM with
+// C = alpha·A·B + 1·C and an fp32 C (aten::addmm.dtype_out); elsewhere the inputs are upcast
+// first (same math).
+inline void AddMatmulFp32(at::Tensor& out_fp32, const at::Tensor& a, const at::Tensor& b,
+                          double alpha = 1.0) {
 #if LORASTEP_TORCH_AT_LEAST(2, 5)
   if (a.is_cuda() && a.scalar_type() != at::kFloat && a.scalar_type() == b.scalar_type()) {
-    at::addmm_out(out_fp32, out_fp32, a, b, at::kFloat, /*beta=*/1, /*alpha=*/1);
+    at::addmm_out(out_fp32, out_fp32, a, b, at::kFloat, /*beta=*/1, /*alpha=*/alpha);
     return;
   }
 #endif
-  out_fp32.addmm_(a.to(at::kFloat), b.to(at::kFloat));
+  out_fp32.addmm_(a.to(at::kFloat), b.to(at::kFloat), /*beta=*/1, /*alpha=*/alpha);
 }
 
 // Causal self-attention. q: [b, heads, s, d]; k, v: [b, heads, s, d] (already expanded for

@@ -27,9 +27,9 @@ struct GradOptions {
   bool fp32_dgrad = false;  // compute input gradients in fp32, then cast back
 };
 
-// How custom autograd functions receive a main_grad buffer: as a plain value, not a tensor
-// argument, so autograd never treats it as an input (it may be undefined for frozen
-// weights, and it never receives a gradient).
+// How custom autograd functions receive a main_grad buffer (or another tensor that gets no
+// gradient, such as a frozen bias): as a plain value, not a tensor argument, so autograd
+// never treats it as an input (it may be undefined, and it never receives a gradient).
 struct MainGradRef {
   at::Tensor tensor;
 };
@@ -45,6 +45,13 @@ at::Tensor LinearInputGrad(const at::Tensor& grad_output, const at::Tensor& weig
 // `weight` must require grad when trainable (so a node exists even if x does not).
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& main_grad,
                   const GradOptions& options);
+
+// x @ weight^T (+ bias) + scale * (x @ a^T) @ b^T for a frozen `weight`, differentiable in
+// x, a and b (a and b accumulate into their main_grads like trainable linears). Fewer
+// kernels than composing Linear: the branch adds into the base output inside its GEMM.
+at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                      const at::Tensor& a, const at::Tensor& a_main_grad, const at::Tensor& b,
+                      const at::Tensor& b_main_grad, double scale, const GradOptions& options);
 
 // x.index_select(0, perm) for a permutation `perm` of x's rows, whose backward gathers with
 // `inverse` (inverse[perm[i]] = i) instead of scatter-adding (no atomics: the MoE dispatch

@@ -35,15 +35,20 @@ class LayerRunner {
   at::Tensor Project(size_t layer, int slot, const at::Tensor& x) const {
     const at::Tensor& w = weights_.layers[layer].linear[slot];
     at::Tensor mg = main_grads_ != nullptr ? main_grads_->layers[layer].linear[slot] : at::Tensor();
-    at::Tensor y = Linear(x, w, mg, options_.grad);
-    if (slot < 3 && weights_.layers[layer].qkv_bias[slot].defined()) {
-      y = y + weights_.layers[layer].qkv_bias[slot];
-    }
+    const at::Tensor bias = slot < 3 ? weights_.layers[layer].qkv_bias[slot] : at::Tensor();
     const LoraFactors* f = adapter_ != nullptr ? adapter_->lora(layer, slot) : nullptr;
+    const double p = adapter_ != nullptr ? adapter_->lora_config().dropout : 0.0;
+    if (f != nullptr && !mg.defined() && !(p > 0 && options_.training)) {  // the common case, fused
+      const Parameter& a = adapter_->parameters()[f->a];
+      const Parameter& b = adapter_->parameters()[f->b];
+      return LoraLinear(x, w, bias, a.value, a.main_grad, b.value, b.main_grad,
+                        adapter_->lora_config().scale(), options_.grad);
+    }
+    at::Tensor y = Linear(x, w, mg, options_.grad);
+    if (bias.defined()) y = y + bias;
     if (f != nullptr) {
       const Parameter& a = adapter_->parameters()[f->a];
       const Parameter& b = adapter_->parameters()[f->b];
-      const double p = adapter_->lora_config().dropout;
       at::Tensor xin = (p > 0 && options_.training) ? Dropout(x, p) : x;
       at::Tensor h = Linear(xin, a.value, a.main_grad, options_.grad);
       y = y + Linear(h, b.value, b.main_grad, options_.grad) * adapter_->lora_config().scale();

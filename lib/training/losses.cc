@@ -4,11 +4,9 @@ namespace lorastep {
 namespace {
 
 // Masked mean over loss-bearing positions, as a (sum, count) partial.
-void AddMaskedMean(Metrics* metrics, const std::string& name, const at::Tensor& values,
+void AddMaskedMean(PendingMetrics* metrics, const std::string& name, const at::Tensor& values,
                    const at::Tensor& bearing) {
-  at::Tensor v = values.detach().to(at::kDouble);
-  const double sum = (v * bearing).sum().item<double>();
-  metrics->Add(name, sum, bearing.sum().item<double>());
+  metrics->Add(name, (values.detach().to(at::kDouble) * bearing).sum(), bearing.sum());
 }
 
 // KL(pi || ref) estimators on r = ref - lp (Schulman's k1/k2/k3; k3 = low_var_kl, clamped).
@@ -27,8 +25,34 @@ at::Tensor KlPenalty(KlEstimator estimator, const at::Tensor& lp, const at::Tens
 
 }  // namespace
 
+void PendingMetrics::Add(const std::string& name, const at::Tensor& sum, const at::Tensor& count) {
+  names_.push_back(name);
+  values_.push_back(at::stack({sum.detach().to(at::kDouble).reshape({}), count.detach().to(at::kDouble).reshape({})}));
+}
+
+void PendingMetrics::Add(const std::string& name, const at::Tensor& sum) {
+  Add(name, sum, at::ones({}, sum.options().dtype(at::kDouble)));
+}
+
+void PendingMetrics::Resolve(Metrics* metrics) {
+  if (values_.empty()) return;
+  at::Tensor all = at::stack(values_).to(at::kCPU);  // the one synchronization
+  const double* v = all.data_ptr<double>();
+  for (size_t i = 0; i < names_.size(); ++i) metrics->Add(names_[i], v[2 * i], v[2 * i + 1]);
+  names_.clear();
+  values_.clear();
+}
+
 at::Tensor ComputeLoss(const LossConfig& c, const LossInputs& in, const LossDenominators& den,
                        Metrics* metrics) {
+  PendingMetrics pending;
+  at::Tensor loss = ComputeLoss(c, in, den, &pending);
+  pending.Resolve(metrics);
+  return loss;
+}
+
+at::Tensor ComputeLoss(const LossConfig& c, const LossInputs& in, const LossDenominators& den,
+                       PendingMetrics* metrics) {
   const at::Tensor& lp = in.logprobs;
   at::Tensor bearing = (in.mask != 0).to(at::kDouble);
   at::Tensor old = in.old_logprobs.defined() ? in.old_logprobs : in.sampler_logprobs;
@@ -104,8 +128,8 @@ at::Tensor ComputeLoss(const LossConfig& c, const LossInputs& in, const LossDeno
       break;
   }
   at::Tensor loss = (total * scale).sum();
-  metrics->Add("loss:sum", loss.detach().item<double>());
-  metrics->Add("pg_loss:sum", (pg.detach() * scale).sum().item<double>());
+  metrics->Add("loss:sum", loss);
+  metrics->Add("pg_loss:sum", (pg.detach() * scale).sum());
   return loss;
 }
 

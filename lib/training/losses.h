@@ -6,6 +6,9 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
+#include <vector>
+
 #include "lib/training/loss_config.h"
 #include "lib/training/metrics.h"
 
@@ -29,10 +32,27 @@ struct LossDenominators {
   double samples = 0;  // samples with at least one loss-bearing position, whole batch
 };
 
+// Metric partials kept on the device until Resolve, which reads all of them with one host
+// synchronization (a step adds a dozen per micro-batch; one .item() each would stall the
+// device stream a dozen times).
+class PendingMetrics {
+ public:
+  void Add(const std::string& name, const at::Tensor& sum, const at::Tensor& count);
+  void Add(const std::string& name, const at::Tensor& sum);  // count 1
+  void Resolve(Metrics* metrics);  // adds every partial to `metrics`, then empties
+
+ private:
+  std::vector<std::string> names_;
+  std::vector<at::Tensor> values_;  // fp64 [2]: sum, count
+};
+
 // Returns the scalar loss of these positions (already normalized) and adds metrics:
 // loss:sum, pg_loss:sum, entropy:mean, and as they apply pg_clipfrac:mean,
 // pg_clipfrac_lower:mean (dual clip), ppo_kl:mean, kl_ref:mean, tis:mean, tis_clipfrac:mean,
 // train_rollout_logprob_abs_diff:mean, train_rollout_kl:mean.
+at::Tensor ComputeLoss(const LossConfig& config, const LossInputs& in,
+                       const LossDenominators& denominators, PendingMetrics* metrics);
+// The same, its metrics resolved at once.
 at::Tensor ComputeLoss(const LossConfig& config, const LossInputs& in,
                        const LossDenominators& denominators, Metrics* metrics);
 

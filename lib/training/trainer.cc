@@ -263,6 +263,10 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
 
   // The last stage's head: final norm, log-probs of the targets, the loss and its metrics.
   // Returns the micro-batch's (already normalized) loss, undefined for a forward-only call.
+  // Per-micro-batch results stay on the device until every micro-batch has run: one host
+  // synchronization for all log-probs and one for all metrics, not a dozen per micro-batch.
+  PendingMetrics pending;
+  std::vector<std::pair<const MicroBatch*, at::Tensor>> pending_logprobs;
   auto head = [&](const MicroBatch& mb, const at::Tensor& layers_out) -> at::Tensor {
     // A filler's backward must still run every layer's exchanges: a zero loss on its output.
     if (mb.filler) return backward ? layers_out.sum() * 0.0 : at::Tensor();
@@ -273,19 +277,10 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
                            OutputMainGrad(adapter_.get()), mb.targets,
                            options_.logprob_chunk_tokens, options_.grad, vocab,
                            /*entropy_grad=*/backward && loss->entropy_coef != 0);
-    at::Tensor lp_cpu = scores.logprobs.detach().to(at::kCPU);
-    {
-      const float* lp = lp_cpu.data_ptr<float>();
-      size_t offset = 0;
-      for (size_t d : *mb.datums) {
-        result.logprobs[d].assign(lp + offset, lp + offset + datums[d].tokens.size());
-        offset += datums[d].tokens.size();
-      }
-    }
+    pending_logprobs.emplace_back(&mb, scores.logprobs.detach());
     if (!backward) {
-      at::Tensor bearing = (at::tensor(mb.mask, at::kFloat) != 0).to(at::kDouble);
-      m.Add("entropy:mean", (scores.entropy.detach().to(at::kCPU).to(at::kDouble) * bearing).sum().item<double>(),
-            bearing.sum().item<double>());
+      at::Tensor bearing = (at::tensor(mb.mask, at::kFloat) != 0).to(at::kDouble).to(device);
+      pending.Add("entropy:mean", (scores.entropy.detach().to(at::kDouble) * bearing).sum(), bearing.sum());
       return at::Tensor();
     }
     auto any = [](const std::vector<const std::vector<float>*>& v) {
@@ -306,7 +301,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     }
     LossDenominators mb_den = den;
     mb_den.sample_tokens = den.sample_tokens.to(device);
-    return ComputeLoss(*loss, in, mb_den, &m);
+    return ComputeLoss(*loss, in, mb_den, &pending);
   };
 
   c10::optional<at::NoGradGuard> no_grad;
@@ -339,6 +334,19 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
         },
         &t_forward, &t_backward));
   }
+  if (!pending_logprobs.empty()) {
+    std::vector<at::Tensor> parts;
+    for (const auto& [mb, lp] : pending_logprobs) parts.push_back(lp);
+    const at::Tensor all = at::cat(parts).to(at::kCPU);
+    const float* lp = all.data_ptr<float>();
+    for (const auto& [mb, unused] : pending_logprobs) {
+      for (size_t d : *mb->datums) {
+        result.logprobs[d].assign(lp, lp + datums[d].tokens.size());
+        lp += datums[d].tokens.size();
+      }
+    }
+  }
+  pending.Resolve(&m);
   Metrics routing;  // one host synchronization for every MoE layer of every micro-batch
   AddRoutingMetrics(routing_counts, &routing);
   m.Merge(routing);
