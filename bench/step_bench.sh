@@ -15,18 +15,19 @@ VOCAB=$(python3 -c "import json;print(json.load(open('$MODEL/config.json'))['voc
 MT=${STEP_MAX_TOKENS:-16384}  # lorastep's micro-batch (padded tokens)
 python3 bench/gemm_peak.py --out "$OUT/gemm_peak.json"
 for w in fixed varlen; do python3 bench/make_batch.py --vocab "$VOCAB" --workload $w --out "$OUT/batch_$w.json"; done
-run_ours() {  # mode workload rank
-  local mode=$1 w=$2 rank=$3 m=train
+run_ours() {  # mode workload rank [micro-batch: an extra row, file ours_MODE_W_mbN.json]
+  local mode=$1 w=$2 rank=$3 mt=${4:-$MT} m=train name="ours_${1}_$2"
+  [ -n "${4:-}" ] && name="${name}_mb$4"
   [ "$mode" = logprobs ] && m=forward
-  MODEL_DIR=$MODEL RANK=$rank MAX_TOKENS=$MT STEPS=3 MODE=$m BATCH_FILE="$OUT/batch_$w.json" \
-    COORD_FLAGS="--max_tokens_per_microbatch $MT" MACHINE="$(head -1 "$OUT/env.txt")" VERSIONS="$(tail -1 "$OUT/env.txt")" \
-    bench/service_overhead.sh "$BIN" qwen2.5-0.5b cuda bfloat16 "$OUT/ours_${mode}_$w.json" overhead_fraction \
-    > "/tmp/ours_${mode}_$w.log" 2>&1 || { echo "lorastep $mode $w failed"; tail -20 "/tmp/ours_${mode}_$w.log"; }
-  python3 -c "import json,sys;d=json.load(open(sys.argv[1]));m=d['last_step_metrics'];print('lorastep',sys.argv[2],sys.argv[3],round(d['worker_step_median_s'],4),'s',{k:round(v,4) for k,v in m.items() if k.startswith('time_')})" \
-    "$OUT/ours_${mode}_$w.json" "$mode" "$w" 2>/dev/null
+  MODEL_DIR=$MODEL RANK=$rank MAX_TOKENS=$mt STEPS=3 MODE=$m BATCH_FILE="$OUT/batch_$w.json" \
+    COORD_FLAGS="--max_tokens_per_microbatch $mt" MACHINE="$(head -1 "$OUT/env.txt")" VERSIONS="$(tail -1 "$OUT/env.txt")" \
+    bench/service_overhead.sh "$BIN" qwen2.5-0.5b cuda bfloat16 "$OUT/$name.json" overhead_fraction \
+    > "/tmp/$name.log" 2>&1 || { echo "lorastep $name failed"; tail -20 "/tmp/$name.log"; }
+  python3 -c "import json,sys;d=json.load(open(sys.argv[1]));m=d['last_step_metrics'];print('lorastep',sys.argv[2],round(d['worker_step_median_s'],4),'s',{k:round(v,4) for k,v in m.items() if k.startswith('time_') or k.startswith('peak_cuda')})" \
+    "$OUT/$name.json" "$name mb=$mt" 2>/dev/null
 }
 for spec in ${STEP_OURS:-lora:fixed:32 full:fixed:0 logprobs:fixed:32 lora:varlen:32 full:varlen:0}; do
-  IFS=: read -r mode w rank <<< "$spec"; run_ours "$mode" "$w" "$rank"
+  IFS=: read -r mode w rank mt <<< "$spec"; run_ours "$mode" "$w" "$rank" "$mt"
 done
 for spec in ${STEP_HF:-lora:fixed full:fixed logprobs:fixed lora:varlen}; do
   IFS=: read -r mode w <<< "$spec"
@@ -39,4 +40,4 @@ if [ -z "${STEP_NO_PROFILE:-}" ]; then
   python3 bench/profile_summary.py /tmp/lora_trace.json --label "lorastep LoRA r32 train step, 64 x 512, micro-batch $MT" \
     --out "$OUT/profile_lora_step.json"
 fi
-python3 bench/step_results.py "$OUT" $MODEL "$OUT/step.json" ${CPU_RESULT:+--cpu "$CPU_RESULT"}
+python3 bench/step_results.py "$OUT" $MODEL "$OUT/step.json" --micro_batch "$MT" ${CPU_RESULT:+--cpu "$CPU_RESULT"}

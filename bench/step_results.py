@@ -28,6 +28,7 @@ def main():
     ap.add_argument("model")
     ap.add_argument("out")
     ap.add_argument("--cpu", default="")
+    ap.add_argument("--micro_batch", default="16384")
     ap.add_argument("--command", default="GPU_CHECK_STEPS=step bash scripts/gpu_check.sh")
     args = ap.parse_args()
     raw = lambda name: json.load(open(os.path.join(args.raw, name)))
@@ -59,12 +60,18 @@ def main():
             d = raw(name)
             hf[(mode, workload)] = row("transformers" + (" + PEFT" if mode == "lora" else ""), mode, workload,
                                        d["step_s"], d["peak_memory_gib"], passes[mode])
+    for name in sorted(os.listdir(args.raw)):  # extra micro-batch sizes (ours_MODE_W_mbN.json)
+        if name.startswith("ours_") and "_mb" in name:
+            mode, workload, mb = name[len("ours_"):-len(".json")].split("_")
+            d = raw(name)
+            row(f"lorastep ({mb})", mode, workload, d["worker_step_median_s"], d.get("peak_cuda_gib"), passes[mode])
     f = lambda t, k, key: t[k][key] if k in t else None
     out = {
         "date": raw("gemm_peak.json").get("date") or raw("hf_lora_fixed.json")["date"],
         "machine": env[0].replace("machine: ", ""),
         "library_versions": env[1] if len(env) > 1 else "",
         "command": args.command,
+        "lorastep_micro_batch_tokens": int(args.micro_batch),
         "model": "random Qwen2.5-0.5B shape (lorastep_genmodel --preset qwen2.5-0.5b --seed 1), bf16",
         "workloads": {"fixed": "64 x 512 tokens", "varlen": f"64 sequences of 128-1024 tokens ({sum(batches['varlen'])} tokens)"},
         "lorastep_lora_train_s": f(ours, ("lora", "fixed"), "step_s"),
@@ -97,6 +104,7 @@ def main():
     except (TypeError, ZeroDivisionError):
         pass
     json.dump(out, open(args.out, "w"), indent=2)
+    print(f"lorastep micro-batch: {args.micro_batch} padded tokens (rows marked mbN: N)")
     print(f"{'side':22} {'mode':9} {'workload':8} {'step s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}")
     for r in rows:
         pk = f"{r['peak_cuda_gib']:.2f}" if r["peak_cuda_gib"] is not None else "-"

@@ -26,7 +26,8 @@ step configure
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$TORCH_CMAKE;$SYSROOT/usr" -DOPENSSL_ROOT_DIR="$SYSROOT/usr" \
   -DProtobuf_ROOT="$SYSROOT/usr" -DLORASTEP_WITH_NCCL=ON -DLORASTEP_NCCL_INCLUDE="$NCCL_DIR/include" \
-  -DCMAKE_CUDA_ARCHITECTURES=90 > "$OUT/cmake.log" 2>&1 || { tail -40 "$OUT/cmake.log"; exit 1; }
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_COMPILER="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" > "$OUT/cmake.log" 2>&1 || { tail -40 "$OUT/cmake.log"; exit 1; }
+grep -q "LORASTEP_WITH_CUDA_KERNELS\|token_scores_kernel" build-gpu/build.ninja && echo "lorastep CUDA kernels: on ($(command -v nvcc || echo /usr/local/cuda/bin/nvcc))" || echo "lorastep CUDA kernels: off (no nvcc)"
 step build
 ninja -C build-gpu -j16 -k 0 > "$OUT/build.log" 2>&1 || { grep -E "error:" "$OUT/build.log" | sort -u | head -40; exit 1; }
 STEPS=${GPU_CHECK_STEPS:-tests bench parity service}

@@ -127,7 +127,9 @@ namespace {
 // The frozen head (LoRA) prepares its input gradient in forward: values and gradients of
 // both outputs still equal the unchunked reference, at every chunk size.
 TEST(ChunkedTokenScoresTest, FrozenHeadEqualsUnchunkedValuesAndGradients) {
-  const int64_t t = 37, h = 16, v = 50;
+  for (const int64_t v : {50, 3001}) {  // under and over one CUDA block's 1024 threads per row
+  SCOPED_TRACE(v);
+  const int64_t t = 37, h = 16;
   const auto opts = at::TensorOptions().device(::lorastep::testing::TestDevice()).dtype(
       ::lorastep::testing::TestDtype());
   using ::lorastep::testing::RelErr;
@@ -146,6 +148,7 @@ TEST(ChunkedTokenScoresTest, FrozenHeadEqualsUnchunkedValuesAndGradients) {
     ((s.logprobs * up_lp).sum() + (s.entropy * up_ent).sum()).backward();
     ((r.logprobs * up_lp).sum() + (r.entropy * up_ent).sum()).backward();
     EXPECT_LT(RelErr(h1.grad(), h2.grad()), Tol(1e-5)) << chunk;
+  }
   }
 }
 

@@ -220,7 +220,9 @@ TEST_F(TrainerTest, BadCallsChangeNothing) {
   // this call's gradients are undone.
   std::vector<Datum> huge = RlBatch(1, 96);
   for (auto& d : huge) for (auto& a : d.advantages) a = a != 0 ? 3e38f : 0.0f;
-  EXPECT_THAT(probed->TrainStep(huge, Ppo(), Adam()),
+  LossConfig unnormalized = Ppo();  // sum: no 1/tokens to pull the gradient back into range
+  unnormalized.normalization = LossNormalization::kSum;
+  EXPECT_THAT(probed->TrainStep(huge, unnormalized, Adam()),
               StatusIs(absl::StatusCode::kFailedPrecondition, "non-finite"));
   EXPECT_EQ(probed->pending_backward_calls(), 0);
   EXPECT_EQ(probed->learner_version(), 1);

@@ -48,7 +48,10 @@ std::string TensorsSha256(const std::vector<at::Tensor>& tensors) {
   for (const auto& [key, members] : on_device) {
     std::vector<at::Tensor> flat;
     for (size_t i : members) flat.push_back(tensors[i].detach().reshape({-1}));
-    at::Tensor host = at::cat(flat).to(at::kCPU);
+    at::Tensor joined = at::cat(flat);
+    // Page-locked host memory: a pageable copy of a 35 MB adapter ran at ~1.4 GB/s.
+    at::Tensor host = at::empty(joined.sizes(), joined.options().device(at::kCPU).pinned_memory(joined.is_cuda()));
+    host.copy_(joined);
     int64_t offset = 0;
     for (size_t i : members) {
       cpu[i] = host.narrow(0, offset, tensors[i].numel()).view(tensors[i].sizes());

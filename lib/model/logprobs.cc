@@ -8,6 +8,12 @@
 #include "lib/torch_compat.h"
 #include "lib/torch_status.h"
 
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+#include <c10/cuda/CUDAStream.h>
+
+#include "lib/kernels/token_scores.h"
+#endif
+
 namespace lorastep {
 namespace {
 
@@ -211,7 +217,29 @@ class FrozenHeadScoresFunction : public torch::autograd::Function<FrozenHeadScor
     if (prepare_grad && entropy_grad) entropy_w = at::empty({t, hidden.size(1)}, f32);
     for (int64_t start = 0; start < t; start += chunk) {
       const int64_t n = std::min(chunk, t - start);
-      at::Tensor lf = at::log_softmax(at::mm(hidden.narrow(0, start, n), weight.t()), 1, at::kFloat);
+      at::Tensor logits = at::mm(hidden.narrow(0, start, n), weight.t());
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+      if (logits.is_cuda()) {  // one pass over each row for the statistics, one to write p
+        at::Tensor p = expected_w.defined() ? at::empty_like(logits) : at::Tensor();
+        at::Tensor plp = entropy_w.defined() ? at::empty_like(logits) : at::Tensor();
+        at::Tensor tgt = targets.narrow(0, start, n).contiguous();
+        const auto type = logits.scalar_type() == at::kBFloat16 ? kernels::LogitsType::kBFloat16
+                          : logits.scalar_type() == at::kHalf   ? kernels::LogitsType::kFloat16
+                                                                : kernels::LogitsType::kFloat32;
+        TORCH_CHECK(logits.scalar_type() == at::kFloat || type != kernels::LogitsType::kFloat32,
+                    "token scores: unsupported logits dtype");
+        const char* error = kernels::LaunchTokenScores(
+            logits.data_ptr(), type, n, logits.size(1), logits.stride(0), tgt.data_ptr<int64_t>(),
+            logprobs.narrow(0, start, n).data_ptr<float>(), entropy.narrow(0, start, n).data_ptr<float>(),
+            p.defined() ? p.data_ptr() : nullptr, plp.defined() ? plp.data_ptr() : nullptr,
+            c10::cuda::getCurrentCUDAStream().stream());
+        TORCH_CHECK(error == nullptr, "token scores kernel: ", error);
+        if (p.defined()) expected_w.narrow(0, start, n).copy_(at::mm(p, weight));
+        if (plp.defined()) entropy_w.narrow(0, start, n).copy_(at::mm(plp, weight));
+        continue;
+      }
+#endif
+      at::Tensor lf = at::log_softmax(logits, 1, at::kFloat);
       logprobs.narrow(0, start, n).copy_(lf.gather(1, targets.narrow(0, start, n).unsqueeze(1)).squeeze(1));
       at::Tensor p = lf.exp();
       // -sum_v p lf as a batched dot product: no [n, V] temporary.

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <vector>
 
+#include <torch/csrc/autograd/custom_function.h>
+
 #include "lib/torch_compat.h"
 
 namespace lorastep {
@@ -24,6 +26,25 @@ std::pair<at::Tensor, at::Tensor> RopeTables(const ModelConfig& c, int64_t s,
   at::Tensor emb = at::cat({freqs, freqs}, -1).to(options.device());
   return {emb.cos().to(options.dtype()), emb.sin().to(options.dtype())};
 }
+
+// silu(gate) * up keeping only gate and up for backward (autograd of the composition also
+// keeps silu(gate): another [tokens, intermediate] tensor per layer).
+class SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate,
+                            const at::Tensor& up) {
+    ctx->save_for_backward({gate, up});
+    return at::silu(gate).mul_(up);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &gate = saved[0], &up = saved[1], &g = grads[0];
+    return {at::silu_backward(g * up, gate), g * at::silu(gate)};
+  }
+};
+
+at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) { return SwiGluFunction::apply(gate, up); }
 
 class LayerRunner {
  public:
@@ -103,7 +124,7 @@ class LayerRunner {
     x = x + ReduceFromTensorRegion(Project(i, kOProj, attn), tp);
     h = CopyToTensorRegion(RmsNorm(x, lw.post_attention_norm, c_.rms_norm_eps), tp);
     if (lw.layout.moe) return x + MoeMlp(i, h);
-    at::Tensor act = at::silu(Project(i, kGateProj, h)) * Project(i, kUpProj, h);
+    at::Tensor act = SwiGlu(Project(i, kGateProj, h), Project(i, kUpProj, h));
     return x + ReduceFromTensorRegion(Project(i, kDownProj, act), tp);
   }
 
@@ -137,7 +158,7 @@ class LayerRunner {
     at::Tensor y = PermuteRows(ExchangeAndRunExperts(i, rows, counts), inverse, order);
     at::Tensor out = (y.view({x.size(0), top_k, hidden}) * top_p.unsqueeze(-1)).sum(1);
     if (lw.layout.shared_expert_gate) {
-      at::Tensor act = at::silu(Project(i, kGateProj, x)) * Project(i, kUpProj, x);
+      at::Tensor act = SwiGlu(Project(i, kGateProj, x), Project(i, kUpProj, x));
       at::Tensor shared = Project(i, kDownProj, act);
       out = out + at::sigmoid(Linear(x, lw.shared_expert_gate, at::Tensor(), options_.grad)) * shared;
     }
@@ -222,7 +243,7 @@ class LayerRunner {
                                     : GroupedLinear(lora_input(rows), fc1_a->value, fc1_a->main_grad, offs, options_.grad);
         gate_up = gate_up + GroupedLinear(inner, stacked(fc1_b), stacked_grad(fc1_b), offs, options_.grad) * scale;
       }
-      at::Tensor act = at::silu(gate_up.narrow(-1, 0, f)) * gate_up.narrow(-1, f, f);
+      at::Tensor act = SwiGlu(gate_up.narrow(-1, 0, f), gate_up.narrow(-1, f, f));
       at::Tensor y = GroupedLinear(act, lw.experts_down, at::Tensor(), offs, options_.grad);
       if (fc2_a != nullptr) {
         at::Tensor inner = GroupedLinear(lora_input(act), fc2_a->value, fc2_a->main_grad, offs, options_.grad);
@@ -249,7 +270,7 @@ class LayerRunner {
         gate_up = gate_up + Linear(inner, value(fc1_b, e).view({2 * f, r}), grad(fc1_b, e).view({2 * f, r}),
                                    options_.grad) * scale;
       }
-      at::Tensor act = at::silu(gate_up.narrow(-1, 0, f)) * gate_up.narrow(-1, f, f);
+      at::Tensor act = SwiGlu(gate_up.narrow(-1, 0, f), gate_up.narrow(-1, f, f));
       at::Tensor y = Linear(act, lw.experts_down[e], at::Tensor(), options_.grad);
       if (fc2_a != nullptr) {
         at::Tensor inner = Linear(lora_input(act), value(fc2_a, e), grad(fc2_a, e), options_.grad);
@@ -288,10 +309,43 @@ void AddRoutingMetrics(const std::vector<at::Tensor>& counts, Metrics* metrics) 
   }
 }
 
+namespace {
+
+// transformers' RMSNorm, weight * (x * rsqrt(mean(x^2) + eps)).to(dtype) with the statistics
+// in fp32, keeping only x and the per-row 1/rms for backward (autograd of the composition
+// keeps several fp32 copies of x per norm: most of a LoRA step's activation memory after the MLP).
+class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, double eps) {
+    at::Tensor xf = x.to(at::kFloat);
+    at::Tensor rstd = at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true).add_(eps));
+    ctx->save_for_backward({x, weight, rstd});
+    return weight * (xf * rstd).to(x.scalar_type());  // xf may be x itself (fp32)
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
+    const at::Tensor& g = grads[0];
+    at::Tensor normed = x.to(at::kFloat) * rstd;  // recomputed: one [.., H] fp32 pass
+    at::Tensor grad_w;
+    if (ctx->needs_input_grad(1)) {  // full fine-tuning trains the norms
+      at::Tensor prod = (g * normed.to(x.scalar_type())).to(at::kFloat);
+      grad_w = prod.reshape({-1, prod.size(-1)}).sum(0).to(weight.scalar_type());
+    }
+    at::Tensor gn = (g * weight).to(at::kFloat);  // d loss / d normed, rounded as autograd would
+    at::Tensor dot = (gn * normed).mean(-1, /*keepdim=*/true);
+    at::Tensor grad_x = gn.sub_(normed.mul_(dot)).mul_(rstd).to(x.scalar_type());
+    return {grad_x, grad_w, at::Tensor()};
+  }
+};
+
+}  // namespace
+
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  at::Tensor xf = x.to(at::kFloat);
-  at::Tensor var = xf.pow(2).mean(-1, /*keepdim=*/true);
-  return weight * (xf * at::rsqrt(var + eps)).to(x.scalar_type());
+  return RmsNormFunction::apply(x, weight, eps);
 }
 
 const at::Tensor& OutputWeight(const ModelWeights& base, const Adapter* adapter) {

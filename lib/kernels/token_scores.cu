@@ -1,0 +1,122 @@
+#include "lib/kernels/token_scores.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+namespace lorastep {
+namespace kernels {
+namespace {
+
+constexpr int kThreads = 1024;
+
+__device__ __forceinline__ float ToFloat(float x) { return x; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
+template <typename T> __device__ __forceinline__ T FromFloat(float x);
+template <> __device__ __forceinline__ float FromFloat<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <> __device__ __forceinline__ __half FromFloat<__half>(float x) { return __float2half(x); }
+
+// Running (max m, sum of e^(z-m) s, sum of e^(z-m) z t) of a set of logits.
+struct Stats {
+  float m, s, t;
+};
+
+__device__ __forceinline__ Stats Combine(Stats a, Stats b) {
+  if (a.m == -INFINITY) return b;
+  if (b.m == -INFINITY) return a;
+  const float m = fmaxf(a.m, b.m);
+  const float ea = expf(a.m - m), eb = expf(b.m - m);
+  return {m, a.s * ea + b.s * eb, a.t * ea + b.t * eb};
+}
+
+__device__ __forceinline__ Stats Push(Stats a, float z) {
+  if (z > a.m) {
+    const float scale = a.m == -INFINITY ? 0.f : expf(a.m - z);
+    return {z, a.s * scale + 1.f, a.t * scale + z};
+  }
+  const float e = expf(z - a.m);
+  return {a.m, a.s + e, a.t + e * z};
+}
+
+template <typename T>
+__global__ void TokenScoresKernel(const T* __restrict__ logits, int64_t vocab, int64_t row_stride,
+                                  const int64_t* __restrict__ targets, float* __restrict__ logprobs,
+                                  float* __restrict__ entropy, T* __restrict__ probs,
+                                  T* __restrict__ probs_logprobs) {
+  const int64_t row = blockIdx.x;
+  const T* z = logits + row * row_stride;
+  Stats st{-INFINITY, 0.f, 0.f};
+  for (int64_t v = threadIdx.x; v < vocab; v += kThreads) st = Push(st, ToFloat(z[v]));
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    Stats other{__shfl_xor_sync(0xffffffff, st.m, offset), __shfl_xor_sync(0xffffffff, st.s, offset),
+                __shfl_xor_sync(0xffffffff, st.t, offset)};
+    st = Combine(st, other);
+  }
+  __shared__ Stats warp_stats[kThreads / 32];
+  __shared__ float row_lse;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_stats[warp] = st;
+  __syncthreads();
+  if (warp == 0) {
+    st = lane < kThreads / 32 ? warp_stats[lane] : Stats{-INFINITY, 0.f, 0.f};
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      Stats other{__shfl_xor_sync(0xffffffff, st.m, offset), __shfl_xor_sync(0xffffffff, st.s, offset),
+                  __shfl_xor_sync(0xffffffff, st.t, offset)};
+      st = Combine(st, other);
+    }
+    if (lane == 0) {
+      const float lse = st.m + logf(st.s);
+      row_lse = lse;
+      logprobs[row] = ToFloat(z[targets[row]]) - lse;
+      entropy[row] = lse - st.t / st.s;
+    }
+  }
+  if (probs == nullptr) return;
+  __syncthreads();
+  const float lse = row_lse;
+  T* p_row = probs + row * vocab;
+  T* plp_row = probs_logprobs != nullptr ? probs_logprobs + row * vocab : nullptr;
+  for (int64_t v = threadIdx.x; v < vocab; v += kThreads) {
+    const float lp = ToFloat(z[v]) - lse;
+    const float p = expf(lp);
+    p_row[v] = FromFloat<T>(p);
+    if (plp_row != nullptr) plp_row[v] = FromFloat<T>(p * lp);
+  }
+}
+
+template <typename T>
+void Launch(const void* logits, int64_t rows, int64_t vocab, int64_t row_stride, const int64_t* targets,
+            float* logprobs, float* entropy, void* probs, void* probs_logprobs, cudaStream_t stream) {
+  TokenScoresKernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+      static_cast<const T*>(logits), vocab, row_stride, targets, logprobs, entropy,
+      static_cast<T*>(probs), static_cast<T*>(probs_logprobs));
+}
+
+}  // namespace
+
+const char* LaunchTokenScores(const void* logits, LogitsType type, int64_t rows, int64_t vocab,
+                              int64_t row_stride, const int64_t* targets, float* logprobs,
+                              float* entropy, void* probs, void* probs_logprobs, void* stream) {
+  if (rows == 0) return nullptr;
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (type) {
+    case LogitsType::kFloat32:
+      Launch<float>(logits, rows, vocab, row_stride, targets, logprobs, entropy, probs, probs_logprobs, s);
+      break;
+    case LogitsType::kBFloat16:
+      Launch<__nv_bfloat16>(logits, rows, vocab, row_stride, targets, logprobs, entropy, probs, probs_logprobs, s);
+      break;
+    case LogitsType::kFloat16:
+      Launch<__half>(logits, rows, vocab, row_stride, targets, logprobs, entropy, probs, probs_logprobs, s);
+      break;
+  }
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+}  // namespace kernels
+}  // namespace lorastep

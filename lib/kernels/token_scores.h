@@ -1,0 +1,27 @@
+// Row statistics of LM-head logits in one pass over each row (CUDA build only): what the
+// frozen-head log-probs need, without the fp32 [rows, vocab] temporaries that ATen's
+// log_softmax / exp / dot sequence writes and reads back (bench/results/step.json's
+// profile: ~70 ms of a 0.43 s LoRA step).
+#ifndef LORASTEP_LIB_KERNELS_TOKEN_SCORES_H_
+#define LORASTEP_LIB_KERNELS_TOKEN_SCORES_H_
+
+#include <cstdint>
+
+namespace lorastep {
+namespace kernels {
+
+enum class LogitsType { kFloat32, kBFloat16, kFloat16 };
+
+// logits: rows x vocab, row stride `row_stride` elements, of `type`. For each row r:
+//   logprobs[r] = z[targets[r]] - lse,  entropy[r] = lse - E_p[z]   (fp32)
+// and, when non-null, probs[r, v] = p_v and probs_logprobs[r, v] = p_v * log p_v, written
+// contiguously (rows x vocab) in `type` (the inputs of the gradient GEMMs).
+// Runs on `stream` (a cudaStream_t). Returns a CUDA error string, or nullptr.
+const char* LaunchTokenScores(const void* logits, LogitsType type, int64_t rows, int64_t vocab,
+                              int64_t row_stride, const int64_t* targets, float* logprobs,
+                              float* entropy, void* probs, void* probs_logprobs, void* stream);
+
+}  // namespace kernels
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_KERNELS_TOKEN_SCORES_H_
