@@ -12,7 +12,7 @@ BIN=$1 OUT=$2
 MODEL=/tmp/q05
 [ -d $MODEL ] || "$BIN/lorastep_genmodel" --preset qwen2.5-0.5b --dtype bfloat16 --seed 1 --out $MODEL >/dev/null
 VOCAB=$(python3 -c "import json;print(json.load(open('$MODEL/config.json'))['vocab_size'])")
-MT=${STEP_MAX_TOKENS:-16384}  # lorastep's micro-batch (padded tokens)
+MT=${STEP_MAX_TOKENS:-8192}  # lorastep's micro-batch (padded tokens): the worker default
 python3 bench/gemm_peak.py --out "$OUT/gemm_peak.json"
 for w in fixed varlen; do python3 bench/make_batch.py --vocab "$VOCAB" --workload $w --out "$OUT/batch_$w.json"; done
 run_ours() {  # mode workload rank [micro-batch: an extra row, file ours_MODE_W_mbN.json]

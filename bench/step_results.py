@@ -28,7 +28,7 @@ def main():
     ap.add_argument("model")
     ap.add_argument("out")
     ap.add_argument("--cpu", default="")
-    ap.add_argument("--micro_batch", default="16384")
+    ap.add_argument("--micro_batch", default="8192")
     ap.add_argument("--command", default="GPU_CHECK_STEPS=step bash scripts/gpu_check.sh")
     args = ap.parse_args()
     raw = lambda name: json.load(open(os.path.join(args.raw, name)))

@@ -273,12 +273,24 @@ TEST(BatchTest, MicroBatchesRespectThePaddedTokenBudget) {
   const int lens[5] = {4, 4, 8, 2, 9};
   for (int i = 0; i < 5; ++i) ds[i].tokens.assign(lens[i], 1);
   auto mbs = SplitIntoMicroBatches(ds, 8);
-  // [4,4] (2x4=8), [8], [2] (then 2x9 > 8), [9] alone even though it exceeds the budget.
+  // Longest first: [9] alone even though it exceeds the budget, [8], [4,4] (2x4=8), [2].
   ASSERT_EQ(mbs.size(), 4u);
-  EXPECT_EQ(mbs[0], (std::vector<size_t>{0, 1}));
+  EXPECT_EQ(mbs[0], (std::vector<size_t>{4}));
   EXPECT_EQ(mbs[1], (std::vector<size_t>{2}));
-  EXPECT_EQ(mbs[2], (std::vector<size_t>{3}));
-  EXPECT_EQ(mbs[3], (std::vector<size_t>{4}));
+  EXPECT_EQ(mbs[2], (std::vector<size_t>{0, 1}));
+  EXPECT_EQ(mbs[3], (std::vector<size_t>{3}));
+  // Length grouping pads less than arrival order: 1,8,1,8 in two pairs pads 32 tokens,
+  // sorted it pads 18.
+  std::vector<Datum> mixed(4);
+  const int mixed_lens[4] = {1, 8, 1, 8};
+  for (int i = 0; i < 4; ++i) mixed[i].tokens.assign(mixed_lens[i], 1);
+  int64_t padded = 0;
+  for (const auto& mb : SplitIntoMicroBatches(mixed, 16)) {
+    int64_t longest = 0;
+    for (size_t d : mb) longest = std::max<int64_t>(longest, mixed[d].tokens.size());
+    padded += longest * static_cast<int64_t>(mb.size());
+  }
+  EXPECT_EQ(padded, 18);
 }
 
 }  // namespace

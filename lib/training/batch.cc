@@ -139,10 +139,17 @@ absl::Status ValidateBatch(const std::vector<Datum>& datums, const LossConfig& l
 
 std::vector<std::vector<size_t>> SplitIntoMicroBatches(const std::vector<Datum>& datums,
                                                        int64_t max_tokens) {
+  // Longest first, so each micro-batch holds datums of similar length and pads little (a
+  // 128-1024 token mix in arrival order padded ~40% of its tokens).
+  std::vector<size_t> order(datums.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return datums[a].tokens.size() > datums[b].tokens.size();
+  });
   std::vector<std::vector<size_t>> out;
   std::vector<size_t> current;
   int64_t longest = 0;
-  for (size_t i = 0; i < datums.size(); ++i) {
+  for (size_t i : order) {
     const int64_t n = static_cast<int64_t>(datums[i].tokens.size());
     const int64_t new_longest = std::max(longest, n);
     if (!current.empty() && new_longest * static_cast<int64_t>(current.size() + 1) > max_tokens) {

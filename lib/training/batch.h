@@ -51,8 +51,9 @@ absl::Status ValidateBatch(const std::vector<Datum>& datums, const LossConfig& l
 absl::Status ValidateForwardBatch(const std::vector<Datum>& datums, int64_t vocab_size,
                                   const BatchLimits& limits = {});
 
-// Splits datums (kept in order) into micro-batches whose padded size
-// (count x longest length) stays within max_tokens; a datum longer than the budget goes alone.
+// Splits datums into micro-batches whose padded size (count x longest length) stays within
+// max_tokens, longest datums first (ties in arrival order) so that lengths within a
+// micro-batch are close; a datum longer than the budget goes alone.
 std::vector<std::vector<size_t>> SplitIntoMicroBatches(const std::vector<Datum>& datums,
                                                        int64_t max_tokens);
 
