@@ -270,7 +270,9 @@ TEST_F(ServiceTest, BadCallBetweenGoodCallsChangesNothing) {
   for (auto& d : overflow)
     for (int i = 0; i < d.advantages_size(); ++i)
       if (d.advantages(i) != 0) d.set_advantages(i, 3e38f);
-  EXPECT_THAT(probed.TrainStep(overflow, Ppo(), Adam()),
+  v1::LossConfig unnormalized = Ppo();  // sum: no 1/tokens to pull the gradient back into range
+  unnormalized.set_normalization("sum");
+  EXPECT_THAT(probed.TrainStep(overflow, unnormalized, Adam()),
               StatusIs(absl::StatusCode::kFailedPrecondition, "non-finite"));
   ASSERT_OK_AND_ASSIGN(v1::StepResponse p, probed.TrainStep(Batch(1), Ppo(), Adam()));
   ASSERT_OK_AND_ASSIGN(v1::StepResponse c, clean.TrainStep(Batch(1), Ppo(), Adam()));
