@@ -45,8 +45,8 @@ __device__ __forceinline__ Stats Push(Stats a, float z) {
 template <typename T>
 __global__ void TokenScoresKernel(const T* __restrict__ logits, int64_t vocab, int64_t row_stride,
                                   const int64_t* __restrict__ targets, float* __restrict__ logprobs,
-                                  float* __restrict__ entropy, T* __restrict__ probs,
-                                  T* __restrict__ probs_logprobs) {
+                                  float* __restrict__ entropy, float* __restrict__ lse_out,
+                                  T* __restrict__ probs, T* __restrict__ probs_logprobs) {
   const int64_t row = blockIdx.x;
   const T* z = logits + row * row_stride;
   Stats st{-INFINITY, 0.f, 0.f};
@@ -71,6 +71,7 @@ __global__ void TokenScoresKernel(const T* __restrict__ logits, int64_t vocab, i
     if (lane == 0) {
       const float lse = st.m + logf(st.s);
       row_lse = lse;
+      if (lse_out != nullptr) lse_out[row] = lse;
       logprobs[row] = ToFloat(z[targets[row]]) - lse;
       entropy[row] = lse - st.t / st.s;
     }
@@ -89,29 +90,79 @@ __global__ void TokenScoresKernel(const T* __restrict__ logits, int64_t vocab, i
 }
 
 template <typename T>
+__global__ void TokenScoresGradKernel(const T* __restrict__ logits, int64_t vocab, int64_t row_stride,
+                                      const int64_t* __restrict__ targets, const float* __restrict__ lse,
+                                      const float* __restrict__ entropy, const float* __restrict__ g_lp,
+                                      const float* __restrict__ g_ent, T* __restrict__ grad) {
+  const int64_t row = blockIdx.x;
+  const T* z = logits + row * row_stride;
+  T* out = grad + row * vocab;
+  const float row_lse = lse[row], ent = entropy[row];
+  const float a = g_lp != nullptr ? g_lp[row] : 0.f, b = g_ent != nullptr ? g_ent[row] : 0.f;
+  const int64_t target = targets[row];
+  for (int64_t v = threadIdx.x; v < vocab; v += kThreads) {
+    const float lp = ToFloat(z[v]) - row_lse;
+    float g = -expf(lp) * (a + b * (lp + ent));
+    if (v == target) g += a;
+    out[v] = FromFloat<T>(g);
+  }
+}
+
+template <typename T>
 void Launch(const void* logits, int64_t rows, int64_t vocab, int64_t row_stride, const int64_t* targets,
-            float* logprobs, float* entropy, void* probs, void* probs_logprobs, cudaStream_t stream) {
+            float* logprobs, float* entropy, float* lse_out, void* probs, void* probs_logprobs,
+            cudaStream_t stream) {
   TokenScoresKernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-      static_cast<const T*>(logits), vocab, row_stride, targets, logprobs, entropy,
+      static_cast<const T*>(logits), vocab, row_stride, targets, logprobs, entropy, lse_out,
       static_cast<T*>(probs), static_cast<T*>(probs_logprobs));
+}
+
+template <typename T>
+void LaunchGrad(const void* logits, int64_t rows, int64_t vocab, int64_t row_stride, const int64_t* targets,
+                const float* lse, const float* entropy, const float* g_lp, const float* g_ent, void* grad,
+                cudaStream_t stream) {
+  TokenScoresGradKernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+      static_cast<const T*>(logits), vocab, row_stride, targets, lse, entropy, g_lp, g_ent, static_cast<T*>(grad));
 }
 
 }  // namespace
 
 const char* LaunchTokenScores(const void* logits, LogitsType type, int64_t rows, int64_t vocab,
                               int64_t row_stride, const int64_t* targets, float* logprobs,
-                              float* entropy, void* probs, void* probs_logprobs, void* stream) {
+                              float* entropy, float* lse_out, void* probs, void* probs_logprobs,
+                              void* stream) {
   if (rows == 0) return nullptr;
   auto s = static_cast<cudaStream_t>(stream);
   switch (type) {
     case LogitsType::kFloat32:
-      Launch<float>(logits, rows, vocab, row_stride, targets, logprobs, entropy, probs, probs_logprobs, s);
+      Launch<float>(logits, rows, vocab, row_stride, targets, logprobs, entropy, lse_out, probs, probs_logprobs, s);
       break;
     case LogitsType::kBFloat16:
-      Launch<__nv_bfloat16>(logits, rows, vocab, row_stride, targets, logprobs, entropy, probs, probs_logprobs, s);
+      Launch<__nv_bfloat16>(logits, rows, vocab, row_stride, targets, logprobs, entropy, lse_out, probs, probs_logprobs, s);
       break;
     case LogitsType::kFloat16:
-      Launch<__half>(logits, rows, vocab, row_stride, targets, logprobs, entropy, probs, probs_logprobs, s);
+      Launch<__half>(logits, rows, vocab, row_stride, targets, logprobs, entropy, lse_out, probs, probs_logprobs, s);
+      break;
+  }
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+const char* LaunchTokenScoresGrad(const void* logits, LogitsType type, int64_t rows, int64_t vocab,
+                                  int64_t row_stride, const int64_t* targets, const float* lse,
+                                  const float* entropy, const float* g_lp, const float* g_ent,
+                                  void* grad, void* stream) {
+  if (rows == 0) return nullptr;
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (type) {
+    case LogitsType::kFloat32:
+      LaunchGrad<float>(logits, rows, vocab, row_stride, targets, lse, entropy, g_lp, g_ent, grad, s);
+      break;
+    case LogitsType::kBFloat16:
+      LaunchGrad<__nv_bfloat16>(logits, rows, vocab, row_stride, targets, lse, entropy, g_lp, g_ent, grad, s);
+      break;
+    case LogitsType::kFloat16:
+      LaunchGrad<__half>(logits, rows, vocab, row_stride, targets, lse, entropy, g_lp, g_ent, grad, s);
       break;
   }
   const cudaError_t err = cudaGetLastError();

@@ -17,6 +17,29 @@
 namespace lorastep {
 namespace {
 
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+kernels::LogitsType LogitsTypeOf(const at::Tensor& logits) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16 ||
+                  logits.scalar_type() == at::kHalf,
+              "token scores: unsupported logits dtype");
+  return logits.scalar_type() == at::kBFloat16 ? kernels::LogitsType::kBFloat16
+         : logits.scalar_type() == at::kHalf   ? kernels::LogitsType::kFloat16
+                                               : kernels::LogitsType::kFloat32;
+}
+template <typename T>
+T* PtrOrNull(const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; }
+#endif
+
+// Whether this head's statistics and logit gradients run as lorastep's CUDA kernel.
+bool UseTokenScoresKernel(const at::Tensor& hidden) {
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+  return hidden.is_cuda();
+#else
+  (void)hidden;
+  return false;
+#endif
+}
+
 struct ChunkStats {
   at::Tensor logits;  // fp32 [c, V]
   at::Tensor lse;     // fp32 [c]
@@ -80,13 +103,24 @@ class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction
     CommGroup* group = GroupFromToken(group_token);
     at::Tensor logprobs = at::empty({t}, hidden.options().dtype(at::kFloat));
     at::Tensor entropy = at::empty({t}, hidden.options().dtype(at::kFloat));
-    at::Tensor lse_all, ez_all;  // kept for backward on the vocab-parallel path
-    if (group != nullptr) {
-      lse_all = at::empty({t}, hidden.options().dtype(at::kFloat));
-      ez_all = at::empty({t}, hidden.options().dtype(at::kFloat));
-    }
+    at::Tensor lse_all, ez_all;  // kept for backward on the vocab-parallel path and the kernel's
+    const bool kernel = group == nullptr && !fp32_dgrad && UseTokenScoresKernel(hidden);
+    if (group != nullptr || kernel) lse_all = at::empty({t}, hidden.options().dtype(at::kFloat));
+    if (group != nullptr) ez_all = at::empty({t}, hidden.options().dtype(at::kFloat));
     for (int64_t start = 0; start < t; start += chunk) {
       const int64_t n = std::min(chunk, t - start);
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+      if (kernel) {  // statistics in one pass per row; backward recomputes the logits
+        at::Tensor logits = at::mm(hidden.narrow(0, start, n), weight.t());
+        at::Tensor tgt = targets.narrow(0, start, n).contiguous();
+        const char* error = kernels::LaunchTokenScores(
+            logits.data_ptr(), LogitsTypeOf(logits), n, logits.size(1), logits.stride(0), tgt.data_ptr<int64_t>(),
+            logprobs.narrow(0, start, n).data_ptr<float>(), entropy.narrow(0, start, n).data_ptr<float>(),
+            lse_all.narrow(0, start, n).data_ptr<float>(), nullptr, nullptr, c10::cuda::getCurrentCUDAStream().stream());
+        TORCH_CHECK(error == nullptr, "token scores kernel: ", error);
+        continue;
+      }
+#endif
       if (group != nullptr) {
         ParallelChunk pc = ParallelChunkStats(hidden.narrow(0, start, n), weight,
                                               targets.narrow(0, start, n), vocab_begin, group);
@@ -104,9 +138,14 @@ class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction
     }
     ctx->saved_data["group"] = group_token;
     ctx->saved_data["vocab_begin"] = vocab_begin;
+    ctx->saved_data["kernel"] = kernel;
     if (group != nullptr) {
       ctx->saved_data["lse"] = lse_all;
       ctx->saved_data["ez"] = ez_all;
+    }
+    if (kernel) {
+      ctx->saved_data["lse"] = lse_all;
+      ctx->saved_data["entropy"] = entropy.detach();  // detached: no cycle through this node
     }
     // Leave the gradient of an unused output (entropy, when its coefficient is 0) undefined
     // rather than a tensor of zeros: backward then skips its passes over [chunk, V].
@@ -140,40 +179,59 @@ class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction
     CommGroup* group = GroupFromToken(ctx->saved_data["group"].toInt());
     const int64_t vocab_begin = ctx->saved_data["vocab_begin"].toInt();
 
+    const bool kernel = ctx->saved_data["kernel"].toBool();
     for (int64_t start = 0; start < t; start += chunk) {
       const int64_t n = std::min(chunk, t - start);
       at::Tensor h = hidden.narrow(0, start, n);
-      ChunkStats cs;
-      at::Tensor mean_z;
-      at::Tensor tgt = targets.narrow(0, start, n);
-      if (group != nullptr) {
-        cs.logits = at::mm(h, weight.t()).to(at::kFloat);
-        cs.lse = ctx->saved_data["lse"].toTensor().narrow(0, start, n);
-        mean_z = ctx->saved_data["ez"].toTensor().narrow(0, start, n).unsqueeze(1);
-        tgt = tgt - vocab_begin;  // local row; out-of-slice targets get no one-hot term
-      } else {
-        cs = ChunkLogits(h, weight);
+      at::Tensor gz, gz_model;
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+      if (kernel) {  // the logits' gradient in the model dtype, one pass per row
+        at::Tensor logits = at::mm(h, weight.t());
+        gz_model = at::empty_like(logits);
+        at::Tensor tgt = targets.narrow(0, start, n).contiguous();
+        at::Tensor gl = g_lp.defined() ? g_lp.narrow(0, start, n).contiguous() : at::Tensor();
+        at::Tensor ge = g_ent.defined() ? g_ent.narrow(0, start, n).contiguous() : at::Tensor();
+        const char* error = kernels::LaunchTokenScoresGrad(
+            logits.data_ptr(), LogitsTypeOf(logits), n, logits.size(1), logits.stride(0), tgt.data_ptr<int64_t>(),
+            ctx->saved_data["lse"].toTensor().narrow(0, start, n).data_ptr<float>(),
+            ctx->saved_data["entropy"].toTensor().narrow(0, start, n).data_ptr<float>(), PtrOrNull<float>(gl),
+            PtrOrNull<float>(ge), gz_model.data_ptr(), c10::cuda::getCurrentCUDAStream().stream());
+        TORCH_CHECK(error == nullptr, "token scores gradient kernel: ", error);
       }
-      at::Tensor p = at::exp(cs.logits - cs.lse.unsqueeze(1));
-      // d logprob[target] / d z = onehot(target) - p
-      at::Tensor gz = at::zeros_like(cs.logits);
-      if (g_lp.defined()) {
-        at::Tensor gl = g_lp.narrow(0, start, n).unsqueeze(1);
-        gz = -p * gl;
+#endif
+      if (!kernel) {  // fp32 ATen passes (CPU, the vocab-parallel head, fp32 dgrad)
+        ChunkStats cs;
+        at::Tensor mean_z;
+        at::Tensor tgt = targets.narrow(0, start, n);
         if (group != nullptr) {
-          at::Tensor in_range = (tgt >= 0) & (tgt < weight.size(0));
-          at::Tensor idx = at::where(in_range, tgt, at::zeros_like(tgt)).unsqueeze(1);
-          gz.scatter_add_(1, idx, gl * in_range.unsqueeze(1).to(at::kFloat));
+          cs.logits = at::mm(h, weight.t()).to(at::kFloat);
+          cs.lse = ctx->saved_data["lse"].toTensor().narrow(0, start, n);
+          mean_z = ctx->saved_data["ez"].toTensor().narrow(0, start, n).unsqueeze(1);
+          tgt = tgt - vocab_begin;  // local row; out-of-slice targets get no one-hot term
         } else {
-          gz.scatter_add_(1, tgt.unsqueeze(1), gl);
+          cs = ChunkLogits(h, weight);
         }
+        at::Tensor p = at::exp(cs.logits - cs.lse.unsqueeze(1));
+        // d logprob[target] / d z = onehot(target) - p
+        gz = at::zeros_like(cs.logits);
+        if (g_lp.defined()) {
+          at::Tensor gl = g_lp.narrow(0, start, n).unsqueeze(1);
+          gz = -p * gl;
+          if (group != nullptr) {
+            at::Tensor in_range = (tgt >= 0) & (tgt < weight.size(0));
+            at::Tensor idx = at::where(in_range, tgt, at::zeros_like(tgt)).unsqueeze(1);
+            gz.scatter_add_(1, idx, gl * in_range.unsqueeze(1).to(at::kFloat));
+          } else {
+            gz.scatter_add_(1, tgt.unsqueeze(1), gl);
+          }
+        }
+        // d entropy / d z_j = -p_j (z_j - E_p[z])
+        if (g_ent.defined()) {
+          if (!mean_z.defined()) mean_z = (p * cs.logits).sum(1, /*keepdim=*/true);
+          gz = gz - g_ent.narrow(0, start, n).unsqueeze(1) * p * (cs.logits - mean_z);
+        }
+        gz_model = gz.to(hidden.scalar_type());
       }
-      // d entropy / d z_j = -p_j (z_j - E_p[z])
-      if (g_ent.defined()) {
-        if (!mean_z.defined()) mean_z = (p * cs.logits).sum(1, /*keepdim=*/true);
-        gz = gz - g_ent.narrow(0, start, n).unsqueeze(1) * p * (cs.logits - mean_z);
-      }
-      at::Tensor gz_model = gz.to(hidden.scalar_type());
       if (grad_hidden.defined()) {
         at::Tensor gh = LinearInputGrad(fp32_dgrad ? gz : gz_model, weight, fp32_dgrad);
         // Each rank holds the part of dL/dh from its vocabulary slice: SUM over the group.
@@ -223,15 +281,10 @@ class FrozenHeadScoresFunction : public torch::autograd::Function<FrozenHeadScor
         at::Tensor p = expected_w.defined() ? at::empty_like(logits) : at::Tensor();
         at::Tensor plp = entropy_w.defined() ? at::empty_like(logits) : at::Tensor();
         at::Tensor tgt = targets.narrow(0, start, n).contiguous();
-        const auto type = logits.scalar_type() == at::kBFloat16 ? kernels::LogitsType::kBFloat16
-                          : logits.scalar_type() == at::kHalf   ? kernels::LogitsType::kFloat16
-                                                                : kernels::LogitsType::kFloat32;
-        TORCH_CHECK(logits.scalar_type() == at::kFloat || type != kernels::LogitsType::kFloat32,
-                    "token scores: unsupported logits dtype");
         const char* error = kernels::LaunchTokenScores(
-            logits.data_ptr(), type, n, logits.size(1), logits.stride(0), tgt.data_ptr<int64_t>(),
+            logits.data_ptr(), LogitsTypeOf(logits), n, logits.size(1), logits.stride(0), tgt.data_ptr<int64_t>(),
             logprobs.narrow(0, start, n).data_ptr<float>(), entropy.narrow(0, start, n).data_ptr<float>(),
-            p.defined() ? p.data_ptr() : nullptr, plp.defined() ? plp.data_ptr() : nullptr,
+            /*lse_out=*/nullptr, p.defined() ? p.data_ptr() : nullptr, plp.defined() ? plp.data_ptr() : nullptr,
             c10::cuda::getCurrentCUDAStream().stream());
         TORCH_CHECK(error == nullptr, "token scores kernel: ", error);
         if (p.defined()) expected_w.narrow(0, start, n).copy_(at::mm(p, weight));
