@@ -54,7 +54,7 @@ struct TrainerOptions {
   LoraConfig lora;
   GradOptions grad;
   uint64_t seed = 0;                          // LoRA init and dropout stream
-  int64_t max_tokens_per_microbatch = 8192;   // padded tokens per forward/backward (Forward: 4x)
+  int64_t max_tokens_per_microbatch = 8192;   // padded tokens per forward/backward
   int64_t logprob_chunk_tokens = 1024;        // tokens per chunk of the fp32 logits
   double peak_flops = 0;                      // for MFU; 0 = 989e12 on CUDA, none on CPU
   // SHA-256 of the trainable tensors after each step. LoRA adapters are small (35 MB for
