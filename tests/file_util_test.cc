@@ -1,5 +1,7 @@
 #include "lib/io/file_util.h"
 
+#include <dirent.h>
+
 #include "lib/io/checkpoint_dir.h"
 #include "tests/test_util.h"
 
@@ -67,6 +69,39 @@ TEST(CheckpointDirTest, ReplacesAtomicallyAndSurvivesFaults) {
               }),
               StatusIs(absl::StatusCode::kInternal, "disk full"));
   EXPECT_EQ(ReadFileToString(dir + "/ck/v").value(), "three");
+}
+
+// Defects from issue 8: a save onto an existing folder deleted its contents, onto a file
+// replaced it, and a failed save left its temp folder. Now lorastep replaces only absent
+// paths, empty folders and folders carrying its marker; failures leave nothing behind.
+TEST(CheckpointDirTest, NeverReplacesWhatLorastepDidNotWriteAndCleansUpFailures) {
+  const std::string dir = ScratchDir("ckown");
+  auto writer = [](const std::string& tmp) { return WriteStringToFile(tmp + "/v", "x"); };
+  ASSERT_OK(MakeDirectories(dir + "/user"));
+  ASSERT_OK(WriteStringToFile(dir + "/user/thesis.tex", "precious"));
+  EXPECT_THAT(WriteFolderAtomically(dir + "/user", writer),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "was not written by lorastep"));
+  EXPECT_EQ(ReadFileToString(dir + "/user/thesis.tex").value(), "precious");
+  ASSERT_OK(WriteStringToFile(dir + "/notes.txt", "also precious"));
+  EXPECT_THAT(WriteFolderAtomically(dir + "/notes.txt", writer),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "is not a folder"));
+  EXPECT_EQ(ReadFileToString(dir + "/notes.txt").value(), "also precious");
+  ASSERT_OK(MakeDirectories(dir + "/empty"));
+  ASSERT_OK(WriteFolderAtomically(dir + "/empty", writer));  // an empty folder holds nothing
+  EXPECT_TRUE(PathExists(dir + "/empty/" + std::string(kFolderMarker)));
+  ASSERT_OK(WriteFolderAtomically(dir + "/empty", writer));  // ours now: replaceable
+  // A failed write removes its temporary folder; the target keeps its previous contents.
+  EXPECT_THAT(WriteFolderAtomically(dir + "/empty", [](const std::string& tmp) {
+                if (!WriteStringToFile(tmp + "/partial", "half").ok()) return absl::InternalError("setup");
+                return absl::ResourceExhaustedError("disk full");
+              }),
+              StatusIs(absl::StatusCode::kResourceExhausted, "disk full"));
+  EXPECT_EQ(ReadFileToString(dir + "/empty/v").value(), "x");
+  EXPECT_FALSE(WriteFolderAtomically("/dev/full/x", writer).ok());  // no folder can be made there
+  DIR* d = opendir(dir.c_str());
+  ASSERT_NE(d, nullptr);
+  while (dirent* e = readdir(d)) EXPECT_EQ(std::string(e->d_name).find(".tmp-"), std::string::npos) << e->d_name;
+  closedir(d);
 }
 
 }  // namespace

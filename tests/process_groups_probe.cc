@@ -95,6 +95,11 @@ int main(int argc, char** argv) {
     if (auto s = (*groups)->Rebuild(1); !s.ok()) return Fail(s.ToString());
     if (int rc = RunCollectives(**groups); rc != 0) return rc;
   } else if (scenario == "dead_peer" || scenario == "absent_peer") {
+    // One collective everyone completes first: the leaving rank must not close its sockets
+    // while the others are still connecting (that fails ProcessGroups::Create instead of
+    // the collective under test, seen on a loaded 2-core machine).
+    at::Tensor warm = at::ones({1}, g_options);
+    if (auto s = (*groups)->group(GroupKind::kWorld).AllReduce(warm); !s.ok()) return Fail(s.ToString());
     if (rank == world - 1) {
       std::cout << "LEFT" << std::endl;
       // dead: exits (its sockets close); absent: stays alive but never reaches the collective.

@@ -124,6 +124,27 @@ TEST_F(TrainerTest, InterruptedSaveLeavesThePreviousCheckpointLoadable) {
   EXPECT_EQ(reader->AdapterSha256(), trainer->AdapterSha256());
 }
 
+// Issue 8: SaveState onto an existing folder deleted its contents, and ExportAdapter was not
+// atomic. Both now refuse folders lorastep did not write and replace their own atomically.
+TEST_F(TrainerTest, ExportAndSaveRefuseForeignFolders) {
+  auto trainer = NewTrainer();
+  ASSERT_OK(trainer->TrainStep(RlBatch(0, 96), Ppo(), Adam()));
+  ASSERT_OK(MakeDirectories(dir_ + "/user"));
+  ASSERT_OK(WriteStringToFile(dir_ + "/user/data.txt", "keep me"));
+  EXPECT_THAT(trainer->SaveState(dir_ + "/user"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "was not written by lorastep"));
+  EXPECT_THAT(trainer->ExportAdapter(dir_ + "/user"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "was not written by lorastep"));
+  EXPECT_EQ(ReadFileToString(dir_ + "/user/data.txt").value(), "keep me");
+  ASSERT_OK(trainer->ExportAdapter(dir_ + "/peft"));
+  ASSERT_OK(trainer->TrainStep(RlBatch(1, 96), Ppo(), Adam()));
+  ASSERT_OK(trainer->ExportAdapter(dir_ + "/peft"));  // its own folder: replaced
+  ASSERT_OK(trainer->SaveState(dir_ + "/peft"));      // lorastep's folder, whatever it held
+  auto reader = NewTrainer();
+  ASSERT_OK(reader->LoadState(dir_ + "/peft"));
+  EXPECT_EQ(reader->AdapterSha256(), trainer->AdapterSha256());
+}
+
 TEST_F(TrainerTest, LoadingACorruptCheckpointChangesNothing) {
   auto trainer = NewTrainer();
   ASSERT_OK(trainer->TrainStep(RlBatch(0, 96), Ppo(), Adam()));

@@ -11,7 +11,12 @@
 
 namespace lorastep {
 
-// `write_files(tmp_folder)` writes the contents. `fault_point` (tests only) is called with a
+// Every folder written here carries this marker file; an existing folder without it (and not
+// empty), or a file, at the target is never replaced: FAILED_PRECONDITION before any write.
+inline constexpr char kFolderMarker[] = ".lorastep";
+
+// `write_files(tmp_folder)` writes the contents into a fresh uniquely named sibling folder;
+// any failure removes that folder again. `fault_point` (tests only) is called with a
 // stage name ("files_written", "before_swap") and may return an error to simulate a crash
 // there: the temporary folder is then left behind, exactly as a crash would leave it.
 absl::Status WriteFolderAtomically(

@@ -15,7 +15,6 @@
 #include "lib/status_macros.h"
 
 namespace lorastep {
-namespace {
 
 // The status code says what the caller can do: a full disk or quota is RESOURCE_EXHAUSTED
 // (free space, retry), a missing path NOT_FOUND, no permission PERMISSION_DENIED.
@@ -29,8 +28,6 @@ absl::Status ErrnoError(absl::string_view what, const std::string& path) {
     default: return absl::InternalError(msg);
   }
 }
-
-}  // namespace
 
 absl::StatusOr<FileWriter> FileWriter::Create(const std::string& path) {
   int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);

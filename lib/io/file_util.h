@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace lorastep {
 
@@ -27,6 +28,10 @@ class FileWriter {
   std::string path_;
   int fd_ = -1;
 };
+
+// The Status for the current errno after `what` failed on `path`, naming both: a full disk
+// or quota is RESOURCE_EXHAUSTED, a missing path NOT_FOUND, no permission PERMISSION_DENIED.
+absl::Status ErrnoError(absl::string_view what, const std::string& path);
 
 absl::Status WriteStringToFile(const std::string& path, const std::string& contents);
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);

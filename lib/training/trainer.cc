@@ -777,8 +777,12 @@ absl::Status Trainer::ExportAdapter(const std::string& folder, bool expand_exper
   return GuardTorch([&]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(std::vector<NamedTensor> whole, WholeAdapter());
     if (!WritesGatheredState()) return absl::OkStatus();
-    return ExportPeftAdapter(folder, *adapter_, base_->path, &whole,
-                             PeftExportOptions{expand_experts, base_->config.moe.num_experts});
+    if (adapter_->full_finetune()) return ExportPeftAdapter(folder, *adapter_, base_->path, &whole, {});  // refused
+    // Written aside and renamed into place: a failed export leaves no partial folder.
+    return WriteFolderAtomically(folder, [&](const std::string& tmp) {
+      return ExportPeftAdapter(tmp, *adapter_, base_->path, &whole,
+                               PeftExportOptions{expand_experts, base_->config.moe.num_experts});
+    });
   });
 }
 
