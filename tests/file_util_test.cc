@@ -3,6 +3,7 @@
 #include <dirent.h>
 
 #include "lib/io/checkpoint_dir.h"
+#include "lib/io/state_store.h"
 #include "tests/test_util.h"
 
 namespace lorastep {
@@ -102,6 +103,47 @@ TEST(CheckpointDirTest, NeverReplacesWhatLorastepDidNotWriteAndCleansUpFailures)
   ASSERT_NE(d, nullptr);
   while (dirent* e = readdir(d)) EXPECT_EQ(std::string(e->d_name).find(".tmp-"), std::string::npos) << e->d_name;
   closedir(d);
+}
+
+// The state store: references resolve under the root, names cannot escape it, plain paths
+// are refused when a store is configured (and references when none is), and only folders
+// lorastep wrote are listed and deleted.
+TEST(StateStoreTest, ReferencesStayUnderTheRootAndOnlyLorastepFoldersAreListedOrDeleted) {
+  const std::string root = ScratchDir("store");
+  ASSERT_OK_AND_ASSIGN(StateStore store, StateStore::Open(root));
+  ASSERT_OK_AND_ASSIGN(std::string ck, store.Resolve("lorastep://run-1/step-10", "path"));
+  EXPECT_EQ(ck, root + "/runs/run-1/step-10");
+  for (const char* bad : {"lorastep://run-1/../x", "lorastep://../etc/passwd", "lorastep://run-1/a/b",
+                          "lorastep://run-1/.hidden", "lorastep://run-1/", "lorastep://run-1", "/tmp/x",
+                          "run-1/x", "lorastep://run 1/x"}) {
+    EXPECT_THAT(store.Resolve(bad, "path"), StatusIs(absl::StatusCode::kInvalidArgument, "path")) << bad;
+  }
+  EXPECT_THAT(ValidateStoreName(std::string(129, 'a'), "run_id"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "run_id: 129 bytes"));
+  EXPECT_THAT(ValidateStoreName(std::string("a\0b", 3), "run_id"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "run_id: only letters"));
+  EXPECT_THAT(ResolveRequestPath(&store, "/etc", "path"), StatusIs(absl::StatusCode::kInvalidArgument, "reference"));
+  EXPECT_THAT(ResolveRequestPath(nullptr, "lorastep://r/n", "path"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "--state_dir"));
+  EXPECT_EQ(ResolveRequestPath(nullptr, "/some/where", "path").value(), "/some/where");
+
+  ASSERT_OK(WriteFolderAtomically(ck, [](const std::string& tmp) { return WriteStringToFile(tmp + "/w", "12345"); }));
+  ASSERT_OK(MakeDirectories(root + "/runs/run-1/foreign"));
+  ASSERT_OK(WriteStringToFile(root + "/runs/run-1/foreign/f", "x"));
+  ASSERT_OK_AND_ASSIGN(auto listed, store.List("run-1"));
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(listed[0].name, "step-10");
+  EXPECT_EQ(listed[0].ref, "lorastep://run-1/step-10");
+  EXPECT_GE(listed[0].bytes, 5);
+  EXPECT_GT(listed[0].modified_unix_s, 0);
+  EXPECT_TRUE(store.List("never-created").value().empty());
+  EXPECT_THAT(store.Delete("run-1", "foreign"), StatusIs(absl::StatusCode::kFailedPrecondition, "not written by lorastep"));
+  EXPECT_TRUE(PathExists(root + "/runs/run-1/foreign/f"));
+  EXPECT_THAT(store.Delete("run-1", "nope"), StatusIs(absl::StatusCode::kNotFound, "does not exist"));
+  EXPECT_THAT(store.Delete("run-1", ".."), StatusIs(absl::StatusCode::kInvalidArgument, "name"));
+  ASSERT_OK(store.Delete("run-1", "step-10"));
+  EXPECT_FALSE(PathExists(ck));
+  EXPECT_TRUE(store.List("run-1").value().empty());
 }
 
 }  // namespace

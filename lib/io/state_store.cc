@@ -1,0 +1,134 @@
+#include "lib/io/state_store.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "lib/io/checkpoint_dir.h"
+#include "lib/io/file_util.h"
+#include "lib/status_macros.h"
+
+namespace lorastep {
+namespace {
+
+// Bytes of the regular files under `path` and the newest modification time.
+void Measure(const std::string& path, int64_t* bytes, int64_t* newest) {
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) return;
+  *newest = std::max<int64_t>(*newest, st.st_mtime);
+  if (S_ISREG(st.st_mode)) {
+    *bytes += st.st_size;
+    return;
+  }
+  if (!S_ISDIR(st.st_mode)) return;
+  DIR* dir = opendir(path.c_str());
+  if (dir == nullptr) return;
+  while (dirent* e = readdir(dir)) {
+    if (std::strcmp(e->d_name, ".") == 0 || std::strcmp(e->d_name, "..") == 0) continue;
+    Measure(path + "/" + e->d_name, bytes, newest);
+  }
+  closedir(dir);
+}
+
+}  // namespace
+
+absl::Status ValidateStoreName(absl::string_view name, absl::string_view field) {
+  if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": required"));
+  if (name.size() > kMaxStoreNameBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", name.size(), " bytes; at most ", kMaxStoreNameBytes));
+  }
+  if (name.front() == '.') {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": must not start with '.'"));
+  }
+  for (char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": only letters, digits, '.', '_' and '-' are allowed (found byte ",
+          static_cast<int>(static_cast<unsigned char>(c)), ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StateStore> StateStore::Open(const std::string& root) {
+  if (root.empty()) return absl::InvalidArgumentError("state_dir: required");
+  LORASTEP_RETURN_IF_ERROR(MakeDirectories(root + "/runs"));
+  return StateStore(root);
+}
+
+std::string StateStore::RunFolder(absl::string_view run) const {
+  return absl::StrCat(root_, "/runs/", run);
+}
+
+absl::StatusOr<std::string> StateStore::Resolve(absl::string_view ref, absl::string_view field) const {
+  if (!absl::StartsWith(ref, kStateRefScheme)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": must be a ", kStateRefScheme, "<run>/<name> reference (this server keeps state under its --state_dir)"));
+  }
+  const absl::string_view rest = ref.substr(std::strlen(kStateRefScheme));
+  const size_t slash = rest.find('/');
+  if (slash == absl::string_view::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", kStateRefScheme, "<run>/<name>"));
+  }
+  LORASTEP_RETURN_IF_ERROR(ValidateStoreName(rest.substr(0, slash), absl::StrCat(field, " (run)")));
+  LORASTEP_RETURN_IF_ERROR(ValidateStoreName(rest.substr(slash + 1), absl::StrCat(field, " (name)")));
+  return absl::StrCat(RunFolder(rest.substr(0, slash)), "/", rest.substr(slash + 1));
+}
+
+absl::StatusOr<std::vector<StoredFolder>> StateStore::List(absl::string_view run) const {
+  LORASTEP_RETURN_IF_ERROR(ValidateStoreName(run, "run_id"));
+  std::vector<StoredFolder> out;
+  const std::string folder = RunFolder(run);
+  DIR* dir = opendir(folder.c_str());
+  if (dir == nullptr) {
+    if (errno == ENOENT) return out;
+    return ErrnoError("cannot list", folder);
+  }
+  while (dirent* e = readdir(dir)) {
+    const std::string name = e->d_name;
+    if (!ValidateStoreName(name, "").ok()) continue;  // ".", "..", temporary folders
+    const std::string path = folder + "/" + name;
+    if (!PathExists(path + "/" + kFolderMarker)) continue;
+    StoredFolder f;
+    f.name = name;
+    f.ref = absl::StrCat(kStateRefScheme, run, "/", name);
+    Measure(path, &f.bytes, &f.modified_unix_s);
+    out.push_back(std::move(f));
+  }
+  closedir(dir);
+  std::sort(out.begin(), out.end(), [](const StoredFolder& a, const StoredFolder& b) { return a.name < b.name; });
+  return out;
+}
+
+absl::Status StateStore::Delete(absl::string_view run, absl::string_view name) const {
+  LORASTEP_RETURN_IF_ERROR(ValidateStoreName(run, "run_id"));
+  LORASTEP_RETURN_IF_ERROR(ValidateStoreName(name, "name"));
+  const std::string path = absl::StrCat(RunFolder(run), "/", name);
+  if (!PathExists(path)) {
+    return absl::NotFoundError(absl::StrCat("name: ", kStateRefScheme, run, "/", name, " does not exist"));
+  }
+  if (!PathExists(path + "/" + kFolderMarker)) {
+    return absl::FailedPreconditionError(absl::StrCat("name: ", path, " was not written by lorastep; not removed"));
+  }
+  return RemoveAll(path);
+}
+
+absl::StatusOr<std::string> ResolveRequestPath(const StateStore* store, const std::string& path,
+                                               absl::string_view field) {
+  if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": required"));
+  if (store != nullptr) return store->Resolve(path, field);
+  if (absl::StartsWith(path, kStateRefScheme)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": ", kStateRefScheme, " references need a server started with --state_dir"));
+  }
+  return path;
+}
+
+}  // namespace lorastep

@@ -1,0 +1,59 @@
+// The server's state store: checkpoints and adapter exports under one server-configured root
+// (`--state_dir`), addressed by clients as `lorastep://<run>/<name>` references instead of
+// file-system paths. Names are validated (no '/', "..", NUL, hidden names; length cap), the
+// same rules apply to run ids, and only folders lorastep wrote (marked, see checkpoint_dir.h)
+// are listed or deleted.
+#ifndef LORASTEP_LIB_IO_STATE_STORE_H_
+#define LORASTEP_LIB_IO_STATE_STORE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace lorastep {
+
+inline constexpr char kStateRefScheme[] = "lorastep://";
+inline constexpr size_t kMaxStoreNameBytes = 128;
+
+// A run id or stored name: 1-128 bytes of [A-Za-z0-9._-], not starting with '.'.
+// INVALID_ARGUMENT naming `field` otherwise.
+absl::Status ValidateStoreName(absl::string_view name, absl::string_view field);
+
+struct StoredFolder {
+  std::string name;
+  std::string ref;  // lorastep://<run>/<name>
+  int64_t bytes = 0;
+  int64_t modified_unix_s = 0;
+};
+
+class StateStore {
+ public:
+  // Creates `root` if needed.
+  static absl::StatusOr<StateStore> Open(const std::string& root);
+
+  // The folder a `lorastep://<run>/<name>` reference names: <root>/runs/<run>/<name>.
+  absl::StatusOr<std::string> Resolve(absl::string_view ref, absl::string_view field) const;
+  // lorastep's folders of a run, by name (an unknown run has none).
+  absl::StatusOr<std::vector<StoredFolder>> List(absl::string_view run) const;
+  // Removes one of them; NOT_FOUND when absent, FAILED_PRECONDITION when not lorastep's.
+  absl::Status Delete(absl::string_view run, absl::string_view name) const;
+  const std::string& root() const { return root_; }
+
+ private:
+  explicit StateStore(std::string root) : root_(std::move(root)) {}
+  std::string RunFolder(absl::string_view run) const;
+  std::string root_;
+};
+
+// What a request's `path` field means on this server: with a store, a reference resolved in
+// it (plain paths refused); without one, a plain path (references refused).
+absl::StatusOr<std::string> ResolveRequestPath(const StateStore* store, const std::string& path,
+                                               absl::string_view field);
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_IO_STATE_STORE_H_
