@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "lib/io/state_store.h"
 #include "lib/training/adamw_params.h"
 #include "lib/model/lora_config.h"
 #include "lib/status_macros.h"
@@ -200,6 +201,8 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req) 
     do {
       run_id = absl::StrCat("run-", next_run_number_++);
     } while (runs_.count(run_id) || creating_ids_.count(run_id));
+  } else if (absl::Status named = ValidateStoreName(run_id, "run_id"); !named.ok()) {
+    return named;  // run ids name state-store folders: the same rules
   } else if (runs_.count(run_id) || creating_ids_.count(run_id)) {
     return absl::AlreadyExistsError(absl::StrCat("run_id: '", run_id, "' exists"));
   }
@@ -771,6 +774,23 @@ absl::StatusOr<v1::ExportAdapterResponse> Coordinator::ExportAdapter(
   resp.set_adapter_sha256(per_rank[0].adapter_sha256());
   resp.set_learner_version(per_rank[0].learner_version());
   return resp;
+}
+
+absl::StatusOr<v1::ListCheckpointsResponse> Coordinator::ListCheckpoints(
+    const v1::ListCheckpointsRequest& req) {
+  LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
+  LORASTEP_ASSIGN_OR_RETURN(auto per_rank, FanOut<v1::ListCheckpointsResponse>(
+                                               *run, {0}, [&](int, WorkerClient* w) { return w->ListCheckpoints(req); }));
+  return per_rank[0];
+}
+
+absl::Status Coordinator::DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) {
+  LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
+  std::lock_guard<std::mutex> lock(run->mu);  // not while a SaveState of this run writes
+  return FanOut<bool>(*run, {0}, [&](int, WorkerClient* w) -> absl::StatusOr<bool> {
+           LORASTEP_RETURN_IF_ERROR(w->DeleteCheckpoint(req));
+           return true;
+         }).status();
 }
 
 absl::StatusOr<v1::GetStepMetricsResponse> Coordinator::GetStepMetrics(

@@ -79,6 +79,9 @@ class Coordinator {
   absl::StatusOr<v1::SaveStateResponse> SaveState(const v1::SaveStateRequest& req);
   absl::StatusOr<v1::Run> LoadState(const v1::LoadStateRequest& req);
   absl::StatusOr<v1::ExportAdapterResponse> ExportAdapter(const v1::ExportAdapterRequest& req);
+  // The state store of the run's rank 0 (the rank that writes checkpoints and exports).
+  absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& req);
+  absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req);
   absl::StatusOr<v1::GetStepMetricsResponse> GetStepMetrics(const v1::GetStepMetricsRequest& req);
 
   // Registers `watcher` for new step records of a run and returns the kept records with

@@ -8,6 +8,8 @@
 //                        [--worker_start_timeout_s 300]
 //                        [--tp T --pp P --dp D] [--collective_timeout_s S]
 //                        [--worker_call_timeout_s 3600] [--rendezvous_port 29500]
+//                        [--state_dir DIR: checkpoints and exports as lorastep://<run>/<name>
+//                        references under DIR, passed to local workers]
 // With --wait_for_workers and --tp/--pp/--dp, workers started with --register_with and no
 // --rank get their ranks here in the order they ask (JoinMesh); rank 0 serves the
 // rendezvous at its host and --rendezvous_port.
@@ -71,7 +73,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     std::vector<std::string> args = {"--model", flags["model"]};
-    for (const char* pass : {"dtype", "max_tokens_per_microbatch", "collective_timeout_s",
+    for (const char* pass : {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "state_dir",
                              "test_replicated_reductions", "test_skip_shared_reduction",
                              "test_shared_reductions", "test_check_grad_digests",
                              "test_corrupt_main_grad_rank", "test_inventory_mismatch_rank"}) {

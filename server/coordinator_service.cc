@@ -153,6 +153,22 @@ grpc::ServerUnaryReactor* CoordinatorService::LoadState(grpc::CallbackServerCont
                                                         v1::Run* resp) {
   return Defer(ctx, req->run_id(), resp, [this, req] { return core_->LoadState(*req); });
 }
+grpc::ServerUnaryReactor* CoordinatorService::ListCheckpoints(grpc::CallbackServerContext* ctx,
+                                                              const v1::ListCheckpointsRequest* req,
+                                                              v1::ListCheckpointsResponse* resp) {
+  return Defer(ctx, req->run_id(), resp, [this, req] { return core_->ListCheckpoints(*req); });
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::DeleteCheckpoint(grpc::CallbackServerContext* ctx,
+                                                               const v1::DeleteCheckpointRequest* req,
+                                                               v1::DeleteCheckpointResponse* resp) {
+  return Defer(ctx, req->run_id(), resp, [this, req]() -> absl::StatusOr<v1::DeleteCheckpointResponse> {
+    absl::Status deleted = core_->DeleteCheckpoint(*req);
+    if (!deleted.ok()) return deleted;
+    return v1::DeleteCheckpointResponse();
+  });
+}
+
 grpc::ServerUnaryReactor* CoordinatorService::ExportAdapter(grpc::CallbackServerContext* ctx,
                                                             const v1::ExportAdapterRequest* req,
                                                             v1::ExportAdapterResponse* resp) {

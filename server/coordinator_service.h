@@ -45,6 +45,12 @@ class CoordinatorService final : public v1::Trainer::CallbackService {
   grpc::ServerUnaryReactor* ExportAdapter(grpc::CallbackServerContext* ctx,
                                           const v1::ExportAdapterRequest* req,
                                           v1::ExportAdapterResponse* resp) override;
+  grpc::ServerUnaryReactor* ListCheckpoints(grpc::CallbackServerContext* ctx,
+                                            const v1::ListCheckpointsRequest* req,
+                                            v1::ListCheckpointsResponse* resp) override;
+  grpc::ServerUnaryReactor* DeleteCheckpoint(grpc::CallbackServerContext* ctx,
+                                             const v1::DeleteCheckpointRequest* req,
+                                             v1::DeleteCheckpointResponse* resp) override;
   grpc::ServerUnaryReactor* GetStepMetrics(grpc::CallbackServerContext* ctx,
                                            const v1::GetStepMetricsRequest* req,
                                            v1::GetStepMetricsResponse* resp) override;

@@ -34,6 +34,16 @@ absl::Status GrpcWorkerClient::CreateRun(const v1::WorkerCreateRunRequest& req) 
              stub_.get(), &v1::Worker::Stub::CreateRun, req, call_timeout_)
       .status();
 }
+absl::StatusOr<v1::ListCheckpointsResponse> GrpcWorkerClient::ListCheckpoints(
+    const v1::ListCheckpointsRequest& req) {
+  return CallUnary<v1::ListCheckpointsResponse>(stub_.get(), &v1::Worker::Stub::ListCheckpoints, req,
+                                                call_timeout_);
+}
+absl::Status GrpcWorkerClient::DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) {
+  return CallUnary<v1::DeleteCheckpointResponse>(stub_.get(), &v1::Worker::Stub::DeleteCheckpoint, req,
+                                                 call_timeout_)
+      .status();
+}
 absl::Status GrpcWorkerClient::DeleteRun(const v1::WorkerDeleteRunRequest& req) {
   return CallUnary<v1::WorkerDeleteRunResponse>(
              stub_.get(), &v1::Worker::Stub::DeleteRun, req, call_timeout_)

@@ -32,6 +32,8 @@ class GrpcWorkerClient final : public WorkerClient {
   absl::StatusOr<v1::WorkerPathResponse> SaveState(const v1::WorkerPathRequest& req) override;
   absl::StatusOr<v1::WorkerPathResponse> LoadState(const v1::WorkerPathRequest& req) override;
   absl::StatusOr<v1::WorkerPathResponse> ExportAdapter(const v1::WorkerPathRequest& req) override;
+  absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& req) override;
+  absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) override;
 
  private:
   std::string address_;

@@ -26,6 +26,8 @@ class WorkerClient {
   virtual absl::StatusOr<v1::WorkerPathResponse> SaveState(const v1::WorkerPathRequest& req) = 0;
   virtual absl::StatusOr<v1::WorkerPathResponse> LoadState(const v1::WorkerPathRequest& req) = 0;
   virtual absl::StatusOr<v1::WorkerPathResponse> ExportAdapter(const v1::WorkerPathRequest& req) = 0;
+  virtual absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& req) = 0;
+  virtual absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) = 0;
 };
 
 }  // namespace lorastep

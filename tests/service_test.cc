@@ -282,6 +282,19 @@ TEST_F(ServiceTest, BadCallBetweenGoodCallsChangesNothing) {
   EXPECT_EQ(state.next_sequence_id(), 3);  // the failed calls consumed no sequence id
 }
 
+// Without --state_dir, references are refused (plain paths keep working) and the store's
+// calls say what is missing.
+TEST_F(ServiceTest, StateStoreCallsNeedAStateDir) {
+  RunSession run = NewRun();
+  v1::SaveStateRequest req;
+  req.set_run_id(run.run_id());
+  req.set_path("lorastep://" + run.run_id() + "/x");
+  EXPECT_THAT(client_->SaveState(req), StatusIs(absl::StatusCode::kInvalidArgument, "--state_dir"));
+  v1::ListCheckpointsRequest list;
+  list.set_run_id(run.run_id());
+  EXPECT_THAT(client_->ListCheckpoints(list), StatusIs(absl::StatusCode::kFailedPrecondition, "--state_dir"));
+}
+
 TEST_F(ServiceTest, EveryValidationErrorNamesTheField) {
   RunSession run = NewRun();
   struct Case {
@@ -456,6 +469,60 @@ TEST_F(ServiceTest, ReadOnlyCallsDoNotWaitForATrainingStep) {
 // Bounds: a coordinator with --max_request_mb 1 --max_runs 2 refuses a larger request
 // before parsing it (the run unchanged) and a third run; DeleteRun frees a slot, and the
 // deleted run is gone everywhere.
+// Issue 8's state store: with --state_dir, SaveState / ExportAdapter / LoadState take
+// lorastep://<run>/<name> references resolved under the server's root; plain paths,
+// escapes and writes under another run are refused; a run's folders can be listed and
+// deleted; run ids follow the same name rules.
+TEST(StateStoreServiceTest, ReferencesListAndDeleteUnderTheServersRoot) {
+  const std::string scratch = ScratchDir("store_service");
+  const std::string root = scratch + "/state";
+  auto server = StartTinyCoordinator("store_coord", {"--state_dir", root});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = TrainerClient::Connect(server->address());
+  ASSERT_TRUE(client.ok()) << client.status();
+  TrainerClient* t = client->get();
+  EXPECT_THAT(RunSession::Create(t, Lora(), 1, "../evil"), StatusIs(absl::StatusCode::kInvalidArgument, "run_id"));
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(t, Lora(), 1, "alpha"));
+  ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
+  auto save = [&](const std::string& path) {
+    v1::SaveStateRequest req;
+    req.set_run_id("alpha");
+    req.set_path(path);
+    return t->SaveState(req);
+  };
+  ASSERT_OK(save("lorastep://alpha/step-1").status());
+  EXPECT_TRUE(PathExists(root + "/runs/alpha/step-1/trainer_state.json"));
+  EXPECT_THAT(save(scratch + "/plain"), StatusIs(absl::StatusCode::kInvalidArgument, "reference"));
+  EXPECT_THAT(save("lorastep://beta/x"), StatusIs(absl::StatusCode::kInvalidArgument, "its own references"));
+  EXPECT_THAT(save("lorastep://alpha/../../x"), StatusIs(absl::StatusCode::kInvalidArgument, "path (name)"));
+  v1::ExportAdapterRequest exp;
+  exp.set_run_id("alpha");
+  exp.set_path("lorastep://alpha/peft-1");
+  ASSERT_OK(t->ExportAdapter(exp).status());
+  EXPECT_TRUE(PathExists(root + "/runs/alpha/peft-1/adapter_model.safetensors"));
+  v1::ListCheckpointsRequest list;
+  list.set_run_id("alpha");
+  ASSERT_OK_AND_ASSIGN(v1::ListCheckpointsResponse listed, t->ListCheckpoints(list));
+  ASSERT_EQ(listed.checkpoints_size(), 2) << listed.DebugString();
+  EXPECT_EQ(listed.checkpoints(0).name(), "peft-1");
+  EXPECT_EQ(listed.checkpoints(1).ref(), "lorastep://alpha/step-1");
+  EXPECT_GT(listed.checkpoints(1).bytes(), 0);
+  // Another run starts from alpha's checkpoint by reference.
+  ASSERT_OK_AND_ASSIGN(RunSession fork, RunSession::Create(t, Lora(), 2, "beta"));
+  ASSERT_OK_AND_ASSIGN(v1::Run loaded, fork.LoadState("lorastep://alpha/step-1"));
+  EXPECT_EQ(loaded.learner_version(), 1);
+  v1::DeleteCheckpointRequest del;
+  del.set_run_id("alpha");
+  del.set_name("peft-1");
+  ASSERT_OK(t->DeleteCheckpoint(del).status());
+  EXPECT_FALSE(PathExists(root + "/runs/alpha/peft-1"));
+  EXPECT_THAT(t->DeleteCheckpoint(del), StatusIs(absl::StatusCode::kNotFound, "does not exist"));
+  del.set_name("..");
+  EXPECT_THAT(t->DeleteCheckpoint(del), StatusIs(absl::StatusCode::kInvalidArgument, "name"));
+  ASSERT_OK_AND_ASSIGN(listed, t->ListCheckpoints(list));
+  EXPECT_EQ(listed.checkpoints_size(), 1);
+}
+
 TEST(BoundsTest, RequestSizeAndRunCapAndDeleteRun) {
   auto server = StartTinyCoordinator("bounds", {"--max_request_mb", "1", "--max_runs", "2", "--max_recorded_mb", "0.25"});
   ASSERT_TRUE(server.ok()) << server.status();

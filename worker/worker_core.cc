@@ -12,6 +12,10 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerOptio
                             LoadBaseModel(options.model_path, options.device, options.dtype,
                                           options.sizes, layout.Coords(options.rank)));
   auto core = std::unique_ptr<WorkerCore>(new WorkerCore(options, std::move(base)));
+  if (!options.state_dir.empty()) {
+    LORASTEP_ASSIGN_OR_RETURN(StateStore store, StateStore::Open(options.state_dir));
+    core->store_ = std::make_unique<StateStore>(std::move(store));
+  }
   if (layout.world_size() > 1) {
     if (options.rendezvous.empty()) {
       return absl::InvalidArgumentError("rendezvous: required when tp * pp * dp > 1");
@@ -126,8 +130,9 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::SaveState(const std::string& 
                                                              const std::string& path,
     const MeshCallInfo& mesh) {
   std::lock_guard<std::mutex> lock(mu_);
+  LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/true));
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
-  LORASTEP_RETURN_IF_ERROR(t->SaveState(path));
+  LORASTEP_RETURN_IF_ERROR(t->SaveState(folder));
   return PathResult{t->FullAdapterSha256(), t->learner_version()};
 }
 
@@ -135,8 +140,9 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::LoadState(const std::string& 
                                                              const std::string& path,
                                                              const MeshCallInfo& mesh) {
   std::lock_guard<std::mutex> lock(mu_);
+  LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/false));
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
-  LORASTEP_RETURN_IF_ERROR(t->LoadState(path));
+  LORASTEP_RETURN_IF_ERROR(t->LoadState(folder));
   return PathResult{t->FullAdapterSha256(), t->learner_version()};
 }
 
@@ -145,9 +151,39 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::ExportAdapter(const std::stri
                                                                  const MeshCallInfo& mesh,
                                                                  bool expand_experts) {
   std::lock_guard<std::mutex> lock(mu_);
+  LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/true));
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
-  LORASTEP_RETURN_IF_ERROR(t->ExportAdapter(path, expand_experts));
+  LORASTEP_RETURN_IF_ERROR(t->ExportAdapter(folder, expand_experts));
   return PathResult{t->FullAdapterSha256(), t->learner_version()};
+}
+
+absl::StatusOr<const StateStore*> WorkerCore::Store() const {
+  if (store_ == nullptr) {
+    return absl::FailedPreconditionError("this server has no state store (start it with --state_dir)");
+  }
+  return store_.get();
+}
+
+absl::StatusOr<std::string> WorkerCore::ResolvePath(const std::string& run_id, const std::string& path,
+                                                    bool write) const {
+  LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolveRequestPath(store_.get(), path, "path"));
+  if (store_ != nullptr && write) {
+    const std::string own = absl::StrCat(kStateRefScheme, run_id, "/");
+    if (path.compare(0, own.size(), own) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("path: a run writes under its own references (", own, "<name>)"));
+    }
+  }
+  return folder;
+}
+
+absl::StatusOr<std::vector<StoredFolder>> WorkerCore::ListCheckpoints(const std::string& run_id) const {
+  LORASTEP_ASSIGN_OR_RETURN(const StateStore* store, Store());
+  return store->List(run_id);
+}
+
+absl::Status WorkerCore::DeleteCheckpoint(const std::string& run_id, const std::string& name) {
+  LORASTEP_ASSIGN_OR_RETURN(const StateStore* store, Store());
+  return store->Delete(run_id, name);
 }
 
 }  // namespace lorastep

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "lib/io/state_store.h"
 #include "lib/parallel/process_groups.h"
 #include "lib/training/trainer.h"
 
@@ -39,6 +40,9 @@ struct WorkerOptions {
   // `profile_trace_path` (CUDA build). Set from LORASTEP_PROFILE_TRACE / _STEP.
   std::string profile_trace_path;
   int64_t profile_train_step = 0;
+  // The state store's root: path fields are then lorastep://<run>/<name> references
+  // (state_store.h); empty = plain paths on this worker's file system.
+  std::string state_dir;
 };
 
 // What the coordinator sends with every call on a mesh (see worker.proto's MeshCall).
@@ -84,6 +88,9 @@ class WorkerCore {
                                        const MeshCallInfo& mesh = {});
   absl::StatusOr<PathResult> ExportAdapter(const std::string& run_id, const std::string& path,
                                            const MeshCallInfo& mesh = {}, bool expand_experts = false);
+  // The state store's folders of a run / removing one (FAILED_PRECONDITION without a store).
+  absl::StatusOr<std::vector<StoredFolder>> ListCheckpoints(const std::string& run_id) const;
+  absl::Status DeleteCheckpoint(const std::string& run_id, const std::string& name);
 
  private:
   WorkerCore(WorkerOptions options, std::shared_ptr<const BaseModel> base)
@@ -92,10 +99,15 @@ class WorkerCore {
   // Before a call on a mesh: rebuilds communicators for a new generation, checks the
   // learner version. Requires mu_. Returns the run.
   absl::StatusOr<Trainer*> Prepare(const std::string& run_id, const MeshCallInfo& mesh);
+  // The folder a request's path field names. Writes (SaveState, ExportAdapter) must stay
+  // under the run's own references.
+  absl::StatusOr<std::string> ResolvePath(const std::string& run_id, const std::string& path, bool write) const;
+  absl::StatusOr<const StateStore*> Store() const;
 
   WorkerOptions options_;
   std::shared_ptr<const BaseModel> base_;
   std::unique_ptr<ProcessGroups> groups_;  // null at world size 1
+  std::unique_ptr<StateStore> store_;      // null without --state_dir
   mutable std::mutex mu_;
   std::map<std::string, std::unique_ptr<Trainer>> runs_;
 };

@@ -4,7 +4,8 @@
 //                   [--port 0] [--port_file F] [--max_tokens_per_microbatch N] [--unfused_wgrad]
 //                   [--register_with COORDINATOR_HOST:PORT] [--advertise_host H]
 //                   [--rank R --tp T --pp P --dp D --rendezvous HOST:PORT]
-//                   [--collective_timeout_s S]
+//                   [--collective_timeout_s S] [--state_dir DIR (path fields are then
+//                   lorastep://<run>/<name> references under DIR)]
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -81,6 +82,7 @@ int main(int argc, char** argv) {
     options.max_tokens_per_microbatch = std::stoll(flags["max_tokens_per_microbatch"]);
   }
   options.grad.fused_wgrad = !flags.count("unfused_wgrad");
+  if (flags.count("state_dir")) options.state_dir = flags["state_dir"];
   // Environment, so a worker the coordinator starts inherits it (bench/step_bench.sh).
   if (const char* trace = std::getenv("LORASTEP_PROFILE_TRACE")) {
     options.profile_trace_path = trace;

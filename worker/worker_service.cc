@@ -186,6 +186,28 @@ grpc::ServerUnaryReactor* WorkerService::ExportAdapter(grpc::CallbackServerConte
   });
 }
 
+grpc::ServerUnaryReactor* WorkerService::ListCheckpoints(grpc::CallbackServerContext* ctx,
+                                                         const v1::ListCheckpointsRequest* req,
+                                                         v1::ListCheckpointsResponse* resp) {
+  return Defer(ctx, [this, req, resp]() -> absl::Status {
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<StoredFolder> folders, core_->ListCheckpoints(req->run_id()));
+    for (const StoredFolder& f : folders) {
+      v1::Checkpoint* c = resp->add_checkpoints();
+      c->set_name(f.name);
+      c->set_ref(f.ref);
+      c->set_bytes(f.bytes);
+      c->set_modified_unix_s(f.modified_unix_s);
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* WorkerService::DeleteCheckpoint(grpc::CallbackServerContext* ctx,
+                                                          const v1::DeleteCheckpointRequest* req,
+                                                          v1::DeleteCheckpointResponse*) {
+  return Defer(ctx, [this, req] { return core_->DeleteCheckpoint(req->run_id(), req->name()); });
+}
+
 grpc::ServerUnaryReactor* WorkerService::LoadState(grpc::CallbackServerContext* ctx,
                                                    const v1::WorkerPathRequest* req,
                                                    v1::WorkerPathResponse* resp) {

@@ -47,6 +47,12 @@ class WorkerService final : public v1::Worker::CallbackService {
   grpc::ServerUnaryReactor* ExportAdapter(grpc::CallbackServerContext* ctx,
                                           const v1::WorkerPathRequest* req,
                                           v1::WorkerPathResponse* resp) override;
+  grpc::ServerUnaryReactor* ListCheckpoints(grpc::CallbackServerContext* ctx,
+                                            const v1::ListCheckpointsRequest* req,
+                                            v1::ListCheckpointsResponse* resp) override;
+  grpc::ServerUnaryReactor* DeleteCheckpoint(grpc::CallbackServerContext* ctx,
+                                             const v1::DeleteCheckpointRequest* req,
+                                             v1::DeleteCheckpointResponse* resp) override;
 
  private:
   // Queues `work` (returning absl::Status) and finishes the call when it has run.

@@ -59,6 +59,8 @@ LORASTEP_CLIENT_CALL(TrainStep, TrainStepRequest, StepResponse)
 LORASTEP_CLIENT_CALL(SaveState, SaveStateRequest, SaveStateResponse)
 LORASTEP_CLIENT_CALL(LoadState, LoadStateRequest, Run)
 LORASTEP_CLIENT_CALL(ExportAdapter, ExportAdapterRequest, ExportAdapterResponse)
+LORASTEP_CLIENT_CALL(ListCheckpoints, ListCheckpointsRequest, ListCheckpointsResponse)
+LORASTEP_CLIENT_CALL(DeleteCheckpoint, DeleteCheckpointRequest, DeleteCheckpointResponse)
 LORASTEP_CLIENT_CALL(GetStepMetrics, GetStepMetricsRequest, GetStepMetricsResponse)
 #undef LORASTEP_CLIENT_CALL
 

@@ -41,6 +41,8 @@ class TrainerClient {
   absl::StatusOr<v1::SaveStateResponse> SaveState(const v1::SaveStateRequest& req);
   absl::StatusOr<v1::Run> LoadState(const v1::LoadStateRequest& req);
   absl::StatusOr<v1::ExportAdapterResponse> ExportAdapter(const v1::ExportAdapterRequest& req);
+  absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& req);
+  absl::StatusOr<v1::DeleteCheckpointResponse> DeleteCheckpoint(const v1::DeleteCheckpointRequest& req);
   absl::StatusOr<v1::GetStepMetricsResponse> GetStepMetrics(const v1::GetStepMetricsRequest& req);
   // Streams step records to `on_record` until it returns false or the stream ends.
   absl::Status WatchMetrics(const v1::WatchMetricsRequest& req,

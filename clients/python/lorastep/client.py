@@ -143,6 +143,17 @@ class Run:
         return {"path": r.path, "adapter_sha256": r.adapter_sha256,
                 "learner_version": r.learner_version}
 
+    def checkpoints(self):
+        """The run's folders in the server's state store (servers started with --state_dir):
+        dicts of name, ref (lorastep://<run>/<name>), bytes, modified_unix_s."""
+        r = self._client._call("ListCheckpoints", trainer_pb2.ListCheckpointsRequest(run_id=self.run_id))
+        return [{"name": c.name, "ref": c.ref, "bytes": c.bytes, "modified_unix_s": c.modified_unix_s}
+                for c in r.checkpoints]
+
+    def delete_checkpoint(self, name):
+        self._client._call("DeleteCheckpoint", trainer_pb2.DeleteCheckpointRequest(
+            run_id=self.run_id, name=name))
+
     def metrics(self, since_step=0, limit=0):
         r = self._client._call("GetStepMetrics", trainer_pb2.GetStepMetricsRequest(
             run_id=self.run_id, since_step=since_step, limit=limit))
