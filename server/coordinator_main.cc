@@ -74,6 +74,7 @@ int main(int argc, char** argv) {
     }
     std::vector<std::string> args = {"--model", flags["model"]};
     for (const char* pass : {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "state_dir",
+                             "max_activation_mb",
                              "test_replicated_reductions", "test_skip_shared_reduction",
                              "test_shared_reductions", "test_check_grad_digests",
                              "test_corrupt_main_grad_rank", "test_inventory_mismatch_rank"}) {

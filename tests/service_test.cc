@@ -523,6 +523,23 @@ TEST(StateStoreServiceTest, ReferencesListAndDeleteUnderTheServersRoot) {
   EXPECT_EQ(listed.checkpoints_size(), 1);
 }
 
+// --max_activation_mb reaches the worker: a micro-batch over it is RESOURCE_EXHAUSTED
+// through the API before any work, and the run is unchanged.
+TEST(BoundsTest, ActivationBudgetRefusesAnOversizedMicroBatch) {
+  auto server = StartTinyCoordinator("actbudget", {"--max_activation_mb", "1"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = TrainerClient::Connect(server->address());
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto run = RunSession::Create(client->get(), Lora(), 1);
+  ASSERT_TRUE(run.ok()) << run.status();
+  std::vector<v1::Datum> long_one = {MakeDatum(0, 0, 500, 96)};
+  EXPECT_THAT(run->TrainStep(long_one, Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kResourceExhausted, "over this worker's budget of 1 MiB"));
+  ASSERT_OK_AND_ASSIGN(v1::Run state, (*client)->GetRun(run->run_id()));
+  EXPECT_EQ(state.learner_version(), 0);
+  ASSERT_OK(run->TrainStep(Batch(0), Ppo(), Adam()).status());
+}
+
 TEST(BoundsTest, RequestSizeAndRunCapAndDeleteRun) {
   auto server = StartTinyCoordinator("bounds", {"--max_request_mb", "1", "--max_runs", "2", "--max_recorded_mb", "0.25"});
   ASSERT_TRUE(server.ok()) << server.status();

@@ -323,3 +323,50 @@ TEST_F(TrainerTest, FullFinetuneRankZeroTrainsEveryWeight) {
 
 }  // namespace
 }  // namespace lorastep
+
+namespace lorastep {
+namespace {
+
+// Issue 8: one legal datum OOM-killed the worker. A micro-batch whose estimated activations
+// exceed the worker's budget is refused before any work (RESOURCE_EXHAUSTED naming the
+// datum), and the run is unchanged; batches within the budget run.
+TEST(ActivationBudgetTest, OverBudgetMicroBatchIsRefusedBeforeAnyWork) {
+  const std::string dir = ::lorastep::testing::ScratchDir("act_budget");
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  ASSERT_OK_AND_ASSIGN(auto base, LoadBaseModel(dir + "/model", "cpu", "float32"));
+  TrainerOptions o;
+  o.lora.rank = 4;
+  o.lora.alpha = 8;
+  const std::vector<Datum> small = RlBatch(0, c.vocab_size);
+  const int64_t n = 500;  // under the tiny model's 512 positions
+  const double small_need = EstimateActivationBytes(c, base->shard, small.size(), small[0].tokens.size(), true, 4,
+                                                    o.logprob_chunk_tokens);
+  const double huge_need = EstimateActivationBytes(c, base->shard, 1, n, true, 4, o.logprob_chunk_tokens);
+  ASSERT_GT(huge_need, 2 * small_need);
+  o.max_activation_bytes = static_cast<int64_t>((small_need + huge_need) / 2);
+  ASSERT_OK_AND_ASSIGN(auto trainer, Trainer::Create(base, o));
+  std::vector<Datum> huge = RlBatch(0, c.vocab_size);
+  huge[1].tokens.assign(n, 1);
+  huge[1].target_tokens.assign(n, 2);
+  huge[1].logprobs.assign(n, -1.0f);
+  huge[1].advantages.assign(n, 1.0f);
+  ASSERT_GT(EstimateActivationBytes(c, base->shard, 1, n, true, 4, o.logprob_chunk_tokens),
+            static_cast<double>(o.max_activation_bytes));
+  EXPECT_THAT(trainer->TrainStep(huge, Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kResourceExhausted, "datums[1]: a micro-batch of 4 sequence(s) padded to 500 tokens"));
+  EXPECT_THAT(trainer->Forward(huge), StatusIs(absl::StatusCode::kResourceExhausted, "--max_activation_mb"));
+  EXPECT_EQ(trainer->learner_version(), 0);
+  EXPECT_EQ(trainer->pending_backward_calls(), 0);
+  ASSERT_OK(trainer->TrainStep(small, Ppo(), Adam()).status());
+  EXPECT_EQ(trainer->learner_version(), 1);
+  // The estimate grows with the padded size and, for backward, with the layers kept.
+  EXPECT_GT(EstimateActivationBytes(c, base->shard, 2, 512, true, 4, 1024),
+            EstimateActivationBytes(c, base->shard, 1, 512, true, 4, 1024));
+  EXPECT_GT(EstimateActivationBytes(c, base->shard, 1, 512, true, 4, 1024),
+            EstimateActivationBytes(c, base->shard, 1, 512, false, 4, 1024));
+  EXPECT_GT(AvailableHostMemoryBytes(), 0);
+}
+
+}  // namespace
+}  // namespace lorastep

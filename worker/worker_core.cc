@@ -73,6 +73,7 @@ absl::Status WorkerCore::CreateRun(const std::string& run_id, const LoraConfig& 
   o.finalize = options_.finalize;
   o.profile_trace_path = options_.profile_trace_path;
   o.profile_train_step = options_.profile_train_step;
+  o.max_activation_bytes = options_.max_activation_bytes;
   LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(base_, o));
   runs_[run_id] = std::move(trainer);
   return absl::OkStatus();

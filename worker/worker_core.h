@@ -43,6 +43,8 @@ struct WorkerOptions {
   // The state store's root: path fields are then lorastep://<run>/<name> references
   // (state_store.h); empty = plain paths on this worker's file system.
   std::string state_dir;
+  // Activation-memory budget per micro-batch (TrainerOptions::max_activation_bytes).
+  int64_t max_activation_bytes = 0;
 };
 
 // What the coordinator sends with every call on a mesh (see worker.proto's MeshCall).

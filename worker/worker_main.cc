@@ -5,7 +5,7 @@
 //                   [--register_with COORDINATOR_HOST:PORT] [--advertise_host H]
 //                   [--rank R --tp T --pp P --dp D --rendezvous HOST:PORT]
 //                   [--collective_timeout_s S] [--state_dir DIR (path fields are then
-//                   lorastep://<run>/<name> references under DIR)]
+//                   lorastep://<run>/<name> references under DIR)] [--max_activation_mb M]
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -83,6 +83,12 @@ int main(int argc, char** argv) {
   }
   options.grad.fused_wgrad = !flags.count("unfused_wgrad");
   if (flags.count("state_dir")) options.state_dir = flags["state_dir"];
+  // MiB one micro-batch's activations may take (estimated before running; over it the call is
+  // RESOURCE_EXHAUSTED). 0 (default): 80% of the available host memory on CPU; -1: off.
+  if (flags.count("max_activation_mb")) {
+    const double mb = std::stod(flags["max_activation_mb"]);
+    options.max_activation_bytes = mb < 0 ? -1 : static_cast<int64_t>(mb * 1024 * 1024);
+  }
   // Environment, so a worker the coordinator starts inherits it (bench/step_bench.sh).
   if (const char* trace = std::getenv("LORASTEP_PROFILE_TRACE")) {
     options.profile_trace_path = trace;

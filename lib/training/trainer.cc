@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <sys/resource.h>
@@ -13,6 +14,7 @@
 #include <deque>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "lib/device_stats.h"
 #include "lib/io/checkpoint_dir.h"
 #include "lib/io/digest.h"
@@ -65,6 +67,90 @@ double PeakHostMemoryBytes() {
 }
 
 }  // namespace
+
+double EstimateActivationBytes(const ModelConfig& c, const ModelShard& shard, int64_t b, int64_t s,
+                               bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens) {
+  const int64_t tp = std::max(1, shard.tp);
+  const double layers = shard.layer_end > shard.layer_begin ? static_cast<double>(shard.layer_end - shard.layer_begin)
+                                                            : static_cast<double>(c.num_hidden_layers);
+  const double heads = static_cast<double>(shard.heads > 0 ? shard.heads : c.num_attention_heads);
+  const double kv = static_cast<double>(shard.kv_heads > 0 ? shard.kv_heads : c.num_key_value_heads);
+  const double d = static_cast<double>(c.head_dim()), h = static_cast<double>(c.hidden_size);
+  double inner = static_cast<double>(c.intermediate_size) / tp;
+  if (c.is_moe()) {  // each token's routed experts, and the shared expert
+    inner = std::max(inner, (static_cast<double>(c.moe.num_experts_per_tok * c.moe.moe_intermediate_size) +
+                             static_cast<double>(c.moe.shared_expert_intermediate_size)) / tp);
+  }
+  const double tokens = static_cast<double>(b) * static_cast<double>(s);
+  const double per_token_layer = (8.0 * h + 3.0 * inner + 4.0 * kv * d) * static_cast<double>(element_bytes);
+  double attention_scores = 0;  // the unfused attention of LibTorch < 2 materializes them
+#if !LORASTEP_TORCH_AT_LEAST(2, 0)
+  attention_scores = 3.0 * static_cast<double>(b) * heads * static_cast<double>(s) * static_cast<double>(s) * 4.0;
+#else
+  (void)heads;
+#endif
+  const double per_layer = tokens * per_token_layer + attention_scores;
+  const double head = static_cast<double>(std::min<int64_t>(logprob_chunk_tokens, b * s)) *
+                      static_cast<double>(c.vocab_size) / tp * (static_cast<double>(element_bytes) + 12.0);
+  return (backward ? layers : 1.0) * per_layer + head;
+}
+
+int64_t AvailableHostMemoryBytes() {
+  int64_t available = -1;
+  if (std::FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char line[256];
+    while (std::fgets(line, sizeof(line), f) != nullptr) {
+      long long kb = 0;
+      if (std::sscanf(line, "MemAvailable: %lld kB", &kb) == 1) available = static_cast<int64_t>(kb) * 1024;
+    }
+    std::fclose(f);
+  }
+  // A cgroup v2 memory limit (containers) caps what this process may take.
+  auto read_number = [](const char* path) -> int64_t {
+    std::FILE* f = std::fopen(path, "r");
+    if (f == nullptr) return -1;
+    long long v = -1;
+    const int n = std::fscanf(f, "%lld", &v);
+    std::fclose(f);
+    return n == 1 ? static_cast<int64_t>(v) : -1;  // "max" reads as no number
+  };
+  const int64_t limit = read_number("/sys/fs/cgroup/memory.max");
+  const int64_t used = read_number("/sys/fs/cgroup/memory.current");
+  if (limit > 0 && used >= 0) {
+    const int64_t room = std::max<int64_t>(0, limit - used);
+    available = available < 0 ? room : std::min(available, room);
+  }
+  return available;
+}
+
+absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, const BatchOptions& batch,
+                                            bool backward) const {
+  int64_t budget = options_.max_activation_bytes;
+  if (budget < 0) return absl::OkStatus();
+  if (budget == 0) {
+    if (base_->device.is_cuda()) return absl::OkStatus();  // not estimated against the device yet
+    const int64_t available = AvailableHostMemoryBytes();
+    if (available < 0) return absl::OkStatus();
+    budget = available / 10 * 8;  // room for the allocator and everything else
+  }
+  const int64_t max_tokens = batch.max_tokens_per_microbatch > 0 ? batch.max_tokens_per_microbatch
+                                                                 : options_.max_tokens_per_microbatch;
+  const int64_t element_bytes = static_cast<int64_t>(c10::elementSize(base_->dtype));
+  for (const auto& mb : SplitIntoMicroBatches(datums, max_tokens)) {
+    int64_t longest = 0;
+    for (size_t d : mb) longest = std::max<int64_t>(longest, static_cast<int64_t>(datums[d].tokens.size()));
+    const double need = EstimateActivationBytes(base_->config, base_->shard, static_cast<int64_t>(mb.size()), longest,
+                                                backward, element_bytes, options_.logprob_chunk_tokens);
+    if (need > static_cast<double>(budget)) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "datums[%d]: a micro-batch of %d sequence(s) padded to %d tokens needs about %.4g MiB of "
+          "activations, over this worker's budget of %.4g MiB; send shorter sequences, a smaller "
+          "max_tokens_per_microbatch, or raise the worker's --max_activation_mb",
+          mb.front(), mb.size(), longest, need / (1 << 20), static_cast<double>(budget) / (1 << 20)));
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::shared_ptr<const BaseModel>> LoadBaseModel(const std::string& folder,
                                                                const std::string& device,
@@ -508,6 +594,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector
                                                                const LossConfig& loss,
                                                                const BatchOptions& batch) {
   absl::Status valid = ValidateBatch(datums, loss, base_->config.vocab_size, options_.limits);
+  if (valid.ok()) valid = CheckActivationBudget(datums, batch, /*backward=*/true);
   if (options_.groups == nullptr) LORASTEP_RETURN_IF_ERROR(valid);
   // Keep what earlier calls accumulated so a failure mid-call can restore it exactly.
   LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot, Snapshot());
@@ -542,6 +629,7 @@ absl::Status Trainer::AgreeOnOutcome(const absl::Status& local) {
 
 absl::StatusOr<ForwardBackwardResult> Trainer::Forward(const std::vector<Datum>& datums) {
   LORASTEP_RETURN_IF_ERROR(ValidateForwardBatch(datums, base_->config.vocab_size, options_.limits));
+  LORASTEP_RETURN_IF_ERROR(CheckActivationBudget(datums, BatchOptions{}, /*backward=*/false));
   return GuardTorch([&] { return RunMicroBatches(datums, nullptr, BatchOptions{}); });
 }
 

@@ -70,7 +70,23 @@ struct TrainerOptions {
   // counted per Trainer) is saved to `profile_trace_path` (CUDA build only).
   std::string profile_trace_path;
   int64_t profile_train_step = 0;
+  // Activation memory one micro-batch may need (EstimateActivationBytes), checked before any
+  // work: over it the call is RESOURCE_EXHAUSTED instead of an out-of-memory kill. 0 = the
+  // host memory available at call time on CPU (cgroup limit included), no check on CUDA;
+  // negative = no check.
+  int64_t max_activation_bytes = 0;
 };
+
+// The activation memory a micro-batch of `b` sequences padded to `s` tokens needs on this
+// rank: what the layers keep for backward (forward-only: one layer's worth), ~(8H + 3I +
+// 4 kv·d) model-dtype elements per token and layer (norm inputs, q/k/v before and after
+// RoPE, attention output, the MLP's gate, up and product), the attention scores where the
+// build has no fused attention (LibTorch < 2: b·heads·s² fp32, three copies per layer), and
+// the LM head's chunk (logits, log-softmax and probabilities over the vocabulary).
+double EstimateActivationBytes(const ModelConfig& config, const ModelShard& shard, int64_t b, int64_t s,
+                               bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens);
+// Host memory this process may still allocate: MemAvailable, capped by the cgroup v2 limit.
+int64_t AvailableHostMemoryBytes();
 
 // Per-call overrides for how a batch is run.
 struct BatchOptions {
@@ -159,6 +175,10 @@ class Trainer {
   // On a mesh: every rank votes with its outcome (a world-group MIN all-reduce) before it
   // commits, so either every rank applies a call or none does. World size 1: `local`.
   absl::Status AgreeOnOutcome(const absl::Status& local);
+  // RESOURCE_EXHAUSTED when a micro-batch of `datums` would need more activation memory than
+  // this worker's budget (TrainerOptions::max_activation_bytes); checked before any work.
+  absl::Status CheckActivationBudget(const std::vector<Datum>& datums, const BatchOptions& batch,
+                                     bool backward) const;
   std::map<std::string, std::string> ReplicaDigests(const std::string& trainable_sha256) const;
   // This pipeline stage's part of a call's micro-batches: Megatron's 1F1B (warm-up forwards,
   // one-forward-one-backward steady state with paired send/receive, cool-down backwards),
