@@ -1,0 +1,221 @@
+// Seeded mutation fuzzing (no libFuzzer in Debian's gcc build): valid inputs are mutated
+// at random (bit flips, extreme bytes, truncation, splices of header text) for a fixed time
+// budget per target, and every parser must return a Status, never crash, and a failed load
+// or import must leave the run unchanged. Targets: safetensors files, checkpoint folders
+// (Trainer::LoadState), PEFT adapter folders (Trainer::ImportAdapter), and request
+// validation (ValidateBatch; a batch it accepts must then train).
+//   LORASTEP_FUZZ_SECONDS (default 4 per target), LORASTEP_FUZZ_SEED (default 1).
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <cstdlib>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "lib/io/file_util.h"
+#include "lib/io/safetensors.h"
+#include "lib/io/tensor_bytes.h"
+#include "lib/training/batch.h"
+#include "lib/training/trainer.h"
+#include "tests/test_util.h"
+
+namespace lorastep {
+namespace {
+
+using ::lorastep::testing::ScratchDir;
+
+double BudgetSeconds() {
+  const char* s = std::getenv("LORASTEP_FUZZ_SECONDS");
+  return s != nullptr ? std::atof(s) : 4.0;
+}
+uint64_t Seed() {
+  const char* s = std::getenv("LORASTEP_FUZZ_SEED");
+  return s != nullptr ? std::strtoull(s, nullptr, 10) : 1;
+}
+
+// One random mutation of `bytes`, biased towards the first 512 bytes (the header).
+std::string Mutate(std::string bytes, std::mt19937_64& rng) {
+  if (bytes.empty()) return std::string(1, static_cast<char>(rng()));
+  auto pos = [&]() -> size_t {
+    const size_t span = (rng() % 4 == 0) ? bytes.size() : std::min<size_t>(bytes.size(), 512);
+    return rng() % span;
+  };
+  const int kinds = 6;
+  for (int n = 1 + static_cast<int>(rng() % 3); n > 0; --n) {
+    switch (rng() % kinds) {
+      case 0: bytes[pos()] ^= static_cast<char>(1u << (rng() % 8)); break;
+      case 1: {
+        static const char extremes[] = {'\0', '\x7f', '\x80', '\xff', '"', '{', '}', '[', ']', ',', ':', '-', '9'};
+        bytes[pos()] = extremes[rng() % sizeof(extremes)];
+        break;
+      }
+      case 2: bytes.resize(pos()); break;  // truncation
+      case 3: {  // a header length prefix rewritten (little-endian u64 at 0)
+        const uint64_t v = (rng() % 2) ? rng() : (rng() % (bytes.size() * 2 + 16));
+        for (int i = 0; i < 8 && i < static_cast<int>(bytes.size()); ++i) bytes[i] = static_cast<char>(v >> (8 * i));
+        break;
+      }
+      case 4: {  // a run of the text duplicated (numbers and names in JSON get longer)
+        const size_t a = pos(), len = std::min<size_t>(bytes.size() - a, 1 + rng() % 16);
+        bytes.insert(a, bytes.substr(a, len));
+        break;
+      }
+      case 5: {  // a digit run replaced by a huge or negative number
+        static const char* numbers[] = {"99999999999999999999", "-1", "1e308", "NaN", "0", "18446744073709551615"};
+        const size_t a = pos();
+        bytes.replace(a, std::min<size_t>(bytes.size() - a, 1 + rng() % 4), numbers[rng() % 6]);
+        break;
+      }
+    }
+    if (bytes.empty()) break;
+  }
+  return bytes;
+}
+
+struct Harness {
+  std::string dir;
+  std::shared_ptr<const BaseModel> base;
+  std::unique_ptr<Trainer> trainer;
+  ModelConfig config;
+};
+
+Harness MakeHarness(const std::string& name) {
+  Harness h;
+  h.dir = ScratchDir(name);
+  h.config = ModelConfigPreset("tiny").value();
+  EXPECT_TRUE(SaveModel(h.dir + "/model", h.config, RandomModelWeights(h.config, 1)).ok());
+  h.base = LoadBaseModel(h.dir + "/model", "cpu", "float32").value();
+  TrainerOptions o;
+  o.lora.rank = 4;
+  o.lora.alpha = 8;
+  h.trainer = Trainer::Create(h.base, o).value();
+  return h;
+}
+
+std::vector<Datum> SmallBatch(int64_t vocab) {
+  std::vector<Datum> out(3);
+  for (int i = 0; i < 3; ++i) {
+    for (int j = 0; j < 6 + i; ++j) {
+      out[i].tokens.push_back((i * 7 + j * 3) % vocab);
+      out[i].target_tokens.push_back((i * 5 + j * 11) % vocab);
+      out[i].logprobs.push_back(-4.0f);
+      out[i].advantages.push_back(j < 2 ? 0.0f : 1.0f);
+    }
+  }
+  return out;
+}
+
+LossConfig Ppo() {
+  LossConfig l;
+  l.kind = LossKind::kPpo;
+  return l;
+}
+
+// Mutates one file of a folder the trainer wrote, `rounds` times within the budget, and
+// runs `load` on the mutated copy; a failed load must change nothing.
+int FuzzFolder(Harness& h, const std::string& folder, const std::vector<std::string>& files,
+               const std::function<absl::Status(const std::string&)>& load, std::mt19937_64& rng) {
+  std::vector<std::string> originals;
+  for (const auto& f : files) originals.push_back(ReadFileToString(folder + "/" + f).value());
+  const std::string before = h.trainer->AdapterSha256();
+  const int64_t version = h.trainer->learner_version();
+  int tried = 0;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(BudgetSeconds());
+  while (std::chrono::steady_clock::now() < end) {
+    const size_t which = rng() % files.size();
+    for (size_t i = 0; i < files.size(); ++i) {
+      EXPECT_TRUE(WriteStringToFile(folder + "/" + files[i], i == which ? Mutate(originals[i], rng) : originals[i]).ok());
+    }
+    const absl::Status s = load(folder);
+    ++tried;
+    if (!s.ok()) {
+      EXPECT_EQ(h.trainer->AdapterSha256(), before) << s;
+      EXPECT_EQ(h.trainer->learner_version(), version) << s;
+      EXPECT_NE(s.code(), absl::StatusCode::kUnknown) << s;
+    } else {  // a mutation that still parses (e.g. inside tensor data): restore the state
+      EXPECT_TRUE(h.trainer->LoadState(h.dir + "/good").ok());
+    }
+  }
+  return tried;
+}
+
+TEST(FuzzTest, SafetensorsParserNeverCrashes) {
+  const std::string dir = ScratchDir("fuzz_st");
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  const std::string good = ReadFileToString(dir + "/model/model.safetensors").value();
+  std::mt19937_64 rng(Seed());
+  int tried = 0, accepted = 0;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(BudgetSeconds());
+  while (std::chrono::steady_clock::now() < end) {
+    ASSERT_OK(WriteStringToFile(dir + "/m.safetensors", Mutate(good, rng)));
+    auto f = SafetensorsFile::Open(dir + "/m.safetensors");
+    ++tried;
+    if (!f.ok()) continue;
+    ++accepted;
+    for (const SafetensorsEntry& e : f->entries()) {  // every accepted entry must convert
+      auto t = TensorFromEntry(e);
+      if (t.ok()) EXPECT_EQ(t->numel(), e.numel());
+    }
+  }
+  std::cout << "bad_inputs_tried safetensors " << tried << " (accepted " << accepted << ")\n";
+  EXPECT_GT(tried, 100);
+}
+
+TEST(FuzzTest, CorruptCheckpointsAndAdaptersChangeNothing) {
+  Harness h = MakeHarness("fuzz_ck");
+  ASSERT_OK(h.trainer->TrainStep(SmallBatch(h.config.vocab_size), Ppo(), AdamWParams{}).status());
+  ASSERT_OK(h.trainer->SaveState(h.dir + "/good"));
+  ASSERT_OK(h.trainer->SaveState(h.dir + "/ck"));
+  ASSERT_OK(h.trainer->ExportAdapter(h.dir + "/peft"));
+  std::mt19937_64 rng(Seed() + 1);
+  const int checkpoints = FuzzFolder(h, h.dir + "/ck", {"trainable.safetensors", "optimizer.safetensors", "trainer_state.json"},
+                                     [&](const std::string& f) { return h.trainer->LoadState(f); }, rng);
+  const int adapters = FuzzFolder(h, h.dir + "/peft", {"adapter_config.json", "adapter_model.safetensors"},
+                                  [&](const std::string& f) { return h.trainer->ImportAdapter(f); }, rng);
+  std::cout << "bad_inputs_tried checkpoints " << checkpoints << " adapters " << adapters << "\n";
+  EXPECT_GT(checkpoints, 20);
+  EXPECT_GT(adapters, 20);
+  // Still a healthy run.
+  ASSERT_OK(h.trainer->TrainStep(SmallBatch(h.config.vocab_size), Ppo(), AdamWParams{}).status());
+}
+
+TEST(FuzzTest, RequestValidationAcceptsOnlyWhatTrains) {
+  Harness h = MakeHarness("fuzz_req");
+  std::mt19937_64 rng(Seed() + 2);
+  const int64_t vocab = h.config.vocab_size;
+  int tried = 0, accepted = 0;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(BudgetSeconds());
+  static const float kValues[] = {0.0f, 1.0f, -1.0f, -5.0f, 3e38f, -3e38f, 1e-30f, 0.5f,
+                                  std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()};
+  while (std::chrono::steady_clock::now() < end) {
+    std::vector<Datum> batch(1 + rng() % 3);
+    for (Datum& d : batch) {
+      const int n = static_cast<int>(rng() % 12);
+      auto len = [&]() { return rng() % 8 == 0 ? n + static_cast<int>(rng() % 3) - 1 : n; };
+      for (int i = len(); i > 0; --i) d.tokens.push_back(rng() % 16 == 0 ? static_cast<int64_t>(rng()) : rng() % vocab);
+      for (int i = len(); i > 0; --i) d.target_tokens.push_back(rng() % 16 == 0 ? -1 : rng() % vocab);
+      for (int i = len(); i > 0; --i) d.advantages.push_back(kValues[rng() % 10]);
+      if (rng() % 2) for (int i = len(); i > 0; --i) d.logprobs.push_back(-std::abs(kValues[rng() % 10]));
+    }
+    LossConfig loss = Ppo();
+    if (rng() % 3 == 0) loss.normalization = LossNormalization::kSequence;
+    const absl::Status valid = ValidateBatch(batch, loss, vocab, {});
+    ++tried;
+    if (!valid.ok()) {
+      EXPECT_EQ(valid.code(), absl::StatusCode::kInvalidArgument) << valid;
+      continue;
+    }
+    ++accepted;
+    auto r = h.trainer->ForwardBackward(batch, loss);  // accepted input must run
+    EXPECT_TRUE(r.ok() || r.status().code() == absl::StatusCode::kFailedPrecondition) << r.status();
+  }
+  std::cout << "bad_inputs_tried requests " << tried << " (accepted " << accepted << ")\n";
+  EXPECT_GT(tried, 100);
+}
+
+}  // namespace
+}  // namespace lorastep
