@@ -402,7 +402,7 @@ template <typename Resp>
 absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
     RunState& run, const std::vector<int>& ranks,
     const std::function<absl::StatusOr<Resp>(int rank, WorkerClient*)>& call) {
-  std::lock_guard<std::mutex> mesh_lock(mesh_mu_);
+  std::lock_guard<FairMutex> mesh_lock(mesh_mu_);
   std::vector<absl::StatusOr<Resp>> results(ranks.size(), absl::UnknownError("not run"));
   if (ranks.size() == 1) {
     results[0] = call(ranks[0], run.ranks[ranks[0]]);

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "lib/fair_mutex.h"
 #include "lib/training/batch.h"
 #include "lib/parallel/parallel_layout.h"
 #include "lorastep/v1/trainer.pb.h"
@@ -143,7 +144,7 @@ class Coordinator {
 
   CoordinatorOptions options_;
   ParallelLayout layout_;
-  std::mutex mesh_mu_;           // held for the whole of a mesh call
+  FairMutex mesh_mu_;            // held for the whole of a mesh call; arrival order
   int64_t mesh_generation_ = 0;  // guarded by mesh_mu_
 
   std::mutex mu_;  // guards everything below

@@ -75,17 +75,15 @@ class MetricsWatchReactor final : public grpc::ServerWriteReactor<v1::StepRecord
 
 }  // namespace
 
-CoordinatorService::CoordinatorService(Coordinator* core, size_t executors) : core_(core) {
-  for (size_t i = 0; i < executors; ++i) executors_.push_back(std::make_unique<SerialExecutor>());
-}
+CoordinatorService::CoordinatorService(Coordinator* core, size_t executors)
+    : core_(core), executor_(executors) {}
 
 template <typename Resp, typename Call>
 grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext* ctx,
                                                     const std::string& run_id, Resp* resp,
                                                     Call call) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  SerialExecutor& ex = *executors_[std::hash<std::string>()(run_id) % executors_.size()];
-  ex.Submit([reactor, resp, call = std::move(call)]() mutable {
+  executor_.Submit(run_id, [reactor, resp, call = std::move(call)]() mutable {
     auto result = call();
     if (result.ok()) *resp = std::move(result).value();
     reactor->Finish(ToGrpcStatus(result.status()));

@@ -64,7 +64,7 @@ class CoordinatorService final : public v1::Trainer::CallbackService {
                                   Resp* resp, Call call);
 
   Coordinator* core_;
-  std::vector<std::unique_ptr<SerialExecutor>> executors_;
+  KeyedExecutor executor_;  // per-run order, runs served in turn
 };
 
 }  // namespace lorastep

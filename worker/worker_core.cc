@@ -47,7 +47,7 @@ absl::StatusOr<Trainer*> WorkerCore::Prepare(const std::string& run_id, const Me
 }
 
 size_t WorkerCore::num_runs() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<FairMutex> lock(mu_);
   return runs_.size();
 }
 
@@ -59,7 +59,7 @@ absl::StatusOr<Trainer*> WorkerCore::Find(const std::string& run_id) {
 
 absl::Status WorkerCore::CreateRun(const std::string& run_id, const LoraConfig& lora,
                                    uint64_t seed) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<FairMutex> lock(mu_);
   if (runs_.count(run_id)) {
     return absl::AlreadyExistsError(absl::StrCat("run_id: '", run_id, "' exists"));
   }
@@ -80,7 +80,7 @@ absl::Status WorkerCore::CreateRun(const std::string& run_id, const LoraConfig& 
 }
 
 absl::Status WorkerCore::DeleteRun(const std::string& run_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<FairMutex> lock(mu_);
   if (runs_.erase(run_id) == 0) return absl::NotFoundError(absl::StrCat("run_id: no run '", run_id, "'"));
   return absl::OkStatus();
 }
@@ -89,7 +89,7 @@ absl::StatusOr<ForwardBackwardResult> WorkerCore::ForwardBackward(
     const std::string& run_id, const std::vector<Datum>& datums, const LossConfig& loss,
     const BatchTotals& totals,
     const MeshCallInfo& mesh) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
   BatchOptions batch;
   batch.totals = &totals;
@@ -99,7 +99,7 @@ absl::StatusOr<ForwardBackwardResult> WorkerCore::ForwardBackward(
 absl::StatusOr<ForwardBackwardResult> WorkerCore::Forward(const std::string& run_id,
                                                           const std::vector<Datum>& datums,
                                                           const MeshCallInfo& mesh) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
   return t->Forward(datums);
 }
@@ -107,7 +107,7 @@ absl::StatusOr<ForwardBackwardResult> WorkerCore::Forward(const std::string& run
 absl::StatusOr<OptimStepResult> WorkerCore::OptimStep(const std::string& run_id,
                                                       const AdamWParams& params,
                                                       const MeshCallInfo& mesh) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
   return t->OptimStep(params);
 }
@@ -119,7 +119,7 @@ absl::StatusOr<OptimStepResult> WorkerCore::TrainStep(const std::string& run_id,
                                                       const BatchTotals& totals,
                                                       int64_t max_tokens,
                                                       const MeshCallInfo& mesh) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
   BatchOptions batch;
   batch.totals = &totals;
@@ -130,7 +130,7 @@ absl::StatusOr<OptimStepResult> WorkerCore::TrainStep(const std::string& run_id,
 absl::StatusOr<WorkerCore::PathResult> WorkerCore::SaveState(const std::string& run_id,
                                                              const std::string& path,
     const MeshCallInfo& mesh) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/true));
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
   LORASTEP_RETURN_IF_ERROR(t->SaveState(folder));
@@ -140,7 +140,7 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::SaveState(const std::string& 
 absl::StatusOr<WorkerCore::PathResult> WorkerCore::LoadState(const std::string& run_id,
                                                              const std::string& path,
                                                              const MeshCallInfo& mesh) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/false));
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
   LORASTEP_RETURN_IF_ERROR(t->LoadState(folder));
@@ -151,7 +151,7 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::ExportAdapter(const std::stri
                                                                  const std::string& path,
                                                                  const MeshCallInfo& mesh,
                                                                  bool expand_experts) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/true));
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
   LORASTEP_RETURN_IF_ERROR(t->ExportAdapter(folder, expand_experts));

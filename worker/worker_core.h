@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "lib/fair_mutex.h"
 #include "lib/io/state_store.h"
 #include "lib/parallel/process_groups.h"
 #include "lib/training/trainer.h"
@@ -110,7 +111,7 @@ class WorkerCore {
   std::shared_ptr<const BaseModel> base_;
   std::unique_ptr<ProcessGroups> groups_;  // null at world size 1
   std::unique_ptr<StateStore> store_;      // null without --state_dir
-  mutable std::mutex mu_;
+  mutable FairMutex mu_;  // calls of all runs, admitted in arrival order
   std::map<std::string, std::unique_ptr<Trainer>> runs_;
 };
 

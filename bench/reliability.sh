@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 8's reliability figures on this machine, written to bench/results/reliability.json:
+#  - load: bench/load_test (16 clients, one run each, 10,000 small TrainSteps against one
+#    coordinator + local worker on the tiny model, CPU): throughput, p99 step, fairness,
+#    server RSS growth after a 500-step warm-up, runs whose learner_version lost a step;
+#  - faults: the fault tests, each injecting one fault in real processes or files (a worker
+#    SIGKILLed mid-call on a mesh, a SIGKILLed coordinator, SIGTERM with a stream open, a
+#    full disk, a crash in the middle of a save) -> faults_survived;
+#  - bad inputs: tests/fuzz_test's mutated files and requests -> bad_inputs_tried.
+# state_lost = runs that lost a step under load + fault tests that failed.
+#   bash bench/reliability.sh [OUT_JSON]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-bench/results/reliability.json}
+STEPS=${LOAD_STEPS:-10000} CLIENTS=${LOAD_CLIENTS:-16}
+bazel build //bench:load_test //server:lorastep_coordinator //worker:lorastep_worker //tools:lorastep_genmodel >/dev/null 2>&1 || { echo "build failed"; exit 1; }
+W=$(mktemp -d); trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null; rm -rf "$W"' EXIT
+./bazel-bin/tools/lorastep_genmodel --preset tiny --seed 1 --out "$W/model" >/dev/null
+./bazel-bin/server/lorastep_coordinator --model "$W/model" --port 0 --port_file "$W/port" \
+  --worker_binary ./bazel-bin/worker/lorastep_worker 2> "$W/server.log" &
+PID=$!
+for _ in $(seq 300); do [ -s "$W/port" ] && break; sleep 0.2; done
+WPID=$(pgrep -P $PID | head -1)
+./bazel-bin/bench/load_test --address "127.0.0.1:$(cat "$W/port")" --vocab 96 --clients "$CLIENTS" \
+  --total_steps "$STEPS" --warmup_steps 500 --pids "$PID,$WPID" --out "$W/load.json" > /dev/null
+kill $PID; wait $PID 2>/dev/null
+FAULTS="//tests:service_test:ProcessTest.* //tests:file_util_test:FileUtilTest.FullDiskIsResourceExhausted:CheckpointDirTest.* //tests:trainer_test:TrainerTest.InterruptedSaveLeavesThePreviousCheckpointLoadable //tests:mesh_test:MeshTest.KilledWorkerFailsTheCallNamingTheRankAndNothingIsApplied"
+passed=0 failed=0
+for spec in $FAULTS; do
+  target=${spec%%:[A-Z]*}; filter=${spec#"$target":}
+  log=$(bazel test "$target" --test_filter="$filter" --test_output=all --cache_test_results=no 2>&1)
+  passed=$((passed + $(grep -c '^\[       OK \]' <<< "$log")))
+  failed=$((failed + $(grep -c '^\[  FAILED  \] [A-Za-z]*\.[A-Za-z]* (' <<< "$log")))
+done
+fuzz=$(bazel test //tests:fuzz_test --test_output=all --cache_test_results=no 2>&1 | grep -o 'bad_inputs_tried [a-z]* [0-9]*' | awk '{s += $3} END {print s + 0}')
+python3 - "$W/load.json" "$OUT" "$passed" "$failed" "$fuzz" <<'PY'
+import datetime, json, os, platform, subprocess, sys
+load = json.load(open(sys.argv[1])); passed, failed, fuzz = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+ver = lambda p: subprocess.run(["dpkg-query", "-W", "-f=${Version}", p], capture_output=True, text=True).stdout
+out = {"date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
+       "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.platform()})",
+       "library_versions": {"libtorch": ver("libtorch-dev"), "grpc": ver("libgrpc++-dev")},
+       "command": "bash bench/reliability.sh",
+       "workload": "tiny model on CPU; each client: its own run, TrainSteps of 4 x 16 tokens (PPO, LoRA r4)",
+       "concurrent_clients": load["concurrent_clients"], "total_steps": load["total_steps"],
+       "steps_per_s": load["steps_per_s"], "p50_step_s": load["p50_step_s"], "p99_step_s": load["p99_step_s"],
+       "fairness_min_over_max": load["fairness_min_over_max"], "steps_per_client": load["steps_per_client"],
+       "rss_growth_mb": load["rss_growth_mb"], "rss_warm_mb": load["rss_warm_mb"], "rss_end_mb": load["rss_end_mb"],
+       "faults_survived": passed, "fault_tests_failed": failed, "bad_inputs_tried": fuzz,
+       "state_lost": load["runs_with_lost_state"] + failed, "load_errors": load["errors"]}
+json.dump(out, open(sys.argv[2], "w"), indent=2)
+print(json.dumps(out, indent=2))
+PY
