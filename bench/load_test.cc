@@ -134,6 +134,9 @@ int main(int argc, char** argv) {
   j["rss_warm_mb"] = rss_warm;
   j["rss_end_mb"] = rss_end;
   j["rss_growth_mb"] = rss_end - rss_warm;
+  std::vector<double> per_process;
+  for (const auto& p : pids) per_process.push_back(RssMb(p));
+  j["rss_end_mb_per_process"] = per_process;
   j["runs_with_lost_state"] = lost;
   j["errors"] = errors.size();
   if (!errors.empty()) j["first_error"] = errors.front();

@@ -1,6 +1,7 @@
 #include "server/coordinator.h"
 
 #include <google/protobuf/io/coded_stream.h>
+#include <malloc.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <openssl/evp.h>
 
@@ -255,11 +256,14 @@ absl::Status Coordinator::DeleteRun(const std::string& run_id) {
                              LORASTEP_RETURN_IF_ERROR(w->DeleteRun(wreq));
                              return true;
                            }).status());
-  std::lock_guard<std::mutex> lock(mu_);
-  runs_.erase(run_id);
-  for (auto it = create_requests_.begin(); it != create_requests_.end();) {
-    it = it->second.first == run_id ? create_requests_.erase(it) : std::next(it);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    runs_.erase(run_id);
+    for (auto it = create_requests_.begin(); it != create_requests_.end();) {
+      it = it->second.first == run_id ? create_requests_.erase(it) : std::next(it);
+    }
   }
+  malloc_trim(0);  // a deleted run's history and records go back to the OS, not just to malloc
   return absl::OkStatus();
 }
 

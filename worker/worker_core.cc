@@ -1,5 +1,7 @@
 #include "worker/worker_core.h"
 
+#include <malloc.h>
+
 #include "absl/strings/str_cat.h"
 #include "lib/status_macros.h"
 
@@ -82,6 +84,7 @@ absl::Status WorkerCore::CreateRun(const std::string& run_id, const LoraConfig& 
 absl::Status WorkerCore::DeleteRun(const std::string& run_id) {
   std::lock_guard<FairMutex> lock(mu_);
   if (runs_.erase(run_id) == 0) return absl::NotFoundError(absl::StrCat("run_id: no run '", run_id, "'"));
+  malloc_trim(0);  // the run's adapter and optimizer state go back to the OS
   return absl::OkStatus();
 }
 
