@@ -6,6 +6,7 @@
 #include <openssl/evp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <thread>
 #include <tuple>
@@ -608,7 +609,19 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
                                                   req.sequence_id(), req, &resp));
   if (replayed) return resp;
   LORASTEP_RETURN_IF_ERROR(CheckNotDiverged(*run));
-  LORASTEP_ASSIGN_OR_RETURN(const BatchTotals totals, ValidatedTotals(req.datums(), req.loss()));
+  LORASTEP_ASSIGN_OR_RETURN(BatchTotals totals, ValidatedTotals(req.datums(), req.loss()));
+  if (req.has_batch_totals()) {  // this call is part of a larger batch
+    const v1::BatchTotals& whole = req.batch_totals();
+    for (const auto& [name, value, own] : {std::tuple<const char*, double, double>{"loss_tokens", whole.loss_tokens(), totals.loss_tokens},
+                                           {"samples", whole.samples(), totals.samples}}) {
+      if (!std::isfinite(value) || value < own || value > 1e15) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "batch_totals.", name, ": ", value, " must be finite and at least this call's own ", own));
+      }
+    }
+    totals.loss_tokens = whole.loss_tokens();
+    totals.samples = whole.samples();
+  }
   LORASTEP_RETURN_IF_ERROR(CheckShardable(req.datums_size()));
   const auto shards = ShardsByTokens(req.datums());
   const v1::MeshCall mesh = MeshHeader(*run, req.request_id(), true);

@@ -160,22 +160,55 @@ TEST_F(ServiceTest, TrainStepOverGrpcEqualsLibDirectly) {
   }
 }
 
+// A batch sent as k ForwardBackward calls (each with the whole batch's totals) followed by
+// OptimStep equals one TrainStep on the whole batch, for every normalization. Without the
+// totals, token and sequence normalization divide each part by its own counts (issue 10's
+// defect: twice the gradient norm for two parts).
 TEST_F(ServiceTest, ForwardBackwardCallsPlusOptimStepEqualOneTrainStep) {
-  RunSession whole = NewRun(3), parts = NewRun(3);
   std::vector<v1::Datum> batch;
   for (int i = 0; i < 4; ++i) batch.push_back(MakeDatum(i, 0, 8, 96));  // equal lengths
-  v1::LossConfig loss = Ppo();
-  loss.set_normalization("sum");
-  // 16 padded tokens per micro-batch: TrainStep runs [d0,d1] then [d2,d3], like the calls.
-  ASSERT_OK_AND_ASSIGN(v1::StepResponse a, whole.TrainStep(batch, loss, Adam(), 16));
-  ASSERT_OK(parts.ForwardBackward({batch[0], batch[1]}, loss));
-  ASSERT_OK_AND_ASSIGN(v1::Run mid, client_->GetRun(parts.run_id()));
-  EXPECT_EQ(mid.pending_forward_backward(), 1);
-  ASSERT_OK(parts.ForwardBackward({batch[2], batch[3]}, loss));
-  ASSERT_OK_AND_ASSIGN(v1::StepResponse b, parts.OptimStep(Adam()));
-  EXPECT_EQ(a.adapter_sha256(), b.adapter_sha256());
-  EXPECT_EQ(b.learner_version(), 1);
-  EXPECT_DOUBLE_EQ(a.metrics().at("grad_norm:sum"), b.metrics().at("grad_norm:sum"));
+  v1::BatchTotals totals;
+  for (const auto& d : batch) {
+    int bearing = 0;
+    for (float a : d.advantages()) bearing += a != 0;
+    totals.set_loss_tokens(totals.loss_tokens() + bearing);
+    totals.set_samples(totals.samples() + (bearing > 0));
+  }
+  for (const char* normalization : {"sum", "token", "sequence"}) {
+    SCOPED_TRACE(normalization);
+    RunSession whole = NewRun(3), parts = NewRun(3), naive = NewRun(3);
+    v1::LossConfig loss = Ppo();
+    loss.set_normalization(normalization);
+    // 16 padded tokens per micro-batch: TrainStep runs [d0,d1] then [d2,d3], like the calls.
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse a, whole.TrainStep(batch, loss, Adam(), 16));
+    ASSERT_OK(parts.ForwardBackward({batch[0], batch[1]}, loss, &totals));
+    ASSERT_OK_AND_ASSIGN(v1::Run mid, client_->GetRun(parts.run_id()));
+    EXPECT_EQ(mid.pending_forward_backward(), 1);
+    ASSERT_OK(parts.ForwardBackward({batch[2], batch[3]}, loss, &totals));
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse b, parts.OptimStep(Adam()));
+    EXPECT_EQ(a.adapter_sha256(), b.adapter_sha256());
+    EXPECT_EQ(b.learner_version(), 1);
+    EXPECT_DOUBLE_EQ(a.metrics().at("grad_norm:sum"), b.metrics().at("grad_norm:sum"));
+    ASSERT_OK(naive.ForwardBackward({batch[0], batch[1]}, loss));
+    ASSERT_OK(naive.ForwardBackward({batch[2], batch[3]}, loss));
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse c, naive.OptimStep(Adam()));
+    if (std::string(normalization) == "sum") {
+      EXPECT_EQ(a.adapter_sha256(), c.adapter_sha256());
+    } else {
+      EXPECT_NEAR(c.metrics().at("grad_norm:sum") / a.metrics().at("grad_norm:sum"), 2.0, 1e-3);
+    }
+  }
+  // Totals smaller than the call's own counts cannot be the whole batch's.
+  RunSession bad = NewRun(3);
+  v1::BatchTotals small = totals;
+  small.set_loss_tokens(1);
+  EXPECT_THAT(bad.ForwardBackward(batch, Ppo(), &small),
+              StatusIs(absl::StatusCode::kInvalidArgument, "batch_totals.loss_tokens: 1 must be finite and at least"));
+  small = totals;
+  small.set_samples(std::nan(""));
+  EXPECT_THAT(bad.ForwardBackward(batch, Ppo(), &small), StatusIs(absl::StatusCode::kInvalidArgument, "batch_totals.samples"));
+  ASSERT_OK_AND_ASSIGN(v1::Run untouched, client_->GetRun(bad.run_id()));
+  EXPECT_EQ(untouched.pending_forward_backward(), 0);
 }
 
 TEST_F(ServiceTest, RetriedRequestIdAppliesOnce) {

@@ -163,11 +163,12 @@ absl::StatusOr<Resp> RunSession::Mutate(CallFn call) {
 }
 
 absl::StatusOr<v1::ForwardBackwardResponse> RunSession::ForwardBackward(
-    const std::vector<v1::Datum>& datums, const v1::LossConfig& loss) {
+    const std::vector<v1::Datum>& datums, const v1::LossConfig& loss, const v1::BatchTotals* batch_totals) {
   v1::ForwardBackwardRequest req;
   req.set_run_id(run_id_);
   req.mutable_datums()->Assign(datums.begin(), datums.end());
   *req.mutable_loss() = loss;
+  if (batch_totals != nullptr) *req.mutable_batch_totals() = *batch_totals;
   return Mutate<v1::ForwardBackwardResponse>([&](const std::string& rid, int64_t seq) {
     req.set_request_id(rid);
     req.set_sequence_id(seq);

@@ -69,8 +69,10 @@ class RunSession {
   const std::string& run_id() const { return run_id_; }
   int64_t next_sequence_id() const { return next_sequence_id_; }
 
+  // `batch_totals`: when these datums are one part of a batch sent over several calls.
   absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(const std::vector<v1::Datum>& datums,
-                                                              const v1::LossConfig& loss);
+                                                              const v1::LossConfig& loss,
+                                                              const v1::BatchTotals* batch_totals = nullptr);
   absl::StatusOr<v1::ForwardBackwardResponse> Forward(const std::vector<v1::Datum>& datums);
   absl::StatusOr<v1::StepResponse> OptimStep(const v1::AdamWParams& adamw);
   absl::StatusOr<v1::StepResponse> TrainStep(const std::vector<v1::Datum>& datums,

@@ -105,10 +105,15 @@ class Run:
         self._next += 1
         return response
 
-    def forward_backward(self, datums, loss=None):
-        r = self._mutate("ForwardBackward", trainer_pb2.ForwardBackwardRequest(
+    def forward_backward(self, datums, loss=None, batch_totals=None):
+        """batch_totals: {"loss_tokens": N, "samples": S} of the whole batch when these datums
+        are one part of it (several calls before one optim_step)."""
+        req = trainer_pb2.ForwardBackwardRequest(
             run_id=self.run_id, datums=[_datum(d) for d in datums],
-            loss=_message(trainer_pb2.LossConfig, loss)))
+            loss=_message(trainer_pb2.LossConfig, loss))
+        if batch_totals is not None:
+            req.batch_totals.CopyFrom(_message(trainer_pb2.BatchTotals, batch_totals))
+        r = self._mutate("ForwardBackward", req)
         return {"logprobs": [list(x.values) for x in r.logprobs], "metrics": _metrics(r.metrics)}
 
     def forward(self, datums):
