@@ -227,16 +227,16 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req) 
   wreq.set_run_id(run_id);
   *wreq.mutable_lora() = state->run.lora();
   wreq.set_seed(req.seed());
+  wreq.set_init_from(req.init_from());
+  wreq.set_init_with_optimizer(req.init_with_optimizer());
   // Same seed on every rank: replicas start bitwise equal.
-  absl::Status created =
-      FanOut<bool>(*state, AllRanks(*state), [&](int, WorkerClient* w) -> absl::StatusOr<bool> {
-        LORASTEP_RETURN_IF_ERROR(w->CreateRun(wreq));
-        return true;
-      }).status();
+  auto created = FanOut<v1::WorkerCreateRunResponse>(
+      *state, AllRanks(*state), [&](int, WorkerClient* w) { return w->CreateRun(wreq); });
   lock.lock();
   creating_ids_.erase(run_id);
   creating_requests_.erase(req.request_id());
-  if (!created.ok()) return created;
+  if (!created.ok()) return created.status();
+  state->run.set_learner_version((*created)[0].learner_version());  // a checkpoint's, with its optimizer
   runs_[run_id] = state;
   create_requests_[req.request_id()] = {run_id, fingerprint};
   return state->run;

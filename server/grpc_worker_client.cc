@@ -29,10 +29,8 @@ absl::StatusOr<v1::WorkerInfo> GrpcWorkerClient::Info() {
   return CallUnary<v1::WorkerInfo>(stub_.get(), &v1::Worker::Stub::Info,
                                                      v1::WorkerInfoRequest(), call_timeout_);
 }
-absl::Status GrpcWorkerClient::CreateRun(const v1::WorkerCreateRunRequest& req) {
-  return CallUnary<v1::WorkerCreateRunResponse>(
-             stub_.get(), &v1::Worker::Stub::CreateRun, req, call_timeout_)
-      .status();
+absl::StatusOr<v1::WorkerCreateRunResponse> GrpcWorkerClient::CreateRun(const v1::WorkerCreateRunRequest& req) {
+  return CallUnary<v1::WorkerCreateRunResponse>(stub_.get(), &v1::Worker::Stub::CreateRun, req, call_timeout_);
 }
 absl::StatusOr<v1::ListCheckpointsResponse> GrpcWorkerClient::ListCheckpoints(
     const v1::ListCheckpointsRequest& req) {

@@ -22,7 +22,7 @@ class GrpcWorkerClient final : public WorkerClient {
 
   std::string address() const override { return address_; }
   absl::StatusOr<v1::WorkerInfo> Info() override;
-  absl::Status CreateRun(const v1::WorkerCreateRunRequest& req) override;
+  absl::StatusOr<v1::WorkerCreateRunResponse> CreateRun(const v1::WorkerCreateRunRequest& req) override;
   absl::Status DeleteRun(const v1::WorkerDeleteRunRequest& req) override;
   absl::StatusOr<v1::WorkerForwardBackwardResponse> ForwardBackward(
       const v1::WorkerForwardBackwardRequest& req) override;

@@ -16,7 +16,7 @@ class WorkerClient {
   virtual ~WorkerClient() = default;
   virtual std::string address() const = 0;
   virtual absl::StatusOr<v1::WorkerInfo> Info() = 0;
-  virtual absl::Status CreateRun(const v1::WorkerCreateRunRequest& req) = 0;
+  virtual absl::StatusOr<v1::WorkerCreateRunResponse> CreateRun(const v1::WorkerCreateRunRequest& req) = 0;
   virtual absl::Status DeleteRun(const v1::WorkerDeleteRunRequest& req) = 0;
   virtual absl::StatusOr<v1::WorkerForwardBackwardResponse> ForwardBackward(
       const v1::WorkerForwardBackwardRequest& req) = 0;

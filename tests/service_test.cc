@@ -211,6 +211,72 @@ TEST_F(ServiceTest, ForwardBackwardCallsPlusOptimStepEqualOneTrainStep) {
   EXPECT_EQ(untouched.pending_forward_backward(), 0);
 }
 
+// Issue 10: a run can start from a PEFT adapter or a saved state, with or without the
+// optimizer; a mismatch (rank, alpha, targets) is INVALID_ARGUMENT naming the field and no
+// run is created.
+TEST_F(ServiceTest, CreateRunFromAnAdapterOrACheckpoint) {
+  RunSession source = NewRun(5);
+  ASSERT_OK(source.TrainStep(Batch(0), Ppo(), Adam()).status());
+  ASSERT_OK(source.TrainStep(Batch(1), Ppo(), Adam()).status());
+  const std::string dir = *dir_ + "/init";
+  v1::SaveStateRequest save;
+  save.set_run_id(source.run_id());
+  save.set_path(dir + "/ck");
+  ASSERT_OK(client_->SaveState(save).status());
+  auto export_sha = [&](const std::string& run_id, const std::string& path) -> std::string {
+    v1::ExportAdapterRequest exp;
+    exp.set_run_id(run_id);
+    exp.set_path(path);
+    auto r = client_->ExportAdapter(exp);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->adapter_sha256() : "";
+  };
+  const std::string source_sha = export_sha(source.run_id(), dir + "/peft");
+  int created = 0;
+  auto create = [&](const std::string& from, bool with_optimizer, v1::LoraConfig lora) {
+    v1::CreateRunRequest req;
+    req.set_request_id(absl::StrCat("init-", created++));
+    *req.mutable_lora() = lora;
+    req.set_seed(9);
+    req.set_init_from(from);
+    req.set_init_with_optimizer(with_optimizer);
+    return client_->CreateRun(req);
+  };
+  ASSERT_OK_AND_ASSIGN(v1::ListRunsResponse before, client_->ListRuns());
+  v1::LoraConfig wrong_rank = Lora();
+  wrong_rank.set_rank(8);
+  EXPECT_THAT(create(dir + "/peft", false, wrong_rank), StatusIs(absl::StatusCode::kInvalidArgument, "init_from: adapter_config.json: r:"));
+  v1::LoraConfig wrong_alpha = Lora();
+  wrong_alpha.set_alpha(16);
+  EXPECT_THAT(create(dir + "/peft", false, wrong_alpha), StatusIs(absl::StatusCode::kInvalidArgument, "lora_alpha"));
+  EXPECT_THAT(create(dir + "/ck", false, wrong_rank), StatusIs(absl::StatusCode::kInvalidArgument, "init_from"));
+  EXPECT_THAT(create(dir + "/peft", true, Lora()), StatusIs(absl::StatusCode::kInvalidArgument, "init_with_optimizer"));
+  EXPECT_THAT(create(dir + "/nothing", false, Lora()), StatusIs(absl::StatusCode::kNotFound, "init_from"));
+  ASSERT_OK_AND_ASSIGN(v1::ListRunsResponse after, client_->ListRuns());
+  EXPECT_EQ(after.runs_size(), before.runs_size());  // failed creations leave nothing
+
+  ASSERT_OK_AND_ASSIGN(v1::Run from_peft, create(dir + "/peft", false, Lora()));
+  EXPECT_EQ(from_peft.learner_version(), 0);
+  EXPECT_EQ(export_sha(from_peft.run_id(), dir + "/peft2"), source_sha);
+  ASSERT_OK_AND_ASSIGN(v1::Run weights_only, create(dir + "/ck", false, Lora()));
+  EXPECT_EQ(weights_only.learner_version(), 0);
+  EXPECT_EQ(export_sha(weights_only.run_id(), dir + "/peft3"), source_sha);
+  ASSERT_OK_AND_ASSIGN(v1::Run resumed, create(dir + "/ck", true, Lora()));
+  EXPECT_EQ(resumed.learner_version(), 2);
+  // With its optimizer state the new run continues exactly as the source does.
+  ASSERT_OK_AND_ASSIGN(RunSession resumed_session, RunSession::Attach(client_, resumed.run_id()));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse a, resumed_session.TrainStep(Batch(2), Ppo(), Adam()));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse b, source.TrainStep(Batch(2), Ppo(), Adam()));
+  EXPECT_EQ(a.adapter_sha256(), b.adapter_sha256());
+  EXPECT_EQ(a.learner_version(), 3);
+  // The imported values survive a step (the optimizer's master copy took them).
+  ASSERT_OK_AND_ASSIGN(RunSession peft_session, RunSession::Attach(client_, from_peft.run_id()));
+  ASSERT_OK(peft_session.TrainStep(Batch(2), Ppo(), Adam()).status());
+  ASSERT_OK_AND_ASSIGN(RunSession weights_session, RunSession::Attach(client_, weights_only.run_id()));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse w, weights_session.TrainStep(Batch(2), Ppo(), Adam()));
+  EXPECT_EQ(w.learner_version(), 1);
+}
+
 TEST_F(ServiceTest, RetriedRequestIdAppliesOnce) {
   RunSession run = NewRun();
   v1::TrainStepRequest req;

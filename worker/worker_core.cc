@@ -3,6 +3,7 @@
 #include <malloc.h>
 
 #include "absl/strings/str_cat.h"
+#include "lib/io/file_util.h"
 #include "lib/status_macros.h"
 
 namespace lorastep {
@@ -59,8 +60,9 @@ absl::StatusOr<Trainer*> WorkerCore::Find(const std::string& run_id) {
   return it->second.get();
 }
 
-absl::Status WorkerCore::CreateRun(const std::string& run_id, const LoraConfig& lora,
-                                   uint64_t seed) {
+absl::StatusOr<int64_t> WorkerCore::CreateRun(const std::string& run_id, const LoraConfig& lora,
+                                              uint64_t seed, const std::string& init_from,
+                                              bool init_with_optimizer) {
   std::lock_guard<FairMutex> lock(mu_);
   if (runs_.count(run_id)) {
     return absl::AlreadyExistsError(absl::StrCat("run_id: '", run_id, "' exists"));
@@ -77,7 +79,34 @@ absl::Status WorkerCore::CreateRun(const std::string& run_id, const LoraConfig& 
   o.profile_train_step = options_.profile_train_step;
   o.max_activation_bytes = options_.max_activation_bytes;
   LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(base_, o));
+  if (!init_from.empty()) {
+    LORASTEP_RETURN_IF_ERROR(InitRun(trainer.get(), run_id, init_from, init_with_optimizer));
+  }
+  const int64_t version = trainer->learner_version();
   runs_[run_id] = std::move(trainer);
+  return version;
+}
+
+absl::Status WorkerCore::InitRun(Trainer* trainer, const std::string& run_id, const std::string& init_from,
+                                 bool with_optimizer) const {
+  auto prefixed = [](const absl::Status& s) {
+    return s.ok() ? s : absl::Status(s.code(), absl::StrCat("init_from: ", s.message()));
+  };
+  auto folder = ResolvePath(run_id, init_from, /*write=*/false);
+  if (!folder.ok()) return prefixed(folder.status());
+  if (PathExists(*folder + "/adapter_config.json")) {  // a PEFT adapter: weights only
+    if (with_optimizer) {
+      return absl::InvalidArgumentError("init_with_optimizer: a PEFT adapter has no optimizer state; "
+                                        "start from a SaveState checkpoint for that");
+    }
+    return prefixed(trainer->ImportAdapter(*folder));
+  }
+  if (!PathExists(*folder + "/trainer_state.json")) {
+    return absl::NotFoundError(absl::StrCat("init_from: ", init_from,
+                                            " holds neither adapter_config.json (PEFT) nor trainer_state.json (a checkpoint)"));
+  }
+  LORASTEP_RETURN_IF_ERROR(prefixed(trainer->LoadState(*folder)));
+  if (!with_optimizer) trainer->ResetOptimizer();
   return absl::OkStatus();
 }
 

@@ -63,7 +63,10 @@ class WorkerCore {
   ProcessGroups* groups() const { return groups_.get(); }
   size_t num_runs() const;
 
-  absl::Status CreateRun(const std::string& run_id, const LoraConfig& lora, uint64_t seed);
+  // `init_from` (optional): a PEFT adapter folder or a checkpoint to start from (see
+  // CreateRunRequest); on any error no run is left behind. Returns the learner version.
+  absl::StatusOr<int64_t> CreateRun(const std::string& run_id, const LoraConfig& lora, uint64_t seed,
+                                    const std::string& init_from = "", bool init_with_optimizer = false);
   // Frees the run (adapter, optimizer state). NOT_FOUND when unknown.
   absl::Status DeleteRun(const std::string& run_id);
   absl::StatusOr<ForwardBackwardResult> ForwardBackward(const std::string& run_id,
@@ -106,6 +109,9 @@ class WorkerCore {
   // under the run's own references.
   absl::StatusOr<std::string> ResolvePath(const std::string& run_id, const std::string& path, bool write) const;
   absl::StatusOr<const StateStore*> Store() const;
+  // Loads `init_from` into a new run's trainer (CreateRun).
+  absl::Status InitRun(Trainer* trainer, const std::string& run_id, const std::string& init_from,
+                       bool with_optimizer) const;
 
   WorkerOptions options_;
   std::shared_ptr<const BaseModel> base_;

@@ -92,9 +92,13 @@ grpc::ServerUnaryReactor* WorkerService::Info(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* WorkerService::CreateRun(grpc::CallbackServerContext* ctx,
                                                    const v1::WorkerCreateRunRequest* req,
-                                                   v1::WorkerCreateRunResponse*) {
-  return Defer(ctx, [this, req] {
-    return core_->CreateRun(req->run_id(), LoraConfigFromProto(req->lora()), req->seed());
+                                                   v1::WorkerCreateRunResponse* resp) {
+  return Defer(ctx, [this, req, resp]() -> absl::Status {
+    LORASTEP_ASSIGN_OR_RETURN(int64_t version,
+                              core_->CreateRun(req->run_id(), LoraConfigFromProto(req->lora()), req->seed(),
+                                               req->init_from(), req->init_with_optimizer()));
+    resp->set_learner_version(version);
+    return absl::OkStatus();
   });
 }
 grpc::ServerUnaryReactor* WorkerService::DeleteRun(grpc::CallbackServerContext* ctx,

@@ -874,6 +874,13 @@ absl::Status Trainer::ExportAdapter(const std::string& folder, bool expand_exper
   });
 }
 
+void Trainer::ResetOptimizer() {
+  optimizer_->ResyncFromParameters();
+  optimizer_->set_steps_taken(0);
+  adapter_->ZeroMainGrads();
+  pending_backward_calls_ = 0;
+}
+
 absl::Status Trainer::ImportAdapter(const std::string& folder) {
   if (options_.groups != nullptr && options_.groups->layout().world_size() > 1) {
     return absl::FailedPreconditionError("import: adapter import on a mesh is not built yet; "

@@ -142,6 +142,9 @@ class Trainer {
   // optimizer's master copy takes the imported values (so they survive the next step), its
   // moments restart, pending gradients are dropped. On error nothing changes.
   absl::Status ImportAdapter(const std::string& folder);
+  // Keeps the trained values but starts the optimizer over: the master copy takes the
+  // values, moments and the step count restart at zero (a run started "from weights only").
+  void ResetOptimizer();
 
   int64_t learner_version() const { return optimizer_->steps_taken(); }
   int64_t pending_backward_calls() const { return pending_backward_calls_; }

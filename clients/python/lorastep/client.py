@@ -70,12 +70,15 @@ class TrainingClient:
                 raise LorastepError(e.code(), e.details()) from None
 
     def create_run(self, rank=32, alpha=32.0, dropout=0.0, target_modules=None, seed=0, run_id="",
-                   expert_lora=""):
+                   expert_lora="", init_from="", init_with_optimizer=False):
         # expert_lora (MoE models): "per_expert" (default) or "shared_outer".
+        # init_from: a PEFT adapter folder or a SaveState checkpoint (path or lorastep://
+        # reference) to start from; init_with_optimizer: also its optimizer state and steps.
         lora = trainer_pb2.LoraConfig(rank=rank, alpha=alpha, dropout=dropout,
                                       target_modules=target_modules or [], expert_lora=expert_lora)
         run = self._call("CreateRun", trainer_pb2.CreateRunRequest(
-            request_id=uuid.uuid4().hex, lora=lora, seed=seed, run_id=run_id))
+            request_id=uuid.uuid4().hex, lora=lora, seed=seed, run_id=run_id,
+            init_from=init_from, init_with_optimizer=init_with_optimizer))
         return Run(self, run.run_id, run.next_sequence_id)
 
     def delete_run(self, run_id):
