@@ -219,6 +219,8 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req) 
   LoraConfigToProto(lora, state->run.mutable_lora());
   state->run.set_seed(req.seed());
   state->run.set_next_sequence_id(1);
+  state->run.set_created_unix_ms(NowMs());
+  state->run.set_last_step(-1);
   // The id is reserved while the worker builds the run; the run is visible only once built.
   creating_ids_.insert(run_id);
   creating_requests_.insert(req.request_id());
@@ -363,6 +365,8 @@ int64_t Coordinator::AppendStep(RunState& run, const std::string& kind,
     std::lock_guard<std::mutex> view(run.view_mu);
     run.history.push_back(record);
     while (run.history.size() > options_.max_step_history) run.history.pop_front();
+    run.run.set_last_step(record.step());
+    run.run.set_last_step_unix_ms(record.unix_time_ms());
   }
   std::lock_guard<std::mutex> lock(run.watch_mu);
   for (auto& [id, w] : run.watchers) w(record);

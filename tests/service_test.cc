@@ -122,9 +122,20 @@ TEST_F(ServiceTest, HealthAndRunRegistry) {
   EXPECT_EQ(got.lora().rank(), 4);
   EXPECT_EQ(got.next_sequence_id(), 1);
   EXPECT_EQ(got.base_model(), *dir_ + "/model");
+  EXPECT_GT(got.created_unix_ms(), 0);
+  EXPECT_EQ(got.last_step(), -1);
+  EXPECT_EQ(got.last_step_unix_ms(), 0);
+  ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
   ASSERT_OK_AND_ASSIGN(v1::ListRunsResponse list, client_->ListRuns());
   bool found = false;
-  for (const auto& r : list.runs()) found |= r.run_id() == run.run_id();
+  for (const auto& r : list.runs()) {
+    if (r.run_id() != run.run_id()) continue;
+    found = true;
+    EXPECT_EQ(r.learner_version(), 1);
+    EXPECT_EQ(r.last_step(), 0);
+    EXPECT_GE(r.last_step_unix_ms(), got.created_unix_ms());
+    EXPECT_TRUE(r.diverged().empty());
+  }
   EXPECT_TRUE(found);
 }
 

@@ -107,12 +107,14 @@ int Main(int argc, char** argv) {
   if (command == "runs") {
     auto r = c.ListRuns();
     if (!r.ok()) return Fail(r.status());
-    std::printf("%-12s %6s %8s %8s %s\n", "run_id", "rank", "version", "next_seq", "base_model");
+    std::printf("%-12s %6s %8s %8s %9s %-9s %s\n", "run_id", "rank", "version", "next_seq", "last_step",
+                "status", "base_model");
     for (const auto& run : r->runs()) {
-      std::printf("%-12s %6lld %8lld %8lld %s\n", run.run_id().c_str(),
+      std::printf("%-12s %6lld %8lld %8lld %9lld %-9s %s\n", run.run_id().c_str(),
                   static_cast<long long>(run.lora().rank()),
                   static_cast<long long>(run.learner_version()),
-                  static_cast<long long>(run.next_sequence_id()), run.base_model().c_str());
+                  static_cast<long long>(run.next_sequence_id()), static_cast<long long>(run.last_step()),
+                  run.diverged().empty() ? "active" : "diverged", run.base_model().c_str());
     }
     return 0;
   }
