@@ -28,6 +28,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--label", default="")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--machine", default="")
+    ap.add_argument("--command", default="")
     args = ap.parse_args()
     events = json.load(open(args.trace))
     events = events["traceEvents"] if isinstance(events, dict) else events
@@ -55,7 +57,11 @@ def main():
         by_class[kernel_class(e["name"])][1] += e["dur"]
     total = sum(v[1] for v in by_name.values())
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:args.top]
+    import datetime
     out = {
+        "date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": args.machine,
+        "command": args.command or "python3 bench/profile_summary.py " + args.trace,
         "label": args.label,
         "traced_wall_ms": (end - begin) / 1e3,
         "gpu_busy_ms": busy / 1e3,

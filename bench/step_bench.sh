@@ -38,6 +38,8 @@ if [ -z "${STEP_NO_PROFILE:-}" ]; then
     BATCH_FILE="$OUT/batch_fixed.json" bench/service_overhead.sh "$BIN" qwen2.5-0.5b cuda bfloat16 /tmp/profiled.json x > /tmp/profiled.log 2>&1 \
     || tail -5 /tmp/profiled.log
   python3 bench/profile_summary.py /tmp/lora_trace.json --label "lorastep LoRA r32 train step, 64 x 512, micro-batch $MT" \
+    --machine "$(head -1 "$OUT/env.txt") / $(tail -1 "$OUT/env.txt")" \
+    --command "LORASTEP_PROFILE_TRACE=... LORASTEP_PROFILE_STEP=2 bench/service_overhead.sh (bench/step_bench.sh, micro-batch $MT)" \
     --out "$OUT/profile_lora_step.json"
 fi
 python3 bench/step_results.py "$OUT" $MODEL "$OUT/step.json" --micro_batch "$MT" ${CPU_RESULT:+--cpu "$CPU_RESULT"}

@@ -101,8 +101,10 @@ absl::StatusOr<OptimizerStepResult> AdamW::Step(const AdamWParams& p,
   if (grad_norm.has_value()) {
     norm = *grad_norm;
   } else {
-    at::Tensor sq = at::zeros({}, at::TensorOptions().dtype(at::kDouble));
-    for (const Parameter& prm : params) sq = sq + prm.main_grad.to(at::kDouble).pow(2).sum().to(at::kCPU);
+    // Summed on the device: one host synchronization, not one per parameter.
+    at::Tensor sq = at::zeros({}, params.empty() ? at::TensorOptions().dtype(at::kDouble)
+                                                 : params.front().main_grad.options().dtype(at::kDouble));
+    for (const Parameter& prm : params) sq = sq + prm.main_grad.to(at::kDouble).pow(2).sum();
     norm = std::sqrt(sq.item<double>());
   }
   if (!std::isfinite(norm)) {
