@@ -14,8 +14,8 @@
 #include <ctime>
 #include <fstream>
 #include <iostream>
-#include <random>
 
+#include "bench/bench_batch.h"
 #include "clients/cpp/trainer_client.h"
 #include "nlohmann/json.hpp"
 #include "rpc/server_runner.h"
@@ -42,31 +42,9 @@ int main(int argc, char** argv) {
     std::cerr << run.status() << "\n";
     return 1;
   }
-  std::vector<v1::Datum> batch;
-  if (flags.count("batch_file")) {  // the same sequences the transformers peer runs
-    std::ifstream in(flags["batch_file"]);
-    const auto j = nlohmann::json::parse(in);
-    for (const auto& seq : j.at("sequences")) {
-      v1::Datum& d = batch.emplace_back();
-      for (int64_t t : seq.at("tokens")) d.add_tokens(t);
-      for (int64_t t : seq.at("targets")) d.add_target_tokens(t);
-      for (double a : seq.at("advantages")) {
-        d.add_advantages(static_cast<float>(a));
-        d.add_logprobs(-5.0f);
-      }
-    }
-  } else {
-    std::mt19937 rng(1);
-    batch.resize(seqs);
-    for (auto& d : batch) {
-      for (int i = 0; i < len; ++i) {
-        d.add_tokens(rng() % vocab);
-        d.add_target_tokens(rng() % vocab);
-        d.add_logprobs(-5.0f);
-        d.add_advantages(i < len / 4 ? 0.0f : ((rng() % 2) ? 1.0f : -1.0f));
-      }
-    }
-  }
+  const std::vector<v1::Datum> batch = flags.count("batch_file")
+                                            ? LoadBatchFile(flags["batch_file"])
+                                            : RandomBatch(seqs, len, vocab);
   const bool forward_only = get("mode", "train") == "forward";
   int64_t batch_tokens = 0;
   for (const auto& d : batch) batch_tokens += d.tokens_size();

@@ -90,6 +90,13 @@ if [[ " $STEPS " == *" step "* ]]; then
   step "step benchmark: lorastep vs transformers + PEFT (0.5B shape, bf16; fixed and variable length)"
   bash bench/step_bench.sh build-gpu "$OUT"
 fi
+if [[ " $STEPS " == *" multi-gpu "* ]]; then
+  step "multi-GPU on NCCL ($GPUS GPUs): DP2, TP2, PP2, EP2 against world 1, DP2 speedup, killed worker"
+  MACHINE="$MACHINE, $GPUS GPUs, $(nproc) cores" \
+    VERSIONS="$(tail -1 "$OUT/env.txt") nccl $(python3 -c 'import torch;print(".".join(map(str,torch.cuda.nccl.version())))')" \
+    MULTI_COMMAND="GPU_CHECK_STEPS=multi-gpu bash scripts/gpu_check.sh (device tool, nvidia-h200-x2)" \
+    bash bench/multi_gpu.sh build-gpu "$OUT"
+fi
 if [[ " $STEPS " == *" service "* ]]; then
   step "service overhead (qwen2.5-0.5b bf16, 64 x 512 tokens)"
   MACHINE="$MACHINE" VERSIONS="$(tail -1 "$OUT/env.txt")" \

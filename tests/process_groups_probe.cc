@@ -52,6 +52,33 @@ int RunCollectives(ProcessGroups& groups) {
     at::Tensor b = at::full({2}, rank + 0.0, o.dtype(at::kFloat));
     if (auto s = g.Broadcast(b, 0); !s.ok()) return Fail(s.ToString());
     if (b[0].item<float>() != g.ranks()[0]) return Fail(absl::StrCat(g.name(), " broadcast"));
+    // bf16 (bf16 models' activations and gradients; gloo moves them as fp32).
+    at::Tensor h = at::full({3}, rank + 1.0, o.dtype(at::kBFloat16));
+    if (auto s = g.AllReduce(h); !s.ok()) return Fail(s.ToString());
+    if (h.scalar_type() != at::kBFloat16 || h[2].item<float>() != want) return Fail(absl::StrCat(g.name(), " bf16 sum"));
+    auto hg = g.AllGather(at::full({2}, rank + 0.0, o.dtype(at::kBFloat16)));
+    if (!hg.ok()) return Fail(hg.status().ToString());
+    for (int i = 0; i < g.size(); ++i) {
+      if ((*hg)[i].scalar_type() != at::kBFloat16 || (*hg)[i][1].item<float>() != g.ranks()[i]) {
+        return Fail(absl::StrCat(g.name(), " bf16 gather"));
+      }
+    }
+    at::Tensor hb = at::full({2}, rank + 0.0, o.dtype(at::kBFloat16));
+    if (auto s = g.Broadcast(hb, 0); !s.ok()) return Fail(s.ToString());
+    if (hb[1].item<float>() != g.ranks()[0]) return Fail(absl::StrCat(g.name(), " bf16 broadcast"));
+  }
+  // All-to-all (expert dispatch) in fp32 and bf16: member i gets row (10 * rank + i) from each.
+  CommGroup& world = groups.group(GroupKind::kWorld);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    at::Tensor rows = (at::arange(world.size(), o.dtype(at::kFloat)) + 10.0 * rank).to(dtype).reshape({-1, 1});
+    std::vector<int64_t> splits(world.size(), 1);
+    auto got = world.AllToAll(rows, splits, splits);
+    if (!got.ok()) return Fail(got.status().ToString());
+    for (int j = 0; j < world.size(); ++j) {
+      if (got->scalar_type() != dtype || (*got)[j][0].item<float>() != 10.0f * world.ranks()[j] + world.rank()) {
+        return Fail(absl::StrCat("alltoall ", c10::toString(dtype), " row ", j));
+      }
+    }
   }
   // Pipeline point to point: each stage sends to the next.
   CommGroup& pipe = groups.group(GroupKind::kPipeline);
@@ -66,6 +93,16 @@ int RunCollectives(ProcessGroups& groups) {
       if (auto s = pipe.Recv(in, pipe.rank() - 1); !s.ok()) return Fail(s.ToString());
       if (in[3].item<float>() != pipe.ranks()[pipe.rank() - 1] + 0.5f) return Fail("recv value");
     }
+    // bf16 activations between stages: the paired send+recv of a middle stage too.
+    at::Tensor out = at::full({4}, rank + 0.5, o.dtype(at::kBFloat16));
+    at::Tensor in = at::zeros({4}, o.dtype(at::kBFloat16));
+    const bool has_next = pipe.rank() + 1 < pipe.size(), has_prev = pipe.rank() > 0;
+    if (auto s = pipe.SendRecv(has_next ? &out : nullptr, pipe.rank() + 1, 7, has_prev ? &in : nullptr,
+                               pipe.rank() - 1, 7);
+        !s.ok()) {
+      return Fail(s.ToString());
+    }
+    if (has_prev && in[0].item<float>() != pipe.ranks()[pipe.rank() - 1] + 0.5f) return Fail("bf16 recv value");
   }
   return 0;
 }

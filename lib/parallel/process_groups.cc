@@ -65,6 +65,11 @@ absl::Status RunWork(CommGroup* group, const char* op, std::chrono::milliseconds
   }
 }
 
+// Gloo (the CPU backend) has no bfloat16 kernels ("Invalid scalar type"): CPU collectives
+// on bf16 tensors move them as fp32, which holds every bf16 value exactly (a sum is
+// rounded to bf16 once, at the end).
+bool GlooNeedsFp32(const at::Tensor& t) { return !t.is_cuda() && t.scalar_type() == at::kBFloat16; }
+
 }  // namespace
 
 CommGroup::CommGroup(GroupKind kind, int index, std::vector<int> ranks, int my_rank)
@@ -110,6 +115,12 @@ absl::Status CommGroup::Failed(const char* op, const std::string& what, bool tim
 
 absl::Status CommGroup::AllReduce(at::Tensor& tensor, ReduceKind op) {
   if (size() == 1) return absl::OkStatus();
+  if (GlooNeedsFp32(tensor)) {
+    at::Tensor wide = tensor.to(at::kFloat);
+    LORASTEP_RETURN_IF_ERROR(AllReduce(wide, op));
+    tensor.copy_(wide);
+    return absl::OkStatus();
+  }
   LORASTEP_RETURN_IF_ERROR(Check("allreduce"));
   std::vector<at::Tensor> ts{tensor};
   ::c10d::AllreduceOptions opts;
@@ -134,6 +145,11 @@ absl::Status CommGroup::AllReduceCoalesced(std::vector<at::Tensor>& tensors, Red
 
 absl::StatusOr<std::vector<at::Tensor>> CommGroup::AllGather(const at::Tensor& tensor) {
   if (size() == 1) return std::vector<at::Tensor>{tensor};
+  if (GlooNeedsFp32(tensor)) {
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> wide, AllGather(tensor.to(at::kFloat)));
+    for (auto& t : wide) t = t.to(at::kBFloat16);
+    return wide;
+  }
   LORASTEP_RETURN_IF_ERROR(Check("allgather"));
   std::vector<at::Tensor> in{tensor.contiguous()};
   std::vector<std::vector<at::Tensor>> out(1);
@@ -146,6 +162,12 @@ absl::StatusOr<std::vector<at::Tensor>> CommGroup::AllGather(const at::Tensor& t
 
 absl::Status CommGroup::Broadcast(at::Tensor& tensor, int root) {
   if (size() == 1) return absl::OkStatus();
+  if (GlooNeedsFp32(tensor)) {
+    at::Tensor wide = tensor.to(at::kFloat);
+    LORASTEP_RETURN_IF_ERROR(Broadcast(wide, root));
+    tensor.copy_(wide);
+    return absl::OkStatus();
+  }
   LORASTEP_RETURN_IF_ERROR(Check("broadcast"));
   std::vector<at::Tensor> ts{tensor};
   ::c10d::BroadcastOptions opts;
@@ -166,6 +188,10 @@ absl::StatusOr<at::Tensor> CommGroup::AllToAll(const at::Tensor& input,
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape[0] = rows;
   if (size() == 1) return input;
+  if (GlooNeedsFp32(input)) {
+    LORASTEP_ASSIGN_OR_RETURN(at::Tensor wide, AllToAll(input.to(at::kFloat), input_splits, output_splits));
+    return wide.to(at::kBFloat16);
+  }
   LORASTEP_RETURN_IF_ERROR(Check("alltoall"));
   at::Tensor in = input.contiguous();
   at::Tensor out = at::empty(shape, in.options());
@@ -178,6 +204,7 @@ absl::StatusOr<at::Tensor> CommGroup::AllToAll(const at::Tensor& input,
 }
 
 absl::Status CommGroup::Send(const at::Tensor& tensor, int dst, int tag) {
+  if (GlooNeedsFp32(tensor)) return Send(tensor.to(at::kFloat), dst, tag);
   LORASTEP_RETURN_IF_ERROR(Check("send"));
   std::vector<at::Tensor> ts{tensor.contiguous()};
   return RunWork(this, "send", timeout_, [&] { return handles_->backend->send(ts, dst, tag); },
@@ -185,6 +212,12 @@ absl::Status CommGroup::Send(const at::Tensor& tensor, int dst, int tag) {
 }
 
 absl::Status CommGroup::Recv(at::Tensor& tensor, int src, int tag) {
+  if (GlooNeedsFp32(tensor)) {
+    at::Tensor wide = at::empty(tensor.sizes(), tensor.options().dtype(at::kFloat));
+    LORASTEP_RETURN_IF_ERROR(Recv(wide, src, tag));
+    tensor.copy_(wide);
+    return absl::OkStatus();
+  }
   LORASTEP_RETURN_IF_ERROR(Check("recv"));
   at::Tensor buffer = tensor.is_contiguous() ? tensor : at::empty_like(tensor, at::MemoryFormat::Contiguous);
   std::vector<at::Tensor> ts{buffer};
@@ -200,6 +233,13 @@ absl::Status CommGroup::SendRecv(const at::Tensor* send, int dst, int send_tag, 
   if (send == nullptr && recv == nullptr) return absl::OkStatus();
   if (recv == nullptr) return Send(*send, dst, send_tag);
   if (send == nullptr) return Recv(*recv, src, recv_tag);
+  if (GlooNeedsFp32(*send) || GlooNeedsFp32(*recv)) {
+    const at::Tensor wide_send = send->to(at::kFloat);
+    at::Tensor wide_recv = at::empty(recv->sizes(), recv->options().dtype(at::kFloat));
+    LORASTEP_RETURN_IF_ERROR(SendRecv(&wide_send, dst, send_tag, &wide_recv, src, recv_tag));
+    recv->copy_(wide_recv);
+    return absl::OkStatus();
+  }
   LORASTEP_RETURN_IF_ERROR(Check("sendrecv"));
   std::vector<at::Tensor> out{send->contiguous()};
   at::Tensor buffer = recv->is_contiguous() ? *recv : at::empty_like(*recv, at::MemoryFormat::Contiguous);
