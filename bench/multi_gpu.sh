@@ -47,7 +47,7 @@ trace() {  # name model batch expert_lora max_tokens coordinator-flags...
   local name=$1 model=$2 batch=$3 expert=$4 mt=$5; shift 5
   start_coord "$model" "$TRACES/$name.coordinator.log" "$@" || return 0
   rm -rf "/tmp/mg_export_$name"
-  "$TRACE" --address "127.0.0.1:$PORT" --batch_file "$batch" --rank 32 --alpha 32 --expert_lora "$expert" \
+  timeout "${TRACE_TIMEOUT:-180}" "$TRACE" --address "127.0.0.1:$PORT" --batch_file "$batch" --rank 32 --alpha 32 --expert_lora "$expert" \
     --steps "$STEPS" --max_tokens "$mt" --export_dir "/tmp/mg_export_$name" --label "$name: $*" \
     --out "$TRACES/$name.json" 2> "$TRACES/$name.log" || { echo "$name failed"; tail -5 "$TRACES/$name.log"; }
   echo "$name ($*): $(grep -c replicas_equal "$TRACES/$name.log") steps, last: $(tail -1 "$TRACES/$name.log")"
@@ -66,8 +66,8 @@ trace dense_dp2 /tmp/mg_dense "$TRACES/batch_dense.json" "" $MT --dp 2
 trace dense_tp2 /tmp/mg_dense "$TRACES/batch_dense.json" "" $MT --tp 2
 trace dense_pp2 /tmp/mg_dense "$TRACES/batch_dense.json" "" $MT --pp 2
 # A worker killed mid-step: DP2, rank 1's worker SIGKILLed KILL_AFTER_MS into a TrainStep.
-if start_coord /tmp/mg_dense "$TRACES/kill.coordinator.log" --dp 2; then
-  "$TRACE" --address "127.0.0.1:$PORT" --batch_file "$TRACES/batch_dense.json" --rank 32 --max_tokens $MT \
+if start_coord /tmp/mg_dense "$TRACES/kill.coordinator.log" --dp 2 --peer_failure_grace_s 10; then
+  timeout 120 "$TRACE" --address "127.0.0.1:$PORT" --batch_file "$TRACES/batch_dense.json" --rank 32 --max_tokens $MT \
     --kill_cmd "pkill -KILL -P $COORD_PID -f -- '--rank 1 '" --kill_after_ms "${KILL_AFTER_MS:-100}" \
     --label "dp2, rank 1 killed mid-step" --out "$TRACES/kill_dp2.json" 2> "$TRACES/kill_dp2.log" \
     || { echo "kill run failed"; tail -5 "$TRACES/kill_dp2.log"; }

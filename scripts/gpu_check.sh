@@ -2,7 +2,7 @@
 # On the H200 machine (device tool): build with CMake against torch 2.11 + the carried
 # Debian sysroot (.sysroot: absl, nlohmann-json, gtest, OpenSSL; scripts/make_sysroot.sh),
 # run the tests on CUDA, the dgrad microbenchmark, and the HF/PEFT parity checks.
-# Results land in $OUT (or ./out).
+# Results land in $OUT (or ./out). BUILD_TARGETS limits the build (e.g. to what a step needs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -29,7 +29,7 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_COMPILER="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" > "$OUT/cmake.log" 2>&1 || { tail -40 "$OUT/cmake.log"; exit 1; }
 grep -q "LORASTEP_WITH_CUDA_KERNELS\|token_scores_kernel" build-gpu/build.ninja && echo "lorastep CUDA kernels: on ($(command -v nvcc || echo /usr/local/cuda/bin/nvcc))" || echo "lorastep CUDA kernels: off (no nvcc)"
 step build
-ninja -C build-gpu -j16 -k 0 > "$OUT/build.log" 2>&1 || { grep -E "error:" "$OUT/build.log" | sort -u | head -40; exit 1; }
+ninja -C build-gpu -j"$(nproc)" -k 0 ${BUILD_TARGETS:-} > "$OUT/build.log" 2>&1 || { grep -E "error:" "$OUT/build.log" | sort -u | head -40; exit 1; }
 STEPS=${GPU_CHECK_STEPS:-tests bench parity service}
 [[ " $STEPS " == *" build-only "* ]] && exit 0
 if [[ " $STEPS " == *" debug "* ]]; then

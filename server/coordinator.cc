@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 #include <tuple>
 
@@ -50,6 +52,13 @@ struct Coordinator::RunState {
 };
 
 namespace {
+
+// A mesh rank's failure that only reflects a peer's: ABORTED by the outcome vote, a
+// collective that timed out or broke waiting for another rank.
+bool IsPeerFailure(const absl::Status& s) {
+  return absl::IsAborted(s) || absl::IsDeadlineExceeded(s) ||
+         (absl::IsUnavailable(s) && s.message().find(" group ") != absl::string_view::npos);
+}
 
 int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -416,14 +425,62 @@ absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
   if (ranks.size() == 1) {
     results[0] = call(ranks[0], run.ranks[ranks[0]]);
   } else {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<bool> finished(ranks.size(), false);
+    size_t done = 0;
     std::vector<std::thread> threads;
     for (size_t i = 0; i < ranks.size(); ++i) {
-      threads.emplace_back([&, i] { results[i] = call(ranks[i], run.ranks[ranks[i]]); });
+      threads.emplace_back([&, i] {
+        absl::StatusOr<Resp> r = call(ranks[i], run.ranks[ranks[i]]);
+        std::lock_guard<std::mutex> lock(mu);
+        results[i] = std::move(r);
+        finished[i] = true;
+        ++done;
+        cv.notify_all();
+      });
+    }
+    // After a rank fails on its own, the others get peer_failure_grace to answer (they
+    // normally fail at their collective timeout); then their calls are cancelled.
+    std::vector<bool> cancelled(ranks.size(), false);
+    int root_rank = -1;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      std::chrono::steady_clock::time_point deadline;
+      while (done < ranks.size()) {
+        if (root_rank < 0) {
+          for (size_t i = 0; i < ranks.size() && root_rank < 0; ++i) {
+            if (finished[i] && !results[i].ok() && !IsPeerFailure(results[i].status())) {
+              root_rank = ranks[i];
+              deadline = std::chrono::steady_clock::now() + options_.peer_failure_grace;
+            }
+          }
+          if (root_rank < 0) {
+            cv.wait(lock);
+            continue;
+          }
+        }
+        if (cv.wait_until(lock, deadline) == std::cv_status::timeout && done < ranks.size()) {
+          for (size_t i = 0; i < ranks.size(); ++i) {
+            if (finished[i]) continue;
+            cancelled[i] = true;
+            run.ranks[ranks[i]]->CancelInFlight();
+          }
+          break;
+        }
+      }
     }
     for (auto& t : threads) t.join();
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      if (!cancelled[i] || results[i].ok()) continue;
+      results[i] = absl::DeadlineExceededError(absl::StrCat(
+          "no answer ", options_.peer_failure_grace.count(), " s after rank ", root_rank,
+          " failed; call cancelled (the worker may still be blocked in a collective)"));
+    }
   }
   // Root causes first: a rank that failed on its own, before those that only saw a peer
-  // fail (ABORTED by the outcome vote, or a collective that timed out waiting for it).
+  // fail (ABORTED by the outcome vote, a collective that timed out waiting for it, a call
+  // cancelled after the grace).
   std::vector<std::pair<int, absl::Status>> failed;
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (!results[i].ok()) failed.push_back({ranks[i], results[i].status()});
@@ -431,11 +488,7 @@ absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
   if (!failed.empty()) {
     ++mesh_generation_;  // communicators may be broken: every rank rebuilds at the next call
     std::stable_sort(failed.begin(), failed.end(), [](const auto& a, const auto& b) {
-      auto secondary = [](const absl::Status& s) {
-        return absl::IsAborted(s) || absl::IsDeadlineExceeded(s) ||
-               (absl::IsUnavailable(s) && s.message().find(" group ") != absl::string_view::npos);
-      };
-      return !secondary(a.second) && secondary(b.second);
+      return !IsPeerFailure(a.second) && IsPeerFailure(b.second);
     });
     if (!on_mesh()) return failed[0].second;
     std::string msg;

@@ -13,6 +13,7 @@
 #define LORASTEP_SERVER_COORDINATOR_H_
 
 #include <deque>
+#include <chrono>
 #include <functional>
 #include <map>
 #include <memory>
@@ -42,6 +43,11 @@ struct CoordinatorOptions {
   // them). With world > 1 the workers are the mesh's ranks, every run lives on all of them,
   // and every call fans out to all ranks in one mesh-wide order.
   ParallelSizes mesh;
+  // How long the other ranks of a mesh call may still take after one rank failed on its
+  // own (its process died, say) before their calls are cancelled and the client answered.
+  // They normally fail at their collective timeout; a rank wedged in a device kernel may
+  // never answer. --peer_failure_grace_s; default: the collective timeout + 30 s.
+  std::chrono::seconds peer_failure_grace{150};
   // Port of the TCPStore that rank 0 serves when workers join by registration (JoinMesh).
   int rendezvous_port = 29500;
 };

@@ -6,7 +6,7 @@
 //                        [--port_file F] [--workers host:port,host:port] [--wait_for_workers]
 //                        [--worker_binary PATH] [--max_tokens_per_microbatch N]
 //                        [--worker_start_timeout_s 300]
-//                        [--tp T --pp P --dp D] [--collective_timeout_s S]
+//                        [--tp T --pp P --dp D] [--collective_timeout_s S] [--peer_failure_grace_s G]
 //                        [--worker_call_timeout_s 3600] [--rendezvous_port 29500]
 //                        [--state_dir DIR: checkpoints and exports as lorastep://<run>/<name>
 //                        references under DIR, passed to local workers]
@@ -61,6 +61,12 @@ int main(int argc, char** argv) {
     options.max_recorded_bytes = static_cast<size_t>(std::stod(flags["max_recorded_mb"]) * (1 << 20));
   }
   const int world = options.mesh.world();
+  // A rank that fails on its own makes its peers fail at their collective timeout (the
+  // worker's default is 120 s); past that plus 30 s their calls are cancelled.
+  options.peer_failure_grace = std::chrono::seconds(
+      flags.count("peer_failure_grace_s")
+          ? std::stoi(flags["peer_failure_grace_s"])
+          : (flags.count("collective_timeout_s") ? std::stoi(flags["collective_timeout_s"]) : 120) + 30);
   const int worker_call_timeout =
       flags.count("worker_call_timeout_s") ? std::stoi(flags["worker_call_timeout_s"]) : 3600;
   std::vector<std::string> addresses;

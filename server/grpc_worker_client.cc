@@ -25,58 +25,70 @@ absl::Status GrpcWorkerClient::WaitReady(int timeout_seconds) {
   return absl::OkStatus();
 }
 
+template <typename Resp, typename Req, typename Method>
+absl::StatusOr<Resp> GrpcWorkerClient::Call(Method method, const Req& req) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + call_timeout_);
+  {
+    std::lock_guard<std::mutex> lock(in_flight_mu_);
+    in_flight_.insert(&ctx);
+  }
+  Resp resp;
+  grpc::Status s = (stub_.get()->*method)(&ctx, req, &resp);
+  {
+    std::lock_guard<std::mutex> lock(in_flight_mu_);
+    in_flight_.erase(&ctx);
+  }
+  if (!s.ok()) return FromGrpcStatus(s);
+  return resp;
+}
+
+void GrpcWorkerClient::CancelInFlight() {
+  std::lock_guard<std::mutex> lock(in_flight_mu_);
+  for (grpc::ClientContext* ctx : in_flight_) ctx->TryCancel();
+}
+
 absl::StatusOr<v1::WorkerInfo> GrpcWorkerClient::Info() {
-  return CallUnary<v1::WorkerInfo>(stub_.get(), &v1::Worker::Stub::Info,
-                                                     v1::WorkerInfoRequest(), call_timeout_);
+  return Call<v1::WorkerInfo>(&v1::Worker::Stub::Info, v1::WorkerInfoRequest());
 }
 absl::StatusOr<v1::WorkerCreateRunResponse> GrpcWorkerClient::CreateRun(const v1::WorkerCreateRunRequest& req) {
-  return CallUnary<v1::WorkerCreateRunResponse>(stub_.get(), &v1::Worker::Stub::CreateRun, req, call_timeout_);
+  return Call<v1::WorkerCreateRunResponse>(&v1::Worker::Stub::CreateRun, req);
 }
 absl::StatusOr<v1::ListCheckpointsResponse> GrpcWorkerClient::ListCheckpoints(
     const v1::ListCheckpointsRequest& req) {
-  return CallUnary<v1::ListCheckpointsResponse>(stub_.get(), &v1::Worker::Stub::ListCheckpoints, req,
-                                                call_timeout_);
+  return Call<v1::ListCheckpointsResponse>(&v1::Worker::Stub::ListCheckpoints, req);
 }
 absl::Status GrpcWorkerClient::DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) {
-  return CallUnary<v1::DeleteCheckpointResponse>(stub_.get(), &v1::Worker::Stub::DeleteCheckpoint, req,
-                                                 call_timeout_)
+  return Call<v1::DeleteCheckpointResponse>(&v1::Worker::Stub::DeleteCheckpoint, req)
       .status();
 }
 absl::Status GrpcWorkerClient::DeleteRun(const v1::WorkerDeleteRunRequest& req) {
-  return CallUnary<v1::WorkerDeleteRunResponse>(
-             stub_.get(), &v1::Worker::Stub::DeleteRun, req, call_timeout_)
+  return Call<v1::WorkerDeleteRunResponse>(&v1::Worker::Stub::DeleteRun, req)
       .status();
 }
 absl::StatusOr<v1::WorkerForwardBackwardResponse> GrpcWorkerClient::ForwardBackward(
     const v1::WorkerForwardBackwardRequest& req) {
-  return CallUnary<v1::WorkerForwardBackwardResponse>(
-      stub_.get(), &v1::Worker::Stub::ForwardBackward, req, call_timeout_);
+  return Call<v1::WorkerForwardBackwardResponse>(&v1::Worker::Stub::ForwardBackward, req);
 }
 absl::StatusOr<v1::WorkerForwardBackwardResponse> GrpcWorkerClient::Forward(
     const v1::WorkerForwardRequest& req) {
-  return CallUnary<v1::WorkerForwardBackwardResponse>(
-      stub_.get(), &v1::Worker::Stub::Forward, req, call_timeout_);
+  return Call<v1::WorkerForwardBackwardResponse>(&v1::Worker::Stub::Forward, req);
 }
 absl::StatusOr<v1::WorkerStepResponse> GrpcWorkerClient::OptimStep(const v1::WorkerOptimStepRequest& req) {
-  return CallUnary<v1::WorkerStepResponse>(stub_.get(),
-                                                            &v1::Worker::Stub::OptimStep, req, call_timeout_);
+  return Call<v1::WorkerStepResponse>(&v1::Worker::Stub::OptimStep, req);
 }
 absl::StatusOr<v1::WorkerStepResponse> GrpcWorkerClient::TrainStep(const v1::WorkerTrainStepRequest& req) {
-  return CallUnary<v1::WorkerStepResponse>(stub_.get(),
-                                                            &v1::Worker::Stub::TrainStep, req, call_timeout_);
+  return Call<v1::WorkerStepResponse>(&v1::Worker::Stub::TrainStep, req);
 }
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::SaveState(const v1::WorkerPathRequest& req) {
-  return CallUnary<v1::WorkerPathResponse>(stub_.get(),
-                                                             &v1::Worker::Stub::SaveState, req, call_timeout_);
+  return Call<v1::WorkerPathResponse>(&v1::Worker::Stub::SaveState, req);
 }
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::LoadState(const v1::WorkerPathRequest& req) {
-  return CallUnary<v1::WorkerPathResponse>(stub_.get(),
-                                                             &v1::Worker::Stub::LoadState, req, call_timeout_);
+  return Call<v1::WorkerPathResponse>(&v1::Worker::Stub::LoadState, req);
 }
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::ExportAdapter(
     const v1::WorkerPathRequest& req) {
-  return CallUnary<v1::WorkerPathResponse>(
-      stub_.get(), &v1::Worker::Stub::ExportAdapter, req, call_timeout_);
+  return Call<v1::WorkerPathResponse>(&v1::Worker::Stub::ExportAdapter, req);
 }
 
 }  // namespace lorastep

@@ -4,6 +4,8 @@
 
 #include <chrono>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <string>
 
 #include "lorastep/v1/worker.grpc.pb.h"
@@ -34,12 +36,19 @@ class GrpcWorkerClient final : public WorkerClient {
   absl::StatusOr<v1::WorkerPathResponse> ExportAdapter(const v1::WorkerPathRequest& req) override;
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& req) override;
   absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) override;
+  void CancelInFlight() override;
 
  private:
+  // One unary call with the deadline, registered so CancelInFlight can reach it.
+  template <typename Resp, typename Req, typename Method>
+  absl::StatusOr<Resp> Call(Method method, const Req& req);
+
   std::string address_;
   std::chrono::seconds call_timeout_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Worker::Stub> stub_;
+  std::mutex in_flight_mu_;
+  std::set<grpc::ClientContext*> in_flight_;
 };
 
 }  // namespace lorastep

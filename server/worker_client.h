@@ -28,6 +28,9 @@ class WorkerClient {
   virtual absl::StatusOr<v1::WorkerPathResponse> ExportAdapter(const v1::WorkerPathRequest& req) = 0;
   virtual absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& req) = 0;
   virtual absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) = 0;
+  // Makes every call in flight on this client return CANCELLED now (the coordinator gives
+  // up on a rank that does not answer after a peer failed).
+  virtual void CancelInFlight() = 0;
 };
 
 }  // namespace lorastep

@@ -3,6 +3,7 @@
 // one worker (world size 1): per-step loss and grad_norm, Forward log-probs, and the
 // exported adapter, within 1e-5 relative. Replicas must be bitwise equal after every step.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -450,6 +451,37 @@ TEST_F(MeshTest, KilledWorkerFailsTheCallNamingTheRankAndNothingIsApplied) {
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("rank 1 (tp0 pp0 dp1"), absl::string_view::npos) << r.status();
   EXPECT_NE(r.status().message().find("nothing was applied"), absl::string_view::npos) << r.status();
+  ASSERT_OK_AND_ASSIGN(v1::Run state, dp2.client->GetRun(run->run_id()));
+  EXPECT_EQ(state.learner_version(), 1);
+  EXPECT_EQ(state.next_sequence_id(), 2);
+}
+
+// A rank that never answers (stopped: like one wedged in a device kernel) after its peer
+// died: the coordinator answers after --peer_failure_grace_s, naming the dead rank first and
+// the stalled one as cancelled, and nothing is applied.
+TEST_F(MeshTest, StalledRankIsCancelledAfterAPeerFails) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
+  Coordinator dp2 = Start({"--dp", "2", "--peer_failure_grace_s", "3"});
+  v1::LoraConfig lora;
+  lora.set_rank(4);
+  lora.set_alpha(8);
+  auto run = RunSession::Create(dp2.client.get(), lora, 1);
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_OK(run->TrainStep(Batch(0), Ppo(), Adam()).status());
+  const std::string pid = std::to_string(dp2.server->pid());
+  ASSERT_EQ(system(("pkill -STOP -P " + pid + " -f -- '--rank 0 '").c_str()), 0);
+  ASSERT_EQ(system(("pkill -KILL -P " + pid + " -f -- '--rank 1 '").c_str()), 0);
+  run->max_attempts = 1;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = run->TrainStep(Batch(1), Ppo(), Adam());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  system(("pkill -CONT -P " + pid + " -f -- '--rank 0 '").c_str());
+  ASSERT_FALSE(r.ok());
+  const std::string msg(r.status().message());
+  EXPECT_LT(seconds, 30) << msg;
+  EXPECT_EQ(msg.find("rank 1 (tp0 pp0 dp1"), msg.find("nothing was applied: ") + 21) << msg;
+  EXPECT_NE(msg.find("rank 0 (tp0 pp0 dp0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("no answer 3 s after rank 1 failed; call cancelled"), std::string::npos) << msg;
   ASSERT_OK_AND_ASSIGN(v1::Run state, dp2.client->GetRun(run->run_id()));
   EXPECT_EQ(state.learner_version(), 1);
   EXPECT_EQ(state.next_sequence_id(), 2);

@@ -9,6 +9,7 @@
 #include "lib/torch_status.h"
 
 #ifdef LORASTEP_WITH_CUDA_KERNELS
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "lib/kernels/token_scores.h"
@@ -28,6 +29,15 @@ kernels::LogitsType LogitsTypeOf(const at::Tensor& logits) {
 }
 template <typename T>
 T* PtrOrNull(const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; }
+// A raw kernel launch goes to the current device: make it the tensor's device and use that
+// device's current stream. The worker's gRPC threads have cuda:0 current whatever cuda:N
+// the rank holds; a launch there with cuda:1 pointers was an illegal memory access (DP2).
+struct KernelLaunch {
+  explicit KernelLaunch(const at::Tensor& on)
+      : guard(on.device()), stream(c10::cuda::getCurrentCUDAStream(on.device().index()).stream()) {}
+  c10::cuda::CUDAGuard guard;
+  cudaStream_t stream;
+};
 #endif
 
 // Whether this head's statistics and logit gradients run as lorastep's CUDA kernel.
@@ -113,10 +123,11 @@ class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction
       if (kernel) {  // statistics in one pass per row; backward recomputes the logits
         at::Tensor logits = at::mm(hidden.narrow(0, start, n), weight.t());
         at::Tensor tgt = targets.narrow(0, start, n).contiguous();
+        const KernelLaunch launch(logits);
         const char* error = kernels::LaunchTokenScores(
             logits.data_ptr(), LogitsTypeOf(logits), n, logits.size(1), logits.stride(0), tgt.data_ptr<int64_t>(),
             logprobs.narrow(0, start, n).data_ptr<float>(), entropy.narrow(0, start, n).data_ptr<float>(),
-            lse_all.narrow(0, start, n).data_ptr<float>(), nullptr, nullptr, c10::cuda::getCurrentCUDAStream().stream());
+            lse_all.narrow(0, start, n).data_ptr<float>(), nullptr, nullptr, launch.stream);
         TORCH_CHECK(error == nullptr, "token scores kernel: ", error);
         continue;
       }
@@ -191,11 +202,12 @@ class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction
         at::Tensor tgt = targets.narrow(0, start, n).contiguous();
         at::Tensor gl = g_lp.defined() ? g_lp.narrow(0, start, n).contiguous() : at::Tensor();
         at::Tensor ge = g_ent.defined() ? g_ent.narrow(0, start, n).contiguous() : at::Tensor();
+        const KernelLaunch launch(logits);
         const char* error = kernels::LaunchTokenScoresGrad(
             logits.data_ptr(), LogitsTypeOf(logits), n, logits.size(1), logits.stride(0), tgt.data_ptr<int64_t>(),
             ctx->saved_data["lse"].toTensor().narrow(0, start, n).data_ptr<float>(),
             ctx->saved_data["entropy"].toTensor().narrow(0, start, n).data_ptr<float>(), PtrOrNull<float>(gl),
-            PtrOrNull<float>(ge), gz_model.data_ptr(), c10::cuda::getCurrentCUDAStream().stream());
+            PtrOrNull<float>(ge), gz_model.data_ptr(), launch.stream);
         TORCH_CHECK(error == nullptr, "token scores gradient kernel: ", error);
       }
 #endif
@@ -281,11 +293,12 @@ class FrozenHeadScoresFunction : public torch::autograd::Function<FrozenHeadScor
         at::Tensor p = expected_w.defined() ? at::empty_like(logits) : at::Tensor();
         at::Tensor plp = entropy_w.defined() ? at::empty_like(logits) : at::Tensor();
         at::Tensor tgt = targets.narrow(0, start, n).contiguous();
+        const KernelLaunch launch(logits);
         const char* error = kernels::LaunchTokenScores(
             logits.data_ptr(), LogitsTypeOf(logits), n, logits.size(1), logits.stride(0), tgt.data_ptr<int64_t>(),
             logprobs.narrow(0, start, n).data_ptr<float>(), entropy.narrow(0, start, n).data_ptr<float>(),
             /*lse_out=*/nullptr, p.defined() ? p.data_ptr() : nullptr, plp.defined() ? plp.data_ptr() : nullptr,
-            c10::cuda::getCurrentCUDAStream().stream());
+            launch.stream);
         TORCH_CHECK(error == nullptr, "token scores kernel: ", error);
         if (p.defined()) expected_w.narrow(0, start, n).copy_(at::mm(p, weight));
         if (plp.defined()) entropy_w.narrow(0, start, n).copy_(at::mm(plp, weight));
