@@ -136,8 +136,8 @@ int Main(int argc, char** argv) {
                         {"sha256", h.sha256().substr(0, 16)}});
     }
     step["replica_hashes"] = hashes;
-    for (const char* k : {"peak_cuda_memory_bytes:max", "time_step_s:sum"}) {
-      if (r->metrics().count(k)) step[k] = r->metrics().at(k);
+    for (const auto& [k, v] : r->metrics()) {  // per-phase times and the CUDA peak
+      if (k.rfind("time_", 0) == 0 || k == "peak_cuda_memory_bytes:max") step[k] = v;
     }
     j["steps"].push_back(step);
     std::cerr << "step " << s << " loss " << step["loss"] << " grad_norm " << step["grad_norm"] << " "

@@ -43,8 +43,10 @@ start_coord() {  # model-folder log coordinator-flags...; sets PORT
 stop_coord() { kill $COORD_PID 2>/dev/null; wait $COORD_PID 2>/dev/null; COORD_PID=; }
 trap stop_coord EXIT
 
+wanted() { [ -z "${MULTI_RUNS:-}" ] || [[ " $MULTI_RUNS " == *" $1 "* ]]; }  # MULTI_RUNS: a subset
 trace() {  # name model batch expert_lora max_tokens coordinator-flags...
   local name=$1 model=$2 batch=$3 expert=$4 mt=$5; shift 5
+  wanted "$name" || return 0
   start_coord "$model" "$TRACES/$name.coordinator.log" "$@" || return 0
   rm -rf "/tmp/mg_export_$name"
   timeout "${TRACE_TIMEOUT:-180}" "$TRACE" --address "127.0.0.1:$PORT" --batch_file "$batch" --rank 32 --alpha 32 --expert_lora "$expert" \
@@ -66,7 +68,7 @@ trace dense_dp2 /tmp/mg_dense "$TRACES/batch_dense.json" "" $MT --dp 2
 trace dense_tp2 /tmp/mg_dense "$TRACES/batch_dense.json" "" $MT --tp 2
 trace dense_pp2 /tmp/mg_dense "$TRACES/batch_dense.json" "" $MT --pp 2
 # A worker killed mid-step: DP2, rank 1's worker SIGKILLed KILL_AFTER_MS into a TrainStep.
-if start_coord /tmp/mg_dense "$TRACES/kill.coordinator.log" --dp 2 --peer_failure_grace_s 10; then
+if wanted kill_dp2 && start_coord /tmp/mg_dense "$TRACES/kill.coordinator.log" --dp 2 --peer_failure_grace_s 10; then
   timeout 120 "$TRACE" --address "127.0.0.1:$PORT" --batch_file "$TRACES/batch_dense.json" --rank 32 --max_tokens $MT \
     --kill_cmd "pkill -KILL -P $COORD_PID -f -- '--rank 1 '" --kill_after_ms "${KILL_AFTER_MS:-100}" \
     --label "dp2, rank 1 killed mid-step" --out "$TRACES/kill_dp2.json" 2> "$TRACES/kill_dp2.log" \
@@ -77,7 +79,7 @@ trace tiny_moe_w1 /tmp/mg_tiny_moe "$TRACES/batch_tiny.json" shared_outer $MT
 trace tiny_moe_w1_fp32 /tmp/mg_tiny_moe "$TRACES/batch_tiny.json" shared_outer $MT --dtype float32
 trace tiny_moe_ep2 /tmp/mg_tiny_moe "$TRACES/batch_tiny.json" shared_outer $MT --dp 2 --ep 2
 results > /dev/null
-if [ -z "${SKIP_MOE_BIG:-}" ]; then
+if [ -z "${SKIP_MOE_BIG:-}" ] && wanted moe_w1; then
   MOE_MT=${MULTI_MOE_MAX_TOKENS:-16384}
   gen "$MOE_BIG" bfloat16 /tmp/mg_moe_big
   trace moe_w1 /tmp/mg_moe_big "$TRACES/batch_dense.json" shared_outer $MOE_MT

@@ -111,7 +111,7 @@ def main():
     p.add_argument("--command", default="")
     a = p.parse_args()
     res = {
-        "date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": a.machine,
         "versions": a.versions,
         "command": a.command,
