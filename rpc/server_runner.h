@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "lib/prometheus_registry.h"
 
 namespace lorastep {
 
@@ -21,10 +22,12 @@ void WaitForShutdownSignal();
 // Binds `host:port` (port 0 = any free port), registers the services, switches on
 // grpc.health.v1 and reflection. `*bound_port` receives the port.
 // Requests over `max_request_bytes` are refused by gRPC (RESOURCE_EXHAUSTED) before they
-// are parsed.
+// are parsed. With `metrics`, every call is counted there by method and status code
+// (lorastep_requests_total) and timed (lorastep_request_duration_seconds).
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
     const std::string& host, int port, const std::vector<grpc::Service*>& services,
-    int* bound_port, int max_request_bytes = 1 << 30);
+    int* bound_port, int max_request_bytes = 1 << 30, PrometheusRegistry* metrics = nullptr);
+void DeclareRequestMetrics(PrometheusRegistry* metrics);
 
 // Writes the port atomically (temp file + rename) so a parent polling the file never reads
 // half of it.

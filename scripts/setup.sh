@@ -12,7 +12,7 @@ PACKAGES=(
   libabsl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libssl-dev
-  python3-grpcio python3-protobuf python3-numpy
+  python3-grpcio python3-protobuf python3-numpy python3-prometheus-client
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -13,6 +13,7 @@
 #include <thread>
 #include <tuple>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "lib/io/state_store.h"
@@ -21,6 +22,7 @@
 #include "lib/status_macros.h"
 #include "lib/training/metrics.h"
 #include "rpc/proto_convert.h"
+#include "rpc/step_metrics.h"
 
 namespace lorastep {
 
@@ -98,7 +100,12 @@ absl::Status RequireRequestId(const std::string& request_id) {
 Coordinator::Coordinator(CoordinatorOptions options) : options_(options) {
   auto layout = ParallelLayout::Create(options_.mesh, options_.mesh.world());
   if (layout.ok()) layout_ = *layout;  // sizes were validated by the caller (main)
+  if (options_.metrics != nullptr) {
+    DeclareStepMetrics(options_.metrics);
+    options_.metrics->Declare("lorastep_runs", PrometheusRegistry::Type::kGauge, "runs that exist on this coordinator");
+  }
 }
+
 
 absl::Status Coordinator::AddWorker(std::unique_ptr<WorkerClient> worker) {
   LORASTEP_ASSIGN_OR_RETURN(v1::WorkerInfo info, worker->Info());
@@ -250,6 +257,10 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req) 
   state->run.set_learner_version((*created)[0].learner_version());  // a checkpoint's, with its optimizer
   runs_[run_id] = state;
   create_requests_[req.request_id()] = {run_id, fingerprint};
+  if (options_.metrics != nullptr) {
+    options_.metrics->Set("lorastep_runs", {}, static_cast<double>(runs_.size()));
+    options_.metrics->Set("lorastep_learner_version", {{"run", run_id}}, static_cast<double>(state->run.learner_version()));
+  }
   return state->run;
 }
 
@@ -273,6 +284,10 @@ absl::Status Coordinator::DeleteRun(const std::string& run_id) {
     runs_.erase(run_id);
     for (auto it = create_requests_.begin(); it != create_requests_.end();) {
       it = it->second.first == run_id ? create_requests_.erase(it) : std::next(it);
+    }
+    if (options_.metrics != nullptr) {
+      options_.metrics->RemoveSeries("run", run_id);
+      options_.metrics->Set("lorastep_runs", {}, static_cast<double>(runs_.size()));
     }
   }
   malloc_trim(0);  // a deleted run's history and records go back to the OS, not just to malloc
@@ -377,6 +392,8 @@ int64_t Coordinator::AppendStep(RunState& run, const std::string& kind,
     run.run.set_last_step(record.step());
     run.run.set_last_step_unix_ms(record.unix_time_ms());
   }
+  RecordStepMetrics(options_.metrics, run.run.run_id(), kind, step.metrics(), step.learner_version(),
+                    on_mesh() ? (step.replicas_equal() ? 1 : 0) : -1);
   std::lock_guard<std::mutex> lock(run.watch_mu);
   for (auto& [id, w] : run.watchers) w(record);
   return record.step();

@@ -26,6 +26,7 @@
 #include "lib/fair_mutex.h"
 #include "lib/training/batch.h"
 #include "lib/parallel/parallel_layout.h"
+#include "lib/prometheus_registry.h"
 #include "lorastep/v1/trainer.pb.h"
 #include "server/worker_client.h"
 
@@ -48,6 +49,9 @@ struct CoordinatorOptions {
   // They normally fail at their collective timeout; a rank wedged in a device kernel may
   // never answer. --peer_failure_grace_s; default: the collective timeout + 30 s.
   std::chrono::seconds peer_failure_grace{150};
+  // Where per-run step figures are recorded for the Prometheus endpoint (not owned; none:
+  // not recorded). See docs/OPERATIONS.md for the metric names.
+  PrometheusRegistry* metrics = nullptr;
   // Port of the TCPStore that rank 0 serves when workers join by registration (JoinMesh).
   int rendezvous_port = 29500;
 };

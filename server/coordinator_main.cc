@@ -10,6 +10,9 @@
 //                        [--worker_call_timeout_s 3600] [--rendezvous_port 29500]
 //                        [--state_dir DIR: checkpoints and exports as lorastep://<run>/<name>
 //                        references under DIR, passed to local workers]
+//                        [--metrics_port P [--metrics_host 127.0.0.1] [--metrics_allow_remote]
+//                        [--metrics_port_file F]: Prometheus text format at GET /metrics]
+//                        [--worker_metrics_port_base B: local worker r serves its own on B + r]
 // With --wait_for_workers and --tp/--pp/--dp, workers started with --register_with and no
 // --rank get their ranks here in the order they ask (JoinMesh); rank 0 serves the
 // rendezvous at its host and --rendezvous_port.
@@ -24,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "lib/parallel/parallel_layout.h"
+#include "rpc/metrics_http_server.h"
 #include "server/coordinator.h"
 #include "server/coordinator_service.h"
 #include "server/grpc_worker_client.h"
@@ -39,7 +43,13 @@ int main(int argc, char** argv) {
     std::cerr << "lorastep_coordinator: " << s << "\n";
     return 1;
   };
+  // Prometheus: off unless --metrics_port; refused on a non-loopback host without
+  // --metrics_allow_remote (checked before any worker starts).
+  PrometheusRegistry metrics;
+  auto metrics_endpoint = StartMetricsEndpointFromFlags(flags, &metrics);
+  if (!metrics_endpoint.ok()) return fail(metrics_endpoint.status());
   CoordinatorOptions options;
+  options.metrics = &metrics;
   for (auto [flag, field] : {std::pair<const char*, int*>{"tp", &options.mesh.tp},
                              {"pp", &options.mesh.pp}, {"dp", &options.mesh.dp},
                              {"ep", &options.mesh.ep}}) {
@@ -102,6 +112,9 @@ int main(int argc, char** argv) {
                            std::to_string(options.mesh.dp), "--ep", std::to_string(options.mesh.ep),
                            "--rendezvous", rendezvous});
       }
+      if (flags.count("worker_metrics_port_base")) {  // local worker r: Prometheus on base + r
+        a.insert(a.end(), {"--metrics_port", std::to_string(std::stoi(flags["worker_metrics_port_base"]) + r)});
+      }
       per_rank.push_back(std::move(a));
     }
     const std::string binary =
@@ -118,12 +131,12 @@ int main(int argc, char** argv) {
     if (auto s = client->WaitReady(60); !s.ok()) return fail(s);
     if (auto s = core.AddWorker(std::move(client)); !s.ok()) return fail(s);
   }
-  CoordinatorService service(&core);
+  CoordinatorService service(&core, 4, &metrics);
   RegistryService registry(&core);
   int port = 0;
   auto server = StartGrpcServer(flags.count("host") ? flags["host"] : "127.0.0.1",
                                 flags.count("port") ? std::stoi(flags["port"]) : 50051,
-                                {&service, &registry}, &port, max_request_bytes);
+                                {&service, &registry}, &port, max_request_bytes, &metrics);
   if (!server.ok()) return fail(server.status());
   if (flags.count("port_file")) {
     if (auto s = WritePortFile(flags["port_file"], port); !s.ok()) return fail(s);

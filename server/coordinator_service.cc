@@ -75,17 +75,31 @@ class MetricsWatchReactor final : public grpc::ServerWriteReactor<v1::StepRecord
 
 }  // namespace
 
-CoordinatorService::CoordinatorService(Coordinator* core, size_t executors)
-    : core_(core), executor_(executors) {}
+CoordinatorService::CoordinatorService(Coordinator* core, size_t executors, PrometheusRegistry* metrics)
+    : core_(core), metrics_(metrics), executor_(executors) {
+  if (metrics_ != nullptr) {
+    metrics_->Declare("lorastep_queue_depth", PrometheusRegistry::Type::kGauge,
+                      "Trainer calls accepted and not yet answered (queued behind their run, or running)");
+    metrics_->Set("lorastep_queue_depth", {}, 0);
+  }
+}
+
+void CoordinatorService::QueueDepthChanged(int delta) {
+  std::lock_guard<std::mutex> lock(depth_mu_);
+  in_flight_ += delta;
+  if (metrics_ != nullptr) metrics_->Set("lorastep_queue_depth", {}, static_cast<double>(in_flight_));
+}
 
 template <typename Resp, typename Call>
 grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext* ctx,
                                                     const std::string& run_id, Resp* resp,
                                                     Call call) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  executor_.Submit(run_id, [reactor, resp, call = std::move(call)]() mutable {
+  QueueDepthChanged(+1);
+  executor_.Submit(run_id, [this, reactor, resp, call = std::move(call)]() mutable {
     auto result = call();
     if (result.ok()) *resp = std::move(result).value();
+    QueueDepthChanged(-1);
     reactor->Finish(ToGrpcStatus(result.status()));
   });
   return reactor;

@@ -9,13 +9,17 @@
 
 #include "lorastep/v1/trainer.grpc.pb.h"
 #include "server/coordinator.h"
+#include <mutex>
+
+#include "lib/prometheus_registry.h"
 #include "rpc/serial_executor.h"
 
 namespace lorastep {
 
 class CoordinatorService final : public v1::Trainer::CallbackService {
  public:
-  explicit CoordinatorService(Coordinator* core, size_t executors = 4);
+  // `metrics`: where lorastep_queue_depth (calls accepted and not yet answered) is kept.
+  explicit CoordinatorService(Coordinator* core, size_t executors = 4, PrometheusRegistry* metrics = nullptr);
 
   grpc::ServerUnaryReactor* CreateRun(grpc::CallbackServerContext* ctx,
                                       const v1::CreateRunRequest* req, v1::Run* resp) override;
@@ -64,7 +68,11 @@ class CoordinatorService final : public v1::Trainer::CallbackService {
                                   Resp* resp, Call call);
 
   Coordinator* core_;
-  KeyedExecutor executor_;  // per-run order, runs served in turn
+  void QueueDepthChanged(int delta);
+  PrometheusRegistry* metrics_;
+  std::mutex depth_mu_;  // the gauge is set under it, so sets land in order
+  int64_t in_flight_ = 0;
+  KeyedExecutor executor_;  // per-run order, runs served in turn (last: joined first)
 };
 
 }  // namespace lorastep

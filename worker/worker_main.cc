@@ -18,6 +18,7 @@
 #include "lorastep/v1/worker.grpc.pb.h"
 #include "rpc/grpc_status.h"
 
+#include "rpc/metrics_http_server.h"
 #include "rpc/server_runner.h"
 #include "worker/worker_core.h"
 #include "worker/worker_service.h"
@@ -70,6 +71,13 @@ int main(int argc, char** argv) {
   using namespace lorastep;
   BlockShutdownSignals();
   auto flags = ParseFlags(argc, argv);
+  // Prometheus: off unless --metrics_port (loopback only without --metrics_allow_remote).
+  PrometheusRegistry metrics;
+  auto metrics_endpoint = StartMetricsEndpointFromFlags(flags, &metrics);
+  if (!metrics_endpoint.ok()) {
+    std::cerr << "lorastep_worker: " << metrics_endpoint.status() << "\n";
+    return 2;
+  }
   WorkerOptions options;
   options.model_path = flags["model"];
   if (options.model_path.empty()) {
@@ -151,11 +159,11 @@ int main(int argc, char** argv) {
     std::cerr << "lorastep_worker: " << core.status() << "\n";
     return 1;
   }
-  WorkerService service(core->get());
+  WorkerService service(core->get(), &metrics);
   int port = 0;
   auto server = StartGrpcServer(flags.count("host") ? flags["host"] : "127.0.0.1",
                                 flags.count("port") ? std::stoi(flags["port"]) : 0, {&service},
-                                &port);
+                                &port, 1 << 30, &metrics);
   if (!server.ok()) {
     std::cerr << "lorastep_worker: " << server.status() << "\n";
     return 1;

@@ -5,6 +5,7 @@
 #include "lib/status_macros.h"
 #include "rpc/grpc_status.h"
 #include "rpc/proto_convert.h"
+#include "rpc/step_metrics.h"
 
 namespace lorastep {
 namespace {
@@ -31,6 +32,10 @@ MeshCallInfo MeshFromProto(const v1::MeshCall& mesh) {
 }
 
 }  // namespace
+
+WorkerService::WorkerService(WorkerCore* core, PrometheusRegistry* metrics) : core_(core), metrics_(metrics) {
+  if (metrics_ != nullptr) DeclareStepMetrics(metrics_);
+}
 
 template <typename Work>
 grpc::ServerUnaryReactor* WorkerService::Defer(grpc::CallbackServerContext* ctx, Work work) {
@@ -104,7 +109,11 @@ grpc::ServerUnaryReactor* WorkerService::CreateRun(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* WorkerService::DeleteRun(grpc::CallbackServerContext* ctx,
                                                    const v1::WorkerDeleteRunRequest* req,
                                                    v1::WorkerDeleteRunResponse*) {
-  return Defer(ctx, [this, req] { return core_->DeleteRun(req->run_id()); });
+  return Defer(ctx, [this, req] {
+    absl::Status deleted = core_->DeleteRun(req->run_id());
+    if (deleted.ok() && metrics_ != nullptr) metrics_->RemoveSeries("run", req->run_id());
+    return deleted;
+  });
 }
 
 grpc::ServerUnaryReactor* WorkerService::ForwardBackward(grpc::CallbackServerContext* ctx,
@@ -142,6 +151,7 @@ grpc::ServerUnaryReactor* WorkerService::OptimStep(grpc::CallbackServerContext* 
     LORASTEP_ASSIGN_OR_RETURN(OptimStepResult r,
                               core_->OptimStep(req->run_id(), adamw, MeshFromProto(req->mesh())));
     FillStepResponse(r, resp);
+    RecordStepMetrics(metrics_, req->run_id(), "optim_step", resp->result().metrics(), r.learner_version);
     return absl::OkStatus();
   });
 }
@@ -158,6 +168,7 @@ grpc::ServerUnaryReactor* WorkerService::TrainStep(grpc::CallbackServerContext* 
         core_->TrainStep(req->run_id(), DatumsFromProto(req->datums()), loss, adamw, totals,
                          req->max_tokens_per_microbatch(), MeshFromProto(req->mesh())));
     FillStepResponse(r, resp);
+    RecordStepMetrics(metrics_, req->run_id(), "train_step", resp->result().metrics(), r.learner_version);
     return absl::OkStatus();
   });
 }

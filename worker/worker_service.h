@@ -10,13 +10,15 @@
 
 #include "lorastep/v1/worker.grpc.pb.h"
 #include "rpc/serial_executor.h"
+#include "lib/prometheus_registry.h"
 #include "worker/worker_core.h"
 
 namespace lorastep {
 
 class WorkerService final : public v1::Worker::CallbackService {
  public:
-  explicit WorkerService(WorkerCore* core) : core_(core) {}
+  // `metrics`: this rank's step figures (rpc/step_metrics.h), labelled by run; may be null.
+  explicit WorkerService(WorkerCore* core, PrometheusRegistry* metrics = nullptr);
 
   grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* ctx, const v1::WorkerInfoRequest* req,
                                  v1::WorkerInfo* resp) override;
@@ -65,6 +67,7 @@ class WorkerService final : public v1::Worker::CallbackService {
                                       const char* method, google::protobuf::Message* resp, Work work);
 
   WorkerCore* core_;
+  PrometheusRegistry* metrics_;
   // request_id -> (method, serialized response), the most recent kRecordedCalls; touched
   // only on the executor thread.
   static constexpr size_t kRecordedCalls = 256;

@@ -1,0 +1,142 @@
+"""The Prometheus endpoints of a real coordinator and its local worker, scraped over HTTP and
+parsed with prometheus_client's exposition-format parser (Debian's python3-prometheus-client):
+the values equal what the step responses said; requests are counted by method and status
+code; a deleted run's series go away; other paths and methods are refused; a non-loopback
+host without --metrics_allow_remote is refused at start-up.
+  prometheus_test.py COORDINATOR WORKER GENMODEL TMPDIR   (PYTHONPATH holds the client)"""
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from lorastep import LorastepError, TrainingClient
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+    print("ok -", what)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_file(path, proc, seconds=120):
+    for _ in range(seconds * 10):
+        if os.path.exists(path) and open(path).read().strip():
+            return int(open(path).read())
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.returncode} before writing {path}")
+        time.sleep(0.1)
+    raise AssertionError(f"{path} not written")
+
+
+def scrape(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        check(r.headers["Content-Type"].startswith("text/plain; version=0.0.4"), "exposition content type")
+        text = r.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples, name, **labels):
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def datum(i, n=12, vocab=96):
+    return {"tokens": [(i * 7 + j * 3) % vocab for j in range(n)],
+            "target_tokens": [(i * 5 + j * 11) % vocab for j in range(n)],
+            "logprobs": [-4.0] * n,
+            "advantages": [0.0, 0.0] + [1.0 if i % 2 else -0.5] * (n - 2)}
+
+
+def main():
+    coordinator, worker, genmodel, tmp = sys.argv[1:5]
+    model = os.path.join(tmp, "model")
+    subprocess.run([genmodel, "--preset", "tiny", "--out", model], check=True, stdout=subprocess.DEVNULL)
+
+    refused = subprocess.run([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
+                              "--metrics_port", "0", "--metrics_host", "0.0.0.0"],
+                             capture_output=True, text=True, timeout=60)
+    check(refused.returncode != 0 and "metrics_host: '0.0.0.0' is not a loopback address" in refused.stderr,
+          "a non-loopback metrics host without --metrics_allow_remote is refused: " + refused.stderr.strip()[-120:])
+
+    worker_port = free_port()
+    files = {k: os.path.join(tmp, k) for k in ("port", "metrics_port")}
+    proc = subprocess.Popen([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
+                             "--port_file", files["port"], "--metrics_port", "0",
+                             "--metrics_port_file", files["metrics_port"],
+                             "--worker_metrics_port_base", str(worker_port)])
+    try:
+        port = wait_file(files["port"], proc)
+        metrics_port = wait_file(files["metrics_port"], proc)
+        client = TrainingClient(f"127.0.0.1:{port}")
+        run = client.create_run(rank=4, alpha=8, seed=1)
+        batch = [datum(i) for i in range(4)]
+        steps = [run.train_step(batch, loss={"loss_fn": "ppo"}, adamw={"lr": 1e-2}) for _ in range(3)]
+        try:
+            run.train_step([{"tokens": [1, 2], "target_tokens": [2]}], loss={"loss_fn": "ppo"})
+            check(False, "a bad batch is refused")
+        except LorastepError as e:
+            check(e.code.name == "INVALID_ARGUMENT", "a bad batch is INVALID_ARGUMENT")
+
+        c = scrape(metrics_port)
+        rid = run.run_id
+        last = steps[-1]
+        check(value(c, "lorastep_steps_total", run=rid, kind="train_step") == 3, "coordinator: 3 train steps counted")
+        check(value(c, "lorastep_learner_version", run=rid) == last["learner_version"] == 3, "learner_version")
+        check(value(c, "lorastep_loss", run=rid) == last["metrics"]["loss:sum"], "loss equals the last response's")
+        check(value(c, "lorastep_grad_norm", run=rid) == last["metrics"]["grad_norm:sum"], "grad_norm equals the response's")
+        check(value(c, "lorastep_tokens_per_second", run=rid) == last["metrics"]["tokens_per_s:sum"], "tokens/s")
+        step_sum = sum(s["metrics"]["time_step_s:sum"] for s in steps)
+        check(value(c, "lorastep_step_phase_seconds_count", run=rid, phase="step") == 3 and
+              abs(value(c, "lorastep_step_phase_seconds_sum", run=rid, phase="step") - step_sum) < 1e-9,
+              "step-time histogram: 3 observations summing to the responses' time_step_s")
+        check(value(c, "lorastep_step_phase_seconds_bucket", run=rid, phase="forward", le="+Inf") == 3,
+              "forward phase histogram")
+        check(value(c, "lorastep_requests_total", method="Trainer/TrainStep", code="OK") == 3, "TrainStep OK x3")
+        check(value(c, "lorastep_requests_total", method="Trainer/TrainStep", code="INVALID_ARGUMENT") == 1,
+              "TrainStep INVALID_ARGUMENT x1")
+        check(value(c, "lorastep_request_duration_seconds_count", method="Trainer/CreateRun") == 1, "call durations")
+        check(value(c, "lorastep_runs") == 1 and value(c, "lorastep_queue_depth") == 0, "runs 1, queue empty")
+
+        w = scrape(worker_port)
+        check(value(w, "lorastep_steps_total", run=rid, kind="train_step") == 3, "worker: 3 train steps counted")
+        check(value(w, "lorastep_loss", run=rid) == last["metrics"]["loss:sum"], "worker loss equals the response's")
+        check(value(w, "lorastep_requests_total", method="Worker/TrainStep", code="OK") == 3, "worker TrainStep OK x3")
+
+        for path, method, want in (("/other", "GET", 404), ("/metrics", "POST", 405)):
+            req = urllib.request.Request(f"http://127.0.0.1:{metrics_port}{path}", method=method,
+                                         data=b"x" if method == "POST" else None)
+            try:
+                urllib.request.urlopen(req, timeout=10)
+                code = 200
+            except urllib.error.HTTPError as e:
+                code = e.code
+            check(code == want, f"{method} {path} -> {want}")
+
+        client.delete_run(rid)
+        c = scrape(metrics_port)
+        check(value(c, "lorastep_runs") == 0 and not any(("run", rid) in k[1] for k in c),
+              "a deleted run's series are gone")
+        w = scrape(worker_port)
+        check(not any(("run", rid) in k[1] for k in w), "and on the worker")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    print("prometheus: all passed")
+
+
+if __name__ == "__main__":
+    main()
