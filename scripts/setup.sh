@@ -13,6 +13,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libssl-dev
   python3-grpcio python3-protobuf python3-numpy python3-prometheus-client
+  gnuplot-nox
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

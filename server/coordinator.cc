@@ -6,6 +6,8 @@
 #include <openssl/evp.h>
 
 #include <algorithm>
+#include <cstring>
+#include <cctype>
 #include <cmath>
 #include <chrono>
 #include <condition_variable>
@@ -13,6 +15,7 @@
 #include <thread>
 #include <tuple>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -54,6 +57,29 @@ struct Coordinator::RunState {
 };
 
 namespace {
+
+// client_metrics of a step request: bounded, named plainly, finite (docs/API.md).
+absl::Status ValidateClientMetrics(const google::protobuf::Map<std::string, double>& m) {
+  if (m.size() > 32) return absl::InvalidArgumentError(absl::StrCat("client_metrics: ", m.size(), " entries, at most 32"));
+  for (const auto& [name, value] : m) {
+    const bool plain = !name.empty() && name.size() <= 64 &&
+                       std::all_of(name.begin(), name.end(), [](char c) {
+                         return std::isalnum(static_cast<unsigned char>(c)) || std::strchr("_.:/-", c) != nullptr;
+                       });
+    if (!plain) {
+      return absl::InvalidArgumentError(absl::StrCat("client_metrics: name '", absl::CHexEscape(name.substr(0, 80)),
+                                                     "' must be 1-64 characters of [A-Za-z0-9_.:/-]"));
+    }
+    if (!std::isfinite(value)) {
+      return absl::InvalidArgumentError(absl::StrCat("client_metrics[", name, "]: ", value, " is not finite"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void AddClientMetrics(const google::protobuf::Map<std::string, double>& m, v1::StepResponse* resp) {
+  for (const auto& [name, value] : m) (*resp->mutable_metrics())["client:" + name] = value;
+}
 
 // A mesh rank's failure that only reflects a peer's: ABORTED by the outcome vote, a
 // collective that timed out or broke waiting for another rank.
@@ -752,6 +778,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepReque
   if (replayed) return resp;
   LORASTEP_RETURN_IF_ERROR(CheckNotDiverged(*run));
   LORASTEP_RETURN_IF_ERROR(AdamWParamsFromProto(req.adamw()).status());
+  LORASTEP_RETURN_IF_ERROR(ValidateClientMetrics(req.client_metrics()));
   const v1::MeshCall mesh = MeshHeader(*run, req.request_id(), true);
   LORASTEP_ASSIGN_OR_RETURN(
       auto per_rank, FanOut<v1::WorkerStepResponse>(*run, AllRanks(*run), [&](int, WorkerClient* w) {
@@ -763,6 +790,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepReque
         return w->OptimStep(wreq);
       }));
   LORASTEP_ASSIGN_OR_RETURN(resp, MergeSteps(*run, std::move(per_rank)));
+  AddClientMetrics(req.client_metrics(), &resp);
   CommitStep(*run, "OptimStep", "optim_step", req.request_id(), &resp);
   return resp;
 }
@@ -779,6 +807,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
     return absl::InvalidArgumentError("max_tokens_per_microbatch: must be >= 0");
   }
   LORASTEP_RETURN_IF_ERROR(AdamWParamsFromProto(req.adamw()).status());
+  LORASTEP_RETURN_IF_ERROR(ValidateClientMetrics(req.client_metrics()));
   LORASTEP_ASSIGN_OR_RETURN(const BatchTotals totals, ValidatedTotals(req.datums(), req.loss()));
   LORASTEP_RETURN_IF_ERROR(CheckShardable(req.datums_size()));
   const auto shards = ShardsByTokens(req.datums());
@@ -799,6 +828,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
         return w->TrainStep(wreq);
       }));
   LORASTEP_ASSIGN_OR_RETURN(resp, MergeSteps(*run, std::move(per_rank)));
+  AddClientMetrics(req.client_metrics(), &resp);
   CommitStep(*run, "TrainStep", "train_step", req.request_id(), &resp);
   return resp;
 }

@@ -15,27 +15,60 @@ PORT=$(cat "$TMP/port")
 export PYTHONPATH="$R/clients/python:$(dirname "$R")/lorastep/clients/python"
 /usr/bin/python3 "$R/tests/python_client_test.py" "127.0.0.1:$PORT" "$TMP"
 /usr/bin/python3 "$R/clients/python/examples/grpo_loop.py" --address "127.0.0.1:$PORT" \
-  --vocab 96 --steps 4
+  --vocab 96 --steps 4 | tee "$TMP/grpo.txt"
+GRPO_RUN=$(awk '/^run /{print $2; exit}' "$TMP/grpo.txt")
 # The CLI against the same coordinator.
 CLI="$R/clients/cli/lorastep --address 127.0.0.1:$PORT"
 $CLI runs | grep -q "^run-1 "
+# absl flags: --help, unknown flags and flags of another command are errors.
+$R/clients/cli/lorastep --help 2>&1 | grep -q "plot --run R"
+if $CLI --bogus_flag runs 2> "$TMP/e0.txt"; then echo "unknown flag accepted"; exit 1; fi
+grep -q "Unknown command line flag 'bogus_flag'" "$TMP/e0.txt"
+if $CLI runs --target_modules q_proj 2> "$TMP/e1.txt"; then echo "inapplicable flag accepted"; exit 1; fi
+grep -q "\-\-target_modules does not apply to 'runs'" "$TMP/e1.txt"
+if $CLI frob 2> "$TMP/e2.txt"; then echo "unknown command accepted"; exit 1; fi
+grep -q "unknown command 'frob'" "$TMP/e2.txt"
 for i in 0 1 2 3; do
   echo '{"tokens":[1,2,3,4,5,6],"target_tokens":[2,3,4,5,6,7],"logprobs":[-4,-4,-4,-4,-4,-4],"advantages":[0,1,1,1,1,'"$((i % 2))"']}'
 done > "$TMP/data.jsonl"
 RUN=$($CLI create --rank 4 --alpha 8)
+# The API's defaults (cross_entropy, no clipping) apply: a plain dataset trains.
 $CLI train --run "$RUN" --data "$TMP/data.jsonl" --batch 2 --lr 1e-3 | tee "$TMP/train.txt"
 [ "$(grep -c '^ *[0-9]' "$TMP/train.txt")" = 2 ] || { echo "expected 2 train steps"; exit 1; }
+$CLI train --run "$RUN" --data "$TMP/data.jsonl" --batch 4 --loss ppo --lr 1e-3 --json > "$TMP/train.json"
+/usr/bin/python3 - "$TMP/train.json" <<'PY'
+import json, sys
+r = json.loads(open(sys.argv[1]).read().splitlines()[-1])
+assert r["learner_version"] == "3" or r["learner_version"] == 3, r
+assert "ppo_kl:mean" in r["metrics"], r["metrics"]  # --loss ppo reached the server
+assert len(repr(r["metrics"]["loss:sum"])) > 10, r["metrics"]["loss:sum"]  # full precision
+PY
+$CLI forward --run "$RUN" --data "$TMP/data.jsonl" | grep -q '"logprobs"'
+$CLI forward-backward --run "$RUN" --data "$TMP/data.jsonl" | grep -q '"metrics"'
+$CLI optim-step --run "$RUN" --lr 1e-3 --names loss:sum,grad_norm:sum | grep -q "^ *3 *4 "
 $CLI metrics --run "$RUN" --names loss:sum,grad_norm:sum | tee "$TMP/metrics.txt"
-[ "$(grep -c '^ *[0-9]' "$TMP/metrics.txt")" = 2 ] || { echo "expected 2 metric rows"; exit 1; }
+[ "$(grep -c '^ *[0-9]' "$TMP/metrics.txt")" = 4 ] || { echo "expected 4 metric rows"; exit 1; }
 $CLI watch --run "$RUN" --count 2 > "$TMP/watch.txt"
 [ "$(grep -c '^ *[0-9]' "$TMP/watch.txt")" = 2 ] || { echo "watch: expected 2 rows"; exit 1; }
+$CLI top --iterations 1 | grep -q "^$RUN "
+$CLI get --run "$RUN" | grep -q '"learner_version"'
 $CLI export --run "$RUN" --path "$TMP/cli-peft" | grep -q "sha256"
+# plot: the example loop's run (it sent client:reward and client:good_logprob)
+$CLI plot --run "$GRPO_RUN" --out "$TMP/run.png" | tee "$TMP/plot.txt"
+grep -q "good-token log-prob" "$TMP/plot.txt"
+if command -v gnuplot > /dev/null; then
+  grep -q "written to $TMP/run.png" "$TMP/plot.txt"
+  head -c 8 "$TMP/run.png" | od -An -tx1 | grep -q "89 50 4e 47"
+fi
 echo '{"tokens":[1,2],"target_tokens":[2]}' > "$TMP/bad.jsonl"
 if $CLI train --run "$RUN" --data "$TMP/bad.jsonl" 2> "$TMP/err.txt"; then echo "bad data accepted"; exit 1; fi
 grep -q "datums\[0\].target_tokens: length" "$TMP/err.txt"
 echo '{"tokens":[1,2],"bogus":[2]}' > "$TMP/bad2.jsonl"
 if $CLI train --run "$RUN" --data "$TMP/bad2.jsonl" 2> "$TMP/err2.txt"; then echo "unknown field accepted"; exit 1; fi
 grep -q "line 1: unknown field bogus" "$TMP/err2.txt"
+if $CLI train --run "$RUN" --data "$TMP/data.jsonl" --lr fast 2> "$TMP/err3.txt"; then echo "bad number accepted"; exit 1; fi
+grep -q "\-\-lr: 'fast' is not a number" "$TMP/err3.txt"
+$CLI delete --run "$RUN" | grep -q "deleted $RUN"
 echo "cli: 1 passed, 0 failed"
 # A TP2 x PP2 x DP2 mesh of 8 CPU worker processes behind a second coordinator.
 "$R/server/lorastep_coordinator" --model "$TMP/model" --port 0 --port_file "$TMP/port8" \

@@ -76,9 +76,21 @@ def main():
         raise AssertionError("an unknown loss was accepted")
     except LorastepError as e:
         check(e.code.name == "INVALID_ARGUMENT" and "loss_fn" in e.details, "unknown loss refused")
+    for bad_metrics, field in (({"reward!": 1.0}, "client_metrics: name 'reward!'"),
+                               ({"reward": float("inf")}, "client_metrics[reward]"),
+                               ({f"m{i}": 1.0 for i in range(33)}, "client_metrics: 33 entries")):
+        try:
+            run.train_step(batch, loss={"loss_fn": "ppo"}, client_metrics=bad_metrics)
+            raise AssertionError(f"client_metrics {bad_metrics} accepted")
+        except LorastepError as e:
+            check(e.code.name == "INVALID_ARGUMENT" and field in e.details, f"refused: {e.details}")
+    check(run.metrics()[-1]["step"] == 3, "refused client_metrics applied nothing")
     again = client.attach(run.run_id)
-    check(again.train_step(batch, loss={"loss_fn": "ppo"})["learner_version"] == 4,
-          "a second client continues the run's sequence")
+    stepped = again.train_step(batch, loss={"loss_fn": "ppo"}, client_metrics={"reward": 0.25, "eval/acc": 0.5})
+    check(stepped["learner_version"] == 4, "a second client continues the run's sequence")
+    last = run.metrics()[-1]["metrics"]
+    check(last["client:reward"] == 0.25 and last["client:eval/acc"] == 0.5 and
+          stepped["metrics"]["client:reward"] == 0.25, "client_metrics kept in the step and its history")
     client.close()
     print("1 passed, 0 failed")
 

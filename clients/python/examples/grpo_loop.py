@@ -74,9 +74,13 @@ def main():
         good_lp = statistics.fmean(good)
         first = good_lp if first is None else first
         last = good_lp
-        out = run.train_step(datums, loss=loss, adamw=adamw)
+        reward = statistics.fmean(r for _, r in batch)
+        # The orchestrator's figures go into the run's step history (client:reward, ...), so
+        # `lorastep plot` and the metrics endpoint show them beside the trainer's.
+        out = run.train_step(datums, loss=loss, adamw=adamw,
+                             client_metrics={"reward": reward, "good_logprob": good_lp})
         m = out["metrics"]
-        print(f"{step:>4} {m['loss:sum']:>10.5f} {statistics.fmean(r for _, r in batch):>8.4f} "
+        print(f"{step:>4} {m['loss:sum']:>10.5f} {reward:>8.4f} "
               f"{m['pg_clipfrac:mean']:>9.5f} {m['ppo_kl:mean']:>10.6f} {m['grad_norm:sum']:>9.4f} "
               f"{m['tokens_per_s:sum']:>9.0f} {good_lp:>13.4f}", flush=True)
     if args.export:

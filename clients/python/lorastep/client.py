@@ -124,17 +124,21 @@ class Run:
             run_id=self.run_id, datums=[_datum(d) for d in datums]))
         return {"logprobs": [list(x.values) for x in r.logprobs], "metrics": _metrics(r.metrics)}
 
-    def optim_step(self, adamw=None):
+    def optim_step(self, adamw=None, client_metrics=None):
+        """client_metrics: {name: value} of the orchestrator's own (reward, ...), kept in the
+        step history as "client:<name>"."""
         r = self._mutate("OptimStep", trainer_pb2.OptimStepRequest(
-            run_id=self.run_id, adamw=_message(trainer_pb2.AdamWParams, adamw)))
+            run_id=self.run_id, adamw=_message(trainer_pb2.AdamWParams, adamw),
+            client_metrics=client_metrics or {}))
         return self._step(r)
 
-    def train_step(self, datums, loss=None, adamw=None, max_tokens_per_microbatch=0):
+    def train_step(self, datums, loss=None, adamw=None, max_tokens_per_microbatch=0, client_metrics=None):
         r = self._mutate("TrainStep", trainer_pb2.TrainStepRequest(
             run_id=self.run_id, datums=[_datum(d) for d in datums],
             loss=_message(trainer_pb2.LossConfig, loss),
             adamw=_message(trainer_pb2.AdamWParams, adamw),
-            max_tokens_per_microbatch=max_tokens_per_microbatch))
+            max_tokens_per_microbatch=max_tokens_per_microbatch,
+            client_metrics=client_metrics or {}))
         return self._step(r)
 
     def save(self, path):
