@@ -8,8 +8,14 @@
 
 #include <chrono>
 
+#include <cstdio>
+#include <ctime>
+
+#include <google/protobuf/message.h>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "lib/io/file_util.h"
 #include "lib/status_macros.h"
 
@@ -24,43 +30,116 @@ sigset_t ShutdownSignals() {
   return set;
 }
 
-// Counts every call by method and status code, and its duration, as the server sends the
-// status: one place for all services of a binary.
-class RequestMetricsInterceptor final : public grpc::experimental::Interceptor {
+std::string NowIso8601() {
+  const auto now = std::chrono::system_clock::now();
+  const std::time_t t = std::chrono::system_clock::to_time_t(now);
+  const int ms = static_cast<int>(
+      std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000);
+  std::tm tm;
+  gmtime_r(&t, &tm);
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1,
+                tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ms);
+  return buf;
+}
+
+// logfmt value: bare when plain, else quoted with \ and " escaped and newlines as \n.
+std::string LogValue(const std::string& v) {
+  const bool plain = !v.empty() && v.find_first_of(" \"=\\\n\t") == std::string::npos;
+  if (plain) return v;
+  std::string out = "\"";
+  for (char c : v.substr(0, 512)) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out + "\"";
+}
+
+// A request's string field `name`, or that of its `mesh` header (worker calls).
+std::string RequestField(const google::protobuf::Message* m, const std::string& name) {
+  if (m == nullptr) return "";
+  const google::protobuf::Descriptor* d = m->GetDescriptor();
+  const google::protobuf::Reflection* r = m->GetReflection();
+  if (const auto* f = d->FindFieldByName(name); f != nullptr && f->type() == google::protobuf::FieldDescriptor::TYPE_STRING &&
+                                                !f->is_repeated()) {
+    return r->GetString(*m, f);
+  }
+  if (const auto* mesh = d->FindFieldByName("mesh"); mesh != nullptr &&
+                                                     mesh->type() == google::protobuf::FieldDescriptor::TYPE_MESSAGE &&
+                                                     !mesh->is_repeated() && r->HasField(*m, mesh)) {
+    return RequestField(&r->GetMessage(*m, mesh), name);
+  }
+  return "";
+}
+
+// Counts every call by method and status code, times it, and logs it, as the server sends
+// the status: one place for all services of a binary.
+class CallInterceptor final : public grpc::experimental::Interceptor {
  public:
-  RequestMetricsInterceptor(const std::string& method, PrometheusRegistry* metrics)
-      : method_(method), metrics_(metrics), start_(std::chrono::steady_clock::now()) {}
+  CallInterceptor(std::string method, const CallObservers* observers)
+      : method_(std::move(method)), observers_(observers), start_(std::chrono::steady_clock::now()) {}
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
-    if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+    using grpc::experimental::InterceptionHookPoints;
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE) &&
+        observers_->log_verbosity >= 0) {
+      const auto* m = static_cast<const google::protobuf::Message*>(methods->GetRecvMessage());
+      run_id_ = RequestField(m, "run_id");
+      request_id_ = RequestField(m, "request_id");
+    }
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
       const grpc::Status status = methods->GetSendStatus();
       const std::string code = absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code()));
-      metrics_->Add("lorastep_requests_total", {{"method", method_}, {"code", code}});
-      metrics_->Observe("lorastep_request_duration_seconds", {{"method", method_}},
-                        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count());
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+      if (PrometheusRegistry* metrics = observers_->metrics) {
+        metrics->Add("lorastep_requests_total", {{"method", method_}, {"code", code}});
+        metrics->Observe("lorastep_request_duration_seconds", {{"method", method_}}, seconds);
+      }
+      Log(status, code, seconds);
     }
     methods->Proceed();
   }
 
  private:
+  void Log(const grpc::Status& status, const std::string& code, double seconds) const {
+    const int v = observers_->log_verbosity;
+    const bool housekeeping = method_.rfind("Health/", 0) == 0 || method_.find("Reflection") != std::string::npos;
+    if (v < 0 || (v == 0 && status.ok()) || (v == 1 && housekeeping && status.ok())) return;
+    std::string line = absl::StrCat("ts=", NowIso8601(), " level=", status.ok() ? "info" : "warn",
+                                    " component=", LogValue(observers_->component));
+    if (observers_->rank >= 0) absl::StrAppend(&line, " rank=", observers_->rank);
+    absl::StrAppend(&line, " method=", method_, " code=", code, " duration_ms=",
+                    absl::StrFormat("%.3f", seconds * 1e3));
+    if (!run_id_.empty()) absl::StrAppend(&line, " run_id=", LogValue(run_id_));
+    if (!request_id_.empty()) absl::StrAppend(&line, " request_id=", LogValue(request_id_));
+    if (!status.ok()) absl::StrAppend(&line, " msg=", LogValue(status.error_message()));
+    line += "\n";
+    std::fwrite(line.data(), 1, line.size(), stderr);  // one write: lines never interleave
+  }
+
   std::string method_;
-  PrometheusRegistry* metrics_;
+  const CallObservers* observers_;
   std::chrono::steady_clock::time_point start_;
+  std::string run_id_, request_id_;
 };
 
-class RequestMetricsFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
+class CallInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  explicit RequestMetricsFactory(PrometheusRegistry* metrics) : metrics_(metrics) {}
+  explicit CallInterceptorFactory(CallObservers observers) : observers_(std::move(observers)) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
     // "/lorastep.v1.Trainer/TrainStep" -> "Trainer/TrainStep"
     std::string method = info->method() != nullptr ? info->method() : "unknown";
     const size_t slash = method.rfind('/');
     const size_t dot = method.rfind('.', slash);
     if (slash != std::string::npos && dot != std::string::npos) method = method.substr(dot + 1);
-    return new RequestMetricsInterceptor(method, metrics_);
+    return new CallInterceptor(method, &observers_);
   }
 
  private:
-  PrometheusRegistry* metrics_;
+  CallObservers observers_;
 };
 
 }  // namespace
@@ -85,7 +164,7 @@ void WaitForShutdownSignal() {
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
     const std::string& host, int port, const std::vector<grpc::Service*>& services,
-    int* bound_port, int max_request_bytes, PrometheusRegistry* metrics) {
+    int* bound_port, int max_request_bytes, const CallObservers& observers) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -96,10 +175,10 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
   builder.SetMaxReceiveMessageSize(max_request_bytes);
   builder.SetMaxSendMessageSize(1 << 30);
   for (grpc::Service* s : services) builder.RegisterService(s);
-  if (metrics != nullptr) {
-    DeclareRequestMetrics(metrics);
+  if (observers.metrics != nullptr || observers.log_verbosity >= 0) {
+    if (observers.metrics != nullptr) DeclareRequestMetrics(observers.metrics);
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-    interceptors.push_back(std::make_unique<RequestMetricsFactory>(metrics));
+    interceptors.push_back(std::make_unique<CallInterceptorFactory>(observers));
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
   }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

@@ -22,11 +22,21 @@ void WaitForShutdownSignal();
 // Binds `host:port` (port 0 = any free port), registers the services, switches on
 // grpc.health.v1 and reflection. `*bound_port` receives the port.
 // Requests over `max_request_bytes` are refused by gRPC (RESOURCE_EXHAUSTED) before they
-// are parsed. With `metrics`, every call is counted there by method and status code
-// (lorastep_requests_total) and timed (lorastep_request_duration_seconds).
+// are parsed.
+struct CallObservers {
+  // Every call counted by method and status code (lorastep_requests_total) and timed
+  // (lorastep_request_duration_seconds).
+  PrometheusRegistry* metrics = nullptr;
+  // One logfmt line per call on stderr (ts, component, rank, method, code, duration_ms,
+  // run_id, request_id, and the message of a failure): 0 = failed calls only, 1 = every
+  // call but health checks and reflection, 2 = every call; -1 = none. The --v flag.
+  int log_verbosity = -1;
+  std::string component;  // "coordinator" | "worker"
+  int rank = -1;          // a mesh worker's rank
+};
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
     const std::string& host, int port, const std::vector<grpc::Service*>& services,
-    int* bound_port, int max_request_bytes = 1 << 30, PrometheusRegistry* metrics = nullptr);
+    int* bound_port, int max_request_bytes = 1 << 30, const CallObservers& observers = {});
 void DeclareRequestMetrics(PrometheusRegistry* metrics);
 
 // Writes the port atomically (temp file + rename) so a parent polling the file never reads

@@ -13,6 +13,7 @@
 //                        [--metrics_port P [--metrics_host 127.0.0.1] [--metrics_allow_remote]
 //                        [--metrics_port_file F]: Prometheus text format at GET /metrics]
 //                        [--worker_metrics_port_base B: local worker r serves its own on B + r]
+//                        [--v 1: per-call log lines on stderr; 0 failures only, 2 with health checks]
 // With --wait_for_workers and --tp/--pp/--dp, workers started with --register_with and no
 // --rank get their ranks here in the order they ask (JoinMesh); rank 0 serves the
 // rendezvous at its host and --rendezvous_port.
@@ -48,6 +49,8 @@ int main(int argc, char** argv) {
   PrometheusRegistry metrics;
   auto metrics_endpoint = StartMetricsEndpointFromFlags(flags, &metrics);
   if (!metrics_endpoint.ok()) return fail(metrics_endpoint.status());
+  // --v: per-call log lines (0 = failures only, 1 = every call, 2 = with health checks).
+  const int log_verbosity = flags.count("v") ? std::stoi(flags["v"]) : 1;
   CoordinatorOptions options;
   options.metrics = &metrics;
   for (auto [flag, field] : {std::pair<const char*, int*>{"tp", &options.mesh.tp},
@@ -89,7 +92,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     std::vector<std::string> args = {"--model", flags["model"]};
-    for (const char* pass : {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "state_dir",
+    for (const char* pass : {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "state_dir", "v",
                              "max_activation_mb",
                              "test_replicated_reductions", "test_skip_shared_reduction",
                              "test_shared_reductions", "test_check_grad_digests",
@@ -136,7 +139,8 @@ int main(int argc, char** argv) {
   int port = 0;
   auto server = StartGrpcServer(flags.count("host") ? flags["host"] : "127.0.0.1",
                                 flags.count("port") ? std::stoi(flags["port"]) : 50051,
-                                {&service, &registry}, &port, max_request_bytes, &metrics);
+                                {&service, &registry}, &port, max_request_bytes,
+                                CallObservers{&metrics, log_verbosity, "coordinator", -1});
   if (!server.ok()) return fail(server.status());
   if (flags.count("port_file")) {
     if (auto s = WritePortFile(flags["port_file"], port); !s.ok()) return fail(s);

@@ -1,4 +1,5 @@
-"""The Prometheus endpoints of a real coordinator and its local worker, scraped over HTTP and
+"""Observability of a real coordinator and its local worker: per-call log lines (logfmt on
+stderr with run_id, request_id, method, code, duration), and the Prometheus endpoints, scraped over HTTP and
 parsed with prometheus_client's exposition-format parser (Debian's python3-prometheus-client):
 the values equal what the step responses said; requests are counted by method and status
 code; a deleted run's series go away; other paths and methods are refused; a non-loopback
@@ -74,10 +75,12 @@ def main():
 
     worker_port = free_port()
     files = {k: os.path.join(tmp, k) for k in ("port", "metrics_port")}
+    log_path = os.path.join(tmp, "coordinator.log")
+    log_file = open(log_path, "w")
     proc = subprocess.Popen([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
                              "--port_file", files["port"], "--metrics_port", "0",
                              "--metrics_port_file", files["metrics_port"],
-                             "--worker_metrics_port_base", str(worker_port)])
+                             "--worker_metrics_port_base", str(worker_port)], stderr=log_file)
     try:
         port = wait_file(files["port"], proc)
         metrics_port = wait_file(files["metrics_port"], proc)
@@ -126,6 +129,19 @@ def main():
                 code = e.code
             check(code == want, f"{method} {path} -> {want}")
 
+        lines = open(log_path).read().splitlines()
+
+        def logged(**fields):
+            return [l for l in lines if all(f" {k}={v}" in " " + l for k, v in fields.items())]
+        ok_lines = logged(component="coordinator", method="Trainer/TrainStep", code="OK", run_id=rid)
+        check(len(ok_lines) == 3 and all("request_id=" in l and "duration_ms=" in l and l.startswith("ts=")
+                                         for l in ok_lines), "coordinator logs each TrainStep with ids and duration")
+        bad = logged(component="coordinator", method="Trainer/TrainStep", code="INVALID_ARGUMENT", run_id=rid)
+        check(len(bad) == 1 and 'msg="datums[0].target_tokens: length 1' in bad[0] and "level=warn" in bad[0],
+              "a refused call is logged with its message")
+        check(len(logged(component="worker", method="Worker/TrainStep", code="OK", run_id=rid)) == 3,
+              "the worker logs its calls too")
+        check(not logged(method="Health/Check"), "health checks are not logged at --v 1")
         client.delete_run(rid)
         c = scrape(metrics_port)
         check(value(c, "lorastep_runs") == 0 and not any(("run", rid) in k[1] for k in c),

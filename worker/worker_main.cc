@@ -163,7 +163,9 @@ int main(int argc, char** argv) {
   int port = 0;
   auto server = StartGrpcServer(flags.count("host") ? flags["host"] : "127.0.0.1",
                                 flags.count("port") ? std::stoi(flags["port"]) : 0, {&service},
-                                &port, 1 << 30, &metrics);
+                                &port, 1 << 30,
+                                CallObservers{&metrics, flags.count("v") ? std::stoi(flags["v"]) : 1, "worker",
+                                              options.sizes.world() > 1 ? options.rank : -1});
   if (!server.ok()) {
     std::cerr << "lorastep_worker: " << server.status() << "\n";
     return 1;
