@@ -80,12 +80,14 @@ std::string RequestField(const google::protobuf::Message* m, const std::string& 
 // the status: one place for all services of a binary.
 class CallInterceptor final : public grpc::experimental::Interceptor {
  public:
-  CallInterceptor(std::string method, const CallObservers* observers)
-      : method_(std::move(method)), observers_(observers), start_(std::chrono::steady_clock::now()) {}
+  // `own`: a lorastep service, whose requests are protobuf messages (gRPC's health service
+  // hands interceptors a raw byte buffer instead).
+  CallInterceptor(std::string method, bool own, const CallObservers* observers)
+      : method_(std::move(method)), own_(own), observers_(observers), start_(std::chrono::steady_clock::now()) {}
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     using grpc::experimental::InterceptionHookPoints;
-    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE) &&
-        observers_->log_verbosity >= 0) {
+    if (own_ && methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE) &&
+        observers_->log_verbosity >= 0 && methods->GetRecvMessage() != nullptr) {
       const auto* m = static_cast<const google::protobuf::Message*>(methods->GetRecvMessage());
       run_id_ = RequestField(m, "run_id");
       request_id_ = RequestField(m, "request_id");
@@ -121,6 +123,7 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
   }
 
   std::string method_;
+  bool own_;
   const CallObservers* observers_;
   std::chrono::steady_clock::time_point start_;
   std::string run_id_, request_id_;
@@ -132,10 +135,11 @@ class CallInterceptorFactory final : public grpc::experimental::ServerIntercepto
   grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
     // "/lorastep.v1.Trainer/TrainStep" -> "Trainer/TrainStep"
     std::string method = info->method() != nullptr ? info->method() : "unknown";
+    const bool own = method.rfind("/lorastep.", 0) == 0;
     const size_t slash = method.rfind('/');
     const size_t dot = method.rfind('.', slash);
     if (slash != std::string::npos && dot != std::string::npos) method = method.substr(dot + 1);
-    return new CallInterceptor(method, &observers_);
+    return new CallInterceptor(method, own, &observers_);
   }
 
  private:

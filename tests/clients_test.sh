@@ -17,6 +17,17 @@ export PYTHONPATH="$R/clients/python:$(dirname "$R")/lorastep/clients/python"
 /usr/bin/python3 "$R/clients/python/examples/grpo_loop.py" --address "127.0.0.1:$PORT" \
   --vocab 96 --steps 4 | tee "$TMP/grpo.txt"
 GRPO_RUN=$(awk '/^run /{print $2; exit}' "$TMP/grpo.txt")
+# The Python client installed with pip from the repository (offline, Debian's setuptools;
+# setup.py generates lorastep/v1 from proto/), and the SFT example (async calls) on it.
+SRC="$TMP/src"
+mkdir -p "$SRC/clients" && cp -rL "$R/clients/python" "$SRC/clients/" && cp -rL "$R/proto" "$SRC/"
+chmod -R u+w "$SRC" && rm -rf "$SRC/clients/python/lorastep/v1"  # pip must generate its own
+PIP_ROOT_USER_ACTION=ignore /usr/bin/python3 -m pip install -q --disable-pip-version-check --no-build-isolation \
+  --no-deps --no-index --target "$TMP/pip" "$SRC/clients/python"
+(cd "$TMP" && PYTHONPATH="$TMP/pip" /usr/bin/python3 -c \
+  "import lorastep, lorastep.v1.trainer_pb2 as t; assert lorastep.__file__.startswith('$TMP/pip'), lorastep.__file__")
+PYTHONPATH="$TMP/pip" /usr/bin/python3 "$SRC/clients/python/examples/sft_loop.py" --address "127.0.0.1:$PORT" \
+  --data "$TMP/sft.jsonl" --make_data 64 --epochs 3
 # The CLI against the same coordinator.
 CLI="$R/clients/cli/lorastep --address 127.0.0.1:$PORT"
 $CLI runs | grep -q "^run-1 "

@@ -5,7 +5,7 @@ import os
 import sys
 import threading
 
-from lorastep import LorastepError, TrainingClient
+from lorastep import AdamWParams, Datum, LorastepError, LossConfig, StepResult, TrainingClient
 
 
 def datum(i, n=10, vocab=96):
@@ -91,6 +91,20 @@ def main():
     last = run.metrics()[-1]["metrics"]
     check(last["client:reward"] == 0.25 and last["client:eval/acc"] == 0.5 and
           stepped["metrics"]["client:reward"] == 0.25, "client_metrics kept in the step and its history")
+    # Typed requests and results, and futures that keep a run's order.
+    typed = [Datum(**datum(i)) for i in range(4)]
+    fb = again.forward_backward_async(typed, loss=LossConfig(loss_fn="ppo", clip_eps_low=0.1))
+    st = again.optim_step_async(adamw=AdamWParams(lr=1e-3, max_grad_norm=1.0))
+    tr = again.train_step_async(typed, loss=LossConfig(loss_fn="ppo"), adamw=AdamWParams(lr=1e-3))
+    check(isinstance(st.result(30), StepResult) and st.result().learner_version == 5 and
+          tr.result(30).learner_version == 6 and "loss:sum" in fb.result().metrics,
+          "async calls on a run complete in submission order with typed results")
+    try:
+        again.train_step_async([{"tokens": [1], "bogus": [1]}]).result(30)
+        raise AssertionError("an unknown datum field was accepted")
+    except ValueError as e:
+        check("unknown fields ['bogus']" in str(e), "a future carries the call's error")
+    again.close()
     client.close()
     print("1 passed, 0 failed")
 

@@ -1,20 +1,28 @@
 """TrainingClient / Run: the lorastep Trainer API for Python orchestrators.
 
-Datums are dicts in Tinker's contract: tokens, target_tokens, and optionally weights,
-logprobs (sampler), advantages, ref_logprobs, old_logprobs, each a list per position.
-Mutating calls get a fresh request_id and the run's next sequence_id; transient failures
-(UNAVAILABLE, DEADLINE_EXCEEDED) are retried with the same request_id, which the server
-applies once.
+Datums follow Tinker's contract (lorastep.types.Datum, or a dict with its keys): tokens,
+target_tokens, and optionally weights, logprobs (sampler), advantages, ref_logprobs,
+old_logprobs, each a list per position. Mutating calls get a fresh request_id and the run's
+next sequence_id; transient failures (UNAVAILABLE, DEADLINE_EXCEEDED) are retried with the
+same request_id, which the server applies once.
+
+Every call has an *_async twin returning a concurrent.futures.Future. A run's calls run in
+the order they were submitted (one queue per run), so an orchestrator can queue
+forward_backward_async + optim_step_async and sample the next batch meanwhile, as Tinker's
+SDK allows; calls on different runs overlap.
 """
+import concurrent.futures
+import threading
 import time
 import uuid
 
 import grpc
 
+from lorastep.types import (AdamWParams, BatchTotals, Checkpoint, ExportResult, ForwardResult, LossConfig,
+                            StepRecord, StepResult, datum_proto, message_proto, metrics_dict,
+                            replica_hashes, run_info)
 from lorastep.v1 import trainer_pb2, trainer_pb2_grpc
 
-_DATUM_FIELDS = ("tokens", "target_tokens", "weights", "logprobs", "advantages",
-                 "ref_logprobs", "old_logprobs")
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -27,27 +35,6 @@ class LorastepError(Exception):
         self.details = details
 
 
-def _datum(d):
-    unknown = set(d) - set(_DATUM_FIELDS)
-    if unknown:
-        raise ValueError(f"datum: unknown fields {sorted(unknown)}")
-    return trainer_pb2.Datum(**{k: list(v) for k, v in d.items()})
-
-
-def _message(cls, fields):
-    return cls(**(fields or {}))
-
-
-def _replica_hash(h):
-    """One replicated tensor family on one pipeline stage, compared across its ranks."""
-    return {"stage": h.stage, "tensor_rank": h.tensor_rank, "family": h.family,
-            "sha256": h.sha256, "equal": h.equal, "ranks": list(h.ranks)}
-
-
-def _metrics(m):
-    return dict(sorted(m.items()))
-
-
 class TrainingClient:
     def __init__(self, address, timeout=30.0):
         options = [("grpc.max_receive_message_length", 1 << 30),
@@ -55,9 +42,17 @@ class TrainingClient:
         self._channel = grpc.insecure_channel(address, options=options)
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
         self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="lorastep")
 
     def close(self):
+        self._pool.shutdown(wait=True)
         self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def _call(self, method, request, retries=5):
         for attempt in range(retries):
@@ -90,57 +85,95 @@ class TrainingClient:
         return Run(self, run.run_id, run.next_sequence_id)
 
     def list_runs(self):
-        return list(self._call("ListRuns", trainer_pb2.ListRunsRequest()).runs)
+        """RunInfo for every run: id, rank, alpha, learner_version, last step, status."""
+        return [run_info(r) for r in self._call("ListRuns", trainer_pb2.ListRunsRequest()).runs]
+
+    def get_run(self, run_id):
+        return run_info(self._call("GetRun", trainer_pb2.GetRunRequest(run_id=run_id)))
+
+    def create_run_async(self, **kwargs):
+        return self._pool.submit(self.create_run, **kwargs)
 
 
 class Run:
-    """One run (adapter + optimizer state). Calls on a run are sequential."""
+    """One run (adapter + optimizer state). Calls on a run are sequential; the *_async ones
+    are queued in submission order on the run's own thread."""
 
     def __init__(self, client, run_id, next_sequence_id):
         self._client = client
         self.run_id = run_id
         self._next = next_sequence_id
+        self._queue = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"run-{run_id}")
+        self._lock = threading.Lock()
 
     def _mutate(self, method, request):
-        request.request_id = uuid.uuid4().hex
-        request.sequence_id = self._next
-        response = self._client._call(method, request)  # retries keep the request_id
-        self._next += 1
-        return response
+        with self._lock:
+            request.request_id = uuid.uuid4().hex
+            request.sequence_id = self._next
+            response = self._client._call(method, request)  # retries keep the request_id
+            self._next += 1
+            return response
+
+    def _submit(self, fn, *args, **kwargs):
+        return self._queue.submit(fn, *args, **kwargs)
 
     def forward_backward(self, datums, loss=None, batch_totals=None):
-        """batch_totals: {"loss_tokens": N, "samples": S} of the whole batch when these datums
-        are one part of it (several calls before one optim_step)."""
+        """Accumulates gradients; optim_step applies them. batch_totals (BatchTotals or
+        {"loss_tokens": N, "samples": S}): the whole batch's, when these datums are one part
+        of it. Returns ForwardResult(logprobs, metrics)."""
         req = trainer_pb2.ForwardBackwardRequest(
-            run_id=self.run_id, datums=[_datum(d) for d in datums],
-            loss=_message(trainer_pb2.LossConfig, loss))
+            run_id=self.run_id, datums=[datum_proto(d) for d in datums],
+            loss=message_proto(trainer_pb2.LossConfig, LossConfig, loss))
         if batch_totals is not None:
-            req.batch_totals.CopyFrom(_message(trainer_pb2.BatchTotals, batch_totals))
+            req.batch_totals.CopyFrom(message_proto(trainer_pb2.BatchTotals, BatchTotals, batch_totals))
         r = self._mutate("ForwardBackward", req)
-        return {"logprobs": [list(x.values) for x in r.logprobs], "metrics": _metrics(r.metrics)}
+        return ForwardResult([list(x.values) for x in r.logprobs], metrics_dict(r.metrics))
 
     def forward(self, datums):
+        """Log-probs of each datum's targets under the current adapter (no gradient)."""
         r = self._client._call("Forward", trainer_pb2.ForwardRequest(
-            run_id=self.run_id, datums=[_datum(d) for d in datums]))
-        return {"logprobs": [list(x.values) for x in r.logprobs], "metrics": _metrics(r.metrics)}
+            run_id=self.run_id, datums=[datum_proto(d) for d in datums]))
+        return ForwardResult([list(x.values) for x in r.logprobs], metrics_dict(r.metrics))
 
     def optim_step(self, adamw=None, client_metrics=None):
         """client_metrics: {name: value} of the orchestrator's own (reward, ...), kept in the
-        step history as "client:<name>"."""
+        step history as "client:<name>". Returns StepResult."""
         r = self._mutate("OptimStep", trainer_pb2.OptimStepRequest(
-            run_id=self.run_id, adamw=_message(trainer_pb2.AdamWParams, adamw),
+            run_id=self.run_id, adamw=message_proto(trainer_pb2.AdamWParams, AdamWParams, adamw),
             client_metrics=client_metrics or {}))
         return self._step(r)
 
     def train_step(self, datums, loss=None, adamw=None, max_tokens_per_microbatch=0, client_metrics=None):
+        """forward_backward + optim_step on one batch, atomically. Returns StepResult."""
         r = self._mutate("TrainStep", trainer_pb2.TrainStepRequest(
-            run_id=self.run_id, datums=[_datum(d) for d in datums],
-            loss=_message(trainer_pb2.LossConfig, loss),
-            adamw=_message(trainer_pb2.AdamWParams, adamw),
+            run_id=self.run_id, datums=[datum_proto(d) for d in datums],
+            loss=message_proto(trainer_pb2.LossConfig, LossConfig, loss),
+            adamw=message_proto(trainer_pb2.AdamWParams, AdamWParams, adamw),
             max_tokens_per_microbatch=max_tokens_per_microbatch,
             client_metrics=client_metrics or {}))
         return self._step(r)
 
+    def forward_backward_async(self, *args, **kwargs):
+        return self._submit(self.forward_backward, *args, **kwargs)
+
+    def forward_async(self, *args, **kwargs):
+        return self._submit(self.forward, *args, **kwargs)
+
+    def optim_step_async(self, *args, **kwargs):
+        return self._submit(self.optim_step, *args, **kwargs)
+
+    def train_step_async(self, *args, **kwargs):
+        return self._submit(self.train_step, *args, **kwargs)
+
+    def save_async(self, path):
+        return self._submit(self.save, path)
+
+    def export_async(self, path):
+        return self._submit(self.export, path)
+
+    def close(self):
+        """Waits for the run's queued calls."""
+        self._queue.shutdown(wait=True)
     def save(self, path):
         return self._client._call("SaveState", trainer_pb2.SaveStateRequest(
             run_id=self.run_id, path=path)).learner_version
@@ -152,15 +185,13 @@ class Run:
     def export(self, path):
         r = self._client._call("ExportAdapter", trainer_pb2.ExportAdapterRequest(
             run_id=self.run_id, path=path))
-        return {"path": r.path, "adapter_sha256": r.adapter_sha256,
-                "learner_version": r.learner_version}
+        return ExportResult(r.path, r.adapter_sha256, r.learner_version)
 
     def checkpoints(self):
         """The run's folders in the server's state store (servers started with --state_dir):
         dicts of name, ref (lorastep://<run>/<name>), bytes, modified_unix_s."""
         r = self._client._call("ListCheckpoints", trainer_pb2.ListCheckpointsRequest(run_id=self.run_id))
-        return [{"name": c.name, "ref": c.ref, "bytes": c.bytes, "modified_unix_s": c.modified_unix_s}
-                for c in r.checkpoints]
+        return [Checkpoint(c.name, c.ref, c.bytes, c.modified_unix_s) for c in r.checkpoints]
 
     def delete_checkpoint(self, name):
         self._client._call("DeleteCheckpoint", trainer_pb2.DeleteCheckpointRequest(
@@ -183,14 +214,10 @@ class Run:
 
     @staticmethod
     def _step(r):
-        return {"step": r.step, "learner_version": r.learner_version,
-                "adapter_sha256": r.adapter_sha256, "metrics": _metrics(r.metrics),
-                "replicas_equal": r.replicas_equal,
-                "replica_hashes": [_replica_hash(h) for h in r.replica_hashes]}
+        return StepResult(r.step, r.learner_version, r.adapter_sha256, metrics_dict(r.metrics), r.replicas_equal,
+                          replica_hashes(r.replica_hashes))
 
     @staticmethod
     def _record(s):
-        return {"step": s.step, "kind": s.kind, "learner_version": s.learner_version,
-                "unix_time_ms": s.unix_time_ms, "adapter_sha256": s.adapter_sha256,
-                "metrics": _metrics(s.metrics), "replicas_equal": s.replicas_equal,
-                "replica_hashes": [_replica_hash(h) for h in s.replica_hashes]}
+        return StepRecord(s.step, s.kind, s.learner_version, s.unix_time_ms, s.adapter_sha256,
+                          metrics_dict(s.metrics), s.replicas_equal, replica_hashes(s.replica_hashes))

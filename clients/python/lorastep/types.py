@@ -1,0 +1,201 @@
+"""Typed requests and results of the lorastep Trainer API.
+
+Requests (Datum, LossConfig, AdamWParams, BatchTotals) may also be passed as plain dicts
+with the same keys. Results are dataclasses that also read like the dicts earlier versions
+returned (result["metrics"] is result.metrics), so both styles work.
+"""
+from dataclasses import asdict, dataclass, field, fields
+from typing import Dict, List, Optional
+
+from lorastep.v1 import trainer_pb2
+
+
+class _Mapping:
+    """Dict-style read access to a dataclass's fields."""
+
+    def __getitem__(self, key):
+        if key not in self.keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key, default=None):
+        return getattr(self, key) if key in self.keys() else default
+
+    def keys(self):
+        return [f.name for f in fields(self)]
+
+    def __contains__(self, key):
+        return key in self.keys()
+
+    def to_dict(self):
+        return asdict(self)
+
+
+# ---- requests ----------------------------------------------------------------------
+
+@dataclass
+class Datum(_Mapping):
+    """One sequence in Tinker's contract: per-position lists."""
+    tokens: List[int]
+    target_tokens: List[int]
+    weights: List[float] = field(default_factory=list)       # loss mask / SFT weights
+    logprobs: List[float] = field(default_factory=list)      # the sampler's
+    advantages: List[float] = field(default_factory=list)
+    ref_logprobs: List[float] = field(default_factory=list)  # reference policy (KL)
+    old_logprobs: List[float] = field(default_factory=list)  # the trainer's, for PPO ratios
+
+    def to_proto(self):
+        return trainer_pb2.Datum(**{f.name: list(getattr(self, f.name)) for f in fields(self)})
+
+
+@dataclass
+class LossConfig(_Mapping):
+    """Unset (None) fields take the API's defaults (docs/API.md)."""
+    loss_fn: str = ""  # cross_entropy (default) | importance_sampling | ppo | cispo
+    clip_eps_low: Optional[float] = None
+    clip_eps_high: Optional[float] = None
+    dual_clip_c: Optional[float] = None
+    cispo_ratio_low: Optional[float] = None
+    cispo_ratio_high: Optional[float] = None
+    tis_cap: Optional[float] = None
+    kl_coef: Optional[float] = None
+    kl_estimator: str = ""
+    entropy_coef: Optional[float] = None
+    normalization: str = ""  # token (default) | sequence | sum
+
+    def to_proto(self):
+        return trainer_pb2.LossConfig(**{k: v for k, v in asdict(self).items() if v is not None and v != ""})
+
+
+@dataclass
+class AdamWParams(_Mapping):
+    """Unset (None) fields take the API's defaults: lr 1e-5, betas 0.9/0.999, eps 1e-8,
+    weight_decay 0, max_grad_norm 0 (off), constant schedule."""
+    lr: Optional[float] = None
+    beta1: Optional[float] = None
+    beta2: Optional[float] = None
+    eps: Optional[float] = None
+    weight_decay: Optional[float] = None
+    max_grad_norm: Optional[float] = None
+    schedule: str = ""
+    warmup_steps: int = 0
+    total_steps: int = 0
+    min_lr_ratio: Optional[float] = None
+
+    def to_proto(self):
+        return trainer_pb2.AdamWParams(**{k: v for k, v in asdict(self).items()
+                                          if v is not None and v != "" and not (k.endswith("_steps") and v == 0)})
+
+
+@dataclass
+class BatchTotals(_Mapping):
+    """The whole batch's denominators when it is sent over several forward_backward calls."""
+    loss_tokens: int
+    samples: int
+
+    def to_proto(self):
+        return trainer_pb2.BatchTotals(loss_tokens=self.loss_tokens, samples=self.samples)
+
+
+_DATUM_KEYS = {f.name for f in fields(Datum)}
+
+
+def datum_proto(d):
+    if isinstance(d, Datum):
+        return d.to_proto()
+    unknown = set(d) - _DATUM_KEYS
+    if unknown:
+        raise ValueError(f"datum: unknown fields {sorted(unknown)}")
+    return trainer_pb2.Datum(**{k: list(v) for k, v in d.items()})
+
+
+def message_proto(cls, typed, value):
+    """A request sub-message from a typed instance, a dict, or None (all defaults)."""
+    if value is None:
+        return cls()
+    if isinstance(value, typed):
+        return value.to_proto()
+    return cls(**value)
+
+
+# ---- results -------------------------------------------------------------------------
+
+@dataclass
+class ReplicaHash(_Mapping):
+    """One replicated tensor family on one pipeline stage, compared across its ranks."""
+    stage: int
+    tensor_rank: int
+    family: str
+    sha256: str
+    equal: bool
+    ranks: List[int]
+
+
+@dataclass
+class ForwardResult(_Mapping):
+    logprobs: List[List[float]]  # per datum, per target position
+    metrics: Dict[str, float]
+
+
+@dataclass
+class StepResult(_Mapping):
+    step: int
+    learner_version: int
+    adapter_sha256: str
+    metrics: Dict[str, float]
+    replicas_equal: bool
+    replica_hashes: List[ReplicaHash]
+
+
+@dataclass
+class StepRecord(_Mapping):
+    step: int
+    kind: str
+    learner_version: int
+    unix_time_ms: int
+    adapter_sha256: str
+    metrics: Dict[str, float]
+    replicas_equal: bool
+    replica_hashes: List[ReplicaHash]
+
+
+@dataclass
+class ExportResult(_Mapping):
+    path: str
+    adapter_sha256: str
+    learner_version: int
+
+
+@dataclass
+class Checkpoint(_Mapping):
+    name: str
+    ref: str
+    bytes: int
+    modified_unix_s: int
+
+
+@dataclass
+class RunInfo(_Mapping):
+    run_id: str
+    rank: int
+    alpha: float
+    learner_version: int
+    next_sequence_id: int
+    last_step: int
+    created_unix_ms: int
+    last_step_unix_ms: int
+    diverged: str
+    base_model: str
+
+
+def replica_hashes(hs):
+    return [ReplicaHash(h.stage, h.tensor_rank, h.family, h.sha256, h.equal, list(h.ranks)) for h in hs]
+
+
+def metrics_dict(m):
+    return dict(sorted(m.items()))
+
+
+def run_info(r):
+    return RunInfo(r.run_id, r.lora.rank, r.lora.alpha, r.learner_version, r.next_sequence_id, r.last_step,
+                   r.created_unix_ms, r.last_step_unix_ms, r.diverged, r.base_model)
