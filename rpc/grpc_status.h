@@ -3,6 +3,7 @@
 #define LORASTEP_RPC_GRPC_STATUS_H_
 
 #include <chrono>
+#include <string>
 
 #include <grpcpp/client_context.h>
 #include <grpcpp/support/status.h>
@@ -19,9 +20,11 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 // call's deadline (DEADLINE_EXCEEDED when it passes).
 template <typename Resp, typename Stub, typename Req, typename Method>
 absl::StatusOr<Resp> CallUnary(Stub* stub, Method method, const Req& req,
-                               std::chrono::seconds timeout = std::chrono::seconds(0)) {
+                               std::chrono::seconds timeout = std::chrono::seconds(0),
+                               const std::string& authorization = "") {
   grpc::ClientContext ctx;
   if (timeout.count() > 0) ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  if (!authorization.empty()) ctx.AddMetadata("authorization", authorization);
   Resp resp;
   grpc::Status s = (stub->*method)(&ctx, req, &resp);
   if (!s.ok()) return FromGrpcStatus(s);

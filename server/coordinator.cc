@@ -205,7 +205,18 @@ absl::StatusOr<std::shared_ptr<Coordinator::RunState>> Coordinator::FindRun(
   return it->second;
 }
 
-absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req) {
+absl::Status Coordinator::CheckAccess(const std::string& run_id, const Caller& caller) {
+  if (caller.admin) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = runs_.find(run_id);
+  // Another owner's run is reported exactly like a missing one: ids do not leak.
+  if (it == runs_.end() || it->second->run.owner() != caller.owner) {
+    return absl::NotFoundError(absl::StrCat("run_id: no run '", run_id, "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, const std::string& owner) {
   LORASTEP_RETURN_IF_ERROR(RequireRequestId(req.request_id()));
   LoraConfig lora = LoraConfigFromProto(req.lora());
   LORASTEP_RETURN_IF_ERROR(ValidateLoraConfig(lora));
@@ -220,9 +231,12 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req) 
     return absl::InvalidArgumentError(absl::StrCat("base_model: workers serve '", model_path_,
                                                    "', not '", req.base_model(), "'"));
   }
-  const std::string fingerprint = RequestFingerprint(req);
+  const std::string fingerprint = absl::StrCat(owner, "\n", RequestFingerprint(req));
   auto prior = create_requests_.find(req.request_id());
   if (prior != create_requests_.end()) {  // retried CreateRun: the run it made
+    if (runs_.count(prior->second.first) && runs_.at(prior->second.first)->run.owner() != owner) {
+      return absl::InvalidArgumentError("request_id: already used; a new run needs a new request_id");
+    }
     if (prior->second.second != fingerprint) {
       return absl::InvalidArgumentError(absl::StrCat(
           "request_id: '", req.request_id(), "' already created run '", prior->second.first,
@@ -262,6 +276,7 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req) 
   state->run.set_seed(req.seed());
   state->run.set_next_sequence_id(1);
   state->run.set_created_unix_ms(NowMs());
+  state->run.set_owner(owner);
   state->run.set_last_step(-1);
   // The id is reserved while the worker builds the run; the run is visible only once built.
   creating_ids_.insert(run_id);

@@ -56,6 +56,12 @@ struct CoordinatorOptions {
   int rendezvous_port = 29500;
 };
 
+// Who is calling, as the service's authentication established it.
+struct Caller {
+  std::string owner;   // empty: no authentication configured
+  bool admin = false;  // sees and calls every run (also: no authentication configured)
+};
+
 // A rank handed to a worker that joins the mesh by registration.
 struct MeshAssignment {
   int rank = 0;
@@ -78,7 +84,10 @@ class Coordinator {
   // runs no mesh or every rank is taken; INVALID_ARGUMENT for an empty host.
   absl::StatusOr<MeshAssignment> AssignRank(const std::string& host);
 
-  absl::StatusOr<v1::Run> CreateRun(const v1::CreateRunRequest& req);
+  // `owner`: the caller's identity (its API key's owner; empty without authentication).
+  absl::StatusOr<v1::Run> CreateRun(const v1::CreateRunRequest& req, const std::string& owner = "");
+  // NOT_FOUND unless the run exists and is the caller's (an admin reaches every run).
+  absl::Status CheckAccess(const std::string& run_id, const Caller& caller);
   absl::StatusOr<v1::Run> GetRun(const std::string& run_id);
   // Waits for the run's call in flight, frees it on every rank, forgets it.
   absl::Status DeleteRun(const std::string& run_id);

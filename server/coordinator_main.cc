@@ -14,6 +14,8 @@
 //                        [--metrics_port_file F]: Prometheus text format at GET /metrics]
 //                        [--worker_metrics_port_base B: local worker r serves its own on B + r]
 //                        [--v 1: per-call log lines on stderr; 0 failures only, 2 with health checks]
+//                        [--api_keys_file F: lines "KEY OWNER [admin]"; calls need "authorization:
+//                        Bearer KEY" and see only their owner's runs] [--allow_unauthenticated_remote]
 // With --wait_for_workers and --tp/--pp/--dp, workers started with --register_with and no
 // --rank get their ranks here in the order they ask (JoinMesh); rank 0 serves the
 // rendezvous at its host and --rendezvous_port.
@@ -29,6 +31,7 @@
 #include "absl/strings/str_split.h"
 #include "lib/parallel/parallel_layout.h"
 #include "rpc/metrics_http_server.h"
+#include "server/api_keys.h"
 #include "server/coordinator.h"
 #include "server/coordinator_service.h"
 #include "server/grpc_worker_client.h"
@@ -49,6 +52,21 @@ int main(int argc, char** argv) {
   PrometheusRegistry metrics;
   auto metrics_endpoint = StartMetricsEndpointFromFlags(flags, &metrics);
   if (!metrics_endpoint.ok()) return fail(metrics_endpoint.status());
+  // --api_keys_file: every Trainer call needs a key, and callers see only their own runs.
+  // Without it the coordinator listens on loopback only, unless told otherwise.
+  std::optional<ApiKeys> api_keys;
+  if (flags.count("api_keys_file")) {
+    auto loaded = ApiKeys::Load(flags["api_keys_file"]);
+    if (!loaded.ok()) return fail(loaded.status());
+    api_keys = std::move(loaded).value();
+  }
+  const std::string host = flags.count("host") ? flags["host"] : "127.0.0.1";
+  if (!api_keys && host != "127.0.0.1" && host != "localhost" && host != "::1" &&
+      !flags.count("allow_unauthenticated_remote")) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "host: '", host, "' is reachable from other machines; start with --api_keys_file (or, on a trusted "
+        "network only, --allow_unauthenticated_remote)")));
+  }
   // --v: per-call log lines (0 = failures only, 1 = every call, 2 = with health checks).
   const int log_verbosity = flags.count("v") ? std::stoi(flags["v"]) : 1;
   CoordinatorOptions options;
@@ -134,10 +152,10 @@ int main(int argc, char** argv) {
     if (auto s = client->WaitReady(60); !s.ok()) return fail(s);
     if (auto s = core.AddWorker(std::move(client)); !s.ok()) return fail(s);
   }
-  CoordinatorService service(&core, 4, &metrics);
+  CoordinatorService service(&core, 4, &metrics, api_keys ? &*api_keys : nullptr);
   RegistryService registry(&core);
   int port = 0;
-  auto server = StartGrpcServer(flags.count("host") ? flags["host"] : "127.0.0.1",
+  auto server = StartGrpcServer(host,
                                 flags.count("port") ? std::stoi(flags["port"]) : 50051,
                                 {&service, &registry}, &port, max_request_bytes,
                                 CallObservers{&metrics, log_verbosity, "coordinator", -1});

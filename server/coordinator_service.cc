@@ -4,6 +4,10 @@
 #include <functional>
 #include <mutex>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "lib/io/state_store.h"
 #include "rpc/grpc_status.h"
 
 namespace lorastep {
@@ -13,8 +17,13 @@ namespace {
 // itself in OnDone, after unregistering from the coordinator.
 class MetricsWatchReactor final : public grpc::ServerWriteReactor<v1::StepRecord> {
  public:
-  MetricsWatchReactor(Coordinator* core, const v1::WatchMetricsRequest& req)
+  // `allowed`: the caller's authentication and access to the run; an error ends the stream.
+  MetricsWatchReactor(Coordinator* core, const v1::WatchMetricsRequest& req, const absl::Status& allowed)
       : core_(core), run_id_(req.run_id()) {
+    if (!allowed.ok()) {
+      Finish(ToGrpcStatus(allowed));
+      return;
+    }
     std::vector<v1::StepRecord> backlog;
     auto id = core_->Watch(run_id_, req.since_step(),
                            [this](const v1::StepRecord& r) { Push(r); }, &backlog);
@@ -75,8 +84,9 @@ class MetricsWatchReactor final : public grpc::ServerWriteReactor<v1::StepRecord
 
 }  // namespace
 
-CoordinatorService::CoordinatorService(Coordinator* core, size_t executors, PrometheusRegistry* metrics)
-    : core_(core), metrics_(metrics), executor_(executors) {
+CoordinatorService::CoordinatorService(Coordinator* core, size_t executors, PrometheusRegistry* metrics,
+                                       const ApiKeys* api_keys)
+    : core_(core), api_keys_(api_keys), metrics_(metrics), executor_(executors) {
   if (metrics_ != nullptr) {
     metrics_->Declare("lorastep_queue_depth", PrometheusRegistry::Type::kGauge,
                       "Trainer calls accepted and not yet answered (queued behind their run, or running)");
@@ -90,14 +100,51 @@ void CoordinatorService::QueueDepthChanged(int delta) {
   if (metrics_ != nullptr) metrics_->Set("lorastep_queue_depth", {}, static_cast<double>(in_flight_));
 }
 
+absl::StatusOr<Caller> CoordinatorService::Authenticate(grpc::CallbackServerContext* ctx) const {
+  if (api_keys_ == nullptr) return Caller{"", /*admin=*/true};  // no --api_keys_file
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("authorization");
+  return api_keys_->Authenticate(it == md.end() ? std::string() : std::string(it->second.data(), it->second.size()));
+}
+
+absl::StatusOr<Caller> CoordinatorService::Authorize(grpc::CallbackServerContext* ctx, const std::string& run_id) {
+  auto caller = Authenticate(ctx);
+  if (!caller.ok()) return caller.status();
+  if (absl::Status s = core_->CheckAccess(run_id, *caller); !s.ok()) return s;
+  return caller;
+}
+
+absl::Status CoordinatorService::CheckPathAccess(const char* field, const std::string& path, const Caller& caller) {
+  if (caller.admin || path.empty()) return absl::OkStatus();
+  // With API keys, a caller names state only by reference, and only its own runs' state:
+  // a raw path would reach any folder the workers can, another owner's checkpoints included.
+  absl::string_view rest = path;
+  if (!absl::ConsumePrefix(&rest, kStateRefScheme)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": with API keys only lorastep://<run>/<name> references are accepted (the server's --state_dir)"));
+  }
+  const std::string run(rest.substr(0, rest.find('/')));
+  if (core_->CheckAccess(run, caller).ok()) return absl::OkStatus();
+  return absl::NotFoundError(absl::StrCat(field, ": no run '", run, "'"));
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::Refuse(grpc::CallbackServerContext* ctx, const absl::Status& why) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(why));
+  return reactor;
+}
+
 template <typename Resp, typename Call>
 grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext* ctx,
                                                     const std::string& run_id, Resp* resp,
-                                                    Call call) {
+                                                    Call call, bool run_scoped) {
+  // Authentication and ownership are checked before the call is queued.
+  auto caller = run_scoped ? Authorize(ctx, run_id) : Authenticate(ctx);
+  if (!caller.ok()) return Refuse(ctx, caller.status());
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   QueueDepthChanged(+1);
-  executor_.Submit(run_id, [this, reactor, resp, call = std::move(call)]() mutable {
-    auto result = call();
+  executor_.Submit(run_id, [this, reactor, resp, call = std::move(call), who = *caller]() mutable {
+    auto result = call(who);
     if (result.ok()) *resp = std::move(result).value();
     QueueDepthChanged(-1);
     reactor->Finish(ToGrpcStatus(result.status()));
@@ -108,12 +155,17 @@ grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* CoordinatorService::CreateRun(grpc::CallbackServerContext* ctx,
                                                         const v1::CreateRunRequest* req,
                                                         v1::Run* resp) {
-  return Defer(ctx, req->run_id(), resp, [this, req] { return core_->CreateRun(*req); });
+  return Defer(
+      ctx, req->run_id(), resp, [this, req](const Caller& who) -> absl::StatusOr<v1::Run> {
+        if (absl::Status s = CheckPathAccess("init_from", req->init_from(), who); !s.ok()) return s;
+        return core_->CreateRun(*req, who.owner);
+      },
+      /*run_scoped=*/false);
 }
 grpc::ServerUnaryReactor* CoordinatorService::DeleteRun(grpc::CallbackServerContext* ctx,
                                                         const v1::DeleteRunRequest* req,
                                                         v1::DeleteRunResponse* resp) {
-  return Defer(ctx, req->run_id(), resp, [this, req]() -> absl::StatusOr<v1::DeleteRunResponse> {
+  return Defer(ctx, req->run_id(), resp, [this, req](const Caller&) -> absl::StatusOr<v1::DeleteRunResponse> {
     absl::Status deleted = core_->DeleteRun(req->run_id());
     if (!deleted.ok()) return deleted;
     return v1::DeleteRunResponse();
@@ -121,6 +173,7 @@ grpc::ServerUnaryReactor* CoordinatorService::DeleteRun(grpc::CallbackServerCont
 }
 grpc::ServerUnaryReactor* CoordinatorService::GetRun(grpc::CallbackServerContext* ctx,
                                                      const v1::GetRunRequest* req, v1::Run* resp) {
+  if (auto caller = Authorize(ctx, req->run_id()); !caller.ok()) return Refuse(ctx, caller.status());
   auto* reactor = ctx->DefaultReactor();
   auto run = core_->GetRun(req->run_id());
   if (run.ok()) *resp = *run;
@@ -130,7 +183,11 @@ grpc::ServerUnaryReactor* CoordinatorService::GetRun(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* CoordinatorService::ListRuns(grpc::CallbackServerContext* ctx,
                                                        const v1::ListRunsRequest*,
                                                        v1::ListRunsResponse* resp) {
-  for (auto& r : core_->ListRuns()) *resp->add_runs() = r;
+  auto caller = Authenticate(ctx);
+  if (!caller.ok()) return Refuse(ctx, caller.status());
+  for (auto& r : core_->ListRuns()) {
+    if (caller->admin || r.owner() == caller->owner) *resp->add_runs() = r;  // one's own runs
+  }
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -138,43 +195,49 @@ grpc::ServerUnaryReactor* CoordinatorService::ListRuns(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* CoordinatorService::ForwardBackward(
     grpc::CallbackServerContext* ctx, const v1::ForwardBackwardRequest* req,
     v1::ForwardBackwardResponse* resp) {
-  return Defer(ctx, req->run_id(), resp, [this, req] { return core_->ForwardBackward(*req); });
+  return Defer(ctx, req->run_id(), resp, [this, req](const Caller&) { return core_->ForwardBackward(*req); });
 }
 grpc::ServerUnaryReactor* CoordinatorService::Forward(grpc::CallbackServerContext* ctx,
                                                       const v1::ForwardRequest* req,
                                                       v1::ForwardBackwardResponse* resp) {
-  return Defer(ctx, req->run_id(), resp, [this, req] { return core_->Forward(*req); });
+  return Defer(ctx, req->run_id(), resp, [this, req](const Caller&) { return core_->Forward(*req); });
 }
 grpc::ServerUnaryReactor* CoordinatorService::OptimStep(grpc::CallbackServerContext* ctx,
                                                         const v1::OptimStepRequest* req,
                                                         v1::StepResponse* resp) {
-  return Defer(ctx, req->run_id(), resp, [this, req] { return core_->OptimStep(*req); });
+  return Defer(ctx, req->run_id(), resp, [this, req](const Caller&) { return core_->OptimStep(*req); });
 }
 grpc::ServerUnaryReactor* CoordinatorService::TrainStep(grpc::CallbackServerContext* ctx,
                                                         const v1::TrainStepRequest* req,
                                                         v1::StepResponse* resp) {
-  return Defer(ctx, req->run_id(), resp, [this, req] { return core_->TrainStep(*req); });
+  return Defer(ctx, req->run_id(), resp, [this, req](const Caller&) { return core_->TrainStep(*req); });
 }
 grpc::ServerUnaryReactor* CoordinatorService::SaveState(grpc::CallbackServerContext* ctx,
                                                         const v1::SaveStateRequest* req,
                                                         v1::SaveStateResponse* resp) {
-  return Defer(ctx, req->run_id(), resp, [this, req] { return core_->SaveState(*req); });
+  return Defer(ctx, req->run_id(), resp, [this, req](const Caller& who) -> decltype(core_->SaveState(*req)) {
+    if (absl::Status s = CheckPathAccess("path", req->path(), who); !s.ok()) return s;
+    return core_->SaveState(*req);
+  });
 }
 grpc::ServerUnaryReactor* CoordinatorService::LoadState(grpc::CallbackServerContext* ctx,
                                                         const v1::LoadStateRequest* req,
                                                         v1::Run* resp) {
-  return Defer(ctx, req->run_id(), resp, [this, req] { return core_->LoadState(*req); });
+  return Defer(ctx, req->run_id(), resp, [this, req](const Caller& who) -> decltype(core_->LoadState(*req)) {
+    if (absl::Status s = CheckPathAccess("path", req->path(), who); !s.ok()) return s;
+    return core_->LoadState(*req);
+  });
 }
 grpc::ServerUnaryReactor* CoordinatorService::ListCheckpoints(grpc::CallbackServerContext* ctx,
                                                               const v1::ListCheckpointsRequest* req,
                                                               v1::ListCheckpointsResponse* resp) {
-  return Defer(ctx, req->run_id(), resp, [this, req] { return core_->ListCheckpoints(*req); });
+  return Defer(ctx, req->run_id(), resp, [this, req](const Caller&) { return core_->ListCheckpoints(*req); });
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::DeleteCheckpoint(grpc::CallbackServerContext* ctx,
                                                                const v1::DeleteCheckpointRequest* req,
                                                                v1::DeleteCheckpointResponse* resp) {
-  return Defer(ctx, req->run_id(), resp, [this, req]() -> absl::StatusOr<v1::DeleteCheckpointResponse> {
+  return Defer(ctx, req->run_id(), resp, [this, req](const Caller&) -> absl::StatusOr<v1::DeleteCheckpointResponse> {
     absl::Status deleted = core_->DeleteCheckpoint(*req);
     if (!deleted.ok()) return deleted;
     return v1::DeleteCheckpointResponse();
@@ -184,11 +247,15 @@ grpc::ServerUnaryReactor* CoordinatorService::DeleteCheckpoint(grpc::CallbackSer
 grpc::ServerUnaryReactor* CoordinatorService::ExportAdapter(grpc::CallbackServerContext* ctx,
                                                             const v1::ExportAdapterRequest* req,
                                                             v1::ExportAdapterResponse* resp) {
-  return Defer(ctx, req->run_id(), resp, [this, req] { return core_->ExportAdapter(*req); });
+  return Defer(ctx, req->run_id(), resp, [this, req](const Caller& who) -> decltype(core_->ExportAdapter(*req)) {
+    if (absl::Status s = CheckPathAccess("path", req->path(), who); !s.ok()) return s;
+    return core_->ExportAdapter(*req);
+  });
 }
 grpc::ServerUnaryReactor* CoordinatorService::GetStepMetrics(grpc::CallbackServerContext* ctx,
                                                              const v1::GetStepMetricsRequest* req,
                                                              v1::GetStepMetricsResponse* resp) {
+  if (auto caller = Authorize(ctx, req->run_id()); !caller.ok()) return Refuse(ctx, caller.status());
   auto* reactor = ctx->DefaultReactor();
   auto r = core_->GetStepMetrics(*req);
   if (r.ok()) *resp = *r;
@@ -196,8 +263,8 @@ grpc::ServerUnaryReactor* CoordinatorService::GetStepMetrics(grpc::CallbackServe
   return reactor;
 }
 grpc::ServerWriteReactor<v1::StepRecord>* CoordinatorService::WatchMetrics(
-    grpc::CallbackServerContext*, const v1::WatchMetricsRequest* req) {
-  return new MetricsWatchReactor(core_, *req);
+    grpc::CallbackServerContext* ctx, const v1::WatchMetricsRequest* req) {
+  return new MetricsWatchReactor(core_, *req, Authorize(ctx, req->run_id()).status());
 }
 
 }  // namespace lorastep

@@ -12,6 +12,7 @@
 #include <mutex>
 
 #include "lib/prometheus_registry.h"
+#include "server/api_keys.h"
 #include "rpc/serial_executor.h"
 
 namespace lorastep {
@@ -19,7 +20,10 @@ namespace lorastep {
 class CoordinatorService final : public v1::Trainer::CallbackService {
  public:
   // `metrics`: where lorastep_queue_depth (calls accepted and not yet answered) is kept.
-  explicit CoordinatorService(Coordinator* core, size_t executors = 4, PrometheusRegistry* metrics = nullptr);
+  // `api_keys`: null = no authentication (every caller is an admin); else every call must
+  // carry a known key, and a caller sees and calls only its own runs (admins: all).
+  explicit CoordinatorService(Coordinator* core, size_t executors = 4, PrometheusRegistry* metrics = nullptr,
+                              const ApiKeys* api_keys = nullptr);
 
   grpc::ServerUnaryReactor* CreateRun(grpc::CallbackServerContext* ctx,
                                       const v1::CreateRunRequest* req, v1::Run* resp) override;
@@ -63,11 +67,17 @@ class CoordinatorService final : public v1::Trainer::CallbackService {
 
  private:
   // Runs `call` (returning absl::StatusOr<Resp>) on the run's executor and finishes with it.
+  // After authentication (and, when `run_scoped`, the caller's access to the run).
   template <typename Resp, typename Call>
   grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, const std::string& run_id,
-                                  Resp* resp, Call call);
+                                  Resp* resp, Call call, bool run_scoped = true);
+  absl::StatusOr<Caller> Authenticate(grpc::CallbackServerContext* ctx) const;
+  absl::StatusOr<Caller> Authorize(grpc::CallbackServerContext* ctx, const std::string& run_id);
+  grpc::ServerUnaryReactor* Refuse(grpc::CallbackServerContext* ctx, const absl::Status& why);
+  absl::Status CheckPathAccess(const char* field, const std::string& path, const Caller& caller);
 
   Coordinator* core_;
+  const ApiKeys* api_keys_;
   void QueueDepthChanged(int delta);
   PrometheusRegistry* metrics_;
   std::mutex depth_mu_;  // the gauge is set under it, so sets land in order

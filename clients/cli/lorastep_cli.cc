@@ -33,6 +33,7 @@
 
 // Numbers are strings so that "not given" differs from any value: the API's default applies.
 ABSL_FLAG(std::string, address, "127.0.0.1:50051", "coordinator address");
+ABSL_FLAG(std::string, api_key, "", "API key for a coordinator with --api_keys_file (default: $LORASTEP_API_KEY)");
 ABSL_FLAG(bool, json, false, "print responses as JSON (full precision) instead of tables");
 ABSL_FLAG(std::string, run, "", "run id");
 ABSL_FLAG(std::string, run_id, "", "create: the new run's id (default: assigned)");
@@ -443,7 +444,9 @@ int Main(int argc, char** argv) {
   if (allowed->second.count("run") && command != "top" && absl::GetFlag(FLAGS_run).empty()) {
     return Usage(absl::StrCat("--run is required for ", command));
   }
-  auto client = TrainerClient::Connect(absl::GetFlag(FLAGS_address), 10);
+  std::string api_key = absl::GetFlag(FLAGS_api_key);
+  if (api_key.empty() && std::getenv("LORASTEP_API_KEY") != nullptr) api_key = std::getenv("LORASTEP_API_KEY");
+  auto client = TrainerClient::Connect(absl::GetFlag(FLAGS_address), 10, api_key);
   if (!client.ok()) return Fail(client.status());
   TrainerClient& c = **client;
   const bool json = absl::GetFlag(FLAGS_json);
@@ -456,10 +459,11 @@ int Main(int argc, char** argv) {
       std::cout << Json(*r) << "\n";
       return 0;
     }
-    std::printf("%-14s %6s %8s %8s %9s %-9s %s\n", "run_id", "rank", "version", "next_seq", "last_step", "status",
-                "base_model");
+    std::printf("%-14s %-12s %6s %8s %8s %9s %-9s %s\n", "run_id", "owner", "rank", "version", "next_seq",
+                "last_step", "status", "base_model");
     for (const auto& run : r->runs()) {
-      std::printf("%-14s %6lld %8lld %8lld %9lld %-9s %s\n", run.run_id().c_str(),
+      std::printf("%-14s %-12s %6lld %8lld %8lld %9lld %-9s %s\n", run.run_id().c_str(),
+                  run.owner().empty() ? "-" : run.owner().c_str(),
                   static_cast<long long>(run.lora().rank()), static_cast<long long>(run.learner_version()),
                   static_cast<long long>(run.next_sequence_id()), static_cast<long long>(run.last_step()),
                   run.diverged().empty() ? "active" : "diverged", run.base_model().c_str());

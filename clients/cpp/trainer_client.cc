@@ -31,11 +31,12 @@ std::string NewRequestId() {
   return buf;
 }
 
-TrainerClient::TrainerClient(std::shared_ptr<grpc::Channel> channel)
-    : channel_(std::move(channel)), stub_(v1::Trainer::NewStub(channel_)) {}
+TrainerClient::TrainerClient(std::shared_ptr<grpc::Channel> channel, std::string authorization)
+    : channel_(std::move(channel)), authorization_(std::move(authorization)), stub_(v1::Trainer::NewStub(channel_)) {}
 
 absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const std::string& address,
-                                                                      int timeout_seconds) {
+                                                                      int timeout_seconds,
+                                                                      const std::string& api_key) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);
   args.SetMaxSendMessageSize(1 << 30);
@@ -44,12 +45,12 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const std:
                                  std::chrono::seconds(timeout_seconds))) {
     return absl::UnavailableError(absl::StrCat("cannot reach ", address));
   }
-  return std::unique_ptr<TrainerClient>(new TrainerClient(channel));
+  return std::unique_ptr<TrainerClient>(new TrainerClient(channel, api_key.empty() ? "" : "Bearer " + api_key));
 }
 
 #define LORASTEP_CLIENT_CALL(Method, Req, Resp)                              \
   absl::StatusOr<v1::Resp> TrainerClient::Method(const v1::Req& req) {       \
-    return CallUnary<v1::Resp>(stub_.get(), &v1::Trainer::Stub::Method, req); \
+    return CallUnary<v1::Resp>(stub_.get(), &v1::Trainer::Stub::Method, req, std::chrono::seconds(0), authorization_); \
   }
 LORASTEP_CLIENT_CALL(CreateRun, CreateRunRequest, Run)
 LORASTEP_CLIENT_CALL(ForwardBackward, ForwardBackwardRequest, ForwardBackwardResponse)
@@ -67,23 +68,26 @@ LORASTEP_CLIENT_CALL(GetStepMetrics, GetStepMetricsRequest, GetStepMetricsRespon
 absl::Status TrainerClient::DeleteRun(const std::string& run_id) {
   v1::DeleteRunRequest req;
   req.set_run_id(run_id);
-  return CallUnary<v1::DeleteRunResponse>(stub_.get(), &v1::Trainer::Stub::DeleteRun, req).status();
+  return CallUnary<v1::DeleteRunResponse>(stub_.get(), &v1::Trainer::Stub::DeleteRun, req, std::chrono::seconds(0),
+                                          authorization_)
+      .status();
 }
 
 absl::StatusOr<v1::Run> TrainerClient::GetRun(const std::string& run_id) {
   v1::GetRunRequest req;
   req.set_run_id(run_id);
-  return CallUnary<v1::Run>(stub_.get(), &v1::Trainer::Stub::GetRun, req);
+  return CallUnary<v1::Run>(stub_.get(), &v1::Trainer::Stub::GetRun, req, std::chrono::seconds(0), authorization_);
 }
 
 absl::StatusOr<v1::ListRunsResponse> TrainerClient::ListRuns() {
-  return CallUnary<v1::ListRunsResponse>(stub_.get(), &v1::Trainer::Stub::ListRuns,
-                                                         v1::ListRunsRequest());
+  return CallUnary<v1::ListRunsResponse>(stub_.get(), &v1::Trainer::Stub::ListRuns, v1::ListRunsRequest(),
+                                         std::chrono::seconds(0), authorization_);
 }
 
 absl::Status TrainerClient::WatchMetrics(
     const v1::WatchMetricsRequest& req, const std::function<bool(const v1::StepRecord&)>& on_record) {
   grpc::ClientContext ctx;
+  if (!authorization_.empty()) ctx.AddMetadata("authorization", authorization_);
   auto reader = stub_->WatchMetrics(&ctx, req);
   v1::StepRecord record;
   while (reader->Read(&record)) {

@@ -27,8 +27,11 @@ namespace lorastep {
 
 class TrainerClient {
  public:
+  // `api_key`: for coordinators started with --api_keys_file (sent as "authorization:
+  // Bearer <key>" on every call).
   static absl::StatusOr<std::unique_ptr<TrainerClient>> Connect(const std::string& address,
-                                                                int timeout_seconds = 30);
+                                                                int timeout_seconds = 30,
+                                                                const std::string& api_key = "");
 
   absl::StatusOr<v1::Run> CreateRun(const v1::CreateRunRequest& req);
   absl::StatusOr<v1::Run> GetRun(const std::string& run_id);
@@ -51,8 +54,9 @@ class TrainerClient {
   absl::StatusOr<bool> Healthy();
 
  private:
-  explicit TrainerClient(std::shared_ptr<grpc::Channel> channel);
+  TrainerClient(std::shared_ptr<grpc::Channel> channel, std::string authorization);
   std::shared_ptr<grpc::Channel> channel_;
+  std::string authorization_;  // "Bearer <key>" or empty
   std::unique_ptr<v1::Trainer::Stub> stub_;
 };
 

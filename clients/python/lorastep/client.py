@@ -12,6 +12,7 @@ forward_backward_async + optim_step_async and sample the next batch meanwhile, a
 SDK allows; calls on different runs overlap.
 """
 import concurrent.futures
+import os
 import threading
 import time
 import uuid
@@ -36,10 +37,19 @@ class LorastepError(Exception):
 
 
 class TrainingClient:
-    def __init__(self, address, timeout=30.0):
+    def __init__(self, address, timeout=30.0, api_key=None, root_certificates=None):
+        """api_key: for coordinators started with --api_keys_file (sent as "authorization:
+        Bearer <key>"; default: $LORASTEP_API_KEY). root_certificates: PEM bytes of the CA
+        for a coordinator serving TLS (--tls_cert_file); None = plaintext."""
         options = [("grpc.max_receive_message_length", 1 << 30),
                    ("grpc.max_send_message_length", 1 << 30)]
-        self._channel = grpc.insecure_channel(address, options=options)
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        api_key = api_key if api_key is not None else os.environ.get("LORASTEP_API_KEY")
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
         self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="lorastep")
@@ -57,7 +67,7 @@ class TrainingClient:
     def _call(self, method, request, retries=5):
         for attempt in range(retries):
             try:
-                return getattr(self._stub, method)(request)
+                return getattr(self._stub, method)(request, metadata=self._metadata)
             except grpc.RpcError as e:
                 if e.code() in _TRANSIENT and attempt + 1 < retries:
                     time.sleep(0.1 * 2 ** attempt)
@@ -205,10 +215,12 @@ class Run:
     def watch(self, since_step=0):
         """Yields step records (dicts) as they are made; break to stop."""
         stream = self._client._stub.WatchMetrics(trainer_pb2.WatchMetricsRequest(
-            run_id=self.run_id, since_step=since_step))
+            run_id=self.run_id, since_step=since_step), metadata=self._client._metadata)
         try:
             for s in stream:
                 yield self._record(s)
+        except grpc.RpcError as e:
+            raise LorastepError(e.code(), e.details()) from None
         finally:
             stream.cancel()
 

@@ -186,6 +186,7 @@ class RunInfo(_Mapping):
     last_step_unix_ms: int
     diverged: str
     base_model: str
+    owner: str  # the API key's owner that created it ("" without authentication)
 
 
 def replica_hashes(hs):
@@ -198,4 +199,4 @@ def metrics_dict(m):
 
 def run_info(r):
     return RunInfo(r.run_id, r.lora.rank, r.lora.alpha, r.learner_version, r.next_sequence_id, r.last_step,
-                   r.created_unix_ms, r.last_step_unix_ms, r.diverged, r.base_model)
+                   r.created_unix_ms, r.last_step_unix_ms, r.diverged, r.base_model, r.owner)

@@ -1,0 +1,117 @@
+"""API keys on a real coordinator (--api_keys_file) and its local worker, through the Python
+client and the CLI: calls without a key or with an unknown one are UNAUTHENTICATED; each
+owner sees and calls only its own runs (another owner's run is NOT_FOUND, like a missing
+one) and state references; an admin key sees every run with its owner; raw paths are refused
+for non-admins; a bad keys file and an unauthenticated non-loopback host are refused at start.
+  auth_test.py COORDINATOR WORKER GENMODEL CLI TMPDIR   (PYTHONPATH holds the client)"""
+import os
+import subprocess
+import sys
+import time
+
+from lorastep import LorastepError, TrainingClient
+
+KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef0", "ops": "ops-key-0123456789abcdef00"}
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+    print("ok -", what)
+
+
+def refused(fn, code, text, what):
+    try:
+        fn()
+    except LorastepError as e:
+        check(e.code.name == code and text in e.details, f"{what}: {e.code.name}: {e.details}")
+        return e
+    raise AssertionError(f"{what}: accepted")
+
+
+def datum(i, n=8):
+    return {"tokens": [(i * 7 + j * 3) % 96 for j in range(n)], "target_tokens": [(i * 5 + j) % 96 for j in range(n)]}
+
+
+def main():
+    coordinator, worker, genmodel, cli, tmp = sys.argv[1:6]
+    model = os.path.join(tmp, "model")
+    subprocess.run([genmodel, "--preset", "tiny", "--out", model], check=True, stdout=subprocess.DEVNULL)
+    keys_file = os.path.join(tmp, "keys")
+    with open(keys_file, "w") as f:
+        f.write("# key owner [admin]\n")
+        f.write(f"{KEYS['alice']} alice\n{KEYS['bob']} bob\n{KEYS['ops']} ops admin\n")
+
+    bad = os.path.join(tmp, "bad_keys")
+    with open(bad, "w") as f:
+        f.write("short alice\n")
+    r = subprocess.run([coordinator, "--model", model, "--worker_binary", worker, "--port", "0", "--api_keys_file", bad],
+                       capture_output=True, text=True, timeout=60)
+    check(r.returncode != 0 and f"{bad}:1: key shorter than 16 characters" in r.stderr, "a bad keys file is refused")
+    r = subprocess.run([coordinator, "--model", model, "--worker_binary", worker, "--port", "0", "--host", "0.0.0.0"],
+                       capture_output=True, text=True, timeout=60)
+    check(r.returncode != 0 and "host: '0.0.0.0' is reachable from other machines" in r.stderr,
+          "an unauthenticated coordinator on a non-loopback host is refused")
+
+    port_file = os.path.join(tmp, "port")
+    proc = subprocess.Popen([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
+                             "--port_file", port_file, "--api_keys_file", keys_file,
+                             "--state_dir", os.path.join(tmp, "state")])
+    try:
+        for _ in range(600):
+            if os.path.exists(port_file) and open(port_file).read().strip():
+                break
+            time.sleep(0.1)
+        address = f"127.0.0.1:{open(port_file).read().strip()}"
+        anon = TrainingClient(address, api_key="")
+        refused(anon.list_runs, "UNAUTHENTICATED", "requires an API key", "no key")
+        refused(lambda: anon.create_run(rank=4), "UNAUTHENTICATED", "requires an API key", "no key, CreateRun")
+        e = refused(TrainingClient(address, api_key="x" * 24).list_runs, "UNAUTHENTICATED", "unknown API key",
+                    "unknown key")
+        check("x" * 24 not in e.details, "the error does not echo the key")
+
+        alice, bob, ops = (TrainingClient(address, api_key=KEYS[k]) for k in ("alice", "bob", "ops"))
+        a_run = alice.create_run(rank=4, alpha=8, seed=1)
+        b_run = bob.create_run(rank=4, alpha=8, seed=2)
+        a_run.train_step([datum(i) for i in range(4)], adamw={"lr": 1e-3})
+        check([r.run_id for r in alice.list_runs()] == [a_run.run_id], "alice lists only her run")
+        check([r.run_id for r in bob.list_runs()] == [b_run.run_id], "bob lists only his")
+        owners = {r.run_id: r.owner for r in ops.list_runs()}
+        check(owners == {a_run.run_id: "alice", b_run.run_id: "bob"}, f"the admin lists both with owners {owners}")
+
+        stolen = bob.attach  # GetRun
+        refused(lambda: stolen(a_run.run_id), "NOT_FOUND", f"no run '{a_run.run_id}'", "bob cannot get alice's run")
+        b_view = type(a_run)(bob, a_run.run_id, 2)  # a Run handle aimed at alice's run
+        refused(lambda: b_view.train_step([datum(0)]), "NOT_FOUND", "no run", "bob cannot train alice's run")
+        refused(lambda: b_view.metrics(), "NOT_FOUND", "no run", "bob cannot read alice's metrics")
+        refused(lambda: next(iter(b_view.watch())), "NOT_FOUND", "no run", "bob cannot watch alice's run")
+        refused(lambda: b_view.export(f"lorastep://{a_run.run_id}/x"), "NOT_FOUND", "no run", "bob cannot export it")
+        refused(lambda: bob.delete_run(a_run.run_id), "NOT_FOUND", "no run", "bob cannot delete it")
+
+        saved = a_run.save(f"lorastep://{a_run.run_id}/ck")
+        check(saved == 1, "alice saves to her run's reference")
+        refused(lambda: a_run.save(os.path.join(tmp, "raw")), "INVALID_ARGUMENT",
+                "path: with API keys only lorastep://<run>/<name> references", "raw paths are refused")
+        b_run2 = bob.attach(b_run.run_id)
+        refused(lambda: b_run2.load(f"lorastep://{a_run.run_id}/ck"), "NOT_FOUND",
+                f"path: no run '{a_run.run_id}'", "bob cannot load alice's checkpoint")
+        refused(lambda: bob.create_run(rank=4, alpha=8, init_from=f"lorastep://{a_run.run_id}/ck"), "NOT_FOUND",
+                "init_from: no run", "bob cannot start from alice's checkpoint")
+        check(ops.attach(a_run.run_id).run_id == a_run.run_id, "the admin reaches alice's run")
+        check(alice.get_run(a_run.run_id).learner_version == 1, "alice's run is untouched")
+
+        env = dict(os.environ, LORASTEP_API_KEY=KEYS["alice"])
+        out = subprocess.run([cli, "--address", address, "runs"], capture_output=True, text=True, env=env, timeout=30)
+        check(out.returncode == 0 and a_run.run_id in out.stdout and "alice" in out.stdout and
+              b_run.run_id not in out.stdout, "the CLI with $LORASTEP_API_KEY lists alice's runs with owner")
+        out = subprocess.run([cli, "--address", address, "runs"], capture_output=True, text=True,
+                             env={k: v for k, v in os.environ.items() if k != "LORASTEP_API_KEY"}, timeout=30)
+        check(out.returncode != 0 and "UNAUTHENTICATED" in out.stderr, "the CLI without a key is refused")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    print("auth: all passed")
+
+
+if __name__ == "__main__":
+    main()
