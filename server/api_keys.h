@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "rpc/bearer_token.h"
 #include "server/coordinator.h"
 
 namespace lorastep {
@@ -28,11 +29,6 @@ class ApiKeys {
   std::map<std::string, Caller> by_digest_;  // SHA-256 hex of the key -> caller
 };
 
-// The same "Bearer TOKEN" check for the shared worker token (--worker_token_file): the
-// coordinator and workers present it to each other. UNAUTHENTICATED on mismatch.
-absl::Status CheckBearerToken(const std::string& authorization, const std::string& token_sha256);
-absl::StatusOr<std::string> LoadTokenFile(const std::string& path);  // the token, trimmed
-std::string Sha256Hex(const std::string& data);
 
 }  // namespace lorastep
 

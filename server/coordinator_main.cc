@@ -16,6 +16,7 @@
 //                        [--v 1: per-call log lines on stderr; 0 failures only, 2 with health checks]
 //                        [--api_keys_file F: lines "KEY OWNER [admin]"; calls need "authorization:
 //                        Bearer KEY" and see only their owner's runs] [--allow_unauthenticated_remote]
+//                        [--worker_token_file F: shared secret for the Worker port and the Registry]
 // With --wait_for_workers and --tp/--pp/--dp, workers started with --register_with and no
 // --rank get their ranks here in the order they ask (JoinMesh); rank 0 serves the
 // rendezvous at its host and --rendezvous_port.
@@ -59,6 +60,14 @@ int main(int argc, char** argv) {
     auto loaded = ApiKeys::Load(flags["api_keys_file"]);
     if (!loaded.ok()) return fail(loaded.status());
     api_keys = std::move(loaded).value();
+  }
+  // --worker_token_file: the secret the coordinator and its workers present to each other
+  // (Worker port, Registry); passed on to local workers.
+  std::string worker_token;
+  if (flags.count("worker_token_file")) {
+    auto token = LoadTokenFile(flags["worker_token_file"]);
+    if (!token.ok()) return fail(token.status());
+    worker_token = *token;
   }
   const std::string host = flags.count("host") ? flags["host"] : "127.0.0.1";
   if (!api_keys && host != "127.0.0.1" && host != "localhost" && host != "::1" &&
@@ -111,6 +120,7 @@ int main(int argc, char** argv) {
     }
     std::vector<std::string> args = {"--model", flags["model"]};
     for (const char* pass : {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "state_dir", "v",
+                             "worker_token_file",
                              "max_activation_mb",
                              "test_replicated_reductions", "test_skip_shared_reduction",
                              "test_shared_reductions", "test_check_grad_digests",
@@ -148,12 +158,12 @@ int main(int argc, char** argv) {
   }
   Coordinator core{options};
   for (const auto& a : addresses) {
-    auto client = std::make_unique<GrpcWorkerClient>(a, std::chrono::seconds(worker_call_timeout));
+    auto client = std::make_unique<GrpcWorkerClient>(a, std::chrono::seconds(worker_call_timeout), worker_token);
     if (auto s = client->WaitReady(60); !s.ok()) return fail(s);
     if (auto s = core.AddWorker(std::move(client)); !s.ok()) return fail(s);
   }
   CoordinatorService service(&core, 4, &metrics, api_keys ? &*api_keys : nullptr);
-  RegistryService registry(&core);
+  RegistryService registry(&core, worker_token);
   int port = 0;
   auto server = StartGrpcServer(host,
                                 flags.count("port") ? std::stoi(flags["port"]) : 50051,

@@ -8,8 +8,10 @@
 #include "rpc/grpc_status.h"
 
 namespace lorastep {
-GrpcWorkerClient::GrpcWorkerClient(const std::string& address, std::chrono::seconds call_timeout)
-    : address_(address), call_timeout_(call_timeout) {
+GrpcWorkerClient::GrpcWorkerClient(const std::string& address, std::chrono::seconds call_timeout,
+                                   std::string worker_token)
+    : address_(address), call_timeout_(call_timeout),
+      authorization_(worker_token.empty() ? "" : "Bearer " + worker_token) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);
   args.SetMaxSendMessageSize(1 << 30);
@@ -29,6 +31,7 @@ template <typename Resp, typename Req, typename Method>
 absl::StatusOr<Resp> GrpcWorkerClient::Call(Method method, const Req& req) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + call_timeout_);
+  if (!authorization_.empty()) ctx.AddMetadata("authorization", authorization_);
   {
     std::lock_guard<std::mutex> lock(in_flight_mu_);
     in_flight_.insert(&ctx);

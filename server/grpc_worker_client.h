@@ -17,8 +17,11 @@ class GrpcWorkerClient final : public WorkerClient {
  public:
   // Every call carries a deadline of `call_timeout` (a training step on a large batch takes
   // minutes; a worker that hangs must not hold the mesh forever).
+  // `worker_token`: sent as "authorization: Bearer <token>" to workers started with
+  // --worker_token_file (empty: none).
   explicit GrpcWorkerClient(const std::string& address,
-                            std::chrono::seconds call_timeout = std::chrono::seconds(3600));
+                            std::chrono::seconds call_timeout = std::chrono::seconds(3600),
+                            std::string worker_token = "");
   // Waits until the channel is ready (or the deadline passes).
   absl::Status WaitReady(int timeout_seconds);
 
@@ -45,6 +48,7 @@ class GrpcWorkerClient final : public WorkerClient {
 
   std::string address_;
   std::chrono::seconds call_timeout_;
+  std::string authorization_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Worker::Stub> stub_;
   std::mutex in_flight_mu_;

@@ -8,14 +8,26 @@
 
 namespace lorastep {
 
+absl::Status RegistryService::CheckToken(grpc::CallbackServerContext* ctx) const {
+  if (token_sha256_.empty()) return absl::OkStatus();
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("authorization");
+  return CheckBearerToken(it == md.end() ? std::string() : std::string(it->second.data(), it->second.size()),
+                          token_sha256_);
+}
+
 grpc::ServerUnaryReactor* RegistryService::RegisterWorker(grpc::CallbackServerContext* ctx,
                                                           const v1::RegisterWorkerRequest* req,
                                                           v1::RegisterWorkerResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (absl::Status s = CheckToken(ctx); !s.ok()) {
+    reactor->Finish(ToGrpcStatus(s));
+    return reactor;
+  }
   executor_.Submit([this, reactor, req, resp] {
     absl::Status status = [&]() -> absl::Status {
       if (req->address().empty()) return absl::InvalidArgumentError("address: required");
-      auto worker = std::make_unique<GrpcWorkerClient>(req->address());
+      auto worker = std::make_unique<GrpcWorkerClient>(req->address(), std::chrono::seconds(3600), worker_token_);
       LORASTEP_RETURN_IF_ERROR(worker->WaitReady(30));
       LORASTEP_RETURN_IF_ERROR(core_->AddWorker(std::move(worker)));
       resp->set_num_workers(static_cast<int64_t>(core_->num_workers()));
@@ -33,6 +45,7 @@ grpc::ServerUnaryReactor* RegistryService::JoinMesh(grpc::CallbackServerContext*
                                                     v1::JoinMeshResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   absl::Status status = [&]() -> absl::Status {
+    LORASTEP_RETURN_IF_ERROR(CheckToken(ctx));
     LORASTEP_ASSIGN_OR_RETURN(MeshAssignment a, core_->AssignRank(req->host()));
     resp->set_rank(a.rank);
     resp->set_tp(a.sizes.tp);

@@ -4,6 +4,7 @@
 #define LORASTEP_SERVER_REGISTRY_SERVICE_H_
 
 #include "lorastep/v1/worker.grpc.pb.h"
+#include "rpc/bearer_token.h"
 #include "server/coordinator.h"
 #include "rpc/serial_executor.h"
 
@@ -11,7 +12,11 @@ namespace lorastep {
 
 class RegistryService final : public v1::Registry::CallbackService {
  public:
-  explicit RegistryService(Coordinator* core) : core_(core) {}
+  // `worker_token`: with --worker_token_file, registering and joining need it (and the
+  // coordinator presents it to the registered worker); empty: open.
+  explicit RegistryService(Coordinator* core, std::string worker_token = "")
+      : core_(core), worker_token_(std::move(worker_token)),
+        token_sha256_(worker_token_.empty() ? "" : Sha256Hex(worker_token_)) {}
   grpc::ServerUnaryReactor* RegisterWorker(grpc::CallbackServerContext* ctx,
                                            const v1::RegisterWorkerRequest* req,
                                            v1::RegisterWorkerResponse* resp) override;
@@ -20,7 +25,9 @@ class RegistryService final : public v1::Registry::CallbackService {
                                      v1::JoinMeshResponse* resp) override;
 
  private:
+  absl::Status CheckToken(grpc::CallbackServerContext* ctx) const;
   Coordinator* core_;
+  std::string worker_token_, token_sha256_;
   SerialExecutor executor_;  // connecting to a worker blocks; never on a gRPC thread
 };
 

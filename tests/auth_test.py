@@ -110,7 +110,66 @@ def main():
     finally:
         proc.terminate()
         proc.wait(30)
+    worker_token_checks(coordinator, worker, model, tmp)
     print("auth: all passed")
+
+
+def wait_port(path, proc):
+    for _ in range(1200):
+        if os.path.exists(path) and open(path).read().strip():
+            return int(open(path).read())
+        if proc.poll() is not None:
+            raise AssertionError(f"exited with {proc.returncode} before writing {path}")
+        time.sleep(0.1)
+    raise AssertionError(f"{path} not written")
+
+
+def worker_token_checks(coordinator, worker, model, tmp):
+    """--worker_token_file: the Worker port and the Registry refuse callers without it."""
+    import grpc
+    from lorastep.v1 import worker_pb2, worker_pb2_grpc
+    token = "worker-token-0123456789abcdef"
+    token_file = os.path.join(tmp, "worker_token")
+    with open(token_file, "w") as f:
+        f.write(token + "\n")
+    wport = os.path.join(tmp, "wport")
+    w = subprocess.Popen([worker, "--model", model, "--port", "0", "--port_file", wport, "--worker_token_file", token_file])
+    procs = [w]
+    try:
+        address = f"127.0.0.1:{wait_port(wport, w)}"
+        stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(address))
+        for md, want in ((None, "the worker token is required"), ((("authorization", "Bearer " + "y" * 24),),
+                                                                   "wrong worker token")):
+            try:
+                stub.Info(worker_pb2.WorkerInfoRequest(), metadata=md, timeout=10)
+                raise AssertionError("the worker answered without its token")
+            except grpc.RpcError as e:
+                check(e.code() == grpc.StatusCode.UNAUTHENTICATED and want in e.details(),
+                      f"worker port: {e.details()}")
+        info = stub.Info(worker_pb2.WorkerInfoRequest(), metadata=(("authorization", f"Bearer {token}"),), timeout=10)
+        check(info.vocab_size == 96, "worker port answers the token")
+        r = subprocess.run([coordinator, "--workers", address, "--port", "0"], capture_output=True, text=True,
+                           timeout=120)
+        check(r.returncode != 0 and "UNAUTHENTICATED" in r.stderr, "a coordinator without the token cannot use it")
+        cport = os.path.join(tmp, "cport")
+        c = subprocess.Popen([coordinator, "--workers", address, "--port", "0", "--port_file", cport,
+                              "--worker_token_file", token_file])
+        procs.append(c)
+        client = TrainingClient(f"127.0.0.1:{wait_port(cport, c)}")
+        run = client.create_run(rank=4, alpha=8)
+        check(run.train_step([datum(i) for i in range(2)], adamw={"lr": 1e-3}).learner_version == 1,
+              "with the token the coordinator trains on the worker")
+        reg = worker_pb2_grpc.RegistryStub(grpc.insecure_channel(f"127.0.0.1:{open(cport).read().strip()}"))
+        try:
+            reg.RegisterWorker(worker_pb2.RegisterWorkerRequest(address="127.0.0.1:1"), timeout=10)
+            raise AssertionError("registration without the token accepted")
+        except grpc.RpcError as e:
+            check(e.code() == grpc.StatusCode.UNAUTHENTICATED, f"Registry without the token: {e.details()}")
+        client.close()
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(30)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@
 #include "lorastep/v1/worker.grpc.pb.h"
 #include "rpc/grpc_status.h"
 
+#include "rpc/bearer_token.h"
 #include "rpc/metrics_http_server.h"
 #include "rpc/server_runner.h"
 #include "worker/worker_core.h"
@@ -27,7 +28,7 @@ namespace {
 
 // Announces this worker to a coordinator, retrying while the coordinator starts.
 absl::Status RegisterWithCoordinator(const std::string& coordinator, const std::string& self,
-                                     int timeout_seconds) {
+                                     int timeout_seconds, const std::string& authorization) {
   auto channel = grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials());
   auto stub = lorastep::v1::Registry::NewStub(channel);
   lorastep::v1::RegisterWorkerRequest req;
@@ -36,7 +37,7 @@ absl::Status RegisterWithCoordinator(const std::string& coordinator, const std::
   absl::Status last;
   while (std::chrono::steady_clock::now() < deadline) {
     auto r = lorastep::CallUnary<lorastep::v1::RegisterWorkerResponse>(
-        stub.get(), &lorastep::v1::Registry::Stub::RegisterWorker, req);
+        stub.get(), &lorastep::v1::Registry::Stub::RegisterWorker, req, std::chrono::seconds(0), authorization);
     if (r.ok()) return absl::OkStatus();
     last = r.status();
     if (!absl::IsUnavailable(last)) return last;
@@ -48,7 +49,8 @@ absl::Status RegisterWithCoordinator(const std::string& coordinator, const std::
 // Asks the coordinator for a rank of its mesh. NOT_FOUND-like answers (no mesh there) come
 // back as FAILED_PRECONDITION: the worker then registers on its own, at world size 1.
 absl::StatusOr<lorastep::v1::JoinMeshResponse> JoinMesh(const std::string& coordinator,
-                                                        const std::string& host, int timeout_seconds) {
+                                                        const std::string& host, int timeout_seconds,
+                                                        const std::string& authorization) {
   auto channel = grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials());
   auto stub = lorastep::v1::Registry::NewStub(channel);
   lorastep::v1::JoinMeshRequest req;
@@ -57,7 +59,7 @@ absl::StatusOr<lorastep::v1::JoinMeshResponse> JoinMesh(const std::string& coord
   absl::Status last;
   while (std::chrono::steady_clock::now() < deadline) {
     auto r = lorastep::CallUnary<lorastep::v1::JoinMeshResponse>(
-        stub.get(), &lorastep::v1::Registry::Stub::JoinMesh, req);
+        stub.get(), &lorastep::v1::Registry::Stub::JoinMesh, req, std::chrono::seconds(0), authorization);
     if (r.ok() || !absl::IsUnavailable(r.status())) return r;
     last = r.status();
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
@@ -77,6 +79,18 @@ int main(int argc, char** argv) {
   if (!metrics_endpoint.ok()) {
     std::cerr << "lorastep_worker: " << metrics_endpoint.status() << "\n";
     return 2;
+  }
+  // --worker_token_file: every call to this worker must present the token, and the worker
+  // presents it when registering.
+  std::string token_sha256, authorization;
+  if (flags.count("worker_token_file")) {
+    auto token = LoadTokenFile(flags["worker_token_file"]);
+    if (!token.ok()) {
+      std::cerr << "lorastep_worker: " << token.status() << "\n";
+      return 2;
+    }
+    token_sha256 = Sha256Hex(*token);
+    authorization = "Bearer " + *token;
   }
   WorkerOptions options;
   options.model_path = flags["model"];
@@ -141,7 +155,7 @@ int main(int argc, char** argv) {
   options.gloo_host = advertise_host;
   if (flags.count("register_with") && !flags.count("rank")) {
     // A coordinator running a mesh hands out the rank (and sizes, rendezvous) first.
-    auto joined = JoinMesh(flags["register_with"], advertise_host, 60);
+    auto joined = JoinMesh(flags["register_with"], advertise_host, 60, authorization);
     if (joined.ok()) {
       options.rank = joined->rank();
       options.sizes = {joined->tp(), joined->pp(), joined->dp(), std::max(1, joined->ep())};
@@ -159,7 +173,7 @@ int main(int argc, char** argv) {
     std::cerr << "lorastep_worker: " << core.status() << "\n";
     return 1;
   }
-  WorkerService service(core->get(), &metrics);
+  WorkerService service(core->get(), &metrics, token_sha256);
   int port = 0;
   auto server = StartGrpcServer(flags.count("host") ? flags["host"] : "127.0.0.1",
                                 flags.count("port") ? std::stoi(flags["port"]) : 0, {&service},
@@ -180,7 +194,7 @@ int main(int argc, char** argv) {
             << (*core)->base().device.str() << ")\n";
   if (flags.count("register_with")) {
     const std::string self = absl::StrCat(advertise_host, ":", port);
-    if (auto s = RegisterWithCoordinator(flags["register_with"], self, 60); !s.ok()) {
+    if (auto s = RegisterWithCoordinator(flags["register_with"], self, 60, authorization); !s.ok()) {
       std::cerr << "lorastep_worker: " << s << "\n";
       (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
       return 1;

@@ -6,6 +6,7 @@
 #include "rpc/grpc_status.h"
 #include "rpc/proto_convert.h"
 #include "rpc/step_metrics.h"
+#include "rpc/bearer_token.h"
 
 namespace lorastep {
 namespace {
@@ -33,13 +34,26 @@ MeshCallInfo MeshFromProto(const v1::MeshCall& mesh) {
 
 }  // namespace
 
-WorkerService::WorkerService(WorkerCore* core, PrometheusRegistry* metrics) : core_(core), metrics_(metrics) {
+absl::Status WorkerService::CheckToken(grpc::CallbackServerContext* ctx) const {
+  if (token_sha256_.empty()) return absl::OkStatus();
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("authorization");
+  return CheckBearerToken(it == md.end() ? std::string() : std::string(it->second.data(), it->second.size()),
+                          token_sha256_);
+}
+
+WorkerService::WorkerService(WorkerCore* core, PrometheusRegistry* metrics, std::string token_sha256)
+    : core_(core), metrics_(metrics), token_sha256_(std::move(token_sha256)) {
   if (metrics_ != nullptr) DeclareStepMetrics(metrics_);
 }
 
 template <typename Work>
 grpc::ServerUnaryReactor* WorkerService::Defer(grpc::CallbackServerContext* ctx, Work work) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (absl::Status s = CheckToken(ctx); !s.ok()) {
+    reactor->Finish(ToGrpcStatus(s));
+    return reactor;
+  }
   executor_.Submit([reactor, work = std::move(work)]() mutable {
     reactor->Finish(ToGrpcStatus(work()));
   });
@@ -78,6 +92,11 @@ grpc::ServerUnaryReactor* WorkerService::DeferOnce(grpc::CallbackServerContext* 
 
 grpc::ServerUnaryReactor* WorkerService::Info(grpc::CallbackServerContext* ctx,
                                               const v1::WorkerInfoRequest*, v1::WorkerInfo* resp) {
+  if (absl::Status s = CheckToken(ctx); !s.ok()) {
+    auto* refused = ctx->DefaultReactor();
+    refused->Finish(ToGrpcStatus(s));
+    return refused;
+  }
   resp->set_model_path(core_->options().model_path);
   resp->set_device(core_->base().device.str());
   resp->set_dtype(c10::toString(core_->base().dtype));

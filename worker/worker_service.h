@@ -18,7 +18,9 @@ namespace lorastep {
 class WorkerService final : public v1::Worker::CallbackService {
  public:
   // `metrics`: this rank's step figures (rpc/step_metrics.h), labelled by run; may be null.
-  explicit WorkerService(WorkerCore* core, PrometheusRegistry* metrics = nullptr);
+  // `token_sha256`: with --worker_token_file, every call must present the token (the
+  // coordinator does); empty: open.
+  explicit WorkerService(WorkerCore* core, PrometheusRegistry* metrics = nullptr, std::string token_sha256 = "");
 
   grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* ctx, const v1::WorkerInfoRequest* req,
                                  v1::WorkerInfo* resp) override;
@@ -66,8 +68,10 @@ class WorkerService final : public v1::Worker::CallbackService {
   grpc::ServerUnaryReactor* DeferOnce(grpc::CallbackServerContext* ctx, const v1::MeshCall& mesh,
                                       const char* method, google::protobuf::Message* resp, Work work);
 
+  absl::Status CheckToken(grpc::CallbackServerContext* ctx) const;
   WorkerCore* core_;
   PrometheusRegistry* metrics_;
+  std::string token_sha256_;
   // request_id -> (method, serialized response), the most recent kRecordedCalls; touched
   // only on the executor thread.
   static constexpr size_t kRecordedCalls = 256;
