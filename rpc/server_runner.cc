@@ -168,12 +168,13 @@ void WaitForShutdownSignal() {
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
     const std::string& host, int port, const std::vector<grpc::Service*>& services,
-    int* bound_port, int max_request_bytes, const CallObservers& observers) {
+    int* bound_port, int max_request_bytes, const CallObservers& observers,
+    std::shared_ptr<grpc::ServerCredentials> credentials) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(absl::StrCat(host, ":", port), grpc::InsecureServerCredentials(),
-                           bound_port);
+  builder.AddListeningPort(absl::StrCat(host, ":", port),
+                           credentials != nullptr ? credentials : grpc::InsecureServerCredentials(), bound_port);
   // Rollout batches: 64 x 512 tokens with four float fields is ~1 MB; the coordinator's
   // default limit is 64 MiB (--max_request_mb), a worker's 1 GiB (the coordinator's calls).
   builder.SetMaxReceiveMessageSize(max_request_bytes);
@@ -190,6 +191,23 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
     return absl::UnavailableError(absl::StrCat("cannot listen on ", host, ":", port));
   }
   return server;
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsServerCredentials(const std::string& cert_file,
+                                                                              const std::string& key_file) {
+  auto cert = ReadFileToString(cert_file);
+  if (!cert.ok()) return absl::NotFoundError(absl::StrCat("tls_cert_file: cannot read '", cert_file, "'"));
+  auto key = ReadFileToString(key_file);
+  if (!key.ok()) return absl::NotFoundError(absl::StrCat("tls_key_file: cannot read '", key_file, "'"));
+  if (cert->find("-----BEGIN CERTIFICATE-----") == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("tls_cert_file: '", cert_file, "' holds no PEM certificate"));
+  }
+  if (key->find("PRIVATE KEY-----") == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("tls_key_file: '", key_file, "' holds no PEM private key"));
+  }
+  grpc::SslServerCredentialsOptions options;
+  options.pem_key_cert_pairs.push_back({*key, *cert});
+  return grpc::SslServerCredentials(options);
 }
 
 absl::Status WritePortFile(const std::string& path, int port) {

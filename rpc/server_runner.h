@@ -34,9 +34,15 @@ struct CallObservers {
   std::string component;  // "coordinator" | "worker"
   int rank = -1;          // a mesh worker's rank
 };
+// `credentials`: null = plaintext; TlsServerCredentials() for TLS.
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
     const std::string& host, int port, const std::vector<grpc::Service*>& services,
-    int* bound_port, int max_request_bytes = 1 << 30, const CallObservers& observers = {});
+    int* bound_port, int max_request_bytes = 1 << 30, const CallObservers& observers = {},
+    std::shared_ptr<grpc::ServerCredentials> credentials = nullptr);
+// TLS server credentials from PEM files (certificate chain and private key); errors name the
+// flag (tls_cert_file / tls_key_file).
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsServerCredentials(const std::string& cert_file,
+                                                                              const std::string& key_file);
 void DeclareRequestMetrics(PrometheusRegistry* metrics);
 
 // Writes the port atomically (temp file + rename) so a parent polling the file never reads

@@ -11,7 +11,7 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  nlohmann-json3-dev libssl-dev
+  nlohmann-json3-dev libssl-dev openssl
   python3-grpcio python3-protobuf python3-numpy python3-prometheus-client
   gnuplot-nox
 )

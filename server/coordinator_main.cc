@@ -17,6 +17,7 @@
 //                        [--api_keys_file F: lines "KEY OWNER [admin]"; calls need "authorization:
 //                        Bearer KEY" and see only their owner's runs] [--allow_unauthenticated_remote]
 //                        [--worker_token_file F: shared secret for the Worker port and the Registry]
+//                        [--tls_cert_file C --tls_key_file K: the Trainer API over TLS (PEM)]
 // With --wait_for_workers and --tp/--pp/--dp, workers started with --register_with and no
 // --rank get their ranks here in the order they ask (JoinMesh); rank 0 serves the
 // rendezvous at its host and --rendezvous_port.
@@ -165,10 +166,18 @@ int main(int argc, char** argv) {
   CoordinatorService service(&core, 4, &metrics, api_keys ? &*api_keys : nullptr);
   RegistryService registry(&core, worker_token);
   int port = 0;
+  // --tls_cert_file/--tls_key_file: the Trainer API over TLS (workers stay on plaintext
+  // loopback or a private network, authenticated by the worker token).
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  if (flags.count("tls_cert_file") || flags.count("tls_key_file")) {
+    auto tls = TlsServerCredentials(flags["tls_cert_file"], flags["tls_key_file"]);
+    if (!tls.ok()) return fail(tls.status());
+    credentials = *tls;
+  }
   auto server = StartGrpcServer(host,
                                 flags.count("port") ? std::stoi(flags["port"]) : 50051,
                                 {&service, &registry}, &port, max_request_bytes,
-                                CallObservers{&metrics, log_verbosity, "coordinator", -1});
+                                CallObservers{&metrics, log_verbosity, "coordinator", -1}, credentials);
   if (!server.ok()) return fail(server.status());
   if (flags.count("port_file")) {
     if (auto s = WritePortFile(flags["port_file"], port); !s.ok()) return fail(s);

@@ -111,7 +111,43 @@ def main():
         proc.terminate()
         proc.wait(30)
     worker_token_checks(coordinator, worker, model, tmp)
+    tls_checks(coordinator, worker, model, cli, tmp)
     print("auth: all passed")
+
+
+def tls_checks(coordinator, worker, model, cli, tmp):
+    """--tls_cert_file/--tls_key_file: the Trainer API over TLS, verified against the CA."""
+    import grpc
+    cert, key = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    r = subprocess.run([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
+                        "--tls_cert_file", key, "--tls_key_file", key], capture_output=True, text=True, timeout=60)
+    check(r.returncode != 0 and "tls_cert_file" in r.stderr and "no PEM certificate" in r.stderr,
+          "a key given as the certificate is refused at start")
+    port_file = os.path.join(tmp, "tls_port")
+    c = subprocess.Popen([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
+                          "--port_file", port_file, "--tls_cert_file", cert, "--tls_key_file", key])
+    try:
+        address = f"127.0.0.1:{wait_port(port_file, c)}"
+        ca = open(cert, "rb").read()
+        client = TrainingClient(address, root_certificates=ca)
+        run = client.create_run(rank=4, alpha=8)
+        check(run.train_step([datum(i) for i in range(2)], adamw={"lr": 1e-3}).learner_version == 1,
+              "a TLS client trains")
+        client.close()
+        try:
+            TrainingClient(address, timeout=3).list_runs()
+            raise AssertionError("a plaintext client reached the TLS port")
+        except grpc.FutureTimeoutError:
+            check(True, "a plaintext client cannot connect to the TLS port")
+        out = subprocess.run([cli, "--address", address, "--tls_ca_file", cert, "runs"], capture_output=True,
+                             text=True, timeout=30)
+        check(out.returncode == 0 and run.run_id in out.stdout, "the CLI with --tls_ca_file lists the run")
+    finally:
+        c.terminate()
+        c.wait(30)
 
 
 def wait_port(path, proc):

@@ -34,6 +34,7 @@
 // Numbers are strings so that "not given" differs from any value: the API's default applies.
 ABSL_FLAG(std::string, address, "127.0.0.1:50051", "coordinator address");
 ABSL_FLAG(std::string, api_key, "", "API key for a coordinator with --api_keys_file (default: $LORASTEP_API_KEY)");
+ABSL_FLAG(std::string, tls_ca_file, "", "CA certificate (PEM) of a coordinator serving TLS; default: plaintext");
 ABSL_FLAG(bool, json, false, "print responses as JSON (full precision) instead of tables");
 ABSL_FLAG(std::string, run, "", "run id");
 ABSL_FLAG(std::string, run_id, "", "create: the new run's id (default: assigned)");
@@ -446,7 +447,13 @@ int Main(int argc, char** argv) {
   }
   std::string api_key = absl::GetFlag(FLAGS_api_key);
   if (api_key.empty() && std::getenv("LORASTEP_API_KEY") != nullptr) api_key = std::getenv("LORASTEP_API_KEY");
-  auto client = TrainerClient::Connect(absl::GetFlag(FLAGS_address), 10, api_key);
+  std::string ca_pem;
+  if (!absl::GetFlag(FLAGS_tls_ca_file).empty()) {
+    std::ifstream in(absl::GetFlag(FLAGS_tls_ca_file));
+    if (!in) return Fail(absl::NotFoundError(absl::StrCat("--tls_ca_file: cannot read '", absl::GetFlag(FLAGS_tls_ca_file), "'")));
+    ca_pem.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  auto client = TrainerClient::Connect(absl::GetFlag(FLAGS_address), 10, api_key, ca_pem);
   if (!client.ok()) return Fail(client.status());
   TrainerClient& c = **client;
   const bool json = absl::GetFlag(FLAGS_json);

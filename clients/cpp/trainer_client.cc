@@ -36,11 +36,18 @@ TrainerClient::TrainerClient(std::shared_ptr<grpc::Channel> channel, std::string
 
 absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const std::string& address,
                                                                       int timeout_seconds,
-                                                                      const std::string& api_key) {
+                                                                      const std::string& api_key,
+                                                                      const std::string& ca_pem) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);
   args.SetMaxSendMessageSize(1 << 30);
-  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  if (!ca_pem.empty()) {
+    grpc::SslCredentialsOptions tls;
+    tls.pem_root_certs = ca_pem;
+    creds = grpc::SslCredentials(tls);
+  }
+  auto channel = grpc::CreateCustomChannel(address, creds, args);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() +
                                  std::chrono::seconds(timeout_seconds))) {
     return absl::UnavailableError(absl::StrCat("cannot reach ", address));

@@ -29,9 +29,11 @@ class TrainerClient {
  public:
   // `api_key`: for coordinators started with --api_keys_file (sent as "authorization:
   // Bearer <key>" on every call).
+  // `ca_pem`: the CA certificate (PEM) of a coordinator serving TLS; empty = plaintext.
   static absl::StatusOr<std::unique_ptr<TrainerClient>> Connect(const std::string& address,
                                                                 int timeout_seconds = 30,
-                                                                const std::string& api_key = "");
+                                                                const std::string& api_key = "",
+                                                                const std::string& ca_pem = "");
 
   absl::StatusOr<v1::Run> CreateRun(const v1::CreateRunRequest& req);
   absl::StatusOr<v1::Run> GetRun(const std::string& run_id);
