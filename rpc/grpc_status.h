@@ -6,6 +6,7 @@
 #include <string>
 
 #include <grpcpp/client_context.h>
+#include <grpcpp/server_context.h>
 #include <grpcpp/support/status.h>
 
 #include "absl/status/status.h"
@@ -15,6 +16,12 @@ namespace lorastep {
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// The call's "authorization" metadata value ("" when absent).
+inline std::string AuthorizationOf(const grpc::ServerContextBase& ctx) {
+  auto it = ctx.client_metadata().find("authorization");
+  return it == ctx.client_metadata().end() ? std::string() : std::string(it->second.data(), it->second.size());
+}
 
 // One blocking unary call on a generated stub, as absl::StatusOr. `timeout` > 0 sets the
 // call's deadline (DEADLINE_EXCEEDED when it passes).

@@ -102,9 +102,7 @@ void CoordinatorService::QueueDepthChanged(int delta) {
 
 absl::StatusOr<Caller> CoordinatorService::Authenticate(grpc::CallbackServerContext* ctx) const {
   if (api_keys_ == nullptr) return Caller{"", /*admin=*/true};  // no --api_keys_file
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("authorization");
-  return api_keys_->Authenticate(it == md.end() ? std::string() : std::string(it->second.data(), it->second.size()));
+  return api_keys_->Authenticate(AuthorizationOf(*ctx));
 }
 
 absl::StatusOr<Caller> CoordinatorService::Authorize(grpc::CallbackServerContext* ctx, const std::string& run_id) {

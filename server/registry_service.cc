@@ -9,11 +9,7 @@
 namespace lorastep {
 
 absl::Status RegistryService::CheckToken(grpc::CallbackServerContext* ctx) const {
-  if (token_sha256_.empty()) return absl::OkStatus();
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("authorization");
-  return CheckBearerToken(it == md.end() ? std::string() : std::string(it->second.data(), it->second.size()),
-                          token_sha256_);
+  return token_sha256_.empty() ? absl::OkStatus() : CheckBearerToken(AuthorizationOf(*ctx), token_sha256_);
 }
 
 grpc::ServerUnaryReactor* RegistryService::RegisterWorker(grpc::CallbackServerContext* ctx,

@@ -122,6 +122,17 @@ class MeshTest : public ::testing::Test {
     return c;
   }
 
+  // A LoRA r4 run on `c`, one healthy TrainStep applied.
+  static RunSession RunWithOneStep(Coordinator& c, uint64_t seed) {
+    v1::LoraConfig lora;
+    lora.set_rank(4);
+    lora.set_alpha(8);
+    auto run = RunSession::Create(c.client.get(), lora, seed);
+    EXPECT_TRUE(run.ok()) << run.status();
+    EXPECT_TRUE(run->TrainStep(Batch(0), Ppo(), Adam()).ok());
+    return std::move(run).value();
+  }
+
   struct Trace {
     std::vector<double> loss, grad_norm;
     std::vector<std::vector<float>> logprobs;
@@ -437,12 +448,8 @@ TEST_F(MeshTest, BatchSmallerThanTheReplicasIsRefused) {
 TEST_F(MeshTest, KilledWorkerFailsTheCallNamingTheRankAndNothingIsApplied) {
   if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
   Coordinator dp2 = Start({"--dp", "2"});
-  v1::LoraConfig lora;
-  lora.set_rank(4);
-  lora.set_alpha(8);
-  auto run = RunSession::Create(dp2.client.get(), lora, 1);
-  ASSERT_TRUE(run.ok()) << run.status();
-  ASSERT_OK(run->TrainStep(Batch(0), Ppo(), Adam()).status());
+  RunSession run_session = RunWithOneStep(dp2, 1);
+  RunSession* run = &run_session;
   // Find rank 1's worker process (a child of the coordinator started with --rank 1) and kill it.
   const std::string cmd = absl::StrCat("pkill -KILL -P ", dp2.server->pid(), " -f -- '--rank 1 '");
   ASSERT_EQ(system(cmd.c_str()), 0) << cmd;
@@ -462,12 +469,8 @@ TEST_F(MeshTest, KilledWorkerFailsTheCallNamingTheRankAndNothingIsApplied) {
 TEST_F(MeshTest, StalledRankIsCancelledAfterAPeerFails) {
   if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
   Coordinator dp2 = Start({"--dp", "2", "--peer_failure_grace_s", "3"});
-  v1::LoraConfig lora;
-  lora.set_rank(4);
-  lora.set_alpha(8);
-  auto run = RunSession::Create(dp2.client.get(), lora, 1);
-  ASSERT_TRUE(run.ok()) << run.status();
-  ASSERT_OK(run->TrainStep(Batch(0), Ppo(), Adam()).status());
+  RunSession run_session = RunWithOneStep(dp2, 1);
+  RunSession* run = &run_session;
   const std::string pid = std::to_string(dp2.server->pid());
   ASSERT_EQ(system(("pkill -STOP -P " + pid + " -f -- '--rank 0 '").c_str()), 0);
   ASSERT_EQ(system(("pkill -KILL -P " + pid + " -f -- '--rank 1 '").c_str()), 0);

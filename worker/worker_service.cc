@@ -35,11 +35,7 @@ MeshCallInfo MeshFromProto(const v1::MeshCall& mesh) {
 }  // namespace
 
 absl::Status WorkerService::CheckToken(grpc::CallbackServerContext* ctx) const {
-  if (token_sha256_.empty()) return absl::OkStatus();
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("authorization");
-  return CheckBearerToken(it == md.end() ? std::string() : std::string(it->second.data(), it->second.size()),
-                          token_sha256_);
+  return token_sha256_.empty() ? absl::OkStatus() : CheckBearerToken(AuthorizationOf(*ctx), token_sha256_);
 }
 
 WorkerService::WorkerService(WorkerCore* core, PrometheusRegistry* metrics, std::string token_sha256)
