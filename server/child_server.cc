@@ -1,5 +1,7 @@
 #include "server/child_server.h"
 
+#include <algorithm>
+
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -48,7 +50,10 @@ absl::StatusOr<std::vector<ChildServer>> ChildServer::StartAll(
     port_files.push_back(absl::StrCat(dir_template, "/port", i));
     std::vector<std::string> argv_s = {binary};
     argv_s.insert(argv_s.end(), args_per_child[i].begin(), args_per_child[i].end());
-    argv_s.insert(argv_s.end(), {"--port", "0", "--port_file", port_files.back()});
+    // A child given --port keeps it (a worker restarted at its old address); else any free one.
+    const auto& a = args_per_child[i];
+    if (std::find(a.begin(), a.end(), "--port") == a.end()) argv_s.insert(argv_s.end(), {"--port", "0"});
+    argv_s.insert(argv_s.end(), {"--port_file", port_files.back()});
     const pid_t parent = getpid();
     pid_t pid = fork();
     if (pid < 0) {

@@ -6,6 +6,7 @@
 #include <openssl/evp.h>
 
 #include <algorithm>
+#include <iostream>
 #include <cstring>
 #include <cctype>
 #include <cmath>
@@ -159,9 +160,44 @@ absl::Status Coordinator::AddWorker(std::unique_ptr<WorkerClient> worker) {
   if (on_mesh()) {
     workers_[info.rank()] = std::move(worker);
   } else {
-    workers_.push_back(std::move(worker));
+    auto same = std::find_if(workers_.begin(), workers_.end(), [&](const auto& w) {
+      return w->address() == worker->address() && down_.count(w.get());
+    });
+    if (same != workers_.end()) {  // a restarted worker takes its dead predecessor's place
+      // The old client stays down (and alive): runs made there keep failing as down rather
+      // than reaching the new process, which never had them.
+      replaced_.push_back(std::move(*same));
+      *same = std::move(worker);
+    } else {
+      workers_.push_back(std::move(worker));
+    }
   }
+  PublishHealth();
   return absl::OkStatus();
+}
+
+void Coordinator::OnServingChange(std::function<void(bool)> callback) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_serving_ = std::move(callback);
+  PublishHealth();
+}
+
+bool Coordinator::Serving() const {
+  const size_t up = std::count_if(workers_.begin(), workers_.end(),
+                                  [&](const auto& w) { return w != nullptr && !down_.count(w.get()); });
+  return on_mesh() ? up == static_cast<size_t>(options_.mesh.world()) : up > 0;
+}
+
+void Coordinator::PublishHealth() {
+  if (on_serving_) on_serving_(Serving());
+}
+
+void Coordinator::MarkDown(WorkerClient* worker, const absl::Status& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!down_.insert(worker).second) return;
+  std::cerr << "lorastep_coordinator: worker " << worker->address() << " is down (" << why.message()
+            << "); new runs skip it\n";
+  PublishHealth();
 }
 
 absl::StatusOr<MeshAssignment> Coordinator::AssignRank(const std::string& host) {
@@ -222,6 +258,9 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, 
   LORASTEP_RETURN_IF_ERROR(ValidateLoraConfig(lora));
   std::unique_lock<std::mutex> lock(mu_);
   const size_t registered = RegisteredWorkers();
+  if (on_mesh() && !down_.empty()) {
+    return absl::UnavailableError("coordinator: a rank of the mesh is down; restart the mesh");
+  }
   if (registered == 0 || (on_mesh() && registered < static_cast<size_t>(options_.mesh.world()))) {
     return absl::UnavailableError(absl::StrCat("coordinator: ", registered, " of ",
                                                on_mesh() ? options_.mesh.world() : 1,
@@ -268,7 +307,13 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, 
   if (on_mesh()) {
     for (auto& w : workers_) state->ranks.push_back(w.get());
   } else {
-    state->ranks.push_back(workers_[(runs_.size() + creating_ids_.size()) % workers_.size()].get());
+    // Round robin over the workers that are up.
+    std::vector<WorkerClient*> up;
+    for (auto& w : workers_) {
+      if (!down_.count(w.get())) up.push_back(w.get());
+    }
+    if (up.empty()) return absl::UnavailableError("coordinator: no worker is up; retry when one registers");
+    state->ranks.push_back(up[(runs_.size() + creating_ids_.size()) % up.size()]);
   }
   state->run.set_run_id(run_id);
   state->run.set_base_model(model_path_);
@@ -308,15 +353,18 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, 
 absl::Status Coordinator::DeleteRun(const std::string& run_id) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(run_id));
   std::lock_guard<std::mutex> run_lock(run->mu);  // after any call in flight on it
+  bool on_down_worker = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (runs_.count(run_id) == 0 || runs_.at(run_id) != run) {  // a concurrent DeleteRun won
       return absl::NotFoundError(absl::StrCat("run_id: no run '", run_id, "'"));
     }
+    for (const WorkerClient* w : run->ranks) on_down_worker = on_down_worker || down_.count(w) > 0;
   }
   v1::WorkerDeleteRunRequest wreq;
   wreq.set_run_id(run_id);
-  LORASTEP_RETURN_IF_ERROR(FanOut<bool>(*run, AllRanks(*run), [&](int, WorkerClient* w) -> absl::StatusOr<bool> {
+  // A run on a dead worker has no state left to free there: it is only forgotten.
+  if (!on_down_worker) LORASTEP_RETURN_IF_ERROR(FanOut<bool>(*run, AllRanks(*run), [&](int, WorkerClient* w) -> absl::StatusOr<bool> {
                              LORASTEP_RETURN_IF_ERROR(w->DeleteRun(wreq));
                              return true;
                            }).status());
@@ -479,6 +527,18 @@ absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
     RunState& run, const std::vector<int>& ranks,
     const std::function<absl::StatusOr<Resp>(int rank, WorkerClient*)>& call) {
   std::lock_guard<FairMutex> mesh_lock(mesh_mu_);
+  {
+    // A run on a worker known to be down fails at once, and never reaches a process that
+    // has since taken the dead one's address.
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int r : ranks) {
+      if (down_.count(run.ranks[r])) {
+        return absl::UnavailableError(absl::StrCat("worker ", run.ranks[r]->address(),
+                                                   " is down: the run's state there is lost; LoadState a "
+                                                   "checkpoint into a new run (CreateRun with init_from)"));
+      }
+    }
+  }
   std::vector<absl::StatusOr<Resp>> results(ranks.size(), absl::UnknownError("not run"));
   if (ranks.size() == 1) {
     results[0] = call(ranks[0], run.ranks[ranks[0]]);
@@ -534,6 +594,16 @@ absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
       results[i] = absl::DeadlineExceededError(absl::StrCat(
           "no answer ", options_.peer_failure_grace.count(), " s after rank ", root_rank,
           " failed; call cancelled (the worker may still be blocked in a collective)"));
+    }
+  }
+  // A call that failed at the transport (the worker process is gone) marks its worker down;
+  // a call cancelled by us, or one that failed inside a collective, does not.
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (!results[i].ok() && absl::IsUnavailable(results[i].status()) && !IsPeerFailure(results[i].status())) {
+      MarkDown(run.ranks[ranks[i]], results[i].status());
+      results[i] = absl::UnavailableError(absl::StrCat(
+          results[i].status().message(), " (worker ", run.ranks[ranks[i]]->address(),
+          " is down: the run's state there is lost; CreateRun with init_from a checkpoint)"));
     }
   }
   // Root causes first: a rank that failed on its own, before those that only saw a peer

@@ -78,6 +78,9 @@ class Coordinator {
   // vocabulary; every worker must serve the same model. New runs are spread over workers.
   // On a mesh the worker's reported rank and sizes must fit `options.mesh`.
   absl::Status AddWorker(std::unique_ptr<WorkerClient> worker);
+  // Called with the coordinator's serving state now and whenever it changes (the gRPC
+  // health service's status).
+  void OnServingChange(std::function<void(bool)> callback);
   size_t num_workers();
   // Gives the next free rank of the mesh to a worker at `host` (registration order; the
   // first is rank 0 and serves the rendezvous). FAILED_PRECONDITION when this coordinator
@@ -166,8 +169,18 @@ class Coordinator {
   FairMutex mesh_mu_;            // held for the whole of a mesh call; arrival order
   int64_t mesh_generation_ = 0;  // guarded by mesh_mu_
 
+  // A worker whose process is gone (a call failed at the transport, not in a collective):
+  // new runs skip it, its runs' calls say so, health turns NOT_SERVING when no worker (on a
+  // mesh: not every rank) is up. A worker registering at a down one's address replaces it.
+  void MarkDown(WorkerClient* worker, const absl::Status& why);
+  void PublishHealth();  // under mu_
+  bool Serving() const;  // under mu_
+
   std::mutex mu_;  // guards everything below
   std::vector<std::unique_ptr<WorkerClient>> workers_;
+  std::set<const WorkerClient*> down_;
+  std::vector<std::unique_ptr<WorkerClient>> replaced_;  // down workers a new one replaced (runs point at them)
+  std::function<void(bool)> on_serving_;
   std::string model_path_;
   int64_t vocab_size_ = 0;
   std::map<std::string, std::shared_ptr<RunState>> runs_;

@@ -179,6 +179,8 @@ int main(int argc, char** argv) {
                                 {&service, &registry}, &port, max_request_bytes,
                                 CallObservers{&metrics, log_verbosity, "coordinator", -1}, credentials);
   if (!server.ok()) return fail(server.status());
+  // grpc.health.v1 follows the workers: NOT_SERVING while none is up (a mesh: any rank down).
+  core.OnServingChange([srv = server->get()](bool serving) { srv->GetHealthCheckService()->SetServingStatus(serving); });
   if (flags.count("port_file")) {
     if (auto s = WritePortFile(flags["port_file"], port); !s.ok()) return fail(s);
   }

@@ -749,6 +749,68 @@ TEST(ProcessTest, SigtermExitsWithAnIdleWatchStreamOpen) {
   watcher.join();
 }
 
+// A worker whose process dies is marked down: its run's calls say so, new runs go to the
+// workers that are up, health turns NOT_SERVING when none is, and a worker restarted at the
+// dead one's address replaces it.
+TEST(RegistrationTest, DeadWorkerIsMarkedDownSkippedAndReplaced) {
+  const std::string dir = ScratchDir("dead_worker");
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  ASSERT_OK_AND_ASSIGN(ChildServer coordinator,
+                       ChildServer::Start(Binary("server/lorastep_coordinator"), {"--wait_for_workers"}, 60));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<TrainerClient> client, TrainerClient::Connect(coordinator.address()));
+  const std::string port_a = std::to_string(FreeLocalPort());
+  auto start_worker = [&](const std::vector<std::string>& extra) {
+    std::vector<std::string> args = {"--model", dir + "/model", "--register_with", coordinator.address()};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return ChildServer::Start(Binary("worker/lorastep_worker"), args, 60);
+  };
+  ASSERT_OK_AND_ASSIGN(ChildServer a, start_worker({"--port", port_a}));
+  ASSERT_OK_AND_ASSIGN(RunSession run_a, RunSession::Create(client.get(), Lora(), 1));  // on a
+  ASSERT_OK_AND_ASSIGN(ChildServer b, start_worker({}));
+  std::this_thread::sleep_for(std::chrono::seconds(1));  // b registers right after it serves
+  ASSERT_OK(run_a.TrainStep(Batch(0), Ppo(), Adam()).status());
+
+  ASSERT_EQ(kill(a.pid(), SIGKILL), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  run_a.max_attempts = 1;
+  EXPECT_THAT(run_a.TrainStep(Batch(1), Ppo(), Adam()).status(),
+              StatusIs(absl::StatusCode::kUnavailable, absl::StrCat("127.0.0.1:", port_a, " is down")));
+  ASSERT_OK_AND_ASSIGN(bool serving, client->Healthy());
+  EXPECT_TRUE(serving) << "b is up";
+  for (int i = 0; i < 3; ++i) {  // every new run lands on b, and trains
+    ASSERT_OK_AND_ASSIGN(RunSession r, RunSession::Create(client.get(), Lora(), 2 + i));
+    ASSERT_OK(r.TrainStep(Batch(0), Ppo(), Adam()).status());
+  }
+  ASSERT_EQ(kill(b.pid(), SIGKILL), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ASSERT_OK_AND_ASSIGN(RunSession r, RunSession::Attach(client.get(), "run-2"));
+  r.max_attempts = 1;
+  EXPECT_THAT(r.TrainStep(Batch(1), Ppo(), Adam()).status(), StatusIs(absl::StatusCode::kUnavailable, "is down"));
+  ASSERT_OK_AND_ASSIGN(serving, client->Healthy());
+  EXPECT_FALSE(serving) << "no worker is up";
+  v1::CreateRunRequest none;
+  none.set_request_id("none-up");
+  *none.mutable_lora() = Lora();
+  EXPECT_THAT(client->CreateRun(none), StatusIs(absl::StatusCode::kUnavailable, "no worker is up"));
+
+  ASSERT_OK_AND_ASSIGN(ChildServer a2, start_worker({"--port", port_a}));  // restarted at a's address
+  for (int i = 0; i < 50 && !serving; ++i) {  // it registers right after it serves
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ASSERT_OK_AND_ASSIGN(serving, client->Healthy());
+  }
+  EXPECT_TRUE(serving);
+  ASSERT_OK_AND_ASSIGN(RunSession fresh, RunSession::Create(client.get(), Lora(), 9));
+  ASSERT_OK(fresh.TrainStep(Batch(0), Ppo(), Adam()).status());
+  ASSERT_OK_AND_ASSIGN(v1::ListRunsResponse runs, client->ListRuns());
+  EXPECT_EQ(runs.runs_size(), 5);  // runs on dead workers stay listed until deleted
+  EXPECT_THAT(run_a.TrainStep(Batch(1), Ppo(), Adam()).status(),  // not sent to the new process
+              StatusIs(absl::StatusCode::kUnavailable, "is down"));
+  ASSERT_OK(client->DeleteRun(run_a.run_id()));  // a run on a dead worker can be deleted
+  ASSERT_OK_AND_ASSIGN(runs, client->ListRuns());
+  EXPECT_EQ(runs.runs_size(), 4);
+}
+
 TEST(RegistrationTest, RemoteWorkersRegisterAndServeRuns) {
   const std::string dir = ScratchDir("registry");
   ModelConfig c = ModelConfigPreset("tiny").value();
