@@ -18,6 +18,8 @@
 //                        Bearer KEY" and see only their owner's runs] [--allow_unauthenticated_remote]
 //                        [--worker_token_file F: shared secret for the Worker port and the Registry]
 //                        [--tls_cert_file C --tls_key_file K: the Trainer API over TLS (PEM)]
+//                        [--max_queued_per_run 64] [--max_queued 4096]: calls in flight beyond them
+//                        are RESOURCE_EXHAUSTED with retry advice
 // With --wait_for_workers and --tp/--pp/--dp, workers started with --register_with and no
 // --rank get their ranks here in the order they ask (JoinMesh); rank 0 serves the
 // rendezvous at its host and --rendezvous_port.
@@ -164,6 +166,8 @@ int main(int argc, char** argv) {
     if (auto s = core.AddWorker(std::move(client)); !s.ok()) return fail(s);
   }
   CoordinatorService service(&core, 4, &metrics, api_keys ? &*api_keys : nullptr);
+  service.SetQueueLimits(flags.count("max_queued_per_run") ? std::stoll(flags["max_queued_per_run"]) : 64,
+                         flags.count("max_queued") ? std::stoll(flags["max_queued"]) : 4096);
   RegistryService registry(&core, worker_token);
   int port = 0;
   // --tls_cert_file/--tls_key_file: the Trainer API over TLS (workers stay on plaintext

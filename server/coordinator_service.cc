@@ -94,9 +94,32 @@ CoordinatorService::CoordinatorService(Coordinator* core, size_t executors, Prom
   }
 }
 
-void CoordinatorService::QueueDepthChanged(int delta) {
+absl::Status CoordinatorService::Admit(const std::string& run_id) {
   std::lock_guard<std::mutex> lock(depth_mu_);
-  in_flight_ += delta;
+  int64_t& mine = in_flight_by_run_[run_id];
+  if (in_flight_ >= max_total_ || mine >= max_per_run_) {
+    const bool run_full = mine >= max_per_run_;
+    if (mine == 0) in_flight_by_run_.erase(run_id);
+    return absl::ResourceExhaustedError(
+        run_full ? absl::StrCat("max_queued_per_run: run '", run_id, "' has ", max_per_run_,
+                                " calls in flight; retry after some are answered (they run in order)")
+                 : absl::StrCat("max_queued: ", max_total_, " calls in flight on this coordinator; retry with "
+                                "backoff (from about ", std::max<int64_t>(100, in_flight_), " ms)"));
+  }
+  ++mine;
+  ++in_flight_;
+  PublishDepth();
+  return absl::OkStatus();
+}
+
+void CoordinatorService::Done(const std::string& run_id) {
+  std::lock_guard<std::mutex> lock(depth_mu_);
+  if (--in_flight_by_run_[run_id] <= 0) in_flight_by_run_.erase(run_id);
+  --in_flight_;
+  PublishDepth();
+}
+
+void CoordinatorService::PublishDepth() {
   if (metrics_ != nullptr) metrics_->Set("lorastep_queue_depth", {}, static_cast<double>(in_flight_));
 }
 
@@ -139,12 +162,12 @@ grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext*
   // Authentication and ownership are checked before the call is queued.
   auto caller = run_scoped ? Authorize(ctx, run_id) : Authenticate(ctx);
   if (!caller.ok()) return Refuse(ctx, caller.status());
+  if (absl::Status admitted = Admit(run_id); !admitted.ok()) return Refuse(ctx, admitted);
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  QueueDepthChanged(+1);
-  executor_.Submit(run_id, [this, reactor, resp, call = std::move(call), who = *caller]() mutable {
+  executor_.Submit(run_id, [this, reactor, resp, run_id, call = std::move(call), who = *caller]() mutable {
     auto result = call(who);
     if (result.ok()) *resp = std::move(result).value();
-    QueueDepthChanged(-1);
+    Done(run_id);
     reactor->Finish(ToGrpcStatus(result.status()));
   });
   return reactor;

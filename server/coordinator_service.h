@@ -9,6 +9,7 @@
 
 #include "lorastep/v1/trainer.grpc.pb.h"
 #include "server/coordinator.h"
+#include <map>
 #include <mutex>
 
 #include "lib/prometheus_registry.h"
@@ -24,6 +25,13 @@ class CoordinatorService final : public v1::Trainer::CallbackService {
   // carry a known key, and a caller sees and calls only its own runs (admins: all).
   explicit CoordinatorService(Coordinator* core, size_t executors = 4, PrometheusRegistry* metrics = nullptr,
                               const ApiKeys* api_keys = nullptr);
+  // Bounded queues: calls accepted and not yet answered, per run and in all; beyond them a
+  // call is RESOURCE_EXHAUSTED at once, with retry advice (--max_queued_per_run,
+  // --max_queued).
+  void SetQueueLimits(int64_t per_run, int64_t total) {
+    max_per_run_ = per_run;
+    max_total_ = total;
+  }
 
   grpc::ServerUnaryReactor* CreateRun(grpc::CallbackServerContext* ctx,
                                       const v1::CreateRunRequest* req, v1::Run* resp) override;
@@ -78,10 +86,14 @@ class CoordinatorService final : public v1::Trainer::CallbackService {
 
   Coordinator* core_;
   const ApiKeys* api_keys_;
-  void QueueDepthChanged(int delta);
+  absl::Status Admit(const std::string& run_id);  // counts the call in, or refuses it
+  void Done(const std::string& run_id);
+  void PublishDepth();  // under depth_mu_
   PrometheusRegistry* metrics_;
-  std::mutex depth_mu_;  // the gauge is set under it, so sets land in order
+  std::mutex depth_mu_;  // guards the counts; the gauge is set under it, so sets land in order
   int64_t in_flight_ = 0;
+  std::map<std::string, int64_t> in_flight_by_run_;
+  int64_t max_per_run_ = 64, max_total_ = 4096;
   KeyedExecutor executor_;  // per-run order, runs served in turn (last: joined first)
 };
 

@@ -702,6 +702,50 @@ TEST(BoundsTest, RequestSizeAndRunCapAndDeleteRun) {
   ASSERT_OK(t->ForwardBackward(second).status());  // the newest response is still kept
 }
 
+// Bounded queues: a run with --max_queued_per_run calls in flight refuses the next one at
+// once (RESOURCE_EXHAUSTED naming the flag, with retry advice) while another run is served;
+// every admitted call is answered.
+TEST(BoundsTest, QueuePerRunIsBoundedWithRetryAdvice) {
+  auto server = StartTinyCoordinator("queue_bound", {"--max_queued_per_run", "1"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = TrainerClient::Connect(server->address());
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto busy = RunSession::Create(client->get(), Lora(), 1);
+  auto other = RunSession::Create(client->get(), Lora(), 2);
+  ASSERT_TRUE(busy.ok() && other.ok());
+  std::vector<v1::Datum> big;
+  for (int i = 0; i < 256; ++i) big.push_back(testing::RlDatum(i, 0, 200, 96));
+  std::atomic<int> ok{0}, refused{0}, wrong{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&] {
+      while (!go) std::this_thread::yield();
+      v1::ForwardRequest req;
+      req.set_run_id(busy->run_id());
+      for (const auto& d : big) *req.add_datums() = d;
+      auto r = (*client)->Forward(req);
+      if (r.ok()) {
+        ++ok;
+      } else if (r.status().code() == absl::StatusCode::kResourceExhausted &&
+                 r.status().message().find("max_queued_per_run: run '" + busy->run_id() + "' has 1 calls in flight; retry") !=
+                     std::string::npos) {
+        ++refused;
+      } else {
+        ++wrong;
+      }
+    });
+  }
+  go = true;
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_TRUE(other->TrainStep(Batch(0), Ppo(), Adam()).ok()) << "another run is served meanwhile";
+  for (auto& t : threads) t.join();
+  EXPECT_GE(ok.load(), 1);
+  EXPECT_GE(refused.load(), 1);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_TRUE(busy->TrainStep(Batch(0), Ppo(), Adam()).ok()) << "the run takes calls again once its queue drains";
+}
+
 // A coordinator killed with SIGKILL takes its local worker down (parent-death signal):
 // no orphaned worker keeps the device.
 TEST(ProcessTest, KilledCoordinatorTakesItsWorkerDown) {
