@@ -123,6 +123,7 @@ int main(int argc, char** argv) {
     }
     std::vector<std::string> args = {"--model", flags["model"]};
     for (const char* pass : {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "state_dir", "v",
+                             "state_ttl_hours",
                              "worker_token_file",
                              "max_activation_mb",
                              "test_replicated_reductions", "test_skip_shared_reduction",

@@ -1,6 +1,10 @@
 #include "lib/io/file_util.h"
 
 #include <dirent.h>
+#include <sys/time.h>
+
+#include <algorithm>
+#include <ctime>
 
 #include "lib/io/checkpoint_dir.h"
 #include "lib/io/state_store.h"
@@ -108,6 +112,34 @@ TEST(CheckpointDirTest, NeverReplacesWhatLorastepDidNotWriteAndCleansUpFailures)
 // The state store: references resolve under the root, names cannot escape it, plain paths
 // are refused when a store is configured (and references when none is), and only folders
 // lorastep wrote are listed and deleted.
+// The store's TTL: lorastep folders whose newest file is older than the TTL go; newer ones,
+// foreign folders and other runs' fresh folders stay.
+TEST(StateStoreTest, PruneRemovesOnlyExpiredLorastepFolders) {
+  const std::string root = ScratchDir("store_ttl");
+  ASSERT_OK_AND_ASSIGN(StateStore store, StateStore::Open(root));
+  auto write = [&](const std::string& ref) {
+    ASSERT_OK_AND_ASSIGN(std::string path, store.Resolve(ref, "path"));
+    ASSERT_OK(WriteFolderAtomically(path, [](const std::string& tmp) { return WriteStringToFile(tmp + "/w", "1"); }));
+  };
+  write("lorastep://run-1/old");
+  write("lorastep://run-1/new");
+  write("lorastep://run-2/old");
+  ASSERT_OK(MakeDirectories(root + "/runs/run-1/foreign"));
+  ASSERT_OK(WriteStringToFile(root + "/runs/run-1/foreign/f", "x"));
+  const int64_t now = static_cast<int64_t>(std::time(nullptr));
+  // Age the "old" folders and the foreign one by two days (every entry: the newest counts).
+  for (const std::string& dir : {root + "/runs/run-1/old", root + "/runs/run-2/old", root + "/runs/run-1/foreign"}) {
+    const struct timeval old_times[2] = {{now - 2 * 86400, 0}, {now - 2 * 86400, 0}};
+    for (const std::string& p : {dir + "/w", dir + "/f", dir + "/.lorastep", dir}) utimes(p.c_str(), old_times);
+  }
+  ASSERT_OK_AND_ASSIGN(std::vector<std::string> removed, store.PruneOlderThan(86400, now));
+  std::sort(removed.begin(), removed.end());
+  EXPECT_EQ(removed, (std::vector<std::string>{"lorastep://run-1/old", "lorastep://run-2/old"}));
+  EXPECT_EQ(store.List("run-1").value().size(), 1u);
+  EXPECT_TRUE(PathExists(root + "/runs/run-1/foreign/f")) << "not lorastep's: never removed";
+  EXPECT_TRUE(store.PruneOlderThan(86400, now).value().empty());
+}
+
 TEST(StateStoreTest, ReferencesStayUnderTheRootAndOnlyLorastepFoldersAreListedOrDeleted) {
   const std::string root = ScratchDir("store");
   ASSERT_OK_AND_ASSIGN(StateStore store, StateStore::Open(root));

@@ -1,6 +1,8 @@
 // End-to-end tests of the service with real processes on 127.0.0.1: a lorastep_coordinator
 // that spawns its local lorastep_worker, driven through the C++ client. No mocks.
 #include <signal.h>
+#include <ctime>
+#include <sys/time.h>
 
 #include <atomic>
 #include <chrono>
@@ -18,10 +20,12 @@
 #include "lorastep/v1/worker.grpc.pb.h"
 #include "rpc/grpc_status.h"
 #include "rpc/proto_convert.h"
+#include "lib/io/checkpoint_dir.h"
 #include "lib/io/file_util.h"
 #include "lib/model/model_weights.h"
 #include "lib/io/safetensors.h"
 #include "lib/training/trainer.h"
+#include "lib/io/state_store.h"
 #include "server/child_server.h"
 #include "tests/proto_test_util.h"
 #include "tests/test_util.h"
@@ -700,6 +704,31 @@ TEST(BoundsTest, RequestSizeAndRunCapAndDeleteRun) {
   ASSERT_OK_AND_ASSIGN(v1::Run state3, t->GetRun(c3->run_id()));
   EXPECT_EQ(state3.pending_forward_backward(), 2);
   ASSERT_OK(t->ForwardBackward(second).status());  // the newest response is still kept
+}
+
+// --state_ttl_hours (passed to the local worker): an expired lorastep folder in the store is
+// removed by the running server, a fresh one stays; a TTL without a store is refused.
+TEST(BoundsTest, StateStoreTtlRemovesExpiredFolders) {
+  const std::string root = ScratchDir("ttl_store");
+  ASSERT_OK_AND_ASSIGN(StateStore store, StateStore::Open(root));
+  for (const char* ref : {"lorastep://old-run/ck", "lorastep://old-run/fresh"}) {
+    ASSERT_OK_AND_ASSIGN(std::string path, store.Resolve(ref, "path"));
+    ASSERT_OK(WriteFolderAtomically(path, [](const std::string& tmp) { return WriteStringToFile(tmp + "/w", "1"); }));
+  }
+  const std::string old = root + "/runs/old-run/ck";
+  const struct timeval two_days_ago[2] = {{std::time(nullptr) - 2 * 86400, 0}, {std::time(nullptr) - 2 * 86400, 0}};
+  for (const std::string& p : {old + "/w", old + "/.lorastep", old}) utimes(p.c_str(), two_days_ago);
+  auto server = StartTinyCoordinator("ttl_coord", {"--state_dir", root, "--state_ttl_hours", "24"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  bool gone = false;
+  for (int i = 0; i < 100 && !gone; ++i) {  // the pruner runs at start, then every 2.4 h
+    gone = !PathExists(old);
+    if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(gone) << old << " outlived its TTL";
+  EXPECT_TRUE(PathExists(root + "/runs/old-run/fresh"));
+  auto refused = StartTinyCoordinator("ttl_nostore", {"--state_ttl_hours", "24"});
+  EXPECT_FALSE(refused.ok()) << "a TTL without --state_dir is refused";
 }
 
 // Bounded queues: a run with --max_queued_per_run calls in flight refuses the next one at

@@ -5,19 +5,26 @@
 //                   [--register_with COORDINATOR_HOST:PORT] [--advertise_host H]
 //                   [--rank R --tp T --pp P --dp D --rendezvous HOST:PORT]
 //                   [--collective_timeout_s S] [--state_dir DIR (path fields are then
-//                   lorastep://<run>/<name> references under DIR)] [--max_activation_mb M]
+//                   lorastep://<run>/<name> references under DIR)] [--state_ttl_hours H]
+//                   [--max_activation_mb M]
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
+#include <condition_variable>
+#include <ctime>
+#include <mutex>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "lorastep/v1/worker.grpc.pb.h"
 #include "rpc/grpc_status.h"
 
+#include "lib/io/state_store.h"
 #include "rpc/bearer_token.h"
 #include "rpc/metrics_http_server.h"
 #include "rpc/server_runner.h"
@@ -173,6 +180,15 @@ int main(int argc, char** argv) {
     std::cerr << "lorastep_worker: " << core.status() << "\n";
     return 1;
   }
+  // --state_ttl_hours: lorastep's folders in the state store older than this are removed,
+  // checked every tenth of the TTL (1 s to 10 min); one pruner per store (rank 0).
+  double ttl_hours = 0;
+  if (flags.count("state_ttl_hours") &&
+      (!absl::SimpleAtod(flags["state_ttl_hours"], &ttl_hours) || !(ttl_hours > 0) || options.state_dir.empty())) {
+    std::cerr << "lorastep_worker: state_ttl_hours: '" << flags["state_ttl_hours"]
+              << "' must be a positive number of hours, with --state_dir\n";
+    return 2;
+  }
   WorkerService service(core->get(), &metrics, token_sha256);
   int port = 0;
   auto server = StartGrpcServer(flags.count("host") ? flags["host"] : "127.0.0.1",
@@ -200,7 +216,35 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  std::mutex prune_mu;
+  std::condition_variable prune_cv;
+  bool stopping = false;
+  std::thread pruner;
+  if (ttl_hours > 0 && options.rank == 0) {
+    const int64_t ttl_s = std::max<int64_t>(1, static_cast<int64_t>(ttl_hours * 3600));
+    pruner = std::thread([&, ttl_s] {
+      auto store = StateStore::Open(options.state_dir);
+      const auto every = std::chrono::seconds(std::clamp<int64_t>(ttl_s / 10, 1, 600));
+      std::unique_lock<std::mutex> lock(prune_mu);
+      do {
+        auto removed = store.ok() ? store->PruneOlderThan(ttl_s, static_cast<int64_t>(std::time(nullptr)))
+                                  : absl::StatusOr<std::vector<std::string>>(store.status());
+        if (!removed.ok()) {
+          std::cerr << "lorastep_worker: state store TTL: " << removed.status() << "\n";
+        } else if (!removed->empty()) {
+          std::cerr << "lorastep_worker: state store TTL removed " << removed->size() << " folder(s): "
+                    << absl::StrJoin(*removed, ", ") << "\n";
+        }
+      } while (!prune_cv.wait_for(lock, every, [&] { return stopping; }));
+    });
+  }
   WaitForShutdownSignal();
+  {
+    std::lock_guard<std::mutex> lock(prune_mu);
+    stopping = true;
+  }
+  prune_cv.notify_all();
+  if (pruner.joinable()) pruner.join();
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
   return 0;
 }

@@ -120,6 +120,30 @@ absl::Status StateStore::Delete(absl::string_view run, absl::string_view name) c
   return RemoveAll(path);
 }
 
+absl::StatusOr<std::vector<std::string>> StateStore::PruneOlderThan(int64_t max_age_s, int64_t now_unix_s) const {
+  std::vector<std::string> removed;
+  const std::string runs = root_ + "/runs";
+  DIR* dir = opendir(runs.c_str());
+  if (dir == nullptr) {
+    if (errno == ENOENT) return removed;
+    return ErrnoError("cannot list", runs);
+  }
+  std::vector<std::string> run_ids;
+  while (dirent* e = readdir(dir)) {
+    if (ValidateStoreName(e->d_name, "").ok()) run_ids.push_back(e->d_name);
+  }
+  closedir(dir);
+  for (const std::string& run : run_ids) {
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<StoredFolder> folders, List(run));
+    for (const StoredFolder& f : folders) {
+      if (now_unix_s - f.modified_unix_s <= max_age_s) continue;
+      LORASTEP_RETURN_IF_ERROR(Delete(run, f.name));
+      removed.push_back(f.ref);
+    }
+  }
+  return removed;
+}
+
 absl::StatusOr<std::string> ResolveRequestPath(const StateStore* store, const std::string& path,
                                                absl::string_view field) {
   if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": required"));

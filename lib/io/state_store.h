@@ -41,6 +41,10 @@ class StateStore {
   absl::StatusOr<std::vector<StoredFolder>> List(absl::string_view run) const;
   // Removes one of them; NOT_FOUND when absent, FAILED_PRECONDITION when not lorastep's.
   absl::Status Delete(absl::string_view run, absl::string_view name) const;
+  // Removes every run's lorastep folders whose newest file is older than `max_age_s` at
+  // `now_unix_s` (the store's TTL, --state_ttl_hours); foreign folders and temporary ones are
+  // left. Returns the references removed.
+  absl::StatusOr<std::vector<std::string>> PruneOlderThan(int64_t max_age_s, int64_t now_unix_s) const;
   const std::string& root() const { return root_; }
 
  private:
