@@ -219,6 +219,15 @@ absl::Status WritePortFile(const std::string& path, int port) {
   return absl::OkStatus();
 }
 
+absl::Status CheckKnownFlags(const std::map<std::string, std::string>& flags, const std::set<std::string>& known) {
+  for (const auto& [name, value] : flags) {
+    if (!known.count(name) && !MetricsFlagNames().count(name)) {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, ": unknown flag (see the usage at the top of the binary's main file)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 std::map<std::string, std::string> ParseFlags(int argc, char** argv) {
   std::map<std::string, std::string> flags;
   for (int i = 1; i < argc; ++i) {

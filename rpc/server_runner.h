@@ -5,6 +5,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,6 +52,15 @@ absl::Status WritePortFile(const std::string& path, int port);
 
 // "--name value" / "--name=value" flags; bare "--name" is "true".
 std::map<std::string, std::string> ParseFlags(int argc, char** argv);
+// INVALID_ARGUMENT naming the first flag not in `known` (a misspelt --api_keys_file must
+// not start a server without authentication).
+absl::Status CheckKnownFlags(const std::map<std::string, std::string>& flags, const std::set<std::string>& known);
+// The --metrics_* flags StartMetricsEndpointFromFlags reads.
+inline const std::set<std::string>& MetricsFlagNames() {
+  static const auto* names =
+      new std::set<std::string>{"metrics_port", "metrics_host", "metrics_allow_remote", "metrics_port_file"};
+  return *names;
+}
 
 }  // namespace lorastep
 

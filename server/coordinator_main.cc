@@ -51,6 +51,18 @@ int main(int argc, char** argv) {
     std::cerr << "lorastep_coordinator: " << s << "\n";
     return 1;
   };
+  if (absl::Status known = CheckKnownFlags(
+          flags, {"model", "device", "dtype", "port", "host", "port_file", "workers", "wait_for_workers",
+                  "worker_binary", "max_tokens_per_microbatch", "worker_start_timeout_s", "tp", "pp", "dp", "ep",
+                  "collective_timeout_s", "peer_failure_grace_s", "worker_call_timeout_s", "rendezvous_port",
+                  "state_dir", "state_ttl_hours", "worker_metrics_port_base", "v", "api_keys_file",
+                  "allow_unauthenticated_remote", "worker_token_file", "tls_cert_file", "tls_key_file",
+                  "max_queued_per_run", "max_queued", "max_runs", "max_request_mb", "max_recorded_mb",
+                  "max_activation_mb", "unfused_wgrad", "test_replicated_reductions", "test_skip_shared_reduction", "test_shared_reductions", "test_check_grad_digests", "test_corrupt_main_grad_rank", "test_inventory_mismatch_rank"});
+      !known.ok()) {
+    std::cerr << "lorastep_coordinator: " << known << "\n";
+    return 2;
+  }
   // Prometheus: off unless --metrics_port; refused on a non-loopback host without
   // --metrics_allow_remote (checked before any worker starts).
   PrometheusRegistry metrics;

@@ -53,6 +53,14 @@ def main():
     check(r.returncode != 0 and "host: '0.0.0.0' is reachable from other machines" in r.stderr,
           "an unauthenticated coordinator on a non-loopback host is refused")
 
+    r = subprocess.run([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
+                        "--api_key_file", keys_file], capture_output=True, text=True, timeout=60)
+    check(r.returncode == 2 and "--api_key_file: unknown flag" in r.stderr,
+          "a misspelt flag (--api_key_file) stops the coordinator instead of running without keys")
+    r = subprocess.run([worker, "--model", model, "--worker_tokn_file", keys_file], capture_output=True, text=True,
+                       timeout=60)
+    check(r.returncode == 2 and "--worker_tokn_file: unknown flag" in r.stderr, "and the worker")
+
     port_file = os.path.join(tmp, "port")
     proc = subprocess.Popen([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
                              "--port_file", port_file, "--api_keys_file", keys_file,
