@@ -146,14 +146,14 @@ class CallInterceptorFactory final : public grpc::experimental::ServerIntercepto
   CallObservers observers_;
 };
 
-}  // namespace
-
 void DeclareRequestMetrics(PrometheusRegistry* metrics) {
   metrics->Declare("lorastep_requests_total", PrometheusRegistry::Type::kCounter,
                    "gRPC calls answered, by method and status code");
   metrics->Declare("lorastep_request_duration_seconds", PrometheusRegistry::Type::kHistogram,
                    "gRPC call duration from arrival to status, seconds", PrometheusRegistry::SecondsBuckets());
 }
+
+}  // namespace
 
 void BlockShutdownSignals() {
   sigset_t set = ShutdownSignals();
@@ -221,7 +221,7 @@ absl::Status WritePortFile(const std::string& path, int port) {
 
 absl::Status CheckKnownFlags(const std::map<std::string, std::string>& flags, const std::set<std::string>& known) {
   for (const auto& [name, value] : flags) {
-    if (!known.count(name) && !MetricsFlagNames().count(name)) {
+    if (!known.count(name) && !MetricsFlagNames().count(name) && !WorkerTestFlagNames().count(name)) {
       return absl::InvalidArgumentError(absl::StrCat("--", name, ": unknown flag (see the usage at the top of the binary's main file)"));
     }
   }

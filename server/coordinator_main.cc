@@ -29,6 +29,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -58,7 +59,7 @@ int main(int argc, char** argv) {
                   "state_dir", "state_ttl_hours", "worker_metrics_port_base", "v", "api_keys_file",
                   "allow_unauthenticated_remote", "worker_token_file", "tls_cert_file", "tls_key_file",
                   "max_queued_per_run", "max_queued", "max_runs", "max_request_mb", "max_recorded_mb",
-                  "max_activation_mb", "unfused_wgrad", "test_replicated_reductions", "test_skip_shared_reduction", "test_shared_reductions", "test_check_grad_digests", "test_corrupt_main_grad_rank", "test_inventory_mismatch_rank"});
+                  "max_activation_mb", "unfused_wgrad"});
       !known.ok()) {
     std::cerr << "lorastep_coordinator: " << known << "\n";
     return 2;
@@ -134,14 +135,11 @@ int main(int argc, char** argv) {
       return 2;
     }
     std::vector<std::string> args = {"--model", flags["model"]};
-    for (const char* pass : {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "state_dir", "v",
-                             "state_ttl_hours",
-                             "worker_token_file",
-                             "max_activation_mb",
-                             "test_replicated_reductions", "test_skip_shared_reduction",
-                             "test_shared_reductions", "test_check_grad_digests",
-                             "test_corrupt_main_grad_rank", "test_inventory_mismatch_rank"}) {
-      if (flags.count(pass)) args.insert(args.end(), {std::string("--") + pass, flags[pass]});
+    std::set<std::string> passed = WorkerTestFlagNames();
+    passed.insert({"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "state_dir", "v", "state_ttl_hours",
+                   "worker_token_file", "max_activation_mb"});
+    for (const std::string& pass : passed) {
+      if (flags.count(pass)) args.insert(args.end(), {"--" + pass, flags[pass]});
     }
     if (flags.count("unfused_wgrad")) args.push_back("--unfused_wgrad");
     const std::string device = flags.count("device") ? flags["device"] : "cpu";

@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
           flags, {"model", "device", "dtype", "port", "host", "port_file", "max_tokens_per_microbatch",
                   "collective_timeout_s", "state_dir", "state_ttl_hours", "max_activation_mb", "unfused_wgrad",
                   "rank", "tp", "pp", "dp", "ep", "rendezvous", "register_with", "advertise_host",
-                  "worker_token_file", "v", "test_replicated_reductions", "test_skip_shared_reduction", "test_shared_reductions", "test_check_grad_digests", "test_corrupt_main_grad_rank", "test_inventory_mismatch_rank"});
+                  "worker_token_file", "v"});
       !known.ok()) {
     std::cerr << "lorastep_worker: " << known << "\n";
     return 2;
