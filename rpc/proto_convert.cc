@@ -66,12 +66,22 @@ absl::StatusOr<AdamWParams> AdamWParamsFromProto(const v1::AdamWParams& p) {
   return f;
 }
 
-LoraConfig LoraConfigFromProto(const v1::LoraConfig& p) {
+absl::StatusOr<LoraConfig> LoraConfigFromProto(const v1::LoraConfig& p) {
   LoraConfig c;
   c.rank = p.rank();
   c.alpha = p.alpha();
   c.dropout = p.dropout();
   if (p.target_modules_size() > 0) c.target_modules = ToVector<std::string>(p.target_modules());
+  if (p.has_train_attn() || p.has_train_mlp() || p.has_train_unembed()) {
+    if (p.target_modules_size() > 0) {
+      return absl::InvalidArgumentError(
+          "lora.target_modules: give either target_modules or train_attn/train_mlp/train_unembed, not both");
+    }
+    LORASTEP_ASSIGN_OR_RETURN(
+        c.target_modules,
+        TargetsFromSwitches(!p.has_train_attn() || p.train_attn(), !p.has_train_mlp() || p.train_mlp(),
+                            !p.has_train_unembed() || p.train_unembed()));
+  }
   if (!p.expert_lora().empty()) c.expert_lora = p.expert_lora();
   return c;
 }

@@ -23,7 +23,9 @@ std::vector<Datum> DatumsFromProto(const google::protobuf::RepeatedPtrField<v1::
 absl::StatusOr<LossConfig> LossConfigFromProto(const v1::LossConfig& proto);
 // Unset fields take AdamWParams' defaults; the result is validated.
 absl::StatusOr<AdamWParams> AdamWParamsFromProto(const v1::AdamWParams& proto);
-LoraConfig LoraConfigFromProto(const v1::LoraConfig& proto);
+// train_attn / train_mlp / train_unembed become target_modules (INVALID_ARGUMENT naming the
+// field when they come with target_modules or train nothing).
+absl::StatusOr<LoraConfig> LoraConfigFromProto(const v1::LoraConfig& proto);
 void LoraConfigToProto(const LoraConfig& config, v1::LoraConfig* out);
 void MetricsToProto(const Metrics& metrics, google::protobuf::Map<std::string, double>* out);
 // Sums, counts and maxima, so metrics of several ranks merge exactly.

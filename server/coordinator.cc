@@ -254,7 +254,7 @@ absl::Status Coordinator::CheckAccess(const std::string& run_id, const Caller& c
 
 absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, const std::string& owner) {
   LORASTEP_RETURN_IF_ERROR(RequireRequestId(req.request_id()));
-  LoraConfig lora = LoraConfigFromProto(req.lora());
+  LORASTEP_ASSIGN_OR_RETURN(LoraConfig lora, LoraConfigFromProto(req.lora()));
   LORASTEP_RETURN_IF_ERROR(ValidateLoraConfig(lora));
   std::unique_lock<std::mutex> lock(mu_);
   const size_t registered = RegisteredWorkers();

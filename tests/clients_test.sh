@@ -43,6 +43,12 @@ for i in 0 1 2 3; do
   echo '{"tokens":[1,2,3,4,5,6],"target_tokens":[2,3,4,5,6,7],"logprobs":[-4,-4,-4,-4,-4,-4],"advantages":[0,1,1,1,1,'"$((i % 2))"']}'
 done > "$TMP/data.jsonl"
 RUN=$($CLI create --rank 4 --alpha 8)
+# Tinker's switches: LoRA on the LM head too; a bad value names the flag.
+$CLI create --rank 4 --alpha 8 --train_attn false --train_unembed true --json > "$TMP/head.json"
+grep -q '"lm_head"' "$TMP/head.json"
+if grep -q '"q_proj"' "$TMP/head.json"; then echo "train_attn false ignored"; exit 1; fi
+if $CLI create --train_unembed yes 2> "$TMP/e3.txt"; then echo "bad switch accepted"; exit 1; fi
+grep -q -- "--train_unembed: 'yes' is not true or false" "$TMP/e3.txt"
 # The API's defaults (cross_entropy, no clipping) apply: a plain dataset trains.
 $CLI train --run "$RUN" --data "$TMP/data.jsonl" --batch 2 --lr 1e-3 | tee "$TMP/train.txt"
 [ "$(grep -c '^ *[0-9]' "$TMP/train.txt")" = 2 ] || { echo "expected 2 train steps"; exit 1; }

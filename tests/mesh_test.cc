@@ -142,12 +142,13 @@ class MeshTest : public ::testing::Test {
   // 3 steps (the first two as TrainStep, the third as two ForwardBackward + OptimStep), then
   // Forward and export.
   static Trace Train(Coordinator& c, int64_t rank, const std::string& name,
-                     const std::string& expert_lora = "") {
+                     const std::string& expert_lora = "", bool train_unembed = false) {
     Trace t;
     v1::LoraConfig lora;
     lora.set_rank(rank);
     lora.set_alpha(8);
     lora.set_expert_lora(expert_lora);
+    if (train_unembed) lora.set_train_unembed(true);  // and attention and MLP (unset: true)
     auto run = RunSession::Create(c.client.get(), lora, 11);
     EXPECT_TRUE(run.ok()) << run.status();
     for (int step = 0; step < 3; ++step) {
@@ -284,6 +285,23 @@ TEST_F(MeshTest, PipelineParallelEqualsWorldOne) {
   ExpectLayoutEqualsWorldOne({"--pp", "2"}, "pp2", want);  // full FT: tied embedding across stages
   if (!Fits(8)) return;
   ExpectLayoutEqualsWorldOne({"--tp", "2", "--pp", "2", "--dp", "2"}, "tp2 x pp2 x dp2", want);
+}
+
+// LoRA on the LM head (train_unembed): on tensor ranks the head is vocab-parallel (B split
+// by vocabulary rows, A whole with its gradient complete on each rank), on a pipeline it
+// lives on the last stage; both equal world size 1, fused and unfused.
+TEST_F(MeshTest, LoraHeadOnTensorAndPipelineRanksEqualsWorldOne) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
+  Coordinator one = Start({});
+  const Trace want = Train(one, 4, "head w1", "", /*train_unembed=*/true);
+  ASSERT_TRUE(want.adapter.count("base_model.model.lm_head.lora_B.weight"));
+  for (const auto& [flags, tag] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--tp", "2"}, "head tp2 fused"},
+           {{"--tp", "2", "--unfused_wgrad"}, "head tp2 unfused"},
+           {{"--pp", "2"}, "head pp2 fused"}}) {
+    Coordinator mesh = Start(flags);
+    ExpectSame(Train(mesh, 4, tag, "", /*train_unembed=*/true), want, tag);
+  }
 }
 
 // The dense form of the second seed: without the stage-group SUM of the replicated factors'

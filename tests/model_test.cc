@@ -7,6 +7,7 @@
 #include "lib/io/file_util.h"
 #include "lib/model/model_weights.h"
 #include "lib/model/qwen2.h"
+#include "lib/training/grad_finalizer.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
 
@@ -77,6 +78,77 @@ TEST(ModelTest, LogitsMatchPlainReferenceFp32) {
     EXPECT_LT(MaxAbsDiff(logits[0], ref), 1e-5) << "tied=" << tied;
     EXPECT_LT(RelErr(logits[0], ref), 1e-5);
   }
+}
+
+// LoRA on the LM head (train_unembed) against plain autograd on dense fp64 logits
+// h W^T + scale (h A^T) B^T: log-probs, entropies, and the gradients of h, A and B, for
+// fused and unfused weight gradients, chunked over fewer tokens than the batch.
+TEST(ModelTest, LoraHeadMatchesDenseReference) {
+  const ModelConfig c = ModelConfigPreset("tiny").value();
+  const ModelWeights w = RandomModelWeights(c, 5);
+  LoraConfig lora;
+  lora.rank = 4;
+  lora.alpha = 8;
+  lora.target_modules = {"q_proj", "lm_head"};
+  const int64_t t = 11;
+  at::Tensor h0 = at::randn({t, c.hidden_size}, at::kFloat);
+  at::Tensor targets = at::randint(0, c.vocab_size, {t}, at::kLong);
+  at::Tensor g_lp = at::randn({t}, at::kFloat), g_ent = at::randn({t}, at::kFloat);
+  for (bool fused : {true, false}) {
+    ASSERT_OK_AND_ASSIGN(Adapter adapter, Adapter::CreateLora(c, lora, at::kCPU, at::kFloat, 3));
+    const LoraFactors* f = adapter.head_lora();
+    ASSERT_NE(f, nullptr);
+    Parameter& a = adapter.parameters()[f->a];
+    Parameter& b = adapter.parameters()[f->b];
+    EXPECT_EQ(a.name, "base_model.model.lm_head.lora_A.weight");
+    EXPECT_EQ(b.name, "base_model.model.lm_head.lora_B.weight");
+    ASSERT_EQ(b.value.sizes(), (at::IntArrayRef{c.vocab_size, 4}));
+    {
+      at::NoGradGuard no_grad;
+      b.value.copy_(at::randn_like(b.value) * 0.1);  // B = 0 at creation would hide its term
+    }
+    ForwardOptions options;
+    options.grad.fused_wgrad = fused;
+    at::Tensor h = h0.clone().requires_grad_(true);
+    TokenScores got = Qwen2HeadScores(w, &adapter, h, targets, /*chunk_tokens=*/4, options, {}, true);
+    ((got.logprobs * g_lp).sum() + (got.entropy * g_ent).sum()).backward();
+    ASSERT_OK(FoldLocalGradients(&adapter));
+
+    auto f64 = [](const at::Tensor& x) { return x.detach().to(at::kDouble).requires_grad_(true); };
+    at::Tensor rh = f64(h0), ra = f64(a.value), rb = f64(b.value);
+    at::Tensor logits = rh.matmul(w.output_weight().to(at::kDouble).t()) + 2.0 * rh.matmul(ra.t()).matmul(rb.t());
+    at::Tensor logp = at::log_softmax(logits, 1);
+    at::Tensor lp = logp.gather(1, targets.unsqueeze(1)).squeeze(1);
+    at::Tensor ent = -(logp.exp() * logp).sum(1);
+    ((lp * g_lp.to(at::kDouble)).sum() + (ent * g_ent.to(at::kDouble)).sum()).backward();
+    const std::string what = fused ? "fused" : "unfused";
+    EXPECT_LT(RelErr(got.logprobs, lp.detach()), 1e-5) << what;
+    EXPECT_LT(RelErr(got.entropy, ent.detach()), 1e-5) << what;
+    EXPECT_LT(RelErr(h.grad(), rh.grad()), 1e-5) << what;
+    EXPECT_LT(RelErr(a.main_grad, ra.grad()), 1e-5) << what;
+    EXPECT_LT(RelErr(b.main_grad, rb.grad()), 1e-5) << what;
+  }
+}
+
+// The LM head's LoRA is drawn after every layer's: adding lm_head to the targets leaves
+// the decoder layers' factors (the same seed) bitwise unchanged.
+TEST(ModelTest, LoraHeadLeavesTheLayersFactorsUnchanged) {
+  const ModelConfig c = ModelConfigPreset("tiny").value();
+  LoraConfig plain;
+  plain.rank = 4;
+  LoraConfig with_head = plain;
+  with_head.target_modules = {"all-linear", "lm_head"};
+  ASSERT_OK_AND_ASSIGN(Adapter x, Adapter::CreateLora(c, plain, at::kCPU, at::kFloat, 3));
+  ASSERT_OK_AND_ASSIGN(Adapter y, Adapter::CreateLora(c, with_head, at::kCPU, at::kFloat, 3));
+  EXPECT_EQ(x.head_lora(), nullptr);
+  ASSERT_NE(y.head_lora(), nullptr);
+  ASSERT_EQ(y.parameters().size(), x.parameters().size() + 2);
+  for (size_t i = 0; i < x.parameters().size(); ++i) {
+    EXPECT_TRUE(at::equal(x.parameters()[i].value, y.parameters()[i].value)) << x.parameters()[i].name;
+  }
+  EXPECT_THAT(LoraTargetModuleNames(with_head).value(),
+              ::testing::ElementsAre("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                     "down_proj", "lm_head"));
 }
 
 TEST(ModelTest, SaveAndLoadSingleAndShardedFolders) {

@@ -24,6 +24,7 @@
 #include "lib/io/file_util.h"
 #include "lib/model/model_weights.h"
 #include "lib/io/safetensors.h"
+#include "lib/io/tensor_bytes.h"
 #include "lib/training/trainer.h"
 #include "lib/io/state_store.h"
 #include "server/child_server.h"
@@ -267,6 +268,24 @@ TEST_F(ServiceTest, CreateRunFromAnAdapterOrACheckpoint) {
   EXPECT_THAT(create(dir + "/ck", false, wrong_rank), StatusIs(absl::StatusCode::kInvalidArgument, "init_from"));
   EXPECT_THAT(create(dir + "/peft", true, Lora()), StatusIs(absl::StatusCode::kInvalidArgument, "init_with_optimizer"));
   EXPECT_THAT(create(dir + "/nothing", false, Lora()), StatusIs(absl::StatusCode::kNotFound, "init_from"));
+  v1::LoraConfig fewer_targets = Lora();
+  fewer_targets.add_target_modules("q_proj");
+  EXPECT_THAT(create(dir + "/peft", false, fewer_targets),
+              StatusIs(absl::StatusCode::kInvalidArgument, "target_modules"));
+  // rsLoRA and DoRA adapters would load as plain LoRA and change the model: refused.
+  ASSERT_OK_AND_ASSIGN(std::string config, ReadFileToString(dir + "/peft/adapter_config.json"));
+  for (const std::string variant : {"use_rslora", "use_dora"}) {
+    const std::string folder = dir + "/peft_" + variant;
+    ASSERT_OK(MakeDirectories(folder));
+    ASSERT_OK_AND_ASSIGN(std::string tensors, ReadFileToString(dir + "/peft/adapter_model.safetensors"));
+    ASSERT_OK(WriteStringToFile(folder + "/adapter_model.safetensors", tensors));
+    std::string edited = config;
+    const std::string off = "\"" + variant + "\": false";
+    ASSERT_NE(edited.find(off), std::string::npos);
+    edited.replace(edited.find(off), off.size(), "\"" + variant + "\": true");
+    ASSERT_OK(WriteStringToFile(folder + "/adapter_config.json", edited));
+    EXPECT_THAT(create(folder, false, Lora()), StatusIs(absl::StatusCode::kInvalidArgument, variant)) << variant;
+  }
   ASSERT_OK_AND_ASSIGN(v1::ListRunsResponse after, client_->ListRuns());
   EXPECT_EQ(after.runs_size(), before.runs_size());  // failed creations leave nothing
 
@@ -290,6 +309,49 @@ TEST_F(ServiceTest, CreateRunFromAnAdapterOrACheckpoint) {
   ASSERT_OK_AND_ASSIGN(RunSession weights_session, RunSession::Attach(client_, weights_only.run_id()));
   ASSERT_OK_AND_ASSIGN(v1::StepResponse w, weights_session.TrainStep(Batch(2), Ppo(), Adam()));
   EXPECT_EQ(w.learner_version(), 1);
+}
+
+// Tinker's train_attn / train_mlp / train_unembed: the run echoes the resolved targets, the
+// LM head's LoRA trains (its B moves away from 0), and the PEFT export carries it under
+// PEFT's lm_head keys; a run from that export reproduces the adapter.
+TEST_F(ServiceTest, TrainSwitchesSelectTargetsAndTheHeadLoraTrainsAndExports) {
+  v1::LoraConfig lora = Lora();
+  lora.set_train_attn(false);  // unset train_mlp and train_unembed are true, as in Tinker
+  v1::CreateRunRequest req;
+  req.set_request_id("switches");
+  *req.mutable_lora() = lora;
+  req.set_seed(4);
+  ASSERT_OK_AND_ASSIGN(v1::Run created, client_->CreateRun(req));
+  EXPECT_THAT(std::vector<std::string>(created.lora().target_modules().begin(), created.lora().target_modules().end()),
+              ::testing::ElementsAre("gate_proj", "up_proj", "down_proj", "lm_head"));
+  EXPECT_FALSE(created.lora().has_train_unembed());
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Attach(client_, created.run_id()));
+  ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
+  ASSERT_OK(run.TrainStep(Batch(1), Ppo(), Adam()).status());
+  const std::string folder = *dir_ + "/peft-switches";
+  v1::ExportAdapterRequest exp;
+  exp.set_run_id(run.run_id());
+  exp.set_path(folder);
+  ASSERT_OK_AND_ASSIGN(v1::ExportAdapterResponse exported, client_->ExportAdapter(exp));
+  ASSERT_OK_AND_ASSIGN(SafetensorsFile f, SafetensorsFile::Open(folder + "/adapter_model.safetensors"));
+  EXPECT_EQ(f.entries().size(), 2u * 3 * 2 + 2);  // 2 layers x 3 MLP linears x (A, B) + the head's
+  ASSERT_OK_AND_ASSIGN(const SafetensorsEntry* head_b, f.Find("base_model.model.lm_head.lora_B.weight"));
+  ASSERT_OK_AND_ASSIGN(at::Tensor b, TensorFromEntry(*head_b));
+  EXPECT_GT(b.abs().max().item<double>(), 0.0);  // trained: it starts at 0
+  EXPECT_TRUE(f.Find("base_model.model.lm_head.lora_A.weight").ok());
+  EXPECT_FALSE(f.Find("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight").ok());
+  ASSERT_OK_AND_ASSIGN(std::string config, ReadFileToString(folder + "/adapter_config.json"));
+  EXPECT_NE(config.find("\"lm_head\""), std::string::npos) << config;
+  // A run created from the export with the same switches holds the same adapter.
+  v1::CreateRunRequest again = req;
+  again.set_request_id("switches-again");
+  again.set_init_from(folder);
+  ASSERT_OK_AND_ASSIGN(v1::Run copy, client_->CreateRun(again));
+  v1::ExportAdapterRequest exp2;
+  exp2.set_run_id(copy.run_id());
+  exp2.set_path(folder + "-copy");
+  ASSERT_OK_AND_ASSIGN(v1::ExportAdapterResponse exported2, client_->ExportAdapter(exp2));
+  EXPECT_EQ(exported2.adapter_sha256(), exported.adapter_sha256());
 }
 
 TEST_F(ServiceTest, RetriedRequestIdAppliesOnce) {
@@ -478,6 +540,20 @@ TEST_F(ServiceTest, EveryValidationErrorNamesTheField) {
   EXPECT_THAT(client_->CreateRun(create),
               StatusIs(absl::StatusCode::kInvalidArgument, "lora.target_modules[0]: unknown module 'mlp'"));
   create.mutable_lora()->clear_target_modules();
+  // Tinker's switches: not together with target_modules, and not all off.
+  create.mutable_lora()->add_target_modules("q_proj");
+  create.mutable_lora()->set_train_unembed(true);
+  EXPECT_THAT(client_->CreateRun(create),
+              StatusIs(absl::StatusCode::kInvalidArgument, "lora.target_modules: give either"));
+  create.mutable_lora()->clear_target_modules();
+  create.mutable_lora()->set_train_attn(false);
+  create.mutable_lora()->set_train_mlp(false);
+  create.mutable_lora()->set_train_unembed(false);
+  EXPECT_THAT(client_->CreateRun(create),
+              StatusIs(absl::StatusCode::kInvalidArgument, "lora.train_attn, lora.train_mlp, lora.train_unembed"));
+  create.mutable_lora()->clear_train_attn();
+  create.mutable_lora()->clear_train_mlp();
+  create.mutable_lora()->clear_train_unembed();
   create.set_base_model("/elsewhere");
   EXPECT_THAT(client_->CreateRun(create), StatusIs(absl::StatusCode::kInvalidArgument, "base_model"));
   create.set_base_model("");

@@ -114,8 +114,9 @@ grpc::ServerUnaryReactor* WorkerService::CreateRun(grpc::CallbackServerContext* 
                                                    const v1::WorkerCreateRunRequest* req,
                                                    v1::WorkerCreateRunResponse* resp) {
   return Defer(ctx, [this, req, resp]() -> absl::Status {
+    LORASTEP_ASSIGN_OR_RETURN(LoraConfig lora, LoraConfigFromProto(req->lora()));
     LORASTEP_ASSIGN_OR_RETURN(int64_t version,
-                              core_->CreateRun(req->run_id(), LoraConfigFromProto(req->lora()), req->seed(),
+                              core_->CreateRun(req->run_id(), lora, req->seed(),
                                                req->init_from(), req->init_with_optimizer()));
     resp->set_learner_version(version);
     return absl::OkStatus();

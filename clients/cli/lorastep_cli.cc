@@ -14,6 +14,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -43,6 +44,10 @@ ABSL_FLAG(std::string, alpha, "", "create: LoRA alpha (default 32)");
 ABSL_FLAG(std::string, dropout, "", "create: LoRA dropout (default 0)");
 ABSL_FLAG(std::string, target_modules, "", "create: comma-separated module names (default: all linear layers)");
 ABSL_FLAG(std::string, seed, "", "create: adapter initialization seed (default 0)");
+ABSL_FLAG(std::string, train_attn, "", "create: true|false, LoRA on attention (Tinker's switch; with any switch given, "
+          "unset ones are true and --target_modules must be empty)");
+ABSL_FLAG(std::string, train_mlp, "", "create: true|false, LoRA on the MLP (a MoE layer's experts)");
+ABSL_FLAG(std::string, train_unembed, "", "create: true|false, LoRA on the LM head (lm_head)");
 ABSL_FLAG(std::string, init_from, "", "create: a PEFT adapter folder or a saved state (path or lorastep:// reference)");
 ABSL_FLAG(bool, init_with_optimizer, false, "create: with --init_from a saved state, also its optimizer state");
 ABSL_FLAG(std::string, data, "", "train, forward, forward-backward: JSONL file, one datum per line (Tinker fields)");
@@ -70,7 +75,8 @@ constexpr char kUsage[] =
     "commands:\n"
     "  runs                                   list runs\n"
     "  get --run R                            one run\n"
-    "  create [--rank --alpha --dropout --target_modules --seed --run_id --init_from [--init_with_optimizer]]\n"
+    "  create [--rank --alpha --dropout --target_modules | --train_attn --train_mlp --train_unembed\n"
+    "          --seed --run_id --init_from [--init_with_optimizer]]\n"
     "  delete --run R                         delete a run and its state\n"
     "  train --run R --data F.jsonl [--batch 64 --loss --normalization --lr --weight_decay\n"
     "        --max_grad_norm --max_tokens_per_microbatch]   one TrainStep per --batch lines\n"
@@ -89,7 +95,8 @@ const std::map<std::string, std::set<std::string>>& CommandFlags() {
   static const auto* m = new std::map<std::string, std::set<std::string>>{
       {"runs", {}},
       {"get", {"run"}},
-      {"create", {"run_id", "rank", "alpha", "dropout", "target_modules", "seed", "init_from", "init_with_optimizer"}},
+      {"create", {"run_id", "rank", "alpha", "dropout", "target_modules", "train_attn", "train_mlp", "train_unembed",
+                  "seed", "init_from", "init_with_optimizer"}},
       {"delete", {"run"}},
       {"train", {"run", "data", "batch", "loss", "normalization", "lr", "weight_decay", "max_grad_norm",
                  "max_tokens_per_microbatch", "names"}},
@@ -117,6 +124,9 @@ std::map<std::string, bool> GivenFlags() {
           {"alpha", !absl::GetFlag(FLAGS_alpha).empty()},
           {"dropout", !absl::GetFlag(FLAGS_dropout).empty()},
           {"target_modules", !absl::GetFlag(FLAGS_target_modules).empty()},
+          {"train_attn", !absl::GetFlag(FLAGS_train_attn).empty()},
+          {"train_mlp", !absl::GetFlag(FLAGS_train_mlp).empty()},
+          {"train_unembed", !absl::GetFlag(FLAGS_train_unembed).empty()},
           {"seed", !absl::GetFlag(FLAGS_seed).empty()},
           {"init_from", !absl::GetFlag(FLAGS_init_from).empty()},
           {"init_with_optimizer", absl::GetFlag(FLAGS_init_with_optimizer)},
@@ -161,6 +171,13 @@ absl::StatusOr<T> Number(const std::string& flag, const std::string& text, T fal
   }
   if (!ok) return absl::InvalidArgumentError(absl::StrCat("--", flag, ": '", text, "' is not a number"));
   return v;
+}
+
+// A true|false flag: nullopt when not given.
+absl::StatusOr<std::optional<bool>> Switch(const std::string& flag, const std::string& text) {
+  if (text.empty()) return std::optional<bool>();
+  if (text == "true" || text == "false") return std::optional<bool>(text == "true");
+  return absl::InvalidArgumentError(absl::StrCat("--", flag, ": '", text, "' is not true or false"));
 }
 
 #define LORASTEP_CLI_ASSIGN(lhs, expr) \
@@ -498,6 +515,12 @@ int Main(int argc, char** argv) {
     for (absl::string_view m : absl::StrSplit(absl::GetFlag(FLAGS_target_modules), ',', absl::SkipEmpty())) {
       lora.add_target_modules(std::string(m));
     }
+    LORASTEP_CLI_ASSIGN(train_attn, Switch("train_attn", absl::GetFlag(FLAGS_train_attn)));
+    LORASTEP_CLI_ASSIGN(train_mlp, Switch("train_mlp", absl::GetFlag(FLAGS_train_mlp)));
+    LORASTEP_CLI_ASSIGN(train_unembed, Switch("train_unembed", absl::GetFlag(FLAGS_train_unembed)));
+    if (train_attn) lora.set_train_attn(*train_attn);
+    if (train_mlp) lora.set_train_mlp(*train_mlp);
+    if (train_unembed) lora.set_train_unembed(*train_unembed);
     req.set_seed(seed);
     req.set_init_from(absl::GetFlag(FLAGS_init_from));
     req.set_init_with_optimizer(absl::GetFlag(FLAGS_init_with_optimizer));

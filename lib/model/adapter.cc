@@ -32,6 +32,10 @@ std::string Adapter::PeftKey(size_t layer, int slot, bool is_b) {
                       is_b ? ".lora_B.weight" : ".lora_A.weight");
 }
 
+std::string Adapter::PeftHeadKey(bool is_b) {
+  return is_b ? "base_model.model.lm_head.lora_B.weight" : "base_model.model.lm_head.lora_A.weight";
+}
+
 absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const LoraConfig& lora,
                                             const at::Device& device, at::ScalarType dtype,
                                             uint64_t seed, const ModelShard* shard) {
@@ -93,6 +97,20 @@ absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const Lora
     if (!moe_layer) continue;
     LORASTEP_RETURN_IF_ERROR(adapter.AddExpertLora(model, s, layer, targeted[kGateProj],
                                                    targeted[kDownProj], gen, add));
+  }
+  if (LoraTargetsHead(lora)) {  // drawn after every layer: the layers' streams do not move
+    const double bound = 1.0 / std::sqrt(static_cast<double>(model.hidden_size));
+    at::Tensor a = at::empty({lora.rank, model.hidden_size}, at::kFloat).uniform_(-bound, bound, gen);
+    at::Tensor b = at::zeros({model.vocab_size, lora.rank}, at::kFloat);
+    if (s.last_stage()) {
+      Parameter pa{PeftHeadKey(false), {}, {}};
+      Parameter pb{PeftHeadKey(true), {}, {}};
+      pa.role = kReplicatedFull;
+      pb.split_dim = 0;
+      if (shard != nullptr) b = b.narrow(0, s.vocab_begin, s.vocab_end - s.vocab_begin);
+      adapter.head_lora_.a = add(std::move(pa), a);
+      adapter.head_lora_.b = add(std::move(pb), b);
+    }
   }
   // Key order: the order of the shared factors' collectives on every rank.
   std::sort(adapter.shared_factors_.begin(), adapter.shared_factors_.end(),

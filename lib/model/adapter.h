@@ -126,6 +126,11 @@ class Adapter {
   // LoRA factors on (layer, slot), or nullptr when that linear has none. `layer` is the
   // index into this stage's layers.
   const LoraFactors* lora(size_t layer, int slot) const;
+  // LoRA on the LM head (lora.target_modules has "lm_head"), on the last stage; else nullptr.
+  // A [r, H] is whole on every tensor rank (kReplicatedFull: the vocab-parallel head sums
+  // the input gradient over the tensor group, so A's gradient is complete on each); B
+  // [V, r] holds this rank's vocabulary rows (kSplit), like the head's weight.
+  const LoraFactors* head_lora() const { return head_lora_.a < 0 ? nullptr : &head_lora_; }
   // Routed-expert LoRA of (stage-local) `layer`, or nullptr.
   const ExpertLoraFactors* expert_lora(size_t layer) const;
   // Shared-outer factors in key order (the order of their collectives).
@@ -146,6 +151,8 @@ class Adapter {
 
   // PEFT key of a LoRA factor: base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight
   static std::string PeftKey(size_t layer, int slot, bool is_b);
+  // The LM head's: base_model.model.lm_head.lora_A.weight
+  static std::string PeftHeadKey(bool is_b);
 
  private:
   // Routed-expert LoRA factors of global `layer` (drawn whole, kept in part when `s` is a
@@ -162,6 +169,7 @@ class Adapter {
   std::vector<std::array<LoraFactors, kNumLinearSlots>> lora_by_layer_;
   std::vector<ExpertLoraFactors> expert_lora_by_layer_;
   std::vector<SharedFactor> shared_factors_;
+  LoraFactors head_lora_;
   std::vector<int> reductions_;
   ModelWeights full_weights_;
   ModelWeights full_main_grads_;

@@ -107,7 +107,7 @@ class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction
                                                 MainGradRef main_grad_ref,
                                                 const at::Tensor& targets, int64_t chunk,
                                                 bool fused, bool fp32_dgrad, int64_t group_token,
-                                                int64_t vocab_begin) {
+                                                int64_t vocab_begin, int64_t trainable_from_col) {
     const at::Tensor& main_grad = main_grad_ref.tensor;
     const int64_t t = hidden.size(0);
     CommGroup* group = GroupFromToken(group_token);
@@ -165,6 +165,7 @@ class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction
     ctx->saved_data["fused"] = fused;
     ctx->saved_data["fp32_dgrad"] = fp32_dgrad;
     ctx->saved_data["trainable"] = main_grad.defined();
+    ctx->saved_data["from_col"] = trainable_from_col;
     if (main_grad.defined()) ctx->saved_data["main_grad"] = main_grad;
     ctx->save_for_backward({hidden, weight, targets});
     return {logprobs, entropy};
@@ -184,8 +185,9 @@ class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction
     const bool fp32_dgrad = ctx->saved_data["fp32_dgrad"].toBool();
     const int64_t t = hidden.size(0);
     at::Tensor grad_hidden = ctx->needs_input_grad(0) ? at::empty_like(hidden) : at::Tensor();
+    const int64_t from_col = ctx->saved_data["from_col"].toInt();
     at::Tensor grad_weight;
-    if (trainable && !fused) grad_weight = at::zeros_like(weight, at::kFloat);
+    if (trainable && !fused && from_col == 0) grad_weight = at::zeros_like(weight, at::kFloat);
     at::Tensor main_grad = trainable ? ctx->saved_data["main_grad"].toTensor() : at::Tensor();
     CommGroup* group = GroupFromToken(ctx->saved_data["group"].toInt());
     const int64_t vocab_begin = ctx->saved_data["vocab_begin"].toInt();
@@ -254,7 +256,9 @@ class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction
         grad_hidden.narrow(0, start, n).copy_(gh);
       }
       if (trainable) {
-        if (fused) {
+        if (from_col > 0) {  // only the trailing columns train: their product alone
+          compat::AddMatmulFp32(main_grad, gz_model.t(), h.narrow(1, from_col, h.size(1) - from_col));
+        } else if (fused) {
           compat::AddMatmulFp32(main_grad, gz_model.t(), h);
         } else {
           grad_weight.addmm_(gz_model.t().to(at::kFloat), h.to(at::kFloat));
@@ -263,7 +267,7 @@ class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction
     }
     if (grad_weight.defined()) grad_weight = grad_weight.to(weight.scalar_type());
     return {grad_hidden, grad_weight, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -346,7 +350,7 @@ class FrozenHeadScoresFunction : public torch::autograd::Function<FrozenHeadScor
 TokenScores ChunkedTokenScores(const at::Tensor& hidden, const at::Tensor& weight,
                                const at::Tensor& weight_main_grad, const at::Tensor& targets,
                                int64_t chunk_tokens, const GradOptions& grad,
-                               const VocabShard& vocab, bool entropy_grad) {
+                               const VocabShard& vocab, bool entropy_grad, int64_t trainable_from_col) {
   CommGroup* group = vocab.group != nullptr && vocab.group->size() > 1 ? vocab.group : nullptr;
   if (group == nullptr && !weight_main_grad.defined()) {
     const bool prepare = at::GradMode::is_enabled() && hidden.requires_grad();
@@ -358,7 +362,7 @@ TokenScores ChunkedTokenScores(const at::Tensor& hidden, const at::Tensor& weigh
                                         std::max<int64_t>(1, chunk_tokens), grad.fused_wgrad,
                                         grad.fp32_dgrad,
                                         static_cast<int64_t>(reinterpret_cast<intptr_t>(group)),
-                                        vocab.begin);
+                                        vocab.begin, trainable_from_col);
   return {out[0], out[1]};
 }
 

@@ -27,10 +27,14 @@ struct TokenScores {
 // gradient of `hidden` is summed over the group (full logits are never gathered).
 // `entropy_grad`: whether the loss will differentiate the entropy (the frozen head then
 // prepares that gradient too; a backward through the entropy without it is an error).
+// `trainable_from_col` > 0: only weight columns [trainable_from_col, H) are trained (a
+// frozen head widened by its LoRA factor B); `weight_main_grad` is their fp32 gradient
+// [V, H - trainable_from_col], accumulated directly whatever `grad.fused_wgrad` says.
 TokenScores ChunkedTokenScores(const at::Tensor& hidden, const at::Tensor& weight,
                                const at::Tensor& weight_main_grad, const at::Tensor& targets,
                                int64_t chunk_tokens, const GradOptions& grad,
-                               const VocabShard& vocab = {}, bool entropy_grad = true);
+                               const VocabShard& vocab = {}, bool entropy_grad = true,
+                               int64_t trainable_from_col = 0);
 
 }  // namespace lorastep
 

@@ -3,11 +3,13 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "lib/status_macros.h"
 
 namespace lorastep {
 namespace {
 constexpr const char* kSlotNames[kNumLinearSlots] = {"q_proj",    "k_proj", "v_proj", "o_proj",
                                                      "gate_proj", "up_proj", "down_proj"};
+constexpr const char* kHeadName = "lm_head";
 constexpr const char* kSlotPaths[kNumLinearSlots] = {
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
@@ -23,6 +25,7 @@ absl::StatusOr<std::array<bool, kNumLinearSlots>> ResolveLoraTargets(const LoraC
   }
   for (size_t i = 0; i < config.target_modules.size(); ++i) {
     const std::string& name = config.target_modules[i];
+    if (name == kHeadName) continue;
     if (name == "all-linear") {
       targeted.fill(true);
       continue;
@@ -34,10 +37,42 @@ absl::StatusOr<std::array<bool, kNumLinearSlots>> ResolveLoraTargets(const LoraC
     if (!found) {
       return absl::InvalidArgumentError(
           absl::StrCat("lora.target_modules[", i, "]: unknown module '", name,
-                       "' (expected all-linear or q/k/v/o/gate/up/down_proj)"));
+                       "' (expected all-linear, q/k/v/o/gate/up/down_proj or lm_head)"));
     }
   }
   return targeted;
+}
+
+bool LoraTargetsHead(const LoraConfig& config) {
+  for (const auto& name : config.target_modules) {
+    if (name == kHeadName) return true;
+  }
+  return false;
+}
+
+absl::StatusOr<std::vector<std::string>> LoraTargetModuleNames(const LoraConfig& config) {
+  std::array<bool, kNumLinearSlots> targeted{};
+  // lm_head alone targets no decoder linear; ResolveLoraTargets reports unknown names.
+  LORASTEP_ASSIGN_OR_RETURN(targeted, ResolveLoraTargets(config));
+  std::vector<std::string> names;
+  for (int s = 0; s < kNumLinearSlots; ++s) {
+    if (targeted[s]) names.push_back(kSlotNames[s]);
+  }
+  if (LoraTargetsHead(config)) names.push_back(kHeadName);
+  return names;
+}
+
+absl::StatusOr<std::vector<std::string>> TargetsFromSwitches(bool train_attn, bool train_mlp,
+                                                             bool train_unembed) {
+  std::vector<std::string> names;
+  if (train_attn) names.insert(names.end(), {"q_proj", "k_proj", "v_proj", "o_proj"});
+  if (train_mlp) names.insert(names.end(), {"gate_proj", "up_proj", "down_proj"});
+  if (train_unembed) names.push_back(kHeadName);
+  if (names.empty()) {
+    return absl::InvalidArgumentError(
+        "lora.train_attn, lora.train_mlp, lora.train_unembed: all false, nothing to train");
+  }
+  return names;
 }
 
 absl::Status ValidateLoraConfig(const LoraConfig& config) {

@@ -22,7 +22,10 @@ struct LoraConfig {
   int64_t rank = 32;        // 0 = full fine-tuning (every weight trainable)
   double alpha = 32.0;      // scale = alpha / rank
   double dropout = 0.0;     // on the LoRA branch's input, training only
-  // Module names ("q_proj", ...) or the single entry "all-linear".
+  // Module names ("q_proj", ..., "lm_head") or "all-linear" (every linear of the decoder
+  // layers: PEFT's meaning, which leaves the LM head out). "lm_head" puts LoRA on the
+  // unembedding (Tinker's train_unembed); it is exported under PEFT's key
+  // base_model.model.lm_head.lora_{A,B}.weight.
   std::vector<std::string> target_modules = {"all-linear"};
   // LoRA on the routed experts of a MoE layer (gate_proj + up_proj = fc1, down_proj = fc2):
   //  "per_expert":   A_e and B_e for every expert, on fc1 and fc2.
@@ -43,6 +46,17 @@ constexpr double kMaxLoraAlpha = 1e6;
 absl::Status ValidateLoraConfig(const LoraConfig& config);
 // targeted[slot] is true when that linear gets an adapter.
 absl::StatusOr<std::array<bool, kNumLinearSlots>> ResolveLoraTargets(const LoraConfig& config);
+// Whether the LM head gets an adapter ("lm_head" among the targets).
+bool LoraTargetsHead(const LoraConfig& config);
+// The targeted modules as PEFT's adapter_config.json lists them, in a fixed order
+// (q_proj .. down_proj, then lm_head).
+absl::StatusOr<std::vector<std::string>> LoraTargetModuleNames(const LoraConfig& config);
+
+// Tinker's switches (train_attn, train_mlp, train_unembed) as target modules: attention is
+// q/k/v/o_proj, the MLP gate/up/down_proj (a MoE layer's experts), the unembedding lm_head.
+// INVALID_ARGUMENT naming the field when nothing would be trained.
+absl::StatusOr<std::vector<std::string>> TargetsFromSwitches(bool train_attn, bool train_mlp,
+                                                             bool train_unembed);
 
 }  // namespace lorastep
 

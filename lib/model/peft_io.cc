@@ -2,6 +2,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <cmath>
+#include <set>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -55,11 +56,7 @@ absl::Status ExportPeftAdapter(
         "export: a rank-0 (full fine-tuning) run has no adapter; save the model instead");
   }
   const LoraConfig& lora = adapter.lora_config();
-  LORASTEP_ASSIGN_OR_RETURN(auto targeted, ResolveLoraTargets(lora));
-  std::vector<std::string> modules;
-  for (int s = 0; s < kNumLinearSlots; ++s) {
-    if (targeted[s]) modules.push_back(LinearSlotName(s));
-  }
+  LORASTEP_ASSIGN_OR_RETURN(std::vector<std::string> modules, LoraTargetModuleNames(lora));
   nlohmann::ordered_json config;
   config["peft_type"] = "LORA";
   config["task_type"] = "CAUSAL_LM";
@@ -120,6 +117,32 @@ absl::Status ImportPeftAdapter(const std::string& folder, Adapter* adapter) {
       std::abs(config["lora_alpha"].get<double>() - lora.alpha) > 1e-9) {
     return absl::InvalidArgumentError(
         absl::StrCat("adapter_config.json: lora_alpha does not match the run's ", lora.alpha));
+  }
+  // Variants lorastep does not train would load as plain LoRA and silently change the model.
+  for (const char* variant : {"use_rslora", "use_dora"}) {
+    if (config.contains(variant) && !(config[variant].is_boolean() && !config[variant].get<bool>())) {
+      return absl::InvalidArgumentError(absl::StrCat("adapter_config.json: ", variant, ": ",
+                                                     config[variant].dump(), " is not supported (plain LoRA only)"));
+    }
+  }
+  // The same modules: a run with fewer targets would drop trained factors without a word.
+  LORASTEP_ASSIGN_OR_RETURN(std::vector<std::string> want, LoraTargetModuleNames(lora));
+  std::set<std::string> have;
+  if (config.contains("target_modules") && config["target_modules"].is_string()) {
+    have.insert(config["target_modules"].get<std::string>());  // PEFT also allows one string
+  } else if (config.contains("target_modules") && config["target_modules"].is_array()) {
+    for (const auto& m : config["target_modules"]) {
+      if (m.is_string()) have.insert(m.get<std::string>());
+    }
+  }
+  if (have == std::set<std::string>{"all-linear"}) {
+    have = {};
+    for (int s = 0; s < kNumLinearSlots; ++s) have.insert(LinearSlotName(s));
+  }
+  if (have != std::set<std::string>(want.begin(), want.end())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "adapter_config.json: target_modules: ", config.value("target_modules", nlohmann::json()).dump(),
+        " does not match the run's [", absl::StrJoin(want, ", "), "]"));
   }
   LORASTEP_ASSIGN_OR_RETURN(SafetensorsFile file,
                             SafetensorsFile::Open(folder + "/adapter_model.safetensors"));

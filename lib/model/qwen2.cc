@@ -46,6 +46,18 @@ class SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
 
 at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) { return SwiGluFunction::apply(gate, up); }
 
+// Inverted dropout with the run's own generator (at::dropout would use the global one,
+// which runs sharing a process would perturb for each other).
+at::Tensor LoraDropout(const at::Tensor& x, double p, at::Generator* generator) {
+  at::Tensor keep = at::empty(x.sizes(), at::kFloat);
+  if (generator != nullptr) {
+    keep.bernoulli_(1.0 - p, *generator);
+  } else {
+    keep.bernoulli_(1.0 - p);
+  }
+  return x * (keep.to(x.options()) / (1.0 - p));
+}
+
 class LayerRunner {
  public:
   LayerRunner(const ModelConfig& c, const ModelWeights& weights, const ModelWeights* main_grads,
@@ -77,17 +89,7 @@ class LayerRunner {
     return y;
   }
 
-  // Inverted dropout with the run's own generator (at::dropout would use the global one,
-  // which runs sharing a process would perturb for each other).
-  at::Tensor Dropout(const at::Tensor& x, double p) const {
-    at::Tensor keep = at::empty(x.sizes(), at::kFloat);
-    if (options_.dropout_generator != nullptr) {
-      keep.bernoulli_(1.0 - p, *options_.dropout_generator);
-    } else {
-      keep.bernoulli_(1.0 - p);
-    }
-    return x * (keep.to(x.options()) / (1.0 - p));
-  }
+  at::Tensor Dropout(const at::Tensor& x, double p) const { return LoraDropout(x, p, options_.dropout_generator); }
 
   at::Tensor Layer(size_t i, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) const {
     const LayerWeights& lw = weights_.layers[i];
@@ -348,6 +350,8 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return RmsNormFunction::apply(x, weight, eps);
 }
 
+namespace {
+
 const at::Tensor& OutputWeight(const ModelWeights& base, const Adapter* adapter) {
   if (adapter != nullptr && adapter->full_finetune()) return adapter->full_weights().output_weight();
   return base.output_weight();
@@ -357,8 +361,6 @@ at::Tensor OutputMainGrad(const Adapter* adapter) {
   if (adapter != nullptr && adapter->full_finetune()) return adapter->full_main_grads().output_weight();
   return at::Tensor();
 }
-
-namespace {
 
 const ModelWeights& WeightsFor(const ModelWeights& base, const Adapter* adapter) {
   return adapter != nullptr && adapter->full_finetune() ? adapter->full_weights() : base;
@@ -396,6 +398,25 @@ at::Tensor Qwen2Hidden(const ModelConfig& config, const ModelWeights& base, cons
   at::Tensor x = Qwen2Embed(config, base, adapter, tokens, options);
   x = Qwen2Layers(config, base, adapter, x, options);
   return Qwen2FinalNorm(config, base, adapter, x);
+}
+
+TokenScores Qwen2HeadScores(const ModelWeights& base, const Adapter* adapter, const at::Tensor& hidden,
+                            const at::Tensor& targets, int64_t chunk_tokens, const ForwardOptions& options,
+                            const VocabShard& vocab, bool entropy_grad) {
+  const LoraFactors* f = adapter != nullptr ? adapter->head_lora() : nullptr;
+  if (f == nullptr) {
+    return ChunkedTokenScores(hidden, OutputWeight(base, adapter), OutputMainGrad(adapter), targets,
+                              chunk_tokens, options.grad, vocab, entropy_grad);
+  }
+  const Parameter& a = adapter->parameters()[f->a];
+  const Parameter& b = adapter->parameters()[f->b];
+  const double p = adapter->lora_config().dropout;
+  const at::Tensor xin = p > 0 && options.training ? LoraDropout(hidden, p, options.dropout_generator) : hidden;
+  // A's gradient through the Linear (into its main_grad); B's inside the chunked head.
+  const at::Tensor u = Linear(xin, a.value, a.main_grad, options.grad) * adapter->lora_config().scale();
+  const at::Tensor weight = at::cat({base.output_weight(), b.value.detach()}, 1);
+  return ChunkedTokenScores(at::cat({hidden, u}, 1), weight, b.main_grad, targets, chunk_tokens, options.grad,
+                            vocab, entropy_grad, /*trainable_from_col=*/hidden.size(1));
 }
 
 }  // namespace lorastep

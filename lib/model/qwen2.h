@@ -11,6 +11,7 @@
 
 #include "lib/model/adapter.h"
 #include "lib/model/linear.h"
+#include "lib/model/logprobs.h"
 #include "lib/training/metrics.h"
 #include "lib/model/model_config.h"
 #include "lib/model/model_weights.h"
@@ -55,10 +56,14 @@ at::Tensor Qwen2Layers(const ModelConfig& config, const ModelWeights& base, cons
 at::Tensor Qwen2FinalNorm(const ModelConfig& config, const ModelWeights& base,
                           const Adapter* adapter, const at::Tensor& x);
 
-// The LM-head weight the hidden states are scored with, and its main_grad (defined only when
-// it is trainable, i.e. full fine-tuning).
-const at::Tensor& OutputWeight(const ModelWeights& base, const Adapter* adapter);
-at::Tensor OutputMainGrad(const Adapter* adapter);
+// Log-probs and entropies of `targets` under the LM head, for final-normed hidden states
+// [T, H] (ChunkedTokenScores): the frozen head, the trainable one (full fine-tuning), or
+// the frozen head plus its LoRA, logits = h W^T + scale (drop(h) A^T) B^T. The LoRA head is
+// one product of [h, scale drop(h) A^T] with [W, B], so it chunks (and splits over the
+// vocabulary) exactly like the plain head; only B's columns get a weight gradient.
+TokenScores Qwen2HeadScores(const ModelWeights& base, const Adapter* adapter, const at::Tensor& hidden,
+                            const at::Tensor& targets, int64_t chunk_tokens, const ForwardOptions& options,
+                            const VocabShard& vocab, bool entropy_grad);
 
 // moe_experts_hit:mean (share of a layer's experts that got tokens) and
 // moe_load_max_over_mean:max (the busiest expert's tokens over the mean), one value per

@@ -363,10 +363,8 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     at::Tensor hidden = Qwen2FinalNorm(config, base_->weights, adapter_.get(), layers_out);
     at::Tensor selected = FoldLeadingDims(hidden).index_select(0, mb.positions);
     TokenScores scores =
-        ChunkedTokenScores(selected, OutputWeight(base_->weights, adapter_.get()),
-                           OutputMainGrad(adapter_.get()), mb.targets,
-                           options_.logprob_chunk_tokens, options_.grad, vocab,
-                           /*entropy_grad=*/backward && loss->entropy_coef != 0);
+        Qwen2HeadScores(base_->weights, adapter_.get(), selected, mb.targets, options_.logprob_chunk_tokens,
+                        fwd_options, vocab, /*entropy_grad=*/backward && loss->entropy_coef != 0);
     pending_logprobs.emplace_back(&mb, scores.logprobs.detach());
     if (!backward) {
       at::Tensor bearing = (at::tensor(mb.mask, at::kFloat) != 0).to(at::kDouble).to(device);

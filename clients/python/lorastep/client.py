@@ -75,12 +75,18 @@ class TrainingClient:
                 raise LorastepError(e.code(), e.details()) from None
 
     def create_run(self, rank=32, alpha=32.0, dropout=0.0, target_modules=None, seed=0, run_id="",
-                   expert_lora="", init_from="", init_with_optimizer=False):
+                   expert_lora="", init_from="", init_with_optimizer=False,
+                   train_attn=None, train_mlp=None, train_unembed=None):
         # expert_lora (MoE models): "per_expert" (default) or "shared_outer".
         # init_from: a PEFT adapter folder or a SaveState checkpoint (path or lorastep://
         # reference) to start from; init_with_optimizer: also its optimizer state and steps.
+        # train_attn / train_mlp / train_unembed: Tinker's switches instead of target_modules
+        # (when any is given the others default to True; train_unembed = LoRA on lm_head).
+        switches = {k: v for k, v in (("train_attn", train_attn), ("train_mlp", train_mlp),
+                                      ("train_unembed", train_unembed)) if v is not None}
         lora = trainer_pb2.LoraConfig(rank=rank, alpha=alpha, dropout=dropout,
-                                      target_modules=target_modules or [], expert_lora=expert_lora)
+                                      target_modules=target_modules or [], expert_lora=expert_lora,
+                                      **switches)
         run = self._call("CreateRun", trainer_pb2.CreateRunRequest(
             request_id=uuid.uuid4().hex, lora=lora, seed=seed, run_id=run_id,
             init_from=init_from, init_with_optimizer=init_with_optimizer))

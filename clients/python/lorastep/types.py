@@ -187,6 +187,7 @@ class RunInfo(_Mapping):
     diverged: str
     base_model: str
     owner: str  # the API key's owner that created it ("" without authentication)
+    target_modules: List[str]  # resolved LoRA targets (train_* switches included)
 
 
 def replica_hashes(hs):
@@ -199,4 +200,5 @@ def metrics_dict(m):
 
 def run_info(r):
     return RunInfo(r.run_id, r.lora.rank, r.lora.alpha, r.learner_version, r.next_sequence_id, r.last_step,
-                   r.created_unix_ms, r.last_step_unix_ms, r.diverged, r.base_model, r.owner)
+                   r.created_unix_ms, r.last_step_unix_ms, r.diverged, r.base_model, r.owner,
+                   list(r.lora.target_modules))
