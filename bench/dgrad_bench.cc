@@ -9,6 +9,9 @@
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
+#include "absl/flags/flag.h"
+#include "lib/flags_util.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -44,22 +47,24 @@ double MedianMs(const at::Device& device, int reps, int inner, const std::functi
 
 }  // namespace
 
+// (Not --v for the vocabulary: glog, which Debian's LibTorch uses, owns FLAGS_v.)
+ABSL_FLAG(std::string, device, "cpu", "cpu or cuda");
+ABSL_FLAG(std::string, out, "dgrad.json", "write the JSON result here");
+ABSL_FLAG(std::string, machine, "unknown", "recorded in the JSON");
+ABSL_FLAG(std::string, command, "", "the command, recorded in the JSON");
+ABSL_FLAG(int64_t, seq, 512, "sequence length (s)");
+ABSL_FLAG(int64_t, batch, 1, "batch (b)");
+ABSL_FLAG(int64_t, vocab, 151936, "output features of the linear (the LM head's vocabulary)");
+ABSL_FLAG(int64_t, hidden, 896, "input features of the linear");
+ABSL_FLAG(std::string, dtype, "bfloat16", "bfloat16 or float32");
+
 int main(int argc, char** argv) {
-  std::string device_name = "cpu", out = "dgrad.json", machine = "unknown", command;
-  int64_t s = 512, b = 1, v = 151936, h = 896;
-  std::string dtype = "bfloat16";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    std::string f = argv[i], val = argv[i + 1];
-    if (f == "--device") device_name = val;
-    else if (f == "--out") out = val;
-    else if (f == "--machine") machine = val;
-    else if (f == "--command") command = val;
-    else if (f == "--s") s = std::stoll(val);
-    else if (f == "--b") b = std::stoll(val);
-    else if (f == "--v") v = std::stoll(val);
-    else if (f == "--h") h = std::stoll(val);
-    else if (f == "--dtype") dtype = val;
-  }
+  lorastep::ParseCommandLineOrExit(argc, argv, "dgrad_bench --device cuda --out dgrad.json [--machine M --command C]");
+  const std::string device_name = absl::GetFlag(FLAGS_device), out = absl::GetFlag(FLAGS_out),
+                    machine = absl::GetFlag(FLAGS_machine), command = absl::GetFlag(FLAGS_command),
+                    dtype = absl::GetFlag(FLAGS_dtype);
+  const int64_t s = absl::GetFlag(FLAGS_seq), b = absl::GetFlag(FLAGS_batch), v = absl::GetFlag(FLAGS_vocab),
+                h = absl::GetFlag(FLAGS_hidden);
   const at::Device device(device_name);
   const at::ScalarType type = dtype == "float32" ? at::kFloat : at::kBFloat16;
   const auto options = at::TensorOptions().device(device).dtype(type);

@@ -18,7 +18,16 @@
 
 #include "clients/cpp/trainer_client.h"
 #include "nlohmann/json.hpp"
-#include "rpc/server_runner.h"
+#include "absl/flags/flag.h"
+#include "lib/flags_util.h"
+
+ABSL_FLAG(std::string, address, "127.0.0.1:50051", "coordinator host:port");
+ABSL_FLAG(int64_t, vocab, 96, "vocabulary size of the served model");
+ABSL_FLAG(int, clients, 16, "concurrent clients, one run each");
+ABSL_FLAG(int64_t, total_steps, 10000, "TrainSteps in all");
+ABSL_FLAG(int64_t, warmup_steps, 500, "steps before the RSS baseline");
+ABSL_FLAG(std::string, pids, "", "coordinator and worker pids (comma-separated) whose RSS is measured");
+ABSL_FLAG(std::string, out, "", "write the JSON result here");
 
 namespace {
 
@@ -35,14 +44,13 @@ double RssMb(const std::string& pid) {
 
 int main(int argc, char** argv) {
   using namespace lorastep;
-  auto flags = ParseFlags(argc, argv);
-  auto get = [&](const char* k, const std::string& d) { return flags.count(k) ? flags[k] : d; };
-  const std::string address = get("address", "127.0.0.1:50051");
-  const int64_t vocab = std::stoll(get("vocab", "96"));
-  const int clients = std::stoi(get("clients", "16"));
-  const int64_t total = std::stoll(get("total_steps", "10000")), warmup = std::stoll(get("warmup_steps", "500"));
+  ParseCommandLineOrExit(argc, argv, "load_test --address A --vocab V [--clients 16] [--total_steps 10000] [--warmup_steps 500] [--pids P1,P2] [--out F.json]");
+  const std::string address = absl::GetFlag(FLAGS_address);
+  const int64_t vocab = absl::GetFlag(FLAGS_vocab);
+  const int clients = absl::GetFlag(FLAGS_clients);
+  const int64_t total = absl::GetFlag(FLAGS_total_steps), warmup = absl::GetFlag(FLAGS_warmup_steps);
   std::vector<std::string> pids;
-  std::stringstream pid_list(get("pids", ""));
+  std::stringstream pid_list(absl::GetFlag(FLAGS_pids));
   for (std::string p; std::getline(pid_list, p, ',');) if (!p.empty()) pids.push_back(p);
   auto rss = [&] {
     double sum = 0;
@@ -140,7 +148,7 @@ int main(int argc, char** argv) {
   j["runs_with_lost_state"] = lost;
   j["errors"] = errors.size();
   if (!errors.empty()) j["first_error"] = errors.front();
-  if (flags.count("out")) std::ofstream(flags["out"]) << j.dump(2) << "\n";
+  if (!absl::GetFlag(FLAGS_out).empty()) std::ofstream(absl::GetFlag(FLAGS_out)) << j.dump(2) << "\n";
   std::cout << j.dump(2) << "\n";
   return errors.empty() && lost == 0 ? 0 : 1;
 }

@@ -22,7 +22,25 @@
 #include "bench/bench_batch.h"
 #include "clients/cpp/trainer_client.h"
 #include "nlohmann/json.hpp"
-#include "rpc/server_runner.h"
+#include "absl/flags/flag.h"
+#include "lib/flags_util.h"
+
+ABSL_FLAG(std::string, address, "127.0.0.1:50051", "coordinator host:port");
+ABSL_FLAG(std::string, out, "", "write the JSON trace here; required");
+ABSL_FLAG(std::string, batch_file, "", "a JSON batch instead of a random one");
+ABSL_FLAG(int, seqs, 64, "sequences per batch (random batch)");
+ABSL_FLAG(int, len, 512, "tokens per sequence (random batch)");
+ABSL_FLAG(int64_t, vocab, 96, "vocabulary size (random batch)");
+ABSL_FLAG(int64_t, rank, 32, "LoRA rank");
+ABSL_FLAG(double, alpha, 32, "LoRA alpha");
+ABSL_FLAG(std::string, expert_lora, "", "MoE: per_expert (default) or shared_outer");
+ABSL_FLAG(double, lr, 1e-4, "AdamW learning rate");
+ABSL_FLAG(int64_t, max_tokens, 0, "padded tokens per micro-batch (0: the server's)");
+ABSL_FLAG(std::string, label, "", "recorded in the JSON");
+ABSL_FLAG(std::string, kill_cmd, "", "instead: run this command mid-step (a killed worker) and record the call");
+ABSL_FLAG(int, kill_after_ms, 100, "with --kill_cmd: ms into the step");
+ABSL_FLAG(int, steps, 6, "TrainSteps");
+ABSL_FLAG(std::string, export_dir, "", "export the adapter here after the steps");
 
 namespace lorastep {
 namespace {
@@ -43,52 +61,51 @@ nlohmann::ordered_json RunJson(const v1::Run& run) {
 }  // namespace
 
 int Main(int argc, char** argv) {
-  auto flags = ParseFlags(argc, argv);
-  auto get = [&](const char* k, const std::string& d) { return flags.count(k) ? flags[k] : d; };
-  if (!flags.count("out")) {
+  ParseCommandLineOrExit(argc, argv, "mesh_trace --address A --out F.json [--batch_file B.json | --seqs N --len L --vocab V] [flags]");
+  if (absl::GetFlag(FLAGS_out).empty()) {
     std::cerr << "mesh_trace: --out is required\n";
     return 2;
   }
   const std::vector<v1::Datum> batch =
-      flags.count("batch_file") ? LoadBatchFile(flags["batch_file"])
-                                : RandomBatch(std::stoi(get("seqs", "64")), std::stoi(get("len", "512")),
-                                              std::stoll(get("vocab", "96")));
+      !absl::GetFlag(FLAGS_batch_file).empty() ? LoadBatchFile(absl::GetFlag(FLAGS_batch_file))
+                                : RandomBatch(absl::GetFlag(FLAGS_seqs), absl::GetFlag(FLAGS_len),
+                                              absl::GetFlag(FLAGS_vocab));
   int64_t batch_tokens = 0;
   for (const auto& d : batch) batch_tokens += d.tokens_size();
-  auto client = TrainerClient::Connect(get("address", "127.0.0.1:50051"), 120);
+  auto client = TrainerClient::Connect(absl::GetFlag(FLAGS_address), 120);
   if (!client.ok()) return Fail(client.status(), "connect");
   v1::LoraConfig lora;
-  lora.set_rank(std::stoll(get("rank", "32")));
-  lora.set_alpha(std::stod(get("alpha", "32")));
-  lora.set_expert_lora(get("expert_lora", ""));
+  lora.set_rank(absl::GetFlag(FLAGS_rank));
+  lora.set_alpha(absl::GetFlag(FLAGS_alpha));
+  lora.set_expert_lora(absl::GetFlag(FLAGS_expert_lora));
   auto run = RunSession::Create(client->get(), lora, /*seed=*/7);
   if (!run.ok()) return Fail(run.status(), "CreateRun");
   v1::LossConfig loss;
   loss.set_loss_fn("ppo");
   v1::AdamWParams adamw;
-  adamw.set_lr(std::stod(get("lr", "1e-4")));
+  adamw.set_lr(absl::GetFlag(FLAGS_lr));
   adamw.set_weight_decay(0.01);
   adamw.set_max_grad_norm(1.0);
-  const int64_t max_tokens = std::stoll(get("max_tokens", "0"));
+  const int64_t max_tokens = absl::GetFlag(FLAGS_max_tokens);
 
   nlohmann::ordered_json j;
   char date[32];
   std::time_t now = std::time(nullptr);
   std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   j["date"] = date;
-  j["label"] = get("label", "");
-  j["batch"] = {{"sequences", batch.size()}, {"tokens", batch_tokens}, {"batch_file", get("batch_file", "")},
+  j["label"] = absl::GetFlag(FLAGS_label);
+  j["batch"] = {{"sequences", batch.size()}, {"tokens", batch_tokens}, {"batch_file", absl::GetFlag(FLAGS_batch_file)},
                 {"lora_rank", lora.rank()}, {"expert_lora", lora.expert_lora()},
                 {"max_tokens_per_microbatch", max_tokens}, {"lr", adamw.lr()}};
 
-  if (flags.count("kill_cmd")) {
+  if (!absl::GetFlag(FLAGS_kill_cmd).empty()) {
     auto first = run->TrainStep(batch, loss, adamw, max_tokens);
     if (!first.ok()) return Fail(first.status(), "first TrainStep");
     auto before = client->get()->GetRun(run->run_id());
     if (!before.ok()) return Fail(before.status(), "GetRun");
     run->max_attempts = 1;
-    const int after_ms = std::stoi(get("kill_after_ms", "100"));
-    const std::string cmd = flags["kill_cmd"];
+    const int after_ms = absl::GetFlag(FLAGS_kill_after_ms);
+    const std::string cmd = absl::GetFlag(FLAGS_kill_cmd);
     int kill_rc = -1;
     std::thread killer([&] {
       std::this_thread::sleep_for(std::chrono::milliseconds(after_ms));
@@ -111,12 +128,12 @@ int Main(int argc, char** argv) {
                  {"after", RunJson(*after)},
                  {"nothing_applied", !r.ok() && before->learner_version() == after->learner_version() &&
                                          before->next_sequence_id() == after->next_sequence_id()}};
-    std::ofstream(flags["out"]) << j.dump(2) << "\n";
+    std::ofstream(absl::GetFlag(FLAGS_out)) << j.dump(2) << "\n";
     std::cout << j["kill"].dump(2) << "\n";
     return 0;
   }
 
-  const int steps = std::stoi(get("steps", "6"));
+  const int steps = absl::GetFlag(FLAGS_steps);
   std::vector<double> wall;
   for (int s = 0; s < steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -154,15 +171,15 @@ int Main(int argc, char** argv) {
   std::vector<float> logprobs;
   for (const auto& lp : fwd->logprobs()) logprobs.insert(logprobs.end(), lp.values().begin(), lp.values().end());
   j["forward_logprobs"] = logprobs;
-  if (flags.count("export_dir")) {
+  if (!absl::GetFlag(FLAGS_export_dir).empty()) {
     v1::ExportAdapterRequest req;
     req.set_run_id(run->run_id());
-    req.set_path(flags["export_dir"]);
+    req.set_path(absl::GetFlag(FLAGS_export_dir));
     auto exported = client->get()->ExportAdapter(req);
     if (!exported.ok()) return Fail(exported.status(), "ExportAdapter");
     j["adapter_dir"] = req.path();
   }
-  std::ofstream(flags["out"]) << j.dump() << "\n";
+  std::ofstream(absl::GetFlag(FLAGS_out)) << j.dump() << "\n";
   return 0;
 }
 

@@ -5,6 +5,9 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "absl/flags/flag.h"
+#include "lib/flags_util.h"
+
 #include <algorithm>
 #include <chrono>
 #include <fstream>
@@ -12,11 +15,11 @@
 #include <string>
 #include <vector>
 
+ABSL_FLAG(std::string, out, "", "write the JSON result here");
+
 int main(int argc, char** argv) {
-  std::string out;
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::string(argv[i]) == "--out") out = argv[i + 1];
-  }
+  lorastep::ParseCommandLineOrExit(argc, argv, "mm_peak [--out F.json]");
+  const std::string out = absl::GetFlag(FLAGS_out);
   double best = 0;
   int best_n = 0;
   std::string rows;

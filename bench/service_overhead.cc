@@ -18,34 +18,51 @@
 #include "bench/bench_batch.h"
 #include "clients/cpp/trainer_client.h"
 #include "nlohmann/json.hpp"
-#include "rpc/server_runner.h"
+#include "absl/flags/flag.h"
+#include "lib/flags_util.h"
+
+ABSL_FLAG(std::string, address, "127.0.0.1:50051", "coordinator host:port");
+ABSL_FLAG(int64_t, vocab, 96, "vocabulary size (random batch)");
+ABSL_FLAG(int, seqs, 64, "sequences per batch (random batch)");
+ABSL_FLAG(int, len, 512, "tokens per sequence (random batch)");
+ABSL_FLAG(int, steps, 5, "steps (the first is warm-up)");
+ABSL_FLAG(int64_t, rank, 32, "LoRA rank (0 = full fine-tuning)");
+ABSL_FLAG(std::string, expert_lora, "", "MoE: per_expert (default) or shared_outer");
+ABSL_FLAG(int64_t, max_tokens, 0, "padded tokens per micro-batch (0: the server's)");
+ABSL_FLAG(std::string, batch_file, "", "a JSON batch instead of a random one");
+ABSL_FLAG(std::string, mode, "train", "train or forward");
+ABSL_FLAG(std::string, machine, "unknown", "recorded in the JSON");
+ABSL_FLAG(std::string, versions, "", "library versions, recorded in the JSON");
+ABSL_FLAG(std::string, command, "", "the command, recorded in the JSON");
+ABSL_FLAG(std::string, model, "", "the model, recorded in the JSON");
+ABSL_FLAG(std::string, key, "overhead_fraction", "JSON key of the median overhead");
+ABSL_FLAG(std::string, out, "", "write the JSON result here");
 
 int main(int argc, char** argv) {
   using namespace lorastep;
-  auto flags = ParseFlags(argc, argv);
-  auto get = [&](const char* k, const std::string& d) { return flags.count(k) ? flags[k] : d; };
-  const int64_t vocab = std::stoll(get("vocab", "96"));
-  const int seqs = std::stoi(get("seqs", "64")), len = std::stoi(get("len", "512")),
-            steps = std::stoi(get("steps", "5"));
-  auto client = TrainerClient::Connect(get("address", "127.0.0.1:50051"), 60);
+  ParseCommandLineOrExit(argc, argv, "service_overhead --address A --vocab V [--seqs 64] [--len 512] [--steps 5] [--out F.json]");
+  const int64_t vocab = absl::GetFlag(FLAGS_vocab);
+  const int seqs = absl::GetFlag(FLAGS_seqs), len = absl::GetFlag(FLAGS_len),
+            steps = absl::GetFlag(FLAGS_steps);
+  auto client = TrainerClient::Connect(absl::GetFlag(FLAGS_address), 60);
   if (!client.ok()) {
     std::cerr << client.status() << "\n";
     return 1;
   }
   v1::LoraConfig lora;
-  lora.set_rank(std::stoll(get("rank", "32")));  // 0 = full fine-tuning
+  lora.set_rank(absl::GetFlag(FLAGS_rank));  // 0 = full fine-tuning
   lora.set_alpha(32);
-  lora.set_expert_lora(get("expert_lora", ""));  // MoE: per_expert (default) or shared_outer
-  const int64_t max_tokens = std::stoll(get("max_tokens", "0"));
+  lora.set_expert_lora(absl::GetFlag(FLAGS_expert_lora));  // MoE: per_expert (default) or shared_outer
+  const int64_t max_tokens = absl::GetFlag(FLAGS_max_tokens);
   auto run = RunSession::Create(client->get(), lora, 0);
   if (!run.ok()) {
     std::cerr << run.status() << "\n";
     return 1;
   }
-  const std::vector<v1::Datum> batch = flags.count("batch_file")
-                                            ? LoadBatchFile(flags["batch_file"])
+  const std::vector<v1::Datum> batch = !absl::GetFlag(FLAGS_batch_file).empty()
+                                            ? LoadBatchFile(absl::GetFlag(FLAGS_batch_file))
                                             : RandomBatch(seqs, len, vocab);
-  const bool forward_only = get("mode", "train") == "forward";
+  const bool forward_only = absl::GetFlag(FLAGS_mode) == "forward";
   int64_t batch_tokens = 0;
   for (const auto& d : batch) batch_tokens += d.tokens_size();
   v1::LossConfig loss;
@@ -91,14 +108,14 @@ int main(int argc, char** argv) {
   std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   nlohmann::ordered_json j;
   j["date"] = date;
-  j["machine"] = get("machine", "unknown");
-  j["library_versions"] = get("versions", "");
-  j["command"] = get("command", "");
-  j["model"] = get("model", "");
+  j["machine"] = absl::GetFlag(FLAGS_machine);
+  j["library_versions"] = absl::GetFlag(FLAGS_versions);
+  j["command"] = absl::GetFlag(FLAGS_command);
+  j["model"] = absl::GetFlag(FLAGS_model);
   j["batch"] = {{"sequences", batch.size()}, {"tokens", batch_tokens},
-                {"batch_file", get("batch_file", "")}, {"lora_rank", lora.rank()},
+                {"batch_file", absl::GetFlag(FLAGS_batch_file)}, {"lora_rank", lora.rank()},
                 {"max_tokens_per_microbatch", max_tokens}, {"mode", forward_only ? "forward" : "train"}};
-  j[get("key", "overhead_fraction")] = median;
+  j[absl::GetFlag(FLAGS_key)] = median;
   std::vector<double> worker_sorted = worker_s;
   std::sort(worker_sorted.begin(), worker_sorted.end());
   j["worker_step_median_s"] = worker_sorted[worker_sorted.size() / 2];
@@ -111,7 +128,7 @@ int main(int argc, char** argv) {
   j["last_step_metrics"] = last_metrics;
   j["overhead_fractions"] = fractions;
   j["method"] = "median over steps after one warm-up of (client wall - worker time_step_s) / client wall";
-  if (flags.count("out")) std::ofstream(flags["out"]) << j.dump(2) << "\n";
+  if (!absl::GetFlag(FLAGS_out).empty()) std::ofstream(absl::GetFlag(FLAGS_out)) << j.dump(2) << "\n";
   std::cout << j.dump(2) << "\n";
   return 0;
 }

@@ -114,22 +114,4 @@ void MetricsHttpServer::Answer(int client) {
   }
 }
 
-absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetricsEndpointFromFlags(
-    const std::map<std::string, std::string>& flags, const PrometheusRegistry* registry) {
-  auto port_flag = flags.find("metrics_port");
-  if (port_flag == flags.end()) return std::unique_ptr<MetricsHttpServer>();
-  int port = 0;
-  if (!absl::SimpleAtoi(port_flag->second, &port)) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics_port: '", port_flag->second, "' is not a port number"));
-  }
-  auto host = flags.find("metrics_host");
-  auto server = MetricsHttpServer::Start(host != flags.end() ? host->second : "127.0.0.1", port, registry,
-                                         flags.count("metrics_allow_remote") > 0);
-  if (!server.ok()) return server.status();
-  if (auto file = flags.find("metrics_port_file"); file != flags.end()) {
-    if (absl::Status s = WritePortFile(file->second, (*server)->port()); !s.ok()) return s;
-  }
-  return server;
-}
-
 }  // namespace lorastep

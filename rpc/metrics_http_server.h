@@ -39,12 +39,6 @@ class MetricsHttpServer {
   std::thread thread_;
 };
 
-// The endpoint a binary's flags ask for: --metrics_port P (0: any free port; absent: no
-// endpoint, nullptr) [--metrics_host 127.0.0.1] [--metrics_allow_remote]
-// [--metrics_port_file F: the bound port, written atomically].
-absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetricsEndpointFromFlags(
-    const std::map<std::string, std::string>& flags, const PrometheusRegistry* registry);
-
 }  // namespace lorastep
 
 #endif  // LORASTEP_RPC_METRICS_HTTP_SERVER_H_

@@ -219,31 +219,4 @@ absl::Status WritePortFile(const std::string& path, int port) {
   return absl::OkStatus();
 }
 
-absl::Status CheckKnownFlags(const std::map<std::string, std::string>& flags, const std::set<std::string>& known) {
-  for (const auto& [name, value] : flags) {
-    if (!known.count(name) && !MetricsFlagNames().count(name) && !WorkerTestFlagNames().count(name)) {
-      return absl::InvalidArgumentError(absl::StrCat("--", name, ": unknown flag (see the usage at the top of the binary's main file)"));
-    }
-  }
-  return absl::OkStatus();
-}
-
-std::map<std::string, std::string> ParseFlags(int argc, char** argv) {
-  std::map<std::string, std::string> flags;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg.rfind("--", 0) != 0) continue;
-    arg = arg.substr(2);
-    const auto eq = arg.find('=');
-    if (eq != std::string::npos) {
-      flags[arg.substr(0, eq)] = arg.substr(eq + 1);
-    } else if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) {
-      flags[arg] = argv[++i];
-    } else {
-      flags[arg] = "true";
-    }
-  }
-  return flags;
-}
-
 }  // namespace lorastep

@@ -49,26 +49,6 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsServerCredentials(co
 // half of it.
 absl::Status WritePortFile(const std::string& path, int port);
 
-// "--name value" / "--name=value" flags; bare "--name" is "true".
-std::map<std::string, std::string> ParseFlags(int argc, char** argv);
-// INVALID_ARGUMENT naming the first flag not in `known`, the --metrics_* flags or the worker's
-// test flags (a misspelt --api_keys_file must not start a server without authentication).
-absl::Status CheckKnownFlags(const std::map<std::string, std::string>& flags, const std::set<std::string>& known);
-// The worker's test-only fault-injection flags (the coordinator passes them on to its local
-// workers; both binaries accept them).
-inline const std::set<std::string>& WorkerTestFlagNames() {
-  static const auto* names = new std::set<std::string>{
-      "test_replicated_reductions", "test_skip_shared_reduction", "test_shared_reductions",
-      "test_check_grad_digests",    "test_corrupt_main_grad_rank", "test_inventory_mismatch_rank"};
-  return *names;
-}
-// The --metrics_* flags StartMetricsEndpointFromFlags reads.
-inline const std::set<std::string>& MetricsFlagNames() {
-  static const auto* names =
-      new std::set<std::string>{"metrics_port", "metrics_host", "metrics_allow_remote", "metrics_port_file"};
-  return *names;
-}
-
 }  // namespace lorastep
 
 #endif  // LORASTEP_RPC_SERVER_RUNNER_H_

@@ -32,6 +32,7 @@
 #include <set>
 #include <vector>
 
+#include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "lib/parallel/parallel_layout.h"
@@ -42,107 +43,127 @@
 #include "server/grpc_worker_client.h"
 #include "server/registry_service.h"
 #include "server/child_server.h"
+#include "lib/flags_util.h"
+#include "rpc/server_flags.h"
 #include "rpc/server_runner.h"
+
+ABSL_FLAG(std::string, model, "", "model folder for the local worker(s)");
+ABSL_FLAG(std::string, device, "cpu", "local workers' device: cpu or cuda (rank r on cuda:r)");
+ABSL_FLAG(std::string, dtype, "", "local workers' dtype (default: the model's config.json)");
+ABSL_FLAG(int, port, 50051, "port of the Trainer API (0: any free port)");
+ABSL_FLAG(std::string, host, "127.0.0.1", "address to listen on (non-loopback needs --api_keys_file)");
+ABSL_FLAG(std::string, port_file, "", "write the bound port here");
+ABSL_FLAG(std::string, workers, "", "use running workers host:port,host:port instead of starting local ones");
+ABSL_FLAG(bool, wait_for_workers, false, "start with no worker and wait for workers to register");
+ABSL_FLAG(std::string, worker_binary, "", "lorastep_worker to start (default: beside this binary)");
+ABSL_FLAG(std::optional<int64_t>, max_tokens_per_microbatch, std::nullopt, "local workers: padded tokens per micro-batch");
+ABSL_FLAG(int, worker_start_timeout_s, 300, "seconds local workers may take to start");
+ABSL_FLAG(int, tp, 1, "tensor-parallel size of the mesh");
+ABSL_FLAG(int, pp, 1, "pipeline-parallel size of the mesh");
+ABSL_FLAG(int, dp, 1, "data-parallel size of the mesh");
+ABSL_FLAG(int, ep, 1, "expert-parallel size of the mesh");
+ABSL_FLAG(std::optional<int>, collective_timeout_s, std::nullopt, "local workers: seconds a collective may take (default 120)");
+ABSL_FLAG(std::optional<int>, peer_failure_grace_s, std::nullopt,
+          "seconds the other ranks of a failed mesh call may still take (default: collective timeout + 30)");
+ABSL_FLAG(int, worker_call_timeout_s, 3600, "deadline of one call to a worker");
+ABSL_FLAG(int, rendezvous_port, 29500, "TCPStore port rank 0 serves when workers join by registration");
+ABSL_FLAG(std::string, state_dir, "", "state store root (checkpoints and exports as lorastep://<run>/<name>), passed to local workers");
+ABSL_FLAG(std::optional<double>, state_ttl_hours, std::nullopt, "local workers: remove lorastep's state-store folders older than this");
+ABSL_FLAG(std::optional<int>, worker_metrics_port_base, std::nullopt, "local worker r serves Prometheus metrics on this + r");
+ABSL_FLAG(std::string, api_keys_file, "", "lines \"KEY OWNER [admin]\"; calls then need a key and see only their owner's runs");
+ABSL_FLAG(bool, allow_unauthenticated_remote, false, "serve a non-loopback --host without API keys (trusted networks only)");
+ABSL_FLAG(std::string, worker_token_file, "", "shared secret for the Worker port and the Registry");
+ABSL_FLAG(std::string, tls_cert_file, "", "the Trainer API over TLS: certificate chain (PEM)");
+ABSL_FLAG(std::string, tls_key_file, "", "the Trainer API over TLS: private key (PEM)");
+ABSL_FLAG(int64_t, max_queued_per_run, 64, "calls queued on one run beyond which RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_queued, 4096, "calls queued in all beyond which RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_runs, 256, "runs that may exist");
+ABSL_FLAG(int, max_request_mb, 64, "largest request a client may send, MiB, in [1, 1024]");
+ABSL_FLAG(double, max_recorded_mb, 64, "MiB of recorded responses (for retries) kept per run");
+ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt, "local workers: activation budget per micro-batch, MiB");
+ABSL_FLAG(bool, unfused_wgrad, false, "local workers: unfused weight gradients");
 
 int main(int argc, char** argv) {
   using namespace lorastep;
   BlockShutdownSignals();
-  auto flags = ParseFlags(argc, argv);
+  ParseCommandLineOrExit(argc, argv,
+                   "lorastep_coordinator [--model DIR | --workers A,B | --wait_for_workers] [flags]: the "
+                   "public Trainer API over local or registered workers. See --help for the flags.");
   auto fail = [](const absl::Status& s) {
     std::cerr << "lorastep_coordinator: " << s << "\n";
     return 1;
   };
-  if (absl::Status known = CheckKnownFlags(
-          flags, {"model", "device", "dtype", "port", "host", "port_file", "workers", "wait_for_workers",
-                  "worker_binary", "max_tokens_per_microbatch", "worker_start_timeout_s", "tp", "pp", "dp", "ep",
-                  "collective_timeout_s", "peer_failure_grace_s", "worker_call_timeout_s", "rendezvous_port",
-                  "state_dir", "state_ttl_hours", "worker_metrics_port_base", "v", "api_keys_file",
-                  "allow_unauthenticated_remote", "worker_token_file", "tls_cert_file", "tls_key_file",
-                  "max_queued_per_run", "max_queued", "max_runs", "max_request_mb", "max_recorded_mb",
-                  "max_activation_mb", "unfused_wgrad"});
-      !known.ok()) {
-    std::cerr << "lorastep_coordinator: " << known << "\n";
-    return 2;
-  }
   // Prometheus: off unless --metrics_port; refused on a non-loopback host without
   // --metrics_allow_remote (checked before any worker starts).
   PrometheusRegistry metrics;
-  auto metrics_endpoint = StartMetricsEndpointFromFlags(flags, &metrics);
+  auto metrics_endpoint = StartMetricsEndpointFromFlags(&metrics);
   if (!metrics_endpoint.ok()) return fail(metrics_endpoint.status());
   // --api_keys_file: every Trainer call needs a key, and callers see only their own runs.
   // Without it the coordinator listens on loopback only, unless told otherwise.
   std::optional<ApiKeys> api_keys;
-  if (flags.count("api_keys_file")) {
-    auto loaded = ApiKeys::Load(flags["api_keys_file"]);
+  if (!absl::GetFlag(FLAGS_api_keys_file).empty()) {
+    auto loaded = ApiKeys::Load(absl::GetFlag(FLAGS_api_keys_file));
     if (!loaded.ok()) return fail(loaded.status());
     api_keys = std::move(loaded).value();
   }
   // --worker_token_file: the secret the coordinator and its workers present to each other
   // (Worker port, Registry); passed on to local workers.
   std::string worker_token;
-  if (flags.count("worker_token_file")) {
-    auto token = LoadTokenFile(flags["worker_token_file"]);
+  if (!absl::GetFlag(FLAGS_worker_token_file).empty()) {
+    auto token = LoadTokenFile(absl::GetFlag(FLAGS_worker_token_file));
     if (!token.ok()) return fail(token.status());
     worker_token = *token;
   }
-  const std::string host = flags.count("host") ? flags["host"] : "127.0.0.1";
+  const std::string host = absl::GetFlag(FLAGS_host);
   if (!api_keys && host != "127.0.0.1" && host != "localhost" && host != "::1" &&
-      !flags.count("allow_unauthenticated_remote")) {
+      !absl::GetFlag(FLAGS_allow_unauthenticated_remote)) {
     return fail(absl::InvalidArgumentError(absl::StrCat(
         "host: '", host, "' is reachable from other machines; start with --api_keys_file (or, on a trusted "
         "network only, --allow_unauthenticated_remote)")));
   }
   // --v: per-call log lines (0 = failures only, 1 = every call, 2 = with health checks).
-  const int log_verbosity = flags.count("v") ? std::stoi(flags["v"]) : 1;
+  const int log_verbosity = VerbosityFlag();
   CoordinatorOptions options;
   options.metrics = &metrics;
-  for (auto [flag, field] : {std::pair<const char*, int*>{"tp", &options.mesh.tp},
-                             {"pp", &options.mesh.pp}, {"dp", &options.mesh.dp},
-                             {"ep", &options.mesh.ep}}) {
-    if (flags.count(flag)) *field = std::stoi(flags[flag]);
-  }
+  options.mesh = {absl::GetFlag(FLAGS_tp), absl::GetFlag(FLAGS_pp), absl::GetFlag(FLAGS_dp), absl::GetFlag(FLAGS_ep)};
   if (auto layout = ParallelLayout::Create(options.mesh, options.mesh.world()); !layout.ok()) {
     return fail(layout.status());
   }
-  if (flags.count("rendezvous_port")) options.rendezvous_port = std::stoi(flags["rendezvous_port"]);
+  options.rendezvous_port = absl::GetFlag(FLAGS_rendezvous_port);
   // Bounds: the largest request a client may send (MiB), and how many runs may exist.
-  const int max_request_mb = flags.count("max_request_mb") ? std::stoi(flags["max_request_mb"]) : 64;
+  const int max_request_mb = absl::GetFlag(FLAGS_max_request_mb);
   if (max_request_mb < 1 || max_request_mb > 1024) {
     std::cerr << "lorastep_coordinator: --max_request_mb: must be in [1, 1024]\n";
     return 2;
   }
   const int max_request_bytes = max_request_mb << 20;
-  if (flags.count("max_runs")) options.max_runs = std::stoul(flags["max_runs"]);
-  if (flags.count("max_recorded_mb")) {  // may be fractional
-    options.max_recorded_bytes = static_cast<size_t>(std::stod(flags["max_recorded_mb"]) * (1 << 20));
+  if (absl::GetFlag(FLAGS_max_runs) < 1 || !(absl::GetFlag(FLAGS_max_recorded_mb) >= 0)) {
+    std::cerr << "lorastep_coordinator: --max_runs must be >= 1 and --max_recorded_mb >= 0\n";
+    return 2;
   }
+  options.max_runs = static_cast<size_t>(absl::GetFlag(FLAGS_max_runs));
+  options.max_recorded_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_recorded_mb) * (1 << 20));
   const int world = options.mesh.world();
   // A rank that fails on its own makes its peers fail at their collective timeout (the
   // worker's default is 120 s); past that plus 30 s their calls are cancelled.
-  options.peer_failure_grace = std::chrono::seconds(
-      flags.count("peer_failure_grace_s")
-          ? std::stoi(flags["peer_failure_grace_s"])
-          : (flags.count("collective_timeout_s") ? std::stoi(flags["collective_timeout_s"]) : 120) + 30);
-  const int worker_call_timeout =
-      flags.count("worker_call_timeout_s") ? std::stoi(flags["worker_call_timeout_s"]) : 3600;
+  options.peer_failure_grace = std::chrono::seconds(absl::GetFlag(FLAGS_peer_failure_grace_s).value_or(
+      absl::GetFlag(FLAGS_collective_timeout_s).value_or(120) + 30));
+  const int worker_call_timeout = absl::GetFlag(FLAGS_worker_call_timeout_s);
   std::vector<std::string> addresses;
   std::vector<ChildServer> local;
-  if (flags.count("workers")) {
-    addresses = absl::StrSplit(flags["workers"], ',', absl::SkipEmpty());
-  } else if (!flags.count("wait_for_workers")) {
-    if (flags["model"].empty()) {
+  if (!absl::GetFlag(FLAGS_workers).empty()) {
+    addresses = absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty());
+  } else if (!absl::GetFlag(FLAGS_wait_for_workers)) {
+    if (absl::GetFlag(FLAGS_model).empty()) {
       std::cerr << "lorastep_coordinator: --model (for the local worker) or --workers is required\n";
       return 2;
     }
-    std::vector<std::string> args = {"--model", flags["model"]};
-    std::set<std::string> passed = WorkerTestFlagNames();
-    passed.insert({"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "state_dir", "v", "state_ttl_hours",
-                   "worker_token_file", "max_activation_mb"});
-    for (const std::string& pass : passed) {
-      if (flags.count(pass)) args.insert(args.end(), {"--" + pass, flags[pass]});
-    }
-    if (flags.count("unfused_wgrad")) args.push_back("--unfused_wgrad");
-    const std::string device = flags.count("device") ? flags["device"] : "cpu";
+    std::vector<std::string> args = {"--model", absl::GetFlag(FLAGS_model)};
+    std::vector<std::string> passed = WorkerTestFlagNames();
+    passed.insert(passed.end(), {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "state_dir", "v",
+                                 "state_ttl_hours", "worker_token_file", "max_activation_mb", "unfused_wgrad"});
+    for (std::string& arg : NonDefaultFlagArgs(passed)) args.push_back(std::move(arg));
+    const std::string device = absl::GetFlag(FLAGS_device);
     // One worker per rank (one per GPU: rank r on cuda:r), meeting at a TCPStore that
     // rank 0 serves on a free local port.
     std::vector<std::vector<std::string>> per_rank;
@@ -157,14 +178,14 @@ int main(int argc, char** argv) {
                            std::to_string(options.mesh.dp), "--ep", std::to_string(options.mesh.ep),
                            "--rendezvous", rendezvous});
       }
-      if (flags.count("worker_metrics_port_base")) {  // local worker r: Prometheus on base + r
-        a.insert(a.end(), {"--metrics_port", std::to_string(std::stoi(flags["worker_metrics_port_base"]) + r)});
+      if (auto base = absl::GetFlag(FLAGS_worker_metrics_port_base)) {  // local worker r: Prometheus on base + r
+        a.insert(a.end(), {"--metrics_port", std::to_string(*base + r)});
       }
       per_rank.push_back(std::move(a));
     }
     const std::string binary =
-        flags.count("worker_binary") ? flags["worker_binary"] : FindWorkerBinary(argv[0]);
-    const int timeout = flags.count("worker_start_timeout_s") ? std::stoi(flags["worker_start_timeout_s"]) : 300;
+        !absl::GetFlag(FLAGS_worker_binary).empty() ? absl::GetFlag(FLAGS_worker_binary) : FindWorkerBinary(argv[0]);
+    const int timeout = absl::GetFlag(FLAGS_worker_start_timeout_s);
     auto started = ChildServer::StartAll(binary, per_rank, timeout);
     if (!started.ok()) return fail(started.status());
     local = std::move(started).value();
@@ -177,27 +198,25 @@ int main(int argc, char** argv) {
     if (auto s = core.AddWorker(std::move(client)); !s.ok()) return fail(s);
   }
   CoordinatorService service(&core, 4, &metrics, api_keys ? &*api_keys : nullptr);
-  service.SetQueueLimits(flags.count("max_queued_per_run") ? std::stoll(flags["max_queued_per_run"]) : 64,
-                         flags.count("max_queued") ? std::stoll(flags["max_queued"]) : 4096);
+  service.SetQueueLimits(absl::GetFlag(FLAGS_max_queued_per_run), absl::GetFlag(FLAGS_max_queued));
   RegistryService registry(&core, worker_token);
   int port = 0;
   // --tls_cert_file/--tls_key_file: the Trainer API over TLS (workers stay on plaintext
   // loopback or a private network, authenticated by the worker token).
   std::shared_ptr<grpc::ServerCredentials> credentials;
-  if (flags.count("tls_cert_file") || flags.count("tls_key_file")) {
-    auto tls = TlsServerCredentials(flags["tls_cert_file"], flags["tls_key_file"]);
+  if (!absl::GetFlag(FLAGS_tls_cert_file).empty() || !absl::GetFlag(FLAGS_tls_key_file).empty()) {
+    auto tls = TlsServerCredentials(absl::GetFlag(FLAGS_tls_cert_file), absl::GetFlag(FLAGS_tls_key_file));
     if (!tls.ok()) return fail(tls.status());
     credentials = *tls;
   }
-  auto server = StartGrpcServer(host,
-                                flags.count("port") ? std::stoi(flags["port"]) : 50051,
+  auto server = StartGrpcServer(host, absl::GetFlag(FLAGS_port),
                                 {&service, &registry}, &port, max_request_bytes,
                                 CallObservers{&metrics, log_verbosity, "coordinator", -1}, credentials);
   if (!server.ok()) return fail(server.status());
   // grpc.health.v1 follows the workers: NOT_SERVING while none is up (a mesh: any rank down).
   core.OnServingChange([srv = server->get()](bool serving) { srv->GetHealthCheckService()->SetServingStatus(serving); });
-  if (flags.count("port_file")) {
-    if (auto s = WritePortFile(flags["port_file"], port); !s.ok()) return fail(s);
+  if (!absl::GetFlag(FLAGS_port_file).empty()) {
+    if (auto s = WritePortFile(absl::GetFlag(FLAGS_port_file), port); !s.ok()) return fail(s);
   }
   if (addresses.empty()) {
     std::cerr << "lorastep_coordinator: port " << port << ", waiting for workers to register\n";

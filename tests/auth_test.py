@@ -55,11 +55,17 @@ def main():
 
     r = subprocess.run([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
                         "--api_key_file", keys_file], capture_output=True, text=True, timeout=60)
-    check(r.returncode == 2 and "--api_key_file: unknown flag" in r.stderr,
+    check(r.returncode != 0 and "Unknown command line flag 'api_key_file'" in r.stderr,
           "a misspelt flag (--api_key_file) stops the coordinator instead of running without keys")
     r = subprocess.run([worker, "--model", model, "--worker_tokn_file", keys_file], capture_output=True, text=True,
                        timeout=60)
-    check(r.returncode == 2 and "--worker_tokn_file: unknown flag" in r.stderr, "and the worker")
+    check(r.returncode != 0 and "Unknown command line flag 'worker_tokn_file'" in r.stderr, "and the worker")
+    r = subprocess.run([worker, "--model", model, "--tp", "two"], capture_output=True, text=True, timeout=60)
+    check(r.returncode != 0 and "Illegal value 'two' specified for flag 'tp'" in r.stderr,
+          "a malformed value names the flag")
+    r = subprocess.run([coordinator, "--help"], capture_output=True, text=True, timeout=60)
+    check("--api_keys_file" in r.stdout + r.stderr and "--metrics_port" in r.stdout + r.stderr,
+          "--help lists the coordinator's flags")
 
     port_file = os.path.join(tmp, "port")
     proc = subprocess.Popen([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",

@@ -10,20 +10,21 @@
 #include <random>
 #include <string>
 
+#include "absl/flags/flag.h"
+#include "lib/flags_util.h"
 #include "lib/model/model_weights.h"
 #include "lib/training/trainer.h"
 
 using namespace lorastep;
 
+ABSL_FLAG(int, steps, 8, "training steps");
+ABSL_FLAG(std::string, preset, "small", "model shape (lorastep_genmodel's presets)");
+ABSL_FLAG(std::string, workdir, "/tmp/lorastep-demo", "where the generated model is written");
+
 int main(int argc, char** argv) {
-  int steps = 8;
-  std::string preset = "small", workdir = "/tmp/lorastep-demo";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    std::string flag = argv[i];
-    if (flag == "--steps") steps = std::atoi(argv[i + 1]);
-    else if (flag == "--preset") preset = argv[i + 1];
-    else if (flag == "--workdir") workdir = argv[i + 1];
-  }
+  ParseCommandLineOrExit(argc, argv, "lorastep_demo [--steps N] [--preset small] [--workdir DIR]");
+  const int steps = absl::GetFlag(FLAGS_steps);
+  const std::string preset = absl::GetFlag(FLAGS_preset), workdir = absl::GetFlag(FLAGS_workdir);
   ModelConfig config = ModelConfigPreset(preset).value();
   const std::string model_dir = workdir + "/model";
   if (auto s = SaveModel(model_dir, config, RandomModelWeights(config, 1)); !s.ok()) {

@@ -4,27 +4,26 @@
 #include <iostream>
 #include <string>
 
+#include "absl/flags/flag.h"
+#include "lib/flags_util.h"
 #include "lib/model/model_config.h"
 #include "lib/model/model_weights.h"
 
+ABSL_FLAG(std::string, preset, "tiny", "model shape: tiny, small, qwen2.5-0.5b, tiny-moe, qwen3-30b-a3b-reduced, ...");
+ABSL_FLAG(std::string, out, "", "folder to write (config.json + safetensors); required");
+ABSL_FLAG(uint64_t, seed, 0, "seed of the random weights");
+ABSL_FLAG(std::string, dtype, "", "torch_dtype of the written weights (default: the preset's)");
+ABSL_FLAG(int, shards, 1, "safetensors files to split the weights over");
+
 int main(int argc, char** argv) {
-  std::string preset = "tiny", out, dtype;
-  uint64_t seed = 0;
-  int shards = 1;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--preset") preset = value;
-    else if (flag == "--out") out = value;
-    else if (flag == "--seed") seed = std::strtoull(value.c_str(), nullptr, 10);
-    else if (flag == "--dtype") dtype = value;
-    else if (flag == "--shards") shards = std::atoi(value.c_str());
-    else {
-      std::cerr << "unknown flag " << flag << "\n";
-      return 2;
-    }
-  }
+  lorastep::ParseCommandLineOrExit(argc, argv,
+                                   "lorastep_genmodel --preset NAME --out DIR [--seed N] [--dtype D] [--shards K]");
+  const std::string preset = absl::GetFlag(FLAGS_preset), out = absl::GetFlag(FLAGS_out),
+                    dtype = absl::GetFlag(FLAGS_dtype);
+  const uint64_t seed = absl::GetFlag(FLAGS_seed);
+  const int shards = absl::GetFlag(FLAGS_shards);
   if (out.empty()) {
-    std::cerr << "usage: lorastep_genmodel --preset NAME --out DIR [--seed N] [--dtype D] [--shards K]\n";
+    std::cerr << "lorastep_genmodel: --out is required (see --help)\n";
     return 2;
   }
   auto config = lorastep::ModelConfigPreset(preset);

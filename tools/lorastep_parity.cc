@@ -13,7 +13,9 @@
 #include <iostream>
 #include <string>
 
+#include "absl/flags/flag.h"
 #include "absl/strings/str_split.h"
+#include "lib/flags_util.h"
 
 #include "lib/training/grad_finalizer.h"
 #include "lib/model/logprobs.h"
@@ -29,19 +31,22 @@ int Fail(const absl::Status& s) {
   return 1;
 }
 
+ABSL_FLAG(std::string, model, "", "model folder; required");
+ABSL_FLAG(std::string, workdir, "", "where the adapter and the tensors are written; required");
+ABSL_FLAG(std::string, device, "cpu", "cpu or cuda");
+ABSL_FLAG(std::string, dtype, "", "model dtype (default: config.json's)");
+ABSL_FLAG(int64_t, rank, 32, "LoRA rank (alpha = rank)");
+ABSL_FLAG(int64_t, seq, 128, "tokens per sequence");
+ABSL_FLAG(std::string, targets, "", "LoRA targets, comma-separated (default all-linear)");
+
 int main(int argc, char** argv) {
-  std::string model, workdir, device = "cpu", dtype = "", lora_targets;
-  int64_t rank = 32, batch = 2, seq = 128;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    std::string f = argv[i], v = argv[i + 1];
-    if (f == "--model") model = v;
-    else if (f == "--workdir") workdir = v;
-    else if (f == "--device") device = v;
-    else if (f == "--dtype") dtype = v;
-    else if (f == "--rank") rank = std::stoll(v);
-    else if (f == "--seq") seq = std::stoll(v);
-    else if (f == "--targets") lora_targets = v;
-  }
+  ParseCommandLineOrExit(argc, argv, "lorastep_parity --model DIR --workdir DIR [--device cuda] [--dtype D] "
+                                     "[--rank R] [--seq S] [--targets q_proj,...]");
+  const std::string model = absl::GetFlag(FLAGS_model), workdir = absl::GetFlag(FLAGS_workdir),
+                    device = absl::GetFlag(FLAGS_device), dtype = absl::GetFlag(FLAGS_dtype),
+                    lora_targets = absl::GetFlag(FLAGS_targets);
+  const int64_t rank = absl::GetFlag(FLAGS_rank), batch = 2, seq = absl::GetFlag(FLAGS_seq);
+  if (model.empty() || workdir.empty()) return Fail(absl::InvalidArgumentError("--model and --workdir are required"));
   auto base = LoadBaseModel(model, device, dtype);
   if (!base.ok()) return Fail(base.status());
   TrainerOptions options;
@@ -80,8 +85,8 @@ int main(int argc, char** argv) {
   at::Tensor hidden = Qwen2Hidden(c, (*base)->weights, &adapter, tokens_dev, fwd);
   at::Tensor h = hidden.narrow(1, 0, seq - 1).reshape({-1, c.hidden_size});
   at::Tensor targets = tokens_dev.narrow(1, 1, seq - 1).reshape({-1});
-  TokenScores scores = ChunkedTokenScores(h, (*base)->weights.output_weight(), at::Tensor(),
-                                          targets, 1024, GradOptions{});
+  // The head with its LoRA when lm_head is among the targets (--targets ...,lm_head).
+  TokenScores scores = Qwen2HeadScores((*base)->weights, &adapter, h, targets, 1024, fwd, {}, true);
   at::Tensor loss = -scores.logprobs.mean();
   loss.backward();
   if (auto s = FoldLocalGradients(&adapter); !s.ok()) return Fail(s);

@@ -18,6 +18,7 @@
 #include <mutex>
 #include <thread>
 
+#include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -27,9 +28,34 @@
 #include "lib/io/state_store.h"
 #include "rpc/bearer_token.h"
 #include "rpc/metrics_http_server.h"
+#include "lib/flags_util.h"
+#include "rpc/server_flags.h"
 #include "rpc/server_runner.h"
 #include "worker/worker_core.h"
 #include "worker/worker_service.h"
+
+ABSL_FLAG(std::string, model, "", "Hugging Face model folder (config.json + safetensors); required");
+ABSL_FLAG(std::string, device, "cpu", "cpu, cuda or cuda:N");
+ABSL_FLAG(std::string, dtype, "", "float32 | bfloat16 | float16 (default: the model's config.json)");
+ABSL_FLAG(std::string, host, "127.0.0.1", "address to listen on");
+ABSL_FLAG(int, port, 0, "port of the Worker API (0: any free port)");
+ABSL_FLAG(std::string, port_file, "", "write the bound port here");
+ABSL_FLAG(std::optional<int64_t>, max_tokens_per_microbatch, std::nullopt, "padded tokens per micro-batch (default 8192)");
+ABSL_FLAG(bool, unfused_wgrad, false, "weight gradients through autograd .grad instead of fused main_grad accumulation");
+ABSL_FLAG(std::string, register_with, "", "coordinator host:port to register with (and, without --rank, to get a mesh rank from)");
+ABSL_FLAG(std::string, advertise_host, "", "host the coordinator and peers reach this worker at (default: --host)");
+ABSL_FLAG(std::optional<int>, rank, std::nullopt, "this worker's global rank in the mesh");
+ABSL_FLAG(int, tp, 1, "tensor-parallel size of the mesh");
+ABSL_FLAG(int, pp, 1, "pipeline-parallel size of the mesh");
+ABSL_FLAG(int, dp, 1, "data-parallel size of the mesh");
+ABSL_FLAG(int, ep, 1, "expert-parallel size of the mesh");
+ABSL_FLAG(std::string, rendezvous, "", "host:port of the TCPStore rank 0 serves");
+ABSL_FLAG(std::optional<int>, collective_timeout_s, std::nullopt, "seconds a collective may take (default 120)");
+ABSL_FLAG(std::string, state_dir, "", "state store root: path fields are then lorastep://<run>/<name> references under it");
+ABSL_FLAG(std::optional<double>, state_ttl_hours, std::nullopt, "remove lorastep's state-store folders older than this");
+ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt,
+          "MiB one micro-batch's activations may take (0: 80% of free host memory on CPU; -1: off)");
+ABSL_FLAG(std::string, worker_token_file, "", "shared secret every call to this worker must present");
 
 namespace {
 
@@ -79,19 +105,12 @@ absl::StatusOr<lorastep::v1::JoinMeshResponse> JoinMesh(const std::string& coord
 int main(int argc, char** argv) {
   using namespace lorastep;
   BlockShutdownSignals();
-  auto flags = ParseFlags(argc, argv);
-  if (absl::Status known = CheckKnownFlags(
-          flags, {"model", "device", "dtype", "port", "host", "port_file", "max_tokens_per_microbatch",
-                  "collective_timeout_s", "state_dir", "state_ttl_hours", "max_activation_mb", "unfused_wgrad",
-                  "rank", "tp", "pp", "dp", "ep", "rendezvous", "register_with", "advertise_host",
-                  "worker_token_file", "v"});
-      !known.ok()) {
-    std::cerr << "lorastep_worker: " << known << "\n";
-    return 2;
-  }
+  ParseCommandLineOrExit(argc, argv,
+                   "lorastep_worker --model DIR [flags]: one per GPU (or CPU process); serves the internal "
+                   "Worker API. See --help for the flags.");
   // Prometheus: off unless --metrics_port (loopback only without --metrics_allow_remote).
   PrometheusRegistry metrics;
-  auto metrics_endpoint = StartMetricsEndpointFromFlags(flags, &metrics);
+  auto metrics_endpoint = StartMetricsEndpointFromFlags(&metrics);
   if (!metrics_endpoint.ok()) {
     std::cerr << "lorastep_worker: " << metrics_endpoint.status() << "\n";
     return 2;
@@ -99,8 +118,8 @@ int main(int argc, char** argv) {
   // --worker_token_file: every call to this worker must present the token, and the worker
   // presents it when registering.
   std::string token_sha256, authorization;
-  if (flags.count("worker_token_file")) {
-    auto token = LoadTokenFile(flags["worker_token_file"]);
+  if (!absl::GetFlag(FLAGS_worker_token_file).empty()) {
+    auto token = LoadTokenFile(absl::GetFlag(FLAGS_worker_token_file));
     if (!token.ok()) {
       std::cerr << "lorastep_worker: " << token.status() << "\n";
       return 2;
@@ -109,22 +128,20 @@ int main(int argc, char** argv) {
     authorization = "Bearer " + *token;
   }
   WorkerOptions options;
-  options.model_path = flags["model"];
+  options.model_path = absl::GetFlag(FLAGS_model);
   if (options.model_path.empty()) {
     std::cerr << "lorastep_worker: --model is required\n";
     return 2;
   }
-  if (flags.count("device")) options.device = flags["device"];
-  if (flags.count("dtype")) options.dtype = flags["dtype"];
-  if (flags.count("max_tokens_per_microbatch")) {
-    options.max_tokens_per_microbatch = std::stoll(flags["max_tokens_per_microbatch"]);
-  }
-  options.grad.fused_wgrad = !flags.count("unfused_wgrad");
-  if (flags.count("state_dir")) options.state_dir = flags["state_dir"];
+  options.device = absl::GetFlag(FLAGS_device);
+  options.dtype = absl::GetFlag(FLAGS_dtype);
+  if (auto n = absl::GetFlag(FLAGS_max_tokens_per_microbatch)) options.max_tokens_per_microbatch = *n;
+  options.grad.fused_wgrad = !absl::GetFlag(FLAGS_unfused_wgrad);
+  options.state_dir = absl::GetFlag(FLAGS_state_dir);
   // MiB one micro-batch's activations may take (estimated before running; over it the call is
   // RESOURCE_EXHAUSTED). 0 (default): 80% of the available host memory on CPU; -1: off.
-  if (flags.count("max_activation_mb")) {
-    const double mb = std::stod(flags["max_activation_mb"]);
+  if (const auto max_activation_mb = absl::GetFlag(FLAGS_max_activation_mb)) {
+    const double mb = *max_activation_mb;
     options.max_activation_bytes = mb < 0 ? -1 : static_cast<int64_t>(mb * 1024 * 1024);
   }
   // Environment, so a worker the coordinator starts inherits it (bench/step_bench.sh).
@@ -134,44 +151,28 @@ int main(int argc, char** argv) {
     options.profile_train_step = step != nullptr ? std::atoll(step) : 2;
   }
   // Mesh: --rank R --tp T --pp P --dp D --rendezvous HOST:PORT [--collective_timeout_s S].
-  if (flags.count("rank")) options.rank = std::stoi(flags["rank"]);
-  if (flags.count("tp")) options.sizes.tp = std::stoi(flags["tp"]);
-  if (flags.count("pp")) options.sizes.pp = std::stoi(flags["pp"]);
-  if (flags.count("dp")) options.sizes.dp = std::stoi(flags["dp"]);
-  if (flags.count("ep")) options.sizes.ep = std::stoi(flags["ep"]);
-  if (flags.count("rendezvous")) options.rendezvous = flags["rendezvous"];
-  if (flags.count("collective_timeout_s")) {
-    options.collective_timeout = std::chrono::seconds(std::stoi(flags["collective_timeout_s"]));
-  }
+  if (auto rank = absl::GetFlag(FLAGS_rank)) options.rank = *rank;
+  options.sizes = {absl::GetFlag(FLAGS_tp), absl::GetFlag(FLAGS_pp), absl::GetFlag(FLAGS_dp), absl::GetFlag(FLAGS_ep)};
+  options.rendezvous = absl::GetFlag(FLAGS_rendezvous);
+  if (auto timeout = absl::GetFlag(FLAGS_collective_timeout_s)) options.collective_timeout = std::chrono::seconds(*timeout);
   // Test only: reductions of tensor-replicated gradients per step (1 correct; 0 and 2 are
   // the bugs the replica check must catch).
-  if (flags.count("test_replicated_reductions")) {
-    options.finalize.replicated_reductions = std::stoi(flags["test_replicated_reductions"]);
-  }
+  if (auto n = absl::GetFlag(FLAGS_test_replicated_reductions)) options.finalize.replicated_reductions = *n;
   // Test only, shared-outer expert factors (the second seed): skip one family's reduction,
   // reduce twice, run without the digest checks, corrupt one rank's main_grad, or alter one
   // rank's factor inventory.
-  if (flags.count("test_skip_shared_reduction")) {
-    options.finalize.skip_shared_family = flags["test_skip_shared_reduction"];
-  }
-  if (flags.count("test_shared_reductions")) {
-    options.finalize.shared_reductions = std::stoi(flags["test_shared_reductions"]);
-  }
-  if (flags.count("test_check_grad_digests")) {
-    options.finalize.check_digests = flags["test_check_grad_digests"] != "0";
-  }
-  if (flags.count("test_corrupt_main_grad_rank")) {
-    options.finalize.corrupt_main_grad_rank = std::stoi(flags["test_corrupt_main_grad_rank"]);
-  }
-  if (flags.count("test_inventory_mismatch_rank")) {
-    options.finalize.inventory_mismatch_rank = std::stoi(flags["test_inventory_mismatch_rank"]);
-  }
+  options.finalize.skip_shared_family = absl::GetFlag(FLAGS_test_skip_shared_reduction);
+  if (auto n = absl::GetFlag(FLAGS_test_shared_reductions)) options.finalize.shared_reductions = *n;
+  options.finalize.check_digests = absl::GetFlag(FLAGS_test_check_grad_digests) != 0;
+  options.finalize.corrupt_main_grad_rank = absl::GetFlag(FLAGS_test_corrupt_main_grad_rank);
+  options.finalize.inventory_mismatch_rank = absl::GetFlag(FLAGS_test_inventory_mismatch_rank);
+  const std::string register_with = absl::GetFlag(FLAGS_register_with);
   const std::string advertise_host =
-      flags.count("advertise_host") ? flags["advertise_host"] : (flags.count("host") ? flags["host"] : "127.0.0.1");
+      !absl::GetFlag(FLAGS_advertise_host).empty() ? absl::GetFlag(FLAGS_advertise_host) : absl::GetFlag(FLAGS_host);
   options.gloo_host = advertise_host;
-  if (flags.count("register_with") && !flags.count("rank")) {
+  if (!register_with.empty() && !absl::GetFlag(FLAGS_rank)) {
     // A coordinator running a mesh hands out the rank (and sizes, rendezvous) first.
-    auto joined = JoinMesh(flags["register_with"], advertise_host, 60, authorization);
+    auto joined = JoinMesh(register_with, advertise_host, 60, authorization);
     if (joined.ok()) {
       options.rank = joined->rank();
       options.sizes = {joined->tp(), joined->pp(), joined->dp(), std::max(1, joined->ep())};
@@ -192,34 +193,35 @@ int main(int argc, char** argv) {
   // --state_ttl_hours: lorastep's folders in the state store older than this are removed,
   // checked every tenth of the TTL (1 s to 10 min); one pruner per store (rank 0).
   double ttl_hours = 0;
-  if (flags.count("state_ttl_hours") &&
-      (!absl::SimpleAtod(flags["state_ttl_hours"], &ttl_hours) || !(ttl_hours > 0) || options.state_dir.empty())) {
-    std::cerr << "lorastep_worker: state_ttl_hours: '" << flags["state_ttl_hours"]
-              << "' must be a positive number of hours, with --state_dir\n";
-    return 2;
+  if (const auto ttl = absl::GetFlag(FLAGS_state_ttl_hours)) {
+    ttl_hours = *ttl;
+    if (!(ttl_hours > 0) || options.state_dir.empty()) {
+      std::cerr << "lorastep_worker: state_ttl_hours: '" << ttl_hours
+                << "' must be a positive number of hours, with --state_dir\n";
+      return 2;
+    }
   }
   WorkerService service(core->get(), &metrics, token_sha256);
   int port = 0;
-  auto server = StartGrpcServer(flags.count("host") ? flags["host"] : "127.0.0.1",
-                                flags.count("port") ? std::stoi(flags["port"]) : 0, {&service},
+  auto server = StartGrpcServer(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_port), {&service},
                                 &port, 1 << 30,
-                                CallObservers{&metrics, flags.count("v") ? std::stoi(flags["v"]) : 1, "worker",
+                                CallObservers{&metrics, VerbosityFlag(), "worker",
                                               options.sizes.world() > 1 ? options.rank : -1});
   if (!server.ok()) {
     std::cerr << "lorastep_worker: " << server.status() << "\n";
     return 1;
   }
-  if (flags.count("port_file")) {
-    if (auto s = WritePortFile(flags["port_file"], port); !s.ok()) {
+  if (!absl::GetFlag(FLAGS_port_file).empty()) {
+    if (auto s = WritePortFile(absl::GetFlag(FLAGS_port_file), port); !s.ok()) {
       std::cerr << "lorastep_worker: " << s << "\n";
       return 1;
     }
   }
   std::cerr << "lorastep_worker: serving " << options.model_path << " on port " << port << " ("
             << (*core)->base().device.str() << ")\n";
-  if (flags.count("register_with")) {
+  if (!register_with.empty()) {
     const std::string self = absl::StrCat(advertise_host, ":", port);
-    if (auto s = RegisterWithCoordinator(flags["register_with"], self, 60, authorization); !s.ok()) {
+    if (auto s = RegisterWithCoordinator(register_with, self, 60, authorization); !s.ok()) {
       std::cerr << "lorastep_worker: " << s << "\n";
       (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
       return 1;
