@@ -1,5 +1,7 @@
 #include "rpc/server_runner.h"
 
+#include "lib/log.h"
+
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/support/server_interceptor.h>
@@ -118,8 +120,11 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
     if (!run_id_.empty()) absl::StrAppend(&line, " run_id=", LogValue(run_id_));
     if (!request_id_.empty()) absl::StrAppend(&line, " request_id=", LogValue(request_id_));
     if (!status.ok()) absl::StrAppend(&line, " msg=", LogValue(status.error_message()));
-    line += "\n";
-    std::fwrite(line.data(), 1, line.size(), stderr);  // one write: lines never interleave
+    if (status.ok()) {
+      LORASTEP_LOG(Info) << line;
+    } else {
+      LORASTEP_LOG(Warning) << line;
+    }
   }
 
   std::string method_;

@@ -9,7 +9,7 @@ PACKAGES=(
   bazel-bootstrap
   libtorch-dev libgloo-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev
+  libabsl-dev libgoogle-glog-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libssl-dev openssl
   python3-grpcio python3-protobuf python3-numpy python3-prometheus-client

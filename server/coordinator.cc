@@ -6,7 +6,6 @@
 #include <openssl/evp.h>
 
 #include <algorithm>
-#include <iostream>
 #include <cstring>
 #include <cctype>
 #include <cmath>
@@ -19,6 +18,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "lib/log.h"
 #include "absl/strings/str_join.h"
 #include "lib/io/state_store.h"
 #include "lib/training/adamw_params.h"
@@ -195,8 +195,8 @@ void Coordinator::PublishHealth() {
 void Coordinator::MarkDown(WorkerClient* worker, const absl::Status& why) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!down_.insert(worker).second) return;
-  std::cerr << "lorastep_coordinator: worker " << worker->address() << " is down (" << why.message()
-            << "); new runs skip it\n";
+  LORASTEP_LOG(Warning) << "lorastep_coordinator: worker " << worker->address() << " is down (" << why.message()
+                        << "); new runs skip it";
   PublishHealth();
 }
 

@@ -26,7 +26,6 @@
 // With --tp/--pp/--dp (default 1) it starts tp*pp*dp local workers, rank r on cuda:r (or a
 // CPU process each), forming one mesh; with --workers the listed workers must be the ranks
 // of such a mesh (started with matching --rank/--tp/--pp/--dp/--rendezvous).
-#include <iostream>
 #include <memory>
 #include <optional>
 #include <set>
@@ -44,6 +43,7 @@
 #include "server/registry_service.h"
 #include "server/child_server.h"
 #include "lib/flags_util.h"
+#include "lib/log.h"
 #include "rpc/server_flags.h"
 #include "rpc/server_runner.h"
 
@@ -89,8 +89,9 @@ int main(int argc, char** argv) {
   ParseCommandLineOrExit(argc, argv,
                    "lorastep_coordinator [--model DIR | --workers A,B | --wait_for_workers] [flags]: the "
                    "public Trainer API over local or registered workers. See --help for the flags.");
+  InitLogging(argv[0]);
   auto fail = [](const absl::Status& s) {
-    std::cerr << "lorastep_coordinator: " << s << "\n";
+    LORASTEP_LOG(Error) << "lorastep_coordinator: " << s;
     return 1;
   };
   // Prometheus: off unless --metrics_port; refused on a non-loopback host without
@@ -133,12 +134,12 @@ int main(int argc, char** argv) {
   // Bounds: the largest request a client may send (MiB), and how many runs may exist.
   const int max_request_mb = absl::GetFlag(FLAGS_max_request_mb);
   if (max_request_mb < 1 || max_request_mb > 1024) {
-    std::cerr << "lorastep_coordinator: --max_request_mb: must be in [1, 1024]\n";
+    LORASTEP_LOG(Error) << "lorastep_coordinator: --max_request_mb: must be in [1, 1024]";
     return 2;
   }
   const int max_request_bytes = max_request_mb << 20;
   if (absl::GetFlag(FLAGS_max_runs) < 1 || !(absl::GetFlag(FLAGS_max_recorded_mb) >= 0)) {
-    std::cerr << "lorastep_coordinator: --max_runs must be >= 1 and --max_recorded_mb >= 0\n";
+    LORASTEP_LOG(Error) << "lorastep_coordinator: --max_runs must be >= 1 and --max_recorded_mb >= 0";
     return 2;
   }
   options.max_runs = static_cast<size_t>(absl::GetFlag(FLAGS_max_runs));
@@ -155,7 +156,7 @@ int main(int argc, char** argv) {
     addresses = absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty());
   } else if (!absl::GetFlag(FLAGS_wait_for_workers)) {
     if (absl::GetFlag(FLAGS_model).empty()) {
-      std::cerr << "lorastep_coordinator: --model (for the local worker) or --workers is required\n";
+      LORASTEP_LOG(Error) << "lorastep_coordinator: --model (for the local worker) or --workers is required";
       return 2;
     }
     std::vector<std::string> args = {"--model", absl::GetFlag(FLAGS_model)};
@@ -219,13 +220,13 @@ int main(int argc, char** argv) {
     if (auto s = WritePortFile(absl::GetFlag(FLAGS_port_file), port); !s.ok()) return fail(s);
   }
   if (addresses.empty()) {
-    std::cerr << "lorastep_coordinator: port " << port << ", waiting for workers to register\n";
+    LORASTEP_LOG(Info) << "lorastep_coordinator: port " << port << ", waiting for workers to register";
   } else {
-    std::cerr << "lorastep_coordinator: serving " << core.model_path() << " on port " << port
-              << " with " << addresses.size() << " worker(s)\n";
+    LORASTEP_LOG(Info) << "lorastep_coordinator: serving " << core.model_path() << " on port " << port
+                       << " with " << addresses.size() << " worker(s)";
   }
   WaitForShutdownSignal();
-  std::cerr << "lorastep_coordinator: shutting down\n";
+  LORASTEP_LOG(Info) << "lorastep_coordinator: shutting down";
   // Calls still open after the grace period (an idle WatchMetrics stream) are cancelled.
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
   for (auto& child : local) child.Stop();

@@ -1,7 +1,6 @@
 #include "server/registry_service.h"
 
-#include <iostream>
-
+#include "lib/log.h"
 #include "lib/status_macros.h"
 #include "rpc/grpc_status.h"
 #include "server/grpc_worker_client.h"
@@ -27,8 +26,8 @@ grpc::ServerUnaryReactor* RegistryService::RegisterWorker(grpc::CallbackServerCo
       LORASTEP_RETURN_IF_ERROR(worker->WaitReady(30));
       LORASTEP_RETURN_IF_ERROR(core_->AddWorker(std::move(worker)));
       resp->set_num_workers(static_cast<int64_t>(core_->num_workers()));
-      std::cerr << "lorastep_coordinator: worker " << req->address() << " registered ("
-                << resp->num_workers() << " in all)\n";
+      LORASTEP_LOG(Info) << "lorastep_coordinator: worker " << req->address() << " registered ("
+                         << resp->num_workers() << " in all)";
       return absl::OkStatus();
     }();
     reactor->Finish(ToGrpcStatus(status));
@@ -49,7 +48,7 @@ grpc::ServerUnaryReactor* RegistryService::JoinMesh(grpc::CallbackServerContext*
     resp->set_dp(a.sizes.dp);
     resp->set_ep(a.sizes.ep);
     resp->set_rendezvous(a.rendezvous);
-    std::cerr << "lorastep_coordinator: rank " << a.rank << " given to " << req->host() << "\n";
+    LORASTEP_LOG(Info) << "lorastep_coordinator: rank " << a.rank << " given to " << req->host();
     return absl::OkStatus();
   }();
   reactor->Finish(ToGrpcStatus(status));

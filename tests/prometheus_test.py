@@ -6,6 +6,7 @@ code; a deleted run's series go away; other paths and methods are refused; a non
 host without --metrics_allow_remote is refused at start-up.
   prometheus_test.py COORDINATOR WORKER GENMODEL TMPDIR   (PYTHONPATH holds the client)"""
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -129,7 +130,13 @@ def main():
                 code = e.code
             check(code == want, f"{method} {path} -> {want}")
 
-        lines = open(log_path).read().splitlines()
+        # glog's prefix (severity, date, time, thread, file:line), then the logfmt message.
+        glog = re.compile(r"^([IWEF])\d{8} \d\d:\d\d:\d\d\.\d{6} +\d+ [\w.]+:\d+\] (.*)$")
+        matched = [glog.match(l) for l in open(log_path).read().splitlines()]
+        call_lines = [m for m in matched if m and m.group(2).startswith("ts=")]
+        check(len(call_lines) > 0, "per-call lines carry glog's prefix")
+        severity = {m.group(2): m.group(1) for m in call_lines}
+        lines = [m.group(2) for m in call_lines]
 
         def logged(**fields):
             return [l for l in lines if all(f" {k}={v}" in " " + l for k, v in fields.items())]
@@ -137,7 +144,8 @@ def main():
         check(len(ok_lines) == 3 and all("request_id=" in l and "duration_ms=" in l and l.startswith("ts=")
                                          for l in ok_lines), "coordinator logs each TrainStep with ids and duration")
         bad = logged(component="coordinator", method="Trainer/TrainStep", code="INVALID_ARGUMENT", run_id=rid)
-        check(len(bad) == 1 and 'msg="datums[0].target_tokens: length 1' in bad[0] and "level=warn" in bad[0],
+        check(len(bad) == 1 and 'msg="datums[0].target_tokens: length 1' in bad[0] and "level=warn" in bad[0]
+              and severity[bad[0]] == "W",
               "a refused call is logged with its message")
         check(len(logged(component="worker", method="Worker/TrainStep", code="OK", run_id=rid)) == 3,
               "the worker logs its calls too")

@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
-#include <iostream>
 #include <condition_variable>
 #include <ctime>
 #include <mutex>
@@ -29,6 +28,7 @@
 #include "rpc/bearer_token.h"
 #include "rpc/metrics_http_server.h"
 #include "lib/flags_util.h"
+#include "lib/log.h"
 #include "rpc/server_flags.h"
 #include "rpc/server_runner.h"
 #include "worker/worker_core.h"
@@ -108,11 +108,12 @@ int main(int argc, char** argv) {
   ParseCommandLineOrExit(argc, argv,
                    "lorastep_worker --model DIR [flags]: one per GPU (or CPU process); serves the internal "
                    "Worker API. See --help for the flags.");
+  InitLogging(argv[0]);
   // Prometheus: off unless --metrics_port (loopback only without --metrics_allow_remote).
   PrometheusRegistry metrics;
   auto metrics_endpoint = StartMetricsEndpointFromFlags(&metrics);
   if (!metrics_endpoint.ok()) {
-    std::cerr << "lorastep_worker: " << metrics_endpoint.status() << "\n";
+    LORASTEP_LOG(Error) << "lorastep_worker: " << metrics_endpoint.status();
     return 2;
   }
   // --worker_token_file: every call to this worker must present the token, and the worker
@@ -121,7 +122,7 @@ int main(int argc, char** argv) {
   if (!absl::GetFlag(FLAGS_worker_token_file).empty()) {
     auto token = LoadTokenFile(absl::GetFlag(FLAGS_worker_token_file));
     if (!token.ok()) {
-      std::cerr << "lorastep_worker: " << token.status() << "\n";
+      LORASTEP_LOG(Error) << "lorastep_worker: " << token.status();
       return 2;
     }
     token_sha256 = Sha256Hex(*token);
@@ -130,7 +131,7 @@ int main(int argc, char** argv) {
   WorkerOptions options;
   options.model_path = absl::GetFlag(FLAGS_model);
   if (options.model_path.empty()) {
-    std::cerr << "lorastep_worker: --model is required\n";
+    LORASTEP_LOG(Error) << "lorastep_worker: --model is required";
     return 2;
   }
   options.device = absl::GetFlag(FLAGS_device);
@@ -177,17 +178,17 @@ int main(int argc, char** argv) {
       options.rank = joined->rank();
       options.sizes = {joined->tp(), joined->pp(), joined->dp(), std::max(1, joined->ep())};
       options.rendezvous = joined->rendezvous();
-      std::cerr << "lorastep_worker: rank " << options.rank << " of " << options.sizes.world()
-                << ", rendezvous " << options.rendezvous << "\n";
+      LORASTEP_LOG(Info) << "lorastep_worker: rank " << options.rank << " of " << options.sizes.world()
+                << ", rendezvous " << options.rendezvous;
     } else if (!absl::IsFailedPrecondition(joined.status()) ||
                joined.status().message().find("runs no mesh") == absl::string_view::npos) {
-      std::cerr << "lorastep_worker: " << joined.status() << "\n";
+      LORASTEP_LOG(Error) << "lorastep_worker: " << joined.status();
       return 1;
     }
   }
   auto core = WorkerCore::Create(options);
   if (!core.ok()) {
-    std::cerr << "lorastep_worker: " << core.status() << "\n";
+    LORASTEP_LOG(Error) << "lorastep_worker: " << core.status();
     return 1;
   }
   // --state_ttl_hours: lorastep's folders in the state store older than this are removed,
@@ -196,8 +197,8 @@ int main(int argc, char** argv) {
   if (const auto ttl = absl::GetFlag(FLAGS_state_ttl_hours)) {
     ttl_hours = *ttl;
     if (!(ttl_hours > 0) || options.state_dir.empty()) {
-      std::cerr << "lorastep_worker: state_ttl_hours: '" << ttl_hours
-                << "' must be a positive number of hours, with --state_dir\n";
+      LORASTEP_LOG(Error) << "lorastep_worker: state_ttl_hours: '" << ttl_hours
+                << "' must be a positive number of hours, with --state_dir";
       return 2;
     }
   }
@@ -208,21 +209,21 @@ int main(int argc, char** argv) {
                                 CallObservers{&metrics, VerbosityFlag(), "worker",
                                               options.sizes.world() > 1 ? options.rank : -1});
   if (!server.ok()) {
-    std::cerr << "lorastep_worker: " << server.status() << "\n";
+    LORASTEP_LOG(Error) << "lorastep_worker: " << server.status();
     return 1;
   }
   if (!absl::GetFlag(FLAGS_port_file).empty()) {
     if (auto s = WritePortFile(absl::GetFlag(FLAGS_port_file), port); !s.ok()) {
-      std::cerr << "lorastep_worker: " << s << "\n";
+      LORASTEP_LOG(Error) << "lorastep_worker: " << s;
       return 1;
     }
   }
-  std::cerr << "lorastep_worker: serving " << options.model_path << " on port " << port << " ("
-            << (*core)->base().device.str() << ")\n";
+  LORASTEP_LOG(Info) << "lorastep_worker: serving " << options.model_path << " on port " << port << " ("
+            << (*core)->base().device.str() << ")";
   if (!register_with.empty()) {
     const std::string self = absl::StrCat(advertise_host, ":", port);
     if (auto s = RegisterWithCoordinator(register_with, self, 60, authorization); !s.ok()) {
-      std::cerr << "lorastep_worker: " << s << "\n";
+      LORASTEP_LOG(Error) << "lorastep_worker: " << s;
       (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
       return 1;
     }
@@ -241,10 +242,10 @@ int main(int argc, char** argv) {
         auto removed = store.ok() ? store->PruneOlderThan(ttl_s, static_cast<int64_t>(std::time(nullptr)))
                                   : absl::StatusOr<std::vector<std::string>>(store.status());
         if (!removed.ok()) {
-          std::cerr << "lorastep_worker: state store TTL: " << removed.status() << "\n";
+          LORASTEP_LOG(Warning) << "lorastep_worker: state store TTL: " << removed.status();
         } else if (!removed->empty()) {
-          std::cerr << "lorastep_worker: state store TTL removed " << removed->size() << " folder(s): "
-                    << absl::StrJoin(*removed, ", ") << "\n";
+          LORASTEP_LOG(Info) << "lorastep_worker: state store TTL removed " << removed->size() << " folder(s): "
+                    << absl::StrJoin(*removed, ", ");
         }
       } while (!prune_cv.wait_for(lock, every, [&] { return stopping; }));
     });
