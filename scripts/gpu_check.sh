@@ -59,6 +59,18 @@ for dt in ${GPU_TEST_DTYPES:-float32 bfloat16}; do
     --device cuda --dtype $dt --tolerance $tol --workdir /tmp/par_$dt --out "$OUT/hf_parity_$dt.json" 2>&1 | tail -22
 done
 fi
+if [[ " $STEPS " == *" parity-head "* ]]; then
+  step "parity with LoRA on the LM head too (train_unembed) against PEFT"
+  [ -d /tmp/q05 ] || build-gpu/lorastep_genmodel --preset qwen2.5-0.5b --dtype bfloat16 --seed 1 --out /tmp/q05 >/dev/null
+  for dt in float32 bfloat16; do
+    tol=1e-3; [ "$dt" = bfloat16 ] && tol=3e-2
+    PYTHONUNBUFFERED=1 python3 bench/hf_parity.py --model /tmp/q05 --parity-bin build-gpu/lorastep_parity \
+      --device cuda --dtype $dt --tolerance $tol \
+      --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head \
+      --workdir /tmp/par_head_$dt --out "$OUT/hf_parity_head_$dt.json" 2>&1 | \
+      grep -E '"(logits_rel_err|lora_grad_rel_err|lora_grad_worst_tensor_rel_err|lora_tensors_compared|peft_dtype_vs_peft_fp32_grad_rel_err|pass)"|Error|error' | tr -d '\n'; echo " <- head $dt"
+  done
+fi
 if [[ " $STEPS " == *" moe "* ]]; then
   step "MoE parity against transformers (tiny Qwen2-MoE and Qwen3-MoE; attention LoRA vs PEFT)"
   for preset in tiny-moe tiny-qwen3-moe; do
