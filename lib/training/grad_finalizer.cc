@@ -216,7 +216,7 @@ class Finalizer {
   // One SHA-256 per present family of replicated expert factors, gathered over the world and
   // compared inside each replica group (stage for shared-outer, expert-stage for per-expert).
   absl::Status CheckFamilyDigests() {
-    if (groups_ == nullptr) return absl::OkStatus();  // one copy: nothing to compare
+    if (groups_ == nullptr || !options_.expert_lora) return absl::OkStatus();  // nothing to compare
     // Which replica group: shared factors are replicated over the stage, per-expert ones over
     // the expert-stage group (the same on every rank: one adapter config, one layout).
     const GroupKind kind = adapter_->lora_config().shared_outer() ? GroupKind::kStage : GroupKind::kExpertStage;

@@ -42,6 +42,10 @@ namespace lorastep {
 absl::Status FoldLocalGradients(Adapter* adapter);
 
 struct GradFinalizeOptions {
+  // Whether the model may hold routed-expert LoRA factors on any rank (a MoE model's LoRA).
+  // Without them the family digests (two world all-gathers) are skipped, on every rank
+  // alike; set from the model, never from what this rank happens to hold.
+  bool expert_lora = true;
   // Test only: how many times the dense tensor-replicated bucket is reduced over the stage
   // group. 1 is correct; 0 reproduces the dense form of the second seed's bug (caught by the
   // replica hashes after the step), 2 a doubled reduction (refused before the optimizer).

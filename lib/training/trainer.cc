@@ -645,7 +645,9 @@ absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params
   // after it (non-finite norm, a peer's failure) leaves them as they were.
   const bool restore = restore_on_failure && options_.groups != nullptr;
   LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot, restore ? Snapshot() : CallSnapshot{});
-  auto finalized = FinalizeStepGradients(adapter_.get(), options_.groups, options_.finalize);
+  GradFinalizeOptions finalize = options_.finalize;
+  finalize.expert_lora = base_->config.is_moe() && !adapter_->full_finetune();
+  auto finalized = FinalizeStepGradients(adapter_.get(), options_.groups, finalize);
   // Every rank checks that its update stays finite before the vote: all apply it or none.
   absl::Status checked = finalized.status();
   if (checked.ok()) checked = GuardTorch([&] { return optimizer_->CheckStep(params, finalized->grad_norm); });
@@ -693,16 +695,19 @@ std::map<std::string, std::string> Trainer::ReplicaDigests(const std::string& tr
   // ReplicaFamilyScope): routed-expert factors only among holders of the same experts.
   std::map<std::string, std::vector<at::Tensor>> families;
   bool any_expert = false;
+  // The tensor-replicated families are compared across tensor ranks; with one tensor rank
+  // they are a subset of "trainable" (compared across replicas): not hashed twice.
+  const int tp = base_->shard.tp;
   for (const Parameter& p : adapter_->parameters()) {
     if (p.role == kSharedExpert) {
       families["shared_" + p.family].push_back(p.value);
     } else if (p.expert_split) {
       any_expert = true;
       families["experts"].push_back(p.value);
-      if (p.role == kExpertReplicatedPartial) families["experts_tensor_replicated"].push_back(p.value);
+      if (p.role == kExpertReplicatedPartial && tp > 1) families["experts_tensor_replicated"].push_back(p.value);
     } else {
       families["trainable"].push_back(p.value);
-      if (TensorReplicated(p.role)) families["tensor_replicated"].push_back(p.value);
+      if (TensorReplicated(p.role) && tp > 1) families["tensor_replicated"].push_back(p.value);
     }
   }
   std::map<std::string, std::string> digests;
