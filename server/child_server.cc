@@ -113,6 +113,15 @@ absl::StatusOr<std::vector<ChildServer>> ChildServer::StartAll(
 ChildServer::ChildServer(ChildServer&& other) noexcept
     : pid_(std::exchange(other.pid_, -1)), port_(other.port_) {}
 
+ChildServer& ChildServer::operator=(ChildServer&& other) noexcept {
+  if (this != &other) {
+    Stop();
+    pid_ = std::exchange(other.pid_, -1);
+    port_ = other.port_;
+  }
+  return *this;
+}
+
 ChildServer::~ChildServer() { Stop(); }
 
 std::string ChildServer::address() const { return absl::StrCat("127.0.0.1:", port_); }

@@ -26,7 +26,8 @@ class ChildServer {
       const std::string& binary, const std::vector<std::vector<std::string>>& args_per_child,
       int timeout_seconds);
   ChildServer(ChildServer&& other) noexcept;
-  ChildServer& operator=(ChildServer&&) = delete;
+  // Stops (and reaps) the child this one held, then takes `other`'s.
+  ChildServer& operator=(ChildServer&& other) noexcept;
   ~ChildServer();
 
   std::string address() const;

@@ -117,6 +117,9 @@ std::string RequestFingerprint(const google::protobuf::Message& request) {
   return std::string(reinterpret_cast<const char*>(digest), len);
 }
 
+// Where a journaled run's worker state is saved after its steps (a reserved checkpoint name).
+std::string AutosaveRef(const std::string& run_id) { return absl::StrCat("lorastep://", run_id, "/autosave"); }
+
 absl::Status RequireRequestId(const std::string& request_id) {
   if (request_id.empty()) return absl::InvalidArgumentError("request_id: required for this call");
   return absl::OkStatus();
@@ -124,7 +127,32 @@ absl::Status RequireRequestId(const std::string& request_id) {
 
 }  // namespace
 
+Coordinator::~Coordinator() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  restart_cv_.notify_all();
+  if (restarter_.joinable()) restarter_.join();
+}
+
+void Coordinator::RestartLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    restart_cv_.wait(lock, [&] { return stopping_ || !restart_queue_.empty(); });
+    if (stopping_) return;
+    WorkerClient* dead = restart_queue_.front();
+    restart_queue_.pop_front();
+    lock.unlock();
+    RestartWorker(dead);
+    lock.lock();
+  }
+}
+
 Coordinator::Coordinator(CoordinatorOptions options) : options_(options) {
+  if (options_.restart_worker && options_.journal != nullptr && !on_mesh()) {
+    restarter_ = std::thread([this] { RestartLoop(); });
+  }
   auto layout = ParallelLayout::Create(options_.mesh, options_.mesh.world());
   if (layout.ok()) layout_ = *layout;  // sizes were validated by the caller (main)
   if (options_.metrics != nullptr) {
@@ -198,6 +226,56 @@ void Coordinator::MarkDown(WorkerClient* worker, const absl::Status& why) {
   LORASTEP_LOG(Warning) << "lorastep_coordinator: worker " << worker->address() << " is down (" << why.message()
                         << "); new runs skip it";
   PublishHealth();
+  if (restarter_.joinable()) {
+    restart_queue_.push_back(worker);
+    restart_cv_.notify_all();
+  }
+}
+
+void Coordinator::RestartWorker(WorkerClient* dead) {
+  const std::string address = dead->address();
+  auto fresh = options_.restart_worker(address);
+  if (!fresh.ok()) {
+    LORASTEP_LOG(Error) << "lorastep_coordinator: restarting the worker at " << address << ": " << fresh.status();
+    return;
+  }
+  const std::string replacement = (*fresh)->address();
+  if (absl::Status added = AddWorker(std::move(fresh).value()); !added.ok()) {
+    LORASTEP_LOG(Error) << "lorastep_coordinator: the restarted worker " << replacement << ": " << added;
+    return;
+  }
+  LORASTEP_LOG(Info) << "lorastep_coordinator: worker " << address << " restarted as " << replacement;
+  std::vector<std::shared_ptr<RunState>> orphans;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, run] : runs_) {
+      if (run->ranks.size() == 1 && run->ranks[0] == dead) orphans.push_back(run);
+    }
+  }
+  for (const auto& old : orphans) {
+    std::lock_guard<std::mutex> run_lock(old->mu);  // after the call that found the worker dead
+    const std::string run_id = old->run.run_id();
+    auto journaled = options_.journal->RecoverRun(run_id);
+    absl::Status restored = journaled.status();
+    if (restored.ok()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (runs_.count(run_id) == 0 || runs_.at(run_id) != old) continue;  // deleted meanwhile
+        runs_.erase(run_id);
+      }
+      restored = RestoreRun(*journaled);
+      if (!restored.ok()) {  // keep the old (down) run visible rather than lose it
+        std::lock_guard<std::mutex> lock(mu_);
+        runs_.emplace(run_id, old);
+      }
+    }
+    if (!restored.ok()) {
+      LORASTEP_LOG(Error) << "run " << run_id << " was not restored after its worker died: " << restored;
+    } else {
+      LORASTEP_LOG(Info) << "run " << run_id << " restored after its worker died, at learner_version "
+                         << journaled->run.learner_version();
+    }
+  }
 }
 
 absl::StatusOr<MeshAssignment> Coordinator::AssignRank(const std::string& host) {
@@ -327,6 +405,20 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, 
   creating_ids_.insert(run_id);
   creating_requests_.insert(req.request_id());
   lock.unlock();
+  if (options_.journal != nullptr) {  // journaled before it exists: a run is never unrecorded
+    v1::JournalRun journaled;
+    *journaled.mutable_run() = state->run;
+    journaled.set_create_request_id(req.request_id());
+    journaled.set_create_fingerprint(fingerprint);
+    journaled.set_init_from(req.init_from());
+    journaled.set_init_with_optimizer(req.init_with_optimizer());
+    if (absl::Status s = options_.journal->AddRun(journaled); !s.ok()) {
+      lock.lock();
+      creating_ids_.erase(run_id);
+      creating_requests_.erase(req.request_id());
+      return s;
+    }
+  }
   v1::WorkerCreateRunRequest wreq;
   wreq.set_run_id(run_id);
   *wreq.mutable_lora() = state->run.lora();
@@ -336,6 +428,11 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, 
   // Same seed on every rank: replicas start bitwise equal.
   auto created = FanOut<v1::WorkerCreateRunResponse>(
       *state, AllRanks(*state), [&](int, WorkerClient* w) { return w->CreateRun(wreq); });
+  if (!created.ok() && options_.journal != nullptr) {
+    if (absl::Status s = options_.journal->RemoveRun(run_id); !s.ok()) {
+      LORASTEP_LOG(Error) << "journal: " << s;
+    }
+  }
   lock.lock();
   creating_ids_.erase(run_id);
   creating_requests_.erase(req.request_id());
@@ -368,6 +465,18 @@ absl::Status Coordinator::DeleteRun(const std::string& run_id) {
                              LORASTEP_RETURN_IF_ERROR(w->DeleteRun(wreq));
                              return true;
                            }).status());
+  if (options_.journal != nullptr) {
+    if (!on_down_worker) {  // its autosave is of no use any more (best effort)
+      v1::DeleteCheckpointRequest del;
+      del.set_run_id(run_id);
+      del.set_name("autosave");
+      FanOut<bool>(*run, {0}, [&](int, WorkerClient* w) -> absl::StatusOr<bool> {
+        LORASTEP_RETURN_IF_ERROR(w->DeleteCheckpoint(del));
+        return true;
+      }).IgnoreError();
+    }
+    LORASTEP_RETURN_IF_ERROR(options_.journal->RemoveRun(run_id));
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     runs_.erase(run_id);
@@ -438,9 +547,32 @@ absl::StatusOr<bool> Coordinator::Replay(RunState& run, const std::string& metho
 }
 
 void Coordinator::Record(RunState& run, const std::string& method, const std::string& request_id,
-                         const google::protobuf::Message& response) {
+                         const google::protobuf::Message& response, bool with_step) {
+  v1::JournalEntry entry;
+  entry.set_request_id(request_id);
+  entry.set_method(method);
+  entry.set_fingerprint(run.current_fingerprint);
+  entry.set_response(response.SerializeAsString());
+  KeepRecord(run, request_id, method, entry.response(), run.current_fingerprint);
+  {
+    std::lock_guard<std::mutex> view(run.view_mu);
+    run.run.set_next_sequence_id(run.run.next_sequence_id() + 1);
+    *entry.mutable_run() = run.run;
+    if (with_step && !run.history.empty()) *entry.mutable_step() = run.history.back();
+  }
+  // Before the response leaves. The call is applied on the workers already: a failed write
+  // cannot undo it, so it is logged (the run then restarts from its previous autosave).
+  if (options_.journal != nullptr) {
+    if (absl::Status s = options_.journal->Append(run.run.run_id(), entry, /*sync=*/false); !s.ok()) {
+      LORASTEP_LOG(Error) << "journal: run " << run.run.run_id() << ": " << s;
+    }
+  }
+}
+
+void Coordinator::KeepRecord(RunState& run, const std::string& request_id, const std::string& method,
+                             const std::string& response, const std::string& fingerprint) {
   RunState::Recorded& rec = run.recorded[request_id];
-  rec = {method, response.SerializeAsString(), run.current_fingerprint, false};
+  rec = {method, response, fingerprint, false};
   run.recorded_bytes += rec.response.size();
   run.recorded_order.push_back(request_id);
   while (run.recorded_order.size() > options_.max_recorded_requests) {
@@ -459,8 +591,137 @@ void Coordinator::Record(RunState& run, const std::string& method, const std::st
     old.response = std::string();
     old.evicted = true;
   }
-  std::lock_guard<std::mutex> view(run.view_mu);
-  run.run.set_next_sequence_id(run.run.next_sequence_id() + 1);
+}
+
+void Coordinator::MaybeAutosave(RunState& run, bool force) {
+  if (options_.journal == nullptr) return;
+  const int64_t version = run.run.learner_version();
+  if (!force && (options_.autosave_every_steps <= 0 || version % options_.autosave_every_steps != 0)) return;
+  const std::string& run_id = run.run.run_id();
+  auto saved = FanOut<v1::WorkerPathResponse>(run, AllRanks(run), [&](int, WorkerClient* w) {
+    v1::WorkerPathRequest wreq = PathRequest(run_id, AutosaveRef(run_id));
+    wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+    return w->SaveState(wreq);
+  });
+  if (!saved.ok()) {  // the step stands; a restart would resume from the previous autosave
+    LORASTEP_LOG(Error) << "autosave of run " << run_id << " at learner_version " << version << ": " << saved.status();
+    return;
+  }
+  v1::JournalEntry marker;
+  marker.set_autosave_marker(true);
+  {
+    std::lock_guard<std::mutex> view(run.view_mu);
+    *marker.mutable_run() = run.run;
+  }
+  if (absl::Status s = options_.journal->Append(run_id, marker, /*sync=*/true); !s.ok()) {
+    LORASTEP_LOG(Error) << "journal: run " << run_id << ": " << s;
+  }
+}
+
+absl::StatusOr<int> Coordinator::RestoreRuns() {
+  if (options_.journal == nullptr) return 0;
+  std::vector<absl::Status> skipped;
+  LORASTEP_ASSIGN_OR_RETURN(std::vector<JournaledRun> journaled, options_.journal->Recover(&skipped));
+  for (const absl::Status& s : skipped) LORASTEP_LOG(Error) << "journal: a run was not restored: " << s;
+  int restored = 0;
+  for (JournaledRun& j : journaled) {
+    if (absl::Status s = RestoreRun(j); !s.ok()) {
+      LORASTEP_LOG(Error) << "run " << j.created.run().run_id() << " was not restored (it stays in the journal): " << s;
+      continue;
+    }
+    ++restored;
+    LORASTEP_LOG(Info) << "run " << j.run.run_id() << " restored at learner_version " << j.run.learner_version()
+                       << ", next_sequence_id " << j.run.next_sequence_id()
+                       << (j.autosaved ? " (from its autosave)" : " (as created: no step was autosaved)");
+  }
+  return restored;
+}
+
+absl::Status Coordinator::RestoreRun(const JournaledRun& j) {
+  const std::string run_id = j.created.run().run_id();
+  auto state = std::make_shared<RunState>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (runs_.count(run_id)) return absl::AlreadyExistsError(absl::StrCat("run_id: '", run_id, "' exists"));
+    std::vector<WorkerClient*> up;
+    for (auto& w : workers_) {
+      if (!down_.count(w.get())) up.push_back(w.get());
+    }
+    if (up.empty() || (on_mesh() && up.size() < static_cast<size_t>(options_.mesh.world()))) {
+      return absl::UnavailableError("coordinator: not every worker is up");
+    }
+    if (on_mesh()) {
+      state->ranks = up;
+    } else {
+      state->ranks.push_back(up[runs_.size() % up.size()]);
+    }
+  }
+  state->run = j.created.run();
+  v1::WorkerCreateRunRequest create;
+  create.set_run_id(run_id);
+  *create.mutable_lora() = j.created.run().lora();
+  create.set_seed(j.created.run().seed());
+  if (!j.autosaved) {  // no step was saved: the run as it was created
+    create.set_init_from(j.created.init_from());
+    create.set_init_with_optimizer(j.created.init_with_optimizer());
+  }
+  auto create_on_ranks = [&] {
+    return FanOut<v1::WorkerCreateRunResponse>(*state, AllRanks(*state),
+                                               [&](int, WorkerClient* w) { return w->CreateRun(create); });
+  };
+  auto created = create_on_ranks();
+  if (absl::IsAlreadyExists(created.status())) {  // workers that outlived the coordinator
+    v1::WorkerDeleteRunRequest del;
+    del.set_run_id(run_id);
+    FanOut<bool>(*state, AllRanks(*state), [&](int, WorkerClient* w) -> absl::StatusOr<bool> {
+      LORASTEP_RETURN_IF_ERROR(w->DeleteRun(del));
+      return true;
+    }).IgnoreError();
+    created = create_on_ranks();
+  }
+  LORASTEP_RETURN_IF_ERROR(created.status());
+  int64_t version = (*created)[0].learner_version();
+  if (j.autosaved) {
+    auto loaded = FanOut<v1::WorkerPathResponse>(*state, AllRanks(*state), [&](int, WorkerClient* w) {
+      v1::WorkerPathRequest wreq = PathRequest(run_id, AutosaveRef(run_id));
+      *wreq.mutable_mesh() = MeshHeader(*state, "restore-" + run_id, /*check_version=*/false);
+      wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+      return w->LoadState(wreq);
+    });
+    if (!loaded.ok() || (*loaded)[0].learner_version() != j.run.learner_version()) {
+      v1::WorkerDeleteRunRequest del;
+      del.set_run_id(run_id);
+      FanOut<bool>(*state, AllRanks(*state), [&](int, WorkerClient* w) -> absl::StatusOr<bool> {
+        LORASTEP_RETURN_IF_ERROR(w->DeleteRun(del));
+        return true;
+      }).IgnoreError();
+      if (!loaded.ok()) return loaded.status();
+      return absl::DataLossError(absl::StrCat(AutosaveRef(run_id), " holds learner_version ",
+                                              (*loaded)[0].learner_version(), ", the journal ",
+                                              j.run.learner_version()));
+    }
+    version = (*loaded)[0].learner_version();
+  }
+  state->run = j.run;
+  state->run.set_learner_version(version);
+  state->run.set_pending_forward_backward(0);
+  for (const v1::JournalEntry& e : j.entries) {
+    if (e.autosave_marker()) continue;
+    KeepRecord(*state, e.request_id(), e.method(), e.response(), e.fingerprint());
+    if (e.has_step()) {
+      state->history.push_back(e.step());
+      state->next_step = e.step().step() + 1;
+      while (state->history.size() > options_.max_step_history) state->history.pop_front();
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  runs_[run_id] = state;
+  create_requests_[j.created.create_request_id()] = {run_id, j.created.create_fingerprint()};
+  if (options_.metrics != nullptr) {
+    options_.metrics->Set("lorastep_runs", {}, static_cast<double>(runs_.size()));
+    options_.metrics->Set("lorastep_learner_version", {{"run", run_id}}, static_cast<double>(version));
+  }
+  return absl::OkStatus();
 }
 
 int64_t Coordinator::AppendStep(RunState& run, const std::string& kind,
@@ -782,7 +1043,8 @@ void Coordinator::CommitStep(RunState& run, const std::string& method, const std
     run.run.set_pending_forward_backward(0);
   }
   resp->set_step(AppendStep(run, kind, *resp));
-  Record(run, method, request_id, *resp);
+  Record(run, method, request_id, *resp, /*with_step=*/true);
+  MaybeAutosave(run, /*force=*/false);
 }
 
 absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
@@ -960,6 +1222,7 @@ absl::StatusOr<v1::Run> Coordinator::LoadState(const v1::LoadStateRequest& req) 
   }
   Record(*run, "LoadState", req.request_id(), run->run);  // bumps next_sequence_id
   resp = run->run;
+  MaybeAutosave(*run, /*force=*/true);  // the loaded state is what a restart resumes
   return resp;
 }
 

@@ -14,12 +14,14 @@
 
 #include <deque>
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -28,6 +30,7 @@
 #include "lib/parallel/parallel_layout.h"
 #include "lib/prometheus_registry.h"
 #include "lorastep/v1/trainer.pb.h"
+#include "server/run_journal.h"
 #include "server/worker_client.h"
 
 namespace lorastep {
@@ -54,6 +57,18 @@ struct CoordinatorOptions {
   PrometheusRegistry* metrics = nullptr;
   // Port of the TCPStore that rank 0 serves when workers join by registration (JoinMesh).
   int rendezvous_port = 29500;
+  // Runs survive a restart of the coordinator (server/run_journal.h): every applied call is
+  // journaled before its response leaves, and the workers' state of a run is saved to
+  // lorastep://<run>/autosave (the workers need --state_dir) after every
+  // `autosave_every_steps` optimizer steps and after each LoadState. Not owned; null: runs
+  // live in memory only.
+  RunJournal* journal = nullptr;
+  int autosave_every_steps = 1;
+  // Starts a fresh process in place of the dead local worker at `address` and returns a
+  // client of it. With a journal and no mesh, a worker found dead is restarted this way and
+  // its runs are restored from their autosaves onto the workers that are up. Unset: a dead
+  // worker stays down (runs on it fail until it is replaced by registration).
+  std::function<absl::StatusOr<std::unique_ptr<WorkerClient>>(const std::string& address)> restart_worker;
 };
 
 // Who is calling, as the service's authentication established it.
@@ -74,6 +89,7 @@ class Coordinator {
   using Watcher = std::function<void(const v1::StepRecord&)>;
 
   explicit Coordinator(CoordinatorOptions options);
+  ~Coordinator();  // waits for worker restarts in progress
   // Adds a worker (at start-up, or when a remote worker registers). Reads its model and
   // vocabulary; every worker must serve the same model. New runs are spread over workers.
   // On a mesh the worker's reported rank and sizes must fit `options.mesh`.
@@ -117,6 +133,12 @@ class Coordinator {
 
   std::string model_path();
 
+  // Brings back the journaled runs (options.journal) on the workers added so far, each as of
+  // its last autosave; call once, after AddWorker and before serving. A run that cannot be
+  // brought back is skipped with a log line and stays in the journal for the next start.
+  // Returns how many runs came back.
+  absl::StatusOr<int> RestoreRuns();
+
  private:
   struct RunState;
   absl::StatusOr<std::shared_ptr<RunState>> FindRun(const std::string& run_id);
@@ -127,8 +149,16 @@ class Coordinator {
                               const std::string& request_id, int64_t sequence_id,
                               const google::protobuf::Message& request,
                               google::protobuf::Message* out);
+  // Also journals the call (with the run's newest step record when `with_step`).
   void Record(RunState& run, const std::string& method, const std::string& request_id,
-              const google::protobuf::Message& response);
+              const google::protobuf::Message& response, bool with_step = false);
+  // With a journal: saves the run's worker state to its autosave and marks the journal,
+  // when `force` or when the learner version is a multiple of autosave_every_steps.
+  void MaybeAutosave(RunState& run, bool force);
+  // Record's bounded store of request records (also used when restoring a run).
+  void KeepRecord(RunState& run, const std::string& request_id, const std::string& method,
+                  const std::string& response, const std::string& fingerprint);
+  absl::Status RestoreRun(const JournaledRun& journaled);
   int64_t AppendStep(RunState& run, const std::string& kind, const v1::StepResponse& step);
   // After a successful optimizer step: learner version, history, watchers, exactly-once record.
   void CommitStep(RunState& run, const std::string& method, const std::string& kind,
@@ -191,6 +221,14 @@ class Coordinator {
   int64_t next_run_number_ = 1;
   int next_join_rank_ = 0;      // guarded by mu_
   std::string rendezvous_;      // set when rank 0 joins; guarded by mu_
+  // Restarts of dead local workers and the restores of their runs (RestartWorker), on one
+  // long-lived thread: a worker dies with the thread that started it (PR_SET_PDEATHSIG).
+  void RestartWorker(WorkerClient* dead);
+  void RestartLoop();
+  std::thread restarter_;
+  std::deque<WorkerClient*> restart_queue_;  // guarded by mu_
+  std::condition_variable restart_cv_;
+  bool stopping_ = false;                    // guarded by mu_
 };
 
 }  // namespace lorastep

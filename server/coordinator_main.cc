@@ -27,6 +27,7 @@
 // CPU process each), forming one mesh; with --workers the listed workers must be the ranks
 // of such a mesh (started with matching --rank/--tp/--pp/--dp/--rendezvous).
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <vector>
@@ -41,9 +42,11 @@
 #include "server/coordinator_service.h"
 #include "server/grpc_worker_client.h"
 #include "server/registry_service.h"
+#include "server/run_journal.h"
 #include "server/child_server.h"
 #include "lib/flags_util.h"
 #include "lib/log.h"
+#include "lib/status_macros.h"
 #include "rpc/server_flags.h"
 #include "rpc/server_runner.h"
 
@@ -82,6 +85,10 @@ ABSL_FLAG(int, max_request_mb, 64, "largest request a client may send, MiB, in [
 ABSL_FLAG(double, max_recorded_mb, 64, "MiB of recorded responses (for retries) kept per run");
 ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt, "local workers: activation budget per micro-batch, MiB");
 ABSL_FLAG(bool, unfused_wgrad, false, "local workers: unfused weight gradients");
+ABSL_FLAG(std::string, journal_dir, "",
+          "journal runs here so a restarted coordinator brings them back (needs --state_dir for the "
+          "workers' autosaves; not with --wait_for_workers)");
+ABSL_FLAG(int, autosave_every_steps, 1, "with --journal_dir: save a run's worker state after every N optimizer steps");
 
 int main(int argc, char** argv) {
   using namespace lorastep;
@@ -150,8 +157,26 @@ int main(int argc, char** argv) {
   options.peer_failure_grace = std::chrono::seconds(absl::GetFlag(FLAGS_peer_failure_grace_s).value_or(
       absl::GetFlag(FLAGS_collective_timeout_s).value_or(120) + 30));
   const int worker_call_timeout = absl::GetFlag(FLAGS_worker_call_timeout_s);
+  // --journal_dir: runs, their request records and histories survive a restart.
+  std::optional<RunJournal> journal;
+  if (!absl::GetFlag(FLAGS_journal_dir).empty()) {
+    if (absl::GetFlag(FLAGS_wait_for_workers) || absl::GetFlag(FLAGS_autosave_every_steps) < 1 ||
+        (absl::GetFlag(FLAGS_workers).empty() && absl::GetFlag(FLAGS_state_dir).empty())) {
+      return fail(absl::InvalidArgumentError(
+          "journal_dir: needs --state_dir (where the workers autosave runs) or --workers started with one, "
+          "--autosave_every_steps >= 1, and no --wait_for_workers"));
+    }
+    auto opened = RunJournal::Open(absl::GetFlag(FLAGS_journal_dir));
+    if (!opened.ok()) return fail(opened.status());
+    journal = std::move(opened).value();
+    options.journal = &*journal;
+    options.autosave_every_steps = absl::GetFlag(FLAGS_autosave_every_steps);
+  }
   std::vector<std::string> addresses;
   std::vector<ChildServer> local;
+  std::mutex local_mu;  // `local` is also changed by worker restarts
+  std::vector<std::vector<std::string>> per_rank;  // each local worker's flags
+  std::string binary;
   if (!absl::GetFlag(FLAGS_workers).empty()) {
     addresses = absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty());
   } else if (!absl::GetFlag(FLAGS_wait_for_workers)) {
@@ -167,7 +192,6 @@ int main(int argc, char** argv) {
     const std::string device = absl::GetFlag(FLAGS_device);
     // One worker per rank (one per GPU: rank r on cuda:r), meeting at a TCPStore that
     // rank 0 serves on a free local port.
-    std::vector<std::vector<std::string>> per_rank;
     const std::string rendezvous = world > 1 ? absl::StrCat("127.0.0.1:", FreeLocalPort()) : "";
     for (int r = 0; r < world; ++r) {
       std::vector<std::string> a = args;
@@ -184,7 +208,7 @@ int main(int argc, char** argv) {
       }
       per_rank.push_back(std::move(a));
     }
-    const std::string binary =
+    binary =
         !absl::GetFlag(FLAGS_worker_binary).empty() ? absl::GetFlag(FLAGS_worker_binary) : FindWorkerBinary(argv[0]);
     const int timeout = absl::GetFlag(FLAGS_worker_start_timeout_s);
     auto started = ChildServer::StartAll(binary, per_rank, timeout);
@@ -192,11 +216,34 @@ int main(int argc, char** argv) {
     local = std::move(started).value();
     for (const auto& child : local) addresses.push_back(child.address());
   }
+  // With a journal, a local worker that dies is started again and its runs come back from
+  // their autosaves (one worker per run: meshes are rebuilt by restarting the coordinator).
+  if (journal && world == 1 && !local.empty()) {
+    options.restart_worker = [&](const std::string& address) -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
+      std::lock_guard<std::mutex> lock(local_mu);
+      for (size_t i = 0; i < local.size(); ++i) {
+        if (local[i].address() != address) continue;
+        LORASTEP_ASSIGN_OR_RETURN(
+            ChildServer fresh, ChildServer::Start(binary, per_rank[i], absl::GetFlag(FLAGS_worker_start_timeout_s)));
+        local[i] = std::move(fresh);
+        auto client = std::make_unique<GrpcWorkerClient>(local[i].address(), std::chrono::seconds(worker_call_timeout),
+                                                         worker_token);
+        LORASTEP_RETURN_IF_ERROR(client->WaitReady(60));
+        return std::unique_ptr<WorkerClient>(std::move(client));
+      }
+      return absl::NotFoundError(absl::StrCat("no local worker at ", address));
+    };
+  }
   Coordinator core{options};
   for (const auto& a : addresses) {
     auto client = std::make_unique<GrpcWorkerClient>(a, std::chrono::seconds(worker_call_timeout), worker_token);
     if (auto s = client->WaitReady(60); !s.ok()) return fail(s);
     if (auto s = core.AddWorker(std::move(client)); !s.ok()) return fail(s);
+  }
+  if (auto restored = core.RestoreRuns(); !restored.ok()) {
+    return fail(restored.status());
+  } else if (journal) {
+    LORASTEP_LOG(Info) << "lorastep_coordinator: " << *restored << " run(s) restored from " << journal->dir();
   }
   CoordinatorService service(&core, 4, &metrics, api_keys ? &*api_keys : nullptr);
   service.SetQueueLimits(absl::GetFlag(FLAGS_max_queued_per_run), absl::GetFlag(FLAGS_max_queued));
@@ -229,6 +276,7 @@ int main(int argc, char** argv) {
   LORASTEP_LOG(Info) << "lorastep_coordinator: shutting down";
   // Calls still open after the grace period (an idle WatchMetrics stream) are cancelled.
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
+  std::lock_guard<std::mutex> lock(local_mu);
   for (auto& child : local) child.Stop();
   return 0;
 }

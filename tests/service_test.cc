@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <thread>
 
@@ -872,6 +873,144 @@ TEST(ProcessTest, KilledCoordinatorTakesItsWorkerDown) {
     gone = !stat.ok() || stat->find(") Z ") != std::string::npos;
   }
   EXPECT_TRUE(gone) << "worker " << worker << " outlived its coordinator";
+}
+
+// Issue 8: a coordinator killed with SIGKILL (its local worker dies with it) and started
+// again with the same --journal_dir and --state_dir brings its runs back as of their last
+// autosave: learner_version, sequence id, step history, request records (a retried step is
+// answered from the record, not applied again) and the optimizer state (the next step
+// equals an uninterrupted run's); a ForwardBackward after the last step is dropped and the
+// sequence id says so. The journal itself is checked for a torn tail.
+TEST(ProcessTest, KilledCoordinatorRestartsItsRunsFromTheJournal) {
+  const std::string dir = ScratchDir("journal");
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  const std::vector<std::string> args = {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"),
+                                         "--state_dir", dir + "/store", "--journal_dir", dir + "/journal"};
+  std::string run_id, step2_sha, adapter_sha;
+  v1::TrainStepRequest step2;
+  std::vector<v1::StepRecord> history_before;
+  {
+    ASSERT_OK_AND_ASSIGN(ChildServer first, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));
+    ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(first.address()));
+    ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
+    run_id = run.run_id();
+    ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
+    step2.set_run_id(run_id);
+    step2.set_request_id("journal-step-2");
+    step2.set_sequence_id(2);
+    for (const auto& d : Batch(1)) *step2.add_datums() = d;
+    *step2.mutable_loss() = Ppo();
+    *step2.mutable_adamw() = Adam();
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse r2, client->TrainStep(step2));
+    step2_sha = r2.adapter_sha256();
+    ASSERT_OK_AND_ASSIGN(RunSession again, RunSession::Attach(client.get(), run_id));
+    ASSERT_OK(again.ForwardBackward(Batch(2), Ppo()).status());  // pending: not autosaved
+    v1::GetStepMetricsRequest m;
+    m.set_run_id(run_id);
+    ASSERT_OK_AND_ASSIGN(v1::GetStepMetricsResponse h, client->GetStepMetrics(m));
+    history_before.assign(h.steps().begin(), h.steps().end());
+    ASSERT_EQ(history_before.size(), 2u);
+    ASSERT_EQ(kill(first.pid(), SIGKILL), 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  // A torn record at the end (a crash mid-append) is ignored.
+  {
+    std::ofstream torn(dir + "/journal/" + run_id + "/journal", std::ios::app | std::ios::binary);
+    torn.write("\x40\x00\x00\x00partial", 11);
+  }
+  ASSERT_OK_AND_ASSIGN(ChildServer second, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(second.address()));
+  ASSERT_OK_AND_ASSIGN(v1::Run back, client->GetRun(run_id));
+  EXPECT_EQ(back.learner_version(), 2);
+  EXPECT_EQ(back.next_sequence_id(), 3);  // the ForwardBackward (sequence 3) was not autosaved
+  EXPECT_EQ(back.pending_forward_backward(), 0);
+  v1::GetStepMetricsRequest m;
+  m.set_run_id(run_id);
+  ASSERT_OK_AND_ASSIGN(v1::GetStepMetricsResponse h, client->GetStepMetrics(m));
+  ASSERT_EQ(h.steps_size(), 2);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(h.steps(i).step(), history_before[i].step());
+    EXPECT_EQ(h.steps(i).adapter_sha256(), history_before[i].adapter_sha256());
+    EXPECT_EQ(h.steps(i).metrics().at("loss:sum"), history_before[i].metrics().at("loss:sum"));
+  }
+  // The retried step is answered from its record; nothing is applied twice.
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse replay, client->TrainStep(step2));
+  EXPECT_EQ(replay.adapter_sha256(), step2_sha);
+  ASSERT_OK_AND_ASSIGN(v1::Run still, client->GetRun(run_id));
+  EXPECT_EQ(still.learner_version(), 2);
+  // The next step equals the same three steps run without a restart (optimizer state back).
+  ASSERT_OK_AND_ASSIGN(RunSession resumed, RunSession::Attach(client.get(), run_id));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse third, resumed.TrainStep(Batch(2), Ppo(), Adam()));
+  ASSERT_OK_AND_ASSIGN(RunSession reference, RunSession::Create(client.get(), Lora(), 3));
+  for (int i = 0; i < 2; ++i) ASSERT_OK(reference.TrainStep(Batch(i), Ppo(), Adam()).status());
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse want, reference.TrainStep(Batch(2), Ppo(), Adam()));
+  EXPECT_EQ(third.adapter_sha256(), want.adapter_sha256());
+  EXPECT_EQ(third.learner_version(), 3);
+  // A deleted run is gone from the journal: a third start does not bring it back.
+  ASSERT_OK(client->DeleteRun(run_id));
+  EXPECT_FALSE(PathExists(dir + "/journal/" + run_id));
+  // A journal without a state store for the autosaves is refused at start.
+  auto refused = StartTinyCoordinator("journal_nostore", {"--journal_dir", dir + "/journal2"});
+  EXPECT_FALSE(refused.ok()) << "--journal_dir without --state_dir is refused";
+}
+
+// Issue 8: with --journal_dir, a local worker killed with SIGKILL is started again by the
+// coordinator and its runs come back from their autosaves: the client's retry of the step
+// that met the dead worker (same request_id) is applied once, and the run then equals one
+// that never lost its worker.
+TEST(ProcessTest, KilledWorkerIsRestartedAndItsRunsResume) {
+  const std::string dir = ScratchDir("worker_restart");
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  ASSERT_OK_AND_ASSIGN(
+      ChildServer server,
+      ChildServer::Start(Binary("server/lorastep_coordinator"),
+                         {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"), "--state_dir",
+                          dir + "/store", "--journal_dir", dir + "/journal"},
+                         120));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
+  for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
+  auto worker_pid = [&]() -> int {
+    const std::string list = absl::StrCat("pgrep -P ", server.pid(), " > ", dir, "/children");
+    if (system(list.c_str()) != 0) return -1;
+    auto children = ReadFileToString(dir + "/children");
+    return children.ok() ? std::atoi(children->c_str()) : -1;
+  };
+  const int first = worker_pid();
+  ASSERT_GT(first, 0);
+  ASSERT_EQ(kill(first, SIGKILL), 0);
+  v1::TrainStepRequest step3;
+  step3.set_run_id(run.run_id());
+  step3.set_request_id("after-the-kill");
+  step3.set_sequence_id(3);
+  for (const auto& d : Batch(2)) *step3.add_datums() = d;
+  *step3.mutable_loss() = Ppo();
+  *step3.mutable_adamw() = Adam();
+  absl::StatusOr<v1::StepResponse> r = absl::UnknownError("not tried");
+  int failures = 0;
+  for (int i = 0; i < 300 && !r.ok(); ++i) {  // up to 60 s while the worker restarts
+    r = client->TrainStep(step3);
+    if (!r.ok()) {
+      ++failures;
+      EXPECT_TRUE(absl::IsUnavailable(r.status()) || absl::IsNotFound(r.status())) << r.status();
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  }
+  ASSERT_OK(r.status());
+  EXPECT_GE(failures, 1) << "the first try met the dead worker";
+  EXPECT_EQ(r->learner_version(), 3);
+  const int second = worker_pid();
+  EXPECT_GT(second, 0);
+  EXPECT_NE(second, first);
+  // Applied once: the retry again is answered from the record.
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse again, client->TrainStep(step3));
+  EXPECT_EQ(again.adapter_sha256(), r->adapter_sha256());
+  ASSERT_OK_AND_ASSIGN(RunSession reference, RunSession::Create(client.get(), Lora(), 3));
+  for (int i = 0; i < 2; ++i) ASSERT_OK(reference.TrainStep(Batch(i), Ppo(), Adam()).status());
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse want, reference.TrainStep(Batch(2), Ppo(), Adam()));
+  EXPECT_EQ(r->adapter_sha256(), want.adapter_sha256());
 }
 
 // SIGTERM with an idle WatchMetrics stream open: the coordinator cancels the stream after
