@@ -864,7 +864,9 @@ absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
       MarkDown(run.ranks[ranks[i]], results[i].status());
       results[i] = absl::UnavailableError(absl::StrCat(
           results[i].status().message(), " (worker ", run.ranks[ranks[i]]->address(),
-          " is down: the run's state there is lost; CreateRun with init_from a checkpoint)"));
+          restarter_.joinable()
+              ? " is down: it is being restarted and its runs restored from their autosaves; retry)"
+              : " is down: the run's state there is lost; CreateRun with init_from a checkpoint)"));
     }
   }
   // Root causes first: a rank that failed on its own, before those that only saw a peer

@@ -1013,6 +1013,49 @@ TEST(ProcessTest, KilledWorkerIsRestartedAndItsRunsResume) {
   EXPECT_EQ(r->adapter_sha256(), want.adapter_sha256());
 }
 
+// Issue 8: a hung worker (SIGSTOP) against deadlines. The call fails DEADLINE_EXCEEDED after
+// --worker_call_timeout_s instead of hanging the client; the worker is not marked down;
+// once it runs again the client's retry (same request_id) gets the step the worker did
+// apply, exactly once (the worker answers a repeated coordinator call from its record).
+TEST(ProcessTest, HungWorkerMeetsTheDeadlineAndTheRetryAppliesOnce) {
+  auto server = StartTinyCoordinator("hung", {"--worker_call_timeout_s", "2"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server->address()));
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
+  const std::string dir = ScratchDir("hung_pids");
+  const std::string list = absl::StrCat("pgrep -P ", server->pid(), " > ", dir, "/children");
+  ASSERT_EQ(system(list.c_str()), 0);
+  ASSERT_OK_AND_ASSIGN(std::string children, ReadFileToString(dir + "/children"));
+  const int worker = std::atoi(children.c_str());
+  ASSERT_GT(worker, 0);
+  v1::TrainStepRequest req;
+  req.set_run_id(run.run_id());
+  req.set_request_id("while-hung");
+  req.set_sequence_id(1);
+  for (const auto& d : Batch(0)) *req.add_datums() = d;
+  *req.mutable_loss() = Ppo();
+  *req.mutable_adamw() = Adam();
+  ASSERT_EQ(kill(worker, SIGSTOP), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto hung = client->TrainStep(req);
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(kill(worker, SIGCONT), 0);
+  EXPECT_THAT(hung, StatusIs(absl::StatusCode::kDeadlineExceeded, ""));
+  EXPECT_LT(waited, 30.0);
+  absl::StatusOr<v1::StepResponse> retried = absl::UnknownError("not tried");
+  for (int i = 0; i < 50 && !retried.ok(); ++i) {
+    retried = client->TrainStep(req);
+    if (!retried.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  ASSERT_OK(retried.status());
+  EXPECT_EQ(retried->learner_version(), 1);
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse again, client->TrainStep(req));
+  EXPECT_EQ(again.adapter_sha256(), retried->adapter_sha256());
+  ASSERT_OK_AND_ASSIGN(v1::Run state, client->GetRun(run.run_id()));
+  EXPECT_EQ(state.learner_version(), 1);
+  EXPECT_EQ(state.next_sequence_id(), 2);
+}
+
 // SIGTERM with an idle WatchMetrics stream open: the coordinator cancels the stream after
 // its grace period and exits (no SIGKILL needed).
 TEST(ProcessTest, SigtermExitsWithAnIdleWatchStreamOpen) {
