@@ -4,8 +4,9 @@
 #    coordinator + local worker on the tiny model, CPU): throughput, p99 step, fairness,
 #    server RSS growth after a 500-step warm-up, runs whose learner_version lost a step;
 #  - faults: the fault tests, each injecting one fault in real processes or files (a worker
-#    SIGKILLed mid-call on a mesh, a SIGKILLed coordinator, SIGTERM with a stream open, a
-#    full disk, a crash in the middle of a save) -> faults_survived;
+#    SIGKILLed mid-call on a mesh, a SIGKILLed coordinator (and one restarted from its journal),
+#    a SIGKILLed worker restarted with its runs, a hung worker against deadlines, SIGTERM with a
+#    stream open, a full disk, a crash in the middle of a save) -> faults_survived;
 #  - bad inputs: tests/fuzz_test's mutated files and requests -> bad_inputs_tried.
 # state_lost = runs that lost a step under load + fault tests that failed.
 #   bash bench/reliability.sh [OUT_JSON]

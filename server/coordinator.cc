@@ -52,6 +52,9 @@ struct Coordinator::RunState {
   std::string current_fingerprint;
   std::deque<v1::StepRecord> history;
   int64_t next_step = 0;
+  // Set when the run was restored from its autosave (restart): appended to a sequence-id
+  // error, so a client that sent calls past the autosave learns where the run resumed.
+  std::string restored_note;
   std::mutex watch_mu;  // guards watchers; held while calling them
   std::map<int64_t, Watcher> watchers;
   int64_t next_watch_id = 1;
@@ -541,7 +544,7 @@ absl::StatusOr<bool> Coordinator::Replay(RunState& run, const std::string& metho
   if (sequence_id != run.run.next_sequence_id()) {
     return absl::FailedPreconditionError(absl::StrCat("sequence_id: expected ",
                                                       run.run.next_sequence_id(), ", got ",
-                                                      sequence_id));
+                                                      sequence_id, run.restored_note));
   }
   return false;
 }
@@ -705,6 +708,9 @@ absl::Status Coordinator::RestoreRun(const JournaledRun& j) {
   state->run = j.run;
   state->run.set_learner_version(version);
   state->run.set_pending_forward_backward(0);
+  state->restored_note = absl::StrCat(" (the run was restored after a restart at learner_version ", version,
+                                      ", next_sequence_id ", j.run.next_sequence_id(),
+                                      "; calls after its last autosave were dropped)");
   for (const v1::JournalEntry& e : j.entries) {
     if (e.autosave_marker()) continue;
     KeepRecord(*state, e.request_id(), e.method(), e.response(), e.fingerprint());

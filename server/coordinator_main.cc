@@ -88,6 +88,9 @@ ABSL_FLAG(bool, unfused_wgrad, false, "local workers: unfused weight gradients")
 ABSL_FLAG(std::string, journal_dir, "",
           "journal runs here so a restarted coordinator brings them back (needs --state_dir for the "
           "workers' autosaves; not with --wait_for_workers)");
+ABSL_FLAG(bool, journal, true,
+          "with --state_dir and local workers, journal runs under <state_dir>/.journal unless --journal_dir "
+          "says where; --nojournal: runs live in memory only");
 ABSL_FLAG(int, autosave_every_steps, 1, "with --journal_dir: save a run's worker state after every N optimizer steps");
 
 int main(int argc, char** argv) {
@@ -159,14 +162,19 @@ int main(int argc, char** argv) {
   const int worker_call_timeout = absl::GetFlag(FLAGS_worker_call_timeout_s);
   // --journal_dir: runs, their request records and histories survive a restart.
   std::optional<RunJournal> journal;
-  if (!absl::GetFlag(FLAGS_journal_dir).empty()) {
+  std::string journal_dir = absl::GetFlag(FLAGS_journal_dir);
+  if (journal_dir.empty() && absl::GetFlag(FLAGS_journal) && !absl::GetFlag(FLAGS_state_dir).empty() &&
+      absl::GetFlag(FLAGS_workers).empty() && !absl::GetFlag(FLAGS_wait_for_workers)) {
+    journal_dir = absl::GetFlag(FLAGS_state_dir) + "/.journal";  // on by default with a state root
+  }
+  if (!journal_dir.empty()) {
     if (absl::GetFlag(FLAGS_wait_for_workers) || absl::GetFlag(FLAGS_autosave_every_steps) < 1 ||
         (absl::GetFlag(FLAGS_workers).empty() && absl::GetFlag(FLAGS_state_dir).empty())) {
       return fail(absl::InvalidArgumentError(
           "journal_dir: needs --state_dir (where the workers autosave runs) or --workers started with one, "
           "--autosave_every_steps >= 1, and no --wait_for_workers"));
     }
-    auto opened = RunJournal::Open(absl::GetFlag(FLAGS_journal_dir));
+    auto opened = RunJournal::Open(journal_dir);
     if (!opened.ok()) return fail(opened.status());
     journal = std::move(opened).value();
     options.journal = &*journal;

@@ -694,10 +694,13 @@ TEST(StateStoreServiceTest, ReferencesListAndDeleteUnderTheServersRoot) {
   v1::ListCheckpointsRequest list;
   list.set_run_id("alpha");
   ASSERT_OK_AND_ASSIGN(v1::ListCheckpointsResponse listed, t->ListCheckpoints(list));
-  ASSERT_EQ(listed.checkpoints_size(), 2) << listed.DebugString();
-  EXPECT_EQ(listed.checkpoints(0).name(), "peft-1");
-  EXPECT_EQ(listed.checkpoints(1).ref(), "lorastep://alpha/step-1");
-  EXPECT_GT(listed.checkpoints(1).bytes(), 0);
+  // With a state root the run is journaled by default: its autosave is listed too.
+  ASSERT_EQ(listed.checkpoints_size(), 3) << listed.DebugString();
+  EXPECT_EQ(listed.checkpoints(0).name(), "autosave");
+  EXPECT_TRUE(PathExists(root + "/.journal/alpha/run.pb"));
+  EXPECT_EQ(listed.checkpoints(1).name(), "peft-1");
+  EXPECT_EQ(listed.checkpoints(2).ref(), "lorastep://alpha/step-1");
+  EXPECT_GT(listed.checkpoints(2).bytes(), 0);
   // Another run starts from alpha's checkpoint by reference.
   ASSERT_OK_AND_ASSIGN(RunSession fork, RunSession::Create(t, Lora(), 2, "beta"));
   ASSERT_OK_AND_ASSIGN(v1::Run loaded, fork.LoadState("lorastep://alpha/step-1"));
@@ -711,7 +714,7 @@ TEST(StateStoreServiceTest, ReferencesListAndDeleteUnderTheServersRoot) {
   del.set_name("..");
   EXPECT_THAT(t->DeleteCheckpoint(del), StatusIs(absl::StatusCode::kInvalidArgument, "name"));
   ASSERT_OK_AND_ASSIGN(listed, t->ListCheckpoints(list));
-  EXPECT_EQ(listed.checkpoints_size(), 1);
+  EXPECT_EQ(listed.checkpoints_size(), 2);
 }
 
 // --max_activation_mb reaches the worker: a micro-batch over it is RESOURCE_EXHAUSTED
@@ -925,6 +928,14 @@ TEST(ProcessTest, KilledCoordinatorRestartsItsRunsFromTheJournal) {
   EXPECT_EQ(back.learner_version(), 2);
   EXPECT_EQ(back.next_sequence_id(), 3);  // the ForwardBackward (sequence 3) was not autosaved
   EXPECT_EQ(back.pending_forward_backward(), 0);
+  // A client that goes on from where it was is told where the run resumed.
+  v1::OptimStepRequest ahead;
+  ahead.set_run_id(run_id);
+  ahead.set_request_id("ahead");
+  ahead.set_sequence_id(4);
+  *ahead.mutable_adamw() = Adam();
+  EXPECT_THAT(client->OptimStep(ahead), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                                 "restored after a restart at learner_version 2, next_sequence_id 3"));
   v1::GetStepMetricsRequest m;
   m.set_run_id(run_id);
   ASSERT_OK_AND_ASSIGN(v1::GetStepMetricsResponse h, client->GetStepMetrics(m));
