@@ -7,6 +7,7 @@
 //                   [--collective_timeout_s S] [--state_dir DIR (path fields are then
 //                   lorastep://<run>/<name> references under DIR)] [--state_ttl_hours H]
 //                   [--max_activation_mb M]
+#include <ATen/Parallel.h>
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -56,6 +57,9 @@ ABSL_FLAG(std::optional<double>, state_ttl_hours, std::nullopt, "remove lorastep
 ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt,
           "MiB one micro-batch's activations may take (0: 80% of free host memory on CPU; -1: off)");
 ABSL_FLAG(std::string, worker_token_file, "", "shared secret every call to this worker must present");
+ABSL_FLAG(int, cpu_threads, 0,
+          "intra-op CPU threads (0: 4 on CUDA, where the host only feeds the device and several ranks share "
+          "the cores; LibTorch's default on CPU)");
 
 namespace {
 
@@ -135,6 +139,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.device = absl::GetFlag(FLAGS_device);
+  if (const int threads = absl::GetFlag(FLAGS_cpu_threads); threads > 0) {
+    at::set_num_threads(threads);
+  } else if (options.device.rfind("cuda", 0) == 0) {
+    at::set_num_threads(4);
+  }
   options.dtype = absl::GetFlag(FLAGS_dtype);
   if (auto n = absl::GetFlag(FLAGS_max_tokens_per_microbatch)) options.max_tokens_per_microbatch = *n;
   options.grad.fused_wgrad = !absl::GetFlag(FLAGS_unfused_wgrad);
