@@ -57,9 +57,7 @@ ABSL_FLAG(std::optional<double>, state_ttl_hours, std::nullopt, "remove lorastep
 ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt,
           "MiB one micro-batch's activations may take (0: 80% of free host memory on CPU; -1: off)");
 ABSL_FLAG(std::string, worker_token_file, "", "shared secret every call to this worker must present");
-ABSL_FLAG(int, cpu_threads, 0,
-          "intra-op CPU threads (0: 4 on CUDA, where the host only feeds the device and several ranks share "
-          "the cores; LibTorch's default on CPU)");
+ABSL_FLAG(int, cpu_threads, 0, "intra-op CPU threads (0: LibTorch's default)");
 
 namespace {
 
@@ -139,11 +137,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.device = absl::GetFlag(FLAGS_device);
-  if (const int threads = absl::GetFlag(FLAGS_cpu_threads); threads > 0) {
-    at::set_num_threads(threads);
-  } else if (options.device.rfind("cuda", 0) == 0) {
-    at::set_num_threads(4);
-  }
+  // A side-by-side run on two H200s (docs/PERFORMANCE.md) showed no gain from 4 threads on
+  // CUDA ranks over the default: left to the operator.
+  if (const int threads = absl::GetFlag(FLAGS_cpu_threads); threads > 0) at::set_num_threads(threads);
   options.dtype = absl::GetFlag(FLAGS_dtype);
   if (auto n = absl::GetFlag(FLAGS_max_tokens_per_microbatch)) options.max_tokens_per_microbatch = *n;
   options.grad.fused_wgrad = !absl::GetFlag(FLAGS_unfused_wgrad);
