@@ -374,6 +374,14 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, 
     return absl::ResourceExhaustedError(absl::StrCat(
         "max_runs: ", runs_.size(), " runs exist, the limit of this coordinator; DeleteRun one first"));
   }
+  if (!owner.empty()) {  // one key cannot take every slot of --max_runs from the others
+    size_t held = creating_owners_.count(owner);
+    for (const auto& [id, r] : runs_) held += r->run.owner() == owner ? 1 : 0;
+    if (held >= options_.max_runs_per_owner) {
+      return absl::ResourceExhaustedError(absl::StrCat("max_runs_per_key: '", owner, "' holds ", held,
+                                                       " runs, the limit per API key; DeleteRun one first"));
+    }
+  }
   std::string run_id = req.run_id();
   if (run_id.empty()) {
     do {
@@ -407,6 +415,12 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, 
   // The id is reserved while the worker builds the run; the run is visible only once built.
   creating_ids_.insert(run_id);
   creating_requests_.insert(req.request_id());
+  if (!owner.empty()) creating_owners_.insert(owner);
+  auto done_creating = [&] {  // under mu_
+    creating_ids_.erase(run_id);
+    creating_requests_.erase(req.request_id());
+    if (!owner.empty()) creating_owners_.erase(creating_owners_.find(owner));
+  };
   lock.unlock();
   if (options_.journal != nullptr) {  // journaled before it exists: a run is never unrecorded
     v1::JournalRun journaled;
@@ -417,8 +431,7 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, 
     journaled.set_init_with_optimizer(req.init_with_optimizer());
     if (absl::Status s = options_.journal->AddRun(journaled); !s.ok()) {
       lock.lock();
-      creating_ids_.erase(run_id);
-      creating_requests_.erase(req.request_id());
+      done_creating();
       return s;
     }
   }
@@ -437,8 +450,7 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, 
     }
   }
   lock.lock();
-  creating_ids_.erase(run_id);
-  creating_requests_.erase(req.request_id());
+  done_creating();
   if (!created.ok()) return created.status();
   state->run.set_learner_version((*created)[0].learner_version());  // a checkpoint's, with its optimizer
   runs_[run_id] = state;

@@ -42,6 +42,8 @@ struct CoordinatorOptions {
   // Bytes of recorded responses kept per run (--max_recorded_mb); older bodies are dropped.
   size_t max_recorded_bytes = size_t{64} << 20;
   size_t max_runs = 256;  // CreateRun beyond it is RESOURCE_EXHAUSTED (--max_runs)
+  // Runs one API key's owner may hold at once (--max_runs_per_key); authenticated callers only.
+  size_t max_runs_per_owner = 64;
   BatchLimits limits;
   // The mesh the workers form (world 1: each worker is on its own and runs are spread over
   // them). With world > 1 the workers are the mesh's ranks, every run lives on all of them,
@@ -218,6 +220,7 @@ class Coordinator {
   std::map<std::string, std::pair<std::string, std::string>> create_requests_;
   std::set<std::string> creating_ids_;       // run ids whose worker-side creation is in flight
   std::set<std::string> creating_requests_;  // their request ids
+  std::multiset<std::string> creating_owners_;  // their owners (authenticated callers)
   int64_t next_run_number_ = 1;
   int next_join_rank_ = 0;      // guarded by mu_
   std::string rendezvous_;      // set when rank 0 joins; guarded by mu_

@@ -81,6 +81,7 @@ ABSL_FLAG(std::string, tls_key_file, "", "the Trainer API over TLS: private key 
 ABSL_FLAG(int64_t, max_queued_per_run, 64, "calls queued on one run beyond which RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_queued, 4096, "calls queued in all beyond which RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_runs, 256, "runs that may exist");
+ABSL_FLAG(int, max_runs_per_key, 64, "runs one API key's owner may hold at once (with --api_keys_file)");
 ABSL_FLAG(int, max_request_mb, 64, "largest request a client may send, MiB, in [1, 1024]");
 ABSL_FLAG(double, max_recorded_mb, 64, "MiB of recorded responses (for retries) kept per run");
 ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt, "local workers: activation budget per micro-batch, MiB");
@@ -154,6 +155,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.max_runs = static_cast<size_t>(absl::GetFlag(FLAGS_max_runs));
+  options.max_runs_per_owner = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_runs_per_key)));
   options.max_recorded_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_recorded_mb) * (1 << 20));
   const int world = options.mesh.world();
   // A rank that fails on its own makes its peers fail at their collective timeout (the

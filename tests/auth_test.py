@@ -69,7 +69,7 @@ def main():
 
     port_file = os.path.join(tmp, "port")
     proc = subprocess.Popen([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
-                             "--port_file", port_file, "--api_keys_file", keys_file,
+                             "--port_file", port_file, "--api_keys_file", keys_file, "--max_runs_per_key", "2",
                              "--state_dir", os.path.join(tmp, "state")])
     try:
         for _ in range(600):
@@ -113,6 +113,10 @@ def main():
                 "init_from: no run", "bob cannot start from alice's checkpoint")
         check(ops.attach(a_run.run_id).run_id == a_run.run_id, "the admin reaches alice's run")
         check(alice.get_run(a_run.run_id).learner_version == 1, "alice's run is untouched")
+        alice.create_run(rank=4, alpha=8, seed=3)  # her second: the limit is 2 per key
+        refused(lambda: alice.create_run(rank=4, alpha=8, seed=4), "RESOURCE_EXHAUSTED",
+                "max_runs_per_key: 'alice' holds 2 runs", "a key's runs are capped (--max_runs_per_key)")
+        check(bob.create_run(rank=4, alpha=8, seed=5).run_id, "another key still creates runs")
 
         env = dict(os.environ, LORASTEP_API_KEY=KEYS["alice"])
         out = subprocess.run([cli, "--address", address, "runs"], capture_output=True, text=True, env=env, timeout=30)
