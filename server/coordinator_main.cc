@@ -45,6 +45,7 @@
 #include "server/run_journal.h"
 #include "server/child_server.h"
 #include "lib/flags_util.h"
+#include "lib/io/file_util.h"
 #include "lib/log.h"
 #include "lib/status_macros.h"
 #include "rpc/server_flags.h"
@@ -78,6 +79,10 @@ ABSL_FLAG(bool, allow_unauthenticated_remote, false, "serve a non-loopback --hos
 ABSL_FLAG(std::string, worker_token_file, "", "shared secret for the Worker port and the Registry");
 ABSL_FLAG(std::string, tls_cert_file, "", "the Trainer API over TLS: certificate chain (PEM)");
 ABSL_FLAG(std::string, tls_key_file, "", "the Trainer API over TLS: private key (PEM)");
+ABSL_FLAG(std::string, worker_tls_ca_file, "",
+          "workers serve TLS (their --tls_cert_file): verify them against this CA (PEM); default plaintext");
+ABSL_FLAG(std::string, worker_tls_cert_file, "", "local workers serve TLS with this certificate chain (PEM)");
+ABSL_FLAG(std::string, worker_tls_key_file, "", "local workers serve TLS with this private key (PEM)");
 ABSL_FLAG(int64_t, max_queued_per_run, 64, "calls queued on one run beyond which RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_queued, 4096, "calls queued in all beyond which RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_runs, 256, "runs that may exist");
@@ -183,6 +188,21 @@ int main(int argc, char** argv) {
     options.journal = &*journal;
     options.autosave_every_steps = absl::GetFlag(FLAGS_autosave_every_steps);
   }
+  // Worker-port TLS: the CA the coordinator verifies workers with.
+  std::string worker_ca;
+  if (!absl::GetFlag(FLAGS_worker_tls_ca_file).empty()) {
+    auto read = ReadFileToString(absl::GetFlag(FLAGS_worker_tls_ca_file));
+    if (!read.ok() || read->find("-----BEGIN CERTIFICATE-----") == std::string::npos) {
+      return fail(absl::InvalidArgumentError(absl::StrCat("worker_tls_ca_file: '", absl::GetFlag(FLAGS_worker_tls_ca_file),
+                                                          "' holds no PEM certificate")));
+    }
+    worker_ca = *read;
+  }
+  if (absl::GetFlag(FLAGS_worker_tls_cert_file).empty() != absl::GetFlag(FLAGS_worker_tls_key_file).empty() ||
+      (!absl::GetFlag(FLAGS_worker_tls_cert_file).empty() && worker_ca.empty())) {
+    return fail(absl::InvalidArgumentError(
+        "worker_tls_cert_file: needs --worker_tls_key_file and --worker_tls_ca_file (to verify the local workers)"));
+  }
   std::vector<std::string> addresses;
   std::vector<ChildServer> local;
   std::mutex local_mu;  // `local` is also changed by worker restarts
@@ -201,6 +221,10 @@ int main(int argc, char** argv) {
                                  "state_ttl_hours", "worker_token_file", "max_activation_mb", "unfused_wgrad",
                                  "cpu_threads"});
     for (std::string& arg : NonDefaultFlagArgs(passed)) args.push_back(std::move(arg));
+    if (!absl::GetFlag(FLAGS_worker_tls_cert_file).empty()) {
+      args.insert(args.end(), {"--tls_cert_file", absl::GetFlag(FLAGS_worker_tls_cert_file), "--tls_key_file",
+                               absl::GetFlag(FLAGS_worker_tls_key_file)});
+    }
     const std::string device = absl::GetFlag(FLAGS_device);
     // One worker per rank (one per GPU: rank r on cuda:r), meeting at a TCPStore that
     // rank 0 serves on a free local port.
@@ -239,7 +263,7 @@ int main(int argc, char** argv) {
             ChildServer fresh, ChildServer::Start(binary, per_rank[i], absl::GetFlag(FLAGS_worker_start_timeout_s)));
         local[i] = std::move(fresh);
         auto client = std::make_unique<GrpcWorkerClient>(local[i].address(), std::chrono::seconds(worker_call_timeout),
-                                                         worker_token);
+                                                         worker_token, worker_ca);
         LORASTEP_RETURN_IF_ERROR(client->WaitReady(60));
         return std::unique_ptr<WorkerClient>(std::move(client));
       }
@@ -248,7 +272,8 @@ int main(int argc, char** argv) {
   }
   Coordinator core{options};
   for (const auto& a : addresses) {
-    auto client = std::make_unique<GrpcWorkerClient>(a, std::chrono::seconds(worker_call_timeout), worker_token);
+    auto client =
+        std::make_unique<GrpcWorkerClient>(a, std::chrono::seconds(worker_call_timeout), worker_token, worker_ca);
     if (auto s = client->WaitReady(60); !s.ok()) return fail(s);
     if (auto s = core.AddWorker(std::move(client)); !s.ok()) return fail(s);
   }
@@ -259,7 +284,7 @@ int main(int argc, char** argv) {
   }
   CoordinatorService service(&core, 4, &metrics, api_keys ? &*api_keys : nullptr);
   service.SetQueueLimits(absl::GetFlag(FLAGS_max_queued_per_run), absl::GetFlag(FLAGS_max_queued));
-  RegistryService registry(&core, worker_token);
+  RegistryService registry(&core, worker_token, worker_ca);
   int port = 0;
   // --tls_cert_file/--tls_key_file: the Trainer API over TLS (workers stay on plaintext
   // loopback or a private network, authenticated by the worker token).

@@ -9,13 +9,16 @@
 
 namespace lorastep {
 GrpcWorkerClient::GrpcWorkerClient(const std::string& address, std::chrono::seconds call_timeout,
-                                   std::string worker_token)
+                                   std::string worker_token, const std::string& tls_ca_pem)
     : address_(address), call_timeout_(call_timeout),
       authorization_(worker_token.empty() ? "" : "Bearer " + worker_token) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);
   args.SetMaxSendMessageSize(1 << 30);
-  channel_ = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  grpc::SslCredentialsOptions tls;
+  tls.pem_root_certs = tls_ca_pem;
+  channel_ = grpc::CreateCustomChannel(
+      address, tls_ca_pem.empty() ? grpc::InsecureChannelCredentials() : grpc::SslCredentials(tls), args);
   stub_ = v1::Worker::NewStub(channel_);
 }
 

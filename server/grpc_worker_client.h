@@ -18,10 +18,11 @@ class GrpcWorkerClient final : public WorkerClient {
   // Every call carries a deadline of `call_timeout` (a training step on a large batch takes
   // minutes; a worker that hangs must not hold the mesh forever).
   // `worker_token`: sent as "authorization: Bearer <token>" to workers started with
-  // --worker_token_file (empty: none).
+  // --worker_token_file (empty: none). `tls_ca_pem`: workers serve TLS, verified against
+  // this CA (PEM; empty: plaintext).
   explicit GrpcWorkerClient(const std::string& address,
                             std::chrono::seconds call_timeout = std::chrono::seconds(3600),
-                            std::string worker_token = "");
+                            std::string worker_token = "", const std::string& tls_ca_pem = "");
   // Waits until the channel is ready (or the deadline passes).
   absl::Status WaitReady(int timeout_seconds);
 

@@ -14,9 +14,11 @@ class RegistryService final : public v1::Registry::CallbackService {
  public:
   // `worker_token`: with --worker_token_file, registering and joining need it (and the
   // coordinator presents it to the registered worker); empty: open.
-  explicit RegistryService(Coordinator* core, std::string worker_token = "")
+  // `worker_tls_ca_pem`: registered workers serve TLS, verified against this CA (PEM).
+  explicit RegistryService(Coordinator* core, std::string worker_token = "", std::string worker_tls_ca_pem = "")
       : core_(core), worker_token_(std::move(worker_token)),
-        token_sha256_(worker_token_.empty() ? "" : Sha256Hex(worker_token_)) {}
+        token_sha256_(worker_token_.empty() ? "" : Sha256Hex(worker_token_)),
+        worker_tls_ca_pem_(std::move(worker_tls_ca_pem)) {}
   grpc::ServerUnaryReactor* RegisterWorker(grpc::CallbackServerContext* ctx,
                                            const v1::RegisterWorkerRequest* req,
                                            v1::RegisterWorkerResponse* resp) override;
@@ -27,7 +29,7 @@ class RegistryService final : public v1::Registry::CallbackService {
  private:
   absl::Status CheckToken(grpc::CallbackServerContext* ctx) const;
   Coordinator* core_;
-  std::string worker_token_, token_sha256_;
+  std::string worker_token_, token_sha256_, worker_tls_ca_pem_;
   SerialExecutor executor_;  // connecting to a worker blocks; never on a gRPC thread
 };
 

@@ -166,6 +166,67 @@ def tls_checks(coordinator, worker, model, cli, tmp):
     finally:
         c.terminate()
         c.wait(30)
+    worker_tls_checks(coordinator, worker, model, cert, key, tmp)
+
+
+def worker_tls_checks(coordinator, worker, model, cert, key, tmp):
+    """Worker ports over TLS: local workers (--worker_tls_cert_file/_key_file, verified with
+    --worker_tls_ca_file), and a worker that registers with a TLS coordinator."""
+    import grpc
+    from lorastep.v1 import worker_pb2, worker_pb2_grpc
+    r = subprocess.run([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
+                        "--worker_tls_cert_file", cert, "--worker_tls_key_file", key], capture_output=True,
+                       text=True, timeout=60)
+    check(r.returncode != 0 and "worker_tls_cert_file: needs" in r.stderr, "worker TLS without the CA is refused")
+    procs = []
+    try:
+        cport = os.path.join(tmp, "wtls_cport")
+        c = subprocess.Popen([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
+                              "--port_file", cport, "--worker_tls_cert_file", cert, "--worker_tls_key_file", key,
+                              "--worker_tls_ca_file", cert])
+        procs.append(c)
+        client = TrainingClient(f"127.0.0.1:{wait_port(cport, c)}")
+        run = client.create_run(rank=4, alpha=8)
+        check(run.train_step([datum(i) for i in range(2)], adamw={"lr": 1e-3}).learner_version == 1,
+              "local workers over TLS train")
+        client.close()
+
+        # A TLS worker registering with a TLS coordinator (Registry verified with the CA).
+        rport, wport = os.path.join(tmp, "wtls_rport"), os.path.join(tmp, "wtls_wport")
+        reg = subprocess.Popen([coordinator, "--wait_for_workers", "--port", "0", "--port_file", rport,
+                                "--tls_cert_file", cert, "--tls_key_file", key, "--worker_tls_ca_file", cert])
+        procs.append(reg)
+        raddr = f"127.0.0.1:{wait_port(rport, reg)}"
+        w = subprocess.Popen([worker, "--model", model, "--port", "0", "--port_file", wport,
+                              "--tls_cert_file", cert, "--tls_key_file", key, "--register_with", raddr,
+                              "--coordinator_tls_ca_file", cert])
+        procs.append(w)
+        waddr = f"127.0.0.1:{wait_port(wport, w)}"
+        plain = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(waddr))
+        try:
+            plain.Info(worker_pb2.WorkerInfoRequest(), timeout=3)
+            raise AssertionError("a plaintext caller reached the TLS worker")
+        except grpc.RpcError as e:
+            check(e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED),
+                  f"a plaintext caller cannot reach the TLS worker ({e.code()})")
+        secure = worker_pb2_grpc.WorkerStub(grpc.secure_channel(
+            waddr, grpc.ssl_channel_credentials(root_certificates=open(cert, "rb").read())))
+        check(secure.Info(worker_pb2.WorkerInfoRequest(), timeout=10).model_path.endswith("model"),
+              "a caller verifying the CA reaches the TLS worker")
+        client = TrainingClient(raddr, root_certificates=open(cert, "rb").read())
+        for _ in range(100):
+            try:
+                run = client.create_run(rank=4, alpha=8)
+                break
+            except Exception:  # the worker is still registering
+                time.sleep(0.2)
+        check(run.train_step([datum(i) for i in range(2)], adamw={"lr": 1e-3}).learner_version == 1,
+              "a TLS worker registered with a TLS coordinator trains")
+        client.close()
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(30)
 
 
 def wait_port(path, proc):

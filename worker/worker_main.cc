@@ -25,6 +25,7 @@
 #include "lorastep/v1/worker.grpc.pb.h"
 #include "rpc/grpc_status.h"
 
+#include "lib/io/file_util.h"
 #include "lib/io/state_store.h"
 #include "rpc/bearer_token.h"
 #include "rpc/metrics_http_server.h"
@@ -57,14 +58,19 @@ ABSL_FLAG(std::optional<double>, state_ttl_hours, std::nullopt, "remove lorastep
 ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt,
           "MiB one micro-batch's activations may take (0: 80% of free host memory on CPU; -1: off)");
 ABSL_FLAG(std::string, worker_token_file, "", "shared secret every call to this worker must present");
+ABSL_FLAG(std::string, tls_cert_file, "", "serve the Worker API over TLS: certificate chain (PEM)");
+ABSL_FLAG(std::string, tls_key_file, "", "serve the Worker API over TLS: private key (PEM)");
+ABSL_FLAG(std::string, coordinator_tls_ca_file, "",
+          "the coordinator (--register_with) serves TLS: verify it against this CA (PEM)");
 ABSL_FLAG(int, cpu_threads, 0, "intra-op CPU threads (0: LibTorch's default)");
 
 namespace {
 
 // Announces this worker to a coordinator, retrying while the coordinator starts.
 absl::Status RegisterWithCoordinator(const std::string& coordinator, const std::string& self,
-                                     int timeout_seconds, const std::string& authorization) {
-  auto channel = grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials());
+                                     int timeout_seconds, const std::string& authorization,
+                                     const std::shared_ptr<grpc::ChannelCredentials>& credentials) {
+  auto channel = grpc::CreateChannel(coordinator, credentials);
   auto stub = lorastep::v1::Registry::NewStub(channel);
   lorastep::v1::RegisterWorkerRequest req;
   req.set_address(self);
@@ -85,8 +91,9 @@ absl::Status RegisterWithCoordinator(const std::string& coordinator, const std::
 // back as FAILED_PRECONDITION: the worker then registers on its own, at world size 1.
 absl::StatusOr<lorastep::v1::JoinMeshResponse> JoinMesh(const std::string& coordinator,
                                                         const std::string& host, int timeout_seconds,
-                                                        const std::string& authorization) {
-  auto channel = grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials());
+                                                        const std::string& authorization,
+                                                        const std::shared_ptr<grpc::ChannelCredentials>& credentials) {
+  auto channel = grpc::CreateChannel(coordinator, credentials);
   auto stub = lorastep::v1::Registry::NewStub(channel);
   lorastep::v1::JoinMeshRequest req;
   req.set_host(host);
@@ -173,12 +180,35 @@ int main(int argc, char** argv) {
   options.finalize.corrupt_main_grad_rank = absl::GetFlag(FLAGS_test_corrupt_main_grad_rank);
   options.finalize.inventory_mismatch_rank = absl::GetFlag(FLAGS_test_inventory_mismatch_rank);
   const std::string register_with = absl::GetFlag(FLAGS_register_with);
+  // --coordinator_tls_ca_file: the coordinator's port (its Registry) is TLS.
+  std::shared_ptr<grpc::ChannelCredentials> coordinator_credentials = grpc::InsecureChannelCredentials();
+  if (!absl::GetFlag(FLAGS_coordinator_tls_ca_file).empty()) {
+    auto ca = ReadFileToString(absl::GetFlag(FLAGS_coordinator_tls_ca_file));
+    if (!ca.ok() || ca->find("-----BEGIN CERTIFICATE-----") == std::string::npos) {
+      LORASTEP_LOG(Error) << "lorastep_worker: coordinator_tls_ca_file: '" << absl::GetFlag(FLAGS_coordinator_tls_ca_file)
+                          << "' holds no PEM certificate";
+      return 2;
+    }
+    grpc::SslCredentialsOptions tls;
+    tls.pem_root_certs = *ca;
+    coordinator_credentials = grpc::SslCredentials(tls);
+  }
+  // --tls_cert_file/--tls_key_file: the Worker API over TLS.
+  std::shared_ptr<grpc::ServerCredentials> server_credentials;
+  if (!absl::GetFlag(FLAGS_tls_cert_file).empty() || !absl::GetFlag(FLAGS_tls_key_file).empty()) {
+    auto tls = TlsServerCredentials(absl::GetFlag(FLAGS_tls_cert_file), absl::GetFlag(FLAGS_tls_key_file));
+    if (!tls.ok()) {
+      LORASTEP_LOG(Error) << "lorastep_worker: " << tls.status();
+      return 2;
+    }
+    server_credentials = *tls;
+  }
   const std::string advertise_host =
       !absl::GetFlag(FLAGS_advertise_host).empty() ? absl::GetFlag(FLAGS_advertise_host) : absl::GetFlag(FLAGS_host);
   options.gloo_host = advertise_host;
   if (!register_with.empty() && !absl::GetFlag(FLAGS_rank)) {
     // A coordinator running a mesh hands out the rank (and sizes, rendezvous) first.
-    auto joined = JoinMesh(register_with, advertise_host, 60, authorization);
+    auto joined = JoinMesh(register_with, advertise_host, 60, authorization, coordinator_credentials);
     if (joined.ok()) {
       options.rank = joined->rank();
       options.sizes = {joined->tp(), joined->pp(), joined->dp(), std::max(1, joined->ep())};
@@ -212,7 +242,8 @@ int main(int argc, char** argv) {
   auto server = StartGrpcServer(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_port), {&service},
                                 &port, 1 << 30,
                                 CallObservers{&metrics, VerbosityFlag(), "worker",
-                                              options.sizes.world() > 1 ? options.rank : -1});
+                                              options.sizes.world() > 1 ? options.rank : -1},
+                                server_credentials);
   if (!server.ok()) {
     LORASTEP_LOG(Error) << "lorastep_worker: " << server.status();
     return 1;
@@ -227,7 +258,7 @@ int main(int argc, char** argv) {
             << (*core)->base().device.str() << ")";
   if (!register_with.empty()) {
     const std::string self = absl::StrCat(advertise_host, ":", port);
-    if (auto s = RegisterWithCoordinator(register_with, self, 60, authorization); !s.ok()) {
+    if (auto s = RegisterWithCoordinator(register_with, self, 60, authorization, coordinator_credentials); !s.ok()) {
       LORASTEP_LOG(Error) << "lorastep_worker: " << s;
       (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
       return 1;
