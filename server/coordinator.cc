@@ -684,14 +684,17 @@ absl::Status Coordinator::RestoreRun(const JournaledRun& j) {
     return FanOut<v1::WorkerCreateRunResponse>(*state, AllRanks(*state),
                                                [&](int, WorkerClient* w) { return w->CreateRun(create); });
   };
-  auto created = create_on_ranks();
-  if (absl::IsAlreadyExists(created.status())) {  // workers that outlived the coordinator
+  auto delete_on_ranks = [&] {  // best effort: what a failed restore left on the workers
     v1::WorkerDeleteRunRequest del;
     del.set_run_id(run_id);
     FanOut<bool>(*state, AllRanks(*state), [&](int, WorkerClient* w) -> absl::StatusOr<bool> {
       LORASTEP_RETURN_IF_ERROR(w->DeleteRun(del));
       return true;
     }).IgnoreError();
+  };
+  auto created = create_on_ranks();
+  if (absl::IsAlreadyExists(created.status())) {  // workers that outlived the coordinator
+    delete_on_ranks();
     created = create_on_ranks();
   }
   LORASTEP_RETURN_IF_ERROR(created.status());
@@ -704,12 +707,7 @@ absl::Status Coordinator::RestoreRun(const JournaledRun& j) {
       return w->LoadState(wreq);
     });
     if (!loaded.ok() || (*loaded)[0].learner_version() != j.run.learner_version()) {
-      v1::WorkerDeleteRunRequest del;
-      del.set_run_id(run_id);
-      FanOut<bool>(*state, AllRanks(*state), [&](int, WorkerClient* w) -> absl::StatusOr<bool> {
-        LORASTEP_RETURN_IF_ERROR(w->DeleteRun(del));
-        return true;
-      }).IgnoreError();
+      delete_on_ranks();
       if (!loaded.ok()) return loaded.status();
       return absl::DataLossError(absl::StrCat(AutosaveRef(run_id), " holds learner_version ",
                                               (*loaded)[0].learner_version(), ", the journal ",

@@ -180,16 +180,9 @@ def worker_tls_checks(coordinator, worker, model, cert, key, tmp):
     check(r.returncode != 0 and "worker_tls_cert_file: needs" in r.stderr, "worker TLS without the CA is refused")
     procs = []
     try:
-        cport = os.path.join(tmp, "wtls_cport")
-        c = subprocess.Popen([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
-                              "--port_file", cport, "--worker_tls_cert_file", cert, "--worker_tls_key_file", key,
-                              "--worker_tls_ca_file", cert])
-        procs.append(c)
-        client = TrainingClient(f"127.0.0.1:{wait_port(cport, c)}")
-        run = client.create_run(rank=4, alpha=8)
-        check(run.train_step([datum(i) for i in range(2)], adamw={"lr": 1e-3}).learner_version == 1,
-              "local workers over TLS train")
-        client.close()
+        serve_and_train([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
+                         "--worker_tls_cert_file", cert, "--worker_tls_key_file", key, "--worker_tls_ca_file", cert],
+                        os.path.join(tmp, "wtls_cport"), procs, "local workers over TLS train")
 
         # A TLS worker registering with a TLS coordinator (Registry verified with the CA).
         rport, wport = os.path.join(tmp, "wtls_rport"), os.path.join(tmp, "wtls_wport")
@@ -227,6 +220,16 @@ def worker_tls_checks(coordinator, worker, model, cert, key, tmp):
         for p in procs:
             p.terminate()
             p.wait(30)
+
+
+def serve_and_train(command, port_file, procs, what):
+    """Starts a coordinator (`command` + --port_file), creates a run and trains one step."""
+    c = subprocess.Popen(command + ["--port_file", port_file])
+    procs.append(c)
+    client = TrainingClient(f"127.0.0.1:{wait_port(port_file, c)}")
+    run = client.create_run(rank=4, alpha=8)
+    check(run.train_step([datum(i) for i in range(2)], adamw={"lr": 1e-3}).learner_version == 1, what)
+    client.close()
 
 
 def wait_port(path, proc):
@@ -267,20 +270,14 @@ def worker_token_checks(coordinator, worker, model, tmp):
                            timeout=120)
         check(r.returncode != 0 and "UNAUTHENTICATED" in r.stderr, "a coordinator without the token cannot use it")
         cport = os.path.join(tmp, "cport")
-        c = subprocess.Popen([coordinator, "--workers", address, "--port", "0", "--port_file", cport,
-                              "--worker_token_file", token_file])
-        procs.append(c)
-        client = TrainingClient(f"127.0.0.1:{wait_port(cport, c)}")
-        run = client.create_run(rank=4, alpha=8)
-        check(run.train_step([datum(i) for i in range(2)], adamw={"lr": 1e-3}).learner_version == 1,
-              "with the token the coordinator trains on the worker")
+        serve_and_train([coordinator, "--workers", address, "--port", "0", "--worker_token_file", token_file],
+                        cport, procs, "with the token the coordinator trains on the worker")
         reg = worker_pb2_grpc.RegistryStub(grpc.insecure_channel(f"127.0.0.1:{open(cport).read().strip()}"))
         try:
             reg.RegisterWorker(worker_pb2.RegisterWorkerRequest(address="127.0.0.1:1"), timeout=10)
             raise AssertionError("registration without the token accepted")
         except grpc.RpcError as e:
             check(e.code() == grpc.StatusCode.UNAUTHENTICATED, f"Registry without the token: {e.details()}")
-        client.close()
     finally:
         for p in procs:
             p.terminate()
