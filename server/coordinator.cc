@@ -123,6 +123,22 @@ std::string RequestFingerprint(const google::protobuf::Message& request) {
 // Where a journaled run's worker state is saved after its steps (a reserved checkpoint name).
 std::string AutosaveRef(const std::string& run_id) { return absl::StrCat("lorastep://", run_id, "/autosave"); }
 
+// A Forward(Backward) response's size, from above: per datum a float per target (packed)
+// plus framing, and the metrics map.
+absl::Status CheckResponseFits(const google::protobuf::RepeatedPtrField<v1::Datum>& datums, int64_t max_bytes) {
+  if (max_bytes == 0) return absl::OkStatus();
+  if (max_bytes < 0) return absl::InvalidArgumentError("max_response_bytes: must be >= 0");
+  int64_t bytes = 16 << 10, tokens = 0;
+  for (const auto& d : datums) {
+    tokens += d.target_tokens_size();
+    bytes += 4 * static_cast<int64_t>(d.target_tokens_size()) + 16;
+  }
+  if (bytes <= max_bytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "max_response_bytes: the response would take up to ", bytes, " bytes (log-probs of ", tokens,
+      " targets), over the caller's limit of ", max_bytes, "; split the batch or raise the limit (nothing was run)"));
+}
+
 absl::Status RequireRequestId(const std::string& request_id) {
   if (request_id.empty()) return absl::InvalidArgumentError("request_id: required for this call");
   return absl::OkStatus();
@@ -1075,6 +1091,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
   if (replayed) return resp;
   LORASTEP_RETURN_IF_ERROR(CheckNotDiverged(*run));
   LORASTEP_ASSIGN_OR_RETURN(BatchTotals totals, ValidatedTotals(req.datums(), req.loss()));
+  LORASTEP_RETURN_IF_ERROR(CheckResponseFits(req.datums(), req.max_response_bytes()));
   if (req.has_batch_totals()) {  // this call is part of a larger batch
     const v1::BatchTotals& whole = req.batch_totals();
     for (const auto& [name, value, own] : {std::tuple<const char*, double, double>{"loss_tokens", whole.loss_tokens(), totals.loss_tokens},
@@ -1118,6 +1135,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::Forwa
   std::lock_guard<std::mutex> lock(run->mu);
   std::vector<Datum> datums = DatumsFromProto(req.datums());
   LORASTEP_RETURN_IF_ERROR(ValidateForwardBatch(datums, vocab_size(), options_.limits));
+  LORASTEP_RETURN_IF_ERROR(CheckResponseFits(req.datums(), req.max_response_bytes()));
   LORASTEP_RETURN_IF_ERROR(CheckShardable(req.datums_size()));
   const auto shards = ShardsByTokens(req.datums());
   LORASTEP_ASSIGN_OR_RETURN(

@@ -571,6 +571,25 @@ TEST_F(ServiceTest, EveryValidationErrorNamesTheField) {
   std::vector<v1::Datum> bad_forward = Batch(0);
   bad_forward[0].set_tokens(0, 1000);
   EXPECT_THAT(run.Forward(bad_forward), StatusIs(absl::StatusCode::kInvalidArgument, "datums[0].tokens[0]"));
+  // A response the caller says it cannot receive is refused before any work.
+  v1::ForwardRequest too_big;
+  too_big.set_run_id(run.run_id());
+  for (const auto& d : Batch(0)) *too_big.add_datums() = d;
+  too_big.set_max_response_bytes(1000);
+  EXPECT_THAT(client_->Forward(too_big), StatusIs(absl::StatusCode::kResourceExhausted, "max_response_bytes"));
+  v1::ForwardBackwardRequest too_big_fb;
+  too_big_fb.set_run_id(run.run_id());
+  too_big_fb.set_request_id("too-big");
+  too_big_fb.set_sequence_id(run.next_sequence_id());
+  for (const auto& d : Batch(0)) *too_big_fb.add_datums() = d;
+  *too_big_fb.mutable_loss() = Ppo();
+  too_big_fb.set_max_response_bytes(1000);
+  EXPECT_THAT(client_->ForwardBackward(too_big_fb), StatusIs(absl::StatusCode::kResourceExhausted, "max_response_bytes"));
+  too_big_fb.set_max_response_bytes(-1);
+  EXPECT_THAT(client_->ForwardBackward(too_big_fb), StatusIs(absl::StatusCode::kInvalidArgument, "max_response_bytes"));
+  ASSERT_OK_AND_ASSIGN(v1::Run unchanged, client_->GetRun(run.run_id()));
+  EXPECT_EQ(unchanged.next_sequence_id(), run.next_sequence_id());
+  EXPECT_EQ(unchanged.pending_forward_backward(), 0);
   v1::CreateRunRequest dup;
   dup.set_request_id("dup-id");
   dup.set_run_id(run.run_id());

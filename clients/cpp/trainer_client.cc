@@ -15,6 +15,11 @@
 #include "rpc/grpc_status.h"
 
 namespace lorastep {
+
+// The largest response this client receives; Forward(Backward) requests state it, so a call
+// whose log-probs would not fit is refused before any work instead of after.
+constexpr int64_t kMaxResponseBytes = int64_t{1} << 30;
+
 namespace {
 
 bool Transient(const absl::Status& s) {
@@ -39,7 +44,7 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const std:
                                                                       const std::string& api_key,
                                                                       const std::string& ca_pem) {
   grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(1 << 30);
+  args.SetMaxReceiveMessageSize(kMaxResponseBytes);
   args.SetMaxSendMessageSize(1 << 30);
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   if (!ca_pem.empty()) {
@@ -180,6 +185,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> RunSession::ForwardBackward(
   req.mutable_datums()->Assign(datums.begin(), datums.end());
   *req.mutable_loss() = loss;
   if (batch_totals != nullptr) *req.mutable_batch_totals() = *batch_totals;
+  req.set_max_response_bytes(kMaxResponseBytes);  // the channel's receive limit
   return Mutate<v1::ForwardBackwardResponse>([&](const std::string& rid, int64_t seq) {
     req.set_request_id(rid);
     req.set_sequence_id(seq);
@@ -191,6 +197,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> RunSession::Forward(const std::vecto
   v1::ForwardRequest req;
   req.set_run_id(run_id_);
   req.mutable_datums()->Assign(datums.begin(), datums.end());
+  req.set_max_response_bytes(kMaxResponseBytes);
   return client_->Forward(req);
 }
 

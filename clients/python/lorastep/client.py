@@ -24,6 +24,10 @@ from lorastep.types import (AdamWParams, BatchTotals, Checkpoint, ExportResult, 
                             replica_hashes, run_info)
 from lorastep.v1 import trainer_pb2, trainer_pb2_grpc
 
+# The channel's message limit; Forward(Backward) requests state it, so a call whose
+# log-probs would not fit is refused before any work instead of after.
+MAX_MESSAGE_BYTES = 1 << 30
+
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -41,8 +45,8 @@ class TrainingClient:
         """api_key: for coordinators started with --api_keys_file (sent as "authorization:
         Bearer <key>"; default: $LORASTEP_API_KEY). root_certificates: PEM bytes of the CA
         for a coordinator serving TLS (--tls_cert_file); None = plaintext."""
-        options = [("grpc.max_receive_message_length", 1 << 30),
-                   ("grpc.max_send_message_length", 1 << 30)]
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
         if root_certificates is not None:
             creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
             self._channel = grpc.secure_channel(address, creds, options=options)
@@ -139,7 +143,7 @@ class Run:
         of it. Returns ForwardResult(logprobs, metrics)."""
         req = trainer_pb2.ForwardBackwardRequest(
             run_id=self.run_id, datums=[datum_proto(d) for d in datums],
-            loss=message_proto(trainer_pb2.LossConfig, LossConfig, loss))
+            loss=message_proto(trainer_pb2.LossConfig, LossConfig, loss), max_response_bytes=MAX_MESSAGE_BYTES)
         if batch_totals is not None:
             req.batch_totals.CopyFrom(message_proto(trainer_pb2.BatchTotals, BatchTotals, batch_totals))
         r = self._mutate("ForwardBackward", req)
@@ -148,7 +152,7 @@ class Run:
     def forward(self, datums):
         """Log-probs of each datum's targets under the current adapter (no gradient)."""
         r = self._client._call("Forward", trainer_pb2.ForwardRequest(
-            run_id=self.run_id, datums=[datum_proto(d) for d in datums]))
+            run_id=self.run_id, datums=[datum_proto(d) for d in datums], max_response_bytes=MAX_MESSAGE_BYTES))
         return ForwardResult([list(x.values) for x in r.logprobs], metrics_dict(r.metrics))
 
     def optim_step(self, adamw=None, client_metrics=None):
