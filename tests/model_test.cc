@@ -1,6 +1,7 @@
 // (a) Model logits against a plain reference written here from the Qwen2 definition, and
 // Hugging Face folder loading (single file and sharded).
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <cmath>
 
