@@ -15,7 +15,7 @@
 //                        [--worker_metrics_port_base B: local worker r serves its own on B + r]
 //                        [--v 1: per-call log lines on stderr; 0 failures only, 2 with health checks]
 //                        [--api_keys_file F: lines "KEY OWNER [admin]"; calls need "authorization:
-//                        Bearer KEY" and see only their owner's runs] [--allow_unauthenticated_remote]
+//                        Bearer KEY" and see only their owner's runs] [--insecure]
 //                        [--worker_token_file F: shared secret for the Worker port and the Registry]
 //                        [--tls_cert_file C --tls_key_file K: the Trainer API over TLS (PEM)]
 //                        [--max_queued_per_run 64] [--max_queued 4096]: calls in flight beyond them
@@ -75,7 +75,9 @@ ABSL_FLAG(std::string, state_dir, "", "state store root (checkpoints and exports
 ABSL_FLAG(std::optional<double>, state_ttl_hours, std::nullopt, "local workers: remove lorastep's state-store folders older than this");
 ABSL_FLAG(std::optional<int>, worker_metrics_port_base, std::nullopt, "local worker r serves Prometheus metrics on this + r");
 ABSL_FLAG(std::string, api_keys_file, "", "lines \"KEY OWNER [admin]\"; calls then need a key and see only their owner's runs");
-ABSL_FLAG(bool, allow_unauthenticated_remote, false, "serve a non-loopback --host without API keys (trusted networks only)");
+ABSL_FLAG(bool, insecure, false,
+          "serve a non-loopback --host without API keys or without TLS (trusted networks only)");
+ABSL_FLAG(bool, allow_unauthenticated_remote, false, "the former name of --insecure");
 ABSL_FLAG(std::string, worker_token_file, "", "shared secret for the Worker port and the Registry");
 ABSL_FLAG(std::string, tls_cert_file, "", "the Trainer API over TLS: certificate chain (PEM)");
 ABSL_FLAG(std::string, tls_key_file, "", "the Trainer API over TLS: private key (PEM)");
@@ -133,11 +135,13 @@ int main(int argc, char** argv) {
     worker_token = *token;
   }
   const std::string host = absl::GetFlag(FLAGS_host);
-  if (!api_keys && host != "127.0.0.1" && host != "localhost" && host != "::1" &&
-      !absl::GetFlag(FLAGS_allow_unauthenticated_remote)) {
+  // Other interfaces need authentication and TLS, or an explicit --insecure.
+  const bool tls = !absl::GetFlag(FLAGS_tls_cert_file).empty();
+  const bool insecure = absl::GetFlag(FLAGS_insecure) || absl::GetFlag(FLAGS_allow_unauthenticated_remote);
+  if ((!api_keys || !tls) && host != "127.0.0.1" && host != "localhost" && host != "::1" && !insecure) {
     return fail(absl::InvalidArgumentError(absl::StrCat(
-        "host: '", host, "' is reachable from other machines; start with --api_keys_file (or, on a trusted "
-        "network only, --allow_unauthenticated_remote)")));
+        "host: '", host, "' is reachable from other machines; start with --api_keys_file and "
+        "--tls_cert_file/--tls_key_file (or, on a trusted network only, --insecure)")));
   }
   // --v: per-call log lines (0 = failures only, 1 = every call, 2 = with health checks).
   const int log_verbosity = VerbosityFlag();

@@ -52,6 +52,10 @@ def main():
                        capture_output=True, text=True, timeout=60)
     check(r.returncode != 0 and "host: '0.0.0.0' is reachable from other machines" in r.stderr,
           "an unauthenticated coordinator on a non-loopback host is refused")
+    r = subprocess.run([coordinator, "--model", model, "--worker_binary", worker, "--port", "0", "--host", "0.0.0.0",
+                        "--api_keys_file", keys_file], capture_output=True, text=True, timeout=60)
+    check(r.returncode != 0 and "--tls_cert_file/--tls_key_file (or, on a trusted network only, --insecure)"
+          in r.stderr, "keys without TLS on a non-loopback host are refused too")
 
     r = subprocess.run([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
                         "--api_key_file", keys_file], capture_output=True, text=True, timeout=60)
