@@ -221,6 +221,10 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  // Every rank of a mesh traces its own step: rank r > 0 writes TRACE.rank<r>.
+  if (!options.profile_trace_path.empty() && options.rank > 0) {
+    options.profile_trace_path += absl::StrCat(".rank", options.rank);
+  }
   auto core = WorkerCore::Create(options);
   if (!core.ok()) {
     LORASTEP_LOG(Error) << "lorastep_worker: " << core.status();
