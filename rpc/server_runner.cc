@@ -199,7 +199,8 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsServerCredentials(const std::string& cert_file,
-                                                                              const std::string& key_file) {
+                                                                              const std::string& key_file,
+                                                                              const std::string& client_ca_file) {
   auto cert = ReadFileToString(cert_file);
   if (!cert.ok()) return absl::NotFoundError(absl::StrCat("tls_cert_file: cannot read '", cert_file, "'"));
   auto key = ReadFileToString(key_file);
@@ -212,6 +213,14 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsServerCredentials(co
   }
   grpc::SslServerCredentialsOptions options;
   options.pem_key_cert_pairs.push_back({*key, *cert});
+  if (!client_ca_file.empty()) {  // mutual TLS: callers must present a certificate this CA signed
+    auto ca = ReadFileToString(client_ca_file);
+    if (!ca.ok() || ca->find("-----BEGIN CERTIFICATE-----") == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("tls_client_ca_file: '", client_ca_file, "' holds no PEM certificate"));
+    }
+    options.pem_root_certs = *ca;
+    options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
   return grpc::SslServerCredentials(options);
 }
 

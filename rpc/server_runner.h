@@ -42,8 +42,11 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
     std::shared_ptr<grpc::ServerCredentials> credentials = nullptr);
 // TLS server credentials from PEM files (certificate chain and private key); errors name the
 // flag (tls_cert_file / tls_key_file).
+// `client_ca_file`: mutual TLS, every caller must present a certificate signed by this CA
+// (empty: no client certificate asked for).
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsServerCredentials(const std::string& cert_file,
-                                                                              const std::string& key_file);
+                                                                              const std::string& key_file,
+                                                                              const std::string& client_ca_file = "");
 
 // Writes the port atomically (temp file + rename) so a parent polling the file never reads
 // half of it.

@@ -85,6 +85,10 @@ ABSL_FLAG(std::string, worker_tls_ca_file, "",
           "workers serve TLS (their --tls_cert_file): verify them against this CA (PEM); default plaintext");
 ABSL_FLAG(std::string, worker_tls_cert_file, "", "local workers serve TLS with this certificate chain (PEM)");
 ABSL_FLAG(std::string, worker_tls_key_file, "", "local workers serve TLS with this private key (PEM)");
+ABSL_FLAG(std::string, worker_tls_client_cert_file, "",
+          "mutual TLS: the certificate (PEM) this coordinator presents to workers (local workers then require "
+          "one signed by --worker_tls_ca_file)");
+ABSL_FLAG(std::string, worker_tls_client_key_file, "", "mutual TLS: the private key of --worker_tls_client_cert_file");
 ABSL_FLAG(int64_t, max_queued_per_run, 64, "calls queued on one run beyond which RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_queued, 4096, "calls queued in all beyond which RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_runs, 256, "runs that may exist");
@@ -192,16 +196,32 @@ int main(int argc, char** argv) {
     options.journal = &*journal;
     options.autosave_every_steps = absl::GetFlag(FLAGS_autosave_every_steps);
   }
-  // Worker-port TLS: the CA the coordinator verifies workers with.
-  std::string worker_ca;
-  if (!absl::GetFlag(FLAGS_worker_tls_ca_file).empty()) {
-    auto read = ReadFileToString(absl::GetFlag(FLAGS_worker_tls_ca_file));
-    if (!read.ok() || read->find("-----BEGIN CERTIFICATE-----") == std::string::npos) {
-      return fail(absl::InvalidArgumentError(absl::StrCat("worker_tls_ca_file: '", absl::GetFlag(FLAGS_worker_tls_ca_file),
-                                                          "' holds no PEM certificate")));
+  // Worker-port TLS: the CA the coordinator verifies workers with, and (mutual TLS) the
+  // certificate it presents to them.
+  WorkerTls worker_tls;
+  for (const auto& [flag, name, marker, out] :
+       {std::tuple<std::string, const char*, const char*, std::string*>{
+            absl::GetFlag(FLAGS_worker_tls_ca_file), "worker_tls_ca_file", "-----BEGIN CERTIFICATE-----",
+            &worker_tls.ca_pem},
+        {absl::GetFlag(FLAGS_worker_tls_client_cert_file), "worker_tls_client_cert_file",
+         "-----BEGIN CERTIFICATE-----", &worker_tls.client_cert_pem},
+        {absl::GetFlag(FLAGS_worker_tls_client_key_file), "worker_tls_client_key_file", "PRIVATE KEY-----",
+         &worker_tls.client_key_pem}}) {
+    if (flag.empty()) continue;
+    auto read = ReadFileToString(flag);
+    if (!read.ok() || read->find(marker) == std::string::npos) {
+      return fail(absl::InvalidArgumentError(absl::StrCat(name, ": '", flag, "' holds no PEM ",
+                                                          std::string(marker).find("KEY") != std::string::npos
+                                                              ? "private key" : "certificate")));
     }
-    worker_ca = *read;
+    *out = *read;
   }
+  if (worker_tls.client_cert_pem.empty() != worker_tls.client_key_pem.empty() ||
+      (!worker_tls.client_cert_pem.empty() && worker_tls.ca_pem.empty())) {
+    return fail(absl::InvalidArgumentError(
+        "worker_tls_client_cert_file: needs --worker_tls_client_key_file and --worker_tls_ca_file"));
+  }
+  const std::string& worker_ca = worker_tls.ca_pem;
   if (absl::GetFlag(FLAGS_worker_tls_cert_file).empty() != absl::GetFlag(FLAGS_worker_tls_key_file).empty() ||
       (!absl::GetFlag(FLAGS_worker_tls_cert_file).empty() && worker_ca.empty())) {
     return fail(absl::InvalidArgumentError(
@@ -228,6 +248,9 @@ int main(int argc, char** argv) {
     if (!absl::GetFlag(FLAGS_worker_tls_cert_file).empty()) {
       args.insert(args.end(), {"--tls_cert_file", absl::GetFlag(FLAGS_worker_tls_cert_file), "--tls_key_file",
                                absl::GetFlag(FLAGS_worker_tls_key_file)});
+      if (!worker_tls.client_cert_pem.empty()) {  // mutual TLS: only this coordinator's certificate
+        args.insert(args.end(), {"--tls_client_ca_file", absl::GetFlag(FLAGS_worker_tls_ca_file)});
+      }
     }
     const std::string device = absl::GetFlag(FLAGS_device);
     // One worker per rank (one per GPU: rank r on cuda:r), meeting at a TCPStore that
@@ -267,7 +290,7 @@ int main(int argc, char** argv) {
             ChildServer fresh, ChildServer::Start(binary, per_rank[i], absl::GetFlag(FLAGS_worker_start_timeout_s)));
         local[i] = std::move(fresh);
         auto client = std::make_unique<GrpcWorkerClient>(local[i].address(), std::chrono::seconds(worker_call_timeout),
-                                                         worker_token, worker_ca);
+                                                         worker_token, worker_tls);
         LORASTEP_RETURN_IF_ERROR(client->WaitReady(60));
         return std::unique_ptr<WorkerClient>(std::move(client));
       }
@@ -277,7 +300,7 @@ int main(int argc, char** argv) {
   Coordinator core{options};
   for (const auto& a : addresses) {
     auto client =
-        std::make_unique<GrpcWorkerClient>(a, std::chrono::seconds(worker_call_timeout), worker_token, worker_ca);
+        std::make_unique<GrpcWorkerClient>(a, std::chrono::seconds(worker_call_timeout), worker_token, worker_tls);
     if (auto s = client->WaitReady(60); !s.ok()) return fail(s);
     if (auto s = core.AddWorker(std::move(client)); !s.ok()) return fail(s);
   }
@@ -288,7 +311,7 @@ int main(int argc, char** argv) {
   }
   CoordinatorService service(&core, 4, &metrics, api_keys ? &*api_keys : nullptr);
   service.SetQueueLimits(absl::GetFlag(FLAGS_max_queued_per_run), absl::GetFlag(FLAGS_max_queued));
-  RegistryService registry(&core, worker_token, worker_ca);
+  RegistryService registry(&core, worker_token, worker_tls);
   int port = 0;
   // --tls_cert_file/--tls_key_file: the Trainer API over TLS (workers stay on plaintext
   // loopback or a private network, authenticated by the worker token).

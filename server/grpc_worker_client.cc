@@ -9,16 +9,18 @@
 
 namespace lorastep {
 GrpcWorkerClient::GrpcWorkerClient(const std::string& address, std::chrono::seconds call_timeout,
-                                   std::string worker_token, const std::string& tls_ca_pem)
+                                   std::string worker_token, const WorkerTls& tls)
     : address_(address), call_timeout_(call_timeout),
       authorization_(worker_token.empty() ? "" : "Bearer " + worker_token) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);
   args.SetMaxSendMessageSize(1 << 30);
-  grpc::SslCredentialsOptions tls;
-  tls.pem_root_certs = tls_ca_pem;
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = tls.ca_pem;
+  ssl.pem_cert_chain = tls.client_cert_pem;
+  ssl.pem_private_key = tls.client_key_pem;
   channel_ = grpc::CreateCustomChannel(
-      address, tls_ca_pem.empty() ? grpc::InsecureChannelCredentials() : grpc::SslCredentials(tls), args);
+      address, tls.ca_pem.empty() ? grpc::InsecureChannelCredentials() : grpc::SslCredentials(ssl), args);
   stub_ = v1::Worker::NewStub(channel_);
 }
 

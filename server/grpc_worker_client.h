@@ -13,16 +13,22 @@
 
 namespace lorastep {
 
+// TLS toward workers: the CA that signed their certificates, and (mutual TLS) the
+// coordinator's own certificate and key. All PEM; an empty CA: plaintext.
+struct WorkerTls {
+  std::string ca_pem;
+  std::string client_cert_pem, client_key_pem;
+};
+
 class GrpcWorkerClient final : public WorkerClient {
  public:
   // Every call carries a deadline of `call_timeout` (a training step on a large batch takes
   // minutes; a worker that hangs must not hold the mesh forever).
   // `worker_token`: sent as "authorization: Bearer <token>" to workers started with
-  // --worker_token_file (empty: none). `tls_ca_pem`: workers serve TLS, verified against
-  // this CA (PEM; empty: plaintext).
+  // --worker_token_file (empty: none). `tls`: workers serve TLS (see WorkerTls).
   explicit GrpcWorkerClient(const std::string& address,
                             std::chrono::seconds call_timeout = std::chrono::seconds(3600),
-                            std::string worker_token = "", const std::string& tls_ca_pem = "");
+                            std::string worker_token = "", const WorkerTls& tls = {});
   // Waits until the channel is ready (or the deadline passes).
   absl::Status WaitReady(int timeout_seconds);
 

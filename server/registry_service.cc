@@ -23,7 +23,7 @@ grpc::ServerUnaryReactor* RegistryService::RegisterWorker(grpc::CallbackServerCo
     absl::Status status = [&]() -> absl::Status {
       if (req->address().empty()) return absl::InvalidArgumentError("address: required");
       auto worker = std::make_unique<GrpcWorkerClient>(req->address(), std::chrono::seconds(3600), worker_token_,
-                                                       worker_tls_ca_pem_);
+                                                       worker_tls_);
       LORASTEP_RETURN_IF_ERROR(worker->WaitReady(30));
       LORASTEP_RETURN_IF_ERROR(core_->AddWorker(std::move(worker)));
       resp->set_num_workers(static_cast<int64_t>(core_->num_workers()));

@@ -6,6 +6,7 @@
 #include "lorastep/v1/worker.grpc.pb.h"
 #include "rpc/bearer_token.h"
 #include "server/coordinator.h"
+#include "server/grpc_worker_client.h"
 #include "rpc/serial_executor.h"
 
 namespace lorastep {
@@ -14,11 +15,11 @@ class RegistryService final : public v1::Registry::CallbackService {
  public:
   // `worker_token`: with --worker_token_file, registering and joining need it (and the
   // coordinator presents it to the registered worker); empty: open.
-  // `worker_tls_ca_pem`: registered workers serve TLS, verified against this CA (PEM).
-  explicit RegistryService(Coordinator* core, std::string worker_token = "", std::string worker_tls_ca_pem = "")
+  // `worker_tls`: registered workers serve TLS (see WorkerTls).
+  explicit RegistryService(Coordinator* core, std::string worker_token = "", WorkerTls worker_tls = {})
       : core_(core), worker_token_(std::move(worker_token)),
         token_sha256_(worker_token_.empty() ? "" : Sha256Hex(worker_token_)),
-        worker_tls_ca_pem_(std::move(worker_tls_ca_pem)) {}
+        worker_tls_(std::move(worker_tls)) {}
   grpc::ServerUnaryReactor* RegisterWorker(grpc::CallbackServerContext* ctx,
                                            const v1::RegisterWorkerRequest* req,
                                            v1::RegisterWorkerResponse* resp) override;
@@ -29,7 +30,8 @@ class RegistryService final : public v1::Registry::CallbackService {
  private:
   absl::Status CheckToken(grpc::CallbackServerContext* ctx) const;
   Coordinator* core_;
-  std::string worker_token_, token_sha256_, worker_tls_ca_pem_;
+  std::string worker_token_, token_sha256_;
+  WorkerTls worker_tls_;
   SerialExecutor executor_;  // connecting to a worker blocks; never on a gRPC thread
 };
 

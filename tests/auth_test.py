@@ -182,6 +182,13 @@ def worker_tls_checks(coordinator, worker, model, cert, key, tmp):
                         "--worker_tls_cert_file", cert, "--worker_tls_key_file", key], capture_output=True,
                        text=True, timeout=60)
     check(r.returncode != 0 and "worker_tls_cert_file: needs" in r.stderr, "worker TLS without the CA is refused")
+    r = subprocess.run([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
+                        "--worker_tls_client_cert_file", cert], capture_output=True, text=True, timeout=60)
+    check(r.returncode != 0 and "worker_tls_client_cert_file: needs" in r.stderr,
+          "a client certificate without its key and the CA is refused")
+    r = subprocess.run([worker, "--model", model, "--tls_client_ca_file", cert], capture_output=True, text=True,
+                       timeout=60)
+    check(r.returncode != 0 and "tls_cert_file" in r.stderr, "a client CA without a server certificate is refused")
     procs = []
     try:
         serve_and_train([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
@@ -220,6 +227,32 @@ def worker_tls_checks(coordinator, worker, model, cert, key, tmp):
         check(run.train_step([datum(i) for i in range(2)], adamw={"lr": 1e-3}).learner_version == 1,
               "a TLS worker registered with a TLS coordinator trains")
         client.close()
+
+        # Mutual TLS: a worker that requires a client certificate signed by the CA.
+        mport = os.path.join(tmp, "mtls_wport")
+        m = subprocess.Popen([worker, "--model", model, "--port", "0", "--port_file", mport,
+                              "--tls_cert_file", cert, "--tls_key_file", key, "--tls_client_ca_file", cert])
+        procs.append(m)
+        maddr = f"127.0.0.1:{wait_port(mport, m)}"
+        ca = open(cert, "rb").read()
+        no_cert = worker_pb2_grpc.WorkerStub(grpc.secure_channel(maddr, grpc.ssl_channel_credentials(root_certificates=ca)))
+        try:
+            no_cert.Info(worker_pb2.WorkerInfoRequest(), timeout=5)
+            raise AssertionError("a caller without a client certificate reached the mutual-TLS worker")
+        except grpc.RpcError as e:
+            check(e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED),
+                  f"mutual TLS: a caller without a client certificate is refused ({e.code()})")
+        with_cert = worker_pb2_grpc.WorkerStub(grpc.secure_channel(maddr, grpc.ssl_channel_credentials(
+            root_certificates=ca, private_key=open(key, "rb").read(), certificate_chain=ca)))
+        check(with_cert.Info(worker_pb2.WorkerInfoRequest(), timeout=10).model_path.endswith("model"),
+              "mutual TLS: a caller with a certificate the CA signed is answered")
+        serve_and_train([coordinator, "--workers", maddr, "--port", "0", "--worker_tls_ca_file", cert,
+                         "--worker_tls_client_cert_file", cert, "--worker_tls_client_key_file", key],
+                        os.path.join(tmp, "mtls_cport"), procs, "mutual TLS: the coordinator with its certificate trains")
+        serve_and_train([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
+                         "--worker_tls_cert_file", cert, "--worker_tls_key_file", key, "--worker_tls_ca_file", cert,
+                         "--worker_tls_client_cert_file", cert, "--worker_tls_client_key_file", key],
+                        os.path.join(tmp, "mtls_local_cport"), procs, "mutual TLS with local workers trains")
     finally:
         for p in procs:
             p.terminate()

@@ -60,6 +60,8 @@ ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt,
 ABSL_FLAG(std::string, worker_token_file, "", "shared secret every call to this worker must present");
 ABSL_FLAG(std::string, tls_cert_file, "", "serve the Worker API over TLS: certificate chain (PEM)");
 ABSL_FLAG(std::string, tls_key_file, "", "serve the Worker API over TLS: private key (PEM)");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "mutual TLS: callers (the coordinator) must present a certificate signed by this CA (PEM)");
 ABSL_FLAG(std::string, coordinator_tls_ca_file, "",
           "the coordinator (--register_with) serves TLS: verify it against this CA (PEM)");
 ABSL_FLAG(int, cpu_threads, 0, "intra-op CPU threads (0: LibTorch's default)");
@@ -195,8 +197,10 @@ int main(int argc, char** argv) {
   }
   // --tls_cert_file/--tls_key_file: the Worker API over TLS.
   std::shared_ptr<grpc::ServerCredentials> server_credentials;
-  if (!absl::GetFlag(FLAGS_tls_cert_file).empty() || !absl::GetFlag(FLAGS_tls_key_file).empty()) {
-    auto tls = TlsServerCredentials(absl::GetFlag(FLAGS_tls_cert_file), absl::GetFlag(FLAGS_tls_key_file));
+  if (!absl::GetFlag(FLAGS_tls_cert_file).empty() || !absl::GetFlag(FLAGS_tls_key_file).empty() ||
+      !absl::GetFlag(FLAGS_tls_client_ca_file).empty()) {
+    auto tls = TlsServerCredentials(absl::GetFlag(FLAGS_tls_cert_file), absl::GetFlag(FLAGS_tls_key_file),
+                                    absl::GetFlag(FLAGS_tls_client_ca_file));
     if (!tls.ok()) {
       LORASTEP_LOG(Error) << "lorastep_worker: " << tls.status();
       return 2;
