@@ -627,7 +627,8 @@ void Coordinator::KeepRecord(RunState& run, const std::string& request_id, const
 void Coordinator::MaybeAutosave(RunState& run, bool force) {
   if (options_.journal == nullptr) return;
   const int64_t version = run.run.learner_version();
-  if (!force && (options_.autosave_every_steps <= 0 || version % options_.autosave_every_steps != 0)) return;
+  const int every = run.run.lora().rank() == 0 ? options_.autosave_every_full_steps : options_.autosave_every_steps;
+  if (!force && (every <= 0 || version % every != 0)) return;
   const std::string& run_id = run.run.run_id();
   auto saved = FanOut<v1::WorkerPathResponse>(run, AllRanks(run), [&](int, WorkerClient* w) {
     v1::WorkerPathRequest wreq = PathRequest(run_id, AutosaveRef(run_id));

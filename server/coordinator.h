@@ -66,6 +66,9 @@ struct CoordinatorOptions {
   // live in memory only.
   RunJournal* journal = nullptr;
   int autosave_every_steps = 1;
+  // The same for full fine-tuning runs (rank 0), whose state is the whole model and its
+  // optimizer: saved far less often by default (--autosave_every_full_steps).
+  int autosave_every_full_steps = 50;
   // Starts a fresh process in place of the dead local worker at `address` and returns a
   // client of it. With a journal and no mesh, a worker found dead is restarted this way and
   // its runs are restored from their autosaves onto the workers that are up. Unset: a dead

@@ -104,6 +104,8 @@ ABSL_FLAG(std::string, journal_dir, "",
 ABSL_FLAG(bool, journal, true,
           "with --state_dir and local workers, journal runs under <state_dir>/.journal unless --journal_dir "
           "says where; --nojournal: runs live in memory only");
+ABSL_FLAG(int, autosave_every_full_steps, 50,
+          "with a journal: the same for full fine-tuning runs (rank 0: the whole model and its optimizer)");
 ABSL_FLAG(int, autosave_every_steps, 1, "with --journal_dir: save a run's worker state after every N optimizer steps");
 
 int main(int argc, char** argv) {
@@ -195,6 +197,7 @@ int main(int argc, char** argv) {
     journal = std::move(opened).value();
     options.journal = &*journal;
     options.autosave_every_steps = absl::GetFlag(FLAGS_autosave_every_steps);
+    options.autosave_every_full_steps = std::max(1, absl::GetFlag(FLAGS_autosave_every_full_steps));
   }
   // Worker-port TLS: the CA the coordinator verifies workers with, and (mutual TLS) the
   // certificate it presents to them.

@@ -985,6 +985,28 @@ TEST(ProcessTest, KilledCoordinatorRestartsItsRunsFromTheJournal) {
   EXPECT_FALSE(refused.ok()) << "--journal_dir without --state_dir is refused";
 }
 
+// Full fine-tuning runs (rank 0) autosave the whole model and its optimizer, so every
+// --autosave_every_full_steps steps (50 by default), not every step as LoRA runs do.
+TEST(ProcessTest, FullFinetuneRunsAutosaveLessOften) {
+  const std::string dir = ScratchDir("full_autosave");
+  auto server = StartTinyCoordinator("full_autosave_model",
+                                     {"--state_dir", dir + "/store", "--autosave_every_full_steps", "2"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server->address()));
+  v1::LoraConfig full;
+  full.set_rank(0);
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), full, 3));
+  v1::ListCheckpointsRequest list;
+  list.set_run_id(run.run_id());
+  ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
+  ASSERT_OK_AND_ASSIGN(v1::ListCheckpointsResponse after_one, client->ListCheckpoints(list));
+  EXPECT_EQ(after_one.checkpoints_size(), 0) << after_one.DebugString();
+  ASSERT_OK(run.TrainStep(Batch(1), Ppo(), Adam()).status());
+  ASSERT_OK_AND_ASSIGN(v1::ListCheckpointsResponse after_two, client->ListCheckpoints(list));
+  ASSERT_EQ(after_two.checkpoints_size(), 1) << after_two.DebugString();
+  EXPECT_EQ(after_two.checkpoints(0).name(), "autosave");
+}
+
 // Issue 8: with --journal_dir, a local worker killed with SIGKILL is started again by the
 // coordinator and its runs come back from their autosaves: the client's retry of the step
 // that met the dead worker (same request_id) is applied once, and the run then equals one
