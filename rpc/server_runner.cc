@@ -198,27 +198,27 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
   return server;
 }
 
+absl::StatusOr<std::string> ReadPemFile(const std::string& path, const char* flag, PemKind kind) {
+  auto text = ReadFileToString(path);
+  if (!text.ok()) return absl::NotFoundError(absl::StrCat(flag, ": cannot read '", path, "'"));
+  const bool cert = kind == PemKind::kCertificate;
+  if (text->find(cert ? "-----BEGIN CERTIFICATE-----" : "PRIVATE KEY-----") == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": '", path, "' holds no PEM ", cert ? "certificate" : "private key"));
+  }
+  return text;
+}
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsServerCredentials(const std::string& cert_file,
                                                                               const std::string& key_file,
                                                                               const std::string& client_ca_file) {
-  auto cert = ReadFileToString(cert_file);
-  if (!cert.ok()) return absl::NotFoundError(absl::StrCat("tls_cert_file: cannot read '", cert_file, "'"));
-  auto key = ReadFileToString(key_file);
-  if (!key.ok()) return absl::NotFoundError(absl::StrCat("tls_key_file: cannot read '", key_file, "'"));
-  if (cert->find("-----BEGIN CERTIFICATE-----") == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("tls_cert_file: '", cert_file, "' holds no PEM certificate"));
-  }
-  if (key->find("PRIVATE KEY-----") == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("tls_key_file: '", key_file, "' holds no PEM private key"));
-  }
+  LORASTEP_ASSIGN_OR_RETURN(std::string cert, ReadPemFile(cert_file, "tls_cert_file", PemKind::kCertificate));
+  LORASTEP_ASSIGN_OR_RETURN(std::string key, ReadPemFile(key_file, "tls_key_file", PemKind::kPrivateKey));
   grpc::SslServerCredentialsOptions options;
-  options.pem_key_cert_pairs.push_back({*key, *cert});
+  options.pem_key_cert_pairs.push_back({key, cert});
   if (!client_ca_file.empty()) {  // mutual TLS: callers must present a certificate this CA signed
-    auto ca = ReadFileToString(client_ca_file);
-    if (!ca.ok() || ca->find("-----BEGIN CERTIFICATE-----") == std::string::npos) {
-      return absl::InvalidArgumentError(absl::StrCat("tls_client_ca_file: '", client_ca_file, "' holds no PEM certificate"));
-    }
-    options.pem_root_certs = *ca;
+    LORASTEP_ASSIGN_OR_RETURN(options.pem_root_certs,
+                              ReadPemFile(client_ca_file, "tls_client_ca_file", PemKind::kCertificate));
     options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   return grpc::SslServerCredentials(options);

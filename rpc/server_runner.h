@@ -42,6 +42,11 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
     std::shared_ptr<grpc::ServerCredentials> credentials = nullptr);
 // TLS server credentials from PEM files (certificate chain and private key); errors name the
 // flag (tls_cert_file / tls_key_file).
+// A PEM file named by the flag `flag`: NOT_FOUND when it cannot be read, INVALID_ARGUMENT
+// when it holds no PEM block of `kind`; both name the flag and the path.
+enum class PemKind { kCertificate, kPrivateKey };
+absl::StatusOr<std::string> ReadPemFile(const std::string& path, const char* flag, PemKind kind);
+
 // `client_ca_file`: mutual TLS, every caller must present a certificate signed by this CA
 // (empty: no client certificate asked for).
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsServerCredentials(const std::string& cert_file,

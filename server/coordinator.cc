@@ -409,17 +409,7 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, 
     return absl::AlreadyExistsError(absl::StrCat("run_id: '", run_id, "' exists"));
   }
   auto state = std::make_shared<RunState>();
-  if (on_mesh()) {
-    for (auto& w : workers_) state->ranks.push_back(w.get());
-  } else {
-    // Round robin over the workers that are up.
-    std::vector<WorkerClient*> up;
-    for (auto& w : workers_) {
-      if (!down_.count(w.get())) up.push_back(w.get());
-    }
-    if (up.empty()) return absl::UnavailableError("coordinator: no worker is up; retry when one registers");
-    state->ranks.push_back(up[(runs_.size() + creating_ids_.size()) % up.size()]);
-  }
+  LORASTEP_ASSIGN_OR_RETURN(state->ranks, PlaceRun());
   state->run.set_run_id(run_id);
   state->run.set_base_model(model_path_);
   LoraConfigToProto(lora, state->run.mutable_lora());
@@ -579,24 +569,25 @@ absl::StatusOr<bool> Coordinator::Replay(RunState& run, const std::string& metho
 
 void Coordinator::Record(RunState& run, const std::string& method, const std::string& request_id,
                          const google::protobuf::Message& response, bool with_step) {
+  const std::string serialized = response.SerializeAsString();
+  KeepRecord(run, request_id, method, serialized, run.current_fingerprint);
   v1::JournalEntry entry;
-  entry.set_request_id(request_id);
-  entry.set_method(method);
-  entry.set_fingerprint(run.current_fingerprint);
-  entry.set_response(response.SerializeAsString());
-  KeepRecord(run, request_id, method, entry.response(), run.current_fingerprint);
   {
     std::lock_guard<std::mutex> view(run.view_mu);
     run.run.set_next_sequence_id(run.run.next_sequence_id() + 1);
+    if (options_.journal == nullptr) return;
     *entry.mutable_run() = run.run;
     if (with_step && !run.history.empty()) *entry.mutable_step() = run.history.back();
   }
-  // Before the response leaves. The call is applied on the workers already: a failed write
-  // cannot undo it, so it is logged (the run then restarts from its previous autosave).
-  if (options_.journal != nullptr) {
-    if (absl::Status s = options_.journal->Append(run.run.run_id(), entry, /*sync=*/false); !s.ok()) {
-      LORASTEP_LOG(Error) << "journal: run " << run.run.run_id() << ": " << s;
-    }
+  // Before the response leaves (outside the view lock: readers never wait for the disk).
+  // The call is applied on the workers already: a failed write cannot undo it, so it is
+  // logged (the run then restarts from its previous autosave).
+  entry.set_request_id(request_id);
+  entry.set_method(method);
+  entry.set_fingerprint(run.current_fingerprint);
+  entry.set_response(serialized);
+  if (absl::Status s = options_.journal->Append(run.run.run_id(), entry, /*sync=*/false); !s.ok()) {
+    LORASTEP_LOG(Error) << "journal: run " << run.run.run_id() << ": " << s;
   }
 }
 
@@ -669,24 +660,28 @@ absl::StatusOr<int> Coordinator::RestoreRuns() {
   return restored;
 }
 
+absl::StatusOr<std::vector<WorkerClient*>> Coordinator::PlaceRun() const {
+  std::vector<WorkerClient*> up;
+  for (const auto& w : workers_) {
+    if (w != nullptr && !down_.count(w.get())) up.push_back(w.get());
+  }
+  if (on_mesh()) {  // every rank, in rank order
+    if (up.size() < static_cast<size_t>(options_.mesh.world())) {
+      return absl::UnavailableError("coordinator: a rank of the mesh is down; restart the mesh");
+    }
+    return up;
+  }
+  if (up.empty()) return absl::UnavailableError("coordinator: no worker is up; retry when one registers");
+  return std::vector<WorkerClient*>{up[(runs_.size() + creating_ids_.size()) % up.size()]};  // round robin
+}
+
 absl::Status Coordinator::RestoreRun(const JournaledRun& j) {
   const std::string run_id = j.created.run().run_id();
   auto state = std::make_shared<RunState>();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (runs_.count(run_id)) return absl::AlreadyExistsError(absl::StrCat("run_id: '", run_id, "' exists"));
-    std::vector<WorkerClient*> up;
-    for (auto& w : workers_) {
-      if (!down_.count(w.get())) up.push_back(w.get());
-    }
-    if (up.empty() || (on_mesh() && up.size() < static_cast<size_t>(options_.mesh.world()))) {
-      return absl::UnavailableError("coordinator: not every worker is up");
-    }
-    if (on_mesh()) {
-      state->ranks = up;
-    } else {
-      state->ranks.push_back(up[runs_.size() % up.size()]);
-    }
+    LORASTEP_ASSIGN_OR_RETURN(state->ranks, PlaceRun());
   }
   state->run = j.created.run();
   v1::WorkerCreateRunRequest create;

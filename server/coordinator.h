@@ -164,6 +164,9 @@ class Coordinator {
   void KeepRecord(RunState& run, const std::string& request_id, const std::string& method,
                   const std::string& response, const std::string& fingerprint);
   absl::Status RestoreRun(const JournaledRun& journaled);
+  // The workers a new or restored run lives on: every rank on a mesh (all must be up), else
+  // the next worker that is up, round robin. Requires mu_.
+  absl::StatusOr<std::vector<WorkerClient*>> PlaceRun() const;
   int64_t AppendStep(RunState& run, const std::string& kind, const v1::StepResponse& step);
   // After a successful optimizer step: learner version, history, watchers, exactly-once record.
   void CommitStep(RunState& run, const std::string& method, const std::string& kind,

@@ -45,7 +45,6 @@
 #include "server/run_journal.h"
 #include "server/child_server.h"
 #include "lib/flags_util.h"
-#include "lib/io/file_util.h"
 #include "lib/log.h"
 #include "lib/status_macros.h"
 #include "rpc/server_flags.h"
@@ -202,31 +201,25 @@ int main(int argc, char** argv) {
   // Worker-port TLS: the CA the coordinator verifies workers with, and (mutual TLS) the
   // certificate it presents to them.
   WorkerTls worker_tls;
-  for (const auto& [flag, name, marker, out] :
-       {std::tuple<std::string, const char*, const char*, std::string*>{
-            absl::GetFlag(FLAGS_worker_tls_ca_file), "worker_tls_ca_file", "-----BEGIN CERTIFICATE-----",
-            &worker_tls.ca_pem},
-        {absl::GetFlag(FLAGS_worker_tls_client_cert_file), "worker_tls_client_cert_file",
-         "-----BEGIN CERTIFICATE-----", &worker_tls.client_cert_pem},
-        {absl::GetFlag(FLAGS_worker_tls_client_key_file), "worker_tls_client_key_file", "PRIVATE KEY-----",
+  for (const auto& [path, flag, kind, out] :
+       {std::tuple<std::string, const char*, PemKind, std::string*>{
+            absl::GetFlag(FLAGS_worker_tls_ca_file), "worker_tls_ca_file", PemKind::kCertificate, &worker_tls.ca_pem},
+        {absl::GetFlag(FLAGS_worker_tls_client_cert_file), "worker_tls_client_cert_file", PemKind::kCertificate,
+         &worker_tls.client_cert_pem},
+        {absl::GetFlag(FLAGS_worker_tls_client_key_file), "worker_tls_client_key_file", PemKind::kPrivateKey,
          &worker_tls.client_key_pem}}) {
-    if (flag.empty()) continue;
-    auto read = ReadFileToString(flag);
-    if (!read.ok() || read->find(marker) == std::string::npos) {
-      return fail(absl::InvalidArgumentError(absl::StrCat(name, ": '", flag, "' holds no PEM ",
-                                                          std::string(marker).find("KEY") != std::string::npos
-                                                              ? "private key" : "certificate")));
-    }
-    *out = *read;
+    if (path.empty()) continue;
+    auto pem = ReadPemFile(path, flag, kind);
+    if (!pem.ok()) return fail(pem.status());
+    *out = *std::move(pem);
   }
   if (worker_tls.client_cert_pem.empty() != worker_tls.client_key_pem.empty() ||
       (!worker_tls.client_cert_pem.empty() && worker_tls.ca_pem.empty())) {
     return fail(absl::InvalidArgumentError(
         "worker_tls_client_cert_file: needs --worker_tls_client_key_file and --worker_tls_ca_file"));
   }
-  const std::string& worker_ca = worker_tls.ca_pem;
   if (absl::GetFlag(FLAGS_worker_tls_cert_file).empty() != absl::GetFlag(FLAGS_worker_tls_key_file).empty() ||
-      (!absl::GetFlag(FLAGS_worker_tls_cert_file).empty() && worker_ca.empty())) {
+      (!absl::GetFlag(FLAGS_worker_tls_cert_file).empty() && worker_tls.ca_pem.empty())) {
     return fail(absl::InvalidArgumentError(
         "worker_tls_cert_file: needs --worker_tls_key_file and --worker_tls_ca_file (to verify the local workers)"));
   }

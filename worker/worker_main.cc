@@ -25,7 +25,6 @@
 #include "lorastep/v1/worker.grpc.pb.h"
 #include "rpc/grpc_status.h"
 
-#include "lib/io/file_util.h"
 #include "lib/io/state_store.h"
 #include "rpc/bearer_token.h"
 #include "rpc/metrics_http_server.h"
@@ -185,10 +184,10 @@ int main(int argc, char** argv) {
   // --coordinator_tls_ca_file: the coordinator's port (its Registry) is TLS.
   std::shared_ptr<grpc::ChannelCredentials> coordinator_credentials = grpc::InsecureChannelCredentials();
   if (!absl::GetFlag(FLAGS_coordinator_tls_ca_file).empty()) {
-    auto ca = ReadFileToString(absl::GetFlag(FLAGS_coordinator_tls_ca_file));
-    if (!ca.ok() || ca->find("-----BEGIN CERTIFICATE-----") == std::string::npos) {
-      LORASTEP_LOG(Error) << "lorastep_worker: coordinator_tls_ca_file: '" << absl::GetFlag(FLAGS_coordinator_tls_ca_file)
-                          << "' holds no PEM certificate";
+    auto ca = ReadPemFile(absl::GetFlag(FLAGS_coordinator_tls_ca_file), "coordinator_tls_ca_file",
+                          PemKind::kCertificate);
+    if (!ca.ok()) {
+      LORASTEP_LOG(Error) << "lorastep_worker: " << ca.status();
       return 2;
     }
     grpc::SslCredentialsOptions tls;
