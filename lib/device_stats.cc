@@ -1,7 +1,9 @@
 #include "lib/device_stats.h"
 
 #ifdef LORASTEP_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <set>
@@ -39,7 +41,37 @@ absl::Status StopKernelProfile(const std::string& trace_path) {
   return absl::OkStatus();
 }
 
+DeviceMark DeviceMark::Now(const c10::Device& device) {
+  DeviceMark mark;
+  mark.host_ = std::chrono::steady_clock::now();
+  if (device.is_cuda()) {
+    auto event = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
+    event->record(c10::cuda::getCurrentCUDAStream(device.has_index() ? device.index() : 0));
+    mark.event_ = event;
+  }
+  return mark;
+}
+
+double DeviceMark::SecondsSince(const DeviceMark& earlier) const {
+  if (event_ != nullptr && earlier.event_ != nullptr) {
+    auto* end = static_cast<at::cuda::CUDAEvent*>(event_.get());
+    end->synchronize();
+    return static_cast<at::cuda::CUDAEvent*>(earlier.event_.get())->elapsed_time(*end) / 1000.0;
+  }
+  return std::chrono::duration<double>(host_ - earlier.host_).count();
+}
+
 #else
+
+DeviceMark DeviceMark::Now(const c10::Device&) {
+  DeviceMark mark;
+  mark.host_ = std::chrono::steady_clock::now();
+  return mark;
+}
+
+double DeviceMark::SecondsSince(const DeviceMark& earlier) const {
+  return std::chrono::duration<double>(host_ - earlier.host_).count();
+}
 
 int64_t CudaPeakAllocatedBytes(const c10::Device&) { return -1; }
 void ResetCudaPeakAllocated(const c10::Device&) {}

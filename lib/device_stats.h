@@ -6,7 +6,9 @@
 
 #include <c10/core/Device.h>
 
+#include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
@@ -22,6 +24,21 @@ void ResetCudaPeakAllocated(const c10::Device& device);
 // saved as a Chrome trace JSON (bench/profile_summary.py turns it into a per-kernel table).
 absl::Status StartKernelProfile();
 absl::Status StopKernelProfile(const std::string& trace_path);
+
+// A point in the device's work queue, for timing phases without stopping the host: on CUDA
+// an event recorded on the current stream (the host does not wait), elsewhere the host
+// clock (CPU work is done when the call returns). A host synchronization per micro-batch
+// starves the GPU while the host queues the next kernels.
+class DeviceMark {
+ public:
+  static DeviceMark Now(const c10::Device& device);
+  // Seconds from `earlier` to this mark; on CUDA waits until the device reaches this mark.
+  double SecondsSince(const DeviceMark& earlier) const;
+
+ private:
+  std::shared_ptr<void> event_;  // a CUDA event (CUDA build, CUDA device), else null
+  std::chrono::steady_clock::time_point host_;
+};
 
 }  // namespace lorastep
 

@@ -1,24 +1,14 @@
 #include "lib/kernels/token_scores.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
 #include <cmath>
+
+#include "lib/kernels/cuda_math.cuh"
 
 namespace lorastep {
 namespace kernels {
 namespace {
 
 constexpr int kThreads = 1024;
-
-__device__ __forceinline__ float ToFloat(float x) { return x; }
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
-template <typename T> __device__ __forceinline__ T FromFloat(float x);
-template <> __device__ __forceinline__ float FromFloat<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <> __device__ __forceinline__ __half FromFloat<__half>(float x) { return __float2half(x); }
 
 // Running (max m, sum of e^(z-m) s, sum of e^(z-m) z t) of a set of logits.
 struct Stats {
@@ -127,46 +117,24 @@ void LaunchGrad(const void* logits, int64_t rows, int64_t vocab, int64_t row_str
 
 }  // namespace
 
-const char* LaunchTokenScores(const void* logits, LogitsType type, int64_t rows, int64_t vocab,
+const char* LaunchTokenScores(const void* logits, ElementType type, int64_t rows, int64_t vocab,
                               int64_t row_stride, const int64_t* targets, float* logprobs,
                               float* entropy, float* lse_out, void* probs, void* probs_logprobs,
                               void* stream) {
   if (rows == 0) return nullptr;
   auto s = static_cast<cudaStream_t>(stream);
-  switch (type) {
-    case LogitsType::kFloat32:
-      Launch<float>(logits, rows, vocab, row_stride, targets, logprobs, entropy, lse_out, probs, probs_logprobs, s);
-      break;
-    case LogitsType::kBFloat16:
-      Launch<__nv_bfloat16>(logits, rows, vocab, row_stride, targets, logprobs, entropy, lse_out, probs, probs_logprobs, s);
-      break;
-    case LogitsType::kFloat16:
-      Launch<__half>(logits, rows, vocab, row_stride, targets, logprobs, entropy, lse_out, probs, probs_logprobs, s);
-      break;
-  }
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+  DispatchElementType(type, [&](auto t) { Launch<decltype(t)>(logits, rows, vocab, row_stride, targets, logprobs, entropy, lse_out, probs, probs_logprobs, s); });
+  return LastLaunchError();
 }
 
-const char* LaunchTokenScoresGrad(const void* logits, LogitsType type, int64_t rows, int64_t vocab,
+const char* LaunchTokenScoresGrad(const void* logits, ElementType type, int64_t rows, int64_t vocab,
                                   int64_t row_stride, const int64_t* targets, const float* lse,
                                   const float* entropy, const float* g_lp, const float* g_ent,
                                   void* grad, void* stream) {
   if (rows == 0) return nullptr;
   auto s = static_cast<cudaStream_t>(stream);
-  switch (type) {
-    case LogitsType::kFloat32:
-      LaunchGrad<float>(logits, rows, vocab, row_stride, targets, lse, entropy, g_lp, g_ent, grad, s);
-      break;
-    case LogitsType::kBFloat16:
-      LaunchGrad<__nv_bfloat16>(logits, rows, vocab, row_stride, targets, lse, entropy, g_lp, g_ent, grad, s);
-      break;
-    case LogitsType::kFloat16:
-      LaunchGrad<__half>(logits, rows, vocab, row_stride, targets, lse, entropy, g_lp, g_ent, grad, s);
-      break;
-  }
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+  DispatchElementType(type, [&](auto t) { LaunchGrad<decltype(t)>(logits, rows, vocab, row_stride, targets, lse, entropy, g_lp, g_ent, grad, s); });
+  return LastLaunchError();
 }
 
 }  // namespace kernels

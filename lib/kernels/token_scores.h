@@ -7,17 +7,17 @@
 
 #include <cstdint>
 
+#include "lib/kernels/element_type.h"
+
 namespace lorastep {
 namespace kernels {
-
-enum class LogitsType { kFloat32, kBFloat16, kFloat16 };
 
 // logits: rows x vocab, row stride `row_stride` elements, of `type`. For each row r:
 //   logprobs[r] = z[targets[r]] - lse,  entropy[r] = lse - E_p[z]   (fp32)
 // and, when non-null, lse_out[r] = lse, probs[r, v] = p_v and probs_logprobs[r, v] =
 // p_v * log p_v, written contiguously (rows x vocab) in `type` (the inputs of the gradient
 // GEMMs). Runs on `stream` (a cudaStream_t). Returns a CUDA error string, or nullptr.
-const char* LaunchTokenScores(const void* logits, LogitsType type, int64_t rows, int64_t vocab,
+const char* LaunchTokenScores(const void* logits, ElementType type, int64_t rows, int64_t vocab,
                               int64_t row_stride, const int64_t* targets, float* logprobs,
                               float* entropy, float* lse_out, void* probs, void* probs_logprobs,
                               void* stream);
@@ -26,7 +26,7 @@ const char* LaunchTokenScores(const void* logits, LogitsType type, int64_t rows,
 //   grad[r, v] = g_lp[r] * (v == t_r) - p_v * (g_lp[r] + g_ent[r] * (log p_v + entropy[r]))
 // from the recomputed logits and the forward's lse and entropy; g_lp / g_ent may be null
 // (zero). Written contiguously (rows x vocab) in `type`.
-const char* LaunchTokenScoresGrad(const void* logits, LogitsType type, int64_t rows, int64_t vocab,
+const char* LaunchTokenScoresGrad(const void* logits, ElementType type, int64_t rows, int64_t vocab,
                                   int64_t row_stride, const int64_t* targets, const float* lse,
                                   const float* entropy, const float* g_lp, const float* g_ent,
                                   void* grad, void* stream);

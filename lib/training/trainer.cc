@@ -42,11 +42,12 @@ double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-at::Tensor FloatsOrUndefined(const std::vector<const std::vector<float>*>& parts, bool any) {
+at::Tensor FloatsOrUndefined(const std::vector<const std::vector<float>*>& parts, bool any,
+                             const c10::Device& device) {
   if (!any) return at::Tensor();
   std::vector<float> flat;
   for (const auto* p : parts) flat.insert(flat.end(), p->begin(), p->end());
-  return at::tensor(flat, at::kFloat);
+  return at::tensor(flat, at::kFloat).to(device);
 }
 
 // Model FLOPs of a datum of n tokens: matmul FLOPs per token times n, plus causal attention
@@ -247,7 +248,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     den.loss_tokens += sample_tokens[d];
     if (sample_tokens[d] > 0) den.samples += 1;
   }
-  den.sample_tokens = at::tensor(sample_tokens, at::kFloat);
+  den.sample_tokens = at::tensor(sample_tokens, at::kFloat).to(base_->device);
   if (batch.totals != nullptr) {
     den.loss_tokens = batch.totals->loss_tokens;
     den.samples = batch.totals->samples;
@@ -293,9 +294,9 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     const std::vector<size_t>* datums = nullptr;
     int64_t b = 0, longest = 0;
     at::Tensor tokens, positions, targets;  // on the device
-    std::vector<float> mask;
-    std::vector<int64_t> sample_of;
-    std::vector<const std::vector<float>*> adv, samp, old, ref;
+    // The loss's per-position inputs, on the device before any compute: a host-to-device
+    // copy of pageable memory waits for the stream, so none may run between micro-batches.
+    LossInputs loss_in;
     bool filler = false;  // expert parallelism: keeps the group's micro-batch counts equal
   };
   static const std::vector<size_t> kNoDatums;
@@ -308,7 +309,9 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
       data.datums = &mb;
       for (size_t d : mb) data.longest = std::max<int64_t>(data.longest, datums[d].tokens.size());
       data.b = static_cast<int64_t>(mb.size());
-      std::vector<int64_t> tokens(data.b * data.longest, 0), positions, targets;
+      std::vector<int64_t> tokens(data.b * data.longest, 0), positions, targets, sample_of;
+      std::vector<float> mask;
+      std::vector<const std::vector<float>*> adv, samp, old, ref;
       for (int64_t r = 0; r < data.b; ++r) {
         const Datum& datum = datums[mb[r]];
         const int64_t n = static_cast<int64_t>(datum.tokens.size());
@@ -316,13 +319,13 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
           tokens[r * data.longest + i] = datum.tokens[i];
           positions.push_back(r * data.longest + i);
           targets.push_back(datum.target_tokens[i]);
-          data.sample_of.push_back(static_cast<int64_t>(mb[r]));
-          data.mask.push_back(LossMask(datum, i));
+          sample_of.push_back(static_cast<int64_t>(mb[r]));
+          mask.push_back(LossMask(datum, i));
         }
-        data.adv.push_back(&datum.advantages);
-        data.samp.push_back(&datum.logprobs);
-        data.old.push_back(&datum.old_logprobs);
-        data.ref.push_back(&datum.ref_logprobs);
+        adv.push_back(&datum.advantages);
+        samp.push_back(&datum.logprobs);
+        old.push_back(&datum.old_logprobs);
+        ref.push_back(&datum.ref_logprobs);
         physical += static_cast<double>(data.longest);
         real_tokens += static_cast<double>(n);
         flops += DatumFlops(config, n, matmul_passes, lora_params);
@@ -330,6 +333,18 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
       data.tokens = at::tensor(tokens, at::kLong).view({data.b, data.longest}).to(device);
       data.positions = at::tensor(positions, at::kLong).to(device);
       data.targets = at::tensor(targets, at::kLong).to(device);
+      data.loss_in.mask = at::tensor(mask, at::kFloat).to(device);
+      if (backward) {
+        data.loss_in.sample_index = at::tensor(sample_of, at::kLong).to(device);
+        auto any = [](const std::vector<const std::vector<float>*>& v) {
+          for (const auto* p : v) if (!p->empty()) return true;
+          return false;
+        };
+        data.loss_in.advantages = FloatsOrUndefined(adv, any(adv), device);
+        data.loss_in.sampler_logprobs = FloatsOrUndefined(samp, any(samp), device);
+        data.loss_in.old_logprobs = FloatsOrUndefined(old, any(old), device);
+        data.loss_in.ref_logprobs = FloatsOrUndefined(ref, any(ref), device);
+      }
       mbs.push_back(std::move(data));
     }
     // Expert parallelism: every member of the expert group exchanges tokens in each
@@ -367,47 +382,36 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
                         fwd_options, vocab, /*entropy_grad=*/backward && loss->entropy_coef != 0);
     pending_logprobs.emplace_back(&mb, scores.logprobs.detach());
     if (!backward) {
-      at::Tensor bearing = (at::tensor(mb.mask, at::kFloat) != 0).to(at::kDouble).to(device);
+      at::Tensor bearing = (mb.loss_in.mask != 0).to(at::kDouble);
       pending.Add("entropy:mean", (scores.entropy.detach().to(at::kDouble) * bearing).sum(), bearing.sum());
       return at::Tensor();
     }
-    auto any = [](const std::vector<const std::vector<float>*>& v) {
-      for (const auto* p : v) if (!p->empty()) return true;
-      return false;
-    };
-    LossInputs in;
+    LossInputs in = mb.loss_in;
     in.logprobs = scores.logprobs;
     in.entropy = scores.entropy;
-    in.mask = at::tensor(mb.mask, at::kFloat).to(device);
-    in.sample_index = at::tensor(mb.sample_of, at::kLong).to(device);
-    in.advantages = FloatsOrUndefined(mb.adv, any(mb.adv));
-    in.sampler_logprobs = FloatsOrUndefined(mb.samp, any(mb.samp));
-    in.old_logprobs = FloatsOrUndefined(mb.old, any(mb.old));
-    in.ref_logprobs = FloatsOrUndefined(mb.ref, any(mb.ref));
-    for (at::Tensor* t : {&in.advantages, &in.sampler_logprobs, &in.old_logprobs, &in.ref_logprobs}) {
-      if (t->defined()) *t = t->to(device);
-    }
-    LossDenominators mb_den = den;
-    mb_den.sample_tokens = den.sample_tokens.to(device);
-    return ComputeLoss(*loss, in, mb_den, &pending);
+    return ComputeLoss(*loss, in, den, &pending);
   };
 
   c10::optional<at::NoGradGuard> no_grad;
   if (!backward) no_grad.emplace();
   if (base_->shard.pp == 1) {
+    // No host synchronization between micro-batches: the phases are timed by marks in the
+    // device's queue, read once after the last micro-batch.
+    std::vector<DeviceMark> marks{DeviceMark::Now(device)};
     for (const MicroBatch& mb : mbs) {
-      auto t0 = Clock::now();
       at::Tensor x = Qwen2Embed(config, base_->weights, adapter_.get(), mb.tokens, fwd_options);
       x = Qwen2Layers(config, base_->weights, adapter_.get(), x, fwd_options);
       at::Tensor loss_value = head(mb, x);
-      SyncDevice();
-      t_forward += SecondsSince(t0);
+      marks.push_back(DeviceMark::Now(device));
       if (backward) {
-        t0 = Clock::now();
         loss_value.backward();
-        SyncDevice();
-        t_backward += SecondsSince(t0);
+        marks.push_back(DeviceMark::Now(device));
       }
+    }
+    const size_t per_mb = backward ? 2 : 1;
+    for (size_t k = 1; k < marks.size(); ++k) {
+      const double seconds = marks[k].SecondsSince(marks[k - 1]);
+      ((k - 1) % per_mb == 0 ? t_forward : t_backward) += seconds;
     }
   } else {
     LORASTEP_RETURN_IF_ERROR(RunPipelineSchedule(

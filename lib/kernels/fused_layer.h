@@ -1,0 +1,50 @@
+// A decoder layer's memory-bound steps as one kernel each way (CUDA build only): RMSNorm,
+// SwiGLU and rotary embeddings. As ATen compositions they were ~1,900 of a LoRA step's
+// ~17k kernel launches and most of its copy/cast time (bench/results/
+// profile_lora_step_after_mb8192.json). Each kernel computes in fp32 and rounds to the
+// storage type wherever the ATen composition stores a tensor, so both paths agree bitwise
+// up to the order of the RMSNorm row sums.
+//
+// All tensors are contiguous, of `type`, unless said otherwise; every function runs on
+// `stream` (a cudaStream_t) and returns a CUDA error string, or nullptr.
+#ifndef LORASTEP_LIB_KERNELS_FUSED_LAYER_H_
+#define LORASTEP_LIB_KERNELS_FUSED_LAYER_H_
+
+#include <cstdint>
+
+#include "lib/kernels/element_type.h"
+
+namespace lorastep {
+namespace kernels {
+
+// y = weight * (x * rstd).to(type), rstd = rsqrt(mean(x^2) + eps) per row, in fp32.
+// x, y: rows x hidden; weight: hidden; rstd: fp32 rows (saved for backward).
+const char* LaunchRmsNorm(const void* x, const void* weight, ElementType type, int64_t rows,
+                          int64_t hidden, float eps, void* y, float* rstd, void* stream);
+
+// The input gradient of LaunchRmsNorm's y:
+//   gn = (g * weight).to(type), n = x * rstd, dx = (gn - n * mean(gn * n)) * rstd.
+const char* LaunchRmsNormGrad(const void* grad_y, const void* x, const void* weight,
+                              const float* rstd, ElementType type, int64_t rows, int64_t hidden,
+                              void* grad_x, void* stream);
+
+// out = silu(gate).to(type) * up, over n elements.
+const char* LaunchSwiGlu(const void* gate, const void* up, ElementType type, int64_t n, void* out,
+                         void* stream);
+
+// grad_gate = silu'(gate) * (g * up).to(type), grad_up = g * silu(gate).to(type).
+const char* LaunchSwiGluGrad(const void* grad_out, const void* gate, const void* up, ElementType type,
+                             int64_t n, void* grad_gate, void* grad_up, void* stream);
+
+// Rotary embedding of x: tokens x heads x dim (dim even), with cos/sin tables of rows x dim
+// indexed by each token's position: positions[token] when non-null, else token % seq_len.
+//   forward:  y = x * cos + rotate_half(x) * sin      (rotate_half(x) = [-x2, x1])
+//   backward: y = x * cos + rotate_half^T(x * sin)    (the gradient of the forward map)
+const char* LaunchRope(const void* x, const void* cos, const void* sin, const int64_t* positions,
+                       ElementType type, int64_t tokens, int64_t seq_len, int64_t heads, int64_t dim,
+                       bool backward, void* y, void* stream);
+
+}  // namespace kernels
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_KERNELS_FUSED_LAYER_H_
