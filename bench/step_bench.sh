@@ -18,6 +18,7 @@ for w in fixed varlen; do python3 bench/make_batch.py --vocab "$VOCAB" --workloa
 run_ours() {  # mode workload rank [micro-batch: an extra row, file ours_MODE_W_mbN.json]
   local mode=$1 w=$2 rank=$3 mt=${4:-$MT} m=train name="ours_${1}_$2"
   [ -n "${4:-}" ] && name="${name}_mb$4"
+  name="$name${NAME_SUFFIX:-}"
   [ "$mode" = logprobs ] && m=forward
   MODEL_DIR=$MODEL RANK=$rank MAX_TOKENS=$mt STEPS=3 MODE=$m BATCH_FILE="$OUT/batch_$w.json" \
     COORD_FLAGS="--max_tokens_per_microbatch $mt" MACHINE="$(head -1 "$OUT/env.txt")" VERSIONS="$(tail -1 "$OUT/env.txt")" \
@@ -29,6 +30,12 @@ run_ours() {  # mode workload rank [micro-batch: an extra row, file ours_MODE_W_
 for spec in ${STEP_OURS:-lora:fixed:32 full:fixed:0 logprobs:fixed:32 lora:varlen:32 full:varlen:0}; do
   IFS=: read -r mode w rank mt <<< "$spec"; run_ours "$mode" "$w" "$rank" "$mt"
 done
+if [ -n "${STEP_UNFUSED:-}" ]; then  # the same LoRA step with lorastep's fused layer kernels off
+  for spec in $STEP_UNFUSED; do
+    IFS=: read -r mode w rank mt <<< "$spec"
+    LORASTEP_FUSED_KERNELS=0 NAME_SUFFIX=_unfused run_ours "$mode" "$w" "$rank" "$mt"
+  done
+fi
 for spec in ${STEP_HF:-lora:fixed full:fixed logprobs:fixed lora:varlen}; do
   IFS=: read -r mode w <<< "$spec"
   python3 bench/peft_step.py --model $MODEL --mode "$mode" --batch "$OUT/batch_$w.json" --out "$OUT/hf_${mode}_$w.json" 2>&1 | tail -1 | cut -c1-300

@@ -31,20 +31,31 @@ inline void AddMatmulFp32(at::Tensor& out_fp32, const at::Tensor& a, const at::T
   out_fp32.addmm_(a.to(at::kFloat), b.to(at::kFloat), /*beta=*/1, /*alpha=*/alpha);
 }
 
-// Causal self-attention. q: [b, heads, s, d]; k, v: [b, heads, s, d] (already expanded for
-// grouped-query attention). Uses fused SDPA where the torch version has it.
+// Causal self-attention. q: [b, heads, s, d]; k, v: [b, kv_heads, s, d] with kv_heads
+// dividing heads (grouped-query attention: each K/V head serves heads/kv_heads query heads).
+// torch >= 2.5: fused SDPA reading the K/V heads in place (enable_gqa; on the H200 0.21 ms
+// against 0.54 ms with K/V repeated first, bitwise equal: bench/results/attention.json).
 inline at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-#if LORASTEP_TORCH_AT_LEAST(2, 0)
+  const int64_t groups = q.size(1) / k.size(1);
+#if LORASTEP_TORCH_AT_LEAST(2, 5)
   return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                          /*is_causal=*/true, /*scale=*/c10::nullopt,
+                                          /*enable_gqa=*/groups > 1);
+#else
+  const at::Tensor kr = groups > 1 ? k.repeat_interleave(groups, 1) : k;
+  const at::Tensor vr = groups > 1 ? v.repeat_interleave(groups, 1) : v;
+#if LORASTEP_TORCH_AT_LEAST(2, 0)
+  return at::scaled_dot_product_attention(q, kr, vr, /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                           /*is_causal=*/true);
 #else
   const int64_t s = q.size(-2);
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * scale;
+  at::Tensor scores = at::matmul(q, kr.transpose(-2, -1)) * scale;
   at::Tensor mask = at::ones({s, s}, q.options().dtype(at::kBool)).triu(1);
   scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
   at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
-  return at::matmul(probs, v);
+  return at::matmul(probs, vr);
+#endif
 #endif
 }
 

@@ -98,6 +98,10 @@ if [[ " $STEPS " == *" moe-bench "* ]]; then
     done
   done
 fi
+if [[ " $STEPS " == *" attention "* ]]; then
+  step "attention: repeated K/V + SDPA vs SDPA enable_gqa vs packed flash varlen (0.5B shape, bf16)"
+  python3 bench/attention_bench.py --out "$OUT/attention.json" | grep -E "_ms|error"
+fi
 if [[ " $STEPS " == *" step "* ]]; then
   step "step benchmark: lorastep vs transformers + PEFT (0.5B shape, bf16; fixed and variable length)"
   bash bench/step_bench.sh build-gpu "$OUT"

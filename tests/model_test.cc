@@ -1,11 +1,13 @@
 // (a) Model logits against a plain reference written here from the Qwen2 definition, and
 // Hugging Face folder loading (single file and sharded).
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 
 #include <cmath>
 
 #include "lib/io/file_util.h"
+#include "lib/model/linear.h"
 #include "lib/model/model_weights.h"
 #include "lib/model/qwen2.h"
 #include "lib/training/grad_finalizer.h"
@@ -150,6 +152,54 @@ TEST(ModelTest, LoraHeadLeavesTheLayersFactorsUnchanged) {
   EXPECT_THAT(LoraTargetModuleNames(with_head).value(),
               ::testing::ElementsAre("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                      "down_proj", "lm_head"));
+}
+
+// Packed q/k/v and gate/up weights (PackProjections: one GEMM per group, LoRA branches
+// added into their columns, k without a branch) give the per-projection path's hidden
+// states and LoRA gradients, fused and unfused.
+TEST(ModelTest, PackedProjectionsMatchSeparateOnes) {
+  const ModelConfig c = ModelConfigPreset("tiny").value();
+  const ModelWeights separate = RandomModelWeights(c, 9);
+  ModelWeights packed = separate;
+  PackProjections(&packed);
+  const LayerWeights& l = packed.layers[0];
+  ASSERT_TRUE(AdjacentRows({l.linear[kQProj], l.linear[kKProj], l.linear[kVProj]}).defined());
+  ASSERT_TRUE(AdjacentRows({l.linear[kGateProj], l.linear[kUpProj]}).defined());
+  ASSERT_FALSE(AdjacentRows({separate.layers[0].linear[kQProj], separate.layers[0].linear[kKProj]}).defined());
+  EXPECT_TRUE(at::equal(l.linear[kVProj], separate.layers[0].linear[kVProj]));
+  LoraConfig lora;
+  lora.rank = 4;
+  lora.alpha = 8;
+  lora.target_modules = {"q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"};
+  const at::Tensor tokens = at::randint(0, c.vocab_size, {2, 9}, at::kLong);
+  const at::Tensor g = at::randn({2, 9, c.hidden_size}, at::kFloat);
+  for (bool fused : {true, false}) {
+    std::vector<Adapter> adapters;
+    std::vector<at::Tensor> hidden;
+    for (const ModelWeights* w : std::vector<const ModelWeights*>{&separate, &packed}) {
+      ASSERT_OK_AND_ASSIGN(Adapter adapter, Adapter::CreateLora(c, lora, at::kCPU, at::kFloat, 3));
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
+      {
+        at::NoGradGuard no_grad;
+        for (Parameter& p : adapter.parameters()) {
+          if (p.name.find("lora_B") != std::string::npos) p.value.normal_(0.0, 0.1, gen);
+        }
+      }
+      ForwardOptions options;
+      options.grad.fused_wgrad = fused;
+      at::Tensor h = Qwen2Hidden(c, *w, &adapter, tokens, options);
+      (h * g).sum().backward();
+      ASSERT_OK(FoldLocalGradients(&adapter));
+      hidden.push_back(h.detach());
+      adapters.push_back(std::move(adapter));
+    }
+    const std::string what = fused ? "fused" : "unfused";
+    EXPECT_LT(RelErr(hidden[1], hidden[0]), 1e-6) << what;
+    for (size_t i = 0; i < adapters[0].parameters().size(); ++i) {
+      const Parameter& want = adapters[0].parameters()[i];
+      EXPECT_LT(RelErr(adapters[1].parameters()[i].main_grad, want.main_grad), 1e-5) << what << " " << want.name;
+    }
+  }
 }
 
 TEST(ModelTest, SaveAndLoadSingleAndShardedFolders) {

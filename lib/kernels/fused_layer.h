@@ -28,21 +28,26 @@ const char* LaunchRmsNormGrad(const void* grad_y, const void* x, const void* wei
                               const float* rstd, ElementType type, int64_t rows, int64_t hidden,
                               void* grad_x, void* stream);
 
-// out = silu(gate).to(type) * up, over n elements.
-const char* LaunchSwiGlu(const void* gate, const void* up, ElementType type, int64_t n, void* out,
-                         void* stream);
+// out = silu(gate).to(type) * up over rows x f: gate and up rows `in_ld` elements apart (the
+// two halves of one [rows, 2f] projection: up = gate + f, in_ld = 2f); out contiguous.
+const char* LaunchSwiGlu(const void* gate, const void* up, ElementType type, int64_t rows, int64_t f,
+                         int64_t in_ld, void* out, void* stream);
 
-// grad_gate = silu'(gate) * (g * up).to(type), grad_up = g * silu(gate).to(type).
+// grad_gate = silu'(gate) * (g * up).to(type), grad_up = g * silu(gate).to(type), for a
+// contiguous g (rows x f); the gradients' rows are `out_ld` elements apart.
 const char* LaunchSwiGluGrad(const void* grad_out, const void* gate, const void* up, ElementType type,
-                             int64_t n, void* grad_gate, void* grad_up, void* stream);
+                             int64_t rows, int64_t f, int64_t in_ld, int64_t out_ld, void* grad_gate,
+                             void* grad_up, void* stream);
 
-// Rotary embedding of x: tokens x heads x dim (dim even), with cos/sin tables of rows x dim
-// indexed by each token's position: positions[token] when non-null, else token % seq_len.
+// Rotary embedding of x: batch x seq_len x heads x dim (dim even; x may be strided, with
+// unit stride along dim: x_strides gives its batch, seq and head strides in elements), with
+// cos/sin tables of rows x dim indexed by each token's position: positions[token] when
+// non-null, else the token's index within its sequence. y is contiguous.
 //   forward:  y = x * cos + rotate_half(x) * sin      (rotate_half(x) = [-x2, x1])
 //   backward: y = x * cos + rotate_half^T(x * sin)    (the gradient of the forward map)
-const char* LaunchRope(const void* x, const void* cos, const void* sin, const int64_t* positions,
-                       ElementType type, int64_t tokens, int64_t seq_len, int64_t heads, int64_t dim,
-                       bool backward, void* y, void* stream);
+const char* LaunchRope(const void* x, const int64_t* x_strides, const void* cos, const void* sin,
+                       const int64_t* positions, ElementType type, int64_t batch, int64_t seq_len,
+                       int64_t heads, int64_t dim, bool backward, void* y, void* stream);
 
 }  // namespace kernels
 }  // namespace lorastep

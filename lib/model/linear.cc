@@ -2,6 +2,7 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <memory>
 #include <vector>
 
 #include "lib/torch_compat.h"
@@ -104,6 +105,107 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
   }
 };
 
+// Per-part LoRA factors ride as two tensor lists (so autograd sees every factor as an input
+// and routes their gradients on the unfused path); their main_grads ride as plain values.
+struct LoraGroupMeta {
+  std::vector<int64_t> widths;     // every part's output columns
+  std::vector<int> lora_parts;     // the parts with a LoRA branch, in order
+  std::vector<at::Tensor> a_grads, b_grads;
+};
+
+class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroupFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, at::TensorList as,
+                            at::TensorList bs, const at::Tensor& weight, MainGradRef bias_ref,
+                            std::shared_ptr<LoraGroupMeta> meta, double scale, bool fused) {
+    const at::Tensor& bias = bias_ref.tensor;
+    at::Tensor x2d = FoldLeadingDims(x);
+    at::Tensor a_cat = as.size() == 1 ? as[0] : at::cat(as, 0);  // [sum r, in]
+    at::Tensor xa = at::mm(x2d, a_cat.t());
+    at::Tensor y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
+    const std::vector<int64_t> col = ColumnStarts(meta->widths);
+    int64_t r0 = 0;
+    for (size_t j = 0; j < bs.size(); ++j) {
+      const int part = meta->lora_parts[j];
+      const int64_t r = bs[j].size(1);
+      y.narrow(1, col[part], meta->widths[part]).addmm_(xa.narrow(1, r0, r), bs[j].t(), /*beta=*/1, /*alpha=*/scale);
+      r0 += r;
+    }
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["fused"] = fused;
+    ctx->saved_data["widths"] = meta->widths;
+    ctx->saved_data["lora_parts"] = std::vector<int64_t>(meta->lora_parts.begin(), meta->lora_parts.end());
+    if (fused) {
+      ctx->saved_data["a_grads"] = meta->a_grads;
+      ctx->saved_data["b_grads"] = meta->b_grads;
+    }
+    std::vector<at::Tensor> saved{x2d, xa, a_cat, weight};
+    saved.insert(saved.end(), bs.begin(), bs.end());
+    ctx->save_for_backward(saved);
+    return y.view(ShapeWithLastDim(x, weight.size(0)));
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x2d = saved[0], &xa = saved[1], &a_cat = saved[2], &weight = saved[3];
+    const std::vector<int64_t> widths = ctx->saved_data["widths"].toIntVector();
+    const std::vector<int64_t> lora_parts = ctx->saved_data["lora_parts"].toIntVector();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const bool fused = ctx->saved_data["fused"].toBool();
+    const size_t k = lora_parts.size();
+    const std::vector<int64_t> col = ColumnStarts(widths);
+    std::vector<at::Tensor> a_grads, b_grads;
+    if (fused) {
+      a_grads = ctx->saved_data["a_grads"].toTensorVector();
+      b_grads = ctx->saved_data["b_grads"].toTensorVector();
+    }
+    at::Tensor g = FoldLeadingDims(grads[0]).contiguous();
+    // d(xa) / scale, all parts side by side: [n, sum r].
+    at::Tensor gb = at::empty({g.size(0), a_cat.size(0)}, g.options());
+    std::vector<at::Tensor> g_parts(k), gb_parts(k), xa_parts(k);
+    int64_t r0 = 0;
+    for (size_t j = 0; j < k; ++j) {
+      const at::Tensor& b = saved[4 + j];
+      const int64_t part = lora_parts[j];
+      const int64_t r = b.size(1);
+      g_parts[j] = g.narrow(1, col[part], widths[part]);
+      gb_parts[j] = gb.narrow(1, r0, r);
+      xa_parts[j] = xa.narrow(1, r0, r);
+      at::mm_out(gb_parts[j], g_parts[j], b);
+      r0 += r;
+    }
+    at::Tensor grad_x;
+    if (ctx->needs_input_grad(0)) {
+      grad_x = at::mm(g, weight).addmm_(gb, a_cat, /*beta=*/1, /*alpha=*/scale).view(ShapeWithLastDim(grads[0], weight.size(1)));
+    }
+    torch::autograd::variable_list out{grad_x};
+    std::vector<at::Tensor> grad_as(k), grad_bs(k);
+    for (size_t j = 0; j < k; ++j) {
+      if (fused) {
+        at::Tensor& a_grad = a_grads[j];
+        at::Tensor& b_grad = b_grads[j];
+        compat::AddMatmulFp32(b_grad, g_parts[j].t(), xa_parts[j], scale);
+        compat::AddMatmulFp32(a_grad, gb_parts[j].t(), x2d, scale);
+      } else {
+        grad_bs[j] = at::mm(g_parts[j].t(), xa_parts[j]).mul_(scale);
+        grad_as[j] = at::mm(gb_parts[j].t(), x2d).mul_(scale);
+      }
+    }
+    out.insert(out.end(), grad_as.begin(), grad_as.end());
+    out.insert(out.end(), grad_bs.begin(), grad_bs.end());
+    out.resize(out.size() + 5);  // weight, bias, meta, scale, fused
+    return out;
+  }
+
+ private:
+  static std::vector<int64_t> ColumnStarts(const std::vector<int64_t>& widths) {
+    std::vector<int64_t> col(widths.size(), 0);
+    for (size_t i = 1; i < widths.size(); ++i) col[i] = col[i - 1] + widths[i - 1];
+    return col;
+  }
+};
+
 class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
@@ -186,6 +288,45 @@ at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::T
                       const at::Tensor& b_main_grad, double scale, const GradOptions& options) {
   return LoraLinearFunction::apply(x, a, b, weight, MainGradRef{bias}, MainGradRef{a_main_grad}, MainGradRef{b_main_grad},
                                    scale, options.fused_wgrad);
+}
+
+at::Tensor LoraLinearGroup(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                           const std::vector<LoraGroupPart>& parts, double scale, const GradOptions& options) {
+  auto meta = std::make_shared<LoraGroupMeta>();
+  std::vector<at::Tensor> as, bs;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    meta->widths.push_back(parts[i].width);
+    if (!parts[i].a.defined()) continue;
+    meta->lora_parts.push_back(static_cast<int>(i));
+    as.push_back(parts[i].a);
+    bs.push_back(parts[i].b);
+    meta->a_grads.push_back(parts[i].a_main_grad);
+    meta->b_grads.push_back(parts[i].b_main_grad);
+  }
+  if (as.empty()) {  // no branch: the frozen GEMM alone
+    at::Tensor y = Linear(x, weight, at::Tensor(), options);
+    return bias.defined() ? y + bias : y;
+  }
+  return LoraLinearGroupFunction::apply(x, at::TensorList(as), at::TensorList(bs), weight, MainGradRef{bias},
+                                        std::move(meta), scale, options.fused_wgrad);
+}
+
+at::Tensor AdjacentRows(const std::vector<at::Tensor>& parts) {
+  if (parts.empty() || !parts[0].defined() || parts[0].dim() == 0) return at::Tensor();
+  const at::Tensor& first = parts[0];
+  const int64_t row_elems = first.size(0) > 0 ? first.numel() / first.size(0) : 0;
+  int64_t rows = 0;
+  for (const at::Tensor& p : parts) {
+    if (!p.defined() || p.dim() != first.dim() || !p.is_contiguous() || p.sizes().slice(1) != first.sizes().slice(1) ||
+        p.scalar_type() != first.scalar_type() || p.device() != first.device() ||
+        !p.storage().is_alias_of(first.storage()) || p.storage_offset() != first.storage_offset() + rows * row_elems) {
+      return at::Tensor();
+    }
+    rows += p.size(0);
+  }
+  std::vector<int64_t> sizes(first.sizes().begin(), first.sizes().end());
+  sizes[0] = rows;
+  return first.as_strided(sizes, first.strides());
 }
 
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& main_grad,

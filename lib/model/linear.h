@@ -53,6 +53,25 @@ at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::T
                       const at::Tensor& a, const at::Tensor& a_main_grad, const at::Tensor& b,
                       const at::Tensor& b_main_grad, double scale, const GradOptions& options);
 
+// One part of a LoraLinearGroup: `width` output columns of the packed weight, with a LoRA
+// branch when `a` is defined (a: [r, in], b: [width, r], main_grads like LoraLinear's).
+struct LoraGroupPart {
+  int64_t width = 0;
+  at::Tensor a, a_main_grad, b, b_main_grad;
+};
+
+// Several projections of the same input as one: y = x @ weight^T (+ bias) for the parts'
+// frozen weights packed back to back ([sum of widths, in]), and each part's LoRA branch
+// scale * (x A_i^T) B_i^T added into its own columns. The A factors run as one GEMM
+// (concatenated), so q/k/v take 1 + 1 + 3 GEMMs forward instead of 3 x 3 (gate/up 1 + 1 + 2
+// instead of 6), and backward's input gradient is two GEMMs for all parts.
+at::Tensor LoraLinearGroup(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                           const std::vector<LoraGroupPart>& parts, double scale, const GradOptions& options);
+
+// `parts` (contiguous, equal trailing sizes) as one tensor along dim 0 when they lie back to
+// back in one buffer, as PackProjections leaves them; undefined otherwise.
+at::Tensor AdjacentRows(const std::vector<at::Tensor>& parts);
+
 // x.index_select(0, perm) for a permutation `perm` of x's rows, whose backward gathers with
 // `inverse` (inverse[perm[i]] = i) instead of scatter-adding (no atomics: the MoE dispatch
 // and combine move every token row this way).

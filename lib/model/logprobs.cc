@@ -9,9 +9,7 @@
 #include "lib/torch_status.h"
 
 #ifdef LORASTEP_WITH_CUDA_KERNELS
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-
+#include "lib/kernels/kernel_launch.h"
 #include "lib/kernels/token_scores.h"
 #endif
 
@@ -19,25 +17,9 @@ namespace lorastep {
 namespace {
 
 #ifdef LORASTEP_WITH_CUDA_KERNELS
-kernels::LogitsType LogitsTypeOf(const at::Tensor& logits) {
-  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16 ||
-                  logits.scalar_type() == at::kHalf,
-              "token scores: unsupported logits dtype");
-  return logits.scalar_type() == at::kBFloat16 ? kernels::LogitsType::kBFloat16
-         : logits.scalar_type() == at::kHalf   ? kernels::LogitsType::kFloat16
-                                               : kernels::LogitsType::kFloat32;
-}
+using kernels::KernelLaunch;
 template <typename T>
 T* PtrOrNull(const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; }
-// A raw kernel launch goes to the current device: make it the tensor's device and use that
-// device's current stream. The worker's gRPC threads have cuda:0 current whatever cuda:N
-// the rank holds; a launch there with cuda:1 pointers was an illegal memory access (DP2).
-struct KernelLaunch {
-  explicit KernelLaunch(const at::Tensor& on)
-      : guard(on.device()), stream(c10::cuda::getCurrentCUDAStream(on.device().index()).stream()) {}
-  c10::cuda::CUDAGuard guard;
-  cudaStream_t stream;
-};
 #endif
 
 // Whether this head's statistics and logit gradients run as lorastep's CUDA kernel.
@@ -125,7 +107,7 @@ class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction
         at::Tensor tgt = targets.narrow(0, start, n).contiguous();
         const KernelLaunch launch(logits);
         const char* error = kernels::LaunchTokenScores(
-            logits.data_ptr(), LogitsTypeOf(logits), n, logits.size(1), logits.stride(0), tgt.data_ptr<int64_t>(),
+            logits.data_ptr(), kernels::ElementTypeOf(logits), n, logits.size(1), logits.stride(0), tgt.data_ptr<int64_t>(),
             logprobs.narrow(0, start, n).data_ptr<float>(), entropy.narrow(0, start, n).data_ptr<float>(),
             lse_all.narrow(0, start, n).data_ptr<float>(), nullptr, nullptr, launch.stream);
         TORCH_CHECK(error == nullptr, "token scores kernel: ", error);
@@ -206,7 +188,7 @@ class TokenScoresFunction : public torch::autograd::Function<TokenScoresFunction
         at::Tensor ge = g_ent.defined() ? g_ent.narrow(0, start, n).contiguous() : at::Tensor();
         const KernelLaunch launch(logits);
         const char* error = kernels::LaunchTokenScoresGrad(
-            logits.data_ptr(), LogitsTypeOf(logits), n, logits.size(1), logits.stride(0), tgt.data_ptr<int64_t>(),
+            logits.data_ptr(), kernels::ElementTypeOf(logits), n, logits.size(1), logits.stride(0), tgt.data_ptr<int64_t>(),
             ctx->saved_data["lse"].toTensor().narrow(0, start, n).data_ptr<float>(),
             ctx->saved_data["entropy"].toTensor().narrow(0, start, n).data_ptr<float>(), PtrOrNull<float>(gl),
             PtrOrNull<float>(ge), gz_model.data_ptr(), launch.stream);
@@ -299,7 +281,7 @@ class FrozenHeadScoresFunction : public torch::autograd::Function<FrozenHeadScor
         at::Tensor tgt = targets.narrow(0, start, n).contiguous();
         const KernelLaunch launch(logits);
         const char* error = kernels::LaunchTokenScores(
-            logits.data_ptr(), LogitsTypeOf(logits), n, logits.size(1), logits.stride(0), tgt.data_ptr<int64_t>(),
+            logits.data_ptr(), kernels::ElementTypeOf(logits), n, logits.size(1), logits.stride(0), tgt.data_ptr<int64_t>(),
             logprobs.narrow(0, start, n).data_ptr<float>(), entropy.narrow(0, start, n).data_ptr<float>(),
             /*lse_out=*/nullptr, p.defined() ? p.data_ptr() : nullptr, plp.defined() ? plp.data_ptr() : nullptr,
             launch.stream);

@@ -2,6 +2,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <set>
@@ -285,6 +286,28 @@ absl::Status SaveModel(const std::string& folder, const ModelConfig& config,
   }
   index["metadata"]["total_size"] = total;
   return WriteStringToFile(folder + "/model.safetensors.index.json", index.dump(2) + "\n");
+}
+
+void PackProjections(ModelWeights* weights) {
+  auto pack = [](std::initializer_list<at::Tensor*> members) {
+    std::vector<at::Tensor> parts;
+    for (const at::Tensor* t : members) {
+      if (!t->defined()) return;
+      parts.push_back(*t);
+    }
+    const at::Tensor packed = at::cat(parts, 0);
+    int64_t row = 0;
+    for (at::Tensor* t : members) {
+      const int64_t n = t->size(0);
+      *t = packed.narrow(0, row, n);
+      row += n;
+    }
+  };
+  for (LayerWeights& l : weights->layers) {
+    pack({&l.linear[kQProj], &l.linear[kKProj], &l.linear[kVProj]});
+    pack({&l.qkv_bias[0], &l.qkv_bias[1], &l.qkv_bias[2]});
+    pack({&l.linear[kGateProj], &l.linear[kUpProj]});
+  }
 }
 
 ModelWeights RandomModelWeights(const ModelConfig& config, uint64_t seed) {

@@ -95,6 +95,12 @@ ModelWeights ModelSkeleton(const ModelConfig& config);
 
 // Random weights (normal(0, 0.02) matrices, norms near 1, small biases), deterministic in
 // `seed`, made on CPU in config.torch_dtype.
+// Stores each layer's q/k/v weights (and biases) and gate/up weights back to back in one
+// buffer per group, leaving the slots as views into it, so that the layer can run each
+// group as one GEMM (LoraLinearGroup); values are unchanged. A group with a missing member
+// (a MoE layer without a shared expert) stays as it is.
+void PackProjections(ModelWeights* weights);
+
 ModelWeights RandomModelWeights(const ModelConfig& config, uint64_t seed);
 
 }  // namespace lorastep

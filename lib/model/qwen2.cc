@@ -1,14 +1,40 @@
 #include "lib/model/qwen2.h"
 
 #include <cmath>
+#include <initializer_list>
 #include <vector>
 
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "lib/torch_compat.h"
 
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+#include <cstdlib>
+#include <cstring>
+
+#include "lib/kernels/fused_layer.h"
+#include "lib/kernels/kernel_launch.h"
+#endif
+
 namespace lorastep {
 namespace {
+
+// Whether RMSNorm, SwiGLU and RoPE on these tensors run as lorastep's fused CUDA kernels
+// (lib/kernels/fused_layer.h); elsewhere they are ATen compositions with the same rounding.
+// LORASTEP_FUSED_KERNELS=0 turns the kernels off (for side-by-side benchmarks).
+bool UseFusedKernels(const at::Tensor& x, const at::Tensor& other) {
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+  static const bool enabled = [] {
+    const char* v = std::getenv("LORASTEP_FUSED_KERNELS");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return enabled && x.is_cuda() && x.scalar_type() == other.scalar_type() &&
+         (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat);
+#else
+  (void)x, (void)other;
+  return false;
+#endif
+}
 
 at::Tensor RotateHalf(const at::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
@@ -29,22 +55,123 @@ std::pair<at::Tensor, at::Tensor> RopeTables(const ModelConfig& c, int64_t s,
 
 // silu(gate) * up keeping only gate and up for backward (autograd of the composition also
 // keeps silu(gate): another [tokens, intermediate] tensor per layer).
+// silu(gate) * up keeping only gate and up for backward (autograd of the composition also
+// keeps silu(gate): another [tokens, intermediate] tensor per layer). Two forms: gate and up
+// as separate tensors, or packed as the halves of one [.., 2f] projection (LoraLinearGroup's
+// output), whose gradient then comes back packed too (no copies either way on CUDA).
 class SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
  public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate,
-                            const at::Tensor& up) {
-    ctx->save_for_backward({gate, up});
-    return at::silu(gate).mul_(up);
+  // gate_up [.., 2f] when `packed`, else gate [.., f] and up [.., f].
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate_or_packed,
+                            const at::Tensor& up, bool packed) {
+    ctx->saved_data["packed"] = packed;
+    const at::Tensor first = gate_or_packed.contiguous();
+    const at::Tensor second = packed ? first : up.contiguous();
+    ctx->save_for_backward({first, second});
+    const int64_t f = packed ? first.size(-1) / 2 : first.size(-1);
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+    if (UseFusedKernels(first, second)) {
+      std::vector<int64_t> shape(first.sizes().begin(), first.sizes().end());
+      shape.back() = f;
+      at::Tensor out = at::empty(shape, first.options());
+      const int64_t rows = out.numel() / f;
+      const kernels::KernelLaunch launch(first);
+      const auto* base = static_cast<const char*>(first.data_ptr());
+      const void* up_ptr = packed ? base + f * first.element_size() : second.data_ptr();
+      kernels::CheckLaunch(kernels::LaunchSwiGlu(first.data_ptr(), up_ptr, kernels::ElementTypeOf(first), rows, f,
+                                                 packed ? 2 * f : f, out.data_ptr(), launch.stream),
+                           "swiglu");
+      return out;
+    }
+#endif
+    const at::Tensor gate = packed ? first.narrow(-1, 0, f) : first;
+    const at::Tensor up_part = packed ? first.narrow(-1, f, f) : second;
+    return at::silu(gate).mul_(up_part);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const at::Tensor &gate = saved[0], &up = saved[1], &g = grads[0];
-    return {at::silu_backward(g * up, gate), g * at::silu(gate)};
+    const bool packed = ctx->saved_data["packed"].toBool();
+    const at::Tensor &first = saved[0], &second = saved[1];
+    const at::Tensor g = grads[0].contiguous();
+    const int64_t f = g.size(-1);
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+    if (UseFusedKernels(first, g)) {
+      const int64_t rows = g.numel() / f;
+      const kernels::KernelLaunch launch(first);
+      const auto* base = static_cast<const char*>(first.data_ptr());
+      const void* up_ptr = packed ? base + f * first.element_size() : second.data_ptr();
+      if (packed) {
+        at::Tensor grad = at::empty_like(first);
+        auto* out = static_cast<char*>(grad.data_ptr());
+        kernels::CheckLaunch(kernels::LaunchSwiGluGrad(g.data_ptr(), first.data_ptr(), up_ptr, kernels::ElementTypeOf(first),
+                                                       rows, f, 2 * f, 2 * f, out, out + f * grad.element_size(),
+                                                       launch.stream),
+                             "swiglu gradient");
+        return {grad, at::Tensor(), at::Tensor()};
+      }
+      at::Tensor grad_gate = at::empty_like(first), grad_up = at::empty_like(second);
+      kernels::CheckLaunch(kernels::LaunchSwiGluGrad(g.data_ptr(), first.data_ptr(), up_ptr, kernels::ElementTypeOf(first),
+                                                     rows, f, f, f, grad_gate.data_ptr(), grad_up.data_ptr(),
+                                                     launch.stream),
+                           "swiglu gradient");
+      return {grad_gate, grad_up, at::Tensor()};
+    }
+#endif
+    const at::Tensor gate = packed ? first.narrow(-1, 0, f) : first;
+    const at::Tensor up = packed ? first.narrow(-1, f, f) : second;
+    at::Tensor grad_gate = at::silu_backward(g * up, gate), grad_up = g * at::silu(gate);
+    if (packed) return {at::cat({grad_gate, grad_up}, -1), at::Tensor(), at::Tensor()};
+    return {grad_gate, grad_up, at::Tensor()};
   }
 };
 
-at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) { return SwiGluFunction::apply(gate, up); }
+at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) { return SwiGluFunction::apply(gate, up, false); }
+// gate_up [.., 2f]: the gate half, then the up half.
+at::Tensor SwiGluPacked(const at::Tensor& gate_up) { return SwiGluFunction::apply(gate_up, gate_up, true); }
+
+// Rotary embedding of x [b, s, heads, d] with cos/sin tables [s, d]: x * cos +
+// rotate_half(x) * sin. The backward map is the transpose (x * cos + rotate_half^T(x * sin)).
+at::Tensor RopeComposite(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return x * cos.unsqueeze(1) + RotateHalf(x) * sin.unsqueeze(1);
+}
+
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+at::Tensor RopeKernel(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
+  const at::Tensor xs = x.stride(3) == 1 ? x : x.contiguous();  // any layout with unit stride along d
+  const at::Tensor c = cos.contiguous(), sn = sin.contiguous();
+  at::Tensor y = at::empty(xs.sizes(), xs.options());
+  const int64_t strides[3] = {xs.stride(0), xs.stride(1), xs.stride(2)};
+  const kernels::KernelLaunch launch(xs);
+  kernels::CheckLaunch(kernels::LaunchRope(xs.data_ptr(), strides, c.data_ptr(), sn.data_ptr(), /*positions=*/nullptr,
+                                           kernels::ElementTypeOf(xs), xs.size(0), xs.size(1), xs.size(2), xs.size(3),
+                                           backward, y.data_ptr(), launch.stream),
+                       "rope");
+  return y;
+}
+
+class RopeFunction : public torch::autograd::Function<RopeFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                            const at::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    return RopeKernel(x, cos, sin, /*backward=*/false);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    return {RopeKernel(grads[0], saved[0], saved[1], /*backward=*/true), at::Tensor(), at::Tensor()};
+  }
+};
+#endif
+
+at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+  if (UseFusedKernels(x, cos)) return RopeFunction::apply(x, cos, sin);
+#endif
+  return RopeComposite(x, cos, sin);
+}
+
 
 // Inverted dropout with the run's own generator (at::dropout would use the global one,
 // which runs sharing a process would perturb for each other).
@@ -89,6 +216,35 @@ class LayerRunner {
     return y;
   }
 
+  // Projections `slots` of layer `layer` over the same input x as one (LoraLinearGroup):
+  // their frozen weights packed back to back (PackProjections), each LoRA branch added into
+  // its own columns. Undefined where the per-projection path is needed: weights not packed,
+  // a trainable base (full fine-tuning), or LoRA dropout in training.
+  at::Tensor ProjectPacked(size_t layer, std::initializer_list<int> slots, const at::Tensor& x) const {
+    const double p = adapter_ != nullptr ? adapter_->lora_config().dropout : 0.0;
+    if (main_grads_ != nullptr || (p > 0 && options_.training)) return at::Tensor();
+    const LayerWeights& lw = weights_.layers[layer];
+    std::vector<at::Tensor> ws, biases;
+    std::vector<LoraGroupPart> parts;
+    for (int slot : slots) {
+      ws.push_back(lw.linear[slot]);
+      if (slot < 3 && lw.qkv_bias[slot].defined()) biases.push_back(lw.qkv_bias[slot]);
+      LoraGroupPart part;
+      part.width = lw.linear[slot].size(0);
+      if (const LoraFactors* f = adapter_ != nullptr ? adapter_->lora(layer, slot) : nullptr) {
+        const Parameter& a = adapter_->parameters()[f->a];
+        const Parameter& b = adapter_->parameters()[f->b];
+        part.a = a.value, part.a_main_grad = a.main_grad, part.b = b.value, part.b_main_grad = b.main_grad;
+      }
+      parts.push_back(std::move(part));
+    }
+    const at::Tensor weight = AdjacentRows(ws);
+    const at::Tensor bias = biases.empty() ? at::Tensor() : AdjacentRows(biases);
+    if (!weight.defined() || (!biases.empty() && (biases.size() != ws.size() || !bias.defined()))) return at::Tensor();
+    return LoraLinearGroup(x, weight, bias, parts, adapter_ != nullptr ? adapter_->lora_config().scale() : 0.0,
+                           options_.grad);
+  }
+
   at::Tensor Dropout(const at::Tensor& x, double p) const { return LoraDropout(x, p, options_.dropout_generator); }
 
   at::Tensor Layer(size_t i, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) const {
@@ -100,33 +256,35 @@ class LayerRunner {
                   nh = shard != nullptr ? shard->heads : c_.num_attention_heads,
                   nkv = shard != nullptr ? shard->kv_heads : c_.num_key_value_heads;
     at::Tensor h = CopyToTensorRegion(RmsNorm(x, lw.input_norm, c_.rms_norm_eps), tp);
-    at::Tensor q = Project(i, kQProj, h).view({b, s, nh, d});
-    at::Tensor k = Project(i, kKProj, h).view({b, s, nkv, d});
+    at::Tensor q, k, v;
+    if (at::Tensor qkv = ProjectPacked(i, {kQProj, kKProj, kVProj}, h); qkv.defined()) {
+      q = qkv.narrow(-1, 0, nh * d).view({b, s, nh, d});
+      k = qkv.narrow(-1, nh * d, nkv * d).view({b, s, nkv, d});
+      v = qkv.narrow(-1, (nh + nkv) * d, nkv * d).view({b, s, nkv, d});
+    } else {
+      q = Project(i, kQProj, h).view({b, s, nh, d});
+      k = Project(i, kKProj, h).view({b, s, nkv, d});
+      v = Project(i, kVProj, h).view({b, s, nkv, d});
+    }
     if (lw.layout.qk_norm) {  // Qwen3: RMSNorm over each head, before RoPE
       q = RmsNorm(q, lw.q_norm, c_.rms_norm_eps);
       k = RmsNorm(k, lw.k_norm, c_.rms_norm_eps);
     }
-    q = q.transpose(1, 2);
-    k = k.transpose(1, 2);
-    at::Tensor v = Project(i, kVProj, h).view({b, s, nkv, d}).transpose(1, 2);
-    int64_t kv_used = nkv;
     if (shard != nullptr && shard->kv_select >= 0) {  // replicated KV heads: the one we read
-      k = k.narrow(1, shard->kv_select, 1);
-      v = v.narrow(1, shard->kv_select, 1);
-      kv_used = 1;
+      k = k.narrow(2, shard->kv_select, 1);
+      v = v.narrow(2, shard->kv_select, 1);
     }
-    q = q * cos + RotateHalf(q) * sin;
-    k = k * cos + RotateHalf(k) * sin;
-    if (kv_used != nh) {  // grouped-query attention: each K/V head serves nh/kv query heads
-      k = k.repeat_interleave(nh / kv_used, 1);
-      v = v.repeat_interleave(nh / kv_used, 1);
-    }
+    // RoPE on the projections' own [b, s, heads, d] layout, then heads first for attention.
+    q = ApplyRope(q, cos, sin).transpose(1, 2);
+    k = ApplyRope(k, cos, sin).transpose(1, 2);
+    v = v.transpose(1, 2);
     at::Tensor attn = compat::CausalAttention(q, k, v).transpose(1, 2).reshape({b, s, nh * d});
     // Row-parallel o/down give partial sums (LoRA's B(A_i x_i) included): one all-reduce each.
     x = x + ReduceFromTensorRegion(Project(i, kOProj, attn), tp);
     h = CopyToTensorRegion(RmsNorm(x, lw.post_attention_norm, c_.rms_norm_eps), tp);
     if (lw.layout.moe) return x + MoeMlp(i, h);
-    at::Tensor act = SwiGlu(Project(i, kGateProj, h), Project(i, kUpProj, h));
+    at::Tensor gate_up = ProjectPacked(i, {kGateProj, kUpProj}, h);
+    at::Tensor act = gate_up.defined() ? SwiGluPacked(gate_up) : SwiGlu(Project(i, kGateProj, h), Project(i, kUpProj, h));
     return x + ReduceFromTensorRegion(Project(i, kDownProj, act), tp);
   }
 
@@ -245,7 +403,7 @@ class LayerRunner {
                                     : GroupedLinear(lora_input(rows), fc1_a->value, fc1_a->main_grad, offs, options_.grad);
         gate_up = gate_up + GroupedLinear(inner, stacked(fc1_b), stacked_grad(fc1_b), offs, options_.grad) * scale;
       }
-      at::Tensor act = SwiGlu(gate_up.narrow(-1, 0, f), gate_up.narrow(-1, f, f));
+      at::Tensor act = SwiGluPacked(gate_up);
       at::Tensor y = GroupedLinear(act, lw.experts_down, at::Tensor(), offs, options_.grad);
       if (fc2_a != nullptr) {
         at::Tensor inner = GroupedLinear(lora_input(act), fc2_a->value, fc2_a->main_grad, offs, options_.grad);
@@ -272,7 +430,7 @@ class LayerRunner {
         gate_up = gate_up + Linear(inner, value(fc1_b, e).view({2 * f, r}), grad(fc1_b, e).view({2 * f, r}),
                                    options_.grad) * scale;
       }
-      at::Tensor act = SwiGlu(gate_up.narrow(-1, 0, f), gate_up.narrow(-1, f, f));
+      at::Tensor act = SwiGluPacked(gate_up);
       at::Tensor y = Linear(act, lw.experts_down[e], at::Tensor(), options_.grad);
       if (fc2_a != nullptr) {
         at::Tensor inner = Linear(lora_input(act), value(fc2_a, e), grad(fc2_a, e), options_.grad);
@@ -320,6 +478,22 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& weight, double eps) {
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+    if (UseFusedKernels(x, weight)) {  // one kernel: statistics and output in one pass
+      const at::Tensor xc = x.contiguous(), w = weight.contiguous();
+      at::Tensor y = at::empty_like(xc);
+      std::vector<int64_t> rstd_shape(xc.sizes().begin(), xc.sizes().end());
+      rstd_shape.back() = 1;
+      at::Tensor rstd = at::empty(rstd_shape, xc.options().dtype(at::kFloat));
+      const kernels::KernelLaunch launch(xc);
+      kernels::CheckLaunch(kernels::LaunchRmsNorm(xc.data_ptr(), w.data_ptr(), kernels::ElementTypeOf(xc),
+                                                  xc.numel() / xc.size(-1), xc.size(-1), static_cast<float>(eps),
+                                                  y.data_ptr(), rstd.data_ptr<float>(), launch.stream),
+                           "rmsnorm");
+      ctx->save_for_backward({xc, w, rstd});
+      return y;
+    }
+#endif
     at::Tensor xf = x.to(at::kFloat);
     at::Tensor rstd = at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true).add_(eps));
     ctx->save_for_backward({x, weight, rstd});
@@ -331,12 +505,24 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
     const at::Tensor& g = grads[0];
-    at::Tensor normed = x.to(at::kFloat) * rstd;  // recomputed: one [.., H] fp32 pass
     at::Tensor grad_w;
     if (ctx->needs_input_grad(1)) {  // full fine-tuning trains the norms
-      at::Tensor prod = (g * normed.to(x.scalar_type())).to(at::kFloat);
+      at::Tensor prod = (g * (x.to(at::kFloat) * rstd).to(x.scalar_type())).to(at::kFloat);
       grad_w = prod.reshape({-1, prod.size(-1)}).sum(0).to(weight.scalar_type());
     }
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+    if (UseFusedKernels(x, g)) {
+      const at::Tensor gc = g.contiguous();
+      at::Tensor grad_x = at::empty_like(x);
+      const kernels::KernelLaunch launch(x);
+      kernels::CheckLaunch(kernels::LaunchRmsNormGrad(gc.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr<float>(),
+                                                      kernels::ElementTypeOf(x), x.numel() / x.size(-1), x.size(-1),
+                                                      grad_x.data_ptr(), launch.stream),
+                           "rmsnorm gradient");
+      return {grad_x, grad_w, at::Tensor()};
+    }
+#endif
+    at::Tensor normed = x.to(at::kFloat) * rstd;  // recomputed: one [.., H] fp32 pass
     at::Tensor gn = (g * weight).to(at::kFloat);  // d loss / d normed, rounded as autograd would
     at::Tensor dot = (gn * normed).mean(-1, /*keepdim=*/true);
     at::Tensor grad_x = gn.sub_(normed.mul_(dot)).mul_(rstd).to(x.scalar_type());

@@ -172,6 +172,7 @@ absl::StatusOr<std::shared_ptr<const BaseModel>> LoadBaseModel(const std::string
     LORASTEP_RETURN_IF_ERROR(ValidateLayoutForModel(sizes, base->config));
     base->shard = MakeModelShard(sizes, coords, base->config);
     base->weights = ShardModelWeights(loaded.weights, base->config, base->shard);
+    PackProjections(&base->weights);
     loaded.weights = ModelWeights();
     base->dtype = base->weights.embed_tokens.scalar_type();
     return std::shared_ptr<const BaseModel>(base);
