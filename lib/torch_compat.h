@@ -59,6 +59,31 @@ inline at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, cons
 #endif
 }
 
+// Causal attention over sequences packed back to back: q [total, heads, d], k/v [total,
+// kv_heads, d], cu_seqlens int32 [count + 1]. One flash-attention varlen kernel each way,
+// reading grouped K/V heads in place, where the torch build and dtype have it (CUDA,
+// bf16/fp16, d a multiple of 8 up to 256); undefined elsewhere (callers loop over sequences).
+inline bool HasVarlenAttention(const at::Tensor& q) {
+#if LORASTEP_TORCH_AT_LEAST(2, 5)
+  return q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) &&
+         q.size(-1) % 8 == 0 && q.size(-1) <= 256;
+#else
+  (void)q;
+  return false;
+#endif
+}
+inline at::Tensor VarlenCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& cu_seqlens, int64_t max_length) {
+#if LORASTEP_TORCH_AT_LEAST(2, 5)
+  return std::get<0>(at::_flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length,
+                                                  /*dropout_p=*/0.0, /*is_causal=*/true,
+                                                  /*return_debug_mask=*/false));
+#else
+  (void)q, (void)k, (void)v, (void)cu_seqlens, (void)max_length;
+  return at::Tensor();
+#endif
+}
+
 // Grouped GEMM (torch >= 2.8, CUDA, bf16/fp16 on Hopper: one CUTLASS kernel for all groups).
 // a [M, K] x b [G, K, N] with int32 `offs` (cumulative row ends of each group) -> [M, N];
 // a [M, K] x b [K, N] with offs over K -> [G, M, N]. Undefined where unavailable.

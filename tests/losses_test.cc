@@ -293,5 +293,24 @@ TEST(BatchTest, MicroBatchesRespectThePaddedTokenBudget) {
   EXPECT_EQ(padded, 18);
 }
 
+TEST(BatchTest, PackedMicroBatchesFillTheRealTokenBudgetFirstFit) {
+  std::vector<Datum> ds(6);
+  const int lens[6] = {5, 3, 8, 2, 6, 10};
+  for (int i = 0; i < 6; ++i) ds[i].tokens.assign(lens[i], 1);
+  const auto mbs = PackIntoMicroBatches(ds, 8);
+  // Longest first, each into the first micro-batch with room: [10] alone (over the budget),
+  // [8], [6, 2], [5, 3].
+  ASSERT_EQ(mbs.size(), 4u);
+  EXPECT_EQ(mbs[0], (std::vector<size_t>{5}));
+  EXPECT_EQ(mbs[1], (std::vector<size_t>{2}));
+  EXPECT_EQ(mbs[2], (std::vector<size_t>{4, 3}));
+  EXPECT_EQ(mbs[3], (std::vector<size_t>{0, 1}));
+  // Every datum exactly once.
+  std::vector<int> seen(ds.size(), 0);
+  for (const auto& mb : mbs)
+    for (size_t d : mb) ++seen[d];
+  EXPECT_EQ(seen, std::vector<int>(ds.size(), 1));
+}
+
 }  // namespace
 }  // namespace lorastep

@@ -202,6 +202,59 @@ TEST(ModelTest, PackedProjectionsMatchSeparateOnes) {
   }
 }
 
+// Sequences packed back to back (one row, attention within each sequence, RoPE from each
+// sequence's own start) give each sequence's hidden states and the LoRA gradients of running
+// them one at a time.
+TEST(ModelTest, PackedSequencesMatchOneAtATime) {
+  const ModelConfig c = ModelConfigPreset("tiny").value();
+  ModelWeights w = RandomModelWeights(c, 13);
+  PackProjections(&w);
+  LoraConfig lora;
+  lora.rank = 4;
+  lora.target_modules = {"all-linear"};
+  const std::vector<int64_t> lengths{5, 9, 3};
+  std::vector<at::Tensor> seqs;
+  for (int64_t n : lengths) seqs.push_back(at::randint(0, c.vocab_size, {1, n}, at::kLong));
+  const at::Tensor g = at::randn({1, 17, c.hidden_size}, at::kFloat);
+  std::vector<Adapter> adapters;
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_OK_AND_ASSIGN(Adapter adapter, Adapter::CreateLora(c, lora, at::kCPU, at::kFloat, 3));
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    at::NoGradGuard no_grad;
+    for (Parameter& p : adapter.parameters()) {
+      if (p.name.find("lora_B") != std::string::npos) p.value.normal_(0.0, 0.1, gen);
+    }
+    adapters.push_back(std::move(adapter));
+  }
+  PackedSequences packed;
+  packed.lengths = lengths;
+  packed.max_length = 9;
+  packed.cu_seqlens = at::tensor(std::vector<int32_t>{0, 5, 14, 17}, at::kInt);
+  std::vector<int64_t> positions;
+  for (int64_t n : lengths)
+    for (int64_t i = 0; i < n; ++i) positions.push_back(i);
+  packed.positions = at::tensor(positions, at::kLong);
+  ForwardOptions options;
+  options.packed = &packed;
+  at::Tensor h = Qwen2Hidden(c, w, &adapters[0], at::cat(seqs, 1), options);
+  ASSERT_EQ(h.sizes(), (at::IntArrayRef{1, 17, c.hidden_size}));
+  (h * g).sum().backward();
+  ASSERT_OK(FoldLocalGradients(&adapters[0]));
+  int64_t start = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    ForwardOptions alone;
+    at::Tensor hi = Qwen2Hidden(c, w, &adapters[1], seqs[i], alone);
+    (hi * g.narrow(1, start, lengths[i])).sum().backward();
+    EXPECT_LT(RelErr(h.detach().narrow(1, start, lengths[i]), hi.detach()), 1e-6) << "sequence " << i;
+    start += lengths[i];
+  }
+  ASSERT_OK(FoldLocalGradients(&adapters[1]));
+  for (size_t i = 0; i < adapters[0].parameters().size(); ++i) {
+    const Parameter& want = adapters[1].parameters()[i];
+    EXPECT_LT(RelErr(adapters[0].parameters()[i].main_grad, want.main_grad), 1e-5) << want.name;
+  }
+}
+
 TEST(ModelTest, SaveAndLoadSingleAndShardedFolders) {
   const ModelConfig c = ModelConfigPreset("tiny").value();
   ModelWeights w = RandomModelWeights(c, 3);

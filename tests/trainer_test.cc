@@ -354,7 +354,7 @@ TEST(ActivationBudgetTest, OverBudgetMicroBatchIsRefusedBeforeAnyWork) {
   ASSERT_GT(EstimateActivationBytes(c, base->shard, 1, n, true, 4, o.logprob_chunk_tokens),
             static_cast<double>(o.max_activation_bytes));
   EXPECT_THAT(trainer->TrainStep(huge, Ppo(), Adam()),
-              StatusIs(absl::StatusCode::kResourceExhausted, "datums[1]: a micro-batch of 4 sequence(s) padded to 500 tokens"));
+              StatusIs(absl::StatusCode::kResourceExhausted, "datums[1]: a micro-batch of 4 sequence(s), 518 tokens packed"));
   EXPECT_THAT(trainer->Forward(huge), StatusIs(absl::StatusCode::kResourceExhausted, "--max_activation_mb"));
   EXPECT_EQ(trainer->learner_version(), 0);
   EXPECT_EQ(trainer->pending_backward_calls(), 0);
@@ -365,6 +365,11 @@ TEST(ActivationBudgetTest, OverBudgetMicroBatchIsRefusedBeforeAnyWork) {
             EstimateActivationBytes(c, base->shard, 1, 512, true, 4, 1024));
   EXPECT_GT(EstimateActivationBytes(c, base->shard, 1, 512, true, 4, 1024),
             EstimateActivationBytes(c, base->shard, 1, 512, false, 4, 1024));
+  // Packed micro-batches count real tokens: one sequence is the padded estimate, a mix is less.
+  EXPECT_DOUBLE_EQ(EstimatePackedActivationBytes(c, base->shard, {500}, true, 4, 1024),
+                   EstimateActivationBytes(c, base->shard, 1, 500, true, 4, 1024));
+  EXPECT_LT(EstimatePackedActivationBytes(c, base->shard, {500, 6, 6}, true, 4, 1024),
+            EstimateActivationBytes(c, base->shard, 3, 500, true, 4, 1024));
   EXPECT_GT(AvailableHostMemoryBytes(), 0);
 }
 

@@ -61,24 +61,6 @@ __global__ void RmsNormGradKernel(const T* __restrict__ g, const T* __restrict__
 
 __device__ __forceinline__ float Sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
 
-// V consecutive elements moved as one 16-byte (V = 16 / sizeof(T)) or narrower access: the
-// elementwise kernels are memory-bound, and 2-byte accesses reached a third of the H200's
-// bandwidth (SwiGLU took 0.19 ms on 8192 x 4864 bf16).
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
-
-template <typename T, int V>
-__device__ __forceinline__ Pack<T, V> Load(const T* p, int64_t i) {
-  return reinterpret_cast<const Pack<T, V>*>(p)[i];
-}
-
-template <typename T, int V>
-__device__ __forceinline__ void Store(T* p, int64_t i, const Pack<T, V>& x) {
-  reinterpret_cast<Pack<T, V>*>(p)[i] = x;
-}
-
 // rows x f elements in packs of V (f, the strides and every pointer a multiple of the pack):
 // gate/up rows `in_ld` apart (gate_up's halves: up = gate + f, in_ld = 2f), out contiguous.
 template <typename T, int V>
@@ -123,19 +105,6 @@ __global__ void SwiGluGradKernel(const T* __restrict__ g, const T* __restrict__ 
     Store<T, V>(grad_gate, out, dg);
     Store<T, V>(grad_up, out, du);
   }
-}
-
-// Whether f, the row strides and every pointer allow 16-byte packs of T.
-template <typename T>
-bool Packable(std::initializer_list<int64_t> sizes, std::initializer_list<const void*> pointers) {
-  constexpr int kBytes = 16, kPerPack = kBytes / static_cast<int>(sizeof(T));
-  for (int64_t n : sizes) {
-    if (n % kPerPack != 0) return false;
-  }
-  for (const void* p : pointers) {
-    if (reinterpret_cast<uintptr_t>(p) % kBytes != 0) return false;
-  }
-  return true;
 }
 
 // Strides of x in elements along batch, seq and heads (unit stride along dim).

@@ -32,7 +32,9 @@ __device__ __forceinline__ Stats Push(Stats a, float z) {
   return {a.m, a.s + e, a.t + e * z};
 }
 
-template <typename T>
+// V: elements per load (16-byte packs where the row stride and vocab allow; a row of
+// 151,936 bf16 logits read 2 bytes at a time ran at ~0.65 TB/s).
+template <typename T, int V>
 __global__ void TokenScoresKernel(const T* __restrict__ logits, int64_t vocab, int64_t row_stride,
                                   const int64_t* __restrict__ targets, float* __restrict__ logprobs,
                                   float* __restrict__ entropy, float* __restrict__ lse_out,
@@ -40,7 +42,11 @@ __global__ void TokenScoresKernel(const T* __restrict__ logits, int64_t vocab, i
   const int64_t row = blockIdx.x;
   const T* z = logits + row * row_stride;
   Stats st{-INFINITY, 0.f, 0.f};
-  for (int64_t v = threadIdx.x; v < vocab; v += kThreads) st = Push(st, ToFloat(z[v]));
+  for (int64_t v = threadIdx.x; v < vocab / V; v += kThreads) {
+    const Pack<T, V> p = Load<T, V>(z, v);
+#pragma unroll
+    for (int k = 0; k < V; ++k) st = Push(st, ToFloat(p.v[k]));
+  }
   for (int offset = 16; offset > 0; offset >>= 1) {
     Stats other{__shfl_xor_sync(0xffffffff, st.m, offset), __shfl_xor_sync(0xffffffff, st.s, offset),
                 __shfl_xor_sync(0xffffffff, st.t, offset)};
@@ -71,15 +77,22 @@ __global__ void TokenScoresKernel(const T* __restrict__ logits, int64_t vocab, i
   const float lse = row_lse;
   T* p_row = probs + row * vocab;
   T* plp_row = probs_logprobs != nullptr ? probs_logprobs + row * vocab : nullptr;
-  for (int64_t v = threadIdx.x; v < vocab; v += kThreads) {
-    const float lp = ToFloat(z[v]) - lse;
-    const float p = expf(lp);
-    p_row[v] = FromFloat<T>(p);
-    if (plp_row != nullptr) plp_row[v] = FromFloat<T>(p * lp);
+  for (int64_t v = threadIdx.x; v < vocab / V; v += kThreads) {
+    const Pack<T, V> zp = Load<T, V>(z, v);
+    Pack<T, V> pp, plp;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float lp = ToFloat(zp.v[k]) - lse;
+      const float p = expf(lp);
+      pp.v[k] = FromFloat<T>(p);
+      plp.v[k] = FromFloat<T>(p * lp);
+    }
+    Store<T, V>(p_row, v, pp);
+    if (plp_row != nullptr) Store<T, V>(plp_row, v, plp);
   }
 }
 
-template <typename T>
+template <typename T, int V>
 __global__ void TokenScoresGradKernel(const T* __restrict__ logits, int64_t vocab, int64_t row_stride,
                                       const int64_t* __restrict__ targets, const float* __restrict__ lse,
                                       const float* __restrict__ entropy, const float* __restrict__ g_lp,
@@ -90,11 +103,17 @@ __global__ void TokenScoresGradKernel(const T* __restrict__ logits, int64_t voca
   const float row_lse = lse[row], ent = entropy[row];
   const float a = g_lp != nullptr ? g_lp[row] : 0.f, b = g_ent != nullptr ? g_ent[row] : 0.f;
   const int64_t target = targets[row];
-  for (int64_t v = threadIdx.x; v < vocab; v += kThreads) {
-    const float lp = ToFloat(z[v]) - row_lse;
-    float g = -expf(lp) * (a + b * (lp + ent));
-    if (v == target) g += a;
-    out[v] = FromFloat<T>(g);
+  for (int64_t v = threadIdx.x; v < vocab / V; v += kThreads) {
+    const Pack<T, V> zp = Load<T, V>(z, v);
+    Pack<T, V> gp;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float lp = ToFloat(zp.v[k]) - row_lse;
+      float g = -expf(lp) * (a + b * (lp + ent));
+      if (v * V + k == target) g += a;
+      gp.v[k] = FromFloat<T>(g);
+    }
+    Store<T, V>(out, v, gp);
   }
 }
 
@@ -102,17 +121,30 @@ template <typename T>
 void Launch(const void* logits, int64_t rows, int64_t vocab, int64_t row_stride, const int64_t* targets,
             float* logprobs, float* entropy, float* lse_out, void* probs, void* probs_logprobs,
             cudaStream_t stream) {
-  TokenScoresKernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-      static_cast<const T*>(logits), vocab, row_stride, targets, logprobs, entropy, lse_out,
-      static_cast<T*>(probs), static_cast<T*>(probs_logprobs));
+  constexpr int V = 16 / sizeof(T);
+  if (Packable<T>({vocab, row_stride}, {logits, probs, probs_logprobs})) {
+    TokenScoresKernel<T, V><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+        static_cast<const T*>(logits), vocab, row_stride, targets, logprobs, entropy, lse_out,
+        static_cast<T*>(probs), static_cast<T*>(probs_logprobs));
+  } else {
+    TokenScoresKernel<T, 1><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+        static_cast<const T*>(logits), vocab, row_stride, targets, logprobs, entropy, lse_out,
+        static_cast<T*>(probs), static_cast<T*>(probs_logprobs));
+  }
 }
 
 template <typename T>
 void LaunchGrad(const void* logits, int64_t rows, int64_t vocab, int64_t row_stride, const int64_t* targets,
                 const float* lse, const float* entropy, const float* g_lp, const float* g_ent, void* grad,
                 cudaStream_t stream) {
-  TokenScoresGradKernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-      static_cast<const T*>(logits), vocab, row_stride, targets, lse, entropy, g_lp, g_ent, static_cast<T*>(grad));
+  constexpr int V = 16 / sizeof(T);
+  if (Packable<T>({vocab, row_stride}, {logits, grad})) {
+    TokenScoresGradKernel<T, V><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+        static_cast<const T*>(logits), vocab, row_stride, targets, lse, entropy, g_lp, g_ent, static_cast<T*>(grad));
+  } else {
+    TokenScoresGradKernel<T, 1><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+        static_cast<const T*>(logits), vocab, row_stride, targets, lse, entropy, g_lp, g_ent, static_cast<T*>(grad));
+  }
 }
 
 }  // namespace

@@ -245,6 +245,25 @@ class LayerRunner {
                            options_.grad);
   }
 
+  // Causal attention of packed sequences: q [1, total, heads, d], k/v [1, total, kv, d] ->
+  // [1, total, heads * d]. One varlen kernel where available, else each sequence alone.
+  static at::Tensor PackedAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const PackedSequences& packed) {
+    const int64_t total = q.size(1), width = q.size(2) * q.size(3);
+    if (compat::HasVarlenAttention(q)) {
+      return compat::VarlenCausalAttention(q[0], k[0], v[0].contiguous(), packed.cu_seqlens, packed.max_length)
+          .reshape({1, total, width});
+    }
+    std::vector<at::Tensor> parts;
+    int64_t start = 0;
+    for (int64_t n : packed.lengths) {
+      auto heads_first = [&](const at::Tensor& t) { return t.narrow(1, start, n).transpose(1, 2); };
+      parts.push_back(compat::CausalAttention(heads_first(q), heads_first(k), heads_first(v)).transpose(1, 2));
+      start += n;
+    }
+    return at::cat(parts, 1).reshape({1, total, width});
+  }
+
   at::Tensor Dropout(const at::Tensor& x, double p) const { return LoraDropout(x, p, options_.dropout_generator); }
 
   at::Tensor Layer(size_t i, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) const {
@@ -274,11 +293,14 @@ class LayerRunner {
       k = k.narrow(2, shard->kv_select, 1);
       v = v.narrow(2, shard->kv_select, 1);
     }
-    // RoPE on the projections' own [b, s, heads, d] layout, then heads first for attention.
-    q = ApplyRope(q, cos, sin).transpose(1, 2);
-    k = ApplyRope(k, cos, sin).transpose(1, 2);
-    v = v.transpose(1, 2);
-    at::Tensor attn = compat::CausalAttention(q, k, v).transpose(1, 2).reshape({b, s, nh * d});
+    // RoPE on the projections' own [b, s, heads, d] layout.
+    q = ApplyRope(q, cos, sin);
+    k = ApplyRope(k, cos, sin);
+    at::Tensor attn = options_.packed != nullptr
+                          ? PackedAttention(q, k, v, *options_.packed)
+                          : compat::CausalAttention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+                                .transpose(1, 2)
+                                .reshape({b, s, nh * d});
     // Row-parallel o/down give partial sums (LoRA's B(A_i x_i) included): one all-reduce each.
     x = x + ReduceFromTensorRegion(Project(i, kOProj, attn), tp);
     h = CopyToTensorRegion(RmsNorm(x, lw.post_attention_norm, c_.rms_norm_eps), tp);
@@ -568,7 +590,11 @@ at::Tensor Qwen2Layers(const ModelConfig& config, const ModelWeights& base, cons
   const bool full = adapter != nullptr && adapter->full_finetune();
   const ModelWeights& weights = WeightsFor(base, adapter);
   const ModelWeights* main_grads = full ? &adapter->full_main_grads() : nullptr;
-  auto [cos, sin] = RopeTables(config, x.size(1), x.options());
+  auto [cos, sin] = RopeTables(config, options.packed != nullptr ? options.packed->max_length : x.size(1), x.options());
+  if (options.packed != nullptr) {  // one row per token, at its position in its own sequence
+    cos = cos.index_select(0, options.packed->positions);
+    sin = sin.index_select(0, options.packed->positions);
+  }
   LayerRunner runner(config, weights, main_grads, full ? nullptr : adapter, options);
   for (size_t i = 0; i < weights.layers.size(); ++i) x = runner.Layer(i, x, cos, sin);
   return x;

@@ -20,6 +20,16 @@
 
 namespace lorastep {
 
+// Sequences packed back to back in one row, without padding: the layers see x as
+// [1, total, H]; each sequence attends only within itself and RoPE uses each token's
+// position in its own sequence.
+struct PackedSequences {
+  at::Tensor cu_seqlens;         // int32 [count + 1] on the device: starts, then the total
+  at::Tensor positions;          // int64 [total] on the device: position within the sequence
+  std::vector<int64_t> lengths;  // host copy of the lengths (attention without varlen kernels)
+  int64_t max_length = 0;
+};
+
 struct ForwardOptions {
   GradOptions grad;
   bool training = true;  // LoRA dropout is active only while training
@@ -39,6 +49,8 @@ struct ForwardOptions {
   // Each MoE layer's tokens per expert ([E] int64, on the device) are appended here when
   // set; AddRoutingMetrics turns them into figures with one host synchronization.
   std::vector<at::Tensor>* routing_counts = nullptr;
+  // Packed sequences (tokens [1, total]); null: tokens [b, s], right-padded.
+  const PackedSequences* packed = nullptr;
 };
 
 // tokens: int64 [b, s] (right-padded; causal attention keeps padding out of real positions).

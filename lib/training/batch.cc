@@ -137,15 +137,42 @@ absl::Status ValidateBatch(const std::vector<Datum>& datums, const LossConfig& l
   return absl::OkStatus();
 }
 
-std::vector<std::vector<size_t>> SplitIntoMicroBatches(const std::vector<Datum>& datums,
-                                                       int64_t max_tokens) {
-  // Longest first, so each micro-batch holds datums of similar length and pads little (a
-  // 128-1024 token mix in arrival order padded ~40% of its tokens).
+namespace {
+
+std::vector<size_t> LongestFirst(const std::vector<Datum>& datums) {
   std::vector<size_t> order(datums.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     return datums[a].tokens.size() > datums[b].tokens.size();
   });
+  return order;
+}
+
+}  // namespace
+
+std::vector<std::vector<size_t>> PackIntoMicroBatches(const std::vector<Datum>& datums,
+                                                      int64_t max_tokens) {
+  std::vector<std::vector<size_t>> out;
+  std::vector<int64_t> used;
+  for (size_t i : LongestFirst(datums)) {
+    const int64_t n = static_cast<int64_t>(datums[i].tokens.size());
+    size_t bin = 0;
+    while (bin < out.size() && used[bin] + n > max_tokens) ++bin;
+    if (bin == out.size()) {
+      out.emplace_back();
+      used.push_back(0);
+    }
+    out[bin].push_back(i);
+    used[bin] += n;
+  }
+  return out;
+}
+
+std::vector<std::vector<size_t>> SplitIntoMicroBatches(const std::vector<Datum>& datums,
+                                                       int64_t max_tokens) {
+  // Longest first, so each micro-batch holds datums of similar length and pads little (a
+  // 128-1024 token mix in arrival order padded ~40% of its tokens).
+  const std::vector<size_t> order = LongestFirst(datums);
   std::vector<std::vector<size_t>> out;
   std::vector<size_t> current;
   int64_t longest = 0;

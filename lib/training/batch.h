@@ -57,6 +57,13 @@ absl::Status ValidateForwardBatch(const std::vector<Datum>& datums, int64_t voca
 std::vector<std::vector<size_t>> SplitIntoMicroBatches(const std::vector<Datum>& datums,
                                                        int64_t max_tokens);
 
+// Packs datums back to back (no padding) into micro-batches of at most max_tokens real
+// tokens: longest first (ties in arrival order), each into the first micro-batch with room
+// (first-fit decreasing); a datum longer than the budget goes alone. Within a micro-batch,
+// datums keep the order they were placed in.
+std::vector<std::vector<size_t>> PackIntoMicroBatches(const std::vector<Datum>& datums,
+                                                      int64_t max_tokens);
+
 }  // namespace lorastep
 
 #endif  // LORASTEP_LIB_TRAINING_BATCH_H_

@@ -69,8 +69,11 @@ double PeakHostMemoryBytes() {
 
 }  // namespace
 
-double EstimateActivationBytes(const ModelConfig& c, const ModelShard& shard, int64_t b, int64_t s,
-                               bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens) {
+namespace {
+
+// tokens: rows the layers see; attention_pairs: sum over sequences of length^2.
+double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tokens, double attention_pairs,
+                       bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens) {
   const int64_t tp = std::max(1, shard.tp);
   const double layers = shard.layer_end > shard.layer_begin ? static_cast<double>(shard.layer_end - shard.layer_begin)
                                                             : static_cast<double>(c.num_hidden_layers);
@@ -82,18 +85,37 @@ double EstimateActivationBytes(const ModelConfig& c, const ModelShard& shard, in
     inner = std::max(inner, (static_cast<double>(c.moe.num_experts_per_tok * c.moe.moe_intermediate_size) +
                              static_cast<double>(c.moe.shared_expert_intermediate_size)) / tp);
   }
-  const double tokens = static_cast<double>(b) * static_cast<double>(s);
   const double per_token_layer = (8.0 * h + 3.0 * inner + 4.0 * kv * d) * static_cast<double>(element_bytes);
   double attention_scores = 0;  // the unfused attention of LibTorch < 2 materializes them
 #if !LORASTEP_TORCH_AT_LEAST(2, 0)
-  attention_scores = 3.0 * static_cast<double>(b) * heads * static_cast<double>(s) * static_cast<double>(s) * 4.0;
+  attention_scores = 3.0 * heads * attention_pairs * 4.0;
 #else
-  (void)heads;
+  (void)heads, (void)attention_pairs;
 #endif
   const double per_layer = tokens * per_token_layer + attention_scores;
-  const double head = static_cast<double>(std::min<int64_t>(logprob_chunk_tokens, b * s)) *
+  const double head = std::min(static_cast<double>(logprob_chunk_tokens), tokens) *
                       static_cast<double>(c.vocab_size) / tp * (static_cast<double>(element_bytes) + 12.0);
   return (backward ? layers : 1.0) * per_layer + head;
+}
+
+}  // namespace
+
+double EstimateActivationBytes(const ModelConfig& c, const ModelShard& shard, int64_t b, int64_t s,
+                               bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens) {
+  const double tokens = static_cast<double>(b) * static_cast<double>(s);
+  return ActivationBytes(c, shard, tokens, tokens * static_cast<double>(s), backward, element_bytes,
+                         logprob_chunk_tokens);
+}
+
+double EstimatePackedActivationBytes(const ModelConfig& c, const ModelShard& shard,
+                                     const std::vector<int64_t>& lengths, bool backward, int64_t element_bytes,
+                                     int64_t logprob_chunk_tokens) {
+  double tokens = 0, pairs = 0;
+  for (int64_t n : lengths) {
+    tokens += static_cast<double>(n);
+    pairs += static_cast<double>(n) * static_cast<double>(n);
+  }
+  return ActivationBytes(c, shard, tokens, pairs, backward, element_bytes, logprob_chunk_tokens);
 }
 
 int64_t AvailableHostMemoryBytes() {
@@ -124,6 +146,12 @@ int64_t AvailableHostMemoryBytes() {
   return available;
 }
 
+std::vector<std::vector<size_t>> Trainer::SplitMicroBatches(const std::vector<Datum>& datums,
+                                                            int64_t max_tokens) const {
+  return options_.pack_sequences ? PackIntoMicroBatches(datums, max_tokens)
+                                 : SplitIntoMicroBatches(datums, max_tokens);
+}
+
 absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, const BatchOptions& batch,
                                             bool backward) const {
   int64_t budget = options_.max_activation_bytes;
@@ -137,17 +165,28 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
   const int64_t max_tokens = batch.max_tokens_per_microbatch > 0 ? batch.max_tokens_per_microbatch
                                                                  : options_.max_tokens_per_microbatch;
   const int64_t element_bytes = static_cast<int64_t>(c10::elementSize(base_->dtype));
-  for (const auto& mb : SplitIntoMicroBatches(datums, max_tokens)) {
-    int64_t longest = 0;
-    for (size_t d : mb) longest = std::max<int64_t>(longest, static_cast<int64_t>(datums[d].tokens.size()));
-    const double need = EstimateActivationBytes(base_->config, base_->shard, static_cast<int64_t>(mb.size()), longest,
-                                                backward, element_bytes, options_.logprob_chunk_tokens);
+  for (const auto& mb : SplitMicroBatches(datums, max_tokens)) {
+    int64_t longest = 0, total = 0;
+    std::vector<int64_t> lengths;
+    for (size_t d : mb) {
+      lengths.push_back(static_cast<int64_t>(datums[d].tokens.size()));
+      longest = std::max(longest, lengths.back());
+      total += lengths.back();
+    }
+    const int64_t count = static_cast<int64_t>(mb.size());
+    const double need =
+        options_.pack_sequences
+            ? EstimatePackedActivationBytes(base_->config, base_->shard, lengths, backward, element_bytes,
+                                            options_.logprob_chunk_tokens)
+            : EstimateActivationBytes(base_->config, base_->shard, count, longest, backward, element_bytes,
+                                      options_.logprob_chunk_tokens);
     if (need > static_cast<double>(budget)) {
       return absl::ResourceExhaustedError(absl::StrFormat(
-          "datums[%d]: a micro-batch of %d sequence(s) padded to %d tokens needs about %.4g MiB of "
+          "datums[%d]: a micro-batch of %d sequence(s), %d tokens%s, needs about %.4g MiB of "
           "activations, over this worker's budget of %.4g MiB; send shorter sequences, a smaller "
           "max_tokens_per_microbatch, or raise the worker's --max_activation_mb",
-          mb.front(), mb.size(), longest, need / (1 << 20), static_cast<double>(budget) / (1 << 20)));
+          mb.front(), count, options_.pack_sequences ? total : count * longest,
+          options_.pack_sequences ? " packed" : " padded", need / (1 << 20), static_cast<double>(budget) / (1 << 20)));
     }
   }
   return absl::OkStatus();
@@ -259,7 +298,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   // other GEMM shapes round differently on CUDA, and a PPO step's on-policy ratio must be
   // exactly 1 (measured: 4x larger Forward micro-batches were 12% faster but put ppo_kl at
   // 2.6e-8 against miles' 1e-8 check).
-  const auto micro_batches = SplitIntoMicroBatches(
+  const auto micro_batches = SplitMicroBatches(
       datums, batch.max_tokens_per_microbatch > 0 ? batch.max_tokens_per_microbatch
                                                   : options_.max_tokens_per_microbatch);
   ForwardOptions fwd_options{options_.grad, /*training=*/backward, &dropout_generator_};
@@ -295,6 +334,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     const std::vector<size_t>* datums = nullptr;
     int64_t b = 0, longest = 0;
     at::Tensor tokens, positions, targets;  // on the device
+    PackedSequences packed;  // with pack_sequences: tokens [1, total], no padding
     // The loss's per-position inputs, on the device before any compute: a host-to-device
     // copy of pageable memory waits for the stream, so none may run between micro-batches.
     LossInputs loss_in;
@@ -310,15 +350,33 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
       data.datums = &mb;
       for (size_t d : mb) data.longest = std::max<int64_t>(data.longest, datums[d].tokens.size());
       data.b = static_cast<int64_t>(mb.size());
-      std::vector<int64_t> tokens(data.b * data.longest, 0), positions, targets, sample_of;
+      std::vector<int64_t> rope_positions;
+      std::vector<int32_t> cu_seqlens{0};
+      if (options_.pack_sequences) {  // one row: the datums back to back
+        data.packed.max_length = data.longest;
+        data.longest = 0;
+        for (size_t d : mb) {
+          const int64_t n = static_cast<int64_t>(datums[d].tokens.size());
+          data.packed.lengths.push_back(n);
+          for (int64_t i = 0; i < n; ++i) rope_positions.push_back(i);
+          data.longest += n;
+          cu_seqlens.push_back(static_cast<int32_t>(data.longest));
+        }
+      }
+      // Rows of the token grid: one per datum, or one for all when packed.
+      const int64_t rows = options_.pack_sequences ? 1 : data.b;
+      int64_t column = 0;  // packed: where the current datum starts
+      std::vector<int64_t> tokens(rows * data.longest, 0), positions, targets, sample_of;
       std::vector<float> mask;
       std::vector<const std::vector<float>*> adv, samp, old, ref;
       for (int64_t r = 0; r < data.b; ++r) {
         const Datum& datum = datums[mb[r]];
         const int64_t n = static_cast<int64_t>(datum.tokens.size());
+        const int64_t offset = options_.pack_sequences ? column : r * data.longest;
+        column += n;
         for (int64_t i = 0; i < n; ++i) {
-          tokens[r * data.longest + i] = datum.tokens[i];
-          positions.push_back(r * data.longest + i);
+          tokens[offset + i] = datum.tokens[i];
+          positions.push_back(offset + i);
           targets.push_back(datum.target_tokens[i]);
           sample_of.push_back(static_cast<int64_t>(mb[r]));
           mask.push_back(LossMask(datum, i));
@@ -327,11 +385,16 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
         samp.push_back(&datum.logprobs);
         old.push_back(&datum.old_logprobs);
         ref.push_back(&datum.ref_logprobs);
-        physical += static_cast<double>(data.longest);
+        physical += options_.pack_sequences ? static_cast<double>(n) : static_cast<double>(data.longest);
         real_tokens += static_cast<double>(n);
         flops += DatumFlops(config, n, matmul_passes, lora_params);
       }
-      data.tokens = at::tensor(tokens, at::kLong).view({data.b, data.longest}).to(device);
+      data.tokens = at::tensor(tokens, at::kLong).view({rows, data.longest}).to(device);
+      if (options_.pack_sequences) {
+        data.b = 1;
+        data.packed.cu_seqlens = at::tensor(cu_seqlens, at::kInt).to(device);
+        data.packed.positions = at::tensor(rope_positions, at::kLong).to(device);
+      }
       data.positions = at::tensor(positions, at::kLong).to(device);
       data.targets = at::tensor(targets, at::kLong).to(device);
       data.loss_in.mask = at::tensor(mask, at::kFloat).to(device);
@@ -361,6 +424,12 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
         filler.filler = true;
         filler.b = filler.longest = 1;
         filler.tokens = at::zeros({1, 1}, at::TensorOptions().dtype(at::kLong).device(device));
+        if (options_.pack_sequences) {
+          filler.packed.lengths = {1};
+          filler.packed.max_length = 1;
+          filler.packed.cu_seqlens = at::tensor(std::vector<int32_t>{0, 1}, at::kInt).to(device);
+          filler.packed.positions = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(device));
+        }
         mbs.push_back(std::move(filler));
       }
     }
@@ -400,6 +469,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     // device's queue, read once after the last micro-batch.
     std::vector<DeviceMark> marks{DeviceMark::Now(device)};
     for (const MicroBatch& mb : mbs) {
+      fwd_options.packed = options_.pack_sequences ? &mb.packed : nullptr;
       at::Tensor x = Qwen2Embed(config, base_->weights, adapter_.get(), mb.tokens, fwd_options);
       x = Qwen2Layers(config, base_->weights, adapter_.get(), x, fwd_options);
       at::Tensor loss_value = head(mb, x);
@@ -419,6 +489,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
         static_cast<int>(mbs.size()), backward,
         [&](int i) { return std::vector<int64_t>{mbs[i].b, mbs[i].longest, config.hidden_size}; },
         [&](int i, const at::Tensor& x_in) -> at::Tensor {  // this stage's forward
+          fwd_options.packed = options_.pack_sequences ? &mbs[i].packed : nullptr;
           at::Tensor x = base_->shard.first_stage()
                              ? Qwen2Embed(config, base_->weights, adapter_.get(), mbs[i].tokens, fwd_options)
                              : x_in;

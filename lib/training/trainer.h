@@ -54,7 +54,10 @@ struct TrainerOptions {
   LoraConfig lora;
   GradOptions grad;
   uint64_t seed = 0;                          // LoRA init and dropout stream
-  int64_t max_tokens_per_microbatch = 8192;   // padded tokens per forward/backward
+  int64_t max_tokens_per_microbatch = 8192;   // tokens per forward/backward (padded ones too)
+  // Datums packed back to back in each micro-batch (no padding; attention per sequence,
+  // varlen kernels on CUDA); false: one padded row per datum.
+  bool pack_sequences = true;
   int64_t logprob_chunk_tokens = 1024;        // tokens per chunk of the fp32 logits
   double peak_flops = 0;                      // for MFU; 0 = 989e12 on CUDA, none on CPU
   // SHA-256 of the trainable tensors after each step. LoRA adapters are small (35 MB for
@@ -85,6 +88,10 @@ struct TrainerOptions {
 // the LM head's chunk (logits, log-softmax and probabilities over the vocabulary).
 double EstimateActivationBytes(const ModelConfig& config, const ModelShard& shard, int64_t b, int64_t s,
                                bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens);
+// The same for sequences of these lengths packed back to back (no padding).
+double EstimatePackedActivationBytes(const ModelConfig& config, const ModelShard& shard,
+                                     const std::vector<int64_t>& lengths, bool backward, int64_t element_bytes,
+                                     int64_t logprob_chunk_tokens);
 // Host memory this process may still allocate: MemAvailable, capped by the cgroup v2 limit.
 int64_t AvailableHostMemoryBytes();
 
@@ -178,6 +185,8 @@ class Trainer {
   // On a mesh: every rank votes with its outcome (a world-group MIN all-reduce) before it
   // commits, so either every rank applies a call or none does. World size 1: `local`.
   absl::Status AgreeOnOutcome(const absl::Status& local);
+  // The micro-batches of a call: packed (PackIntoMicroBatches) or padded per datum.
+  std::vector<std::vector<size_t>> SplitMicroBatches(const std::vector<Datum>& datums, int64_t max_tokens) const;
   // RESOURCE_EXHAUSTED when a micro-batch of `datums` would need more activation memory than
   // this worker's budget (TrainerOptions::max_activation_bytes); checked before any work.
   absl::Status CheckActivationBudget(const std::vector<Datum>& datums, const BatchOptions& batch,
