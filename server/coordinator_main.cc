@@ -96,6 +96,7 @@ ABSL_FLAG(int, max_request_mb, 64, "largest request a client may send, MiB, in [
 ABSL_FLAG(double, max_recorded_mb, 64, "MiB of recorded responses (for retries) kept per run");
 ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt, "local workers: activation budget per micro-batch, MiB");
 ABSL_FLAG(bool, unfused_wgrad, false, "local workers: unfused weight gradients");
+ABSL_FLAG(bool, pack_sequences, true, "local workers: pack each micro-batch's datums back to back (no padding)");
 ABSL_FLAG(int, cpu_threads, 0, "local workers: intra-op CPU threads (0: the worker's default)");
 ABSL_FLAG(std::string, journal_dir, "",
           "journal runs here so a restarted coordinator brings them back (needs --state_dir for the "
@@ -239,7 +240,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> passed = WorkerTestFlagNames();
     passed.insert(passed.end(), {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "state_dir", "v",
                                  "state_ttl_hours", "worker_token_file", "max_activation_mb", "unfused_wgrad",
-                                 "cpu_threads"});
+                                 "pack_sequences", "cpu_threads"});
     for (std::string& arg : NonDefaultFlagArgs(passed)) args.push_back(std::move(arg));
     if (!absl::GetFlag(FLAGS_worker_tls_cert_file).empty()) {
       args.insert(args.end(), {"--tls_cert_file", absl::GetFlag(FLAGS_worker_tls_cert_file), "--tls_key_file",

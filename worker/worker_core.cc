@@ -72,6 +72,7 @@ absl::StatusOr<int64_t> WorkerCore::CreateRun(const std::string& run_id, const L
   o.seed = seed;
   o.grad = options_.grad;
   o.max_tokens_per_microbatch = options_.max_tokens_per_microbatch;
+  o.pack_sequences = options_.pack_sequences;
   o.logprob_chunk_tokens = options_.logprob_chunk_tokens;
   o.groups = groups_.get();
   o.finalize = options_.finalize;

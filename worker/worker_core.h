@@ -27,6 +27,7 @@ struct WorkerOptions {
   std::string device = "cpu";
   std::string dtype;  // "" = config.json's
   int64_t max_tokens_per_microbatch = 8192;
+  bool pack_sequences = true;  // TrainerOptions::pack_sequences
   int64_t logprob_chunk_tokens = 1024;
   GradOptions grad;
   // Place in a mesh (world size 1 by default). The coordinator starts every rank with the

@@ -42,6 +42,7 @@ ABSL_FLAG(std::string, host, "127.0.0.1", "address to listen on");
 ABSL_FLAG(int, port, 0, "port of the Worker API (0: any free port)");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here");
 ABSL_FLAG(std::optional<int64_t>, max_tokens_per_microbatch, std::nullopt, "padded tokens per micro-batch (default 8192)");
+ABSL_FLAG(bool, pack_sequences, true, "pack each micro-batch's datums back to back (no padding; attention per sequence)");
 ABSL_FLAG(bool, unfused_wgrad, false, "weight gradients through autograd .grad instead of fused main_grad accumulation");
 ABSL_FLAG(std::string, register_with, "", "coordinator host:port to register with (and, without --rank, to get a mesh rank from)");
 ABSL_FLAG(std::string, advertise_host, "", "host the coordinator and peers reach this worker at (default: --host)");
@@ -151,6 +152,7 @@ int main(int argc, char** argv) {
   options.dtype = absl::GetFlag(FLAGS_dtype);
   if (auto n = absl::GetFlag(FLAGS_max_tokens_per_microbatch)) options.max_tokens_per_microbatch = *n;
   options.grad.fused_wgrad = !absl::GetFlag(FLAGS_unfused_wgrad);
+  options.pack_sequences = absl::GetFlag(FLAGS_pack_sequences);
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
   // MiB one micro-batch's activations may take (estimated before running; over it the call is
   // RESOURCE_EXHAUSTED). 0 (default): 80% of the available host memory on CPU; -1: off.

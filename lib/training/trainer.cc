@@ -334,7 +334,8 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     const std::vector<size_t>* datums = nullptr;
     int64_t b = 0, longest = 0;
     at::Tensor tokens, positions, targets;  // on the device
-    PackedSequences packed;  // with pack_sequences: tokens [1, total], no padding
+    bool is_packed = false;  // tokens [1, total] with `packed`, else [b, longest]
+    PackedSequences packed;
     // The loss's per-position inputs, on the device before any compute: a host-to-device
     // copy of pageable memory waits for the stream, so none may run between micro-batches.
     LossInputs loss_in;
@@ -352,7 +353,13 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
       data.b = static_cast<int64_t>(mb.size());
       std::vector<int64_t> rope_positions;
       std::vector<int32_t> cu_seqlens{0};
-      if (options_.pack_sequences) {  // one row: the datums back to back
+      // Packed into one row unless every datum has the same length (then rows of equal
+      // length pad nothing, and fused SDPA beats the varlen kernel: 0.21 vs 0.28 ms per layer
+      // at 16 x 512 on the H200, bench/results/attention.json).
+      bool uniform = true;
+      for (size_t d : mb) uniform = uniform && datums[d].tokens.size() == datums[mb.front()].tokens.size();
+      data.is_packed = options_.pack_sequences && !uniform;
+      if (data.is_packed) {  // one row: the datums back to back
         data.packed.max_length = data.longest;
         data.longest = 0;
         for (size_t d : mb) {
@@ -364,7 +371,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
         }
       }
       // Rows of the token grid: one per datum, or one for all when packed.
-      const int64_t rows = options_.pack_sequences ? 1 : data.b;
+      const int64_t rows = data.is_packed ? 1 : data.b;
       int64_t column = 0;  // packed: where the current datum starts
       std::vector<int64_t> tokens(rows * data.longest, 0), positions, targets, sample_of;
       std::vector<float> mask;
@@ -372,7 +379,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
       for (int64_t r = 0; r < data.b; ++r) {
         const Datum& datum = datums[mb[r]];
         const int64_t n = static_cast<int64_t>(datum.tokens.size());
-        const int64_t offset = options_.pack_sequences ? column : r * data.longest;
+        const int64_t offset = data.is_packed ? column : r * data.longest;
         column += n;
         for (int64_t i = 0; i < n; ++i) {
           tokens[offset + i] = datum.tokens[i];
@@ -385,12 +392,12 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
         samp.push_back(&datum.logprobs);
         old.push_back(&datum.old_logprobs);
         ref.push_back(&datum.ref_logprobs);
-        physical += options_.pack_sequences ? static_cast<double>(n) : static_cast<double>(data.longest);
+        physical += data.is_packed ? static_cast<double>(n) : static_cast<double>(data.longest);
         real_tokens += static_cast<double>(n);
         flops += DatumFlops(config, n, matmul_passes, lora_params);
       }
       data.tokens = at::tensor(tokens, at::kLong).view({rows, data.longest}).to(device);
-      if (options_.pack_sequences) {
+      if (data.is_packed) {
         data.b = 1;
         data.packed.cu_seqlens = at::tensor(cu_seqlens, at::kInt).to(device);
         data.packed.positions = at::tensor(rope_positions, at::kLong).to(device);
@@ -424,12 +431,6 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
         filler.filler = true;
         filler.b = filler.longest = 1;
         filler.tokens = at::zeros({1, 1}, at::TensorOptions().dtype(at::kLong).device(device));
-        if (options_.pack_sequences) {
-          filler.packed.lengths = {1};
-          filler.packed.max_length = 1;
-          filler.packed.cu_seqlens = at::tensor(std::vector<int32_t>{0, 1}, at::kInt).to(device);
-          filler.packed.positions = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(device));
-        }
         mbs.push_back(std::move(filler));
       }
     }
@@ -469,7 +470,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     // device's queue, read once after the last micro-batch.
     std::vector<DeviceMark> marks{DeviceMark::Now(device)};
     for (const MicroBatch& mb : mbs) {
-      fwd_options.packed = options_.pack_sequences ? &mb.packed : nullptr;
+      fwd_options.packed = mb.is_packed ? &mb.packed : nullptr;
       at::Tensor x = Qwen2Embed(config, base_->weights, adapter_.get(), mb.tokens, fwd_options);
       x = Qwen2Layers(config, base_->weights, adapter_.get(), x, fwd_options);
       at::Tensor loss_value = head(mb, x);
@@ -489,7 +490,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
         static_cast<int>(mbs.size()), backward,
         [&](int i) { return std::vector<int64_t>{mbs[i].b, mbs[i].longest, config.hidden_size}; },
         [&](int i, const at::Tensor& x_in) -> at::Tensor {  // this stage's forward
-          fwd_options.packed = options_.pack_sequences ? &mbs[i].packed : nullptr;
+          fwd_options.packed = mbs[i].is_packed ? &mbs[i].packed : nullptr;
           at::Tensor x = base_->shard.first_stage()
                              ? Qwen2Embed(config, base_->weights, adapter_.get(), mbs[i].tokens, fwd_options)
                              : x_in;
