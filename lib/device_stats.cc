@@ -1,8 +1,12 @@
 #include "lib/device_stats.h"
 
+#include <algorithm>
+
 #ifdef LORASTEP_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
@@ -23,6 +27,17 @@ int64_t CudaPeakAllocatedBytes(const c10::Device& device) {
 void ResetCudaPeakAllocated(const c10::Device& device) {
   if (!device.is_cuda()) return;
   c10::cuda::CUDACachingAllocator::resetPeakStats(device.has_index() ? device.index() : 0);
+}
+
+int64_t CudaAvailableBytes(const c10::Device& device) {
+  if (!device.is_cuda()) return -1;
+  const c10::DeviceIndex index = device.has_index() ? device.index() : 0;
+  const c10::cuda::CUDAGuard guard(index);
+  size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess) return -1;
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+  const int64_t cached_unused = stats.reserved_bytes[0].current - stats.allocated_bytes[0].current;
+  return static_cast<int64_t>(free) + std::max<int64_t>(0, cached_unused);
 }
 
 absl::Status StartKernelProfile() {
@@ -74,6 +89,7 @@ double DeviceMark::SecondsSince(const DeviceMark& earlier) const {
 }
 
 int64_t CudaPeakAllocatedBytes(const c10::Device&) { return -1; }
+int64_t CudaAvailableBytes(const c10::Device&) { return -1; }
 void ResetCudaPeakAllocated(const c10::Device&) {}
 absl::Status StartKernelProfile() {
   return absl::UnimplementedError("kernel profiles need the CUDA build");

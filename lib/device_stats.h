@@ -19,6 +19,9 @@ namespace lorastep {
 // since the last reset; -1 for a CPU device or a build without CUDA.
 int64_t CudaPeakAllocatedBytes(const c10::Device& device);
 void ResetCudaPeakAllocated(const c10::Device& device);
+// Bytes a new allocation on `device` can still get: the driver's free memory plus what the
+// caching allocator holds unused; -1 for a CPU device or a build without CUDA.
+int64_t CudaAvailableBytes(const c10::Device& device);
 
 // A Kineto trace (CPU operators and CUDA kernels) of everything run between Start and Stop,
 // saved as a Chrome trace JSON (bench/profile_summary.py turns it into a per-kernel table).

@@ -405,5 +405,42 @@ TEST(ActivationBudgetTest, OverBudgetMicroBatchIsRefusedBeforeAnyWork) {
   EXPECT_GT(AvailableHostMemoryBytes(), 0);
 }
 
+// With the default budget (0), a micro-batch the device cannot hold is refused before any
+// work, on CUDA (the device's available memory) as on CPU (the host's): 31 datums of
+// 131,072 tokens (the per-datum limit) packed into one micro-batch on a wide one-layer
+// model need ~200 GB of activations in bf16.
+TEST(ActivationBudgetTest, DefaultBudgetRefusesWhatTheDeviceCannotHold) {
+  const std::string dir = ::lorastep::testing::ScratchDir("default_budget");
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  c.hidden_size = 1024;
+  c.intermediate_size = 4096;
+  c.num_hidden_layers = 1;
+  c.num_attention_heads = 8;
+  c.num_key_value_heads = 8;
+  c.max_position_embeddings = 1 << 17;
+  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  ASSERT_OK_AND_ASSIGN(auto base, LoadBaseModel(dir + "/model", ::lorastep::testing::TestDevice().str(),
+                                                ::lorastep::testing::TestDtypeName()));
+  TrainerOptions o;
+  o.lora.rank = 4;
+  o.lora.alpha = 8;
+  o.max_tokens_per_microbatch = 1 << 23;
+  ASSERT_EQ(o.max_activation_bytes, 0);
+  ASSERT_OK_AND_ASSIGN(auto trainer, Trainer::Create(base, o));
+  const int64_t n = 1 << 17;
+  Datum d;
+  d.tokens.assign(n, 1);
+  d.target_tokens.assign(n, 2);
+  d.logprobs.assign(n, -1.0f);
+  d.advantages.assign(n, 1.0f);
+  const std::vector<Datum> batch(31, d);
+  EXPECT_GT(EstimatePackedActivationBytes(c, base->shard, std::vector<int64_t>(31, n), true, 2, o.logprob_chunk_tokens),
+            180e9);
+  EXPECT_THAT(trainer->TrainStep(batch, Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kResourceExhausted, "--max_activation_mb"));
+  EXPECT_THAT(trainer->Forward(batch), StatusIs(absl::StatusCode::kResourceExhausted, "--max_activation_mb"));
+  EXPECT_EQ(trainer->learner_version(), 0);
+}
+
 }  // namespace
 }  // namespace lorastep

@@ -156,9 +156,9 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
                                             bool backward) const {
   int64_t budget = options_.max_activation_bytes;
   if (budget < 0) return absl::OkStatus();
-  if (budget == 0) {
-    if (base_->device.is_cuda()) return absl::OkStatus();  // not estimated against the device yet
-    const int64_t available = AvailableHostMemoryBytes();
+  if (budget == 0) {  // what the device (CUDA) or this process (CPU) can still allocate
+    const int64_t available =
+        base_->device.is_cuda() ? CudaAvailableBytes(base_->device) : AvailableHostMemoryBytes();
     if (available < 0) return absl::OkStatus();
     budget = available / 10 * 8;  // room for the allocator and everything else
   }

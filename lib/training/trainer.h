@@ -74,9 +74,9 @@ struct TrainerOptions {
   std::string profile_trace_path;
   int64_t profile_train_step = 0;
   // Activation memory one micro-batch may need (EstimateActivationBytes), checked before any
-  // work: over it the call is RESOURCE_EXHAUSTED instead of an out-of-memory kill. 0 = the
-  // host memory available at call time on CPU (cgroup limit included), no check on CUDA;
-  // negative = no check.
+  // work: over it the call is RESOURCE_EXHAUSTED instead of an out-of-memory kill. 0 = 80%
+  // of what is available at call time: host memory on CPU (cgroup limit included), device
+  // memory on CUDA (free plus the caching allocator's unused blocks); negative = no check.
   int64_t max_activation_bytes = 0;
 };
 
