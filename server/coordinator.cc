@@ -162,14 +162,20 @@ void Coordinator::RestartLoop() {
     if (stopping_) return;
     WorkerClient* dead = restart_queue_.front();
     restart_queue_.pop_front();
+    if (on_mesh()) restart_queue_.clear();  // one restart brings every rank back
     lock.unlock();
-    RestartWorker(dead);
+    if (on_mesh()) {
+      RestartMesh();
+    } else {
+      RestartWorker(dead);
+    }
     lock.lock();
   }
 }
 
 Coordinator::Coordinator(CoordinatorOptions options) : options_(options) {
-  if (options_.restart_worker && options_.journal != nullptr && !on_mesh()) {
+  if (options_.journal != nullptr && (on_mesh() ? static_cast<bool>(options_.restart_mesh)
+                                                : static_cast<bool>(options_.restart_worker))) {
     restarter_ = std::thread([this] { RestartLoop(); });
   }
   auto layout = ParallelLayout::Create(options_.mesh, options_.mesh.world());
@@ -271,6 +277,40 @@ void Coordinator::RestartWorker(WorkerClient* dead) {
       if (run->ranks.size() == 1 && run->ranks[0] == dead) orphans.push_back(run);
     }
   }
+  RestoreOrphans(orphans);
+}
+
+void Coordinator::RestartMesh() {
+  auto fresh = options_.restart_mesh();
+  if (!fresh.ok()) {
+    LORASTEP_LOG(Error) << "lorastep_coordinator: restarting the mesh: " << fresh.status();
+    return;
+  }
+  std::vector<std::shared_ptr<RunState>> orphans;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // The old clients stay (down, alive): calls of runs placed on them fail as down until
+    // the run is restored onto the new ranks.
+    for (auto& w : workers_) {
+      if (w == nullptr) continue;
+      down_.insert(w.get());
+      replaced_.push_back(std::move(w));
+    }
+    workers_.clear();
+    for (const auto& [id, run] : runs_) orphans.push_back(run);  // every run spans every rank
+  }
+  for (auto& worker : *fresh) {
+    const std::string address = worker->address();
+    if (absl::Status added = AddWorker(std::move(worker)); !added.ok()) {
+      LORASTEP_LOG(Error) << "lorastep_coordinator: the restarted rank at " << address << ": " << added;
+      return;
+    }
+  }
+  LORASTEP_LOG(Info) << "lorastep_coordinator: mesh " << layout_.ToString() << " restarted";
+  RestoreOrphans(orphans);
+}
+
+void Coordinator::RestoreOrphans(const std::vector<std::shared_ptr<RunState>>& orphans) {
   for (const auto& old : orphans) {
     std::lock_guard<std::mutex> run_lock(old->mu);  // after the call that found the worker dead
     const std::string run_id = old->run.run_id();
@@ -355,7 +395,7 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, 
   LORASTEP_RETURN_IF_ERROR(ValidateLoraConfig(lora));
   std::unique_lock<std::mutex> lock(mu_);
   const size_t registered = RegisteredWorkers();
-  if (on_mesh() && !down_.empty()) {
+  if (on_mesh() && !Serving()) {  // a rank of the current mesh is down (replaced ones stay in down_)
     return absl::UnavailableError("coordinator: a rank of the mesh is down; restart the mesh");
   }
   if (registered == 0 || (on_mesh() && registered < static_cast<size_t>(options_.mesh.world()))) {
@@ -822,9 +862,11 @@ absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
     std::lock_guard<std::mutex> lock(mu_);
     for (int r : ranks) {
       if (down_.count(run.ranks[r])) {
-        return absl::UnavailableError(absl::StrCat("worker ", run.ranks[r]->address(),
-                                                   " is down: the run's state there is lost; LoadState a "
-                                                   "checkpoint into a new run (CreateRun with init_from)"));
+        return absl::UnavailableError(absl::StrCat(
+            "worker ", run.ranks[r]->address(),
+            restarter_.joinable() ? " is down: it is being restarted and the run restored from its autosave; retry"
+                                  : " is down: the run's state there is lost; LoadState a checkpoint into a new "
+                                    "run (CreateRun with init_from)"));
       }
     }
   }

@@ -74,6 +74,11 @@ struct CoordinatorOptions {
   // its runs are restored from their autosaves onto the workers that are up. Unset: a dead
   // worker stays down (runs on it fail until it is replaced by registration).
   std::function<absl::StatusOr<std::unique_ptr<WorkerClient>>(const std::string& address)> restart_worker;
+  // The same for a mesh of local workers: stops every rank still running and starts all of
+  // them again at a fresh rendezvous, returning their clients in rank order. With a journal,
+  // a rank found dead brings the whole mesh back this way (communicators cannot take a new
+  // member alone) and every run is restored from its autosave. Unset: the mesh stays down.
+  std::function<absl::StatusOr<std::vector<std::unique_ptr<WorkerClient>>>()> restart_mesh;
 };
 
 // Who is calling, as the service's authentication established it.
@@ -233,6 +238,9 @@ class Coordinator {
   // Restarts of dead local workers and the restores of their runs (RestartWorker), on one
   // long-lived thread: a worker dies with the thread that started it (PR_SET_PDEATHSIG).
   void RestartWorker(WorkerClient* dead);
+  void RestartMesh();
+  // Restores runs whose workers were replaced from their autosaves onto the workers now up.
+  void RestoreOrphans(const std::vector<std::shared_ptr<RunState>>& orphans);
   void RestartLoop();
   std::thread restarter_;
   std::deque<WorkerClient*> restart_queue_;  // guarded by mu_

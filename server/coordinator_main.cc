@@ -26,6 +26,7 @@
 // With --tp/--pp/--dp (default 1) it starts tp*pp*dp local workers, rank r on cuda:r (or a
 // CPU process each), forming one mesh; with --workers the listed workers must be the ranks
 // of such a mesh (started with matching --rank/--tp/--pp/--dp/--rendezvous).
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -277,7 +278,7 @@ int main(int argc, char** argv) {
     for (const auto& child : local) addresses.push_back(child.address());
   }
   // With a journal, a local worker that dies is started again and its runs come back from
-  // their autosaves (one worker per run: meshes are rebuilt by restarting the coordinator).
+  // their autosaves (a mesh: see restart_mesh below).
   if (journal && world == 1 && !local.empty()) {
     options.restart_worker = [&](const std::string& address) -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
       std::lock_guard<std::mutex> lock(local_mu);
@@ -292,6 +293,28 @@ int main(int argc, char** argv) {
         return std::unique_ptr<WorkerClient>(std::move(client));
       }
       return absl::NotFoundError(absl::StrCat("no local worker at ", address));
+    };
+  }
+  // A mesh comes back whole: every local rank is stopped and started again at a fresh
+  // rendezvous (a process group cannot take a new member alone).
+  if (journal && world > 1 && !local.empty()) {
+    options.restart_mesh = [&]() -> absl::StatusOr<std::vector<std::unique_ptr<WorkerClient>>> {
+      std::lock_guard<std::mutex> lock(local_mu);
+      local.clear();  // stops and reaps the ranks still running
+      const std::string rendezvous = absl::StrCat("127.0.0.1:", FreeLocalPort());
+      for (auto& args : per_rank) {
+        auto flag = std::find(args.begin(), args.end(), "--rendezvous");
+        if (flag != args.end() && std::next(flag) != args.end()) *std::next(flag) = rendezvous;
+      }
+      LORASTEP_ASSIGN_OR_RETURN(local, ChildServer::StartAll(binary, per_rank, absl::GetFlag(FLAGS_worker_start_timeout_s)));
+      std::vector<std::unique_ptr<WorkerClient>> clients;
+      for (const ChildServer& child : local) {
+        auto client = std::make_unique<GrpcWorkerClient>(child.address(), std::chrono::seconds(worker_call_timeout),
+                                                         worker_token, worker_tls);
+        LORASTEP_RETURN_IF_ERROR(client->WaitReady(60));
+        clients.push_back(std::move(client));
+      }
+      return clients;
     };
   }
   Coordinator core{options};

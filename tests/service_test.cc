@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <sstream>
 #include <thread>
 
 #include <google/protobuf/util/message_differencer.h>
@@ -1058,6 +1059,67 @@ TEST(ProcessTest, KilledWorkerIsRestartedAndItsRunsResume) {
   EXPECT_NE(second, first);
   // Applied once: the retry again is answered from the record.
   ASSERT_OK_AND_ASSIGN(v1::StepResponse again, client->TrainStep(step3));
+  EXPECT_EQ(again.adapter_sha256(), r->adapter_sha256());
+  ASSERT_OK_AND_ASSIGN(RunSession reference, RunSession::Create(client.get(), Lora(), 3));
+  for (int i = 0; i < 2; ++i) ASSERT_OK(reference.TrainStep(Batch(i), Ppo(), Adam()).status());
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse want, reference.TrainStep(Batch(2), Ppo(), Adam()));
+  EXPECT_EQ(r->adapter_sha256(), want.adapter_sha256());
+}
+
+// Issue 8: a rank of a local mesh killed (SIGKILL). A process group cannot take a new member
+// alone, so the coordinator stops the other rank, starts both again at a fresh rendezvous
+// and restores the run from its autosave; the client's retry applies the step once, and
+// the result equals an uninterrupted run on the same mesh.
+TEST(ProcessTest, KilledMeshRankRestartsTheMeshAndItsRunsResume) {
+  const std::string dir = ScratchDir("mesh_restart");
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  ASSERT_OK_AND_ASSIGN(
+      ChildServer server,
+      ChildServer::Start(Binary("server/lorastep_coordinator"),
+                         {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"), "--state_dir",
+                          dir + "/store", "--journal_dir", dir + "/journal", "--dp", "2", "--collective_timeout_s",
+                          "20"},
+                         180));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
+  for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
+  auto worker_pids = [&]() -> std::vector<int> {
+    const std::string list = absl::StrCat("pgrep -P ", server.pid(), " > ", dir, "/children");
+    std::vector<int> pids;
+    if (system(list.c_str()) != 0) return pids;
+    auto children = ReadFileToString(dir + "/children");
+    if (!children.ok()) return pids;
+    std::istringstream lines(*children);
+    for (int pid = 0; lines >> pid;) pids.push_back(pid);
+    return pids;
+  };
+  const std::vector<int> before = worker_pids();
+  ASSERT_EQ(before.size(), 2u);
+  ASSERT_EQ(kill(before[1], SIGKILL), 0);
+  v1::TrainStepRequest step3;
+  step3.set_run_id(run.run_id());
+  step3.set_request_id("after-the-kill");
+  step3.set_sequence_id(3);
+  for (const auto& d : Batch(2)) *step3.add_datums() = d;
+  *step3.mutable_loss() = Ppo();
+  *step3.mutable_adamw() = Adam();
+  absl::StatusOr<v1::StepResponse> r = absl::UnknownError("not tried");
+  int failures = 0;
+  for (int i = 0; i < 600 && !r.ok(); ++i) {  // up to 120 s while the mesh restarts
+    r = client->TrainStep(step3);
+    if (!r.ok()) {
+      ++failures;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  }
+  ASSERT_OK(r.status());
+  EXPECT_GE(failures, 1) << "the first try met the dead rank";
+  EXPECT_EQ(r->learner_version(), 3);
+  const std::vector<int> after = worker_pids();
+  ASSERT_EQ(after.size(), 2u);
+  for (int pid : after) EXPECT_TRUE(pid != before[0] && pid != before[1]) << "every rank was started again";
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse again, client->TrainStep(step3));  // answered from the record
   EXPECT_EQ(again.adapter_sha256(), r->adapter_sha256());
   ASSERT_OK_AND_ASSIGN(RunSession reference, RunSession::Create(client.get(), Lora(), 3));
   for (int i = 0; i < 2; ++i) ASSERT_OK(reference.TrainStep(Batch(i), Ppo(), Adam()).status());
