@@ -1012,6 +1012,34 @@ TEST(ProcessTest, FullFinetuneRunsAutosaveLessOften) {
 // coordinator and its runs come back from their autosaves: the client's retry of the step
 // that met the dead worker (same request_id) is applied once, and the run then equals one
 // that never lost its worker.
+// The third step of Batch(2), sent by hand so that its request_id can be retried.
+v1::TrainStepRequest StepAfterTheKill(const std::string& run_id) {
+  v1::TrainStepRequest step;
+  step.set_run_id(run_id);
+  step.set_request_id("after-the-kill");
+  step.set_sequence_id(3);
+  for (const auto& d : Batch(2)) *step.add_datums() = d;
+  *step.mutable_loss() = Ppo();
+  *step.mutable_adamw() = Adam();
+  return step;
+}
+
+// Sends `step` every 200 ms for up to `seconds` while a worker or mesh restarts; each failure
+// must be UNAVAILABLE or NOT_FOUND (the run not restored yet) and is counted.
+absl::StatusOr<v1::StepResponse> RetryWhileRestarting(TrainerClient* client, const v1::TrainStepRequest& step,
+                                                     int seconds, int* failures) {
+  absl::StatusOr<v1::StepResponse> r = absl::UnknownError("not tried");
+  for (int i = 0; i < seconds * 5 && !r.ok(); ++i) {
+    r = client->TrainStep(step);
+    if (!r.ok()) {
+      ++*failures;
+      EXPECT_TRUE(absl::IsUnavailable(r.status()) || absl::IsNotFound(r.status())) << r.status();
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  }
+  return r;
+}
+
 TEST(ProcessTest, KilledWorkerIsRestartedAndItsRunsResume) {
   const std::string dir = ScratchDir("worker_restart");
   ModelConfig c = ModelConfigPreset("tiny").value();
@@ -1034,23 +1062,9 @@ TEST(ProcessTest, KilledWorkerIsRestartedAndItsRunsResume) {
   const int first = worker_pid();
   ASSERT_GT(first, 0);
   ASSERT_EQ(kill(first, SIGKILL), 0);
-  v1::TrainStepRequest step3;
-  step3.set_run_id(run.run_id());
-  step3.set_request_id("after-the-kill");
-  step3.set_sequence_id(3);
-  for (const auto& d : Batch(2)) *step3.add_datums() = d;
-  *step3.mutable_loss() = Ppo();
-  *step3.mutable_adamw() = Adam();
-  absl::StatusOr<v1::StepResponse> r = absl::UnknownError("not tried");
+  const v1::TrainStepRequest step3 = StepAfterTheKill(run.run_id());
   int failures = 0;
-  for (int i = 0; i < 300 && !r.ok(); ++i) {  // up to 60 s while the worker restarts
-    r = client->TrainStep(step3);
-    if (!r.ok()) {
-      ++failures;
-      EXPECT_TRUE(absl::IsUnavailable(r.status()) || absl::IsNotFound(r.status())) << r.status();
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    }
-  }
+  absl::StatusOr<v1::StepResponse> r = RetryWhileRestarting(client.get(), step3, 60, &failures);
   ASSERT_OK(r.status());
   EXPECT_GE(failures, 1) << "the first try met the dead worker";
   EXPECT_EQ(r->learner_version(), 3);
@@ -1097,22 +1111,9 @@ TEST(ProcessTest, KilledMeshRankRestartsTheMeshAndItsRunsResume) {
   const std::vector<int> before = worker_pids();
   ASSERT_EQ(before.size(), 2u);
   ASSERT_EQ(kill(before[1], SIGKILL), 0);
-  v1::TrainStepRequest step3;
-  step3.set_run_id(run.run_id());
-  step3.set_request_id("after-the-kill");
-  step3.set_sequence_id(3);
-  for (const auto& d : Batch(2)) *step3.add_datums() = d;
-  *step3.mutable_loss() = Ppo();
-  *step3.mutable_adamw() = Adam();
-  absl::StatusOr<v1::StepResponse> r = absl::UnknownError("not tried");
+  const v1::TrainStepRequest step3 = StepAfterTheKill(run.run_id());
   int failures = 0;
-  for (int i = 0; i < 600 && !r.ok(); ++i) {  // up to 120 s while the mesh restarts
-    r = client->TrainStep(step3);
-    if (!r.ok()) {
-      ++failures;
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    }
-  }
+  absl::StatusOr<v1::StepResponse> r = RetryWhileRestarting(client.get(), step3, 120, &failures);
   ASSERT_OK(r.status());
   EXPECT_GE(failures, 1) << "the first try met the dead rank";
   EXPECT_EQ(r->learner_version(), 3);
