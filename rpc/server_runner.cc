@@ -1,5 +1,7 @@
 #include "rpc/server_runner.h"
 
+#include <malloc.h>
+
 #include "lib/log.h"
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -159,6 +161,11 @@ void DeclareRequestMetrics(PrometheusRegistry* metrics) {
 }
 
 }  // namespace
+
+void KeepLargeBuffersInTheHeap() {
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);   // the largest glibc accepts on 64-bit
+  mallopt(M_TRIM_THRESHOLD, 256 << 20);  // freed memory above this goes back to the OS
+}
 
 void BlockShutdownSignals() {
   sigset_t set = ShutdownSignals();
