@@ -17,6 +17,11 @@ class FairMutex {
     const uint64_t ticket = next_ticket_++;
     cv_.wait(guard, [&] { return serving_ == ticket; });
   }
+  // Tickets taken and not yet released: the holder plus every waiter.
+  uint64_t queued() {
+    std::lock_guard<std::mutex> guard(mu_);
+    return next_ticket_ - serving_;
+  }
   void unlock() {
     {
       std::lock_guard<std::mutex> guard(mu_);

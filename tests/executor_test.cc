@@ -60,7 +60,9 @@ TEST(FairMutexTest, WaitersAreAdmittedInArrivalOrder) {
       std::lock_guard<FairMutex> l(m);
       order.push_back(i);
     });
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // thread i queues before i + 1
+    // Thread i holds its ticket before thread i + 1 starts (a fixed sleep was not enough on a
+    // loaded 2-core machine: CI saw {1, 2, 3, 0}).
+    while (m.queued() < static_cast<uint64_t>(i) + 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   m.unlock();
   for (auto& t : threads) t.join();
