@@ -1042,14 +1042,9 @@ absl::StatusOr<v1::StepResponse> RetryWhileRestarting(TrainerClient* client, con
 
 TEST(ProcessTest, KilledWorkerIsRestartedAndItsRunsResume) {
   const std::string dir = ScratchDir("worker_restart");
-  ModelConfig c = ModelConfigPreset("tiny").value();
-  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
-  ASSERT_OK_AND_ASSIGN(
-      ChildServer server,
-      ChildServer::Start(Binary("server/lorastep_coordinator"),
-                         {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"), "--state_dir",
-                          dir + "/store", "--journal_dir", dir + "/journal"},
-                         120));
+  ASSERT_OK_AND_ASSIGN(ChildServer server,
+                       StartTinyCoordinator("worker_restart_model",
+                                            {"--state_dir", dir + "/store", "--journal_dir", dir + "/journal"}));
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
   ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
   for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
@@ -1086,15 +1081,10 @@ TEST(ProcessTest, KilledWorkerIsRestartedAndItsRunsResume) {
 // the result equals an uninterrupted run on the same mesh.
 TEST(ProcessTest, KilledMeshRankRestartsTheMeshAndItsRunsResume) {
   const std::string dir = ScratchDir("mesh_restart");
-  ModelConfig c = ModelConfigPreset("tiny").value();
-  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
-  ASSERT_OK_AND_ASSIGN(
-      ChildServer server,
-      ChildServer::Start(Binary("server/lorastep_coordinator"),
-                         {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"), "--state_dir",
-                          dir + "/store", "--journal_dir", dir + "/journal", "--dp", "2", "--collective_timeout_s",
-                          "20"},
-                         180));
+  ASSERT_OK_AND_ASSIGN(ChildServer server,
+                       StartTinyCoordinator("mesh_restart_model", {"--state_dir", dir + "/store", "--journal_dir",
+                                                                   dir + "/journal", "--dp", "2",
+                                                                   "--collective_timeout_s", "20"}));
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
   ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
   for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());

@@ -2,7 +2,6 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <memory>
 #include <vector>
 
 #include "lib/torch_compat.h"
@@ -117,27 +116,27 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, at::TensorList as,
                             at::TensorList bs, const at::Tensor& weight, MainGradRef bias_ref,
-                            std::shared_ptr<LoraGroupMeta> meta, double scale, bool fused) {
+                            const LoraGroupMeta& meta, double scale, bool fused) {
     const at::Tensor& bias = bias_ref.tensor;
     at::Tensor x2d = FoldLeadingDims(x);
     at::Tensor a_cat = as.size() == 1 ? as[0] : at::cat(as, 0);  // [sum r, in]
     at::Tensor xa = at::mm(x2d, a_cat.t());
     at::Tensor y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
-    const std::vector<int64_t> col = ColumnStarts(meta->widths);
+    const std::vector<int64_t> col = ColumnStarts(meta.widths);
     int64_t r0 = 0;
     for (size_t j = 0; j < bs.size(); ++j) {
-      const int part = meta->lora_parts[j];
+      const int part = meta.lora_parts[j];
       const int64_t r = bs[j].size(1);
-      y.narrow(1, col[part], meta->widths[part]).addmm_(xa.narrow(1, r0, r), bs[j].t(), /*beta=*/1, /*alpha=*/scale);
+      y.narrow(1, col[part], meta.widths[part]).addmm_(xa.narrow(1, r0, r), bs[j].t(), /*beta=*/1, /*alpha=*/scale);
       r0 += r;
     }
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["fused"] = fused;
-    ctx->saved_data["widths"] = meta->widths;
-    ctx->saved_data["lora_parts"] = std::vector<int64_t>(meta->lora_parts.begin(), meta->lora_parts.end());
+    ctx->saved_data["widths"] = meta.widths;
+    ctx->saved_data["lora_parts"] = std::vector<int64_t>(meta.lora_parts.begin(), meta.lora_parts.end());
     if (fused) {
-      ctx->saved_data["a_grads"] = meta->a_grads;
-      ctx->saved_data["b_grads"] = meta->b_grads;
+      ctx->saved_data["a_grads"] = meta.a_grads;
+      ctx->saved_data["b_grads"] = meta.b_grads;
     }
     std::vector<at::Tensor> saved{x2d, xa, a_cat, weight};
     saved.insert(saved.end(), bs.begin(), bs.end());
@@ -292,23 +291,23 @@ at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::T
 
 at::Tensor LoraLinearGroup(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                            const std::vector<LoraGroupPart>& parts, double scale, const GradOptions& options) {
-  auto meta = std::make_shared<LoraGroupMeta>();
+  LoraGroupMeta meta;
   std::vector<at::Tensor> as, bs;
   for (size_t i = 0; i < parts.size(); ++i) {
-    meta->widths.push_back(parts[i].width);
+    meta.widths.push_back(parts[i].width);
     if (!parts[i].a.defined()) continue;
-    meta->lora_parts.push_back(static_cast<int>(i));
+    meta.lora_parts.push_back(static_cast<int>(i));
     as.push_back(parts[i].a);
     bs.push_back(parts[i].b);
-    meta->a_grads.push_back(parts[i].a_main_grad);
-    meta->b_grads.push_back(parts[i].b_main_grad);
+    meta.a_grads.push_back(parts[i].a_main_grad);
+    meta.b_grads.push_back(parts[i].b_main_grad);
   }
   if (as.empty()) {  // no branch: the frozen GEMM alone
     at::Tensor y = Linear(x, weight, at::Tensor(), options);
     return bias.defined() ? y + bias : y;
   }
   return LoraLinearGroupFunction::apply(x, at::TensorList(as), at::TensorList(bs), weight, MainGradRef{bias},
-                                        std::move(meta), scale, options.fused_wgrad);
+                                        meta, scale, options.fused_wgrad);
 }
 
 at::Tensor AdjacentRows(const std::vector<at::Tensor>& parts) {
