@@ -30,12 +30,17 @@ run_ours() {  # mode workload rank [micro-batch: an extra row, file ours_MODE_W_
 for spec in ${STEP_OURS:-lora:fixed:32 full:fixed:0 logprobs:fixed:32 lora:varlen:32 full:varlen:0}; do
   IFS=: read -r mode w rank mt <<< "$spec"; run_ours "$mode" "$w" "$rank" "$mt"
 done
-if [ -n "${STEP_UNFUSED:-}" ]; then  # the same LoRA step with lorastep's fused layer kernels off
-  for spec in $STEP_UNFUSED; do
-    IFS=: read -r mode w rank mt <<< "$spec"
-    LORASTEP_FUSED_KERNELS=0 NAME_SUFFIX=_unfused run_ours "$mode" "$w" "$rank" "$mt"
-  done
-fi
+# A/B rows in the same call: STEP_UNFUSED (lorastep's fused layer kernels off, files
+# *_unfused.json) and STEP_NOFOLD (LoRA B addmms instead of the K-concatenated gate/up GEMM,
+# files *_nofold.json), each a list of specs like STEP_OURS.
+for spec in ${STEP_UNFUSED:-}; do
+  IFS=: read -r mode w rank mt <<< "$spec"
+  LORASTEP_FUSED_KERNELS=0 NAME_SUFFIX=_unfused run_ours "$mode" "$w" "$rank" "$mt"
+done
+for spec in ${STEP_NOFOLD:-}; do
+  IFS=: read -r mode w rank mt <<< "$spec"
+  LORASTEP_FOLD_LORA_B=0 NAME_SUFFIX=_nofold run_ours "$mode" "$w" "$rank" "$mt"
+done
 for spec in ${STEP_HF:-lora:fixed full:fixed logprobs:fixed lora:varlen}; do
   IFS=: read -r mode w <<< "$spec"
   python3 bench/peft_step.py --model $MODEL --mode "$mode" --batch "$OUT/batch_$w.json" --out "$OUT/hf_${mode}_$w.json" 2>&1 | tail -1 | cut -c1-300

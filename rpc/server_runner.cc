@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "lib/io/file_util.h"
 #include "lib/status_macros.h"
 
@@ -162,9 +163,10 @@ void DeclareRequestMetrics(PrometheusRegistry* metrics) {
 
 }  // namespace
 
-void KeepLargeBuffersInTheHeap() {
+void TuneProcessForServing() {
   mallopt(M_MMAP_THRESHOLD, 32 << 20);   // the largest glibc accepts on 64-bit
   mallopt(M_TRIM_THRESHOLD, 256 << 20);  // freed memory above this goes back to the OS
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 }
 
 void BlockShutdownSignals() {

@@ -19,11 +19,14 @@ namespace lorastep {
 void BlockShutdownSignals();
 // Waits until SIGINT or SIGTERM arrives.
 void WaitForShutdownSignal();
-// Keeps buffers up to 32 MiB in malloc's heap between calls instead of mapping and
-// unmapping them each time (glibc's default for large blocks): a TrainStep's request and
-// response (about 1 MB for 64 x 512 tokens) were paid for in page faults on every call.
-// Call first in a server's main. Memory freed by DeleteRun is still returned (malloc_trim).
-void KeepLargeBuffersInTheHeap();
+// Per-call costs a server should not pay; call first in a server's main.
+//  - Buffers up to 32 MiB stay in malloc's heap between calls instead of being mapped and
+//    unmapped each time (glibc's default for large blocks): a TrainStep's request and
+//    response (about 1 MB for 64 x 512 tokens) were paid for in page faults on every call.
+//    Memory freed by DeleteRun is still returned (malloc_trim).
+//  - absl::Mutex's deadlock detection (on in Debian's abseil build, which gRPC's locks use)
+//    is switched off: it kept a lock graph on every acquisition (GraphCycles in perf).
+void TuneProcessForServing();
 
 // Binds `host:port` (port 0 = any free port), registers the services, switches on
 // grpc.health.v1 and reflection. `*bound_port` receives the port.

@@ -111,7 +111,7 @@ ABSL_FLAG(int, autosave_every_steps, 1, "with --journal_dir: save a run's worker
 
 int main(int argc, char** argv) {
   using namespace lorastep;
-  KeepLargeBuffersInTheHeap();
+  TuneProcessForServing();
   BlockShutdownSignals();
   ParseCommandLineOrExit(argc, argv,
                    "lorastep_coordinator [--model DIR | --workers A,B | --wait_for_workers] [flags]: the "

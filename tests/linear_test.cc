@@ -8,6 +8,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "lib/model/adapter.h"
 #include "lib/training/grad_finalizer.h"
@@ -216,6 +217,63 @@ TEST_P(LoraLinearTest, FusedAndUnfusedGiveTheSameModelGradients) {
   for (size_t i = 0; i < grads[0].size(); ++i) {
     EXPECT_GT(grads[0][i].abs().sum().item<double>(), 0) << i;
     EXPECT_LT(RelErr(grads[1][i], grads[0][i]), Tol(1e-5)) << i;
+  }
+}
+
+// LoraLinearGroup (three projections packed, two with a branch, a bias) against the fp64
+// dense reference, for a group narrow enough to add each branch with its own addmm and one
+// wide enough to run the branches inside the base GEMM (FoldBranchIntoBaseGemm).
+TEST_P(LoraLinearTest, GroupMatchesDenseReferenceFoldedOrNot) {
+  const bool fused = GetParam();
+  const auto opts = at::TensorOptions().device(TestDevice()).dtype(TestDtype());
+  const int64_t r = 4;
+  const double scale = 1.5;
+  struct Shape {
+    int64_t in;
+    std::vector<int64_t> widths;
+    bool folded;
+  };
+  for (const Shape& shape : {Shape{24, {16, 8, 8}, false}, Shape{8, {40, 32, 48}, true}}) {
+    const int64_t in = shape.in, out = shape.widths[0] + shape.widths[1] + shape.widths[2];
+    at::Tensor w = at::randn({out, in}, opts), bias = at::randn({out}, opts);
+    ASSERT_EQ(FoldBranchIntoBaseGemm(w, 2 * r), shape.folded) << in;
+    std::vector<LoraGroupPart> parts(3);
+    for (int i = 0; i < 3; ++i) {
+      parts[i].width = shape.widths[i];
+      if (i == 1) continue;  // the middle projection has no branch
+      parts[i].a = (at::randn({r, in}, opts) * 0.3).requires_grad_(true);
+      parts[i].b = (at::randn({shape.widths[i], r}, opts) * 0.3).requires_grad_(true);
+      parts[i].a_main_grad = at::zeros({r, in}, opts.dtype(at::kFloat));
+      parts[i].b_main_grad = at::zeros({shape.widths[i], r}, opts.dtype(at::kFloat));
+    }
+    at::Tensor x = at::randn({3, 5, in}, opts).requires_grad_(true);
+    at::Tensor upstream = at::randn({3, 5, out}, opts);
+    at::Tensor y = LoraLinearGroup(x, w, bias, parts, scale, GradOptions{fused, false});
+    (y * upstream).sum().backward();
+
+    auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(true); };
+    at::Tensor xr = f64(x);
+    std::vector<at::Tensor> ar(3), br(3), cols;
+    int64_t col = 0;
+    for (int i = 0; i < 3; ++i) {
+      at::Tensor yi = at::matmul(xr, f64(w.narrow(0, col, shape.widths[i])).t());
+      if (i != 1) {
+        ar[i] = f64(parts[i].a);
+        br[i] = f64(parts[i].b);
+        yi = yi + at::matmul(at::matmul(xr, ar[i].t()), br[i].t()) * scale;
+      }
+      cols.push_back(yi);
+      col += shape.widths[i];
+    }
+    at::Tensor yr = at::cat(cols, -1) + bias.to(at::kDouble);
+    (yr * upstream.to(at::kDouble)).sum().backward();
+    const std::string what = shape.folded ? "folded" : "addmm";
+    EXPECT_LT(RelErr(y, yr), Tol(1e-6)) << what;
+    EXPECT_LT(RelErr(x.grad(), xr.grad()), Tol(1e-6)) << what;
+    for (int i : {0, 2}) {
+      EXPECT_LT(RelErr(fused ? parts[i].a_main_grad : parts[i].a.grad(), ar[i].grad()), Tol(1e-6)) << what << i;
+      EXPECT_LT(RelErr(fused ? parts[i].b_main_grad : parts[i].b.grad(), br[i].grad()), Tol(1e-6)) << what << i;
+    }
   }
 }
 

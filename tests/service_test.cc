@@ -27,6 +27,7 @@
 #include "lib/model/model_weights.h"
 #include "lib/io/safetensors.h"
 #include "lib/io/tensor_bytes.h"
+#include "lib/parallel/process_groups.h"
 #include "lib/training/trainer.h"
 #include "lib/io/state_store.h"
 #include "server/child_server.h"
@@ -1080,6 +1081,7 @@ TEST(ProcessTest, KilledWorkerIsRestartedAndItsRunsResume) {
 // and restores the run from its autosave; the client's retry applies the step once, and
 // the result equals an uninterrupted run on the same mesh.
 TEST(ProcessTest, KilledMeshRankRestartsTheMeshAndItsRunsResume) {
+  if (!CpuCollectivesAvailable()) GTEST_SKIP() << "a CPU mesh needs a build with gloo";
   const std::string dir = ScratchDir("mesh_restart");
   ASSERT_OK_AND_ASSIGN(ChildServer server,
                        StartTinyCoordinator("mesh_restart_model", {"--state_dir", dir + "/store", "--journal_dir",

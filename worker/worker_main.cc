@@ -115,7 +115,7 @@ absl::StatusOr<lorastep::v1::JoinMeshResponse> JoinMesh(const std::string& coord
 
 int main(int argc, char** argv) {
   using namespace lorastep;
-  KeepLargeBuffersInTheHeap();
+  TuneProcessForServing();
   BlockShutdownSignals();
   ParseCommandLineOrExit(argc, argv,
                    "lorastep_worker --model DIR [flags]: one per GPU (or CPU process); serves the internal "

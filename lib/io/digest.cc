@@ -12,7 +12,9 @@
 namespace lorastep {
 namespace {
 
-constexpr int64_t kChunkBytes = int64_t{8} << 20;  // the unit of parallel hashing
+// The unit of parallel hashing: 1 MiB, so a 35 MB adapter spreads over all threads. With
+// 8 MiB chunks (5 of them) the digest took 5.2 ms of a 0.236 s LoRA step on the H200.
+constexpr int64_t kChunkBytes = int64_t{1} << 20;
 
 using Sha256 = std::array<unsigned char, 32>;
 

@@ -2,6 +2,8 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "lib/torch_compat.h"
@@ -121,14 +123,35 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
     at::Tensor x2d = FoldLeadingDims(x);
     at::Tensor a_cat = as.size() == 1 ? as[0] : at::cat(as, 0);  // [sum r, in]
     at::Tensor xa = at::mm(x2d, a_cat.t());
-    at::Tensor y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
     const std::vector<int64_t> col = ColumnStarts(meta.widths);
-    int64_t r0 = 0;
-    for (size_t j = 0; j < bs.size(); ++j) {
-      const int part = meta.lora_parts[j];
-      const int64_t r = bs[j].size(1);
-      y.narrow(1, col[part], meta.widths[part]).addmm_(xa.narrow(1, r0, r), bs[j].t(), /*beta=*/1, /*alpha=*/scale);
-      r0 += r;
+    at::Tensor y;
+    if (FoldBranchIntoBaseGemm(weight, a_cat.size(0))) {
+      // [x | scale * xa] @ [W | B_blockdiag]^T: the base and every branch in one GEMM, so
+      // the wide output is written once instead of re-read and re-written by each B addmm.
+      const int64_t in = weight.size(1), rank_sum = a_cat.size(0);
+      at::Tensor x_cat = at::empty({x2d.size(0), in + rank_sum}, x2d.options());
+      x_cat.narrow(1, 0, in).copy_(x2d);
+      x_cat.narrow(1, in, rank_sum).copy_(xa).mul_(scale);
+      at::Tensor w_cat = at::empty({weight.size(0), in + rank_sum}, weight.options());
+      w_cat.narrow(1, 0, in).copy_(weight);
+      w_cat.narrow(1, in, rank_sum).zero_();
+      int64_t r0 = 0;
+      for (size_t j = 0; j < bs.size(); ++j) {
+        const int part = meta.lora_parts[j];
+        const int64_t r = bs[j].size(1);
+        w_cat.narrow(0, col[part], meta.widths[part]).narrow(1, in + r0, r).copy_(bs[j]);
+        r0 += r;
+      }
+      y = bias.defined() ? at::addmm(bias, x_cat, w_cat.t()) : at::mm(x_cat, w_cat.t());
+    } else {
+      y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
+      int64_t r0 = 0;
+      for (size_t j = 0; j < bs.size(); ++j) {
+        const int part = meta.lora_parts[j];
+        const int64_t r = bs[j].size(1);
+        y.narrow(1, col[part], meta.widths[part]).addmm_(xa.narrow(1, r0, r), bs[j].t(), /*beta=*/1, /*alpha=*/scale);
+        r0 += r;
+      }
     }
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["fused"] = fused;
@@ -271,6 +294,14 @@ bool GroupedLinearAvailable(const at::Tensor& x, const std::vector<int64_t>& siz
     if (n % 8 != 0) return false;
   }
   return true;
+}
+
+bool FoldBranchIntoBaseGemm(const at::Tensor& weight, int64_t rank_sum) {
+  static const bool enabled = [] {
+    const char* env = std::getenv("LORASTEP_FOLD_LORA_B");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  return enabled && weight.size(0) >= 4 * (weight.size(1) + rank_sum);
 }
 
 at::Tensor FoldLeadingDims(const at::Tensor& x) { return x.reshape({-1, x.size(-1)}); }

@@ -362,4 +362,12 @@ absl::Status ProcessGroups::Build() {
   return absl::OkStatus();
 }
 
+bool CpuCollectivesAvailable() {
+#if defined(LORASTEP_WITH_GLOO)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace lorastep

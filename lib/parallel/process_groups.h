@@ -130,6 +130,10 @@ class ProcessGroups {
   bool broken_ = false;
 };
 
+// Whether this build has CPU collectives (gloo). The CUDA build links NCCL only, so CPU
+// meshes exist in the Debian build alone.
+bool CpuCollectivesAvailable();
+
 }  // namespace lorastep
 
 #endif  // LORASTEP_LIB_PARALLEL_PROCESS_GROUPS_H_
