@@ -20,7 +20,7 @@ run_ours() {  # mode workload rank [micro-batch: an extra row, file ours_MODE_W_
   [ -n "${4:-}" ] && name="${name}_mb$4"
   name="$name${NAME_SUFFIX:-}"
   [ "$mode" = logprobs ] && m=forward
-  MODEL_DIR=$MODEL RANK=$rank MAX_TOKENS=$mt STEPS=3 MODE=$m BATCH_FILE="$OUT/batch_$w.json" \
+  MODEL_DIR=$MODEL RANK=$rank MAX_TOKENS=$mt STEPS=${STEP_COUNT:-5} MODE=$m BATCH_FILE="$OUT/batch_$w.json" \
     COORD_FLAGS="--max_tokens_per_microbatch $mt" MACHINE="$(head -1 "$OUT/env.txt")" VERSIONS="$(tail -1 "$OUT/env.txt")" \
     bench/service_overhead.sh "$BIN" qwen2.5-0.5b cuda bfloat16 "$OUT/$name.json" overhead_fraction \
     > "/tmp/$name.log" 2>&1 || { echo "lorastep $name failed"; tail -20 "/tmp/$name.log"; }

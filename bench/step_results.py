@@ -50,6 +50,7 @@ def main():
 
     passes = {"lora": 2, "full": 3, "logprobs": 1}
     ours, hf = {}, {}
+    timed_calls = len(raw("ours_lora_fixed.json").get("worker_step_s", [0, 0, 0])) if os.path.exists(os.path.join(args.raw, "ours_lora_fixed.json")) else 3
     for (mode, workload) in [("lora", "fixed"), ("full", "fixed"), ("logprobs", "fixed"), ("lora", "varlen"), ("full", "varlen")]:
         name = f"ours_{mode}_{workload}.json"
         if os.path.exists(os.path.join(args.raw, name)):
@@ -89,7 +90,7 @@ def main():
         "cpu_demo_flops_fraction": json.load(open(args.cpu))["cpu_demo_flops_fraction"] if args.cpu else None,
         "rows": rows,
         "method": "lorastep: the worker's time_step_s (Forward: time_forward_s + time_data_s) through coordinator + worker, "
-                  "median of 3 timed calls after one warm-up; transformers: bench/peft_step.py, median of 3 after one "
+                  f"median of {timed_calls} timed calls after one warm-up; transformers: bench/peft_step.py, median of 3 after one "
                   "warm-up, CUDA synchronized. Same safetensors and the same batch files for both.",
     }
     try:

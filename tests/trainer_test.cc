@@ -4,6 +4,7 @@
 #include "lib/training/trainer.h"
 
 
+#include "lib/io/digest.h"
 #include "lib/io/file_util.h"
 #include "lib/model/peft_io.h"
 #include "lib/io/safetensors.h"
@@ -440,6 +441,24 @@ TEST(ActivationBudgetTest, DefaultBudgetRefusesWhatTheDeviceCannotHold) {
               StatusIs(absl::StatusCode::kResourceExhausted, "--max_activation_mb"));
   EXPECT_THAT(trainer->Forward(batch), StatusIs(absl::StatusCode::kResourceExhausted, "--max_activation_mb"));
   EXPECT_EQ(trainer->learner_version(), 0);
+}
+
+// Device tensors reach the hash through a pinned buffer copied in pieces while earlier
+// pieces are hashed: the digest equals that of the same bytes already on the host, covers
+// every byte (a change in the last piece changes it), and mixed dtypes keep their order.
+TEST(DigestTest, DeviceTensorsHashLikeTheirHostCopies) {
+  const at::Device dev = ::lorastep::testing::TestDevice();
+  std::vector<at::Tensor> host{at::randn({3 << 20}, at::kFloat), at::randn({7, 5}, at::kFloat),
+                               at::randn({11}, at::kFloat).to(at::kBFloat16), at::randn({1 << 18}, at::kFloat)};
+  std::vector<at::Tensor> device;
+  for (const at::Tensor& t : host) device.push_back(t.to(dev));
+  const std::string want = TensorsSha256(host);
+  EXPECT_EQ(TensorsSha256(device), want);
+  device.back()[(1 << 18) - 1].add_(1.0);
+  EXPECT_NE(TensorsSha256(device), want);
+  std::swap(device[1], device[2]);
+  std::swap(host[1], host[2]);
+  EXPECT_NE(TensorsSha256(host), want);
 }
 
 }  // namespace
