@@ -443,9 +443,9 @@ TEST(ActivationBudgetTest, DefaultBudgetRefusesWhatTheDeviceCannotHold) {
   EXPECT_EQ(trainer->learner_version(), 0);
 }
 
-// Device tensors reach the hash through a pinned buffer copied in pieces while earlier
-// pieces are hashed: the digest equals that of the same bytes already on the host, covers
-// every byte (a change in the last piece changes it), and mixed dtypes keep their order.
+// Device tensors reach the hash through one pinned buffer per dtype, in chunks hashed in
+// parallel: the digest equals that of the same bytes already on the host, covers every byte
+// (a change in the last chunk changes it), and the tensors' order counts.
 TEST(DigestTest, DeviceTensorsHashLikeTheirHostCopies) {
   const at::Device dev = ::lorastep::testing::TestDevice();
   std::vector<at::Tensor> host{at::randn({3 << 20}, at::kFloat), at::randn({7, 5}, at::kFloat),

@@ -124,7 +124,7 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
     at::Tensor a_cat = as.size() == 1 ? as[0] : at::cat(as, 0);  // [sum r, in]
     at::Tensor xa = at::mm(x2d, a_cat.t());
     const std::vector<int64_t> col = ColumnStarts(meta.widths);
-    at::Tensor y, folded_weight;
+    at::Tensor y;
     if (FoldBranchIntoBaseGemm(weight, a_cat.size(0))) {
       // [x | scale * xa] @ [W | B_blockdiag]^T: the base and every branch in one GEMM, so
       // the wide output is written once instead of re-read and re-written by each B addmm.
@@ -143,7 +143,6 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
         r0 += r;
       }
       y = bias.defined() ? at::addmm(bias, x_cat, w_cat.t()) : at::mm(x_cat, w_cat.t());
-      folded_weight = w_cat;
     } else {
       y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
       int64_t r0 = 0;
@@ -162,10 +161,7 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
       ctx->saved_data["a_grads"] = meta.a_grads;
       ctx->saved_data["b_grads"] = meta.b_grads;
     }
-    // Folded, backward's input-gradient GEMM runs on [W | B_blockdiag] too: g @ [W | B]
-    // gives g W and every part's g B_i (d(xa)) in one pass over the wide g.
-    ctx->saved_data["folded"] = folded_weight.defined();
-    std::vector<at::Tensor> saved{x2d, xa, a_cat, folded_weight.defined() ? folded_weight : weight};
+    std::vector<at::Tensor> saved{x2d, xa, a_cat, weight};
     saved.insert(saved.end(), bs.begin(), bs.end());
     ctx->save_for_backward(saved);
     return y.view(ShapeWithLastDim(x, weight.size(0)));
@@ -187,17 +183,8 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
       b_grads = ctx->saved_data["b_grads"].toTensorVector();
     }
     at::Tensor g = FoldLeadingDims(grads[0]).contiguous();
-    const bool folded = ctx->saved_data["folded"].toBool();
-    const int64_t rank_sum = a_cat.size(0), in = a_cat.size(1);
     // d(xa) / scale, all parts side by side: [n, sum r].
-    at::Tensor gb, g_w;  // g_w: g W, the base's input gradient
-    if (folded) {
-      at::Tensor g_cat = at::mm(g, weight);  // g [W | B_blockdiag] = [g W | g B_1 | g B_2 ...]
-      g_w = g_cat.narrow(1, 0, in);
-      gb = g_cat.narrow(1, in, rank_sum).contiguous();
-    } else {
-      gb = at::empty({g.size(0), rank_sum}, g.options());
-    }
+    at::Tensor gb = at::empty({g.size(0), a_cat.size(0)}, g.options());
     std::vector<at::Tensor> g_parts(k), gb_parts(k), xa_parts(k);
     int64_t r0 = 0;
     for (size_t j = 0; j < k; ++j) {
@@ -207,13 +194,12 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
       g_parts[j] = g.narrow(1, col[part], widths[part]);
       gb_parts[j] = gb.narrow(1, r0, r);
       xa_parts[j] = xa.narrow(1, r0, r);
-      if (!folded) at::mm_out(gb_parts[j], g_parts[j], b);
+      at::mm_out(gb_parts[j], g_parts[j], b);
       r0 += r;
     }
     at::Tensor grad_x;
     if (ctx->needs_input_grad(0)) {
-      if (!folded) g_w = at::mm(g, weight);
-      grad_x = g_w.addmm_(gb, a_cat, /*beta=*/1, /*alpha=*/scale).view(ShapeWithLastDim(grads[0], in));
+      grad_x = at::mm(g, weight).addmm_(gb, a_cat, /*beta=*/1, /*alpha=*/scale).view(ShapeWithLastDim(grads[0], weight.size(1)));
     }
     torch::autograd::variable_list out{grad_x};
     std::vector<at::Tensor> grad_as(k), grad_bs(k);

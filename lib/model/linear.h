@@ -72,9 +72,8 @@ at::Tensor LoraLinearGroup(const at::Tensor& x, const at::Tensor& weight, const 
 // [x | scale * x A^T] @ [W | B_blockdiag]^T (K-concatenated), for a packed `weight` and the
 // parts' total rank. It pays where the output is much wider than the input (gate/up: 9,728
 // columns from 896): copying x and W is then far cheaper than the B addmms re-reading and
-// re-writing the output. Backward's input-gradient GEMM then also runs on [W | B_blockdiag],
-// giving g W and every g B_i in one pass over the wide g. LORASTEP_FOLD_LORA_B=0 keeps the
-// separate GEMMs (for A/B measurements).
+// re-writing the output. Backward is the same either way. LORASTEP_FOLD_LORA_B=0 keeps the
+// separate addmms (for A/B measurements).
 bool FoldBranchIntoBaseGemm(const at::Tensor& weight, int64_t rank_sum);
 
 // `parts` (contiguous, equal trailing sizes) as one tensor along dim 0 when they lie back to
