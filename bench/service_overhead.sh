@@ -11,7 +11,9 @@ BIN=$1 PRESET=$2 DEVICE=$3 DTYPE=$4 OUT=$5 KEY=$6
 find_bin() { for p in "$BIN/$1" "$BIN/server/$1" "$BIN/worker/$1" "$BIN/tools/$1" "$BIN/bench/$1"; do
   [ -x "$p" ] && { echo "$p"; return; }; done; echo "missing $1" >&2; exit 1; }
 WORK=$(mktemp -d)
-trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true; rm -rf "$WORK"' EXIT
+# SERVER_LOG: keep the coordinator's and workers' stderr there (with COORD_FLAGS=--v=2, every
+# call's duration on each side, for splitting the overhead).
+trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true; [ -n "${SERVER_LOG:-}" ] && cp "$WORK/server.log" "$SERVER_LOG"; rm -rf "$WORK"' EXIT
 MODEL=${MODEL_DIR:-$WORK/model}  # MODEL_DIR: an already generated model of PRESET/DTYPE
 [ -n "${MODEL_DIR:-}" ] || "$(find_bin lorastep_genmodel)" --preset "$PRESET" --dtype "$DTYPE" --seed 1 --out "$MODEL" >/dev/null
 VOCAB=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['vocab_size'])" "$MODEL/config.json")

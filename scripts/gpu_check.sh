@@ -119,6 +119,18 @@ if [[ " $STEPS " == *" service "* ]]; then
     bench/service_overhead.sh build-gpu qwen2.5-0.5b cuda bfloat16 "$OUT/service_overhead_gpu.json" \
     overhead_fraction_gpu | grep -E "overhead_fraction_gpu|client_step|worker_step" -A6 | head -24
 fi
+if [[ " $STEPS " == *" service-split "* ]]; then  # where the service overhead goes, per side
+  step "service overhead split: client, coordinator, worker (--v=2 call durations)"
+  [ -d /tmp/q05 ] || build-gpu/lorastep_genmodel --preset qwen2.5-0.5b --dtype bfloat16 --seed 1 --out /tmp/q05 >/dev/null
+  python3 bench/make_batch.py --vocab 151936 --workload fixed --out "$OUT/batch_fixed.json"
+  for m in forward train; do
+    MODEL_DIR=/tmp/q05 RANK=32 STEPS=6 MODE=$m BATCH_FILE="$OUT/batch_fixed.json" SERVER_LOG="$OUT/server_$m.log" \
+      COORD_FLAGS="--max_tokens_per_microbatch 8192 --v=2" \
+      bench/service_overhead.sh build-gpu qwen2.5-0.5b cuda bfloat16 "$OUT/split_$m.json" overhead_fraction > /dev/null 2>&1
+    python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(sys.argv[1],'client-worker ms',[round((a-b)*1e3,2) for a,b in zip(d['client_step_s'],d['worker_step_s'])])" "$OUT/split_$m.json"
+    grep -o "component=[a-z]*.*method=[A-Za-z/]*.*duration_ms=[0-9.]*" "$OUT/server_$m.log" | grep -E "Forward|TrainStep" | sed 's/ code=OK//' | tail -8
+  done
+fi
 if [[ " $STEPS " == *" peer "* ]]; then
   step "side by side: transformers + PEFT vs lorastep (0.5B shape, bf16, 64 x 512, micro-batch 8)"
   [ -d /tmp/q05 ] || build-gpu/lorastep_genmodel --preset qwen2.5-0.5b --dtype bfloat16 --seed 1 --out /tmp/q05 >/dev/null
