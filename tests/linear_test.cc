@@ -222,7 +222,8 @@ TEST_P(LoraLinearTest, FusedAndUnfusedGiveTheSameModelGradients) {
 
 // LoraLinearGroup (three projections packed, two with a branch, a bias) against the fp64
 // dense reference, for a group narrow enough to add each branch with its own addmm and one
-// wide enough to run the branches inside the base GEMM (FoldBranchIntoBaseGemm).
+// wide enough to run the branches inside the base GEMM (FoldBranchIntoBaseGemm; the default
+// folds on CUDA only, so the wide group is also run with the fold forced on and off).
 TEST_P(LoraLinearTest, GroupMatchesDenseReferenceFoldedOrNot) {
   const bool fused = GetParam();
   const auto opts = at::TensorOptions().device(TestDevice()).dtype(TestDtype());
@@ -233,10 +234,13 @@ TEST_P(LoraLinearTest, GroupMatchesDenseReferenceFoldedOrNot) {
     std::vector<int64_t> widths;
     bool folded;
   };
-  for (const Shape& shape : {Shape{24, {16, 8, 8}, false}, Shape{8, {40, 32, 48}, true}}) {
+  for (const Shape& shape : {Shape{24, {16, 8, 8}, false}, Shape{8, {40, 32, 48}, true}, Shape{8, {40, 32, 48}, false}}) {
     const int64_t in = shape.in, out = shape.widths[0] + shape.widths[1] + shape.widths[2];
     at::Tensor w = at::randn({out, in}, opts), bias = at::randn({out}, opts);
-    ASSERT_EQ(FoldBranchIntoBaseGemm(w, 2 * r), shape.folded) << in;
+    GradOptions options{fused, false};
+    EXPECT_EQ(FoldBranchIntoBaseGemm(w, 2 * r, options), in == 8 && w.is_cuda()) << "the default";
+    options.fold_lora_b = shape.folded ? 1 : 0;
+    ASSERT_EQ(FoldBranchIntoBaseGemm(w, 2 * r, options), shape.folded) << in;
     std::vector<LoraGroupPart> parts(3);
     for (int i = 0; i < 3; ++i) {
       parts[i].width = shape.widths[i];
@@ -248,7 +252,7 @@ TEST_P(LoraLinearTest, GroupMatchesDenseReferenceFoldedOrNot) {
     }
     at::Tensor x = at::randn({3, 5, in}, opts).requires_grad_(true);
     at::Tensor upstream = at::randn({3, 5, out}, opts);
-    at::Tensor y = LoraLinearGroup(x, w, bias, parts, scale, GradOptions{fused, false});
+    at::Tensor y = LoraLinearGroup(x, w, bias, parts, scale, options);
     (y * upstream).sum().backward();
 
     auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(true); };

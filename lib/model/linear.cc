@@ -118,14 +118,14 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, at::TensorList as,
                             at::TensorList bs, const at::Tensor& weight, MainGradRef bias_ref,
-                            const LoraGroupMeta& meta, double scale, bool fused) {
+                            const LoraGroupMeta& meta, double scale, bool fused, bool fold) {
     const at::Tensor& bias = bias_ref.tensor;
     at::Tensor x2d = FoldLeadingDims(x);
     at::Tensor a_cat = as.size() == 1 ? as[0] : at::cat(as, 0);  // [sum r, in]
     at::Tensor xa = at::mm(x2d, a_cat.t());
     const std::vector<int64_t> col = ColumnStarts(meta.widths);
     at::Tensor y;
-    if (FoldBranchIntoBaseGemm(weight, a_cat.size(0))) {
+    if (fold) {
       // [x | scale * xa] @ [W | B_blockdiag]^T: the base and every branch in one GEMM, so
       // the wide output is written once instead of re-read and re-written by each B addmm.
       const int64_t in = weight.size(1), rank_sum = a_cat.size(0);
@@ -216,7 +216,7 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
     }
     out.insert(out.end(), grad_as.begin(), grad_as.end());
     out.insert(out.end(), grad_bs.begin(), grad_bs.end());
-    out.resize(out.size() + 5);  // weight, bias, meta, scale, fused
+    out.resize(out.size() + 6);  // weight, bias, meta, scale, fused, fold
     return out;
   }
 
@@ -296,12 +296,14 @@ bool GroupedLinearAvailable(const at::Tensor& x, const std::vector<int64_t>& siz
   return true;
 }
 
-bool FoldBranchIntoBaseGemm(const at::Tensor& weight, int64_t rank_sum) {
-  static const bool enabled = [] {
+bool FoldBranchIntoBaseGemm(const at::Tensor& weight, int64_t rank_sum, const GradOptions& options) {
+  if (weight.size(0) < 4 * (weight.size(1) + rank_sum)) return false;
+  if (options.fold_lora_b >= 0) return options.fold_lora_b == 1;
+  static const bool cuda_default = [] {
     const char* env = std::getenv("LORASTEP_FOLD_LORA_B");
     return env == nullptr || std::string(env) != "0";
   }();
-  return enabled && weight.size(0) >= 4 * (weight.size(1) + rank_sum);
+  return weight.is_cuda() && cuda_default;
 }
 
 at::Tensor FoldLeadingDims(const at::Tensor& x) { return x.reshape({-1, x.size(-1)}); }
@@ -337,8 +339,11 @@ at::Tensor LoraLinearGroup(const at::Tensor& x, const at::Tensor& weight, const 
     at::Tensor y = Linear(x, weight, at::Tensor(), options);
     return bias.defined() ? y + bias : y;
   }
+  int64_t rank_sum = 0;
+  for (const at::Tensor& a : as) rank_sum += a.size(0);
   return LoraLinearGroupFunction::apply(x, at::TensorList(as), at::TensorList(bs), weight, MainGradRef{bias},
-                                        meta, scale, options.fused_wgrad);
+                                        meta, scale, options.fused_wgrad,
+                                        FoldBranchIntoBaseGemm(weight, rank_sum, options));
 }
 
 at::Tensor AdjacentRows(const std::vector<at::Tensor>& parts) {

@@ -25,6 +25,9 @@ namespace lorastep {
 struct GradOptions {
   bool fused_wgrad = true;  // accumulate weight gradients straight into main_grad
   bool fp32_dgrad = false;  // compute input gradients in fp32, then cast back
+  // LoraLinearGroup's K-concatenated branches (FoldBranchIntoBaseGemm): -1 = on CUDA only,
+  // 0 = never, 1 = wherever the shape qualifies.
+  int fold_lora_b = -1;
 };
 
 // How custom autograd functions receive a main_grad buffer (or another tensor that gets no
@@ -70,11 +73,13 @@ at::Tensor LoraLinearGroup(const at::Tensor& x, const at::Tensor& weight, const 
 
 // Whether LoraLinearGroup runs the branches inside the base GEMM, as
 // [x | scale * x A^T] @ [W | B_blockdiag]^T (K-concatenated), for a packed `weight` and the
-// parts' total rank. It pays where the output is much wider than the input (gate/up: 9,728
-// columns from 896): copying x and W is then far cheaper than the B addmms re-reading and
-// re-writing the output. Backward is the same either way. LORASTEP_FOLD_LORA_B=0 keeps the
-// separate addmms (for A/B measurements).
-bool FoldBranchIntoBaseGemm(const at::Tensor& weight, int64_t rank_sum);
+// parts' total rank. It pays on CUDA where the output is much wider than the input (gate/up:
+// 9,728 columns from 896): copying x and W is then far cheaper than the B addmms re-reading
+// and re-writing the output. Not on CPU, where the GEMMs are compute-bound: the README
+// demo's step showed no gain (4.28-4.40 s with it, 4.19-4.29 s without, dev machine).
+// Backward is the same either way.
+// LORASTEP_FOLD_LORA_B=0 switches the CUDA default off (for A/B measurements).
+bool FoldBranchIntoBaseGemm(const at::Tensor& weight, int64_t rank_sum, const GradOptions& options);
 
 // `parts` (contiguous, equal trailing sizes) as one tensor along dim 0 when they lie back to
 // back in one buffer, as PackProjections leaves them; undefined otherwise.
