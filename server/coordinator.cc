@@ -261,10 +261,16 @@ void Coordinator::RestartWorker(WorkerClient* dead) {
   const std::string address = dead->address();
   auto fresh = options_.restart_worker(address);
   if (!fresh.ok()) {
+    if (absl::IsUnavailable(fresh.status())) {  // a listed worker not back yet: try again
+      std::lock_guard<std::mutex> lock(mu_);
+      restart_queue_.push_back(dead);
+      return;
+    }
     LORASTEP_LOG(Error) << "lorastep_coordinator: restarting the worker at " << address << ": " << fresh.status();
     return;
   }
   const std::string replacement = (*fresh)->address();
+  WorkerClient* onto = fresh->get();
   if (absl::Status added = AddWorker(std::move(fresh).value()); !added.ok()) {
     LORASTEP_LOG(Error) << "lorastep_coordinator: the restarted worker " << replacement << ": " << added;
     return;
@@ -277,7 +283,7 @@ void Coordinator::RestartWorker(WorkerClient* dead) {
       if (run->ranks.size() == 1 && run->ranks[0] == dead) orphans.push_back(run);
     }
   }
-  RestoreOrphans(orphans);
+  RestoreOrphans(orphans, onto);
 }
 
 void Coordinator::RestartMesh() {
@@ -310,7 +316,7 @@ void Coordinator::RestartMesh() {
   RestoreOrphans(orphans);
 }
 
-void Coordinator::RestoreOrphans(const std::vector<std::shared_ptr<RunState>>& orphans) {
+void Coordinator::RestoreOrphans(const std::vector<std::shared_ptr<RunState>>& orphans, WorkerClient* onto) {
   for (const auto& old : orphans) {
     std::lock_guard<std::mutex> run_lock(old->mu);  // after the call that found the worker dead
     const std::string run_id = old->run.run_id();
@@ -322,7 +328,7 @@ void Coordinator::RestoreOrphans(const std::vector<std::shared_ptr<RunState>>& o
         if (runs_.count(run_id) == 0 || runs_.at(run_id) != old) continue;  // deleted meanwhile
         runs_.erase(run_id);
       }
-      restored = RestoreRun(*journaled);
+      restored = RestoreRun(*journaled, onto);
       if (!restored.ok()) {  // keep the old (down) run visible rather than lose it
         std::lock_guard<std::mutex> lock(mu_);
         runs_.emplace(run_id, old);
@@ -715,13 +721,17 @@ absl::StatusOr<std::vector<WorkerClient*>> Coordinator::PlaceRun() const {
   return std::vector<WorkerClient*>{up[(runs_.size() + creating_ids_.size()) % up.size()]};  // round robin
 }
 
-absl::Status Coordinator::RestoreRun(const JournaledRun& j) {
+absl::Status Coordinator::RestoreRun(const JournaledRun& j, WorkerClient* onto) {
   const std::string run_id = j.created.run().run_id();
   auto state = std::make_shared<RunState>();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (runs_.count(run_id)) return absl::AlreadyExistsError(absl::StrCat("run_id: '", run_id, "' exists"));
-    LORASTEP_ASSIGN_OR_RETURN(state->ranks, PlaceRun());
+    if (onto != nullptr && !down_.count(onto)) {
+      state->ranks = {onto};
+    } else {
+      LORASTEP_ASSIGN_OR_RETURN(state->ranks, PlaceRun());
+    }
   }
   state->run = j.created.run();
   v1::WorkerCreateRunRequest create;

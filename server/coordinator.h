@@ -69,10 +69,12 @@ struct CoordinatorOptions {
   // The same for full fine-tuning runs (rank 0), whose state is the whole model and its
   // optimizer: saved far less often by default (--autosave_every_full_steps).
   int autosave_every_full_steps = 50;
-  // Starts a fresh process in place of the dead local worker at `address` and returns a
-  // client of it. With a journal and no mesh, a worker found dead is restarted this way and
-  // its runs are restored from their autosaves onto the workers that are up. Unset: a dead
-  // worker stays down (runs on it fail until it is replaced by registration).
+  // Brings back the dead worker at `address` and returns a client of it: a local worker is
+  // started again; a listed one (--workers) is awaited at its address (its supervisor
+  // restarts it; UNAVAILABLE while nothing answers there, and the restart is tried again).
+  // With a journal and no mesh, a worker found dead is brought back this way and its runs are
+  // restored from their autosaves onto it. Unset: a dead worker stays down (runs on it fail
+  // until it is replaced by registration).
   std::function<absl::StatusOr<std::unique_ptr<WorkerClient>>(const std::string& address)> restart_worker;
   // The same for a mesh of local workers: stops every rank still running and starts all of
   // them again at a fresh rendezvous, returning their clients in rank order. With a journal,
@@ -168,7 +170,7 @@ class Coordinator {
   // Record's bounded store of request records (also used when restoring a run).
   void KeepRecord(RunState& run, const std::string& request_id, const std::string& method,
                   const std::string& response, const std::string& fingerprint);
-  absl::Status RestoreRun(const JournaledRun& journaled);
+  absl::Status RestoreRun(const JournaledRun& journaled, WorkerClient* onto = nullptr);
   // The workers a new or restored run lives on: every rank on a mesh (all must be up), else
   // the next worker that is up, round robin. Requires mu_.
   absl::StatusOr<std::vector<WorkerClient*>> PlaceRun() const;
@@ -239,8 +241,9 @@ class Coordinator {
   // long-lived thread: a worker dies with the thread that started it (PR_SET_PDEATHSIG).
   void RestartWorker(WorkerClient* dead);
   void RestartMesh();
-  // Restores runs whose workers were replaced from their autosaves onto the workers now up.
-  void RestoreOrphans(const std::vector<std::shared_ptr<RunState>>& orphans);
+  // Restores runs whose workers were replaced from their autosaves: onto `onto` (the dead
+  // worker's replacement, which holds its state store), or any worker up when null.
+  void RestoreOrphans(const std::vector<std::shared_ptr<RunState>>& orphans, WorkerClient* onto = nullptr);
   void RestartLoop();
   std::thread restarter_;
   std::deque<WorkerClient*> restart_queue_;  // guarded by mu_

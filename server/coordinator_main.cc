@@ -296,6 +296,17 @@ int main(int argc, char** argv) {
       return absl::NotFoundError(absl::StrCat("no local worker at ", address));
     };
   }
+  // Listed workers belong to someone else's supervisor: with a journal, a dead one is awaited
+  // at its address, and when a process answers there again its runs come back from their
+  // autosaves in its state store.
+  if (journal && world == 1 && local.empty() && !addresses.empty()) {
+    options.restart_worker = [&](const std::string& address) -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
+      auto client =
+          std::make_unique<GrpcWorkerClient>(address, std::chrono::seconds(worker_call_timeout), worker_token, worker_tls);
+      LORASTEP_RETURN_IF_ERROR(client->WaitReady(2));  // UNAVAILABLE: not back yet
+      return std::unique_ptr<WorkerClient>(std::move(client));
+    };
+  }
   // A mesh comes back whole: every local rank is stopped and started again at a fresh
   // rendezvous (a process group cannot take a new member alone).
   if (journal && world > 1 && !local.empty()) {

@@ -1076,6 +1076,42 @@ TEST(ProcessTest, KilledWorkerIsRestartedAndItsRunsResume) {
   EXPECT_EQ(r->adapter_sha256(), want.adapter_sha256());
 }
 
+// Issue 8: a listed worker (--workers, run by someone else's supervisor) killed with
+// SIGKILL. The coordinator awaits it at its address; when a new process answers there, with
+// the same state store, the run comes back from its autosave and the client's retry applies
+// the step once, equal to an uninterrupted run.
+TEST(ProcessTest, ListedWorkerThatComesBackGetsItsRunsBack) {
+  const std::string dir = ScratchDir("listed_return");
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  const std::string port = std::to_string(FreeLocalPort());
+  auto start_worker = [&] {
+    return ChildServer::Start(Binary("worker/lorastep_worker"),
+                              {"--model", dir + "/model", "--port", port, "--state_dir", dir + "/store"}, 60);
+  };
+  ASSERT_OK_AND_ASSIGN(ChildServer worker, start_worker());
+  ASSERT_OK_AND_ASSIGN(ChildServer server,
+                       ChildServer::Start(Binary("server/lorastep_coordinator"),
+                                          {"--workers", "127.0.0.1:" + port, "--journal_dir", dir + "/journal"}, 60));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
+  for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
+  ASSERT_EQ(kill(worker.pid(), SIGKILL), 0);
+  const v1::TrainStepRequest step3 = StepAfterTheKill(run.run_id());
+  EXPECT_THAT(client->TrainStep(step3).status(), StatusIs(absl::StatusCode::kUnavailable, "is down"));
+  ASSERT_OK_AND_ASSIGN(ChildServer back, start_worker());  // its supervisor starts it again
+  int failures = 0;
+  absl::StatusOr<v1::StepResponse> r = RetryWhileRestarting(client.get(), step3, 60, &failures);
+  ASSERT_OK(r.status());
+  EXPECT_EQ(r->learner_version(), 3);
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse again, client->TrainStep(step3));  // applied once
+  EXPECT_EQ(again.adapter_sha256(), r->adapter_sha256());
+  ASSERT_OK_AND_ASSIGN(RunSession reference, RunSession::Create(client.get(), Lora(), 3));
+  for (int i = 0; i < 2; ++i) ASSERT_OK(reference.TrainStep(Batch(i), Ppo(), Adam()).status());
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse want, reference.TrainStep(Batch(2), Ppo(), Adam()));
+  EXPECT_EQ(r->adapter_sha256(), want.adapter_sha256());
+}
+
 // Issue 8: a rank of a local mesh killed (SIGKILL). A process group cannot take a new member
 // alone, so the coordinator stops the other rank, starts both again at a fresh rendezvous
 // and restores the run from its autosave; the client's retry applies the step once, and
