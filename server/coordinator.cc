@@ -158,8 +158,16 @@ Coordinator::~Coordinator() {
 void Coordinator::RestartLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    restart_cv_.wait(lock, [&] { return stopping_ || !restart_queue_.empty(); });
+    restart_cv_.wait(lock, [&] { return stopping_ || !restart_queue_.empty() || !reattach_queue_.empty(); });
     if (stopping_) return;
+    if (!reattach_queue_.empty()) {
+      WorkerClient* joined = reattach_queue_.front();
+      reattach_queue_.pop_front();
+      lock.unlock();
+      Reattach(joined);
+      lock.lock();
+      continue;
+    }
     WorkerClient* dead = restart_queue_.front();
     restart_queue_.pop_front();
     if (on_mesh()) restart_queue_.clear();  // one restart brings every rank back
@@ -174,8 +182,8 @@ void Coordinator::RestartLoop() {
 }
 
 Coordinator::Coordinator(CoordinatorOptions options) : options_(options) {
-  if (options_.journal != nullptr && (on_mesh() ? static_cast<bool>(options_.restart_mesh)
-                                                : static_cast<bool>(options_.restart_worker))) {
+  // Without a mesh the thread also re-attaches registered workers (AddWorker queues them).
+  if (options_.journal != nullptr && (on_mesh() ? static_cast<bool>(options_.restart_mesh) : true)) {
     restarter_ = std::thread([this] { RestartLoop(); });
   }
   auto layout = ParallelLayout::Create(options_.mesh, options_.mesh.world());
@@ -198,6 +206,10 @@ absl::Status Coordinator::AddWorker(std::unique_ptr<WorkerClient> worker) {
           info.pp(), " x dp", info.dp(), " mesh, not of ", layout_.ToString()));
     }
     if (workers_.size() != static_cast<size_t>(m.world())) workers_.resize(m.world());
+    const auto& held = workers_[info.rank()];
+    if (held != nullptr && held->address() == worker->address() && !down_.count(held.get())) {
+      return absl::OkStatus();  // registered again (--register_every_s): kept as it is
+    }
     if (workers_[info.rank()] != nullptr) {
       return absl::AlreadyExistsError(absl::StrCat("worker ", worker->address(), ": rank ",
                                                    info.rank(), " is already registered"));
@@ -213,16 +225,28 @@ absl::Status Coordinator::AddWorker(std::unique_ptr<WorkerClient> worker) {
   if (on_mesh()) {
     workers_[info.rank()] = std::move(worker);
   } else {
+    // Registered workers announce themselves again and again (--register_every_s): one that
+    // is up at this address already is kept as it is.
+    for (const auto& w : workers_) {
+      if (w->address() == worker->address() && !down_.count(w.get())) return absl::OkStatus();
+    }
     auto same = std::find_if(workers_.begin(), workers_.end(), [&](const auto& w) {
       return w->address() == worker->address() && down_.count(w.get());
     });
+    WorkerClient* joined = worker.get();
     if (same != workers_.end()) {  // a restarted worker takes its dead predecessor's place
       // The old client stays down (and alive): runs made there keep failing as down rather
-      // than reaching the new process, which never had them.
+      // than reaching the new process, which never had them (until Reattach restores them).
       replaced_.push_back(std::move(*same));
       *same = std::move(worker);
     } else {
       workers_.push_back(std::move(worker));
+    }
+    // With a journal, runs that belong at this address come back onto it; a restarted local
+    // worker's runs are restored by RestartWorker instead.
+    if (restarter_.joinable() && !options_.restart_worker) {
+      reattach_queue_.push_back(joined);
+      restart_cv_.notify_all();
     }
   }
   PublishHealth();
@@ -251,9 +275,58 @@ void Coordinator::MarkDown(WorkerClient* worker, const absl::Status& why) {
   LORASTEP_LOG(Warning) << "lorastep_coordinator: worker " << worker->address() << " is down (" << why.message()
                         << "); new runs skip it";
   PublishHealth();
-  if (restarter_.joinable()) {
+  if (restarter_.joinable() && (on_mesh() ? static_cast<bool>(options_.restart_mesh)
+                                          : static_cast<bool>(options_.restart_worker))) {
     restart_queue_.push_back(worker);
     restart_cv_.notify_all();
+  }
+}
+
+std::string Coordinator::WhatHappensToDownRuns() const {
+  if (restarter_.joinable() && (on_mesh() ? static_cast<bool>(options_.restart_mesh)
+                                          : static_cast<bool>(options_.restart_worker))) {
+    return "it is being restarted and the run restored from its autosave; retry";
+  }
+  if (restarter_.joinable()) {
+    return "the run comes back from its autosave when a worker registers at that address again; retry then";
+  }
+  return "the run's state there is lost; LoadState a checkpoint into a new run (CreateRun with init_from)";
+}
+
+void Coordinator::Reattach(WorkerClient* joined) {
+  const std::string address = joined->address();
+  // The runs of a dead predecessor at this address, then journaled runs not restored yet
+  // (a restarted coordinator has no worker until one registers).
+  std::vector<std::shared_ptr<RunState>> orphans;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, run] : runs_) {
+      if (run->ranks.size() == 1 && run->ranks[0] != joined && down_.count(run->ranks[0]) &&
+          run->ranks[0]->address() == address) {
+        orphans.push_back(run);
+      }
+    }
+  }
+  RestoreOrphans(orphans, joined);
+  std::vector<absl::Status> skipped;
+  auto journaled = options_.journal->Recover(&skipped);
+  if (!journaled.ok()) {
+    LORASTEP_LOG(Error) << "journal: " << journaled.status();
+    return;
+  }
+  for (const JournaledRun& j : *journaled) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (runs_.count(j.created.run().run_id())) continue;
+    }
+    // A run whose autosave lives in another worker's state store fails here and waits for
+    // that worker to register.
+    if (absl::Status s = RestoreRun(j, joined); !s.ok()) {
+      LORASTEP_LOG(Warning) << "run " << j.created.run().run_id() << " not restored onto " << address << ": " << s;
+    } else {
+      LORASTEP_LOG(Info) << "run " << j.run.run_id() << " restored onto " << address << " at learner_version "
+                         << j.run.learner_version();
+    }
   }
 }
 
@@ -764,7 +837,9 @@ absl::Status Coordinator::RestoreRun(const JournaledRun& j, WorkerClient* onto) 
   if (j.autosaved) {
     auto loaded = FanOut<v1::WorkerPathResponse>(*state, AllRanks(*state), [&](int, WorkerClient* w) {
       v1::WorkerPathRequest wreq = PathRequest(run_id, AutosaveRef(run_id));
-      *wreq.mutable_mesh() = MeshHeader(*state, "restore-" + run_id, /*check_version=*/false);
+      // Unique per restore: a worker answers a request_id it has seen from its record.
+      *wreq.mutable_mesh() = MeshHeader(*state, absl::StrCat("restore-", run_id, "-", NowMs(), "-", ++restore_count_),
+                                        /*check_version=*/false);
       wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
       return w->LoadState(wreq);
     });
@@ -872,11 +947,7 @@ absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
     std::lock_guard<std::mutex> lock(mu_);
     for (int r : ranks) {
       if (down_.count(run.ranks[r])) {
-        return absl::UnavailableError(absl::StrCat(
-            "worker ", run.ranks[r]->address(),
-            restarter_.joinable() ? " is down: it is being restarted and the run restored from its autosave; retry"
-                                  : " is down: the run's state there is lost; LoadState a checkpoint into a new "
-                                    "run (CreateRun with init_from)"));
+        return absl::UnavailableError(absl::StrCat("worker ", run.ranks[r]->address(), " is down: ", WhatHappensToDownRuns()));
       }
     }
   }
@@ -942,11 +1013,9 @@ absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (!results[i].ok() && absl::IsUnavailable(results[i].status()) && !IsPeerFailure(results[i].status())) {
       MarkDown(run.ranks[ranks[i]], results[i].status());
-      results[i] = absl::UnavailableError(absl::StrCat(
-          results[i].status().message(), " (worker ", run.ranks[ranks[i]]->address(),
-          restarter_.joinable()
-              ? " is down: it is being restarted and its runs restored from their autosaves; retry)"
-              : " is down: the run's state there is lost; CreateRun with init_from a checkpoint)"));
+      results[i] = absl::UnavailableError(absl::StrCat(results[i].status().message(), " (worker ",
+                                                       run.ranks[ranks[i]]->address(), " is down: ",
+                                                       WhatHappensToDownRuns(), ")"));
     }
   }
   // Root causes first: a rank that failed on its own, before those that only saw a peer

@@ -14,6 +14,7 @@
 
 #include <deque>
 #include <chrono>
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <map>
@@ -245,8 +246,15 @@ class Coordinator {
   // worker's replacement, which holds its state store), or any worker up when null.
   void RestoreOrphans(const std::vector<std::shared_ptr<RunState>>& orphans, WorkerClient* onto = nullptr);
   void RestartLoop();
+  // A worker that registered (or registered again) with a journal in use: restores onto it
+  // the runs of a dead worker at its address and journaled runs not restored yet.
+  void Reattach(WorkerClient* joined);
+  // The end of an UNAVAILABLE message for a run on a dead worker: what will happen to it.
+  std::string WhatHappensToDownRuns() const;
   std::thread restarter_;
   std::deque<WorkerClient*> restart_queue_;  // guarded by mu_
+  std::deque<WorkerClient*> reattach_queue_;  // guarded by mu_
+  std::atomic<int64_t> restore_count_{0};      // makes each restore's request_id unique
   std::condition_variable restart_cv_;
   bool stopping_ = false;                    // guarded by mu_
 };

@@ -188,11 +188,15 @@ int main(int argc, char** argv) {
     journal_dir = absl::GetFlag(FLAGS_state_dir) + "/.journal";  // on by default with a state root
   }
   if (!journal_dir.empty()) {
-    if (absl::GetFlag(FLAGS_wait_for_workers) || absl::GetFlag(FLAGS_autosave_every_steps) < 1 ||
-        (absl::GetFlag(FLAGS_workers).empty() && absl::GetFlag(FLAGS_state_dir).empty())) {
+    // Registered workers bring their own state stores; a mesh that joins by registration
+    // cannot be brought back (its ranks would have to re-form their process groups).
+    const bool registered = absl::GetFlag(FLAGS_wait_for_workers);
+    if ((registered && world > 1) || absl::GetFlag(FLAGS_autosave_every_steps) < 1 ||
+        (absl::GetFlag(FLAGS_workers).empty() && !registered && absl::GetFlag(FLAGS_state_dir).empty())) {
       return fail(absl::InvalidArgumentError(
-          "journal_dir: needs --state_dir (where the workers autosave runs) or --workers started with one, "
-          "--autosave_every_steps >= 1, and no --wait_for_workers"));
+          "journal_dir: needs --state_dir (where the local workers autosave runs), --workers or "
+          "--wait_for_workers (workers started with their own --state_dir), --autosave_every_steps >= 1, "
+          "and no mesh joined by registration"));
     }
     auto opened = RunJournal::Open(journal_dir);
     if (!opened.ok()) return fail(opened.status());

@@ -1285,6 +1285,66 @@ TEST(RegistrationTest, DeadWorkerIsMarkedDownSkippedAndReplaced) {
   EXPECT_EQ(runs.runs_size(), 4);
 }
 
+// Issue 8: registered workers with a journal. A worker killed (SIGKILL) and started again
+// at its address by its supervisor registers, and its runs come back from their autosaves;
+// then the coordinator itself is killed and started again on its port: the worker, which
+// registers every second, is found again and the journaled run re-attached where it was.
+TEST(RegistrationTest, JournaledRunsComeBackWhenTheirWorkerRegistersAgain) {
+  const std::string dir = ScratchDir("registered_journal");
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  const std::string coordinator_port = std::to_string(FreeLocalPort());
+  auto start_coordinator = [&] {
+    return ChildServer::Start(Binary("server/lorastep_coordinator"),
+                              {"--wait_for_workers", "--port", coordinator_port, "--journal_dir", dir + "/journal"}, 60);
+  };
+  ASSERT_OK_AND_ASSIGN(ChildServer coordinator, start_coordinator());
+  const std::string worker_port = std::to_string(FreeLocalPort());
+  auto start_worker = [&] {
+    return ChildServer::Start(Binary("worker/lorastep_worker"),
+                              {"--model", dir + "/model", "--port", worker_port, "--state_dir", dir + "/store",
+                               "--register_with", coordinator.address(), "--register_every_s", "1"},
+                              60);
+  };
+  ASSERT_OK_AND_ASSIGN(ChildServer worker, start_worker());
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<TrainerClient> client, TrainerClient::Connect(coordinator.address()));
+  absl::StatusOr<RunSession> created = absl::UnknownError("not tried");
+  for (int i = 0; i < 50 && !created.ok(); ++i) {  // the worker registers right after it serves
+    created = RunSession::Create(client.get(), Lora(), 3);
+    if (!created.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_OK(created.status());
+  RunSession run = *std::move(created);
+  for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
+
+  ASSERT_EQ(kill(worker.pid(), SIGKILL), 0);
+  const v1::TrainStepRequest step3 = StepAfterTheKill(run.run_id());
+  EXPECT_THAT(client->TrainStep(step3).status(),
+              StatusIs(absl::StatusCode::kUnavailable, "when a worker registers at that address again"));
+  ASSERT_OK_AND_ASSIGN(ChildServer back, start_worker());
+  int failures = 0;
+  absl::StatusOr<v1::StepResponse> r = RetryWhileRestarting(client.get(), step3, 60, &failures);
+  ASSERT_OK(r.status());
+  EXPECT_EQ(r->learner_version(), 3);
+
+  ASSERT_EQ(kill(coordinator.pid(), SIGKILL), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_OK_AND_ASSIGN(ChildServer restarted, start_coordinator());
+  ASSERT_OK_AND_ASSIGN(client, TrainerClient::Connect(restarted.address()));
+  absl::StatusOr<v1::Run> found = absl::UnknownError("not tried");
+  for (int i = 0; i < 100 && !found.ok(); ++i) {  // until the worker registers again
+    found = client->GetRun(run.run_id());
+    if (!found.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_OK(found.status());
+  EXPECT_EQ(found->learner_version(), 3);
+  v1::TrainStepRequest step4 = StepAfterTheKill(run.run_id());
+  step4.set_request_id("after-the-coordinator");
+  step4.set_sequence_id(found->next_sequence_id());
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse fourth, client->TrainStep(step4));
+  EXPECT_EQ(fourth.learner_version(), 4);
+}
+
 TEST(RegistrationTest, RemoteWorkersRegisterAndServeRuns) {
   const std::string dir = ScratchDir("registry");
   ModelConfig c = ModelConfigPreset("tiny").value();

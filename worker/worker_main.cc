@@ -2,7 +2,7 @@
 // the internal Worker API.
 //   lorastep_worker --model DIR [--device cuda:0] [--dtype bfloat16] [--host 127.0.0.1]
 //                   [--port 0] [--port_file F] [--max_tokens_per_microbatch N] [--unfused_wgrad]
-//                   [--register_with COORDINATOR_HOST:PORT] [--advertise_host H]
+//                   [--register_with COORDINATOR_HOST:PORT [--register_every_s 5]] [--advertise_host H]
 //                   [--rank R --tp T --pp P --dp D --rendezvous HOST:PORT]
 //                   [--collective_timeout_s S] [--state_dir DIR (path fields are then
 //                   lorastep://<run>/<name> references under DIR)] [--state_ttl_hours H]
@@ -45,6 +45,7 @@ ABSL_FLAG(std::optional<int64_t>, max_tokens_per_microbatch, std::nullopt, "padd
 ABSL_FLAG(bool, pack_sequences, true, "pack each micro-batch's datums back to back (no padding; attention per sequence)");
 ABSL_FLAG(bool, unfused_wgrad, false, "weight gradients through autograd .grad instead of fused main_grad accumulation");
 ABSL_FLAG(std::string, register_with, "", "coordinator host:port to register with (and, without --rank, to get a mesh rank from)");
+ABSL_FLAG(int, register_every_s, 5, "with --register_with: register again every N seconds (0: once), so a restarted coordinator finds this worker");
 ABSL_FLAG(std::string, advertise_host, "", "host the coordinator and peers reach this worker at (default: --host)");
 ABSL_FLAG(std::optional<int>, rank, std::nullopt, "this worker's global rank in the mesh");
 ABSL_FLAG(int, tp, 1, "tensor-parallel size of the mesh");
@@ -296,6 +297,23 @@ int main(int argc, char** argv) {
       } while (!prune_cv.wait_for(lock, every, [&] { return stopping; }));
     });
   }
+  // Registered again every --register_every_s: a coordinator that restarted (and lost its
+  // list of workers) finds this worker again and re-attaches its journaled runs; one that
+  // knows the worker keeps it as it is.
+  std::thread announcer;
+  const int register_every_s = absl::GetFlag(FLAGS_register_every_s);
+  if (!register_with.empty() && register_every_s > 0) {
+    announcer = std::thread([&, register_every_s] {
+      const std::string self = absl::StrCat(advertise_host, ":", port);
+      std::unique_lock<std::mutex> lock(prune_mu);
+      while (!prune_cv.wait_for(lock, std::chrono::seconds(register_every_s), [&] { return stopping; })) {
+        lock.unlock();
+        absl::Status s = RegisterWithCoordinator(register_with, self, 1, authorization, coordinator_credentials);
+        if (!s.ok() && !absl::IsAlreadyExists(s)) LORASTEP_LOG(Warning) << "lorastep_worker: registering again: " << s;
+        lock.lock();
+      }
+    });
+  }
   WaitForShutdownSignal();
   {
     std::lock_guard<std::mutex> lock(prune_mu);
@@ -303,6 +321,7 @@ int main(int argc, char** argv) {
   }
   prune_cv.notify_all();
   if (pruner.joinable()) pruner.join();
+  if (announcer.joinable()) announcer.join();
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
   return 0;
 }
