@@ -346,6 +346,11 @@ void Coordinator::RestartWorker(WorkerClient* dead) {
   WorkerClient* onto = fresh->get();
   if (absl::Status added = AddWorker(std::move(fresh).value()); !added.ok()) {
     LORASTEP_LOG(Error) << "lorastep_coordinator: the restarted worker " << replacement << ": " << added;
+    if (absl::IsUnavailable(added)) {  // e.g. the dead process's socket answered: try again
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      std::lock_guard<std::mutex> lock(mu_);
+      restart_queue_.push_back(dead);
+    }
     return;
   }
   LORASTEP_LOG(Info) << "lorastep_coordinator: worker " << address << " restarted as " << replacement;
