@@ -225,15 +225,23 @@ absl::Status Coordinator::AddWorker(std::unique_ptr<WorkerClient> worker) {
   if (on_mesh()) {
     workers_[info.rank()] = std::move(worker);
   } else {
-    // Registered workers announce themselves again and again (--register_every_s): one that
-    // is up at this address already is kept as it is.
+    // Registered workers announce themselves again and again (--register_every_s): the
+    // process that is up at this address already is kept as it is. Another process there
+    // (restarted before any call found the old one dead) replaces it.
     for (const auto& w : workers_) {
-      if (w->address() == worker->address() && !down_.count(w.get())) return absl::OkStatus();
+      if (w->address() != worker->address() || down_.count(w.get())) continue;
+      auto known = instances_.find(w.get());
+      if (known == instances_.end() || known->second == info.instance_id()) return absl::OkStatus();
+      LORASTEP_LOG(Warning) << "lorastep_coordinator: worker " << w->address()
+                            << " is a new process (the one known there is gone); it replaces it";
+      down_.insert(w.get());
+      break;
     }
     auto same = std::find_if(workers_.begin(), workers_.end(), [&](const auto& w) {
       return w->address() == worker->address() && down_.count(w.get());
     });
     WorkerClient* joined = worker.get();
+    instances_[joined] = info.instance_id();
     if (same != workers_.end()) {  // a restarted worker takes its dead predecessor's place
       // The old client stays down (and alive): runs made there keep failing as down rather
       // than reaching the new process, which never had them (until Reattach restores them).

@@ -255,6 +255,7 @@ class Coordinator {
   std::deque<WorkerClient*> restart_queue_;  // guarded by mu_
   std::deque<WorkerClient*> reattach_queue_;  // guarded by mu_
   std::atomic<int64_t> restore_count_{0};      // makes each restore's request_id unique
+  std::map<const WorkerClient*, std::string> instances_;  // WorkerInfo.instance_id; guarded by mu_
   std::condition_variable restart_cv_;
   bool stopping_ = false;                    // guarded by mu_
 };

@@ -1288,7 +1288,8 @@ TEST(RegistrationTest, DeadWorkerIsMarkedDownSkippedAndReplaced) {
 // Issue 8: registered workers with a journal. A worker killed (SIGKILL) and started again
 // at its address by its supervisor registers, and its runs come back from their autosaves;
 // then the coordinator itself is killed and started again on its port: the worker, which
-// registers every second, is found again and the journaled run re-attached where it was.
+// registers every second, is found again and the journaled run re-attached where it was;
+// last, the worker is killed and restarted before any call notices.
 TEST(RegistrationTest, JournaledRunsComeBackWhenTheirWorkerRegistersAgain) {
   const std::string dir = ScratchDir("registered_journal");
   ModelConfig c = ModelConfigPreset("tiny").value();
@@ -1343,6 +1344,18 @@ TEST(RegistrationTest, JournaledRunsComeBackWhenTheirWorkerRegistersAgain) {
   step4.set_sequence_id(found->next_sequence_id());
   ASSERT_OK_AND_ASSIGN(v1::StepResponse fourth, client->TrainStep(step4));
   EXPECT_EQ(fourth.learner_version(), 4);
+
+  // The worker restarted before any call finds it dead: its registration, from a new process
+  // at the known address, tells the coordinator, and the run comes back from its autosave.
+  ASSERT_EQ(kill(back.pid(), SIGKILL), 0);
+  ASSERT_OK_AND_ASSIGN(ChildServer again, start_worker());
+  v1::TrainStepRequest step5 = step4;
+  step5.set_request_id("after-a-quick-restart");
+  step5.set_sequence_id(step4.sequence_id() + 1);
+  failures = 0;
+  r = RetryWhileRestarting(client.get(), step5, 60, &failures);
+  ASSERT_OK(r.status());
+  EXPECT_EQ(r->learner_version(), 5);
 }
 
 TEST(RegistrationTest, RemoteWorkersRegisterAndServeRuns) {

@@ -1,6 +1,11 @@
 #include "worker/worker_service.h"
 
+#include <unistd.h>
+
+#include <random>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "lib/training/adamw.h"
 #include "lib/status_macros.h"
 #include "rpc/grpc_status.h"
@@ -38,8 +43,16 @@ absl::Status WorkerService::CheckToken(grpc::CallbackServerContext* ctx) const {
   return token_sha256_.empty() ? absl::OkStatus() : CheckBearerToken(AuthorizationOf(*ctx), token_sha256_);
 }
 
+namespace {
+std::string RandomInstanceId() {
+  std::random_device device;
+  std::mt19937_64 rng((static_cast<uint64_t>(device()) << 32) ^ device() ^ static_cast<uint64_t>(getpid()));
+  return absl::StrFormat("%016x%016x", rng(), rng());
+}
+}  // namespace
+
 WorkerService::WorkerService(WorkerCore* core, PrometheusRegistry* metrics, std::string token_sha256)
-    : core_(core), metrics_(metrics), token_sha256_(std::move(token_sha256)) {
+    : core_(core), metrics_(metrics), instance_id_(RandomInstanceId()), token_sha256_(std::move(token_sha256)) {
   if (metrics_ != nullptr) DeclareStepMetrics(metrics_);
 }
 
@@ -105,6 +118,7 @@ grpc::ServerUnaryReactor* WorkerService::Info(grpc::CallbackServerContext* ctx,
   resp->set_pp(o.sizes.pp);
   resp->set_dp(o.sizes.dp);
   resp->set_ep(o.sizes.ep);
+  resp->set_instance_id(instance_id_);
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

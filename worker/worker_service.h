@@ -71,6 +71,7 @@ class WorkerService final : public v1::Worker::CallbackService {
   absl::Status CheckToken(grpc::CallbackServerContext* ctx) const;
   WorkerCore* core_;
   PrometheusRegistry* metrics_;
+  const std::string instance_id_;  // random per process (WorkerInfo.instance_id)
   std::string token_sha256_;
   // request_id -> (method, serialized response), the most recent kRecordedCalls; touched
   // only on the executor thread.
