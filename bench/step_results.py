@@ -50,11 +50,12 @@ def main():
 
     passes = {"lora": 2, "full": 3, "logprobs": 1}
     ours, hf = {}, {}
-    timed_calls = len(raw("ours_lora_fixed.json").get("worker_step_s", [0, 0, 0])) if os.path.exists(os.path.join(args.raw, "ours_lora_fixed.json")) else 3
+    timed_calls = 0  # lorastep's timed calls per row (bench/step_bench.sh's STEP_COUNT)
     for (mode, workload) in [("lora", "fixed"), ("full", "fixed"), ("logprobs", "fixed"), ("lora", "varlen"), ("full", "varlen")]:
         name = f"ours_{mode}_{workload}.json"
         if os.path.exists(os.path.join(args.raw, name)):
             d = raw(name)
+            timed_calls = max(timed_calls, len(d.get("worker_step_s", [])))
             ours[(mode, workload)] = row("lorastep", mode, workload, d["worker_step_median_s"], d.get("peak_cuda_gib"), passes[mode])
         name = f"hf_{mode}_{workload}.json"
         if os.path.exists(os.path.join(args.raw, name)):

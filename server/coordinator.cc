@@ -252,7 +252,7 @@ absl::Status Coordinator::AddWorker(std::unique_ptr<WorkerClient> worker) {
     }
     // With a journal, runs that belong at this address come back onto it; a restarted local
     // worker's runs are restored by RestartWorker instead.
-    if (restarter_.joinable() && !options_.restart_worker) {
+    if (restarter_.joinable() && !RestartsDeadWorkers()) {
       reattach_queue_.push_back(joined);
       restart_cv_.notify_all();
     }
@@ -283,16 +283,19 @@ void Coordinator::MarkDown(WorkerClient* worker, const absl::Status& why) {
   LORASTEP_LOG(Warning) << "lorastep_coordinator: worker " << worker->address() << " is down (" << why.message()
                         << "); new runs skip it";
   PublishHealth();
-  if (restarter_.joinable() && (on_mesh() ? static_cast<bool>(options_.restart_mesh)
-                                          : static_cast<bool>(options_.restart_worker))) {
+  if (RestartsDeadWorkers()) {
     restart_queue_.push_back(worker);
     restart_cv_.notify_all();
   }
 }
 
+bool Coordinator::RestartsDeadWorkers() const {
+  return restarter_.joinable() && (on_mesh() ? static_cast<bool>(options_.restart_mesh)
+                                             : static_cast<bool>(options_.restart_worker));
+}
+
 std::string Coordinator::WhatHappensToDownRuns() const {
-  if (restarter_.joinable() && (on_mesh() ? static_cast<bool>(options_.restart_mesh)
-                                          : static_cast<bool>(options_.restart_worker))) {
+  if (RestartsDeadWorkers()) {
     return "it is being restarted and the run restored from its autosave; retry";
   }
   if (restarter_.joinable()) {
@@ -340,13 +343,14 @@ void Coordinator::Reattach(WorkerClient* joined) {
 
 void Coordinator::RestartWorker(WorkerClient* dead) {
   const std::string address = dead->address();
+  auto try_again = [&] {  // nothing (alive) answers there yet: back into the queue, after a pause
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    std::lock_guard<std::mutex> lock(mu_);
+    restart_queue_.push_back(dead);
+  };
   auto fresh = options_.restart_worker(address);
   if (!fresh.ok()) {
-    if (absl::IsUnavailable(fresh.status())) {  // a listed worker not back yet: try again
-      std::lock_guard<std::mutex> lock(mu_);
-      restart_queue_.push_back(dead);
-      return;
-    }
+    if (absl::IsUnavailable(fresh.status())) return try_again();  // a listed worker not back yet
     LORASTEP_LOG(Error) << "lorastep_coordinator: restarting the worker at " << address << ": " << fresh.status();
     return;
   }
@@ -354,11 +358,8 @@ void Coordinator::RestartWorker(WorkerClient* dead) {
   WorkerClient* onto = fresh->get();
   if (absl::Status added = AddWorker(std::move(fresh).value()); !added.ok()) {
     LORASTEP_LOG(Error) << "lorastep_coordinator: the restarted worker " << replacement << ": " << added;
-    if (absl::IsUnavailable(added)) {  // e.g. the dead process's socket answered: try again
-      std::this_thread::sleep_for(std::chrono::milliseconds(500));
-      std::lock_guard<std::mutex> lock(mu_);
-      restart_queue_.push_back(dead);
-    }
+    // e.g. the killed process's socket still accepted the connection
+    if (absl::IsUnavailable(added)) try_again();
     return;
   }
   LORASTEP_LOG(Info) << "lorastep_coordinator: worker " << address << " restarted as " << replacement;

@@ -249,6 +249,9 @@ class Coordinator {
   // A worker that registered (or registered again) with a journal in use: restores onto it
   // the runs of a dead worker at its address and journaled runs not restored yet.
   void Reattach(WorkerClient* joined);
+  // Whether a dead worker (a mesh: every rank) is brought back by this coordinator
+  // (restart_worker / restart_mesh, with a journal) rather than awaited by registration.
+  bool RestartsDeadWorkers() const;
   // The end of an UNAVAILABLE message for a run on a dead worker: what will happen to it.
   std::string WhatHappensToDownRuns() const;
   std::thread restarter_;

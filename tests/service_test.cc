@@ -1041,6 +1041,19 @@ absl::StatusOr<v1::StepResponse> RetryWhileRestarting(TrainerClient* client, con
   return r;
 }
 
+// After a restart brought `step3`'s run back and the retry applied it as `applied`: sending
+// it again is answered from the record, and the adapter equals that of a fresh run given the
+// same three steps without interruption.
+void ExpectAppliedOnceLikeAnUninterruptedRun(TrainerClient* client, const v1::TrainStepRequest& step3,
+                                             const v1::StepResponse& applied) {
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse again, client->TrainStep(step3));
+  EXPECT_EQ(again.adapter_sha256(), applied.adapter_sha256());
+  ASSERT_OK_AND_ASSIGN(RunSession reference, RunSession::Create(client, Lora(), 3));
+  for (int i = 0; i < 2; ++i) ASSERT_OK(reference.TrainStep(Batch(i), Ppo(), Adam()).status());
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse want, reference.TrainStep(Batch(2), Ppo(), Adam()));
+  EXPECT_EQ(applied.adapter_sha256(), want.adapter_sha256());
+}
+
 TEST(ProcessTest, KilledWorkerIsRestartedAndItsRunsResume) {
   const std::string dir = ScratchDir("worker_restart");
   ASSERT_OK_AND_ASSIGN(ChildServer server,
@@ -1067,13 +1080,7 @@ TEST(ProcessTest, KilledWorkerIsRestartedAndItsRunsResume) {
   const int second = worker_pid();
   EXPECT_GT(second, 0);
   EXPECT_NE(second, first);
-  // Applied once: the retry again is answered from the record.
-  ASSERT_OK_AND_ASSIGN(v1::StepResponse again, client->TrainStep(step3));
-  EXPECT_EQ(again.adapter_sha256(), r->adapter_sha256());
-  ASSERT_OK_AND_ASSIGN(RunSession reference, RunSession::Create(client.get(), Lora(), 3));
-  for (int i = 0; i < 2; ++i) ASSERT_OK(reference.TrainStep(Batch(i), Ppo(), Adam()).status());
-  ASSERT_OK_AND_ASSIGN(v1::StepResponse want, reference.TrainStep(Batch(2), Ppo(), Adam()));
-  EXPECT_EQ(r->adapter_sha256(), want.adapter_sha256());
+  ExpectAppliedOnceLikeAnUninterruptedRun(client.get(), step3, *r);
 }
 
 // Issue 8: a listed worker (--workers, run by someone else's supervisor) killed with
@@ -1104,12 +1111,7 @@ TEST(ProcessTest, ListedWorkerThatComesBackGetsItsRunsBack) {
   absl::StatusOr<v1::StepResponse> r = RetryWhileRestarting(client.get(), step3, 60, &failures);
   ASSERT_OK(r.status());
   EXPECT_EQ(r->learner_version(), 3);
-  ASSERT_OK_AND_ASSIGN(v1::StepResponse again, client->TrainStep(step3));  // applied once
-  EXPECT_EQ(again.adapter_sha256(), r->adapter_sha256());
-  ASSERT_OK_AND_ASSIGN(RunSession reference, RunSession::Create(client.get(), Lora(), 3));
-  for (int i = 0; i < 2; ++i) ASSERT_OK(reference.TrainStep(Batch(i), Ppo(), Adam()).status());
-  ASSERT_OK_AND_ASSIGN(v1::StepResponse want, reference.TrainStep(Batch(2), Ppo(), Adam()));
-  EXPECT_EQ(r->adapter_sha256(), want.adapter_sha256());
+  ExpectAppliedOnceLikeAnUninterruptedRun(client.get(), step3, *r);
 }
 
 // Issue 8: a rank of a local mesh killed (SIGKILL). A process group cannot take a new member
@@ -1148,12 +1150,7 @@ TEST(ProcessTest, KilledMeshRankRestartsTheMeshAndItsRunsResume) {
   const std::vector<int> after = worker_pids();
   ASSERT_EQ(after.size(), 2u);
   for (int pid : after) EXPECT_TRUE(pid != before[0] && pid != before[1]) << "every rank was started again";
-  ASSERT_OK_AND_ASSIGN(v1::StepResponse again, client->TrainStep(step3));  // answered from the record
-  EXPECT_EQ(again.adapter_sha256(), r->adapter_sha256());
-  ASSERT_OK_AND_ASSIGN(RunSession reference, RunSession::Create(client.get(), Lora(), 3));
-  for (int i = 0; i < 2; ++i) ASSERT_OK(reference.TrainStep(Batch(i), Ppo(), Adam()).status());
-  ASSERT_OK_AND_ASSIGN(v1::StepResponse want, reference.TrainStep(Batch(2), Ppo(), Adam()));
-  EXPECT_EQ(r->adapter_sha256(), want.adapter_sha256());
+  ExpectAppliedOnceLikeAnUninterruptedRun(client.get(), step3, *r);
 }
 
 // Issue 8: a hung worker (SIGSTOP) against deadlines. The call fails DEADLINE_EXCEEDED after

@@ -456,7 +456,6 @@ TEST(DigestTest, DeviceTensorsHashLikeTheirHostCopies) {
   EXPECT_EQ(TensorsSha256(device), want);
   device.back()[(1 << 18) - 1].add_(1.0);
   EXPECT_NE(TensorsSha256(device), want);
-  std::swap(device[1], device[2]);
   std::swap(host[1], host[2]);
   EXPECT_NE(TensorsSha256(host), want);
 }

@@ -275,8 +275,9 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  std::mutex prune_mu;
-  std::condition_variable prune_cv;
+  // Shutdown for the background threads (the state store pruner, the announcer below).
+  std::mutex stop_mu;
+  std::condition_variable stop_cv;
   bool stopping = false;
   std::thread pruner;
   if (ttl_hours > 0 && options.rank == 0) {
@@ -284,7 +285,7 @@ int main(int argc, char** argv) {
     pruner = std::thread([&, ttl_s] {
       auto store = StateStore::Open(options.state_dir);
       const auto every = std::chrono::seconds(std::clamp<int64_t>(ttl_s / 10, 1, 600));
-      std::unique_lock<std::mutex> lock(prune_mu);
+      std::unique_lock<std::mutex> lock(stop_mu);
       do {
         auto removed = store.ok() ? store->PruneOlderThan(ttl_s, static_cast<int64_t>(std::time(nullptr)))
                                   : absl::StatusOr<std::vector<std::string>>(store.status());
@@ -294,7 +295,7 @@ int main(int argc, char** argv) {
           LORASTEP_LOG(Info) << "lorastep_worker: state store TTL removed " << removed->size() << " folder(s): "
                     << absl::StrJoin(*removed, ", ");
         }
-      } while (!prune_cv.wait_for(lock, every, [&] { return stopping; }));
+      } while (!stop_cv.wait_for(lock, every, [&] { return stopping; }));
     });
   }
   // Registered again every --register_every_s: a coordinator that restarted (and lost its
@@ -305,8 +306,8 @@ int main(int argc, char** argv) {
   if (!register_with.empty() && register_every_s > 0) {
     announcer = std::thread([&, register_every_s] {
       const std::string self = absl::StrCat(advertise_host, ":", port);
-      std::unique_lock<std::mutex> lock(prune_mu);
-      while (!prune_cv.wait_for(lock, std::chrono::seconds(register_every_s), [&] { return stopping; })) {
+      std::unique_lock<std::mutex> lock(stop_mu);
+      while (!stop_cv.wait_for(lock, std::chrono::seconds(register_every_s), [&] { return stopping; })) {
         lock.unlock();
         absl::Status s = RegisterWithCoordinator(register_with, self, 1, authorization, coordinator_credentials);
         if (!s.ok() && !absl::IsAlreadyExists(s)) LORASTEP_LOG(Warning) << "lorastep_worker: registering again: " << s;
@@ -316,10 +317,10 @@ int main(int argc, char** argv) {
   }
   WaitForShutdownSignal();
   {
-    std::lock_guard<std::mutex> lock(prune_mu);
+    std::lock_guard<std::mutex> lock(stop_mu);
     stopping = true;
   }
-  prune_cv.notify_all();
+  stop_cv.notify_all();
   if (pruner.joinable()) pruner.join();
   if (announcer.joinable()) announcer.join();
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
