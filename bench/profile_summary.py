@@ -1,6 +1,9 @@
 """Summarizes a Kineto Chrome trace of one train step (LORASTEP_PROFILE_TRACE, see
 bench/step_bench.sh) into a short JSON: wall time of the traced region, GPU busy time (the
-union of kernel intervals), kernel launches, time by kernel class, and the top kernels.
+union of kernel intervals), kernel launches, time by kernel class, and the top kernels;
+and the host side: where the GPU waited for the CPU (a kernel launched after the previous
+one had finished), and the CPU ops with the most self time on the launching threads (the
+profiler slows the host, so compare these between runs, not with untraced step times).
     python3 bench/profile_summary.py TRACE.json --out SUMMARY.json [--label L]
 """
 import argparse, collections, json, re
@@ -20,6 +23,50 @@ def kernel_class(name):
         if pattern.search(name):
             return label
     return "other"
+
+
+def host_side(events, kernels, top):
+    """GPU time lost waiting for launches, and CPU ops by self time."""
+    launch_ts = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+            launch_ts[e["args"]["correlation"]] = e["ts"] + e["dur"]
+    starved, gaps, prev_end = 0.0, 0, None
+    for k in sorted(kernels, key=lambda e: e["ts"]):
+        launched = launch_ts.get(k.get("args", {}).get("correlation"))
+        if prev_end is not None and k["ts"] > prev_end and launched is not None and launched > prev_end:
+            # idle from the previous kernel's end until this one's launch returned: the CPU was late
+            starved += min(k["ts"], launched) - prev_end
+            gaps += 1
+        prev_end = k["ts"] + k["dur"] if prev_end is None else max(prev_end, k["ts"] + k["dur"])
+    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    by_tid = collections.defaultdict(list)
+    for e in ops:
+        by_tid[(e.get("pid"), e.get("tid"))].append(e)
+    self_time = collections.defaultdict(lambda: [0, 0.0])
+    for evs in by_tid.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack = []  # [end, name, child time]
+        def close(item):
+            end, name, child, dur = item
+            self_time[name][0] += 1
+            self_time[name][1] += dur - child
+        for e in evs:
+            while stack and stack[-1][0] <= e["ts"]:
+                close(stack.pop())
+            if stack:
+                stack[-1][2] += e["dur"]
+            stack.append([e["ts"] + e["dur"], e["name"], 0.0, e["dur"]])
+        while stack:
+            close(stack.pop())
+    ranked = sorted(self_time.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "gpu_starved_ms": round(starved / 1e3, 3),
+        "gpu_starved_gaps": gaps,
+        "cpu_ops": len(ops),
+        "cpu_op_self_ms": round(sum(v[1] for v in self_time.values()) / 1e3, 3),
+        "top_cpu_ops_self": [{"name": n[:100], "calls": v[0], "self_ms": round(v[1] / 1e3, 3)} for n, v in ranked],
+    }
 
 
 def main():
@@ -57,6 +104,7 @@ def main():
         by_class[kernel_class(e["name"])][1] += e["dur"]
     total = sum(v[1] for v in by_name.values())
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:args.top]
+    host = host_side(events, kernels, args.top)
     import datetime
     out = {
         "date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -72,10 +120,14 @@ def main():
         "by_class_launches": {k: v[0] for k, v in by_class.items()},
         "top_kernels": [{"name": n[:140], "calls": v[0], "ms": round(v[1] / 1e3, 3),
                          "share": round(v[1] / total, 4)} for n, v in top],
+        **host,
     }
     json.dump(out, open(args.out, "w"), indent=2)
     print(json.dumps({k: out[k] for k in ("label", "traced_wall_ms", "gpu_busy_ms", "gpu_busy_fraction",
                                           "kernel_launches", "by_class_ms")}))
+    print(json.dumps({k: out[k] for k in ("gpu_starved_ms", "gpu_starved_gaps", "cpu_ops", "cpu_op_self_ms")}))
+    for k in out["top_cpu_ops_self"][:15]:
+        print(f"  cpu {k['self_ms']:9.2f} ms {k['calls']:6d}x  {k['name'][:100]}")
     for k in out["top_kernels"][:12]:
         print(f"  {k['ms']:9.2f} ms {k['calls']:6d}x  {k['name'][:100]}")
 

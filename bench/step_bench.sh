@@ -45,13 +45,16 @@ for spec in ${STEP_HF:-lora:fixed full:fixed logprobs:fixed lora:varlen}; do
   IFS=: read -r mode w <<< "$spec"
   python3 bench/peft_step.py --model $MODEL --mode "$mode" --batch "$OUT/batch_$w.json" --out "$OUT/hf_${mode}_$w.json" 2>&1 | tail -1 | cut -c1-300
 done
-if [ -z "${STEP_NO_PROFILE:-}" ]; then
-  LORASTEP_PROFILE_TRACE=/tmp/lora_trace.json LORASTEP_PROFILE_STEP=2 MODEL_DIR=$MODEL RANK=32 MAX_TOKENS=$MT STEPS=2 \
+# STEP_PROFILE: the modes to profile, "lora" by default (also "full"); STEP_NO_PROFILE: none.
+[ -n "${STEP_NO_PROFILE:-}" ] && STEP_PROFILE=" "
+for mode in ${STEP_PROFILE:-lora}; do
+  rank=32; [ "$mode" = full ] && rank=0
+  LORASTEP_PROFILE_TRACE=/tmp/${mode}_trace.json LORASTEP_PROFILE_STEP=2 MODEL_DIR=$MODEL RANK=$rank MAX_TOKENS=$MT STEPS=2 \
     BATCH_FILE="$OUT/batch_fixed.json" bench/service_overhead.sh "$BIN" qwen2.5-0.5b cuda bfloat16 /tmp/profiled.json x > /tmp/profiled.log 2>&1 \
     || tail -5 /tmp/profiled.log
-  python3 bench/profile_summary.py /tmp/lora_trace.json --label "lorastep LoRA r32 train step, 64 x 512, micro-batch $MT" \
+  python3 bench/profile_summary.py /tmp/${mode}_trace.json --label "lorastep $mode (rank $rank) train step, 64 x 512, micro-batch $MT" \
     --machine "$(head -1 "$OUT/env.txt") / $(tail -1 "$OUT/env.txt")" \
     --command "LORASTEP_PROFILE_TRACE=... LORASTEP_PROFILE_STEP=2 bench/service_overhead.sh (bench/step_bench.sh, micro-batch $MT)" \
-    --out "$OUT/profile_lora_step.json"
-fi
+    --out "$OUT/profile_${mode}_step.json"
+done
 python3 bench/step_results.py "$OUT" $MODEL "$OUT/step.json" --micro_batch "$MT" ${CPU_RESULT:+--cpu "$CPU_RESULT"}

@@ -201,6 +201,15 @@ TEST_P(LoraLinearTest, FusedAndUnfusedGiveTheSameModelGradients) {
   std::vector<at::Tensor> grads[2];
   for (int fused = 0; fused < 2; ++fused) {
     Adapter adapter = Adapter::CreateLora(c, lora, dev, TestDtype(), 3).value();
+    // The packed groups' A main_grads lie back to back, so each group's A gradients take one
+    // GEMM (LoraLinearGroup's a_grads_joined).
+    for (size_t layer = 0; layer < static_cast<size_t>(c.num_hidden_layers); ++layer) {
+      for (std::vector<int> group : {std::vector<int>{kQProj, kKProj, kVProj}, std::vector<int>{kGateProj, kUpProj}}) {
+        std::vector<at::Tensor> grads;
+        for (int slot : group) grads.push_back(adapter.parameters()[adapter.lora(layer, slot)->a].main_grad);
+        EXPECT_TRUE(AdjacentRows(grads).defined()) << layer << " " << group[0];
+      }
+    }
     at::manual_seed(99);  // the same nonzero B for both variants
     for (auto& p : adapter.parameters()) {
       at::NoGradGuard g;
@@ -221,9 +230,12 @@ TEST_P(LoraLinearTest, FusedAndUnfusedGiveTheSameModelGradients) {
 }
 
 // LoraLinearGroup (three projections packed, two with a branch, a bias) against the fp64
-// dense reference, for a group narrow enough to add each branch with its own addmm and one
-// wide enough to run the branches inside the base GEMM (FoldBranchIntoBaseGemm; the default
-// folds on CUDA only, so the wide group is also run with the fold forced on and off).
+// dense reference, for a group narrow enough to add the branches with one addmm and one
+// wide enough to run them inside the base GEMM (FoldBranchIntoBaseGemm; the default folds on
+// CUDA only, so the wide group is also run with the fold forced on and off). Each shape runs
+// without an operand cache and with one (A main_grads then back to back in one buffer, as
+// the adapter packs them, so their gradients take one GEMM); the cached run goes again after
+// a factor changed in place, which must rebuild the cached operands.
 TEST_P(LoraLinearTest, GroupMatchesDenseReferenceFoldedOrNot) {
   const bool fused = GetParam();
   const auto opts = at::TensorOptions().device(TestDevice()).dtype(TestDtype());
@@ -241,42 +253,65 @@ TEST_P(LoraLinearTest, GroupMatchesDenseReferenceFoldedOrNot) {
     EXPECT_EQ(FoldBranchIntoBaseGemm(w, 2 * r, options), in == 8 && w.is_cuda()) << "the default";
     options.fold_lora_b = shape.folded ? 1 : 0;
     ASSERT_EQ(FoldBranchIntoBaseGemm(w, 2 * r, options), shape.folded) << in;
-    std::vector<LoraGroupPart> parts(3);
-    for (int i = 0; i < 3; ++i) {
-      parts[i].width = shape.widths[i];
-      if (i == 1) continue;  // the middle projection has no branch
-      parts[i].a = (at::randn({r, in}, opts) * 0.3).requires_grad_(true);
-      parts[i].b = (at::randn({shape.widths[i], r}, opts) * 0.3).requires_grad_(true);
-      parts[i].a_main_grad = at::zeros({r, in}, opts.dtype(at::kFloat));
-      parts[i].b_main_grad = at::zeros({shape.widths[i], r}, opts.dtype(at::kFloat));
-    }
-    at::Tensor x = at::randn({3, 5, in}, opts).requires_grad_(true);
-    at::Tensor upstream = at::randn({3, 5, out}, opts);
-    at::Tensor y = LoraLinearGroup(x, w, bias, parts, scale, options);
-    (y * upstream).sum().backward();
-
-    auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(true); };
-    at::Tensor xr = f64(x);
-    std::vector<at::Tensor> ar(3), br(3), cols;
-    int64_t col = 0;
-    for (int i = 0; i < 3; ++i) {
-      at::Tensor yi = at::matmul(xr, f64(w.narrow(0, col, shape.widths[i])).t());
-      if (i != 1) {
-        ar[i] = f64(parts[i].a);
-        br[i] = f64(parts[i].b);
-        yi = yi + at::matmul(at::matmul(xr, ar[i].t()), br[i].t()) * scale;
+    for (const bool cached : {false, true}) {
+      std::vector<LoraGroupPart> parts(3);
+      const at::Tensor a_grads = at::zeros({2 * r, in}, opts.dtype(at::kFloat));  // parts 0 and 2, back to back
+      for (int i = 0; i < 3; ++i) {
+        parts[i].width = shape.widths[i];
+        if (i == 1) continue;  // the middle projection has no branch
+        parts[i].a = (at::randn({r, in}, opts) * 0.3).requires_grad_(true);
+        parts[i].b = (at::randn({shape.widths[i], r}, opts) * 0.3).requires_grad_(true);
+        parts[i].a_main_grad = cached ? a_grads.narrow(0, i == 0 ? 0 : r, r) : at::zeros({r, in}, opts.dtype(at::kFloat));
+        parts[i].b_main_grad = at::zeros({shape.widths[i], r}, opts.dtype(at::kFloat));
       }
-      cols.push_back(yi);
-      col += shape.widths[i];
-    }
-    at::Tensor yr = at::cat(cols, -1) + bias.to(at::kDouble);
-    (yr * upstream.to(at::kDouble)).sum().backward();
-    const std::string what = shape.folded ? "folded" : "addmm";
-    EXPECT_LT(RelErr(y, yr), Tol(1e-6)) << what;
-    EXPECT_LT(RelErr(x.grad(), xr.grad()), Tol(1e-6)) << what;
-    for (int i : {0, 2}) {
-      EXPECT_LT(RelErr(fused ? parts[i].a_main_grad : parts[i].a.grad(), ar[i].grad()), Tol(1e-6)) << what << i;
-      EXPECT_LT(RelErr(fused ? parts[i].b_main_grad : parts[i].b.grad(), br[i].grad()), Tol(1e-6)) << what << i;
+      LoraGroupOperandCache cache;
+      for (int round = 0; round < (cached ? 2 : 1); ++round) {
+        const std::string what = std::string(shape.folded ? "folded" : "addmm") + (cached ? " cached" : "") +
+                                 (round == 1 ? " after an in-place update" : "");
+        if (round == 1) {
+          at::NoGradGuard no_grad;
+          parts[2].b.add_(0.25);
+          EXPECT_EQ(cache.Find(w, {parts[0].a, parts[2].a}, {parts[0].b, parts[2].b}, scale, shape.folded), nullptr);
+        }
+        for (int i : {0, 2}) {
+          parts[i].a_main_grad.zero_();
+          parts[i].b_main_grad.zero_();
+          parts[i].a.mutable_grad() = at::Tensor();
+          parts[i].b.mutable_grad() = at::Tensor();
+        }
+        at::Tensor x = at::randn({3, 5, in}, opts).requires_grad_(true);
+        at::Tensor upstream = at::randn({3, 5, out}, opts);
+        at::Tensor y = LoraLinearGroup(x, w, bias, parts, scale, options, cached ? &cache : nullptr);
+        (y * upstream).sum().backward();
+        if (cached) {
+          EXPECT_EQ(cache.size(), 1u) << what;
+          EXPECT_NE(cache.Find(w, {parts[0].a, parts[2].a}, {parts[0].b, parts[2].b}, scale, shape.folded), nullptr)
+              << what;
+        }
+
+        auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(true); };
+        at::Tensor xr = f64(x);
+        std::vector<at::Tensor> ar(3), br(3), cols;
+        int64_t col = 0;
+        for (int i = 0; i < 3; ++i) {
+          at::Tensor yi = at::matmul(xr, f64(w.narrow(0, col, shape.widths[i])).t());
+          if (i != 1) {
+            ar[i] = f64(parts[i].a);
+            br[i] = f64(parts[i].b);
+            yi = yi + at::matmul(at::matmul(xr, ar[i].t()), br[i].t()) * scale;
+          }
+          cols.push_back(yi);
+          col += shape.widths[i];
+        }
+        at::Tensor yr = at::cat(cols, -1) + bias.to(at::kDouble);
+        (yr * upstream.to(at::kDouble)).sum().backward();
+        EXPECT_LT(RelErr(y, yr), Tol(1e-6)) << what;
+        EXPECT_LT(RelErr(x.grad(), xr.grad()), Tol(1e-6)) << what;
+        for (int i : {0, 2}) {
+          EXPECT_LT(RelErr(fused ? parts[i].a_main_grad : parts[i].a.grad(), ar[i].grad()), Tol(1e-6)) << what << i;
+          EXPECT_LT(RelErr(fused ? parts[i].b_main_grad : parts[i].b.grad(), br[i].grad()), Tol(1e-6)) << what << i;
+        }
+      }
     }
   }
 }

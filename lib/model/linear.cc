@@ -114,117 +114,150 @@ struct LoraGroupMeta {
   std::vector<at::Tensor> a_grads, b_grads;
 };
 
+std::vector<int64_t> ColumnStarts(const std::vector<int64_t>& widths) {
+  std::vector<int64_t> col(widths.size(), 0);
+  for (size_t i = 1; i < widths.size(); ++i) col[i] = col[i - 1] + widths[i - 1];
+  return col;
+}
+
+// The parameter-only operands of one group (see LoraGroupOperandCache), built from its
+// factors: A concatenated (a view when they lie back to back), scale * B block-diagonal, and
+// for the fold [W | scale * B_blockdiag] with b_blockdiag a view of its right columns.
+LoraGroupOperandCache::Entry BuildGroupOperands(const at::Tensor& weight, at::TensorList as, at::TensorList bs,
+                                                const LoraGroupMeta& meta, double scale, bool fold) {
+  LoraGroupOperandCache::Entry e;
+  e.fold = fold;
+  e.scale = scale;
+  const std::vector<at::Tensor> a_list(as.begin(), as.end());
+  e.a_cat = AdjacentRows(a_list);
+  if (!e.a_cat.defined()) e.a_cat = as.size() == 1 ? as[0] : at::cat(as, 0);  // [sum r, in]
+  e.a_grads_joined = AdjacentRows(meta.a_grads);
+  const int64_t in = weight.size(1), out = weight.size(0), rank_sum = e.a_cat.size(0);
+  if (fold) {
+    e.w_cat = at::empty({out, in + rank_sum}, weight.options());
+    e.w_cat.narrow(1, 0, in).copy_(weight);
+    e.b_blockdiag = e.w_cat.narrow(1, in, rank_sum);
+  } else {
+    e.b_blockdiag = at::empty({out, rank_sum}, weight.options());
+  }
+  e.b_blockdiag.zero_();
+  const std::vector<int64_t> col = ColumnStarts(meta.widths);
+  int64_t r0 = 0;
+  for (size_t j = 0; j < bs.size(); ++j) {
+    const int part = meta.lora_parts[j];
+    const int64_t r = bs[j].size(1);
+    e.b_blockdiag.narrow(0, col[part], meta.widths[part]).narrow(1, r0, r).copy_(bs[j]);
+    r0 += r;
+  }
+  e.b_blockdiag.mul_(scale);
+  for (const at::Tensor& t : as) e.versions.emplace_back(t.unsafeGetTensorImpl(), t._version());
+  for (const at::Tensor& t : bs) e.versions.emplace_back(t.unsafeGetTensorImpl(), t._version());
+  return e;
+}
+
+// y = x W^T (+ bias) + scale * (x A_i^T) B_i^T into each part's columns, as
+//   fold:     [x | x A_cat^T] @ [W | scale * B_blockdiag]^T, one GEMM (the wide output is
+//             written once, not re-read and re-written by each branch);
+//   otherwise x W^T, then + (x A_cat^T) (scale * B_blockdiag)^T, one addmm for all branches.
+// Backward: d(xa) = g (scale * B_blockdiag) for all parts in one GEMM, the input gradient in
+// two, the A factors' gradients in one when their main_grads lie back to back.
 class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroupFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, at::TensorList as,
                             at::TensorList bs, const at::Tensor& weight, MainGradRef bias_ref,
-                            const LoraGroupMeta& meta, double scale, bool fused, bool fold) {
+                            const LoraGroupMeta& meta, double scale, bool fused, bool fold,
+                            LoraGroupOperandCache* cache) {
     const at::Tensor& bias = bias_ref.tensor;
     at::Tensor x2d = FoldLeadingDims(x);
-    at::Tensor a_cat = as.size() == 1 ? as[0] : at::cat(as, 0);  // [sum r, in]
-    at::Tensor xa = at::mm(x2d, a_cat.t());
-    const std::vector<int64_t> col = ColumnStarts(meta.widths);
-    at::Tensor y;
+    LoraGroupOperandCache::Entry local;
+    const LoraGroupOperandCache::Entry* ops = nullptr;
+    if (cache != nullptr) ops = cache->Find(weight, as, bs, scale, fold);
+    if (ops == nullptr) {
+      local = BuildGroupOperands(weight, as, bs, meta, scale, fold);
+      ops = cache != nullptr ? &cache->Put(weight, std::move(local)) : &local;
+    }
+    const int64_t in = weight.size(1), rank_sum = ops->a_cat.size(0);
+    at::Tensor xa, y;
     if (fold) {
-      // [x | scale * xa] @ [W | B_blockdiag]^T: the base and every branch in one GEMM, so
-      // the wide output is written once instead of re-read and re-written by each B addmm.
-      const int64_t in = weight.size(1), rank_sum = a_cat.size(0);
       at::Tensor x_cat = at::empty({x2d.size(0), in + rank_sum}, x2d.options());
       x_cat.narrow(1, 0, in).copy_(x2d);
-      x_cat.narrow(1, in, rank_sum).copy_(xa).mul_(scale);
-      at::Tensor w_cat = at::empty({weight.size(0), in + rank_sum}, weight.options());
-      w_cat.narrow(1, 0, in).copy_(weight);
-      w_cat.narrow(1, in, rank_sum).zero_();
-      int64_t r0 = 0;
-      for (size_t j = 0; j < bs.size(); ++j) {
-        const int part = meta.lora_parts[j];
-        const int64_t r = bs[j].size(1);
-        w_cat.narrow(0, col[part], meta.widths[part]).narrow(1, in + r0, r).copy_(bs[j]);
-        r0 += r;
-      }
-      y = bias.defined() ? at::addmm(bias, x_cat, w_cat.t()) : at::mm(x_cat, w_cat.t());
+      xa = x_cat.narrow(1, in, rank_sum);
+      at::mm_out(xa, x2d, ops->a_cat.t());
+      y = bias.defined() ? at::addmm(bias, x_cat, ops->w_cat.t()) : at::mm(x_cat, ops->w_cat.t());
+      x2d = x_cat.narrow(1, 0, in);  // saved instead of x: the copy is kept anyway (xa beside it)
     } else {
+      xa = at::mm(x2d, ops->a_cat.t());
       y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
-      int64_t r0 = 0;
-      for (size_t j = 0; j < bs.size(); ++j) {
-        const int part = meta.lora_parts[j];
-        const int64_t r = bs[j].size(1);
-        y.narrow(1, col[part], meta.widths[part]).addmm_(xa.narrow(1, r0, r), bs[j].t(), /*beta=*/1, /*alpha=*/scale);
-        r0 += r;
-      }
+      y.addmm_(xa, ops->b_blockdiag.t());
     }
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["fused"] = fused;
     ctx->saved_data["widths"] = meta.widths;
     ctx->saved_data["lora_parts"] = std::vector<int64_t>(meta.lora_parts.begin(), meta.lora_parts.end());
+    std::vector<int64_t> ranks;
+    for (const at::Tensor& b : bs) ranks.push_back(b.size(1));
+    ctx->saved_data["ranks"] = ranks;
     if (fused) {
       ctx->saved_data["a_grads"] = meta.a_grads;
+      ctx->saved_data["a_grads_joined"] = ops->a_grads_joined;
       ctx->saved_data["b_grads"] = meta.b_grads;
     }
-    std::vector<at::Tensor> saved{x2d, xa, a_cat, weight};
-    saved.insert(saved.end(), bs.begin(), bs.end());
-    ctx->save_for_backward(saved);
+    // Without a cache the fold's B block is copied out, so backward does not keep all of
+    // [W | B] alive per micro-batch.
+    const at::Tensor b_blockdiag = cache == nullptr && fold ? ops->b_blockdiag.clone() : ops->b_blockdiag;
+    ctx->save_for_backward({x2d, xa, ops->a_cat, weight, b_blockdiag});
     return y.view(ShapeWithLastDim(x, weight.size(0)));
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const at::Tensor &x2d = saved[0], &xa = saved[1], &a_cat = saved[2], &weight = saved[3];
+    const at::Tensor &x2d = saved[0], &xa = saved[1], &a_cat = saved[2], &weight = saved[3], &b_blockdiag = saved[4];
     const std::vector<int64_t> widths = ctx->saved_data["widths"].toIntVector();
     const std::vector<int64_t> lora_parts = ctx->saved_data["lora_parts"].toIntVector();
     const double scale = ctx->saved_data["scale"].toDouble();
     const bool fused = ctx->saved_data["fused"].toBool();
     const size_t k = lora_parts.size();
     const std::vector<int64_t> col = ColumnStarts(widths);
+    at::Tensor g = FoldLeadingDims(grads[0]).contiguous();
+    // scale * d(xa), all parts side by side: [n, sum r].
+    const at::Tensor gb = at::mm(g, b_blockdiag);
+    at::Tensor grad_x;
+    if (ctx->needs_input_grad(0)) {
+      grad_x = at::mm(g, weight).addmm_(gb, a_cat).view(ShapeWithLastDim(grads[0], weight.size(1)));
+    }
+    const std::vector<int64_t> ranks = ctx->saved_data["ranks"].toIntVector();
+    std::vector<at::Tensor> g_parts(k), gb_parts(k), xa_parts(k);
+    for (size_t j = 0, r0 = 0; j < k; r0 += ranks[j], ++j) {
+      g_parts[j] = g.narrow(1, col[lora_parts[j]], widths[lora_parts[j]]);
+      gb_parts[j] = gb.narrow(1, r0, ranks[j]);
+      xa_parts[j] = xa.narrow(1, r0, ranks[j]);
+    }
     std::vector<at::Tensor> a_grads, b_grads;
     if (fused) {
       a_grads = ctx->saved_data["a_grads"].toTensorVector();
       b_grads = ctx->saved_data["b_grads"].toTensorVector();
     }
-    at::Tensor g = FoldLeadingDims(grads[0]).contiguous();
-    // d(xa) / scale, all parts side by side: [n, sum r].
-    at::Tensor gb = at::empty({g.size(0), a_cat.size(0)}, g.options());
-    std::vector<at::Tensor> g_parts(k), gb_parts(k), xa_parts(k);
-    int64_t r0 = 0;
-    for (size_t j = 0; j < k; ++j) {
-      const at::Tensor& b = saved[4 + j];
-      const int64_t part = lora_parts[j];
-      const int64_t r = b.size(1);
-      g_parts[j] = g.narrow(1, col[part], widths[part]);
-      gb_parts[j] = gb.narrow(1, r0, r);
-      xa_parts[j] = xa.narrow(1, r0, r);
-      at::mm_out(gb_parts[j], g_parts[j], b);
-      r0 += r;
-    }
-    at::Tensor grad_x;
-    if (ctx->needs_input_grad(0)) {
-      grad_x = at::mm(g, weight).addmm_(gb, a_cat, /*beta=*/1, /*alpha=*/scale).view(ShapeWithLastDim(grads[0], weight.size(1)));
-    }
     torch::autograd::variable_list out{grad_x};
     std::vector<at::Tensor> grad_as(k), grad_bs(k);
-    for (size_t j = 0; j < k; ++j) {
-      if (fused) {
-        at::Tensor& a_grad = a_grads[j];
-        at::Tensor& b_grad = b_grads[j];
-        compat::AddMatmulFp32(b_grad, g_parts[j].t(), xa_parts[j], scale);
-        compat::AddMatmulFp32(a_grad, gb_parts[j].t(), x2d, scale);
+    if (fused) {
+      at::Tensor a_joined = ctx->saved_data["a_grads_joined"].toTensor();
+      if (a_joined.defined()) {
+        compat::AddMatmulFp32(a_joined, gb.t(), x2d);
       } else {
+        for (size_t j = 0; j < k; ++j) compat::AddMatmulFp32(a_grads[j], gb_parts[j].t(), x2d);
+      }
+      for (size_t j = 0; j < k; ++j) compat::AddMatmulFp32(b_grads[j], g_parts[j].t(), xa_parts[j], scale);
+    } else {
+      for (size_t j = 0; j < k; ++j) {
+        grad_as[j] = at::mm(gb_parts[j].t(), x2d);
         grad_bs[j] = at::mm(g_parts[j].t(), xa_parts[j]).mul_(scale);
-        grad_as[j] = at::mm(gb_parts[j].t(), x2d).mul_(scale);
       }
     }
     out.insert(out.end(), grad_as.begin(), grad_as.end());
     out.insert(out.end(), grad_bs.begin(), grad_bs.end());
-    out.resize(out.size() + 6);  // weight, bias, meta, scale, fused, fold
+    out.resize(out.size() + 7);  // weight, bias, meta, scale, fused, fold, cache
     return out;
-  }
-
- private:
-  static std::vector<int64_t> ColumnStarts(const std::vector<int64_t>& widths) {
-    std::vector<int64_t> col(widths.size(), 0);
-    for (size_t i = 1; i < widths.size(); ++i) col[i] = col[i - 1] + widths[i - 1];
-    return col;
   }
 };
 
@@ -322,8 +355,34 @@ at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::T
                                    scale, options.fused_wgrad);
 }
 
+const LoraGroupOperandCache::Entry* LoraGroupOperandCache::Find(const at::Tensor& weight, at::TensorList as,
+                                                               at::TensorList bs, double scale, bool fold) const {
+  for (const auto& [key, e] : entries_) {
+    if (key != weight.data_ptr()) continue;
+    if (e.fold != fold || e.scale != scale || e.versions.size() != as.size() + bs.size()) return nullptr;
+    size_t i = 0;
+    for (at::TensorList list : {as, bs}) {
+        for (const at::Tensor& t : list) {
+        if (e.versions[i] != std::make_pair<const void*, int64_t>(t.unsafeGetTensorImpl(), t._version())) return nullptr;
+        ++i;
+      }
+    }
+    return &e;
+  }
+  return nullptr;
+}
+
+const LoraGroupOperandCache::Entry& LoraGroupOperandCache::Put(const at::Tensor& weight, Entry entry) {
+  for (auto& [key, e] : entries_) {
+    if (key == weight.data_ptr()) return e = std::move(entry);
+  }
+  entries_.emplace_back(weight.data_ptr(), std::move(entry));
+  return entries_.back().second;
+}
+
 at::Tensor LoraLinearGroup(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                           const std::vector<LoraGroupPart>& parts, double scale, const GradOptions& options) {
+                           const std::vector<LoraGroupPart>& parts, double scale, const GradOptions& options,
+                           LoraGroupOperandCache* cache) {
   LoraGroupMeta meta;
   std::vector<at::Tensor> as, bs;
   for (size_t i = 0; i < parts.size(); ++i) {
@@ -343,7 +402,7 @@ at::Tensor LoraLinearGroup(const at::Tensor& x, const at::Tensor& weight, const 
   for (const at::Tensor& a : as) rank_sum += a.size(0);
   return LoraLinearGroupFunction::apply(x, at::TensorList(as), at::TensorList(bs), weight, MainGradRef{bias},
                                         meta, scale, options.fused_wgrad,
-                                        FoldBranchIntoBaseGemm(weight, rank_sum, options));
+                                        FoldBranchIntoBaseGemm(weight, rank_sum, options), cache);
 }
 
 at::Tensor AdjacentRows(const std::vector<at::Tensor>& parts) {

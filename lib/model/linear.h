@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 
+#include <utility>
 #include <vector>
 
 namespace lorastep {
@@ -68,8 +69,39 @@ struct LoraGroupPart {
 // scale * (x A_i^T) B_i^T added into its own columns. The A factors run as one GEMM
 // (concatenated), so q/k/v take 1 + 1 + 3 GEMMs forward instead of 3 x 3 (gate/up 1 + 1 + 2
 // instead of 6), and backward's input gradient is two GEMMs for all parts.
+//
+// `cache` (optional): where the group's parameter-only operands live for the length of one
+// trainer call, so its micro-batches build them once (see LoraGroupOperandCache).
+class LoraGroupOperandCache;
 at::Tensor LoraLinearGroup(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                           const std::vector<LoraGroupPart>& parts, double scale, const GradOptions& options);
+                           const std::vector<LoraGroupPart>& parts, double scale, const GradOptions& options,
+                           LoraGroupOperandCache* cache = nullptr);
+
+// The operands of LoraLinearGroup that depend on the parameters only: A factors
+// concatenated, scale * B block-diagonal ([sum of widths, sum of ranks], zero outside each
+// part's block) and, for the fold, [W | scale * B_blockdiag]. Building them is a handful of
+// small kernels per group; without a cache every micro-batch of every layer repeats them,
+// and on the H200 those launches, not the GPU, bound the LoRA step. Entries are keyed by the
+// packed weight and rebuilt when a factor changed in place (its version counter moved), so a
+// stale operand is never used; a trainer keeps one cache per call.
+class LoraGroupOperandCache {
+ public:
+  struct Entry {
+    at::Tensor a_cat, b_blockdiag, w_cat;
+    at::Tensor a_grads_joined;  // the A factors' main_grads as one view, when back to back
+    bool fold = false;
+    double scale = 0;
+    std::vector<std::pair<const void*, int64_t>> versions;  // each factor's impl and version
+  };
+  // The entry of `weight` if it was built from these very factors, unchanged, with the same
+  // scale and fold; else null.
+  const Entry* Find(const at::Tensor& weight, at::TensorList as, at::TensorList bs, double scale, bool fold) const;
+  const Entry& Put(const at::Tensor& weight, Entry entry);
+  size_t size() const { return entries_.size(); }
+
+ private:
+  std::vector<std::pair<const void*, Entry>> entries_;  // a few dozen groups: a flat list
+};
 
 // Whether LoraLinearGroup runs the branches inside the base GEMM, as
 // [x | scale * x A^T] @ [W | B_blockdiag]^T (K-concatenated), for a packed `weight` and the

@@ -242,7 +242,7 @@ class LayerRunner {
     const at::Tensor bias = biases.empty() ? at::Tensor() : AdjacentRows(biases);
     if (!weight.defined() || (!biases.empty() && (biases.size() != ws.size() || !bias.defined()))) return at::Tensor();
     return LoraLinearGroup(x, weight, bias, parts, adapter_ != nullptr ? adapter_->lora_config().scale() : 0.0,
-                           options_.grad);
+                           options_.grad, options_.lora_operands);
   }
 
   // Causal attention of packed sequences: q [1, total, heads, d], k/v [1, total, kv, d] ->

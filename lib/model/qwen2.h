@@ -51,6 +51,9 @@ struct ForwardOptions {
   std::vector<at::Tensor>* routing_counts = nullptr;
   // Packed sequences (tokens [1, total]); null: tokens [b, s], right-padded.
   const PackedSequences* packed = nullptr;
+  // Where packed LoRA groups keep their parameter-only operands for the length of one call
+  // (every micro-batch reuses them); null: built in each forward.
+  LoraGroupOperandCache* lora_operands = nullptr;
 };
 
 // tokens: int64 [b, s] (right-padded; causal attention keeps padding out of real positions).

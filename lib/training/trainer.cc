@@ -302,6 +302,8 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
       datums, batch.max_tokens_per_microbatch > 0 ? batch.max_tokens_per_microbatch
                                                   : options_.max_tokens_per_microbatch);
   ForwardOptions fwd_options{options_.grad, /*training=*/backward, &dropout_generator_};
+  LoraGroupOperandCache lora_operands;  // the factors do not change within this call
+  fwd_options.lora_operands = &lora_operands;
   std::vector<at::Tensor> routing_counts;
   fwd_options.routing_counts = &routing_counts;
   CommGroup* tensor_group = options_.groups != nullptr && base_->shard.tp > 1
