@@ -3,6 +3,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -15,6 +17,20 @@ std::vector<int64_t> ShapeWithLastDim(const at::Tensor& t, int64_t last) {
   std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
   shape.back() = last;
   return shape;
+}
+
+// A leaf that requires grad, one per device, passed to the LoRA functions; on the fused path
+// it stands in for their factors: autograd still records each function (even over a frozen input), with one
+// edge to this one AccumulateGrad node instead of one per factor that backward would visit
+// only to drop an undefined gradient (1,344 visits per LoRA step on the 0.5B shape). Never
+// freed: a device tensor must not outlive its runtime at exit.
+const at::Tensor& GradAnchor(const at::Device& device) {
+  static std::mutex mu;
+  static auto* anchors = new std::map<std::string, at::Tensor>();
+  std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& anchor = (*anchors)[device.str()];
+  if (!anchor.defined()) anchor = at::zeros({}, at::TensorOptions().device(device)).requires_grad_(true);
+  return anchor;
 }
 
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
@@ -63,11 +79,15 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
 // LoRA linear runs 3 GEMMs forward and 5 backward with no elementwise kernels.
 class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> {
  public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& a, const at::Tensor& b, const at::Tensor& weight,
-                            MainGradRef bias_ref, MainGradRef a_grad, MainGradRef b_grad,
-                            double scale, bool fused) {
+  // factors_in: {a, b} as autograd inputs (unfused, so autograd routes their gradients),
+  // else empty: `anchor` (GradAnchor) is then what requires grad; a/b: the factors' values.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& anchor,
+                            at::TensorList factors_in, const at::Tensor& weight,
+                            MainGradRef bias_ref, MainGradRef a_ref, MainGradRef b_ref, MainGradRef a_grad,
+                            MainGradRef b_grad, double scale, bool fused) {
+    (void)anchor, (void)factors_in;
     const at::Tensor& bias = bias_ref.tensor;  // frozen, possibly undefined: not an autograd input
+    const at::Tensor &a = a_ref.tensor, &b = b_ref.tensor;
     at::Tensor x2d = FoldLeadingDims(x);
     at::Tensor xa = at::mm(x2d, a.t());
     at::Tensor y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
@@ -102,16 +122,19 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
       grad_b = at::mm(g.t(), xa).mul_(scale);
       grad_a = at::mm(gb.t(), x2d).mul_(scale);
     }
-    return {grad_x, grad_a, grad_b, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    torch::autograd::variable_list out{grad_x, at::Tensor()};
+    if (grad_a.defined()) out.insert(out.end(), {grad_a, grad_b});
+    out.resize(out.size() + 9);  // weight, bias, a, b, their main_grads, scale, fused
+    return out;
   }
 };
 
-// Per-part LoRA factors ride as two tensor lists (so autograd sees every factor as an input
-// and routes their gradients on the unfused path); their main_grads ride as plain values.
+// The parts' factors and main_grads ride as plain values; on the unfused path the factors
+// also ride as two tensor lists, so autograd sees each as an input and routes its gradient.
 struct LoraGroupMeta {
   std::vector<int64_t> widths;     // every part's output columns
   std::vector<int> lora_parts;     // the parts with a LoRA branch, in order
-  std::vector<at::Tensor> a_grads, b_grads;
+  std::vector<at::Tensor> as, bs, a_grads, b_grads;
 };
 
 std::vector<int64_t> ColumnStarts(const std::vector<int64_t>& widths) {
@@ -163,11 +186,13 @@ LoraGroupOperandCache::Entry BuildGroupOperands(const at::Tensor& weight, at::Te
 // two, the A factors' gradients in one when their main_grads lie back to back.
 class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroupFunction> {
  public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, at::TensorList as,
-                            at::TensorList bs, const at::Tensor& weight, MainGradRef bias_ref,
-                            const LoraGroupMeta& meta, double scale, bool fused, bool fold,
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& anchor,
+                            at::TensorList as_in, at::TensorList bs_in, const at::Tensor& weight,
+                            MainGradRef bias_ref, const LoraGroupMeta& meta, double scale, bool fused, bool fold,
                             LoraGroupOperandCache* cache) {
+    (void)anchor, (void)as_in, (void)bs_in;
     const at::Tensor& bias = bias_ref.tensor;
+    const at::TensorList as(meta.as), bs(meta.bs);
     at::Tensor x2d = FoldLeadingDims(x);
     LoraGroupOperandCache::Entry local;
     const LoraGroupOperandCache::Entry* ops = nullptr;
@@ -238,8 +263,8 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
       a_grads = ctx->saved_data["a_grads"].toTensorVector();
       b_grads = ctx->saved_data["b_grads"].toTensorVector();
     }
-    torch::autograd::variable_list out{grad_x};
-    std::vector<at::Tensor> grad_as(k), grad_bs(k);
+    torch::autograd::variable_list out{grad_x, at::Tensor()};
+    std::vector<at::Tensor> grad_as(fused ? 0 : k), grad_bs(fused ? 0 : k);
     if (fused) {
       at::Tensor a_joined = ctx->saved_data["a_grads_joined"].toTensor();
       if (a_joined.defined()) {
@@ -351,8 +376,12 @@ at::Tensor LinearInputGrad(const at::Tensor& grad_output, const at::Tensor& weig
 at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                       const at::Tensor& a, const at::Tensor& a_main_grad, const at::Tensor& b,
                       const at::Tensor& b_main_grad, double scale, const GradOptions& options) {
-  return LoraLinearFunction::apply(x, a, b, weight, MainGradRef{bias}, MainGradRef{a_main_grad}, MainGradRef{b_main_grad},
-                                   scale, options.fused_wgrad);
+  const bool fused = options.fused_wgrad;
+  std::vector<at::Tensor> factors_in;
+  if (!fused) factors_in = {a, b};
+  return LoraLinearFunction::apply(x, GradAnchor(x.device()), at::TensorList(factors_in), weight, MainGradRef{bias},
+                                   MainGradRef{a}, MainGradRef{b}, MainGradRef{a_main_grad}, MainGradRef{b_main_grad},
+                                   scale, fused);
 }
 
 const LoraGroupOperandCache::Entry* LoraGroupOperandCache::Find(const at::Tensor& weight, at::TensorList as,
@@ -384,24 +413,26 @@ at::Tensor LoraLinearGroup(const at::Tensor& x, const at::Tensor& weight, const 
                            const std::vector<LoraGroupPart>& parts, double scale, const GradOptions& options,
                            LoraGroupOperandCache* cache) {
   LoraGroupMeta meta;
-  std::vector<at::Tensor> as, bs;
   for (size_t i = 0; i < parts.size(); ++i) {
     meta.widths.push_back(parts[i].width);
     if (!parts[i].a.defined()) continue;
     meta.lora_parts.push_back(static_cast<int>(i));
-    as.push_back(parts[i].a);
-    bs.push_back(parts[i].b);
+    meta.as.push_back(parts[i].a);
+    meta.bs.push_back(parts[i].b);
     meta.a_grads.push_back(parts[i].a_main_grad);
     meta.b_grads.push_back(parts[i].b_main_grad);
   }
-  if (as.empty()) {  // no branch: the frozen GEMM alone
+  if (meta.as.empty()) {  // no branch: the frozen GEMM alone
     at::Tensor y = Linear(x, weight, at::Tensor(), options);
     return bias.defined() ? y + bias : y;
   }
   int64_t rank_sum = 0;
-  for (const at::Tensor& a : as) rank_sum += a.size(0);
-  return LoraLinearGroupFunction::apply(x, at::TensorList(as), at::TensorList(bs), weight, MainGradRef{bias},
-                                        meta, scale, options.fused_wgrad,
+  for (const at::Tensor& a : meta.as) rank_sum += a.size(0);
+  const bool fused = options.fused_wgrad;
+  const std::vector<at::Tensor> none;
+  return LoraLinearGroupFunction::apply(x, GradAnchor(x.device()),
+                                        at::TensorList(fused ? none : meta.as), at::TensorList(fused ? none : meta.bs),
+                                        weight, MainGradRef{bias}, meta, scale, fused,
                                         FoldBranchIntoBaseGemm(weight, rank_sum, options), cache);
 }
 
