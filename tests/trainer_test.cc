@@ -443,13 +443,20 @@ TEST(ActivationBudgetTest, DefaultBudgetRefusesWhatTheDeviceCannotHold) {
   EXPECT_EQ(trainer->learner_version(), 0);
 }
 
-// Device tensors reach the hash through one pinned buffer per dtype, in chunks hashed in
-// parallel: the digest equals that of the same bytes already on the host, covers every byte
-// (a change in the last chunk changes it), and the tensors' order counts.
+// Device tensors are hashed where they are (the GPU kernel in the CUDA build, else host
+// threads after one pinned copy per dtype), in chunks: the digest equals that of the same
+// bytes already on the host, covers every byte (a change in the last chunk changes it), and
+// the tensors' order counts. The sizes put chunk ends and tensor starts off every alignment
+// (odd bf16 lengths, remainders of 54 and 56 bytes either side of where SHA-256's length
+// field still fits in the last block, an empty tensor).
 TEST(DigestTest, DeviceTensorsHashLikeTheirHostCopies) {
   const at::Device dev = ::lorastep::testing::TestDevice();
   std::vector<at::Tensor> host{at::randn({3 << 20}, at::kFloat), at::randn({7, 5}, at::kFloat),
-                               at::randn({11}, at::kFloat).to(at::kBFloat16), at::randn({1 << 18}, at::kFloat)};
+                               at::randn({11}, at::kFloat).to(at::kBFloat16),
+                               at::randn({(16 << 9) + 28}, at::kFloat).to(at::kBFloat16),
+                               at::randn({0}, at::kFloat).to(at::kBFloat16),
+                               at::randn({(16 << 9) + 27}, at::kFloat).to(at::kBFloat16),
+                               at::randn({1 << 18}, at::kFloat)};
   std::vector<at::Tensor> device;
   for (const at::Tensor& t : host) device.push_back(t.to(dev));
   const std::string want = TensorsSha256(host);

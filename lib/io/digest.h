@@ -10,8 +10,10 @@
 namespace lorastep {
 
 // Hex SHA-256 over each tensor's dtype, shape and content, in order: the content enters as
-// the SHA-256s of its bytes' 8 MiB chunks (hashed on up to 16 threads), and device tensors
-// reach the host in one copy per dtype, so a per-step adapter digest stays cheap.
+// the SHA-256s of its bytes' 16 KiB chunks, hashed where the bytes are (on the GPU by
+// lorastep's kernel in the CUDA build, else on up to 16 host threads after one copy per
+// dtype), so a per-step adapter digest stays cheap. The same bytes give the same digest on
+// every device.
 std::string TensorsSha256(const std::vector<at::Tensor>& tensors);
 
 }  // namespace lorastep
