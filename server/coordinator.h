@@ -157,11 +157,12 @@ class Coordinator {
   absl::StatusOr<std::shared_ptr<RunState>> FindRun(const std::string& run_id);
   // Looks up a recorded response (returns true and fills `out`), or checks the sequence id.
   // A recorded request_id must come with the same request (fingerprint), else
-  // INVALID_ARGUMENT.
+  // INVALID_ARGUMENT. With `defer_fingerprint` a new request's fingerprint is left to the
+  // caller (FingerprintTask, overlapped with the workers' call), to set before Record.
   absl::StatusOr<bool> Replay(RunState& run, const std::string& method,
                               const std::string& request_id, int64_t sequence_id,
                               const google::protobuf::Message& request,
-                              google::protobuf::Message* out);
+                              google::protobuf::Message* out, bool defer_fingerprint = false);
   // Also journals the call (with the run's newest step record when `with_step`).
   void Record(RunState& run, const std::string& method, const std::string& request_id,
               const google::protobuf::Message& response, bool with_step = false);
