@@ -158,6 +158,19 @@ TEST(StateStoreTest, ReferencesStayUnderTheRootAndOnlyLorastepFoldersAreListedOr
   EXPECT_THAT(ResolveRequestPath(nullptr, "lorastep://r/n", "path"),
               StatusIs(absl::StatusCode::kInvalidArgument, "--state_dir"));
   EXPECT_EQ(ResolveRequestPath(nullptr, "/some/where", "path").value(), "/some/where");
+  EXPECT_EQ(ResolveRequestPath(nullptr, "/some/where/", "path").value(), "/some/where/");
+  // Without a store, a plain path must name its folder plainly: absolute, no "." or ".."
+  // components, no NUL byte, at most 4096 bytes.
+  for (const std::string& bad : {std::string("some/where"), std::string("./x"), std::string("../x"),
+                                 std::string("/tmp/../etc"), std::string("/tmp/./x"), std::string("/tmp/x/.."),
+                                 std::string("/tmp/a\0b", 8), "/" + std::string(4096, 'a')}) {
+    EXPECT_THAT(ResolveRequestPath(nullptr, bad, "path"), StatusIs(absl::StatusCode::kInvalidArgument, "path: "))
+        << bad;
+  }
+  EXPECT_THAT(ResolveRequestPath(nullptr, "../x", "init_from"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "init_from: '../x' is relative"));
+  EXPECT_THAT(ResolveRequestPath(nullptr, "/tmp/../etc", "path"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "has a '..' component"));
 
   ASSERT_OK(WriteFolderAtomically(ck, [](const std::string& tmp) { return WriteStringToFile(tmp + "/w", "12345"); }));
   ASSERT_OK(MakeDirectories(root + "/runs/run-1/foreign"));

@@ -617,6 +617,16 @@ TEST_F(ServiceTest, SaveLoadExportAndMetricsThroughTheApi) {
   EXPECT_TRUE(PathExists(exp.path() + "/adapter_config.json"));
   ASSERT_OK_AND_ASSIGN(SafetensorsFile f, SafetensorsFile::Open(exp.path() + "/adapter_model.safetensors"));
   EXPECT_EQ(f.entries().size(), 2u * 7 * 2);
+  // Plain paths (no --state_dir) must be absolute, without "." or ".." components: each is
+  // refused naming the field, and nothing changes (the run keeps its state).
+  exp.set_path("peft-relative");
+  EXPECT_THAT(client_->ExportAdapter(exp), StatusIs(absl::StatusCode::kInvalidArgument, "path: 'peft-relative' is relative"));
+  save.set_path(*dir_ + "/../escaped");
+  EXPECT_THAT(client_->SaveState(save), StatusIs(absl::StatusCode::kInvalidArgument, "'..' component"));
+  EXPECT_FALSE(PathExists(*dir_ + "/../escaped"));
+  EXPECT_THAT(run.LoadState(*dir_ + "/./ckpt-" + run.run_id()), StatusIs(absl::StatusCode::kInvalidArgument, "'.' component"));
+  ASSERT_OK_AND_ASSIGN(v1::Run unchanged, client_->GetRun(run.run_id()));
+  EXPECT_EQ(unchanged.learner_version(), 1);
 
   // Metric history and the stream: backlog first, then a new step as it happens.
   v1::GetStepMetricsRequest mreq;

@@ -8,6 +8,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "lib/io/checkpoint_dir.h"
 #include "lib/io/file_util.h"
 #include "lib/status_macros.h"
@@ -151,6 +152,23 @@ absl::StatusOr<std::string> ResolveRequestPath(const StateStore* store, const st
   if (absl::StartsWith(path, kStateRefScheme)) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ": ", kStateRefScheme, " references need a server started with --state_dir"));
+  }
+  // A plain path names one folder the client means, on the worker's machine: relative paths
+  // (resolved against the worker's own working folder) and "." / ".." components (which
+  // climb out of wherever the client thought it wrote) are refused, as are NUL bytes (the
+  // file system would see a shorter path than the one checked).
+  if (path.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": contains a NUL byte"));
+  }
+  if (path.size() > 4096) return absl::InvalidArgumentError(absl::StrCat(field, ": longer than 4096 bytes"));
+  if (path[0] != '/') {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": '", path, "' is relative; give an absolute path (or a ",
+                                                   kStateRefScheme, "<run>/<name> reference to a server with --state_dir)"));
+  }
+  for (absl::string_view part : absl::StrSplit(path, '/')) {
+    if (part == "." || part == "..") {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": '", path, "' has a '", part, "' component"));
+    }
   }
   return path;
 }
