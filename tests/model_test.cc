@@ -83,6 +83,26 @@ TEST(ModelTest, LogitsMatchPlainReferenceFp32) {
   }
 }
 
+// RoPE tables are kept per (theta, head_dim, device, dtype) and grown to the longest
+// sequence seen, then cut to each call's length: a short call after a longer one must give
+// bitwise what it gave when its table was built at its own length.
+TEST(ModelTest, RopeTablesCutFromALongerOneGiveTheSameResult) {
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  c.rope_theta = 12345.0;  // a table no other test builds
+  const ModelWeights w = RandomModelWeights(c, 7);
+  ForwardOptions options;
+  options.training = false;
+  const at::Tensor short_tokens = at::randint(0, c.vocab_size, {1, 8}, at::kLong);
+  const at::Tensor first = Qwen2Hidden(c, w, nullptr, short_tokens, options);
+  const at::Tensor long_tokens = at::randint(0, c.vocab_size, {1, 40}, at::kLong);
+  const at::Tensor longer = Qwen2Hidden(c, w, nullptr, long_tokens, options);
+  EXPECT_EQ(longer.size(1), 40);
+  EXPECT_TRUE(at::equal(Qwen2Hidden(c, w, nullptr, short_tokens, options), first));
+  ModelConfig other = c;
+  other.rope_theta = 54321.0;  // another theta gets its own table
+  EXPECT_FALSE(at::equal(Qwen2Hidden(other, w, nullptr, short_tokens, options), first));
+}
+
 // LoRA on the LM head (train_unembed) against plain autograd on dense fp64 logits
 // h W^T + scale (h A^T) B^T: log-probs, entropies, and the gradients of h, A and B, for
 // fused and unfused weight gradients, chunked over fewer tokens than the batch.
