@@ -44,13 +44,15 @@ def host_side(events, kernels, top):
     for e in ops:
         by_tid[(e.get("pid"), e.get("tid"))].append(e)
     self_time = collections.defaultdict(lambda: [0, 0.0])
+
+    def close(item):  # [end, name, child time, duration]
+        _, name, child, dur = item
+        self_time[name][0] += 1
+        self_time[name][1] += dur - child
+
     for evs in by_tid.values():
         evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack = []  # [end, name, child time]
-        def close(item):
-            end, name, child, dur = item
-            self_time[name][0] += 1
-            self_time[name][1] += dur - child
+        stack = []
         for e in evs:
             while stack and stack[-1][0] <= e["ts"]:
                 close(stack.pop())

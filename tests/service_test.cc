@@ -75,14 +75,21 @@ v1::LoraConfig Lora(double dropout = 0.0) {
   return l;
 }
 
+// ScratchDir(name), with a fresh tiny model (seed 1) written to its "model" folder.
+absl::StatusOr<std::string> TinyModelDir(const std::string& name) {
+  const std::string dir = ScratchDir(name);
+  const ModelConfig c = ModelConfigPreset("tiny").value();
+  if (absl::Status saved = SaveModel(dir + "/model", c, RandomModelWeights(c, 1)); !saved.ok()) return saved;
+  return dir;
+}
+
 // A coordinator (and its local worker) serving a fresh tiny model under ScratchDir(name),
 // with `extra` flags.
 absl::StatusOr<ChildServer> StartTinyCoordinator(const std::string& name,
                                                  const std::vector<std::string>& extra = {}) {
-  const std::string dir = ScratchDir(name);
-  ModelConfig c = ModelConfigPreset("tiny").value();
-  absl::Status saved = SaveModel(dir + "/model", c, RandomModelWeights(c, 1));
-  if (!saved.ok()) return saved;
+  absl::StatusOr<std::string> made = TinyModelDir(name);
+  if (!made.ok()) return made.status();
+  const std::string& dir = *made;
   std::vector<std::string> args = {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker")};
   args.insert(args.end(), extra.begin(), extra.end());
   return ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120);
@@ -916,9 +923,7 @@ TEST(ProcessTest, KilledCoordinatorTakesItsWorkerDown) {
 // equals an uninterrupted run's); a ForwardBackward after the last step is dropped and the
 // sequence id says so. The journal itself is checked for a torn tail.
 TEST(ProcessTest, KilledCoordinatorRestartsItsRunsFromTheJournal) {
-  const std::string dir = ScratchDir("journal");
-  ModelConfig c = ModelConfigPreset("tiny").value();
-  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("journal"));
   const std::vector<std::string> args = {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"),
                                          "--state_dir", dir + "/store", "--journal_dir", dir + "/journal"};
   std::string run_id, step2_sha, adapter_sha;
@@ -1098,9 +1103,7 @@ TEST(ProcessTest, KilledWorkerIsRestartedAndItsRunsResume) {
 // the same state store, the run comes back from its autosave and the client's retry applies
 // the step once, equal to an uninterrupted run.
 TEST(ProcessTest, ListedWorkerThatComesBackGetsItsRunsBack) {
-  const std::string dir = ScratchDir("listed_return");
-  ModelConfig c = ModelConfigPreset("tiny").value();
-  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("listed_return"));
   const std::string port = std::to_string(FreeLocalPort());
   auto start_worker = [&] {
     return ChildServer::Start(Binary("worker/lorastep_worker"),
@@ -1234,9 +1237,7 @@ TEST(ProcessTest, SigtermExitsWithAnIdleWatchStreamOpen) {
 // workers that are up, health turns NOT_SERVING when none is, and a worker restarted at the
 // dead one's address replaces it.
 TEST(RegistrationTest, DeadWorkerIsMarkedDownSkippedAndReplaced) {
-  const std::string dir = ScratchDir("dead_worker");
-  ModelConfig c = ModelConfigPreset("tiny").value();
-  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("dead_worker"));
   ASSERT_OK_AND_ASSIGN(ChildServer coordinator,
                        ChildServer::Start(Binary("server/lorastep_coordinator"), {"--wait_for_workers"}, 60));
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<TrainerClient> client, TrainerClient::Connect(coordinator.address()));
@@ -1298,9 +1299,7 @@ TEST(RegistrationTest, DeadWorkerIsMarkedDownSkippedAndReplaced) {
 // registers every second, is found again and the journaled run re-attached where it was;
 // last, the worker is killed and restarted before any call notices.
 TEST(RegistrationTest, JournaledRunsComeBackWhenTheirWorkerRegistersAgain) {
-  const std::string dir = ScratchDir("registered_journal");
-  ModelConfig c = ModelConfigPreset("tiny").value();
-  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("registered_journal"));
   const std::string coordinator_port = std::to_string(FreeLocalPort());
   auto start_coordinator = [&] {
     return ChildServer::Start(Binary("server/lorastep_coordinator"),

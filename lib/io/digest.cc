@@ -49,19 +49,17 @@ struct Chunk {
 };
 
 #ifdef LORASTEP_WITH_CUDA_KERNELS
-// The chunk digests of `members` (tensors[i] flattened into `joined`, in order), hashed on
-// the device: only 32 bytes per chunk come back.
-void HashOnDevice(const at::Tensor& joined, const std::vector<at::Tensor>& tensors, const std::vector<size_t>& members,
-                  std::vector<std::vector<Chunk>>* chunks) {
+// Fills the digests of `members`' chunks (tensors flattened back to back into `joined`, in
+// order) on the device: only 32 bytes per chunk come back.
+void HashOnDevice(const at::Tensor& joined, const std::vector<size_t>& members, std::vector<std::vector<Chunk>>* chunks) {
   std::vector<int64_t> offsets, sizes;
   int64_t start = 0;
   for (size_t i : members) {
-    const int64_t bytes = tensors[i].numel() * tensors[i].element_size();
-    for (int64_t off = 0; off < bytes; off += kChunkBytes) {
-      offsets.push_back(start + off);
-      sizes.push_back(std::min(kChunkBytes, bytes - off));
+    for (const Chunk& c : (*chunks)[i]) {
+      offsets.push_back(start);
+      sizes.push_back(c.size);
+      start += c.size;
     }
-    start += bytes;
   }
   const int64_t count = static_cast<int64_t>(offsets.size());
   if (count == 0) return;
@@ -76,11 +74,9 @@ void HashOnDevice(const at::Tensor& joined, const std::vector<at::Tensor>& tenso
   const at::Tensor host = digests.to(at::kCPU);
   const uint8_t* d = host.data_ptr<uint8_t>();
   for (size_t i : members) {
-    const int64_t bytes = tensors[i].numel() * tensors[i].element_size();
-    for (int64_t off = 0; off < bytes; off += kChunkBytes, d += 32) {
-      Chunk c{nullptr, std::min(kChunkBytes, bytes - off), {}};
+    for (Chunk& c : (*chunks)[i]) {
       std::copy(d, d + 32, c.digest.begin());
-      (*chunks)[i].push_back(c);
+      d += 32;
     }
   }
 }
@@ -91,8 +87,12 @@ void HashOnDevice(const at::Tensor& joined, const std::vector<at::Tensor>& tenso
 std::string TensorsSha256(const std::vector<at::Tensor>& tensors) {
   // Device tensors are flattened and concatenated per (device, dtype) first, so hundreds of
   // small adapter tensors cost one kernel (CUDA kernels built) or one copy to the host.
-  std::vector<std::vector<Chunk>> chunks(tensors.size());
-  std::vector<bool> hashed(tensors.size(), false);
+  std::vector<std::vector<Chunk>> chunks(tensors.size());  // sizes now; bytes or digests below
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const int64_t bytes = tensors[i].numel() * tensors[i].element_size();
+    for (int64_t off = 0; off < bytes; off += kChunkBytes) chunks[i].push_back({nullptr, std::min(kChunkBytes, bytes - off), {}});
+  }
+  std::vector<bool> hashed(tensors.size(), false);  // digests came from the device
   std::vector<at::Tensor> cpu(tensors.size());
   std::map<std::pair<std::string, at::ScalarType>, std::vector<size_t>> on_device;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -108,7 +108,7 @@ std::string TensorsSha256(const std::vector<at::Tensor>& tensors) {
     at::Tensor joined = at::cat(flat);
 #ifdef LORASTEP_WITH_CUDA_KERNELS
     if (joined.is_cuda()) {
-      HashOnDevice(joined, tensors, members, &chunks);
+      HashOnDevice(joined, members, &chunks);
       for (size_t i : members) hashed[i] = true;
       continue;
     }
@@ -124,15 +124,14 @@ std::string TensorsSha256(const std::vector<at::Tensor>& tensors) {
   }
   // Host bytes are hashed by a pool of threads.
   std::vector<Chunk*> work;
-  for (size_t i = 0; i < cpu.size(); ++i) {
-    if (hashed[i]) continue;
-    const int64_t bytes = cpu[i].numel() * cpu[i].element_size();
-    const auto* p = static_cast<const unsigned char*>(cpu[i].data_ptr());
-    for (int64_t off = 0; off < bytes; off += kChunkBytes) chunks[i].push_back({p + off, std::min(kChunkBytes, bytes - off), {}});
-  }
   for (size_t i = 0; i < chunks.size(); ++i) {
-    if (hashed[i]) continue;  // digests came from the device
-    for (auto& c : chunks[i]) work.push_back(&c);
+    if (hashed[i]) continue;
+    const auto* p = static_cast<const unsigned char*>(cpu[i].data_ptr());
+    for (Chunk& c : chunks[i]) {
+      c.data = p;
+      p += c.size;
+      work.push_back(&c);
+    }
   }
   const size_t threads = std::min<size_t>(work.size(), std::max(1u, std::min(16u, std::thread::hardware_concurrency())));
   std::vector<std::thread> pool;

@@ -67,8 +67,8 @@ struct LoraGroupPart {
 // Several projections of the same input as one: y = x @ weight^T (+ bias) for the parts'
 // frozen weights packed back to back ([sum of widths, in]), and each part's LoRA branch
 // scale * (x A_i^T) B_i^T added into its own columns. The A factors run as one GEMM
-// (concatenated), so q/k/v take 1 + 1 + 3 GEMMs forward instead of 3 x 3 (gate/up 1 + 1 + 2
-// instead of 6), and backward's input gradient is two GEMMs for all parts.
+// (concatenated) and the B branches as one (block-diagonal), so q/k/v take 3 GEMMs forward
+// instead of 3 x 3; backward's input gradient is two GEMMs for all parts.
 //
 // `cache` (optional): where the group's parameter-only operands live for the length of one
 // trainer call, so its micro-batches build them once (see LoraGroupOperandCache).
@@ -104,10 +104,10 @@ class LoraGroupOperandCache {
 };
 
 // Whether LoraLinearGroup runs the branches inside the base GEMM, as
-// [x | scale * x A^T] @ [W | B_blockdiag]^T (K-concatenated), for a packed `weight` and the
+// [x | x A^T] @ [W | scale * B_blockdiag]^T (K-concatenated), for a packed `weight` and the
 // parts' total rank. It pays on CUDA where the output is much wider than the input (gate/up:
-// 9,728 columns from 896): copying x and W is then far cheaper than the B addmms re-reading
-// and re-writing the output. Not on CPU, where the GEMMs are compute-bound: the README
+// 9,728 columns from 896): copying x (and W, once per call) is then far cheaper than the B
+// addmm re-reading and re-writing the output. Not on CPU, where the GEMMs are compute-bound: the README
 // demo's step showed no gain (4.28-4.40 s with it, 4.19-4.29 s without, dev machine).
 // Backward is the same either way.
 // LORASTEP_FOLD_LORA_B=0 switches the CUDA default off (for A/B measurements).
