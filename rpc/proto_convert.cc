@@ -1,5 +1,10 @@
 #include "rpc/proto_convert.h"
 
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <type_traits>
+
 #include "lib/status_macros.h"
 
 namespace lorastep {
@@ -27,6 +32,174 @@ std::vector<Datum> DatumsFromProto(const google::protobuf::RepeatedPtrField<v1::
     out.push_back(std::move(datum));
   }
   return out;
+}
+
+namespace {
+
+constexpr char kPacked[] = "packed_datums";
+
+// Sets `out` to the `n` 4-byte values of type `Wire` from `bytes` at element `offset`.
+template <typename Wire, typename T>
+void AppendPacked(const std::string& bytes, int64_t offset, int64_t n, std::vector<T>* out) {
+  if (bytes.empty()) return;
+  out->resize(static_cast<size_t>(n));
+  const char* from = bytes.data() + offset * 4;
+  if constexpr (std::is_same_v<Wire, T>) {
+    std::memcpy(out->data(), from, static_cast<size_t>(n) * 4);
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      Wire value;
+      std::memcpy(&value, from + 4 * i, 4);
+      (*out)[static_cast<size_t>(i)] = value;
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<Datum>> RequestDatums(const google::protobuf::RepeatedPtrField<v1::Datum>& datums,
+                                                 const v1::PackedDatums& packed) {
+  static_assert(sizeof(float) == 4, "packed float32");
+  if (packed.ByteSizeLong() == 0) return DatumsFromProto(datums);
+  if (!datums.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(kPacked, ": set together with datums; send one form"));
+  }
+  int64_t total = 0;
+  for (int i = 0; i < packed.lengths_size(); ++i) {
+    if (packed.lengths(i) < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(kPacked, ".lengths[", i, "]: ", packed.lengths(i), " is negative"));
+    }
+    total += packed.lengths(i);
+  }
+  const std::pair<const char*, const std::string*> arrays[] = {
+      {"tokens", &packed.tokens()},         {"target_tokens", &packed.target_tokens()},
+      {"weights", &packed.weights()},       {"logprobs", &packed.logprobs()},
+      {"advantages", &packed.advantages()}, {"ref_logprobs", &packed.ref_logprobs()},
+      {"old_logprobs", &packed.old_logprobs()}};
+  for (const auto& [name, bytes] : arrays) {
+    const bool required = arrays[0].second == bytes || arrays[1].second == bytes;
+    if (static_cast<int64_t>(bytes->size()) == 4 * total || (!required && bytes->empty())) continue;
+    return absl::InvalidArgumentError(absl::StrCat(kPacked, ".", name, ": ", bytes->size(), " bytes; expected 4 per position, ",
+                                                   4 * total, " for the ", total, " positions in lengths",
+                                                   required ? "" : " (or none)"));
+  }
+  std::vector<Datum> out(static_cast<size_t>(packed.lengths_size()));
+  int64_t offset = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    const int64_t n = packed.lengths(static_cast<int>(i));
+    Datum& d = out[i];
+    AppendPacked<int32_t>(packed.tokens(), offset, n, &d.tokens);
+    AppendPacked<int32_t>(packed.target_tokens(), offset, n, &d.target_tokens);
+    AppendPacked<float>(packed.weights(), offset, n, &d.weights);
+    AppendPacked<float>(packed.logprobs(), offset, n, &d.logprobs);
+    AppendPacked<float>(packed.advantages(), offset, n, &d.advantages);
+    AppendPacked<float>(packed.ref_logprobs(), offset, n, &d.ref_logprobs);
+    AppendPacked<float>(packed.old_logprobs(), offset, n, &d.old_logprobs);
+    offset += n;
+  }
+  return out;
+}
+
+namespace {
+
+// One datum's arrays, from either representation.
+struct DatumView {
+  template <typename Ints, typename Floats>
+  DatumView(const Ints& tokens, const Ints& targets, std::initializer_list<const Floats*> optional)
+      : tokens(tokens.data()), targets(targets.data()), n(tokens.size()), targets_n(targets.size()) {
+    size_t k = 0;
+    for (const Floats* f : optional) floats[k++] = {f->data(), static_cast<size_t>(f->size())};
+  }
+  const int64_t* tokens;
+  const int64_t* targets;
+  size_t n, targets_n;
+  std::pair<const float*, size_t> floats[5];  // weights, logprobs, advantages, ref_, old_logprobs
+};
+
+DatumView ViewOf(const Datum& d) {
+  return DatumView(d.tokens, d.target_tokens,
+                   {&d.weights, &d.logprobs, &d.advantages, &d.ref_logprobs, &d.old_logprobs});
+}
+DatumView ViewOf(const v1::Datum& d) {
+  return DatumView(d.tokens(), d.target_tokens(),
+                   {&d.weights(), &d.logprobs(), &d.advantages(), &d.ref_logprobs(), &d.old_logprobs()});
+}
+
+// Packs `views`; false (and `out` untouched) when the packed form cannot say the same: an
+// optional field on some datums only, an array of another length than its tokens, or a
+// token id outside int32.
+bool PackViews(const std::vector<DatumView>& views, v1::PackedDatums* out) {
+  for (int f = 0; f < 5; ++f) {
+    size_t with = 0;
+    for (const DatumView& v : views) {
+      if (v.floats[f].second != 0 && v.floats[f].second != v.n) return false;
+      with += v.floats[f].second != 0 ? 1 : 0;
+    }
+    if (with != 0 && with != views.size()) return false;
+  }
+  for (const DatumView& v : views) {
+    if (v.targets_n != v.n || v.n > static_cast<size_t>(INT32_MAX)) return false;
+    for (size_t i = 0; i < v.n; ++i) {
+      if (v.tokens[i] != static_cast<int32_t>(v.tokens[i]) || v.targets[i] != static_cast<int32_t>(v.targets[i])) {
+        return false;
+      }
+    }
+  }
+  size_t total = 0;
+  for (const DatumView& v : views) total += v.n;
+  // Each array sized once, then filled in place (appending grew and copied them repeatedly).
+  auto sized = [total](std::string* bytes) {
+    bytes->resize(total * 4);
+    return bytes->data();
+  };
+  char* tokens = sized(out->mutable_tokens());
+  char* targets = sized(out->mutable_target_tokens());
+  std::string* float_fields[] = {out->mutable_weights(), out->mutable_logprobs(), out->mutable_advantages(),
+                                 out->mutable_ref_logprobs(), out->mutable_old_logprobs()};
+  char* floats[5];
+  for (int f = 0; f < 5; ++f) floats[f] = views.empty() || views[0].floats[f].second == 0 ? nullptr : sized(float_fields[f]);
+  for (const DatumView& v : views) {
+    out->add_lengths(static_cast<int32_t>(v.n));
+    for (size_t i = 0; i < v.n; ++i) {
+      const int32_t token = static_cast<int32_t>(v.tokens[i]), target = static_cast<int32_t>(v.targets[i]);
+      std::memcpy(tokens + 4 * i, &token, 4);
+      std::memcpy(targets + 4 * i, &target, 4);
+    }
+    tokens += 4 * v.n;
+    targets += 4 * v.n;
+    for (int f = 0; f < 5; ++f) {
+      if (floats[f] == nullptr) continue;
+      std::memcpy(floats[f], v.floats[f].first, v.n * 4);
+      floats[f] += 4 * v.n;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+void SetRequestDatums(const std::vector<Datum>& datums, const std::vector<int>& indices,
+                      google::protobuf::RepeatedPtrField<v1::Datum>* as_datums, v1::PackedDatums* packed) {
+  std::vector<DatumView> views;
+  for (int i : indices) views.push_back(ViewOf(datums[i]));
+  if (PackViews(views, packed)) return;
+  for (int i : indices) {
+    const Datum& d = datums[i];
+    v1::Datum* out = as_datums->Add();
+    out->mutable_tokens()->Add(d.tokens.begin(), d.tokens.end());
+    out->mutable_target_tokens()->Add(d.target_tokens.begin(), d.target_tokens.end());
+    out->mutable_weights()->Add(d.weights.begin(), d.weights.end());
+    out->mutable_logprobs()->Add(d.logprobs.begin(), d.logprobs.end());
+    out->mutable_advantages()->Add(d.advantages.begin(), d.advantages.end());
+    out->mutable_ref_logprobs()->Add(d.ref_logprobs.begin(), d.ref_logprobs.end());
+    out->mutable_old_logprobs()->Add(d.old_logprobs.begin(), d.old_logprobs.end());
+  }
+}
+
+bool PackDatums(const std::vector<v1::Datum>& datums, v1::PackedDatums* packed) {
+  std::vector<DatumView> views;
+  for (const v1::Datum& d : datums) views.push_back(ViewOf(d));
+  return PackViews(views, packed);
 }
 
 absl::StatusOr<LossConfig> LossConfigFromProto(const v1::LossConfig& p) {

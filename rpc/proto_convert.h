@@ -20,6 +20,20 @@
 namespace lorastep {
 
 std::vector<Datum> DatumsFromProto(const google::protobuf::RepeatedPtrField<v1::Datum>& datums);
+// The datums of a request in either form: `datums`, or `packed_datums` (checked: every array
+// 4 bytes per position, optional ones empty or full). Both set is INVALID_ARGUMENT naming
+// packed_datums.
+absl::StatusOr<std::vector<Datum>> RequestDatums(const google::protobuf::RepeatedPtrField<v1::Datum>& datums,
+                                                 const v1::PackedDatums& packed);
+// datums[i] for i in `indices` into a worker request: packed (tokens narrowed to int32:
+// validate them first) when every optional field is on all of them or on none, which the
+// packed form needs; else as `datums`.
+void SetRequestDatums(const std::vector<Datum>& datums, const std::vector<int>& indices,
+                      google::protobuf::RepeatedPtrField<v1::Datum>* as_datums, v1::PackedDatums* packed);
+// A client's datums packed; false (nothing written) when the packed form cannot say the
+// same (an optional field on some datums only, an array of another length than its tokens,
+// a token id outside int32): send them as datums, and the server names the problem.
+bool PackDatums(const std::vector<v1::Datum>& datums, v1::PackedDatums* packed);
 absl::StatusOr<LossConfig> LossConfigFromProto(const v1::LossConfig& proto);
 // Unset fields take AdamWParams' defaults; the result is validated.
 absl::StatusOr<AdamWParams> AdamWParamsFromProto(const v1::AdamWParams& proto);

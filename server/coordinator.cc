@@ -140,13 +140,13 @@ std::string AutosaveRef(const std::string& run_id) { return absl::StrCat("lorast
 
 // A Forward(Backward) response's size, from above: per datum a float per target (packed)
 // plus framing, and the metrics map.
-absl::Status CheckResponseFits(const google::protobuf::RepeatedPtrField<v1::Datum>& datums, int64_t max_bytes) {
+absl::Status CheckResponseFits(const std::vector<Datum>& datums, int64_t max_bytes) {
   if (max_bytes == 0) return absl::OkStatus();
   if (max_bytes < 0) return absl::InvalidArgumentError("max_response_bytes: must be >= 0");
   int64_t bytes = 16 << 10, tokens = 0;
   for (const auto& d : datums) {
-    tokens += d.target_tokens_size();
-    bytes += 4 * static_cast<int64_t>(d.target_tokens_size()) + 16;
+    tokens += static_cast<int64_t>(d.target_tokens.size());
+    bytes += 4 * static_cast<int64_t>(d.target_tokens.size()) + 16;
   }
   if (bytes <= max_bytes) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
@@ -932,11 +932,9 @@ int64_t Coordinator::AppendStep(RunState& run, const std::string& kind,
   return record.step();
 }
 
-absl::StatusOr<BatchTotals> Coordinator::ValidatedTotals(
-    const google::protobuf::RepeatedPtrField<v1::Datum>& datums_proto,
-    const v1::LossConfig& loss_proto) {
+absl::StatusOr<BatchTotals> Coordinator::ValidatedTotals(const std::vector<Datum>& datums,
+                                                         const v1::LossConfig& loss_proto) {
   LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(loss_proto));
-  std::vector<Datum> datums = DatumsFromProto(datums_proto);
   LORASTEP_RETURN_IF_ERROR(ValidateBatch(datums, loss, vocab_size(), options_.limits));
   // The batch-wide denominators travel with it, so a shard normalizes like the whole batch
   // (data-parallel shards on several workers use the same totals).
@@ -1085,36 +1083,24 @@ absl::Status Coordinator::CheckShardable(int num_datums) {
   return absl::OkStatus();
 }
 
-std::vector<std::vector<int>> Coordinator::ShardsByTokens(
-    const google::protobuf::RepeatedPtrField<v1::Datum>& datums) {
+std::vector<std::vector<int>> Coordinator::ShardsByTokens(const std::vector<Datum>& datums) {
   const int dp = on_mesh() ? options_.mesh.dp : 1;
   std::vector<std::vector<int>> shards(dp);
   // Longest first onto the lightest replica (LPT); each shard then back in request order.
   std::vector<int> order(datums.size());
-  for (int i = 0; i < datums.size(); ++i) order[i] = i;
+  for (size_t i = 0; i < datums.size(); ++i) order[i] = static_cast<int>(i);
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-    return datums[a].tokens_size() > datums[b].tokens_size();
+    return datums[a].tokens.size() > datums[b].tokens.size();
   });
   std::vector<int64_t> load(dp, 0);
   for (int i : order) {
     const int lightest = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
     shards[lightest].push_back(i);
-    load[lightest] += datums[i].tokens_size();
+    load[lightest] += static_cast<int64_t>(datums[i].tokens.size());
   }
   for (auto& shard : shards) std::sort(shard.begin(), shard.end());
   return shards;
 }
-
-namespace {
-
-google::protobuf::RepeatedPtrField<v1::Datum> Subset(
-    const google::protobuf::RepeatedPtrField<v1::Datum>& datums, const std::vector<int>& indices) {
-  google::protobuf::RepeatedPtrField<v1::Datum> out;
-  for (int i : indices) *out.Add() = datums[i];
-  return out;
-}
-
-}  // namespace
 
 v1::ForwardBackwardResponse Coordinator::MergeForward(
     const std::vector<std::vector<int>>& shards, int num_datums,
@@ -1238,8 +1224,9 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
   if (replayed) return resp;
   FingerprintTask fingerprint(req);
   LORASTEP_RETURN_IF_ERROR(CheckNotDiverged(*run));
-  LORASTEP_ASSIGN_OR_RETURN(BatchTotals totals, ValidatedTotals(req.datums(), req.loss()));
-  LORASTEP_RETURN_IF_ERROR(CheckResponseFits(req.datums(), req.max_response_bytes()));
+  LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
+  LORASTEP_ASSIGN_OR_RETURN(BatchTotals totals, ValidatedTotals(datums, req.loss()));
+  LORASTEP_RETURN_IF_ERROR(CheckResponseFits(datums, req.max_response_bytes()));
   if (req.has_batch_totals()) {  // this call is part of a larger batch
     const v1::BatchTotals& whole = req.batch_totals();
     for (const auto& [name, value, own] : {std::tuple<const char*, double, double>{"loss_tokens", whole.loss_tokens(), totals.loss_tokens},
@@ -1252,8 +1239,8 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
     totals.loss_tokens = whole.loss_tokens();
     totals.samples = whole.samples();
   }
-  LORASTEP_RETURN_IF_ERROR(CheckShardable(req.datums_size()));
-  const auto shards = ShardsByTokens(req.datums());
+  LORASTEP_RETURN_IF_ERROR(CheckShardable(static_cast<int>(datums.size())));
+  const auto shards = ShardsByTokens(datums);
   const v1::MeshCall mesh = MeshHeader(*run, req.request_id(), true);
   LORASTEP_ASSIGN_OR_RETURN(
       auto per_rank,
@@ -1261,7 +1248,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
           *run, AllRanks(*run), [&](int rank, WorkerClient* w) {
             v1::WorkerForwardBackwardRequest wreq;
             wreq.set_run_id(req.run_id());
-            *wreq.mutable_datums() = Subset(req.datums(), ShardOfRank(shards, rank));
+            SetRequestDatums(datums, ShardOfRank(shards, rank), wreq.mutable_datums(), wreq.mutable_packed_datums());
             *wreq.mutable_loss() = req.loss();
             wreq.set_batch_loss_tokens(totals.loss_tokens);
             wreq.set_batch_samples(totals.samples);
@@ -1269,7 +1256,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
             wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
             return w->ForwardBackward(wreq);
           }));
-  resp = on_mesh() ? MergeForward(shards, req.datums_size(), per_rank) : per_rank[0].result();
+  resp = on_mesh() ? MergeForward(shards, static_cast<int>(datums.size()), per_rank) : per_rank[0].result();
   {
     std::lock_guard<std::mutex> view(run->view_mu);
     run->run.set_pending_forward_backward(run->run.pending_forward_backward() + 1);
@@ -1282,23 +1269,23 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
 absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::ForwardRequest& req) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
-  std::vector<Datum> datums = DatumsFromProto(req.datums());
+  LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
   LORASTEP_RETURN_IF_ERROR(ValidateForwardBatch(datums, vocab_size(), options_.limits));
-  LORASTEP_RETURN_IF_ERROR(CheckResponseFits(req.datums(), req.max_response_bytes()));
-  LORASTEP_RETURN_IF_ERROR(CheckShardable(req.datums_size()));
-  const auto shards = ShardsByTokens(req.datums());
+  LORASTEP_RETURN_IF_ERROR(CheckResponseFits(datums, req.max_response_bytes()));
+  LORASTEP_RETURN_IF_ERROR(CheckShardable(static_cast<int>(datums.size())));
+  const auto shards = ShardsByTokens(datums);
   LORASTEP_ASSIGN_OR_RETURN(
       auto per_rank,
       FanOut<v1::WorkerForwardBackwardResponse>(
           *run, AllRanks(*run), [&](int rank, WorkerClient* w) {
             v1::WorkerForwardRequest wreq;
             wreq.set_run_id(req.run_id());
-            *wreq.mutable_datums() = Subset(req.datums(), ShardOfRank(shards, rank));
+            SetRequestDatums(datums, ShardOfRank(shards, rank), wreq.mutable_datums(), wreq.mutable_packed_datums());
             wreq.mutable_mesh()->set_expected_learner_version(-1);
             wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
             return w->Forward(wreq);
           }));
-  return on_mesh() ? MergeForward(shards, req.datums_size(), per_rank) : per_rank[0].result();
+  return on_mesh() ? MergeForward(shards, static_cast<int>(datums.size()), per_rank) : per_rank[0].result();
 }
 
 absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepRequest& req) {
@@ -1342,16 +1329,17 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
   }
   LORASTEP_RETURN_IF_ERROR(AdamWParamsFromProto(req.adamw()).status());
   LORASTEP_RETURN_IF_ERROR(ValidateClientMetrics(req.client_metrics()));
-  LORASTEP_ASSIGN_OR_RETURN(const BatchTotals totals, ValidatedTotals(req.datums(), req.loss()));
-  LORASTEP_RETURN_IF_ERROR(CheckShardable(req.datums_size()));
-  const auto shards = ShardsByTokens(req.datums());
+  LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
+  LORASTEP_ASSIGN_OR_RETURN(const BatchTotals totals, ValidatedTotals(datums, req.loss()));
+  LORASTEP_RETURN_IF_ERROR(CheckShardable(static_cast<int>(datums.size())));
+  const auto shards = ShardsByTokens(datums);
   const v1::MeshCall mesh = MeshHeader(*run, req.request_id(), true);
   LORASTEP_ASSIGN_OR_RETURN(
       auto per_rank,
       FanOut<v1::WorkerStepResponse>(*run, AllRanks(*run), [&](int rank, WorkerClient* w) {
         v1::WorkerTrainStepRequest wreq;
         wreq.set_run_id(req.run_id());
-        *wreq.mutable_datums() = Subset(req.datums(), ShardOfRank(shards, rank));
+        SetRequestDatums(datums, ShardOfRank(shards, rank), wreq.mutable_datums(), wreq.mutable_packed_datums());
         *wreq.mutable_loss() = req.loss();
         *wreq.mutable_adamw() = req.adamw();
         wreq.set_batch_loss_tokens(totals.loss_tokens);

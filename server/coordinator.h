@@ -181,8 +181,7 @@ class Coordinator {
   void CommitStep(RunState& run, const std::string& method, const std::string& kind,
                   const std::string& request_id, v1::StepResponse* resp);
   // Validates loss and datums; the batch-wide loss denominators.
-  absl::StatusOr<BatchTotals> ValidatedTotals(
-      const google::protobuf::RepeatedPtrField<v1::Datum>& datums, const v1::LossConfig& loss);
+  absl::StatusOr<BatchTotals> ValidatedTotals(const std::vector<Datum>& datums, const v1::LossConfig& loss);
 
   int64_t vocab_size();
   bool on_mesh() const { return options_.mesh.world() > 1; }
@@ -201,7 +200,7 @@ class Coordinator {
   // The mesh header of a call: request id, expected learner version, generation.
   v1::MeshCall MeshHeader(const RunState& run, const std::string& request_id, bool check_version);
   // Datums of each data-parallel replica, balanced by token count (in request order).
-  std::vector<std::vector<int>> ShardsByTokens(const google::protobuf::RepeatedPtrField<v1::Datum>& datums);
+  std::vector<std::vector<int>> ShardsByTokens(const std::vector<Datum>& datums);
   absl::Status CheckShardable(int num_datums);
   // Compares the replica digests of every family after a step; fills the response.
   void CheckReplicas(RunState& run, const std::vector<v1::WorkerStepResponse>& per_rank,

@@ -96,6 +96,31 @@ def main():
     last = run.metrics()[-1]["metrics"]
     check(last["client:reward"] == 0.25 and last["client:eval/acc"] == 0.5 and
           stepped["metrics"]["client:reward"] == 0.25, "client_metrics kept in the step and its history")
+    # Packed batches (the default) train bitwise like repeated Datum messages; a batch the
+    # packed form cannot carry (weights on one datum only, an id past int32) goes as datums.
+    from lorastep.types import batch_fields
+    check("packed_datums" in batch_fields(batch) and "datums" in batch_fields(batch, pack=False),
+          "a uniform batch is packed unless asked not to")
+    mixed = [dict(d) for d in batch]
+    mixed[0]["weights"] = [1.0] * 10
+    wide = [dict(d) for d in batch]
+    wide[1]["tokens"] = [2 ** 32 + 5] * 10
+    check("datums" in batch_fields(mixed) and "datums" in batch_fields(wide), "unpackable batches go as datums")
+    packed_run = client.create_run(rank=4, alpha=8, seed=11)
+    plain_run = client.create_run(rank=4, alpha=8, seed=11)
+    plain_run.pack_datums = False
+    for b in (batch, mixed):
+        a = packed_run.train_step(b, loss={"loss_fn": "ppo"}, adamw={"lr": 1e-2})
+        p = plain_run.train_step(b, loss={"loss_fn": "ppo"}, adamw={"lr": 1e-2})
+        check(a.adapter_sha256 == p.adapter_sha256 and a.metrics["loss:sum"] == p.metrics["loss:sum"],
+              "packed and repeated datums train alike")
+    try:
+        packed_run.train_step(wide, loss={"loss_fn": "ppo"})
+        raise AssertionError("a token id past int32 was accepted")
+    except LorastepError as e:
+        check("datums[1].tokens[0]: id 4294967301" in e.details, "an id past int32 is refused, not narrowed")
+    client.delete_run(packed_run.run_id)
+    client.delete_run(plain_run.run_id)
     # Typed requests and results, and futures that keep a run's order.
     typed = [Datum(**datum(i)) for i in range(4)]
     fb = again.forward_backward_async(typed, loss=LossConfig(loss_fn="ppo", clip_eps_low=0.1))

@@ -52,6 +52,15 @@ std::vector<v1::Datum> Batch(int step, int n = 8) {
   return out;
 }
 
+// Moves a request's datums into its packed_datums; false when they cannot be packed.
+template <typename Req>
+bool ToPacked(Req* req) {
+  std::vector<v1::Datum> datums(req->datums().begin(), req->datums().end());
+  if (!PackDatums(datums, req->mutable_packed_datums())) return false;
+  req->clear_datums();
+  return true;
+}
+
 v1::LossConfig Ppo() {
   v1::LossConfig l;
   l.set_loss_fn("ppo");
@@ -184,6 +193,42 @@ TEST_F(ServiceTest, TrainStepOverGrpcEqualsLibDirectly) {
       EXPECT_DOUBLE_EQ(remote.metrics().at(m), direct.metrics.Get(m)) << m;
     }
   }
+}
+
+// Packed datums (the client's default) and repeated Datum messages train bitwise alike,
+// including a batch the packed form cannot carry (weights on one datum only: the client and
+// the coordinator's worker call fall back to datums), and Forward gives the same log-probs.
+// A token id past int32 is not narrowed into a valid one: it is sent as datums and refused.
+TEST_F(ServiceTest, PackedAndRepeatedDatumsTrainAlike) {
+  RunSession packed = NewRun(/*seed=*/31);
+  RunSession repeated = NewRun(/*seed=*/31);
+  repeated.pack_datums = false;
+  for (int step = 0; step < 3; ++step) {
+    std::vector<v1::Datum> batch = Batch(step);
+    if (step == 1) {
+      for (int i = 0; i < batch[0].tokens_size(); ++i) batch[0].add_weights(i % 2);
+      v1::PackedDatums unused;
+      EXPECT_FALSE(PackDatums(batch, &unused));
+      EXPECT_EQ(unused.ByteSizeLong(), 0u);
+    }
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse a, packed.TrainStep(batch, Ppo(), Adam()));
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse b, repeated.TrainStep(batch, Ppo(), Adam()));
+    EXPECT_EQ(a.adapter_sha256(), b.adapter_sha256()) << step;
+    EXPECT_EQ(a.metrics().at("loss:sum"), b.metrics().at("loss:sum")) << step;
+  }
+  ASSERT_OK_AND_ASSIGN(v1::ForwardBackwardResponse fa, packed.Forward(Batch(5)));
+  ASSERT_OK_AND_ASSIGN(v1::ForwardBackwardResponse fb, repeated.Forward(Batch(5)));
+  ASSERT_EQ(fa.logprobs_size(), 4);
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_EQ(fa.logprobs(i).values_size(), Batch(5)[i].tokens_size());
+    for (int j = 0; j < fa.logprobs(i).values_size(); ++j) EXPECT_EQ(fa.logprobs(i).values(j), fb.logprobs(i).values(j));
+  }
+  std::vector<v1::Datum> wide = Batch(0);
+  wide[0].set_tokens(0, (int64_t{1} << 32) + 5);  // id 5 if narrowed to int32
+  v1::PackedDatums unused;
+  EXPECT_FALSE(PackDatums(wide, &unused));
+  EXPECT_THAT(packed.TrainStep(wide, Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kInvalidArgument, "datums[0].tokens[0]: id 4294967301 outside"));
 }
 
 // A batch sent as k ForwardBackward calls (each with the whole batch's totals) followed by
@@ -523,6 +568,20 @@ TEST_F(ServiceTest, EveryValidationErrorNamesTheField) {
       {"schedule", [](auto* r) { r->mutable_adamw()->set_schedule("linear"); }, "adamw.schedule"},
       {"max tokens", [](auto* r) { r->set_max_tokens_per_microbatch(-5); }, "max_tokens_per_microbatch"},
       {"request id", [](auto* r) { r->clear_request_id(); }, "request_id: required"},
+      // The packed form: its own shape errors name packed_datums; what it holds is checked
+      // like datums (datum indices as in the equivalent datums).
+      {"both forms", [](auto* r) { ASSERT_TRUE(ToPacked(r)); for (const auto& d : Batch(0)) *r->add_datums() = d; },
+       "packed_datums: set together with datums"},
+      {"packed short array", [](auto* r) { ASSERT_TRUE(ToPacked(r)); r->mutable_packed_datums()->mutable_logprobs()->resize(12); },
+       "packed_datums.logprobs: 12 bytes; expected 4 per position"},
+      {"packed tokens missing", [](auto* r) { ASSERT_TRUE(ToPacked(r)); r->mutable_packed_datums()->clear_tokens(); },
+       "packed_datums.tokens: 0 bytes"},
+      {"packed negative length", [](auto* r) { ASSERT_TRUE(ToPacked(r)); r->mutable_packed_datums()->set_lengths(1, -3); },
+       "packed_datums.lengths[1]: -3 is negative"},
+      {"packed token out of vocab", [](auto* r) { r->mutable_datums(2)->set_tokens(1, 96); ASSERT_TRUE(ToPacked(r)); },
+       "datums[2].tokens[1]: id 96 outside [0, 96)"},
+      {"packed missing logprobs", [](auto* r) { for (auto& d : *r->mutable_datums()) d.clear_logprobs(); ASSERT_TRUE(ToPacked(r)); },
+       "datums[0].logprobs: required"},
   };
   for (const Case& c : cases) {
     v1::TrainStepRequest req;

@@ -152,10 +152,10 @@ grpc::ServerUnaryReactor* WorkerService::ForwardBackward(grpc::CallbackServerCon
   return DeferOnce(ctx, req->mesh(), "ForwardBackward", resp, [this, req, resp]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(req->loss()));
     BatchTotals totals{req->batch_loss_tokens(), req->batch_samples()};
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<Datum> datums, RequestDatums(req->datums(), req->packed_datums()));
     LORASTEP_ASSIGN_OR_RETURN(
         ForwardBackwardResult r,
-        core_->ForwardBackward(req->run_id(), DatumsFromProto(req->datums()), loss, totals,
-                               MeshFromProto(req->mesh())));
+        core_->ForwardBackward(req->run_id(), datums, loss, totals, MeshFromProto(req->mesh())));
     FillForwardResponse(r, resp);
     return absl::OkStatus();
   });
@@ -165,9 +165,9 @@ grpc::ServerUnaryReactor* WorkerService::Forward(grpc::CallbackServerContext* ct
                                                  const v1::WorkerForwardRequest* req,
                                                  v1::WorkerForwardBackwardResponse* resp) {
   return Defer(ctx, [this, req, resp]() -> absl::Status {
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<Datum> datums, RequestDatums(req->datums(), req->packed_datums()));
     LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult r,
-                              core_->Forward(req->run_id(), DatumsFromProto(req->datums()),
-                                             MeshFromProto(req->mesh())));
+                              core_->Forward(req->run_id(), datums, MeshFromProto(req->mesh())));
     FillForwardResponse(r, resp);
     return absl::OkStatus();
   });
@@ -193,9 +193,10 @@ grpc::ServerUnaryReactor* WorkerService::TrainStep(grpc::CallbackServerContext* 
     LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(req->loss()));
     LORASTEP_ASSIGN_OR_RETURN(AdamWParams adamw, AdamWParamsFromProto(req->adamw()));
     BatchTotals totals{req->batch_loss_tokens(), req->batch_samples()};
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<Datum> datums, RequestDatums(req->datums(), req->packed_datums()));
     LORASTEP_ASSIGN_OR_RETURN(
         OptimStepResult r,
-        core_->TrainStep(req->run_id(), DatumsFromProto(req->datums()), loss, adamw, totals,
+        core_->TrainStep(req->run_id(), datums, loss, adamw, totals,
                          req->max_tokens_per_microbatch(), MeshFromProto(req->mesh())));
     FillStepResponse(r, resp);
     RecordStepMetrics(metrics_, req->run_id(), "train_step", resp->result().metrics(), r.learner_version);

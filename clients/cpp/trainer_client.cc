@@ -1,5 +1,7 @@
 #include "clients/cpp/trainer_client.h"
 
+#include "rpc/proto_convert.h"
+
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
@@ -178,11 +180,18 @@ absl::StatusOr<Resp> RunSession::Mutate(CallFn call) {
   return result;
 }
 
+template <typename Req>
+void RunSession::SetDatums(const std::vector<v1::Datum>& datums, Req* req) const {
+  if (pack_datums && PackDatums(datums, req->mutable_packed_datums())) return;
+  req->clear_packed_datums();
+  req->mutable_datums()->Assign(datums.begin(), datums.end());
+}
+
 absl::StatusOr<v1::ForwardBackwardResponse> RunSession::ForwardBackward(
     const std::vector<v1::Datum>& datums, const v1::LossConfig& loss, const v1::BatchTotals* batch_totals) {
   v1::ForwardBackwardRequest req;
   req.set_run_id(run_id_);
-  req.mutable_datums()->Assign(datums.begin(), datums.end());
+  SetDatums(datums, &req);
   *req.mutable_loss() = loss;
   if (batch_totals != nullptr) *req.mutable_batch_totals() = *batch_totals;
   req.set_max_response_bytes(kMaxResponseBytes);  // the channel's receive limit
@@ -196,7 +205,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> RunSession::ForwardBackward(
 absl::StatusOr<v1::ForwardBackwardResponse> RunSession::Forward(const std::vector<v1::Datum>& datums) {
   v1::ForwardRequest req;
   req.set_run_id(run_id_);
-  req.mutable_datums()->Assign(datums.begin(), datums.end());
+  SetDatums(datums, &req);
   req.set_max_response_bytes(kMaxResponseBytes);
   return client_->Forward(req);
 }
@@ -218,7 +227,7 @@ absl::StatusOr<v1::StepResponse> RunSession::TrainStep(const std::vector<v1::Dat
                                                        int64_t max_tokens_per_microbatch) {
   v1::TrainStepRequest req;
   req.set_run_id(run_id_);
-  req.mutable_datums()->Assign(datums.begin(), datums.end());
+  SetDatums(datums, &req);
   *req.mutable_loss() = loss;
   *req.mutable_adamw() = adamw;
   req.set_max_tokens_per_microbatch(max_tokens_per_microbatch);

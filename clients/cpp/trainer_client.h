@@ -88,12 +88,17 @@ class RunSession {
   absl::StatusOr<v1::Run> LoadState(const std::string& path);
 
   int max_attempts = 5;  // transient failures are retried with the same request_id
+  // Datums travel as packed_datums (one array per field) where that form can say the same;
+  // false: always as repeated Datum messages.
+  bool pack_datums = true;
 
  private:
   RunSession(TrainerClient* client, std::string run_id, int64_t next)
       : client_(client), run_id_(std::move(run_id)), next_sequence_id_(next) {}
   template <typename Resp, typename Call>
   absl::StatusOr<Resp> Mutate(Call call);
+  template <typename Req>
+  void SetDatums(const std::vector<v1::Datum>& datums, Req* req) const;
 
   TrainerClient* client_;
   std::string run_id_;

@@ -20,7 +20,7 @@ import uuid
 import grpc
 
 from lorastep.types import (AdamWParams, BatchTotals, Checkpoint, ExportResult, ForwardResult, LossConfig,
-                            StepRecord, StepResult, datum_proto, message_proto, metrics_dict,
+                            StepRecord, StepResult, batch_fields, message_proto, metrics_dict,
                             replica_hashes, run_info)
 from lorastep.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -125,6 +125,9 @@ class Run:
         self._next = next_sequence_id
         self._queue = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"run-{run_id}")
         self._lock = threading.Lock()
+        # Batches travel as packed_datums where that form can say the same (False: always
+        # as repeated Datum messages).
+        self.pack_datums = True
 
     def _mutate(self, method, request):
         with self._lock:
@@ -142,7 +145,7 @@ class Run:
         {"loss_tokens": N, "samples": S}): the whole batch's, when these datums are one part
         of it. Returns ForwardResult(logprobs, metrics)."""
         req = trainer_pb2.ForwardBackwardRequest(
-            run_id=self.run_id, datums=[datum_proto(d) for d in datums],
+            run_id=self.run_id, **batch_fields(datums, self.pack_datums),
             loss=message_proto(trainer_pb2.LossConfig, LossConfig, loss), max_response_bytes=MAX_MESSAGE_BYTES)
         if batch_totals is not None:
             req.batch_totals.CopyFrom(message_proto(trainer_pb2.BatchTotals, BatchTotals, batch_totals))
@@ -152,7 +155,7 @@ class Run:
     def forward(self, datums):
         """Log-probs of each datum's targets under the current adapter (no gradient)."""
         r = self._client._call("Forward", trainer_pb2.ForwardRequest(
-            run_id=self.run_id, datums=[datum_proto(d) for d in datums], max_response_bytes=MAX_MESSAGE_BYTES))
+            run_id=self.run_id, **batch_fields(datums, self.pack_datums), max_response_bytes=MAX_MESSAGE_BYTES))
         return ForwardResult([list(x.values) for x in r.logprobs], metrics_dict(r.metrics))
 
     def optim_step(self, adamw=None, client_metrics=None):
@@ -166,7 +169,7 @@ class Run:
     def train_step(self, datums, loss=None, adamw=None, max_tokens_per_microbatch=0, client_metrics=None):
         """forward_backward + optim_step on one batch, atomically. Returns StepResult."""
         r = self._mutate("TrainStep", trainer_pb2.TrainStepRequest(
-            run_id=self.run_id, datums=[datum_proto(d) for d in datums],
+            run_id=self.run_id, **batch_fields(datums, self.pack_datums),
             loss=message_proto(trainer_pb2.LossConfig, LossConfig, loss),
             adamw=message_proto(trainer_pb2.AdamWParams, AdamWParams, adamw),
             max_tokens_per_microbatch=max_tokens_per_microbatch,

@@ -4,6 +4,8 @@ Requests (Datum, LossConfig, AdamWParams, BatchTotals) may also be passed as pla
 with the same keys. Results are dataclasses that also read like the dicts earlier versions
 returned (result["metrics"] is result.metrics), so both styles work.
 """
+import sys
+from array import array
 from dataclasses import asdict, dataclass, field, fields
 from typing import Dict, List, Optional
 
@@ -107,6 +109,56 @@ def datum_proto(d):
     if unknown:
         raise ValueError(f"datum: unknown fields {sorted(unknown)}")
     return trainer_pb2.Datum(**{k: list(v) for k, v in d.items()})
+
+
+_FLOAT_KEYS = ("weights", "logprobs", "advantages", "ref_logprobs", "old_logprobs")
+
+
+def packed_datums(datums):
+    """The datums as one PackedDatums (one little-endian int32/float32 array per field), or
+    None when that form cannot say the same: an optional field on some datums only, an array
+    of another length than its tokens, ids outside int32 or non-numbers. Building it takes a
+    fraction of the time repeated Datum messages take, and the servers copy it instead of
+    decoding every value."""
+    ints = {k: array("i") for k in ("tokens", "target_tokens")}
+    floats = {k: array("f") for k in _FLOAT_KEYS}
+    present, lengths = {}, []
+    if ints["tokens"].itemsize != 4 or floats["weights"].itemsize != 4:
+        return None
+    for d in datums:
+        if not isinstance(d, Datum) and set(d) - _DATUM_KEYS:
+            raise ValueError(f"datum: unknown fields {sorted(set(d) - _DATUM_KEYS)}")
+        tokens, targets = d.get("tokens"), d.get("target_tokens")
+        if tokens is None or targets is None:
+            return None
+        n = len(tokens)
+        if len(targets) != n:
+            return None
+        try:
+            ints["tokens"].extend(tokens)
+            ints["target_tokens"].extend(targets)
+            for k in _FLOAT_KEYS:
+                values = d.get(k)
+                values = () if values is None else values
+                if present.setdefault(k, len(values) > 0) != (len(values) > 0) or len(values) not in (0, n):
+                    return None
+                floats[k].extend(values)
+        except (OverflowError, TypeError):
+            return None
+        lengths.append(n)
+    arrays = {**ints, **floats}
+    if sys.byteorder != "little":
+        for a in arrays.values():
+            a.byteswap()
+    return trainer_pb2.PackedDatums(lengths=lengths, **{k: a.tobytes() for k, a in arrays.items()})
+
+
+def batch_fields(datums, pack=True):
+    """A request's batch fields: {"packed_datums": ...} where that form can say the same
+    (pack=True), else {"datums": [...]} (the server then names any problem)."""
+    datums = list(datums)
+    packed = packed_datums(datums) if pack and datums else None
+    return {"packed_datums": packed} if packed is not None else {"datums": [datum_proto(d) for d in datums]}
 
 
 def message_proto(cls, typed, value):
