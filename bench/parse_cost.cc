@@ -1,13 +1,17 @@
 // What the service's two hops cost the CPU in protobuf work alone, for the benchmark's
 // batch (64 x 512 random tokens over the 0.5B vocabulary, one float field): parsing,
-// serializing and copying a TrainStepRequest, mean of 50 each.
+// serializing and copying a TrainStepRequest, mean of 50 each; then the same batch as
+// packed_datums, and each form's conversion to the trainer's datums.
 //   bazel run //bench:parse_cost
 #include <chrono>
 #include <cstdio>
 #include "bench/bench_batch.h"
+#include "rpc/proto_convert.h"
+#include "rpc/server_runner.h"
 
 int main() {
   using namespace lorastep;
+  TuneProcessForServing();  // as the servers: large buffers stay in the heap
   v1::TrainStepRequest req;
   req.set_run_id("run-1");
   for (auto& d : RandomBatch(64, 512, 151936)) *req.add_datums() = d;
@@ -18,5 +22,18 @@ int main() {
   std::printf("parse %.3f ms\n", time([&] { v1::TrainStepRequest r; r.ParseFromString(bytes); }));
   std::printf("serialize %.3f ms\n", time([&] { std::string s = req.SerializeAsString(); }));
   std::printf("copy %.3f ms\n", time([&] { v1::TrainStepRequest r = req; }));
+  // The same batch as packed_datums (what the C++ client and the coordinator send).
+  v1::TrainStepRequest packed;
+  packed.set_run_id("run-1");
+  const std::vector<v1::Datum> datums(req.datums().begin(), req.datums().end());
+  if (!PackDatums(datums, packed.mutable_packed_datums())) return 1;
+  const std::string packed_bytes = packed.SerializeAsString();
+  std::printf("packed: bytes %zu\n", packed_bytes.size());
+  std::printf("packed: pack %.3f ms\n", time([&] { v1::PackedDatums p; PackDatums(datums, &p); }));
+  std::printf("packed: parse %.3f ms\n", time([&] { v1::TrainStepRequest r; r.ParseFromString(packed_bytes); }));
+  std::printf("packed: serialize %.3f ms\n", time([&] { std::string s = packed.SerializeAsString(); }));
+  std::printf("packed: to trainer datums %.3f ms\n",
+              time([&] { auto d = RequestDatums(packed.datums(), packed.packed_datums()); }));
+  std::printf("datums: to trainer datums %.3f ms\n", time([&] { auto d = RequestDatums(req.datums(), req.packed_datums()); }));
   return 0;
 }

@@ -8,6 +8,7 @@
 //                    [--expert_lora per_expert|shared_outer (MoE)]
 //                    [--batch_file B.json (bench/make_batch.py; else random --seqs x --len)]
 //                    [--mode train|forward (Forward: log-probs only, no gradient)]
+//                    [--packed=false (datums as repeated Datum messages, not packed_datums)]
 #include <algorithm>
 #include <map>
 #include <chrono>
@@ -37,6 +38,7 @@ ABSL_FLAG(std::string, command, "", "the command, recorded in the JSON");
 ABSL_FLAG(std::string, model, "", "the model, recorded in the JSON");
 ABSL_FLAG(std::string, key, "overhead_fraction", "JSON key of the median overhead");
 ABSL_FLAG(std::string, out, "", "write the JSON result here");
+ABSL_FLAG(bool, packed, true, "send datums as packed_datums (false: repeated Datum messages)");
 
 int main(int argc, char** argv) {
   using namespace lorastep;
@@ -59,6 +61,7 @@ int main(int argc, char** argv) {
     std::cerr << run.status() << "\n";
     return 1;
   }
+  run->pack_datums = absl::GetFlag(FLAGS_packed);
   const std::vector<v1::Datum> batch = !absl::GetFlag(FLAGS_batch_file).empty()
                                             ? LoadBatchFile(absl::GetFlag(FLAGS_batch_file))
                                             : RandomBatch(seqs, len, vocab);
@@ -114,7 +117,8 @@ int main(int argc, char** argv) {
   j["model"] = absl::GetFlag(FLAGS_model);
   j["batch"] = {{"sequences", batch.size()}, {"tokens", batch_tokens},
                 {"batch_file", absl::GetFlag(FLAGS_batch_file)}, {"lora_rank", lora.rank()},
-                {"max_tokens_per_microbatch", max_tokens}, {"mode", forward_only ? "forward" : "train"}};
+                {"max_tokens_per_microbatch", max_tokens}, {"mode", forward_only ? "forward" : "train"},
+                {"datums_form", run->pack_datums ? "packed_datums" : "datums"}};
   j[absl::GetFlag(FLAGS_key)] = median;
   std::vector<double> worker_sorted = worker_s;
   std::sort(worker_sorted.begin(), worker_sorted.end());

@@ -5,6 +5,7 @@
 # (a CMake build folder; for Bazel pass bazel-bin and the script finds the subfolders).
 # Environment: MODEL_DIR (a generated model), RANK (0 = full fine-tuning), MAX_TOKENS,
 # STEPS, SEQS, LEN, EXPERT_LORA, BATCH_FILE (bench/make_batch.py), MODE (train|forward),
+# PACKED (true: datums as packed_datums, the client's default; false: repeated Datum),
 # COORD_FLAGS (extra coordinator flags, e.g. --max_tokens_per_microbatch N for Forward).
 set -euo pipefail
 BIN=$1 PRESET=$2 DEVICE=$3 DTYPE=$4 OUT=$5 KEY=$6
@@ -25,6 +26,6 @@ for _ in $(seq 1200); do [ -s "$WORK/port" ] && break; sleep 0.1; done
 "$(find_bin service_overhead)" --address "127.0.0.1:$(cat "$WORK/port")" --vocab "$VOCAB" \
   --seqs "${SEQS:-64}" --len "${LEN:-512}" --steps "${STEPS:-5}" --out "$OUT" --key "$KEY" \
   --rank "${RANK:-32}" --max_tokens "${MAX_TOKENS:-0}" --expert_lora "${EXPERT_LORA:-}" \
-  ${BATCH_FILE:+--batch_file "$BATCH_FILE"} --mode "${MODE:-train}" \
+  ${BATCH_FILE:+--batch_file "$BATCH_FILE"} --mode "${MODE:-train}" --packed="${PACKED:-true}" \
   --machine "${MACHINE:-$(uname -n) $(nproc) cores}" --versions "${VERSIONS:-}" \
   --model "$PRESET $DTYPE on $DEVICE" --command "bench/service_overhead.sh $*"
