@@ -3,7 +3,8 @@
 // budget per target, and every parser must return a Status, never crash, and a failed load
 // or import must leave the run unchanged. Targets: safetensors files, checkpoint folders
 // (Trainer::LoadState), PEFT adapter folders (Trainer::ImportAdapter), and request
-// validation (ValidateBatch; a batch it accepts must then train).
+// validation (ValidateBatch; a batch it accepts must then train), and packed datums in
+// serialized requests (RequestDatums).
 //   LORASTEP_FUZZ_SECONDS (default 4 per target), LORASTEP_FUZZ_SEED (default 1).
 #include <chrono>
 #include <cmath>
@@ -20,6 +21,7 @@
 #include "lib/io/tensor_bytes.h"
 #include "lib/training/batch.h"
 #include "lib/training/trainer.h"
+#include "rpc/proto_convert.h"
 #include "tests/test_util.h"
 
 namespace lorastep {
@@ -215,6 +217,52 @@ TEST(FuzzTest, RequestValidationAcceptsOnlyWhatTrains) {
   }
   std::cout << "bad_inputs_tried requests " << tried << " (accepted " << accepted << ")\n";
   EXPECT_GT(tried, 100);
+}
+
+// Packed datums as the coordinator and the workers parse them: mutated serialized requests
+// either fail to parse, or RequestDatums refuses them with INVALID_ARGUMENT, or every datum
+// it returns has arrays of its tokens' length (or none), which validation then judges.
+TEST(FuzzTest, PackedDatumsNeverCrashOrMisalign) {
+  std::mt19937_64 rng(Seed() + 3);
+  google::protobuf::SetLogHandler(nullptr);  // mutated strings are invalid UTF-8: no log per parse
+  std::vector<Datum> batch(3);
+  for (size_t d = 0; d < batch.size(); ++d) {
+    for (int i = 0; i < 5 + static_cast<int>(d); ++i) {
+      batch[d].tokens.push_back(i);
+      batch[d].target_tokens.push_back(i + 1);
+      batch[d].logprobs.push_back(-1.0f);
+      batch[d].advantages.push_back(1.0f);
+    }
+  }
+  v1::TrainStepRequest good;
+  SetRequestDatums(batch, {0, 1, 2}, good.mutable_datums(), good.mutable_packed_datums());
+  ASSERT_EQ(good.datums_size(), 0);
+  const std::string bytes = good.SerializeAsString();
+  int tried = 0, parsed = 0, accepted = 0;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(BudgetSeconds());
+  while (std::chrono::steady_clock::now() < end) {
+    ++tried;
+    v1::TrainStepRequest req;
+    if (!req.ParseFromString(Mutate(bytes, rng))) continue;
+    ++parsed;
+    absl::StatusOr<std::vector<Datum>> datums = RequestDatums(req.datums(), req.packed_datums());
+    if (!datums.ok()) {
+      EXPECT_EQ(datums.status().code(), absl::StatusCode::kInvalidArgument) << datums.status();
+      continue;
+    }
+    // (A mutation may also turn the bytes into `datums`, whose lengths ValidateBatch checks.)
+    for (const Datum& d : req.packed_datums().ByteSizeLong() > 0 ? *datums : std::vector<Datum>{}) {
+      EXPECT_EQ(d.target_tokens.size(), d.tokens.size());
+      for (const auto* f : {&d.weights, &d.logprobs, &d.advantages, &d.ref_logprobs, &d.old_logprobs}) {
+        EXPECT_TRUE(f->empty() || f->size() == d.tokens.size());
+      }
+    }
+    const absl::Status valid = ValidateBatch(*datums, Ppo(), 96, {});
+    EXPECT_TRUE(valid.ok() || valid.code() == absl::StatusCode::kInvalidArgument) << valid;
+    accepted += valid.ok() ? 1 : 0;
+  }
+  std::cout << "bad_inputs_tried packed " << tried << " (parsed " << parsed << ", valid " << accepted << ")\n";
+  EXPECT_GT(parsed, 100);
 }
 
 }  // namespace
