@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <tuple>
 #include <type_traits>
 
 #include "lib/status_macros.h"
@@ -38,9 +39,10 @@ namespace {
 
 constexpr char kPacked[] = "packed_datums";
 
-// Sets `out` to the `n` 4-byte values of type `Wire` from `bytes` at element `offset`.
+// Sets `out` to the `n` 4-byte values of type `Wire` from `bytes` at element `offset`
+// (leaves it empty when `bytes` is: an absent optional field).
 template <typename Wire, typename T>
-void AppendPacked(const std::string& bytes, int64_t offset, int64_t n, std::vector<T>* out) {
+void UnpackInto(const std::string& bytes, int64_t offset, int64_t n, std::vector<T>* out) {
   if (bytes.empty()) return;
   out->resize(static_cast<size_t>(n));
   const char* from = bytes.data() + offset * 4;
@@ -71,13 +73,12 @@ absl::StatusOr<std::vector<Datum>> RequestDatums(const google::protobuf::Repeate
     }
     total += packed.lengths(i);
   }
-  const std::pair<const char*, const std::string*> arrays[] = {
-      {"tokens", &packed.tokens()},         {"target_tokens", &packed.target_tokens()},
-      {"weights", &packed.weights()},       {"logprobs", &packed.logprobs()},
-      {"advantages", &packed.advantages()}, {"ref_logprobs", &packed.ref_logprobs()},
-      {"old_logprobs", &packed.old_logprobs()}};
-  for (const auto& [name, bytes] : arrays) {
-    const bool required = arrays[0].second == bytes || arrays[1].second == bytes;
+  const std::tuple<const char*, const std::string*, bool> arrays[] = {
+      {"tokens", &packed.tokens(), true},          {"target_tokens", &packed.target_tokens(), true},
+      {"weights", &packed.weights(), false},       {"logprobs", &packed.logprobs(), false},
+      {"advantages", &packed.advantages(), false}, {"ref_logprobs", &packed.ref_logprobs(), false},
+      {"old_logprobs", &packed.old_logprobs(), false}};
+  for (const auto& [name, bytes, required] : arrays) {
     if (static_cast<int64_t>(bytes->size()) == 4 * total || (!required && bytes->empty())) continue;
     return absl::InvalidArgumentError(absl::StrCat(kPacked, ".", name, ": ", bytes->size(), " bytes; expected 4 per position, ",
                                                    4 * total, " for the ", total, " positions in lengths",
@@ -88,13 +89,13 @@ absl::StatusOr<std::vector<Datum>> RequestDatums(const google::protobuf::Repeate
   for (size_t i = 0; i < out.size(); ++i) {
     const int64_t n = packed.lengths(static_cast<int>(i));
     Datum& d = out[i];
-    AppendPacked<int32_t>(packed.tokens(), offset, n, &d.tokens);
-    AppendPacked<int32_t>(packed.target_tokens(), offset, n, &d.target_tokens);
-    AppendPacked<float>(packed.weights(), offset, n, &d.weights);
-    AppendPacked<float>(packed.logprobs(), offset, n, &d.logprobs);
-    AppendPacked<float>(packed.advantages(), offset, n, &d.advantages);
-    AppendPacked<float>(packed.ref_logprobs(), offset, n, &d.ref_logprobs);
-    AppendPacked<float>(packed.old_logprobs(), offset, n, &d.old_logprobs);
+    UnpackInto<int32_t>(packed.tokens(), offset, n, &d.tokens);
+    UnpackInto<int32_t>(packed.target_tokens(), offset, n, &d.target_tokens);
+    UnpackInto<float>(packed.weights(), offset, n, &d.weights);
+    UnpackInto<float>(packed.logprobs(), offset, n, &d.logprobs);
+    UnpackInto<float>(packed.advantages(), offset, n, &d.advantages);
+    UnpackInto<float>(packed.ref_logprobs(), offset, n, &d.ref_logprobs);
+    UnpackInto<float>(packed.old_logprobs(), offset, n, &d.old_logprobs);
     offset += n;
   }
   return out;

@@ -251,7 +251,9 @@ TEST(FuzzTest, PackedDatumsNeverCrashOrMisalign) {
       continue;
     }
     // (A mutation may also turn the bytes into `datums`, whose lengths ValidateBatch checks.)
-    for (const Datum& d : req.packed_datums().ByteSizeLong() > 0 ? *datums : std::vector<Datum>{}) {
+    const bool packed = req.packed_datums().ByteSizeLong() > 0;
+    for (size_t i = 0; packed && i < datums->size(); ++i) {
+      const Datum& d = (*datums)[i];
       EXPECT_EQ(d.target_tokens.size(), d.tokens.size());
       for (const auto* f : {&d.weights, &d.logprobs, &d.advantages, &d.ref_logprobs, &d.old_logprobs}) {
         EXPECT_TRUE(f->empty() || f->size() == d.tokens.size());
