@@ -41,6 +41,12 @@ for spec in ${STEP_NOFOLD:-}; do
   IFS=: read -r mode w rank mt <<< "$spec"
   LORASTEP_FOLD_LORA_B=0 NAME_SUFFIX=_nofold run_ours "$mode" "$w" "$rank" "$mt"
 done
+# STEP_IN_PROCESS: rows with the worker in the coordinator's process (--in_process_worker),
+# files *_inproc.json. IN_PROCESS_WORKER=true in the environment runs every row that way.
+for spec in ${STEP_IN_PROCESS:-}; do
+  IFS=: read -r mode w rank mt <<< "$spec"
+  IN_PROCESS_WORKER=true NAME_SUFFIX=_inproc run_ours "$mode" "$w" "$rank" "$mt"
+done
 for spec in ${STEP_HF:-lora:fixed full:fixed logprobs:fixed lora:varlen}; do
   IFS=: read -r mode w <<< "$spec"
   python3 bench/peft_step.py --model $MODEL --mode "$mode" --batch "$OUT/batch_$w.json" --out "$OUT/hf_${mode}_$w.json" 2>&1 | tail -1 | cut -c1-300

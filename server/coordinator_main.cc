@@ -4,7 +4,7 @@
 // (lorastep_worker --register_with this address).
 //   lorastep_coordinator --model DIR [--device cpu] [--dtype D] [--port 50051] [--host 127.0.0.1]
 //                        [--port_file F] [--workers host:port,host:port] [--wait_for_workers]
-//                        [--worker_binary PATH] [--max_tokens_per_microbatch N]
+//                        [--worker_binary PATH] [--max_tokens_per_microbatch N] [--in_process_worker]
 //                        [--worker_start_timeout_s 300]
 //                        [--tp T --pp P --dp D] [--collective_timeout_s S] [--peer_failure_grace_s G]
 //                        [--worker_call_timeout_s 3600] [--rendezvous_port 29500]
@@ -26,11 +26,14 @@
 // With --tp/--pp/--dp (default 1) it starts tp*pp*dp local workers, rank r on cuda:r (or a
 // CPU process each), forming one mesh; with --workers the listed workers must be the ranks
 // of such a mesh (started with matching --rank/--tp/--pp/--dp/--rendezvous).
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -45,6 +48,8 @@
 #include "server/registry_service.h"
 #include "server/run_journal.h"
 #include "server/child_server.h"
+#include "worker/in_process_worker_client.h"
+#include "worker/state_pruner.h"
 #include "lib/flags_util.h"
 #include "lib/log.h"
 #include "lib/status_macros.h"
@@ -60,6 +65,9 @@ ABSL_FLAG(std::string, port_file, "", "write the bound port here");
 ABSL_FLAG(std::string, workers, "", "use running workers host:port,host:port instead of starting local ones");
 ABSL_FLAG(bool, wait_for_workers, false, "start with no worker and wait for workers to register");
 ABSL_FLAG(std::string, worker_binary, "", "lorastep_worker to start (default: beside this binary)");
+ABSL_FLAG(bool, in_process_worker, false,
+          "run the local worker inside this process (world size 1): no second gRPC hop per call, but a worker "
+          "crash ends the coordinator, which then cannot restart it");
 ABSL_FLAG(std::optional<int64_t>, max_tokens_per_microbatch, std::nullopt, "local workers: padded tokens per micro-batch");
 ABSL_FLAG(int, worker_start_timeout_s, 300, "seconds local workers may take to start");
 ABSL_FLAG(int, tp, 1, "tensor-parallel size of the mesh");
@@ -108,6 +116,41 @@ ABSL_FLAG(bool, journal, true,
 ABSL_FLAG(int, autosave_every_full_steps, 50,
           "with a journal: the same for full fine-tuning runs (rank 0: the whole model and its optimizer)");
 ABSL_FLAG(int, autosave_every_steps, 1, "with --journal_dir: save a run's worker state after every N optimizer steps");
+
+namespace {
+
+// --in_process_worker: the local worker's options from this coordinator's flags (the ones
+// it would pass to a lorastep_worker process), then the worker itself. Flags about a
+// worker process or port are refused rather than ignored.
+absl::StatusOr<std::unique_ptr<lorastep::WorkerClient>> StartInProcessWorker(int world) {
+  using namespace lorastep;
+  for (const auto& [set, flag] : std::vector<std::pair<bool, const char*>>{
+           {world != 1, "tp/pp/dp/ep (a mesh's ranks are processes)"},
+           {!absl::GetFlag(FLAGS_workers).empty(), "workers"},
+           {absl::GetFlag(FLAGS_wait_for_workers), "wait_for_workers"},
+           {!absl::GetFlag(FLAGS_worker_binary).empty(), "worker_binary"},
+           {absl::GetFlag(FLAGS_worker_metrics_port_base).has_value(), "worker_metrics_port_base"},
+           {!absl::GetFlag(FLAGS_worker_tls_cert_file).empty(), "worker_tls_cert_file"}}) {
+    if (set) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("in_process_worker: cannot be combined with --", flag, " (it has no worker process)"));
+    }
+  }
+  WorkerOptions options;
+  options.model_path = absl::GetFlag(FLAGS_model);
+  options.device = absl::GetFlag(FLAGS_device);
+  options.dtype = absl::GetFlag(FLAGS_dtype);
+  if (auto n = absl::GetFlag(FLAGS_max_tokens_per_microbatch)) options.max_tokens_per_microbatch = *n;
+  options.grad.fused_wgrad = !absl::GetFlag(FLAGS_unfused_wgrad);
+  options.pack_sequences = absl::GetFlag(FLAGS_pack_sequences);
+  options.state_dir = absl::GetFlag(FLAGS_state_dir);
+  if (const auto mb = absl::GetFlag(FLAGS_max_activation_mb)) options.max_activation_bytes = ActivationBytesFromMb(*mb);
+  ProfileFromEnvironment(&options);
+  if (const int threads = absl::GetFlag(FLAGS_cpu_threads); threads > 0) at::set_num_threads(threads);
+  return InProcessWorkerClient::Create(options);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace lorastep;
@@ -242,6 +285,21 @@ int main(int argc, char** argv) {
       LORASTEP_LOG(Error) << "lorastep_coordinator: --model (for the local worker) or --workers is required";
       return 2;
     }
+  }
+  std::unique_ptr<WorkerClient> in_process;
+  std::optional<StatePruner> in_process_pruner;  // --state_ttl_hours, as a worker process would run it
+  if (absl::GetFlag(FLAGS_in_process_worker)) {
+    auto created = StartInProcessWorker(world);
+    if (!created.ok()) return fail(created.status());
+    in_process = std::move(created).value();
+    if (const auto ttl = absl::GetFlag(FLAGS_state_ttl_hours)) {
+      if (!(*ttl > 0) || absl::GetFlag(FLAGS_state_dir).empty()) {
+        return fail(absl::InvalidArgumentError(absl::StrCat(
+            "state_ttl_hours: '", *ttl, "' must be a positive number of hours, with --state_dir")));
+      }
+      in_process_pruner.emplace(absl::GetFlag(FLAGS_state_dir), static_cast<int64_t>(*ttl * 3600));
+    }
+  } else if (absl::GetFlag(FLAGS_workers).empty() && !absl::GetFlag(FLAGS_wait_for_workers)) {
     std::vector<std::string> args = {"--model", absl::GetFlag(FLAGS_model)};
     std::vector<std::string> passed = WorkerTestFlagNames();
     passed.insert(passed.end(), {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "state_dir", "v",
@@ -334,6 +392,10 @@ int main(int argc, char** argv) {
     };
   }
   Coordinator core{options};
+  const size_t num_workers = addresses.size() + (in_process != nullptr ? 1 : 0);
+  if (in_process != nullptr) {
+    if (auto s = core.AddWorker(std::move(in_process)); !s.ok()) return fail(s);
+  }
   for (const auto& a : addresses) {
     auto client =
         std::make_unique<GrpcWorkerClient>(a, std::chrono::seconds(worker_call_timeout), worker_token, worker_tls);
@@ -345,7 +407,12 @@ int main(int argc, char** argv) {
   } else if (journal) {
     LORASTEP_LOG(Info) << "lorastep_coordinator: " << *restored << " run(s) restored from " << journal->dir();
   }
-  CoordinatorService service(&core, 4, &metrics, api_keys ? &*api_keys : nullptr);
+  // An in-process worker's calls run on the executor threads that call it. One thread, so
+  // one thread owns the device: LibTorch sets up CUDA state per thread (cuBLAS handles and
+  // workspaces), and on the H200 each new thread's first call took 50-80 ms longer. The
+  // device runs one call at a time anyway; runs still take turns on that thread.
+  const size_t executors = absl::GetFlag(FLAGS_in_process_worker) ? 1 : 4;
+  CoordinatorService service(&core, executors, &metrics, api_keys ? &*api_keys : nullptr);
   service.SetQueueLimits(absl::GetFlag(FLAGS_max_queued_per_run), absl::GetFlag(FLAGS_max_queued));
   RegistryService registry(&core, worker_token, worker_tls);
   int port = 0;
@@ -366,11 +433,11 @@ int main(int argc, char** argv) {
   if (!absl::GetFlag(FLAGS_port_file).empty()) {
     if (auto s = WritePortFile(absl::GetFlag(FLAGS_port_file), port); !s.ok()) return fail(s);
   }
-  if (addresses.empty()) {
+  if (num_workers == 0) {
     LORASTEP_LOG(Info) << "lorastep_coordinator: port " << port << ", waiting for workers to register";
   } else {
     LORASTEP_LOG(Info) << "lorastep_coordinator: serving " << core.model_path() << " on port " << port
-                       << " with " << addresses.size() << " worker(s)";
+                       << " with " << num_workers << " worker(s)" << (absl::GetFlag(FLAGS_in_process_worker) ? " (in process)" : "");
   }
   WaitForShutdownSignal();
   LORASTEP_LOG(Info) << "lorastep_coordinator: shutting down";

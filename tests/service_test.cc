@@ -975,6 +975,91 @@ TEST(ProcessTest, KilledCoordinatorTakesItsWorkerDown) {
   EXPECT_TRUE(gone) << "worker " << worker << " outlived its coordinator";
 }
 
+// Issue 9: --in_process_worker holds the worker in the coordinator's process (no child
+// process, no second gRPC hop) and answers every call as a worker process does: bitwise the
+// same steps, log-probs and split steps, a retried request applied once, checkpoints
+// through the state store, and runs brought back from the journal after a SIGKILL. Flags
+// that need a worker process are refused at start, naming the flag.
+TEST(InProcessWorkerTest, AnswersLikeTheWorkerProcess) {
+  ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("in_process"));
+  const std::string coordinator = Binary("server/lorastep_coordinator");
+  ASSERT_OK_AND_ASSIGN(ChildServer process,
+                       ChildServer::Start(coordinator,
+                                          {"--model", dir + "/model", "--worker_binary",
+                                           Binary("worker/lorastep_worker"), "--state_dir", dir + "/store_p"},
+                                          120));
+  const std::vector<std::string> in_process_args = {"--model", dir + "/model", "--in_process_worker",
+                                                    "--state_dir", dir + "/store_i"};
+  auto in_process = std::make_unique<ChildServer>(ChildServer::Start(coordinator, in_process_args, 120).value());
+  const std::string children = absl::StrCat("pgrep -P ", in_process->pid(), " > /dev/null");
+  EXPECT_NE(system(children.c_str()), 0) << "--in_process_worker started a child process";
+  ASSERT_OK_AND_ASSIGN(auto pc, TrainerClient::Connect(process.address()));
+  ASSERT_OK_AND_ASSIGN(auto ic, TrainerClient::Connect(in_process->address()));
+  ASSERT_OK_AND_ASSIGN(RunSession p, RunSession::Create(pc.get(), Lora(), 9, "same"));
+  ASSERT_OK_AND_ASSIGN(RunSession i, RunSession::Create(ic.get(), Lora(), 9, "same"));
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse a, p.TrainStep(Batch(step), Ppo(), Adam()));
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse b, i.TrainStep(Batch(step), Ppo(), Adam()));
+    EXPECT_EQ(a.adapter_sha256(), b.adapter_sha256()) << step;
+    EXPECT_EQ(a.learner_version(), b.learner_version()) << step;
+    EXPECT_EQ(a.metrics().at("loss:sum"), b.metrics().at("loss:sum")) << step;
+  }
+  ASSERT_OK_AND_ASSIGN(v1::ForwardBackwardResponse fa, p.ForwardBackward(Batch(3), Ppo()));
+  ASSERT_OK_AND_ASSIGN(v1::ForwardBackwardResponse fb, i.ForwardBackward(Batch(3), Ppo()));
+  EXPECT_EQ(fa.metrics().at("loss:sum"), fb.metrics().at("loss:sum"));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse oa, p.OptimStep(Adam()));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse ob, i.OptimStep(Adam()));
+  EXPECT_EQ(oa.adapter_sha256(), ob.adapter_sha256());
+  ASSERT_OK_AND_ASSIGN(v1::ForwardBackwardResponse la, p.Forward(Batch(4)));
+  ASSERT_OK_AND_ASSIGN(v1::ForwardBackwardResponse lb, i.Forward(Batch(4)));
+  ASSERT_EQ(la.logprobs_size(), lb.logprobs_size());
+  for (int d = 0; d < la.logprobs_size(); ++d) {
+    ASSERT_EQ(la.logprobs(d).values_size(), lb.logprobs(d).values_size());
+    for (int t = 0; t < la.logprobs(d).values_size(); ++t) EXPECT_EQ(la.logprobs(d).values(t), lb.logprobs(d).values(t));
+  }
+  // A retried request is answered from the record, not applied again.
+  v1::TrainStepRequest retried;
+  retried.set_run_id("same");
+  retried.set_request_id("in-process-retry");
+  retried.set_sequence_id(i.next_sequence_id());
+  for (const auto& d : Batch(5)) *retried.add_datums() = d;
+  *retried.mutable_loss() = Ppo();
+  *retried.mutable_adamw() = Adam();
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse first, ic->TrainStep(retried));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse again, ic->TrainStep(retried));
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(first, again));
+  EXPECT_EQ(first.learner_version(), 5);
+  // Checkpoints through the state store, and a fork from one.
+  v1::SaveStateRequest save;
+  save.set_run_id("same");
+  save.set_path("lorastep://same/step-5");
+  ASSERT_OK(ic->SaveState(save).status());
+  EXPECT_TRUE(PathExists(dir + "/store_i/runs/same/step-5/trainer_state.json"));
+  ASSERT_OK_AND_ASSIGN(RunSession fork, RunSession::Create(ic.get(), Lora(), 1, "fork"));
+  ASSERT_OK_AND_ASSIGN(v1::Run loaded, fork.LoadState("lorastep://same/step-5"));
+  EXPECT_EQ(loaded.learner_version(), 5);
+  // SIGKILL: the journal (on by default with --state_dir) brings the run back.
+  ASSERT_EQ(kill(in_process->pid(), SIGKILL), 0);
+  in_process.reset();
+  ASSERT_OK_AND_ASSIGN(ChildServer restarted, ChildServer::Start(coordinator, in_process_args, 120));
+  ASSERT_OK_AND_ASSIGN(auto rc, TrainerClient::Connect(restarted.address()));
+  ASSERT_OK_AND_ASSIGN(v1::Run back, rc->GetRun("same"));
+  EXPECT_EQ(back.learner_version(), 5);
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse replayed, rc->TrainStep(retried));
+  EXPECT_EQ(replayed.adapter_sha256(), first.adapter_sha256());
+  // Flags that need a worker process (or several) are refused, naming the flag.
+  for (const std::vector<std::string>& extra :
+       {std::vector<std::string>{"--tp", "2"}, {"--worker_metrics_port_base", "9100"},
+        {"--worker_binary", Binary("worker/lorastep_worker")}}) {
+    std::string cmd = coordinator + " --model " + dir + "/model --in_process_worker --port 0";
+    for (const std::string& a : extra) cmd += " " + a;
+    cmd += " 2> " + dir + "/refused.txt";
+    EXPECT_NE(system(cmd.c_str()), 0) << cmd;
+    ASSERT_OK_AND_ASSIGN(std::string err, ReadFileToString(dir + "/refused.txt"));
+    EXPECT_THAT(err, ::testing::HasSubstr("in_process_worker: cannot be combined with " + extra[0])) << err;
+  }
+}
+
 // Issue 8: a coordinator killed with SIGKILL (its local worker dies with it) and started
 // again with the same --journal_dir and --state_dir brings its runs back as of their last
 // autosave: learner_version, sequence id, step history, request records (a retried step is

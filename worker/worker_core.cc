@@ -2,11 +2,23 @@
 
 #include <malloc.h>
 
+#include <cstdlib>
+
 #include "absl/strings/str_cat.h"
 #include "lib/io/file_util.h"
 #include "lib/status_macros.h"
 
 namespace lorastep {
+
+int64_t ActivationBytesFromMb(double mb) { return mb < 0 ? -1 : static_cast<int64_t>(mb * 1024 * 1024); }
+
+void ProfileFromEnvironment(WorkerOptions* options) {
+  if (const char* trace = std::getenv("LORASTEP_PROFILE_TRACE")) {
+    options->profile_trace_path = trace;
+    const char* step = std::getenv("LORASTEP_PROFILE_STEP");
+    options->profile_train_step = step != nullptr ? std::atoll(step) : 2;
+  }
+}
 
 absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerOptions& options) {
   LORASTEP_ASSIGN_OR_RETURN(ParallelLayout layout,

@@ -49,6 +49,13 @@ struct WorkerOptions {
   int64_t max_activation_bytes = 0;
 };
 
+// --max_activation_mb in bytes: negative turns the budget off (-1), 0 is the default (80%
+// of the available host memory on CPU).
+int64_t ActivationBytesFromMb(double mb);
+// LORASTEP_PROFILE_TRACE [LORASTEP_PROFILE_STEP, default 2] (benchmarks): read from the
+// environment, so a worker the coordinator starts inherits them (bench/step_bench.sh).
+void ProfileFromEnvironment(WorkerOptions* options);
+
 // What the coordinator sends with every call on a mesh (see worker.proto's MeshCall).
 struct MeshCallInfo {
   int64_t expected_learner_version = -1;  // -1: not checked

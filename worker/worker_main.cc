@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <ctime>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -33,6 +34,7 @@
 #include "rpc/server_flags.h"
 #include "rpc/server_runner.h"
 #include "worker/worker_core.h"
+#include "worker/state_pruner.h"
 #include "worker/worker_service.h"
 
 ABSL_FLAG(std::string, model, "", "Hugging Face model folder (config.json + safetensors); required");
@@ -158,16 +160,8 @@ int main(int argc, char** argv) {
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
   // MiB one micro-batch's activations may take (estimated before running; over it the call is
   // RESOURCE_EXHAUSTED). 0 (default): 80% of the available host memory on CPU; -1: off.
-  if (const auto max_activation_mb = absl::GetFlag(FLAGS_max_activation_mb)) {
-    const double mb = *max_activation_mb;
-    options.max_activation_bytes = mb < 0 ? -1 : static_cast<int64_t>(mb * 1024 * 1024);
-  }
-  // Environment, so a worker the coordinator starts inherits it (bench/step_bench.sh).
-  if (const char* trace = std::getenv("LORASTEP_PROFILE_TRACE")) {
-    options.profile_trace_path = trace;
-    const char* step = std::getenv("LORASTEP_PROFILE_STEP");
-    options.profile_train_step = step != nullptr ? std::atoll(step) : 2;
-  }
+  if (const auto mb = absl::GetFlag(FLAGS_max_activation_mb)) options.max_activation_bytes = ActivationBytesFromMb(*mb);
+  ProfileFromEnvironment(&options);
   // Mesh: --rank R --tp T --pp P --dp D --rendezvous HOST:PORT [--collective_timeout_s S].
   if (auto rank = absl::GetFlag(FLAGS_rank)) options.rank = *rank;
   options.sizes = {absl::GetFlag(FLAGS_tp), absl::GetFlag(FLAGS_pp), absl::GetFlag(FLAGS_dp), absl::GetFlag(FLAGS_ep)};
@@ -275,29 +269,12 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  // Shutdown for the background threads (the state store pruner, the announcer below).
+  // Shutdown for the announcer below.
   std::mutex stop_mu;
   std::condition_variable stop_cv;
   bool stopping = false;
-  std::thread pruner;
-  if (ttl_hours > 0 && options.rank == 0) {
-    const int64_t ttl_s = std::max<int64_t>(1, static_cast<int64_t>(ttl_hours * 3600));
-    pruner = std::thread([&, ttl_s] {
-      auto store = StateStore::Open(options.state_dir);
-      const auto every = std::chrono::seconds(std::clamp<int64_t>(ttl_s / 10, 1, 600));
-      std::unique_lock<std::mutex> lock(stop_mu);
-      do {
-        auto removed = store.ok() ? store->PruneOlderThan(ttl_s, static_cast<int64_t>(std::time(nullptr)))
-                                  : absl::StatusOr<std::vector<std::string>>(store.status());
-        if (!removed.ok()) {
-          LORASTEP_LOG(Warning) << "lorastep_worker: state store TTL: " << removed.status();
-        } else if (!removed->empty()) {
-          LORASTEP_LOG(Info) << "lorastep_worker: state store TTL removed " << removed->size() << " folder(s): "
-                    << absl::StrJoin(*removed, ", ");
-        }
-      } while (!stop_cv.wait_for(lock, every, [&] { return stopping; }));
-    });
-  }
+  std::optional<StatePruner> pruner;
+  if (ttl_hours > 0 && options.rank == 0) pruner.emplace(options.state_dir, static_cast<int64_t>(ttl_hours * 3600));
   // Registered again every --register_every_s: a coordinator that restarted (and lost its
   // list of workers) finds this worker again and re-attaches its journaled runs; one that
   // knows the worker keeps it as it is.
@@ -321,7 +298,7 @@ int main(int argc, char** argv) {
     stopping = true;
   }
   stop_cv.notify_all();
-  if (pruner.joinable()) pruner.join();
+  pruner.reset();
   if (announcer.joinable()) announcer.join();
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
   return 0;

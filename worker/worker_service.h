@@ -1,16 +1,14 @@
-// The worker's gRPC adapter: converts protos to lib/ types, runs the call on the worker's
-// serial executor (never on a gRPC thread), converts the status in rpc/grpc_status.
+// The worker's gRPC adapter: checks the worker token, runs the call (WorkerCalls) on the
+// worker's serial executor (never on a gRPC thread), converts the status in rpc/grpc_status.
 #ifndef LORASTEP_WORKER_WORKER_SERVICE_H_
 #define LORASTEP_WORKER_WORKER_SERVICE_H_
 
-#include <deque>
-#include <map>
-#include <memory>
 #include <string>
 
 #include "lorastep/v1/worker.grpc.pb.h"
 #include "rpc/serial_executor.h"
 #include "lib/prometheus_registry.h"
+#include "worker/worker_calls.h"
 #include "worker/worker_core.h"
 
 namespace lorastep {
@@ -62,22 +60,10 @@ class WorkerService final : public v1::Worker::CallbackService {
   // Queues `work` (returning absl::Status) and finishes the call when it has run.
   template <typename Work>
   grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, Work work);
-  // Defer for mutating calls: a request_id already applied returns its recorded response
-  // and runs nothing (exactly once on every rank, whatever the coordinator retries).
-  template <typename Work>
-  grpc::ServerUnaryReactor* DeferOnce(grpc::CallbackServerContext* ctx, const v1::MeshCall& mesh,
-                                      const char* method, google::protobuf::Message* resp, Work work);
 
   absl::Status CheckToken(grpc::CallbackServerContext* ctx) const;
-  WorkerCore* core_;
-  PrometheusRegistry* metrics_;
-  const std::string instance_id_;  // random per process (WorkerInfo.instance_id)
+  WorkerCalls calls_;
   std::string token_sha256_;
-  // request_id -> (method, serialized response), the most recent kRecordedCalls; touched
-  // only on the executor thread.
-  static constexpr size_t kRecordedCalls = 256;
-  std::map<std::string, std::pair<std::string, std::string>> recorded_;
-  std::deque<std::string> recorded_order_;
   SerialExecutor executor_;
 };
 

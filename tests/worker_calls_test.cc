@@ -1,0 +1,109 @@
+// WorkerCalls (worker/worker_calls.h), the Worker API's calls without gRPC that both the
+// worker process and the coordinator's in-process worker run: the exactly-once record under
+// concurrent retries of one request_id, a request_id reused for another method, and a failed
+// call that records nothing.
+#include <gtest/gtest.h>
+
+#include <thread>
+#include <vector>
+
+#include <google/protobuf/util/message_differencer.h>
+
+#include "lib/model/model_weights.h"
+#include "lib/training/batch.h"
+#include "rpc/proto_convert.h"
+#include "tests/proto_test_util.h"
+#include "tests/test_util.h"
+#include "worker/worker_calls.h"
+#include "worker/worker_core.h"
+
+namespace lorastep {
+namespace {
+
+using ::lorastep::testing::StatusIs;
+
+class WorkerCallsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const std::string dir = lorastep::testing::ScratchDir("worker_calls");
+    const ModelConfig c = ModelConfigPreset("tiny").value();
+    ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+    WorkerOptions options;
+    options.model_path = dir + "/model";
+    ASSERT_OK_AND_ASSIGN(core_, WorkerCore::Create(options));
+    calls_ = std::make_unique<WorkerCalls>(core_.get());
+    v1::WorkerCreateRunRequest create;
+    create.set_run_id("r");
+    create.mutable_lora()->set_rank(4);
+    create.mutable_lora()->set_alpha(8);
+    create.set_seed(3);
+    v1::WorkerCreateRunResponse created;
+    ASSERT_OK(calls_->CreateRun(create, &created));
+  }
+
+  // A TrainStep of batch `step` under `request_id` ("" = not recorded), expected to find
+  // the run at learner version `step` (as the coordinator says with every recorded call).
+  static v1::WorkerTrainStepRequest Step(int step, const std::string& request_id) {
+    v1::WorkerTrainStepRequest req;
+    req.set_run_id("r");
+    req.mutable_mesh()->set_request_id(request_id);
+    req.mutable_mesh()->set_expected_learner_version(step);
+    std::vector<v1::Datum> batch;
+    for (int i = 0; i < 4; ++i) batch.push_back(lorastep::testing::RlDatum(i, step, 8, 96));
+    EXPECT_TRUE(PackDatums(batch, req.mutable_packed_datums()));
+    google::protobuf::RepeatedPtrField<v1::Datum> as_proto(batch.begin(), batch.end());
+    const BatchTotals totals = ComputeBatchTotals(DatumsFromProto(as_proto));
+    req.set_batch_loss_tokens(totals.loss_tokens);
+    req.set_batch_samples(totals.samples);
+    req.mutable_loss()->set_loss_fn("ppo");
+    req.mutable_adamw()->set_lr(1e-2);
+    return req;
+  }
+
+  std::unique_ptr<WorkerCore> core_;
+  std::unique_ptr<WorkerCalls> calls_;
+};
+
+TEST_F(WorkerCallsTest, ConcurrentRetriesOfOneRequestIdApplyOnce) {
+  const v1::WorkerTrainStepRequest req = Step(0, "once");
+  std::vector<v1::WorkerStepResponse> responses(4);
+  std::vector<absl::Status> statuses(4);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] { statuses[t] = calls_->TrainStep(req, &responses[t]); });
+  }
+  for (auto& t : threads) t.join();
+  for (int t = 0; t < 4; ++t) {
+    ASSERT_OK(statuses[t]);
+    EXPECT_EQ(responses[t].result().learner_version(), 1) << t;
+    EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(responses[0], responses[t])) << t;
+  }
+  // The next step without a request_id is the run's second, not its fifth.
+  v1::WorkerStepResponse next;
+  ASSERT_OK(calls_->TrainStep(Step(1, ""), &next));
+  EXPECT_EQ(next.result().learner_version(), 2);
+}
+
+TEST_F(WorkerCallsTest, ReusedRequestIdAndFailedCalls) {
+  v1::WorkerStepResponse first;
+  ASSERT_OK(calls_->TrainStep(Step(0, "id-1"), &first));
+  v1::WorkerOptimStepRequest optim;
+  optim.set_run_id("r");
+  optim.mutable_mesh()->set_request_id("id-1");
+  optim.mutable_mesh()->set_expected_learner_version(1);
+  optim.mutable_adamw()->set_lr(1e-2);
+  v1::WorkerStepResponse unused;
+  EXPECT_THAT(calls_->OptimStep(optim, &unused),
+              StatusIs(absl::StatusCode::kInvalidArgument, "request_id: 'id-1' was used for TrainStep"));
+  // A failed call records nothing: the same request_id, corrected, then runs.
+  v1::WorkerTrainStepRequest bad = Step(1, "id-2");
+  bad.mutable_loss()->set_loss_fn("no-such-loss");
+  EXPECT_THAT(calls_->TrainStep(bad, &unused), StatusIs(absl::StatusCode::kInvalidArgument, "loss_fn"));
+  v1::WorkerStepResponse second;
+  ASSERT_OK(calls_->TrainStep(Step(1, "id-2"), &second));
+  EXPECT_EQ(second.result().learner_version(), 2);
+  EXPECT_NE(second.result().adapter_sha256(), first.result().adapter_sha256());
+}
+
+}  // namespace
+}  // namespace lorastep

@@ -1,0 +1,78 @@
+#include "worker/in_process_worker_client.h"
+
+#include "absl/strings/str_cat.h"
+#include "lib/status_macros.h"
+
+namespace lorastep {
+namespace {
+
+// A call's response, or its error.
+template <typename Response, typename Request, typename Method>
+absl::StatusOr<Response> Answer(WorkerCalls* calls, Method method, const Request& req) {
+  Response resp;
+  LORASTEP_RETURN_IF_ERROR((calls->*method)(req, &resp));
+  return resp;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<InProcessWorkerClient>> InProcessWorkerClient::Create(const WorkerOptions& options) {
+  if (options.sizes.world() != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "in_process_worker: serves world size 1 only, not ", options.sizes.world(), " (a mesh's ranks are processes)"));
+  }
+  LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<WorkerCore> core, WorkerCore::Create(options));
+  return std::unique_ptr<InProcessWorkerClient>(new InProcessWorkerClient(std::move(core)));
+}
+
+absl::StatusOr<v1::WorkerInfo> InProcessWorkerClient::Info() {
+  v1::WorkerInfo info;
+  calls_.Info(&info);
+  return info;
+}
+
+absl::StatusOr<v1::WorkerCreateRunResponse> InProcessWorkerClient::CreateRun(const v1::WorkerCreateRunRequest& req) {
+  return Answer<v1::WorkerCreateRunResponse>(&calls_, &WorkerCalls::CreateRun, req);
+}
+
+absl::Status InProcessWorkerClient::DeleteRun(const v1::WorkerDeleteRunRequest& req) { return calls_.DeleteRun(req); }
+
+absl::StatusOr<v1::WorkerForwardBackwardResponse> InProcessWorkerClient::ForwardBackward(
+    const v1::WorkerForwardBackwardRequest& req) {
+  return Answer<v1::WorkerForwardBackwardResponse>(&calls_, &WorkerCalls::ForwardBackward, req);
+}
+
+absl::StatusOr<v1::WorkerForwardBackwardResponse> InProcessWorkerClient::Forward(const v1::WorkerForwardRequest& req) {
+  return Answer<v1::WorkerForwardBackwardResponse>(&calls_, &WorkerCalls::Forward, req);
+}
+
+absl::StatusOr<v1::WorkerStepResponse> InProcessWorkerClient::OptimStep(const v1::WorkerOptimStepRequest& req) {
+  return Answer<v1::WorkerStepResponse>(&calls_, &WorkerCalls::OptimStep, req);
+}
+
+absl::StatusOr<v1::WorkerStepResponse> InProcessWorkerClient::TrainStep(const v1::WorkerTrainStepRequest& req) {
+  return Answer<v1::WorkerStepResponse>(&calls_, &WorkerCalls::TrainStep, req);
+}
+
+absl::StatusOr<v1::WorkerPathResponse> InProcessWorkerClient::SaveState(const v1::WorkerPathRequest& req) {
+  return Answer<v1::WorkerPathResponse>(&calls_, &WorkerCalls::SaveState, req);
+}
+
+absl::StatusOr<v1::WorkerPathResponse> InProcessWorkerClient::LoadState(const v1::WorkerPathRequest& req) {
+  return Answer<v1::WorkerPathResponse>(&calls_, &WorkerCalls::LoadState, req);
+}
+
+absl::StatusOr<v1::WorkerPathResponse> InProcessWorkerClient::ExportAdapter(const v1::WorkerPathRequest& req) {
+  return Answer<v1::WorkerPathResponse>(&calls_, &WorkerCalls::ExportAdapter, req);
+}
+
+absl::StatusOr<v1::ListCheckpointsResponse> InProcessWorkerClient::ListCheckpoints(
+    const v1::ListCheckpointsRequest& req) {
+  return Answer<v1::ListCheckpointsResponse>(&calls_, &WorkerCalls::ListCheckpoints, req);
+}
+
+absl::Status InProcessWorkerClient::DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) {
+  return calls_.DeleteCheckpoint(req);
+}
+
+}  // namespace lorastep

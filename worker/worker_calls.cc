@@ -1,0 +1,208 @@
+#include "worker/worker_calls.h"
+
+#include <unistd.h>
+
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "lib/status_macros.h"
+#include "lib/training/adamw.h"
+#include "rpc/proto_convert.h"
+#include "rpc/step_metrics.h"
+
+namespace lorastep {
+namespace {
+
+void FillForwardResponse(const ForwardBackwardResult& r, v1::WorkerForwardBackwardResponse* resp) {
+  for (const auto& lp : r.logprobs) {
+    resp->mutable_result()->add_logprobs()->mutable_values()->Add(lp.begin(), lp.end());
+  }
+  MetricsToProto(r.metrics, resp->mutable_result()->mutable_metrics());
+  MetricPartialsToProto(r.metrics, resp->mutable_partials());
+}
+
+void FillStepResponse(const OptimStepResult& r, v1::WorkerStepResponse* resp) {
+  resp->mutable_result()->set_learner_version(r.learner_version);
+  resp->mutable_result()->set_adapter_sha256(r.adapter_sha256);
+  MetricsToProto(r.metrics, resp->mutable_result()->mutable_metrics());
+  MetricPartialsToProto(r.metrics, resp->mutable_partials());
+  for (const auto& [family, sha] : r.replica_digests) (*resp->mutable_replica_digests())[family] = sha;
+}
+
+void FillPathResponse(const WorkerCore::PathResult& r, v1::WorkerPathResponse* resp) {
+  resp->set_adapter_sha256(r.adapter_sha256);
+  resp->set_learner_version(r.learner_version);
+}
+
+MeshCallInfo MeshFromProto(const v1::MeshCall& mesh) {
+  return MeshCallInfo{mesh.request_id().empty() ? -1 : mesh.expected_learner_version(),
+                      mesh.mesh_generation()};
+}
+
+std::string RandomInstanceId() {
+  std::random_device device;
+  std::mt19937_64 rng((static_cast<uint64_t>(device()) << 32) ^ device() ^ static_cast<uint64_t>(getpid()));
+  return absl::StrFormat("%016x%016x", rng(), rng());
+}
+
+}  // namespace
+
+WorkerCalls::WorkerCalls(WorkerCore* core, PrometheusRegistry* metrics)
+    : core_(core), metrics_(metrics), instance_id_(RandomInstanceId()) {
+  if (metrics_ != nullptr) DeclareStepMetrics(metrics_);
+}
+
+template <typename Work>
+absl::Status WorkerCalls::Once(const v1::MeshCall& mesh, const char* method, google::protobuf::Message* resp,
+                               Work work) {
+  const std::string& id = mesh.request_id();
+  if (id.empty()) return work();
+  {
+    std::unique_lock<std::mutex> lock(record_mu_);
+    record_cv_.wait(lock, [&] { return running_.count(id) == 0; });
+    if (auto it = recorded_.find(id); it != recorded_.end()) {
+      if (it->second.method != method) {
+        return absl::InvalidArgumentError(absl::StrCat("request_id: '", id, "' was used for ", it->second.method));
+      }
+      resp->CopyFrom(*it->second.response);
+      return absl::OkStatus();
+    }
+    running_.insert(id);
+  }
+  absl::Status s = work();
+  {
+    std::lock_guard<std::mutex> lock(record_mu_);
+    running_.erase(id);
+    if (s.ok()) {
+      std::unique_ptr<google::protobuf::Message> copy(resp->New());
+      copy->CopyFrom(*resp);
+      recorded_[id] = Recorded{method, std::move(copy)};
+      recorded_order_.push_back(id);
+      while (recorded_order_.size() > kRecordedCalls) {
+        recorded_.erase(recorded_order_.front());
+        recorded_order_.pop_front();
+      }
+    }
+  }
+  record_cv_.notify_all();
+  return s;
+}
+
+void WorkerCalls::Info(v1::WorkerInfo* resp) const {
+  resp->set_model_path(core_->options().model_path);
+  resp->set_device(core_->base().device.str());
+  resp->set_dtype(c10::toString(core_->base().dtype));
+  resp->set_vocab_size(core_->base().config.vocab_size);
+  resp->set_num_runs(static_cast<int64_t>(core_->num_runs()));
+  const WorkerOptions& o = core_->options();
+  resp->set_rank(o.rank);
+  resp->set_world_size(o.sizes.world());
+  resp->set_tp(o.sizes.tp);
+  resp->set_pp(o.sizes.pp);
+  resp->set_dp(o.sizes.dp);
+  resp->set_ep(o.sizes.ep);
+  resp->set_instance_id(instance_id_);
+}
+
+absl::Status WorkerCalls::CreateRun(const v1::WorkerCreateRunRequest& req, v1::WorkerCreateRunResponse* resp) {
+  LORASTEP_ASSIGN_OR_RETURN(LoraConfig lora, LoraConfigFromProto(req.lora()));
+  LORASTEP_ASSIGN_OR_RETURN(int64_t version, core_->CreateRun(req.run_id(), lora, req.seed(), req.init_from(),
+                                                              req.init_with_optimizer()));
+  resp->set_learner_version(version);
+  return absl::OkStatus();
+}
+
+absl::Status WorkerCalls::DeleteRun(const v1::WorkerDeleteRunRequest& req) {
+  absl::Status deleted = core_->DeleteRun(req.run_id());
+  if (deleted.ok() && metrics_ != nullptr) metrics_->RemoveSeries("run", req.run_id());
+  return deleted;
+}
+
+absl::Status WorkerCalls::ForwardBackward(const v1::WorkerForwardBackwardRequest& req,
+                                          v1::WorkerForwardBackwardResponse* resp) {
+  return Once(req.mesh(), "ForwardBackward", resp, [&]() -> absl::Status {
+    LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(req.loss()));
+    BatchTotals totals{req.batch_loss_tokens(), req.batch_samples()};
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
+    LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult r,
+                              core_->ForwardBackward(req.run_id(), datums, loss, totals, MeshFromProto(req.mesh())));
+    FillForwardResponse(r, resp);
+    return absl::OkStatus();
+  });
+}
+
+absl::Status WorkerCalls::Forward(const v1::WorkerForwardRequest& req, v1::WorkerForwardBackwardResponse* resp) {
+  LORASTEP_ASSIGN_OR_RETURN(std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
+  LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult r, core_->Forward(req.run_id(), datums, MeshFromProto(req.mesh())));
+  FillForwardResponse(r, resp);
+  return absl::OkStatus();
+}
+
+absl::Status WorkerCalls::OptimStep(const v1::WorkerOptimStepRequest& req, v1::WorkerStepResponse* resp) {
+  return Once(req.mesh(), "OptimStep", resp, [&]() -> absl::Status {
+    LORASTEP_ASSIGN_OR_RETURN(AdamWParams adamw, AdamWParamsFromProto(req.adamw()));
+    LORASTEP_ASSIGN_OR_RETURN(OptimStepResult r, core_->OptimStep(req.run_id(), adamw, MeshFromProto(req.mesh())));
+    FillStepResponse(r, resp);
+    RecordStepMetrics(metrics_, req.run_id(), "optim_step", resp->result().metrics(), r.learner_version);
+    return absl::OkStatus();
+  });
+}
+
+absl::Status WorkerCalls::TrainStep(const v1::WorkerTrainStepRequest& req, v1::WorkerStepResponse* resp) {
+  return Once(req.mesh(), "TrainStep", resp, [&]() -> absl::Status {
+    LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(req.loss()));
+    LORASTEP_ASSIGN_OR_RETURN(AdamWParams adamw, AdamWParamsFromProto(req.adamw()));
+    BatchTotals totals{req.batch_loss_tokens(), req.batch_samples()};
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
+    LORASTEP_ASSIGN_OR_RETURN(OptimStepResult r,
+                              core_->TrainStep(req.run_id(), datums, loss, adamw, totals,
+                                               req.max_tokens_per_microbatch(), MeshFromProto(req.mesh())));
+    FillStepResponse(r, resp);
+    RecordStepMetrics(metrics_, req.run_id(), "train_step", resp->result().metrics(), r.learner_version);
+    return absl::OkStatus();
+  });
+}
+
+absl::Status WorkerCalls::SaveState(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp) {
+  LORASTEP_ASSIGN_OR_RETURN(WorkerCore::PathResult r,
+                            core_->SaveState(req.run_id(), req.path(), MeshFromProto(req.mesh())));
+  FillPathResponse(r, resp);
+  return absl::OkStatus();
+}
+
+absl::Status WorkerCalls::LoadState(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp) {
+  return Once(req.mesh(), "LoadState", resp, [&]() -> absl::Status {
+    LORASTEP_ASSIGN_OR_RETURN(WorkerCore::PathResult r,
+                              core_->LoadState(req.run_id(), req.path(), MeshFromProto(req.mesh())));
+    FillPathResponse(r, resp);
+    return absl::OkStatus();
+  });
+}
+
+absl::Status WorkerCalls::ExportAdapter(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp) {
+  LORASTEP_ASSIGN_OR_RETURN(
+      WorkerCore::PathResult r,
+      core_->ExportAdapter(req.run_id(), req.path(), MeshFromProto(req.mesh()), req.expand_experts()));
+  FillPathResponse(r, resp);
+  return absl::OkStatus();
+}
+
+absl::Status WorkerCalls::ListCheckpoints(const v1::ListCheckpointsRequest& req,
+                                          v1::ListCheckpointsResponse* resp) {
+  LORASTEP_ASSIGN_OR_RETURN(std::vector<StoredFolder> folders, core_->ListCheckpoints(req.run_id()));
+  for (const StoredFolder& f : folders) {
+    v1::Checkpoint* c = resp->add_checkpoints();
+    c->set_name(f.name);
+    c->set_ref(f.ref);
+    c->set_bytes(f.bytes);
+    c->set_modified_unix_s(f.modified_unix_s);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WorkerCalls::DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) {
+  return core_->DeleteCheckpoint(req.run_id(), req.name());
+}
+
+}  // namespace lorastep

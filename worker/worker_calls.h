@@ -1,0 +1,70 @@
+// The Worker API's calls without gRPC: proto requests in, proto responses out, over one
+// WorkerCore. WorkerService (the gRPC adapter of a worker process) and
+// InProcessWorkerClient (a worker inside the coordinator's process) both run every call
+// through here, so the two answer alike.
+//
+// Thread-safety: any method from any thread. The core admits calls in arrival order; the
+// exactly-once record is guarded here.
+#ifndef LORASTEP_WORKER_WORKER_CALLS_H_
+#define LORASTEP_WORKER_WORKER_CALLS_H_
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+
+#include "absl/status/status.h"
+#include "lib/prometheus_registry.h"
+#include "lorastep/v1/worker.pb.h"
+#include "worker/worker_core.h"
+
+namespace lorastep {
+
+class WorkerCalls {
+ public:
+  // `metrics`: this rank's step figures (rpc/step_metrics.h), labelled by run; may be null.
+  explicit WorkerCalls(WorkerCore* core, PrometheusRegistry* metrics = nullptr);
+
+  void Info(v1::WorkerInfo* resp) const;
+  absl::Status CreateRun(const v1::WorkerCreateRunRequest& req, v1::WorkerCreateRunResponse* resp);
+  absl::Status DeleteRun(const v1::WorkerDeleteRunRequest& req);
+  absl::Status ForwardBackward(const v1::WorkerForwardBackwardRequest& req,
+                               v1::WorkerForwardBackwardResponse* resp);
+  absl::Status Forward(const v1::WorkerForwardRequest& req, v1::WorkerForwardBackwardResponse* resp);
+  absl::Status OptimStep(const v1::WorkerOptimStepRequest& req, v1::WorkerStepResponse* resp);
+  absl::Status TrainStep(const v1::WorkerTrainStepRequest& req, v1::WorkerStepResponse* resp);
+  absl::Status SaveState(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp);
+  absl::Status LoadState(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp);
+  absl::Status ExportAdapter(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp);
+  absl::Status ListCheckpoints(const v1::ListCheckpointsRequest& req, v1::ListCheckpointsResponse* resp);
+  absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req);
+
+ private:
+  // For mutating calls: a request_id already applied returns its recorded response and runs
+  // nothing (exactly once on every rank, whatever the coordinator retries). A call whose
+  // request_id is still running waits for it, then answers from its record.
+  template <typename Work>
+  absl::Status Once(const v1::MeshCall& mesh, const char* method, google::protobuf::Message* resp, Work work);
+
+  WorkerCore* core_;
+  PrometheusRegistry* metrics_;
+  const std::string instance_id_;  // random per process (WorkerInfo.instance_id)
+  // request_id -> (method, response), the most recent kRecordedCalls.
+  static constexpr size_t kRecordedCalls = 256;
+  struct Recorded {
+    std::string method;
+    std::unique_ptr<google::protobuf::Message> response;
+  };
+  std::mutex record_mu_;
+  std::condition_variable record_cv_;  // a running request_id finished
+  std::map<std::string, Recorded> recorded_;
+  std::deque<std::string> recorded_order_;
+  std::set<std::string> running_;
+};
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_WORKER_WORKER_CALLS_H_
