@@ -1248,13 +1248,12 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
           *run, AllRanks(*run), [&](int rank, WorkerClient* w) {
             v1::WorkerForwardBackwardRequest wreq;
             wreq.set_run_id(req.run_id());
-            SetRequestDatums(datums, ShardOfRank(shards, rank), wreq.mutable_datums(), wreq.mutable_packed_datums());
             *wreq.mutable_loss() = req.loss();
             wreq.set_batch_loss_tokens(totals.loss_tokens);
             wreq.set_batch_samples(totals.samples);
             *wreq.mutable_mesh() = mesh;
             wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
-            return w->ForwardBackward(wreq);
+            return w->ForwardBackward(wreq, BatchShard{&datums, &ShardOfRank(shards, rank)});
           }));
   resp = on_mesh() ? MergeForward(shards, static_cast<int>(datums.size()), per_rank) : per_rank[0].result();
   {
@@ -1280,10 +1279,9 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::Forwa
           *run, AllRanks(*run), [&](int rank, WorkerClient* w) {
             v1::WorkerForwardRequest wreq;
             wreq.set_run_id(req.run_id());
-            SetRequestDatums(datums, ShardOfRank(shards, rank), wreq.mutable_datums(), wreq.mutable_packed_datums());
             wreq.mutable_mesh()->set_expected_learner_version(-1);
             wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
-            return w->Forward(wreq);
+            return w->Forward(wreq, BatchShard{&datums, &ShardOfRank(shards, rank)});
           }));
   return on_mesh() ? MergeForward(shards, static_cast<int>(datums.size()), per_rank) : per_rank[0].result();
 }
@@ -1339,7 +1337,6 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
       FanOut<v1::WorkerStepResponse>(*run, AllRanks(*run), [&](int rank, WorkerClient* w) {
         v1::WorkerTrainStepRequest wreq;
         wreq.set_run_id(req.run_id());
-        SetRequestDatums(datums, ShardOfRank(shards, rank), wreq.mutable_datums(), wreq.mutable_packed_datums());
         *wreq.mutable_loss() = req.loss();
         *wreq.mutable_adamw() = req.adamw();
         wreq.set_batch_loss_tokens(totals.loss_tokens);
@@ -1347,7 +1344,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
         wreq.set_max_tokens_per_microbatch(req.max_tokens_per_microbatch());
         *wreq.mutable_mesh() = mesh;
         wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
-        return w->TrainStep(wreq);
+        return w->TrainStep(wreq, BatchShard{&datums, &ShardOfRank(shards, rank)});
       }));
   LORASTEP_ASSIGN_OR_RETURN(resp, MergeSteps(*run, std::move(per_rank)));
   AddClientMetrics(req.client_metrics(), &resp);

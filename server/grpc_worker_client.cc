@@ -6,8 +6,23 @@
 
 #include "absl/strings/str_cat.h"
 #include "rpc/grpc_status.h"
+#include "rpc/proto_convert.h"
 
 namespace lorastep {
+namespace {
+
+// The request as it travels: with the shard's datums, packed where that form can say it.
+template <typename Req>
+Req WithDatums(const Req& req, const BatchShard& batch) {
+  Req full = req;
+  if (batch.datums != nullptr) {
+    SetRequestDatums(*batch.datums, *batch.indices, full.mutable_datums(), full.mutable_packed_datums());
+  }
+  return full;
+}
+
+}  // namespace
+
 GrpcWorkerClient::GrpcWorkerClient(const std::string& address, std::chrono::seconds call_timeout,
                                    std::string worker_token, const WorkerTls& tls)
     : address_(address), call_timeout_(call_timeout),
@@ -75,18 +90,19 @@ absl::Status GrpcWorkerClient::DeleteRun(const v1::WorkerDeleteRunRequest& req) 
       .status();
 }
 absl::StatusOr<v1::WorkerForwardBackwardResponse> GrpcWorkerClient::ForwardBackward(
-    const v1::WorkerForwardBackwardRequest& req) {
-  return Call<v1::WorkerForwardBackwardResponse>(&v1::Worker::Stub::ForwardBackward, req);
+    const v1::WorkerForwardBackwardRequest& req, const BatchShard& batch) {
+  return Call<v1::WorkerForwardBackwardResponse>(&v1::Worker::Stub::ForwardBackward, WithDatums(req, batch));
 }
-absl::StatusOr<v1::WorkerForwardBackwardResponse> GrpcWorkerClient::Forward(
-    const v1::WorkerForwardRequest& req) {
-  return Call<v1::WorkerForwardBackwardResponse>(&v1::Worker::Stub::Forward, req);
+absl::StatusOr<v1::WorkerForwardBackwardResponse> GrpcWorkerClient::Forward(const v1::WorkerForwardRequest& req,
+                                                                            const BatchShard& batch) {
+  return Call<v1::WorkerForwardBackwardResponse>(&v1::Worker::Stub::Forward, WithDatums(req, batch));
 }
 absl::StatusOr<v1::WorkerStepResponse> GrpcWorkerClient::OptimStep(const v1::WorkerOptimStepRequest& req) {
   return Call<v1::WorkerStepResponse>(&v1::Worker::Stub::OptimStep, req);
 }
-absl::StatusOr<v1::WorkerStepResponse> GrpcWorkerClient::TrainStep(const v1::WorkerTrainStepRequest& req) {
-  return Call<v1::WorkerStepResponse>(&v1::Worker::Stub::TrainStep, req);
+absl::StatusOr<v1::WorkerStepResponse> GrpcWorkerClient::TrainStep(const v1::WorkerTrainStepRequest& req,
+                                                                    const BatchShard& batch) {
+  return Call<v1::WorkerStepResponse>(&v1::Worker::Stub::TrainStep, WithDatums(req, batch));
 }
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::SaveState(const v1::WorkerPathRequest& req) {
   return Call<v1::WorkerPathResponse>(&v1::Worker::Stub::SaveState, req);

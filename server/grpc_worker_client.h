@@ -36,11 +36,13 @@ class GrpcWorkerClient final : public WorkerClient {
   absl::StatusOr<v1::WorkerInfo> Info() override;
   absl::StatusOr<v1::WorkerCreateRunResponse> CreateRun(const v1::WorkerCreateRunRequest& req) override;
   absl::Status DeleteRun(const v1::WorkerDeleteRunRequest& req) override;
-  absl::StatusOr<v1::WorkerForwardBackwardResponse> ForwardBackward(
-      const v1::WorkerForwardBackwardRequest& req) override;
-  absl::StatusOr<v1::WorkerForwardBackwardResponse> Forward(const v1::WorkerForwardRequest& req) override;
+  absl::StatusOr<v1::WorkerForwardBackwardResponse> ForwardBackward(const v1::WorkerForwardBackwardRequest& req,
+                                                                    const BatchShard& batch) override;
+  absl::StatusOr<v1::WorkerForwardBackwardResponse> Forward(const v1::WorkerForwardRequest& req,
+                                                            const BatchShard& batch) override;
   absl::StatusOr<v1::WorkerStepResponse> OptimStep(const v1::WorkerOptimStepRequest& req) override;
-  absl::StatusOr<v1::WorkerStepResponse> TrainStep(const v1::WorkerTrainStepRequest& req) override;
+  absl::StatusOr<v1::WorkerStepResponse> TrainStep(const v1::WorkerTrainStepRequest& req,
+                                                   const BatchShard& batch) override;
   absl::StatusOr<v1::WorkerPathResponse> SaveState(const v1::WorkerPathRequest& req) override;
   absl::StatusOr<v1::WorkerPathResponse> LoadState(const v1::WorkerPathRequest& req) override;
   absl::StatusOr<v1::WorkerPathResponse> ExportAdapter(const v1::WorkerPathRequest& req) override;

@@ -5,11 +5,22 @@
 #define LORASTEP_SERVER_WORKER_CLIENT_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "lib/training/batch.h"
 #include "lorastep/v1/worker.pb.h"
 
 namespace lorastep {
+
+// A call's share of a batch the coordinator has parsed and validated: datums[i] for i in
+// indices, in that order. A worker process gets it packed into the request; an in-process
+// worker gets the datums themselves (no packing and parsing again). Empty (datums null):
+// the request carries its datums.
+struct BatchShard {
+  const std::vector<Datum>* datums = nullptr;
+  const std::vector<int>* indices = nullptr;
+};
 
 class WorkerClient {
  public:
@@ -19,10 +30,12 @@ class WorkerClient {
   virtual absl::StatusOr<v1::WorkerCreateRunResponse> CreateRun(const v1::WorkerCreateRunRequest& req) = 0;
   virtual absl::Status DeleteRun(const v1::WorkerDeleteRunRequest& req) = 0;
   virtual absl::StatusOr<v1::WorkerForwardBackwardResponse> ForwardBackward(
-      const v1::WorkerForwardBackwardRequest& req) = 0;
-  virtual absl::StatusOr<v1::WorkerForwardBackwardResponse> Forward(const v1::WorkerForwardRequest& req) = 0;
+      const v1::WorkerForwardBackwardRequest& req, const BatchShard& batch) = 0;
+  virtual absl::StatusOr<v1::WorkerForwardBackwardResponse> Forward(const v1::WorkerForwardRequest& req,
+                                                                     const BatchShard& batch) = 0;
   virtual absl::StatusOr<v1::WorkerStepResponse> OptimStep(const v1::WorkerOptimStepRequest& req) = 0;
-  virtual absl::StatusOr<v1::WorkerStepResponse> TrainStep(const v1::WorkerTrainStepRequest& req) = 0;
+  virtual absl::StatusOr<v1::WorkerStepResponse> TrainStep(const v1::WorkerTrainStepRequest& req,
+                                                           const BatchShard& batch) = 0;
   virtual absl::StatusOr<v1::WorkerPathResponse> SaveState(const v1::WorkerPathRequest& req) = 0;
   virtual absl::StatusOr<v1::WorkerPathResponse> LoadState(const v1::WorkerPathRequest& req) = 0;
   virtual absl::StatusOr<v1::WorkerPathResponse> ExportAdapter(const v1::WorkerPathRequest& req) = 0;

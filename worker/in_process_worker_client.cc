@@ -14,6 +14,28 @@ absl::StatusOr<Response> Answer(WorkerCalls* calls, Method method, const Request
   return resp;
 }
 
+// The same for a batch call: the shard's datums handed over as they are when the shard is
+// the whole batch in order (always at world size 1), else copied out.
+template <typename Response, typename Request, typename Method>
+absl::StatusOr<Response> AnswerBatch(WorkerCalls* calls, Method method, const Request& req, const BatchShard& batch) {
+  Response resp;
+  if (batch.datums == nullptr) {
+    LORASTEP_RETURN_IF_ERROR((calls->*method)(req, &resp, nullptr));
+    return resp;
+  }
+  const std::vector<Datum>& all = *batch.datums;
+  const std::vector<int>& indices = *batch.indices;
+  bool whole = indices.size() == all.size();
+  for (size_t i = 0; whole && i < indices.size(); ++i) whole = indices[i] == static_cast<int>(i);
+  std::vector<Datum> shard;
+  if (!whole) {
+    shard.reserve(indices.size());
+    for (int i : indices) shard.push_back(all[i]);
+  }
+  LORASTEP_RETURN_IF_ERROR((calls->*method)(req, &resp, whole ? &all : &shard));
+  return resp;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<InProcessWorkerClient>> InProcessWorkerClient::Create(const WorkerOptions& options) {
@@ -38,20 +60,22 @@ absl::StatusOr<v1::WorkerCreateRunResponse> InProcessWorkerClient::CreateRun(con
 absl::Status InProcessWorkerClient::DeleteRun(const v1::WorkerDeleteRunRequest& req) { return calls_.DeleteRun(req); }
 
 absl::StatusOr<v1::WorkerForwardBackwardResponse> InProcessWorkerClient::ForwardBackward(
-    const v1::WorkerForwardBackwardRequest& req) {
-  return Answer<v1::WorkerForwardBackwardResponse>(&calls_, &WorkerCalls::ForwardBackward, req);
+    const v1::WorkerForwardBackwardRequest& req, const BatchShard& batch) {
+  return AnswerBatch<v1::WorkerForwardBackwardResponse>(&calls_, &WorkerCalls::ForwardBackward, req, batch);
 }
 
-absl::StatusOr<v1::WorkerForwardBackwardResponse> InProcessWorkerClient::Forward(const v1::WorkerForwardRequest& req) {
-  return Answer<v1::WorkerForwardBackwardResponse>(&calls_, &WorkerCalls::Forward, req);
+absl::StatusOr<v1::WorkerForwardBackwardResponse> InProcessWorkerClient::Forward(const v1::WorkerForwardRequest& req,
+                                                                                 const BatchShard& batch) {
+  return AnswerBatch<v1::WorkerForwardBackwardResponse>(&calls_, &WorkerCalls::Forward, req, batch);
 }
 
 absl::StatusOr<v1::WorkerStepResponse> InProcessWorkerClient::OptimStep(const v1::WorkerOptimStepRequest& req) {
   return Answer<v1::WorkerStepResponse>(&calls_, &WorkerCalls::OptimStep, req);
 }
 
-absl::StatusOr<v1::WorkerStepResponse> InProcessWorkerClient::TrainStep(const v1::WorkerTrainStepRequest& req) {
-  return Answer<v1::WorkerStepResponse>(&calls_, &WorkerCalls::TrainStep, req);
+absl::StatusOr<v1::WorkerStepResponse> InProcessWorkerClient::TrainStep(const v1::WorkerTrainStepRequest& req,
+                                                                         const BatchShard& batch) {
+  return AnswerBatch<v1::WorkerStepResponse>(&calls_, &WorkerCalls::TrainStep, req, batch);
 }
 
 absl::StatusOr<v1::WorkerPathResponse> InProcessWorkerClient::SaveState(const v1::WorkerPathRequest& req) {

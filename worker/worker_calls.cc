@@ -35,6 +35,15 @@ void FillPathResponse(const WorkerCore::PathResult& r, v1::WorkerPathResponse* r
   resp->set_learner_version(r.learner_version);
 }
 
+// `given`, or else the request's datums parsed into `parsed`.
+template <typename Req>
+absl::StatusOr<const std::vector<Datum>*> DatumsOf(const Req& req, const std::vector<Datum>* given,
+                                                   std::vector<Datum>* parsed) {
+  if (given != nullptr) return given;
+  LORASTEP_ASSIGN_OR_RETURN(*parsed, RequestDatums(req.datums(), req.packed_datums()));
+  return parsed;
+}
+
 MeshCallInfo MeshFromProto(const v1::MeshCall& mesh) {
   return MeshCallInfo{mesh.request_id().empty() ? -1 : mesh.expected_learner_version(),
                       mesh.mesh_generation()};
@@ -120,21 +129,24 @@ absl::Status WorkerCalls::DeleteRun(const v1::WorkerDeleteRunRequest& req) {
 }
 
 absl::Status WorkerCalls::ForwardBackward(const v1::WorkerForwardBackwardRequest& req,
-                                          v1::WorkerForwardBackwardResponse* resp) {
+                                          v1::WorkerForwardBackwardResponse* resp, const std::vector<Datum>* given) {
   return Once(req.mesh(), "ForwardBackward", resp, [&]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(req.loss()));
     BatchTotals totals{req.batch_loss_tokens(), req.batch_samples()};
-    LORASTEP_ASSIGN_OR_RETURN(std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
+    std::vector<Datum> parsed;
+    LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum>* datums, DatumsOf(req, given, &parsed));
     LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult r,
-                              core_->ForwardBackward(req.run_id(), datums, loss, totals, MeshFromProto(req.mesh())));
+                              core_->ForwardBackward(req.run_id(), *datums, loss, totals, MeshFromProto(req.mesh())));
     FillForwardResponse(r, resp);
     return absl::OkStatus();
   });
 }
 
-absl::Status WorkerCalls::Forward(const v1::WorkerForwardRequest& req, v1::WorkerForwardBackwardResponse* resp) {
-  LORASTEP_ASSIGN_OR_RETURN(std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
-  LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult r, core_->Forward(req.run_id(), datums, MeshFromProto(req.mesh())));
+absl::Status WorkerCalls::Forward(const v1::WorkerForwardRequest& req, v1::WorkerForwardBackwardResponse* resp,
+                                  const std::vector<Datum>* given) {
+  std::vector<Datum> parsed;
+  LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum>* datums, DatumsOf(req, given, &parsed));
+  LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult r, core_->Forward(req.run_id(), *datums, MeshFromProto(req.mesh())));
   FillForwardResponse(r, resp);
   return absl::OkStatus();
 }
@@ -149,14 +161,16 @@ absl::Status WorkerCalls::OptimStep(const v1::WorkerOptimStepRequest& req, v1::W
   });
 }
 
-absl::Status WorkerCalls::TrainStep(const v1::WorkerTrainStepRequest& req, v1::WorkerStepResponse* resp) {
+absl::Status WorkerCalls::TrainStep(const v1::WorkerTrainStepRequest& req, v1::WorkerStepResponse* resp,
+                                    const std::vector<Datum>* given) {
   return Once(req.mesh(), "TrainStep", resp, [&]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(req.loss()));
     LORASTEP_ASSIGN_OR_RETURN(AdamWParams adamw, AdamWParamsFromProto(req.adamw()));
     BatchTotals totals{req.batch_loss_tokens(), req.batch_samples()};
-    LORASTEP_ASSIGN_OR_RETURN(std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
+    std::vector<Datum> parsed;
+    LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum>* datums, DatumsOf(req, given, &parsed));
     LORASTEP_ASSIGN_OR_RETURN(OptimStepResult r,
-                              core_->TrainStep(req.run_id(), datums, loss, adamw, totals,
+                              core_->TrainStep(req.run_id(), *datums, loss, adamw, totals,
                                                req.max_tokens_per_microbatch(), MeshFromProto(req.mesh())));
     FillStepResponse(r, resp);
     RecordStepMetrics(metrics_, req.run_id(), "train_step", resp->result().metrics(), r.learner_version);

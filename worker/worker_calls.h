@@ -15,6 +15,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "lib/prometheus_registry.h"
@@ -31,11 +32,16 @@ class WorkerCalls {
   void Info(v1::WorkerInfo* resp) const;
   absl::Status CreateRun(const v1::WorkerCreateRunRequest& req, v1::WorkerCreateRunResponse* resp);
   absl::Status DeleteRun(const v1::WorkerDeleteRunRequest& req);
+  // The batch calls take their datums from the request, or, from an in-process caller that
+  // has them parsed already, as `datums` (the request's datum fields are then ignored).
   absl::Status ForwardBackward(const v1::WorkerForwardBackwardRequest& req,
-                               v1::WorkerForwardBackwardResponse* resp);
-  absl::Status Forward(const v1::WorkerForwardRequest& req, v1::WorkerForwardBackwardResponse* resp);
+                               v1::WorkerForwardBackwardResponse* resp,
+                               const std::vector<Datum>* datums = nullptr);
+  absl::Status Forward(const v1::WorkerForwardRequest& req, v1::WorkerForwardBackwardResponse* resp,
+                       const std::vector<Datum>* datums = nullptr);
   absl::Status OptimStep(const v1::WorkerOptimStepRequest& req, v1::WorkerStepResponse* resp);
-  absl::Status TrainStep(const v1::WorkerTrainStepRequest& req, v1::WorkerStepResponse* resp);
+  absl::Status TrainStep(const v1::WorkerTrainStepRequest& req, v1::WorkerStepResponse* resp,
+                         const std::vector<Datum>* datums = nullptr);
   absl::Status SaveState(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp);
   absl::Status LoadState(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp);
   absl::Status ExportAdapter(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp);

@@ -36,7 +36,7 @@ grpc::ServerUnaryReactor* WorkerService::Info(grpc::CallbackServerContext* ctx, 
 #define LORASTEP_WORKER_CALL(Method, Request, Response)                                              \
   grpc::ServerUnaryReactor* WorkerService::Method(grpc::CallbackServerContext* ctx, const Request* req, \
                                                   Response* resp) {                                  \
-    return Defer(ctx, [this, req, resp] { return calls_.Method(*req, resp); });                     \
+    return Defer(ctx, [this, req, resp] { return calls_.Method(*req, resp); });                      \
   }
 #define LORASTEP_WORKER_CALL_NO_RESPONSE(Method, Request, Response)                                  \
   grpc::ServerUnaryReactor* WorkerService::Method(grpc::CallbackServerContext* ctx, const Request* req, \
