@@ -30,11 +30,11 @@ python3 bench/make_batch.py --vocab "$(vocab /tmp/mg_dense)" --workload fixed --
 python3 bench/make_batch.py --vocab "$(vocab /tmp/mg_tiny_moe)" --workload fixed --out "$TRACES/batch_tiny.json"
 
 COORD_PID=
-start_coord() {  # model-folder log coordinator-flags...; sets PORT
+start_coord() {  # model-folder log coordinator-flags...; sets PORT (plain paths: traces export to /tmp)
   local model=$1 log=$2; shift 2
   rm -f /tmp/mg_port
   "$COORD" --model "$model" --device "$DEVICE" --port 0 --port_file /tmp/mg_port --worker_binary "$WORKER" \
-    --collective_timeout_s 30 ${EXTRA_COORD_FLAGS:-} "$@" 2> "$log" &
+    --collective_timeout_s 30 --allow_plain_paths ${EXTRA_COORD_FLAGS:-} "$@" 2> "$log" &
   COORD_PID=$!
   for _ in $(seq 1800); do [ -s /tmp/mg_port ] && break; kill -0 $COORD_PID 2>/dev/null || break; sleep 0.1; done
   [ -s /tmp/mg_port ] || { echo "coordinator did not start: $*"; tail -20 "$log"; return 1; }

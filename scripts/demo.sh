@@ -12,7 +12,8 @@ bazel build //server:lorastep_coordinator //worker:lorastep_worker //tools:loras
 WORK=${WORKDIR:-/tmp/lorastep-demo}
 rm -rf "$WORK" && mkdir -p "$WORK"
 ./bazel-bin/tools/lorastep_genmodel --preset small --seed 1 --out "$WORK/model"
-./bazel-bin/server/lorastep_coordinator --model "$WORK/model" --port 0 \
+# Checkpoints and exports live in the server's state store, named lorastep://<run>/<name>.
+./bazel-bin/server/lorastep_coordinator --model "$WORK/model" --port 0 --state_dir "$WORK/state" \
   --port_file "$WORK/port" 2> "$WORK/server.log" &
 PID=$!
 trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
@@ -21,7 +22,7 @@ ADDRESS=127.0.0.1:$(cat "$WORK/port")
 echo "coordinator + local worker serving on $ADDRESS"
 PYTHONPATH="$PWD/clients/python:$PWD/bazel-bin/clients/python" /usr/bin/python3 \
   clients/python/examples/grpo_loop.py --address "$ADDRESS" --vocab 512 --steps "${STEPS:-8}" \
-  --export "$WORK/adapter"
+  --export "lorastep://run-1/adapter"
 echo
 echo "step metrics kept by the coordinator (lorastep metrics):"
 ./bazel-bin/clients/cli/lorastep --address "$ADDRESS" metrics --run run-1 \

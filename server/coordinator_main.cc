@@ -9,7 +9,8 @@
 //                        [--tp T --pp P --dp D] [--collective_timeout_s S] [--peer_failure_grace_s G]
 //                        [--worker_call_timeout_s 3600] [--rendezvous_port 29500]
 //                        [--state_dir DIR: checkpoints and exports as lorastep://<run>/<name>
-//                        references under DIR, passed to local workers]
+//                        references under DIR, passed to local workers; default
+//                        ~/.local/state/lorastep] [--allow_plain_paths: no store, absolute paths]
 //                        [--metrics_port P [--metrics_host 127.0.0.1] [--metrics_allow_remote]
 //                        [--metrics_port_file F]: Prometheus text format at GET /metrics]
 //                        [--worker_metrics_port_base B: local worker r serves its own on B + r]
@@ -39,6 +40,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "lib/io/state_store.h"
 #include "lib/parallel/parallel_layout.h"
 #include "rpc/metrics_http_server.h"
 #include "server/api_keys.h"
@@ -79,7 +81,12 @@ ABSL_FLAG(std::optional<int>, peer_failure_grace_s, std::nullopt,
           "seconds the other ranks of a failed mesh call may still take (default: collective timeout + 30)");
 ABSL_FLAG(int, worker_call_timeout_s, 3600, "deadline of one call to a worker");
 ABSL_FLAG(int, rendezvous_port, 29500, "TCPStore port rank 0 serves when workers join by registration");
-ABSL_FLAG(std::string, state_dir, "", "state store root (checkpoints and exports as lorastep://<run>/<name>), passed to local workers");
+ABSL_FLAG(std::string, state_dir, "",
+          "state store root (checkpoints and exports as lorastep://<run>/<name>), passed to local workers "
+          "(default: $XDG_STATE_HOME/lorastep, else ~/.local/state/lorastep; an explicit one also turns on the journal)");
+ABSL_FLAG(bool, allow_plain_paths, false,
+          "local workers keep no state store: path fields are absolute paths on their file system (trusted "
+          "clients only)");
 ABSL_FLAG(std::optional<double>, state_ttl_hours, std::nullopt, "local workers: remove lorastep's state-store folders older than this");
 ABSL_FLAG(std::optional<int>, worker_metrics_port_base, std::nullopt, "local worker r serves Prometheus metrics on this + r");
 ABSL_FLAG(std::string, api_keys_file, "", "lines \"KEY OWNER [admin]\"; calls then need a key and see only their owner's runs");
@@ -122,7 +129,7 @@ namespace {
 // --in_process_worker: the local worker's options from this coordinator's flags (the ones
 // it would pass to a lorastep_worker process), then the worker itself. Flags about a
 // worker process or port are refused rather than ignored.
-absl::StatusOr<std::unique_ptr<lorastep::WorkerClient>> StartInProcessWorker(int world) {
+absl::StatusOr<std::unique_ptr<lorastep::WorkerClient>> StartInProcessWorker(int world, const std::string& state_dir) {
   using namespace lorastep;
   for (const auto& [set, flag] : std::vector<std::pair<bool, const char*>>{
            {world != 1, "tp/pp/dp/ep (a mesh's ranks are processes)"},
@@ -143,7 +150,7 @@ absl::StatusOr<std::unique_ptr<lorastep::WorkerClient>> StartInProcessWorker(int
   if (auto n = absl::GetFlag(FLAGS_max_tokens_per_microbatch)) options.max_tokens_per_microbatch = *n;
   options.grad.fused_wgrad = !absl::GetFlag(FLAGS_unfused_wgrad);
   options.pack_sequences = absl::GetFlag(FLAGS_pack_sequences);
-  options.state_dir = absl::GetFlag(FLAGS_state_dir);
+  options.state_dir = state_dir;
   if (const auto mb = absl::GetFlag(FLAGS_max_activation_mb)) options.max_activation_bytes = ActivationBytesFromMb(*mb);
   ProfileFromEnvironment(&options);
   if (const int threads = absl::GetFlag(FLAGS_cpu_threads); threads > 0) at::set_num_threads(threads);
@@ -223,6 +230,11 @@ int main(int argc, char** argv) {
   options.peer_failure_grace = std::chrono::seconds(absl::GetFlag(FLAGS_peer_failure_grace_s).value_or(
       absl::GetFlag(FLAGS_collective_timeout_s).value_or(120) + 30));
   const int worker_call_timeout = absl::GetFlag(FLAGS_worker_call_timeout_s);
+  // The local workers' state store: --state_dir, the default root, or none with
+  // --allow_plain_paths.
+  auto state_dir_or = ServerStateDir(absl::GetFlag(FLAGS_state_dir), absl::GetFlag(FLAGS_allow_plain_paths));
+  if (!state_dir_or.ok()) return fail(state_dir_or.status());
+  const std::string state_dir = *state_dir_or;
   // --journal_dir: runs, their request records and histories survive a restart.
   std::optional<RunJournal> journal;
   std::string journal_dir = absl::GetFlag(FLAGS_journal_dir);
@@ -235,7 +247,7 @@ int main(int argc, char** argv) {
     // cannot be brought back (its ranks would have to re-form their process groups).
     const bool registered = absl::GetFlag(FLAGS_wait_for_workers);
     if ((registered && world > 1) || absl::GetFlag(FLAGS_autosave_every_steps) < 1 ||
-        (absl::GetFlag(FLAGS_workers).empty() && !registered && absl::GetFlag(FLAGS_state_dir).empty())) {
+        (absl::GetFlag(FLAGS_workers).empty() && !registered && state_dir.empty())) {
       return fail(absl::InvalidArgumentError(
           "journal_dir: needs --state_dir (where the local workers autosave runs), --workers or "
           "--wait_for_workers (workers started with their own --state_dir), --autosave_every_steps >= 1, "
@@ -289,23 +301,28 @@ int main(int argc, char** argv) {
   std::unique_ptr<WorkerClient> in_process;
   std::optional<StatePruner> in_process_pruner;  // --state_ttl_hours, as a worker process would run it
   if (absl::GetFlag(FLAGS_in_process_worker)) {
-    auto created = StartInProcessWorker(world);
+    auto created = StartInProcessWorker(world, state_dir);
     if (!created.ok()) return fail(created.status());
     in_process = std::move(created).value();
     if (const auto ttl = absl::GetFlag(FLAGS_state_ttl_hours)) {
-      if (!(*ttl > 0) || absl::GetFlag(FLAGS_state_dir).empty()) {
+      if (!(*ttl > 0) || state_dir.empty()) {
         return fail(absl::InvalidArgumentError(absl::StrCat(
-            "state_ttl_hours: '", *ttl, "' must be a positive number of hours, with --state_dir")));
+            "state_ttl_hours: '", *ttl, "' must be a positive number of hours, with a state store (not --allow_plain_paths)")));
       }
-      in_process_pruner.emplace(absl::GetFlag(FLAGS_state_dir), static_cast<int64_t>(*ttl * 3600));
+      in_process_pruner.emplace(state_dir, static_cast<int64_t>(*ttl * 3600));
     }
   } else if (absl::GetFlag(FLAGS_workers).empty() && !absl::GetFlag(FLAGS_wait_for_workers)) {
     std::vector<std::string> args = {"--model", absl::GetFlag(FLAGS_model)};
     std::vector<std::string> passed = WorkerTestFlagNames();
-    passed.insert(passed.end(), {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "state_dir", "v",
+    passed.insert(passed.end(), {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "v",
                                  "state_ttl_hours", "worker_token_file", "max_activation_mb", "unfused_wgrad",
                                  "pack_sequences", "cpu_threads"});
     for (std::string& arg : NonDefaultFlagArgs(passed)) args.push_back(std::move(arg));
+    if (state_dir.empty()) {
+      args.push_back("--allow_plain_paths");
+    } else {
+      args.insert(args.end(), {"--state_dir", state_dir});
+    }
     if (!absl::GetFlag(FLAGS_worker_tls_cert_file).empty()) {
       args.insert(args.end(), {"--tls_cert_file", absl::GetFlag(FLAGS_worker_tls_cert_file), "--tls_key_file",
                                absl::GetFlag(FLAGS_worker_tls_key_file)});

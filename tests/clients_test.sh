@@ -7,7 +7,7 @@ TMP="${TEST_TMPDIR:-$(mktemp -d)}"
 "$R/tools/lorastep_genmodel" --preset tiny --out "$TMP/model" >/dev/null
 
 "$R/server/lorastep_coordinator" --model "$TMP/model" --port 0 --port_file "$TMP/port" \
-  --worker_binary "$R/worker/lorastep_worker" &
+  --worker_binary "$R/worker/lorastep_worker" --allow_plain_paths &
 PID=$!
 trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
 for _ in $(seq 600); do [ -s "$TMP/port" ] && break; sleep 0.1; done

@@ -2,8 +2,10 @@
 
 #include <dirent.h>
 #include <sys/time.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <ctime>
 
 #include "lib/io/checkpoint_dir.h"
@@ -156,7 +158,7 @@ TEST(StateStoreTest, ReferencesStayUnderTheRootAndOnlyLorastepFoldersAreListedOr
               StatusIs(absl::StatusCode::kInvalidArgument, "run_id: only letters"));
   EXPECT_THAT(ResolveRequestPath(&store, "/etc", "path"), StatusIs(absl::StatusCode::kInvalidArgument, "reference"));
   EXPECT_THAT(ResolveRequestPath(nullptr, "lorastep://r/n", "path"),
-              StatusIs(absl::StatusCode::kInvalidArgument, "--state_dir"));
+              StatusIs(absl::StatusCode::kInvalidArgument, "--allow_plain_paths"));
   EXPECT_EQ(ResolveRequestPath(nullptr, "/some/where", "path").value(), "/some/where");
   EXPECT_EQ(ResolveRequestPath(nullptr, "/some/where/", "path").value(), "/some/where/");
   // Without a store, a plain path must name its folder plainly: absolute, no "." or ".."
@@ -189,6 +191,29 @@ TEST(StateStoreTest, ReferencesStayUnderTheRootAndOnlyLorastepFoldersAreListedOr
   ASSERT_OK(store.Delete("run-1", "step-10"));
   EXPECT_FALSE(PathExists(ck));
   EXPECT_TRUE(store.List("run-1").value().empty());
+}
+
+// The root a server keeps its state under: --state_dir, else $XDG_STATE_HOME/lorastep,
+// else ~/.local/state/lorastep, else /tmp/lorastep-state-<uid>; none only with
+// --allow_plain_paths, which together with a --state_dir is refused naming the flag.
+TEST(StateStoreTest, ServerStateDirDefaultsToAStoreAndPlainPathsAreAnOptIn) {
+  const char* xdg = std::getenv("XDG_STATE_HOME");
+  const char* home = std::getenv("HOME");
+  const std::string saved_xdg = xdg != nullptr ? xdg : "", saved_home = home != nullptr ? home : "";
+  ASSERT_EQ(setenv("XDG_STATE_HOME", "/srv/state", 1), 0);
+  EXPECT_EQ(DefaultStateDir(), "/srv/state/lorastep");
+  ASSERT_EQ(setenv("XDG_STATE_HOME", "relative", 1), 0);  // not absolute: ignored
+  ASSERT_EQ(setenv("HOME", "/home/u", 1), 0);
+  EXPECT_EQ(DefaultStateDir(), "/home/u/.local/state/lorastep");
+  ASSERT_EQ(unsetenv("XDG_STATE_HOME"), 0);
+  ASSERT_EQ(unsetenv("HOME"), 0);
+  EXPECT_EQ(DefaultStateDir(), "/tmp/lorastep-state-" + std::to_string(getuid()));
+  EXPECT_EQ(ServerStateDir("", false).value(), DefaultStateDir());
+  EXPECT_EQ(ServerStateDir("/data/store", false).value(), "/data/store");
+  EXPECT_EQ(ServerStateDir("", true).value(), "");
+  EXPECT_THAT(ServerStateDir("/data/store", true), StatusIs(absl::StatusCode::kInvalidArgument, "allow_plain_paths"));
+  if (!saved_xdg.empty()) setenv("XDG_STATE_HOME", saved_xdg.c_str(), 1);
+  if (!saved_home.empty()) setenv("HOME", saved_home.c_str(), 1);
 }
 
 }  // namespace

@@ -108,8 +108,10 @@ class MeshTest : public ::testing::Test {
     return !OnCuda() || world <= (gpus != nullptr ? std::atoi(gpus) : 1);
   }
   static Coordinator Start(std::vector<std::string> extra, const std::string& model = "model") {
+    // Plain paths: the checkpoints below move between meshes as folders.
     std::vector<std::string> args = {"--model", *dir_ + "/" + model, "--worker_binary",
-                                     TestBinary("worker/lorastep_worker"), "--collective_timeout_s", "60"};
+                                     TestBinary("worker/lorastep_worker"), "--collective_timeout_s", "60",
+                                     "--allow_plain_paths"};
     if (OnCuda()) args.insert(args.end(), {"--device", "cuda"});
     args.insert(args.end(), extra.begin(), extra.end());
     auto server = ChildServer::Start(TestBinary("server/lorastep_coordinator"), args, 120);
@@ -436,7 +438,8 @@ TEST_F(MeshTest, WorkersJoiningByRegistrationGetRanksAndTrain) {
   Coordinator mesh;
   mesh.server = std::make_unique<ChildServer>(std::move(server).value());
   const std::vector<std::string> worker = {"--model", *dir_ + "/model", "--register_with",
-                                           mesh.server->address(), "--collective_timeout_s", "60"};
+                                           mesh.server->address(), "--collective_timeout_s", "60",
+                                           "--allow_plain_paths"};
   auto workers = ChildServer::StartAll(TestBinary("worker/lorastep_worker"), {worker, worker}, 120);
   ASSERT_TRUE(workers.ok()) << workers.status();
   auto client = TrainerClient::Connect(mesh.server->address());

@@ -110,9 +110,10 @@ class ServiceTest : public ::testing::Test {
     dir_ = new std::string(ScratchDir("service"));
     ModelConfig c = ModelConfigPreset("tiny").value();
     ASSERT_OK(SaveModel(*dir_ + "/model", c, RandomModelWeights(c, 1)));
+    // Plain paths: this suite checks their rules (the default is a state store).
     auto server = ChildServer::Start(Binary("server/lorastep_coordinator"),
                                      {"--model", *dir_ + "/model", "--worker_binary",
-                                      Binary("worker/lorastep_worker")},
+                                      Binary("worker/lorastep_worker"), "--allow_plain_paths"},
                                      120);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = new ChildServer(std::move(server).value());
@@ -513,17 +514,17 @@ TEST_F(ServiceTest, BadCallBetweenGoodCallsChangesNothing) {
   EXPECT_EQ(state.next_sequence_id(), 3);  // the failed calls consumed no sequence id
 }
 
-// Without --state_dir, references are refused (plain paths keep working) and the store's
-// calls say what is missing.
+// With --allow_plain_paths (no state store), references are refused and the store's calls
+// say why.
 TEST_F(ServiceTest, StateStoreCallsNeedAStateDir) {
   RunSession run = NewRun();
   v1::SaveStateRequest req;
   req.set_run_id(run.run_id());
   req.set_path("lorastep://" + run.run_id() + "/x");
-  EXPECT_THAT(client_->SaveState(req), StatusIs(absl::StatusCode::kInvalidArgument, "--state_dir"));
+  EXPECT_THAT(client_->SaveState(req), StatusIs(absl::StatusCode::kInvalidArgument, "--allow_plain_paths"));
   v1::ListCheckpointsRequest list;
   list.set_run_id(run.run_id());
-  EXPECT_THAT(client_->ListCheckpoints(list), StatusIs(absl::StatusCode::kFailedPrecondition, "--state_dir"));
+  EXPECT_THAT(client_->ListCheckpoints(list), StatusIs(absl::StatusCode::kFailedPrecondition, "--allow_plain_paths"));
 }
 
 TEST_F(ServiceTest, EveryValidationErrorNamesTheField) {
@@ -683,7 +684,7 @@ TEST_F(ServiceTest, SaveLoadExportAndMetricsThroughTheApi) {
   EXPECT_TRUE(PathExists(exp.path() + "/adapter_config.json"));
   ASSERT_OK_AND_ASSIGN(SafetensorsFile f, SafetensorsFile::Open(exp.path() + "/adapter_model.safetensors"));
   EXPECT_EQ(f.entries().size(), 2u * 7 * 2);
-  // Plain paths (no --state_dir) must be absolute, without "." or ".." components: each is
+  // Plain paths (--allow_plain_paths) must be absolute, without "." or ".." components: each is
   // refused naming the field, and nothing changes (the run keeps its state).
   exp.set_path("peft-relative");
   EXPECT_THAT(client_->ExportAdapter(exp), StatusIs(absl::StatusCode::kInvalidArgument, "path: 'peft-relative' is relative"));
@@ -814,6 +815,38 @@ TEST(StateStoreServiceTest, ReferencesListAndDeleteUnderTheServersRoot) {
   EXPECT_EQ(listed.checkpoints_size(), 2);
 }
 
+// Issue 8: a coordinator started without --state_dir keeps its state in the default root
+// ($XDG_STATE_HOME/lorastep here). A plain path is refused naming the field, and no folder
+// is made for it (the defect: any path was written, missing parents created); a reference
+// lands under the root. --allow_plain_paths together with --state_dir is refused at start.
+TEST(StateStoreServiceTest, DefaultRootRefusesPlainPaths) {
+  const std::string scratch = ScratchDir("default_root");
+  ASSERT_EQ(setenv("XDG_STATE_HOME", (scratch + "/xdg").c_str(), 1), 0);
+  auto server = StartTinyCoordinator("default_root_model");
+  ASSERT_EQ(unsetenv("XDG_STATE_HOME"), 0);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server->address()));
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 1, "gamma"));
+  ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
+  v1::SaveStateRequest save;
+  save.set_run_id("gamma");
+  save.set_path(scratch + "/new/parent/ckpt");
+  EXPECT_THAT(client->SaveState(save), StatusIs(absl::StatusCode::kInvalidArgument, "path: must be a lorastep://"));
+  EXPECT_FALSE(PathExists(scratch + "/new"));
+  v1::ExportAdapterRequest exp;
+  exp.set_run_id("gamma");
+  exp.set_path(scratch + "/peft");
+  EXPECT_THAT(client->ExportAdapter(exp), StatusIs(absl::StatusCode::kInvalidArgument, "path: must be a lorastep://"));
+  EXPECT_THAT(run.LoadState(scratch + "/new"), StatusIs(absl::StatusCode::kInvalidArgument, "path: must be a lorastep://"));
+  save.set_path("lorastep://gamma/step-1");
+  ASSERT_OK(client->SaveState(save).status());
+  EXPECT_TRUE(PathExists(scratch + "/xdg/lorastep/runs/gamma/step-1/trainer_state.json"));
+  ASSERT_OK_AND_ASSIGN(v1::Run got, client->GetRun("gamma"));
+  EXPECT_EQ(got.learner_version(), 1);
+  auto both = StartTinyCoordinator("default_root_both", {"--allow_plain_paths", "--state_dir", scratch + "/s"});
+  EXPECT_FALSE(both.ok()) << "--allow_plain_paths with --state_dir is refused";
+}
+
 // --max_activation_mb reaches the worker: a micro-batch over it is RESOURCE_EXHAUSTED
 // through the API before any work, and the run is unchanged.
 TEST(BoundsTest, ActivationBudgetRefusesAnOversizedMicroBatch) {
@@ -904,8 +937,8 @@ TEST(BoundsTest, StateStoreTtlRemovesExpiredFolders) {
   }
   EXPECT_TRUE(gone) << old << " outlived its TTL";
   EXPECT_TRUE(PathExists(root + "/runs/old-run/fresh"));
-  auto refused = StartTinyCoordinator("ttl_nostore", {"--state_ttl_hours", "24"});
-  EXPECT_FALSE(refused.ok()) << "a TTL without --state_dir is refused";
+  auto refused = StartTinyCoordinator("ttl_nostore", {"--allow_plain_paths", "--state_ttl_hours", "24"});
+  EXPECT_FALSE(refused.ok()) << "a TTL without a state store is refused";
 }
 
 // Bounded queues: a run with --max_queued_per_run calls in flight refuses the next one at
@@ -1142,8 +1175,8 @@ TEST(ProcessTest, KilledCoordinatorRestartsItsRunsFromTheJournal) {
   ASSERT_OK(client->DeleteRun(run_id));
   EXPECT_FALSE(PathExists(dir + "/journal/" + run_id));
   // A journal without a state store for the autosaves is refused at start.
-  auto refused = StartTinyCoordinator("journal_nostore", {"--journal_dir", dir + "/journal2"});
-  EXPECT_FALSE(refused.ok()) << "--journal_dir without --state_dir is refused";
+  auto refused = StartTinyCoordinator("journal_nostore", {"--allow_plain_paths", "--journal_dir", dir + "/journal2"});
+  EXPECT_FALSE(refused.ok()) << "--journal_dir without a state store is refused";
 }
 
 // Full fine-tuning runs (rank 0) autosave the whole model and its optimizer, so every

@@ -205,7 +205,7 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::ExportAdapter(const std::stri
 
 absl::StatusOr<const StateStore*> WorkerCore::Store() const {
   if (store_ == nullptr) {
-    return absl::FailedPreconditionError("this server has no state store (start it with --state_dir)");
+    return absl::FailedPreconditionError("this server has no state store (it was started with --allow_plain_paths)");
   }
   return store_.get();
 }

@@ -4,8 +4,9 @@
 //                   [--port 0] [--port_file F] [--max_tokens_per_microbatch N] [--unfused_wgrad]
 //                   [--register_with COORDINATOR_HOST:PORT [--register_every_s 5]] [--advertise_host H]
 //                   [--rank R --tp T --pp P --dp D --rendezvous HOST:PORT]
-//                   [--collective_timeout_s S] [--state_dir DIR (path fields are then
-//                   lorastep://<run>/<name> references under DIR)] [--state_ttl_hours H]
+//                   [--collective_timeout_s S] [--state_dir DIR (path fields are
+//                   lorastep://<run>/<name> references under DIR; default ~/.local/state/lorastep)]
+//                   [--allow_plain_paths (no store: absolute paths)] [--state_ttl_hours H]
 //                   [--max_activation_mb M]
 #include <ATen/Parallel.h>
 #include <grpcpp/grpcpp.h>
@@ -56,7 +57,11 @@ ABSL_FLAG(int, dp, 1, "data-parallel size of the mesh");
 ABSL_FLAG(int, ep, 1, "expert-parallel size of the mesh");
 ABSL_FLAG(std::string, rendezvous, "", "host:port of the TCPStore rank 0 serves");
 ABSL_FLAG(std::optional<int>, collective_timeout_s, std::nullopt, "seconds a collective may take (default 120)");
-ABSL_FLAG(std::string, state_dir, "", "state store root: path fields are then lorastep://<run>/<name> references under it");
+ABSL_FLAG(std::string, state_dir, "",
+          "state store root: path fields are lorastep://<run>/<name> references under it (default: "
+          "$XDG_STATE_HOME/lorastep, else ~/.local/state/lorastep)");
+ABSL_FLAG(bool, allow_plain_paths, false,
+          "no state store: path fields are absolute paths on this worker's file system (trusted clients only)");
 ABSL_FLAG(std::optional<double>, state_ttl_hours, std::nullopt, "remove lorastep's state-store folders older than this");
 ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt,
           "MiB one micro-batch's activations may take (0: 80% of free host memory on CPU; -1: off)");
@@ -157,7 +162,12 @@ int main(int argc, char** argv) {
   if (auto n = absl::GetFlag(FLAGS_max_tokens_per_microbatch)) options.max_tokens_per_microbatch = *n;
   options.grad.fused_wgrad = !absl::GetFlag(FLAGS_unfused_wgrad);
   options.pack_sequences = absl::GetFlag(FLAGS_pack_sequences);
-  options.state_dir = absl::GetFlag(FLAGS_state_dir);
+  auto state_dir = ServerStateDir(absl::GetFlag(FLAGS_state_dir), absl::GetFlag(FLAGS_allow_plain_paths));
+  if (!state_dir.ok()) {
+    LORASTEP_LOG(Error) << "lorastep_worker: " << state_dir.status();
+    return 2;
+  }
+  options.state_dir = *state_dir;
   // MiB one micro-batch's activations may take (estimated before running; over it the call is
   // RESOURCE_EXHAUSTED). 0 (default): 80% of the available host memory on CPU; -1: off.
   if (const auto mb = absl::GetFlag(FLAGS_max_activation_mb)) options.max_activation_bytes = ActivationBytesFromMb(*mb);
@@ -238,7 +248,7 @@ int main(int argc, char** argv) {
     ttl_hours = *ttl;
     if (!(ttl_hours > 0) || options.state_dir.empty()) {
       LORASTEP_LOG(Error) << "lorastep_worker: state_ttl_hours: '" << ttl_hours
-                << "' must be a positive number of hours, with --state_dir";
+                << "' must be a positive number of hours, with a state store (not --allow_plain_paths)";
       return 2;
     }
   }

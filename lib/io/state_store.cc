@@ -2,8 +2,10 @@
 
 #include <dirent.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/match.h"
@@ -14,6 +16,27 @@
 #include "lib/status_macros.h"
 
 namespace lorastep {
+
+std::string DefaultStateDir() {
+  if (const char* xdg = std::getenv("XDG_STATE_HOME"); xdg != nullptr && xdg[0] == '/') {
+    return absl::StrCat(xdg, "/lorastep");
+  }
+  if (const char* home = std::getenv("HOME"); home != nullptr && home[0] == '/' && home[1] != '\0') {
+    return absl::StrCat(home, "/.local/state/lorastep");
+  }
+  return absl::StrCat("/tmp/lorastep-state-", getuid());
+}
+
+absl::StatusOr<std::string> ServerStateDir(const std::string& state_dir_flag, bool allow_plain_paths) {
+  if (allow_plain_paths) {
+    if (!state_dir_flag.empty()) {
+      return absl::InvalidArgumentError(
+          "allow_plain_paths: cannot be combined with --state_dir (plain paths mean no state store)");
+    }
+    return std::string();
+  }
+  return state_dir_flag.empty() ? DefaultStateDir() : state_dir_flag;
+}
 namespace {
 
 // Bytes of the regular files under `path` and the newest modification time.
@@ -71,7 +94,7 @@ std::string StateStore::RunFolder(absl::string_view run) const {
 absl::StatusOr<std::string> StateStore::Resolve(absl::string_view ref, absl::string_view field) const {
   if (!absl::StartsWith(ref, kStateRefScheme)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        field, ": must be a ", kStateRefScheme, "<run>/<name> reference (this server keeps state under its --state_dir)"));
+        field, ": must be a ", kStateRefScheme, "<run>/<name> reference (this server keeps state in its store, --state_dir; plain paths need --allow_plain_paths)"));
   }
   const absl::string_view rest = ref.substr(std::strlen(kStateRefScheme));
   const size_t slash = rest.find('/');
@@ -151,7 +174,7 @@ absl::StatusOr<std::string> ResolveRequestPath(const StateStore* store, const st
   if (store != nullptr) return store->Resolve(path, field);
   if (absl::StartsWith(path, kStateRefScheme)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        field, ": ", kStateRefScheme, " references need a server started with --state_dir"));
+        field, ": ", kStateRefScheme, " references need a state store (this server was started with --allow_plain_paths)"));
   }
   // A plain path names one folder the client means, on the worker's machine: relative paths
   // (resolved against the worker's own working folder) and "." / ".." components (which
@@ -163,7 +186,7 @@ absl::StatusOr<std::string> ResolveRequestPath(const StateStore* store, const st
   if (path.size() > 4096) return absl::InvalidArgumentError(absl::StrCat(field, ": longer than 4096 bytes"));
   if (path[0] != '/') {
     return absl::InvalidArgumentError(absl::StrCat(field, ": '", path, "' is relative; give an absolute path (or a ",
-                                                   kStateRefScheme, "<run>/<name> reference to a server with --state_dir)"));
+                                                   kStateRefScheme, "<run>/<name> reference to a server with a state store)"));
   }
   for (absl::string_view part : absl::StrSplit(path, '/')) {
     if (part == "." || part == "..") {

@@ -23,6 +23,15 @@ inline constexpr size_t kMaxStoreNameBytes = 128;
 // INVALID_ARGUMENT naming `field` otherwise.
 absl::Status ValidateStoreName(absl::string_view name, absl::string_view field);
 
+// Where a server keeps its state store when --state_dir is not given:
+// $XDG_STATE_HOME/lorastep, else $HOME/.local/state/lorastep, else /tmp/lorastep-state-<uid>.
+std::string DefaultStateDir();
+// The state store root a server runs with, from its --state_dir and --allow_plain_paths
+// flags: the given root, DefaultStateDir() when none is given, or "" (no store: path fields
+// are plain absolute paths, for trusted clients only) with --allow_plain_paths, which is
+// INVALID_ARGUMENT together with a --state_dir.
+absl::StatusOr<std::string> ServerStateDir(const std::string& state_dir_flag, bool allow_plain_paths);
+
 struct StoredFolder {
   std::string name;
   std::string ref;  // lorastep://<run>/<name>
