@@ -4,11 +4,14 @@
 // with the benchmark's batch (64 x 512 tokens, 0.5B vocabulary) as repeated Datum messages
 // and as packed_datums. Prints the median round trip over TCP loopback and over a Unix
 // socket; --idle_ms sleeps between calls, as a training step leaves the service idle (cold
-// threads and caches cost more than back-to-back calls).
-//   bazel run //bench:hop_cost -- [--calls 200] [--idle_ms 0]
+// threads and caches cost more than back-to-back calls). --timeline splits the packed TCP
+// round trip (client and server share one clock here): delivering the request up to the
+// handler, the hand-off to the executor, and the answer from Finish back to the caller.
+//   bazel run //bench:hop_cost -- [--calls 200] [--idle_ms 0] [--timeline]
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <thread>
@@ -25,34 +28,78 @@
 
 ABSL_FLAG(int, calls, 200, "timed calls per transport (after 20 warm-up calls)");
 ABSL_FLAG(int, idle_ms, 0, "sleep between calls, as a training step leaves the service idle");
+ABSL_FLAG(bool, timeline, false, "split the packed TCP round trip into request, hand-off and answer");
+ABSL_FLAG(std::vector<std::string>, server_args, {},
+          "integer gRPC channel arguments for the server, name=value,... (e.g. grpc.experimental.tcp_read_chunk_size=1048576)");
 
 namespace lorastep {
 namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// When the last call reached the handler, started on the executor, and called Finish.
+struct ServerTimes {
+  std::atomic<int64_t> handler_ns{0}, task_ns{0}, finish_ns{0};
+};
+
+int64_t NowNs() { return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count(); }
 
 // Answers TrainStep from its executor thread, as the real worker does, with nothing done.
 class EchoWorker final : public v1::Worker::CallbackService {
  public:
   grpc::ServerUnaryReactor* TrainStep(grpc::CallbackServerContext* ctx, const v1::WorkerTrainStepRequest* req,
                                       v1::WorkerStepResponse* resp) override {
+    times_.handler_ns = NowNs();
     grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-    executor_.Submit([reactor, req, resp] {
+    executor_.Submit([this, reactor, req, resp] {
+      times_.task_ns = NowNs();
       resp->mutable_result()->set_learner_version(req->datums_size());
+      times_.finish_ns = NowNs();
       reactor->Finish(grpc::Status::OK);
     });
     return reactor;
   }
+  const ServerTimes& times() const { return times_; }
 
  private:
+  ServerTimes times_;
   SerialExecutor executor_;
 };
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// The packed round trip in three parts, medians over `calls` after 20 warm-up calls.
+void PrintTimeline(GrpcWorkerClient& client, const EchoWorker& server, const v1::WorkerTrainStepRequest& req,
+                   int calls) {
+  std::vector<double> deliver, handoff, answer, total;
+  for (int i = 0; i < calls + 20; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(absl::GetFlag(FLAGS_idle_ms)));
+    const int64_t t0 = NowNs();
+    auto r = client.TrainStep(req, BatchShard{});
+    const int64_t t1 = NowNs();
+    if (!r.ok()) std::exit(1);
+    if (i < 20) continue;
+    const ServerTimes& s = server.times();
+    deliver.push_back((s.handler_ns - t0) / 1e6);
+    handoff.push_back((s.task_ns - s.handler_ns) / 1e6);
+    answer.push_back((t1 - s.finish_ns) / 1e6);
+    total.push_back((t1 - t0) / 1e6);
+  }
+  std::printf("timeline (tcp packed, idle %d ms, %zu server args): request to handler %.3f ms, hand-off %.3f ms, "
+              "Finish to caller %.3f ms, round trip %.3f ms\n",
+              absl::GetFlag(FLAGS_idle_ms), absl::GetFlag(FLAGS_server_args).size(), Median(deliver), Median(handoff), Median(answer), Median(total));
+}
 
 double MedianMs(GrpcWorkerClient& client, const v1::WorkerTrainStepRequest& req, int calls) {
   std::vector<double> ms;
   for (int i = 0; i < calls + 20; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(absl::GetFlag(FLAGS_idle_ms)));
-    auto t0 = std::chrono::steady_clock::now();
+    auto t0 = Clock::now();
     auto r = client.TrainStep(req, BatchShard{});  // the datums travel in `req`
-    const double d = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double d = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     if (!r.ok()) {
       std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
       std::exit(1);
@@ -81,6 +128,11 @@ int main(int argc, char** argv) {
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
   builder.AddListeningPort("unix:" + socket, grpc::InsecureServerCredentials());
   builder.SetMaxReceiveMessageSize(1 << 30);
+  for (const std::string& arg : absl::GetFlag(FLAGS_server_args)) {
+    const size_t eq = arg.find('=');
+    if (eq == std::string::npos) return 2;
+    builder.AddChannelArgument(arg.substr(0, eq), std::stoi(arg.substr(eq + 1)));
+  }
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   const int calls = absl::GetFlag(FLAGS_calls);
@@ -92,6 +144,12 @@ int main(int argc, char** argv) {
   const std::vector<v1::Datum> datums(req.datums().begin(), req.datums().end());
   if (!PackDatums(datums, packed.mutable_packed_datums())) return 1;
   std::printf("packed request bytes %zu\n", packed.ByteSizeLong());
+  if (absl::GetFlag(FLAGS_timeline)) {
+    PrintTimeline(tcp, service, packed, calls);
+    server->Shutdown();
+    unlink(socket.c_str());
+    return 0;
+  }
   // Alternated, so drift on the machine falls on all.
   for (int round = 0; round < 2; ++round) {
     std::printf("round %d: tcp datums %.3f ms, tcp packed %.3f ms, unix datums %.3f ms, unix packed %.3f ms\n", round,
