@@ -497,7 +497,8 @@ absl::Status Coordinator::CheckAccess(const std::string& run_id, const Caller& c
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, const std::string& owner) {
+absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, const std::string& owner,
+                                                const std::string& id_prefix) {
   LORASTEP_RETURN_IF_ERROR(RequireRequestId(req.request_id()));
   LORASTEP_ASSIGN_OR_RETURN(LoraConfig lora, LoraConfigFromProto(req.lora()));
   LORASTEP_RETURN_IF_ERROR(ValidateLoraConfig(lora));
@@ -546,15 +547,18 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, 
                                                        " runs, the limit per API key; DeleteRun one first"));
     }
   }
-  std::string run_id = req.run_id();
-  if (run_id.empty()) {
+  std::string run_id = id_prefix + req.run_id();
+  if (req.run_id().empty()) {
     do {
-      run_id = absl::StrCat("run-", next_run_number_++);
+      run_id = absl::StrCat(id_prefix, "run-", next_run_number_++);
     } while (runs_.count(run_id) || creating_ids_.count(run_id));
-  } else if (absl::Status named = ValidateStoreName(run_id, "run_id"); !named.ok()) {
+  } else if (absl::Status named = ValidateStoreName(req.run_id(), "run_id"); !named.ok()) {
     return named;  // run ids name state-store folders: the same rules
+  } else if (run_id.size() > kMaxStoreNameBytes) {  // the owner's prefix counts too
+    return absl::InvalidArgumentError(absl::StrCat("run_id: at most ", kMaxStoreNameBytes - id_prefix.size(),
+                                                   " bytes with API keys"));
   } else if (runs_.count(run_id) || creating_ids_.count(run_id)) {
-    return absl::AlreadyExistsError(absl::StrCat("run_id: '", run_id, "' exists"));
+    return absl::AlreadyExistsError(absl::StrCat("run_id: '", req.run_id(), "' exists"));
   }
   auto state = std::make_shared<RunState>();
   LORASTEP_ASSIGN_OR_RETURN(state->ranks, PlaceRun());

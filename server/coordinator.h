@@ -117,7 +117,10 @@ class Coordinator {
   absl::StatusOr<MeshAssignment> AssignRank(const std::string& host);
 
   // `owner`: the caller's identity (its API key's owner; empty without authentication).
-  absl::StatusOr<v1::Run> CreateRun(const v1::CreateRunRequest& req, const std::string& owner = "");
+  // `id_prefix`: put before the run id the client chose or the one assigned (the owner's
+  // namespace, server/run_names.h); ids are otherwise checked and kept as they are.
+  absl::StatusOr<v1::Run> CreateRun(const v1::CreateRunRequest& req, const std::string& owner = "",
+                                    const std::string& id_prefix = "");
   // NOT_FOUND unless the run exists and is the caller's (an admin reaches every run).
   absl::Status CheckAccess(const std::string& run_id, const Caller& caller);
   absl::StatusOr<v1::Run> GetRun(const std::string& run_id);

@@ -74,13 +74,19 @@ class CoordinatorService final : public v1::Trainer::CallbackService {
       grpc::CallbackServerContext* ctx, const v1::WatchMetricsRequest* req) override;
 
  private:
-  // Runs `call` (returning absl::StatusOr<Resp>) on the run's executor and finishes with it.
-  // After authentication (and, when `run_scoped`, the caller's access to the run).
+  // Runs `call(caller, server run id)` (returning absl::StatusOr<Resp>) on the run's
+  // executor and finishes with it. After authentication (and, when `run_scoped`, the
+  // caller's access to the run).
   template <typename Resp, typename Call>
   grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, const std::string& run_id,
                                   Resp* resp, Call call, bool run_scoped = true);
   absl::StatusOr<Caller> Authenticate(grpc::CallbackServerContext* ctx) const;
-  absl::StatusOr<Caller> Authorize(grpc::CallbackServerContext* ctx, const std::string& run_id);
+  // Authenticates, translates the run id the caller names into the server's
+  // (`server_id`, run_names.h) and checks the caller's access to that run.
+  absl::StatusOr<Caller> Authorize(grpc::CallbackServerContext* ctx, const std::string& run_id,
+                                   std::string* server_id);
+  // NOT_FOUND naming `client_id` unless `caller` may use run `server_id`.
+  absl::Status CheckRunAccess(const std::string& client_id, const std::string& server_id, const Caller& caller);
   grpc::ServerUnaryReactor* Refuse(grpc::CallbackServerContext* ctx, const absl::Status& why);
   absl::Status CheckPathAccess(const char* field, const std::string& path, const Caller& caller);
 

@@ -4,6 +4,7 @@ owner sees and calls only its own runs (another owner's run is NOT_FOUND, like a
 one) and state references; an admin key sees every run with its owner; raw paths are refused
 for non-admins; a bad keys file and an unauthenticated non-loopback host are refused at start.
   auth_test.py COORDINATOR WORKER GENMODEL CLI TMPDIR   (PYTHONPATH holds the client)"""
+import hashlib
 import os
 import subprocess
 import sys
@@ -73,7 +74,7 @@ def main():
 
     port_file = os.path.join(tmp, "port")
     proc = subprocess.Popen([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
-                             "--port_file", port_file, "--api_keys_file", keys_file, "--max_runs_per_key", "2",
+                             "--port_file", port_file, "--api_keys_file", keys_file, "--max_runs_per_key", "3",
                              "--state_dir", os.path.join(tmp, "state")])
     try:
         for _ in range(600):
@@ -95,7 +96,10 @@ def main():
         check([r.run_id for r in alice.list_runs()] == [a_run.run_id], "alice lists only her run")
         check([r.run_id for r in bob.list_runs()] == [b_run.run_id], "bob lists only his")
         owners = {r.run_id: r.owner for r in ops.list_runs()}
-        check(owners == {a_run.run_id: "alice", b_run.run_id: "bob"}, f"the admin lists both with owners {owners}")
+        # An admin sees other owners' runs by the server's ids: the owner's tag, then theirs.
+        server_id = lambda owner, run_id: "k" + hashlib.sha256(owner.encode()).hexdigest()[:10] + "." + run_id
+        check(owners == {server_id("alice", a_run.run_id): "alice", server_id("bob", b_run.run_id): "bob"},
+              f"the admin lists both with owners {owners}")
 
         stolen = bob.attach  # GetRun
         refused(lambda: stolen(a_run.run_id), "NOT_FOUND", f"no run '{a_run.run_id}'", "bob cannot get alice's run")
@@ -115,11 +119,34 @@ def main():
                 f"path: no run '{a_run.run_id}'", "bob cannot load alice's checkpoint")
         refused(lambda: bob.create_run(rank=4, alpha=8, init_from=f"lorastep://{a_run.run_id}/ck"), "NOT_FOUND",
                 "init_from: no run", "bob cannot start from alice's checkpoint")
-        check(ops.attach(a_run.run_id).run_id == a_run.run_id, "the admin reaches alice's run")
+        check(ops.attach(server_id("alice", a_run.run_id)).run_id == server_id("alice", a_run.run_id),
+              "the admin reaches alice's run by its server id")
+        refused(lambda: ops.attach(a_run.run_id), "NOT_FOUND", "no run",
+                "the admin's own ids are its own: alice's id names no run of the admin")
         check(alice.get_run(a_run.run_id).learner_version == 1, "alice's run is untouched")
-        alice.create_run(rank=4, alpha=8, seed=3)  # her second: the limit is 2 per key
+        # Run ids are per owner: the same id chosen by two keys names two runs, and neither
+        # learns the other's exists (the second used to be refused as ALREADY_EXISTS).
+        a_shared = alice.create_run(rank=4, alpha=8, seed=11, run_id="shared")
+        b_shared = bob.create_run(rank=4, alpha=8, seed=12, run_id="shared")
+        check(a_shared.run_id == "shared" and b_shared.run_id == "shared", "both keys get the id they chose")
+        b_shared.train_step([datum(i) for i in range(4)], adamw={"lr": 1e-3})
+        check(alice.get_run("shared").learner_version == 0 and alice.get_run("shared").owner == "alice" and
+              bob.get_run("shared").learner_version == 1, "two runs: bob's step did not touch alice's")
+        check(b_shared.save("lorastep://shared/ck") == 1, "bob saves to his run's reference")
+        b_refs = [c.ref for c in b_shared.checkpoints()]  # with the journal's autosave
+        check("lorastep://shared/ck" in b_refs and all(r.startswith("lorastep://shared/") for r in b_refs),
+              f"his checkpoints are listed by his references: {b_refs}")
+        a_refs = [c.ref for c in a_shared.checkpoints()]
+        check("lorastep://shared/ck" not in a_refs, f"alice's run of the same id has none of his: {a_refs}")
+        refused(lambda: a_shared.load("lorastep://shared/ck"), "NOT_FOUND", "",
+                "alice's reference names her own run's (missing) checkpoint, not bob's")
+        check(b_shared.export("lorastep://shared/peft").path == "lorastep://shared/peft",
+              "the export's path comes back as bob named it")
+        refused(lambda: alice.create_run(rank=4, alpha=8, seed=13, run_id="shared"), "ALREADY_EXISTS",
+                "run_id: 'shared' exists", "an owner's own id is still taken")
+        alice.create_run(rank=4, alpha=8, seed=3)  # her third: the limit is 3 per key
         refused(lambda: alice.create_run(rank=4, alpha=8, seed=4), "RESOURCE_EXHAUSTED",
-                "max_runs_per_key: 'alice' holds 2 runs", "a key's runs are capped (--max_runs_per_key)")
+                "max_runs_per_key: 'alice' holds 3 runs", "a key's runs are capped (--max_runs_per_key)")
         check(bob.create_run(rank=4, alpha=8, seed=5).run_id, "another key still creates runs")
 
         env = dict(os.environ, LORASTEP_API_KEY=KEYS["alice"])
