@@ -7,7 +7,8 @@
 # STEPS, SEQS, LEN, EXPERT_LORA, BATCH_FILE (bench/make_batch.py), MODE (train|forward),
 # PACKED (true: datums as packed_datums, the client's default; false: repeated Datum),
 # COORD_FLAGS (extra coordinator flags, e.g. --max_tokens_per_microbatch N for Forward),
-# IN_PROCESS_WORKER (true: the coordinator holds its worker in process, --in_process_worker).
+# IN_PROCESS_WORKER (true: lorastep_coordinator_with_worker --in_process_worker, the worker in
+# the coordinator's process; BIN_DIR must hold that binary too).
 set -euo pipefail
 BIN=$1 PRESET=$2 DEVICE=$3 DTYPE=$4 OUT=$5 KEY=$6
 find_bin() { for p in "$BIN/$1" "$BIN/server/$1" "$BIN/worker/$1" "$BIN/tools/$1" "$BIN/bench/$1"; do
@@ -19,9 +20,10 @@ trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true; [ -n "${SERVER_LOG:-
 MODEL=${MODEL_DIR:-$WORK/model}  # MODEL_DIR: an already generated model of PRESET/DTYPE
 [ -n "${MODEL_DIR:-}" ] || "$(find_bin lorastep_genmodel)" --preset "$PRESET" --dtype "$DTYPE" --seed 1 --out "$MODEL" >/dev/null
 VOCAB=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['vocab_size'])" "$MODEL/config.json")
-if [ "${IN_PROCESS_WORKER:-false}" = true ]; then WORKER_FLAGS=--in_process_worker
+COORDINATOR=lorastep_coordinator
+if [ "${IN_PROCESS_WORKER:-false}" = true ]; then COORDINATOR=lorastep_coordinator_with_worker WORKER_FLAGS=--in_process_worker
 else WORKER_FLAGS="--worker_binary $(find_bin lorastep_worker)"; fi
-"$(find_bin lorastep_coordinator)" --model "$MODEL" --device "$DEVICE" --port 0 \
+"$(find_bin $COORDINATOR)" --model "$MODEL" --device "$DEVICE" --port 0 \
   --port_file "$WORK/port" $WORKER_FLAGS ${COORD_FLAGS:-} 2> "$WORK/server.log" &
 PID=$!
 for _ in $(seq 1200); do [ -s "$WORK/port" ] && break; sleep 0.1; done

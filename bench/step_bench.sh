@@ -41,8 +41,9 @@ for spec in ${STEP_NOFOLD:-}; do
   IFS=: read -r mode w rank mt <<< "$spec"
   LORASTEP_FOLD_LORA_B=0 NAME_SUFFIX=_nofold run_ours "$mode" "$w" "$rank" "$mt"
 done
-# STEP_IN_PROCESS: rows with the worker in the coordinator's process (--in_process_worker),
-# files *_inproc.json. IN_PROCESS_WORKER=true in the environment runs every row that way.
+# STEP_IN_PROCESS: rows with the worker in the coordinator's process
+# (lorastep_coordinator_with_worker --in_process_worker; build that target too), files
+# *_inproc.json. IN_PROCESS_WORKER=true in the environment runs every row that way.
 for spec in ${STEP_IN_PROCESS:-}; do
   IFS=: read -r mode w rank mt <<< "$spec"
   IN_PROCESS_WORKER=true NAME_SUFFIX=_inproc run_ours "$mode" "$w" "$rank" "$mt"

@@ -27,8 +27,6 @@
 // With --tp/--pp/--dp (default 1) it starts tp*pp*dp local workers, rank r on cuda:r (or a
 // CPU process each), forming one mesh; with --workers the listed workers must be the ranks
 // of such a mesh (started with matching --rank/--tp/--pp/--dp/--rendezvous).
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <memory>
 #include <mutex>
@@ -50,7 +48,7 @@
 #include "server/registry_service.h"
 #include "server/run_journal.h"
 #include "server/child_server.h"
-#include "worker/in_process_worker_client.h"
+#include "server/in_process_worker_start.h"
 #include "worker/state_pruner.h"
 #include "lib/flags_util.h"
 #include "lib/log.h"
@@ -126,10 +124,10 @@ ABSL_FLAG(int, autosave_every_steps, 1, "with --journal_dir: save a run's worker
 
 namespace {
 
-// --in_process_worker: the local worker's options from this coordinator's flags (the ones
-// it would pass to a lorastep_worker process), then the worker itself. Flags about a
-// worker process or port are refused rather than ignored.
-absl::StatusOr<std::unique_ptr<lorastep::WorkerClient>> StartInProcessWorker(int world, const std::string& state_dir) {
+// --in_process_worker: the local worker's settings from this coordinator's flags (the ones
+// it would pass to a lorastep_worker process), then the worker itself (this binary's
+// StartInProcessWorker). Flags about a worker process or port are refused rather than ignored.
+absl::StatusOr<std::unique_ptr<lorastep::WorkerClient>> StartLocalWorkerInProcess(int world, const std::string& state_dir) {
   using namespace lorastep;
   for (const auto& [set, flag] : std::vector<std::pair<bool, const char*>>{
            {world != 1, "tp/pp/dp/ep (a mesh's ranks are processes)"},
@@ -143,18 +141,17 @@ absl::StatusOr<std::unique_ptr<lorastep::WorkerClient>> StartInProcessWorker(int
           absl::StrCat("in_process_worker: cannot be combined with --", flag, " (it has no worker process)"));
     }
   }
-  WorkerOptions options;
-  options.model_path = absl::GetFlag(FLAGS_model);
-  options.device = absl::GetFlag(FLAGS_device);
-  options.dtype = absl::GetFlag(FLAGS_dtype);
-  if (auto n = absl::GetFlag(FLAGS_max_tokens_per_microbatch)) options.max_tokens_per_microbatch = *n;
-  options.grad.fused_wgrad = !absl::GetFlag(FLAGS_unfused_wgrad);
-  options.pack_sequences = absl::GetFlag(FLAGS_pack_sequences);
-  options.state_dir = state_dir;
-  if (const auto mb = absl::GetFlag(FLAGS_max_activation_mb)) options.max_activation_bytes = ActivationBytesFromMb(*mb);
-  ProfileFromEnvironment(&options);
-  if (const int threads = absl::GetFlag(FLAGS_cpu_threads); threads > 0) at::set_num_threads(threads);
-  return InProcessWorkerClient::Create(options);
+  InProcessWorkerSettings settings;
+  settings.model = absl::GetFlag(FLAGS_model);
+  settings.device = absl::GetFlag(FLAGS_device);
+  settings.dtype = absl::GetFlag(FLAGS_dtype);
+  settings.state_dir = state_dir;
+  settings.max_tokens_per_microbatch = absl::GetFlag(FLAGS_max_tokens_per_microbatch);
+  settings.unfused_wgrad = absl::GetFlag(FLAGS_unfused_wgrad);
+  settings.pack_sequences = absl::GetFlag(FLAGS_pack_sequences);
+  settings.max_activation_mb = absl::GetFlag(FLAGS_max_activation_mb);
+  settings.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  return lorastep::StartInProcessWorker(settings);
 }
 
 }  // namespace
@@ -301,7 +298,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<WorkerClient> in_process;
   std::optional<StatePruner> in_process_pruner;  // --state_ttl_hours, as a worker process would run it
   if (absl::GetFlag(FLAGS_in_process_worker)) {
-    auto created = StartInProcessWorker(world, state_dir);
+    auto created = StartLocalWorkerInProcess(world, state_dir);
     if (!created.ok()) return fail(created.status());
     in_process = std::move(created).value();
     if (const auto ttl = absl::GetFlag(FLAGS_state_ttl_hours)) {

@@ -1008,14 +1008,15 @@ TEST(ProcessTest, KilledCoordinatorTakesItsWorkerDown) {
   EXPECT_TRUE(gone) << "worker " << worker << " outlived its coordinator";
 }
 
-// Issue 9: --in_process_worker holds the worker in the coordinator's process (no child
-// process, no second gRPC hop) and answers every call as a worker process does: bitwise the
+// Issue 9: lorastep_coordinator_with_worker --in_process_worker holds the worker in the
+// coordinator's process (no child process, no second gRPC hop) and answers every call as a worker process does: bitwise the
 // same steps, log-probs and split steps, a retried request applied once, checkpoints
 // through the state store, and runs brought back from the journal after a SIGKILL. Flags
 // that need a worker process are refused at start, naming the flag.
 TEST(InProcessWorkerTest, AnswersLikeTheWorkerProcess) {
   ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("in_process"));
   const std::string coordinator = Binary("server/lorastep_coordinator");
+  const std::string with_worker = Binary("server/lorastep_coordinator_with_worker");
   ASSERT_OK_AND_ASSIGN(ChildServer process,
                        ChildServer::Start(coordinator,
                                           {"--model", dir + "/model", "--worker_binary",
@@ -1023,7 +1024,7 @@ TEST(InProcessWorkerTest, AnswersLikeTheWorkerProcess) {
                                           120));
   const std::vector<std::string> in_process_args = {"--model", dir + "/model", "--in_process_worker",
                                                     "--state_dir", dir + "/store_i"};
-  auto in_process = std::make_unique<ChildServer>(ChildServer::Start(coordinator, in_process_args, 120).value());
+  auto in_process = std::make_unique<ChildServer>(ChildServer::Start(with_worker, in_process_args, 120).value());
   const std::string children = absl::StrCat("pgrep -P ", in_process->pid(), " > /dev/null");
   EXPECT_NE(system(children.c_str()), 0) << "--in_process_worker started a child process";
   ASSERT_OK_AND_ASSIGN(auto pc, TrainerClient::Connect(process.address()));
@@ -1074,7 +1075,7 @@ TEST(InProcessWorkerTest, AnswersLikeTheWorkerProcess) {
   // SIGKILL: the journal (on by default with --state_dir) brings the run back.
   ASSERT_EQ(kill(in_process->pid(), SIGKILL), 0);
   in_process.reset();
-  ASSERT_OK_AND_ASSIGN(ChildServer restarted, ChildServer::Start(coordinator, in_process_args, 120));
+  ASSERT_OK_AND_ASSIGN(ChildServer restarted, ChildServer::Start(with_worker, in_process_args, 120));
   ASSERT_OK_AND_ASSIGN(auto rc, TrainerClient::Connect(restarted.address()));
   ASSERT_OK_AND_ASSIGN(v1::Run back, rc->GetRun("same"));
   EXPECT_EQ(back.learner_version(), 5);
@@ -1084,13 +1085,18 @@ TEST(InProcessWorkerTest, AnswersLikeTheWorkerProcess) {
   for (const std::vector<std::string>& extra :
        {std::vector<std::string>{"--tp", "2"}, {"--worker_metrics_port_base", "9100"},
         {"--worker_binary", Binary("worker/lorastep_worker")}}) {
-    std::string cmd = coordinator + " --model " + dir + "/model --in_process_worker --port 0";
+    std::string cmd = with_worker + " --model " + dir + "/model --in_process_worker --port 0";
     for (const std::string& a : extra) cmd += " " + a;
     cmd += " 2> " + dir + "/refused.txt";
     EXPECT_NE(system(cmd.c_str()), 0) << cmd;
     ASSERT_OK_AND_ASSIGN(std::string err, ReadFileToString(dir + "/refused.txt"));
     EXPECT_THAT(err, ::testing::HasSubstr("in_process_worker: cannot be combined with " + extra[0])) << err;
   }
+  // The LibTorch-free lorastep_coordinator has no worker inside, and says which binary has.
+  const std::string cmd = coordinator + " --model " + dir + "/model --in_process_worker --port 0 2> " + dir + "/nw.txt";
+  EXPECT_NE(system(cmd.c_str()), 0);
+  ASSERT_OK_AND_ASSIGN(std::string err, ReadFileToString(dir + "/nw.txt"));
+  EXPECT_THAT(err, ::testing::HasSubstr("run lorastep_coordinator_with_worker")) << err;
 }
 
 // Issue 8: a coordinator killed with SIGKILL (its local worker dies with it) and started
