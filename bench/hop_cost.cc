@@ -130,7 +130,10 @@ int main(int argc, char** argv) {
   builder.SetMaxReceiveMessageSize(1 << 30);
   for (const std::string& arg : absl::GetFlag(FLAGS_server_args)) {
     const size_t eq = arg.find('=');
-    if (eq == std::string::npos) return 2;
+    if (eq == std::string::npos) {
+      std::fprintf(stderr, "server_args: '%s' is not name=value\n", arg.c_str());
+      return 2;
+    }
     builder.AddChannelArgument(arg.substr(0, eq), std::stoi(arg.substr(eq + 1)));
   }
   builder.RegisterService(&service);

@@ -49,7 +49,7 @@
 #include "server/run_journal.h"
 #include "server/child_server.h"
 #include "server/in_process_worker_start.h"
-#include "worker/state_pruner.h"
+#include "lib/io/state_pruner.h"
 #include "lib/flags_util.h"
 #include "lib/log.h"
 #include "lib/status_macros.h"

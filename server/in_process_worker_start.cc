@@ -2,7 +2,7 @@
 
 #include <ATen/Parallel.h>
 
-#include "worker/in_process_worker_client.h"
+#include "server/in_process_worker_client.h"
 #include "worker/worker_core.h"
 
 namespace lorastep {

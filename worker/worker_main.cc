@@ -35,7 +35,7 @@
 #include "rpc/server_flags.h"
 #include "rpc/server_runner.h"
 #include "worker/worker_core.h"
-#include "worker/state_pruner.h"
+#include "lib/io/state_pruner.h"
 #include "worker/worker_service.h"
 
 ABSL_FLAG(std::string, model, "", "Hugging Face model folder (config.json + safetensors); required");

@@ -1,4 +1,4 @@
-#include "worker/in_process_worker_client.h"
+#include "server/in_process_worker_client.h"
 
 #include "absl/strings/str_cat.h"
 #include "lib/status_macros.h"

@@ -4,8 +4,8 @@
 // a 0.22 s step on the H200 host). One device, world size 1 only: the ranks of a mesh are
 // processes. The price: a worker crash takes the coordinator with it, so the process
 // worker, which the coordinator restarts, stays the default.
-#ifndef LORASTEP_WORKER_IN_PROCESS_WORKER_CLIENT_H_
-#define LORASTEP_WORKER_IN_PROCESS_WORKER_CLIENT_H_
+#ifndef LORASTEP_SERVER_IN_PROCESS_WORKER_CLIENT_H_
+#define LORASTEP_SERVER_IN_PROCESS_WORKER_CLIENT_H_
 
 #include <memory>
 #include <string>
@@ -53,4 +53,4 @@ class InProcessWorkerClient final : public WorkerClient {
 
 }  // namespace lorastep
 
-#endif  // LORASTEP_WORKER_IN_PROCESS_WORKER_CLIENT_H_
+#endif  // LORASTEP_SERVER_IN_PROCESS_WORKER_CLIENT_H_

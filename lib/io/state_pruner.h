@@ -1,8 +1,8 @@
 // --state_ttl_hours: a thread that removes lorastep's state-store folders older than the
 // TTL, checking every tenth of it (1 s to 10 min). One per store (rank 0's worker, or the
 // coordinator's in-process worker). Stops when destroyed.
-#ifndef LORASTEP_WORKER_STATE_PRUNER_H_
-#define LORASTEP_WORKER_STATE_PRUNER_H_
+#ifndef LORASTEP_LIB_IO_STATE_PRUNER_H_
+#define LORASTEP_LIB_IO_STATE_PRUNER_H_
 
 #include <condition_variable>
 #include <cstdint>
@@ -32,4 +32,4 @@ class StatePruner {
 
 }  // namespace lorastep
 
-#endif  // LORASTEP_WORKER_STATE_PRUNER_H_
+#endif  // LORASTEP_LIB_IO_STATE_PRUNER_H_

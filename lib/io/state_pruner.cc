@@ -1,4 +1,4 @@
-#include "worker/state_pruner.h"
+#include "lib/io/state_pruner.h"
 
 #include <algorithm>
 #include <chrono>
