@@ -39,6 +39,8 @@ class InProcessWorkerClient final : public WorkerClient {
   absl::StatusOr<v1::WorkerPathResponse> ExportAdapter(const v1::WorkerPathRequest& req) override;
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& req) override;
   absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) override;
+  // Its trainer validates with the coordinator's limits (and the model's max positions).
+  bool ValidatesBatchesAsCoordinator() const override { return true; }
   // Does nothing: a call runs on its caller's thread and cannot be abandoned. The
   // coordinator cancels only the ranks of a mesh whose peer failed, and an in-process
   // worker is never in a mesh.

@@ -41,6 +41,9 @@ class WorkerClient {
   virtual absl::StatusOr<v1::WorkerPathResponse> ExportAdapter(const v1::WorkerPathRequest& req) = 0;
   virtual absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& req) = 0;
   virtual absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) = 0;
+  // True when the worker checks a batch with this coordinator's own limits before any work
+  // and returns the same errors (an in-process worker): alone on a run, it validates alone.
+  virtual bool ValidatesBatchesAsCoordinator() const { return false; }
   // Makes every call in flight on this client return CANCELLED now (the coordinator gives
   // up on a rank that does not answer after a peer failed).
   virtual void CancelInFlight() = 0;

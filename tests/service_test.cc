@@ -17,6 +17,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "clients/cpp/trainer_client.h"
 #include "lorastep/v1/worker.grpc.pb.h"
@@ -527,14 +528,15 @@ TEST_F(ServiceTest, StateStoreCallsNeedAStateDir) {
   EXPECT_THAT(client_->ListCheckpoints(list), StatusIs(absl::StatusCode::kFailedPrecondition, "--allow_plain_paths"));
 }
 
-TEST_F(ServiceTest, EveryValidationErrorNamesTheField) {
-  RunSession run = NewRun();
-  struct Case {
-    const char* what;
-    std::function<void(v1::TrainStepRequest*)> mutate;
-    const char* message;
-  };
-  const std::vector<Case> cases = {
+// Bad TrainStep requests and the message each must be refused with (INVALID_ARGUMENT).
+struct ValidationCase {
+  const char* what;
+  std::function<void(v1::TrainStepRequest*)> mutate;
+  const char* message;
+};
+
+std::vector<ValidationCase> ValidationCases() {
+  return {
       {"token out of vocab", [](auto* r) { r->mutable_datums(2)->set_tokens(1, 96); },
        "datums[2].tokens[1]: id 96 outside [0, 96)"},
       {"negative target", [](auto* r) { r->mutable_datums(0)->set_target_tokens(0, -1); },
@@ -584,16 +586,25 @@ TEST_F(ServiceTest, EveryValidationErrorNamesTheField) {
       {"packed missing logprobs", [](auto* r) { for (auto& d : *r->mutable_datums()) d.clear_logprobs(); ASSERT_TRUE(ToPacked(r)); },
        "datums[0].logprobs: required"},
   };
-  for (const Case& c : cases) {
-    v1::TrainStepRequest req;
-    req.set_run_id(run.run_id());
-    req.set_request_id(std::string("v-") + c.what);
-    req.set_sequence_id(1);
-    for (const auto& d : Batch(0)) *req.add_datums() = d;
-    *req.mutable_loss() = Ppo();
-    *req.mutable_adamw() = Adam();
-    c.mutate(&req);
-    EXPECT_THAT(client_->TrainStep(req), StatusIs(absl::StatusCode::kInvalidArgument, c.message))
+}
+
+// A TrainStep request of Batch(0) on `run_id`, changed by `c`.
+v1::TrainStepRequest BadTrainStep(const std::string& run_id, const ValidationCase& c) {
+  v1::TrainStepRequest req;
+  req.set_run_id(run_id);
+  req.set_request_id(std::string("v-") + c.what);
+  req.set_sequence_id(1);
+  for (const auto& d : Batch(0)) *req.add_datums() = d;
+  *req.mutable_loss() = Ppo();
+  *req.mutable_adamw() = Adam();
+  c.mutate(&req);
+  return req;
+}
+
+TEST_F(ServiceTest, EveryValidationErrorNamesTheField) {
+  RunSession run = NewRun();
+  for (const ValidationCase& c : ValidationCases()) {
+    EXPECT_THAT(client_->TrainStep(BadTrainStep(run.run_id(), c)), StatusIs(absl::StatusCode::kInvalidArgument, c.message))
         << c.what;
   }
   ASSERT_OK_AND_ASSIGN(v1::Run state, client_->GetRun(run.run_id()));
@@ -1038,6 +1049,40 @@ TEST(InProcessWorkerTest, AnswersLikeTheWorkerProcess) {
     EXPECT_EQ(a.learner_version(), b.learner_version()) << step;
     EXPECT_EQ(a.metrics().at("loss:sum"), b.metrics().at("loss:sum")) << step;
   }
+  // At world size 1 the in-process worker's trainer validates alone (the coordinator does
+  // not check the batch again): the same refusals, word for word, and nothing applied.
+  for (const ValidationCase& c : ValidationCases()) {
+    v1::TrainStepRequest bad = BadTrainStep("same", c);
+    bad.set_sequence_id(p.next_sequence_id());
+    const absl::Status by_process = pc->TrainStep(bad).status();
+    const absl::Status in_process = ic->TrainStep(bad).status();
+    EXPECT_THAT(in_process, StatusIs(absl::StatusCode::kInvalidArgument, c.message)) << c.what;
+    EXPECT_EQ(in_process, by_process) << c.what;
+    // Cases of the optimizer's fields or the request id make a valid ForwardBackward.
+    if (!absl::StartsWith(c.message, "datums") && !absl::StartsWith(c.message, "packed") &&
+        !absl::StartsWith(c.message, "loss.")) {
+      continue;
+    }
+    v1::ForwardBackwardRequest fb;
+    fb.set_run_id("same");
+    fb.set_request_id(bad.request_id() + "-fb");
+    fb.set_sequence_id(bad.sequence_id());
+    *fb.mutable_datums() = bad.datums();
+    *fb.mutable_packed_datums() = bad.packed_datums();
+    *fb.mutable_loss() = bad.loss();
+    EXPECT_EQ(ic->ForwardBackward(fb).status(), pc->ForwardBackward(fb).status()) << c.what;
+    v1::ForwardRequest fwd;
+    fwd.set_run_id("same");
+    *fwd.mutable_datums() = bad.datums();
+    *fwd.mutable_packed_datums() = bad.packed_datums();
+    EXPECT_EQ(ic->Forward(fwd).status(), pc->Forward(fwd).status()) << c.what;
+  }
+  ASSERT_OK_AND_ASSIGN(v1::Run after_p, pc->GetRun("same"));
+  ASSERT_OK_AND_ASSIGN(v1::Run after_i, ic->GetRun("same"));
+  EXPECT_EQ(after_i.learner_version(), 3);
+  EXPECT_EQ(after_i.learner_version(), after_p.learner_version());
+  EXPECT_EQ(after_i.next_sequence_id(), after_p.next_sequence_id());
+  EXPECT_EQ(after_i.pending_forward_backward(), 0);
   ASSERT_OK_AND_ASSIGN(v1::ForwardBackwardResponse fa, p.ForwardBackward(Batch(3), Ppo()));
   ASSERT_OK_AND_ASSIGN(v1::ForwardBackwardResponse fb, i.ForwardBackward(Batch(3), Ppo()));
   EXPECT_EQ(fa.metrics().at("loss:sum"), fb.metrics().at("loss:sum"));

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <optional>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -42,6 +43,14 @@ absl::StatusOr<const std::vector<Datum>*> DatumsOf(const Req& req, const std::ve
   if (given != nullptr) return given;
   LORASTEP_ASSIGN_OR_RETURN(*parsed, RequestDatums(req.datums(), req.packed_datums()));
   return parsed;
+}
+
+// The whole batch's denominators when the call carries part of it; none: the call's datums
+// are the whole batch, and the trainer counts them after validating them.
+template <typename Req>
+std::optional<BatchTotals> WholeBatchTotals(const Req& req) {
+  if (!req.has_batch_loss_tokens() && !req.has_batch_samples()) return std::nullopt;
+  return BatchTotals{req.batch_loss_tokens(), req.batch_samples()};
 }
 
 MeshCallInfo MeshFromProto(const v1::MeshCall& mesh) {
@@ -132,11 +141,12 @@ absl::Status WorkerCalls::ForwardBackward(const v1::WorkerForwardBackwardRequest
                                           v1::WorkerForwardBackwardResponse* resp, const std::vector<Datum>* given) {
   return Once(req.mesh(), "ForwardBackward", resp, [&]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(req.loss()));
-    BatchTotals totals{req.batch_loss_tokens(), req.batch_samples()};
+    const std::optional<BatchTotals> totals = WholeBatchTotals(req);
     std::vector<Datum> parsed;
     LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum>* datums, DatumsOf(req, given, &parsed));
     LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult r,
-                              core_->ForwardBackward(req.run_id(), *datums, loss, totals, MeshFromProto(req.mesh())));
+                              core_->ForwardBackward(req.run_id(), *datums, loss, totals ? &*totals : nullptr,
+                                                     MeshFromProto(req.mesh())));
     FillForwardResponse(r, resp);
     return absl::OkStatus();
   });
@@ -166,11 +176,11 @@ absl::Status WorkerCalls::TrainStep(const v1::WorkerTrainStepRequest& req, v1::W
   return Once(req.mesh(), "TrainStep", resp, [&]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(req.loss()));
     LORASTEP_ASSIGN_OR_RETURN(AdamWParams adamw, AdamWParamsFromProto(req.adamw()));
-    BatchTotals totals{req.batch_loss_tokens(), req.batch_samples()};
+    const std::optional<BatchTotals> totals = WholeBatchTotals(req);
     std::vector<Datum> parsed;
     LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum>* datums, DatumsOf(req, given, &parsed));
     LORASTEP_ASSIGN_OR_RETURN(OptimStepResult r,
-                              core_->TrainStep(req.run_id(), *datums, loss, adamw, totals,
+                              core_->TrainStep(req.run_id(), *datums, loss, adamw, totals ? &*totals : nullptr,
                                                req.max_tokens_per_microbatch(), MeshFromProto(req.mesh())));
     FillStepResponse(r, resp);
     RecordStepMetrics(metrics_, req.run_id(), "train_step", resp->result().metrics(), r.learner_version);

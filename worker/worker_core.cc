@@ -132,12 +132,12 @@ absl::Status WorkerCore::DeleteRun(const std::string& run_id) {
 
 absl::StatusOr<ForwardBackwardResult> WorkerCore::ForwardBackward(
     const std::string& run_id, const std::vector<Datum>& datums, const LossConfig& loss,
-    const BatchTotals& totals,
+    const BatchTotals* totals,
     const MeshCallInfo& mesh) {
   std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
   BatchOptions batch;
-  batch.totals = &totals;
+  batch.totals = totals;
   return t->ForwardBackward(datums, loss, batch);
 }
 
@@ -161,13 +161,13 @@ absl::StatusOr<OptimStepResult> WorkerCore::TrainStep(const std::string& run_id,
                                                       const std::vector<Datum>& datums,
                                                       const LossConfig& loss,
                                                       const AdamWParams& params,
-                                                      const BatchTotals& totals,
+                                                      const BatchTotals* totals,
                                                       int64_t max_tokens,
                                                       const MeshCallInfo& mesh) {
   std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
   BatchOptions batch;
-  batch.totals = &totals;
+  batch.totals = totals;
   batch.max_tokens_per_microbatch = max_tokens;
   return t->TrainStep(datums, loss, params, batch);
 }

@@ -80,7 +80,7 @@ class WorkerCore {
   absl::StatusOr<ForwardBackwardResult> ForwardBackward(const std::string& run_id,
                                                         const std::vector<Datum>& datums,
                                                         const LossConfig& loss,
-                                                        const BatchTotals& totals,
+                                                        const BatchTotals* totals,  // null: of `datums`
                                                         const MeshCallInfo& mesh = {});
   absl::StatusOr<ForwardBackwardResult> Forward(const std::string& run_id,
                                                 const std::vector<Datum>& datums,
@@ -90,7 +90,8 @@ class WorkerCore {
   absl::StatusOr<OptimStepResult> TrainStep(const std::string& run_id,
                                             const std::vector<Datum>& datums,
                                             const LossConfig& loss, const AdamWParams& params,
-                                            const BatchTotals& totals, int64_t max_tokens,
+                                            const BatchTotals* totals,  // null: of `datums`
+                                            int64_t max_tokens,
                                             const MeshCallInfo& mesh = {});
   struct PathResult {
     std::string adapter_sha256;
