@@ -7,7 +7,9 @@
 // threads and caches cost more than back-to-back calls). --timeline splits the packed TCP
 // round trip (client and server share one clock here): delivering the request up to the
 // handler, the hand-off to the executor, and the answer from Finish back to the caller.
-//   bazel run //bench:hop_cost -- [--calls 200] [--idle_ms 0] [--timeline]
+// --step_ms keeps the executor busy per call instead (the client calls again at once), and
+// --executor_spin_us lets it poll for the next call afterwards.
+//   bazel run //bench:hop_cost -- [--calls 200] [--idle_ms 0] [--step_ms 0] [--executor_spin_us 0] [--timeline]
 #include <unistd.h>
 
 #include <algorithm>
@@ -28,6 +30,10 @@
 
 ABSL_FLAG(int, calls, 200, "timed calls per transport (after 20 warm-up calls)");
 ABSL_FLAG(int, idle_ms, 0, "sleep between calls, as a training step leaves the service idle");
+ABSL_FLAG(int, step_ms, 0,
+          "busy the executor this long per call before it answers, as a training step does (the "
+          "client then calls again at once; the gRPC threads idle meanwhile)");
+ABSL_FLAG(int, executor_spin_us, 0, "the executor polls this long for the next call after each (SerialExecutor)");
 ABSL_FLAG(bool, timeline, false, "split the packed TCP round trip into request, hand-off and answer");
 ABSL_FLAG(std::vector<std::string>, server_args, {},
           "integer gRPC channel arguments for the server, name=value,... (e.g. grpc.experimental.tcp_read_chunk_size=1048576)");
@@ -53,6 +59,9 @@ class EchoWorker final : public v1::Worker::CallbackService {
     grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
     executor_.Submit([this, reactor, req, resp] {
       times_.task_ns = NowNs();
+      const int64_t busy_until = times_.task_ns + int64_t{absl::GetFlag(FLAGS_step_ms)} * 1000000;
+      while (NowNs() < busy_until) {
+      }
       resp->mutable_result()->set_learner_version(req->datums_size());
       times_.finish_ns = NowNs();
       reactor->Finish(grpc::Status::OK);
@@ -63,7 +72,7 @@ class EchoWorker final : public v1::Worker::CallbackService {
 
  private:
   ServerTimes times_;
-  SerialExecutor executor_;
+  SerialExecutor executor_{std::chrono::microseconds(absl::GetFlag(FLAGS_executor_spin_us))};
 };
 
 double Median(std::vector<double> v) {
@@ -86,11 +95,12 @@ void PrintTimeline(GrpcWorkerClient& client, const EchoWorker& server, const v1:
     deliver.push_back((s.handler_ns - t0) / 1e6);
     handoff.push_back((s.task_ns - s.handler_ns) / 1e6);
     answer.push_back((t1 - s.finish_ns) / 1e6);
-    total.push_back((t1 - t0) / 1e6);
+    total.push_back((t1 - t0) / 1e6 - absl::GetFlag(FLAGS_step_ms));
   }
-  std::printf("timeline (tcp packed, idle %d ms, %zu server args): request to handler %.3f ms, hand-off %.3f ms, "
-              "Finish to caller %.3f ms, round trip %.3f ms\n",
-              absl::GetFlag(FLAGS_idle_ms), absl::GetFlag(FLAGS_server_args).size(), Median(deliver), Median(handoff), Median(answer), Median(total));
+  std::printf("timeline (tcp packed, idle %d ms, step %d ms, executor spin %d us, %zu server args): request to "
+              "handler %.3f ms, hand-off %.3f ms, Finish to caller %.3f ms, round trip less the step %.3f ms\n",
+              absl::GetFlag(FLAGS_idle_ms), absl::GetFlag(FLAGS_step_ms), absl::GetFlag(FLAGS_executor_spin_us),
+              absl::GetFlag(FLAGS_server_args).size(), Median(deliver), Median(handoff), Median(answer), Median(total));
 }
 
 double MedianMs(GrpcWorkerClient& client, const v1::WorkerTrainStepRequest& req, int calls) {

@@ -4,7 +4,17 @@
 
 namespace lorastep {
 
-SerialExecutor::SerialExecutor() : thread_([this] { Loop(); }) {}
+void SpinForWork(const std::atomic<uint64_t>& submitted, uint64_t seen, std::chrono::microseconds spin) {
+  if (spin.count() <= 0) return;
+  const auto until = std::chrono::steady_clock::now() + spin;
+  while (submitted.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+}
+
+SerialExecutor::SerialExecutor(std::chrono::microseconds spin) : spin_(spin), thread_([this] { Loop(); }) {}
 
 SerialExecutor::~SerialExecutor() {
   {
@@ -19,25 +29,34 @@ void SerialExecutor::Submit(std::function<void()> task) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     tasks_.push_back(std::move(task));
+    submitted_.fetch_add(1, std::memory_order_release);
   }
   cv_.notify_one();
 }
 
 void SerialExecutor::Loop() {
+  bool ran = false;
   for (;;) {
     std::function<void()> task;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      if (ran && tasks_.empty() && !stopping_) {
+        const uint64_t seen = submitted_.load(std::memory_order_relaxed);
+        lock.unlock();
+        SpinForWork(submitted_, seen, spin_);
+        lock.lock();
+      }
       cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
       if (tasks_.empty()) return;  // stopping and drained
       task = std::move(tasks_.front());
       tasks_.pop_front();
     }
     task();
+    ran = true;
   }
 }
 
-KeyedExecutor::KeyedExecutor(size_t threads) {
+KeyedExecutor::KeyedExecutor(size_t threads, std::chrono::microseconds spin) : spin_(spin) {
   for (size_t i = 0; i < std::max<size_t>(1, threads); ++i) threads_.emplace_back([this] { Loop(); });
 }
 
@@ -57,16 +76,24 @@ void KeyedExecutor::Submit(const std::string& key, std::function<void()> task) {
     // A key takes a turn when it gets work and is neither waiting for a turn nor running.
     if (queue.empty() && !running_[key]) turns_.push_back(key);
     queue.push_back(std::move(task));
+    submitted_.fetch_add(1, std::memory_order_release);
   }
   cv_.notify_one();
 }
 
 void KeyedExecutor::Loop() {
+  bool ran = false;
   for (;;) {
     std::string key;
     std::function<void()> task;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      if (ran && turns_.empty() && !stopping_) {
+        const uint64_t seen = submitted_.load(std::memory_order_relaxed);
+        lock.unlock();
+        SpinForWork(submitted_, seen, spin_);
+        lock.lock();
+      }
       cv_.wait(lock, [this] { return stopping_ || !turns_.empty(); });
       if (turns_.empty()) return;  // stopping and drained (running keys requeue themselves)
       key = std::move(turns_.front());
@@ -88,6 +115,7 @@ void KeyedExecutor::Loop() {
         cv_.notify_one();
       }
     }
+    ran = true;
   }
 }
 

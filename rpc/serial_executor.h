@@ -3,7 +3,10 @@
 #ifndef LORASTEP_RPC_SERIAL_EXECUTOR_H_
 #define LORASTEP_RPC_SERIAL_EXECUTOR_H_
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
@@ -15,9 +18,13 @@
 
 namespace lorastep {
 
+// Spinning: after a task, an idle thread polls for the next one for up to `spin` before it
+// sleeps. A client that sends its next call as soon as it has the answer (a training loop)
+// then finds the thread awake: waking a thread that slept through a 0.2 s step cost 0.05-0.3
+// ms on the H200 host. The cost is at most `spin` of one core per task.
 class SerialExecutor {
  public:
-  SerialExecutor();
+  explicit SerialExecutor(std::chrono::microseconds spin = std::chrono::microseconds(0));
   // Runs what is queued, then joins.
   ~SerialExecutor();
   SerialExecutor(const SerialExecutor&) = delete;
@@ -27,6 +34,8 @@ class SerialExecutor {
 
  private:
   void Loop();
+  const std::chrono::microseconds spin_;
+  std::atomic<uint64_t> submitted_{0};
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> tasks_;
@@ -34,12 +43,15 @@ class SerialExecutor {
   std::thread thread_;
 };
 
+// Polls `submitted` until it moves past `seen` or `spin` has passed (see SerialExecutor).
+void SpinForWork(const std::atomic<uint64_t>& submitted, uint64_t seen, std::chrono::microseconds spin);
+
 // Tasks grouped by key (a run id) on a pool of threads: one key's tasks run one at a time in
 // submission order, and keys with work take turns (round robin), so a busy run cannot starve
 // another and runs do not share a fate through a hash of their ids.
 class KeyedExecutor {
  public:
-  explicit KeyedExecutor(size_t threads);
+  explicit KeyedExecutor(size_t threads, std::chrono::microseconds spin = std::chrono::microseconds(0));
   ~KeyedExecutor();  // runs what is queued, then joins
   KeyedExecutor(const KeyedExecutor&) = delete;
   KeyedExecutor& operator=(const KeyedExecutor&) = delete;
@@ -48,6 +60,8 @@ class KeyedExecutor {
 
  private:
   void Loop();
+  const std::chrono::microseconds spin_;
+  std::atomic<uint64_t> submitted_{0};
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::string, std::deque<std::function<void()>>> queued_;  // keys with work

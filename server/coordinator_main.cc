@@ -120,6 +120,9 @@ ABSL_FLAG(bool, journal, true,
           "says where; --nojournal: runs live in memory only");
 ABSL_FLAG(int, autosave_every_full_steps, 50,
           "with a journal: the same for full fine-tuning runs (rank 0: the whole model and its optimizer)");
+ABSL_FLAG(int, executor_spin_us, 0,
+          "after each training call, an executor thread polls this long for the run's next call before it "
+          "sleeps (a training loop sends the next call at once; waking a sleeping thread costs more)");
 ABSL_FLAG(int, autosave_every_steps, 1, "with --journal_dir: save a run's worker state after every N optimizer steps");
 
 namespace {
@@ -168,6 +171,9 @@ int main(int argc, char** argv) {
     LORASTEP_LOG(Error) << "lorastep_coordinator: " << s;
     return 1;
   };
+  if (absl::GetFlag(FLAGS_executor_spin_us) < 0 || absl::GetFlag(FLAGS_executor_spin_us) > 100000) {
+    return fail(absl::InvalidArgumentError("executor_spin_us: must be in [0, 100000]"));
+  }
   // Prometheus: off unless --metrics_port; refused on a non-loopback host without
   // --metrics_allow_remote (checked before any worker starts).
   PrometheusRegistry metrics;
@@ -426,7 +432,8 @@ int main(int argc, char** argv) {
   // workspaces), and on the H200 each new thread's first call took 50-80 ms longer. The
   // device runs one call at a time anyway; runs still take turns on that thread.
   const size_t executors = absl::GetFlag(FLAGS_in_process_worker) ? 1 : 4;
-  CoordinatorService service(&core, executors, &metrics, api_keys ? &*api_keys : nullptr);
+  CoordinatorService service(&core, executors, &metrics, api_keys ? &*api_keys : nullptr,
+                             std::chrono::microseconds(absl::GetFlag(FLAGS_executor_spin_us)));
   service.SetQueueLimits(absl::GetFlag(FLAGS_max_queued_per_run), absl::GetFlag(FLAGS_max_queued));
   RegistryService registry(&core, worker_token, worker_tls);
   int port = 0;

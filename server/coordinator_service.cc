@@ -88,8 +88,8 @@ class MetricsWatchReactor final : public grpc::ServerWriteReactor<v1::StepRecord
 }  // namespace
 
 CoordinatorService::CoordinatorService(Coordinator* core, size_t executors, PrometheusRegistry* metrics,
-                                       const ApiKeys* api_keys)
-    : core_(core), api_keys_(api_keys), metrics_(metrics), executor_(executors) {
+                                       const ApiKeys* api_keys, std::chrono::microseconds executor_spin)
+    : core_(core), api_keys_(api_keys), metrics_(metrics), executor_(executors, executor_spin) {
   if (metrics_ != nullptr) {
     metrics_->Declare("lorastep_queue_depth", PrometheusRegistry::Type::kGauge,
                       "Trainer calls accepted and not yet answered (queued behind their run, or running)");

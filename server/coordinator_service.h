@@ -4,6 +4,7 @@
 #ifndef LORASTEP_SERVER_COORDINATOR_SERVICE_H_
 #define LORASTEP_SERVER_COORDINATOR_SERVICE_H_
 
+#include <chrono>
 #include <memory>
 #include <vector>
 
@@ -23,8 +24,11 @@ class CoordinatorService final : public v1::Trainer::CallbackService {
   // `metrics`: where lorastep_queue_depth (calls accepted and not yet answered) is kept.
   // `api_keys`: null = no authentication (every caller is an admin); else every call must
   // carry a known key, and a caller sees and calls only its own runs (admins: all).
+  // `executor_spin`: how long an executor thread polls for the next call after each
+  // (KeyedExecutor).
   explicit CoordinatorService(Coordinator* core, size_t executors = 4, PrometheusRegistry* metrics = nullptr,
-                              const ApiKeys* api_keys = nullptr);
+                              const ApiKeys* api_keys = nullptr,
+                              std::chrono::microseconds executor_spin = std::chrono::microseconds(0));
   // Bounded queues: calls accepted and not yet answered, per run and in all; beyond them a
   // call is RESOURCE_EXHAUSTED at once, with retry advice (--max_queued_per_run,
   // --max_queued).

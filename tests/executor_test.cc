@@ -1,4 +1,5 @@
 // KeyedExecutor: one key's tasks in order and never two at once; keys with work take turns.
+// Both executors with spinning on.
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -48,6 +49,32 @@ TEST(KeyedExecutorTest, OneKeyNeverRunsTwiceAtOnce) {
   }
   EXPECT_EQ(done, 50);
   EXPECT_LE(most, 2);
+}
+
+// With spinning on, a call that comes while the thread polls, or after it gave up and
+// slept, runs once and in order, and the destructor does not wait out a spin.
+TEST(ExecutorSpinTest, CallsDuringAndAfterTheSpinRunInOrder) {
+  for (const auto spin : {std::chrono::microseconds(0), std::chrono::microseconds(5000)}) {
+    std::mutex mu;
+    std::vector<int> serial, keyed;
+    const auto start = std::chrono::steady_clock::now();
+    {
+      SerialExecutor ex(spin);
+      KeyedExecutor kx(2, spin);
+      for (int i = 0; i < 12; ++i) {
+        ex.Submit([&, i] { std::lock_guard<std::mutex> l(mu); serial.push_back(i); });
+        kx.Submit("run", [&, i] { std::lock_guard<std::mutex> l(mu); keyed.push_back(i); });
+        // Inside the spin (1 ms), after it (8 ms), or at once.
+        std::this_thread::sleep_for(std::chrono::milliseconds(i % 3 == 0 ? 1 : i % 3 == 1 ? 8 : 0));
+      }
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::vector<int> expected(12);
+    for (int i = 0; i < 12; ++i) expected[i] = i;
+    EXPECT_EQ(serial, expected) << spin.count();
+    EXPECT_EQ(keyed, expected) << spin.count();
+    EXPECT_LT(s, 2.0) << spin.count();
+  }
 }
 
 TEST(FairMutexTest, WaitersAreAdmittedInArrivalOrder) {
