@@ -140,12 +140,17 @@ if [[ " $STEPS " == *" service-split "* ]]; then  # where the service overhead g
     MODEL_DIR=/tmp/q05 RANK=32 STEPS=${SPLIT_STEPS:-6} MODE=$m PACKED=$packed BATCH_FILE="$OUT/batch_fixed.json" SERVER_LOG="$OUT/server_$f.log" \
       MACHINE="$MACHINE" VERSIONS="$(tail -1 "$OUT/env.txt")" \
       COORD_FLAGS="--max_tokens_per_microbatch 8192 --v=2 $extra" \
-      bench/service_overhead.sh build-gpu qwen2.5-0.5b cuda bfloat16 "$OUT/$f.json" overhead_fraction > /dev/null 2>&1
+      bench/service_overhead.sh build-gpu qwen2.5-0.5b cuda bfloat16 "$OUT/$f.json" overhead_fraction > /dev/null 2> "$OUT/client_$f.log"
     python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(sys.argv[1],'overhead',round(d['overhead_fraction'],4),'client-worker ms',[round((a-b)*1e3,2) for a,b in zip(d['client_step_s'],d['worker_step_s'])])" "$OUT/$f.json"
     grep -o "component=[a-z]*.*method=[A-Za-z/]*.*duration_ms=[0-9.]*" "$OUT/server_$f.log" | grep -E "Forward|TrainStep" | sed 's/ code=OK//' | tail -4
   done
   done
   done
+fi
+if [[ " $STEPS " == *" hop "* ]]; then  # one gRPC hop without training (bench/hop_cost)
+  step "hop cost: HOP_ARGS variants, ';'-separated"
+  IFS=';' read -ra hop_variants <<< "${HOP_ARGS:---timeline --calls 30 --step_ms 220}"
+  for v in "${hop_variants[@]}"; do build-gpu/hop_cost $v 2>&1 | tail -1; done | tee "$OUT/hop.txt"
 fi
 if [[ " $STEPS " == *" peer "* ]]; then
   step "side by side: transformers + PEFT vs lorastep (0.5B shape, bf16, 64 x 512, micro-batch 8)"
