@@ -9,6 +9,10 @@
 //                    [--batch_file B.json (bench/make_batch.py; else random --seqs x --len)]
 //                    [--mode train|forward (Forward: log-probs only, no gradient)]
 //                    [--packed=false (datums as repeated Datum messages, not packed_datums)]
+#include <iterator>
+#include <sstream>
+#include <malloc.h>
+#include <sys/resource.h>
 #include <algorithm>
 #include <map>
 #include <chrono>
@@ -38,11 +42,38 @@ ABSL_FLAG(std::string, command, "", "the command, recorded in the JSON");
 ABSL_FLAG(std::string, model, "", "the model, recorded in the JSON");
 ABSL_FLAG(std::string, key, "overhead_fraction", "JSON key of the median overhead");
 ABSL_FLAG(std::string, out, "", "write the JSON result here");
+ABSL_FLAG(bool, tune_malloc, false, "keep large buffers in this process's heap, as the servers do (TuneProcessForServing)");
+ABSL_FLAG(int, server_pid, 0, "the coordinator's pid: its minor page faults per step go into the JSON too");
 ABSL_FLAG(bool, packed, true, "send datums as packed_datums (false: repeated Datum messages)");
+
+namespace {
+
+// Minor page faults so far: of this process, or of `pid` (from /proc; -1 when unreadable).
+int64_t MinorFaults(int pid) {
+  if (pid == 0) {
+    struct rusage usage;
+    getrusage(RUSAGE_SELF, &usage);
+    return usage.ru_minflt;
+  }
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const size_t paren = text.rfind(')');  // the command name may hold spaces
+  if (paren == std::string::npos) return -1;
+  std::istringstream fields(text.substr(paren + 2));
+  std::string field;
+  for (int i = 0; i < 8 && fields >> field; ++i) {}  // state ... flags; then minflt (field 10)
+  return fields >> field ? std::stoll(field) : -1;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace lorastep;
   ParseCommandLineOrExit(argc, argv, "service_overhead --address A --vocab V [--seqs 64] [--len 512] [--steps 5] [--out F.json]");
+  if (absl::GetFlag(FLAGS_tune_malloc)) {  // as TuneProcessForServing (rpc/server_runner.cc)
+    mallopt(M_MMAP_THRESHOLD, 32 << 20);
+    mallopt(M_TRIM_THRESHOLD, 256 << 20);
+  }
   const int64_t vocab = absl::GetFlag(FLAGS_vocab);
   const int seqs = absl::GetFlag(FLAGS_seqs), len = absl::GetFlag(FLAGS_len),
             steps = absl::GetFlag(FLAGS_steps);
@@ -73,8 +104,11 @@ int main(int argc, char** argv) {
   v1::AdamWParams adamw;
   adamw.set_lr(1e-5);
   std::vector<double> fractions, client_s, worker_s;
+  std::vector<int64_t> client_faults, server_faults;  // minor page faults per step
+  const int server_pid = absl::GetFlag(FLAGS_server_pid);
   std::map<std::string, double> last_metrics;
   for (int s = 0; s <= steps; ++s) {
+    const int64_t faults0 = MinorFaults(0), server_faults0 = server_pid > 0 ? MinorFaults(server_pid) : -1;
     auto t0 = std::chrono::steady_clock::now();
     google::protobuf::Map<std::string, double> metrics;
     double compute = 0;
@@ -97,6 +131,8 @@ int main(int argc, char** argv) {
     }
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s == 0) continue;  // warm-up: allocator, kernels, caches
+    client_faults.push_back(MinorFaults(0) - faults0);
+    if (server_pid > 0) server_faults.push_back(MinorFaults(server_pid) - server_faults0);
     last_metrics.clear();
     for (const auto& [k, v] : metrics) last_metrics[k] = v;
     client_s.push_back(wall);
@@ -131,6 +167,8 @@ int main(int argc, char** argv) {
   j["worker_step_s"] = worker_s;
   j["last_step_metrics"] = last_metrics;
   j["overhead_fractions"] = fractions;
+  j["client_minor_faults"] = client_faults;
+  if (server_pid > 0) j["server_minor_faults"] = server_faults;
   j["method"] = "median over steps after one warm-up of (client wall - worker time_step_s) / client wall";
   if (!absl::GetFlag(FLAGS_out).empty()) std::ofstream(absl::GetFlag(FLAGS_out)) << j.dump(2) << "\n";
   std::cout << j.dump(2) << "\n";

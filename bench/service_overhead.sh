@@ -7,7 +7,7 @@
 # STEPS, SEQS, LEN, EXPERT_LORA, BATCH_FILE (bench/make_batch.py), MODE (train|forward),
 # PACKED (true: datums as packed_datums, the client's default; false: repeated Datum),
 # COORD_FLAGS (extra coordinator flags, e.g. --max_tokens_per_microbatch N for Forward),
-# IN_PROCESS_WORKER (true: lorastep_coordinator_with_worker --in_process_worker, the worker in
+# CLIENT_FLAGS (extra service_overhead flags), IN_PROCESS_WORKER (true: lorastep_coordinator_with_worker --in_process_worker, the worker in
 # the coordinator's process; BIN_DIR must hold that binary too).
 set -euo pipefail
 BIN=$1 PRESET=$2 DEVICE=$3 DTYPE=$4 OUT=$5 KEY=$6
@@ -31,6 +31,6 @@ for _ in $(seq 1200); do [ -s "$WORK/port" ] && break; sleep 0.1; done
 "$(find_bin service_overhead)" --address "127.0.0.1:$(cat "$WORK/port")" --vocab "$VOCAB" \
   --seqs "${SEQS:-64}" --len "${LEN:-512}" --steps "${STEPS:-5}" --out "$OUT" --key "$KEY" \
   --rank "${RANK:-32}" --max_tokens "${MAX_TOKENS:-0}" --expert_lora "${EXPERT_LORA:-}" \
-  ${BATCH_FILE:+--batch_file "$BATCH_FILE"} --mode "${MODE:-train}" --packed="${PACKED:-true}" \
+  ${BATCH_FILE:+--batch_file "$BATCH_FILE"} --mode "${MODE:-train}" --packed="${PACKED:-true}" --server_pid $PID ${CLIENT_FLAGS:-} \
   --machine "${MACHINE:-$(uname -n) $(nproc) cores}" --versions "${VERSIONS:-}" \
   --model "$PRESET $DTYPE on $DEVICE" --command "bench/service_overhead.sh $*"

@@ -125,23 +125,24 @@ if [[ " $STEPS " == *" service-split "* ]]; then  # where the service overhead g
   python3 bench/make_batch.py --vocab 151936 --workload fixed --out "$OUT/batch_fixed.json"
   # SPLIT_PACKED: the client's datums forms to run, in order (e.g. "true false true false");
   # SPLIT_WORKER: the worker kinds, alternated outside them ("process in_process ..."); a
-  # kind may carry extra coordinator flags after a colon, comma-separated
-  # ("in_process:--executor_spin_us=2000").
+  # kind may carry extra coordinator flags after a colon, comma-separated, then client flags
+  # after a '+' ("in_process:--executor_spin_us=2000+--tune_malloc").
   n=0
   for variant in ${SPLIT_WORKER:-process}; do
   worker=${variant%%:*}
-  extra=$([[ "$variant" == *:* ]] && echo "${variant#*:}" | tr ',' ' ' || true)
+  extra=$([[ "$variant" == *:* ]] && echo "${variant#*:}" | cut -d+ -f1 | tr ',' ' ' || true)
+  client_extra=$([[ "$variant" == *+* ]] && echo "${variant#*+}" | tr ',' ' ' || true)
   for packed in ${SPLIT_PACKED:-true}; do
   n=$((n + 1))
   for m in forward train; do
     f="split_${m}_packed${packed}_${worker}_$n"
-    echo "variant $n: $worker packed=$packed extra coordinator flags: ${extra:-none}"
+    echo "variant $n: $worker packed=$packed extra coordinator flags: ${extra:-none}; client flags: ${client_extra:-none}"
     IN_PROCESS_WORKER=$([ "$worker" = in_process ] && echo true || echo false) \
     MODEL_DIR=/tmp/q05 RANK=32 STEPS=${SPLIT_STEPS:-6} MODE=$m PACKED=$packed BATCH_FILE="$OUT/batch_fixed.json" SERVER_LOG="$OUT/server_$f.log" \
       MACHINE="$MACHINE" VERSIONS="$(tail -1 "$OUT/env.txt")" \
-      COORD_FLAGS="--max_tokens_per_microbatch 8192 --v=2 $extra" \
+      COORD_FLAGS="--max_tokens_per_microbatch 8192 --v=2 $extra" CLIENT_FLAGS="$client_extra" \
       bench/service_overhead.sh build-gpu qwen2.5-0.5b cuda bfloat16 "$OUT/$f.json" overhead_fraction > /dev/null 2> "$OUT/client_$f.log"
-    python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(sys.argv[1],'overhead',round(d['overhead_fraction'],4),'client-worker ms',[round((a-b)*1e3,2) for a,b in zip(d['client_step_s'],d['worker_step_s'])])" "$OUT/$f.json"
+    python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(sys.argv[1],'overhead',round(d['overhead_fraction'],4),'client-worker ms',[round((a-b)*1e3,2) for a,b in zip(d['client_step_s'],d['worker_step_s'])],'minor faults client',d.get('client_minor_faults'),'server',d.get('server_minor_faults'))" "$OUT/$f.json"
     grep -o "component=[a-z]*.*method=[A-Za-z/]*.*duration_ms=[0-9.]*" "$OUT/server_$f.log" | grep -E "Forward|TrainStep" | sed 's/ code=OK//' | tail -4
   done
   done
