@@ -610,6 +610,20 @@ TEST_F(ServiceTest, EveryValidationErrorNamesTheField) {
   ASSERT_OK_AND_ASSIGN(v1::Run state, client_->GetRun(run.run_id()));
   EXPECT_EQ(state.next_sequence_id(), 1);
   EXPECT_EQ(state.learner_version(), 0);
+  // The batch is converted as the call arrives, but its errors come in the same order as
+  // before: an unknown run first, whatever the batch holds.
+  for (const char* what : {"packed short array", "token out of vocab"}) {
+    for (const ValidationCase& c : ValidationCases()) {
+      if (std::string(c.what) != what) continue;
+      v1::TrainStepRequest req = BadTrainStep("no-such-run", c);
+      EXPECT_THAT(client_->TrainStep(req), StatusIs(absl::StatusCode::kNotFound, "no-such-run")) << what;
+      v1::ForwardRequest fwd;
+      fwd.set_run_id("no-such-run");
+      *fwd.mutable_datums() = req.datums();
+      *fwd.mutable_packed_datums() = req.packed_datums();
+      EXPECT_THAT(client_->Forward(fwd), StatusIs(absl::StatusCode::kNotFound, "no-such-run")) << what;
+    }
+  }
 
   v1::CreateRunRequest create;
   create.set_request_id("bad-create");
