@@ -170,13 +170,6 @@ absl::Status CheckResponseFits(const std::vector<Datum>& datums, int64_t max_byt
       " targets), over the caller's limit of ", max_bytes, "; split the batch or raise the limit (nothing was run)"));
 }
 
-// The call's datums: those converted ahead (moved out of `unpacked`), else from `req`.
-template <typename Req>
-absl::StatusOr<std::vector<Datum>> TakeDatums(const Req& req, UnpackedDatums* unpacked) {
-  if (unpacked != nullptr) return std::move(*unpacked);
-  return RequestDatums(req.datums(), req.packed_datums());
-}
-
 absl::Status RequireRequestId(const std::string& request_id) {
   if (request_id.empty()) return absl::InvalidArgumentError("request_id: required for this call");
   return absl::OkStatus();
@@ -1248,8 +1241,8 @@ void Coordinator::CommitStep(RunState& run, const std::string& method, const std
   MaybeAutosave(run, /*force=*/false);
 }
 
-absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(const v1::ForwardBackwardRequest& req,
-                                                                         UnpackedDatums* unpacked) {
+absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
+    const v1::ForwardBackwardRequest& req) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
   v1::ForwardBackwardResponse resp;
@@ -1258,7 +1251,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(const v
   if (replayed) return resp;
   FingerprintTask fingerprint(req.run_id(), req);
   LORASTEP_RETURN_IF_ERROR(CheckNotDiverged(*run));
-  LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum> datums, TakeDatums(req, unpacked));
+  LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
   LORASTEP_ASSIGN_OR_RETURN(std::optional<BatchTotals> totals,
                             ValidatedTotals(*run, datums, req.loss(), /*own_totals_needed=*/req.has_batch_totals()));
   LORASTEP_RETURN_IF_ERROR(CheckResponseFits(datums, req.max_response_bytes()));
@@ -1302,11 +1295,10 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(const v
   return resp;
 }
 
-absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::ForwardRequest& req,
-                                                                 UnpackedDatums* unpacked) {
+absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::ForwardRequest& req) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
-  LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum> datums, TakeDatums(req, unpacked));
+  LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
   if (!WorkerValidatesAlone(*run)) LORASTEP_RETURN_IF_ERROR(ValidateForwardBatch(datums, vocab_size(), options_.limits));
   LORASTEP_RETURN_IF_ERROR(CheckResponseFits(datums, req.max_response_bytes()));
   LORASTEP_RETURN_IF_ERROR(CheckShardable(static_cast<int>(datums.size())));
@@ -1350,8 +1342,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepReque
   return resp;
 }
 
-absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepRequest& req,
-                                                        UnpackedDatums* unpacked) {
+absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepRequest& req) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
   v1::StepResponse resp;
@@ -1366,7 +1357,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
   }
   LORASTEP_RETURN_IF_ERROR(AdamWParamsFromProto(req.adamw()).status());
   LORASTEP_RETURN_IF_ERROR(ValidateClientMetrics(req.client_metrics()));
-  LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum> datums, TakeDatums(req, unpacked));
+  LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
   LORASTEP_ASSIGN_OR_RETURN(const std::optional<BatchTotals> totals,
                             ValidatedTotals(*run, datums, req.loss(), /*own_totals_needed=*/false));
   LORASTEP_RETURN_IF_ERROR(CheckShardable(static_cast<int>(datums.size())));

@@ -86,9 +86,6 @@ struct CoordinatorOptions {
 };
 
 // Who is calling, as the service's authentication established it.
-// A request's datums converted to the trainer's form, or why they could not be.
-using UnpackedDatums = absl::StatusOr<std::vector<Datum>>;
-
 struct Caller {
   std::string owner;   // empty: no authentication configured
   bool admin = false;  // sees and calls every run (also: no authentication configured)
@@ -131,14 +128,10 @@ class Coordinator {
   // Waits for the run's call in flight, frees it on every rank, forgets it.
   absl::Status DeleteRun(const std::string& run_id);
   std::vector<v1::Run> ListRuns();
-  // The batch calls take the request's datums already converted (RequestDatums) when
-  // `datums` is given (moved from; an error in it is returned where the conversion's would
-  // be, after the run and request checks); null: converted here.
-  absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(const v1::ForwardBackwardRequest& req,
-                                                              UnpackedDatums* datums = nullptr);
-  absl::StatusOr<v1::ForwardBackwardResponse> Forward(const v1::ForwardRequest& req, UnpackedDatums* datums = nullptr);
+  absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(const v1::ForwardBackwardRequest& req);
+  absl::StatusOr<v1::ForwardBackwardResponse> Forward(const v1::ForwardRequest& req);
   absl::StatusOr<v1::StepResponse> OptimStep(const v1::OptimStepRequest& req);
-  absl::StatusOr<v1::StepResponse> TrainStep(const v1::TrainStepRequest& req, UnpackedDatums* datums = nullptr);
+  absl::StatusOr<v1::StepResponse> TrainStep(const v1::TrainStepRequest& req);
   absl::StatusOr<v1::SaveStateResponse> SaveState(const v1::SaveStateRequest& req);
   absl::StatusOr<v1::Run> LoadState(const v1::LoadStateRequest& req);
   absl::StatusOr<v1::ExportAdapterResponse> ExportAdapter(const v1::ExportAdapterRequest& req);

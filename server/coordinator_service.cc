@@ -1,7 +1,5 @@
 #include "server/coordinator_service.h"
 
-#include "rpc/proto_convert.h"
-
 #include <deque>
 #include <functional>
 #include <mutex>
@@ -99,10 +97,9 @@ CoordinatorService::CoordinatorService(Coordinator* core, size_t executors, Prom
   }
 }
 
-absl::Status CoordinatorService::Admit(const std::string& run_id, bool* run_was_idle) {
+absl::Status CoordinatorService::Admit(const std::string& run_id) {
   std::lock_guard<std::mutex> lock(depth_mu_);
   int64_t& mine = in_flight_by_run_[run_id];
-  if (run_was_idle != nullptr) *run_was_idle = mine == 0;
   if (in_flight_ >= max_total_ || mine >= max_per_run_) {
     const bool run_full = mine >= max_per_run_;
     if (mine == 0) in_flight_by_run_.erase(run_id);
@@ -200,10 +197,10 @@ v1::Run ClientRun(v1::Run run, const Caller& caller) {
 
 }  // namespace
 
-template <typename Resp, typename Prepare, typename Call>
-grpc::ServerUnaryReactor* CoordinatorService::DeferPrepared(grpc::CallbackServerContext* ctx,
-                                                            const std::string& run_id, Resp* resp,
-                                                            Prepare prepare, Call call, bool run_scoped) {
+template <typename Resp, typename Call>
+grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext* ctx,
+                                                    const std::string& run_id, Resp* resp,
+                                                    Call call, bool run_scoped) {
   // Authentication and ownership are checked before the call is queued, on the server's
   // id of the run (per owner with API keys).
   auto caller = Authenticate(ctx);
@@ -212,9 +209,7 @@ grpc::ServerUnaryReactor* CoordinatorService::DeferPrepared(grpc::CallbackServer
   if (run_scoped) {
     if (absl::Status s = CheckRunAccess(run_id, server_id, *caller); !s.ok()) return Refuse(ctx, s);
   }
-  bool run_was_idle = false;
-  if (absl::Status admitted = Admit(server_id, &run_was_idle); !admitted.ok()) return Refuse(ctx, admitted);
-  if (run_was_idle) prepare();
+  if (absl::Status admitted = Admit(server_id); !admitted.ok()) return Refuse(ctx, admitted);
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   executor_.Submit(server_id, [this, reactor, resp, server_id, call = std::move(call), who = *caller]() mutable {
     auto result = call(who, server_id);
@@ -223,18 +218,6 @@ grpc::ServerUnaryReactor* CoordinatorService::DeferPrepared(grpc::CallbackServer
     reactor->Finish(ToGrpcStatus(result.status()));
   });
   return reactor;
-}
-
-template <typename Req, typename Resp, typename Call>
-grpc::ServerUnaryReactor* CoordinatorService::DeferBatch(grpc::CallbackServerContext* ctx, const Req* req,
-                                                         Resp* resp, Call call) {
-  auto datums = std::make_shared<std::optional<UnpackedDatums>>();
-  return DeferPrepared(
-      ctx, req->run_id(), resp, [req, datums] { *datums = RequestDatums(req->datums(), req->packed_datums()); },
-      [call = std::move(call), datums](const Caller& who, const std::string& id) mutable {
-        return call(who, id, datums->has_value() ? &**datums : nullptr);
-      },
-      /*run_scoped=*/true);
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::CreateRun(grpc::CallbackServerContext* ctx,
@@ -291,17 +274,17 @@ grpc::ServerUnaryReactor* CoordinatorService::ListRuns(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* CoordinatorService::ForwardBackward(
     grpc::CallbackServerContext* ctx, const v1::ForwardBackwardRequest* req,
     v1::ForwardBackwardResponse* resp) {
-  return DeferBatch(ctx, req, resp, [this, req](const Caller& who, const std::string& id, UnpackedDatums* datums) {
+  return Defer(ctx, req->run_id(), resp, [this, req](const Caller& who, const std::string& id) {
     std::optional<v1::ForwardBackwardRequest> copy;
-    return core_->ForwardBackward(ServerRequest(*req, who, id, &copy), datums);
+    return core_->ForwardBackward(ServerRequest(*req, who, id, &copy));
   });
 }
 grpc::ServerUnaryReactor* CoordinatorService::Forward(grpc::CallbackServerContext* ctx,
                                                       const v1::ForwardRequest* req,
                                                       v1::ForwardBackwardResponse* resp) {
-  return DeferBatch(ctx, req, resp, [this, req](const Caller& who, const std::string& id, UnpackedDatums* datums) {
+  return Defer(ctx, req->run_id(), resp, [this, req](const Caller& who, const std::string& id) {
     std::optional<v1::ForwardRequest> copy;
-    return core_->Forward(ServerRequest(*req, who, id, &copy), datums);
+    return core_->Forward(ServerRequest(*req, who, id, &copy));
   });
 }
 grpc::ServerUnaryReactor* CoordinatorService::OptimStep(grpc::CallbackServerContext* ctx,
@@ -315,9 +298,9 @@ grpc::ServerUnaryReactor* CoordinatorService::OptimStep(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* CoordinatorService::TrainStep(grpc::CallbackServerContext* ctx,
                                                         const v1::TrainStepRequest* req,
                                                         v1::StepResponse* resp) {
-  return DeferBatch(ctx, req, resp, [this, req](const Caller& who, const std::string& id, UnpackedDatums* datums) {
+  return Defer(ctx, req->run_id(), resp, [this, req](const Caller& who, const std::string& id) {
     std::optional<v1::TrainStepRequest> copy;  // with API keys: a copy of the batch (~0.05 ms per 64 x 512)
-    return core_->TrainStep(ServerRequest(*req, who, id, &copy), datums);
+    return core_->TrainStep(ServerRequest(*req, who, id, &copy));
   });
 }
 grpc::ServerUnaryReactor* CoordinatorService::SaveState(grpc::CallbackServerContext* ctx,

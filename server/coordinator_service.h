@@ -83,21 +83,7 @@ class CoordinatorService final : public v1::Trainer::CallbackService {
   // caller's access to the run).
   template <typename Resp, typename Call>
   grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, const std::string& run_id,
-                                  Resp* resp, Call call, bool run_scoped = true) {
-    return DeferPrepared(ctx, run_id, resp, [] {}, std::move(call), run_scoped);
-  }
-  // Defer for the calls that carry a batch: once the call is admitted, its datums are
-  // converted (RequestDatums) on the thread that received it, while the request's bytes are
-  // still in that core's cache (on the executor this took ~0.3 ms of a 0.22 s step on the
-  // H200 host, ~0.06 ms warm), and handed to `call(caller, server run id, &datums)` (null:
-  // queued behind another call of its run, converted on the executor).
-  template <typename Req, typename Resp, typename Call>
-  grpc::ServerUnaryReactor* DeferBatch(grpc::CallbackServerContext* ctx, const Req* req, Resp* resp, Call call);
-  // Defer with `prepare()` run first, on the receiving thread, after admission, when no
-  // other call of the run is in flight (a queued call holds no converted copy of its batch).
-  template <typename Resp, typename Prepare, typename Call>
-  grpc::ServerUnaryReactor* DeferPrepared(grpc::CallbackServerContext* ctx, const std::string& run_id,
-                                          Resp* resp, Prepare prepare, Call call, bool run_scoped);
+                                  Resp* resp, Call call, bool run_scoped = true);
   absl::StatusOr<Caller> Authenticate(grpc::CallbackServerContext* ctx) const;
   // Authenticates, translates the run id the caller names into the server's
   // (`server_id`, run_names.h) and checks the caller's access to that run.
@@ -110,8 +96,7 @@ class CoordinatorService final : public v1::Trainer::CallbackService {
 
   Coordinator* core_;
   const ApiKeys* api_keys_;
-  // Counts the call in, or refuses it; `run_was_idle`: no other call of the run was in flight.
-  absl::Status Admit(const std::string& run_id, bool* run_was_idle = nullptr);
+  absl::Status Admit(const std::string& run_id);  // counts the call in, or refuses it
   void Done(const std::string& run_id);
   void PublishDepth();  // under depth_mu_
   PrometheusRegistry* metrics_;
