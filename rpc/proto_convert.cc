@@ -1,5 +1,6 @@
 #include "rpc/proto_convert.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
@@ -128,7 +129,9 @@ DatumView ViewOf(const v1::Datum& d) {
 
 // Packs `views`; false (and `out` untouched) when the packed form cannot say the same: an
 // optional field on some datums only, an array of another length than its tokens, or a
-// token id outside int32.
+// token id outside int32. One pass over the data: floats appended as they are, token ids
+// narrowed and range-checked together (the client's packing took 0.2-0.3 ms of a step on
+// the H200 host with a separate check pass and zero-filled arrays).
 bool PackViews(const std::vector<DatumView>& views, v1::PackedDatums* out) {
   for (int f = 0; f < 5; ++f) {
     size_t with = 0;
@@ -138,42 +141,45 @@ bool PackViews(const std::vector<DatumView>& views, v1::PackedDatums* out) {
     }
     if (with != 0 && with != views.size()) return false;
   }
+  size_t total = 0;
   for (const DatumView& v : views) {
     if (v.targets_n != v.n || v.n > static_cast<size_t>(INT32_MAX)) return false;
-    for (size_t i = 0; i < v.n; ++i) {
-      if (v.tokens[i] != static_cast<int32_t>(v.tokens[i]) || v.targets[i] != static_cast<int32_t>(v.targets[i])) {
-        return false;
+    total += v.n;
+  }
+  v1::PackedDatums packed;
+  std::string* int_fields[] = {packed.mutable_tokens(), packed.mutable_target_tokens()};
+  std::string* float_fields[] = {packed.mutable_weights(), packed.mutable_logprobs(), packed.mutable_advantages(),
+                                 packed.mutable_ref_logprobs(), packed.mutable_old_logprobs()};
+  bool has_float[5];  // all datums have the field, or none (checked above)
+  for (int f = 0; f < 5; ++f) {
+    has_float[f] = !views.empty() && views[0].floats[f].second != 0;
+    if (has_float[f]) float_fields[f]->reserve(total * 4);
+  }
+  for (std::string* f : int_fields) f->reserve(total * 4);
+  packed.mutable_lengths()->Reserve(static_cast<int>(views.size()));
+  constexpr size_t kChunk = 1024;  // token ids narrowed through a small buffer that stays in L1
+  int32_t narrowed[kChunk];
+  for (const DatumView& v : views) {
+    packed.add_lengths(static_cast<int32_t>(v.n));
+    const int64_t* ints[] = {v.tokens, v.targets};
+    for (int k = 0; k < 2; ++k) {
+      for (size_t start = 0; start < v.n; start += kChunk) {
+        const size_t m = std::min(kChunk, v.n - start);
+        bool fits = true;
+        for (size_t i = 0; i < m; ++i) {
+          const int64_t id = ints[k][start + i];
+          narrowed[i] = static_cast<int32_t>(id);
+          fits &= narrowed[i] == id;
+        }
+        if (!fits) return false;
+        int_fields[k]->append(reinterpret_cast<const char*>(narrowed), m * 4);
       }
     }
-  }
-  size_t total = 0;
-  for (const DatumView& v : views) total += v.n;
-  // Each array sized once, then filled in place (appending grew and copied them repeatedly).
-  auto sized = [total](std::string* bytes) {
-    bytes->resize(total * 4);
-    return bytes->data();
-  };
-  char* tokens = sized(out->mutable_tokens());
-  char* targets = sized(out->mutable_target_tokens());
-  std::string* float_fields[] = {out->mutable_weights(), out->mutable_logprobs(), out->mutable_advantages(),
-                                 out->mutable_ref_logprobs(), out->mutable_old_logprobs()};
-  char* floats[5];
-  for (int f = 0; f < 5; ++f) floats[f] = views.empty() || views[0].floats[f].second == 0 ? nullptr : sized(float_fields[f]);
-  for (const DatumView& v : views) {
-    out->add_lengths(static_cast<int32_t>(v.n));
-    for (size_t i = 0; i < v.n; ++i) {
-      const int32_t token = static_cast<int32_t>(v.tokens[i]), target = static_cast<int32_t>(v.targets[i]);
-      std::memcpy(tokens + 4 * i, &token, 4);
-      std::memcpy(targets + 4 * i, &target, 4);
-    }
-    tokens += 4 * v.n;
-    targets += 4 * v.n;
     for (int f = 0; f < 5; ++f) {
-      if (floats[f] == nullptr) continue;
-      std::memcpy(floats[f], v.floats[f].first, v.n * 4);
-      floats[f] += 4 * v.n;
+      if (has_float[f]) float_fields[f]->append(reinterpret_cast<const char*>(v.floats[f].first), v.n * 4);
     }
   }
+  out->Swap(&packed);
   return true;
 }
 

@@ -1204,11 +1204,12 @@ void Coordinator::CheckReplicas(RunState& run, const std::vector<v1::WorkerStepR
 
 absl::StatusOr<v1::StepResponse> Coordinator::MergeSteps(RunState& run,
                                                           std::vector<v1::WorkerStepResponse> per_rank) {
-  v1::StepResponse resp = per_rank[0].result();
   if (!on_mesh()) {
+    v1::StepResponse resp = std::move(*per_rank[0].mutable_result());
     resp.set_replicas_equal(true);  // one copy: nothing to compare
     return resp;
   }
+  v1::StepResponse resp = per_rank[0].result();
   std::vector<Metrics> metrics;
   std::vector<bool> reporting;
   for (size_t r = 0; r < per_rank.size(); ++r) {

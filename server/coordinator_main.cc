@@ -120,7 +120,7 @@ ABSL_FLAG(bool, journal, true,
           "says where; --nojournal: runs live in memory only");
 ABSL_FLAG(int, autosave_every_full_steps, 50,
           "with a journal: the same for full fine-tuning runs (rank 0: the whole model and its optimizer)");
-ABSL_FLAG(int, executor_spin_us, 0,
+ABSL_FLAG(int, executor_spin_us, 2000,
           "after each training call, an executor thread polls this long for the run's next call before it "
           "sleeps (a training loop sends the next call at once; waking a sleeping thread costs more)");
 ABSL_FLAG(int, autosave_every_steps, 1, "with --journal_dir: save a run's worker state after every N optimizer steps");

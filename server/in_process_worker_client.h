@@ -47,7 +47,8 @@ class InProcessWorkerClient final : public WorkerClient {
   void CancelInFlight() override {}
 
  private:
-  explicit InProcessWorkerClient(std::unique_ptr<WorkerCore> core) : core_(std::move(core)), calls_(core_.get()) {}
+  explicit InProcessWorkerClient(std::unique_ptr<WorkerCore> core)
+      : core_(std::move(core)), calls_(core_.get(), /*metrics=*/nullptr, /*record_calls=*/false) {}
 
   std::unique_ptr<WorkerCore> core_;
   WorkerCalls calls_;

@@ -1156,6 +1156,14 @@ TEST(InProcessWorkerTest, AnswersLikeTheWorkerProcess) {
   EXPECT_NE(system(cmd.c_str()), 0);
   ASSERT_OK_AND_ASSIGN(std::string err, ReadFileToString(dir + "/nw.txt"));
   EXPECT_THAT(err, ::testing::HasSubstr("run lorastep_coordinator_with_worker")) << err;
+  // The executors' polling time is bounded.
+  for (const char* spin : {"-1", "100001"}) {
+    const std::string bad = coordinator + " --model " + dir + "/model --port 0 --executor_spin_us " + spin + " 2> " +
+                            dir + "/spin.txt";
+    EXPECT_NE(system(bad.c_str()), 0) << bad;
+    ASSERT_OK_AND_ASSIGN(std::string why, ReadFileToString(dir + "/spin.txt"));
+    EXPECT_THAT(why, ::testing::HasSubstr("executor_spin_us: must be in [0, 100000]")) << why;
+  }
 }
 
 // Issue 8: a coordinator killed with SIGKILL (its local worker dies with it) and started

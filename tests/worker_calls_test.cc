@@ -105,5 +105,49 @@ TEST_F(WorkerCallsTest, ReusedRequestIdAndFailedCalls) {
   EXPECT_NE(second.result().adapter_sha256(), first.result().adapter_sha256());
 }
 
+// The in-process worker's WorkerCalls keeps no record: a call re-sent with the same
+// request_id is not answered from a record, but the learner version it carries still stops
+// it from applying twice.
+TEST_F(WorkerCallsTest, WithoutRecordsTheLearnerVersionStillRefusesARepeat) {
+  WorkerCalls unrecorded(core_.get(), /*metrics=*/nullptr, /*record_calls=*/false);
+  v1::WorkerStepResponse first, again;
+  ASSERT_OK(unrecorded.TrainStep(Step(0, "id-1"), &first));
+  EXPECT_EQ(first.result().learner_version(), 1);
+  EXPECT_THAT(unrecorded.TrainStep(Step(0, "id-1"), &again),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "learner_version"));
+}
+
+// Without the whole batch's totals the call's datums are the whole batch: the trainer
+// counts them itself, and the step equals one given the same totals.
+TEST_F(WorkerCallsTest, AbsentTotalsMeanTheCallsOwnDatums) {
+  v1::WorkerStepResponse with_totals;
+  ASSERT_OK(calls_->TrainStep(Step(0, ""), &with_totals));
+  // A second run from the same seed, stepped without totals.
+  v1::WorkerCreateRunRequest create;
+  create.set_run_id("r2");
+  create.mutable_lora()->set_rank(4);
+  create.mutable_lora()->set_alpha(8);
+  create.set_seed(3);
+  v1::WorkerCreateRunResponse created;
+  ASSERT_OK(calls_->CreateRun(create, &created));
+  v1::WorkerTrainStepRequest own = Step(0, "");
+  own.set_run_id("r2");
+  own.clear_batch_loss_tokens();
+  own.clear_batch_samples();
+  v1::WorkerStepResponse without;
+  ASSERT_OK(calls_->TrainStep(own, &without));
+  EXPECT_EQ(without.result().adapter_sha256(), with_totals.result().adapter_sha256());
+  EXPECT_EQ(without.result().metrics().at("loss:sum"), with_totals.result().metrics().at("loss:sum"));
+  // Totals that differ from the datums' own change the step: the field is honoured.
+  v1::WorkerTrainStepRequest doubled = Step(1, "");
+  doubled.set_batch_loss_tokens(doubled.batch_loss_tokens() * 2);
+  v1::WorkerTrainStepRequest same = Step(1, "");
+  same.set_run_id("r2");
+  v1::WorkerStepResponse a, b;
+  ASSERT_OK(calls_->TrainStep(doubled, &a));
+  ASSERT_OK(calls_->TrainStep(same, &b));
+  EXPECT_NE(a.result().metrics().at("loss:sum"), b.result().metrics().at("loss:sum"));
+}
+
 }  // namespace
 }  // namespace lorastep

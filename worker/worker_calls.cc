@@ -66,8 +66,8 @@ std::string RandomInstanceId() {
 
 }  // namespace
 
-WorkerCalls::WorkerCalls(WorkerCore* core, PrometheusRegistry* metrics)
-    : core_(core), metrics_(metrics), instance_id_(RandomInstanceId()) {
+WorkerCalls::WorkerCalls(WorkerCore* core, PrometheusRegistry* metrics, bool record_calls)
+    : core_(core), metrics_(metrics), record_calls_(record_calls), instance_id_(RandomInstanceId()) {
   if (metrics_ != nullptr) DeclareStepMetrics(metrics_);
 }
 
@@ -75,7 +75,7 @@ template <typename Work>
 absl::Status WorkerCalls::Once(const v1::MeshCall& mesh, const char* method, google::protobuf::Message* resp,
                                Work work) {
   const std::string& id = mesh.request_id();
-  if (id.empty()) return work();
+  if (id.empty() || !record_calls_) return work();
   {
     std::unique_lock<std::mutex> lock(record_mu_);
     record_cv_.wait(lock, [&] { return running_.count(id) == 0; });
