@@ -74,8 +74,21 @@ absl::StatusOr<std::vector<Datum>> RequestDatums(const google::protobuf::Repeate
     }
     total += packed.lengths(i);
   }
+  const bool next_token_targets = !packed.last_target_tokens().empty();
+  if (next_token_targets) {
+    if (!packed.target_tokens().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kPacked, ".last_target_tokens: set together with target_tokens; send one"));
+    }
+    const int64_t expected = 4 * static_cast<int64_t>(packed.lengths_size());
+    if (static_cast<int64_t>(packed.last_target_tokens().size()) != expected) {
+      return absl::InvalidArgumentError(absl::StrCat(kPacked, ".last_target_tokens: ", packed.last_target_tokens().size(),
+                                                     " bytes; expected 4 per datum, ", expected, " for the ",
+                                                     packed.lengths_size(), " datums in lengths"));
+    }
+  }
   const std::tuple<const char*, const std::string*, bool> arrays[] = {
-      {"tokens", &packed.tokens(), true},          {"target_tokens", &packed.target_tokens(), true},
+      {"tokens", &packed.tokens(), true},          {"target_tokens", &packed.target_tokens(), !next_token_targets},
       {"weights", &packed.weights(), false},       {"logprobs", &packed.logprobs(), false},
       {"advantages", &packed.advantages(), false}, {"ref_logprobs", &packed.ref_logprobs(), false},
       {"old_logprobs", &packed.old_logprobs(), false}};
@@ -91,7 +104,17 @@ absl::StatusOr<std::vector<Datum>> RequestDatums(const google::protobuf::Repeate
     const int64_t n = packed.lengths(static_cast<int>(i));
     Datum& d = out[i];
     UnpackInto<int32_t>(packed.tokens(), offset, n, &d.tokens);
-    UnpackInto<int32_t>(packed.target_tokens(), offset, n, &d.target_tokens);
+    if (next_token_targets) {
+      d.target_tokens.resize(static_cast<size_t>(n));
+      if (n > 0) {
+        std::copy(d.tokens.begin() + 1, d.tokens.end(), d.target_tokens.begin());
+        int32_t last;
+        std::memcpy(&last, packed.last_target_tokens().data() + 4 * i, 4);
+        d.target_tokens[static_cast<size_t>(n - 1)] = last;
+      }
+    } else {
+      UnpackInto<int32_t>(packed.target_tokens(), offset, n, &d.target_tokens);
+    }
     UnpackInto<float>(packed.weights(), offset, n, &d.weights);
     UnpackInto<float>(packed.logprobs(), offset, n, &d.logprobs);
     UnpackInto<float>(packed.advantages(), offset, n, &d.advantages);
@@ -142,12 +165,18 @@ bool PackViews(const std::vector<DatumView>& views, v1::PackedDatums* out) {
     if (with != 0 && with != views.size()) return false;
   }
   size_t total = 0;
+  // Next-token targets (each datum's targets its tokens shifted by one) travel as one last
+  // target per datum instead of a second array.
+  bool next_token_targets = !views.empty();
   for (const DatumView& v : views) {
     if (v.targets_n != v.n || v.n > static_cast<size_t>(INT32_MAX)) return false;
     total += v.n;
+    next_token_targets = next_token_targets && v.n > 0 &&
+                         std::equal(v.targets, v.targets + v.n - 1, v.tokens + 1);
   }
   v1::PackedDatums packed;
-  std::string* int_fields[] = {packed.mutable_tokens(), packed.mutable_target_tokens()};
+  std::string* int_fields[] = {packed.mutable_tokens(),
+                               next_token_targets ? packed.mutable_last_target_tokens() : packed.mutable_target_tokens()};
   std::string* float_fields[] = {packed.mutable_weights(), packed.mutable_logprobs(), packed.mutable_advantages(),
                                  packed.mutable_ref_logprobs(), packed.mutable_old_logprobs()};
   bool has_float[5];  // all datums have the field, or none (checked above)
@@ -155,7 +184,8 @@ bool PackViews(const std::vector<DatumView>& views, v1::PackedDatums* out) {
     has_float[f] = !views.empty() && views[0].floats[f].second != 0;
     if (has_float[f]) float_fields[f]->reserve(total * 4);
   }
-  for (std::string* f : int_fields) f->reserve(total * 4);
+  int_fields[0]->reserve(total * 4);
+  int_fields[1]->reserve(next_token_targets ? views.size() * 4 : total * 4);
   packed.mutable_lengths()->Reserve(static_cast<int>(views.size()));
   constexpr size_t kChunk = 1024;  // token ids narrowed through a small buffer that stays in L1
   int32_t narrowed[kChunk];
@@ -163,7 +193,9 @@ bool PackViews(const std::vector<DatumView>& views, v1::PackedDatums* out) {
     packed.add_lengths(static_cast<int32_t>(v.n));
     const int64_t* ints[] = {v.tokens, v.targets};
     for (int k = 0; k < 2; ++k) {
-      for (size_t start = 0; start < v.n; start += kChunk) {
+      // The last target only; its others were compared against the tokens above.
+      const size_t from = k == 1 && next_token_targets ? v.n - 1 : 0;
+      for (size_t start = from; start < v.n; start += kChunk) {
         const size_t m = std::min(kChunk, v.n - start);
         bool fits = true;
         for (size_t i = 0; i < m; ++i) {

@@ -106,10 +106,19 @@ def main():
     wide = [dict(d) for d in batch]
     wide[1]["tokens"] = [2 ** 32 + 5] * 10
     check("datums" in batch_fields(mixed) and "datums" in batch_fields(wide), "unpackable batches go as datums")
+    # Next-token targets (tokens shifted by one) travel as one last target per datum.
+    shifted = []
+    for i in range(4):
+        stream = [(i * 13 + j * 5) % 96 for j in range(11)]
+        shifted.append(dict(datum(i), tokens=stream[:-1], target_tokens=stream[1:]))
+    packed = batch_fields(shifted)["packed_datums"]
+    check(packed.target_tokens == b"" and len(packed.last_target_tokens) == 16,
+          "next-token targets are sent as last targets")
+    check(batch_fields(batch)["packed_datums"].last_target_tokens == b"", "other targets are sent whole")
     packed_run = client.create_run(rank=4, alpha=8, seed=11)
     plain_run = client.create_run(rank=4, alpha=8, seed=11)
     plain_run.pack_datums = False
-    for b in (batch, mixed):
+    for b in (batch, mixed, shifted):
         a = packed_run.train_step(b, loss={"loss_fn": "ppo"}, adamw={"lr": 1e-2})
         p = plain_run.train_step(b, loss={"loss_fn": "ppo"}, adamw={"lr": 1e-2})
         check(a.adapter_sha256 == p.adapter_sha256 and a.metrics["loss:sum"] == p.metrics["loss:sum"],

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -212,6 +213,15 @@ TEST_F(ServiceTest, PackedAndRepeatedDatumsTrainAlike) {
       v1::PackedDatums unused;
       EXPECT_FALSE(PackDatums(batch, &unused));
       EXPECT_EQ(unused.ByteSizeLong(), 0u);
+    }
+    if (step == 2) {  // next-token targets: sent as one last target per datum
+      for (auto& d : batch) {
+        for (int i = 0; i + 1 < d.tokens_size(); ++i) d.set_target_tokens(i, d.tokens(i + 1));
+      }
+      v1::PackedDatums form;
+      ASSERT_TRUE(PackDatums(batch, &form));
+      EXPECT_TRUE(form.target_tokens().empty());
+      EXPECT_EQ(form.last_target_tokens().size(), 4 * batch.size());
     }
     ASSERT_OK_AND_ASSIGN(v1::StepResponse a, packed.TrainStep(batch, Ppo(), Adam()));
     ASSERT_OK_AND_ASSIGN(v1::StepResponse b, repeated.TrainStep(batch, Ppo(), Adam()));
@@ -581,6 +591,21 @@ std::vector<ValidationCase> ValidationCases() {
        "packed_datums.tokens: 0 bytes"},
       {"packed negative length", [](auto* r) { ASSERT_TRUE(ToPacked(r)); r->mutable_packed_datums()->set_lengths(1, -3); },
        "packed_datums.lengths[1]: -3 is negative"},
+      {"packed both target forms", [](auto* r) { ASSERT_TRUE(ToPacked(r)); r->mutable_packed_datums()->set_last_target_tokens(std::string(16, '\0')); },
+       "packed_datums.last_target_tokens: set together with target_tokens"},
+      {"packed last targets size", [](auto* r) {
+         ASSERT_TRUE(ToPacked(r));
+         r->mutable_packed_datums()->clear_target_tokens();
+         r->mutable_packed_datums()->set_last_target_tokens(std::string(12, '\0'));
+       }, "packed_datums.last_target_tokens: 12 bytes; expected 4 per datum, 16 for the 4 datums in lengths"},
+      {"packed last target out of vocab", [](auto* r) {
+         ASSERT_TRUE(ToPacked(r));
+         r->mutable_packed_datums()->clear_target_tokens();
+         std::string last(16, '\0');
+         const int32_t bad = 96;
+         std::memcpy(&last[8], &bad, 4);
+         r->mutable_packed_datums()->set_last_target_tokens(last);
+       }, "datums[2].target_tokens[7]: id 96 outside [0, 96)"},
       {"packed token out of vocab", [](auto* r) { r->mutable_datums(2)->set_tokens(1, 96); ASSERT_TRUE(ToPacked(r)); },
        "datums[2].tokens[1]: id 96 outside [0, 96)"},
       {"packed missing logprobs", [](auto* r) { for (auto& d : *r->mutable_datums()) d.clear_logprobs(); ASSERT_TRUE(ToPacked(r)); },

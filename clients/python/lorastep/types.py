@@ -146,6 +146,17 @@ def packed_datums(datums):
         except (OverflowError, TypeError):
             return None
         lengths.append(n)
+    # Next-token targets (each datum's targets its tokens shifted by one, as in RL batches)
+    # travel as one last target per datum: a quarter less to send.
+    if lengths and all(lengths):
+        tokens, targets, last, offset = ints["tokens"], ints["target_tokens"], array("i"), 0
+        for n in lengths:
+            if targets[offset:offset + n - 1] != tokens[offset + 1:offset + n]:
+                break
+            last.append(targets[offset + n - 1])
+            offset += n
+        else:
+            ints = {"tokens": tokens, "last_target_tokens": last}
     arrays = {**ints, **floats}
     if sys.byteorder != "little":
         for a in arrays.values():
