@@ -57,6 +57,8 @@ def main():
             d = raw(name)
             timed_calls = max(timed_calls, len(d.get("worker_step_s", [])))
             ours[(mode, workload)] = row("lorastep", mode, workload, d["worker_step_median_s"], d.get("peak_cuda_gib"), passes[mode])
+            # (client wall - worker step) / client wall, median over the timed calls
+            ours[(mode, workload)]["service_overhead"] = d.get("overhead_fraction")
         name = f"hf_{mode}_{workload}.json"
         if os.path.exists(os.path.join(args.raw, name)):
             d = raw(name)
@@ -89,6 +91,10 @@ def main():
         "gemm_peak_tflops": peak,
         "lorastep_lora_mfu": f(ours, ("lora", "fixed"), "mfu"),
         "cpu_demo_flops_fraction": json.load(open(args.cpu))["cpu_demo_flops_fraction"] if args.cpu else None,
+        # The same calls' service overhead: (client wall - worker time_step_s) / client wall.
+        "service_overhead_lora_fraction": f(ours, ("lora", "fixed"), "service_overhead"),
+        "service_overhead_full_fraction": f(ours, ("full", "fixed"), "service_overhead"),
+        "service_overhead_logprobs_fraction": f(ours, ("logprobs", "fixed"), "service_overhead"),
         "rows": rows,
         "method": "lorastep: the worker's time_step_s (Forward: time_forward_s + time_data_s) through coordinator + worker, "
                   f"median of {timed_calls} timed calls after one warm-up; transformers: bench/peft_step.py, median of 3 after one "
@@ -103,6 +109,8 @@ def main():
             "lora_peak_over_peft_peak (target <= 0.6)": out["lorastep_lora_peak_gib"] / out["hf_peft_lora_peak_gib"],
             "varlen_over_fixed_tokens_per_s (target >= 0.9)": out["lorastep_varlen_tokens_per_s"] / out["lorastep_fixed_tokens_per_s"],
         }
+        if out["service_overhead_lora_fraction"] is not None:
+            out["ratios"]["service_overhead_lora (target < 0.01)"] = out["service_overhead_lora_fraction"]
     except (TypeError, ZeroDivisionError):
         pass
     json.dump(out, open(args.out, "w"), indent=2)
