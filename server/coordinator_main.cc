@@ -9,8 +9,9 @@
 //                        [--tp T --pp P --dp D] [--collective_timeout_s S] [--peer_failure_grace_s G]
 //                        [--worker_call_timeout_s 3600] [--rendezvous_port 29500]
 //                        [--state_dir DIR: checkpoints and exports as lorastep://<run>/<name>
-//                        references under DIR, passed to local workers; default
-//                        ~/.local/state/lorastep] [--allow_plain_paths: no store, absolute paths]
+//                        references under DIR, passed to local workers, and the journal under
+//                        DIR/.journal; default ~/.local/state/lorastep/port-<port> (--port 0:
+//                        ~/.local/state/lorastep, no journal)] [--allow_plain_paths: no store]
 //                        [--metrics_port P [--metrics_host 127.0.0.1] [--metrics_allow_remote]
 //                        [--metrics_port_file F]: Prometheus text format at GET /metrics]
 //                        [--worker_metrics_port_base B: local worker r serves its own on B + r]
@@ -80,8 +81,9 @@ ABSL_FLAG(std::optional<int>, peer_failure_grace_s, std::nullopt,
 ABSL_FLAG(int, worker_call_timeout_s, 3600, "deadline of one call to a worker");
 ABSL_FLAG(int, rendezvous_port, 29500, "TCPStore port rank 0 serves when workers join by registration");
 ABSL_FLAG(std::string, state_dir, "",
-          "state store root (checkpoints and exports as lorastep://<run>/<name>), passed to local workers "
-          "(default: $XDG_STATE_HOME/lorastep, else ~/.local/state/lorastep; an explicit one also turns on the journal)");
+          "state store root (checkpoints and exports as lorastep://<run>/<name>), passed to local workers; it "
+          "turns on the journal (default: <root>/port-<port> on a fixed --port, <root> with --port 0 (no "
+          "journal); <root> is $XDG_STATE_HOME/lorastep, else ~/.local/state/lorastep)");
 ABSL_FLAG(bool, allow_plain_paths, false,
           "local workers keep no state store: path fields are absolute paths on their file system (trusted "
           "clients only)");
@@ -116,14 +118,17 @@ ABSL_FLAG(std::string, journal_dir, "",
           "journal runs here so a restarted coordinator brings them back (needs --state_dir for the "
           "workers' autosaves; not with --wait_for_workers)");
 ABSL_FLAG(bool, journal, true,
-          "with --state_dir and local workers, journal runs under <state_dir>/.journal unless --journal_dir "
-          "says where; --nojournal: runs live in memory only");
+          "with a state store (--state_dir, or the default one of a fixed --port) and local workers, journal "
+          "runs under <state_dir>/.journal unless --journal_dir says where; --nojournal: runs live in memory only");
 ABSL_FLAG(int, autosave_every_full_steps, 50,
           "with a journal: the same for full fine-tuning runs (rank 0: the whole model and its optimizer)");
 ABSL_FLAG(int, executor_spin_us, 2000,
           "after each training call, an executor thread polls this long for the run's next call before it "
           "sleeps (a training loop sends the next call at once; waking a sleeping thread costs more)");
-ABSL_FLAG(int, autosave_every_steps, 1, "with --journal_dir: save a run's worker state after every N optimizer steps");
+ABSL_FLAG(std::optional<int>, autosave_every_steps, std::nullopt,
+          "with a journal: save a run's worker state after every N optimizer steps (default: 1 with an explicit "
+          "--state_dir or --journal_dir; 50 with the default journal of a fixed --port, where an autosave of a "
+          "large adapter and its optimizer state every step would cost a large share of the step)");
 
 namespace {
 
@@ -233,23 +238,32 @@ int main(int argc, char** argv) {
   options.peer_failure_grace = std::chrono::seconds(absl::GetFlag(FLAGS_peer_failure_grace_s).value_or(
       absl::GetFlag(FLAGS_collective_timeout_s).value_or(120) + 30));
   const int worker_call_timeout = absl::GetFlag(FLAGS_worker_call_timeout_s);
-  // The local workers' state store: --state_dir, the default root, or none with
-  // --allow_plain_paths.
-  auto state_dir_or = ServerStateDir(absl::GetFlag(FLAGS_state_dir), absl::GetFlag(FLAGS_allow_plain_paths));
+  // The local workers' state store: --state_dir, the default one, or none with
+  // --allow_plain_paths. Without --state_dir a coordinator on a fixed port keeps its store
+  // and journal under <default root>/port-<port>: started again on that port it finds its
+  // runs, and two coordinators on one machine never restore each other's runs or overwrite
+  // each other's autosaves. --port 0 names no instance: the default root, no journal.
+  const bool explicit_state = !absl::GetFlag(FLAGS_state_dir).empty() || !absl::GetFlag(FLAGS_journal_dir).empty();
+  std::string state_root = absl::GetFlag(FLAGS_state_dir);
+  if (state_root.empty() && !absl::GetFlag(FLAGS_allow_plain_paths) && absl::GetFlag(FLAGS_port) != 0) {
+    state_root = absl::StrCat(DefaultStateDir(), "/port-", absl::GetFlag(FLAGS_port));
+  }
+  auto state_dir_or = ServerStateDir(state_root, absl::GetFlag(FLAGS_allow_plain_paths));
   if (!state_dir_or.ok()) return fail(state_dir_or.status());
   const std::string state_dir = *state_dir_or;
   // --journal_dir: runs, their request records and histories survive a restart.
   std::optional<RunJournal> journal;
   std::string journal_dir = absl::GetFlag(FLAGS_journal_dir);
-  if (journal_dir.empty() && absl::GetFlag(FLAGS_journal) && !absl::GetFlag(FLAGS_state_dir).empty() &&
+  if (journal_dir.empty() && absl::GetFlag(FLAGS_journal) && !state_root.empty() &&
       absl::GetFlag(FLAGS_workers).empty() && !absl::GetFlag(FLAGS_wait_for_workers)) {
-    journal_dir = absl::GetFlag(FLAGS_state_dir) + "/.journal";  // on by default with a state root
+    journal_dir = state_root + "/.journal";  // on by default with a state root
   }
+  const int autosave_every = absl::GetFlag(FLAGS_autosave_every_steps).value_or(explicit_state ? 1 : 50);
   if (!journal_dir.empty()) {
     // Registered workers bring their own state stores; a mesh that joins by registration
     // cannot be brought back (its ranks would have to re-form their process groups).
     const bool registered = absl::GetFlag(FLAGS_wait_for_workers);
-    if ((registered && world > 1) || absl::GetFlag(FLAGS_autosave_every_steps) < 1 ||
+    if ((registered && world > 1) || autosave_every < 1 ||
         (absl::GetFlag(FLAGS_workers).empty() && !registered && state_dir.empty())) {
       return fail(absl::InvalidArgumentError(
           "journal_dir: needs --state_dir (where the local workers autosave runs), --workers or "
@@ -260,7 +274,10 @@ int main(int argc, char** argv) {
     if (!opened.ok()) return fail(opened.status());
     journal = std::move(opened).value();
     options.journal = &*journal;
-    options.autosave_every_steps = absl::GetFlag(FLAGS_autosave_every_steps);
+    options.autosave_every_steps = autosave_every;
+    LORASTEP_LOG(Info) << "lorastep_coordinator: journal " << journal_dir << ", state store " << state_dir
+                       << ", autosave every " << autosave_every << " LoRA / "
+                       << std::max(1, absl::GetFlag(FLAGS_autosave_every_full_steps)) << " full fine-tuning steps";
     options.autosave_every_full_steps = std::max(1, absl::GetFlag(FLAGS_autosave_every_full_steps));
   }
   // Worker-port TLS: the CA the coordinator verifies workers with, and (mutual TLS) the

@@ -1197,6 +1197,58 @@ TEST(InProcessWorkerTest, AnswersLikeTheWorkerProcess) {
 // answered from the record, not applied again) and the optimizer state (the next step
 // equals an uninterrupted run's); a ForwardBackward after the last step is dropped and the
 // sequence id says so. The journal itself is checked for a torn tail.
+// Issue 8: without --state_dir, a coordinator on a fixed port keeps its store and journal
+// under <default root>/port-<port>. SIGKILLed and started again on that port it brings its
+// runs back (the defect: killing a coordinator started with the defaults lost every run);
+// a coordinator on another port does not see them, and --port 0 keeps no journal. The
+// default journal autosaves every 50 LoRA steps: after two steps the run returns as it was
+// created; with --autosave_every_steps 1 it returns at its last step.
+TEST(ProcessTest, DefaultJournalIsPerPort) {
+  ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("default_journal"));
+  const std::string xdg = dir + "/xdg";
+  const std::string port = std::to_string(FreeLocalPort());
+  auto start = [&](const std::string& p, const std::vector<std::string>& extra) {
+    std::vector<std::string> args = {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker")};
+    if (!p.empty()) args.insert(args.end(), {"--port", p});
+    args.insert(args.end(), extra.begin(), extra.end());
+    EXPECT_EQ(setenv("XDG_STATE_HOME", xdg.c_str(), 1), 0);
+    auto started = ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120);
+    EXPECT_EQ(unsetenv("XDG_STATE_HOME"), 0);
+    return started;
+  };
+  for (const bool every_step : {false, true}) {
+    const std::vector<std::string> extra =
+        every_step ? std::vector<std::string>{"--autosave_every_steps", "1"} : std::vector<std::string>{};
+    const std::string run_id = every_step ? "every-step" : "defaults";
+    {
+      ASSERT_OK_AND_ASSIGN(ChildServer first, start(port, extra));
+      ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(first.address()));
+      ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3, run_id));
+      ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
+      ASSERT_OK(run.TrainStep(Batch(1), Ppo(), Adam()).status());
+      EXPECT_TRUE(PathExists(xdg + "/lorastep/port-" + port + "/.journal/" + run_id));
+      ASSERT_EQ(kill(first.pid(), SIGKILL), 0);
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+    ASSERT_OK_AND_ASSIGN(ChildServer again, start(port, extra));
+    ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(again.address()));
+    ASSERT_OK_AND_ASSIGN(v1::Run back, client->GetRun(run_id));
+    EXPECT_EQ(back.learner_version(), every_step ? 2 : 0) << run_id;
+    ASSERT_OK_AND_ASSIGN(RunSession resumed, RunSession::Attach(client.get(), run_id));
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse next, resumed.TrainStep(Batch(2), Ppo(), Adam()));
+    EXPECT_EQ(next.learner_version(), every_step ? 3 : 1) << run_id;
+  }
+  // Another port is another instance; --port 0 is none (no journal folder for it).
+  ASSERT_OK_AND_ASSIGN(ChildServer other, start(std::to_string(FreeLocalPort()), {}));
+  ASSERT_OK_AND_ASSIGN(auto other_client, TrainerClient::Connect(other.address()));
+  EXPECT_THAT(other_client->GetRun("defaults"), StatusIs(absl::StatusCode::kNotFound, "defaults"));
+  ASSERT_OK_AND_ASSIGN(ChildServer anonymous, start("", {}));
+  ASSERT_OK_AND_ASSIGN(auto anonymous_client, TrainerClient::Connect(anonymous.address()));
+  EXPECT_THAT(anonymous_client->GetRun("defaults"), StatusIs(absl::StatusCode::kNotFound, "defaults"));
+  EXPECT_FALSE(PathExists(xdg + "/lorastep/.journal"));
+  EXPECT_FALSE(PathExists(xdg + "/lorastep/port-0"));
+}
+
 TEST(ProcessTest, KilledCoordinatorRestartsItsRunsFromTheJournal) {
   ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("journal"));
   const std::vector<std::string> args = {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"),
