@@ -215,7 +215,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext*
     auto result = call(who, server_id);
     if (result.ok()) *resp = std::move(result).value();
     Done(server_id);
-    reactor->Finish(ToGrpcStatus(result.status()));
+    reactor->Finish(ToGrpcStatus(ClientStatus(who, result.status())));
   });
   return reactor;
 }
@@ -255,7 +255,7 @@ grpc::ServerUnaryReactor* CoordinatorService::GetRun(grpc::CallbackServerContext
   auto* reactor = ctx->DefaultReactor();
   auto run = core_->GetRun(id);
   if (run.ok()) *resp = ClientRun(*std::move(run), *caller);
-  reactor->Finish(ToGrpcStatus(run.status()));
+  reactor->Finish(ToGrpcStatus(ClientStatus(*caller, run.status())));
   return reactor;
 }
 grpc::ServerUnaryReactor* CoordinatorService::ListRuns(grpc::CallbackServerContext* ctx,
@@ -378,7 +378,7 @@ grpc::ServerUnaryReactor* CoordinatorService::GetStepMetrics(grpc::CallbackServe
   std::optional<v1::GetStepMetricsRequest> copy;
   auto r = core_->GetStepMetrics(ServerRequest(*req, *caller, id, &copy));
   if (r.ok()) *resp = *r;
-  reactor->Finish(ToGrpcStatus(r.status()));
+  reactor->Finish(ToGrpcStatus(ClientStatus(*caller, r.status())));
   return reactor;
 }
 grpc::ServerWriteReactor<v1::StepRecord>* CoordinatorService::WatchMetrics(

@@ -4,6 +4,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "lib/io/state_store.h"
 #include "rpc/bearer_token.h"
 
@@ -57,6 +58,12 @@ std::string ServerRef(const Caller& caller, const std::string& path) {
 
 std::string ClientRef(const Caller& caller, const std::string& path) {
   return MapRef(path, [&](const std::string& run) { return ClientRunId(caller, run); });
+}
+
+absl::Status ClientStatus(const Caller& caller, const absl::Status& status) {
+  const std::string prefix = OwnerRunPrefix(caller.owner);
+  if (status.ok() || prefix.empty() || !absl::StrContains(status.message(), prefix)) return status;
+  return absl::Status(status.code(), absl::StrReplaceAll(status.message(), {{prefix, ""}}));
 }
 
 }  // namespace lorastep

@@ -11,6 +11,8 @@
 
 #include <string>
 
+#include "absl/status/status.h"
+
 #include "server/coordinator.h"
 
 namespace lorastep {
@@ -26,6 +28,9 @@ std::string ClientRunId(const Caller& caller, const std::string& server_id);
 // anything else as it is.
 std::string ServerRef(const Caller& caller, const std::string& path);
 std::string ClientRef(const Caller& caller, const std::string& path);
+// `status` with the caller's own runs named as the caller knows them: the core's messages
+// name server ids ("run_id: 'k0123456789.alpha' exists", lorastep://k0123456789.alpha/ck).
+absl::Status ClientStatus(const Caller& caller, const absl::Status& status);
 
 }  // namespace lorastep
 

@@ -138,8 +138,11 @@ def main():
               f"his checkpoints are listed by his references: {b_refs}")
         a_refs = [c.ref for c in a_shared.checkpoints()]
         check("lorastep://shared/ck" not in a_refs, f"alice's run of the same id has none of his: {a_refs}")
-        refused(lambda: a_shared.load("lorastep://shared/ck"), "NOT_FOUND", "",
-                "alice's reference names her own run's (missing) checkpoint, not bob's")
+        missing = refused(lambda: a_shared.load("lorastep://shared/ck"), "NOT_FOUND", "",
+                          "alice's reference names her own run's (missing) checkpoint, not bob's")
+        alice_prefix = "k" + hashlib.sha256(b"alice").hexdigest()[:10] + "."
+        check(alice_prefix not in missing.details and "lorastep://shared/ck" in missing.details,
+              f"the refusal names her checkpoint as she does, not by the server's id: {missing.details}")
         check(b_shared.export("lorastep://shared/peft").path == "lorastep://shared/peft",
               "the export's path comes back as bob named it")
         refused(lambda: alice.create_run(rank=4, alpha=8, seed=13, run_id="shared"), "ALREADY_EXISTS",

@@ -863,6 +863,18 @@ TEST(StateStoreServiceTest, ReferencesListAndDeleteUnderTheServersRoot) {
   EXPECT_THAT(t->DeleteCheckpoint(del), StatusIs(absl::StatusCode::kInvalidArgument, "name"));
   ASSERT_OK_AND_ASSIGN(listed, t->ListCheckpoints(list));
   EXPECT_EQ(listed.checkpoints_size(), 2);
+  // Refusals name the reference, never the server's folders: a missing one is NOT_FOUND,
+  // and a damaged checkpoint's error speaks of its reference (the run is left as it was).
+  auto refused = fork.LoadState("lorastep://alpha/never-saved");
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kNotFound, "path: lorastep://alpha/never-saved: nothing is saved"));
+  EXPECT_THAT(std::string(refused.status().message()), ::testing::Not(::testing::HasSubstr(root)));
+  ASSERT_OK(WriteStringToFile(root + "/runs/alpha/step-1/trainer_state.json", "{\"optimizer_steps\": \"seven\"}"));
+  auto damaged = fork.LoadState("lorastep://alpha/step-1");
+  EXPECT_FALSE(damaged.ok());
+  EXPECT_THAT(std::string(damaged.status().message()), ::testing::HasSubstr("lorastep://alpha/step-1"));
+  EXPECT_THAT(std::string(damaged.status().message()), ::testing::Not(::testing::HasSubstr(root)));
+  ASSERT_OK_AND_ASSIGN(v1::Run unchanged, t->GetRun("beta"));
+  EXPECT_EQ(unchanged.learner_version(), 1);
 }
 
 // Issue 8: a coordinator started without --state_dir keeps its state in the default root

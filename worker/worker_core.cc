@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "lib/io/file_util.h"
 #include "lib/status_macros.h"
 
@@ -46,6 +47,17 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerOptio
   }
   return core;
 }
+
+namespace {
+
+// `status` with the state store's folder named as the client's reference: a caller learns
+// neither the server's file system layout nor its run ids.
+absl::Status AsReference(const absl::Status& status, const std::string& folder, const std::string& ref) {
+  if (status.ok() || folder == ref || folder.empty()) return status;
+  return absl::Status(status.code(), absl::StrReplaceAll(status.message(), {{folder, ref}}));
+}
+
+}  // namespace
 
 absl::StatusOr<Trainer*> WorkerCore::Prepare(const std::string& run_id, const MeshCallInfo& mesh) {
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
@@ -112,13 +124,13 @@ absl::Status WorkerCore::InitRun(Trainer* trainer, const std::string& run_id, co
       return absl::InvalidArgumentError("init_with_optimizer: a PEFT adapter has no optimizer state; "
                                         "start from a SaveState checkpoint for that");
     }
-    return prefixed(trainer->ImportAdapter(*folder));
+    return prefixed(AsReference(trainer->ImportAdapter(*folder), *folder, init_from));
   }
   if (!PathExists(*folder + "/trainer_state.json")) {
     return absl::NotFoundError(absl::StrCat("init_from: ", init_from,
                                             " holds neither adapter_config.json (PEFT) nor trainer_state.json (a checkpoint)"));
   }
-  LORASTEP_RETURN_IF_ERROR(prefixed(trainer->LoadState(*folder)));
+  LORASTEP_RETURN_IF_ERROR(prefixed(AsReference(trainer->LoadState(*folder), *folder, init_from)));
   if (!with_optimizer) trainer->ResetOptimizer();
   return absl::OkStatus();
 }
@@ -178,7 +190,7 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::SaveState(const std::string& 
   std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/true));
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
-  LORASTEP_RETURN_IF_ERROR(t->SaveState(folder));
+  LORASTEP_RETURN_IF_ERROR(AsReference(t->SaveState(folder), folder, path));
   return PathResult{t->FullAdapterSha256(), t->learner_version()};
 }
 
@@ -188,7 +200,7 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::LoadState(const std::string& 
   std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/false));
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
-  LORASTEP_RETURN_IF_ERROR(t->LoadState(folder));
+  LORASTEP_RETURN_IF_ERROR(AsReference(t->LoadState(folder), folder, path));
   return PathResult{t->FullAdapterSha256(), t->learner_version()};
 }
 
@@ -199,7 +211,7 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::ExportAdapter(const std::stri
   std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/true));
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
-  LORASTEP_RETURN_IF_ERROR(t->ExportAdapter(folder, expand_experts));
+  LORASTEP_RETURN_IF_ERROR(AsReference(t->ExportAdapter(folder, expand_experts), folder, path));
   return PathResult{t->FullAdapterSha256(), t->learner_version()};
 }
 
@@ -213,6 +225,9 @@ absl::StatusOr<const StateStore*> WorkerCore::Store() const {
 absl::StatusOr<std::string> WorkerCore::ResolvePath(const std::string& run_id, const std::string& path,
                                                     bool write) const {
   LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolveRequestPath(store_.get(), path, "path"));
+  if (store_ != nullptr && !write && !PathExists(folder)) {
+    return absl::NotFoundError(absl::StrCat("path: ", path, ": nothing is saved under that reference"));
+  }
   if (store_ != nullptr && write) {
     const std::string own = absl::StrCat(kStateRefScheme, run_id, "/");
     if (path.compare(0, own.size(), own) != 0) {
