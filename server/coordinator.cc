@@ -214,7 +214,10 @@ void Coordinator::RestartLoop() {
 
 Coordinator::Coordinator(CoordinatorOptions options) : options_(options) {
   // Without a mesh the thread also re-attaches registered workers (AddWorker queues them).
-  if (options_.journal != nullptr && (on_mesh() ? static_cast<bool>(options_.restart_mesh) : true)) {
+  // Without a journal a dead local worker is still started again (its runs' state is lost,
+  // but the service comes back for new runs).
+  const bool restarts = on_mesh() ? static_cast<bool>(options_.restart_mesh) : static_cast<bool>(options_.restart_worker);
+  if ((options_.journal != nullptr && (on_mesh() ? restarts : true)) || (options_.journal == nullptr && restarts)) {
     restarter_ = std::thread([this] { RestartLoop(); });
   }
   auto layout = ParallelLayout::Create(options_.mesh, options_.mesh.world());
@@ -326,6 +329,10 @@ bool Coordinator::RestartsDeadWorkers() const {
 }
 
 std::string Coordinator::WhatHappensToDownRuns() const {
+  if (RestartsDeadWorkers() && options_.journal == nullptr) {
+    return "the worker is started again, but without a journal (--port 0 and no --state_dir) the run's state "
+           "there is lost; DeleteRun it, or CreateRun with init_from a checkpoint";
+  }
   if (RestartsDeadWorkers()) {
     return "it is being restarted and the run restored from its autosave; retry";
   }
@@ -435,6 +442,12 @@ void Coordinator::RestartMesh() {
 }
 
 void Coordinator::RestoreOrphans(const std::vector<std::shared_ptr<RunState>>& orphans, WorkerClient* onto) {
+  if (options_.journal == nullptr) {  // nothing to restore from: the runs stay on the dead worker
+    for (const auto& old : orphans) {
+      LORASTEP_LOG(Warning) << "run " << old->run.run_id() << " is lost with its worker (no journal)";
+    }
+    return;
+  }
   for (const auto& old : orphans) {
     std::lock_guard<std::mutex> run_lock(old->mu);  // after the call that found the worker dead
     const std::string run_id = old->run.run_id();

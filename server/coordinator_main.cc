@@ -377,9 +377,9 @@ int main(int argc, char** argv) {
     local = std::move(started).value();
     for (const auto& child : local) addresses.push_back(child.address());
   }
-  // With a journal, a local worker that dies is started again and its runs come back from
-  // their autosaves (a mesh: see restart_mesh below).
-  if (journal && world == 1 && !local.empty()) {
+  // A local worker that dies is started again; with a journal its runs come back from their
+  // autosaves (a mesh: see restart_mesh below), without one they are lost.
+  if (world == 1 && !local.empty()) {
     options.restart_worker = [&](const std::string& address) -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
       std::lock_guard<std::mutex> lock(local_mu);
       for (size_t i = 0; i < local.size(); ++i) {

@@ -1437,6 +1437,39 @@ TEST(ProcessTest, KilledWorkerIsRestartedAndItsRunsResume) {
   ExpectAppliedOnceLikeAnUninterruptedRun(client.get(), step3, *r);
 }
 
+// Issue 8: without a journal (--port 0, no --state_dir) a local worker killed with SIGKILL
+// is still started again: its run's state is lost, and its calls say so, but health comes
+// back and new runs train (the defect: every later call failed, for good).
+TEST(ProcessTest, KilledWorkerWithoutJournalIsStartedAgain) {
+  const std::string dir = ScratchDir("worker_restart_nojournal");
+  ASSERT_EQ(setenv("XDG_STATE_HOME", (dir + "/xdg").c_str(), 1), 0);
+  auto started = StartTinyCoordinator("worker_restart_nojournal_model");
+  ASSERT_EQ(unsetenv("XDG_STATE_HOME"), 0);
+  ASSERT_OK_AND_ASSIGN(ChildServer server, std::move(started));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
+  ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
+  const std::string list = absl::StrCat("pgrep -P ", server.pid(), " > ", dir, "/children");
+  ASSERT_EQ(system(list.c_str()), 0);
+  ASSERT_OK_AND_ASSIGN(std::string children, ReadFileToString(dir + "/children"));
+  ASSERT_EQ(kill(std::atoi(children.c_str()), SIGKILL), 0);
+  run.max_attempts = 1;
+  absl::Status lost = run.TrainStep(Batch(1), Ppo(), Adam()).status();
+  EXPECT_EQ(lost.code(), absl::StatusCode::kUnavailable) << lost;
+  bool serving = false;
+  for (int i = 0; i < 300 && !serving; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ASSERT_OK_AND_ASSIGN(serving, client->Healthy());
+  }
+  ASSERT_TRUE(serving) << "the worker was not started again";
+  EXPECT_THAT(run.TrainStep(Batch(1), Ppo(), Adam()).status(),
+              StatusIs(absl::StatusCode::kUnavailable, "without a journal"));
+  ASSERT_OK_AND_ASSIGN(RunSession fresh, RunSession::Create(client.get(), Lora(), 4));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse trained, fresh.TrainStep(Batch(0), Ppo(), Adam()));
+  EXPECT_EQ(trained.learner_version(), 1);
+  ASSERT_OK(client->DeleteRun(run.run_id()));
+}
+
 // Issue 8: a listed worker (--workers, run by someone else's supervisor) killed with
 // SIGKILL. The coordinator awaits it at its address; when a new process answers there, with
 // the same state store, the run comes back from its autosave and the client's retry applies
