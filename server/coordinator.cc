@@ -40,6 +40,9 @@ struct Coordinator::RunState {
   mutable std::mutex view_mu;
   v1::Run run;
   std::vector<WorkerClient*> ranks;  // rank -> worker (one worker when not on a mesh)
+  // The last autosave: when it ended and how long it took (< 0: none yet in this process).
+  std::chrono::steady_clock::time_point last_autosave_end;
+  double last_autosave_s = -1;
   struct Recorded {
     std::string method;
     std::string response;  // serialized
@@ -800,7 +803,13 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
   if (options_.journal == nullptr) return;
   const int64_t version = run.run.learner_version();
   const int every = run.run.lora().rank() == 0 ? options_.autosave_every_full_steps : options_.autosave_every_steps;
-  if (!force && (every <= 0 || version % every != 0)) return;
+  const auto started = std::chrono::steady_clock::now();
+  if (!force && every > 0 && version % every != 0) return;
+  if (!force && every <= 0 && run.last_autosave_s >= 0 &&
+      std::chrono::duration<double>(started - run.last_autosave_end).count() * options_.autosave_max_share <
+          run.last_autosave_s) {
+    return;  // spaced by cost: too soon after the last one
+  }
   const std::string& run_id = run.run.run_id();
   auto saved = FanOut<v1::WorkerPathResponse>(run, AllRanks(run), [&](int, WorkerClient* w) {
     v1::WorkerPathRequest wreq = PathRequest(run_id, AutosaveRef(run_id));
@@ -820,6 +829,8 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
   if (absl::Status s = options_.journal->Append(run_id, marker, /*sync=*/true); !s.ok()) {
     LORASTEP_LOG(Error) << "journal: run " << run_id << ": " << s;
   }
+  run.last_autosave_end = std::chrono::steady_clock::now();
+  run.last_autosave_s = std::chrono::duration<double>(run.last_autosave_end - started).count();
 }
 
 absl::StatusOr<int> Coordinator::RestoreRuns() {

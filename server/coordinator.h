@@ -67,7 +67,12 @@ struct CoordinatorOptions {
   // `autosave_every_steps` optimizer steps and after each LoadState. Not owned; null: runs
   // live in memory only.
   RunJournal* journal = nullptr;
+  // 0: spaced by cost instead: after a step once the run's wall time since its last autosave
+  // is at least that autosave's duration / `autosave_max_share` (the first step always), so
+  // autosaves take at most that share of a run's time: a small adapter is saved every step,
+  // a large one (0.1-0.2 s to write) every few seconds.
   int autosave_every_steps = 1;
+  double autosave_max_share = 0.1;
   // The same for full fine-tuning runs (rank 0), whose state is the whole model and its
   // optimizer: saved far less often by default (--autosave_every_full_steps).
   int autosave_every_full_steps = 50;
@@ -171,7 +176,8 @@ class Coordinator {
   void Record(RunState& run, const std::string& method, const std::string& request_id,
               const google::protobuf::Message& response, bool with_step = false);
   // With a journal: saves the run's worker state to its autosave and marks the journal,
-  // when `force` or when the learner version is a multiple of autosave_every_steps.
+  // when `force` or when the learner version is a multiple of autosave_every_steps (0: when
+  // the time since the last autosave allows, see CoordinatorOptions).
   void MaybeAutosave(RunState& run, bool force);
   // Record's bounded store of request records (also used when restoring a run).
   void KeepRecord(RunState& run, const std::string& request_id, const std::string& method,

@@ -126,9 +126,11 @@ ABSL_FLAG(int, executor_spin_us, 2000,
           "after each training call, an executor thread polls this long for the run's next call before it "
           "sleeps (a training loop sends the next call at once; waking a sleeping thread costs more)");
 ABSL_FLAG(std::optional<int>, autosave_every_steps, std::nullopt,
-          "with a journal: save a run's worker state after every N optimizer steps (default: 1 with an explicit "
-          "--state_dir or --journal_dir; 50 with the default journal of a fixed --port, where an autosave of a "
-          "large adapter and its optimizer state every step would cost a large share of the step)");
+          "with a journal: save a run's worker state after every N optimizer steps; 0: spaced by cost, so "
+          "autosaves take at most --autosave_max_share of a run's time (a small adapter every step, a large one "
+          "every few seconds). Default: 1 with an explicit --state_dir or --journal_dir, 0 with the default "
+          "journal of a fixed --port");
+ABSL_FLAG(double, autosave_max_share, 0.1, "with --autosave_every_steps 0: the share of a run's time autosaves may take");
 
 namespace {
 
@@ -258,16 +260,21 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_workers).empty() && !absl::GetFlag(FLAGS_wait_for_workers)) {
     journal_dir = state_root + "/.journal";  // on by default with a state root
   }
-  const int autosave_every = absl::GetFlag(FLAGS_autosave_every_steps).value_or(explicit_state ? 1 : 50);
+  const int autosave_every = absl::GetFlag(FLAGS_autosave_every_steps).value_or(explicit_state ? 1 : 0);
+  const double autosave_share = absl::GetFlag(FLAGS_autosave_max_share);
+  if (!(autosave_share > 0 && autosave_share <= 1)) {
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("autosave_max_share: ", autosave_share, " must be in (0, 1]")));
+  }
   if (!journal_dir.empty()) {
     // Registered workers bring their own state stores; a mesh that joins by registration
     // cannot be brought back (its ranks would have to re-form their process groups).
     const bool registered = absl::GetFlag(FLAGS_wait_for_workers);
-    if ((registered && world > 1) || autosave_every < 1 ||
+    if ((registered && world > 1) || autosave_every < 0 ||
         (absl::GetFlag(FLAGS_workers).empty() && !registered && state_dir.empty())) {
       return fail(absl::InvalidArgumentError(
           "journal_dir: needs --state_dir (where the local workers autosave runs), --workers or "
-          "--wait_for_workers (workers started with their own --state_dir), --autosave_every_steps >= 1, "
+          "--wait_for_workers (workers started with their own --state_dir), --autosave_every_steps >= 0, "
           "and no mesh joined by registration"));
     }
     auto opened = RunJournal::Open(journal_dir);
@@ -275,8 +282,10 @@ int main(int argc, char** argv) {
     journal = std::move(opened).value();
     options.journal = &*journal;
     options.autosave_every_steps = autosave_every;
+    options.autosave_max_share = autosave_share;
     LORASTEP_LOG(Info) << "lorastep_coordinator: journal " << journal_dir << ", state store " << state_dir
-                       << ", autosave every " << autosave_every << " LoRA / "
+                       << ", autosave every " << (autosave_every > 0 ? absl::StrCat(autosave_every) : "cost-spaced")
+                       << " LoRA / "
                        << std::max(1, absl::GetFlag(FLAGS_autosave_every_full_steps)) << " full fine-tuning steps";
     options.autosave_every_full_steps = std::max(1, absl::GetFlag(FLAGS_autosave_every_full_steps));
   }

@@ -1213,8 +1213,9 @@ TEST(InProcessWorkerTest, AnswersLikeTheWorkerProcess) {
 // under <default root>/port-<port>. SIGKILLed and started again on that port it brings its
 // runs back (the defect: killing a coordinator started with the defaults lost every run);
 // a coordinator on another port does not see them, and --port 0 keeps no journal. The
-// default journal autosaves every 50 LoRA steps: after two steps the run returns as it was
-// created; with --autosave_every_steps 1 it returns at its last step.
+// default journal spaces autosaves by their cost (the first step is always saved): with
+// --autosave_max_share 1e-6 no second autosave is due, so the run returns at learner
+// version 1; with --autosave_every_steps 1 it returns at its last step.
 TEST(ProcessTest, DefaultJournalIsPerPort) {
   ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("default_journal"));
   const std::string xdg = dir + "/xdg";
@@ -1229,8 +1230,8 @@ TEST(ProcessTest, DefaultJournalIsPerPort) {
     return started;
   };
   for (const bool every_step : {false, true}) {
-    const std::vector<std::string> extra =
-        every_step ? std::vector<std::string>{"--autosave_every_steps", "1"} : std::vector<std::string>{};
+    const std::vector<std::string> extra = every_step ? std::vector<std::string>{"--autosave_every_steps", "1"}
+                                                      : std::vector<std::string>{"--autosave_max_share", "1e-6"};
     const std::string run_id = every_step ? "every-step" : "defaults";
     {
       ASSERT_OK_AND_ASSIGN(ChildServer first, start(port, extra));
@@ -1245,10 +1246,10 @@ TEST(ProcessTest, DefaultJournalIsPerPort) {
     ASSERT_OK_AND_ASSIGN(ChildServer again, start(port, extra));
     ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(again.address()));
     ASSERT_OK_AND_ASSIGN(v1::Run back, client->GetRun(run_id));
-    EXPECT_EQ(back.learner_version(), every_step ? 2 : 0) << run_id;
+    EXPECT_EQ(back.learner_version(), every_step ? 2 : 1) << run_id;
     ASSERT_OK_AND_ASSIGN(RunSession resumed, RunSession::Attach(client.get(), run_id));
     ASSERT_OK_AND_ASSIGN(v1::StepResponse next, resumed.TrainStep(Batch(2), Ppo(), Adam()));
-    EXPECT_EQ(next.learner_version(), every_step ? 3 : 1) << run_id;
+    EXPECT_EQ(next.learner_version(), every_step ? 3 : 2) << run_id;
   }
   // Another port is another instance; --port 0 is none (no journal folder for it).
   ASSERT_OK_AND_ASSIGN(ChildServer other, start(std::to_string(FreeLocalPort()), {}));
@@ -1259,6 +1260,14 @@ TEST(ProcessTest, DefaultJournalIsPerPort) {
   EXPECT_THAT(anonymous_client->GetRun("defaults"), StatusIs(absl::StatusCode::kNotFound, "defaults"));
   EXPECT_FALSE(PathExists(xdg + "/lorastep/.journal"));
   EXPECT_FALSE(PathExists(xdg + "/lorastep/port-0"));
+  // The share is a fraction of the run's time.
+  for (const char* share : {"0", "1.5"}) {
+    const std::string bad = absl::StrCat(Binary("server/lorastep_coordinator"), " --model ", dir,
+                                         "/model --port 0 --autosave_max_share ", share, " 2> ", dir, "/share.txt");
+    EXPECT_NE(system(bad.c_str()), 0) << bad;
+    ASSERT_OK_AND_ASSIGN(std::string why, ReadFileToString(dir + "/share.txt"));
+    EXPECT_THAT(why, ::testing::HasSubstr("autosave_max_share: ")) << why;
+  }
 }
 
 TEST(ProcessTest, KilledCoordinatorRestartsItsRunsFromTheJournal) {
