@@ -69,8 +69,8 @@ struct CoordinatorOptions {
   RunJournal* journal = nullptr;
   // 0: spaced by cost instead: after a step once the run's wall time since its last autosave
   // is at least that autosave's duration / `autosave_max_share` (the first step always), so
-  // autosaves take at most that share of a run's time: a small adapter is saved every step,
-  // a large one (0.1-0.2 s to write) every few seconds.
+  // autosaves take at most that share of a run's time: one that takes d seconds comes at most
+  // every d / share seconds (every step when steps are longer than that).
   int autosave_every_steps = 1;
   double autosave_max_share = 0.1;
   // The same for full fine-tuning runs (rank 0), whose state is the whole model and its

@@ -127,8 +127,8 @@ ABSL_FLAG(int, executor_spin_us, 2000,
           "sleeps (a training loop sends the next call at once; waking a sleeping thread costs more)");
 ABSL_FLAG(std::optional<int>, autosave_every_steps, std::nullopt,
           "with a journal: save a run's worker state after every N optimizer steps; 0: spaced by cost, so "
-          "autosaves take at most --autosave_max_share of a run's time (a small adapter every step, a large one "
-          "every few seconds). Default: 1 with an explicit --state_dir or --journal_dir, 0 with the default "
+          "autosaves take at most --autosave_max_share of a run's time (one taking d seconds comes at most every "
+          "d / share seconds). Default: 1 with an explicit --state_dir or --journal_dir, 0 with the default "
           "journal of a fixed --port");
 ABSL_FLAG(double, autosave_max_share, 0.1, "with --autosave_every_steps 0: the share of a run's time autosaves may take");
 

@@ -203,12 +203,10 @@ grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext*
                                                     Call call, bool run_scoped) {
   // Authentication and ownership are checked before the call is queued, on the server's
   // id of the run (per owner with API keys).
-  auto caller = Authenticate(ctx);
+  std::string server_id;
+  auto caller = run_scoped ? Authorize(ctx, run_id, &server_id) : Authenticate(ctx);
   if (!caller.ok()) return Refuse(ctx, caller.status());
-  std::string server_id = ServerRunId(*caller, run_id);
-  if (run_scoped) {
-    if (absl::Status s = CheckRunAccess(run_id, server_id, *caller); !s.ok()) return Refuse(ctx, s);
-  }
+  if (!run_scoped) server_id = ServerRunId(*caller, run_id);
   if (absl::Status admitted = Admit(server_id); !admitted.ok()) return Refuse(ctx, admitted);
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   executor_.Submit(server_id, [this, reactor, resp, server_id, call = std::move(call), who = *caller]() mutable {

@@ -61,8 +61,9 @@ std::string ClientRef(const Caller& caller, const std::string& path) {
 }
 
 absl::Status ClientStatus(const Caller& caller, const absl::Status& status) {
+  if (status.ok() || caller.owner.empty()) return status;
   const std::string prefix = OwnerRunPrefix(caller.owner);
-  if (status.ok() || prefix.empty() || !absl::StrContains(status.message(), prefix)) return status;
+  if (!absl::StrContains(status.message(), prefix)) return status;
   return absl::Status(status.code(), absl::StrReplaceAll(status.message(), {{prefix, ""}}));
 }
 
