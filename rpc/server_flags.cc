@@ -18,6 +18,7 @@ ABSL_FLAG(std::string, test_skip_shared_reduction, "",
 ABSL_FLAG(std::optional<int>, test_shared_reductions, std::nullopt,
           "test only: reductions of the shared-outer factors per step");
 ABSL_FLAG(int, test_check_grad_digests, 1, "test only: 0 runs without the gradient-digest checks");
+ABSL_FLAG(int, test_autosave_write_delay_ms, 0, "test only: background SaveStates wait this long before writing");
 ABSL_FLAG(int, test_corrupt_main_grad_rank, -1, "test only: corrupt this rank's main_grad after reduction");
 ABSL_FLAG(int, test_inventory_mismatch_rank, -1, "test only: alter this rank's factor inventory");
 
@@ -52,7 +53,8 @@ std::vector<std::string> NonDefaultFlagArgs(const std::vector<std::string>& name
 const std::vector<std::string>& WorkerTestFlagNames() {
   static const auto* names = new std::vector<std::string>{
       "test_replicated_reductions", "test_skip_shared_reduction", "test_shared_reductions",
-      "test_check_grad_digests",    "test_corrupt_main_grad_rank", "test_inventory_mismatch_rank"};
+      "test_check_grad_digests",    "test_corrupt_main_grad_rank", "test_inventory_mismatch_rank",
+      "test_autosave_write_delay_ms"};
   return *names;
 }
 

@@ -23,6 +23,7 @@ ABSL_DECLARE_FLAG(std::optional<int>, test_replicated_reductions);
 ABSL_DECLARE_FLAG(std::string, test_skip_shared_reduction);
 ABSL_DECLARE_FLAG(std::optional<int>, test_shared_reductions);
 ABSL_DECLARE_FLAG(int, test_check_grad_digests);
+ABSL_DECLARE_FLAG(int, test_autosave_write_delay_ms);
 ABSL_DECLARE_FLAG(int, test_corrupt_main_grad_rank);
 ABSL_DECLARE_FLAG(int, test_inventory_mismatch_rank);
 

@@ -18,6 +18,8 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "lib/log.h"
 #include "absl/strings/str_join.h"
@@ -32,17 +34,31 @@
 
 namespace lorastep {
 
-struct Coordinator::RunState {
-  std::mutex mu;  // serializes calls on this run; guards everything below
+struct Coordinator::RunState : std::enable_shared_from_this<Coordinator::RunState> {
+  std::mutex mu;  // serializes calls on this run; guards everything below but the autosave fields
   // Readers (GetRun, ListRuns, GetStepMetrics) take only this, so they never wait for a
   // training step: it guards `run` and `history`, which writers (holding `mu`) change only
   // while holding it too.
   mutable std::mutex view_mu;
   v1::Run run;
   std::vector<WorkerClient*> ranks;  // rank -> worker (one worker when not on a mesh)
-  // The last autosave: when it ended and how long it took (< 0: none yet in this process).
+  // The last autosave: when its part on the call's path ended and how long that took (< 0:
+  // none yet in this process).
   std::chrono::steady_clock::time_point last_autosave_end;
   double last_autosave_s = -1;
+  // Autosaves (with a journal), guarded by autosave_mu: the checkpoint name of the last
+  // durable one, the number of the next, whether one is being written in the background (one
+  // at a time per run). The confirmation holds autosave_mu while it journals an autosave as
+  // durable and deletes the one before; a restore holds it while it reads the journal.
+  std::mutex autosave_mu;
+  std::condition_variable autosave_cv;  // a background autosave ended
+  std::string durable_autosave;
+  int64_t next_autosave = 1;
+  bool autosave_in_flight = false;
+  // A step skipped its autosave while one was in flight: the confirmation then saves the run
+  // as it is (so a run that stops stepping still gets its last step saved).
+  bool autosave_owed = false;
+  bool retired = false;  // restored anew or deleted: a late confirmation changes nothing
   struct Recorded {
     std::string method;
     std::string response;  // serialized
@@ -153,8 +169,31 @@ class FingerprintTask {
   std::future<std::string> done_;
 };
 
-// Where a journaled run's worker state is saved after its steps (a reserved checkpoint name).
-std::string AutosaveRef(const std::string& run_id) { return absl::StrCat("lorastep://", run_id, "/autosave"); }
+// Where a journaled run's worker state is saved after its steps: autosave-<n>, a fresh name
+// each time, so a background write never replaces the autosave a restart would need.
+// ("autosave" alone: journals written before the names.) Reserved for the journal.
+std::string AutosaveRef(const std::string& run_id, const std::string& name) {
+  return absl::StrCat(kStateRefScheme, run_id, "/", name);
+}
+// The <name> of a lorastep://<run_id>/<name> reference ("" for any other path).
+std::string OwnRefName(const std::string& run_id, absl::string_view path) {
+  if (!absl::ConsumePrefix(&path, kStateRefScheme) || !absl::ConsumePrefix(&path, run_id) ||
+      !absl::ConsumePrefix(&path, "/")) {
+    return "";
+  }
+  return std::string(path);
+}
+bool IsAutosaveName(absl::string_view name) {
+  if (name == "autosave") return true;
+  if (!absl::ConsumePrefix(&name, "autosave-") || name.empty()) return false;
+  return std::all_of(name.begin(), name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+// The number of autosave-<n> (0 for "autosave" or another name).
+int64_t AutosaveNumber(absl::string_view name) {
+  int64_t n = 0;
+  if (!IsAutosaveName(name) || !absl::ConsumePrefix(&name, "autosave-") || !absl::SimpleAtoi(name, &n)) return 0;
+  return n;
+}
 
 // A Forward(Backward) response's size, from above: per datum a float per target (packed)
 // plus framing, and the metrics map.
@@ -227,6 +266,8 @@ Coordinator::Coordinator(CoordinatorOptions options) : options_(options) {
   if (options_.metrics != nullptr) {
     DeclareStepMetrics(options_.metrics);
     options_.metrics->Declare("lorastep_runs", PrometheusRegistry::Type::kGauge, "runs that exist on this coordinator");
+    options_.metrics->Declare("lorastep_autosave_failures_total", PrometheusRegistry::Type::kCounter,
+                              "background autosaves that were not written (a restart resumes from the one before)");
   }
 }
 
@@ -452,6 +493,10 @@ void Coordinator::RestoreOrphans(const std::vector<std::shared_ptr<RunState>>& o
   }
   for (const auto& old : orphans) {
     std::lock_guard<std::mutex> run_lock(old->mu);  // after the call that found the worker dead
+    // The journal is cut back to the last durable autosave here: a confirmation of the old
+    // run's background autosave arriving later must not record (or delete) anything.
+    std::lock_guard<std::mutex> autosave_lock(old->autosave_mu);
+    old->retired = true;
     const std::string run_id = old->run.run_id();
     auto journaled = options_.journal->RecoverRun(run_id);
     absl::Status restored = journaled.status();
@@ -670,15 +715,14 @@ absl::Status Coordinator::DeleteRun(const std::string& run_id) {
                              return true;
                            }).status());
   if (options_.journal != nullptr) {
-    if (!on_down_worker) {  // its autosave is of no use any more (best effort)
-      v1::DeleteCheckpointRequest del;
-      del.set_run_id(run_id);
-      del.set_name("autosave");
-      FanOut<bool>(*run, {0}, [&](int, WorkerClient* w) -> absl::StatusOr<bool> {
-        LORASTEP_RETURN_IF_ERROR(w->DeleteCheckpoint(del));
-        return true;
-      }).IgnoreError();
+    {
+      // A background autosave still being written is awaited (for a while) so it is removed
+      // with the others rather than landing after them.
+      std::unique_lock<std::mutex> lock(run->autosave_mu);
+      run->autosave_cv.wait_for(lock, std::chrono::seconds(60), [&] { return !run->autosave_in_flight; });
+      run->retired = true;
     }
+    if (!on_down_worker) DeleteAutosaves(*run, "");  // of no use any more (best effort)
     LORASTEP_RETURN_IF_ERROR(options_.journal->RemoveRun(run_id));
   }
   {
@@ -804,15 +848,38 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
   const int64_t version = run.run.learner_version();
   const int every = run.run.lora().rank() == 0 ? options_.autosave_every_full_steps : options_.autosave_every_steps;
   const auto started = std::chrono::steady_clock::now();
-  if (!force && every > 0 && version % every != 0) return;
-  if (!force && every <= 0 && run.last_autosave_s >= 0 &&
-      std::chrono::duration<double>(started - run.last_autosave_end).count() * options_.autosave_max_share <
-          run.last_autosave_s) {
-    return;  // spaced by cost: too soon after the last one
+  bool owed;  // an earlier step's autosave was skipped: due now, whatever the spacing
+  {
+    std::lock_guard<std::mutex> lock(run.autosave_mu);
+    owed = run.autosave_owed;
+  }
+  const bool due =
+      force || owed ||
+      (every > 0 ? version % every == 0
+                 : run.last_autosave_s < 0 ||  // spaced by cost: not too soon after the last one
+                       std::chrono::duration<double>(started - run.last_autosave_end).count() *
+                               options_.autosave_max_share >=
+                           run.last_autosave_s);
+  if (!due) return;
+  std::string name;
+  {
+    // One background autosave per run at a time: a step while one is written skips its own
+    // (the disk sets the pace, and memory holds one copy of the state) and the confirmation
+    // catches up; a forced one (the state LoadState brought) waits for it.
+    std::unique_lock<std::mutex> lock(run.autosave_mu);
+    if (run.autosave_in_flight && !force) {
+      run.autosave_owed = true;
+      return;
+    }
+    run.autosave_cv.wait(lock, [&] { return !run.autosave_in_flight; });
+    run.autosave_owed = false;
+    name = absl::StrCat("autosave-", run.next_autosave++);
   }
   const std::string& run_id = run.run.run_id();
+  const bool background = options_.autosave_in_background;
   auto saved = FanOut<v1::WorkerPathResponse>(run, AllRanks(run), [&](int, WorkerClient* w) {
-    v1::WorkerPathRequest wreq = PathRequest(run_id, AutosaveRef(run_id));
+    v1::WorkerPathRequest wreq = PathRequest(run_id, AutosaveRef(run_id, name));
+    wreq.set_background(background);
     wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
     return w->SaveState(wreq);
   });
@@ -820,17 +887,96 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
     LORASTEP_LOG(Error) << "autosave of run " << run_id << " at learner_version " << version << ": " << saved.status();
     return;
   }
+  // The marker goes where the state was taken, between this call's record and the next's;
+  // a background one is pending until the confirmation journals it as durable (fsynced).
   v1::JournalEntry marker;
   marker.set_autosave_marker(true);
+  marker.set_autosave_name(name);
+  marker.set_autosave_pending(background);
   {
     std::lock_guard<std::mutex> view(run.view_mu);
     *marker.mutable_run() = run.run;
   }
-  if (absl::Status s = options_.journal->Append(run_id, marker, /*sync=*/true); !s.ok()) {
+  if (absl::Status s = options_.journal->Append(run_id, marker, /*sync=*/!background); !s.ok()) {
     LORASTEP_LOG(Error) << "journal: run " << run_id << ": " << s;
+    return;
   }
   run.last_autosave_end = std::chrono::steady_clock::now();
   run.last_autosave_s = std::chrono::duration<double>(run.last_autosave_end - started).count();
+  std::lock_guard<std::mutex> lock(run.autosave_mu);
+  if (!background) return RecordDurableAutosave(run, name, version);
+  run.autosave_in_flight = true;
+  // Rank 0 writes the (gathered) state; the others copied nothing to write.
+  autosave_confirmations_.Submit([this, state = run.shared_from_this(), writer = run.ranks[0], id = run_id, name,
+                                  version] {
+    absl::Status written = writer->AwaitSaved(PathRequest(id, AutosaveRef(id, name)));
+    std::unique_lock<std::mutex> lock(state->autosave_mu);
+    if (!state->retired) {
+      v1::JournalEntry done;
+      done.set_autosave_done(name);
+      if (written.ok()) written = options_.journal->Append(id, done, /*sync=*/true);
+      if (written.ok()) {
+        RecordDurableAutosave(*state, name, version);
+      } else {  // a restart would resume from the previous autosave
+        LORASTEP_LOG(Error) << "autosave " << name << " of run " << id << ": " << written;
+        if (options_.metrics != nullptr) options_.metrics->Add("lorastep_autosave_failures_total", {{"run", id}});
+      }
+    }
+    state->autosave_in_flight = false;
+    state->autosave_cv.notify_all();
+    if (!std::exchange(state->autosave_owed, false) || state->retired) return;
+    lock.unlock();
+    // The steps since were not saved: save the run now, between its calls. Autosaves start
+    // only under the run's mu, so one not in flight here stays so: this never waits for a
+    // confirmation queued behind this one.
+    std::lock_guard<std::mutex> run_lock(state->mu);
+    {
+      std::lock_guard<std::mutex> again(state->autosave_mu);
+      if (state->retired || state->autosave_in_flight) return;  // or a step saved the run meanwhile
+      // Gradients of a ForwardBackward are not in an autosave: the OptimStep after it saves.
+      if (state->run.pending_forward_backward() > 0) {
+        state->autosave_owed = true;
+        return;
+      }
+    }
+    MaybeAutosave(*state, /*force=*/true);
+  });
+}
+
+void Coordinator::RecordDurableAutosave(RunState& run, const std::string& name, int64_t version) {
+  {
+    std::lock_guard<std::mutex> view(run.view_mu);
+    run.run.set_autosaved_learner_version(version);
+  }
+  const std::string previous = std::exchange(run.durable_autosave, name);
+  if (previous.empty() || previous == name) return;
+  v1::DeleteCheckpointRequest del;  // a restart resumes from `name` now (best effort)
+  del.set_run_id(run.run.run_id());
+  del.set_name(previous);
+  if (absl::Status s = run.ranks[0]->DeleteCheckpoint(del); !s.ok() && !absl::IsNotFound(s)) {
+    LORASTEP_LOG(Warning) << "run " << run.run.run_id() << ": removing the earlier autosave " << previous << ": " << s;
+  }
+}
+
+void Coordinator::DeleteAutosaves(RunState& run, const std::string& keep) {
+  v1::ListCheckpointsRequest list;
+  list.set_run_id(run.run.run_id());
+  auto listed = run.ranks[0]->ListCheckpoints(list);
+  if (!listed.ok()) return;  // best effort: a worker without a store, or down
+  for (const auto& c : listed->checkpoints()) {
+    if (!IsAutosaveName(c.name()) || c.name() == keep) continue;
+    v1::DeleteCheckpointRequest del;
+    del.set_run_id(run.run.run_id());
+    del.set_name(c.name());
+    run.ranks[0]->DeleteCheckpoint(del).IgnoreError();
+  }
+}
+
+bool Coordinator::WaitForAutosaves(std::chrono::milliseconds timeout) {
+  auto done = std::make_shared<std::promise<void>>();
+  std::future<void> finished = done->get_future();
+  autosave_confirmations_.Submit([done] { done->set_value(); });  // after every confirmation queued so far
+  return finished.wait_for(timeout) == std::future_status::ready;
 }
 
 absl::StatusOr<int> Coordinator::RestoreRuns() {
@@ -909,7 +1055,7 @@ absl::Status Coordinator::RestoreRun(const JournaledRun& j, WorkerClient* onto) 
   int64_t version = (*created)[0].learner_version();
   if (j.autosaved) {
     auto loaded = FanOut<v1::WorkerPathResponse>(*state, AllRanks(*state), [&](int, WorkerClient* w) {
-      v1::WorkerPathRequest wreq = PathRequest(run_id, AutosaveRef(run_id));
+      v1::WorkerPathRequest wreq = PathRequest(run_id, AutosaveRef(run_id, j.autosave_name));
       // Unique per restore: a worker answers a request_id it has seen from its record.
       *wreq.mutable_mesh() = MeshHeader(*state, absl::StrCat("restore-", run_id, "-", NowMs(), "-", ++restore_count_),
                                         /*check_version=*/false);
@@ -919,7 +1065,7 @@ absl::Status Coordinator::RestoreRun(const JournaledRun& j, WorkerClient* onto) 
     if (!loaded.ok() || (*loaded)[0].learner_version() != j.run.learner_version()) {
       delete_on_ranks();
       if (!loaded.ok()) return loaded.status();
-      return absl::DataLossError(absl::StrCat(AutosaveRef(run_id), " holds learner_version ",
+      return absl::DataLossError(absl::StrCat(AutosaveRef(run_id, j.autosave_name), " holds learner_version ",
                                               (*loaded)[0].learner_version(), ", the journal ",
                                               j.run.learner_version()));
     }
@@ -928,6 +1074,15 @@ absl::Status Coordinator::RestoreRun(const JournaledRun& j, WorkerClient* onto) 
   state->run = j.run;
   state->run.set_learner_version(version);
   state->run.set_pending_forward_backward(0);
+  // Autosaves that never became durable (or that a crash kept from being removed) go.
+  state->durable_autosave = j.autosave_name;
+  state->next_autosave = AutosaveNumber(j.autosave_name) + 1;
+  if (j.autosaved) {
+    state->run.set_autosaved_learner_version(version);
+  } else {
+    state->run.clear_autosaved_learner_version();
+  }
+  DeleteAutosaves(*state, j.autosave_name);
   state->restored_note = absl::StrCat(" (the run was restored after a restart at learner_version ", version,
                                       ", next_sequence_id ", j.run.next_sequence_id(),
                                       "; calls after its last autosave were dropped)");
@@ -1410,8 +1565,15 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
   return resp;
 }
 
+absl::Status Coordinator::CheckNotAutosave(const std::string& run_id, const std::string& name, const char* field) const {
+  if (options_.journal == nullptr || !IsAutosaveName(name)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", AutosaveRef(run_id, name),
+                                                 " is a name the journal keeps for the run's autosaves; use another"));
+}
+
 absl::StatusOr<v1::SaveStateResponse> Coordinator::SaveState(const v1::SaveStateRequest& req) {
   if (req.path().empty()) return absl::InvalidArgumentError("path: required");
+  LORASTEP_RETURN_IF_ERROR(CheckNotAutosave(req.run_id(), OwnRefName(req.run_id(), req.path()), "path"));
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
   // Every rank takes part (tensor ranks gather their slices); rank 0 writes one
@@ -1459,6 +1621,7 @@ absl::StatusOr<v1::Run> Coordinator::LoadState(const v1::LoadStateRequest& req) 
 absl::StatusOr<v1::ExportAdapterResponse> Coordinator::ExportAdapter(
     const v1::ExportAdapterRequest& req) {
   if (req.path().empty()) return absl::InvalidArgumentError("path: required");
+  LORASTEP_RETURN_IF_ERROR(CheckNotAutosave(req.run_id(), OwnRefName(req.run_id(), req.path()), "path"));
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
   LORASTEP_ASSIGN_OR_RETURN(
@@ -1484,6 +1647,7 @@ absl::StatusOr<v1::ListCheckpointsResponse> Coordinator::ListCheckpoints(
 }
 
 absl::Status Coordinator::DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) {
+  LORASTEP_RETURN_IF_ERROR(CheckNotAutosave(req.run_id(), req.name(), "name"));
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);  // not while a SaveState of this run writes
   return FanOut<bool>(*run, {0}, [&](int, WorkerClient* w) -> absl::StatusOr<bool> {

@@ -32,6 +32,7 @@
 #include "lib/parallel/parallel_layout.h"
 #include "lib/prometheus_registry.h"
 #include "lorastep/v1/trainer.pb.h"
+#include "rpc/serial_executor.h"
 #include "server/run_journal.h"
 #include "server/worker_client.h"
 
@@ -63,10 +64,14 @@ struct CoordinatorOptions {
   int rendezvous_port = 29500;
   // Runs survive a restart of the coordinator (server/run_journal.h): every applied call is
   // journaled before its response leaves, and the workers' state of a run is saved to
-  // lorastep://<run>/autosave (the workers need --state_dir) after every
+  // lorastep://<run>/autosave-<n> (the workers need --state_dir) after every
   // `autosave_every_steps` optimizer steps and after each LoadState. Not owned; null: runs
   // live in memory only.
   RunJournal* journal = nullptr;
+  // The workers copy the state to host memory on the call's path and write it afterwards;
+  // the journal marks the autosave durable once rank 0 says it is written. false: the call
+  // waits for the disk (and a step during a background write skips its autosave).
+  bool autosave_in_background = true;
   // 0: spaced by cost instead: after a step once the run's wall time since its last autosave
   // is at least that autosave's duration / `autosave_max_share` (the first step always), so
   // autosaves take at most that share of a run's time: one that takes d seconds comes at most
@@ -160,6 +165,9 @@ class Coordinator {
   // brought back is skipped with a log line and stays in the journal for the next start.
   // Returns how many runs came back.
   absl::StatusOr<int> RestoreRuns();
+  // Waits (up to `timeout`) until every background autosave started so far is journaled as
+  // durable or failed; false on timeout. Before shutting the workers down.
+  bool WaitForAutosaves(std::chrono::milliseconds timeout);
 
  private:
   struct RunState;
@@ -179,6 +187,14 @@ class Coordinator {
   // when `force` or when the learner version is a multiple of autosave_every_steps (0: when
   // the time since the last autosave allows, see CoordinatorOptions).
   void MaybeAutosave(RunState& run, bool force);
+  // `name` (of the state at learner `version`) is the run's durable autosave now; the
+  // previous one is removed. Requires the
+  // run's autosave_mu.
+  void RecordDurableAutosave(RunState& run, const std::string& name, int64_t version);
+  // Removes the run's autosave folders (on rank 0's store) but `keep`; best effort.
+  void DeleteAutosaves(RunState& run, const std::string& keep);
+  // INVALID_ARGUMENT naming `field` when a client names one of the journal's autosaves.
+  absl::Status CheckNotAutosave(const std::string& run_id, const std::string& name, const char* field) const;
   // Record's bounded store of request records (also used when restoring a run).
   void KeepRecord(RunState& run, const std::string& request_id, const std::string& method,
                   const std::string& response, const std::string& fingerprint);
@@ -278,6 +294,9 @@ class Coordinator {
   std::map<const WorkerClient*, std::string> instances_;  // WorkerInfo.instance_id; guarded by mu_
   std::condition_variable restart_cv_;
   bool stopping_ = false;                    // guarded by mu_
+  // Background autosaves awaited and journaled as durable, in the order they started. Last:
+  // destroyed first, finishing what is queued while the rest is still here.
+  SerialExecutor autosave_confirmations_;
 };
 
 }  // namespace lorastep

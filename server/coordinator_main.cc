@@ -120,6 +120,9 @@ ABSL_FLAG(std::string, journal_dir, "",
 ABSL_FLAG(bool, journal, true,
           "with a state store (--state_dir, or the default one of a fixed --port) and local workers, journal "
           "runs under <state_dir>/.journal unless --journal_dir says where; --nojournal: runs live in memory only");
+ABSL_FLAG(bool, autosave_in_background, true,
+          "with a journal: workers copy a run's state to host memory on the step's path and write the "
+          "autosave afterwards (--noautosave_in_background: the step waits for the disk)");
 ABSL_FLAG(int, autosave_every_full_steps, 50,
           "with a journal: the same for full fine-tuning runs (rank 0: the whole model and its optimizer)");
 ABSL_FLAG(int, executor_spin_us, 2000,
@@ -286,8 +289,10 @@ int main(int argc, char** argv) {
     LORASTEP_LOG(Info) << "lorastep_coordinator: journal " << journal_dir << ", state store " << state_dir
                        << ", autosave every " << (autosave_every > 0 ? absl::StrCat(autosave_every) : "cost-spaced")
                        << " LoRA / "
-                       << std::max(1, absl::GetFlag(FLAGS_autosave_every_full_steps)) << " full fine-tuning steps";
+                       << std::max(1, absl::GetFlag(FLAGS_autosave_every_full_steps)) << " full fine-tuning steps"
+                       << (absl::GetFlag(FLAGS_autosave_in_background) ? ", written in the background" : "");
     options.autosave_every_full_steps = std::max(1, absl::GetFlag(FLAGS_autosave_every_full_steps));
+    options.autosave_in_background = absl::GetFlag(FLAGS_autosave_in_background);
   }
   // Worker-port TLS: the CA the coordinator verifies workers with, and (mutual TLS) the
   // certificate it presents to them.
@@ -490,6 +495,11 @@ int main(int argc, char** argv) {
   LORASTEP_LOG(Info) << "lorastep_coordinator: shutting down";
   // Calls still open after the grace period (an idle WatchMetrics stream) are cancelled.
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
+  // Autosaves still being written become durable before the workers stop.
+  if (journal && !core.WaitForAutosaves(std::chrono::seconds(30))) {
+    LORASTEP_LOG(Warning) << "lorastep_coordinator: background autosaves still unfinished after 30 s; runs resume "
+                             "from the autosave before";
+  }
   std::lock_guard<std::mutex> lock(local_mu);
   for (auto& child : local) child.Stop();
   return 0;

@@ -107,6 +107,9 @@ absl::StatusOr<v1::WorkerStepResponse> GrpcWorkerClient::TrainStep(const v1::Wor
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::SaveState(const v1::WorkerPathRequest& req) {
   return Call<v1::WorkerPathResponse>(&v1::Worker::Stub::SaveState, req);
 }
+absl::Status GrpcWorkerClient::AwaitSaved(const v1::WorkerPathRequest& req) {
+  return Call<v1::WorkerPathResponse>(&v1::Worker::Stub::AwaitSaved, req).status();
+}
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::LoadState(const v1::WorkerPathRequest& req) {
   return Call<v1::WorkerPathResponse>(&v1::Worker::Stub::LoadState, req);
 }

@@ -95,6 +95,7 @@ absl::StatusOr<v1::ListCheckpointsResponse> InProcessWorkerClient::ListCheckpoin
   return Answer<v1::ListCheckpointsResponse>(&calls_, &WorkerCalls::ListCheckpoints, req);
 }
 
+absl::Status InProcessWorkerClient::AwaitSaved(const v1::WorkerPathRequest& req) { return calls_.AwaitSaved(req); }
 absl::Status InProcessWorkerClient::DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) {
   return calls_.DeleteCheckpoint(req);
 }

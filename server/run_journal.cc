@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "lib/io/file_util.h"
@@ -65,6 +66,7 @@ absl::Status RunJournal::Append(const std::string& run_id, const v1::JournalEntr
   const int fd = open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
   if (fd < 0) return ErrnoError("open", path);
   const std::string record = Framed(entry);
+  std::lock_guard<std::mutex> lock(*append_mu_);
   size_t done = 0;
   while (done < record.size()) {
     const ssize_t n = write(fd, record.data() + done, record.size() - done);
@@ -95,13 +97,22 @@ absl::StatusOr<JournaledRun> RunJournal::RecoverRun(const std::string& name) {
   const std::string path = RunDir(name) + "/" + kJournalFile;
   LORASTEP_ASSIGN_OR_RETURN(const std::string data, ReadFileToString(path));
   std::vector<v1::JournalEntry> all = ParseRecords(data);
-  size_t keep = 0;  // entries up to the last marker
+  std::set<std::string> done;  // background autosaves that became durable
+  for (const auto& e : all) {
+    if (!e.autosave_done().empty()) done.insert(e.autosave_done());
+  }
+  size_t keep = 0;  // entries up to the last durable marker
   for (size_t i = 0; i < all.size(); ++i) {
-    if (all[i].autosave_marker()) keep = i + 1;
+    if (all[i].autosave_marker() && (!all[i].autosave_pending() || done.count(all[i].autosave_name()))) keep = i + 1;
   }
   r.autosaved = keep > 0;
   r.run = r.autosaved ? all[keep - 1].run() : r.created.run();
+  r.autosave_name = !r.autosaved ? "" : all[keep - 1].autosave_name().empty() ? "autosave" : all[keep - 1].autosave_name();
   all.resize(keep);
+  // What is kept says it all by itself: the marker durable, no done records.
+  if (r.autosaved) all.back().set_autosave_pending(false);
+  all.erase(std::remove_if(all.begin(), all.end(), [](const v1::JournalEntry& e) { return !e.autosave_done().empty(); }),
+            all.end());
   // The file now says exactly what was recovered (temp + rename: never half rewritten).
   std::string rewritten;
   for (const auto& e : all) rewritten += Framed(e);

@@ -1,17 +1,19 @@
 // The coordinator's journal of runs (--journal_dir), so a restarted coordinator brings its
 // runs back: per run, a folder holding run.pb (how it was created) and `journal`, an
 // append-only file of length-prefixed JournalEntry records — one per applied mutating call,
-// written before the call's response leaves, and a marker after each completed autosave of
-// the workers' state (lorastep://<run>/autosave).
+// written before the call's response leaves, and a marker at each autosave of the workers'
+// state (lorastep://<run>/autosave-<n>). A marker written when an autosave starts in the
+// background is pending until a later record says that autosave is durable.
 //
-// On restart a run comes back as it was at its last marker (its autosave): sequence id,
-// learner version, step history and request records up to there; later entries (the
+// On restart a run comes back as it was at its last durable marker (its autosave): sequence
+// id, learner version, step history and request records up to there; later entries (the
 // gradients of ForwardBackward calls since the last step, a step whose autosave did not
 // finish) are dropped from the file. A torn last record (a crash mid-write) is ignored.
 #ifndef LORASTEP_SERVER_RUN_JOURNAL_H_
 #define LORASTEP_SERVER_RUN_JOURNAL_H_
 
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -25,9 +27,11 @@ struct JournaledRun {
   v1::JournalRun created;
   // The entries up to and including the last autosave marker (none: back to creation).
   std::vector<v1::JournalEntry> entries;
-  // The run as of the last marker (created.run when there is none).
+  // The run as of the last durable marker (created.run when there is none).
   v1::Run run;
   bool autosaved = false;
+  std::string autosave_name;  // that marker's checkpoint name
+
 };
 
 class RunJournal {
@@ -36,10 +40,12 @@ class RunJournal {
   static absl::StatusOr<RunJournal> Open(const std::string& dir);
 
   absl::Status AddRun(const v1::JournalRun& run);
-  // Appends one record; `sync`: fsync before returning (autosave markers).
+  // Appends one record; `sync`: fsync before returning (durable autosave markers). Safe
+  // from several threads.
   absl::Status Append(const std::string& run_id, const v1::JournalEntry& entry, bool sync);
   absl::Status RemoveRun(const std::string& run_id);
-  // Every journaled run, each cut back to its last marker (the file is rewritten to match).
+  // Every journaled run, each cut back to its last durable marker (the file is rewritten to
+  // match, that marker durable in it).
   // A run whose files cannot be read is left in place and reported in `skipped`.
   absl::StatusOr<std::vector<JournaledRun>> Recover(std::vector<absl::Status>* skipped);
   // One run, the same way (the caller keeps other calls of the run from appending meanwhile).
@@ -48,9 +54,10 @@ class RunJournal {
   const std::string& dir() const { return dir_; }
 
  private:
-  explicit RunJournal(std::string dir) : dir_(std::move(dir)) {}
+  explicit RunJournal(std::string dir) : dir_(std::move(dir)), append_mu_(std::make_unique<std::mutex>()) {}
   std::string RunDir(const std::string& run_id) const { return dir_ + "/" + run_id; }
   std::string dir_;
+  std::unique_ptr<std::mutex> append_mu_;  // a record is written whole before the next starts
 };
 
 }  // namespace lorastep

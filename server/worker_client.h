@@ -37,6 +37,8 @@ class WorkerClient {
   virtual absl::StatusOr<v1::WorkerStepResponse> TrainStep(const v1::WorkerTrainStepRequest& req,
                                                            const BatchShard& batch) = 0;
   virtual absl::StatusOr<v1::WorkerPathResponse> SaveState(const v1::WorkerPathRequest& req) = 0;
+  // Until a background SaveState of req.path is written (worker.proto's AwaitSaved).
+  virtual absl::Status AwaitSaved(const v1::WorkerPathRequest& req) = 0;
   virtual absl::StatusOr<v1::WorkerPathResponse> LoadState(const v1::WorkerPathRequest& req) = 0;
   virtual absl::StatusOr<v1::WorkerPathResponse> ExportAdapter(const v1::WorkerPathRequest& req) = 0;
   virtual absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& req) = 0;

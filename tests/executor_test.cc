@@ -1,6 +1,8 @@
 // KeyedExecutor: one key's tasks in order and never two at once; keys with work take turns.
 // Both executors with spinning on.
 #include <atomic>
+#include <future>
+#include <optional>
 #include <chrono>
 #include <mutex>
 #include <string>
@@ -8,6 +10,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "lib/io/background_writer.h"
 #include "rpc/serial_executor.h"
 #include "lib/fair_mutex.h"
 
@@ -94,6 +97,64 @@ TEST(FairMutexTest, WaitersAreAdmittedInArrivalOrder) {
   m.unlock();
   for (auto& t : threads) t.join();
   EXPECT_EQ(order, (std::vector<int>{0, 1, 2, 3}));
+}
+
+// BackgroundWriter: jobs run in order on its thread; Await returns how the latest job under
+// a key ended, waiting for it; the destructor finishes queued jobs.
+TEST(BackgroundWriterTest, AwaitWaitsForTheLatestJobUnderAKey) {
+  std::atomic<bool> release{false};
+  std::vector<std::string> ran;
+  std::mutex mu;
+  auto note = [&](const std::string& what) {
+    std::lock_guard<std::mutex> l(mu);
+    ran.push_back(what);
+  };
+  {
+    BackgroundWriter writer;
+    EXPECT_FALSE(writer.Await("never").has_value());
+    writer.Submit("a", [&] {
+      while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      note("a1");
+      return absl::OkStatus();
+    });
+    writer.Submit("b", [&] {
+      note("b");
+      return absl::ResourceExhaustedError("disk full");
+    });
+    writer.Submit("a", [&] {
+      note("a2");
+      return absl::DataLossError("second");
+    });
+    EXPECT_EQ(writer.pending(), 3u);
+    auto waiting = std::async(std::launch::async, [&] { return writer.Await("a"); });
+    EXPECT_EQ(waiting.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout);
+    release = true;
+    const std::optional<absl::Status> a = waiting.get();
+    ASSERT_TRUE(a.has_value());
+    EXPECT_TRUE(absl::IsDataLoss(*a)) << *a;  // the latest job under "a", not the first
+    const std::optional<absl::Status> b = writer.Await("b");
+    ASSERT_TRUE(b.has_value());
+    EXPECT_TRUE(absl::IsResourceExhausted(*b)) << *b;
+    EXPECT_EQ(writer.pending(), 0u);
+    writer.Submit("c", [&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      note("c");
+      return absl::OkStatus();
+    });
+  }  // the destructor finishes "c"
+  EXPECT_EQ(ran, (std::vector<std::string>{"a1", "b", "a2", "c"}));
+}
+
+TEST(BackgroundWriterTest, OutcomesAreForgottenBeyondTheBound) {
+  BackgroundWriter writer;
+  for (size_t i = 0; i <= BackgroundWriter::kKeptOutcomes; ++i) {
+    writer.Submit("k" + std::to_string(i), [] { return absl::OkStatus(); });
+  }
+  const auto last = writer.Await("k" + std::to_string(BackgroundWriter::kKeptOutcomes));
+  ASSERT_TRUE(last.has_value());
+  EXPECT_TRUE(last->ok());
+  EXPECT_FALSE(writer.Await("k0").has_value());  // the oldest outcome went
+  EXPECT_TRUE(writer.Await("k1").has_value());
 }
 
 }  // namespace

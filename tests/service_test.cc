@@ -33,6 +33,7 @@
 #include "lib/training/trainer.h"
 #include "lib/io/state_store.h"
 #include "server/child_server.h"
+#include "server/run_journal.h"
 #include "tests/proto_test_util.h"
 #include "tests/test_util.h"
 
@@ -104,6 +105,19 @@ absl::StatusOr<ChildServer> StartTinyCoordinator(const std::string& name,
   std::vector<std::string> args = {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker")};
   args.insert(args.end(), extra.begin(), extra.end());
   return ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120);
+}
+
+// Background autosaves become durable shortly after the step's response: a test that kills a
+// process and expects the run back at `version` waits for that first.
+void WaitUntilAutosaved(TrainerClient* client, const std::string& run_id, int64_t version) {
+  absl::StatusOr<v1::Run> run = absl::UnknownError("not asked");
+  for (int i = 0; i < 600; ++i) {
+    run = client->GetRun(run_id);
+    if (run.ok() && run->has_autosaved_learner_version() && run->autosaved_learner_version() >= version) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ADD_FAILURE() << run_id << " was not autosaved at learner_version " << version << ": "
+                << (run.ok() ? run->DebugString() : run.status().ToString());
 }
 
 class ServiceTest : public ::testing::Test {
@@ -841,10 +855,30 @@ TEST(StateStoreServiceTest, ReferencesListAndDeleteUnderTheServersRoot) {
   EXPECT_TRUE(PathExists(root + "/runs/alpha/peft-1/adapter_model.safetensors"));
   v1::ListCheckpointsRequest list;
   list.set_run_id("alpha");
+  WaitUntilAutosaved(t, "alpha", 1);
   ASSERT_OK_AND_ASSIGN(v1::ListCheckpointsResponse listed, t->ListCheckpoints(list));
-  // With a state root the run is journaled by default: its autosave is listed too.
+  // With a state root the run is journaled by default: its autosave is listed too. Its
+  // names are the journal's: a client may read them, not write or delete them.
   ASSERT_EQ(listed.checkpoints_size(), 3) << listed.DebugString();
-  EXPECT_EQ(listed.checkpoints(0).name(), "autosave");
+  EXPECT_EQ(listed.checkpoints(0).name(), "autosave-1");
+  EXPECT_THAT(save("lorastep://alpha/autosave-1"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "path: lorastep://alpha/autosave-1 is a name the journal keeps"));
+  EXPECT_THAT(save("lorastep://alpha/autosave"), StatusIs(absl::StatusCode::kInvalidArgument, "the journal keeps"));
+  exp.set_path("lorastep://alpha/autosave-9");
+  EXPECT_THAT(t->ExportAdapter(exp), StatusIs(absl::StatusCode::kInvalidArgument, "the journal keeps"));
+  v1::DeleteCheckpointRequest del_autosave;
+  del_autosave.set_run_id("alpha");
+  del_autosave.set_name("autosave-1");
+  EXPECT_THAT(t->DeleteCheckpoint(del_autosave),
+              StatusIs(absl::StatusCode::kInvalidArgument, "name: lorastep://alpha/autosave-1 is a name"));
+  ASSERT_OK(save("lorastep://alpha/autosave-x").status());  // not one of its names
+  ASSERT_OK_AND_ASSIGN(listed, t->ListCheckpoints(list));
+  ASSERT_EQ(listed.checkpoints_size(), 4) << listed.DebugString();
+  EXPECT_EQ(listed.checkpoints(1).name(), "autosave-x");
+  del_autosave.set_name("autosave-x");
+  ASSERT_OK(t->DeleteCheckpoint(del_autosave));
+  ASSERT_OK_AND_ASSIGN(listed, t->ListCheckpoints(list));
+  ASSERT_EQ(listed.checkpoints_size(), 3) << listed.DebugString();
   EXPECT_TRUE(PathExists(root + "/.journal/alpha/run.pb"));
   EXPECT_EQ(listed.checkpoints(1).name(), "peft-1");
   EXPECT_EQ(listed.checkpoints(2).ref(), "lorastep://alpha/step-1");
@@ -1169,6 +1203,7 @@ TEST(InProcessWorkerTest, AnswersLikeTheWorkerProcess) {
   ASSERT_OK_AND_ASSIGN(v1::Run loaded, fork.LoadState("lorastep://same/step-5"));
   EXPECT_EQ(loaded.learner_version(), 5);
   // SIGKILL: the journal (on by default with --state_dir) brings the run back.
+  WaitUntilAutosaved(ic.get(), "same", 5);
   ASSERT_EQ(kill(in_process->pid(), SIGKILL), 0);
   in_process.reset();
   ASSERT_OK_AND_ASSIGN(ChildServer restarted, ChildServer::Start(with_worker, in_process_args, 120));
@@ -1201,6 +1236,73 @@ TEST(InProcessWorkerTest, AnswersLikeTheWorkerProcess) {
     ASSERT_OK_AND_ASSIGN(std::string why, ReadFileToString(dir + "/spin.txt"));
     EXPECT_THAT(why, ::testing::HasSubstr("executor_spin_us: must be in [0, 100000]")) << why;
   }
+}
+
+// The journal's autosave markers: a background autosave's marker counts only once a later
+// record says that autosave is durable. Recovery cuts the file at the last durable marker
+// and rewrites it so that marker stands on its own (durable, no done records): recovering
+// again agrees. A marker of an older journal (no name, not pending) names "autosave".
+TEST(RunJournalTest, PendingMarkersCountOnlyOnceDurable) {
+  const std::string dir = ScratchDir("run_journal");
+  ASSERT_OK_AND_ASSIGN(RunJournal journal, RunJournal::Open(dir));
+  v1::JournalRun created;
+  created.mutable_run()->set_run_id("r");
+  ASSERT_OK(journal.AddRun(created));
+  auto call = [](const std::string& id, int64_t version) {
+    v1::JournalEntry e;
+    e.set_request_id(id);
+    e.set_method("TrainStep");
+    e.mutable_run()->set_learner_version(version);
+    return e;
+  };
+  auto marker = [](const std::string& name, int64_t version, bool pending) {
+    v1::JournalEntry e;
+    e.set_autosave_marker(true);
+    e.set_autosave_name(name);
+    e.set_autosave_pending(pending);
+    e.mutable_run()->set_learner_version(version);
+    return e;
+  };
+  auto done = [](const std::string& name) {
+    v1::JournalEntry e;
+    e.set_autosave_done(name);
+    return e;
+  };
+  for (const v1::JournalEntry& e : {call("s1", 1), marker("autosave-1", 1, true), call("s2", 2),
+                                    marker("autosave-2", 2, true), done("autosave-1"), call("s3", 3)}) {
+    ASSERT_OK(journal.Append("r", e, false));
+  }
+  for (int again = 0; again < 2; ++again) {
+    ASSERT_OK_AND_ASSIGN(JournaledRun r, journal.RecoverRun("r"));
+    EXPECT_TRUE(r.autosaved);
+    EXPECT_EQ(r.autosave_name, "autosave-1") << again;
+    EXPECT_EQ(r.run.learner_version(), 1);
+    ASSERT_EQ(r.entries.size(), 2u) << again;  // s1 and its marker, durable now
+    EXPECT_FALSE(r.entries[1].autosave_pending());
+  }
+  for (const v1::JournalEntry& e : {call("s2b", 2), marker("autosave-2", 2, true), done("autosave-2"),
+                                    call("s3", 3), marker("autosave-3", 3, true)}) {
+    ASSERT_OK(journal.Append("r", e, false));
+  }
+  ASSERT_OK_AND_ASSIGN(JournaledRun r, journal.RecoverRun("r"));
+  EXPECT_EQ(r.autosave_name, "autosave-2");  // autosave-3 never became durable
+  EXPECT_EQ(r.run.learner_version(), 2);
+  ASSERT_EQ(r.entries.size(), 4u);
+  for (const auto& e : r.entries) EXPECT_TRUE(e.autosave_done().empty());
+  v1::JournalEntry old_format;
+  old_format.set_autosave_marker(true);
+  old_format.mutable_run()->set_learner_version(2);
+  ASSERT_OK(journal.Append("r", old_format, true));
+  ASSERT_OK_AND_ASSIGN(r, journal.RecoverRun("r"));
+  EXPECT_EQ(r.autosave_name, "autosave");
+  // No durable marker at all: back to creation.
+  ASSERT_OK(journal.RemoveRun("r"));
+  ASSERT_OK(journal.AddRun(created));
+  ASSERT_OK(journal.Append("r", call("s1", 1), false));
+  ASSERT_OK(journal.Append("r", marker("autosave-1", 1, true), false));
+  ASSERT_OK_AND_ASSIGN(r, journal.RecoverRun("r"));
+  EXPECT_FALSE(r.autosaved);
+  EXPECT_TRUE(r.entries.empty());
 }
 
 // Issue 8: a coordinator killed with SIGKILL (its local worker dies with it) and started
@@ -1240,6 +1342,7 @@ TEST(ProcessTest, DefaultJournalIsPerPort) {
       ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
       ASSERT_OK(run.TrainStep(Batch(1), Ppo(), Adam()).status());
       EXPECT_TRUE(PathExists(xdg + "/lorastep/port-" + port + "/.journal/" + run_id));
+      WaitUntilAutosaved(client.get(), run_id, every_step ? 2 : 1);
       ASSERT_EQ(kill(first.pid(), SIGKILL), 0);
       std::this_thread::sleep_for(std::chrono::milliseconds(500));
     }
@@ -1298,6 +1401,7 @@ TEST(ProcessTest, KilledCoordinatorRestartsItsRunsFromTheJournal) {
     ASSERT_OK_AND_ASSIGN(v1::GetStepMetricsResponse h, client->GetStepMetrics(m));
     history_before.assign(h.steps().begin(), h.steps().end());
     ASSERT_EQ(history_before.size(), 2u);
+    WaitUntilAutosaved(client.get(), run_id, 2);
     ASSERT_EQ(kill(first.pid(), SIGKILL), 0);
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
   }
@@ -1350,6 +1454,97 @@ TEST(ProcessTest, KilledCoordinatorRestartsItsRunsFromTheJournal) {
   EXPECT_FALSE(refused.ok()) << "--journal_dir without a state store is refused";
 }
 
+// Background autosaves (the default): each one gets a fresh name and, once durable, replaces
+// the one before in the store; one whose write fails is never journaled as durable, so the
+// run reports the last one that is and a restart resumes there.
+TEST(ProcessTest, FailedBackgroundAutosaveIsNotDurable) {
+  ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("background_autosave"));
+  const std::vector<std::string> args = {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"),
+                                         "--state_dir", dir + "/store"};
+  std::string third_sha;
+  {
+    ASSERT_OK_AND_ASSIGN(ChildServer first, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));
+    ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(first.address()));
+    ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3, "bg"));
+    for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
+    WaitUntilAutosaved(client.get(), "bg", 2);
+    v1::ListCheckpointsRequest list;
+    list.set_run_id("bg");
+    ASSERT_OK_AND_ASSIGN(v1::ListCheckpointsResponse listed, client->ListCheckpoints(list));
+    ASSERT_EQ(listed.checkpoints_size(), 1) << listed.DebugString();
+    EXPECT_EQ(listed.checkpoints(0).name(), "autosave-2");
+    // The run's store folder becomes a file: the next autosave's write fails.
+    const std::string runs = dir + "/store/runs";
+    ASSERT_EQ(rename((runs + "/bg").c_str(), (runs + "/bg.away").c_str()), 0);
+    ASSERT_OK(WriteStringToFile(runs + "/bg", "not a folder"));
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse third, run.TrainStep(Batch(2), Ppo(), Adam()));
+    EXPECT_EQ(third.learner_version(), 3);
+    third_sha = third.adapter_sha256();
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    ASSERT_OK_AND_ASSIGN(v1::Run now, client->GetRun("bg"));
+    EXPECT_EQ(now.learner_version(), 3);
+    EXPECT_EQ(now.autosaved_learner_version(), 2) << "the failed autosave is not durable";
+    ASSERT_EQ(kill(first.pid(), SIGKILL), 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    ASSERT_EQ(unlink((runs + "/bg").c_str()), 0);
+    ASSERT_EQ(rename((runs + "/bg.away").c_str(), (runs + "/bg").c_str()), 0);
+  }
+  ASSERT_OK_AND_ASSIGN(ChildServer second, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(second.address()));
+  ASSERT_OK_AND_ASSIGN(v1::Run back, client->GetRun("bg"));
+  EXPECT_EQ(back.learner_version(), 2);
+  EXPECT_EQ(back.autosaved_learner_version(), 2);
+  ASSERT_OK_AND_ASSIGN(RunSession resumed, RunSession::Attach(client.get(), "bg"));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse next, resumed.TrainStep(Batch(2), Ppo(), Adam()));
+  EXPECT_EQ(next.learner_version(), 3);
+  EXPECT_EQ(next.adapter_sha256(), third_sha) << "resumed from the state at learner_version 2";
+}
+
+// Background autosaves on a slow disk (each write waits 1.5 s): a step while its run's
+// autosave is written skips its own; when that write is durable the run is saved as it is
+// then, unless a ForwardBackward's gradients are pending (they are not in an autosave), in
+// which case the OptimStep after them saves. A run that stops stepping has its last step
+// saved all the same. A coordinator killed while an autosave is written resumes from the
+// last durable one.
+TEST(ProcessTest, BackgroundAutosavesCatchUpWithoutPendingGradients) {
+  ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("autosave_catch_up"));
+  const std::vector<std::string> args = {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"),
+                                         "--state_dir", dir + "/store", "--test_autosave_write_delay_ms", "1500"};
+  int64_t next_sequence_id = 0;
+  {
+    ASSERT_OK_AND_ASSIGN(ChildServer first, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));
+    ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(first.address()));
+    ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3, "slow"));
+    for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());  // the second skips
+    ASSERT_OK(run.ForwardBackward(Batch(2), Ppo()).status());
+    WaitUntilAutosaved(client.get(), "slow", 1);
+    std::this_thread::sleep_for(std::chrono::seconds(3));  // a catch-up would be written by now
+    ASSERT_OK_AND_ASSIGN(v1::Run waiting, client->GetRun("slow"));
+    EXPECT_EQ(waiting.learner_version(), 2);
+    EXPECT_EQ(waiting.autosaved_learner_version(), 1) << "not with the gradients pending";
+    ASSERT_OK(run.OptimStep(Adam()).status());  // version 3: saved, the catch-up being owed
+    WaitUntilAutosaved(client.get(), "slow", 3);
+    ASSERT_OK_AND_ASSIGN(v1::Run saved, client->GetRun("slow"));
+    next_sequence_id = saved.next_sequence_id();
+    ASSERT_OK(run.TrainStep(Batch(3), Ppo(), Adam()).status());  // version 4, being written: killed
+    ASSERT_EQ(kill(first.pid(), SIGKILL), 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  ASSERT_OK_AND_ASSIGN(ChildServer second, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(second.address()));
+  ASSERT_OK_AND_ASSIGN(v1::Run back, client->GetRun("slow"));
+  EXPECT_EQ(back.learner_version(), 3);
+  EXPECT_EQ(back.autosaved_learner_version(), 3);
+  EXPECT_EQ(back.next_sequence_id(), next_sequence_id);
+  ASSERT_OK_AND_ASSIGN(RunSession resumed, RunSession::Attach(client.get(), "slow"));
+  for (int i = 3; i < 5; ++i) ASSERT_OK(resumed.TrainStep(Batch(i), Ppo(), Adam()).status());  // 4, then 5 skips
+  WaitUntilAutosaved(client.get(), "slow", 5);  // no call follows: the catch-up saves it
+  v1::ListCheckpointsRequest list;
+  list.set_run_id("slow");
+  ASSERT_OK_AND_ASSIGN(v1::ListCheckpointsResponse listed, client->ListCheckpoints(list));
+  ASSERT_EQ(listed.checkpoints_size(), 1) << listed.DebugString();  // only the durable one is kept
+}
+
 // Full fine-tuning runs (rank 0) autosave the whole model and its optimizer, so every
 // --autosave_every_full_steps steps (50 by default), not every step as LoRA runs do.
 TEST(ProcessTest, FullFinetuneRunsAutosaveLessOften) {
@@ -1367,9 +1562,10 @@ TEST(ProcessTest, FullFinetuneRunsAutosaveLessOften) {
   ASSERT_OK_AND_ASSIGN(v1::ListCheckpointsResponse after_one, client->ListCheckpoints(list));
   EXPECT_EQ(after_one.checkpoints_size(), 0) << after_one.DebugString();
   ASSERT_OK(run.TrainStep(Batch(1), Ppo(), Adam()).status());
+  WaitUntilAutosaved(client.get(), run.run_id(), 2);
   ASSERT_OK_AND_ASSIGN(v1::ListCheckpointsResponse after_two, client->ListCheckpoints(list));
   ASSERT_EQ(after_two.checkpoints_size(), 1) << after_two.DebugString();
-  EXPECT_EQ(after_two.checkpoints(0).name(), "autosave");
+  EXPECT_EQ(after_two.checkpoints(0).name(), "autosave-1");
 }
 
 // Issue 8: with --journal_dir, a local worker killed with SIGKILL is started again by the
@@ -1433,6 +1629,7 @@ TEST(ProcessTest, KilledWorkerIsRestartedAndItsRunsResume) {
   };
   const int first = worker_pid();
   ASSERT_GT(first, 0);
+  WaitUntilAutosaved(client.get(), run.run_id(), 2);
   ASSERT_EQ(kill(first, SIGKILL), 0);
   const v1::TrainStepRequest step3 = StepAfterTheKill(run.run_id());
   int failures = 0;
@@ -1497,6 +1694,7 @@ TEST(ProcessTest, ListedWorkerThatComesBackGetsItsRunsBack) {
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
   ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
   for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
+  WaitUntilAutosaved(client.get(), run.run_id(), 2);
   ASSERT_EQ(kill(worker.pid(), SIGKILL), 0);
   const v1::TrainStepRequest step3 = StepAfterTheKill(run.run_id());
   EXPECT_THAT(client->TrainStep(step3).status(), StatusIs(absl::StatusCode::kUnavailable, "is down"));
@@ -1534,6 +1732,7 @@ TEST(ProcessTest, KilledMeshRankRestartsTheMeshAndItsRunsResume) {
   };
   const std::vector<int> before = worker_pids();
   ASSERT_EQ(before.size(), 2u);
+  WaitUntilAutosaved(client.get(), run.run_id(), 2);
   ASSERT_EQ(kill(before[1], SIGKILL), 0);
   const v1::TrainStepRequest step3 = StepAfterTheKill(run.run_id());
   int failures = 0;
@@ -1705,6 +1904,7 @@ TEST(RegistrationTest, JournaledRunsComeBackWhenTheirWorkerRegistersAgain) {
   RunSession run = *std::move(created);
   for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
 
+  WaitUntilAutosaved(client.get(), run.run_id(), 2);
   ASSERT_EQ(kill(worker.pid(), SIGKILL), 0);
   const v1::TrainStepRequest step3 = StepAfterTheKill(run.run_id());
   EXPECT_THAT(client->TrainStep(step3).status(),
@@ -1715,6 +1915,7 @@ TEST(RegistrationTest, JournaledRunsComeBackWhenTheirWorkerRegistersAgain) {
   ASSERT_OK(r.status());
   EXPECT_EQ(r->learner_version(), 3);
 
+  WaitUntilAutosaved(client.get(), run.run_id(), 3);
   ASSERT_EQ(kill(coordinator.pid(), SIGKILL), 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   ASSERT_OK_AND_ASSIGN(ChildServer restarted, start_coordinator());
@@ -1734,6 +1935,7 @@ TEST(RegistrationTest, JournaledRunsComeBackWhenTheirWorkerRegistersAgain) {
 
   // The worker restarted before any call finds it dead: its registration, from a new process
   // at the known address, tells the coordinator, and the run comes back from its autosave.
+  WaitUntilAutosaved(client.get(), run.run_id(), 4);
   ASSERT_EQ(kill(back.pid(), SIGKILL), 0);
   ASSERT_OK_AND_ASSIGN(ChildServer again, start_worker());
   v1::TrainStepRequest step5 = step4;

@@ -100,6 +100,31 @@ TEST_F(TrainerTest, SaveLoadContinueIsBitwiseIdenticalToUninterrupted) {
   EXPECT_NE(straight->AdapterSha256(), NewTrainer()->AdapterSha256());
 }
 
+// An autosave in the background: the snapshot is the state of its moment, written after the
+// run has trained on (the host copy does not alias the live tensors, which are CPU tensors
+// here), and a run resumed from it continues bitwise like one never interrupted.
+TEST_F(TrainerTest, SnapshotWrittenLaterHoldsTheStateOfItsMoment) {
+  auto straight = NewTrainer();
+  for (int s = 0; s < 4; ++s) ASSERT_OK(straight->TrainStep(RlBatch(s, 96), Ppo(), Adam()));
+
+  auto first = NewTrainer();
+  for (int s = 0; s < 2; ++s) ASSERT_OK(first->TrainStep(RlBatch(s, 96), Ppo(), Adam()));
+  const std::string sha_at_2 = first->AdapterSha256();
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<const TrainerStateSnapshot> snapshot, first->SnapshotState());
+  ASSERT_OK(first->TrainStep(RlBatch(2, 96), Ppo(), Adam()));  // changes every tensor in place
+  ASSERT_NE(first->AdapterSha256(), sha_at_2);
+  ASSERT_OK(Trainer::WriteStateSnapshot(*snapshot, dir_ + "/later"));
+  auto resumed = NewTrainer();
+  ASSERT_OK(resumed->LoadState(dir_ + "/later"));
+  EXPECT_EQ(resumed->learner_version(), 2);
+  EXPECT_EQ(resumed->AdapterSha256(), sha_at_2);
+  for (int s = 2; s < 4; ++s) ASSERT_OK(resumed->TrainStep(RlBatch(s, 96), Ppo(), Adam()));
+  EXPECT_EQ(resumed->AdapterSha256(), straight->AdapterSha256());
+  // A failed write (its parent is a file) says so and leaves nothing.
+  ASSERT_OK(WriteStringToFile(dir_ + "/file", "x"));
+  EXPECT_FALSE(Trainer::WriteStateSnapshot(*snapshot, dir_ + "/file/ckpt").ok());
+}
+
 TEST_F(TrainerTest, InterruptedSaveLeavesThePreviousCheckpointLoadable) {
   auto trainer = NewTrainer();
   ASSERT_OK(trainer->TrainStep(RlBatch(0, 96), Ppo(), Adam()));

@@ -190,9 +190,13 @@ absl::Status WorkerCalls::TrainStep(const v1::WorkerTrainStepRequest& req, v1::W
 
 absl::Status WorkerCalls::SaveState(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp) {
   LORASTEP_ASSIGN_OR_RETURN(WorkerCore::PathResult r,
-                            core_->SaveState(req.run_id(), req.path(), MeshFromProto(req.mesh())));
+                            core_->SaveState(req.run_id(), req.path(), MeshFromProto(req.mesh()), req.background()));
   FillPathResponse(r, resp);
   return absl::OkStatus();
+}
+
+absl::Status WorkerCalls::AwaitSaved(const v1::WorkerPathRequest& req) {
+  return core_->AwaitSaved(req.run_id(), req.path());
 }
 
 absl::Status WorkerCalls::LoadState(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp) {

@@ -46,6 +46,8 @@ class WorkerCalls {
   absl::Status TrainStep(const v1::WorkerTrainStepRequest& req, v1::WorkerStepResponse* resp,
                          const std::vector<Datum>* datums = nullptr);
   absl::Status SaveState(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp);
+  // Blocks until a background SaveState of req.path is written; touches no device.
+  absl::Status AwaitSaved(const v1::WorkerPathRequest& req);
   absl::Status LoadState(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp);
   absl::Status ExportAdapter(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp);
   absl::Status ListCheckpoints(const v1::ListCheckpointsRequest& req, v1::ListCheckpointsResponse* resp);

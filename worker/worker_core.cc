@@ -3,10 +3,12 @@
 #include <malloc.h>
 
 #include <cstdlib>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "lib/io/file_util.h"
+#include "lib/log.h"
 #include "lib/status_macros.h"
 
 namespace lorastep {
@@ -186,18 +188,36 @@ absl::StatusOr<OptimStepResult> WorkerCore::TrainStep(const std::string& run_id,
 
 absl::StatusOr<WorkerCore::PathResult> WorkerCore::SaveState(const std::string& run_id,
                                                              const std::string& path,
-    const MeshCallInfo& mesh) {
+                                                             const MeshCallInfo& mesh, bool background) {
   std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/true));
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
+  if (background) {
+    LORASTEP_ASSIGN_OR_RETURN(std::shared_ptr<const TrainerStateSnapshot> snapshot, t->SnapshotState());
+    writer_.Submit(folder, [snapshot, folder, path, delay = options_.test_background_write_delay] {
+      std::this_thread::sleep_for(delay);
+      absl::Status s = AsReference(Trainer::WriteStateSnapshot(*snapshot, folder), folder, path);
+      if (!s.ok()) LORASTEP_LOG(Error) << "background SaveState of " << path << ": " << s;
+      return s;
+    });
+    return PathResult{"", t->learner_version()};
+  }
   LORASTEP_RETURN_IF_ERROR(AsReference(t->SaveState(folder), folder, path));
   return PathResult{t->FullAdapterSha256(), t->learner_version()};
+}
+
+absl::Status WorkerCore::AwaitSaved(const std::string& run_id, const std::string& path) {
+  LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/true));
+  if (std::optional<absl::Status> outcome = writer_.Await(folder)) return *outcome;
+  if (!PathExists(folder)) return absl::NotFoundError(absl::StrCat("path: ", path, ": nothing is saved under that reference"));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<WorkerCore::PathResult> WorkerCore::LoadState(const std::string& run_id,
                                                              const std::string& path,
                                                              const MeshCallInfo& mesh) {
   std::lock_guard<FairMutex> lock(mu_);
+  writer_.Await(ResolveRequestPath(store_.get(), path, "path").value_or(""));  // a write there finishes first
   LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/false));
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
   LORASTEP_RETURN_IF_ERROR(AsReference(t->LoadState(folder), folder, path));
@@ -244,6 +264,8 @@ absl::StatusOr<std::vector<StoredFolder>> WorkerCore::ListCheckpoints(const std:
 
 absl::Status WorkerCore::DeleteCheckpoint(const std::string& run_id, const std::string& name) {
   LORASTEP_ASSIGN_OR_RETURN(const StateStore* store, Store());
+  // A background write there finishes first: it would otherwise land after the delete.
+  writer_.Await(ResolveRequestPath(store, absl::StrCat(kStateRefScheme, run_id, "/", name), "name").value_or(""));
   return store->Delete(run_id, name);
 }
 

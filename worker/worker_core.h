@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "lib/fair_mutex.h"
+#include "lib/io/background_writer.h"
 #include "lib/io/state_store.h"
 #include "lib/parallel/process_groups.h"
 #include "lib/training/trainer.h"
@@ -47,6 +48,8 @@ struct WorkerOptions {
   std::string state_dir;
   // Activation-memory budget per micro-batch (TrainerOptions::max_activation_bytes).
   int64_t max_activation_bytes = 0;
+  // Tests only: background SaveStates wait this long before writing (a slow disk).
+  std::chrono::milliseconds test_background_write_delay{0};
 };
 
 // --max_activation_mb in bytes: negative turns the budget off (-1), 0 is the default (80%
@@ -97,8 +100,13 @@ class WorkerCore {
     std::string adapter_sha256;
     int64_t learner_version = 0;
   };
+  // `background`: the state is copied to host memory here and the folder written afterwards
+  // on the writer thread (adapter_sha256 is then empty); AwaitSaved tells how that ended.
   absl::StatusOr<PathResult> SaveState(const std::string& run_id, const std::string& path,
-                                       const MeshCallInfo& mesh = {});
+                                       const MeshCallInfo& mesh = {}, bool background = false);
+  // Waits for the latest background SaveState of `path`: its outcome; without one, OK if a
+  // folder is saved there, else NOT_FOUND. Does not wait for other calls.
+  absl::Status AwaitSaved(const std::string& run_id, const std::string& path);
   absl::StatusOr<PathResult> LoadState(const std::string& run_id, const std::string& path,
                                        const MeshCallInfo& mesh = {});
   absl::StatusOr<PathResult> ExportAdapter(const std::string& run_id, const std::string& path,
@@ -128,6 +136,9 @@ class WorkerCore {
   std::unique_ptr<StateStore> store_;      // null without --state_dir
   mutable FairMutex mu_;  // calls of all runs, admitted in arrival order
   std::map<std::string, std::unique_ptr<Trainer>> runs_;
+  // Background SaveStates. Last, so it is destroyed first: queued writes finish before the
+  // core goes.
+  BackgroundWriter writer_;
 };
 
 }  // namespace lorastep

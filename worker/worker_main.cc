@@ -186,6 +186,7 @@ int main(int argc, char** argv) {
   options.finalize.skip_shared_family = absl::GetFlag(FLAGS_test_skip_shared_reduction);
   if (auto n = absl::GetFlag(FLAGS_test_shared_reductions)) options.finalize.shared_reductions = *n;
   options.finalize.check_digests = absl::GetFlag(FLAGS_test_check_grad_digests) != 0;
+  options.test_background_write_delay = std::chrono::milliseconds(absl::GetFlag(FLAGS_test_autosave_write_delay_ms));
   options.finalize.corrupt_main_grad_rank = absl::GetFlag(FLAGS_test_corrupt_main_grad_rank);
   options.finalize.inventory_mismatch_rank = absl::GetFlag(FLAGS_test_inventory_mismatch_rank);
   const std::string register_with = absl::GetFlag(FLAGS_register_with);

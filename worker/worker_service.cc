@@ -13,13 +13,13 @@ absl::Status WorkerService::CheckToken(grpc::CallbackServerContext* ctx) const {
 }
 
 template <typename Work>
-grpc::ServerUnaryReactor* WorkerService::Defer(grpc::CallbackServerContext* ctx, Work work) {
+grpc::ServerUnaryReactor* WorkerService::Defer(grpc::CallbackServerContext* ctx, SerialExecutor& executor, Work work) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   if (absl::Status s = CheckToken(ctx); !s.ok()) {
     reactor->Finish(ToGrpcStatus(s));
     return reactor;
   }
-  executor_.Submit([reactor, work = std::move(work)]() mutable { reactor->Finish(ToGrpcStatus(work())); });
+  executor.Submit([reactor, work = std::move(work)]() mutable { reactor->Finish(ToGrpcStatus(work())); });
   return reactor;
 }
 
@@ -36,13 +36,19 @@ grpc::ServerUnaryReactor* WorkerService::Info(grpc::CallbackServerContext* ctx, 
 #define LORASTEP_WORKER_CALL(Method, Request, Response)                                              \
   grpc::ServerUnaryReactor* WorkerService::Method(grpc::CallbackServerContext* ctx, const Request* req, \
                                                   Response* resp) {                                  \
-    return Defer(ctx, [this, req, resp] { return calls_.Method(*req, resp); });                      \
+    return Defer(ctx, executor_, [this, req, resp] { return calls_.Method(*req, resp); });                      \
   }
 #define LORASTEP_WORKER_CALL_NO_RESPONSE(Method, Request, Response)                                  \
   grpc::ServerUnaryReactor* WorkerService::Method(grpc::CallbackServerContext* ctx, const Request* req, \
                                                   Response*) {                                       \
-    return Defer(ctx, [this, req] { return calls_.Method(*req); });                                 \
+    return Defer(ctx, executor_, [this, req] { return calls_.Method(*req); });                                 \
   }
+// Waits for a background write on a thread of its own: never behind (or in front of) a step.
+grpc::ServerUnaryReactor* WorkerService::AwaitSaved(grpc::CallbackServerContext* ctx, const v1::WorkerPathRequest* req,
+                                                    v1::WorkerPathResponse*) {
+  return Defer(ctx, await_executor_, [this, req] { return calls_.AwaitSaved(*req); });
+}
+
 LORASTEP_WORKER_CALL(CreateRun, v1::WorkerCreateRunRequest, v1::WorkerCreateRunResponse)
 LORASTEP_WORKER_CALL_NO_RESPONSE(DeleteRun, v1::WorkerDeleteRunRequest, v1::WorkerDeleteRunResponse)
 LORASTEP_WORKER_CALL(ForwardBackward, v1::WorkerForwardBackwardRequest, v1::WorkerForwardBackwardResponse)

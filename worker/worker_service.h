@@ -43,6 +43,9 @@ class WorkerService final : public v1::Worker::CallbackService {
   grpc::ServerUnaryReactor* SaveState(grpc::CallbackServerContext* ctx,
                                       const v1::WorkerPathRequest* req,
                                       v1::WorkerPathResponse* resp) override;
+  grpc::ServerUnaryReactor* AwaitSaved(grpc::CallbackServerContext* ctx,
+                                       const v1::WorkerPathRequest* req,
+                                       v1::WorkerPathResponse* resp) override;
   grpc::ServerUnaryReactor* LoadState(grpc::CallbackServerContext* ctx,
                                       const v1::WorkerPathRequest* req,
                                       v1::WorkerPathResponse* resp) override;
@@ -57,14 +60,15 @@ class WorkerService final : public v1::Worker::CallbackService {
                                              v1::DeleteCheckpointResponse* resp) override;
 
  private:
-  // Queues `work` (returning absl::Status) and finishes the call when it has run.
+  // Queues `work` (returning absl::Status) on `executor` and finishes the call when it has run.
   template <typename Work>
-  grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, Work work);
+  grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, SerialExecutor& executor, Work work);
 
   absl::Status CheckToken(grpc::CallbackServerContext* ctx) const;
   WorkerCalls calls_;
   std::string token_sha256_;
-  SerialExecutor executor_;
+  SerialExecutor executor_;        // the device's calls, one at a time in arrival order
+  SerialExecutor await_executor_;  // AwaitSaved: waits for the disk, never for the device
 };
 
 }  // namespace lorastep

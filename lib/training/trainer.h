@@ -118,6 +118,9 @@ struct OptimStepResult {
   std::map<std::string, std::string> replica_digests;
 };
 
+// SnapshotState's copy of a run's training state (defined in trainer.cc).
+struct TrainerStateSnapshot;
+
 class Trainer {
  public:
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(std::shared_ptr<const BaseModel> base,
@@ -141,6 +144,14 @@ class Trainer {
   absl::Status SaveState(const std::string& folder,
                          const std::function<absl::Status(const std::string&)>& fault_point =
                              nullptr) const;
+  // SaveState in two halves: the state copied to host memory now (collective on a mesh),
+  // written to a folder later, from any thread, while training goes on. An autosave's disk
+  // writes then hold neither the device nor the run. Ranks that do not write the gathered
+  // state get a snapshot whose write does nothing.
+  absl::StatusOr<std::shared_ptr<const TrainerStateSnapshot>> SnapshotState() const;
+  static absl::Status WriteStateSnapshot(const TrainerStateSnapshot& snapshot, const std::string& folder,
+                                         const std::function<absl::Status(const std::string&)>& fault_point =
+                                             nullptr);
   absl::Status LoadState(const std::string& folder);
   // PEFT adapter folder (LoRA runs).
   // PEFT folder (lib/model/peft_io.h); `expand_experts`: shared-outer factors copied per expert.
@@ -166,6 +177,8 @@ class Trainer {
   Trainer(std::shared_ptr<const BaseModel> base, const TrainerOptions& options, Adapter adapter);
   // OptimStep's work. `restore_on_failure`: put back the local gradients a failed step
   // reduced on a mesh (TrainStep restores its own, earlier snapshot instead).
+  // SaveState / SnapshotState: `copy` detaches the host tensors from the live ones.
+  absl::StatusOr<std::shared_ptr<const TrainerStateSnapshot>> Snapshot(bool copy) const;
   absl::StatusOr<OptimStepResult> StepOptimizer(const AdamWParams& params, bool restore_on_failure);
   absl::StatusOr<ForwardBackwardResult> RunMicroBatches(const std::vector<Datum>& datums,
                                                         const LossConfig* loss,
