@@ -20,6 +20,7 @@ def main():
     parser.add_argument("raw")
     parser.add_argument("out")
     parser.add_argument("--command", required=True)
+    parser.add_argument("--worker", default="process", help="process, or in_process (--in_process_worker)")
     args = parser.parse_args()
     variants = {}
     first = None
@@ -51,6 +52,7 @@ def main():
         "library_versions": first["library_versions"],
         "command": args.command,
         "model": first["model"],
+        "worker": args.worker,
         "batch": first["batch"],
         "method": ("the same TrainSteps (one warm-up dropped per run) through a coordinator without a journal, "
                    "with autosaves every step on the step's path (--noautosave_in_background) and with "

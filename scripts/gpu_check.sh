@@ -152,11 +152,14 @@ if [[ " $STEPS " == *" autosave "* ]]; then  # autosave cost on the step: none /
   step "autosave cost: no journal, autosave on the step's path, background autosave (0.5B, rank 32)"
   [ -d /tmp/q05 ] || build-gpu/lorastep_genmodel --preset qwen2.5-0.5b --dtype bfloat16 --seed 1 --out /tmp/q05 >/dev/null
   python3 bench/make_batch.py --vocab 151936 --workload fixed --out "$OUT/batch_fixed.json"
-  IN_PROCESS_WORKER=${IN_PROCESS_WORKER:-false} MODEL_DIR=/tmp/q05 RANK=32 BATCH_FILE="$OUT/batch_fixed.json" \
-    MACHINE="$MACHINE" VERSIONS="$(tail -1 "$OUT/env.txt")" STEPS=${AUTOSAVE_STEPS:-8} ROUNDS=${AUTOSAVE_ROUNDS:-2} \
-    COORD_FLAGS="--max_tokens_per_microbatch 8192" bench/autosave_cost.sh build-gpu qwen2.5-0.5b cuda bfloat16 "$OUT/autosave"
-  python3 bench/autosave_results.py "$OUT/autosave" "$OUT/autosave.json" \
-    --command "IN_PROCESS_WORKER=${IN_PROCESS_WORKER:-false} GPU_CHECK_STEPS=autosave bash scripts/gpu_check.sh"
+  for kind in ${AUTOSAVE_WORKERS:-process in_process}; do  # the worker as a process / in the coordinator
+    IN_PROCESS_WORKER=$([ "$kind" = in_process ] && echo true || echo false) MODEL_DIR=/tmp/q05 RANK=32 \
+      BATCH_FILE="$OUT/batch_fixed.json" MACHINE="$MACHINE" VERSIONS="$(tail -1 "$OUT/env.txt")" \
+      STEPS=${AUTOSAVE_STEPS:-8} ROUNDS=${AUTOSAVE_ROUNDS:-2} COORD_FLAGS="--max_tokens_per_microbatch 8192" \
+      bench/autosave_cost.sh build-gpu qwen2.5-0.5b cuda bfloat16 "$OUT/autosave_$kind"
+    python3 bench/autosave_results.py "$OUT/autosave_$kind" "$OUT/autosave_$kind.json" \
+      --worker $kind --command "AUTOSAVE_WORKERS=$kind GPU_CHECK_STEPS=autosave bash scripts/gpu_check.sh"
+  done
 fi
 if [[ " $STEPS " == *" hop "* ]]; then  # one gRPC hop without training (bench/hop_cost)
   step "hop cost: HOP_ARGS variants, ';'-separated"
