@@ -6,7 +6,8 @@
 #   bench/autosave_cost.sh BIN_DIR PRESET DEVICE DTYPE OUT_DIR
 # Environment: as bench/service_overhead.sh (MODEL_DIR, BATCH_FILE, RANK, MACHINE,
 # VERSIONS, IN_PROCESS_WORKER), STEPS per run (default 8), ROUNDS (default 2), COORD_FLAGS.
-# Writes OUT_DIR/autosave_<variant>_<round>.json (service_overhead's fields) and, per run with
+# Writes OUT_DIR/autosave_<variant>_<round>.json (service_overhead's fields), .server.log (the
+# coordinator's and workers' stderr) and, per run with
 # a journal, OUT_DIR/autosave_<variant>_<round>.store.txt: the autosave folder's size and the
 # highest autosave number the journal names (autosaves started).
 set -euo pipefail
@@ -20,7 +21,7 @@ for round in $(seq "${ROUNDS:-2}"); do
       sync) flags="--state_dir $STORE --autosave_every_steps 1 --noautosave_in_background" ;;
       background) flags="--state_dir $STORE --autosave_every_steps 1" ;;
     esac
-    STEPS=${STEPS:-8} COORD_FLAGS="${COORD_FLAGS:-} $flags" \
+    STEPS=${STEPS:-8} COORD_FLAGS="${COORD_FLAGS:-} $flags" SERVER_LOG="$OUT/autosave_${variant}_$round.server.log" \
       bench/service_overhead.sh "$BIN" "$PRESET" "$DEVICE" "$DTYPE" "$OUT/autosave_${variant}_$round.json" \
       overhead_fraction > /dev/null 2> "$OUT/autosave_${variant}_$round.log"
     if [ "$variant" != none ]; then

@@ -1,5 +1,7 @@
 #include "lib/device_stats.h"
 
+#include <ATen/Functions.h>
+
 #include <algorithm>
 
 #ifdef LORASTEP_WITH_CUDA
@@ -76,7 +78,38 @@ double DeviceMark::SecondsSince(const DeviceMark& earlier) const {
   return std::chrono::duration<double>(host_ - earlier.host_).count();
 }
 
+DeferredHostCopy DeferredHostCopy::Start(at::Tensor tensor) {
+  DeferredHostCopy copy;
+  if (tensor.is_cuda()) {
+    auto event = std::make_shared<at::cuda::CUDAEvent>(cudaEventDisableTiming);
+    event->record(c10::cuda::getCurrentCUDAStream(tensor.device().index()));
+    copy.event_ = event;
+  }
+  copy.tensor_ = std::move(tensor);
+  return copy;
+}
+
+at::Tensor DeferredHostCopy::Finish() const {
+  if (event_ == nullptr) return tensor_;
+  const c10::DeviceIndex index = tensor_.device().index();
+  c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index);
+  c10::cuda::CUDAStreamGuard on_side(side);
+  static_cast<at::cuda::CUDAEvent*>(event_.get())->block(side);
+  at::Tensor host = at::empty(tensor_.sizes(), tensor_.options().device(at::kCPU).pinned_memory(true));
+  host.copy_(tensor_, /*non_blocking=*/true);
+  side.synchronize();  // before the device tensor can be freed (its block is the main stream's)
+  return host;
+}
+
 #else
+
+DeferredHostCopy DeferredHostCopy::Start(at::Tensor tensor) {
+  DeferredHostCopy copy;
+  copy.tensor_ = std::move(tensor);
+  return copy;
+}
+
+at::Tensor DeferredHostCopy::Finish() const { return tensor_; }
 
 DeviceMark DeviceMark::Now(const c10::Device&) {
   DeviceMark mark;

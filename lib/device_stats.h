@@ -4,6 +4,7 @@
 #ifndef LORASTEP_LIB_DEVICE_STATS_H_
 #define LORASTEP_LIB_DEVICE_STATS_H_
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
 #include <chrono>
@@ -41,6 +42,22 @@ class DeviceMark {
  private:
   std::shared_ptr<void> event_;  // a CUDA event (CUDA build, CUDA device), else null
   std::chrono::steady_clock::time_point host_;
+};
+
+// A copy of a device tensor into host memory that the caller fences now and makes later,
+// from any thread, without stopping the device's other work: on CUDA, Start records an event
+// after the work queued so far (the tensor's producers) and Finish copies on a side stream
+// that waits for that event, into pinned memory. Start's caller must not change the tensor
+// afterwards. On the CPU Finish returns the tensor itself.
+class DeferredHostCopy {
+ public:
+  DeferredHostCopy() = default;
+  static DeferredHostCopy Start(at::Tensor tensor);
+  at::Tensor Finish() const;
+
+ private:
+  at::Tensor tensor_;
+  std::shared_ptr<void> event_;  // a CUDA event (CUDA build, CUDA tensor), else null
 };
 
 }  // namespace lorastep

@@ -49,7 +49,7 @@ struct Coordinator::RunState : std::enable_shared_from_this<Coordinator::RunStat
   // Autosaves (with a journal), guarded by autosave_mu: the checkpoint name of the last
   // durable one, the number of the next, whether one is being written in the background (one
   // at a time per run). The confirmation holds autosave_mu while it journals an autosave as
-  // durable and deletes the one before; a restore holds it while it reads the journal.
+  // durable; a restore holds it while it reads the journal.
   std::mutex autosave_mu;
   std::condition_variable autosave_cv;  // a background autosave ended
   std::string durable_autosave;
@@ -903,20 +903,25 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
   }
   run.last_autosave_end = std::chrono::steady_clock::now();
   run.last_autosave_s = std::chrono::duration<double>(run.last_autosave_end - started).count();
-  std::lock_guard<std::mutex> lock(run.autosave_mu);
-  if (!background) return RecordDurableAutosave(run, name, version);
+  std::unique_lock<std::mutex> lock(run.autosave_mu);
+  if (!background) {
+    const std::string previous = RecordDurableAutosave(run, name, version);
+    lock.unlock();
+    return RemoveAutosave(run, previous);
+  }
   run.autosave_in_flight = true;
   // Rank 0 writes the (gathered) state; the others copied nothing to write.
   autosave_confirmations_.Submit([this, state = run.shared_from_this(), writer = run.ranks[0], id = run_id, name,
                                   version] {
     absl::Status written = writer->AwaitSaved(PathRequest(id, AutosaveRef(id, name)));
     std::unique_lock<std::mutex> lock(state->autosave_mu);
+    std::string previous;
     if (!state->retired) {
       v1::JournalEntry done;
       done.set_autosave_done(name);
       if (written.ok()) written = options_.journal->Append(id, done, /*sync=*/true);
       if (written.ok()) {
-        RecordDurableAutosave(*state, name, version);
+        previous = RecordDurableAutosave(*state, name, version);
       } else {  // a restart would resume from the previous autosave
         LORASTEP_LOG(Error) << "autosave " << name << " of run " << id << ": " << written;
         if (options_.metrics != nullptr) options_.metrics->Add("lorastep_autosave_failures_total", {{"run", id}});
@@ -924,8 +929,13 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
     }
     state->autosave_in_flight = false;
     state->autosave_cv.notify_all();
-    if (!std::exchange(state->autosave_owed, false) || state->retired) return;
+    const bool catch_up = std::exchange(state->autosave_owed, false) && !state->retired;
     lock.unlock();
+    // Not under autosave_mu: removing 246 MB took ~80 ms on the H200 host, and the next
+    // step's autosave waited for it. The journal names `name` now: a restore never needs
+    // `previous` again.
+    RemoveAutosave(*state, previous);
+    if (!catch_up) return;
     // The steps since were not saved: save the run now, between its calls. Autosaves start
     // only under the run's mu, so one not in flight here stays so: this never waits for a
     // confirmation queued behind this one.
@@ -943,14 +953,18 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
   });
 }
 
-void Coordinator::RecordDurableAutosave(RunState& run, const std::string& name, int64_t version) {
+std::string Coordinator::RecordDurableAutosave(RunState& run, const std::string& name, int64_t version) {
   {
     std::lock_guard<std::mutex> view(run.view_mu);
     run.run.set_autosaved_learner_version(version);
   }
   const std::string previous = std::exchange(run.durable_autosave, name);
-  if (previous.empty() || previous == name) return;
-  v1::DeleteCheckpointRequest del;  // a restart resumes from `name` now (best effort)
+  return previous == name ? "" : previous;
+}
+
+void Coordinator::RemoveAutosave(RunState& run, const std::string& previous) {
+  if (previous.empty()) return;
+  v1::DeleteCheckpointRequest del;  // a restart resumes from a later one now (best effort)
   del.set_run_id(run.run.run_id());
   del.set_name(previous);
   if (absl::Status s = run.ranks[0]->DeleteCheckpoint(del); !s.ok() && !absl::IsNotFound(s)) {

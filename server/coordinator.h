@@ -187,10 +187,11 @@ class Coordinator {
   // when `force` or when the learner version is a multiple of autosave_every_steps (0: when
   // the time since the last autosave allows, see CoordinatorOptions).
   void MaybeAutosave(RunState& run, bool force);
-  // `name` (of the state at learner `version`) is the run's durable autosave now; the
-  // previous one is removed. Requires the
-  // run's autosave_mu.
-  void RecordDurableAutosave(RunState& run, const std::string& name, int64_t version);
+  // `name` (of the state at learner `version`) is the run's durable autosave now. Returns
+  // the previous one ("" if none), for RemoveAutosave. Requires the run's autosave_mu.
+  std::string RecordDurableAutosave(RunState& run, const std::string& name, int64_t version);
+  // Removes an autosave folder on rank 0 ("": nothing); best effort, not under autosave_mu.
+  void RemoveAutosave(RunState& run, const std::string& name);
   // Removes the run's autosave folders (on rank 0's store) but `keep`; best effort.
   void DeleteAutosaves(RunState& run, const std::string& keep);
   // INVALID_ARGUMENT naming `field` when a client names one of the journal's autosaves.

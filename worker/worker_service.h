@@ -68,7 +68,7 @@ class WorkerService final : public v1::Worker::CallbackService {
   WorkerCalls calls_;
   std::string token_sha256_;
   SerialExecutor executor_;        // the device's calls, one at a time in arrival order
-  SerialExecutor await_executor_;  // AwaitSaved: waits for the disk, never for the device
+  SerialExecutor files_executor_;  // AwaitSaved and the store's files: the disk, never the device
 };
 
 }  // namespace lorastep

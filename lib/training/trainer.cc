@@ -36,36 +36,56 @@ namespace {
 
 constexpr int kStateFormatVersion = 1;
 
-// Host copies of `tensors` (of one dtype) through one device-to-host copy: flattened into
-// one buffer on the device, copied into pinned host memory (from CUDA), viewed back. One
-// synchronous copy per tensor was 1,344 copies for a rank-32 adapter of the 0.5B model.
-std::vector<at::Tensor> HostCopies(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> flat;
-  for (const at::Tensor& t : tensors) {
-    if (t.scalar_type() != tensors[0].scalar_type() || t.device() != tensors[0].device()) {
-      flat.clear();
-      break;
+// A list of tensors as it was at SnapshotState, detached from the live ones: flattened into
+// one fresh buffer (on the device: one kernel, not one synchronous device-to-host copy per
+// tensor, 1,344 of them for a rank-32 adapter of the 0.5B model), brought to the host only
+// when written (DeferredHostCopy: on CUDA from a side stream, off the step's path).
+struct SnapshotList {
+  std::vector<std::string> names;
+  std::vector<std::vector<int64_t>> shapes;
+  DeferredHostCopy flat;                // all tensors of one dtype and device, flattened
+  std::vector<at::Tensor> one_by_one;   // otherwise (mixed dtypes): host copies
+  std::vector<at::Tensor> live;         // SaveState: the live tensors, written before the next call
+
+  static SnapshotList Of(const std::vector<std::pair<std::string, at::Tensor>>& named, bool copy) {
+    SnapshotList list;
+    std::vector<at::Tensor> flat;
+    for (const auto& [name, t] : named) {
+      list.names.push_back(name);
+      list.shapes.emplace_back(t.sizes().begin(), t.sizes().end());
+      if (!copy) {
+        list.live.push_back(t);
+      } else if (flat.empty() || (t.scalar_type() == flat[0].scalar_type() && t.device() == flat[0].device())) {
+        flat.push_back(t.detach().reshape({-1}));
+      }
     }
-    flat.push_back(t.detach().reshape({-1}));
+    if (!copy || named.empty()) return list;
+    if (flat.size() == named.size()) {
+      list.flat = DeferredHostCopy::Start(at::cat(flat));  // a fresh buffer: on CPU it is the copy
+    } else {
+      for (const auto& [name, t] : named) list.one_by_one.push_back(t.detach().to(at::kCPU, false, /*copy=*/true));
+    }
+    return list;
   }
-  std::vector<at::Tensor> out;
-  if (flat.empty()) {  // mixed dtypes or devices (none here today), or nothing
-    for (const at::Tensor& t : tensors) out.push_back(t.detach().to(at::kCPU, false, /*copy=*/true));
-    return out;
+
+  absl::Status AddTo(TensorWriteList* out) const {
+    if (!live.empty() || !one_by_one.empty()) {
+      const auto& tensors = live.empty() ? one_by_one : live;
+      for (size_t i = 0; i < names.size(); ++i) LORASTEP_RETURN_IF_ERROR(out->Add(names[i], tensors[i]));
+      return absl::OkStatus();
+    }
+    if (names.empty()) return absl::OkStatus();
+    const at::Tensor all = flat.Finish();
+    int64_t at = 0;
+    for (size_t i = 0; i < names.size(); ++i) {
+      int64_t n = 1;
+      for (int64_t d : shapes[i]) n *= d;
+      LORASTEP_RETURN_IF_ERROR(out->Add(names[i], all.narrow(0, at, n).view(shapes[i])));
+      at += n;
+    }
+    return absl::OkStatus();
   }
-  at::Tensor all = at::cat(flat);  // a fresh buffer: on CPU it is the copy
-  if (all.is_cuda()) {
-    at::Tensor host = at::empty({all.numel()}, all.options().device(at::kCPU).pinned_memory(true));
-    host.copy_(all);
-    all = host;
-  }
-  int64_t at = 0;
-  for (const at::Tensor& t : tensors) {
-    out.push_back(all.narrow(0, at, t.numel()).view(t.sizes()));
-    at += t.numel();
-  }
-  return out;
-}
+};
 constexpr double kH200DenseBf16Flops = 989e12;  // datasheet; MFU's denominator on CUDA
 
 using Clock = std::chrono::steady_clock;
@@ -1018,7 +1038,8 @@ std::string Trainer::FullAdapterSha256() const {
 
 struct TrainerStateSnapshot {
   bool writes = false;  // this rank writes the gathered state
-  TensorWriteList trainable, optimizer;
+  SnapshotList trainable, optimizer;
+  at::Tensor dropout_rng;
   std::string state_json;
 };
 
@@ -1048,17 +1069,10 @@ absl::StatusOr<std::shared_ptr<const TrainerStateSnapshot>> Trainer::Snapshot(bo
     auto snapshot = std::make_shared<TrainerStateSnapshot>();
     snapshot->writes = WritesGatheredState();
     if (!snapshot->writes) return std::shared_ptr<const TrainerStateSnapshot>(std::move(snapshot));
-    // Detached from the live tensors: host copies, values (model dtype) apart from the fp32 state.
-    auto add_all = [copy](const std::vector<NamedTensor>& named, TensorWriteList* list) -> absl::Status {
-      std::vector<at::Tensor> tensors;
-      for (const auto& [name, t] : named) tensors.push_back(t);
-      if (copy) tensors = HostCopies(tensors);
-      for (size_t i = 0; i < named.size(); ++i) LORASTEP_RETURN_IF_ERROR(list->Add(named[i].first, tensors[i]));
-      return absl::OkStatus();
-    };
-    LORASTEP_RETURN_IF_ERROR(add_all(trainable_all, &snapshot->trainable));
-    LORASTEP_RETURN_IF_ERROR(add_all(optimizer_all, &snapshot->optimizer));
-    LORASTEP_RETURN_IF_ERROR(snapshot->optimizer.Add("rng.dropout", dropout_generator_.get_state()));
+    // Values (model dtype) apart from the fp32 optimizer state.
+    snapshot->trainable = SnapshotList::Of(trainable_all, copy);
+    snapshot->optimizer = SnapshotList::Of(optimizer_all, copy);
+    snapshot->dropout_rng = dropout_generator_.get_state();
     const LoraConfig& lora = adapter_->lora_config();
     nlohmann::ordered_json state;
     state["format_version"] = kStateFormatVersion;
@@ -1079,13 +1093,19 @@ absl::StatusOr<std::shared_ptr<const TrainerStateSnapshot>> Trainer::SnapshotSta
 absl::Status Trainer::WriteStateSnapshot(const TrainerStateSnapshot& snapshot, const std::string& folder,
                                          const std::function<absl::Status(const std::string&)>& fault_point) {
   if (!snapshot.writes) return absl::OkStatus();
-  auto write = [&](const std::string& tmp) -> absl::Status {
-    LORASTEP_RETURN_IF_ERROR(snapshot.trainable.WriteTo(tmp + "/trainable.safetensors"));
-    if (fault_point) LORASTEP_RETURN_IF_ERROR(fault_point("trainable_written"));
-    LORASTEP_RETURN_IF_ERROR(snapshot.optimizer.WriteTo(tmp + "/optimizer.safetensors"));
-    return WriteStringToFile(tmp + "/trainer_state.json", snapshot.state_json);
-  };
-  return WriteFolderAtomically(folder, write, fault_point);
+  return GuardTorch([&]() -> absl::Status {
+    TensorWriteList trainable, optimizer;
+    LORASTEP_RETURN_IF_ERROR(snapshot.trainable.AddTo(&trainable));
+    LORASTEP_RETURN_IF_ERROR(snapshot.optimizer.AddTo(&optimizer));
+    LORASTEP_RETURN_IF_ERROR(optimizer.Add("rng.dropout", snapshot.dropout_rng));
+    auto write = [&](const std::string& tmp) -> absl::Status {
+      LORASTEP_RETURN_IF_ERROR(trainable.WriteTo(tmp + "/trainable.safetensors"));
+      if (fault_point) LORASTEP_RETURN_IF_ERROR(fault_point("trainable_written"));
+      LORASTEP_RETURN_IF_ERROR(optimizer.WriteTo(tmp + "/optimizer.safetensors"));
+      return WriteStringToFile(tmp + "/trainer_state.json", snapshot.state_json);
+    };
+    return WriteFolderAtomically(folder, write, fault_point);
+  });
 }
 
 absl::Status Trainer::SaveState(
