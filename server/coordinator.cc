@@ -910,6 +910,7 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
     return RemoveAutosave(run, previous);
   }
   run.autosave_in_flight = true;
+  ++autosaves_submitted_;
   // Rank 0 writes the (gathered) state; the others copied nothing to write.
   autosave_confirmations_.Submit([this, state = run.shared_from_this(), writer = run.ranks[0], id = run_id, name,
                                   version] {
@@ -987,10 +988,15 @@ void Coordinator::DeleteAutosaves(RunState& run, const std::string& keep) {
 }
 
 bool Coordinator::WaitForAutosaves(std::chrono::milliseconds timeout) {
-  auto done = std::make_shared<std::promise<void>>();
-  std::future<void> finished = done->get_future();
-  autosave_confirmations_.Submit([done] { done->set_value(); });  // after every confirmation queued so far
-  return finished.wait_for(timeout) == std::future_status::ready;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {  // a confirmation may start a catch-up autosave, queued behind the barrier
+    const int64_t submitted = autosaves_submitted_.load();
+    auto done = std::make_shared<std::promise<void>>();
+    std::future<void> finished = done->get_future();
+    autosave_confirmations_.Submit([done] { done->set_value(); });  // after every confirmation queued so far
+    if (finished.wait_until(deadline) != std::future_status::ready) return false;
+    if (autosaves_submitted_.load() == submitted) return true;
+  }
 }
 
 absl::StatusOr<int> Coordinator::RestoreRuns() {

@@ -297,6 +297,7 @@ class Coordinator {
   bool stopping_ = false;                    // guarded by mu_
   // Background autosaves awaited and journaled as durable, in the order they started. Last:
   // destroyed first, finishing what is queued while the rest is still here.
+  std::atomic<int64_t> autosaves_submitted_{0};
   SerialExecutor autosave_confirmations_;
 };
 

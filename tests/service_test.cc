@@ -1543,6 +1543,15 @@ TEST(ProcessTest, BackgroundAutosavesCatchUpWithoutPendingGradients) {
   list.set_run_id("slow");
   ASSERT_OK_AND_ASSIGN(v1::ListCheckpointsResponse listed, client->ListCheckpoints(list));
   ASSERT_EQ(listed.checkpoints_size(), 1) << listed.DebugString();  // only the durable one is kept
+  // SIGTERM right after two more steps: the coordinator waits for the autosave being written
+  // and the catch-up after it before it stops the worker, so a restart resumes at the last.
+  for (int i = 5; i < 7; ++i) ASSERT_OK(resumed.TrainStep(Batch(i), Ppo(), Adam()).status());
+  EXPECT_TRUE(second.Stop()) << "needed SIGKILL";
+  ASSERT_OK_AND_ASSIGN(ChildServer third, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));
+  ASSERT_OK_AND_ASSIGN(client, TrainerClient::Connect(third.address()));
+  ASSERT_OK_AND_ASSIGN(v1::Run after_sigterm, client->GetRun("slow"));
+  EXPECT_EQ(after_sigterm.learner_version(), 7);
+  EXPECT_EQ(after_sigterm.autosaved_learner_version(), 7);
 }
 
 // Full fine-tuning runs (rank 0) autosave the whole model and its optimizer, so every
