@@ -42,10 +42,6 @@ struct Coordinator::RunState : std::enable_shared_from_this<Coordinator::RunStat
   mutable std::mutex view_mu;
   v1::Run run;
   std::vector<WorkerClient*> ranks;  // rank -> worker (one worker when not on a mesh)
-  // The last autosave: when its part on the call's path ended and how long that took (< 0:
-  // none yet in this process).
-  std::chrono::steady_clock::time_point last_autosave_end;
-  double last_autosave_s = -1;
   // Autosaves (with a journal), guarded by autosave_mu: the checkpoint name of the last
   // durable one, the number of the next, whether one is being written in the background (one
   // at a time per run). The confirmation holds autosave_mu while it journals an autosave as
@@ -55,6 +51,10 @@ struct Coordinator::RunState : std::enable_shared_from_this<Coordinator::RunStat
   std::string durable_autosave;
   int64_t next_autosave = 1;
   bool autosave_in_flight = false;
+  // The last autosave: when it ended and how long it took, in the background from its
+  // snapshot until it was durable, written or not (< 0: none yet in this process).
+  std::chrono::steady_clock::time_point last_autosave_end;
+  double last_autosave_s = -1;
   // A step skipped its autosave while one was in flight: the confirmation then saves the run
   // as it is (so a run that stops stepping still gets its last step saved).
   bool autosave_owed = false;
@@ -848,18 +848,16 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
   const int64_t version = run.run.learner_version();
   const int every = run.run.lora().rank() == 0 ? options_.autosave_every_full_steps : options_.autosave_every_steps;
   const auto started = std::chrono::steady_clock::now();
-  bool owed;  // an earlier step's autosave was skipped: due now, whatever the spacing
+  bool due;
   {
     std::lock_guard<std::mutex> lock(run.autosave_mu);
-    owed = run.autosave_owed;
+    due = force || run.autosave_owed ||  // an earlier step's autosave was skipped: due now
+          (every > 0 ? version % every == 0
+                     : run.last_autosave_s < 0 ||  // spaced by cost: not too soon after the last one
+                           std::chrono::duration<double>(started - run.last_autosave_end).count() *
+                                   options_.autosave_max_share >=
+                               run.last_autosave_s);
   }
-  const bool due =
-      force || owed ||
-      (every > 0 ? version % every == 0
-                 : run.last_autosave_s < 0 ||  // spaced by cost: not too soon after the last one
-                       std::chrono::duration<double>(started - run.last_autosave_end).count() *
-                               options_.autosave_max_share >=
-                           run.last_autosave_s);
   if (!due) return;
   std::string name;
   {
@@ -868,7 +866,8 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
     // catches up; a forced one (the state LoadState brought) waits for it.
     std::unique_lock<std::mutex> lock(run.autosave_mu);
     if (run.autosave_in_flight && !force) {
-      run.autosave_owed = true;
+      // Spaced by cost, a step during the write is too soon anyway (the write is the cost).
+      if (every > 0) run.autosave_owed = true;
       return;
     }
     run.autosave_cv.wait(lock, [&] { return !run.autosave_in_flight; });
@@ -901,10 +900,10 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
     LORASTEP_LOG(Error) << "journal: run " << run_id << ": " << s;
     return;
   }
-  run.last_autosave_end = std::chrono::steady_clock::now();
-  run.last_autosave_s = std::chrono::duration<double>(run.last_autosave_end - started).count();
   std::unique_lock<std::mutex> lock(run.autosave_mu);
   if (!background) {
+    run.last_autosave_end = std::chrono::steady_clock::now();
+    run.last_autosave_s = std::chrono::duration<double>(run.last_autosave_end - started).count();
     const std::string previous = RecordDurableAutosave(run, name, version);
     lock.unlock();
     return RemoveAutosave(run, previous);
@@ -913,9 +912,11 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
   ++autosaves_submitted_;
   // Rank 0 writes the (gathered) state; the others copied nothing to write.
   autosave_confirmations_.Submit([this, state = run.shared_from_this(), writer = run.ranks[0], id = run_id, name,
-                                  version] {
+                                  version, started] {
     absl::Status written = writer->AwaitSaved(PathRequest(id, AutosaveRef(id, name)));
     std::unique_lock<std::mutex> lock(state->autosave_mu);
+    state->last_autosave_end = std::chrono::steady_clock::now();
+    state->last_autosave_s = std::chrono::duration<double>(state->last_autosave_end - started).count();
     std::string previous;
     if (!state->retired) {
       v1::JournalEntry done;

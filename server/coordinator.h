@@ -75,7 +75,8 @@ struct CoordinatorOptions {
   // 0: spaced by cost instead: after a step once the run's wall time since its last autosave
   // is at least that autosave's duration / `autosave_max_share` (the first step always), so
   // autosaves take at most that share of a run's time: one that takes d seconds comes at most
-  // every d / share seconds (every step when steps are longer than that).
+  // every d / share seconds (every step when steps are longer than that). A background
+  // autosave's duration runs from its snapshot until it is durable: the disk's time counts.
   int autosave_every_steps = 1;
   double autosave_max_share = 0.1;
   // The same for full fine-tuning runs (rank 0), whose state is the whole model and its

@@ -1554,6 +1554,32 @@ TEST(ProcessTest, BackgroundAutosavesCatchUpWithoutPendingGradients) {
   EXPECT_EQ(after_sigterm.autosaved_learner_version(), 7);
 }
 
+// Autosaves spaced by cost (--autosave_every_steps 0) count a background autosave's whole
+// duration, the disk's time included: with writes of ~1 s and --autosave_max_share 0.5, the
+// steps in the two seconds after one is durable are not saved, and a step after that is.
+TEST(ProcessTest, CostSpacedAutosavesCountTheDisksTime) {
+  ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("autosave_spacing"));
+  ASSERT_OK_AND_ASSIGN(
+      ChildServer server,
+      ChildServer::Start(Binary("server/lorastep_coordinator"),
+                         {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"), "--state_dir",
+                          dir + "/store", "--autosave_every_steps", "0", "--autosave_max_share", "0.5",
+                          "--test_autosave_write_delay_ms", "1000"},
+                         120));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3, "spaced"));
+  ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());  // the first is always saved
+  WaitUntilAutosaved(client.get(), "spaced", 1);
+  for (int i = 1; i < 3; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  ASSERT_OK_AND_ASSIGN(v1::Run soon, client->GetRun("spaced"));
+  EXPECT_EQ(soon.learner_version(), 3);
+  EXPECT_EQ(soon.autosaved_learner_version(), 1) << "too soon after a write of ~1 s at share 0.5";
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  ASSERT_OK(run.TrainStep(Batch(3), Ppo(), Adam()).status());
+  WaitUntilAutosaved(client.get(), "spaced", 4);
+}
+
 // Full fine-tuning runs (rank 0) autosave the whole model and its optimizer, so every
 // --autosave_every_full_steps steps (50 by default), not every step as LoRA runs do.
 TEST(ProcessTest, FullFinetuneRunsAutosaveLessOften) {
