@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 8's reliability figures on this machine, written to bench/results/reliability.json:
 #  - load: bench/load_test (16 clients, one run each, 10,000 small TrainSteps against one
-#    coordinator + local worker on the tiny model, CPU): throughput, p99 step, fairness,
+#    coordinator + local worker on the tiny model, CPU, journal on: every step autosaved in
+#    the background): throughput, p99 step, fairness,
 #    server RSS growth after a 500-step warm-up, runs whose learner_version lost a step;
 #  - faults: the fault tests, each injecting one fault in real processes or files (a worker
 #    SIGKILLed mid-call on a mesh, a SIGKILLed coordinator (and one restarted from its journal),
@@ -17,7 +18,8 @@ STEPS=${LOAD_STEPS:-10000} CLIENTS=${LOAD_CLIENTS:-16}
 bazel build //bench:load_test //server:lorastep_coordinator //worker:lorastep_worker //tools:lorastep_genmodel >/dev/null 2>&1 || { echo "build failed"; exit 1; }
 W=$(mktemp -d); trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null; rm -rf "$W"' EXIT
 ./bazel-bin/tools/lorastep_genmodel --preset tiny --seed 1 --out "$W/model" >/dev/null
-./bazel-bin/server/lorastep_coordinator --model "$W/model" --port 0 --port_file "$W/port" \
+# With a state dir: the journal on, every step of every run autosaved (in the background).
+./bazel-bin/server/lorastep_coordinator --model "$W/model" --port 0 --port_file "$W/port" --state_dir "$W/state" \
   --worker_binary ./bazel-bin/worker/lorastep_worker 2> "$W/server.log" &
 PID=$!
 for _ in $(seq 300); do [ -s "$W/port" ] && break; sleep 0.2; done
@@ -42,7 +44,7 @@ out = {"date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
        "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.platform()})",
        "library_versions": {"libtorch": ver("libtorch-dev"), "grpc": ver("libgrpc++-dev")},
        "command": "bash bench/reliability.sh",
-       "workload": "tiny model on CPU; each client: its own run, TrainSteps of 4 x 16 tokens (PPO, LoRA r4)",
+       "workload": "tiny model on CPU; each client: its own run, TrainSteps of 4 x 16 tokens (PPO, LoRA r4); journal on (--state_dir), every step autosaved in the background",
        "concurrent_clients": load["concurrent_clients"], "total_steps": load["total_steps"],
        "steps_per_s": load["steps_per_s"], "p50_step_s": load["p50_step_s"], "p99_step_s": load["p99_step_s"],
        "fairness_min_over_max": load["fairness_min_over_max"], "steps_per_client": load["steps_per_client"],
