@@ -61,6 +61,7 @@ int main(int argc, char** argv) {
   std::atomic<int64_t> started{0}, done{0};
   std::atomic<bool> warm{false};
   double rss_warm = 0;
+  std::vector<double> rss_warm_per_process;
   std::mutex mu;
   std::vector<double> latencies;
   std::vector<int64_t> steps(clients, 0), versions(clients, -1);
@@ -112,6 +113,7 @@ int main(int argc, char** argv) {
         ++steps[c];
         if (done.fetch_add(1) + 1 == warmup) {
           rss_warm = rss();
+          for (const auto& p : pids) rss_warm_per_process.push_back(RssMb(p));
           t_warm = std::chrono::steady_clock::now();
           warm = true;
         }
@@ -144,6 +146,7 @@ int main(int argc, char** argv) {
   j["rss_growth_mb"] = rss_end - rss_warm;
   std::vector<double> per_process;
   for (const auto& p : pids) per_process.push_back(RssMb(p));
+  j["rss_warm_mb_per_process"] = rss_warm_per_process;
   j["rss_end_mb_per_process"] = per_process;
   j["runs_with_lost_state"] = lost;
   j["errors"] = errors.size();

@@ -698,7 +698,7 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, 
 
 absl::Status Coordinator::DeleteRun(const std::string& run_id) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(run_id));
-  std::lock_guard<std::mutex> run_lock(run->mu);  // after any call in flight on it
+  std::unique_lock<std::mutex> run_lock(run->mu);  // after any call in flight on it
   bool on_down_worker = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -736,7 +736,12 @@ absl::Status Coordinator::DeleteRun(const std::string& run_id) {
       options_.metrics->Set("lorastep_runs", {}, static_cast<double>(runs_.size()));
     }
   }
-  malloc_trim(0);  // a deleted run's history and records go back to the OS, not just to malloc
+  // A deleted run's history and records go back to the OS, not just to malloc: trimmed once
+  // they are freed (this was the last reference; trimming before it let the first 10,000
+  // steps of 16 clients leave 15-21 MB behind).
+  run_lock.unlock();
+  run.reset();
+  malloc_trim(0);
   return absl::OkStatus();
 }
 
