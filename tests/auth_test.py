@@ -133,6 +133,13 @@ def main():
         check(alice.get_run("shared").learner_version == 0 and alice.get_run("shared").owner == "alice" and
               bob.get_run("shared").learner_version == 1, "two runs: bob's step did not touch alice's")
         check(b_shared.save("lorastep://shared/ck") == 1, "bob saves to his run's reference")
+        for _ in range(300):  # the journal's background autosave of his step becomes durable
+            if bob.get_run("shared").autosaved_learner_version == 1:
+                break
+            time.sleep(0.05)
+        check(bob.get_run("shared").autosaved_learner_version == 1 and
+              alice.get_run("shared").autosaved_learner_version is None,
+              "get_run says where a restart would resume: bob's step, nothing of alice's yet")
         b_refs = [c.ref for c in b_shared.checkpoints()]  # with the journal's autosave
         check("lorastep://shared/ck" in b_refs and all(r.startswith("lorastep://shared/") for r in b_refs),
               f"his checkpoints are listed by his references: {b_refs}")

@@ -483,13 +483,16 @@ int Main(int argc, char** argv) {
       std::cout << Json(*r) << "\n";
       return 0;
     }
-    std::printf("%-14s %-12s %6s %8s %8s %9s %-9s %s\n", "run_id", "owner", "rank", "version", "next_seq",
-                "last_step", "status", "base_model");
+    std::printf("%-14s %-12s %6s %8s %9s %8s %9s %-9s %s\n", "run_id", "owner", "rank", "version", "autosaved",
+                "next_seq", "last_step", "status", "base_model");
     for (const auto& run : r->runs()) {
-      std::printf("%-14s %-12s %6lld %8lld %8lld %9lld %-9s %s\n", run.run_id().c_str(),
+      // autosaved: where a restart would resume the run ("-": no durable autosave, or no journal)
+      const std::string autosaved =
+          run.has_autosaved_learner_version() ? std::to_string(run.autosaved_learner_version()) : "-";
+      std::printf("%-14s %-12s %6lld %8lld %9s %8lld %9lld %-9s %s\n", run.run_id().c_str(),
                   run.owner().empty() ? "-" : run.owner().c_str(),
                   static_cast<long long>(run.lora().rank()), static_cast<long long>(run.learner_version()),
-                  static_cast<long long>(run.next_sequence_id()), static_cast<long long>(run.last_step()),
+                  autosaved.c_str(), static_cast<long long>(run.next_sequence_id()), static_cast<long long>(run.last_step()),
                   run.diverged().empty() ? "active" : "diverged", run.base_model().c_str());
     }
     return 0;

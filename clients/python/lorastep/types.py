@@ -251,6 +251,8 @@ class RunInfo(_Mapping):
     base_model: str
     owner: str  # the API key's owner that created it ("" without authentication)
     target_modules: List[str]  # resolved LoRA targets (train_* switches included)
+    # With a journal: the learner_version a restart would resume at (None: none durable yet).
+    autosaved_learner_version: Optional[int] = None
 
 
 def replica_hashes(hs):
@@ -264,4 +266,5 @@ def metrics_dict(m):
 def run_info(r):
     return RunInfo(r.run_id, r.lora.rank, r.lora.alpha, r.learner_version, r.next_sequence_id, r.last_step,
                    r.created_unix_ms, r.last_step_unix_ms, r.diverged, r.base_model, r.owner,
-                   list(r.lora.target_modules))
+                   list(r.lora.target_modules),
+                   r.autosaved_learner_version if r.HasField("autosaved_learner_version") else None)
