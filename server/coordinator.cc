@@ -55,9 +55,6 @@ struct Coordinator::RunState : std::enable_shared_from_this<Coordinator::RunStat
   // snapshot until it was durable, written or not (< 0: none yet in this process).
   std::chrono::steady_clock::time_point last_autosave_end;
   double last_autosave_s = -1;
-  // A step skipped its autosave while one was in flight: the confirmation then saves the run
-  // as it is (so a run that stops stepping still gets its last step saved).
-  bool autosave_owed = false;
   bool retired = false;  // restored anew or deleted: a late confirmation changes nothing
   struct Recorded {
     std::string method;
@@ -856,7 +853,7 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
   bool due;
   {
     std::lock_guard<std::mutex> lock(run.autosave_mu);
-    due = force || run.autosave_owed ||  // an earlier step's autosave was skipped: due now
+    due = force ||
           (every > 0 ? version % every == 0
                      : run.last_autosave_s < 0 ||  // spaced by cost: not too soon after the last one
                            std::chrono::duration<double>(started - run.last_autosave_end).count() *
@@ -866,17 +863,15 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
   if (!due) return;
   std::string name;
   {
-    // One background autosave per run at a time: a step while one is written skips its own
-    // (the disk sets the pace, and memory holds one copy of the state) and the confirmation
-    // catches up; a forced one (the state LoadState brought) waits for it.
+    // One background write per run at a time (memory holds one copy of the state). Spaced by
+    // cost, a step during it is too soon anyway (the write is the cost); otherwise the step
+    // waits for it, so every due step is saved where it happened and the disk sets the pace
+    // only when it is slower than the steps. (Skipping the step's autosave instead and saving
+    // later could not save a state with a ForwardBackward's gradients pending, and left the
+    // run behind.)
     std::unique_lock<std::mutex> lock(run.autosave_mu);
-    if (run.autosave_in_flight && !force) {
-      // Spaced by cost, a step during the write is too soon anyway (the write is the cost).
-      if (every > 0) run.autosave_owed = true;
-      return;
-    }
+    if (run.autosave_in_flight && !force && every <= 0) return;
     run.autosave_cv.wait(lock, [&] { return !run.autosave_in_flight; });
-    run.autosave_owed = false;
     name = absl::StrCat("autosave-", run.next_autosave++);
   }
   const std::string& run_id = run.run.run_id();
@@ -936,27 +931,11 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
     }
     state->autosave_in_flight = false;
     state->autosave_cv.notify_all();
-    const bool catch_up = std::exchange(state->autosave_owed, false) && !state->retired;
     lock.unlock();
     // Not under autosave_mu: removing 246 MB took ~80 ms on the H200 host, and the next
     // step's autosave waited for it. The journal names `name` now: a restore never needs
     // `previous` again.
     RemoveAutosave(*state, previous);
-    if (!catch_up) return;
-    // The steps since were not saved: save the run now, between its calls. Autosaves start
-    // only under the run's mu, so one not in flight here stays so: this never waits for a
-    // confirmation queued behind this one.
-    std::lock_guard<std::mutex> run_lock(state->mu);
-    {
-      std::lock_guard<std::mutex> again(state->autosave_mu);
-      if (state->retired || state->autosave_in_flight) return;  // or a step saved the run meanwhile
-      // Gradients of a ForwardBackward are not in an autosave: the OptimStep after it saves.
-      if (state->run.pending_forward_backward() > 0) {
-        state->autosave_owed = true;
-        return;
-      }
-    }
-    MaybeAutosave(*state, /*force=*/true);
   });
 }
 
@@ -995,7 +974,7 @@ void Coordinator::DeleteAutosaves(RunState& run, const std::string& keep) {
 
 bool Coordinator::WaitForAutosaves(std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (true) {  // a confirmation may start a catch-up autosave, queued behind the barrier
+  while (true) {  // until no autosave started after the barrier (a step's, racing the shutdown)
     const int64_t submitted = autosaves_submitted_.load();
     auto done = std::make_shared<std::promise<void>>();
     std::future<void> finished = done->get_future();

@@ -1501,12 +1501,11 @@ TEST(ProcessTest, FailedBackgroundAutosaveIsNotDurable) {
 }
 
 // Background autosaves on a slow disk (each write waits 1.5 s): a step while its run's
-// autosave is written skips its own; when that write is durable the run is saved as it is
-// then, unless a ForwardBackward's gradients are pending (they are not in an autosave), in
-// which case the OptimStep after them saves. A run that stops stepping has its last step
-// saved all the same. A coordinator killed while an autosave is written resumes from the
-// last durable one.
-TEST(ProcessTest, BackgroundAutosavesCatchUpWithoutPendingGradients) {
+// autosave is written waits for it and saves its own, so every step is saved where it
+// happened, before a ForwardBackward that follows (its gradients are not in an autosave),
+// and a run that stops stepping has its last step saved. A coordinator killed while an
+// autosave is written resumes from the last durable one; SIGTERM waits for the write.
+TEST(ProcessTest, BackgroundAutosavesKeepEveryStepOnASlowDisk) {
   ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("autosave_catch_up"));
   const std::vector<std::string> args = {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"),
                                          "--state_dir", dir + "/store", "--test_autosave_write_delay_ms", "1500"};
@@ -1515,14 +1514,16 @@ TEST(ProcessTest, BackgroundAutosavesCatchUpWithoutPendingGradients) {
     ASSERT_OK_AND_ASSIGN(ChildServer first, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));
     ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(first.address()));
     ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3, "slow"));
-    for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());  // the second skips
+    ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
+    const auto before_second = std::chrono::steady_clock::now();
+    ASSERT_OK(run.TrainStep(Batch(1), Ppo(), Adam()).status());  // waits for the first write
+    EXPECT_GE(std::chrono::steady_clock::now() - before_second, std::chrono::milliseconds(1000));
     ASSERT_OK(run.ForwardBackward(Batch(2), Ppo()).status());
-    WaitUntilAutosaved(client.get(), "slow", 1);
-    std::this_thread::sleep_for(std::chrono::seconds(3));  // a catch-up would be written by now
+    WaitUntilAutosaved(client.get(), "slow", 2);
     ASSERT_OK_AND_ASSIGN(v1::Run waiting, client->GetRun("slow"));
     EXPECT_EQ(waiting.learner_version(), 2);
-    EXPECT_EQ(waiting.autosaved_learner_version(), 1) << "not with the gradients pending";
-    ASSERT_OK(run.OptimStep(Adam()).status());  // version 3: saved, the catch-up being owed
+    EXPECT_EQ(waiting.pending_forward_backward(), 1);
+    ASSERT_OK(run.OptimStep(Adam()).status());  // version 3
     WaitUntilAutosaved(client.get(), "slow", 3);
     ASSERT_OK_AND_ASSIGN(v1::Run saved, client->GetRun("slow"));
     next_sequence_id = saved.next_sequence_id();
@@ -1537,14 +1538,14 @@ TEST(ProcessTest, BackgroundAutosavesCatchUpWithoutPendingGradients) {
   EXPECT_EQ(back.autosaved_learner_version(), 3);
   EXPECT_EQ(back.next_sequence_id(), next_sequence_id);
   ASSERT_OK_AND_ASSIGN(RunSession resumed, RunSession::Attach(client.get(), "slow"));
-  for (int i = 3; i < 5; ++i) ASSERT_OK(resumed.TrainStep(Batch(i), Ppo(), Adam()).status());  // 4, then 5 skips
-  WaitUntilAutosaved(client.get(), "slow", 5);  // no call follows: the catch-up saves it
+  for (int i = 3; i < 5; ++i) ASSERT_OK(resumed.TrainStep(Batch(i), Ppo(), Adam()).status());  // 4, then 5
+  WaitUntilAutosaved(client.get(), "slow", 5);  // no call follows: the last step is saved
   v1::ListCheckpointsRequest list;
   list.set_run_id("slow");
   ASSERT_OK_AND_ASSIGN(v1::ListCheckpointsResponse listed, client->ListCheckpoints(list));
   ASSERT_EQ(listed.checkpoints_size(), 1) << listed.DebugString();  // only the durable one is kept
   // SIGTERM right after two more steps: the coordinator waits for the autosave being written
-  // and the catch-up after it before it stops the worker, so a restart resumes at the last.
+  // before it stops the worker, so a restart resumes at the last step.
   for (int i = 5; i < 7; ++i) ASSERT_OK(resumed.TrainStep(Batch(i), Ppo(), Adam()).status());
   EXPECT_TRUE(second.Stop()) << "needed SIGKILL";
   ASSERT_OK_AND_ASSIGN(ChildServer third, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));

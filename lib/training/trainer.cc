@@ -86,6 +86,7 @@ struct SnapshotList {
     return absl::OkStatus();
   }
 };
+
 constexpr double kH200DenseBf16Flops = 989e12;  // datasheet; MFU's denominator on CUDA
 
 using Clock = std::chrono::steady_clock;
