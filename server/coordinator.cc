@@ -948,13 +948,13 @@ std::string Coordinator::RecordDurableAutosave(RunState& run, const std::string&
   return previous == name ? "" : previous;
 }
 
-void Coordinator::RemoveAutosave(RunState& run, const std::string& previous) {
-  if (previous.empty()) return;
-  v1::DeleteCheckpointRequest del;  // a restart resumes from a later one now (best effort)
+void Coordinator::RemoveAutosave(RunState& run, const std::string& name) {
+  if (name.empty()) return;
+  v1::DeleteCheckpointRequest del;  // an autosave a restart no longer needs (best effort)
   del.set_run_id(run.run.run_id());
-  del.set_name(previous);
+  del.set_name(name);
   if (absl::Status s = run.ranks[0]->DeleteCheckpoint(del); !s.ok() && !absl::IsNotFound(s)) {
-    LORASTEP_LOG(Warning) << "run " << run.run.run_id() << ": removing the earlier autosave " << previous << ": " << s;
+    LORASTEP_LOG(Warning) << "run " << run.run.run_id() << ": removing the autosave " << name << ": " << s;
   }
 }
 
@@ -964,11 +964,7 @@ void Coordinator::DeleteAutosaves(RunState& run, const std::string& keep) {
   auto listed = run.ranks[0]->ListCheckpoints(list);
   if (!listed.ok()) return;  // best effort: a worker without a store, or down
   for (const auto& c : listed->checkpoints()) {
-    if (!IsAutosaveName(c.name()) || c.name() == keep) continue;
-    v1::DeleteCheckpointRequest del;
-    del.set_run_id(run.run.run_id());
-    del.set_name(c.name());
-    run.ranks[0]->DeleteCheckpoint(del).IgnoreError();
+    if (IsAutosaveName(c.name()) && c.name() != keep) RemoveAutosave(run, c.name());
   }
 }
 
