@@ -289,12 +289,27 @@ absl::Status Coordinator::AddWorker(std::unique_ptr<WorkerClient> worker) {
                                                    info.rank(), " is already registered"));
     }
   }
+  // A journaled mesh restores its runs from autosaves that rank 0 writes and every rank
+  // loads: the ranks must share one state store.
+  const bool shares_store = on_mesh() && options_.journal != nullptr;
+  if (shares_store && info.state_store_id().empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "journal_dir: rank ", info.rank(), " at ", worker->address(),
+        " has no state store; the ranks of a journaled mesh need one --state_dir they share"));
+  }
   if (RegisteredWorkers() == 0) {
     model_path_ = info.model_path();
     vocab_size_ = info.vocab_size();
+    mesh_store_id_ = info.state_store_id();
   } else if (info.model_path() != model_path_ || info.vocab_size() != vocab_size_) {
     return absl::FailedPreconditionError(absl::StrCat("worker ", worker->address(), " serves ",
                                                       info.model_path(), ", not ", model_path_));
+  } else if (shares_store && info.state_store_id() != mesh_store_id_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "journal_dir: rank ", info.rank(), " at ", worker->address(), " has a state store of its own (id ",
+        info.state_store_id(), ", the other ranks' ", mesh_store_id_,
+        "); the ranks of a journaled mesh need one --state_dir they share (rank 0 writes the autosaves "
+        "every rank loads)"));
   }
   if (on_mesh()) {
     workers_[info.rank()] = std::move(worker);
@@ -454,8 +469,22 @@ void Coordinator::RestartWorker(WorkerClient* dead) {
 void Coordinator::RestartMesh() {
   auto fresh = options_.restart_mesh();
   if (!fresh.ok()) {
+    if (absl::IsUnavailable(fresh.status())) {  // a listed rank not back yet: ask again, after a pause
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      std::lock_guard<std::mutex> lock(mu_);
+      restart_queue_.push_back(nullptr);
+      restart_cv_.notify_all();
+      return;
+    }
     LORASTEP_LOG(Error) << "lorastep_coordinator: restarting the mesh: " << fresh.status();
     return;
+  }
+  {
+    // Ranks that lived on (a listed mesh) may have started forming the generation the
+    // failure moved to, and left their sockets under its store keys: every rank forms a
+    // generation no one has used.
+    std::lock_guard<FairMutex> mesh_lock(mesh_mu_);
+    ++mesh_generation_;
   }
   std::vector<std::shared_ptr<RunState>> orphans;
   {
@@ -673,8 +702,11 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, 
   wreq.set_init_from(req.init_from());
   wreq.set_init_with_optimizer(req.init_with_optimizer());
   // Same seed on every rank: replicas start bitwise equal.
-  auto created = FanOut<v1::WorkerCreateRunResponse>(
-      *state, AllRanks(*state), [&](int, WorkerClient* w) { return w->CreateRun(wreq); });
+  auto created = FanOut<v1::WorkerCreateRunResponse>(*state, AllRanks(*state), [&](int, WorkerClient* w) {
+    v1::WorkerCreateRunRequest call = wreq;
+    call.mutable_mesh()->set_mesh_generation(mesh_generation_);  // init_from loads collectively
+    return w->CreateRun(call);
+  });
   if (!created.ok() && options_.journal != nullptr) {
     if (absl::Status s = options_.journal->RemoveRun(run_id); !s.ok()) {
       LORASTEP_LOG(Error) << "journal: " << s;
@@ -1036,8 +1068,11 @@ absl::Status Coordinator::RestoreRun(const JournaledRun& j, WorkerClient* onto) 
     create.set_init_with_optimizer(j.created.init_with_optimizer());
   }
   auto create_on_ranks = [&] {
-    return FanOut<v1::WorkerCreateRunResponse>(*state, AllRanks(*state),
-                                               [&](int, WorkerClient* w) { return w->CreateRun(create); });
+    return FanOut<v1::WorkerCreateRunResponse>(*state, AllRanks(*state), [&](int, WorkerClient* w) {
+      v1::WorkerCreateRunRequest call = create;
+      call.mutable_mesh()->set_mesh_generation(mesh_generation_);
+      return w->CreateRun(call);
+    });
   };
   auto delete_on_ranks = [&] {  // best effort: what a failed restore left on the workers
     v1::WorkerDeleteRunRequest del;

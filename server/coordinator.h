@@ -89,10 +89,12 @@ struct CoordinatorOptions {
   // restored from their autosaves onto it. Unset: a dead worker stays down (runs on it fail
   // until it is replaced by registration).
   std::function<absl::StatusOr<std::unique_ptr<WorkerClient>>(const std::string& address)> restart_worker;
-  // The same for a mesh of local workers: stops every rank still running and starts all of
-  // them again at a fresh rendezvous, returning their clients in rank order. With a journal,
-  // a rank found dead brings the whole mesh back this way (communicators cannot take a new
-  // member alone) and every run is restored from its autosave. Unset: the mesh stays down.
+  // The same for a mesh: local ranks are all stopped and started again at a fresh rendezvous;
+  // listed ones (--workers) are awaited until a process answers at every address
+  // (UNAVAILABLE meanwhile, and it is tried again). Returns clients of every rank in rank
+  // order. With a journal, a rank found dead brings the whole mesh back this way: every rank
+  // forms a new generation of communicators (a replacement joins the survivors there) and
+  // every run is restored from its autosave. Unset: the mesh stays down.
   std::function<absl::StatusOr<std::vector<std::unique_ptr<WorkerClient>>>()> restart_mesh;
 };
 
@@ -264,6 +266,7 @@ class Coordinator {
   std::function<void(bool)> on_serving_;
   std::string model_path_;
   int64_t vocab_size_ = 0;
+  std::string mesh_store_id_;  // the state store every rank of a journaled mesh shares
   std::map<std::string, std::shared_ptr<RunState>> runs_;
   // request_id -> (run_id, request fingerprint)
   std::map<std::string, std::pair<std::string, std::string>> create_requests_;

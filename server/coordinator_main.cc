@@ -442,6 +442,22 @@ int main(int argc, char** argv) {
       return clients;
     };
   }
+  // A listed mesh belongs to someone else's supervisor too: after a rank's death the
+  // coordinator waits until a process answers at every listed address (the dead rank's
+  // replacement with its old flags), then every rank forms a new generation of
+  // communicators and the runs come back from their autosaves in the shared state store.
+  if (journal && world > 1 && local.empty() && !addresses.empty()) {
+    options.restart_mesh = [&]() -> absl::StatusOr<std::vector<std::unique_ptr<WorkerClient>>> {
+      std::vector<std::unique_ptr<WorkerClient>> clients;
+      for (const std::string& address : addresses) {
+        auto client = std::make_unique<GrpcWorkerClient>(address, std::chrono::seconds(worker_call_timeout),
+                                                         worker_token, worker_tls);
+        LORASTEP_RETURN_IF_ERROR(client->WaitReady(2));  // UNAVAILABLE: not back yet
+        clients.push_back(std::move(client));
+      }
+      return clients;
+    };
+  }
   Coordinator core{options};
   const size_t num_workers = addresses.size() + (in_process != nullptr ? 1 : 0);
   if (in_process != nullptr) {

@@ -20,6 +20,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "clients/cpp/trainer_client.h"
 #include "lorastep/v1/worker.grpc.pb.h"
 #include "rpc/grpc_status.h"
@@ -34,12 +35,15 @@
 #include "lib/io/state_store.h"
 #include "server/child_server.h"
 #include "server/run_journal.h"
+#include "tests/process_runner.h"
 #include "tests/proto_test_util.h"
 #include "tests/test_util.h"
 
 namespace lorastep {
 namespace {
 
+using ::lorastep::testing::ProcessResult;
+using ::lorastep::testing::RunProcesses;
 using ::lorastep::testing::ScratchDir;
 using ::lorastep::testing::StatusIs;
 
@@ -1780,6 +1784,82 @@ TEST(ProcessTest, KilledMeshRankRestartsTheMeshAndItsRunsResume) {
   ASSERT_EQ(after.size(), 2u);
   for (int pid : after) EXPECT_TRUE(pid != before[0] && pid != before[1]) << "every rank was started again";
   ExpectAppliedOnceLikeAnUninterruptedRun(client.get(), step3, *r);
+}
+
+// Issue 8: a rank of a listed mesh (--workers, DP2 on gloo, run by someone else's supervisor)
+// killed with SIGKILL, then started again at its address with its old flags. The survivor
+// cannot take a new member into its communicators, and the replacement must not meet the
+// dead process's sockets under the first generation's store keys: the coordinator waits for
+// every listed address, every rank forms a new generation, and the run comes back from its
+// autosave in the ranks' shared store. The client's retry applies the step once, equal to an
+// uninterrupted run on the same mesh. Rank 0 serves the TCPStore: killing it also checks
+// that the survivor reconnects to the store its replacement serves.
+void ListedMeshRankComesBack(int killed_rank) {
+  if (!CpuCollectivesAvailable()) GTEST_SKIP() << "a CPU mesh needs a build with gloo";
+  ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir(absl::StrCat("listed_mesh_", killed_rank)));
+  const std::string rendezvous = absl::StrCat("127.0.0.1:", FreeLocalPort());
+  const std::vector<std::string> ports = {std::to_string(FreeLocalPort()), std::to_string(FreeLocalPort())};
+  auto start_rank = [&](int r) {
+    return ChildServer::Start(Binary("worker/lorastep_worker"),
+                              {"--model", dir + "/model", "--port", ports[r], "--state_dir", dir + "/store",
+                               "--rank", std::to_string(r), "--dp", "2", "--rendezvous", rendezvous,
+                               "--collective_timeout_s", "10"},
+                              60);
+  };
+  std::vector<ChildServer> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_OK_AND_ASSIGN(ChildServer rank, start_rank(r));
+    ranks.push_back(std::move(rank));
+  }
+  ASSERT_OK_AND_ASSIGN(ChildServer server,
+                       ChildServer::Start(Binary("server/lorastep_coordinator"),
+                                          {"--workers", "127.0.0.1:" + ports[0] + ",127.0.0.1:" + ports[1], "--dp",
+                                           "2", "--journal_dir", dir + "/journal", "--peer_failure_grace_s", "2"},
+                                          60));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
+  for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
+  WaitUntilAutosaved(client.get(), run.run_id(), 2);
+  ASSERT_EQ(kill(ranks[killed_rank].pid(), SIGKILL), 0);
+  const v1::TrainStepRequest step3 = StepAfterTheKill(run.run_id());
+  absl::Status met = client->TrainStep(step3).status();
+  EXPECT_FALSE(met.ok()) << "the first try met the dead rank";
+  ASSERT_OK_AND_ASSIGN(ranks[killed_rank], start_rank(killed_rank));  // its supervisor starts it again
+  int failures = 0;
+  absl::StatusOr<v1::StepResponse> r = RetryWhileRestarting(client.get(), step3, 120, &failures);
+  ASSERT_OK(r.status());
+  EXPECT_EQ(r->learner_version(), 3);
+  ExpectAppliedOnceLikeAnUninterruptedRun(client.get(), step3, *r);
+}
+
+TEST(ProcessTest, ListedMeshRankThatComesBackGetsItsRunsBack) { ListedMeshRankComesBack(1); }
+TEST(ProcessTest, ListedMeshRankZeroThatComesBackServesTheStoreAgain) { ListedMeshRankComesBack(0); }
+
+// Issue 8: the ranks of a journaled mesh must share one state store (rank 0 writes the
+// autosaves every rank loads); a coordinator given ranks with stores of their own refuses to
+// start, naming the flag, rather than fail every restore later.
+TEST(ProcessTest, JournaledMeshNeedsOneSharedStateStore) {
+  if (!CpuCollectivesAvailable()) GTEST_SKIP() << "a CPU mesh needs a build with gloo";
+  ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("mesh_own_stores"));
+  const std::string rendezvous = absl::StrCat("127.0.0.1:", FreeLocalPort());
+  std::vector<ChildServer> ranks;
+  std::vector<std::string> addresses;
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_OK_AND_ASSIGN(ChildServer rank,
+                         ChildServer::Start(Binary("worker/lorastep_worker"),
+                                            {"--model", dir + "/model", "--state_dir", absl::StrCat(dir, "/store", r),
+                                             "--rank", std::to_string(r), "--dp", "2", "--rendezvous", rendezvous},
+                                            60));
+    addresses.push_back(rank.address());
+    ranks.push_back(std::move(rank));
+  }
+  const std::string coordinator = absl::StrCat(
+      Binary("server/lorastep_coordinator"), " --port 0 --workers ", absl::StrJoin(addresses, ","),
+      " --dp 2 --journal_dir ", dir, "/journal 2>&1");
+  std::vector<ProcessResult> ran = RunProcesses({{"/bin/sh", "-c", "exec " + coordinator}}, dir, 60);
+  EXPECT_NE(ran[0].exit_code, 0);
+  EXPECT_THAT(ran[0].output, ::testing::HasSubstr("journal_dir: rank 1"));
+  EXPECT_THAT(ran[0].output, ::testing::HasSubstr("has a state store of its own"));
 }
 
 // Issue 8: a hung worker (SIGSTOP) against deadlines. The call fails DEADLINE_EXCEEDED after

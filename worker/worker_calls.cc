@@ -121,12 +121,13 @@ void WorkerCalls::Info(v1::WorkerInfo* resp) const {
   resp->set_dp(o.sizes.dp);
   resp->set_ep(o.sizes.ep);
   resp->set_instance_id(instance_id_);
+  resp->set_state_store_id(core_->state_store_id());
 }
 
 absl::Status WorkerCalls::CreateRun(const v1::WorkerCreateRunRequest& req, v1::WorkerCreateRunResponse* resp) {
   LORASTEP_ASSIGN_OR_RETURN(LoraConfig lora, LoraConfigFromProto(req.lora()));
   LORASTEP_ASSIGN_OR_RETURN(int64_t version, core_->CreateRun(req.run_id(), lora, req.seed(), req.init_from(),
-                                                              req.init_with_optimizer()));
+                                                              req.init_with_optimizer(), MeshFromProto(req.mesh())));
   resp->set_learner_version(version);
   return absl::OkStatus();
 }

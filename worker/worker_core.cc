@@ -45,6 +45,9 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerOptio
     g.device = core->base_->device.str();
     g.timeout = options.collective_timeout;
     g.gloo_host = options.gloo_host;
+    // Formed by the first mesh call, at the generation the coordinator is at: this process
+    // may be replacing a dead rank of a mesh whose survivors are past generation 0.
+    g.defer_communicators = true;
     LORASTEP_ASSIGN_OR_RETURN(core->groups_, ProcessGroups::Create(g));
   }
   return core;
@@ -63,16 +66,18 @@ absl::Status AsReference(const absl::Status& status, const std::string& folder, 
 
 absl::StatusOr<Trainer*> WorkerCore::Prepare(const std::string& run_id, const MeshCallInfo& mesh) {
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
-  if (groups_ != nullptr && (mesh.generation != groups_->generation() || groups_->broken())) {
-    // Every rank gets the same generation with the same call, so all rebuild together.
-    LORASTEP_RETURN_IF_ERROR(groups_->Rebuild(static_cast<int>(mesh.generation)));
-  }
+  LORASTEP_RETURN_IF_ERROR(FormGroups(mesh.generation));
   if (mesh.expected_learner_version >= 0 && mesh.expected_learner_version != t->learner_version()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "learner_version: rank ", options_.rank, " of run '", run_id, "' is at ",
         t->learner_version(), ", the coordinator expected ", mesh.expected_learner_version));
   }
   return t;
+}
+
+absl::Status WorkerCore::FormGroups(int64_t generation) {
+  if (groups_ == nullptr || (generation == groups_->generation() && !groups_->broken())) return absl::OkStatus();
+  return groups_->Rebuild(static_cast<int>(generation));
 }
 
 size_t WorkerCore::num_runs() const {
@@ -88,8 +93,10 @@ absl::StatusOr<Trainer*> WorkerCore::Find(const std::string& run_id) {
 
 absl::StatusOr<int64_t> WorkerCore::CreateRun(const std::string& run_id, const LoraConfig& lora,
                                               uint64_t seed, const std::string& init_from,
-                                              bool init_with_optimizer) {
+                                              bool init_with_optimizer, const MeshCallInfo& mesh) {
   std::lock_guard<FairMutex> lock(mu_);
+  // Before anything that may differ between ranks (the run existing): the load is collective.
+  if (!init_from.empty()) LORASTEP_RETURN_IF_ERROR(FormGroups(mesh.generation));
   if (runs_.count(run_id)) {
     return absl::AlreadyExistsError(absl::StrCat("run_id: '", run_id, "' exists"));
   }

@@ -72,12 +72,15 @@ class WorkerCore {
   const BaseModel& base() const { return *base_; }
   const WorkerOptions& options() const { return options_; }
   ProcessGroups* groups() const { return groups_.get(); }
+  std::string state_store_id() const { return store_ != nullptr ? store_->id() : ""; }
   size_t num_runs() const;
 
   // `init_from` (optional): a PEFT adapter folder or a checkpoint to start from (see
   // CreateRunRequest); on any error no run is left behind. Returns the learner version.
+  // On a mesh, loading `init_from` forms the communicators of `mesh.generation` first.
   absl::StatusOr<int64_t> CreateRun(const std::string& run_id, const LoraConfig& lora, uint64_t seed,
-                                    const std::string& init_from = "", bool init_with_optimizer = false);
+                                    const std::string& init_from = "", bool init_with_optimizer = false,
+                                    const MeshCallInfo& mesh = {});
   // Frees the run (adapter, optimizer state). NOT_FOUND when unknown.
   absl::Status DeleteRun(const std::string& run_id);
   absl::StatusOr<ForwardBackwardResult> ForwardBackward(const std::string& run_id,
@@ -122,6 +125,9 @@ class WorkerCore {
   // Before a call on a mesh: rebuilds communicators for a new generation, checks the
   // learner version. Requires mu_. Returns the run.
   absl::StatusOr<Trainer*> Prepare(const std::string& run_id, const MeshCallInfo& mesh);
+  // Forms the communicators of `generation` unless they are formed and unbroken. Every rank
+  // gets the same generation with the same call, so all form them together. Requires mu_.
+  absl::Status FormGroups(int64_t generation);
   // The folder a request's path field names. Writes (SaveState, ExportAdapter) must stay
   // under the run's own references.
   absl::StatusOr<std::string> ResolvePath(const std::string& run_id, const std::string& path, bool write) const;

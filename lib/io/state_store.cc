@@ -5,11 +5,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 
 #include "absl/strings/match.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "lib/io/checkpoint_dir.h"
 #include "lib/io/file_util.h"
@@ -84,7 +88,24 @@ absl::Status ValidateStoreName(absl::string_view name, absl::string_view field) 
 absl::StatusOr<StateStore> StateStore::Open(const std::string& root) {
   if (root.empty()) return absl::InvalidArgumentError("state_dir: required");
   LORASTEP_RETURN_IF_ERROR(MakeDirectories(root + "/runs"));
-  return StateStore(root);
+  const std::string id_file = root + "/store_id";
+  if (!PathExists(id_file)) {
+    // Written aside and linked into place: of several servers opening a new root at once,
+    // one id wins and every one reads it.
+    std::random_device device;
+    const std::string id = absl::StrFormat("%08x%08x%08x%08x", device(), device(), device(), device());
+    const std::string tmp = absl::StrCat(id_file, ".", id);
+    LORASTEP_RETURN_IF_ERROR(WriteStringToFile(tmp, id + "\n"));
+    const int linked = link(tmp.c_str(), id_file.c_str());
+    const int link_errno = errno;
+    unlink(tmp.c_str());
+    if (linked != 0 && link_errno != EEXIST) {
+      errno = link_errno;
+      return ErrnoError("cannot create", id_file);
+    }
+  }
+  LORASTEP_ASSIGN_OR_RETURN(std::string id, ReadFileToString(id_file));
+  return StateStore(root, std::string(absl::StripAsciiWhitespace(id)));
 }
 
 std::string StateStore::RunFolder(absl::string_view run) const {

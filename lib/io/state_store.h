@@ -41,8 +41,13 @@ struct StoredFolder {
 
 class StateStore {
  public:
-  // Creates `root` if needed.
+  // Creates `root` if needed, and its identity (`<root>/store_id`, random, made by the first
+  // server that opens the root).
   static absl::StatusOr<StateStore> Open(const std::string& root);
+
+  // The same for every server that opens this root, whatever path it was opened by: the ranks
+  // of a mesh compare it to know they share one store (rank 0 writes what all ranks load).
+  const std::string& id() const { return id_; }
 
   // The folder a `lorastep://<run>/<name>` reference names: <root>/runs/<run>/<name>.
   absl::StatusOr<std::string> Resolve(absl::string_view ref, absl::string_view field) const;
@@ -57,9 +62,10 @@ class StateStore {
   const std::string& root() const { return root_; }
 
  private:
-  explicit StateStore(std::string root) : root_(std::move(root)) {}
+  StateStore(std::string root, std::string id) : root_(std::move(root)), id_(std::move(id)) {}
   std::string RunFolder(absl::string_view run) const;
   std::string root_;
+  std::string id_;
 };
 
 // What a request's `path` field means on this server: with a store, a reference resolved in

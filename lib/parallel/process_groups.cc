@@ -88,7 +88,7 @@ std::string CommGroup::name() const {
 absl::Status CommGroup::Check(const char* op) const {
   if (broken_ != nullptr && *broken_) {
     return absl::FailedPreconditionError(absl::StrCat(
-        op, " on ", name(), ": communicators are unusable after an earlier collective failure; "
+        op, " on ", name(), ": communicators are not formed (none yet, or an earlier collective failed); "
         "the mesh must be rebuilt"));
   }
   return absl::OkStatus();
@@ -271,19 +271,18 @@ absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(const Proce
       return absl::InvalidArgumentError(
           absl::StrCat("rendezvous: '", options.store_address, "' is not host:port"));
     }
-    try {
-      ::c10d::TCPStoreOptions store_options;
-      store_options.port = static_cast<uint16_t>(port);
-      store_options.isServer = options.rank == 0;
-      store_options.numWorkers = world;
-      store_options.waitWorkers = false;
-      store_options.timeout = options.timeout;
-      groups->store_ = std::make_unique<c10d_impl::Handles>();
-      groups->store_->store = c10::make_intrusive<::c10d::TCPStore>(
-          options.store_address.substr(0, colon), store_options);
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("rendezvous at ", options.store_address, ": ", e.what()));
+    groups->store_host_ = options.store_address.substr(0, colon);
+    groups->store_port_ = port;
+    // Rank 0 serves the store from the start, so that its port is taken (or the error
+    // shown) now; the others connect when they form communicators.
+    if (options.rank == 0 || !options.defer_communicators) {
+      LORASTEP_RETURN_IF_ERROR(groups->ConnectStore(groups->store_host_, port));
     }
+  }
+  if (options.defer_communicators) {
+    groups->generation_ = -1;
+    groups->broken_ = true;  // nothing formed: collectives fail until Rebuild
+    return groups;
   }
   LORASTEP_RETURN_IF_ERROR(groups->Build());
   return groups;
@@ -291,6 +290,24 @@ absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(const Proce
 
 ProcessGroups::ProcessGroups(ProcessGroupsOptions options) : options_(std::move(options)) {}
 ProcessGroups::~ProcessGroups() = default;
+
+absl::Status ProcessGroups::ConnectStore(const std::string& host, int port) {
+  try {
+    ::c10d::TCPStoreOptions store_options;
+    store_options.port = static_cast<uint16_t>(port);
+    store_options.isServer = options_.rank == 0;
+    store_options.numWorkers = options_.layout.world_size();
+    store_options.waitWorkers = false;
+    store_options.timeout = options_.timeout;
+    auto handles = std::make_unique<c10d_impl::Handles>();
+    handles->store = c10::make_intrusive<::c10d::TCPStore>(host, store_options);
+    store_ = std::move(handles);
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    return absl::UnavailableError(absl::StrCat("rendezvous at ", host, ":", port, ": ", what.substr(0, what.find('\n'))));
+  }
+  return absl::OkStatus();
+}
 
 CommGroup& ProcessGroups::group(GroupKind kind) {
   // Without expert parallelism the expert-data and expert-stage groups are the data and
@@ -304,14 +321,21 @@ CommGroup& ProcessGroups::group(GroupKind kind) {
 
 absl::Status ProcessGroups::Rebuild(int generation) {
   generation_ = generation;
+  groups_.clear();  // the old communicators' sockets go before the store connection they used
+  // A rank other than 0 reconnects: the store it knew may have died with rank 0, and a new
+  // rank 0 process serves a fresh one at the same address.
+  if (options_.layout.world_size() > 1 && options_.rank != 0) {
+    broken_ = true;
+    LORASTEP_RETURN_IF_ERROR(ConnectStore(store_host_, store_port_));
+  }
   return Build();
 }
 
 absl::Status ProcessGroups::Build() {
   groups_.clear();
-  broken_ = false;
   const ParallelLayout& layout = options_.layout;
   const at::Device device(options_.device);
+  std::vector<GroupKind> kinds;
   for (GroupKind kind : {GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline,
                          GroupKind::kStage, GroupKind::kModelParallel, GroupKind::kWorld,
                          GroupKind::kEmbedding, GroupKind::kExpert, GroupKind::kExpertData,
@@ -322,43 +346,48 @@ absl::Status ProcessGroups::Build() {
     auto group = std::make_unique<CommGroup>(kind, index, layout.Group(kind, options_.rank), options_.rank);
     group->timeout_ = options_.timeout;
     group->broken_ = &broken_;
-    if (group->size() > 1) {
-      // Each group rendezvous under its own key prefix; a new generation never meets the
-      // sockets of a failed one.
-      auto prefix = c10::make_intrusive<::c10d::PrefixStore>(
-          absl::StrCat("gen", generation_, "/", GroupKindName(kind), "/", index), store_->store);
-      group->handles_ = std::make_unique<c10d_impl::Handles>();
-      try {
-        if (device.is_cuda()) {
-#if defined(LORASTEP_WITH_NCCL)
-          // wait() honours the timeout and throws instead of hanging (DESIGN.md, H200 notes).
-          setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);
-          auto opts = ::c10d::ProcessGroupNCCL::Options::create();
-          opts->timeout = options_.timeout;
-          group->handles_->backend = c10::make_intrusive<::c10d::ProcessGroupNCCL>(
-              prefix, group->rank(), group->size(), opts);
-#else
-          return absl::UnimplementedError("device: CUDA collectives need a build with NCCL");
-#endif
-        } else {
-#if defined(LORASTEP_WITH_GLOO)
-          auto opts = ::c10d::ProcessGroupGloo::Options::create(options_.timeout);
-          opts->devices.push_back(::c10d::ProcessGroupGloo::createDeviceForHostname(options_.gloo_host));
-          group->handles_->backend = c10::make_intrusive<::c10d::ProcessGroupGloo>(
-              prefix, group->rank(), group->size(), opts);
-#else
-          return absl::UnimplementedError("device: CPU collectives need a build with gloo");
-#endif
-        }
-      } catch (const std::exception& e) {
-        broken_ = true;
-        const std::string what = e.what();
-        return absl::DeadlineExceededError(absl::StrCat("creating ", group->name(), ": ",
-                                                        what.substr(0, what.find('\n'))));
-      }
-    }
     groups_[kind] = std::move(group);
+    kinds.push_back(kind);
   }
+  broken_ = true;  // until every communicator is formed
+  for (GroupKind kind : kinds) {  // every rank forms them in this order: no deadlock
+    CommGroup* group = groups_.at(kind).get();
+    if (group->size() == 1) continue;
+    // Each group rendezvous under its own key prefix; a new generation never meets the
+    // sockets of a failed one.
+    auto prefix = c10::make_intrusive<::c10d::PrefixStore>(
+        absl::StrCat("gen", generation_, "/", GroupKindName(kind), "/", group->index_), store_->store);
+    group->handles_ = std::make_unique<c10d_impl::Handles>();
+    try {
+      if (device.is_cuda()) {
+#if defined(LORASTEP_WITH_NCCL)
+        // wait() honours the timeout and throws instead of hanging (DESIGN.md, H200 notes).
+        setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);
+        auto opts = ::c10d::ProcessGroupNCCL::Options::create();
+        opts->timeout = options_.timeout;
+        group->handles_->backend = c10::make_intrusive<::c10d::ProcessGroupNCCL>(
+            prefix, group->rank(), group->size(), opts);
+#else
+        return absl::UnimplementedError("device: CUDA collectives need a build with NCCL");
+#endif
+      } else {
+#if defined(LORASTEP_WITH_GLOO)
+        auto opts = ::c10d::ProcessGroupGloo::Options::create(options_.timeout);
+        opts->devices.push_back(::c10d::ProcessGroupGloo::createDeviceForHostname(options_.gloo_host));
+        group->handles_->backend = c10::make_intrusive<::c10d::ProcessGroupGloo>(
+            prefix, group->rank(), group->size(), opts);
+#else
+        return absl::UnimplementedError("device: CPU collectives need a build with gloo");
+#endif
+      }
+    } catch (const std::exception& e) {
+      group->handles_.reset();
+      const std::string what = e.what();
+      return absl::DeadlineExceededError(absl::StrCat("creating ", group->name(), ": ",
+                                                      what.substr(0, what.find('\n'))));
+    }
+  }
+  broken_ = false;
   return absl::OkStatus();
 }
 

@@ -13,6 +13,13 @@
 // never a hang. After a failure the group's communicator is unusable (NCCL is aborted);
 // every later collective on any group of this ProcessGroups fails fast with
 // FAILED_PRECONDITION until Rebuild() makes new communicators under a new store prefix.
+// Rebuild also reconnects a rank other than 0 to the TCPStore: after rank 0 died, a new
+// rank 0 process serves a fresh store at the same address.
+//
+// Deferred (options.defer_communicators, what a worker uses): Create forms no communicator;
+// the first Rebuild(g) does, at the generation the mesh is at. A process that replaces a
+// dead rank thus joins the survivors' next generation rather than generation 0, whose store
+// keys still name the dead process's sockets.
 //
 // Example:
 //   ProcessGroupsOptions o{"127.0.0.1:29500", rank, layout, "cpu", absl::Seconds(60)};
@@ -99,6 +106,8 @@ struct ProcessGroupsOptions {
   std::string gloo_host = "127.0.0.1";  // address gloo binds on this host (CPU meshes)
   // Every collective and the rendezvous must finish within this, or fail on every rank.
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+  // Form no communicator (and, rank != 0, do not connect to the store) until Rebuild.
+  bool defer_communicators = false;
 };
 
 class ProcessGroups {
@@ -113,7 +122,7 @@ class ProcessGroups {
   RankCoords coords() const { return options_.layout.Coords(options_.rank); }
   CommGroup& group(GroupKind kind);
   bool broken() const { return broken_; }
-  int generation() const { return generation_; }
+  int generation() const { return generation_; }  // -1: deferred, not formed yet
 
   // New communicators for every group under generation `generation` (all ranks call it with
   // the same value, after a failure). Groups of earlier generations are dropped.
@@ -121,12 +130,15 @@ class ProcessGroups {
 
  private:
   explicit ProcessGroups(ProcessGroupsOptions options);
+  absl::Status ConnectStore(const std::string& host, int port);
   absl::Status Build();
 
   ProcessGroupsOptions options_;
   std::unique_ptr<c10d_impl::Handles> store_;  // the TCPStore
   std::map<GroupKind, std::unique_ptr<CommGroup>> groups_;
   int generation_ = 0;
+  std::string store_host_;
+  int store_port_ = 0;
   bool broken_ = false;
 };
 
