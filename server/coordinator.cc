@@ -12,7 +12,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <future>
+#include <limits>
 #include <mutex>
+#include <random>
 #include <thread>
 #include <tuple>
 
@@ -208,6 +210,19 @@ absl::Status CheckResponseFits(const std::vector<Datum>& datums, int64_t max_byt
       " targets), over the caller's limit of ", max_bytes, "; split the batch or raise the limit (nothing was run)"));
 }
 
+// A mesh generation names the store keys its communicators rendezvous under, so it must be
+// one no rank has used: random rather than counted, so that a restarted coordinator (which
+// forgot its count) never sends ranks that outlived it back to keys their earlier
+// generations left behind. Workers only compare it for equality.
+int64_t NewMeshGeneration(int64_t current) {
+  static std::mutex mu;
+  static std::mt19937 rng(std::random_device{}());
+  std::lock_guard<std::mutex> lock(mu);
+  int64_t next = current;
+  while (next == current) next = std::uniform_int_distribution<int32_t>(0, std::numeric_limits<int32_t>::max())(rng);
+  return next;
+}
+
 absl::Status RequireRequestId(const std::string& request_id) {
   if (request_id.empty()) return absl::InvalidArgumentError("request_id: required for this call");
   return absl::OkStatus();
@@ -227,8 +242,17 @@ Coordinator::~Coordinator() {
 void Coordinator::RestartLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    restart_cv_.wait(lock, [&] { return stopping_ || !restart_queue_.empty() || !reattach_queue_.empty(); });
+    restart_cv_.wait(lock, [&] {
+      return stopping_ || mesh_rejoined_ || !restart_queue_.empty() || !reattach_queue_.empty();
+    });
     if (stopping_) return;
+    if (mesh_rejoined_) {
+      mesh_rejoined_ = false;
+      lock.unlock();
+      RejoinMesh();
+      lock.lock();
+      continue;
+    }
     if (!reattach_queue_.empty()) {
       WorkerClient* joined = reattach_queue_.front();
       reattach_queue_.pop_front();
@@ -250,12 +274,12 @@ void Coordinator::RestartLoop() {
   }
 }
 
-Coordinator::Coordinator(CoordinatorOptions options) : options_(options) {
-  // With a journal the thread restarts dead workers and, without a mesh, re-attaches
-  // registered ones (AddWorker queues them). Without a journal it still starts a dead local
+Coordinator::Coordinator(CoordinatorOptions options) : options_(options), mesh_generation_(NewMeshGeneration(-1)) {
+  // With a journal the thread restarts dead workers and re-attaches registered ones
+  // (AddWorker queues them; a mesh once every rank is up). Without a journal it still starts a dead local
   // worker again: its runs' state is lost, but the service comes back for new runs.
   const bool restarts = on_mesh() ? static_cast<bool>(options_.restart_mesh) : static_cast<bool>(options_.restart_worker);
-  if (restarts || (options_.journal != nullptr && !on_mesh())) {
+  if (restarts || options_.journal != nullptr) {
     restarter_ = std::thread([this] { RestartLoop(); });
   }
   auto layout = ParallelLayout::Create(options_.mesh, options_.mesh.world());
@@ -284,7 +308,7 @@ absl::Status Coordinator::AddWorker(std::unique_ptr<WorkerClient> worker) {
     if (held != nullptr && held->address() == worker->address() && !down_.count(held.get())) {
       return absl::OkStatus();  // registered again (--register_every_s): kept as it is
     }
-    if (workers_[info.rank()] != nullptr) {
+    if (workers_[info.rank()] != nullptr && !down_.count(workers_[info.rank()].get())) {
       return absl::AlreadyExistsError(absl::StrCat("worker ", worker->address(), ": rank ",
                                                    info.rank(), " is already registered"));
     }
@@ -312,7 +336,16 @@ absl::Status Coordinator::AddWorker(std::unique_ptr<WorkerClient> worker) {
         "every rank loads)"));
   }
   if (on_mesh()) {
-    workers_[info.rank()] = std::move(worker);
+    auto& slot = workers_[info.rank()];
+    // A dead rank's client stays (down, alive): runs placed on it fail as down until restored.
+    if (slot != nullptr) replaced_.push_back(std::move(slot));
+    slot = std::move(worker);
+    rejoining_ranks_.erase(info.rank());
+    if (rendezvous_.empty() && info.rank() == 0) rendezvous_ = info.rendezvous();  // a restarted coordinator
+    if (options_.mesh_by_registration && restarter_.joinable() && Serving()) {
+      mesh_rejoined_ = true;
+      restart_cv_.notify_all();
+    }
   } else {
     // Registered workers announce themselves again and again (--register_every_s): the
     // process that is up at this address already is kept as it is. Another process there
@@ -391,6 +424,9 @@ std::string Coordinator::WhatHappensToDownRuns() const {
   if (RestartsDeadWorkers()) {
     return "it is being restarted and the run restored from its autosave; retry";
   }
+  if (restarter_.joinable() && on_mesh()) {
+    return "the run comes back from its autosave once a worker has registered in the dead rank's place; retry then";
+  }
   if (restarter_.joinable()) {
     return "the run comes back from its autosave when a worker registers at that address again; retry then";
   }
@@ -412,6 +448,11 @@ void Coordinator::Reattach(WorkerClient* joined) {
     }
   }
   RestoreOrphans(orphans, joined);
+  RestoreJournaledRuns(joined);
+}
+
+void Coordinator::RestoreJournaledRuns(WorkerClient* onto) {
+  const std::string where = onto != nullptr ? onto->address() : layout_.ToString();
   std::vector<absl::Status> skipped;
   auto journaled = options_.journal->Recover(&skipped);
   if (!journaled.ok()) {
@@ -425,13 +466,33 @@ void Coordinator::Reattach(WorkerClient* joined) {
     }
     // A run whose autosave lives in another worker's state store fails here and waits for
     // that worker to register.
-    if (absl::Status s = RestoreRun(j, joined); !s.ok()) {
-      LORASTEP_LOG(Warning) << "run " << j.created.run().run_id() << " not restored onto " << address << ": " << s;
+    if (absl::Status s = RestoreRun(j, onto); !s.ok()) {
+      LORASTEP_LOG(Warning) << "run " << j.created.run().run_id() << " not restored onto " << where << ": " << s;
     } else {
-      LORASTEP_LOG(Info) << "run " << j.run.run_id() << " restored onto " << address << " at learner_version "
+      LORASTEP_LOG(Info) << "run " << j.run.run_id() << " restored onto " << where << " at learner_version "
                          << j.run.learner_version();
     }
   }
+}
+
+void Coordinator::RejoinMesh() {
+  {
+    std::lock_guard<FairMutex> mesh_lock(mesh_mu_);
+    mesh_generation_ = NewMeshGeneration(mesh_generation_);  // as in RestartMesh
+  }
+  std::vector<std::shared_ptr<RunState>> orphans;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, run] : runs_) {
+      if (std::any_of(run->ranks.begin(), run->ranks.end(), [&](WorkerClient* w) { return down_.count(w) > 0; })) {
+        orphans.push_back(run);
+      }
+    }
+  }
+  LORASTEP_LOG(Info) << "lorastep_coordinator: mesh " << layout_.ToString() << " is whole; " << orphans.size()
+                     << " run(s) with a replaced rank to restore";
+  RestoreOrphans(orphans);
+  RestoreJournaledRuns(nullptr);
 }
 
 void Coordinator::RestartWorker(WorkerClient* dead) {
@@ -484,7 +545,7 @@ void Coordinator::RestartMesh() {
     // failure moved to, and left their sockets under its store keys: every rank forms a
     // generation no one has used.
     std::lock_guard<FairMutex> mesh_lock(mesh_mu_);
-    ++mesh_generation_;
+    mesh_generation_ = NewMeshGeneration(mesh_generation_);
   }
   std::vector<std::shared_ptr<RunState>> orphans;
   {
@@ -549,16 +610,47 @@ void Coordinator::RestoreOrphans(const std::vector<std::shared_ptr<RunState>>& o
 
 absl::StatusOr<MeshAssignment> Coordinator::AssignRank(const std::string& host) {
   if (host.empty()) return absl::InvalidArgumentError("host: required");
-  std::lock_guard<std::mutex> lock(mu_);
   if (!on_mesh()) {
     return absl::FailedPreconditionError("coordinator: runs no mesh (--tp/--pp/--dp all 1); register as is");
   }
-  if (next_join_rank_ >= options_.mesh.world()) {
-    return absl::FailedPreconditionError(absl::StrCat("coordinator: all ", options_.mesh.world(),
-                                                      " ranks of ", layout_.ToString(), " are taken"));
+  // Ranks in the order workers ask (skipping ranks that registered again with a restarted
+  // coordinator), then the ranks of dead workers, each once until its new worker registers.
+  const int world = options_.mesh.world();
+  auto registered = [&](int r) { return static_cast<int>(workers_.size()) > r && workers_[r] != nullptr; };
+  auto pick = [&]() -> int {  // under mu_; -1: every rank is taken
+    while (next_join_rank_ < world && registered(next_join_rank_)) ++next_join_rank_;
+    if (next_join_rank_ < world) return next_join_rank_++;
+    for (int r = 0; r < world; ++r) {
+      if (registered(r) && down_.count(workers_[r].get()) && !rejoining_ranks_.count(r)) {
+        rejoining_ranks_.insert(r);
+        LORASTEP_LOG(Info) << "lorastep_coordinator: rank " << r << " (down) handed to a worker on " << host;
+        return r;
+      }
+    }
+    return -1;
+  };
+  std::vector<WorkerClient*> up;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (int rank = pick(); rank >= 0) return AssignmentOf(rank, host);
+    for (int r = 0; r < world; ++r) {
+      if (registered(r) && !down_.count(workers_[r].get())) up.push_back(workers_[r].get());
+    }
   }
+  // Every rank is taken, but the one asking may be the replacement of a rank that died
+  // without any call noticing: a rank whose process is gone is marked down and handed out.
+  for (WorkerClient* w : up) {
+    if (absl::Status alive = w->Ping(std::chrono::seconds(5)); absl::IsUnavailable(alive)) MarkDown(w, alive);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (int rank = pick(); rank >= 0) return AssignmentOf(rank, host);
+  return absl::FailedPreconditionError(absl::StrCat("coordinator: all ", world, " ranks of ", layout_.ToString(),
+                                                    " are taken (and answering)"));
+}
+
+MeshAssignment Coordinator::AssignmentOf(int rank, const std::string& host) {
   MeshAssignment a;
-  a.rank = next_join_rank_++;
+  a.rank = rank;
   a.sizes = options_.mesh;
   if (a.rank == 0) rendezvous_ = absl::StrCat(host, ":", options_.rendezvous_port);
   a.rendezvous = rendezvous_;
@@ -704,7 +796,7 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, 
   // Same seed on every rank: replicas start bitwise equal.
   auto created = FanOut<v1::WorkerCreateRunResponse>(*state, AllRanks(*state), [&](int, WorkerClient* w) {
     v1::WorkerCreateRunRequest call = wreq;
-    call.mutable_mesh()->set_mesh_generation(mesh_generation_);  // init_from loads collectively
+    StampMesh(call.mutable_mesh());  // init_from loads collectively
     return w->CreateRun(call);
   });
   if (!created.ok() && options_.journal != nullptr) {
@@ -911,7 +1003,7 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
   auto saved = FanOut<v1::WorkerPathResponse>(run, AllRanks(run), [&](int, WorkerClient* w) {
     v1::WorkerPathRequest wreq = PathRequest(run_id, AutosaveRef(run_id, name));
     wreq.set_background(background);
-    wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+    StampMesh(wreq.mutable_mesh());
     return w->SaveState(wreq);
   });
   if (!saved.ok()) {  // the step stands; a restart would resume from the previous autosave
@@ -1070,7 +1162,7 @@ absl::Status Coordinator::RestoreRun(const JournaledRun& j, WorkerClient* onto) 
   auto create_on_ranks = [&] {
     return FanOut<v1::WorkerCreateRunResponse>(*state, AllRanks(*state), [&](int, WorkerClient* w) {
       v1::WorkerCreateRunRequest call = create;
-      call.mutable_mesh()->set_mesh_generation(mesh_generation_);
+      StampMesh(call.mutable_mesh());
       return w->CreateRun(call);
     });
   };
@@ -1095,7 +1187,7 @@ absl::Status Coordinator::RestoreRun(const JournaledRun& j, WorkerClient* onto) 
       // Unique per restore: a worker answers a request_id it has seen from its record.
       *wreq.mutable_mesh() = MeshHeader(*state, absl::StrCat("restore-", run_id, "-", NowMs(), "-", ++restore_count_),
                                         /*check_version=*/false);
-      wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+      StampMesh(wreq.mutable_mesh());
       return w->LoadState(wreq);
     });
     if (!loaded.ok() || (*loaded)[0].learner_version() != j.run.learner_version()) {
@@ -1205,6 +1297,14 @@ v1::MeshCall Coordinator::MeshHeader(const RunState& run, const std::string& req
   return mesh;  // generation: filled by FanOut under the mesh lock
 }
 
+void Coordinator::StampMesh(v1::MeshCall* mesh) {
+  mesh->set_mesh_generation(mesh_generation_);
+  if (options_.mesh_by_registration) {
+    std::lock_guard<std::mutex> lock(mu_);
+    mesh->set_rendezvous(rendezvous_);
+  }
+}
+
 template <typename Resp>
 absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
     RunState& run, const std::vector<int>& ranks,
@@ -1295,7 +1395,8 @@ absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
     if (!results[i].ok()) failed.push_back({ranks[i], results[i].status()});
   }
   if (!failed.empty()) {
-    ++mesh_generation_;  // communicators may be broken: every rank rebuilds at the next call
+    // Communicators may be broken: every rank rebuilds at the next call.
+    mesh_generation_ = NewMeshGeneration(mesh_generation_);
     std::stable_sort(failed.begin(), failed.end(), [](const auto& a, const auto& b) {
       return !IsPeerFailure(a.second) && IsPeerFailure(b.second);
     });
@@ -1497,7 +1598,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
               wreq.set_batch_samples(totals->samples);
             }
             *wreq.mutable_mesh() = mesh;
-            wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+            StampMesh(wreq.mutable_mesh());
             return w->ForwardBackward(wreq, BatchShard{&datums, &ShardOfRank(shards, rank)});
           }));
   resp = on_mesh() ? MergeForward(shards, static_cast<int>(datums.size()), per_rank) : per_rank[0].result();
@@ -1525,7 +1626,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::Forwa
             v1::WorkerForwardRequest wreq;
             wreq.set_run_id(req.run_id());
             wreq.mutable_mesh()->set_expected_learner_version(-1);
-            wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+            StampMesh(wreq.mutable_mesh());
             return w->Forward(wreq, BatchShard{&datums, &ShardOfRank(shards, rank)});
           }));
   return on_mesh() ? MergeForward(shards, static_cast<int>(datums.size()), per_rank) : per_rank[0].result();
@@ -1548,7 +1649,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepReque
         wreq.set_run_id(req.run_id());
         *wreq.mutable_adamw() = req.adamw();
         *wreq.mutable_mesh() = mesh;
-        wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+        StampMesh(wreq.mutable_mesh());
         return w->OptimStep(wreq);
       }));
   LORASTEP_ASSIGN_OR_RETURN(resp, MergeSteps(*run, std::move(per_rank)));
@@ -1591,7 +1692,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
         }
         wreq.set_max_tokens_per_microbatch(req.max_tokens_per_microbatch());
         *wreq.mutable_mesh() = mesh;
-        wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+        StampMesh(wreq.mutable_mesh());
         return w->TrainStep(wreq, BatchShard{&datums, &ShardOfRank(shards, rank)});
       }));
   LORASTEP_ASSIGN_OR_RETURN(resp, MergeSteps(*run, std::move(per_rank)));
@@ -1617,7 +1718,7 @@ absl::StatusOr<v1::SaveStateResponse> Coordinator::SaveState(const v1::SaveState
   LORASTEP_ASSIGN_OR_RETURN(
       auto per_rank, FanOut<v1::WorkerPathResponse>(*run, AllRanks(*run), [&](int, WorkerClient* w) {
         v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
-        wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+        StampMesh(wreq.mutable_mesh());
         return w->SaveState(wreq);
       }));
   v1::SaveStateResponse resp;
@@ -1639,7 +1740,7 @@ absl::StatusOr<v1::Run> Coordinator::LoadState(const v1::LoadStateRequest& req) 
       auto per_rank, FanOut<v1::WorkerPathResponse>(*run, AllRanks(*run), [&](int, WorkerClient* w) {
         v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
         *wreq.mutable_mesh() = mesh;
-        wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+        StampMesh(wreq.mutable_mesh());
         return w->LoadState(wreq);
       }));
   {
@@ -1663,7 +1764,7 @@ absl::StatusOr<v1::ExportAdapterResponse> Coordinator::ExportAdapter(
   LORASTEP_ASSIGN_OR_RETURN(
       auto per_rank, FanOut<v1::WorkerPathResponse>(*run, AllRanks(*run), [&](int, WorkerClient* w) {
         v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
-        wreq.mutable_mesh()->set_mesh_generation(mesh_generation_);
+        StampMesh(wreq.mutable_mesh());
         wreq.set_expand_experts(req.expand_experts());
         return w->ExportAdapter(wreq);
       }));

@@ -62,6 +62,10 @@ struct CoordinatorOptions {
   PrometheusRegistry* metrics = nullptr;
   // Port of the TCPStore that rank 0 serves when workers join by registration (JoinMesh).
   int rendezvous_port = 29500;
+  // The mesh's ranks join by registration (--wait_for_workers with --tp/--pp/--dp): a rank
+  // that died is handed out again to the next worker that asks, and with a journal the runs
+  // come back from their autosaves once every rank is up again.
+  bool mesh_by_registration = false;
   // Runs survive a restart of the coordinator (server/run_journal.h): every applied call is
   // journaled before its response leaves, and the workers' state of a run is saved to
   // lorastep://<run>/autosave-<n> (the workers need --state_dir) after every
@@ -236,6 +240,9 @@ class Coordinator {
   const std::vector<int>& ShardOfRank(const std::vector<std::vector<int>>& shards, int rank) const;
   // The mesh header of a call: request id, expected learner version, generation.
   v1::MeshCall MeshHeader(const RunState& run, const std::string& request_id, bool check_version);
+  // Sets the generation (and, for a mesh joined by registration, where its TCPStore is) on
+  // a call's header. Requires mesh_mu_ (FanOut's calls run under it).
+  void StampMesh(v1::MeshCall* mesh);
   // Datums of each data-parallel replica, balanced by token count (in request order).
   std::vector<std::vector<int>> ShardsByTokens(const std::vector<Datum>& datums);
   absl::Status CheckShardable(int num_datums);
@@ -250,7 +257,7 @@ class Coordinator {
   CoordinatorOptions options_;
   ParallelLayout layout_;
   FairMutex mesh_mu_;            // held for the whole of a mesh call; arrival order
-  int64_t mesh_generation_ = 0;  // guarded by mesh_mu_
+  int64_t mesh_generation_;  // guarded by mesh_mu_ (NewMeshGeneration: random, never reused)
 
   // A worker whose process is gone (a call failed at the transport, not in a collective):
   // new runs skip it, its runs' calls say so, health turns NOT_SERVING when no worker (on a
@@ -274,8 +281,11 @@ class Coordinator {
   std::set<std::string> creating_requests_;  // their request ids
   std::multiset<std::string> creating_owners_;  // their owners (authenticated callers)
   int64_t next_run_number_ = 1;
+  MeshAssignment AssignmentOf(int rank, const std::string& host);  // requires mu_
   int next_join_rank_ = 0;      // guarded by mu_
   std::string rendezvous_;      // set when rank 0 joins; guarded by mu_
+  std::set<int> rejoining_ranks_;  // dead ranks handed out again, not registered yet; guarded by mu_
+  bool mesh_rejoined_ = false;     // a mesh joined by registration is whole again; guarded by mu_
   // Restarts of dead local workers and the restores of their runs (RestartWorker), on one
   // long-lived thread: a worker dies with the thread that started it (PR_SET_PDEATHSIG).
   void RestartWorker(WorkerClient* dead);
@@ -284,6 +294,13 @@ class Coordinator {
   // worker's replacement, which holds its state store), or any worker up when null.
   void RestoreOrphans(const std::vector<std::shared_ptr<RunState>>& orphans, WorkerClient* onto = nullptr);
   void RestartLoop();
+  // A mesh joined by registration is whole again (its first forming, a rank that registered
+  // in a dead one's place, or a restarted coordinator's workers registering again): every
+  // rank forms a new generation, runs with a replaced rank and journaled runs not restored
+  // yet come back from their autosaves.
+  void RejoinMesh();
+  // Journaled runs not restored yet, onto `onto` (null: placed as new runs are).
+  void RestoreJournaledRuns(WorkerClient* onto);
   // A worker that registered (or registered again) with a journal in use: restores onto it
   // the runs of a dead worker at its address and journaled runs not restored yet.
   void Reattach(WorkerClient* joined);

@@ -223,6 +223,7 @@ int main(int argc, char** argv) {
     return fail(layout.status());
   }
   options.rendezvous_port = absl::GetFlag(FLAGS_rendezvous_port);
+  options.mesh_by_registration = options.mesh.world() > 1 && absl::GetFlag(FLAGS_wait_for_workers);
   // Bounds: the largest request a client may send (MiB), and how many runs may exist.
   const int max_request_mb = absl::GetFlag(FLAGS_max_request_mb);
   if (max_request_mb < 1 || max_request_mb > 1024) {
@@ -270,15 +271,12 @@ int main(int argc, char** argv) {
         absl::StrCat("autosave_max_share: ", autosave_share, " must be in (0, 1]")));
   }
   if (!journal_dir.empty()) {
-    // Registered workers bring their own state stores; a mesh that joins by registration
-    // cannot be brought back (its ranks would have to re-form their process groups).
+    // Registered and listed workers bring their own state stores (a mesh's ranks share one).
     const bool registered = absl::GetFlag(FLAGS_wait_for_workers);
-    if ((registered && world > 1) || autosave_every < 0 ||
-        (absl::GetFlag(FLAGS_workers).empty() && !registered && state_dir.empty())) {
+    if (autosave_every < 0 || (absl::GetFlag(FLAGS_workers).empty() && !registered && state_dir.empty())) {
       return fail(absl::InvalidArgumentError(
           "journal_dir: needs --state_dir (where the local workers autosave runs), --workers or "
-          "--wait_for_workers (workers started with their own --state_dir), --autosave_every_steps >= 0, "
-          "and no mesh joined by registration"));
+          "--wait_for_workers (workers started with their own --state_dir), and --autosave_every_steps >= 0"));
     }
     auto opened = RunJournal::Open(journal_dir);
     if (!opened.ok()) return fail(opened.status());
@@ -469,10 +467,12 @@ int main(int argc, char** argv) {
     if (auto s = client->WaitReady(60); !s.ok()) return fail(s);
     if (auto s = core.AddWorker(std::move(client)); !s.ok()) return fail(s);
   }
-  if (auto restored = core.RestoreRuns(); !restored.ok()) {
-    return fail(restored.status());
-  } else if (journal) {
-    LORASTEP_LOG(Info) << "lorastep_coordinator: " << *restored << " run(s) restored from " << journal->dir();
+  // Registered workers are not here yet: their runs come back as they register (Reattach,
+  // RejoinMesh).
+  if (!absl::GetFlag(FLAGS_wait_for_workers)) {
+    auto restored = core.RestoreRuns();
+    if (!restored.ok()) return fail(restored.status());
+    if (journal) LORASTEP_LOG(Info) << "lorastep_coordinator: " << *restored << " run(s) restored from " << journal->dir();
   }
   // An in-process worker's calls run on the executor threads that call it. One thread, so
   // one thread owns the device: LibTorch sets up CUDA state per thread (cuBLAS handles and

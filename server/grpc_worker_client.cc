@@ -48,9 +48,9 @@ absl::Status GrpcWorkerClient::WaitReady(int timeout_seconds) {
 }
 
 template <typename Resp, typename Req, typename Method>
-absl::StatusOr<Resp> GrpcWorkerClient::Call(Method method, const Req& req) {
+absl::StatusOr<Resp> GrpcWorkerClient::Call(Method method, const Req& req, std::chrono::seconds timeout) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + call_timeout_);
+  ctx.set_deadline(std::chrono::system_clock::now() + (timeout.count() > 0 ? timeout : call_timeout_));
   if (!authorization_.empty()) ctx.AddMetadata("authorization", authorization_);
   {
     std::lock_guard<std::mutex> lock(in_flight_mu_);
@@ -73,6 +73,9 @@ void GrpcWorkerClient::CancelInFlight() {
 
 absl::StatusOr<v1::WorkerInfo> GrpcWorkerClient::Info() {
   return Call<v1::WorkerInfo>(&v1::Worker::Stub::Info, v1::WorkerInfoRequest());
+}
+absl::Status GrpcWorkerClient::Ping(std::chrono::seconds timeout) {
+  return Call<v1::WorkerInfo>(&v1::Worker::Stub::Info, v1::WorkerInfoRequest(), timeout).status();
 }
 absl::StatusOr<v1::WorkerCreateRunResponse> GrpcWorkerClient::CreateRun(const v1::WorkerCreateRunRequest& req) {
   return Call<v1::WorkerCreateRunResponse>(&v1::Worker::Stub::CreateRun, req);

@@ -34,6 +34,7 @@ class GrpcWorkerClient final : public WorkerClient {
 
   std::string address() const override { return address_; }
   absl::StatusOr<v1::WorkerInfo> Info() override;
+  absl::Status Ping(std::chrono::seconds timeout) override;
   absl::StatusOr<v1::WorkerCreateRunResponse> CreateRun(const v1::WorkerCreateRunRequest& req) override;
   absl::Status DeleteRun(const v1::WorkerDeleteRunRequest& req) override;
   absl::StatusOr<v1::WorkerForwardBackwardResponse> ForwardBackward(const v1::WorkerForwardBackwardRequest& req,
@@ -54,7 +55,7 @@ class GrpcWorkerClient final : public WorkerClient {
  private:
   // One unary call with the deadline, registered so CancelInFlight can reach it.
   template <typename Resp, typename Req, typename Method>
-  absl::StatusOr<Resp> Call(Method method, const Req& req);
+  absl::StatusOr<Resp> Call(Method method, const Req& req, std::chrono::seconds timeout = std::chrono::seconds(0));  // 0: call_timeout
 
   std::string address_;
   std::chrono::seconds call_timeout_;

@@ -4,6 +4,7 @@
 #ifndef LORASTEP_SERVER_WORKER_CLIENT_H_
 #define LORASTEP_SERVER_WORKER_CLIENT_H_
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,8 @@ class WorkerClient {
   virtual ~WorkerClient() = default;
   virtual std::string address() const = 0;
   virtual absl::StatusOr<v1::WorkerInfo> Info() = 0;
+  // Whether the worker answers within `timeout` (UNAVAILABLE: its process is gone).
+  virtual absl::Status Ping(std::chrono::seconds timeout) { return Info().status(); }
   virtual absl::StatusOr<v1::WorkerCreateRunResponse> CreateRun(const v1::WorkerCreateRunRequest& req) = 0;
   virtual absl::Status DeleteRun(const v1::WorkerDeleteRunRequest& req) = 0;
   virtual absl::StatusOr<v1::WorkerForwardBackwardResponse> ForwardBackward(

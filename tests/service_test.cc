@@ -2063,6 +2063,116 @@ TEST(RegistrationTest, JournaledRunsComeBackWhenTheirWorkerRegistersAgain) {
   EXPECT_EQ(r->learner_version(), 5);
 }
 
+// A DP2 mesh on gloo whose workers join a --wait_for_workers coordinator by registration
+// (ranks in the order they ask), with a journal and one shared state store.
+struct RegisteredMesh {
+  std::string dir;
+  std::string coordinator_port = std::to_string(FreeLocalPort());
+  std::string rendezvous_port = std::to_string(FreeLocalPort());
+  absl::StatusOr<ChildServer> StartCoordinator() const {
+    return ChildServer::Start(Binary("server/lorastep_coordinator"),
+                              {"--wait_for_workers", "--dp", "2", "--port", coordinator_port, "--rendezvous_port",
+                               rendezvous_port, "--journal_dir", dir + "/journal", "--peer_failure_grace_s", "2"},
+                              60);
+  }
+  // Started one after the other, a worker asks for its rank before it serves: the first is
+  // rank 0 (or the dead rank a replacement takes).
+  absl::StatusOr<ChildServer> StartWorker() const {
+    return ChildServer::Start(Binary("worker/lorastep_worker"),
+                              {"--model", dir + "/model", "--state_dir", dir + "/store", "--register_with",
+                               "127.0.0.1:" + coordinator_port, "--register_every_s", "1", "--collective_timeout_s",
+                               "10"},
+                              60);
+  }
+};
+
+absl::StatusOr<RunSession> CreateOnceRegistered(TrainerClient* client) {
+  absl::StatusOr<RunSession> created = absl::UnknownError("not tried");
+  for (int i = 0; i < 100 && !created.ok(); ++i) {  // workers register right after they serve
+    created = RunSession::Create(client, Lora(), 3);
+    if (!created.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return created;
+}
+
+// Issue 8: a rank of a mesh joined by registration killed (SIGKILL); a new worker started by
+// its supervisor asks the coordinator for a rank, gets the dead one's, and registers. Once
+// the mesh is whole every rank forms a new generation (rank 0's replacement serves a fresh
+// TCPStore, at the address the coordinator now sends) and the run comes back from its
+// autosave; the client's retry applies the step once, equal to an uninterrupted run.
+void RegisteredMeshRankComesBack(int killed_rank) {
+  if (!CpuCollectivesAvailable()) GTEST_SKIP() << "a CPU mesh needs a build with gloo";
+  RegisteredMesh mesh;
+  ASSERT_OK_AND_ASSIGN(mesh.dir, TinyModelDir(absl::StrCat("registered_mesh_", killed_rank)));
+  ASSERT_OK_AND_ASSIGN(ChildServer coordinator, mesh.StartCoordinator());
+  std::vector<ChildServer> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_OK_AND_ASSIGN(ChildServer rank, mesh.StartWorker());
+    ranks.push_back(std::move(rank));
+  }
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(coordinator.address()));
+  ASSERT_OK_AND_ASSIGN(RunSession run, CreateOnceRegistered(client.get()));
+  for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
+  WaitUntilAutosaved(client.get(), run.run_id(), 2);
+  ASSERT_EQ(kill(ranks[killed_rank].pid(), SIGKILL), 0);
+  const v1::TrainStepRequest step3 = StepAfterTheKill(run.run_id());
+  EXPECT_THAT(client->TrainStep(step3).status(),
+              StatusIs(absl::StatusCode::kUnavailable, "once a worker has registered in the dead rank's place"));
+  ASSERT_OK_AND_ASSIGN(ranks[killed_rank], mesh.StartWorker());
+  int failures = 0;
+  absl::StatusOr<v1::StepResponse> r = RetryWhileRestarting(client.get(), step3, 120, &failures);
+  ASSERT_OK(r.status());
+  EXPECT_EQ(r->learner_version(), 3);
+  ExpectAppliedOnceLikeAnUninterruptedRun(client.get(), step3, *r);
+  // A third worker still finds every rank taken (and answering).
+  EXPECT_FALSE(mesh.StartWorker().ok());
+}
+
+TEST(RegistrationTest, RegisteredMeshRankReplacedByANewWorkerGetsItsRunsBack) { RegisteredMeshRankComesBack(1); }
+TEST(RegistrationTest, RegisteredMeshRankZeroReplacedServesTheStoreAgain) { RegisteredMeshRankComesBack(0); }
+
+// Issue 8: the coordinator of a registered mesh killed and started again on its port: the
+// ranks, registering every second, make the mesh whole again and the journaled run comes
+// back where it was. Then a rank is killed and its replacement asks for a rank before any
+// call noticed the death: the coordinator finds the old process gone, hands its rank out,
+// and the run comes back from its autosave.
+TEST(RegistrationTest, RegisteredMeshOutlivesItsCoordinatorAndAQuietRankDeath) {
+  if (!CpuCollectivesAvailable()) GTEST_SKIP() << "a CPU mesh needs a build with gloo";
+  RegisteredMesh mesh;
+  ASSERT_OK_AND_ASSIGN(mesh.dir, TinyModelDir("registered_mesh_restarts"));
+  ASSERT_OK_AND_ASSIGN(ChildServer coordinator, mesh.StartCoordinator());
+  std::vector<ChildServer> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_OK_AND_ASSIGN(ChildServer rank, mesh.StartWorker());
+    ranks.push_back(std::move(rank));
+  }
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(coordinator.address()));
+  ASSERT_OK_AND_ASSIGN(RunSession run, CreateOnceRegistered(client.get()));
+  for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
+  WaitUntilAutosaved(client.get(), run.run_id(), 2);
+
+  ASSERT_EQ(kill(coordinator.pid(), SIGKILL), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_OK_AND_ASSIGN(ChildServer restarted, mesh.StartCoordinator());
+  ASSERT_OK_AND_ASSIGN(client, TrainerClient::Connect(restarted.address()));
+  const v1::TrainStepRequest step3 = StepAfterTheKill(run.run_id());
+  int failures = 0;
+  absl::StatusOr<v1::StepResponse> r = RetryWhileRestarting(client.get(), step3, 60, &failures);
+  ASSERT_OK(r.status());
+  EXPECT_EQ(r->learner_version(), 3);
+  ExpectAppliedOnceLikeAnUninterruptedRun(client.get(), step3, *r);
+
+  WaitUntilAutosaved(client.get(), run.run_id(), 3);
+  ASSERT_EQ(kill(ranks[1].pid(), SIGKILL), 0);
+  ASSERT_OK_AND_ASSIGN(ranks[1], mesh.StartWorker());  // before any call finds rank 1 dead
+  v1::TrainStepRequest step4 = StepAfterTheKill(run.run_id());
+  step4.set_request_id("after-a-quiet-death");
+  step4.set_sequence_id(4);
+  r = RetryWhileRestarting(client.get(), step4, 120, &failures);
+  ASSERT_OK(r.status());
+  EXPECT_EQ(r->learner_version(), 4);
+}
+
 TEST(RegistrationTest, RemoteWorkersRegisterAndServeRuns) {
   const std::string dir = ScratchDir("registry");
   ModelConfig c = ModelConfigPreset("tiny").value();

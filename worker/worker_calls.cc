@@ -54,8 +54,8 @@ std::optional<BatchTotals> WholeBatchTotals(const Req& req) {
 }
 
 MeshCallInfo MeshFromProto(const v1::MeshCall& mesh) {
-  return MeshCallInfo{mesh.request_id().empty() ? -1 : mesh.expected_learner_version(),
-                      mesh.mesh_generation()};
+  return MeshCallInfo{mesh.request_id().empty() ? -1 : mesh.expected_learner_version(), mesh.mesh_generation(),
+                      mesh.rendezvous()};
 }
 
 std::string RandomInstanceId() {
@@ -122,6 +122,7 @@ void WorkerCalls::Info(v1::WorkerInfo* resp) const {
   resp->set_ep(o.sizes.ep);
   resp->set_instance_id(instance_id_);
   resp->set_state_store_id(core_->state_store_id());
+  if (core_->groups() != nullptr) resp->set_rendezvous(o.rendezvous);  // rank 0's is where it serves the store
 }
 
 absl::Status WorkerCalls::CreateRun(const v1::WorkerCreateRunRequest& req, v1::WorkerCreateRunResponse* resp) {

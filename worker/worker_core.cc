@@ -66,7 +66,7 @@ absl::Status AsReference(const absl::Status& status, const std::string& folder, 
 
 absl::StatusOr<Trainer*> WorkerCore::Prepare(const std::string& run_id, const MeshCallInfo& mesh) {
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
-  LORASTEP_RETURN_IF_ERROR(FormGroups(mesh.generation));
+  LORASTEP_RETURN_IF_ERROR(FormGroups(mesh));
   if (mesh.expected_learner_version >= 0 && mesh.expected_learner_version != t->learner_version()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "learner_version: rank ", options_.rank, " of run '", run_id, "' is at ",
@@ -75,9 +75,11 @@ absl::StatusOr<Trainer*> WorkerCore::Prepare(const std::string& run_id, const Me
   return t;
 }
 
-absl::Status WorkerCore::FormGroups(int64_t generation) {
-  if (groups_ == nullptr || (generation == groups_->generation() && !groups_->broken())) return absl::OkStatus();
-  return groups_->Rebuild(static_cast<int>(generation));
+absl::Status WorkerCore::FormGroups(const MeshCallInfo& mesh) {
+  if (groups_ == nullptr) return absl::OkStatus();
+  if (!mesh.rendezvous.empty()) LORASTEP_RETURN_IF_ERROR(groups_->MoveStore(mesh.rendezvous));
+  if (mesh.generation == groups_->generation() && !groups_->broken()) return absl::OkStatus();
+  return groups_->Rebuild(static_cast<int>(mesh.generation));
 }
 
 size_t WorkerCore::num_runs() const {
@@ -96,7 +98,7 @@ absl::StatusOr<int64_t> WorkerCore::CreateRun(const std::string& run_id, const L
                                               bool init_with_optimizer, const MeshCallInfo& mesh) {
   std::lock_guard<FairMutex> lock(mu_);
   // Before anything that may differ between ranks (the run existing): the load is collective.
-  if (!init_from.empty()) LORASTEP_RETURN_IF_ERROR(FormGroups(mesh.generation));
+  if (!init_from.empty()) LORASTEP_RETURN_IF_ERROR(FormGroups(mesh));
   if (runs_.count(run_id)) {
     return absl::AlreadyExistsError(absl::StrCat("run_id: '", run_id, "' exists"));
   }
@@ -198,7 +200,7 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::SaveState(const std::string& 
                                                              const MeshCallInfo& mesh, bool background) {
   std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/true));
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh.Unchecked()));
   if (background) {
     LORASTEP_ASSIGN_OR_RETURN(std::shared_ptr<const TrainerStateSnapshot> snapshot, t->SnapshotState());
     writer_.Submit(folder, [snapshot, folder, path, delay = options_.test_background_write_delay] {
@@ -226,7 +228,7 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::LoadState(const std::string& 
   std::lock_guard<FairMutex> lock(mu_);
   writer_.Await(ResolveRequestPath(store_.get(), path, "path").value_or(""));  // a write there finishes first
   LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/false));
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh.Unchecked()));
   LORASTEP_RETURN_IF_ERROR(AsReference(t->LoadState(folder), folder, path));
   return PathResult{t->FullAdapterSha256(), t->learner_version()};
 }
@@ -237,7 +239,7 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::ExportAdapter(const std::stri
                                                                  bool expand_experts) {
   std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/true));
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, {-1, mesh.generation}));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh.Unchecked()));
   LORASTEP_RETURN_IF_ERROR(AsReference(t->ExportAdapter(folder, expand_experts), folder, path));
   return PathResult{t->FullAdapterSha256(), t->learner_version()};
 }

@@ -63,6 +63,9 @@ void ProfileFromEnvironment(WorkerOptions* options);
 struct MeshCallInfo {
   int64_t expected_learner_version = -1;  // -1: not checked
   int64_t generation = 0;
+  std::string rendezvous;  // "": the TCPStore this rank has
+  // The same call with the learner version unchecked.
+  MeshCallInfo Unchecked() const { return {-1, generation, rendezvous}; }
 };
 
 class WorkerCore {
@@ -125,9 +128,10 @@ class WorkerCore {
   // Before a call on a mesh: rebuilds communicators for a new generation, checks the
   // learner version. Requires mu_. Returns the run.
   absl::StatusOr<Trainer*> Prepare(const std::string& run_id, const MeshCallInfo& mesh);
-  // Forms the communicators of `generation` unless they are formed and unbroken. Every rank
-  // gets the same generation with the same call, so all form them together. Requires mu_.
-  absl::Status FormGroups(int64_t generation);
+  // Forms the communicators of the call's generation (through the store at its rendezvous)
+  // unless they are formed and unbroken. Every rank gets the same generation with the same
+  // call, so all form them together. Requires mu_.
+  absl::Status FormGroups(const MeshCallInfo& mesh);
   // The folder a request's path field names. Writes (SaveState, ExportAdapter) must stay
   // under the run's own references.
   absl::StatusOr<std::string> ResolvePath(const std::string& run_id, const std::string& path, bool write) const;

@@ -1,6 +1,7 @@
 #include "lib/parallel/process_groups.h"
 
 #include <cstdlib>
+#include <utility>
 
 #if defined(LORASTEP_WITH_GLOO)
 #ifndef USE_C10D_GLOO
@@ -69,6 +70,16 @@ absl::Status RunWork(CommGroup* group, const char* op, std::chrono::milliseconds
 // on bf16 tensors move them as fp32, which holds every bf16 value exactly (a sum is
 // rounded to bf16 once, at the end).
 bool GlooNeedsFp32(const at::Tensor& t) { return !t.is_cuda() && t.scalar_type() == at::kBFloat16; }
+
+absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(address.substr(colon + 1), &port) || port <= 0 ||
+      port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("rendezvous: '", address, "' is not host:port"));
+  }
+  return std::make_pair(address.substr(0, colon), port);
+}
 
 }  // namespace
 
@@ -264,19 +275,13 @@ absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(const Proce
   }
   auto groups = std::unique_ptr<ProcessGroups>(new ProcessGroups(options));
   if (world > 1) {
-    const size_t colon = options.store_address.rfind(':');
-    int port = 0;
-    if (colon == std::string::npos ||
-        !absl::SimpleAtoi(options.store_address.substr(colon + 1), &port) || port <= 0 || port > 65535) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("rendezvous: '", options.store_address, "' is not host:port"));
-    }
-    groups->store_host_ = options.store_address.substr(0, colon);
-    groups->store_port_ = port;
+    LORASTEP_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(options.store_address));
+    groups->store_host_ = host_port.first;
+    groups->store_port_ = host_port.second;
     // Rank 0 serves the store from the start, so that its port is taken (or the error
     // shown) now; the others connect when they form communicators.
     if (options.rank == 0 || !options.defer_communicators) {
-      LORASTEP_RETURN_IF_ERROR(groups->ConnectStore(groups->store_host_, port));
+      LORASTEP_RETURN_IF_ERROR(groups->ConnectStore(groups->store_host_, groups->store_port_));
     }
   }
   if (options.defer_communicators) {
@@ -317,6 +322,23 @@ CommGroup& ProcessGroups::group(GroupKind kind) {
     if (kind == GroupKind::kExpertStage) kind = GroupKind::kStage;
   }
   return *groups_.at(kind);
+}
+
+std::string ProcessGroups::store_address() const {
+  return store_port_ == 0 ? "" : absl::StrCat(store_host_, ":", store_port_);
+}
+
+absl::Status ProcessGroups::MoveStore(const std::string& address) {
+  if (address == store_address()) return absl::OkStatus();
+  if (options_.rank == 0) {
+    return absl::FailedPreconditionError(absl::StrCat("rendezvous: rank 0 serves the store at ", store_address(),
+                                                      ", not at ", address));
+  }
+  LORASTEP_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(address));
+  store_host_ = host_port.first;
+  store_port_ = host_port.second;
+  broken_ = true;  // formed at the next Rebuild, through the new store
+  return absl::OkStatus();
 }
 
 absl::Status ProcessGroups::Rebuild(int generation) {

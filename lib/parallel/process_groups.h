@@ -127,6 +127,11 @@ class ProcessGroups {
   // New communicators for every group under generation `generation` (all ranks call it with
   // the same value, after a failure). Groups of earlier generations are dropped.
   absl::Status Rebuild(int generation);
+  // host:port of the TCPStore. MoveStore points a rank other than 0 at another one (rank 0
+  // was replaced elsewhere), used from the next Rebuild; INVALID_ARGUMENT if not host:port,
+  // FAILED_PRECONDITION on rank 0 (which serves its own).
+  std::string store_address() const;
+  absl::Status MoveStore(const std::string& address);
 
  private:
   explicit ProcessGroups(ProcessGroupsOptions options);
