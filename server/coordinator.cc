@@ -1309,7 +1309,11 @@ template <typename Resp>
 absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
     RunState& run, const std::vector<int>& ranks,
     const std::function<absl::StatusOr<Resp>(int rank, WorkerClient*)>& call) {
-  std::lock_guard<FairMutex> mesh_lock(mesh_mu_);
+  // Every rank of a mesh must see the calls in one order. At world size 1 a run lives on one
+  // worker, whose own lock orders its calls: runs on different workers must not wait for
+  // each other here (they did, a whole worker call each, under this lock).
+  std::unique_lock<FairMutex> mesh_lock(mesh_mu_, std::defer_lock);
+  if (on_mesh()) mesh_lock.lock();
   {
     // A run on a worker known to be down fails at once, and never reaches a process that
     // has since taken the dead one's address.
@@ -1396,7 +1400,7 @@ absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
   }
   if (!failed.empty()) {
     // Communicators may be broken: every rank rebuilds at the next call.
-    mesh_generation_ = NewMeshGeneration(mesh_generation_);
+    if (on_mesh()) mesh_generation_ = NewMeshGeneration(mesh_generation_);
     std::stable_sort(failed.begin(), failed.end(), [](const auto& a, const auto& b) {
       return !IsPeerFailure(a.second) && IsPeerFailure(b.second);
     });

@@ -227,8 +227,8 @@ class Coordinator {
   int64_t vocab_size();
   bool on_mesh() const { return options_.mesh.world() > 1; }
 
-  // Runs `call` on each of `ranks` of `run` concurrently, under the mesh lock (one call at a
-  // time on the mesh, so all ranks see calls in one order). Any failure fails the whole
+  // Runs `call` on each of `ranks` of `run` concurrently, under the mesh lock on a mesh (one
+  // call at a time, so all ranks see calls in one order; at world size 1 no lock). Any failure fails the whole
   // call, naming the ranks, and makes the next call rebuild communicators.
   template <typename Resp>
   absl::StatusOr<std::vector<Resp>> FanOut(
@@ -256,8 +256,9 @@ class Coordinator {
 
   CoordinatorOptions options_;
   ParallelLayout layout_;
-  FairMutex mesh_mu_;            // held for the whole of a mesh call; arrival order
-  int64_t mesh_generation_;  // guarded by mesh_mu_ (NewMeshGeneration: random, never reused)
+  FairMutex mesh_mu_;            // held for the whole of a mesh call (on a mesh only); arrival order
+  // Guarded by mesh_mu_ (NewMeshGeneration: random, never reused); changes on a mesh only.
+  int64_t mesh_generation_;
 
   // A worker whose process is gone (a call failed at the transport, not in a collective):
   // new runs skip it, its runs' calls say so, health turns NOT_SERVING when no worker (on a

@@ -1905,6 +1905,50 @@ TEST(ProcessTest, HungWorkerMeetsTheDeadlineAndTheRetryAppliesOnce) {
   EXPECT_EQ(state.next_sequence_id(), 2);
 }
 
+// Issue 8 (fairness): at world size 1 runs on different workers do not wait for each other
+// in the coordinator. Worker 0 is stopped (SIGSTOP) with a step of run A in flight on it; a
+// step of run B, on worker 1, is answered at once (it waited for A's worker call, up to
+// --worker_call_timeout_s, while every call took one coordinator-wide lock).
+TEST(ProcessTest, CallsOnDifferentWorkersDoNotWaitForEachOther) {
+  ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("two_workers"));
+  std::vector<ChildServer> workers;
+  std::vector<std::string> addresses;
+  for (int w = 0; w < 2; ++w) {
+    ASSERT_OK_AND_ASSIGN(ChildServer worker,
+                         ChildServer::Start(Binary("worker/lorastep_worker"),
+                                            {"--model", dir + "/model", "--state_dir", absl::StrCat(dir, "/store", w)},
+                                            60));
+    addresses.push_back(worker.address());
+    workers.push_back(std::move(worker));
+  }
+  ASSERT_OK_AND_ASSIGN(ChildServer server,
+                       ChildServer::Start(Binary("server/lorastep_coordinator"),
+                                          {"--port", "0", "--workers", absl::StrJoin(addresses, ","),
+                                           "--worker_call_timeout_s", "20"},
+                                          60));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
+  auto runs_on = [&](int w) -> int64_t {
+    auto stub = v1::Worker::NewStub(grpc::CreateChannel(addresses[w], grpc::InsecureChannelCredentials()));
+    auto info = CallUnary<v1::WorkerInfo>(stub.get(), &v1::Worker::Stub::Info, v1::WorkerInfoRequest());
+    return info.ok() ? info->num_runs() : -1;
+  };
+  ASSERT_OK_AND_ASSIGN(RunSession a, RunSession::Create(client.get(), Lora(), 3));
+  ASSERT_EQ(runs_on(0), 1) << "new runs go round robin, the first to the first worker";
+  ASSERT_OK_AND_ASSIGN(RunSession b, RunSession::Create(client.get(), Lora(), 4));
+  ASSERT_EQ(runs_on(1), 1);
+  ASSERT_EQ(kill(workers[0].pid(), SIGSTOP), 0);
+  std::thread stuck([&] { (void)a.TrainStep(Batch(0), Ppo(), Adam()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // A's call is on worker 0 now
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<v1::StepResponse> other = b.TrainStep(Batch(1), Ppo(), Adam());
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(kill(workers[0].pid(), SIGCONT), 0);
+  stuck.join();
+  ASSERT_OK(other.status());
+  EXPECT_EQ(other->learner_version(), 1);
+  EXPECT_LT(waited, 5.0) << "run B's step waited for run A's worker";
+}
+
 // SIGTERM with an idle WatchMetrics stream open: the coordinator cancels the stream after
 // its grace period and exits (no SIGKILL needed).
 TEST(ProcessTest, SigtermExitsWithAnIdleWatchStreamOpen) {
