@@ -57,6 +57,10 @@ struct Coordinator::RunState : std::enable_shared_from_this<Coordinator::RunStat
   // snapshot until it was durable, written or not (< 0: none yet in this process).
   std::chrono::steady_clock::time_point last_autosave_end;
   double last_autosave_s = -1;
+  // Guarded by `mu`: a step was committed after the last autosave taken (durable or not),
+  // and when a call last changed the run's state. An idle run with such a step is saved.
+  bool step_since_autosave = false;
+  std::chrono::steady_clock::time_point last_change = std::chrono::steady_clock::now();
   bool retired = false;  // restored anew or deleted: a late confirmation changes nothing
   struct Recorded {
     std::string method;
@@ -237,6 +241,7 @@ Coordinator::~Coordinator() {
   }
   restart_cv_.notify_all();
   if (restarter_.joinable()) restarter_.join();
+  if (idle_saver_.joinable()) idle_saver_.join();
 }
 
 void Coordinator::RestartLoop() {
@@ -275,13 +280,6 @@ void Coordinator::RestartLoop() {
 }
 
 Coordinator::Coordinator(CoordinatorOptions options) : options_(options), mesh_generation_(NewMeshGeneration(-1)) {
-  // With a journal the thread restarts dead workers and re-attaches registered ones
-  // (AddWorker queues them; a mesh once every rank is up). Without a journal it still starts a dead local
-  // worker again: its runs' state is lost, but the service comes back for new runs.
-  const bool restarts = on_mesh() ? static_cast<bool>(options_.restart_mesh) : static_cast<bool>(options_.restart_worker);
-  if (restarts || options_.journal != nullptr) {
-    restarter_ = std::thread([this] { RestartLoop(); });
-  }
   auto layout = ParallelLayout::Create(options_.mesh, options_.mesh.world());
   if (layout.ok()) layout_ = *layout;  // sizes were validated by the caller (main)
   if (options_.metrics != nullptr) {
@@ -289,6 +287,16 @@ Coordinator::Coordinator(CoordinatorOptions options) : options_(options), mesh_g
     options_.metrics->Declare("lorastep_runs", PrometheusRegistry::Type::kGauge, "runs that exist on this coordinator");
     options_.metrics->Declare("lorastep_autosave_failures_total", PrometheusRegistry::Type::kCounter,
                               "background autosaves that were not written (a restart resumes from the one before)");
+  }
+  // With a journal the thread restarts dead workers and re-attaches registered ones
+  // (AddWorker queues them; a mesh once every rank is up). Without a journal it still starts a dead local
+  // worker again: its runs' state is lost, but the service comes back for new runs.
+  const bool restarts = on_mesh() ? static_cast<bool>(options_.restart_mesh) : static_cast<bool>(options_.restart_worker);
+  if (restarts || options_.journal != nullptr) {
+    restarter_ = std::thread([this] { RestartLoop(); });
+  }
+  if (options_.journal != nullptr && options_.autosave_when_idle.count() > 0) {
+    idle_saver_ = std::thread([this] { IdleAutosaveLoop(); });
   }
 }
 
@@ -998,6 +1006,7 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
     run.autosave_cv.wait(lock, [&] { return !run.autosave_in_flight; });
     name = absl::StrCat("autosave-", run.next_autosave++);
   }
+  run.step_since_autosave = false;  // callers hold run.mu
   const std::string& run_id = run.run.run_id();
   const bool background = options_.autosave_in_background;
   auto saved = FanOut<v1::WorkerPathResponse>(run, AllRanks(run), [&](int, WorkerClient* w) {
@@ -1558,7 +1567,41 @@ void Coordinator::CommitStep(RunState& run, const std::string& method, const std
   }
   resp->set_step(AppendStep(run, kind, *resp));
   Record(run, method, request_id, *resp, /*with_step=*/true);
+  run.last_change = std::chrono::steady_clock::now();
+  run.step_since_autosave = true;
   MaybeAutosave(run, /*force=*/false);
+}
+
+void Coordinator::IdleAutosaveLoop() {
+  const auto idle = options_.autosave_when_idle;
+  const auto tick = std::max(std::chrono::milliseconds(100), std::min(idle / 4, std::chrono::milliseconds(1000)));
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!restart_cv_.wait_for(lock, tick, [&] { return stopping_; })) {
+    std::vector<std::shared_ptr<RunState>> runs;
+    for (const auto& [id, run] : runs_) runs.push_back(run);
+    lock.unlock();
+    for (const auto& run : runs) {
+      // A run with a call in flight is not idle: its own call saves it if due.
+      std::unique_lock<std::mutex> run_lock(run->mu, std::try_to_lock);
+      if (!run_lock.owns_lock() || !run->step_since_autosave ||
+          std::chrono::steady_clock::now() - run->last_change < idle) {
+        continue;
+      }
+      // Gradients of a pending ForwardBackward are not in an autosave, and its record would
+      // sit before the marker: such a run waits for its OptimStep.
+      if (run->run.pending_forward_backward() > 0 || !run->run.diverged().empty()) continue;
+      {
+        std::lock_guard<std::mutex> autosave_lock(run->autosave_mu);
+        if (run->retired || run->autosave_in_flight) continue;
+      }
+      {
+        std::lock_guard<std::mutex> guard(mu_);
+        if (down_.count(run->ranks[0])) continue;  // comes back from the autosave it has
+      }
+      MaybeAutosave(*run, /*force=*/true);
+    }
+    lock.lock();
+  }
 }
 
 absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(

@@ -86,6 +86,10 @@ struct CoordinatorOptions {
   // The same for full fine-tuning runs (rank 0), whose state is the whole model and its
   // optimizer: saved far less often by default (--autosave_every_full_steps).
   int autosave_every_full_steps = 50;
+  // A run whose last step was not autosaved (the spacing did not allow it) is saved once no
+  // call has changed it for this long (no ForwardBackward pending): while idle an autosave
+  // costs the run nothing, and a restart then resumes at its last step. 0: never.
+  std::chrono::milliseconds autosave_when_idle{3000};
   // Brings back the dead worker at `address` and returns a client of it: a local worker is
   // started again; a listed one (--workers) is awaited at its address (its supervisor
   // restarts it; UNAVAILABLE while nothing answers there, and the restart is tried again).
@@ -310,6 +314,9 @@ class Coordinator {
   bool RestartsDeadWorkers() const;
   // The end of an UNAVAILABLE message for a run on a dead worker: what will happen to it.
   std::string WhatHappensToDownRuns() const;
+  // Saves runs idle for autosave_when_idle with an unsaved last step (with a journal).
+  void IdleAutosaveLoop();
+  std::thread idle_saver_;
   std::thread restarter_;
   std::deque<WorkerClient*> restart_queue_;  // guarded by mu_
   std::deque<WorkerClient*> reattach_queue_;  // guarded by mu_

@@ -134,6 +134,9 @@ ABSL_FLAG(std::optional<int>, autosave_every_steps, std::nullopt,
           "d / share seconds). Default: 1 with an explicit --state_dir or --journal_dir, 0 with the default "
           "journal of a fixed --port");
 ABSL_FLAG(double, autosave_max_share, 0.1, "with --autosave_every_steps 0: the share of a run's time autosaves may take");
+ABSL_FLAG(double, autosave_when_idle_s, 3,
+          "with a journal: a run whose last step the spacing left unsaved is autosaved once no call has changed it "
+          "for this many seconds (0: never)");
 
 namespace {
 
@@ -270,6 +273,11 @@ int main(int argc, char** argv) {
     return fail(absl::InvalidArgumentError(
         absl::StrCat("autosave_max_share: ", autosave_share, " must be in (0, 1]")));
   }
+  const double autosave_idle_s = absl::GetFlag(FLAGS_autosave_when_idle_s);
+  if (!(autosave_idle_s >= 0 && autosave_idle_s <= 86400)) {
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("autosave_when_idle_s: ", autosave_idle_s, " must be in [0, 86400] seconds")));
+  }
   if (!journal_dir.empty()) {
     // Registered and listed workers bring their own state stores (a mesh's ranks share one).
     const bool registered = absl::GetFlag(FLAGS_wait_for_workers);
@@ -291,6 +299,7 @@ int main(int argc, char** argv) {
                        << (absl::GetFlag(FLAGS_autosave_in_background) ? ", written in the background" : "");
     options.autosave_every_full_steps = std::max(1, absl::GetFlag(FLAGS_autosave_every_full_steps));
     options.autosave_in_background = absl::GetFlag(FLAGS_autosave_in_background);
+    options.autosave_when_idle = std::chrono::milliseconds(static_cast<int64_t>(autosave_idle_s * 1000));
   }
   // Worker-port TLS: the CA the coordinator verifies workers with, and (mutual TLS) the
   // certificate it presents to them.

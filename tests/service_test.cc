@@ -1337,7 +1337,8 @@ TEST(ProcessTest, DefaultJournalIsPerPort) {
   };
   for (const bool every_step : {false, true}) {
     const std::vector<std::string> extra = every_step ? std::vector<std::string>{"--autosave_every_steps", "1"}
-                                                      : std::vector<std::string>{"--autosave_max_share", "1e-6"};
+                                                      : std::vector<std::string>{"--autosave_max_share", "1e-6",
+                                                                                 "--autosave_when_idle_s", "0"};
     const std::string run_id = every_step ? "every-step" : "defaults";
     {
       ASSERT_OK_AND_ASSIGN(ChildServer first, start(port, extra));
@@ -1569,7 +1570,7 @@ TEST(ProcessTest, CostSpacedAutosavesCountTheDisksTime) {
       ChildServer::Start(Binary("server/lorastep_coordinator"),
                          {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"), "--state_dir",
                           dir + "/store", "--autosave_every_steps", "0", "--autosave_max_share", "0.5",
-                          "--test_autosave_write_delay_ms", "1000"},
+                          "--test_autosave_write_delay_ms", "1000", "--autosave_when_idle_s", "0"},
                          120));
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
   ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3, "spaced"));
@@ -1585,12 +1586,50 @@ TEST(ProcessTest, CostSpacedAutosavesCountTheDisksTime) {
   WaitUntilAutosaved(client.get(), "spaced", 4);
 }
 
+// Issue 8: spaced by cost, the steps after an autosave are not saved until the spacing
+// allows; a run that then stops stepping (an RL loop generating its next rollouts) is
+// saved once idle for --autosave_when_idle_s, so a coordinator killed then brings it back at
+// its last step (it came back at the last spaced autosave, here the first step).
+TEST(ProcessTest, IdleRunsLastStepIsAutosaved) {
+  ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("idle_autosave"));
+  const std::string port = std::to_string(FreeLocalPort());
+  auto start = [&] {
+    return ChildServer::Start(Binary("server/lorastep_coordinator"),
+                              {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"), "--port",
+                               port, "--state_dir", dir + "/store", "--autosave_every_steps", "0",
+                               "--autosave_max_share", "1e-6", "--autosave_when_idle_s", "1"},
+                              120);
+  };
+  {
+    ASSERT_OK_AND_ASSIGN(ChildServer first, start());
+    ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(first.address()));
+    ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3, "idle"));
+    for (int i = 0; i < 3; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
+    WaitUntilAutosaved(client.get(), "idle", 3);
+    ASSERT_EQ(kill(first.pid(), SIGKILL), 0);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_OK_AND_ASSIGN(ChildServer second, start());
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(second.address()));
+  ASSERT_OK_AND_ASSIGN(v1::Run back, client->GetRun("idle"));
+  EXPECT_EQ(back.learner_version(), 3);
+  EXPECT_EQ(back.autosaved_learner_version(), 3);
+  for (const char* idle : {"-1", "nan"}) {  // refused, naming the flag
+    const std::string bad = absl::StrCat(Binary("server/lorastep_coordinator"), " --model ", dir,
+                                         "/model --port 0 --autosave_when_idle_s ", idle, " 2> ", dir, "/idle.txt");
+    EXPECT_NE(system(bad.c_str()), 0) << bad;
+    ASSERT_OK_AND_ASSIGN(std::string why, ReadFileToString(dir + "/idle.txt"));
+    EXPECT_THAT(why, ::testing::HasSubstr("autosave_when_idle_s: ")) << why;
+  }
+}
+
 // Full fine-tuning runs (rank 0) autosave the whole model and its optimizer, so every
 // --autosave_every_full_steps steps (50 by default), not every step as LoRA runs do.
 TEST(ProcessTest, FullFinetuneRunsAutosaveLessOften) {
   const std::string dir = ScratchDir("full_autosave");
   auto server = StartTinyCoordinator("full_autosave_model",
-                                     {"--state_dir", dir + "/store", "--autosave_every_full_steps", "2"});
+                                     {"--state_dir", dir + "/store", "--autosave_every_full_steps", "2",
+                                      "--autosave_when_idle_s", "0"});
   ASSERT_TRUE(server.ok()) << server.status();
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server->address()));
   v1::LoraConfig full;
