@@ -39,6 +39,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "lib/parent_death.h"
 #include "lib/io/state_store.h"
 #include "lib/parallel/parallel_layout.h"
 #include "rpc/metrics_http_server.h"
@@ -174,6 +175,7 @@ absl::StatusOr<std::unique_ptr<lorastep::WorkerClient>> StartLocalWorkerInProces
 
 int main(int argc, char** argv) {
   using namespace lorastep;
+  ExitWithSpawningParent();  // a local worker (or a test's server) goes with its parent
   TuneProcessForServing();
   BlockShutdownSignals();
   ParseCommandLineOrExit(argc, argv,

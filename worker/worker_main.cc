@@ -27,6 +27,7 @@
 #include "lorastep/v1/worker.grpc.pb.h"
 #include "rpc/grpc_status.h"
 
+#include "lib/parent_death.h"
 #include "lib/io/state_store.h"
 #include "rpc/bearer_token.h"
 #include "rpc/metrics_http_server.h"
@@ -123,6 +124,7 @@ absl::StatusOr<lorastep::v1::JoinMeshResponse> JoinMesh(const std::string& coord
 
 int main(int argc, char** argv) {
   using namespace lorastep;
+  ExitWithSpawningParent();  // a local worker (or a test's server) goes with its parent
   TuneProcessForServing();
   BlockShutdownSignals();
   ParseCommandLineOrExit(argc, argv,
