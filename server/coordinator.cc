@@ -346,7 +346,10 @@ absl::Status Coordinator::AddWorker(std::unique_ptr<WorkerClient> worker) {
   if (on_mesh()) {
     auto& slot = workers_[info.rank()];
     // A dead rank's client stays (down, alive): runs placed on it fail as down until restored.
-    if (slot != nullptr) replaced_.push_back(std::move(slot));
+    if (slot != nullptr) {
+      replaced_.push_back(std::move(slot));
+      mesh_regenerate_ = true;
+    }
     slot = std::move(worker);
     rejoining_ranks_.erase(info.rank());
     if (rendezvous_.empty() && info.rank() == 0) rendezvous_ = info.rendezvous();  // a restarted coordinator
@@ -484,10 +487,8 @@ void Coordinator::RestoreJournaledRuns(WorkerClient* onto) {
 }
 
 void Coordinator::RejoinMesh() {
-  {
-    std::lock_guard<FairMutex> mesh_lock(mesh_mu_);
-    mesh_generation_ = NewMeshGeneration(mesh_generation_);  // as in RestartMesh
-  }
+  // (A replaced rank has already set mesh_regenerate_: the restores' calls form a new
+  // generation.)
   std::vector<std::shared_ptr<RunState>> orphans;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1327,6 +1328,10 @@ absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
     // A run on a worker known to be down fails at once, and never reaches a process that
     // has since taken the dead one's address.
     std::lock_guard<std::mutex> lock(mu_);
+    if (mesh_regenerate_ && on_mesh()) {
+      mesh_generation_ = NewMeshGeneration(mesh_generation_);
+      mesh_regenerate_ = false;
+    }
     for (int r : ranks) {
       if (down_.count(run.ranks[r])) {
         return absl::UnavailableError(absl::StrCat("worker ", run.ranks[r]->address(), " is down: ", WhatHappensToDownRuns()));

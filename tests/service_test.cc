@@ -2214,6 +2214,42 @@ void RegisteredMeshRankComesBack(int killed_rank) {
 TEST(RegistrationTest, RegisteredMeshRankReplacedByANewWorkerGetsItsRunsBack) { RegisteredMeshRankComesBack(1); }
 TEST(RegistrationTest, RegisteredMeshRankZeroReplacedServesTheStoreAgain) { RegisteredMeshRankComesBack(0); }
 
+// Without a journal a registered mesh still takes a new worker in a dead rank's place: the
+// old run's state is lost (its calls say so), and new runs train on the mesh again.
+TEST(RegistrationTest, RegisteredMeshWithoutJournalTrainsNewRunsAfterARankIsReplaced) {
+  if (!CpuCollectivesAvailable()) GTEST_SKIP() << "a CPU mesh needs a build with gloo";
+  ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("registered_mesh_nojournal"));
+  const std::string coordinator_port = std::to_string(FreeLocalPort());
+  ASSERT_OK_AND_ASSIGN(ChildServer coordinator,
+                       ChildServer::Start(Binary("server/lorastep_coordinator"),
+                                          {"--wait_for_workers", "--dp", "2", "--port", coordinator_port,
+                                           "--rendezvous_port", std::to_string(FreeLocalPort()),
+                                           "--peer_failure_grace_s", "2"},
+                                          60));
+  auto start_worker = [&] {
+    return ChildServer::Start(Binary("worker/lorastep_worker"),
+                              {"--model", dir + "/model", "--state_dir", dir + "/store", "--register_with",
+                               "127.0.0.1:" + coordinator_port, "--collective_timeout_s", "10"},
+                              60);
+  };
+  std::vector<ChildServer> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_OK_AND_ASSIGN(ChildServer rank, start_worker());
+    ranks.push_back(std::move(rank));
+  }
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(coordinator.address()));
+  ASSERT_OK_AND_ASSIGN(RunSession run, CreateOnceRegistered(client.get()));
+  ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
+  ASSERT_EQ(kill(ranks[1].pid(), SIGKILL), 0);
+  run.max_attempts = 1;
+  EXPECT_FALSE(run.TrainStep(Batch(1), Ppo(), Adam()).ok());
+  ASSERT_OK_AND_ASSIGN(ranks[1], start_worker());
+  EXPECT_THAT(run.TrainStep(Batch(1), Ppo(), Adam()).status(), StatusIs(absl::StatusCode::kUnavailable, "lost"));
+  ASSERT_OK_AND_ASSIGN(RunSession fresh, CreateOnceRegistered(client.get()));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse trained, fresh.TrainStep(Batch(0), Ppo(), Adam()));
+  EXPECT_EQ(trained.learner_version(), 1);
+}
+
 // Issue 8: the coordinator of a registered mesh killed and started again on its port: the
 // ranks, registering every second, make the mesh whole again and the journaled run comes
 // back where it was. Then a rank is killed and its replacement asks for a rank before any
