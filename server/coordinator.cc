@@ -242,6 +242,7 @@ Coordinator::~Coordinator() {
   restart_cv_.notify_all();
   if (restarter_.joinable()) restarter_.join();
   if (idle_saver_.joinable()) idle_saver_.join();
+  if (health_watch_.joinable()) health_watch_.join();
 }
 
 void Coordinator::RestartLoop() {
@@ -297,6 +298,30 @@ Coordinator::Coordinator(CoordinatorOptions options) : options_(options), mesh_g
   }
   if (options_.journal != nullptr && options_.autosave_when_idle.count() > 0) {
     idle_saver_ = std::thread([this] { IdleAutosaveLoop(); });
+  }
+  if (options_.worker_health_interval.count() > 0) health_watch_ = std::thread([this] { HealthWatchLoop(); });
+}
+
+void Coordinator::HealthWatchLoop() {
+  std::map<const WorkerClient*, int> unanswered;  // consecutive UNAVAILABLE pings
+  const auto timeout = std::chrono::seconds(5);
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!restart_cv_.wait_for(lock, options_.worker_health_interval, [&] { return stopping_; })) {
+    std::vector<WorkerClient*> up;
+    for (const auto& w : workers_) {
+      if (w != nullptr && !down_.count(w.get())) up.push_back(w.get());
+    }
+    lock.unlock();
+    std::map<const WorkerClient*, int> still;
+    for (WorkerClient* w : up) {
+      // Only a process that is gone (the transport fails) counts; a busy or stopped one that
+      // does not answer in time is left to the calls' deadlines.
+      absl::Status alive = w->Ping(timeout);
+      if (!absl::IsUnavailable(alive)) continue;
+      if ((still[w] = unanswered[w] + 1) >= 2) MarkDown(w, alive);
+    }
+    unanswered = std::move(still);
+    lock.lock();
   }
 }
 

@@ -57,6 +57,10 @@ struct CoordinatorOptions {
   // They normally fail at their collective timeout; a rank wedged in a device kernel may
   // never answer. --peer_failure_grace_s; default: the collective timeout + 30 s.
   std::chrono::seconds peer_failure_grace{150};
+  // How often every worker that is up is asked whether its process is there (Ping): one
+  // that is gone (UNAVAILABLE twice in a row) is marked down without waiting for a call, so
+  // health turns NOT_SERVING and its restart (or the wait for it) begins. 0: never.
+  std::chrono::milliseconds worker_health_interval{2000};
   // Where per-run step figures are recorded for the Prometheus endpoint (not owned; none:
   // not recorded). See docs/OPERATIONS.md for the metric names.
   PrometheusRegistry* metrics = nullptr;
@@ -320,6 +324,9 @@ class Coordinator {
   // Saves runs idle for autosave_when_idle with an unsaved last step (with a journal).
   void IdleAutosaveLoop();
   std::thread idle_saver_;
+  // Pings the workers that are up every worker_health_interval (see CoordinatorOptions).
+  void HealthWatchLoop();
+  std::thread health_watch_;
   std::thread restarter_;
   std::deque<WorkerClient*> restart_queue_;  // guarded by mu_
   std::deque<WorkerClient*> reattach_queue_;  // guarded by mu_

@@ -80,6 +80,10 @@ ABSL_FLAG(std::optional<int>, collective_timeout_s, std::nullopt, "local workers
 ABSL_FLAG(std::optional<int>, peer_failure_grace_s, std::nullopt,
           "seconds the other ranks of a failed mesh call may still take (default: collective timeout + 30)");
 ABSL_FLAG(int, worker_call_timeout_s, 3600, "deadline of one call to a worker");
+ABSL_FLAG(double, worker_health_interval_s, 2,
+          "ask every worker this often whether its process is there (Worker.Info): a worker whose process is "
+          "gone is marked down (health NOT_SERVING, a restart or the wait for its replacement begins) without "
+          "waiting for a call to find it; 0: only calls find dead workers");
 ABSL_FLAG(int, rendezvous_port, 29500, "TCPStore port rank 0 serves when workers join by registration");
 ABSL_FLAG(std::string, state_dir, "",
           "state store root (checkpoints and exports as lorastep://<run>/<name>), passed to local workers; it "
@@ -249,6 +253,12 @@ int main(int argc, char** argv) {
   options.peer_failure_grace = std::chrono::seconds(absl::GetFlag(FLAGS_peer_failure_grace_s).value_or(
       absl::GetFlag(FLAGS_collective_timeout_s).value_or(120) + 30));
   const int worker_call_timeout = absl::GetFlag(FLAGS_worker_call_timeout_s);
+  const double health_interval_s = absl::GetFlag(FLAGS_worker_health_interval_s);
+  if (!(health_interval_s >= 0 && health_interval_s <= 3600)) {
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("worker_health_interval_s: ", health_interval_s, " must be in [0, 3600] seconds")));
+  }
+  options.worker_health_interval = std::chrono::milliseconds(static_cast<int64_t>(health_interval_s * 1000));
   // The local workers' state store: --state_dir, the default one, or none with
   // --allow_plain_paths. Without --state_dir a coordinator on a fixed port keeps its store
   // and journal under <default root>/port-<port>: started again on that port it finds its

@@ -124,9 +124,36 @@ int main(int argc, char** argv) {
   const std::string device = argc == 10 && std::string(argv[9]) == "cuda" ? absl::StrCat("cuda:", rank) : "cpu";
   o.device = device;
   g_options = at::TensorOptions().device(at::Device(device));
+  o.defer_communicators = scenario == "replaced_rank0";
   auto groups = ProcessGroups::Create(o);
   if (!groups.ok()) return Fail(groups.status().ToString());
-  if (scenario == "collectives") {
+  auto world_sum = [&](ProcessGroups& g, float want) -> int {
+    at::Tensor t = at::ones({4}, g_options);
+    if (auto s = g.group(GroupKind::kWorld).AllReduce(t); !s.ok()) return Fail(s.ToString());
+    if (t[0].item<float>() != want) return Fail("allreduce value");
+    return 0;
+  };
+  if (scenario == "replaced_rank0") {
+    // Deferred: nothing is formed until Rebuild, and a collective says so (no crash).
+    at::Tensor t = at::ones({4}, g_options);
+    absl::Status early = (*groups)->group(GroupKind::kWorld).AllReduce(t);
+    if (early.code() != absl::StatusCode::kFailedPrecondition) return Fail("before forming: " + early.ToString());
+    if (auto s = (*groups)->Rebuild(7); !s.ok()) return Fail(s.ToString());
+    if (int rc = world_sum(**groups, world); rc != 0) return rc;
+    if (rank == 0) {
+      // Rank 0 "dies" and a new process takes its place: its store goes, a fresh one
+      // serves at the same address.
+      groups->reset();
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      groups = ProcessGroups::Create(o);
+      if (!groups.ok()) return Fail("replacement: " + groups.status().ToString());
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // until the new store serves
+    }
+    // The others reconnect to the new store when they form the next generation.
+    if (auto s = (*groups)->Rebuild(8); !s.ok()) return Fail("after the replacement: " + s.ToString());
+    if (int rc = world_sum(**groups, world); rc != 0) return rc;
+  } else if (scenario == "collectives") {
     if (int rc = RunCollectives(**groups); rc != 0) return rc;
     // After a rebuild (new generation) the groups work again.
     if (auto s = (*groups)->Rebuild(1); !s.ok()) return Fail(s.ToString());

@@ -89,6 +89,18 @@ void ExpectErrorOnEveryOtherRank(const std::string& scenario, const std::string&
   EXPECT_LT(wall_s, 60);
 }
 
+// Deferred groups form nothing until Rebuild; after rank 0 (the store's server) is replaced
+// by a new process serving a fresh store at the same address, the other rank reconnects at
+// the next Rebuild and the collectives work again (it kept using the dead store before).
+TEST(ProcessGroupsTest, ReplacedRankZeroServesAFreshStoreTheOthersReconnectTo) {
+  if (TooFewDevices(2)) GTEST_SKIP() << "needs 2 GPUs";
+  auto results = RunProcesses(Commands("replaced_rank0", 1, 1, 2, 20000), ScratchDir("pg_replaced_rank0"), 90);
+  for (size_t r = 0; r < results.size(); ++r) {
+    EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ": " << results[r].output;
+    EXPECT_NE(results[r].output.find("OK"), std::string::npos) << results[r].output;
+  }
+}
+
 TEST(ProcessGroupsTest, DeadPeerIsAnErrorOnEveryRank) {
   ExpectErrorOnEveryOtherRank("dead_peer", "UNAVAILABLE");
 }

@@ -1722,6 +1722,57 @@ TEST(ProcessTest, KilledWorkerIsRestartedAndItsRunsResume) {
   ExpectAppliedOnceLikeAnUninterruptedRun(client.get(), step3, *r);
 }
 
+// Issue 8: a local worker that dies while no call is in flight is found by the health
+// watch (--worker_health_interval_s), not by the next call: health turns NOT_SERVING, the
+// worker is started again and its run restored before the client sends anything (before,
+// nothing happened until a call failed on the dead worker).
+TEST(ProcessTest, IdleWorkerDeathIsFoundWithoutACall) {
+  const std::string dir = ScratchDir("idle_worker_death");
+  ASSERT_OK_AND_ASSIGN(ChildServer server,
+                       StartTinyCoordinator("idle_worker_death_model",
+                                            {"--state_dir", dir + "/store", "--journal_dir", dir + "/journal",
+                                             "--worker_health_interval_s", "0.5"}));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
+  ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
+  WaitUntilAutosaved(client.get(), run.run_id(), 1);
+  auto worker_pid = [&]() -> int {
+    const std::string list = absl::StrCat("pgrep -P ", server.pid(), " > ", dir, "/children");
+    if (system(list.c_str()) != 0) return -1;
+    auto children = ReadFileToString(dir + "/children");
+    return children.ok() ? std::atoi(children->c_str()) : -1;
+  };
+  const int first = worker_pid();
+  ASSERT_GT(first, 0);
+  ASSERT_EQ(kill(first, SIGKILL), 0);
+  bool saw_not_serving = false;
+  int second = first;
+  for (int i = 0; i < 300 && (second == first || second <= 0 || !saw_not_serving); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ASSERT_OK_AND_ASSIGN(bool serving, client->Healthy());  // the coordinator's health: no worker call
+    saw_not_serving = saw_not_serving || !serving;
+    second = worker_pid();
+  }
+  EXPECT_TRUE(saw_not_serving);
+  ASSERT_NE(second, first) << "the dead worker was not started again";
+  run.max_attempts = 1;
+  absl::StatusOr<v1::StepResponse> next = absl::UnknownError("not tried");
+  for (int i = 0; i < 100 && !next.ok(); ++i) {  // until the run is restored (NOT_FOUND/UNAVAILABLE before)
+    next = run.TrainStep(Batch(1), Ppo(), Adam());
+    if (!next.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_OK(next.status());
+  EXPECT_EQ(next->learner_version(), 2);
+  for (const char* interval : {"-1", "nan"}) {  // refused, naming the flag
+    const std::string bad = absl::StrCat(Binary("server/lorastep_coordinator"), " --model ", dir,
+                                         "/none --port 0 --worker_health_interval_s ", interval, " 2> ", dir,
+                                         "/interval.txt");
+    EXPECT_NE(system(bad.c_str()), 0) << bad;
+    ASSERT_OK_AND_ASSIGN(std::string why, ReadFileToString(dir + "/interval.txt"));
+    EXPECT_THAT(why, ::testing::HasSubstr("worker_health_interval_s: ")) << why;
+  }
+}
+
 // Issue 8: without a journal (--port 0, no --state_dir) a local worker killed with SIGKILL
 // is still started again: its run's state is lost, and its calls say so, but health comes
 // back and new runs train (the defect: every later call failed, for good).

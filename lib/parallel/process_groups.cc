@@ -81,6 +81,12 @@ absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& add
   return std::make_pair(address.substr(0, colon), port);
 }
 
+// The order every rank forms its groups in.
+constexpr GroupKind kFormOrder[] = {GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline,
+                                    GroupKind::kStage, GroupKind::kModelParallel, GroupKind::kWorld,
+                                    GroupKind::kEmbedding, GroupKind::kExpert, GroupKind::kExpertData,
+                                    GroupKind::kExpertStage};
+
 }  // namespace
 
 CommGroup::CommGroup(GroupKind kind, int index, std::vector<int> ranks, int my_rank)
@@ -286,7 +292,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(const Proce
   }
   if (options.defer_communicators) {
     groups->generation_ = -1;
-    groups->broken_ = true;  // nothing formed: collectives fail until Rebuild
+    groups->ResetGroups();  // nothing formed: collectives fail until Rebuild
     return groups;
   }
   LORASTEP_RETURN_IF_ERROR(groups->Build());
@@ -343,7 +349,7 @@ absl::Status ProcessGroups::MoveStore(const std::string& address) {
 
 absl::Status ProcessGroups::Rebuild(int generation) {
   generation_ = generation;
-  groups_.clear();  // the old communicators' sockets go before the store connection they used
+  ResetGroups();  // the old communicators' sockets go before the store connection they used
   // A rank other than 0 reconnects: the store it knew may have died with rank 0, and a new
   // rank 0 process serves a fresh one at the same address.
   if (options_.layout.world_size() > 1 && options_.rank != 0) {
@@ -353,15 +359,10 @@ absl::Status ProcessGroups::Rebuild(int generation) {
   return Build();
 }
 
-absl::Status ProcessGroups::Build() {
+void ProcessGroups::ResetGroups() {
   groups_.clear();
   const ParallelLayout& layout = options_.layout;
-  const at::Device device(options_.device);
-  std::vector<GroupKind> kinds;
-  for (GroupKind kind : {GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline,
-                         GroupKind::kStage, GroupKind::kModelParallel, GroupKind::kWorld,
-                         GroupKind::kEmbedding, GroupKind::kExpert, GroupKind::kExpertData,
-                         GroupKind::kExpertStage}) {
+  for (GroupKind kind : kFormOrder) {
     const bool alias = layout.sizes().ep == 1 && (kind == GroupKind::kExpertData || kind == GroupKind::kExpertStage);
     if (alias) continue;  // group() answers with the data / stage group
     const int index = layout.GroupIndex(kind, options_.rank);
@@ -369,12 +370,17 @@ absl::Status ProcessGroups::Build() {
     group->timeout_ = options_.timeout;
     group->broken_ = &broken_;
     groups_[kind] = std::move(group);
-    kinds.push_back(kind);
   }
   broken_ = true;  // until every communicator is formed
-  for (GroupKind kind : kinds) {  // every rank forms them in this order: no deadlock
-    CommGroup* group = groups_.at(kind).get();
-    if (group->size() == 1) continue;
+}
+
+absl::Status ProcessGroups::Build() {
+  ResetGroups();
+  const at::Device device(options_.device);
+  for (GroupKind kind : kFormOrder) {  // every rank forms them in this order: no deadlock
+    auto it = groups_.find(kind);
+    if (it == groups_.end() || it->second->size() == 1) continue;
+    CommGroup* group = it->second.get();
     // Each group rendezvous under its own key prefix; a new generation never meets the
     // sockets of a failed one.
     auto prefix = c10::make_intrusive<::c10d::PrefixStore>(

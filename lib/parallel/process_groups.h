@@ -136,6 +136,9 @@ class ProcessGroups {
  private:
   explicit ProcessGroups(ProcessGroupsOptions options);
   absl::Status ConnectStore(const std::string& host, int port);
+  // The groups of this rank without communicators (group() answers; collectives fail
+  // FAILED_PRECONDITION until Build forms them).
+  void ResetGroups();
   absl::Status Build();
 
   ProcessGroupsOptions options_;
