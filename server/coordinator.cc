@@ -562,15 +562,15 @@ void Coordinator::RestartWorker(WorkerClient* dead) {
 }
 
 void Coordinator::RestartMesh() {
+  auto try_again = [&] {  // a listed rank not back yet: ask again, after a pause
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    std::lock_guard<std::mutex> lock(mu_);
+    restart_queue_.push_back(nullptr);
+    restart_cv_.notify_all();
+  };
   auto fresh = options_.restart_mesh();
   if (!fresh.ok()) {
-    if (absl::IsUnavailable(fresh.status())) {  // a listed rank not back yet: ask again, after a pause
-      std::this_thread::sleep_for(std::chrono::milliseconds(500));
-      std::lock_guard<std::mutex> lock(mu_);
-      restart_queue_.push_back(nullptr);
-      restart_cv_.notify_all();
-      return;
-    }
+    if (absl::IsUnavailable(fresh.status())) return try_again();  // quietly: it may take a while
     LORASTEP_LOG(Error) << "lorastep_coordinator: restarting the mesh: " << fresh.status();
     return;
   }
@@ -598,6 +598,9 @@ void Coordinator::RestartMesh() {
     const std::string address = worker->address();
     if (absl::Status added = AddWorker(std::move(worker)); !added.ok()) {
       LORASTEP_LOG(Error) << "lorastep_coordinator: the restarted rank at " << address << ": " << added;
+      // e.g. the dead process's connection was still open (gRPC shares it between channels
+      // to one address): the next try replaces what this one added.
+      if (absl::IsUnavailable(added)) try_again();
       return;
     }
   }
@@ -1032,7 +1035,6 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
     run.autosave_cv.wait(lock, [&] { return !run.autosave_in_flight; });
     name = absl::StrCat("autosave-", run.next_autosave++);
   }
-  run.step_since_autosave = false;  // callers hold run.mu
   const std::string& run_id = run.run.run_id();
   const bool background = options_.autosave_in_background;
   auto saved = FanOut<v1::WorkerPathResponse>(run, AllRanks(run), [&](int, WorkerClient* w) {
@@ -1045,6 +1047,7 @@ void Coordinator::MaybeAutosave(RunState& run, bool force) {
     LORASTEP_LOG(Error) << "autosave of run " << run_id << " at learner_version " << version << ": " << saved.status();
     return;
   }
+  run.step_since_autosave = false;  // callers hold run.mu
   // The marker goes where the state was taken, between this call's record and the next's;
   // a background one is pending until the confirmation journals it as durable (fsynced).
   v1::JournalEntry marker;
@@ -1626,8 +1629,11 @@ void Coordinator::IdleAutosaveLoop() {
       }
       {
         std::lock_guard<std::mutex> guard(mu_);
-        if (down_.count(run->ranks[0])) continue;  // comes back from the autosave it has
+        if (std::any_of(run->ranks.begin(), run->ranks.end(), [&](WorkerClient* w) { return down_.count(w) > 0; })) {
+          continue;  // comes back from the autosave it has
+        }
       }
+      run->last_change = std::chrono::steady_clock::now();  // one that fails is tried an idle period later
       MaybeAutosave(*run, /*force=*/true);
     }
     lock.lock();
