@@ -11,6 +11,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -31,6 +32,7 @@
 #include "lib/io/safetensors.h"
 #include "lib/io/tensor_bytes.h"
 #include "lib/parallel/process_groups.h"
+#include "lib/status_macros.h"
 #include "lib/training/trainer.h"
 #include "lib/io/state_store.h"
 #include "server/child_server.h"
@@ -2229,6 +2231,29 @@ absl::StatusOr<RunSession> CreateOnceRegistered(TrainerClient* client) {
   return created;
 }
 
+// A coordinator and both ranks of `mesh`, and a run with two steps, the second autosaved.
+struct RegisteredMeshWithARun {
+  std::optional<ChildServer> coordinator;
+  std::vector<ChildServer> ranks;
+  std::unique_ptr<TrainerClient> client;
+  std::optional<RunSession> run;
+};
+absl::StatusOr<RegisteredMeshWithARun> StartWithARun(const RegisteredMesh& mesh) {
+  RegisteredMeshWithARun m;
+  LORASTEP_ASSIGN_OR_RETURN(ChildServer coordinator, mesh.StartCoordinator());
+  m.coordinator.emplace(std::move(coordinator));
+  for (int r = 0; r < 2; ++r) {
+    LORASTEP_ASSIGN_OR_RETURN(ChildServer rank, mesh.StartWorker());
+    m.ranks.push_back(std::move(rank));
+  }
+  LORASTEP_ASSIGN_OR_RETURN(m.client, TrainerClient::Connect(m.coordinator->address()));
+  LORASTEP_ASSIGN_OR_RETURN(RunSession run, CreateOnceRegistered(m.client.get()));
+  for (int i = 0; i < 2; ++i) LORASTEP_RETURN_IF_ERROR(run.TrainStep(Batch(i), Ppo(), Adam()).status());
+  WaitUntilAutosaved(m.client.get(), run.run_id(), 2);
+  m.run.emplace(std::move(run));
+  return m;
+}
+
 // Issue 8: a rank of a mesh joined by registration killed (SIGKILL); a new worker started by
 // its supervisor asks the coordinator for a rank, gets the dead one's, and registers. Once
 // the mesh is whole every rank forms a new generation (rank 0's replacement serves a fresh
@@ -2238,16 +2263,10 @@ void RegisteredMeshRankComesBack(int killed_rank) {
   if (!CpuCollectivesAvailable()) GTEST_SKIP() << "a CPU mesh needs a build with gloo";
   RegisteredMesh mesh;
   ASSERT_OK_AND_ASSIGN(mesh.dir, TinyModelDir(absl::StrCat("registered_mesh_", killed_rank)));
-  ASSERT_OK_AND_ASSIGN(ChildServer coordinator, mesh.StartCoordinator());
-  std::vector<ChildServer> ranks;
-  for (int r = 0; r < 2; ++r) {
-    ASSERT_OK_AND_ASSIGN(ChildServer rank, mesh.StartWorker());
-    ranks.push_back(std::move(rank));
-  }
-  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(coordinator.address()));
-  ASSERT_OK_AND_ASSIGN(RunSession run, CreateOnceRegistered(client.get()));
-  for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
-  WaitUntilAutosaved(client.get(), run.run_id(), 2);
+  ASSERT_OK_AND_ASSIGN(RegisteredMeshWithARun m, StartWithARun(mesh));
+  std::vector<ChildServer>& ranks = m.ranks;
+  std::unique_ptr<TrainerClient>& client = m.client;
+  RunSession& run = *m.run;
   ASSERT_EQ(kill(ranks[killed_rank].pid(), SIGKILL), 0);
   const v1::TrainStepRequest step3 = StepAfterTheKill(run.run_id());
   EXPECT_THAT(client->TrainStep(step3).status(),
@@ -2310,18 +2329,12 @@ TEST(RegistrationTest, RegisteredMeshOutlivesItsCoordinatorAndAQuietRankDeath) {
   if (!CpuCollectivesAvailable()) GTEST_SKIP() << "a CPU mesh needs a build with gloo";
   RegisteredMesh mesh;
   ASSERT_OK_AND_ASSIGN(mesh.dir, TinyModelDir("registered_mesh_restarts"));
-  ASSERT_OK_AND_ASSIGN(ChildServer coordinator, mesh.StartCoordinator());
-  std::vector<ChildServer> ranks;
-  for (int r = 0; r < 2; ++r) {
-    ASSERT_OK_AND_ASSIGN(ChildServer rank, mesh.StartWorker());
-    ranks.push_back(std::move(rank));
-  }
-  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(coordinator.address()));
-  ASSERT_OK_AND_ASSIGN(RunSession run, CreateOnceRegistered(client.get()));
-  for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
-  WaitUntilAutosaved(client.get(), run.run_id(), 2);
+  ASSERT_OK_AND_ASSIGN(RegisteredMeshWithARun m, StartWithARun(mesh));
+  std::vector<ChildServer>& ranks = m.ranks;
+  std::unique_ptr<TrainerClient>& client = m.client;
+  RunSession& run = *m.run;
 
-  ASSERT_EQ(kill(coordinator.pid(), SIGKILL), 0);
+  ASSERT_EQ(kill(m.coordinator->pid(), SIGKILL), 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   ASSERT_OK_AND_ASSIGN(ChildServer restarted, mesh.StartCoordinator());
   ASSERT_OK_AND_ASSIGN(client, TrainerClient::Connect(restarted.address()));
