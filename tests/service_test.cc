@@ -1649,6 +1649,14 @@ TEST(ProcessTest, FullFinetuneRunsAutosaveLessOften) {
   EXPECT_EQ(after_two.checkpoints(0).name(), "autosave-1");
 }
 
+// The pid of `server`'s (first) child process, its local worker; -1 if none. `dir`: scratch.
+int LocalWorkerPid(const ChildServer& server, const std::string& dir) {
+  const std::string list = absl::StrCat("pgrep -P ", server.pid(), " > ", dir, "/children");
+  if (system(list.c_str()) != 0) return -1;
+  auto children = ReadFileToString(dir + "/children");
+  return children.ok() ? std::atoi(children->c_str()) : -1;
+}
+
 // Issue 8: with --journal_dir, a local worker killed with SIGKILL is started again by the
 // coordinator and its runs come back from their autosaves: the client's retry of the step
 // that met the dead worker (same request_id) is applied once, and the run then equals one
@@ -1702,12 +1710,7 @@ TEST(ProcessTest, KilledWorkerIsRestartedAndItsRunsResume) {
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
   ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
   for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
-  auto worker_pid = [&]() -> int {
-    const std::string list = absl::StrCat("pgrep -P ", server.pid(), " > ", dir, "/children");
-    if (system(list.c_str()) != 0) return -1;
-    auto children = ReadFileToString(dir + "/children");
-    return children.ok() ? std::atoi(children->c_str()) : -1;
-  };
+  auto worker_pid = [&] { return LocalWorkerPid(server, dir); };
   const int first = worker_pid();
   ASSERT_GT(first, 0);
   WaitUntilAutosaved(client.get(), run.run_id(), 2);
@@ -1738,12 +1741,7 @@ TEST(ProcessTest, IdleWorkerDeathIsFoundWithoutACall) {
   ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
   ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
   WaitUntilAutosaved(client.get(), run.run_id(), 1);
-  auto worker_pid = [&]() -> int {
-    const std::string list = absl::StrCat("pgrep -P ", server.pid(), " > ", dir, "/children");
-    if (system(list.c_str()) != 0) return -1;
-    auto children = ReadFileToString(dir + "/children");
-    return children.ok() ? std::atoi(children->c_str()) : -1;
-  };
+  auto worker_pid = [&] { return LocalWorkerPid(server, dir); };
   const int first = worker_pid();
   ASSERT_GT(first, 0);
   ASSERT_EQ(kill(first, SIGKILL), 0);
