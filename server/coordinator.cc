@@ -574,16 +574,13 @@ void Coordinator::RestartMesh() {
     LORASTEP_LOG(Error) << "lorastep_coordinator: restarting the mesh: " << fresh.status();
     return;
   }
-  {
-    // Ranks that lived on (a listed mesh) may have started forming the generation the
-    // failure moved to, and left their sockets under its store keys: every rank forms a
-    // generation no one has used.
-    std::lock_guard<FairMutex> mesh_lock(mesh_mu_);
-    mesh_generation_ = NewMeshGeneration(mesh_generation_);
-  }
   std::vector<std::shared_ptr<RunState>> orphans;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // Ranks that lived on (a listed mesh) may have started forming the generation the
+    // failure moved to, and left their sockets under its store keys: the next call moves
+    // every rank to a generation no one has used.
+    mesh_regenerate_ = true;
     // The old clients stay (down, alive): calls of runs placed on them fail as down until
     // the run is restored onto the new ranks.
     for (auto& w : workers_) {

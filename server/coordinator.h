@@ -295,8 +295,9 @@ class Coordinator {
   std::string rendezvous_;      // set when rank 0 joins; guarded by mu_
   std::set<int> rejoining_ranks_;  // dead ranks handed out again, not registered yet; guarded by mu_
   bool mesh_rejoined_ = false;     // a mesh joined by registration is whole again; guarded by mu_
-  // A dead rank's slot was taken by a new worker: the next mesh call moves every rank to a
-  // new generation (survivors may have half-formed the current one). Guarded by mu_.
+  // A dead rank's slot was taken by a new worker, or the mesh was restarted: the next mesh
+  // call moves every rank to a new generation (survivors may have half-formed the current
+  // one). Guarded by mu_.
   bool mesh_regenerate_ = false;
   // Restarts of dead local workers and the restores of their runs (RestartWorker), on one
   // long-lived thread: a worker dies with the thread that started it (PR_SET_PDEATHSIG).

@@ -175,6 +175,15 @@ absl::StatusOr<std::unique_ptr<lorastep::WorkerClient>> StartLocalWorkerInProces
   return lorastep::StartInProcessWorker(settings);
 }
 
+// A flag of seconds (fractions allowed) in [0, max_s], as a duration; INVALID_ARGUMENT
+// naming the flag otherwise (NaN included).
+absl::StatusOr<std::chrono::milliseconds> SecondsFlag(double seconds, const char* flag, double max_s) {
+  if (!(seconds >= 0 && seconds <= max_s)) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": ", seconds, " must be in [0, ", max_s, "] seconds"));
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -253,12 +262,9 @@ int main(int argc, char** argv) {
   options.peer_failure_grace = std::chrono::seconds(absl::GetFlag(FLAGS_peer_failure_grace_s).value_or(
       absl::GetFlag(FLAGS_collective_timeout_s).value_or(120) + 30));
   const int worker_call_timeout = absl::GetFlag(FLAGS_worker_call_timeout_s);
-  const double health_interval_s = absl::GetFlag(FLAGS_worker_health_interval_s);
-  if (!(health_interval_s >= 0 && health_interval_s <= 3600)) {
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("worker_health_interval_s: ", health_interval_s, " must be in [0, 3600] seconds")));
-  }
-  options.worker_health_interval = std::chrono::milliseconds(static_cast<int64_t>(health_interval_s * 1000));
+  auto health_interval = SecondsFlag(absl::GetFlag(FLAGS_worker_health_interval_s), "worker_health_interval_s", 3600);
+  if (!health_interval.ok()) return fail(health_interval.status());
+  options.worker_health_interval = *health_interval;
   // The local workers' state store: --state_dir, the default one, or none with
   // --allow_plain_paths. Without --state_dir a coordinator on a fixed port keeps its store
   // and journal under <default root>/port-<port>: started again on that port it finds its
@@ -285,11 +291,8 @@ int main(int argc, char** argv) {
     return fail(absl::InvalidArgumentError(
         absl::StrCat("autosave_max_share: ", autosave_share, " must be in (0, 1]")));
   }
-  const double autosave_idle_s = absl::GetFlag(FLAGS_autosave_when_idle_s);
-  if (!(autosave_idle_s >= 0 && autosave_idle_s <= 86400)) {
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("autosave_when_idle_s: ", autosave_idle_s, " must be in [0, 86400] seconds")));
-  }
+  auto autosave_idle = SecondsFlag(absl::GetFlag(FLAGS_autosave_when_idle_s), "autosave_when_idle_s", 86400);
+  if (!autosave_idle.ok()) return fail(autosave_idle.status());
   if (!journal_dir.empty()) {
     // Registered and listed workers bring their own state stores (a mesh's ranks share one).
     const bool registered = absl::GetFlag(FLAGS_wait_for_workers);
@@ -311,7 +314,7 @@ int main(int argc, char** argv) {
                        << (absl::GetFlag(FLAGS_autosave_in_background) ? ", written in the background" : "");
     options.autosave_every_full_steps = std::max(1, absl::GetFlag(FLAGS_autosave_every_full_steps));
     options.autosave_in_background = absl::GetFlag(FLAGS_autosave_in_background);
-    options.autosave_when_idle = std::chrono::milliseconds(static_cast<int64_t>(autosave_idle_s * 1000));
+    options.autosave_when_idle = *autosave_idle;
   }
   // Worker-port TLS: the CA the coordinator verifies workers with, and (mutual TLS) the
   // certificate it presents to them.
@@ -410,6 +413,14 @@ int main(int argc, char** argv) {
     local = std::move(started).value();
     for (const auto& child : local) addresses.push_back(child.address());
   }
+  // A client of the worker at `address`, once it accepts connections (UNAVAILABLE after
+  // `wait_s` seconds: nothing answers there).
+  auto connect_worker = [&](const std::string& address, int wait_s) -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
+    auto client = std::make_unique<GrpcWorkerClient>(address, std::chrono::seconds(worker_call_timeout), worker_token,
+                                                     worker_tls);
+    LORASTEP_RETURN_IF_ERROR(client->WaitReady(wait_s));
+    return std::unique_ptr<WorkerClient>(std::move(client));
+  };
   // A local worker that dies is started again; with a journal its runs come back from their
   // autosaves (a mesh: see restart_mesh below), without one they are lost.
   if (world == 1 && !local.empty()) {
@@ -420,10 +431,7 @@ int main(int argc, char** argv) {
         LORASTEP_ASSIGN_OR_RETURN(
             ChildServer fresh, ChildServer::Start(binary, per_rank[i], absl::GetFlag(FLAGS_worker_start_timeout_s)));
         local[i] = std::move(fresh);
-        auto client = std::make_unique<GrpcWorkerClient>(local[i].address(), std::chrono::seconds(worker_call_timeout),
-                                                         worker_token, worker_tls);
-        LORASTEP_RETURN_IF_ERROR(client->WaitReady(60));
-        return std::unique_ptr<WorkerClient>(std::move(client));
+        return connect_worker(local[i].address(), 60);
       }
       return absl::NotFoundError(absl::StrCat("no local worker at ", address));
     };
@@ -433,10 +441,7 @@ int main(int argc, char** argv) {
   // autosaves in its state store.
   if (journal && world == 1 && local.empty() && !addresses.empty()) {
     options.restart_worker = [&](const std::string& address) -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
-      auto client =
-          std::make_unique<GrpcWorkerClient>(address, std::chrono::seconds(worker_call_timeout), worker_token, worker_tls);
-      LORASTEP_RETURN_IF_ERROR(client->WaitReady(2));  // UNAVAILABLE: not back yet
-      return std::unique_ptr<WorkerClient>(std::move(client));
+      return connect_worker(address, 2);  // UNAVAILABLE: not back yet
     };
   }
   // A mesh comes back whole: every local rank is stopped and started again at a fresh
@@ -453,9 +458,7 @@ int main(int argc, char** argv) {
       LORASTEP_ASSIGN_OR_RETURN(local, ChildServer::StartAll(binary, per_rank, absl::GetFlag(FLAGS_worker_start_timeout_s)));
       std::vector<std::unique_ptr<WorkerClient>> clients;
       for (const ChildServer& child : local) {
-        auto client = std::make_unique<GrpcWorkerClient>(child.address(), std::chrono::seconds(worker_call_timeout),
-                                                         worker_token, worker_tls);
-        LORASTEP_RETURN_IF_ERROR(client->WaitReady(60));
+        LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<WorkerClient> client, connect_worker(child.address(), 60));
         clients.push_back(std::move(client));
       }
       return clients;
@@ -469,9 +472,8 @@ int main(int argc, char** argv) {
     options.restart_mesh = [&]() -> absl::StatusOr<std::vector<std::unique_ptr<WorkerClient>>> {
       std::vector<std::unique_ptr<WorkerClient>> clients;
       for (const std::string& address : addresses) {
-        auto client = std::make_unique<GrpcWorkerClient>(address, std::chrono::seconds(worker_call_timeout),
-                                                         worker_token, worker_tls);
-        LORASTEP_RETURN_IF_ERROR(client->WaitReady(2));  // UNAVAILABLE: not back yet
+        // UNAVAILABLE: not back yet
+        LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<WorkerClient> client, connect_worker(address, 2));
         clients.push_back(std::move(client));
       }
       return clients;
@@ -483,10 +485,9 @@ int main(int argc, char** argv) {
     if (auto s = core.AddWorker(std::move(in_process)); !s.ok()) return fail(s);
   }
   for (const auto& a : addresses) {
-    auto client =
-        std::make_unique<GrpcWorkerClient>(a, std::chrono::seconds(worker_call_timeout), worker_token, worker_tls);
-    if (auto s = client->WaitReady(60); !s.ok()) return fail(s);
-    if (auto s = core.AddWorker(std::move(client)); !s.ok()) return fail(s);
+    auto client = connect_worker(a, 60);
+    if (!client.ok()) return fail(client.status());
+    if (auto s = core.AddWorker(std::move(client).value()); !s.ok()) return fail(s);
   }
   // Registered workers are not here yet: their runs come back as they register (Reattach,
   // RejoinMesh).
