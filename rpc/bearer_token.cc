@@ -2,6 +2,9 @@
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
+#include <openssl/rand.h>
+
+#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -50,6 +53,30 @@ absl::StatusOr<std::string> LoadTokenFile(const std::string& path) {
     return absl::InvalidArgumentError(absl::StrCat("worker_token_file: '", path, "': token shorter than 16 characters"));
   }
   return token;
+}
+
+absl::StatusOr<std::string> ClusterSecretFromFileOrEnvironment(const std::string& token_file) {
+  if (!token_file.empty()) return LoadTokenFile(token_file);
+  const char* value = std::getenv(kClusterSecretVariable);
+  if (value == nullptr) return std::string();
+  std::string secret(absl::StripAsciiWhitespace(value));
+  if (secret.size() < 16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kClusterSecretVariable, ": the cluster secret is shorter than 16 characters"));
+  }
+  return secret;
+}
+
+absl::StatusOr<std::string> NewClusterSecret() {
+  unsigned char bytes[32];
+  if (RAND_bytes(bytes, sizeof(bytes)) != 1) {
+    return absl::InternalError("cluster secret: OpenSSL's random generator failed");
+  }
+  return Sha256Hex(std::string(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
+std::string RendezvousKeyPrefix(const std::string& secret) {
+  return Sha256Hex(absl::StrCat("lorastep-rendezvous-v1/", secret)).substr(0, 32);
 }
 
 }  // namespace lorastep

@@ -173,6 +173,13 @@ int FreeLocalPort() {
   return port;
 }
 
+absl::StatusOr<std::string> MakePrivateDirectory(const std::string& name_prefix) {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string pattern = absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "/", name_prefix, "XXXXXX");
+  if (mkdtemp(pattern.data()) == nullptr) return ErrnoError("cannot make a private folder", pattern);
+  return pattern;  // mkdtemp makes it 0700
+}
+
 std::string FindWorkerBinary(const std::string& argv0) {
   const std::string dir = ParentPath(argv0);
   for (const std::string& candidate :

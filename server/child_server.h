@@ -44,6 +44,11 @@ class ChildServer {
 // A TCP port that is free on 127.0.0.1 right now (for a rendezvous the children bind).
 int FreeLocalPort();
 
+// A folder only this user can enter (mode 0700, under $TMPDIR, else /tmp), for the
+// rendezvous files of a local mesh: its ranks meet at a c10d FileStore there, which needs no
+// listening socket, so no other user of the machine and nothing off it can reach the store.
+absl::StatusOr<std::string> MakePrivateDirectory(const std::string& name_prefix);
+
 // The worker binary next to `argv0` (CMake layout) or in ../worker/ (Bazel layout).
 std::string FindWorkerBinary(const std::string& argv0);
 

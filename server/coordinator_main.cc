@@ -40,9 +40,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "lib/parent_death.h"
+#include "lib/io/file_util.h"
 #include "lib/io/state_store.h"
 #include "lib/parallel/parallel_layout.h"
 #include "rpc/metrics_http_server.h"
+#include "rpc/bearer_token.h"
 #include "server/api_keys.h"
 #include "server/coordinator.h"
 #include "server/coordinator_service.h"
@@ -96,9 +98,12 @@ ABSL_FLAG(std::optional<double>, state_ttl_hours, std::nullopt, "local workers: 
 ABSL_FLAG(std::optional<int>, worker_metrics_port_base, std::nullopt, "local worker r serves Prometheus metrics on this + r");
 ABSL_FLAG(std::string, api_keys_file, "", "lines \"KEY OWNER [admin]\"; calls then need a key and see only their owner's runs");
 ABSL_FLAG(bool, insecure, false,
-          "serve a non-loopback --host without API keys or without TLS (trusted networks only)");
+          "serve a non-loopback --host without API keys or without TLS, and workers started apart from this "
+          "coordinator without a cluster secret (trusted networks only)");
 ABSL_FLAG(bool, allow_unauthenticated_remote, false, "the former name of --insecure");
-ABSL_FLAG(std::string, worker_token_file, "", "shared secret for the Worker port and the Registry");
+ABSL_FLAG(std::string, worker_token_file, "",
+          "the cluster secret (>= 16 characters) for the Worker ports and the Registry; default: "
+          "$LORASTEP_CLUSTER_SECRET, else one made at start for local workers");
 ABSL_FLAG(std::string, tls_cert_file, "", "the Trainer API over TLS: certificate chain (PEM)");
 ABSL_FLAG(std::string, tls_key_file, "", "the Trainer API over TLS: private key (PEM)");
 ABSL_FLAG(std::string, worker_tls_ca_file, "",
@@ -199,6 +204,37 @@ int main(int argc, char** argv) {
     LORASTEP_LOG(Error) << "lorastep_coordinator: " << s;
     return 1;
   };
+  const bool insecure = absl::GetFlag(FLAGS_insecure) || absl::GetFlag(FLAGS_allow_unauthenticated_remote);
+  // The cluster secret (--worker_token_file, else $LORASTEP_CLUSTER_SECRET, else made here
+  // for local workers): RegisterWorker, JoinMesh and every Worker call need it. Local workers
+  // inherit it through the environment, set before any thread starts.
+  auto given_secret = ClusterSecretFromFileOrEnvironment(absl::GetFlag(FLAGS_worker_token_file));
+  if (!given_secret.ok()) return fail(given_secret.status());
+  std::string worker_token = *given_secret;
+  const bool listed = !absl::GetFlag(FLAGS_workers).empty();
+  const bool registered = absl::GetFlag(FLAGS_wait_for_workers);
+  if (worker_token.empty() && !listed && !registered) {
+    auto made = NewClusterSecret();
+    if (!made.ok()) return fail(made.status());
+    worker_token = *made;
+  }
+  // Workers started apart from this coordinator must hold the same secret (listed workers
+  // may instead verify this coordinator's certificate: mutual TLS).
+  const bool listed_mtls = listed && !absl::GetFlag(FLAGS_worker_tls_client_cert_file).empty();
+  if (worker_token.empty() && !insecure && (registered || !listed_mtls)) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "worker_token_file: workers started apart from this coordinator (--workers, --wait_for_workers) must share "
+        "a cluster secret with it: --worker_token_file FILE (or $", kClusterSecretVariable,
+        ") on the coordinator and on every worker, or mutual TLS for --workers; --insecure serves them without "
+        "authentication (trusted networks only)")));
+  }
+  if (!worker_token.empty()) setenv(kClusterSecretVariable, worker_token.c_str(), /*overwrite=*/1);
+  if (insecure) {
+    LORASTEP_LOG(Warning) << "lorastep_coordinator: --insecure: a non-loopback --host is served without API keys or "
+                             "TLS"
+                          << (worker_token.empty() ? ", and the Registry admits any worker without a cluster secret"
+                                                   : "");
+  }
   if (absl::GetFlag(FLAGS_executor_spin_us) < 0 || absl::GetFlag(FLAGS_executor_spin_us) > 100000) {
     return fail(absl::InvalidArgumentError("executor_spin_us: must be in [0, 100000]"));
   }
@@ -215,18 +251,9 @@ int main(int argc, char** argv) {
     if (!loaded.ok()) return fail(loaded.status());
     api_keys = std::move(loaded).value();
   }
-  // --worker_token_file: the secret the coordinator and its workers present to each other
-  // (Worker port, Registry); passed on to local workers.
-  std::string worker_token;
-  if (!absl::GetFlag(FLAGS_worker_token_file).empty()) {
-    auto token = LoadTokenFile(absl::GetFlag(FLAGS_worker_token_file));
-    if (!token.ok()) return fail(token.status());
-    worker_token = *token;
-  }
   const std::string host = absl::GetFlag(FLAGS_host);
   // Other interfaces need authentication and TLS, or an explicit --insecure.
   const bool tls = !absl::GetFlag(FLAGS_tls_cert_file).empty();
-  const bool insecure = absl::GetFlag(FLAGS_insecure) || absl::GetFlag(FLAGS_allow_unauthenticated_remote);
   if ((!api_keys || !tls) && host != "127.0.0.1" && host != "localhost" && host != "::1" && !insecure) {
     return fail(absl::InvalidArgumentError(absl::StrCat(
         "host: '", host, "' is reachable from other machines; start with --api_keys_file and "
@@ -346,6 +373,10 @@ int main(int argc, char** argv) {
   std::mutex local_mu;  // `local` is also changed by worker restarts
   std::vector<std::vector<std::string>> per_rank;  // each local worker's flags
   std::string binary;
+  // A local mesh's rendezvous: a fresh store file in a private folder for every start.
+  std::string rendezvous_dir;
+  int rendezvous_count = 0;
+  auto local_rendezvous = [&] { return absl::StrCat("file://", rendezvous_dir, "/store-", rendezvous_count++); };
   if (!absl::GetFlag(FLAGS_workers).empty()) {
     addresses = absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty());
   } else if (!absl::GetFlag(FLAGS_wait_for_workers)) {
@@ -371,7 +402,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> args = {"--model", absl::GetFlag(FLAGS_model)};
     std::vector<std::string> passed = WorkerTestFlagNames();
     passed.insert(passed.end(), {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "v",
-                                 "state_ttl_hours", "worker_token_file", "max_activation_mb", "unfused_wgrad",
+                                 "state_ttl_hours", "max_activation_mb", "unfused_wgrad",
                                  "pack_sequences", "cpu_threads"});
     for (std::string& arg : NonDefaultFlagArgs(passed)) args.push_back(std::move(arg));
     if (state_dir.empty()) {
@@ -387,9 +418,15 @@ int main(int argc, char** argv) {
       }
     }
     const std::string device = absl::GetFlag(FLAGS_device);
-    // One worker per rank (one per GPU: rank r on cuda:r), meeting at a TCPStore that
-    // rank 0 serves on a free local port.
-    const std::string rendezvous = world > 1 ? absl::StrCat("127.0.0.1:", FreeLocalPort()) : "";
+    // One worker per rank (one per GPU: rank r on cuda:r), meeting at a c10d FileStore in a
+    // folder only this user can enter: nothing listens for the rendezvous.
+    std::string rendezvous;
+    if (world > 1) {
+      auto dir = MakePrivateDirectory("lorastep-rendezvous-");
+      if (!dir.ok()) return fail(dir.status());
+      rendezvous_dir = *dir;
+      rendezvous = local_rendezvous();
+    }
     for (int r = 0; r < world; ++r) {
       std::vector<std::string> a = args;
       const bool cuda = device.rfind("cuda", 0) == 0;
@@ -450,7 +487,7 @@ int main(int argc, char** argv) {
     options.restart_mesh = [&]() -> absl::StatusOr<std::vector<std::unique_ptr<WorkerClient>>> {
       std::lock_guard<std::mutex> lock(local_mu);
       local.clear();  // stops and reaps the ranks still running
-      const std::string rendezvous = absl::StrCat("127.0.0.1:", FreeLocalPort());
+      const std::string rendezvous = local_rendezvous();
       for (auto& args : per_rank) {
         auto flag = std::find(args.begin(), args.end(), "--rendezvous");
         if (flag != args.end() && std::next(flag) != args.end()) *std::next(flag) = rendezvous;
@@ -540,5 +577,6 @@ int main(int argc, char** argv) {
   }
   std::lock_guard<std::mutex> lock(local_mu);
   for (auto& child : local) child.Stop();
+  if (!rendezvous_dir.empty()) (void)RemoveAll(rendezvous_dir);
   return 0;
 }

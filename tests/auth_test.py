@@ -12,6 +12,9 @@ import time
 
 from lorastep import LorastepError, TrainingClient
 
+SECRET_VARIABLE = "LORASTEP_CLUSTER_SECRET"
+SECRET = "auth-test-cluster-secret-0123456789"
+SECRET_METADATA = (("authorization", "Bearer " + SECRET),)
 KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef0", "ops": "ops-key-0123456789abcdef00"}
 
 
@@ -170,6 +173,7 @@ def main():
         proc.terminate()
         proc.wait(30)
     worker_token_checks(coordinator, worker, model, tmp)
+    membership_checks(coordinator, worker, model, tmp)
     tls_checks(coordinator, worker, model, cli, tmp)
     print("auth: all passed")
 
@@ -215,6 +219,7 @@ def worker_tls_checks(coordinator, worker, model, cert, key, tmp):
     --worker_tls_ca_file), and a worker that registers with a TLS coordinator."""
     import grpc
     from lorastep.v1 import worker_pb2, worker_pb2_grpc
+    os.environ[SECRET_VARIABLE] = SECRET  # workers started apart from their coordinator share its secret
     r = subprocess.run([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
                         "--worker_tls_cert_file", cert, "--worker_tls_key_file", key], capture_output=True,
                        text=True, timeout=60)
@@ -252,7 +257,8 @@ def worker_tls_checks(coordinator, worker, model, cert, key, tmp):
                   f"a plaintext caller cannot reach the TLS worker ({e.code()})")
         secure = worker_pb2_grpc.WorkerStub(grpc.secure_channel(
             waddr, grpc.ssl_channel_credentials(root_certificates=open(cert, "rb").read())))
-        check(secure.Info(worker_pb2.WorkerInfoRequest(), timeout=10).model_path.endswith("model"),
+        check(secure.Info(worker_pb2.WorkerInfoRequest(), metadata=SECRET_METADATA,
+                          timeout=10).model_path.endswith("model"),
               "a caller verifying the CA reaches the TLS worker")
         client = TrainingClient(raddr, root_certificates=open(cert, "rb").read())
         for _ in range(100):
@@ -281,7 +287,8 @@ def worker_tls_checks(coordinator, worker, model, cert, key, tmp):
                   f"mutual TLS: a caller without a client certificate is refused ({e.code()})")
         with_cert = worker_pb2_grpc.WorkerStub(grpc.secure_channel(maddr, grpc.ssl_channel_credentials(
             root_certificates=ca, private_key=open(key, "rb").read(), certificate_chain=ca)))
-        check(with_cert.Info(worker_pb2.WorkerInfoRequest(), timeout=10).model_path.endswith("model"),
+        check(with_cert.Info(worker_pb2.WorkerInfoRequest(), metadata=SECRET_METADATA,
+                             timeout=10).model_path.endswith("model"),
               "mutual TLS: a caller with a certificate the CA signed is answered")
         serve_and_train([coordinator, "--workers", maddr, "--port", "0", "--worker_tls_ca_file", cert,
                          "--worker_tls_client_cert_file", cert, "--worker_tls_client_key_file", key],
@@ -291,6 +298,7 @@ def worker_tls_checks(coordinator, worker, model, cert, key, tmp):
                          "--worker_tls_client_cert_file", cert, "--worker_tls_client_key_file", key],
                         os.path.join(tmp, "mtls_local_cport"), procs, "mutual TLS with local workers trains")
     finally:
+        del os.environ[SECRET_VARIABLE]
         for p in procs:
             p.terminate()
             p.wait(30)
@@ -314,6 +322,180 @@ def wait_port(path, proc):
             raise AssertionError(f"exited with {proc.returncode} before writing {path}")
         time.sleep(0.1)
     raise AssertionError(f"{path} not written")
+
+
+def child_pids(pid):
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+def listening_addresses(pid):
+    """The local addresses (hex, as /proc/net/tcp* shows them) of pid's listening TCP sockets."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    out.append(cols[1].split(":")[0])
+    return out
+
+
+LOOPBACK_HEX = ("0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
+
+
+def unauthenticated_calls(address, metadata=None):
+    """Calls every Worker method and both Registry methods at `address` with empty requests.
+    Returns (tried, accepted): accepted counts answers that were not UNAUTHENTICATED."""
+    import grpc
+    from google.protobuf import symbol_database
+    from lorastep.v1 import worker_pb2, worker_pb2_grpc
+    channel = grpc.insecure_channel(address)
+    tried, accepted = 0, []
+    for service, stub in (("Worker", worker_pb2_grpc.WorkerStub(channel)),
+                          ("Registry", worker_pb2_grpc.RegistryStub(channel))):
+        for m in worker_pb2.DESCRIPTOR.services_by_name[service].methods:
+            request = symbol_database.Default().GetSymbol(m.input_type.full_name)()
+            if m.name == "RegisterWorker":
+                request.address = "127.0.0.1:9"  # the coordinator must not even dial it
+            tried += 1
+            try:
+                getattr(stub, m.name)(request, metadata=metadata, timeout=10)
+                accepted.append(f"{service}.{m.name}: OK")
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED):
+                    accepted.append(f"{service}.{m.name}: {e.code().name} {e.details()}")
+    channel.close()
+    return tried, accepted
+
+
+def membership_checks(coordinator, worker, model, tmp):
+    """Membership is authenticated by default: a coordinator started with no flags makes a
+    cluster secret, hands it to its local workers through their environment (never a command
+    line), and its Registry and the workers' ports refuse every caller without it; a local
+    mesh meets at a FileStore in a private folder (nothing listens off loopback); workers and
+    registering coordinators without a secret refuse to start unless told --insecure."""
+    import grpc
+    from lorastep.v1 import worker_pb2, worker_pb2_grpc
+    env = {k: v for k, v in os.environ.items() if k != SECRET_VARIABLE}
+    log_path, cport = os.path.join(tmp, "member.log"), os.path.join(tmp, "member_port")
+    with open(log_path, "w") as log:
+        c = subprocess.Popen([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
+                              "--port_file", cport, "--dp", "2"], stderr=log, env=env)
+    try:
+        caddr = f"127.0.0.1:{wait_port(cport, c)}"
+        client = TrainingClient(caddr)
+        run = client.create_run(rank=4, alpha=8)
+        check(run.train_step([datum(i) for i in range(4)], adamw={"lr": 1e-3}).learner_version == 1,
+              "a local mesh (--dp 2) with the made secret trains")
+        workers = child_pids(c.pid)
+        check(len(workers) == 2, f"two local workers {workers}")
+        for pid in workers:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            rendezvous = argv[argv.index(b"--rendezvous") + 1].decode()
+            check(rendezvous.startswith("file:///"), f"rank meets at a file store: {rendezvous}")
+            folder = os.path.dirname(rendezvous[len("file://"):])
+            check(os.stat(folder).st_mode & 0o077 == 0, f"in a private folder {folder}")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                handed = [e.split(b"=", 1)[1] for e in f.read().split(b"\0") if e.startswith(b"LORASTEP_CLUSTER_SECRET=")]
+            check(len(handed) == 1 and len(handed[0]) == 64, "the made secret reached the worker through its environment")
+            with open(f"/proc/{c.pid}/cmdline", "rb") as f:
+                coordinator_argv = f.read()
+            check(handed[0] not in b"\0".join(argv) and handed[0] not in coordinator_argv,
+                  "and is on no command line")
+            addresses = listening_addresses(pid)
+            check(addresses and all(a in LOOPBACK_HEX for a in addresses),
+                  f"rank {pid} listens on loopback only: {addresses}")
+        ports = [int(line.rsplit(" on port ", 1)[1].split()[0]) for line in open(log_path)
+                 if "lorastep_worker: serving" in line]
+        check(len(ports) == 2, f"worker ports from the log: {ports}")
+        tried, accepted = 0, []
+        for address in [caddr] + [f"127.0.0.1:{p}" for p in ports]:
+            t, a = unauthenticated_calls(address)
+            tried, accepted = tried + t, accepted + a
+            t, a = unauthenticated_calls(address, metadata=(("authorization", "Bearer " + "z" * 32),))
+            tried, accepted = tried + t, accepted + a
+        print(f"unauthenticated_paths_tried={tried} unauthenticated_paths_accepted={len(accepted)}")
+        check(tried >= 40 and not accepted, f"no Worker or Registry method answers without the secret: {accepted}")
+        check(run.train_step([datum(i) for i in range(4)], adamw={"lr": 1e-3}).learner_version == 2,
+              "the run is untouched by the strangers' calls and trains on")
+        client.close()
+    finally:
+        c.terminate()
+        c.wait(30)
+    check(not os.path.exists(folder), "the rendezvous folder is removed at exit")
+
+    r = subprocess.run([coordinator, "--wait_for_workers", "--port", "0"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    check(r.returncode != 0 and "worker_token_file: workers started apart from this coordinator" in r.stderr,
+          "a registering coordinator without a cluster secret does not start")
+    r = subprocess.run([worker, "--model", model, "--port", "0"], capture_output=True, text=True, timeout=60, env=env)
+    check(r.returncode != 0 and "worker_token_file: a worker needs the cluster secret" in r.stderr,
+          "a worker without a cluster secret does not start")
+    r = subprocess.run([worker, "--model", model, "--port", "0", "--host", "0.0.0.0"], capture_output=True, text=True,
+                       timeout=60, env=dict(env, **{SECRET_VARIABLE: SECRET}))
+    check(r.returncode != 0 and "host: '0.0.0.0' is reachable from other machines" in r.stderr,
+          "a worker on a non-loopback host without TLS does not start")
+    wport = os.path.join(tmp, "insecure_wport")
+    w = subprocess.Popen([worker, "--model", model, "--port", "0", "--port_file", wport, "--insecure"],
+                         stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(f"127.0.0.1:{wait_port(wport, w)}"))
+        check(stub.Info(worker_pb2.WorkerInfoRequest(), timeout=10).vocab_size == 96,
+              "--insecure is the one switch that serves a worker without a secret")
+    finally:
+        w.terminate()
+        _, err = w.communicate(timeout=30)
+    check("--insecure: every caller is served without a cluster secret" in err, "and the worker says so at start")
+
+    # JoinMesh hijack: strangers cannot take the ranks of a registering mesh.
+    rport = os.path.join(tmp, "join_rport")
+    secret_env = dict(env, **{SECRET_VARIABLE: SECRET})
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        store_port = sock.getsockname()[1]
+    reg = subprocess.Popen([coordinator, "--wait_for_workers", "--dp", "2", "--port", "0", "--port_file", rport,
+                            "--rendezvous_port", str(store_port)], env=secret_env)
+    procs = [reg]
+    try:
+        raddr = f"127.0.0.1:{wait_port(rport, reg)}"
+        registry = worker_pb2_grpc.RegistryStub(grpc.insecure_channel(raddr))
+        for _ in range(2):
+            try:
+                registry.JoinMesh(worker_pb2.JoinMeshRequest(host="203.0.113.9"), timeout=10)
+                raise AssertionError("JoinMesh without the secret gave a rank")
+            except grpc.RpcError as e:
+                check(e.code() == grpc.StatusCode.UNAUTHENTICATED, f"JoinMesh without the secret: {e.details()}")
+        for i in range(2):
+            procs.append(subprocess.Popen([worker, "--model", model, "--port", "0", "--register_with", raddr],
+                                          env=secret_env))
+        client = TrainingClient(raddr)
+        for _ in range(600):
+            try:
+                run = client.create_run(rank=4, alpha=8)
+                break
+            except LorastepError:  # the ranks are still joining
+                time.sleep(0.2)
+        check(run.train_step([datum(i) for i in range(4)], adamw={"lr": 1e-3}).learner_version == 1,
+              "the real workers holding the secret took both ranks and train")
+        client.close()
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(30)
 
 
 def worker_token_checks(coordinator, worker, model, tmp):
@@ -342,7 +524,11 @@ def worker_token_checks(coordinator, worker, model, tmp):
         check(info.vocab_size == 96, "worker port answers the token")
         r = subprocess.run([coordinator, "--workers", address, "--port", "0"], capture_output=True, text=True,
                            timeout=120)
-        check(r.returncode != 0 and "UNAUTHENTICATED" in r.stderr, "a coordinator without the token cannot use it")
+        check(r.returncode != 0 and "worker_token_file: workers started apart from this coordinator" in r.stderr,
+              "a coordinator given listed workers but no cluster secret does not start")
+        r = subprocess.run([coordinator, "--workers", address, "--port", "0"], capture_output=True, text=True,
+                           timeout=120, env=dict(os.environ, **{SECRET_VARIABLE: "another-secret-0123456789"}))
+        check(r.returncode != 0 and "UNAUTHENTICATED" in r.stderr, "a coordinator with another secret cannot use it")
         cport = os.path.join(tmp, "cport")
         serve_and_train([coordinator, "--workers", address, "--port", "0", "--worker_token_file", token_file],
                         cport, procs, "with the token the coordinator trains on the worker")

@@ -23,6 +23,9 @@
 namespace lorastep {
 namespace {
 
+// Workers started apart from a coordinator hold its cluster secret (see test_util.h).
+const bool kClusterSecretShared = (testing::ShareClusterSecretWithServers(), true);
+
 using ::lorastep::testing::ScratchDir;
 using ::lorastep::testing::StatusIs;
 using ::lorastep::testing::TestBinary;

@@ -44,6 +44,9 @@
 namespace lorastep {
 namespace {
 
+// Workers started apart from a coordinator hold its cluster secret (see test_util.h).
+const bool kClusterSecretShared = (testing::ShareClusterSecretWithServers(), true);
+
 using ::lorastep::testing::ProcessResult;
 using ::lorastep::testing::RunProcesses;
 using ::lorastep::testing::ScratchDir;
@@ -2019,7 +2022,8 @@ TEST(ProcessTest, CallsOnDifferentWorkersDoNotWaitForEachOther) {
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
   auto runs_on = [&](int w) -> int64_t {
     auto stub = v1::Worker::NewStub(grpc::CreateChannel(addresses[w], grpc::InsecureChannelCredentials()));
-    auto info = CallUnary<v1::WorkerInfo>(stub.get(), &v1::Worker::Stub::Info, v1::WorkerInfoRequest());
+    auto info = CallUnary<v1::WorkerInfo>(stub.get(), &v1::Worker::Stub::Info, v1::WorkerInfoRequest(),
+                                          std::chrono::seconds(0), testing::ClusterAuthorization());
     return info.ok() ? info->num_runs() : -1;
   };
   ASSERT_OK_AND_ASSIGN(RunSession a, RunSession::Create(client.get(), Lora(), 3));
@@ -2389,19 +2393,23 @@ TEST(RegistrationTest, RemoteWorkersRegisterAndServeRuns) {
   v1::RegisterWorkerRequest req;
   req.set_address(stranger.address());
   EXPECT_THAT((CallUnary<v1::RegisterWorkerResponse>(registry.get(),
-                                                      &v1::Registry::Stub::RegisterWorker, req)),
+                                                      &v1::Registry::Stub::RegisterWorker, req,
+                                                      std::chrono::seconds(0), testing::ClusterAuthorization())),
               StatusIs(absl::StatusCode::kFailedPrecondition, "serves"));
   req.set_address("");
   EXPECT_THAT((CallUnary<v1::RegisterWorkerResponse>(registry.get(),
-                                                      &v1::Registry::Stub::RegisterWorker, req)),
+                                                      &v1::Registry::Stub::RegisterWorker, req,
+                                                      std::chrono::seconds(0), testing::ClusterAuthorization())),
               StatusIs(absl::StatusCode::kInvalidArgument, "address: required"));
   // Joining a mesh: this coordinator runs none; a host is required.
   v1::JoinMeshRequest join;
   join.set_host("127.0.0.1");
-  EXPECT_THAT((CallUnary<v1::JoinMeshResponse>(registry.get(), &v1::Registry::Stub::JoinMesh, join)),
+  EXPECT_THAT((CallUnary<v1::JoinMeshResponse>(registry.get(), &v1::Registry::Stub::JoinMesh, join, std::chrono::seconds(0),
+                                               testing::ClusterAuthorization())),
               StatusIs(absl::StatusCode::kFailedPrecondition, "runs no mesh"));
   join.set_host("");
-  EXPECT_THAT((CallUnary<v1::JoinMeshResponse>(registry.get(), &v1::Registry::Stub::JoinMesh, join)),
+  EXPECT_THAT((CallUnary<v1::JoinMeshResponse>(registry.get(), &v1::Registry::Stub::JoinMesh, join, std::chrono::seconds(0),
+                                               testing::ClusterAuthorization())),
               StatusIs(absl::StatusCode::kInvalidArgument, "host: required"));
 }
 

@@ -46,6 +46,14 @@ MATCHER_P2(StatusIs, code, substring, "") {
 
 // A binary built with the tests: $LORASTEP_BIN_DIR (CMake build folder), else Bazel's
 // runfiles. `bazel_path` is the label's path, e.g. "worker/lorastep_worker".
+// The cluster secret the servers a test starts share, handed through the environment as an
+// operator's supervisor would ($LORASTEP_CLUSTER_SECRET): workers started apart from their
+// coordinator hold the same one. Call before starting servers.
+inline constexpr char kTestClusterSecret[] = "test-cluster-secret-0123456789abcdef";
+inline void ShareClusterSecretWithServers() { setenv("LORASTEP_CLUSTER_SECRET", kTestClusterSecret, /*overwrite=*/1); }
+// The "authorization" metadata a test presents to a Worker or the Registry.
+inline std::string ClusterAuthorization() { return absl::StrCat("Bearer ", kTestClusterSecret); }
+
 inline std::string TestBinary(const std::string& bazel_path) {
   if (const char* dir = std::getenv("LORASTEP_BIN_DIR")) {
     return std::string(dir) + "/" + bazel_path.substr(bazel_path.rfind('/') + 1);

@@ -35,7 +35,8 @@ struct WorkerOptions {
   // same sizes and rendezvous address; rank 0 serves the TCPStore there.
   int rank = 0;
   ParallelSizes sizes;
-  std::string rendezvous;  // host:port
+  std::string rendezvous;  // host:port of rank 0's TCPStore, or file://PATH on one host
+  std::string rendezvous_key_prefix;  // before every store key (RendezvousKeyPrefix of the secret)
   std::string gloo_host = "127.0.0.1";  // this host's address for CPU (gloo) meshes
   std::chrono::milliseconds collective_timeout{std::chrono::seconds(120)};
   GradFinalizeOptions finalize;  // test-only switches

@@ -66,7 +66,11 @@ ABSL_FLAG(bool, allow_plain_paths, false,
 ABSL_FLAG(std::optional<double>, state_ttl_hours, std::nullopt, "remove lorastep's state-store folders older than this");
 ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt,
           "MiB one micro-batch's activations may take (0: 80% of free host memory on CPU; -1: off)");
-ABSL_FLAG(std::string, worker_token_file, "", "shared secret every call to this worker must present");
+ABSL_FLAG(std::string, worker_token_file, "",
+          "the cluster secret (>= 16 characters) every call to this worker must present (default: "
+          "$LORASTEP_CLUSTER_SECRET)");
+ABSL_FLAG(bool, insecure, false,
+          "serve without a cluster secret, or a non-loopback --host without TLS (trusted networks only)");
 ABSL_FLAG(std::string, tls_cert_file, "", "serve the Worker API over TLS: certificate chain (PEM)");
 ABSL_FLAG(std::string, tls_key_file, "", "serve the Worker API over TLS: private key (PEM)");
 ABSL_FLAG(std::string, tls_client_ca_file, "",
@@ -138,17 +142,44 @@ int main(int argc, char** argv) {
     LORASTEP_LOG(Error) << "lorastep_worker: " << metrics_endpoint.status();
     return 2;
   }
-  // --worker_token_file: every call to this worker must present the token, and the worker
-  // presents it when registering.
+  // The cluster secret (--worker_token_file, else $LORASTEP_CLUSTER_SECRET, which the
+  // coordinator sets for its local workers): every call to this worker must present it, and
+  // the worker presents it when registering or joining a mesh. Without one the worker serves
+  // only callers with a certificate its --tls_client_ca_file signed, or, with --insecure, anyone.
+  auto secret = ClusterSecretFromFileOrEnvironment(absl::GetFlag(FLAGS_worker_token_file));
+  unsetenv(kClusterSecretVariable);  // nothing this process starts inherits it
+  if (!secret.ok()) {
+    LORASTEP_LOG(Error) << "lorastep_worker: " << secret.status();
+    return 2;
+  }
+  const bool insecure = absl::GetFlag(FLAGS_insecure);
+  const bool mutual_tls = !absl::GetFlag(FLAGS_tls_client_ca_file).empty();
+  if (secret->empty() && !mutual_tls && !insecure) {
+    LORASTEP_LOG(Error) << "lorastep_worker: worker_token_file: a worker needs the cluster secret its coordinator "
+                           "holds (--worker_token_file FILE, or $"
+                        << kClusterSecretVariable
+                        << "), or mutual TLS (--tls_client_ca_file); --insecure serves every caller (trusted networks "
+                           "only)";
+    return 2;
+  }
+  // Other interfaces need TLS and the secret, or an explicit --insecure.
+  const std::string host = absl::GetFlag(FLAGS_host);
+  const bool tls = !absl::GetFlag(FLAGS_tls_cert_file).empty();
+  if (host != "127.0.0.1" && host != "localhost" && host != "::1" && (!tls || secret->empty()) && !insecure) {
+    LORASTEP_LOG(Error) << "lorastep_worker: host: '" << host
+                        << "' is reachable from other machines; start with --tls_cert_file/--tls_key_file and the "
+                           "cluster secret (or, on a trusted network only, --insecure)";
+    return 2;
+  }
+  if (insecure) {
+    LORASTEP_LOG(Warning) << "lorastep_worker: --insecure: "
+                          << (secret->empty() && !mutual_tls ? "every caller is served without a cluster secret"
+                                                             : "a non-loopback --host is served without TLS");
+  }
   std::string token_sha256, authorization;
-  if (!absl::GetFlag(FLAGS_worker_token_file).empty()) {
-    auto token = LoadTokenFile(absl::GetFlag(FLAGS_worker_token_file));
-    if (!token.ok()) {
-      LORASTEP_LOG(Error) << "lorastep_worker: " << token.status();
-      return 2;
-    }
-    token_sha256 = Sha256Hex(*token);
-    authorization = "Bearer " + *token;
+  if (!secret->empty()) {
+    token_sha256 = Sha256Hex(*secret);
+    authorization = "Bearer " + *secret;
   }
   WorkerOptions options;
   options.model_path = absl::GetFlag(FLAGS_model);
@@ -178,6 +209,7 @@ int main(int argc, char** argv) {
   if (auto rank = absl::GetFlag(FLAGS_rank)) options.rank = *rank;
   options.sizes = {absl::GetFlag(FLAGS_tp), absl::GetFlag(FLAGS_pp), absl::GetFlag(FLAGS_dp), absl::GetFlag(FLAGS_ep)};
   options.rendezvous = absl::GetFlag(FLAGS_rendezvous);
+  if (!secret->empty()) options.rendezvous_key_prefix = RendezvousKeyPrefix(*secret);
   if (auto timeout = absl::GetFlag(FLAGS_collective_timeout_s)) options.collective_timeout = std::chrono::seconds(*timeout);
   // Test only: reductions of tensor-replicated gradients per step (1 correct; 0 and 2 are
   // the bugs the replica check must catch).
@@ -257,7 +289,7 @@ int main(int argc, char** argv) {
   }
   WorkerService service(core->get(), &metrics, token_sha256);
   int port = 0;
-  auto server = StartGrpcServer(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_port), {&service},
+  auto server = StartGrpcServer(host, absl::GetFlag(FLAGS_port), {&service},
                                 &port, 1 << 30,
                                 CallObservers{&metrics, VerbosityFlag(), "worker",
                                               options.sizes.world() > 1 ? options.rank : -1},

@@ -15,12 +15,14 @@
 #endif
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/match.h"
 #include "lib/status_macros.h"
 #include "lib/torch_compat.h"
 
@@ -71,14 +73,25 @@ absl::Status RunWork(CommGroup* group, const char* op, std::chrono::milliseconds
 // rounded to bf16 once, at the end).
 bool GlooNeedsFp32(const at::Tensor& t) { return !t.is_cuda() && t.scalar_type() == at::kBFloat16; }
 
+constexpr absl::string_view kFileStoreScheme = "file://";
+
 absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& address) {
   const size_t colon = address.rfind(':');
   int port = 0;
   if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(address.substr(colon + 1), &port) || port <= 0 ||
       port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("rendezvous: '", address, "' is not host:port"));
+    return absl::InvalidArgumentError(absl::StrCat("rendezvous: '", address, "' is not host:port or file://PATH"));
   }
   return std::make_pair(address.substr(0, colon), port);
+}
+
+// A store address: file://PATH (an absolute path) or host:port.
+absl::Status CheckStoreAddress(const std::string& address) {
+  if (absl::StartsWith(address, kFileStoreScheme)) {
+    if (address.size() > kFileStoreScheme.size() && address[kFileStoreScheme.size()] == '/') return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("rendezvous: '", address, "': file:// needs an absolute path"));
+  }
+  return SplitHostPort(address).status();
 }
 
 // The order every rank forms its groups in.
@@ -281,13 +294,12 @@ absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(const Proce
   }
   auto groups = std::unique_ptr<ProcessGroups>(new ProcessGroups(options));
   if (world > 1) {
-    LORASTEP_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(options.store_address));
-    groups->store_host_ = host_port.first;
-    groups->store_port_ = host_port.second;
+    LORASTEP_RETURN_IF_ERROR(CheckStoreAddress(options.store_address));
+    groups->store_address_ = options.store_address;
     // Rank 0 serves the store from the start, so that its port is taken (or the error
     // shown) now; the others connect when they form communicators.
     if (options.rank == 0 || !options.defer_communicators) {
-      LORASTEP_RETURN_IF_ERROR(groups->ConnectStore(groups->store_host_, groups->store_port_));
+      LORASTEP_RETURN_IF_ERROR(groups->ConnectStore());
     }
   }
   if (options.defer_communicators) {
@@ -302,7 +314,22 @@ absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(const Proce
 ProcessGroups::ProcessGroups(ProcessGroupsOptions options) : options_(std::move(options)) {}
 ProcessGroups::~ProcessGroups() = default;
 
-absl::Status ProcessGroups::ConnectStore(const std::string& host, int port) {
+absl::Status ProcessGroups::ConnectStore() {
+  if (absl::StartsWith(store_address_, kFileStoreScheme)) {
+    try {
+      auto handles = std::make_unique<c10d_impl::Handles>();
+      // -1 workers: the file is never removed by the last store closed (a rank reopens it at
+      // every Rebuild); the coordinator removes its folder.
+      handles->store = c10::make_intrusive<::c10d::FileStore>(store_address_.substr(kFileStoreScheme.size()), -1);
+      store_ = std::move(handles);
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      return absl::UnavailableError(absl::StrCat("rendezvous at ", store_address_, ": ", what.substr(0, what.find('\n'))));
+    }
+    return absl::OkStatus();
+  }
+  LORASTEP_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(store_address_));
+  const auto& [host, port] = host_port;
   try {
     ::c10d::TCPStoreOptions store_options;
     store_options.port = static_cast<uint16_t>(port);
@@ -330,9 +357,7 @@ CommGroup& ProcessGroups::group(GroupKind kind) {
   return *groups_.at(kind);
 }
 
-std::string ProcessGroups::store_address() const {
-  return store_port_ == 0 ? "" : absl::StrCat(store_host_, ":", store_port_);
-}
+std::string ProcessGroups::store_address() const { return store_address_; }
 
 absl::Status ProcessGroups::MoveStore(const std::string& address) {
   if (address == store_address()) return absl::OkStatus();
@@ -340,9 +365,8 @@ absl::Status ProcessGroups::MoveStore(const std::string& address) {
     return absl::FailedPreconditionError(absl::StrCat("rendezvous: rank 0 serves the store at ", store_address(),
                                                       ", not at ", address));
   }
-  LORASTEP_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(address));
-  store_host_ = host_port.first;
-  store_port_ = host_port.second;
+  LORASTEP_RETURN_IF_ERROR(CheckStoreAddress(address));
+  store_address_ = address;
   broken_ = true;  // formed at the next Rebuild, through the new store
   return absl::OkStatus();
 }
@@ -354,7 +378,7 @@ absl::Status ProcessGroups::Rebuild(int generation) {
   // rank 0 process serves a fresh one at the same address.
   if (options_.layout.world_size() > 1 && options_.rank != 0) {
     broken_ = true;
-    LORASTEP_RETURN_IF_ERROR(ConnectStore(store_host_, store_port_));
+    LORASTEP_RETURN_IF_ERROR(ConnectStore());
   }
   return Build();
 }
@@ -384,7 +408,8 @@ absl::Status ProcessGroups::Build() {
     // Each group rendezvous under its own key prefix; a new generation never meets the
     // sockets of a failed one.
     auto prefix = c10::make_intrusive<::c10d::PrefixStore>(
-        absl::StrCat("gen", generation_, "/", GroupKindName(kind), "/", group->index_), store_->store);
+        absl::StrCat(options_.store_key_prefix, "gen", generation_, "/", GroupKindName(kind), "/", group->index_),
+        store_->store);
     group->handles_ = std::make_unique<c10d_impl::Handles>();
     try {
       if (device.is_cuda()) {

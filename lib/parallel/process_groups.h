@@ -99,7 +99,12 @@ class CommGroup {
 };
 
 struct ProcessGroupsOptions {
-  std::string store_address;  // host:port of the TCPStore; rank 0 serves it
+  // Where the ranks meet: "host:port" of a TCPStore rank 0 serves (meshes across hosts), or
+  // "file://PATH" of a c10d FileStore every rank opens (a mesh on one host: nothing listens).
+  std::string store_address;
+  // Put before every store key (the cluster secret's RendezvousKeyPrefix): a caller that
+  // reaches a TCPStore without the secret cannot name the mesh's keys. May be empty.
+  std::string store_key_prefix;
   int rank = 0;
   ParallelLayout layout;
   std::string device = "cpu";  // "cpu" -> gloo; "cuda[:N]" -> NCCL
@@ -127,26 +132,25 @@ class ProcessGroups {
   // New communicators for every group under generation `generation` (all ranks call it with
   // the same value, after a failure). Groups of earlier generations are dropped.
   absl::Status Rebuild(int generation);
-  // host:port of the TCPStore. MoveStore points a rank other than 0 at another one (rank 0
-  // was replaced elsewhere), used from the next Rebuild; INVALID_ARGUMENT if not host:port,
-  // FAILED_PRECONDITION on rank 0 (which serves its own).
+  // The store's address (see ProcessGroupsOptions). MoveStore points a rank other than 0 at
+  // another one (rank 0 was replaced elsewhere), used from the next Rebuild; INVALID_ARGUMENT
+  // if not host:port or file://PATH, FAILED_PRECONDITION on rank 0 (which serves its own).
   std::string store_address() const;
   absl::Status MoveStore(const std::string& address);
 
  private:
   explicit ProcessGroups(ProcessGroupsOptions options);
-  absl::Status ConnectStore(const std::string& host, int port);
+  absl::Status ConnectStore();  // to store_address_
   // The groups of this rank without communicators (group() answers; collectives fail
   // FAILED_PRECONDITION until Build forms them).
   void ResetGroups();
   absl::Status Build();
 
   ProcessGroupsOptions options_;
-  std::unique_ptr<c10d_impl::Handles> store_;  // the TCPStore
+  std::unique_ptr<c10d_impl::Handles> store_;  // the TCPStore or FileStore
   std::map<GroupKind, std::unique_ptr<CommGroup>> groups_;
   int generation_ = 0;
-  std::string store_host_;
-  int store_port_ = 0;
+  std::string store_address_;
   bool broken_ = false;
 };
 
