@@ -8,7 +8,14 @@
 // On restart a run comes back as it was at its last durable marker (its autosave): sequence
 // id, learner version, step history and request records up to there; later entries (the
 // gradients of ForwardBackward calls since the last step, a step whose autosave did not
-// finish) are dropped from the file. A torn last record (a crash mid-write) is ignored.
+// finish) are dropped from the file.
+//
+// Integrity: each file starts with a header, and every record carries its length, a CRC-32C
+// and a format version. A torn last record (a crash mid-append: nothing intact after it) is
+// dropped with a warning naming the file. Any other damage (a missing header, a bad record
+// with intact ones after it, a damaged run.pb) is DATA_LOSS naming the file: the run is not
+// restored, its files stay as they are, and CreateRun of its id is refused until an operator
+// repairs or removes them. Recovery never cuts a damaged journal back silently.
 #ifndef LORASTEP_SERVER_RUN_JOURNAL_H_
 #define LORASTEP_SERVER_RUN_JOURNAL_H_
 
@@ -39,6 +46,7 @@ class RunJournal {
   // Creates `dir` if needed.
   static absl::StatusOr<RunJournal> Open(const std::string& dir);
 
+  // FAILED_PRECONDITION when a journaled run of that id exists (one that was not restored).
   absl::Status AddRun(const v1::JournalRun& run);
   // Appends one record; `sync`: fsync before returning (durable autosave markers). Safe
   // from several threads.
