@@ -210,6 +210,25 @@ TEST(LossesTest, ConfigValidationNamesTheOption) {
   c = LossConfig();
   c.clip_eps_high = -0.1;
   EXPECT_THAT(ValidateLossConfig(c), StatusIs(absl::StatusCode::kInvalidArgument, "clip_eps_high"));
+  // Values that would make the loss or the update non-finite (issue 26, defect 7).
+  c = LossConfig();
+  c.clip_eps_high = 1e300;
+  EXPECT_THAT(ValidateLossConfig(c), StatusIs(absl::StatusCode::kInvalidArgument, "loss.clip_eps_high: must be in"));
+  c = LossConfig();
+  c.kl_coef = 1e300;
+  EXPECT_THAT(ValidateLossConfig(c), StatusIs(absl::StatusCode::kInvalidArgument, "loss.kl_coef: must be in"));
+  c = LossConfig();
+  c.entropy_coef = -1e7;
+  EXPECT_THAT(ValidateLossConfig(c), StatusIs(absl::StatusCode::kInvalidArgument, "loss.entropy_coef"));
+  c = LossConfig();
+  c.dual_clip_c = 1e30;
+  EXPECT_THAT(ValidateLossConfig(c), StatusIs(absl::StatusCode::kInvalidArgument, "loss.dual_clip_c"));
+  c = LossConfig();
+  c.tis_cap = 1e30;
+  EXPECT_THAT(ValidateLossConfig(c), StatusIs(absl::StatusCode::kInvalidArgument, "loss.tis_cap"));
+  c = LossConfig();
+  c.cispo_ratio_high = 1e30;
+  EXPECT_THAT(ValidateLossConfig(c), StatusIs(absl::StatusCode::kInvalidArgument, "loss.cispo_ratio_high"));
   EXPECT_THAT(ParseLossKind("dpo"), StatusIs(absl::StatusCode::kInvalidArgument, "loss_fn: unknown 'dpo'"));
   EXPECT_THAT(ParseKlEstimator("k4"), StatusIs(absl::StatusCode::kInvalidArgument, "kl_estimator"));
   EXPECT_THAT(ParseLossNormalization("mean"),
@@ -226,6 +245,18 @@ TEST(BatchTest, ValidationNamesTheFieldAndIndex) {
   LossConfig ppo;
   ppo.kind = LossKind::kPpo;
   EXPECT_TRUE(ValidateBatch({d}, ppo, 10).ok());
+  {  // advantages of 3e38 froze a run (issue 26, defect 7); weights the same
+    Datum huge = d;
+    huge.advantages[2] = 3e38f;
+    EXPECT_THAT(ValidateBatch({huge}, ppo, 10),
+                StatusIs(absl::StatusCode::kInvalidArgument, "datums[0].advantages[2]: 3e+38 has magnitude over"));
+    huge.advantages[2] = -1e6f;
+    EXPECT_TRUE(ValidateBatch({huge}, ppo, 10).ok());
+    Datum heavy = d;
+    heavy.weights = {1, 1, 2e6f};
+    EXPECT_THAT(ValidateBatch({heavy}, LossConfig(), 10),
+                StatusIs(absl::StatusCode::kInvalidArgument, "datums[0].weights[2]: 2e+06 over 1e+06"));
+  }
   EXPECT_THAT(ValidateBatch({}, ppo, 10), StatusIs(absl::StatusCode::kInvalidArgument, "datums: empty"));
   Datum bad = d;
   bad.advantages[2] = NAN;

@@ -129,8 +129,17 @@ absl::Status ValidateBatch(const std::vector<Datum>& datums, const LossConfig& l
     }
     for (size_t i = 0; i < datum.weights.size(); ++i) {
       if (datum.weights[i] < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("datums[", d, "].weights[", i, "]: negative"));
+      }
+      if (datum.weights[i] > kMaxTokenScale) {
         return absl::InvalidArgumentError(
-            absl::StrCat("datums[", d, "].weights[", i, "]: negative"));
+            absl::StrCat("datums[", d, "].weights[", i, "]: ", datum.weights[i], " over ", kMaxTokenScale));
+      }
+    }
+    for (size_t i = 0; i < datum.advantages.size(); ++i) {
+      if (std::abs(datum.advantages[i]) > kMaxTokenScale) {
+        return absl::InvalidArgumentError(absl::StrCat("datums[", d, "].advantages[", i, "]: ", datum.advantages[i],
+                                                       " has magnitude over ", kMaxTokenScale));
       }
     }
   }

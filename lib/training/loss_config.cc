@@ -46,25 +46,28 @@ absl::Status ValidateLossConfig(const LossConfig& c) {
   if (!finite(c.clip_eps_low) || c.clip_eps_low < 0 || c.clip_eps_low >= 1) {
     return absl::InvalidArgumentError("loss.clip_eps_low: must be in [0, 1)");
   }
-  if (!finite(c.clip_eps_high) || c.clip_eps_high < 0) {
-    return absl::InvalidArgumentError("loss.clip_eps_high: must be >= 0");
+  if (!finite(c.clip_eps_high) || c.clip_eps_high < 0 || c.clip_eps_high > kMaxClipBound) {
+    return absl::InvalidArgumentError(absl::StrCat("loss.clip_eps_high: must be in [0, ", kMaxClipBound, "]"));
   }
-  if (!finite(c.dual_clip_c) || (c.dual_clip_c != 0 && c.dual_clip_c <= 1)) {
-    return absl::InvalidArgumentError("loss.dual_clip_c: must be 0 (off) or > 1");
+  if (!finite(c.dual_clip_c) || (c.dual_clip_c != 0 && c.dual_clip_c <= 1) || c.dual_clip_c > kMaxLossCoefficient) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("loss.dual_clip_c: must be 0 (off) or in (1, ", kMaxLossCoefficient, "]"));
   }
   if (!finite(c.cispo_ratio_low) || !finite(c.cispo_ratio_high) || c.cispo_ratio_low < 0 ||
-      c.cispo_ratio_high <= c.cispo_ratio_low) {
+      c.cispo_ratio_high <= c.cispo_ratio_low || c.cispo_ratio_high > kMaxClipBound) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "loss.cispo_ratio_high: need 0 <= cispo_ratio_low < cispo_ratio_high <= ", kMaxClipBound));
+  }
+  if (!finite(c.tis_cap) || c.tis_cap < 0 || c.tis_cap > kMaxLossCoefficient) {
     return absl::InvalidArgumentError(
-        "loss.cispo_ratio_high: need 0 <= cispo_ratio_low < cispo_ratio_high");
+        absl::StrCat("loss.tis_cap: must be in [0, ", kMaxLossCoefficient, "] (0 = off)"));
   }
-  if (!finite(c.tis_cap) || c.tis_cap < 0) {
-    return absl::InvalidArgumentError("loss.tis_cap: must be >= 0 (0 = off)");
+  if (!finite(c.kl_coef) || c.kl_coef < 0 || c.kl_coef > kMaxLossCoefficient) {
+    return absl::InvalidArgumentError(absl::StrCat("loss.kl_coef: must be in [0, ", kMaxLossCoefficient, "]"));
   }
-  if (!finite(c.kl_coef) || c.kl_coef < 0) {
-    return absl::InvalidArgumentError("loss.kl_coef: must be >= 0");
-  }
-  if (!finite(c.entropy_coef)) {
-    return absl::InvalidArgumentError("loss.entropy_coef: not finite");
+  if (!finite(c.entropy_coef) || std::abs(c.entropy_coef) > kMaxLossCoefficient) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("loss.entropy_coef: must be finite with magnitude <= ", kMaxLossCoefficient));
   }
   return absl::OkStatus();
 }

@@ -36,6 +36,13 @@ absl::StatusOr<LossNormalization> ParseLossNormalization(const std::string& name
 const char* LossKindName(LossKind kind);
 
 // Range checks; INVALID_ARGUMENT naming the option ("loss.clip_eps_low: must be in [0, 1)").
+// Bounds that keep the loss, its gradient and the optimizer state finite in fp32 for any
+// accepted batch: a coefficient or clip bound larger than these (clip_eps_high 1e300, kl_coef
+// 1e300) made the loss inf or the step fail with INTERNAL; an advantage or weight of 3e38
+// gave a finite but huge update after which the run returned the same loss forever.
+inline constexpr double kMaxLossCoefficient = 1e6;  // kl_coef, |entropy_coef|, tis_cap, dual_clip_c
+inline constexpr double kMaxClipBound = 100;        // clip_eps_high, cispo_ratio_high
+inline constexpr double kMaxTokenScale = 1e6;       // |advantages[i]|, weights[i]
 absl::Status ValidateLossConfig(const LossConfig& config);
 
 }  // namespace lorastep
