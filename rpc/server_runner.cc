@@ -15,7 +15,15 @@
 #include <cstdio>
 #include <ctime>
 
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/message.h>
+#include <google/protobuf/wire_format_lite.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+
+#include <map>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -81,21 +89,58 @@ std::string RequestField(const google::protobuf::Message* m, const std::string& 
   return "";
 }
 
+// The top-level string fields `names` of a serialized message of type `type` (a raw
+// method's request), read off the wire without parsing the rest.
+std::map<std::string, std::string> StringFieldsFromWire(const grpc::ByteBuffer& raw,
+                                                        const google::protobuf::Descriptor* type,
+                                                        const std::vector<std::string>& names) {
+  std::map<int, std::string> wanted;
+  for (const std::string& name : names) {
+    if (const auto* f = type->FindFieldByName(name); f != nullptr) wanted[f->number()] = name;
+  }
+  std::map<std::string, std::string> out;
+  grpc::ByteBuffer copy(raw);  // shares the slices; the reader needs a mutable buffer
+  grpc::ProtoBufferReader reader(&copy);
+  google::protobuf::io::CodedInputStream in(&reader);
+  while (const uint32_t tag = in.ReadTag()) {
+    const int number = google::protobuf::internal::WireFormatLite::GetTagFieldNumber(tag);
+    const auto it = wanted.find(number);
+    if (it != wanted.end() && google::protobuf::internal::WireFormatLite::GetTagWireType(tag) ==
+                                  google::protobuf::internal::WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      uint32_t length = 0;
+      if (!in.ReadVarint32(&length) || length > 4096 || !in.ReadString(&out[it->second], static_cast<int>(length))) break;
+      continue;
+    }
+    if (!google::protobuf::internal::WireFormatLite::SkipField(&in, tag)) break;
+  }
+  return out;
+}
+
 // Counts every call by method and status code, times it, and logs it, as the server sends
 // the status: one place for all services of a binary.
 class CallInterceptor final : public grpc::experimental::Interceptor {
  public:
   // `own`: a lorastep service, whose requests are protobuf messages (gRPC's health service
   // hands interceptors a raw byte buffer instead).
-  CallInterceptor(std::string method, bool own, const CallObservers* observers)
-      : method_(std::move(method)), own_(own), observers_(observers), start_(std::chrono::steady_clock::now()) {}
+  // `raw_request`: the request type of a raw method (its message is a grpc::ByteBuffer).
+  CallInterceptor(std::string method, bool own, const google::protobuf::Descriptor* raw_request,
+                  const CallObservers* observers)
+      : method_(std::move(method)), own_(own), raw_request_(raw_request), observers_(observers),
+        start_(std::chrono::steady_clock::now()) {}
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     using grpc::experimental::InterceptionHookPoints;
     if (own_ && methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE) &&
         observers_->log_verbosity >= 0 && methods->GetRecvMessage() != nullptr) {
-      const auto* m = static_cast<const google::protobuf::Message*>(methods->GetRecvMessage());
-      run_id_ = RequestField(m, "run_id");
-      request_id_ = RequestField(m, "request_id");
+      if (raw_request_ != nullptr) {
+        auto fields = StringFieldsFromWire(*static_cast<const grpc::ByteBuffer*>(methods->GetRecvMessage()),
+                                           raw_request_, {"run_id", "request_id"});
+        run_id_ = fields["run_id"];
+        request_id_ = fields["request_id"];
+      } else {
+        const auto* m = static_cast<const google::protobuf::Message*>(methods->GetRecvMessage());
+        run_id_ = RequestField(m, "run_id");
+        request_id_ = RequestField(m, "request_id");
+      }
     }
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
       const grpc::Status status = methods->GetSendStatus();
@@ -132,6 +177,7 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
 
   std::string method_;
   bool own_;
+  const google::protobuf::Descriptor* raw_request_;
   const CallObservers* observers_;
   std::chrono::steady_clock::time_point start_;
   std::string run_id_, request_id_;
@@ -144,10 +190,19 @@ class CallInterceptorFactory final : public grpc::experimental::ServerIntercepto
     // "/lorastep.v1.Trainer/TrainStep" -> "Trainer/TrainStep"
     std::string method = info->method() != nullptr ? info->method() : "unknown";
     const bool own = method.rfind("/lorastep.", 0) == 0;
+    const google::protobuf::Descriptor* raw_request = nullptr;
+    if (own && observers_.raw_methods.count(method)) {
+      // "/lorastep.v1.Trainer/TrainStep" -> the method "lorastep.v1.Trainer.TrainStep"
+      std::string full = method.substr(1);
+      full[full.rfind('/')] = '.';
+      const auto* m = google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(full);
+      if (m != nullptr) raw_request = m->input_type();
+    }
+    const bool logged_fields = !own || observers_.raw_methods.count(method) == 0 || raw_request != nullptr;
     const size_t slash = method.rfind('/');
     const size_t dot = method.rfind('.', slash);
     if (slash != std::string::npos && dot != std::string::npos) method = method.substr(dot + 1);
-    return new CallInterceptor(method, own, &observers_);
+    return new CallInterceptor(method, own && logged_fields, raw_request, &observers_);
   }
 
  private:
@@ -180,13 +235,23 @@ void WaitForShutdownSignal() {
   sigwait(&set, &sig);
 }
 
+bool IsLoopbackHost(const std::string& host) {
+  return host == "127.0.0.1" || host == "localhost" || host == "::1" || host == "[::1]";
+}
+
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
     const std::string& host, int port, const std::vector<grpc::Service*>& services,
     int* bound_port, int max_request_bytes, const CallObservers& observers,
-    std::shared_ptr<grpc::ServerCredentials> credentials) {
+    std::shared_ptr<grpc::ServerCredentials> credentials, std::shared_ptr<const CallAuthenticator> authenticator) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  if (authenticator != nullptr && !authenticator->empty()) {
+    if (credentials == nullptr && IsLoopbackHost(host)) {
+      credentials = grpc::experimental::LocalServerCredentials(LOCAL_TCP);
+    }
+    if (credentials != nullptr) credentials->SetAuthMetadataProcessor(MetadataProcessorFor(authenticator));
+  }
   builder.AddListeningPort(absl::StrCat(host, ":", port),
                            credentials != nullptr ? credentials : grpc::InsecureServerCredentials(), bound_port);
   // Rollout batches: 64 x 512 tokens with four float fields is ~1 MB; the coordinator's

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "lib/prometheus_registry.h"
+#include "rpc/call_authenticator.h"
 
 namespace lorastep {
 
@@ -42,12 +43,23 @@ struct CallObservers {
   int log_verbosity = -1;
   std::string component;  // "coordinator" | "worker"
   int rank = -1;          // a mesh worker's rank
+  // Methods served raw ("/lorastep.v1.Trainer/TrainStep"): their messages reach interceptors
+  // as grpc::ByteBuffer, whose run_id and request_id are read off the wire.
+  std::set<std::string> raw_methods;
 };
+
+// Whether `host` names this machine's loopback interface only.
+bool IsLoopbackHost(const std::string& host);
 // `credentials`: null = plaintext; TlsServerCredentials() for TLS.
+// `authenticator`: checked on every call's headers before its message is read (see
+// call_authenticator.h). It rides on the credentials: TLS, or on a loopback host gRPC's
+// local credentials (plaintext on the wire, peers on this machine only). A plaintext
+// non-loopback server (--insecure) cannot carry it; its services still check each call.
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
     const std::string& host, int port, const std::vector<grpc::Service*>& services,
     int* bound_port, int max_request_bytes = 1 << 30, const CallObservers& observers = {},
-    std::shared_ptr<grpc::ServerCredentials> credentials = nullptr);
+    std::shared_ptr<grpc::ServerCredentials> credentials = nullptr,
+    std::shared_ptr<const CallAuthenticator> authenticator = nullptr);
 // TLS server credentials from PEM files (certificate chain and private key); errors name the
 // flag (tls_cert_file / tls_key_file).
 // A PEM file named by the flag `flag`: NOT_FOUND when it cannot be read, INVALID_ARGUMENT

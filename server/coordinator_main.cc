@@ -254,7 +254,7 @@ int main(int argc, char** argv) {
   const std::string host = absl::GetFlag(FLAGS_host);
   // Other interfaces need authentication and TLS, or an explicit --insecure.
   const bool tls = !absl::GetFlag(FLAGS_tls_cert_file).empty();
-  if ((!api_keys || !tls) && host != "127.0.0.1" && host != "localhost" && host != "::1" && !insecure) {
+  if ((!api_keys || !tls) && !IsLoopbackHost(host) && !insecure) {
     return fail(absl::InvalidArgumentError(absl::StrCat(
         "host: '", host, "' is reachable from other machines; start with --api_keys_file and "
         "--tls_cert_file/--tls_key_file (or, on a trusted network only, --insecure)")));
@@ -551,9 +551,23 @@ int main(int argc, char** argv) {
     if (!tls.ok()) return fail(tls.status());
     credentials = *tls;
   }
-  auto server = StartGrpcServer(host, absl::GetFlag(FLAGS_port),
-                                {&service, &registry}, &port, max_request_bytes,
-                                CallObservers{&metrics, log_verbosity, "coordinator", -1}, credentials);
+  // Checked on each call's headers, before its message is read: the Registry needs the
+  // cluster secret; with API keys the Trainer API and reflection need a key.
+  auto authenticator = std::make_shared<CallAuthenticator>();
+  if (!worker_token.empty()) {
+    authenticator->Require("/lorastep.v1.Registry/", [digest = Sha256Hex(worker_token)](const std::string& auth) {
+      return CheckBearerToken(auth, digest);
+    });
+  }
+  if (api_keys) {
+    auto key_check = [keys = &*api_keys](const std::string& auth) { return keys->Authenticate(auth).status(); };
+    authenticator->Require("/lorastep.v1.Trainer/", key_check);
+    authenticator->Require("/grpc.reflection.", key_check);
+  }
+  CallObservers observers{&metrics, log_verbosity, "coordinator", -1};
+  observers.raw_methods = CoordinatorService::RawMethods();
+  auto server = StartGrpcServer(host, absl::GetFlag(FLAGS_port), {&service, &registry}, &port, max_request_bytes,
+                                observers, credentials, authenticator);
   if (!server.ok()) return fail(server.status());
   // grpc.health.v1 follows the workers: NOT_SERVING while none is up (a mesh: any rank down).
   core.OnServingChange([srv = server->get()](bool serving) { srv->GetHealthCheckService()->SetServingStatus(serving); });

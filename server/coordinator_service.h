@@ -5,7 +5,10 @@
 #define LORASTEP_SERVER_COORDINATOR_SERVICE_H_
 
 #include <chrono>
+#include <functional>
 #include <memory>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "lorastep/v1/trainer.grpc.pb.h"
@@ -19,8 +22,19 @@
 
 namespace lorastep {
 
-class CoordinatorService final : public v1::Trainer::CallbackService {
+// TrainStep, ForwardBackward and Forward are served raw: their request bytes are checked
+// (the caller's key, then the number of datums on the wire) before they are parsed, so a
+// request can cost the server no more than a small multiple of its size (a batch of a million
+// one-token datums parses to about 90 times its bytes).
+using TrainerServiceBase = v1::Trainer::WithRawCallbackMethod_TrainStep<
+    v1::Trainer::WithRawCallbackMethod_ForwardBackward<v1::Trainer::WithRawCallbackMethod_Forward<
+        v1::Trainer::CallbackService>>>;
+
+class CoordinatorService final : public TrainerServiceBase {
  public:
+  // The full paths of the methods served raw (rpc/server_runner.h's CallObservers).
+  static std::set<std::string> RawMethods();
+
   // `metrics`: where lorastep_queue_depth (calls accepted and not yet answered) is kept.
   // `api_keys`: null = no authentication (every caller is an admin); else every call must
   // carry a known key, and a caller sees and calls only its own runs (admins: all).
@@ -46,17 +60,15 @@ class CoordinatorService final : public v1::Trainer::CallbackService {
   grpc::ServerUnaryReactor* ListRuns(grpc::CallbackServerContext* ctx,
                                      const v1::ListRunsRequest* req,
                                      v1::ListRunsResponse* resp) override;
-  grpc::ServerUnaryReactor* ForwardBackward(grpc::CallbackServerContext* ctx,
-                                            const v1::ForwardBackwardRequest* req,
-                                            v1::ForwardBackwardResponse* resp) override;
-  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const v1::ForwardRequest* req,
-                                    v1::ForwardBackwardResponse* resp) override;
+  grpc::ServerUnaryReactor* ForwardBackward(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                            grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                    grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* OptimStep(grpc::CallbackServerContext* ctx,
                                       const v1::OptimStepRequest* req,
                                       v1::StepResponse* resp) override;
-  grpc::ServerUnaryReactor* TrainStep(grpc::CallbackServerContext* ctx,
-                                      const v1::TrainStepRequest* req,
-                                      v1::StepResponse* resp) override;
+  grpc::ServerUnaryReactor* TrainStep(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                      grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* SaveState(grpc::CallbackServerContext* ctx,
                                       const v1::SaveStateRequest* req,
                                       v1::SaveStateResponse* resp) override;
@@ -81,9 +93,17 @@ class CoordinatorService final : public v1::Trainer::CallbackService {
   // Runs `call(caller, server run id)` (returning absl::StatusOr<Resp>) on the run's
   // executor and finishes with it. After authentication (and, when `run_scoped`, the
   // caller's access to the run).
+  // `before_finish`: run after a successful call filled `*resp`, before the reactor finishes
+  // (a raw method serializes its response there).
   template <typename Resp, typename Call>
   grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, const std::string& run_id,
-                                  Resp* resp, Call call, bool run_scoped = true);
+                                  Resp* resp, Call call, bool run_scoped = true,
+                                  std::function<void()> before_finish = nullptr);
+  // A raw method: authenticates, counts the datums on the wire, parses into a request it
+  // owns, runs `call(caller, server run id, request)` like Defer and serializes the response.
+  template <typename Req, typename Resp, typename Call>
+  grpc::ServerUnaryReactor* DeferRaw(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer& raw_req,
+                                     grpc::ByteBuffer* raw_resp, Call call);
   absl::StatusOr<Caller> Authenticate(grpc::CallbackServerContext* ctx) const;
   // Authenticates, translates the run id the caller names into the server's
   // (`server_id`, run_names.h) and checks the caller's access to that run.

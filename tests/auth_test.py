@@ -172,6 +172,7 @@ def main():
     finally:
         proc.terminate()
         proc.wait(30)
+    preauth_memory_checks(coordinator, worker, model, keys_file, tmp)
     worker_token_checks(coordinator, worker, model, tmp)
     membership_checks(coordinator, worker, model, tmp)
     tls_checks(coordinator, worker, model, cli, tmp)
@@ -496,6 +497,83 @@ def membership_checks(coordinator, worker, model, tmp):
         for p in procs:
             p.terminate()
             p.wait(30)
+
+
+def peak_rss_mb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def one_token_datums_request(total_bytes):
+    """A serialized TrainStepRequest of about `total_bytes` of one-token datums (built as
+    bytes: a million Python messages would take minutes)."""
+    from lorastep.v1 import trainer_pb2
+    datum = trainer_pb2.Datum(tokens=[1], target_tokens=[2], logprobs=[-1.0], advantages=[1.0]).SerializeToString()
+    field = bytes([0x22, len(datum)]) + datum  # datums = 4, length-delimited
+    head = trainer_pb2.TrainStepRequest(run_id="nobody", request_id="flood", sequence_id=1).SerializeToString()
+    return head + field * (total_bytes // len(field))
+
+
+def preauth_memory_checks(coordinator, worker, model, keys_file, tmp):
+    """Credentials are checked on the headers, before the body is read (issue 26, defect 4):
+    three concurrent 63 MB requests without a key cost the coordinator no memory, and with a
+    key their datums are counted on the wire and refused before they are parsed."""
+    import grpc
+    import threading
+    port_file = os.path.join(tmp, "flood_port")
+    c = subprocess.Popen([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
+                          "--port_file", port_file, "--api_keys_file", keys_file])
+    try:
+        address = f"127.0.0.1:{wait_port(port_file, c)}"
+        body = one_token_datums_request(63 << 20)
+        channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 128 << 20)])
+        call = channel.unary_unary("/lorastep.v1.Trainer/TrainStep")
+        warm = peak_rss_mb(c.pid)
+
+        def flood(metadata, codes):
+            def send():
+                try:
+                    call(body, metadata=metadata, timeout=120)
+                    codes.append("OK")
+                except grpc.RpcError as e:
+                    codes.append(f"{e.code().name}: {e.details()}")
+            threads = [threading.Thread(target=send) for _ in range(3)]
+            t0 = time.time()
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+            return time.time() - t0
+
+        codes = []
+        took = flood(None, codes)
+        preauth = peak_rss_mb(c.pid)
+        print(f"preauth_peak_rss_mb={preauth:.1f} (warm {warm:.1f}) in {took:.2f} s")
+        check(all(code.startswith("UNAUTHENTICATED") for code in codes) and len(codes) == 3,
+              f"three 63 MB requests without a key: {codes}")
+        check(preauth < 100, f"and the coordinator's peak RSS stays under 100 MB: {preauth:.1f} MB")
+        codes = []
+        took = flood((("authorization", "Bearer " + KEYS["alice"]),), codes)
+        keyed = peak_rss_mb(c.pid)
+        print(f"authenticated_peak_rss_mb={keyed:.1f} in {took:.2f} s")
+        check(len(codes) == 3 and all("INVALID_ARGUMENT: datums: more than 65536 in one request" in code
+                                      for code in codes), f"with a key the datums are counted first: {codes}")
+        check(keyed < preauth + 4 * 63 * 3, f"costing at most a few times the bytes: peak {keyed:.1f} MB")
+        # Reflection answers only callers with a key when keys are on (issue 26, defect 8).
+        reflect = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+        try:
+            list(reflect(iter([b"\x3a\x00"]), timeout=10))
+            raise AssertionError("reflection answered without a key")
+        except grpc.RpcError as e:
+            check(e.code() == grpc.StatusCode.UNAUTHENTICATED, f"reflection without a key: {e.details()}")
+        answers = list(reflect(iter([b"\x3a\x00"]), metadata=(("authorization", "Bearer " + KEYS["ops"]),),
+                               timeout=10))
+        check(len(answers) == 1 and b"lorastep.v1.Trainer" in answers[0], "reflection with a key lists the services")
+        channel.close()
+    finally:
+        c.terminate()
+        c.wait(30)
 
 
 def worker_token_checks(coordinator, worker, model, tmp):

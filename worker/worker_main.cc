@@ -165,7 +165,7 @@ int main(int argc, char** argv) {
   // Other interfaces need TLS and the secret, or an explicit --insecure.
   const std::string host = absl::GetFlag(FLAGS_host);
   const bool tls = !absl::GetFlag(FLAGS_tls_cert_file).empty();
-  if (host != "127.0.0.1" && host != "localhost" && host != "::1" && (!tls || secret->empty()) && !insecure) {
+  if (!IsLoopbackHost(host) && (!tls || secret->empty()) && !insecure) {
     LORASTEP_LOG(Error) << "lorastep_worker: host: '" << host
                         << "' is reachable from other machines; start with --tls_cert_file/--tls_key_file and the "
                            "cluster secret (or, on a trusted network only, --insecure)";
@@ -289,11 +289,18 @@ int main(int argc, char** argv) {
   }
   WorkerService service(core->get(), &metrics, token_sha256);
   int port = 0;
+  // The secret is checked on each call's headers, before its message is read.
+  auto authenticator = std::make_shared<CallAuthenticator>();
+  if (!token_sha256.empty()) {
+    auto secret_check = [token_sha256](const std::string& auth) { return CheckBearerToken(auth, token_sha256); };
+    authenticator->Require("/lorastep.v1.Worker/", secret_check);
+    authenticator->Require("/grpc.reflection.", secret_check);
+  }
   auto server = StartGrpcServer(host, absl::GetFlag(FLAGS_port), {&service},
                                 &port, 1 << 30,
                                 CallObservers{&metrics, VerbosityFlag(), "worker",
                                               options.sizes.world() > 1 ? options.rank : -1},
-                                server_credentials);
+                                server_credentials, authenticator);
   if (!server.ok()) {
     LORASTEP_LOG(Error) << "lorastep_worker: " << server.status();
     return 1;
