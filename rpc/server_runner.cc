@@ -8,9 +8,11 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/support/server_interceptor.h>
 #include <signal.h>
+#include <unistd.h>
 #include <stdio.h>
 
 #include <chrono>
+#include <thread>
 
 #include <cstdio>
 #include <ctime>
@@ -227,6 +229,15 @@ void TuneProcessForServing() {
 void BlockShutdownSignals() {
   sigset_t set = ShutdownSignals();
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+void ExitAfter(std::chrono::seconds deadline, const std::string& who) {
+  std::thread([deadline, who] {
+    std::this_thread::sleep_for(deadline);
+    LORASTEP_LOG(Error) << who << ": still running " << deadline.count() << " s after the shutdown began; exiting";
+    std::fflush(nullptr);
+    _exit(1);
+  }).detach();
 }
 
 void WaitForShutdownSignal() {

@@ -4,6 +4,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <map>
 #include <set>
 #include <memory>
@@ -20,6 +21,9 @@ namespace lorastep {
 void BlockShutdownSignals();
 // Waits until SIGINT or SIGTERM arrives.
 void WaitForShutdownSignal();
+// Called once a shutdown has begun: if the process is still running `deadline` from now
+// (a call stuck in a device kernel or a collective), it logs that and exits with status 1.
+void ExitAfter(std::chrono::seconds deadline, const std::string& who);
 // Per-call costs a server should not pay; call first in a server's main.
 //  - Buffers up to 32 MiB stay in malloc's heap between calls instead of being mapped and
 //    unmapped each time (glibc's default for large blocks): a TrainStep's request and

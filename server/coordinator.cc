@@ -1139,6 +1139,13 @@ bool Coordinator::WaitForAutosaves(std::chrono::milliseconds timeout) {
   }
 }
 
+void Coordinator::CancelWorkerCalls() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& w : workers_) {
+    if (w != nullptr) w->CancelInFlight();
+  }
+}
+
 absl::StatusOr<int> Coordinator::RestoreRuns() {
   if (options_.journal == nullptr) return 0;
   std::vector<absl::Status> skipped;
@@ -1638,7 +1645,7 @@ void Coordinator::IdleAutosaveLoop() {
 }
 
 absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
-    const v1::ForwardBackwardRequest& req) {
+    const v1::ForwardBackwardRequest& req, Deadline deadline) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
   v1::ForwardBackwardResponse resp;
@@ -1679,7 +1686,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
             }
             *wreq.mutable_mesh() = mesh;
             StampMesh(wreq.mutable_mesh());
-            return w->ForwardBackward(wreq, BatchShard{&datums, &ShardOfRank(shards, rank)});
+            return w->ForwardBackward(wreq, BatchShard{&datums, &ShardOfRank(shards, rank), deadline});
           }));
   resp = on_mesh() ? MergeForward(shards, static_cast<int>(datums.size()), per_rank) : per_rank[0].result();
   {
@@ -1691,7 +1698,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
   return resp;
 }
 
-absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::ForwardRequest& req) {
+absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::ForwardRequest& req, Deadline deadline) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
   LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
@@ -1707,7 +1714,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::Forwa
             wreq.set_run_id(req.run_id());
             wreq.mutable_mesh()->set_expected_learner_version(-1);
             StampMesh(wreq.mutable_mesh());
-            return w->Forward(wreq, BatchShard{&datums, &ShardOfRank(shards, rank)});
+            return w->Forward(wreq, BatchShard{&datums, &ShardOfRank(shards, rank), deadline});
           }));
   return on_mesh() ? MergeForward(shards, static_cast<int>(datums.size()), per_rank) : per_rank[0].result();
 }
@@ -1738,7 +1745,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepReque
   return resp;
 }
 
-absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepRequest& req) {
+absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepRequest& req, Deadline deadline) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
   v1::StepResponse resp;
@@ -1773,7 +1780,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
         wreq.set_max_tokens_per_microbatch(req.max_tokens_per_microbatch());
         *wreq.mutable_mesh() = mesh;
         StampMesh(wreq.mutable_mesh());
-        return w->TrainStep(wreq, BatchShard{&datums, &ShardOfRank(shards, rank)});
+        return w->TrainStep(wreq, BatchShard{&datums, &ShardOfRank(shards, rank), deadline});
       }));
   LORASTEP_ASSIGN_OR_RETURN(resp, MergeSteps(*run, std::move(per_rank)));
   AddClientMetrics(req.client_metrics(), &resp);

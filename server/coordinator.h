@@ -153,10 +153,14 @@ class Coordinator {
   // Waits for the run's call in flight, frees it on every rank, forgets it.
   absl::Status DeleteRun(const std::string& run_id);
   std::vector<v1::Run> ListRuns();
-  absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(const v1::ForwardBackwardRequest& req);
-  absl::StatusOr<v1::ForwardBackwardResponse> Forward(const v1::ForwardRequest& req);
+  // `deadline`: the client's; the workers' calls end then too (a worker stops at its next
+  // micro-batch), so no batch work outlives the call that asked for it.
+  using Deadline = std::chrono::system_clock::time_point;
+  absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(const v1::ForwardBackwardRequest& req,
+                                                              Deadline deadline = Deadline::max());
+  absl::StatusOr<v1::ForwardBackwardResponse> Forward(const v1::ForwardRequest& req, Deadline deadline = Deadline::max());
   absl::StatusOr<v1::StepResponse> OptimStep(const v1::OptimStepRequest& req);
-  absl::StatusOr<v1::StepResponse> TrainStep(const v1::TrainStepRequest& req);
+  absl::StatusOr<v1::StepResponse> TrainStep(const v1::TrainStepRequest& req, Deadline deadline = Deadline::max());
   absl::StatusOr<v1::SaveStateResponse> SaveState(const v1::SaveStateRequest& req);
   absl::StatusOr<v1::Run> LoadState(const v1::LoadStateRequest& req);
   absl::StatusOr<v1::ExportAdapterResponse> ExportAdapter(const v1::ExportAdapterRequest& req);
@@ -183,6 +187,9 @@ class Coordinator {
   // Waits (up to `timeout`) until every background autosave started so far is journaled as
   // durable or failed; false on timeout. Before shutting the workers down.
   bool WaitForAutosaves(std::chrono::milliseconds timeout);
+  // Makes every worker call in flight return CANCELLED now (shutdown: the calls' clients are
+  // gone, and a worker stops a cancelled batch call at its next micro-batch).
+  void CancelWorkerCalls();
 
  private:
   struct RunState;

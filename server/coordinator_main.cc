@@ -29,6 +29,8 @@
 // CPU process each), forming one mesh; with --workers the listed workers must be the ranks
 // of such a mesh (started with matching --rank/--tp/--pp/--dp/--rendezvous).
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -149,6 +151,9 @@ ABSL_FLAG(double, autosave_when_idle_s, 3,
           "for this many seconds (0: never)");
 
 namespace {
+
+// SIGTERM drains within this many seconds, then the coordinator exits anyway.
+constexpr int kShutdownDeadlineSeconds = 60;
 
 // --in_process_worker: the local worker's settings from this coordinator's flags (the ones
 // it would pass to a lorastep_worker process), then the worker itself (this binary's
@@ -582,13 +587,29 @@ int main(int argc, char** argv) {
   }
   WaitForShutdownSignal();
   LORASTEP_LOG(Info) << "lorastep_coordinator: shutting down";
-  // Calls still open after the grace period (an idle WatchMetrics stream) are cancelled.
-  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
+  // 3 s for open calls, up to 30 s for autosaves, 10 s for each worker's SIGTERM: past this
+  // the process exits anyway.
+  ExitAfter(std::chrono::seconds(kShutdownDeadlineSeconds), "lorastep_coordinator");
+  // Calls still open after the grace period (an idle WatchMetrics stream, a step) are
+  // cancelled. Shutdown returns once every handler has finished, so a step's worker calls are
+  // cancelled at the deadline too (the worker stops at its next micro-batch).
+  const auto grace_end = std::chrono::system_clock::now() + std::chrono::seconds(3);
+  std::atomic<bool> stopped{false};
+  std::thread stopper([&] {
+    (*server)->Shutdown(grace_end);
+    stopped = true;
+  });
+  while (!stopped && std::chrono::system_clock::now() < grace_end) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (!stopped) core.CancelWorkerCalls();
+  stopper.join();
   // Autosaves still being written become durable before the workers stop.
   if (journal && !core.WaitForAutosaves(std::chrono::seconds(30))) {
     LORASTEP_LOG(Warning) << "lorastep_coordinator: background autosaves still unfinished after 30 s; runs resume "
                              "from the autosave before";
   }
+  core.CancelWorkerCalls();  // the steps still running have no client left
   std::lock_guard<std::mutex> lock(local_mu);
   for (auto& child : local) child.Stop();
   if (!rendezvous_dir.empty()) (void)RemoveAll(rendezvous_dir);

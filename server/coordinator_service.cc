@@ -307,17 +307,17 @@ grpc::ServerUnaryReactor* CoordinatorService::ListRuns(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* CoordinatorService::ForwardBackward(grpc::CallbackServerContext* ctx,
                                                               const grpc::ByteBuffer* req, grpc::ByteBuffer* resp) {
   return DeferRaw<v1::ForwardBackwardRequest, v1::ForwardBackwardResponse>(
-      ctx, *req, resp, [this](const Caller& who, const std::string& id, const v1::ForwardBackwardRequest& r) {
+      ctx, *req, resp, [this, ctx](const Caller& who, const std::string& id, const v1::ForwardBackwardRequest& r) {
         std::optional<v1::ForwardBackwardRequest> copy;
-        return core_->ForwardBackward(ServerRequest(r, who, id, &copy));
+        return core_->ForwardBackward(ServerRequest(r, who, id, &copy), ctx->deadline());
       });
 }
 grpc::ServerUnaryReactor* CoordinatorService::Forward(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
                                                       grpc::ByteBuffer* resp) {
   return DeferRaw<v1::ForwardRequest, v1::ForwardBackwardResponse>(
-      ctx, *req, resp, [this](const Caller& who, const std::string& id, const v1::ForwardRequest& r) {
+      ctx, *req, resp, [this, ctx](const Caller& who, const std::string& id, const v1::ForwardRequest& r) {
         std::optional<v1::ForwardRequest> copy;
-        return core_->Forward(ServerRequest(r, who, id, &copy));
+        return core_->Forward(ServerRequest(r, who, id, &copy), ctx->deadline());
       });
 }
 grpc::ServerUnaryReactor* CoordinatorService::OptimStep(grpc::CallbackServerContext* ctx,
@@ -331,9 +331,9 @@ grpc::ServerUnaryReactor* CoordinatorService::OptimStep(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* CoordinatorService::TrainStep(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
                                                         grpc::ByteBuffer* resp) {
   return DeferRaw<v1::TrainStepRequest, v1::StepResponse>(
-      ctx, *req, resp, [this](const Caller& who, const std::string& id, const v1::TrainStepRequest& r) {
+      ctx, *req, resp, [this, ctx](const Caller& who, const std::string& id, const v1::TrainStepRequest& r) {
         std::optional<v1::TrainStepRequest> copy;  // with API keys: a copy of the batch (~0.05 ms per 64 x 512)
-        return core_->TrainStep(ServerRequest(r, who, id, &copy));
+        return core_->TrainStep(ServerRequest(r, who, id, &copy), ctx->deadline());
       });
 }
 grpc::ServerUnaryReactor* CoordinatorService::SaveState(grpc::CallbackServerContext* ctx,

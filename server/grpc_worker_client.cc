@@ -1,5 +1,7 @@
 #include "server/grpc_worker_client.h"
 
+#include <algorithm>
+
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
@@ -48,9 +50,10 @@ absl::Status GrpcWorkerClient::WaitReady(int timeout_seconds) {
 }
 
 template <typename Resp, typename Req, typename Method>
-absl::StatusOr<Resp> GrpcWorkerClient::Call(Method method, const Req& req, std::chrono::seconds timeout) {
+absl::StatusOr<Resp> GrpcWorkerClient::Call(Method method, const Req& req, std::chrono::seconds timeout,
+                                             std::chrono::system_clock::time_point deadline) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + (timeout.count() > 0 ? timeout : call_timeout_));
+  ctx.set_deadline(std::min(deadline, std::chrono::system_clock::now() + (timeout.count() > 0 ? timeout : call_timeout_)));
   if (!authorization_.empty()) ctx.AddMetadata("authorization", authorization_);
   {
     std::lock_guard<std::mutex> lock(in_flight_mu_);
@@ -94,18 +97,21 @@ absl::Status GrpcWorkerClient::DeleteRun(const v1::WorkerDeleteRunRequest& req) 
 }
 absl::StatusOr<v1::WorkerForwardBackwardResponse> GrpcWorkerClient::ForwardBackward(
     const v1::WorkerForwardBackwardRequest& req, const BatchShard& batch) {
-  return Call<v1::WorkerForwardBackwardResponse>(&v1::Worker::Stub::ForwardBackward, WithDatums(req, batch));
+  return Call<v1::WorkerForwardBackwardResponse>(&v1::Worker::Stub::ForwardBackward, WithDatums(req, batch), std::chrono::seconds(0),
+                       batch.deadline);
 }
 absl::StatusOr<v1::WorkerForwardBackwardResponse> GrpcWorkerClient::Forward(const v1::WorkerForwardRequest& req,
                                                                             const BatchShard& batch) {
-  return Call<v1::WorkerForwardBackwardResponse>(&v1::Worker::Stub::Forward, WithDatums(req, batch));
+  return Call<v1::WorkerForwardBackwardResponse>(&v1::Worker::Stub::Forward, WithDatums(req, batch), std::chrono::seconds(0),
+                       batch.deadline);
 }
 absl::StatusOr<v1::WorkerStepResponse> GrpcWorkerClient::OptimStep(const v1::WorkerOptimStepRequest& req) {
   return Call<v1::WorkerStepResponse>(&v1::Worker::Stub::OptimStep, req);
 }
 absl::StatusOr<v1::WorkerStepResponse> GrpcWorkerClient::TrainStep(const v1::WorkerTrainStepRequest& req,
                                                                     const BatchShard& batch) {
-  return Call<v1::WorkerStepResponse>(&v1::Worker::Stub::TrainStep, WithDatums(req, batch));
+  return Call<v1::WorkerStepResponse>(&v1::Worker::Stub::TrainStep, WithDatums(req, batch), std::chrono::seconds(0),
+                       batch.deadline);
 }
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::SaveState(const v1::WorkerPathRequest& req) {
   return Call<v1::WorkerPathResponse>(&v1::Worker::Stub::SaveState, req);

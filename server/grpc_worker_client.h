@@ -55,7 +55,9 @@ class GrpcWorkerClient final : public WorkerClient {
  private:
   // One unary call with the deadline, registered so CancelInFlight can reach it.
   template <typename Resp, typename Req, typename Method>
-  absl::StatusOr<Resp> Call(Method method, const Req& req, std::chrono::seconds timeout = std::chrono::seconds(0));  // 0: call_timeout
+  // `timeout` 0: the client's call timeout; the call ends at `deadline` if that comes first.
+  absl::StatusOr<Resp> Call(Method method, const Req& req, std::chrono::seconds timeout = std::chrono::seconds(0),
+                            std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max());
 
   std::string address_;
   std::chrono::seconds call_timeout_;

@@ -19,8 +19,12 @@ absl::StatusOr<Response> Answer(WorkerCalls* calls, Method method, const Request
 template <typename Response, typename Request, typename Method>
 absl::StatusOr<Response> AnswerBatch(WorkerCalls* calls, Method method, const Request& req, const BatchShard& batch) {
   Response resp;
+  // Past the client's deadline nobody waits: stop at the next micro-batch, as a worker does.
+  const WorkerCore::Cancelled cancelled = [deadline = batch.deadline] {
+    return std::chrono::system_clock::now() > deadline;
+  };
   if (batch.datums == nullptr) {
-    LORASTEP_RETURN_IF_ERROR((calls->*method)(req, &resp, nullptr));
+    LORASTEP_RETURN_IF_ERROR((calls->*method)(req, &resp, nullptr, cancelled));
     return resp;
   }
   const std::vector<Datum>& all = *batch.datums;
@@ -32,7 +36,7 @@ absl::StatusOr<Response> AnswerBatch(WorkerCalls* calls, Method method, const Re
     shard.reserve(indices.size());
     for (int i : indices) shard.push_back(all[i]);
   }
-  LORASTEP_RETURN_IF_ERROR((calls->*method)(req, &resp, whole ? &all : &shard));
+  LORASTEP_RETURN_IF_ERROR((calls->*method)(req, &resp, whole ? &all : &shard, cancelled));
   return resp;
 }
 

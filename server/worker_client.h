@@ -21,6 +21,9 @@ namespace lorastep {
 struct BatchShard {
   const std::vector<Datum>* datums = nullptr;
   const std::vector<int>* indices = nullptr;
+  // The client's deadline: the worker's call ends then too, and the worker stops at its next
+  // micro-batch (max: only the client's worker-call timeout applies).
+  std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max();
 };
 
 class WorkerClient {

@@ -1113,6 +1113,87 @@ TEST(ProcessTest, KilledCoordinatorTakesItsWorkerDown) {
   EXPECT_TRUE(gone) << "worker " << worker << " outlived its coordinator";
 }
 
+// A TrainStep request of `datums` datums of 512 tokens on `run_id` (the tiny model's longest).
+v1::TrainStepRequest LongTrainStep(const std::string& run_id, int datums) {
+  v1::TrainStepRequest req;
+  req.set_run_id(run_id);
+  req.set_request_id(absl::StrCat("long-", run_id));
+  req.set_sequence_id(1);
+  for (int i = 0; i < datums; ++i) *req.add_datums() = MakeDatum(i, 0, 512, 96);
+  *req.mutable_loss() = Ppo();
+  *req.mutable_adamw() = Adam();
+  return req;
+}
+
+// Issue 26, defect 6: a call its client gave up on stops at the worker's next micro-batch and
+// applies nothing, so another run's step waits for one micro-batch, not for an abandoned
+// 2M-token step (it waited 300 s behind one, and the worker computed on at 99% CPU).
+TEST(ProcessTest, AbandonedCallStopsAtTheNextMicroBatchAndAppliesNothing) {
+  ASSERT_OK_AND_ASSIGN(ChildServer server, StartTinyCoordinator("abandoned"));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
+  ASSERT_OK_AND_ASSIGN(RunSession big, RunSession::Create(client.get(), Lora(), 1));
+  ASSERT_OK_AND_ASSIGN(RunSession small, RunSession::Create(client.get(), Lora(), 2));
+  auto stub = v1::Trainer::NewStub(grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  const v1::TrainStepRequest abandoned = LongTrainStep(big.run_id(), 4096);  // 2,097,152 tokens
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_THAT((CallUnary<v1::StepResponse>(stub.get(), &v1::Trainer::Stub::TrainStep, abandoned,
+                                           std::chrono::seconds(3))),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, ""));
+  const auto given_up = std::chrono::steady_clock::now();
+  ASSERT_OK(small.TrainStep(Batch(0), Ppo(), Adam()));
+  const double cancel_to_idle = std::chrono::duration<double>(std::chrono::steady_clock::now() - given_up).count();
+  std::printf("cancel_to_idle_s=%.3f (the abandoned call took %.3f s to give up)\n", cancel_to_idle,
+              std::chrono::duration<double>(given_up - t0).count());
+  EXPECT_LT(cancel_to_idle, 3.0);
+  ASSERT_OK_AND_ASSIGN(v1::Run state, client->GetRun(big.run_id()));
+  EXPECT_EQ(state.learner_version(), 0) << "the abandoned step was applied";
+  EXPECT_EQ(state.next_sequence_id(), 1);
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse next, big.TrainStep(Batch(0), Ppo(), Adam()));
+  EXPECT_EQ(next.learner_version(), 1);
+}
+
+// Issue 26, defect 6: a local worker whose coordinator is SIGKILLed mid-step exits within a
+// few seconds (an orphan kept computing for 36-70 s); SIGTERM to a coordinator mid-step
+// exits within its shutdown deadline.
+TEST(ProcessTest, OrphanedWorkerExitsMidStepAndSigtermExitsMidStep) {
+  for (const int signal : {SIGKILL, SIGTERM}) {
+    SCOPED_TRACE(signal == SIGKILL ? "SIGKILL" : "SIGTERM");
+    const std::string dir = ScratchDir(absl::StrCat("orphan_mid_step_", signal));
+    ASSERT_OK_AND_ASSIGN(ChildServer server, StartTinyCoordinator(absl::StrCat("orphan_mid_step_model_", signal)));
+    const std::string list = absl::StrCat("pgrep -P ", server.pid(), " > ", dir, "/children");
+    ASSERT_EQ(system(list.c_str()), 0);
+    ASSERT_OK_AND_ASSIGN(std::string children, ReadFileToString(dir + "/children"));
+    const int worker = std::atoi(children.c_str());
+    ASSERT_GT(worker, 0);
+    ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
+    ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 1));
+    auto stub = v1::Trainer::NewStub(grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+    const v1::TrainStepRequest long_step = LongTrainStep(run.run_id(), 4096);
+    std::thread stepping([&] {
+      (void)CallUnary<v1::StepResponse>(stub.get(), &v1::Trainer::Stub::TrainStep, long_step, std::chrono::seconds(120));
+    });
+    std::this_thread::sleep_for(std::chrono::seconds(3));  // the worker is computing now
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSERT_EQ(kill(server.pid(), signal), 0);
+    auto gone = [](int pid) {  // gone, or a zombie nobody reaps yet
+      auto stat = ReadFileToString(absl::StrCat("/proc/", pid, "/stat"));
+      return !stat.ok() || stat->find(") Z ") != std::string::npos;
+    };
+    bool worker_gone = false, server_gone = signal == SIGKILL;
+    for (int i = 0; i < 300 && !(worker_gone && server_gone); ++i) {  // up to 30 s
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      worker_gone = gone(worker);
+      if (!server_gone) server_gone = waitpid(server.pid(), nullptr, WNOHANG) == server.pid();
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("%s mid-step: worker gone after %.2f s\n", signal == SIGKILL ? "SIGKILL" : "SIGTERM", seconds);
+    EXPECT_TRUE(worker_gone) << "worker " << worker << " outlived its coordinator mid-step";
+    EXPECT_TRUE(server_gone) << "the coordinator did not exit on SIGTERM mid-step";
+    EXPECT_LT(seconds, signal == SIGKILL ? 5.0 : 20.0);
+    stepping.join();
+  }
+}
+
 // Issue 9: lorastep_coordinator_with_worker --in_process_worker holds the worker in the
 // coordinator's process (no child process, no second gRPC hop) and answers every call as a worker process does: bitwise the
 // same steps, log-probs and split steps, a retried request applied once, checkpoints

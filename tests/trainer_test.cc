@@ -3,11 +3,14 @@
 // k ForwardBackward + OptimStep == TrainStep, bad calls change nothing, PEFT export/import.
 #include "lib/training/trainer.h"
 
+#include <cstring>
+
 
 #include "lib/io/digest.h"
 #include "lib/io/file_util.h"
 #include "lib/model/peft_io.h"
 #include "lib/io/safetensors.h"
+#include "lib/status_macros.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
 
@@ -197,6 +200,47 @@ TEST_F(TrainerTest, LoadingACorruptCheckpointChangesNothing) {
               StatusIs(absl::StatusCode::kInvalidArgument, "optimizer_steps: must be an integer"));
   EXPECT_EQ(other->AdapterSha256(), before);
   EXPECT_EQ(other->learner_version(), 0);
+  // Issue 26, defect 7: a trainer_state.json that is not an object (it answered INTERNAL), a
+  // tensor holding NaN (loaded, and Forward returned NaN), and trainable weights that differ
+  // from the fp32 master copy (the next step silently reverted to the master) are refused.
+  ASSERT_OK(trainer->SaveState(dir_ + "/ckpt3"));
+  ASSERT_OK(WriteStringToFile(dir_ + "/ckpt3/trainer_state.json", "[1,2,3]"));
+  EXPECT_THAT(other->LoadState(dir_ + "/ckpt3"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "trainer_state.json: not a JSON object"));
+  // Overwrites the first 4 bytes of tensor `name` in the safetensors file `path`.
+  auto poke = [](const std::string& path, const std::string& name, const std::string& bytes) -> absl::Status {
+    size_t offset = 0;
+    {
+      LORASTEP_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(path));
+      const uint8_t* first = nullptr;
+      for (const auto& e : file.entries()) first = first == nullptr || e.data < first ? e.data : first;
+      LORASTEP_ASSIGN_OR_RETURN(const SafetensorsEntry* entry, file.Find(name));
+      LORASTEP_ASSIGN_OR_RETURN(std::string all, ReadFileToString(path));
+      uint64_t header = 0;
+      std::memcpy(&header, all.data(), 8);
+      offset = 8 + header + static_cast<size_t>(entry->data - first);
+    }
+    LORASTEP_ASSIGN_OR_RETURN(std::string all, ReadFileToString(path));
+    all.replace(offset, bytes.size(), bytes);
+    return WriteStringToFile(path, all);
+  };
+  const std::string first_param = trainer->adapter().parameters()[0].name;
+  const std::string nan("\x00\x00\xc0\x7f", 4);  // a float32 NaN, little-endian
+  struct Case {
+    const char* file;
+    std::string tensor, bytes, error;
+  };
+  for (const Case& c : {Case{"trainable", first_param, nan, "holds non-finite values"},
+                        Case{"optimizer", first_param + ".exp_avg_sq", nan, "holds non-finite values"},
+                        Case{"trainable", first_param, std::string("\x01\x00\x80\x3f", 4),
+                             "differs from its fp32 master copy"}}) {
+    SCOPED_TRACE(c.error);
+    ASSERT_OK(trainer->SaveState(dir_ + "/ckpt4"));
+    ASSERT_OK(poke(absl::StrCat(dir_, "/ckpt4/", c.file, ".safetensors"), c.tensor, c.bytes));
+    EXPECT_THAT(other->LoadState(dir_ + "/ckpt4"), StatusIs(absl::StatusCode::kInvalidArgument, c.error));
+    EXPECT_EQ(other->AdapterSha256(), before);
+    ASSERT_OK(RemoveAll(dir_ + "/ckpt4"));
+  }
 }
 
 TEST_F(TrainerTest, ForwardBackwardCallsThenOptimStepEqualOneTrainStep) {

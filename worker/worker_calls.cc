@@ -140,7 +140,8 @@ absl::Status WorkerCalls::DeleteRun(const v1::WorkerDeleteRunRequest& req) {
 }
 
 absl::Status WorkerCalls::ForwardBackward(const v1::WorkerForwardBackwardRequest& req,
-                                          v1::WorkerForwardBackwardResponse* resp, const std::vector<Datum>* given) {
+                                          v1::WorkerForwardBackwardResponse* resp, const std::vector<Datum>* given,
+                                          const WorkerCore::Cancelled& cancelled) {
   return Once(req.mesh(), "ForwardBackward", resp, [&]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(req.loss()));
     const std::optional<BatchTotals> totals = WholeBatchTotals(req);
@@ -148,17 +149,17 @@ absl::Status WorkerCalls::ForwardBackward(const v1::WorkerForwardBackwardRequest
     LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum>* datums, DatumsOf(req, given, &parsed));
     LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult r,
                               core_->ForwardBackward(req.run_id(), *datums, loss, totals ? &*totals : nullptr,
-                                                     MeshFromProto(req.mesh())));
+                                                     MeshFromProto(req.mesh()), cancelled));
     FillForwardResponse(r, resp);
     return absl::OkStatus();
   });
 }
 
 absl::Status WorkerCalls::Forward(const v1::WorkerForwardRequest& req, v1::WorkerForwardBackwardResponse* resp,
-                                  const std::vector<Datum>* given) {
+                                  const std::vector<Datum>* given, const WorkerCore::Cancelled& cancelled) {
   std::vector<Datum> parsed;
   LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum>* datums, DatumsOf(req, given, &parsed));
-  LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult r, core_->Forward(req.run_id(), *datums, MeshFromProto(req.mesh())));
+  LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult r, core_->Forward(req.run_id(), *datums, MeshFromProto(req.mesh()), cancelled));
   FillForwardResponse(r, resp);
   return absl::OkStatus();
 }
@@ -174,7 +175,7 @@ absl::Status WorkerCalls::OptimStep(const v1::WorkerOptimStepRequest& req, v1::W
 }
 
 absl::Status WorkerCalls::TrainStep(const v1::WorkerTrainStepRequest& req, v1::WorkerStepResponse* resp,
-                                    const std::vector<Datum>* given) {
+                                    const std::vector<Datum>* given, const WorkerCore::Cancelled& cancelled) {
   return Once(req.mesh(), "TrainStep", resp, [&]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(req.loss()));
     LORASTEP_ASSIGN_OR_RETURN(AdamWParams adamw, AdamWParamsFromProto(req.adamw()));
@@ -183,7 +184,7 @@ absl::Status WorkerCalls::TrainStep(const v1::WorkerTrainStepRequest& req, v1::W
     LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum>* datums, DatumsOf(req, given, &parsed));
     LORASTEP_ASSIGN_OR_RETURN(OptimStepResult r,
                               core_->TrainStep(req.run_id(), *datums, loss, adamw, totals ? &*totals : nullptr,
-                                               req.max_tokens_per_microbatch(), MeshFromProto(req.mesh())));
+                                               req.max_tokens_per_microbatch(), MeshFromProto(req.mesh()), cancelled));
     FillStepResponse(r, resp);
     RecordStepMetrics(metrics_, req.run_id(), "train_step", resp->result().metrics(), r.learner_version);
     return absl::OkStatus();

@@ -37,14 +37,16 @@ class WorkerCalls {
   absl::Status DeleteRun(const v1::WorkerDeleteRunRequest& req);
   // The batch calls take their datums from the request, or, from an in-process caller that
   // has them parsed already, as `datums` (the request's datum fields are then ignored).
+  // `cancelled`: asked between micro-batches (the gRPC call's IsCancelled); empty: never.
   absl::Status ForwardBackward(const v1::WorkerForwardBackwardRequest& req,
                                v1::WorkerForwardBackwardResponse* resp,
-                               const std::vector<Datum>* datums = nullptr);
+                               const std::vector<Datum>* datums = nullptr,
+                               const WorkerCore::Cancelled& cancelled = {});
   absl::Status Forward(const v1::WorkerForwardRequest& req, v1::WorkerForwardBackwardResponse* resp,
-                       const std::vector<Datum>* datums = nullptr);
+                       const std::vector<Datum>* datums = nullptr, const WorkerCore::Cancelled& cancelled = {});
   absl::Status OptimStep(const v1::WorkerOptimStepRequest& req, v1::WorkerStepResponse* resp);
   absl::Status TrainStep(const v1::WorkerTrainStepRequest& req, v1::WorkerStepResponse* resp,
-                         const std::vector<Datum>* datums = nullptr);
+                         const std::vector<Datum>* datums = nullptr, const WorkerCore::Cancelled& cancelled = {});
   absl::Status SaveState(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp);
   // Blocks until a background SaveState of req.path is written; touches no device.
   absl::Status AwaitSaved(const v1::WorkerPathRequest& req);

@@ -157,20 +157,23 @@ absl::Status WorkerCore::DeleteRun(const std::string& run_id) {
 absl::StatusOr<ForwardBackwardResult> WorkerCore::ForwardBackward(
     const std::string& run_id, const std::vector<Datum>& datums, const LossConfig& loss,
     const BatchTotals* totals,
-    const MeshCallInfo& mesh) {
+    const MeshCallInfo& mesh, const Cancelled& cancelled) {
   std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
   BatchOptions batch;
   batch.totals = totals;
+  batch.cancelled = cancelled;
   return t->ForwardBackward(datums, loss, batch);
 }
 
 absl::StatusOr<ForwardBackwardResult> WorkerCore::Forward(const std::string& run_id,
                                                           const std::vector<Datum>& datums,
-                                                          const MeshCallInfo& mesh) {
+                                                          const MeshCallInfo& mesh, const Cancelled& cancelled) {
   std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
-  return t->Forward(datums);
+  BatchOptions batch;
+  batch.cancelled = cancelled;
+  return t->Forward(datums, batch);
 }
 
 absl::StatusOr<OptimStepResult> WorkerCore::OptimStep(const std::string& run_id,
@@ -187,12 +190,13 @@ absl::StatusOr<OptimStepResult> WorkerCore::TrainStep(const std::string& run_id,
                                                       const AdamWParams& params,
                                                       const BatchTotals* totals,
                                                       int64_t max_tokens,
-                                                      const MeshCallInfo& mesh) {
+                                                      const MeshCallInfo& mesh, const Cancelled& cancelled) {
   std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
   BatchOptions batch;
   batch.totals = totals;
   batch.max_tokens_per_microbatch = max_tokens;
+  batch.cancelled = cancelled;
   return t->TrainStep(datums, loss, params, batch);
 }
 

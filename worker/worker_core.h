@@ -8,6 +8,7 @@
 #define LORASTEP_WORKER_WORKER_CORE_H_
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -87,14 +88,16 @@ class WorkerCore {
                                     const MeshCallInfo& mesh = {});
   // Frees the run (adapter, optimizer state). NOT_FOUND when unknown.
   absl::Status DeleteRun(const std::string& run_id);
+  // `cancelled`: asked between micro-batches (BatchOptions::cancelled); empty: never.
+  using Cancelled = std::function<bool()>;
   absl::StatusOr<ForwardBackwardResult> ForwardBackward(const std::string& run_id,
                                                         const std::vector<Datum>& datums,
                                                         const LossConfig& loss,
                                                         const BatchTotals* totals,  // null: of `datums`
-                                                        const MeshCallInfo& mesh = {});
+                                                        const MeshCallInfo& mesh = {}, const Cancelled& cancelled = {});
   absl::StatusOr<ForwardBackwardResult> Forward(const std::string& run_id,
                                                 const std::vector<Datum>& datums,
-                                                const MeshCallInfo& mesh = {});
+                                                const MeshCallInfo& mesh = {}, const Cancelled& cancelled = {});
   absl::StatusOr<OptimStepResult> OptimStep(const std::string& run_id, const AdamWParams& params,
                                             const MeshCallInfo& mesh = {});
   absl::StatusOr<OptimStepResult> TrainStep(const std::string& run_id,
@@ -102,7 +105,7 @@ class WorkerCore {
                                             const LossConfig& loss, const AdamWParams& params,
                                             const BatchTotals* totals,  // null: of `datums`
                                             int64_t max_tokens,
-                                            const MeshCallInfo& mesh = {});
+                                            const MeshCallInfo& mesh = {}, const Cancelled& cancelled = {});
   struct PathResult {
     std::string adapter_sha256;
     int64_t learner_version = 0;

@@ -345,6 +345,9 @@ int main(int argc, char** argv) {
     });
   }
   WaitForShutdownSignal();
+  // Calls still open after 3 s are cancelled, and a cancelled batch call stops at its next
+  // micro-batch; a call stuck in a collective or a device kernel does not hold the exit.
+  ExitAfter(std::chrono::seconds(10), "lorastep_worker");
   {
     std::lock_guard<std::mutex> lock(stop_mu);
     stopping = true;

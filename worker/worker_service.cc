@@ -51,10 +51,19 @@ grpc::ServerUnaryReactor* WorkerService::AwaitSaved(grpc::CallbackServerContext*
 
 LORASTEP_WORKER_CALL(CreateRun, v1::WorkerCreateRunRequest, v1::WorkerCreateRunResponse)
 LORASTEP_WORKER_CALL_NO_RESPONSE(DeleteRun, v1::WorkerDeleteRunRequest, v1::WorkerDeleteRunResponse)
-LORASTEP_WORKER_CALL(ForwardBackward, v1::WorkerForwardBackwardRequest, v1::WorkerForwardBackwardResponse)
-LORASTEP_WORKER_CALL(Forward, v1::WorkerForwardRequest, v1::WorkerForwardBackwardResponse)
+// Batch calls stop at their next micro-batch once the coordinator's call is cancelled (the
+// client's deadline passed or it went away): nobody waits for the rest.
+#define LORASTEP_WORKER_BATCH_CALL(Method, Request, Response)                                         \
+  grpc::ServerUnaryReactor* WorkerService::Method(grpc::CallbackServerContext* ctx, const Request* req, \
+                                                  Response* resp) {                                  \
+    return Defer(ctx, executor_, [this, ctx, req, resp] {                                            \
+      return calls_.Method(*req, resp, nullptr, [ctx] { return ctx->IsCancelled(); });              \
+    });                                                                                              \
+  }
+LORASTEP_WORKER_BATCH_CALL(ForwardBackward, v1::WorkerForwardBackwardRequest, v1::WorkerForwardBackwardResponse)
+LORASTEP_WORKER_BATCH_CALL(Forward, v1::WorkerForwardRequest, v1::WorkerForwardBackwardResponse)
 LORASTEP_WORKER_CALL(OptimStep, v1::WorkerOptimStepRequest, v1::WorkerStepResponse)
-LORASTEP_WORKER_CALL(TrainStep, v1::WorkerTrainStepRequest, v1::WorkerStepResponse)
+LORASTEP_WORKER_BATCH_CALL(TrainStep, v1::WorkerTrainStepRequest, v1::WorkerStepResponse)
 LORASTEP_WORKER_CALL(SaveState, v1::WorkerPathRequest, v1::WorkerPathResponse)
 LORASTEP_WORKER_CALL(LoadState, v1::WorkerPathRequest, v1::WorkerPathResponse)
 LORASTEP_WORKER_CALL(ExportAdapter, v1::WorkerPathRequest, v1::WorkerPathResponse)
@@ -72,6 +81,7 @@ grpc::ServerUnaryReactor* WorkerService::DeleteCheckpoint(grpc::CallbackServerCo
   return Defer(ctx, files_executor_, [this, req] { return calls_.DeleteCheckpoint(*req); });
 }
 #undef LORASTEP_WORKER_CALL
+#undef LORASTEP_WORKER_BATCH_CALL
 #undef LORASTEP_WORKER_CALL_NO_RESPONSE
 
 }  // namespace lorastep

@@ -523,7 +523,12 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     // No host synchronization between micro-batches: the phases are timed by marks in the
     // device's queue, read once after the last micro-batch.
     std::vector<DeviceMark> marks{DeviceMark::Now(device)};
-    for (const MicroBatch& mb : mbs) {
+    for (size_t i = 0; i < mbs.size(); ++i) {
+      const MicroBatch& mb = mbs[i];
+      if (batch.cancelled && options_.groups == nullptr && batch.cancelled()) {
+        return absl::CancelledError(absl::StrCat("call cancelled (its caller went away or its deadline passed) before "
+                                                 "micro-batch ", i + 1, " of ", mbs.size(), "; nothing was applied"));
+      }
       fwd_options.packed = mb.is_packed ? &mb.packed : nullptr;
       at::Tensor x = Qwen2Embed(config, base_->weights, adapter_.get(), mb.tokens, fwd_options);
       x = Qwen2Layers(config, base_->weights, adapter_.get(), x, fwd_options);
@@ -756,10 +761,12 @@ absl::Status Trainer::AgreeOnOutcome(const absl::Status& local) {
   });
 }
 
-absl::StatusOr<ForwardBackwardResult> Trainer::Forward(const std::vector<Datum>& datums) {
+absl::StatusOr<ForwardBackwardResult> Trainer::Forward(const std::vector<Datum>& datums, const BatchOptions& batch) {
   LORASTEP_RETURN_IF_ERROR(ValidateForwardBatch(datums, base_->config.vocab_size, options_.limits));
   LORASTEP_RETURN_IF_ERROR(CheckActivationBudget(datums, BatchOptions{}, /*backward=*/false));
-  return GuardTorch([&] { return RunMicroBatches(datums, nullptr, BatchOptions{}); });
+  BatchOptions forward_only;
+  forward_only.cancelled = batch.cancelled;
+  return GuardTorch([&] { return RunMicroBatches(datums, nullptr, forward_only); });
 }
 
 absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWParams& params) {
@@ -1121,12 +1128,15 @@ absl::Status Trainer::LoadState(const std::string& folder) {
   return GuardTorch([&]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(std::string text, ReadFileToString(folder + "/trainer_state.json"));
     nlohmann::json state = nlohmann::json::parse(text, nullptr, false);
-    if (state.is_discarded() || state.value("format_version", 0) != kStateFormatVersion) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(folder, "/trainer_state.json: unreadable or unknown format_version"));
+    const std::string where = folder + "/trainer_state.json";
+    if (state.is_discarded() || !state.is_object()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": not a JSON object"));
+    }
+    if (!state.contains("format_version") || !state["format_version"].is_number_integer() ||
+        state["format_version"].get<int64_t>() != kStateFormatVersion) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": format_version: must be ", kStateFormatVersion));
     }
     // Every field is checked before anything is staged: a malformed file changes nothing.
-    const std::string where = folder + "/trainer_state.json";
     if (!state.contains("optimizer_steps") || !state["optimizer_steps"].is_number_integer() ||
         state["optimizer_steps"].get<int64_t>() < 0) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": optimizer_steps: must be an integer >= 0"));
@@ -1135,6 +1145,9 @@ absl::Status Trainer::LoadState(const std::string& folder) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": lora: must be an object"));
     }
     const LoraConfig& lora = adapter_->lora_config();
+    if (state["lora"].contains("expert_lora") && !state["lora"]["expert_lora"].is_string()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": lora.expert_lora: must be a string"));
+    }
     const std::string saved_layout = state["lora"].value("expert_lora", std::string("per_expert"));
     if (saved_layout != lora.expert_lora) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": lora.expert_lora '", saved_layout,
@@ -1169,6 +1182,9 @@ absl::Status Trainer::LoadState(const std::string& folder) {
         return absl::InvalidArgumentError(
             absl::StrCat(file.path(), ": tensor '", name, "': shape mismatch"));
       }
+      if (t.is_floating_point() && !at::isfinite(t).all().item<bool>()) {
+        return absl::InvalidArgumentError(absl::StrCat(file.path(), ": tensor '", name, "': holds non-finite values"));
+      }
       return t;
     };
     const auto& params = adapter_->parameters();
@@ -1178,6 +1194,13 @@ absl::Status Trainer::LoadState(const std::string& folder) {
       LORASTEP_ASSIGN_OR_RETURN(at::Tensor ms, stage(optimizer, params[i].name + ".master", params[i]));
       LORASTEP_ASSIGN_OR_RETURN(at::Tensor a, stage(optimizer, params[i].name + ".exp_avg", params[i]));
       LORASTEP_ASSIGN_OR_RETURN(at::Tensor s, stage(optimizer, params[i].name + ".exp_avg_sq", params[i]));
+      // The trainable weights are the fp32 master copy in their dtype: a checkpoint where they
+      // disagree would train on one and step from the other.
+      if (!at::equal(ms.to(v.scalar_type()), v)) {
+        return absl::InvalidArgumentError(absl::StrCat(trainable.path(), ": tensor '", params[i].name,
+                                                       "': differs from its fp32 master copy in ",
+                                                       optimizer.path()));
+      }
       values.push_back(v);
       master.push_back(ms);
       avg.push_back(a);

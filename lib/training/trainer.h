@@ -101,6 +101,11 @@ struct BatchOptions {
   // from the datums of this call).
   const BatchTotals* totals = nullptr;
   int64_t max_tokens_per_microbatch = 0;  // 0 = TrainerOptions' value
+  // Asked before each micro-batch without a mesh: true stops the call there with CANCELLED
+  // and nothing applied (its caller went away or its deadline passed). A mesh call runs to
+  // its end: its ranks could stop at different micro-batches while a peer waits in a
+  // collective. Empty: never cancelled.
+  std::function<bool()> cancelled;
 };
 
 struct ForwardBackwardResult {
@@ -131,7 +136,8 @@ class Trainer {
                                                         const LossConfig& loss,
                                                         const BatchOptions& batch = {});
   // Log-probs only (old or reference log-probs), no gradients.
-  absl::StatusOr<ForwardBackwardResult> Forward(const std::vector<Datum>& datums);
+  // `batch`: only `cancelled` applies.
+  absl::StatusOr<ForwardBackwardResult> Forward(const std::vector<Datum>& datums, const BatchOptions& batch = {});
   // Finalizes gradients, clips, steps AdamW, zeroes gradients, bumps the learner version.
   absl::StatusOr<OptimStepResult> OptimStep(const AdamWParams& params);
   // A whole rollout batch: ForwardBackward then OptimStep; metrics of both.
