@@ -3,6 +3,8 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+
+#include <chrono>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -71,6 +73,8 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(cons
 MetricsHttpServer::~MetricsHttpServer() {
   stop_ = true;
   if (thread_.joinable()) thread_.join();
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_.wait(lock, [&] { return answering_ == 0; });  // each ends within its 2 s
   ::close(fd_);
 }
 
@@ -80,17 +84,32 @@ void MetricsHttpServer::Serve() {
     if (::poll(&p, 1, 200) <= 0) continue;  // wakes up to notice stop_
     const int client = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (client < 0) continue;
-    Answer(client);
-    ::close(client);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (answering_ >= kMaxConnections) {
+        ::close(client);
+        continue;
+      }
+      ++answering_;
+    }
+    std::thread([this, client] {
+      Answer(client);
+      ::close(client);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--answering_ == 0) idle_.notify_all();
+    }).detach();
   }
 }
 
 void MetricsHttpServer::Answer(int client) {
   std::string request;
   char buf[2048];
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
   while (request.find("\r\n\r\n") == std::string::npos && request.size() < 16384) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
     pollfd p{client, POLLIN, 0};
-    if (::poll(&p, 1, 2000) <= 0) return;  // silent client: dropped
+    if (left <= 0 || ::poll(&p, 1, static_cast<int>(left)) <= 0) return;  // too slow: dropped
     const ssize_t n = ::recv(client, buf, sizeof(buf), 0);
     if (n <= 0) return;
     request.append(buf, static_cast<size_t>(n));

@@ -1,11 +1,15 @@
 // A minimal HTTP/1.1 endpoint for Prometheus scrapes: GET /metrics answers the registry's
-// text exposition; any other path is 404, any other method 405. One connection at a time
-// (a scrape is small and rare), each closed after its answer; a client that sends nothing
-// is dropped after 2 s. Used by the coordinator and the worker (--metrics_port).
+// text exposition; any other path is 404, any other method 405. Each connection is answered
+// on a thread of its own (at most kMaxConnections at once; more are closed at once), so an
+// idle connection never delays a scrape; a connection gets 2 s in all to send its request,
+// then is dropped; each is closed after its answer. Used by the coordinator and the worker
+// (--metrics_port).
 #ifndef LORASTEP_RPC_METRICS_HTTP_SERVER_H_
 #define LORASTEP_RPC_METRICS_HTTP_SERVER_H_
 
 #include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <map>
 #include <memory>
 #include <string>
@@ -25,6 +29,7 @@ class MetricsHttpServer {
                                                                    bool allow_remote = false);
   ~MetricsHttpServer();
   int port() const { return port_; }
+  static constexpr int kMaxConnections = 16;
 
  private:
   MetricsHttpServer(int fd, int port, const PrometheusRegistry* registry)
@@ -37,6 +42,9 @@ class MetricsHttpServer {
   const PrometheusRegistry* registry_;
   std::atomic<bool> stop_{false};
   std::thread thread_;
+  std::mutex mu_;
+  std::condition_variable idle_;
+  int answering_ = 0;  // connections being answered, under mu_
 };
 
 }  // namespace lorastep

@@ -154,6 +154,18 @@ TEST(StateStoreTest, ReferencesStayUnderTheRootAndOnlyLorastepFoldersAreListedOr
   }
   EXPECT_THAT(ValidateStoreName(std::string(129, 'a'), "run_id"),
               StatusIs(absl::StatusCode::kInvalidArgument, "run_id: 129 bytes"));
+  // Issue 26, defect 8: the pattern of lorastep's temporary folders is not a name, and a
+  // symbolic link in the store (runs/<run> or the named folder) leads nowhere.
+  EXPECT_THAT(store.Resolve("lorastep://run-1/ck.tmp-abc", "path"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "path (name): must not contain '.tmp-'"));
+  const std::string outside = ScratchDir("store_outside");
+  ASSERT_EQ(symlink(outside.c_str(), (root + "/runs/linked").c_str()), 0);
+  EXPECT_THAT(store.Resolve("lorastep://linked/ck", "path"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "passes through a symbolic link"));
+  ASSERT_OK(MakeDirectories(root + "/runs/run-2"));
+  ASSERT_EQ(symlink(outside.c_str(), (root + "/runs/run-2/ck").c_str()), 0);
+  EXPECT_THAT(store.Resolve("lorastep://run-2/ck", "path"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "passes through a symbolic link"));
   EXPECT_THAT(ValidateStoreName(std::string("a\0b", 3), "run_id"),
               StatusIs(absl::StatusCode::kInvalidArgument, "run_id: only letters"));
   EXPECT_THAT(ResolveRequestPath(&store, "/etc", "path"), StatusIs(absl::StatusCode::kInvalidArgument, "reference"));

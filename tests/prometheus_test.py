@@ -95,6 +95,14 @@ def main():
         except LorastepError as e:
             check(e.code.name == "INVALID_ARGUMENT", "a bad batch is INVALID_ARGUMENT")
 
+        # Issue 26, defect 8: an idle connection does not hold a scrape (it delayed one by 2 s).
+        idle = [socket.create_connection(("127.0.0.1", metrics_port)) for _ in range(3)]
+        t0 = time.time()
+        scrape(metrics_port)
+        waited = time.time() - t0
+        for sock in idle:
+            sock.close()
+        check(waited < 1.0, f"a scrape beside three idle connections is answered in {waited:.3f} s")
         c = scrape(metrics_port)
         rid = run.run_id
         last = steps[-1]

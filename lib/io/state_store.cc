@@ -73,6 +73,9 @@ absl::Status ValidateStoreName(absl::string_view name, absl::string_view field) 
   if (name.front() == '.') {
     return absl::InvalidArgumentError(absl::StrCat(field, ": must not start with '.'"));
   }
+  if (absl::StrContains(name, ".tmp-")) {  // the pattern of lorastep's folders being written
+    return absl::InvalidArgumentError(absl::StrCat(field, ": must not contain '.tmp-'"));
+  }
   for (char c : name) {
     const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
                     c == '.' || c == '_' || c == '-';
@@ -124,7 +127,18 @@ absl::StatusOr<std::string> StateStore::Resolve(absl::string_view ref, absl::str
   }
   LORASTEP_RETURN_IF_ERROR(ValidateStoreName(rest.substr(0, slash), absl::StrCat(field, " (run)")));
   LORASTEP_RETURN_IF_ERROR(ValidateStoreName(rest.substr(slash + 1), absl::StrCat(field, " (name)")));
-  return absl::StrCat(RunFolder(rest.substr(0, slash)), "/", rest.substr(slash + 1));
+  // A symbolic link in the store (runs/<run> or the named folder) would lead reads and
+  // writes outside the root: the store holds real folders only.
+  const std::string run_folder = RunFolder(rest.substr(0, slash));
+  const std::string path = absl::StrCat(run_folder, "/", rest.substr(slash + 1));
+  for (const std::string& p : {run_folder, path}) {
+    struct stat st;
+    if (lstat(p.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          field, ": ", ref, " passes through a symbolic link in the state store; only real folders are used"));
+    }
+  }
+  return path;
 }
 
 absl::StatusOr<std::vector<StoredFolder>> StateStore::List(absl::string_view run) const {
