@@ -475,6 +475,32 @@ TEST(ActivationBudgetTest, OverBudgetMicroBatchIsRefusedBeforeAnyWork) {
   EXPECT_GT(AvailableHostMemoryBytes(), 0);
 }
 
+// The default CPU budget counts the limits of the process's own cgroup and its ancestors
+// (issue 26, defect 8: only the root's memory.max was read, which a service's or a nested
+// container's cgroup never sets). A cgroup tree written under a scratch folder stands in for
+// /sys/fs/cgroup.
+TEST(ActivationBudgetTest, CgroupRoomIsTheTightestLimitOnThePath) {
+  const std::string root = ::lorastep::testing::ScratchDir("cgroup_tree");
+  auto write = [&](const std::string& rel, const std::string& text) {
+    ASSERT_OK(MakeDirectories(ParentPath(root + rel)));
+    ASSERT_OK(WriteStringToFile(root + rel, text));
+  };
+  write("/memory.max", "max\n");  // the root: no limit
+  write("/system.slice/memory.max", "8000000000\n");
+  write("/system.slice/memory.current", "1000000000\n");
+  write("/system.slice/lorastep.service/memory.max", "3000000000\n");
+  write("/system.slice/lorastep.service/memory.current", "2500000000\n");
+  EXPECT_EQ(CgroupMemoryRoom("0::/system.slice/lorastep.service\n", root), 500000000);
+  EXPECT_EQ(CgroupMemoryRoom("0::/system.slice\n", root), 7000000000);
+  EXPECT_EQ(CgroupMemoryRoom("0::/\n", root), -1);
+  // cgroup v1: the memory controller's hierarchy; its "no limit" is a huge number.
+  write("/memory/docker/abc/memory.limit_in_bytes", "2000000000\n");
+  write("/memory/docker/abc/memory.usage_in_bytes", "500000000\n");
+  write("/memory/memory.limit_in_bytes", "9223372036854771712\n");
+  EXPECT_EQ(CgroupMemoryRoom("12:memory:/docker/abc\n11:cpu,cpuacct:/docker/abc\n", root), 1500000000);
+  EXPECT_EQ(CgroupMemoryRoom("garbage\n", root), -1);
+}
+
 // With the default budget (0), a micro-batch the device cannot hold is refused before any
 // work, on CUDA (the device's available memory) as on CPU (the host's): 31 datums of
 // 131,072 tokens (the per-datum limit) packed into one micro-batch on a wide one-layer

@@ -14,6 +14,8 @@
 #include <deque>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/str_format.h"
 #include "lib/device_stats.h"
 #include "lib/io/checkpoint_dir.h"
@@ -180,22 +182,56 @@ int64_t AvailableHostMemoryBytes() {
     }
     std::fclose(f);
   }
-  // A cgroup v2 memory limit (containers) caps what this process may take.
-  auto read_number = [](const char* path) -> int64_t {
-    std::FILE* f = std::fopen(path, "r");
+  // The cgroup limits (containers, systemd services) cap what this process may take.
+  std::string own_cgroup;
+  if (std::FILE* f = std::fopen("/proc/self/cgroup", "r")) {
+    char line[4096];
+    while (std::fgets(line, sizeof(line), f) != nullptr) own_cgroup += line;
+    std::fclose(f);
+  }
+  const int64_t room = CgroupMemoryRoom(own_cgroup);
+  if (room >= 0) available = available < 0 ? room : std::min(available, room);
+  return available;
+}
+
+int64_t CgroupMemoryRoom(const std::string& proc_self_cgroup, const std::string& cgroup_root) {
+  auto read_number = [](const std::string& path) -> int64_t {
+    std::FILE* f = std::fopen(path.c_str(), "r");
     if (f == nullptr) return -1;
     long long v = -1;
     const int n = std::fscanf(f, "%lld", &v);
     std::fclose(f);
     return n == 1 ? static_cast<int64_t>(v) : -1;  // "max" reads as no number
   };
-  const int64_t limit = read_number("/sys/fs/cgroup/memory.max");
-  const int64_t used = read_number("/sys/fs/cgroup/memory.current");
-  if (limit > 0 && used >= 0) {
-    const int64_t room = std::max<int64_t>(0, limit - used);
-    available = available < 0 ? room : std::min(available, room);
+  int64_t room = -1;
+  // Walks from the cgroup folder `dir` up to `top`, keeping the least limit - usage.
+  auto walk = [&](std::string dir, const std::string& top, const char* limit_file, const char* usage_file) {
+    while (true) {
+      const int64_t limit = read_number(dir + "/" + limit_file);
+      const int64_t used = read_number(dir + "/" + usage_file);
+      // cgroup v1 writes "no limit" as a page-rounded INT64_MAX.
+      if (limit > 0 && limit < (int64_t{1} << 62) && used >= 0) {
+        const int64_t left = std::max<int64_t>(0, limit - used);
+        room = room < 0 ? left : std::min(room, left);
+      }
+      if (dir.size() <= top.size()) break;
+      dir = dir.substr(0, dir.rfind('/'));
+    }
+  };
+  for (absl::string_view line : absl::StrSplit(proc_self_cgroup, '\n', absl::SkipEmpty())) {
+    // "hierarchy-id:controllers:path"; v2 is "0::/path".
+    std::vector<absl::string_view> parts = absl::StrSplit(line, absl::MaxSplits(':', 2));
+    if (parts.size() != 3 || parts[2].empty() || parts[2].front() != '/') continue;
+    std::string path(parts[2]);
+    while (!path.empty() && path.back() == '/') path.pop_back();
+    if (parts[0] == "0" && parts[1].empty()) {
+      walk(cgroup_root + path, cgroup_root, "memory.max", "memory.current");
+    } else if (absl::StrContains(parts[1], "memory")) {
+      const std::string top = cgroup_root + "/memory";
+      walk(top + path, top, "memory.limit_in_bytes", "memory.usage_in_bytes");
+    }
   }
-  return available;
+  return room;
 }
 
 std::vector<std::vector<size_t>> Trainer::SplitMicroBatches(const std::vector<Datum>& datums,

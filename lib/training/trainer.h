@@ -92,8 +92,14 @@ double EstimateActivationBytes(const ModelConfig& config, const ModelShard& shar
 double EstimatePackedActivationBytes(const ModelConfig& config, const ModelShard& shard,
                                      const std::vector<int64_t>& lengths, bool backward, int64_t element_bytes,
                                      int64_t logprob_chunk_tokens);
-// Host memory this process may still allocate: MemAvailable, capped by the cgroup v2 limit.
+// Host memory this process may still allocate: MemAvailable, capped by the room its cgroup
+// limits leave (CgroupMemoryRoom).
 int64_t AvailableHostMemoryBytes();
+// The room this process's memory cgroups leave: the least of limit - usage over its cgroup
+// and every ancestor (v2: memory.max and memory.current under `cgroup_root`; v1: the memory
+// controller's memory.limit_in_bytes and memory.usage_in_bytes), from the text of
+// /proc/self/cgroup. -1 when no limit applies.
+int64_t CgroupMemoryRoom(const std::string& proc_self_cgroup, const std::string& cgroup_root = "/sys/fs/cgroup");
 
 // Per-call overrides for how a batch is run.
 struct BatchOptions {
