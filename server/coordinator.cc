@@ -1862,6 +1862,29 @@ absl::StatusOr<v1::ExportAdapterResponse> Coordinator::ExportAdapter(
   return resp;
 }
 
+absl::StatusOr<v1::UploadAdapterResponse> Coordinator::UploadAdapter(const std::string& run_id, const std::string& path,
+                                                                     const std::string& adapter_config,
+                                                                     const std::string& adapter_model) {
+  if (path.empty()) return absl::InvalidArgumentError("path: required");
+  LORASTEP_RETURN_IF_ERROR(CheckNotAutosave(run_id, OwnRefName(run_id, path), "path"));
+  LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(run_id));
+  std::lock_guard<std::mutex> lock(run->mu);
+  // Rank 0 writes the state store (a mesh's ranks share one).
+  LORASTEP_ASSIGN_OR_RETURN(auto per_rank, FanOut<v1::WorkerPathResponse>(*run, {0}, [&](int, WorkerClient* w) {
+    v1::WorkerStoreAdapterRequest wreq;
+    wreq.set_run_id(run_id);
+    wreq.set_path(path);
+    wreq.set_adapter_config(adapter_config);
+    wreq.set_adapter_model(adapter_model);
+    StampMesh(wreq.mutable_mesh());
+    return w->StoreAdapter(wreq);
+  }));
+  v1::UploadAdapterResponse resp;
+  resp.set_path(path);
+  resp.set_bytes(static_cast<int64_t>(adapter_config.size() + adapter_model.size()));
+  return resp;
+}
+
 absl::StatusOr<v1::ListCheckpointsResponse> Coordinator::ListCheckpoints(
     const v1::ListCheckpointsRequest& req) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, FindRun(req.run_id()));

@@ -164,6 +164,11 @@ class Coordinator {
   absl::StatusOr<v1::SaveStateResponse> SaveState(const v1::SaveStateRequest& req);
   absl::StatusOr<v1::Run> LoadState(const v1::LoadStateRequest& req);
   absl::StatusOr<v1::ExportAdapterResponse> ExportAdapter(const v1::ExportAdapterRequest& req);
+  // An outside PEFT adapter's files stored at `path` (a reference of the run) by the run's
+  // worker, once they load into the run's LoRA config (worker.proto's StoreAdapter).
+  absl::StatusOr<v1::UploadAdapterResponse> UploadAdapter(const std::string& run_id, const std::string& path,
+                                                          const std::string& adapter_config,
+                                                          const std::string& adapter_model);
   // The state store of the run's rank 0 (the rank that writes checkpoints and exports).
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& req);
   absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req);

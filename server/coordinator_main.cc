@@ -121,6 +121,7 @@ ABSL_FLAG(int64_t, max_queued, 4096, "calls queued in all beyond which RESOURCE_
 ABSL_FLAG(int, max_runs, 256, "runs that may exist");
 ABSL_FLAG(int, max_runs_per_key, 64, "runs one API key's owner may hold at once (with --api_keys_file)");
 ABSL_FLAG(int, max_request_mb, 64, "largest request a client may send, MiB, in [1, 1024]");
+ABSL_FLAG(int, max_upload_mb, 512, "largest PEFT adapter one UploadAdapter may send (both files), MiB, in [1, 1000]");
 ABSL_FLAG(double, max_recorded_mb, 64, "MiB of recorded responses (for retries) kept per run");
 ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt, "local workers: activation budget per micro-batch, MiB");
 ABSL_FLAG(bool, unfused_wgrad, false, "local workers: unfused weight gradients");
@@ -546,6 +547,12 @@ int main(int argc, char** argv) {
   CoordinatorService service(&core, executors, &metrics, api_keys ? &*api_keys : nullptr,
                              std::chrono::microseconds(absl::GetFlag(FLAGS_executor_spin_us)));
   service.SetQueueLimits(absl::GetFlag(FLAGS_max_queued_per_run), absl::GetFlag(FLAGS_max_queued));
+  // A worker receives the adapter in one message (its limit is 1 GiB).
+  const int max_upload_mb = absl::GetFlag(FLAGS_max_upload_mb);
+  if (max_upload_mb < 1 || max_upload_mb > 1000) {
+    return fail(absl::InvalidArgumentError("max_upload_mb: must be in [1, 1000]"));
+  }
+  service.SetUploadLimit(int64_t{max_upload_mb} << 20);
   RegistryService registry(&core, worker_token, worker_tls);
   int port = 0;
   // --tls_cert_file/--tls_key_file: the Trainer API over TLS (workers stay on plaintext

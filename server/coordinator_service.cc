@@ -423,4 +423,96 @@ grpc::ServerWriteReactor<v1::StepRecord>* CoordinatorService::WatchMetrics(
   return new MetricsWatchReactor(core_, server_req, caller.status());
 }
 
+// UploadAdapter: authenticates, reads the chunks (the two files, at most the upload limit),
+// then stores the adapter on the run's executor like any call of the run. Deletes itself in
+// OnDone.
+class UploadAdapterReactor final : public grpc::ServerReadReactor<v1::UploadAdapterChunk> {
+ public:
+  UploadAdapterReactor(CoordinatorService* service, grpc::CallbackServerContext* ctx, v1::UploadAdapterResponse* resp)
+      : service_(service), ctx_(ctx), resp_(resp) {
+    auto caller = service_->Authenticate(ctx_);
+    if (!caller.ok()) {
+      Finish(ToGrpcStatus(caller.status()));
+      return;
+    }
+    StartRead(&chunk_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client finished sending
+      Complete();
+      return;
+    }
+    if (absl::Status s = Take(); !s.ok()) {
+      Finish(ToGrpcStatus(s));
+      return;
+    }
+    StartRead(&chunk_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Take() {
+    if (first_) {
+      first_ = false;
+      run_id_ = chunk_.run_id();
+      path_ = chunk_.path();
+      if (run_id_.empty()) return absl::InvalidArgumentError("run_id: required in the first message");
+      if (path_.empty()) return absl::InvalidArgumentError("path: required in the first message");
+    } else if (!chunk_.run_id().empty() || !chunk_.path().empty()) {
+      return absl::InvalidArgumentError("run_id, path: only in the first message");
+    }
+    std::string* file = chunk_.file() == "adapter_config.json"         ? &config_
+                        : chunk_.file() == "adapter_model.safetensors" ? &model_
+                                                                        : nullptr;
+    if (file == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "file: '", chunk_.file().substr(0, 64), "' is not adapter_config.json or adapter_model.safetensors"));
+    }
+    if (static_cast<int64_t>(config_.size() + model_.size() + chunk_.data().size()) > service_->max_upload_bytes_) {
+      return absl::ResourceExhaustedError(absl::StrCat("max_upload_mb: the adapter is larger than ",
+                                                       service_->max_upload_bytes_ >> 20, " MiB"));
+    }
+    file->append(chunk_.data());
+    chunk_.Clear();
+    return absl::OkStatus();
+  }
+
+  void Complete() {
+    std::string server_id;
+    auto caller = service_->Authorize(ctx_, run_id_, &server_id);
+    if (!caller.ok()) return Finish(ToGrpcStatus(caller.status()));
+    if (absl::Status s = service_->CheckPathAccess("path", path_, *caller); !s.ok()) return Finish(ToGrpcStatus(s));
+    if (config_.empty() || model_.empty()) {
+      return Finish(ToGrpcStatus(absl::InvalidArgumentError(
+          "file: both adapter_config.json and adapter_model.safetensors are required")));
+    }
+    if (absl::Status admitted = service_->Admit(server_id); !admitted.ok()) return Finish(ToGrpcStatus(admitted));
+    service_->executor_.Submit(server_id, [this, server_id, who = *caller] {
+      auto stored = service_->core_->UploadAdapter(server_id, ServerRef(who, path_), config_, model_);
+      if (stored.ok()) {
+        *resp_ = *std::move(stored);
+        resp_->set_path(ClientRef(who, resp_->path()));
+      }
+      config_.clear();
+      model_.clear();
+      service_->Done(server_id);
+      Finish(ToGrpcStatus(ClientStatus(who, stored.status())));
+    });
+  }
+
+  CoordinatorService* service_;
+  grpc::CallbackServerContext* ctx_;
+  v1::UploadAdapterResponse* resp_;
+  v1::UploadAdapterChunk chunk_;
+  bool first_ = true;
+  std::string run_id_, path_, config_, model_;
+};
+
+grpc::ServerReadReactor<v1::UploadAdapterChunk>* CoordinatorService::UploadAdapter(grpc::CallbackServerContext* ctx,
+                                                                                   v1::UploadAdapterResponse* resp) {
+  return new UploadAdapterReactor(this, ctx, resp);
+}
+
 }  // namespace lorastep

@@ -88,6 +88,11 @@ class CoordinatorService final : public TrainerServiceBase {
                                            v1::GetStepMetricsResponse* resp) override;
   grpc::ServerWriteReactor<v1::StepRecord>* WatchMetrics(
       grpc::CallbackServerContext* ctx, const v1::WatchMetricsRequest* req) override;
+  // Reads the whole adapter (at most the upload limit), then stores it on the run's executor.
+  grpc::ServerReadReactor<v1::UploadAdapterChunk>* UploadAdapter(grpc::CallbackServerContext* ctx,
+                                                                 v1::UploadAdapterResponse* resp) override;
+  // The most bytes one UploadAdapter may send (both files together); --max_upload_mb.
+  void SetUploadLimit(int64_t bytes) { max_upload_bytes_ = bytes; }
 
  private:
   // Runs `call(caller, server run id)` (returning absl::StatusOr<Resp>) on the run's
@@ -124,6 +129,8 @@ class CoordinatorService final : public TrainerServiceBase {
   int64_t in_flight_ = 0;
   std::map<std::string, int64_t> in_flight_by_run_;
   int64_t max_per_run_ = 64, max_total_ = 4096;
+  int64_t max_upload_bytes_ = int64_t{512} << 20;
+  friend class UploadAdapterReactor;
   KeyedExecutor executor_;  // per-run order, runs served in turn (last: joined first)
 };
 

@@ -122,6 +122,9 @@ absl::Status GrpcWorkerClient::AwaitSaved(const v1::WorkerPathRequest& req) {
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::LoadState(const v1::WorkerPathRequest& req) {
   return Call<v1::WorkerPathResponse>(&v1::Worker::Stub::LoadState, req);
 }
+absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::StoreAdapter(const v1::WorkerStoreAdapterRequest& req) {
+  return Call<v1::WorkerPathResponse>(&v1::Worker::Stub::StoreAdapter, req);
+}
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::ExportAdapter(
     const v1::WorkerPathRequest& req) {
   return Call<v1::WorkerPathResponse>(&v1::Worker::Stub::ExportAdapter, req);

@@ -90,6 +90,9 @@ absl::StatusOr<v1::WorkerPathResponse> InProcessWorkerClient::LoadState(const v1
   return Answer<v1::WorkerPathResponse>(&calls_, &WorkerCalls::LoadState, req);
 }
 
+absl::StatusOr<v1::WorkerPathResponse> InProcessWorkerClient::StoreAdapter(const v1::WorkerStoreAdapterRequest& req) {
+  return Answer<v1::WorkerPathResponse>(&calls_, &WorkerCalls::StoreAdapter, req);
+}
 absl::StatusOr<v1::WorkerPathResponse> InProcessWorkerClient::ExportAdapter(const v1::WorkerPathRequest& req) {
   return Answer<v1::WorkerPathResponse>(&calls_, &WorkerCalls::ExportAdapter, req);
 }

@@ -38,6 +38,7 @@ class InProcessWorkerClient final : public WorkerClient {
   absl::Status AwaitSaved(const v1::WorkerPathRequest& req) override;
   absl::StatusOr<v1::WorkerPathResponse> LoadState(const v1::WorkerPathRequest& req) override;
   absl::StatusOr<v1::WorkerPathResponse> ExportAdapter(const v1::WorkerPathRequest& req) override;
+  absl::StatusOr<v1::WorkerPathResponse> StoreAdapter(const v1::WorkerStoreAdapterRequest& req) override;
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& req) override;
   absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) override;
   // Its trainer validates with the coordinator's limits (and the model's max positions).

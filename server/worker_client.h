@@ -47,6 +47,7 @@ class WorkerClient {
   virtual absl::Status AwaitSaved(const v1::WorkerPathRequest& req) = 0;
   virtual absl::StatusOr<v1::WorkerPathResponse> LoadState(const v1::WorkerPathRequest& req) = 0;
   virtual absl::StatusOr<v1::WorkerPathResponse> ExportAdapter(const v1::WorkerPathRequest& req) = 0;
+  virtual absl::StatusOr<v1::WorkerPathResponse> StoreAdapter(const v1::WorkerStoreAdapterRequest& req) = 0;
   virtual absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& req) = 0;
   virtual absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) = 0;
   // True when the worker checks a batch with this coordinator's own limits before any work

@@ -155,6 +155,21 @@ def main():
               f"the refusal names her checkpoint as she does, not by the server's id: {missing.details}")
         check(b_shared.export("lorastep://shared/peft").path == "lorastep://shared/peft",
               "the export's path comes back as bob named it")
+        # An outside PEFT adapter sent over the API (issue 26, point 9): stored under the
+        # caller's own reference after the same checks as init_from; another owner's run is
+        # out of reach.
+        a_exported = a_run.export(f"lorastep://{a_run.run_id}/peft")
+        folder = os.path.join(tmp, "state", "runs", server_id("alice", a_run.run_id), "peft")
+        ref = a_run.upload_adapter(folder, "uploaded")
+        check(ref == f"lorastep://{a_run.run_id}/uploaded", f"alice uploads an adapter: {ref}")
+        refused(lambda: b_view.upload_adapter(folder, "stolen"), "NOT_FOUND", "no run",
+                "bob cannot upload into alice's run")
+        refused(lambda: type(a_run)(anon, a_run.run_id, 2).upload_adapter(folder, "anon"), "UNAUTHENTICATED", "",
+                "an upload without a key is refused")
+        started = alice.create_run(rank=4, alpha=8, seed=21, init_from=ref)
+        check(started.export(f"lorastep://{started.run_id}/peft")["adapter_sha256"] == a_exported["adapter_sha256"],
+              "a run started from the upload holds the exported weights")
+        alice.delete_run(started.run_id)
         refused(lambda: alice.create_run(rank=4, alpha=8, seed=13, run_id="shared"), "ALREADY_EXISTS",
                 "run_id: 'shared' exists", "an owner's own id is still taken")
         alice.create_run(rank=4, alpha=8, seed=3)  # her third: the limit is 3 per key

@@ -835,6 +835,102 @@ TEST_F(ServiceTest, ReadOnlyCallsDoNotWaitForATrainingStep) {
 // lorastep://<run>/<name> references resolved under the server's root; plain paths,
 // escapes and writes under another run are refused; a run's folders can be listed and
 // deleted; run ids follow the same name rules.
+// Sends a PEFT adapter's files through UploadAdapter in `piece`-byte chunks (the first
+// message names the run and the reference); `extra` messages are sent after them.
+absl::StatusOr<v1::UploadAdapterResponse> Upload(const std::string& address, const std::string& run_id,
+                                                 const std::string& path, const std::string& config,
+                                                 const std::string& model, size_t piece = 1 << 16,
+                                                 const std::vector<v1::UploadAdapterChunk>& extra = {}) {
+  auto stub = v1::Trainer::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::UploadAdapterResponse resp;
+  auto writer = stub->UploadAdapter(&ctx, &resp);
+  bool first = true;
+  for (const auto& [file, bytes] : {std::pair<std::string, const std::string*>{"adapter_config.json", &config},
+                                    {"adapter_model.safetensors", &model}}) {
+    for (size_t at = 0; at < bytes->size(); at += piece) {
+      v1::UploadAdapterChunk chunk;
+      if (first) {
+        chunk.set_run_id(run_id);
+        chunk.set_path(path);
+        first = false;
+      }
+      chunk.set_file(file);
+      chunk.set_data(bytes->substr(at, piece));
+      if (!writer->Write(chunk)) break;  // the server refused already: Finish says why
+    }
+  }
+  for (const auto& chunk : extra) writer->Write(chunk);
+  writer->WritesDone();
+  const grpc::Status s = writer->Finish();
+  if (!s.ok()) return FromGrpcStatus(s);
+  return resp;
+}
+
+// Issue 26, point 9: an outside PEFT adapter is sent over the API (no --allow_plain_paths, no
+// copying into the worker's store by hand), checked like init_from, stored as
+// lorastep://<run>/<name>, and a run started from it holds exactly its weights. Anything that
+// would not load stores nothing.
+TEST(StateStoreServiceTest, UploadedAdapterIsCheckedStoredAndStartsARun) {
+  const std::string scratch = ScratchDir("upload_service");
+  const std::string root = scratch + "/state";
+  ASSERT_OK_AND_ASSIGN(ChildServer server, StartTinyCoordinator("upload_coord", {"--state_dir", root,
+                                                                                 "--max_upload_mb", "1"}));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
+  TrainerClient* t = client.get();
+  // The outside adapter: another run's export, read back as plain bytes.
+  ASSERT_OK_AND_ASSIGN(RunSession source, RunSession::Create(t, Lora(), 1, "source"));
+  ASSERT_OK(source.TrainStep(Batch(0), Ppo(), Adam()).status());
+  v1::ExportAdapterRequest exp;
+  exp.set_run_id("source");
+  exp.set_path("lorastep://source/peft");
+  ASSERT_OK_AND_ASSIGN(v1::ExportAdapterResponse exported, t->ExportAdapter(exp));
+  ASSERT_OK_AND_ASSIGN(std::string config, ReadFileToString(root + "/runs/source/peft/adapter_config.json"));
+  ASSERT_OK_AND_ASSIGN(std::string model, ReadFileToString(root + "/runs/source/peft/adapter_model.safetensors"));
+  ASSERT_OK_AND_ASSIGN(RunSession holder, RunSession::Create(t, Lora(), 2, "holder"));
+  ASSERT_OK_AND_ASSIGN(v1::UploadAdapterResponse up,
+                       Upload(server.address(), "holder", "lorastep://holder/imported", config, model, 4096));
+  EXPECT_EQ(up.path(), "lorastep://holder/imported");
+  EXPECT_EQ(up.bytes(), static_cast<int64_t>(config.size() + model.size()));
+  v1::CreateRunRequest from;
+  from.set_request_id("from-upload");
+  *from.mutable_lora() = Lora();
+  from.set_run_id("started");
+  from.set_init_from("lorastep://holder/imported");
+  ASSERT_OK(t->CreateRun(from).status());
+  exp.set_run_id("started");
+  exp.set_path("lorastep://started/peft");
+  ASSERT_OK_AND_ASSIGN(v1::ExportAdapterResponse again, t->ExportAdapter(exp));
+  EXPECT_EQ(again.adapter_sha256(), exported.adapter_sha256()) << "the started run holds other weights";
+  // Refused, each naming the field, and nothing stored.
+  std::string bad_model = model;
+  bad_model.resize(model.size() / 2);
+  v1::LoraConfig other_rank = Lora();
+  other_rank.set_rank(2);
+  v1::UploadAdapterChunk stray;
+  stray.set_file("../../etc/passwd");
+  stray.set_data("x");
+  EXPECT_THAT(Upload(server.address(), "holder", "lorastep://holder/torn", config, bad_model),
+              StatusIs(absl::StatusCode::kInvalidArgument, "adapter_model.safetensors"));
+  EXPECT_THAT(Upload(server.address(), "holder", "lorastep://holder/stray", config, model, 1 << 16, {stray}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "file: '../../etc/passwd' is not"));
+  EXPECT_THAT(Upload(server.address(), "holder", "lorastep://holder/nomodel", config, ""),
+              StatusIs(absl::StatusCode::kInvalidArgument, "file: both"));
+  EXPECT_THAT(Upload(server.address(), "holder", "lorastep://source/x", config, model),
+              StatusIs(absl::StatusCode::kInvalidArgument, "its own references"));
+  EXPECT_THAT(Upload(server.address(), "nobody", "lorastep://nobody/x", config, model),
+              StatusIs(absl::StatusCode::kNotFound, "run_id: no run 'nobody'"));
+  EXPECT_THAT(Upload(server.address(), "holder", "lorastep://holder/huge", config, std::string(2 << 20, 'x')),
+              StatusIs(absl::StatusCode::kResourceExhausted, "max_upload_mb"));
+  ASSERT_OK_AND_ASSIGN(RunSession rank2, RunSession::Create(t, other_rank, 3, "rank2"));
+  EXPECT_THAT(Upload(server.address(), "rank2", "lorastep://rank2/imported", config, model),
+              StatusIs(absl::StatusCode::kInvalidArgument, "adapter_config.json"));
+  for (const char* name : {"torn", "stray", "nomodel", "huge"}) {
+    EXPECT_FALSE(PathExists(absl::StrCat(root, "/runs/holder/", name))) << name;
+  }
+  EXPECT_FALSE(PathExists(root + "/runs/rank2/imported"));
+}
+
 TEST(StateStoreServiceTest, ReferencesListAndDeleteUnderTheServersRoot) {
   const std::string scratch = ScratchDir("store_service");
   const std::string root = scratch + "/state";

@@ -198,6 +198,13 @@ absl::Status WorkerCalls::SaveState(const v1::WorkerPathRequest& req, v1::Worker
   return absl::OkStatus();
 }
 
+absl::Status WorkerCalls::StoreAdapter(const v1::WorkerStoreAdapterRequest& req, v1::WorkerPathResponse* resp) {
+  LORASTEP_ASSIGN_OR_RETURN(WorkerCore::PathResult r,
+                            core_->StoreAdapter(req.run_id(), req.path(), req.adapter_config(), req.adapter_model()));
+  FillPathResponse(r, resp);
+  return absl::OkStatus();
+}
+
 absl::Status WorkerCalls::AwaitSaved(const v1::WorkerPathRequest& req) {
   return core_->AwaitSaved(req.run_id(), req.path());
 }

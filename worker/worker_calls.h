@@ -52,6 +52,7 @@ class WorkerCalls {
   absl::Status AwaitSaved(const v1::WorkerPathRequest& req);
   absl::Status LoadState(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp);
   absl::Status ExportAdapter(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp);
+  absl::Status StoreAdapter(const v1::WorkerStoreAdapterRequest& req, v1::WorkerPathResponse* resp);
   absl::Status ListCheckpoints(const v1::ListCheckpointsRequest& req, v1::ListCheckpointsResponse* resp);
   absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req);
 

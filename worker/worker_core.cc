@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "lib/io/checkpoint_dir.h"
 #include "lib/io/file_util.h"
 #include "lib/log.h"
 #include "lib/status_macros.h"
@@ -247,6 +248,31 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::ExportAdapter(const std::stri
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh.Unchecked()));
   LORASTEP_RETURN_IF_ERROR(AsReference(t->ExportAdapter(folder, expand_experts), folder, path));
   return PathResult{t->FullAdapterSha256(), t->learner_version()};
+}
+
+absl::StatusOr<WorkerCore::PathResult> WorkerCore::StoreAdapter(const std::string& run_id, const std::string& path,
+                                                                const std::string& adapter_config,
+                                                                const std::string& adapter_model) {
+  std::lock_guard<FairMutex> lock(mu_);
+  if (options_.sizes.world() > 1) {
+    return absl::FailedPreconditionError(
+        "UploadAdapter: a PEFT adapter loads at world size 1 only (as init_from does); upload it to a coordinator "
+        "with one worker, start a run from it and SaveState a checkpoint the mesh can load");
+  }
+  LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/true));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * run, Find(run_id));
+  TrainerOptions o;
+  o.lora = run->adapter().lora_config();
+  o.grad = options_.grad;
+  LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> scratch, Trainer::Create(base_, o));
+  absl::Status stored = WriteFolderAtomically(folder, [&](const std::string& tmp) -> absl::Status {
+    LORASTEP_RETURN_IF_ERROR(WriteStringToFile(tmp + "/adapter_config.json", adapter_config));
+    LORASTEP_RETURN_IF_ERROR(WriteStringToFile(tmp + "/adapter_model.safetensors", adapter_model));
+    // Loaded as init_from would load it: names, shapes, rank, alpha, targets, finite values.
+    return scratch->ImportAdapter(tmp);
+  });
+  LORASTEP_RETURN_IF_ERROR(AsReference(stored, folder, path));
+  return PathResult{"", run->learner_version()};
 }
 
 absl::StatusOr<const StateStore*> WorkerCore::Store() const {

@@ -110,6 +110,12 @@ class WorkerCore {
     std::string adapter_sha256;
     int64_t learner_version = 0;
   };
+  // A PEFT adapter's files (adapter_config.json, adapter_model.safetensors) stored at
+  // `path` (a reference of `run_id`) once they load into a fresh adapter with the run's LoRA
+  // config, as init_from loads one; nothing is stored otherwise. World size 1 only (like a
+  // PEFT init_from). `learner_version` is the run's; `adapter_sha256` is empty.
+  absl::StatusOr<PathResult> StoreAdapter(const std::string& run_id, const std::string& path,
+                                          const std::string& adapter_config, const std::string& adapter_model);
   // `background`: the state is copied to host memory here and the folder written afterwards
   // on the writer thread (adapter_sha256 is then empty); AwaitSaved tells how that ended.
   absl::StatusOr<PathResult> SaveState(const std::string& run_id, const std::string& path,

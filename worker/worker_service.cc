@@ -67,6 +67,7 @@ LORASTEP_WORKER_BATCH_CALL(TrainStep, v1::WorkerTrainStepRequest, v1::WorkerStep
 LORASTEP_WORKER_CALL(SaveState, v1::WorkerPathRequest, v1::WorkerPathResponse)
 LORASTEP_WORKER_CALL(LoadState, v1::WorkerPathRequest, v1::WorkerPathResponse)
 LORASTEP_WORKER_CALL(ExportAdapter, v1::WorkerPathRequest, v1::WorkerPathResponse)
+LORASTEP_WORKER_CALL(StoreAdapter, v1::WorkerStoreAdapterRequest, v1::WorkerPathResponse)  // loads on the device
 // Calls that touch only the state store's files run on the files executor: removing an
 // autosave of the 0.5B model took ~80 ms on the H200 host, and on the device's queue the
 // next step waited for it.

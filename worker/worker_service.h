@@ -52,6 +52,9 @@ class WorkerService final : public v1::Worker::CallbackService {
   grpc::ServerUnaryReactor* ExportAdapter(grpc::CallbackServerContext* ctx,
                                           const v1::WorkerPathRequest* req,
                                           v1::WorkerPathResponse* resp) override;
+  grpc::ServerUnaryReactor* StoreAdapter(grpc::CallbackServerContext* ctx,
+                                         const v1::WorkerStoreAdapterRequest* req,
+                                         v1::WorkerPathResponse* resp) override;
   grpc::ServerUnaryReactor* ListCheckpoints(grpc::CallbackServerContext* ctx,
                                             const v1::ListCheckpointsRequest* req,
                                             v1::ListCheckpointsResponse* resp) override;

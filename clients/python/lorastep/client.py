@@ -210,6 +210,26 @@ class Run:
             run_id=self.run_id, path=path))
         return ExportResult(r.path, r.adapter_sha256, r.learner_version)
 
+    def upload_adapter(self, folder, name, piece_bytes=4 << 20):
+        """Sends a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) on this
+        machine to the server's state store as lorastep://<run>/<name>, checked first like
+        init_from; start a run from it with create_run(init_from=...). Returns the reference."""
+        def chunks():
+            first = True
+            for file in ("adapter_config.json", "adapter_model.safetensors"):
+                with open(os.path.join(folder, file), "rb") as f:
+                    while True:
+                        data = f.read(piece_bytes)
+                        if not data:
+                            break
+                        head = {"run_id": self.run_id, "path": f"lorastep://{self.run_id}/{name}"} if first else {}
+                        first = False
+                        yield trainer_pb2.UploadAdapterChunk(file=file, data=data, **head)
+        try:
+            return self._client._stub.UploadAdapter(chunks(), metadata=self._client._metadata).path
+        except grpc.RpcError as e:
+            raise LorastepError(e.code(), e.details()) from None
+
     def checkpoints(self):
         """The run's folders in the server's state store (servers started with --state_dir):
         dicts of name, ref (lorastep://<run>/<name>), bytes, modified_unix_s."""
