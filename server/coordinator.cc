@@ -614,8 +614,9 @@ void Coordinator::RestoreOrphans(const std::vector<std::shared_ptr<RunState>>& o
   }
   for (const auto& old : orphans) {
     std::lock_guard<std::mutex> run_lock(old->mu);  // after the call that found the worker dead
-    // The journal is cut back to the last durable autosave here: a confirmation of the old
-    // run's background autosave arriving later must not record (or delete) anything.
+    // The journal is cut back to the last durable autosave by the restore below (Settle): a
+    // confirmation of the old run's background autosave arriving later must not record (or
+    // delete) anything.
     std::lock_guard<std::mutex> autosave_lock(old->autosave_mu);
     old->retired = true;
     const std::string run_id = old->run.run_id();
@@ -1234,12 +1235,25 @@ absl::Status Coordinator::RestoreRun(const JournaledRun& j, WorkerClient* onto) 
     });
     if (!loaded.ok() || (*loaded)[0].learner_version() != j.run.learner_version()) {
       delete_on_ranks();
+      if (absl::IsNotFound(loaded.status()) && j.newer_pending != nullptr) {
+        // The journal's tail was torn, and with it, it seems, the record that made the newer
+        // autosave durable (the older one is removed once a newer one is): restore from it.
+        LORASTEP_LOG(Warning) << "run " << run_id << ": " << AutosaveRef(run_id, j.autosave_name)
+                              << " is gone; restoring from " << AutosaveRef(run_id, j.newer_pending->autosave_name)
+                              << ", whose durable record the torn journal tail held";
+        return RestoreRun(*j.newer_pending, onto);
+      }
       if (!loaded.ok()) return loaded.status();
       return absl::DataLossError(absl::StrCat(AutosaveRef(run_id, j.autosave_name), " holds learner_version ",
                                               (*loaded)[0].learner_version(), ", the journal ",
                                               j.run.learner_version()));
     }
     version = (*loaded)[0].learner_version();
+  }
+  // The journal says from here on exactly what was restored, before the run takes a call.
+  if (absl::Status settled = options_.journal->Settle(j); !settled.ok()) {
+    delete_on_ranks();
+    return settled;
   }
   state->run = j.run;
   state->run.set_learner_version(version);

@@ -101,6 +101,22 @@ std::string JournalFileOf(const std::vector<v1::JournalEntry>& records) {
   return out;
 }
 
+// The run as of the marker at all[keep - 1] (keep 0: as created): the entries up to it, the
+// marker durable, no done records.
+JournaledRun CutAt(const v1::JournalRun& created, const std::vector<v1::JournalEntry>& all, size_t keep) {
+  JournaledRun r;
+  r.created = created;
+  r.autosaved = keep > 0;
+  r.run = r.autosaved ? all[keep - 1].run() : created.run();
+  r.autosave_name = !r.autosaved ? "" : all[keep - 1].autosave_name().empty() ? "autosave" : all[keep - 1].autosave_name();
+  for (size_t i = 0; i < keep; ++i) {
+    if (!all[i].autosave_done().empty()) continue;
+    r.entries.push_back(all[i]);
+  }
+  if (r.autosaved) r.entries.back().set_autosave_pending(false);
+  return r;
+}
+
 }  // namespace
 
 absl::StatusOr<RunJournal> RunJournal::Open(const std::string& dir) {
@@ -155,13 +171,13 @@ absl::Status RunJournal::Append(const std::string& run_id, const v1::JournalEntr
 absl::Status RunJournal::RemoveRun(const std::string& run_id) { return RemoveAll(RunDir(run_id)); }
 
 absl::StatusOr<JournaledRun> RunJournal::RecoverRun(const std::string& name) {
-  JournaledRun r;
+  v1::JournalRun created_run;
   const std::string run_file = RunDir(name) + "/" + kRunFile;
   auto created = ReadFileToString(run_file);
   if (!created.ok() || created->size() < kFileMagic.size() ||
       absl::string_view(*created).substr(0, kFileMagic.size()) != kFileMagic ||
-      IntactRecordAt(*created, kFileMagic.size(), &r.created) != created->size() - kFileMagic.size() ||
-      r.created.run().run_id() != name) {
+      IntactRecordAt(*created, kFileMagic.size(), &created_run) != created->size() - kFileMagic.size() ||
+      created_run.run().run_id() != name) {
     return absl::DataLossError(
         absl::StrCat(run_file, ": damaged (no intact journaled run: wrong header, checksum or id); not restored"));
   }
@@ -179,31 +195,35 @@ absl::StatusOr<JournaledRun> RunJournal::RecoverRun(const std::string& name) {
     LORASTEP_LOG(Warning) << "journal: " << path << ": a torn last record at byte " << parsed.damage_at << " of "
                           << data.size() << " (a write cut short) is dropped";
   }
-  std::vector<v1::JournalEntry> all = std::move(parsed.records);
+  const std::vector<v1::JournalEntry> all = std::move(parsed.records);
   std::set<std::string> done;  // background autosaves that became durable
   for (const auto& e : all) {
     if (!e.autosave_done().empty()) done.insert(e.autosave_done());
   }
-  size_t keep = 0;  // entries up to the last durable marker
+  size_t keep = 0, newest_marker = 0;  // entries up to the last durable marker, and up to the last marker
   for (size_t i = 0; i < all.size(); ++i) {
-    if (all[i].autosave_marker() && (!all[i].autosave_pending() || done.count(all[i].autosave_name()))) keep = i + 1;
+    if (!all[i].autosave_marker()) continue;
+    newest_marker = i + 1;
+    if (!all[i].autosave_pending() || done.count(all[i].autosave_name())) keep = i + 1;
   }
-  r.autosaved = keep > 0;
-  r.run = r.autosaved ? all[keep - 1].run() : r.created.run();
-  r.autosave_name = !r.autosaved ? "" : all[keep - 1].autosave_name().empty() ? "autosave" : all[keep - 1].autosave_name();
-  all.resize(keep);
-  // What is kept says it all by itself: the marker durable, no done records.
-  if (r.autosaved) all.back().set_autosave_pending(false);
-  all.erase(std::remove_if(all.begin(), all.end(), [](const v1::JournalEntry& e) { return !e.autosave_done().empty(); }),
-            all.end());
-  // The file now says exactly what was recovered (temp + rename: never half rewritten).
-  const std::string rewritten = JournalFileOf(all);
-  if (rewritten != data) {
-    LORASTEP_RETURN_IF_ERROR(WriteStringToFile(path + ".tmp", rewritten));
-    if (rename((path + ".tmp").c_str(), path.c_str()) != 0) return ErrnoError("rename", path);
+  JournaledRun r = CutAt(created_run, all, keep);
+  // A torn tail may have been the record that made the newest autosave durable (the one
+  // before it is then removed already): that autosave is the run's fallback.
+  if (parsed.damage == ParsedFile::Damage::kTornTail && newest_marker > keep) {
+    r.newer_pending = std::make_shared<JournaledRun>(CutAt(created_run, all, newest_marker));
   }
-  r.entries = std::move(all);
   return r;
+}
+
+absl::Status RunJournal::Settle(const JournaledRun& restored) {
+  const std::string path = RunDir(restored.created.run().run_id()) + "/" + kJournalFile;
+  LORASTEP_ASSIGN_OR_RETURN(const std::string data, ReadFileToString(path));
+  // The file then says exactly what was restored (temp + rename: never half rewritten).
+  const std::string rewritten = JournalFileOf(restored.entries);
+  if (rewritten == data) return absl::OkStatus();
+  LORASTEP_RETURN_IF_ERROR(WriteStringToFile(path + ".tmp", rewritten));
+  if (rename((path + ".tmp").c_str(), path.c_str()) != 0) return ErrnoError("rename", path);
+  return SyncDirectory(RunDir(restored.created.run().run_id()));
 }
 
 absl::StatusOr<std::vector<JournaledRun>> RunJournal::Recover(std::vector<absl::Status>* skipped) {

@@ -8,7 +8,7 @@
 // On restart a run comes back as it was at its last durable marker (its autosave): sequence
 // id, learner version, step history and request records up to there; later entries (the
 // gradients of ForwardBackward calls since the last step, a step whose autosave did not
-// finish) are dropped from the file.
+// finish) are dropped from the file once the run is restored (Settle).
 //
 // Integrity: each file starts with a header, and every record carries its length, a CRC-32C
 // and a format version. A torn last record (a crash mid-append: nothing intact after it) is
@@ -38,6 +38,10 @@ struct JournaledRun {
   v1::Run run;
   bool autosaved = false;
   std::string autosave_name;  // that marker's checkpoint name
+  // After a torn last record: the run as of the newest autosave marker, still pending in the
+  // file (the torn record may have been the one that made it durable). Restore falls back to
+  // it when the durable marker's autosave is gone. Null otherwise.
+  std::shared_ptr<JournaledRun> newer_pending;
 
 };
 
@@ -52,12 +56,15 @@ class RunJournal {
   // from several threads.
   absl::Status Append(const std::string& run_id, const v1::JournalEntry& entry, bool sync);
   absl::Status RemoveRun(const std::string& run_id);
-  // Every journaled run, each cut back to its last durable marker (the file is rewritten to
-  // match, that marker durable in it).
+  // Every journaled run, each cut back to its last durable marker; the files are not
+  // changed (Settle does that once a run is restored).
   // A run whose files cannot be read is left in place and reported in `skipped`.
   absl::StatusOr<std::vector<JournaledRun>> Recover(std::vector<absl::Status>* skipped);
   // One run, the same way (the caller keeps other calls of the run from appending meanwhile).
   absl::StatusOr<JournaledRun> RecoverRun(const std::string& run_id);
+  // Rewrites the run's journal to say exactly what was restored: `restored`'s entries, its
+  // marker durable. Before any new record of the run is appended.
+  absl::Status Settle(const JournaledRun& restored);
 
   const std::string& dir() const { return dir_; }
 

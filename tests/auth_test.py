@@ -276,16 +276,8 @@ def worker_tls_checks(coordinator, worker, model, cert, key, tmp):
         check(secure.Info(worker_pb2.WorkerInfoRequest(), metadata=SECRET_METADATA,
                           timeout=10).model_path.endswith("model"),
               "a caller verifying the CA reaches the TLS worker")
-        client = TrainingClient(raddr, root_certificates=open(cert, "rb").read())
-        for _ in range(100):
-            try:
-                run = client.create_run(rank=4, alpha=8)
-                break
-            except Exception:  # the worker is still registering
-                time.sleep(0.2)
-        check(run.train_step([datum(i) for i in range(2)], adamw={"lr": 1e-3}).learner_version == 1,
-              "a TLS worker registered with a TLS coordinator trains")
-        client.close()
+        first_step_once_registered(raddr, 2, "a TLS worker registered with a TLS coordinator trains",
+                                   root_certificates=open(cert, "rb").read())
 
         # Mutual TLS: a worker that requires a client certificate signed by the CA.
         mport = os.path.join(tmp, "mtls_wport")
@@ -318,6 +310,20 @@ def worker_tls_checks(coordinator, worker, model, cert, key, tmp):
         for p in procs:
             p.terminate()
             p.wait(30)
+
+
+def first_step_once_registered(address, n, what, **client_args):
+    """Creates a run on a coordinator whose workers are still registering (retried while it
+    answers UNAVAILABLE), then checks that one step of `n` datums applies."""
+    client = TrainingClient(address, **client_args)
+    for _ in range(600):
+        try:
+            run = client.create_run(rank=4, alpha=8)
+            break
+        except LorastepError:
+            time.sleep(0.2)
+    check(run.train_step([datum(i) for i in range(n)], adamw={"lr": 1e-3}).learner_version == 1, what)
+    client.close()
 
 
 def serve_and_train(command, port_file, procs, what):
@@ -498,16 +504,7 @@ def membership_checks(coordinator, worker, model, tmp):
         for i in range(2):
             procs.append(subprocess.Popen([worker, "--model", model, "--port", "0", "--register_with", raddr],
                                           env=secret_env))
-        client = TrainingClient(raddr)
-        for _ in range(600):
-            try:
-                run = client.create_run(rank=4, alpha=8)
-                break
-            except LorastepError:  # the ranks are still joining
-                time.sleep(0.2)
-        check(run.train_step([datum(i) for i in range(4)], adamw={"lr": 1e-3}).learner_version == 1,
-              "the real workers holding the secret took both ranks and train")
-        client.close()
+        first_step_once_registered(raddr, 4, "the real workers holding the secret took both ranks and train")
     finally:
         for p in procs:
             p.terminate()

@@ -74,8 +74,47 @@ TEST(RunJournalIntegrityTest, TornLastRecordIsDroppedAndTheRunComesBackAtItsLast
   ASSERT_OK_AND_ASSIGN(JournaledRun r, journal.RecoverRun("r"));
   EXPECT_EQ(r.autosave_name, "autosave-3");
   EXPECT_EQ(r.run.learner_version(), 3);
+  ASSERT_OK(journal.Settle(r));
   ASSERT_OK_AND_ASSIGN(JournaledRun again, journal.RecoverRun("r"));  // the file was rewritten whole
   EXPECT_EQ(again.entries.size(), 6u);
+  EXPECT_EQ(again.newer_pending, nullptr);
+}
+
+// The "last 7 bytes cut" case: the torn record was the one that made the newest background
+// autosave durable, and the autosave before it is removed once a newer one is durable. The run
+// falls back to the newer autosave (the coordinator uses it when the older one is gone), and
+// Settle makes the file say what was restored.
+TEST(RunJournalIntegrityTest, TornDurableRecordLeavesTheNewerAutosaveAsFallback) {
+  const std::string dir = ScratchDir("journal_torn_done");
+  RunJournal journal = JournalWithThreeSteps(dir);
+  v1::JournalEntry pending = Marker("autosave-4", 4);
+  pending.set_autosave_pending(true);
+  v1::JournalEntry done;
+  done.set_autosave_done("autosave-4");
+  ASSERT_OK(journal.Append("r", Call("s4", 4), false));
+  ASSERT_OK(journal.Append("r", pending, false));
+  ASSERT_OK(journal.Append("r", done, true));
+  const std::string path = dir + "/r/journal";
+  ASSERT_OK_AND_ASSIGN(std::string data, ReadFileToString(path));
+  ASSERT_OK(WriteStringToFile(path, data.substr(0, data.size() - 7)));
+  ASSERT_OK_AND_ASSIGN(JournaledRun r, journal.RecoverRun("r"));
+  EXPECT_EQ(r.autosave_name, "autosave-3");
+  ASSERT_NE(r.newer_pending, nullptr);
+  EXPECT_EQ(r.newer_pending->autosave_name, "autosave-4");
+  EXPECT_EQ(r.newer_pending->run.learner_version(), 4);
+  EXPECT_EQ(ReadFileToString(path).value(), data.substr(0, data.size() - 7)) << "recovery alone changes no file";
+  ASSERT_OK(journal.Settle(*r.newer_pending));
+  ASSERT_OK_AND_ASSIGN(JournaledRun settled, journal.RecoverRun("r"));
+  EXPECT_EQ(settled.autosave_name, "autosave-4");
+  EXPECT_EQ(settled.newer_pending, nullptr);
+  EXPECT_EQ(settled.entries.size(), 8u);
+  // Without a torn tail a pending marker is only a write in progress: no fallback.
+  ASSERT_OK(journal.Append("r", Call("s5", 5), false));
+  pending.set_autosave_name("autosave-5");
+  ASSERT_OK(journal.Append("r", pending, false));
+  ASSERT_OK_AND_ASSIGN(JournaledRun later, journal.RecoverRun("r"));
+  EXPECT_EQ(later.autosave_name, "autosave-4");
+  EXPECT_EQ(later.newer_pending, nullptr);
 }
 
 // Each damage that used to roll the run back silently (or lose it) is DATA_LOSS naming the

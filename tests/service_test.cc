@@ -1465,6 +1465,7 @@ TEST(RunJournalTest, PendingMarkersCountOnlyOnceDurable) {
     EXPECT_EQ(r.run.learner_version(), 1);
     ASSERT_EQ(r.entries.size(), 2u) << again;  // s1 and its marker, durable now
     EXPECT_FALSE(r.entries[1].autosave_pending());
+    ASSERT_OK(journal.Settle(r));  // as the coordinator does once the run is restored
   }
   for (const v1::JournalEntry& e : {call("s2b", 2), marker("autosave-2", 2, true), done("autosave-2"),
                                     call("s3", 3), marker("autosave-3", 3, true)}) {
@@ -1558,6 +1559,58 @@ TEST(ProcessTest, DefaultJournalIsPerPort) {
     ASSERT_OK_AND_ASSIGN(std::string why, ReadFileToString(dir + "/share.txt"));
     EXPECT_THAT(why, ::testing::HasSubstr("autosave_max_share: ")) << why;
   }
+}
+
+// Issue 26, defect 5, through a real restart: with the journal's last record cut short (the
+// record that made autosave-2 durable; autosave-1 is removed already), a coordinator started
+// again brings the run back at learner_version 2 from autosave-2 (it was refused: "autosave-1:
+// nothing is saved"); with a record flipped mid-file the run is not restored, its journal is
+// left as it was, and a CreateRun of its id is refused instead of replacing it.
+TEST(ProcessTest, TornOrDamagedJournalNeverRollsARunBackSilently) {
+  ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("journal_damage"));
+  const std::vector<std::string> args = {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"),
+                                         "--state_dir", dir + "/store", "--journal_dir", dir + "/journal"};
+  std::string run_id;
+  {
+    ASSERT_OK_AND_ASSIGN(ChildServer first, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));
+    ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(first.address()));
+    ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
+    run_id = run.run_id();
+    ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
+    WaitUntilAutosaved(client.get(), run_id, 1);
+    ASSERT_OK(run.TrainStep(Batch(1), Ppo(), Adam()).status());
+    WaitUntilAutosaved(client.get(), run_id, 2);
+    const std::string older = absl::StrCat(dir, "/store/runs/", run_id, "/autosave-1");
+    for (int i = 0; i < 100 && PathExists(older); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ASSERT_FALSE(PathExists(older)) << "autosave-1 outlived autosave-2's durable record";
+    ASSERT_EQ(kill(first.pid(), SIGKILL), 0);
+  }
+  const std::string journal = absl::StrCat(dir, "/journal/", run_id, "/journal");
+  ASSERT_OK_AND_ASSIGN(std::string intact, ReadFileToString(journal));
+  ASSERT_OK(WriteStringToFile(journal, intact.substr(0, intact.size() - 7)));
+  {
+    ASSERT_OK_AND_ASSIGN(ChildServer second, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));
+    ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(second.address()));
+    ASSERT_OK_AND_ASSIGN(v1::Run back, client->GetRun(run_id));
+    EXPECT_EQ(back.learner_version(), 2);
+    ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Attach(client.get(), run_id));
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse third, run.TrainStep(Batch(2), Ppo(), Adam()));
+    EXPECT_EQ(third.learner_version(), 3);
+    WaitUntilAutosaved(client.get(), run_id, 3);
+    ASSERT_EQ(kill(second.pid(), SIGKILL), 0);
+  }
+  ASSERT_OK_AND_ASSIGN(std::string data, ReadFileToString(journal));
+  for (size_t i = data.size() / 3; i < data.size() / 3 + 16; ++i) data[i] = static_cast<char>(~data[i]);
+  ASSERT_OK(WriteStringToFile(journal, data));
+  ASSERT_OK_AND_ASSIGN(ChildServer third, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(third.address()));
+  EXPECT_THAT(client->GetRun(run_id), StatusIs(absl::StatusCode::kNotFound, ""));
+  v1::CreateRunRequest again;
+  again.set_request_id("reuse-damaged-id");
+  *again.mutable_lora() = Lora();
+  again.set_run_id(run_id);
+  EXPECT_THAT(client->CreateRun(again), StatusIs(absl::StatusCode::kFailedPrecondition, "run_id: a journaled run"));
+  EXPECT_EQ(ReadFileToString(journal).value(), data) << "the damaged journal was changed";
 }
 
 TEST(ProcessTest, KilledCoordinatorRestartsItsRunsFromTheJournal) {
