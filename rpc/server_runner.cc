@@ -125,9 +125,14 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
   // `own`: a lorastep service, whose requests are protobuf messages (gRPC's health service
   // hands interceptors a raw byte buffer instead).
   // `raw_request`: the request type of a raw method (its message is a grpc::ByteBuffer).
+  // `request_type`: the request type of a lorastep method this server serves (null: none).
+  // `authenticator` (may be null) and `path`, `ctx`: to tell a refused caller from a request
+  // that does not parse, which gRPC answers alike.
   CallInterceptor(std::string method, bool own, const google::protobuf::Descriptor* raw_request,
-                  const CallObservers* observers)
-      : method_(std::move(method)), own_(own), raw_request_(raw_request), observers_(observers),
+                  const google::protobuf::Descriptor* request_type, const CallObservers* observers,
+                  const CallAuthenticator* authenticator, std::string path, grpc::ServerContextBase* ctx)
+      : method_(std::move(method)), own_(own), raw_request_(raw_request), request_type_(request_type),
+        observers_(observers), authenticator_(authenticator), path_(std::move(path)), ctx_(ctx),
         start_(std::chrono::steady_clock::now()) {}
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     using grpc::experimental::InterceptionHookPoints;
@@ -145,7 +150,24 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
       }
     }
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
-      const grpc::Status status = methods->GetSendStatus();
+      grpc::Status status = methods->GetSendStatus();
+      // gRPC answers a call whose message never reached the service with a bare
+      // UNIMPLEMENTED: a caller the headers' check refused, or a request that does not parse
+      // (malformed, or nested past protobuf's recursion limit). Each gets its own answer.
+      if (request_type_ != nullptr && status.error_code() == grpc::StatusCode::UNIMPLEMENTED &&
+          status.error_message().empty()) {
+        absl::Status allowed = absl::OkStatus();
+        if (authenticator_ != nullptr && ctx_ != nullptr) {
+          auto it = ctx_->client_metadata().find("authorization");
+          allowed = authenticator_->Check(
+              path_, it == ctx_->client_metadata().end() ? "" : std::string(it->second.data(), it->second.size()));
+        }
+        status = !allowed.ok() ? grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(allowed.message()))
+                               : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                              absl::StrCat("request: does not parse as ", request_type_->full_name(),
+                                                           " (malformed, or nested more deeply than protobuf allows)"));
+        methods->ModifySendStatus(status);
+      }
       const std::string code = absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code()));
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
       if (PrometheusRegistry* metrics = observers_->metrics) {
@@ -180,35 +202,45 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
   std::string method_;
   bool own_;
   const google::protobuf::Descriptor* raw_request_;
+  const google::protobuf::Descriptor* request_type_;
   const CallObservers* observers_;
+  const CallAuthenticator* authenticator_;
+  std::string path_;
+  grpc::ServerContextBase* ctx_;
   std::chrono::steady_clock::time_point start_;
   std::string run_id_, request_id_;
 };
 
 class CallInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  explicit CallInterceptorFactory(CallObservers observers) : observers_(std::move(observers)) {}
+  CallInterceptorFactory(CallObservers observers, std::shared_ptr<const CallAuthenticator> authenticator)
+      : observers_(std::move(observers)), authenticator_(std::move(authenticator)) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
     // "/lorastep.v1.Trainer/TrainStep" -> "Trainer/TrainStep"
     std::string method = info->method() != nullptr ? info->method() : "unknown";
     const bool own = method.rfind("/lorastep.", 0) == 0;
     const google::protobuf::Descriptor* raw_request = nullptr;
-    if (own && observers_.raw_methods.count(method)) {
+    const google::protobuf::Descriptor* request_type = nullptr;
+    if (own && method.rfind('/') > 0) {
       // "/lorastep.v1.Trainer/TrainStep" -> the method "lorastep.v1.Trainer.TrainStep"
       std::string full = method.substr(1);
       full[full.rfind('/')] = '.';
       const auto* m = google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(full);
-      if (m != nullptr) raw_request = m->input_type();
+      if (m != nullptr && observers_.services.count(m->service()->full_name())) request_type = m->input_type();
+      if (observers_.raw_methods.count(method)) raw_request = request_type;
     }
     const bool logged_fields = !own || observers_.raw_methods.count(method) == 0 || raw_request != nullptr;
     const size_t slash = method.rfind('/');
     const size_t dot = method.rfind('.', slash);
     if (slash != std::string::npos && dot != std::string::npos) method = method.substr(dot + 1);
-    return new CallInterceptor(method, own && logged_fields, raw_request, &observers_);
+    return new CallInterceptor(method, own && logged_fields, raw_request, request_type, &observers_,
+                               authenticator_.get(), info->method() != nullptr ? info->method() : "",
+                               info->server_context());
   }
 
  private:
   CallObservers observers_;
+  std::shared_ptr<const CallAuthenticator> authenticator_;
 };
 
 void DeclareRequestMetrics(PrometheusRegistry* metrics) {
@@ -273,7 +305,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
   if (observers.metrics != nullptr || observers.log_verbosity >= 0) {
     if (observers.metrics != nullptr) DeclareRequestMetrics(observers.metrics);
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-    interceptors.push_back(std::make_unique<CallInterceptorFactory>(observers));
+    interceptors.push_back(std::make_unique<CallInterceptorFactory>(observers, authenticator));
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
   }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

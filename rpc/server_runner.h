@@ -50,6 +50,9 @@ struct CallObservers {
   // Methods served raw ("/lorastep.v1.Trainer/TrainStep"): their messages reach interceptors
   // as grpc::ByteBuffer, whose run_id and request_id are read off the wire.
   std::set<std::string> raw_methods;
+  // The services this server serves ("lorastep.v1.Worker"): a call of one of their methods
+  // that never reached the service is answered as refused or unparsable, not UNIMPLEMENTED.
+  std::set<std::string> services;
 };
 
 // Whether `host` names this machine's loopback interface only.

@@ -578,6 +578,7 @@ int main(int argc, char** argv) {
   }
   CallObservers observers{&metrics, log_verbosity, "coordinator", -1};
   observers.raw_methods = CoordinatorService::RawMethods();
+  observers.services = {"lorastep.v1.Trainer", "lorastep.v1.Registry"};
   auto server = StartGrpcServer(host, absl::GetFlag(FLAGS_port), {&service, &registry}, &port, max_request_bytes,
                                 observers, credentials, authenticator);
   if (!server.ok()) return fail(server.status());

@@ -572,6 +572,19 @@ def preauth_memory_checks(coordinator, worker, model, keys_file, tmp):
         check(len(codes) == 3 and all("INVALID_ARGUMENT: datums: more than 65536 in one request" in code
                                       for code in codes), f"with a key the datums are counted first: {codes}")
         check(keyed < preauth + 4 * 63 * 3, f"costing at most a few times the bytes: peak {keyed:.1f} MB")
+        # A request nested past protobuf's limit is INVALID_ARGUMENT, not a bare UNIMPLEMENTED
+        # (issue 26, defect 8): the raw methods count it on the wire, the others answer for gRPC.
+        nested = b"\x0b" * 100000
+        for method, text in (("CreateRun", "does not parse as lorastep.v1.CreateRunRequest"),
+                             ("GetRun", "does not parse as lorastep.v1.GetRunRequest"),
+                             ("TrainStep", "not a well-formed protobuf message")):
+            try:
+                channel.unary_unary(f"/lorastep.v1.Trainer/{method}")(
+                    nested, metadata=(("authorization", "Bearer " + KEYS["alice"]),), timeout=10)
+                raise AssertionError(f"{method} accepted 100,000 nested groups")
+            except grpc.RpcError as e:
+                check(e.code() == grpc.StatusCode.INVALID_ARGUMENT and text in e.details(),
+                      f"{method} with 100,000 nested groups: {e.code().name} {e.details()}")
         # Reflection answers only callers with a key when keys are on (issue 26, defect 8).
         reflect = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
         try:

@@ -296,10 +296,9 @@ int main(int argc, char** argv) {
     authenticator->Require("/lorastep.v1.Worker/", secret_check);
     authenticator->Require("/grpc.reflection.", secret_check);
   }
-  auto server = StartGrpcServer(host, absl::GetFlag(FLAGS_port), {&service},
-                                &port, 1 << 30,
-                                CallObservers{&metrics, VerbosityFlag(), "worker",
-                                              options.sizes.world() > 1 ? options.rank : -1},
+  CallObservers observers{&metrics, VerbosityFlag(), "worker", options.sizes.world() > 1 ? options.rank : -1};
+  observers.services = {"lorastep.v1.Worker"};
+  auto server = StartGrpcServer(host, absl::GetFlag(FLAGS_port), {&service}, &port, 1 << 30, observers,
                                 server_credentials, authenticator);
   if (!server.ok()) {
     LORASTEP_LOG(Error) << "lorastep_worker: " << server.status();
