@@ -1700,7 +1700,8 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
             }
             *wreq.mutable_mesh() = mesh;
             StampMesh(wreq.mutable_mesh());
-            return w->ForwardBackward(wreq, BatchShard{&datums, &ShardOfRank(shards, rank), deadline});
+            wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max());
+        return w->ForwardBackward(wreq, BatchShard{&datums, &ShardOfRank(shards, rank), deadline});
           }));
   resp = on_mesh() ? MergeForward(shards, static_cast<int>(datums.size()), per_rank) : per_rank[0].result();
   {
@@ -1728,7 +1729,8 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::Forwa
             wreq.set_run_id(req.run_id());
             wreq.mutable_mesh()->set_expected_learner_version(-1);
             StampMesh(wreq.mutable_mesh());
-            return w->Forward(wreq, BatchShard{&datums, &ShardOfRank(shards, rank), deadline});
+            wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max());
+        return w->Forward(wreq, BatchShard{&datums, &ShardOfRank(shards, rank), deadline});
           }));
   return on_mesh() ? MergeForward(shards, static_cast<int>(datums.size()), per_rank) : per_rank[0].result();
 }
@@ -1794,6 +1796,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
         wreq.set_max_tokens_per_microbatch(req.max_tokens_per_microbatch());
         *wreq.mutable_mesh() = mesh;
         StampMesh(wreq.mutable_mesh());
+        wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max());
         return w->TrainStep(wreq, BatchShard{&datums, &ShardOfRank(shards, rank), deadline});
       }));
   LORASTEP_ASSIGN_OR_RETURN(resp, MergeSteps(*run, std::move(per_rank)));

@@ -1248,6 +1248,31 @@ TEST(ProcessTest, AbandonedCallStopsAtTheNextMicroBatchAndAppliesNothing) {
   EXPECT_EQ(next.learner_version(), 1);
 }
 
+// The same on a DP2 mesh: with a client deadline the ranks agree before each micro-batch
+// whether to stop (one all-reduce), so all stop at the same one and nothing is applied on any
+// rank; the run then trains on with its replicas equal.
+TEST(ProcessTest, AbandonedMeshCallStopsOnEveryRankAtTheSameMicroBatch) {
+  if (!CpuCollectivesAvailable()) GTEST_SKIP() << "CPU meshes need gloo";
+  ASSERT_OK_AND_ASSIGN(ChildServer server, StartTinyCoordinator("abandoned_mesh", {"--dp", "2"}));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
+  ASSERT_OK_AND_ASSIGN(RunSession big, RunSession::Create(client.get(), Lora(), 1));
+  ASSERT_OK_AND_ASSIGN(RunSession small, RunSession::Create(client.get(), Lora(), 2));
+  auto stub = v1::Trainer::NewStub(grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  EXPECT_THAT((CallUnary<v1::StepResponse>(stub.get(), &v1::Trainer::Stub::TrainStep, LongTrainStep(big.run_id(), 4096),
+                                           std::chrono::seconds(3))),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, ""));
+  const auto given_up = std::chrono::steady_clock::now();
+  ASSERT_OK(small.TrainStep(Batch(0), Ppo(), Adam()));
+  const double cancel_to_idle = std::chrono::duration<double>(std::chrono::steady_clock::now() - given_up).count();
+  std::printf("mesh cancel_to_idle_s=%.3f\n", cancel_to_idle);
+  EXPECT_LT(cancel_to_idle, 5.0);  // one micro-batch, then the mesh's next generation forms
+  ASSERT_OK_AND_ASSIGN(v1::Run state, client->GetRun(big.run_id()));
+  EXPECT_EQ(state.learner_version(), 0) << "the abandoned step was applied";
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse next, big.TrainStep(Batch(0), Ppo(), Adam()));
+  EXPECT_EQ(next.learner_version(), 1);
+  EXPECT_TRUE(next.replicas_equal());
+}
+
 // Issue 26, defect 6: a local worker whose coordinator is SIGKILLed mid-step exits within a
 // few seconds (an orphan kept computing for 36-70 s); SIGTERM to a coordinator mid-step
 // exits within its shutdown deadline.

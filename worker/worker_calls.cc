@@ -55,7 +55,7 @@ std::optional<BatchTotals> WholeBatchTotals(const Req& req) {
 
 MeshCallInfo MeshFromProto(const v1::MeshCall& mesh) {
   return MeshCallInfo{mesh.request_id().empty() ? -1 : mesh.expected_learner_version(), mesh.mesh_generation(),
-                      mesh.rendezvous()};
+                      mesh.rendezvous(), mesh.client_deadline()};
 }
 
 std::string RandomInstanceId() {

@@ -164,6 +164,7 @@ absl::StatusOr<ForwardBackwardResult> WorkerCore::ForwardBackward(
   BatchOptions batch;
   batch.totals = totals;
   batch.cancelled = cancelled;
+  batch.agree_on_cancel = mesh.agree_on_cancel;
   return t->ForwardBackward(datums, loss, batch);
 }
 
@@ -174,6 +175,7 @@ absl::StatusOr<ForwardBackwardResult> WorkerCore::Forward(const std::string& run
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
   BatchOptions batch;
   batch.cancelled = cancelled;
+  batch.agree_on_cancel = mesh.agree_on_cancel;
   return t->Forward(datums, batch);
 }
 
@@ -198,6 +200,7 @@ absl::StatusOr<OptimStepResult> WorkerCore::TrainStep(const std::string& run_id,
   batch.totals = totals;
   batch.max_tokens_per_microbatch = max_tokens;
   batch.cancelled = cancelled;
+  batch.agree_on_cancel = mesh.agree_on_cancel;
   return t->TrainStep(datums, loss, params, batch);
 }
 

@@ -66,8 +66,9 @@ struct MeshCallInfo {
   int64_t expected_learner_version = -1;  // -1: not checked
   int64_t generation = 0;
   std::string rendezvous;  // "": the TCPStore this rank has
+  bool agree_on_cancel = false;  // MeshCall.client_deadline
   // The same call with the learner version unchecked.
-  MeshCallInfo Unchecked() const { return {-1, generation, rendezvous}; }
+  MeshCallInfo Unchecked() const { return {-1, generation, rendezvous, agree_on_cancel}; }
 };
 
 class WorkerCore {

@@ -559,12 +559,24 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     // No host synchronization between micro-batches: the phases are timed by marks in the
     // device's queue, read once after the last micro-batch.
     std::vector<DeviceMark> marks{DeviceMark::Now(device)};
+    // On a mesh the ranks ask together, as often as the rank with the most micro-batches does.
+    size_t cancel_rounds = mbs.size();
+    if (batch.cancelled && batch.agree_on_cancel && options_.groups != nullptr) {
+      at::Tensor most = at::full({1}, static_cast<double>(mbs.size()), at::TensorOptions().dtype(at::kDouble).device(device));
+      LORASTEP_RETURN_IF_ERROR(options_.groups->group(GroupKind::kWorld).AllReduce(most, ReduceKind::kMax));
+      cancel_rounds = static_cast<size_t>(most.item<double>());
+    }
+    auto stop_before = [&](size_t i) -> absl::Status {
+      LORASTEP_ASSIGN_OR_RETURN(const bool stop, CallCancelled(batch));
+      if (!stop) return absl::OkStatus();
+      return absl::CancelledError(absl::StrCat(
+          "call cancelled (its caller went away or its deadline passed) ",
+          i < mbs.size() ? absl::StrCat("before micro-batch ", i + 1, " of ", mbs.size()) : "on another rank",
+          "; nothing was applied"));
+    };
     for (size_t i = 0; i < mbs.size(); ++i) {
       const MicroBatch& mb = mbs[i];
-      if (batch.cancelled && options_.groups == nullptr && batch.cancelled()) {
-        return absl::CancelledError(absl::StrCat("call cancelled (its caller went away or its deadline passed) before "
-                                                 "micro-batch ", i + 1, " of ", mbs.size(), "; nothing was applied"));
-      }
+      LORASTEP_RETURN_IF_ERROR(stop_before(i));
       fwd_options.packed = mb.is_packed ? &mb.packed : nullptr;
       at::Tensor x = Qwen2Embed(config, base_->weights, adapter_.get(), mb.tokens, fwd_options);
       x = Qwen2Layers(config, base_->weights, adapter_.get(), x, fwd_options);
@@ -575,6 +587,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
         marks.push_back(DeviceMark::Now(device));
       }
     }
+    for (size_t i = mbs.size(); i < cancel_rounds; ++i) LORASTEP_RETURN_IF_ERROR(stop_before(i));
     const size_t per_mb = backward ? 2 : 1;
     for (size_t k = 1; k < marks.size(); ++k) {
       const double seconds = marks[k].SecondsSince(marks[k - 1]);
@@ -778,6 +791,17 @@ absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector
   }
   ++pending_backward_calls_;
   return result;
+}
+
+absl::StatusOr<bool> Trainer::CallCancelled(const BatchOptions& batch) {
+  if (!batch.cancelled) return false;
+  if (options_.groups == nullptr) return batch.cancelled();
+  if (!batch.agree_on_cancel) return false;
+  // Every rank asks at the same micro-batch; any rank's yes stops them all there.
+  at::Tensor any = at::full({1}, batch.cancelled() ? 1.0f : 0.0f,
+                            at::TensorOptions().device(base_->device).dtype(at::kFloat));
+  LORASTEP_RETURN_IF_ERROR(options_.groups->group(GroupKind::kWorld).AllReduce(any, ReduceKind::kMax));
+  return any.item<float>() > 0;
 }
 
 absl::Status Trainer::AgreeOnOutcome(const absl::Status& local) {

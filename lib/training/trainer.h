@@ -107,11 +107,13 @@ struct BatchOptions {
   // from the datums of this call).
   const BatchTotals* totals = nullptr;
   int64_t max_tokens_per_microbatch = 0;  // 0 = TrainerOptions' value
-  // Asked before each micro-batch without a mesh: true stops the call there with CANCELLED
-  // and nothing applied (its caller went away or its deadline passed). A mesh call runs to
-  // its end: its ranks could stop at different micro-batches while a peer waits in a
-  // collective. Empty: never cancelled.
+  // Asked before each micro-batch: true stops the call there with CANCELLED and nothing
+  // applied (its caller went away or its deadline passed). On a mesh only with
+  // `agree_on_cancel` and one pipeline stage: the ranks then all-reduce their answers before
+  // each micro-batch and stop together (a rank stopping alone would leave its peers in a
+  // collective); otherwise a mesh call runs to its end. Empty: never cancelled.
   std::function<bool()> cancelled;
+  bool agree_on_cancel = false;
 };
 
 struct ForwardBackwardResult {
@@ -209,6 +211,8 @@ class Trainer {
   void AddCudaPeakMemory(Metrics* metrics) const;
   // On a mesh: every rank votes with its outcome (a world-group MIN all-reduce) before it
   // commits, so either every rank applies a call or none does. World size 1: `local`.
+  // Whether the call is to stop before its next micro-batch (BatchOptions::cancelled).
+  absl::StatusOr<bool> CallCancelled(const BatchOptions& batch);
   absl::Status AgreeOnOutcome(const absl::Status& local);
   // The micro-batches of a call: packed (PackIntoMicroBatches) or padded per datum.
   std::vector<std::vector<size_t>> SplitMicroBatches(const std::vector<Datum>& datums, int64_t max_tokens) const;
