@@ -42,7 +42,8 @@ fuzz=$(bazel test //tests:fuzz_test --test_output=all --cache_test_results=no 2>
 # and accepted, the coordinator's peak RSS under three 63 MB unauthenticated requests
 # (tests/auth_test.py), journal damage cases and silent rollbacks (tests/run_journal_test.cc),
 # the time from an abandoned 2M-token TrainStep's deadline to another run's answered step
-# (ProcessTest.AbandonedCallStopsAtTheNextMicroBatchAndAppliesNothing).
+# (ProcessTest.AbandonedCallStopsAtTheNextMicroBatchAndAppliesNothing; on a DP2 mesh,
+# ProcessTest.AbandonedMeshCallStopsOnEveryRankAtTheSameMicroBatch).
 bazel test //tests:auth_test //tests:run_journal_test --test_output=all --cache_test_results=no > "$W/issue26.log" 2>&1
 cat "$W/process_tests.log" >> "$W/issue26.log"
 python3 - "$W/load.json" "$OUT" "$passed" "$failed" "$fuzz" "$W/issue26.log" <<'PY'
@@ -50,7 +51,7 @@ import datetime, json, os, platform, re, subprocess, sys
 load = json.load(open(sys.argv[1])); passed, failed, fuzz = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 log = open(sys.argv[6]).read()
 def figure(name, kind=float):
-    found = re.findall(name + r"=([0-9.]+)", log)
+    found = re.findall(r"(?<!\w)" + name + r"=([0-9.]+)", log)
     return kind(found[-1]) if found else None
 ver = lambda p: subprocess.run(["dpkg-query", "-W", "-f=${Version}", p], capture_output=True, text=True).stdout
 out = {"date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -70,7 +71,8 @@ out = {"date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
        "authenticated_peak_rss_mb": figure("authenticated_peak_rss_mb"),
        "journal_damage_cases": figure("journal_damage_cases", int),
        "journal_silent_rollbacks": figure("journal_silent_rollbacks", int),
-       "cancel_to_idle_s": figure("cancel_to_idle_s")}
+       "cancel_to_idle_s": figure("cancel_to_idle_s"),
+       "mesh_cancel_to_idle_s": figure("mesh_cancel_to_idle_s")}
 json.dump(out, open(sys.argv[2], "w"), indent=2)
 print(json.dumps(out, indent=2))
 PY

@@ -1264,7 +1264,7 @@ TEST(ProcessTest, AbandonedMeshCallStopsOnEveryRankAtTheSameMicroBatch) {
   const auto given_up = std::chrono::steady_clock::now();
   ASSERT_OK(small.TrainStep(Batch(0), Ppo(), Adam()));
   const double cancel_to_idle = std::chrono::duration<double>(std::chrono::steady_clock::now() - given_up).count();
-  std::printf("mesh cancel_to_idle_s=%.3f\n", cancel_to_idle);
+  std::printf("mesh_cancel_to_idle_s=%.3f\n", cancel_to_idle);
   EXPECT_LT(cancel_to_idle, 5.0);  // one micro-batch, then the mesh's next generation forms
   ASSERT_OK_AND_ASSIGN(v1::Run state, client->GetRun(big.run_id()));
   EXPECT_EQ(state.learner_version(), 0) << "the abandoned step was applied";
