@@ -18,10 +18,6 @@
 namespace lorastep {
 namespace {
 
-bool IsLoopback(const std::string& host) {
-  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
-}
-
 void SendAll(int fd, const std::string& data) {
   size_t sent = 0;
   while (sent < data.size()) {
@@ -41,7 +37,7 @@ std::string Response(const std::string& status, const std::string& type, const s
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(const std::string& host, int port,
                                                                              const PrometheusRegistry* registry,
                                                                              bool allow_remote) {
-  if (!IsLoopback(host) && !allow_remote) {
+  if (!IsLoopbackHost(host) && !allow_remote) {
     return absl::InvalidArgumentError(absl::StrCat(
         "metrics_host: '", host, "' is not a loopback address; lorastep has no authentication, so the "
         "metrics endpoint (which names every run) listens beyond this machine only with --metrics_allow_remote"));

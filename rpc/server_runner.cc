@@ -279,7 +279,7 @@ void WaitForShutdownSignal() {
 }
 
 bool IsLoopbackHost(const std::string& host) {
-  return host == "127.0.0.1" || host == "localhost" || host == "::1" || host == "[::1]";
+  return host == "localhost" || host == "::1" || host == "[::1]" || host.rfind("127.", 0) == 0;
 }
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(

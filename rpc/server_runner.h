@@ -55,7 +55,7 @@ struct CallObservers {
   std::set<std::string> services;
 };
 
-// Whether `host` names this machine's loopback interface only.
+// Whether `host` names this machine's loopback interface only (127.0.0.0/8, ::1, localhost).
 bool IsLoopbackHost(const std::string& host);
 // `credentials`: null = plaintext; TlsServerCredentials() for TLS.
 // `authenticator`: checked on every call's headers before its message is read (see
