@@ -72,7 +72,8 @@ out = {"date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
        "journal_damage_cases": figure("journal_damage_cases", int),
        "journal_silent_rollbacks": figure("journal_silent_rollbacks", int),
        "cancel_to_idle_s": figure("cancel_to_idle_s"),
-       "mesh_cancel_to_idle_s": figure("mesh_cancel_to_idle_s")}
+       "mesh_cancel_to_idle_s": figure("mesh_cancel_to_idle_s"),
+       "pipeline_cancel_to_idle_s": figure("pipeline_cancel_to_idle_s")}
 json.dump(out, open(sys.argv[2], "w"), indent=2)
 print(json.dumps(out, indent=2))
 PY

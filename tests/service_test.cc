@@ -1248,12 +1248,12 @@ TEST(ProcessTest, AbandonedCallStopsAtTheNextMicroBatchAndAppliesNothing) {
   EXPECT_EQ(next.learner_version(), 1);
 }
 
-// The same on a DP2 mesh: with a client deadline the ranks agree before each micro-batch
-// whether to stop (one all-reduce), so all stop at the same one and nothing is applied on any
-// rank; the run then trains on with its replicas equal.
-TEST(ProcessTest, AbandonedMeshCallStopsOnEveryRankAtTheSameMicroBatch) {
-  if (!CpuCollectivesAvailable()) GTEST_SKIP() << "CPU meshes need gloo";
-  ASSERT_OK_AND_ASSIGN(ChildServer server, StartTinyCoordinator("abandoned_mesh", {"--dp", "2"}));
+// The same on a mesh: with a client deadline the ranks agree before each micro-batch whether
+// to stop (one all-reduce; in a pipeline, before each stage receives the micro-batch's input),
+// so all stop at the same one with no send or receive half done and nothing applied on any
+// rank; the run then trains on with its replicas equal. Prints `<label>_cancel_to_idle_s`.
+void ExpectAbandonedMeshCallStopsTogether(const std::vector<std::string>& layout, const std::string& label) {
+  ASSERT_OK_AND_ASSIGN(ChildServer server, StartTinyCoordinator(absl::StrCat("abandoned_", label), layout));
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
   ASSERT_OK_AND_ASSIGN(RunSession big, RunSession::Create(client.get(), Lora(), 1));
   ASSERT_OK_AND_ASSIGN(RunSession small, RunSession::Create(client.get(), Lora(), 2));
@@ -1264,13 +1264,40 @@ TEST(ProcessTest, AbandonedMeshCallStopsOnEveryRankAtTheSameMicroBatch) {
   const auto given_up = std::chrono::steady_clock::now();
   ASSERT_OK(small.TrainStep(Batch(0), Ppo(), Adam()));
   const double cancel_to_idle = std::chrono::duration<double>(std::chrono::steady_clock::now() - given_up).count();
-  std::printf("mesh_cancel_to_idle_s=%.3f\n", cancel_to_idle);
+  std::printf("%s_cancel_to_idle_s=%.3f\n", label.c_str(), cancel_to_idle);
   EXPECT_LT(cancel_to_idle, 5.0);  // one micro-batch, then the mesh's next generation forms
   ASSERT_OK_AND_ASSIGN(v1::Run state, client->GetRun(big.run_id()));
   EXPECT_EQ(state.learner_version(), 0) << "the abandoned step was applied";
   ASSERT_OK_AND_ASSIGN(v1::StepResponse next, big.TrainStep(Batch(0), Ppo(), Adam()));
   EXPECT_EQ(next.learner_version(), 1);
   EXPECT_TRUE(next.replicas_equal());
+  // Bitwise the step of a twin run that never saw the abandoned call (no gradient of its
+  // finished micro-batches is left behind).
+  ASSERT_OK_AND_ASSIGN(RunSession twin, RunSession::Create(client.get(), Lora(), 1));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse twin_step, twin.TrainStep(Batch(0), Ppo(), Adam()));
+  EXPECT_EQ(next.adapter_sha256(), twin_step.adapter_sha256());
+  // A forward-only call stops the same way and leaves the mesh able to answer.
+  v1::ForwardRequest forward;
+  forward.set_run_id(big.run_id());
+  *forward.mutable_datums() = LongTrainStep(big.run_id(), 4096).datums();
+  EXPECT_THAT((CallUnary<v1::ForwardBackwardResponse>(stub.get(), &v1::Trainer::Stub::Forward, forward,
+                                                      std::chrono::seconds(2))),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, ""));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse after, big.TrainStep(Batch(1), Ppo(), Adam()));
+  EXPECT_EQ(after.learner_version(), 2);
+  EXPECT_TRUE(after.replicas_equal());
+}
+
+TEST(ProcessTest, AbandonedMeshCallStopsOnEveryRankAtTheSameMicroBatch) {
+  if (!CpuCollectivesAvailable()) GTEST_SKIP() << "CPU meshes need gloo";
+  ExpectAbandonedMeshCallStopsTogether({"--dp", "2"}, "mesh");
+}
+
+// Issue 26, defect 6 on a pipeline: the 1F1B schedule stops at its next micro-batch too (it
+// ran to its end before).
+TEST(ProcessTest, AbandonedPipelineCallStopsOnEveryStageAtTheSameMicroBatch) {
+  if (!CpuCollectivesAvailable()) GTEST_SKIP() << "CPU meshes need gloo";
+  ExpectAbandonedMeshCallStopsTogether({"--pp", "2"}, "pipeline");
 }
 
 // Issue 26, defect 6: a local worker whose coordinator is SIGKILLed mid-step exits within a

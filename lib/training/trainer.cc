@@ -555,25 +555,25 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
 
   c10::optional<at::NoGradGuard> no_grad;
   if (!backward) no_grad.emplace();
+  // On a mesh the ranks ask together, as often as the rank with the most micro-batches does.
+  size_t cancel_rounds = mbs.size();
+  if (batch.cancelled && batch.agree_on_cancel && options_.groups != nullptr) {
+    at::Tensor most = at::full({1}, static_cast<double>(mbs.size()), at::TensorOptions().dtype(at::kDouble).device(device));
+    LORASTEP_RETURN_IF_ERROR(options_.groups->group(GroupKind::kWorld).AllReduce(most, ReduceKind::kMax));
+    cancel_rounds = static_cast<size_t>(most.item<double>());
+  }
+  auto stop_before = [&](size_t i) -> absl::Status {
+    LORASTEP_ASSIGN_OR_RETURN(const bool stop, CallCancelled(batch));
+    if (!stop) return absl::OkStatus();
+    return absl::CancelledError(absl::StrCat(
+        "call cancelled (its caller went away or its deadline passed) ",
+        i < mbs.size() ? absl::StrCat("before micro-batch ", i + 1, " of ", mbs.size()) : "on another rank",
+        "; nothing was applied"));
+  };
   if (base_->shard.pp == 1) {
     // No host synchronization between micro-batches: the phases are timed by marks in the
     // device's queue, read once after the last micro-batch.
     std::vector<DeviceMark> marks{DeviceMark::Now(device)};
-    // On a mesh the ranks ask together, as often as the rank with the most micro-batches does.
-    size_t cancel_rounds = mbs.size();
-    if (batch.cancelled && batch.agree_on_cancel && options_.groups != nullptr) {
-      at::Tensor most = at::full({1}, static_cast<double>(mbs.size()), at::TensorOptions().dtype(at::kDouble).device(device));
-      LORASTEP_RETURN_IF_ERROR(options_.groups->group(GroupKind::kWorld).AllReduce(most, ReduceKind::kMax));
-      cancel_rounds = static_cast<size_t>(most.item<double>());
-    }
-    auto stop_before = [&](size_t i) -> absl::Status {
-      LORASTEP_ASSIGN_OR_RETURN(const bool stop, CallCancelled(batch));
-      if (!stop) return absl::OkStatus();
-      return absl::CancelledError(absl::StrCat(
-          "call cancelled (its caller went away or its deadline passed) ",
-          i < mbs.size() ? absl::StrCat("before micro-batch ", i + 1, " of ", mbs.size()) : "on another rank",
-          "; nothing was applied"));
-    };
     for (size_t i = 0; i < mbs.size(); ++i) {
       const MicroBatch& mb = mbs[i];
       LORASTEP_RETURN_IF_ERROR(stop_before(i));
@@ -587,7 +587,6 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
         marks.push_back(DeviceMark::Now(device));
       }
     }
-    for (size_t i = mbs.size(); i < cancel_rounds; ++i) LORASTEP_RETURN_IF_ERROR(stop_before(i));
     const size_t per_mb = backward ? 2 : 1;
     for (size_t k = 1; k < marks.size(); ++k) {
       const double seconds = marks[k].SecondsSince(marks[k - 1]);
@@ -605,8 +604,9 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
           x = Qwen2Layers(config, base_->weights, adapter_.get(), x, fwd_options);
           return base_->shard.last_stage() ? head(mbs[i], x) : x;
         },
-        &t_forward, &t_backward));
+        [&](int i) { return stop_before(static_cast<size_t>(i)); }, &t_forward, &t_backward));
   }
+  for (size_t i = mbs.size(); i < cancel_rounds; ++i) LORASTEP_RETURN_IF_ERROR(stop_before(i));
   if (!pending_logprobs.empty()) {
     std::vector<at::Tensor> parts;
     for (const auto& [mb, lp] : pending_logprobs) parts.push_back(lp);
@@ -658,8 +658,8 @@ void Trainer::AddCudaPeakMemory(Metrics* metrics) const {
 absl::Status Trainer::RunPipelineSchedule(
     int num_micro_batches, bool backward,
     const std::function<std::vector<int64_t>(int)>& activation_shape,
-    const std::function<at::Tensor(int, const at::Tensor&)>& forward, double* t_forward,
-    double* t_backward) {
+    const std::function<at::Tensor(int, const at::Tensor&)>& forward,
+    const std::function<absl::Status(int)>& stop_before, double* t_forward, double* t_backward) {
   constexpr int kActivationTag = 0, kGradientTag = 1;
   CommGroup& pipe = options_.groups->group(GroupKind::kPipeline);
   const bool first = base_->shard.first_stage(), last = base_->shard.last_stage();
@@ -703,8 +703,15 @@ absl::Status Trainer::RunPipelineSchedule(
   };
   auto output_grad_buffer = [&]() { return at::empty(activation_shape(in_flight.front().index), act); };
 
+  // `stop_before(i)` comes before this stage receives micro-batch i's input, on every rank in
+  // the same order. Between two of those points each stage's sends and receives pair up with
+  // its neighbours' of the same span (the forward of micro-batch i runs down the stages; the
+  // gradient each stage passes back is the one the stage before receives after its forward of
+  // i), so a collective there waits for nothing that comes after it, and a stop leaves no
+  // send or receive half done.
   if (!backward) {
     for (int i = 0; i < num_micro_batches; ++i) {
+      LORASTEP_RETURN_IF_ERROR(stop_before(i));
       LORASTEP_ASSIGN_OR_RETURN(at::Tensor x, receive_input(i));
       at::Tensor y = run_forward(i, x);
       in_flight.clear();
@@ -716,12 +723,14 @@ absl::Status Trainer::RunPipelineSchedule(
   const int warmup = std::min(stages - pipe.rank() - 1, num_micro_batches);
   const int steady = num_micro_batches - warmup;
   for (int i = 0; i < warmup; ++i) {
+    LORASTEP_RETURN_IF_ERROR(stop_before(i));
     LORASTEP_ASSIGN_OR_RETURN(at::Tensor x, receive_input(i));
     at::Tensor y = run_forward(i, x);
     LORASTEP_RETURN_IF_ERROR(pipe.Send(y.detach(), next, kActivationTag));
   }
   at::Tensor x;
   if (steady > 0) {
+    LORASTEP_RETURN_IF_ERROR(stop_before(warmup));
     LORASTEP_ASSIGN_OR_RETURN(x, receive_input(warmup));
   }
   for (int j = 0; j < steady; ++j) {
@@ -736,10 +745,13 @@ absl::Status Trainer::RunPipelineSchedule(
     at::Tensor grad_input = run_backward(grad_output);
     if (j == steady - 1) {
       if (!first) LORASTEP_RETURN_IF_ERROR(pipe.Send(grad_input, prev, kGradientTag));
-    } else if (!first) {  // send the input gradient, receive the next input
-      x = at::empty(activation_shape(i + 1), act);
-      LORASTEP_RETURN_IF_ERROR(pipe.SendRecv(&grad_input, prev, kGradientTag, &x, prev, kActivationTag));
-      x.requires_grad_(true);
+    } else {
+      LORASTEP_RETURN_IF_ERROR(stop_before(i + 1));
+      if (!first) {  // send the input gradient, receive the next input
+        x = at::empty(activation_shape(i + 1), act);
+        LORASTEP_RETURN_IF_ERROR(pipe.SendRecv(&grad_input, prev, kGradientTag, &x, prev, kActivationTag));
+        x.requires_grad_(true);
+      }
     }
   }
   for (int k = 0; k < warmup; ++k) {
@@ -826,6 +838,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::Forward(const std::vector<Datum>&
   LORASTEP_RETURN_IF_ERROR(CheckActivationBudget(datums, BatchOptions{}, /*backward=*/false));
   BatchOptions forward_only;
   forward_only.cancelled = batch.cancelled;
+  forward_only.agree_on_cancel = batch.agree_on_cancel;
   return GuardTorch([&] { return RunMicroBatches(datums, nullptr, forward_only); });
 }
 

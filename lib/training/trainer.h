@@ -109,9 +109,10 @@ struct BatchOptions {
   int64_t max_tokens_per_microbatch = 0;  // 0 = TrainerOptions' value
   // Asked before each micro-batch: true stops the call there with CANCELLED and nothing
   // applied (its caller went away or its deadline passed). On a mesh only with
-  // `agree_on_cancel` and one pipeline stage: the ranks then all-reduce their answers before
-  // each micro-batch and stop together (a rank stopping alone would leave its peers in a
-  // collective); otherwise a mesh call runs to its end. Empty: never cancelled.
+  // `agree_on_cancel`: the ranks then all-reduce their answers before each micro-batch (in a
+  // pipeline, before each stage receives the micro-batch's input) and stop together (a rank
+  // stopping alone would leave its peers in a collective); otherwise a mesh call runs to its
+  // end. Empty: never cancelled.
   std::function<bool()> cancelled;
   bool agree_on_cancel = false;
 };
@@ -229,6 +230,7 @@ class Trainer {
   absl::Status RunPipelineSchedule(int num_micro_batches, bool backward,
                                    const std::function<std::vector<int64_t>(int)>& activation_shape,
                                    const std::function<at::Tensor(int, const at::Tensor&)>& forward,
+                                   const std::function<absl::Status(int)>& stop_before,
                                    double* t_forward, double* t_backward);
   // Whole tensors from this rank's slices (tensor ranks all-gather split parameters; a
   // collective every rank of the tensor group makes). `local` is in parameter order.
