@@ -64,7 +64,7 @@ struct CoordinatorOptions {
   // Where per-run step figures are recorded for the Prometheus endpoint (not owned; none:
   // not recorded). See docs/OPERATIONS.md for the metric names.
   PrometheusRegistry* metrics = nullptr;
-  // Port of the TCPStore that rank 0 serves when workers join by registration (JoinMesh).
+  // Port of the rendezvous store that rank 0 serves when workers join by registration (JoinMesh).
   int rendezvous_port = 29500;
   // The mesh's ranks join by registration (--wait_for_workers with --tp/--pp/--dp): a rank
   // that died is handed out again to the next worker that asks, and with a journal the runs
@@ -260,7 +260,7 @@ class Coordinator {
   const std::vector<int>& ShardOfRank(const std::vector<std::vector<int>>& shards, int rank) const;
   // The mesh header of a call: request id, expected learner version, generation.
   v1::MeshCall MeshHeader(const RunState& run, const std::string& request_id, bool check_version);
-  // Sets the generation (and, for a mesh joined by registration, where its TCPStore is) on
+  // Sets the generation (and, for a mesh joined by registration, where its store is) on
   // a call's header. Requires mesh_mu_ (FanOut's calls run under it).
   void StampMesh(v1::MeshCall* mesh);
   // Datums of each data-parallel replica, balanced by token count (in request order).

@@ -88,7 +88,8 @@ ABSL_FLAG(double, worker_health_interval_s, 2,
           "ask every worker this often whether its process is there (Worker.Info): a worker whose process is "
           "gone is marked down (health NOT_SERVING, a restart or the wait for its replacement begins) without "
           "waiting for a call to find it; 0: only calls find dead workers");
-ABSL_FLAG(int, rendezvous_port, 29500, "TCPStore port rank 0 serves when workers join by registration");
+ABSL_FLAG(int, rendezvous_port, 29500,
+          "port rank 0 serves the mesh's rendezvous store on (behind the cluster secret) when workers join by registration");
 ABSL_FLAG(std::string, state_dir, "",
           "state store root (checkpoints and exports as lorastep://<run>/<name>), passed to local workers; it "
           "turns on the journal (default: <root>/port-<port> on a fixed --port, <root> with --port 0 (no "

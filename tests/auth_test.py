@@ -191,6 +191,9 @@ def main():
     worker_token_checks(coordinator, worker, model, tmp)
     membership_checks(coordinator, worker, model, tmp)
     tls_checks(coordinator, worker, model, cli, tmp)
+    print(f"unauthenticated_paths_tried={UNAUTHENTICATED_PATHS['tried']} "
+          f"unauthenticated_paths_accepted={len(UNAUTHENTICATED_PATHS['accepted'])}")
+    check(not UNAUTHENTICATED_PATHS["accepted"], f"paths answered without credentials: {UNAUTHENTICATED_PATHS['accepted']}")
     print("auth: all passed")
 
 
@@ -253,9 +256,12 @@ def worker_tls_checks(coordinator, worker, model, cert, key, tmp):
                          "--worker_tls_cert_file", cert, "--worker_tls_key_file", key, "--worker_tls_ca_file", cert],
                         os.path.join(tmp, "wtls_cport"), procs, "local workers over TLS train")
 
-        # A TLS worker registering with a TLS coordinator (Registry verified with the CA).
+        # TLS workers registering with a TLS coordinator (Registry verified with the CA) as a
+        # DP2 mesh: rank 1 verifies rank 0's rendezvous store with the same CA.
         rport, wport = os.path.join(tmp, "wtls_rport"), os.path.join(tmp, "wtls_wport")
-        reg = subprocess.Popen([coordinator, "--wait_for_workers", "--port", "0", "--port_file", rport,
+        store_port = free_port()
+        reg = subprocess.Popen([coordinator, "--wait_for_workers", "--dp", "2", "--rendezvous_port", str(store_port),
+                                "--port", "0", "--port_file", rport,
                                 "--tls_cert_file", cert, "--tls_key_file", key, "--worker_tls_ca_file", cert])
         procs.append(reg)
         raddr = f"127.0.0.1:{wait_port(rport, reg)}"
@@ -276,8 +282,18 @@ def worker_tls_checks(coordinator, worker, model, cert, key, tmp):
         check(secure.Info(worker_pb2.WorkerInfoRequest(), metadata=SECRET_METADATA,
                           timeout=10).model_path.endswith("model"),
               "a caller verifying the CA reaches the TLS worker")
-        first_step_once_registered(raddr, 2, "a TLS worker registered with a TLS coordinator trains",
+        procs.append(subprocess.Popen([worker, "--model", model, "--port", "0", "--tls_cert_file", cert,
+                                       "--tls_key_file", key, "--register_with", raddr,
+                                       "--coordinator_tls_ca_file", cert]))
+        first_step_once_registered(raddr, 2, "TLS workers registered with a TLS coordinator train as a mesh",
                                    root_certificates=open(cert, "rb").read())
+        store = worker_pb2_grpc.RendezvousStoreStub(grpc.insecure_channel(f"127.0.0.1:{store_port}"))
+        try:
+            store.Apply(worker_pb2.StoreOpRequest(kind=worker_pb2.StoreOpRequest.NUM_KEYS), timeout=3)
+            raise AssertionError("a plaintext caller reached the TLS rendezvous store")
+        except grpc.RpcError as e:
+            check(e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED),
+                  f"a plaintext caller cannot reach rank 0's TLS rendezvous store ({e.code()})")
 
         # Mutual TLS: a worker that requires a client certificate signed by the CA.
         mport = os.path.join(tmp, "mtls_wport")
@@ -336,6 +352,14 @@ def serve_and_train(command, port_file, procs, what):
     client.close()
 
 
+def free_port():
+    """A TCP port free on 127.0.0.1 right now."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def wait_port(path, proc):
     for _ in range(1200):
         if os.path.exists(path) and open(path).read().strip():
@@ -375,6 +399,54 @@ def listening_addresses(pid):
 
 
 LOOPBACK_HEX = ("0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
+
+
+# Every path tried without credentials, and those answered as if the caller had them (issue 26):
+# printed at the end for bench/reliability.sh.
+UNAUTHENTICATED_PATHS = {"tried": 0, "accepted": []}
+
+
+def tally(tried, accepted):
+    UNAUTHENTICATED_PATHS["tried"] += tried
+    UNAUTHENTICATED_PATHS["accepted"] += accepted
+
+
+def unauthenticated_store_calls(address, metadata=None):
+    """Calls RendezvousStore.Apply (rank 0's rendezvous store of a mesh across hosts) at
+    `address` with every kind of operation. Returns (tried, accepted) as unauthenticated_calls."""
+    import grpc
+    from lorastep.v1 import worker_pb2, worker_pb2_grpc
+    channel = grpc.insecure_channel(address)
+    stub = worker_pb2_grpc.RendezvousStoreStub(channel)
+    tried, accepted = 0, []
+    for kind in worker_pb2.StoreOpRequest.Kind.values():
+        keys = [] if kind == worker_pb2.StoreOpRequest.NUM_KEYS else ["gen0/world/0/1"]
+        tried += 1
+        try:
+            stub.Apply(worker_pb2.StoreOpRequest(kind=kind, keys=keys, value=b"127.0.0.1:9"), metadata=metadata,
+                       timeout=10)
+            accepted.append(f"RendezvousStore.Apply kind {kind}: OK")
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAUTHENTICATED:
+                accepted.append(f"RendezvousStore.Apply kind {kind}: {e.code().name} {e.details()}")
+    channel.close()
+    return tried, accepted
+
+
+def unauthenticated_reflection(address, metadata=None):
+    """Asks gRPC reflection at `address` for its services. Returns (tried, accepted)."""
+    import grpc
+    channel = grpc.insecure_channel(address)
+    reflect = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+    accepted = []
+    try:
+        list(reflect(iter([b"\x3a\x00"]), metadata=metadata, timeout=10))
+        accepted.append(f"reflection at {address}: OK")
+    except grpc.RpcError as e:
+        if e.code() not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED):
+            accepted.append(f"reflection at {address}: {e.code().name} {e.details()}")
+    channel.close()
+    return 1, accepted
 
 
 def unauthenticated_calls(address, metadata=None):
@@ -445,11 +517,13 @@ def membership_checks(coordinator, worker, model, tmp):
         check(len(ports) == 2, f"worker ports from the log: {ports}")
         tried, accepted = 0, []
         for address in [caddr] + [f"127.0.0.1:{p}" for p in ports]:
-            t, a = unauthenticated_calls(address)
-            tried, accepted = tried + t, accepted + a
-            t, a = unauthenticated_calls(address, metadata=(("authorization", "Bearer " + "z" * 32),))
-            tried, accepted = tried + t, accepted + a
-        print(f"unauthenticated_paths_tried={tried} unauthenticated_paths_accepted={len(accepted)}")
+            for metadata in (None, (("authorization", "Bearer " + "z" * 32),)):
+                t, a = unauthenticated_calls(address, metadata=metadata)
+                tried, accepted = tried + t, accepted + a
+                if address != caddr:
+                    t, a = unauthenticated_reflection(address, metadata=metadata)
+                    tried, accepted = tried + t, accepted + a
+        tally(tried, accepted)
         check(tried >= 40 and not accepted, f"no Worker or Registry method answers without the secret: {accepted}")
         check(run.train_step([datum(i) for i in range(4)], adamw={"lr": 1e-3}).learner_version == 2,
               "the run is untouched by the strangers' calls and trains on")
@@ -485,10 +559,7 @@ def membership_checks(coordinator, worker, model, tmp):
     # JoinMesh hijack: strangers cannot take the ranks of a registering mesh.
     rport = os.path.join(tmp, "join_rport")
     secret_env = dict(env, **{SECRET_VARIABLE: SECRET})
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        store_port = sock.getsockname()[1]
+    store_port = free_port()
     reg = subprocess.Popen([coordinator, "--wait_for_workers", "--dp", "2", "--port", "0", "--port_file", rport,
                             "--rendezvous_port", str(store_port)], env=secret_env)
     procs = [reg]
@@ -505,6 +576,15 @@ def membership_checks(coordinator, worker, model, tmp):
             procs.append(subprocess.Popen([worker, "--model", model, "--port", "0", "--register_with", raddr],
                                           env=secret_env))
         first_step_once_registered(raddr, 4, "the real workers holding the secret took both ranks and train")
+        # Rank 0 serves the rendezvous store at the rendezvous port behind the secret (c10d's
+        # TCPStore there answered anyone).
+        tried, accepted = 0, []
+        for metadata in (None, (("authorization", "Bearer " + "z" * 32),)):
+            t, a = unauthenticated_store_calls(f"127.0.0.1:{store_port}", metadata=metadata)
+            tried, accepted = tried + t, accepted + a
+        tally(tried, accepted)
+        check(tried == 16 and not accepted, f"the rendezvous store answers no caller without the secret: {accepted}")
+        first_step_once_registered(raddr, 4, "and the mesh trains on")
     finally:
         for p in procs:
             p.terminate()
@@ -592,6 +672,7 @@ def preauth_memory_checks(coordinator, worker, model, keys_file, tmp):
             raise AssertionError("reflection answered without a key")
         except grpc.RpcError as e:
             check(e.code() == grpc.StatusCode.UNAUTHENTICATED, f"reflection without a key: {e.details()}")
+        tally(1, [])
         answers = list(reflect(iter([b"\x3a\x00"]), metadata=(("authorization", "Bearer " + KEYS["ops"]),),
                                timeout=10))
         check(len(answers) == 1 and b"lorastep.v1.Trainer" in answers[0], "reflection with a key lists the services")

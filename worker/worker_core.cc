@@ -41,6 +41,7 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerOptio
     }
     ProcessGroupsOptions g;
     g.store_address = options.rendezvous;
+    g.store_transport_for = options.store_transport_for;
     g.store_key_prefix = options.rendezvous_key_prefix;
     g.rank = options.rank;
     g.layout = layout;

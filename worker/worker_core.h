@@ -33,10 +33,12 @@ struct WorkerOptions {
   int64_t logprob_chunk_tokens = 1024;
   GradOptions grad;
   // Place in a mesh (world size 1 by default). The coordinator starts every rank with the
-  // same sizes and rendezvous address; rank 0 serves the TCPStore there.
+  // same sizes and rendezvous address; rank 0 serves the rendezvous store there.
   int rank = 0;
   ParallelSizes sizes;
-  std::string rendezvous;  // host:port of rank 0's TCPStore, or file://PATH on one host
+  std::string rendezvous;  // host:port of rank 0's rendezvous store, or file://PATH on one host
+  // How this rank reaches a host:port store (ProcessGroupsOptions::store_transport_for).
+  std::function<StoreTransport(const std::string& address)> store_transport_for;
   std::string rendezvous_key_prefix;  // before every store key (RendezvousKeyPrefix of the secret)
   std::string gloo_host = "127.0.0.1";  // this host's address for CPU (gloo) meshes
   std::chrono::milliseconds collective_timeout{std::chrono::seconds(120)};
@@ -65,7 +67,7 @@ void ProfileFromEnvironment(WorkerOptions* options);
 struct MeshCallInfo {
   int64_t expected_learner_version = -1;  // -1: not checked
   int64_t generation = 0;
-  std::string rendezvous;  // "": the TCPStore this rank has
+  std::string rendezvous;  // "": the store this rank has
   bool agree_on_cancel = false;  // MeshCall.client_deadline
   // The same call with the learner version unchecked.
   MeshCallInfo Unchecked() const { return {-1, generation, rendezvous, agree_on_cancel}; }

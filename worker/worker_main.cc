@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -37,6 +38,7 @@
 #include "rpc/server_runner.h"
 #include "worker/worker_core.h"
 #include "lib/io/state_pruner.h"
+#include "worker/rendezvous_service.h"
 #include "worker/worker_service.h"
 
 ABSL_FLAG(std::string, model, "", "Hugging Face model folder (config.json + safetensors); required");
@@ -56,7 +58,10 @@ ABSL_FLAG(int, tp, 1, "tensor-parallel size of the mesh");
 ABSL_FLAG(int, pp, 1, "pipeline-parallel size of the mesh");
 ABSL_FLAG(int, dp, 1, "data-parallel size of the mesh");
 ABSL_FLAG(int, ep, 1, "expert-parallel size of the mesh");
-ABSL_FLAG(std::string, rendezvous, "", "host:port of the TCPStore rank 0 serves");
+ABSL_FLAG(std::string, rendezvous, "", "host:port where rank 0 serves the mesh's rendezvous store");
+ABSL_FLAG(std::string, peer_tls_ca_file, "",
+          "when the mesh's workers serve TLS: roots (PEM) that verify rank 0's rendezvous store (default: "
+          "--coordinator_tls_ca_file)");
 ABSL_FLAG(std::optional<int>, collective_timeout_s, std::nullopt, "seconds a collective may take (default 120)");
 ABSL_FLAG(std::string, state_dir, "",
           "state store root: path fields are lorastep://<run>/<name> references under it (default: "
@@ -265,6 +270,55 @@ int main(int argc, char** argv) {
                joined.status().message().find("runs no mesh") == absl::string_view::npos) {
       LORASTEP_LOG(Error) << "lorastep_worker: " << joined.status();
       return 1;
+    }
+  }
+  // A mesh across hosts meets at rank 0's rendezvous store, served on the rendezvous port with
+  // the Worker API's credentials and cluster secret (c10d's TCPStore would answer anyone).
+  RendezvousStoreHost rendezvous_host;
+  RendezvousStoreService rendezvous_service(&rendezvous_host);
+  std::unique_ptr<grpc::Server> rendezvous_server;
+  if (options.sizes.world() > 1 && !options.rendezvous.empty() && !absl::StartsWith(options.rendezvous, "file://")) {
+    if (options.rank == 0) {
+      int store_port = 0;
+      const size_t colon = options.rendezvous.rfind(':');
+      if (colon == std::string::npos || !absl::SimpleAtoi(options.rendezvous.substr(colon + 1), &store_port)) {
+        LORASTEP_LOG(Error) << "lorastep_worker: rendezvous: '" << options.rendezvous << "' is not host:port";
+        return 2;
+      }
+      auto store_authenticator = std::make_shared<CallAuthenticator>();
+      if (!token_sha256.empty()) {
+        store_authenticator->Require("/lorastep.v1.RendezvousStore/", [token_sha256](const std::string& auth) {
+          return CheckBearerToken(auth, token_sha256);
+        });
+      }
+      int bound = 0;
+      auto started = StartGrpcServer(host, store_port, {&rendezvous_service}, &bound, 4 << 20, CallObservers{},
+                                     server_credentials, store_authenticator);
+      if (!started.ok()) {
+        LORASTEP_LOG(Error) << "lorastep_worker: rendezvous store: " << started.status();
+        return 1;
+      }
+      rendezvous_server = *std::move(started);
+      LORASTEP_LOG(Info) << "lorastep_worker: rank 0 serves the mesh's rendezvous store on " << host << ":" << bound
+                         << (token_sha256.empty() ? " (no cluster secret: --insecure)" : " (cluster secret required)");
+      options.store_transport_for = [&rendezvous_host](const std::string&) { return rendezvous_host.LocalTransport(); };
+    } else {
+      std::shared_ptr<grpc::ChannelCredentials> peer_credentials = grpc::InsecureChannelCredentials();
+      std::string ca_file = absl::GetFlag(FLAGS_peer_tls_ca_file);
+      if (ca_file.empty() && tls) ca_file = absl::GetFlag(FLAGS_coordinator_tls_ca_file);
+      if (!ca_file.empty()) {
+        auto ca = ReadPemFile(ca_file, "peer_tls_ca_file", PemKind::kCertificate);
+        if (!ca.ok()) {
+          LORASTEP_LOG(Error) << "lorastep_worker: " << ca.status();
+          return 2;
+        }
+        grpc::SslCredentialsOptions roots;
+        roots.pem_root_certs = *ca;
+        peer_credentials = grpc::SslCredentials(roots);
+      }
+      options.store_transport_for = [peer_credentials, authorization](const std::string& address) {
+        return GrpcStoreTransport(address, peer_credentials, authorization);
+      };
     }
   }
   // Every rank of a mesh traces its own step: rank r > 0 writes TRACE.rank<r>.

@@ -1,6 +1,9 @@
 #include "lib/parallel/process_groups.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <stdexcept>
+#include <thread>
 #include <utility>
 
 #if defined(LORASTEP_WITH_GLOO)
@@ -93,6 +96,66 @@ absl::Status CheckStoreAddress(const std::string& address) {
   }
   return SplitHostPort(address).status();
 }
+
+// A c10d Store over a StoreTransport (rank 0's RendezvousStoreHost). The host never blocks:
+// get and wait poll until the keys exist or the store's timeout passes. Errors are thrown,
+// as c10d's stores do; ProcessGroups catches them where it forms communicators.
+class RemoteStore : public ::c10d::Store {
+ public:
+  RemoteStore(StoreTransport transport, std::chrono::milliseconds timeout) : transport_(std::move(transport)) {
+    timeout_ = timeout;
+  }
+  // c10d 2.x: a thread-safe copy reaching the same store (not virtual in 1.13).
+  c10::intrusive_ptr<::c10d::Store> clone() { return c10::make_intrusive<RemoteStore>(transport_, timeout_); }
+
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    Call({StoreOp::kSet, {key}, Text(value)});
+  }
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                  const std::vector<uint8_t>& desired) override {
+    return Bytes(Call({StoreOp::kCompareSet, {key}, Text(desired), Text(expected)}).value);
+  }
+  std::vector<uint8_t> get(const std::string& key) override {
+    wait({key}, timeout_);
+    StoreAnswer answer = Call({StoreOp::kGet, {key}});
+    if (!answer.found) throw std::runtime_error("rendezvous store: key '" + key + "' was deleted while read");
+    return Bytes(answer.value);
+  }
+  int64_t add(const std::string& key, int64_t value) override {
+    StoreOp op{StoreOp::kAdd, {key}};
+    op.delta = value;
+    return Call(op).number;
+  }
+  bool deleteKey(const std::string& key) override { return Call({StoreOp::kDeleteKey, {key}}).found; }
+  bool check(const std::vector<std::string>& keys) override { return Call({StoreOp::kCheck, keys}).found; }
+  int64_t getNumKeys() override { return Call({StoreOp::kNumKeys}).number; }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    const auto start = std::chrono::steady_clock::now();
+    auto pause = std::chrono::milliseconds(1);
+    while (!Call({StoreOp::kCheck, keys}).found) {
+      if (timeout.count() > 0 && std::chrono::steady_clock::now() - start >= timeout) {
+        throw std::runtime_error(absl::StrCat("rendezvous store: timeout after ", timeout.count(),
+                                              " ms waiting for key '", keys.empty() ? "" : keys[0], "'"));
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(20));
+    }
+  }
+
+ private:
+  static std::string Text(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+  static std::vector<uint8_t> Bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
+  StoreAnswer Call(const StoreOp& op) {
+    // One operation gets the store's timeout (10 s when it has none): a rank that cannot
+    // reach rank 0 fails its rendezvous rather than hanging.
+    absl::StatusOr<StoreAnswer> answer = transport_(op, timeout_.count() > 0 ? timeout_ : std::chrono::seconds(10));
+    if (!answer.ok()) throw std::runtime_error(absl::StrCat("rendezvous store: ", answer.status().ToString()));
+    return *std::move(answer);
+  }
+
+  StoreTransport transport_;
+};
 
 // The order every rank forms its groups in.
 constexpr GroupKind kFormOrder[] = {GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline,
@@ -330,6 +393,12 @@ absl::Status ProcessGroups::ConnectStore() {
   }
   LORASTEP_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(store_address_));
   const auto& [host, port] = host_port;
+  if (options_.store_transport_for) {
+    auto handles = std::make_unique<c10d_impl::Handles>();
+    handles->store = c10::make_intrusive<RemoteStore>(options_.store_transport_for(store_address_), options_.timeout);
+    store_ = std::move(handles);
+    return absl::OkStatus();
+  }
   try {
     ::c10d::TCPStoreOptions store_options;
     store_options.port = static_cast<uint16_t>(port);

@@ -1,7 +1,8 @@
 // c10d communication groups of one rank of a ParallelLayout, with absl::Status errors and
 // timeouts: ProcessGroupGloo on CPU (Debian's LibTorch), ProcessGroupNCCL on CUDA (torch
-// 2.11). Rendezvous over a TCPStore served by rank 0 at the address the coordinator hands
-// every worker.
+// 2.11). Rendezvous at the store the coordinator names to every worker: a FileStore on one
+// host, or across hosts rank 0's RendezvousStoreHost through `store_transport_for` (behind
+// the cluster secret), or without one c10d's TCPStore rank 0 serves (no authentication).
 //
 // Contract (as c10d's): every rank of a group must issue the same collectives on it in the
 // same order; a collective returns when this rank's part is done (synchronous: the caller's
@@ -13,7 +14,7 @@
 // never a hang. After a failure the group's communicator is unusable (NCCL is aborted);
 // every later collective on any group of this ProcessGroups fails fast with
 // FAILED_PRECONDITION until Rebuild() makes new communicators under a new store prefix.
-// Rebuild also reconnects a rank other than 0 to the TCPStore: after rank 0 died, a new
+// Rebuild also reconnects a rank other than 0 to the store: after rank 0 died, a new
 // rank 0 process serves a fresh store at the same address.
 //
 // Deferred (options.defer_communicators, what a worker uses): Create forms no communicator;
@@ -33,6 +34,7 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -40,6 +42,7 @@
 
 #include "absl/status/statusor.h"
 #include "lib/parallel/parallel_layout.h"
+#include "lib/parallel/rendezvous_store.h"
 
 namespace lorastep {
 
@@ -99,11 +102,13 @@ class CommGroup {
 };
 
 struct ProcessGroupsOptions {
-  // Where the ranks meet: "host:port" of a TCPStore rank 0 serves (meshes across hosts), or
+  // Where the ranks meet: "host:port" of the store rank 0 serves (meshes across hosts), or
   // "file://PATH" of a c10d FileStore every rank opens (a mesh on one host: nothing listens).
   std::string store_address;
-  // Put before every store key (the cluster secret's RendezvousKeyPrefix): a caller that
-  // reaches a TCPStore without the secret cannot name the mesh's keys. May be empty.
+  // How a rank reaches the store at a "host:port" address (rank 0: its own host, in process).
+  // Empty: c10d's TCPStore, which rank 0 serves to anyone who connects (tests, --insecure).
+  std::function<StoreTransport(const std::string& address)> store_transport_for;
+  // Put before every store key (the cluster secret's RendezvousKeyPrefix). May be empty.
   std::string store_key_prefix;
   int rank = 0;
   ParallelLayout layout;
@@ -147,7 +152,7 @@ class ProcessGroups {
   absl::Status Build();
 
   ProcessGroupsOptions options_;
-  std::unique_ptr<c10d_impl::Handles> store_;  // the TCPStore or FileStore
+  std::unique_ptr<c10d_impl::Handles> store_;  // the remote store, TCPStore or FileStore
   std::map<GroupKind, std::unique_ptr<CommGroup>> groups_;
   int generation_ = 0;
   std::string store_address_;
