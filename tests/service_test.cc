@@ -649,6 +649,35 @@ v1::TrainStepRequest BadTrainStep(const std::string& run_id, const ValidationCas
   return req;
 }
 
+// Issue 26, defect 8: every call that carries a request_id refuses an empty one (it could be
+// neither recorded nor deduplicated), and nothing is applied.
+TEST_F(ServiceTest, EveryCallWithARequestIdRefusesAnEmptyOne) {
+  RunSession run = NewRun();
+  v1::CreateRunRequest create;
+  *create.mutable_lora() = Lora();
+  EXPECT_THAT(client_->CreateRun(create), StatusIs(absl::StatusCode::kInvalidArgument, "request_id: required"));
+  v1::ForwardBackwardRequest fb;
+  fb.set_run_id(run.run_id());
+  fb.set_sequence_id(1);
+  for (const auto& d : Batch(0)) *fb.add_datums() = d;
+  *fb.mutable_loss() = Ppo();
+  EXPECT_THAT(client_->ForwardBackward(fb), StatusIs(absl::StatusCode::kInvalidArgument, "request_id: required"));
+  v1::OptimStepRequest optim;
+  optim.set_run_id(run.run_id());
+  optim.set_sequence_id(1);
+  *optim.mutable_adamw() = Adam();
+  EXPECT_THAT(client_->OptimStep(optim), StatusIs(absl::StatusCode::kInvalidArgument, "request_id: required"));
+  v1::LoadStateRequest load;
+  load.set_run_id(run.run_id());
+  load.set_sequence_id(1);
+  load.set_path("lorastep://" + run.run_id() + "/absent");
+  EXPECT_THAT(client_->LoadState(load), StatusIs(absl::StatusCode::kInvalidArgument, "request_id: required"));
+  ASSERT_OK_AND_ASSIGN(v1::Run state, client_->GetRun(run.run_id()));
+  EXPECT_EQ(state.next_sequence_id(), 1);
+  EXPECT_EQ(state.learner_version(), 0);
+  EXPECT_EQ(state.pending_forward_backward(), 0);
+}
+
 TEST_F(ServiceTest, EveryValidationErrorNamesTheField) {
   RunSession run = NewRun();
   for (const ValidationCase& c : ValidationCases()) {
