@@ -11,8 +11,8 @@ ABSL_FLAG(std::string, metrics_host, "127.0.0.1", "address of the metrics endpoi
 ABSL_FLAG(bool, metrics_allow_remote, false, "allow a non-loopback --metrics_host (the endpoint has no auth)");
 ABSL_FLAG(std::string, metrics_port_file, "", "write the metrics endpoint's port here once bound");
 ABSL_FLAG(int, v, 1, "per-call log lines on stderr: 0 failures only, 1 every call, 2 with health checks, -1 none");
-ABSL_FLAG(std::optional<int>, test_replicated_reductions, std::nullopt,
-          "test only: reductions of tensor-replicated gradients per step (1 correct; 0 and 2 are bugs)");
+ABSL_FLAG(std::string, test_grad_fault, "",
+          "test only: BUCKET:skip, BUCKET:double or BUCKET:corrupt:RANK, a fault in one gradient bucket's reduction");
 ABSL_FLAG(std::string, test_skip_shared_reduction, "",
           "test only: skip the shared-outer reduction of this family (fc1 or fc2)");
 ABSL_FLAG(std::optional<int>, test_shared_reductions, std::nullopt,
@@ -52,7 +52,7 @@ std::vector<std::string> NonDefaultFlagArgs(const std::vector<std::string>& name
 
 const std::vector<std::string>& WorkerTestFlagNames() {
   static const auto* names = new std::vector<std::string>{
-      "test_replicated_reductions", "test_skip_shared_reduction", "test_shared_reductions",
+      "test_grad_fault",            "test_skip_shared_reduction", "test_shared_reductions",
       "test_check_grad_digests",    "test_corrupt_main_grad_rank", "test_inventory_mismatch_rank",
       "test_autosave_write_delay_ms"};
   return *names;

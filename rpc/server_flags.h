@@ -19,7 +19,7 @@ ABSL_DECLARE_FLAG(std::optional<int>, metrics_port);
 ABSL_DECLARE_FLAG(std::string, metrics_host);
 ABSL_DECLARE_FLAG(bool, metrics_allow_remote);
 ABSL_DECLARE_FLAG(std::string, metrics_port_file);
-ABSL_DECLARE_FLAG(std::optional<int>, test_replicated_reductions);
+ABSL_DECLARE_FLAG(std::string, test_grad_fault);
 ABSL_DECLARE_FLAG(std::string, test_skip_shared_reduction);
 ABSL_DECLARE_FLAG(std::optional<int>, test_shared_reductions);
 ABSL_DECLARE_FLAG(int, test_check_grad_digests);

@@ -127,6 +127,30 @@ class MeshTest : public ::testing::Test {
     return c;
   }
 
+  // Issue 27: a fault in one replicated bucket's reduction (skipped or doubled on every rank,
+  // or its sums changed on one rank) is refused before the optimizer on every rank: nothing
+  // is applied, and the run's next step is bitwise the first step of a twin run that never
+  // saw the fault (the fault strikes each worker process's first step only).
+  static void ExpectBucketFaultRefusedBeforeTheOptimizer(const std::vector<std::string>& layout, const std::string& fault,
+                                                           const std::string& want) {
+    std::vector<std::string> flags = layout;
+    flags.insert(flags.end(), {"--test_grad_fault", fault});
+    Coordinator c = Start(flags);
+    v1::LoraConfig lora;
+    lora.set_rank(4);
+    lora.set_alpha(8);
+    ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(c.client.get(), lora, 11));
+    EXPECT_THAT(run.TrainStep(Batch(0), Ppo(), Adam()), StatusIs(absl::StatusCode::kFailedPrecondition, want)) << fault;
+    ASSERT_OK_AND_ASSIGN(v1::Run state, c.client->GetRun(run.run_id()));
+    EXPECT_EQ(state.learner_version(), 0) << fault;
+    ASSERT_OK_AND_ASSIGN(RunSession twin, RunSession::Create(c.client.get(), lora, 11));
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse twin_step, twin.TrainStep(Batch(0), Ppo(), Adam()));
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse retried, run.TrainStep(Batch(0), Ppo(), Adam()));
+    EXPECT_EQ(retried.learner_version(), 1) << fault;
+    EXPECT_TRUE(retried.replicas_equal()) << fault;
+    EXPECT_EQ(retried.adapter_sha256(), twin_step.adapter_sha256()) << fault << ": the refused step left a trace";
+  }
+
   // A LoRA r4 run on `c`, one healthy TrainStep applied.
   static RunSession RunWithOneStep(Coordinator& c, uint64_t seed) {
     v1::LoraConfig lora;
@@ -309,47 +333,43 @@ TEST_F(MeshTest, LoraHeadOnTensorAndPipelineRanksEqualsWorldOne) {
   }
 }
 
-// The dense form of the second seed: without the stage-group SUM of the replicated factors'
-// partial gradients, tensor ranks update them differently; the replica check catches it
-// and the run refuses further training.
+// The dense form of the second seed with the fail-closed checks off: without the
+// stage-group SUM of the replicated factors' partial gradients, tensor ranks update them
+// differently; the replica check after the step catches it and the run refuses training.
 TEST_F(MeshTest, SkippedReplicatedReductionIsCaughtAndTheRunRefused) {
   if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
-  Coordinator tp2 = Start({"--tp", "2", "--test_replicated_reductions", "0"});
+  Coordinator tp2 = Start({"--tp", "2", "--test_grad_fault", "replicated_partial:skip", "--test_check_grad_digests", "0"});
   v1::LoraConfig lora;
   lora.set_rank(4);
   lora.set_alpha(8);
   auto run = RunSession::Create(tp2.client.get(), lora, 11);
   ASSERT_TRUE(run.ok()) << run.status();
-  bool caught = false;
-  for (int step = 0; step < 2 && !caught; ++step) {
-    ASSERT_OK_AND_ASSIGN(v1::StepResponse r, run->TrainStep(Batch(step), Ppo(), Adam()));
-    caught = !r.replicas_equal();
-    if (caught) {
-      bool named = false;
-      for (const auto& h : r.replica_hashes()) named |= !h.equal() && h.family() == "tensor_replicated";
-      EXPECT_TRUE(named) << r.DebugString();
-    }
-  }
-  EXPECT_TRUE(caught);
-  auto refused = run->TrainStep(Batch(2), Ppo(), Adam());
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse r, run->TrainStep(Batch(0), Ppo(), Adam()));
+  EXPECT_FALSE(r.replicas_equal());
+  bool named = false;
+  for (const auto& h : r.replica_hashes()) named |= !h.equal() && h.family() == "tensor_replicated";
+  EXPECT_TRUE(named) << r.DebugString();
+  auto refused = run->TrainStep(Batch(1), Ppo(), Adam());
   EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition, "diverged"));
   EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition, "stage 0 tensor_replicated: ranks 1 differ from rank 0"));
 }
 
-// Reducing the replicated factors twice would keep replicas equal but double their
-// gradient: the finalizer counts reductions per parameter and refuses the step.
-TEST_F(MeshTest, DoubledReplicatedReductionIsRefused) {
+TEST_F(MeshTest, TensorReplicatedBucketFaultsAreRefusedBeforeTheOptimizer) {
   if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
-  Coordinator tp2 = Start({"--tp", "2", "--test_replicated_reductions", "2"});
-  v1::LoraConfig lora;
-  lora.set_rank(4);
-  lora.set_alpha(8);
-  auto run = RunSession::Create(tp2.client.get(), lora, 11);
-  ASSERT_TRUE(run.ok()) << run.status();
-  EXPECT_THAT(run->TrainStep(Batch(0), Ppo(), Adam()),
-              StatusIs(absl::StatusCode::kFailedPrecondition, "reduced twice in one step"));
-  ASSERT_OK_AND_ASSIGN(v1::Run state, tp2.client->GetRun(run->run_id()));
-  EXPECT_EQ(state.learner_version(), 0);
+  const std::vector<std::string> tp2 = {"--tp", "2"};
+  ExpectBucketFaultRefusedBeforeTheOptimizer(tp2, "replicated_partial:skip",
+                                             "digests of the replicated_partial bucket differ within its stage group");
+  ExpectBucketFaultRefusedBeforeTheOptimizer(tp2, "replicated_partial:double", "reduced twice in one step");
+  ExpectBucketFaultRefusedBeforeTheOptimizer(tp2, "replicated_partial:corrupt:1",
+                                             "stage 0: ranks 1 differ from rank 0");
+}
+
+TEST_F(MeshTest, DataParallelBucketFaultsAreRefusedBeforeTheOptimizer) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
+  const std::vector<std::string> dp2 = {"--dp", "2"};
+  ExpectBucketFaultRefusedBeforeTheOptimizer(dp2, "split:skip", "digests of the split bucket differ within its data group");
+  ExpectBucketFaultRefusedBeforeTheOptimizer(dp2, "split:double", "reduced twice in one step");
+  ExpectBucketFaultRefusedBeforeTheOptimizer(dp2, "split:corrupt:0", "digests of the split bucket differ");
 }
 
 TEST_F(MeshTest, StateSavedOnOneLayoutLoadsOnAnother) {

@@ -216,9 +216,14 @@ int main(int argc, char** argv) {
   options.rendezvous = absl::GetFlag(FLAGS_rendezvous);
   if (!secret->empty()) options.rendezvous_key_prefix = RendezvousKeyPrefix(*secret);
   if (auto timeout = absl::GetFlag(FLAGS_collective_timeout_s)) options.collective_timeout = std::chrono::seconds(*timeout);
-  // Test only: reductions of tensor-replicated gradients per step (1 correct; 0 and 2 are
-  // the bugs the replica check must catch).
-  if (auto n = absl::GetFlag(FLAGS_test_replicated_reductions)) options.finalize.replicated_reductions = *n;
+  // Test only: a fault in one gradient bucket's reduction (skipped, doubled, or corrupted on
+  // one rank), which the finalizer must refuse before the optimizer.
+  if (auto fault = ParseGradFault(absl::GetFlag(FLAGS_test_grad_fault), "test_grad_fault"); fault.ok()) {
+    options.finalize.fault = *fault;
+  } else {
+    LORASTEP_LOG(Error) << "lorastep_worker: " << fault.status();
+    return 2;
+  }
   // Test only, shared-outer expert factors (the second seed): skip one family's reduction,
   // reduce twice, run without the digest checks, corrupt one rank's main_grad, or alter one
   // rank's factor inventory.

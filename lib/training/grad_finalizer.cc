@@ -1,12 +1,17 @@
 #include "lib/training/grad_finalizer.h"
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "lib/io/digest.h"
 #include "lib/status_macros.h"
 #include "lib/torch_status.h"
@@ -83,14 +88,22 @@ std::vector<std::string> Disagreements(const ParallelLayout& layout, GroupKind k
 class Finalizer {
  public:
   Finalizer(Adapter* adapter, ProcessGroups* groups, const GradFinalizeOptions& options)
-      : adapter_(adapter), groups_(groups), options_(options),
+      : adapter_(adapter), groups_(groups), options_(options), fault_(TakeFault(options.fault)),
         device_(adapter->parameters().empty() ? at::Device(at::kCPU)
                                               : adapter->parameters()[0].main_grad.device()) {}
+
+  // The test fault applies to the first finalization of the process only.
+  static GradFinalizeOptions::Fault TakeFault(const GradFinalizeOptions::Fault& fault) {
+    static std::atomic<bool> spent{false};
+    if (fault.bucket.empty() || spent.exchange(true)) return {};
+    return fault;
+  }
 
   absl::StatusOr<GradFinalizeReport> Run() {
     if (groups_ != nullptr) {
       LORASTEP_RETURN_IF_ERROR(CheckInventory());
       LORASTEP_RETURN_IF_ERROR(Reduce());
+      LORASTEP_RETURN_IF_ERROR(CheckBucketDigests());
     }
     LORASTEP_RETURN_IF_ERROR(CheckFamilyDigests());
     LORASTEP_ASSIGN_OR_RETURN(report_.grad_norm, GlobalNorm());
@@ -124,8 +137,11 @@ class Finalizer {
   }
 
   // Records that parameter i was reduced over `kind`'s group this step; false if it already
-  // was (the same sum twice doubles the gradient). One bit per group kind.
+  // was (the same sum twice doubles the gradient). One bit per communicator: with ep = 1
+  // the expert groups are the data and stage groups.
   bool MarkReduced(int i, GroupKind kind) {
+    if (groups_->layout().sizes().ep == 1 && kind == GroupKind::kExpertData) kind = GroupKind::kData;
+    if (groups_->layout().sizes().ep == 1 && kind == GroupKind::kExpertStage) kind = GroupKind::kStage;
     const int bit = 1 << static_cast<int>(kind);
     if (adapter_->reductions(i) & bit) return false;
     adapter_->reductions(i) |= bit;
@@ -159,30 +175,94 @@ class Finalizer {
     return out;
   }
 
-  absl::Status Reduce() {
+  // The buckets reduced whole over one group, in reduction order; their sums are compared
+  // within that group afterwards (CheckBucketDigests). The expert replicated-partial bucket
+  // is compared per family (CheckFamilyDigests).
+  struct PlannedBucket {
+    const char* name;
+    GroupKind kind;
+    std::vector<at::Tensor> grads;  // empty: not on this rank
+    std::vector<int> params;
+  };
+  std::vector<PlannedBucket> Plan() const {
+    std::vector<PlannedBucket> plan;
     auto& params = adapter_->parameters();
     // The tied embedding's two copies (first and last stage) each hold part of its
     // gradient (lookup, LM head): Megatron's embedding-group all-reduce.
+    PlannedBucket embedding{"embedding", GroupKind::kEmbedding, {}, {}};
     for (size_t i = 0; i < params.size(); ++i) {
       if (params[i].tied_across_stages) {
-        LORASTEP_RETURN_IF_ERROR(ReduceOnce(GroupKind::kEmbedding, params[i].main_grad, {static_cast<int>(i)}));
+        embedding.grads.push_back(params[i].main_grad);
+        embedding.params.push_back(static_cast<int>(i));
       }
     }
-    at::Tensor partial = adapter_->grad_bucket(GradBucket::kReplicatedPartial);
-    if (partial.defined()) {
-      for (int k = 0; k < options_.replicated_reductions; ++k) {
-        LORASTEP_RETURN_IF_ERROR(ReduceOnce(GroupKind::kStage, partial, ParamsOfRole(kReplicatedPartial)));
+    plan.push_back(std::move(embedding));
+    const std::tuple<const char*, GradBucket, GroupKind> flat[] = {
+        {"replicated_partial", GradBucket::kReplicatedPartial, GroupKind::kStage},
+        {"expert_replicated_partial", GradBucket::kExpertReplicatedPartial, GroupKind::kExpertStage},
+        {"expert_split", GradBucket::kExpertSplit, GroupKind::kExpertData},
+        {"split", GradBucket::kSplit, GroupKind::kData},
+        {"replicated_full", GradBucket::kReplicatedFull, GroupKind::kData}};
+    for (const auto& [name, bucket, kind] : flat) {
+      PlannedBucket b{name, kind, {}, ParamsOfRole(static_cast<int>(bucket))};
+      if (at::Tensor t = adapter_->grad_bucket(bucket); t.defined()) b.grads.push_back(t);
+      plan.push_back(std::move(b));
+    }
+    return plan;
+  }
+
+  absl::Status Reduce() {
+    std::vector<PlannedBucket> plan = Plan();
+    auto reductions = [&](const PlannedBucket& b) {
+      if (fault_.bucket != b.name) return 1;
+      return fault_.kind == "skip" ? 0 : fault_.kind == "double" ? 2 : 1;
+    };
+    // The embedding first, then the dense replicated factors, the shared-outer factors, the rest.
+    for (size_t k = 0; k < plan.size(); ++k) {
+      if (k == 2) LORASTEP_RETURN_IF_ERROR(ReduceSharedFactors());
+      PlannedBucket& b = plan[k];
+      if (b.grads.empty()) continue;
+      for (int n = 0; n < reductions(b); ++n) {
+        if (b.grads.size() == 1) {
+          LORASTEP_RETURN_IF_ERROR(ReduceOnce(b.kind, b.grads[0], b.params));
+        } else {
+          LORASTEP_RETURN_IF_ERROR(MarkAllReduced(b.params, b.kind));
+          LORASTEP_RETURN_IF_ERROR(groups_->group(b.kind).AllReduceCoalesced(b.grads));
+        }
       }
     }
-    LORASTEP_RETURN_IF_ERROR(ReduceSharedFactors());
-    const std::pair<GradBucket, GroupKind> rest[] = {
-        {GradBucket::kExpertReplicatedPartial, GroupKind::kExpertStage},
-        {GradBucket::kExpertSplit, GroupKind::kExpertData},
-        {GradBucket::kSplit, GroupKind::kData},
-        {GradBucket::kReplicatedFull, GroupKind::kData}};
-    for (const auto& [bucket, kind] : rest) {
-      at::Tensor flat = adapter_->grad_bucket(bucket);
-      if (flat.defined()) LORASTEP_RETURN_IF_ERROR(ReduceOnce(kind, flat, ParamsOfRole(static_cast<int>(bucket))));
+    return absl::OkStatus();
+  }
+
+  // After the reductions every member of a bucket's group holds the same sums: one SHA-256
+  // per bucket, all buckets in one world all-gather (a rank without the bucket, or a group of
+  // one, sends -1s), compared within each group. Any difference fails the step on every rank.
+  absl::Status CheckBucketDigests() {
+    std::vector<PlannedBucket> plan = Plan();
+    plan.erase(plan.begin() + 2);  // expert_replicated_partial: per family, below
+    const ParallelLayout& layout = groups_->layout();
+    std::vector<at::Tensor> words;
+    for (PlannedBucket& b : plan) {
+      const bool replicated = layout.Group(b.kind, 0).size() > 1 && !b.grads.empty();
+      if (replicated && fault_.kind == "corrupt" && fault_.bucket == b.name && fault_.rank == groups_->rank()) {
+        b.grads[0].view({-1})[0].add_(1e-3);  // test only: one rank's optimizer-facing sums
+      }
+      words.push_back(DigestWords(replicated ? TensorsSha256(b.grads) : "", device_));
+    }
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> gathered,
+                              groups_->group(GroupKind::kWorld).AllGather(at::cat(words)));
+    std::vector<at::Tensor> per_rank;
+    for (const auto& t : gathered) per_rank.push_back(t.to(at::kCPU).view({static_cast<int64_t>(plan.size()), kDigestWords}));
+    for (size_t k = 0; k < plan.size(); ++k) {
+      std::vector<at::Tensor> column;
+      for (const auto& t : per_rank) column.push_back(t[k]);
+      const auto bad = Disagreements(layout, plan[k].kind, column);
+      if (bad.empty() || !options_.check_digests) continue;
+      return absl::FailedPreconditionError(absl::StrCat(
+          "post-reduction gradient digests of the ", plan[k].name, " bucket differ within its ",
+          GroupKindName(plan[k].kind), " group (", absl::StrJoin(bad, "; "),
+          "): a reduction was skipped or its result changed on a rank; refusing the step before the "
+          "optimizer, nothing was applied"));
     }
     return absl::OkStatus();
   }
@@ -300,11 +380,32 @@ class Finalizer {
   Adapter* adapter_;
   ProcessGroups* groups_;
   const GradFinalizeOptions& options_;
+  const GradFinalizeOptions::Fault fault_;
   const at::Device device_;
   GradFinalizeReport report_;
 };
 
 }  // namespace
+
+absl::StatusOr<GradFinalizeOptions::Fault> ParseGradFault(const std::string& text, const std::string& field) {
+  GradFinalizeOptions::Fault fault;
+  if (text.empty()) return fault;
+  const std::vector<std::string> parts = absl::StrSplit(text, ':');
+  static const char* kBuckets[] = {"embedding", "replicated_partial", "expert_split", "split", "replicated_full"};
+  const bool bucket_known = std::any_of(std::begin(kBuckets), std::end(kBuckets),
+                                        [&](const char* b) { return parts[0] == b; });
+  const bool corrupt = parts.size() == 3 && parts[1] == "corrupt" && absl::SimpleAtoi(parts[2], &fault.rank) &&
+                       fault.rank >= 0;
+  const bool whole = parts.size() == 2 && (parts[1] == "skip" || parts[1] == "double");
+  if (!bucket_known || !(corrupt || whole)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": '", text, "' is not BUCKET:skip, BUCKET:double or BUCKET:corrupt:RANK with BUCKET one of ",
+        absl::StrJoin(kBuckets, ", ")));
+  }
+  fault.bucket = parts[0];
+  fault.kind = parts[1];
+  return fault;
+}
 
 absl::StatusOr<GradFinalizeReport> FinalizeStepGradients(Adapter* adapter, ProcessGroups* groups,
                                                          const GradFinalizeOptions& options) {

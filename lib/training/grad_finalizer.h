@@ -18,10 +18,13 @@
 //
 // Fail-closed (the second seed): before any gradient collective, every rank all-gathers a
 // SHA-256 of its ordered shared-factor inventory (key, whole shape, reduction group) and
-// the step fails if two ranks of a stage disagree. After the reductions every rank
-// all-gathers one SHA-256 per present fc1/fc2 family of replicated expert factors' main_grads;
-// any difference inside a replica group fails the step. A factor reduced twice in a step
-// fails it too. Failures are FAILED_PRECONDITION naming the factor, stage and ranks; the
+// the step fails if two ranks of a stage disagree. After the reductions every member of a
+// bucket's reduction group holds the same sums, so every rank all-gathers one SHA-256 per
+// reduced bucket (embedding, replicated_partial, expert_split, split, replicated_full: one
+// world all-gather for all of them) and one per present fc1/fc2 family of replicated expert
+// factors; any difference inside a group fails the step. A parameter reduced twice over
+// one communicator in a step fails it too (the expert groups are the data and stage groups
+// when ep = 1, and count as those). Failures are FAILED_PRECONDITION naming the factor, stage and ranks; the
 // verdict is computed from world-gathered evidence, so every rank fails together and the
 // trainer applies nothing.
 //
@@ -46,10 +49,17 @@ struct GradFinalizeOptions {
   // Without them the family digests (two world all-gathers) are skipped, on every rank
   // alike; set from the model, never from what this rank happens to hold.
   bool expert_lora = true;
-  // Test only: how many times the dense tensor-replicated bucket is reduced over the stage
-  // group. 1 is correct; 0 reproduces the dense form of the second seed's bug (caught by the
-  // replica hashes after the step), 2 a doubled reduction (refused before the optimizer).
-  int replicated_reductions = 1;
+  // Test only: one fault in one bucket's reduction, on every rank (skip: the dense form of
+  // the second seed's bug; double: reduced twice) or on `rank` alone (corrupt: its sums
+  // changed after the reduction), in the first finalization of the process only (every rank
+  // of a mesh finalizes the same step first), so the next step shows the run unharmed.
+  // Each is refused before the optimizer. Parsed from "BUCKET:skip", "BUCKET:double" or
+  // "BUCKET:corrupt:RANK" by ParseGradFault.
+  struct Fault {
+    std::string bucket;  // "embedding", "replicated_partial", "expert_split", "split", "replicated_full"
+    std::string kind;    // "skip", "double", "corrupt"
+    int rank = -1;
+  } fault;
   // Test only, shared-outer factors: a family ("fc1", "fc2") whose reduction is skipped
   // (the seed: the optimizer then reads rank-local gradients), how many times the others
   // are reduced (2: a doubled reduction, refused), whether the digest checks run, a rank
@@ -71,6 +81,10 @@ struct GradFinalizeReport {
   std::map<std::string, bool> family_digests_agree;
   std::map<std::string, std::string> family_digests;
 };
+
+// "BUCKET:skip|double|corrupt[:RANK]" (GradFinalizeOptions::Fault); INVALID_ARGUMENT naming
+// `field` otherwise. Empty text: no fault.
+absl::StatusOr<GradFinalizeOptions::Fault> ParseGradFault(const std::string& text, const std::string& field);
 
 // `groups` null = world size 1 (no communication). The norm is identical on every rank.
 absl::StatusOr<GradFinalizeReport> FinalizeStepGradients(Adapter* adapter, ProcessGroups* groups,
