@@ -21,6 +21,8 @@ ABSL_FLAG(int, test_check_grad_digests, 1, "test only: 0 runs without the gradie
 ABSL_FLAG(int, test_autosave_write_delay_ms, 0, "test only: background SaveStates wait this long before writing");
 ABSL_FLAG(int, test_corrupt_main_grad_rank, -1, "test only: corrupt this rank's main_grad after reduction");
 ABSL_FLAG(int, test_inventory_mismatch_rank, -1, "test only: alter this rank's factor inventory");
+ABSL_FLAG(std::string, test_refuse, "",
+          "test only: CALL:RANK, rank RANK refuses its first CALL (ForwardBackward, Forward, OptimStep, TrainStep) at admission");
 
 namespace lorastep {
 
@@ -54,7 +56,7 @@ const std::vector<std::string>& WorkerTestFlagNames() {
   static const auto* names = new std::vector<std::string>{
       "test_grad_fault",            "test_skip_shared_reduction", "test_shared_reductions",
       "test_check_grad_digests",    "test_corrupt_main_grad_rank", "test_inventory_mismatch_rank",
-      "test_autosave_write_delay_ms"};
+      "test_autosave_write_delay_ms", "test_refuse"};
   return *names;
 }
 

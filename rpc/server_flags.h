@@ -26,6 +26,7 @@ ABSL_DECLARE_FLAG(int, test_check_grad_digests);
 ABSL_DECLARE_FLAG(int, test_autosave_write_delay_ms);
 ABSL_DECLARE_FLAG(int, test_corrupt_main_grad_rank);
 ABSL_DECLARE_FLAG(int, test_inventory_mismatch_rank);
+ABSL_DECLARE_FLAG(std::string, test_refuse);
 
 namespace lorastep {
 

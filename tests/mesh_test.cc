@@ -354,6 +354,34 @@ TEST_F(MeshTest, SkippedReplicatedReductionIsCaughtAndTheRunRefused) {
   EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition, "stage 0 tensor_replicated: ranks 1 differ from rank 0"));
 }
 
+// Issue 27: a rank that refuses a call on its own (here by a test switch, as a failed
+// validation, activation budget or learner-version check would) votes at admission, before
+// any collective: every rank answers within a second with that rank's error, nothing is
+// applied, and the next call succeeds on the same mesh. Before, the refusing rank went to
+// the world vote while its tensor peer waited in a tensor collective until the timeout.
+TEST_F(MeshTest, RankLocalRefusalIsAnsweredAtOnceByEveryRank) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
+  for (const char* call : {"TrainStep", "OptimStep"}) {
+    Coordinator tp2 = Start({"--tp", "2", "--test_refuse", std::string(call) + ":1"});
+    v1::LoraConfig lora;
+    lora.set_rank(4);
+    lora.set_alpha(8);
+    ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(tp2.client.get(), lora, 11));
+    if (std::string(call) == "OptimStep") ASSERT_OK(run.ForwardBackward(Batch(0), Ppo()).status());
+    const auto t0 = std::chrono::steady_clock::now();
+    auto refused = std::string(call) == "TrainStep" ? run.TrainStep(Batch(0), Ppo(), Adam()) : run.OptimStep(Adam());
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition, std::string("rank 1 refuses this ") + call)) << call;
+    EXPECT_LT(seconds, 1.0) << call;
+    ASSERT_OK_AND_ASSIGN(v1::Run state, tp2.client->GetRun(run.run_id()));
+    EXPECT_EQ(state.learner_version(), 0) << call;
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse next, std::string(call) == "TrainStep" ? run.TrainStep(Batch(0), Ppo(), Adam())
+                                                                                   : run.OptimStep(Adam()));
+    EXPECT_EQ(next.learner_version(), 1) << call;
+    EXPECT_TRUE(next.replicas_equal()) << call;
+  }
+}
+
 TEST_F(MeshTest, TensorReplicatedBucketFaultsAreRefusedBeforeTheOptimizer) {
   if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
   const std::vector<std::string> tp2 = {"--tp", "2"};

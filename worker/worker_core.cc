@@ -68,12 +68,26 @@ absl::Status AsReference(const absl::Status& status, const std::string& folder, 
 }  // namespace
 
 absl::StatusOr<Trainer*> WorkerCore::Prepare(const std::string& run_id, const MeshCallInfo& mesh) {
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
+  // The communicators first: a rank that refuses below still votes on them.
   LORASTEP_RETURN_IF_ERROR(FormGroups(mesh));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Find(run_id));
   if (mesh.expected_learner_version >= 0 && mesh.expected_learner_version != t->learner_version()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "learner_version: rank ", options_.rank, " of run '", run_id, "' is at ",
         t->learner_version(), ", the coordinator expected ", mesh.expected_learner_version));
+  }
+  return t;
+}
+
+absl::StatusOr<Trainer*> WorkerCore::Admit(const std::string& run_id, const MeshCallInfo& mesh, const char* call) {
+  absl::StatusOr<Trainer*> t = Prepare(run_id, mesh);
+  if (t.ok() && !test_refused_ && options_.test_refuse == absl::StrCat(call, ":", options_.rank)) {
+    test_refused_ = true;
+    t = absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank, " refuses this ", call, " (test_refuse)"));
+  }
+  if (!t.ok() && groups_ != nullptr && !groups_->broken()) {
+    // The other ranks' trainers vote at admission: this rank's "no" stops them all there.
+    return AgreeOnMesh(groups_.get(), base_->device, t.status());
   }
   return t;
 }
@@ -161,7 +175,7 @@ absl::StatusOr<ForwardBackwardResult> WorkerCore::ForwardBackward(
     const BatchTotals* totals,
     const MeshCallInfo& mesh, const Cancelled& cancelled) {
   std::lock_guard<FairMutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Admit(run_id, mesh, "ForwardBackward"));
   BatchOptions batch;
   batch.totals = totals;
   batch.cancelled = cancelled;
@@ -173,7 +187,7 @@ absl::StatusOr<ForwardBackwardResult> WorkerCore::Forward(const std::string& run
                                                           const std::vector<Datum>& datums,
                                                           const MeshCallInfo& mesh, const Cancelled& cancelled) {
   std::lock_guard<FairMutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Admit(run_id, mesh, "Forward"));
   BatchOptions batch;
   batch.cancelled = cancelled;
   batch.agree_on_cancel = mesh.agree_on_cancel;
@@ -184,7 +198,7 @@ absl::StatusOr<OptimStepResult> WorkerCore::OptimStep(const std::string& run_id,
                                                       const AdamWParams& params,
                                                       const MeshCallInfo& mesh) {
   std::lock_guard<FairMutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Admit(run_id, mesh, "OptimStep"));
   return t->OptimStep(params);
 }
 
@@ -196,7 +210,7 @@ absl::StatusOr<OptimStepResult> WorkerCore::TrainStep(const std::string& run_id,
                                                       int64_t max_tokens,
                                                       const MeshCallInfo& mesh, const Cancelled& cancelled) {
   std::lock_guard<FairMutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Admit(run_id, mesh, "TrainStep"));
   BatchOptions batch;
   batch.totals = totals;
   batch.max_tokens_per_microbatch = max_tokens;

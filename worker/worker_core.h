@@ -54,6 +54,10 @@ struct WorkerOptions {
   int64_t max_activation_bytes = 0;
   // Tests only: background SaveStates wait this long before writing (a slow disk).
   std::chrono::milliseconds test_background_write_delay{0};
+  // Tests only, "CALL:RANK": rank RANK refuses its first CALL (ForwardBackward, Forward,
+  // OptimStep, TrainStep) at admission, as a rank-local check would (the others must answer
+  // at once, not wait in a collective).
+  std::string test_refuse;
 };
 
 // --max_activation_mb in bytes: negative turns the budget off (-1), 0 is the default (80%
@@ -141,6 +145,11 @@ class WorkerCore {
   // Before a call on a mesh: rebuilds communicators for a new generation, checks the
   // learner version. Requires mu_. Returns the run.
   absl::StatusOr<Trainer*> Prepare(const std::string& run_id, const MeshCallInfo& mesh);
+  // Prepare for a call whose trainer votes at admission (the batch calls, OptimStep): when
+  // this rank refuses (no such run, another learner version), it casts the same vote, so
+  // every rank answers at once instead of waiting in a collective.
+  absl::StatusOr<Trainer*> Admit(const std::string& run_id, const MeshCallInfo& mesh, const char* call);
+  bool test_refused_ = false;  // test_refuse's one refusal was made
   // Forms the communicators of the call's generation (through the store at its rendezvous)
   // unless they are formed and unbroken. Every rank gets the same generation with the same
   // call, so all form them together. Requires mu_.

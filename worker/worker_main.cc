@@ -233,6 +233,7 @@ int main(int argc, char** argv) {
   options.test_background_write_delay = std::chrono::milliseconds(absl::GetFlag(FLAGS_test_autosave_write_delay_ms));
   options.finalize.corrupt_main_grad_rank = absl::GetFlag(FLAGS_test_corrupt_main_grad_rank);
   options.finalize.inventory_mismatch_rank = absl::GetFlag(FLAGS_test_inventory_mismatch_rank);
+  options.test_refuse = absl::GetFlag(FLAGS_test_refuse);
   const std::string register_with = absl::GetFlag(FLAGS_register_with);
   // --coordinator_tls_ca_file: the coordinator's port (its Registry) is TLS.
   std::shared_ptr<grpc::ChannelCredentials> coordinator_credentials = grpc::InsecureChannelCredentials();

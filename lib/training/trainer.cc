@@ -788,17 +788,25 @@ void Trainer::Restore(const CallSnapshot& snapshot) {
 absl::StatusOr<ForwardBackwardResult> Trainer::ForwardBackward(const std::vector<Datum>& datums,
                                                                const LossConfig& loss,
                                                                const BatchOptions& batch) {
-  absl::Status valid = ValidateBatch(datums, loss, base_->config.vocab_size, options_.limits);
-  if (valid.ok()) valid = CheckActivationBudget(datums, batch, /*backward=*/true);
-  if (options_.groups == nullptr) LORASTEP_RETURN_IF_ERROR(valid);
+  return AdmittedForwardBackward(datums, loss, batch, absl::OkStatus());
+}
+
+absl::StatusOr<ForwardBackwardResult> Trainer::AdmittedForwardBackward(const std::vector<Datum>& datums,
+                                                                       const LossConfig& loss,
+                                                                       const BatchOptions& batch,
+                                                                       const absl::Status& caller_checks) {
+  absl::Status local = caller_checks;
+  if (local.ok()) local = ValidateBatch(datums, loss, base_->config.vocab_size, options_.limits);
+  if (local.ok()) local = CheckActivationBudget(datums, batch, /*backward=*/true);
   // Keep what earlier calls accumulated so a failure mid-call can restore it exactly.
-  LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot, Snapshot());
-  absl::StatusOr<ForwardBackwardResult> result =
-      valid.ok() ? GuardTorch([&] { return RunMicroBatches(datums, &loss, batch); })
-                 : absl::StatusOr<ForwardBackwardResult>(valid);
+  absl::StatusOr<CallSnapshot> snapshot = local.ok() ? Snapshot() : absl::StatusOr<CallSnapshot>(local);
+  // Admission: every rank's own checks are done; the world votes before any collective of the
+  // call, so a rank that refuses never leaves its peers inside one.
+  LORASTEP_RETURN_IF_ERROR(AgreeOnOutcome(snapshot.status()));
+  absl::StatusOr<ForwardBackwardResult> result = GuardTorch([&] { return RunMicroBatches(datums, &loss, batch); });
   absl::Status agreed = AgreeOnOutcome(result.status());
   if (!agreed.ok()) {
-    Restore(snapshot);
+    Restore(*snapshot);
     return agreed;
   }
   ++pending_backward_calls_;
@@ -816,16 +824,15 @@ absl::StatusOr<bool> Trainer::CallCancelled(const BatchOptions& batch) {
   return any.item<float>() > 0;
 }
 
-absl::Status Trainer::AgreeOnOutcome(const absl::Status& local) {
-  if (options_.groups == nullptr) return local;
+absl::Status AgreeOnMesh(ProcessGroups* groups, const at::Device& device, const absl::Status& local) {
+  if (groups == nullptr) return local;
   return GuardTorch([&]() -> absl::Status {
-    at::Tensor ok = at::full({1}, local.ok() ? 1.0f : 0.0f,
-                             at::TensorOptions().device(base_->device).dtype(at::kFloat));
-    absl::Status vote = options_.groups->group(GroupKind::kWorld).AllReduce(ok, ReduceKind::kMin);
+    at::Tensor ok = at::full({1}, local.ok() ? 1.0f : 0.0f, at::TensorOptions().device(device).dtype(at::kFloat));
+    absl::Status vote = groups->group(GroupKind::kWorld).AllReduce(ok, ReduceKind::kMin);
     if (!local.ok()) return local;
     if (!vote.ok()) return vote;
     if (ok.item<float>() < 1.0f) {
-      return absl::AbortedError(absl::StrCat("rank ", options_.groups->rank(),
+      return absl::AbortedError(absl::StrCat("rank ", groups->rank(),
                                              ": another rank of the mesh failed this call; "
                                              "nothing was applied"));
     }
@@ -833,13 +840,21 @@ absl::Status Trainer::AgreeOnOutcome(const absl::Status& local) {
   });
 }
 
+absl::Status Trainer::AgreeOnOutcome(const absl::Status& local) {
+  return AgreeOnMesh(options_.groups, base_->device, local);
+}
+
 absl::StatusOr<ForwardBackwardResult> Trainer::Forward(const std::vector<Datum>& datums, const BatchOptions& batch) {
-  LORASTEP_RETURN_IF_ERROR(ValidateForwardBatch(datums, base_->config.vocab_size, options_.limits));
-  LORASTEP_RETURN_IF_ERROR(CheckActivationBudget(datums, BatchOptions{}, /*backward=*/false));
+  absl::Status local = ValidateForwardBatch(datums, base_->config.vocab_size, options_.limits);
+  if (local.ok()) local = CheckActivationBudget(datums, BatchOptions{}, /*backward=*/false);
+  LORASTEP_RETURN_IF_ERROR(AgreeOnOutcome(local));  // admission, as in ForwardBackward
   BatchOptions forward_only;
   forward_only.cancelled = batch.cancelled;
   forward_only.agree_on_cancel = batch.agree_on_cancel;
-  return GuardTorch([&] { return RunMicroBatches(datums, nullptr, forward_only); });
+  absl::StatusOr<ForwardBackwardResult> result =
+      GuardTorch([&] { return RunMicroBatches(datums, nullptr, forward_only); });
+  LORASTEP_RETURN_IF_ERROR(AgreeOnOutcome(result.status()));
+  return result;
 }
 
 absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWParams& params) {
@@ -848,14 +863,18 @@ absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWParams& params) {
 
 absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params,
                                                        bool restore_on_failure) {
-  LORASTEP_RETURN_IF_ERROR(ValidateAdamWParams(params));
+  absl::Status local = ValidateAdamWParams(params);
   OptimStepResult result;
   auto t0 = Clock::now();
-  LORASTEP_RETURN_IF_ERROR(FoldLocalGradients(adapter_.get()));
+  if (local.ok()) local = FoldLocalGradients(adapter_.get());
   // On a mesh the reduction rewrites main_grad: keep the local gradients so a step refused
   // after it (non-finite norm, a peer's failure) leaves them as they were.
   const bool restore = restore_on_failure && options_.groups != nullptr;
-  LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot, restore ? Snapshot() : CallSnapshot{});
+  absl::StatusOr<CallSnapshot> taken =
+      !local.ok() ? absl::StatusOr<CallSnapshot>(local) : restore ? Snapshot() : CallSnapshot{};
+  // Admission: all ranks vote before the first gradient collective.
+  LORASTEP_RETURN_IF_ERROR(AgreeOnOutcome(taken.status()));
+  const CallSnapshot snapshot = *std::move(taken);
   GradFinalizeOptions finalize = options_.finalize;
   finalize.expert_lora = base_->config.is_moe() && !adapter_->full_finetune();
   auto finalized = FinalizeStepGradients(adapter_.get(), options_.groups, finalize);
@@ -935,16 +954,18 @@ absl::StatusOr<OptimStepResult> Trainer::TrainStep(const std::vector<Datum>& dat
                                                    const LossConfig& loss,
                                                    const AdamWParams& params,
                                                    const BatchOptions& batch) {
-  // Validate the optimizer parameters too before any work: a bad call changes nothing.
-  LORASTEP_RETURN_IF_ERROR(ValidateAdamWParams(params));
+  // The optimizer parameters are checked with the batch, before any work: a bad call changes
+  // nothing, and on a mesh every rank learns of any rank's refusal at admission.
+  absl::Status local = ValidateAdamWParams(params);
   const bool profile = !options_.profile_trace_path.empty() && ++train_steps_run_ == options_.profile_train_step;
-  if (profile) {
+  if (profile && local.ok()) {
     SyncDevice();
-    LORASTEP_RETURN_IF_ERROR(StartKernelProfile());
+    local = StartKernelProfile();
   }
   auto t0 = Clock::now();
-  LORASTEP_ASSIGN_OR_RETURN(CallSnapshot snapshot, Snapshot());
-  LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult fb, ForwardBackward(datums, loss, batch));
+  absl::StatusOr<CallSnapshot> taken = local.ok() ? Snapshot() : absl::StatusOr<CallSnapshot>(local);
+  LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult fb, AdmittedForwardBackward(datums, loss, batch, taken.status()));
+  const CallSnapshot snapshot = *std::move(taken);
   // The snapshot above covers a failed step: no second copy of the gradients.
   auto step = StepOptimizer(params, /*restore_on_failure=*/false);
   if (!step.ok()) {  // e.g. a non-finite gradient norm: undo this call entirely

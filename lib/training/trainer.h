@@ -135,6 +135,11 @@ struct OptimStepResult {
 // SnapshotState's copy of a run's training state (defined in trainer.cc).
 struct TrainerStateSnapshot;
 
+// The world's verdict on one step of a mesh call (a MIN all-reduce of every rank's "my part
+// succeeded"): `local` on the rank that failed, ABORTED on the others, OK when all succeeded.
+// Every rank of the mesh calls it at the same point of the call. `groups` null: `local`.
+absl::Status AgreeOnMesh(ProcessGroups* groups, const at::Device& device, const absl::Status& local);
+
 class Trainer {
  public:
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(std::shared_ptr<const BaseModel> base,
@@ -207,6 +212,11 @@ class Trainer {
   };
   absl::StatusOr<CallSnapshot> Snapshot();
   void Restore(const CallSnapshot& snapshot);
+  // ForwardBackward with the caller's own rank-local checks (`caller_checks`) voted on at
+  // admission together with the batch's.
+  absl::StatusOr<ForwardBackwardResult> AdmittedForwardBackward(const std::vector<Datum>& datums,
+                                                                const LossConfig& loss, const BatchOptions& batch,
+                                                                const absl::Status& caller_checks);
   void SyncDevice() const;
   // peak_cuda_memory_bytes:max since the last reset (CUDA only).
   void AddCudaPeakMemory(Metrics* metrics) const;
