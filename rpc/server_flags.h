@@ -1,7 +1,6 @@
 // Flags both servers read (the coordinator and the worker, on absl flags): the Prometheus
-// endpoint, the log verbosity, and the worker's test-only fault injection, which the
-// coordinator accepts too and passes on to its local workers. Each binary defines its own
-// other flags in its main file.
+// endpoint and the log verbosity. Each binary defines its own other flags in its main file;
+// the test-only fault injection flags exist only in the test builds (rpc/test_flags.h).
 #ifndef LORASTEP_RPC_SERVER_FLAGS_H_
 #define LORASTEP_RPC_SERVER_FLAGS_H_
 
@@ -19,14 +18,6 @@ ABSL_DECLARE_FLAG(std::optional<int>, metrics_port);
 ABSL_DECLARE_FLAG(std::string, metrics_host);
 ABSL_DECLARE_FLAG(bool, metrics_allow_remote);
 ABSL_DECLARE_FLAG(std::string, metrics_port_file);
-ABSL_DECLARE_FLAG(std::string, test_grad_fault);
-ABSL_DECLARE_FLAG(std::string, test_skip_shared_reduction);
-ABSL_DECLARE_FLAG(std::optional<int>, test_shared_reductions);
-ABSL_DECLARE_FLAG(int, test_check_grad_digests);
-ABSL_DECLARE_FLAG(int, test_autosave_write_delay_ms);
-ABSL_DECLARE_FLAG(int, test_corrupt_main_grad_rank);
-ABSL_DECLARE_FLAG(int, test_inventory_mismatch_rank);
-ABSL_DECLARE_FLAG(std::string, test_refuse);
 
 namespace lorastep {
 
@@ -41,7 +32,9 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetricsEndpointFromFlags
 // a child that has the same flags with the same defaults.
 std::vector<std::string> NonDefaultFlagArgs(const std::vector<std::string>& names);
 
-// The worker's test-only flags, as NonDefaultFlagArgs takes them.
+// The worker's test-only flags (rpc/test_flags.h), as NonDefaultFlagArgs takes them: a
+// testing coordinator passes them on to its local workers; in a production build none of
+// them exists, and the binaries refuse them as unknown.
 const std::vector<std::string>& WorkerTestFlagNames();
 
 }  // namespace lorastep

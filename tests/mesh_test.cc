@@ -112,12 +112,13 @@ class MeshTest : public ::testing::Test {
   }
   static Coordinator Start(std::vector<std::string> extra, const std::string& model = "model") {
     // Plain paths: the checkpoints below move between meshes as folders.
+    // The testing builds: several tests inject faults (--test_*).
     std::vector<std::string> args = {"--model", *dir_ + "/" + model, "--worker_binary",
-                                     TestBinary("worker/lorastep_worker"), "--collective_timeout_s", "60",
+                                     TestBinary("worker/lorastep_worker_testing"), "--collective_timeout_s", "60",
                                      "--allow_plain_paths"};
     if (OnCuda()) args.insert(args.end(), {"--device", "cuda"});
     args.insert(args.end(), extra.begin(), extra.end());
-    auto server = ChildServer::Start(TestBinary("server/lorastep_coordinator"), args, 120);
+    auto server = ChildServer::Start(TestBinary("server/lorastep_coordinator_testing"), args, 120);
     EXPECT_TRUE(server.ok()) << server.status();
     Coordinator c;
     c.server = std::make_unique<ChildServer>(std::move(server).value());

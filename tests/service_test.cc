@@ -1250,6 +1250,24 @@ v1::TrainStepRequest LongTrainStep(const std::string& run_id, int datums) {
   return req;
 }
 
+// Issue 27: fault injection exists only in the testing builds: the production binaries
+// refuse every --test_* flag as unknown (they accepted them and passed them on to workers).
+TEST(ProcessTest, ProductionBinariesRefuseTestFlags) {
+  for (const char* binary : {"server/lorastep_coordinator", "worker/lorastep_worker"}) {
+    for (const char* flag : {"--test_grad_fault=split:skip", "--test_check_grad_digests=0", "--test_refuse=TrainStep:0",
+                             "--test_autosave_write_delay_ms=10"}) {
+      const std::string command = Binary(binary) + " " + flag + " 2>&1";
+      FILE* pipe = popen(command.c_str(), "r");
+      ASSERT_NE(pipe, nullptr) << command;
+      std::string out;
+      char buffer[4096];
+      for (size_t n; (n = fread(buffer, 1, sizeof(buffer), pipe)) > 0;) out.append(buffer, n);
+      EXPECT_NE(pclose(pipe), 0) << command;
+      EXPECT_NE(out.find("nknown command line flag"), std::string::npos) << command << ": " << out;
+    }
+  }
+}
+
 // Issue 26, defect 6: a call its client gave up on stops at the worker's next micro-batch and
 // applies nothing, so another run's step waits for one micro-batch, not for an abandoned
 // 2M-token step (it waited 300 s behind one, and the worker computed on at 99% CPU).
@@ -1828,11 +1846,11 @@ TEST(ProcessTest, FailedBackgroundAutosaveIsNotDurable) {
 // autosave is written resumes from the last durable one; SIGTERM waits for the write.
 TEST(ProcessTest, BackgroundAutosavesKeepEveryStepOnASlowDisk) {
   ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("autosave_catch_up"));
-  const std::vector<std::string> args = {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"),
+  const std::vector<std::string> args = {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker_testing"),
                                          "--state_dir", dir + "/store", "--test_autosave_write_delay_ms", "1500"};
   int64_t next_sequence_id = 0;
   {
-    ASSERT_OK_AND_ASSIGN(ChildServer first, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));
+    ASSERT_OK_AND_ASSIGN(ChildServer first, ChildServer::Start(Binary("server/lorastep_coordinator_testing"), args, 120));
     ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(first.address()));
     ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3, "slow"));
     ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
@@ -1852,7 +1870,7 @@ TEST(ProcessTest, BackgroundAutosavesKeepEveryStepOnASlowDisk) {
     ASSERT_EQ(kill(first.pid(), SIGKILL), 0);
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
   }
-  ASSERT_OK_AND_ASSIGN(ChildServer second, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));
+  ASSERT_OK_AND_ASSIGN(ChildServer second, ChildServer::Start(Binary("server/lorastep_coordinator_testing"), args, 120));
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(second.address()));
   ASSERT_OK_AND_ASSIGN(v1::Run back, client->GetRun("slow"));
   EXPECT_EQ(back.learner_version(), 3);
@@ -1869,7 +1887,7 @@ TEST(ProcessTest, BackgroundAutosavesKeepEveryStepOnASlowDisk) {
   // before it stops the worker, so a restart resumes at the last step.
   for (int i = 5; i < 7; ++i) ASSERT_OK(resumed.TrainStep(Batch(i), Ppo(), Adam()).status());
   EXPECT_TRUE(second.Stop()) << "needed SIGKILL";
-  ASSERT_OK_AND_ASSIGN(ChildServer third, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));
+  ASSERT_OK_AND_ASSIGN(ChildServer third, ChildServer::Start(Binary("server/lorastep_coordinator_testing"), args, 120));
   ASSERT_OK_AND_ASSIGN(client, TrainerClient::Connect(third.address()));
   ASSERT_OK_AND_ASSIGN(v1::Run after_sigterm, client->GetRun("slow"));
   EXPECT_EQ(after_sigterm.learner_version(), 7);
@@ -1883,8 +1901,8 @@ TEST(ProcessTest, CostSpacedAutosavesCountTheDisksTime) {
   ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("autosave_spacing"));
   ASSERT_OK_AND_ASSIGN(
       ChildServer server,
-      ChildServer::Start(Binary("server/lorastep_coordinator"),
-                         {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"), "--state_dir",
+      ChildServer::Start(Binary("server/lorastep_coordinator_testing"),
+                         {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker_testing"), "--state_dir",
                           dir + "/store", "--autosave_every_steps", "0", "--autosave_max_share", "0.5",
                           "--test_autosave_write_delay_ms", "1000", "--autosave_when_idle_s", "0"},
                          120));

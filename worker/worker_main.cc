@@ -39,6 +39,7 @@
 #include "worker/worker_core.h"
 #include "lib/io/state_pruner.h"
 #include "worker/rendezvous_service.h"
+#include "worker/test_hooks.h"
 #include "worker/worker_service.h"
 
 ABSL_FLAG(std::string, model, "", "Hugging Face model folder (config.json + safetensors); required");
@@ -216,24 +217,11 @@ int main(int argc, char** argv) {
   options.rendezvous = absl::GetFlag(FLAGS_rendezvous);
   if (!secret->empty()) options.rendezvous_key_prefix = RendezvousKeyPrefix(*secret);
   if (auto timeout = absl::GetFlag(FLAGS_collective_timeout_s)) options.collective_timeout = std::chrono::seconds(*timeout);
-  // Test only: a fault in one gradient bucket's reduction (skipped, doubled, or corrupted on
-  // one rank), which the finalizer must refuse before the optimizer.
-  if (auto fault = ParseGradFault(absl::GetFlag(FLAGS_test_grad_fault), "test_grad_fault"); fault.ok()) {
-    options.finalize.fault = *fault;
-  } else {
-    LORASTEP_LOG(Error) << "lorastep_worker: " << fault.status();
+  // Fault injection, in the testing build only (worker/test_hooks.h).
+  if (absl::Status hooks = ApplyTestFlags(&options); !hooks.ok()) {
+    LORASTEP_LOG(Error) << "lorastep_worker: " << hooks;
     return 2;
   }
-  // Test only, shared-outer expert factors (the second seed): skip one family's reduction,
-  // reduce twice, run without the digest checks, corrupt one rank's main_grad, or alter one
-  // rank's factor inventory.
-  options.finalize.skip_shared_family = absl::GetFlag(FLAGS_test_skip_shared_reduction);
-  if (auto n = absl::GetFlag(FLAGS_test_shared_reductions)) options.finalize.shared_reductions = *n;
-  options.finalize.check_digests = absl::GetFlag(FLAGS_test_check_grad_digests) != 0;
-  options.test_background_write_delay = std::chrono::milliseconds(absl::GetFlag(FLAGS_test_autosave_write_delay_ms));
-  options.finalize.corrupt_main_grad_rank = absl::GetFlag(FLAGS_test_corrupt_main_grad_rank);
-  options.finalize.inventory_mismatch_rank = absl::GetFlag(FLAGS_test_inventory_mismatch_rank);
-  options.test_refuse = absl::GetFlag(FLAGS_test_refuse);
   const std::string register_with = absl::GetFlag(FLAGS_register_with);
   // --coordinator_tls_ca_file: the coordinator's port (its Registry) is TLS.
   std::shared_ptr<grpc::ChannelCredentials> coordinator_credentials = grpc::InsecureChannelCredentials();
