@@ -230,6 +230,9 @@ class Finalizer {
           LORASTEP_RETURN_IF_ERROR(groups_->group(b.kind).AllReduceCoalesced(b.grads));
         }
       }
+      if (fault_.kind == "corrupt" && fault_.bucket == b.name && fault_.rank == groups_->rank()) {
+        b.grads[0].view({-1})[0].add_(1e-3);  // test only: one rank's optimizer-facing sums
+      }
     }
     return absl::OkStatus();
   }
@@ -244,9 +247,6 @@ class Finalizer {
     std::vector<at::Tensor> words;
     for (PlannedBucket& b : plan) {
       const bool replicated = layout.Group(b.kind, 0).size() > 1 && !b.grads.empty();
-      if (replicated && fault_.kind == "corrupt" && fault_.bucket == b.name && fault_.rank == groups_->rank()) {
-        b.grads[0].view({-1})[0].add_(1e-3);  // test only: one rank's optimizer-facing sums
-      }
       words.push_back(DigestWords(replicated ? TensorsSha256(b.grads) : "", device_));
     }
     LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> gathered,
@@ -391,7 +391,8 @@ absl::StatusOr<GradFinalizeOptions::Fault> ParseGradFault(const std::string& tex
   GradFinalizeOptions::Fault fault;
   if (text.empty()) return fault;
   const std::vector<std::string> parts = absl::StrSplit(text, ':');
-  static const char* kBuckets[] = {"embedding", "replicated_partial", "expert_split", "split", "replicated_full"};
+  static const char* kBuckets[] = {"embedding",    "replicated_partial", "expert_replicated_partial",
+                                   "expert_split", "split",              "replicated_full"};
   const bool bucket_known = std::any_of(std::begin(kBuckets), std::end(kBuckets),
                                         [&](const char* b) { return parts[0] == b; });
   const bool corrupt = parts.size() == 3 && parts[1] == "corrupt" && absl::SimpleAtoi(parts[2], &fault.rank) &&

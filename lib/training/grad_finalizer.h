@@ -56,7 +56,8 @@ struct GradFinalizeOptions {
   // Each is refused before the optimizer. Parsed from "BUCKET:skip", "BUCKET:double" or
   // "BUCKET:corrupt:RANK" by ParseGradFault.
   struct Fault {
-    std::string bucket;  // "embedding", "replicated_partial", "expert_split", "split", "replicated_full"
+    std::string bucket;  // "embedding", "replicated_partial", "expert_replicated_partial", "expert_split",
+                         // "split", "replicated_full"
     std::string kind;    // "skip", "double", "corrupt"
     int rank = -1;
   } fault;
