@@ -14,6 +14,7 @@
 #include <future>
 #include <limits>
 #include <mutex>
+#include <set>
 #include <random>
 #include <thread>
 #include <tuple>
@@ -1385,6 +1386,7 @@ absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
     }
   }
   std::vector<absl::StatusOr<Resp>> results(ranks.size(), absl::UnknownError("not run"));
+  std::set<int> unanswered;  // ranks cancelled after a peer's collective timed out waiting for them
   if (ranks.size() == 1) {
     results[0] = call(ranks[0], run.ranks[ranks[0]]);
   } else {
@@ -1403,8 +1405,10 @@ absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
         cv.notify_all();
       });
     }
-    // After a rank fails on its own, the others get peer_failure_grace to answer (they
-    // normally fail at their collective timeout); then their calls are cancelled.
+    // After a rank fails, the others get peer_failure_grace to answer (they normally fail
+    // at their collective timeout); then their calls are cancelled. A rank that failed only
+    // because a peer did (its collective timed out waiting) starts the grace too: the peer
+    // it waited for may be stopped or wedged and never answer at all.
     std::vector<bool> cancelled(ranks.size(), false);
     int root_rank = -1;
     {
@@ -1412,16 +1416,17 @@ absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
       std::chrono::steady_clock::time_point deadline;
       while (done < ranks.size()) {
         if (root_rank < 0) {
-          for (size_t i = 0; i < ranks.size() && root_rank < 0; ++i) {
-            if (finished[i] && !results[i].ok() && !IsPeerFailure(results[i].status())) {
-              root_rank = ranks[i];
-              deadline = std::chrono::steady_clock::now() + options_.peer_failure_grace;
-            }
+          for (size_t i = 0; i < ranks.size(); ++i) {
+            if (!finished[i] || results[i].ok()) continue;
+            // A rank that failed on its own names the failure; else the first that failed.
+            if (root_rank < 0 || !IsPeerFailure(results[i].status())) root_rank = ranks[i];
+            if (!IsPeerFailure(results[i].status())) break;
           }
           if (root_rank < 0) {
             cv.wait(lock);
             continue;
           }
+          deadline = std::chrono::steady_clock::now() + options_.peer_failure_grace;
         }
         if (cv.wait_until(lock, deadline) == std::cv_status::timeout && done < ranks.size()) {
           for (size_t i = 0; i < ranks.size(); ++i) {
@@ -1434,11 +1439,21 @@ absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
       }
     }
     for (auto& t : threads) t.join();
+    const bool root_waited = root_rank >= 0 && [&] {
+      for (size_t i = 0; i < ranks.size(); ++i) {
+        if (ranks[i] == root_rank) return IsPeerFailure(results[i].status());
+      }
+      return false;
+    }();
     for (size_t i = 0; i < ranks.size(); ++i) {
       if (!cancelled[i] || results[i].ok()) continue;
       results[i] = absl::DeadlineExceededError(absl::StrCat(
           "no answer ", options_.peer_failure_grace.count(), " s after rank ", root_rank,
-          " failed; call cancelled (the worker may still be blocked in a collective)"));
+          root_waited ? "'s collective timed out waiting for its peers; call cancelled (this worker is stopped, "
+                        "wedged or unreachable)"
+                      : " failed; call cancelled (the worker may still be blocked in a collective)"));
+      // The rank that never answered is the cause when the first failure only waited for it.
+      if (root_waited) unanswered.insert(ranks[i]);
     }
   }
   // A call that failed at the transport (the worker process is gone) marks its worker down;
@@ -1461,9 +1476,11 @@ absl::StatusOr<std::vector<Resp>> Coordinator::FanOut(
   if (!failed.empty()) {
     // Communicators may be broken: every rank rebuilds at the next call.
     if (on_mesh()) mesh_generation_ = NewMeshGeneration(mesh_generation_);
-    std::stable_sort(failed.begin(), failed.end(), [](const auto& a, const auto& b) {
-      return !IsPeerFailure(a.second) && IsPeerFailure(b.second);
-    });
+    auto cause = [&](const std::pair<int, absl::Status>& f) {
+      return unanswered.count(f.first) > 0 || !IsPeerFailure(f.second);
+    };
+    std::stable_sort(failed.begin(), failed.end(),
+                     [&](const auto& a, const auto& b) { return cause(a) && !cause(b); });
     if (!on_mesh()) return failed[0].second;
     std::string msg;
     for (const auto& [rank, status] : failed) {
