@@ -11,7 +11,12 @@ must be bitwise equal (same SHA-256), and the next, correct TrainStep of the sam
 succeed with every replica family equal (a rank that had applied alone would differ from
 its replicas) and the same adapter as a twin run (same seed) that never saw a fault.
 
-  python3 bench/transactions.py COORDINATOR_TESTING WORKER_TESTING GENMODEL OUT_JSON [--quick]
+Then the recovery trials: a DP2 mesh with a journal, a run with two steps autosaved, rank 1
+SIGKILLed in the middle of a longer step while two CPU-bound processes run beside the mesh;
+the client retries the step every second until it is applied. Each trial records the time
+from the kill to the applied step.
+
+  python3 bench/transactions.py COORDINATOR_TESTING WORKER_TESTING GENMODEL OUT_JSON [--quick] [--recovery N] [--recovery_only]
 """
 import json
 import os
@@ -20,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from lorastep import LorastepError, TrainingClient
@@ -114,13 +120,75 @@ def run_case(coordinator, worker, model, layout, bucket, failure, tmp):
     return case
 
 
+def recovery_trial(coordinator, worker, model, tmp, trial):
+    port_file = os.path.join(tmp, f"rport{trial}")
+    with open(os.path.join(tmp, f"recovery{trial}.log"), "w") as log:
+        proc = subprocess.Popen([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
+                                 "--port_file", port_file, "--dp", "2", "--state_dir", os.path.join(tmp, f"state{trial}"),
+                                 "--collective_timeout_s", "20", "--peer_failure_grace_s", "5"], stderr=log)
+    try:
+        client = TrainingClient(f"127.0.0.1:{wait_port(port_file, proc)}", timeout=120)
+        run = client.create_run(rank=4, alpha=8, seed=11)
+        for _ in range(2):
+            run.train_step(batch(), adamw={"lr": 1e-3})
+        for _ in range(600):  # the autosave of step 2 is durable
+            if (client.get_run(run.run_id).autosaved_learner_version or 0) >= 2:
+                break
+            time.sleep(0.05)
+        ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        long_batch = [datum(i, n=512) for i in range(128)]
+        long_step = {}
+        failed = threading.Thread(target=lambda: _record(long_step, lambda: run.train_step(long_batch, adamw={"lr": 1e-3})))
+        failed.start()
+        time.sleep(0.5)
+        os.kill(int(ranks[1]), 9)
+        killed = time.time()
+        failed.join()
+        for attempt in range(120):
+            try:
+                step = run.train_step(batch(), adamw={"lr": 1e-3})
+                return {"recovered": True, "seconds": round(time.time() - killed, 3), "attempts": attempt + 1,
+                        "killed_mid_step": long_step.get("code") not in (None, "OK"),
+                        "learner_version": step.learner_version}
+            except LorastepError:
+                time.sleep(1)
+        return {"recovered": False, "seconds": round(time.time() - killed, 3), "attempts": 120}
+    except Exception as e:
+        return {"recovered": False, "error": str(e)[:300]}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def recovery_summary(trials):
+    times = sorted(t["seconds"] for t in trials if t.get("recovered"))
+    return {"workload": "DP2 tiny model, journal on, rank 1 SIGKILLed 0.5 s into a 128 x 512 TrainStep, two "
+                        "CPU-bound processes beside the mesh; the client retries every second",
+            "runs": len(trials), "recovered": len(times),
+            "median_s": times[len(times) // 2] if times else None, "worst_s": times[-1] if times else None,
+            "trials": trials}
+
+
+def _record(outcome, fn):
+    try:
+        fn()
+        outcome["code"] = "OK"
+    except LorastepError as e:
+        outcome["code"] = e.code.name
+
+
 def main():
     coordinator, worker, genmodel, out = sys.argv[1:5]
     quick = "--quick" in sys.argv[5:]
+    trials = int(sys.argv[sys.argv.index("--recovery") + 1]) if "--recovery" in sys.argv else 0
     tmp = tempfile.mkdtemp(prefix="lorastep_transactions_")
-    cases = []
+    cases, recovery = [], []
+    layouts = [] if "--recovery_only" in sys.argv else LAYOUTS[:1] if quick else LAYOUTS
     try:
-        for layout, preset, buckets in LAYOUTS[:1] if quick else LAYOUTS:
+        for layout, preset, buckets in layouts:
             model = os.path.join(tmp, preset)
             if not os.path.exists(model):
                 subprocess.run([genmodel, "--preset", preset, "--seed", "3", "--out", model], check=True,
@@ -130,6 +198,19 @@ def main():
                     case = run_case(coordinator, worker, model, layout, bucket, failure, tmp)
                     cases.append(case)
                     print(json.dumps(case), flush=True)
+        if trials:
+            model = os.path.join(tmp, "tiny")
+            if not os.path.exists(model):
+                subprocess.run([genmodel, "--preset", "tiny", "--seed", "3", "--out", model], check=True,
+                               stdout=subprocess.DEVNULL)
+            busy = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(2)]
+            try:
+                for trial in range(trials):
+                    recovery.append(recovery_trial(coordinator, worker, model, tmp, trial))
+                    print(json.dumps(recovery[-1]), flush=True)
+            finally:
+                for b in busy:
+                    b.kill()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     refused = [c for c in cases if c.get("code") == "FAILED_PRECONDITION" and not c["ranks_that_applied"]]
@@ -139,17 +220,17 @@ def main():
         "code_version": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(),
         "library_versions": {p: debian_version(p) for p in ("libtorch-dev", "libgrpc++-dev")},
-        "command": "bash bench/transactions.sh",
+        "command": "bash bench/transactions.sh " + " ".join(sys.argv[5:]),
         "cases": cases,
         "summary": {"cases": len(cases), "refused_with_nothing_applied": len(refused)},
-        # Recovery of killed mesh ranks under load (issue 27, point 2) is not measured yet.
-        "recovery": None,
+        "recovery": recovery_summary(recovery) if trials else None,
     }
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"{len(refused)} of {len(cases)} cases refused before the optimizer with nothing applied")
-    return 0 if len(refused) == len(cases) else 1
+    recovered = all(t.get("recovered") for t in recovery)
+    return 0 if len(refused) == len(cases) and recovered else 1
 
 
 if __name__ == "__main__":

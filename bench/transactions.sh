@@ -3,7 +3,9 @@
 # bench/results/transactions.json: every replicated gradient bucket of TP2, TP2 x PP2 x DP2
 # and TP2 x DP2 x EP2 (MoE), skipped, doubled or corrupted on one rank in a run's first
 # TrainStep, must be refused before the optimizer with nothing applied on any rank.
-#   bash bench/transactions.sh [OUT_JSON] [--quick]
+#   bash bench/transactions.sh [OUT_JSON] [--quick] [--recovery N] [--recovery_only]
+# The recovery trials (--recovery N): rank 1 of a DP2 mesh SIGKILLed mid-step beside two
+# CPU-bound processes, the client retrying until its step is applied.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench/results/transactions.json}

@@ -272,10 +272,13 @@ void ExitAfter(std::chrono::seconds deadline, const std::string& who) {
   }).detach();
 }
 
-void WaitForShutdownSignal() {
+std::string WaitForShutdownSignal() {
   sigset_t set = ShutdownSignals();
-  int sig = 0;
-  sigwait(&set, &sig);
+  siginfo_t info{};
+  while (sigwaitinfo(&set, &info) < 0) {
+  }
+  const char* name = info.si_signo == SIGTERM ? "SIGTERM" : info.si_signo == SIGINT ? "SIGINT" : "SIGHUP";
+  return absl::StrCat(name, " from pid ", info.si_pid);
 }
 
 bool IsLoopbackHost(const std::string& host) {

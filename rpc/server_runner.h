@@ -19,8 +19,9 @@ namespace lorastep {
 
 // Blocks SIGINT and SIGTERM in this thread (and threads started after it); call first in main.
 void BlockShutdownSignals();
-// Waits until SIGINT or SIGTERM arrives.
-void WaitForShutdownSignal();
+// Waits until SIGINT or SIGTERM arrives; returns which and from whom ("SIGTERM from pid 12"),
+// for the shutdown's log line.
+std::string WaitForShutdownSignal();
 // Called once a shutdown has begun: if the process is still running `deadline` from now
 // (a call stuck in a device kernel or a collective), it logs that and exits with status 1.
 void ExitAfter(std::chrono::seconds deadline, const std::string& who);

@@ -271,6 +271,12 @@ void Coordinator::RestartLoop() {
     WorkerClient* dead = restart_queue_.front();
     restart_queue_.pop_front();
     if (on_mesh()) restart_queue_.clear();  // one restart brings every rank back
+    // A worker marked down while an earlier restart was replacing it (a call or health check
+    // reached the old process as it was stopped) is gone already: restarting for it would
+    // stop the fresh workers, and under load every restart queued the next one.
+    const bool stale = dead != nullptr && std::none_of(workers_.begin(), workers_.end(),
+                                                         [&](const auto& w) { return w.get() == dead; });
+    if (stale) continue;
     lock.unlock();
     if (on_mesh()) {
       RestartMesh();

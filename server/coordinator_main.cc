@@ -594,8 +594,8 @@ int main(int argc, char** argv) {
     LORASTEP_LOG(Info) << "lorastep_coordinator: serving " << core.model_path() << " on port " << port
                        << " with " << num_workers << " worker(s)" << (absl::GetFlag(FLAGS_in_process_worker) ? " (in process)" : "");
   }
-  WaitForShutdownSignal();
-  LORASTEP_LOG(Info) << "lorastep_coordinator: shutting down";
+  const std::string signal = WaitForShutdownSignal();
+  LORASTEP_LOG(Info) << "lorastep_coordinator: shutting down (" << signal << ")";
   // 3 s for open calls, up to 30 s for autosaves, 10 s for each worker's SIGTERM: past this
   // the process exits anyway.
   ExitAfter(std::chrono::seconds(kShutdownDeadlineSeconds), "lorastep_coordinator");

@@ -5,6 +5,8 @@
 #include <sys/time.h>
 
 #include <atomic>
+#include <mutex>
+#include <set>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -2256,6 +2258,69 @@ TEST(ProcessTest, KilledMeshRankRestartsTheMeshAndItsRunsResume) {
   ASSERT_EQ(after.size(), 2u);
   for (int pid : after) EXPECT_TRUE(pid != before[0] && pid != before[1]) << "every rank was started again";
   ExpectAppliedOnceLikeAnUninterruptedRun(client.get(), step3, *r);
+}
+
+// Issue 27, defect 4: rank 1 killed in the middle of a step while the client retries: the
+// mesh is restarted once. Calls and health checks that reached the old ranks while the
+// restart was stopping them marked them down and queued another restart, which stopped the
+// fresh ranks at the restored run's first all-reduce; under load every restart queued the
+// next (115 restarts in 120 s). Every worker process the coordinator ever runs is counted:
+// two before, two after.
+TEST(ProcessTest, KilledMeshRankMidStepIsRestartedOnceWhileTheClientRetries) {
+  if (!CpuCollectivesAvailable()) GTEST_SKIP() << "a CPU mesh needs a build with gloo";
+  const std::string dir = ScratchDir("mesh_restart_mid_step");
+  ASSERT_OK_AND_ASSIGN(ChildServer server,
+                       StartTinyCoordinator("mesh_restart_mid_step_model",
+                                            {"--state_dir", dir + "/store", "--dp", "2", "--collective_timeout_s", "20",
+                                             "--peer_failure_grace_s", "5", "--worker_health_interval_s", "0.2"}));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
+  for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
+  WaitUntilAutosaved(client.get(), run.run_id(), 2);
+  // Every child process seen, watched until the test ends.
+  std::mutex seen_mu;
+  std::set<int> seen;
+  std::atomic<bool> watching{true};
+  std::thread watcher([&] {
+    while (watching) {
+      const std::string list = absl::StrCat("pgrep -P ", server.pid(), " > ", dir, "/children");
+      if (system(list.c_str()) == 0) {
+        auto children = ReadFileToString(dir + "/children");
+        std::istringstream lines(children.ok() ? *children : "");
+        std::lock_guard<std::mutex> lock(seen_mu);
+        for (int pid = 0; lines >> pid;) seen.insert(pid);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  std::vector<int> before;
+  for (int i = 0; i < 500 && before.size() < 2; ++i) {  // the watcher's first look
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    std::lock_guard<std::mutex> lock(seen_mu);
+    before.assign(seen.begin(), seen.end());
+  }
+  ASSERT_EQ(before.size(), 2u);
+  v1::TrainStepRequest long_step = LongTrainStep(run.run_id(), 128);
+  long_step.set_sequence_id(3);
+  absl::Status long_status;
+  std::thread caller([&] { long_status = client->TrainStep(long_step).status(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ASSERT_EQ(kill(before[1], SIGKILL), 0);  // rank 0 or rank 1: either is a rank of the mesh
+  caller.join();
+  EXPECT_FALSE(long_status.ok());
+  const v1::TrainStepRequest step3 = StepAfterTheKill(run.run_id());
+  int failures = 0;
+  absl::StatusOr<v1::StepResponse> r = RetryWhileRestarting(client.get(), step3, 120, &failures);
+  ASSERT_OK(r.status());
+  EXPECT_EQ(r->learner_version(), 3);
+  v1::TrainStepRequest step4 = StepAfterTheKill(run.run_id());
+  step4.set_request_id("step-4");
+  step4.set_sequence_id(4);
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse next, client->TrainStep(step4));
+  watching = false;
+  watcher.join();
+  EXPECT_EQ(seen.size(), 4u) << "worker processes started: " << absl::StrJoin(seen, ",");
+  EXPECT_TRUE(next.replicas_equal());
 }
 
 // Issue 8: a rank of a listed mesh (--workers, DP2 on gloo, run by someone else's supervisor)

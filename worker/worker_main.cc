@@ -391,7 +391,8 @@ int main(int argc, char** argv) {
       }
     });
   }
-  WaitForShutdownSignal();
+  const std::string signal = WaitForShutdownSignal();
+  LORASTEP_LOG(Info) << "lorastep_worker: shutting down (" << signal << ")";
   // Calls still open after 3 s are cancelled, and a cancelled batch call stops at its next
   // micro-batch; a call stuck in a collective or a device kernel does not hold the exit.
   ExitAfter(std::chrono::seconds(10), "lorastep_worker");
