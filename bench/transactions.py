@@ -63,6 +63,15 @@ def wait_port(path, proc, timeout=180):
     raise RuntimeError("coordinator did not start")
 
 
+def stop(proc):
+    """SIGTERM, then SIGKILL after 60 s."""
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def exported_sha(run, folder):
     return run.export(folder).adapter_sha256
 
@@ -112,11 +121,7 @@ def run_case(coordinator, worker, model, layout, bucket, failure, tmp):
         case["error"] = str(e)[:300]
         case["ranks_that_applied"] = ["unknown"]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     return case
 
 
@@ -156,11 +161,7 @@ def recovery_trial(coordinator, worker, model, tmp, trial):
     except Exception as e:
         return {"recovered": False, "error": str(e)[:300]}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def recovery_summary(trials):
