@@ -13,4 +13,5 @@ ABSL_FLAG(int, test_autosave_write_delay_ms, 0, "test only: background SaveState
 ABSL_FLAG(int, test_corrupt_main_grad_rank, -1, "test only: corrupt this rank's main_grad after reduction");
 ABSL_FLAG(int, test_inventory_mismatch_rank, -1, "test only: alter this rank's factor inventory");
 ABSL_FLAG(std::string, test_refuse, "",
-          "test only: CALL:RANK, rank RANK refuses its first CALL (ForwardBackward, Forward, OptimStep, TrainStep) at admission");
+          "test only: CALL:RANK, rank RANK refuses its first CALL (ForwardBackward, Forward, OptimStep, TrainStep) at "
+          "admission; AdamW:RANK, each run's first staged optimizer update fails there");

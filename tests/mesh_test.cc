@@ -383,6 +383,38 @@ TEST_F(MeshTest, RankLocalRefusalIsAnsweredAtOnceByEveryRank) {
   }
 }
 
+// Issue 27, defect 3: AdamW stages its update on every rank (every allocation, the
+// finiteness check) before the commit vote, and commits after it: an update that fails on
+// one rank (here by a test switch, as running out of device memory would) is applied on no
+// rank. The exported adapter is bitwise unchanged and the retried step leaves the replicas
+// equal (before, AdamW ran after the last vote and a failing rank fell behind the others).
+TEST_F(MeshTest, OptimizerFailureOnOneRankAppliesNothingAnywhere) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
+  Coordinator dp2 = Start({"--dp", "2", "--test_refuse", "AdamW:1"});
+  v1::LoraConfig lora;
+  lora.set_rank(4);
+  lora.set_alpha(8);
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(dp2.client.get(), lora, 11));
+  const std::string dir = ScratchDir("optimizer_failure");
+  auto exported_sha = [&](const std::string& name) -> std::string {
+    v1::ExportAdapterRequest req;
+    req.set_run_id(run.run_id());
+    req.set_path(dir + "/" + name);
+    auto exported = dp2.client->ExportAdapter(req);
+    EXPECT_TRUE(exported.ok()) << exported.status();
+    return exported.ok() ? exported->adapter_sha256() : "";
+  };
+  const std::string before = exported_sha("before");
+  EXPECT_THAT(run.TrainStep(Batch(0), Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kResourceExhausted, "staged update could not be allocated"));
+  ASSERT_OK_AND_ASSIGN(v1::Run state, dp2.client->GetRun(run.run_id()));
+  EXPECT_EQ(state.learner_version(), 0);
+  EXPECT_EQ(exported_sha("after"), before);
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse retried, run.TrainStep(Batch(0), Ppo(), Adam()));
+  EXPECT_EQ(retried.learner_version(), 1);
+  EXPECT_TRUE(retried.replicas_equal()) << retried.DebugString();
+}
+
 TEST_F(MeshTest, TensorReplicatedBucketFaultsAreRefusedBeforeTheOptimizer) {
   if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
   const std::vector<std::string> tp2 = {"--tp", "2"};

@@ -131,6 +131,7 @@ absl::StatusOr<int64_t> WorkerCore::CreateRun(const std::string& run_id, const L
   o.profile_trace_path = options_.profile_trace_path;
   o.profile_train_step = options_.profile_train_step;
   o.max_activation_bytes = options_.max_activation_bytes;
+  o.test_fail_first_stage = options_.test_refuse == absl::StrCat("AdamW:", options_.rank);
   LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(base_, o));
   if (!init_from.empty()) {
     LORASTEP_RETURN_IF_ERROR(InitRun(trainer.get(), run_id, init_from, init_with_optimizer));

@@ -56,7 +56,8 @@ struct WorkerOptions {
   std::chrono::milliseconds test_background_write_delay{0};
   // Tests only, "CALL:RANK": rank RANK refuses its first CALL (ForwardBackward, Forward,
   // OptimStep, TrainStep) at admission, as a rank-local check would (the others must answer
-  // at once, not wait in a collective).
+  // at once, not wait in a collective); "AdamW:RANK": each run's first staged optimizer
+  // update fails on that rank.
   std::string test_refuse;
 };
 

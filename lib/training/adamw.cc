@@ -60,18 +60,24 @@ AdamW::Update AdamW::CandidateUpdate(const AdamWParams& p, const Coefficients& k
   return u;
 }
 
-absl::Status AdamW::CheckStep(const AdamWParams& p, double norm) const {
+absl::Status AdamW::CheckStep(const AdamWParams& p, double norm) const { return Stage(p, norm).status(); }
+
+absl::StatusOr<AdamW::StagedStep> AdamW::Stage(const AdamWParams& p, double norm) const {
   LORASTEP_RETURN_IF_ERROR(ValidateAdamWParams(p));
   if (!std::isfinite(norm)) {
     return absl::FailedPreconditionError(
         "optimizer: non-finite gradient norm; step refused, parameters unchanged");
   }
+  StagedStep staged;
+  staged.k = StepCoefficients(p, norm);
+  staged.grad_norm = norm;
   const auto& params = adapter_->parameters();
-  if (params.empty()) return absl::OkStatus();
+  if (params.empty()) return staged;
   at::NoGradGuard no_grad;
   // The update computed aside: is every parameter, in its own dtype, still finite? One host
   // synchronization; the parameter is named from the first bad element's offset.
-  const at::Tensor master = CandidateUpdate(p, StepCoefficients(p, norm)).master;
+  staged.u = CandidateUpdate(p, staged.k);
+  const at::Tensor& master = staged.u.master;
   at::Tensor bad;
   if (same_dtype_) {
     bad = at::isfinite(master.to(params.front().value.scalar_type())).logical_not_();
@@ -84,7 +90,7 @@ absl::Status AdamW::CheckStep(const AdamWParams& p, double norm) const {
     bad = at::cat(parts);
   }
   const int64_t first = bad.any().item<bool>() ? bad.to(at::kByte).argmax().item<int64_t>() : -1;
-  if (first < 0) return absl::OkStatus();
+  if (first < 0) return staged;
   const size_t i = std::upper_bound(offsets_.begin(), offsets_.end(), first) - offsets_.begin() - 1;
   return absl::FailedPreconditionError(absl::StrCat(
       "optimizer: the update would make ", params[i].name, " non-finite; step refused, parameters unchanged"));
@@ -107,21 +113,22 @@ absl::StatusOr<OptimizerStepResult> AdamW::Step(const AdamWParams& p,
     for (const Parameter& prm : params) sq = sq + prm.main_grad.to(at::kDouble).pow(2).sum();
     norm = std::sqrt(sq.item<double>());
   }
-  if (!std::isfinite(norm)) {
-    return absl::FailedPreconditionError(
-        "optimizer: non-finite gradient norm; step refused, parameters unchanged");
-  }
-  const Coefficients k = StepCoefficients(p, norm);
+  LORASTEP_ASSIGN_OR_RETURN(StagedStep staged, Stage(p, norm));
+  return Commit(std::move(staged));
+}
+
+OptimizerStepResult AdamW::Commit(StagedStep staged) {
+  at::NoGradGuard no_grad;
+  auto& params = adapter_->parameters();
   if (!params.empty()) {
-    const Update u = CandidateUpdate(p, k);
-    flat_avg_.copy_(u.exp_avg);
-    flat_avg_sq_.copy_(u.exp_avg_sq);
-    flat_master_.copy_(u.master);
+    flat_avg_.copy_(staged.u.exp_avg);
+    flat_avg_sq_.copy_(staged.u.exp_avg_sq);
+    flat_master_.copy_(staged.u.master);
     for (size_t i = 0; i < params.size(); ++i) params[i].value.copy_(master_[i]);
   }
   adapter_->ZeroMainGrads();
-  steps_ = k.t;
-  return OptimizerStepResult{norm, k.lr, k.t};
+  steps_ = staged.k.t;
+  return OptimizerStepResult{staged.grad_norm, staged.k.lr, staged.k.t};
 }
 
 void AdamW::ResyncFromParameters() {

@@ -35,6 +35,14 @@ class AdamW {
   // Whether Step(params, grad_norm) would succeed and leave every parameter finite in its
   // dtype (computed aside; changes nothing). FAILED_PRECONDITION naming the parameter.
   absl::Status CheckStep(const AdamWParams& params, double grad_norm) const;
+
+  // A step in two halves, for a mesh's commit vote between them. Stage computes the new
+  // moments and master copy aside (every allocation, and the finiteness check of every
+  // parameter in its dtype) and changes nothing; Commit copies them into place and zeroes
+  // the gradients, allocating nothing. Step is Stage then Commit.
+  struct StagedStep;
+  absl::StatusOr<StagedStep> Stage(const AdamWParams& params, double grad_norm) const;
+  OptimizerStepResult Commit(StagedStep staged);
   // After parameters were replaced from outside (an imported adapter): the fp32 master copy
   // takes their values and the moments restart at zero, so the next step keeps them.
   void ResyncFromParameters();
@@ -57,6 +65,15 @@ class AdamW {
   struct Update {
     at::Tensor exp_avg, exp_avg_sq, master;
   };
+
+ public:
+  struct StagedStep {
+    Coefficients k;
+    Update u;  // undefined tensors when the adapter has no parameters
+    double grad_norm = 0;
+  };
+
+ private:
   Coefficients StepCoefficients(const AdamWParams& p, double norm) const;
   Update CandidateUpdate(const AdamWParams& p, const Coefficients& k) const;
 

@@ -878,22 +878,31 @@ absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params
   GradFinalizeOptions finalize = options_.finalize;
   finalize.expert_lora = base_->config.is_moe() && !adapter_->full_finetune();
   auto finalized = FinalizeStepGradients(adapter_.get(), options_.groups, finalize);
-  // Every rank checks that its update stays finite before the vote: all apply it or none.
-  absl::Status checked = finalized.status();
-  if (checked.ok()) checked = GuardTorch([&] { return optimizer_->CheckStep(params, finalized->grad_norm); });
-  if (absl::Status agreed = AgreeOnOutcome(checked); !agreed.ok()) finalized = agreed;
-  if (!finalized.ok()) {
-    if (restore) Restore(snapshot);
-    return finalized.status();
+  // Every rank stages its update aside (every allocation, and the check that each parameter
+  // stays finite in its dtype), then the world votes: all commit it or none does.
+  absl::StatusOr<AdamW::StagedStep> staged =
+      finalized.ok() ? GuardTorch([&] { return optimizer_->Stage(params, finalized->grad_norm); })
+                     : absl::StatusOr<AdamW::StagedStep>(finalized.status());
+  if (staged.ok() && options_.test_fail_first_stage && !test_stage_failed_) {
+    test_stage_failed_ = true;
+    staged = absl::ResourceExhaustedError("optimizer: the staged update could not be allocated (test switch)");
   }
-  const double norm = finalized->grad_norm;
+  if (absl::Status agreed = AgreeOnOutcome(staged.status()); !agreed.ok()) {
+    if (restore) Restore(snapshot);
+    return agreed;
+  }
   SyncDevice();
   result.metrics.Add("time_grad_finalize_s:sum", SecondsSince(t0));
   t0 = Clock::now();
-  auto step = GuardTorch([&] { return optimizer_->Step(params, norm); });
+  // The commit copies the staged state into place and allocates nothing; a failure here,
+  // after the vote, is reported as such (the other ranks committed).
+  auto step = GuardTorch(
+      [&]() -> absl::StatusOr<OptimizerStepResult> { return optimizer_->Commit(*std::move(staged)); });
   if (!step.ok()) {
-    if (restore) Restore(snapshot);
-    return step.status();
+    return absl::InternalError(absl::StrCat("optimizer: the step failed after the mesh's commit vote",
+                                            options_.groups != nullptr ? absl::StrCat(" on rank ", options_.groups->rank()) : "",
+                                            " (", step.status().message(),
+                                            "); this copy of the run may differ from its replicas"));
   }
   SyncDevice();
   result.metrics.Add("time_optimizer_s:sum", SecondsSince(t0));

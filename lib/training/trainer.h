@@ -78,6 +78,9 @@ struct TrainerOptions {
   // of what is available at call time: host memory on CPU (cgroup limit included), device
   // memory on CUDA (free plus the caching allocator's unused blocks); negative = no check.
   int64_t max_activation_bytes = 0;
+  // Tests only: the first optimizer step's staged update fails on this rank, as an
+  // allocation that runs out of device memory would (the mesh must apply nothing anywhere).
+  bool test_fail_first_stage = false;
 };
 
 // The activation memory a micro-batch of `b` sequences padded to `s` tokens needs on this
@@ -261,6 +264,7 @@ class Trainer {
   at::Generator dropout_generator_;
   int64_t train_steps_run_ = 0;  // TrainStep calls, for profile_train_step
   int64_t pending_backward_calls_ = 0;  // ForwardBackward calls since the last OptimStep
+  bool test_stage_failed_ = false;  // TrainerOptions::test_fail_first_stage was used
 };
 
 }  // namespace lorastep
