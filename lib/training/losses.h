@@ -1,4 +1,4 @@
-// Token-level RL and supervised losses (formulas in ../shared/REFERENCE.md) with their metrics.
+// Token-level RL and supervised losses (formulas in docs/API.md, "Loss") with their metrics.
 // Inputs are flat over the positions of one micro-batch; normalization uses batch-wide
 // denominators so micro-batch losses (and their gradients) sum to the batch loss.
 #ifndef LORASTEP_LIB_TRAINING_LOSSES_H_
