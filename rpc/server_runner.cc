@@ -329,6 +329,16 @@ absl::StatusOr<std::string> ReadPemFile(const std::string& path, const char* fla
   return text;
 }
 
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFromCa(const std::string& ca_file,
+                                                                                  const char* flag) {
+  if (ca_file.empty()) return grpc::InsecureChannelCredentials();
+  absl::StatusOr<std::string> ca = ReadPemFile(ca_file, flag, PemKind::kCertificate);
+  if (!ca.ok()) return ca.status();
+  grpc::SslCredentialsOptions roots;
+  roots.pem_root_certs = *ca;
+  return grpc::SslCredentials(roots);
+}
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsServerCredentials(const std::string& cert_file,
                                                                               const std::string& key_file,
                                                                               const std::string& client_ca_file) {

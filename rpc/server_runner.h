@@ -80,6 +80,10 @@ absl::StatusOr<std::string> ReadPemFile(const std::string& path, const char* fla
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsServerCredentials(const std::string& cert_file,
                                                                               const std::string& key_file,
                                                                               const std::string& client_ca_file = "");
+// Channel credentials that verify the server with the CA in `ca_file` (PEM, named by the
+// flag `flag` in errors); plaintext when `ca_file` is empty.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFromCa(const std::string& ca_file,
+                                                                                  const char* flag);
 
 // Writes the port atomically (temp file + rename) so a parent polling the file never reads
 // half of it.

@@ -224,17 +224,11 @@ int main(int argc, char** argv) {
   }
   const std::string register_with = absl::GetFlag(FLAGS_register_with);
   // --coordinator_tls_ca_file: the coordinator's port (its Registry) is TLS.
-  std::shared_ptr<grpc::ChannelCredentials> coordinator_credentials = grpc::InsecureChannelCredentials();
-  if (!absl::GetFlag(FLAGS_coordinator_tls_ca_file).empty()) {
-    auto ca = ReadPemFile(absl::GetFlag(FLAGS_coordinator_tls_ca_file), "coordinator_tls_ca_file",
-                          PemKind::kCertificate);
-    if (!ca.ok()) {
-      LORASTEP_LOG(Error) << "lorastep_worker: " << ca.status();
-      return 2;
-    }
-    grpc::SslCredentialsOptions tls;
-    tls.pem_root_certs = *ca;
-    coordinator_credentials = grpc::SslCredentials(tls);
+  auto coordinator_credentials =
+      ChannelCredentialsFromCa(absl::GetFlag(FLAGS_coordinator_tls_ca_file), "coordinator_tls_ca_file");
+  if (!coordinator_credentials.ok()) {
+    LORASTEP_LOG(Error) << "lorastep_worker: " << coordinator_credentials.status();
+    return 2;
   }
   // --tls_cert_file/--tls_key_file: the Worker API over TLS.
   std::shared_ptr<grpc::ServerCredentials> server_credentials;
@@ -253,7 +247,7 @@ int main(int argc, char** argv) {
   options.gloo_host = advertise_host;
   if (!register_with.empty() && !absl::GetFlag(FLAGS_rank)) {
     // A coordinator running a mesh hands out the rank (and sizes, rendezvous) first.
-    auto joined = JoinMesh(register_with, advertise_host, 60, authorization, coordinator_credentials);
+    auto joined = JoinMesh(register_with, advertise_host, 60, authorization, *coordinator_credentials);
     if (joined.ok()) {
       options.rank = joined->rank();
       options.sizes = {joined->tp(), joined->pp(), joined->dp(), std::max(1, joined->ep())};
@@ -265,6 +259,15 @@ int main(int argc, char** argv) {
       LORASTEP_LOG(Error) << "lorastep_worker: " << joined.status();
       return 1;
     }
+  }
+  // The secret is checked on each call's headers, before its message is read: the Worker
+  // API, reflection and (rank 0 of a mesh across hosts) the rendezvous store.
+  auto authenticator = std::make_shared<CallAuthenticator>();
+  if (!token_sha256.empty()) {
+    auto secret_check = [token_sha256](const std::string& auth) { return CheckBearerToken(auth, token_sha256); };
+    authenticator->Require("/lorastep.v1.Worker/", secret_check);
+    authenticator->Require("/lorastep.v1.RendezvousStore/", secret_check);
+    authenticator->Require("/grpc.reflection.", secret_check);
   }
   // A mesh across hosts meets at rank 0's rendezvous store, served on the rendezvous port with
   // the Worker API's credentials and cluster secret (c10d's TCPStore would answer anyone).
@@ -279,15 +282,9 @@ int main(int argc, char** argv) {
         LORASTEP_LOG(Error) << "lorastep_worker: rendezvous: '" << options.rendezvous << "' is not host:port";
         return 2;
       }
-      auto store_authenticator = std::make_shared<CallAuthenticator>();
-      if (!token_sha256.empty()) {
-        store_authenticator->Require("/lorastep.v1.RendezvousStore/", [token_sha256](const std::string& auth) {
-          return CheckBearerToken(auth, token_sha256);
-        });
-      }
       int bound = 0;
       auto started = StartGrpcServer(host, store_port, {&rendezvous_service}, &bound, 4 << 20, CallObservers{},
-                                     server_credentials, store_authenticator);
+                                     server_credentials, authenticator);
       if (!started.ok()) {
         LORASTEP_LOG(Error) << "lorastep_worker: rendezvous store: " << started.status();
         return 1;
@@ -297,21 +294,15 @@ int main(int argc, char** argv) {
                          << (token_sha256.empty() ? " (no cluster secret: --insecure)" : " (cluster secret required)");
       options.store_transport_for = [&rendezvous_host](const std::string&) { return rendezvous_host.LocalTransport(); };
     } else {
-      std::shared_ptr<grpc::ChannelCredentials> peer_credentials = grpc::InsecureChannelCredentials();
       std::string ca_file = absl::GetFlag(FLAGS_peer_tls_ca_file);
       if (ca_file.empty() && tls) ca_file = absl::GetFlag(FLAGS_coordinator_tls_ca_file);
-      if (!ca_file.empty()) {
-        auto ca = ReadPemFile(ca_file, "peer_tls_ca_file", PemKind::kCertificate);
-        if (!ca.ok()) {
-          LORASTEP_LOG(Error) << "lorastep_worker: " << ca.status();
-          return 2;
-        }
-        grpc::SslCredentialsOptions roots;
-        roots.pem_root_certs = *ca;
-        peer_credentials = grpc::SslCredentials(roots);
+      auto peer_credentials = ChannelCredentialsFromCa(ca_file, "peer_tls_ca_file");
+      if (!peer_credentials.ok()) {
+        LORASTEP_LOG(Error) << "lorastep_worker: " << peer_credentials.status();
+        return 2;
       }
-      options.store_transport_for = [peer_credentials, authorization](const std::string& address) {
-        return GrpcStoreTransport(address, peer_credentials, authorization);
+      options.store_transport_for = [credentials = *peer_credentials, authorization](const std::string& address) {
+        return GrpcStoreTransport(address, credentials, authorization);
       };
     }
   }
@@ -337,13 +328,6 @@ int main(int argc, char** argv) {
   }
   WorkerService service(core->get(), &metrics, token_sha256);
   int port = 0;
-  // The secret is checked on each call's headers, before its message is read.
-  auto authenticator = std::make_shared<CallAuthenticator>();
-  if (!token_sha256.empty()) {
-    auto secret_check = [token_sha256](const std::string& auth) { return CheckBearerToken(auth, token_sha256); };
-    authenticator->Require("/lorastep.v1.Worker/", secret_check);
-    authenticator->Require("/grpc.reflection.", secret_check);
-  }
   CallObservers observers{&metrics, VerbosityFlag(), "worker", options.sizes.world() > 1 ? options.rank : -1};
   observers.services = {"lorastep.v1.Worker"};
   auto server = StartGrpcServer(host, absl::GetFlag(FLAGS_port), {&service}, &port, 1 << 30, observers,
@@ -362,7 +346,7 @@ int main(int argc, char** argv) {
             << (*core)->base().device.str() << ")";
   if (!register_with.empty()) {
     const std::string self = absl::StrCat(advertise_host, ":", port);
-    if (auto s = RegisterWithCoordinator(register_with, self, 60, authorization, coordinator_credentials); !s.ok()) {
+    if (auto s = RegisterWithCoordinator(register_with, self, 60, authorization, *coordinator_credentials); !s.ok()) {
       LORASTEP_LOG(Error) << "lorastep_worker: " << s;
       (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
       return 1;
@@ -385,7 +369,7 @@ int main(int argc, char** argv) {
       std::unique_lock<std::mutex> lock(stop_mu);
       while (!stop_cv.wait_for(lock, std::chrono::seconds(register_every_s), [&] { return stopping; })) {
         lock.unlock();
-        absl::Status s = RegisterWithCoordinator(register_with, self, 1, authorization, coordinator_credentials);
+        absl::Status s = RegisterWithCoordinator(register_with, self, 1, authorization, *coordinator_credentials);
         if (!s.ok() && !absl::IsAlreadyExists(s)) LORASTEP_LOG(Warning) << "lorastep_worker: registering again: " << s;
         lock.lock();
       }

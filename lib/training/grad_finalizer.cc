@@ -102,8 +102,9 @@ class Finalizer {
   absl::StatusOr<GradFinalizeReport> Run() {
     if (groups_ != nullptr) {
       LORASTEP_RETURN_IF_ERROR(CheckInventory());
-      LORASTEP_RETURN_IF_ERROR(Reduce());
-      LORASTEP_RETURN_IF_ERROR(CheckBucketDigests());
+      std::vector<PlannedBucket> plan = Plan();
+      LORASTEP_RETURN_IF_ERROR(Reduce(plan));
+      LORASTEP_RETURN_IF_ERROR(CheckBucketDigests(plan));
     }
     LORASTEP_RETURN_IF_ERROR(CheckFamilyDigests());
     LORASTEP_ASSIGN_OR_RETURN(report_.grad_norm, GlobalNorm());
@@ -176,13 +177,15 @@ class Finalizer {
   }
 
   // The buckets reduced whole over one group, in reduction order; their sums are compared
-  // within that group afterwards (CheckBucketDigests). The expert replicated-partial bucket
-  // is compared per family (CheckFamilyDigests).
+  // within that group afterwards (CheckBucketDigests), the expert buckets' per family
+  // (CheckFamilyDigests). The shared-outer factors are reduced just before the first expert
+  // bucket.
   struct PlannedBucket {
     const char* name;
     GroupKind kind;
     std::vector<at::Tensor> grads;  // empty: not on this rank
     std::vector<int> params;
+    bool expert_family = false;  // compared per fc1/fc2 family
   };
   std::vector<PlannedBucket> Plan() const {
     std::vector<PlannedBucket> plan;
@@ -204,23 +207,21 @@ class Finalizer {
         {"split", GradBucket::kSplit, GroupKind::kData},
         {"replicated_full", GradBucket::kReplicatedFull, GroupKind::kData}};
     for (const auto& [name, bucket, kind] : flat) {
-      PlannedBucket b{name, kind, {}, ParamsOfRole(static_cast<int>(bucket))};
+      PlannedBucket b{name, kind, {}, ParamsOfRole(static_cast<int>(bucket)),
+                      bucket == GradBucket::kExpertReplicatedPartial};
       if (at::Tensor t = adapter_->grad_bucket(bucket); t.defined()) b.grads.push_back(t);
       plan.push_back(std::move(b));
     }
     return plan;
   }
 
-  absl::Status Reduce() {
-    std::vector<PlannedBucket> plan = Plan();
+  absl::Status Reduce(std::vector<PlannedBucket>& plan) {
     auto reductions = [&](const PlannedBucket& b) {
       if (fault_.bucket != b.name) return 1;
       return fault_.kind == "skip" ? 0 : fault_.kind == "double" ? 2 : 1;
     };
-    // The embedding first, then the dense replicated factors, the shared-outer factors, the rest.
-    for (size_t k = 0; k < plan.size(); ++k) {
-      if (k == 2) LORASTEP_RETURN_IF_ERROR(ReduceSharedFactors());
-      PlannedBucket& b = plan[k];
+    for (PlannedBucket& b : plan) {
+      if (b.expert_family) LORASTEP_RETURN_IF_ERROR(ReduceSharedFactors());
       if (b.grads.empty()) continue;
       for (int n = 0; n < reductions(b); ++n) {
         if (b.grads.size() == 1) {
@@ -240,12 +241,12 @@ class Finalizer {
   // After the reductions every member of a bucket's group holds the same sums: one SHA-256
   // per bucket, all buckets in one world all-gather (a rank without the bucket, or a group of
   // one, sends -1s), compared within each group. Any difference fails the step on every rank.
-  absl::Status CheckBucketDigests() {
-    std::vector<PlannedBucket> plan = Plan();
-    plan.erase(plan.begin() + 2);  // expert_replicated_partial: per family, below
+  absl::Status CheckBucketDigests(std::vector<PlannedBucket> plan) {
+    plan.erase(std::remove_if(plan.begin(), plan.end(), [](const PlannedBucket& b) { return b.expert_family; }),
+               plan.end());
     const ParallelLayout& layout = groups_->layout();
     std::vector<at::Tensor> words;
-    for (PlannedBucket& b : plan) {
+    for (const PlannedBucket& b : plan) {
       const bool replicated = layout.Group(b.kind, 0).size() > 1 && !b.grads.empty();
       words.push_back(DigestWords(replicated ? TensorsSha256(b.grads) : "", device_));
     }
