@@ -1,7 +1,12 @@
-// The coordinator's core, without gRPC: run registry, per-run ordering and exactly-once
-// (request_id / sequence_id), validation before any work, batch sharding to workers,
-// step-metric history and watchers. Speaks the API's protobuf messages; workers are reached
-// through WorkerClient.
+// The coordinator's core, without gRPC: the public API's calls on runs, applied exactly
+// once and in order, validated before any work, fanned out to the workers. Its parts:
+//   RunRegistry     (run_registry.h)    the runs, their state and ownership, CreateRun records
+//   RequestRecords  (request_records.h) each run's exactly-once records
+//   WorkerPool      (worker_pool.h)     membership, health, restarts of dead workers
+//   MeshExecutor    (mesh_executor.h)   one call on every rank, one verdict, mesh order
+//   BatchSplit      (batch_split.h)     a batch over data-parallel replicas, answers merged
+//   RunPersistence  (run_persistence.h) journal, autosaves, runs brought back
+// Speaks the API's protobuf messages; workers are reached through WorkerClient.
 //
 // Exactly once: a mutating call whose request_id was already applied returns the recorded
 // response and applies nothing. A new call must carry sequence_id == the run's
@@ -9,32 +14,38 @@
 // changes nothing (workers guarantee it for their part) and consumes no sequence id.
 //
 // Thread-safety: all methods are thread-safe. Calls on one run are serialized.
+//
+// Lock order (a lock may be taken while holding only locks above it):
+//   1. RunState::mu            a run's call lock: held for a whole mutating call
+//   2. MeshExecutor mesh lock  on a mesh, for the whole of one fan-out
+//   3. RunState::autosave_mu   never held across a worker call
+//   4. RunRegistry, WorkerPool locks (leaves; the pool's calls on_serving under its own)
+//   5. RunState::view_mu, then RunState::watch_mu (readers and watchers; leaves)
+// Only the first two are held across a worker call: they order the calls (a run's in
+// sequence-id order; a mesh's so every rank sees one order). No gRPC thread waits on either:
+// reads and Watch take only the view lock.
 #ifndef LORASTEP_SERVER_COORDINATOR_H_
 #define LORASTEP_SERVER_COORDINATOR_H_
 
-#include <deque>
 #include <chrono>
-#include <atomic>
-#include <condition_variable>
 #include <functional>
-#include <map>
 #include <memory>
-#include <mutex>
-#include <set>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "lib/fair_mutex.h"
 #include "lib/training/batch.h"
 #include "lib/parallel/parallel_layout.h"
 #include "lib/prometheus_registry.h"
 #include "lorastep/v1/trainer.pb.h"
-#include "rpc/serial_executor.h"
+#include "server/batch_split.h"
+#include "server/mesh_executor.h"
 #include "server/run_journal.h"
+#include "server/run_persistence.h"
+#include "server/run_registry.h"
 #include "server/worker_client.h"
+#include "server/worker_pool.h"
 
 namespace lorastep {
 
@@ -110,25 +121,12 @@ struct CoordinatorOptions {
   std::function<absl::StatusOr<std::vector<std::unique_ptr<WorkerClient>>>()> restart_mesh;
 };
 
-// Who is calling, as the service's authentication established it.
-struct Caller {
-  std::string owner;   // empty: no authentication configured
-  bool admin = false;  // sees and calls every run (also: no authentication configured)
-};
-
-// A rank handed to a worker that joins the mesh by registration.
-struct MeshAssignment {
-  int rank = 0;
-  ParallelSizes sizes;
-  std::string rendezvous;  // host:port
-};
-
 class Coordinator {
  public:
-  using Watcher = std::function<void(const v1::StepRecord&)>;
+  using Watcher = StepWatcher;
 
   explicit Coordinator(CoordinatorOptions options);
-  ~Coordinator();  // waits for worker restarts in progress
+  ~Coordinator();  // waits for worker restarts in progress, then for autosave confirmations
   // Adds a worker (at start-up, or when a remote worker registers). Reads its model and
   // vocabulary; every worker must serve the same model. New runs are spread over workers.
   // On a mesh the worker's reported rank and sizes must fit `options.mesh`.
@@ -197,160 +195,47 @@ class Coordinator {
   void CancelWorkerCalls();
 
  private:
-  struct RunState;
-  absl::StatusOr<std::shared_ptr<RunState>> FindRun(const std::string& run_id);
-  // Looks up a recorded response (returns true and fills `out`), or checks the sequence id.
-  // A recorded request_id must come with the same request (fingerprint), else
-  // INVALID_ARGUMENT. With `defer_fingerprint` a new request's fingerprint is left to the
-  // caller (FingerprintTask, overlapped with the workers' call), to set before Record.
-  absl::StatusOr<bool> Replay(RunState& run, const std::string& method,
-                              const std::string& request_id, int64_t sequence_id,
-                              const google::protobuf::Message& request,
+  // The exactly-once check: true (and `out` filled) when request_id was applied already
+  // (the same request, by fingerprint, else INVALID_ARGUMENT); else checks the sequence id.
+  // With `defer_fingerprint` a new request's fingerprint is left to the caller
+  // (FingerprintTask, overlapped with the workers' call), to set before Record.
+  absl::StatusOr<bool> Replay(RunState& run, const std::string& method, const std::string& request_id,
+                              int64_t sequence_id, const google::protobuf::Message& request,
                               google::protobuf::Message* out, bool defer_fingerprint = false);
-  // Also journals the call (with the run's newest step record when `with_step`).
+  // Records and journals an applied call (with the run's newest step when `with_step`) and
+  // advances next_sequence_id.
   void Record(RunState& run, const std::string& method, const std::string& request_id,
               const google::protobuf::Message& response, bool with_step = false);
-  // With a journal: saves the run's worker state to its autosave and marks the journal,
-  // when `force` or when the learner version is a multiple of autosave_every_steps (0: when
-  // the time since the last autosave allows, see CoordinatorOptions).
-  void MaybeAutosave(RunState& run, bool force);
-  // `name` (of the state at learner `version`) is the run's durable autosave now. Returns
-  // the previous one ("" if none), for RemoveAutosave. Requires the run's autosave_mu.
-  std::string RecordDurableAutosave(RunState& run, const std::string& name, int64_t version);
-  // Removes an autosave folder on rank 0 ("": nothing); best effort, not under autosave_mu.
-  void RemoveAutosave(RunState& run, const std::string& name);
-  // Removes the run's autosave folders (on rank 0's store) but `keep`; best effort.
-  void DeleteAutosaves(RunState& run, const std::string& keep);
-  // INVALID_ARGUMENT naming `field` when a client names one of the journal's autosaves.
-  absl::Status CheckNotAutosave(const std::string& run_id, const std::string& name, const char* field) const;
-  // Record's bounded store of request records (also used when restoring a run).
-  void KeepRecord(RunState& run, const std::string& request_id, const std::string& method,
-                  const std::string& response, const std::string& fingerprint);
-  absl::Status RestoreRun(const JournaledRun& journaled, WorkerClient* onto = nullptr);
-  // The workers a new or restored run lives on: every rank on a mesh (all must be up), else
-  // the next worker that is up, round robin. Requires mu_.
-  absl::StatusOr<std::vector<WorkerClient*>> PlaceRun() const;
+  // After a successful optimizer step: learner version, history, watchers, record, autosave.
+  void CommitStep(RunState& run, const std::string& method, const std::string& kind, const std::string& request_id,
+                  v1::StepResponse* resp);
   int64_t AppendStep(RunState& run, const std::string& kind, const v1::StepResponse& step);
-  // After a successful optimizer step: learner version, history, watchers, exactly-once record.
-  void CommitStep(RunState& run, const std::string& method, const std::string& kind,
-                  const std::string& request_id, v1::StepResponse* resp);
-  // Validates loss and datums; the batch-wide loss denominators.
   // The batch validated and its denominators; none when the run's only worker validates
   // alone (WorkerValidatesAlone) and the call's own totals are not needed.
   absl::StatusOr<std::optional<BatchTotals>> ValidatedTotals(const RunState& run, const std::vector<Datum>& datums,
                                                              const v1::LossConfig& loss, bool own_totals_needed);
   // At world size 1 with an in-process worker, its trainer runs the coordinator's checks with
   // the same limits before any work: validating here as well cost ~0.15 ms of each step on
-  // the H200 host (issue 9).
+  // the H200 host.
   bool WorkerValidatesAlone(const RunState& run) const;
-
-  int64_t vocab_size();
+  absl::Status CheckNotDiverged(const RunState& run);
+  // The ranks' step answers as one; marks the run diverged when its replicas differ.
+  absl::StatusOr<v1::StepResponse> MergeSteps(RunState& run, std::vector<v1::WorkerStepResponse> per_rank);
+  // The mesh header of a call: request id, expected learner version (-1: not checked).
+  v1::MeshCall MeshHeader(const RunState& run, const std::string& request_id, bool check_version);
+  template <typename Resp>
+  absl::StatusOr<std::vector<Resp>> FanOut(RunState& run, const std::vector<int>& ranks,
+                                           const std::function<absl::StatusOr<Resp>(int rank, WorkerClient*)>& call) {
+    return mesh_.FanOut<Resp>(run.ranks, ranks, call);
+  }
   bool on_mesh() const { return options_.mesh.world() > 1; }
 
-  // Runs `call` on each of `ranks` of `run` concurrently, under the mesh lock on a mesh (one
-  // call at a time, so all ranks see calls in one order; at world size 1 no lock). Any failure fails the whole
-  // call, naming the ranks, and makes the next call rebuild communicators.
-  template <typename Resp>
-  absl::StatusOr<std::vector<Resp>> FanOut(
-      RunState& run, const std::vector<int>& ranks,
-      const std::function<absl::StatusOr<Resp>(int rank, WorkerClient*)>& call);
-  std::vector<int> AllRanks(const RunState& run) const;
-  size_t RegisteredWorkers() const;  // requires mu_; mesh slots may still be empty
-  // The data-parallel shard (indices into the request's datums) that `rank` trains on.
-  const std::vector<int>& ShardOfRank(const std::vector<std::vector<int>>& shards, int rank) const;
-  // The mesh header of a call: request id, expected learner version, generation.
-  v1::MeshCall MeshHeader(const RunState& run, const std::string& request_id, bool check_version);
-  // Sets the generation (and, for a mesh joined by registration, where its store is) on
-  // a call's header. Requires mesh_mu_ (FanOut's calls run under it).
-  void StampMesh(v1::MeshCall* mesh);
-  // Datums of each data-parallel replica, balanced by token count (in request order).
-  std::vector<std::vector<int>> ShardsByTokens(const std::vector<Datum>& datums);
-  absl::Status CheckShardable(int num_datums);
-  // Compares the replica digests of every family after a step; fills the response.
-  void CheckReplicas(RunState& run, const std::vector<v1::WorkerStepResponse>& per_rank,
-                     v1::StepResponse* resp);
-  absl::StatusOr<v1::StepResponse> MergeSteps(RunState& run, std::vector<v1::WorkerStepResponse> per_rank);
-  v1::ForwardBackwardResponse MergeForward(const std::vector<std::vector<int>>& shards, int num_datums,
-                                           const std::vector<v1::WorkerForwardBackwardResponse>& per_rank);
-  absl::Status CheckNotDiverged(const RunState& run);
-
-  CoordinatorOptions options_;
-  ParallelLayout layout_;
-  FairMutex mesh_mu_;            // held for the whole of a mesh call (on a mesh only); arrival order
-  // Guarded by mesh_mu_ (NewMeshGeneration: random, never reused); changes on a mesh only.
-  int64_t mesh_generation_;
-
-  // A worker whose process is gone (a call failed at the transport, not in a collective):
-  // new runs skip it, its runs' calls say so, health turns NOT_SERVING when no worker (on a
-  // mesh: not every rank) is up. A worker registering at a down one's address replaces it.
-  void MarkDown(WorkerClient* worker, const absl::Status& why);
-  void PublishHealth();  // under mu_
-  bool Serving() const;  // under mu_
-
-  std::mutex mu_;  // guards everything below
-  std::vector<std::unique_ptr<WorkerClient>> workers_;
-  std::set<const WorkerClient*> down_;
-  std::vector<std::unique_ptr<WorkerClient>> replaced_;  // down workers a new one replaced (runs point at them)
-  std::function<void(bool)> on_serving_;
-  std::string model_path_;
-  int64_t vocab_size_ = 0;
-  std::string mesh_store_id_;  // the state store every rank of a journaled mesh shares
-  std::map<std::string, std::shared_ptr<RunState>> runs_;
-  // request_id -> (run_id, request fingerprint)
-  std::map<std::string, std::pair<std::string, std::string>> create_requests_;
-  std::set<std::string> creating_ids_;       // run ids whose worker-side creation is in flight
-  std::set<std::string> creating_requests_;  // their request ids
-  std::multiset<std::string> creating_owners_;  // their owners (authenticated callers)
-  int64_t next_run_number_ = 1;
-  MeshAssignment AssignmentOf(int rank, const std::string& host);  // requires mu_
-  int next_join_rank_ = 0;      // guarded by mu_
-  std::string rendezvous_;      // set when rank 0 joins; guarded by mu_
-  std::set<int> rejoining_ranks_;  // dead ranks handed out again, not registered yet; guarded by mu_
-  bool mesh_rejoined_ = false;     // a mesh joined by registration is whole again; guarded by mu_
-  // A dead rank's slot was taken by a new worker, or the mesh was restarted: the next mesh
-  // call moves every rank to a new generation (survivors may have half-formed the current
-  // one). Guarded by mu_.
-  bool mesh_regenerate_ = false;
-  // Restarts of dead local workers and the restores of their runs (RestartWorker), on one
-  // long-lived thread: a worker dies with the thread that started it (PR_SET_PDEATHSIG).
-  void RestartWorker(WorkerClient* dead);
-  void RestartMesh();
-  // Restores runs whose workers were replaced from their autosaves: onto `onto` (the dead
-  // worker's replacement, which holds its state store), or any worker up when null.
-  void RestoreOrphans(const std::vector<std::shared_ptr<RunState>>& orphans, WorkerClient* onto = nullptr);
-  void RestartLoop();
-  // A mesh joined by registration is whole again (its first forming, a rank that registered
-  // in a dead one's place, or a restarted coordinator's workers registering again): every
-  // rank forms a new generation, runs with a replaced rank and journaled runs not restored
-  // yet come back from their autosaves.
-  void RejoinMesh();
-  // Journaled runs not restored yet, onto `onto` (null: placed as new runs are).
-  void RestoreJournaledRuns(WorkerClient* onto);
-  // A worker that registered (or registered again) with a journal in use: restores onto it
-  // the runs of a dead worker at its address and journaled runs not restored yet.
-  void Reattach(WorkerClient* joined);
-  // Whether a dead worker (a mesh: every rank) is brought back by this coordinator
-  // (restart_worker / restart_mesh, with a journal) rather than awaited by registration.
-  bool RestartsDeadWorkers() const;
-  // The end of an UNAVAILABLE message for a run on a dead worker: what will happen to it.
-  std::string WhatHappensToDownRuns() const;
-  // Saves runs idle for autosave_when_idle with an unsaved last step (with a journal).
-  void IdleAutosaveLoop();
-  std::thread idle_saver_;
-  // Pings the workers that are up every worker_health_interval (see CoordinatorOptions).
-  void HealthWatchLoop();
-  std::thread health_watch_;
-  std::thread restarter_;
-  std::deque<WorkerClient*> restart_queue_;  // guarded by mu_
-  std::deque<WorkerClient*> reattach_queue_;  // guarded by mu_
-  std::atomic<int64_t> restore_count_{0};      // makes each restore's request_id unique
-  std::map<const WorkerClient*, std::string> instances_;  // WorkerInfo.instance_id; guarded by mu_
-  std::condition_variable restart_cv_;
-  bool stopping_ = false;                    // guarded by mu_
-  // Background autosaves awaited and journaled as durable, in the order they started. Last:
-  // destroyed first, finishing what is queued while the rest is still here.
-  std::atomic<int64_t> autosaves_submitted_{0};
-  SerialExecutor autosave_confirmations_;
+  const CoordinatorOptions options_;
+  RunRegistry runs_;
+  WorkerPool pool_;
+  MeshExecutor mesh_;
+  const BatchSplit split_;
+  RunPersistence persistence_;
 };
 
 }  // namespace lorastep
