@@ -106,6 +106,13 @@ if [[ " $STEPS " == *" step "* ]]; then
   step "step benchmark: lorastep vs transformers + PEFT (0.5B shape, bf16; fixed and variable length)"
   bash bench/step_bench.sh build-gpu "$OUT"
 fi
+if [[ " $STEPS " == *" digest "* ]]; then  # after "step" in the same call: the check's share of its LoRA step
+  step "digest check of a TP2 rank's replicated LoRA gradients (0.5B shape, r32) beside the single-GPU LoRA step"
+  [ -d /tmp/q05 ] || build-gpu/lorastep_genmodel --preset qwen2.5-0.5b --dtype bfloat16 --seed 1 --out /tmp/q05 >/dev/null
+  build-gpu/digest_cost --model_dir /tmp/q05 --lora_rank 32 --tp 2 --out "$OUT/digest_tp2.json" --machine "$MACHINE" \
+    --command "GPU_CHECK_STEPS='step digest' bash scripts/gpu_check.sh (device tool)" > /dev/null
+  python3 bench/digest_results.py "$OUT/digest_tp2.json" "$OUT/ours_lora_fixed.json" "$OUT/env.txt" "$OUT/digest_cost.json"
+fi
 if [[ " $STEPS " == *" multi-gpu "* ]]; then
   step "multi-GPU on NCCL ($GPUS GPUs): DP2, TP2, PP2, EP2 against world 1, DP2 speedup, killed worker"
   MACHINE="$MACHINE, $GPUS GPUs, $(nproc) cores" \
