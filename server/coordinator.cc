@@ -570,17 +570,19 @@ absl::StatusOr<v1::GetStepMetricsResponse> Coordinator::GetStepMetrics(
 }
 
 absl::StatusOr<int64_t> Coordinator::Watch(const std::string& run_id, int64_t since_step, Watcher watcher,
-                                           std::vector<v1::StepRecord>* backlog) {
+                                           const std::function<void(std::vector<v1::StepRecord>)>& backlog) {
   LORASTEP_ASSIGN_OR_RETURN(RunRef run, runs_.Find(run_id));
   // The view lock orders this against AppendStep (which takes the watch lock before letting
   // the view lock go): records before registration are in the backlog, later ones reach the
-  // watcher. It never waits for a step in progress.
+  // watcher, after the backlog. It never waits for a step in progress.
   std::unique_lock<std::mutex> view(run->view_mu);
+  std::vector<v1::StepRecord> kept;
   for (const auto& r : run->history) {
-    if (r.step() >= since_step) backlog->push_back(r);
+    if (r.step() >= since_step) kept.push_back(r);
   }
   std::lock_guard<std::mutex> watch(run->watch_mu);
   view.unlock();
+  backlog(std::move(kept));
   const int64_t id = run->next_watch_id++;
   run->watchers[id] = std::move(watcher);
   return id;

@@ -172,11 +172,12 @@ class Coordinator {
   absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req);
   absl::StatusOr<v1::GetStepMetricsResponse> GetStepMetrics(const v1::GetStepMetricsRequest& req);
 
-  // Registers `watcher` for new step records of a run and returns the kept records with
-  // step >= since_step in `backlog` (atomically: no record is missed or sent twice).
-  // The watcher runs on the thread that made the step; it must not block.
+  // Hands the kept records with step >= since_step to `backlog`, then registers `watcher`
+  // for the run's new records, atomically: no record is missed or given twice, and none
+  // comes before the backlog. Both run with the run's watch lock held (on the caller's
+  // thread, and on the thread that made each step); they must not block.
   absl::StatusOr<int64_t> Watch(const std::string& run_id, int64_t since_step, Watcher watcher,
-                                std::vector<v1::StepRecord>* backlog);
+                                const std::function<void(std::vector<v1::StepRecord>)>& backlog);
   // After Unwatch returns, the watcher is not running and is never called again.
   void Unwatch(const std::string& run_id, int64_t watch_id);
 

@@ -22,6 +22,7 @@
 //                        [--tls_cert_file C --tls_key_file K: the Trainer API over TLS (PEM)]
 //                        [--max_queued_per_run 64] [--max_queued 4096]: calls in flight beyond them
 //                        are RESOURCE_EXHAUSTED with retry advice
+//                        [--max_watch_backlog 1024]: step records held for a slow WatchMetrics client
 // With --wait_for_workers and --tp/--pp/--dp, workers started with --register_with and no
 // --rank get their ranks here in the order they ask (JoinMesh); rank 0 serves the
 // rendezvous at its host and --rendezvous_port.
@@ -119,6 +120,8 @@ ABSL_FLAG(std::string, worker_tls_client_cert_file, "",
 ABSL_FLAG(std::string, worker_tls_client_key_file, "", "mutual TLS: the private key of --worker_tls_client_cert_file");
 ABSL_FLAG(int64_t, max_queued_per_run, 64, "calls queued on one run beyond which RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_queued, 4096, "calls queued in all beyond which RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_watch_backlog, 1024,
+          "step records a WatchMetrics stream holds for a slow client; beyond it the stream ends (RESOURCE_EXHAUSTED)");
 ABSL_FLAG(int, max_runs, 256, "runs that may exist");
 ABSL_FLAG(int, max_runs_per_key, 64, "runs one API key's owner may hold at once (with --api_keys_file)");
 ABSL_FLAG(int, max_request_mb, 64, "largest request a client may send, MiB, in [1, 1024]");
@@ -548,6 +551,7 @@ int main(int argc, char** argv) {
   CoordinatorService service(&core, executors, &metrics, api_keys ? &*api_keys : nullptr,
                              std::chrono::microseconds(absl::GetFlag(FLAGS_executor_spin_us)));
   service.SetQueueLimits(absl::GetFlag(FLAGS_max_queued_per_run), absl::GetFlag(FLAGS_max_queued));
+  service.SetWatchBacklog(static_cast<size_t>(std::max<int64_t>(absl::GetFlag(FLAGS_max_watch_backlog), 1)));
   // A worker receives the adapter in one message (its limit is 1 GiB).
   const int max_upload_mb = absl::GetFlag(FLAGS_max_upload_mb);
   if (max_upload_mb < 1 || max_upload_mb > 1000) {

@@ -1,9 +1,11 @@
 #include "server/coordinator_service.h"
 
+#include <algorithm>
 #include <deque>
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -23,28 +25,46 @@ namespace {
 class MetricsWatchReactor final : public grpc::ServerWriteReactor<v1::StepRecord> {
  public:
   // `allowed`: the caller's authentication and access to the run; an error ends the stream.
-  MetricsWatchReactor(Coordinator* core, const v1::WatchMetricsRequest& req, const absl::Status& allowed)
-      : core_(core), run_id_(req.run_id()) {
+  // `max_backlog`: records waiting for a slow client beyond which the stream ends
+  // (RESOURCE_EXHAUSTED, naming the step to resume from) instead of growing without bound.
+  MetricsWatchReactor(Coordinator* core, const v1::WatchMetricsRequest& req, const absl::Status& allowed,
+                      size_t max_backlog)
+      : core_(core), run_id_(req.run_id()), max_backlog_(std::max<size_t>(max_backlog, 1)) {
     if (!allowed.ok()) {
       Finish(ToGrpcStatus(allowed));
       return;
     }
-    std::vector<v1::StepRecord> backlog;
-    auto id = core_->Watch(run_id_, req.since_step(),
-                           [this](const v1::StepRecord& r) { Push(r); }, &backlog);
+    auto id = core_->Watch(
+        run_id_, req.since_step(), [this](const v1::StepRecord& r) { Push(r); },
+        [this](std::vector<v1::StepRecord> backlog) {
+          // Kept by the run anyway: not counted against max_backlog, only written first.
+          std::lock_guard<std::mutex> lock(mu_);
+          backlog_queued_ = backlog.size();
+          for (auto& r : backlog) queue_.push_back(std::move(r));
+          StartNextWrite();
+        });
     if (!id.ok()) {
       Finish(ToGrpcStatus(id.status()));
       return;
     }
+    std::lock_guard<std::mutex> lock(mu_);
     watch_id_ = *id;
-    for (const auto& r : backlog) Push(r);
   }
 
   void OnWriteDone(bool ok) override {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.pop_front();
+    if (backlog_queued_ > 0) --backlog_queued_;
     if (!ok) {  // the client went away
       writing_ = false;
+      return;
+    }
+    if (overflowed_) {  // the records after the one just written were dropped
+      writing_ = false;
+      Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("max_watch_backlog: the client fell ", max_backlog_,
+                                       " step records behind; none is lost from the run's history: watch again "
+                                       "with since_step = ", resume_step_)));
       return;
     }
     if (!queue_.empty()) {
@@ -67,24 +87,45 @@ class MetricsWatchReactor final : public grpc::ServerWriteReactor<v1::StepRecord
  private:
   void Push(const v1::StepRecord& record) {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(record);
-    if (!writing_) {
-      writing_ = true;
-      StartWrite(&queue_.front());
+    if (overflowed_) return;
+    if (queue_.size() - backlog_queued_ >= max_backlog_) {  // the front is being written: the rest goes
+      overflowed_ = true;
+      resume_step_ = queue_.size() > 1 ? queue_[1].step() : record.step();
+      queue_.resize(1);
+      backlog_queued_ = std::min<size_t>(backlog_queued_, 1);
+      return;  // the stream ends once the front is written; unregistered in OnDone
     }
+    queue_.push_back(record);
+    StartNextWrite();
+  }
+
+  void StartNextWrite() {  // requires mu_
+    if (writing_ || queue_.empty()) return;
+    writing_ = true;
+    StartWrite(&queue_.front());
   }
 
   void StopWatching() {
-    if (watch_id_ > 0) core_->Unwatch(run_id_, watch_id_);
-    watch_id_ = 0;
+    int64_t id;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      id = std::exchange(watch_id_, 0);
+    }
+    if (id > 0) core_->Unwatch(run_id_, id);  // not under mu_: the watcher takes it under the watch lock
   }
 
   Coordinator* core_;
   std::string run_id_;
   int64_t watch_id_ = 0;
   std::mutex mu_;
-  std::deque<v1::StepRecord> queue_;  // front is being written while writing_
+  const size_t max_backlog_;
+  // Front is being written while writing_; then the backlog's records (backlog_queued_ of
+  // them), then at most max_backlog_ new ones.
+  std::deque<v1::StepRecord> queue_;
+  size_t backlog_queued_ = 0;
   bool writing_ = false;
+  bool overflowed_ = false;  // the client fell behind: the stream ends after the write in flight
+  int64_t resume_step_ = 0;  // the first record dropped
 };
 
 }  // namespace
@@ -420,7 +461,7 @@ grpc::ServerWriteReactor<v1::StepRecord>* CoordinatorService::WatchMetrics(
   auto caller = Authorize(ctx, req->run_id(), &id);
   v1::WatchMetricsRequest server_req = *req;
   server_req.set_run_id(id);
-  return new MetricsWatchReactor(core_, server_req, caller.status());
+  return new MetricsWatchReactor(core_, server_req, caller.status(), max_watch_backlog_);
 }
 
 // UploadAdapter: authenticates, reads the chunks (the two files, at most the upload limit),

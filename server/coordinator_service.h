@@ -50,6 +50,9 @@ class CoordinatorService final : public TrainerServiceBase {
     max_per_run_ = per_run;
     max_total_ = total;
   }
+  // Step records a WatchMetrics stream holds for a client that reads slower than steps are
+  // made; beyond it the stream ends with RESOURCE_EXHAUSTED (--max_watch_backlog).
+  void SetWatchBacklog(size_t records) { max_watch_backlog_ = records; }
 
   grpc::ServerUnaryReactor* CreateRun(grpc::CallbackServerContext* ctx,
                                       const v1::CreateRunRequest* req, v1::Run* resp) override;
@@ -129,6 +132,7 @@ class CoordinatorService final : public TrainerServiceBase {
   int64_t in_flight_ = 0;
   std::map<std::string, int64_t> in_flight_by_run_;
   int64_t max_per_run_ = 64, max_total_ = 4096;
+  size_t max_watch_backlog_ = 1024;
   int64_t max_upload_bytes_ = int64_t{512} << 20;
   friend class UploadAdapterReactor;
   KeyedExecutor executor_;  // per-run order, runs served in turn (last: joined first)

@@ -5,6 +5,7 @@
 #include <sys/time.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <mutex>
 #include <set>
 #include <chrono>
@@ -818,7 +819,8 @@ TEST_F(ServiceTest, SaveLoadExportAndMetricsThroughTheApi) {
     });
     EXPECT_TRUE(s.ok()) << s;
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // No wait for the watcher to register: a step before registration is in its backlog, one
+  // after reaches it, either way exactly once.
   ASSERT_OK(run.TrainStep(Batch(2), Ppo(), Adam()));
   watcher.join();
   EXPECT_EQ(seen, (std::vector<int64_t>{0, 1, 2}));
@@ -1216,6 +1218,53 @@ TEST(BoundsTest, QueuePerRunIsBoundedWithRetryAdvice) {
   EXPECT_GE(refused.load(), 1);
   EXPECT_EQ(wrong.load(), 0);
   EXPECT_TRUE(busy->TrainStep(Batch(0), Ppo(), Adam()).ok()) << "the run takes calls again once its queue drains";
+}
+
+// A WatchMetrics client that stops reading holds at most --max_watch_backlog records on the
+// coordinator: once the transport's window is full and the backlog too, the stream ends
+// with RESOURCE_EXHAUSTED naming the first record it dropped, and watching again from
+// there gives every later record (none is lost from the run's history).
+TEST(BoundsTest, SlowWatcherIsCutOffAndResumesWithoutLoss) {
+  auto server = StartTinyCoordinator("watch_bound", {"--max_watch_backlog", "4", "--nojournal"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = TrainerClient::Connect(server->address());
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto run = RunSession::Create(client->get(), Lora(), 1);
+  ASSERT_TRUE(run.ok()) << run.status();
+  // A watcher that does not read while the steps run, on a channel whose window stays small
+  // (no BDP probing): the coordinator's writes stall once a few records are in flight.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 4096);
+  auto stub = v1::Trainer::NewStub(grpc::CreateCustomChannel(server->address(), grpc::InsecureChannelCredentials(), args));
+  grpc::ClientContext ctx;
+  v1::WatchMetricsRequest req;
+  req.set_run_id(run->run_id());
+  auto reader = stub->WatchMetrics(&ctx, req);
+  constexpr int kSteps = 200;
+  for (int i = 0; i < kSteps; ++i) ASSERT_OK(run->TrainStep(Batch(i % 4, 2), Ppo(), Adam()));
+  std::vector<int64_t> seen;
+  v1::StepRecord record;
+  while (reader->Read(&record)) seen.push_back(record.step());
+  const grpc::Status ended = reader->Finish();
+  ASSERT_EQ(ended.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << ended.error_message();
+  const std::string marker = "since_step = ";
+  const size_t at = ended.error_message().find(marker);
+  ASSERT_NE(at, std::string::npos) << ended.error_message();
+  const int64_t resume = std::stoll(ended.error_message().substr(at + marker.size()));
+  for (size_t i = 0; i < seen.size(); ++i) EXPECT_EQ(seen[i], static_cast<int64_t>(i)) << "records in order, none skipped";
+  EXPECT_EQ(resume, static_cast<int64_t>(seen.size())) << "the stream resumes right after the last record it sent";
+  EXPECT_LT(resume, kSteps) << "the backlog was cut before the last step";
+  std::vector<int64_t> rest;
+  v1::WatchMetricsRequest again;
+  again.set_run_id(run->run_id());
+  again.set_since_step(resume);
+  ASSERT_OK((*client)->WatchMetrics(again, [&](const v1::StepRecord& r) {
+    rest.push_back(r.step());
+    return r.step() < kSteps - 1;
+  }));
+  ASSERT_EQ(rest.size(), static_cast<size_t>(kSteps - resume));
+  for (size_t i = 0; i < rest.size(); ++i) EXPECT_EQ(rest[i], resume + static_cast<int64_t>(i));
 }
 
 // A coordinator killed with SIGKILL takes its local worker down (parent-death signal):
