@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/check_layering.sh
 log=$(mktemp)
 # Tests always run (the disk cache would otherwise replay earlier results).
 set +e
