@@ -1,7 +1,9 @@
 // The testing build's fault injection (worker/test_hooks.h).
 #include "worker/test_hooks.h"
 
+#include <atomic>
 #include <chrono>
+#include <memory>
 
 #include "absl/flags/flag.h"
 #include "lib/training/grad_finalizer.h"
@@ -16,6 +18,9 @@ absl::Status ApplyTestFlags(WorkerOptions* options) {
       ParseGradFault(absl::GetFlag(FLAGS_test_grad_fault), "test_grad_fault");
   if (!fault.ok()) return fault.status();
   options->finalize.fault = *fault;
+  // The first finalization of the process only: every rank of a mesh finalizes the same step first.
+  static const auto once = std::make_shared<std::atomic<bool>>(false);
+  options->finalize.fault.once = once;
   // Shared-outer expert factors (the second seed): skip one family's reduction, reduce
   // twice, run without the digest checks, corrupt one rank's main_grad, or alter one rank's
   // factor inventory.

@@ -33,7 +33,9 @@
 #ifndef LORASTEP_LIB_TRAINING_GRAD_FINALIZER_H_
 #define LORASTEP_LIB_TRAINING_GRAD_FINALIZER_H_
 
+#include <atomic>
 #include <map>
+#include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -51,15 +53,17 @@ struct GradFinalizeOptions {
   bool expert_lora = true;
   // Test only: one fault in one bucket's reduction, on every rank (skip: the dense form of
   // the second seed's bug; double: reduced twice) or on `rank` alone (corrupt: its sums
-  // changed after the reduction), in the first finalization of the process only (every rank
-  // of a mesh finalizes the same step first), so the next step shows the run unharmed.
-  // Each is refused before the optimizer. Parsed from "BUCKET:skip", "BUCKET:double" or
+  // changed after the reduction). With `once`, only the first finalization that shares it
+  // (a worker process shares one: every rank of a mesh finalizes the same step first, and
+  // the next step shows the run unharmed); without, every finalization. Each is refused
+  // before the optimizer. Parsed from "BUCKET:skip", "BUCKET:double" or
   // "BUCKET:corrupt:RANK" by ParseGradFault.
   struct Fault {
     std::string bucket;  // "embedding", "replicated_partial", "expert_replicated_partial", "expert_split",
                          // "split", "replicated_full"
     std::string kind;    // "skip", "double", "corrupt"
     int rank = -1;
+    std::shared_ptr<std::atomic<bool>> once;  // set: spent by the first finalization
   } fault;
   // Test only, shared-outer factors: a family ("fc1", "fc2") whose reduction is skipped
   // (the seed: the optimizer then reads rank-local gradients), how many times the others
