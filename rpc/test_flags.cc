@@ -3,7 +3,8 @@
 #include "absl/flags/flag.h"
 
 ABSL_FLAG(std::string, test_grad_fault, "",
-          "test only: BUCKET:skip, BUCKET:double or BUCKET:corrupt:RANK, a fault in one gradient bucket's reduction");
+          "test only: BUCKET:skip, BUCKET:double, BUCKET:corrupt:RANK or BUCKET:plan:RANK, a fault in one "
+          "gradient bucket's reduction (plan: that rank's reduction plan of the bucket differs)");
 ABSL_FLAG(std::string, test_skip_shared_reduction, "",
           "test only: skip the shared-outer reduction of this family (fc1 or fc2)");
 ABSL_FLAG(std::optional<int>, test_shared_reductions, std::nullopt,

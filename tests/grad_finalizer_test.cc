@@ -126,5 +126,37 @@ TEST(GradFinalizerTest, EachBucketSkippedDoubledOrCorruptedIsRefusedOnEveryRank)
   }
 }
 
+// A rank whose plan of a bucket differs from its group's (a different set or order of
+// parameters) is found before any gradient collective: every rank refuses, no bucket changed.
+TEST(GradFinalizerTest, ADifferingReductionPlanIsRefusedBeforeAnyCollective) {
+  for (const char* bucket : {"replicated_partial", "split"}) {
+    SCOPED_TRACE(bucket);
+    GradFinalizeOptions::Fault fault;
+    fault.bucket = bucket;
+    fault.kind = "plan";
+    fault.rank = 2;
+    const auto results = Finalize(kTp2Dp2, fault, std::string(bucket) + "_plan");
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(results[r].status.code(), absl::StatusCode::kFailedPrecondition) << "rank " << r;
+      EXPECT_NE(std::string(results[r].status.message()).find(std::string("reduction plan of the ") + bucket),
+                std::string::npos)
+          << results[r].status;
+      for (int b = 0; b < kNumGradBuckets; ++b) {
+        if (!results[r].inputs[b].defined()) continue;
+        EXPECT_TRUE(at::equal(results[r].outputs[b], results[r].inputs[b])) << "bucket " << b << " on rank " << r;
+      }
+    }
+  }
+}
+
+TEST(GradFinalizerTest, FaultTextIsCheckedNamingTheFlag) {
+  EXPECT_TRUE(ParseGradFault("split:plan:1", "test_grad_fault").ok());
+  for (const char* bad : {"split:plan", "split:corrupt:-1", "nothing:skip", "split:twice"}) {
+    const auto parsed = ParseGradFault(bad, "test_grad_fault");
+    EXPECT_TRUE(absl::IsInvalidArgument(parsed.status())) << bad;
+    EXPECT_NE(std::string(parsed.status().message()).find("test_grad_fault"), std::string::npos) << bad;
+  }
+}
+
 }  // namespace
 }  // namespace lorastep

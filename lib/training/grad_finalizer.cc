@@ -99,8 +99,8 @@ class Finalizer {
 
   absl::StatusOr<GradFinalizeReport> Run() {
     if (groups_ != nullptr) {
-      LORASTEP_RETURN_IF_ERROR(CheckInventory());
       std::vector<PlannedBucket> plan = Plan();
+      LORASTEP_RETURN_IF_ERROR(CheckPlan(plan));
       LORASTEP_RETURN_IF_ERROR(Reduce(plan));
       LORASTEP_RETURN_IF_ERROR(CheckBucketDigests(plan));
     }
@@ -110,31 +110,6 @@ class Finalizer {
   }
 
  private:
-  // Every rank's inventory of shared factors (ordered keys, whole shapes, the reduction
-  // group) must be the same within its stage, or the collectives below would pair up
-  // different tensors. Checked before any gradient collective.
-  absl::Status CheckInventory() {
-    std::string inventory;
-    const std::vector<int> stage = groups_->group(GroupKind::kStage).ranks();
-    for (const SharedFactor& f : adapter_->shared_factors()) {
-      absl::StrAppend(&inventory, f.key, " [", absl::StrJoin(f.shape, ","), "] stage{",
-                      absl::StrJoin(stage, ","), "}\n");
-    }
-    if (options_.inventory_mismatch_rank == groups_->rank()) inventory += "test-only extra factor\n";
-    const std::string hex = inventory.empty() ? "" : StringSha256(inventory);
-    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> all,
-                              groups_->group(GroupKind::kWorld).AllGather(DigestWords(hex, device_)));
-    std::vector<at::Tensor> cpu;
-    for (const auto& t : all) cpu.push_back(t.to(at::kCPU));
-    const auto bad = Disagreements(groups_->layout(), GroupKind::kStage, cpu);
-    if (!bad.empty()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "shared expert LoRA factor inventory differs across replicas (", absl::StrJoin(bad, "; "),
-          "); no gradient collective was issued and nothing was applied"));
-    }
-    return absl::OkStatus();
-  }
-
   // Records that parameter i was reduced over `kind`'s group this step; false if it already
   // was (the same sum twice doubles the gradient). One bit per communicator: with ep = 1
   // the expert groups are the data and stage groups.
@@ -211,6 +186,59 @@ class Finalizer {
       plan.push_back(std::move(b));
     }
     return plan;
+  }
+
+  // The reduction plan, before any gradient collective: every member of a bucket's group
+  // must hold the same parameters (names and shapes, in order; the tied embedding's copies
+  // are named differently on the first and last stage, so there only shapes), and every
+  // rank of a stage the same shared-factor inventory (keys, whole shapes, the group), or
+  // the collectives would pair up different tensors. One world all-gather of one SHA-256 per
+  // bucket; a difference fails the step on every rank with nothing reduced.
+  absl::Status CheckPlan(const std::vector<PlannedBucket>& plan) {
+    const auto& params = adapter_->parameters();
+    std::vector<std::pair<const char*, GroupKind>> checked;  // (bucket, group), in digest order
+    std::vector<at::Tensor> words;
+    std::string inventory;
+    for (const SharedFactor& f : adapter_->shared_factors()) {
+      absl::StrAppend(&inventory, f.key, " [", absl::StrJoin(f.shape, ","), "] stage{",
+                      absl::StrJoin(groups_->group(GroupKind::kStage).ranks(), ","), "}\n");
+    }
+    if (options_.inventory_mismatch_rank == groups_->rank()) inventory += "test-only extra factor\n";
+    checked.push_back({"shared-factor inventory", GroupKind::kStage});
+    words.push_back(DigestWords(inventory.empty() ? "" : StringSha256(inventory), device_));
+    for (const PlannedBucket& b : plan) {
+      std::string text = b.name;
+      for (int i : b.params) {
+        absl::StrAppend(&text, "\n", b.kind == GroupKind::kEmbedding ? "" : params[i].name, " [",
+                        absl::StrJoin(params[i].value.sizes(), ","), "]");
+      }
+      if (fault_.kind == "plan" && fault_.bucket == b.name && fault_.rank == groups_->rank()) text += "\ntest-only";
+      checked.push_back({b.name, b.kind});
+      words.push_back(DigestWords(StringSha256(text), device_));
+    }
+    LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> gathered,
+                              groups_->group(GroupKind::kWorld).AllGather(at::cat(words)));
+    std::vector<at::Tensor> per_rank;
+    for (const auto& t : gathered) {
+      per_rank.push_back(t.to(at::kCPU).view({static_cast<int64_t>(checked.size()), kDigestWords}));
+    }
+    for (size_t k = 0; k < checked.size(); ++k) {
+      std::vector<at::Tensor> column;
+      for (const auto& t : per_rank) column.push_back(t[k]);
+      const auto bad = Disagreements(groups_->layout(), checked[k].second, column);
+      if (bad.empty()) continue;
+      if (k == 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "shared expert LoRA factor inventory differs across replicas (", absl::StrJoin(bad, "; "),
+            "); no gradient collective was issued and nothing was applied"));
+      }
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the reduction plan of the ", checked[k].first, " bucket differs within its ",
+          GroupKindName(checked[k].second), " group (", absl::StrJoin(bad, "; "),
+          "): its ranks would reduce different tensors together; no gradient collective was issued and "
+          "nothing was applied"));
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Reduce(std::vector<PlannedBucket>& plan) {
@@ -394,12 +422,13 @@ absl::StatusOr<GradFinalizeOptions::Fault> ParseGradFault(const std::string& tex
                                    "expert_split", "split",              "replicated_full"};
   const bool bucket_known = std::any_of(std::begin(kBuckets), std::end(kBuckets),
                                         [&](const char* b) { return parts[0] == b; });
-  const bool corrupt = parts.size() == 3 && parts[1] == "corrupt" && absl::SimpleAtoi(parts[2], &fault.rank) &&
-                       fault.rank >= 0;
+  const bool on_rank = parts.size() == 3 && (parts[1] == "corrupt" || parts[1] == "plan") &&
+                       absl::SimpleAtoi(parts[2], &fault.rank) && fault.rank >= 0;
   const bool whole = parts.size() == 2 && (parts[1] == "skip" || parts[1] == "double");
-  if (!bucket_known || !(corrupt || whole)) {
+  if (!bucket_known || !(on_rank || whole)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        field, ": '", text, "' is not BUCKET:skip, BUCKET:double or BUCKET:corrupt:RANK with BUCKET one of ",
+        field, ": '", text,
+        "' is not BUCKET:skip, BUCKET:double, BUCKET:corrupt:RANK or BUCKET:plan:RANK with BUCKET one of ",
         absl::StrJoin(kBuckets, ", ")));
   }
   fault.bucket = parts[0];

@@ -17,8 +17,9 @@
 //     is counted by exactly one rank, so every rank clips by the same factor.
 //
 // Fail-closed (the second seed): before any gradient collective, every rank all-gathers a
-// SHA-256 of its ordered shared-factor inventory (key, whole shape, reduction group) and
-// the step fails if two ranks of a stage disagree. After the reductions every member of a
+// SHA-256 of its reduction plan per bucket (the parameters' names and shapes in order) and
+// of its ordered shared-factor inventory (key, whole shape, reduction group), and the step
+// fails if two members of a bucket's group (of a stage, for the inventory) disagree. After the reductions every member of a
 // bucket's reduction group holds the same sums, so every rank all-gathers one SHA-256 per
 // reduced bucket (embedding, replicated_partial, expert_split, split, replicated_full: one
 // world all-gather for all of them) and one per present fc1/fc2 family of replicated expert
@@ -53,7 +54,7 @@ struct GradFinalizeOptions {
   bool expert_lora = true;
   // Test only: one fault in one bucket's reduction, on every rank (skip: the dense form of
   // the second seed's bug; double: reduced twice) or on `rank` alone (corrupt: its sums
-  // changed after the reduction). With `once`, only the first finalization that shares it
+  // changed after the reduction; plan: its reduction plan of the bucket differs). With `once`, only the first finalization that shares it
   // (a worker process shares one: every rank of a mesh finalizes the same step first, and
   // the next step shows the run unharmed); without, every finalization. Each is refused
   // before the optimizer. Parsed from "BUCKET:skip", "BUCKET:double" or
@@ -61,7 +62,7 @@ struct GradFinalizeOptions {
   struct Fault {
     std::string bucket;  // "embedding", "replicated_partial", "expert_replicated_partial", "expert_split",
                          // "split", "replicated_full"
-    std::string kind;    // "skip", "double", "corrupt"
+    std::string kind;    // "skip", "double", "corrupt", "plan"
     int rank = -1;
     std::shared_ptr<std::atomic<bool>> once;  // set: spent by the first finalization
   } fault;
@@ -87,7 +88,7 @@ struct GradFinalizeReport {
   std::map<std::string, std::string> family_digests;
 };
 
-// "BUCKET:skip|double|corrupt[:RANK]" (GradFinalizeOptions::Fault); INVALID_ARGUMENT naming
+// "BUCKET:skip|double", "BUCKET:corrupt|plan:RANK" (GradFinalizeOptions::Fault); INVALID_ARGUMENT naming
 // `field` otherwise. Empty text: no fault.
 absl::StatusOr<GradFinalizeOptions::Fault> ParseGradFault(const std::string& text, const std::string& field);
 
