@@ -295,6 +295,26 @@ absl::StatusOr<v1::StepResponse> Coordinator::MergeSteps(RunState& run, std::vec
   return resp;
 }
 
+absl::Status Coordinator::AfterCommitFailure(RunState& run, const absl::Status& failed) {
+  {
+    std::lock_guard<std::mutex> view(run.view_mu);
+    run.run.set_diverged(absl::StrCat("a rank failed after the commit vote of the step after learner_version ",
+                                      run.run.learner_version(), ": ", failed.message()));
+  }
+  if (!persistence_.journaled()) {
+    return absl::DataLossError(absl::StrCat(failed.message(),
+                                            "; the run is marked diverged: LoadState a checkpoint to continue"));
+  }
+  auto restored = persistence_.RestoreInPlace(run);
+  if (!restored.ok()) {
+    return absl::DataLossError(absl::StrCat(failed.message(), "; restoring the run from its autosave failed (",
+                                            restored.status().message(), "): it stays diverged"));
+  }
+  return absl::DataLossError(absl::StrCat(failed.message(), "; the run was restored from its autosave at learner_version ",
+                                          restored->learner_version(), ", next_sequence_id ",
+                                          restored->next_sequence_id(), ": retry from there"));
+}
+
 void Coordinator::CommitStep(RunState& run, const std::string& method, const std::string& kind,
                              const std::string& request_id, v1::StepResponse* resp) {
   {
@@ -387,16 +407,17 @@ absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepReque
   LORASTEP_RETURN_IF_ERROR(AdamWParamsFromProto(req.adamw()).status());
   LORASTEP_RETURN_IF_ERROR(ValidateClientMetrics(req.client_metrics()));
   const v1::MeshCall mesh = MeshHeader(*run, req.request_id(), true);
-  LORASTEP_ASSIGN_OR_RETURN(
-      auto per_rank, FanOut<v1::WorkerStepResponse>(*run, run->AllRanks(), [&](int, WorkerClient* w) {
+  auto per_rank = FanOut<v1::WorkerStepResponse>(*run, run->AllRanks(), [&](int, WorkerClient* w) {
         v1::WorkerOptimStepRequest wreq;
         wreq.set_run_id(req.run_id());
         *wreq.mutable_adamw() = req.adamw();
         *wreq.mutable_mesh() = mesh;
         mesh_.StampMesh(wreq.mutable_mesh());
         return w->OptimStep(wreq);
-      }));
-  LORASTEP_ASSIGN_OR_RETURN(resp, MergeSteps(*run, std::move(per_rank)));
+      });
+  if (absl::IsDataLoss(per_rank.status())) return AfterCommitFailure(*run, per_rank.status());
+  LORASTEP_RETURN_IF_ERROR(per_rank.status());
+  LORASTEP_ASSIGN_OR_RETURN(resp, MergeSteps(*run, *std::move(per_rank)));
   AddClientMetrics(req.client_metrics(), &resp);
   CommitStep(*run, "OptimStep", "optim_step", req.request_id(), &resp);
   return resp;
@@ -423,9 +444,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
   LORASTEP_RETURN_IF_ERROR(split_.CheckShardable(static_cast<int>(datums.size())));
   const auto shards = split_.ShardsByTokens(datums);
   const v1::MeshCall mesh = MeshHeader(*run, req.request_id(), true);
-  LORASTEP_ASSIGN_OR_RETURN(
-      auto per_rank,
-      FanOut<v1::WorkerStepResponse>(*run, run->AllRanks(), [&](int rank, WorkerClient* w) {
+  auto per_rank = FanOut<v1::WorkerStepResponse>(*run, run->AllRanks(), [&](int rank, WorkerClient* w) {
         v1::WorkerTrainStepRequest wreq;
         wreq.set_run_id(req.run_id());
         *wreq.mutable_loss() = req.loss();
@@ -439,8 +458,10 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
         mesh_.StampMesh(wreq.mutable_mesh());
         wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max());
         return w->TrainStep(wreq, BatchShard{&datums, &split_.ShardOfRank(shards, rank), deadline});
-      }));
-  LORASTEP_ASSIGN_OR_RETURN(resp, MergeSteps(*run, std::move(per_rank)));
+      });
+  if (absl::IsDataLoss(per_rank.status())) return AfterCommitFailure(*run, per_rank.status());
+  LORASTEP_RETURN_IF_ERROR(per_rank.status());
+  LORASTEP_ASSIGN_OR_RETURN(resp, MergeSteps(*run, *std::move(per_rank)));
   AddClientMetrics(req.client_metrics(), &resp);
   run->current_fingerprint = fingerprint.Get();
   CommitStep(*run, "TrainStep", "train_step", req.request_id(), &resp);

@@ -220,6 +220,10 @@ class Coordinator {
   // the H200 host.
   bool WorkerValidatesAlone(const RunState& run) const;
   absl::Status CheckNotDiverged(const RunState& run);
+  // A step that failed on a rank after the commit vote (DATA_LOSS; the others applied it):
+  // the run is marked diverged and, with a journal, restored from its autosave. Returns the
+  // error the client gets, saying which. Requires the run's call lock.
+  absl::Status AfterCommitFailure(RunState& run, const absl::Status& failed);
   // The ranks' step answers as one; marks the run diverged when its replicas differ.
   absl::StatusOr<v1::StepResponse> MergeSteps(RunState& run, std::vector<v1::WorkerStepResponse> per_rank);
   // The mesh header of a call: request id, expected learner version (-1: not checked).

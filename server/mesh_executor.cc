@@ -162,11 +162,19 @@ absl::Status MeshExecutor::Verdict(const std::vector<WorkerRef>& workers, const 
   };
   std::stable_sort(failed.begin(), failed.end(), [&](const auto& a, const auto& b) { return cause(a) && !cause(b); });
   if (!pool_->on_mesh()) return failed[0].second;
+  // DATA_LOSS: a rank failed after the commit vote, when the others had applied the step.
+  const bool applied_elsewhere = std::any_of(failed.begin(), failed.end(), [](const auto& f) {
+    return absl::IsDataLoss(f.second);
+  });
   std::string msg;
   for (const auto& [rank, status] : failed) {
     const RankCoords c = pool_->layout().Coords(rank);
     absl::StrAppend(&msg, msg.empty() ? "" : "; ", "rank ", rank, " (tp", c.tp, " pp", c.pp, " dp", c.dp, ", ",
                     (*workers[rank])->address(), "): ", status.message());
+  }
+  if (applied_elsewhere) {
+    return absl::DataLossError(absl::StrCat(failed.size(), " of ", ranks.size(),
+                                            " ranks failed after the commit vote; the others applied the step: ", msg));
   }
   return absl::Status(failed[0].second.code(), absl::StrCat(failed.size(), " of ", ranks.size(),
                                                             " ranks failed; nothing was applied: ", msg));

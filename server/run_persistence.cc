@@ -371,27 +371,46 @@ void RunPersistence::RestoreOrphans(const std::vector<RunRef>& orphans, const Wo
   }
   for (const RunRef& old : orphans) {
     std::lock_guard<std::mutex> run_lock(old->mu);  // after the call that found the worker dead
-    {
-      // The journal is cut back to the last durable autosave by the restore below (Settle): a
-      // confirmation of the old run's background autosave journals nothing after this.
-      std::lock_guard<std::mutex> autosave_lock(old->autosave_mu);
-      old->autosave.retired = true;
-    }
     const std::string run_id = old->run.run_id();
-    auto journaled = options_.journal->RecoverRun(run_id);
-    absl::Status restored = journaled.status();
-    if (restored.ok()) {
-      if (!runs_->Remove(*old, /*forget_request=*/false)) continue;  // deleted meanwhile
-      restored = RestoreRun(*journaled, onto);
-      if (!restored.ok()) runs_->Insert(old, "", "");  // keep the old (down) run visible rather than lose it
-    }
+    const absl::Status restored = RestoreOne(*old, onto);
+    if (absl::IsNotFound(restored)) continue;  // deleted meanwhile
     if (!restored.ok()) {
       LORASTEP_LOG(Error) << "run " << run_id << " was not restored after its worker died: " << restored;
     } else {
-      LORASTEP_LOG(Info) << "run " << run_id << " restored after its worker died, at learner_version "
-                         << journaled->run.learner_version();
+      LORASTEP_LOG(Info) << "run " << run_id << " restored after its worker died";
     }
   }
+}
+
+absl::Status RunPersistence::RestoreOne(RunState& old, const WorkerRef& onto) {
+  {
+    // The journal is cut back to the last durable autosave by the restore below (Settle): a
+    // confirmation of the old run's background autosave journals nothing after this.
+    std::lock_guard<std::mutex> autosave_lock(old.autosave_mu);
+    old.autosave.retired = true;
+  }
+  LORASTEP_ASSIGN_OR_RETURN(JournaledRun journaled, options_.journal->RecoverRun(old.run.run_id()));
+  RunRef kept = old.shared_from_this();
+  if (!runs_->Remove(old, /*forget_request=*/false)) return absl::NotFoundError("run_id: deleted meanwhile");
+  absl::Status restored = RestoreRun(journaled, onto);
+  if (!restored.ok()) runs_->Insert(kept, "", "");  // keep the old run visible rather than lose it
+  return restored;
+}
+
+absl::StatusOr<v1::Run> RunPersistence::RestoreInPlace(RunState& run) {
+  if (!journaled()) return absl::FailedPreconditionError("no journal: the run cannot be restored from an autosave");
+  {
+    // A background autosave of the last consistent state is let finish, so it counts.
+    std::unique_lock<std::mutex> lock(run.autosave_mu);
+    run.autosave_cv.wait_for(lock, std::chrono::seconds(60), [&] { return !run.autosave.in_flight; });
+  }
+  const std::string run_id = run.run.run_id();
+  LORASTEP_RETURN_IF_ERROR(RestoreOne(run, run.ranks.size() == 1 ? run.ranks[0] : nullptr));
+  LORASTEP_ASSIGN_OR_RETURN(RunRef restored, runs_->Find(run_id));
+  std::lock_guard<std::mutex> view(restored->view_mu);
+  LORASTEP_LOG(Warning) << "run " << run_id << " restored from its autosave at learner_version "
+                        << restored->run.learner_version() << " after a rank failed past the commit vote";
+  return restored->run;
 }
 
 absl::Status RunPersistence::RestoreRun(const JournaledRun& j, const WorkerRef& onto) {

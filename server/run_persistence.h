@@ -79,6 +79,10 @@ class RunPersistence {
   void WorkerRestarted(const PooledWorker* dead, const WorkerRef& onto);
   void MeshBack(bool rejoined);
   void Reattach(const WorkerRef& joined);
+  // A run whose ranks disagree (one failed after the commit vote): brought back on its
+  // workers from its last durable autosave, replacing `run` in the registry. Requires the
+  // run's call lock; returns the restored run's view. Without a journal FAILED_PRECONDITION.
+  absl::StatusOr<v1::Run> RestoreInPlace(RunState& run);
 
  private:
   absl::Status RestoreRun(const JournaledRun& journaled, const WorkerRef& onto);
@@ -86,6 +90,10 @@ class RunPersistence {
   // Restores runs whose workers died from their autosaves: onto `onto` (null: placed as new
   // runs are). A run that cannot be restored stays as it was (down).
   void RestoreOrphans(const std::vector<RunRef>& orphans, const WorkerRef& onto);
+  // Retires `old` (late autosave confirmations change nothing), replaces it by the run its
+  // journal brings back onto `onto` (null: placed as new runs are); on failure `old` stays.
+  // Requires old's call lock. NOT_FOUND when `old` was deleted meanwhile.
+  absl::Status RestoreOne(RunState& old, const WorkerRef& onto);
   // `name` (the state at learner `version`) is the run's durable autosave now; returns the
   // previous one ("" if none). Requires the run's autosave_mu.
   std::string RecordDurableAutosave(RunState& run, const std::string& name, int64_t version);

@@ -113,9 +113,11 @@ class MeshTest : public ::testing::Test {
   static Coordinator Start(std::vector<std::string> extra, const std::string& model = "model") {
     // Plain paths: the checkpoints below move between meshes as folders.
     // The testing builds: several tests inject faults (--test_*).
+    // (Plain paths, unless the test gives a state store: a journal needs one.)
+    const bool store = std::find(extra.begin(), extra.end(), "--state_dir") != extra.end();
     std::vector<std::string> args = {"--model", *dir_ + "/" + model, "--worker_binary",
-                                     TestBinary("worker/lorastep_worker_testing"), "--collective_timeout_s", "60",
-                                     "--allow_plain_paths"};
+                                     TestBinary("worker/lorastep_worker_testing"), "--collective_timeout_s", "60"};
+    if (!store) args.push_back("--allow_plain_paths");
     if (OnCuda()) args.insert(args.end(), {"--device", "cuda"});
     args.insert(args.end(), extra.begin(), extra.end());
     auto server = ChildServer::Start(TestBinary("server/lorastep_coordinator_testing"), args, 120);
@@ -413,6 +415,41 @@ TEST_F(MeshTest, OptimizerFailureOnOneRankAppliesNothingAnywhere) {
   ASSERT_OK_AND_ASSIGN(v1::StepResponse retried, run.TrainStep(Batch(0), Ppo(), Adam()));
   EXPECT_EQ(retried.learner_version(), 1);
   EXPECT_TRUE(retried.replicas_equal()) << retried.DebugString();
+}
+
+// Issue 27: the rare failure after the commit vote (here rank 1's commit, by a test
+// switch, as a device error there would): the other rank applied the step, so the run's
+// copies differ. The client gets DATA_LOSS saying so; with a journal the run is restored
+// from its autosave on its workers (here as created: no step had been saved) and the retry
+// trains on, bitwise like a twin run that never failed. Without one it is marked diverged.
+TEST_F(MeshTest, FailureAfterTheCommitVoteRestoresTheRunFromItsAutosave) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
+  const std::string dir = ScratchDir("commit_failure");
+  Coordinator dp2 = Start({"--dp", "2", "--state_dir", dir + "/store", "--test_refuse", "AdamWCommit:1"});
+  v1::LoraConfig lora;
+  lora.set_rank(4);
+  lora.set_alpha(8);
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(dp2.client.get(), lora, 11));
+  EXPECT_THAT(run.TrainStep(Batch(0), Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kDataLoss, "failed after the commit vote; the others applied the step"));
+  ASSERT_OK_AND_ASSIGN(v1::Run state, dp2.client->GetRun(run.run_id()));
+  EXPECT_EQ(state.learner_version(), 0);
+  EXPECT_EQ(state.diverged(), "") << "restored: the copies agree again";
+  EXPECT_EQ(state.next_sequence_id(), 1);
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse first, run.TrainStep(Batch(0), Ppo(), Adam()));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse second, run.TrainStep(Batch(1), Ppo(), Adam()));
+  EXPECT_EQ(second.learner_version(), 2);
+  EXPECT_TRUE(first.replicas_equal() && second.replicas_equal()) << second.DebugString();
+  ASSERT_OK_AND_ASSIGN(RunSession twin, RunSession::Create(dp2.client.get(), lora, 11));
+  ASSERT_OK(twin.TrainStep(Batch(0), Ppo(), Adam()).status());
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse twin_second, twin.TrainStep(Batch(1), Ppo(), Adam()));
+  EXPECT_EQ(second.adapter_sha256(), twin_second.adapter_sha256()) << "the restored run trains like one that never failed";
+
+  Coordinator unjournaled = Start({"--dp", "2", "--test_refuse", "AdamWCommit:0"});
+  ASSERT_OK_AND_ASSIGN(RunSession lost, RunSession::Create(unjournaled.client.get(), lora, 11));
+  EXPECT_THAT(lost.TrainStep(Batch(0), Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kDataLoss, "the run is marked diverged: LoadState a checkpoint to continue"));
+  EXPECT_THAT(lost.TrainStep(Batch(0), Ppo(), Adam()), StatusIs(absl::StatusCode::kFailedPrecondition, "is diverged"));
 }
 
 TEST_F(MeshTest, TensorReplicatedBucketFaultsAreRefusedBeforeTheOptimizer) {

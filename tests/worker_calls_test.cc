@@ -105,6 +105,30 @@ TEST_F(WorkerCallsTest, ReusedRequestIdAndFailedCalls) {
   EXPECT_NE(second.result().adapter_sha256(), first.result().adapter_sha256());
 }
 
+// A run deleted and created again (the coordinator restoring it from its autosave) applies
+// a retried request_id: the earlier run's record of it is gone with that run.
+TEST_F(WorkerCallsTest, ARunCreatedAgainAppliesARetriedRequestId) {
+  v1::WorkerStepResponse first;
+  ASSERT_OK(calls_->TrainStep(Step(0, "id-1"), &first));
+  v1::WorkerDeleteRunRequest del;
+  del.set_run_id("r");
+  ASSERT_OK(calls_->DeleteRun(del));
+  v1::WorkerCreateRunRequest create;
+  create.set_run_id("r");
+  create.mutable_lora()->set_rank(4);
+  create.mutable_lora()->set_alpha(8);
+  create.set_seed(3);
+  v1::WorkerCreateRunResponse created;
+  ASSERT_OK(calls_->CreateRun(create, &created));
+  v1::WorkerStepResponse retried;
+  ASSERT_OK(calls_->TrainStep(Step(0, "id-1"), &retried));
+  EXPECT_EQ(retried.result().learner_version(), 1);
+  v1::WorkerStepResponse next;
+  // Found at learner version 1: the retry was applied, not answered from a record.
+  ASSERT_OK(calls_->TrainStep(Step(1, "id-2"), &next));
+  EXPECT_EQ(next.result().learner_version(), 2);
+}
+
 // The in-process worker's WorkerCalls keeps no record: a call re-sent with the same
 // request_id is not answered from a record, but the learner version it carries still stops
 // it from applying twice.

@@ -72,8 +72,8 @@ WorkerCalls::WorkerCalls(WorkerCore* core, PrometheusRegistry* metrics, bool rec
 }
 
 template <typename Work>
-absl::Status WorkerCalls::Once(const v1::MeshCall& mesh, const char* method, google::protobuf::Message* resp,
-                               Work work) {
+absl::Status WorkerCalls::Once(const std::string& run_id, const v1::MeshCall& mesh, const char* method,
+                               google::protobuf::Message* resp, Work work) {
   const std::string& id = mesh.request_id();
   if (id.empty() || !record_calls_) return work();
   {
@@ -95,7 +95,7 @@ absl::Status WorkerCalls::Once(const v1::MeshCall& mesh, const char* method, goo
     if (s.ok()) {
       std::unique_ptr<google::protobuf::Message> copy(resp->New());
       copy->CopyFrom(*resp);
-      recorded_[id] = Recorded{method, std::move(copy)};
+      recorded_[id] = Recorded{run_id, method, std::move(copy)};
       recorded_order_.push_back(id);
       while (recorded_order_.size() > kRecordedCalls) {
         recorded_.erase(recorded_order_.front());
@@ -133,7 +133,21 @@ absl::Status WorkerCalls::CreateRun(const v1::WorkerCreateRunRequest& req, v1::W
   return absl::OkStatus();
 }
 
+void WorkerCalls::ForgetRecords(const std::string& run_id) {
+  std::lock_guard<std::mutex> lock(record_mu_);
+  for (auto it = recorded_order_.begin(); it != recorded_order_.end();) {
+    auto rec = recorded_.find(*it);
+    if (rec != recorded_.end() && rec->second.run_id == run_id) {
+      recorded_.erase(rec);
+      it = recorded_order_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 absl::Status WorkerCalls::DeleteRun(const v1::WorkerDeleteRunRequest& req) {
+  ForgetRecords(req.run_id());
   absl::Status deleted = core_->DeleteRun(req.run_id());
   if (deleted.ok() && metrics_ != nullptr) metrics_->RemoveSeries("run", req.run_id());
   return deleted;
@@ -142,7 +156,7 @@ absl::Status WorkerCalls::DeleteRun(const v1::WorkerDeleteRunRequest& req) {
 absl::Status WorkerCalls::ForwardBackward(const v1::WorkerForwardBackwardRequest& req,
                                           v1::WorkerForwardBackwardResponse* resp, const std::vector<Datum>* given,
                                           const WorkerCore::Cancelled& cancelled) {
-  return Once(req.mesh(), "ForwardBackward", resp, [&]() -> absl::Status {
+  return Once(req.run_id(), req.mesh(), "ForwardBackward", resp, [&]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(req.loss()));
     const std::optional<BatchTotals> totals = WholeBatchTotals(req);
     std::vector<Datum> parsed;
@@ -165,7 +179,7 @@ absl::Status WorkerCalls::Forward(const v1::WorkerForwardRequest& req, v1::Worke
 }
 
 absl::Status WorkerCalls::OptimStep(const v1::WorkerOptimStepRequest& req, v1::WorkerStepResponse* resp) {
-  return Once(req.mesh(), "OptimStep", resp, [&]() -> absl::Status {
+  return Once(req.run_id(), req.mesh(), "OptimStep", resp, [&]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(AdamWParams adamw, AdamWParamsFromProto(req.adamw()));
     LORASTEP_ASSIGN_OR_RETURN(OptimStepResult r, core_->OptimStep(req.run_id(), adamw, MeshFromProto(req.mesh())));
     FillStepResponse(r, resp);
@@ -176,7 +190,7 @@ absl::Status WorkerCalls::OptimStep(const v1::WorkerOptimStepRequest& req, v1::W
 
 absl::Status WorkerCalls::TrainStep(const v1::WorkerTrainStepRequest& req, v1::WorkerStepResponse* resp,
                                     const std::vector<Datum>* given, const WorkerCore::Cancelled& cancelled) {
-  return Once(req.mesh(), "TrainStep", resp, [&]() -> absl::Status {
+  return Once(req.run_id(), req.mesh(), "TrainStep", resp, [&]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(req.loss()));
     LORASTEP_ASSIGN_OR_RETURN(AdamWParams adamw, AdamWParamsFromProto(req.adamw()));
     const std::optional<BatchTotals> totals = WholeBatchTotals(req);
@@ -210,7 +224,7 @@ absl::Status WorkerCalls::AwaitSaved(const v1::WorkerPathRequest& req) {
 }
 
 absl::Status WorkerCalls::LoadState(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp) {
-  return Once(req.mesh(), "LoadState", resp, [&]() -> absl::Status {
+  return Once(req.run_id(), req.mesh(), "LoadState", resp, [&]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(WorkerCore::PathResult r,
                               core_->LoadState(req.run_id(), req.path(), MeshFromProto(req.mesh())));
     FillPathResponse(r, resp);

@@ -61,7 +61,11 @@ class WorkerCalls {
   // nothing (exactly once on every rank, whatever the coordinator retries). A call whose
   // request_id is still running waits for it, then answers from its record.
   template <typename Work>
-  absl::Status Once(const v1::MeshCall& mesh, const char* method, google::protobuf::Message* resp, Work work);
+  absl::Status Once(const std::string& run_id, const v1::MeshCall& mesh, const char* method,
+                    google::protobuf::Message* resp, Work work);
+  // Drops the records of `run_id`'s calls: a run created again (restored from its autosave)
+  // must apply a retried request_id, not answer it from the earlier run's record.
+  void ForgetRecords(const std::string& run_id);
 
   WorkerCore* core_;
   PrometheusRegistry* metrics_;
@@ -70,6 +74,7 @@ class WorkerCalls {
   // request_id -> (method, response), the most recent kRecordedCalls.
   static constexpr size_t kRecordedCalls = 256;
   struct Recorded {
+    std::string run_id;
     std::string method;
     std::unique_ptr<google::protobuf::Message> response;
   };

@@ -2,7 +2,9 @@
 
 #include <malloc.h>
 
+#include <atomic>
 #include <cstdlib>
+#include <memory>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -132,6 +134,10 @@ absl::StatusOr<int64_t> WorkerCore::CreateRun(const std::string& run_id, const L
   o.profile_train_step = options_.profile_train_step;
   o.max_activation_bytes = options_.max_activation_bytes;
   o.test_fail_first_stage = options_.test_refuse == absl::StrCat("AdamW:", options_.rank);
+  if (options_.test_refuse == absl::StrCat("AdamWCommit:", options_.rank)) {
+    static const auto once = std::make_shared<std::atomic<bool>>(false);  // the process's first commit
+    o.test_fail_commit_once = once;
+  }
   LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(base_, o));
   if (!init_from.empty()) {
     LORASTEP_RETURN_IF_ERROR(InitRun(trainer.get(), run_id, init_from, init_with_optimizer));

@@ -895,11 +895,15 @@ absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params
   result.metrics.Add("time_grad_finalize_s:sum", SecondsSince(t0));
   t0 = Clock::now();
   // The commit copies the staged state into place and allocates nothing; a failure here,
-  // after the vote, is reported as such (the other ranks committed).
-  auto step = GuardTorch(
-      [&]() -> absl::StatusOr<OptimizerStepResult> { return optimizer_->Commit(*std::move(staged)); });
+  // after the vote, is DATA_LOSS: the other ranks committed, so the run's copies differ (the
+  // coordinator restores the run from its autosave).
+  auto step = options_.test_fail_commit_once != nullptr && !options_.test_fail_commit_once->exchange(true)
+                  ? absl::StatusOr<OptimizerStepResult>(absl::InternalError("the commit failed (test switch)"))
+                  : GuardTorch([&]() -> absl::StatusOr<OptimizerStepResult> {
+                      return optimizer_->Commit(*std::move(staged));
+                    });
   if (!step.ok()) {
-    return absl::InternalError(absl::StrCat("optimizer: the step failed after the mesh's commit vote",
+    return absl::DataLossError(absl::StrCat("optimizer: the step failed after the mesh's commit vote",
                                             options_.groups != nullptr ? absl::StrCat(" on rank ", options_.groups->rank()) : "",
                                             " (", step.status().message(),
                                             "); this copy of the run may differ from its replicas"));

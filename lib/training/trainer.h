@@ -15,6 +15,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -81,6 +82,9 @@ struct TrainerOptions {
   // Tests only: the first optimizer step's staged update fails on this rank, as an
   // allocation that runs out of device memory would (the mesh must apply nothing anywhere).
   bool test_fail_first_stage = false;
+  // Tests only: the first commit that takes this token (one per worker process) fails on
+  // this rank after the commit vote, as a device error there would; the other ranks commit.
+  std::shared_ptr<std::atomic<bool>> test_fail_commit_once;
 };
 
 // The activation memory a micro-batch of `b` sequences padded to `s` tokens needs on this
