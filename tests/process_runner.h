@@ -39,6 +39,36 @@ inline int FreeTcpPort() {
   return ntohs(addr.sin_port);
 }
 
+
+// CPU seconds process `pid` has used (user + system, from /proc/PID/stat); -1 when gone.
+inline double ProcessCpuSeconds(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  if (!std::getline(in, stat)) return -1;
+  const size_t name_end = stat.rfind(')');
+  if (name_end == std::string::npos) return -1;
+  std::istringstream fields(stat.substr(name_end + 2));  // from field 3, the state
+  std::string field;
+  long long ticks = 0;
+  for (int f = 3; f <= 15 && fields >> field; ++f) {
+    if (f == 14 || f == 15) ticks += std::stoll(field);  // utime, stime
+  }
+  return static_cast<double>(ticks) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// Waits until process `pid` has used `cpu_seconds` more CPU than `since` (a
+// ProcessCpuSeconds reading): it is computing, not idle. False after `timeout`.
+inline bool WaitUntilComputing(int pid, double since, double cpu_seconds, std::chrono::seconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    const double used = ProcessCpuSeconds(pid);
+    if (used < 0) return false;
+    if (used - since >= cpu_seconds) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
 // Starts every command line at once; returns their results in order.
 inline std::vector<ProcessResult> RunProcesses(const std::vector<std::vector<std::string>>& commands,
                                                const std::string& scratch, int timeout_seconds) {

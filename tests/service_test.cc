@@ -1324,11 +1324,13 @@ TEST(ProcessTest, StoppedRankFailsTheCallWithinTheTimeouts) {
   step.set_sequence_id(run.next_sequence_id());
   absl::StatusOr<v1::StepResponse> answer = absl::UnknownError("not answered");
   std::chrono::steady_clock::time_point answered;
+  const double idle_cpu = testing::ProcessCpuSeconds(workers[1]);
   std::thread caller([&] {
     answer = client->TrainStep(step);
     answered = std::chrono::steady_clock::now();
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  // Stopped while it computes the step (a quarter CPU-second into it), not before.
+  ASSERT_TRUE(testing::WaitUntilComputing(workers[1], idle_cpu, 0.25, std::chrono::seconds(60)));
   ASSERT_EQ(kill(workers[1], SIGSTOP), 0);
   const auto stopped = std::chrono::steady_clock::now();
   caller.join();
@@ -2352,8 +2354,10 @@ TEST(ProcessTest, KilledMeshRankMidStepIsRestartedOnceWhileTheClientRetries) {
   v1::TrainStepRequest long_step = LongTrainStep(run.run_id(), 128);
   long_step.set_sequence_id(3);
   absl::Status long_status;
+  const double idle_cpu = testing::ProcessCpuSeconds(before[1]);
   std::thread caller([&] { long_status = client->TrainStep(long_step).status(); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  // Killed while it computes the step (a quarter CPU-second into it), not before.
+  ASSERT_TRUE(testing::WaitUntilComputing(before[1], idle_cpu, 0.25, std::chrono::seconds(60)));
   ASSERT_EQ(kill(before[1], SIGKILL), 0);  // rank 0 or rank 1: either is a rank of the mesh
   caller.join();
   EXPECT_FALSE(long_status.ok());
