@@ -106,6 +106,11 @@ if [[ " $STEPS " == *" step "* ]]; then
   step "step benchmark: lorastep vs transformers + PEFT (0.5B shape, bf16; fixed and variable length)"
   bash bench/step_bench.sh build-gpu "$OUT"
 fi
+if [[ " $STEPS " == *" families "* ]]; then  # every family and RoPE variant against transformers + PEFT
+  step "families: qwen2, qwen3, llama (tied, untied), qwen3_moe, qwen2 with linear/dynamic/yarn RoPE"
+  PYTHONUNBUFFERED=1 python3 bench/families.py --parity-bin build-gpu/lorastep_parity --out "$OUT/families.json" \
+    ${FAMILIES_ONLY:+--only $FAMILIES_ONLY} 2>&1 | tail -20
+fi
 if [[ " $STEPS " == *" digest "* ]]; then  # after "step" in the same call: the check's share of its LoRA step
   step "digest check of a TP2 rank's replicated LoRA gradients (0.5B shape, r32) beside the single-GPU LoRA step"
   [ -d /tmp/q05 ] || build-gpu/lorastep_genmodel --preset qwen2.5-0.5b --dtype bfloat16 --seed 1 --out /tmp/q05 >/dev/null

@@ -2,6 +2,12 @@
 // transformers writes them; validation errors name the field.
 #include "lib/model/model_config.h"
 
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 #include "tests/test_util.h"
 
 namespace lorastep {
@@ -105,13 +111,145 @@ TEST(ModelConfigTest, BadMoeValuesNameTheField) {
               StatusIs(absl::StatusCode::kInvalidArgument, "mlp_only_layers: layer 48"));
   EXPECT_THAT(with("mlp_only_layers", "3"), StatusIs(absl::StatusCode::kInvalidArgument, "mlp_only_layers: not a list"));
   EXPECT_THAT(with("norm_topk_prob", "1"), StatusIs(absl::StatusCode::kInvalidArgument, "norm_topk_prob: not a boolean"));
-  EXPECT_THAT(with("model_type", "\"llama\""), StatusIs(absl::StatusCode::kInvalidArgument, "model_type: unsupported"));
+  EXPECT_THAT(with("model_type", "\"gemma\""), StatusIs(absl::StatusCode::kInvalidArgument, "model_type: unsupported"));
   EXPECT_THAT(with("model_type", "7"), StatusIs(absl::StatusCode::kInvalidArgument, "model_type: not a string"));
   EXPECT_THAT(with("head_dim", "-1"), StatusIs(absl::StatusCode::kInvalidArgument, "head_dim"));
   std::string shared = kQwen2Moe;
   shared.replace(shared.find("qwen2_moe"), 9, "qwen3_moe");
   EXPECT_THAT(ParseModelConfigJson(shared),
               StatusIs(absl::StatusCode::kInvalidArgument, "shared_expert_intermediate_size: qwen3_moe has no shared expert"));
+}
+
+// Qwen2.5-0.5B's config.json as the Hub has it (transformers 4.x keys).
+constexpr char kQwen25[] = R"({
+  "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+  "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+  "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 24,
+  "model_type": "qwen2", "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
+  "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": true,
+  "torch_dtype": "bfloat16", "transformers_version": "4.40.1", "use_cache": true,
+  "use_sliding_window": false, "vocab_size": 151936
+})";
+
+// kQwen25 with `key` set to `value` (a JSON text), added when absent.
+absl::StatusOr<ModelConfig> Qwen25With(const std::string& key, const std::string& value) {
+  std::string text = kQwen25;
+  const size_t at = text.find("\"" + key + "\":");
+  if (at == std::string::npos) {
+    text.insert(text.rfind('}'), ", \"" + key + "\": " + value);
+  } else {
+    const size_t start = text.find(':', at) + 1;
+    const size_t end = text.find_first_of(",}", start);
+    text = text.substr(0, start) + " " + value + text.substr(end);
+  }
+  return ParseModelConfigJson(text);
+}
+
+TEST(ModelConfigTest, EveryKeyOfAHubConfigIsAccountedFor) {
+  ASSERT_OK(ParseModelConfigJson(kQwen25).status());
+  // Keys without effect on the maths, and keys at the value lorastep computes with.
+  for (const auto& [key, value] :
+       std::vector<std::pair<std::string, std::string>>{{"output_router_logits", "true"},
+                                                        {"pad_token_id", "null"},
+                                                        {"rope_scaling", "null"},
+                                                        {"rope_scaling", R"({"type": "default"})"},
+                                                        {"rope_parameters", R"({"rope_type": "default", "rope_theta": 1e6})"},
+                                                        {"layer_types", R"(["full_attention", "full_attention"])"},
+                                                        {"hidden_act", "\"swish\""},
+                                                        {"mlp_bias", "false"},
+                                                        {"use_sliding_window", "null"}}) {
+    const absl::Status loaded = Qwen25With(key, value).status();
+    EXPECT_TRUE(loaded.ok()) << key << " = " << value << ": " << loaded;
+  }
+}
+
+// A key that changes the model and is not built is refused at load, naming it; so is a key
+// lorastep does not know (it might change the model).
+TEST(ModelConfigTest, KeysThatChangeTheModelAreRefusedByName) {
+  const std::vector<std::tuple<std::string, std::string, std::string>> refused = {
+      {"hidden_act", "\"gelu\"", "hidden_act: \"gelu\" is not supported"},
+      {"attention_dropout", "0.1", "attention_dropout: 0.1 is not supported"},
+      {"use_sliding_window", "true", "use_sliding_window: sliding-window attention is not built"},
+      {"layer_types", R"(["sliding_attention"])", "layer_types: \"sliding_attention\" layers are not built"},
+      {"rope_scaling", R"({"type": "longrope", "factor": 4.0})", "rope_scaling.type: \"longrope\" RoPE is not built"},
+      {"rope_scaling", R"({"rope_type": "linear", "factor": 4.0, "beta_fast": 8})",
+       "rope_scaling.beta_fast: not read by linear RoPE"},
+      {"rope_scaling", R"({"rope_type": "yarn", "factor": 4.0, "mscale": 0.7})", "rope_scaling.mscale: not read by yarn"},
+      {"rope_scaling", R"({"rope_type": "linear", "factor": 0.5})", "rope_scaling.factor: 0.5 must be >= 1"},
+      {"rope_scaling", R"({"rope_type": "yarn", "factor": "4"})", "rope_scaling.factor: not a number"},
+      {"rope_parameters", R"({"rope_type": "llama3", "rope_theta": 5e5, "factor": 8})",
+       "original_max_position_embeddings: required by llama3 RoPE"},
+      {"rope_parameters", R"({"rope_theta": 1e6, "partial_rotary_factor": 0.5})",
+       "rope_parameters.partial_rotary_factor: not read by default RoPE"},
+      {"pretraining_tp", "2", "pretraining_tp: only 1"},
+      {"rope_scaling", "4", "rope_scaling: not an object"},
+      {"mlp_bias", "true", "mlp_bias: MLP biases are not built"},
+      {"attention_bias", "false", "attention_bias: false is not qwen2's attention"},
+      {"use_mrope", "true", "use_mrope: multimodal RoPE is not built"},
+      {"quantization_config", R"({"quant_method": "gptq"})", "quantization_config: not a key lorastep reads for qwen2"},
+      {"final_logit_softcapping", "30.0", "final_logit_softcapping: not a key lorastep reads"},
+      {"num_experts", "8", "num_experts: not a key lorastep reads for qwen2"},
+  };
+  for (const auto& [key, value, want] : refused) {
+    EXPECT_THAT(Qwen25With(key, value), StatusIs(absl::StatusCode::kInvalidArgument, want)) << key << " = " << value;
+  }
+}
+
+// Each RoPE variant transformers computes, in either spelling, with its keys read.
+TEST(ModelConfigTest, RopeVariantsInEitherSpelling) {
+  ASSERT_OK_AND_ASSIGN(ModelConfig yarn, Qwen25With("rope_scaling", R"({"type": "yarn", "factor": 4.0,
+      "original_max_position_embeddings": 32768})"));
+  EXPECT_EQ(yarn.rope.type, "yarn");
+  EXPECT_EQ(yarn.rope.factor, 4.0);
+  EXPECT_EQ(yarn.rope.original_max_position_embeddings, 32768);
+  ASSERT_OK_AND_ASSIGN(ModelConfig llama3, Qwen25With("rope_parameters", R"({"rope_type": "llama3",
+      "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192})"));
+  EXPECT_EQ(llama3.rope.type, "llama3");
+  EXPECT_EQ(llama3.rope_theta, 1000000.0) << "the top-level rope_theta, as before";
+  EXPECT_EQ(llama3.rope.high_freq_factor, 4.0);
+  for (const char* type : {"linear", "dynamic"}) {
+    ASSERT_OK_AND_ASSIGN(ModelConfig c, Qwen25With("rope_scaling", absl::StrCat(R"({"rope_type": ")", type, R"(", "factor": 2.0})")));
+    EXPECT_EQ(c.rope.type, type);
+    EXPECT_EQ(c.rope.factor, 2.0);
+  }
+  // Written back, a scaled RoPE reads as it was.
+  ASSERT_OK_AND_ASSIGN(ModelConfig again, ParseModelConfigJson(ModelConfigToJson(llama3)));
+  EXPECT_EQ(again.rope.type, "llama3");
+  EXPECT_EQ(again.rope.original_max_position_embeddings, 8192);
+}
+
+// Qwen3 dense and Llama 3 as their presets write them.
+TEST(ModelConfigTest, Qwen3AndLlamaFamilies) {
+  for (const char* preset : {"tiny-qwen3", "qwen3-0.6b", "qwen3-8b", "tiny-llama", "llama-3.2-1b", "llama-3.1-8b"}) {
+    ASSERT_OK_AND_ASSIGN(ModelConfig c, ModelConfigPreset(preset));
+    ASSERT_OK_AND_ASSIGN(ModelConfig back, ParseModelConfigJson(ModelConfigToJson(c)));
+    EXPECT_EQ(back.model_type, c.model_type) << preset;
+    EXPECT_FALSE(back.qkv_bias()) << preset;
+    EXPECT_EQ(back.qk_norm(), c.model_type == "qwen3") << preset;
+    EXPECT_EQ(back.rope.type, c.rope.type) << preset;
+    EXPECT_EQ(back.head_dim(), c.head_dim()) << preset;
+  }
+  ASSERT_OK_AND_ASSIGN(ModelConfig llama, ModelConfigPreset("llama-3.1-8b"));
+  EXPECT_NEAR(static_cast<double>(llama.TotalParameterCount()), 8.03e9, 0.01e9);
+  ASSERT_OK_AND_ASSIGN(ModelConfig qwen3, ModelConfigPreset("qwen3-0.6b"));
+  EXPECT_NEAR(static_cast<double>(qwen3.TotalParameterCount()), 0.596e9, 0.005e9);
+}
+
+// transformers 5 writes Qwen3-MoE's expert count as num_local_experts; earlier Hub configs
+// say num_experts. Either spelling loads; both, disagreeing, are refused.
+TEST(ModelConfigTest, BothSpellingsOfTheExpertCount) {
+  std::string renamed = kQwen3Moe;
+  renamed.replace(renamed.find("\"num_experts\""), 13, "\"num_local_experts\"");
+  ASSERT_OK_AND_ASSIGN(ModelConfig c, ParseModelConfigJson(renamed));
+  EXPECT_EQ(c.moe.num_experts, 128);
+  std::string both = kQwen3Moe;
+  both.insert(both.rfind('}'), ", \"num_local_experts\": 64");
+  EXPECT_THAT(ParseModelConfigJson(both),
+              StatusIs(absl::StatusCode::kInvalidArgument, "num_local_experts: differs from num_experts"));
+  std::string qkv = kQwen2Moe;
+  qkv.insert(qkv.rfind('}'), ", \"qkv_bias\": false");
+  EXPECT_THAT(ParseModelConfigJson(qkv), StatusIs(absl::StatusCode::kInvalidArgument, "qkv_bias: false"));
 }
 
 }  // namespace

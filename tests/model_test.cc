@@ -10,6 +10,7 @@
 #include "lib/model/linear.h"
 #include "lib/model/model_weights.h"
 #include "lib/model/qwen2.h"
+#include "lib/model/rope.h"
 #include "lib/training/grad_finalizer.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
@@ -23,7 +24,9 @@ using ::lorastep::testing::ScratchDir;
 using ::lorastep::testing::StatusIs;
 
 // Reference decoder in fp64, written independently of lib/: explicit loops over heads,
-// explicit causal mask, explicit RoPE pairs.
+// explicit causal mask, explicit RoPE pairs. Default RoPE's frequencies are computed here;
+// a scaled variant's come from RopeFrequencies (checked on their own in rope_test and
+// against transformers on the GPU).
 at::Tensor ReferenceLogits(const ModelConfig& c, const ModelWeights& w, const at::Tensor& tokens) {
   auto f64 = [](const at::Tensor& t) { return t.to(at::kCPU, at::kDouble); };
   const int64_t s = tokens.size(1), nh = c.num_attention_heads, nkv = c.num_key_value_heads,
@@ -34,23 +37,28 @@ at::Tensor ReferenceLogits(const ModelConfig& c, const ModelWeights& w, const at
   at::Tensor x = f64(w.embed_tokens).index_select(0, tokens[0].to(at::kCPU));  // [s, H]
   // RoPE angles: position p, pair j uses theta^(-2j/d); dims (j, j + d/2) rotate together.
   at::Tensor angle = at::empty({s, d / 2}, at::kDouble);
+  const auto [scaled_freq, scale] = RopeFrequencies(c, s);
   for (int64_t p = 0; p < s; ++p)
     for (int64_t j = 0; j < d / 2; ++j)
-      angle[p][j] = p * std::pow(c.rope_theta, -2.0 * j / d);
+      angle[p][j] = p * (c.rope.type == "default" ? std::pow(c.rope_theta, -2.0 * j / d) : scaled_freq[j].item<double>());
   auto rope = [&](const at::Tensor& v) {  // v: [s, d]
     at::Tensor a = v.narrow(1, 0, d / 2), b = v.narrow(1, d / 2, d / 2);
-    return at::cat({a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()}, 1);
+    at::Tensor cos = angle.cos() * scale, sin = angle.sin() * scale;
+    return at::cat({a * cos - b * sin, b * cos + a * sin}, 1);
   };
+  auto bias = [&](const LayerWeights& l, int i) { return l.qkv_bias[i].defined() ? f64(l.qkv_bias[i]) : at::zeros({}, at::kDouble); };
   for (const LayerWeights& l : w.layers) {
     at::Tensor h = norm(x, l.input_norm);
-    at::Tensor q = h.matmul(f64(l.linear[kQProj]).t()) + f64(l.qkv_bias[0]);
-    at::Tensor k = h.matmul(f64(l.linear[kKProj]).t()) + f64(l.qkv_bias[1]);
-    at::Tensor v = h.matmul(f64(l.linear[kVProj]).t()) + f64(l.qkv_bias[2]);
+    at::Tensor q = h.matmul(f64(l.linear[kQProj]).t()) + bias(l, 0);
+    at::Tensor k = h.matmul(f64(l.linear[kKProj]).t()) + bias(l, 1);
+    at::Tensor v = h.matmul(f64(l.linear[kVProj]).t()) + bias(l, 2);
+    // Qwen3: RMSNorm over each head's query and key before RoPE.
+    auto head_norm = [&](const at::Tensor& t, const at::Tensor& g) { return g.defined() ? norm(t, g) : t; };
     std::vector<at::Tensor> heads;
     for (int64_t hd = 0; hd < nh; ++hd) {
       const int64_t g = hd / (nh / nkv);
-      at::Tensor qh = rope(q.narrow(1, hd * d, d));
-      at::Tensor kh = rope(k.narrow(1, g * d, d));
+      at::Tensor qh = rope(head_norm(q.narrow(1, hd * d, d), l.q_norm));
+      at::Tensor kh = rope(head_norm(k.narrow(1, g * d, d), l.k_norm));
       at::Tensor vh = v.narrow(1, g * d, d);
       at::Tensor scores = qh.matmul(kh.t()) / std::sqrt(static_cast<double>(d));
       for (int64_t i = 0; i < s; ++i)
@@ -67,19 +75,31 @@ at::Tensor ReferenceLogits(const ModelConfig& c, const ModelWeights& w, const at
   return x.matmul(f64(w.output_weight()).t());
 }
 
+// Qwen2 (q/k/v biases), Qwen3 (q/k norms, no biases, head_dim given), Llama 3 (llama3 RoPE),
+// and Qwen2 with each scaled RoPE, tied and untied.
 TEST(ModelTest, LogitsMatchPlainReferenceFp32) {
-  ModelConfig c = ModelConfigPreset("tiny").value();
-  for (bool tied : {true, false}) {
-    c.tie_word_embeddings = tied;
-    ModelWeights w = RandomModelWeights(c, 7);
-    at::Tensor tokens = at::randint(0, c.vocab_size, {1, 13}, at::kLong);
-    ForwardOptions options;
-    options.training = false;
-    at::Tensor hidden = Qwen2Hidden(c, w, nullptr, tokens, options);
-    at::Tensor logits = hidden.matmul(w.output_weight().t());
-    at::Tensor ref = ReferenceLogits(c, w, tokens);
-    EXPECT_LT(MaxAbsDiff(logits[0], ref), 1e-5) << "tied=" << tied;
-    EXPECT_LT(RelErr(logits[0], ref), 1e-5);
+  std::vector<std::pair<std::string, ModelConfig>> cases;
+  for (const char* preset : {"tiny", "tiny-qwen3", "tiny-llama"}) cases.push_back({preset, ModelConfigPreset(preset).value()});
+  for (const char* type : {"linear", "dynamic", "yarn"}) {
+    ModelConfig c = ModelConfigPreset("tiny").value();
+    c.rope.type = type;
+    c.rope.factor = 4;
+    if (c.rope.type == "dynamic") c.max_position_embeddings = 8;  // the test's 13 tokens are past it
+    cases.push_back({std::string("tiny rope ") + type, c});
+  }
+  for (auto& [name, c] : cases) {
+    for (bool tied : {true, false}) {
+      c.tie_word_embeddings = tied;
+      ModelWeights w = RandomModelWeights(c, 7);
+      at::Tensor tokens = at::randint(0, c.vocab_size, {1, 13}, at::kLong);
+      ForwardOptions options;
+      options.training = false;
+      at::Tensor hidden = Qwen2Hidden(c, w, nullptr, tokens, options);
+      at::Tensor logits = hidden.matmul(w.output_weight().t());
+      at::Tensor ref = ReferenceLogits(c, w, tokens);
+      EXPECT_LT(MaxAbsDiff(logits[0], ref), 1e-5) << name << " tied=" << tied;
+      EXPECT_LT(RelErr(logits[0], ref), 1e-5) << name;
+    }
   }
 }
 

@@ -1,6 +1,11 @@
 #include "lib/model/model_config.h"
 
+#include <map>
+#include <set>
+#include <string>
+
 #include "absl/strings/str_cat.h"
+#include "lib/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace lorastep {
@@ -29,7 +34,8 @@ int64_t ModelConfig::TotalParameterCount() const {
   if (!tie_word_embeddings) total += vocab_size * h;
   for (int64_t layer = 0; layer < num_hidden_layers; ++layer) {
     total += 2 * h * q + 2 * h * kv + 2 * h /*norms*/;
-    total += model_type == "qwen3_moe" ? 2 * d /*q/k norms*/ : q + 2 * kv /*q,k,v bias*/;
+    if (qk_norm()) total += 2 * d;        // q/k norms
+    if (qkv_bias()) total += q + 2 * kv;  // q/k/v biases
     if (!IsMoeLayer(layer)) {
       total += 3 * h * intermediate_size;
       continue;
@@ -52,8 +58,8 @@ namespace {
 
 absl::Status ValidateMoeConfig(const ModelConfig& c) {
   const MoeConfig& m = c.moe;
-  if (c.model_type == "qwen2") {
-    if (m.num_experts != 0) return absl::InvalidArgumentError("num_experts: a qwen2 model has none");
+  if (!c.moe_family()) {
+    if (m.num_experts != 0) return absl::InvalidArgumentError(absl::StrCat("num_experts: a ", c.model_type, " model has none"));
     return absl::OkStatus();
   }
   if (m.num_experts <= 0) {
@@ -87,7 +93,7 @@ absl::Status ValidateMoeConfig(const ModelConfig& c) {
 }  // namespace
 
 absl::Status ValidateModelConfig(const ModelConfig& c) {
-  if (c.model_type != "qwen2" && c.model_type != "qwen2_moe" && c.model_type != "qwen3_moe") {
+  if (c.model_type != "qwen2" && c.model_type != "qwen3" && c.model_type != "llama" && !c.moe_family()) {
     return absl::InvalidArgumentError(absl::StrCat("model_type: unsupported '", c.model_type, "'"));
   }
   auto positive = [](const char* field, int64_t v) -> absl::Status {
@@ -118,12 +124,136 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
   }
   if (!(c.rms_norm_eps > 0)) return absl::InvalidArgumentError("rms_norm_eps: must be > 0");
   if (!(c.rope_theta > 0)) return absl::InvalidArgumentError("rope_theta: must be > 0");
+  const RopeConfig& r = c.rope;
+  if (r.type != "default" && !(r.factor >= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("rope_scaling.factor: ", r.factor, " must be >= 1 for ", r.type));
+  }
+  if (r.type == "llama3") {
+    if (r.original_max_position_embeddings <= 0) {
+      return absl::InvalidArgumentError("rope_scaling.original_max_position_embeddings: required by llama3 RoPE");
+    }
+    if (!(r.high_freq_factor > r.low_freq_factor && r.low_freq_factor > 0)) {
+      return absl::InvalidArgumentError("rope_scaling.high_freq_factor: must be > low_freq_factor > 0");
+    }
+  }
+  if (r.type == "yarn" && !(r.beta_fast > 0 && r.beta_slow > 0 && r.attention_factor >= 0)) {
+    return absl::InvalidArgumentError("rope_scaling.beta_fast: beta_fast, beta_slow must be > 0, attention_factor >= 0");
+  }
   if (c.torch_dtype != "float32" && c.torch_dtype != "float16" && c.torch_dtype != "bfloat16") {
     return absl::InvalidArgumentError(
         absl::StrCat("torch_dtype: unsupported '", c.torch_dtype, "'"));
   }
   return ValidateMoeConfig(c);
 }
+
+namespace {
+
+// Every key of a config.json is accounted for: read (the shape, RoPE's base, the MoE
+// settings), required to hold the value lorastep computes with, or on the list of keys that
+// do not change the model's maths (docs/API.md). Anything else is refused by name: a key
+// transformers reads is never silently ignored.
+absl::Status CheckConfigKeys(const nlohmann::json& j, const std::string& model_type) {
+  static const std::set<std::string> kRead = {
+      "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+      "num_key_value_heads", "max_position_embeddings", "head_dim", "rms_norm_eps", "rope_theta",
+      "rope_parameters", "rope_scaling", "tie_word_embeddings", "torch_dtype", "dtype", "hidden_act",
+      "attention_dropout", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
+      "attention_bias", "mlp_bias", "use_mrope", "pretraining_tp"};
+  static const std::set<std::string> kMoeRead = {
+      "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+      "shared_expert_intermediate_size", "norm_topk_prob", "mlp_only_layers", "qkv_bias"};
+  // No effect on the log-probs or gradients lorastep computes: bookkeeping, generation
+  // defaults, initialization of new weights, token ids, and the MoE auxiliary loss (which
+  // transformers adds only to its own language-modelling loss).
+  static const std::set<std::string> kNoEffect = {
+      "architectures", "transformers_version", "_name_or_path", "_commit_hash", "_attn_implementation",
+      "_attn_implementation_autoset", "auto_map", "use_cache", "initializer_range", "bos_token_id",
+      "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "return_dict",
+      "output_hidden_states", "output_attentions", "torchscript", "use_bfloat16", "tf_legacy_loss",
+      "pruned_heads", "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention",
+      "cross_attention_hidden_size", "tie_encoder_decoder", "id2label", "label2id", "num_labels",
+      "problem_type", "finetuning_task", "tokenizer_class", "prefix", "task_specific_params", "max_length",
+      "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+      "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty",
+      "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
+      "output_scores", "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id",
+      "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+      "base_model_tp_plan", "base_model_pp_plan", "output_router_logits", "router_aux_loss_coef"};
+  const bool moe = model_type == "qwen2_moe" || model_type == "qwen3_moe";
+  auto refuse = [](const std::string& key, const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, ": ", why));
+  };
+  for (const auto& [key, value] : j.items()) {
+    if (kNoEffect.count(key)) continue;
+    if (!kRead.count(key) && !(moe && kMoeRead.count(key))) {
+      return refuse(key, absl::StrCat("not a key lorastep reads for ", model_type,
+                                      "; it may change the model, so the folder is refused rather than the key "
+                                      "ignored (docs/API.md lists the keys read and those without effect)"));
+    }
+  }
+  auto is = [&](const char* key) { return j.contains(key) && !j[key].is_null(); };
+  if (is("num_experts") && is("num_local_experts") && j["num_experts"] != j["num_local_experts"]) {
+    return refuse("num_local_experts", "differs from num_experts (two names of one setting)");
+  }
+  if (is("hidden_act") && !(j["hidden_act"] == "silu" || j["hidden_act"] == "swish")) {
+    return refuse("hidden_act", absl::StrCat(j["hidden_act"].dump(), " is not supported (the MLP is SwiGLU with SiLU)"));
+  }
+  if (is("attention_dropout") && !(j["attention_dropout"].is_number() && j["attention_dropout"].get<double>() == 0)) {
+    return refuse("attention_dropout", absl::StrCat(j["attention_dropout"].dump(), " is not supported (0 only)"));
+  }
+  if (is("use_sliding_window") && j["use_sliding_window"] != false) {
+    return refuse("use_sliding_window", "sliding-window attention is not built (every layer attends to its whole sequence)");
+  }
+  if (is("layer_types")) {
+    for (const auto& t : j["layer_types"]) {
+      if (t != "full_attention") {
+        return refuse("layer_types", absl::StrCat(t.dump(), " layers are not built (full_attention only)"));
+      }
+    }
+  }
+  // RoPE, in either spelling: a variant transformers computes, with only the keys it reads.
+  static const std::map<std::string, std::set<std::string>> kRopeKeys = {
+      {"default", {}},
+      {"linear", {"factor"}},
+      {"dynamic", {"factor", "original_max_position_embeddings"}},
+      {"yarn", {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate"}},
+      {"llama3", {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"}}};
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    if (!is(key)) continue;
+    if (!j[key].is_object()) return refuse(key, "not an object");
+    const char* type_key = j[key].contains("rope_type") ? "rope_type" : "type";
+    const nlohmann::json type = j[key].contains(type_key) ? j[key][type_key] : nlohmann::json("default");
+    auto known = type.is_string() ? kRopeKeys.find(type.get<std::string>()) : kRopeKeys.end();
+    if (known == kRopeKeys.end()) {
+      return refuse(absl::StrCat(key, ".", type_key),
+                    absl::StrCat(type.dump(), " RoPE is not built (default, linear, dynamic, yarn, llama3)"));
+    }
+    for (const auto& [name, v] : j[key].items()) {
+      if (name == "rope_theta" || name == "rope_type" || name == "type" || v.is_null()) continue;
+      if (!known->second.count(name)) {
+        return refuse(absl::StrCat(key, ".", name), absl::StrCat("not read by ", known->first, " RoPE"));
+      }
+      if (name == "truncate" ? !v.is_boolean() : !v.is_number()) {
+        return refuse(absl::StrCat(key, ".", name), name == "truncate" ? "not a boolean" : "not a number");
+      }
+    }
+  }
+  // Qwen2's attention has q/k/v biases; Qwen3's and Llama's none (their attention_bias also
+  // puts one on o_proj: not built).
+  const bool qkv_bias = model_type == "qwen2" || model_type == "qwen2_moe";
+  if (is("pretraining_tp") && j["pretraining_tp"] != 1) return refuse("pretraining_tp", "only 1 (the exact matmuls)");
+  if (is("attention_bias") && j["attention_bias"] != qkv_bias) {
+    return refuse("attention_bias", absl::StrCat(j["attention_bias"].dump(), " is not ", model_type, "'s attention"));
+  }
+  if (is("qkv_bias") && j["qkv_bias"] != qkv_bias) {
+    return refuse("qkv_bias", absl::StrCat(j["qkv_bias"].dump(), " is not ", model_type, "'s attention"));
+  }
+  if (is("mlp_bias") && j["mlp_bias"] != false) return refuse("mlp_bias", "MLP biases are not built");
+  if (is("use_mrope") && j["use_mrope"] != false) return refuse("use_mrope", "multimodal RoPE is not built");
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<ModelConfig> ParseModelConfigJson(const std::string& json_text) {
   nlohmann::json j = nlohmann::json::parse(json_text, nullptr, /*allow_exceptions=*/false);
@@ -162,6 +292,7 @@ absl::StatusOr<ModelConfig> ParseModelConfigJson(const std::string& json_text) {
         {"max_position_embeddings", &c.max_position_embeddings},
         {"head_dim", &c.head_dim_override},
         {"num_experts", &c.moe.num_experts},
+        {"num_local_experts", &c.moe.num_experts},  // transformers 5's name of num_experts
         {"num_experts_per_tok", &c.moe.num_experts_per_tok},
         {"moe_intermediate_size", &c.moe.moe_intermediate_size},
         {"decoder_sparse_step", &c.moe.decoder_sparse_step},
@@ -169,7 +300,7 @@ absl::StatusOr<ModelConfig> ParseModelConfigJson(const std::string& json_text) {
     auto s = get_int(key, out, false);
     if (!s.ok()) return s;
   }
-  if (c.model_type == "qwen2") c.moe = MoeConfig();  // dense configs may carry unused keys
+  if (!c.moe_family()) c.moe = MoeConfig();  // (a dense config's expert keys are refused by name below)
   if (j.contains("norm_topk_prob") && !j["norm_topk_prob"].is_null()) {
     if (!j["norm_topk_prob"].is_boolean()) {
       return absl::InvalidArgumentError("config.json: norm_topk_prob: not a boolean");
@@ -193,6 +324,29 @@ absl::StatusOr<ModelConfig> ParseModelConfigJson(const std::string& json_text) {
   } else if (j.contains("rope_parameters") && j["rope_parameters"].contains("rope_theta")) {
     c.rope_theta = j["rope_parameters"]["rope_theta"].get<double>();  // transformers >= 5
   }
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {  // transformers 5's spelling first
+    if (!j.contains(key) || !j[key].is_object()) continue;
+    const nlohmann::json& r = j[key];
+    auto number = [&](const char* name, double* out) {
+      if (r.contains(name) && r[name].is_number()) *out = r[name].get<double>();
+    };
+    if (r.contains("rope_type") && r["rope_type"].is_string()) {
+      c.rope.type = r["rope_type"].get<std::string>();
+    } else if (r.contains("type") && r["type"].is_string()) {
+      c.rope.type = r["type"].get<std::string>();
+    }
+    number("factor", &c.rope.factor);
+    double original = 0;
+    number("original_max_position_embeddings", &original);
+    c.rope.original_max_position_embeddings = static_cast<int64_t>(original);
+    number("low_freq_factor", &c.rope.low_freq_factor);
+    number("high_freq_factor", &c.rope.high_freq_factor);
+    number("beta_fast", &c.rope.beta_fast);
+    number("beta_slow", &c.rope.beta_slow);
+    number("attention_factor", &c.rope.attention_factor);
+    if (r.contains("truncate") && r["truncate"].is_boolean()) c.rope.truncate = r["truncate"].get<bool>();
+    break;
+  }
   if (j.contains("tie_word_embeddings")) c.tie_word_embeddings = j["tie_word_embeddings"].get<bool>();
   const char* dtype_key = j.contains("torch_dtype") ? "torch_dtype" : "dtype";
   if (j.contains(dtype_key) && j[dtype_key].is_string()) {
@@ -200,6 +354,7 @@ absl::StatusOr<ModelConfig> ParseModelConfigJson(const std::string& json_text) {
   }
   auto s = ValidateModelConfig(c);
   if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("config.json: ", s.message()));
+  LORASTEP_RETURN_IF_ERROR(CheckConfigKeys(j, c.model_type));
   return c;
 }
 
@@ -207,6 +362,8 @@ std::string ModelConfigToJson(const ModelConfig& c) {
   nlohmann::ordered_json j;
   j["architectures"] = {c.model_type == "qwen2_moe"   ? "Qwen2MoeForCausalLM"
                         : c.model_type == "qwen3_moe" ? "Qwen3MoeForCausalLM"
+                        : c.model_type == "qwen3"     ? "Qwen3ForCausalLM"
+                        : c.model_type == "llama"     ? "LlamaForCausalLM"
                                                       : "Qwen2ForCausalLM"};
   j["model_type"] = c.model_type;
   j["vocab_size"] = c.vocab_size;
@@ -230,6 +387,26 @@ std::string ModelConfigToJson(const ModelConfig& c) {
   j["bos_token_id"] = 0;
   j["eos_token_id"] = 1;
   if (c.head_dim_override > 0) j["head_dim"] = c.head_dim_override;
+  if (c.model_type == "qwen3" || c.model_type == "llama") j["attention_bias"] = false;
+  if (c.model_type == "llama") j["mlp_bias"] = false;
+  if (c.rope.type != "default") {  // as older Hub configs spell it (transformers 5 reads it too)
+    nlohmann::ordered_json r;
+    r["rope_type"] = c.rope.type;
+    r["factor"] = c.rope.factor;
+    if (c.rope.original_max_position_embeddings > 0) {
+      r["original_max_position_embeddings"] = c.rope.original_max_position_embeddings;
+    }
+    if (c.rope.type == "llama3") {
+      r["low_freq_factor"] = c.rope.low_freq_factor;
+      r["high_freq_factor"] = c.rope.high_freq_factor;
+    }
+    if (c.rope.type == "yarn") {
+      r["beta_fast"] = c.rope.beta_fast;
+      r["beta_slow"] = c.rope.beta_slow;
+      if (c.rope.attention_factor > 0) r["attention_factor"] = c.rope.attention_factor;
+    }
+    j["rope_scaling"] = r;
+  }
   if (c.is_moe()) {
     j["num_experts"] = c.moe.num_experts;
     j["num_experts_per_tok"] = c.moe.num_experts_per_tok;
@@ -312,6 +489,49 @@ absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name) {
     c.moe.num_experts_per_tok = 8;
     c.moe.moe_intermediate_size = 768;
     c.moe.norm_topk_prob = true;
+  } else if (name == "tiny-qwen3") {
+    c = ModelConfigPreset("tiny").value();  // Qwen3's attention: q/k norms, no biases, head_dim given
+    c.model_type = "qwen3";
+    c.head_dim_override = 16;
+  } else if (name == "tiny-llama") {
+    c = ModelConfigPreset("tiny").value();  // Llama 3.1's RoPE, untied head
+    c.model_type = "llama";
+    c.tie_word_embeddings = false;
+    c.rope.type = "llama3";
+    c.rope.factor = 8;
+    c.rope.original_max_position_embeddings = 64;  // tiny: the smoothing touches the test's lengths
+  } else if (name == "qwen3-0.6b" || name == "qwen3-8b") {
+    const bool small = name == "qwen3-0.6b";
+    c.model_type = "qwen3";
+    c.vocab_size = 151936;
+    c.hidden_size = small ? 1024 : 4096;
+    c.intermediate_size = small ? 3072 : 12288;
+    c.num_hidden_layers = small ? 28 : 36;
+    c.num_attention_heads = small ? 16 : 32;
+    c.num_key_value_heads = 8;
+    c.head_dim_override = 128;
+    c.max_position_embeddings = 40960;
+    c.rope_theta = 1000000.0;
+    c.tie_word_embeddings = small;
+    c.torch_dtype = "bfloat16";
+  } else if (name == "llama-3.2-1b" || name == "llama-3.1-8b") {
+    const bool small = name == "llama-3.2-1b";
+    c.model_type = "llama";
+    c.vocab_size = 128256;
+    c.hidden_size = small ? 2048 : 4096;
+    c.intermediate_size = small ? 8192 : 14336;
+    c.num_hidden_layers = small ? 16 : 32;
+    c.num_attention_heads = 32;
+    c.num_key_value_heads = 8;
+    c.head_dim_override = small ? 64 : 128;
+    c.max_position_embeddings = 131072;
+    c.rms_norm_eps = 1e-5;
+    c.rope_theta = 500000.0;
+    c.tie_word_embeddings = small;
+    c.torch_dtype = "bfloat16";
+    c.rope.type = "llama3";
+    c.rope.factor = small ? 32 : 8;
+    c.rope.original_max_position_embeddings = 8192;
   } else {
     return absl::InvalidArgumentError(absl::StrCat("preset: unknown model preset '", name, "'"));
   }

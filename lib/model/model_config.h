@@ -23,9 +23,21 @@ struct MoeConfig {
   int64_t shared_expert_intermediate_size = 0;
 };
 
+// Rotary position embedding as transformers computes it for `type` (its rope_type): the
+// inverse frequencies, and a scale on cos and sin (yarn's attention factor).
+struct RopeConfig {
+  std::string type = "default";  // "default", "linear", "dynamic", "yarn", "llama3"
+  double factor = 1;             // linear, dynamic, yarn, llama3
+  int64_t original_max_position_embeddings = 0;  // yarn, dynamic, llama3; 0: not given
+  double low_freq_factor = 1, high_freq_factor = 4;  // llama3
+  double beta_fast = 32, beta_slow = 1;              // yarn
+  double attention_factor = 0;                        // yarn; 0: not given (from the factor)
+  bool truncate = true;                               // yarn: round the correction range outwards
+};
+
 struct ModelConfig {
-  // "qwen2" (dense), "qwen2_moe" or "qwen3_moe". MoE configs parse and validate; training
-  // them lands with the MoE issue (LoadModel refuses them until then).
+  // Dense: "qwen2" (Qwen2, Qwen2.5), "qwen3", "llama" (Llama 3.x); MoE: "qwen2_moe",
+  // "qwen3_moe".
   std::string model_type = "qwen2";
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;        // H
@@ -39,7 +51,13 @@ struct ModelConfig {
   bool tie_word_embeddings = true;  // LM head reuses the embedding matrix
   std::string torch_dtype = "bfloat16";  // "float32", "float16" or "bfloat16"
   int64_t head_dim_override = 0;  // Qwen3's explicit head_dim; 0 = hidden_size / heads
+  RopeConfig rope;
   MoeConfig moe;
+
+  // Biases on q/k/v (Qwen2's attention), RMSNorm on each head's q and k (Qwen3's).
+  bool qkv_bias() const { return model_type == "qwen2" || model_type == "qwen2_moe"; }
+  bool qk_norm() const { return model_type == "qwen3" || model_type == "qwen3_moe"; }
+  bool moe_family() const { return model_type == "qwen2_moe" || model_type == "qwen3_moe"; }
 
   int64_t head_dim() const {
     return head_dim_override > 0 ? head_dim_override : hidden_size / num_attention_heads;
@@ -55,9 +73,9 @@ struct ModelConfig {
 
 // Validates fields and their relations; errors name the field.
 absl::Status ValidateModelConfig(const ModelConfig& config);
-// Parses a Hugging Face config.json text (model_type qwen2).
+// Parses a Hugging Face config.json text; every key is accounted for (docs/API.md).
 absl::StatusOr<ModelConfig> ParseModelConfigJson(const std::string& json_text);
-// Serializes to a Hugging Face config.json that transformers' Qwen2ForCausalLM loads.
+// Serializes to a Hugging Face config.json that transformers' class of the family loads.
 std::string ModelConfigToJson(const ModelConfig& config);
 
 // Named shapes: "tiny" (fast CPU tests), "small" (CPU demo), "qwen2.5-0.5b" (the miles
@@ -65,6 +83,8 @@ std::string ModelConfigToJson(const ModelConfig& config);
 // MoE: "tiny-moe" (Qwen2-MoE with a shared expert, 4 experts, top-2), "tiny-qwen3-moe"
 // (q/k norms, head_dim 16 != 32/4, layer 0 dense), and
 // "qwen3-30b-a3b-reduced" (Qwen3-30B-A3B's width, 128 experts, top-8; 4 layers).
+// Qwen3 dense: "tiny-qwen3", "qwen3-0.6b", "qwen3-8b"; Llama 3: "tiny-llama" (llama3 RoPE),
+// "llama-3.2-1b" (tied), "llama-3.1-8b".
 absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name);
 
 }  // namespace lorastep

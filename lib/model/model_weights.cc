@@ -98,8 +98,8 @@ void ForEachNamedTensor(const ModelWeights& weights,
 
 LayerLayout LayoutOfLayer(const ModelConfig& c, int64_t layer) {
   LayerLayout l;
-  l.qkv_bias = c.model_type != "qwen3_moe";
-  l.qk_norm = c.model_type == "qwen3_moe";
+  l.qkv_bias = c.qkv_bias();
+  l.qk_norm = c.qk_norm();
   l.moe = c.IsMoeLayer(layer);
   l.mlp_slots = !l.moe || c.moe.shared_expert_intermediate_size > 0;
   l.shared_expert_gate = l.moe && c.moe.shared_expert_intermediate_size > 0;

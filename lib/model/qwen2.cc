@@ -1,6 +1,5 @@
 #include "lib/model/qwen2.h"
 
-#include <cmath>
 #include <initializer_list>
 #include <map>
 #include <mutex>
@@ -10,6 +9,7 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "lib/model/rope.h"
 #include "lib/torch_compat.h"
 
 #ifdef LORASTEP_WITH_CUDA_KERNELS
@@ -43,35 +43,6 @@ bool UseFusedKernels(const at::Tensor& x, const at::Tensor& other) {
 at::Tensor RotateHalf(const at::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
   return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
-
-// cos/sin tables [s, head_dim] as Hugging Face computes them (fp32, then cast), kept per
-// (theta, head_dim, device, dtype) and grown to the longest length asked for: a row depends
-// on its position only, so a prefix of a longer table is bitwise the short one. Built once,
-// not per micro-batch: the build ends in a host-to-device copy, which waits for the device
-// queue, so per micro-batch it drained the previous backward before each forward could
-// launch anything (the LoRA forward is launch-bound on the H200). Never freed: device
-// tensors must not outlive their runtime at exit.
-std::pair<at::Tensor, at::Tensor> RopeTables(const ModelConfig& c, int64_t s,
-                                             const at::TensorOptions& options) {
-  const int64_t d = c.head_dim();
-  static std::mutex mu;
-  using Key = std::tuple<double, int64_t, std::string, int>;
-  static auto* tables = new std::map<Key, std::pair<at::Tensor, at::Tensor>>();
-  const Key key{c.rope_theta, d, options.device().str(), static_cast<int>(options.dtype().toScalarType())};
-  std::lock_guard<std::mutex> lock(mu);
-  auto& [cos, sin] = (*tables)[key];
-  if (!cos.defined() || cos.size(0) < s) {
-    const int64_t length = std::max<int64_t>(s, cos.defined() ? 2 * cos.size(0) : s);
-    at::Tensor inv_freq =
-        1.0 / at::pow(c.rope_theta, at::arange(0, d, 2, at::kLong).to(at::kFloat) / static_cast<double>(d));
-    at::Tensor pos = at::arange(length, at::kLong).to(at::kFloat);
-    at::Tensor freqs = at::outer(pos, inv_freq);
-    at::Tensor emb = at::cat({freqs, freqs}, -1).to(options.device());
-    cos = emb.cos().to(options.dtype());
-    sin = emb.sin().to(options.dtype());
-  }
-  return {cos.narrow(0, 0, s), sin.narrow(0, 0, s)};
 }
 
 // silu(gate) * up keeping only gate and up for backward (autograd of the composition also
