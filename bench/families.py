@@ -15,6 +15,11 @@ SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_l
              rms_norm_eps=1e-6)
 
 
+# LoRA targets per case (default all-linear). The MoE rows put LoRA on the attention: the
+# routed experts' LoRA is checked against PEFT by the MoE harness (bench/moe_results.py).
+TARGETS = {"qwen3_moe": "q_proj,k_proj,v_proj,o_proj", "qwen3_moe_num_experts": "q_proj,k_proj,v_proj,o_proj"}
+
+
 def cases():
     """(name, model_type, config kwargs, rope dict or None)."""
     yield "qwen2", "qwen2", dict(tie_word_embeddings=True), None
@@ -28,6 +33,10 @@ def cases():
     yield "qwen3_moe", "qwen3_moe", dict(head_dim=32, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=32, norm_topk_prob=True,
                                          tie_word_embeddings=False), None
+    # The same, with the expert count under the other name than the one transformers wrote.
+    yield "qwen3_moe_num_experts", "qwen3_moe", dict(head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=32, norm_topk_prob=True,
+                                                     tie_word_embeddings=False), None
     yield "qwen2_linear", "qwen2", {}, dict(rope_type="linear", factor=4.0)
     yield "qwen2_dynamic", "qwen2", dict(max_position_embeddings=64), dict(rope_type="dynamic", factor=4.0)
     yield "qwen2_yarn", "qwen2", {}, dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
@@ -78,11 +87,17 @@ def main():
         try:
             written = build(model_type, kwargs, rope, folder)
             entry["config_rope"] = written.get("rope_parameters") or written.get("rope_scaling")
+            if name == "qwen3_moe_num_experts":  # rename the expert count's key
+                old = "num_local_experts" if "num_local_experts" in written else "num_experts"
+                written["num_experts" if old == "num_local_experts" else "num_local_experts"] = written.pop(old)
+                json.dump(written, open(os.path.join(folder, "config.json"), "w"), indent=2)
+            entry["expert_count_key"] = next((k for k in ("num_local_experts", "num_experts") if k in written), None)
             for dtype in ("float32", "bfloat16"):
                 out = os.path.join(args.workdir, name, f"parity_{dtype}.json")
                 run = subprocess.run([sys.executable, "bench/hf_parity.py", "--model", folder, "--parity-bin",
                                       args.parity_bin, "--device", "cuda", "--dtype", dtype, "--seq", "128",
-                                      "--workdir", os.path.join(args.workdir, name, dtype), "--out", out],
+                                      "--workdir", os.path.join(args.workdir, name, dtype), "--out", out]
+                                     + (["--targets", TARGETS[name]] if name in TARGETS else []),
                                      capture_output=True, text=True)
                 if run.returncode != 0:
                     raise RuntimeError(f"{dtype}: {run.stderr[-1500:]}")
@@ -103,14 +118,14 @@ def main():
         families[name] = entry
         print(name, json.dumps({k: v for k, v in entry.items() if k != "config_rope"}), flush=True)
     result = {
-        "date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": torch.cuda.get_device_name(),
         "torch_version": torch.__version__, "transformers_version": transformers.__version__,
         "peft_version": peft.__version__,
         "command": " ".join(sys.argv),
         "what": "random small models written by transformers' save_pretrained; logits and LoRA (r32, all "
-                "linears) gradients of 2 x 128 tokens against transformers + PEFT; bf16 against their fp32, "
-                "with the floor of transformers' own bf16",
+                "linears; the MoE rows: attention) gradients of 2 x 128 tokens against transformers + PEFT; bf16 "
+                "against their fp32, with the floor of transformers' own bf16",
         "families": families,
     }
     with open(args.out, "w") as f:
