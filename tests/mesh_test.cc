@@ -99,6 +99,11 @@ class MeshTest : public ::testing::Test {
     // Qwen2-MoE (4 experts, top-2, a gated shared expert), fp32.
     ModelConfig moe = ModelConfigPreset("tiny-moe").value();
     ASSERT_OK(SaveModel(*dir_ + "/moe", moe, RandomModelWeights(moe, 4)));
+    // Qwen3 dense (q/k norms, no biases) and Llama 3 (llama3 RoPE, untied head).
+    for (const char* family : {"tiny-qwen3", "tiny-llama"}) {
+      ModelConfig c = ModelConfigPreset(family).value();
+      ASSERT_OK(SaveModel(*dir_ + "/" + family, c, RandomModelWeights(c, 5)));
+    }
   }
   // CPU (gloo) by default; LORASTEP_TEST_DEVICE=cuda runs the ranks on cuda:0.. with NCCL.
   static bool OnCuda() {
@@ -309,6 +314,17 @@ TEST_F(MeshTest, TensorParallelEqualsWorldOne) {
   ExpectLayoutEqualsWorldOne({"--tp", "2", "--dp", "2"}, "tp2 x dp2", want, /*unfused_only=*/true);
   // 4 tensor ranks, 2 KV heads: k/v replicated on the tensor group.
   ExpectLayoutEqualsWorldOne({"--tp", "4"}, "tp4 (replicated KV heads)", want, /*unfused_only=*/true);
+}
+
+// Qwen3 dense and Llama 3 follow Qwen2's layout rules: TP2 x PP2 equals world size 1.
+TEST_F(MeshTest, Qwen3AndLlamaOnTensorAndPipelineRanksEqualWorldOne) {
+  if (!Fits(4)) GTEST_SKIP() << "needs 4 GPUs";
+  for (const char* family : {"tiny-qwen3", "tiny-llama"}) {
+    Coordinator one = Start({}, family);
+    const Trace want = Train(one, 4, std::string(family) + "_w1");
+    Coordinator mesh = Start({"--tp", "2", "--pp", "2"}, family);
+    ExpectSame(Train(mesh, 4, std::string(family) + "_tp2pp2"), want, std::string(family) + " tp2 x pp2 lora");
+  }
 }
 
 TEST_F(MeshTest, PipelineParallelEqualsWorldOne) {
