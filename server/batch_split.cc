@@ -41,7 +41,7 @@ std::vector<std::vector<int>> BatchSplit::ShardsByTokens(const std::vector<Datum
 }
 
 const std::vector<int>& BatchSplit::ShardOfRank(const std::vector<std::vector<int>>& shards, int rank) const {
-  return shards[on_mesh() ? layout_.Coords(rank).dp : 0];
+  return shards[ShardIndexOfRank(rank)];
 }
 
 bool BatchSplit::Reports(int rank) const {

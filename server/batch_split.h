@@ -25,8 +25,9 @@ class BatchSplit {
   // Datums of each replica (indices into the request's), balanced by token count, each in
   // request order.
   std::vector<std::vector<int>> ShardsByTokens(const std::vector<Datum>& datums) const;
-  // The shard that `rank` trains on.
+  // The shard that `rank` trains on, and its index.
   const std::vector<int>& ShardOfRank(const std::vector<std::vector<int>>& shards, int rank) const;
+  size_t ShardIndexOfRank(int rank) const { return on_mesh() ? layout_.Coords(rank).dp : 0; }
   v1::ForwardBackwardResponse MergeForward(const std::vector<std::vector<int>>& shards, int num_datums,
                                            const std::vector<v1::WorkerForwardBackwardResponse>& per_rank) const;
   // One step answer with the replica hashes filled in; `diverged` names the families whose

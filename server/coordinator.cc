@@ -347,6 +347,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
   if (req.has_batch_totals()) LORASTEP_RETURN_IF_ERROR(ApplyWholeBatchTotals(req.batch_totals(), &*totals));
   LORASTEP_RETURN_IF_ERROR(split_.CheckShardable(static_cast<int>(datums.size())));
   const auto shards = split_.ShardsByTokens(datums);
+  ShardWireForms wire(shards.size());  // each shard packed once, for all its ranks
   const v1::MeshCall mesh = MeshHeader(*run, req.request_id(), true);
   LORASTEP_ASSIGN_OR_RETURN(
       auto per_rank,
@@ -362,7 +363,8 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
             *wreq.mutable_mesh() = mesh;
             mesh_.StampMesh(wreq.mutable_mesh());
             wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max());
-        return w->ForwardBackward(wreq, BatchShard{&datums, &split_.ShardOfRank(shards, rank), deadline});
+        return w->ForwardBackward(wreq, BatchShard{&datums, &split_.ShardOfRank(shards, rank), deadline, &wire,
+                                                 split_.ShardIndexOfRank(rank)});
           }));
   resp = split_.MergeForward(shards, static_cast<int>(datums.size()), per_rank);
   {
@@ -382,6 +384,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::Forwa
   LORASTEP_RETURN_IF_ERROR(CheckResponseFits(datums, req.max_response_bytes()));
   LORASTEP_RETURN_IF_ERROR(split_.CheckShardable(static_cast<int>(datums.size())));
   const auto shards = split_.ShardsByTokens(datums);
+  ShardWireForms wire(shards.size());  // each shard packed once, for all its ranks
   LORASTEP_ASSIGN_OR_RETURN(
       auto per_rank,
       FanOut<v1::WorkerForwardBackwardResponse>(
@@ -391,7 +394,8 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::Forwa
             wreq.mutable_mesh()->set_expected_learner_version(-1);
             mesh_.StampMesh(wreq.mutable_mesh());
             wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max());
-        return w->Forward(wreq, BatchShard{&datums, &split_.ShardOfRank(shards, rank), deadline});
+        return w->Forward(wreq, BatchShard{&datums, &split_.ShardOfRank(shards, rank), deadline, &wire,
+                                                 split_.ShardIndexOfRank(rank)});
           }));
   return split_.MergeForward(shards, static_cast<int>(datums.size()), per_rank);
 }
@@ -443,6 +447,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
                             ValidatedTotals(*run, datums, req.loss(), /*own_totals_needed=*/false));
   LORASTEP_RETURN_IF_ERROR(split_.CheckShardable(static_cast<int>(datums.size())));
   const auto shards = split_.ShardsByTokens(datums);
+  ShardWireForms wire(shards.size());  // each shard packed once, for all its ranks
   const v1::MeshCall mesh = MeshHeader(*run, req.request_id(), true);
   auto per_rank = FanOut<v1::WorkerStepResponse>(*run, run->AllRanks(), [&](int rank, WorkerClient* w) {
         v1::WorkerTrainStepRequest wreq;
@@ -457,7 +462,8 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
         *wreq.mutable_mesh() = mesh;
         mesh_.StampMesh(wreq.mutable_mesh());
         wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max());
-        return w->TrainStep(wreq, BatchShard{&datums, &split_.ShardOfRank(shards, rank), deadline});
+        return w->TrainStep(wreq, BatchShard{&datums, &split_.ShardOfRank(shards, rank), deadline, &wire,
+                                                 split_.ShardIndexOfRank(rank)});
       });
   if (absl::IsDataLoss(per_rank.status())) return AfterCommitFailure(*run, per_rank.status());
   LORASTEP_RETURN_IF_ERROR(per_rank.status());

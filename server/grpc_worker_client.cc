@@ -17,9 +17,16 @@ namespace {
 template <typename Req>
 Req WithDatums(const Req& req, const BatchShard& batch) {
   Req full = req;
-  if (batch.datums != nullptr) {
+  if (batch.datums == nullptr) return full;
+  if (batch.wire == nullptr) {
     SetRequestDatums(*batch.datums, *batch.indices, full.mutable_datums(), full.mutable_packed_datums());
+    return full;
   }
+  const ShardWireForms::Form& form = batch.wire->Get(batch.shard, [&](ShardWireForms::Form* out) {
+    SetRequestDatums(*batch.datums, *batch.indices, &out->datums, &out->packed);
+  });
+  *full.mutable_datums() = form.datums;
+  *full.mutable_packed_datums() = form.packed;
   return full;
 }
 

@@ -5,6 +5,8 @@
 #define LORASTEP_SERVER_WORKER_CLIENT_H_
 
 #include <chrono>
+#include <functional>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -14,16 +16,39 @@
 
 namespace lorastep {
 
+// The wire form of a call's shards (the datums as a worker request carries them), each built
+// once by the first rank that sends it and copied into the requests of the others that
+// train on the same shard (the tensor and pipeline ranks of one data-parallel replica).
+// Thread-safe.
+class ShardWireForms {
+ public:
+  struct Form {
+    google::protobuf::RepeatedPtrField<v1::Datum> datums;
+    v1::PackedDatums packed;
+  };
+  explicit ShardWireForms(size_t shards) : once_(shards), forms_(shards) {}
+  const Form& Get(size_t shard, const std::function<void(Form*)>& build) {
+    std::call_once(once_[shard], [&] { build(&forms_[shard]); });
+    return forms_[shard];
+  }
+
+ private:
+  std::vector<std::once_flag> once_;
+  std::vector<Form> forms_;
+};
+
 // A call's share of a batch the coordinator has parsed and validated: datums[i] for i in
-// indices, in that order. A worker process gets it packed into the request; an in-process
-// worker gets the datums themselves (no packing and parsing again). Empty (datums null):
-// the request carries its datums.
+// indices, in that order. A worker process gets it packed into the request (once per shard
+// when `wire` is given); an in-process worker gets the datums themselves (no packing and
+// parsing again). Empty (datums null): the request carries its datums.
 struct BatchShard {
   const std::vector<Datum>* datums = nullptr;
   const std::vector<int>* indices = nullptr;
   // The client's deadline: the worker's call ends then too, and the worker stops at its next
   // micro-batch (max: only the client's worker-call timeout applies).
   std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max();
+  ShardWireForms* wire = nullptr;  // shared by the call's ranks; null: packed per rank
+  size_t shard = 0;                // which of wire's shards this is
 };
 
 class WorkerClient {
