@@ -15,21 +15,10 @@
 #include "rpc/proto_convert.h"
 #include "rpc/step_metrics.h"
 #include "server/request_checks.h"
+#include "server/worker_requests.h"
 
 namespace lorastep {
 namespace {
-
-int64_t NowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
-v1::WorkerPathRequest PathRequest(const std::string& run_id, const std::string& path) {
-  v1::WorkerPathRequest req;
-  req.set_run_id(run_id);
-  req.set_path(path);
-  return req;
-}
 
 WorkerPoolOptions PoolOptions(const CoordinatorOptions& o) {
   WorkerPoolOptions p;
@@ -128,7 +117,7 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, 
   LoraConfigToProto(lora, state->run.mutable_lora());
   state->run.set_seed(req.seed());
   state->run.set_next_sequence_id(1);
-  state->run.set_created_unix_ms(NowMs());
+  state->run.set_created_unix_ms(NowUnixMs());
   state->run.set_owner(owner);
   state->run.set_last_step(-1);
   if (absl::Status s = persistence_.JournalCreate(state->run, req, fingerprint); !s.ok()) return release(s);
@@ -235,7 +224,7 @@ int64_t Coordinator::AppendStep(RunState& run, const std::string& kind, const v1
   record.set_step(run.next_step++);
   record.set_kind(kind);
   record.set_learner_version(step.learner_version());
-  record.set_unix_time_ms(NowMs());
+  record.set_unix_time_ms(NowUnixMs());
   record.set_adapter_sha256(step.adapter_sha256());
   *record.mutable_metrics() = step.metrics();
   *record.mutable_replica_hashes() = step.replica_hashes();

@@ -12,21 +12,10 @@
 #include "lib/io/state_store.h"
 #include "lib/log.h"
 #include "lib/status_macros.h"
+#include "server/worker_requests.h"
 
 namespace lorastep {
 namespace {
-
-int64_t NowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
-v1::WorkerPathRequest PathRequest(const std::string& run_id, const std::string& path) {
-  v1::WorkerPathRequest req;
-  req.set_run_id(run_id);
-  req.set_path(path);
-  return req;
-}
 
 // Where a journaled run's worker state is saved after its steps: autosave-<n>, a fresh name
 // each time, so a background write never replaces the autosave a restart would need.
@@ -455,7 +444,7 @@ absl::Status RunPersistence::RestoreRun(const JournaledRun& j, const WorkerRef& 
   int64_t version = (*created)[0].learner_version();
   if (j.autosaved) {
     // Unique per restore: a worker answers a request_id it has seen from its record.
-    const std::string request_id = absl::StrCat("restore-", run_id, "-", NowMs(), "-", ++restore_count_);
+    const std::string request_id = absl::StrCat("restore-", run_id, "-", NowUnixMs(), "-", ++restore_count_);
     auto loaded = mesh_->FanOut<v1::WorkerPathResponse>(state->ranks, state->AllRanks(), [&](int, WorkerClient* w) {
       v1::WorkerPathRequest wreq = PathRequest(run_id, AutosaveRef(run_id, j.autosave_name));
       wreq.mutable_mesh()->set_request_id(request_id);

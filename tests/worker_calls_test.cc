@@ -32,13 +32,18 @@ class WorkerCallsTest : public ::testing::Test {
     options.model_path = dir + "/model";
     ASSERT_OK_AND_ASSIGN(core_, WorkerCore::Create(options));
     calls_ = std::make_unique<WorkerCalls>(core_.get());
+    ASSERT_OK(CreateRun());
+  }
+
+  // Run "r": LoRA rank 4, seed 3.
+  absl::Status CreateRun() {
     v1::WorkerCreateRunRequest create;
     create.set_run_id("r");
     create.mutable_lora()->set_rank(4);
     create.mutable_lora()->set_alpha(8);
     create.set_seed(3);
     v1::WorkerCreateRunResponse created;
-    ASSERT_OK(calls_->CreateRun(create, &created));
+    return calls_->CreateRun(create, &created);
   }
 
   // A TrainStep of batch `step` under `request_id` ("" = not recorded), expected to find
@@ -113,13 +118,7 @@ TEST_F(WorkerCallsTest, ARunCreatedAgainAppliesARetriedRequestId) {
   v1::WorkerDeleteRunRequest del;
   del.set_run_id("r");
   ASSERT_OK(calls_->DeleteRun(del));
-  v1::WorkerCreateRunRequest create;
-  create.set_run_id("r");
-  create.mutable_lora()->set_rank(4);
-  create.mutable_lora()->set_alpha(8);
-  create.set_seed(3);
-  v1::WorkerCreateRunResponse created;
-  ASSERT_OK(calls_->CreateRun(create, &created));
+  ASSERT_OK(CreateRun());
   v1::WorkerStepResponse retried;
   ASSERT_OK(calls_->TrainStep(Step(0, "id-1"), &retried));
   EXPECT_EQ(retried.result().learner_version(), 1);
