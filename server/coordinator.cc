@@ -79,6 +79,7 @@ std::string Coordinator::model_path() { return pool_.model_path(); }
 absl::StatusOr<int> Coordinator::RestoreRuns() { return persistence_.RestoreRuns(); }
 bool Coordinator::WaitForAutosaves(std::chrono::milliseconds timeout) { return persistence_.WaitForAutosaves(timeout); }
 void Coordinator::CancelWorkerCalls() { pool_.CancelInFlight(); }
+void Coordinator::StopWorkerUpkeep() { pool_.Stop(); }
 
 absl::Status Coordinator::CheckAccess(const std::string& run_id, const Caller& caller) {
   return runs_.CheckAccess(run_id, caller);

@@ -194,6 +194,9 @@ class Coordinator {
   // Makes every worker call in flight return CANCELLED now (shutdown: the calls' clients are
   // gone, and a worker stops a cancelled batch call at its next micro-batch).
   void CancelWorkerCalls();
+  // Stops watching workers' health and restarting or re-attaching them (shutdown, before the
+  // local workers are stopped: their exit is not a death to recover from).
+  void StopWorkerUpkeep();
 
  private:
   // The exactly-once check: true (and `out` filled) when request_id was applied already

@@ -623,6 +623,7 @@ int main(int argc, char** argv) {
                              "from the autosave before";
   }
   core.CancelWorkerCalls();  // the steps still running have no client left
+  core.StopWorkerUpkeep();   // the workers' exit below is no death to restart
   std::lock_guard<std::mutex> lock(local_mu);
   for (auto& child : local) child.Stop();
   if (!rendezvous_dir.empty()) (void)RemoveAll(rendezvous_dir);
