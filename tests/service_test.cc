@@ -2018,9 +2018,22 @@ TEST(ProcessTest, CostSpacedAutosavesCountTheDisksTime) {
   ASSERT_OK_AND_ASSIGN(v1::Run soon, client->GetRun("spaced"));
   EXPECT_EQ(soon.learner_version(), 3);
   EXPECT_EQ(soon.autosaved_learner_version(), 1) << "too soon after a write of ~1 s at share 0.5";
-  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
-  ASSERT_OK(run.TrainStep(Batch(3), Ppo(), Adam()).status());
-  WaitUntilAutosaved(client.get(), "spaced", 4);
+  // Once twice the first autosave's cost has passed, a step is saved again. The cost is the
+  // write's second plus the load's share of it, so steps keep coming until one is (at most
+  // eight, half a second apart).
+  int64_t version = 3;
+  for (int i = 0; i < 8; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse step, run.TrainStep(Batch(version % 4), Ppo(), Adam()));
+    version = step.learner_version();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // a due autosave is durable by then
+    ASSERT_OK_AND_ASSIGN(v1::Run now, client->GetRun("spaced"));
+    if (now.autosaved_learner_version() > 1) {
+      EXPECT_GE(now.autosaved_learner_version(), 4) << "a step after the spaced ones";
+      return;
+    }
+  }
+  ADD_FAILURE() << "no step after the first was autosaved within 8 steps";
 }
 
 // Issue 8: spaced by cost, the steps after an autosave are not saved until the spacing
