@@ -106,6 +106,10 @@ if [[ " $STEPS " == *" step "* ]]; then
   step "step benchmark: lorastep vs transformers + PEFT (0.5B shape, bf16; fixed and variable length)"
   bash bench/step_bench.sh build-gpu "$OUT"
 fi
+if [[ " $STEPS " == *" step7b "* ]]; then
+  step "LoRA step on a 7B-class model transformers writes (Qwen2.5-7B shape): lorastep vs transformers + PEFT"
+  bash bench/step7b.sh build-gpu "$OUT"
+fi
 if [[ " $STEPS " == *" families "* ]]; then  # every family and RoPE variant against transformers + PEFT
   step "families: qwen2, qwen3, llama (tied, untied), qwen3_moe, qwen2 with linear/dynamic/yarn RoPE"
   PYTHONUNBUFFERED=1 python3 bench/families.py --parity-bin build-gpu/lorastep_parity --out "$OUT/families.json" \

@@ -1,0 +1,35 @@
+"""A random model of a named shape written by transformers itself (its config class, its
+own save_pretrained: sharded safetensors and their index), on the GPU in bf16.
+    python3 bench/make_hf_model.py --shape qwen2.5-7b --out DIR
+"""
+import argparse, os
+
+import torch
+
+SHAPES = {
+    # Qwen2.5-7B: 28 layers, hidden 3584, FFN 18944, 28 heads, 4 KV groups, untied head.
+    "qwen2.5-7b": ("qwen2", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if os.path.exists(os.path.join(args.out, "config.json")):
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+    model_type, kwargs = SHAPES[args.shape]
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(args.out, max_shard_size="4GB", safe_serialization=True)
+    print("wrote", args.out, sum(p.numel() for p in model.parameters()), "parameters")
+
+
+if __name__ == "__main__":
+    main()
