@@ -274,7 +274,7 @@ absl::Status Coordinator::CheckNotDiverged(const RunState& run) {
                                                     "); LoadState a checkpoint to continue"));
 }
 
-absl::StatusOr<v1::StepResponse> Coordinator::MergeSteps(RunState& run, std::vector<v1::WorkerStepResponse> per_rank) {
+v1::StepResponse Coordinator::MergeSteps(RunState& run, std::vector<v1::WorkerStepResponse> per_rank) {
   std::string diverged;
   v1::StepResponse resp = split_.MergeSteps(std::move(per_rank), &diverged);
   if (!diverged.empty()) {
@@ -411,7 +411,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepReque
       });
   if (absl::IsDataLoss(per_rank.status())) return AfterCommitFailure(*run, per_rank.status());
   LORASTEP_RETURN_IF_ERROR(per_rank.status());
-  LORASTEP_ASSIGN_OR_RETURN(resp, MergeSteps(*run, *std::move(per_rank)));
+  resp = MergeSteps(*run, *std::move(per_rank));
   AddClientMetrics(req.client_metrics(), &resp);
   CommitStep(*run, "OptimStep", "optim_step", req.request_id(), &resp);
   return resp;
@@ -457,7 +457,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
       });
   if (absl::IsDataLoss(per_rank.status())) return AfterCommitFailure(*run, per_rank.status());
   LORASTEP_RETURN_IF_ERROR(per_rank.status());
-  LORASTEP_ASSIGN_OR_RETURN(resp, MergeSteps(*run, *std::move(per_rank)));
+  resp = MergeSteps(*run, *std::move(per_rank));
   AddClientMetrics(req.client_metrics(), &resp);
   run->current_fingerprint = fingerprint.Get();
   CommitStep(*run, "TrainStep", "train_step", req.request_id(), &resp);

@@ -228,7 +228,7 @@ class Coordinator {
   // error the client gets, saying which. Requires the run's call lock.
   absl::Status AfterCommitFailure(RunState& run, const absl::Status& failed);
   // The ranks' step answers as one; marks the run diverged when its replicas differ.
-  absl::StatusOr<v1::StepResponse> MergeSteps(RunState& run, std::vector<v1::WorkerStepResponse> per_rank);
+  v1::StepResponse MergeSteps(RunState& run, std::vector<v1::WorkerStepResponse> per_rank);
   // The mesh header of a call: request id, expected learner version (-1: not checked).
   v1::MeshCall MeshHeader(const RunState& run, const std::string& request_id, bool check_version);
   template <typename Resp>

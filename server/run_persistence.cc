@@ -409,7 +409,7 @@ absl::Status RunPersistence::RestoreRun(const JournaledRun& j, const WorkerRef& 
   if (onto != nullptr && !onto->down) {
     state->ranks = {onto};
   } else {
-    LORASTEP_ASSIGN_OR_RETURN(state->ranks, pool_->Place(runs_->All().size()));
+    LORASTEP_ASSIGN_OR_RETURN(state->ranks, pool_->Place(runs_->size()));
   }
   state->run = j.created.run();
   v1::WorkerCreateRunRequest create;

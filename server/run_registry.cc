@@ -45,6 +45,11 @@ std::vector<RunRef> RunRegistry::Where(const std::function<bool(const RunState&)
   return out;
 }
 
+size_t RunRegistry::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return runs_.size();
+}
+
 bool RunRegistry::Contains(const std::string& run_id) const {
   std::lock_guard<std::mutex> lock(mu_);
   return runs_.count(run_id) > 0;

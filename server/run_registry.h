@@ -108,6 +108,7 @@ class RunRegistry {
   std::vector<RunRef> All() const;
   std::vector<RunRef> Where(const std::function<bool(const RunState&)>& pick) const;
   bool Contains(const std::string& run_id) const;
+  size_t size() const;
 
   // CreateRun's bookkeeping. A request_id that already made a run gives that run (a retry;
   // INVALID_ARGUMENT when its fingerprint differs); else the new run's id is checked (or

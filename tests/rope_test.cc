@@ -25,7 +25,8 @@ ModelConfig Config(const std::string& type, double factor = 4) {
   return c;
 }
 
-at::Tensor Default(const ModelConfig& c) { return RopeFrequencies(Config("default"), 1).first; }
+// The default frequencies of Config()'s shape, which every variant here shares.
+at::Tensor Default() { return RopeFrequencies(Config("default"), 1).first; }
 
 TEST(RopeTest, DefaultIsThetaToTheMinusTwoJOverD) {
   const ModelConfig c = Config("default");
@@ -37,16 +38,16 @@ TEST(RopeTest, DefaultIsThetaToTheMinusTwoJOverD) {
 
 TEST(RopeTest, LinearDividesEveryFrequency) {
   const auto [inv, scale] = RopeFrequencies(Config("linear"), 10);
-  EXPECT_TRUE(at::allclose(inv * 4, Default(Config("linear")), 1e-6, 0));
+  EXPECT_TRUE(at::allclose(inv * 4, Default(), 1e-6, 0));
   EXPECT_EQ(scale, 1.0);
 }
 
 TEST(RopeTest, DynamicIsDefaultUpToItsOriginalLengthAndSlowerPastIt) {
   const ModelConfig c = Config("dynamic");
-  EXPECT_TRUE(at::equal(RopeFrequencies(c, 256).first, Default(c)));
+  EXPECT_TRUE(at::equal(RopeFrequencies(c, 256).first, Default()));
   const at::Tensor longer = RopeFrequencies(c, 1024).first;
   EXPECT_EQ(longer[0].item<double>(), 1.0);  // the first pair never rotates slower
-  EXPECT_TRUE((longer.narrow(0, 1, 31) < Default(c).narrow(0, 1, 31)).all().item<bool>());
+  EXPECT_TRUE((longer.narrow(0, 1, 31) < Default().narrow(0, 1, 31)).all().item<bool>());
   // The base grows as (factor * n / original - (factor - 1)) ^ (d / (d - 2)): n = 1024 -> 13.
   const double base = 5e5 * std::pow(13.0, 64.0 / 62.0);
   EXPECT_NEAR(longer[31].item<double>(), std::pow(base, -62.0 / 64), 1e-6 * std::pow(base, -62.0 / 64));
@@ -59,7 +60,7 @@ TEST(RopeTest, DynamicIsDefaultUpToItsOriginalLengthAndSlowerPastIt) {
 TEST(RopeTest, Llama3KeepsHighDividesLowAndBlendsBetween) {
   ModelConfig c = Config("llama3", 8);
   c.rope.original_max_position_embeddings = 256;
-  const at::Tensor inv = RopeFrequencies(c, 10).first, plain = Default(c);
+  const at::Tensor inv = RopeFrequencies(c, 10).first, plain = Default();
   int high = 0, low = 0, between = 0;
   for (int j = 0; j < 32; ++j) {
     const double wavelen = 2 * M_PI / plain[j].item<double>();
@@ -84,7 +85,7 @@ TEST(RopeTest, Llama3KeepsHighDividesLowAndBlendsBetween) {
 TEST(RopeTest, YarnKeepsTheHighestInterpolatesTheLowestAndScales) {
   const ModelConfig c = Config("yarn");
   const auto [inv, scale] = RopeFrequencies(c, 10);
-  const at::Tensor plain = Default(c);
+  const at::Tensor plain = Default();
   EXPECT_NEAR(scale, 0.1 * std::log(4.0) + 1, 1e-12);
   EXPECT_NEAR(inv[0].item<double>(), plain[0].item<double>(), 1e-7);
   EXPECT_NEAR(inv[31].item<double>(), plain[31].item<double>() / 4, 1e-6 * plain[31].item<double>());

@@ -10,14 +10,22 @@
 #include "absl/strings/str_cat.h"
 
 namespace lorastep {
+namespace {
+
+// The length the model was trained at, which the scaled variants stretch.
+int64_t OriginalLength(const ModelConfig& c) {
+  return c.rope.original_max_position_embeddings > 0 ? c.rope.original_max_position_embeddings
+                                                     : c.max_position_embeddings;
+}
+
+}  // namespace
 
 std::pair<at::Tensor, double> RopeFrequencies(const ModelConfig& c, int64_t length) {
   const int64_t d = c.head_dim();
   const RopeConfig& r = c.rope;
   const at::Tensor exponents = at::arange(0, d, 2, at::kLong).to(at::kFloat) / static_cast<double>(d);
   auto inverse = [&](double base) { return 1.0 / at::pow(base, exponents); };
-  const int64_t original =
-      r.original_max_position_embeddings > 0 ? r.original_max_position_embeddings : c.max_position_embeddings;
+  const int64_t original = OriginalLength(c);
   if (r.type == "linear") return {inverse(c.rope_theta) / r.factor, 1.0};
   if (r.type == "dynamic") {
     const double n = static_cast<double>(std::max(length, original));
@@ -67,8 +75,7 @@ std::pair<at::Tensor, at::Tensor> RopeTables(const ModelConfig& c, int64_t s,
                                              const at::TensorOptions& options) {
   const RopeConfig& r = c.rope;
   // Dynamic RoPE past its original length depends on the length: a table of its own.
-  const int64_t original =
-      r.original_max_position_embeddings > 0 ? r.original_max_position_embeddings : c.max_position_embeddings;
+  const int64_t original = OriginalLength(c);
   const int64_t own_length = r.type == "dynamic" && s > original ? s : 0;
   static std::mutex mu;
   using Key = std::tuple<std::string, int64_t, std::string, int, int64_t>;
