@@ -71,6 +71,28 @@ def host_side(events, kernels, top):
     }
 
 
+def idle_gaps(events, intervals, begin, end, top):
+    """The longest stretches with no kernel running (before the first, between, after the
+    last), each with the CPU ops open at its middle (outermost first): what the host was doing
+    while the GPU waited."""
+    gaps, cursor = [], begin
+    for s, e in intervals:
+        if s > cursor:
+            gaps.append((cursor, s))
+        cursor = max(cursor, e)
+    if end > cursor:
+        gaps.append((cursor, end))
+    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
+    out = []
+    for s, e in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
+        mid = (s + e) / 2
+        open_ops = sorted((o for o in ops if o["ts"] <= mid <= o["ts"] + o["dur"]), key=lambda o: (o["ts"], -o["dur"]))
+        out.append({"start_ms": round((s - begin) / 1e3, 3), "ms": round((e - s) / 1e3, 3),
+                    "host_ops": [o["name"][:80] for o in open_ops[:6]]})
+    return {"gpu_idle_ms": round(sum(e - s for s, e in gaps) / 1e3, 3), "gpu_idle_gaps": len(gaps),
+            "longest_idle_gaps": out}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
@@ -107,9 +129,10 @@ def main():
     total = sum(v[1] for v in by_name.values())
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:args.top]
     host = host_side(events, kernels, args.top)
+    host.update(idle_gaps(events, intervals, begin, end, 12))
     import datetime
     out = {
-        "date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": args.machine,
         "command": args.command or "python3 bench/profile_summary.py " + args.trace,
         "label": args.label,
@@ -132,6 +155,9 @@ def main():
         print(f"  cpu {k['self_ms']:9.2f} ms {k['calls']:6d}x  {k['name'][:100]}")
     for k in out["top_kernels"][:12]:
         print(f"  {k['ms']:9.2f} ms {k['calls']:6d}x  {k['name'][:100]}")
+    print(f"  gpu idle {out['gpu_idle_ms']:.2f} ms in {out['gpu_idle_gaps']} gaps; longest:")
+    for g in out["longest_idle_gaps"][:6]:
+        print(f"    at {g['start_ms']:9.2f} ms for {g['ms']:7.2f} ms  {' > '.join(g['host_ops'][:4])}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,18 @@ for mb in ${STEP7B_MBS:-8192}; do
     > /tmp/$name.log 2>&1 || { echo "lorastep 7b (micro-batch $mb) failed"; tail -20 /tmp/$name.log; exit 1; }
   first=0
 done
+# STEP7B_PROFILE=1: also a Kineto profile of one lorastep step at the first micro-batch size
+# (a separate run, so the profiler does not perturb the timed ones): profile_lora_7b_step.json.
+if [ -n "${STEP7B_PROFILE:-}" ]; then
+  mb=$(set -- ${STEP7B_MBS:-8192}; echo $1)
+  LORASTEP_PROFILE_TRACE=/tmp/lora_7b_trace.json LORASTEP_PROFILE_STEP=2 MODEL_DIR=$MODEL RANK=32 MAX_TOKENS=$mb STEPS=2 \
+    MODE=train BATCH_FILE="$OUT/batch_fixed_7b.json" COORD_FLAGS="--max_tokens_per_microbatch $mb" \
+    bench/service_overhead.sh "$BIN" qwen2.5-0.5b cuda bfloat16 /tmp/profiled_7b.json x > /tmp/profiled_7b.log 2>&1 \
+    || tail -5 /tmp/profiled_7b.log
+  python3 bench/profile_summary.py /tmp/lora_7b_trace.json --label "lorastep LoRA r32 train step, Qwen2.5-7B shape, 64 x 512, micro-batch $mb" \
+    --machine "$(head -1 "$OUT/env.txt")" --command "GPU_CHECK_STEPS=step7b STEP7B_PROFILE=1 bash scripts/gpu_check.sh" \
+    --out "$OUT/profile_lora_7b_step.json" | tail -3
+fi
 python3 bench/peft_step.py --model $MODEL --mode lora --batch "$OUT/batch_fixed_7b.json" --out "$OUT/hf_lora_7b.json" \
   2>&1 | tail -1 | cut -c1-300
 python3 bench/step7b_results.py "$OUT" "$MODEL" "$OUT/step_7b.json"

@@ -189,6 +189,40 @@ TEST_P(LoraLinearTest, OneFunctionLoraLinearMatchesDenseReference) {
   }
 }
 
+// The input as tanh(source), rebuilt in backward; counts the rebuilds.
+int tanh_rebuilds = 0;
+const RecomputedInput kTanhOfSource{
+    [](const at::Tensor& source) { return at::tanh(source); },
+    [](const at::Tensor& source, const at::Tensor& grad_input, at::Tensor* input) {
+      ++tanh_rebuilds;
+      *input = at::tanh(source);
+      return grad_input * (1 - *input * *input);
+    }};
+
+TEST(LoraLinearRecomputedTest, MatchesDenseReferenceAndRebuildsTheInputOnce) {
+  const auto opts = at::TensorOptions().device(TestDevice()).dtype(TestDtype());
+  const int64_t in = 64, out = 8, r = 4;
+  const double scale = 2.5;
+  at::Tensor w = at::randn({out, in}, opts);
+  at::Tensor a = at::randn({r, in}, opts) * 0.3, b = at::randn({out, r}, opts) * 0.3;
+  at::Tensor a_grad = at::zeros({r, in}, opts.dtype(at::kFloat)), b_grad = at::zeros({out, r}, opts.dtype(at::kFloat));
+  at::Tensor source = at::randn({3, 5, in}, opts).requires_grad_(true);
+  at::Tensor upstream = at::randn({3, 5, out}, opts);
+  tanh_rebuilds = 0;
+  at::Tensor y = LoraLinearRecomputed(source, kTanhOfSource, w, at::Tensor(), a, a_grad, b, b_grad, scale);
+  (y * upstream).sum().backward();
+  EXPECT_EQ(tanh_rebuilds, 1);
+  auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(true); };
+  at::Tensor sr = f64(source), ar = f64(a), br = f64(b);
+  at::Tensor xr = at::tanh(sr);
+  at::Tensor yr = at::matmul(xr, f64(w).t()) + at::matmul(at::matmul(xr, ar.t()), br.t()) * scale;
+  (yr * upstream.to(at::kDouble)).sum().backward();
+  EXPECT_LT(RelErr(y, yr), Tol(1e-6));
+  EXPECT_LT(RelErr(source.grad(), sr.grad()), Tol(1e-6));
+  EXPECT_LT(RelErr(a_grad, ar.grad()), Tol(1e-6));
+  EXPECT_LT(RelErr(b_grad, br.grad()), Tol(1e-6));
+}
+
 TEST_P(LoraLinearTest, FusedAndUnfusedGiveTheSameModelGradients) {
   const at::Device dev = TestDevice();
   ModelConfig c = ModelConfigPreset("tiny").value();

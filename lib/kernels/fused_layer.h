@@ -19,15 +19,19 @@ namespace lorastep {
 namespace kernels {
 
 // y = weight * (x * rstd).to(type), rstd = rsqrt(mean(x^2) + eps) per row, in fp32.
-// x, y: rows x hidden; weight: hidden; rstd: fp32 rows (saved for backward).
-const char* LaunchRmsNorm(const void* x, const void* weight, ElementType type, int64_t rows,
-                          int64_t hidden, float eps, void* y, float* rstd, void* stream);
+// x, y: rows x hidden; weight: hidden; rstd: fp32 rows (saved for backward). With `residual`
+// (rows x hidden) non-null, x + residual (rounded to type) takes x's place and is written to
+// `sum`: the residual add before a norm, in the same pass.
+const char* LaunchRmsNorm(const void* x, const void* residual, const void* weight, ElementType type, int64_t rows,
+                          int64_t hidden, float eps, void* sum, void* y, float* rstd, void* stream);
 
 // The input gradient of LaunchRmsNorm's y:
-//   gn = (g * weight).to(type), n = x * rstd, dx = (gn - n * mean(gn * n)) * rstd.
+//   gn = (g * weight).to(type), n = x * rstd, dx = (gn - n * mean(gn * n)) * rstd,
+// plus residual_grad (rows x hidden, rounded once more) when non-null: x's gradient along
+// the residual stream, added in the same pass.
 const char* LaunchRmsNormGrad(const void* grad_y, const void* x, const void* weight,
-                              const float* rstd, ElementType type, int64_t rows, int64_t hidden,
-                              void* grad_x, void* stream);
+                              const float* rstd, const void* residual_grad, ElementType type, int64_t rows,
+                              int64_t hidden, void* grad_x, void* stream);
 
 // out = silu(gate).to(type) * up over rows x f: gate and up rows `in_ld` elements apart (the
 // two halves of one [rows, 2f] projection: up = gate + f, in_ld = 2f); out contiguous.
@@ -35,20 +39,25 @@ const char* LaunchSwiGlu(const void* gate, const void* up, ElementType type, int
                          int64_t in_ld, void* out, void* stream);
 
 // grad_gate = silu'(gate) * (g * up).to(type), grad_up = g * silu(gate).to(type), for a
-// contiguous g (rows x f); the gradients' rows are `out_ld` elements apart.
+// contiguous g (rows x f); the gradients' rows are `out_ld` elements apart. When `act` is
+// non-null it also receives LaunchSwiGlu's output (contiguous, the same bits): backward
+// recomputes the activation instead of keeping it from forward.
 const char* LaunchSwiGluGrad(const void* grad_out, const void* gate, const void* up, ElementType type,
                              int64_t rows, int64_t f, int64_t in_ld, int64_t out_ld, void* grad_gate,
-                             void* grad_up, void* stream);
+                             void* grad_up, void* act, void* stream);
 
 // Rotary embedding of x: batch x seq_len x heads x dim (dim even; x may be strided, with
 // unit stride along dim: x_strides gives its batch, seq and head strides in elements), with
 // cos/sin tables of rows x dim indexed by each token's position: positions[token] when
-// non-null, else the token's index within its sequence. y is contiguous.
+// non-null, else the token's index within its sequence. y: token t's head h at
+// y + t * y_token_stride + h * dim (heads * dim when contiguous; wider when y is a column
+// slice of a packed projection's gradient).
 //   forward:  y = x * cos + rotate_half(x) * sin      (rotate_half(x) = [-x2, x1])
 //   backward: y = x * cos + rotate_half^T(x * sin)    (the gradient of the forward map)
 const char* LaunchRope(const void* x, const int64_t* x_strides, const void* cos, const void* sin,
                        const int64_t* positions, ElementType type, int64_t batch, int64_t seq_len,
-                       int64_t heads, int64_t dim, bool backward, void* y, void* stream);
+                       int64_t heads, int64_t dim, bool backward, void* y, int64_t y_token_stride,
+                       void* stream);
 
 }  // namespace kernels
 }  // namespace lorastep

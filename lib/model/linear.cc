@@ -2,6 +2,7 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -129,6 +130,53 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
   }
 };
 
+// LoraLinearFunction over an input rebuilt in backward (LoraLinearRecomputed): forward keeps
+// the source, x A^T and the operands; backward computes the input gradient first, then the
+// source's gradient and the input again in one pass, then the factors' gradients.
+class LoraLinearRecomputedFunction : public torch::autograd::Function<LoraLinearRecomputedFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& source, const at::Tensor& anchor,
+                            RecomputedInput input, const at::Tensor& weight, MainGradRef bias_ref, MainGradRef a_ref,
+                            MainGradRef b_ref, MainGradRef a_grad, MainGradRef b_grad, double scale) {
+    (void)anchor;
+    const at::Tensor& bias = bias_ref.tensor;
+    const at::Tensor &a = a_ref.tensor, &b = b_ref.tensor;
+    const at::Tensor x = input.forward(source);
+    const at::Tensor x2d = FoldLeadingDims(x);
+    const at::Tensor xa = at::mm(x2d, a.t());
+    at::Tensor y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
+    y.addmm_(xa, b.t(), /*beta=*/1, /*alpha=*/scale);
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["a_grad"] = a_grad.tensor;
+    ctx->saved_data["b_grad"] = b_grad.tensor;
+    ctx->saved_data["rebuild"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(input.backward));
+    ctx->save_for_backward({source, xa, a, b, weight});
+    return y.view(ShapeWithLastDim(x, weight.size(0)));
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &source = saved[0], &xa = saved[1], &a = saved[2], &b = saved[3], &weight = saved[4];
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const auto rebuild = reinterpret_cast<decltype(RecomputedInput::backward)>(
+        static_cast<intptr_t>(ctx->saved_data["rebuild"].toInt()));
+    const at::Tensor g = FoldLeadingDims(grads[0]);
+    const at::Tensor gb = at::mm(g, b);  // d(xa) / scale
+    const at::Tensor grad_x = at::mm(g, weight)
+                                  .addmm_(gb, a, /*beta=*/1, /*alpha=*/scale)
+                                  .view(ShapeWithLastDim(grads[0], weight.size(1)));
+    at::Tensor x;
+    at::Tensor grad_source = rebuild(source, grad_x, &x);
+    at::Tensor a_grad = ctx->saved_data["a_grad"].toTensor(), b_grad = ctx->saved_data["b_grad"].toTensor();
+    compat::AddMatmulFp32(b_grad, g.t(), xa, scale);
+    compat::AddMatmulFp32(a_grad, gb.t(), FoldLeadingDims(x), scale);
+    torch::autograd::variable_list out{grad_source.view(source.sizes())};
+    out.resize(10);  // anchor, input, weight, bias, a, b, their main_grads, scale
+    return out;
+  }
+};
+
 // The parts' factors and main_grads ride as plain values; on the unfused path the factors
 // also ride as two tensor lists, so autograd sees each as an input and routes its gradient.
 struct LoraGroupMeta {
@@ -183,7 +231,8 @@ LoraGroupOperandCache::Entry BuildGroupOperands(const at::Tensor& weight, at::Te
 //             written once, not re-read and re-written by each branch);
 //   otherwise x W^T, then + (x A_cat^T) (scale * B_blockdiag)^T, one addmm for all branches.
 // Backward: d(xa) = g (scale * B_blockdiag) for all parts in one GEMM, the input gradient in
-// two, the A factors' gradients in one when their main_grads lie back to back.
+// two, the A factors' gradients in one when their main_grads lie back to back; folded with a
+// cache, d(xa) and g W come out of one GEMM over [W | scale * B_blockdiag].
 class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroupFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& anchor,
@@ -230,14 +279,18 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
     // Without a cache the fold's B block is copied out, so backward does not keep all of
     // [W | B] alive per micro-batch.
     const at::Tensor b_blockdiag = cache == nullptr && fold ? ops->b_blockdiag.clone() : ops->b_blockdiag;
-    ctx->save_for_backward({x2d, xa, ops->a_cat, weight, b_blockdiag});
+    // With the cache's [W | scale * B_blockdiag] alive for the call, backward's input gradient
+    // and d(xa) come from one GEMM over it (g is read once, not once more for d(xa)).
+    const at::Tensor w_cat = cache != nullptr && fold ? ops->w_cat : at::Tensor();
+    ctx->save_for_backward({x2d, xa, ops->a_cat, weight, b_blockdiag, w_cat});
     return y.view(ShapeWithLastDim(x, weight.size(0)));
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const at::Tensor &x2d = saved[0], &xa = saved[1], &a_cat = saved[2], &weight = saved[3], &b_blockdiag = saved[4];
+    const at::Tensor &x2d = saved[0], &xa = saved[1], &a_cat = saved[2], &weight = saved[3], &b_blockdiag = saved[4],
+                     &w_cat = saved[5];
     const std::vector<int64_t> widths = ctx->saved_data["widths"].toIntVector();
     const std::vector<int64_t> lora_parts = ctx->saved_data["lora_parts"].toIntVector();
     const double scale = ctx->saved_data["scale"].toDouble();
@@ -245,11 +298,18 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
     const size_t k = lora_parts.size();
     const std::vector<int64_t> col = ColumnStarts(widths);
     at::Tensor g = FoldLeadingDims(grads[0]).contiguous();
-    // scale * d(xa), all parts side by side: [n, sum r].
-    const at::Tensor gb = at::mm(g, b_blockdiag);
-    at::Tensor grad_x;
-    if (ctx->needs_input_grad(0)) {
-      grad_x = at::mm(g, weight).addmm_(gb, a_cat).view(ShapeWithLastDim(grads[0], weight.size(1)));
+    // gb: scale * d(xa), all parts side by side: [n, sum r].
+    at::Tensor gb, grad_x;
+    if (ctx->needs_input_grad(0) && w_cat.defined()) {  // g @ [W | scale * B] = [g W | gb]
+      const int64_t in = weight.size(1);
+      const at::Tensor both = at::mm(g, w_cat);
+      gb = both.narrow(1, in, w_cat.size(1) - in);
+      grad_x = at::addmm(both.narrow(1, 0, in), gb, a_cat).view(ShapeWithLastDim(grads[0], in));
+    } else {
+      gb = at::mm(g, b_blockdiag);
+      if (ctx->needs_input_grad(0)) {
+        grad_x = at::mm(g, weight).addmm_(gb, a_cat).view(ShapeWithLastDim(grads[0], weight.size(1)));
+      }
     }
     const std::vector<int64_t> ranks = ctx->saved_data["ranks"].toIntVector();
     std::vector<at::Tensor> g_parts(k), gb_parts(k), xa_parts(k);
@@ -382,6 +442,14 @@ at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::T
   return LoraLinearFunction::apply(x, GradAnchor(x.device()), at::TensorList(factors_in), weight, MainGradRef{bias},
                                    MainGradRef{a}, MainGradRef{b}, MainGradRef{a_main_grad}, MainGradRef{b_main_grad},
                                    scale, fused);
+}
+
+at::Tensor LoraLinearRecomputed(const at::Tensor& source, const RecomputedInput& input, const at::Tensor& weight,
+                                const at::Tensor& bias, const at::Tensor& a, const at::Tensor& a_main_grad,
+                                const at::Tensor& b, const at::Tensor& b_main_grad, double scale) {
+  return LoraLinearRecomputedFunction::apply(source, GradAnchor(source.device()), input, weight, MainGradRef{bias},
+                                             MainGradRef{a}, MainGradRef{b}, MainGradRef{a_main_grad},
+                                             MainGradRef{b_main_grad}, scale);
 }
 
 const LoraGroupOperandCache::Entry* LoraGroupOperandCache::Find(const at::Tensor& weight, at::TensorList as,

@@ -57,6 +57,23 @@ at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::T
                       const at::Tensor& a, const at::Tensor& a_main_grad, const at::Tensor& b,
                       const at::Tensor& b_main_grad, double scale, const GradOptions& options);
 
+// An input that LoraLinearRecomputed keeps only as its `source` (what it is computed from,
+// kept for backward anyway) and rebuilds in backward. `forward(source)` is the input;
+// `backward(source, grad_input, &input)` returns the source's gradient and writes the input
+// again, the same values forward computed. Plain function pointers, so autograd's context
+// can hold them from forward to backward.
+struct RecomputedInput {
+  at::Tensor (*forward)(const at::Tensor& source);
+  at::Tensor (*backward)(const at::Tensor& source, const at::Tensor& grad_input, at::Tensor* input);
+};
+
+// LoraLinear(input.forward(source), ...) differentiable in `source`, keeping `source` but not
+// the input: the LoRA A factor's gradient needs the input, and backward rebuilds it after the
+// input gradient. a and b accumulate into their main_grads (GradOptions::fused_wgrad).
+at::Tensor LoraLinearRecomputed(const at::Tensor& source, const RecomputedInput& input, const at::Tensor& weight,
+                                const at::Tensor& bias, const at::Tensor& a, const at::Tensor& a_main_grad,
+                                const at::Tensor& b, const at::Tensor& b_main_grad, double scale);
+
 // One part of a LoraLinearGroup: `width` output columns of the packed weight, with a LoRA
 // branch when `a` is defined (a: [r, in], b: [width, r], main_grads like LoraLinear's).
 struct LoraGroupPart {
@@ -109,7 +126,8 @@ class LoraGroupOperandCache {
 // 9,728 columns from 896): copying x (and W, once per call) is then far cheaper than the B
 // addmm re-reading and re-writing the output. Not on CPU, where the GEMMs are compute-bound: the README
 // demo's step showed no gain (4.28-4.40 s with it, 4.19-4.29 s without, dev machine).
-// Backward is the same either way.
+// Backward differs only with a LoraGroupOperandCache: d(xa) then rides the input gradient's
+// GEMM as its last columns.
 // LORASTEP_FOLD_LORA_B=0 switches the CUDA default off (for A/B measurements).
 bool FoldBranchIntoBaseGemm(const at::Tensor& weight, int64_t rank_sum, const GradOptions& options);
 

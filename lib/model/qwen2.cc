@@ -45,8 +45,71 @@ at::Tensor RotateHalf(const at::Tensor& x) {
   return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
-// silu(gate) * up keeping only gate and up for backward (autograd of the composition also
-// keeps silu(gate): another [tokens, intermediate] tensor per layer).
+// silu(gate) * up over gate/up given as `first` (contiguous) and `second`, or packed as the
+// halves of `first` [.., 2f] (LoraLinearGroup's output).
+at::Tensor SwiGluValue(const at::Tensor& first, const at::Tensor& second, bool packed) {
+  const int64_t f = packed ? first.size(-1) / 2 : first.size(-1);
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+  if (UseFusedKernels(first, second)) {
+    std::vector<int64_t> shape(first.sizes().begin(), first.sizes().end());
+    shape.back() = f;
+    at::Tensor out = at::empty(shape, first.options());
+    const int64_t rows = out.numel() / f;
+    const kernels::KernelLaunch launch(first);
+    const auto* base = static_cast<const char*>(first.data_ptr());
+    const void* up_ptr = packed ? base + f * first.element_size() : second.data_ptr();
+    kernels::CheckLaunch(kernels::LaunchSwiGlu(first.data_ptr(), up_ptr, kernels::ElementTypeOf(first), rows, f,
+                                               packed ? 2 * f : f, out.data_ptr(), launch.stream),
+                         "swiglu");
+    return out;
+  }
+#endif
+  const at::Tensor gate = packed ? first.narrow(-1, 0, f) : first;
+  const at::Tensor up = packed ? first.narrow(-1, f, f) : second;
+  return at::silu(gate).mul_(up);
+}
+
+// The gradients of SwiGluValue for its output's gradient g: {grad_gate_up} when packed, else
+// {grad_gate, grad_up}. With `act` non-null it also receives SwiGluValue's output, the same
+// bits (one more store in the pass on CUDA).
+std::vector<at::Tensor> SwiGluGrads(const at::Tensor& first, const at::Tensor& second, bool packed,
+                                    const at::Tensor& grad, at::Tensor* act) {
+  const at::Tensor g = grad.contiguous();
+  const int64_t f = g.size(-1);
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+  if (UseFusedKernels(first, g)) {
+    const int64_t rows = g.numel() / f;
+    const kernels::KernelLaunch launch(first);
+    const auto* base = static_cast<const char*>(first.data_ptr());
+    const void* up_ptr = packed ? base + f * first.element_size() : second.data_ptr();
+    void* act_ptr = nullptr;
+    if (act != nullptr) *act = at::empty_like(g), act_ptr = act->data_ptr();
+    if (packed) {
+      at::Tensor grad_packed = at::empty_like(first);
+      auto* out = static_cast<char*>(grad_packed.data_ptr());
+      kernels::CheckLaunch(kernels::LaunchSwiGluGrad(g.data_ptr(), first.data_ptr(), up_ptr, kernels::ElementTypeOf(first),
+                                                     rows, f, 2 * f, 2 * f, out, out + f * grad_packed.element_size(),
+                                                     act_ptr, launch.stream),
+                           "swiglu gradient");
+      return {grad_packed};
+    }
+    at::Tensor grad_gate = at::empty_like(first), grad_up = at::empty_like(second);
+    kernels::CheckLaunch(kernels::LaunchSwiGluGrad(g.data_ptr(), first.data_ptr(), up_ptr, kernels::ElementTypeOf(first),
+                                                   rows, f, f, f, grad_gate.data_ptr(), grad_up.data_ptr(), act_ptr,
+                                                   launch.stream),
+                         "swiglu gradient");
+    return {grad_gate, grad_up};
+  }
+#endif
+  const at::Tensor gate = packed ? first.narrow(-1, 0, f) : first;
+  const at::Tensor up = packed ? first.narrow(-1, f, f) : second;
+  const at::Tensor silu = at::silu(gate);
+  if (act != nullptr) *act = silu * up;
+  at::Tensor grad_gate = at::silu_backward(g * up, gate), grad_up = g * silu;
+  if (packed) return {at::cat({grad_gate, grad_up}, -1)};
+  return {grad_gate, grad_up};
+}
+
 // silu(gate) * up keeping only gate and up for backward (autograd of the composition also
 // keeps silu(gate): another [tokens, intermediate] tensor per layer). Two forms: gate and up
 // as separate tensors, or packed as the halves of one [.., 2f] projection (LoraLinearGroup's
@@ -60,67 +123,30 @@ class SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
     const at::Tensor first = gate_or_packed.contiguous();
     const at::Tensor second = packed ? first : up.contiguous();
     ctx->save_for_backward({first, second});
-    const int64_t f = packed ? first.size(-1) / 2 : first.size(-1);
-#ifdef LORASTEP_WITH_CUDA_KERNELS
-    if (UseFusedKernels(first, second)) {
-      std::vector<int64_t> shape(first.sizes().begin(), first.sizes().end());
-      shape.back() = f;
-      at::Tensor out = at::empty(shape, first.options());
-      const int64_t rows = out.numel() / f;
-      const kernels::KernelLaunch launch(first);
-      const auto* base = static_cast<const char*>(first.data_ptr());
-      const void* up_ptr = packed ? base + f * first.element_size() : second.data_ptr();
-      kernels::CheckLaunch(kernels::LaunchSwiGlu(first.data_ptr(), up_ptr, kernels::ElementTypeOf(first), rows, f,
-                                                 packed ? 2 * f : f, out.data_ptr(), launch.stream),
-                           "swiglu");
-      return out;
-    }
-#endif
-    const at::Tensor gate = packed ? first.narrow(-1, 0, f) : first;
-    const at::Tensor up_part = packed ? first.narrow(-1, f, f) : second;
-    return at::silu(gate).mul_(up_part);
+    return SwiGluValue(first, second, packed);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const bool packed = ctx->saved_data["packed"].toBool();
-    const at::Tensor &first = saved[0], &second = saved[1];
-    const at::Tensor g = grads[0].contiguous();
-    const int64_t f = g.size(-1);
-#ifdef LORASTEP_WITH_CUDA_KERNELS
-    if (UseFusedKernels(first, g)) {
-      const int64_t rows = g.numel() / f;
-      const kernels::KernelLaunch launch(first);
-      const auto* base = static_cast<const char*>(first.data_ptr());
-      const void* up_ptr = packed ? base + f * first.element_size() : second.data_ptr();
-      if (packed) {
-        at::Tensor grad = at::empty_like(first);
-        auto* out = static_cast<char*>(grad.data_ptr());
-        kernels::CheckLaunch(kernels::LaunchSwiGluGrad(g.data_ptr(), first.data_ptr(), up_ptr, kernels::ElementTypeOf(first),
-                                                       rows, f, 2 * f, 2 * f, out, out + f * grad.element_size(),
-                                                       launch.stream),
-                             "swiglu gradient");
-        return {grad, at::Tensor(), at::Tensor()};
-      }
-      at::Tensor grad_gate = at::empty_like(first), grad_up = at::empty_like(second);
-      kernels::CheckLaunch(kernels::LaunchSwiGluGrad(g.data_ptr(), first.data_ptr(), up_ptr, kernels::ElementTypeOf(first),
-                                                     rows, f, f, f, grad_gate.data_ptr(), grad_up.data_ptr(),
-                                                     launch.stream),
-                           "swiglu gradient");
-      return {grad_gate, grad_up, at::Tensor()};
-    }
-#endif
-    const at::Tensor gate = packed ? first.narrow(-1, 0, f) : first;
-    const at::Tensor up = packed ? first.narrow(-1, f, f) : second;
-    at::Tensor grad_gate = at::silu_backward(g * up, gate), grad_up = g * at::silu(gate);
-    if (packed) return {at::cat({grad_gate, grad_up}, -1), at::Tensor(), at::Tensor()};
-    return {grad_gate, grad_up, at::Tensor()};
+    std::vector<at::Tensor> out = SwiGluGrads(saved[0], saved[1], ctx->saved_data["packed"].toBool(), grads[0],
+                                              /*act=*/nullptr);
+    out.resize(3);
+    return out;
   }
 };
 
 at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) { return SwiGluFunction::apply(gate, up, false); }
 // gate_up [.., 2f]: the gate half, then the up half.
 at::Tensor SwiGluPacked(const at::Tensor& gate_up) { return SwiGluFunction::apply(gate_up, gate_up, true); }
+
+// down_proj's input as a RecomputedInput of a packed gate_up: LoraLinearRecomputed then keeps
+// gate_up (which the SwiGLU gradient needs anyway) and not the activation, a third of a
+// dense layer's saved activations; SwiGluGrads rewrites the activation in its pass.
+const RecomputedInput kSwiGluOfPacked{
+    [](const at::Tensor& gate_up) { const at::Tensor c = gate_up.contiguous(); return SwiGluValue(c, c, true); },
+    [](const at::Tensor& gate_up, const at::Tensor& grad_act, at::Tensor* act) {
+      return SwiGluGrads(gate_up, gate_up, /*packed=*/true, grad_act, act)[0];
+    }};
 
 // Rotary embedding of x [b, s, heads, d] with cos/sin tables [s, d]: x * cos +
 // rotate_half(x) * sin. The backward map is the transpose (x * cos + rotate_half^T(x * sin)).
@@ -129,15 +155,19 @@ at::Tensor RopeComposite(const at::Tensor& x, const at::Tensor& cos, const at::T
 }
 
 #ifdef LORASTEP_WITH_CUDA_KERNELS
-at::Tensor RopeKernel(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
+// RoPE of x [b, s, heads, d] (unit stride along d) as a new contiguous tensor, or into `into`
+// when defined: a [b, s, heads, d] view with unit stride along d, heads d apart and batches
+// s tokens apart (a column slice of a packed gradient).
+at::Tensor RopeKernel(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward,
+                      const at::Tensor& into = at::Tensor()) {
   const at::Tensor xs = x.stride(3) == 1 ? x : x.contiguous();  // any layout with unit stride along d
   const at::Tensor c = cos.contiguous(), sn = sin.contiguous();
-  at::Tensor y = at::empty(xs.sizes(), xs.options());
+  at::Tensor y = into.defined() ? into : at::empty(xs.sizes(), xs.options());
   const int64_t strides[3] = {xs.stride(0), xs.stride(1), xs.stride(2)};
   const kernels::KernelLaunch launch(xs);
   kernels::CheckLaunch(kernels::LaunchRope(xs.data_ptr(), strides, c.data_ptr(), sn.data_ptr(), /*positions=*/nullptr,
                                            kernels::ElementTypeOf(xs), xs.size(0), xs.size(1), xs.size(2), xs.size(3),
-                                           backward, y.data_ptr(), launch.stream),
+                                           backward, y.data_ptr(), y.stride(1), launch.stream),
                        "rope");
   return y;
 }
@@ -153,6 +183,47 @@ class RopeFunction : public torch::autograd::Function<RopeFunction> {
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
     return {RopeKernel(grads[0], saved[0], saved[1], /*backward=*/true), at::Tensor(), at::Tensor()};
+  }
+};
+
+// (RoPE(q), RoPE(k), v) from one packed projection qkv [b, s, (heads + 2 kv_heads) d]: the
+// kernels read the column slices in place, and backward writes all three gradients straight
+// into one packed gradient (autograd of three narrows zero-fills three full-width tensors,
+// copies into them and adds them up: most of the 7B step's copies).
+class QkvRopeFunction : public torch::autograd::Function<QkvRopeFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv,
+                                                const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                                                int64_t kv_heads) {
+    const int64_t b = qkv.size(0), s = qkv.size(1), d = qkv.size(2) / (heads + 2 * kv_heads);
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["shape"] = qkv.sizes().vec();
+    ctx->saved_data["heads"] = heads;
+    ctx->saved_data["kv_heads"] = kv_heads;
+    const at::Tensor q = qkv.narrow(-1, 0, heads * d).view({b, s, heads, d});
+    const at::Tensor k = qkv.narrow(-1, heads * d, kv_heads * d).view({b, s, kv_heads, d});
+    const at::Tensor v = qkv.narrow(-1, (heads + kv_heads) * d, kv_heads * d).view({b, s, kv_heads, d});
+    return {RopeKernel(q, cos, sin, /*backward=*/false), RopeKernel(k, cos, sin, /*backward=*/false), v.contiguous()};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const std::vector<int64_t> shape = ctx->saved_data["shape"].toIntVector();
+    const int64_t heads = ctx->saved_data["heads"].toInt(), kv_heads = ctx->saved_data["kv_heads"].toInt();
+    const int64_t b = shape[0], s = shape[1], d = shape[2] / (heads + 2 * kv_heads);
+    at::Tensor grad = at::empty(shape, saved[0].options());
+    const int64_t starts[3] = {0, heads * d, (heads + kv_heads) * d}, counts[3] = {heads, kv_heads, kv_heads};
+    for (int part = 0; part < 3; ++part) {
+      at::Tensor slice = grad.narrow(-1, starts[part], counts[part] * d).view({b, s, counts[part], d});
+      if (!grads[part].defined()) {
+        slice.zero_();
+      } else if (part < 2) {
+        RopeKernel(grads[part], saved[0], saved[1], /*backward=*/true, slice);
+      } else {
+        slice.copy_(grads[part]);
+      }
+    }
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 #endif
@@ -258,17 +329,40 @@ class LayerRunner {
 
   at::Tensor Dropout(const at::Tensor& x, double p) const { return LoraDropout(x, p, options_.dropout_generator); }
 
-  at::Tensor Layer(size_t i, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) const {
+  // The down projection of SwiGLU(gate_up) for a packed gate_up. With a LoRA branch on
+  // down_proj in the fused form, backward rebuilds the activation from gate_up instead of
+  // keeping it (LoraLinearRecomputed with kSwiGluOfPacked): the same values, a third less
+  // activation memory in a dense layer.
+  at::Tensor DownOfPacked(size_t i, const at::Tensor& gate_up) const {
+    const LoraFactors* f = adapter_ != nullptr ? adapter_->lora(i, kDownProj) : nullptr;
+    const double p = adapter_ != nullptr ? adapter_->lora_config().dropout : 0.0;
+    if (f != nullptr && main_grads_ == nullptr && !(p > 0 && options_.training) && options_.grad.fused_wgrad &&
+        gate_up.is_contiguous()) {
+      const Parameter& a = adapter_->parameters()[f->a];
+      const Parameter& b = adapter_->parameters()[f->b];
+      return LoraLinearRecomputed(gate_up, kSwiGluOfPacked, weights_.layers[i].linear[kDownProj], /*bias=*/at::Tensor(), a.value,
+                                  a.main_grad, b.value, b.main_grad, adapter_->lora_config().scale());
+    }
+    return Project(i, kDownProj, SwiGluPacked(gate_up));
+  }
+
+  // q, k (with RoPE) and v of layer i from the normed input h, each [b, s, heads, d].
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> QueryKeyValue(size_t i, const at::Tensor& h, const at::Tensor& cos,
+                                                               const at::Tensor& sin, int64_t nh, int64_t nkv) const {
     const LayerWeights& lw = weights_.layers[i];
     const ModelShard* shard = options_.shard;
-    CommGroup* tp = options_.tensor_group;
-    // Heads of this tensor rank (all of them without tensor parallelism).
-    const int64_t b = x.size(0), s = x.size(1), d = c_.head_dim(),
-                  nh = shard != nullptr ? shard->heads : c_.num_attention_heads,
-                  nkv = shard != nullptr ? shard->kv_heads : c_.num_key_value_heads;
-    at::Tensor h = CopyToTensorRegion(RmsNorm(x, lw.input_norm, c_.rms_norm_eps), tp);
+    const int64_t b = h.size(0), s = h.size(1), d = c_.head_dim();
     at::Tensor q, k, v;
-    if (at::Tensor qkv = ProjectPacked(i, {kQProj, kKProj, kVProj}, h); qkv.defined()) {
+    at::Tensor qkv = ProjectPacked(i, {kQProj, kKProj, kVProj}, h);
+    const bool plain_heads = !lw.layout.qk_norm && !(shard != nullptr && shard->kv_select >= 0);
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+    if (qkv.defined() && plain_heads && UseFusedKernels(qkv, cos) && qkv.stride(-1) == 1) {
+      auto out = QkvRopeFunction::apply(qkv, cos, sin, nh, nkv);
+      return {out[0], out[1], out[2]};
+    }
+#endif
+    (void)plain_heads;
+    if (qkv.defined()) {
       q = qkv.narrow(-1, 0, nh * d).view({b, s, nh, d});
       k = qkv.narrow(-1, nh * d, nkv * d).view({b, s, nkv, d});
       v = qkv.narrow(-1, (nh + nkv) * d, nkv * d).view({b, s, nkv, d});
@@ -286,20 +380,39 @@ class LayerRunner {
       v = v.narrow(2, shard->kv_select, 1);
     }
     // RoPE on the projections' own [b, s, heads, d] layout.
-    q = ApplyRope(q, cos, sin);
-    k = ApplyRope(k, cos, sin);
+    return {ApplyRope(q, cos, sin), ApplyRope(k, cos, sin), v};
+  }
+
+  // One decoder layer over the residual stream x, where `pending` is the previous layer's
+  // MLP output not yet added to it (undefined before the first layer): each residual add
+  // runs inside the next RMSNorm's node (AddRmsNorm). Returns the stream and this layer's
+  // pending MLP output.
+  std::pair<at::Tensor, at::Tensor> Layer(size_t i, at::Tensor x, const at::Tensor& pending, const at::Tensor& cos,
+                                          const at::Tensor& sin) const {
+    const LayerWeights& lw = weights_.layers[i];
+    const ModelShard* shard = options_.shard;
+    CommGroup* tp = options_.tensor_group;
+    // Heads of this tensor rank (all of them without tensor parallelism).
+    const int64_t b = x.size(0), s = x.size(1), d = c_.head_dim(),
+                  nh = shard != nullptr ? shard->heads : c_.num_attention_heads,
+                  nkv = shard != nullptr ? shard->kv_heads : c_.num_key_value_heads;
+    at::Tensor h;
+    std::tie(x, h) = AddRmsNorm(x, pending, lw.input_norm, c_.rms_norm_eps);
+    auto [q, k, v] = QueryKeyValue(i, CopyToTensorRegion(h, tp), cos, sin, nh, nkv);
     at::Tensor attn = options_.packed != nullptr
                           ? PackedAttention(q, k, v, *options_.packed)
                           : compat::CausalAttention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
                                 .transpose(1, 2)
                                 .reshape({b, s, nh * d});
     // Row-parallel o/down give partial sums (LoRA's B(A_i x_i) included): one all-reduce each.
-    x = x + ReduceFromTensorRegion(Project(i, kOProj, attn), tp);
-    h = CopyToTensorRegion(RmsNorm(x, lw.post_attention_norm, c_.rms_norm_eps), tp);
-    if (lw.layout.moe) return x + MoeMlp(i, h);
+    std::tie(x, h) = AddRmsNorm(x, ReduceFromTensorRegion(Project(i, kOProj, attn), tp), lw.post_attention_norm,
+                                c_.rms_norm_eps);
+    h = CopyToTensorRegion(h, tp);
+    if (lw.layout.moe) return {x, MoeMlp(i, h)};
     at::Tensor gate_up = ProjectPacked(i, {kGateProj, kUpProj}, h);
-    at::Tensor act = gate_up.defined() ? SwiGluPacked(gate_up) : SwiGlu(Project(i, kGateProj, h), Project(i, kUpProj, h));
-    return x + ReduceFromTensorRegion(Project(i, kDownProj, act), tp);
+    at::Tensor down = gate_up.defined() ? DownOfPacked(i, gate_up)
+                                        : Project(i, kDownProj, SwiGlu(Project(i, kGateProj, h), Project(i, kUpProj, h)));
+    return {x, ReduceFromTensorRegion(down, tp)};
   }
 
   // Routed experts (transformers' Qwen2-MoE / Qwen3-MoE block): router softmax in fp32,
@@ -486,61 +599,119 @@ void AddRoutingMetrics(const std::vector<at::Tensor>& counts, Metrics* metrics) 
 namespace {
 
 // transformers' RMSNorm, weight * (x * rsqrt(mean(x^2) + eps)).to(dtype) with the statistics
-// in fp32, keeping only x and the per-row 1/rms for backward (autograd of the composition
+// in fp32; *rstd receives the per-row 1/rms (fp32, [.., 1]) for backward. With `residual`
+// defined the norm is of x + residual, which *sum receives (one kernel on CUDA). x and
+// residual contiguous on CUDA.
+at::Tensor RmsNormValue(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                        at::Tensor* sum, at::Tensor* rstd) {
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+  if (UseFusedKernels(x, weight) && (!residual.defined() || residual.sizes() == x.sizes())) {
+    const at::Tensor w = weight.contiguous();
+    const at::Tensor r = residual.defined() ? residual.contiguous() : residual;
+    at::Tensor y = at::empty_like(x);
+    if (r.defined()) *sum = at::empty_like(x);
+    std::vector<int64_t> rstd_shape(x.sizes().begin(), x.sizes().end());
+    rstd_shape.back() = 1;
+    *rstd = at::empty(rstd_shape, x.options().dtype(at::kFloat));
+    const kernels::KernelLaunch launch(x);
+    kernels::CheckLaunch(kernels::LaunchRmsNorm(x.data_ptr(), r.defined() ? r.data_ptr() : nullptr, w.data_ptr(),
+                                                kernels::ElementTypeOf(x), x.numel() / x.size(-1), x.size(-1),
+                                                static_cast<float>(eps), r.defined() ? sum->data_ptr() : nullptr,
+                                                y.data_ptr(), rstd->data_ptr<float>(), launch.stream),
+                         "rmsnorm");
+    return y;
+  }
+#endif
+  if (residual.defined()) {
+    *sum = x + residual;
+    return RmsNormValue(*sum, at::Tensor(), weight, eps, nullptr, rstd);
+  }
+  at::Tensor xf = x.to(at::kFloat);
+  *rstd = at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true).add_(eps));
+  return weight * (xf * *rstd).to(x.scalar_type());  // xf may be x itself (fp32)
+}
+
+// The input gradient of RmsNormValue for its output's gradient g, plus `residual` (x's
+// gradient along the residual stream, undefined for none) added in the same pass on CUDA.
+at::Tensor RmsNormInputGrad(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rstd,
+                            const at::Tensor& g, const at::Tensor& residual) {
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+  if (UseFusedKernels(x, g)) {
+    const at::Tensor gc = g.contiguous(), w = weight.contiguous();
+    const at::Tensor rc = residual.defined() ? residual.contiguous() : residual;
+    at::Tensor grad_x = at::empty_like(x);
+    const kernels::KernelLaunch launch(x);
+    kernels::CheckLaunch(
+        kernels::LaunchRmsNormGrad(gc.data_ptr(), x.data_ptr(), w.data_ptr(), rstd.data_ptr<float>(),
+                                   rc.defined() ? rc.data_ptr() : nullptr, kernels::ElementTypeOf(x),
+                                   x.numel() / x.size(-1), x.size(-1), grad_x.data_ptr(), launch.stream),
+        "rmsnorm gradient");
+    return grad_x;
+  }
+#endif
+  at::Tensor normed = x.to(at::kFloat) * rstd;  // recomputed: one [.., H] fp32 pass
+  at::Tensor gn = (g * weight).to(at::kFloat);  // d loss / d normed, rounded as autograd would
+  at::Tensor dot = (gn * normed).mean(-1, /*keepdim=*/true);
+  at::Tensor grad_x = gn.sub_(normed.mul_(dot)).mul_(rstd).to(x.scalar_type());
+  return residual.defined() ? grad_x.add_(residual) : grad_x;
+}
+
+// The norm weight's gradient (full fine-tuning trains the norms).
+at::Tensor RmsNormWeightGrad(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rstd,
+                             const at::Tensor& g) {
+  at::Tensor prod = (g * (x.to(at::kFloat) * rstd).to(x.scalar_type())).to(at::kFloat);
+  return prod.reshape({-1, prod.size(-1)}).sum(0).to(weight.scalar_type());
+}
+
+// RMSNorm keeping only x and the per-row 1/rms for backward (autograd of the composition
 // keeps several fp32 copies of x per norm: most of a LoRA step's activation memory after the MLP).
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& weight, double eps) {
-#ifdef LORASTEP_WITH_CUDA_KERNELS
-    if (UseFusedKernels(x, weight)) {  // one kernel: statistics and output in one pass
-      const at::Tensor xc = x.contiguous(), w = weight.contiguous();
-      at::Tensor y = at::empty_like(xc);
-      std::vector<int64_t> rstd_shape(xc.sizes().begin(), xc.sizes().end());
-      rstd_shape.back() = 1;
-      at::Tensor rstd = at::empty(rstd_shape, xc.options().dtype(at::kFloat));
-      const kernels::KernelLaunch launch(xc);
-      kernels::CheckLaunch(kernels::LaunchRmsNorm(xc.data_ptr(), w.data_ptr(), kernels::ElementTypeOf(xc),
-                                                  xc.numel() / xc.size(-1), xc.size(-1), static_cast<float>(eps),
-                                                  y.data_ptr(), rstd.data_ptr<float>(), launch.stream),
-                           "rmsnorm");
-      ctx->save_for_backward({xc, w, rstd});
-      return y;
-    }
-#endif
-    at::Tensor xf = x.to(at::kFloat);
-    at::Tensor rstd = at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true).add_(eps));
-    ctx->save_for_backward({x, weight, rstd});
-    return weight * (xf * rstd).to(x.scalar_type());  // xf may be x itself (fp32)
+    const at::Tensor xc = UseFusedKernels(x, weight) ? x.contiguous() : x;
+    at::Tensor rstd;
+    at::Tensor y = RmsNormValue(xc, at::Tensor(), weight, eps, nullptr, &rstd);
+    ctx->save_for_backward({xc, weight, rstd});
+    return y;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
-    const at::Tensor& g = grads[0];
-    at::Tensor grad_w;
-    if (ctx->needs_input_grad(1)) {  // full fine-tuning trains the norms
-      at::Tensor prod = (g * (x.to(at::kFloat) * rstd).to(x.scalar_type())).to(at::kFloat);
-      grad_w = prod.reshape({-1, prod.size(-1)}).sum(0).to(weight.scalar_type());
+    at::Tensor grad_w = ctx->needs_input_grad(1) ? RmsNormWeightGrad(x, weight, rstd, grads[0]) : at::Tensor();
+    return {RmsNormInputGrad(x, weight, rstd, grads[0], at::Tensor()), grad_w, at::Tensor()};
+  }
+};
+
+// (x + y, RMSNorm(x + y)): the residual add before a norm. Backward adds the sum's gradient
+// along the residual stream inside the norm's gradient pass (on CUDA), where autograd of the
+// two ops would run one more full-width add per norm.
+class AddRmsNormFunction : public torch::autograd::Function<AddRmsNormFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                                                const at::Tensor& y, const at::Tensor& weight, double eps) {
+    at::Tensor sum, rstd;
+    const bool fused = UseFusedKernels(x, weight) && UseFusedKernels(y, weight);
+    at::Tensor normed = RmsNormValue(fused ? x.contiguous() : x, fused ? y.contiguous() : y, weight, eps, &sum, &rstd);
+    ctx->save_for_backward({sum, weight, rstd});
+    return {sum, normed};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &sum = saved[0], &weight = saved[1], &rstd = saved[2];
+    const at::Tensor &grad_sum = grads[0], &grad_normed = grads[1];
+    at::Tensor grad_w, grad;
+    if (grad_normed.defined()) {
+      if (ctx->needs_input_grad(2)) grad_w = RmsNormWeightGrad(sum, weight, rstd, grad_normed);
+      grad = RmsNormInputGrad(sum, weight, rstd, grad_normed, grad_sum);
+    } else {
+      grad = grad_sum;
     }
-#ifdef LORASTEP_WITH_CUDA_KERNELS
-    if (UseFusedKernels(x, g)) {
-      const at::Tensor gc = g.contiguous();
-      at::Tensor grad_x = at::empty_like(x);
-      const kernels::KernelLaunch launch(x);
-      kernels::CheckLaunch(kernels::LaunchRmsNormGrad(gc.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr<float>(),
-                                                      kernels::ElementTypeOf(x), x.numel() / x.size(-1), x.size(-1),
-                                                      grad_x.data_ptr(), launch.stream),
-                           "rmsnorm gradient");
-      return {grad_x, grad_w, at::Tensor()};
-    }
-#endif
-    at::Tensor normed = x.to(at::kFloat) * rstd;  // recomputed: one [.., H] fp32 pass
-    at::Tensor gn = (g * weight).to(at::kFloat);  // d loss / d normed, rounded as autograd would
-    at::Tensor dot = (gn * normed).mean(-1, /*keepdim=*/true);
-    at::Tensor grad_x = gn.sub_(normed.mul_(dot)).mul_(rstd).to(x.scalar_type());
-    return {grad_x, grad_w, at::Tensor()};
+    return {grad, grad, grad_w, at::Tensor()};
   }
 };
 
@@ -548,6 +719,13 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
 
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return RmsNormFunction::apply(x, weight, eps);
+}
+
+std::pair<at::Tensor, at::Tensor> AddRmsNorm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
+                                             double eps) {
+  if (!y.defined()) return {x, RmsNorm(x, weight, eps)};
+  auto out = AddRmsNormFunction::apply(x, y, weight, eps);
+  return {out[0], out[1]};
 }
 
 namespace {
@@ -588,8 +766,9 @@ at::Tensor Qwen2Layers(const ModelConfig& config, const ModelWeights& base, cons
     sin = sin.index_select(0, options.packed->positions);
   }
   LayerRunner runner(config, weights, main_grads, full ? nullptr : adapter, options);
-  for (size_t i = 0; i < weights.layers.size(); ++i) x = runner.Layer(i, x, cos, sin);
-  return x;
+  at::Tensor pending;  // the last layer's MLP output, added after the loop
+  for (size_t i = 0; i < weights.layers.size(); ++i) std::tie(x, pending) = runner.Layer(i, x, pending, cos, sin);
+  return pending.defined() ? x + pending : x;
 }
 
 at::Tensor Qwen2FinalNorm(const ModelConfig& config, const ModelWeights& base,

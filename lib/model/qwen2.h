@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 
+#include <utility>
 #include <vector>
 
 #include "lib/model/adapter.h"
@@ -87,6 +88,10 @@ void AddRoutingMetrics(const std::vector<at::Tensor>& counts, Metrics* metrics);
 
 // Hugging Face's Qwen2RMSNorm: normalize in fp32, cast back, then scale.
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// (x + y, RmsNorm(x + y)) as one autograd node (the residual add before a norm; see
+// AddRmsNormFunction); with y undefined, (x, RmsNorm(x)).
+std::pair<at::Tensor, at::Tensor> AddRmsNorm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
+                                             double eps);
 
 }  // namespace lorastep
 
