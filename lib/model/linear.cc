@@ -231,8 +231,7 @@ LoraGroupOperandCache::Entry BuildGroupOperands(const at::Tensor& weight, at::Te
 //             written once, not re-read and re-written by each branch);
 //   otherwise x W^T, then + (x A_cat^T) (scale * B_blockdiag)^T, one addmm for all branches.
 // Backward: d(xa) = g (scale * B_blockdiag) for all parts in one GEMM, the input gradient in
-// two, the A factors' gradients in one when their main_grads lie back to back; folded with a
-// cache, d(xa) and g W come out of one GEMM over [W | scale * B_blockdiag].
+// two, the A factors' gradients in one when their main_grads lie back to back.
 class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroupFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& anchor,
@@ -279,18 +278,14 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
     // Without a cache the fold's B block is copied out, so backward does not keep all of
     // [W | B] alive per micro-batch.
     const at::Tensor b_blockdiag = cache == nullptr && fold ? ops->b_blockdiag.clone() : ops->b_blockdiag;
-    // With the cache's [W | scale * B_blockdiag] alive for the call, backward's input gradient
-    // and d(xa) come from one GEMM over it (g is read once, not once more for d(xa)).
-    const at::Tensor w_cat = cache != nullptr && fold ? ops->w_cat : at::Tensor();
-    ctx->save_for_backward({x2d, xa, ops->a_cat, weight, b_blockdiag, w_cat});
+    ctx->save_for_backward({x2d, xa, ops->a_cat, weight, b_blockdiag});
     return y.view(ShapeWithLastDim(x, weight.size(0)));
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const at::Tensor &x2d = saved[0], &xa = saved[1], &a_cat = saved[2], &weight = saved[3], &b_blockdiag = saved[4],
-                     &w_cat = saved[5];
+    const at::Tensor &x2d = saved[0], &xa = saved[1], &a_cat = saved[2], &weight = saved[3], &b_blockdiag = saved[4];
     const std::vector<int64_t> widths = ctx->saved_data["widths"].toIntVector();
     const std::vector<int64_t> lora_parts = ctx->saved_data["lora_parts"].toIntVector();
     const double scale = ctx->saved_data["scale"].toDouble();
@@ -298,18 +293,12 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
     const size_t k = lora_parts.size();
     const std::vector<int64_t> col = ColumnStarts(widths);
     at::Tensor g = FoldLeadingDims(grads[0]).contiguous();
-    // gb: scale * d(xa), all parts side by side: [n, sum r].
-    at::Tensor gb, grad_x;
-    if (ctx->needs_input_grad(0) && w_cat.defined()) {  // g @ [W | scale * B] = [g W | gb]
-      const int64_t in = weight.size(1);
-      const at::Tensor both = at::mm(g, w_cat);
-      gb = both.narrow(1, in, w_cat.size(1) - in);
-      grad_x = at::addmm(both.narrow(1, 0, in), gb, a_cat).view(ShapeWithLastDim(grads[0], in));
-    } else {
-      gb = at::mm(g, b_blockdiag);
-      if (ctx->needs_input_grad(0)) {
-        grad_x = at::mm(g, weight).addmm_(gb, a_cat).view(ShapeWithLastDim(grads[0], weight.size(1)));
-      }
+    // scale * d(xa), all parts side by side: [n, sum r]. (One GEMM over [W | scale * B]
+    // giving g W and d(xa) together ran slower on the H200: its 3,648 columns tile worse.)
+    const at::Tensor gb = at::mm(g, b_blockdiag);
+    at::Tensor grad_x;
+    if (ctx->needs_input_grad(0)) {
+      grad_x = at::mm(g, weight).addmm_(gb, a_cat).view(ShapeWithLastDim(grads[0], weight.size(1)));
     }
     const std::vector<int64_t> ranks = ctx->saved_data["ranks"].toIntVector();
     std::vector<at::Tensor> g_parts(k), gb_parts(k), xa_parts(k);

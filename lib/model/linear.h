@@ -126,8 +126,7 @@ class LoraGroupOperandCache {
 // 9,728 columns from 896): copying x (and W, once per call) is then far cheaper than the B
 // addmm re-reading and re-writing the output. Not on CPU, where the GEMMs are compute-bound: the README
 // demo's step showed no gain (4.28-4.40 s with it, 4.19-4.29 s without, dev machine).
-// Backward differs only with a LoraGroupOperandCache: d(xa) then rides the input gradient's
-// GEMM as its last columns.
+// Backward is the same either way.
 // LORASTEP_FOLD_LORA_B=0 switches the CUDA default off (for A/B measurements).
 bool FoldBranchIntoBaseGemm(const at::Tensor& weight, int64_t rank_sum, const GradOptions& options);
 
