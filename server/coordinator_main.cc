@@ -128,6 +128,7 @@ ABSL_FLAG(int, max_request_mb, 64, "largest request a client may send, MiB, in [
 ABSL_FLAG(int, max_upload_mb, 512, "largest PEFT adapter one UploadAdapter may send (both files), MiB, in [1, 1000]");
 ABSL_FLAG(double, max_recorded_mb, 64, "MiB of recorded responses (for retries) kept per run");
 ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt, "local workers: activation budget per micro-batch, MiB");
+ABSL_FLAG(std::string, activation_recompute, "auto", "local workers: activation recomputation (auto, none, full)");
 ABSL_FLAG(bool, unfused_wgrad, false, "local workers: unfused weight gradients");
 ABSL_FLAG(bool, pack_sequences, true, "local workers: pack each micro-batch's datums back to back (no padding)");
 ABSL_FLAG(int, cpu_threads, 0, "local workers: intra-op CPU threads (0: the worker's default)");
@@ -186,6 +187,7 @@ absl::StatusOr<std::unique_ptr<lorastep::WorkerClient>> StartLocalWorkerInProces
   settings.unfused_wgrad = absl::GetFlag(FLAGS_unfused_wgrad);
   settings.pack_sequences = absl::GetFlag(FLAGS_pack_sequences);
   settings.max_activation_mb = absl::GetFlag(FLAGS_max_activation_mb);
+  settings.activation_recompute = absl::GetFlag(FLAGS_activation_recompute);
   settings.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   return lorastep::StartInProcessWorker(settings);
 }
@@ -247,6 +249,11 @@ int main(int argc, char** argv) {
   }
   if (absl::GetFlag(FLAGS_executor_spin_us) < 0 || absl::GetFlag(FLAGS_executor_spin_us) > 100000) {
     return fail(absl::InvalidArgumentError("executor_spin_us: must be in [0, 100000]"));
+  }
+  // The local worker parses it too; checked here so a bad value stops the coordinator at once.
+  if (const std::string r = absl::GetFlag(FLAGS_activation_recompute); r != "auto" && r != "none" && r != "full") {
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("activation_recompute: \"", r, "\" is not an activation recomputation (auto, none or full)")));
   }
   // Prometheus: off unless --metrics_port; refused on a non-loopback host without
   // --metrics_allow_remote (checked before any worker starts).
@@ -412,7 +419,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> args = {"--model", absl::GetFlag(FLAGS_model)};
     std::vector<std::string> passed = WorkerTestFlagNames();
     passed.insert(passed.end(), {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "v",
-                                 "state_ttl_hours", "max_activation_mb", "unfused_wgrad",
+                                 "state_ttl_hours", "max_activation_mb", "activation_recompute", "unfused_wgrad",
                                  "pack_sequences", "cpu_threads"});
     for (std::string& arg : NonDefaultFlagArgs(passed)) args.push_back(std::move(arg));
     if (state_dir.empty()) {

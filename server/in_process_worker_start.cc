@@ -17,6 +17,9 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> StartInProcessWorker(const InProce
   options.pack_sequences = settings.pack_sequences;
   options.state_dir = settings.state_dir;
   if (settings.max_activation_mb) options.max_activation_bytes = ActivationBytesFromMb(*settings.max_activation_mb);
+  auto recompute = ParseActivationRecompute(settings.activation_recompute, "--activation_recompute");
+  if (!recompute.ok()) return recompute.status();
+  options.activation_recompute = *recompute;
   ProfileFromEnvironment(&options);
   if (settings.cpu_threads > 0) at::set_num_threads(settings.cpu_threads);
   auto client = InProcessWorkerClient::Create(options);

@@ -23,6 +23,7 @@ struct InProcessWorkerSettings {
   bool unfused_wgrad = false;
   bool pack_sequences = true;
   std::optional<double> max_activation_mb;
+  std::string activation_recompute = "auto";
   int cpu_threads = 0;
 };
 

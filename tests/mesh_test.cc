@@ -172,6 +172,7 @@ class MeshTest : public ::testing::Test {
 
   struct Trace {
     std::vector<double> loss, grad_norm;
+    double micro_batches_recomputed = 0;  // over the TrainSteps
     std::vector<std::vector<float>> logprobs;
     std::map<std::string, at::Tensor> adapter;
   };
@@ -206,6 +207,9 @@ class MeshTest : public ::testing::Test {
       EXPECT_TRUE(r.ok()) << r.status();
       if (!r.ok()) return t;
       if (step < 2) t.loss.push_back(r->metrics().at("loss:sum"));
+      if (step < 2 && r->metrics().count("micro_batches_recomputed:sum")) {
+        t.micro_batches_recomputed += r->metrics().at("micro_batches_recomputed:sum");
+      }
       t.grad_norm.push_back(r->metrics().at("grad_norm:sum"));
       EXPECT_TRUE(r->replicas_equal()) << name << " step " << step;
       AllReplicasEqual() = AllReplicasEqual() && r->replicas_equal();
@@ -325,6 +329,20 @@ TEST_F(MeshTest, Qwen3AndLlamaOnTensorAndPipelineRanksEqualWorldOne) {
     Coordinator mesh = Start({"--tp", "2", "--pp", "2"}, family);
     ExpectSame(Train(mesh, 4, std::string(family) + "_tp2pp2"), want, std::string(family) + " tp2 x pp2 lora");
   }
+}
+
+// Activation recomputation replays each layer's tensor-parallel collectives in backward and
+// keeps each pipeline stage's layer inputs: TP2 x PP2 with every layer recomputed equals world
+// size 1 without recomputation.
+TEST_F(MeshTest, RecomputedLayersOnTensorAndPipelineRanksEqualWorldOne) {
+  if (!Fits(4)) GTEST_SKIP() << "needs 4 GPUs";
+  Coordinator one = Start({});
+  const Trace want = Train(one, 4, "recompute_w1");
+  Coordinator mesh = Start({"--tp", "2", "--pp", "2", "--activation_recompute", "full"});
+  const Trace got = Train(mesh, 4, "recompute_tp2pp2");
+  EXPECT_EQ(want.micro_batches_recomputed, 0);
+  EXPECT_GT(got.micro_batches_recomputed, 0);
+  ExpectSame(got, want, "tp2 x pp2 recomputed");
 }
 
 TEST_F(MeshTest, PipelineParallelEqualsWorldOne) {

@@ -5,6 +5,11 @@
 #include <ATen/core/grad_mode.h>
 
 #include <cmath>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/autograd/function.h>
 
 #include "lib/io/file_util.h"
 #include "lib/model/linear.h"
@@ -339,6 +344,94 @@ TEST(ModelTest, LoadErrorsNameTheTensor) {
   ASSERT_OK(WriteStringToFile(dir + "/shape/config.json", ModelConfigToJson(ModelConfigPreset("tiny-moe").value())));
   EXPECT_THAT(LoadModel(dir + "/shape", at::kCPU),
               StatusIs(absl::StatusCode::kInvalidArgument, "missing tensor 'model.layers.0.mlp.shared_expert.gate_proj.weight'"));
+}
+
+// How many autograd nodes named `name` the graph behind `t` holds.
+int CountNodes(const at::Tensor& t, const std::string& name) {
+  std::vector<torch::autograd::Node*> todo{t.grad_fn().get()};
+  std::set<torch::autograd::Node*> seen;
+  int count = 0;
+  while (!todo.empty()) {
+    torch::autograd::Node* n = todo.back();
+    todo.pop_back();
+    if (n == nullptr || !seen.insert(n).second) continue;
+    if (n->name() == name) ++count;
+    for (const auto& e : n->next_edges()) todo.push_back(e.function.get());
+  }
+  return count;
+}
+
+// Activation recomputation (ForwardOptions::recompute_layers) gives the hidden states and
+// every gradient of the plain forward: dense and MoE layers, LoRA fused and unfused, LoRA
+// dropout (the replay draws the same masks and leaves the generator where the plain run
+// leaves it), packed sequences, and full fine-tuning. Each layer is one recomputed node.
+TEST(ModelTest, RecomputedLayersGiveThePlainForwardsResults) {
+  struct Case {
+    const char* preset;
+    bool fused, packed, full;
+    double dropout;
+  };
+  for (const Case& k : {Case{"tiny", true, false, false, 0.0}, Case{"tiny", false, false, false, 0.0},
+                        Case{"tiny", true, true, false, 0.0}, Case{"tiny", true, false, false, 0.2},
+                        Case{"tiny", true, false, true, 0.0}, Case{"tiny-moe", true, true, false, 0.0}}) {
+    const std::string what = std::string(k.preset) + (k.fused ? " fused" : " unfused") + (k.packed ? " packed" : "") +
+                             (k.full ? " full" : "") + (k.dropout > 0 ? " dropout" : "");
+    const ModelConfig c = ModelConfigPreset(k.preset).value();
+    ModelWeights w = RandomModelWeights(c, 21);
+    PackProjections(&w);
+    const std::vector<int64_t> lengths{6, 9, 4};
+    PackedSequences packed;
+    packed.lengths = lengths;
+    packed.max_length = 9;
+    packed.cu_seqlens = at::tensor(std::vector<int32_t>{0, 6, 15, 19}, at::kInt);
+    std::vector<int64_t> positions;
+    for (int64_t n : lengths)
+      for (int64_t i = 0; i < n; ++i) positions.push_back(i);
+    packed.positions = at::tensor(positions, at::kLong);
+    const at::Tensor tokens = k.packed ? at::randint(0, c.vocab_size, {1, 19}, at::kLong)
+                                       : at::randint(0, c.vocab_size, {2, 9}, at::kLong);
+    const at::Tensor g = at::randn({tokens.size(0), tokens.size(1), c.hidden_size}, at::kFloat);
+    std::vector<Adapter> adapters;
+    std::vector<at::Tensor> hidden, next_draw;
+    for (const bool recompute : {false, true}) {
+      LoraConfig lora;
+      lora.rank = 4;
+      lora.dropout = k.dropout;
+      lora.target_modules = {"all-linear"};
+      absl::StatusOr<Adapter> made = k.full ? absl::StatusOr<Adapter>(Adapter::CreateFullFinetune(w))
+                                            : Adapter::CreateLora(c, lora, at::kCPU, at::kFloat, 3);
+      ASSERT_OK(made.status());
+      Adapter adapter = *std::move(made);
+      {
+        at::Generator init = at::make_generator<at::CPUGeneratorImpl>(5);
+        at::NoGradGuard no_grad;
+        for (Parameter& p : adapter.parameters()) {
+          if (p.name.find("lora_B") != std::string::npos) p.value.normal_(0.0, 0.1, init);
+        }
+      }
+      at::Generator dropout = at::make_generator<at::CPUGeneratorImpl>(17);
+      ForwardOptions options;
+      options.grad.fused_wgrad = k.fused;
+      options.dropout_generator = &dropout;
+      options.packed = k.packed ? &packed : nullptr;
+      options.recompute_layers = recompute;
+      at::Tensor h = Qwen2Hidden(c, w, &adapter, tokens, options);
+      EXPECT_EQ(CountNodes(h, "lorastep::RecomputedLayerNode"), recompute ? c.num_hidden_layers : 0) << what;
+      (h * g).sum().backward();
+      ASSERT_OK(FoldLocalGradients(&adapter));
+      hidden.push_back(h.detach());
+      next_draw.push_back(at::rand({4}, dropout));
+      adapters.push_back(std::move(adapter));
+    }
+    EXPECT_LT(RelErr(hidden[1], hidden[0]), 1e-6) << what;
+    EXPECT_TRUE(at::equal(next_draw[1], next_draw[0])) << what;
+    for (size_t i = 0; i < adapters[0].parameters().size(); ++i) {
+      const Parameter& want = adapters[0].parameters()[i];
+      const at::Tensor& got = adapters[1].parameters()[i].main_grad;
+      if (want.main_grad.abs().max().item<double>() == 0) continue;  // e.g. an unused expert's
+      EXPECT_LT(RelErr(got, want.main_grad), 1e-6) << what << " " << want.name;
+    }
+  }
 }
 
 }  // namespace

@@ -1624,6 +1624,12 @@ TEST(InProcessWorkerTest, AnswersLikeTheWorkerProcess) {
     ASSERT_OK_AND_ASSIGN(std::string why, ReadFileToString(dir + "/spin.txt"));
     EXPECT_THAT(why, ::testing::HasSubstr("executor_spin_us: must be in [0, 100000]")) << why;
   }
+  // So is the local workers' activation recomputation.
+  const std::string bad = coordinator + " --model " + dir + "/model --port 0 --activation_recompute sometimes 2> " +
+                          dir + "/recompute.txt";
+  EXPECT_NE(system(bad.c_str()), 0) << bad;
+  ASSERT_OK_AND_ASSIGN(std::string why, ReadFileToString(dir + "/recompute.txt"));
+  EXPECT_THAT(why, ::testing::HasSubstr("activation_recompute: \"sometimes\" is not")) << why;
 }
 
 // The journal's autosave markers: a background autosave's marker counts only once a later

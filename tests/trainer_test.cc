@@ -475,6 +475,71 @@ TEST(ActivationBudgetTest, OverBudgetMicroBatchIsRefusedBeforeAnyWork) {
   EXPECT_GT(AvailableHostMemoryBytes(), 0);
 }
 
+// Activation recomputation (issue 29): a micro-batch whose activations would exceed the
+// budget but whose recomputed layers fit trains under "auto" (and always under "full"), with
+// the results of a run without recomputation and without a budget; "none" refuses it naming
+// what recomputation would need, and changes nothing.
+TEST(ActivationBudgetTest, RecomputationTrainsWhatWouldNotFitWithTheSameResults) {
+  const std::string dir = ::lorastep::testing::ScratchDir("act_recompute");
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  ASSERT_OK_AND_ASSIGN(auto base, LoadBaseModel(dir + "/model", "cpu", "float32"));
+  TrainerOptions o;
+  o.lora.rank = 4;
+  o.lora.alpha = 8;
+  o.lora.dropout = 0.1;  // the replay must draw the same masks
+  std::vector<Datum> batch = RlBatch(0, c.vocab_size);
+  const int64_t n = 500;
+  batch[1].tokens.assign(n, 1);
+  batch[1].target_tokens.assign(n, 2);
+  batch[1].logprobs.assign(n, -1.0f);
+  batch[1].advantages.assign(n, 1.0f);
+  std::vector<int64_t> lengths;
+  for (const Datum& d : batch) lengths.push_back(static_cast<int64_t>(d.tokens.size()));
+  const double plain = EstimatePackedActivationBytes(c, base->shard, lengths, true, 4, o.logprob_chunk_tokens);
+  const double recomputed =
+      EstimatePackedActivationBytes(c, base->shard, lengths, true, 4, o.logprob_chunk_tokens, /*recompute=*/true);
+  ASSERT_LT(recomputed, plain);
+  const int64_t budget = static_cast<int64_t>((plain + recomputed) / 2);
+
+  auto make = [&](ActivationRecompute mode, int64_t max_bytes) {
+    TrainerOptions t = o;
+    t.activation_recompute = mode;
+    t.max_activation_bytes = max_bytes;
+    return Trainer::Create(base, t);
+  };
+  ASSERT_OK_AND_ASSIGN(auto reference, make(ActivationRecompute::kNone, -1));
+  ASSERT_OK_AND_ASSIGN(auto automatic, make(ActivationRecompute::kAuto, budget));
+  ASSERT_OK_AND_ASSIGN(auto full, make(ActivationRecompute::kFull, -1));
+  ASSERT_OK_AND_ASSIGN(auto none, make(ActivationRecompute::kNone, budget));
+
+  EXPECT_THAT(none->TrainStep(batch, Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kResourceExhausted, "with activation recomputation it needs about"));
+  EXPECT_EQ(none->learner_version(), 0);
+  EXPECT_EQ(none->pending_backward_calls(), 0);
+
+  ASSERT_OK_AND_ASSIGN(OptimStepResult want, reference->TrainStep(batch, Ppo(), Adam()));
+  EXPECT_EQ(want.metrics.Get("micro_batches_recomputed:sum"), 0);
+  for (auto* trainer : {automatic.get(), full.get()}) {
+    ASSERT_OK_AND_ASSIGN(OptimStepResult got, trainer->TrainStep(batch, Ppo(), Adam()));
+    EXPECT_EQ(got.metrics.Get("micro_batches_recomputed:sum"), got.metrics.Get("micro_batches:sum"));
+    EXPECT_NEAR(got.metrics.Get("loss:sum"), want.metrics.Get("loss:sum"), 1e-6 * std::abs(want.metrics.Get("loss:sum")));
+    EXPECT_NEAR(got.metrics.Get("grad_norm:sum"), want.metrics.Get("grad_norm:sum"),
+                1e-6 * want.metrics.Get("grad_norm:sum"));
+    const auto& pa = trainer->adapter().parameters();
+    const auto& pb = reference->adapter().parameters();
+    for (size_t i = 0; i < pa.size(); ++i) {
+      EXPECT_LT(::lorastep::testing::RelErr(pa[i].value, pb[i].value), 1e-6) << pa[i].name;
+    }
+  }
+  // Forward-only calls keep no activations: nothing to recompute, and the budget still holds.
+  ASSERT_OK_AND_ASSIGN(ForwardBackwardResult f, automatic->Forward(batch));
+  EXPECT_FALSE(f.metrics.Has("micro_batches_recomputed:sum"));
+  EXPECT_THAT(ParseActivationRecompute("sometimes", "--activation_recompute"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "--activation_recompute: \"sometimes\""));
+  EXPECT_EQ(ParseActivationRecompute("full", "f").value(), ActivationRecompute::kFull);
+}
+
 // The default CPU budget counts the limits of the process's own cgroup and its ancestors
 // (issue 26, defect 8: only the root's memory.max was read, which a service's or a nested
 // container's cgroup never sets). A cgroup tree written under a scratch folder stands in for

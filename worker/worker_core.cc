@@ -133,6 +133,7 @@ absl::StatusOr<int64_t> WorkerCore::CreateRun(const std::string& run_id, const L
   o.profile_trace_path = options_.profile_trace_path;
   o.profile_train_step = options_.profile_train_step;
   o.max_activation_bytes = options_.max_activation_bytes;
+  o.activation_recompute = options_.activation_recompute;
   o.test_fail_first_stage = options_.test_refuse == absl::StrCat("AdamW:", options_.rank);
   if (options_.test_refuse == absl::StrCat("AdamWCommit:", options_.rank)) {
     static const auto once = std::make_shared<std::atomic<bool>>(false);  // the process's first commit

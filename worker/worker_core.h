@@ -52,6 +52,7 @@ struct WorkerOptions {
   std::string state_dir;
   // Activation-memory budget per micro-batch (TrainerOptions::max_activation_bytes).
   int64_t max_activation_bytes = 0;
+  ActivationRecompute activation_recompute = ActivationRecompute::kAuto;  // --activation_recompute
   // Tests only: background SaveStates wait this long before writing (a slow disk).
   std::chrono::milliseconds test_background_write_delay{0};
   // Tests only, "CALL:RANK": rank RANK refuses its first CALL (ForwardBackward, Forward,

@@ -72,6 +72,9 @@ ABSL_FLAG(bool, allow_plain_paths, false,
 ABSL_FLAG(std::optional<double>, state_ttl_hours, std::nullopt, "remove lorastep's state-store folders older than this");
 ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt,
           "MiB one micro-batch's activations may take (0: 80% of free host memory on CPU; -1: off)");
+ABSL_FLAG(std::string, activation_recompute, "auto",
+          "activation recomputation of a training micro-batch's layers: auto (only when its activations would not "
+          "fit --max_activation_mb otherwise), none, full");
 ABSL_FLAG(std::string, worker_token_file, "",
           "the cluster secret (>= 16 characters) every call to this worker must present (default: "
           "$LORASTEP_CLUSTER_SECRET)");
@@ -210,6 +213,13 @@ int main(int argc, char** argv) {
   // MiB one micro-batch's activations may take (estimated before running; over it the call is
   // RESOURCE_EXHAUSTED). 0 (default): 80% of the available host memory on CPU; -1: off.
   if (const auto mb = absl::GetFlag(FLAGS_max_activation_mb)) options.max_activation_bytes = ActivationBytesFromMb(*mb);
+  if (auto recompute = ParseActivationRecompute(absl::GetFlag(FLAGS_activation_recompute), "--activation_recompute");
+      recompute.ok()) {
+    options.activation_recompute = *recompute;
+  } else {
+    LORASTEP_LOG(Error) << "lorastep_worker: " << recompute.status();
+    return 2;
+  }
   ProfileFromEnvironment(&options);
   // Mesh: --rank R --tp T --pp P --dp D --rendezvous HOST:PORT [--collective_timeout_s S].
   if (auto rank = absl::GetFlag(FLAGS_rank)) options.rank = *rank;

@@ -7,7 +7,9 @@
 #include <tuple>
 #include <vector>
 
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 
 #include "lib/model/rope.h"
 #include "lib/torch_compat.h"
@@ -583,6 +585,87 @@ class LayerRunner {
   const ForwardOptions& options_;
 };
 
+// One decoder layer whose activations are not kept (activation recomputation): forward runs
+// the layer without autograd and keeps only its input; backward runs it again with autograd
+// from that input (the same kernels on the same values: the same results) and back-propagates
+// through it, which accumulates the parameters' gradients as the plain forward would and
+// returns the input's. LoRA dropout draws the same masks again (the generator is rewound for
+// the replay and put back after), MoE routing is counted once (not in the replay), and a
+// tensor or expert group's collectives run again in the replay in the same order on every
+// rank. The node owns what the replay needs beyond the call's lifetime objects: its options
+// and the packed-sequence layout.
+class RecomputedLayerNode : public torch::autograd::Node {
+ public:
+  RecomputedLayerNode(const ModelConfig& c, const ModelWeights& weights, const ModelWeights* main_grads,
+                      const Adapter* adapter, const ForwardOptions& options, size_t layer, at::Tensor input,
+                      at::Tensor cos, at::Tensor sin, at::Tensor dropout_state)
+      : c_(c), weights_(weights), main_grads_(main_grads), adapter_(adapter), options_(options), layer_(layer),
+        input_(std::move(input)), cos_(std::move(cos)), sin_(std::move(sin)), dropout_state_(std::move(dropout_state)) {
+    options_.routing_counts = nullptr;
+    if (options.packed != nullptr) {
+      packed_ = *options.packed;
+      options_.packed = &packed_;
+    }
+  }
+
+  std::string name() const override { return "lorastep::RecomputedLayerNode"; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    at::Tensor x = input_.detach().requires_grad_(input_.requires_grad());
+    at::Tensor resume_state;
+    if (dropout_state_.defined()) {
+      resume_state = options_.dropout_generator->get_state();
+      options_.dropout_generator->set_state(dropout_state_);
+    }
+    std::pair<at::Tensor, at::Tensor> out;
+    {
+      at::AutoGradMode enable(true);
+      out = LayerRunner(c_, weights_, main_grads_, adapter_, options_).Layer(layer_, x, at::Tensor(), cos_, sin_);
+    }
+    if (resume_state.defined()) options_.dropout_generator->set_state(resume_state);
+    torch::autograd::variable_list outputs, output_grads;
+    for (const auto& [t, g] : {std::make_pair(out.first, grads[0]), std::make_pair(out.second, grads[1])}) {
+      if (g.defined() && t.requires_grad()) outputs.push_back(t), output_grads.push_back(g);
+    }
+    if (!outputs.empty()) torch::autograd::backward(outputs, output_grads);
+    return {x.requires_grad() ? x.grad() : at::Tensor()};
+  }
+
+  void release_variables() override { input_.reset(), cos_.reset(), sin_.reset(); }
+
+ private:
+  const ModelConfig& c_;
+  const ModelWeights& weights_;
+  const ModelWeights* main_grads_;
+  const Adapter* adapter_;
+  ForwardOptions options_;
+  PackedSequences packed_;
+  size_t layer_;
+  at::Tensor input_, cos_, sin_, dropout_state_;
+};
+
+// Layer `i` of `runner` over x as a RecomputedLayerNode: returns (stream, pending MLP output)
+// like LayerRunner::Layer, both attached to the node.
+std::pair<at::Tensor, at::Tensor> RecomputedLayer(const LayerRunner& runner, const ModelConfig& c,
+                                                  const ModelWeights& weights, const ModelWeights* main_grads,
+                                                  const Adapter* adapter, const ForwardOptions& options, size_t i,
+                                                  const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  // The generator where this layer's forward starts drawing: the replay starts there too.
+  at::Tensor dropout_state = options.dropout_generator != nullptr ? options.dropout_generator->get_state() : at::Tensor();
+  std::pair<at::Tensor, at::Tensor> out;
+  {
+    at::NoGradGuard no_grad;
+    out = runner.Layer(i, x, at::Tensor(), cos, sin);
+  }
+  auto node = std::shared_ptr<RecomputedLayerNode>(
+      new RecomputedLayerNode(c, weights, main_grads, adapter, options, i, x, cos, sin, std::move(dropout_state)),
+      torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(x));
+  torch::autograd::set_history(out.first, node);
+  torch::autograd::set_history(out.second, node);
+  return out;
+}
+
 }  // namespace
 
 void AddRoutingMetrics(const std::vector<at::Tensor>& counts, Metrics* metrics) {
@@ -765,9 +848,18 @@ at::Tensor Qwen2Layers(const ModelConfig& config, const ModelWeights& base, cons
     cos = cos.index_select(0, options.packed->positions);
     sin = sin.index_select(0, options.packed->positions);
   }
-  LayerRunner runner(config, weights, main_grads, full ? nullptr : adapter, options);
+  const Adapter* layer_adapter = full ? nullptr : adapter;
+  LayerRunner runner(config, weights, main_grads, layer_adapter, options);
   at::Tensor pending;  // the last layer's MLP output, added after the loop
-  for (size_t i = 0; i < weights.layers.size(); ++i) std::tie(x, pending) = runner.Layer(i, x, pending, cos, sin);
+  const bool recompute = options.recompute_layers && at::GradMode::is_enabled();
+  for (size_t i = 0; i < weights.layers.size(); ++i) {
+    if (recompute) {  // keep one tensor per layer: its input, the stream with the last MLP added
+      if (pending.defined()) x = x + pending;
+      std::tie(x, pending) = RecomputedLayer(runner, config, weights, main_grads, layer_adapter, options, i, x, cos, sin);
+    } else {
+      std::tie(x, pending) = runner.Layer(i, x, pending, cos, sin);
+    }
+  }
   return pending.defined() ? x + pending : x;
 }
 

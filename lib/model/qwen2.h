@@ -55,6 +55,10 @@ struct ForwardOptions {
   // Where packed LoRA groups keep their parameter-only operands for the length of one call
   // (every micro-batch reuses them); null: built in each forward.
   LoraGroupOperandCache* lora_operands = nullptr;
+  // Activation recomputation: each decoder layer keeps only its input and runs again in
+  // backward (RecomputedLayerNode). The same results; about one [tokens, hidden] tensor per
+  // layer instead of the layer's activations, for a second forward of the layers.
+  bool recompute_layers = false;
 };
 
 // tokens: int64 [b, s] (right-padded; causal attention keeps padding out of real positions).

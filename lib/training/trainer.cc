@@ -127,7 +127,7 @@ namespace {
 
 // tokens: rows the layers see; attention_pairs: sum over sequences of length^2.
 double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tokens, double attention_pairs,
-                       bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens) {
+                       bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens, bool recompute) {
   const int64_t tp = std::max(1, shard.tp);
   const double layers = shard.layer_end > shard.layer_begin ? static_cast<double>(shard.layer_end - shard.layer_begin)
                                                             : static_cast<double>(c.num_hidden_layers);
@@ -149,27 +149,30 @@ double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tok
   const double per_layer = tokens * per_token_layer + attention_scores;
   const double head = std::min(static_cast<double>(logprob_chunk_tokens), tokens) *
                       static_cast<double>(c.vocab_size) / tp * (static_cast<double>(element_bytes) + 12.0);
+  if (backward && recompute) {  // every layer's input, plus one layer replayed at a time
+    return layers * tokens * h * static_cast<double>(element_bytes) + per_layer + head;
+  }
   return (backward ? layers : 1.0) * per_layer + head;
 }
 
 }  // namespace
 
 double EstimateActivationBytes(const ModelConfig& c, const ModelShard& shard, int64_t b, int64_t s,
-                               bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens) {
+                               bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens, bool recompute) {
   const double tokens = static_cast<double>(b) * static_cast<double>(s);
   return ActivationBytes(c, shard, tokens, tokens * static_cast<double>(s), backward, element_bytes,
-                         logprob_chunk_tokens);
+                         logprob_chunk_tokens, recompute);
 }
 
 double EstimatePackedActivationBytes(const ModelConfig& c, const ModelShard& shard,
                                      const std::vector<int64_t>& lengths, bool backward, int64_t element_bytes,
-                                     int64_t logprob_chunk_tokens) {
+                                     int64_t logprob_chunk_tokens, bool recompute) {
   double tokens = 0, pairs = 0;
   for (int64_t n : lengths) {
     tokens += static_cast<double>(n);
     pairs += static_cast<double>(n) * static_cast<double>(n);
   }
-  return ActivationBytes(c, shard, tokens, pairs, backward, element_bytes, logprob_chunk_tokens);
+  return ActivationBytes(c, shard, tokens, pairs, backward, element_bytes, logprob_chunk_tokens, recompute);
 }
 
 int64_t AvailableHostMemoryBytes() {
@@ -240,8 +243,21 @@ std::vector<std::vector<size_t>> Trainer::SplitMicroBatches(const std::vector<Da
                                  : SplitIntoMicroBatches(datums, max_tokens);
 }
 
+absl::StatusOr<ActivationRecompute> ParseActivationRecompute(const std::string& value, const std::string& field) {
+  if (value == "auto") return ActivationRecompute::kAuto;
+  if (value == "none") return ActivationRecompute::kNone;
+  if (value == "full") return ActivationRecompute::kFull;
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": \"", value, "\" is not an activation recomputation (auto, none or full)"));
+}
+
 absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, const BatchOptions& batch,
-                                            bool backward) const {
+                                            bool backward, std::vector<bool>* recompute) const {
+  const ActivationRecompute mode = backward ? options_.activation_recompute : ActivationRecompute::kNone;
+  const int64_t max_tokens = batch.max_tokens_per_microbatch > 0 ? batch.max_tokens_per_microbatch
+                                                                 : options_.max_tokens_per_microbatch;
+  const auto micro_batches = SplitMicroBatches(datums, max_tokens);
+  if (recompute != nullptr) recompute->assign(micro_batches.size(), mode == ActivationRecompute::kFull);
   int64_t budget = options_.max_activation_bytes;
   if (budget < 0) return absl::OkStatus();
   if (budget == 0) {  // what the device (CUDA) or this process (CPU) can still allocate
@@ -250,10 +266,9 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
     if (available < 0) return absl::OkStatus();
     budget = available / 10 * 8;  // room for the allocator and everything else
   }
-  const int64_t max_tokens = batch.max_tokens_per_microbatch > 0 ? batch.max_tokens_per_microbatch
-                                                                 : options_.max_tokens_per_microbatch;
   const int64_t element_bytes = static_cast<int64_t>(c10::elementSize(base_->dtype));
-  for (const auto& mb : SplitMicroBatches(datums, max_tokens)) {
+  for (size_t m = 0; m < micro_batches.size(); ++m) {
+    const auto& mb = micro_batches[m];
     int64_t longest = 0, total = 0;
     std::vector<int64_t> lengths;
     for (size_t d : mb) {
@@ -262,21 +277,49 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
       total += lengths.back();
     }
     const int64_t count = static_cast<int64_t>(mb.size());
-    const double need =
-        options_.pack_sequences
-            ? EstimatePackedActivationBytes(base_->config, base_->shard, lengths, backward, element_bytes,
-                                            options_.logprob_chunk_tokens)
-            : EstimateActivationBytes(base_->config, base_->shard, count, longest, backward, element_bytes,
-                                      options_.logprob_chunk_tokens);
-    if (need > static_cast<double>(budget)) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "datums[%d]: a micro-batch of %d sequence(s), %d tokens%s, needs about %.4g MiB of "
-          "activations, over this worker's budget of %.4g MiB; send shorter sequences, a smaller "
-          "max_tokens_per_microbatch, or raise the worker's --max_activation_mb",
-          mb.front(), count, options_.pack_sequences ? total : count * longest,
-          options_.pack_sequences ? " packed" : " padded", need / (1 << 20), static_cast<double>(budget) / (1 << 20)));
+    auto need = [&](bool with_recompute) {
+      return options_.pack_sequences
+                 ? EstimatePackedActivationBytes(base_->config, base_->shard, lengths, backward, element_bytes,
+                                                 options_.logprob_chunk_tokens, with_recompute)
+                 : EstimateActivationBytes(base_->config, base_->shard, count, longest, backward, element_bytes,
+                                           options_.logprob_chunk_tokens, with_recompute);
+    };
+    const double plain = need(false), recomputed = backward ? need(true) : plain;
+    const double b = static_cast<double>(budget);
+    if (mode == ActivationRecompute::kAuto && plain > b && recomputed <= b) {
+      if (recompute != nullptr) (*recompute)[m] = true;
+      continue;
     }
+    const double used = mode == ActivationRecompute::kFull ? recomputed : plain;
+    if (used <= b) continue;
+    std::string hint;
+    if (mode == ActivationRecompute::kNone && recomputed <= b) {
+      hint = absl::StrFormat("; with activation recomputation it needs about %.4g MiB and fits (the worker's "
+                             "--activation_recompute=auto or full)",
+                             recomputed / (1 << 20));
+    } else if (backward && mode != ActivationRecompute::kFull) {
+      hint = absl::StrFormat("; even with activation recomputation it needs about %.4g MiB", recomputed / (1 << 20));
+    } else if (backward) {
+      hint = " with activation recomputation";
+    }
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "datums[%d]: a micro-batch of %d sequence(s), %d tokens%s, needs about %.4g MiB of "
+        "activations, over this worker's budget of %.4g MiB%s; send shorter sequences, a smaller "
+        "max_tokens_per_microbatch, or raise the worker's --max_activation_mb",
+        mb.front(), count, options_.pack_sequences ? total : count * longest,
+        options_.pack_sequences ? " packed" : " padded", used / (1 << 20), b / (1 << 20), hint));
   }
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::AgreeOnRecompute(std::vector<bool>* recompute) {
+  if (options_.groups == nullptr || recompute->empty()) return absl::OkStatus();
+  at::Tensor flags = at::zeros({static_cast<int64_t>(recompute->size())}, at::kFloat);
+  for (size_t i = 0; i < recompute->size(); ++i) flags[static_cast<int64_t>(i)] = (*recompute)[i] ? 1.0f : 0.0f;
+  flags = flags.to(base_->device);
+  LORASTEP_RETURN_IF_ERROR(options_.groups->group(GroupKind::kWorld).AllReduce(flags, ReduceKind::kMax));
+  const at::Tensor host = flags.to(at::kCPU);
+  for (size_t i = 0; i < recompute->size(); ++i) (*recompute)[i] = host[static_cast<int64_t>(i)].item<float>() > 0;
   return absl::OkStatus();
 }
 
@@ -357,7 +400,9 @@ std::string Trainer::AdapterSha256() const {
 
 absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector<Datum>& datums,
                                                                const LossConfig* loss,
-                                                               const BatchOptions& batch) {
+                                                               const BatchOptions& batch,
+                                                               const std::vector<bool>& recompute) {
+  auto recomputes = [&](size_t i) { return loss != nullptr && i < recompute.size() && recompute[i]; };
   const ModelConfig& config = base_->config;
   const bool backward = loss != nullptr;
   ForwardBackwardResult result;
@@ -578,6 +623,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
       const MicroBatch& mb = mbs[i];
       LORASTEP_RETURN_IF_ERROR(stop_before(i));
       fwd_options.packed = mb.is_packed ? &mb.packed : nullptr;
+      fwd_options.recompute_layers = recomputes(i);
       at::Tensor x = Qwen2Embed(config, base_->weights, adapter_.get(), mb.tokens, fwd_options);
       x = Qwen2Layers(config, base_->weights, adapter_.get(), x, fwd_options);
       at::Tensor loss_value = head(mb, x);
@@ -598,6 +644,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
         [&](int i) { return std::vector<int64_t>{mbs[i].b, mbs[i].longest, config.hidden_size}; },
         [&](int i, const at::Tensor& x_in) -> at::Tensor {  // this stage's forward
           fwd_options.packed = mbs[i].is_packed ? &mbs[i].packed : nullptr;
+          fwd_options.recompute_layers = recomputes(static_cast<size_t>(i));
           at::Tensor x = base_->shard.first_stage()
                              ? Qwen2Embed(config, base_->weights, adapter_.get(), mbs[i].tokens, fwd_options)
                              : x_in;
@@ -636,6 +683,11 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   m.Add("tokens_nonpadding:sum", real_tokens);
   m.Add("tokens_loss:sum", den.loss_tokens);
   m.Add("micro_batches:sum", static_cast<double>(micro_batches.size()));
+  if (backward) {
+    double recomputed = 0;
+    for (size_t i = 0; i < micro_batches.size(); ++i) recomputed += recomputes(i) ? 1 : 0;
+    m.Add("micro_batches_recomputed:sum", recomputed);
+  }
   m.Add("time_data_s:sum", t_data);
   m.Add("time_forward_s:sum", t_forward);
   if (backward) m.Add("time_backward_s:sum", t_backward);
@@ -797,13 +849,19 @@ absl::StatusOr<ForwardBackwardResult> Trainer::AdmittedForwardBackward(const std
                                                                        const absl::Status& caller_checks) {
   absl::Status local = caller_checks;
   if (local.ok()) local = ValidateBatch(datums, loss, base_->config.vocab_size, options_.limits);
-  if (local.ok()) local = CheckActivationBudget(datums, batch, /*backward=*/true);
+  std::vector<bool> recompute;
+  if (local.ok()) local = CheckActivationBudget(datums, batch, /*backward=*/true, &recompute);
   // Keep what earlier calls accumulated so a failure mid-call can restore it exactly.
   absl::StatusOr<CallSnapshot> snapshot = local.ok() ? Snapshot() : absl::StatusOr<CallSnapshot>(local);
   // Admission: every rank's own checks are done; the world votes before any collective of the
   // call, so a rank that refuses never leaves its peers inside one.
   LORASTEP_RETURN_IF_ERROR(AgreeOnOutcome(snapshot.status()));
-  absl::StatusOr<ForwardBackwardResult> result = GuardTorch([&] { return RunMicroBatches(datums, &loss, batch); });
+  if (absl::Status agreed = AgreeOnRecompute(&recompute); !agreed.ok()) {
+    Restore(*snapshot);
+    return agreed;
+  }
+  absl::StatusOr<ForwardBackwardResult> result =
+      GuardTorch([&] { return RunMicroBatches(datums, &loss, batch, recompute); });
   absl::Status agreed = AgreeOnOutcome(result.status());
   if (!agreed.ok()) {
     Restore(*snapshot);

@@ -51,6 +51,13 @@ absl::StatusOr<std::shared_ptr<const BaseModel>> LoadBaseModel(const std::string
                                                                const ParallelSizes& sizes = {},
                                                                const RankCoords& coords = {});
 
+// Activation recomputation per micro-batch (ForwardOptions::recompute_layers): kAuto
+// recomputes a micro-batch's layers only when its activations would not fit the budget
+// otherwise (TrainerOptions::max_activation_bytes); kNone never; kFull always.
+enum class ActivationRecompute { kAuto, kNone, kFull };
+// "auto", "none", "full"; INVALID_ARGUMENT naming `field` otherwise.
+absl::StatusOr<ActivationRecompute> ParseActivationRecompute(const std::string& value, const std::string& field);
+
 struct TrainerOptions {
   LoraConfig lora;
   GradOptions grad;
@@ -79,6 +86,7 @@ struct TrainerOptions {
   // of what is available at call time: host memory on CPU (cgroup limit included), device
   // memory on CUDA (free plus the caching allocator's unused blocks); negative = no check.
   int64_t max_activation_bytes = 0;
+  ActivationRecompute activation_recompute = ActivationRecompute::kAuto;
   // Tests only: the first optimizer step's staged update fails on this rank, as an
   // allocation that runs out of device memory would (the mesh must apply nothing anywhere).
   bool test_fail_first_stage = false;
@@ -93,12 +101,15 @@ struct TrainerOptions {
 // RoPE, attention output, the MLP's gate, up and product), the attention scores where the
 // build has no fused attention (LibTorch < 2: b·heads·s² fp32, three copies per layer), and
 // the LM head's chunk (logits, log-softmax and probabilities over the vocabulary).
+// With `recompute` the layers keep only their inputs (H per token and layer) and one layer's
+// activations exist at a time (its replay in backward).
 double EstimateActivationBytes(const ModelConfig& config, const ModelShard& shard, int64_t b, int64_t s,
-                               bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens);
+                               bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens,
+                               bool recompute = false);
 // The same for sequences of these lengths packed back to back (no padding).
 double EstimatePackedActivationBytes(const ModelConfig& config, const ModelShard& shard,
                                      const std::vector<int64_t>& lengths, bool backward, int64_t element_bytes,
-                                     int64_t logprob_chunk_tokens);
+                                     int64_t logprob_chunk_tokens, bool recompute = false);
 // Host memory this process may still allocate: MemAvailable, capped by the room its cgroup
 // limits leave (CgroupMemoryRoom).
 int64_t AvailableHostMemoryBytes();
@@ -207,9 +218,11 @@ class Trainer {
   // SaveState / SnapshotState: `copy` detaches the host tensors from the live ones.
   absl::StatusOr<std::shared_ptr<const TrainerStateSnapshot>> Snapshot(bool copy) const;
   absl::StatusOr<OptimStepResult> StepOptimizer(const AdamWParams& params, bool restore_on_failure);
+  // recompute[i]: micro-batch i's layers run with activation recomputation.
   absl::StatusOr<ForwardBackwardResult> RunMicroBatches(const std::vector<Datum>& datums,
                                                         const LossConfig* loss,
-                                                        const BatchOptions& batch);
+                                                        const BatchOptions& batch,
+                                                        const std::vector<bool>& recompute = {});
   // What a mutating call may change before it fails: accumulated gradients (after folding
   // autograd grads in) and the dropout stream. Restored so a failed call changes nothing.
   struct CallSnapshot {
@@ -235,9 +248,14 @@ class Trainer {
   // The micro-batches of a call: packed (PackIntoMicroBatches) or padded per datum.
   std::vector<std::vector<size_t>> SplitMicroBatches(const std::vector<Datum>& datums, int64_t max_tokens) const;
   // RESOURCE_EXHAUSTED when a micro-batch of `datums` would need more activation memory than
-  // this worker's budget (TrainerOptions::max_activation_bytes); checked before any work.
-  absl::Status CheckActivationBudget(const std::vector<Datum>& datums, const BatchOptions& batch,
-                                     bool backward) const;
+  // this worker's budget (TrainerOptions::max_activation_bytes) even with what recomputation
+  // allows; checked before any work. `recompute` (backward calls) receives, per micro-batch,
+  // whether its layers recompute (TrainerOptions::activation_recompute).
+  absl::Status CheckActivationBudget(const std::vector<Datum>& datums, const BatchOptions& batch, bool backward,
+                                     std::vector<bool>* recompute = nullptr) const;
+  // On a mesh every rank recomputes a micro-batch if any would (the replay repeats the
+  // layers' collectives): one world all-reduce of the flags.
+  absl::Status AgreeOnRecompute(std::vector<bool>* recompute);
   std::map<std::string, std::string> ReplicaDigests(const std::string& trainable_sha256) const;
   // This pipeline stage's part of a call's micro-batches: Megatron's 1F1B (warm-up forwards,
   // one-forward-one-backward steady state with paired send/receive, cool-down backwards),
