@@ -329,6 +329,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
   if (replayed) return resp;
   FingerprintTask fingerprint(req.run_id(), req);
   LORASTEP_RETURN_IF_ERROR(CheckNotDiverged(*run));
+  LORASTEP_RETURN_IF_ERROR(CheckActivationRecompute(req.activation_recompute()));
   LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
   LORASTEP_ASSIGN_OR_RETURN(std::optional<BatchTotals> totals,
                             ValidatedTotals(*run, datums, req.loss(), /*own_totals_needed=*/req.has_batch_totals()));
@@ -346,6 +347,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
             v1::WorkerForwardBackwardRequest wreq;
             wreq.set_run_id(req.run_id());
             *wreq.mutable_loss() = req.loss();
+            wreq.set_activation_recompute(req.activation_recompute());
             if (totals) {
               wreq.set_batch_loss_tokens(totals->loss_tokens);
               wreq.set_batch_samples(totals->samples);
@@ -430,6 +432,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
   if (req.max_tokens_per_microbatch() < 0) {
     return absl::InvalidArgumentError("max_tokens_per_microbatch: must be >= 0");
   }
+  LORASTEP_RETURN_IF_ERROR(CheckActivationRecompute(req.activation_recompute()));
   LORASTEP_RETURN_IF_ERROR(AdamWParamsFromProto(req.adamw()).status());
   LORASTEP_RETURN_IF_ERROR(ValidateClientMetrics(req.client_metrics()));
   LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
@@ -449,6 +452,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
           wreq.set_batch_samples(totals->samples);
         }
         wreq.set_max_tokens_per_microbatch(req.max_tokens_per_microbatch());
+        wreq.set_activation_recompute(req.activation_recompute());
         *wreq.mutable_mesh() = mesh;
         mesh_.StampMesh(wreq.mutable_mesh());
         wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max());

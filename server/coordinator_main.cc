@@ -42,6 +42,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "lib/training/batch.h"
 #include "lib/parent_death.h"
 #include "lib/io/file_util.h"
 #include "lib/io/state_store.h"
@@ -251,9 +252,9 @@ int main(int argc, char** argv) {
     return fail(absl::InvalidArgumentError("executor_spin_us: must be in [0, 100000]"));
   }
   // The local worker parses it too; checked here so a bad value stops the coordinator at once.
-  if (const std::string r = absl::GetFlag(FLAGS_activation_recompute); r != "auto" && r != "none" && r != "full") {
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("activation_recompute: \"", r, "\" is not an activation recomputation (auto, none or full)")));
+  if (auto recompute = ParseActivationRecompute(absl::GetFlag(FLAGS_activation_recompute), "activation_recompute");
+      !recompute.ok()) {
+    return fail(recompute.status());
   }
   // Prometheus: off unless --metrics_port; refused on a non-loopback host without
   // --metrics_allow_remote (checked before any worker starts).

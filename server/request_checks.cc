@@ -11,6 +11,11 @@
 
 namespace lorastep {
 
+absl::Status CheckActivationRecompute(const std::string& value) {
+  if (value.empty()) return absl::OkStatus();
+  return ParseActivationRecompute(value, "activation_recompute").status();
+}
+
 absl::Status ValidateClientMetrics(const google::protobuf::Map<std::string, double>& m) {
   if (m.size() > 32) return absl::InvalidArgumentError(absl::StrCat("client_metrics: ", m.size(), " entries, at most 32"));
   for (const auto& [name, value] : m) {

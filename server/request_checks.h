@@ -4,6 +4,7 @@
 #define LORASTEP_SERVER_REQUEST_CHECKS_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -15,6 +16,8 @@ namespace lorastep {
 
 // client_metrics of a step request: at most 32, named plainly, finite (docs/API.md).
 absl::Status ValidateClientMetrics(const google::protobuf::Map<std::string, double>& metrics);
+// activation_recompute of a TrainStep / ForwardBackward: "" or one of ParseActivationRecompute's.
+absl::Status CheckActivationRecompute(const std::string& value);
 // Adds them to the step's metrics as client:<name>.
 void AddClientMetrics(const google::protobuf::Map<std::string, double>& metrics, v1::StepResponse* resp);
 // RESOURCE_EXHAUSTED naming max_response_bytes when a Forward(Backward) answer for `datums`

@@ -90,9 +90,17 @@ def main():
         except LorastepError as e:
             check(e.code.name == "INVALID_ARGUMENT" and field in e.details, f"refused: {e.details}")
     check(run.metrics()[-1]["step"] == 3, "refused client_metrics applied nothing")
+    try:
+        run.train_step(batch, loss={"loss_fn": "ppo"}, activation_recompute="sometimes")
+        raise AssertionError("an unknown activation_recompute was accepted")
+    except LorastepError as e:
+        check(e.code.name == "INVALID_ARGUMENT" and "activation_recompute" in e.details, "unknown recompute refused")
+    fb = run.forward_backward(batch, loss={"loss_fn": "ppo"}, activation_recompute="full")
+    check(fb.metrics["micro_batches_recomputed:sum"] > 0, "the call's activation_recompute reaches the worker")
+    run.optim_step()
     again = client.attach(run.run_id)
     stepped = again.train_step(batch, loss={"loss_fn": "ppo"}, client_metrics={"reward": 0.25, "eval/acc": 0.5})
-    check(stepped["learner_version"] == 4, "a second client continues the run's sequence")
+    check(stepped["learner_version"] == 5, "a second client continues the run's sequence")
     last = run.metrics()[-1]["metrics"]
     check(last["client:reward"] == 0.25 and last["client:eval/acc"] == 0.5 and
           stepped["metrics"]["client:reward"] == 0.25, "client_metrics kept in the step and its history")
@@ -135,8 +143,8 @@ def main():
     fb = again.forward_backward_async(typed, loss=LossConfig(loss_fn="ppo", clip_eps_low=0.1))
     st = again.optim_step_async(adamw=AdamWParams(lr=1e-3, max_grad_norm=1.0))
     tr = again.train_step_async(typed, loss=LossConfig(loss_fn="ppo"), adamw=AdamWParams(lr=1e-3))
-    check(isinstance(st.result(30), StepResult) and st.result().learner_version == 5 and
-          tr.result(30).learner_version == 6 and "loss:sum" in fb.result().metrics,
+    check(isinstance(st.result(30), StepResult) and st.result().learner_version == 6 and
+          tr.result(30).learner_version == 7 and "loss:sum" in fb.result().metrics,
           "async calls on a run complete in submission order with typed results")
     try:
         again.train_step_async([{"tokens": [1], "bogus": [1]}]).result(30)

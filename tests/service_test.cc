@@ -1099,6 +1099,51 @@ TEST(BoundsTest, ActivationBudgetRefusesAnOversizedMicroBatch) {
   ASSERT_OK(run->TrainStep(Batch(0), Ppo(), Adam()).status());
 }
 
+// A call's activation_recompute (issue 29) overrides the worker's: "full" recomputes every
+// micro-batch, "none" none; an unknown mode is INVALID_ARGUMENT naming the field, for
+// TrainStep and ForwardBackward alike, and changes nothing.
+TEST(BoundsTest, CallChoosesActivationRecomputation) {
+  auto server = StartTinyCoordinator("recompute_call", {});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = TrainerClient::Connect(server->address());
+  ASSERT_TRUE(client.ok()) << client.status();
+  TrainerClient* t = client->get();
+  auto run = RunSession::Create(t, Lora(), 1);
+  ASSERT_TRUE(run.ok()) << run.status();
+  auto step = [&](const std::string& mode, int64_t sequence_id) {
+    v1::TrainStepRequest req;
+    req.set_run_id(run->run_id());
+    req.set_request_id("recompute-" + std::to_string(sequence_id));
+    req.set_sequence_id(sequence_id);
+    for (const v1::Datum& d : Batch(0)) *req.add_datums() = d;
+    *req.mutable_loss() = Ppo();
+    *req.mutable_adamw() = Adam();
+    req.set_activation_recompute(mode);
+    return t->TrainStep(req);
+  };
+  EXPECT_THAT(step("sometimes", 1), StatusIs(absl::StatusCode::kInvalidArgument, "activation_recompute: \"sometimes\""));
+  v1::ForwardBackwardRequest fb;
+  fb.set_run_id(run->run_id());
+  fb.set_request_id("recompute-fb");
+  fb.set_sequence_id(1);
+  for (const v1::Datum& d : Batch(0)) *fb.add_datums() = d;
+  *fb.mutable_loss() = Ppo();
+  fb.set_activation_recompute("partly");
+  EXPECT_THAT(t->ForwardBackward(fb), StatusIs(absl::StatusCode::kInvalidArgument, "activation_recompute: \"partly\""));
+  ASSERT_OK_AND_ASSIGN(v1::Run state, t->GetRun(run->run_id()));
+  EXPECT_EQ(state.learner_version(), 0);
+  EXPECT_EQ(state.pending_forward_backward(), 0);
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse full, step("full", 1));
+  EXPECT_GT(full.metrics().at("micro_batches_recomputed:sum"), 0);
+  EXPECT_EQ(full.metrics().at("micro_batches_recomputed:sum"), full.metrics().at("micro_batches:sum"));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse none, step("none", 2));
+  EXPECT_EQ(none.metrics().at("micro_batches_recomputed:sum"), 0);
+  fb.set_activation_recompute("full");
+  fb.set_sequence_id(3);
+  ASSERT_OK_AND_ASSIGN(v1::ForwardBackwardResponse fbr, t->ForwardBackward(fb));
+  EXPECT_GT(fbr.metrics().at("micro_batches_recomputed:sum"), 0);
+}
+
 TEST(BoundsTest, RequestSizeAndRunCapAndDeleteRun) {
   auto server = StartTinyCoordinator("bounds", {"--max_request_mb", "1", "--max_runs", "2", "--max_recorded_mb", "0.25"});
   ASSERT_TRUE(server.ok()) << server.status();

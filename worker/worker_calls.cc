@@ -153,6 +153,17 @@ absl::Status WorkerCalls::DeleteRun(const v1::WorkerDeleteRunRequest& req) {
   return deleted;
 }
 
+namespace {
+
+// A call's activation_recompute: "" leaves the worker's --activation_recompute.
+absl::StatusOr<std::optional<ActivationRecompute>> CallRecompute(const std::string& value) {
+  if (value.empty()) return std::optional<ActivationRecompute>();
+  LORASTEP_ASSIGN_OR_RETURN(ActivationRecompute mode, ParseActivationRecompute(value, "activation_recompute"));
+  return std::optional<ActivationRecompute>(mode);
+}
+
+}  // namespace
+
 absl::Status WorkerCalls::ForwardBackward(const v1::WorkerForwardBackwardRequest& req,
                                           v1::WorkerForwardBackwardResponse* resp, const std::vector<Datum>* given,
                                           const WorkerCore::Cancelled& cancelled) {
@@ -161,9 +172,11 @@ absl::Status WorkerCalls::ForwardBackward(const v1::WorkerForwardBackwardRequest
     const std::optional<BatchTotals> totals = WholeBatchTotals(req);
     std::vector<Datum> parsed;
     LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum>* datums, DatumsOf(req, given, &parsed));
+    LORASTEP_ASSIGN_OR_RETURN(std::optional<ActivationRecompute> recompute,
+                              CallRecompute(req.activation_recompute()));
     LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult r,
                               core_->ForwardBackward(req.run_id(), *datums, loss, totals ? &*totals : nullptr,
-                                                     MeshFromProto(req.mesh()), cancelled));
+                                                     recompute, MeshFromProto(req.mesh()), cancelled));
     FillForwardResponse(r, resp);
     return absl::OkStatus();
   });
@@ -196,9 +209,12 @@ absl::Status WorkerCalls::TrainStep(const v1::WorkerTrainStepRequest& req, v1::W
     const std::optional<BatchTotals> totals = WholeBatchTotals(req);
     std::vector<Datum> parsed;
     LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum>* datums, DatumsOf(req, given, &parsed));
+    LORASTEP_ASSIGN_OR_RETURN(std::optional<ActivationRecompute> recompute,
+                              CallRecompute(req.activation_recompute()));
     LORASTEP_ASSIGN_OR_RETURN(OptimStepResult r,
                               core_->TrainStep(req.run_id(), *datums, loss, adamw, totals ? &*totals : nullptr,
-                                               req.max_tokens_per_microbatch(), MeshFromProto(req.mesh()), cancelled));
+                                               req.max_tokens_per_microbatch(), recompute, MeshFromProto(req.mesh()),
+                                               cancelled));
     FillStepResponse(r, resp);
     RecordStepMetrics(metrics_, req.run_id(), "train_step", resp->result().metrics(), r.learner_version);
     return absl::OkStatus();

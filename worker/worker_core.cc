@@ -180,12 +180,13 @@ absl::Status WorkerCore::DeleteRun(const std::string& run_id) {
 
 absl::StatusOr<ForwardBackwardResult> WorkerCore::ForwardBackward(
     const std::string& run_id, const std::vector<Datum>& datums, const LossConfig& loss,
-    const BatchTotals* totals,
+    const BatchTotals* totals, std::optional<ActivationRecompute> recompute,
     const MeshCallInfo& mesh, const Cancelled& cancelled) {
   std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Admit(run_id, mesh, "ForwardBackward"));
   BatchOptions batch;
   batch.totals = totals;
+  batch.activation_recompute = recompute;
   batch.cancelled = cancelled;
   batch.agree_on_cancel = mesh.agree_on_cancel;
   return t->ForwardBackward(datums, loss, batch);
@@ -216,12 +217,14 @@ absl::StatusOr<OptimStepResult> WorkerCore::TrainStep(const std::string& run_id,
                                                       const AdamWParams& params,
                                                       const BatchTotals* totals,
                                                       int64_t max_tokens,
+                                                      std::optional<ActivationRecompute> recompute,
                                                       const MeshCallInfo& mesh, const Cancelled& cancelled) {
   std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Admit(run_id, mesh, "TrainStep"));
   BatchOptions batch;
   batch.totals = totals;
   batch.max_tokens_per_microbatch = max_tokens;
+  batch.activation_recompute = recompute;
   batch.cancelled = cancelled;
   batch.agree_on_cancel = mesh.agree_on_cancel;
   return t->TrainStep(datums, loss, params, batch);

@@ -103,6 +103,7 @@ class WorkerCore {
                                                         const std::vector<Datum>& datums,
                                                         const LossConfig& loss,
                                                         const BatchTotals* totals,  // null: of `datums`
+                                                        std::optional<ActivationRecompute> recompute = std::nullopt,
                                                         const MeshCallInfo& mesh = {}, const Cancelled& cancelled = {});
   absl::StatusOr<ForwardBackwardResult> Forward(const std::string& run_id,
                                                 const std::vector<Datum>& datums,
@@ -114,6 +115,7 @@ class WorkerCore {
                                             const LossConfig& loss, const AdamWParams& params,
                                             const BatchTotals* totals,  // null: of `datums`
                                             int64_t max_tokens,
+                                            std::optional<ActivationRecompute> recompute = std::nullopt,
                                             const MeshCallInfo& mesh = {}, const Cancelled& cancelled = {});
   struct PathResult {
     std::string adapter_sha256;

@@ -4,9 +4,11 @@
 #define LORASTEP_LIB_TRAINING_BATCH_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "lib/training/loss_config.h"
 
 namespace lorastep {
@@ -63,6 +65,13 @@ std::vector<std::vector<size_t>> SplitIntoMicroBatches(const std::vector<Datum>&
 // datums keep the order they were placed in.
 std::vector<std::vector<size_t>> PackIntoMicroBatches(const std::vector<Datum>& datums,
                                                       int64_t max_tokens);
+
+// Activation recomputation of a training micro-batch's layers (each keeps only its input and
+// runs again in backward): kAuto recomputes a micro-batch only when its activations would not
+// fit the worker's budget otherwise; kNone never; kFull always.
+enum class ActivationRecompute { kAuto, kNone, kFull };
+// "auto", "none", "full"; INVALID_ARGUMENT naming `field` otherwise.
+absl::StatusOr<ActivationRecompute> ParseActivationRecompute(const std::string& value, const std::string& field);
 
 }  // namespace lorastep
 

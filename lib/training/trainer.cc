@@ -243,17 +243,11 @@ std::vector<std::vector<size_t>> Trainer::SplitMicroBatches(const std::vector<Da
                                  : SplitIntoMicroBatches(datums, max_tokens);
 }
 
-absl::StatusOr<ActivationRecompute> ParseActivationRecompute(const std::string& value, const std::string& field) {
-  if (value == "auto") return ActivationRecompute::kAuto;
-  if (value == "none") return ActivationRecompute::kNone;
-  if (value == "full") return ActivationRecompute::kFull;
-  return absl::InvalidArgumentError(
-      absl::StrCat(field, ": \"", value, "\" is not an activation recomputation (auto, none or full)"));
-}
-
 absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, const BatchOptions& batch,
                                             bool backward, std::vector<bool>* recompute) const {
-  const ActivationRecompute mode = backward ? options_.activation_recompute : ActivationRecompute::kNone;
+  const ActivationRecompute mode = !backward                     ? ActivationRecompute::kNone
+                                   : batch.activation_recompute ? *batch.activation_recompute
+                                                                : options_.activation_recompute;
   const int64_t max_tokens = batch.max_tokens_per_microbatch > 0 ? batch.max_tokens_per_microbatch
                                                                  : options_.max_tokens_per_microbatch;
   const auto micro_batches = SplitMicroBatches(datums, max_tokens);
@@ -294,8 +288,8 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
     if (used <= b) continue;
     std::string hint;
     if (mode == ActivationRecompute::kNone && recomputed <= b) {
-      hint = absl::StrFormat("; with activation recomputation it needs about %.4g MiB and fits (the worker's "
-                             "--activation_recompute=auto or full)",
+      hint = absl::StrFormat("; with activation recomputation it needs about %.4g MiB and fits "
+                             "(activation_recompute \"auto\" or \"full\")",
                              recomputed / (1 << 20));
     } else if (backward && mode != ActivationRecompute::kFull) {
       hint = absl::StrFormat("; even with activation recomputation it needs about %.4g MiB", recomputed / (1 << 20));

@@ -19,6 +19,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -50,13 +51,6 @@ absl::StatusOr<std::shared_ptr<const BaseModel>> LoadBaseModel(const std::string
                                                                const std::string& dtype,
                                                                const ParallelSizes& sizes = {},
                                                                const RankCoords& coords = {});
-
-// Activation recomputation per micro-batch (ForwardOptions::recompute_layers): kAuto
-// recomputes a micro-batch's layers only when its activations would not fit the budget
-// otherwise (TrainerOptions::max_activation_bytes); kNone never; kFull always.
-enum class ActivationRecompute { kAuto, kNone, kFull };
-// "auto", "none", "full"; INVALID_ARGUMENT naming `field` otherwise.
-absl::StatusOr<ActivationRecompute> ParseActivationRecompute(const std::string& value, const std::string& field);
 
 struct TrainerOptions {
   LoraConfig lora;
@@ -125,6 +119,7 @@ struct BatchOptions {
   // from the datums of this call).
   const BatchTotals* totals = nullptr;
   int64_t max_tokens_per_microbatch = 0;  // 0 = TrainerOptions' value
+  std::optional<ActivationRecompute> activation_recompute;  // unset: TrainerOptions' value
   // Asked before each micro-batch: true stops the call there with CANCELLED and nothing
   // applied (its caller went away or its deadline passed). On a mesh only with
   // `agree_on_cancel`: the ranks then all-reduce their answers before each micro-batch (in a

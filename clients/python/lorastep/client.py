@@ -140,13 +140,15 @@ class Run:
     def _submit(self, fn, *args, **kwargs):
         return self._queue.submit(fn, *args, **kwargs)
 
-    def forward_backward(self, datums, loss=None, batch_totals=None):
+    def forward_backward(self, datums, loss=None, batch_totals=None, activation_recompute=""):
         """Accumulates gradients; optim_step applies them. batch_totals (BatchTotals or
         {"loss_tokens": N, "samples": S}): the whole batch's, when these datums are one part
-        of it. Returns ForwardResult(logprobs, metrics)."""
+        of it. activation_recompute: "auto", "none" or "full" ("": the worker's setting).
+        Returns ForwardResult(logprobs, metrics)."""
         req = trainer_pb2.ForwardBackwardRequest(
             run_id=self.run_id, **batch_fields(datums, self.pack_datums),
-            loss=message_proto(trainer_pb2.LossConfig, LossConfig, loss), max_response_bytes=MAX_MESSAGE_BYTES)
+            loss=message_proto(trainer_pb2.LossConfig, LossConfig, loss), max_response_bytes=MAX_MESSAGE_BYTES,
+            activation_recompute=activation_recompute)
         if batch_totals is not None:
             req.batch_totals.CopyFrom(message_proto(trainer_pb2.BatchTotals, BatchTotals, batch_totals))
         r = self._mutate("ForwardBackward", req)
@@ -166,14 +168,16 @@ class Run:
             client_metrics=client_metrics or {}))
         return self._step(r)
 
-    def train_step(self, datums, loss=None, adamw=None, max_tokens_per_microbatch=0, client_metrics=None):
-        """forward_backward + optim_step on one batch, atomically. Returns StepResult."""
+    def train_step(self, datums, loss=None, adamw=None, max_tokens_per_microbatch=0, client_metrics=None,
+                   activation_recompute=""):
+        """forward_backward + optim_step on one batch, atomically (activation_recompute as in
+        forward_backward). Returns StepResult."""
         r = self._mutate("TrainStep", trainer_pb2.TrainStepRequest(
             run_id=self.run_id, **batch_fields(datums, self.pack_datums),
             loss=message_proto(trainer_pb2.LossConfig, LossConfig, loss),
             adamw=message_proto(trainer_pb2.AdamWParams, AdamWParams, adamw),
             max_tokens_per_microbatch=max_tokens_per_microbatch,
-            client_metrics=client_metrics or {}))
+            client_metrics=client_metrics or {}, activation_recompute=activation_recompute))
         return self._step(r)
 
     def forward_backward_async(self, *args, **kwargs):
