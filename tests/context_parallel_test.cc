@@ -3,6 +3,7 @@
 // outputs and q/k/v gradients on every rank equal those rows of plain causal attention over
 // each whole sequence.
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
 #include <cmath>
@@ -13,7 +14,11 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "lib/model/adapter.h"
+#include "lib/model/model_weights.h"
+#include "lib/model/qwen2.h"
 #include "lib/parallel/context_parallel.h"
+#include "lib/training/grad_finalizer.h"
 #include "lib/parallel/parallel_layout.h"
 #include "lib/parallel/process_groups.h"
 #include "tests/test_util.h"
@@ -129,6 +134,104 @@ TEST(ContextParallelAttentionTest, EveryRankMatchesWholeSequenceAttention) {
       EXPECT_LT(testing::RelErr(o.dq, rq.grad().index_select(0, idx)), 1e-6) << what;
       EXPECT_LT(testing::RelErr(o.dk, rk.grad().index_select(0, idx)), 1e-6) << what;
       EXPECT_LT(testing::RelErr(o.dv, rv.grad().index_select(0, idx)), 1e-6) << what;
+    }
+  }
+}
+
+// The decoder layers over context ranks (PackedSequences::context_group): each rank's hidden
+// states are those rows of the whole sequences' forward, and the LoRA gradients summed over
+// the ranks are the whole forward's (dense and MoE layers; RoPE by each token's position).
+TEST(ContextParallelAttentionTest, LayersOverContextRanksMatchTheWholeSequences) {
+  const std::vector<int64_t> lengths{7, 12, 5};
+  const int64_t total = 24;
+  for (const char* preset : {"tiny", "tiny-moe"}) {
+    const ModelConfig c = ModelConfigPreset(preset).value();
+    ModelWeights w = RandomModelWeights(c, 5);
+    PackProjections(&w);
+    LoraConfig lora;
+    lora.rank = 4;
+    lora.target_modules = {"all-linear"};
+    auto make_adapter = [&] {
+      Adapter a = Adapter::CreateLora(c, lora, at::kCPU, at::kFloat, 3).value();
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(9);
+      at::NoGradGuard no_grad;
+      for (Parameter& p : a.parameters()) {
+        if (p.name.find("lora_B") != std::string::npos) p.value.normal_(0.0, 0.1, gen);
+      }
+      return a;
+    };
+    at::manual_seed(4);
+    const at::Tensor tokens = at::randint(0, c.vocab_size, {1, total}, at::kLong);
+    const at::Tensor g = at::randn({1, total, c.hidden_size});
+    PackedSequences whole;
+    whole.lengths = lengths;
+    whole.max_length = 12;
+    whole.cu_seqlens = at::tensor(std::vector<int32_t>{0, 7, 19, 24}, at::kInt);
+    std::vector<int64_t> seq_ids, positions;
+    for (size_t s = 0; s < lengths.size(); ++s) {
+      for (int64_t i = 0; i < lengths[s]; ++i) seq_ids.push_back(static_cast<int64_t>(s)), positions.push_back(i);
+    }
+    whole.positions = at::tensor(positions, at::kLong);
+    Adapter want_adapter = make_adapter();
+    ForwardOptions want_options;
+    want_options.packed = &whole;
+    const at::Tensor want = Qwen2Hidden(c, w, &want_adapter, tokens, want_options);
+    (want * g).sum().backward();
+    ASSERT_OK(FoldLocalGradients(&want_adapter));
+
+    const int cp = 2;
+    ParallelSizes sizes;
+    sizes.tp = cp;
+    const ParallelLayout layout = ParallelLayout::Create(sizes, sizes.world()).value();
+    const std::string store = "file://" + testing::ScratchDir(std::string("context_layers_") + preset) + "/store";
+    std::vector<int64_t> counts;
+    for (int r = 0; r < cp; ++r) counts.push_back(static_cast<int64_t>(ContextShardTokens(lengths, cp, r).size()));
+    std::vector<absl::Status> status(cp, absl::UnknownError("not run"));
+    std::vector<at::Tensor> hidden(cp);
+    std::vector<Adapter> adapters;
+    for (int r = 0; r < cp; ++r) adapters.push_back(make_adapter());
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < cp; ++r) {
+      ranks.emplace_back([&, r] {
+        ProcessGroupsOptions pg;
+        pg.store_address = store;
+        pg.rank = r;
+        pg.layout = layout;
+        pg.timeout = std::chrono::seconds(30);
+        auto groups = ProcessGroups::Create(pg);
+        if (!groups.ok()) {
+          status[r] = groups.status();
+          return;
+        }
+        const at::Tensor idx = at::tensor(ContextShardTokens(lengths, cp, r), at::kLong);
+        PackedSequences mine = whole;
+        mine.positions = whole.positions.index_select(0, idx);
+        mine.sequence_ids = at::tensor(seq_ids, at::kLong).index_select(0, idx);
+        mine.context_group = &(*groups)->group(GroupKind::kTensor);
+        mine.context_counts = counts;
+        ForwardOptions options;
+        options.packed = &mine;
+        try {
+          at::Tensor h = Qwen2Hidden(c, w, &adapters[r], tokens.index_select(1, idx), options);
+          (h * g.index_select(1, idx)).sum().backward();
+          hidden[r] = h.detach();
+          status[r] = FoldLocalGradients(&adapters[r]);
+        } catch (const std::exception& e) {
+          status[r] = absl::InternalError(e.what());
+        }
+      });
+    }
+    for (auto& t : ranks) t.join();
+    for (int r = 0; r < cp; ++r) {
+      ASSERT_TRUE(status[r].ok()) << preset << " rank " << r << ": " << status[r];
+      const at::Tensor idx = at::tensor(ContextShardTokens(lengths, cp, r), at::kLong);
+      EXPECT_LT(testing::RelErr(hidden[r], want.detach().index_select(1, idx)), 1e-6) << preset << " rank " << r;
+    }
+    for (size_t i = 0; i < want_adapter.parameters().size(); ++i) {
+      const Parameter& p = want_adapter.parameters()[i];
+      if (p.main_grad.abs().max().item<double>() == 0) continue;  // an expert no token reached
+      const at::Tensor summed = adapters[0].parameters()[i].main_grad + adapters[1].parameters()[i].main_grad;
+      EXPECT_LT(testing::RelErr(summed, p.main_grad), 1e-5) << preset << " " << p.name;
     }
   }
 }

@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 
 #include "lib/model/rope.h"
+#include "lib/parallel/context_parallel.h"
 #include "lib/torch_compat.h"
 
 #ifdef LORASTEP_WITH_CUDA_KERNELS
@@ -329,6 +330,16 @@ class LayerRunner {
     return at::cat(parts, 1).reshape({1, total, width});
   }
 
+  // Causal attention of this context rank's tokens over every rank's (packed.context_group):
+  // q [1, t, heads, d], k/v [1, t, kv, d] -> [1, t, heads * d].
+  static at::Tensor ContextAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const PackedSequences& packed) {
+    const int64_t t = q.size(1), width = q.size(2) * q.size(3);
+    return ContextParallelAttention(q[0], k[0], v[0], packed.sequence_ids, packed.positions, packed.context_group,
+                                    packed.context_counts)
+        .reshape({1, t, width});
+  }
+
   at::Tensor Dropout(const at::Tensor& x, double p) const { return LoraDropout(x, p, options_.dropout_generator); }
 
   // The down projection of SwiGLU(gate_up) for a packed gate_up. With a LoRA branch on
@@ -402,7 +413,8 @@ class LayerRunner {
     std::tie(x, h) = AddRmsNorm(x, pending, lw.input_norm, c_.rms_norm_eps);
     auto [q, k, v] = QueryKeyValue(i, CopyToTensorRegion(h, tp), cos, sin, nh, nkv);
     at::Tensor attn = options_.packed != nullptr
-                          ? PackedAttention(q, k, v, *options_.packed)
+                          ? (options_.packed->context_group != nullptr ? ContextAttention(q, k, v, *options_.packed)
+                                                                       : PackedAttention(q, k, v, *options_.packed))
                           : compat::CausalAttention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
                                 .transpose(1, 2)
                                 .reshape({b, s, nh * d});

@@ -29,6 +29,13 @@ struct PackedSequences {
   at::Tensor positions;          // int64 [total] on the device: position within the sequence
   std::vector<int64_t> lengths;  // host copy of the lengths (attention without varlen kernels)
   int64_t max_length = 0;
+  // Context parallelism: this row holds only this rank's tokens of the sequences
+  // (ContextShardTokens); attention runs over `context_group` (ContextParallelAttention),
+  // `sequence_ids` [total] int64 naming each token's sequence and `context_counts` every
+  // rank's token count. Null group: the row holds the whole sequences.
+  CommGroup* context_group = nullptr;
+  at::Tensor sequence_ids;
+  std::vector<int64_t> context_counts;
 };
 
 struct ForwardOptions {
