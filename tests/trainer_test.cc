@@ -515,6 +515,20 @@ TEST(ActivationBudgetTest, RecomputationTrainsWhatWouldNotFitWithTheSameResults)
 
   EXPECT_THAT(none->TrainStep(batch, Ppo(), Adam()),
               StatusIs(absl::StatusCode::kResourceExhausted, "with activation recomputation it needs about"));
+  // The refusal says how long a micro-batch may be at this budget, as sent and recomputed.
+  auto longest = [&](bool with_recompute) {
+    int64_t n = 0;
+    while (EstimatePackedActivationBytes(c, base->shard, {n + 1}, true, 4, o.logprob_chunk_tokens, with_recompute) <=
+           static_cast<double>(budget)) {
+      ++n;
+    }
+    return n;
+  };
+  ASSERT_GT(longest(true), 518);
+  EXPECT_THAT(none->TrainStep(batch, Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       absl::StrCat("about ", longest(false), " tokens fit in one micro-batch (", longest(true),
+                                    " with activation recomputation)")));
   EXPECT_EQ(none->learner_version(), 0);
   EXPECT_EQ(none->pending_backward_calls(), 0);
 

@@ -296,12 +296,29 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
     } else if (backward) {
       hint = " with activation recomputation";
     }
+    // What would fit: the longest single sequence at this budget, as trained now and with
+    // recomputation (the estimate grows with the tokens, so a bisection finds it).
+    auto longest_fitting = [&](bool with_recompute) {
+      int64_t lo = 0, hi = std::max<int64_t>(total, count * longest);
+      while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        const double n = EstimatePackedActivationBytes(base_->config, base_->shard, {mid}, backward, element_bytes,
+                                                       options_.logprob_chunk_tokens, with_recompute);
+        if (n <= b) lo = mid; else hi = mid - 1;
+      }
+      return lo;
+    };
+    std::string fits = absl::StrFormat("; at this budget about %d tokens fit in one micro-batch",
+                                       longest_fitting(mode == ActivationRecompute::kFull));
+    if (backward && mode != ActivationRecompute::kFull) {
+      absl::StrAppend(&fits, absl::StrFormat(" (%d with activation recomputation)", longest_fitting(true)));
+    }
     return absl::ResourceExhaustedError(absl::StrFormat(
         "datums[%d]: a micro-batch of %d sequence(s), %d tokens%s, needs about %.4g MiB of "
-        "activations, over this worker's budget of %.4g MiB%s; send shorter sequences, a smaller "
+        "activations, over this worker's budget of %.4g MiB%s%s; send shorter sequences, a smaller "
         "max_tokens_per_microbatch, or raise the worker's --max_activation_mb",
         mb.front(), count, options_.pack_sequences ? total : count * longest,
-        options_.pack_sequences ? " packed" : " padded", used / (1 << 20), b / (1 << 20), hint));
+        options_.pack_sequences ? " packed" : " padded", used / (1 << 20), b / (1 << 20), hint, fits));
   }
   return absl::OkStatus();
 }
