@@ -10,7 +10,6 @@
 #include <limits>
 #include <set>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -21,6 +20,7 @@
 #include "lib/training/grad_finalizer.h"
 #include "lib/parallel/parallel_layout.h"
 #include "lib/parallel/process_groups.h"
+#include "tests/gloo_threads.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
 
@@ -64,7 +64,6 @@ at::Tensor ReferenceAttention(const at::Tensor& q, const at::Tensor& k, const at
 }
 
 struct RankOut {
-  absl::Status status = absl::UnknownError("not run");
   at::Tensor out, dq, dk, dv;
   std::vector<int64_t> tokens;
 };
@@ -88,46 +87,27 @@ TEST(ContextParallelAttentionTest, EveryRankMatchesWholeSequenceAttention) {
   for (int cp : {2, 3}) {
     ParallelSizes sizes;
     sizes.tp = cp;  // a group of cp ranks; attention only uses the group
-    const ParallelLayout layout = ParallelLayout::Create(sizes, sizes.world()).value();
-    const std::string store = "file://" + testing::ScratchDir("context_parallel_" + std::to_string(cp)) + "/store";
     std::vector<int64_t> counts;
     for (int r = 0; r < cp; ++r) counts.push_back(static_cast<int64_t>(ContextShardTokens(lengths, cp, r).size()));
     std::vector<RankOut> results(cp);
-    std::vector<std::thread> ranks;
-    for (int r = 0; r < cp; ++r) {
-      ranks.emplace_back([&, r] {
-        RankOut& o = results[r];
-        ProcessGroupsOptions pg;
-        pg.store_address = store;
-        pg.rank = r;
-        pg.layout = layout;
-        pg.timeout = std::chrono::seconds(30);
-        auto groups = ProcessGroups::Create(pg);
-        if (!groups.ok()) {
-          o.status = groups.status();
-          return;
-        }
-        o.tokens = ContextShardTokens(lengths, cp, r);
-        const at::Tensor idx = at::tensor(o.tokens, at::kLong);
-        at::Tensor lq = q.index_select(0, idx).requires_grad_(true);
-        at::Tensor lk = k.index_select(0, idx).requires_grad_(true);
-        at::Tensor lv = v.index_select(0, idx).requires_grad_(true);
-        try {
+    const std::vector<absl::Status> status = testing::RunOnGlooThreads(
+        sizes, "context_parallel_" + std::to_string(cp), [&](int r, ProcessGroups* groups) -> absl::Status {
+          RankOut& o = results[r];
+          o.tokens = ContextShardTokens(lengths, cp, r);
+          const at::Tensor idx = at::tensor(o.tokens, at::kLong);
+          at::Tensor lq = q.index_select(0, idx).requires_grad_(true);
+          at::Tensor lk = k.index_select(0, idx).requires_grad_(true);
+          at::Tensor lv = v.index_select(0, idx).requires_grad_(true);
           o.out = ContextParallelAttention(lq, lk, lv, seq.index_select(0, idx), pos.index_select(0, idx),
-                                           &(*groups)->group(GroupKind::kTensor), counts);
+                                           &groups->group(GroupKind::kTensor), counts);
           (o.out * g.index_select(0, idx)).sum().backward();
-          o.status = absl::OkStatus();
-        } catch (const std::exception& e) {
-          o.status = absl::InternalError(e.what());
-        }
-        o.out = o.out.defined() ? o.out.detach() : o.out;
-        o.dq = lq.grad(), o.dk = lk.grad(), o.dv = lv.grad();
-      });
-    }
-    for (auto& t : ranks) t.join();
+          o.out = o.out.detach();
+          o.dq = lq.grad(), o.dk = lk.grad(), o.dv = lv.grad();
+          return absl::OkStatus();
+        });
     for (int r = 0; r < cp; ++r) {
       const RankOut& o = results[r];
-      ASSERT_TRUE(o.status.ok()) << "cp " << cp << " rank " << r << ": " << o.status;
+      ASSERT_TRUE(status[r].ok()) << "cp " << cp << " rank " << r << ": " << status[r];
       const at::Tensor idx = at::tensor(o.tokens, at::kLong);
       const std::string what = "cp " + std::to_string(cp) + " rank " + std::to_string(r);
       EXPECT_LT(testing::RelErr(o.out, want.detach().index_select(0, idx)), 1e-6) << what;
@@ -182,46 +162,26 @@ TEST(ContextParallelAttentionTest, LayersOverContextRanksMatchTheWholeSequences)
     const int cp = 2;
     ParallelSizes sizes;
     sizes.tp = cp;
-    const ParallelLayout layout = ParallelLayout::Create(sizes, sizes.world()).value();
-    const std::string store = "file://" + testing::ScratchDir(std::string("context_layers_") + preset) + "/store";
     std::vector<int64_t> counts;
     for (int r = 0; r < cp; ++r) counts.push_back(static_cast<int64_t>(ContextShardTokens(lengths, cp, r).size()));
-    std::vector<absl::Status> status(cp, absl::UnknownError("not run"));
     std::vector<at::Tensor> hidden(cp);
     std::vector<Adapter> adapters;
     for (int r = 0; r < cp; ++r) adapters.push_back(make_adapter());
-    std::vector<std::thread> ranks;
-    for (int r = 0; r < cp; ++r) {
-      ranks.emplace_back([&, r] {
-        ProcessGroupsOptions pg;
-        pg.store_address = store;
-        pg.rank = r;
-        pg.layout = layout;
-        pg.timeout = std::chrono::seconds(30);
-        auto groups = ProcessGroups::Create(pg);
-        if (!groups.ok()) {
-          status[r] = groups.status();
-          return;
-        }
-        const at::Tensor idx = at::tensor(ContextShardTokens(lengths, cp, r), at::kLong);
-        PackedSequences mine = whole;
-        mine.positions = whole.positions.index_select(0, idx);
-        mine.sequence_ids = at::tensor(seq_ids, at::kLong).index_select(0, idx);
-        mine.context_group = &(*groups)->group(GroupKind::kTensor);
-        mine.context_counts = counts;
-        ForwardOptions options;
-        options.packed = &mine;
-        try {
+    const std::vector<absl::Status> status = testing::RunOnGlooThreads(
+        sizes, std::string("context_layers_") + preset, [&](int r, ProcessGroups* groups) -> absl::Status {
+          const at::Tensor idx = at::tensor(ContextShardTokens(lengths, cp, r), at::kLong);
+          PackedSequences mine = whole;
+          mine.positions = whole.positions.index_select(0, idx);
+          mine.sequence_ids = at::tensor(seq_ids, at::kLong).index_select(0, idx);
+          mine.context_group = &groups->group(GroupKind::kTensor);
+          mine.context_counts = counts;
+          ForwardOptions options;
+          options.packed = &mine;
           at::Tensor h = Qwen2Hidden(c, w, &adapters[r], tokens.index_select(1, idx), options);
           (h * g.index_select(1, idx)).sum().backward();
           hidden[r] = h.detach();
-          status[r] = FoldLocalGradients(&adapters[r]);
-        } catch (const std::exception& e) {
-          status[r] = absl::InternalError(e.what());
-        }
-      });
-    }
-    for (auto& t : ranks) t.join();
+          return FoldLocalGradients(&adapters[r]);
+        });
     for (int r = 0; r < cp; ++r) {
       ASSERT_TRUE(status[r].ok()) << preset << " rank " << r << ": " << status[r];
       const at::Tensor idx = at::tensor(ContextShardTokens(lengths, cp, r), at::kLong);

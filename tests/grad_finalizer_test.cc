@@ -5,7 +5,6 @@
 #include <ATen/ATen.h>
 
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -14,6 +13,7 @@
 #include "lib/parallel/parallel_layout.h"
 #include "lib/parallel/process_groups.h"
 #include "lib/training/grad_finalizer.h"
+#include "tests/gloo_threads.h"
 #include "tests/test_util.h"
 
 namespace lorastep {
@@ -36,29 +36,17 @@ std::vector<RankResult> Finalize(const ParallelSizes& sizes, const GradFinalizeO
                                  const std::string& name) {
   const ModelConfig config = ModelConfigPreset("tiny").value();
   const ParallelLayout layout = ParallelLayout::Create(sizes, sizes.world()).value();
-  const std::string store = "file://" + testing::ScratchDir("grad_finalizer_" + name) + "/store";
   std::vector<RankResult> results(sizes.world());
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < sizes.world(); ++r) {
-    ranks.emplace_back([&, r] {
+  const std::vector<absl::Status> formed = testing::RunOnGlooThreads(
+      sizes, "grad_finalizer_" + name, [&](int r, ProcessGroups* groups) -> absl::Status {
       RankResult& out = results[r];
-      ProcessGroupsOptions pg;
-      pg.store_address = store;
-      pg.rank = r;
-      pg.layout = layout;
-      pg.timeout = std::chrono::seconds(30);
-      auto groups = ProcessGroups::Create(pg);
-      if (!groups.ok()) {
-        out.status = groups.status();
-        return;
-      }
       const ModelShard shard = MakeModelShard(sizes, layout.Coords(r), config);
       LoraConfig lora;
       lora.rank = 4;
       auto adapter = Adapter::CreateLora(config, lora, at::kCPU, at::kFloat, 1, &shard);
       if (!adapter.ok()) {
         out.status = adapter.status();
-        return;
+        return absl::OkStatus();
       }
       for (int b = 0; b < kNumGradBuckets; ++b) {
         at::Tensor bucket = adapter->grad_bucket(static_cast<GradBucket>(b));
@@ -70,7 +58,7 @@ std::vector<RankResult> Finalize(const ParallelSizes& sizes, const GradFinalizeO
       GradFinalizeOptions options;
       options.expert_lora = false;
       options.fault = fault;
-      auto report = FinalizeStepGradients(&*adapter, groups->get(), options);
+      auto report = FinalizeStepGradients(&*adapter, groups, options);
       out.status = report.status();
       if (report.ok()) out.grad_norm = report->grad_norm;
       for (int b = 0; b < kNumGradBuckets; ++b) {
@@ -81,9 +69,11 @@ std::vector<RankResult> Finalize(const ParallelSizes& sizes, const GradFinalizeO
       for (size_t i = 0; i < before.size(); ++i) {
         out.parameters_unchanged = out.parameters_unchanged && at::equal(before[i], adapter->parameters()[i].value);
       }
+      return absl::OkStatus();
     });
+  for (int r = 0; r < sizes.world(); ++r) {
+    if (!formed[r].ok()) results[r].status = formed[r];
   }
-  for (auto& t : ranks) t.join();
   return results;
 }
 

@@ -429,14 +429,20 @@ TEST_F(TrainerTest, FullFinetuneRankZeroTrainsEveryWeight) {
 namespace lorastep {
 namespace {
 
+// The tiny model saved under a scratch folder and loaded on CPU in fp32.
+absl::StatusOr<std::shared_ptr<const BaseModel>> TinyBase(const std::string& name, ModelConfig* config) {
+  const std::string dir = ::lorastep::testing::ScratchDir(name);
+  *config = ModelConfigPreset("tiny").value();
+  LORASTEP_RETURN_IF_ERROR(SaveModel(dir + "/model", *config, RandomModelWeights(*config, 1)));
+  return LoadBaseModel(dir + "/model", "cpu", "float32");
+}
+
 // Issue 8: one legal datum OOM-killed the worker. A micro-batch whose estimated activations
 // exceed the worker's budget is refused before any work (RESOURCE_EXHAUSTED naming the
 // datum), and the run is unchanged; batches within the budget run.
 TEST(ActivationBudgetTest, OverBudgetMicroBatchIsRefusedBeforeAnyWork) {
-  const std::string dir = ::lorastep::testing::ScratchDir("act_budget");
-  ModelConfig c = ModelConfigPreset("tiny").value();
-  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
-  ASSERT_OK_AND_ASSIGN(auto base, LoadBaseModel(dir + "/model", "cpu", "float32"));
+  ModelConfig c;
+  ASSERT_OK_AND_ASSIGN(auto base, TinyBase("act_budget", &c));
   TrainerOptions o;
   o.lora.rank = 4;
   o.lora.alpha = 8;
@@ -480,10 +486,8 @@ TEST(ActivationBudgetTest, OverBudgetMicroBatchIsRefusedBeforeAnyWork) {
 // the results of a run without recomputation and without a budget; "none" refuses it naming
 // what recomputation would need, and changes nothing.
 TEST(ActivationBudgetTest, RecomputationTrainsWhatWouldNotFitWithTheSameResults) {
-  const std::string dir = ::lorastep::testing::ScratchDir("act_recompute");
-  ModelConfig c = ModelConfigPreset("tiny").value();
-  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
-  ASSERT_OK_AND_ASSIGN(auto base, LoadBaseModel(dir + "/model", "cpu", "float32"));
+  ModelConfig c;
+  ASSERT_OK_AND_ASSIGN(auto base, TinyBase("act_recompute", &c));
   TrainerOptions o;
   o.lora.rank = 4;
   o.lora.alpha = 8;
