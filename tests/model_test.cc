@@ -364,7 +364,8 @@ int CountNodes(const at::Tensor& t, const std::string& name) {
 // Activation recomputation (ForwardOptions::recompute_layers) gives the hidden states and
 // every gradient of the plain forward: dense and MoE layers, LoRA fused and unfused, LoRA
 // dropout (the replay draws the same masks and leaves the generator where the plain run
-// leaves it), packed sequences, and full fine-tuning. Each layer is one recomputed node.
+// leaves it), packed sequences, and full fine-tuning. Each layer is one recomputed node. On
+// the device and dtype under test (the CUDA run covers the fused kernels' replay).
 TEST(ModelTest, RecomputedLayersGiveThePlainForwardsResults) {
   struct Case {
     const char* preset;
@@ -377,20 +378,24 @@ TEST(ModelTest, RecomputedLayersGiveThePlainForwardsResults) {
     const std::string what = std::string(k.preset) + (k.fused ? " fused" : " unfused") + (k.packed ? " packed" : "") +
                              (k.full ? " full" : "") + (k.dropout > 0 ? " dropout" : "");
     const ModelConfig c = ModelConfigPreset(k.preset).value();
+    const at::Device dev = ::lorastep::testing::TestDevice();
+    const at::ScalarType dtype = ::lorastep::testing::TestDtype();
     ModelWeights w = RandomModelWeights(c, 21);
+    ForEachNamedTensor(w, [&](const std::string&, at::Tensor& t) { t = t.to(dev, dtype); });
     PackProjections(&w);
     const std::vector<int64_t> lengths{6, 9, 4};
     PackedSequences packed;
     packed.lengths = lengths;
     packed.max_length = 9;
-    packed.cu_seqlens = at::tensor(std::vector<int32_t>{0, 6, 15, 19}, at::kInt);
+    packed.cu_seqlens = at::tensor(std::vector<int32_t>{0, 6, 15, 19}, at::kInt).to(dev);
     std::vector<int64_t> positions;
     for (int64_t n : lengths)
       for (int64_t i = 0; i < n; ++i) positions.push_back(i);
-    packed.positions = at::tensor(positions, at::kLong);
-    const at::Tensor tokens = k.packed ? at::randint(0, c.vocab_size, {1, 19}, at::kLong)
-                                       : at::randint(0, c.vocab_size, {2, 9}, at::kLong);
-    const at::Tensor g = at::randn({tokens.size(0), tokens.size(1), c.hidden_size}, at::kFloat);
+    packed.positions = at::tensor(positions, at::kLong).to(dev);
+    const at::Tensor tokens = (k.packed ? at::randint(0, c.vocab_size, {1, 19}, at::kLong)
+                                        : at::randint(0, c.vocab_size, {2, 9}, at::kLong))
+                                  .to(dev);
+    const at::Tensor g = at::randn({tokens.size(0), tokens.size(1), c.hidden_size}, at::kFloat).to(dev, dtype);
     std::vector<Adapter> adapters;
     std::vector<at::Tensor> hidden, next_draw;
     for (const bool recompute : {false, true}) {
@@ -399,14 +404,16 @@ TEST(ModelTest, RecomputedLayersGiveThePlainForwardsResults) {
       lora.dropout = k.dropout;
       lora.target_modules = {"all-linear"};
       absl::StatusOr<Adapter> made = k.full ? absl::StatusOr<Adapter>(Adapter::CreateFullFinetune(w))
-                                            : Adapter::CreateLora(c, lora, at::kCPU, at::kFloat, 3);
+                                            : Adapter::CreateLora(c, lora, dev, dtype, 3);
       ASSERT_OK(made.status());
       Adapter adapter = *std::move(made);
       {
         at::Generator init = at::make_generator<at::CPUGeneratorImpl>(5);
         at::NoGradGuard no_grad;
         for (Parameter& p : adapter.parameters()) {
-          if (p.name.find("lora_B") != std::string::npos) p.value.normal_(0.0, 0.1, init);
+          if (p.name.find("lora_B") != std::string::npos) {
+            p.value.copy_(at::empty(p.value.sizes(), at::kFloat).normal_(0.0, 0.1, init));
+          }
         }
       }
       at::Generator dropout = at::make_generator<at::CPUGeneratorImpl>(17);
@@ -423,13 +430,13 @@ TEST(ModelTest, RecomputedLayersGiveThePlainForwardsResults) {
       next_draw.push_back(at::rand({4}, dropout));
       adapters.push_back(std::move(adapter));
     }
-    EXPECT_LT(RelErr(hidden[1], hidden[0]), 1e-6) << what;
+    EXPECT_LT(RelErr(hidden[1], hidden[0]), ::lorastep::testing::Tol(1e-6)) << what;
     EXPECT_TRUE(at::equal(next_draw[1], next_draw[0])) << what;
     for (size_t i = 0; i < adapters[0].parameters().size(); ++i) {
       const Parameter& want = adapters[0].parameters()[i];
       const at::Tensor& got = adapters[1].parameters()[i].main_grad;
       if (want.main_grad.abs().max().item<double>() == 0) continue;  // e.g. an unused expert's
-      EXPECT_LT(RelErr(got, want.main_grad), 1e-6) << what << " " << want.name;
+      EXPECT_LT(RelErr(got, want.main_grad), ::lorastep::testing::Tol(1e-6)) << what << " " << want.name;
     }
   }
 }
