@@ -553,6 +553,21 @@ TEST(ActivationBudgetTest, RecomputationTrainsWhatWouldNotFitWithTheSameResults)
   // Forward-only calls keep no activations: nothing to recompute, and the budget still holds.
   ASSERT_OK_AND_ASSIGN(ForwardBackwardResult f, automatic->Forward(batch));
   EXPECT_FALSE(f.metrics.Has("micro_batches_recomputed:sum"));
+  // A LoRA run without dropout keeps no SwiGLU activation (down_proj rebuilds it): its
+  // estimate is the smaller one; with dropout it is kept and counted.
+  const double lean = EstimatePackedActivationBytes(c, base->shard, lengths, true, 4, o.logprob_chunk_tokens,
+                                                    /*recompute=*/false, /*mlp_activation_kept=*/false);
+  ASSERT_LT(lean, plain);
+  TrainerOptions no_dropout = o;
+  no_dropout.lora.dropout = 0;
+  no_dropout.activation_recompute = ActivationRecompute::kNone;
+  no_dropout.max_activation_bytes = static_cast<int64_t>((lean + plain) / 2);
+  ASSERT_OK_AND_ASSIGN(auto lean_trainer, Trainer::Create(base, no_dropout));
+  ASSERT_OK(lean_trainer->TrainStep(batch, Ppo(), Adam()).status());
+  TrainerOptions with_dropout = no_dropout;
+  with_dropout.lora.dropout = 0.1;
+  ASSERT_OK_AND_ASSIGN(auto kept_trainer, Trainer::Create(base, with_dropout));
+  EXPECT_THAT(kept_trainer->TrainStep(batch, Ppo(), Adam()), StatusIs(absl::StatusCode::kResourceExhausted, ""));
   EXPECT_THAT(ParseActivationRecompute("sometimes", "--activation_recompute"),
               StatusIs(absl::StatusCode::kInvalidArgument, "--activation_recompute: \"sometimes\""));
   EXPECT_EQ(ParseActivationRecompute("full", "f").value(), ActivationRecompute::kFull);

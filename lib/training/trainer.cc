@@ -127,7 +127,8 @@ namespace {
 
 // tokens: rows the layers see; attention_pairs: sum over sequences of length^2.
 double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tokens, double attention_pairs,
-                       bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens, bool recompute) {
+                       bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens, bool recompute,
+                       bool mlp_activation_kept) {
   const int64_t tp = std::max(1, shard.tp);
   const double layers = shard.layer_end > shard.layer_begin ? static_cast<double>(shard.layer_end - shard.layer_begin)
                                                             : static_cast<double>(c.num_hidden_layers);
@@ -139,7 +140,8 @@ double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tok
     inner = std::max(inner, (static_cast<double>(c.moe.num_experts_per_tok * c.moe.moe_intermediate_size) +
                              static_cast<double>(c.moe.shared_expert_intermediate_size)) / tp);
   }
-  const double per_token_layer = (8.0 * h + 3.0 * inner + 4.0 * kv * d) * static_cast<double>(element_bytes);
+  const double mlp_rows = mlp_activation_kept || c.is_moe() ? 3.0 : 2.0;
+  const double per_token_layer = (8.0 * h + mlp_rows * inner + 4.0 * kv * d) * static_cast<double>(element_bytes);
   double attention_scores = 0;  // the unfused attention of LibTorch < 2 materializes them
 #if !LORASTEP_TORCH_AT_LEAST(2, 0)
   attention_scores = 3.0 * heads * attention_pairs * 4.0;
@@ -158,21 +160,23 @@ double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tok
 }  // namespace
 
 double EstimateActivationBytes(const ModelConfig& c, const ModelShard& shard, int64_t b, int64_t s,
-                               bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens, bool recompute) {
+                               bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens, bool recompute,
+                               bool mlp_activation_kept) {
   const double tokens = static_cast<double>(b) * static_cast<double>(s);
   return ActivationBytes(c, shard, tokens, tokens * static_cast<double>(s), backward, element_bytes,
-                         logprob_chunk_tokens, recompute);
+                         logprob_chunk_tokens, recompute, mlp_activation_kept);
 }
 
 double EstimatePackedActivationBytes(const ModelConfig& c, const ModelShard& shard,
                                      const std::vector<int64_t>& lengths, bool backward, int64_t element_bytes,
-                                     int64_t logprob_chunk_tokens, bool recompute) {
+                                     int64_t logprob_chunk_tokens, bool recompute, bool mlp_activation_kept) {
   double tokens = 0, pairs = 0;
   for (int64_t n : lengths) {
     tokens += static_cast<double>(n);
     pairs += static_cast<double>(n) * static_cast<double>(n);
   }
-  return ActivationBytes(c, shard, tokens, pairs, backward, element_bytes, logprob_chunk_tokens, recompute);
+  return ActivationBytes(c, shard, tokens, pairs, backward, element_bytes, logprob_chunk_tokens, recompute,
+                         mlp_activation_kept);
 }
 
 int64_t AvailableHostMemoryBytes() {
@@ -261,6 +265,12 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
     budget = available / 10 * 8;  // room for the allocator and everything else
   }
   const int64_t element_bytes = static_cast<int64_t>(c10::elementSize(base_->dtype));
+  // LoRA on down_proj in the fused form rebuilds the SwiGLU activation in backward, and a
+  // frozen down_proj keeps no input: the activation stays only for full fine-tuning and for
+  // a down_proj LoRA with dropout or unfused weight gradients.
+  const bool down_lora = adapter_->lora(0, kDownProj) != nullptr;
+  const bool mlp_activation_kept = adapter_->full_finetune() ||
+                                   (down_lora && (options_.lora.dropout > 0 || !options_.grad.fused_wgrad));
   for (size_t m = 0; m < micro_batches.size(); ++m) {
     const auto& mb = micro_batches[m];
     int64_t longest = 0, total = 0;
@@ -274,9 +284,9 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
     auto need = [&](bool with_recompute) {
       return options_.pack_sequences
                  ? EstimatePackedActivationBytes(base_->config, base_->shard, lengths, backward, element_bytes,
-                                                 options_.logprob_chunk_tokens, with_recompute)
+                                                 options_.logprob_chunk_tokens, with_recompute, mlp_activation_kept)
                  : EstimateActivationBytes(base_->config, base_->shard, count, longest, backward, element_bytes,
-                                           options_.logprob_chunk_tokens, with_recompute);
+                                           options_.logprob_chunk_tokens, with_recompute, mlp_activation_kept);
     };
     const double plain = need(false), recomputed = backward ? need(true) : plain;
     const double b = static_cast<double>(budget);
@@ -303,7 +313,8 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
       while (lo < hi) {
         const int64_t mid = (lo + hi + 1) / 2;
         const double n = EstimatePackedActivationBytes(base_->config, base_->shard, {mid}, backward, element_bytes,
-                                                       options_.logprob_chunk_tokens, with_recompute);
+                                                       options_.logprob_chunk_tokens, with_recompute,
+                                                       mlp_activation_kept);
         if (n <= b) lo = mid; else hi = mid - 1;
       }
       return lo;
