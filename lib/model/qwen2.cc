@@ -257,14 +257,20 @@ class LayerRunner {
               const Adapter* adapter, const ForwardOptions& options)
       : c_(c), weights_(weights), main_grads_(main_grads), adapter_(adapter), options_(options) {}
 
+  // The LoRA factors of (layer, slot) when its branch runs inside one function with the
+  // frozen base (LoraLinear): a frozen base and no dropout in training; else null.
+  const LoraFactors* FusedLora(size_t layer, int slot) const {
+    const LoraFactors* f = adapter_ != nullptr ? adapter_->lora(layer, slot) : nullptr;
+    if (f == nullptr || main_grads_ != nullptr) return nullptr;
+    return adapter_->lora_config().dropout > 0 && options_.training ? nullptr : f;
+  }
+
   // One linear of layer `layer`: frozen or trainable base, plus the LoRA branch if any.
   at::Tensor Project(size_t layer, int slot, const at::Tensor& x) const {
     const at::Tensor& w = weights_.layers[layer].linear[slot];
     at::Tensor mg = main_grads_ != nullptr ? main_grads_->layers[layer].linear[slot] : at::Tensor();
     const at::Tensor bias = slot < 3 ? weights_.layers[layer].qkv_bias[slot] : at::Tensor();
-    const LoraFactors* f = adapter_ != nullptr ? adapter_->lora(layer, slot) : nullptr;
-    const double p = adapter_ != nullptr ? adapter_->lora_config().dropout : 0.0;
-    if (f != nullptr && !mg.defined() && !(p > 0 && options_.training)) {  // the common case, fused
+    if (const LoraFactors* f = FusedLora(layer, slot)) {  // the common case, fused
       const Parameter& a = adapter_->parameters()[f->a];
       const Parameter& b = adapter_->parameters()[f->b];
       return LoraLinear(x, w, bias, a.value, a.main_grad, b.value, b.main_grad,
@@ -272,7 +278,8 @@ class LayerRunner {
     }
     at::Tensor y = Linear(x, w, mg, options_.grad);
     if (bias.defined()) y = y + bias;
-    if (f != nullptr) {
+    const double p = adapter_ != nullptr ? adapter_->lora_config().dropout : 0.0;
+    if (const LoraFactors* f = adapter_ != nullptr ? adapter_->lora(layer, slot) : nullptr) {
       const Parameter& a = adapter_->parameters()[f->a];
       const Parameter& b = adapter_->parameters()[f->b];
       at::Tensor xin = (p > 0 && options_.training) ? Dropout(x, p) : x;
@@ -347,10 +354,8 @@ class LayerRunner {
   // keeping it (LoraLinearRecomputed with kSwiGluOfPacked): the same values, a third less
   // activation memory in a dense layer.
   at::Tensor DownOfPacked(size_t i, const at::Tensor& gate_up) const {
-    const LoraFactors* f = adapter_ != nullptr ? adapter_->lora(i, kDownProj) : nullptr;
-    const double p = adapter_ != nullptr ? adapter_->lora_config().dropout : 0.0;
-    if (f != nullptr && main_grads_ == nullptr && !(p > 0 && options_.training) && options_.grad.fused_wgrad &&
-        gate_up.is_contiguous()) {
+    const LoraFactors* f = FusedLora(i, kDownProj);
+    if (f != nullptr && options_.grad.fused_wgrad && gate_up.is_contiguous()) {
       const Parameter& a = adapter_->parameters()[f->a];
       const Parameter& b = adapter_->parameters()[f->b];
       return LoraLinearRecomputed(gate_up, kSwiGluOfPacked, weights_.layers[i].linear[kDownProj], /*bias=*/at::Tensor(), a.value,
@@ -367,14 +372,13 @@ class LayerRunner {
     const int64_t b = h.size(0), s = h.size(1), d = c_.head_dim();
     at::Tensor q, k, v;
     at::Tensor qkv = ProjectPacked(i, {kQProj, kKProj, kVProj}, h);
-    const bool plain_heads = !lw.layout.qk_norm && !(shard != nullptr && shard->kv_select >= 0);
 #ifdef LORASTEP_WITH_CUDA_KERNELS
+    const bool plain_heads = !lw.layout.qk_norm && !(shard != nullptr && shard->kv_select >= 0);
     if (qkv.defined() && plain_heads && UseFusedKernels(qkv, cos) && qkv.stride(-1) == 1) {
       auto out = QkvRopeFunction::apply(qkv, cos, sin, nh, nkv);
       return {out[0], out[1], out[2]};
     }
 #endif
-    (void)plain_heads;
     if (qkv.defined()) {
       q = qkv.narrow(-1, 0, nh * d).view({b, s, nh, d});
       k = qkv.narrow(-1, nh * d, nkv * d).view({b, s, nkv, d});
@@ -395,6 +399,11 @@ class LayerRunner {
     // RoPE on the projections' own [b, s, heads, d] layout.
     return {ApplyRope(q, cos, sin), ApplyRope(k, cos, sin), v};
   }
+
+  // Layer i over x as a RecomputedLayerNode (activation recomputation): like Layer, with both
+  // outputs attached to the node, which keeps only x. Defined after the node.
+  std::pair<at::Tensor, at::Tensor> RecomputedLayer(size_t i, const at::Tensor& x, const at::Tensor& cos,
+                                                    const at::Tensor& sin) const;
 
   // One decoder layer over the residual stream x, where `pending` is the previous layer's
   // MLP output not yet added to it (undefined before the first layer): each residual add
@@ -656,21 +665,18 @@ class RecomputedLayerNode : public torch::autograd::Node {
   at::Tensor input_, cos_, sin_, dropout_state_;
 };
 
-// Layer `i` of `runner` over x as a RecomputedLayerNode: returns (stream, pending MLP output)
-// like LayerRunner::Layer, both attached to the node.
-std::pair<at::Tensor, at::Tensor> RecomputedLayer(const LayerRunner& runner, const ModelConfig& c,
-                                                  const ModelWeights& weights, const ModelWeights* main_grads,
-                                                  const Adapter* adapter, const ForwardOptions& options, size_t i,
-                                                  const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+std::pair<at::Tensor, at::Tensor> LayerRunner::RecomputedLayer(size_t i, const at::Tensor& x, const at::Tensor& cos,
+                                                              const at::Tensor& sin) const {
   // The generator where this layer's forward starts drawing: the replay starts there too.
-  at::Tensor dropout_state = options.dropout_generator != nullptr ? options.dropout_generator->get_state() : at::Tensor();
+  at::Tensor dropout_state =
+      options_.dropout_generator != nullptr ? options_.dropout_generator->get_state() : at::Tensor();
   std::pair<at::Tensor, at::Tensor> out;
   {
     at::NoGradGuard no_grad;
-    out = runner.Layer(i, x, at::Tensor(), cos, sin);
+    out = Layer(i, x, at::Tensor(), cos, sin);
   }
   auto node = std::shared_ptr<RecomputedLayerNode>(
-      new RecomputedLayerNode(c, weights, main_grads, adapter, options, i, x, cos, sin, std::move(dropout_state)),
+      new RecomputedLayerNode(c_, weights_, main_grads_, adapter_, options_, i, x, cos, sin, std::move(dropout_state)),
       torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(x));
   torch::autograd::set_history(out.first, node);
@@ -860,14 +866,13 @@ at::Tensor Qwen2Layers(const ModelConfig& config, const ModelWeights& base, cons
     cos = cos.index_select(0, options.packed->positions);
     sin = sin.index_select(0, options.packed->positions);
   }
-  const Adapter* layer_adapter = full ? nullptr : adapter;
-  LayerRunner runner(config, weights, main_grads, layer_adapter, options);
+  LayerRunner runner(config, weights, main_grads, full ? nullptr : adapter, options);
   at::Tensor pending;  // the last layer's MLP output, added after the loop
   const bool recompute = options.recompute_layers && at::GradMode::is_enabled();
   for (size_t i = 0; i < weights.layers.size(); ++i) {
     if (recompute) {  // keep one tensor per layer: its input, the stream with the last MLP added
       if (pending.defined()) x = x + pending;
-      std::tie(x, pending) = RecomputedLayer(runner, config, weights, main_grads, layer_adapter, options, i, x, cos, sin);
+      std::tie(x, pending) = runner.RecomputedLayer(i, x, cos, sin);
     } else {
       std::tie(x, pending) = runner.Layer(i, x, pending, cos, sin);
     }

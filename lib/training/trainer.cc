@@ -336,12 +336,12 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
 
 absl::Status Trainer::AgreeOnRecompute(std::vector<bool>* recompute) {
   if (options_.groups == nullptr || recompute->empty()) return absl::OkStatus();
-  at::Tensor flags = at::zeros({static_cast<int64_t>(recompute->size())}, at::kFloat);
-  for (size_t i = 0; i < recompute->size(); ++i) flags[static_cast<int64_t>(i)] = (*recompute)[i] ? 1.0f : 0.0f;
-  flags = flags.to(base_->device);
+  std::vector<float> local(recompute->begin(), recompute->end());
+  at::Tensor flags = at::tensor(local, at::kFloat).to(base_->device);
   LORASTEP_RETURN_IF_ERROR(options_.groups->group(GroupKind::kWorld).AllReduce(flags, ReduceKind::kMax));
-  const at::Tensor host = flags.to(at::kCPU);
-  for (size_t i = 0; i < recompute->size(); ++i) (*recompute)[i] = host[static_cast<int64_t>(i)].item<float>() > 0;
+  const at::Tensor host = flags.to(at::kCPU).contiguous();
+  const float* any = host.data_ptr<float>();
+  for (size_t i = 0; i < recompute->size(); ++i) (*recompute)[i] = any[i] > 0;
   return absl::OkStatus();
 }
 
@@ -424,7 +424,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
                                                                const LossConfig* loss,
                                                                const BatchOptions& batch,
                                                                const std::vector<bool>& recompute) {
-  auto recomputes = [&](size_t i) { return loss != nullptr && i < recompute.size() && recompute[i]; };
+  auto recomputes = [&](size_t i) { return i < recompute.size() && recompute[i]; };
   const ModelConfig& config = base_->config;
   const bool backward = loss != nullptr;
   ForwardBackwardResult result;
