@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "lib/training/adamw.h"
 #include "lib/model/adapter.h"
+#include "lib/training/activation_memory.h"
 #include "lib/training/batch.h"
 #include "lib/training/grad_finalizer.h"
 #include "lib/model/linear.h"
@@ -88,32 +89,6 @@ struct TrainerOptions {
   // this rank after the commit vote, as a device error there would; the other ranks commit.
   std::shared_ptr<std::atomic<bool>> test_fail_commit_once;
 };
-
-// The activation memory a micro-batch of `b` sequences padded to `s` tokens needs on this
-// rank: what the layers keep for backward (forward-only: one layer's worth), ~(8H + 3I +
-// 4 kv·d) model-dtype elements per token and layer (norm inputs, q/k/v before and after
-// RoPE, attention output, the MLP's gate, up and product), the attention scores where the
-// build has no fused attention (LibTorch < 2: b·heads·s² fp32, three copies per layer), and
-// the LM head's chunk (logits, log-softmax and probabilities over the vocabulary).
-// With `recompute` the layers keep only their inputs (H per token and layer) and one layer's
-// activations exist at a time (its replay in backward). Without `mlp_activation_kept` the
-// MLP keeps 2I, not 3I (LoRA runs whose down_proj rebuilds its input, or keeps none).
-double EstimateActivationBytes(const ModelConfig& config, const ModelShard& shard, int64_t b, int64_t s,
-                               bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens,
-                               bool recompute = false, bool mlp_activation_kept = true);
-// The same for sequences of these lengths packed back to back (no padding).
-double EstimatePackedActivationBytes(const ModelConfig& config, const ModelShard& shard,
-                                     const std::vector<int64_t>& lengths, bool backward, int64_t element_bytes,
-                                     int64_t logprob_chunk_tokens, bool recompute = false,
-                                     bool mlp_activation_kept = true);
-// Host memory this process may still allocate: MemAvailable, capped by the room its cgroup
-// limits leave (CgroupMemoryRoom).
-int64_t AvailableHostMemoryBytes();
-// The room this process's memory cgroups leave: the least of limit - usage over its cgroup
-// and every ancestor (v2: memory.max and memory.current under `cgroup_root`; v1: the memory
-// controller's memory.limit_in_bytes and memory.usage_in_bytes), from the text of
-// /proc/self/cgroup. -1 when no limit applies.
-int64_t CgroupMemoryRoom(const std::string& proc_self_cgroup, const std::string& cgroup_root = "/sys/fs/cgroup");
 
 // Per-call overrides for how a batch is run.
 struct BatchOptions {

@@ -1,0 +1,130 @@
+#include "lib/training/activation_memory.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
+#include "lib/torch_compat.h"
+
+namespace lorastep {
+
+namespace {
+
+// tokens: rows the layers see; attention_pairs: sum over sequences of length^2.
+double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tokens, double attention_pairs,
+                       bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens, bool recompute,
+                       bool mlp_activation_kept) {
+  const int64_t tp = std::max(1, shard.tp);
+  const double layers = shard.layer_end > shard.layer_begin ? static_cast<double>(shard.layer_end - shard.layer_begin)
+                                                            : static_cast<double>(c.num_hidden_layers);
+  const double heads = static_cast<double>(shard.heads > 0 ? shard.heads : c.num_attention_heads);
+  const double kv = static_cast<double>(shard.kv_heads > 0 ? shard.kv_heads : c.num_key_value_heads);
+  const double d = static_cast<double>(c.head_dim()), h = static_cast<double>(c.hidden_size);
+  double inner = static_cast<double>(c.intermediate_size) / tp;
+  if (c.is_moe()) {  // each token's routed experts, and the shared expert
+    inner = std::max(inner, (static_cast<double>(c.moe.num_experts_per_tok * c.moe.moe_intermediate_size) +
+                             static_cast<double>(c.moe.shared_expert_intermediate_size)) / tp);
+  }
+  const double mlp_rows = mlp_activation_kept || c.is_moe() ? 3.0 : 2.0;
+  const double per_token_layer = (8.0 * h + mlp_rows * inner + 4.0 * kv * d) * static_cast<double>(element_bytes);
+  double attention_scores = 0;  // the unfused attention of LibTorch < 2 materializes them
+#if !LORASTEP_TORCH_AT_LEAST(2, 0)
+  attention_scores = 3.0 * heads * attention_pairs * 4.0;
+#else
+  (void)heads, (void)attention_pairs;
+#endif
+  const double per_layer = tokens * per_token_layer + attention_scores;
+  const double head = std::min(static_cast<double>(logprob_chunk_tokens), tokens) *
+                      static_cast<double>(c.vocab_size) / tp * (static_cast<double>(element_bytes) + 12.0);
+  if (backward && recompute) {  // every layer's input, plus one layer replayed at a time
+    return layers * tokens * h * static_cast<double>(element_bytes) + per_layer + head;
+  }
+  return (backward ? layers : 1.0) * per_layer + head;
+}
+
+}  // namespace
+
+double EstimateActivationBytes(const ModelConfig& c, const ModelShard& shard, int64_t b, int64_t s,
+                               bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens, bool recompute,
+                               bool mlp_activation_kept) {
+  const double tokens = static_cast<double>(b) * static_cast<double>(s);
+  return ActivationBytes(c, shard, tokens, tokens * static_cast<double>(s), backward, element_bytes,
+                         logprob_chunk_tokens, recompute, mlp_activation_kept);
+}
+
+double EstimatePackedActivationBytes(const ModelConfig& c, const ModelShard& shard,
+                                     const std::vector<int64_t>& lengths, bool backward, int64_t element_bytes,
+                                     int64_t logprob_chunk_tokens, bool recompute, bool mlp_activation_kept) {
+  double tokens = 0, pairs = 0;
+  for (int64_t n : lengths) {
+    tokens += static_cast<double>(n);
+    pairs += static_cast<double>(n) * static_cast<double>(n);
+  }
+  return ActivationBytes(c, shard, tokens, pairs, backward, element_bytes, logprob_chunk_tokens, recompute,
+                         mlp_activation_kept);
+}
+
+int64_t AvailableHostMemoryBytes() {
+  int64_t available = -1;
+  if (std::FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char line[256];
+    while (std::fgets(line, sizeof(line), f) != nullptr) {
+      long long kb = 0;
+      if (std::sscanf(line, "MemAvailable: %lld kB", &kb) == 1) available = static_cast<int64_t>(kb) * 1024;
+    }
+    std::fclose(f);
+  }
+  // The cgroup limits (containers, systemd services) cap what this process may take.
+  std::string own_cgroup;
+  if (std::FILE* f = std::fopen("/proc/self/cgroup", "r")) {
+    char line[4096];
+    while (std::fgets(line, sizeof(line), f) != nullptr) own_cgroup += line;
+    std::fclose(f);
+  }
+  const int64_t room = CgroupMemoryRoom(own_cgroup);
+  if (room >= 0) available = available < 0 ? room : std::min(available, room);
+  return available;
+}
+
+int64_t CgroupMemoryRoom(const std::string& proc_self_cgroup, const std::string& cgroup_root) {
+  auto read_number = [](const std::string& path) -> int64_t {
+    std::FILE* f = std::fopen(path.c_str(), "r");
+    if (f == nullptr) return -1;
+    long long v = -1;
+    const int n = std::fscanf(f, "%lld", &v);
+    std::fclose(f);
+    return n == 1 ? static_cast<int64_t>(v) : -1;  // "max" reads as no number
+  };
+  int64_t room = -1;
+  // Walks from the cgroup folder `dir` up to `top`, keeping the least limit - usage.
+  auto walk = [&](std::string dir, const std::string& top, const char* limit_file, const char* usage_file) {
+    while (true) {
+      const int64_t limit = read_number(dir + "/" + limit_file);
+      const int64_t used = read_number(dir + "/" + usage_file);
+      // cgroup v1 writes "no limit" as a page-rounded INT64_MAX.
+      if (limit > 0 && limit < (int64_t{1} << 62) && used >= 0) {
+        const int64_t left = std::max<int64_t>(0, limit - used);
+        room = room < 0 ? left : std::min(room, left);
+      }
+      if (dir.size() <= top.size()) break;
+      dir = dir.substr(0, dir.rfind('/'));
+    }
+  };
+  for (absl::string_view line : absl::StrSplit(proc_self_cgroup, '\n', absl::SkipEmpty())) {
+    // "hierarchy-id:controllers:path"; v2 is "0::/path".
+    std::vector<absl::string_view> parts = absl::StrSplit(line, absl::MaxSplits(':', 2));
+    if (parts.size() != 3 || parts[2].empty() || parts[2].front() != '/') continue;
+    std::string path(parts[2]);
+    while (!path.empty() && path.back() == '/') path.pop_back();
+    if (parts[0] == "0" && parts[1].empty()) {
+      walk(cgroup_root + path, cgroup_root, "memory.max", "memory.current");
+    } else if (absl::StrContains(parts[1], "memory")) {
+      const std::string top = cgroup_root + "/memory";
+      walk(top + path, top, "memory.limit_in_bytes", "memory.usage_in_bytes");
+    }
+  }
+  return room;
+}
+
+}  // namespace lorastep
