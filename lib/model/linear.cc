@@ -75,9 +75,27 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
   }
 };
 
-// y = x W^T (+ bias) + scale * (x A^T) B^T with frozen W: the LoRA branch's second GEMM adds
-// into the base output (addmm), and backward folds `scale` into the GEMMs' alpha, so a
-// LoRA linear runs 3 GEMMs forward and 5 backward with no elementwise kernels.
+// y = x2d W^T (+ bias) + scale * (x2d A^T) B^T, and x2d A^T (kept for B's gradient): the
+// branch's second GEMM adds into the base output (addmm).
+std::pair<at::Tensor, at::Tensor> LoraForward(const at::Tensor& x2d, const at::Tensor& weight, const at::Tensor& bias,
+                                              const at::Tensor& a, const at::Tensor& b, double scale) {
+  at::Tensor xa = at::mm(x2d, a.t());
+  at::Tensor y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
+  y.addmm_(xa, b.t(), /*beta=*/1, /*alpha=*/scale);
+  return {y, xa};
+}
+
+// The factors' gradients of LoraForward added into their fp32 main_grads, for the output
+// gradient g and gb = g B.
+void AddLoraFactorGrads(at::Tensor& a_grad, at::Tensor& b_grad, const at::Tensor& g, const at::Tensor& gb,
+                        const at::Tensor& xa, const at::Tensor& x2d, double scale) {
+  compat::AddMatmulFp32(b_grad, g.t(), xa, scale);
+  compat::AddMatmulFp32(a_grad, gb.t(), x2d, scale);
+}
+
+// y = x W^T (+ bias) + scale * (x A^T) B^T with frozen W (LoraForward), and backward folds
+// `scale` into the GEMMs' alpha, so a LoRA linear runs 3 GEMMs forward and 5 backward with no
+// elementwise kernels.
 class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> {
  public:
   // factors_in: {a, b} as autograd inputs (unfused, so autograd routes their gradients),
@@ -90,9 +108,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     const at::Tensor& bias = bias_ref.tensor;  // frozen, possibly undefined: not an autograd input
     const at::Tensor &a = a_ref.tensor, &b = b_ref.tensor;
     at::Tensor x2d = FoldLeadingDims(x);
-    at::Tensor xa = at::mm(x2d, a.t());
-    at::Tensor y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
-    y.addmm_(xa, b.t(), /*beta=*/1, /*alpha=*/scale);
+    auto [y, xa] = LoraForward(x2d, weight, bias, a, b, scale);
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["fused"] = fused;
     if (fused) {
@@ -117,8 +133,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     at::Tensor grad_a, grad_b;
     if (ctx->saved_data["fused"].toBool()) {
       at::Tensor a_grad = ctx->saved_data["a_grad"].toTensor(), b_grad = ctx->saved_data["b_grad"].toTensor();
-      compat::AddMatmulFp32(b_grad, g.t(), xa, scale);
-      compat::AddMatmulFp32(a_grad, gb.t(), x2d, scale);
+      AddLoraFactorGrads(a_grad, b_grad, g, gb, xa, x2d, scale);
     } else {
       grad_b = at::mm(g.t(), xa).mul_(scale);
       grad_a = at::mm(gb.t(), x2d).mul_(scale);
@@ -142,10 +157,7 @@ class LoraLinearRecomputedFunction : public torch::autograd::Function<LoraLinear
     const at::Tensor& bias = bias_ref.tensor;
     const at::Tensor &a = a_ref.tensor, &b = b_ref.tensor;
     const at::Tensor x = input.forward(source);
-    const at::Tensor x2d = FoldLeadingDims(x);
-    const at::Tensor xa = at::mm(x2d, a.t());
-    at::Tensor y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
-    y.addmm_(xa, b.t(), /*beta=*/1, /*alpha=*/scale);
+    auto [y, xa] = LoraForward(FoldLeadingDims(x), weight, bias, a, b, scale);
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["a_grad"] = a_grad.tensor;
     ctx->saved_data["b_grad"] = b_grad.tensor;
@@ -169,8 +181,7 @@ class LoraLinearRecomputedFunction : public torch::autograd::Function<LoraLinear
     at::Tensor x;
     at::Tensor grad_source = rebuild(source, grad_x, &x);
     at::Tensor a_grad = ctx->saved_data["a_grad"].toTensor(), b_grad = ctx->saved_data["b_grad"].toTensor();
-    compat::AddMatmulFp32(b_grad, g.t(), xa, scale);
-    compat::AddMatmulFp32(a_grad, gb.t(), FoldLeadingDims(x), scale);
+    AddLoraFactorGrads(a_grad, b_grad, g, gb, xa, FoldLeadingDims(x), scale);
     torch::autograd::variable_list out{grad_source.view(source.sizes())};
     out.resize(10);  // anchor, input, weight, bias, a, b, their main_grads, scale
     return out;
