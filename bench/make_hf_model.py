@@ -11,6 +11,18 @@ SHAPES = {
     "qwen2.5-7b": ("qwen2", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                                  num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
                                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    # The same with Qwen2.5's long-context config: YaRN factor 4 over 32,768 -> 131,072 positions.
+    "qwen2.5-7b-yarn": ("qwen2", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                      num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072,
+                                      rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                      rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": 32768})),
+    # Qwen2.5-0.5B: 24 layers, hidden 896, FFN 4864, 14 heads, 2 KV groups, tied head; YaRN as above.
+    "qwen2.5-0.5b-yarn": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=131072,
+                                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 32768})),
 }
 
 

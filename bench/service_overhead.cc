@@ -9,6 +9,8 @@
 //                    [--batch_file B.json (bench/make_batch.py; else random --seqs x --len)]
 //                    [--mode train|forward (Forward: log-probs only, no gradient)]
 //                    [--packed=false (datums as repeated Datum messages, not packed_datums)]
+//                    [--first_step_logprobs (train: the warm-up step as ForwardBackward +
+//                     OptimStep; its loss, grad_norm and per-token log-probs go into the JSON)]
 #include <iterator>
 #include <sstream>
 #include <malloc.h>
@@ -16,6 +18,7 @@
 #include <algorithm>
 #include <map>
 #include <chrono>
+#include <cmath>
 #include <ctime>
 #include <fstream>
 #include <iostream>
@@ -45,6 +48,8 @@ ABSL_FLAG(std::string, out, "", "write the JSON result here");
 ABSL_FLAG(bool, tune_malloc, false, "keep large buffers in this process's heap, as the servers do (TuneProcessForServing)");
 ABSL_FLAG(int, server_pid, 0, "the coordinator's pid: its minor page faults per step go into the JSON too");
 ABSL_FLAG(bool, packed, true, "send datums as packed_datums (false: repeated Datum messages)");
+ABSL_FLAG(bool, first_step_logprobs, false,
+          "train: run the warm-up step as ForwardBackward + OptimStep and record its loss, grad_norm and log-probs");
 
 namespace {
 
@@ -107,6 +112,8 @@ int main(int argc, char** argv) {
   std::vector<int64_t> client_faults, server_faults;  // minor page faults per step
   const int server_pid = absl::GetFlag(FLAGS_server_pid);
   std::map<std::string, double> last_metrics;
+  std::vector<double> step_losses, step_grad_norms;  // every step's, the warm-up's first
+  nlohmann::ordered_json first_step;
   for (int s = 0; s <= steps; ++s) {
     const int64_t faults0 = MinorFaults(0), server_faults0 = server_pid > 0 ? MinorFaults(server_pid) : -1;
     auto t0 = std::chrono::steady_clock::now();
@@ -120,6 +127,24 @@ int main(int argc, char** argv) {
       }
       metrics = r->metrics();
       compute = metrics.at("time_forward_s:sum") + metrics.at("time_data_s:sum");
+    } else if (s == 0 && absl::GetFlag(FLAGS_first_step_logprobs)) {
+      auto fb = run->ForwardBackward(batch, loss);
+      if (!fb.ok()) {
+        std::cerr << fb.status() << "\n";
+        return 1;
+      }
+      auto r = run->OptimStep(adamw);
+      if (!r.ok()) {
+        std::cerr << r.status() << "\n";
+        return 1;
+      }
+      metrics = fb->metrics();
+      for (const auto& [k, v] : r->metrics()) metrics[k] = v;
+      std::vector<float> logprobs;
+      for (const auto& datum : fb->logprobs()) logprobs.insert(logprobs.end(), datum.values().begin(), datum.values().end());
+      first_step["loss"] = metrics.at("loss:sum");
+      first_step["grad_norm"] = metrics.at("grad_norm:sum");
+      first_step["logprobs"] = logprobs;
     } else {
       auto r = run->TrainStep(batch, loss, adamw, max_tokens);
       if (!r.ok()) {
@@ -128,6 +153,10 @@ int main(int argc, char** argv) {
       }
       metrics = r->metrics();
       compute = metrics.at("time_step_s:sum");
+    }
+    if (!forward_only) {
+      step_losses.push_back(metrics.count("loss:sum") ? metrics.at("loss:sum") : std::nan(""));
+      step_grad_norms.push_back(metrics.count("grad_norm:sum") ? metrics.at("grad_norm:sum") : std::nan(""));
     }
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s == 0) continue;  // warm-up: allocator, kernels, caches
@@ -166,6 +195,11 @@ int main(int argc, char** argv) {
   j["client_step_s"] = client_s;
   j["worker_step_s"] = worker_s;
   j["last_step_metrics"] = last_metrics;
+  if (!forward_only) {
+    j["step_losses"] = step_losses;  // the warm-up step's first
+    j["step_grad_norms"] = step_grad_norms;
+  }
+  if (!first_step.empty()) j["first_step"] = first_step;
   j["overhead_fractions"] = fractions;
   j["client_minor_faults"] = client_faults;
   if (server_pid > 0) j["server_minor_faults"] = server_faults;

@@ -8,6 +8,7 @@
 #include <torch/version.h>
 
 #include <cmath>
+#include <tuple>
 
 #define LORASTEP_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||           \
@@ -81,6 +82,38 @@ inline at::Tensor VarlenCausalAttention(const at::Tensor& q, const at::Tensor& k
 #else
   (void)q, (void)k, (void)v, (void)cu_seqlens, (void)max_length;
   return at::Tensor();
+#endif
+}
+
+// The same forward keeping what its backward needs: the output [total, heads, d], the
+// softmax log-sum-exp (fp32) and the kernel's random-number state (unused without dropout).
+// With these, VarlenCausalAttentionBackward gives the input gradients without a second
+// forward (selective activation recomputation keeps them instead of replaying attention).
+struct VarlenAttentionSaved {
+  at::Tensor out, logsumexp, rng_state, rng_unused;
+};
+inline VarlenAttentionSaved VarlenCausalAttentionSaved(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       const at::Tensor& cu_seqlens, int64_t max_length) {
+#if LORASTEP_TORCH_AT_LEAST(2, 5)
+  auto r = at::_flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, /*dropout_p=*/0.0,
+                                        /*is_causal=*/true, /*return_debug_mask=*/false);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)};
+#else
+  (void)q, (void)k, (void)v, (void)cu_seqlens, (void)max_length;
+  return {};
+#endif
+}
+// (dq, dk, dv) of VarlenCausalAttentionSaved's output for its gradient `grad_out`.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> VarlenCausalAttentionBackward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const VarlenAttentionSaved& saved, const at::Tensor& cu_seqlens, int64_t max_length) {
+#if LORASTEP_TORCH_AT_LEAST(2, 5)
+  return at::_flash_attention_backward(grad_out.contiguous(), q, k, v, saved.out, saved.logsumexp, cu_seqlens,
+                                       cu_seqlens, max_length, max_length, /*dropout_p=*/0.0, /*is_causal=*/true,
+                                       saved.rng_state, saved.rng_unused);
+#else
+  (void)grad_out, (void)q, (void)k, (void)v, (void)saved, (void)cu_seqlens, (void)max_length;
+  return {};
 #endif
 }
 

@@ -110,6 +110,10 @@ if [[ " $STEPS " == *" step7b "* ]]; then
   step "LoRA step on a 7B-class model transformers writes (Qwen2.5-7B shape): lorastep vs transformers + PEFT"
   bash bench/step7b.sh build-gpu "$OUT"
 fi
+if [[ " $STEPS " == *" long "* ]]; then  # issue 29: 32k-131k-token sequences on one GPU, recomputation's cost
+  step "long context: 7B shape (YaRN 131,072) on 1 x 32,768 and 1 x 131,072, 0.5B on 1 x 131,072, recompute at 2 x 16,384"
+  bash bench/long_context.sh build-gpu "$OUT" ${LONG_RUNS:-}
+fi
 if [[ " $STEPS " == *" families "* ]]; then  # every family and RoPE variant against transformers + PEFT
   step "families: qwen2, qwen3, llama (tied, untied), qwen3_moe, qwen2 with linear/dynamic/yarn RoPE"
   PYTHONUNBUFFERED=1 python3 bench/families.py --parity-bin build-gpu/lorastep_parity --out "$OUT/families.json" \

@@ -129,7 +129,7 @@ ABSL_FLAG(int, max_request_mb, 64, "largest request a client may send, MiB, in [
 ABSL_FLAG(int, max_upload_mb, 512, "largest PEFT adapter one UploadAdapter may send (both files), MiB, in [1, 1000]");
 ABSL_FLAG(double, max_recorded_mb, 64, "MiB of recorded responses (for retries) kept per run");
 ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt, "local workers: activation budget per micro-batch, MiB");
-ABSL_FLAG(std::string, activation_recompute, "auto", "local workers: activation recomputation (auto, none, full)");
+ABSL_FLAG(std::string, activation_recompute, "auto", "local workers: activation recomputation (auto, none, selective, full)");
 ABSL_FLAG(bool, unfused_wgrad, false, "local workers: unfused weight gradients");
 ABSL_FLAG(bool, pack_sequences, true, "local workers: pack each micro-batch's datums back to back (no padding)");
 ABSL_FLAG(int, cpu_threads, 0, "local workers: intra-op CPU threads (0: the worker's default)");

@@ -361,11 +361,12 @@ int CountNodes(const at::Tensor& t, const std::string& name) {
   return count;
 }
 
-// Activation recomputation (ForwardOptions::recompute_layers) gives the hidden states and
-// every gradient of the plain forward: dense and MoE layers, LoRA fused and unfused, LoRA
-// dropout (the replay draws the same masks and leaves the generator where the plain run
-// leaves it), packed sequences, and full fine-tuning. Each layer is one recomputed node. On
-// the device and dtype under test (the CUDA run covers the fused kernels' replay).
+// Activation recomputation (ForwardOptions::recompute_layers), full and selective, gives the
+// hidden states and every gradient of the plain forward: dense and MoE layers, LoRA fused and
+// unfused, LoRA dropout (the replay draws the same masks and leaves the generator where the
+// plain run leaves it), packed sequences, and full fine-tuning. Each layer is one recomputed
+// node. On the device and dtype under test (the CUDA run covers the fused kernels' replay and,
+// packed in bf16, selective's kept flash-attention statistics).
 TEST(ModelTest, RecomputedLayersGiveThePlainForwardsResults) {
   struct Case {
     const char* preset;
@@ -398,7 +399,7 @@ TEST(ModelTest, RecomputedLayersGiveThePlainForwardsResults) {
     const at::Tensor g = at::randn({tokens.size(0), tokens.size(1), c.hidden_size}, at::kFloat).to(dev, dtype);
     std::vector<Adapter> adapters;
     std::vector<at::Tensor> hidden, next_draw;
-    for (const bool recompute : {false, true}) {
+    for (const LayerRecompute recompute : {LayerRecompute::kNone, LayerRecompute::kFull, LayerRecompute::kSelective}) {
       LoraConfig lora;
       lora.rank = 4;
       lora.dropout = k.dropout;
@@ -423,20 +424,27 @@ TEST(ModelTest, RecomputedLayersGiveThePlainForwardsResults) {
       options.packed = k.packed ? &packed : nullptr;
       options.recompute_layers = recompute;
       at::Tensor h = Qwen2Hidden(c, w, &adapter, tokens, options);
-      EXPECT_EQ(CountNodes(h, "lorastep::RecomputedLayerNode"), recompute ? c.num_hidden_layers : 0) << what;
+      EXPECT_EQ(CountNodes(h, "lorastep::RecomputedLayerNode"),
+                recompute != LayerRecompute::kNone ? c.num_hidden_layers : 0)
+          << what;
       (h * g).sum().backward();
       ASSERT_OK(FoldLocalGradients(&adapter));
       hidden.push_back(h.detach());
       next_draw.push_back(at::rand({4}, dropout));
       adapters.push_back(std::move(adapter));
     }
-    EXPECT_LT(RelErr(hidden[1], hidden[0]), ::lorastep::testing::Tol(1e-6)) << what;
-    EXPECT_TRUE(at::equal(next_draw[1], next_draw[0])) << what;
-    for (size_t i = 0; i < adapters[0].parameters().size(); ++i) {
-      const Parameter& want = adapters[0].parameters()[i];
-      const at::Tensor& got = adapters[1].parameters()[i].main_grad;
-      if (want.main_grad.abs().max().item<double>() == 0) continue;  // e.g. an unused expert's
-      EXPECT_LT(RelErr(got, want.main_grad), ::lorastep::testing::Tol(1e-6)) << what << " " << want.name;
+    for (size_t run = 1; run < adapters.size(); ++run) {
+      const std::string how = what + (run == 1 ? " full" : " selective");
+      EXPECT_LT(RelErr(hidden[run], hidden[0]), ::lorastep::testing::Tol(1e-6)) << how;
+      EXPECT_TRUE(at::equal(next_draw[run], next_draw[0])) << how;
+      for (size_t i = 0; i < adapters[0].parameters().size(); ++i) {
+        const Parameter& want = adapters[0].parameters()[i];
+        const at::Tensor& got = adapters[run].parameters()[i].main_grad;
+        if (want.main_grad.abs().max().item<double>() == 0) continue;  // e.g. an unused expert's
+        // fp32 on CUDA: the replay's reductions may run in another order (1.06e-6 seen).
+        EXPECT_LT(RelErr(got, want.main_grad), ::lorastep::testing::Tol(dev.is_cuda() ? 1e-5 : 1e-6))
+            << how << " " << want.name;
+      }
     }
   }
 }

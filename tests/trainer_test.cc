@@ -482,8 +482,9 @@ TEST(ActivationBudgetTest, OverBudgetMicroBatchIsRefusedBeforeAnyWork) {
 }
 
 // Activation recomputation (issue 29): a micro-batch whose activations would exceed the
-// budget but whose recomputed layers fit trains under "auto" (and always under "full"), with
-// the results of a run without recomputation and without a budget; "none" refuses it naming
+// budget but whose recomputed layers fit trains under "auto" (full recomputation, even
+// where selective would fit; and always under "selective" or "full"), with the
+// results of a run without recomputation and without a budget; "none" refuses it naming
 // what recomputation would need, and changes nothing.
 TEST(ActivationBudgetTest, RecomputationTrainsWhatWouldNotFitWithTheSameResults) {
   ModelConfig c;
@@ -502,9 +503,13 @@ TEST(ActivationBudgetTest, RecomputationTrainsWhatWouldNotFitWithTheSameResults)
   for (const Datum& d : batch) lengths.push_back(static_cast<int64_t>(d.tokens.size()));
   const double plain = EstimatePackedActivationBytes(c, base->shard, lengths, true, 4, o.logprob_chunk_tokens);
   const double recomputed =
-      EstimatePackedActivationBytes(c, base->shard, lengths, true, 4, o.logprob_chunk_tokens, /*recompute=*/true);
-  ASSERT_LT(recomputed, plain);
-  const int64_t budget = static_cast<int64_t>((plain + recomputed) / 2);
+      EstimatePackedActivationBytes(c, base->shard, lengths, true, 4, o.logprob_chunk_tokens, LayerRecompute::kFull);
+  const double selective = EstimatePackedActivationBytes(c, base->shard, lengths, true, 4, o.logprob_chunk_tokens,
+                                                         LayerRecompute::kSelective);
+  ASSERT_LT(recomputed, selective);
+  ASSERT_LT(selective, plain);
+  const int64_t budget = static_cast<int64_t>((selective + recomputed) / 2);  // only full fits
+  const int64_t roomier = static_cast<int64_t>((plain + selective) / 2);      // selective fits too
 
   auto make = [&](ActivationRecompute mode, int64_t max_bytes) {
     TrainerOptions t = o;
@@ -515,12 +520,23 @@ TEST(ActivationBudgetTest, RecomputationTrainsWhatWouldNotFitWithTheSameResults)
   ASSERT_OK_AND_ASSIGN(auto reference, make(ActivationRecompute::kNone, -1));
   ASSERT_OK_AND_ASSIGN(auto automatic, make(ActivationRecompute::kAuto, budget));
   ASSERT_OK_AND_ASSIGN(auto full, make(ActivationRecompute::kFull, -1));
+  ASSERT_OK_AND_ASSIGN(auto selective_always, make(ActivationRecompute::kSelective, -1));
+  ASSERT_OK_AND_ASSIGN(auto automatic_roomier, make(ActivationRecompute::kAuto, roomier));
   ASSERT_OK_AND_ASSIGN(auto none, make(ActivationRecompute::kNone, budget));
+  ASSERT_OK_AND_ASSIGN(auto none_roomier, make(ActivationRecompute::kNone, roomier));
+  ASSERT_OK_AND_ASSIGN(auto selective_tight, make(ActivationRecompute::kSelective, budget));
 
   EXPECT_THAT(none->TrainStep(batch, Ppo(), Adam()),
-              StatusIs(absl::StatusCode::kResourceExhausted, "with activation recomputation it needs about"));
+              StatusIs(absl::StatusCode::kResourceExhausted, "with full activation recomputation it needs about"));
+  EXPECT_THAT(none_roomier->TrainStep(batch, Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       "with selective activation recomputation it needs about"));
+  EXPECT_THAT(none_roomier->TrainStep(batch, Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kResourceExhausted, "(activation_recompute \"selective\")"));
+  EXPECT_THAT(selective_tight->TrainStep(batch, Ppo(), Adam()),
+              StatusIs(absl::StatusCode::kResourceExhausted, "(activation_recompute \"auto\" or \"full\")"));
   // The refusal says how long a micro-batch may be at this budget, as sent and recomputed.
-  auto longest = [&](bool with_recompute) {
+  auto longest = [&](LayerRecompute with_recompute) {
     int64_t n = 0;
     while (EstimatePackedActivationBytes(c, base->shard, {n + 1}, true, 4, o.logprob_chunk_tokens, with_recompute) <=
            static_cast<double>(budget)) {
@@ -528,19 +544,24 @@ TEST(ActivationBudgetTest, RecomputationTrainsWhatWouldNotFitWithTheSameResults)
     }
     return n;
   };
-  ASSERT_GT(longest(true), 518);
+  ASSERT_GT(longest(LayerRecompute::kFull), longest(LayerRecompute::kNone));
   EXPECT_THAT(none->TrainStep(batch, Ppo(), Adam()),
               StatusIs(absl::StatusCode::kResourceExhausted,
-                       absl::StrCat("about ", longest(false), " tokens fit in one micro-batch (", longest(true),
-                                    " with activation recomputation)")));
-  EXPECT_EQ(none->learner_version(), 0);
-  EXPECT_EQ(none->pending_backward_calls(), 0);
+                       absl::StrCat("about ", longest(LayerRecompute::kNone), " tokens fit in one micro-batch (",
+                                    longest(LayerRecompute::kFull), " with full activation recomputation)")));
+  for (auto* refused : {none.get(), none_roomier.get(), selective_tight.get()}) {
+    EXPECT_EQ(refused->learner_version(), 0);
+    EXPECT_EQ(refused->pending_backward_calls(), 0);
+  }
 
   ASSERT_OK_AND_ASSIGN(OptimStepResult want, reference->TrainStep(batch, Ppo(), Adam()));
   EXPECT_EQ(want.metrics.Get("micro_batches_recomputed:sum"), 0);
-  for (auto* trainer : {automatic.get(), full.get()}) {
+  for (auto* trainer : {automatic.get(), full.get(), selective_always.get(), automatic_roomier.get()}) {
     ASSERT_OK_AND_ASSIGN(OptimStepResult got, trainer->TrainStep(batch, Ppo(), Adam()));
     EXPECT_EQ(got.metrics.Get("micro_batches_recomputed:sum"), got.metrics.Get("micro_batches:sum"));
+    const bool selects = trainer == selective_always.get();
+    EXPECT_EQ(got.metrics.Get("micro_batches_recomputed_selective:sum"),
+              selects ? got.metrics.Get("micro_batches:sum") : 0.0);
     EXPECT_NEAR(got.metrics.Get("loss:sum"), want.metrics.Get("loss:sum"), 1e-6 * std::abs(want.metrics.Get("loss:sum")));
     EXPECT_NEAR(got.metrics.Get("grad_norm:sum"), want.metrics.Get("grad_norm:sum"),
                 1e-6 * want.metrics.Get("grad_norm:sum"));
@@ -556,7 +577,7 @@ TEST(ActivationBudgetTest, RecomputationTrainsWhatWouldNotFitWithTheSameResults)
   // A LoRA run without dropout keeps no SwiGLU activation (down_proj rebuilds it): its
   // estimate is the smaller one; with dropout it is kept and counted.
   const double lean = EstimatePackedActivationBytes(c, base->shard, lengths, true, 4, o.logprob_chunk_tokens,
-                                                    /*recompute=*/false, /*mlp_activation_kept=*/false);
+                                                    LayerRecompute::kNone, /*mlp_activation_kept=*/false);
   ASSERT_LT(lean, plain);
   TrainerOptions no_dropout = o;
   no_dropout.lora.dropout = 0;
@@ -571,6 +592,7 @@ TEST(ActivationBudgetTest, RecomputationTrainsWhatWouldNotFitWithTheSameResults)
   EXPECT_THAT(ParseActivationRecompute("sometimes", "--activation_recompute"),
               StatusIs(absl::StatusCode::kInvalidArgument, "--activation_recompute: \"sometimes\""));
   EXPECT_EQ(ParseActivationRecompute("full", "f").value(), ActivationRecompute::kFull);
+  EXPECT_EQ(ParseActivationRecompute("selective", "f").value(), ActivationRecompute::kSelective);
 }
 
 // The default CPU budget counts the limits of the process's own cgroup and its ancestors

@@ -1,7 +1,9 @@
 #include "lib/model/qwen2.h"
 
+#include <functional>
 #include <initializer_list>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -251,11 +253,61 @@ at::Tensor LoraDropout(const at::Tensor& x, double p, at::Generator* generator) 
   return x * (keep.to(x.options()) / (1.0 - p));
 }
 
+using AttentionFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
+
+// A selectively recomputed layer's attention (LayerRecompute::kSelective): the no-grad forward
+// fills it, the replay reads it. With the flash kernel (`flash`) it holds the kernel's output
+// and statistics, and backward runs the kernel's own backward from them; otherwise the
+// output, and backward runs `attend` once more with autograd. Owned by the layer's
+// RecomputedLayerNode, which outlives every use.
+struct KeptAttention {
+  bool flash = false;
+  compat::VarlenAttentionSaved saved;  // flash: out [total, heads, d], log-sum-exp, rng state
+  at::Tensor out;                      // otherwise: the attention output
+  at::Tensor cu_seqlens;
+  int64_t max_length = 0;
+  AttentionFn attend;  // the replay's attention (set by the replay)
+};
+
+// Attention in a selective replay: returns the kept output for (q, k, v) without running
+// attention, and back-propagates as attention does.
+class KeptAttentionFunction : public torch::autograd::Function<KeptAttentionFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, int64_t kept_address) {
+    ctx->save_for_backward({q, k, v});
+    ctx->saved_data["kept"] = kept_address;
+    const auto* kept = reinterpret_cast<const KeptAttention*>(kept_address);
+    // A fresh tensor over the kept storage (not a view): autograd records this node as its history.
+    return (kept->flash ? kept->saved.out : kept->out).detach();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto* kept = reinterpret_cast<const KeptAttention*>(ctx->saved_data["kept"].toInt());
+    if (kept->flash) {
+      auto [dq, dk, dv] = compat::VarlenCausalAttentionBackward(grads[0], saved[0], saved[1], saved[2], kept->saved,
+                                                                kept->cu_seqlens, kept->max_length);
+      return {dq, dk, dv, at::Tensor()};
+    }
+    torch::autograd::variable_list inputs;
+    for (int j = 0; j < 3; ++j) inputs.push_back(saved[j].detach().requires_grad_(true));
+    at::Tensor y;
+    {
+      at::AutoGradMode enable(true);
+      y = kept->attend(inputs[0], inputs[1], inputs[2]);
+    }
+    torch::autograd::variable_list g = torch::autograd::grad({y}, inputs, {grads[0]});
+    return {g[0], g[1], g[2], at::Tensor()};
+  }
+};
+
 class LayerRunner {
  public:
   LayerRunner(const ModelConfig& c, const ModelWeights& weights, const ModelWeights* main_grads,
-              const Adapter* adapter, const ForwardOptions& options)
-      : c_(c), weights_(weights), main_grads_(main_grads), adapter_(adapter), options_(options) {}
+              const Adapter* adapter, const ForwardOptions& options, KeptAttention* kept_attention = nullptr)
+      : c_(c), weights_(weights), main_grads_(main_grads), adapter_(adapter), options_(options),
+        kept_attention_(kept_attention) {}
 
   // The LoRA factors of (layer, slot) when its branch runs inside one function with the
   // frozen base (LoraLinear): a frozen base and no dropout in training; else null.
@@ -347,6 +399,41 @@ class LayerRunner {
         .reshape({1, t, width});
   }
 
+  // Causal attention of q [b, s, heads, d] over k/v [b, s, kv, d] -> [b, s, heads * d], as the
+  // call's layout says (packed, context-parallel or padded). In a selectively recomputed
+  // layer (kept_attention_) the no-grad forward keeps the result and the replay returns it
+  // through KeptAttentionFunction. Only the packed layout's flash kernel keeps its statistics
+  // (the backward runs from them); elsewhere the backward runs attention again. Padded rows
+  // stay on SDPA's kernel: through the varlen flash kernel they ran slower on the H200 than
+  // SDPA's forward and backward together (docs/PERFORMANCE.md).
+  at::Tensor Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
+    const int64_t b = q.size(0), s = q.size(1), width = q.size(2) * q.size(3);
+    const PackedSequences* packed = options_.packed;
+    AttentionFn attend = [packed, b, s, width](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+      if (packed == nullptr) {
+        return compat::CausalAttention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            .transpose(1, 2)
+            .reshape({b, s, width});
+      }
+      return packed->context_group != nullptr ? ContextAttention(q, k, v, *packed) : PackedAttention(q, k, v, *packed);
+    };
+    KeptAttention* kept = kept_attention_;
+    if (kept == nullptr) return attend(q, k, v);
+    const bool replay = kept->flash ? kept->saved.out.defined() : kept->out.defined();
+    if (packed != nullptr && packed->context_group == nullptr && compat::HasVarlenAttention(q)) {
+      const at::Tensor q0 = q[0], k0 = k[0], v0 = v[0].contiguous();
+      if (!replay) {
+        kept->flash = true, kept->cu_seqlens = packed->cu_seqlens, kept->max_length = packed->max_length;
+        kept->saved = compat::VarlenCausalAttentionSaved(q0, k0, v0, packed->cu_seqlens, packed->max_length);
+        return kept->saved.out.reshape({1, s, width});
+      }
+      return KeptAttentionFunction::apply(q0, k0, v0, reinterpret_cast<int64_t>(kept)).reshape({1, s, width});
+    }
+    if (!replay) return kept->out = attend(q, k, v);
+    kept->attend = std::move(attend);
+    return KeptAttentionFunction::apply(q, k, v, reinterpret_cast<int64_t>(kept));
+  }
+
   at::Tensor Dropout(const at::Tensor& x, double p) const { return LoraDropout(x, p, options_.dropout_generator); }
 
   // The down projection of SwiGLU(gate_up) for a packed gate_up. With a LoRA branch on
@@ -403,7 +490,7 @@ class LayerRunner {
   // Layer i over x as a RecomputedLayerNode (activation recomputation): like Layer, with both
   // outputs attached to the node, which keeps only x. Defined after the node.
   std::pair<at::Tensor, at::Tensor> RecomputedLayer(size_t i, const at::Tensor& x, const at::Tensor& cos,
-                                                    const at::Tensor& sin) const;
+                                                    const at::Tensor& sin, LayerRecompute mode) const;
 
   // One decoder layer over the residual stream x, where `pending` is the previous layer's
   // MLP output not yet added to it (undefined before the first layer): each residual add
@@ -415,18 +502,12 @@ class LayerRunner {
     const ModelShard* shard = options_.shard;
     CommGroup* tp = options_.tensor_group;
     // Heads of this tensor rank (all of them without tensor parallelism).
-    const int64_t b = x.size(0), s = x.size(1), d = c_.head_dim(),
-                  nh = shard != nullptr ? shard->heads : c_.num_attention_heads,
+    const int64_t nh = shard != nullptr ? shard->heads : c_.num_attention_heads,
                   nkv = shard != nullptr ? shard->kv_heads : c_.num_key_value_heads;
     at::Tensor h;
     std::tie(x, h) = AddRmsNorm(x, pending, lw.input_norm, c_.rms_norm_eps);
     auto [q, k, v] = QueryKeyValue(i, CopyToTensorRegion(h, tp), cos, sin, nh, nkv);
-    at::Tensor attn = options_.packed != nullptr
-                          ? (options_.packed->context_group != nullptr ? ContextAttention(q, k, v, *options_.packed)
-                                                                       : PackedAttention(q, k, v, *options_.packed))
-                          : compat::CausalAttention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-                                .transpose(1, 2)
-                                .reshape({b, s, nh * d});
+    at::Tensor attn = Attend(q, k, v);
     // Row-parallel o/down give partial sums (LoRA's B(A_i x_i) included): one all-reduce each.
     std::tie(x, h) = AddRmsNorm(x, ReduceFromTensorRegion(Project(i, kOProj, attn), tp), lw.post_attention_norm,
                                 c_.rms_norm_eps);
@@ -604,6 +685,7 @@ class LayerRunner {
   const ModelWeights* main_grads_;
   const Adapter* adapter_;
   const ForwardOptions& options_;
+  KeptAttention* kept_attention_;  // selective recomputation: this layer's kept attention
 };
 
 // One decoder layer whose activations are not kept (activation recomputation): forward runs
@@ -613,15 +695,17 @@ class LayerRunner {
 // returns the input's. LoRA dropout draws the same masks again (the generator is rewound for
 // the replay and put back after), MoE routing is counted once (not in the replay), and a
 // tensor or expert group's collectives run again in the replay in the same order on every
-// rank. The node owns what the replay needs beyond the call's lifetime objects: its options
-// and the packed-sequence layout.
+// rank. In selective recomputation the node also keeps the layer's attention (KeptAttention)
+// and the replay does not run attention's forward. The node owns what the replay needs
+// beyond the call's lifetime objects: its options and the packed-sequence layout.
 class RecomputedLayerNode : public torch::autograd::Node {
  public:
   RecomputedLayerNode(const ModelConfig& c, const ModelWeights& weights, const ModelWeights* main_grads,
                       const Adapter* adapter, const ForwardOptions& options, size_t layer, at::Tensor input,
-                      at::Tensor cos, at::Tensor sin, at::Tensor dropout_state)
+                      at::Tensor cos, at::Tensor sin, at::Tensor dropout_state, std::shared_ptr<KeptAttention> kept)
       : c_(c), weights_(weights), main_grads_(main_grads), adapter_(adapter), options_(options), layer_(layer),
-        input_(std::move(input)), cos_(std::move(cos)), sin_(std::move(sin)), dropout_state_(std::move(dropout_state)) {
+        input_(std::move(input)), cos_(std::move(cos)), sin_(std::move(sin)), dropout_state_(std::move(dropout_state)),
+        kept_(std::move(kept)) {
     options_.routing_counts = nullptr;
     if (options.packed != nullptr) {
       packed_ = *options.packed;
@@ -641,7 +725,8 @@ class RecomputedLayerNode : public torch::autograd::Node {
     std::pair<at::Tensor, at::Tensor> out;
     {
       at::AutoGradMode enable(true);
-      out = LayerRunner(c_, weights_, main_grads_, adapter_, options_).Layer(layer_, x, at::Tensor(), cos_, sin_);
+      out = LayerRunner(c_, weights_, main_grads_, adapter_, options_, kept_.get())
+                .Layer(layer_, x, at::Tensor(), cos_, sin_);
     }
     if (resume_state.defined()) options_.dropout_generator->set_state(resume_state);
     torch::autograd::variable_list outputs, output_grads;
@@ -652,7 +737,7 @@ class RecomputedLayerNode : public torch::autograd::Node {
     return {x.requires_grad() ? x.grad() : at::Tensor()};
   }
 
-  void release_variables() override { input_.reset(), cos_.reset(), sin_.reset(); }
+  void release_variables() override { input_.reset(), cos_.reset(), sin_.reset(), kept_.reset(); }
 
  private:
   const ModelConfig& c_;
@@ -663,20 +748,23 @@ class RecomputedLayerNode : public torch::autograd::Node {
   PackedSequences packed_;
   size_t layer_;
   at::Tensor input_, cos_, sin_, dropout_state_;
+  std::shared_ptr<KeptAttention> kept_;  // selective recomputation only
 };
 
 std::pair<at::Tensor, at::Tensor> LayerRunner::RecomputedLayer(size_t i, const at::Tensor& x, const at::Tensor& cos,
-                                                              const at::Tensor& sin) const {
+                                                              const at::Tensor& sin, LayerRecompute mode) const {
   // The generator where this layer's forward starts drawing: the replay starts there too.
   at::Tensor dropout_state =
       options_.dropout_generator != nullptr ? options_.dropout_generator->get_state() : at::Tensor();
+  auto kept = mode == LayerRecompute::kSelective ? std::make_shared<KeptAttention>() : nullptr;
   std::pair<at::Tensor, at::Tensor> out;
   {
     at::NoGradGuard no_grad;
-    out = Layer(i, x, at::Tensor(), cos, sin);
+    out = LayerRunner(c_, weights_, main_grads_, adapter_, options_, kept.get()).Layer(i, x, at::Tensor(), cos, sin);
   }
   auto node = std::shared_ptr<RecomputedLayerNode>(
-      new RecomputedLayerNode(c_, weights_, main_grads_, adapter_, options_, i, x, cos, sin, std::move(dropout_state)),
+      new RecomputedLayerNode(c_, weights_, main_grads_, adapter_, options_, i, x, cos, sin, std::move(dropout_state),
+                              std::move(kept)),
       torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(x));
   torch::autograd::set_history(out.first, node);
@@ -868,11 +956,11 @@ at::Tensor Qwen2Layers(const ModelConfig& config, const ModelWeights& base, cons
   }
   LayerRunner runner(config, weights, main_grads, full ? nullptr : adapter, options);
   at::Tensor pending;  // the last layer's MLP output, added after the loop
-  const bool recompute = options.recompute_layers && at::GradMode::is_enabled();
+  const bool recompute = options.recompute_layers != LayerRecompute::kNone && at::GradMode::is_enabled();
   for (size_t i = 0; i < weights.layers.size(); ++i) {
     if (recompute) {  // keep one tensor per layer: its input, the stream with the last MLP added
       if (pending.defined()) x = x + pending;
-      std::tie(x, pending) = runner.RecomputedLayer(i, x, cos, sin);
+      std::tie(x, pending) = runner.RecomputedLayer(i, x, cos, sin, options.recompute_layers);
     } else {
       std::tie(x, pending) = runner.Layer(i, x, pending, cos, sin);
     }

@@ -14,6 +14,7 @@
 #include "lib/model/linear.h"
 #include "lib/model/logprobs.h"
 #include "lib/training/metrics.h"
+#include "lib/model/layer_recompute.h"
 #include "lib/model/model_config.h"
 #include "lib/model/model_weights.h"
 #include "lib/parallel/parallel_layout.h"
@@ -62,10 +63,9 @@ struct ForwardOptions {
   // Where packed LoRA groups keep their parameter-only operands for the length of one call
   // (every micro-batch reuses them); null: built in each forward.
   LoraGroupOperandCache* lora_operands = nullptr;
-  // Activation recomputation: each decoder layer keeps only its input and runs again in
-  // backward (RecomputedLayerNode). The same results; about one [tokens, hidden] tensor per
-  // layer instead of the layer's activations, for a second forward of the layers.
-  bool recompute_layers = false;
+  // Activation recomputation of the decoder layers in training (RecomputedLayerNode): the
+  // same results for a second forward of the layers.
+  LayerRecompute recompute_layers = LayerRecompute::kNone;
 };
 
 // tokens: int64 [b, s] (right-padded; causal attention keeps padding out of real positions).

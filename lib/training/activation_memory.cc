@@ -13,7 +13,7 @@ namespace {
 
 // tokens: rows the layers see; attention_pairs: sum over sequences of length^2.
 double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tokens, double attention_pairs,
-                       bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens, bool recompute,
+                       bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens, LayerRecompute recompute,
                        bool mlp_activation_kept) {
   const int64_t tp = std::max(1, shard.tp);
   const double layers = shard.layer_end > shard.layer_begin ? static_cast<double>(shard.layer_end - shard.layer_begin)
@@ -32,13 +32,15 @@ double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tok
 #if !LORASTEP_TORCH_AT_LEAST(2, 0)
   attention_scores = 3.0 * heads * attention_pairs * 4.0;
 #else
-  (void)heads, (void)attention_pairs;
+  (void)attention_pairs;
 #endif
   const double per_layer = tokens * per_token_layer + attention_scores;
   const double head = std::min(static_cast<double>(logprob_chunk_tokens), tokens) *
                       static_cast<double>(c.vocab_size) / tp * (static_cast<double>(element_bytes) + 12.0);
-  if (backward && recompute) {  // every layer's input, plus one layer replayed at a time
-    return layers * tokens * h * static_cast<double>(element_bytes) + per_layer + head;
+  if (backward && recompute != LayerRecompute::kNone) {  // every layer's input, plus one layer replayed at a time
+    double kept = h * static_cast<double>(element_bytes);
+    if (recompute == LayerRecompute::kSelective) kept += heads * d * static_cast<double>(element_bytes) + heads * 4.0;
+    return layers * tokens * kept + per_layer + head;
   }
   return (backward ? layers : 1.0) * per_layer + head;
 }
@@ -46,7 +48,7 @@ double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tok
 }  // namespace
 
 double EstimateActivationBytes(const ModelConfig& c, const ModelShard& shard, int64_t b, int64_t s,
-                               bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens, bool recompute,
+                               bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens, LayerRecompute recompute,
                                bool mlp_activation_kept) {
   const double tokens = static_cast<double>(b) * static_cast<double>(s);
   return ActivationBytes(c, shard, tokens, tokens * static_cast<double>(s), backward, element_bytes,
@@ -55,7 +57,7 @@ double EstimateActivationBytes(const ModelConfig& c, const ModelShard& shard, in
 
 double EstimatePackedActivationBytes(const ModelConfig& c, const ModelShard& shard,
                                      const std::vector<int64_t>& lengths, bool backward, int64_t element_bytes,
-                                     int64_t logprob_chunk_tokens, bool recompute, bool mlp_activation_kept) {
+                                     int64_t logprob_chunk_tokens, LayerRecompute recompute, bool mlp_activation_kept) {
   double tokens = 0, pairs = 0;
   for (int64_t n : lengths) {
     tokens += static_cast<double>(n);

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "lib/model/layer_recompute.h"
 #include "lib/model/model_config.h"
 #include "lib/parallel/parallel_layout.h"
 
@@ -18,16 +19,18 @@ namespace lorastep {
 // RoPE, attention output, the MLP's gate, up and product), the attention scores where the
 // build has no fused attention (LibTorch < 2: b·heads·s² fp32, three copies per layer), and
 // the LM head's chunk (logits, log-softmax and probabilities over the vocabulary).
-// With `recompute` the layers keep only their inputs (H per token and layer) and one layer's
-// activations exist at a time (its replay in backward). Without `mlp_activation_kept` the
+// With `recompute` kFull the layers keep only their inputs (H per token and layer) and one
+// layer's activations exist at a time (its replay in backward); kSelective also keeps each
+// layer's attention output (heads·d) and softmax statistics (heads fp32). Without `mlp_activation_kept` the
 // MLP keeps 2I, not 3I (LoRA runs whose down_proj rebuilds its input, or keeps none).
 double EstimateActivationBytes(const ModelConfig& config, const ModelShard& shard, int64_t b, int64_t s,
                                bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens,
-                               bool recompute = false, bool mlp_activation_kept = true);
+                               LayerRecompute recompute = LayerRecompute::kNone, bool mlp_activation_kept = true);
 // The same for sequences of these lengths packed back to back (no padding).
 double EstimatePackedActivationBytes(const ModelConfig& config, const ModelShard& shard,
                                      const std::vector<int64_t>& lengths, bool backward, int64_t element_bytes,
-                                     int64_t logprob_chunk_tokens, bool recompute = false,
+                                     int64_t logprob_chunk_tokens,
+                                     LayerRecompute recompute = LayerRecompute::kNone,
                                      bool mlp_activation_kept = true);
 // Host memory this process may still allocate: MemAvailable, capped by the room its cgroup
 // limits leave (CgroupMemoryRoom).

@@ -203,9 +203,10 @@ std::vector<std::vector<size_t>> SplitIntoMicroBatches(const std::vector<Datum>&
 absl::StatusOr<ActivationRecompute> ParseActivationRecompute(const std::string& value, const std::string& field) {
   if (value == "auto") return ActivationRecompute::kAuto;
   if (value == "none") return ActivationRecompute::kNone;
+  if (value == "selective") return ActivationRecompute::kSelective;
   if (value == "full") return ActivationRecompute::kFull;
   return absl::InvalidArgumentError(
-      absl::StrCat(field, ": \"", value, "\" is not an activation recomputation (auto, none or full)"));
+      absl::StrCat(field, ": \"", value, "\" is not an activation recomputation (auto, none, selective or full)"));
 }
 
 }  // namespace lorastep

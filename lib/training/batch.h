@@ -66,11 +66,11 @@ std::vector<std::vector<size_t>> SplitIntoMicroBatches(const std::vector<Datum>&
 std::vector<std::vector<size_t>> PackIntoMicroBatches(const std::vector<Datum>& datums,
                                                       int64_t max_tokens);
 
-// Activation recomputation of a training micro-batch's layers (each keeps only its input and
-// runs again in backward): kAuto recomputes a micro-batch only when its activations would not
-// fit the worker's budget otherwise; kNone never; kFull always.
-enum class ActivationRecompute { kAuto, kNone, kFull };
-// "auto", "none", "full"; INVALID_ARGUMENT naming `field` otherwise.
+// Activation recomputation of a training micro-batch's layers (LayerRecompute): kAuto
+// recomputes a micro-batch fully only where its activations would not fit the worker's
+// budget otherwise; kNone, kSelective and kFull always use that level.
+enum class ActivationRecompute { kAuto, kNone, kSelective, kFull };
+// "auto", "none", "selective", "full"; INVALID_ARGUMENT naming `field` otherwise.
 absl::StatusOr<ActivationRecompute> ParseActivationRecompute(const std::string& value, const std::string& field);
 
 }  // namespace lorastep

@@ -126,15 +126,32 @@ std::vector<std::vector<size_t>> Trainer::SplitMicroBatches(const std::vector<Da
                                  : SplitIntoMicroBatches(datums, max_tokens);
 }
 
+namespace {
+
+const char* RecomputeName(LayerRecompute level) {
+  switch (level) {
+    case LayerRecompute::kNone: return "none";
+    case LayerRecompute::kSelective: return "selective";
+    case LayerRecompute::kFull: return "full";
+  }
+  return "?";
+}
+
+}  // namespace
+
 absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, const BatchOptions& batch,
-                                            bool backward, std::vector<bool>* recompute) const {
+                                            bool backward, std::vector<LayerRecompute>* recompute) const {
   const ActivationRecompute mode = !backward                     ? ActivationRecompute::kNone
                                    : batch.activation_recompute ? *batch.activation_recompute
                                                                 : options_.activation_recompute;
+  // The level a fixed mode asks for; kAuto picks per micro-batch below.
+  const LayerRecompute fixed = mode == ActivationRecompute::kFull        ? LayerRecompute::kFull
+                               : mode == ActivationRecompute::kSelective ? LayerRecompute::kSelective
+                                                                         : LayerRecompute::kNone;
   const int64_t max_tokens = batch.max_tokens_per_microbatch > 0 ? batch.max_tokens_per_microbatch
                                                                  : options_.max_tokens_per_microbatch;
   const auto micro_batches = SplitMicroBatches(datums, max_tokens);
-  if (recompute != nullptr) recompute->assign(micro_batches.size(), mode == ActivationRecompute::kFull);
+  if (recompute != nullptr) recompute->assign(micro_batches.size(), fixed);
   int64_t budget = options_.max_activation_bytes;
   if (budget < 0) return absl::OkStatus();
   if (budget == 0) {  // what the device (CUDA) or this process (CPU) can still allocate
@@ -150,6 +167,7 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
   const bool down_lora = adapter_->lora(0, kDownProj) != nullptr;
   const bool mlp_activation_kept = adapter_->full_finetune() ||
                                    (down_lora && (options_.lora.dropout > 0 || !options_.grad.fused_wgrad));
+  const double b = static_cast<double>(budget);
   for (size_t m = 0; m < micro_batches.size(); ++m) {
     const auto& mb = micro_batches[m];
     int64_t longest = 0, total = 0;
@@ -160,48 +178,55 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
       total += lengths.back();
     }
     const int64_t count = static_cast<int64_t>(mb.size());
-    auto need = [&](bool with_recompute) {
+    auto need = [&](LayerRecompute level) {
+      if (!backward) level = LayerRecompute::kNone;  // a forward keeps nothing to recompute
       return options_.pack_sequences
                  ? EstimatePackedActivationBytes(base_->config, base_->shard, lengths, backward, element_bytes,
-                                                 options_.logprob_chunk_tokens, with_recompute, mlp_activation_kept)
+                                                 options_.logprob_chunk_tokens, level, mlp_activation_kept)
                  : EstimateActivationBytes(base_->config, base_->shard, count, longest, backward, element_bytes,
-                                           options_.logprob_chunk_tokens, with_recompute, mlp_activation_kept);
+                                           options_.logprob_chunk_tokens, level, mlp_activation_kept);
     };
-    const double plain = need(false), recomputed = backward ? need(true) : plain;
-    const double b = static_cast<double>(budget);
-    if (mode == ActivationRecompute::kAuto && plain > b && recomputed <= b) {
-      if (recompute != nullptr) (*recompute)[m] = true;
-      continue;
+    // kAuto: none where it fits, else full (selective saves no time on SDPA's padded path,
+    // which single long sequences take, so it is only ever asked for by name).
+    LayerRecompute level = fixed;
+    if (mode == ActivationRecompute::kAuto) {
+      level = need(LayerRecompute::kNone) <= b ? LayerRecompute::kNone : LayerRecompute::kFull;
     }
-    const double used = mode == ActivationRecompute::kFull ? recomputed : plain;
+    if (recompute != nullptr) (*recompute)[m] = level;
+    const double used = need(level);
     if (used <= b) continue;
+    // Refused: say what more recomputation would need, and how long a micro-batch fits.
     std::string hint;
-    if (mode == ActivationRecompute::kNone && recomputed <= b) {
-      hint = absl::StrFormat("; with activation recomputation it needs about %.4g MiB and fits "
-                             "(activation_recompute \"auto\" or \"full\")",
-                             recomputed / (1 << 20));
-    } else if (backward && mode != ActivationRecompute::kFull) {
-      hint = absl::StrFormat("; even with activation recomputation it needs about %.4g MiB", recomputed / (1 << 20));
+    if (backward && level != LayerRecompute::kFull) {
+      const LayerRecompute more = level == LayerRecompute::kNone && need(LayerRecompute::kSelective) <= b
+                                      ? LayerRecompute::kSelective
+                                      : LayerRecompute::kFull;
+      hint = need(more) <= b ? absl::StrFormat("; with %s activation recomputation it needs about %.4g MiB and fits "
+                                               "(activation_recompute %s)",
+                                               RecomputeName(more), need(more) / (1 << 20),
+                                               more == LayerRecompute::kFull ? "\"auto\" or \"full\"" : "\"selective\"")
+                             : absl::StrFormat("; even with full activation recomputation it needs about %.4g MiB",
+                                               need(LayerRecompute::kFull) / (1 << 20));
     } else if (backward) {
-      hint = " with activation recomputation";
+      hint = " with full activation recomputation";
     }
-    // What would fit: the longest single sequence at this budget, as trained now and with
-    // recomputation (the estimate grows with the tokens, so a bisection finds it).
-    auto longest_fitting = [&](bool with_recompute) {
-      int64_t lo = 0, hi = std::max<int64_t>(total, count * longest);
+    // The longest single sequence that fits at this budget (the estimate grows with the
+    // tokens, so a bisection finds it).
+    auto longest_fitting = [&](LayerRecompute with) {
+      int64_t lo = 0, hi = std::max(total, count * longest);
       while (lo < hi) {
         const int64_t mid = (lo + hi + 1) / 2;
         const double n = EstimatePackedActivationBytes(base_->config, base_->shard, {mid}, backward, element_bytes,
-                                                       options_.logprob_chunk_tokens, with_recompute,
-                                                       mlp_activation_kept);
+                                                       options_.logprob_chunk_tokens, with, mlp_activation_kept);
         if (n <= b) lo = mid; else hi = mid - 1;
       }
       return lo;
     };
     std::string fits = absl::StrFormat("; at this budget about %d tokens fit in one micro-batch",
-                                       longest_fitting(mode == ActivationRecompute::kFull));
-    if (backward && mode != ActivationRecompute::kFull) {
-      absl::StrAppend(&fits, absl::StrFormat(" (%d with activation recomputation)", longest_fitting(true)));
+                                       longest_fitting(backward ? level : LayerRecompute::kNone));
+    if (backward && level != LayerRecompute::kFull) {
+      absl::StrAppend(&fits, absl::StrFormat(" (%d with full activation recomputation)",
+                                             longest_fitting(LayerRecompute::kFull)));
     }
     return absl::ResourceExhaustedError(absl::StrFormat(
         "datums[%d]: a micro-batch of %d sequence(s), %d tokens%s, needs about %.4g MiB of "
@@ -213,14 +238,15 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
   return absl::OkStatus();
 }
 
-absl::Status Trainer::AgreeOnRecompute(std::vector<bool>* recompute) {
+absl::Status Trainer::AgreeOnRecompute(std::vector<LayerRecompute>* recompute) {
   if (options_.groups == nullptr || recompute->empty()) return absl::OkStatus();
-  std::vector<float> local(recompute->begin(), recompute->end());
-  at::Tensor flags = at::tensor(local, at::kFloat).to(base_->device);
-  LORASTEP_RETURN_IF_ERROR(options_.groups->group(GroupKind::kWorld).AllReduce(flags, ReduceKind::kMax));
-  const at::Tensor host = flags.to(at::kCPU).contiguous();
-  const float* any = host.data_ptr<float>();
-  for (size_t i = 0; i < recompute->size(); ++i) (*recompute)[i] = any[i] > 0;
+  std::vector<float> local;  // the levels in order: every rank takes the most any rank needs
+  for (LayerRecompute level : *recompute) local.push_back(static_cast<float>(level));
+  at::Tensor levels = at::tensor(local, at::kFloat).to(base_->device);
+  LORASTEP_RETURN_IF_ERROR(options_.groups->group(GroupKind::kWorld).AllReduce(levels, ReduceKind::kMax));
+  const at::Tensor host = levels.to(at::kCPU).contiguous();
+  const float* most = host.data_ptr<float>();
+  for (size_t i = 0; i < recompute->size(); ++i) (*recompute)[i] = static_cast<LayerRecompute>(static_cast<int>(most[i]));
   return absl::OkStatus();
 }
 
@@ -302,8 +328,8 @@ std::string Trainer::AdapterSha256() const {
 absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector<Datum>& datums,
                                                                const LossConfig* loss,
                                                                const BatchOptions& batch,
-                                                               const std::vector<bool>& recompute) {
-  auto recomputes = [&](size_t i) { return i < recompute.size() && recompute[i]; };
+                                                               const std::vector<LayerRecompute>& recompute) {
+  auto recomputes = [&](size_t i) { return i < recompute.size() ? recompute[i] : LayerRecompute::kNone; };
   const ModelConfig& config = base_->config;
   const bool backward = loss != nullptr;
   ForwardBackwardResult result;
@@ -585,9 +611,13 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   m.Add("tokens_loss:sum", den.loss_tokens);
   m.Add("micro_batches:sum", static_cast<double>(micro_batches.size()));
   if (backward) {
-    double recomputed = 0;
-    for (size_t i = 0; i < micro_batches.size(); ++i) recomputed += recomputes(i) ? 1 : 0;
+    double recomputed = 0, selective = 0;
+    for (size_t i = 0; i < micro_batches.size(); ++i) {
+      recomputed += recomputes(i) != LayerRecompute::kNone ? 1 : 0;
+      selective += recomputes(i) == LayerRecompute::kSelective ? 1 : 0;
+    }
     m.Add("micro_batches_recomputed:sum", recomputed);
+    m.Add("micro_batches_recomputed_selective:sum", selective);
   }
   m.Add("time_data_s:sum", t_data);
   m.Add("time_forward_s:sum", t_forward);
@@ -750,7 +780,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::AdmittedForwardBackward(const std
                                                                        const absl::Status& caller_checks) {
   absl::Status local = caller_checks;
   if (local.ok()) local = ValidateBatch(datums, loss, base_->config.vocab_size, options_.limits);
-  std::vector<bool> recompute;
+  std::vector<LayerRecompute> recompute;
   if (local.ok()) local = CheckActivationBudget(datums, batch, /*backward=*/true, &recompute);
   // Keep what earlier calls accumulated so a failure mid-call can restore it exactly.
   absl::StatusOr<CallSnapshot> snapshot = local.ok() ? Snapshot() : absl::StatusOr<CallSnapshot>(local);

@@ -190,11 +190,11 @@ class Trainer {
   // SaveState / SnapshotState: `copy` detaches the host tensors from the live ones.
   absl::StatusOr<std::shared_ptr<const TrainerStateSnapshot>> Snapshot(bool copy) const;
   absl::StatusOr<OptimStepResult> StepOptimizer(const AdamWParams& params, bool restore_on_failure);
-  // recompute[i]: micro-batch i's layers run with activation recomputation.
+  // recompute[i]: how much of micro-batch i's layer activations is recomputed.
   absl::StatusOr<ForwardBackwardResult> RunMicroBatches(const std::vector<Datum>& datums,
                                                         const LossConfig* loss,
                                                         const BatchOptions& batch,
-                                                        const std::vector<bool>& recompute = {});
+                                                        const std::vector<LayerRecompute>& recompute = {});
   // What a mutating call may change before it fails: accumulated gradients (after folding
   // autograd grads in) and the dropout stream. Restored so a failed call changes nothing.
   struct CallSnapshot {
@@ -222,12 +222,12 @@ class Trainer {
   // RESOURCE_EXHAUSTED when a micro-batch of `datums` would need more activation memory than
   // this worker's budget (TrainerOptions::max_activation_bytes) even with what recomputation
   // allows; checked before any work. `recompute` (backward calls) receives, per micro-batch,
-  // whether its layers recompute (TrainerOptions::activation_recompute).
+  // how much its layers recompute (TrainerOptions::activation_recompute; auto: the least that fits).
   absl::Status CheckActivationBudget(const std::vector<Datum>& datums, const BatchOptions& batch, bool backward,
-                                     std::vector<bool>* recompute = nullptr) const;
-  // On a mesh every rank recomputes a micro-batch if any would (the replay repeats the
-  // layers' collectives): one world all-reduce of the flags.
-  absl::Status AgreeOnRecompute(std::vector<bool>* recompute);
+                                     std::vector<LayerRecompute>* recompute = nullptr) const;
+  // On a mesh every rank recomputes a micro-batch as much as any rank would (the replay
+  // repeats the layers' collectives): one world all-reduce (max) of the levels.
+  absl::Status AgreeOnRecompute(std::vector<LayerRecompute>* recompute);
   std::map<std::string, std::string> ReplicaDigests(const std::string& trainable_sha256) const;
   // This pipeline stage's part of a call's micro-batches: Megatron's 1F1B (warm-up forwards,
   // one-forward-one-backward steady state with paired send/receive, cool-down backwards),

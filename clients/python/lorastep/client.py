@@ -143,7 +143,7 @@ class Run:
     def forward_backward(self, datums, loss=None, batch_totals=None, activation_recompute=""):
         """Accumulates gradients; optim_step applies them. batch_totals (BatchTotals or
         {"loss_tokens": N, "samples": S}): the whole batch's, when these datums are one part
-        of it. activation_recompute: "auto", "none" or "full" ("": the worker's setting).
+        of it. activation_recompute: "auto", "none", "selective" or "full" ("": the worker's setting).
         Returns ForwardResult(logprobs, metrics)."""
         req = trainer_pb2.ForwardBackwardRequest(
             run_id=self.run_id, **batch_fields(datums, self.pack_datums),

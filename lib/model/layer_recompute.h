@@ -1,0 +1,16 @@
+// How much of a decoder layer's activations training keeps (activation recomputation).
+#ifndef LORASTEP_LIB_MODEL_LAYER_RECOMPUTE_H_
+#define LORASTEP_LIB_MODEL_LAYER_RECOMPUTE_H_
+
+namespace lorastep {
+
+// What a decoder layer keeps for backward. kFull: only its input ([tokens, hidden]); the
+// whole layer runs again in backward. kSelective: its input plus its attention output and
+// softmax statistics; the replay skips attention's forward where the packed layout's flash
+// kernel runs (its backward works from them); elsewhere attention's forward runs once more
+// inside its backward, so selective costs full's time and more memory.
+enum class LayerRecompute { kNone, kSelective, kFull };
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_MODEL_LAYER_RECOMPUTE_H_
