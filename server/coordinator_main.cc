@@ -82,6 +82,7 @@ ABSL_FLAG(int, tp, 1, "tensor-parallel size of the mesh");
 ABSL_FLAG(int, pp, 1, "pipeline-parallel size of the mesh");
 ABSL_FLAG(int, dp, 1, "data-parallel size of the mesh");
 ABSL_FLAG(int, ep, 1, "expert-parallel size of the mesh");
+ABSL_FLAG(int, cp, 1, "context-parallel size of the mesh (each sequence's tokens split over cp ranks)");
 ABSL_FLAG(std::optional<int>, collective_timeout_s, std::nullopt, "local workers: seconds a collective may take (default 120)");
 ABSL_FLAG(std::optional<int>, peer_failure_grace_s, std::nullopt,
           "seconds the other ranks of a failed mesh call may still take (default: collective timeout + 30)");
@@ -281,7 +282,8 @@ int main(int argc, char** argv) {
   const int log_verbosity = VerbosityFlag();
   CoordinatorOptions options;
   options.metrics = &metrics;
-  options.mesh = {absl::GetFlag(FLAGS_tp), absl::GetFlag(FLAGS_pp), absl::GetFlag(FLAGS_dp), absl::GetFlag(FLAGS_ep)};
+  options.mesh = {absl::GetFlag(FLAGS_tp), absl::GetFlag(FLAGS_pp), absl::GetFlag(FLAGS_dp), absl::GetFlag(FLAGS_ep),
+                  absl::GetFlag(FLAGS_cp)};
   if (auto layout = ParallelLayout::Create(options.mesh, options.mesh.world()); !layout.ok()) {
     return fail(layout.status());
   }
@@ -453,7 +455,7 @@ int main(int argc, char** argv) {
         a.insert(a.end(), {"--rank", std::to_string(r), "--tp", std::to_string(options.mesh.tp),
                            "--pp", std::to_string(options.mesh.pp), "--dp",
                            std::to_string(options.mesh.dp), "--ep", std::to_string(options.mesh.ep),
-                           "--rendezvous", rendezvous});
+                           "--cp", std::to_string(options.mesh.cp), "--rendezvous", rendezvous});
       }
       if (auto base = absl::GetFlag(FLAGS_worker_metrics_port_base)) {  // local worker r: Prometheus on base + r
         a.insert(a.end(), {"--metrics_port", std::to_string(*base + r)});

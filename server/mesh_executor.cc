@@ -169,7 +169,8 @@ absl::Status MeshExecutor::Verdict(const std::vector<WorkerRef>& workers, const 
   std::string msg;
   for (const auto& [rank, status] : failed) {
     const RankCoords c = pool_->layout().Coords(rank);
-    absl::StrAppend(&msg, msg.empty() ? "" : "; ", "rank ", rank, " (tp", c.tp, " pp", c.pp, " dp", c.dp, ", ",
+    absl::StrAppend(&msg, msg.empty() ? "" : "; ", "rank ", rank, " (tp", c.tp, " pp", c.pp, " dp", c.dp,
+                    pool_->layout().sizes().cp > 1 ? absl::StrCat(" cp", c.cp) : "", ", ",
                     (*workers[rank])->address(), "): ", status.message());
   }
   if (applied_elsewhere) {

@@ -48,6 +48,7 @@ grpc::ServerUnaryReactor* RegistryService::JoinMesh(grpc::CallbackServerContext*
     resp->set_pp(a.sizes.pp);
     resp->set_dp(a.sizes.dp);
     resp->set_ep(a.sizes.ep);
+    resp->set_cp(a.sizes.cp);
     resp->set_rendezvous(a.rendezvous);
     LORASTEP_LOG(Info) << "lorastep_coordinator: rank " << a.rank << " given to " << req->host();
     return absl::OkStatus();

@@ -110,10 +110,11 @@ absl::Status WorkerPool::Add(std::unique_ptr<WorkerClient> client) {
   std::lock_guard<std::mutex> lock(mu_);
   if (on_mesh()) {
     const ParallelSizes& m = options_.mesh;
-    if (info.world_size() != m.world() || info.tp() != m.tp || info.pp() != m.pp || info.dp() != m.dp) {
+    if (info.world_size() != m.world() || info.tp() != m.tp || info.pp() != m.pp || info.dp() != m.dp ||
+        std::max(1, info.cp()) != m.cp) {
       return absl::FailedPreconditionError(absl::StrCat("worker ", address, " is rank ", info.rank(), " of a tp",
-                                                        info.tp(), " x pp", info.pp(), " x dp", info.dp(),
-                                                        " mesh, not of ", layout_.ToString()));
+                                                        info.tp(), " x pp", info.pp(), " x dp", info.dp(), " x cp",
+                                                        std::max(1, info.cp()), " mesh, not of ", layout_.ToString()));
     }
     if (workers_.size() != static_cast<size_t>(m.world())) workers_.resize(m.world());
     const WorkerRef& held = workers_[info.rank()];

@@ -261,16 +261,18 @@ class MeshTest : public ::testing::Test {
     const char* out = std::getenv("LORASTEP_PARALLEL_JSON");
     if (out == nullptr || MaxErrors().empty()) return;
     std::string json = "{\n  \"max_rel_err\": {";
-    double world8 = 0, moe_world8 = 0;
+    double world8 = 0, moe_world8 = 0, context = 0;
     bool first = true;
     for (const auto& [what, err] : MaxErrors()) {
       absl::StrAppend(&json, first ? "\n" : ",\n", "    \"", what, "\": ", absl::StrFormat("%.3g", err));
       first = false;
       if (what.rfind("tp2 x pp2 x dp2 ", 0) == 0) world8 = std::max(world8, err);
       if (what.rfind("moe ep2 x tp2 x dp2 ", 0) == 0) moe_world8 = std::max(moe_world8, err);
+      if (what.rfind("cp2", 0) == 0) context = std::max(context, err);
     }
     absl::StrAppend(&json, "\n  },\n  \"cpu_world8_max_rel_err\": ", absl::StrFormat("%.3g", world8),
                     ",\n  \"cpu_world8_moe_max_rel_err\": ", absl::StrFormat("%.3g", moe_world8),
+                    ",\n  \"cpu_cp_max_rel_err\": ", absl::StrFormat("%.3g", context),
                     ",\n  \"seed_failure_caught\": ", SeedFailureCaught() ? "true" : "false",
                     ",\n  \"seed_hashes\": ", SeedHashes().empty() ? std::string("{}") : SeedHashes(),
                     ",\n  \"replicas_equal\": ", AllReplicasEqual() ? "true" : "false",
@@ -502,6 +504,30 @@ TEST_F(MeshTest, DataParallelBucketFaultsAreRefusedBeforeTheOptimizer) {
   ExpectBucketFaultRefusedBeforeTheOptimizer(dp2, "split:skip", "digests of the split bucket differ within its data group");
   ExpectBucketFaultRefusedBeforeTheOptimizer(dp2, "split:double", "reduced twice in one step");
   ExpectBucketFaultRefusedBeforeTheOptimizer(dp2, "split:corrupt:0", "digests of the split bucket differ");
+}
+
+// Context parallelism (issue 29): every sequence of the packed, uneven batch split over two
+// context ranks (load-balanced chunks, attention across them, the whole batch's loss
+// denominators, log-probs gathered back) equals world size 1, alone and with tensor, data and
+// pipeline parallelism: loss, grad_norm, log-probs and the exported adapter, LoRA and full
+// fine-tuning.
+TEST_F(MeshTest, ContextParallelEqualsWorldOne) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
+  const WorldOne want = TrainWorldOne("cw1");
+  ExpectLayoutEqualsWorldOne({"--cp", "2"}, "cp2", want);
+  if (!Fits(4)) return;
+  ExpectLayoutEqualsWorldOne({"--cp", "2", "--tp", "2"}, "cp2 x tp2", want, /*unfused_only=*/true);
+  ExpectLayoutEqualsWorldOne({"--cp", "2", "--dp", "2"}, "cp2 x dp2", want, /*unfused_only=*/true);
+  ExpectLayoutEqualsWorldOne({"--cp", "2", "--pp", "2"}, "cp2 x pp2", want, /*unfused_only=*/true);
+}
+
+// The context ranks' gradients are reduced through the same checked path as data replicas':
+// a skipped reduction, or one rank's sums changed, is refused before the optimizer.
+TEST_F(MeshTest, ContextParallelBucketFaultsAreRefusedBeforeTheOptimizer) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
+  const std::vector<std::string> cp2 = {"--cp", "2"};
+  ExpectBucketFaultRefusedBeforeTheOptimizer(cp2, "split:skip", "digests of the split bucket differ within its data group");
+  ExpectBucketFaultRefusedBeforeTheOptimizer(cp2, "split:corrupt:1", "digests of the split bucket differ");
 }
 
 TEST_F(MeshTest, StateSavedOnOneLayoutLoadsOnAnother) {

@@ -28,6 +28,41 @@ TEST(ParallelLayoutTest, MegatronOrderTensorFastest) {
   EXPECT_TRUE(l.IsFirstStage(3));
 }
 
+// Context ranks sit between tensor and data ranks (Megatron's tp-cp-dp-pp order); their
+// gradients reduce with the data replicas' (the data group holds dp x cp ranks).
+TEST(ParallelLayoutTest, ContextRanksBetweenTensorAndData) {
+  ParallelSizes sizes{2, 1, 2};
+  sizes.cp = 2;
+  ASSERT_OK_AND_ASSIGN(ParallelLayout l, ParallelLayout::Create(sizes, 8));
+  RankCoords five{1, 0, 1};  // tp 1, pp 0, dp 1, cp 0
+  EXPECT_EQ(l.Coords(5), five);
+  RankCoords seven = five;
+  seven.cp = 1;
+  EXPECT_EQ(l.Coords(7), seven);
+  for (int r = 0; r < 8; ++r) EXPECT_EQ(l.Rank(l.Coords(r)), r);
+  EXPECT_THAT(l.Group(GroupKind::kTensor, 5), ElementsAre(4, 5));
+  EXPECT_THAT(l.Group(GroupKind::kContext, 5), ElementsAre(5, 7));
+  EXPECT_THAT(l.Group(GroupKind::kData, 5), ElementsAre(1, 3, 5, 7));
+  EXPECT_THAT(l.Group(GroupKind::kModelParallel, 5), ElementsAre(4, 5));
+  EXPECT_THAT(l.Group(GroupKind::kPipeline, 5), ElementsAre(5));
+  EXPECT_EQ(l.Group(GroupKind::kStage, 5).size(), 8u);
+  EXPECT_EQ(l.ToString(), "tp2 x pp1 x dp2 x cp2");
+  for (GroupKind kind : {GroupKind::kTensor, GroupKind::kData, GroupKind::kContext, GroupKind::kModelParallel}) {
+    std::multiset<int> seen;
+    for (const auto& g : l.Groups(kind)) seen.insert(g.begin(), g.end());
+    EXPECT_EQ(std::set<int>(seen.begin(), seen.end()).size(), 8u) << GroupKindName(kind);
+    EXPECT_EQ(seen.size(), 8u) << GroupKindName(kind);
+  }
+  sizes.cp = 0;
+  EXPECT_THAT(ParallelLayout::Create(sizes, 0), StatusIs(absl::StatusCode::kInvalidArgument, "cp: must be >= 1"));
+  sizes.cp = 2;
+  sizes.ep = 2;
+  EXPECT_THAT(ParallelLayout::Create(sizes, 8),
+              StatusIs(absl::StatusCode::kInvalidArgument, "cp: context parallelism (cp 2) with expert parallelism"));
+  sizes.ep = 1;
+  EXPECT_THAT(ParallelLayout::Create(sizes, 4), StatusIs(absl::StatusCode::kInvalidArgument, "tp * pp * dp * cp"));
+}
+
 TEST(ParallelLayoutTest, GroupsPartitionTheWorld) {
   ASSERT_OK_AND_ASSIGN(ParallelLayout l, ParallelLayout::Create({2, 3, 2}, 12));
   for (GroupKind kind : {GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline,

@@ -120,6 +120,7 @@ void WorkerCalls::Info(v1::WorkerInfo* resp) const {
   resp->set_pp(o.sizes.pp);
   resp->set_dp(o.sizes.dp);
   resp->set_ep(o.sizes.ep);
+  resp->set_cp(o.sizes.cp);
   resp->set_instance_id(instance_id_);
   resp->set_state_store_id(core_->state_store_id());
   if (core_->groups() != nullptr) resp->set_rendezvous(o.rendezvous);  // rank 0's is where it serves the store

@@ -59,6 +59,7 @@ ABSL_FLAG(int, tp, 1, "tensor-parallel size of the mesh");
 ABSL_FLAG(int, pp, 1, "pipeline-parallel size of the mesh");
 ABSL_FLAG(int, dp, 1, "data-parallel size of the mesh");
 ABSL_FLAG(int, ep, 1, "expert-parallel size of the mesh");
+ABSL_FLAG(int, cp, 1, "context-parallel size of the mesh (each sequence's tokens split over cp ranks)");
 ABSL_FLAG(std::string, rendezvous, "", "host:port where rank 0 serves the mesh's rendezvous store");
 ABSL_FLAG(std::string, peer_tls_ca_file, "",
           "when the mesh's workers serve TLS: roots (PEM) that verify rank 0's rendezvous store (default: "
@@ -223,7 +224,8 @@ int main(int argc, char** argv) {
   ProfileFromEnvironment(&options);
   // Mesh: --rank R --tp T --pp P --dp D --rendezvous HOST:PORT [--collective_timeout_s S].
   if (auto rank = absl::GetFlag(FLAGS_rank)) options.rank = *rank;
-  options.sizes = {absl::GetFlag(FLAGS_tp), absl::GetFlag(FLAGS_pp), absl::GetFlag(FLAGS_dp), absl::GetFlag(FLAGS_ep)};
+  options.sizes = {absl::GetFlag(FLAGS_tp), absl::GetFlag(FLAGS_pp), absl::GetFlag(FLAGS_dp), absl::GetFlag(FLAGS_ep),
+                   absl::GetFlag(FLAGS_cp)};
   options.rendezvous = absl::GetFlag(FLAGS_rendezvous);
   if (!secret->empty()) options.rendezvous_key_prefix = RendezvousKeyPrefix(*secret);
   if (auto timeout = absl::GetFlag(FLAGS_collective_timeout_s)) options.collective_timeout = std::chrono::seconds(*timeout);
@@ -260,7 +262,7 @@ int main(int argc, char** argv) {
     auto joined = JoinMesh(register_with, advertise_host, 60, authorization, *coordinator_credentials);
     if (joined.ok()) {
       options.rank = joined->rank();
-      options.sizes = {joined->tp(), joined->pp(), joined->dp(), std::max(1, joined->ep())};
+      options.sizes = {joined->tp(), joined->pp(), joined->dp(), std::max(1, joined->ep()), std::max(1, joined->cp())};
       options.rendezvous = joined->rendezvous();
       LORASTEP_LOG(Info) << "lorastep_worker: rank " << options.rank << " of " << options.sizes.world()
                 << ", rendezvous " << options.rendezvous;

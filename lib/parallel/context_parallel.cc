@@ -25,6 +25,20 @@ std::vector<int64_t> ContextShardTokens(const std::vector<int64_t>& lengths, int
   return out;
 }
 
+ContextShare MakeContextShare(const std::vector<int64_t>& lengths, int cp, int rank) {
+  ContextShare share;
+  std::vector<int64_t> sequence_of;  // packed position -> sequence
+  for (size_t s = 0; s < lengths.size(); ++s) sequence_of.insert(sequence_of.end(), lengths[s], static_cast<int64_t>(s));
+  for (int r = 0; r < cp; ++r) {
+    std::vector<int64_t> held = ContextShardTokens(lengths, cp, r);
+    share.counts.push_back(static_cast<int64_t>(held.size()));
+    share.gather_order.insert(share.gather_order.end(), held.begin(), held.end());
+    if (r == rank) share.tokens = std::move(held);
+  }
+  for (int64_t t : share.tokens) share.sequence_ids.push_back(sequence_of[t]);
+  return share;
+}
+
 namespace {
 
 int64_t GroupToken(CommGroup* g) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(g)); }
@@ -71,6 +85,13 @@ class GatherContextRowsFunction : public torch::autograd::Function<GatherContext
 at::Tensor GatherContextRows(const at::Tensor& x, CommGroup* group, const std::vector<int64_t>& counts) {
   if (group == nullptr || group->size() == 1) return x;
   return GatherContextRowsFunction::apply(x, group, counts);
+}
+
+at::Tensor GatherContextShares(const at::Tensor& x, CommGroup* group, const ContextShare& share) {
+  at::NoGradGuard no_grad;
+  const at::Tensor in_rank_order = GatherContextRows(x, group, share.counts);
+  const at::Tensor order = at::tensor(share.gather_order, at::kLong).to(x.device());
+  return at::empty_like(in_rank_order).index_copy_(0, order, in_rank_order);
 }
 
 at::Tensor ContextParallelAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -25,6 +25,20 @@ namespace lorastep {
 // context rank `rank` of `cp` holds, ascending: its two chunks of each sequence.
 std::vector<int64_t> ContextShardTokens(const std::vector<int64_t>& lengths, int cp, int rank);
 
+// One rank's share of a packed row, with what attention and the reassembly of per-token
+// results need.
+struct ContextShare {
+  std::vector<int64_t> tokens;        // ContextShardTokens: packed positions held here, ascending
+  std::vector<int64_t> sequence_ids;  // each held token's sequence (index into `lengths`)
+  std::vector<int64_t> counts;        // every rank's token count, in group-rank order
+  std::vector<int64_t> gather_order;  // every rank's packed positions, in group-rank order
+};
+ContextShare MakeContextShare(const std::vector<int64_t>& lengths, int cp, int rank);
+
+// The whole row [total, ...] of a per-token result from every rank's share of it (x: this
+// rank's rows, in `share.tokens` order). Not differentiable; every rank gets the row.
+at::Tensor GatherContextShares(const at::Tensor& x, CommGroup* group, const ContextShare& share);
+
 // Rows of x from every rank of the group, in group-rank order: [sum of counts, ...], where
 // counts[j] is rank j's row count (every rank passes the same counts; x has counts[rank]
 // rows). Backward sums the gradient over the group and returns this rank's rows. Identity on

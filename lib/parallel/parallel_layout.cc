@@ -17,6 +17,7 @@ const char* GroupKindName(GroupKind kind) {
     case GroupKind::kExpert: return "expert";
     case GroupKind::kExpertData: return "expert_data";
     case GroupKind::kExpertStage: return "expert_stage";
+    case GroupKind::kContext: return "context";
   }
   return "unknown";
 }
@@ -29,9 +30,14 @@ absl::StatusOr<ParallelLayout> ParallelLayout::Create(const ParallelSizes& sizes
     return absl::InvalidArgumentError(
         absl::StrCat("ep: must be >= 1 and divide dp ", sizes.dp, ", got ", sizes.ep));
   }
-  if (static_cast<int64_t>(sizes.tp) * sizes.pp * sizes.dp != world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("world_size: ", world_size, " != tp * pp * dp = ",
-                                                   sizes.tp, " * ", sizes.pp, " * ", sizes.dp));
+  if (sizes.cp < 1) return absl::InvalidArgumentError(absl::StrCat("cp: must be >= 1, got ", sizes.cp));
+  if (sizes.cp > 1 && sizes.ep > 1) {
+    return absl::InvalidArgumentError(absl::StrCat("cp: context parallelism (cp ", sizes.cp,
+                                                   ") with expert parallelism (ep ", sizes.ep, ") is not built"));
+  }
+  if (static_cast<int64_t>(sizes.tp) * sizes.pp * sizes.dp * sizes.cp != world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("world_size: ", world_size, " != tp * pp * dp * cp = ", sizes.tp,
+                                                   " * ", sizes.pp, " * ", sizes.dp, " * ", sizes.cp));
   }
   return ParallelLayout(sizes);
 }
@@ -39,14 +45,15 @@ absl::StatusOr<ParallelLayout> ParallelLayout::Create(const ParallelSizes& sizes
 RankCoords ParallelLayout::Coords(int rank) const {
   RankCoords c;
   c.tp = rank % sizes_.tp;
-  c.dp = (rank / sizes_.tp) % sizes_.dp;
-  c.pp = rank / (sizes_.tp * sizes_.dp);
+  c.cp = (rank / sizes_.tp) % sizes_.cp;
+  c.dp = (rank / (sizes_.tp * sizes_.cp)) % sizes_.dp;
+  c.pp = rank / (sizes_.tp * sizes_.cp * sizes_.dp);
   c.ep = c.dp % sizes_.ep;
   return c;
 }
 
 int ParallelLayout::Rank(const RankCoords& c) const {
-  return c.tp + sizes_.tp * (c.dp + sizes_.dp * c.pp);
+  return c.tp + sizes_.tp * (c.cp + sizes_.cp * (c.dp + sizes_.dp * c.pp));
 }
 
 namespace {
@@ -54,14 +61,16 @@ namespace {
 // Whether ranks with coordinates a and b fall into the same group of `kind`.
 bool SameGroup(GroupKind kind, const RankCoords& a, const RankCoords& b, int ep) {
   switch (kind) {
-    case GroupKind::kExpert: return a.pp == b.pp && a.tp == b.tp && a.dp / ep == b.dp / ep;
+    // (cp > 1 only with ep = 1: an expert group is then one rank, expert-data the data group.)
+    case GroupKind::kExpert: return a.pp == b.pp && a.tp == b.tp && a.cp == b.cp && a.dp / ep == b.dp / ep;
     case GroupKind::kExpertData: return a.pp == b.pp && a.tp == b.tp && a.ep == b.ep;
     case GroupKind::kExpertStage: return a.pp == b.pp && a.ep == b.ep;
-    case GroupKind::kTensor: return a.pp == b.pp && a.dp == b.dp;
+    case GroupKind::kTensor: return a.pp == b.pp && a.dp == b.dp && a.cp == b.cp;
     case GroupKind::kData: return a.pp == b.pp && a.tp == b.tp;
-    case GroupKind::kPipeline: return a.tp == b.tp && a.dp == b.dp;
+    case GroupKind::kPipeline: return a.tp == b.tp && a.dp == b.dp && a.cp == b.cp;
     case GroupKind::kStage: return a.pp == b.pp;
-    case GroupKind::kModelParallel: return a.dp == b.dp;
+    case GroupKind::kModelParallel: return a.dp == b.dp && a.cp == b.cp;
+    case GroupKind::kContext: return a.pp == b.pp && a.tp == b.tp && a.dp == b.dp;
     case GroupKind::kWorld: return true;
     case GroupKind::kEmbedding: break;
   }
@@ -75,7 +84,9 @@ std::vector<int> ParallelLayout::Group(GroupKind kind, int rank) const {
   if (kind == GroupKind::kEmbedding) {
     const int last = sizes_.pp - 1;
     if (sizes_.pp == 1 || (me.pp != 0 && me.pp != last)) return {rank};
-    return {Rank({me.tp, 0, me.dp}), Rank({me.tp, last, me.dp})};
+    RankCoords first = me, final_stage = me;
+    first.pp = 0, final_stage.pp = last;
+    return {Rank(first), Rank(final_stage)};
   }
   std::vector<int> ranks;
   for (int r = 0; r < world_size(); ++r) {
@@ -107,6 +118,7 @@ int ParallelLayout::GroupIndex(GroupKind kind, int rank) const {
 
 std::string ParallelLayout::ToString() const {
   return absl::StrCat("tp", sizes_.tp, " x pp", sizes_.pp, " x dp", sizes_.dp,
+                      sizes_.cp > 1 ? absl::StrCat(" x cp", sizes_.cp) : "",
                       sizes_.ep > 1 ? absl::StrCat(", ep", sizes_.ep) : "");
 }
 

@@ -1,9 +1,14 @@
-// Where every rank of a tensor x pipeline x data parallel mesh sits, and which ranks form
-// each communication group. No torch: the coordinator and the workers share it.
+// Where every rank of a tensor x context x data x pipeline parallel mesh sits, and which
+// ranks form each communication group. No torch: the coordinator and the workers share it.
 //
-// Rank order is Megatron-LM's, tensor fastest, then data, then pipeline:
+// Rank order is Megatron-LM's, tensor fastest, then context, then data, then pipeline:
 //
-//   rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+//   rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+//
+// Context parallelism splits each sequence's tokens over the cp ranks of one replica (the
+// same datums, each rank its share of every sequence's positions); their gradients add up
+// like data replicas', so the data group holds dp x cp ranks (Megatron's data-with-context
+// group) and the context group the cp ranks of one replica. Without cp (cp = 1):
 //
 // so the ranks of one tensor group are adjacent (one host's NVLink domain in practice) and a
 // pipeline stage owns one contiguous block of tp * dp ranks. Example, tp=2 pp=2 dp=2:
@@ -46,7 +51,8 @@ struct ParallelSizes {
   int pp = 1;  // pipeline stages (contiguous layer ranges)
   int dp = 1;  // data-parallel replicas (the batch split by tokens)
   int ep = 1;  // expert-parallel ranks, carved out of dp (dp % ep == 0): experts split
-  int world() const { return tp * pp * dp; }
+  int cp = 1;  // context-parallel ranks per replica (each sequence's tokens split)
+  int world() const { return tp * pp * dp * cp; }
 };
 
 struct RankCoords {
@@ -54,15 +60,16 @@ struct RankCoords {
   int pp = 0;
   int dp = 0;
   int ep = 0;  // dp % ep: which slice of the experts this rank holds
-  bool operator==(const RankCoords& o) const { return tp == o.tp && pp == o.pp && dp == o.dp; }
+  int cp = 0;  // which share of each sequence's tokens this rank holds
+  bool operator==(const RankCoords& o) const { return tp == o.tp && pp == o.pp && dp == o.dp && cp == o.cp; }
 };
 
 enum class GroupKind {
-  kTensor,         // same stage and replica: shards of one model copy's layers
-  kData,           // same tensor rank and stage: replicas of the same shard
-  kPipeline,       // same tensor rank and replica: the stages of one model copy
-  kStage,          // same stage: tensor + data ranks (replicated LoRA factors reduce here)
-  kModelParallel,  // same replica: tensor x pipeline ranks (one whole model copy)
+  kTensor,         // same stage, replica and context rank: shards of one model copy's layers
+  kData,           // same tensor rank and stage: copies of the same shard (data x context ranks)
+  kPipeline,       // same tensor rank, replica and context rank: the stages of one model copy
+  kStage,          // same stage: tensor + context + data ranks (replicated LoRA factors reduce here)
+  kModelParallel,  // same replica and context rank: tensor x pipeline ranks (one whole model copy)
   kWorld,
   // The first and last stage of one tensor rank and replica, which both hold the tied
   // embedding (lookup on the first, LM head on the last); a middle stage is alone in its own.
@@ -70,12 +77,14 @@ enum class GroupKind {
   kExpert,       // same stage, tensor rank and expert-data index: tokens are exchanged here
   kExpertData,   // same stage, tensor rank and ep rank: replicas of the same experts
   kExpertStage,  // same stage and ep rank: tensor x expert-data (replicated expert factors)
+  kContext,      // same stage, tensor rank and replica: the ranks splitting each sequence
 };
 const char* GroupKindName(GroupKind kind);
 
 class ParallelLayout {
  public:
-  // world_size must equal tp * pp * dp; each size >= 1. Errors name the field.
+  // world_size must equal tp * pp * dp * cp; each size >= 1; cp > 1 only with ep = 1. Errors
+  // name the field.
   static absl::StatusOr<ParallelLayout> Create(const ParallelSizes& sizes, int world_size);
   ParallelLayout() = default;  // world size 1
 
@@ -94,7 +103,7 @@ class ParallelLayout {
   bool IsFirstStage(int rank) const { return Coords(rank).pp == 0; }
   bool IsLastStage(int rank) const { return Coords(rank).pp == sizes_.pp - 1; }
 
-  std::string ToString() const;  // "tp2 x pp2 x dp2" (", ep2" when ep > 1)
+  std::string ToString() const;  // "tp2 x pp2 x dp2" (" x cp2" when cp > 1, ", ep2" when ep > 1)
 
  private:
   explicit ParallelLayout(ParallelSizes sizes) : sizes_(sizes) {}

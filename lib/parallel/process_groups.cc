@@ -161,7 +161,7 @@ class RemoteStore : public ::c10d::Store {
 constexpr GroupKind kFormOrder[] = {GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline,
                                     GroupKind::kStage, GroupKind::kModelParallel, GroupKind::kWorld,
                                     GroupKind::kEmbedding, GroupKind::kExpert, GroupKind::kExpertData,
-                                    GroupKind::kExpertStage};
+                                    GroupKind::kExpertStage, GroupKind::kContext};
 
 }  // namespace
 

@@ -383,7 +383,8 @@ class Finalizer {
   absl::StatusOr<double> GlobalNorm() {
     const RankCoords c = groups_ != nullptr ? groups_->coords() : RankCoords{};
     const int ep = groups_ != nullptr ? groups_->layout().sizes().ep : 1;
-    const bool first_replica = c.dp == 0, first_expert_replica = c.dp / ep == 0;
+    // One copy of each reduced gradient counts: data replica 0's, its context rank 0's.
+    const bool first_replica = c.dp == 0 && c.cp == 0, first_expert_replica = c.dp / ep == 0 && c.cp == 0;
     at::Tensor sq = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
     auto add = [&](GradBucket b, bool counted) {
       if (counted) sq = sq + SumOfSquares(adapter_->grad_bucket(b), device_);

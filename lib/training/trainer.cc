@@ -23,6 +23,7 @@
 #include "lib/training/losses.h"
 #include "lib/model/peft_io.h"
 #include "lib/model/qwen2.h"
+#include "lib/parallel/context_parallel.h"
 #include "lib/io/safetensors.h"
 #include "lib/status_macros.h"
 #include "lib/io/tensor_bytes.h"
@@ -168,19 +169,23 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
   const bool mlp_activation_kept = adapter_->full_finetune() ||
                                    (down_lora && (options_.lora.dropout > 0 || !options_.grad.fused_wgrad));
   const double b = static_cast<double>(budget);
+  // Context parallelism: each rank holds 1/cp of every sequence, always packed.
+  const int64_t cp = options_.groups != nullptr ? options_.groups->layout().sizes().cp : 1;
+  const bool packed = options_.pack_sequences || cp > 1;
   for (size_t m = 0; m < micro_batches.size(); ++m) {
     const auto& mb = micro_batches[m];
-    int64_t longest = 0, total = 0;
-    std::vector<int64_t> lengths;
+    int64_t longest = 0, total = 0, sent = 0;
+    std::vector<int64_t> lengths;  // this rank's tokens of each sequence
     for (size_t d : mb) {
-      lengths.push_back(static_cast<int64_t>(datums[d].tokens.size()));
+      sent += static_cast<int64_t>(datums[d].tokens.size());
+      lengths.push_back((static_cast<int64_t>(datums[d].tokens.size()) + cp - 1) / cp);
       longest = std::max(longest, lengths.back());
       total += lengths.back();
     }
     const int64_t count = static_cast<int64_t>(mb.size());
     auto need = [&](LayerRecompute level) {
       if (!backward) level = LayerRecompute::kNone;  // a forward keeps nothing to recompute
-      return options_.pack_sequences
+      return packed
                  ? EstimatePackedActivationBytes(base_->config, base_->shard, lengths, backward, element_bytes,
                                                  options_.logprob_chunk_tokens, level, mlp_activation_kept)
                  : EstimateActivationBytes(base_->config, base_->shard, count, longest, backward, element_bytes,
@@ -211,7 +216,7 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
       hint = " with full activation recomputation";
     }
     // The longest single sequence that fits at this budget (the estimate grows with the
-    // tokens, so a bisection finds it).
+    // tokens, so a bisection finds it; cp ranks hold 1/cp of it each).
     auto longest_fitting = [&](LayerRecompute with) {
       int64_t lo = 0, hi = std::max(total, count * longest);
       while (lo < hi) {
@@ -220,7 +225,7 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
                                                        options_.logprob_chunk_tokens, with, mlp_activation_kept);
         if (n <= b) lo = mid; else hi = mid - 1;
       }
-      return lo;
+      return lo * cp;
     };
     std::string fits = absl::StrFormat("; at this budget about %d tokens fit in one micro-batch",
                                        longest_fitting(backward ? level : LayerRecompute::kNone));
@@ -231,9 +236,10 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
     return absl::ResourceExhaustedError(absl::StrFormat(
         "datums[%d]: a micro-batch of %d sequence(s), %d tokens%s, needs about %.4g MiB of "
         "activations, over this worker's budget of %.4g MiB%s%s; send shorter sequences, a smaller "
-        "max_tokens_per_microbatch, or raise the worker's --max_activation_mb",
-        mb.front(), count, options_.pack_sequences ? total : count * longest,
-        options_.pack_sequences ? " packed" : " padded", used / (1 << 20), b / (1 << 20), hint, fits));
+        "max_tokens_per_microbatch, use a larger cp (each context rank holds 1/cp of every sequence), or raise "
+        "the worker's --max_activation_mb",
+        mb.front(), count, packed ? sent : count * longest, packed ? " packed" : " padded",
+        used / (1 << 20), b / (1 << 20), hint, fits));
   }
   return absl::OkStatus();
 }
@@ -380,6 +386,11 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     fwd_options.shard = &base_->shard;
     fwd_options.expert_group = expert_group;
   }
+  // Context parallelism: each micro-batch's packed row split over the context group, every
+  // rank its load-balanced share of each sequence's tokens (the same datums on every rank).
+  CommGroup* context_group = options_.groups != nullptr && options_.groups->layout().sizes().cp > 1
+                                 ? &options_.groups->group(GroupKind::kContext)
+                                 : nullptr;
   const VocabShard vocab{tensor_group, base_->shard.vocab_begin};
   double t_data = 0, t_forward = 0, t_backward = 0, flops = 0, real_tokens = 0;
   const double lora_params = adapter_->full_finetune()
@@ -402,6 +413,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     // copy of pageable memory waits for the stream, so none may run between micro-batches.
     LossInputs loss_in;
     bool filler = false;  // expert parallelism: keeps the group's micro-batch counts equal
+    ContextShare context;  // context parallelism: this rank's share of the packed row
   };
   static const std::vector<size_t> kNoDatums;
   std::vector<MicroBatch> mbs;
@@ -409,6 +421,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   {
     auto t0 = Clock::now();
     for (const auto& mb : micro_batches) {
+      const double physical_before = physical, real_before = real_tokens, flops_before = flops;
       MicroBatch data;
       data.datums = &mb;
       for (size_t d : mb) data.longest = std::max<int64_t>(data.longest, datums[d].tokens.size());
@@ -420,7 +433,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
       // at 16 x 512 on the H200, bench/results/attention.json).
       bool uniform = true;
       for (size_t d : mb) uniform = uniform && datums[d].tokens.size() == datums[mb.front()].tokens.size();
-      data.is_packed = options_.pack_sequences && !uniform;
+      data.is_packed = (options_.pack_sequences && !uniform) || context_group != nullptr;
       if (data.is_packed) {  // one row: the datums back to back
         data.packed.max_length = data.longest;
         data.longest = 0;
@@ -477,6 +490,32 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
         data.loss_in.sampler_logprobs = FloatsOrUndefined(samp, any(samp), device);
         data.loss_in.old_logprobs = FloatsOrUndefined(old, any(old), device);
         data.loss_in.ref_logprobs = FloatsOrUndefined(ref, any(ref), device);
+      }
+      if (context_group != nullptr) {
+        // Keep this rank's tokens only: their ids, RoPE positions, targets and loss inputs;
+        // the loss keeps the whole batch's denominators, so the ranks' gradients add up.
+        data.context = MakeContextShare(data.packed.lengths, context_group->size(), context_group->rank());
+        const int64_t total = data.longest, held = static_cast<int64_t>(data.context.tokens.size());
+        const at::Tensor mine = at::tensor(data.context.tokens, at::kLong).to(device);
+        auto select = [&](at::Tensor& t) {
+          if (t.defined()) t = t.index_select(0, mine);
+        };
+        data.tokens = data.tokens.index_select(1, mine);
+        for (at::Tensor* t : {&data.targets, &data.packed.positions, &data.loss_in.mask, &data.loss_in.sample_index,
+                              &data.loss_in.advantages, &data.loss_in.sampler_logprobs, &data.loss_in.old_logprobs,
+                              &data.loss_in.ref_logprobs}) {
+          select(*t);
+        }
+        data.positions = at::arange(held, at::TensorOptions().dtype(at::kLong).device(device));
+        data.packed.sequence_ids = at::tensor(data.context.sequence_ids, at::kLong).to(device);
+        data.packed.context_group = context_group;
+        data.packed.context_counts = data.context.counts;
+        data.longest = held;
+        // Token and FLOP counts: this rank's share (the mesh sums the ranks').
+        const double part = total > 0 ? static_cast<double>(held) / static_cast<double>(total) : 0.0;
+        physical = physical_before + (physical - physical_before) * part;
+        real_tokens = real_before + (real_tokens - real_before) * part;
+        flops = flops_before + (flops - flops_before) * part;
       }
       mbs.push_back(std::move(data));
     }
@@ -583,7 +622,9 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   for (size_t i = mbs.size(); i < cancel_rounds; ++i) LORASTEP_RETURN_IF_ERROR(stop_before(i));
   if (!pending_logprobs.empty()) {
     std::vector<at::Tensor> parts;
-    for (const auto& [mb, lp] : pending_logprobs) parts.push_back(lp);
+    for (const auto& [mb, lp] : pending_logprobs) {  // with cp: the whole row from every rank's share
+      parts.push_back(context_group != nullptr ? GatherContextShares(lp, context_group, mb->context) : lp);
+    }
     const at::Tensor all = at::cat(parts).to(at::kCPU);
     const float* lp = all.data_ptr<float>();
     for (const auto& [mb, unused] : pending_logprobs) {
@@ -608,16 +649,18 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   }
   m.Add("tokens_physical:sum", physical);
   m.Add("tokens_nonpadding:sum", real_tokens);
-  m.Add("tokens_loss:sum", den.loss_tokens);
-  m.Add("micro_batches:sum", static_cast<double>(micro_batches.size()));
+  // Counted once per replica: on its first context rank.
+  const bool counts_batch = context_group == nullptr || context_group->rank() == 0;
+  m.Add("tokens_loss:sum", counts_batch ? den.loss_tokens : 0.0);
+  m.Add("micro_batches:sum", counts_batch ? static_cast<double>(micro_batches.size()) : 0.0);
   if (backward) {
     double recomputed = 0, selective = 0;
     for (size_t i = 0; i < micro_batches.size(); ++i) {
       recomputed += recomputes(i) != LayerRecompute::kNone ? 1 : 0;
       selective += recomputes(i) == LayerRecompute::kSelective ? 1 : 0;
     }
-    m.Add("micro_batches_recomputed:sum", recomputed);
-    m.Add("micro_batches_recomputed_selective:sum", selective);
+    m.Add("micro_batches_recomputed:sum", counts_batch ? recomputed : 0.0);
+    m.Add("micro_batches_recomputed_selective:sum", counts_batch ? selective : 0.0);
   }
   m.Add("time_data_s:sum", t_data);
   m.Add("time_forward_s:sum", t_forward);
@@ -988,7 +1031,7 @@ absl::StatusOr<OptimStepResult> Trainer::TrainStep(const std::vector<Datum>& dat
 bool Trainer::WritesGatheredState() const {
   if (options_.groups == nullptr) return true;
   const RankCoords c = options_.groups->coords();
-  return c.tp == 0 && c.pp == 0 && c.dp == 0;
+  return c.tp == 0 && c.pp == 0 && c.dp == 0 && c.cp == 0;
 }
 
 absl::StatusOr<std::vector<at::Tensor>> Trainer::GatherTensorSplits(
@@ -1035,7 +1078,7 @@ absl::StatusOr<std::vector<Trainer::NamedTensor>> Trainer::GatherStages(
     std::vector<NamedTensor> local) const {
   if (options_.groups == nullptr || base_->shard.pp == 1) return local;
   const RankCoords c = options_.groups->coords();
-  if (c.tp != 0 || c.dp != 0) return local;  // replica 0's tensor rank 0 of each stage takes part
+  if (c.tp != 0 || c.dp != 0 || c.cp != 0) return local;  // replica 0's tensor rank 0 of each stage takes part
   CommGroup& pipe = options_.groups->group(GroupKind::kPipeline);
   // Each later stage sends its tensors to stage 0 as one safetensors blob (a size, then
   // the bytes): stages hold different tensors, so a shape-agreeing collective cannot.
