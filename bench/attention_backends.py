@@ -13,24 +13,14 @@ attention and the packed flash (varlen) kernel cost beside it.
 Usage: python3 bench/attention_backends.py [--out FILE]. Prints one JSON object; a kernel
 that refuses a shape is recorded with its error.
 """
-import argparse, datetime, json
+import argparse, datetime, json, os, sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-
-def timed(fn, iters=5, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention_bench import timed  # CUDA-event mean after warm-ups
 
 
 def case(b, s, nh, nkv, d):
@@ -82,8 +72,8 @@ def case(b, s, nh, nkv, d):
                     o = fn(False)
             row["max_abs_diff_vs_flash"] = (o.float() - ref).abs().max().item()
             with torch.no_grad():
-                row["forward_ms"] = timed(lambda: fn(False))
-            row["forward_backward_ms"] = timed(lambda: fn(True))
+                row["forward_ms"] = timed(lambda: fn(False), iters=5, warmup=2)
+            row["forward_backward_ms"] = timed(lambda: fn(True), iters=5, warmup=2)
         except RuntimeError as e:
             row["error"] = str(e).splitlines()[0][:200]
         out[name] = row
