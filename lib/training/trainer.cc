@@ -24,6 +24,7 @@
 #include "lib/model/peft_io.h"
 #include "lib/model/qwen2.h"
 #include "lib/parallel/context_parallel.h"
+#include "lib/training/micro_batch.h"
 #include "lib/io/safetensors.h"
 #include "lib/status_macros.h"
 #include "lib/io/tensor_bytes.h"
@@ -92,25 +93,6 @@ constexpr double kH200DenseBf16Flops = 989e12;  // datasheet; MFU's denominator 
 using Clock = std::chrono::steady_clock;
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-at::Tensor FloatsOrUndefined(const std::vector<const std::vector<float>*>& parts, bool any,
-                             const c10::Device& device) {
-  if (!any) return at::Tensor();
-  std::vector<float> flat;
-  for (const auto* p : parts) flat.insert(flat.end(), p->begin(), p->end());
-  return at::tensor(flat, at::kFloat).to(device);
-}
-
-// Model FLOPs of a datum of n tokens: matmul FLOPs per token times n, plus causal attention
-// (QK^T and AV, 2*2*d per query-key pair, n(n+1)/2 pairs per layer). `passes`: 1 forward,
-// 2 forward + dgrad (LoRA: frozen weights have no wgrad), 3 forward + dgrad + wgrad.
-double DatumFlops(const ModelConfig& c, int64_t n, double matmul_passes, double lora_params) {
-  const double attn_pairs = 0.5 * static_cast<double>(n) * static_cast<double>(n + 1);
-  const double attn_fwd = 4.0 * c.num_hidden_layers * c.hidden_size * attn_pairs;
-  const double attn_passes = matmul_passes > 1 ? 3.0 : 1.0;  // backward of attention is 2x
-  return 2.0 * matmul_passes * static_cast<double>(c.MatmulParameterCount()) * n +
-         (matmul_passes > 1 ? 6.0 : 2.0) * lora_params * n + attn_passes * attn_fwd;
 }
 
 double PeakHostMemoryBytes() {
@@ -346,7 +328,6 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   // Batch-wide denominators, so micro-batch losses sum to the batch loss.
   LossDenominators den;
   std::vector<float> sample_tokens(datums.size(), 0.0f);
-  double physical = 0;
   for (size_t d = 0; d < datums.size(); ++d) {
     for (size_t i = 0; i < datums[d].tokens.size(); ++i) {
       if (LossMask(datums[d], i) != 0) sample_tokens[d] += 1;
@@ -392,7 +373,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
                                  ? &options_.groups->group(GroupKind::kContext)
                                  : nullptr;
   const VocabShard vocab{tensor_group, base_->shard.vocab_begin};
-  double t_data = 0, t_forward = 0, t_backward = 0, flops = 0, real_tokens = 0;
+  double t_data = 0, t_forward = 0, t_backward = 0;
   const double lora_params = adapter_->full_finetune()
                                  ? 0.0
                                  : [&] {
@@ -403,121 +384,19 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   const double matmul_passes = !backward ? 1.0 : adapter_->full_finetune() ? 3.0 : 2.0;
 
   // Host-side inputs of every micro-batch, built before any compute.
-  struct MicroBatch {
-    const std::vector<size_t>* datums = nullptr;
-    int64_t b = 0, longest = 0;
-    at::Tensor tokens, positions, targets;  // on the device
-    bool is_packed = false;  // tokens [1, total] with `packed`, else [b, longest]
-    PackedSequences packed;
-    // The loss's per-position inputs, on the device before any compute: a host-to-device
-    // copy of pageable memory waits for the stream, so none may run between micro-batches.
-    LossInputs loss_in;
-    bool filler = false;  // expert parallelism: keeps the group's micro-batch counts equal
-    ContextShare context;  // context parallelism: this rank's share of the packed row
-  };
-  static const std::vector<size_t> kNoDatums;
+  MicroBatchOptions mb_options;
+  mb_options.pack_sequences = options_.pack_sequences;
+  mb_options.backward = backward;
+  mb_options.context_group = context_group;
+  mb_options.matmul_passes = matmul_passes;
+  mb_options.lora_params = lora_params;
+  MicroBatchCounts counts;
   std::vector<MicroBatch> mbs;
   const auto device = base_->device;
   {
     auto t0 = Clock::now();
     for (const auto& mb : micro_batches) {
-      const double physical_before = physical, real_before = real_tokens, flops_before = flops;
-      MicroBatch data;
-      data.datums = &mb;
-      for (size_t d : mb) data.longest = std::max<int64_t>(data.longest, datums[d].tokens.size());
-      data.b = static_cast<int64_t>(mb.size());
-      std::vector<int64_t> rope_positions;
-      std::vector<int32_t> cu_seqlens{0};
-      // Packed into one row unless every datum has the same length (then rows of equal
-      // length pad nothing, and fused SDPA beats the varlen kernel: 0.21 vs 0.28 ms per layer
-      // at 16 x 512 on the H200, bench/results/attention.json).
-      bool uniform = true;
-      for (size_t d : mb) uniform = uniform && datums[d].tokens.size() == datums[mb.front()].tokens.size();
-      data.is_packed = (options_.pack_sequences && !uniform) || context_group != nullptr;
-      if (data.is_packed) {  // one row: the datums back to back
-        data.packed.max_length = data.longest;
-        data.longest = 0;
-        for (size_t d : mb) {
-          const int64_t n = static_cast<int64_t>(datums[d].tokens.size());
-          data.packed.lengths.push_back(n);
-          for (int64_t i = 0; i < n; ++i) rope_positions.push_back(i);
-          data.longest += n;
-          cu_seqlens.push_back(static_cast<int32_t>(data.longest));
-        }
-      }
-      // Rows of the token grid: one per datum, or one for all when packed.
-      const int64_t rows = data.is_packed ? 1 : data.b;
-      int64_t column = 0;  // packed: where the current datum starts
-      std::vector<int64_t> tokens(rows * data.longest, 0), positions, targets, sample_of;
-      std::vector<float> mask;
-      std::vector<const std::vector<float>*> adv, samp, old, ref;
-      for (int64_t r = 0; r < data.b; ++r) {
-        const Datum& datum = datums[mb[r]];
-        const int64_t n = static_cast<int64_t>(datum.tokens.size());
-        const int64_t offset = data.is_packed ? column : r * data.longest;
-        column += n;
-        for (int64_t i = 0; i < n; ++i) {
-          tokens[offset + i] = datum.tokens[i];
-          positions.push_back(offset + i);
-          targets.push_back(datum.target_tokens[i]);
-          sample_of.push_back(static_cast<int64_t>(mb[r]));
-          mask.push_back(LossMask(datum, i));
-        }
-        adv.push_back(&datum.advantages);
-        samp.push_back(&datum.logprobs);
-        old.push_back(&datum.old_logprobs);
-        ref.push_back(&datum.ref_logprobs);
-        physical += data.is_packed ? static_cast<double>(n) : static_cast<double>(data.longest);
-        real_tokens += static_cast<double>(n);
-        flops += DatumFlops(config, n, matmul_passes, lora_params);
-      }
-      data.tokens = at::tensor(tokens, at::kLong).view({rows, data.longest}).to(device);
-      if (data.is_packed) {
-        data.b = 1;
-        data.packed.cu_seqlens = at::tensor(cu_seqlens, at::kInt).to(device);
-        data.packed.positions = at::tensor(rope_positions, at::kLong).to(device);
-      }
-      data.positions = at::tensor(positions, at::kLong).to(device);
-      data.targets = at::tensor(targets, at::kLong).to(device);
-      data.loss_in.mask = at::tensor(mask, at::kFloat).to(device);
-      if (backward) {
-        data.loss_in.sample_index = at::tensor(sample_of, at::kLong).to(device);
-        auto any = [](const std::vector<const std::vector<float>*>& v) {
-          for (const auto* p : v) if (!p->empty()) return true;
-          return false;
-        };
-        data.loss_in.advantages = FloatsOrUndefined(adv, any(adv), device);
-        data.loss_in.sampler_logprobs = FloatsOrUndefined(samp, any(samp), device);
-        data.loss_in.old_logprobs = FloatsOrUndefined(old, any(old), device);
-        data.loss_in.ref_logprobs = FloatsOrUndefined(ref, any(ref), device);
-      }
-      if (context_group != nullptr) {
-        // Keep this rank's tokens only: their ids, RoPE positions, targets and loss inputs;
-        // the loss keeps the whole batch's denominators, so the ranks' gradients add up.
-        data.context = MakeContextShare(data.packed.lengths, context_group->size(), context_group->rank());
-        const int64_t total = data.longest, held = static_cast<int64_t>(data.context.tokens.size());
-        const at::Tensor mine = at::tensor(data.context.tokens, at::kLong).to(device);
-        auto select = [&](at::Tensor& t) {
-          if (t.defined()) t = t.index_select(0, mine);
-        };
-        data.tokens = data.tokens.index_select(1, mine);
-        for (at::Tensor* t : {&data.targets, &data.packed.positions, &data.loss_in.mask, &data.loss_in.sample_index,
-                              &data.loss_in.advantages, &data.loss_in.sampler_logprobs, &data.loss_in.old_logprobs,
-                              &data.loss_in.ref_logprobs}) {
-          select(*t);
-        }
-        data.positions = at::arange(held, at::TensorOptions().dtype(at::kLong).device(device));
-        data.packed.sequence_ids = at::tensor(data.context.sequence_ids, at::kLong).to(device);
-        data.packed.context_group = context_group;
-        data.packed.context_counts = data.context.counts;
-        data.longest = held;
-        // Token and FLOP counts: this rank's share (the mesh sums the ranks').
-        const double part = total > 0 ? static_cast<double>(held) / static_cast<double>(total) : 0.0;
-        physical = physical_before + (physical - physical_before) * part;
-        real_tokens = real_before + (real_tokens - real_before) * part;
-        flops = flops_before + (flops - flops_before) * part;
-      }
-      mbs.push_back(std::move(data));
+      mbs.push_back(BuildMicroBatch(datums, mb, config, mb_options, device, &counts));
     }
     // Expert parallelism: every member of the expert group exchanges tokens in each
     // micro-batch's forward and backward, so all run as many micro-batches as the busiest;
@@ -526,14 +405,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
       at::Tensor count = at::full({1}, static_cast<double>(mbs.size()), at::TensorOptions().dtype(at::kDouble).device(device));
       ThrowIfError(expert_group->AllReduce(count, ReduceKind::kMax));
       const size_t agreed = static_cast<size_t>(count.item<double>());
-      while (mbs.size() < agreed) {
-        MicroBatch filler;
-        filler.datums = &kNoDatums;
-        filler.filler = true;
-        filler.b = filler.longest = 1;
-        filler.tokens = at::zeros({1, 1}, at::TensorOptions().dtype(at::kLong).device(device));
-        mbs.push_back(std::move(filler));
-      }
+      while (mbs.size() < agreed) mbs.push_back(FillerMicroBatch(device));
     }
     t_data += SecondsSince(t0);
   }
@@ -647,8 +519,8 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     AddCudaPeakMemory(&m);
     return result;
   }
-  m.Add("tokens_physical:sum", physical);
-  m.Add("tokens_nonpadding:sum", real_tokens);
+  m.Add("tokens_physical:sum", counts.physical);
+  m.Add("tokens_nonpadding:sum", counts.real_tokens);
   // Counted once per replica: on its first context rank.
   const bool counts_batch = context_group == nullptr || context_group->rank() == 0;
   m.Add("tokens_loss:sum", counts_batch ? den.loss_tokens : 0.0);
@@ -666,11 +538,11 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   m.Add("time_forward_s:sum", t_forward);
   if (backward) m.Add("time_backward_s:sum", t_backward);
   const double compute_s = t_forward + t_backward;
-  m.Add("model_flops:sum", flops);
-  if (compute_s > 0) m.Add("tokens_per_s:sum", real_tokens / compute_s);
+  m.Add("model_flops:sum", counts.flops);
+  if (compute_s > 0) m.Add("tokens_per_s:sum", counts.real_tokens / compute_s);
   const double peak = options_.peak_flops > 0 ? options_.peak_flops
                                               : (base_->device.is_cuda() ? kH200DenseBf16Flops : 0);
-  if (peak > 0 && compute_s > 0) m.Add("mfu:sum", flops / compute_s / peak);
+  if (peak > 0 && compute_s > 0) m.Add("mfu:sum", counts.flops / compute_s / peak);
   m.Set("peak_host_memory_bytes:max", PeakHostMemoryBytes());
   AddCudaPeakMemory(&m);
   return result;
