@@ -28,14 +28,14 @@ WPID=$(pgrep -P $PID | head -1)
 ./bazel-bin/bench/load_test --address "127.0.0.1:$(cat "$W/port")" --vocab 96 --clients "$CLIENTS" \
   --total_steps "$STEPS" --warmup_steps 500 --pids "$PID,$WPID" --out "$W/load.json" > /dev/null
 kill $PID; wait $PID 2>/dev/null
-FAULTS="//tests:service_test:ProcessTest.*:RegistrationTest.* //tests:file_util_test:FileUtilTest.FullDiskIsResourceExhausted:CheckpointDirTest.* //tests:trainer_test:TrainerTest.InterruptedSaveLeavesThePreviousCheckpointLoadable //tests:mesh_test:MeshTest.KilledWorkerFailsTheCallNamingTheRankAndNothingIsApplied //tests:run_journal_test:RunJournalIntegrityTest.*"
+FAULTS="//tests:process_test:ProcessTest.*:RegistrationTest.* //tests:file_util_test:FileUtilTest.FullDiskIsResourceExhausted:CheckpointDirTest.* //tests:trainer_test:TrainerTest.InterruptedSaveLeavesThePreviousCheckpointLoadable //tests:mesh_test:MeshTest.KilledWorkerFailsTheCallNamingTheRankAndNothingIsApplied //tests:run_journal_test:RunJournalIntegrityTest.*"
 passed=0 failed=0
 for spec in $FAULTS; do
   target=${spec%%:[A-Z]*}; filter=${spec#"$target":}
   log=$(bazel test "$target" --test_filter="$filter" --test_output=all --cache_test_results=no 2>&1)
   passed=$((passed + $(grep -c '^\[       OK \]' <<< "$log")))
   failed=$((failed + $(grep -c '^\[  FAILED  \] [A-Za-z]*\.[A-Za-z]* (' <<< "$log")))
-  [ "$target" = "//tests:service_test" ] && echo "$log" > "$W/process_tests.log"
+  [ "$target" = "//tests:process_test" ] && echo "$log" > "$W/process_tests.log"
 done
 fuzz=$(bazel test //tests:fuzz_test --test_output=all --cache_test_results=no 2>&1 | grep -o 'bad_inputs_tried [a-z]* [0-9]*' | awk '{s += $3} END {print s + 0}')
 # Issue 26's figures, as the tests that check them print them: unauthenticated paths tried
