@@ -73,20 +73,9 @@ inline bool HasVarlenAttention(const at::Tensor& q) {
   return false;
 #endif
 }
-inline at::Tensor VarlenCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                        const at::Tensor& cu_seqlens, int64_t max_length) {
-#if LORASTEP_TORCH_AT_LEAST(2, 5)
-  return std::get<0>(at::_flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length,
-                                                  /*dropout_p=*/0.0, /*is_causal=*/true,
-                                                  /*return_debug_mask=*/false));
-#else
-  (void)q, (void)k, (void)v, (void)cu_seqlens, (void)max_length;
-  return at::Tensor();
-#endif
-}
 
-// The same forward keeping what its backward needs: the output [total, heads, d], the
-// softmax log-sum-exp (fp32) and the kernel's random-number state (unused without dropout).
+// The forward keeping what its backward needs: the output [total, heads, d], the softmax
+// log-sum-exp (fp32) and the kernel's random-number state (unused without dropout).
 // With these, VarlenCausalAttentionBackward gives the input gradients without a second
 // forward (selective activation recomputation keeps them instead of replaying attention).
 struct VarlenAttentionSaved {
@@ -103,6 +92,12 @@ inline VarlenAttentionSaved VarlenCausalAttentionSaved(const at::Tensor& q, cons
   return {};
 #endif
 }
+// Its output only.
+inline at::Tensor VarlenCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& cu_seqlens, int64_t max_length) {
+  return VarlenCausalAttentionSaved(q, k, v, cu_seqlens, max_length).out;
+}
+
 // (dq, dk, dv) of VarlenCausalAttentionSaved's output for its gradient `grad_out`.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> VarlenCausalAttentionBackward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -51,10 +51,6 @@ namespace lorastep {
 namespace {
 
 using namespace ::lorastep::service_testing;  // NOLINT: the shared helpers, unqualified
-using ::lorastep::testing::ProcessResult;
-using ::lorastep::testing::RunProcesses;
-using ::lorastep::testing::ScratchDir;
-using ::lorastep::testing::StatusIs;
 
 TEST(ProcessTest, KilledCoordinatorTakesItsWorkerDown) {
   const std::string dir = ScratchDir("orphan");

@@ -12,13 +12,17 @@
 #include "clients/cpp/trainer_client.h"
 #include "lib/model/model_weights.h"
 #include "server/child_server.h"
+#include "tests/process_runner.h"
 #include "tests/proto_test_util.h"
 #include "tests/test_util.h"
 
 namespace lorastep {
 namespace service_testing {
 
+using ::lorastep::testing::ProcessResult;
+using ::lorastep::testing::RunProcesses;
 using ::lorastep::testing::ScratchDir;
+using ::lorastep::testing::StatusIs;
 
 // Workers started apart from a coordinator hold its cluster secret (see test_util.h).
 inline const bool kClusterSecretShared = (testing::ShareClusterSecretWithServers(), true);

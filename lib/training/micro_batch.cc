@@ -27,7 +27,7 @@ double DatumFlops(const ModelConfig& c, int64_t n, double matmul_passes, double 
 MicroBatch BuildMicroBatch(const std::vector<Datum>& datums, const std::vector<size_t>& mb,
                            const ModelConfig& config, const MicroBatchOptions& options, const c10::Device& device,
                            MicroBatchCounts* counts) {
-  const MicroBatchCounts before = *counts;
+  MicroBatchCounts own;  // this micro-batch's counts
   CommGroup* context_group = options.context_group;
   MicroBatch data;
   data.datums = &mb;
@@ -73,9 +73,9 @@ MicroBatch BuildMicroBatch(const std::vector<Datum>& datums, const std::vector<s
     samp.push_back(&datum.logprobs);
     old.push_back(&datum.old_logprobs);
     ref.push_back(&datum.ref_logprobs);
-    counts->physical += data.is_packed ? static_cast<double>(n) : static_cast<double>(data.longest);
-    counts->real_tokens += static_cast<double>(n);
-    counts->flops += DatumFlops(config, n, options.matmul_passes, options.lora_params);
+    own.physical += data.is_packed ? static_cast<double>(n) : static_cast<double>(data.longest);
+    own.real_tokens += static_cast<double>(n);
+    own.flops += DatumFlops(config, n, options.matmul_passes, options.lora_params);
   }
   data.tokens = at::tensor(tokens, at::kLong).view({rows, data.longest}).to(device);
   if (data.is_packed) {
@@ -97,20 +97,18 @@ MicroBatch BuildMicroBatch(const std::vector<Datum>& datums, const std::vector<s
     data.loss_in.old_logprobs = FloatsOrUndefined(old, any(old), device);
     data.loss_in.ref_logprobs = FloatsOrUndefined(ref, any(ref), device);
   }
+  double part = 1.0;  // the share of the micro-batch's tokens this rank computes
   if (context_group != nullptr) {
     // Keep this rank's tokens only: their ids, RoPE positions, targets and loss inputs;
     // the loss keeps the whole batch's denominators, so the ranks' gradients add up.
     data.context = MakeContextShare(data.packed.lengths, context_group->size(), context_group->rank());
     const int64_t total = data.longest, held = static_cast<int64_t>(data.context.tokens.size());
     const at::Tensor mine = at::tensor(data.context.tokens, at::kLong).to(device);
-    auto select = [&](at::Tensor& t) {
-      if (t.defined()) t = t.index_select(0, mine);
-    };
     data.tokens = data.tokens.index_select(1, mine);
     for (at::Tensor* t : {&data.targets, &data.packed.positions, &data.loss_in.mask, &data.loss_in.sample_index,
                           &data.loss_in.advantages, &data.loss_in.sampler_logprobs, &data.loss_in.old_logprobs,
                           &data.loss_in.ref_logprobs}) {
-      select(*t);
+      if (t->defined()) *t = t->index_select(0, mine);
     }
     data.positions = at::arange(held, at::TensorOptions().dtype(at::kLong).device(device));
     data.packed.sequence_ids = at::tensor(data.context.sequence_ids, at::kLong).to(device);
@@ -118,11 +116,11 @@ MicroBatch BuildMicroBatch(const std::vector<Datum>& datums, const std::vector<s
     data.packed.context_counts = data.context.counts;
     data.longest = held;
     // Token and FLOP counts: this rank's share (the mesh sums the ranks').
-    const double part = total > 0 ? static_cast<double>(held) / static_cast<double>(total) : 0.0;
-    counts->physical = before.physical + (counts->physical - before.physical) * part;
-    counts->real_tokens = before.real_tokens + (counts->real_tokens - before.real_tokens) * part;
-    counts->flops = before.flops + (counts->flops - before.flops) * part;
+    part = total > 0 ? static_cast<double>(held) / static_cast<double>(total) : 0.0;
   }
+  counts->physical += own.physical * part;
+  counts->real_tokens += own.real_tokens * part;
+  counts->flops += own.flops * part;
   return data;
 }
 

@@ -175,12 +175,11 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
     };
     // kAuto: none where it fits, else full (selective saves no time on SDPA's padded path,
     // which single long sequences take, so it is only ever asked for by name).
+    const double plain = need(LayerRecompute::kNone);
     LayerRecompute level = fixed;
-    if (mode == ActivationRecompute::kAuto) {
-      level = need(LayerRecompute::kNone) <= b ? LayerRecompute::kNone : LayerRecompute::kFull;
-    }
+    if (mode == ActivationRecompute::kAuto) level = plain <= b ? LayerRecompute::kNone : LayerRecompute::kFull;
     if (recompute != nullptr) (*recompute)[m] = level;
-    const double used = need(level);
+    const double used = level == LayerRecompute::kNone ? plain : need(level);
     if (used <= b) continue;
     // Refused: say what more recomputation would need, and how long a micro-batch fits.
     std::string hint;
