@@ -112,6 +112,62 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> VarlenCausalAttentionBackw
 #endif
 }
 
+// cuDNN's fused causal attention over padded rows, keeping what its backward needs, so
+// selective recomputation skips attention's forward in the replay as with the flash kernel.
+// q [b, heads, s, d], k/v [b, kv_heads, s, d] (grouped heads read in place), laid out as SDPA
+// gets them. UsesCudnnAttention says whether SDPA itself picks cuDNN for these inputs (torch
+// >= 2.5, CUDA): the kept forward then runs the very kernel CausalAttention runs.
+inline bool UsesCudnnAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+#if LORASTEP_TORCH_AT_LEAST(2, 5)
+  if (!q.is_cuda()) return false;
+  constexpr int64_t kCudnnAttention = 3;  // sdp::SDPBackend::cudnn_attention
+  return at::_fused_sdp_choice(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
+                               /*scale=*/c10::nullopt, /*enable_gqa=*/q.size(1) != k.size(1)) == kCudnnAttention;
+#else
+  (void)q, (void)k, (void)v;
+  return false;
+#endif
+}
+struct CudnnAttentionSaved {
+  at::Tensor out, logsumexp, cum_q, cum_k, philox_seed, philox_offset;
+  int64_t max_q = 0, max_k = 0;
+};
+inline CudnnAttentionSaved CudnnCausalAttentionSaved(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+#if LORASTEP_TORCH_AT_LEAST(2, 5)
+  auto r = at::_scaled_dot_product_cudnn_attention(q, k, v, /*attn_bias=*/{}, /*compute_log_sumexp=*/true,
+                                                   /*dropout_p=*/0.0, /*is_causal=*/true,
+                                                   /*return_debug_mask=*/false);
+  CudnnAttentionSaved saved;
+  saved.out = std::get<0>(r), saved.logsumexp = std::get<1>(r);
+  saved.cum_q = std::get<2>(r), saved.cum_k = std::get<3>(r);
+  saved.max_q = std::get<4>(r).guard_int(__FILE__, __LINE__);
+  saved.max_k = std::get<5>(r).guard_int(__FILE__, __LINE__);
+  saved.philox_seed = std::get<6>(r), saved.philox_offset = std::get<7>(r);
+  return saved;
+#else
+  (void)q, (void)k, (void)v;
+  return {};
+#endif
+}
+// (dq, dk, dv) of CudnnCausalAttentionSaved's output for its gradient `grad_out` [b, heads, s, d].
+// The kernel reads the gradient with the output's strides, so a gradient laid out otherwise is
+// copied into that layout first.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> CudnnCausalAttentionBackward(const at::Tensor& grad_out,
+                                                                                   const at::Tensor& q,
+                                                                                   const at::Tensor& k,
+                                                                                   const at::Tensor& v,
+                                                                                   const CudnnAttentionSaved& saved) {
+#if LORASTEP_TORCH_AT_LEAST(2, 5)
+  const at::Tensor g = grad_out.strides() == saved.out.strides() ? grad_out : at::empty_like(saved.out).copy_(grad_out);
+  return at::_scaled_dot_product_cudnn_attention_backward(
+      g, q, k, v, saved.out, saved.logsumexp, saved.philox_seed, saved.philox_offset, /*attn_bias=*/{}, saved.cum_q,
+      saved.cum_k, saved.max_q, saved.max_k, /*dropout_p=*/0.0, /*is_causal=*/true);
+#else
+  (void)grad_out, (void)q, (void)k, (void)v, (void)saved;
+  return {};
+#endif
+}
+
 // Grouped GEMM (torch >= 2.8, CUDA, bf16/fp16 on Hopper: one CUTLASS kernel for all groups).
 // a [M, K] x b [G, K, N] with int32 `offs` (cumulative row ends of each group) -> [M, N];
 // a [M, K] x b [K, N] with offs over K -> [G, M, N]. Undefined where unavailable.

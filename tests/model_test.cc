@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 
 #include "lib/io/file_util.h"
@@ -16,6 +17,7 @@
 #include "lib/model/model_weights.h"
 #include "lib/model/qwen2.h"
 #include "lib/model/rope.h"
+#include "lib/torch_compat.h"
 #include "lib/training/grad_finalizer.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
@@ -447,6 +449,52 @@ TEST(ModelTest, RecomputedLayersGiveThePlainForwardsResults) {
       }
     }
   }
+}
+
+// cuDNN's attention kept for selective recomputation (compat::CudnnCausalAttentionSaved and its
+// backward) gives SDPA's output and input gradients, grouped K/V heads read in place, with q/k/v
+// laid out as the decoder layer hands them over ([b, s, heads, d] memory). On the H200 in bf16
+// at head dim 128 SDPA picks cuDNN, so the kept path is what the long-sequence runs take;
+// elsewhere SDPA does not pick it and the layer replays attention instead.
+TEST(ModelTest, KeptCudnnAttentionGivesSdpasOutputAndGradients) {
+  const at::Device dev = ::lorastep::testing::TestDevice();
+  const at::ScalarType dtype = ::lorastep::testing::TestDtype();
+  const int64_t b = 2, s = 96, heads = 8, kv = 2, d = 128;
+  at::manual_seed(3);
+  const auto opts = at::TensorOptions().device(dev).dtype(dtype);
+  const at::Tensor q = at::randn({b, s, heads, d}, opts).transpose(1, 2);
+  const at::Tensor k = at::randn({b, s, kv, d}, opts).transpose(1, 2);
+  const at::Tensor v = at::randn({b, s, kv, d}, opts).transpose(1, 2);
+  const at::Tensor g = at::randn({b, s, heads, d}, opts).transpose(1, 2);
+  const bool cudnn = compat::UsesCudnnAttention(q, k, v);
+  if (!dev.is_cuda()) {
+    EXPECT_FALSE(cudnn);
+    return;
+  }
+  if (dtype == at::kBFloat16) {
+    EXPECT_TRUE(cudnn) << "SDPA no longer picks cuDNN at head dim 128 in bf16";
+  }
+  if (!cudnn) return;
+  torch::autograd::variable_list inputs;
+  for (const at::Tensor& t : {q, k, v}) inputs.push_back(t.detach().requires_grad_(true));
+  const at::Tensor want = compat::CausalAttention(inputs[0], inputs[1], inputs[2]);
+  const torch::autograd::variable_list want_grads = torch::autograd::grad({want}, inputs, {g});
+  compat::CudnnAttentionSaved saved;
+  {
+    at::NoGradGuard no_grad;
+    saved = compat::CudnnCausalAttentionSaved(q, k, v);
+  }
+  EXPECT_TRUE(at::equal(saved.out, want.detach()));
+  // The backward accumulates dq in any order (atomics): equal to a rounding of bf16.
+  const double tol = 5e-3;
+  auto [dq, dk, dv] = compat::CudnnCausalAttentionBackward(g, q, k, v, saved);
+  EXPECT_LT(RelErr(dq, want_grads[0]), tol);
+  EXPECT_LT(RelErr(dk, want_grads[1]), tol);
+  EXPECT_LT(RelErr(dv, want_grads[2]), tol);
+  // A gradient in another layout than the output's is read by value.
+  auto [dq2, dk2, dv2] = compat::CudnnCausalAttentionBackward(g.contiguous(), q, k, v, saved);
+  EXPECT_LT(RelErr(dq2, want_grads[0]), tol);
+  EXPECT_LT(RelErr(dv2, want_grads[2]), tol);
 }
 
 }  // namespace

@@ -74,8 +74,9 @@ ABSL_FLAG(std::optional<double>, state_ttl_hours, std::nullopt, "remove lorastep
 ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt,
           "MiB one micro-batch's activations may take (0: 80% of free host memory on CPU; -1: off)");
 ABSL_FLAG(std::string, activation_recompute, "auto",
-          "activation recomputation of a training micro-batch's layers: auto (full, only when its activations would "
-          "not fit --max_activation_mb otherwise), none, selective (also keeps the attention output), full");
+          "activation recomputation of a training micro-batch's layers: auto (only when its activations would not "
+          "fit --max_activation_mb otherwise: selective where that fits, else full), none, selective (also keeps "
+          "the attention output), full");
 ABSL_FLAG(std::string, worker_token_file, "",
           "the cluster secret (>= 16 characters) every call to this worker must present (default: "
           "$LORASTEP_CLUSTER_SECRET)");

@@ -6,9 +6,10 @@ namespace lorastep {
 
 // What a decoder layer keeps for backward. kFull: only its input ([tokens, hidden]); the
 // whole layer runs again in backward. kSelective: its input plus its attention output and
-// softmax statistics; the replay skips attention's forward where the packed layout's flash
-// kernel runs (its backward works from them); elsewhere attention's forward runs once more
-// inside its backward, so selective costs full's time and more memory.
+// softmax statistics; the replay skips attention's forward where the kernel exposes them
+// (the packed layout's flash kernel, cuDNN's on padded rows) and its backward works from
+// them; elsewhere attention's forward runs once more inside its backward, so selective
+// costs full's time and more memory there.
 enum class LayerRecompute { kNone, kSelective, kFull };
 
 }  // namespace lorastep

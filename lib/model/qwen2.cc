@@ -256,39 +256,49 @@ at::Tensor LoraDropout(const at::Tensor& x, double p, at::Generator* generator) 
 using AttentionFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
 
 // A selectively recomputed layer's attention (LayerRecompute::kSelective): the no-grad forward
-// fills it, the replay reads it. With the flash kernel (`flash`) it holds the kernel's output
-// and statistics, and backward runs the kernel's own backward from them; otherwise the
-// output, and backward runs `attend` once more with autograd. Owned by the layer's
-// RecomputedLayerNode, which outlives every use.
+// fills it, the replay reads it. With a fused kernel that exposes its softmax statistics (the
+// packed layout's flash kernel, or cuDNN's on padded rows) it holds them, and backward runs
+// the kernel's own backward; otherwise it holds the output, and backward runs `attend` once
+// more with autograd. Owned by the layer's RecomputedLayerNode, which outlives every use.
 struct KeptAttention {
-  bool flash = false;
-  compat::VarlenAttentionSaved saved;  // flash: out [total, heads, d], log-sum-exp, rng state
-  at::Tensor out;                      // otherwise: the attention output
-  at::Tensor cu_seqlens;
-  int64_t max_length = 0;
-  AttentionFn attend;  // the replay's attention (set by the replay)
+  enum class Kernel { kReplay, kFlash, kCudnn };
+  Kernel kernel = Kernel::kReplay;
+  at::Tensor out;                            // the attention output the replay returns
+  compat::VarlenAttentionSaved flash;        // kFlash: out [total, heads, d], log-sum-exp, rng state
+  at::Tensor cu_seqlens;                     // kFlash
+  int64_t max_length = 0;                    // kFlash
+  compat::CudnnAttentionSaved cudnn;         // kCudnn: out [b, heads, s, d], log-sum-exp, ...
+  AttentionFn attend;                        // kReplay: the replay's attention (set by the replay)
 };
 
 // Attention in a selective replay: returns the kept output for (q, k, v) without running
-// attention, and back-propagates as attention does.
+// attention, and back-propagates as attention does. q/k/v are laid out as the kept kernel
+// took them.
 class KeptAttentionFunction : public torch::autograd::Function<KeptAttentionFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, int64_t kept_address) {
     ctx->save_for_backward({q, k, v});
     ctx->saved_data["kept"] = kept_address;
-    const auto* kept = reinterpret_cast<const KeptAttention*>(kept_address);
     // A fresh tensor over the kept storage (not a view): autograd records this node as its history.
-    return (kept->flash ? kept->saved.out : kept->out).detach();
+    return reinterpret_cast<const KeptAttention*>(kept_address)->out.detach();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const auto* kept = reinterpret_cast<const KeptAttention*>(ctx->saved_data["kept"].toInt());
-    if (kept->flash) {
-      auto [dq, dk, dv] = compat::VarlenCausalAttentionBackward(grads[0], saved[0], saved[1], saved[2], kept->saved,
-                                                                kept->cu_seqlens, kept->max_length);
-      return {dq, dk, dv, at::Tensor()};
+    switch (kept->kernel) {
+      case KeptAttention::Kernel::kFlash: {
+        auto [dq, dk, dv] = compat::VarlenCausalAttentionBackward(grads[0], saved[0], saved[1], saved[2], kept->flash,
+                                                                  kept->cu_seqlens, kept->max_length);
+        return {dq, dk, dv, at::Tensor()};
+      }
+      case KeptAttention::Kernel::kCudnn: {
+        auto [dq, dk, dv] = compat::CudnnCausalAttentionBackward(grads[0], saved[0], saved[1], saved[2], kept->cudnn);
+        return {dq, dk, dv, at::Tensor()};
+      }
+      case KeptAttention::Kernel::kReplay:
+        break;
     }
     torch::autograd::variable_list inputs;
     for (int j = 0; j < 3; ++j) inputs.push_back(saved[j].detach().requires_grad_(true));
@@ -402,10 +412,9 @@ class LayerRunner {
   // Causal attention of q [b, s, heads, d] over k/v [b, s, kv, d] -> [b, s, heads * d], as the
   // call's layout says (packed, context-parallel or padded). In a selectively recomputed
   // layer (kept_attention_) the no-grad forward keeps the result and the replay returns it
-  // through KeptAttentionFunction. Only the packed layout's flash kernel keeps its statistics
-  // (the backward runs from them); elsewhere the backward runs attention again. Padded rows
-  // stay on SDPA's kernel: through the varlen flash kernel they ran slower on the H200 than
-  // SDPA's forward and backward together (docs/PERFORMANCE.md).
+  // through KeptAttentionFunction. The packed layout's flash kernel and cuDNN's kernel on
+  // padded rows (where SDPA picks it) keep their statistics, and backward runs from them;
+  // elsewhere backward runs attention again.
   at::Tensor Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
     const int64_t b = q.size(0), s = q.size(1), width = q.size(2) * q.size(3);
     const PackedSequences* packed = options_.packed;
@@ -419,19 +428,34 @@ class LayerRunner {
     };
     KeptAttention* kept = kept_attention_;
     if (kept == nullptr) return attend(q, k, v);
-    const bool replay = kept->flash ? kept->saved.out.defined() : kept->out.defined();
+    const bool replay = kept->out.defined();
+    const auto kept_output = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+      return KeptAttentionFunction::apply(q, k, v, reinterpret_cast<int64_t>(kept));
+    };
     if (packed != nullptr && packed->context_group == nullptr && compat::HasVarlenAttention(q)) {
       const at::Tensor q0 = q[0], k0 = k[0], v0 = v[0].contiguous();
       if (!replay) {
-        kept->flash = true, kept->cu_seqlens = packed->cu_seqlens, kept->max_length = packed->max_length;
-        kept->saved = compat::VarlenCausalAttentionSaved(q0, k0, v0, packed->cu_seqlens, packed->max_length);
-        return kept->saved.out.reshape({1, s, width});
+        kept->kernel = KeptAttention::Kernel::kFlash;
+        kept->cu_seqlens = packed->cu_seqlens, kept->max_length = packed->max_length;
+        kept->flash = compat::VarlenCausalAttentionSaved(q0, k0, v0, packed->cu_seqlens, packed->max_length);
+        kept->out = kept->flash.out;
       }
-      return KeptAttentionFunction::apply(q0, k0, v0, reinterpret_cast<int64_t>(kept)).reshape({1, s, width});
+      return (replay ? kept_output(q0, k0, v0) : kept->out).reshape({1, s, width});
+    }
+    if (packed == nullptr) {
+      const at::Tensor qt = q.transpose(1, 2), kt = k.transpose(1, 2), vt = v.transpose(1, 2);
+      if (replay ? kept->kernel == KeptAttention::Kernel::kCudnn : compat::UsesCudnnAttention(qt, kt, vt)) {
+        if (!replay) {
+          kept->kernel = KeptAttention::Kernel::kCudnn;
+          kept->cudnn = compat::CudnnCausalAttentionSaved(qt, kt, vt);
+          kept->out = kept->cudnn.out;
+        }
+        return (replay ? kept_output(qt, kt, vt) : kept->out).transpose(1, 2).reshape({b, s, width});
+      }
     }
     if (!replay) return kept->out = attend(q, k, v);
     kept->attend = std::move(attend);
-    return KeptAttentionFunction::apply(q, k, v, reinterpret_cast<int64_t>(kept));
+    return kept_output(q, k, v);
   }
 
   at::Tensor Dropout(const at::Tensor& x, double p) const { return LoraDropout(x, p, options_.dropout_generator); }

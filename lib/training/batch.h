@@ -67,8 +67,9 @@ std::vector<std::vector<size_t>> PackIntoMicroBatches(const std::vector<Datum>& 
                                                       int64_t max_tokens);
 
 // Activation recomputation of a training micro-batch's layers (LayerRecompute): kAuto
-// recomputes a micro-batch fully only where its activations would not fit the worker's
-// budget otherwise; kNone, kSelective and kFull always use that level.
+// recomputes a micro-batch only where its activations would not fit the worker's budget
+// otherwise, selectively where that fits, else fully; kNone, kSelective and kFull always
+// use that level.
 enum class ActivationRecompute { kAuto, kNone, kSelective, kFull };
 // "auto", "none", "selective", "full"; INVALID_ARGUMENT naming `field` otherwise.
 absl::StatusOr<ActivationRecompute> ParseActivationRecompute(const std::string& value, const std::string& field);

@@ -173,11 +173,16 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
                  : EstimateActivationBytes(base_->config, base_->shard, count, longest, backward, element_bytes,
                                            options_.logprob_chunk_tokens, level, mlp_activation_kept);
     };
-    // kAuto: none where it fits, else full (selective saves no time on SDPA's padded path,
-    // which single long sequences take, so it is only ever asked for by name).
+    // kAuto: the least recomputation that fits. Selective never costs more time than full
+    // (its replay skips attention's forward where the kernel keeps its statistics, and
+    // otherwise runs attention once in backward as full does), only the kept attention.
     const double plain = need(LayerRecompute::kNone);
     LayerRecompute level = fixed;
-    if (mode == ActivationRecompute::kAuto) level = plain <= b ? LayerRecompute::kNone : LayerRecompute::kFull;
+    if (mode == ActivationRecompute::kAuto) {
+      level = plain <= b                                 ? LayerRecompute::kNone
+              : need(LayerRecompute::kSelective) <= b ? LayerRecompute::kSelective
+                                                         : LayerRecompute::kFull;
+    }
     if (recompute != nullptr) (*recompute)[m] = level;
     const double used = level == LayerRecompute::kNone ? plain : need(level);
     if (used <= b) continue;
@@ -190,7 +195,7 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
       hint = need(more) <= b ? absl::StrFormat("; with %s activation recomputation it needs about %.4g MiB and fits "
                                                "(activation_recompute %s)",
                                                RecomputeName(more), need(more) / (1 << 20),
-                                               more == LayerRecompute::kFull ? "\"auto\" or \"full\"" : "\"selective\"")
+                                               more == LayerRecompute::kFull ? "\"auto\" or \"full\"" : "\"auto\" or \"selective\"")
                              : absl::StrFormat("; even with full activation recomputation it needs about %.4g MiB",
                                                need(LayerRecompute::kFull) / (1 << 20));
     } else if (backward) {
