@@ -34,8 +34,8 @@ inline void AddMatmulFp32(at::Tensor& out_fp32, const at::Tensor& a, const at::T
 
 // Causal self-attention. q: [b, heads, s, d]; k, v: [b, kv_heads, s, d] with kv_heads
 // dividing heads (grouped-query attention: each K/V head serves heads/kv_heads query heads).
-// torch >= 2.5: fused SDPA reading the K/V heads in place (enable_gqa; on the H200 0.21 ms
-// against 0.54 ms with K/V repeated first, bitwise equal: bench/results/attention.json).
+// torch >= 2.5: fused SDPA reading the K/V heads in place (enable_gqa: bitwise equal to
+// repeating K/V first, and without that copy; docs/PERFORMANCE.md has the timing).
 inline at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const int64_t groups = q.size(1) / k.size(1);
 #if LORASTEP_TORCH_AT_LEAST(2, 5)

@@ -166,8 +166,8 @@ absl::Status Coordinator::DeleteRun(const std::string& run_id) {
   runs_.Remove(*run, /*forget_request=*/true);
   if (options_.metrics != nullptr) options_.metrics->RemoveSeries("run", run_id);
   // A deleted run's history and records go back to the OS, not just to malloc: trimmed once
-  // they are freed (this was the last reference; trimming before it let the first 10,000
-  // steps of 16 clients leave 15-21 MB behind).
+  // they are freed (this was the last reference; trimming before it returns nothing, and a
+  // long-lived coordinator's footprint grows with every run it ever served).
   run_lock.unlock();
   run.reset();
   malloc_trim(0);

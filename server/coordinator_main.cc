@@ -555,8 +555,8 @@ int main(int argc, char** argv) {
   }
   // An in-process worker's calls run on the executor threads that call it. One thread, so
   // one thread owns the device: LibTorch sets up CUDA state per thread (cuBLAS handles and
-  // workspaces), and on the H200 each new thread's first call took 50-80 ms longer. The
-  // device runs one call at a time anyway; runs still take turns on that thread.
+  // workspaces), so each new thread's first call pays that setup again. The device runs one
+  // call at a time anyway; runs still take turns on that thread.
   const size_t executors = absl::GetFlag(FLAGS_in_process_worker) ? 1 : 4;
   CoordinatorService service(&core, executors, &metrics, api_keys ? &*api_keys : nullptr,
                              std::chrono::microseconds(absl::GetFlag(FLAGS_executor_spin_us)));

@@ -1,7 +1,7 @@
 // A worker inside the coordinator's process (lorastep_coordinator --in_process_worker):
 // the coordinator's calls run WorkerCalls directly on the calling thread, with no second
-// gRPC hop, no serialization and no thread hand-off (issue 9: each hop cost about 1.3 ms of
-// a 0.22 s step on the H200 host). One device, world size 1 only: the ranks of a mesh are
+// gRPC hop, no serialization and no thread hand-off (docs/PERFORMANCE.md compares both
+// deployments). One device, world size 1 only: the ranks of a mesh are
 // processes. The price: a worker crash takes the coordinator with it, so the process
 // worker, which the coordinator restarts, stays the default.
 #ifndef LORASTEP_SERVER_IN_PROCESS_WORKER_CLIENT_H_

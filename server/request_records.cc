@@ -15,7 +15,7 @@ namespace lorastep {
 namespace {
 
 // The hashing runs on long-lived threads, keyed by run so one run's hashes do not queue
-// behind another's: a thread per call (std::async) cost about 0.1 ms of a step on the H200 host.
+// behind another's: a thread per call (std::async) pays thread creation on every step.
 KeyedExecutor& FingerprintThreads() {
   static KeyedExecutor* threads = new KeyedExecutor(2);  // never joined: lives as long as the process
   return *threads;

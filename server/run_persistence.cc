@@ -181,8 +181,8 @@ void RunPersistence::MaybeAutosave(RunState& run, bool force) {
     a.in_flight = false;
     state->autosave_cv.notify_all();
     lock.unlock();
-    // Not under autosave_mu: removing 246 MB took ~80 ms on the H200 host, and the next
-    // step's autosave waited for it. The journal names `name` now: a restore never needs
+    // Not under autosave_mu: removing a large autosave takes long enough that the next
+    // step's autosave would wait for it. The journal names `name` now: a restore never needs
     // `previous` again.
     RemoveAutosave(*state, previous);
   });

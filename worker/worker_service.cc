@@ -69,8 +69,7 @@ LORASTEP_WORKER_CALL(LoadState, v1::WorkerPathRequest, v1::WorkerPathResponse)
 LORASTEP_WORKER_CALL(ExportAdapter, v1::WorkerPathRequest, v1::WorkerPathResponse)
 LORASTEP_WORKER_CALL(StoreAdapter, v1::WorkerStoreAdapterRequest, v1::WorkerPathResponse)  // loads on the device
 // Calls that touch only the state store's files run on the files executor: removing an
-// autosave of the 0.5B model took ~80 ms on the H200 host, and on the device's queue the
-// next step waited for it.
+// autosave takes long enough that, on the device's queue, the next step would wait for it.
 grpc::ServerUnaryReactor* WorkerService::ListCheckpoints(grpc::CallbackServerContext* ctx,
                                                          const v1::ListCheckpointsRequest* req,
                                                          v1::ListCheckpointsResponse* resp) {

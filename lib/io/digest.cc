@@ -17,10 +17,9 @@
 namespace lorastep {
 namespace {
 
-// The unit of parallel hashing: 16 KiB, so a 35 MB adapter is 2,240 independent ranges
-// for the GPU's threads (LaunchRangeSha256) or the host's. With 8 MiB chunks (5 of them) the
-// host digest took 5.2 ms of a 0.236 s LoRA step on the H200; with 1 MiB 6-8 ms (the copy
-// to the host and the hashing).
+// The unit of parallel hashing: small enough that an adapter is thousands of independent
+// ranges for the GPU's threads (LaunchRangeSha256) or the host's; larger chunks leave too
+// few ranges to spread (docs/PERFORMANCE.md, the digest's cost).
 constexpr int64_t kChunkBytes = int64_t{16} << 10;
 
 using Sha256 = std::array<unsigned char, 32>;
@@ -113,7 +112,7 @@ std::string TensorsSha256(const std::vector<at::Tensor>& tensors) {
       continue;
     }
 #endif
-    // Page-locked host memory: a pageable copy of a 35 MB adapter ran at ~1.4 GB/s.
+    // Page-locked host memory: a pageable device-to-host copy runs at a fraction of the link's speed.
     at::Tensor host = at::empty(joined.sizes(), joined.options().device(at::kCPU).pinned_memory(joined.is_cuda()));
     host.copy_(joined);
     int64_t offset = 0;

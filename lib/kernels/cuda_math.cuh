@@ -41,8 +41,8 @@ __device__ __forceinline__ float BlockSum(float v, float* scratch) {
 }
 
 // V consecutive elements moved as one 16-byte (V = 16 / sizeof(T)) or narrower access: the
-// elementwise kernels are memory-bound, and with 2-byte accesses SwiGLU took 0.19 ms on
-// 8192 x 4864 bf16 (~1.3 TB/s; 0.067 ms with 16-byte packs, profile of 2026-12-01).
+// elementwise kernels are memory-bound, and element-sized accesses leave most of the
+// memory bandwidth unused.
 template <typename T, int V>
 struct alignas(sizeof(T) * V) Pack {
   T v[V];

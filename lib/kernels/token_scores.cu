@@ -32,8 +32,8 @@ __device__ __forceinline__ Stats Push(Stats a, float z) {
   return {a.m, a.s + e, a.t + e * z};
 }
 
-// V: elements per load (16-byte packs where the row stride and vocab allow; a row of
-// 151,936 bf16 logits read 2 bytes at a time ran at ~0.65 TB/s).
+// V: elements per load (16-byte packs where the row stride and vocab allow; element-sized
+// loads leave most of the bandwidth unused).
 template <typename T, int V>
 __global__ void TokenScoresKernel(const T* __restrict__ logits, int64_t vocab, int64_t row_stride,
                                   const int64_t* __restrict__ targets, float* __restrict__ logprobs,
@@ -42,8 +42,8 @@ __global__ void TokenScoresKernel(const T* __restrict__ logits, int64_t vocab, i
   const int64_t row = blockIdx.x;
   const T* z = logits + row * row_stride;
   Stats st{-INFINITY, 0.f, 0.f};
-  // Four loads in flight per thread before any is used (one at a time was latency-bound:
-  // ~1 TB/s); each thread still sees its elements in the same order.
+  // Four loads in flight per thread before any is used (one at a time is latency-bound);
+  // each thread still sees its elements in the same order.
   constexpr int kUnroll = 4;
   const int64_t packs = vocab / V;
   int64_t v = threadIdx.x;

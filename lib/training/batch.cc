@@ -179,8 +179,8 @@ std::vector<std::vector<size_t>> PackIntoMicroBatches(const std::vector<Datum>& 
 
 std::vector<std::vector<size_t>> SplitIntoMicroBatches(const std::vector<Datum>& datums,
                                                        int64_t max_tokens) {
-  // Longest first, so each micro-batch holds datums of similar length and pads little (a
-  // 128-1024 token mix in arrival order padded ~40% of its tokens).
+  // Longest first, so each micro-batch holds datums of similar length and pads little
+  // (arrival order mixes short and long datums, and pads the short ones to the long).
   const std::vector<size_t> order = LongestFirst(datums);
   std::vector<std::vector<size_t>> out;
   std::vector<size_t> current;

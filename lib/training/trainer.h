@@ -63,9 +63,9 @@ struct TrainerOptions {
   bool pack_sequences = true;
   int64_t logprob_chunk_tokens = 1024;        // tokens per chunk of the fp32 logits
   double peak_flops = 0;                      // for MFU; 0 = 989e12 on CUDA, none on CPU
-  // SHA-256 of the trainable tensors after each step. LoRA adapters are small (35 MB for
-  // r32 on the 0.5B shape); a full fine-tune's 1 GB copy + hash costs ~1 s a step, so it is
-  // off there unless asked for (SaveState/ExportAdapter still report it).
+  // SHA-256 of the trainable tensors after each step. LoRA adapters are small; a full
+  // fine-tune's copy and hash of every weight costs a large share of a step, so it is off
+  // there unless asked for (SaveState/ExportAdapter still report it).
   bool digest_full_finetune_steps = false;
   BatchLimits limits;
   // The mesh this run trains on (not owned; outlives the Trainer). Null = world size 1.
