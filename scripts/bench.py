@@ -1,0 +1,446 @@
+#!/usr/bin/env python3
+"""lorastep's one tool for building, checking and benchmarking, on a GPU machine or on CPU.
+
+    python3 scripts/bench.py build  [--build-dir D] [--target T ...]
+    python3 scripts/bench.py check  [--dtype float32 --dtype bfloat16] [--tests REGEX] [--device cuda|cpu]
+    python3 scripts/bench.py suite  NAME [NAME ...] [--out DIR] [suite options]
+    python3 scripts/bench.py all    [--suite NAME ...]      (build, check, then the suites)
+    python3 scripts/bench.py verify NAME [NAME ...] --out DIR  (only check a suite's outputs)
+    python3 scripts/bench.py list                            (the suites and what each writes)
+
+Every step's failure is remembered and the tool exits non-zero at the end: a failed build, a
+failed test (ctest's own exit status), a parity check over its tolerance ("pass": false in its
+result), a benchmark command that failed, or a result file a suite should have written and
+did not. Models are generated fresh into a temporary folder keyed by preset, dtype and seed
+(MODELS_DIR/PRESET-DTYPE-sSEED), and regenerated when the generator binary changed.
+
+The GPU build links against the Python environment's torch and the carried Debian sysroot
+(.sysroot: absl, gRPC, protobuf, gtest, OpenSSL; scripts/make_sysroot.sh) with CMake and Ninja.
+"""
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Failures:
+    """What went wrong, in order; the exit status is non-zero when there is anything."""
+
+    def __init__(self):
+        self.items = []
+
+    def add(self, what):
+        print(f"FAILED: {what}", flush=True)
+        self.items.append(what)
+
+    def exit_code(self):
+        if self.items:
+            print(f"\n{len(self.items)} failure(s):", *[f"  - {w}" for w in self.items], sep="\n", flush=True)
+            return 1
+        print("\nall steps passed", flush=True)
+        return 0
+
+
+def banner(text):
+    print(f"=== {text}", flush=True)
+
+
+def run(cmd, fails, what, env=None, log=None, cwd=REPO):
+    """Runs cmd (a list, or a string for bash); a non-zero exit is a failure named `what`."""
+    shell = isinstance(cmd, str)
+    full_env = dict(os.environ, **(env or {}))
+    out = open(log, "w") if log else None
+    try:
+        rc = subprocess.call(["bash", "-c", cmd] if shell else cmd, env=full_env, cwd=cwd,
+                             stdout=out or None, stderr=subprocess.STDOUT if out else None)
+    except OSError as e:
+        rc = 127
+        print(e, flush=True)
+    finally:
+        if out:
+            out.close()
+    if rc != 0:
+        tail = ""
+        if log and os.path.exists(log):
+            tail = "\n" + "".join(open(log, errors="replace").readlines()[-25:])
+        fails.add(f"{what} (exit {rc}){tail}")
+    return rc == 0
+
+
+def python_torch_paths():
+    code = "import torch,os;print(os.path.dirname(torch.__file__));print(torch.utils.cmake_prefix_path)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None, None
+    lines = out.stdout.split()
+    return lines[0], lines[1]
+
+
+class Context:
+    def __init__(self, args, fails):
+        self.args = args
+        self.fails = fails
+        self.build = os.path.abspath(args.build_dir)
+        self.out = os.path.abspath(args.out)
+        self.models = os.path.abspath(args.models_dir)
+        os.makedirs(self.out, exist_ok=True)
+        self.env = self._environment()
+
+    def _environment(self):
+        """Library paths for the sysroot, torch and NCCL (GPU machine); harmless elsewhere."""
+        env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+        sysroot = os.path.abspath(self.args.sysroot)
+        libs = [f"{sysroot}/usr/lib/x86_64-linux-gnu", f"{sysroot}/lib/x86_64-linux-gnu"]
+        torch_dir, _ = python_torch_paths()
+        if torch_dir:
+            libs.append(f"{torch_dir}/lib")
+        nccl = subprocess.run([sys.executable, "-c", "import nvidia.nccl as n;print(list(n.__path__)[0])"],
+                              capture_output=True, text=True)
+        if nccl.returncode == 0:
+            libs.append(nccl.stdout.strip() + "/lib")
+        env["LD_LIBRARY_PATH"] = ":".join(libs + [os.environ.get("LD_LIBRARY_PATH", "")])
+        env["LIBRARY_PATH"] = ":".join(libs[:2])
+        env["PATH"] = f"{sysroot}/usr/bin:" + os.environ.get("PATH", "")
+        return env
+
+    def machine_line(self):
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            out = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True)
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.strip().splitlines()[0]
+        return f"{os.uname().nodename} (CPU, {os.cpu_count()} cores)"
+
+    def versions_line(self):
+        code = ("import importlib\nparts=[]\nfor m in ('torch','transformers','peft'):\n"
+                "  try:\n    parts.append(m+' '+importlib.import_module(m).__version__)\n"
+                "  except Exception: pass\n"
+                "try:\n  import torch; parts.insert(1,'cuda '+str(torch.version.cuda))\nexcept Exception: pass\n"
+                "print(' '.join(parts))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        return out.stdout.strip() or "no torch in this Python"
+
+    def write_env(self):
+        """OUT/env.txt: the machine (first line) and library versions (last line) every bench reads."""
+        path = os.path.join(self.out, "env.txt")
+        with open(path, "w") as f:
+            f.write(f"machine: {self.machine_line()}\n{self.versions_line()}\n")
+        print(open(path).read(), end="", flush=True)
+
+    def binary(self, name):
+        return os.path.join(self.build, name)
+
+    def model(self, preset, dtype="bfloat16", seed=1):
+        """A model folder generated by lorastep_genmodel, keyed by preset, dtype and seed; made again
+        when the generator changed since (its size and mtime are the stamp)."""
+        gen = self.binary("lorastep_genmodel")
+        folder = os.path.join(self.models, f"{preset}-{dtype}-s{seed}")
+        st = os.stat(gen) if os.path.exists(gen) else None
+        stamp = json.dumps({"preset": preset, "dtype": dtype, "seed": seed,
+                            "generator": [st.st_size, int(st.st_mtime)] if st else None})
+        stamp_file = os.path.join(folder, ".lorastep_model_stamp")
+        if os.path.exists(stamp_file) and open(stamp_file).read() == stamp:
+            return folder
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(self.models, exist_ok=True)
+        if not run([gen, "--preset", preset, "--dtype", dtype, "--seed", str(seed), "--out", folder], self.fails,
+                   f"generate model {preset} {dtype} seed {seed}", env=self.env, log=folder + ".log"):
+            return folder
+        with open(stamp_file, "w") as f:
+            f.write(stamp)
+        return folder
+
+    def command_line(self):
+        return "python3 scripts/bench.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+# ---------------------------------------------------------------- build and check
+
+
+def cmd_build(ctx):
+    banner("configure and build (CMake + Ninja)")
+    torch_dir, torch_cmake = python_torch_paths()
+    sysroot = os.path.abspath(ctx.args.sysroot)
+    prefix = ";".join(p for p in [torch_cmake, f"{sysroot}/usr"] if p)
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else "")
+    configure = ["cmake", "-S", REPO, "-B", ctx.build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                 f"-DCMAKE_PREFIX_PATH={prefix}"]
+    if os.path.isdir(sysroot):
+        configure += [f"-DOPENSSL_ROOT_DIR={sysroot}/usr", f"-DProtobuf_ROOT={sysroot}/usr"]
+    if nvcc:
+        configure += ["-DCMAKE_CUDA_ARCHITECTURES=" + ctx.args.cuda_arch, f"-DCMAKE_CUDA_COMPILER={nvcc}"]
+    nccl = subprocess.run([sys.executable, "-c", "import nvidia.nccl as n;print(list(n.__path__)[0])"],
+                          capture_output=True, text=True)
+    if nccl.returncode == 0:
+        configure += ["-DLORASTEP_WITH_NCCL=ON", f"-DLORASTEP_NCCL_INCLUDE={nccl.stdout.strip()}/include"]
+    arch = ctx.args.cuda_arch
+    env = dict(ctx.env, TORCH_CUDA_ARCH_LIST=f"{arch[:-1]}.{arch[-1]}" if nvcc else "")
+    if not run(configure, ctx.fails, "cmake configure", env=env, log=os.path.join(ctx.out, "cmake.log")):
+        return False
+    print(f"CUDA kernels: {'on (' + nvcc + ')' if nvcc else 'off (no nvcc)'}", flush=True)
+    build = ["ninja", "-C", ctx.build, f"-j{os.cpu_count()}"] + list(ctx.args.target or [])
+    return run(build, ctx.fails, "build", env=env, log=os.path.join(ctx.out, "build.log"))
+
+
+def cmd_check(ctx):
+    """ctest per dtype; ctest's exit status decides (a red test is a failure of the tool)."""
+    device = ctx.args.device
+    for dtype in ctx.args.dtype or ["float32", "bfloat16"]:
+        banner(f"tests on {device}, {dtype}")
+        log = os.path.join(ctx.out, f"ctest_{device}_{dtype}.log")
+        cmd = ["ctest", "--output-on-failure"]
+        if ctx.args.tests:
+            cmd += ["-R", ctx.args.tests]
+        gpus = subprocess.run(["bash", "-c", "nvidia-smi -L 2>/dev/null | wc -l"], capture_output=True, text=True)
+        env = dict(ctx.env, LORASTEP_TEST_DEVICE=device, LORASTEP_TEST_DTYPE=dtype,
+                   LORASTEP_TEST_GPUS=gpus.stdout.strip() or "0")
+        ok = run(cmd, ctx.fails, f"tests on {device} {dtype}", env=env, log=log, cwd=ctx.build)
+        summary = [l.rstrip() for l in open(log, errors="replace") if "tests passed" in l or "Failed" in l
+                   or "***" in l]
+        print("\n".join(summary[-12:]) or ("passed" if ok else "no summary"), flush=True)
+
+
+# ---------------------------------------------------------------- suites
+
+
+def require(ctx, names):
+    """Result files a suite must have written into OUT."""
+    for name in names:
+        if not os.path.exists(os.path.join(ctx.out, name)):
+            ctx.fails.add(f"missing result {name}")
+
+
+def require_pass(ctx, name, key="pass"):
+    """A parity result whose `pass` is not true (over its tolerance) is a failure."""
+    path = os.path.join(ctx.out, name)
+    if not os.path.exists(path):
+        ctx.fails.add(f"missing result {name}")
+        return
+    try:
+        data = json.load(open(path))
+    except ValueError as e:
+        ctx.fails.add(f"{name}: not JSON ({e})")
+        return
+    entries = data.get("families", {"": data}) if isinstance(data, dict) else {}
+    for label, entry in entries.items():
+        if not isinstance(entry, dict) or entry.get(key) is not True:
+            ctx.fails.add(f"{name}{' ' + label if label else ''}: {key} is {entry.get(key) if isinstance(entry, dict) else entry!r}")
+
+
+def bench_env(ctx):
+    """What the bench/*.sh scripts read: the machine and versions lines."""
+    lines = open(os.path.join(ctx.out, "env.txt")).read().splitlines()
+    return dict(ctx.env, MACHINE=lines[0].removeprefix("machine: "), VERSIONS=lines[-1])
+
+
+def parity_run(ctx, model, dtype, out_name, extra=(), grep=None):
+    tol = "1e-3" if dtype == "float32" else "3e-2"
+    cmd = [sys.executable, "bench/hf_parity.py", "--model", model, "--parity-bin", ctx.binary("lorastep_parity"),
+           "--device", "cuda", "--dtype", dtype, "--tolerance", tol,
+           "--workdir", tempfile.mkdtemp(prefix="lorastep_parity_"), "--out", os.path.join(ctx.out, out_name)]
+    run(cmd + list(extra), ctx.fails, f"parity {out_name}", env=dict(ctx.env, PYTHONUNBUFFERED="1"),
+        log=os.path.join(ctx.out, out_name.replace(".json", ".log")))
+
+
+def suite_dgrad(ctx):
+    run([ctx.binary("dgrad_bench"), "--device", "cuda", "--out", os.path.join(ctx.out, "dgrad.json"),
+         "--machine", ctx.machine_line(), "--command", ctx.command_line()], ctx.fails, "dgrad_bench", env=ctx.env)
+
+
+def suite_parity(ctx):
+    model = ctx.model("qwen2.5-0.5b", "bfloat16", 1)
+    for dtype in ctx.args.dtype or ["float32", "bfloat16"]:
+        parity_run(ctx, model, dtype, f"hf_parity_{dtype}.json")
+
+
+def suite_parity_head(ctx):
+    model = ctx.model("qwen2.5-0.5b", "bfloat16", 1)
+    for dtype in ctx.args.dtype or ["float32", "bfloat16"]:
+        parity_run(ctx, model, dtype, f"hf_parity_head_{dtype}.json",
+                   ["--targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"])
+
+
+def suite_moe_parity(ctx):
+    for preset in ("tiny-moe", "tiny-qwen3-moe"):
+        model = ctx.model(preset, "float32", 2)
+        for dtype in ctx.args.dtype or ["float32", "bfloat16"]:
+            parity_run(ctx, model, dtype, f"moe_parity_{preset}_{dtype}.json",
+                       ["--targets", "q_proj,k_proj,v_proj,o_proj", "--seq", "64"])
+
+
+def suite_families(ctx):
+    cmd = [sys.executable, "bench/families.py", "--parity-bin", ctx.binary("lorastep_parity"),
+           "--out", os.path.join(ctx.out, "families.json")]
+    if ctx.args.families_only:
+        cmd += ["--only", ctx.args.families_only]
+    run(cmd, ctx.fails, "families", env=dict(ctx.env, PYTHONUNBUFFERED="1"), log=os.path.join(ctx.out, "families.log"))
+
+
+def suite_step(ctx):
+    run(["bash", "bench/step_bench.sh", ctx.build, ctx.out], ctx.fails, "step benchmark", env=bench_env(ctx),
+        log=os.path.join(ctx.out, "step.log"))
+
+
+def suite_step7b(ctx):
+    env = dict(bench_env(ctx), STEP7B_MBS=" ".join(ctx.args.step7b_mbs))
+    if ctx.args.profile:
+        env["STEP7B_PROFILE"] = "1"
+    run(["bash", "bench/step7b.sh", ctx.build, ctx.out], ctx.fails, "7B step benchmark", env=env,
+        log=os.path.join(ctx.out, "step7b.log"))
+
+
+def suite_long(ctx):
+    run(["bash", "bench/long_context.sh", ctx.build, ctx.out] + list(ctx.args.long_runs), ctx.fails,
+        "long-context benchmark", env=bench_env(ctx), log=os.path.join(ctx.out, "long.log"))
+
+
+def suite_attention(ctx):
+    run([sys.executable, "bench/attention_backends.py", "--out", os.path.join(ctx.out, "attention_backends.json")],
+        ctx.fails, "attention backends", env=ctx.env, log=os.path.join(ctx.out, "attention.log"))
+
+
+def suite_service(ctx):
+    model_env = dict(bench_env(ctx), MODEL_DIR=ctx.model("qwen2.5-0.5b", "bfloat16", 1), RANK="32",
+                     STEPS=str(ctx.args.steps))
+    for deployment in ctx.args.deployment:
+        env = dict(model_env, IN_PROCESS_WORKER="true" if deployment == "in_process" else "false")
+        run(["bash", "bench/service_overhead.sh", ctx.build, "qwen2.5-0.5b", "cuda", "bfloat16",
+             os.path.join(ctx.out, f"service_overhead_{deployment}.json"), "overhead_fraction"], ctx.fails,
+            f"service overhead ({deployment})", env=env, log=os.path.join(ctx.out, f"service_{deployment}.log"))
+
+
+def suite_autosave(ctx):
+    env = dict(bench_env(ctx), MODEL_DIR=ctx.model("qwen2.5-0.5b", "bfloat16", 1), RANK="32",
+               COORD_FLAGS="--max_tokens_per_microbatch 8192")
+    batch = os.path.join(ctx.out, "batch_fixed.json")
+    run([sys.executable, "bench/make_batch.py", "--vocab", "151936", "--workload", "fixed", "--out", batch],
+        ctx.fails, "batch", env=ctx.env)
+    for kind in ctx.args.deployment:
+        raw = os.path.join(ctx.out, f"autosave_{kind}")
+        if run(["bash", "bench/autosave_cost.sh", ctx.build, "qwen2.5-0.5b", "cuda", "bfloat16", raw], ctx.fails,
+               f"autosave ({kind})", env=dict(env, BATCH_FILE=batch,
+                                              IN_PROCESS_WORKER="true" if kind == "in_process" else "false"),
+               log=raw + ".log"):
+            run([sys.executable, "bench/autosave_results.py", raw, raw + ".json", "--worker", kind, "--command",
+                 ctx.command_line()], ctx.fails, f"autosave results ({kind})", env=ctx.env)
+
+
+def suite_multi_gpu(ctx):
+    env = dict(bench_env(ctx), MULTI_COMMAND=ctx.command_line())
+    run(["bash", "bench/multi_gpu.sh", ctx.build, ctx.out], ctx.fails, "multi-GPU", env=env,
+        log=os.path.join(ctx.out, "multi_gpu.log"))
+
+
+# name -> (what it measures, runner, result files it must leave, parity files that must pass)
+SUITES = {
+    "dgrad": ("the flattened dgrad microbenchmark", suite_dgrad, lambda a: ["dgrad.json"], lambda a: []),
+    "parity": ("0.5B log-probs and LoRA gradients against transformers + PEFT", suite_parity,
+               lambda a: [], lambda a: [f"hf_parity_{d}.json" for d in a.dtype or ["float32", "bfloat16"]]),
+    "parity-head": ("as parity, with LoRA on the LM head too", suite_parity_head,
+                    lambda a: [], lambda a: [f"hf_parity_head_{d}.json" for d in a.dtype or ["float32", "bfloat16"]]),
+    "moe-parity": ("tiny Qwen2-MoE and Qwen3-MoE against transformers", suite_moe_parity, lambda a: [],
+                   lambda a: [f"moe_parity_{p}_{d}.json" for p in ("tiny-moe", "tiny-qwen3-moe")
+                              for d in a.dtype or ["float32", "bfloat16"]]),
+    "families": ("every family and RoPE variant against transformers + PEFT", suite_families,
+                 lambda a: [], lambda a: ["families.json"]),
+    "step": ("0.5B LoRA and full steps against transformers + PEFT", suite_step, lambda a: ["step.json"],
+             lambda a: []),
+    "step7b": ("the 7B-class LoRA step against transformers + PEFT", suite_step7b, lambda a: ["step_7b.json"],
+               lambda a: []),
+    "long": ("32k-131k-token sequences and recomputation's cost", suite_long, lambda a: ["long_context.json"],
+             lambda a: []),
+    "attention": ("attention kernels (SDPA backends, flash varlen)", suite_attention,
+                  lambda a: ["attention_backends.json"], lambda a: []),
+    "service": ("service overhead per deployment (0.5B, 64 x 512)", suite_service,
+                lambda a: [f"service_overhead_{d}.json" for d in a.deployment], lambda a: []),
+    "autosave": ("autosave's cost on the step", suite_autosave,
+                 lambda a: [f"autosave_{d}.json" for d in a.deployment], lambda a: []),
+    "multi-gpu": ("NCCL layouts against world size 1 and their speedups", suite_multi_gpu,
+                  lambda a: ["multi_gpu.json"], lambda a: []),
+}
+
+
+def verify(ctx, names):
+    for name in names:
+        _, _, outputs, passing = SUITES[name]
+        require(ctx, outputs(ctx.args))
+        for f in passing(ctx.args):
+            require_pass(ctx, f)
+
+
+def cmd_suite(ctx, names):
+    if not os.path.exists(os.path.join(ctx.out, "env.txt")):
+        ctx.write_env()
+    for name in names:
+        banner(f"suite {name}: {SUITES[name][0]}")
+        started = time.time()
+        SUITES[name][1](ctx)
+        verify(ctx, [name])
+        print(f"suite {name}: {time.time() - started:.0f} s", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="scripts/bench.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="suites:\n" + "\n".join(f"  {n:12} {s[0]}" for n, s in SUITES.items()))
+    ap.add_argument("--build-dir", default=os.path.join(REPO, "build-gpu"), help="CMake build folder")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "out"),
+                    help="where results and logs go (default: $OUT where the device tool sets it, else ./out)")
+    ap.add_argument("--models-dir", default=os.path.join(tempfile.gettempdir(), "lorastep-models"),
+                    help="generated models, one folder per preset, dtype and seed")
+    ap.add_argument("--sysroot", default=os.path.join(REPO, ".sysroot"), help="the carried Debian sysroot")
+    ap.add_argument("--cuda-arch", default="90", help="CUDA architecture to compile for (90: H100/H200)")
+    ap.add_argument("--target", action="append", help="build only these CMake targets (repeatable)")
+    ap.add_argument("--dtype", action="append", choices=["float32", "bfloat16"], help="test/parity dtypes")
+    ap.add_argument("--tests", help="ctest -R regex (default: every test)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="device the tests run on")
+    ap.add_argument("--suite", action="append", default=[], choices=sorted(SUITES), help="with 'all'")
+    ap.add_argument("--step7b-mbs", nargs="+", default=["8192"], help="step7b: micro-batch sizes (first = headline)")
+    ap.add_argument("--profile", action="store_true", help="step7b: also a Kineto profile of one step")
+    ap.add_argument("--long-runs", nargs="*", default=[], help="long: runs (default all: q7b_32768 recompute "
+                                                               "q05_131072 q7b_131072)")
+    ap.add_argument("--families-only", help="families: comma-separated subset")
+    ap.add_argument("--deployment", nargs="+", default=["process", "in_process"], choices=["process", "in_process"],
+                    help="service/autosave: worker deployments")
+    ap.add_argument("--steps", type=int, default=10, help="service: timed steps")
+    ap.add_argument("command", choices=["build", "check", "suite", "all", "verify", "list"])
+    ap.add_argument("names", nargs="*", help="suite names (suite, verify)")
+    args = ap.parse_args(argv)
+    if args.command == "list":
+        for n, s in SUITES.items():
+            print(f"{n:12} {s[0]}; writes {', '.join(s[2](args) + s[3](args)) or '(see its script)'}")
+        return 0
+    unknown = [n for n in args.names if n not in SUITES]
+    if unknown:
+        ap.error(f"unknown suite(s) {', '.join(unknown)}; 'list' shows them")
+    if args.command in ("suite", "verify") and not args.names:
+        ap.error(f"'{args.command}' needs suite names; 'list' shows them")
+    fails = Failures()
+    ctx = Context(args, fails)
+    if args.command == "verify":
+        verify(ctx, args.names)
+    elif args.command == "build":
+        cmd_build(ctx)
+    elif args.command == "check":
+        cmd_check(ctx)
+    elif args.command == "suite":
+        cmd_suite(ctx, args.names)
+    elif args.command == "all":
+        ctx.write_env()
+        if cmd_build(ctx):
+            cmd_check(ctx)
+            cmd_suite(ctx, args.suite)
+    return fails.exit_code()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

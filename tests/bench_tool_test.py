@@ -1,0 +1,88 @@
+"""scripts/bench.py exits non-zero on a failed test, a parity check over its tolerance and a
+missing benchmark output, and zero when everything holds. Real processes: the tool itself,
+and ctest over a CTest folder whose tests are real programs (false / true)."""
+import json, os, subprocess, sys, unittest
+
+TOOL, TMP = sys.argv[1], sys.argv[2]
+
+
+def bench(*args):
+    out = subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=120)
+    return out.returncode, out.stdout + out.stderr
+
+
+def folder(name):
+    path = os.path.join(TMP, name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def ctest_folder(name, programs):
+    """A build folder as CMake leaves it for ctest, with one test per program."""
+    path = folder(name)
+    with open(os.path.join(path, "CTestTestfile.cmake"), "w") as f:
+        for i, program in enumerate(programs):
+            f.write(f'add_test(case_{i} "{program}")\n')
+    return path
+
+
+def write(path, data):
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+class BenchToolTest(unittest.TestCase):
+    def test_a_failing_test_fails_the_check(self):
+        build = ctest_folder("build_red", ["/bin/true", "/bin/false"])
+        rc, out = bench("--build-dir", build, "--out", folder("out_red"), "--device", "cpu", "--dtype", "float32",
+                        "check")
+        self.assertNotEqual(rc, 0, out)
+        self.assertIn("tests on cpu float32", out)
+
+    def test_passing_tests_pass_the_check(self):
+        build = ctest_folder("build_green", ["/bin/true", "/bin/true"])
+        rc, out = bench("--build-dir", build, "--out", folder("out_green"), "--device", "cpu", "--dtype", "float32",
+                        "--dtype", "bfloat16", "check")
+        self.assertEqual(rc, 0, out)
+        self.assertIn("all steps passed", out)
+
+    def test_parity_over_tolerance_fails(self):
+        out_dir = folder("out_parity")
+        write(os.path.join(out_dir, "hf_parity_float32.json"), {"logits_rel_err": 1e-7, "pass": True})
+        write(os.path.join(out_dir, "hf_parity_bfloat16.json"), {"logits_rel_err": 0.5, "pass": False})
+        rc, out = bench("--out", out_dir, "verify", "parity")
+        self.assertNotEqual(rc, 0, out)
+        self.assertIn("hf_parity_bfloat16.json: pass is False", out)
+        write(os.path.join(out_dir, "hf_parity_bfloat16.json"), {"logits_rel_err": 1e-3, "pass": True})
+        rc, out = bench("--out", out_dir, "verify", "parity")
+        self.assertEqual(rc, 0, out)
+
+    def test_a_family_over_tolerance_fails(self):
+        out_dir = folder("out_families")
+        write(os.path.join(out_dir, "families.json"),
+              {"families": {"qwen3": {"pass": True}, "llama": {"pass": False, "fp32_logits_rel_err": 1e-3}}})
+        rc, out = bench("--out", out_dir, "verify", "families")
+        self.assertNotEqual(rc, 0, out)
+        self.assertIn("families.json llama: pass is False", out)
+
+    def test_a_missing_result_fails(self):
+        rc, out = bench("--out", folder("out_empty"), "verify", "step", "long")
+        self.assertNotEqual(rc, 0, out)
+        self.assertIn("missing result step.json", out)
+        self.assertIn("missing result long_context.json", out)
+
+    def test_a_benchmark_that_cannot_run_fails(self):
+        # No dgrad_bench in this build folder: the command fails and its result is missing.
+        rc, out = bench("--build-dir", folder("build_empty"), "--out", folder("out_dgrad"), "suite", "dgrad")
+        self.assertNotEqual(rc, 0, out)
+        self.assertIn("dgrad_bench", out)
+        self.assertIn("missing result dgrad.json", out)
+
+    def test_unknown_suites_are_refused_by_name(self):
+        rc, out = bench("--out", folder("out_unknown"), "suite", "stepp")
+        self.assertEqual(rc, 2, out)
+        self.assertIn("unknown suite(s) stepp", out)
+
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0], "-v"])
