@@ -269,7 +269,9 @@ TEST_P(LoraLinearTest, FusedAndUnfusedGiveTheSameModelGradients) {
 // CUDA only, so the wide group is also run with the fold forced on and off). Each shape runs
 // without an operand cache and with one (A main_grads then back to back in one buffer, as
 // the adapter packs them, so their gradients take one GEMM); the cached run goes again after
-// a factor changed in place, which must rebuild the cached operands.
+// a factor changed in place, which must rebuild the cached operands. The wide group runs
+// folded once more with its input handed over with room after it (input_has_room, as a
+// norm given GroupFoldRoom leaves it): x A^T lands in that room, nothing copies x.
 TEST_P(LoraLinearTest, GroupMatchesDenseReferenceFoldedOrNot) {
   const bool fused = GetParam();
   const auto opts = at::TensorOptions().device(TestDevice()).dtype(TestDtype());
@@ -279,8 +281,10 @@ TEST_P(LoraLinearTest, GroupMatchesDenseReferenceFoldedOrNot) {
     int64_t in;
     std::vector<int64_t> widths;
     bool folded;
+    bool room = false;
   };
-  for (const Shape& shape : {Shape{24, {16, 8, 8}, false}, Shape{8, {40, 32, 48}, true}, Shape{8, {40, 32, 48}, false}}) {
+  for (const Shape& shape : {Shape{24, {16, 8, 8}, false}, Shape{8, {40, 32, 48}, true}, Shape{8, {40, 32, 48}, false},
+                             Shape{8, {40, 32, 48}, true, true}}) {
     const int64_t in = shape.in, out = shape.widths[0] + shape.widths[1] + shape.widths[2];
     at::Tensor w = at::randn({out, in}, opts), bias = at::randn({out}, opts);
     GradOptions options{fused, false};
@@ -300,7 +304,7 @@ TEST_P(LoraLinearTest, GroupMatchesDenseReferenceFoldedOrNot) {
       }
       LoraGroupOperandCache cache;
       for (int round = 0; round < (cached ? 2 : 1); ++round) {
-        const std::string what = std::string(shape.folded ? "folded" : "addmm") + (cached ? " cached" : "") +
+        const std::string what = std::string(shape.room ? "folded with room" : shape.folded ? "folded" : "addmm") + (cached ? " cached" : "") +
                                  (round == 1 ? " after an in-place update" : "");
         if (round == 1) {
           at::NoGradGuard no_grad;
@@ -313,9 +317,22 @@ TEST_P(LoraLinearTest, GroupMatchesDenseReferenceFoldedOrNot) {
           parts[i].a.mutable_grad() = at::Tensor();
           parts[i].b.mutable_grad() = at::Tensor();
         }
-        at::Tensor x = at::randn({3, 5, in}, opts).requires_grad_(true);
+        if (shape.room) {
+          ASSERT_EQ(GroupFoldRoom(w, parts, options), 2 * r);
+          GradOptions off = options, by_device = options;
+          off.fold_lora_b = 0, by_device.fold_lora_b = -1;
+          EXPECT_EQ(GroupFoldRoom(w, parts, off), 0);
+          EXPECT_EQ(GroupFoldRoom(w, parts, by_device), w.is_cuda() ? 2 * r : 0);
+        }
+        const at::Tensor buffer = at::randn({3, 5, in + (shape.room ? 2 * r : 0)}, opts);
+        at::Tensor x = buffer.narrow(-1, 0, in).detach().requires_grad_(true);
         at::Tensor upstream = at::randn({3, 5, out}, opts);
-        at::Tensor y = LoraLinearGroup(x, w, bias, parts, scale, options, cached ? &cache : nullptr);
+        at::Tensor y = LoraLinearGroup(x, w, bias, parts, scale, options, cached ? &cache : nullptr, shape.room);
+        if (shape.room) {  // the room holds x A^T of both branches
+          at::NoGradGuard no_grad;
+          const at::Tensor xa = at::cat({at::matmul(x, parts[0].a.t()), at::matmul(x, parts[2].a.t())}, -1);
+          EXPECT_LT(RelErr(buffer.narrow(-1, in, 2 * r), xa), Tol(1e-6)) << what;
+        }
         (y * upstream).sum().backward();
         if (cached) {
           EXPECT_EQ(cache.size(), 1u) << what;

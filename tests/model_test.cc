@@ -203,9 +203,12 @@ TEST(ModelTest, LoraHeadLeavesTheLayersFactorsUnchanged) {
 
 // Packed q/k/v and gate/up weights (PackProjections: one GEMM per group, LoRA branches
 // added into their columns, k without a branch) give the per-projection path's hidden
-// states and LoRA gradients, fused and unfused.
+// states and LoRA gradients, fused and unfused; so do they with gate/up's branches folded
+// into its base GEMM (fold_lora_b 1; the MLP widened so that gate/up qualifies), where the
+// norm before it leaves the room its fold writes x A^T into.
 TEST(ModelTest, PackedProjectionsMatchSeparateOnes) {
-  const ModelConfig c = ModelConfigPreset("tiny").value();
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  c.intermediate_size = 96;  // gate/up: 192 columns >= 4 x (32 inputs + 8 ranks)
   const ModelWeights separate = RandomModelWeights(c, 9);
   ModelWeights packed = separate;
   PackProjections(&packed);
@@ -223,7 +226,8 @@ TEST(ModelTest, PackedProjectionsMatchSeparateOnes) {
   for (bool fused : {true, false}) {
     std::vector<Adapter> adapters;
     std::vector<at::Tensor> hidden;
-    for (const ModelWeights* w : std::vector<const ModelWeights*>{&separate, &packed}) {
+    for (int run = 0; run < 3; ++run) {
+      const ModelWeights* w = run == 0 ? &separate : &packed;
       ASSERT_OK_AND_ASSIGN(Adapter adapter, Adapter::CreateLora(c, lora, at::kCPU, at::kFloat, 3));
       at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
       {
@@ -234,17 +238,30 @@ TEST(ModelTest, PackedProjectionsMatchSeparateOnes) {
       }
       ForwardOptions options;
       options.grad.fused_wgrad = fused;
+      LoraGroupOperandCache operands;
+      if (run == 2) options.grad.fold_lora_b = 1, options.lora_operands = &operands;
       at::Tensor h = Qwen2Hidden(c, *w, &adapter, tokens, options);
+      if (run == 2) {
+        const LoraFactors* gate = adapter.lora(0, kGateProj);
+        const LoraFactors* up = adapter.lora(0, kUpProj);
+        const auto& p = adapter.parameters();
+        EXPECT_NE(operands.Find(AdjacentRows({l.linear[kGateProj], l.linear[kUpProj]}),
+                                {p[gate->a].value, p[up->a].value}, {p[gate->b].value, p[up->b].value},
+                                adapter.lora_config().scale(), /*fold=*/true),
+                  nullptr);
+      }
       (h * g).sum().backward();
       ASSERT_OK(FoldLocalGradients(&adapter));
       hidden.push_back(h.detach());
       adapters.push_back(std::move(adapter));
     }
-    const std::string what = fused ? "fused" : "unfused";
-    EXPECT_LT(RelErr(hidden[1], hidden[0]), 1e-6) << what;
-    for (size_t i = 0; i < adapters[0].parameters().size(); ++i) {
-      const Parameter& want = adapters[0].parameters()[i];
-      EXPECT_LT(RelErr(adapters[1].parameters()[i].main_grad, want.main_grad), 1e-5) << what << " " << want.name;
+    for (int run : {1, 2}) {
+      const std::string what = std::string(fused ? "fused" : "unfused") + (run == 2 ? " folded" : "");
+      EXPECT_LT(RelErr(hidden[run], hidden[0]), 1e-6) << what;
+      for (size_t i = 0; i < adapters[0].parameters().size(); ++i) {
+        const Parameter& want = adapters[0].parameters()[i];
+        EXPECT_LT(RelErr(adapters[run].parameters()[i].main_grad, want.main_grad), 1e-5) << what << " " << want.name;
+      }
     }
   }
 }

@@ -20,12 +20,12 @@ unsigned ElementwiseBlocks(int64_t n, int threads) {
 }
 
 // Rows are read in packs of V elements (hidden and every pointer a multiple of the pack;
-// V = 1 otherwise): the scalar form moved ~1.3 TB/s on 8192 x 3584 bf16.
+// V = 1 otherwise): the scalar form leaves most of the memory bandwidth unused.
 // With `residual` non-null the normed row is x + residual (rounded to T, as an add that
 // stores T would), and that sum is written to `sum`: the residual add costs no pass of its own.
 template <typename T, int V>
 __global__ void RmsNormKernel(const T* __restrict__ x, const T* __restrict__ residual, const T* __restrict__ weight,
-                              int64_t hidden, float eps, T* __restrict__ sum_out, T* __restrict__ y,
+                              int64_t hidden, float eps, T* __restrict__ sum_out, T* __restrict__ y, int64_t y_ld,
                               float* __restrict__ rstd) {
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x, packs = hidden / V;
@@ -54,7 +54,7 @@ __global__ void RmsNormKernel(const T* __restrict__ x, const T* __restrict__ res
   sum = BlockSum(sum, scratch);
   const float r = rsqrtf(sum / static_cast<float>(hidden) + eps);
   if (threadIdx.x == 0) rstd[row] = r;
-  T* yr = y + row * hidden;
+  T* yr = y + row * y_ld;
   for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
     const Pack<T, V> xp = load(i), wp = Load<T, V>(weight, i);
     Pack<T, V> o;
@@ -161,7 +161,7 @@ struct RopeStrides {
 // One thread per V pairs (j..j+V-1 with their partners j + dim/2): both halves from the
 // same loads. Index is 32-bit when the tensor allows (integer division dominated the 64-bit
 // version); V > 1 needs dim/2, the strides and every pointer in whole packs (the scalar
-// form moved under 1 TB/s on the 7B shape's queries).
+// form is bandwidth-starved, as above).
 template <typename T, int V, typename Index>
 __global__ void RopeKernel(const T* __restrict__ x, RopeStrides st, const T* __restrict__ cos,
                            const T* __restrict__ sin, const int64_t* __restrict__ positions, Index packs,
@@ -203,7 +203,7 @@ constexpr int kElementwiseThreads = 256;
 }  // namespace
 
 const char* LaunchRmsNorm(const void* x, const void* residual, const void* weight, ElementType type, int64_t rows,
-                          int64_t hidden, float eps, void* sum, void* y, float* rstd, void* stream) {
+                          int64_t hidden, float eps, void* sum, void* y, int64_t y_ld, float* rstd, void* stream) {
   if (rows == 0) return nullptr;
   DispatchElementType(type, [&](auto t) {
     using T = decltype(t);
@@ -215,10 +215,10 @@ const char* LaunchRmsNorm(const void* x, const void* residual, const void* weigh
     auto* sp = static_cast<T*>(sum);
     auto* yp = static_cast<T*>(y);
     const auto blocks = static_cast<unsigned>(rows);
-    if (Packable<T>({hidden}, {x, residual, weight, sum, y})) {
-      RmsNormKernel<T, V><<<blocks, RowThreads(hidden / V), 0, s>>>(xp, rp, wp, hidden, eps, sp, yp, rstd);
+    if (Packable<T>({hidden, y_ld}, {x, residual, weight, sum, y})) {
+      RmsNormKernel<T, V><<<blocks, RowThreads(hidden / V), 0, s>>>(xp, rp, wp, hidden, eps, sp, yp, y_ld, rstd);
     } else {
-      RmsNormKernel<T, 1><<<blocks, RowThreads(hidden), 0, s>>>(xp, rp, wp, hidden, eps, sp, yp, rstd);
+      RmsNormKernel<T, 1><<<blocks, RowThreads(hidden), 0, s>>>(xp, rp, wp, hidden, eps, sp, yp, y_ld, rstd);
     }
   });
   return LastLaunchError();

@@ -1,10 +1,9 @@
 // A decoder layer's memory-bound steps as one kernel each way (CUDA build only): RMSNorm,
-// SwiGLU and rotary embeddings. As ATen compositions they were most of a LoRA step's
-// copy/cast time; with these kernels (and grouped-K/V SDPA) the step went from 16,878 to
-// 10,687 kernel launches and its copies/casts from 77.7 to 4.2 ms (docs/PERFORMANCE.md,
-// 2026-12-01). Each kernel computes in fp32 and rounds to the storage type wherever the
-// ATen composition stores a tensor, so both paths round alike (the RMSNorm row sums may
-// add in another order).
+// SwiGLU and rotary embeddings. As ATen compositions each is several kernels with fp32
+// temporaries written and read back, most of a LoRA step's copy/cast time (the before and
+// after are in docs/PERFORMANCE.md). Each kernel computes in fp32 and rounds to the storage
+// type wherever the ATen composition stores a tensor, so both paths round alike (the
+// RMSNorm row sums may add in another order).
 //
 // All tensors are contiguous, of `type`, unless said otherwise; every function runs on
 // `stream` (a cudaStream_t) and returns a CUDA error string, or nullptr.
@@ -19,11 +18,12 @@ namespace lorastep {
 namespace kernels {
 
 // y = weight * (x * rstd).to(type), rstd = rsqrt(mean(x^2) + eps) per row, in fp32.
-// x, y: rows x hidden; weight: hidden; rstd: fp32 rows (saved for backward). With `residual`
-// (rows x hidden) non-null, x + residual (rounded to type) takes x's place and is written to
-// `sum`: the residual add before a norm, in the same pass.
+// x: rows x hidden; y: rows of hidden elements, `y_ld` (>= hidden) apart; weight: hidden;
+// rstd: fp32 rows (saved for backward). With `residual` (rows x hidden) non-null, x + residual
+// (rounded to type) takes x's place and is written to `sum`: the residual add before a norm,
+// in the same pass.
 const char* LaunchRmsNorm(const void* x, const void* residual, const void* weight, ElementType type, int64_t rows,
-                          int64_t hidden, float eps, void* sum, void* y, float* rstd, void* stream);
+                          int64_t hidden, float eps, void* sum, void* y, int64_t y_ld, float* rstd, void* stream);
 
 // The input gradient of LaunchRmsNorm's y:
 //   gn = (g * weight).to(type), n = x * rstd, dx = (gn - n * mean(gn * n)) * rstd,

@@ -248,7 +248,7 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& anchor,
                             at::TensorList as_in, at::TensorList bs_in, const at::Tensor& weight,
                             MainGradRef bias_ref, const LoraGroupMeta& meta, double scale, bool fused, bool fold,
-                            LoraGroupOperandCache* cache) {
+                            LoraGroupOperandCache* cache, bool input_has_room) {
     (void)anchor, (void)as_in, (void)bs_in;
     const at::Tensor& bias = bias_ref.tensor;
     const at::TensorList as(meta.as), bs(meta.bs);
@@ -263,8 +263,13 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
     const int64_t in = weight.size(1), rank_sum = ops->a_cat.size(0);
     at::Tensor xa, y;
     if (fold) {
-      at::Tensor x_cat = at::empty({x2d.size(0), in + rank_sum}, x2d.options());
-      x_cat.narrow(1, 0, in).copy_(x2d);
+      // The input's own buffer where the caller left room after it (input_has_room), else a
+      // copy. Over a detached alias: the views this forward writes through and saves are then
+      // not autograd views of the input.
+      const bool room = input_has_room && x2d.stride(1) == 1 && x2d.stride(0) == in + rank_sum;
+      at::Tensor x_cat = room ? x2d.detach().as_strided({x2d.size(0), in + rank_sum}, {in + rank_sum, 1})
+                              : at::empty({x2d.size(0), in + rank_sum}, x2d.options());
+      if (!room) x_cat.narrow(1, 0, in).copy_(x2d);
       xa = x_cat.narrow(1, in, rank_sum);
       at::mm_out(xa, x2d, ops->a_cat.t());
       y = bias.defined() ? at::addmm(bias, x_cat, ops->w_cat.t()) : at::mm(x_cat, ops->w_cat.t());
@@ -341,7 +346,7 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
     }
     out.insert(out.end(), grad_as.begin(), grad_as.end());
     out.insert(out.end(), grad_bs.begin(), grad_bs.end());
-    out.resize(out.size() + 7);  // weight, bias, meta, scale, fused, fold, cache
+    out.resize(out.size() + 8);  // weight, bias, meta, scale, fused, fold, cache, input_has_room
     return out;
   }
 };
@@ -414,14 +419,22 @@ bool GroupedLinearAvailable(const at::Tensor& x, const std::vector<int64_t>& siz
   return true;
 }
 
-bool FoldBranchIntoBaseGemm(const at::Tensor& weight, int64_t rank_sum, const GradOptions& options) {
-  if (weight.size(0) < 4 * (weight.size(1) + rank_sum)) return false;
+namespace {
+
+// Whether the fold is on for this weight's device: options.fold_lora_b, else CUDA's default.
+bool FoldEnabled(const at::Tensor& weight, const GradOptions& options) {
   if (options.fold_lora_b >= 0) return options.fold_lora_b == 1;
   static const bool cuda_default = [] {
     const char* env = std::getenv("LORASTEP_FOLD_LORA_B");
     return env == nullptr || std::string(env) != "0";
   }();
   return weight.is_cuda() && cuda_default;
+}
+
+}  // namespace
+
+bool FoldBranchIntoBaseGemm(const at::Tensor& weight, int64_t rank_sum, const GradOptions& options) {
+  return weight.size(0) >= 4 * (weight.size(1) + rank_sum) && FoldEnabled(weight, options);
 }
 
 at::Tensor FoldLeadingDims(const at::Tensor& x) { return x.reshape({-1, x.size(-1)}); }
@@ -479,7 +492,7 @@ const LoraGroupOperandCache::Entry& LoraGroupOperandCache::Put(const at::Tensor&
 
 at::Tensor LoraLinearGroup(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                            const std::vector<LoraGroupPart>& parts, double scale, const GradOptions& options,
-                           LoraGroupOperandCache* cache) {
+                           LoraGroupOperandCache* cache, bool input_has_room) {
   LoraGroupMeta meta;
   for (size_t i = 0; i < parts.size(); ++i) {
     meta.widths.push_back(parts[i].width);
@@ -501,7 +514,13 @@ at::Tensor LoraLinearGroup(const at::Tensor& x, const at::Tensor& weight, const 
   return LoraLinearGroupFunction::apply(x, GradAnchor(x.device()),
                                         at::TensorList(fused ? none : meta.as), at::TensorList(fused ? none : meta.bs),
                                         weight, MainGradRef{bias}, meta, scale, fused,
-                                        FoldBranchIntoBaseGemm(weight, rank_sum, options), cache);
+                                        FoldBranchIntoBaseGemm(weight, rank_sum, options), cache, input_has_room);
+}
+
+int64_t GroupFoldRoom(const at::Tensor& weight, const std::vector<LoraGroupPart>& parts, const GradOptions& options) {
+  int64_t rank_sum = 0;
+  for (const LoraGroupPart& part : parts) rank_sum += part.a.defined() ? part.a.size(0) : 0;
+  return rank_sum > 0 && weight.defined() && FoldBranchIntoBaseGemm(weight, rank_sum, options) ? rank_sum : 0;
 }
 
 at::Tensor AdjacentRows(const std::vector<at::Tensor>& parts) {

@@ -89,10 +89,19 @@ struct LoraGroupPart {
 //
 // `cache` (optional): where the group's parameter-only operands live for the length of one
 // trainer call, so its micro-batches build them once (see LoraGroupOperandCache).
+// `input_has_room`: x is the left block of a buffer GroupFoldRoom(...) columns wider (as
+// RmsNorm's `room` leaves it), whose right columns this call may overwrite; the fold then
+// writes x A^T there and runs without copying x.
 class LoraGroupOperandCache;
 at::Tensor LoraLinearGroup(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                            const std::vector<LoraGroupPart>& parts, double scale, const GradOptions& options,
-                           LoraGroupOperandCache* cache = nullptr);
+                           LoraGroupOperandCache* cache = nullptr, bool input_has_room = false);
+
+// The columns LoraLinearGroup's fold wants free after its input, so that it runs without
+// copying x: the parts' total rank where the group folds (FoldBranchIntoBaseGemm), else 0.
+// Narrow groups (q/k/v) do not fold even with the copy gone: on the H200 the folded q/k/v
+// GEMM with its bias epilogue ran slower than the plain GEMM and the branch's addmm.
+int64_t GroupFoldRoom(const at::Tensor& weight, const std::vector<LoraGroupPart>& parts, const GradOptions& options);
 
 // The operands of LoraLinearGroup that depend on the parameters only: A factors
 // concatenated, scale * B block-diagonal ([sum of widths, sum of ranks], zero outside each
@@ -122,11 +131,10 @@ class LoraGroupOperandCache {
 
 // Whether LoraLinearGroup runs the branches inside the base GEMM, as
 // [x | x A^T] @ [W | scale * B_blockdiag]^T (K-concatenated), for a packed `weight` and the
-// parts' total rank. It pays on CUDA where the output is much wider than the input (gate/up:
-// 9,728 columns from 896): copying x (and W, once per call) is then far cheaper than the B
-// addmm re-reading and re-writing the output. Not on CPU, where the GEMMs are compute-bound: the README
-// demo's step showed no gain (4.28-4.40 s with it, 4.19-4.29 s without, dev machine).
-// Backward is the same either way.
+// parts' total rank. It pays on CUDA where the output is much wider than the input (gate/up
+// is several times wider than the hidden size): copying x (and W, once per call) is then far
+// cheaper than the B addmm re-reading and re-writing the output. Not on CPU, where the GEMMs
+// are compute-bound and the copies gain nothing. Backward is the same either way.
 // LORASTEP_FOLD_LORA_B=0 switches the CUDA default off (for A/B measurements).
 bool FoldBranchIntoBaseGemm(const at::Tensor& weight, int64_t rank_sum, const GradOptions& options);
 

@@ -1,6 +1,7 @@
 #include "lib/model/qwen2.h"
 
 #include <functional>
+#include <optional>
 #include <initializer_list>
 #include <map>
 #include <memory>
@@ -355,12 +356,18 @@ class LayerRunner {
   // their frozen weights packed back to back (PackProjections), each LoRA branch added into
   // its own columns. Undefined where the per-projection path is needed: weights not packed,
   // a trainable base (full fine-tuning), or LoRA dropout in training.
-  at::Tensor ProjectPacked(size_t layer, std::initializer_list<int> slots, const at::Tensor& x) const {
+  // The projections `slots` of a layer as one LoraLinearGroup's operands; nullopt where they
+  // run one by one (full fine-tuning, LoRA dropout in training, weights not back to back).
+  struct PackedGroup {
+    at::Tensor weight, bias;
+    std::vector<LoraGroupPart> parts;
+  };
+  std::optional<PackedGroup> GroupOf(size_t layer, std::initializer_list<int> slots) const {
     const double p = adapter_ != nullptr ? adapter_->lora_config().dropout : 0.0;
-    if (main_grads_ != nullptr || (p > 0 && options_.training)) return at::Tensor();
+    if (main_grads_ != nullptr || (p > 0 && options_.training)) return std::nullopt;
     const LayerWeights& lw = weights_.layers[layer];
     std::vector<at::Tensor> ws, biases;
-    std::vector<LoraGroupPart> parts;
+    PackedGroup group;
     for (int slot : slots) {
       ws.push_back(lw.linear[slot]);
       if (slot < 3 && lw.qkv_bias[slot].defined()) biases.push_back(lw.qkv_bias[slot]);
@@ -371,13 +378,32 @@ class LayerRunner {
         const Parameter& b = adapter_->parameters()[f->b];
         part.a = a.value, part.a_main_grad = a.main_grad, part.b = b.value, part.b_main_grad = b.main_grad;
       }
-      parts.push_back(std::move(part));
+      group.parts.push_back(std::move(part));
     }
-    const at::Tensor weight = AdjacentRows(ws);
-    const at::Tensor bias = biases.empty() ? at::Tensor() : AdjacentRows(biases);
-    if (!weight.defined() || (!biases.empty() && (biases.size() != ws.size() || !bias.defined()))) return at::Tensor();
-    return LoraLinearGroup(x, weight, bias, parts, adapter_ != nullptr ? adapter_->lora_config().scale() : 0.0,
-                           options_.grad, options_.lora_operands);
+    group.weight = AdjacentRows(ws);
+    group.bias = biases.empty() ? at::Tensor() : AdjacentRows(biases);
+    if (!group.weight.defined() || (!biases.empty() && (biases.size() != ws.size() || !group.bias.defined()))) {
+      return std::nullopt;
+    }
+    return group;
+  }
+
+  // The columns the norm before group `slots` leaves free after its output, so that the
+  // group's fold writes x A^T there instead of copying x (GroupFoldRoom); 0 for none.
+  int64_t FoldRoom(size_t layer, std::initializer_list<int> slots) const {
+    const std::optional<PackedGroup> group = GroupOf(layer, slots);
+    return group ? GroupFoldRoom(group->weight, group->parts, options_.grad) : 0;
+  }
+
+  // The group's output, undefined where GroupOf has none. `input_has_room`: x came from a
+  // norm given FoldRoom(layer, slots).
+  at::Tensor ProjectPacked(size_t layer, std::initializer_list<int> slots, const at::Tensor& x,
+                           bool input_has_room = false) const {
+    const std::optional<PackedGroup> group = GroupOf(layer, slots);
+    if (!group) return at::Tensor();
+    return LoraLinearGroup(x, group->weight, group->bias, group->parts,
+                           adapter_ != nullptr ? adapter_->lora_config().scale() : 0.0, options_.grad,
+                           options_.lora_operands, input_has_room);
   }
 
   // Causal attention of packed sequences: q [1, total, heads, d], k/v [1, total, kv, d] ->
@@ -476,13 +502,15 @@ class LayerRunner {
   }
 
   // q, k (with RoPE) and v of layer i from the normed input h, each [b, s, heads, d].
+  // `input_has_room`: h came from a norm given FoldRoom for q/k/v.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> QueryKeyValue(size_t i, const at::Tensor& h, const at::Tensor& cos,
-                                                               const at::Tensor& sin, int64_t nh, int64_t nkv) const {
+                                                               const at::Tensor& sin, int64_t nh, int64_t nkv,
+                                                               bool input_has_room) const {
     const LayerWeights& lw = weights_.layers[i];
     const ModelShard* shard = options_.shard;
     const int64_t b = h.size(0), s = h.size(1), d = c_.head_dim();
     at::Tensor q, k, v;
-    at::Tensor qkv = ProjectPacked(i, {kQProj, kKProj, kVProj}, h);
+    at::Tensor qkv = ProjectPacked(i, {kQProj, kKProj, kVProj}, h, input_has_room);
 #ifdef LORASTEP_WITH_CUDA_KERNELS
     const bool plain_heads = !lw.layout.qk_norm && !(shard != nullptr && shard->kv_select >= 0);
     if (qkv.defined() && plain_heads && UseFusedKernels(qkv, cos) && qkv.stride(-1) == 1) {
@@ -529,15 +557,18 @@ class LayerRunner {
     const int64_t nh = shard != nullptr ? shard->heads : c_.num_attention_heads,
                   nkv = shard != nullptr ? shard->kv_heads : c_.num_key_value_heads;
     at::Tensor h;
-    std::tie(x, h) = AddRmsNorm(x, pending, lw.input_norm, c_.rms_norm_eps);
-    auto [q, k, v] = QueryKeyValue(i, CopyToTensorRegion(h, tp), cos, sin, nh, nkv);
+    // Each norm leaves room after its output for the next group's fold (FoldRoom).
+    const int64_t qkv_room = FoldRoom(i, {kQProj, kKProj, kVProj});
+    std::tie(x, h) = AddRmsNorm(x, pending, lw.input_norm, c_.rms_norm_eps, qkv_room);
+    auto [q, k, v] = QueryKeyValue(i, CopyToTensorRegion(h, tp), cos, sin, nh, nkv, qkv_room > 0);
     at::Tensor attn = Attend(q, k, v);
     // Row-parallel o/down give partial sums (LoRA's B(A_i x_i) included): one all-reduce each.
+    const int64_t mlp_room = lw.layout.moe ? 0 : FoldRoom(i, {kGateProj, kUpProj});
     std::tie(x, h) = AddRmsNorm(x, ReduceFromTensorRegion(Project(i, kOProj, attn), tp), lw.post_attention_norm,
-                                c_.rms_norm_eps);
+                                c_.rms_norm_eps, mlp_room);
     h = CopyToTensorRegion(h, tp);
     if (lw.layout.moe) return {x, MoeMlp(i, h)};
-    at::Tensor gate_up = ProjectPacked(i, {kGateProj, kUpProj}, h);
+    at::Tensor gate_up = ProjectPacked(i, {kGateProj, kUpProj}, h, mlp_room > 0);
     at::Tensor down = gate_up.defined() ? DownOfPacked(i, gate_up)
                                         : Project(i, kDownProj, SwiGlu(Project(i, kGateProj, h), Project(i, kUpProj, h)));
     return {x, ReduceFromTensorRegion(down, tp)};
@@ -814,34 +845,41 @@ namespace {
 // transformers' RMSNorm, weight * (x * rsqrt(mean(x^2) + eps)).to(dtype) with the statistics
 // in fp32; *rstd receives the per-row 1/rms (fp32, [.., 1]) for backward. With `residual`
 // defined the norm is of x + residual, which *sum receives (one kernel on CUDA). x and
-// residual contiguous on CUDA.
+// residual contiguous on CUDA. With `room` > 0 the result is the left block of a
+// [.., hidden + room] buffer whose right columns are free for the next projection's fold
+// (LoraLinearGroup's input_has_room): the kernel writes the rows that far apart.
 at::Tensor RmsNormValue(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
-                        at::Tensor* sum, at::Tensor* rstd) {
+                        at::Tensor* sum, at::Tensor* rstd, int64_t room = 0) {
+  const int64_t hidden = x.size(-1);
+  std::vector<int64_t> wide(x.sizes().begin(), x.sizes().end());
+  wide.back() = hidden + room;
 #ifdef LORASTEP_WITH_CUDA_KERNELS
   if (UseFusedKernels(x, weight) && (!residual.defined() || residual.sizes() == x.sizes())) {
     const at::Tensor w = weight.contiguous();
     const at::Tensor r = residual.defined() ? residual.contiguous() : residual;
-    at::Tensor y = at::empty_like(x);
+    at::Tensor y = at::empty(wide, x.options());
     if (r.defined()) *sum = at::empty_like(x);
     std::vector<int64_t> rstd_shape(x.sizes().begin(), x.sizes().end());
     rstd_shape.back() = 1;
     *rstd = at::empty(rstd_shape, x.options().dtype(at::kFloat));
     const kernels::KernelLaunch launch(x);
     kernels::CheckLaunch(kernels::LaunchRmsNorm(x.data_ptr(), r.defined() ? r.data_ptr() : nullptr, w.data_ptr(),
-                                                kernels::ElementTypeOf(x), x.numel() / x.size(-1), x.size(-1),
+                                                kernels::ElementTypeOf(x), x.numel() / hidden, hidden,
                                                 static_cast<float>(eps), r.defined() ? sum->data_ptr() : nullptr,
-                                                y.data_ptr(), rstd->data_ptr<float>(), launch.stream),
+                                                y.data_ptr(), hidden + room, rstd->data_ptr<float>(), launch.stream),
                          "rmsnorm");
-    return y;
+    return room > 0 ? y.narrow(-1, 0, hidden) : y;
   }
 #endif
   if (residual.defined()) {
     *sum = x + residual;
-    return RmsNormValue(*sum, at::Tensor(), weight, eps, nullptr, rstd);
+    return RmsNormValue(*sum, at::Tensor(), weight, eps, nullptr, rstd, room);
   }
   at::Tensor xf = x.to(at::kFloat);
   *rstd = at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true).add_(eps));
-  return weight * (xf * *rstd).to(x.scalar_type());  // xf may be x itself (fp32)
+  at::Tensor y = weight * (xf * *rstd).to(x.scalar_type());  // xf may be x itself (fp32)
+  if (room == 0) return y;
+  return at::empty(wide, x.options()).narrow(-1, 0, hidden).copy_(y);
 }
 
 // The input gradient of RmsNormValue for its output's gradient g, plus `residual` (x's
@@ -881,10 +919,10 @@ at::Tensor RmsNormWeightGrad(const at::Tensor& x, const at::Tensor& weight, cons
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& weight, double eps) {
+                            const at::Tensor& weight, double eps, int64_t room) {
     const at::Tensor xc = UseFusedKernels(x, weight) ? x.contiguous() : x;
     at::Tensor rstd;
-    at::Tensor y = RmsNormValue(xc, at::Tensor(), weight, eps, nullptr, &rstd);
+    at::Tensor y = RmsNormValue(xc, at::Tensor(), weight, eps, nullptr, &rstd, room);
     ctx->save_for_backward({xc, weight, rstd});
     return y;
   }
@@ -894,7 +932,7 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
     at::Tensor grad_w = ctx->needs_input_grad(1) ? RmsNormWeightGrad(x, weight, rstd, grads[0]) : at::Tensor();
-    return {RmsNormInputGrad(x, weight, rstd, grads[0], at::Tensor()), grad_w, at::Tensor()};
+    return {RmsNormInputGrad(x, weight, rstd, grads[0], at::Tensor()), grad_w, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -904,10 +942,12 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
 class AddRmsNormFunction : public torch::autograd::Function<AddRmsNormFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                                                const at::Tensor& y, const at::Tensor& weight, double eps) {
+                                                const at::Tensor& y, const at::Tensor& weight, double eps,
+                                                int64_t room) {
     at::Tensor sum, rstd;
     const bool fused = UseFusedKernels(x, weight) && UseFusedKernels(y, weight);
-    at::Tensor normed = RmsNormValue(fused ? x.contiguous() : x, fused ? y.contiguous() : y, weight, eps, &sum, &rstd);
+    at::Tensor normed =
+        RmsNormValue(fused ? x.contiguous() : x, fused ? y.contiguous() : y, weight, eps, &sum, &rstd, room);
     ctx->save_for_backward({sum, weight, rstd});
     return {sum, normed};
   }
@@ -924,20 +964,20 @@ class AddRmsNormFunction : public torch::autograd::Function<AddRmsNormFunction> 
     } else {
       grad = grad_sum;
     }
-    return {grad, grad, grad_w, at::Tensor()};
+    return {grad, grad, grad_w, at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
-at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return RmsNormFunction::apply(x, weight, eps);
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t room) {
+  return RmsNormFunction::apply(x, weight, eps, room);
 }
 
 std::pair<at::Tensor, at::Tensor> AddRmsNorm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
-                                             double eps) {
-  if (!y.defined()) return {x, RmsNorm(x, weight, eps)};
-  auto out = AddRmsNormFunction::apply(x, y, weight, eps);
+                                             double eps, int64_t room) {
+  if (!y.defined()) return {x, RmsNorm(x, weight, eps, room)};
+  auto out = AddRmsNormFunction::apply(x, y, weight, eps, room);
   return {out[0], out[1]};
 }
 

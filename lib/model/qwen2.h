@@ -97,12 +97,14 @@ TokenScores Qwen2HeadScores(const ModelWeights& base, const Adapter* adapter, co
 // entry of `counts` (ForwardOptions::routing_counts).
 void AddRoutingMetrics(const std::vector<at::Tensor>& counts, Metrics* metrics);
 
-// Hugging Face's Qwen2RMSNorm: normalize in fp32, cast back, then scale.
-at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// Hugging Face's Qwen2RMSNorm: normalize in fp32, cast back, then scale. With `room` > 0 the
+// result is the left block of a buffer `room` columns wider, which the next projection may
+// write (LoraLinearGroup's input_has_room).
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t room = 0);
 // (x + y, RmsNorm(x + y)) as one autograd node (the residual add before a norm; see
 // AddRmsNormFunction); with y undefined, (x, RmsNorm(x)).
 std::pair<at::Tensor, at::Tensor> AddRmsNorm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
-                                             double eps);
+                                             double eps, int64_t room = 0);
 
 }  // namespace lorastep
 
