@@ -17,7 +17,7 @@ step_ms = 1000.0 * step["worker_step_median_s"]
 out = {
     "date": digest["date"],
     "machine": env[0].removeprefix("machine: ") if env else digest["machine"],
-    "versions": env[1] if len(env) > 1 else "",
+    "versions": env[-1] if len(env) > 1 else "",
     "libtorch": digest["libtorch"],
     "command": digest["command"],
     "what": "SHA-256 (device kernels) of every gradient bucket rank 0 of tp2 compares after its reductions, "

@@ -46,8 +46,9 @@ rows = {"q7b_32768": run("q7b_32768", q7), "q7b_131072": run("q7b_131072", q7), 
 recomputed = {level: run("recompute_" + level, q7, "q7b_2x16384") for level in ("none", "selective", "full")}
 result = {
     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "machine": env[0].removeprefix("machine: "),
-    "versions": env[1] if len(env) > 1 else "",
-    "command": "GPU_CHECK_STEPS='long' bash scripts/gpu_check.sh (device tool)",
+    "versions": env[-1] if len(env) > 1 else "",
+    "command": os.environ.get("BENCH_COMMAND", "python3 scripts/bench.py suite long"),
+    "commit": os.environ.get("BENCH_COMMIT", "unknown"),
     "models": "Qwen2.5-7B and Qwen2.5-0.5B shapes written by transformers (random bf16 weights), "
               "YaRN factor 4 over 32,768 positions (131,072)",
     "lora": "r32 alpha 32, all linears; PPO loss; micro-batch = the sequence", "gemm_peak_tflops": peak,

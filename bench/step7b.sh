@@ -32,7 +32,7 @@ if [ -n "${STEP7B_PROFILE:-}" ]; then
     bench/service_overhead.sh "$BIN" qwen2.5-0.5b cuda bfloat16 /tmp/profiled_7b.json x > /tmp/profiled_7b.log 2>&1 \
     || tail -5 /tmp/profiled_7b.log
   python3 bench/profile_summary.py /tmp/lora_7b_trace.json --label "lorastep LoRA r32 train step, Qwen2.5-7B shape, 64 x 512, micro-batch $mb" \
-    --machine "$(head -1 "$OUT/env.txt")" --command "GPU_CHECK_STEPS=step7b STEP7B_PROFILE=1 bash scripts/gpu_check.sh" \
+    --machine "$(head -1 "$OUT/env.txt")" --command "${BENCH_COMMAND:-python3 scripts/bench.py --profile suite step7b}" \
     --out "$OUT/profile_lora_7b_step.json" | tail -3
 fi
 python3 bench/peft_step.py --model $MODEL --mode lora --batch "$OUT/batch_fixed_7b.json" --out "$OUT/hf_lora_7b.json" \

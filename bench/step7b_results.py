@@ -23,8 +23,9 @@ for side, seconds, gib in (("lorastep", ours["worker_step_median_s"], ours.get("
     rows[side] = {"step_s": seconds, "tokens_per_s": tokens / seconds, "model_tflops": flops / seconds / 1e12,
                   "mfu": flops / seconds / 1e12 / peak, "peak_cuda_gib": gib}
 result = {
-    "date": hf["date"], "machine": env[0].removeprefix("machine: "), "versions": env[1] if len(env) > 1 else "",
-    "command": "GPU_CHECK_STEPS=step7b bash scripts/gpu_check.sh (device tool)",
+    "date": hf["date"], "machine": env[0].removeprefix("machine: "), "versions": env[-1] if len(env) > 1 else "",
+    "command": os.environ.get("BENCH_COMMAND", "python3 scripts/bench.py suite step7b"),
+    "commit": os.environ.get("BENCH_COMMIT", "unknown"),
     "model": "Qwen2.5-7B shape written by transformers (random bf16 weights, its shards and index)",
     "matmul_parameters": matmul_params, "batch": "64 x 512 tokens", "lora": "r32 alpha 32, all linears",
     "lorastep_micro_batch_tokens": 8192, "gemm_peak_tflops": peak, "rows": rows,

@@ -29,7 +29,7 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--cpu", default="")
     ap.add_argument("--micro_batch", default="8192")
-    ap.add_argument("--command", default="GPU_CHECK_STEPS=step bash scripts/gpu_check.sh")
+    ap.add_argument("--command", default=os.environ.get("BENCH_COMMAND", "python3 scripts/bench.py suite step"))
     args = ap.parse_args()
     raw = lambda name: json.load(open(os.path.join(args.raw, name)))
     cfg = json.load(open(os.path.join(args.model, "config.json")))
@@ -73,8 +73,9 @@ def main():
     out = {
         "date": raw("gemm_peak.json").get("date") or raw("hf_lora_fixed.json")["date"],
         "machine": env[0].replace("machine: ", ""),
-        "library_versions": env[1] if len(env) > 1 else "",
+        "library_versions": env[-1] if len(env) > 1 else "",
         "command": args.command,
+        "commit": os.environ.get("BENCH_COMMIT", "unknown"),
         "lorastep_micro_batch_tokens": int(args.micro_batch),
         "model": "random Qwen2.5-0.5B shape (lorastep_genmodel --preset qwen2.5-0.5b --seed 1), bf16",
         "workloads": {"fixed": "64 x 512 tokens", "varlen": f"64 sequences of 128-1024 tokens ({sum(batches['varlen'])} tokens)"},

@@ -129,11 +129,22 @@ class Context:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         return out.stdout.strip() or "no torch in this Python"
 
+    def commit(self):
+        """--commit, else the checkout's HEAD (with "+changes" when the tree differs from it)."""
+        if self.args.commit:
+            return self.args.commit
+        head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        if head.returncode != 0:
+            return "unknown (no git checkout; pass --commit)"
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        return head.stdout.strip() + ("+changes" if dirty else "")
+
     def write_env(self):
-        """OUT/env.txt: the machine (first line) and library versions (last line) every bench reads."""
+        """OUT/env.txt: the machine (first line), the commit, and library versions (last line)."""
         path = os.path.join(self.out, "env.txt")
         with open(path, "w") as f:
-            f.write(f"machine: {self.machine_line()}\n{self.versions_line()}\n")
+            f.write(f"machine: {self.machine_line()}\ncommit: {self.commit()}\n{self.versions_line()}\n")
         print(open(path).read(), end="", flush=True)
 
     def binary(self, name):
@@ -239,7 +250,9 @@ def require_pass(ctx, name, key="pass"):
 def bench_env(ctx):
     """What the bench/*.sh scripts read: the machine and versions lines."""
     lines = open(os.path.join(ctx.out, "env.txt")).read().splitlines()
-    return dict(ctx.env, MACHINE=lines[0].removeprefix("machine: "), VERSIONS=lines[-1])
+    commit = next((l.removeprefix("commit: ") for l in lines if l.startswith("commit: ")), ctx.commit())
+    return dict(ctx.env, MACHINE=lines[0].removeprefix("machine: "), VERSIONS=lines[-1],
+                BENCH_COMMAND=ctx.command_line(), BENCH_COMMIT=commit)
 
 
 def parity_run(ctx, model, dtype, out_name, extra=(), grep=None):
@@ -399,6 +412,7 @@ def main(argv=None):
                     help="generated models, one folder per preset, dtype and seed")
     ap.add_argument("--sysroot", default=os.path.join(REPO, ".sysroot"), help="the carried Debian sysroot")
     ap.add_argument("--cuda-arch", default="90", help="CUDA architecture to compile for (90: H100/H200)")
+    ap.add_argument("--commit", help="the commit the results come from (default: git HEAD, where there is a checkout)")
     ap.add_argument("--target", action="append", help="build only these CMake targets (repeatable)")
     ap.add_argument("--dtype", action="append", choices=["float32", "bfloat16"], help="test/parity dtypes")
     ap.add_argument("--tests", help="ctest -R regex (default: every test)")
