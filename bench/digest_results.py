@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The finalizer's digest check beside the LoRA step, from one gpu_check.sh call.
+"""The finalizer's digest check beside the LoRA step, from one call of scripts/bench.py (suites step, digest).
 
 digest_results.py DIGEST_JSON STEP_JSON ENV_TXT OUT_JSON
 DIGEST_JSON: bench/digest_cost's output (one TP2 rank's checked buckets hashed on the GPU).

@@ -1,6 +1,6 @@
 """Writes bench/results/moe.json for the MoE issue from the raw files of one device run and
 the CPU mesh suite:
-  - GPU (`GPU_CHECK_STEPS="moe moe-bench" bash scripts/gpu_check.sh` on nvidia-h200):
+  - GPU (`python3 scripts/bench.py suite moe-parity moe-bench` on nvidia-h200):
     moe_hf_fwdbwd.json (bench/peft_step.py --mode fwdbwd: transformers' own forward +
     backward of the reduced Qwen3-30B-A3B shape, no optimizer) and moe_ours_<layout>_<mt>.json
     (bench/service_overhead.sh: lorastep LoRA r32 train steps through coordinator + worker),
@@ -39,9 +39,8 @@ def main():
                    + "; CPU figures: " + cpu.get("machine", "?"),
         "versions": {"gpu": best and json.load(open(glob.glob(os.path.join(gpu, "moe_ours_*.json"))[0]))["library_versions"],
                      "cpu": cpu.get("versions")},
-        "command": 'device run: GPU_CHECK_STEPS="tests moe moe-bench" MOE_LAYOUTS="shared_outer per_expert" '
-                   'MOE_MAX_TOKENS=16384 bash scripts/gpu_check.sh; bash bench/parallel_cpu.sh; '
-                   "python3 bench/moe_results.py GPU_OUT",
+        "command": os.environ.get("BENCH_COMMAND", "python3 scripts/bench.py suite moe-parity moe-bench")
+                   + "; bash bench/parallel_cpu.sh; python3 bench/moe_results.py GPU_OUT",
         "what": "reduced Qwen3-30B-A3B shape (H 2048, 128 experts, top-8, moe width 768, 4 layers, vocab "
                 "151936), bf16, 64 x 512 random tokens: lorastep LoRA r32 (all linear, expert LoRA) train "
                 "step (forward, backward, finalization, AdamW, digest) against transformers' own forward + "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 11's two-GPU runs (nvidia-h200-x2, NCCL, bf16), after scripts/gpu_check.sh's CMake
-# build (GPU_CHECK_STEPS=multi-gpu runs it). Every run is a real coordinator starting its
+# Issue 11's two-GPU runs (nvidia-h200-x2, NCCL, bf16), after scripts/bench.py's CMake
+# build (`python3 scripts/bench.py suite multi-gpu` runs it). Every run is a real coordinator starting its
 # own workers (rank r on cuda:r) and bench/mesh_trace driving it over gRPC:
 #   dense, the Qwen2.5-0.5B shape, LoRA r32 on all linears, 64 x 512 (bench/make_batch.py):
 #     world 1; world 1 computing in fp32 (--dtype float32: the same bf16 weights; the

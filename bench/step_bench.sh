@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 9's side-by-side step benchmark on the H200, after scripts/gpu_check.sh's CMake
+# Issue 9's side-by-side step benchmark on the H200, after scripts/bench.py's CMake
 # build (GPU_CHECK_STEPS=step runs it): one random Qwen2.5-0.5B-shaped model and the same
 # batch files (bench/make_batch.py: 64 x 512 and 64 of 128-1024 tokens) for both sides.
 #   lorastep (coordinator + worker): LoRA r32 on all linears, full fine-tuning, Forward

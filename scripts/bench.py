@@ -353,6 +353,39 @@ def suite_multi_gpu(ctx):
         log=os.path.join(ctx.out, "multi_gpu.log"))
 
 
+def suite_attention_gqa(ctx):
+    run([sys.executable, "bench/attention_bench.py", "--out", os.path.join(ctx.out, "attention.json")], ctx.fails,
+        "attention: repeated K/V against grouped heads", env=ctx.env, log=os.path.join(ctx.out, "attention_gqa.log"))
+
+
+def suite_moe_bench(ctx):
+    """Reduced Qwen3-30B-A3B (4 layers, 128 experts, top-8), bf16, 64 x 512: transformers' step
+    beside lorastep's per expert-LoRA layout."""
+    model = ctx.model("qwen3-30b-a3b-reduced", "bfloat16", 1)
+    env = bench_env(ctx)
+    run([sys.executable, "bench/peft_step.py", "--model", model, "--mode", "fwdbwd", "--out",
+         os.path.join(ctx.out, "moe_hf_fwdbwd.json")], ctx.fails, "MoE: transformers", env=env,
+        log=os.path.join(ctx.out, "moe_hf.log"))
+    for layout in ctx.args.moe_layout:
+        run(["bash", "bench/service_overhead.sh", ctx.build, "qwen3-30b-a3b-reduced", "cuda", "bfloat16",
+             os.path.join(ctx.out, f"moe_ours_{layout}_4096.json"), f"moe_{layout}"], ctx.fails,
+            f"MoE: lorastep {layout}",
+            env=dict(env, MODEL_DIR=model, RANK="32", EXPERT_LORA=layout, MAX_TOKENS="4096", STEPS="3"),
+            log=os.path.join(ctx.out, f"moe_ours_{layout}.log"))
+
+
+def suite_digest(ctx):
+    """The digest check of a TP2 rank's replicated LoRA gradients beside the LoRA step (run after
+    the step suite in the same OUT: it reads ours_lora_fixed.json)."""
+    model = ctx.model("qwen2.5-0.5b", "bfloat16", 1)
+    raw = os.path.join(ctx.out, "digest_tp2.json")
+    if run([ctx.binary("digest_cost"), "--model_dir", model, "--lora_rank", "32", "--tp", "2", "--out", raw,
+            "--machine", ctx.machine_line(), "--command", ctx.command_line()], ctx.fails, "digest_cost", env=ctx.env):
+        run([sys.executable, "bench/digest_results.py", raw, os.path.join(ctx.out, "ours_lora_fixed.json"),
+             os.path.join(ctx.out, "env.txt"), os.path.join(ctx.out, "digest_cost.json")], ctx.fails,
+            "digest results", env=ctx.env)
+
+
 # name -> (what it measures, runner, result files it must leave, parity files that must pass)
 SUITES = {
     "dgrad": ("the flattened dgrad microbenchmark", suite_dgrad, lambda a: ["dgrad.json"], lambda a: []),
@@ -373,6 +406,13 @@ SUITES = {
              lambda a: []),
     "attention": ("attention kernels (SDPA backends, flash varlen)", suite_attention,
                   lambda a: ["attention_backends.json"], lambda a: []),
+    "attention-gqa": ("SDPA reading grouped K/V heads against repeating them", suite_attention_gqa,
+                      lambda a: ["attention.json"], lambda a: []),
+    "moe-bench": ("the MoE step (reduced Qwen3-30B-A3B) against transformers", suite_moe_bench,
+                  lambda a: ["moe_hf_fwdbwd.json"] + [f"moe_ours_{l}_4096.json" for l in a.moe_layout],
+                  lambda a: []),
+    "digest": ("the digest check's share of the LoRA step (after 'step')", suite_digest,
+               lambda a: ["digest_cost.json"], lambda a: []),
     "service": ("service overhead per deployment (0.5B, 64 x 512)", suite_service,
                 lambda a: [f"service_overhead_{d}.json" for d in a.deployment], lambda a: []),
     "autosave": ("autosave's cost on the step", suite_autosave,
@@ -404,7 +444,7 @@ def cmd_suite(ctx, names):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="scripts/bench.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="suites:\n" + "\n".join(f"  {n:12} {s[0]}" for n, s in SUITES.items()))
+                                 epilog="suites:\n" + "\n".join(f"  {n:14} {s[0]}" for n, s in SUITES.items()))
     ap.add_argument("--build-dir", default=os.path.join(REPO, "build-gpu"), help="CMake build folder")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "out"),
                     help="where results and logs go (default: $OUT where the device tool sets it, else ./out)")
@@ -426,12 +466,14 @@ def main(argv=None):
     ap.add_argument("--deployment", nargs="+", default=["process", "in_process"], choices=["process", "in_process"],
                     help="service/autosave: worker deployments")
     ap.add_argument("--steps", type=int, default=10, help="service: timed steps")
+    ap.add_argument("--moe-layout", nargs="+", default=["shared_outer", "per_expert"],
+                    choices=["shared_outer", "per_expert"], help="moe-bench: expert LoRA layouts")
     ap.add_argument("command", choices=["build", "check", "suite", "all", "verify", "list"])
     ap.add_argument("names", nargs="*", help="suite names (suite, verify)")
     args = ap.parse_args(argv)
     if args.command == "list":
         for n, s in SUITES.items():
-            print(f"{n:12} {s[0]}; writes {', '.join(s[2](args) + s[3](args)) or '(see its script)'}")
+            print(f"{n:14} {s[0]}; writes {', '.join(s[2](args) + s[3](args)) or '(see its script)'}")
         return 0
     unknown = [n for n in args.names if n not in SUITES]
     if unknown:
