@@ -319,6 +319,107 @@ TEST(ModelTest, PackedSequencesMatchOneAtATime) {
   }
 }
 
+// Several runs over one packed row (ForwardOptions::run_segments, issue 30's co-scheduling):
+// runs that differ in rank, alpha, target modules and dropout, each on its own rows, get the
+// hidden states and LoRA gradients each gets alone (its own sequences packed, its own
+// dropout stream), and a run's gradients land in its own buffers only. A row the segments do
+// not cover is refused.
+TEST(ModelTest, RunSegmentsGiveEachRunsSoloResults) {
+  const ModelConfig c = ModelConfigPreset("tiny").value();
+  ModelWeights w = RandomModelWeights(c, 17);
+  PackProjections(&w);
+  struct Run {
+    int64_t rank;
+    double alpha, dropout;
+    std::vector<std::string> targets;
+    std::vector<int64_t> lengths;
+  };
+  const std::vector<Run> runs{{4, 8, 0.0, {"all-linear"}, {5, 7}},
+                              {2, 4, 0.2, {"q_proj", "v_proj", "down_proj"}, {6}},
+                              {8, 8, 0.0, {"o_proj", "gate_proj", "up_proj"}, {3, 4}}};
+  auto packed_of = [](const std::vector<int64_t>& lengths) {
+    PackedSequences packed;
+    packed.lengths = lengths;
+    std::vector<int32_t> cu{0};
+    std::vector<int64_t> positions;
+    for (int64_t n : lengths) {
+      cu.push_back(cu.back() + static_cast<int32_t>(n));
+      packed.max_length = std::max(packed.max_length, n);
+      for (int64_t i = 0; i < n; ++i) positions.push_back(i);
+    }
+    packed.cu_seqlens = at::tensor(cu, at::kInt);
+    packed.positions = at::tensor(positions, at::kLong);
+    return packed;
+  };
+  auto make_adapter = [&](const Run& r) {
+    LoraConfig lora;
+    lora.rank = r.rank, lora.alpha = r.alpha, lora.dropout = r.dropout, lora.target_modules = r.targets;
+    Adapter adapter = Adapter::CreateLora(c, lora, at::kCPU, at::kFloat, 3).value();
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(7);
+    at::NoGradGuard no_grad;
+    for (Parameter& p : adapter.parameters()) {
+      if (p.name.find("lora_B") != std::string::npos) p.value.normal_(0.0, 0.1, gen);
+    }
+    return adapter;
+  };
+  std::vector<at::Tensor> tokens, upstream;
+  std::vector<int64_t> all_lengths;
+  for (const Run& r : runs) {
+    int64_t n = 0;
+    for (int64_t len : r.lengths) n += len, all_lengths.push_back(len);
+    tokens.push_back(at::randint(0, c.vocab_size, {1, n}, at::kLong));
+    upstream.push_back(at::randn({1, n, c.hidden_size}, at::kFloat));
+  }
+  // Alone: each run's own sequences packed, its own dropout stream.
+  std::vector<Adapter> solo;
+  std::vector<at::Tensor> solo_hidden;
+  for (size_t r = 0; r < runs.size(); ++r) {
+    solo.push_back(make_adapter(runs[r]));
+    const PackedSequences packed = packed_of(runs[r].lengths);
+    at::Generator dropout = at::make_generator<at::CPUGeneratorImpl>(100 + r);
+    ForwardOptions options;
+    options.packed = &packed;
+    options.dropout_generator = &dropout;
+    at::Tensor h = Qwen2Hidden(c, w, &solo.back(), tokens[r], options);
+    (h * upstream[r]).sum().backward();
+    ASSERT_OK(FoldLocalGradients(&solo.back()));
+    solo_hidden.push_back(h.detach());
+  }
+  // Together: one packed row, one segment per run.
+  std::vector<Adapter> joint;
+  std::vector<at::Generator> streams;
+  for (size_t r = 0; r < runs.size(); ++r) {
+    joint.push_back(make_adapter(runs[r]));
+    streams.push_back(at::make_generator<at::CPUGeneratorImpl>(100 + r));
+  }
+  std::vector<RunSegment> segments;
+  int64_t begin = 0;
+  for (size_t r = 0; r < runs.size(); ++r) {
+    segments.push_back({&joint[r], begin, begin + tokens[r].size(1), &streams[r]});
+    begin += tokens[r].size(1);
+  }
+  const PackedSequences packed = packed_of(all_lengths);
+  ForwardOptions options;
+  options.packed = &packed;
+  options.run_segments = &segments;
+  at::Tensor h = Qwen2Hidden(c, w, nullptr, at::cat(tokens, 1), options);
+  (h * at::cat(upstream, 1)).sum().backward();
+  for (size_t r = 0; r < runs.size(); ++r) {
+    const std::string what = "run " + std::to_string(r);
+    ASSERT_OK(FoldLocalGradients(&joint[r]));
+    EXPECT_LT(RelErr(h.detach().narrow(1, segments[r].begin, tokens[r].size(1)), solo_hidden[r]), 1e-6) << what;
+    ASSERT_EQ(joint[r].parameters().size(), solo[r].parameters().size());
+    for (size_t i = 0; i < solo[r].parameters().size(); ++i) {
+      const Parameter& want = solo[r].parameters()[i];
+      EXPECT_GT(want.main_grad.abs().max().item<double>(), 0) << what << " " << want.name;
+      EXPECT_LT(RelErr(joint[r].parameters()[i].main_grad, want.main_grad), 1e-5) << what << " " << want.name;
+    }
+  }
+  std::vector<RunSegment> short_segments{{&joint[0], 0, 5, nullptr}};
+  options.run_segments = &short_segments;
+  EXPECT_THROW(Qwen2Hidden(c, w, nullptr, at::cat(tokens, 1), options), c10::Error);
+}
+
 TEST(ModelTest, SaveAndLoadSingleAndShardedFolders) {
   const ModelConfig c = ModelConfigPreset("tiny").value();
   ModelWeights w = RandomModelWeights(c, 3);

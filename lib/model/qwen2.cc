@@ -328,11 +328,40 @@ class LayerRunner {
     return adapter_->lora_config().dropout > 0 && options_.training ? nullptr : f;
   }
 
+  // Each run segment's LoRA branch of (layer, slot) over its rows of x [1, T, in], as one
+  // [1, T, out] delta (zero on rows whose run has no branch there); undefined where no run has one.
+  at::Tensor SegmentBranches(size_t layer, int slot, const at::Tensor& x, int64_t out) const {
+    std::vector<at::Tensor> deltas;
+    bool any = false;
+    for (const RunSegment& seg : *options_.run_segments) {
+      const at::Tensor xs = x.narrow(1, seg.begin, seg.end - seg.begin);
+      const LoraFactors* f = seg.adapter != nullptr ? seg.adapter->lora(layer, slot) : nullptr;
+      if (f == nullptr) {
+        deltas.push_back(at::zeros({1, seg.end - seg.begin, out}, x.options()));
+        continue;
+      }
+      any = true;
+      const Parameter& a = seg.adapter->parameters()[f->a];
+      const Parameter& b = seg.adapter->parameters()[f->b];
+      const double p = seg.adapter->lora_config().dropout;
+      const at::Tensor xin = p > 0 && options_.training ? LoraDropout(xs, p, seg.dropout_generator) : xs;
+      const at::Tensor h = Linear(xin, a.value, a.main_grad, options_.grad);
+      deltas.push_back(Linear(h, b.value, b.main_grad, options_.grad) * seg.adapter->lora_config().scale());
+    }
+    return any ? at::cat(deltas, 1) : at::Tensor();
+  }
+
   // One linear of layer `layer`: frozen or trainable base, plus the LoRA branch if any.
   at::Tensor Project(size_t layer, int slot, const at::Tensor& x) const {
     const at::Tensor& w = weights_.layers[layer].linear[slot];
     at::Tensor mg = main_grads_ != nullptr ? main_grads_->layers[layer].linear[slot] : at::Tensor();
     const at::Tensor bias = slot < 3 ? weights_.layers[layer].qkv_bias[slot] : at::Tensor();
+    if (options_.run_segments != nullptr) {  // several runs: the frozen base once, each run's branch on its rows
+      at::Tensor y = Linear(x, w, mg, options_.grad);
+      if (bias.defined()) y = y + bias;
+      const at::Tensor delta = SegmentBranches(layer, slot, x, w.size(0));
+      return delta.defined() ? y + delta : y;
+    }
     if (const LoraFactors* f = FusedLora(layer, slot)) {  // the common case, fused
       const Parameter& a = adapter_->parameters()[f->a];
       const Parameter& b = adapter_->parameters()[f->b];
@@ -352,12 +381,10 @@ class LayerRunner {
     return y;
   }
 
-  // Projections `slots` of layer `layer` over the same input x as one (LoraLinearGroup):
+  // The projections `slots` of a layer over the same input as one LoraLinearGroup's operands:
   // their frozen weights packed back to back (PackProjections), each LoRA branch added into
-  // its own columns. Undefined where the per-projection path is needed: weights not packed,
-  // a trainable base (full fine-tuning), or LoRA dropout in training.
-  // The projections `slots` of a layer as one LoraLinearGroup's operands; nullopt where they
-  // run one by one (full fine-tuning, LoRA dropout in training, weights not back to back).
+  // its own columns. nullopt where they run one by one: full fine-tuning, LoRA dropout in
+  // training, weights not back to back.
   struct PackedGroup {
     at::Tensor weight, bias;
     std::vector<LoraGroupPart> parts;
@@ -365,6 +392,7 @@ class LayerRunner {
   std::optional<PackedGroup> GroupOf(size_t layer, std::initializer_list<int> slots) const {
     const double p = adapter_ != nullptr ? adapter_->lora_config().dropout : 0.0;
     if (main_grads_ != nullptr || (p > 0 && options_.training)) return std::nullopt;
+    if (options_.run_segments != nullptr) return std::nullopt;  // per projection, each run's branch on its rows
     const LayerWeights& lw = weights_.layers[layer];
     std::vector<at::Tensor> ws, biases;
     PackedGroup group;
@@ -1017,6 +1045,17 @@ at::Tensor Qwen2Layers(const ModelConfig& config, const ModelWeights& base, cons
   if (options.packed != nullptr) {  // one row per token, at its position in its own sequence
     cos = cos.index_select(0, options.packed->positions);
     sin = sin.index_select(0, options.packed->positions);
+  }
+  if (options.run_segments != nullptr) {  // the contract of ForwardOptions::run_segments
+    TORCH_CHECK(adapter == nullptr && options.packed != nullptr && options.recompute_layers == LayerRecompute::kNone,
+                "run_segments: packed rows, no adapter of the call's own and no recomputation");
+    int64_t next = 0;
+    for (const RunSegment& seg : *options.run_segments) {
+      TORCH_CHECK(seg.begin == next && seg.end > seg.begin, "run_segments: segments must cover the row in order");
+      next = seg.end;
+    }
+    TORCH_CHECK(next == x.size(1), "run_segments: segments cover ", next, " of ", x.size(1), " rows");
+    for (const LayerWeights& lw : weights.layers) TORCH_CHECK(!lw.layout.moe, "run_segments: dense layers only");
   }
   LayerRunner runner(config, weights, main_grads, full ? nullptr : adapter, options);
   at::Tensor pending;  // the last layer's MLP output, added after the loop

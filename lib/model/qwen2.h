@@ -39,6 +39,15 @@ struct PackedSequences {
   std::vector<int64_t> context_counts;
 };
 
+// One run's tokens in a forward shared by several runs of the same base (co-scheduling):
+// rows [begin, end) of the packed row carry `adapter`'s LoRA and draw LoRA dropout from
+// `dropout_generator` (may be null without dropout).
+struct RunSegment {
+  const Adapter* adapter = nullptr;
+  int64_t begin = 0, end = 0;
+  at::Generator* dropout_generator = nullptr;
+};
+
 struct ForwardOptions {
   GradOptions grad;
   bool training = true;  // LoRA dropout is active only while training
@@ -66,6 +75,12 @@ struct ForwardOptions {
   // Activation recomputation of the decoder layers in training (RecomputedLayerNode): the
   // same results for a second forward of the layers.
   LayerRecompute recompute_layers = LayerRecompute::kNone;
+  // Several runs' LoRA over one packed row (issue 30's co-scheduling): each projection runs
+  // the frozen base over every row and each segment's LoRA branch over its own rows, so a
+  // run's hidden states and gradients are those of the run alone. Needs `packed`, a null
+  // `adapter`, segments covering the row in order, dense layers and no recomputation; the
+  // LM head is scored per run (Qwen2HeadScores with its own adapter on its rows).
+  const std::vector<RunSegment>* run_segments = nullptr;
 };
 
 // tokens: int64 [b, s] (right-padded; causal attention keeps padding out of real positions).
