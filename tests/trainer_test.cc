@@ -354,6 +354,95 @@ TEST_F(TrainerTest, BadCallsChangeNothing) {
   EXPECT_EQ(clean->AdapterSha256(), probed->AdapterSha256());
 }
 
+// Trainer::JointTrainStep (co-scheduling, issue 30): runs that differ in rank, alpha, target
+// modules (the LM head included) and dropout, trained together for two steps, each equal the
+// same run trained alone: loss, grad_norm and every parameter. A call refused at admission
+// (a bad batch, a run twice) or by its optimizer (a staged update that fails) fails alone
+// and changes nothing of its run; the others commit.
+TEST_F(TrainerTest, JointTrainStepEqualsEachRunAlone) {
+  struct Spec {
+    int64_t rank;
+    double alpha, dropout;
+    std::vector<std::string> targets;
+  };
+  const std::vector<Spec> specs{{4, 8, 0.1, {"all-linear"}},
+                                {2, 4, 0.0, {"q_proj", "v_proj", "down_proj"}},
+                                {8, 8, 0.0, {"o_proj", "gate_proj", "up_proj", "lm_head"}}};
+  auto options_of = [&](size_t i) {
+    TrainerOptions o = Options();
+    o.lora.rank = specs[i].rank, o.lora.alpha = specs[i].alpha, o.lora.dropout = specs[i].dropout;
+    o.lora.target_modules = specs[i].targets;
+    o.seed = 17 + i;
+    return o;
+  };
+  std::vector<std::unique_ptr<Trainer>> solo, joint;
+  for (size_t i = 0; i < specs.size(); ++i) solo.push_back(NewTrainer(options_of(i))), joint.push_back(NewTrainer(options_of(i)));
+  const double tol = ::lorastep::testing::Tol(1e-6);
+  for (int step = 0; step < 2; ++step) {
+    std::vector<std::vector<Datum>> batches;
+    for (size_t i = 0; i < specs.size(); ++i) batches.push_back(RlBatch(step * 3 + static_cast<int>(i), 96));
+    const LossConfig loss = Ppo();
+    std::vector<JointTrainCall> calls;
+    for (size_t i = 0; i < specs.size(); ++i) calls.push_back({joint[i].get(), &batches[i], &loss, Adam(), 0});
+    const auto together = Trainer::JointTrainStep(calls);
+    ASSERT_EQ(together.size(), specs.size());
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const std::string what = "step " + std::to_string(step) + " run " + std::to_string(i);
+      ASSERT_OK_AND_ASSIGN(OptimStepResult alone, solo[i]->TrainStep(batches[i], loss, Adam()));
+      ASSERT_TRUE(together[i].ok()) << what << ": " << together[i].status();
+      const Metrics& got = together[i]->metrics;
+      EXPECT_NEAR(got.Get("loss:sum"), alone.metrics.Get("loss:sum"), tol * std::abs(alone.metrics.Get("loss:sum")))
+          << what;
+      EXPECT_NEAR(got.Get("grad_norm:sum"), alone.metrics.Get("grad_norm:sum"), tol * alone.metrics.Get("grad_norm:sum"))
+          << what;
+      EXPECT_EQ(got.Get("co_scheduled_runs:max"), 3.0) << what;
+      EXPECT_EQ(got.Get("tokens_loss:sum"), alone.metrics.Get("tokens_loss:sum")) << what;
+      EXPECT_EQ(together[i]->learner_version, alone.learner_version) << what;
+    }
+  }
+  // Parameters: 1e-5. Alone, q/k/v and gate/up run as packed groups (scale folded into B
+  // before the GEMM); together, each projection runs on its own (scale after it). The
+  // gradients agree to rounding, and AdamW's division by sqrt(v) lifts that rounding on the
+  // smallest gradient elements to ~4e-6 of a tensor (measured: run 1's q_proj B).
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const auto& a = joint[i]->adapter().parameters();
+    const auto& b = solo[i]->adapter().parameters();
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t p = 0; p < a.size(); ++p) {
+      EXPECT_LT(::lorastep::testing::RelErr(a[p].value, b[p].value), 10 * tol) << "run " << i << " " << a[p].name;
+    }
+  }
+  // Isolation: run 1's batch is refused by name, run 0 appears twice (the second refused),
+  // and a fourth run's optimizer fails its staged update; runs 0 and 2 commit.
+  TrainerOptions failing = options_of(2);
+  failing.test_fail_first_stage = true;
+  auto fourth = NewTrainer(failing);
+  std::vector<Datum> oov = RlBatch(7, 96);
+  oov[0].tokens[0] = 96;
+  const std::vector<Datum> good = RlBatch(8, 96);
+  const LossConfig loss = Ppo();
+  const std::string sha1 = joint[1]->AdapterSha256(), sha4 = fourth->AdapterSha256();
+  const int64_t v0 = joint[0]->learner_version(), v1 = joint[1]->learner_version();
+  const auto mixed = Trainer::JointTrainStep({{joint[0].get(), &good, &loss, Adam(), 0},
+                                              {joint[1].get(), &oov, &loss, Adam(), 0},
+                                              {joint[0].get(), &good, &loss, Adam(), 0},
+                                              {fourth.get(), &good, &loss, Adam(), 0},
+                                              {joint[2].get(), &good, &loss, Adam(), 0}});
+  ASSERT_EQ(mixed.size(), 5u);
+  EXPECT_TRUE(mixed[0].ok()) << mixed[0].status();
+  EXPECT_THAT(mixed[1].status(), StatusIs(absl::StatusCode::kInvalidArgument, "datums[0].tokens[0]"));
+  EXPECT_THAT(mixed[2].status(), StatusIs(absl::StatusCode::kInvalidArgument, "once per step"));
+  EXPECT_THAT(mixed[3].status(), StatusIs(absl::StatusCode::kResourceExhausted, "staged update"));
+  EXPECT_TRUE(mixed[4].ok()) << mixed[4].status();
+  EXPECT_EQ(joint[0]->learner_version(), v0 + 1);
+  EXPECT_EQ(joint[1]->learner_version(), v1);
+  EXPECT_EQ(joint[1]->AdapterSha256(), sha1);
+  EXPECT_EQ(fourth->learner_version(), 0);
+  EXPECT_EQ(fourth->pending_backward_calls(), 0);
+  EXPECT_EQ(fourth->AdapterSha256(), sha4);
+  EXPECT_EQ(mixed[0]->metrics.Get("co_scheduled_runs:max"), 3.0);  // runs 0, 2 and the failing fourth
+}
+
 TEST_F(TrainerTest, ForwardReturnsTheLogprobsForwardBackwardUses) {
   TrainerOptions o = Options();
   o.lora.dropout = 0;

@@ -39,7 +39,7 @@ MicroBatch BuildMicroBatch(const std::vector<Datum>& datums, const std::vector<s
   // nothing, and SDPA's fused kernel beats the varlen one there (docs/PERFORMANCE.md).
   bool uniform = true;
   for (size_t d : mb) uniform = uniform && datums[d].tokens.size() == datums[mb.front()].tokens.size();
-  data.is_packed = (options.pack_sequences && !uniform) || context_group != nullptr;
+  data.is_packed = (options.pack_sequences && !uniform) || context_group != nullptr || options.always_pack;
   if (data.is_packed) {  // one row: the datums back to back
     data.packed.max_length = data.longest;
     data.longest = 0;
@@ -132,6 +132,25 @@ MicroBatch FillerMicroBatch(const c10::Device& device) {
   filler.b = filler.longest = 1;
   filler.tokens = at::zeros({1, 1}, at::TensorOptions().dtype(at::kLong).device(device));
   return filler;
+}
+
+LossDenominators CallDenominators(const std::vector<Datum>& datums, const BatchTotals* totals,
+                                  const c10::Device& device) {
+  LossDenominators den;
+  std::vector<float> sample_tokens(datums.size(), 0.0f);
+  for (size_t d = 0; d < datums.size(); ++d) {
+    for (size_t i = 0; i < datums[d].tokens.size(); ++i) {
+      if (LossMask(datums[d], i) != 0) sample_tokens[d] += 1;
+    }
+    den.loss_tokens += sample_tokens[d];
+    if (sample_tokens[d] > 0) den.samples += 1;
+  }
+  den.sample_tokens = at::tensor(sample_tokens, at::kFloat).to(device);
+  if (totals != nullptr) {
+    den.loss_tokens = totals->loss_tokens;
+    den.samples = totals->samples;
+  }
+  return den;
 }
 
 }  // namespace lorastep

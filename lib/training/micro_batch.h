@@ -42,6 +42,7 @@ struct MicroBatchOptions {
   bool pack_sequences = true;  // pack unless every datum has the same length
   bool backward = false;       // build the loss inputs
   CommGroup* context_group = nullptr;  // context parallelism: always packed, this rank's share
+  bool always_pack = false;  // one packed row even when every datum has the same length (co-scheduling)
   double matmul_passes = 1;  // for DatumFlops
   double lora_params = 0;
 };
@@ -55,6 +56,12 @@ double DatumFlops(const ModelConfig& c, int64_t n, double matmul_passes, double 
 MicroBatch BuildMicroBatch(const std::vector<Datum>& datums, const std::vector<size_t>& indices,
                            const ModelConfig& config, const MicroBatchOptions& options, const c10::Device& device,
                            MicroBatchCounts* counts);
+
+// A call's loss denominators over all its datums (so micro-batch losses sum to the batch
+// loss), per-sample counts on `device`; `totals` (a mesh's whole batch) replaces the
+// batch-wide counts where given.
+LossDenominators CallDenominators(const std::vector<Datum>& datums, const BatchTotals* totals,
+                                  const c10::Device& device);
 
 // A filler for expert parallelism: one padding token, no datums, no loss.
 MicroBatch FillerMicroBatch(const c10::Device& device);

@@ -329,21 +329,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   ResetCudaPeakAllocated(base_->device);  // this call's peak (weights included)
   result.logprobs.resize(datums.size());
 
-  // Batch-wide denominators, so micro-batch losses sum to the batch loss.
-  LossDenominators den;
-  std::vector<float> sample_tokens(datums.size(), 0.0f);
-  for (size_t d = 0; d < datums.size(); ++d) {
-    for (size_t i = 0; i < datums[d].tokens.size(); ++i) {
-      if (LossMask(datums[d], i) != 0) sample_tokens[d] += 1;
-    }
-    den.loss_tokens += sample_tokens[d];
-    if (sample_tokens[d] > 0) den.samples += 1;
-  }
-  den.sample_tokens = at::tensor(sample_tokens, at::kFloat).to(base_->device);
-  if (batch.totals != nullptr) {
-    den.loss_tokens = batch.totals->loss_tokens;
-    den.samples = batch.totals->samples;
-  }
+  const LossDenominators den = CallDenominators(datums, batch.totals, base_->device);
 
   // Forward uses the same micro-batches as ForwardBackward, though it keeps no activations:
   // other GEMM shapes round differently on CUDA, and a PPO step's on-policy ratio must be

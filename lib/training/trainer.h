@@ -130,6 +130,17 @@ struct TrainerStateSnapshot;
 // Every rank of the mesh calls it at the same point of the call. `groups` null: `local`.
 absl::Status AgreeOnMesh(ProcessGroups* groups, const at::Device& device, const absl::Status& local);
 
+class Trainer;
+
+// One run's TrainStep in a co-scheduled step (Trainer::JointTrainStep).
+struct JointTrainCall {
+  Trainer* trainer = nullptr;
+  const std::vector<Datum>* datums = nullptr;
+  const LossConfig* loss = nullptr;
+  AdamWParams adamw;
+  int64_t max_tokens_per_microbatch = 0;  // 0 = the trainer's
+};
+
 class Trainer {
  public:
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(std::shared_ptr<const BaseModel> base,
@@ -149,6 +160,16 @@ class Trainer {
   absl::StatusOr<OptimStepResult> TrainStep(const std::vector<Datum>& datums,
                                             const LossConfig& loss, const AdamWParams& params,
                                             const BatchOptions& batch = {});
+
+  // Several runs' TrainSteps on one base model as one forward/backward per micro-batch
+  // (co-scheduling, issue 30; lib/training/co_schedule.cc): the frozen GEMMs run once over
+  // every run's tokens (ForwardOptions::run_segments), each run's LoRA, loss (its own
+  // denominators), gradients, clipping and AdamW stay its own, so each result equals the
+  // run's TrainStep alone up to floating-point order. A refused call (bad batch or AdamW
+  // parameters, a non-finite gradient) fails alone and changes nothing of its run; the
+  // others commit. World size 1, LoRA on dense layers, packed sequences, one base for all;
+  // calls outside that are refused by name. One result per call, in order.
+  static std::vector<absl::StatusOr<OptimStepResult>> JointTrainStep(const std::vector<JointTrainCall>& calls);
 
   // Training state: trainable tensors, optimizer state, counters, dropout RNG; atomic.
   absl::Status SaveState(const std::string& folder,

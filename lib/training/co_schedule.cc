@@ -1,0 +1,212 @@
+// Trainer::JointTrainStep: several runs' TrainSteps on one base model as one forward/backward
+// per micro-batch (co-scheduling, issue 30). The runs' packed micro-batches are laid side by
+// side in one row; the decoder runs once over it with each run's LoRA on its own rows
+// (ForwardOptions::run_segments); each run's head, loss and denominators are its own, and
+// the backward of the sum of the runs' losses leaves in each adapter exactly its own
+// gradient (every op but attention is row-wise, and attention stays within a sequence).
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+#include <chrono>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "lib/model/logprobs.h"
+#include "lib/model/qwen2.h"
+#include "lib/status_macros.h"
+#include "lib/torch_status.h"
+#include "lib/training/losses.h"
+#include "lib/training/micro_batch.h"
+#include "lib/training/trainer.h"
+
+namespace lorastep {
+namespace {
+
+// Packed micro-batches of several runs as one row, in order; each run's segment of it.
+struct JointRow {
+  at::Tensor tokens;  // [1, total]
+  PackedSequences packed;
+  std::vector<int64_t> begins;  // where each part starts in the row
+};
+
+JointRow JoinPackedRows(const std::vector<const MicroBatch*>& parts) {
+  JointRow row;
+  std::vector<at::Tensor> tokens, positions, cu_parts{at::zeros({1}, at::kInt)};
+  int64_t offset = 0;
+  for (const MicroBatch* mb : parts) {
+    row.begins.push_back(offset);
+    tokens.push_back(mb->tokens);
+    positions.push_back(mb->packed.positions);
+    cu_parts.push_back(mb->packed.cu_seqlens.to(at::kCPU).narrow(0, 1, mb->packed.lengths.size()) +
+                       static_cast<int32_t>(offset));
+    row.packed.lengths.insert(row.packed.lengths.end(), mb->packed.lengths.begin(), mb->packed.lengths.end());
+    row.packed.max_length = std::max(row.packed.max_length, mb->packed.max_length);
+    offset += mb->tokens.size(1);
+  }
+  row.tokens = at::cat(tokens, 1);
+  row.packed.positions = at::cat(positions);
+  row.packed.cu_seqlens = at::cat(cu_parts).to(at::kInt).to(parts.front()->packed.cu_seqlens.device());
+  return row;
+}
+
+}  // namespace
+
+std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::vector<JointTrainCall>& calls) {
+  std::vector<absl::StatusOr<OptimStepResult>> results(calls.size(), absl::UnknownError("not run"));
+  // Admission: each call on its own; a refused call leaves the step, alone.
+  const BaseModel* base = nullptr;
+  std::set<const Trainer*> seen;
+  std::vector<size_t> admitted;
+  std::vector<CallSnapshot> snapshots(calls.size());
+  for (size_t c = 0; c < calls.size(); ++c) {
+    const JointTrainCall& call = calls[c];
+    auto refuse = [&](const std::string& why) { results[c] = absl::InvalidArgumentError("co-scheduling: " + why); };
+    if (call.trainer == nullptr || call.datums == nullptr || call.loss == nullptr) {
+      refuse("a call needs its trainer, datums and loss");
+      continue;
+    }
+    Trainer& t = *call.trainer;
+    if (!seen.insert(&t).second) {
+      refuse("a run takes part once per step");
+      continue;
+    }
+    if (base == nullptr) base = t.base_.get();
+    if (t.base_.get() != base) {
+      refuse("every run of a step shares one base model");
+      continue;
+    }
+    if (t.options_.groups != nullptr) {
+      refuse("world size 1 only");
+      continue;
+    }
+    if (t.adapter_->full_finetune() || t.base_->config.is_moe() || !t.options_.pack_sequences) {
+      refuse("LoRA runs on dense models with packed sequences only");
+      continue;
+    }
+    absl::Status local = ValidateAdamWParams(call.adamw);
+    if (local.ok()) local = ValidateBatch(*call.datums, *call.loss, t.base_->config.vocab_size, t.options_.limits);
+    BatchOptions batch;
+    batch.max_tokens_per_microbatch = call.max_tokens_per_microbatch;
+    std::vector<LayerRecompute> recompute;
+    if (local.ok()) local = t.CheckActivationBudget(*call.datums, batch, /*backward=*/true, &recompute);
+    if (local.ok() && std::any_of(recompute.begin(), recompute.end(),
+                                  [](LayerRecompute r) { return r != LayerRecompute::kNone; })) {
+      local = absl::ResourceExhaustedError("co-scheduling: the call needs activation recomputation; run it alone");
+    }
+    absl::StatusOr<CallSnapshot> snapshot = local.ok() ? t.Snapshot() : absl::StatusOr<CallSnapshot>(local);
+    if (!snapshot.ok()) {
+      results[c] = snapshot.status();
+      continue;
+    }
+    snapshots[c] = *std::move(snapshot);
+    admitted.push_back(c);
+  }
+  if (admitted.empty()) return results;
+
+  // Each run's micro-batches as it would split them alone; step k joins every run's k-th.
+  const ModelConfig& config = base->config;
+  const auto device = base->device;
+  const size_t n = admitted.size();
+  std::vector<std::vector<std::vector<size_t>>> splits(n);
+  std::vector<LossDenominators> dens(n);
+  std::vector<PendingMetrics> pending(n);
+  std::vector<MicroBatchCounts> counts(n);
+  size_t steps = 0;
+  for (size_t r = 0; r < n; ++r) {
+    const JointTrainCall& call = calls[admitted[r]];
+    Trainer& t = *call.trainer;
+    splits[r] = t.SplitMicroBatches(*call.datums, call.max_tokens_per_microbatch > 0
+                                                      ? call.max_tokens_per_microbatch
+                                                      : t.options_.max_tokens_per_microbatch);
+    dens[r] = CallDenominators(*call.datums, nullptr, device);
+    steps = std::max(steps, splits[r].size());
+  }
+  double t_forward_backward = 0;
+  const absl::Status ran = GuardTorch([&]() -> absl::Status {
+    for (size_t k = 0; k < steps; ++k) {
+      const auto t0 = std::chrono::steady_clock::now();
+      std::vector<size_t> runs;  // positions in `admitted` with a k-th micro-batch
+      std::vector<MicroBatch> mbs;
+      for (size_t r = 0; r < n; ++r) {
+        if (k >= splits[r].size()) continue;
+        const JointTrainCall& call = calls[admitted[r]];
+        double lora_params = 0;
+        for (const auto& p : call.trainer->adapter_->parameters()) lora_params += p.value.numel();
+        MicroBatchOptions options;
+        options.backward = true;
+        options.always_pack = true;
+        options.matmul_passes = 2;
+        options.lora_params = lora_params;
+        runs.push_back(r);
+        mbs.push_back(BuildMicroBatch(*call.datums, splits[r][k], config, options, device, &counts[r]));
+      }
+      std::vector<const MicroBatch*> parts;
+      for (const MicroBatch& mb : mbs) parts.push_back(&mb);
+      const JointRow row = JoinPackedRows(parts);
+      std::vector<RunSegment> segments;
+      for (size_t j = 0; j < runs.size(); ++j) {
+        Trainer& t = *calls[admitted[runs[j]]].trainer;
+        segments.push_back({t.adapter_.get(), row.begins[j], row.begins[j] + mbs[j].tokens.size(1),
+                            &t.dropout_generator_});
+      }
+      ForwardOptions joint;
+      joint.packed = &row.packed;
+      joint.run_segments = &segments;
+      at::Tensor x = Qwen2Embed(config, base->weights, nullptr, row.tokens, joint);
+      x = Qwen2Layers(config, base->weights, nullptr, x, joint);
+      at::Tensor total;
+      for (size_t j = 0; j < runs.size(); ++j) {
+        const size_t r = runs[j];
+        const JointTrainCall& call = calls[admitted[r]];
+        Trainer& t = *call.trainer;
+        ForwardOptions own{t.options_.grad, /*training=*/true, &t.dropout_generator_};
+        const at::Tensor layers_out = x.narrow(1, segments[j].begin, segments[j].end - segments[j].begin);
+        const at::Tensor hidden = Qwen2FinalNorm(config, base->weights, t.adapter_.get(), layers_out);
+        const at::Tensor selected = FoldLeadingDims(hidden).index_select(0, mbs[j].positions);
+        TokenScores scores = Qwen2HeadScores(base->weights, t.adapter_.get(), selected, mbs[j].targets,
+                                             t.options_.logprob_chunk_tokens, own, VocabShard{},
+                                             /*entropy_grad=*/call.loss->entropy_coef != 0);
+        LossInputs in = mbs[j].loss_in;
+        in.logprobs = scores.logprobs;
+        in.entropy = scores.entropy;
+        const at::Tensor loss = ComputeLoss(*call.loss, in, dens[r], &pending[r]);
+        total = total.defined() ? total + loss : loss;
+      }
+      total.backward();
+      t_forward_backward += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    return absl::OkStatus();
+  });
+  if (!ran.ok()) {  // nothing of the step applies anywhere
+    for (size_t r = 0; r < n; ++r) {
+      calls[admitted[r]].trainer->Restore(snapshots[admitted[r]]);
+      results[admitted[r]] = ran;
+    }
+    return results;
+  }
+
+  // Each run's own optimizer step: a refusal (a non-finite gradient norm) undoes that run alone.
+  for (size_t r = 0; r < n; ++r) {
+    const size_t c = admitted[r];
+    Trainer& t = *calls[c].trainer;
+    ++t.pending_backward_calls_;
+    absl::StatusOr<OptimStepResult> step = t.StepOptimizer(calls[c].adamw, /*restore_on_failure=*/false);
+    if (!step.ok()) {
+      t.Restore(snapshots[c]);
+      results[c] = step.status();
+      continue;
+    }
+    Metrics& m = step->metrics;
+    pending[r].Resolve(&m);
+    m.Add("tokens_nonpadding:sum", counts[r].real_tokens);
+    m.Add("tokens_loss:sum", dens[r].loss_tokens);
+    m.Add("micro_batches:sum", static_cast<double>(splits[r].size()));
+    m.Add("model_flops:sum", counts[r].flops);
+    m.Add("co_scheduled_runs:max", static_cast<double>(n));
+    m.Add("time_forward_backward_joint_s:sum", t_forward_backward);
+    results[c] = std::move(step);
+  }
+  return results;
+}
+
+}  // namespace lorastep
