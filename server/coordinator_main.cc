@@ -131,6 +131,9 @@ ABSL_FLAG(int, max_upload_mb, 512, "largest PEFT adapter one UploadAdapter may s
 ABSL_FLAG(double, max_recorded_mb, 64, "MiB of recorded responses (for retries) kept per run");
 ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt, "local workers: activation budget per micro-batch, MiB");
 ABSL_FLAG(std::string, activation_recompute, "auto", "local workers: activation recomputation (auto, none, selective, full)");
+ABSL_FLAG(int64_t, coschedule_window_us, 2000,
+          "local workers: how long a TrainStep finding the device idle waits for other runs' calls to share its step "
+          "(0: off)");
 ABSL_FLAG(bool, unfused_wgrad, false, "local workers: unfused weight gradients");
 ABSL_FLAG(bool, pack_sequences, true, "local workers: pack each micro-batch's datums back to back (no padding)");
 ABSL_FLAG(int, cpu_threads, 0, "local workers: intra-op CPU threads (0: the worker's default)");
@@ -190,6 +193,7 @@ absl::StatusOr<std::unique_ptr<lorastep::WorkerClient>> StartLocalWorkerInProces
   settings.pack_sequences = absl::GetFlag(FLAGS_pack_sequences);
   settings.max_activation_mb = absl::GetFlag(FLAGS_max_activation_mb);
   settings.activation_recompute = absl::GetFlag(FLAGS_activation_recompute);
+  settings.coschedule_window_us = absl::GetFlag(FLAGS_coschedule_window_us);
   settings.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   return lorastep::StartInProcessWorker(settings);
 }
@@ -251,6 +255,9 @@ int main(int argc, char** argv) {
   }
   if (absl::GetFlag(FLAGS_executor_spin_us) < 0 || absl::GetFlag(FLAGS_executor_spin_us) > 100000) {
     return fail(absl::InvalidArgumentError("executor_spin_us: must be in [0, 100000]"));
+  }
+  if (absl::GetFlag(FLAGS_coschedule_window_us) < 0) {
+    return fail(absl::InvalidArgumentError("coschedule_window_us: must be >= 0 microseconds"));
   }
   // The local worker parses it too; checked here so a bad value stops the coordinator at once.
   if (auto recompute = ParseActivationRecompute(absl::GetFlag(FLAGS_activation_recompute), "activation_recompute");
@@ -422,7 +429,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> args = {"--model", absl::GetFlag(FLAGS_model)};
     std::vector<std::string> passed = WorkerTestFlagNames();
     passed.insert(passed.end(), {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "v",
-                                 "state_ttl_hours", "max_activation_mb", "activation_recompute", "unfused_wgrad",
+                                 "state_ttl_hours", "max_activation_mb", "activation_recompute", "coschedule_window_us", "unfused_wgrad",
                                  "pack_sequences", "cpu_threads"});
     for (std::string& arg : NonDefaultFlagArgs(passed)) args.push_back(std::move(arg));
     if (state_dir.empty()) {

@@ -20,6 +20,10 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> StartInProcessWorker(const InProce
   auto recompute = ParseActivationRecompute(settings.activation_recompute, "--activation_recompute");
   if (!recompute.ok()) return recompute.status();
   options.activation_recompute = *recompute;
+  if (settings.coschedule_window_us < 0) {
+    return absl::InvalidArgumentError("coschedule_window_us: must be >= 0 microseconds");
+  }
+  options.coschedule_window = std::chrono::microseconds(settings.coschedule_window_us);
   ProfileFromEnvironment(&options);
   if (settings.cpu_threads > 0) at::set_num_threads(settings.cpu_threads);
   auto client = InProcessWorkerClient::Create(options);

@@ -1359,6 +1359,14 @@ TEST(InProcessWorkerTest, AnswersLikeTheWorkerProcess) {
     ASSERT_OK_AND_ASSIGN(std::string why, ReadFileToString(dir + "/spin.txt"));
     EXPECT_THAT(why, ::testing::HasSubstr("executor_spin_us: must be in [0, 100000]")) << why;
   }
+  // So is the co-scheduling window (no negative wait).
+  {
+    const std::string bad = coordinator + " --model " + dir + "/model --port 0 --coschedule_window_us -5 2> " + dir +
+                            "/window.txt";
+    EXPECT_NE(system(bad.c_str()), 0) << bad;
+    ASSERT_OK_AND_ASSIGN(std::string why, ReadFileToString(dir + "/window.txt"));
+    EXPECT_THAT(why, ::testing::HasSubstr("coschedule_window_us: must be >= 0")) << why;
+  }
   // So is the local workers' activation recomputation.
   const std::string bad = coordinator + " --model " + dir + "/model --port 0 --activation_recompute sometimes 2> " +
                           dir + "/recompute.txt";

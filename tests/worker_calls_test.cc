@@ -4,6 +4,7 @@
 // call that records nothing.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <thread>
 #include <vector>
 
@@ -170,6 +171,84 @@ TEST_F(WorkerCallsTest, AbsentTotalsMeanTheCallsOwnDatums) {
   ASSERT_OK(calls_->TrainStep(doubled, &a));
   ASSERT_OK(calls_->TrainStep(same, &b));
   EXPECT_NE(a.result().metrics().at("loss:sum"), b.result().metrics().at("loss:sum"));
+}
+
+
+// Co-scheduling (WorkerOptions::coschedule_window): TrainSteps of two runs sent at once run
+// as one step (co_scheduled_runs:max 2), each with the loss and grad_norm of the same run's
+// step on a worker that runs every call alone; a call whose batch is refused fails alone
+// while the other run steps; a worker holding one run never waits for the window.
+TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
+  const std::string dir = lorastep::testing::ScratchDir("coscheduling");
+  const ModelConfig c = ModelConfigPreset("tiny").value();
+  ASSERT_OK(SaveModel(dir + "/model", c, RandomModelWeights(c, 1)));
+  auto make_core = [&](std::chrono::microseconds window) {
+    WorkerOptions options;
+    options.model_path = dir + "/model";
+    options.coschedule_window = window;
+    return WorkerCore::Create(options);
+  };
+  LoraConfig lora_a, lora_b;
+  lora_a.rank = 4, lora_a.alpha = 8, lora_a.target_modules = {"all-linear"};
+  lora_b.rank = 2, lora_b.alpha = 4, lora_b.target_modules = {"q_proj", "v_proj"};
+  ASSERT_OK_AND_ASSIGN(auto alone, make_core(std::chrono::microseconds(0)));
+  ASSERT_OK_AND_ASSIGN(auto together, make_core(std::chrono::seconds(2)));  // the threads surely meet in it
+  for (WorkerCore* core : {alone.get(), together.get()}) {
+    ASSERT_OK(core->CreateRun("a", lora_a, 3).status());
+    ASSERT_OK(core->CreateRun("b", lora_b, 5).status());
+  }
+  auto batch = [](int step) {
+    std::vector<v1::Datum> protos;
+    for (int i = 0; i < 3; ++i) protos.push_back(lorastep::testing::RlDatum(i, step, 6 + i, 96));
+    google::protobuf::RepeatedPtrField<v1::Datum> field(protos.begin(), protos.end());
+    return DatumsFromProto(field);
+  };
+  const std::vector<Datum> batch_a = batch(0), batch_b = batch(1);
+  LossConfig ppo;
+  ppo.kind = LossKind::kPpo;
+  AdamWParams adam;
+  adam.lr = 1e-2;
+  absl::StatusOr<OptimStepResult> want_a = alone->TrainStep("a", batch_a, ppo, adam, nullptr, 0);
+  absl::StatusOr<OptimStepResult> want_b = alone->TrainStep("b", batch_b, ppo, adam, nullptr, 0);
+  ASSERT_OK(want_a.status());
+  ASSERT_OK(want_b.status());
+  EXPECT_FALSE(want_a->metrics.Has("co_scheduled_runs:max"));
+  absl::StatusOr<OptimStepResult> got_a = absl::UnknownError(""), got_b = absl::UnknownError("");
+  {
+    std::thread ta([&] { got_a = together->TrainStep("a", batch_a, ppo, adam, nullptr, 0); });
+    std::thread tb([&] { got_b = together->TrainStep("b", batch_b, ppo, adam, nullptr, 0); });
+    ta.join();
+    tb.join();
+  }
+  ASSERT_OK(got_a.status());
+  ASSERT_OK(got_b.status());
+  for (const auto& [got, want] : {std::pair(&*got_a, &*want_a), std::pair(&*got_b, &*want_b)}) {
+    EXPECT_EQ(got->metrics.Get("co_scheduled_runs:max"), 2.0);
+    EXPECT_NEAR(got->metrics.Get("loss:sum"), want->metrics.Get("loss:sum"), 1e-6 * std::abs(want->metrics.Get("loss:sum")));
+    EXPECT_NEAR(got->metrics.Get("grad_norm:sum"), want->metrics.Get("grad_norm:sum"),
+                1e-6 * want->metrics.Get("grad_norm:sum"));
+    EXPECT_EQ(got->learner_version, 1);
+  }
+  // A refused batch fails alone.
+  std::vector<Datum> oov = batch(2);
+  oov[0].tokens[0] = 96;
+  {
+    std::thread ta([&] { got_a = together->TrainStep("a", batch(3), ppo, adam, nullptr, 0); });
+    std::thread tb([&] { got_b = together->TrainStep("b", oov, ppo, adam, nullptr, 0); });
+    ta.join();
+    tb.join();
+  }
+  ASSERT_OK(got_a.status());
+  EXPECT_EQ(got_a->learner_version, 2);
+  EXPECT_THAT(got_b.status(), StatusIs(absl::StatusCode::kInvalidArgument, "datums[0].tokens[0]"));
+  // One run on the worker: nothing to wait for, the call runs alone at once.
+  ASSERT_OK_AND_ASSIGN(auto single, make_core(std::chrono::seconds(2)));
+  ASSERT_OK(single->CreateRun("only", lora_a, 3).status());
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<OptimStepResult> only = single->TrainStep("only", batch_a, ppo, adam, nullptr, 0);
+  ASSERT_OK(only.status());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
+  EXPECT_FALSE(only->metrics.Has("co_scheduled_runs:max"));
 }
 
 }  // namespace

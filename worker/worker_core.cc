@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <memory>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -219,6 +220,12 @@ absl::StatusOr<OptimStepResult> WorkerCore::TrainStep(const std::string& run_id,
                                                       int64_t max_tokens,
                                                       std::optional<ActivationRecompute> recompute,
                                                       const MeshCallInfo& mesh, const Cancelled& cancelled) {
+  if (groups_ == nullptr && CoSchedules(run_id, recompute)) {
+    QueuedStep step{&run_id, JointTrainCall{nullptr, &datums, &loss, params, max_tokens, totals}, mesh, cancelled,
+                    std::chrono::steady_clock::now()};
+    AwaitCoscheduled(&step);
+    return std::move(step.result);
+  }
   std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Admit(run_id, mesh, "TrainStep"));
   BatchOptions batch;
@@ -228,6 +235,101 @@ absl::StatusOr<OptimStepResult> WorkerCore::TrainStep(const std::string& run_id,
   batch.cancelled = cancelled;
   batch.agree_on_cancel = mesh.agree_on_cancel;
   return t->TrainStep(datums, loss, params, batch);
+}
+
+bool WorkerCore::CoSchedules(const std::string& run_id, std::optional<ActivationRecompute> recompute) {
+  if (options_.coschedule_window.count() <= 0 || recompute.has_value()) return false;
+  std::lock_guard<FairMutex> lock(mu_);
+  auto t = Find(run_id);
+  return t.ok() && (*t)->CoSchedulable();
+}
+
+void WorkerCore::AwaitCoscheduled(QueuedStep* step) {
+  std::unique_lock<std::mutex> q(queue_mu_);
+  queue_.push_back(step);
+  queue_cv_.notify_all();  // a leader in its window counts the runs queued
+  while (!step->done) {
+    if (!leading_) {
+      leading_ = true;
+      q.unlock();
+      LeadCoscheduledStep();
+      q.lock();
+      leading_ = false;
+      queue_cv_.notify_all();
+      continue;
+    }
+    queue_cv_.wait(q);
+  }
+}
+
+void WorkerCore::LeadCoscheduledStep() {
+  const size_t runs = num_runs();
+  {  // the window: only while other runs could still send, and only from the first call's arrival
+    std::unique_lock<std::mutex> q(queue_mu_);
+    if (!queue_.empty() && runs > 1) {
+      queue_cv_.wait_until(q, queue_.front()->queued + options_.coschedule_window, [&] {
+        std::set<std::string> distinct;
+        for (const QueuedStep* s : queue_) distinct.insert(*s->run_id);
+        return distinct.size() >= runs;
+      });
+    }
+  }
+  std::lock_guard<FairMutex> device(mu_);
+  std::vector<QueuedStep*> taken;
+  {  // arrival order, one call per run, within one micro-batch's tokens (the first always)
+    std::lock_guard<std::mutex> q(queue_mu_);
+    std::set<std::string> runs_taken;
+    int64_t tokens = 0;
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      QueuedStep* s = *it;
+      int64_t n = 0;
+      for (const Datum& d : *s->call.datums) n += static_cast<int64_t>(d.tokens.size());
+      if (runs_taken.count(*s->run_id) != 0 || (!taken.empty() && tokens + n > options_.max_tokens_per_microbatch)) {
+        ++it;
+        continue;
+      }
+      runs_taken.insert(*s->run_id);
+      tokens += n;
+      taken.push_back(s);
+      it = queue_.erase(it);
+    }
+  }
+  std::vector<QueuedStep*> joined;
+  std::vector<JointTrainCall> calls;
+  for (QueuedStep* s : taken) {
+    absl::StatusOr<Trainer*> t = Admit(*s->run_id, s->mesh, "TrainStep");
+    if (t.ok() && s->cancelled && s->cancelled()) {
+      t = absl::CancelledError("call cancelled (its caller went away or its deadline passed) before it ran; "
+                               "nothing was applied");
+    }
+    if (!t.ok()) {
+      s->result = t.status();
+      continue;
+    }
+    s->call.trainer = *t;
+    calls.push_back(s->call);
+    joined.push_back(s);
+  }
+  const double waited = joined.empty() ? 0.0
+                                       : std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                                       joined.front()->queued).count();
+  if (joined.size() == 1) {  // alone: its own TrainStep, exactly as without co-scheduling
+    const JointTrainCall& c = calls.front();
+    BatchOptions batch;
+    batch.totals = c.totals;
+    batch.max_tokens_per_microbatch = c.max_tokens_per_microbatch;
+    batch.cancelled = joined.front()->cancelled;
+    joined.front()->result = c.trainer->TrainStep(*c.datums, *c.loss, c.adamw, batch);
+  } else if (!joined.empty()) {
+    std::vector<absl::StatusOr<OptimStepResult>> results = Trainer::JointTrainStep(calls);
+    for (size_t i = 0; i < joined.size(); ++i) joined[i]->result = std::move(results[i]);
+  }
+  for (QueuedStep* s : joined) {
+    if (s->result.ok()) s->result->metrics.Add("time_coschedule_wait_s:sum", waited);
+  }
+  std::lock_guard<std::mutex> q(queue_mu_);
+  for (QueuedStep* s : taken) s->done = true;
+  queue_cv_.notify_all();
 }
 
 absl::StatusOr<WorkerCore::PathResult> WorkerCore::SaveState(const std::string& run_id,

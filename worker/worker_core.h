@@ -8,6 +8,8 @@
 #define LORASTEP_WORKER_WORKER_CORE_H_
 
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -53,6 +55,12 @@ struct WorkerOptions {
   // Activation-memory budget per micro-batch (TrainerOptions::max_activation_bytes).
   int64_t max_activation_bytes = 0;
   ActivationRecompute activation_recompute = ActivationRecompute::kAuto;  // --activation_recompute
+  // Co-scheduling (Trainer::JointTrainStep): TrainSteps of different runs queued while the
+  // device is busy run as one step. With more than one run on this worker, a call that finds
+  // the device idle waits up to this long for other runs' calls first (a run alone never
+  // waits). A co-scheduled call's cancellation is asked once, when the step takes it.
+  // Zero turns co-scheduling off: every call runs alone, in arrival order.
+  std::chrono::microseconds coschedule_window{0};
   // Tests only: background SaveStates wait this long before writing (a slow disk).
   std::chrono::milliseconds test_background_write_delay{0};
   // Tests only, "CALL:RANK": rank RANK refuses its first CALL (ForwardBackward, Forward,
@@ -166,11 +174,33 @@ class WorkerCore {
   absl::Status InitRun(Trainer* trainer, const std::string& run_id, const std::string& init_from,
                        bool with_optimizer) const;
 
+  // A TrainStep waiting to be co-scheduled; its caller's thread waits for `done`.
+  struct QueuedStep {
+    const std::string* run_id;
+    JointTrainCall call;  // trainer filled in at admission
+    MeshCallInfo mesh;    // the learner version the coordinator expects
+    Cancelled cancelled;  // asked at admission (and between micro-batches when it runs alone)
+    std::chrono::steady_clock::time_point queued;
+    bool done = false;
+    absl::StatusOr<OptimStepResult> result = absl::UnknownError("not run");
+  };
+  // Whether a TrainStep may wait to be co-scheduled (world size 1, a window, a run that can).
+  bool CoSchedules(const std::string& run_id, std::optional<ActivationRecompute> recompute);
+  // Queues `step` and returns once a leader (the first waiting caller while none leads) ran it.
+  void AwaitCoscheduled(QueuedStep* step);
+  // The leader's turn: waits out the window, takes the queued steps of distinct runs in
+  // arrival order within the token budget, admits them and runs them as one step.
+  void LeadCoscheduledStep();
+
   WorkerOptions options_;
   std::shared_ptr<const BaseModel> base_;
   std::unique_ptr<ProcessGroups> groups_;  // null at world size 1
   std::unique_ptr<StateStore> store_;      // null without --state_dir
   mutable FairMutex mu_;  // calls of all runs, admitted in arrival order
+  std::mutex queue_mu_;   // the co-scheduling queue; never held while waiting for mu_
+  std::condition_variable queue_cv_;
+  std::deque<QueuedStep*> queue_;
+  bool leading_ = false;  // a caller is leading a co-scheduled step
   std::map<std::string, std::unique_ptr<Trainer>> runs_;
   // Background SaveStates. Last, so it is destroyed first: queued writes finish before the
   // core goes.

@@ -49,6 +49,9 @@ ABSL_FLAG(std::string, host, "127.0.0.1", "address to listen on");
 ABSL_FLAG(int, port, 0, "port of the Worker API (0: any free port)");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here");
 ABSL_FLAG(std::optional<int64_t>, max_tokens_per_microbatch, std::nullopt, "padded tokens per micro-batch (default 8192)");
+ABSL_FLAG(int64_t, coschedule_window_us, 2000,
+          "TrainSteps of different runs queued while the device is busy run as one step; with several runs, a call "
+          "finding the device idle waits up to this many microseconds for the others (0: off, every call alone)");
 ABSL_FLAG(bool, pack_sequences, true, "pack each micro-batch's datums back to back (no padding; attention per sequence)");
 ABSL_FLAG(bool, unfused_wgrad, false, "weight gradients through autograd .grad instead of fused main_grad accumulation");
 ABSL_FLAG(std::string, register_with, "", "coordinator host:port to register with (and, without --rank, to get a mesh rank from)");
@@ -204,6 +207,11 @@ int main(int argc, char** argv) {
   if (const int threads = absl::GetFlag(FLAGS_cpu_threads); threads > 0) at::set_num_threads(threads);
   options.dtype = absl::GetFlag(FLAGS_dtype);
   if (auto n = absl::GetFlag(FLAGS_max_tokens_per_microbatch)) options.max_tokens_per_microbatch = *n;
+  if (absl::GetFlag(FLAGS_coschedule_window_us) < 0) {
+    LORASTEP_LOG(Error) << "lorastep_worker: --coschedule_window_us: must be >= 0 microseconds";
+    return 2;
+  }
+  options.coschedule_window = std::chrono::microseconds(absl::GetFlag(FLAGS_coschedule_window_us));
   options.grad.fused_wgrad = !absl::GetFlag(FLAGS_unfused_wgrad);
   options.pack_sequences = absl::GetFlag(FLAGS_pack_sequences);
   auto state_dir = ServerStateDir(absl::GetFlag(FLAGS_state_dir), absl::GetFlag(FLAGS_allow_plain_paths));

@@ -56,8 +56,17 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
   // Admission: each call on its own; a refused call leaves the step, alone.
   const BaseModel* base = nullptr;
   std::set<const Trainer*> seen;
-  std::vector<size_t> admitted;
+  std::vector<size_t> admitted, alone;
   std::vector<CallSnapshot> snapshots(calls.size());
+  // Calls that run on their own after the joint part (their own TrainStep).
+  auto run_alone = [&] {
+    for (size_t c : alone) {
+      BatchOptions batch;
+      batch.max_tokens_per_microbatch = calls[c].max_tokens_per_microbatch;
+      batch.totals = calls[c].totals;
+      results[c] = calls[c].trainer->TrainStep(*calls[c].datums, *calls[c].loss, calls[c].adamw, batch);
+    }
+  };
   for (size_t c = 0; c < calls.size(); ++c) {
     const JointTrainCall& call = calls[c];
     auto refuse = [&](const std::string& why) { results[c] = absl::InvalidArgumentError("co-scheduling: " + why); };
@@ -75,23 +84,21 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
       refuse("every run of a step shares one base model");
       continue;
     }
-    if (t.options_.groups != nullptr) {
-      refuse("world size 1 only");
-      continue;
-    }
-    if (t.adapter_->full_finetune() || t.base_->config.is_moe() || !t.options_.pack_sequences) {
-      refuse("LoRA runs on dense models with packed sequences only");
+    if (!t.CoSchedulable()) {
+      refuse("world size 1, LoRA on a dense model and packed sequences only");
       continue;
     }
     absl::Status local = ValidateAdamWParams(call.adamw);
     if (local.ok()) local = ValidateBatch(*call.datums, *call.loss, t.base_->config.vocab_size, t.options_.limits);
     BatchOptions batch;
     batch.max_tokens_per_microbatch = call.max_tokens_per_microbatch;
+    batch.totals = call.totals;
     std::vector<LayerRecompute> recompute;
     if (local.ok()) local = t.CheckActivationBudget(*call.datums, batch, /*backward=*/true, &recompute);
     if (local.ok() && std::any_of(recompute.begin(), recompute.end(),
                                   [](LayerRecompute r) { return r != LayerRecompute::kNone; })) {
-      local = absl::ResourceExhaustedError("co-scheduling: the call needs activation recomputation; run it alone");
+      alone.push_back(c);  // recomputation replays layers the joint row does not keep: on its own
+      continue;
     }
     absl::StatusOr<CallSnapshot> snapshot = local.ok() ? t.Snapshot() : absl::StatusOr<CallSnapshot>(local);
     if (!snapshot.ok()) {
@@ -101,7 +108,10 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
     snapshots[c] = *std::move(snapshot);
     admitted.push_back(c);
   }
-  if (admitted.empty()) return results;
+  if (admitted.empty()) {
+    run_alone();
+    return results;
+  }
 
   // Each run's micro-batches as it would split them alone; step k joins every run's k-th.
   const ModelConfig& config = base->config;
@@ -118,7 +128,7 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
     splits[r] = t.SplitMicroBatches(*call.datums, call.max_tokens_per_microbatch > 0
                                                       ? call.max_tokens_per_microbatch
                                                       : t.options_.max_tokens_per_microbatch);
-    dens[r] = CallDenominators(*call.datums, nullptr, device);
+    dens[r] = CallDenominators(*call.datums, call.totals, device);
     steps = std::max(steps, splits[r].size());
   }
   double t_forward_backward = 0;
@@ -182,6 +192,7 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
       calls[admitted[r]].trainer->Restore(snapshots[admitted[r]]);
       results[admitted[r]] = ran;
     }
+    run_alone();
     return results;
   }
 
@@ -206,7 +217,13 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
     m.Add("time_forward_backward_joint_s:sum", t_forward_backward);
     results[c] = std::move(step);
   }
+  run_alone();
   return results;
+}
+
+bool Trainer::CoSchedulable() const {
+  return options_.groups == nullptr && !adapter_->full_finetune() && !base_->config.is_moe() &&
+         options_.pack_sequences;
 }
 
 }  // namespace lorastep

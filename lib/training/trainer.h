@@ -139,6 +139,7 @@ struct JointTrainCall {
   const LossConfig* loss = nullptr;
   AdamWParams adamw;
   int64_t max_tokens_per_microbatch = 0;  // 0 = the trainer's
+  const BatchTotals* totals = nullptr;    // the whole batch's denominators; null: of `datums`
 };
 
 class Trainer {
@@ -167,9 +168,13 @@ class Trainer {
   // denominators), gradients, clipping and AdamW stay its own, so each result equals the
   // run's TrainStep alone up to floating-point order. A refused call (bad batch or AdamW
   // parameters, a non-finite gradient) fails alone and changes nothing of its run; the
-  // others commit. World size 1, LoRA on dense layers, packed sequences, one base for all;
-  // calls outside that are refused by name. One result per call, in order.
+  // others commit. A call whose activations need recomputation runs alone (its TrainStep)
+  // after the joint part. Trainers must be CoSchedulable and share one base; others are
+  // refused by name. One result per call, in order.
   static std::vector<absl::StatusOr<OptimStepResult>> JointTrainStep(const std::vector<JointTrainCall>& calls);
+  // Whether this run can take part in JointTrainStep: world size 1, LoRA on a dense model,
+  // packed sequences.
+  bool CoSchedulable() const;
 
   // Training state: trainable tensors, optimizer state, counters, dropout RNG; atomic.
   absl::Status SaveState(const std::string& folder,
