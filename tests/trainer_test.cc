@@ -377,7 +377,10 @@ TEST_F(TrainerTest, JointTrainStepEqualsEachRunAlone) {
   };
   std::vector<std::unique_ptr<Trainer>> solo, joint;
   for (size_t i = 0; i < specs.size(); ++i) solo.push_back(NewTrainer(options_of(i))), joint.push_back(NewTrainer(options_of(i)));
-  const double tol = ::lorastep::testing::Tol(1e-6);
+  // CPU fp32: 1e-6. CUDA: the joint row's GEMMs have other row counts, so cuBLAS picks other
+  // kernels; this batch's PPO loss is a small sum of cancelling terms, where that rounding
+  // shows at ~1e-5 of it (measured on the H200, fp32).
+  const double tol = ::lorastep::testing::Tol(::lorastep::testing::TestDevice().is_cuda() ? 1e-4 : 1e-6);
   for (int step = 0; step < 2; ++step) {
     std::vector<std::vector<Datum>> batches;
     for (size_t i = 0; i < specs.size(); ++i) batches.push_back(RlBatch(step * 3 + static_cast<int>(i), 96));
@@ -400,10 +403,11 @@ TEST_F(TrainerTest, JointTrainStepEqualsEachRunAlone) {
       EXPECT_EQ(together[i]->learner_version, alone.learner_version) << what;
     }
   }
-  // Parameters: 1e-5. Alone, q/k/v and gate/up run as packed groups (scale folded into B
-  // before the GEMM); together, each projection runs on its own (scale after it). The
-  // gradients agree to rounding, and AdamW's division by sqrt(v) lifts that rounding on the
-  // smallest gradient elements to ~4e-6 of a tensor (measured: run 1's q_proj B).
+  // Parameters: 10x the step's tolerance. Alone, q/k/v and gate/up run as packed groups
+  // (scale folded into B before the GEMM); together, each projection runs on its own (scale
+  // after it). The gradients agree to rounding, and AdamW's division by sqrt(v) lifts that
+  // rounding on the smallest gradient elements (CPU: ~4e-6 of run 1's q_proj B; H200 fp32:
+  // up to 3.2e-4 of a tensor).
   for (size_t i = 0; i < specs.size(); ++i) {
     const auto& a = joint[i]->adapter().parameters();
     const auto& b = solo[i]->adapter().parameters();
