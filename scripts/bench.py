@@ -18,7 +18,7 @@ The GPU build links against the Python environment's torch and the carried Debia
 (.sysroot: absl, gRPC, protobuf, gtest, OpenSSL; scripts/make_sysroot.sh) with CMake and Ninja.
 """
 import argparse
-import hashlib
+import functools
 import json
 import os
 import shlex
@@ -75,6 +75,15 @@ def run(cmd, fails, what, env=None, log=None, cwd=REPO):
     return rc == 0
 
 
+@functools.lru_cache(maxsize=None)
+def nccl_dir():
+    """The nvidia-nccl Python package's folder (GPU machine), or None."""
+    out = subprocess.run([sys.executable, "-c", "import nvidia.nccl as n;print(list(n.__path__)[0])"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+@functools.lru_cache(maxsize=None)
 def python_torch_paths():
     code = "import torch,os;print(os.path.dirname(torch.__file__));print(torch.utils.cmake_prefix_path)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -102,10 +111,8 @@ class Context:
         torch_dir, _ = python_torch_paths()
         if torch_dir:
             libs.append(f"{torch_dir}/lib")
-        nccl = subprocess.run([sys.executable, "-c", "import nvidia.nccl as n;print(list(n.__path__)[0])"],
-                              capture_output=True, text=True)
-        if nccl.returncode == 0:
-            libs.append(nccl.stdout.strip() + "/lib")
+        if nccl_dir():
+            libs.append(nccl_dir() + "/lib")
         env["LD_LIBRARY_PATH"] = ":".join(libs + [os.environ.get("LD_LIBRARY_PATH", "")])
         env["LIBRARY_PATH"] = ":".join(libs[:2])
         env["PATH"] = f"{sysroot}/usr/bin:" + os.environ.get("PATH", "")
@@ -179,7 +186,7 @@ class Context:
 
 def cmd_build(ctx):
     banner("configure and build (CMake + Ninja)")
-    torch_dir, torch_cmake = python_torch_paths()
+    _, torch_cmake = python_torch_paths()
     sysroot = os.path.abspath(ctx.args.sysroot)
     prefix = ";".join(p for p in [torch_cmake, f"{sysroot}/usr"] if p)
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else "")
@@ -189,10 +196,8 @@ def cmd_build(ctx):
         configure += [f"-DOPENSSL_ROOT_DIR={sysroot}/usr", f"-DProtobuf_ROOT={sysroot}/usr"]
     if nvcc:
         configure += ["-DCMAKE_CUDA_ARCHITECTURES=" + ctx.args.cuda_arch, f"-DCMAKE_CUDA_COMPILER={nvcc}"]
-    nccl = subprocess.run([sys.executable, "-c", "import nvidia.nccl as n;print(list(n.__path__)[0])"],
-                          capture_output=True, text=True)
-    if nccl.returncode == 0:
-        configure += ["-DLORASTEP_WITH_NCCL=ON", f"-DLORASTEP_NCCL_INCLUDE={nccl.stdout.strip()}/include"]
+    if nccl_dir():
+        configure += ["-DLORASTEP_WITH_NCCL=ON", f"-DLORASTEP_NCCL_INCLUDE={nccl_dir()}/include"]
     arch = ctx.args.cuda_arch
     env = dict(ctx.env, TORCH_CUDA_ARCH_LIST=f"{arch[:-1]}.{arch[-1]}" if nvcc else "")
     if not run(configure, ctx.fails, "cmake configure", env=env, log=os.path.join(ctx.out, "cmake.log")):

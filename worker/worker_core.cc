@@ -145,6 +145,10 @@ absl::StatusOr<int64_t> WorkerCore::CreateRun(const std::string& run_id, const L
     LORASTEP_RETURN_IF_ERROR(InitRun(trainer.get(), run_id, init_from, init_with_optimizer));
   }
   const int64_t version = trainer->learner_version();
+  {
+    std::lock_guard<std::mutex> q(queue_mu_);
+    coschedulable_[run_id] = trainer->CoSchedulable();
+  }
   runs_[run_id] = std::move(trainer);
   return version;
 }
@@ -175,6 +179,10 @@ absl::Status WorkerCore::InitRun(Trainer* trainer, const std::string& run_id, co
 absl::Status WorkerCore::DeleteRun(const std::string& run_id) {
   std::lock_guard<FairMutex> lock(mu_);
   if (runs_.erase(run_id) == 0) return absl::NotFoundError(absl::StrCat("run_id: no run '", run_id, "'"));
+  {
+    std::lock_guard<std::mutex> q(queue_mu_);
+    coschedulable_.erase(run_id);
+  }
   malloc_trim(0);  // the run's adapter and optimizer state go back to the OS
   return absl::OkStatus();
 }
@@ -239,9 +247,9 @@ absl::StatusOr<OptimStepResult> WorkerCore::TrainStep(const std::string& run_id,
 
 bool WorkerCore::CoSchedules(const std::string& run_id, std::optional<ActivationRecompute> recompute) {
   if (options_.coschedule_window.count() <= 0 || recompute.has_value()) return false;
-  std::lock_guard<FairMutex> lock(mu_);
-  auto t = Find(run_id);
-  return t.ok() && (*t)->CoSchedulable();
+  std::lock_guard<std::mutex> q(queue_mu_);
+  auto it = coschedulable_.find(run_id);
+  return it != coschedulable_.end() && it->second;
 }
 
 void WorkerCore::AwaitCoscheduled(QueuedStep* step) {
@@ -263,9 +271,9 @@ void WorkerCore::AwaitCoscheduled(QueuedStep* step) {
 }
 
 void WorkerCore::LeadCoscheduledStep() {
-  const size_t runs = num_runs();
   {  // the window: only while other runs could still send, and only from the first call's arrival
     std::unique_lock<std::mutex> q(queue_mu_);
+    const size_t runs = coschedulable_.size();
     if (!queue_.empty() && runs > 1) {
       queue_cv_.wait_until(q, queue_.front()->queued + options_.coschedule_window, [&] {
         std::set<std::string> distinct;

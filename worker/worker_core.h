@@ -201,6 +201,8 @@ class WorkerCore {
   std::condition_variable queue_cv_;
   std::deque<QueuedStep*> queue_;
   bool leading_ = false;  // a caller is leading a co-scheduled step
+  // Every run's Trainer::CoSchedulable, so a call learns it without waiting for the device.
+  std::map<std::string, bool> coschedulable_;
   std::map<std::string, std::unique_ptr<Trainer>> runs_;
   // Background SaveStates. Last, so it is destroyed first: queued writes finish before the
   // core goes.

@@ -416,18 +416,15 @@ class LayerRunner {
     return group;
   }
 
-  // The columns the norm before group `slots` leaves free after its output, so that the
-  // group's fold writes x A^T there instead of copying x (GroupFoldRoom); 0 for none.
-  int64_t FoldRoom(size_t layer, std::initializer_list<int> slots) const {
-    const std::optional<PackedGroup> group = GroupOf(layer, slots);
+  // The columns the norm before `group` leaves free after its output, so that the group's
+  // fold writes x A^T there instead of copying x (GroupFoldRoom); 0 for none.
+  int64_t FoldRoom(const std::optional<PackedGroup>& group) const {
     return group ? GroupFoldRoom(group->weight, group->parts, options_.grad) : 0;
   }
 
-  // The group's output, undefined where GroupOf has none. `input_has_room`: x came from a
-  // norm given FoldRoom(layer, slots).
-  at::Tensor ProjectPacked(size_t layer, std::initializer_list<int> slots, const at::Tensor& x,
-                           bool input_has_room = false) const {
-    const std::optional<PackedGroup> group = GroupOf(layer, slots);
+  // `group`'s output (GroupOf), undefined where there is none. `input_has_room`: x came
+  // from a norm given FoldRoom(group).
+  at::Tensor ProjectPacked(const std::optional<PackedGroup>& group, const at::Tensor& x, bool input_has_room) const {
     if (!group) return at::Tensor();
     return LoraLinearGroup(x, group->weight, group->bias, group->parts,
                            adapter_ != nullptr ? adapter_->lora_config().scale() : 0.0, options_.grad,
@@ -530,15 +527,16 @@ class LayerRunner {
   }
 
   // q, k (with RoPE) and v of layer i from the normed input h, each [b, s, heads, d].
-  // `input_has_room`: h came from a norm given FoldRoom for q/k/v.
+  // `qkv_group`: GroupOf(i, q/k/v); `input_has_room`: h came from a norm given its FoldRoom.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> QueryKeyValue(size_t i, const at::Tensor& h, const at::Tensor& cos,
                                                                const at::Tensor& sin, int64_t nh, int64_t nkv,
+                                                               const std::optional<PackedGroup>& qkv_group,
                                                                bool input_has_room) const {
     const LayerWeights& lw = weights_.layers[i];
     const ModelShard* shard = options_.shard;
     const int64_t b = h.size(0), s = h.size(1), d = c_.head_dim();
     at::Tensor q, k, v;
-    at::Tensor qkv = ProjectPacked(i, {kQProj, kKProj, kVProj}, h, input_has_room);
+    at::Tensor qkv = ProjectPacked(qkv_group, h, input_has_room);
 #ifdef LORASTEP_WITH_CUDA_KERNELS
     const bool plain_heads = !lw.layout.qk_norm && !(shard != nullptr && shard->kv_select >= 0);
     if (qkv.defined() && plain_heads && UseFusedKernels(qkv, cos) && qkv.stride(-1) == 1) {
@@ -586,17 +584,20 @@ class LayerRunner {
                   nkv = shard != nullptr ? shard->kv_heads : c_.num_key_value_heads;
     at::Tensor h;
     // Each norm leaves room after its output for the next group's fold (FoldRoom).
-    const int64_t qkv_room = FoldRoom(i, {kQProj, kKProj, kVProj});
+    const std::optional<PackedGroup> qkv_group = GroupOf(i, {kQProj, kKProj, kVProj});
+    const int64_t qkv_room = FoldRoom(qkv_group);
     std::tie(x, h) = AddRmsNorm(x, pending, lw.input_norm, c_.rms_norm_eps, qkv_room);
-    auto [q, k, v] = QueryKeyValue(i, CopyToTensorRegion(h, tp), cos, sin, nh, nkv, qkv_room > 0);
+    auto [q, k, v] = QueryKeyValue(i, CopyToTensorRegion(h, tp), cos, sin, nh, nkv, qkv_group, qkv_room > 0);
     at::Tensor attn = Attend(q, k, v);
     // Row-parallel o/down give partial sums (LoRA's B(A_i x_i) included): one all-reduce each.
-    const int64_t mlp_room = lw.layout.moe ? 0 : FoldRoom(i, {kGateProj, kUpProj});
+    const std::optional<PackedGroup> mlp_group =
+        lw.layout.moe ? std::nullopt : GroupOf(i, {kGateProj, kUpProj});
+    const int64_t mlp_room = FoldRoom(mlp_group);
     std::tie(x, h) = AddRmsNorm(x, ReduceFromTensorRegion(Project(i, kOProj, attn), tp), lw.post_attention_norm,
                                 c_.rms_norm_eps, mlp_room);
     h = CopyToTensorRegion(h, tp);
     if (lw.layout.moe) return {x, MoeMlp(i, h)};
-    at::Tensor gate_up = ProjectPacked(i, {kGateProj, kUpProj}, h, mlp_room > 0);
+    at::Tensor gate_up = ProjectPacked(mlp_group, h, mlp_room > 0);
     at::Tensor down = gate_up.defined() ? DownOfPacked(i, gate_up)
                                         : Project(i, kDownProj, SwiGlu(Project(i, kGateProj, h), Project(i, kUpProj, h)));
     return {x, ReduceFromTensorRegion(down, tp)};

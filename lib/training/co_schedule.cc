@@ -121,6 +121,7 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
   std::vector<LossDenominators> dens(n);
   std::vector<PendingMetrics> pending(n);
   std::vector<MicroBatchCounts> counts(n);
+  std::vector<double> lora_params(n);
   size_t steps = 0;
   for (size_t r = 0; r < n; ++r) {
     const JointTrainCall& call = calls[admitted[r]];
@@ -129,6 +130,7 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
                                                       ? call.max_tokens_per_microbatch
                                                       : t.options_.max_tokens_per_microbatch);
     dens[r] = CallDenominators(*call.datums, call.totals, device);
+    lora_params[r] = LoraParameterCount(*t.adapter_);
     steps = std::max(steps, splits[r].size());
   }
   double t_forward_backward = 0;
@@ -140,13 +142,11 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
       for (size_t r = 0; r < n; ++r) {
         if (k >= splits[r].size()) continue;
         const JointTrainCall& call = calls[admitted[r]];
-        double lora_params = 0;
-        for (const auto& p : call.trainer->adapter_->parameters()) lora_params += p.value.numel();
         MicroBatchOptions options;
         options.backward = true;
         options.always_pack = true;
         options.matmul_passes = 2;
-        options.lora_params = lora_params;
+        options.lora_params = lora_params[r];
         runs.push_back(r);
         mbs.push_back(BuildMicroBatch(*call.datums, splits[r][k], config, options, device, &counts[r]));
       }

@@ -134,6 +134,13 @@ MicroBatch FillerMicroBatch(const c10::Device& device) {
   return filler;
 }
 
+double LoraParameterCount(const Adapter& adapter) {
+  if (adapter.full_finetune()) return 0.0;
+  double n = 0;
+  for (const auto& p : adapter.parameters()) n += static_cast<double>(p.value.numel());
+  return n;
+}
+
 LossDenominators CallDenominators(const std::vector<Datum>& datums, const BatchTotals* totals,
                                   const c10::Device& device) {
   LossDenominators den;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "lib/model/adapter.h"
 #include "lib/model/model_config.h"
 #include "lib/model/qwen2.h"
 #include "lib/parallel/context_parallel.h"
@@ -51,6 +52,10 @@ struct MicroBatchOptions {
 // (QK^T and AV, 2*2*d per query-key pair, n(n+1)/2 pairs per layer). `matmul_passes`: 1
 // forward, 2 forward + dgrad (LoRA: frozen weights have no wgrad), 3 forward + dgrad + wgrad.
 double DatumFlops(const ModelConfig& c, int64_t n, double matmul_passes, double lora_params);
+
+// MicroBatchOptions::lora_params of a run: its LoRA factors' elements (0 for full fine-tuning,
+// whose trainable weights the matmul passes count already).
+double LoraParameterCount(const Adapter& adapter);
 
 // Micro-batch `indices` of `datums`, its tensors on `device`; adds its counts to `counts`.
 MicroBatch BuildMicroBatch(const std::vector<Datum>& datums, const std::vector<size_t>& indices,
