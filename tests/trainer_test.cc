@@ -271,6 +271,51 @@ TEST_F(TrainerTest, ForwardBackwardCallsThenOptimStepEqualOneTrainStep) {
   EXPECT_EQ(a.adapter_sha256.size(), 64u);
 }
 
+// A TrainStep returns no log-probs, so its head scores only the loss-bearing positions
+// (here the first two of each datum are prompt, and one datum has no loss-bearing position
+// at all, alone in its micro-batch); ForwardBackward scores every position for the log-probs
+// it returns. The update is the same.
+TEST_F(TrainerTest, TrainStepScoresOnlyLossBearingPositions) {
+  TrainerOptions o = Options();
+  o.lora.dropout = 0;
+  for (bool packed : {true, false}) {
+    o.pack_sequences = packed;
+    auto step = NewTrainer(o);
+    auto split = NewTrainer(o);
+    std::vector<Datum> batch = RlBatch(1, 96);
+    Datum prompt_only = batch[0];
+    prompt_only.tokens.resize(20, 3);
+    prompt_only.target_tokens.resize(20, 4);
+    prompt_only.logprobs.resize(20, -1.0f);
+    prompt_only.advantages.assign(20, 0.0f);
+    batch.push_back(prompt_only);
+    double positions = 0, bearing = 0;
+    for (const Datum& d : batch) {
+      positions += static_cast<double>(d.tokens.size());
+      for (size_t i = 0; i < d.tokens.size(); ++i) bearing += LossMask(d, i) != 0 ? 1 : 0;
+    }
+    ASSERT_LT(bearing, positions - 20);
+    ASSERT_OK_AND_ASSIGN(OptimStepResult a, step->TrainStep(batch, Ppo(), Adam()));
+    ASSERT_OK_AND_ASSIGN(ForwardBackwardResult fb, split->ForwardBackward(batch, Ppo()));
+    ASSERT_OK_AND_ASSIGN(OptimStepResult b, split->OptimStep(Adam()));
+    EXPECT_EQ(a.metrics.Get("tokens_scored:sum"), bearing) << packed;
+    EXPECT_EQ(fb.metrics.Get("tokens_scored:sum"), positions) << packed;
+    ASSERT_EQ(fb.logprobs.size(), batch.size());
+    EXPECT_EQ(fb.logprobs.back().size(), 20u);
+    for (const char* key : {"loss:sum", "grad_norm:sum", "pg_clipfrac:mean"}) {
+      const double x = a.metrics.Get(key), y = key == std::string("grad_norm:sum") ? b.metrics.Get(key)
+                                                                                    : fb.metrics.Get(key);
+      EXPECT_NEAR(x, y, ::lorastep::testing::Tol(1e-6) * std::max(1.0, std::abs(y))) << key << " packed " << packed;
+    }
+    auto& pa = step->adapter().parameters();
+    auto& pb = split->adapter().parameters();
+    for (size_t i = 0; i < pa.size(); ++i) {
+      EXPECT_LT(::lorastep::testing::MaxAbsDiff(pa[i].value, pb[i].value), ::lorastep::testing::Tol(1e-6))
+          << pa[i].name << " packed " << packed;
+    }
+  }
+}
+
 // Packed micro-batches (datums back to back, attention per sequence) and padded ones give
 // the same log-probs, loss and update on a batch of mixed lengths; packing pads nothing.
 TEST_F(TrainerTest, PackedAndPaddedMicroBatchesAgree) {

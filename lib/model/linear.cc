@@ -75,14 +75,27 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
   }
 };
 
-// y = x2d W^T (+ bias) + scale * (x2d A^T) B^T, and x2d A^T (kept for B's gradient): the
-// branch's second GEMM adds into the base output (addmm).
+// left @ right + (bias) + alpha * (low @ low_right) for a small inner size of `low` (a LoRA
+// rank): the low-rank GEMM first, into a fresh output, then the large GEMM adding into it.
+// The large GEMM is compute-bound, so its epilogue reads the output for free; the other order
+// spends a read-modify-write pass over the output in a low-rank GEMM bound by that traffic.
+at::Tensor LargeGemmOverLowRank(const at::Tensor& left, const at::Tensor& right, const at::Tensor& bias,
+                                const at::Tensor& low, const at::Tensor& low_right, double alpha) {
+  at::Tensor y;
+  if (bias.defined()) {
+    y = at::addmm(bias, low, low_right, /*beta=*/1, /*alpha=*/alpha);
+  } else {
+    y = at::empty({low.size(0), low_right.size(1)}, low.options());
+    y.addmm_(low, low_right, /*beta=*/0, /*alpha=*/alpha);  // beta 0: y's garbage is not read
+  }
+  return y.addmm_(left, right);
+}
+
+// y = x2d W^T (+ bias) + scale * (x2d A^T) B^T, and x2d A^T (kept for B's gradient).
 std::pair<at::Tensor, at::Tensor> LoraForward(const at::Tensor& x2d, const at::Tensor& weight, const at::Tensor& bias,
                                               const at::Tensor& a, const at::Tensor& b, double scale) {
   at::Tensor xa = at::mm(x2d, a.t());
-  at::Tensor y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
-  y.addmm_(xa, b.t(), /*beta=*/1, /*alpha=*/scale);
-  return {y, xa};
+  return {LargeGemmOverLowRank(x2d, weight.t(), bias, xa, b.t(), scale), xa};
 }
 
 // The factors' gradients of LoraForward added into their fp32 main_grads, for the output
@@ -128,7 +141,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     at::Tensor gb = at::mm(g, b);  // d(xa) / scale
     at::Tensor grad_x;
     if (ctx->needs_input_grad(0)) {
-      grad_x = at::mm(g, weight).addmm_(gb, a, /*beta=*/1, /*alpha=*/scale).view(ShapeWithLastDim(grads[0], weight.size(1)));
+      grad_x = LargeGemmOverLowRank(g, weight, at::Tensor(), gb, a, scale).view(ShapeWithLastDim(grads[0], weight.size(1)));
     }
     at::Tensor grad_a, grad_b;
     if (ctx->saved_data["fused"].toBool()) {
@@ -175,9 +188,8 @@ class LoraLinearRecomputedFunction : public torch::autograd::Function<LoraLinear
         static_cast<intptr_t>(ctx->saved_data["rebuild"].toInt()));
     const at::Tensor g = FoldLeadingDims(grads[0]);
     const at::Tensor gb = at::mm(g, b);  // d(xa) / scale
-    const at::Tensor grad_x = at::mm(g, weight)
-                                  .addmm_(gb, a, /*beta=*/1, /*alpha=*/scale)
-                                  .view(ShapeWithLastDim(grads[0], weight.size(1)));
+    const at::Tensor grad_x =
+        LargeGemmOverLowRank(g, weight, at::Tensor(), gb, a, scale).view(ShapeWithLastDim(grads[0], weight.size(1)));
     at::Tensor x;
     at::Tensor grad_source = rebuild(source, grad_x, &x);
     at::Tensor a_grad = ctx->saved_data["a_grad"].toTensor(), b_grad = ctx->saved_data["b_grad"].toTensor();
@@ -240,7 +252,7 @@ LoraGroupOperandCache::Entry BuildGroupOperands(const at::Tensor& weight, at::Te
 // y = x W^T (+ bias) + scale * (x A_i^T) B_i^T into each part's columns, as
 //   fold:     [x | x A_cat^T] @ [W | scale * B_blockdiag]^T, one GEMM (the wide output is
 //             written once, not re-read and re-written by each branch);
-//   otherwise x W^T, then + (x A_cat^T) (scale * B_blockdiag)^T, one addmm for all branches.
+//   otherwise (x A_cat^T) (scale * B_blockdiag)^T for all branches, then + x W^T (LargeGemmOverLowRank).
 // Backward: d(xa) = g (scale * B_blockdiag) for all parts in one GEMM, the input gradient in
 // two, the A factors' gradients in one when their main_grads lie back to back.
 class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroupFunction> {
@@ -276,8 +288,7 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
       x2d = x_cat.narrow(1, 0, in);  // saved instead of x: the copy is kept anyway (xa beside it)
     } else {
       xa = at::mm(x2d, ops->a_cat.t());
-      y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
-      y.addmm_(xa, ops->b_blockdiag.t());
+      y = LargeGemmOverLowRank(x2d, weight.t(), bias, xa, ops->b_blockdiag.t(), 1.0);
     }
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["fused"] = fused;
@@ -314,7 +325,7 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
     const at::Tensor gb = at::mm(g, b_blockdiag);
     at::Tensor grad_x;
     if (ctx->needs_input_grad(0)) {
-      grad_x = at::mm(g, weight).addmm_(gb, a_cat).view(ShapeWithLastDim(grads[0], weight.size(1)));
+      grad_x = LargeGemmOverLowRank(g, weight, at::Tensor(), gb, a_cat, 1.0).view(ShapeWithLastDim(grads[0], weight.size(1)));
     }
     const std::vector<int64_t> ranks = ctx->saved_data["ranks"].toIntVector();
     std::vector<at::Tensor> g_parts(k), gb_parts(k), xa_parts(k);

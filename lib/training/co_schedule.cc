@@ -145,6 +145,7 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
         MicroBatchOptions options;
         options.backward = true;
         options.always_pack = true;
+        options.loss_positions_only = true;  // as TrainStep alone
         options.matmul_passes = 2;
         options.lora_params = lora_params[r];
         runs.push_back(r);

@@ -118,6 +118,23 @@ MicroBatch BuildMicroBatch(const std::vector<Datum>& datums, const std::vector<s
     // Token and FLOP counts: this rank's share (the mesh sums the ranks').
     part = total > 0 ? static_cast<double>(held) / static_cast<double>(total) : 0.0;
   }
+  if (options.loss_positions_only && options.backward) {
+    // Kept positions, in order, of this rank's share (with cp, its tokens map into the row).
+    std::vector<int64_t> keep;
+    const int64_t held = static_cast<int64_t>(context_group != nullptr ? data.context.tokens.size() : mask.size());
+    for (int64_t j = 0; j < held; ++j) {
+      const int64_t global = context_group != nullptr ? data.context.tokens[j] : j;
+      if (mask[global] != 0) keep.push_back(j);
+    }
+    if (static_cast<int64_t>(keep.size()) < held) {
+      const at::Tensor kept = at::tensor(keep, at::kLong).to(device);
+      for (at::Tensor* t : {&data.positions, &data.targets, &data.loss_in.mask, &data.loss_in.sample_index,
+                            &data.loss_in.advantages, &data.loss_in.sampler_logprobs, &data.loss_in.old_logprobs,
+                            &data.loss_in.ref_logprobs}) {
+        if (t->defined()) *t = t->index_select(0, kept);
+      }
+    }
+  }
   counts->physical += own.physical * part;
   counts->real_tokens += own.real_tokens * part;
   counts->flops += own.flops * part;

@@ -44,6 +44,11 @@ struct MicroBatchOptions {
   bool backward = false;       // build the loss inputs
   CommGroup* context_group = nullptr;  // context parallelism: always packed, this rank's share
   bool always_pack = false;  // one packed row even when every datum has the same length (co-scheduling)
+  // The head scores only the loss-bearing positions (LossMask != 0): for a training call that
+  // returns no log-probs, the others add nothing to its loss, gradients or metrics, and the
+  // LM head over them (prompt tokens in RL) is pure cost. `positions`, `targets` and the
+  // per-position loss inputs then hold those positions only.
+  bool loss_positions_only = false;
   double matmul_passes = 1;  // for DatumFlops
   double lora_params = 0;
 };

@@ -326,7 +326,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   ForwardBackwardResult result;
   Metrics& m = result.metrics;
   ResetCudaPeakAllocated(base_->device);  // this call's peak (weights included)
-  result.logprobs.resize(datums.size());
+  if (batch.return_logprobs) result.logprobs.resize(datums.size());
 
   const LossDenominators den = CallDenominators(datums, batch.totals, base_->device);
 
@@ -363,6 +363,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
                                  : nullptr;
   const VocabShard vocab{tensor_group, base_->shard.vocab_begin};
   double t_data = 0, t_forward = 0, t_backward = 0;
+  double scored = 0;  // positions the head scored
   const double lora_params = LoraParameterCount(*adapter_);
   const double matmul_passes = !backward ? 1.0 : adapter_->full_finetune() ? 3.0 : 2.0;
 
@@ -370,6 +371,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   MicroBatchOptions mb_options;
   mb_options.pack_sequences = options_.pack_sequences;
   mb_options.backward = backward;
+  mb_options.loss_positions_only = backward && !batch.return_logprobs;
   mb_options.context_group = context_group;
   mb_options.matmul_passes = matmul_passes;
   mb_options.lora_params = lora_params;
@@ -404,10 +406,11 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     if (mb.filler) return backward ? layers_out.sum() * 0.0 : at::Tensor();
     at::Tensor hidden = Qwen2FinalNorm(config, base_->weights, adapter_.get(), layers_out);
     at::Tensor selected = FoldLeadingDims(hidden).index_select(0, mb.positions);
+    scored += static_cast<double>(mb.positions.size(0));
     TokenScores scores =
         Qwen2HeadScores(base_->weights, adapter_.get(), selected, mb.targets, options_.logprob_chunk_tokens,
                         fwd_options, vocab, /*entropy_grad=*/backward && loss->entropy_coef != 0);
-    pending_logprobs.emplace_back(&mb, scores.logprobs.detach());
+    if (batch.return_logprobs) pending_logprobs.emplace_back(&mb, scores.logprobs.detach());
     if (!backward) {
       at::Tensor bearing = (mb.loss_in.mask != 0).to(at::kDouble);
       pending.Add("entropy:mean", (scores.entropy.detach().to(at::kDouble) * bearing).sum(), bearing.sum());
@@ -504,6 +507,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   }
   m.Add("tokens_physical:sum", counts.physical);
   m.Add("tokens_nonpadding:sum", counts.real_tokens);
+  m.Add("tokens_scored:sum", scored);
   // Counted once per replica: on its first context rank.
   const bool counts_batch = context_group == nullptr || context_group->rank() == 0;
   m.Add("tokens_loss:sum", counts_batch ? den.loss_tokens : 0.0);
@@ -756,7 +760,10 @@ absl::StatusOr<OptimStepResult> Trainer::TrainStep(const std::vector<Datum>& dat
   }
   auto t0 = Clock::now();
   absl::StatusOr<CallSnapshot> taken = local.ok() ? Snapshot() : absl::StatusOr<CallSnapshot>(local);
-  LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult fb, AdmittedForwardBackward(datums, loss, batch, taken.status()));
+  BatchOptions scored_for_loss = batch;  // a step returns no log-probs
+  scored_for_loss.return_logprobs = false;
+  LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult fb,
+                            AdmittedForwardBackward(datums, loss, scored_for_loss, taken.status()));
   const CallSnapshot snapshot = *std::move(taken);
   // The snapshot above covers a failed step: no second copy of the gradients.
   auto step = StepOptimizer(params, /*restore_on_failure=*/false);

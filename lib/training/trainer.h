@@ -105,6 +105,10 @@ struct BatchOptions {
   // end. Empty: never cancelled.
   std::function<bool()> cancelled;
   bool agree_on_cancel = false;
+  // False: the caller takes no per-position log-probs (TrainStep), so a training call scores
+  // only its loss-bearing positions (MicroBatchOptions::loss_positions_only) and
+  // ForwardBackwardResult::logprobs stays empty.
+  bool return_logprobs = true;
 };
 
 struct ForwardBackwardResult {
