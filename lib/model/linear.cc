@@ -76,11 +76,17 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
 };
 
 // left @ right + (bias) + alpha * (low @ low_right) for a small inner size of `low` (a LoRA
-// rank): the low-rank GEMM first, into a fresh output, then the large GEMM adding into it.
-// The large GEMM is compute-bound, so its epilogue reads the output for free; the other order
-// spends a read-modify-write pass over the output in a low-rank GEMM bound by that traffic.
+// rank). Where the output is wider than the large GEMM's inner size (down_proj's input
+// gradient), the low-rank GEMM goes first into a fresh output and the large GEMM's epilogue
+// adds into it: a low-rank GEMM adding into the output is bound by a read-modify-write pass
+// over it, which costs most there. Elsewhere the large GEMM writes alone and the low-rank one
+// adds, which keeps the large GEMM's faster write-only epilogue.
 at::Tensor LargeGemmOverLowRank(const at::Tensor& left, const at::Tensor& right, const at::Tensor& bias,
                                 const at::Tensor& low, const at::Tensor& low_right, double alpha) {
+  if (left.size(1) >= right.size(1)) {
+    at::Tensor y = bias.defined() ? at::addmm(bias, left, right) : at::mm(left, right);
+    return y.addmm_(low, low_right, /*beta=*/1, /*alpha=*/alpha);
+  }
   at::Tensor y;
   if (bias.defined()) {
     y = at::addmm(bias, low, low_right, /*beta=*/1, /*alpha=*/alpha);
@@ -252,7 +258,7 @@ LoraGroupOperandCache::Entry BuildGroupOperands(const at::Tensor& weight, at::Te
 // y = x W^T (+ bias) + scale * (x A_i^T) B_i^T into each part's columns, as
 //   fold:     [x | x A_cat^T] @ [W | scale * B_blockdiag]^T, one GEMM (the wide output is
 //             written once, not re-read and re-written by each branch);
-//   otherwise (x A_cat^T) (scale * B_blockdiag)^T for all branches, then + x W^T (LargeGemmOverLowRank).
+//   otherwise x W^T and (x A_cat^T) (scale * B_blockdiag)^T for all branches (LargeGemmOverLowRank).
 // Backward: d(xa) = g (scale * B_blockdiag) for all parts in one GEMM, the input gradient in
 // two, the A factors' gradients in one when their main_grads lie back to back.
 class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroupFunction> {
