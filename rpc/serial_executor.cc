@@ -64,8 +64,8 @@ KeyedExecutor::~KeyedExecutor() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
+    for (Idle* thread : idle_) thread->cv.notify_one();
   }
-  cv_.notify_all();
   for (auto& t : threads_) t.join();
 }
 
@@ -77,12 +77,21 @@ void KeyedExecutor::Submit(const std::string& key, std::function<void()> task) {
     if (queue.empty() && !running_[key]) turns_.push_back(key);
     queue.push_back(std::move(task));
     submitted_.fetch_add(1, std::memory_order_release);
+    WakeOne();
   }
-  cv_.notify_one();
+}
+
+void KeyedExecutor::WakeOne() {
+  if (idle_.empty()) return;
+  Idle* thread = idle_.back();  // the most recently idle: its caches and CUDA state are warm
+  idle_.pop_back();
+  thread->woken = true;
+  thread->cv.notify_one();
 }
 
 void KeyedExecutor::Loop() {
   bool ran = false;
+  Idle me;
   for (;;) {
     std::string key;
     std::function<void()> task;
@@ -94,7 +103,12 @@ void KeyedExecutor::Loop() {
         SpinForWork(submitted_, seen, spin_);
         lock.lock();
       }
-      cv_.wait(lock, [this] { return stopping_ || !turns_.empty(); });
+      while (!stopping_ && turns_.empty()) {  // idle until Submit picks this thread
+        me.woken = false;
+        idle_.push_back(&me);
+        me.cv.wait(lock, [&] { return me.woken || stopping_; });
+        if (!me.woken) idle_.erase(std::find(idle_.begin(), idle_.end(), &me));
+      }
       if (turns_.empty()) return;  // stopping and drained (running keys requeue themselves)
       key = std::move(turns_.front());
       turns_.pop_front();
@@ -112,7 +126,7 @@ void KeyedExecutor::Loop() {
         queued_.erase(it);
       } else {
         turns_.push_back(key);  // its next task waits behind the other keys' turns
-        cv_.notify_one();
+        WakeOne();
       }
     }
     ran = true;

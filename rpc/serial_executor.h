@@ -48,7 +48,10 @@ void SpinForWork(const std::atomic<uint64_t>& submitted, uint64_t seen, std::chr
 
 // Tasks grouped by key (a run id) on a pool of threads: one key's tasks run one at a time in
 // submission order, and keys with work take turns (round robin), so a busy run cannot starve
-// another and runs do not share a fate through a hash of their ids.
+// another and runs do not share a fate through a hash of their ids. New work wakes the most
+// recently idle thread (last in, first out): a steady caller keeps landing on the same warm
+// thread, whose per-thread state (CUDA handles and workspaces set up on first use) is ready,
+// however many threads the pool has.
 class KeyedExecutor {
  public:
   explicit KeyedExecutor(size_t threads, std::chrono::microseconds spin = std::chrono::microseconds(0));
@@ -59,11 +62,16 @@ class KeyedExecutor {
   void Submit(const std::string& key, std::function<void()> task);
 
  private:
+  struct Idle {  // a thread waiting for work
+    std::condition_variable cv;
+    bool woken = false;
+  };
   void Loop();
+  void WakeOne();  // under mu_
   const std::chrono::microseconds spin_;
   std::atomic<uint64_t> submitted_{0};
   std::mutex mu_;
-  std::condition_variable cv_;
+  std::vector<Idle*> idle_;  // waiting threads, the most recently idle last
   std::map<std::string, std::deque<std::function<void()>>> queued_;  // keys with work
   std::deque<std::string> turns_;  // keys with work and none running, in turn order
   std::map<std::string, bool> running_;

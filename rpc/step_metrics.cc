@@ -22,6 +22,10 @@ void DeclareStepMetrics(PrometheusRegistry* m) {
              "largest CUDA memory allocated during the run's last step, bytes");
   m->Declare("lorastep_loss", T::kGauge, "loss of the run's last step (its loss:sum metric)");
   m->Declare("lorastep_grad_norm", T::kGauge, "gradient norm before clipping of the run's last step");
+  m->Declare("lorastep_co_scheduled_runs", T::kGauge,
+             "co-scheduling: runs whose TrainSteps shared the run's last co-scheduled step");
+  m->Declare("lorastep_co_scheduled_tokens", T::kGauge,
+             "co-scheduling: non-padding tokens of every run in the run's last co-scheduled step");
   m->Declare("lorastep_replicas_equal", T::kGauge,
              "mesh: 1 when every replica of every family was bitwise equal after the run's last step, else 0");
 }
@@ -43,7 +47,8 @@ void RecordStepMetrics(PrometheusRegistry* m, const std::string& run_id, const s
   const std::pair<const char*, const char*> gauges[] = {
       {"tokens_per_s:sum", "lorastep_tokens_per_second"}, {"mfu:sum", "lorastep_mfu_ratio"},
       {"peak_cuda_memory_bytes:max", "lorastep_peak_cuda_memory_bytes"}, {"loss:sum", "lorastep_loss"},
-      {"grad_norm:sum", "lorastep_grad_norm"}};
+      {"grad_norm:sum", "lorastep_grad_norm"}, {"co_scheduled_runs:max", "lorastep_co_scheduled_runs"},
+      {"co_scheduled_tokens:max", "lorastep_co_scheduled_tokens"}};
   for (const auto& [metric, gauge] : gauges) {
     auto it = metrics.find(metric);
     if (it != metrics.end()) m->Set(gauge, run, it->second);

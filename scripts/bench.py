@@ -392,6 +392,31 @@ def suite_digest(ctx):
 
 
 # name -> (what it measures, runner, result files it must leave, parity files that must pass)
+MULTI_TENANT_WORKLOADS = {  # name: (model, runs, sequences per call, tokens per sequence, timed steps per run)
+    "q05_16x4096": ("qwen2.5-0.5b", 16, 8, 512, 5),
+    "q05_32x1024": ("qwen2.5-0.5b", 32, 2, 512, 5),
+    "q7b_8x4096": ("qwen2.5-7b", 8, 8, 512, 3),
+}
+
+
+def suite_multi_tenant(ctx):
+    env = bench_env(ctx)
+    for name in ctx.args.multi_tenant:
+        preset, runs, seqs, length, steps = MULTI_TENANT_WORKLOADS[name]
+        if preset == "qwen2.5-7b":  # written by transformers itself, as the step7b suite does
+            model = "/tmp/q7b_hf"
+            if not run([sys.executable, "bench/make_hf_model.py", "--shape", preset, "--out", model], ctx.fails,
+                       "7B model", env=ctx.env):
+                continue
+        else:
+            model = ctx.model(preset, "bfloat16", 1)
+        run(["bash", "bench/multi_tenant.sh", ctx.build, model, "cuda", ctx.out, name, str(runs), str(seqs),
+             str(length), str(steps)], ctx.fails, f"multi-tenant {name}", env=env,
+            log=os.path.join(ctx.out, f"multi_tenant_{name}.log"))
+    run([sys.executable, "bench/multi_tenant_results.py", ctx.out, os.path.join(ctx.out, "multi_tenant.json")],
+        ctx.fails, "multi-tenant results", env=ctx.env)
+
+
 SUITES = {
     "dgrad": ("the flattened dgrad microbenchmark", suite_dgrad, lambda a: ["dgrad.json"], lambda a: []),
     "parity": ("0.5B log-probs and LoRA gradients against transformers + PEFT", suite_parity,
@@ -422,6 +447,8 @@ SUITES = {
                 lambda a: [f"service_overhead_{d}.json" for d in a.deployment], lambda a: []),
     "autosave": ("autosave's cost on the step", suite_autosave,
                  lambda a: [f"autosave_{d}.json" for d in a.deployment], lambda a: []),
+    "multi-tenant": ("many runs on one base: co-scheduled against one at a time", suite_multi_tenant,
+                     lambda a: ["multi_tenant.json"], lambda a: []),
     "multi-gpu": ("NCCL layouts against world size 1 and their speedups", suite_multi_gpu,
                   lambda a: ["multi_gpu.json"], lambda a: []),
 }
@@ -465,6 +492,8 @@ def main(argv=None):
     ap.add_argument("--suite", action="append", default=[], choices=sorted(SUITES), help="with 'all'")
     ap.add_argument("--step7b-mbs", nargs="+", default=["8192"], help="step7b: micro-batch sizes (first = headline)")
     ap.add_argument("--profile", action="store_true", help="step7b: also a Kineto profile of one step")
+    ap.add_argument("--multi-tenant", nargs="+", default=list(MULTI_TENANT_WORKLOADS),
+                    choices=sorted(MULTI_TENANT_WORKLOADS), help="multi-tenant: workloads")
     ap.add_argument("--long-runs", nargs="*", default=[], help="long: runs (default all: q7b_32768 recompute "
                                                                "q05_131072 q7b_131072)")
     ap.add_argument("--families-only", help="families: comma-separated subset")

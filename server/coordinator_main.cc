@@ -560,11 +560,12 @@ int main(int argc, char** argv) {
     if (!restored.ok()) return fail(restored.status());
     if (journal) LORASTEP_LOG(Info) << "lorastep_coordinator: " << *restored << " run(s) restored from " << journal->dir();
   }
-  // An in-process worker's calls run on the executor threads that call it. One thread, so
-  // one thread owns the device: LibTorch sets up CUDA state per thread (cuBLAS handles and
-  // workspaces), so each new thread's first call pays that setup again. The device runs one
-  // call at a time anyway; runs still take turns on that thread.
-  const size_t executors = absl::GetFlag(FLAGS_in_process_worker) ? 1 : 4;
+  // One thread per run with a call in flight, up to 64: the worker co-schedules only the
+  // calls of different runs that reach it together. An in-process worker's calls run on these
+  // threads; LibTorch sets up CUDA state per thread (cuBLAS handles and workspaces) on its
+  // first call, and the executor hands work to the most recently idle thread, so a steady
+  // caller keeps one warm thread.
+  const size_t executors = 64;
   CoordinatorService service(&core, executors, &metrics, api_keys ? &*api_keys : nullptr,
                              std::chrono::microseconds(absl::GetFlag(FLAGS_executor_spin_us)));
   service.SetQueueLimits(absl::GetFlag(FLAGS_max_queued_per_run), absl::GetFlag(FLAGS_max_queued));

@@ -54,6 +54,36 @@ TEST(KeyedExecutorTest, OneKeyNeverRunsTwiceAtOnce) {
   EXPECT_LE(most, 2);
 }
 
+// Work wakes the most recently idle thread: a caller sending one call after another lands
+// on one thread of a pool of 8 (the pool's per-thread CUDA setup is paid once, not per
+// thread), while calls of different keys sent at once still run side by side.
+TEST(KeyedExecutorTest, SteadyCallsLandOnOneWarmThread) {
+  KeyedExecutor ex(8);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // every thread has started
+  std::vector<std::thread::id> ran_on;
+  for (int i = 0; i < 6; ++i) {
+    std::promise<std::thread::id> where;
+    ex.Submit("run", [&] { where.set_value(std::this_thread::get_id()); });
+    ran_on.push_back(where.get_future().get());
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the thread is idle again
+  }
+  for (const auto& id : ran_on) EXPECT_EQ(id, ran_on.front());
+  std::atomic<int> inside{0}, most{0};
+  std::vector<std::promise<void>> finished(4);
+  for (int k = 0; k < 4; ++k) {
+    ex.Submit("run" + std::to_string(k), [&, k] {
+      const int n = ++inside;
+      int m = most.load();
+      while (n > m && !most.compare_exchange_weak(m, n)) {}
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      --inside;
+      finished[k].set_value();
+    });
+  }
+  for (auto& f : finished) f.get_future().wait();
+  EXPECT_EQ(most, 4);
+}
+
 // With spinning on, a call that comes while the thread polls, or after it gave up and
 // slept, runs once and in order, and the destructor does not wait out a spin.
 TEST(ExecutorSpinTest, CallsDuringAndAfterTheSpinRunInOrder) {

@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -81,7 +82,9 @@ def main():
     proc = subprocess.Popen([coordinator, "--model", model, "--worker_binary", worker, "--port", "0",
                              "--port_file", files["port"], "--metrics_port", "0",
                              "--metrics_port_file", files["metrics_port"],
-                             "--worker_metrics_port_base", str(worker_port)], stderr=log_file)
+                             "--worker_metrics_port_base", str(worker_port),
+                             # two runs' calls surely meet in the window (a lone run never waits)
+                             "--coschedule_window_us", "10000000"], stderr=log_file)
     try:
         port = wait_file(files["port"], proc)
         metrics_port = wait_file(files["metrics_port"], proc)
@@ -158,6 +161,36 @@ def main():
         check(len(logged(component="worker", method="Worker/TrainStep", code="OK", run_id=rid)) == 3,
               "the worker logs its calls too")
         check(not logged(method="Health/Check"), "health checks are not logged at --v 1")
+        # Co-scheduling: two runs' TrainSteps sent at once share one step; the occupancy gauges
+        # and the window's wait show what the responses say, on the coordinator and the worker.
+        other = client.create_run(rank=2, alpha=4, seed=2)
+        answers, errors = {}, []
+
+        def send(r):
+            try:
+                answers[r.run_id] = r.train_step(batch, loss={"loss_fn": "ppo"}, adamw={"lr": 1e-2})
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+        threads = [threading.Thread(target=send, args=(r,)) for r in (run, other)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        check(not errors, f"both co-scheduled calls answered: {errors}")
+        tokens = sum(len(d["tokens"]) for d in batch)
+        c, w = scrape(metrics_port), scrape(worker_port)
+        for r in (run, other):
+            m = answers[r.run_id]["metrics"]
+            check(m.get("co_scheduled_runs:max") == 2 and m.get("co_scheduled_tokens:max") == 2 * tokens,
+                  f"{r.run_id}: the step shared by 2 runs, {2 * tokens} tokens: {m}")
+            for side, samples in (("coordinator", c), ("worker", w)):
+                check(value(samples, "lorastep_co_scheduled_runs", run=r.run_id) == 2 and
+                      value(samples, "lorastep_co_scheduled_tokens", run=r.run_id) == 2 * tokens,
+                      f"{side}: occupancy gauges of {r.run_id}")
+                steps = 4 if r is run else 1  # every TrainStep that passed the co-scheduling queue
+                check(value(samples, "lorastep_step_phase_seconds_count", run=r.run_id, phase="coschedule_wait") == steps,
+                      f"{side}: the window's wait observed for each of {r.run_id}'s {steps} steps")
+        client.delete_run(other.run_id)
         client.delete_run(rid)
         c = scrape(metrics_port)
         check(value(c, "lorastep_runs") == 0 and not any(("run", rid) in k[1] for k in c),

@@ -10,6 +10,7 @@
 #include "lib/io/file_util.h"
 #include "lib/model/peft_io.h"
 #include "lib/io/safetensors.h"
+#include "lib/training/activation_memory.h"
 #include "lib/status_macros.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
@@ -426,17 +427,31 @@ TEST_F(TrainerTest, JointTrainStepEqualsEachRunAlone) {
   // kernels; this batch's PPO loss is a small sum of cancelling terms, where that rounding
   // shows at ~1e-5 of it (measured on the H200, fp32).
   const double tol = ::lorastep::testing::Tol(::lorastep::testing::TestDevice().is_cuda() ? 1e-4 : 1e-6);
+  // Step 0: the trainers' micro-batches. Step 1: micro-batches of at most 16 tokens, two or
+  // three per run. A run appears once per row, and the budget holds all three runs' parts,
+  // so the rows are as many as the most micro-batches of a run.
   for (int step = 0; step < 2; ++step) {
+    const int64_t max_tokens = step == 0 ? 0 : 16;
     std::vector<std::vector<Datum>> batches;
     for (size_t i = 0; i < specs.size(); ++i) batches.push_back(RlBatch(step * 3 + static_cast<int>(i), 96));
     const LossConfig loss = Ppo();
     std::vector<JointTrainCall> calls;
-    for (size_t i = 0; i < specs.size(); ++i) calls.push_back({joint[i].get(), &batches[i], &loss, Adam(), 0});
+    for (size_t i = 0; i < specs.size(); ++i) calls.push_back({joint[i].get(), &batches[i], &loss, Adam(), max_tokens});
     const auto together = Trainer::JointTrainStep(calls);
     ASSERT_EQ(together.size(), specs.size());
+    double most_micro_batches = 0;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      ASSERT_TRUE(together[i].ok()) << together[i].status();
+      most_micro_batches = std::max(most_micro_batches, together[i]->metrics.Get("micro_batches:sum"));
+    }
+    if (step == 1) EXPECT_EQ(most_micro_batches, 3.0);
     for (size_t i = 0; i < specs.size(); ++i) {
       const std::string what = "step " + std::to_string(step) + " run " + std::to_string(i);
-      ASSERT_OK_AND_ASSIGN(OptimStepResult alone, solo[i]->TrainStep(batches[i], loss, Adam()));
+      BatchOptions own;
+      own.max_tokens_per_microbatch = max_tokens;
+      ASSERT_OK_AND_ASSIGN(OptimStepResult alone, solo[i]->TrainStep(batches[i], loss, Adam(), own));
+      EXPECT_EQ(together[i]->metrics.Get("co_scheduled_rows:sum"), most_micro_batches) << what;
+      EXPECT_EQ(together[i]->metrics.Get("micro_batches:sum"), alone.metrics.Get("micro_batches:sum")) << what;
       ASSERT_TRUE(together[i].ok()) << what << ": " << together[i].status();
       const Metrics& got = together[i]->metrics;
       EXPECT_NEAR(got.Get("loss:sum"), alone.metrics.Get("loss:sum"), tol * std::abs(alone.metrics.Get("loss:sum")))
@@ -490,6 +505,35 @@ TEST_F(TrainerTest, JointTrainStepEqualsEachRunAlone) {
   EXPECT_EQ(fourth->pending_backward_calls(), 0);
   EXPECT_EQ(fourth->AdapterSha256(), sha4);
   EXPECT_EQ(mixed[0]->metrics.Get("co_scheduled_runs:max"), 3.0);  // runs 0, 2 and the failing fourth
+
+  // The activation budget bounds a row: at a budget one run's batch fits and no two do, each
+  // run's micro-batch takes a row of its own.
+  const ModelConfig& config = joint[0]->base().config;
+  int64_t budget = 0;
+  std::vector<std::vector<Datum>> batches;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    batches.push_back(RlBatch(20 + static_cast<int>(i), 96));
+    std::vector<int64_t> lengths;
+    for (const Datum& d : batches.back()) lengths.push_back(static_cast<int64_t>(d.tokens.size()));
+    budget = std::max(budget, static_cast<int64_t>(EstimatePackedActivationBytes(
+                                  config, joint[0]->base().shard, lengths, /*backward=*/true,
+                                  static_cast<int64_t>(c10::elementSize(joint[0]->base().dtype)),
+                                  Options().logprob_chunk_tokens, LayerRecompute::kNone, /*mlp_activation_kept=*/true)));
+  }
+  std::vector<std::unique_ptr<Trainer>> bounded;
+  std::vector<JointTrainCall> calls;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    TrainerOptions o = options_of(i);
+    o.max_activation_bytes = budget;
+    bounded.push_back(NewTrainer(o));
+    calls.push_back({bounded.back().get(), &batches[i], &loss, Adam(), /*max_tokens_per_microbatch=*/1 << 20});
+  }
+  const auto rows = Trainer::JointTrainStep(calls);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    ASSERT_TRUE(rows[i].ok()) << rows[i].status();
+    EXPECT_EQ(rows[i]->metrics.Get("co_scheduled_rows:sum"), 3.0) << "run " << i;
+    EXPECT_EQ(rows[i]->metrics.Get("co_scheduled_runs:max"), 3.0) << "run " << i;
+  }
 }
 
 TEST_F(TrainerTest, ForwardReturnsTheLogprobsForwardBackwardUses) {

@@ -284,20 +284,16 @@ void WorkerCore::LeadCoscheduledStep() {
   }
   std::lock_guard<FairMutex> device(mu_);
   std::vector<QueuedStep*> taken;
-  {  // arrival order, one call per run, within one micro-batch's tokens (the first always)
+  {  // arrival order, one call per run (JointTrainStep packs them into rows that fit the
+     // activation budget); a run's next call waits for the next step
     std::lock_guard<std::mutex> q(queue_mu_);
     std::set<std::string> runs_taken;
-    int64_t tokens = 0;
     for (auto it = queue_.begin(); it != queue_.end();) {
       QueuedStep* s = *it;
-      int64_t n = 0;
-      for (const Datum& d : *s->call.datums) n += static_cast<int64_t>(d.tokens.size());
-      if (runs_taken.count(*s->run_id) != 0 || (!taken.empty() && tokens + n > options_.max_tokens_per_microbatch)) {
+      if (!runs_taken.insert(*s->run_id).second) {
         ++it;
         continue;
       }
-      runs_taken.insert(*s->run_id);
-      tokens += n;
       taken.push_back(s);
       it = queue_.erase(it);
     }

@@ -5,21 +5,27 @@
 
 namespace lorastep {
 
-WorkerService::WorkerService(WorkerCore* core, PrometheusRegistry* metrics, std::string token_sha256)
-    : calls_(core, metrics), token_sha256_(std::move(token_sha256)) {}
+WorkerService::WorkerService(WorkerCore* core, PrometheusRegistry* metrics, std::string token_sha256,
+                             size_t device_call_threads)
+    : calls_(core, metrics), token_sha256_(std::move(token_sha256)), device_calls_(device_call_threads) {}
 
 absl::Status WorkerService::CheckToken(grpc::CallbackServerContext* ctx) const {
   return token_sha256_.empty() ? absl::OkStatus() : CheckBearerToken(AuthorizationOf(*ctx), token_sha256_);
 }
 
 template <typename Work>
-grpc::ServerUnaryReactor* WorkerService::Defer(grpc::CallbackServerContext* ctx, SerialExecutor& executor, Work work) {
+grpc::ServerUnaryReactor* WorkerService::Defer(grpc::CallbackServerContext* ctx, const std::string* run_id, Work work) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   if (absl::Status s = CheckToken(ctx); !s.ok()) {
     reactor->Finish(ToGrpcStatus(s));
     return reactor;
   }
-  executor.Submit([reactor, work = std::move(work)]() mutable { reactor->Finish(ToGrpcStatus(work())); });
+  auto task = [reactor, work = std::move(work)]() mutable { reactor->Finish(ToGrpcStatus(work())); };
+  if (run_id != nullptr) {
+    device_calls_.Submit(*run_id, std::move(task));
+  } else {
+    files_executor_.Submit(std::move(task));
+  }
   return reactor;
 }
 
@@ -32,21 +38,23 @@ grpc::ServerUnaryReactor* WorkerService::Info(grpc::CallbackServerContext* ctx, 
   return reactor;
 }
 
-// Every other call runs on the executor: one device, one call at a time, in arrival order.
+// Every other call runs on its run's queue of the device-call executor: one run's calls in
+// arrival order; different runs' calls reach WorkerCore side by side, where the device lock
+// orders them (and co-scheduling may join their TrainSteps).
 #define LORASTEP_WORKER_CALL(Method, Request, Response)                                              \
   grpc::ServerUnaryReactor* WorkerService::Method(grpc::CallbackServerContext* ctx, const Request* req, \
                                                   Response* resp) {                                  \
-    return Defer(ctx, executor_, [this, req, resp] { return calls_.Method(*req, resp); });                      \
+    return Defer(ctx, &req->run_id(), [this, req, resp] { return calls_.Method(*req, resp); });                      \
   }
 #define LORASTEP_WORKER_CALL_NO_RESPONSE(Method, Request, Response)                                  \
   grpc::ServerUnaryReactor* WorkerService::Method(grpc::CallbackServerContext* ctx, const Request* req, \
                                                   Response*) {                                       \
-    return Defer(ctx, executor_, [this, req] { return calls_.Method(*req); });                                 \
+    return Defer(ctx, &req->run_id(), [this, req] { return calls_.Method(*req); });                                 \
   }
 // Waits for a background write off the device's queue: never behind (or in front of) a step.
 grpc::ServerUnaryReactor* WorkerService::AwaitSaved(grpc::CallbackServerContext* ctx, const v1::WorkerPathRequest* req,
                                                     v1::WorkerPathResponse*) {
-  return Defer(ctx, files_executor_, [this, req] { return calls_.AwaitSaved(*req); });
+  return Defer(ctx, nullptr, [this, req] { return calls_.AwaitSaved(*req); });
 }
 
 LORASTEP_WORKER_CALL(CreateRun, v1::WorkerCreateRunRequest, v1::WorkerCreateRunResponse)
@@ -56,7 +64,7 @@ LORASTEP_WORKER_CALL_NO_RESPONSE(DeleteRun, v1::WorkerDeleteRunRequest, v1::Work
 #define LORASTEP_WORKER_BATCH_CALL(Method, Request, Response)                                         \
   grpc::ServerUnaryReactor* WorkerService::Method(grpc::CallbackServerContext* ctx, const Request* req, \
                                                   Response* resp) {                                  \
-    return Defer(ctx, executor_, [this, ctx, req, resp] {                                            \
+    return Defer(ctx, &req->run_id(), [this, ctx, req, resp] {                                            \
       return calls_.Method(*req, resp, nullptr, [ctx] { return ctx->IsCancelled(); });              \
     });                                                                                              \
   }
@@ -73,12 +81,12 @@ LORASTEP_WORKER_CALL(StoreAdapter, v1::WorkerStoreAdapterRequest, v1::WorkerPath
 grpc::ServerUnaryReactor* WorkerService::ListCheckpoints(grpc::CallbackServerContext* ctx,
                                                          const v1::ListCheckpointsRequest* req,
                                                          v1::ListCheckpointsResponse* resp) {
-  return Defer(ctx, files_executor_, [this, req, resp] { return calls_.ListCheckpoints(*req, resp); });
+  return Defer(ctx, nullptr, [this, req, resp] { return calls_.ListCheckpoints(*req, resp); });
 }
 grpc::ServerUnaryReactor* WorkerService::DeleteCheckpoint(grpc::CallbackServerContext* ctx,
                                                           const v1::DeleteCheckpointRequest* req,
                                                           v1::DeleteCheckpointResponse*) {
-  return Defer(ctx, files_executor_, [this, req] { return calls_.DeleteCheckpoint(*req); });
+  return Defer(ctx, nullptr, [this, req] { return calls_.DeleteCheckpoint(*req); });
 }
 #undef LORASTEP_WORKER_CALL
 #undef LORASTEP_WORKER_BATCH_CALL

@@ -1,5 +1,6 @@
-// The worker's gRPC adapter: checks the worker token, runs the call (WorkerCalls) on the
-// worker's serial executor (never on a gRPC thread), converts the status in rpc/grpc_status.
+// The worker's gRPC adapter: checks the worker token, runs the call (WorkerCalls) on an
+// executor (never on a gRPC thread; device calls queued by run), converts the status in
+// rpc/grpc_status.
 #ifndef LORASTEP_WORKER_WORKER_SERVICE_H_
 #define LORASTEP_WORKER_WORKER_SERVICE_H_
 
@@ -18,7 +19,10 @@ class WorkerService final : public v1::Worker::CallbackService {
   // `metrics`: this rank's step figures (rpc/step_metrics.h), labelled by run; may be null.
   // `token_sha256`: with --worker_token_file, every call must present the token (the
   // coordinator does); empty: open.
-  explicit WorkerService(WorkerCore* core, PrometheusRegistry* metrics = nullptr, std::string token_sha256 = "");
+  // `device_call_threads`: how many runs' calls may wait for the device at once (a run's
+  // calls run one at a time, in order); co-scheduling joins only calls that wait together.
+  explicit WorkerService(WorkerCore* core, PrometheusRegistry* metrics = nullptr, std::string token_sha256 = "",
+                         size_t device_call_threads = 64);
 
   grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* ctx, const v1::WorkerInfoRequest* req,
                                  v1::WorkerInfo* resp) override;
@@ -63,14 +67,15 @@ class WorkerService final : public v1::Worker::CallbackService {
                                              v1::DeleteCheckpointResponse* resp) override;
 
  private:
-  // Queues `work` (returning absl::Status) on `executor` and finishes the call when it has run.
+  // Queues `work` (returning absl::Status) on `run_id`'s queue of the device calls (null: on
+  // the files executor) and finishes the call when it has run.
   template <typename Work>
-  grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, SerialExecutor& executor, Work work);
+  grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, const std::string* run_id, Work work);
 
   absl::Status CheckToken(grpc::CallbackServerContext* ctx) const;
   WorkerCalls calls_;
   std::string token_sha256_;
-  SerialExecutor executor_;        // the device's calls, one at a time in arrival order
+  KeyedExecutor device_calls_;     // the device's calls, by run (WorkerCore's lock orders the device)
   SerialExecutor files_executor_;  // AwaitSaved and the store's files: the disk, never the device
 };
 

@@ -15,6 +15,7 @@
 #include "lib/model/qwen2.h"
 #include "lib/status_macros.h"
 #include "lib/torch_status.h"
+#include "lib/training/activation_memory.h"
 #include "lib/training/losses.h"
 #include "lib/training/micro_batch.h"
 #include "lib/training/trainer.h"
@@ -133,14 +134,54 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
     lora_params[r] = LoraParameterCount(*t.adapter_);
     steps = std::max(steps, splits[r].size());
   }
-  double t_forward_backward = 0;
-  const absl::Status ran = GuardTorch([&]() -> absl::Status {
+  // Joint rows: the runs' micro-batches (every run's first, then every run's second, ...)
+  // packed one after another while a row's activations fit the budget; a micro-batch alone
+  // fits (admission checked it). Fewer, longer rows launch fewer kernels.
+  struct Part {
+    size_t run;  // position in `admitted`
+    size_t micro_batch;
+  };
+  std::vector<std::vector<Part>> rows;
+  {
+    const int64_t budget = calls[admitted.front()].trainer->ActivationBudgetBytes();
+    bool mlp_kept = false;
+    int64_t chunk = 0;
+    for (size_t r = 0; r < n; ++r) {
+      const Trainer& t = *calls[admitted[r]].trainer;
+      mlp_kept = mlp_kept || t.MlpActivationKept();
+      chunk = std::max(chunk, t.options_.logprob_chunk_tokens);
+    }
+    const int64_t element_bytes = static_cast<int64_t>(c10::elementSize(base->dtype));
+    std::vector<int64_t> lengths;  // the current row's sequences
     for (size_t k = 0; k < steps; ++k) {
-      const auto t0 = std::chrono::steady_clock::now();
-      std::vector<size_t> runs;  // positions in `admitted` with a k-th micro-batch
-      std::vector<MicroBatch> mbs;
       for (size_t r = 0; r < n; ++r) {
         if (k >= splits[r].size()) continue;
+        std::vector<int64_t> with = lengths;
+        for (size_t d : splits[r][k]) with.push_back(static_cast<int64_t>((*calls[admitted[r]].datums)[d].tokens.size()));
+        // A run appears once per row: its micro-batches run one after another, as alone (its
+        // dropout stream draws in the same order).
+        const bool run_in_row = !rows.empty() && std::any_of(rows.back().begin(), rows.back().end(),
+                                                             [&](const Part& p) { return p.run == r; });
+        if (rows.empty() || run_in_row ||
+            (budget >= 0 && EstimatePackedActivationBytes(config, base->shard, with, /*backward=*/true, element_bytes,
+                                                          chunk, LayerRecompute::kNone, mlp_kept) >
+                                static_cast<double>(budget))) {
+          rows.emplace_back();
+          with.erase(with.begin(), with.begin() + static_cast<std::ptrdiff_t>(lengths.size()));
+        }
+        rows.back().push_back({r, k});
+        lengths = std::move(with);
+      }
+    }
+  }
+  double t_forward_backward = 0;
+  const absl::Status ran = GuardTorch([&]() -> absl::Status {
+    for (const std::vector<Part>& row_parts : rows) {
+      const auto t0 = std::chrono::steady_clock::now();
+      std::vector<size_t> runs;  // positions in `admitted`, one per part
+      std::vector<MicroBatch> mbs;
+      for (const Part& part : row_parts) {
+        const size_t r = part.run, k = part.micro_batch;
         const JointTrainCall& call = calls[admitted[r]];
         MicroBatchOptions options;
         options.backward = true;
@@ -197,6 +238,8 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
     return results;
   }
 
+  double joint_tokens = 0;  // every run's non-padding tokens in the shared forward/backward
+  for (const MicroBatchCounts& c : counts) joint_tokens += static_cast<double>(c.real_tokens);
   // Each run's own optimizer step: a refusal (a non-finite gradient norm) undoes that run alone.
   for (size_t r = 0; r < n; ++r) {
     const size_t c = admitted[r];
@@ -215,6 +258,8 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
     m.Add("micro_batches:sum", static_cast<double>(splits[r].size()));
     m.Add("model_flops:sum", counts[r].flops);
     m.Add("co_scheduled_runs:max", static_cast<double>(n));
+    m.Add("co_scheduled_tokens:max", joint_tokens);
+    m.Add("co_scheduled_rows:sum", static_cast<double>(rows.size()));
     m.Add("time_forward_backward_joint_s:sum", t_forward_backward);
     results[c] = std::move(step);
   }

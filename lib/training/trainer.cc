@@ -121,6 +121,23 @@ const char* RecomputeName(LayerRecompute level) {
 
 }  // namespace
 
+int64_t Trainer::ActivationBudgetBytes() const {
+  const int64_t budget = options_.max_activation_bytes;
+  if (budget != 0) return budget < 0 ? -1 : budget;
+  // What the device (CUDA) or this process (CPU) can still allocate.
+  const int64_t available = base_->device.is_cuda() ? CudaAvailableBytes(base_->device) : AvailableHostMemoryBytes();
+  if (available < 0) return -1;
+  return available / 10 * 8;  // room for the allocator and everything else
+}
+
+bool Trainer::MlpActivationKept() const {
+  // LoRA on down_proj in the fused form rebuilds the SwiGLU activation in backward, and a
+  // frozen down_proj keeps no input: the activation stays only for full fine-tuning and for
+  // a down_proj LoRA with dropout or unfused weight gradients.
+  const bool down_lora = adapter_->lora(0, kDownProj) != nullptr;
+  return adapter_->full_finetune() || (down_lora && (options_.lora.dropout > 0 || !options_.grad.fused_wgrad));
+}
+
 absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, const BatchOptions& batch,
                                             bool backward, std::vector<LayerRecompute>* recompute) const {
   const ActivationRecompute mode = !backward                     ? ActivationRecompute::kNone
@@ -134,21 +151,10 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
                                                                  : options_.max_tokens_per_microbatch;
   const auto micro_batches = SplitMicroBatches(datums, max_tokens);
   if (recompute != nullptr) recompute->assign(micro_batches.size(), fixed);
-  int64_t budget = options_.max_activation_bytes;
+  const int64_t budget = ActivationBudgetBytes();
   if (budget < 0) return absl::OkStatus();
-  if (budget == 0) {  // what the device (CUDA) or this process (CPU) can still allocate
-    const int64_t available =
-        base_->device.is_cuda() ? CudaAvailableBytes(base_->device) : AvailableHostMemoryBytes();
-    if (available < 0) return absl::OkStatus();
-    budget = available / 10 * 8;  // room for the allocator and everything else
-  }
   const int64_t element_bytes = static_cast<int64_t>(c10::elementSize(base_->dtype));
-  // LoRA on down_proj in the fused form rebuilds the SwiGLU activation in backward, and a
-  // frozen down_proj keeps no input: the activation stays only for full fine-tuning and for
-  // a down_proj LoRA with dropout or unfused weight gradients.
-  const bool down_lora = adapter_->lora(0, kDownProj) != nullptr;
-  const bool mlp_activation_kept = adapter_->full_finetune() ||
-                                   (down_lora && (options_.lora.dropout > 0 || !options_.grad.fused_wgrad));
+  const bool mlp_activation_kept = MlpActivationKept();
   const double b = static_cast<double>(budget);
   // Context parallelism: each rank holds 1/cp of every sequence, always packed.
   const int64_t cp = options_.groups != nullptr ? options_.groups->layout().sizes().cp : 1;

@@ -255,6 +255,11 @@ class Trainer {
   // how much its layers recompute (TrainerOptions::activation_recompute; auto: the least that fits).
   absl::Status CheckActivationBudget(const std::vector<Datum>& datums, const BatchOptions& batch, bool backward,
                                      std::vector<LayerRecompute>* recompute = nullptr) const;
+  // The activation memory one micro-batch may use (TrainerOptions::max_activation_bytes; 0
+  // there: 80% of what the device or this process can still allocate); -1: no limit.
+  int64_t ActivationBudgetBytes() const;
+  // Whether the MLP keeps its SwiGLU activation for backward (EstimateActivationBytes).
+  bool MlpActivationKept() const;
   // On a mesh every rank recomputes a micro-batch as much as any rank would (the replay
   // repeats the layers' collectives): one world all-reduce (max) of the levels.
   absl::Status AgreeOnRecompute(std::vector<LayerRecompute>* recompute);

@@ -1,0 +1,171 @@
+// Many runs on one base model (issue 30): --runs runs, each sending TrainSteps of --seqs x --len
+// random tokens back to back from its own thread, all at once. Run against a worker with
+// co-scheduling (--coschedule_window_us > 0) and against one without (0: the same calls served
+// one at a time); bench/multi_tenant_results.py compares the two.
+//   multi_tenant --address A --vocab V [--runs 16] [--seqs 8] [--len 512] [--steps 5]
+//                [--ranks 32 (comma list, cycled over the runs)] [--label L] [--out F.json]
+// Every run first takes one warm-up step (all at once, not timed); then each thread sends
+// --steps steps. Reported: aggregate tokens/s = runs x steps x tokens per call / the wall time
+// from the start of the timed steps until the last answer; every call's latency (p50, p99);
+// every run's loss and grad_norm per step (the warm-up step's first), for comparing the modes.
+#include <algorithm>
+#include <chrono>
+#include <ctime>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "bench/bench_batch.h"
+#include "clients/cpp/trainer_client.h"
+#include "lib/flags_util.h"
+#include "nlohmann/json.hpp"
+
+ABSL_FLAG(std::string, address, "127.0.0.1:50051", "coordinator host:port");
+ABSL_FLAG(int64_t, vocab, 96, "vocabulary size");
+ABSL_FLAG(int, runs, 16, "runs, one sending thread each");
+ABSL_FLAG(int, seqs, 8, "sequences per call");
+ABSL_FLAG(int, len, 512, "tokens per sequence");
+ABSL_FLAG(int, steps, 5, "timed steps per run (after one warm-up step)");
+ABSL_FLAG(std::string, ranks, "32", "LoRA ranks, comma-separated, cycled over the runs");
+ABSL_FLAG(std::string, label, "", "recorded in the JSON (for example the window)");
+ABSL_FLAG(std::string, machine, "unknown", "recorded in the JSON");
+ABSL_FLAG(std::string, versions, "", "library versions, recorded in the JSON");
+ABSL_FLAG(std::string, command, "", "the command, recorded in the JSON");
+ABSL_FLAG(std::string, model, "", "the model, recorded in the JSON");
+ABSL_FLAG(std::string, out, "", "write the JSON result here");
+
+namespace {
+
+struct RunRecord {
+  std::vector<double> latencies_s;  // timed steps
+  std::vector<double> losses, grad_norms, co_scheduled_runs;  // every step, the warm-up's first
+  std::string error;
+};
+
+double Quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5));
+  return v[i];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace lorastep;
+  ParseCommandLineOrExit(argc, argv, "multi_tenant --address A --vocab V [--runs 16] [--seqs 8] [--len 512] [--steps 5]");
+  const int runs = absl::GetFlag(FLAGS_runs), seqs = absl::GetFlag(FLAGS_seqs), len = absl::GetFlag(FLAGS_len),
+            steps = absl::GetFlag(FLAGS_steps);
+  std::vector<int64_t> ranks;
+  for (absl::string_view r : absl::StrSplit(absl::GetFlag(FLAGS_ranks), ',')) {
+    int64_t rank = 0;
+    if (!absl::SimpleAtoi(r, &rank) || rank <= 0) {
+      std::cerr << "--ranks: '" << r << "' is not a positive integer\n";
+      return 2;
+    }
+    ranks.push_back(rank);
+  }
+  if (runs <= 0 || seqs <= 0 || len <= 1 || steps <= 0) {
+    std::cerr << "--runs, --seqs and --steps must be positive and --len above 1\n";
+    return 2;
+  }
+  auto client = TrainerClient::Connect(absl::GetFlag(FLAGS_address), 60);
+  if (!client.ok()) {
+    std::cerr << client.status() << "\n";
+    return 1;
+  }
+  std::vector<RunSession> sessions;
+  std::vector<std::vector<v1::Datum>> batches;
+  for (int r = 0; r < runs; ++r) {
+    v1::LoraConfig lora;
+    lora.set_rank(ranks[static_cast<size_t>(r) % ranks.size()]);
+    lora.set_alpha(32);
+    auto run = RunSession::Create(client->get(), lora, /*seed=*/static_cast<uint64_t>(r + 1));
+    if (!run.ok()) {
+      std::cerr << "run " << r << ": " << run.status() << "\n";
+      return 1;
+    }
+    sessions.push_back(*std::move(run));
+    batches.push_back(RandomBatch(seqs, len, absl::GetFlag(FLAGS_vocab), /*seed=*/static_cast<uint32_t>(r + 1)));
+  }
+  v1::LossConfig loss;
+  loss.set_loss_fn("ppo");
+  v1::AdamWParams adamw;
+  adamw.set_lr(1e-5);
+  std::vector<RunRecord> records(static_cast<size_t>(runs));
+  // Each thread sends `count` steps; returns when its run is done (or failed).
+  auto send = [&](int r, int count, bool timed) {
+    RunRecord& rec = records[static_cast<size_t>(r)];
+    for (int s = 0; s < count && rec.error.empty(); ++s) {
+      const auto t0 = std::chrono::steady_clock::now();
+      auto resp = sessions[static_cast<size_t>(r)].TrainStep(batches[static_cast<size_t>(r)], loss, adamw);
+      const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (!resp.ok()) {
+        rec.error = resp.status().ToString();
+        return;
+      }
+      const auto& m = resp->metrics();
+      if (timed) rec.latencies_s.push_back(wall);
+      rec.losses.push_back(m.count("loss:sum") ? m.at("loss:sum") : 0.0);
+      rec.grad_norms.push_back(m.count("grad_norm:sum") ? m.at("grad_norm:sum") : 0.0);
+      rec.co_scheduled_runs.push_back(m.count("co_scheduled_runs:max") ? m.at("co_scheduled_runs:max") : 1.0);
+    }
+  };
+  auto all = [&](int count, bool timed) {
+    std::vector<std::thread> threads;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int r = 0; r < runs; ++r) threads.emplace_back(send, r, count, timed);
+    for (auto& t : threads) t.join();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  all(1, false);  // warm-up: allocator, kernels, each run's optimizer state
+  const double wall = all(steps, true);
+  for (int r = 0; r < runs; ++r) {
+    if (!records[static_cast<size_t>(r)].error.empty()) {
+      std::cerr << "run " << r << ": " << records[static_cast<size_t>(r)].error << "\n";
+      return 1;
+    }
+  }
+  std::vector<double> latencies, occupancy;
+  nlohmann::ordered_json per_run = nlohmann::json::array();
+  for (const RunRecord& rec : records) {
+    latencies.insert(latencies.end(), rec.latencies_s.begin(), rec.latencies_s.end());
+    occupancy.insert(occupancy.end(), rec.co_scheduled_runs.begin() + 1, rec.co_scheduled_runs.end());
+    per_run.push_back({{"losses", rec.losses}, {"grad_norms", rec.grad_norms}, {"latencies_s", rec.latencies_s}});
+  }
+  double occupancy_mean = 0;
+  for (double o : occupancy) occupancy_mean += o / static_cast<double>(occupancy.size());
+  const int64_t tokens_per_call = static_cast<int64_t>(seqs) * len;
+  std::time_t now = std::time(nullptr);
+  char date[32];
+  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  nlohmann::ordered_json j;
+  j["date"] = date;
+  j["machine"] = absl::GetFlag(FLAGS_machine);
+  j["library_versions"] = absl::GetFlag(FLAGS_versions);
+  j["command"] = absl::GetFlag(FLAGS_command);
+  j["model"] = absl::GetFlag(FLAGS_model);
+  j["label"] = absl::GetFlag(FLAGS_label);
+  j["runs"] = runs;
+  j["tokens_per_call"] = tokens_per_call;
+  j["calls"] = {{"sequences", seqs}, {"length", len}, {"ranks", ranks}, {"loss", "ppo"}};
+  j["timed_steps_per_run"] = steps;
+  j["wall_s"] = wall;
+  j["aggregate_tokens_per_s"] = static_cast<double>(runs) * steps * static_cast<double>(tokens_per_call) / wall;
+  j["latency_p50_s"] = Quantile(latencies, 0.5);
+  j["latency_p99_s"] = Quantile(latencies, 0.99);
+  j["co_scheduled_runs_mean"] = occupancy_mean;
+  j["per_run"] = per_run;
+  j["method"] = "every run sends its steps back to back from its own thread, all runs at once; aggregate tokens/s "
+                "over the timed steps' wall time (after one warm-up step per run); latency per call, all runs";
+  if (!absl::GetFlag(FLAGS_out).empty()) std::ofstream(absl::GetFlag(FLAGS_out)) << j.dump(2) << "\n";
+  nlohmann::ordered_json summary = j;
+  summary.erase("per_run");
+  std::cout << summary.dump(2) << "\n";
+  return 0;
+}
