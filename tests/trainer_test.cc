@@ -411,8 +411,10 @@ TEST_F(TrainerTest, JointTrainStepEqualsEachRunAlone) {
     double alpha, dropout;
     std::vector<std::string> targets;
   };
-  const std::vector<Spec> specs{{4, 8, 0.1, {"all-linear"}},
-                                {2, 4, 0.0, {"q_proj", "v_proj", "down_proj"}},
+  // Run 1's dropout sends its projections through the per-segment path; the others' run
+  // through SegmentedLoraLinear.
+  const std::vector<Spec> specs{{4, 8, 0.0, {"all-linear"}},
+                                {2, 4, 0.1, {"q_proj", "v_proj", "down_proj"}},
                                 {8, 8, 0.0, {"o_proj", "gate_proj", "up_proj", "lm_head"}}};
   auto options_of = [&](size_t i) {
     TrainerOptions o = Options();

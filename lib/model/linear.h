@@ -57,6 +57,20 @@ at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::T
                       const at::Tensor& a, const at::Tensor& a_main_grad, const at::Tensor& b,
                       const at::Tensor& b_main_grad, double scale, const GradOptions& options);
 
+// One run's LoRA factors over rows [begin, end) of a packed row shared by several runs.
+struct LoraSegment {
+  int64_t begin = 0, end = 0;
+  at::Tensor a, a_main_grad, b, b_main_grad;
+  double scale = 1.0;
+};
+
+// x @ weight^T (+ bias) over every row of x's folded [n, in] view, plus on each segment's rows
+// only scale * (x_s @ a^T) @ b^T, for a frozen `weight` (co-scheduling: several runs' LoRA
+// over one packed row; rows in no segment get the base alone). Differentiable in x; the
+// factors accumulate into their main_grads.
+at::Tensor SegmentedLoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                               std::vector<LoraSegment> segments);
+
 // An input that LoraLinearRecomputed keeps only as its `source` (what it is computed from,
 // kept for backward anyway) and rebuilds in backward. `forward(source)` is the input;
 // `backward(source, grad_input, &input)` returns the source's gradient and writes the input

@@ -328,6 +328,22 @@ class LayerRunner {
     return adapter_->lora_config().dropout > 0 && options_.training ? nullptr : f;
   }
 
+  // The run segments' factors of (layer, slot) for SegmentedLoraLinear: a frozen base, fused
+  // weight gradients, and no segment with a branch here using dropout in training; else nullopt.
+  std::optional<std::vector<LoraSegment>> FusedSegments(size_t layer, int slot) const {
+    if (main_grads_ != nullptr || !options_.grad.fused_wgrad) return std::nullopt;
+    std::vector<LoraSegment> out;
+    for (const RunSegment& seg : *options_.run_segments) {
+      const LoraFactors* f = seg.adapter != nullptr ? seg.adapter->lora(layer, slot) : nullptr;
+      if (f == nullptr) continue;
+      if (seg.adapter->lora_config().dropout > 0 && options_.training) return std::nullopt;
+      const Parameter& a = seg.adapter->parameters()[f->a];
+      const Parameter& b = seg.adapter->parameters()[f->b];
+      out.push_back({seg.begin, seg.end, a.value, a.main_grad, b.value, b.main_grad, seg.adapter->lora_config().scale()});
+    }
+    return out;
+  }
+
   // Each run segment's LoRA branch of (layer, slot) over its rows of x [1, T, in], as one
   // [1, T, out] delta (zero on rows whose run has no branch there); undefined where no run has one.
   at::Tensor SegmentBranches(size_t layer, int slot, const at::Tensor& x, int64_t out) const {
@@ -357,6 +373,9 @@ class LayerRunner {
     at::Tensor mg = main_grads_ != nullptr ? main_grads_->layers[layer].linear[slot] : at::Tensor();
     const at::Tensor bias = slot < 3 ? weights_.layers[layer].qkv_bias[slot] : at::Tensor();
     if (options_.run_segments != nullptr) {  // several runs: the frozen base once, each run's branch on its rows
+      if (std::optional<std::vector<LoraSegment>> segments = FusedSegments(layer, slot)) {
+        return SegmentedLoraLinear(x, w, bias, *std::move(segments));
+      }
       at::Tensor y = Linear(x, w, mg, options_.grad);
       if (bias.defined()) y = y + bias;
       const at::Tensor delta = SegmentBranches(layer, slot, x, w.size(0));
