@@ -536,6 +536,25 @@ TEST_F(TrainerTest, JointTrainStepEqualsEachRunAlone) {
     EXPECT_EQ(rows[i]->metrics.Get("co_scheduled_rows:sum"), 3.0) << "run " << i;
     EXPECT_EQ(rows[i]->metrics.Get("co_scheduled_runs:max"), 3.0) << "run " << i;
   }
+
+  // Cancellation between rows: run 1 asks to stop after its first micro-batch; it is
+  // CANCELLED with nothing applied (its gradients so far dropped), and run 0 steps.
+  auto keeps = NewTrainer(options_of(0)), stops = NewTrainer(options_of(2));
+  const std::string stops_sha = stops->AdapterSha256();
+  int asked = 0;
+  std::vector<JointTrainCall> cancelling{{keeps.get(), &batches[0], &loss, Adam(), 16},
+                                         {stops.get(), &batches[1], &loss, Adam(), 16}};
+  cancelling[1].cancelled = [&] { return ++asked > 1; };
+  const auto stopped = Trainer::JointTrainStep(cancelling);
+  ASSERT_TRUE(stopped[0].ok()) << stopped[0].status();
+  EXPECT_EQ(keeps->learner_version(), 1);
+  EXPECT_THAT(stopped[1].status(), StatusIs(absl::StatusCode::kCancelled, "before micro-batch 2 of"));
+  EXPECT_EQ(stops->learner_version(), 0);
+  EXPECT_EQ(stops->pending_backward_calls(), 0);
+  EXPECT_EQ(stops->AdapterSha256(), stops_sha);
+  for (const Parameter& p : stops->adapter().parameters()) {
+    EXPECT_EQ(p.main_grad.abs().max().item<double>(), 0.0) << p.name;
+  }
 }
 
 TEST_F(TrainerTest, ForwardReturnsTheLogprobsForwardBackwardUses) {

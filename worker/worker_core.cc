@@ -229,7 +229,7 @@ absl::StatusOr<OptimStepResult> WorkerCore::TrainStep(const std::string& run_id,
                                                       std::optional<ActivationRecompute> recompute,
                                                       const MeshCallInfo& mesh, const Cancelled& cancelled) {
   if (groups_ == nullptr && CoSchedules(run_id, recompute)) {
-    QueuedStep step{&run_id, JointTrainCall{nullptr, &datums, &loss, params, max_tokens, totals}, mesh, cancelled,
+    QueuedStep step{&run_id, JointTrainCall{nullptr, &datums, &loss, params, max_tokens, totals, cancelled}, mesh, cancelled,
                     std::chrono::steady_clock::now()};
     AwaitCoscheduled(&step);
     return std::move(step.result);

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -175,6 +176,7 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
     }
   }
   double t_forward_backward = 0;
+  std::vector<std::optional<size_t>> cancelled_before(n);  // the micro-batch a cancelled run stopped at
   const absl::Status ran = GuardTorch([&]() -> absl::Status {
     for (const std::vector<Part>& row_parts : rows) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -183,6 +185,8 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
       for (const Part& part : row_parts) {
         const size_t r = part.run, k = part.micro_batch;
         const JointTrainCall& call = calls[admitted[r]];
+        if (!cancelled_before[r] && call.cancelled && call.cancelled()) cancelled_before[r] = k;
+        if (cancelled_before[r]) continue;  // its later parts leave the rows
         MicroBatchOptions options;
         options.backward = true;
         options.always_pack = true;
@@ -192,6 +196,7 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
         runs.push_back(r);
         mbs.push_back(BuildMicroBatch(*call.datums, splits[r][k], config, options, device, &counts[r]));
       }
+      if (mbs.empty()) continue;  // every part's run was cancelled
       std::vector<const MicroBatch*> parts;
       for (const MicroBatch& mb : mbs) parts.push_back(&mb);
       const JointRow row = JoinPackedRows(parts);
@@ -244,6 +249,13 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
   for (size_t r = 0; r < n; ++r) {
     const size_t c = admitted[r];
     Trainer& t = *calls[c].trainer;
+    if (cancelled_before[r]) {  // its gradients so far go with the rest of its state
+      t.Restore(snapshots[c]);
+      results[c] = absl::CancelledError(absl::StrCat(
+          "call cancelled (its caller went away or its deadline passed) before micro-batch ", *cancelled_before[r] + 1,
+          " of ", splits[r].size(), "; nothing was applied"));
+      continue;
+    }
     ++t.pending_backward_calls_;
     absl::StatusOr<OptimStepResult> step = t.StepOptimizer(calls[c].adamw, /*restore_on_failure=*/false);
     if (!step.ok()) {

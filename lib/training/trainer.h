@@ -144,6 +144,9 @@ struct JointTrainCall {
   AdamWParams adamw;
   int64_t max_tokens_per_microbatch = 0;  // 0 = the trainer's
   const BatchTotals* totals = nullptr;    // the whole batch's denominators; null: of `datums`
+  // Asked before each joint row the call still has parts in: true stops the call there, and
+  // nothing of it applies (CANCELLED). Empty: never cancelled.
+  std::function<bool()> cancelled;
 };
 
 class Trainer {
