@@ -13,6 +13,7 @@
 #include <ctime>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -41,9 +42,15 @@ ABSL_FLAG(std::string, out, "", "write the JSON result here");
 
 namespace {
 
+// Per-call metrics averaged over every timed call of every run (where a response has them).
+const char* const kPhaseMetrics[] = {"time_step_s:sum", "time_coschedule_wait_s:sum",
+                                     "time_forward_backward_joint_s:sum", "time_optimizer_s:sum",
+                                     "time_digest_s:sum", "co_scheduled_rows:sum", "co_scheduled_tokens:max"};
+
 struct RunRecord {
   std::vector<double> latencies_s;  // timed steps
   std::vector<double> losses, grad_norms, co_scheduled_runs;  // every step, the warm-up's first
+  std::map<std::string, std::vector<double>> phases;          // timed steps, kPhaseMetrics
   std::string error;
 };
 
@@ -110,7 +117,12 @@ int main(int argc, char** argv) {
         return;
       }
       const auto& m = resp->metrics();
-      if (timed) rec.latencies_s.push_back(wall);
+      if (timed) {
+        rec.latencies_s.push_back(wall);
+        for (const char* name : kPhaseMetrics) {
+          if (m.count(name)) rec.phases[name].push_back(m.at(name));
+        }
+      }
       rec.losses.push_back(m.count("loss:sum") ? m.at("loss:sum") : 0.0);
       rec.grad_norms.push_back(m.count("grad_norm:sum") ? m.at("grad_norm:sum") : 0.0);
       rec.co_scheduled_runs.push_back(m.count("co_scheduled_runs:max") ? m.at("co_scheduled_runs:max") : 1.0);
@@ -138,6 +150,16 @@ int main(int argc, char** argv) {
     occupancy.insert(occupancy.end(), rec.co_scheduled_runs.begin() + 1, rec.co_scheduled_runs.end());
     per_run.push_back({{"losses", rec.losses}, {"grad_norms", rec.grad_norms}, {"latencies_s", rec.latencies_s}});
   }
+  nlohmann::ordered_json phase_means;
+  for (const char* name : kPhaseMetrics) {
+    double sum = 0, count = 0;
+    for (const RunRecord& rec : records) {
+      auto it = rec.phases.find(name);
+      if (it == rec.phases.end()) continue;
+      for (double v : it->second) sum += v, ++count;
+    }
+    if (count > 0) phase_means[name] = sum / count;
+  }
   double occupancy_mean = 0;
   for (double o : occupancy) occupancy_mean += o / static_cast<double>(occupancy.size());
   const int64_t tokens_per_call = static_cast<int64_t>(seqs) * len;
@@ -160,6 +182,7 @@ int main(int argc, char** argv) {
   j["latency_p50_s"] = Quantile(latencies, 0.5);
   j["latency_p99_s"] = Quantile(latencies, 0.99);
   j["co_scheduled_runs_mean"] = occupancy_mean;
+  j["per_call_metric_means"] = phase_means;
   j["per_run"] = per_run;
   j["method"] = "every run sends its steps back to back from its own thread, all runs at once; aggregate tokens/s "
                 "over the timed steps' wall time (after one warm-up step per run); latency per call, all runs";

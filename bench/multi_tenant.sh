@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Many runs on one base model (issue 30): the same concurrent calls against a coordinator whose
-# worker co-schedules (--coschedule_window_us, default 2000) and against one that serves them
+# worker co-schedules (--coschedule_window_us, default 5000) and against one that serves them
 # one at a time (0). Writes OUT_DIR/NAME_coscheduled.json and OUT_DIR/NAME_one_at_a_time.json;
 # bench/multi_tenant_results.py compares them.
 #   bench/multi_tenant.sh BIN_DIR MODEL_DIR DEVICE OUT_DIR NAME RUNS SEQS LEN [STEPS]
@@ -16,7 +16,7 @@ WORK=$(mktemp -d)
 PID=
 trap '[ -n "$PID" ] && { kill $PID 2>/dev/null; wait $PID 2>/dev/null || true; }; rm -rf "$WORK"' EXIT
 for side in coscheduled one_at_a_time; do
-  window=${WINDOW_US:-2000}; [ $side = one_at_a_time ] && window=0
+  window=${WINDOW_US:-5000}; [ $side = one_at_a_time ] && window=0
   rm -f "$WORK/port"
   "$(find_bin lorastep_coordinator)" --model "$MODEL" --device "$DEVICE" --port 0 --port_file "$WORK/port" \
     --worker_binary "$(find_bin lorastep_worker)" --coschedule_window_us $window ${COORD_FLAGS:-} 2> "$WORK/$side.log" &

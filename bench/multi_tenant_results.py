@@ -50,7 +50,9 @@ def main():
                  "coscheduled_runs_per_step": together["co_scheduled_runs_mean"],
                  "latency_p50_s": {"coscheduled": together["latency_p50_s"], "one_at_a_time": alone["latency_p50_s"]},
                  "latency_p99_s": {"coscheduled": together["latency_p99_s"], "one_at_a_time": alone["latency_p99_s"]},
-                 "first_step_max_rel_err": first, "max_rel_err": every}
+                 "first_step_max_rel_err": first, "max_rel_err": every,
+                 "per_call_metric_means": {"coscheduled": together.get("per_call_metric_means", {}),
+                                           "one_at_a_time": alone.get("per_call_metric_means", {})}}
         doc["workloads"][name] = entry
         if key:
             doc[key] = speedup
@@ -61,7 +63,7 @@ def main():
     if not doc["workloads"]:
         sys.exit(f"no workload pairs in {out_dir}")
     doc["method"] = ("bench/multi_tenant.sh: every run sends TrainSteps (PPO, LoRA) back to back from its own thread, "
-                     "all runs at once, against a coordinator + worker process co-scheduling (window 2000 us) and "
+                     "all runs at once, against a coordinator + worker process co-scheduling (window 5000 us) and "
                      "against one serving them one at a time (window 0); aggregate tokens/s over the timed steps after "
                      "one warm-up step per run; latencies over every timed call of every run")
     if os.path.exists(result):  # keep workloads measured in other calls

@@ -131,7 +131,7 @@ ABSL_FLAG(int, max_upload_mb, 512, "largest PEFT adapter one UploadAdapter may s
 ABSL_FLAG(double, max_recorded_mb, 64, "MiB of recorded responses (for retries) kept per run");
 ABSL_FLAG(std::optional<double>, max_activation_mb, std::nullopt, "local workers: activation budget per micro-batch, MiB");
 ABSL_FLAG(std::string, activation_recompute, "auto", "local workers: activation recomputation (auto, none, selective, full)");
-ABSL_FLAG(int64_t, coschedule_window_us, 2000,
+ABSL_FLAG(int64_t, coschedule_window_us, 5000,
           "local workers: how long a TrainStep finding the device idle waits for other runs' calls to share its step "
           "(0: off)");
 ABSL_FLAG(bool, unfused_wgrad, false, "local workers: unfused weight gradients");

@@ -24,7 +24,7 @@ struct InProcessWorkerSettings {
   bool pack_sequences = true;
   std::optional<double> max_activation_mb;
   std::string activation_recompute = "auto";
-  int64_t coschedule_window_us = 2000;  // WorkerOptions::coschedule_window
+  int64_t coschedule_window_us = 5000;  // WorkerOptions::coschedule_window
   int cpu_threads = 0;
 };
 

@@ -189,55 +189,62 @@ TEST_P(LoraLinearTest, OneFunctionLoraLinearMatchesDenseReference) {
   }
 }
 
-// SegmentedLoraLinear: three runs' factors (ranks 4, 2 and none) over one packed row of 1 x 11
-// rows, with a bias, against the fp64 dense reference of each segment alone: output, input
+// SegmentedLoraLinear against the fp64 dense reference of each segment alone: output, input
 // gradient and every factor's main_grad; a segment's factors get nothing from other rows.
+// Two layouts over one packed row of 1 x 24 rows: three runs of ranks 16, none and 8 (mixed
+// ranks and scales, a run without a branch), and two runs of rank 8 with one scale. On CUDA
+// in bf16 both take the grouped path (two grouped GEMMs each way); elsewhere one GEMM pair per
+// segment.
 TEST(SegmentedLoraLinearTest, EachSegmentMatchesItsOwnDenseReference) {
   const auto opts = at::TensorOptions().device(TestDevice()).dtype(TestDtype());
-  const int64_t in = 24, out = 40;
-  at::Tensor w = at::randn({out, in}, opts), bias = at::randn({out}, opts);
+  const int64_t in = 32, out = 48;
   struct Run {
     int64_t begin, end, rank;
     double scale;
     at::Tensor a, b, a_grad, b_grad;
   };
-  std::vector<Run> runs{{0, 4, 4, 2.5}, {4, 6, 0, 0}, {6, 11, 2, 0.5}};
-  std::vector<LoraSegment> segments;
-  for (Run& r : runs) {
-    if (r.rank == 0) continue;
-    r.a = at::randn({r.rank, in}, opts) * 0.3;
-    r.b = at::randn({out, r.rank}, opts) * 0.3;
-    r.a_grad = at::zeros({r.rank, in}, opts.dtype(at::kFloat));
-    r.b_grad = at::zeros({out, r.rank}, opts.dtype(at::kFloat));
-    segments.push_back({r.begin, r.end, r.a, r.a_grad, r.b, r.b_grad, r.scale});
-  }
-  at::Tensor x = at::randn({1, 11, in}, opts).requires_grad_(true);
-  at::Tensor upstream = at::randn({1, 11, out}, opts);
-  at::Tensor y = SegmentedLoraLinear(x, w, bias, segments);
-  (y * upstream).sum().backward();
-  auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(true); };
-  at::Tensor xr = f64(x);
-  std::vector<at::Tensor> parts;
-  std::vector<std::pair<at::Tensor, at::Tensor>> factors;
-  for (const Run& r : runs) {
-    at::Tensor xs = xr.narrow(1, r.begin, r.end - r.begin);
-    at::Tensor ys = at::matmul(xs, f64(w).t()) + bias.to(at::kDouble);
-    if (r.rank > 0) {
-      factors.emplace_back(f64(r.a), f64(r.b));
-      ys = ys + at::matmul(at::matmul(xs, factors.back().first.t()), factors.back().second.t()) * r.scale;
+  const std::vector<std::vector<Run>> layouts{{{0, 9, 16, 2.5}, {9, 13, 0, 0}, {13, 24, 8, 0.5}},
+                                              {{0, 10, 8, 2.0}, {10, 24, 8, 2.0}}};
+  for (size_t l = 0; l < layouts.size(); ++l) {
+    std::vector<Run> runs = layouts[l];
+    at::Tensor w = at::randn({out, in}, opts), bias = at::randn({out}, opts);
+    std::vector<LoraSegment> segments;
+    for (Run& r : runs) {
+      if (r.rank == 0) continue;
+      r.a = at::randn({r.rank, in}, opts) * 0.3;
+      r.b = at::randn({out, r.rank}, opts) * 0.3;
+      r.a_grad = at::zeros({r.rank, in}, opts.dtype(at::kFloat));
+      r.b_grad = at::zeros({out, r.rank}, opts.dtype(at::kFloat));
+      segments.push_back({r.begin, r.end, r.a, r.a_grad, r.b, r.b_grad, r.scale});
     }
-    parts.push_back(ys);
-  }
-  const at::Tensor yr = at::cat(parts, 1);
-  (yr * upstream.to(at::kDouble)).sum().backward();
-  EXPECT_LT(RelErr(y, yr), Tol(1e-6));
-  EXPECT_LT(RelErr(x.grad(), xr.grad()), Tol(1e-6));
-  size_t f = 0;
-  for (const Run& r : runs) {
-    if (r.rank == 0) continue;
-    EXPECT_LT(RelErr(r.a_grad, factors[f].first.grad()), Tol(1e-6)) << r.begin;
-    EXPECT_LT(RelErr(r.b_grad, factors[f].second.grad()), Tol(1e-6)) << r.begin;
-    ++f;
+    at::Tensor x = at::randn({1, 24, in}, opts).requires_grad_(true);
+    at::Tensor upstream = at::randn({1, 24, out}, opts);
+    at::Tensor y = SegmentedLoraLinear(x, w, bias, segments);
+    (y * upstream).sum().backward();
+    auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(true); };
+    at::Tensor xr = f64(x);
+    std::vector<at::Tensor> parts;
+    std::vector<std::pair<at::Tensor, at::Tensor>> factors;
+    for (const Run& r : runs) {
+      at::Tensor xs = xr.narrow(1, r.begin, r.end - r.begin);
+      at::Tensor ys = at::matmul(xs, f64(w).t()) + bias.to(at::kDouble);
+      if (r.rank > 0) {
+        factors.emplace_back(f64(r.a), f64(r.b));
+        ys = ys + at::matmul(at::matmul(xs, factors.back().first.t()), factors.back().second.t()) * r.scale;
+      }
+      parts.push_back(ys);
+    }
+    const at::Tensor yr = at::cat(parts, 1);
+    (yr * upstream.to(at::kDouble)).sum().backward();
+    EXPECT_LT(RelErr(y, yr), Tol(1e-6)) << "layout " << l;
+    EXPECT_LT(RelErr(x.grad(), xr.grad()), Tol(1e-6)) << "layout " << l;
+    size_t f = 0;
+    for (const Run& r : runs) {
+      if (r.rank == 0) continue;
+      EXPECT_LT(RelErr(r.a_grad, factors[f].first.grad()), Tol(1e-6)) << "layout " << l << " run at " << r.begin;
+      EXPECT_LT(RelErr(r.b_grad, factors[f].second.grad()), Tol(1e-6)) << "layout " << l << " run at " << r.begin;
+      ++f;
+    }
   }
 }
 

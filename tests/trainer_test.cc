@@ -454,6 +454,8 @@ TEST_F(TrainerTest, JointTrainStepEqualsEachRunAlone) {
       ASSERT_OK_AND_ASSIGN(OptimStepResult alone, solo[i]->TrainStep(batches[i], loss, Adam(), own));
       EXPECT_EQ(together[i]->metrics.Get("co_scheduled_rows:sum"), most_micro_batches) << what;
       EXPECT_EQ(together[i]->metrics.Get("micro_batches:sum"), alone.metrics.Get("micro_batches:sum")) << what;
+      EXPECT_EQ(together[i]->adapter_sha256, joint[i]->AdapterSha256()) << what;  // hashed with the others'
+      EXPECT_TRUE(together[i]->metrics.Has("time_digest_s:sum")) << what;
       ASSERT_TRUE(together[i].ok()) << what << ": " << together[i].status();
       const Metrics& got = together[i]->metrics;
       EXPECT_NEAR(got.Get("loss:sum"), alone.metrics.Get("loss:sum"), tol * std::abs(alone.metrics.Get("loss:sum")))
@@ -881,6 +883,10 @@ TEST(DigestTest, DeviceTensorsHashLikeTheirHostCopies) {
   EXPECT_EQ(TensorsSha256(device), want);
   device.back()[(1 << 18) - 1].add_(1.0);
   EXPECT_NE(TensorsSha256(device), want);
+  // Groups hashed together give each group's own digest (several runs after a shared step).
+  const std::vector<at::Tensor> first(device.begin(), device.begin() + 3), rest(device.begin() + 3, device.end());
+  EXPECT_EQ(TensorGroupsSha256({first, {}, rest}),
+            (std::vector<std::string>{TensorsSha256(first), TensorsSha256({}), TensorsSha256(rest)}));
   std::swap(host[1], host[2]);
   EXPECT_NE(TensorsSha256(host), want);
 }

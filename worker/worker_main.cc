@@ -49,7 +49,7 @@ ABSL_FLAG(std::string, host, "127.0.0.1", "address to listen on");
 ABSL_FLAG(int, port, 0, "port of the Worker API (0: any free port)");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here");
 ABSL_FLAG(std::optional<int64_t>, max_tokens_per_microbatch, std::nullopt, "padded tokens per micro-batch (default 8192)");
-ABSL_FLAG(int64_t, coschedule_window_us, 2000,
+ABSL_FLAG(int64_t, coschedule_window_us, 5000,
           "TrainSteps of different runs queued while the device is busy run as one step; with several runs, a call "
           "finding the device idle waits up to this many microseconds for the others (0: off, every call alone)");
 ABSL_FLAG(bool, pack_sequences, true, "pack each micro-batch's datums back to back (no padding; attention per sequence)");

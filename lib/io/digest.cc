@@ -83,7 +83,11 @@ void HashOnDevice(const at::Tensor& joined, const std::vector<size_t>& members, 
 
 }  // namespace
 
-std::string TensorsSha256(const std::vector<at::Tensor>& tensors) {
+std::string TensorsSha256(const std::vector<at::Tensor>& tensors) { return TensorGroupsSha256({tensors}).front(); }
+
+std::vector<std::string> TensorGroupsSha256(const std::vector<std::vector<at::Tensor>>& groups) {
+  std::vector<at::Tensor> tensors;
+  for (const auto& group : groups) tensors.insert(tensors.end(), group.begin(), group.end());
   // Device tensors are flattened and concatenated per (device, dtype) first, so hundreds of
   // small adapter tensors cost one kernel (CUDA kernels built) or one copy to the host.
   std::vector<std::vector<Chunk>> chunks(tensors.size());  // sizes now; bytes or digests below
@@ -144,21 +148,26 @@ std::string TensorsSha256(const std::vector<at::Tensor>& tensors) {
     });
   }
   for (auto& th : pool) th.join();
-  Hasher top;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const std::string dtype = c10::toString(tensors[i].scalar_type());
-    top.Update(dtype.data(), dtype.size());
-    for (int64_t d : tensors[i].sizes()) top.Update(&d, sizeof(d));
-    for (const Chunk& c : chunks[i]) top.Update(c.digest.data(), c.digest.size());
+  std::vector<std::string> out;
+  size_t i = 0;
+  for (const auto& group : groups) {
+    Hasher top;
+    for (size_t end = i + group.size(); i < end; ++i) {
+      const std::string dtype = c10::toString(tensors[i].scalar_type());
+      top.Update(dtype.data(), dtype.size());
+      for (int64_t d : tensors[i].sizes()) top.Update(&d, sizeof(d));
+      for (const Chunk& c : chunks[i]) top.Update(c.digest.data(), c.digest.size());
+    }
+    const Sha256 digest = top.Final();
+    std::string hex;
+    char buf[3];
+    for (unsigned char b : digest) {
+      std::snprintf(buf, sizeof(buf), "%02x", b);
+      hex += buf;
+    }
+    out.push_back(std::move(hex));
   }
-  const Sha256 out = top.Final();
-  std::string hex;
-  char buf[3];
-  for (unsigned char b : out) {
-    std::snprintf(buf, sizeof(buf), "%02x", b);
-    hex += buf;
-  }
-  return hex;
+  return out;
 }
 
 }  // namespace lorastep

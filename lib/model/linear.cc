@@ -2,10 +2,12 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -164,9 +166,73 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
   }
 };
 
-// x W^T (+ bias) over every row, then each segment's branch added into its own rows in place:
-// 1 + 2 GEMMs per segment forward, 1 + 4 per segment backward, no elementwise kernels and no
-// full-size temporaries. Segments ride as plain values; `anchor` is what requires grad.
+// The grouped form of SegmentedLoraLinear's branches (CUDA, bf16, torch >= 2.8, sizes in
+// multiples of 8): the row as consecutive groups, one per segment plus a zero group for any
+// rows between or after them, so two grouped GEMMs run every run's branch each way.
+struct SegmentGroups {
+  at::Tensor a;       // [G, r, in], rank padded with zero rows to the largest (a multiple of 8)
+  at::Tensor b;       // [G, out, r], each scaled by its segment's scale
+  at::Tensor offs;    // int32 [G], cumulative row ends
+  at::Tensor scales;  // float [G, 1, 1]: each group's scale (0 for a zero group)
+  std::vector<int64_t> group_of;  // each segment's group
+};
+
+std::optional<SegmentGroups> GroupSegments(const at::Tensor& x2d, const at::Tensor& weight,
+                                           const std::vector<LoraSegment>& segments) {
+  const int64_t n = x2d.size(0), in = weight.size(1), out = weight.size(0);
+  if (segments.size() < 2 || !GroupedLinearAvailable(x2d, {in, out})) return std::nullopt;
+  int64_t rank = 0;
+  bool uniform = true;  // one rank and scale, no gaps: the stacks are plain stacks
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const LoraSegment& s = segments[i];
+    if (s.begin < (i == 0 ? 0 : segments[i - 1].end) || s.end > n || s.end < s.begin) return std::nullopt;
+    uniform = uniform && s.a.size(0) == segments.front().a.size(0) && s.scale == segments.front().scale &&
+              s.begin == (i == 0 ? 0 : segments[i - 1].end);
+    rank = std::max(rank, s.a.size(0));
+  }
+  uniform = uniform && segments.back().end == n && rank % 8 == 0;
+  rank = (rank + 7) / 8 * 8;
+  SegmentGroups g;
+  std::vector<int32_t> ends;
+  std::vector<float> scales;
+  std::vector<int64_t> real;  // each group's segment, -1 for a zero group
+  int64_t at_row = 0;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    if (segments[i].begin > at_row) ends.push_back(static_cast<int32_t>(segments[i].begin)), real.push_back(-1);
+    g.group_of.push_back(static_cast<int64_t>(ends.size()));
+    ends.push_back(static_cast<int32_t>(segments[i].end));
+    real.push_back(static_cast<int64_t>(i));
+    at_row = segments[i].end;
+  }
+  if (at_row < n) ends.push_back(static_cast<int32_t>(n)), real.push_back(-1);
+  for (int64_t r : real) scales.push_back(r < 0 ? 0.0f : static_cast<float>(segments[r].scale));
+  const auto device = x2d.device();
+  g.offs = at::tensor(ends, at::kInt).to(device, /*non_blocking=*/true);
+  g.scales = at::tensor(scales, at::kFloat).to(device, /*non_blocking=*/true).view({-1, 1, 1});
+  if (uniform) {
+    std::vector<at::Tensor> as, bs;
+    for (const LoraSegment& s : segments) as.push_back(s.a), bs.push_back(s.b);
+    g.a = at::stack(as);
+    g.b = at::stack(bs).mul_(segments.front().scale);
+    return g;
+  }
+  const auto G = static_cast<int64_t>(ends.size());
+  g.a = at::zeros({G, rank, in}, x2d.options());
+  g.b = at::zeros({G, out, rank}, x2d.options());
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const LoraSegment& s = segments[i];
+    const int64_t r = s.a.size(0);
+    g.a[g.group_of[i]].narrow(0, 0, r).copy_(s.a);
+    at::Tensor b_part = g.b[g.group_of[i]].narrow(1, 0, r);
+    at::mul_out(b_part, s.b, at::scalar_tensor(s.scale));  // a CPU scalar: no device fill
+  }
+  return g;
+}
+
+// x W^T (+ bias) over every row, then each segment's branch on its own rows: as two grouped
+// GEMMs over every segment (GroupSegments), or, elsewhere, added into its rows in place (1 + 2
+// GEMMs per segment forward, 1 + 4 backward). No full-size temporaries beyond the grouped
+// branch's output. Segments ride as plain values; `anchor` is what requires grad.
 class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLoraLinearFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& anchor,
@@ -175,25 +241,36 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
     const at::Tensor& bias = bias_ref.tensor;
     const at::Tensor x2d = FoldLeadingDims(x);
     at::Tensor y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
-    std::vector<at::Tensor> saved{x2d, weight};
-    std::vector<int64_t> bounds;
+    std::vector<int64_t> bounds, ranks;
     std::vector<double> scales;
     c10::List<at::Tensor> a_grads, b_grads;
+    for (const LoraSegment& s : segments) {
+      bounds.insert(bounds.end(), {s.begin, s.end});
+      ranks.push_back(s.a.size(0));
+      scales.push_back(s.scale);
+      a_grads.push_back(s.a_main_grad);
+      b_grads.push_back(s.b_main_grad);
+    }
+    ctx->saved_data["bounds"] = bounds;
+    ctx->saved_data["ranks"] = ranks;
+    ctx->saved_data["scales"] = scales;
+    ctx->saved_data["a_grads"] = a_grads;
+    ctx->saved_data["b_grads"] = b_grads;
+    if (std::optional<SegmentGroups> g = GroupSegments(x2d, weight, segments)) {
+      const at::Tensor xa = compat::GroupedMm(x2d, g->a.transpose(1, 2), g->offs);  // [n, r]
+      y.add_(compat::GroupedMm(xa, g->b.transpose(1, 2), g->offs));
+      ctx->saved_data["group_of"] = g->group_of;
+      ctx->save_for_backward({x2d, weight, xa, g->a, g->b, g->offs, g->scales});
+      return y.view(ShapeWithLastDim(x, weight.size(0)));
+    }
+    std::vector<at::Tensor> saved{x2d, weight};
     for (const LoraSegment& s : segments) {
       const int64_t rows = s.end - s.begin;
       const at::Tensor xa = at::mm(x2d.narrow(0, s.begin, rows), s.a.t());
       y.narrow(0, s.begin, rows).addmm_(xa, s.b.t(), /*beta=*/1, /*alpha=*/s.scale);
       saved.insert(saved.end(), {xa, s.a, s.b});
-      bounds.insert(bounds.end(), {s.begin, s.end});
-      scales.push_back(s.scale);
-      a_grads.push_back(s.a_main_grad);
-      b_grads.push_back(s.b_main_grad);
     }
     ctx->save_for_backward(saved);
-    ctx->saved_data["bounds"] = bounds;
-    ctx->saved_data["scales"] = scales;
-    ctx->saved_data["a_grads"] = a_grads;
-    ctx->saved_data["b_grads"] = b_grads;
     return y.view(ShapeWithLastDim(x, weight.size(0)));
   }
 
@@ -202,20 +279,38 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
     auto saved = ctx->get_saved_variables();
     const at::Tensor &x2d = saved[0], &weight = saved[1];
     const std::vector<int64_t> bounds = ctx->saved_data["bounds"].toIntVector();
+    const std::vector<int64_t> ranks = ctx->saved_data["ranks"].toIntVector();
     const std::vector<double> scales = ctx->saved_data["scales"].toDoubleVector();
     const c10::List<at::Tensor> a_grads = ctx->saved_data["a_grads"].toTensorList();
     const c10::List<at::Tensor> b_grads = ctx->saved_data["b_grads"].toTensorList();
-    const at::Tensor g = FoldLeadingDims(grads[0]);
+    const at::Tensor g = FoldLeadingDims(grads[0]).contiguous();
     const bool input_grad = ctx->needs_input_grad(0);
     at::Tensor grad_x = input_grad ? at::mm(g, weight) : at::Tensor();
-    for (size_t i = 0; i < scales.size(); ++i) {
-      const int64_t begin = bounds[2 * i], rows = bounds[2 * i + 1] - begin;
-      const at::Tensor &xa = saved[2 + 3 * i], &a = saved[3 + 3 * i], &b = saved[4 + 3 * i];
-      const at::Tensor gs = g.narrow(0, begin, rows);
-      const at::Tensor gb = at::mm(gs, b);  // d(xa) / scale
-      if (input_grad) grad_x.narrow(0, begin, rows).addmm_(gb, a, /*beta=*/1, /*alpha=*/scales[i]);
-      at::Tensor a_grad = a_grads.get(i), b_grad = b_grads.get(i);
-      AddLoraFactorGrads(a_grad, b_grad, gs, gb, xa, x2d.narrow(0, begin, rows), scales[i]);
+    if (ctx->saved_data.count("group_of") != 0) {
+      const std::vector<int64_t> group_of = ctx->saved_data["group_of"].toIntVector();
+      const at::Tensor &xa = saved[2], &a = saved[3], &b = saved[4], &offs = saved[5], &group_scales = saved[6];
+      const at::Tensor gb = compat::GroupedMm(g, b, offs);  // d(xa): the scale is in b
+      if (input_grad) grad_x.add_(compat::GroupedMm(gb, a, offs));
+      // Each group's factor gradients (bf16, the grouped kernel's output), to fp32 and scaled.
+      const at::Tensor grad_b = compat::GroupedMm(g.t(), xa, offs).to(at::kFloat).mul_(group_scales);
+      const at::Tensor grad_a = compat::GroupedMm(gb.t(), x2d, offs).to(at::kFloat);
+      std::vector<at::Tensor> targets, parts;
+      for (size_t i = 0; i < group_of.size(); ++i) {
+        targets.insert(targets.end(), {a_grads.get(i), b_grads.get(i)});
+        parts.push_back(grad_a[group_of[i]].narrow(0, 0, ranks[i]));
+        parts.push_back(grad_b[group_of[i]].narrow(1, 0, ranks[i]));
+      }
+      at::_foreach_add_(targets, parts);
+    } else {
+      for (size_t i = 0; i < scales.size(); ++i) {
+        const int64_t begin = bounds[2 * i], rows = bounds[2 * i + 1] - begin;
+        const at::Tensor &xa = saved[2 + 3 * i], &a = saved[3 + 3 * i], &b = saved[4 + 3 * i];
+        const at::Tensor gs = g.narrow(0, begin, rows);
+        const at::Tensor gb = at::mm(gs, b);  // d(xa) / scale
+        if (input_grad) grad_x.narrow(0, begin, rows).addmm_(gb, a, /*beta=*/1, /*alpha=*/scales[i]);
+        at::Tensor a_grad = a_grads.get(i), b_grad = b_grads.get(i);
+        AddLoraFactorGrads(a_grad, b_grad, gs, gb, xa, x2d.narrow(0, begin, rows), scales[i]);
+      }
     }
     return {input_grad ? grad_x.view(ShapeWithLastDim(grads[0], weight.size(1))) : at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor()};

@@ -12,6 +12,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "lib/io/digest.h"
 #include "lib/model/logprobs.h"
 #include "lib/model/qwen2.h"
 #include "lib/status_macros.h"
@@ -257,7 +258,8 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
       continue;
     }
     ++t.pending_backward_calls_;
-    absl::StatusOr<OptimStepResult> step = t.StepOptimizer(calls[c].adamw, /*restore_on_failure=*/false);
+    absl::StatusOr<OptimStepResult> step =
+        t.StepOptimizer(calls[c].adamw, /*restore_on_failure=*/false, /*digest=*/false);
     if (!step.ok()) {
       t.Restore(snapshots[c]);
       results[c] = step.status();
@@ -274,6 +276,24 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
     m.Add("co_scheduled_rows:sum", static_cast<double>(rows.size()));
     m.Add("time_forward_backward_joint_s:sum", t_forward_backward);
     results[c] = std::move(step);
+  }
+  // Every stepped run's adapter digest, hashed together (one kernel, one wait).
+  std::vector<size_t> stepped;
+  std::vector<std::vector<at::Tensor>> adapters;
+  for (size_t r = 0; r < n; ++r) {
+    if (!results[admitted[r]].ok()) continue;
+    stepped.push_back(admitted[r]);
+    adapters.emplace_back();
+    for (const Parameter& p : calls[admitted[r]].trainer->adapter_->parameters()) adapters.back().push_back(p.value);
+  }
+  if (!stepped.empty()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<std::string> digests = TensorGroupsSha256(adapters);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    for (size_t i = 0; i < stepped.size(); ++i) {
+      results[stepped[i]]->adapter_sha256 = digests[i];
+      results[stepped[i]]->metrics.Add("time_digest_s:sum", seconds);  // shared by the step's runs
+    }
   }
   run_alone();
   return results;

@@ -651,7 +651,7 @@ absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWParams& params) {
 }
 
 absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params,
-                                                       bool restore_on_failure) {
+                                                       bool restore_on_failure, bool digest) {
   absl::Status local = ValidateAdamWParams(params);
   OptimStepResult result;
   auto t0 = Clock::now();
@@ -707,7 +707,7 @@ absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params
   pending_backward_calls_ = 0;
   result.learner_version = optimizer_->steps_taken();
   const bool mesh = options_.groups != nullptr && options_.groups->layout().world_size() > 1;
-  if (mesh || !adapter_->full_finetune() || options_.digest_full_finetune_steps) {
+  if (mesh || (digest && (!adapter_->full_finetune() || options_.digest_full_finetune_steps))) {
     t0 = Clock::now();
     const std::string local_sha = AdapterSha256();
     if (mesh) {  // one copy has nothing to compare

@@ -222,7 +222,10 @@ class Trainer {
   // reduced on a mesh (TrainStep restores its own, earlier snapshot instead).
   // SaveState / SnapshotState: `copy` detaches the host tensors from the live ones.
   absl::StatusOr<std::shared_ptr<const TrainerStateSnapshot>> Snapshot(bool copy) const;
-  absl::StatusOr<OptimStepResult> StepOptimizer(const AdamWParams& params, bool restore_on_failure);
+  // `digest` false: no adapter digest (adapter_sha256 empty, no time_digest_s); at world size
+  // 1 only (a mesh's replica digests are part of its step).
+  absl::StatusOr<OptimStepResult> StepOptimizer(const AdamWParams& params, bool restore_on_failure,
+                                                bool digest = true);
   // recompute[i]: how much of micro-batch i's layer activations is recomputed.
   absl::StatusOr<ForwardBackwardResult> RunMicroBatches(const std::vector<Datum>& datums,
                                                         const LossConfig* loss,
