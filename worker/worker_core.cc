@@ -271,11 +271,14 @@ void WorkerCore::AwaitCoscheduled(QueuedStep* step) {
 }
 
 void WorkerCore::LeadCoscheduledStep() {
-  {  // the window: only while other runs could still send, and only from the first call's arrival
+  {  // the window: only while other runs could still send, from when the device is free for
+     // this step (the runs of the previous step send their next calls as it ends; timed from
+     // the first call's arrival instead, a call that waited through that step would open an
+     // already closed window and they would miss this step)
     std::unique_lock<std::mutex> q(queue_mu_);
     const size_t runs = coschedulable_.size();
     if (!queue_.empty() && runs > 1) {
-      queue_cv_.wait_until(q, queue_.front()->queued + options_.coschedule_window, [&] {
+      queue_cv_.wait_until(q, std::chrono::steady_clock::now() + options_.coschedule_window, [&] {
         std::set<std::string> distinct;
         for (const QueuedStep* s : queue_) distinct.insert(*s->run_id);
         return distinct.size() >= runs;
