@@ -43,7 +43,8 @@ def main():
             doc.setdefault(field, together[field])
         first, every = compare(together, alone)
         speedup = together["aggregate_tokens_per_s"] / alone["aggregate_tokens_per_s"]
-        entry = {"model": together["model"], "runs": together["runs"], "tokens_per_call": together["tokens_per_call"],
+        entry = {"date": together["date"], "machine": together["machine"], "command": together["command"],
+                 "model": together["model"], "runs": together["runs"], "tokens_per_call": together["tokens_per_call"],
                  "timed_steps_per_run": together["timed_steps_per_run"],
                  "coscheduled_tokens_per_s": together["aggregate_tokens_per_s"],
                  "one_at_a_time_tokens_per_s": alone["aggregate_tokens_per_s"], "speedup": speedup,
@@ -66,6 +67,9 @@ def main():
                      "all runs at once, against a coordinator + worker process co-scheduling (window 5000 us) and "
                      "against one serving them one at a time (window 0); aggregate tokens/s over the timed steps after "
                      "one warm-up step per run; latencies over every timed call of every run")
+    doc["note"] = ("date, machine and command at the top are the latest call's; each workload entry names its own. "
+                   "first_step_max_rel_err compares each run's first step (the same starting state); later steps "
+                   "follow trajectories that already differ by rounding (bf16 on the GPU)")
     if os.path.exists(result):  # keep workloads measured in other calls
         old = json.load(open(result))
         for name, entry in old.get("workloads", {}).items():
@@ -74,6 +78,9 @@ def main():
                 for k, v in old.items():
                     if k not in doc and k not in ("date", "machine", "library_versions", "command", "method"):
                         doc[k] = v
+    targets = {"speedup_16x4096": 3.0, "speedup_32x1024": 8.0, "speedup_7b_8x4096": 1.1}  # issue 30
+    doc["targets"] = {k: v for k, v in targets.items() if k in doc}
+    doc["targets_met"] = {k: doc[k] >= v for k, v in doc["targets"].items()}
     json.dump(doc, open(result, "w"), indent=2)
     print(json.dumps({k: v for k, v in doc.items() if k != "workloads"}, indent=2))
 
