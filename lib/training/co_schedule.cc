@@ -52,7 +52,57 @@ JointRow JoinPackedRows(const std::vector<const MicroBatch*>& parts) {
   return row;
 }
 
+// The decoder over a joint row, each segment's run with its own LoRA (and dropout stream
+// while training).
+at::Tensor JointLayers(const BaseModel& base, const JointRow& row, const std::vector<RunSegment>& segments,
+                       bool training) {
+  ForwardOptions joint;
+  joint.training = training;
+  joint.packed = &row.packed;
+  joint.run_segments = &segments;
+  const at::Tensor x = Qwen2Embed(base.config, base.weights, nullptr, row.tokens, joint);
+  return Qwen2Layers(base.config, base.weights, nullptr, x, joint);
+}
+
 }  // namespace
+
+std::vector<std::vector<Trainer::JointPart>> Trainer::PackJointRows(
+    const std::vector<Trainer*>& trainers, const std::vector<const std::vector<Datum>*>& datums,
+    const std::vector<std::vector<std::vector<size_t>>>& splits, bool backward) {
+  const BaseModel& base = *trainers.front()->base_;
+  const int64_t budget = trainers.front()->ActivationBudgetBytes();
+  bool mlp_kept = false;
+  int64_t chunk = 0;
+  size_t steps = 0;
+  for (size_t r = 0; r < trainers.size(); ++r) {
+    mlp_kept = mlp_kept || (backward && trainers[r]->MlpActivationKept());
+    chunk = std::max(chunk, trainers[r]->options_.logprob_chunk_tokens);
+    steps = std::max(steps, splits[r].size());
+  }
+  const int64_t element_bytes = static_cast<int64_t>(c10::elementSize(base.dtype));
+  std::vector<std::vector<JointPart>> rows;
+  std::vector<int64_t> lengths;  // the current row's sequences
+  for (size_t k = 0; k < steps; ++k) {
+    for (size_t r = 0; r < trainers.size(); ++r) {
+      if (k >= splits[r].size()) continue;
+      std::vector<int64_t> with = lengths;
+      for (size_t d : splits[r][k]) with.push_back(static_cast<int64_t>((*datums[r])[d].tokens.size()));
+      // A run appears once per row: its micro-batches run one after another, as alone (its
+      // dropout stream draws in the same order).
+      const bool run_in_row = !rows.empty() && std::any_of(rows.back().begin(), rows.back().end(),
+                                                           [&](const JointPart& p) { return p.first == r; });
+      if (rows.empty() || run_in_row ||
+          (budget >= 0 && EstimatePackedActivationBytes(base.config, base.shard, with, backward, element_bytes, chunk,
+                                                        LayerRecompute::kNone, mlp_kept) > static_cast<double>(budget))) {
+        rows.emplace_back();
+        with.erase(with.begin(), with.begin() + static_cast<std::ptrdiff_t>(lengths.size()));
+      }
+      rows.back().push_back({r, k});
+      lengths = std::move(with);
+    }
+  }
+  return rows;
+}
 
 std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::vector<JointTrainCall>& calls) {
   std::vector<absl::StatusOr<OptimStepResult>> results(calls.size(), absl::UnknownError("not run"));
@@ -116,7 +166,7 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
     return results;
   }
 
-  // Each run's micro-batches as it would split them alone; step k joins every run's k-th.
+  // Each run's micro-batches as it would split them alone.
   const ModelConfig& config = base->config;
   const auto device = base->device;
   const size_t n = admitted.size();
@@ -125,7 +175,6 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
   std::vector<PendingMetrics> pending(n);
   std::vector<MicroBatchCounts> counts(n);
   std::vector<double> lora_params(n);
-  size_t steps = 0;
   for (size_t r = 0; r < n; ++r) {
     const JointTrainCall& call = calls[admitted[r]];
     Trainer& t = *call.trainer;
@@ -134,57 +183,19 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
                                                       : t.options_.max_tokens_per_microbatch);
     dens[r] = CallDenominators(*call.datums, call.totals, device);
     lora_params[r] = LoraParameterCount(*t.adapter_);
-    steps = std::max(steps, splits[r].size());
   }
-  // Joint rows: the runs' micro-batches (every run's first, then every run's second, ...)
-  // packed one after another while a row's activations fit the budget; a micro-batch alone
-  // fits (admission checked it). Fewer, longer rows launch fewer kernels.
-  struct Part {
-    size_t run;  // position in `admitted`
-    size_t micro_batch;
-  };
-  std::vector<std::vector<Part>> rows;
-  {
-    const int64_t budget = calls[admitted.front()].trainer->ActivationBudgetBytes();
-    bool mlp_kept = false;
-    int64_t chunk = 0;
-    for (size_t r = 0; r < n; ++r) {
-      const Trainer& t = *calls[admitted[r]].trainer;
-      mlp_kept = mlp_kept || t.MlpActivationKept();
-      chunk = std::max(chunk, t.options_.logprob_chunk_tokens);
-    }
-    const int64_t element_bytes = static_cast<int64_t>(c10::elementSize(base->dtype));
-    std::vector<int64_t> lengths;  // the current row's sequences
-    for (size_t k = 0; k < steps; ++k) {
-      for (size_t r = 0; r < n; ++r) {
-        if (k >= splits[r].size()) continue;
-        std::vector<int64_t> with = lengths;
-        for (size_t d : splits[r][k]) with.push_back(static_cast<int64_t>((*calls[admitted[r]].datums)[d].tokens.size()));
-        // A run appears once per row: its micro-batches run one after another, as alone (its
-        // dropout stream draws in the same order).
-        const bool run_in_row = !rows.empty() && std::any_of(rows.back().begin(), rows.back().end(),
-                                                             [&](const Part& p) { return p.run == r; });
-        if (rows.empty() || run_in_row ||
-            (budget >= 0 && EstimatePackedActivationBytes(config, base->shard, with, /*backward=*/true, element_bytes,
-                                                          chunk, LayerRecompute::kNone, mlp_kept) >
-                                static_cast<double>(budget))) {
-          rows.emplace_back();
-          with.erase(with.begin(), with.begin() + static_cast<std::ptrdiff_t>(lengths.size()));
-        }
-        rows.back().push_back({r, k});
-        lengths = std::move(with);
-      }
-    }
-  }
+  std::vector<Trainer*> trainers;
+  std::vector<const std::vector<Datum>*> batches;
+  for (size_t c : admitted) trainers.push_back(calls[c].trainer), batches.push_back(calls[c].datums);
+  const std::vector<std::vector<JointPart>> rows = PackJointRows(trainers, batches, splits, /*backward=*/true);
   double t_forward_backward = 0;
   std::vector<std::optional<size_t>> cancelled_before(n);  // the micro-batch a cancelled run stopped at
   const absl::Status ran = GuardTorch([&]() -> absl::Status {
-    for (const std::vector<Part>& row_parts : rows) {
+    for (const std::vector<JointPart>& row_parts : rows) {
       const auto t0 = std::chrono::steady_clock::now();
       std::vector<size_t> runs;  // positions in `admitted`, one per part
       std::vector<MicroBatch> mbs;
-      for (const Part& part : row_parts) {
-        const size_t r = part.run, k = part.micro_batch;
+      for (const auto& [r, k] : row_parts) {
         const JointTrainCall& call = calls[admitted[r]];
         if (!cancelled_before[r] && call.cancelled && call.cancelled()) cancelled_before[r] = k;
         if (cancelled_before[r]) continue;  // its later parts leave the rows
@@ -207,11 +218,7 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
         segments.push_back({t.adapter_.get(), row.begins[j], row.begins[j] + mbs[j].tokens.size(1),
                             &t.dropout_generator_});
       }
-      ForwardOptions joint;
-      joint.packed = &row.packed;
-      joint.run_segments = &segments;
-      at::Tensor x = Qwen2Embed(config, base->weights, nullptr, row.tokens, joint);
-      x = Qwen2Layers(config, base->weights, nullptr, x, joint);
+      const at::Tensor x = JointLayers(*base, row, segments, /*training=*/true);
       at::Tensor total;
       for (size_t j = 0; j < runs.size(); ++j) {
         const size_t r = runs[j];

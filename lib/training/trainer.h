@@ -264,6 +264,16 @@ class Trainer {
   // The activation memory one micro-batch may use (TrainerOptions::max_activation_bytes; 0
   // there: 80% of what the device or this process can still allocate); -1: no limit.
   int64_t ActivationBudgetBytes() const;
+  // Co-scheduling: (run, micro-batch) pairs, a run being a position in `trainers`.
+  using JointPart = std::pair<size_t, size_t>;
+  // The joint rows of a co-scheduled step: the runs' micro-batches (every run's first, then
+  // every run's second, ...) one after another, a new row where the next would not fit the
+  // activation budget or its run already has a part in the row (a micro-batch alone fits:
+  // admission checked it). Fewer, longer rows launch fewer kernels.
+  static std::vector<std::vector<JointPart>> PackJointRows(const std::vector<Trainer*>& trainers,
+                                                           const std::vector<const std::vector<Datum>*>& datums,
+                                                           const std::vector<std::vector<std::vector<size_t>>>& splits,
+                                                           bool backward);
   // Whether the MLP keeps its SwiGLU activation for backward (EstimateActivationBytes).
   bool MlpActivationKept() const;
   // On a mesh every rank recomputes a micro-batch as much as any rank would (the replay
