@@ -559,6 +559,69 @@ TEST_F(TrainerTest, JointTrainStepEqualsEachRunAlone) {
   }
 }
 
+// JointForward: three runs' Forward calls (different ranks and targets, one with dropout,
+// which a forward does not apply) as joint rows give each run's Forward alone: log-probs and
+// entropy within 1e-6 on CPU; nothing changes; a refused and a cancelled call fail alone.
+TEST_F(TrainerTest, JointForwardEqualsEachRunsForward) {
+  const std::vector<LoraConfig> loras = [] {
+    std::vector<LoraConfig> out(3);
+    out[0].rank = 4, out[0].alpha = 8, out[0].target_modules = {"all-linear"};
+    out[1].rank = 2, out[1].alpha = 4, out[1].dropout = 0.1, out[1].target_modules = {"q_proj", "v_proj", "lm_head"};
+    out[2].rank = 8, out[2].alpha = 8, out[2].target_modules = {"o_proj", "gate_proj", "up_proj", "down_proj"};
+    return out;
+  }();
+  std::vector<std::unique_ptr<Trainer>> trainers;
+  std::vector<std::vector<Datum>> batches;
+  for (size_t i = 0; i < loras.size(); ++i) {
+    TrainerOptions o = Options();
+    o.lora = loras[i];
+    o.seed = 31 + i;
+    trainers.push_back(NewTrainer(o));
+    ASSERT_OK(trainers.back()->TrainStep(RlBatch(40 + static_cast<int>(i), 96), Ppo(), Adam()).status());  // B != 0
+    batches.push_back(RlBatch(50 + static_cast<int>(i), 96));
+  }
+  std::vector<ForwardBackwardResult> alone;
+  std::vector<std::string> shas;
+  for (size_t i = 0; i < loras.size(); ++i) {
+    ASSERT_OK_AND_ASSIGN(ForwardBackwardResult r, trainers[i]->Forward(batches[i]));
+    alone.push_back(r);
+    shas.push_back(trainers[i]->AdapterSha256());
+  }
+  std::vector<JointForwardCall> calls;
+  for (size_t i = 0; i < loras.size(); ++i) calls.push_back({trainers[i].get(), &batches[i], nullptr});
+  const auto together = Trainer::JointForward(calls);
+  const double tol = ::lorastep::testing::Tol(1e-6);
+  for (size_t i = 0; i < loras.size(); ++i) {
+    ASSERT_TRUE(together[i].ok()) << together[i].status();
+    const ForwardBackwardResult& got = *together[i];
+    ASSERT_EQ(got.logprobs.size(), alone[i].logprobs.size());
+    for (size_t d = 0; d < got.logprobs.size(); ++d) {
+      ASSERT_EQ(got.logprobs[d].size(), alone[i].logprobs[d].size());
+      for (size_t p = 0; p < got.logprobs[d].size(); ++p) {
+        EXPECT_NEAR(got.logprobs[d][p], alone[i].logprobs[d][p], tol * std::abs(alone[i].logprobs[d][p]))
+            << "run " << i << " datum " << d << " position " << p;
+      }
+    }
+    EXPECT_NEAR(got.metrics.Get("entropy:mean"), alone[i].metrics.Get("entropy:mean"),
+                tol * alone[i].metrics.Get("entropy:mean"));
+    EXPECT_EQ(got.metrics.Get("tokens_nonpadding:sum"), alone[i].metrics.Get("tokens_nonpadding:sum"));
+    EXPECT_EQ(got.metrics.Get("co_scheduled_runs:max"), 3.0);
+    EXPECT_EQ(trainers[i]->AdapterSha256(), shas[i]);
+    EXPECT_EQ(trainers[i]->learner_version(), 1);
+  }
+  // A refused batch and a cancelled call fail alone.
+  std::vector<Datum> oov = batches[1];
+  oov[0].tokens[0] = 96;
+  std::vector<JointForwardCall> mixed{{trainers[0].get(), &batches[0], nullptr},
+                                      {trainers[1].get(), &oov, nullptr},
+                                      {trainers[2].get(), &batches[2], [] { return true; }}};
+  const auto outcome = Trainer::JointForward(mixed);
+  ASSERT_TRUE(outcome[0].ok()) << outcome[0].status();
+  EXPECT_EQ(outcome[0]->logprobs, together[0]->logprobs);
+  EXPECT_THAT(outcome[1].status(), StatusIs(absl::StatusCode::kInvalidArgument, "datums[0].tokens[0]"));
+  EXPECT_THAT(outcome[2].status(), StatusIs(absl::StatusCode::kCancelled, "before micro-batch 1 of"));
+}
+
 TEST_F(TrainerTest, ForwardReturnsTheLogprobsForwardBackwardUses) {
   TrainerOptions o = Options();
   o.lora.dropout = 0;

@@ -249,6 +249,44 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
   ASSERT_OK(only.status());
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
   EXPECT_FALSE(only->metrics.Has("co_scheduled_runs:max"));
+
+  // Forward calls join too: two runs' Forwards sent at once share one forward and give what
+  // each run's Forward gives alone; a Forward and another run's TrainStep sent at once are
+  // taken by one step (the TrainStep's loss as alone).
+  absl::StatusOr<ForwardBackwardResult> fa = absl::UnknownError(""), fb = absl::UnknownError("");
+  {
+    std::thread ta([&] { fa = together->Forward("a", batch_a); });
+    std::thread tb([&] { fb = together->Forward("b", batch_b); });
+    ta.join();
+    tb.join();
+  }
+  ASSERT_OK(fa.status());
+  ASSERT_OK(fb.status());
+  ASSERT_OK_AND_ASSIGN(auto fresh, make_core(std::chrono::microseconds(0)));
+  ASSERT_OK(fresh->CreateRun("b", lora_b, 5).status());
+  ASSERT_OK(fresh->TrainStep("b", batch_b, ppo, adam, nullptr, 0).status());  // as `together`'s b so far
+  ASSERT_OK_AND_ASSIGN(ForwardBackwardResult want_fb, fresh->Forward("b", batch_b));
+  EXPECT_EQ(fa->metrics.Get("co_scheduled_runs:max"), 2.0);
+  EXPECT_EQ(fb->metrics.Get("co_scheduled_runs:max"), 2.0);
+  ASSERT_EQ(fb->logprobs.size(), want_fb.logprobs.size());
+  for (size_t d = 0; d < want_fb.logprobs.size(); ++d) {
+    for (size_t p = 0; p < want_fb.logprobs[d].size(); ++p) {
+      EXPECT_NEAR(fb->logprobs[d][p], want_fb.logprobs[d][p], 1e-6 * std::abs(want_fb.logprobs[d][p])) << d << " " << p;
+    }
+  }
+  absl::StatusOr<OptimStepResult> step_b = absl::UnknownError("");
+  {
+    std::thread ta([&] { fa = together->Forward("a", batch_a); });
+    std::thread tb([&] { step_b = together->TrainStep("b", batch_b, ppo, adam, nullptr, 0); });
+    ta.join();
+    tb.join();
+  }
+  ASSERT_OK(fa.status());
+  ASSERT_OK(step_b.status());
+  ASSERT_OK_AND_ASSIGN(OptimStepResult want_step_b, fresh->TrainStep("b", batch_b, ppo, adam, nullptr, 0));
+  EXPECT_NEAR(step_b->metrics.Get("loss:sum"), want_step_b.metrics.Get("loss:sum"),
+              1e-6 * std::abs(want_step_b.metrics.Get("loss:sum")));
+  EXPECT_TRUE(fa->metrics.Has("time_coschedule_wait_s:sum"));
 }
 
 }  // namespace

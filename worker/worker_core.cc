@@ -204,6 +204,12 @@ absl::StatusOr<ForwardBackwardResult> WorkerCore::ForwardBackward(
 absl::StatusOr<ForwardBackwardResult> WorkerCore::Forward(const std::string& run_id,
                                                           const std::vector<Datum>& datums,
                                                           const MeshCallInfo& mesh, const Cancelled& cancelled) {
+  if (groups_ == nullptr && CoSchedules(run_id, std::nullopt)) {
+    QueuedStep step{&run_id, JointTrainCall{nullptr, &datums, nullptr, AdamWParams{}, 0, nullptr, cancelled}, mesh,
+                    cancelled, std::chrono::steady_clock::now()};
+    AwaitCoscheduled(&step);
+    return std::move(step.forward);
+  }
   std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Admit(run_id, mesh, "Forward"));
   BatchOptions batch;
@@ -270,6 +276,20 @@ void WorkerCore::AwaitCoscheduled(QueuedStep* step) {
   }
 }
 
+void WorkerCore::RunCoscheduledForwards(const std::vector<QueuedStep*>& forwards) {
+  if (forwards.size() == 1) {  // alone: its own Forward, exactly as without co-scheduling
+    BatchOptions batch;
+    batch.cancelled = forwards.front()->cancelled;
+    forwards.front()->forward = forwards.front()->call.trainer->Forward(*forwards.front()->call.datums, batch);
+    return;
+  }
+  if (forwards.empty()) return;
+  std::vector<JointForwardCall> calls;
+  for (const QueuedStep* s : forwards) calls.push_back({s->call.trainer, s->call.datums, s->cancelled});
+  std::vector<absl::StatusOr<ForwardBackwardResult>> results = Trainer::JointForward(calls);
+  for (size_t i = 0; i < forwards.size(); ++i) forwards[i]->forward = std::move(results[i]);
+}
+
 void WorkerCore::LeadCoscheduledStep() {
   {  // the window: only while other runs could still send, from when the device is free for
      // this step (the runs of the previous step send their next calls as it ends; timed from
@@ -301,25 +321,35 @@ void WorkerCore::LeadCoscheduledStep() {
       it = queue_.erase(it);
     }
   }
-  std::vector<QueuedStep*> joined;
+  std::vector<QueuedStep*> joined, forwards;
   std::vector<JointTrainCall> calls;
   for (QueuedStep* s : taken) {
-    absl::StatusOr<Trainer*> t = Admit(*s->run_id, s->mesh, "TrainStep");
+    absl::StatusOr<Trainer*> t = Admit(*s->run_id, s->mesh, s->is_forward() ? "Forward" : "TrainStep");
     if (t.ok() && s->cancelled && s->cancelled()) {
       t = absl::CancelledError("call cancelled (its caller went away or its deadline passed) before it ran; "
                                "nothing was applied");
     }
     if (!t.ok()) {
+      s->forward = t.status();
       s->result = t.status();
       continue;
     }
     s->call.trainer = *t;
+    if (s->is_forward()) {
+      forwards.push_back(s);
+      continue;
+    }
     calls.push_back(s->call);
     joined.push_back(s);
   }
-  const double waited = joined.empty() ? 0.0
-                                       : std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                                                       joined.front()->queued).count();
+  // From the first taken call's arrival until its shared step began.
+  const double waited = taken.empty() ? 0.0
+                                      : std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                                      taken.front()->queued).count();
+  RunCoscheduledForwards(forwards);
+  for (QueuedStep* s : forwards) {
+    if (s->forward.ok()) s->forward->metrics.Add("time_coschedule_wait_s:sum", waited);
+  }
   if (joined.size() == 1) {  // alone: its own TrainStep, exactly as without co-scheduling
     const JointTrainCall& c = calls.front();
     BatchOptions batch;

@@ -177,20 +177,26 @@ class WorkerCore {
   // A TrainStep waiting to be co-scheduled; its caller's thread waits for `done`.
   struct QueuedStep {
     const std::string* run_id;
-    JointTrainCall call;  // trainer filled in at admission
+    JointTrainCall call;  // trainer filled in at admission; a Forward has no loss
     MeshCallInfo mesh;    // the learner version the coordinator expects
     Cancelled cancelled;  // asked at admission (and between micro-batches when it runs alone)
     std::chrono::steady_clock::time_point queued;
     bool done = false;
-    absl::StatusOr<OptimStepResult> result = absl::UnknownError("not run");
+    absl::StatusOr<OptimStepResult> result = absl::UnknownError("not run");           // TrainStep
+    absl::StatusOr<ForwardBackwardResult> forward = absl::UnknownError("not run");  // Forward
+    bool is_forward() const { return call.loss == nullptr; }
   };
-  // Whether a TrainStep may wait to be co-scheduled (world size 1, a window, a run that can).
+  // Whether a TrainStep or Forward may wait to be co-scheduled (world size 1, a window, a run that can).
   bool CoSchedules(const std::string& run_id, std::optional<ActivationRecompute> recompute);
   // Queues `step` and returns once a leader (the first waiting caller while none leads) ran it.
   void AwaitCoscheduled(QueuedStep* step);
-  // The leader's turn: waits out the window, takes the queued steps of distinct runs in
-  // arrival order within the token budget, admits them and runs them as one step.
+  // The leader's turn: waits out the window, takes the queued calls of distinct runs in
+  // arrival order, admits them and runs the TrainSteps as one joint step and the Forwards as
+  // one joint forward.
   void LeadCoscheduledStep();
+  // The taken Forward calls (admitted, trainers set): alone, their own Forward; several, one
+  // Trainer::JointForward. Under the device lock.
+  void RunCoscheduledForwards(const std::vector<QueuedStep*>& forwards);
 
   WorkerOptions options_;
   std::shared_ptr<const BaseModel> base_;

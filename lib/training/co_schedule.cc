@@ -306,6 +306,151 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
   return results;
 }
 
+std::vector<absl::StatusOr<ForwardBackwardResult>> Trainer::JointForward(const std::vector<JointForwardCall>& calls) {
+  std::vector<absl::StatusOr<ForwardBackwardResult>> results(calls.size(), absl::UnknownError("not run"));
+  const BaseModel* base = nullptr;
+  std::set<const Trainer*> seen;
+  std::vector<size_t> admitted;
+  for (size_t c = 0; c < calls.size(); ++c) {
+    const JointForwardCall& call = calls[c];
+    auto refuse = [&](const std::string& why) { results[c] = absl::InvalidArgumentError("co-scheduling: " + why); };
+    if (call.trainer == nullptr || call.datums == nullptr) {
+      refuse("a call needs its trainer and datums");
+      continue;
+    }
+    Trainer& t = *call.trainer;
+    if (!seen.insert(&t).second) {
+      refuse("a run takes part once per step");
+      continue;
+    }
+    if (base == nullptr) base = t.base_.get();
+    if (t.base_.get() != base) {
+      refuse("every run of a step shares one base model");
+      continue;
+    }
+    if (!t.CoSchedulable()) {
+      refuse("world size 1, LoRA on a dense model and packed sequences only");
+      continue;
+    }
+    absl::Status local = ValidateForwardBatch(*call.datums, t.base_->config.vocab_size, t.options_.limits);
+    if (local.ok()) local = t.CheckActivationBudget(*call.datums, BatchOptions{}, /*backward=*/false);
+    if (!local.ok()) {
+      results[c] = local;
+      continue;
+    }
+    admitted.push_back(c);
+  }
+  if (admitted.empty()) return results;
+
+  const ModelConfig& config = base->config;
+  const auto device = base->device;
+  const size_t n = admitted.size();
+  std::vector<Trainer*> trainers;
+  std::vector<const std::vector<Datum>*> batches;
+  std::vector<std::vector<std::vector<size_t>>> splits(n);
+  for (size_t r = 0; r < n; ++r) {
+    Trainer& t = *calls[admitted[r]].trainer;
+    trainers.push_back(&t);
+    batches.push_back(calls[admitted[r]].datums);
+    splits[r] = t.SplitMicroBatches(*batches.back(), t.options_.max_tokens_per_microbatch);
+  }
+  const std::vector<std::vector<JointPart>> rows = PackJointRows(trainers, batches, splits, /*backward=*/false);
+  std::vector<PendingMetrics> pending(n);
+  std::vector<MicroBatchCounts> counts(n);
+  std::vector<double> scored(n, 0.0);
+  // Each run's log-probs per micro-batch (on the device until every row has run), in order.
+  std::vector<std::vector<std::pair<std::vector<size_t>, at::Tensor>>> logprobs(n);
+  std::vector<std::optional<size_t>> cancelled_before(n);
+  double t_forward = 0;
+  const absl::Status ran = GuardTorch([&]() -> absl::Status {
+    at::NoGradGuard no_grad;
+    for (const std::vector<JointPart>& row_parts : rows) {
+      const auto t0 = std::chrono::steady_clock::now();
+      std::vector<size_t> runs;
+      std::vector<MicroBatch> mbs;
+      for (const auto& [r, k] : row_parts) {
+        const JointForwardCall& call = calls[admitted[r]];
+        if (!cancelled_before[r] && call.cancelled && call.cancelled()) cancelled_before[r] = k;
+        if (cancelled_before[r]) continue;
+        MicroBatchOptions options;
+        options.always_pack = true;
+        runs.push_back(r);
+        mbs.push_back(BuildMicroBatch(*batches[r], splits[r][k], config, options, device, &counts[r]));
+      }
+      if (mbs.empty()) continue;
+      std::vector<const MicroBatch*> parts;
+      for (const MicroBatch& mb : mbs) parts.push_back(&mb);
+      const JointRow row = JoinPackedRows(parts);
+      std::vector<RunSegment> segments;
+      for (size_t j = 0; j < runs.size(); ++j) {
+        segments.push_back({trainers[runs[j]]->adapter_.get(), row.begins[j], row.begins[j] + mbs[j].tokens.size(1),
+                            nullptr});
+      }
+      const at::Tensor x = JointLayers(*base, row, segments, /*training=*/false);
+      for (size_t j = 0; j < runs.size(); ++j) {
+        const size_t r = runs[j];
+        Trainer& t = *trainers[r];
+        const ForwardOptions own{t.options_.grad, /*training=*/false, nullptr};
+        const at::Tensor layers_out = x.narrow(1, segments[j].begin, segments[j].end - segments[j].begin);
+        const at::Tensor hidden = Qwen2FinalNorm(config, base->weights, t.adapter_.get(), layers_out);
+        const at::Tensor selected = FoldLeadingDims(hidden).index_select(0, mbs[j].positions);
+        scored[r] += static_cast<double>(mbs[j].positions.size(0));
+        TokenScores scores = Qwen2HeadScores(base->weights, t.adapter_.get(), selected, mbs[j].targets,
+                                             t.options_.logprob_chunk_tokens, own, VocabShard{}, /*entropy_grad=*/false);
+        const at::Tensor bearing = (mbs[j].loss_in.mask != 0).to(at::kDouble);
+        pending[r].Add("entropy:mean", (scores.entropy.to(at::kDouble) * bearing).sum(), bearing.sum());
+        logprobs[r].emplace_back(*mbs[j].datums, scores.logprobs);
+      }
+      t_forward += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    return absl::OkStatus();
+  });
+  if (!ran.ok()) {
+    for (size_t c : admitted) results[c] = ran;
+    return results;
+  }
+  double joint_tokens = 0;
+  for (const MicroBatchCounts& c : counts) joint_tokens += static_cast<double>(c.real_tokens);
+  for (size_t r = 0; r < n; ++r) {
+    const size_t c = admitted[r];
+    if (cancelled_before[r]) {
+      results[c] = absl::CancelledError(absl::StrCat(
+          "call cancelled (its caller went away or its deadline passed) before micro-batch ", *cancelled_before[r] + 1,
+          " of ", splits[r].size(), "; nothing was applied"));
+      continue;
+    }
+    ForwardBackwardResult out;
+    const std::vector<Datum>& datums = *batches[r];
+    out.logprobs.resize(datums.size());
+    std::vector<at::Tensor> parts;
+    for (const auto& [unused, lp] : logprobs[r]) parts.push_back(lp);
+    const at::Tensor all = at::cat(parts).to(at::kFloat).to(at::kCPU);
+    const float* lp = all.data_ptr<float>();
+    for (const auto& [order, unused] : logprobs[r]) {
+      for (size_t d : order) {
+        out.logprobs[d].assign(lp, lp + datums[d].tokens.size());
+        lp += datums[d].tokens.size();
+      }
+    }
+    Metrics& m = out.metrics;
+    pending[r].Resolve(&m);
+    m.Add("tokens_physical:sum", counts[r].physical);
+    m.Add("tokens_nonpadding:sum", counts[r].real_tokens);
+    m.Add("tokens_scored:sum", scored[r]);
+    m.Add("micro_batches:sum", static_cast<double>(splits[r].size()));
+    m.Add("model_flops:sum", counts[r].flops);
+    m.Add("time_forward_s:sum", t_forward);  // the shared passes' wall time
+    if (t_forward > 0) m.Add("tokens_per_s:sum", counts[r].real_tokens / t_forward);
+    m.Add("co_scheduled_runs:max", static_cast<double>(n));
+    m.Add("co_scheduled_tokens:max", joint_tokens);
+    m.Add("co_scheduled_rows:sum", static_cast<double>(rows.size()));
+    m.Set("peak_host_memory_bytes:max", PeakHostMemoryBytes());
+    trainers[r]->AddCudaPeakMemory(&m);
+    results[c] = std::move(out);
+  }
+  return results;
+}
+
 bool Trainer::CoSchedulable() const {
   return options_.groups == nullptr && !adapter_->full_finetune() && !base_->config.is_moe() &&
          options_.pack_sequences;

@@ -94,13 +94,13 @@ double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+}  // namespace
+
 double PeakHostMemoryBytes() {
   struct rusage usage;
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<double>(usage.ru_maxrss) * 1024.0;
 }
-
-}  // namespace
 
 std::vector<std::vector<size_t>> Trainer::SplitMicroBatches(const std::vector<Datum>& datums,
                                                             int64_t max_tokens) const {

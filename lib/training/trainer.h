@@ -149,6 +149,17 @@ struct JointTrainCall {
   std::function<bool()> cancelled;
 };
 
+// This process's peak resident memory in bytes (the peak_host_memory_bytes metric).
+double PeakHostMemoryBytes();
+
+// One run's Forward in a co-scheduled step (Trainer::JointForward).
+struct JointForwardCall {
+  Trainer* trainer = nullptr;
+  const std::vector<Datum>* datums = nullptr;
+  // As JointTrainCall::cancelled: asked before each joint row holding the call's next micro-batch.
+  std::function<bool()> cancelled;
+};
+
 class Trainer {
  public:
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(std::shared_ptr<const BaseModel> base,
@@ -179,6 +190,11 @@ class Trainer {
   // after the joint part. Trainers must be CoSchedulable and share one base; others are
   // refused by name. One result per call, in order.
   static std::vector<absl::StatusOr<OptimStepResult>> JointTrainStep(const std::vector<JointTrainCall>& calls);
+  // Several runs' Forward calls on one base model as few forward passes without gradients
+  // (joint rows as JointTrainStep lays them out), each run's LoRA on its own rows and its own
+  // head: each call's log-probs and metrics are those of its run's Forward alone up to
+  // floating-point order. A refused or cancelled call fails alone; nothing changes any run.
+  static std::vector<absl::StatusOr<ForwardBackwardResult>> JointForward(const std::vector<JointForwardCall>& calls);
   // Whether this run can take part in JointTrainStep: world size 1, LoRA on a dense model,
   // packed sequences.
   bool CoSchedulable() const;
