@@ -2,8 +2,10 @@
 stderr with run_id, request_id, method, code, duration), and the Prometheus endpoints, scraped over HTTP and
 parsed with prometheus_client's exposition-format parser (Debian's python3-prometheus-client):
 the values equal what the step responses said; requests are counted by method and status
-code; a deleted run's series go away; other paths and methods are refused; a non-loopback
-host without --metrics_allow_remote is refused at start-up.
+code; two runs' TrainSteps sent at once share one step (occupancy gauges), and a batch whose
+gradient would overflow, sent beside another run's step, is refused alone; a deleted run's
+series go away; other paths and methods are refused; a non-loopback host without
+--metrics_allow_remote is refused at start-up.
   prometheus_test.py COORDINATOR WORKER GENMODEL TMPDIR   (PYTHONPATH holds the client)"""
 import os
 import re
@@ -190,6 +192,30 @@ def main():
                 steps = 4 if r is run else 1  # every TrainStep that passed the co-scheduling queue
                 check(value(samples, "lorastep_step_phase_seconds_count", run=r.run_id, phase="coschedule_wait") == steps,
                       f"{side}: the window's wait observed for each of {r.run_id}'s {steps} steps")
+        # Isolation: a batch whose gradient would overflow (advantages of 3e38 under the sum
+        # normalization) sent beside another run's step is refused alone, before any work; the
+        # other run steps.
+        huge = [dict(d, advantages=[a and 3e38 for a in d["advantages"]]) for d in batch]
+        versions = {r.run_id: answers[r.run_id]["learner_version"] for r in (run, other)}
+        answers.clear()
+        refused = []
+
+        def send_huge():
+            try:
+                other.train_step(huge, loss={"loss_fn": "ppo", "normalization": "sum"}, adamw={"lr": 1e-2})
+            except LorastepError as e:
+                refused.append(e)
+        threads = [threading.Thread(target=send, args=(run,)), threading.Thread(target=send_huge)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        check(not errors and answers[rid]["learner_version"] == versions[rid] + 1,
+              "beside a refused run, the other run steps")
+        check(len(refused) == 1 and refused[0].code.name == "INVALID_ARGUMENT" and "advantages" in str(refused[0]),
+              f"the overflowing batch is refused by name: {refused}")
+        check(client.get_run(other.run_id).learner_version == versions[other.run_id],
+              "and changes nothing of its run")
         client.delete_run(other.run_id)
         client.delete_run(rid)
         c = scrape(metrics_port)

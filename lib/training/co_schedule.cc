@@ -66,6 +66,17 @@ at::Tensor JointLayers(const BaseModel& base, const JointRow& row, const std::ve
 
 }  // namespace
 
+absl::Status Trainer::JoinStep(const Trainer* trainer, const std::vector<Datum>* datums, const BaseModel** base,
+                              std::set<const Trainer*>* seen) {
+  auto refuse = [](const std::string& why) { return absl::InvalidArgumentError("co-scheduling: " + why); };
+  if (trainer == nullptr || datums == nullptr) return refuse("a call needs its trainer and datums");
+  if (!seen->insert(trainer).second) return refuse("a run takes part once per step");
+  if (*base == nullptr) *base = trainer->base_.get();
+  if (trainer->base_.get() != *base) return refuse("every run of a step shares one base model");
+  if (!trainer->CoSchedulable()) return refuse("world size 1, LoRA on a dense model and packed sequences only");
+  return absl::OkStatus();
+}
+
 std::vector<std::vector<Trainer::JointPart>> Trainer::PackJointRows(
     const std::vector<Trainer*>& trainers, const std::vector<const std::vector<Datum>*>& datums,
     const std::vector<std::vector<std::vector<size_t>>>& splits, bool backward) {
@@ -122,25 +133,15 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
   };
   for (size_t c = 0; c < calls.size(); ++c) {
     const JointTrainCall& call = calls[c];
-    auto refuse = [&](const std::string& why) { results[c] = absl::InvalidArgumentError("co-scheduling: " + why); };
-    if (call.trainer == nullptr || call.datums == nullptr || call.loss == nullptr) {
-      refuse("a call needs its trainer, datums and loss");
+    if (call.loss == nullptr) {
+      results[c] = absl::InvalidArgumentError("co-scheduling: a TrainStep needs its loss");
+      continue;
+    }
+    if (absl::Status member = JoinStep(call.trainer, call.datums, &base, &seen); !member.ok()) {
+      results[c] = member;
       continue;
     }
     Trainer& t = *call.trainer;
-    if (!seen.insert(&t).second) {
-      refuse("a run takes part once per step");
-      continue;
-    }
-    if (base == nullptr) base = t.base_.get();
-    if (t.base_.get() != base) {
-      refuse("every run of a step shares one base model");
-      continue;
-    }
-    if (!t.CoSchedulable()) {
-      refuse("world size 1, LoRA on a dense model and packed sequences only");
-      continue;
-    }
     absl::Status local = ValidateAdamWParams(call.adamw);
     if (local.ok()) local = ValidateBatch(*call.datums, *call.loss, t.base_->config.vocab_size, t.options_.limits);
     BatchOptions batch;
@@ -313,25 +314,11 @@ std::vector<absl::StatusOr<ForwardBackwardResult>> Trainer::JointForward(const s
   std::vector<size_t> admitted;
   for (size_t c = 0; c < calls.size(); ++c) {
     const JointForwardCall& call = calls[c];
-    auto refuse = [&](const std::string& why) { results[c] = absl::InvalidArgumentError("co-scheduling: " + why); };
-    if (call.trainer == nullptr || call.datums == nullptr) {
-      refuse("a call needs its trainer and datums");
+    if (absl::Status member = JoinStep(call.trainer, call.datums, &base, &seen); !member.ok()) {
+      results[c] = member;
       continue;
     }
     Trainer& t = *call.trainer;
-    if (!seen.insert(&t).second) {
-      refuse("a run takes part once per step");
-      continue;
-    }
-    if (base == nullptr) base = t.base_.get();
-    if (t.base_.get() != base) {
-      refuse("every run of a step shares one base model");
-      continue;
-    }
-    if (!t.CoSchedulable()) {
-      refuse("world size 1, LoRA on a dense model and packed sequences only");
-      continue;
-    }
     absl::Status local = ValidateForwardBatch(*call.datums, t.base_->config.vocab_size, t.options_.limits);
     if (local.ok()) local = t.CheckActivationBudget(*call.datums, BatchOptions{}, /*backward=*/false);
     if (!local.ok()) {

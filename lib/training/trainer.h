@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -280,6 +281,10 @@ class Trainer {
   // The activation memory one micro-batch may use (TrainerOptions::max_activation_bytes; 0
   // there: 80% of what the device or this process can still allocate); -1: no limit.
   int64_t ActivationBudgetBytes() const;
+  // Co-scheduling: whether a call's run may join a step (its trainer and datums given, once
+  // per step, the step's base model, CoSchedulable); `base` and `seen` carry the step's so far.
+  static absl::Status JoinStep(const Trainer* trainer, const std::vector<Datum>* datums, const BaseModel** base,
+                               std::set<const Trainer*>* seen);
   // Co-scheduling: (run, micro-batch) pairs, a run being a position in `trainers`.
   using JointPart = std::pair<size_t, size_t>;
   // The joint rows of a co-scheduled step: the runs' micro-batches (every run's first, then
