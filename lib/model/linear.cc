@@ -78,11 +78,11 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
 };
 
 // left @ right + (bias) + alpha * (low @ low_right) for a small inner size of `low` (a LoRA
-// rank). Where the output is wider than the large GEMM's inner size (down_proj's input
-// gradient), the low-rank GEMM goes first into a fresh output and the large GEMM's epilogue
-// adds into it: a low-rank GEMM adding into the output is bound by a read-modify-write pass
-// over it, which costs most there. Elsewhere the large GEMM writes alone and the low-rank one
-// adds, which keeps the large GEMM's faster write-only epilogue.
+// rank). Where the output is wider than the large GEMM's inner size (q/k/v's forward,
+// down_proj's input gradient), the low-rank GEMM goes first into a fresh output and the
+// large GEMM's epilogue adds into it: a low-rank GEMM adding into the output is bound by a
+// read-modify-write pass over it, which costs most there. Elsewhere the large GEMM writes
+// alone and the low-rank one adds, which keeps the large GEMM's faster write-only epilogue.
 at::Tensor LargeGemmOverLowRank(const at::Tensor& left, const at::Tensor& right, const at::Tensor& bias,
                                 const at::Tensor& low, const at::Tensor& low_right, double alpha) {
   if (left.size(1) >= right.size(1)) {
