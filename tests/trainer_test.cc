@@ -622,6 +622,64 @@ TEST_F(TrainerTest, JointForwardEqualsEachRunsForward) {
   EXPECT_THAT(outcome[2].status(), StatusIs(absl::StatusCode::kCancelled, "before micro-batch 1 of"));
 }
 
+// JointForwardBackward: three runs' ForwardBackward calls as joint rows, then each run's
+// OptimStep, give each run's ForwardBackward + OptimStep alone (log-probs and loss within 1e-6
+// on CPU, grad_norm likewise); the gradients wait in each run's buffers; a refused call
+// changes nothing of its run.
+TEST_F(TrainerTest, JointForwardBackwardThenOptimStepEqualsEachRunAlone) {
+  std::vector<LoraConfig> loras(3);
+  loras[0].rank = 4, loras[0].alpha = 8, loras[0].target_modules = {"all-linear"};
+  loras[1].rank = 2, loras[1].alpha = 4, loras[1].dropout = 0.1, loras[1].target_modules = {"q_proj", "v_proj"};
+  loras[2].rank = 8, loras[2].alpha = 8, loras[2].target_modules = {"o_proj", "gate_proj", "lm_head"};
+  std::vector<std::unique_ptr<Trainer>> solo, joint;
+  for (size_t i = 0; i < loras.size(); ++i) {
+    TrainerOptions o = Options();
+    o.lora = loras[i];
+    o.seed = 61 + i;
+    solo.push_back(NewTrainer(o));
+    joint.push_back(NewTrainer(o));
+  }
+  std::vector<std::vector<Datum>> batches;
+  for (size_t i = 0; i < loras.size(); ++i) batches.push_back(RlBatch(70 + static_cast<int>(i), 96));
+  const LossConfig loss = Ppo();
+  std::vector<JointTrainCall> calls;
+  for (size_t i = 0; i < loras.size(); ++i) calls.push_back({joint[i].get(), &batches[i], &loss, AdamWParams{}, 0});
+  const auto together = Trainer::JointForwardBackward(calls);
+  const double tol = ::lorastep::testing::Tol(1e-6);
+  for (size_t i = 0; i < loras.size(); ++i) {
+    const std::string what = "run " + std::to_string(i);
+    ASSERT_TRUE(together[i].ok()) << together[i].status();
+    ASSERT_OK_AND_ASSIGN(ForwardBackwardResult alone, solo[i]->ForwardBackward(batches[i], loss));
+    EXPECT_EQ(joint[i]->pending_backward_calls(), 1) << what;
+    EXPECT_NEAR(together[i]->metrics.Get("loss:sum"), alone.metrics.Get("loss:sum"),
+                tol * std::abs(alone.metrics.Get("loss:sum"))) << what;
+    EXPECT_EQ(together[i]->metrics.Get("co_scheduled_runs:max"), 3.0) << what;
+    ASSERT_EQ(together[i]->logprobs.size(), alone.logprobs.size()) << what;
+    for (size_t d = 0; d < alone.logprobs.size(); ++d) {
+      ASSERT_EQ(together[i]->logprobs[d].size(), alone.logprobs[d].size()) << what;
+      for (size_t p = 0; p < alone.logprobs[d].size(); ++p) {
+        EXPECT_NEAR(together[i]->logprobs[d][p], alone.logprobs[d][p], tol * std::abs(alone.logprobs[d][p])) << what;
+      }
+    }
+    ASSERT_OK_AND_ASSIGN(OptimStepResult got, joint[i]->OptimStep(Adam()));
+    ASSERT_OK_AND_ASSIGN(OptimStepResult want, solo[i]->OptimStep(Adam()));
+    EXPECT_NEAR(got.metrics.Get("grad_norm:sum"), want.metrics.Get("grad_norm:sum"),
+                tol * want.metrics.Get("grad_norm:sum")) << what;
+  }
+  // A refused call (a token outside the vocabulary) changes nothing of its run; the others
+  // accumulate.
+  std::vector<Datum> oov = batches[1];
+  oov[0].tokens[0] = 96;
+  calls[1].datums = &oov;
+  const auto mixed = Trainer::JointForwardBackward(calls);
+  EXPECT_TRUE(mixed[0].ok()) << mixed[0].status();
+  EXPECT_THAT(mixed[1].status(), StatusIs(absl::StatusCode::kInvalidArgument, "datums[0].tokens[0]"));
+  EXPECT_TRUE(mixed[2].ok()) << mixed[2].status();
+  EXPECT_EQ(joint[0]->pending_backward_calls(), 1);
+  EXPECT_EQ(joint[1]->pending_backward_calls(), 0);
+  EXPECT_EQ(mixed[0]->metrics.Get("co_scheduled_runs:max"), 2.0);
+}
+
 TEST_F(TrainerTest, ForwardReturnsTheLogprobsForwardBackwardUses) {
   TrainerOptions o = Options();
   o.lora.dropout = 0;

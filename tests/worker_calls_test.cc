@@ -287,6 +287,26 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
   EXPECT_NEAR(step_b->metrics.Get("loss:sum"), want_step_b.metrics.Get("loss:sum"),
               1e-6 * std::abs(want_step_b.metrics.Get("loss:sum")));
   EXPECT_TRUE(fa->metrics.Has("time_coschedule_wait_s:sum"));
+
+  // ForwardBackward calls join too; each run's OptimStep then steps its own gradients.
+  absl::StatusOr<ForwardBackwardResult> fba = absl::UnknownError(""), fbb = absl::UnknownError("");
+  {
+    std::thread ta([&] { fba = together->ForwardBackward("a", batch_a, ppo, nullptr, std::nullopt); });
+    std::thread tb([&] { fbb = together->ForwardBackward("b", batch_b, ppo, nullptr, std::nullopt); });
+    ta.join();
+    tb.join();
+  }
+  ASSERT_OK(fba.status());
+  ASSERT_OK(fbb.status());
+  EXPECT_EQ(fbb->metrics.Get("co_scheduled_runs:max"), 2.0);
+  ASSERT_OK_AND_ASSIGN(ForwardBackwardResult want_fbb, fresh->ForwardBackward("b", batch_b, ppo, nullptr, std::nullopt));
+  EXPECT_NEAR(fbb->metrics.Get("loss:sum"), want_fbb.metrics.Get("loss:sum"),
+              1e-6 * std::abs(want_fbb.metrics.Get("loss:sum")));
+  ASSERT_OK_AND_ASSIGN(OptimStepResult opt_b, together->OptimStep("b", adam));
+  ASSERT_OK_AND_ASSIGN(OptimStepResult want_opt_b, fresh->OptimStep("b", adam));
+  EXPECT_NEAR(opt_b.metrics.Get("grad_norm:sum"), want_opt_b.metrics.Get("grad_norm:sum"),
+              1e-6 * want_opt_b.metrics.Get("grad_norm:sum"));
+  ASSERT_OK(together->OptimStep("a", adam).status());
 }
 
 }  // namespace

@@ -191,6 +191,13 @@ absl::StatusOr<ForwardBackwardResult> WorkerCore::ForwardBackward(
     const std::string& run_id, const std::vector<Datum>& datums, const LossConfig& loss,
     const BatchTotals* totals, std::optional<ActivationRecompute> recompute,
     const MeshCallInfo& mesh, const Cancelled& cancelled) {
+  if (groups_ == nullptr && CoSchedules(run_id, recompute)) {
+    QueuedStep step{&run_id, CallKind::kForwardBackward,
+                    JointTrainCall{nullptr, &datums, &loss, AdamWParams{}, 0, totals, cancelled}, mesh, cancelled,
+                    std::chrono::steady_clock::now()};
+    AwaitCoscheduled(&step);
+    return std::move(step.forward);
+  }
   std::lock_guard<FairMutex> lock(mu_);
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Admit(run_id, mesh, "ForwardBackward"));
   BatchOptions batch;
@@ -205,8 +212,9 @@ absl::StatusOr<ForwardBackwardResult> WorkerCore::Forward(const std::string& run
                                                           const std::vector<Datum>& datums,
                                                           const MeshCallInfo& mesh, const Cancelled& cancelled) {
   if (groups_ == nullptr && CoSchedules(run_id, std::nullopt)) {
-    QueuedStep step{&run_id, JointTrainCall{nullptr, &datums, nullptr, AdamWParams{}, 0, nullptr, cancelled}, mesh,
-                    cancelled, std::chrono::steady_clock::now()};
+    QueuedStep step{&run_id, CallKind::kForward,
+                    JointTrainCall{nullptr, &datums, nullptr, AdamWParams{}, 0, nullptr, cancelled}, mesh, cancelled,
+                    std::chrono::steady_clock::now()};
     AwaitCoscheduled(&step);
     return std::move(step.forward);
   }
@@ -235,7 +243,7 @@ absl::StatusOr<OptimStepResult> WorkerCore::TrainStep(const std::string& run_id,
                                                       std::optional<ActivationRecompute> recompute,
                                                       const MeshCallInfo& mesh, const Cancelled& cancelled) {
   if (groups_ == nullptr && CoSchedules(run_id, recompute)) {
-    QueuedStep step{&run_id, JointTrainCall{nullptr, &datums, &loss, params, max_tokens, totals, cancelled}, mesh, cancelled,
+    QueuedStep step{&run_id, CallKind::kTrainStep, JointTrainCall{nullptr, &datums, &loss, params, max_tokens, totals, cancelled}, mesh, cancelled,
                     std::chrono::steady_clock::now()};
     AwaitCoscheduled(&step);
     return std::move(step.result);
@@ -290,6 +298,22 @@ void WorkerCore::RunCoscheduledForwards(const std::vector<QueuedStep*>& forwards
   for (size_t i = 0; i < forwards.size(); ++i) forwards[i]->forward = std::move(results[i]);
 }
 
+void WorkerCore::RunCoscheduledForwardBackwards(const std::vector<QueuedStep*>& steps) {
+  if (steps.size() == 1) {  // alone: its own ForwardBackward, exactly as without co-scheduling
+    const JointTrainCall& c = steps.front()->call;
+    BatchOptions batch;
+    batch.totals = c.totals;
+    batch.cancelled = steps.front()->cancelled;
+    steps.front()->forward = c.trainer->ForwardBackward(*c.datums, *c.loss, batch);
+    return;
+  }
+  if (steps.empty()) return;
+  std::vector<JointTrainCall> calls;
+  for (const QueuedStep* s : steps) calls.push_back(s->call);
+  std::vector<absl::StatusOr<ForwardBackwardResult>> results = Trainer::JointForwardBackward(calls);
+  for (size_t i = 0; i < steps.size(); ++i) steps[i]->forward = std::move(results[i]);
+}
+
 void WorkerCore::LeadCoscheduledStep() {
   {  // the window: only while other runs could still send, from when the device is free for
      // this step (the runs of the previous step send their next calls as it ends; timed from
@@ -321,10 +345,13 @@ void WorkerCore::LeadCoscheduledStep() {
       it = queue_.erase(it);
     }
   }
-  std::vector<QueuedStep*> joined, forwards;
+  std::vector<QueuedStep*> joined, forwards, forward_backwards;
   std::vector<JointTrainCall> calls;
   for (QueuedStep* s : taken) {
-    absl::StatusOr<Trainer*> t = Admit(*s->run_id, s->mesh, s->is_forward() ? "Forward" : "TrainStep");
+    const char* method = s->kind == CallKind::kTrainStep         ? "TrainStep"
+                         : s->kind == CallKind::kForwardBackward ? "ForwardBackward"
+                                                                 : "Forward";
+    absl::StatusOr<Trainer*> t = Admit(*s->run_id, s->mesh, method);
     if (t.ok() && s->cancelled && s->cancelled()) {
       t = absl::CancelledError("call cancelled (its caller went away or its deadline passed) before it ran; "
                                "nothing was applied");
@@ -335,8 +362,8 @@ void WorkerCore::LeadCoscheduledStep() {
       continue;
     }
     s->call.trainer = *t;
-    if (s->is_forward()) {
-      forwards.push_back(s);
+    if (s->kind != CallKind::kTrainStep) {
+      (s->kind == CallKind::kForward ? forwards : forward_backwards).push_back(s);
       continue;
     }
     calls.push_back(s->call);
@@ -347,8 +374,11 @@ void WorkerCore::LeadCoscheduledStep() {
                                       : std::chrono::duration<double>(std::chrono::steady_clock::now() -
                                                                       taken.front()->queued).count();
   RunCoscheduledForwards(forwards);
-  for (QueuedStep* s : forwards) {
-    if (s->forward.ok()) s->forward->metrics.Add("time_coschedule_wait_s:sum", waited);
+  RunCoscheduledForwardBackwards(forward_backwards);
+  for (const auto* list : {&forwards, &forward_backwards}) {
+    for (QueuedStep* s : *list) {
+      if (s->forward.ok()) s->forward->metrics.Add("time_coschedule_wait_s:sum", waited);
+    }
   }
   if (joined.size() == 1) {  // alone: its own TrainStep, exactly as without co-scheduling
     const JointTrainCall& c = calls.front();

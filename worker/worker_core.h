@@ -175,18 +175,20 @@ class WorkerCore {
                        bool with_optimizer) const;
 
   // A TrainStep waiting to be co-scheduled; its caller's thread waits for `done`.
+  enum class CallKind { kTrainStep, kForwardBackward, kForward };
   struct QueuedStep {
     const std::string* run_id;
+    CallKind kind;
     JointTrainCall call;  // trainer filled in at admission; a Forward has no loss
     MeshCallInfo mesh;    // the learner version the coordinator expects
     Cancelled cancelled;  // asked at admission (and between micro-batches when it runs alone)
     std::chrono::steady_clock::time_point queued;
     bool done = false;
     absl::StatusOr<OptimStepResult> result = absl::UnknownError("not run");           // TrainStep
-    absl::StatusOr<ForwardBackwardResult> forward = absl::UnknownError("not run");  // Forward
-    bool is_forward() const { return call.loss == nullptr; }
+    absl::StatusOr<ForwardBackwardResult> forward = absl::UnknownError("not run");  // the others
   };
-  // Whether a TrainStep or Forward may wait to be co-scheduled (world size 1, a window, a run that can).
+  // Whether a TrainStep, ForwardBackward or Forward may wait to be co-scheduled (world size 1,
+  // a window, a run that can, no activation_recompute of its own).
   bool CoSchedules(const std::string& run_id, std::optional<ActivationRecompute> recompute);
   // Queues `step` and returns once a leader (the first waiting caller while none leads) ran it.
   void AwaitCoscheduled(QueuedStep* step);
@@ -194,9 +196,10 @@ class WorkerCore {
   // arrival order, admits them and runs the TrainSteps as one joint step and the Forwards as
   // one joint forward.
   void LeadCoscheduledStep();
-  // The taken Forward calls (admitted, trainers set): alone, their own Forward; several, one
-  // Trainer::JointForward. Under the device lock.
+  // The taken Forward and ForwardBackward calls (admitted, trainers set): alone, their own
+  // call; several, one Trainer::JointForward / JointForwardBackward. Under the device lock.
   void RunCoscheduledForwards(const std::vector<QueuedStep*>& forwards);
+  void RunCoscheduledForwardBackwards(const std::vector<QueuedStep*>& calls);
 
   WorkerOptions options_;
   std::shared_ptr<const BaseModel> base_;

@@ -64,6 +64,25 @@ at::Tensor JointLayers(const BaseModel& base, const JointRow& row, const std::ve
   return Qwen2Layers(base.config, base.weights, nullptr, x, joint);
 }
 
+// Each datum's log-probs from a run's micro-batches (datum order and log-probs on the
+// device, one entry per micro-batch in order): one copy to the host.
+std::vector<std::vector<float>> GatherLogprobs(const std::vector<Datum>& datums,
+                                               const std::vector<std::pair<std::vector<size_t>, at::Tensor>>& parts) {
+  std::vector<std::vector<float>> out(datums.size());
+  if (parts.empty()) return out;
+  std::vector<at::Tensor> values;
+  for (const auto& [unused, lp] : parts) values.push_back(lp);
+  const at::Tensor all = at::cat(values).to(at::kFloat).to(at::kCPU).contiguous();
+  const float* lp = all.data_ptr<float>();
+  for (const auto& [order, unused] : parts) {
+    for (size_t d : order) {
+      out[d].assign(lp, lp + datums[d].tokens.size());
+      lp += datums[d].tokens.size();
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::Status Trainer::JoinStep(const Trainer* trainer, const std::vector<Datum>* datums, const BaseModel** base,
@@ -115,34 +134,43 @@ std::vector<std::vector<Trainer::JointPart>> Trainer::PackJointRows(
   return rows;
 }
 
-std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::vector<JointTrainCall>& calls) {
-  std::vector<absl::StatusOr<OptimStepResult>> results(calls.size(), absl::UnknownError("not run"));
+// The shared part of JointTrainStep and JointForwardBackward: admission, then every joint
+// row's forward and backward, each run's gradients accumulating in its own main_grads.
+struct Trainer::JointPass {
+  std::vector<absl::Status> refused;  // per call: OK when admitted (or run alone)
+  std::vector<size_t> admitted, alone;
+  std::vector<CallSnapshot> snapshots;  // per call
+  std::vector<std::vector<std::vector<size_t>>> splits;  // per admitted run
+  std::vector<LossDenominators> dens;
+  std::vector<PendingMetrics> pending;
+  std::vector<MicroBatchCounts> counts;
+  std::vector<std::optional<size_t>> cancelled_before;  // the micro-batch a cancelled run stopped at
+  // Each run's log-probs per micro-batch (datum order, on the device), when asked for.
+  std::vector<std::vector<std::pair<std::vector<size_t>, at::Tensor>>> logprobs;
+  size_t rows = 0;
+  double seconds = 0, joint_tokens = 0;
+  absl::Status ran;
+};
+
+Trainer::JointPass Trainer::RunJointPass(const std::vector<JointTrainCall>& calls, bool optimizer_step) {
+  JointPass pass;
+  pass.refused.assign(calls.size(), absl::OkStatus());
+  pass.snapshots.resize(calls.size());
   // Admission: each call on its own; a refused call leaves the step, alone.
   const BaseModel* base = nullptr;
   std::set<const Trainer*> seen;
-  std::vector<size_t> admitted, alone;
-  std::vector<CallSnapshot> snapshots(calls.size());
-  // Calls that run on their own after the joint part (their own TrainStep).
-  auto run_alone = [&] {
-    for (size_t c : alone) {
-      BatchOptions batch;
-      batch.max_tokens_per_microbatch = calls[c].max_tokens_per_microbatch;
-      batch.totals = calls[c].totals;
-      results[c] = calls[c].trainer->TrainStep(*calls[c].datums, *calls[c].loss, calls[c].adamw, batch);
-    }
-  };
   for (size_t c = 0; c < calls.size(); ++c) {
     const JointTrainCall& call = calls[c];
     if (call.loss == nullptr) {
-      results[c] = absl::InvalidArgumentError("co-scheduling: a TrainStep needs its loss");
+      pass.refused[c] = absl::InvalidArgumentError("co-scheduling: a training call needs its loss");
       continue;
     }
     if (absl::Status member = JoinStep(call.trainer, call.datums, &base, &seen); !member.ok()) {
-      results[c] = member;
+      pass.refused[c] = member;
       continue;
     }
     Trainer& t = *call.trainer;
-    absl::Status local = ValidateAdamWParams(call.adamw);
+    absl::Status local = optimizer_step ? ValidateAdamWParams(call.adamw) : absl::OkStatus();
     if (local.ok()) local = ValidateBatch(*call.datums, *call.loss, t.base_->config.vocab_size, t.options_.limits);
     BatchOptions batch;
     batch.max_tokens_per_microbatch = call.max_tokens_per_microbatch;
@@ -151,63 +179,62 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
     if (local.ok()) local = t.CheckActivationBudget(*call.datums, batch, /*backward=*/true, &recompute);
     if (local.ok() && std::any_of(recompute.begin(), recompute.end(),
                                   [](LayerRecompute r) { return r != LayerRecompute::kNone; })) {
-      alone.push_back(c);  // recomputation replays layers the joint row does not keep: on its own
+      pass.alone.push_back(c);  // recomputation replays layers the joint row does not keep: on its own
       continue;
     }
     absl::StatusOr<CallSnapshot> snapshot = local.ok() ? t.Snapshot() : absl::StatusOr<CallSnapshot>(local);
     if (!snapshot.ok()) {
-      results[c] = snapshot.status();
+      pass.refused[c] = snapshot.status();
       continue;
     }
-    snapshots[c] = *std::move(snapshot);
-    admitted.push_back(c);
+    pass.snapshots[c] = *std::move(snapshot);
+    pass.admitted.push_back(c);
   }
-  if (admitted.empty()) {
-    run_alone();
-    return results;
-  }
+  if (pass.admitted.empty()) return pass;
 
   // Each run's micro-batches as it would split them alone.
   const ModelConfig& config = base->config;
   const auto device = base->device;
-  const size_t n = admitted.size();
-  std::vector<std::vector<std::vector<size_t>>> splits(n);
-  std::vector<LossDenominators> dens(n);
-  std::vector<PendingMetrics> pending(n);
-  std::vector<MicroBatchCounts> counts(n);
+  const size_t n = pass.admitted.size();
+  pass.splits.resize(n);
+  pass.dens.resize(n);
+  pass.pending.resize(n);
+  pass.counts.resize(n);
+  pass.cancelled_before.resize(n);
+  pass.logprobs.resize(n);
   std::vector<double> lora_params(n);
-  for (size_t r = 0; r < n; ++r) {
-    const JointTrainCall& call = calls[admitted[r]];
-    Trainer& t = *call.trainer;
-    splits[r] = t.SplitMicroBatches(*call.datums, call.max_tokens_per_microbatch > 0
-                                                      ? call.max_tokens_per_microbatch
-                                                      : t.options_.max_tokens_per_microbatch);
-    dens[r] = CallDenominators(*call.datums, call.totals, device);
-    lora_params[r] = LoraParameterCount(*t.adapter_);
-  }
   std::vector<Trainer*> trainers;
   std::vector<const std::vector<Datum>*> batches;
-  for (size_t c : admitted) trainers.push_back(calls[c].trainer), batches.push_back(calls[c].datums);
-  const std::vector<std::vector<JointPart>> rows = PackJointRows(trainers, batches, splits, /*backward=*/true);
-  double t_forward_backward = 0;
-  std::vector<std::optional<size_t>> cancelled_before(n);  // the micro-batch a cancelled run stopped at
-  const absl::Status ran = GuardTorch([&]() -> absl::Status {
+  for (size_t r = 0; r < n; ++r) {
+    const JointTrainCall& call = calls[pass.admitted[r]];
+    Trainer& t = *call.trainer;
+    pass.splits[r] = t.SplitMicroBatches(*call.datums, call.max_tokens_per_microbatch > 0
+                                                           ? call.max_tokens_per_microbatch
+                                                           : t.options_.max_tokens_per_microbatch);
+    pass.dens[r] = CallDenominators(*call.datums, call.totals, device);
+    lora_params[r] = LoraParameterCount(*t.adapter_);
+    trainers.push_back(&t);
+    batches.push_back(call.datums);
+  }
+  const std::vector<std::vector<JointPart>> rows = PackJointRows(trainers, batches, pass.splits, /*backward=*/true);
+  pass.rows = rows.size();
+  pass.ran = GuardTorch([&]() -> absl::Status {
     for (const std::vector<JointPart>& row_parts : rows) {
       const auto t0 = std::chrono::steady_clock::now();
       std::vector<size_t> runs;  // positions in `admitted`, one per part
       std::vector<MicroBatch> mbs;
       for (const auto& [r, k] : row_parts) {
-        const JointTrainCall& call = calls[admitted[r]];
-        if (!cancelled_before[r] && call.cancelled && call.cancelled()) cancelled_before[r] = k;
-        if (cancelled_before[r]) continue;  // its later parts leave the rows
+        const JointTrainCall& call = calls[pass.admitted[r]];
+        if (!pass.cancelled_before[r] && call.cancelled && call.cancelled()) pass.cancelled_before[r] = k;
+        if (pass.cancelled_before[r]) continue;  // its later parts leave the rows
         MicroBatchOptions options;
         options.backward = true;
         options.always_pack = true;
-        options.loss_positions_only = true;  // as TrainStep alone
+        options.loss_positions_only = optimizer_step;  // as TrainStep alone; ForwardBackward returns every log-prob
         options.matmul_passes = 2;
         options.lora_params = lora_params[r];
         runs.push_back(r);
-        mbs.push_back(BuildMicroBatch(*call.datums, splits[r][k], config, options, device, &counts[r]));
+        mbs.push_back(BuildMicroBatch(*call.datums, pass.splits[r][k], config, options, device, &pass.counts[r]));
       }
       if (mbs.empty()) continue;  // every part's run was cancelled
       std::vector<const MicroBatch*> parts;
@@ -215,7 +242,7 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
       const JointRow row = JoinPackedRows(parts);
       std::vector<RunSegment> segments;
       for (size_t j = 0; j < runs.size(); ++j) {
-        Trainer& t = *calls[admitted[runs[j]]].trainer;
+        Trainer& t = *trainers[runs[j]];
         segments.push_back({t.adapter_.get(), row.begins[j], row.begins[j] + mbs[j].tokens.size(1),
                             &t.dropout_generator_});
       }
@@ -223,7 +250,7 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
       at::Tensor total;
       for (size_t j = 0; j < runs.size(); ++j) {
         const size_t r = runs[j];
-        const JointTrainCall& call = calls[admitted[r]];
+        const JointTrainCall& call = calls[pass.admitted[r]];
         Trainer& t = *call.trainer;
         ForwardOptions own{t.options_.grad, /*training=*/true, &t.dropout_generator_};
         const at::Tensor layers_out = x.narrow(1, segments[j].begin, segments[j].end - segments[j].begin);
@@ -232,67 +259,83 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
         TokenScores scores = Qwen2HeadScores(base->weights, t.adapter_.get(), selected, mbs[j].targets,
                                              t.options_.logprob_chunk_tokens, own, VocabShard{},
                                              /*entropy_grad=*/call.loss->entropy_coef != 0);
+        if (!optimizer_step) pass.logprobs[r].emplace_back(*mbs[j].datums, scores.logprobs.detach());
         LossInputs in = mbs[j].loss_in;
         in.logprobs = scores.logprobs;
         in.entropy = scores.entropy;
-        const at::Tensor loss = ComputeLoss(*call.loss, in, dens[r], &pending[r]);
+        const at::Tensor loss = ComputeLoss(*call.loss, in, pass.dens[r], &pass.pending[r]);
         total = total.defined() ? total + loss : loss;
       }
       total.backward();
-      t_forward_backward += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      pass.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
     return absl::OkStatus();
   });
-  if (!ran.ok()) {  // nothing of the step applies anywhere
-    for (size_t r = 0; r < n; ++r) {
-      calls[admitted[r]].trainer->Restore(snapshots[admitted[r]]);
-      results[admitted[r]] = ran;
-    }
-    run_alone();
-    return results;
-  }
+  for (const MicroBatchCounts& c : pass.counts) pass.joint_tokens += static_cast<double>(c.real_tokens);
+  return pass;
+}
 
-  double joint_tokens = 0;  // every run's non-padding tokens in the shared forward/backward
-  for (const MicroBatchCounts& c : counts) joint_tokens += static_cast<double>(c.real_tokens);
+absl::Status Trainer::FinishJointCall(const JointPass& pass, size_t r, const std::vector<JointTrainCall>& calls) {
+  const size_t c = pass.admitted[r];
+  Trainer& t = *calls[c].trainer;
+  if (!pass.ran.ok()) {  // nothing of the step applies anywhere
+    t.Restore(pass.snapshots[c]);
+    return pass.ran;
+  }
+  if (pass.cancelled_before[r]) {  // its gradients so far go with the rest of its state
+    t.Restore(pass.snapshots[c]);
+    return absl::CancelledError(absl::StrCat("call cancelled (its caller went away or its deadline passed) before micro-batch ",
+                                             *pass.cancelled_before[r] + 1, " of ", pass.splits[r].size(),
+                                             "; nothing was applied"));
+  }
+  ++t.pending_backward_calls_;
+  return absl::OkStatus();
+}
+
+void Trainer::AddJointMetrics(JointPass& pass, size_t r, Metrics* m) {
+  pass.pending[r].Resolve(m);
+  m->Add("tokens_nonpadding:sum", pass.counts[r].real_tokens);
+  m->Add("tokens_loss:sum", pass.dens[r].loss_tokens);
+  m->Add("micro_batches:sum", static_cast<double>(pass.splits[r].size()));
+  m->Add("model_flops:sum", pass.counts[r].flops);
+  m->Add("co_scheduled_runs:max", static_cast<double>(pass.admitted.size()));
+  m->Add("co_scheduled_tokens:max", pass.joint_tokens);
+  m->Add("co_scheduled_rows:sum", static_cast<double>(pass.rows));
+  m->Add("time_forward_backward_joint_s:sum", pass.seconds);
+}
+
+std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::vector<JointTrainCall>& calls) {
+  std::vector<absl::StatusOr<OptimStepResult>> results(calls.size(), absl::UnknownError("not run"));
+  JointPass pass = RunJointPass(calls, /*optimizer_step=*/true);
+  for (size_t c = 0; c < calls.size(); ++c) {
+    if (!pass.refused[c].ok()) results[c] = pass.refused[c];
+  }
   // Each run's own optimizer step: a refusal (a non-finite gradient norm) undoes that run alone.
-  for (size_t r = 0; r < n; ++r) {
-    const size_t c = admitted[r];
+  for (size_t r = 0; r < pass.admitted.size(); ++r) {
+    const size_t c = pass.admitted[r];
     Trainer& t = *calls[c].trainer;
-    if (cancelled_before[r]) {  // its gradients so far go with the rest of its state
-      t.Restore(snapshots[c]);
-      results[c] = absl::CancelledError(absl::StrCat(
-          "call cancelled (its caller went away or its deadline passed) before micro-batch ", *cancelled_before[r] + 1,
-          " of ", splits[r].size(), "; nothing was applied"));
+    if (absl::Status finished = FinishJointCall(pass, r, calls); !finished.ok()) {
+      results[c] = finished;
       continue;
     }
-    ++t.pending_backward_calls_;
     absl::StatusOr<OptimStepResult> step =
         t.StepOptimizer(calls[c].adamw, /*restore_on_failure=*/false, /*digest=*/false);
     if (!step.ok()) {
-      t.Restore(snapshots[c]);
+      t.Restore(pass.snapshots[c]);
       results[c] = step.status();
       continue;
     }
-    Metrics& m = step->metrics;
-    pending[r].Resolve(&m);
-    m.Add("tokens_nonpadding:sum", counts[r].real_tokens);
-    m.Add("tokens_loss:sum", dens[r].loss_tokens);
-    m.Add("micro_batches:sum", static_cast<double>(splits[r].size()));
-    m.Add("model_flops:sum", counts[r].flops);
-    m.Add("co_scheduled_runs:max", static_cast<double>(n));
-    m.Add("co_scheduled_tokens:max", joint_tokens);
-    m.Add("co_scheduled_rows:sum", static_cast<double>(rows.size()));
-    m.Add("time_forward_backward_joint_s:sum", t_forward_backward);
+    AddJointMetrics(pass, r, &step->metrics);
     results[c] = std::move(step);
   }
   // Every stepped run's adapter digest, hashed together (one kernel, one wait).
   std::vector<size_t> stepped;
   std::vector<std::vector<at::Tensor>> adapters;
-  for (size_t r = 0; r < n; ++r) {
-    if (!results[admitted[r]].ok()) continue;
-    stepped.push_back(admitted[r]);
+  for (size_t c : pass.admitted) {
+    if (!results[c].ok()) continue;
+    stepped.push_back(c);
     adapters.emplace_back();
-    for (const Parameter& p : calls[admitted[r]].trainer->adapter_->parameters()) adapters.back().push_back(p.value);
+    for (const Parameter& p : calls[c].trainer->adapter_->parameters()) adapters.back().push_back(p.value);
   }
   if (!stepped.empty()) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -303,7 +346,41 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
       results[stepped[i]]->metrics.Add("time_digest_s:sum", seconds);  // shared by the step's runs
     }
   }
-  run_alone();
+  for (size_t c : pass.alone) {  // on their own, after the joint part
+    BatchOptions batch;
+    batch.max_tokens_per_microbatch = calls[c].max_tokens_per_microbatch;
+    batch.totals = calls[c].totals;
+    results[c] = calls[c].trainer->TrainStep(*calls[c].datums, *calls[c].loss, calls[c].adamw, batch);
+  }
+  return results;
+}
+
+std::vector<absl::StatusOr<ForwardBackwardResult>> Trainer::JointForwardBackward(
+    const std::vector<JointTrainCall>& calls) {
+  std::vector<absl::StatusOr<ForwardBackwardResult>> results(calls.size(), absl::UnknownError("not run"));
+  JointPass pass = RunJointPass(calls, /*optimizer_step=*/false);
+  for (size_t c = 0; c < calls.size(); ++c) {
+    if (!pass.refused[c].ok()) results[c] = pass.refused[c];
+  }
+  for (size_t r = 0; r < pass.admitted.size(); ++r) {
+    const size_t c = pass.admitted[r];
+    if (absl::Status finished = FinishJointCall(pass, r, calls); !finished.ok()) {
+      results[c] = finished;
+      continue;
+    }
+    ForwardBackwardResult out;
+    out.logprobs = GatherLogprobs(*calls[c].datums, pass.logprobs[r]);
+    AddJointMetrics(pass, r, &out.metrics);
+    out.metrics.Set("peak_host_memory_bytes:max", PeakHostMemoryBytes());
+    calls[c].trainer->AddCudaPeakMemory(&out.metrics);
+    results[c] = std::move(out);
+  }
+  for (size_t c : pass.alone) {
+    BatchOptions batch;
+    batch.max_tokens_per_microbatch = calls[c].max_tokens_per_microbatch;
+    batch.totals = calls[c].totals;
+    results[c] = calls[c].trainer->ForwardBackward(*calls[c].datums, *calls[c].loss, batch);
+  }
   return results;
 }
 
@@ -407,18 +484,7 @@ std::vector<absl::StatusOr<ForwardBackwardResult>> Trainer::JointForward(const s
       continue;
     }
     ForwardBackwardResult out;
-    const std::vector<Datum>& datums = *batches[r];
-    out.logprobs.resize(datums.size());
-    std::vector<at::Tensor> parts;
-    for (const auto& [unused, lp] : logprobs[r]) parts.push_back(lp);
-    const at::Tensor all = at::cat(parts).to(at::kFloat).to(at::kCPU);
-    const float* lp = all.data_ptr<float>();
-    for (const auto& [order, unused] : logprobs[r]) {
-      for (size_t d : order) {
-        out.logprobs[d].assign(lp, lp + datums[d].tokens.size());
-        lp += datums[d].tokens.size();
-      }
-    }
+    out.logprobs = GatherLogprobs(*batches[r], logprobs[r]);
     Metrics& m = out.metrics;
     pending[r].Resolve(&m);
     m.Add("tokens_physical:sum", counts[r].physical);

@@ -191,6 +191,12 @@ class Trainer {
   // after the joint part. Trainers must be CoSchedulable and share one base; others are
   // refused by name. One result per call, in order.
   static std::vector<absl::StatusOr<OptimStepResult>> JointTrainStep(const std::vector<JointTrainCall>& calls);
+  // Several runs' ForwardBackward calls on one base model, as JointTrainStep's joint rows
+  // without its optimizer step: each run's gradients accumulate in its own buffers until its
+  // OptimStep; each call's log-probs, loss and metrics are its run's ForwardBackward's alone
+  // up to floating-point order; a refused, failed or cancelled call changes nothing of its run.
+  static std::vector<absl::StatusOr<ForwardBackwardResult>> JointForwardBackward(
+      const std::vector<JointTrainCall>& calls);
   // Several runs' Forward calls on one base model as few forward passes without gradients
   // (joint rows as JointTrainStep lays them out), each run's LoRA on its own rows and its own
   // head: each call's log-probs and metrics are those of its run's Forward alone up to
@@ -281,6 +287,13 @@ class Trainer {
   // The activation memory one micro-batch may use (TrainerOptions::max_activation_bytes; 0
   // there: 80% of what the device or this process can still allocate); -1: no limit.
   int64_t ActivationBudgetBytes() const;
+  // Co-scheduling's shared pass (JointTrainStep, JointForwardBackward): admission, then every
+  // joint row's forward and backward; FinishJointCall undoes a run whose pass failed or was
+  // cancelled (else counts its backward call); AddJointMetrics adds a run's figures.
+  struct JointPass;
+  static JointPass RunJointPass(const std::vector<JointTrainCall>& calls, bool optimizer_step);
+  static absl::Status FinishJointCall(const JointPass& pass, size_t run, const std::vector<JointTrainCall>& calls);
+  static void AddJointMetrics(JointPass& pass, size_t run, Metrics* metrics);
   // Co-scheduling: whether a call's run may join a step (its trainer and datums given, once
   // per step, the step's base model, CoSchedulable); `base` and `seen` carry the step's so far.
   static absl::Status JoinStep(const Trainer* trainer, const std::vector<Datum>* datums, const BaseModel** base,
