@@ -241,6 +241,18 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
   ASSERT_OK(got_a.status());
   EXPECT_EQ(got_a->learner_version, 2);
   EXPECT_THAT(got_b.status(), StatusIs(absl::StatusCode::kInvalidArgument, "datums[0].tokens[0]"));
+  // An idle run costs the others at most one window: run "a" steps alone beside "b", which
+  // sends nothing; its first step waits out the window for b (created, so presumed active),
+  // its next ones do not.
+  ASSERT_OK_AND_ASSIGN(auto idle, make_core(std::chrono::seconds(2)));
+  ASSERT_OK(idle->CreateRun("a", lora_a, 3).status());
+  ASSERT_OK(idle->CreateRun("b", lora_b, 5).status());
+  ASSERT_OK(idle->TrainStep("a", batch_a, ppo, adam, nullptr, 0).status());
+  for (int i = 0; i < 2; ++i) {
+    const auto began = std::chrono::steady_clock::now();
+    ASSERT_OK(idle->TrainStep("a", batch_a, ppo, adam, nullptr, 0).status());
+    EXPECT_LT(std::chrono::steady_clock::now() - began, std::chrono::seconds(1)) << "step " << i + 2;
+  }
   // One run on the worker: nothing to wait for, the call runs alone at once.
   ASSERT_OK_AND_ASSIGN(auto single, make_core(std::chrono::seconds(2)));
   ASSERT_OK(single->CreateRun("only", lora_a, 3).status());

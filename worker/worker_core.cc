@@ -2,6 +2,7 @@
 
 #include <malloc.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <memory>
@@ -148,6 +149,7 @@ absl::StatusOr<int64_t> WorkerCore::CreateRun(const std::string& run_id, const L
   {
     std::lock_guard<std::mutex> q(queue_mu_);
     coschedulable_[run_id] = trainer->CoSchedulable();
+    if (coschedulable_[run_id]) expected_runs_.insert(run_id);  // a new run is presumed active
   }
   runs_[run_id] = std::move(trainer);
   return version;
@@ -182,6 +184,7 @@ absl::Status WorkerCore::DeleteRun(const std::string& run_id) {
   {
     std::lock_guard<std::mutex> q(queue_mu_);
     coschedulable_.erase(run_id);
+    expected_runs_.erase(run_id);
   }
   malloc_trim(0);  // the run's adapter and optimizer state go back to the OS
   return absl::OkStatus();
@@ -315,18 +318,20 @@ void WorkerCore::RunCoscheduledForwardBackwards(const std::vector<QueuedStep*>& 
 }
 
 void WorkerCore::LeadCoscheduledStep() {
-  {  // the window: only while other runs could still send, from when the device is free for
-     // this step (the runs of the previous step send their next calls as it ends; timed from
-     // the first call's arrival instead, a call that waited through that step would open an
-     // already closed window and they would miss this step)
+  {  // the window: while an expected run (one of the previous step's, or created since) has no
+     // call queued, from when the device is free for this step (the runs of the previous step
+     // send their next calls as it ends; timed from the first call's arrival instead, a call
+     // that waited through that step would open an already closed window and they would miss
+     // this step). A run that sent nothing for a step is no longer expected: an idle run costs
+     // the others at most one window.
     std::unique_lock<std::mutex> q(queue_mu_);
-    const size_t runs = coschedulable_.size();
-    if (!queue_.empty() && runs > 1) {
-      queue_cv_.wait_until(q, std::chrono::steady_clock::now() + options_.coschedule_window, [&] {
-        std::set<std::string> distinct;
-        for (const QueuedStep* s : queue_) distinct.insert(*s->run_id);
-        return distinct.size() >= runs;
-      });
+    auto all_expected_queued = [&] {
+      std::set<std::string> queued;
+      for (const QueuedStep* s : queue_) queued.insert(*s->run_id);
+      return std::includes(queued.begin(), queued.end(), expected_runs_.begin(), expected_runs_.end());
+    };
+    if (!queue_.empty()) {
+      queue_cv_.wait_until(q, std::chrono::steady_clock::now() + options_.coschedule_window, all_expected_queued);
     }
   }
   std::lock_guard<FairMutex> device(mu_);
@@ -344,6 +349,7 @@ void WorkerCore::LeadCoscheduledStep() {
       taken.push_back(s);
       it = queue_.erase(it);
     }
+    expected_runs_ = runs_taken;  // the runs likely to send again as this step ends
   }
   std::vector<QueuedStep*> joined, forwards, forward_backwards;
   std::vector<JointTrainCall> calls;

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -212,6 +213,8 @@ class WorkerCore {
   bool leading_ = false;  // a caller is leading a co-scheduled step
   // Every run's Trainer::CoSchedulable, so a call learns it without waiting for the device.
   std::map<std::string, bool> coschedulable_;
+  // The runs a step's window waits for: those of the previous step, and runs created since.
+  std::set<std::string> expected_runs_;
   std::map<std::string, std::unique_ptr<Trainer>> runs_;
   // Background SaveStates. Last, so it is destroyed first: queued writes finish before the
   // core goes.
