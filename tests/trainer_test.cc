@@ -467,17 +467,18 @@ TEST_F(TrainerTest, JointTrainStepEqualsEachRunAlone) {
       EXPECT_EQ(together[i]->learner_version, alone.learner_version) << what;
     }
   }
-  // Parameters: 10x the step's tolerance. Alone, q/k/v and gate/up run as packed groups
-  // (scale folded into B before the GEMM); together, each projection runs on its own (scale
-  // after it). The gradients agree to rounding, and AdamW's division by sqrt(v) lifts that
-  // rounding on the smallest gradient elements (CPU: ~4e-6 of run 1's q_proj B; H200 fp32:
-  // up to 3.2e-4 of a tensor).
+  // Parameters (the adapter a run exports) after both steps: 1e-6 on CPU. On CUDA 10x the
+  // step's tolerance: alone, q/k/v and gate/up run as
+  // packed groups (scale folded into B before the GEMM), together per projection, and AdamW's
+  // division by sqrt(v) lifts that rounding on the smallest gradient elements (H200 fp32: up
+  // to 3.2e-4 of a tensor).
+  const double param_tol = ::lorastep::testing::TestDevice().is_cuda() ? 10 * tol : tol;
   for (size_t i = 0; i < specs.size(); ++i) {
     const auto& a = joint[i]->adapter().parameters();
     const auto& b = solo[i]->adapter().parameters();
     ASSERT_EQ(a.size(), b.size());
     for (size_t p = 0; p < a.size(); ++p) {
-      EXPECT_LT(::lorastep::testing::RelErr(a[p].value, b[p].value), 10 * tol) << "run " << i << " " << a[p].name;
+      EXPECT_LT(::lorastep::testing::RelErr(a[p].value, b[p].value), param_tol) << "run " << i << " " << a[p].name;
     }
   }
   // Isolation: run 1's batch is refused by name, run 0 appears twice (the second refused),
