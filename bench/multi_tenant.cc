@@ -22,23 +22,17 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_batch.h"
+#include "bench/bench_flags.h"
 #include "clients/cpp/trainer_client.h"
 #include "lib/flags_util.h"
 #include "nlohmann/json.hpp"
 
-ABSL_FLAG(std::string, address, "127.0.0.1:50051", "coordinator host:port");
-ABSL_FLAG(int64_t, vocab, 96, "vocabulary size");
 ABSL_FLAG(int, runs, 16, "runs, one sending thread each");
 ABSL_FLAG(int, seqs, 8, "sequences per call");
 ABSL_FLAG(int, len, 512, "tokens per sequence");
 ABSL_FLAG(int, steps, 5, "timed steps per run (after one warm-up step)");
 ABSL_FLAG(std::string, ranks, "32", "LoRA ranks, comma-separated, cycled over the runs");
 ABSL_FLAG(std::string, label, "", "recorded in the JSON (for example the window)");
-ABSL_FLAG(std::string, machine, "unknown", "recorded in the JSON");
-ABSL_FLAG(std::string, versions, "", "library versions, recorded in the JSON");
-ABSL_FLAG(std::string, command, "", "the command, recorded in the JSON");
-ABSL_FLAG(std::string, model, "", "the model, recorded in the JSON");
-ABSL_FLAG(std::string, out, "", "write the JSON result here");
 
 namespace {
 

@@ -24,13 +24,12 @@
 #include <iostream>
 
 #include "bench/bench_batch.h"
+#include "bench/bench_flags.h"
 #include "clients/cpp/trainer_client.h"
 #include "nlohmann/json.hpp"
 #include "absl/flags/flag.h"
 #include "lib/flags_util.h"
 
-ABSL_FLAG(std::string, address, "127.0.0.1:50051", "coordinator host:port");
-ABSL_FLAG(int64_t, vocab, 96, "vocabulary size (random batch)");
 ABSL_FLAG(int, seqs, 64, "sequences per batch (random batch)");
 ABSL_FLAG(int, len, 512, "tokens per sequence (random batch)");
 ABSL_FLAG(int, steps, 5, "steps (the first is warm-up)");
@@ -39,12 +38,7 @@ ABSL_FLAG(std::string, expert_lora, "", "MoE: per_expert (default) or shared_out
 ABSL_FLAG(int64_t, max_tokens, 0, "padded tokens per micro-batch (0: the server's)");
 ABSL_FLAG(std::string, batch_file, "", "a JSON batch instead of a random one");
 ABSL_FLAG(std::string, mode, "train", "train or forward");
-ABSL_FLAG(std::string, machine, "unknown", "recorded in the JSON");
-ABSL_FLAG(std::string, versions, "", "library versions, recorded in the JSON");
-ABSL_FLAG(std::string, command, "", "the command, recorded in the JSON");
-ABSL_FLAG(std::string, model, "", "the model, recorded in the JSON");
 ABSL_FLAG(std::string, key, "overhead_fraction", "JSON key of the median overhead");
-ABSL_FLAG(std::string, out, "", "write the JSON result here");
 ABSL_FLAG(bool, tune_malloc, false, "keep large buffers in this process's heap, as the servers do (TuneProcessForServing)");
 ABSL_FLAG(int, server_pid, 0, "the coordinator's pid: its minor page faults per step go into the JSON too");
 ABSL_FLAG(bool, packed, true, "send datums as packed_datums (false: repeated Datum messages)");
