@@ -157,15 +157,7 @@ int main(int argc, char** argv) {
   double occupancy_mean = 0;
   for (double o : occupancy) occupancy_mean += o / static_cast<double>(occupancy.size());
   const int64_t tokens_per_call = static_cast<int64_t>(seqs) * len;
-  std::time_t now = std::time(nullptr);
-  char date[32];
-  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  nlohmann::ordered_json j;
-  j["date"] = date;
-  j["machine"] = absl::GetFlag(FLAGS_machine);
-  j["library_versions"] = absl::GetFlag(FLAGS_versions);
-  j["command"] = absl::GetFlag(FLAGS_command);
-  j["model"] = absl::GetFlag(FLAGS_model);
+  nlohmann::ordered_json j = BenchResultHeader();
   j["label"] = absl::GetFlag(FLAGS_label);
   j["runs"] = runs;
   j["tokens_per_call"] = tokens_per_call;

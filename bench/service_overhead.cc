@@ -165,15 +165,7 @@ int main(int argc, char** argv) {
   std::vector<double> sorted = fractions;
   std::sort(sorted.begin(), sorted.end());
   const double median = sorted[sorted.size() / 2];
-  std::time_t now = std::time(nullptr);
-  char date[32];
-  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  nlohmann::ordered_json j;
-  j["date"] = date;
-  j["machine"] = absl::GetFlag(FLAGS_machine);
-  j["library_versions"] = absl::GetFlag(FLAGS_versions);
-  j["command"] = absl::GetFlag(FLAGS_command);
-  j["model"] = absl::GetFlag(FLAGS_model);
+  nlohmann::ordered_json j = BenchResultHeader();
   j["batch"] = {{"sequences", batch.size()}, {"tokens", batch_tokens},
                 {"batch_file", absl::GetFlag(FLAGS_batch_file)}, {"lora_rank", lora.rank()},
                 {"max_tokens_per_microbatch", max_tokens}, {"mode", forward_only ? "forward" : "train"},
