@@ -473,6 +473,27 @@ def cmd_suite(ctx, names):
         print(f"suite {name}: {time.time() - started:.0f} s", flush=True)
 
 
+def pack_raw(ctx, names):
+    """Leaves in OUT only the named suites' result files, env.txt and bench.log; every other
+    top-level file goes into OUT/raw.tgz (generated batch files are dropped), so a caller that
+    gets back only a few files (the device tool returns at most 8) still gets the results."""
+    keep = {"env.txt", "bench.log", "raw.tgz"}
+    for name in names:
+        _, _, outputs, passing = SUITES[name]
+        keep.update(outputs(ctx.args) + passing(ctx.args))
+    extra = sorted(f for f in os.listdir(ctx.out)
+                   if os.path.isfile(os.path.join(ctx.out, f)) and f not in keep)
+    packed = [f for f in extra if not f.startswith("batch_")]
+    if packed:
+        import tarfile
+        with tarfile.open(os.path.join(ctx.out, "raw.tgz"), "w:gz") as tar:
+            for f in packed:
+                tar.add(os.path.join(ctx.out, f), arcname=f)
+    for f in extra:
+        os.remove(os.path.join(ctx.out, f))
+    print(f"pack-raw: {len(packed)} file(s) into raw.tgz, {len(extra) - len(packed)} batch file(s) dropped", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="scripts/bench.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -502,6 +523,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=10, help="service: timed steps")
     ap.add_argument("--moe-layout", nargs="+", default=["shared_outer", "per_expert"],
                     choices=["shared_outer", "per_expert"], help="moe-bench: expert LoRA layouts")
+    ap.add_argument("--pack-raw", action="store_true",
+                    help="afterwards keep only the suites' results, env.txt and bench.log in OUT; the rest into raw.tgz")
     ap.add_argument("command", choices=["build", "check", "suite", "all", "verify", "list"])
     ap.add_argument("names", nargs="*", help="suite names (suite, verify)")
     args = ap.parse_args(argv)
@@ -529,6 +552,8 @@ def main(argv=None):
         if cmd_build(ctx):
             cmd_check(ctx)
             cmd_suite(ctx, args.suite)
+    if args.pack_raw and args.command in ("suite", "all", "verify"):
+        pack_raw(ctx, args.suite if args.command == "all" else args.names)
     return fails.exit_code()
 
 

@@ -1,5 +1,5 @@
 """scripts/bench.py exits non-zero on a failed test, a parity check over its tolerance and a
-missing benchmark output, and zero when everything holds. Real processes: the tool itself,
+missing benchmark output, and zero when everything holds; --pack-raw leaves only the results. Real processes: the tool itself,
 and ctest over a CTest folder whose tests are real programs (false / true)."""
 import json, os, subprocess, sys, unittest
 
@@ -77,6 +77,19 @@ class BenchToolTest(unittest.TestCase):
         self.assertNotEqual(rc, 0, out)
         self.assertIn("dgrad_bench", out)
         self.assertIn("missing result dgrad.json", out)
+
+    def test_pack_raw_keeps_the_results_and_packs_the_rest(self):
+        import tarfile
+        out_dir = folder("out_pack")
+        write(os.path.join(out_dir, "hf_parity_float32.json"), {"pass": True})
+        write(os.path.join(out_dir, "hf_parity_bfloat16.json"), {"pass": True})
+        for extra in ("parity.log", "ours_raw.json", "batch_fixed.json"):
+            write(os.path.join(out_dir, extra), {"x": 1})
+        rc, out = bench("--out", out_dir, "--pack-raw", "verify", "parity")
+        self.assertEqual(rc, 0, out)
+        self.assertEqual(sorted(os.listdir(out_dir)), ["hf_parity_bfloat16.json", "hf_parity_float32.json", "raw.tgz"])
+        with tarfile.open(os.path.join(out_dir, "raw.tgz")) as tar:
+            self.assertEqual(sorted(tar.getnames()), ["ours_raw.json", "parity.log"])
 
     def test_unknown_suites_are_refused_by_name(self):
         rc, out = bench("--out", folder("out_unknown"), "suite", "stepp")
