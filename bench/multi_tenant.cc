@@ -10,7 +10,6 @@
 // every run's loss and grad_norm per step (the warm-up step's first), for comparing the modes.
 #include <algorithm>
 #include <chrono>
-#include <ctime>
 #include <fstream>
 #include <iostream>
 #include <map>

@@ -19,7 +19,6 @@
 #include <map>
 #include <chrono>
 #include <cmath>
-#include <ctime>
 #include <fstream>
 #include <iostream>
 

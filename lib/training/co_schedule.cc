@@ -284,9 +284,7 @@ absl::Status Trainer::FinishJointCall(const JointPass& pass, size_t r, const std
   }
   if (pass.cancelled_before[r]) {  // its gradients so far go with the rest of its state
     t.Restore(pass.snapshots[c]);
-    return absl::CancelledError(absl::StrCat("call cancelled (its caller went away or its deadline passed) before micro-batch ",
-                                             *pass.cancelled_before[r] + 1, " of ", pass.splits[r].size(),
-                                             "; nothing was applied"));
+    return CancelledBeforeMicroBatch(*pass.cancelled_before[r], pass.splits[r].size());
   }
   ++t.pending_backward_calls_;
   return absl::OkStatus();
@@ -478,9 +476,7 @@ std::vector<absl::StatusOr<ForwardBackwardResult>> Trainer::JointForward(const s
   for (size_t r = 0; r < n; ++r) {
     const size_t c = admitted[r];
     if (cancelled_before[r]) {
-      results[c] = absl::CancelledError(absl::StrCat(
-          "call cancelled (its caller went away or its deadline passed) before micro-batch ", *cancelled_before[r] + 1,
-          " of ", splits[r].size(), "; nothing was applied"));
+      results[c] = CancelledBeforeMicroBatch(*cancelled_before[r], splits[r].size());
       continue;
     }
     ForwardBackwardResult out;

@@ -96,6 +96,14 @@ double SecondsSince(Clock::time_point start) {
 
 }  // namespace
 
+absl::Status CancelledBeforeMicroBatch(size_t micro_batch, size_t micro_batches) {
+  return absl::CancelledError(absl::StrCat(
+      "call cancelled (its caller went away or its deadline passed) ",
+      micro_batch < micro_batches ? absl::StrCat("before micro-batch ", micro_batch + 1, " of ", micro_batches)
+                                  : "on another rank",
+      "; nothing was applied"));
+}
+
 double PeakHostMemoryBytes() {
   struct rusage usage;
   getrusage(RUSAGE_SELF, &usage);
@@ -440,10 +448,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   auto stop_before = [&](size_t i) -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(const bool stop, CallCancelled(batch));
     if (!stop) return absl::OkStatus();
-    return absl::CancelledError(absl::StrCat(
-        "call cancelled (its caller went away or its deadline passed) ",
-        i < mbs.size() ? absl::StrCat("before micro-batch ", i + 1, " of ", mbs.size()) : "on another rank",
-        "; nothing was applied"));
+    return CancelledBeforeMicroBatch(i, mbs.size());
   };
   if (base_->shard.pp == 1) {
     // No host synchronization between micro-batches: the phases are timed by marks in the

@@ -153,6 +153,10 @@ struct JointTrainCall {
 // This process's peak resident memory in bytes (the peak_host_memory_bytes metric).
 double PeakHostMemoryBytes();
 
+// CANCELLED for a call stopped before micro-batch `micro_batch` (0-based) of `micro_batches`
+// (`micro_batch` past the last: another rank stopped it); nothing of it applies.
+absl::Status CancelledBeforeMicroBatch(size_t micro_batch, size_t micro_batches);
+
 // One run's Forward in a co-scheduled step (Trainer::JointForward).
 struct JointForwardCall {
   Trainer* trainer = nullptr;
