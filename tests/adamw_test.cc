@@ -4,7 +4,9 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "tests/test_util.h"
 
@@ -151,6 +153,51 @@ TEST(AdamWTest, CheckStepRefusesAnUpdateThatLeavesANonFiniteParameter) {
   EXPECT_THAT(opt.CheckStep(p, NAN), StatusIs(absl::StatusCode::kFailedPrecondition, "non-finite gradient norm"));
   p.lr = 1e30;
   EXPECT_THAT(opt.CheckStep(p, 1.0), StatusIs(absl::StatusCode::kInvalidArgument, "adamw.lr: must be in [0, 1]"));
+}
+
+// The optimizer's flat state follows the grad buckets (not parameter order) and writes the
+// packed values in one copy: with q/o/down factors on two layers the buckets interleave the
+// parameters, and each parameter must still get exactly its own update, its own name.
+TEST(AdamWTest, BucketOrderedStateGivesEachParameterItsOwnUpdate) {
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  c.num_hidden_layers = 2;
+  LoraConfig lora;
+  lora.rank = 2;
+  lora.target_modules = {"q_proj", "o_proj", "down_proj"};
+  Adapter adapter = Adapter::CreateLora(c, lora, at::kCPU, at::kBFloat16, 3).value();
+  const std::vector<int> order = adapter.BucketOrder();
+  ASSERT_EQ(order.size(), adapter.parameters().size());
+  ASSERT_FALSE(std::is_sorted(order.begin(), order.end()));  // the buckets do interleave
+  for (const Parameter& prm : adapter.parameters()) {
+    EXPECT_TRUE(prm.value.is_alias_of(adapter.packed_values())) << prm.name;
+    EXPECT_TRUE(prm.value.requires_grad() && prm.value.is_leaf()) << prm.name;
+  }
+  AdamW opt(&adapter);
+  AdamWParams p;
+  p.lr = 0.01;
+  p.eps = 1e-3;
+  p.weight_decay = 0;
+  std::vector<at::Tensor> before;
+  for (size_t i = 0; i < adapter.parameters().size(); ++i) {
+    Parameter& prm = adapter.parameters()[i];
+    before.push_back(opt.master()[i].clone());
+    prm.main_grad.fill_(1e-3 * static_cast<double>(i + 1));
+  }
+  ASSERT_TRUE(opt.Step(p, 1.0).ok());
+  for (size_t i = 0; i < adapter.parameters().size(); ++i) {
+    const double g = 1e-3 * static_cast<double>(i + 1);  // first step: m/sqrt(v) = g/|g|, eps added to |g|
+    const at::Tensor want = before[i] - p.lr * g / (g + p.eps);
+    EXPECT_TRUE(at::allclose(opt.master()[i], want, 1e-6, 1e-7)) << adapter.parameters()[i].name;
+    EXPECT_TRUE(at::equal(adapter.parameters()[i].value, opt.master()[i].to(at::kBFloat16)))
+        << adapter.parameters()[i].name;
+    EXPECT_EQ(adapter.parameters()[i].main_grad.abs().max().item<float>(), 0.0f);
+  }
+  // A parameter late in parameter order but early in the buckets is named by its own name.
+  const int bad = order[1];
+  for (auto& prm : adapter.parameters()) prm.main_grad.fill_(0.1);
+  opt.master()[bad].fill_(3.4e38f);
+  EXPECT_THAT(opt.CheckStep(p, 1.0), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                              "would make " + adapter.parameters()[bad].name + " non-finite"));
 }
 
 TEST(AdamWTest, HyperParametersAreBounded) {

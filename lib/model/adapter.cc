@@ -115,6 +115,7 @@ absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const Lora
   // Key order: the order of the shared factors' collectives on every rank.
   std::sort(adapter.shared_factors_.begin(), adapter.shared_factors_.end(),
             [](const SharedFactor& x, const SharedFactor& y) { return x.key < y.key; });
+  adapter.PackValues();
   for (auto& p : adapter.parameters_) p.value.requires_grad_(true);
   adapter.PackMainGrads();
   return adapter;
@@ -236,27 +237,46 @@ const LoraFactors* Adapter::lora(size_t layer, int slot) const {
   return f.a < 0 ? nullptr : &f;
 }
 
+std::vector<int> Adapter::BucketOrder() const {
+  std::vector<int> order;
+  for (int bucket = 0; bucket < kNumGradBuckets; ++bucket) {
+    for (size_t i = 0; i < parameters_.size(); ++i) {
+      if (parameters_[i].role == bucket) order.push_back(static_cast<int>(i));
+    }
+  }
+  return order;
+}
+
+void Adapter::PackValues() {
+  if (parameters_.empty()) return;
+  int64_t total = 0;
+  for (const Parameter& p : parameters_) total += p.value.numel();
+  packed_values_ = at::empty({total}, parameters_.front().value.options().requires_grad(false));
+  at::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (int i : BucketOrder()) {
+    Parameter& p = parameters_[i];
+    // A plain tensor over the buffer's storage (not an autograd view): a leaf that shares the
+    // buffer's version counter, so writes through the buffer invalidate what caches it.
+    at::Tensor view = packed_values_.narrow(0, offset, p.value.numel()).view(p.value.sizes()).detach();
+    view.copy_(p.value);
+    p.value = view;
+    offset += p.value.numel();
+  }
+}
+
 void Adapter::PackMainGrads() {
   reductions_.assign(parameters_.size(), 0);
-  for (int bucket = 0; bucket < kNumGradBuckets; ++bucket) {
-    int64_t total = 0;
-    at::TensorOptions options;
-    for (const Parameter& p : parameters_) {
-      if (p.role != bucket) continue;
-      total += p.value.numel();
-      options = p.value.options().dtype(at::kFloat).requires_grad(false);
-    }
-    if (total == 0) {
-      grad_buckets_[bucket] = at::Tensor();
-      continue;
-    }
-    grad_buckets_[bucket] = at::zeros({total}, options);
-    int64_t offset = 0;
-    for (Parameter& p : parameters_) {
-      if (p.role != bucket) continue;
-      p.main_grad = grad_buckets_[bucket].narrow(0, offset, p.value.numel()).view(p.value.sizes());
-      offset += p.value.numel();
-    }
+  for (auto& bucket : grad_buckets_) bucket = at::Tensor();
+  std::array<int64_t, kNumGradBuckets> totals{};
+  for (const Parameter& p : parameters_) totals[p.role] += p.value.numel();
+  std::array<int64_t, kNumGradBuckets> offsets{};
+  for (int i : BucketOrder()) {
+    Parameter& p = parameters_[i];
+    at::Tensor& bucket = grad_buckets_[p.role];
+    if (!bucket.defined()) bucket = at::zeros({totals[p.role]}, p.value.options().dtype(at::kFloat).requires_grad(false));
+    p.main_grad = bucket.narrow(0, offsets[p.role], p.value.numel()).view(p.value.sizes());
+    offsets[p.role] += p.value.numel();
   }
 }
 

@@ -148,6 +148,13 @@ class Adapter {
   const at::Tensor& grad_bucket(GradBucket bucket) const {
     return grad_buckets_[static_cast<int>(bucket)];
   }
+  // Parameter indices bucket by bucket (in bucket order), parameter order within a bucket:
+  // the order of the elements of the grad buckets laid end to end.
+  std::vector<int> BucketOrder() const;
+  // LoRA: one buffer of the model dtype holding every value, in BucketOrder (each value a
+  // view of it), so an optimizer writes all of them in one copy. Undefined for full
+  // fine-tuning (its values are the model's weights).
+  const at::Tensor& packed_values() const { return packed_values_; }
 
   // PEFT key of a LoRA factor: base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight
   static std::string PeftKey(size_t layer, int slot, bool is_b);
@@ -162,10 +169,13 @@ class Adapter {
                              const std::function<int(Parameter, at::Tensor)>& add);
   // Makes every main_grad a view into one contiguous fp32 buffer per bucket.
   void PackMainGrads();
+  // Makes every value a view into packed_values_ (before they require grad).
+  void PackValues();
 
   LoraConfig lora_;
   std::vector<Parameter> parameters_;
   std::array<at::Tensor, kNumGradBuckets> grad_buckets_;
+  at::Tensor packed_values_;
   std::vector<std::array<LoraFactors, kNumLinearSlots>> lora_by_layer_;
   std::vector<ExpertLoraFactors> expert_lora_by_layer_;
   std::vector<SharedFactor> shared_factors_;

@@ -2,6 +2,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -12,15 +13,21 @@ namespace lorastep {
 
 AdamW::AdamW(Adapter* adapter) : adapter_(adapter) {
   const auto& params = adapter_->parameters();
+  order_ = adapter_->BucketOrder();
+  if (order_.size() != params.size()) {  // a role outside the buckets: parameter order
+    order_.resize(params.size());
+    for (size_t i = 0; i < params.size(); ++i) order_[i] = static_cast<int>(i);
+  }
+  offsets_.assign(params.size(), 0);
   int64_t total = 0;
-  for (const Parameter& p : params) {
-    offsets_.push_back(total);
-    total += p.value.numel();
-    same_dtype_ = same_dtype_ && p.value.scalar_type() == params.front().value.scalar_type();
+  for (int i : order_) {
+    offsets_[i] = total;
+    total += params[i].value.numel();
+    same_dtype_ = same_dtype_ && params[i].value.scalar_type() == params.front().value.scalar_type();
   }
   if (params.empty()) return;
-  // One flat fp32 buffer per state, in parameter order; the per-parameter tensors are views
-  // of it, so a step is a dozen kernels over the flat buffers instead of a dozen per parameter.
+  // One flat fp32 buffer per state; the per-parameter tensors are views of it, so a step is a
+  // dozen kernels over the flat buffers instead of a dozen per parameter.
   const auto f32 = params.front().value.options().dtype(at::kFloat).requires_grad(false);
   flat_master_ = at::empty({total}, f32);
   flat_avg_ = at::zeros({total}, f32);
@@ -34,6 +41,42 @@ AdamW::AdamW(Adapter* adapter) : adapter_(adapter) {
     exp_avg_sq_.push_back(flat_avg_sq_.narrow(0, offsets_[i], n).view(shape));
     master_.back().copy_(params[i].value);
   }
+  // Whether the gradients and values already lie in this order in one place each.
+  std::array<int64_t, kNumGradBuckets> in_bucket{};
+  grads_packed_ = true;
+  for (int i : order_) {
+    const Parameter& p = params[i];
+    const bool in_range = p.role >= 0 && p.role < kNumGradBuckets;
+    const at::Tensor& bucket = in_range ? adapter_->grad_bucket(static_cast<GradBucket>(p.role)) : at::Tensor();
+    grads_packed_ = grads_packed_ && bucket.defined() && p.main_grad.defined() && p.main_grad.is_contiguous() &&
+                    p.main_grad.data_ptr<float>() == bucket.data_ptr<float>() + in_bucket[p.role];
+    if (!grads_packed_) break;
+    in_bucket[p.role] += p.value.numel();
+  }
+  for (int b = 0; b < kNumGradBuckets && grads_packed_; ++b) {
+    const at::Tensor& bucket = adapter_->grad_bucket(static_cast<GradBucket>(b));
+    grads_packed_ = bucket.defined() ? bucket.numel() == in_bucket[b] : in_bucket[b] == 0;
+  }
+  const at::Tensor& packed = adapter_->packed_values();
+  values_packed_ = packed.defined() && packed.numel() == total;
+  for (size_t i = 0; i < params.size() && values_packed_; ++i) {
+    values_packed_ = params[i].value.is_contiguous() && params[i].value.scalar_type() == packed.scalar_type() &&
+                     params[i].value.data_ptr() ==
+                         static_cast<char*>(packed.data_ptr()) + offsets_[i] * static_cast<int64_t>(packed.element_size());
+  }
+}
+
+at::Tensor AdamW::FlatGradients() const {
+  std::vector<at::Tensor> parts;
+  if (grads_packed_) {
+    for (int b = 0; b < kNumGradBuckets; ++b) {
+      const at::Tensor& bucket = adapter_->grad_bucket(static_cast<GradBucket>(b));
+      if (bucket.defined()) parts.push_back(bucket);
+    }
+  } else {
+    for (int i : order_) parts.push_back(adapter_->parameters()[i].main_grad.reshape({-1}));
+  }
+  return parts.size() == 1 ? parts.front() : at::cat(parts);  // read only: may be the bucket itself
 }
 
 AdamW::Coefficients AdamW::StepCoefficients(const AdamWParams& p, double norm) const {
@@ -47,14 +90,11 @@ AdamW::Coefficients AdamW::StepCoefficients(const AdamWParams& p, double norm) c
 }
 
 AdamW::Update AdamW::CandidateUpdate(const AdamWParams& p, const Coefficients& k) const {
-  // Every main_grad flattened in parameter order (one copy kernel).
-  std::vector<at::Tensor> grads;
-  for (const Parameter& prm : adapter_->parameters()) grads.push_back(prm.main_grad.reshape({-1}));
-  at::Tensor g = at::cat(grads);
-  if (k.clip != 1.0) g.mul_(k.clip);
+  at::Tensor g = FlatGradients();
+  if (k.clip != 1.0) g = g * k.clip;
   Update u;
   u.exp_avg = flat_avg_ * p.beta1 + g * (1.0 - p.beta1);
-  u.exp_avg_sq = flat_avg_sq_ * p.beta2 + g.mul_(g) * (1.0 - p.beta2);
+  u.exp_avg_sq = flat_avg_sq_ * p.beta2 + (g * g) * (1.0 - p.beta2);
   u.master = flat_master_ * (1.0 - k.lr * p.weight_decay) -
              u.exp_avg / ((u.exp_avg_sq / k.bc2).sqrt_() + p.eps) * (k.lr / k.bc1);
   return u;
@@ -63,6 +103,12 @@ AdamW::Update AdamW::CandidateUpdate(const AdamWParams& p, const Coefficients& k
 absl::Status AdamW::CheckStep(const AdamWParams& p, double norm) const { return Stage(p, norm).status(); }
 
 absl::StatusOr<AdamW::StagedStep> AdamW::Stage(const AdamWParams& p, double norm) const {
+  LORASTEP_ASSIGN_OR_RETURN(StagedStep staged, StageOnDevice(p, norm));
+  LORASTEP_RETURN_IF_ERROR(CheckStaged(staged));
+  return staged;
+}
+
+absl::StatusOr<AdamW::StagedStep> AdamW::StageOnDevice(const AdamWParams& p, double norm) const {
   LORASTEP_RETURN_IF_ERROR(ValidateAdamWParams(p));
   if (!std::isfinite(norm)) {
     return absl::FailedPreconditionError(
@@ -74,26 +120,34 @@ absl::StatusOr<AdamW::StagedStep> AdamW::Stage(const AdamWParams& p, double norm
   const auto& params = adapter_->parameters();
   if (params.empty()) return staged;
   at::NoGradGuard no_grad;
-  // The update computed aside: is every parameter, in its own dtype, still finite? One host
-  // synchronization; the parameter is named from the first bad element's offset.
+  // The update computed aside, and where it would leave a parameter non-finite in its own dtype.
   staged.u = CandidateUpdate(p, staged.k);
   const at::Tensor& master = staged.u.master;
-  at::Tensor bad;
   if (same_dtype_) {
-    bad = at::isfinite(master.to(params.front().value.scalar_type())).logical_not_();
+    staged.nonfinite = at::isfinite(master.to(params.front().value.scalar_type())).logical_not_();
   } else {
     std::vector<at::Tensor> parts;
-    for (size_t i = 0; i < params.size(); ++i) {
+    for (int i : order_) {
       parts.push_back(at::isfinite(master.narrow(0, offsets_[i], params[i].value.numel())
                                        .to(params[i].value.scalar_type())).logical_not_());
     }
-    bad = at::cat(parts);
+    staged.nonfinite = at::cat(parts);
   }
-  const int64_t first = bad.any().item<bool>() ? bad.to(at::kByte).argmax().item<int64_t>() : -1;
-  if (first < 0) return staged;
-  const size_t i = std::upper_bound(offsets_.begin(), offsets_.end(), first) - offsets_.begin() - 1;
+  staged.any_nonfinite = staged.nonfinite.any();
+  return staged;
+}
+
+absl::Status AdamW::CheckStaged(const StagedStep& staged) const {
+  if (!staged.any_nonfinite.defined() || !staged.any_nonfinite.item<bool>()) return absl::OkStatus();
+  // The parameter is named from the first bad element's offset (flat order).
+  const int64_t first = staged.nonfinite.to(at::kByte).argmax().item<int64_t>();
+  const auto& params = adapter_->parameters();
+  std::string name = "a parameter";
+  for (int i : order_) {
+    if (first >= offsets_[i] && first < offsets_[i] + params[i].value.numel()) name = params[i].name;
+  }
   return absl::FailedPreconditionError(absl::StrCat(
-      "optimizer: the update would make ", params[i].name, " non-finite; step refused, parameters unchanged"));
+      "optimizer: the update would make ", name, " non-finite; step refused, parameters unchanged"));
 }
 
 absl::StatusOr<OptimizerStepResult> AdamW::Step(const AdamWParams& p,
@@ -124,7 +178,11 @@ OptimizerStepResult AdamW::Commit(StagedStep staged) {
     flat_avg_.copy_(staged.u.exp_avg);
     flat_avg_sq_.copy_(staged.u.exp_avg_sq);
     flat_master_.copy_(staged.u.master);
-    for (size_t i = 0; i < params.size(); ++i) params[i].value.copy_(master_[i]);
+    if (values_packed_) {
+      adapter_->packed_values().copy_(flat_master_);  // every value, one kernel
+    } else {
+      for (size_t i = 0; i < params.size(); ++i) params[i].value.copy_(master_[i]);
+    }
   }
   adapter_->ZeroMainGrads();
   steps_ = staged.k.t;

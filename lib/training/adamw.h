@@ -42,6 +42,11 @@ class AdamW {
   // the gradients, allocating nothing. Step is Stage then Commit.
   struct StagedStep;
   absl::StatusOr<StagedStep> Stage(const AdamWParams& params, double grad_norm) const;
+  // Stage without the host wait: the finiteness check is left on the device
+  // (StagedStep::nonfinite), so several runs' steps can be staged and checked with one wait.
+  // CheckStaged then names the first parameter the update would make non-finite, if any.
+  absl::StatusOr<StagedStep> StageOnDevice(const AdamWParams& params, double grad_norm) const;
+  absl::Status CheckStaged(const StagedStep& staged) const;
   OptimizerStepResult Commit(StagedStep staged);
   // After parameters were replaced from outside (an imported adapter): the fp32 master copy
   // takes their values and the moments restart at zero, so the next step keeps them.
@@ -71,16 +76,27 @@ class AdamW {
     Coefficients k;
     Update u;  // undefined tensors when the adapter has no parameters
     double grad_norm = 0;
+    at::Tensor nonfinite;  // per element of the flat update: non-finite in its parameter's dtype
+    at::Tensor any_nonfinite;  // a bool scalar on the device
   };
 
  private:
   Coefficients StepCoefficients(const AdamWParams& p, double norm) const;
   Update CandidateUpdate(const AdamWParams& p, const Coefficients& k) const;
 
+  // Every main_grad flattened in the flat buffers' order (on packed buckets, the buckets
+  // end to end: a few tensors, not one per parameter).
+  at::Tensor FlatGradients() const;
+
   Adapter* adapter_;
-  at::Tensor flat_master_, flat_avg_, flat_avg_sq_;  // fp32, parameters in order
-  std::vector<at::Tensor> master_, exp_avg_, exp_avg_sq_;  // views of the flat buffers
+  // fp32, parameters in the adapter's BucketOrder: the grad buckets and the packed values
+  // lie in that order, so gathering gradients and writing values are one kernel each.
+  at::Tensor flat_master_, flat_avg_, flat_avg_sq_;
+  std::vector<at::Tensor> master_, exp_avg_, exp_avg_sq_;  // views of the flat buffers, parameter order
   std::vector<int64_t> offsets_;  // parameter i's first element in the flat buffers
+  std::vector<int> order_;        // parameter indices in flat order
+  bool grads_packed_ = false;     // main_grads are the grad buckets end to end, in order_
+  bool values_packed_ = false;    // the adapter's packed_values hold the values in order_
   bool same_dtype_ = true;
   int64_t steps_ = 0;
 };

@@ -18,6 +18,8 @@
 #include "lib/status_macros.h"
 #include "lib/torch_status.h"
 #include "lib/training/activation_memory.h"
+#include "lib/training/adamw.h"
+#include "lib/training/grad_finalizer.h"
 #include "lib/training/losses.h"
 #include "lib/training/micro_batch.h"
 #include "lib/training/trainer.h"
@@ -302,30 +304,121 @@ void Trainer::AddJointMetrics(JointPass& pass, size_t r, Metrics* m) {
   m->Add("time_forward_backward_joint_s:sum", pass.seconds);
 }
 
+void Trainer::StepJointOptimizers(JointPass& pass, const std::vector<size_t>& runs,
+                                  const std::vector<JointTrainCall>& calls,
+                                  std::vector<absl::StatusOr<OptimStepResult>>* results) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto refuse = [&](size_t r, const absl::Status& why) {
+    const size_t c = pass.admitted[r];
+    calls[c].trainer->Restore(pass.snapshots[c]);
+    (*results)[c] = why;
+  };
+  // Every run's gradient norm on the device, then one wait for all of them.
+  std::vector<size_t> normed;
+  std::vector<at::Tensor> squares;
+  for (size_t r : runs) {
+    Trainer& t = *calls[pass.admitted[r]].trainer;
+    absl::Status folded = FoldLocalGradients(t.adapter_.get());
+    absl::StatusOr<at::Tensor> square =
+        folded.ok() ? GuardTorch([&]() -> absl::StatusOr<at::Tensor> {
+          at::NoGradGuard no_grad;
+          return SquaredGradNormOnDevice(*t.adapter_, nullptr);
+        })
+                    : absl::StatusOr<at::Tensor>(folded);
+    if (!square.ok()) {
+      refuse(r, square.status());
+      continue;
+    }
+    normed.push_back(r);
+    squares.push_back(*std::move(square));
+  }
+  if (normed.empty()) return;
+  absl::StatusOr<at::Tensor> norms_or = GuardTorch([&]() -> absl::StatusOr<at::Tensor> {
+    return at::stack(squares).sqrt_().to(at::kCPU).contiguous();
+  });
+  if (!norms_or.ok()) {
+    for (size_t r : normed) refuse(r, norms_or.status());
+    return;
+  }
+  const double* norms = norms_or->data_ptr<double>();
+  // Every run's update staged aside on the device, then one wait checks them all.
+  std::vector<size_t> staged_runs;
+  std::vector<AdamW::StagedStep> staged;
+  std::vector<at::Tensor> flags;
+  for (size_t i = 0; i < normed.size(); ++i) {
+    const size_t r = normed[i];
+    Trainer& t = *calls[pass.admitted[r]].trainer;
+    absl::StatusOr<AdamW::StagedStep> step = GuardTorch([&]() -> absl::StatusOr<AdamW::StagedStep> {
+      return t.optimizer_->StageOnDevice(calls[pass.admitted[r]].adamw, norms[i]);
+    });
+    if (step.ok() && t.options_.test_fail_first_stage && !t.test_stage_failed_) {
+      t.test_stage_failed_ = true;
+      step = absl::ResourceExhaustedError("optimizer: the staged update could not be allocated (test switch)");
+    }
+    if (!step.ok()) {
+      refuse(r, step.status());
+      continue;
+    }
+    if (step->any_nonfinite.defined()) flags.push_back(step->any_nonfinite.reshape({1}));
+    staged_runs.push_back(r);
+    staged.push_back(*std::move(step));
+  }
+  absl::StatusOr<bool> any_bad = flags.empty() ? absl::StatusOr<bool>(false) : GuardTorch([&]() -> absl::StatusOr<bool> {
+    return at::cat(flags).any().item<bool>();
+  });
+  for (size_t i = 0; i < staged_runs.size(); ++i) {
+    const size_t r = staged_runs[i], c = pass.admitted[r];
+    Trainer& t = *calls[c].trainer;
+    // A bad flag somewhere (rare): each run names its own parameter, or passes.
+    absl::Status checked = !any_bad.ok() ? any_bad.status()
+                           : *any_bad   ? GuardTorch([&] { return t.optimizer_->CheckStaged(staged[i]); })
+                                        : absl::OkStatus();
+    if (!checked.ok()) {
+      refuse(r, checked);
+      continue;
+    }
+    absl::StatusOr<OptimizerStepResult> step = GuardTorch([&]() -> absl::StatusOr<OptimizerStepResult> {
+      return t.optimizer_->Commit(std::move(staged[i]));
+    });
+    if (!step.ok()) {  // after a partial commit the run's copy may differ from what it reports
+      (*results)[c] = absl::DataLossError(absl::StrCat("optimizer: the step failed while committing (",
+                                                       step.status().message(), ")"));
+      continue;
+    }
+    t.pending_backward_calls_ = 0;
+    OptimStepResult out;
+    out.learner_version = t.optimizer_->steps_taken();
+    out.metrics.Add("grad_norm:sum", step->grad_norm);
+    out.metrics.Add("lr:sum", step->lr);
+    AddJointMetrics(pass, r, &out.metrics);
+    (*results)[c] = std::move(out);
+  }
+  if (staged_runs.empty()) return;
+  calls[pass.admitted[staged_runs.front()]].trainer->SyncDevice();  // the commits, in the time
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (size_t r : staged_runs) {
+    auto& result = (*results)[pass.admitted[r]];
+    if (result.ok()) result->metrics.Add("time_optimizer_s:sum", seconds);  // shared by the step's runs
+  }
+}
+
 std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::vector<JointTrainCall>& calls) {
   std::vector<absl::StatusOr<OptimStepResult>> results(calls.size(), absl::UnknownError("not run"));
   JointPass pass = RunJointPass(calls, /*optimizer_step=*/true);
   for (size_t c = 0; c < calls.size(); ++c) {
     if (!pass.refused[c].ok()) results[c] = pass.refused[c];
   }
-  // Each run's own optimizer step: a refusal (a non-finite gradient norm) undoes that run alone.
+  // Each run's own optimizer step, all in one pass: a refusal undoes that run alone.
+  std::vector<size_t> finished;
   for (size_t r = 0; r < pass.admitted.size(); ++r) {
     const size_t c = pass.admitted[r];
-    Trainer& t = *calls[c].trainer;
-    if (absl::Status finished = FinishJointCall(pass, r, calls); !finished.ok()) {
-      results[c] = finished;
+    if (absl::Status done = FinishJointCall(pass, r, calls); !done.ok()) {
+      results[c] = done;
       continue;
     }
-    absl::StatusOr<OptimStepResult> step =
-        t.StepOptimizer(calls[c].adamw, /*restore_on_failure=*/false, /*digest=*/false);
-    if (!step.ok()) {
-      t.Restore(pass.snapshots[c]);
-      results[c] = step.status();
-      continue;
-    }
-    AddJointMetrics(pass, r, &step->metrics);
-    results[c] = std::move(step);
+    finished.push_back(r);
   }
+  StepJointOptimizers(pass, finished, calls, &results);
   // Every stepped run's adapter digest, hashed together (one kernel, one wait).
   std::vector<size_t> stepped;
   std::vector<std::vector<at::Tensor>> adapters;

@@ -85,6 +85,35 @@ std::vector<std::string> Disagreements(const ParallelLayout& layout, GroupKind k
   return out;
 }
 
+}  // namespace
+
+at::Tensor SquaredGradNormOnDevice(const Adapter& adapter, ProcessGroups* groups) {
+  const at::Device device =
+      adapter.parameters().empty() ? at::Device(at::kCPU) : adapter.parameters()[0].main_grad.device();
+  const RankCoords c = groups != nullptr ? groups->coords() : RankCoords{};
+  const int ep = groups != nullptr ? groups->layout().sizes().ep : 1;
+  // One copy of each reduced gradient counts: data replica 0's, its context rank 0's.
+  const bool first_replica = c.dp == 0 && c.cp == 0, first_expert_replica = c.dp / ep == 0 && c.cp == 0;
+  at::Tensor sq = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
+  auto add = [&](GradBucket b, bool counted) {
+    if (counted) sq = sq + SumOfSquares(adapter.grad_bucket(b), device);
+  };
+  add(GradBucket::kSplit, first_replica);
+  if (first_replica) {
+    for (const Parameter& p : adapter.parameters()) {  // another stage counts its copy
+      if (p.stage_copy) sq = sq - SumOfSquares(p.main_grad, device);
+    }
+  }
+  add(GradBucket::kReplicatedPartial, c.tp == 0 && first_replica);
+  add(GradBucket::kReplicatedFull, c.tp == 0 && first_replica);
+  add(GradBucket::kSharedExpert, c.tp == 0 && first_replica);
+  add(GradBucket::kExpertSplit, first_expert_replica);
+  add(GradBucket::kExpertReplicatedPartial, c.tp == 0 && first_expert_replica);
+  return sq;
+}
+
+namespace {
+
 class Finalizer {
  public:
   Finalizer(Adapter* adapter, ProcessGroups* groups, const GradFinalizeOptions& options)
@@ -381,26 +410,7 @@ class Finalizer {
 
   // Squares of every distinct element, each counted by exactly one rank, summed over the world.
   absl::StatusOr<double> GlobalNorm() {
-    const RankCoords c = groups_ != nullptr ? groups_->coords() : RankCoords{};
-    const int ep = groups_ != nullptr ? groups_->layout().sizes().ep : 1;
-    // One copy of each reduced gradient counts: data replica 0's, its context rank 0's.
-    const bool first_replica = c.dp == 0 && c.cp == 0, first_expert_replica = c.dp / ep == 0 && c.cp == 0;
-    at::Tensor sq = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
-    auto add = [&](GradBucket b, bool counted) {
-      if (counted) sq = sq + SumOfSquares(adapter_->grad_bucket(b), device_);
-    };
-    add(GradBucket::kSplit, first_replica);
-    if (first_replica) {
-      for (const Parameter& p : adapter_->parameters()) {  // another stage counts its copy
-        if (p.stage_copy) sq = sq - SumOfSquares(p.main_grad, device_);
-      }
-    }
-    add(GradBucket::kReplicatedPartial, c.tp == 0 && first_replica);
-    add(GradBucket::kReplicatedFull, c.tp == 0 && first_replica);
-    add(GradBucket::kSharedExpert, c.tp == 0 && first_replica);
-    add(GradBucket::kExpertSplit, first_expert_replica);
-    add(GradBucket::kExpertReplicatedPartial, c.tp == 0 && first_expert_replica);
-    sq = sq.reshape({1});
+    at::Tensor sq = SquaredGradNormOnDevice(*adapter_, groups_).reshape({1});
     if (groups_ != nullptr) LORASTEP_RETURN_IF_ERROR(groups_->group(GroupKind::kWorld).AllReduce(sq));
     return std::sqrt(sq.item<double>());
   }

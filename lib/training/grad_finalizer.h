@@ -92,6 +92,11 @@ struct GradFinalizeReport {
 // `field` otherwise. Empty text: no fault.
 absl::StatusOr<GradFinalizeOptions::Fault> ParseGradFault(const std::string& text, const std::string& field);
 
+// This rank's share of the squared global gradient norm (each distinct element counted by
+// one rank), an fp64 scalar left on the device: no host wait, no communication. World size 1
+// (`groups` null): the whole squared norm, summed as FinalizeStepGradients sums it.
+at::Tensor SquaredGradNormOnDevice(const Adapter& adapter, ProcessGroups* groups);
+
 // `groups` null = world size 1 (no communication). The norm is identical on every rank.
 absl::StatusOr<GradFinalizeReport> FinalizeStepGradients(Adapter* adapter, ProcessGroups* groups,
                                                          const GradFinalizeOptions& options = {});

@@ -298,6 +298,12 @@ class Trainer {
   static JointPass RunJointPass(const std::vector<JointTrainCall>& calls, bool optimizer_step);
   static absl::Status FinishJointCall(const JointPass& pass, size_t run, const std::vector<JointTrainCall>& calls);
   static void AddJointMetrics(JointPass& pass, size_t run, Metrics* metrics);
+  // The optimizer steps of the joint pass's `runs` (positions in its admitted calls) as one
+  // pass: every run's norm with one host wait, every staged update checked with one more,
+  // each refusal undoing that run alone. World size 1 (co-scheduled runs only).
+  static void StepJointOptimizers(JointPass& pass, const std::vector<size_t>& runs,
+                                  const std::vector<JointTrainCall>& calls,
+                                  std::vector<absl::StatusOr<OptimStepResult>>* results);
   // Co-scheduling: whether a call's run may join a step (its trainer and datums given, once
   // per step, the step's base model, CoSchedulable); `base` and `seen` carry the step's so far.
   static absl::Status JoinStep(const Trainer* trainer, const std::vector<Datum>* datums, const BaseModel** base,
