@@ -404,6 +404,7 @@ void Trainer::StepJointOptimizers(JointPass& pass, const std::vector<size_t>& ru
 
 std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::vector<JointTrainCall>& calls) {
   std::vector<absl::StatusOr<OptimStepResult>> results(calls.size(), absl::UnknownError("not run"));
+  const auto t0 = std::chrono::steady_clock::now();
   JointPass pass = RunJointPass(calls, /*optimizer_step=*/true);
   for (size_t c = 0; c < calls.size(); ++c) {
     if (!pass.refused[c].ok()) results[c] = pass.refused[c];
@@ -437,6 +438,8 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
       results[stepped[i]]->metrics.Add("time_digest_s:sum", seconds);  // shared by the step's runs
     }
   }
+  const double step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (size_t c : stepped) results[c]->metrics.Add("time_step_s:sum", step_seconds);  // the joint step's
   for (size_t c : pass.alone) {  // on their own, after the joint part
     BatchOptions batch;
     batch.max_tokens_per_microbatch = calls[c].max_tokens_per_microbatch;
