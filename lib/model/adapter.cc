@@ -1,6 +1,7 @@
 #include "lib/model/adapter.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
 #include <cmath>
