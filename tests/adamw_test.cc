@@ -198,6 +198,14 @@ TEST(AdamWTest, BucketOrderedStateGivesEachParameterItsOwnUpdate) {
   opt.master()[bad].fill_(3.4e38f);
   EXPECT_THAT(opt.CheckStep(p, 1.0), StatusIs(absl::StatusCode::kFailedPrecondition,
                                               "would make " + adapter.parameters()[bad].name + " non-finite"));
+  // A NaN is caught too (the check reads the largest magnitude, which a NaN turns into NaN).
+  opt.master()[bad].fill_(0.5f);
+  const int nan_at = order[2];
+  opt.master()[nan_at].view({-1})[3] = NAN;
+  EXPECT_THAT(opt.CheckStep(p, 1.0), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                              "would make " + adapter.parameters()[nan_at].name + " non-finite"));
+  opt.master()[nan_at].fill_(0.5f);
+  EXPECT_TRUE(opt.CheckStep(p, 1.0).ok());
 }
 
 TEST(AdamWTest, HyperParametersAreBounded) {

@@ -253,6 +253,25 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
     ASSERT_OK(idle->TrainStep("a", batch_a, ppo, adam, nullptr, 0).status());
     EXPECT_LT(std::chrono::steady_clock::now() - began, std::chrono::seconds(1)) << "step " << i + 2;
   }
+  // The window stays open past its first length while the expected runs keep arriving: calls
+  // 0.6 s apart under a 1 s window all join the step, though the last comes 1.2 s after the first.
+  ASSERT_OK_AND_ASSIGN(auto staggered, make_core(std::chrono::seconds(1)));
+  for (const char* run : {"a", "b", "c"}) ASSERT_OK(staggered->CreateRun(run, lora_a, 3).status());
+  {
+    std::vector<absl::StatusOr<OptimStepResult>> got(3, absl::UnknownError(""));
+    std::vector<std::thread> threads;
+    for (int i = 0; i < 3; ++i) {
+      threads.emplace_back([&, i] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(600 * i));
+        got[i] = staggered->TrainStep(std::string(1, static_cast<char>('a' + i)), batch(i), ppo, adam, nullptr, 0);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_OK(got[i].status());
+      EXPECT_EQ(got[i]->metrics.Get("co_scheduled_runs:max"), 3.0) << "run " << i;
+    }
+  }
   // One run on the worker: nothing to wait for, the call runs alone at once.
   ASSERT_OK_AND_ASSIGN(auto single, make_core(std::chrono::seconds(2)));
   ASSERT_OK(single->CreateRun("only", lora_a, 3).status());

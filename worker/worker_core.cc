@@ -323,15 +323,23 @@ void WorkerCore::LeadCoscheduledStep() {
      // send their next calls as it ends; timed from the first call's arrival instead, a call
      // that waited through that step would open an already closed window and they would miss
      // this step). A run that sent nothing for a step is no longer expected: an idle run costs
-     // the others at most one window.
+     // the others at most one window past their last arrival.
     std::unique_lock<std::mutex> q(queue_mu_);
     auto all_expected_queued = [&] {
       std::set<std::string> queued;
       for (const QueuedStep* s : queue_) queued.insert(*s->run_id);
       return std::includes(queued.begin(), queued.end(), expected_runs_.begin(), expected_runs_.end());
     };
-    if (!queue_.empty()) {
-      queue_cv_.wait_until(q, std::chrono::steady_clock::now() + options_.coschedule_window, all_expected_queued);
+    // The window stays open `window` past the latest arrival while the expected runs' calls
+    // keep coming (their answers and next calls travel back one by one), at most four windows.
+    const auto opened = std::chrono::steady_clock::now();
+    const auto cap = opened + 4 * options_.coschedule_window;
+    while (!queue_.empty() && !all_expected_queued()) {
+      auto latest = opened;
+      for (const QueuedStep* s : queue_) latest = std::max(latest, s->queued);
+      const auto close = std::min(latest + options_.coschedule_window, cap);
+      if (std::chrono::steady_clock::now() >= close) break;
+      queue_cv_.wait_until(q, close);
     }
   }
   std::lock_guard<FairMutex> device(mu_);

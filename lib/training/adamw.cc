@@ -90,13 +90,14 @@ AdamW::Coefficients AdamW::StepCoefficients(const AdamWParams& p, double norm) c
 }
 
 AdamW::Update AdamW::CandidateUpdate(const AdamWParams& p, const Coefficients& k) const {
-  at::Tensor g = FlatGradients();
-  if (k.clip != 1.0) g = g * k.clip;
+  // PyTorch's AdamW with the clip factor folded into the moments' coefficients: no clipped
+  // copy of the gradients, every temporary updated in place.
+  const at::Tensor g = FlatGradients();
   Update u;
-  u.exp_avg = flat_avg_ * p.beta1 + g * (1.0 - p.beta1);
-  u.exp_avg_sq = flat_avg_sq_ * p.beta2 + (g * g) * (1.0 - p.beta2);
-  u.master = flat_master_ * (1.0 - k.lr * p.weight_decay) -
-             u.exp_avg / ((u.exp_avg_sq / k.bc2).sqrt_() + p.eps) * (k.lr / k.bc1);
+  u.exp_avg = flat_avg_.mul(p.beta1).add_(g, (1.0 - p.beta1) * k.clip);
+  u.exp_avg_sq = flat_avg_sq_.mul(p.beta2).addcmul_(g, g, (1.0 - p.beta2) * k.clip * k.clip);
+  const at::Tensor denom = u.exp_avg_sq.sqrt().div_(std::sqrt(k.bc2)).add_(p.eps);
+  u.master = flat_master_.mul(1.0 - k.lr * p.weight_decay).addcdiv_(u.exp_avg, denom, -k.lr / k.bc1);
   return u;
 }
 
@@ -120,31 +121,36 @@ absl::StatusOr<AdamW::StagedStep> AdamW::StageOnDevice(const AdamWParams& p, dou
   const auto& params = adapter_->parameters();
   if (params.empty()) return staged;
   at::NoGradGuard no_grad;
-  // The update computed aside, and where it would leave a parameter non-finite in its own dtype.
   staged.u = CandidateUpdate(p, staged.k);
-  const at::Tensor& master = staged.u.master;
+  // One dtype: the largest magnitude (NaN if any is NaN) says whether every value stays finite
+  // once rounded to that dtype (rounding is monotonic). Mixed dtypes: each part checked in its own.
   if (same_dtype_) {
-    staged.nonfinite = at::isfinite(master.to(params.front().value.scalar_type())).logical_not_();
+    staged.largest = at::linalg_vector_norm(staged.u.master, INFINITY, c10::nullopt, false, c10::nullopt);
   } else {
-    std::vector<at::Tensor> parts;
+    std::vector<at::Tensor> bad;
     for (int i : order_) {
-      parts.push_back(at::isfinite(master.narrow(0, offsets_[i], params[i].value.numel())
-                                       .to(params[i].value.scalar_type())).logical_not_());
+      bad.push_back(at::isfinite(staged.u.master.narrow(0, offsets_[i], params[i].value.numel())
+                                     .to(params[i].value.scalar_type())).logical_not_().any().reshape({1}));
     }
-    staged.nonfinite = at::cat(parts);
+    staged.largest = at::cat(bad).any().to(at::kFloat).mul_(INFINITY);  // 0 or inf
   }
-  staged.any_nonfinite = staged.nonfinite.any();
   return staged;
 }
 
-absl::Status AdamW::CheckStaged(const StagedStep& staged) const {
-  if (!staged.any_nonfinite.defined() || !staged.any_nonfinite.item<bool>()) return absl::OkStatus();
-  // The parameter is named from the first bad element's offset (flat order).
-  const int64_t first = staged.nonfinite.to(at::kByte).argmax().item<int64_t>();
+absl::Status AdamW::CheckStaged(const StagedStep& staged, std::optional<float> largest) const {
   const auto& params = adapter_->parameters();
+  if (!staged.largest.defined() || params.empty()) return absl::OkStatus();
+  const float value = largest.has_value() ? *largest : staged.largest.item<float>();
+  const at::Tensor rounded = at::scalar_tensor(value, at::kFloat).to(params.front().value.scalar_type());
+  if (same_dtype_ ? at::isfinite(rounded).item<bool>() : value == 0.0f) return absl::OkStatus();
+  // The refusal names the first parameter (flat order) the update would leave non-finite.
   std::string name = "a parameter";
   for (int i : order_) {
-    if (first >= offsets_[i] && first < offsets_[i] + params[i].value.numel()) name = params[i].name;
+    const at::Tensor part = staged.u.master.narrow(0, offsets_[i], params[i].value.numel());
+    if (!at::isfinite(part.to(params[i].value.scalar_type())).all().item<bool>()) {
+      name = params[i].name;
+      break;
+    }
   }
   return absl::FailedPreconditionError(absl::StrCat(
       "optimizer: the update would make ", name, " non-finite; step refused, parameters unchanged"));

@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -42,11 +43,12 @@ class AdamW {
   // the gradients, allocating nothing. Step is Stage then Commit.
   struct StagedStep;
   absl::StatusOr<StagedStep> Stage(const AdamWParams& params, double grad_norm) const;
-  // Stage without the host wait: the finiteness check is left on the device
-  // (StagedStep::nonfinite), so several runs' steps can be staged and checked with one wait.
-  // CheckStaged then names the first parameter the update would make non-finite, if any.
+  // Stage without the host wait: the finiteness check's figure stays on the device
+  // (StagedStep::largest), so several runs' steps can be staged and checked with one wait.
+  // CheckStaged refuses naming the first parameter the update would make non-finite;
+  // `largest`: StagedStep::largest already on the host (else read here).
   absl::StatusOr<StagedStep> StageOnDevice(const AdamWParams& params, double grad_norm) const;
-  absl::Status CheckStaged(const StagedStep& staged) const;
+  absl::Status CheckStaged(const StagedStep& staged, std::optional<float> largest = std::nullopt) const;
   OptimizerStepResult Commit(StagedStep staged);
   // After parameters were replaced from outside (an imported adapter): the fp32 master copy
   // takes their values and the moments restart at zero, so the next step keeps them.
@@ -76,8 +78,9 @@ class AdamW {
     Coefficients k;
     Update u;  // undefined tensors when the adapter has no parameters
     double grad_norm = 0;
-    at::Tensor nonfinite;  // per element of the flat update: non-finite in its parameter's dtype
-    at::Tensor any_nonfinite;  // a bool scalar on the device
+    // fp32 scalar on the device: the new values' largest magnitude (NaN when one is NaN); with
+    // mixed dtypes 0, or inf when a value is non-finite in its own dtype. Undefined: no parameters.
+    at::Tensor largest;
   };
 
  private:

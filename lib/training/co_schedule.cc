@@ -359,20 +359,24 @@ void Trainer::StepJointOptimizers(JointPass& pass, const std::vector<size_t>& ru
       refuse(r, step.status());
       continue;
     }
-    if (step->any_nonfinite.defined()) flags.push_back(step->any_nonfinite.reshape({1}));
+    if (step->largest.defined()) flags.push_back(step->largest.reshape({1}));
     staged_runs.push_back(r);
     staged.push_back(*std::move(step));
   }
-  absl::StatusOr<bool> any_bad = flags.empty() ? absl::StatusOr<bool>(false) : GuardTorch([&]() -> absl::StatusOr<bool> {
-    return at::cat(flags).any().item<bool>();
+  // Every staged update's largest magnitude, with one wait (runs without parameters have none).
+  absl::StatusOr<std::vector<float>> largest = GuardTorch([&]() -> absl::StatusOr<std::vector<float>> {
+    if (flags.empty()) return std::vector<float>{};
+    const at::Tensor host = at::cat(flags).to(at::kCPU).contiguous();
+    return std::vector<float>(host.data_ptr<float>(), host.data_ptr<float>() + host.numel());
   });
+  size_t flag = 0;
   for (size_t i = 0; i < staged_runs.size(); ++i) {
     const size_t r = staged_runs[i], c = pass.admitted[r];
     Trainer& t = *calls[c].trainer;
-    // A bad flag somewhere (rare): each run names its own parameter, or passes.
-    absl::Status checked = !any_bad.ok() ? any_bad.status()
-                           : *any_bad   ? GuardTorch([&] { return t.optimizer_->CheckStaged(staged[i]); })
-                                        : absl::OkStatus();
+    std::optional<float> value;
+    if (largest.ok() && staged[i].largest.defined()) value = (*largest)[flag++];
+    absl::Status checked = !largest.ok() ? largest.status()
+                                         : GuardTorch([&] { return t.optimizer_->CheckStaged(staged[i], value); });
     if (!checked.ok()) {
       refuse(r, checked);
       continue;
