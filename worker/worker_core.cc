@@ -287,33 +287,42 @@ void WorkerCore::AwaitCoscheduled(QueuedStep* step) {
   }
 }
 
-void WorkerCore::RunCoscheduledForwards(const std::vector<QueuedStep*>& forwards) {
-  if (forwards.size() == 1) {  // alone: its own Forward, exactly as without co-scheduling
-    BatchOptions batch;
-    batch.cancelled = forwards.front()->cancelled;
-    forwards.front()->forward = forwards.front()->call.trainer->Forward(*forwards.front()->call.datums, batch);
-    return;
-  }
-  if (forwards.empty()) return;
-  std::vector<JointForwardCall> calls;
-  for (const QueuedStep* s : forwards) calls.push_back({s->call.trainer, s->call.datums, s->cancelled});
-  std::vector<absl::StatusOr<ForwardBackwardResult>> results = Trainer::JointForward(calls);
-  for (size_t i = 0; i < forwards.size(); ++i) forwards[i]->forward = std::move(results[i]);
-}
-
-void WorkerCore::RunCoscheduledForwardBackwards(const std::vector<QueuedStep*>& steps) {
-  if (steps.size() == 1) {  // alone: its own ForwardBackward, exactly as without co-scheduling
-    const JointTrainCall& c = steps.front()->call;
+void WorkerCore::RunCoscheduled(CallKind kind, const std::vector<QueuedStep*>& steps) {
+  if (steps.empty()) return;
+  if (steps.size() == 1) {  // alone: the run's own call, exactly as without co-scheduling
+    QueuedStep& s = *steps.front();
+    const JointTrainCall& c = s.call;
     BatchOptions batch;
     batch.totals = c.totals;
-    batch.cancelled = steps.front()->cancelled;
-    steps.front()->forward = c.trainer->ForwardBackward(*c.datums, *c.loss, batch);
-    return;
+    batch.max_tokens_per_microbatch = c.max_tokens_per_microbatch;
+    batch.cancelled = s.cancelled;
+    switch (kind) {
+      case CallKind::kTrainStep:
+        s.result = c.trainer->TrainStep(*c.datums, *c.loss, c.adamw, batch);
+        return;
+      case CallKind::kForwardBackward:
+        s.forward = c.trainer->ForwardBackward(*c.datums, *c.loss, batch);
+        return;
+      case CallKind::kForward:
+        s.forward = c.trainer->Forward(*c.datums, batch);
+        return;
+    }
   }
-  if (steps.empty()) return;
   std::vector<JointTrainCall> calls;
   for (const QueuedStep* s : steps) calls.push_back(s->call);
-  std::vector<absl::StatusOr<ForwardBackwardResult>> results = Trainer::JointForwardBackward(calls);
+  if (kind == CallKind::kTrainStep) {
+    std::vector<absl::StatusOr<OptimStepResult>> results = Trainer::JointTrainStep(calls);
+    for (size_t i = 0; i < steps.size(); ++i) steps[i]->result = std::move(results[i]);
+    return;
+  }
+  std::vector<absl::StatusOr<ForwardBackwardResult>> results;
+  if (kind == CallKind::kForwardBackward) {
+    results = Trainer::JointForwardBackward(calls);
+  } else {
+    std::vector<JointForwardCall> forwards;
+    for (const JointTrainCall& c : calls) forwards.push_back({c.trainer, c.datums, c.cancelled});
+    results = Trainer::JointForward(forwards);
+  }
   for (size_t i = 0; i < steps.size(); ++i) steps[i]->forward = std::move(results[i]);
 }
 
@@ -359,8 +368,7 @@ void WorkerCore::LeadCoscheduledStep() {
     }
     expected_runs_ = runs_taken;  // the runs likely to send again as this step ends
   }
-  std::vector<QueuedStep*> joined, forwards, forward_backwards;
-  std::vector<JointTrainCall> calls;
+  std::vector<QueuedStep*> trains, forwards, forward_backwards;
   for (QueuedStep* s : taken) {
     const char* method = s->kind == CallKind::kTrainStep         ? "TrainStep"
                          : s->kind == CallKind::kForwardBackward ? "ForwardBackward"
@@ -376,37 +384,21 @@ void WorkerCore::LeadCoscheduledStep() {
       continue;
     }
     s->call.trainer = *t;
-    if (s->kind != CallKind::kTrainStep) {
-      (s->kind == CallKind::kForward ? forwards : forward_backwards).push_back(s);
-      continue;
-    }
-    calls.push_back(s->call);
-    joined.push_back(s);
+    (s->kind == CallKind::kTrainStep ? trains : s->kind == CallKind::kForward ? forwards : forward_backwards)
+        .push_back(s);
   }
   // From the first taken call's arrival until its shared step began.
   const double waited = taken.empty() ? 0.0
                                       : std::chrono::duration<double>(std::chrono::steady_clock::now() -
                                                                       taken.front()->queued).count();
-  RunCoscheduledForwards(forwards);
-  RunCoscheduledForwardBackwards(forward_backwards);
-  for (const auto* list : {&forwards, &forward_backwards}) {
-    for (QueuedStep* s : *list) {
-      if (s->forward.ok()) s->forward->metrics.Add("time_coschedule_wait_s:sum", waited);
+  RunCoscheduled(CallKind::kForward, forwards);
+  RunCoscheduled(CallKind::kForwardBackward, forward_backwards);
+  RunCoscheduled(CallKind::kTrainStep, trains);
+  for (QueuedStep* s : taken) {
+    if (s->kind == CallKind::kTrainStep ? s->result.ok() : s->forward.ok()) {
+      (s->kind == CallKind::kTrainStep ? s->result->metrics : s->forward->metrics)
+          .Add("time_coschedule_wait_s:sum", waited);
     }
-  }
-  if (joined.size() == 1) {  // alone: its own TrainStep, exactly as without co-scheduling
-    const JointTrainCall& c = calls.front();
-    BatchOptions batch;
-    batch.totals = c.totals;
-    batch.max_tokens_per_microbatch = c.max_tokens_per_microbatch;
-    batch.cancelled = joined.front()->cancelled;
-    joined.front()->result = c.trainer->TrainStep(*c.datums, *c.loss, c.adamw, batch);
-  } else if (!joined.empty()) {
-    std::vector<absl::StatusOr<OptimStepResult>> results = Trainer::JointTrainStep(calls);
-    for (size_t i = 0; i < joined.size(); ++i) joined[i]->result = std::move(results[i]);
-  }
-  for (QueuedStep* s : joined) {
-    if (s->result.ok()) s->result->metrics.Add("time_coschedule_wait_s:sum", waited);
   }
   std::lock_guard<std::mutex> q(queue_mu_);
   for (QueuedStep* s : taken) s->done = true;

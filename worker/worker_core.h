@@ -197,10 +197,10 @@ class WorkerCore {
   // arrival order, admits them and runs the TrainSteps as one joint step and the Forwards as
   // one joint forward.
   void LeadCoscheduledStep();
-  // The taken Forward and ForwardBackward calls (admitted, trainers set): alone, their own
-  // call; several, one Trainer::JointForward / JointForwardBackward. Under the device lock.
-  void RunCoscheduledForwards(const std::vector<QueuedStep*>& forwards);
-  void RunCoscheduledForwardBackwards(const std::vector<QueuedStep*>& calls);
+  // A step's taken calls of one kind (admitted, trainers set): alone, the run's own call;
+  // several, one Trainer::JointTrainStep / JointForwardBackward / JointForward. Under the
+  // device lock.
+  void RunCoscheduled(CallKind kind, const std::vector<QueuedStep*>& steps);
 
   WorkerOptions options_;
   std::shared_ptr<const BaseModel> base_;

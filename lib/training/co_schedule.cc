@@ -136,25 +136,27 @@ std::vector<std::vector<Trainer::JointPart>> Trainer::PackJointRows(
   return rows;
 }
 
-// The shared part of JointTrainStep and JointForwardBackward: admission, then every joint
-// row's forward and backward, each run's gradients accumulating in its own main_grads.
+// The shared part of the joint calls: admission, then every joint row's forward (and, for
+// the training kinds, backward), each run's gradients accumulating in its own main_grads.
 struct Trainer::JointPass {
   std::vector<absl::Status> refused;  // per call: OK when admitted (or run alone)
   std::vector<size_t> admitted, alone;
-  std::vector<CallSnapshot> snapshots;  // per call
+  std::vector<CallSnapshot> snapshots;  // per call (training kinds)
   std::vector<std::vector<std::vector<size_t>>> splits;  // per admitted run
   std::vector<LossDenominators> dens;
   std::vector<PendingMetrics> pending;
   std::vector<MicroBatchCounts> counts;
+  std::vector<double> scored;  // positions the head scored (kForward)
   std::vector<std::optional<size_t>> cancelled_before;  // the micro-batch a cancelled run stopped at
-  // Each run's log-probs per micro-batch (datum order, on the device), when asked for.
+  // Each run's log-probs per micro-batch (datum order, on the device), when returned.
   std::vector<std::vector<std::pair<std::vector<size_t>, at::Tensor>>> logprobs;
   size_t rows = 0;
   double seconds = 0, joint_tokens = 0;
   absl::Status ran;
 };
 
-Trainer::JointPass Trainer::RunJointPass(const std::vector<JointTrainCall>& calls, bool optimizer_step) {
+Trainer::JointPass Trainer::RunJointPass(const std::vector<JointTrainCall>& calls, JointKind kind) {
+  const bool backward = kind != JointKind::kForward, optimizer_step = kind == JointKind::kTrainStep;
   JointPass pass;
   pass.refused.assign(calls.size(), absl::OkStatus());
   pass.snapshots.resize(calls.size());
@@ -163,7 +165,7 @@ Trainer::JointPass Trainer::RunJointPass(const std::vector<JointTrainCall>& call
   std::set<const Trainer*> seen;
   for (size_t c = 0; c < calls.size(); ++c) {
     const JointTrainCall& call = calls[c];
-    if (call.loss == nullptr) {
+    if (backward && call.loss == nullptr) {
       pass.refused[c] = absl::InvalidArgumentError("co-scheduling: a training call needs its loss");
       continue;
     }
@@ -172,6 +174,13 @@ Trainer::JointPass Trainer::RunJointPass(const std::vector<JointTrainCall>& call
       continue;
     }
     Trainer& t = *call.trainer;
+    if (!backward) {
+      absl::Status local = ValidateForwardBatch(*call.datums, t.base_->config.vocab_size, t.options_.limits);
+      if (local.ok()) local = t.CheckActivationBudget(*call.datums, BatchOptions{}, /*backward=*/false);
+      if (local.ok()) pass.admitted.push_back(c);
+      pass.refused[c] = local;
+      continue;
+    }
     absl::Status local = optimizer_step ? ValidateAdamWParams(call.adamw) : absl::OkStatus();
     if (local.ok()) local = ValidateBatch(*call.datums, *call.loss, t.base_->config.vocab_size, t.options_.limits);
     BatchOptions batch;
@@ -202,6 +211,7 @@ Trainer::JointPass Trainer::RunJointPass(const std::vector<JointTrainCall>& call
   pass.dens.resize(n);
   pass.pending.resize(n);
   pass.counts.resize(n);
+  pass.scored.assign(n, 0.0);
   pass.cancelled_before.resize(n);
   pass.logprobs.resize(n);
   std::vector<double> lora_params(n);
@@ -213,14 +223,16 @@ Trainer::JointPass Trainer::RunJointPass(const std::vector<JointTrainCall>& call
     pass.splits[r] = t.SplitMicroBatches(*call.datums, call.max_tokens_per_microbatch > 0
                                                            ? call.max_tokens_per_microbatch
                                                            : t.options_.max_tokens_per_microbatch);
-    pass.dens[r] = CallDenominators(*call.datums, call.totals, device);
+    if (backward) pass.dens[r] = CallDenominators(*call.datums, call.totals, device);
     lora_params[r] = LoraParameterCount(*t.adapter_);
     trainers.push_back(&t);
     batches.push_back(call.datums);
   }
-  const std::vector<std::vector<JointPart>> rows = PackJointRows(trainers, batches, pass.splits, /*backward=*/true);
+  const std::vector<std::vector<JointPart>> rows = PackJointRows(trainers, batches, pass.splits, backward);
   pass.rows = rows.size();
   pass.ran = GuardTorch([&]() -> absl::Status {
+    std::optional<at::NoGradGuard> no_grad;
+    if (!backward) no_grad.emplace();
     for (const std::vector<JointPart>& row_parts : rows) {
       const auto t0 = std::chrono::steady_clock::now();
       std::vector<size_t> runs;  // positions in `admitted`, one per part
@@ -229,12 +241,14 @@ Trainer::JointPass Trainer::RunJointPass(const std::vector<JointTrainCall>& call
         const JointTrainCall& call = calls[pass.admitted[r]];
         if (!pass.cancelled_before[r] && call.cancelled && call.cancelled()) pass.cancelled_before[r] = k;
         if (pass.cancelled_before[r]) continue;  // its later parts leave the rows
-        MicroBatchOptions options;
-        options.backward = true;
+        MicroBatchOptions options;  // as the run's own call alone
         options.always_pack = true;
-        options.loss_positions_only = optimizer_step;  // as TrainStep alone; ForwardBackward returns every log-prob
-        options.matmul_passes = 2;
-        options.lora_params = lora_params[r];
+        if (backward) {
+          options.backward = true;
+          options.loss_positions_only = optimizer_step;  // ForwardBackward returns every log-prob
+          options.matmul_passes = 2;
+          options.lora_params = lora_params[r];
+        }
         runs.push_back(r);
         mbs.push_back(BuildMicroBatch(*call.datums, pass.splits[r][k], config, options, device, &pass.counts[r]));
       }
@@ -246,29 +260,35 @@ Trainer::JointPass Trainer::RunJointPass(const std::vector<JointTrainCall>& call
       for (size_t j = 0; j < runs.size(); ++j) {
         Trainer& t = *trainers[runs[j]];
         segments.push_back({t.adapter_.get(), row.begins[j], row.begins[j] + mbs[j].tokens.size(1),
-                            &t.dropout_generator_});
+                            backward ? &t.dropout_generator_ : nullptr});
       }
-      const at::Tensor x = JointLayers(*base, row, segments, /*training=*/true);
+      const at::Tensor x = JointLayers(*base, row, segments, /*training=*/backward);
       at::Tensor total;
       for (size_t j = 0; j < runs.size(); ++j) {
         const size_t r = runs[j];
         const JointTrainCall& call = calls[pass.admitted[r]];
         Trainer& t = *call.trainer;
-        ForwardOptions own{t.options_.grad, /*training=*/true, &t.dropout_generator_};
+        ForwardOptions own{t.options_.grad, /*training=*/backward, backward ? &t.dropout_generator_ : nullptr};
         const at::Tensor layers_out = x.narrow(1, segments[j].begin, segments[j].end - segments[j].begin);
         const at::Tensor hidden = Qwen2FinalNorm(config, base->weights, t.adapter_.get(), layers_out);
         const at::Tensor selected = FoldLeadingDims(hidden).index_select(0, mbs[j].positions);
+        pass.scored[r] += static_cast<double>(mbs[j].positions.size(0));
         TokenScores scores = Qwen2HeadScores(base->weights, t.adapter_.get(), selected, mbs[j].targets,
                                              t.options_.logprob_chunk_tokens, own, VocabShard{},
-                                             /*entropy_grad=*/call.loss->entropy_coef != 0);
+                                             /*entropy_grad=*/backward && call.loss->entropy_coef != 0);
         if (!optimizer_step) pass.logprobs[r].emplace_back(*mbs[j].datums, scores.logprobs.detach());
+        if (!backward) {
+          const at::Tensor bearing = (mbs[j].loss_in.mask != 0).to(at::kDouble);
+          pass.pending[r].Add("entropy:mean", (scores.entropy.to(at::kDouble) * bearing).sum(), bearing.sum());
+          continue;
+        }
         LossInputs in = mbs[j].loss_in;
         in.logprobs = scores.logprobs;
         in.entropy = scores.entropy;
         const at::Tensor loss = ComputeLoss(*call.loss, in, pass.dens[r], &pass.pending[r]);
         total = total.defined() ? total + loss : loss;
       }
-      total.backward();
+      if (total.defined()) total.backward();
       pass.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
     return absl::OkStatus();
@@ -409,7 +429,7 @@ void Trainer::StepJointOptimizers(JointPass& pass, const std::vector<size_t>& ru
 std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::vector<JointTrainCall>& calls) {
   std::vector<absl::StatusOr<OptimStepResult>> results(calls.size(), absl::UnknownError("not run"));
   const auto t0 = std::chrono::steady_clock::now();
-  JointPass pass = RunJointPass(calls, /*optimizer_step=*/true);
+  JointPass pass = RunJointPass(calls, JointKind::kTrainStep);
   for (size_t c = 0; c < calls.size(); ++c) {
     if (!pass.refused[c].ok()) results[c] = pass.refused[c];
   }
@@ -456,7 +476,7 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
 std::vector<absl::StatusOr<ForwardBackwardResult>> Trainer::JointForwardBackward(
     const std::vector<JointTrainCall>& calls) {
   std::vector<absl::StatusOr<ForwardBackwardResult>> results(calls.size(), absl::UnknownError("not run"));
-  JointPass pass = RunJointPass(calls, /*optimizer_step=*/false);
+  JointPass pass = RunJointPass(calls, JointKind::kForwardBackward);
   for (size_t c = 0; c < calls.size(); ++c) {
     if (!pass.refused[c].ok()) results[c] = pass.refused[c];
   }
@@ -483,118 +503,45 @@ std::vector<absl::StatusOr<ForwardBackwardResult>> Trainer::JointForwardBackward
 }
 
 std::vector<absl::StatusOr<ForwardBackwardResult>> Trainer::JointForward(const std::vector<JointForwardCall>& calls) {
+  std::vector<JointTrainCall> as_pass;
+  for (const JointForwardCall& call : calls) {
+    JointTrainCall c;
+    c.trainer = call.trainer;
+    c.datums = call.datums;
+    c.cancelled = call.cancelled;
+    as_pass.push_back(std::move(c));
+  }
   std::vector<absl::StatusOr<ForwardBackwardResult>> results(calls.size(), absl::UnknownError("not run"));
-  const BaseModel* base = nullptr;
-  std::set<const Trainer*> seen;
-  std::vector<size_t> admitted;
+  JointPass pass = RunJointPass(as_pass, JointKind::kForward);
   for (size_t c = 0; c < calls.size(); ++c) {
-    const JointForwardCall& call = calls[c];
-    if (absl::Status member = JoinStep(call.trainer, call.datums, &base, &seen); !member.ok()) {
-      results[c] = member;
+    if (!pass.refused[c].ok()) results[c] = pass.refused[c];
+  }
+  for (size_t r = 0; r < pass.admitted.size(); ++r) {
+    const size_t c = pass.admitted[r];
+    if (!pass.ran.ok()) {
+      results[c] = pass.ran;
       continue;
     }
-    Trainer& t = *call.trainer;
-    absl::Status local = ValidateForwardBatch(*call.datums, t.base_->config.vocab_size, t.options_.limits);
-    if (local.ok()) local = t.CheckActivationBudget(*call.datums, BatchOptions{}, /*backward=*/false);
-    if (!local.ok()) {
-      results[c] = local;
-      continue;
-    }
-    admitted.push_back(c);
-  }
-  if (admitted.empty()) return results;
-
-  const ModelConfig& config = base->config;
-  const auto device = base->device;
-  const size_t n = admitted.size();
-  std::vector<Trainer*> trainers;
-  std::vector<const std::vector<Datum>*> batches;
-  std::vector<std::vector<std::vector<size_t>>> splits(n);
-  for (size_t r = 0; r < n; ++r) {
-    Trainer& t = *calls[admitted[r]].trainer;
-    trainers.push_back(&t);
-    batches.push_back(calls[admitted[r]].datums);
-    splits[r] = t.SplitMicroBatches(*batches.back(), t.options_.max_tokens_per_microbatch);
-  }
-  const std::vector<std::vector<JointPart>> rows = PackJointRows(trainers, batches, splits, /*backward=*/false);
-  std::vector<PendingMetrics> pending(n);
-  std::vector<MicroBatchCounts> counts(n);
-  std::vector<double> scored(n, 0.0);
-  // Each run's log-probs per micro-batch (on the device until every row has run), in order.
-  std::vector<std::vector<std::pair<std::vector<size_t>, at::Tensor>>> logprobs(n);
-  std::vector<std::optional<size_t>> cancelled_before(n);
-  double t_forward = 0;
-  const absl::Status ran = GuardTorch([&]() -> absl::Status {
-    at::NoGradGuard no_grad;
-    for (const std::vector<JointPart>& row_parts : rows) {
-      const auto t0 = std::chrono::steady_clock::now();
-      std::vector<size_t> runs;
-      std::vector<MicroBatch> mbs;
-      for (const auto& [r, k] : row_parts) {
-        const JointForwardCall& call = calls[admitted[r]];
-        if (!cancelled_before[r] && call.cancelled && call.cancelled()) cancelled_before[r] = k;
-        if (cancelled_before[r]) continue;
-        MicroBatchOptions options;
-        options.always_pack = true;
-        runs.push_back(r);
-        mbs.push_back(BuildMicroBatch(*batches[r], splits[r][k], config, options, device, &counts[r]));
-      }
-      if (mbs.empty()) continue;
-      std::vector<const MicroBatch*> parts;
-      for (const MicroBatch& mb : mbs) parts.push_back(&mb);
-      const JointRow row = JoinPackedRows(parts);
-      std::vector<RunSegment> segments;
-      for (size_t j = 0; j < runs.size(); ++j) {
-        segments.push_back({trainers[runs[j]]->adapter_.get(), row.begins[j], row.begins[j] + mbs[j].tokens.size(1),
-                            nullptr});
-      }
-      const at::Tensor x = JointLayers(*base, row, segments, /*training=*/false);
-      for (size_t j = 0; j < runs.size(); ++j) {
-        const size_t r = runs[j];
-        Trainer& t = *trainers[r];
-        const ForwardOptions own{t.options_.grad, /*training=*/false, nullptr};
-        const at::Tensor layers_out = x.narrow(1, segments[j].begin, segments[j].end - segments[j].begin);
-        const at::Tensor hidden = Qwen2FinalNorm(config, base->weights, t.adapter_.get(), layers_out);
-        const at::Tensor selected = FoldLeadingDims(hidden).index_select(0, mbs[j].positions);
-        scored[r] += static_cast<double>(mbs[j].positions.size(0));
-        TokenScores scores = Qwen2HeadScores(base->weights, t.adapter_.get(), selected, mbs[j].targets,
-                                             t.options_.logprob_chunk_tokens, own, VocabShard{}, /*entropy_grad=*/false);
-        const at::Tensor bearing = (mbs[j].loss_in.mask != 0).to(at::kDouble);
-        pending[r].Add("entropy:mean", (scores.entropy.to(at::kDouble) * bearing).sum(), bearing.sum());
-        logprobs[r].emplace_back(*mbs[j].datums, scores.logprobs);
-      }
-      t_forward += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    }
-    return absl::OkStatus();
-  });
-  if (!ran.ok()) {
-    for (size_t c : admitted) results[c] = ran;
-    return results;
-  }
-  double joint_tokens = 0;
-  for (const MicroBatchCounts& c : counts) joint_tokens += static_cast<double>(c.real_tokens);
-  for (size_t r = 0; r < n; ++r) {
-    const size_t c = admitted[r];
-    if (cancelled_before[r]) {
-      results[c] = CancelledBeforeMicroBatch(*cancelled_before[r], splits[r].size());
+    if (pass.cancelled_before[r]) {
+      results[c] = CancelledBeforeMicroBatch(*pass.cancelled_before[r], pass.splits[r].size());
       continue;
     }
     ForwardBackwardResult out;
-    out.logprobs = GatherLogprobs(*batches[r], logprobs[r]);
+    out.logprobs = GatherLogprobs(*calls[c].datums, pass.logprobs[r]);
     Metrics& m = out.metrics;
-    pending[r].Resolve(&m);
-    m.Add("tokens_physical:sum", counts[r].physical);
-    m.Add("tokens_nonpadding:sum", counts[r].real_tokens);
-    m.Add("tokens_scored:sum", scored[r]);
-    m.Add("micro_batches:sum", static_cast<double>(splits[r].size()));
-    m.Add("model_flops:sum", counts[r].flops);
-    m.Add("time_forward_s:sum", t_forward);  // the shared passes' wall time
-    if (t_forward > 0) m.Add("tokens_per_s:sum", counts[r].real_tokens / t_forward);
-    m.Add("co_scheduled_runs:max", static_cast<double>(n));
-    m.Add("co_scheduled_tokens:max", joint_tokens);
-    m.Add("co_scheduled_rows:sum", static_cast<double>(rows.size()));
+    pass.pending[r].Resolve(&m);
+    m.Add("tokens_physical:sum", pass.counts[r].physical);
+    m.Add("tokens_nonpadding:sum", pass.counts[r].real_tokens);
+    m.Add("tokens_scored:sum", pass.scored[r]);
+    m.Add("micro_batches:sum", static_cast<double>(pass.splits[r].size()));
+    m.Add("model_flops:sum", pass.counts[r].flops);
+    m.Add("time_forward_s:sum", pass.seconds);  // the shared passes' wall time
+    if (pass.seconds > 0) m.Add("tokens_per_s:sum", pass.counts[r].real_tokens / pass.seconds);
+    m.Add("co_scheduled_runs:max", static_cast<double>(pass.admitted.size()));
+    m.Add("co_scheduled_tokens:max", pass.joint_tokens);
+    m.Add("co_scheduled_rows:sum", static_cast<double>(pass.rows));
     m.Set("peak_host_memory_bytes:max", PeakHostMemoryBytes());
-    trainers[r]->AddCudaPeakMemory(&m);
+    calls[c].trainer->AddCudaPeakMemory(&m);
     results[c] = std::move(out);
   }
   return results;

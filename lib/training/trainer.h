@@ -291,11 +291,13 @@ class Trainer {
   // The activation memory one micro-batch may use (TrainerOptions::max_activation_bytes; 0
   // there: 80% of what the device or this process can still allocate); -1: no limit.
   int64_t ActivationBudgetBytes() const;
-  // Co-scheduling's shared pass (JointTrainStep, JointForwardBackward): admission, then every
-  // joint row's forward and backward; FinishJointCall undoes a run whose pass failed or was
-  // cancelled (else counts its backward call); AddJointMetrics adds a run's figures.
+  // Co-scheduling's shared pass (JointTrainStep, JointForwardBackward, JointForward):
+  // admission, then every joint row's forward and (training kinds) backward; FinishJointCall
+  // undoes a training run whose pass failed or was cancelled (else counts its backward call);
+  // AddJointMetrics adds a training run's figures.
   struct JointPass;
-  static JointPass RunJointPass(const std::vector<JointTrainCall>& calls, bool optimizer_step);
+  enum class JointKind { kTrainStep, kForwardBackward, kForward };
+  static JointPass RunJointPass(const std::vector<JointTrainCall>& calls, JointKind kind);
   static absl::Status FinishJointCall(const JointPass& pass, size_t run, const std::vector<JointTrainCall>& calls);
   static void AddJointMetrics(JointPass& pass, size_t run, Metrics* metrics);
   // The optimizer steps of the joint pass's `runs` (positions in its admitted calls) as one
