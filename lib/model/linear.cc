@@ -9,6 +9,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "lib/torch_compat.h"
@@ -177,6 +179,24 @@ struct SegmentGroups {
   std::vector<int64_t> group_of;  // each segment's group
 };
 
+// The groups' row ends and scales on the device. Every projection of a joint row has the
+// same groups (where the runs target the same modules), so the copies are kept per thread
+// for the layouts last seen instead of being made on every call; the tensors are never
+// written, so reuse is safe.
+std::pair<at::Tensor, at::Tensor> GroupLayoutOnDevice(const std::vector<int32_t>& ends, const std::vector<float>& scales,
+                                                      const c10::Device& device) {
+  using Key = std::tuple<std::vector<int32_t>, std::vector<float>, int, int>;
+  thread_local std::map<Key, std::pair<at::Tensor, at::Tensor>> layouts;
+  Key key{ends, scales, static_cast<int>(device.type()), static_cast<int>(device.index())};
+  auto it = layouts.find(key);
+  if (it != layouts.end()) return it->second;
+  if (layouts.size() >= 64) layouts.clear();  // layouts of past steps
+  std::pair<at::Tensor, at::Tensor> made{at::tensor(ends, at::kInt).to(device, /*non_blocking=*/true),
+                                         at::tensor(scales, at::kFloat).to(device, /*non_blocking=*/true).view({-1, 1, 1})};
+  layouts.emplace(std::move(key), made);
+  return made;
+}
+
 std::optional<SegmentGroups> GroupSegments(const at::Tensor& x2d, const at::Tensor& weight,
                                            const std::vector<LoraSegment>& segments) {
   const int64_t n = x2d.size(0), in = weight.size(1), out = weight.size(0);
@@ -206,9 +226,7 @@ std::optional<SegmentGroups> GroupSegments(const at::Tensor& x2d, const at::Tens
   }
   if (at_row < n) ends.push_back(static_cast<int32_t>(n)), real.push_back(-1);
   for (int64_t r : real) scales.push_back(r < 0 ? 0.0f : static_cast<float>(segments[r].scale));
-  const auto device = x2d.device();
-  g.offs = at::tensor(ends, at::kInt).to(device, /*non_blocking=*/true);
-  g.scales = at::tensor(scales, at::kFloat).to(device, /*non_blocking=*/true).view({-1, 1, 1});
+  std::tie(g.offs, g.scales) = GroupLayoutOnDevice(ends, scales, x2d.device());
   if (uniform) {
     std::vector<at::Tensor> as, bs;
     for (const LoraSegment& s : segments) as.push_back(s.a), bs.push_back(s.b);
