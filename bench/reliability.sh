@@ -28,7 +28,7 @@ WPID=$(pgrep -P $PID | head -1)
 ./bazel-bin/bench/load_test --address "127.0.0.1:$(cat "$W/port")" --vocab 96 --clients "$CLIENTS" \
   --total_steps "$STEPS" --warmup_steps 500 --pids "$PID,$WPID" --out "$W/load.json" > /dev/null
 kill $PID; wait $PID 2>/dev/null
-FAULTS="//tests:process_test:ProcessTest.*:RegistrationTest.* //tests:file_util_test:FileUtilTest.FullDiskIsResourceExhausted:CheckpointDirTest.* //tests:trainer_test:TrainerTest.InterruptedSaveLeavesThePreviousCheckpointLoadable //tests:mesh_test:MeshTest.KilledWorkerFailsTheCallNamingTheRankAndNothingIsApplied //tests:run_journal_test:RunJournalIntegrityTest.*"
+FAULTS="//tests:process_test:ProcessTest.* //tests:registration_test:RegistrationTest.* //tests:file_util_test:FileUtilTest.FullDiskIsResourceExhausted:CheckpointDirTest.* //tests:trainer_test:TrainerTest.InterruptedSaveLeavesThePreviousCheckpointLoadable //tests:mesh_test:MeshTest.KilledWorkerFailsTheCallNamingTheRankAndNothingIsApplied //tests:run_journal_test:RunJournalIntegrityTest.*"
 passed=0 failed=0
 for spec in $FAULTS; do
   target=${spec%%:[A-Z]*}; filter=${spec#"$target":}

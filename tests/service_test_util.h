@@ -105,6 +105,48 @@ inline void WaitUntilAutosaved(TrainerClient* client, const std::string& run_id,
                 << (run.ok() ? run->DebugString() : run.status().ToString());
 }
 
+// Restarts (process_test, registration_test).
+// The third step of Batch(2), sent by hand so that its request_id can be retried.
+inline v1::TrainStepRequest StepAfterTheKill(const std::string& run_id) {
+  v1::TrainStepRequest step;
+  step.set_run_id(run_id);
+  step.set_request_id("after-the-kill");
+  step.set_sequence_id(3);
+  for (const auto& d : Batch(2)) *step.add_datums() = d;
+  *step.mutable_loss() = Ppo();
+  *step.mutable_adamw() = Adam();
+  return step;
+}
+
+// Sends `step` every 200 ms for up to `seconds` while a worker or mesh restarts; each failure
+// must be UNAVAILABLE or NOT_FOUND (the run not restored yet) and is counted.
+inline absl::StatusOr<v1::StepResponse> RetryWhileRestarting(TrainerClient* client, const v1::TrainStepRequest& step,
+                                                     int seconds, int* failures) {
+  absl::StatusOr<v1::StepResponse> r = absl::UnknownError("not tried");
+  for (int i = 0; i < seconds * 5 && !r.ok(); ++i) {
+    r = client->TrainStep(step);
+    if (!r.ok()) {
+      ++*failures;
+      EXPECT_TRUE(absl::IsUnavailable(r.status()) || absl::IsNotFound(r.status())) << r.status();
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  }
+  return r;
+}
+
+// After a restart brought `step3`'s run back and the retry applied it as `applied`: sending
+// it again is answered from the record, and the adapter equals that of a fresh run given the
+// same three steps without interruption.
+inline void ExpectAppliedOnceLikeAnUninterruptedRun(TrainerClient* client, const v1::TrainStepRequest& step3,
+                                             const v1::StepResponse& applied) {
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse again, client->TrainStep(step3));
+  EXPECT_EQ(again.adapter_sha256(), applied.adapter_sha256());
+  ASSERT_OK_AND_ASSIGN(RunSession reference, RunSession::Create(client, Lora(), 3));
+  for (int i = 0; i < 2; ++i) ASSERT_OK(reference.TrainStep(Batch(i), Ppo(), Adam()).status());
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse want, reference.TrainStep(Batch(2), Ppo(), Adam()));
+  EXPECT_EQ(applied.adapter_sha256(), want.adapter_sha256());
+}
+
 }  // namespace service_testing
 }  // namespace lorastep
 
