@@ -233,8 +233,8 @@ Trainer::JointPass Trainer::RunJointPass(const std::vector<JointTrainCall>& call
   pass.ran = GuardTorch([&]() -> absl::Status {
     std::optional<at::NoGradGuard> no_grad;
     if (!backward) no_grad.emplace();
+    const auto t0 = std::chrono::steady_clock::now();
     for (const std::vector<JointPart>& row_parts : rows) {
-      const auto t0 = std::chrono::steady_clock::now();
       std::vector<size_t> runs;  // positions in `admitted`, one per part
       std::vector<MicroBatch> mbs;
       for (const auto& [r, k] : row_parts) {
@@ -289,10 +289,10 @@ Trainer::JointPass Trainer::RunJointPass(const std::vector<JointTrainCall>& call
         total = total.defined() ? total + loss : loss;
       }
       if (total.defined()) total.backward();
-      // The row's kernels finished, so the phase times what the device did (one wait per row).
-      trainers.front()->SyncDevice();
-      pass.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
+    // Every row's kernels finished, so the phase times what the device did (one wait).
+    trainers.front()->SyncDevice();
+    pass.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return absl::OkStatus();
   });
   for (const MicroBatchCounts& c : pass.counts) pass.joint_tokens += static_cast<double>(c.real_tokens);
