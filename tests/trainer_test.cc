@@ -1018,6 +1018,21 @@ TEST(DigestTest, DeviceTensorsHashLikeTheirHostCopies) {
             (std::vector<std::string>{TensorsSha256(first), TensorsSha256({}), TensorsSha256(rest)}));
   std::swap(host[1], host[2]);
   EXPECT_NE(TensorsSha256(host), want);
+  // Views into one buffer (an adapter's packed values), overlapping and one strided, hash
+  // like contiguous host copies of each.
+  const at::Tensor buffer = at::randn({(16 << 10) + 77}, at::kFloat).to(dev);
+  const std::vector<at::Tensor> views{buffer.narrow(0, 5, 9000).view({90, 100}),
+                                      buffer.narrow(0, 8000, 3000).view({30, 100}).t(), buffer.narrow(0, 0, 1)};
+  std::vector<at::Tensor> copies;
+  for (const at::Tensor& v : views) copies.push_back(v.contiguous().to(at::kCPU));
+  EXPECT_EQ(TensorsSha256(views), TensorsSha256(copies));
+  EXPECT_EQ(TensorGroupsSha256({views, {views[1]}}),
+            (std::vector<std::string>{TensorsSha256(copies), TensorsSha256({copies[1]})}));
+  // The definition, pinned against Python's hashlib: SHA-256 over each tensor's dtype name,
+  // its sizes as little-endian int64 and the SHA-256 of each 16 KiB chunk of its bytes.
+  const at::Tensor counting = at::arange(5, at::kFloat).to(dev), halves = at::full({2, 3}, 0.5f).to(dev);
+  EXPECT_EQ(TensorsSha256({counting}), "7c4f1e6f22ec7eae2e4de173a21118f580f06146ef60ee97790f582f6832e5d8");
+  EXPECT_EQ(TensorsSha256({counting, halves}), "0624c9dea03389b2c302306164de295488db31c308fe24c0bcd997e5a444cddc");
 }
 
 }  // namespace

@@ -40,41 +40,80 @@ class Hasher {
 };
 
 // Every tensor's bytes in chunks of at most kChunkBytes; the digest hashes each tensor's
-// dtype, shape and chunk digests in order.
-struct Chunk {
-  const unsigned char* data;
-  int64_t size;
-  Sha256 digest;
+// dtype, shape and chunk digests in order. Chunks of every tensor lie in one flat list
+// (tensor i's are [first[i], first[i + 1])): an adapter is over a thousand small tensors, and
+// per-tensor allocations and calls, not the hashing, bound a digest of many runs.
+struct ChunkList {
+  std::vector<int64_t> first;  // per tensor, and one past the last
+  std::vector<int64_t> size;   // per chunk
+  std::vector<Sha256> digest;  // per chunk
 };
 
+ChunkList SplitIntoChunks(const std::vector<at::Tensor>& tensors) {
+  ChunkList chunks;
+  chunks.first.reserve(tensors.size() + 1);
+  for (const at::Tensor& t : tensors) {
+    chunks.first.push_back(static_cast<int64_t>(chunks.size.size()));
+    const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+    for (int64_t off = 0; off < bytes; off += kChunkBytes) chunks.size.push_back(std::min(kChunkBytes, bytes - off));
+  }
+  chunks.first.push_back(static_cast<int64_t>(chunks.size.size()));
+  chunks.digest.resize(chunks.size.size());
+  return chunks;
+}
+
 #ifdef LORASTEP_WITH_CUDA_KERNELS
-// Fills the digests of `members`' chunks (tensors flattened back to back into `joined`, in
-// order) on the device: only 32 bytes per chunk come back.
-void HashOnDevice(const at::Tensor& joined, const std::vector<size_t>& members, std::vector<std::vector<Chunk>>* chunks) {
-  std::vector<int64_t> offsets, sizes;
-  int64_t start = 0;
+// Fills the chunk digests of the device tensors `members` on the device, reading each tensor
+// where it lies: one kernel per storage (an adapter's values share one), no copy of the bytes;
+// only 32 bytes per chunk come back, with one wait for all of them.
+void HashOnDevice(const std::vector<at::Tensor>& tensors, const std::vector<size_t>& members, ChunkList* chunks) {
+  struct Storage {
+    const uint8_t* base = nullptr;
+    std::vector<int64_t> offsets, sizes, chunk_ids;
+  };
+  std::map<const void*, Storage> storages;
+  std::vector<at::Tensor> kept;  // contiguous copies of strided members
   for (size_t i : members) {
-    for (const Chunk& c : (*chunks)[i]) {
-      offsets.push_back(start);
-      sizes.push_back(c.size);
-      start += c.size;
+    at::Tensor t = tensors[i].detach();
+    if (!t.is_contiguous()) kept.push_back(t = t.contiguous());
+    if (t.numel() == 0) continue;
+    Storage& s = storages[t.storage().data()];
+    s.base = static_cast<const uint8_t*>(t.storage().data());
+    int64_t at = static_cast<const uint8_t*>(t.data_ptr()) - s.base;
+    for (int64_t c = chunks->first[i]; c < chunks->first[i + 1]; ++c) {
+      s.offsets.push_back(at);
+      s.sizes.push_back(chunks->size[c]);
+      s.chunk_ids.push_back(c);
+      at += chunks->size[c];
     }
   }
-  const int64_t count = static_cast<int64_t>(offsets.size());
-  if (count == 0) return;
-  offsets.insert(offsets.end(), sizes.begin(), sizes.end());
-  const at::Tensor table = at::tensor(offsets, at::kLong).to(joined.device());
-  const at::Tensor digests = at::empty({count, 32}, joined.options().dtype(at::kByte));
-  kernels::KernelLaunch launch(joined);
-  kernels::CheckLaunch(kernels::LaunchRangeSha256(static_cast<const uint8_t*>(joined.data_ptr()),
-                                                  table.data_ptr<int64_t>(), table.data_ptr<int64_t>() + count,
-                                                  count, digests.data_ptr<uint8_t>(), launch.stream),
-                       "sha256");
+  if (storages.empty()) return;
+  std::vector<int64_t> table;  // every storage's offsets, then its sizes
+  int64_t count = 0;
+  for (const auto& [key, s] : storages) {
+    table.insert(table.end(), s.offsets.begin(), s.offsets.end());
+    table.insert(table.end(), s.sizes.begin(), s.sizes.end());
+    count += static_cast<int64_t>(s.offsets.size());
+  }
+  const at::Tensor& any = tensors[members.front()];
+  const at::Tensor on_device = at::tensor(table, at::kLong).to(any.device());
+  const at::Tensor digests = at::empty({count, 32}, any.options().dtype(at::kByte));
+  kernels::KernelLaunch launch(any);
+  int64_t at_table = 0, at_chunk = 0;
+  for (const auto& [key, s] : storages) {
+    const auto n = static_cast<int64_t>(s.offsets.size());
+    const int64_t* offsets = on_device.data_ptr<int64_t>() + at_table;
+    kernels::CheckLaunch(kernels::LaunchRangeSha256(s.base, offsets, offsets + n, n,
+                                                    digests.data_ptr<uint8_t>() + 32 * at_chunk, launch.stream),
+                         "sha256");
+    at_table += 2 * n;
+    at_chunk += n;
+  }
   const at::Tensor host = digests.to(at::kCPU);
   const uint8_t* d = host.data_ptr<uint8_t>();
-  for (size_t i : members) {
-    for (Chunk& c : (*chunks)[i]) {
-      std::copy(d, d + 32, c.digest.begin());
+  for (const auto& [key, s] : storages) {
+    for (int64_t c : s.chunk_ids) {
+      std::copy(d, d + 32, chunks->digest[c].begin());
       d += 32;
     }
   }
@@ -88,53 +127,51 @@ std::string TensorsSha256(const std::vector<at::Tensor>& tensors) { return Tenso
 std::vector<std::string> TensorGroupsSha256(const std::vector<std::vector<at::Tensor>>& groups) {
   std::vector<at::Tensor> tensors;
   for (const auto& group : groups) tensors.insert(tensors.end(), group.begin(), group.end());
-  // Device tensors are flattened and concatenated per (device, dtype) first, so hundreds of
-  // small adapter tensors cost one kernel (CUDA kernels built) or one copy to the host.
-  std::vector<std::vector<Chunk>> chunks(tensors.size());  // sizes now; bytes or digests below
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const int64_t bytes = tensors[i].numel() * tensors[i].element_size();
-    for (int64_t off = 0; off < bytes; off += kChunkBytes) chunks[i].push_back({nullptr, std::min(kChunkBytes, bytes - off), {}});
-  }
-  std::vector<bool> hashed(tensors.size(), false);  // digests came from the device
-  std::vector<at::Tensor> cpu(tensors.size());
+  ChunkList chunks = SplitIntoChunks(tensors);
+  std::vector<const unsigned char*> chunk_data(chunks.size.size(), nullptr);  // host bytes to hash here
+  // Host tensors are hashed in place; device tensors on the device (CUDA kernels built), else
+  // flattened per (device, dtype) into one page-locked host copy.
   std::map<std::pair<std::string, at::ScalarType>, std::vector<size_t>> on_device;
+  std::vector<at::Tensor> host_bytes;  // keeps what chunk_data points into
+  auto point_at = [&](size_t i, const at::Tensor& contiguous) {
+    const auto* p = static_cast<const unsigned char*>(contiguous.data_ptr());
+    for (int64_t c = chunks.first[i]; c < chunks.first[i + 1]; ++c) {
+      chunk_data[c] = p;
+      p += chunks.size[c];
+    }
+  };
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].is_cpu()) {
-      cpu[i] = tensors[i].detach().contiguous();
+      host_bytes.push_back(tensors[i].detach().contiguous());
+      point_at(i, host_bytes.back());
     } else {
       on_device[{tensors[i].device().str(), tensors[i].scalar_type()}].push_back(i);
     }
   }
   for (const auto& [key, members] : on_device) {
-    std::vector<at::Tensor> flat;
-    for (size_t i : members) flat.push_back(tensors[i].detach().reshape({-1}));
-    at::Tensor joined = at::cat(flat);
 #ifdef LORASTEP_WITH_CUDA_KERNELS
-    if (joined.is_cuda()) {
-      HashOnDevice(joined, members, &chunks);
-      for (size_t i : members) hashed[i] = true;
+    if (tensors[members.front()].is_cuda()) {
+      HashOnDevice(tensors, members, &chunks);
       continue;
     }
 #endif
+    std::vector<at::Tensor> flat;
+    for (size_t i : members) flat.push_back(tensors[i].detach().reshape({-1}));
+    const at::Tensor joined = at::cat(flat);
     // Page-locked host memory: a pageable device-to-host copy runs at a fraction of the link's speed.
     at::Tensor host = at::empty(joined.sizes(), joined.options().device(at::kCPU).pinned_memory(joined.is_cuda()));
     host.copy_(joined);
+    host_bytes.push_back(host);
     int64_t offset = 0;
     for (size_t i : members) {
-      cpu[i] = host.narrow(0, offset, tensors[i].numel()).view(tensors[i].sizes());
+      point_at(i, host.narrow(0, offset, tensors[i].numel()));
       offset += tensors[i].numel();
     }
   }
   // Host bytes are hashed by a pool of threads.
-  std::vector<Chunk*> work;
-  for (size_t i = 0; i < chunks.size(); ++i) {
-    if (hashed[i]) continue;
-    const auto* p = static_cast<const unsigned char*>(cpu[i].data_ptr());
-    for (Chunk& c : chunks[i]) {
-      c.data = p;
-      p += c.size;
-      work.push_back(&c);
-    }
+  std::vector<int64_t> work;
+  for (size_t c = 0; c < chunk_data.size(); ++c) {
+    if (chunk_data[c] != nullptr) work.push_back(static_cast<int64_t>(c));
   }
   const size_t threads = std::min<size_t>(work.size(), std::max(1u, std::min(16u, std::thread::hardware_concurrency())));
   std::vector<std::thread> pool;
@@ -142,22 +179,28 @@ std::vector<std::string> TensorGroupsSha256(const std::vector<std::vector<at::Te
     pool.emplace_back([&, t] {
       for (size_t k = t; k < work.size(); k += threads) {
         Hasher h;
-        h.Update(work[k]->data, work[k]->size);
-        work[k]->digest = h.Final();
+        h.Update(chunk_data[work[k]], static_cast<size_t>(chunks.size[work[k]]));
+        chunks.digest[work[k]] = h.Final();
       }
     });
   }
   for (auto& th : pool) th.join();
+  // Each group's digest: every tensor's dtype, shape and chunk digests, gathered into one
+  // buffer and hashed in one update (the same bytes as one update per field).
   std::vector<std::string> out;
   size_t i = 0;
+  std::string bytes;
   for (const auto& group : groups) {
-    Hasher top;
+    bytes.clear();
     for (size_t end = i + group.size(); i < end; ++i) {
-      const std::string dtype = c10::toString(tensors[i].scalar_type());
-      top.Update(dtype.data(), dtype.size());
-      for (int64_t d : tensors[i].sizes()) top.Update(&d, sizeof(d));
-      for (const Chunk& c : chunks[i]) top.Update(c.digest.data(), c.digest.size());
+      bytes += c10::toString(tensors[i].scalar_type());
+      for (int64_t d : tensors[i].sizes()) bytes.append(reinterpret_cast<const char*>(&d), sizeof(d));
+      for (int64_t c = chunks.first[i]; c < chunks.first[i + 1]; ++c) {
+        bytes.append(reinterpret_cast<const char*>(chunks.digest[c].data()), chunks.digest[c].size());
+      }
     }
+    Hasher top;
+    top.Update(bytes.data(), bytes.size());
     const Sha256 digest = top.Final();
     std::string hex;
     char buf[3];

@@ -15,8 +15,9 @@ namespace lorastep {
 // dtype), so a per-step adapter digest stays cheap. The same bytes give the same digest on
 // every device.
 std::string TensorsSha256(const std::vector<at::Tensor>& tensors);
-// TensorsSha256 of each group, with the hashing of every group's bytes done together (one
-// kernel per device and dtype, one wait): several runs' adapter digests after a shared step.
+// TensorsSha256 of each group, with the hashing of every group's bytes done together (on the
+// GPU one kernel per storage, read in place, and one wait): several runs' adapter digests
+// after a shared step.
 std::vector<std::string> TensorGroupsSha256(const std::vector<std::vector<at::Tensor>>& groups);
 
 }  // namespace lorastep
