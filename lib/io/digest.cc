@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <deque>
+#include <tuple>
 #include <map>
 #include <memory>
 #include <thread>
@@ -72,14 +74,19 @@ void HashOnDevice(const std::vector<at::Tensor>& tensors, const std::vector<size
     std::vector<int64_t> offsets, sizes, chunk_ids;
   };
   std::map<const void*, Storage> storages;
-  std::vector<at::Tensor> kept;  // contiguous copies of strided members
+  std::deque<at::Tensor> kept;  // contiguous copies of strided members (stable addresses)
   for (size_t i : members) {
-    at::Tensor t = tensors[i].detach();
-    if (!t.is_contiguous()) kept.push_back(t = t.contiguous());
-    if (t.numel() == 0) continue;
-    Storage& s = storages[t.storage().data()];
-    s.base = static_cast<const uint8_t*>(t.storage().data());
-    int64_t at = static_cast<const uint8_t*>(t.data_ptr()) - s.base;
+    // No per-tensor detach or view: for over a thousand tensors a run, making them costs more
+    // than hashing their bytes.
+    const at::Tensor* t = &tensors[i];
+    if (t->numel() == 0) continue;
+    if (!t->is_contiguous()) {
+      kept.push_back(t->detach().contiguous());
+      t = &kept.back();
+    }
+    Storage& s = storages[t->storage().data()];
+    s.base = static_cast<const uint8_t*>(t->storage().data());
+    int64_t at = static_cast<const uint8_t*>(t->data_ptr()) - s.base;
     for (int64_t c = chunks->first[i]; c < chunks->first[i + 1]; ++c) {
       s.offsets.push_back(at);
       s.sizes.push_back(chunks->size[c]);
@@ -131,7 +138,7 @@ std::vector<std::string> TensorGroupsSha256(const std::vector<std::vector<at::Te
   std::vector<const unsigned char*> chunk_data(chunks.size.size(), nullptr);  // host bytes to hash here
   // Host tensors are hashed in place; device tensors on the device (CUDA kernels built), else
   // flattened per (device, dtype) into one page-locked host copy.
-  std::map<std::pair<std::string, at::ScalarType>, std::vector<size_t>> on_device;
+  std::map<std::tuple<int, int, at::ScalarType>, std::vector<size_t>> on_device;  // (device type, index, dtype)
   std::vector<at::Tensor> host_bytes;  // keeps what chunk_data points into
   auto point_at = [&](size_t i, const at::Tensor& contiguous) {
     const auto* p = static_cast<const unsigned char*>(contiguous.data_ptr());
@@ -142,10 +149,15 @@ std::vector<std::string> TensorGroupsSha256(const std::vector<std::vector<at::Te
   };
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].is_cpu()) {
-      host_bytes.push_back(tensors[i].detach().contiguous());
-      point_at(i, host_bytes.back());
+      if (tensors[i].is_contiguous()) {
+        point_at(i, tensors[i]);
+      } else {
+        host_bytes.push_back(tensors[i].detach().contiguous());
+        point_at(i, host_bytes.back());
+      }
     } else {
-      on_device[{tensors[i].device().str(), tensors[i].scalar_type()}].push_back(i);
+      const at::Device device = tensors[i].device();
+      on_device[{static_cast<int>(device.type()), static_cast<int>(device.index()), tensors[i].scalar_type()}].push_back(i);
     }
   }
   for (const auto& [key, members] : on_device) {
