@@ -424,7 +424,15 @@ TEST_F(TrainerTest, JointTrainStepEqualsEachRunAlone) {
     return o;
   };
   std::vector<std::unique_ptr<Trainer>> solo, joint;
-  for (size_t i = 0; i < specs.size(); ++i) solo.push_back(NewTrainer(options_of(i))), joint.push_back(NewTrainer(options_of(i)));
+  for (size_t i = 0; i < specs.size(); ++i) {
+    solo.push_back(NewTrainer(options_of(i)));
+    // Run 2 leads step 1's call list: its bound on staged optimizer state (one byte) has
+    // every run staged, checked and committed in a batch of its own; step 0 stages all three
+    // at once under run 0's default bound.
+    TrainerOptions o = options_of(i);
+    if (i == 2) o.joint_optimizer_stage_bytes = 1;
+    joint.push_back(NewTrainer(o));
+  }
   // CPU fp32: 1e-6. CUDA: the joint row's GEMMs have other row counts, so cuBLAS picks other
   // kernels; this batch's PPO loss is a small sum of cancelling terms, where that rounding
   // shows at ~1e-5 of it (measured on the H200, fp32).
@@ -438,9 +446,13 @@ TEST_F(TrainerTest, JointTrainStepEqualsEachRunAlone) {
     for (size_t i = 0; i < specs.size(); ++i) batches.push_back(RlBatch(step * 3 + static_cast<int>(i), 96));
     const LossConfig loss = Ppo();
     std::vector<JointTrainCall> calls;
-    for (size_t i = 0; i < specs.size(); ++i) calls.push_back({joint[i].get(), &batches[i], &loss, Adam(), max_tokens});
-    const auto together = Trainer::JointTrainStep(calls);
+    for (size_t k = 0; k < specs.size(); ++k) {
+      const size_t i = step == 0 ? k : specs.size() - 1 - k;
+      calls.push_back({joint[i].get(), &batches[i], &loss, Adam(), max_tokens});
+    }
+    auto together = Trainer::JointTrainStep(calls);
     ASSERT_EQ(together.size(), specs.size());
+    if (step == 1) std::reverse(together.begin(), together.end());  // back in run order
     double most_micro_batches = 0;
     for (size_t i = 0; i < specs.size(); ++i) {
       ASSERT_TRUE(together[i].ok()) << together[i].status();

@@ -54,6 +54,8 @@ class AdamW {
   // takes their values and the moments restart at zero, so the next step keeps them.
   void ResyncFromParameters();
 
+  // Device bytes a StagedStep holds (the new moments and master copy, fp32).
+  int64_t StagedBytes() const { return flat_master_.defined() ? 3 * 4 * flat_master_.numel() : 0; }
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t steps) { steps_ = steps; }
   // Optimizer state in parameter order (for checkpoints): views of the flat fp32 buffers,

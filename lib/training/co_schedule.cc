@@ -363,61 +363,71 @@ void Trainer::StepJointOptimizers(JointPass& pass, const std::vector<size_t>& ru
     return;
   }
   const double* norms = norms_or->data_ptr<double>();
-  // Every run's update staged aside on the device, then one wait checks them all.
+  // Every run's update staged aside on the device, then one wait checks them all: in batches
+  // whose staged state stays within TrainerOptions::joint_optimizer_stage_bytes, each checked
+  // and committed before the next is staged.
   std::vector<size_t> staged_runs;
-  std::vector<AdamW::StagedStep> staged;
-  std::vector<at::Tensor> flags;
-  for (size_t i = 0; i < normed.size(); ++i) {
-    const size_t r = normed[i];
-    Trainer& t = *calls[pass.admitted[r]].trainer;
-    absl::StatusOr<AdamW::StagedStep> step = GuardTorch([&]() -> absl::StatusOr<AdamW::StagedStep> {
-      return t.optimizer_->StageOnDevice(calls[pass.admitted[r]].adamw, norms[i]);
+  const int64_t cap = calls[pass.admitted[normed.front()]].trainer->options_.joint_optimizer_stage_bytes;
+  for (size_t next = 0; next < normed.size();) {
+    std::vector<size_t> batch_runs;
+    std::vector<AdamW::StagedStep> staged;
+    std::vector<at::Tensor> flags;
+    for (int64_t bytes = 0; next < normed.size(); ++next) {
+      const size_t r = normed[next];
+      Trainer& t = *calls[pass.admitted[r]].trainer;
+      const int64_t need = t.optimizer_->StagedBytes();
+      if (!batch_runs.empty() && bytes + need > cap) break;
+      bytes += need;
+      absl::StatusOr<AdamW::StagedStep> step = GuardTorch([&]() -> absl::StatusOr<AdamW::StagedStep> {
+        return t.optimizer_->StageOnDevice(calls[pass.admitted[r]].adamw, norms[next]);
+      });
+      if (step.ok() && t.options_.test_fail_first_stage && !t.test_stage_failed_) {
+        t.test_stage_failed_ = true;
+        step = absl::ResourceExhaustedError("optimizer: the staged update could not be allocated (test switch)");
+      }
+      if (!step.ok()) {
+        refuse(r, step.status());
+        continue;
+      }
+      if (step->largest.defined()) flags.push_back(step->largest.reshape({1}));
+      batch_runs.push_back(r);
+      staged.push_back(*std::move(step));
+    }
+    // The batch's largest magnitudes, with one wait (runs without parameters have none).
+    absl::StatusOr<std::vector<float>> largest = GuardTorch([&]() -> absl::StatusOr<std::vector<float>> {
+      if (flags.empty()) return std::vector<float>{};
+      const at::Tensor host = at::cat(flags).to(at::kCPU).contiguous();
+      return std::vector<float>(host.data_ptr<float>(), host.data_ptr<float>() + host.numel());
     });
-    if (step.ok() && t.options_.test_fail_first_stage && !t.test_stage_failed_) {
-      t.test_stage_failed_ = true;
-      step = absl::ResourceExhaustedError("optimizer: the staged update could not be allocated (test switch)");
+    size_t flag = 0;
+    for (size_t i = 0; i < batch_runs.size(); ++i) {
+      const size_t r = batch_runs[i], c = pass.admitted[r];
+      Trainer& t = *calls[c].trainer;
+      std::optional<float> value;
+      if (largest.ok() && staged[i].largest.defined()) value = (*largest)[flag++];
+      absl::Status checked = !largest.ok() ? largest.status()
+                                           : GuardTorch([&] { return t.optimizer_->CheckStaged(staged[i], value); });
+      if (!checked.ok()) {
+        refuse(r, checked);
+        continue;
+      }
+      absl::StatusOr<OptimizerStepResult> step = GuardTorch([&]() -> absl::StatusOr<OptimizerStepResult> {
+        return t.optimizer_->Commit(std::move(staged[i]));
+      });
+      staged_runs.push_back(r);
+      if (!step.ok()) {  // after a partial commit the run's copy may differ from what it reports
+        (*results)[c] = absl::DataLossError(absl::StrCat("optimizer: the step failed while committing (",
+                                                         step.status().message(), ")"));
+        continue;
+      }
+      t.pending_backward_calls_ = 0;
+      OptimStepResult out;
+      out.learner_version = t.optimizer_->steps_taken();
+      out.metrics.Add("grad_norm:sum", step->grad_norm);
+      out.metrics.Add("lr:sum", step->lr);
+      AddJointMetrics(pass, r, &out.metrics);
+      (*results)[c] = std::move(out);
     }
-    if (!step.ok()) {
-      refuse(r, step.status());
-      continue;
-    }
-    if (step->largest.defined()) flags.push_back(step->largest.reshape({1}));
-    staged_runs.push_back(r);
-    staged.push_back(*std::move(step));
-  }
-  // Every staged update's largest magnitude, with one wait (runs without parameters have none).
-  absl::StatusOr<std::vector<float>> largest = GuardTorch([&]() -> absl::StatusOr<std::vector<float>> {
-    if (flags.empty()) return std::vector<float>{};
-    const at::Tensor host = at::cat(flags).to(at::kCPU).contiguous();
-    return std::vector<float>(host.data_ptr<float>(), host.data_ptr<float>() + host.numel());
-  });
-  size_t flag = 0;
-  for (size_t i = 0; i < staged_runs.size(); ++i) {
-    const size_t r = staged_runs[i], c = pass.admitted[r];
-    Trainer& t = *calls[c].trainer;
-    std::optional<float> value;
-    if (largest.ok() && staged[i].largest.defined()) value = (*largest)[flag++];
-    absl::Status checked = !largest.ok() ? largest.status()
-                                         : GuardTorch([&] { return t.optimizer_->CheckStaged(staged[i], value); });
-    if (!checked.ok()) {
-      refuse(r, checked);
-      continue;
-    }
-    absl::StatusOr<OptimizerStepResult> step = GuardTorch([&]() -> absl::StatusOr<OptimizerStepResult> {
-      return t.optimizer_->Commit(std::move(staged[i]));
-    });
-    if (!step.ok()) {  // after a partial commit the run's copy may differ from what it reports
-      (*results)[c] = absl::DataLossError(absl::StrCat("optimizer: the step failed while committing (",
-                                                       step.status().message(), ")"));
-      continue;
-    }
-    t.pending_backward_calls_ = 0;
-    OptimStepResult out;
-    out.learner_version = t.optimizer_->steps_taken();
-    out.metrics.Add("grad_norm:sum", step->grad_norm);
-    out.metrics.Add("lr:sum", step->lr);
-    AddJointMetrics(pass, r, &out.metrics);
-    (*results)[c] = std::move(out);
   }
   if (staged_runs.empty()) return;
   calls[pass.admitted[staged_runs.front()]].trainer->SyncDevice();  // the commits, in the time

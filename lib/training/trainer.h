@@ -83,6 +83,10 @@ struct TrainerOptions {
   // memory on CUDA (free plus the caching allocator's unused blocks); negative = no check.
   int64_t max_activation_bytes = 0;
   ActivationRecompute activation_recompute = ActivationRecompute::kAuto;
+  // Co-scheduling: how much staged optimizer state (AdamW::StagedBytes) a joint step holds
+  // at once; more runs are staged, checked and committed in batches of at most this much
+  // (a run over it alone). Each batch costs one device wait.
+  int64_t joint_optimizer_stage_bytes = int64_t{2} << 30;
   // Tests only: the first optimizer step's staged update fails on this rank, as an
   // allocation that runs out of device memory would (the mesh must apply nothing anywhere).
   bool test_fail_first_stage = false;
