@@ -208,6 +208,24 @@ TEST(AdamWTest, BucketOrderedStateGivesEachParameterItsOwnUpdate) {
   EXPECT_TRUE(opt.CheckStep(p, 1.0).ok());
 }
 
+// Parameters of different dtypes (each checked in its own): a step goes through, and an
+// update that overflows one of them in its dtype is refused naming it.
+TEST(AdamWTest, MixedDtypesAreCheckedEachInItsOwn) {
+  Adapter adapter = OneParameterAdapter(0.5f, at::kBFloat16);
+  adapter.parameters()[0].value = adapter.parameters()[0].value.detach().to(at::kFloat).requires_grad_(true);
+  AdamW opt(&adapter);
+  AdamWParams p;
+  p.lr = 1e-3;
+  for (auto& prm : adapter.parameters()) prm.main_grad.fill_(0.1);
+  ASSERT_TRUE(opt.Step(p, 1.0).ok());
+  EXPECT_EQ(adapter.parameters()[0].value.scalar_type(), at::kFloat);
+  EXPECT_NEAR(adapter.parameters()[1].value.to(at::kFloat).max().item<float>(), 0.499f, 1e-2);
+  for (auto& prm : adapter.parameters()) prm.main_grad.fill_(0.1);
+  opt.master()[1].fill_(3.4e38f);  // finite in fp32, past bf16's largest
+  EXPECT_THAT(opt.CheckStep(p, 1.0), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                              "would make " + adapter.parameters()[1].name + " non-finite"));
+}
+
 TEST(AdamWTest, HyperParametersAreBounded) {
   AdamWParams p;
   p.max_grad_norm = 1e300;

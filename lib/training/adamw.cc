@@ -132,7 +132,7 @@ absl::StatusOr<AdamW::StagedStep> AdamW::StageOnDevice(const AdamWParams& p, dou
       bad.push_back(at::isfinite(staged.u.master.narrow(0, offsets_[i], params[i].value.numel())
                                      .to(params[i].value.scalar_type())).logical_not_().any().reshape({1}));
     }
-    staged.largest = at::cat(bad).any().to(at::kFloat).mul_(INFINITY);  // 0 or inf
+    staged.largest = at::cat(bad).any().to(at::kFloat);  // 0, or 1 when a part is non-finite
   }
   return staged;
 }

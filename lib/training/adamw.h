@@ -81,7 +81,7 @@ class AdamW {
     Update u;  // undefined tensors when the adapter has no parameters
     double grad_norm = 0;
     // fp32 scalar on the device: the new values' largest magnitude (NaN when one is NaN); with
-    // mixed dtypes 0, or inf when a value is non-finite in its own dtype. Undefined: no parameters.
+    // mixed dtypes 0, or 1 when a value is non-finite in its own dtype. Undefined: no parameters.
     at::Tensor largest;
   };
 
