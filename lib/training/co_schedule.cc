@@ -381,10 +381,7 @@ void Trainer::StepJointOptimizers(JointPass& pass, const std::vector<size_t>& ru
       absl::StatusOr<AdamW::StagedStep> step = GuardTorch([&]() -> absl::StatusOr<AdamW::StagedStep> {
         return t.optimizer_->StageOnDevice(calls[pass.admitted[r]].adamw, norms[next]);
       });
-      if (step.ok() && t.options_.test_fail_first_stage && !t.test_stage_failed_) {
-        t.test_stage_failed_ = true;
-        step = absl::ResourceExhaustedError("optimizer: the staged update could not be allocated (test switch)");
-      }
+      t.ApplyTestStageFailure(&step);
       if (!step.ok()) {
         refuse(r, step.status());
         continue;

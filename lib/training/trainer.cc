@@ -655,6 +655,12 @@ absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWParams& params) {
   return StepOptimizer(params, /*restore_on_failure=*/true);
 }
 
+void Trainer::ApplyTestStageFailure(absl::StatusOr<AdamW::StagedStep>* staged) {
+  if (!staged->ok() || !options_.test_fail_first_stage || test_stage_failed_) return;
+  test_stage_failed_ = true;
+  *staged = absl::ResourceExhaustedError("optimizer: the staged update could not be allocated (test switch)");
+}
+
 absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params,
                                                        bool restore_on_failure, bool digest) {
   absl::Status local = ValidateAdamWParams(params);
@@ -677,10 +683,7 @@ absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params
   absl::StatusOr<AdamW::StagedStep> staged =
       finalized.ok() ? GuardTorch([&] { return optimizer_->Stage(params, finalized->grad_norm); })
                      : absl::StatusOr<AdamW::StagedStep>(finalized.status());
-  if (staged.ok() && options_.test_fail_first_stage && !test_stage_failed_) {
-    test_stage_failed_ = true;
-    staged = absl::ResourceExhaustedError("optimizer: the staged update could not be allocated (test switch)");
-  }
+  ApplyTestStageFailure(&staged);
   if (absl::Status agreed = AgreeOnOutcome(staged.status()); !agreed.ok()) {
     if (restore) Restore(snapshot);
     return agreed;

@@ -257,6 +257,9 @@ class Trainer {
   // 1 only (a mesh's replica digests are part of its step).
   absl::StatusOr<OptimStepResult> StepOptimizer(const AdamWParams& params, bool restore_on_failure,
                                                 bool digest = true);
+  // TrainerOptions::test_fail_first_stage: the first successfully staged update becomes the
+  // allocation failure it stands for.
+  void ApplyTestStageFailure(absl::StatusOr<AdamW::StagedStep>* staged);
   // recompute[i]: how much of micro-batch i's layer activations is recomputed.
   absl::StatusOr<ForwardBackwardResult> RunMicroBatches(const std::vector<Datum>& datums,
                                                         const LossConfig* loss,
