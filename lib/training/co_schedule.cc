@@ -85,6 +85,16 @@ std::vector<std::vector<float>> GatherLogprobs(const std::vector<Datum>& datums,
   return out;
 }
 
+// One result per call: the refused calls' refusals, the others "not run" until filled in.
+template <typename Result>
+std::vector<absl::StatusOr<Result>> WithRefusals(const std::vector<absl::Status>& refused) {
+  std::vector<absl::StatusOr<Result>> results(refused.size(), absl::UnknownError("not run"));
+  for (size_t c = 0; c < refused.size(); ++c) {
+    if (!refused[c].ok()) results[c] = refused[c];
+  }
+  return results;
+}
+
 }  // namespace
 
 absl::Status Trainer::JoinStep(const Trainer* trainer, const std::vector<Datum>* datums, const BaseModel** base,
@@ -436,12 +446,9 @@ void Trainer::StepJointOptimizers(JointPass& pass, const std::vector<size_t>& ru
 }
 
 std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::vector<JointTrainCall>& calls) {
-  std::vector<absl::StatusOr<OptimStepResult>> results(calls.size(), absl::UnknownError("not run"));
   const auto t0 = std::chrono::steady_clock::now();
   JointPass pass = RunJointPass(calls, JointKind::kTrainStep);
-  for (size_t c = 0; c < calls.size(); ++c) {
-    if (!pass.refused[c].ok()) results[c] = pass.refused[c];
-  }
+  std::vector<absl::StatusOr<OptimStepResult>> results = WithRefusals<OptimStepResult>(pass.refused);
   // Each run's own optimizer step, all in one pass: a refusal undoes that run alone.
   std::vector<size_t> finished;
   for (size_t r = 0; r < pass.admitted.size(); ++r) {
@@ -484,11 +491,8 @@ std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::
 
 std::vector<absl::StatusOr<ForwardBackwardResult>> Trainer::JointForwardBackward(
     const std::vector<JointTrainCall>& calls) {
-  std::vector<absl::StatusOr<ForwardBackwardResult>> results(calls.size(), absl::UnknownError("not run"));
   JointPass pass = RunJointPass(calls, JointKind::kForwardBackward);
-  for (size_t c = 0; c < calls.size(); ++c) {
-    if (!pass.refused[c].ok()) results[c] = pass.refused[c];
-  }
+  std::vector<absl::StatusOr<ForwardBackwardResult>> results = WithRefusals<ForwardBackwardResult>(pass.refused);
   for (size_t r = 0; r < pass.admitted.size(); ++r) {
     const size_t c = pass.admitted[r];
     if (absl::Status finished = FinishJointCall(pass, r, calls); !finished.ok()) {
@@ -520,11 +524,8 @@ std::vector<absl::StatusOr<ForwardBackwardResult>> Trainer::JointForward(const s
     c.cancelled = call.cancelled;
     as_pass.push_back(std::move(c));
   }
-  std::vector<absl::StatusOr<ForwardBackwardResult>> results(calls.size(), absl::UnknownError("not run"));
   JointPass pass = RunJointPass(as_pass, JointKind::kForward);
-  for (size_t c = 0; c < calls.size(); ++c) {
-    if (!pass.refused[c].ok()) results[c] = pass.refused[c];
-  }
+  std::vector<absl::StatusOr<ForwardBackwardResult>> results = WithRefusals<ForwardBackwardResult>(pass.refused);
   for (size_t r = 0; r < pass.admitted.size(); ++r) {
     const size_t c = pass.admitted[r];
     if (!pass.ran.ok()) {
