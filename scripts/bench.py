@@ -401,6 +401,8 @@ MULTI_TENANT_WORKLOADS = {  # name: (model, runs, sequences per call, tokens per
 
 def suite_multi_tenant(ctx):
     env = bench_env(ctx)
+    if ctx.args.profile:
+        env["PROFILE"] = "1"
     for name in ctx.args.multi_tenant:
         preset, runs, seqs, length, steps = MULTI_TENANT_WORKLOADS[name]
         if preset == "qwen2.5-7b":  # written by transformers itself, as the step7b suite does
@@ -512,7 +514,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="device the tests run on")
     ap.add_argument("--suite", action="append", default=[], choices=sorted(SUITES), help="with 'all'")
     ap.add_argument("--step7b-mbs", nargs="+", default=["8192"], help="step7b: micro-batch sizes (first = headline)")
-    ap.add_argument("--profile", action="store_true", help="step7b: also a Kineto profile of one step")
+    ap.add_argument("--profile", action="store_true", help="step7b, multi-tenant: also a Kineto profile of one step (one per side)")
     ap.add_argument("--multi-tenant", nargs="+", default=list(MULTI_TENANT_WORKLOADS),
                     choices=sorted(MULTI_TENANT_WORKLOADS), help="multi-tenant: workloads")
     ap.add_argument("--long-runs", nargs="*", default=[], help="long: runs (default all: q7b_32768 recompute "

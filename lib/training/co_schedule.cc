@@ -12,7 +12,9 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "lib/device_stats.h"
 #include "lib/io/digest.h"
+#include "lib/log.h"
 #include "lib/model/logprobs.h"
 #include "lib/model/qwen2.h"
 #include "lib/status_macros.h"
@@ -446,6 +448,33 @@ void Trainer::StepJointOptimizers(JointPass& pass, const std::vector<size_t>& ru
 }
 
 std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::vector<JointTrainCall>& calls) {
+  // Benchmarks: the joint step in which any of its runs reaches its profile_train_step.
+  const std::string trace = JointProfileTrace(calls);
+  if (!trace.empty()) {
+    calls.front().trainer->SyncDevice();
+    if (absl::Status s = StartKernelProfile(); !s.ok()) LORASTEP_LOG(Warning) << "joint step profile: " << s;
+  }
+  std::vector<absl::StatusOr<OptimStepResult>> results = JointTrainStepUnprofiled(calls);
+  if (!trace.empty()) {
+    calls.front().trainer->SyncDevice();
+    if (absl::Status s = StopKernelProfile(trace); !s.ok()) LORASTEP_LOG(Warning) << "joint step profile: " << s;
+  }
+  return results;
+}
+
+std::string Trainer::JointProfileTrace(const std::vector<JointTrainCall>& calls) {
+  std::string trace;
+  for (const JointTrainCall& call : calls) {
+    if (call.trainer == nullptr || call.trainer->options_.profile_trace_path.empty()) continue;
+    if (++call.trainer->train_steps_run_ == call.trainer->options_.profile_train_step) {
+      trace = call.trainer->options_.profile_trace_path;
+    }
+  }
+  return trace;
+}
+
+std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStepUnprofiled(
+    const std::vector<JointTrainCall>& calls) {
   const auto t0 = std::chrono::steady_clock::now();
   JointPass pass = RunJointPass(calls, JointKind::kTrainStep);
   std::vector<absl::StatusOr<OptimStepResult>> results = WithRefusals<OptimStepResult>(pass.refused);
