@@ -248,6 +248,92 @@ TEST(SegmentedLoraLinearTest, EachSegmentMatchesItsOwnDenseReference) {
   }
 }
 
+// SegmentedLoraLinear over a packed weight (three projections of 16 columns each), each
+// segment's parts adding into their own columns, against the fp64 dense reference of each
+// segment alone. Layouts: runs with different parts (one skipping the middle projection, one
+// with a single part) and a gap row range; and two runs with the same parts and scale (on
+// CUDA in bf16 the grouped path's single-concatenation form).
+TEST(SegmentedLoraLinearTest, PartsAddIntoTheirOwnColumns) {
+  const auto opts = at::TensorOptions().device(TestDevice()).dtype(TestDtype());
+  const int64_t in = 32, out = 48;
+  struct Part {
+    int64_t column, rank;
+    at::Tensor a, b, a_grad, b_grad;
+  };
+  struct Run {
+    int64_t begin, end;
+    double scale;
+    std::vector<Part> parts;
+  };
+  const std::vector<std::vector<Run>> layouts{
+      {{0, 9, 2.0, {{0, 8}, {32, 16}}}, {12, 20, 0.5, {{16, 8}}}, {20, 24, 1.0, {{0, 8}, {16, 8}, {32, 8}}}},
+      {{0, 10, 1.5, {{0, 8}, {16, 8}, {32, 8}}}, {10, 24, 1.5, {{0, 8}, {16, 8}, {32, 8}}}}};
+  for (size_t l = 0; l < layouts.size(); ++l) {
+    std::vector<Run> runs = layouts[l];
+    at::Tensor w = at::randn({out, in}, opts), bias = at::randn({out}, opts);
+    std::vector<LoraSegment> segments;
+    for (Run& r : runs) {
+      LoraSegment seg{r.begin, r.end};
+      seg.scale = r.scale;
+      for (Part& p : r.parts) {
+        p.a = at::randn({p.rank, in}, opts) * 0.3;
+        p.b = at::randn({16, p.rank}, opts) * 0.3;
+        p.a_grad = at::zeros({p.rank, in}, opts.dtype(at::kFloat));
+        p.b_grad = at::zeros({16, p.rank}, opts.dtype(at::kFloat));
+        seg.parts.push_back({p.column, 16, p.a, p.a_grad, p.b, p.b_grad});
+      }
+      segments.push_back(seg);
+    }
+    at::Tensor x = at::randn({1, 24, in}, opts).requires_grad_(true);
+    at::Tensor upstream = at::randn({1, 24, out}, opts);
+    at::Tensor y = SegmentedLoraLinear(x, w, bias, segments);
+    (y * upstream).sum().backward();
+    auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(true); };
+    at::Tensor xr = f64(x);
+    at::Tensor yr = at::matmul(xr, f64(w).t()) + bias.to(at::kDouble);
+    std::vector<at::Tensor> rows;  // per row range, the base plus its run's parts
+    std::vector<std::pair<at::Tensor, at::Tensor>> factors;
+    int64_t at_row = 0;
+    for (const Run& r : runs) {
+      if (r.begin > at_row) rows.push_back(yr.narrow(1, at_row, r.begin - at_row));
+      at::Tensor xs = xr.narrow(1, r.begin, r.end - r.begin);
+      std::vector<at::Tensor> cols;
+      int64_t at_col = 0;
+      for (const Part& p : r.parts) {
+        if (p.column > at_col) cols.push_back(at::zeros({1, r.end - r.begin, p.column - at_col}, xr.options()));
+        factors.emplace_back(f64(p.a), f64(p.b));
+        cols.push_back(at::matmul(at::matmul(xs, factors.back().first.t()), factors.back().second.t()) * r.scale);
+        at_col = p.column + 16;
+      }
+      if (at_col < out) cols.push_back(at::zeros({1, r.end - r.begin, out - at_col}, xr.options()));
+      rows.push_back(yr.narrow(1, r.begin, r.end - r.begin) + at::cat(cols, 2));
+      at_row = r.end;
+    }
+    if (at_row < 24) rows.push_back(yr.narrow(1, at_row, 24 - at_row));
+    const at::Tensor want = at::cat(rows, 1);
+    (want * upstream.to(at::kDouble)).sum().backward();
+    EXPECT_LT(RelErr(y, want), Tol(1e-6)) << "layout " << l;
+    EXPECT_LT(RelErr(x.grad(), xr.grad()), Tol(1e-6)) << "layout " << l;
+    size_t f = 0;
+    for (const Run& r : runs) {
+      for (const Part& p : r.parts) {
+        EXPECT_LT(RelErr(p.a_grad, factors[f].first.grad()), Tol(1e-6)) << "layout " << l << " part at " << p.column;
+        EXPECT_LT(RelErr(p.b_grad, factors[f].second.grad()), Tol(1e-6)) << "layout " << l << " part at " << p.column;
+        ++f;
+      }
+    }
+  }
+  // Parts that overlap or do not fit their columns are refused.
+  const at::Tensor w = at::randn({out, in}, opts), x = at::randn({1, 4, in}, opts);
+  LoraSegment bad{0, 4};
+  bad.parts.push_back({0, 16, at::randn({8, in}, opts), at::zeros({8, in}), at::randn({16, 8}, opts), at::zeros({16, 8})});
+  bad.parts.push_back({8, 16, at::randn({8, in}, opts), at::zeros({8, in}), at::randn({16, 8}, opts), at::zeros({16, 8})});
+  EXPECT_THROW(SegmentedLoraLinear(x, w, at::Tensor(), {bad}), c10::Error);
+  bad.parts.pop_back();
+  bad.parts[0].b = at::randn({12, 8}, opts);
+  EXPECT_THROW(SegmentedLoraLinear(x, w, at::Tensor(), {bad}), c10::Error);
+}
+
 // The input as tanh(source), rebuilt in backward; counts the rebuilds.
 int tanh_rebuilds = 0;
 const RecomputedInput kTanhOfSource{

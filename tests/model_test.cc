@@ -323,8 +323,12 @@ TEST(ModelTest, PackedSequencesMatchOneAtATime) {
 // runs that differ in rank, alpha, target modules and dropout, each on its own rows, get the
 // hidden states and LoRA gradients each gets alone (its own sequences packed, its own
 // dropout stream), and a run's gradients land in its own buffers only. A row the segments do
-// not cover is refused.
-TEST(ModelTest, RunSegmentsGiveEachRunsSoloResults) {
+// not cover is refused. With a dropout run, q/k/v run projection by projection (the dropout
+// run has branches there) and gate/up packed; without, both groups run packed, q/k/v with a
+// run whose branches skip k (parts with a gap).
+class RunSegmentsTest : public ::testing::TestWithParam<double> {};
+
+TEST_P(RunSegmentsTest, GiveEachRunsSoloResults) {
   const ModelConfig c = ModelConfigPreset("tiny").value();
   ModelWeights w = RandomModelWeights(c, 17);
   PackProjections(&w);
@@ -335,7 +339,7 @@ TEST(ModelTest, RunSegmentsGiveEachRunsSoloResults) {
     std::vector<int64_t> lengths;
   };
   const std::vector<Run> runs{{4, 8, 0.0, {"all-linear"}, {5, 7}},
-                              {2, 4, 0.2, {"q_proj", "v_proj", "down_proj"}, {6}},
+                              {2, 4, GetParam(), {"q_proj", "v_proj", "down_proj"}, {6}},
                               {8, 8, 0.0, {"o_proj", "gate_proj", "up_proj"}, {3, 4}}};
   auto packed_of = [](const std::vector<int64_t>& lengths) {
     PackedSequences packed;
@@ -419,6 +423,8 @@ TEST(ModelTest, RunSegmentsGiveEachRunsSoloResults) {
   options.run_segments = &short_segments;
   EXPECT_THROW(Qwen2Hidden(c, w, nullptr, at::cat(tokens, 1), options), c10::Error);
 }
+
+INSTANTIATE_TEST_SUITE_P(ModelTest, RunSegmentsTest, ::testing::Values(0.2, 0.0));
 
 TEST(ModelTest, SaveAndLoadSingleAndShardedFolders) {
   const ModelConfig c = ModelConfigPreset("tiny").value();

@@ -411,8 +411,8 @@ TEST_F(TrainerTest, JointTrainStepEqualsEachRunAlone) {
     double alpha, dropout;
     std::vector<std::string> targets;
   };
-  // Run 1's dropout sends its projections through the per-segment path; the others' run
-  // through SegmentedLoraLinear.
+  // Run 1's dropout sends the projections it has branches on (q/k/v, down) through the
+  // per-segment path; the rest run through SegmentedLoraLinear, gate/up as one packed group.
   const std::vector<Spec> specs{{4, 8, 0.0, {"all-linear"}},
                                 {2, 4, 0.1, {"q_proj", "v_proj", "down_proj"}},
                                 {8, 8, 0.0, {"o_proj", "gate_proj", "up_proj", "lm_head"}}};
@@ -480,10 +480,9 @@ TEST_F(TrainerTest, JointTrainStepEqualsEachRunAlone) {
     }
   }
   // Parameters (the adapter a run exports) after both steps: 1e-6 on CPU. On CUDA 10x the
-  // step's tolerance: alone, q/k/v and gate/up run as
-  // packed groups (scale folded into B before the GEMM), together per projection, and AdamW's
-  // division by sqrt(v) lifts that rounding on the smallest gradient elements (H200 fp32: up
-  // to 3.2e-4 of a tensor).
+  // step's tolerance: the joint row's GEMMs have other shapes (and alone, gate/up folds the
+  // branch into the frozen GEMM), and AdamW's division by sqrt(v) lifts that rounding on the
+  // smallest gradient elements (H200 fp32: up to 3.2e-4 of a tensor).
   const double param_tol = ::lorastep::testing::TestDevice().is_cuda() ? 10 * tol : tol;
   for (size_t i = 0; i < specs.size(); ++i) {
     const auto& a = joint[i]->adapter().parameters();

@@ -172,8 +172,8 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
 // multiples of 8): the row as consecutive groups, one per segment plus a zero group for any
 // rows between or after them, so two grouped GEMMs run every run's branch each way.
 struct SegmentGroups {
-  at::Tensor a;       // [G, r, in], rank padded with zero rows to the largest (a multiple of 8)
-  at::Tensor b;       // [G, out, r], each scaled by its segment's scale
+  at::Tensor a;       // [G, r, in]: each segment's parts' A concatenated, zero rows up to the largest rank (a multiple of 8)
+  at::Tensor b;       // [G, out, r]: each segment's B block-diagonal over its parts' columns, times its scale
   at::Tensor offs;    // int32 [G], cumulative row ends
   at::Tensor scales;  // float [G, 1, 1]: each group's scale (0 for a zero group)
   std::vector<int64_t> group_of;  // each segment's group
@@ -197,18 +197,52 @@ std::pair<at::Tensor, at::Tensor> GroupLayoutOnDevice(const std::vector<int32_t>
   return made;
 }
 
+int64_t SegmentRank(const LoraSegment& s) {
+  int64_t rank = 0;
+  for (const LoraSegmentPart& p : s.parts) rank += p.a.size(0);
+  return rank;
+}
+
+// Whether two segments' parts cover the same columns with the same ranks.
+bool SameParts(const LoraSegment& x, const LoraSegment& y) {
+  if (x.parts.size() != y.parts.size()) return false;
+  for (size_t j = 0; j < x.parts.size(); ++j) {
+    const LoraSegmentPart &p = x.parts[j], &q = y.parts[j];
+    if (p.column != q.column || p.width != q.width || p.a.size(0) != q.a.size(0)) return false;
+  }
+  return true;
+}
+
+// A segment's parts as one branch of their summed rank: A concatenated [r, in] and B
+// block-diagonal [out, r] (unscaled; a part's own factors where one part covers every column).
+std::pair<at::Tensor, at::Tensor> SegmentBranch(const LoraSegment& s, int64_t out) {
+  if (s.parts.size() == 1 && s.parts[0].width == out) return {s.parts[0].a, s.parts[0].b};
+  std::vector<at::Tensor> as;
+  for (const LoraSegmentPart& p : s.parts) as.push_back(p.a);
+  at::Tensor a = at::cat(as, 0);
+  at::Tensor b = at::zeros({out, a.size(0)}, s.parts[0].b.options());
+  int64_t r0 = 0;
+  for (const LoraSegmentPart& p : s.parts) {
+    b.narrow(0, p.column, p.width).narrow(1, r0, p.a.size(0)).copy_(p.b);
+    r0 += p.a.size(0);
+  }
+  return {a, b};
+}
+
 std::optional<SegmentGroups> GroupSegments(const at::Tensor& x2d, const at::Tensor& weight,
                                            const std::vector<LoraSegment>& segments) {
   const int64_t n = x2d.size(0), in = weight.size(1), out = weight.size(0);
   if (segments.size() < 2 || !GroupedLinearAvailable(x2d, {in, out})) return std::nullopt;
   int64_t rank = 0;
-  bool uniform = true;  // one rank and scale, no gaps: the stacks are plain stacks
+  // One layout of parts and one scale, no gaps: A is one concatenation and B one stack per part.
+  bool uniform = true;
+  const LoraSegment& first = segments.front();
   for (size_t i = 0; i < segments.size(); ++i) {
     const LoraSegment& s = segments[i];
     if (s.begin < (i == 0 ? 0 : segments[i - 1].end) || s.end > n || s.end < s.begin) return std::nullopt;
-    uniform = uniform && s.a.size(0) == segments.front().a.size(0) && s.scale == segments.front().scale &&
+    uniform = uniform && SameParts(s, first) && s.scale == first.scale &&
               s.begin == (i == 0 ? 0 : segments[i - 1].end);
-    rank = std::max(rank, s.a.size(0));
+    rank = std::max(rank, SegmentRank(s));
   }
   uniform = uniform && segments.back().end == n && rank % 8 == 0;
   rank = (rank + 7) / 8 * 8;
@@ -227,30 +261,52 @@ std::optional<SegmentGroups> GroupSegments(const at::Tensor& x2d, const at::Tens
   if (at_row < n) ends.push_back(static_cast<int32_t>(n)), real.push_back(-1);
   for (int64_t r : real) scales.push_back(r < 0 ? 0.0f : static_cast<float>(segments[r].scale));
   std::tie(g.offs, g.scales) = GroupLayoutOnDevice(ends, scales, x2d.device());
+  const auto G = static_cast<int64_t>(ends.size());
   if (uniform) {
-    std::vector<at::Tensor> as, bs;
-    for (const LoraSegment& s : segments) as.push_back(s.a), bs.push_back(s.b);
-    g.a = at::stack(as);
-    g.b = at::stack(bs).mul_(segments.front().scale);
+    std::vector<at::Tensor> as;
+    for (const LoraSegment& s : segments) {
+      for (const LoraSegmentPart& p : s.parts) as.push_back(p.a);
+    }
+    g.a = at::cat(as, 0).view({G, rank, in});
+    if (first.parts.size() == 1 && first.parts[0].width == out) {
+      std::vector<at::Tensor> bs;
+      for (const LoraSegment& s : segments) bs.push_back(s.parts[0].b);
+      g.b = at::stack(bs).mul_(first.scale);
+      return g;
+    }
+    g.b = at::zeros({G, out, rank}, x2d.options());
+    int64_t r0 = 0;
+    for (size_t j = 0; j < first.parts.size(); ++j) {
+      const LoraSegmentPart& p = first.parts[j];
+      std::vector<at::Tensor> bs;
+      for (const LoraSegment& s : segments) bs.push_back(s.parts[j].b);
+      g.b.narrow(1, p.column, p.width).narrow(2, r0, p.a.size(0)).copy_(at::stack(bs));
+      r0 += p.a.size(0);
+    }
+    g.b.mul_(first.scale);
     return g;
   }
-  const auto G = static_cast<int64_t>(ends.size());
   g.a = at::zeros({G, rank, in}, x2d.options());
   g.b = at::zeros({G, out, rank}, x2d.options());
   for (size_t i = 0; i < segments.size(); ++i) {
     const LoraSegment& s = segments[i];
-    const int64_t r = s.a.size(0);
-    g.a[g.group_of[i]].narrow(0, 0, r).copy_(s.a);
-    at::Tensor b_part = g.b[g.group_of[i]].narrow(1, 0, r);
-    at::mul_out(b_part, s.b, at::scalar_tensor(s.scale));  // a CPU scalar: no device fill
+    int64_t r0 = 0;
+    for (const LoraSegmentPart& p : s.parts) {
+      const int64_t r = p.a.size(0);
+      g.a[g.group_of[i]].narrow(0, r0, r).copy_(p.a);
+      at::Tensor b_part = g.b[g.group_of[i]].narrow(0, p.column, p.width).narrow(1, r0, r);
+      at::mul_out(b_part, p.b, at::scalar_tensor(s.scale));  // a CPU scalar: no device fill
+      r0 += r;
+    }
   }
   return g;
 }
 
 // x W^T (+ bias) over every row, then each segment's branch on its own rows: as two grouped
 // GEMMs over every segment (GroupSegments), or, elsewhere, added into its rows in place (1 + 2
-// GEMMs per segment forward, 1 + 4 backward). No full-size temporaries beyond the grouped
-// branch's output. Segments ride as plain values; `anchor` is what requires grad.
+// GEMMs per segment forward, 1 + 2 + 2 per part backward). No full-size temporaries beyond
+// the grouped branch's output. Segments ride as plain values, each with its parts
+// (SegmentedLoraLinear fills them); `anchor` is what requires grad.
 class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLoraLinearFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& anchor,
@@ -259,18 +315,23 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
     const at::Tensor& bias = bias_ref.tensor;
     const at::Tensor x2d = FoldLeadingDims(x);
     at::Tensor y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
-    std::vector<int64_t> bounds, ranks;
+    std::vector<int64_t> bounds, part_slots;  // per part: segment, column, width, first rank row, rank
     std::vector<double> scales;
-    c10::List<at::Tensor> a_grads, b_grads;
-    for (const LoraSegment& s : segments) {
+    c10::List<at::Tensor> a_grads, b_grads;  // per part
+    for (size_t i = 0; i < segments.size(); ++i) {
+      const LoraSegment& s = segments[i];
       bounds.insert(bounds.end(), {s.begin, s.end});
-      ranks.push_back(s.a.size(0));
       scales.push_back(s.scale);
-      a_grads.push_back(s.a_main_grad);
-      b_grads.push_back(s.b_main_grad);
+      int64_t r0 = 0;
+      for (const LoraSegmentPart& p : s.parts) {
+        part_slots.insert(part_slots.end(), {static_cast<int64_t>(i), p.column, p.width, r0, p.a.size(0)});
+        r0 += p.a.size(0);
+        a_grads.push_back(p.a_main_grad);
+        b_grads.push_back(p.b_main_grad);
+      }
     }
     ctx->saved_data["bounds"] = bounds;
-    ctx->saved_data["ranks"] = ranks;
+    ctx->saved_data["part_slots"] = part_slots;
     ctx->saved_data["scales"] = scales;
     ctx->saved_data["a_grads"] = a_grads;
     ctx->saved_data["b_grads"] = b_grads;
@@ -284,9 +345,10 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
     std::vector<at::Tensor> saved{x2d, weight};
     for (const LoraSegment& s : segments) {
       const int64_t rows = s.end - s.begin;
-      const at::Tensor xa = at::mm(x2d.narrow(0, s.begin, rows), s.a.t());
-      y.narrow(0, s.begin, rows).addmm_(xa, s.b.t(), /*beta=*/1, /*alpha=*/s.scale);
-      saved.insert(saved.end(), {xa, s.a, s.b});
+      const auto [a, b] = SegmentBranch(s, weight.size(0));
+      const at::Tensor xa = at::mm(x2d.narrow(0, s.begin, rows), a.t());
+      y.narrow(0, s.begin, rows).addmm_(xa, b.t(), /*beta=*/1, /*alpha=*/s.scale);
+      saved.insert(saved.end(), {xa, a, b});
     }
     ctx->save_for_backward(saved);
     return y.view(ShapeWithLastDim(x, weight.size(0)));
@@ -297,13 +359,15 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
     auto saved = ctx->get_saved_variables();
     const at::Tensor &x2d = saved[0], &weight = saved[1];
     const std::vector<int64_t> bounds = ctx->saved_data["bounds"].toIntVector();
-    const std::vector<int64_t> ranks = ctx->saved_data["ranks"].toIntVector();
+    const std::vector<int64_t> slots = ctx->saved_data["part_slots"].toIntVector();
     const std::vector<double> scales = ctx->saved_data["scales"].toDoubleVector();
     const c10::List<at::Tensor> a_grads = ctx->saved_data["a_grads"].toTensorList();
     const c10::List<at::Tensor> b_grads = ctx->saved_data["b_grads"].toTensorList();
     const at::Tensor g = FoldLeadingDims(grads[0]).contiguous();
     const bool input_grad = ctx->needs_input_grad(0);
     at::Tensor grad_x = input_grad ? at::mm(g, weight) : at::Tensor();
+    const size_t parts = slots.size() / 5;
+    auto slot = [&](size_t k, int field) { return slots[5 * k + field]; };  // segment, column, width, r0, rank
     if (ctx->saved_data.count("group_of") != 0) {
       const std::vector<int64_t> group_of = ctx->saved_data["group_of"].toIntVector();
       const at::Tensor &xa = saved[2], &a = saved[3], &b = saved[4], &offs = saved[5], &group_scales = saved[6];
@@ -312,22 +376,27 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
       // Each group's factor gradients (bf16, the grouped kernel's output), to fp32 and scaled.
       const at::Tensor grad_b = compat::GroupedMm(g.t(), xa, offs).to(at::kFloat).mul_(group_scales);
       const at::Tensor grad_a = compat::GroupedMm(gb.t(), x2d, offs).to(at::kFloat);
-      std::vector<at::Tensor> targets, parts;
-      for (size_t i = 0; i < group_of.size(); ++i) {
-        targets.insert(targets.end(), {a_grads.get(i), b_grads.get(i)});
-        parts.push_back(grad_a[group_of[i]].narrow(0, 0, ranks[i]));
-        parts.push_back(grad_b[group_of[i]].narrow(1, 0, ranks[i]));
+      std::vector<at::Tensor> targets, values;
+      for (size_t k = 0; k < parts; ++k) {
+        const int64_t group = group_of[slot(k, 0)], r0 = slot(k, 3), r = slot(k, 4);
+        targets.insert(targets.end(), {a_grads.get(k), b_grads.get(k)});
+        values.push_back(grad_a[group].narrow(0, r0, r));
+        values.push_back(grad_b[group].narrow(0, slot(k, 1), slot(k, 2)).narrow(1, r0, r));
       }
-      at::_foreach_add_(targets, parts);
+      at::_foreach_add_(targets, values);
     } else {
-      for (size_t i = 0; i < scales.size(); ++i) {
+      for (size_t i = 0, k = 0; i < scales.size(); ++i) {
         const int64_t begin = bounds[2 * i], rows = bounds[2 * i + 1] - begin;
         const at::Tensor &xa = saved[2 + 3 * i], &a = saved[3 + 3 * i], &b = saved[4 + 3 * i];
-        const at::Tensor gs = g.narrow(0, begin, rows);
+        const at::Tensor gs = g.narrow(0, begin, rows), xs = x2d.narrow(0, begin, rows);
         const at::Tensor gb = at::mm(gs, b);  // d(xa) / scale
         if (input_grad) grad_x.narrow(0, begin, rows).addmm_(gb, a, /*beta=*/1, /*alpha=*/scales[i]);
-        at::Tensor a_grad = a_grads.get(i), b_grad = b_grads.get(i);
-        AddLoraFactorGrads(a_grad, b_grad, gs, gb, xa, x2d.narrow(0, begin, rows), scales[i]);
+        for (; k < parts && slot(k, 0) == static_cast<int64_t>(i); ++k) {
+          const int64_t r0 = slot(k, 3), r = slot(k, 4);
+          at::Tensor a_grad = a_grads.get(k), b_grad = b_grads.get(k);
+          compat::AddMatmulFp32(b_grad, gs.narrow(1, slot(k, 1), slot(k, 2)).t(), xa.narrow(1, r0, r), scales[i]);
+          compat::AddMatmulFp32(a_grad, gb.narrow(1, r0, r).t(), xs, scales[i]);
+        }
       }
     }
     return {input_grad ? grad_x.view(ShapeWithLastDim(grads[0], weight.size(1))) : at::Tensor(), at::Tensor(),
@@ -647,6 +716,17 @@ at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::T
 
 at::Tensor SegmentedLoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                std::vector<LoraSegment> segments) {
+  for (LoraSegment& s : segments) {  // one projection's factors: one part over every column
+    if (s.parts.empty()) s.parts.push_back({0, weight.size(0), s.a, s.a_main_grad, s.b, s.b_main_grad});
+    int64_t next = 0;  // parts in column order, apart, inside the weight's rows, factors to fit
+    for (const LoraSegmentPart& p : s.parts) {
+      TORCH_CHECK(p.column >= next && p.width > 0 && p.column + p.width <= weight.size(0) && p.a.dim() == 2 &&
+                      p.a.size(1) == weight.size(1) && p.b.dim() == 2 && p.b.size(0) == p.width &&
+                      p.b.size(1) == p.a.size(0),
+                  "SegmentedLoraLinear: a part's columns or factors do not fit the weight");
+      next = p.column + p.width;
+    }
+  }
   return SegmentedLoraLinearFunction::apply(x, GradAnchor(x.device()), weight, MainGradRef{bias}, std::move(segments));
 }
 

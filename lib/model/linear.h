@@ -57,17 +57,29 @@ at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::T
                       const at::Tensor& a, const at::Tensor& a_main_grad, const at::Tensor& b,
                       const at::Tensor& b_main_grad, double scale, const GradOptions& options);
 
-// One run's LoRA factors over rows [begin, end) of a packed row shared by several runs.
+// One projection's LoRA factors within a packed weight (PackProjections' q/k/v or gate/up):
+// its output columns [column, column + width) and its factors (a: [r, in], b: [width, r]).
+struct LoraSegmentPart {
+  int64_t column = 0, width = 0;
+  at::Tensor a, a_main_grad, b, b_main_grad;
+};
+
+// One run's LoRA over rows [begin, end) of a packed row shared by several runs: either one
+// projection's factors (a, b over every output column) or, for a packed weight, `parts`, one
+// per projection with a branch (a and b then undefined).
 struct LoraSegment {
   int64_t begin = 0, end = 0;
   at::Tensor a, a_main_grad, b, b_main_grad;
   double scale = 1.0;
+  std::vector<LoraSegmentPart> parts;
 };
 
 // x @ weight^T (+ bias) over every row of x's folded [n, in] view, plus on each segment's rows
 // only scale * (x_s @ a^T) @ b^T, for a frozen `weight` (co-scheduling: several runs' LoRA
-// over one packed row; rows in no segment get the base alone). Differentiable in x; the
-// factors accumulate into their main_grads.
+// over one packed row; rows in no segment get the base alone). A segment with parts adds each
+// part's branch into the part's columns: its parts run as one branch of their summed rank
+// (A concatenated, B block-diagonal), as LoraLinearGroup packs one run's. Differentiable in
+// x; the factors accumulate into their main_grads.
 at::Tensor SegmentedLoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                std::vector<LoraSegment> segments);
 

@@ -1,5 +1,6 @@
 #include "lib/model/qwen2.h"
 
+#include <algorithm>
 #include <functional>
 #include <optional>
 #include <initializer_list>
@@ -402,24 +403,38 @@ class LayerRunner {
 
   // The projections `slots` of a layer over the same input as one LoraLinearGroup's operands:
   // their frozen weights packed back to back (PackProjections), each LoRA branch added into
-  // its own columns. nullopt where they run one by one: full fine-tuning, LoRA dropout in
-  // training, weights not back to back.
+  // its own columns. On a joint row (run_segments) the same packing with each run's branches
+  // of these projections as one segment (`joint`, SegmentedLoraLinear). nullopt where they
+  // run one by one: full fine-tuning, LoRA dropout in training on a branch of the group,
+  // weights not back to back.
   struct PackedGroup {
     at::Tensor weight, bias;
     std::vector<LoraGroupPart> parts;
+    bool joint = false;
+    std::vector<LoraSegment> segments;  // joint: the runs with a branch in the group
   };
   std::optional<PackedGroup> GroupOf(size_t layer, std::initializer_list<int> slots) const {
     const double p = adapter_ != nullptr ? adapter_->lora_config().dropout : 0.0;
-    if (main_grads_ != nullptr || (p > 0 && options_.training)) return std::nullopt;
-    if (options_.run_segments != nullptr) return std::nullopt;  // per projection, each run's branch on its rows
+    if (main_grads_ != nullptr) return std::nullopt;
+    if (p > 0 && options_.training &&
+        std::any_of(slots.begin(), slots.end(), [&](int slot) { return adapter_->lora(layer, slot) != nullptr; })) {
+      return std::nullopt;
+    }
+    PackedGroup group;
+    if (options_.run_segments != nullptr) {
+      std::optional<std::vector<LoraSegment>> segments = GroupSegmentsOf(layer, slots);
+      if (!segments) return std::nullopt;
+      group.joint = true;
+      group.segments = *std::move(segments);
+    }
     const LayerWeights& lw = weights_.layers[layer];
     std::vector<at::Tensor> ws, biases;
-    PackedGroup group;
     for (int slot : slots) {
       ws.push_back(lw.linear[slot]);
       if (slot < 3 && lw.qkv_bias[slot].defined()) biases.push_back(lw.qkv_bias[slot]);
       LoraGroupPart part;
       part.width = lw.linear[slot].size(0);
+      if (group.joint) continue;
       if (const LoraFactors* f = adapter_ != nullptr ? adapter_->lora(layer, slot) : nullptr) {
         const Parameter& a = adapter_->parameters()[f->a];
         const Parameter& b = adapter_->parameters()[f->b];
@@ -435,16 +450,40 @@ class LayerRunner {
     return group;
   }
 
+  // Each run segment's LoRA factors of the projections `slots` (packed in that order) as one
+  // LoraSegment with a part per projection it has a branch on; runs without any are left out
+  // (their rows get the base alone). nullopt where FusedSegments would be for any slot.
+  std::optional<std::vector<LoraSegment>> GroupSegmentsOf(size_t layer, std::initializer_list<int> slots) const {
+    std::vector<LoraSegment> out;
+    for (const RunSegment& seg : *options_.run_segments) out.push_back({seg.begin, seg.end});
+    int64_t column = 0;
+    for (int slot : slots) {
+      std::optional<std::vector<LoraSegment>> one = FusedSegments(layer, slot);
+      if (!one) return std::nullopt;
+      const int64_t width = weights_.layers[layer].linear[slot].size(0);
+      for (const LoraSegment& s : *one) {  // FusedSegments keeps the run segments' order
+        auto it = std::find_if(out.begin(), out.end(), [&](const LoraSegment& o) { return o.begin == s.begin; });
+        it->scale = s.scale;
+        it->parts.push_back({column, width, s.a, s.a_main_grad, s.b, s.b_main_grad});
+      }
+      column += width;
+    }
+    out.erase(std::remove_if(out.begin(), out.end(), [](const LoraSegment& s) { return s.parts.empty(); }), out.end());
+    return out;
+  }
+
   // The columns the norm before `group` leaves free after its output, so that the group's
-  // fold writes x A^T there instead of copying x (GroupFoldRoom); 0 for none.
+  // fold writes x A^T there instead of copying x (GroupFoldRoom); 0 for none (and on a
+  // joint row, whose runs' branches do not fold).
   int64_t FoldRoom(const std::optional<PackedGroup>& group) const {
-    return group ? GroupFoldRoom(group->weight, group->parts, options_.grad) : 0;
+    return group && !group->joint ? GroupFoldRoom(group->weight, group->parts, options_.grad) : 0;
   }
 
   // `group`'s output (GroupOf), undefined where there is none. `input_has_room`: x came
   // from a norm given FoldRoom(group).
   at::Tensor ProjectPacked(const std::optional<PackedGroup>& group, const at::Tensor& x, bool input_has_room) const {
     if (!group) return at::Tensor();
+    if (group->joint) return SegmentedLoraLinear(x, group->weight, group->bias, group->segments);
     return LoraLinearGroup(x, group->weight, group->bias, group->parts,
                            adapter_ != nullptr ? adapter_->lora_config().scale() : 0.0, options_.grad,
                            options_.lora_operands, input_has_room);
