@@ -177,7 +177,41 @@ struct SegmentGroups {
   at::Tensor offs;    // int32 [G], cumulative row ends
   at::Tensor scales;  // float [G, 1, 1]: each group's scale (0 for a zero group)
   std::vector<int64_t> group_of;  // each segment's group
+  std::vector<int64_t> ends;      // offs on the host
+  std::vector<int64_t> real;      // each group's segment, -1 for a zero group
 };
+
+// y = left @ right (+ bias) plus, on each group's rows (`ends`, `real` as SegmentGroups has
+// them), low[rows] @ low_right[group] for low_right [G, r, N]: the wide output is never
+// materialized twice. As LargeGemmOverLowRank, the low-rank products write the output first
+// where the large GEMM's K is below its N (it then accumulates with beta 1 in its epilogue),
+// else they accumulate after it; the groups run as one batched GEMM when every group is a
+// segment's and all have the same rows, else one GEMM each (zero groups add nothing).
+at::Tensor LargeGemmOverGroupedLowRank(const at::Tensor& left, const at::Tensor& right, const at::Tensor& bias,
+                                       const at::Tensor& low, const at::Tensor& low_right,
+                                       const std::vector<int64_t>& ends, const std::vector<int64_t>& real) {
+  const int64_t n = left.size(0), width = right.size(1), groups = static_cast<int64_t>(ends.size());
+  const bool low_first = left.size(1) < right.size(1) && !bias.defined();
+  bool equal = true;
+  for (int64_t k = 0; k < groups; ++k) equal = equal && real[k] >= 0 && ends[k] - (k == 0 ? 0 : ends[k - 1]) == ends[0];
+  at::Tensor y = low_first ? at::empty({n, width}, left.options())
+                           : (bias.defined() ? at::addmm(bias, left, right) : at::mm(left, right));
+  const int beta = low_first ? 0 : 1;  // beta 0: the empty output's garbage is not read
+  if (equal && groups * ends[0] == n) {
+    y.view({groups, ends[0], width}).baddbmm_(low.view({groups, ends[0], low.size(1)}), low_right, beta, 1);
+  } else {
+    for (int64_t k = 0, begin = 0; k < groups; begin = ends[k], ++k) {
+      at::Tensor rows = y.narrow(0, begin, ends[k] - begin);
+      if (real[k] < 0) {
+        if (low_first) rows.zero_();
+        continue;
+      }
+      rows.addmm_(low.narrow(0, begin, ends[k] - begin), low_right[k], beta, 1);
+    }
+  }
+  if (low_first) y.addmm_(left, right);
+  return y;
+}
 
 // The groups' row ends and scales on the device. Every projection of a joint row has the
 // same groups (where the runs target the same modules), so the copies are kept per thread
@@ -261,6 +295,8 @@ std::optional<SegmentGroups> GroupSegments(const at::Tensor& x2d, const at::Tens
   if (at_row < n) ends.push_back(static_cast<int32_t>(n)), real.push_back(-1);
   for (int64_t r : real) scales.push_back(r < 0 ? 0.0f : static_cast<float>(segments[r].scale));
   std::tie(g.offs, g.scales) = GroupLayoutOnDevice(ends, scales, x2d.device());
+  g.ends.assign(ends.begin(), ends.end());
+  g.real = real;
   const auto G = static_cast<int64_t>(ends.size());
   if (uniform) {
     std::vector<at::Tensor> as;
@@ -302,11 +338,13 @@ std::optional<SegmentGroups> GroupSegments(const at::Tensor& x2d, const at::Tens
   return g;
 }
 
-// x W^T (+ bias) over every row, then each segment's branch on its own rows: as two grouped
-// GEMMs over every segment (GroupSegments), or, elsewhere, added into its rows in place (1 + 2
-// GEMMs per segment forward, 1 + 2 + 2 per part backward). No full-size temporaries beyond
-// the grouped branch's output. Segments ride as plain values, each with its parts
-// (SegmentedLoraLinear fills them); `anchor` is what requires grad.
+// x W^T (+ bias) over every row, then each segment's branch on its own rows: where grouped
+// GEMMs run (GroupSegments), x A^T for every segment as one grouped GEMM and the wide
+// products (the branch's output, backward's input gradient) added inside the output's own
+// GEMMs (LargeGemmOverGroupedLowRank); elsewhere added into its rows in place (1 + 2 GEMMs per
+// segment forward, 1 + 2 + 2 per part backward). No full-size temporaries. Segments ride as
+// plain values, each with its parts (SegmentedLoraLinear fills them); `anchor` is what
+// requires grad.
 class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLoraLinearFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& anchor,
@@ -314,7 +352,6 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
     (void)anchor;
     const at::Tensor& bias = bias_ref.tensor;
     const at::Tensor x2d = FoldLeadingDims(x);
-    at::Tensor y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
     std::vector<int64_t> bounds, part_slots;  // per part: segment, column, width, first rank row, rank
     std::vector<double> scales;
     c10::List<at::Tensor> a_grads, b_grads;  // per part
@@ -337,11 +374,15 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
     ctx->saved_data["b_grads"] = b_grads;
     if (std::optional<SegmentGroups> g = GroupSegments(x2d, weight, segments)) {
       const at::Tensor xa = compat::GroupedMm(x2d, g->a.transpose(1, 2), g->offs);  // [n, r]
-      y.add_(compat::GroupedMm(xa, g->b.transpose(1, 2), g->offs));
+      const at::Tensor y =
+          LargeGemmOverGroupedLowRank(x2d, weight.t(), bias, xa, g->b.transpose(1, 2), g->ends, g->real);
       ctx->saved_data["group_of"] = g->group_of;
+      ctx->saved_data["group_ends"] = g->ends;
+      ctx->saved_data["group_real"] = g->real;
       ctx->save_for_backward({x2d, weight, xa, g->a, g->b, g->offs, g->scales});
       return y.view(ShapeWithLastDim(x, weight.size(0)));
     }
+    at::Tensor y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
     std::vector<at::Tensor> saved{x2d, weight};
     for (const LoraSegment& s : segments) {
       const int64_t rows = s.end - s.begin;
@@ -365,14 +406,17 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
     const c10::List<at::Tensor> b_grads = ctx->saved_data["b_grads"].toTensorList();
     const at::Tensor g = FoldLeadingDims(grads[0]).contiguous();
     const bool input_grad = ctx->needs_input_grad(0);
-    at::Tensor grad_x = input_grad ? at::mm(g, weight) : at::Tensor();
+    at::Tensor grad_x;
     const size_t parts = slots.size() / 5;
     auto slot = [&](size_t k, int field) { return slots[5 * k + field]; };  // segment, column, width, r0, rank
     if (ctx->saved_data.count("group_of") != 0) {
       const std::vector<int64_t> group_of = ctx->saved_data["group_of"].toIntVector();
       const at::Tensor &xa = saved[2], &a = saved[3], &b = saved[4], &offs = saved[5], &group_scales = saved[6];
       const at::Tensor gb = compat::GroupedMm(g, b, offs);  // d(xa): the scale is in b
-      if (input_grad) grad_x.add_(compat::GroupedMm(gb, a, offs));
+      if (input_grad) {
+        grad_x = LargeGemmOverGroupedLowRank(g, weight, at::Tensor(), gb, a, ctx->saved_data["group_ends"].toIntVector(),
+                                             ctx->saved_data["group_real"].toIntVector());
+      }
       // Each group's factor gradients (bf16, the grouped kernel's output), to fp32 and scaled.
       const at::Tensor grad_b = compat::GroupedMm(g.t(), xa, offs).to(at::kFloat).mul_(group_scales);
       const at::Tensor grad_a = compat::GroupedMm(gb.t(), x2d, offs).to(at::kFloat);
@@ -385,6 +429,7 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
       }
       at::_foreach_add_(targets, values);
     } else {
+      if (input_grad) grad_x = at::mm(g, weight);
       for (size_t i = 0, k = 0; i < scales.size(); ++i) {
         const int64_t begin = bounds[2 * i], rows = bounds[2 * i + 1] - begin;
         const at::Tensor &xa = saved[2 + 3 * i], &a = saved[3 + 3 * i], &b = saved[4 + 3 * i];
