@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -420,12 +421,21 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
       // Each group's factor gradients (bf16, the grouped kernel's output), to fp32 and scaled.
       const at::Tensor grad_b = compat::GroupedMm(g.t(), xa, offs).to(at::kFloat).mul_(group_scales);
       const at::Tensor grad_a = compat::GroupedMm(gb.t(), x2d, offs).to(at::kFloat);
+      // Each part layout's B gradients over every group made contiguous once, so that every
+      // value below is contiguous like its target and _foreach_add_ runs its fused kernels
+      // instead of one add per part.
+      std::map<std::array<int64_t, 4>, at::Tensor> b_blocks;
       std::vector<at::Tensor> targets, values;
       for (size_t k = 0; k < parts; ++k) {
         const int64_t group = group_of[slot(k, 0)], r0 = slot(k, 3), r = slot(k, 4);
+        const std::array<int64_t, 4> layout{slot(k, 1), slot(k, 2), r0, r};
+        auto block = b_blocks.find(layout);
+        if (block == b_blocks.end()) {
+          block = b_blocks.emplace(layout, grad_b.narrow(1, layout[0], layout[1]).narrow(2, r0, r).contiguous()).first;
+        }
         targets.insert(targets.end(), {a_grads.get(k), b_grads.get(k)});
         values.push_back(grad_a[group].narrow(0, r0, r));
-        values.push_back(grad_b[group].narrow(0, slot(k, 1), slot(k, 2)).narrow(1, r0, r));
+        values.push_back(block->second[group]);
       }
       at::_foreach_add_(targets, values);
     } else {
