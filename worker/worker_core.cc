@@ -269,21 +269,31 @@ bool WorkerCore::CoSchedules(const std::string& run_id, std::optional<Activation
   return it != coschedulable_.end() && it->second;
 }
 
+WorkerCore::~WorkerCore() {
+  {
+    std::lock_guard<std::mutex> q(queue_mu_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  if (scheduler_.joinable()) scheduler_.join();
+}
+
 void WorkerCore::AwaitCoscheduled(QueuedStep* step) {
+  std::call_once(scheduler_started_, [this] { scheduler_ = std::thread([this] { CoscheduleLoop(); }); });
   std::unique_lock<std::mutex> q(queue_mu_);
   queue_.push_back(step);
-  queue_cv_.notify_all();  // a leader in its window counts the runs queued
-  while (!step->done) {
-    if (!leading_) {
-      leading_ = true;
-      q.unlock();
-      LeadCoscheduledStep();
-      q.lock();
-      leading_ = false;
-      queue_cv_.notify_all();
-      continue;
-    }
-    queue_cv_.wait(q);
+  queue_cv_.notify_all();  // the scheduler, idle or in its window, counts the runs queued
+  queue_cv_.wait(q, [step] { return step->done; });
+}
+
+void WorkerCore::CoscheduleLoop() {
+  std::unique_lock<std::mutex> q(queue_mu_);
+  while (true) {
+    queue_cv_.wait(q, [this] { return stopping_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping, nothing left to run
+    q.unlock();
+    LeadCoscheduledStep();
+    q.lock();
   }
 }
 

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -91,6 +92,8 @@ struct MeshCallInfo {
 class WorkerCore {
  public:
   static absl::StatusOr<std::unique_ptr<WorkerCore>> Create(const WorkerOptions& options);
+  // Ends the co-scheduling thread once the steps queued before are run.
+  ~WorkerCore();
 
   const BaseModel& base() const { return *base_; }
   const WorkerOptions& options() const { return options_; }
@@ -191,11 +194,16 @@ class WorkerCore {
   // Whether a TrainStep, ForwardBackward or Forward may wait to be co-scheduled (world size 1,
   // a window, a run that can, no activation_recompute of its own).
   bool CoSchedules(const std::string& run_id, std::optional<ActivationRecompute> recompute);
-  // Queues `step` and returns once a leader (the first waiting caller while none leads) ran it.
+  // Queues `step` and returns once the co-scheduling thread ran it.
   void AwaitCoscheduled(QueuedStep* step);
-  // The leader's turn: waits out the window, takes the queued calls of distinct runs in
-  // arrival order, admits them and runs the TrainSteps as one joint step and the Forwards as
-  // one joint forward.
+  // The co-scheduling thread (started by the first queued call, stopped by the destructor):
+  // leads every co-scheduled step, so the device's per-thread state (cuDNN's attention plans
+  // and cuBLAS's workspaces are cached per thread in LibTorch) is built once, not again on
+  // whichever caller's thread would lead the next step.
+  void CoscheduleLoop();
+  // One step: waits out the window, takes the queued calls of distinct runs in arrival
+  // order, admits them and runs the TrainSteps as one joint step and the Forwards as one
+  // joint forward.
   void LeadCoscheduledStep();
   // A step's taken calls of one kind (admitted, trainers set): alone, the run's own call;
   // several, one Trainer::JointTrainStep / JointForwardBackward / JointForward. Under the
@@ -210,7 +218,9 @@ class WorkerCore {
   std::mutex queue_mu_;   // the co-scheduling queue; never held while waiting for mu_
   std::condition_variable queue_cv_;
   std::deque<QueuedStep*> queue_;
-  bool leading_ = false;  // a caller is leading a co-scheduled step
+  std::once_flag scheduler_started_;
+  std::thread scheduler_;  // CoscheduleLoop
+  bool stopping_ = false;  // under queue_mu_: the destructor asks CoscheduleLoop to end
   // Every run's Trainer::CoSchedulable, so a call learns it without waiting for the device.
   std::map<std::string, bool> coschedulable_;
   // The runs a step's window waits for: those of the previous step, and runs created since.
