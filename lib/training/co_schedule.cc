@@ -148,6 +148,68 @@ std::vector<std::vector<Trainer::JointPart>> Trainer::PackJointRows(
   return rows;
 }
 
+namespace {
+
+// What a run's head needs in a joint row: its adapter (a head LoRA), gradient options,
+// logit chunk, dropout stream (training) and whether its loss needs the entropy's gradient.
+struct RunHead {
+  const Adapter* adapter;
+  GradOptions grad;
+  int64_t chunk_tokens;
+  at::Generator* dropout;  // null outside training
+  bool entropy_grad;
+};
+
+// One run's head over its part of a joint row: its own final norm, positions and LM head
+// (with its head LoRA, if any).
+TokenScores RunHeadScores(const BaseModel& base, const RunHead& run, const at::Tensor& x, const RunSegment& segment,
+                          const MicroBatch& mb) {
+  const ForwardOptions own{run.grad, /*training=*/run.dropout != nullptr, run.dropout};
+  const at::Tensor hidden = Qwen2FinalNorm(base.config, base.weights, run.adapter,
+                                           x.narrow(1, segment.begin, segment.end - segment.begin));
+  return Qwen2HeadScores(base.weights, run.adapter, FoldLeadingDims(hidden).index_select(0, mb.positions), mb.targets,
+                         run.chunk_tokens, own, VocabShard{}, run.entropy_grad);
+}
+
+// The heads of every run of a joint row as one: where no run has a head LoRA (the final norm
+// and the LM head are then the base's for all) and the runs' gradient options agree, one
+// final norm over the row and one chunked head over every run's scored positions, split back
+// per run (each token's scores depend on its own row only). Empty where the runs differ.
+std::vector<TokenScores> SharedHeadScores(const BaseModel& base, const std::vector<RunHead>& runs, const at::Tensor& x,
+                                          const std::vector<RunSegment>& segments, const std::vector<MicroBatch>& mbs) {
+  if (runs.size() < 2) return {};
+  const GradOptions& grad = runs.front().grad;
+  int64_t chunk = 0;
+  bool entropy_grad = false;
+  for (const RunHead& run : runs) {
+    if (run.adapter == nullptr || run.adapter->head_lora() != nullptr || run.adapter->full_finetune() ||
+        run.grad.fused_wgrad != grad.fused_wgrad || run.grad.fp32_dgrad != grad.fp32_dgrad) {
+      return {};
+    }
+    chunk = std::max(chunk, run.chunk_tokens);
+    entropy_grad = entropy_grad || run.entropy_grad;
+  }
+  std::vector<at::Tensor> positions, targets;
+  std::vector<int64_t> counts;
+  for (size_t j = 0; j < mbs.size(); ++j) {
+    positions.push_back(mbs[j].positions + segments[j].begin);
+    targets.push_back(mbs[j].targets);
+    counts.push_back(mbs[j].positions.size(0));
+  }
+  const at::Tensor hidden = Qwen2FinalNorm(base.config, base.weights, nullptr, x);
+  const at::Tensor selected = FoldLeadingDims(hidden).index_select(0, at::cat(positions));
+  const ForwardOptions options{grad, /*training=*/false, nullptr};  // no head LoRA: nothing drops out
+  const TokenScores all =
+      Qwen2HeadScores(base.weights, nullptr, selected, at::cat(targets), chunk, options, VocabShard{}, entropy_grad);
+  const std::vector<at::Tensor> logprobs = all.logprobs.split_with_sizes(counts);
+  const std::vector<at::Tensor> entropy = all.entropy.split_with_sizes(counts);
+  std::vector<TokenScores> out;
+  for (size_t j = 0; j < counts.size(); ++j) out.push_back({logprobs[j], entropy[j]});
+  return out;
+}
+
+}  // namespace
+
 // The shared part of the joint calls: admission, then every joint row's forward (and, for
 // the training kinds, backward), each run's gradients accumulating in its own main_grads.
 struct Trainer::JointPass {
@@ -275,19 +337,20 @@ Trainer::JointPass Trainer::RunJointPass(const std::vector<JointTrainCall>& call
                             backward ? &t.dropout_generator_ : nullptr});
       }
       const at::Tensor x = JointLayers(*base, row, segments, /*training=*/backward);
+      std::vector<RunHead> heads;
+      for (size_t r : runs) {
+        const JointTrainCall& call = calls[pass.admitted[r]];
+        Trainer& t = *call.trainer;
+        heads.push_back({t.adapter_.get(), t.options_.grad, t.options_.logprob_chunk_tokens,
+                         backward ? &t.dropout_generator_ : nullptr, backward && call.loss->entropy_coef != 0});
+      }
+      const std::vector<TokenScores> shared = SharedHeadScores(*base, heads, x, segments, mbs);
       at::Tensor total;
       for (size_t j = 0; j < runs.size(); ++j) {
         const size_t r = runs[j];
         const JointTrainCall& call = calls[pass.admitted[r]];
-        Trainer& t = *call.trainer;
-        ForwardOptions own{t.options_.grad, /*training=*/backward, backward ? &t.dropout_generator_ : nullptr};
-        const at::Tensor layers_out = x.narrow(1, segments[j].begin, segments[j].end - segments[j].begin);
-        const at::Tensor hidden = Qwen2FinalNorm(config, base->weights, t.adapter_.get(), layers_out);
-        const at::Tensor selected = FoldLeadingDims(hidden).index_select(0, mbs[j].positions);
         pass.scored[r] += static_cast<double>(mbs[j].positions.size(0));
-        TokenScores scores = Qwen2HeadScores(base->weights, t.adapter_.get(), selected, mbs[j].targets,
-                                             t.options_.logprob_chunk_tokens, own, VocabShard{},
-                                             /*entropy_grad=*/backward && call.loss->entropy_coef != 0);
+        const TokenScores scores = shared.empty() ? RunHeadScores(*base, heads[j], x, segments[j], mbs[j]) : shared[j];
         if (!optimizer_step) pass.logprobs[r].emplace_back(*mbs[j].datums, scores.logprobs.detach());
         if (!backward) {
           const at::Tensor bearing = (mbs[j].loss_in.mask != 0).to(at::kDouble);
