@@ -266,7 +266,10 @@ bool WorkerCore::CoSchedules(const std::string& run_id, std::optional<Activation
   if (options_.coschedule_window.count() <= 0 || recompute.has_value()) return false;
   std::lock_guard<std::mutex> q(queue_mu_);
   auto it = coschedulable_.find(run_id);
-  return it != coschedulable_.end() && it->second;
+  if (it == coschedulable_.end() || !it->second) return false;
+  // A lone co-schedulable run has no one to share a step with: its calls skip the queue and
+  // the hand-off to the co-scheduling thread.
+  return std::count_if(coschedulable_.begin(), coschedulable_.end(), [](const auto& e) { return e.second; }) > 1;
 }
 
 WorkerCore::~WorkerCore() {

@@ -192,7 +192,8 @@ class WorkerCore {
     absl::StatusOr<ForwardBackwardResult> forward = absl::UnknownError("not run");  // the others
   };
   // Whether a TrainStep, ForwardBackward or Forward may wait to be co-scheduled (world size 1,
-  // a window, a run that can, no activation_recompute of its own).
+  // a window, a run that can and another on this worker that can, no activation_recompute of
+  // its own).
   bool CoSchedules(const std::string& run_id, std::optional<ActivationRecompute> recompute);
   // Queues `step` and returns once the co-scheduling thread ran it.
   void AwaitCoscheduled(QueuedStep* step);
