@@ -177,7 +177,8 @@ TEST_F(WorkerCallsTest, AbsentTotalsMeanTheCallsOwnDatums) {
 // Co-scheduling (WorkerOptions::coschedule_window): TrainSteps of two runs sent at once run
 // as one step (co_scheduled_runs:max 2), each with the loss and grad_norm of the same run's
 // step on a worker that runs every call alone; a call whose batch is refused fails alone
-// while the other run steps; a worker holding one run never waits for the window.
+// while the other run steps; a worker holding one run never waits for the window (its calls
+// skip the queue).
 TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
   const std::string dir = lorastep::testing::ScratchDir("coscheduling");
   const ModelConfig c = ModelConfigPreset("tiny").value();
@@ -241,6 +242,16 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
   ASSERT_OK(got_a.status());
   EXPECT_EQ(got_a->learner_version, 2);
   EXPECT_THAT(got_b.status(), StatusIs(absl::StatusCode::kInvalidArgument, "datums[0].tokens[0]"));
+  EXPECT_TRUE(got_a->metrics.Has("time_coschedule_wait_s:sum"));  // beside another run: queued
+  // A worker holding one run: its calls skip the co-scheduling queue (no window, no wait).
+  ASSERT_OK_AND_ASSIGN(auto lone, make_core(std::chrono::seconds(2)));
+  ASSERT_OK(lone->CreateRun("a", lora_a, 3).status());
+  {
+    const auto began = std::chrono::steady_clock::now();
+    ASSERT_OK_AND_ASSIGN(OptimStepResult step, lone->TrainStep("a", batch_a, ppo, adam, nullptr, 0));
+    EXPECT_LT(std::chrono::steady_clock::now() - began, std::chrono::seconds(1));
+    EXPECT_FALSE(step.metrics.Has("time_coschedule_wait_s:sum"));
+  }
   // An idle run costs the others at most one window: run "a" steps alone beside "b", which
   // sends nothing; its first step waits out the window for b (created, so presumed active),
   // its next ones do not.
