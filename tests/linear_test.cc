@@ -8,6 +8,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "lib/model/adapter.h"
@@ -25,6 +26,9 @@ using ::lorastep::testing::RelErr;
 using ::lorastep::testing::TestDevice;
 using ::lorastep::testing::TestDtype;
 using ::lorastep::testing::Tol;
+
+// A detached fp64 copy that requires grad (the references' leaves).
+at::Tensor F64Leaf(const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(true); }
 
 // Records the names of every ATen op dispatched on this thread while alive.
 class OpRecorder {
@@ -136,9 +140,8 @@ TEST_P(LoraLinearTest, OutputAndEveryGradientMatchDenseReference) {
   ASSERT_OK(FoldLocalGradients(&adapter));
 
   // Dense reference in fp64 on the same (possibly bf16-rounded) values.
-  auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(true); };
-  at::Tensor xr = f64(x), ar = f64(a), br = f64(b);
-  at::Tensor yr = at::matmul(xr, f64(w).t()) + at::matmul(at::matmul(xr, ar.t()), br.t()) * lora.scale();
+  at::Tensor xr = F64Leaf(x), ar = F64Leaf(a), br = F64Leaf(b);
+  at::Tensor yr = at::matmul(xr, F64Leaf(w).t()) + at::matmul(at::matmul(xr, ar.t()), br.t()) * lora.scale();
   (yr * upstream.to(at::kDouble)).sum().backward();
 
   EXPECT_LT(RelErr(y, yr), Tol(1e-6));
@@ -176,9 +179,8 @@ TEST_P(LoraLinearTest, OneFunctionLoraLinearMatchesDenseReference) {
     const at::Tensor bb = with_bias ? bias : at::Tensor();
     at::Tensor y = LoraLinear(x, w, bb, a, a_grad, b, b_grad, scale, GradOptions{fused, false});
     (y * upstream).sum().backward();
-    auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(true); };
-    at::Tensor xr = f64(x), ar = f64(a), br = f64(b);
-    at::Tensor yr = at::matmul(xr, f64(w).t()) + at::matmul(at::matmul(xr, ar.t()), br.t()) * scale;
+    at::Tensor xr = F64Leaf(x), ar = F64Leaf(a), br = F64Leaf(b);
+    at::Tensor yr = at::matmul(xr, F64Leaf(w).t()) + at::matmul(at::matmul(xr, ar.t()), br.t()) * scale;
     if (with_bias) yr = yr + bias.to(at::kDouble);
     (yr * upstream.to(at::kDouble)).sum().backward();
     EXPECT_LT(RelErr(y, yr), Tol(1e-6)) << with_bias;
@@ -187,6 +189,18 @@ TEST_P(LoraLinearTest, OneFunctionLoraLinearMatchesDenseReference) {
     EXPECT_LT(RelErr(fused ? b_grad : b.grad(), br.grad()), Tol(1e-6)) << with_bias;
     EXPECT_EQ(a.grad().defined(), !fused);  // fused: the real gradient is in main_grad only
   }
+}
+
+// SegmentedLoraLinear over a random [1, rows, in] input, and its backward from a random
+// upstream gradient: (input, upstream, output).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> SegmentedForwardBackward(const at::Tensor& w, const at::Tensor& bias,
+                                                                        const std::vector<LoraSegment>& segments,
+                                                                        int64_t rows, const at::TensorOptions& opts) {
+  at::Tensor x = at::randn({1, rows, w.size(1)}, opts).requires_grad_(true);
+  at::Tensor upstream = at::randn({1, rows, w.size(0)}, opts);
+  at::Tensor y = SegmentedLoraLinear(x, w, bias, segments);
+  (y * upstream).sum().backward();
+  return {x, upstream, y};
 }
 
 // SegmentedLoraLinear against the fp64 dense reference of each segment alone: output, input
@@ -217,19 +231,15 @@ TEST(SegmentedLoraLinearTest, EachSegmentMatchesItsOwnDenseReference) {
       r.b_grad = at::zeros({out, r.rank}, opts.dtype(at::kFloat));
       segments.push_back({r.begin, r.end, r.a, r.a_grad, r.b, r.b_grad, r.scale});
     }
-    at::Tensor x = at::randn({1, 24, in}, opts).requires_grad_(true);
-    at::Tensor upstream = at::randn({1, 24, out}, opts);
-    at::Tensor y = SegmentedLoraLinear(x, w, bias, segments);
-    (y * upstream).sum().backward();
-    auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(true); };
-    at::Tensor xr = f64(x);
+    const auto [x, upstream, y] = SegmentedForwardBackward(w, bias, segments, 24, opts);
+    at::Tensor xr = F64Leaf(x);
     std::vector<at::Tensor> parts;
     std::vector<std::pair<at::Tensor, at::Tensor>> factors;
     for (const Run& r : runs) {
       at::Tensor xs = xr.narrow(1, r.begin, r.end - r.begin);
-      at::Tensor ys = at::matmul(xs, f64(w).t()) + bias.to(at::kDouble);
+      at::Tensor ys = at::matmul(xs, F64Leaf(w).t()) + bias.to(at::kDouble);
       if (r.rank > 0) {
-        factors.emplace_back(f64(r.a), f64(r.b));
+        factors.emplace_back(F64Leaf(r.a), F64Leaf(r.b));
         ys = ys + at::matmul(at::matmul(xs, factors.back().first.t()), factors.back().second.t()) * r.scale;
       }
       parts.push_back(ys);
@@ -287,13 +297,9 @@ TEST(SegmentedLoraLinearTest, PartsAddIntoTheirOwnColumns) {
       }
       segments.push_back(seg);
     }
-    at::Tensor x = at::randn({1, 24, in}, opts).requires_grad_(true);
-    at::Tensor upstream = at::randn({1, 24, out}, opts);
-    at::Tensor y = SegmentedLoraLinear(x, w, bias, segments);
-    (y * upstream).sum().backward();
-    auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(true); };
-    at::Tensor xr = f64(x);
-    at::Tensor yr = at::matmul(xr, f64(w).t());
+    const auto [x, upstream, y] = SegmentedForwardBackward(w, bias, segments, 24, opts);
+    at::Tensor xr = F64Leaf(x);
+    at::Tensor yr = at::matmul(xr, F64Leaf(w).t());
     if (with_bias) yr = yr + bias.to(at::kDouble);
     std::vector<at::Tensor> rows;  // per row range, the base plus its run's parts
     std::vector<std::pair<at::Tensor, at::Tensor>> factors;
@@ -305,7 +311,7 @@ TEST(SegmentedLoraLinearTest, PartsAddIntoTheirOwnColumns) {
       int64_t at_col = 0;
       for (const Part& p : r.parts) {
         if (p.column > at_col) cols.push_back(at::zeros({1, r.end - r.begin, p.column - at_col}, xr.options()));
-        factors.emplace_back(f64(p.a), f64(p.b));
+        factors.emplace_back(F64Leaf(p.a), F64Leaf(p.b));
         cols.push_back(at::matmul(at::matmul(xs, factors.back().first.t()), factors.back().second.t()) * r.scale);
         at_col = p.column + 16;
       }
@@ -361,10 +367,9 @@ TEST(LoraLinearRecomputedTest, MatchesDenseReferenceAndRebuildsTheInputOnce) {
   at::Tensor y = LoraLinearRecomputed(source, kTanhOfSource, w, at::Tensor(), a, a_grad, b, b_grad, scale);
   (y * upstream).sum().backward();
   EXPECT_EQ(tanh_rebuilds, 1);
-  auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(true); };
-  at::Tensor sr = f64(source), ar = f64(a), br = f64(b);
+  at::Tensor sr = F64Leaf(source), ar = F64Leaf(a), br = F64Leaf(b);
   at::Tensor xr = at::tanh(sr);
-  at::Tensor yr = at::matmul(xr, f64(w).t()) + at::matmul(at::matmul(xr, ar.t()), br.t()) * scale;
+  at::Tensor yr = at::matmul(xr, F64Leaf(w).t()) + at::matmul(at::matmul(xr, ar.t()), br.t()) * scale;
   (yr * upstream.to(at::kDouble)).sum().backward();
   EXPECT_LT(RelErr(y, yr), Tol(1e-6));
   EXPECT_LT(RelErr(source.grad(), sr.grad()), Tol(1e-6));
@@ -489,15 +494,14 @@ TEST_P(LoraLinearTest, GroupMatchesDenseReferenceFoldedOrNot) {
               << what;
         }
 
-        auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(true); };
-        at::Tensor xr = f64(x);
+        at::Tensor xr = F64Leaf(x);
         std::vector<at::Tensor> ar(3), br(3), cols;
         int64_t col = 0;
         for (int i = 0; i < 3; ++i) {
-          at::Tensor yi = at::matmul(xr, f64(w.narrow(0, col, shape.widths[i])).t());
+          at::Tensor yi = at::matmul(xr, F64Leaf(w.narrow(0, col, shape.widths[i])).t());
           if (i != 1) {
-            ar[i] = f64(parts[i].a);
-            br[i] = f64(parts[i].b);
+            ar[i] = F64Leaf(parts[i].a);
+            br[i] = F64Leaf(parts[i].b);
             yi = yi + at::matmul(at::matmul(xr, ar[i].t()), br[i].t()) * scale;
           }
           cols.push_back(yi);

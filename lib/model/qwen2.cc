@@ -491,9 +491,8 @@ class LayerRunner {
 
   // Causal attention of packed sequences: q [1, total, heads, d], k/v [1, total, kv, d] ->
   // [1, total, heads * d]. Sequences all of one length run as padded rows without padding
-  // where SDPA picks cuDNN's kernel for them (at head dim 128 on the H200 it is 1.5-1.9x the
-  // flash kernels: docs/PERFORMANCE.md); else one varlen kernel where available, else each
-  // sequence alone.
+  // where SDPA picks cuDNN's kernel for them (faster than the flash kernels at head dim 128:
+  // docs/PERFORMANCE.md); else one varlen kernel where available, else each sequence alone.
   static at::Tensor PackedAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const PackedSequences& packed) {
     const int64_t total = q.size(1), width = q.size(2) * q.size(3);
