@@ -285,8 +285,8 @@ void WorkerCore::AwaitCoscheduled(QueuedStep* step) {
   std::call_once(scheduler_started_, [this] { scheduler_ = std::thread([this] { CoscheduleLoop(); }); });
   std::unique_lock<std::mutex> q(queue_mu_);
   queue_.push_back(step);
-  queue_cv_.notify_all();  // the scheduler, idle or in its window, counts the runs queued
-  queue_cv_.wait(q, [step] { return step->done; });
+  queue_cv_.notify_one();  // the scheduler, idle or in its window, counts the runs queued
+  done_cv_.wait(q, [step] { return step->done; });
 }
 
 void WorkerCore::CoscheduleLoop() {
@@ -415,7 +415,7 @@ void WorkerCore::LeadCoscheduledStep() {
   }
   std::lock_guard<std::mutex> q(queue_mu_);
   for (QueuedStep* s : taken) s->done = true;
-  queue_cv_.notify_all();
+  done_cv_.notify_all();
 }
 
 absl::StatusOr<WorkerCore::PathResult> WorkerCore::SaveState(const std::string& run_id,

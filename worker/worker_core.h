@@ -217,7 +217,8 @@ class WorkerCore {
   std::unique_ptr<StateStore> store_;      // null without --state_dir
   mutable FairMutex mu_;  // calls of all runs, admitted in arrival order
   std::mutex queue_mu_;   // the co-scheduling queue; never held while waiting for mu_
-  std::condition_variable queue_cv_;
+  std::condition_variable queue_cv_;  // the co-scheduling thread waits on it: a call queued, stopping
+  std::condition_variable done_cv_;   // the callers wait on it: their steps done
   std::deque<QueuedStep*> queue_;
   std::once_flag scheduler_started_;
   std::thread scheduler_;  // CoscheduleLoop
