@@ -377,6 +377,40 @@ TEST(LoraLinearRecomputedTest, MatchesDenseReferenceAndRebuildsTheInputOnce) {
   EXPECT_LT(RelErr(b_grad, br.grad()), Tol(1e-6));
 }
 
+// SegmentedLoraLinearRecomputed over tanh(source) equals SegmentedLoraLinear over the input
+// itself (output, the source's gradient through tanh, every factor's main_grad) with two
+// segments of 16 rows each (on CUDA in bf16 the grouped path), and rebuilds the input once.
+TEST(SegmentedLoraLinearTest, RecomputedInputMatchesTheKeptInput) {
+  const auto opts = at::TensorOptions().device(TestDevice()).dtype(TestDtype());
+  const int64_t in = 32, out = 48;
+  const at::Tensor w = at::randn({out, in}, opts);
+  const at::Tensor source = at::randn({1, 32, in}, opts);
+  const at::Tensor upstream = at::randn({1, 32, out}, opts);
+  std::vector<at::Tensor> factors{at::randn({8, in}, opts) * 0.3, at::randn({out, 8}, opts) * 0.3,
+                                  at::randn({16, in}, opts) * 0.3, at::randn({out, 16}, opts) * 0.3};
+  std::vector<at::Tensor> outputs, source_grads, main_grads;
+  for (bool recomputed : {false, true}) {
+    std::vector<LoraSegment> segments;
+    for (int s = 0; s < 2; ++s) {
+      const at::Tensor &a = factors[2 * s], &b = factors[2 * s + 1];
+      main_grads.push_back(at::zeros(a.sizes(), opts.dtype(at::kFloat)));
+      main_grads.push_back(at::zeros(b.sizes(), opts.dtype(at::kFloat)));
+      segments.push_back({16 * s, 16 * s + 16, a, main_grads[main_grads.size() - 2], b, main_grads.back(), 1.5 + s});
+    }
+    at::Tensor src = source.clone().requires_grad_(true);
+    tanh_rebuilds = 0;
+    const at::Tensor y = recomputed ? SegmentedLoraLinearRecomputed(src, kTanhOfSource, w, at::Tensor(), segments)
+                                    : SegmentedLoraLinear(at::tanh(src), w, at::Tensor(), segments);
+    (y * upstream).sum().backward();
+    EXPECT_EQ(tanh_rebuilds, recomputed ? 1 : 0);
+    outputs.push_back(y.detach());
+    source_grads.push_back(src.grad());
+  }
+  EXPECT_LT(RelErr(outputs[1], outputs[0]), Tol(1e-6));
+  EXPECT_LT(RelErr(source_grads[1], source_grads[0]), Tol(1e-6));
+  for (size_t i = 0; i < 4; ++i) EXPECT_LT(RelErr(main_grads[4 + i], main_grads[i]), Tol(1e-6)) << "factor " << i;
+}
+
 TEST_P(LoraLinearTest, FusedAndUnfusedGiveTheSameModelGradients) {
   const at::Device dev = TestDevice();
   ModelConfig c = ModelConfigPreset("tiny").value();

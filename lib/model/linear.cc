@@ -346,13 +346,22 @@ std::optional<SegmentGroups> GroupSegments(const at::Tensor& x2d, const at::Tens
 // segment forward, 1 + 2 + 2 per part backward). No full-size temporaries. Segments ride as
 // plain values, each with its parts (SegmentedLoraLinear fills them); `anchor` is what
 // requires grad.
+//
+// With a RecomputedInput (its forward defined) the function's input is the input's source:
+// forward keeps the source instead of the input, and backward rebuilds the input after the
+// input gradient (as LoraLinearRecomputed does for one run).
 class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLoraLinearFunction> {
  public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& anchor,
-                            const at::Tensor& weight, MainGradRef bias_ref, std::vector<LoraSegment> segments) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& source, const at::Tensor& anchor,
+                            const at::Tensor& weight, MainGradRef bias_ref, std::vector<LoraSegment> segments,
+                            RecomputedInput input) {
     (void)anchor;
     const at::Tensor& bias = bias_ref.tensor;
+    const at::Tensor x = input.forward != nullptr ? input.forward(source) : source;
     const at::Tensor x2d = FoldLeadingDims(x);
+    ctx->saved_data["rebuild_forward"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(input.forward));
+    ctx->saved_data["rebuild"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(input.backward));
+    const at::Tensor kept = input.forward != nullptr ? source : x2d;  // saved first
     std::vector<int64_t> bounds, part_slots;  // per part: segment, column, width, first rank row, rank
     std::vector<double> scales;
     c10::List<at::Tensor> a_grads, b_grads;  // per part
@@ -380,11 +389,11 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
       ctx->saved_data["group_of"] = g->group_of;
       ctx->saved_data["group_ends"] = g->ends;
       ctx->saved_data["group_real"] = g->real;
-      ctx->save_for_backward({x2d, weight, xa, g->a, g->b, g->offs, g->scales});
+      ctx->save_for_backward({kept, weight, xa, g->a, g->b, g->offs, g->scales});
       return y.view(ShapeWithLastDim(x, weight.size(0)));
     }
     at::Tensor y = bias.defined() ? at::addmm(bias, x2d, weight.t()) : at::mm(x2d, weight.t());
-    std::vector<at::Tensor> saved{x2d, weight};
+    std::vector<at::Tensor> saved{kept, weight};
     for (const LoraSegment& s : segments) {
       const int64_t rows = s.end - s.begin;
       const auto [a, b] = SegmentBranch(s, weight.size(0));
@@ -399,25 +408,55 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const at::Tensor &x2d = saved[0], &weight = saved[1];
+    const at::Tensor& weight = saved[1];
     const std::vector<int64_t> bounds = ctx->saved_data["bounds"].toIntVector();
     const std::vector<int64_t> slots = ctx->saved_data["part_slots"].toIntVector();
     const std::vector<double> scales = ctx->saved_data["scales"].toDoubleVector();
     const c10::List<at::Tensor> a_grads = ctx->saved_data["a_grads"].toTensorList();
     const c10::List<at::Tensor> b_grads = ctx->saved_data["b_grads"].toTensorList();
+    const auto rebuild_forward = reinterpret_cast<decltype(RecomputedInput::forward)>(
+        static_cast<intptr_t>(ctx->saved_data["rebuild_forward"].toInt()));
+    const auto rebuild = reinterpret_cast<decltype(RecomputedInput::backward)>(
+        static_cast<intptr_t>(ctx->saved_data["rebuild"].toInt()));
     const at::Tensor g = FoldLeadingDims(grads[0]).contiguous();
     const bool input_grad = ctx->needs_input_grad(0);
-    at::Tensor grad_x;
     const size_t parts = slots.size() / 5;
     auto slot = [&](size_t k, int field) { return slots[5 * k + field]; };  // segment, column, width, r0, rank
-    if (ctx->saved_data.count("group_of") != 0) {
-      const std::vector<int64_t> group_of = ctx->saved_data["group_of"].toIntVector();
-      const at::Tensor &xa = saved[2], &a = saved[3], &b = saved[4], &offs = saved[5], &group_scales = saved[6];
-      const at::Tensor gb = compat::GroupedMm(g, b, offs);  // d(xa): the scale is in b
+    const bool grouped = ctx->saved_data.count("group_of") != 0;
+    // The input gradient first (it needs no input), then the input itself: saved, or rebuilt
+    // from its source together with the source's gradient.
+    at::Tensor grad_x, gb;
+    std::vector<at::Tensor> segment_gbs;  // per segment, d(xa) / scale (the per-segment form)
+    if (grouped) {
+      const at::Tensor &a = saved[3], &b = saved[4], &offs = saved[5];
+      gb = compat::GroupedMm(g, b, offs);  // d(xa): the scale is in b
       if (input_grad) {
         grad_x = LargeGemmOverGroupedLowRank(g, weight, at::Tensor(), gb, a, ctx->saved_data["group_ends"].toIntVector(),
                                              ctx->saved_data["group_real"].toIntVector());
       }
+    } else {
+      if (input_grad) grad_x = at::mm(g, weight);
+      for (size_t i = 0; i < scales.size(); ++i) {
+        const int64_t begin = bounds[2 * i], rows = bounds[2 * i + 1] - begin;
+        const at::Tensor &a = saved[3 + 3 * i], &b = saved[4 + 3 * i];
+        segment_gbs.push_back(at::mm(g.narrow(0, begin, rows), b));
+        if (input_grad) grad_x.narrow(0, begin, rows).addmm_(segment_gbs.back(), a, /*beta=*/1, /*alpha=*/scales[i]);
+      }
+    }
+    at::Tensor grad_input = input_grad ? grad_x.view(ShapeWithLastDim(grads[0], weight.size(1))) : at::Tensor();
+    at::Tensor x2d = saved[0];
+    if (rebuild_forward != nullptr) {  // saved[0] is the source
+      at::Tensor x;
+      if (input_grad) {
+        grad_input = rebuild(saved[0], grad_input, &x);
+      } else {
+        x = rebuild_forward(saved[0]);
+      }
+      x2d = FoldLeadingDims(x);
+    }
+    if (grouped) {
+      const std::vector<int64_t> group_of = ctx->saved_data["group_of"].toIntVector();
+      const at::Tensor &xa = saved[2], &offs = saved[5], &group_scales = saved[6];
       // Each group's factor gradients (bf16, the grouped kernel's output), to fp32 and scaled.
       const at::Tensor grad_b = compat::GroupedMm(g.t(), xa, offs).to(at::kFloat).mul_(group_scales);
       const at::Tensor grad_a = compat::GroupedMm(gb.t(), x2d, offs).to(at::kFloat);
@@ -437,25 +476,21 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
         values.push_back(grad_a[group].narrow(0, r0, r));
         values.push_back(block->second[group]);
       }
-      at::_foreach_add_(targets, values);
+      if (!targets.empty()) at::_foreach_add_(targets, values);
     } else {
-      if (input_grad) grad_x = at::mm(g, weight);
       for (size_t i = 0, k = 0; i < scales.size(); ++i) {
         const int64_t begin = bounds[2 * i], rows = bounds[2 * i + 1] - begin;
-        const at::Tensor &xa = saved[2 + 3 * i], &a = saved[3 + 3 * i], &b = saved[4 + 3 * i];
+        const at::Tensor& xa = saved[2 + 3 * i];
         const at::Tensor gs = g.narrow(0, begin, rows), xs = x2d.narrow(0, begin, rows);
-        const at::Tensor gb = at::mm(gs, b);  // d(xa) / scale
-        if (input_grad) grad_x.narrow(0, begin, rows).addmm_(gb, a, /*beta=*/1, /*alpha=*/scales[i]);
         for (; k < parts && slot(k, 0) == static_cast<int64_t>(i); ++k) {
           const int64_t r0 = slot(k, 3), r = slot(k, 4);
           at::Tensor a_grad = a_grads.get(k), b_grad = b_grads.get(k);
           compat::AddMatmulFp32(b_grad, gs.narrow(1, slot(k, 1), slot(k, 2)).t(), xa.narrow(1, r0, r), scales[i]);
-          compat::AddMatmulFp32(a_grad, gb.narrow(1, r0, r).t(), xs, scales[i]);
+          compat::AddMatmulFp32(a_grad, segment_gbs[i].narrow(1, r0, r).t(), xs, scales[i]);
         }
       }
     }
-    return {input_grad ? grad_x.view(ShapeWithLastDim(grads[0], weight.size(1))) : at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_input, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -769,8 +804,10 @@ at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::T
                                    scale, fused);
 }
 
-at::Tensor SegmentedLoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                               std::vector<LoraSegment> segments) {
+namespace {
+
+at::Tensor SegmentedLoraLinearOf(const at::Tensor& source, const RecomputedInput& input, const at::Tensor& weight,
+                                 const at::Tensor& bias, std::vector<LoraSegment> segments) {
   for (LoraSegment& s : segments) {  // one projection's factors: one part over every column
     if (s.parts.empty()) s.parts.push_back({0, weight.size(0), s.a, s.a_main_grad, s.b, s.b_main_grad});
     int64_t next = 0;  // parts in column order, apart, inside the weight's rows, factors to fit
@@ -782,7 +819,21 @@ at::Tensor SegmentedLoraLinear(const at::Tensor& x, const at::Tensor& weight, co
       next = p.column + p.width;
     }
   }
-  return SegmentedLoraLinearFunction::apply(x, GradAnchor(x.device()), weight, MainGradRef{bias}, std::move(segments));
+  return SegmentedLoraLinearFunction::apply(source, GradAnchor(source.device()), weight, MainGradRef{bias},
+                                            std::move(segments), input);
+}
+
+}  // namespace
+
+at::Tensor SegmentedLoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                               std::vector<LoraSegment> segments) {
+  return SegmentedLoraLinearOf(x, RecomputedInput{nullptr, nullptr}, weight, bias, std::move(segments));
+}
+
+at::Tensor SegmentedLoraLinearRecomputed(const at::Tensor& source, const RecomputedInput& input,
+                                         const at::Tensor& weight, const at::Tensor& bias,
+                                         std::vector<LoraSegment> segments) {
+  return SegmentedLoraLinearOf(source, input, weight, bias, std::move(segments));
 }
 
 at::Tensor LoraLinearRecomputed(const at::Tensor& source, const RecomputedInput& input, const at::Tensor& weight,

@@ -100,6 +100,13 @@ at::Tensor LoraLinearRecomputed(const at::Tensor& source, const RecomputedInput&
                                 const at::Tensor& bias, const at::Tensor& a, const at::Tensor& a_main_grad,
                                 const at::Tensor& b, const at::Tensor& b_main_grad, double scale);
 
+// SegmentedLoraLinear(input.forward(source), ...) differentiable in `source`, keeping `source`
+// but not the input: backward rebuilds the input after the input gradient (the factors'
+// gradients need it), as LoraLinearRecomputed does for one run.
+at::Tensor SegmentedLoraLinearRecomputed(const at::Tensor& source, const RecomputedInput& input,
+                                         const at::Tensor& weight, const at::Tensor& bias,
+                                         std::vector<LoraSegment> segments);
+
 // One part of a LoraLinearGroup: `width` output columns of the packed weight, with a LoRA
 // branch when `a` is defined (a: [r, in], b: [width, r], main_grads like LoraLinear's).
 struct LoraGroupPart {

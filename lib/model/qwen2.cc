@@ -584,8 +584,15 @@ class LayerRunner {
   // The down projection of SwiGLU(gate_up) for a packed gate_up. With a LoRA branch on
   // down_proj in the fused form, backward rebuilds the activation from gate_up instead of
   // keeping it (LoraLinearRecomputed with kSwiGluOfPacked): the same values, a third less
-  // activation memory in a dense layer.
+  // activation memory in a dense layer. A joint row does the same for every run's branch
+  // (SegmentedLoraLinearRecomputed), so it keeps what the runs' activation estimate counts.
   at::Tensor DownOfPacked(size_t i, const at::Tensor& gate_up) const {
+    if (options_.run_segments != nullptr && gate_up.is_contiguous()) {
+      if (std::optional<std::vector<LoraSegment>> segments = FusedSegments(i, kDownProj)) {
+        return SegmentedLoraLinearRecomputed(gate_up, kSwiGluOfPacked, weights_.layers[i].linear[kDownProj],
+                                             /*bias=*/at::Tensor(), *std::move(segments));
+      }
+    }
     const LoraFactors* f = FusedLora(i, kDownProj);
     if (f != nullptr && options_.grad.fused_wgrad && gate_up.is_contiguous()) {
       const Parameter& a = adapter_->parameters()[f->a];
