@@ -512,28 +512,27 @@ void Trainer::StepJointOptimizers(JointPass& pass, const std::vector<size_t>& ru
 
 std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStep(const std::vector<JointTrainCall>& calls) {
   // Benchmarks: the joint step in which any of its runs reaches its profile_train_step.
-  const std::string trace = JointProfileTrace(calls);
-  if (!trace.empty()) {
-    calls.front().trainer->SyncDevice();
+  const Trainer* profiled = JointProfiledTrainer(calls);
+  if (profiled != nullptr) {
+    profiled->SyncDevice();
     if (absl::Status s = StartKernelProfile(); !s.ok()) LORASTEP_LOG(Warning) << "joint step profile: " << s;
   }
   std::vector<absl::StatusOr<OptimStepResult>> results = JointTrainStepUnprofiled(calls);
-  if (!trace.empty()) {
-    calls.front().trainer->SyncDevice();
+  if (profiled != nullptr) {
+    profiled->SyncDevice();
+    const std::string& trace = profiled->options_.profile_trace_path;
     if (absl::Status s = StopKernelProfile(trace); !s.ok()) LORASTEP_LOG(Warning) << "joint step profile: " << s;
   }
   return results;
 }
 
-std::string Trainer::JointProfileTrace(const std::vector<JointTrainCall>& calls) {
-  std::string trace;
+const Trainer* Trainer::JointProfiledTrainer(const std::vector<JointTrainCall>& calls) {
+  const Trainer* profiled = nullptr;
   for (const JointTrainCall& call : calls) {
     if (call.trainer == nullptr || call.trainer->options_.profile_trace_path.empty()) continue;
-    if (++call.trainer->train_steps_run_ == call.trainer->options_.profile_train_step) {
-      trace = call.trainer->options_.profile_trace_path;
-    }
+    if (++call.trainer->train_steps_run_ == call.trainer->options_.profile_train_step) profiled = call.trainer;
   }
-  return trace;
+  return profiled;
 }
 
 std::vector<absl::StatusOr<OptimStepResult>> Trainer::JointTrainStepUnprofiled(

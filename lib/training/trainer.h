@@ -307,10 +307,10 @@ class Trainer {
   static JointPass RunJointPass(const std::vector<JointTrainCall>& calls, JointKind kind);
   static absl::Status FinishJointCall(const JointPass& pass, size_t run, const std::vector<JointTrainCall>& calls);
   static void AddJointMetrics(JointPass& pass, size_t run, Metrics* metrics);
-  // JointTrainStep without the benchmarks' profile; JointProfileTrace counts the step for each
-  // run and returns the trace path of a run whose profile_train_step this is (else empty).
+  // JointTrainStep without the benchmarks' profile; JointProfiledTrainer counts the step for
+  // each run and returns a run whose profile_train_step this is (null for none).
   static std::vector<absl::StatusOr<OptimStepResult>> JointTrainStepUnprofiled(const std::vector<JointTrainCall>& calls);
-  static std::string JointProfileTrace(const std::vector<JointTrainCall>& calls);
+  static const Trainer* JointProfiledTrainer(const std::vector<JointTrainCall>& calls);
   // The optimizer steps of the joint pass's `runs` (positions in its admitted calls) as one
   // pass: every run's norm with one host wait, every staged update checked with one more,
   // each refusal undoing that run alone. World size 1 (co-scheduled runs only).
