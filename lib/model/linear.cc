@@ -248,13 +248,15 @@ bool SameParts(const LoraSegment& x, const LoraSegment& y) {
   return true;
 }
 
-// A segment's parts as one branch of their summed rank: A concatenated [r, in] and B
-// block-diagonal [out, r] (unscaled; a part's own factors where one part covers every column).
+// A segment's parts as one branch of their summed rank: A concatenated [r, in] (a view where
+// the factors lie back to back, as the adapter's packed values do) and B block-diagonal
+// [out, r] (unscaled; a part's own factors where one part covers every column).
 std::pair<at::Tensor, at::Tensor> SegmentBranch(const LoraSegment& s, int64_t out) {
   if (s.parts.size() == 1 && s.parts[0].width == out) return {s.parts[0].a, s.parts[0].b};
   std::vector<at::Tensor> as;
   for (const LoraSegmentPart& p : s.parts) as.push_back(p.a);
-  at::Tensor a = at::cat(as, 0);
+  at::Tensor a = AdjacentRows(as);
+  if (!a.defined()) a = at::cat(as, 0);
   at::Tensor b = at::zeros({out, a.size(0)}, s.parts[0].b.options());
   int64_t r0 = 0;
   for (const LoraSegmentPart& p : s.parts) {
