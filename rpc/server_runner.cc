@@ -33,6 +33,7 @@
 #include "absl/synchronization/mutex.h"
 #include "lib/io/file_util.h"
 #include "lib/status_macros.h"
+#include "rpc/grpc_status.h"
 
 namespace lorastep {
 namespace {
@@ -118,6 +119,34 @@ std::map<std::string, std::string> StringFieldsFromWire(const grpc::ByteBuffer& 
   return out;
 }
 
+}  // namespace
+
+void ObserveCall(const CallObservers& observers, const std::string& method, const absl::Status& status,
+                 double seconds, const std::string& run_id, const std::string& request_id) {
+  const std::string code = absl::StatusCodeToString(status.code());
+  if (PrometheusRegistry* metrics = observers.metrics) {
+    metrics->Add("lorastep_requests_total", {{"method", method}, {"code", code}});
+    metrics->Observe("lorastep_request_duration_seconds", {{"method", method}}, seconds);
+  }
+  const int v = observers.log_verbosity;
+  const bool housekeeping = method.rfind("Health/", 0) == 0 || method.find("Reflection") != std::string::npos;
+  if (v < 0 || (v == 0 && status.ok()) || (v == 1 && housekeeping && status.ok())) return;
+  std::string line = absl::StrCat("ts=", NowIso8601(), " level=", status.ok() ? "info" : "warn",
+                                  " component=", LogValue(observers.component));
+  if (observers.rank >= 0) absl::StrAppend(&line, " rank=", observers.rank);
+  absl::StrAppend(&line, " method=", method, " code=", code, " duration_ms=", absl::StrFormat("%.3f", seconds * 1e3));
+  if (!run_id.empty()) absl::StrAppend(&line, " run_id=", LogValue(run_id));
+  if (!request_id.empty()) absl::StrAppend(&line, " request_id=", LogValue(request_id));
+  if (!status.ok()) absl::StrAppend(&line, " msg=", LogValue(std::string(status.message())));
+  if (status.ok()) {
+    LORASTEP_LOG(Info) << line;
+  } else {
+    LORASTEP_LOG(Warning) << line;
+  }
+}
+
+namespace {
+
 // Counts every call by method and status code, times it, and logs it, as the server sends
 // the status: one place for all services of a binary.
 class CallInterceptor final : public grpc::experimental::Interceptor {
@@ -168,37 +197,13 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
                                                            " (malformed, or nested more deeply than protobuf allows)"));
         methods->ModifySendStatus(status);
       }
-      const std::string code = absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code()));
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-      if (PrometheusRegistry* metrics = observers_->metrics) {
-        metrics->Add("lorastep_requests_total", {{"method", method_}, {"code", code}});
-        metrics->Observe("lorastep_request_duration_seconds", {{"method", method_}}, seconds);
-      }
-      Log(status, code, seconds);
+      ObserveCall(*observers_, method_, FromGrpcStatus(status), seconds, run_id_, request_id_);
     }
     methods->Proceed();
   }
 
  private:
-  void Log(const grpc::Status& status, const std::string& code, double seconds) const {
-    const int v = observers_->log_verbosity;
-    const bool housekeeping = method_.rfind("Health/", 0) == 0 || method_.find("Reflection") != std::string::npos;
-    if (v < 0 || (v == 0 && status.ok()) || (v == 1 && housekeeping && status.ok())) return;
-    std::string line = absl::StrCat("ts=", NowIso8601(), " level=", status.ok() ? "info" : "warn",
-                                    " component=", LogValue(observers_->component));
-    if (observers_->rank >= 0) absl::StrAppend(&line, " rank=", observers_->rank);
-    absl::StrAppend(&line, " method=", method_, " code=", code, " duration_ms=",
-                    absl::StrFormat("%.3f", seconds * 1e3));
-    if (!run_id_.empty()) absl::StrAppend(&line, " run_id=", LogValue(run_id_));
-    if (!request_id_.empty()) absl::StrAppend(&line, " request_id=", LogValue(request_id_));
-    if (!status.ok()) absl::StrAppend(&line, " msg=", LogValue(status.error_message()));
-    if (status.ok()) {
-      LORASTEP_LOG(Info) << line;
-    } else {
-      LORASTEP_LOG(Warning) << line;
-    }
-  }
-
   std::string method_;
   bool own_;
   const google::protobuf::Descriptor* raw_request_;

@@ -56,6 +56,12 @@ struct CallObservers {
   std::set<std::string> services;
 };
 
+// Counts, times and logs one answered call as every gRPC server's interceptor does (by
+// `observers`), for calls that reach a server another way (the worker's pipe from the
+// coordinator that spawned it). `method`: "Worker/TrainStep".
+void ObserveCall(const CallObservers& observers, const std::string& method, const absl::Status& status,
+                 double seconds, const std::string& run_id, const std::string& request_id);
+
 // Whether `host` names this machine's loopback interface only (127.0.0.0/8, ::1, localhost).
 bool IsLoopbackHost(const std::string& host);
 // `credentials`: null = plaintext; TlsServerCredentials() for TLS.

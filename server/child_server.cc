@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
@@ -23,28 +24,38 @@
 extern char** environ;
 
 namespace lorastep {
+namespace {
+
+// The call pipe's descriptor number in the child (the first after stdin, stdout, stderr).
+constexpr int kChildPipeFd = 3;
+
+}  // namespace
 
 absl::StatusOr<ChildServer> ChildServer::Start(const std::string& binary,
                                                const std::vector<std::string>& args,
-                                               int timeout_seconds) {
-  LORASTEP_ASSIGN_OR_RETURN(std::vector<ChildServer> one, StartAll(binary, {args}, timeout_seconds));
+                                               int timeout_seconds, bool call_pipe) {
+  LORASTEP_ASSIGN_OR_RETURN(std::vector<ChildServer> one, StartAll(binary, {args}, timeout_seconds, call_pipe));
   return std::move(one[0]);
 }
 
 absl::StatusOr<std::vector<ChildServer>> ChildServer::StartAll(
     const std::string& binary, const std::vector<std::vector<std::string>>& args_per_child,
-    int timeout_seconds) {
+    int timeout_seconds, bool call_pipe) {
   if (access(binary.c_str(), X_OK) != 0) {
     return absl::NotFoundError(absl::StrCat("server binary not found: ", binary));
   }
   char dir_template[] = "/tmp/lorastep-child-XXXXXX";
   if (mkdtemp(dir_template) == nullptr) return absl::InternalError("cannot make a temp folder");
   std::vector<pid_t> pids;
+  std::vector<int> pipe_fds;  // this side of each child's call pipe (-1: none)
   std::vector<std::string> port_files;
   auto kill_all = [&] {
     for (pid_t pid : pids) {
       kill(pid, SIGKILL);
       waitpid(pid, nullptr, 0);
+    }
+    for (int fd : pipe_fds) {
+      if (fd >= 0) close(fd);
     }
     RemoveAll(dir_template).IgnoreError();
   };
@@ -58,6 +69,23 @@ absl::StatusOr<std::vector<ChildServer>> ChildServer::StartAll(
     const auto& a = args_per_child[i];
     if (std::find(a.begin(), a.end(), "--port") == a.end()) argv_s.insert(argv_s.end(), {"--port", "0"});
     argv_s.insert(argv_s.end(), {"--port_file", port_files.back()});
+    // The call pipe: a socket pair whose child end becomes the child's descriptor
+    // kChildPipeFd, and nobody else's (both ends are close-on-exec here, so a child started
+    // beside it does not inherit it).
+    int pair[2] = {-1, -1};
+    if (call_pipe) {
+      if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) {
+        kill_all();
+        return ErrnoError("socketpair for a child's call pipe", binary);
+      }
+      if (pair[1] == kChildPipeFd) {  // dup2 onto itself would keep close-on-exec
+        const int moved = fcntl(pair[1], F_DUPFD_CLOEXEC, kChildPipeFd + 1);
+        close(pair[1]);
+        pair[1] = moved;
+      }
+      argv_s.insert(argv_s.end(), {"--coordinator_pipe_fd", std::to_string(kChildPipeFd)});
+    }
+    pipe_fds.push_back(pair[0]);
     // posix_spawn, not fork: no copy of this (large, threaded) process's page tables, and
     // nothing runs between the clone and the exec. The child arms its parent-death signal
     // itself (ExitWithSpawningParent), told who its parent is through the environment.
@@ -82,9 +110,14 @@ absl::StatusOr<std::vector<ChildServer>> ChildServer::StartAll(
     posix_spawnattr_setsigmask(&attr, &none);
     posix_spawnattr_setsigdefault(&attr, &defaults);
     posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+    posix_spawn_file_actions_t files;
+    posix_spawn_file_actions_init(&files);
+    if (call_pipe) posix_spawn_file_actions_adddup2(&files, pair[1], kChildPipeFd);
     pid_t pid = -1;
-    const int spawned = posix_spawn(&pid, binary.c_str(), nullptr, &attr, argv.data(), envp.data());
+    const int spawned = posix_spawn(&pid, binary.c_str(), &files, &attr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&files);
     posix_spawnattr_destroy(&attr);
+    if (pair[1] >= 0) close(pair[1]);
     if (spawned != 0) {
       kill_all();
       return absl::InternalError(absl::StrCat("posix_spawn ", binary, ": ", std::strerror(spawned)));
@@ -115,7 +148,7 @@ absl::StatusOr<std::vector<ChildServer>> ChildServer::StartAll(
     if (ready == pids.size()) {
       RemoveAll(dir_template).IgnoreError();
       std::vector<ChildServer> children;
-      for (size_t i = 0; i < pids.size(); ++i) children.push_back(ChildServer(pids[i], ports[i]));
+      for (size_t i = 0; i < pids.size(); ++i) children.push_back(ChildServer(pids[i], ports[i], pipe_fds[i]));
       return children;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -126,13 +159,14 @@ absl::StatusOr<std::vector<ChildServer>> ChildServer::StartAll(
 }
 
 ChildServer::ChildServer(ChildServer&& other) noexcept
-    : pid_(std::exchange(other.pid_, -1)), port_(other.port_) {}
+    : pid_(std::exchange(other.pid_, -1)), port_(other.port_), pipe_fd_(std::exchange(other.pipe_fd_, -1)) {}
 
 ChildServer& ChildServer::operator=(ChildServer&& other) noexcept {
   if (this != &other) {
     Stop();
     pid_ = std::exchange(other.pid_, -1);
     port_ = other.port_;
+    pipe_fd_ = std::exchange(other.pipe_fd_, -1);
   }
   return *this;
 }
@@ -142,6 +176,7 @@ ChildServer::~ChildServer() { Stop(); }
 std::string ChildServer::address() const { return absl::StrCat("127.0.0.1:", port_); }
 
 bool ChildServer::Stop() {
+  if (pipe_fd_ >= 0) close(std::exchange(pipe_fd_, -1));
   if (pid_ <= 0) return true;
   kill(pid_, SIGTERM);
   for (int i = 0; i < 100; ++i) {  // up to 10 s to shut down cleanly

@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -16,15 +17,17 @@ namespace lorastep {
 class ChildServer {
  public:
   // Runs `binary` with `args` plus --port 0 --port_file; waits until it reports its port.
-  // Both server binaries take those two flags.
+  // Both server binaries take those two flags. `call_pipe`: the child (a worker) also gets
+  // one end of a socket pair as its --coordinator_pipe_fd (rpc/call_pipe.h); TakePipeFd()
+  // hands over the other.
   static absl::StatusOr<ChildServer> Start(const std::string& binary,
                                                   const std::vector<std::string>& args,
-                                                  int timeout_seconds);
+                                                  int timeout_seconds, bool call_pipe = false);
   // Starts every child at once, then waits until all have reported their ports (ranks of a
   // mesh rendezvous before serving). If any fails, all are killed.
   static absl::StatusOr<std::vector<ChildServer>> StartAll(
       const std::string& binary, const std::vector<std::vector<std::string>>& args_per_child,
-      int timeout_seconds);
+      int timeout_seconds, bool call_pipe = false);
   ChildServer(ChildServer&& other) noexcept;
   // Stops (and reaps) the child this one held, then takes `other`'s.
   ChildServer& operator=(ChildServer&& other) noexcept;
@@ -32,13 +35,16 @@ class ChildServer {
 
   std::string address() const;
   pid_t pid() const { return pid_; }
+  // This side of the child's call pipe, to the caller's keeping (-1: none, or taken).
+  int TakePipeFd() { return std::exchange(pipe_fd_, -1); }
   // SIGTERM, then SIGKILL after 10 s. True when it exited on SIGTERM within that time.
   bool Stop();
 
  private:
-  ChildServer(pid_t pid, int port) : pid_(pid), port_(port) {}
+  ChildServer(pid_t pid, int port, int pipe_fd) : pid_(pid), port_(port), pipe_fd_(pipe_fd) {}
   pid_t pid_ = -1;
   int port_ = 0;
+  int pipe_fd_ = -1;
 };
 
 // A TCP port that is free on 127.0.0.1 right now (for a rendezvous the children bind).

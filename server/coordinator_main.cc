@@ -76,6 +76,9 @@ ABSL_FLAG(std::string, worker_binary, "", "lorastep_worker to start (default: be
 ABSL_FLAG(bool, in_process_worker, false,
           "run the local worker inside this process (world size 1): no second gRPC hop per call, but a worker "
           "crash ends the coordinator, which then cannot restart it");
+ABSL_FLAG(bool, worker_pipe, true,
+          "local worker processes: their per-step calls (TrainStep, ForwardBackward, Forward, OptimStep) travel over a "
+          "socket pair each inherits at spawn instead of gRPC (every other call stays on gRPC)");
 ABSL_FLAG(std::optional<int64_t>, max_tokens_per_microbatch, std::nullopt, "local workers: padded tokens per micro-batch");
 ABSL_FLAG(int, worker_start_timeout_s, 300, "seconds local workers may take to start");
 ABSL_FLAG(int, tp, 1, "tensor-parallel size of the mesh");
@@ -396,6 +399,8 @@ int main(int argc, char** argv) {
         "worker_tls_cert_file: needs --worker_tls_key_file and --worker_tls_ca_file (to verify the local workers)"));
   }
   std::vector<std::string> addresses;
+  std::vector<int> local_pipe_fds;  // of the local workers' call pipes, by address (-1: none)
+  const bool worker_pipe = absl::GetFlag(FLAGS_worker_pipe);
   std::vector<ChildServer> local;
   std::mutex local_mu;  // `local` is also changed by worker restarts
   std::vector<std::vector<std::string>> per_rank;  // each local worker's flags
@@ -472,16 +477,21 @@ int main(int argc, char** argv) {
     binary =
         !absl::GetFlag(FLAGS_worker_binary).empty() ? absl::GetFlag(FLAGS_worker_binary) : FindWorkerBinary(argv[0]);
     const int timeout = absl::GetFlag(FLAGS_worker_start_timeout_s);
-    auto started = ChildServer::StartAll(binary, per_rank, timeout);
+    auto started = ChildServer::StartAll(binary, per_rank, timeout, worker_pipe);
     if (!started.ok()) return fail(started.status());
     local = std::move(started).value();
-    for (const auto& child : local) addresses.push_back(child.address());
+    for (auto& child : local) {
+      addresses.push_back(child.address());
+      local_pipe_fds.push_back(child.TakePipeFd());
+    }
   }
   // A client of the worker at `address`, once it accepts connections (UNAVAILABLE after
   // `wait_s` seconds: nothing answers there).
-  auto connect_worker = [&](const std::string& address, int wait_s) -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
+  // `pipe_fd`: the call pipe of a worker this coordinator spawned (-1: none).
+  auto connect_worker = [&](const std::string& address, int wait_s,
+                            int pipe_fd = -1) -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
     auto client = std::make_unique<GrpcWorkerClient>(address, std::chrono::seconds(worker_call_timeout), worker_token,
-                                                     worker_tls);
+                                                     worker_tls, pipe_fd);
     LORASTEP_RETURN_IF_ERROR(client->WaitReady(wait_s));
     return std::unique_ptr<WorkerClient>(std::move(client));
   };
@@ -493,9 +503,10 @@ int main(int argc, char** argv) {
       for (size_t i = 0; i < local.size(); ++i) {
         if (local[i].address() != address) continue;
         LORASTEP_ASSIGN_OR_RETURN(
-            ChildServer fresh, ChildServer::Start(binary, per_rank[i], absl::GetFlag(FLAGS_worker_start_timeout_s)));
+            ChildServer fresh,
+            ChildServer::Start(binary, per_rank[i], absl::GetFlag(FLAGS_worker_start_timeout_s), worker_pipe));
         local[i] = std::move(fresh);
-        return connect_worker(local[i].address(), 60);
+        return connect_worker(local[i].address(), 60, local[i].TakePipeFd());
       }
       return absl::NotFoundError(absl::StrCat("no local worker at ", address));
     };
@@ -519,10 +530,12 @@ int main(int argc, char** argv) {
         auto flag = std::find(args.begin(), args.end(), "--rendezvous");
         if (flag != args.end() && std::next(flag) != args.end()) *std::next(flag) = rendezvous;
       }
-      LORASTEP_ASSIGN_OR_RETURN(local, ChildServer::StartAll(binary, per_rank, absl::GetFlag(FLAGS_worker_start_timeout_s)));
+      LORASTEP_ASSIGN_OR_RETURN(
+          local, ChildServer::StartAll(binary, per_rank, absl::GetFlag(FLAGS_worker_start_timeout_s), worker_pipe));
       std::vector<std::unique_ptr<WorkerClient>> clients;
-      for (const ChildServer& child : local) {
-        LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<WorkerClient> client, connect_worker(child.address(), 60));
+      for (ChildServer& child : local) {
+        LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<WorkerClient> client,
+                                  connect_worker(child.address(), 60, child.TakePipeFd()));
         clients.push_back(std::move(client));
       }
       return clients;
@@ -548,8 +561,8 @@ int main(int argc, char** argv) {
   if (in_process != nullptr) {
     if (auto s = core.AddWorker(std::move(in_process)); !s.ok()) return fail(s);
   }
-  for (const auto& a : addresses) {
-    auto client = connect_worker(a, 60);
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    auto client = connect_worker(addresses[i], 60, i < local_pipe_fds.size() ? local_pipe_fds[i] : -1);
     if (!client.ok()) return fail(client.status());
     if (auto s = core.AddWorker(std::move(client).value()); !s.ok()) return fail(s);
   }

@@ -7,6 +7,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "lib/status_macros.h"
 #include "rpc/grpc_status.h"
 #include "rpc/proto_convert.h"
 
@@ -33,8 +34,9 @@ Req WithDatums(const Req& req, const BatchShard& batch) {
 }  // namespace
 
 GrpcWorkerClient::GrpcWorkerClient(const std::string& address, std::chrono::seconds call_timeout,
-                                   std::string worker_token, const WorkerTls& tls)
+                                   std::string worker_token, const WorkerTls& tls, int call_pipe_fd)
     : address_(address), call_timeout_(call_timeout),
+      pipe_(call_pipe_fd >= 0 ? std::make_unique<CallPipeClient>(call_pipe_fd, address) : nullptr),
       authorization_(worker_token.empty() ? "" : "Bearer " + worker_token) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);
@@ -76,7 +78,25 @@ absl::StatusOr<Resp> GrpcWorkerClient::Call(Method method, const Req& req, std::
   return resp;
 }
 
+template <typename Resp, typename Req, typename Method>
+absl::StatusOr<Resp> GrpcWorkerClient::StepCall(Method method, WorkerPipeMethod pipe_method, const Req& req,
+                                                 std::chrono::system_clock::time_point deadline) {
+  if (pipe_ == nullptr) return Call<Resp>(method, req, std::chrono::seconds(0), deadline);
+  std::string payload;
+  req.SerializeToString(&payload);
+  LORASTEP_ASSIGN_OR_RETURN(std::string answer,
+                            pipe_->Call(static_cast<uint8_t>(pipe_method), std::move(payload),
+                                        std::min(deadline, std::chrono::system_clock::now() + call_timeout_)));
+  Resp resp;
+  if (!resp.ParseFromString(answer)) {
+    return absl::DataLossError(absl::StrCat("worker ", address_, ": an answer that does not parse as ",
+                                            Resp::descriptor()->full_name()));
+  }
+  return resp;
+}
+
 void GrpcWorkerClient::CancelInFlight() {
+  if (pipe_ != nullptr) pipe_->CancelAll();
   std::lock_guard<std::mutex> lock(in_flight_mu_);
   for (grpc::ClientContext* ctx : in_flight_) ctx->TryCancel();
 }
@@ -104,21 +124,23 @@ absl::Status GrpcWorkerClient::DeleteRun(const v1::WorkerDeleteRunRequest& req) 
 }
 absl::StatusOr<v1::WorkerForwardBackwardResponse> GrpcWorkerClient::ForwardBackward(
     const v1::WorkerForwardBackwardRequest& req, const BatchShard& batch) {
-  return Call<v1::WorkerForwardBackwardResponse>(&v1::Worker::Stub::ForwardBackward, WithDatums(req, batch), std::chrono::seconds(0),
-                       batch.deadline);
+  return StepCall<v1::WorkerForwardBackwardResponse>(&v1::Worker::Stub::ForwardBackward,
+                                                     WorkerPipeMethod::kForwardBackward, WithDatums(req, batch),
+                                                     batch.deadline);
 }
 absl::StatusOr<v1::WorkerForwardBackwardResponse> GrpcWorkerClient::Forward(const v1::WorkerForwardRequest& req,
                                                                             const BatchShard& batch) {
-  return Call<v1::WorkerForwardBackwardResponse>(&v1::Worker::Stub::Forward, WithDatums(req, batch), std::chrono::seconds(0),
-                       batch.deadline);
+  return StepCall<v1::WorkerForwardBackwardResponse>(&v1::Worker::Stub::Forward, WorkerPipeMethod::kForward,
+                                                     WithDatums(req, batch), batch.deadline);
 }
 absl::StatusOr<v1::WorkerStepResponse> GrpcWorkerClient::OptimStep(const v1::WorkerOptimStepRequest& req) {
-  return Call<v1::WorkerStepResponse>(&v1::Worker::Stub::OptimStep, req);
+  return StepCall<v1::WorkerStepResponse>(&v1::Worker::Stub::OptimStep, WorkerPipeMethod::kOptimStep, req,
+                                          std::chrono::system_clock::time_point::max());
 }
 absl::StatusOr<v1::WorkerStepResponse> GrpcWorkerClient::TrainStep(const v1::WorkerTrainStepRequest& req,
                                                                     const BatchShard& batch) {
-  return Call<v1::WorkerStepResponse>(&v1::Worker::Stub::TrainStep, WithDatums(req, batch), std::chrono::seconds(0),
-                       batch.deadline);
+  return StepCall<v1::WorkerStepResponse>(&v1::Worker::Stub::TrainStep, WorkerPipeMethod::kTrainStep,
+                                          WithDatums(req, batch), batch.deadline);
 }
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::SaveState(const v1::WorkerPathRequest& req) {
   return Call<v1::WorkerPathResponse>(&v1::Worker::Stub::SaveState, req);

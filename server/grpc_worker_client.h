@@ -9,6 +9,7 @@
 #include <string>
 
 #include "lorastep/v1/worker.grpc.pb.h"
+#include "rpc/call_pipe.h"
 #include "server/worker_client.h"
 
 namespace lorastep {
@@ -26,9 +27,12 @@ class GrpcWorkerClient final : public WorkerClient {
   // minutes; a worker that hangs must not hold the mesh forever).
   // `worker_token`: sent as "authorization: Bearer <token>" to workers started with
   // --worker_token_file (empty: none). `tls`: workers serve TLS (see WorkerTls).
+  // `call_pipe_fd`: this side of the call pipe of a worker this coordinator spawned
+  // (ChildServer::TakePipeFd; owned from here on): the per-step calls (TrainStep,
+  // ForwardBackward, Forward, OptimStep) go over it instead of gRPC. -1: none.
   explicit GrpcWorkerClient(const std::string& address,
                             std::chrono::seconds call_timeout = std::chrono::seconds(3600),
-                            std::string worker_token = "", const WorkerTls& tls = {});
+                            std::string worker_token = "", const WorkerTls& tls = {}, int call_pipe_fd = -1);
   // Waits until the channel is ready (or the deadline passes).
   absl::Status WaitReady(int timeout_seconds);
 
@@ -60,8 +64,14 @@ class GrpcWorkerClient final : public WorkerClient {
   absl::StatusOr<Resp> Call(Method method, const Req& req, std::chrono::seconds timeout = std::chrono::seconds(0),
                             std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max());
 
+  // A per-step call: over the call pipe when there is one, else as Call does.
+  template <typename Resp, typename Req, typename Method>
+  absl::StatusOr<Resp> StepCall(Method method, WorkerPipeMethod pipe_method, const Req& req,
+                                std::chrono::system_clock::time_point deadline);
+
   std::string address_;
   std::chrono::seconds call_timeout_;
+  std::unique_ptr<CallPipeClient> pipe_;
   std::string authorization_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Worker::Stub> stub_;

@@ -40,6 +40,8 @@
 #include "lib/io/state_pruner.h"
 #include "worker/rendezvous_service.h"
 #include "worker/test_hooks.h"
+#include "worker/worker_dispatch.h"
+#include "worker/worker_pipe_service.h"
 #include "worker/worker_service.h"
 
 ABSL_FLAG(std::string, model, "", "Hugging Face model folder (config.json + safetensors); required");
@@ -48,6 +50,9 @@ ABSL_FLAG(std::string, dtype, "", "float32 | bfloat16 | float16 (default: the mo
 ABSL_FLAG(std::string, host, "127.0.0.1", "address to listen on");
 ABSL_FLAG(int, port, 0, "port of the Worker API (0: any free port)");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here");
+ABSL_FLAG(int, coordinator_pipe_fd, -1,
+          "an inherited socket from the coordinator that spawned this worker: its per-step calls arrive there "
+          "(set by the coordinator; -1: none)");
 ABSL_FLAG(std::optional<int64_t>, max_tokens_per_microbatch, std::nullopt, "padded tokens per micro-batch (default 8192)");
 ABSL_FLAG(int64_t, coschedule_window_us, 5000,
           "TrainSteps of different runs queued while the device is busy run as one step; with several runs, a call "
@@ -347,7 +352,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  WorkerService service(core->get(), &metrics, token_sha256);
+  WorkerDispatch dispatch(core->get(), &metrics);
+  WorkerService service(&dispatch, token_sha256);
   int port = 0;
   CallObservers observers{&metrics, VerbosityFlag(), "worker", options.sizes.world() > 1 ? options.rank : -1};
   observers.services = {"lorastep.v1.Worker"};
@@ -356,6 +362,15 @@ int main(int argc, char** argv) {
   if (!server.ok()) {
     LORASTEP_LOG(Error) << "lorastep_worker: " << server.status();
     return 1;
+  }
+  std::unique_ptr<WorkerPipeService> pipe;
+  if (const int fd = absl::GetFlag(FLAGS_coordinator_pipe_fd); fd != -1) {
+    auto started = WorkerPipeService::Start(fd, &dispatch, &observers);
+    if (!started.ok()) {
+      LORASTEP_LOG(Error) << "lorastep_worker: " << started.status();
+      return 2;
+    }
+    pipe = *std::move(started);
   }
   if (!absl::GetFlag(FLAGS_port_file).empty()) {
     if (auto s = WritePortFile(absl::GetFlag(FLAGS_port_file), port); !s.ok()) {
@@ -409,5 +424,6 @@ int main(int argc, char** argv) {
   pruner.reset();
   if (announcer.joinable()) announcer.join();
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
+  pipe.reset();  // its calls still running are cancelled, and stop at their next micro-batch
   return 0;
 }

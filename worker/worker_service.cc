@@ -5,9 +5,8 @@
 
 namespace lorastep {
 
-WorkerService::WorkerService(WorkerCore* core, PrometheusRegistry* metrics, std::string token_sha256,
-                             size_t device_call_threads)
-    : calls_(core, metrics), token_sha256_(std::move(token_sha256)), device_calls_(device_call_threads) {}
+WorkerService::WorkerService(WorkerDispatch* dispatch, std::string token_sha256)
+    : dispatch_(dispatch), calls_(dispatch->calls), token_sha256_(std::move(token_sha256)) {}
 
 absl::Status WorkerService::CheckToken(grpc::CallbackServerContext* ctx) const {
   return token_sha256_.empty() ? absl::OkStatus() : CheckBearerToken(AuthorizationOf(*ctx), token_sha256_);
@@ -22,9 +21,9 @@ grpc::ServerUnaryReactor* WorkerService::Defer(grpc::CallbackServerContext* ctx,
   }
   auto task = [reactor, work = std::move(work)]() mutable { reactor->Finish(ToGrpcStatus(work())); };
   if (run_id != nullptr) {
-    device_calls_.Submit(*run_id, std::move(task));
+    dispatch_->device_calls.Submit(*run_id, std::move(task));
   } else {
-    files_executor_.Submit(std::move(task));
+    dispatch_->files.Submit(std::move(task));
   }
   return reactor;
 }

@@ -1,28 +1,21 @@
 // The worker's gRPC adapter: checks the worker token, runs the call (WorkerCalls) on an
-// executor (never on a gRPC thread; device calls queued by run), converts the status in
-// rpc/grpc_status.
+// executor of the worker's dispatch (never on a gRPC thread; device calls queued by run),
+// converts the status in rpc/grpc_status.
 #ifndef LORASTEP_WORKER_WORKER_SERVICE_H_
 #define LORASTEP_WORKER_WORKER_SERVICE_H_
 
 #include <string>
 
 #include "lorastep/v1/worker.grpc.pb.h"
-#include "rpc/serial_executor.h"
-#include "lib/prometheus_registry.h"
-#include "worker/worker_calls.h"
-#include "worker/worker_core.h"
+#include "worker/worker_dispatch.h"
 
 namespace lorastep {
 
 class WorkerService final : public v1::Worker::CallbackService {
  public:
-  // `metrics`: this rank's step figures (rpc/step_metrics.h), labelled by run; may be null.
   // `token_sha256`: with --worker_token_file, every call must present the token (the
   // coordinator does); empty: open.
-  // `device_call_threads`: how many runs' calls may wait for the device at once (a run's
-  // calls run one at a time, in order); co-scheduling joins only calls that wait together.
-  explicit WorkerService(WorkerCore* core, PrometheusRegistry* metrics = nullptr, std::string token_sha256 = "",
-                         size_t device_call_threads = 64);
+  explicit WorkerService(WorkerDispatch* dispatch, std::string token_sha256 = "");
 
   grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* ctx, const v1::WorkerInfoRequest* req,
                                  v1::WorkerInfo* resp) override;
@@ -73,10 +66,9 @@ class WorkerService final : public v1::Worker::CallbackService {
   grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, const std::string* run_id, Work work);
 
   absl::Status CheckToken(grpc::CallbackServerContext* ctx) const;
-  WorkerCalls calls_;
+  WorkerDispatch* dispatch_;
+  WorkerCalls& calls_;
   std::string token_sha256_;
-  KeyedExecutor device_calls_;     // the device's calls, by run (WorkerCore's lock orders the device)
-  SerialExecutor files_executor_;  // AwaitSaved and the store's files: the disk, never the device
 };
 
 }  // namespace lorastep

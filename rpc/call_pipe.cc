@@ -1,0 +1,285 @@
+#include "rpc/call_pipe.h"
+
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace lorastep {
+namespace {
+
+constexpr uint32_t kFrameMagic = 0x3150534c;  // "LSP1" read as little-endian
+constexpr uint32_t kMaxMessageBytes = 64 << 10;
+
+#pragma pack(push, 1)
+struct FrameHeader {
+  uint32_t magic;
+  uint8_t kind;
+  uint8_t method;
+  uint16_t reserved;
+  uint32_t code;
+  uint32_t message_bytes;
+  uint64_t call_id;
+  int64_t deadline_unix_us;
+  uint64_t payload_bytes;
+};
+#pragma pack(pop)
+static_assert(sizeof(FrameHeader) == 40, "the frame header is 40 bytes");
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "frames are little-endian, as this host");
+
+int64_t NowUnixUs() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// Reads exactly `n` bytes; false at the end of the stream or on an error.
+bool ReadFully(int fd, char* out, size_t n) {
+  while (n > 0) {
+    const ssize_t got = read(fd, out, n);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    out += got;
+    n -= static_cast<size_t>(got);
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::Status WriteCallFrame(int fd, const CallFrame& frame) {
+  FrameHeader header{kFrameMagic,
+                     static_cast<uint8_t>(frame.kind),
+                     frame.method,
+                     0,
+                     static_cast<uint32_t>(frame.code),
+                     static_cast<uint32_t>(std::min<size_t>(frame.message.size(), kMaxMessageBytes)),
+                     frame.call_id,
+                     frame.deadline_unix_us,
+                     frame.payload.size()};
+  iovec parts[3] = {{&header, sizeof(header)},
+                    {const_cast<char*>(frame.message.data()), header.message_bytes},
+                    {const_cast<char*>(frame.payload.data()), frame.payload.size()}};
+  iovec* next = parts;
+  int left = 3;
+  while (left > 0) {
+    msghdr msg{};
+    msg.msg_iov = next;
+    msg.msg_iovlen = left;
+    const ssize_t sent = sendmsg(fd, &msg, MSG_NOSIGNAL);  // a closed peer: EPIPE, not SIGPIPE
+    if (sent < 0 && errno == EINTR) continue;
+    if (sent < 0) return absl::UnavailableError(absl::StrCat("pipe write: ", std::strerror(errno)));
+    size_t done = static_cast<size_t>(sent);
+    while (left > 0 && done >= next->iov_len) {
+      done -= next->iov_len;
+      ++next;
+      --left;
+    }
+    if (left > 0) {
+      next->iov_base = static_cast<char*>(next->iov_base) + done;
+      next->iov_len -= done;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CallFrame> ReadCallFrame(int fd, uint64_t max_payload_bytes) {
+  FrameHeader header;
+  if (!ReadFully(fd, reinterpret_cast<char*>(&header), sizeof(header))) {
+    return absl::UnavailableError("pipe closed");
+  }
+  if (header.magic != kFrameMagic || header.kind < 1 || header.kind > 3 || header.message_bytes > kMaxMessageBytes) {
+    return absl::DataLossError("pipe: a header that is not a call frame's");
+  }
+  if (header.payload_bytes > max_payload_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("pipe: a payload of ", header.payload_bytes, " bytes is over the limit of ", max_payload_bytes));
+  }
+  CallFrame frame;
+  frame.kind = static_cast<CallFrameKind>(header.kind);
+  frame.method = header.method;
+  frame.code = static_cast<absl::StatusCode>(header.code);
+  frame.call_id = header.call_id;
+  frame.deadline_unix_us = header.deadline_unix_us;
+  frame.message.resize(header.message_bytes);
+  frame.payload.resize(header.payload_bytes);
+  if (!ReadFully(fd, frame.message.data(), frame.message.size()) ||
+      !ReadFully(fd, frame.payload.data(), frame.payload.size())) {
+    return absl::UnavailableError("pipe closed within a frame");
+  }
+  return frame;
+}
+
+CallPipeClient::CallPipeClient(int fd, std::string peer, uint64_t max_answer_bytes)
+    : fd_(fd), peer_(std::move(peer)), max_answer_bytes_(max_answer_bytes) {
+  reader_ = std::thread([this] { ReadAnswers(); });
+}
+
+CallPipeClient::~CallPipeClient() {
+  shutdown(fd_, SHUT_RDWR);  // the reader sees the end of the stream
+  reader_.join();
+  close(fd_);
+}
+
+void CallPipeClient::ReadAnswers() {
+  absl::Status why;
+  while (true) {
+    absl::StatusOr<CallFrame> frame = ReadCallFrame(fd_, max_answer_bytes_);
+    if (!frame.ok()) {
+      why = frame.status();
+      break;
+    }
+    if (frame->kind != CallFrameKind::kAnswer) {
+      why = absl::DataLossError("pipe: the callee sent a frame that is not an answer");
+      break;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pending_.find(frame->call_id);
+    if (it == pending_.end()) continue;  // its caller gave up (deadline, cancel)
+    Pending& p = *it->second;
+    p.status = frame->code == absl::StatusCode::kOk ? absl::OkStatus() : absl::Status(frame->code, frame->message);
+    p.payload = std::move(frame->payload);
+    p.done = true;
+    p.cv.notify_one();
+    pending_.erase(it);
+  }
+  shutdown(fd_, SHUT_RDWR);  // a stream out of step is not read again, nor written
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_ = true;
+  closed_status_ = absl::UnavailableError(absl::StrCat("worker ", peer_, ": its pipe closed (", why.message(), ")"));
+  for (auto& [id, p] : pending_) {
+    p->status = closed_status_;
+    p->done = true;
+    p->cv.notify_one();
+  }
+  pending_.clear();
+}
+
+void CallPipeClient::SendCancel(uint64_t call_id) {
+  CallFrame cancel;
+  cancel.kind = CallFrameKind::kCancel;
+  cancel.call_id = call_id;
+  std::lock_guard<std::mutex> lock(write_mu_);
+  WriteCallFrame(fd_, cancel).IgnoreError();  // a closed pipe fails every call anyway
+}
+
+absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string payload,
+                                                 std::chrono::system_clock::time_point deadline) {
+  auto pending = std::make_shared<Pending>();
+  uint64_t id = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return closed_status_;
+    id = next_id_++;
+    pending_[id] = pending;
+  }
+  CallFrame call;
+  call.kind = CallFrameKind::kCall;
+  call.method = method;
+  call.call_id = id;
+  call.deadline_unix_us = deadline == std::chrono::system_clock::time_point::max()
+                              ? 0
+                              : std::chrono::duration_cast<std::chrono::microseconds>(deadline.time_since_epoch()).count();
+  call.payload = std::move(payload);
+  absl::Status sent;
+  {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    sent = WriteCallFrame(fd_, call);
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!sent.ok() && !pending->done) {
+    pending_.erase(id);
+    return absl::UnavailableError(absl::StrCat("worker ", peer_, ": ", sent.message()));
+  }
+  const bool answered = deadline == std::chrono::system_clock::time_point::max()
+                            ? (pending->cv.wait(lock, [&] { return pending->done; }), true)
+                            : pending->cv.wait_until(lock, deadline, [&] { return pending->done; });
+  if (!answered) {
+    pending_.erase(id);
+    lock.unlock();
+    SendCancel(id);
+    return absl::DeadlineExceededError(absl::StrCat("worker ", peer_, ": no answer before the call's deadline"));
+  }
+  if (!pending->status.ok()) return pending->status;
+  return std::move(pending->payload);
+}
+
+void CallPipeClient::CancelAll() {
+  std::vector<uint64_t> ids;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, p] : pending_) {
+      p->status = absl::CancelledError(absl::StrCat("worker ", peer_, ": call cancelled"));
+      p->done = true;
+      p->cv.notify_one();
+      ids.push_back(id);
+    }
+    pending_.clear();
+  }
+  for (uint64_t id : ids) SendCancel(id);
+}
+
+// What the reader and every answer still to come share: the socket stays open until the
+// last of them is done with it.
+struct CallPipeServer::Shared {
+  explicit Shared(int fd) : fd(fd) {}
+  ~Shared() { close(fd); }
+  const int fd;
+  std::mutex write_mu;
+  std::mutex mu;
+  bool closed = false;                                                 // under mu
+  std::map<uint64_t, std::shared_ptr<std::atomic<bool>>> cancelled;  // calls not answered yet, under mu
+};
+
+CallPipeServer::CallPipeServer(int fd, uint64_t max_call_bytes, Handler handler)
+    : shared_(std::make_shared<Shared>(fd)) {
+  reader_ = std::thread([shared = shared_, max_call_bytes, handler = std::move(handler)] {
+    while (true) {
+      absl::StatusOr<CallFrame> frame = ReadCallFrame(shared->fd, max_call_bytes);
+      if (!frame.ok() || frame->kind == CallFrameKind::kAnswer) break;
+      std::unique_lock<std::mutex> lock(shared->mu);
+      if (frame->kind == CallFrameKind::kCancel) {
+        if (auto it = shared->cancelled.find(frame->call_id); it != shared->cancelled.end()) *it->second = true;
+        continue;
+      }
+      auto flag = std::make_shared<std::atomic<bool>>(false);
+      shared->cancelled[frame->call_id] = flag;
+      lock.unlock();
+      const int64_t deadline = frame->deadline_unix_us;
+      auto cancelled = [flag, deadline] { return flag->load() || (deadline != 0 && NowUnixUs() >= deadline); };
+      Respond respond = [shared, id = frame->call_id](const absl::Status& status, std::string payload) {
+        {
+          std::lock_guard<std::mutex> lock(shared->mu);
+          shared->cancelled.erase(id);
+          if (shared->closed) return;
+        }
+        CallFrame answer;
+        answer.kind = CallFrameKind::kAnswer;
+        answer.call_id = id;
+        answer.code = status.code();
+        answer.message = std::string(status.message());
+        if (status.ok()) answer.payload = std::move(payload);
+        std::lock_guard<std::mutex> lock(shared->write_mu);
+        WriteCallFrame(shared->fd, answer).IgnoreError();  // the caller is gone: nobody to tell
+      };
+      handler(frame->method, std::move(frame->payload), std::move(cancelled), std::move(respond));
+    }
+    // The caller closed the pipe (or broke its framing): nobody waits for the calls still running.
+    shutdown(shared->fd, SHUT_RDWR);
+    std::lock_guard<std::mutex> lock(shared->mu);
+    shared->closed = true;
+    for (auto& [id, flag] : shared->cancelled) *flag = true;
+  });
+}
+
+CallPipeServer::~CallPipeServer() {
+  shutdown(shared_->fd, SHUT_RDWR);
+  reader_.join();
+}
+
+}  // namespace lorastep

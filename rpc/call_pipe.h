@@ -1,0 +1,122 @@
+// Calls over a connected Unix stream socket that a process shares with the child it spawned
+// (the coordinator and its local worker): a request and its answer each travel as one frame,
+// with no HTTP/2 framing, flow control or completion-queue threads in the way. Only the two
+// processes hold the socket (it is inherited at spawn, never named in the filesystem), so
+// nothing else can reach the calls it carries.
+//
+// A frame is a fixed little-endian header (magic, kind, method, status code, call id,
+// deadline, the lengths of a message and a payload) followed by the message and the payload.
+// The reader checks the header's lengths against its limits before it reads the rest.
+#ifndef LORASTEP_RPC_CALL_PIPE_H_
+#define LORASTEP_RPC_CALL_PIPE_H_
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace lorastep {
+
+// The worker calls that travel over the coordinator's pipe (a training loop's per-step calls);
+// every other call stays on gRPC.
+enum class WorkerPipeMethod : uint8_t { kTrainStep = 1, kForwardBackward = 2, kForward = 3, kOptimStep = 4 };
+
+enum class CallFrameKind : uint8_t { kCall = 1, kAnswer = 2, kCancel = 3 };
+
+struct CallFrame {
+  CallFrameKind kind = CallFrameKind::kCall;
+  uint8_t method = 0;                              // kCall
+  absl::StatusCode code = absl::StatusCode::kOk;   // kAnswer
+  uint64_t call_id = 0;
+  int64_t deadline_unix_us = 0;                    // kCall; 0: none
+  std::string message;                             // kAnswer: a failure's message
+  std::string payload;                             // kCall: the request; kAnswer (OK): the response
+};
+
+// Writes the whole frame (the caller serializes writers of one socket). UNAVAILABLE when the
+// peer has closed its end.
+absl::Status WriteCallFrame(int fd, const CallFrame& frame);
+// Reads one frame. UNAVAILABLE at the end of the stream (the peer closed or exited);
+// DATA_LOSS for a header that is not a frame's; RESOURCE_EXHAUSTED for a payload over
+// `max_payload_bytes` (nothing past the header is read then; the stream is out of step and
+// the caller closes it).
+absl::StatusOr<CallFrame> ReadCallFrame(int fd, uint64_t max_payload_bytes);
+
+// The caller's side: sends calls, and reads answers on its own thread. Thread-safe; calls
+// from several threads are in flight together.
+class CallPipeClient {
+ public:
+  // Owns `fd` (closed on destruction). `peer` names the callee in errors.
+  CallPipeClient(int fd, std::string peer, uint64_t max_answer_bytes = 1ull << 30);
+  // Closes the pipe; calls still waiting return UNAVAILABLE.
+  ~CallPipeClient();
+  CallPipeClient(const CallPipeClient&) = delete;
+  CallPipeClient& operator=(const CallPipeClient&) = delete;
+
+  // Sends `payload` as a call of `method` and waits for the answer: its payload, or the
+  // callee's status. At `deadline` the call returns DEADLINE_EXCEEDED and the callee is told to
+  // cancel it (as it is told the deadline itself). UNAVAILABLE once the pipe has closed (the
+  // callee exited).
+  absl::StatusOr<std::string> Call(uint8_t method, std::string payload,
+                                   std::chrono::system_clock::time_point deadline);
+  // Every call in flight returns CANCELLED now; the callee is told to cancel each.
+  void CancelAll();
+
+ private:
+  struct Pending {
+    bool done = false;
+    absl::Status status;
+    std::string payload;
+    std::condition_variable cv;
+  };
+  void ReadAnswers();
+  void SendCancel(uint64_t call_id);  // best effort
+
+  const int fd_;
+  const std::string peer_;
+  const uint64_t max_answer_bytes_;
+  std::mutex write_mu_;
+  std::mutex mu_;
+  bool closed_ = false;          // under mu_
+  absl::Status closed_status_;   // under mu_: why
+  uint64_t next_id_ = 1;         // under mu_
+  std::map<uint64_t, std::shared_ptr<Pending>> pending_;  // under mu_
+  std::thread reader_;
+};
+
+// The callee's side: reads calls on its own thread and hands each to `handler`, which
+// answers it exactly once through `respond`, from any thread, at any time (the answer is
+// dropped if the pipe has closed meanwhile).
+class CallPipeServer {
+ public:
+  using Respond = std::function<void(const absl::Status& status, std::string payload)>;
+  // `cancelled` turns true once the caller cancels the call, its deadline passes, or the pipe
+  // closes.
+  using Handler = std::function<void(uint8_t method, std::string payload, std::function<bool()> cancelled,
+                                     Respond respond)>;
+  // Owns `fd`. Calls with payloads over `max_call_bytes` close the pipe (the caller's calls
+  // in flight then fail UNAVAILABLE).
+  CallPipeServer(int fd, uint64_t max_call_bytes, Handler handler);
+  // Stops reading and closes the pipe; answers still to come are dropped.
+  ~CallPipeServer();
+  CallPipeServer(const CallPipeServer&) = delete;
+  CallPipeServer& operator=(const CallPipeServer&) = delete;
+
+ private:
+  struct Shared;
+  std::shared_ptr<Shared> shared_;
+  std::thread reader_;
+};
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_RPC_CALL_PIPE_H_
