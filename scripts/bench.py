@@ -326,14 +326,31 @@ def suite_attention(ctx):
         ctx.fails, "attention backends", env=ctx.env, log=os.path.join(ctx.out, "attention.log"))
 
 
+# How each worker deployment starts: the worker inside the coordinator's process, or spawned
+# (its per-step calls over the inherited call pipe, or, process_grpc, over gRPC).
+DEPLOYMENTS = {
+    "process": {"IN_PROCESS_WORKER": "false", "COORD_FLAGS": ""},
+    "process_grpc": {"IN_PROCESS_WORKER": "false", "COORD_FLAGS": "--noworker_pipe"},
+    "in_process": {"IN_PROCESS_WORKER": "true", "COORD_FLAGS": ""},
+}
+
+
 def suite_service(ctx):
     model_env = dict(bench_env(ctx), MODEL_DIR=ctx.model("qwen2.5-0.5b", "bfloat16", 1), RANK="32",
                      STEPS=str(ctx.args.steps))
-    for deployment in ctx.args.deployment:
-        env = dict(model_env, IN_PROCESS_WORKER="true" if deployment == "in_process" else "false")
-        run(["bash", "bench/service_overhead.sh", ctx.build, "qwen2.5-0.5b", "cuda", "bfloat16",
-             os.path.join(ctx.out, f"service_overhead_{deployment}.json"), "overhead_fraction"], ctx.fails,
-            f"service overhead ({deployment})", env=env, log=os.path.join(ctx.out, f"service_{deployment}.log"))
+    # --service-log: each deployment once more with every call's duration logged on each side
+    # (--v=2), to split the overhead; the logging's own cost stays out of the headline figures.
+    passes = [("", "")] + ([("_v2", "--v=2")] if ctx.args.service_log else [])
+    for suffix, flags in passes:
+        for deployment in ctx.args.deployment:
+            d = DEPLOYMENTS[deployment]
+            name = f"{deployment}{suffix}"
+            env = dict(model_env, IN_PROCESS_WORKER=d["IN_PROCESS_WORKER"],
+                       COORD_FLAGS=f"{d['COORD_FLAGS']} {flags}".strip(),
+                       SERVER_LOG=os.path.join(ctx.out, f"service_{name}.server.log"))
+            run(["bash", "bench/service_overhead.sh", ctx.build, "qwen2.5-0.5b", "cuda", "bfloat16",
+                 os.path.join(ctx.out, f"service_overhead_{name}.json"), "overhead_fraction"], ctx.fails,
+                f"service overhead ({name})", env=env, log=os.path.join(ctx.out, f"service_{name}.log"))
 
 
 def suite_autosave(ctx):
@@ -345,8 +362,8 @@ def suite_autosave(ctx):
     for kind in ctx.args.deployment:
         raw = os.path.join(ctx.out, f"autosave_{kind}")
         if run(["bash", "bench/autosave_cost.sh", ctx.build, "qwen2.5-0.5b", "cuda", "bfloat16", raw], ctx.fails,
-               f"autosave ({kind})", env=dict(env, BATCH_FILE=batch,
-                                              IN_PROCESS_WORKER="true" if kind == "in_process" else "false"),
+               f"autosave ({kind})", env=dict(env, BATCH_FILE=batch, IN_PROCESS_WORKER=DEPLOYMENTS[kind]["IN_PROCESS_WORKER"],
+                                              COORD_FLAGS=f"{env['COORD_FLAGS']} {DEPLOYMENTS[kind]['COORD_FLAGS']}".strip()),
                log=raw + ".log"):
             run([sys.executable, "bench/autosave_results.py", raw, raw + ".json", "--worker", kind, "--command",
                  ctx.command_line()], ctx.fails, f"autosave results ({kind})", env=ctx.env)
@@ -446,7 +463,8 @@ SUITES = {
     "digest": ("the digest check's share of the LoRA step (after 'step')", suite_digest,
                lambda a: ["digest_cost.json"], lambda a: []),
     "service": ("service overhead per deployment (0.5B, 64 x 512)", suite_service,
-                lambda a: [f"service_overhead_{d}.json" for d in a.deployment], lambda a: []),
+                lambda a: [f"service_overhead_{d}{v}.json" for v in ["", "_v2"][:1 + a.service_log]
+                           for d in a.deployment], lambda a: []),
     "autosave": ("autosave's cost on the step", suite_autosave,
                  lambda a: [f"autosave_{d}.json" for d in a.deployment], lambda a: []),
     "multi-tenant": ("many runs on one base: co-scheduled against one at a time", suite_multi_tenant,
@@ -520,9 +538,11 @@ def main(argv=None):
     ap.add_argument("--long-runs", nargs="*", default=[], help="long: runs (default all: q7b_32768 recompute "
                                                                "q05_131072 q7b_131072)")
     ap.add_argument("--families-only", help="families: comma-separated subset")
-    ap.add_argument("--deployment", nargs="+", default=["process", "in_process"], choices=["process", "in_process"],
-                    help="service/autosave: worker deployments")
+    ap.add_argument("--deployment", nargs="+", default=["process", "in_process"], choices=sorted(DEPLOYMENTS),
+                    help="service/autosave: worker deployments (process_grpc: spawned, per-step calls over gRPC)")
     ap.add_argument("--steps", type=int, default=10, help="service: timed steps")
+    ap.add_argument("--service-log", action="store_true",
+                    help="service: each deployment once more with --v=2 call durations, to split the overhead")
     ap.add_argument("--moe-layout", nargs="+", default=["shared_outer", "per_expert"],
                     choices=["shared_outer", "per_expert"], help="moe-bench: expert LoRA layouts")
     ap.add_argument("--pack-raw", action="store_true",
