@@ -1,8 +1,12 @@
 // WorkerCalls (worker/worker_calls.h), the Worker API's calls without gRPC that both the
 // worker process and the coordinator's in-process worker run: the exactly-once record under
 // concurrent retries of one request_id, a request_id reused for another method, and a failed
-// call that records nothing.
+// call that records nothing; and the same calls over the call pipe of a spawned worker.
 #include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <thread>
@@ -15,8 +19,12 @@
 #include "rpc/proto_convert.h"
 #include "tests/proto_test_util.h"
 #include "tests/test_util.h"
+#include "rpc/call_pipe.h"
+#include "server/grpc_worker_client.h"
 #include "worker/worker_calls.h"
 #include "worker/worker_core.h"
+#include "worker/worker_dispatch.h"
+#include "worker/worker_pipe_service.h"
 
 namespace lorastep {
 namespace {
@@ -173,6 +181,94 @@ TEST_F(WorkerCallsTest, AbsentTotalsMeanTheCallsOwnDatums) {
   EXPECT_NE(a.result().metrics().at("loss:sum"), b.result().metrics().at("loss:sum"));
 }
 
+
+// The call pipe from a coordinator to the worker it spawned (worker/worker_pipe_service.h):
+// the coordinator's GrpcWorkerClient over a real socket pair to a WorkerPipeService over this
+// fixture's core. A step answers as WorkerCalls does, a refusal travels back as it is, and
+// what the worker cannot take (a request that does not parse, a method the pipe does not
+// carry, a descriptor that is not a socket) is refused, naming what is wrong.
+class WorkerPipeTest : public WorkerCallsTest {
+ protected:
+  void SetUp() override {
+    WorkerCallsTest::SetUp();
+    dispatch_ = std::make_unique<WorkerDispatch>(core_.get());
+    int pair[2];
+    ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+    ASSERT_OK_AND_ASSIGN(service_, WorkerPipeService::Start(pair[1], dispatch_.get(), &observers_));
+    client_fd_ = pair[0];
+  }
+  void TearDown() override {
+    service_.reset();
+    dispatch_.reset();
+  }
+
+  CallObservers observers_;
+  std::unique_ptr<WorkerDispatch> dispatch_;
+  std::unique_ptr<WorkerPipeService> service_;
+  int client_fd_ = -1;  // taken by the client the test makes
+};
+
+TEST_F(WorkerPipeTest, StepsAndRefusalsTravelAsWorkerCallsAnswers) {
+  GrpcWorkerClient client("127.0.0.1:1", std::chrono::seconds(600), "", {}, client_fd_);  // no gRPC server there
+  ASSERT_OK_AND_ASSIGN(v1::WorkerStepResponse piped, client.TrainStep(Step(0, "p-0"), BatchShard{}));
+  EXPECT_EQ(piped.result().learner_version(), 1);
+  // The same step on a twin run through WorkerCalls directly gives the same adapter.
+  v1::WorkerCreateRunRequest create;
+  create.set_run_id("twin");
+  create.mutable_lora()->set_rank(4);
+  create.mutable_lora()->set_alpha(8);
+  create.set_seed(3);
+  v1::WorkerCreateRunResponse created;
+  ASSERT_OK(calls_->CreateRun(create, &created));
+  v1::WorkerTrainStepRequest twin = Step(0, "");
+  twin.set_run_id("twin");
+  v1::WorkerStepResponse direct;
+  ASSERT_OK(calls_->TrainStep(twin, &direct));
+  EXPECT_EQ(piped.result().adapter_sha256(), direct.result().adapter_sha256());
+  EXPECT_EQ(piped.result().metrics().at("loss:sum"), direct.result().metrics().at("loss:sum"));
+  // A stale learner version is refused on the worker, and the refusal arrives as it is.
+  EXPECT_THAT(client.TrainStep(Step(0, "p-1"), BatchShard{}).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "learner_version"));
+  // ForwardBackward, Forward and OptimStep travel the same way.
+  v1::WorkerForwardRequest forward;
+  forward.set_run_id("r");
+  *forward.mutable_packed_datums() = Step(1, "").packed_datums();
+  ASSERT_OK_AND_ASSIGN(v1::WorkerForwardBackwardResponse scored, client.Forward(forward, BatchShard{}));
+  EXPECT_EQ(scored.result().logprobs_size(), 4);
+  v1::WorkerOptimStepRequest optim;
+  optim.set_run_id("r");
+  optim.mutable_adamw()->set_lr(-1);
+  EXPECT_THAT(client.OptimStep(optim).status(), StatusIs(absl::StatusCode::kInvalidArgument, "lr"));
+}
+
+TEST_F(WorkerPipeTest, RefusesWhatItCannotTake) {
+  CallPipeClient raw(client_fd_, "worker");
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(60);
+  EXPECT_THAT(raw.Call(static_cast<uint8_t>(WorkerPipeMethod::kTrainStep), "\xff\xff\xff", deadline).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "does not parse as lorastep.v1.WorkerTrainStepRequest"));
+  EXPECT_THAT(raw.Call(99, "", deadline).status(), StatusIs(absl::StatusCode::kInvalidArgument, "method: 99"));
+  EXPECT_THAT(WorkerPipeService::Start(-1, dispatch_.get(), &observers_).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "coordinator_pipe_fd"));
+  const std::string file = lorastep::testing::ScratchDir("worker_pipe") + "/not_a_socket";
+  const int fd = open(file.c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600);
+  ASSERT_GE(fd, 0);
+  EXPECT_THAT(WorkerPipeService::Start(fd, dispatch_.get(), &observers_).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "coordinator_pipe_fd"));
+  close(fd);
+}
+
+// The coordinator's side refuses an answer that is not the method's response.
+TEST(WorkerPipeClientTest, AnAnswerThatDoesNotParseIsDataLoss) {
+  int pair[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+  CallPipeServer garbled(pair[1], 1 << 20, [](uint8_t, std::string, std::function<bool()>,
+                                              CallPipeServer::Respond respond) { respond(absl::OkStatus(), "\xff\xff"); });
+  GrpcWorkerClient client("127.0.0.1:1", std::chrono::seconds(60), "", {}, pair[0]);
+  v1::WorkerOptimStepRequest optim;
+  optim.set_run_id("r");
+  EXPECT_THAT(client.OptimStep(optim).status(),
+              StatusIs(absl::StatusCode::kDataLoss, "does not parse as lorastep.v1.WorkerStepResponse"));
+}
 
 // Co-scheduling (WorkerOptions::coschedule_window): TrainSteps of two runs sent at once run
 // as one step (co_scheduled_runs:max 2), each with the loss and grad_norm of the same run's
