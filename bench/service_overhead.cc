@@ -9,7 +9,6 @@
 //                    [--batch_file B.json (bench/make_batch.py; else random --seqs x --len)]
 //                    [--mode train|forward (Forward: log-probs only, no gradient)]
 //                    [--packed=false (datums as repeated Datum messages, not packed_datums)]
-//                    [--client_poll=false (the client blocks for answers instead of polling near them)]
 //                    [--first_step_logprobs (train: the warm-up step as ForwardBackward +
 //                     OptimStep; its loss, grad_norm and per-token log-probs go into the JSON)]
 #include <iterator>
@@ -41,8 +40,6 @@ ABSL_FLAG(std::string, mode, "train", "train or forward");
 ABSL_FLAG(std::string, key, "overhead_fraction", "JSON key of the median overhead");
 ABSL_FLAG(bool, tune_malloc, false, "keep large buffers in this process's heap, as the servers do (TuneProcessForServing)");
 ABSL_FLAG(int, server_pid, 0, "the coordinator's pid: its minor page faults per step go into the JSON too");
-ABSL_FLAG(bool, client_poll, true,
-          "the client polls for each step's answer around its expected time (TrainerClient::set_poll_for_answers)");
 ABSL_FLAG(bool, packed, true, "send datums as packed_datums (false: repeated Datum messages)");
 ABSL_FLAG(bool, first_step_logprobs, false,
           "train: run the warm-up step as ForwardBackward + OptimStep and record its loss, grad_norm and log-probs");
@@ -83,7 +80,6 @@ int main(int argc, char** argv) {
     std::cerr << client.status() << "\n";
     return 1;
   }
-  (*client)->set_poll_for_answers(absl::GetFlag(FLAGS_client_poll));
   v1::LoraConfig lora;
   lora.set_rank(absl::GetFlag(FLAGS_rank));  // 0 = full fine-tuning
   lora.set_alpha(32);

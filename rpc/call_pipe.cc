@@ -1,7 +1,5 @@
 #include "rpc/call_pipe.h"
 
-#include <poll.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -50,42 +48,6 @@ bool ReadFully(int fd, char* out, size_t n) {
     n -= static_cast<size_t>(got);
   }
   return true;
-}
-
-using Clock = std::chrono::steady_clock;
-
-// Waits until `fd` has data (or is closed) and drains `kick` if it fired: sleeps in the kernel
-// until `wake_at` (max: no limit), then polls without sleeping until `spin_until`. False when
-// only the kick fired or the time ran out.
-bool WaitReadable(int fd, int kick, Clock::time_point wake_at, Clock::time_point spin_until) {
-  pollfd fds[2] = {{fd, POLLIN, 0}, {kick, POLLIN, 0}};
-  int ready = 0;
-  const auto now = Clock::now();
-  if (now < spin_until) {
-    do {
-      ready = poll(fds, 2, 0);
-    } while (ready == 0 && Clock::now() < spin_until);
-  } else {
-    timespec wait{};
-    const bool bounded = wake_at != Clock::time_point::max();
-    if (bounded) {
-      const int64_t ns = std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::nanoseconds>(wake_at - now).count());
-      wait.tv_sec = ns / 1'000'000'000;
-      wait.tv_nsec = ns % 1'000'000'000;
-    }
-    ready = ppoll(fds, 2, bounded ? &wait : nullptr, nullptr);
-  }
-  if (ready <= 0) return false;  // time ran out, or EINTR: the caller looks again
-  if (fds[1].revents & POLLIN) {
-    uint64_t drained;
-    if (read(kick, &drained, sizeof(drained)) < 0) {}  // non-blocking; another read emptied it
-  }
-  return (fds[0].revents & (POLLIN | POLLHUP | POLLERR)) != 0;
-}
-
-void Kick(int kick) {
-  const uint64_t one = 1;
-  if (write(kick, &one, sizeof(one)) < 0) {}  // a full counter still wakes the reader
 }
 
 }  // namespace
@@ -153,9 +115,8 @@ absl::StatusOr<CallFrame> ReadCallFrame(int fd, uint64_t max_payload_bytes) {
   return frame;
 }
 
-CallPipeClient::CallPipeClient(int fd, std::string peer, bool poll_for_answers, uint64_t max_answer_bytes)
-    : fd_(fd), kick_fd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)), peer_(std::move(peer)),
-      poll_for_answers_(poll_for_answers), max_answer_bytes_(max_answer_bytes) {
+CallPipeClient::CallPipeClient(int fd, std::string peer, uint64_t max_answer_bytes)
+    : fd_(fd), peer_(std::move(peer)), max_answer_bytes_(max_answer_bytes) {
   reader_ = std::thread([this] { ReadAnswers(); });
 }
 
@@ -163,24 +124,11 @@ CallPipeClient::~CallPipeClient() {
   shutdown(fd_, SHUT_RDWR);  // the reader sees the end of the stream
   reader_.join();
   close(fd_);
-  close(kick_fd_);
 }
 
 void CallPipeClient::ReadAnswers() {
   absl::Status why;
   while (true) {
-    // Sleeps until the earliest window of a call in flight opens, polls while one is open.
-    Clock::time_point wake_at = Clock::time_point::max(), spin_until;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      const auto now = Clock::now();
-      for (const auto& [id, p] : pending_) {
-        if (!p->window.known) continue;
-        if (now < p->window.opens) wake_at = std::min(wake_at, p->window.opens);
-        else if (now < p->window.closes) spin_until = std::max(spin_until, p->window.closes);
-      }
-    }
-    if (!WaitReadable(fd_, kick_fd_, wake_at, spin_until)) continue;
     absl::StatusOr<CallFrame> frame = ReadCallFrame(fd_, max_answer_bytes_);
     if (!frame.ok()) {
       why = frame.status();
@@ -196,7 +144,7 @@ void CallPipeClient::ReadAnswers() {
     Pending& p = *it->second;
     p.status = frame->code == absl::StatusCode::kOk ? absl::OkStatus() : absl::Status(frame->code, frame->message);
     p.payload = std::move(frame->payload);
-    p.done.store(true, std::memory_order_release);
+    p.done = true;
     p.cv.notify_one();
     pending_.erase(it);
   }
@@ -206,7 +154,7 @@ void CallPipeClient::ReadAnswers() {
   closed_status_ = absl::UnavailableError(absl::StrCat("worker ", peer_, ": its pipe closed (", why.message(), ")"));
   for (auto& [id, p] : pending_) {
     p->status = closed_status_;
-    p->done.store(true, std::memory_order_release);
+    p->done = true;
     p->cv.notify_one();
   }
   pending_.clear();
@@ -223,8 +171,6 @@ void CallPipeClient::SendCancel(uint64_t call_id) {
 absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string payload,
                                                  std::chrono::system_clock::time_point deadline) {
   auto pending = std::make_shared<Pending>();
-  const auto start = Clock::now();
-  if (poll_for_answers_) pending->window = windows_.For(method % AnswerWindows::kKinds, start);
   uint64_t id = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -245,25 +191,14 @@ absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string pay
     std::lock_guard<std::mutex> lock(write_mu_);
     sent = WriteCallFrame(fd_, call);
   }
-  if (sent.ok() && pending->window.known) Kick(kick_fd_);  // the reader plans for this call's window
   std::unique_lock<std::mutex> lock(mu_);
   if (!sent.ok() && !pending->done) {
     pending_.erase(id);
     return absl::UnavailableError(absl::StrCat("worker ", peer_, ": ", sent.message()));
   }
-  auto is_done = [&] { return pending->done.load(std::memory_order_acquire); };
-  if (pending->window.known) {  // sleep until the window opens, then poll the flag through it
-    const auto opens = std::min(deadline, std::chrono::system_clock::now() + (pending->window.opens - Clock::now()));
-    if (!pending->cv.wait_until(lock, opens, is_done)) {
-      lock.unlock();
-      while (!is_done() && Clock::now() < pending->window.closes && std::chrono::system_clock::now() < deadline) {
-      }
-      lock.lock();
-    }
-  }
   const bool answered = deadline == std::chrono::system_clock::time_point::max()
-                            ? (pending->cv.wait(lock, is_done), true)
-                            : pending->cv.wait_until(lock, deadline, is_done);
+                            ? (pending->cv.wait(lock, [&] { return pending->done; }), true)
+                            : pending->cv.wait_until(lock, deadline, [&] { return pending->done; });
   if (!answered) {
     pending_.erase(id);
     lock.unlock();
@@ -271,7 +206,6 @@ absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string pay
     return absl::DeadlineExceededError(absl::StrCat("worker ", peer_, ": no answer before the call's deadline"));
   }
   if (!pending->status.ok()) return pending->status;
-  windows_.Record(method % AnswerWindows::kKinds, Clock::now() - start);
   return std::move(pending->payload);
 }
 
@@ -281,7 +215,7 @@ void CallPipeClient::CancelAll() {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [id, p] : pending_) {
       p->status = absl::CancelledError(absl::StrCat("worker ", peer_, ": call cancelled"));
-      p->done.store(true, std::memory_order_release);
+      p->done = true;
       p->cv.notify_one();
       ids.push_back(id);
     }
@@ -293,27 +227,19 @@ void CallPipeClient::CancelAll() {
 // What the reader and every answer still to come share: the socket stays open until the
 // last of them is done with it.
 struct CallPipeServer::Shared {
-  explicit Shared(int fd) : fd(fd), kick(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
-  ~Shared() {
-    close(fd);
-    close(kick);
-  }
+  explicit Shared(int fd) : fd(fd) {}
+  ~Shared() { close(fd); }
   const int fd;
-  const int kick;  // an eventfd: an answer sent wakes the reader to poll for the next call
-  std::atomic<int64_t> spin_until_ns{0};  // Clock's, since its epoch
   std::mutex write_mu;
   std::mutex mu;
   bool closed = false;                                                 // under mu
   std::map<uint64_t, std::shared_ptr<std::atomic<bool>>> cancelled;  // calls not answered yet, under mu
 };
 
-CallPipeServer::CallPipeServer(int fd, uint64_t max_call_bytes, Handler handler,
-                               std::chrono::microseconds spin_after_answer)
+CallPipeServer::CallPipeServer(int fd, uint64_t max_call_bytes, Handler handler)
     : shared_(std::make_shared<Shared>(fd)) {
-  reader_ = std::thread([shared = shared_, max_call_bytes, handler = std::move(handler), spin_after_answer] {
+  reader_ = std::thread([shared = shared_, max_call_bytes, handler = std::move(handler)] {
     while (true) {
-      const Clock::time_point spin_until(std::chrono::nanoseconds(shared->spin_until_ns.load()));
-      if (!WaitReadable(shared->fd, shared->kick, Clock::time_point::max(), spin_until)) continue;
       absl::StatusOr<CallFrame> frame = ReadCallFrame(shared->fd, max_call_bytes);
       if (!frame.ok() || frame->kind == CallFrameKind::kAnswer) break;
       std::unique_lock<std::mutex> lock(shared->mu);
@@ -326,8 +252,7 @@ CallPipeServer::CallPipeServer(int fd, uint64_t max_call_bytes, Handler handler,
       lock.unlock();
       const int64_t deadline = frame->deadline_unix_us;
       auto cancelled = [flag, deadline] { return flag->load() || (deadline != 0 && NowUnixUs() >= deadline); };
-      Respond respond = [shared, id = frame->call_id, spin_after_answer](const absl::Status& status,
-                                                                          std::string payload) {
+      Respond respond = [shared, id = frame->call_id](const absl::Status& status, std::string payload) {
         {
           std::lock_guard<std::mutex> lock(shared->mu);
           shared->cancelled.erase(id);
@@ -339,16 +264,8 @@ CallPipeServer::CallPipeServer(int fd, uint64_t max_call_bytes, Handler handler,
         answer.code = status.code();
         answer.message = std::string(status.message());
         if (status.ok()) answer.payload = std::move(payload);
-        {
-          std::lock_guard<std::mutex> lock(shared->write_mu);
-          WriteCallFrame(shared->fd, answer).IgnoreError();  // the caller is gone: nobody to tell
-        }
-        if (spin_after_answer.count() > 0) {
-          shared->spin_until_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                      (Clock::now() + spin_after_answer).time_since_epoch())
-                                      .count();
-          Kick(shared->kick);
-        }
+        std::lock_guard<std::mutex> lock(shared->write_mu);
+        WriteCallFrame(shared->fd, answer).IgnoreError();  // the caller is gone: nobody to tell
       };
       handler(frame->method, std::move(frame->payload), std::move(cancelled), std::move(respond));
     }

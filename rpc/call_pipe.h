@@ -23,7 +23,6 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "rpc/answer_window.h"
 
 namespace lorastep {
 
@@ -57,9 +56,7 @@ absl::StatusOr<CallFrame> ReadCallFrame(int fd, uint64_t max_payload_bytes);
 class CallPipeClient {
  public:
   // Owns `fd` (closed on destruction). `peer` names the callee in errors.
-  // `poll_for_answers`: the reader and the caller poll for an answer inside the window it is
-  // expected in (rpc/answer_window.h, by method) instead of sleeping through it.
-  CallPipeClient(int fd, std::string peer, bool poll_for_answers = true, uint64_t max_answer_bytes = 1ull << 30);
+  CallPipeClient(int fd, std::string peer, uint64_t max_answer_bytes = 1ull << 30);
   // Closes the pipe; calls still waiting return UNAVAILABLE.
   ~CallPipeClient();
   CallPipeClient(const CallPipeClient&) = delete;
@@ -76,21 +73,17 @@ class CallPipeClient {
 
  private:
   struct Pending {
-    std::atomic<bool> done{false};  // set under mu_, after status and payload
+    bool done = false;
     absl::Status status;
     std::string payload;
     std::condition_variable cv;
-    AnswerWindows::Window window;
   };
   void ReadAnswers();
   void SendCancel(uint64_t call_id);  // best effort
 
   const int fd_;
-  const int kick_fd_;  // an eventfd: a new call with a window wakes the reader to plan its polling
   const std::string peer_;
-  const bool poll_for_answers_;
   const uint64_t max_answer_bytes_;
-  AnswerWindows windows_;
   std::mutex write_mu_;
   std::mutex mu_;
   bool closed_ = false;          // under mu_
@@ -111,11 +104,8 @@ class CallPipeServer {
   using Handler = std::function<void(uint8_t method, std::string payload, std::function<bool()> cancelled,
                                      Respond respond)>;
   // Owns `fd`. Calls with payloads over `max_call_bytes` close the pipe (the caller's calls
-  // in flight then fail UNAVAILABLE). `spin_after_answer`: after each answer the reader polls
-  // for the next call this long before it sleeps (a training loop sends its next step within
-  // a few milliseconds of the last answer).
-  CallPipeServer(int fd, uint64_t max_call_bytes, Handler handler,
-                 std::chrono::microseconds spin_after_answer = std::chrono::microseconds(0));
+  // in flight then fail UNAVAILABLE).
+  CallPipeServer(int fd, uint64_t max_call_bytes, Handler handler);
   // Stops reading and closes the pipe; answers still to come are dropped.
   ~CallPipeServer();
   CallPipeServer(const CallPipeServer&) = delete;

@@ -331,9 +331,6 @@ def suite_attention(ctx):
 DEPLOYMENTS = {
     "process": {"IN_PROCESS_WORKER": "false", "COORD_FLAGS": ""},
     "process_grpc": {"IN_PROCESS_WORKER": "false", "COORD_FLAGS": "--noworker_pipe"},
-    # the pipe without its polling: both sides sleep until a call or an answer wakes them
-    "process_sleeping": {"IN_PROCESS_WORKER": "false",
-                         "COORD_FLAGS": "--noworker_pipe_poll --device_call_spin_us=0"},
     "in_process": {"IN_PROCESS_WORKER": "true", "COORD_FLAGS": ""},
 }
 
@@ -343,16 +340,13 @@ def suite_service(ctx):
                      STEPS=str(ctx.args.steps))
     # --service-log: each deployment once more with every call's duration logged on each side
     # (--v=2), to split the overhead; the logging's own cost stays out of the headline figures.
-    # --service-blocking-client: once more with the client blocking for each answer instead
-    # of polling near it (TrainerClient::set_poll_for_answers).
-    passes = ([("", "", "")] + ([("_v2", "--v=2", "")] if ctx.args.service_log else [])
-              + ([("_blocking_client", "", "--client_poll=false")] if ctx.args.service_blocking_client else []))
-    for suffix, flags, client_flags in passes:
+    passes = [("", "")] + ([("_v2", "--v=2")] if ctx.args.service_log else [])
+    for suffix, flags in passes:
         for deployment in ctx.args.deployment:
             d = DEPLOYMENTS[deployment]
             name = f"{deployment}{suffix}"
             env = dict(model_env, IN_PROCESS_WORKER=d["IN_PROCESS_WORKER"],
-                       COORD_FLAGS=f"{d['COORD_FLAGS']} {flags}".strip(), CLIENT_FLAGS=client_flags,
+                       COORD_FLAGS=f"{d['COORD_FLAGS']} {flags}".strip(),
                        SERVER_LOG=os.path.join(ctx.out, f"service_{name}.server.log"))
             run(["bash", "bench/service_overhead.sh", ctx.build, "qwen2.5-0.5b", "cuda", "bfloat16",
                  os.path.join(ctx.out, f"service_overhead_{name}.json"), "overhead_fraction"], ctx.fails,
@@ -469,8 +463,7 @@ SUITES = {
     "digest": ("the digest check's share of the LoRA step (after 'step')", suite_digest,
                lambda a: ["digest_cost.json"], lambda a: []),
     "service": ("service overhead per deployment (0.5B, 64 x 512)", suite_service,
-                lambda a: [f"service_overhead_{d}{v}.json"
-                           for v in [""] + ["_v2"] * a.service_log + ["_blocking_client"] * a.service_blocking_client
+                lambda a: [f"service_overhead_{d}{v}.json" for v in ["", "_v2"][:1 + a.service_log]
                            for d in a.deployment], lambda a: []),
     "autosave": ("autosave's cost on the step", suite_autosave,
                  lambda a: [f"autosave_{d}.json" for d in a.deployment], lambda a: []),
@@ -550,8 +543,6 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=10, help="service: timed steps")
     ap.add_argument("--service-log", action="store_true",
                     help="service: each deployment once more with --v=2 call durations, to split the overhead")
-    ap.add_argument("--service-blocking-client", action="store_true",
-                    help="service: each deployment once more with the client blocking for answers (no polling)")
     ap.add_argument("--moe-layout", nargs="+", default=["shared_outer", "per_expert"],
                     choices=["shared_outer", "per_expert"], help="moe-bench: expert LoRA layouts")
     ap.add_argument("--pack-raw", action="store_true",

@@ -79,11 +79,6 @@ ABSL_FLAG(bool, in_process_worker, false,
 ABSL_FLAG(bool, worker_pipe, true,
           "local worker processes: their per-step calls (TrainStep, ForwardBackward, Forward, OptimStep) travel over a "
           "socket pair each inherits at spawn instead of gRPC (every other call stays on gRPC)");
-ABSL_FLAG(bool, worker_pipe_poll, true,
-          "poll for a local worker's answer over its pipe inside the window it is expected in (the same method's "
-          "recent durations) instead of sleeping through it");
-ABSL_FLAG(std::optional<int>, device_call_spin_us, std::nullopt,
-          "local workers: after each device call, poll this long for the next before sleeping (the worker's default)");
 ABSL_FLAG(std::optional<int64_t>, max_tokens_per_microbatch, std::nullopt, "local workers: padded tokens per micro-batch");
 ABSL_FLAG(int, worker_start_timeout_s, 300, "seconds local workers may take to start");
 ABSL_FLAG(int, tp, 1, "tensor-parallel size of the mesh");
@@ -440,7 +435,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> passed = WorkerTestFlagNames();
     passed.insert(passed.end(), {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "v",
                                  "state_ttl_hours", "max_activation_mb", "activation_recompute", "coschedule_window_us", "unfused_wgrad",
-                                 "pack_sequences", "cpu_threads", "device_call_spin_us"});
+                                 "pack_sequences", "cpu_threads"});
     for (std::string& arg : NonDefaultFlagArgs(passed)) args.push_back(std::move(arg));
     if (state_dir.empty()) {
       args.push_back("--allow_plain_paths");
@@ -496,7 +491,7 @@ int main(int argc, char** argv) {
   auto connect_worker = [&](const std::string& address, int wait_s,
                             int pipe_fd = -1) -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
     auto client = std::make_unique<GrpcWorkerClient>(address, std::chrono::seconds(worker_call_timeout), worker_token,
-                                                     worker_tls, pipe_fd, absl::GetFlag(FLAGS_worker_pipe_poll));
+                                                     worker_tls, pipe_fd);
     LORASTEP_RETURN_IF_ERROR(client->WaitReady(wait_s));
     return std::unique_ptr<WorkerClient>(std::move(client));
   };

@@ -34,10 +34,9 @@ Req WithDatums(const Req& req, const BatchShard& batch) {
 }  // namespace
 
 GrpcWorkerClient::GrpcWorkerClient(const std::string& address, std::chrono::seconds call_timeout,
-                                   std::string worker_token, const WorkerTls& tls, int call_pipe_fd,
-                                   bool poll_for_answers)
+                                   std::string worker_token, const WorkerTls& tls, int call_pipe_fd)
     : address_(address), call_timeout_(call_timeout),
-      pipe_(call_pipe_fd >= 0 ? std::make_unique<CallPipeClient>(call_pipe_fd, address, poll_for_answers) : nullptr),
+      pipe_(call_pipe_fd >= 0 ? std::make_unique<CallPipeClient>(call_pipe_fd, address) : nullptr),
       authorization_(worker_token.empty() ? "" : "Bearer " + worker_token) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);

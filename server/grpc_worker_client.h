@@ -30,11 +30,9 @@ class GrpcWorkerClient final : public WorkerClient {
   // `call_pipe_fd`: this side of the call pipe of a worker this coordinator spawned
   // (ChildServer::TakePipeFd; owned from here on): the per-step calls (TrainStep,
   // ForwardBackward, Forward, OptimStep) go over it instead of gRPC. -1: none.
-  // `poll_for_answers`: see CallPipeClient.
   explicit GrpcWorkerClient(const std::string& address,
                             std::chrono::seconds call_timeout = std::chrono::seconds(3600),
-                            std::string worker_token = "", const WorkerTls& tls = {}, int call_pipe_fd = -1,
-                            bool poll_for_answers = true);
+                            std::string worker_token = "", const WorkerTls& tls = {}, int call_pipe_fd = -1);
   // Waits until the channel is ready (or the deadline passes).
   absl::Status WaitReady(int timeout_seconds);
 

@@ -97,9 +97,6 @@ ABSL_FLAG(std::string, tls_client_ca_file, "",
 ABSL_FLAG(std::string, coordinator_tls_ca_file, "",
           "the coordinator (--register_with) serves TLS: verify it against this CA (PEM)");
 ABSL_FLAG(int, cpu_threads, 0, "intra-op CPU threads (0: LibTorch's default)");
-ABSL_FLAG(int, device_call_spin_us, 5000,
-          "after each device call its thread, and after each answer the coordinator pipe's reader, poll this long "
-          "for the next call before sleeping (a training loop sends its next step within milliseconds)");
 
 namespace {
 
@@ -355,12 +352,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const int spin_us = absl::GetFlag(FLAGS_device_call_spin_us);
-  if (spin_us < 0 || spin_us > 100000) {
-    LORASTEP_LOG(Error) << "lorastep_worker: device_call_spin_us: '" << spin_us << "' must be in [0, 100000]";
-    return 2;
-  }
-  WorkerDispatch dispatch(core->get(), &metrics, 64, std::chrono::microseconds(spin_us));
+  WorkerDispatch dispatch(core->get(), &metrics);
   WorkerService service(&dispatch, token_sha256);
   int port = 0;
   CallObservers observers{&metrics, VerbosityFlag(), "worker", options.sizes.world() > 1 ? options.rank : -1};
@@ -373,7 +365,7 @@ int main(int argc, char** argv) {
   }
   std::unique_ptr<WorkerPipeService> pipe;
   if (const int fd = absl::GetFlag(FLAGS_coordinator_pipe_fd); fd != -1) {
-    auto started = WorkerPipeService::Start(fd, &dispatch, &observers, std::chrono::microseconds(spin_us));
+    auto started = WorkerPipeService::Start(fd, &dispatch, &observers);
     if (!started.ok()) {
       LORASTEP_LOG(Error) << "lorastep_worker: " << started.status();
       return 2;

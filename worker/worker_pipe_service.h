@@ -6,7 +6,6 @@
 #ifndef LORASTEP_WORKER_WORKER_PIPE_SERVICE_H_
 #define LORASTEP_WORKER_WORKER_PIPE_SERVICE_H_
 
-#include <chrono>
 #include <cstdint>
 #include <memory>
 
@@ -22,14 +21,12 @@ class WorkerPipeService {
   // Serves the pipe at `fd` (the worker's --coordinator_pipe_fd) until destroyed; calls over
   // `max_call_bytes` close it. INVALID_ARGUMENT naming the flag when `fd` is not an open
   // socket. `dispatch` and `observers` outlive the service.
-  // `spin_after_answer`: the reader polls for the next call this long after each answer.
-  static absl::StatusOr<std::unique_ptr<WorkerPipeService>> Start(
-      int fd, WorkerDispatch* dispatch, const CallObservers* observers,
-      std::chrono::microseconds spin_after_answer = std::chrono::microseconds(0), uint64_t max_call_bytes = 1ull << 30);
+  static absl::StatusOr<std::unique_ptr<WorkerPipeService>> Start(int fd, WorkerDispatch* dispatch,
+                                                                  const CallObservers* observers,
+                                                                  uint64_t max_call_bytes = 1ull << 30);
 
  private:
-  WorkerPipeService(int fd, WorkerDispatch* dispatch, const CallObservers* observers,
-                    std::chrono::microseconds spin_after_answer, uint64_t max_call_bytes);
+  WorkerPipeService(int fd, WorkerDispatch* dispatch, const CallObservers* observers, uint64_t max_call_bytes);
   void Handle(uint8_t method, std::string payload, std::function<bool()> cancelled, CallPipeServer::Respond respond);
   template <typename Req, typename Resp, typename Work>
   void Run(const char* method, const std::string& payload, std::function<bool()> cancelled,

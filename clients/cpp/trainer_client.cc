@@ -67,6 +67,10 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const std:
     return CallUnary<v1::Resp>(stub_.get(), &v1::Trainer::Stub::Method, req, std::chrono::seconds(0), authorization_); \
   }
 LORASTEP_CLIENT_CALL(CreateRun, CreateRunRequest, Run)
+LORASTEP_CLIENT_CALL(ForwardBackward, ForwardBackwardRequest, ForwardBackwardResponse)
+LORASTEP_CLIENT_CALL(Forward, ForwardRequest, ForwardBackwardResponse)
+LORASTEP_CLIENT_CALL(OptimStep, OptimStepRequest, StepResponse)
+LORASTEP_CLIENT_CALL(TrainStep, TrainStepRequest, StepResponse)
 LORASTEP_CLIENT_CALL(SaveState, SaveStateRequest, SaveStateResponse)
 LORASTEP_CLIENT_CALL(LoadState, LoadStateRequest, Run)
 LORASTEP_CLIENT_CALL(ExportAdapter, ExportAdapterRequest, ExportAdapterResponse)
@@ -74,51 +78,6 @@ LORASTEP_CLIENT_CALL(ListCheckpoints, ListCheckpointsRequest, ListCheckpointsRes
 LORASTEP_CLIENT_CALL(DeleteCheckpoint, DeleteCheckpointRequest, DeleteCheckpointResponse)
 LORASTEP_CLIENT_CALL(GetStepMetrics, GetStepMetricsRequest, GetStepMetricsResponse)
 #undef LORASTEP_CLIENT_CALL
-
-template <typename Resp, typename Req, typename Prepare>
-absl::StatusOr<Resp> TrainerClient::StepCall(int method, Prepare prepare, const Req& req) {
-  using Clock = std::chrono::steady_clock;
-  grpc::ClientContext ctx;
-  if (!authorization_.empty()) ctx.AddMetadata("authorization", authorization_);
-  grpc::CompletionQueue cq;
-  Resp resp;
-  grpc::Status status;
-  const auto start = Clock::now();
-  auto call = (stub_.get()->*prepare)(&ctx, req, &cq);
-  call->StartCall();
-  void* const finished = &status;
-  call->Finish(&resp, &status, finished);
-  void* tag = nullptr;
-  bool ok = false;
-  bool done = false;
-  if (const AnswerWindows::Window w = windows_.For(method, start); poll_for_answers_ && w.known) {
-    const auto system_opens = std::chrono::system_clock::now() + (w.opens - Clock::now());
-    done = cq.AsyncNext(&tag, &ok, system_opens) == grpc::CompletionQueue::GOT_EVENT;
-    while (!done && Clock::now() < w.closes) {  // polls without blocking: the answer is read as it lands
-      done = cq.AsyncNext(&tag, &ok, std::chrono::system_clock::time_point()) == grpc::CompletionQueue::GOT_EVENT;
-    }
-  }
-  if (!done) cq.Next(&tag, &ok);
-  cq.Shutdown();
-  void* drained = nullptr;
-  while (cq.Next(&drained, &ok)) {}
-  if (!status.ok()) return FromGrpcStatus(status);
-  windows_.Record(method, Clock::now() - start);
-  return resp;
-}
-
-absl::StatusOr<v1::ForwardBackwardResponse> TrainerClient::ForwardBackward(const v1::ForwardBackwardRequest& req) {
-  return StepCall<v1::ForwardBackwardResponse>(0, &v1::Trainer::Stub::PrepareAsyncForwardBackward, req);
-}
-absl::StatusOr<v1::ForwardBackwardResponse> TrainerClient::Forward(const v1::ForwardRequest& req) {
-  return StepCall<v1::ForwardBackwardResponse>(1, &v1::Trainer::Stub::PrepareAsyncForward, req);
-}
-absl::StatusOr<v1::StepResponse> TrainerClient::OptimStep(const v1::OptimStepRequest& req) {
-  return StepCall<v1::StepResponse>(2, &v1::Trainer::Stub::PrepareAsyncOptimStep, req);
-}
-absl::StatusOr<v1::StepResponse> TrainerClient::TrainStep(const v1::TrainStepRequest& req) {
-  return StepCall<v1::StepResponse>(3, &v1::Trainer::Stub::PrepareAsyncTrainStep, req);
-}
 
 absl::Status TrainerClient::DeleteRun(const std::string& run_id) {
   v1::DeleteRunRequest req;

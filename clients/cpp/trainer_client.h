@@ -14,7 +14,6 @@
 #ifndef LORASTEP_CLIENTS_CPP_TRAINER_CLIENT_H_
 #define LORASTEP_CLIENTS_CPP_TRAINER_CLIENT_H_
 
-#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,7 +22,6 @@
 #include <functional>
 
 #include "lorastep/v1/trainer.grpc.pb.h"
-#include "rpc/answer_window.h"
 
 namespace lorastep {
 
@@ -57,25 +55,11 @@ class TrainerClient {
   // grpc.health.v1 status of the server ("" = overall): true when SERVING.
   absl::StatusOr<bool> Healthy();
 
-  // The per-step calls (TrainStep, ForwardBackward, Forward, OptimStep) wait for their answer
-  // by polling the connection from the calling thread inside the window the answer is
-  // expected in (rpc/answer_window.h), and sleep in the kernel before and after it; the cost
-  // is at most the window of one core per call.
-  // On by default; false: the calls block as every other call does.
-  void set_poll_for_answers(bool on) { poll_for_answers_ = on; }
-
  private:
   TrainerClient(std::shared_ptr<grpc::Channel> channel, std::string authorization);
-  // One per-step call on its own completion queue, waited for as set_poll_for_answers says.
-  // `method`: which of the four (the index of its recent durations).
-  template <typename Resp, typename Req, typename Prepare>
-  absl::StatusOr<Resp> StepCall(int method, Prepare prepare, const Req& req);
-
   std::shared_ptr<grpc::Channel> channel_;
   std::string authorization_;  // "Bearer <key>" or empty
   std::unique_ptr<v1::Trainer::Stub> stub_;
-  std::atomic<bool> poll_for_answers_{true};
-  AnswerWindows windows_;  // by method
 };
 
 // A random 128-bit hex id for request_id.
