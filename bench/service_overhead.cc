@@ -102,6 +102,7 @@ int main(int argc, char** argv) {
   v1::AdamWParams adamw;
   adamw.set_lr(1e-5);
   std::vector<double> fractions, client_s, worker_s;
+  std::vector<int64_t> client_start_mono_us;  // each timed call's start on the host's monotonic clock
   std::vector<int64_t> client_faults, server_faults;  // minor page faults per step
   const int server_pid = absl::GetFlag(FLAGS_server_pid);
   std::map<std::string, double> last_metrics;
@@ -158,6 +159,8 @@ int main(int argc, char** argv) {
     last_metrics.clear();
     for (const auto& [k, v] : metrics) last_metrics[k] = v;
     client_s.push_back(wall);
+    client_start_mono_us.push_back(
+        std::chrono::duration_cast<std::chrono::microseconds>(t0.time_since_epoch()).count());
     worker_s.push_back(compute);
     fractions.push_back((wall - compute) / wall);
   }
@@ -178,6 +181,9 @@ int main(int argc, char** argv) {
     j["peak_cuda_gib"] = last_metrics["peak_cuda_memory_bytes:max"] / (1024.0 * 1024.0 * 1024.0);
   }
   j["client_step_s"] = client_s;
+  // With the servers' --v=2 lines (end_mono_us, duration_ms) these split each call into the
+  // client's side and each server's (bench/service_split.py).
+  j["client_start_mono_us"] = client_start_mono_us;
   j["worker_step_s"] = worker_s;
   j["last_step_metrics"] = last_metrics;
   if (!forward_only) {

@@ -135,6 +135,11 @@ void ObserveCall(const CallObservers& observers, const std::string& method, cons
                                   " component=", LogValue(observers.component));
   if (observers.rank >= 0) absl::StrAppend(&line, " rank=", observers.rank);
   absl::StrAppend(&line, " method=", method, " code=", code, " duration_ms=", absl::StrFormat("%.3f", seconds * 1e3));
+  if (v >= 2) {  // the call's end on the host's monotonic clock, which every process here shares
+    absl::StrAppend(&line, " end_mono_us=",
+                    std::chrono::duration_cast<std::chrono::microseconds>(
+                        std::chrono::steady_clock::now().time_since_epoch()).count());
+  }
   if (!run_id.empty()) absl::StrAppend(&line, " run_id=", LogValue(run_id));
   if (!request_id.empty()) absl::StrAppend(&line, " request_id=", LogValue(request_id));
   if (!status.ok()) absl::StrAppend(&line, " msg=", LogValue(std::string(status.message())));

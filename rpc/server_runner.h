@@ -44,7 +44,8 @@ struct CallObservers {
   PrometheusRegistry* metrics = nullptr;
   // One logfmt line per call on stderr (ts, component, rank, method, code, duration_ms,
   // run_id, request_id, and the message of a failure): 0 = failed calls only, 1 = every
-  // call but health checks and reflection, 2 = every call; -1 = none. The --v flag.
+  // call but health checks and reflection, 2 = every call, each also with end_mono_us (the
+  // host's monotonic clock, to line calls up across processes); -1 = none. The --v flag.
   int log_verbosity = -1;
   std::string component;  // "coordinator" | "worker"
   int rank = -1;          // a mesh worker's rank

@@ -348,9 +348,13 @@ def suite_service(ctx):
             env = dict(model_env, IN_PROCESS_WORKER=d["IN_PROCESS_WORKER"],
                        COORD_FLAGS=f"{d['COORD_FLAGS']} {flags}".strip(),
                        SERVER_LOG=os.path.join(ctx.out, f"service_{name}.server.log"))
-            run(["bash", "bench/service_overhead.sh", ctx.build, "qwen2.5-0.5b", "cuda", "bfloat16",
-                 os.path.join(ctx.out, f"service_overhead_{name}.json"), "overhead_fraction"], ctx.fails,
-                f"service overhead ({name})", env=env, log=os.path.join(ctx.out, f"service_{name}.log"))
+            result = os.path.join(ctx.out, f"service_overhead_{name}.json")
+            if run(["bash", "bench/service_overhead.sh", ctx.build, "qwen2.5-0.5b", "cuda", "bfloat16", result,
+                    "overhead_fraction"], ctx.fails, f"service overhead ({name})", env=env,
+                   log=os.path.join(ctx.out, f"service_{name}.log")) and flags:
+                run([sys.executable, "bench/service_split.py", result, env["SERVER_LOG"],
+                     os.path.join(ctx.out, f"service_split_{deployment}.json")], ctx.fails,
+                    f"service split ({deployment})", env=ctx.env)
 
 
 def suite_autosave(ctx):
@@ -464,7 +468,8 @@ SUITES = {
                lambda a: ["digest_cost.json"], lambda a: []),
     "service": ("service overhead per deployment (0.5B, 64 x 512)", suite_service,
                 lambda a: [f"service_overhead_{d}{v}.json" for v in ["", "_v2"][:1 + a.service_log]
-                           for d in a.deployment], lambda a: []),
+                           for d in a.deployment] + [f"service_split_{d}.json" for d in a.deployment if a.service_log],
+                lambda a: []),
     "autosave": ("autosave's cost on the step", suite_autosave,
                  lambda a: [f"autosave_{d}.json" for d in a.deployment], lambda a: []),
     "multi-tenant": ("many runs on one base: co-scheduled against one at a time", suite_multi_tenant,
@@ -542,7 +547,8 @@ def main(argv=None):
                     help="service/autosave: worker deployments (process_grpc: spawned, per-step calls over gRPC)")
     ap.add_argument("--steps", type=int, default=10, help="service: timed steps")
     ap.add_argument("--service-log", action="store_true",
-                    help="service: each deployment once more with --v=2 call durations, to split the overhead")
+                    help="service: each deployment once more with --v=2 call durations, split per step by "
+                         "bench/service_split.py into service_split_<deployment>.json")
     ap.add_argument("--moe-layout", nargs="+", default=["shared_outer", "per_expert"],
                     choices=["shared_outer", "per_expert"], help="moe-bench: expert LoRA layouts")
     ap.add_argument("--pack-raw", action="store_true",
