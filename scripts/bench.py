@@ -340,13 +340,16 @@ def suite_service(ctx):
                      STEPS=str(ctx.args.steps))
     # --service-log: each deployment once more with every call's duration logged on each side
     # (--v=2), to split the overhead; the logging's own cost stays out of the headline figures.
-    passes = [("", "")] + ([("_v2", "--v=2")] if ctx.args.service_log else [])
-    for suffix, flags in passes:
+    # --service-tuned-client: once more with the benchmark client keeping large buffers in its
+    # heap as the servers do (service_overhead --tune_malloc), to show its page faults' share.
+    passes = ([("", "", "")] + ([("_v2", "--v=2", "")] if ctx.args.service_log else [])
+              + ([("_tuned_client", "", "--tune_malloc")] if ctx.args.service_tuned_client else []))
+    for suffix, flags, client_flags in passes:
         for deployment in ctx.args.deployment:
             d = DEPLOYMENTS[deployment]
             name = f"{deployment}{suffix}"
             env = dict(model_env, IN_PROCESS_WORKER=d["IN_PROCESS_WORKER"],
-                       COORD_FLAGS=f"{d['COORD_FLAGS']} {flags}".strip(),
+                       COORD_FLAGS=f"{d['COORD_FLAGS']} {flags}".strip(), CLIENT_FLAGS=client_flags,
                        SERVER_LOG=os.path.join(ctx.out, f"service_{name}.server.log"))
             result = os.path.join(ctx.out, f"service_overhead_{name}.json")
             if run(["bash", "bench/service_overhead.sh", ctx.build, "qwen2.5-0.5b", "cuda", "bfloat16", result,
@@ -467,7 +470,8 @@ SUITES = {
     "digest": ("the digest check's share of the LoRA step (after 'step')", suite_digest,
                lambda a: ["digest_cost.json"], lambda a: []),
     "service": ("service overhead per deployment (0.5B, 64 x 512)", suite_service,
-                lambda a: [f"service_overhead_{d}{v}.json" for v in ["", "_v2"][:1 + a.service_log]
+                lambda a: [f"service_overhead_{d}{v}.json"
+                           for v in [""] + ["_v2"] * a.service_log + ["_tuned_client"] * a.service_tuned_client
                            for d in a.deployment] + [f"service_split_{d}.json" for d in a.deployment if a.service_log],
                 lambda a: []),
     "autosave": ("autosave's cost on the step", suite_autosave,
@@ -546,6 +550,9 @@ def main(argv=None):
     ap.add_argument("--deployment", nargs="+", default=["process", "in_process"], choices=sorted(DEPLOYMENTS),
                     help="service/autosave: worker deployments (process_grpc: spawned, per-step calls over gRPC)")
     ap.add_argument("--steps", type=int, default=10, help="service: timed steps")
+    ap.add_argument("--service-tuned-client", action="store_true",
+                    help="service: each deployment once more with the client's large buffers kept in its heap "
+                         "(service_overhead --tune_malloc)")
     ap.add_argument("--service-log", action="store_true",
                     help="service: each deployment once more with --v=2 call durations, split per step by "
                          "bench/service_split.py into service_split_<deployment>.json")
