@@ -44,10 +44,10 @@ class WorkerCallsTest : public ::testing::Test {
     ASSERT_OK(CreateRun());
   }
 
-  // Run "r": LoRA rank 4, seed 3.
-  absl::Status CreateRun() {
+  // Run `run_id`: LoRA rank 4, seed 3.
+  absl::Status CreateRun(const std::string& run_id = "r") {
     v1::WorkerCreateRunRequest create;
-    create.set_run_id("r");
+    create.set_run_id(run_id);
     create.mutable_lora()->set_rank(4);
     create.mutable_lora()->set_alpha(8);
     create.set_seed(3);
@@ -155,13 +155,7 @@ TEST_F(WorkerCallsTest, AbsentTotalsMeanTheCallsOwnDatums) {
   v1::WorkerStepResponse with_totals;
   ASSERT_OK(calls_->TrainStep(Step(0, ""), &with_totals));
   // A second run from the same seed, stepped without totals.
-  v1::WorkerCreateRunRequest create;
-  create.set_run_id("r2");
-  create.mutable_lora()->set_rank(4);
-  create.mutable_lora()->set_alpha(8);
-  create.set_seed(3);
-  v1::WorkerCreateRunResponse created;
-  ASSERT_OK(calls_->CreateRun(create, &created));
+  ASSERT_OK(CreateRun("r2"));
   v1::WorkerTrainStepRequest own = Step(0, "");
   own.set_run_id("r2");
   own.clear_batch_loss_tokens();
@@ -213,13 +207,7 @@ TEST_F(WorkerPipeTest, StepsAndRefusalsTravelAsWorkerCallsAnswers) {
   ASSERT_OK_AND_ASSIGN(v1::WorkerStepResponse piped, client.TrainStep(Step(0, "p-0"), BatchShard{}));
   EXPECT_EQ(piped.result().learner_version(), 1);
   // The same step on a twin run through WorkerCalls directly gives the same adapter.
-  v1::WorkerCreateRunRequest create;
-  create.set_run_id("twin");
-  create.mutable_lora()->set_rank(4);
-  create.mutable_lora()->set_alpha(8);
-  create.set_seed(3);
-  v1::WorkerCreateRunResponse created;
-  ASSERT_OK(calls_->CreateRun(create, &created));
+  ASSERT_OK(CreateRun("twin"));
   v1::WorkerTrainStepRequest twin = Step(0, "");
   twin.set_run_id("twin");
   v1::WorkerStepResponse direct;
