@@ -30,9 +30,10 @@ absl::StatusOr<std::vector<Datum>> RequestDatums(const google::protobuf::Repeate
 // packed form needs; else as `datums`.
 void SetRequestDatums(const std::vector<Datum>& datums, const std::vector<int>& indices,
                       google::protobuf::RepeatedPtrField<v1::Datum>* as_datums, v1::PackedDatums* packed);
-// A client's datums packed; false (nothing written) when the packed form cannot say the
-// same (an optional field on some datums only, an array of another length than its tokens,
-// a token id outside int32): send them as datums, and the server names the problem.
+// A client's datums packed into `packed` (its arrays' buffers reused); false (`packed` left
+// empty) when the packed form cannot say the same (an optional field on some datums only, an
+// array of another length than its tokens, a token id outside int32): send them as datums,
+// and the server names the problem.
 bool PackDatums(const std::vector<v1::Datum>& datums, v1::PackedDatums* packed);
 absl::StatusOr<LossConfig> LossConfigFromProto(const v1::LossConfig& proto);
 // Unset fields take AdamWParams' defaults; the result is validated.

@@ -269,5 +269,40 @@ TEST(FuzzTest, PackedDatumsNeverCrashOrMisalign) {
   EXPECT_GT(parsed, 100);
 }
 
+// Packing into a message that held another batch (as RunSession does every step, to keep the
+// arrays' buffers) leaves exactly the new batch; a batch the packed form cannot say leaves it
+// empty.
+TEST(PackDatumsTest, AReusedMessageHoldsOnlyTheLatestBatch) {
+  auto datum = [](int n, int64_t first, bool with_logprobs) {
+    v1::Datum d;
+    for (int i = 0; i < n; ++i) {
+      d.add_tokens(first + i);
+      d.add_target_tokens(first + i + 1);
+      d.add_advantages(0.5f * i);
+      if (with_logprobs) d.add_logprobs(-0.25f * i);
+    }
+    return d;
+  };
+  v1::PackedDatums packed;
+  ASSERT_TRUE(PackDatums({datum(40, 3, true), datum(50, 7, true), datum(60, 9, true)}, &packed));
+  const std::vector<v1::Datum> second = {datum(5, 100, false), datum(6, 200, false)};
+  ASSERT_TRUE(PackDatums(second, &packed));
+  google::protobuf::RepeatedPtrField<v1::Datum> none;
+  absl::StatusOr<std::vector<Datum>> got = RequestDatums(none, packed);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->size(), 2u);
+  for (size_t i = 0; i < second.size(); ++i) {
+    EXPECT_EQ((*got)[i].tokens, std::vector<int64_t>(second[i].tokens().begin(), second[i].tokens().end()));
+    EXPECT_EQ((*got)[i].target_tokens,
+              std::vector<int64_t>(second[i].target_tokens().begin(), second[i].target_tokens().end()));
+    EXPECT_TRUE((*got)[i].logprobs.empty());
+    EXPECT_EQ((*got)[i].advantages.size(), static_cast<size_t>(second[i].tokens_size()));
+  }
+  v1::Datum too_wide = datum(3, 1, false);
+  too_wide.set_tokens(1, int64_t{1} << 40);  // outside int32: only the repeated form can say it
+  EXPECT_FALSE(PackDatums({datum(4, 1, false), too_wide}, &packed));
+  EXPECT_EQ(packed.ByteSizeLong(), 0u);
+}
+
 }  // namespace
 }  // namespace lorastep

@@ -182,6 +182,7 @@ absl::StatusOr<Resp> RunSession::Mutate(CallFn call) {
 
 template <typename Req>
 void RunSession::SetDatums(const std::vector<v1::Datum>& datums, Req* req) const {
+  req->clear_datums();
   if (pack_datums && PackDatums(datums, req->mutable_packed_datums())) return;
   req->clear_packed_datums();
   req->mutable_datums()->Assign(datums.begin(), datums.end());
@@ -225,7 +226,7 @@ absl::StatusOr<v1::StepResponse> RunSession::TrainStep(const std::vector<v1::Dat
                                                        const v1::LossConfig& loss,
                                                        const v1::AdamWParams& adamw,
                                                        int64_t max_tokens_per_microbatch) {
-  v1::TrainStepRequest req;
+  v1::TrainStepRequest& req = train_step_request_;  // its packed arrays' buffers from the last step
   req.set_run_id(run_id_);
   SetDatums(datums, &req);
   *req.mutable_loss() = loss;
