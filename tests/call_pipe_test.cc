@@ -3,6 +3,7 @@
 // the framing fails the calls in flight instead of leaving them waiting.
 #include "rpc/call_pipe.h"
 
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "server/child_server.h"
 
 namespace lorastep {
 namespace {
@@ -166,6 +168,24 @@ TEST(CallPipeTest, AFrameRoundTripsWithItsFields) {
   EXPECT_EQ(read->payload, frame.payload);
   close(pair.fds[0]);
   close(pair.fds[1]);
+}
+
+// A worker's call pipe that cannot be made (no descriptor left) fails the start, naming what
+// failed, and starts no child. The binary exists (this test's own), so the start gets as far
+// as the pipe.
+TEST(CallPipeTest, AStartWhosePipeCannotBeMadeFails) {
+  rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit low = saved;
+  low.rlim_cur = 256;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<int> filler;  // every descriptor below the limit taken
+  for (int fd = dup(0); fd >= 0; fd = dup(0)) filler.push_back(fd);
+  absl::StatusOr<ChildServer> child = ChildServer::Start("/proc/self/exe", {}, 5, /*call_pipe=*/true);
+  for (int fd : filler) close(fd);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  ASSERT_FALSE(child.ok());
+  EXPECT_NE(child.status().message().find("socketpair for a child's call pipe"), std::string::npos) << child.status();
 }
 
 }  // namespace
