@@ -2,9 +2,13 @@
 
 #include <algorithm>
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <google/protobuf/wire_format_lite.h>
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "lib/status_macros.h"
@@ -14,21 +18,60 @@
 namespace lorastep {
 namespace {
 
-// The request as it travels: with the shard's datums, packed where that form can say it.
+// The shard's datums as a request carries them (packed where that form can say them): the
+// wire form its ranks share, or one made into `local`. Null when the request carries its own.
+const ShardWireForms::Form* WireFormOf(const BatchShard& batch, ShardWireForms::Form* local) {
+  if (batch.datums == nullptr) return nullptr;
+  auto build = [&](ShardWireForms::Form* out) {
+    SetRequestDatums(*batch.datums, *batch.indices, &out->datums, &out->packed);
+    // Sizes cached once, before ranks share the form: SerializedWithDatums writes with them.
+    for (const v1::Datum& datum : out->datums) datum.ByteSizeLong();
+    out->packed.ByteSizeLong();
+  };
+  if (batch.wire == nullptr) {
+    build(local);
+    return local;
+  }
+  return &batch.wire->Get(batch.shard, build);
+}
+
+// Whether a worker request carries datums (OptimStep's does not).
+template <typename Req, typename = void>
+struct CarriesDatums : std::false_type {};
+template <typename Req>
+struct CarriesDatums<Req, std::void_t<decltype(Req::kPackedDatumsFieldNumber)>> : std::true_type {};
+
+// The request as gRPC sends it: with the shard's datums.
 template <typename Req>
 Req WithDatums(const Req& req, const BatchShard& batch) {
   Req full = req;
-  if (batch.datums == nullptr) return full;
-  if (batch.wire == nullptr) {
-    SetRequestDatums(*batch.datums, *batch.indices, full.mutable_datums(), full.mutable_packed_datums());
-    return full;
+  if constexpr (CarriesDatums<Req>::value) {
+    ShardWireForms::Form local;
+    if (const ShardWireForms::Form* form = WireFormOf(batch, &local)) {
+      *full.mutable_datums() = form->datums;
+      *full.mutable_packed_datums() = form->packed;
+    }
   }
-  const ShardWireForms::Form& form = batch.wire->Get(batch.shard, [&](ShardWireForms::Form* out) {
-    SetRequestDatums(*batch.datums, *batch.indices, &out->datums, &out->packed);
-  });
-  *full.mutable_datums() = form.datums;
-  *full.mutable_packed_datums() = form.packed;
   return full;
+}
+
+// The same request serialized for the call pipe, the datums written after the rest straight
+// from their wire form (protobuf merges what follows into the message) instead of copied into
+// a request first.
+template <typename Req>
+std::string SerializedWithDatums(const Req& req, const BatchShard& batch) {
+  std::string bytes = req.SerializeAsString();
+  if constexpr (CarriesDatums<Req>::value) {
+    ShardWireForms::Form local;
+    if (const ShardWireForms::Form* form = WireFormOf(batch, &local)) {
+      google::protobuf::io::StringOutputStream stream(&bytes);
+      google::protobuf::io::CodedOutputStream out(&stream);
+      using google::protobuf::internal::WireFormatLite;
+      for (const v1::Datum& datum : form->datums) WireFormatLite::WriteMessage(Req::kDatumsFieldNumber, datum, &out);
+      WireFormatLite::WriteMessage(Req::kPackedDatumsFieldNumber, form->packed, &out);
+    }
+  }
+  return bytes;
 }
 
 }  // namespace
@@ -80,13 +123,11 @@ absl::StatusOr<Resp> GrpcWorkerClient::Call(Method method, const Req& req, std::
 
 template <typename Resp, typename Req, typename Method>
 absl::StatusOr<Resp> GrpcWorkerClient::StepCall(Method method, WorkerPipeMethod pipe_method, const Req& req,
-                                                 std::chrono::system_clock::time_point deadline) {
-  if (pipe_ == nullptr) return Call<Resp>(method, req, std::chrono::seconds(0), deadline);
-  std::string payload;
-  req.SerializeToString(&payload);
+                                                 const BatchShard& batch) {
+  if (pipe_ == nullptr) return Call<Resp>(method, WithDatums(req, batch), std::chrono::seconds(0), batch.deadline);
   LORASTEP_ASSIGN_OR_RETURN(std::string answer,
-                            pipe_->Call(static_cast<uint8_t>(pipe_method), std::move(payload),
-                                        std::min(deadline, std::chrono::system_clock::now() + call_timeout_)));
+                            pipe_->Call(static_cast<uint8_t>(pipe_method), SerializedWithDatums(req, batch),
+                                        std::min(batch.deadline, std::chrono::system_clock::now() + call_timeout_)));
   Resp resp;
   if (!resp.ParseFromString(answer)) {
     return absl::DataLossError(absl::StrCat("worker ", address_, ": an answer that does not parse as ",
@@ -125,22 +166,20 @@ absl::Status GrpcWorkerClient::DeleteRun(const v1::WorkerDeleteRunRequest& req) 
 absl::StatusOr<v1::WorkerForwardBackwardResponse> GrpcWorkerClient::ForwardBackward(
     const v1::WorkerForwardBackwardRequest& req, const BatchShard& batch) {
   return StepCall<v1::WorkerForwardBackwardResponse>(&v1::Worker::Stub::ForwardBackward,
-                                                     WorkerPipeMethod::kForwardBackward, WithDatums(req, batch),
-                                                     batch.deadline);
+                                                     WorkerPipeMethod::kForwardBackward, req, batch);
 }
 absl::StatusOr<v1::WorkerForwardBackwardResponse> GrpcWorkerClient::Forward(const v1::WorkerForwardRequest& req,
                                                                             const BatchShard& batch) {
-  return StepCall<v1::WorkerForwardBackwardResponse>(&v1::Worker::Stub::Forward, WorkerPipeMethod::kForward,
-                                                     WithDatums(req, batch), batch.deadline);
+  return StepCall<v1::WorkerForwardBackwardResponse>(&v1::Worker::Stub::Forward, WorkerPipeMethod::kForward, req,
+                                                     batch);
 }
 absl::StatusOr<v1::WorkerStepResponse> GrpcWorkerClient::OptimStep(const v1::WorkerOptimStepRequest& req) {
   return StepCall<v1::WorkerStepResponse>(&v1::Worker::Stub::OptimStep, WorkerPipeMethod::kOptimStep, req,
-                                          std::chrono::system_clock::time_point::max());
+                                          BatchShard{});
 }
 absl::StatusOr<v1::WorkerStepResponse> GrpcWorkerClient::TrainStep(const v1::WorkerTrainStepRequest& req,
                                                                     const BatchShard& batch) {
-  return StepCall<v1::WorkerStepResponse>(&v1::Worker::Stub::TrainStep, WorkerPipeMethod::kTrainStep,
-                                          WithDatums(req, batch), batch.deadline);
+  return StepCall<v1::WorkerStepResponse>(&v1::Worker::Stub::TrainStep, WorkerPipeMethod::kTrainStep, req, batch);
 }
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::SaveState(const v1::WorkerPathRequest& req) {
   return Call<v1::WorkerPathResponse>(&v1::Worker::Stub::SaveState, req);

@@ -64,10 +64,10 @@ class GrpcWorkerClient final : public WorkerClient {
   absl::StatusOr<Resp> Call(Method method, const Req& req, std::chrono::seconds timeout = std::chrono::seconds(0),
                             std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max());
 
-  // A per-step call: over the call pipe when there is one, else as Call does.
+  // A per-step call with the shard's datums (none: BatchShard{}), ending at its deadline: over
+  // the call pipe when there is one, else as Call does.
   template <typename Resp, typename Req, typename Method>
-  absl::StatusOr<Resp> StepCall(Method method, WorkerPipeMethod pipe_method, const Req& req,
-                                std::chrono::system_clock::time_point deadline);
+  absl::StatusOr<Resp> StepCall(Method method, WorkerPipeMethod pipe_method, const Req& req, const BatchShard& batch);
 
   std::string address_;
   std::chrono::seconds call_timeout_;

@@ -229,6 +229,33 @@ TEST_F(WorkerPipeTest, StepsAndRefusalsTravelAsWorkerCallsAnswers) {
   EXPECT_THAT(client.OptimStep(optim).status(), StatusIs(absl::StatusCode::kInvalidArgument, "lr"));
 }
 
+// A shard of parsed datums (as the coordinator hands them over) travels written after the rest
+// of the request, from a wire form of its own or one its ranks share, and steps as the same
+// datums inside the request do.
+TEST_F(WorkerPipeTest, AShardOfParsedDatumsStepsAsTheRequestsOwn) {
+  GrpcWorkerClient client("127.0.0.1:1", std::chrono::seconds(600), "", {}, client_fd_);
+  const v1::WorkerTrainStepRequest whole = Step(0, "");
+  ASSERT_OK_AND_ASSIGN(std::vector<Datum> datums,
+                       RequestDatums(google::protobuf::RepeatedPtrField<v1::Datum>(), whole.packed_datums()));
+  const std::vector<int> indices = {0, 1, 2, 3};
+  ShardWireForms wire(1);
+  v1::WorkerStepResponse direct;
+  ASSERT_OK(calls_->TrainStep(whole, &direct));
+  for (ShardWireForms* forms : {static_cast<ShardWireForms*>(nullptr), &wire}) {
+    const std::string run = forms == nullptr ? "own_form" : "shared_form";
+    ASSERT_OK(CreateRun(run));
+    v1::WorkerTrainStepRequest bare = whole;
+    bare.set_run_id(run);
+    bare.clear_packed_datums();
+    BatchShard shard;
+    shard.datums = &datums;
+    shard.indices = &indices;
+    shard.wire = forms;
+    ASSERT_OK_AND_ASSIGN(v1::WorkerStepResponse piped, client.TrainStep(bare, shard));
+    EXPECT_EQ(piped.result().adapter_sha256(), direct.result().adapter_sha256()) << run;
+  }
+}
+
 TEST_F(WorkerPipeTest, RefusesWhatItCannotTake) {
   CallPipeClient raw(client_fd_, "worker");
   const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(60);
