@@ -806,10 +806,9 @@ at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::T
                                    scale, fused);
 }
 
-namespace {
-
-at::Tensor SegmentedLoraLinearOf(const at::Tensor& source, const RecomputedInput& input, const at::Tensor& weight,
-                                 const at::Tensor& bias, std::vector<LoraSegment> segments) {
+at::Tensor SegmentedLoraLinearRecomputed(const at::Tensor& source, const RecomputedInput& input,
+                                         const at::Tensor& weight, const at::Tensor& bias,
+                                         std::vector<LoraSegment> segments) {
   for (LoraSegment& s : segments) {  // one projection's factors: one part over every column
     if (s.parts.empty()) s.parts.push_back({0, weight.size(0), s.a, s.a_main_grad, s.b, s.b_main_grad});
     int64_t next = 0;  // parts in column order, apart, inside the weight's rows, factors to fit
@@ -825,17 +824,9 @@ at::Tensor SegmentedLoraLinearOf(const at::Tensor& source, const RecomputedInput
                                             std::move(segments), input);
 }
 
-}  // namespace
-
 at::Tensor SegmentedLoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                std::vector<LoraSegment> segments) {
-  return SegmentedLoraLinearOf(x, RecomputedInput{nullptr, nullptr}, weight, bias, std::move(segments));
-}
-
-at::Tensor SegmentedLoraLinearRecomputed(const at::Tensor& source, const RecomputedInput& input,
-                                         const at::Tensor& weight, const at::Tensor& bias,
-                                         std::vector<LoraSegment> segments) {
-  return SegmentedLoraLinearOf(source, input, weight, bias, std::move(segments));
+  return SegmentedLoraLinearRecomputed(x, RecomputedInput{nullptr, nullptr}, weight, bias, std::move(segments));
 }
 
 at::Tensor LoraLinearRecomputed(const at::Tensor& source, const RecomputedInput& input, const at::Tensor& weight,
