@@ -129,4 +129,53 @@ void BatchSplit::CompareReplicas(const std::vector<v1::WorkerStepResponse>& per_
   resp->set_replicas_equal(all_equal);
 }
 
+absl::StatusOr<CallBatch> CallBatch::Read(const google::protobuf::RepeatedPtrField<v1::Datum>& datums,
+                                          const v1::PackedDatums& packed, bool as_sent) {
+  CallBatch batch;
+  if (as_sent && datums.empty() && packed.lengths_size() > 0) {
+    batch.as_sent_ = &packed;
+    return batch;
+  }
+  auto parsed = RequestDatums(datums, packed);
+  if (!parsed.ok()) return parsed.status();
+  batch.datums_ = *std::move(parsed);
+  return batch;
+}
+
+int CallBatch::num_datums() const {
+  return parsed() ? static_cast<int>(datums_.size()) : as_sent_->lengths_size();
+}
+
+int64_t CallBatch::num_targets() const {
+  int64_t targets = 0;
+  if (!parsed()) {
+    for (int32_t length : as_sent_->lengths()) targets += length;
+    return targets;
+  }
+  for (const Datum& d : datums_) targets += static_cast<int64_t>(d.target_tokens.size());
+  return targets;
+}
+
+absl::Status CallBatch::Split(const BatchSplit& split) {
+  if (absl::Status s = split.CheckShardable(num_datums()); !s.ok()) return s;
+  if (!parsed()) return absl::OkStatus();  // one worker takes all of it
+  shards_ = split.ShardsByTokens(datums_);
+  wire_.emplace(shards_.size());
+  return absl::OkStatus();
+}
+
+BatchShard CallBatch::ShardOfRank(const BatchSplit& split, int rank, std::chrono::system_clock::time_point deadline) {
+  BatchShard shard;
+  shard.deadline = deadline;
+  if (!parsed()) {
+    shard.as_sent = as_sent_;
+    return shard;
+  }
+  shard.datums = &datums_;
+  shard.indices = &split.ShardOfRank(shards_, rank);
+  shard.wire = &*wire_;
+  shard.shard = split.ShardIndexOfRank(rank);
+  return shard;
+}
+
 }  // namespace lorastep

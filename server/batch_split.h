@@ -4,14 +4,18 @@
 #ifndef LORASTEP_SERVER_BATCH_SPLIT_H_
 #define LORASTEP_SERVER_BATCH_SPLIT_H_
 
+#include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "lib/parallel/parallel_layout.h"
 #include "lib/training/batch.h"
 #include "lorastep/v1/trainer.pb.h"
 #include "lorastep/v1/worker.pb.h"
+#include "server/worker_client.h"
 
 namespace lorastep {
 
@@ -41,6 +45,35 @@ class BatchSplit {
                        std::string* diverged) const;
 
   const ParallelLayout layout_;
+};
+
+// A call's batch on its way to the run's ranks: parsed and split into the replicas' shards
+// (each packed once for all the ranks that share it), or, when the run's one worker takes the
+// batch as the client sent it (WorkerClient::TakesBatchAsSent), the client's packed form
+// passed on unread: the worker parses and checks it, once.
+class CallBatch {
+ public:
+  // Parses the request's datums (INVALID_ARGUMENT naming the field), unless `as_sent` and
+  // the client sent them packed.
+  static absl::StatusOr<CallBatch> Read(const google::protobuf::RepeatedPtrField<v1::Datum>& datums,
+                                        const v1::PackedDatums& packed, bool as_sent);
+  // Whether the coordinator holds the datums (else it passes the client's packed form on).
+  bool parsed() const { return as_sent_ == nullptr; }
+  const std::vector<Datum>& datums() const { return datums_; }  // parsed() only
+  int num_datums() const;
+  // Log-prob positions an answer may carry (the targets), for CheckResponseFits.
+  int64_t num_targets() const;
+  // The replicas' shards (BatchSplit::ShardsByTokens); INVALID_ARGUMENT when too few datums.
+  absl::Status Split(const BatchSplit& split);
+  // What `rank` gets; after Split.
+  BatchShard ShardOfRank(const BatchSplit& split, int rank, std::chrono::system_clock::time_point deadline);
+  const std::vector<std::vector<int>>& shards() const { return shards_; }
+
+ private:
+  std::vector<Datum> datums_;
+  const v1::PackedDatums* as_sent_ = nullptr;
+  std::vector<std::vector<int>> shards_;
+  std::optional<ShardWireForms> wire_;
 };
 
 }  // namespace lorastep

@@ -249,16 +249,19 @@ bool Coordinator::WorkerValidatesAlone(const RunState& run) const {
   return run.ranks.size() == 1 && (*run.ranks[0])->ValidatesBatchesAsCoordinator();
 }
 
-absl::StatusOr<std::optional<BatchTotals>> Coordinator::ValidatedTotals(const RunState& run,
-                                                                        const std::vector<Datum>& datums,
+bool Coordinator::PassesBatchAsSent(const RunState& run, bool values_needed) const {
+  return !values_needed && WorkerValidatesAlone(run) && (*run.ranks[0])->TakesBatchAsSent();
+}
+
+absl::StatusOr<std::optional<BatchTotals>> Coordinator::ValidatedTotals(const RunState& run, const CallBatch& batch,
                                                                         const v1::LossConfig& loss_proto,
                                                                         bool own_totals_needed) {
   if (WorkerValidatesAlone(run) && !own_totals_needed) return std::nullopt;
   LORASTEP_ASSIGN_OR_RETURN(LossConfig loss, LossConfigFromProto(loss_proto));
-  LORASTEP_RETURN_IF_ERROR(ValidateBatch(datums, loss, pool_.vocab_size(), options_.limits));
+  LORASTEP_RETURN_IF_ERROR(ValidateBatch(batch.datums(), loss, pool_.vocab_size(), options_.limits));
   // The batch-wide denominators travel with it, so a shard normalizes like the whole batch
   // (data-parallel shards on several workers use the same totals).
-  return ComputeBatchTotals(datums);
+  return ComputeBatchTotals(batch.datums());
 }
 
 v1::MeshCall Coordinator::MeshHeader(const RunState& run, const std::string& request_id, bool check_version) {
@@ -330,15 +333,15 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
   FingerprintTask fingerprint(req.run_id(), req);
   LORASTEP_RETURN_IF_ERROR(CheckNotDiverged(*run));
   LORASTEP_RETURN_IF_ERROR(CheckActivationRecompute(req.activation_recompute()));
-  LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
+  LORASTEP_ASSIGN_OR_RETURN(
+      CallBatch batch, CallBatch::Read(req.datums(), req.packed_datums(),
+                                       PassesBatchAsSent(*run, /*values_needed=*/req.has_batch_totals())));
   LORASTEP_ASSIGN_OR_RETURN(std::optional<BatchTotals> totals,
-                            ValidatedTotals(*run, datums, req.loss(), /*own_totals_needed=*/req.has_batch_totals()));
-  LORASTEP_RETURN_IF_ERROR(CheckResponseFits(datums, req.max_response_bytes()));
+                            ValidatedTotals(*run, batch, req.loss(), /*own_totals_needed=*/req.has_batch_totals()));
+  LORASTEP_RETURN_IF_ERROR(CheckResponseFits(batch.num_datums(), batch.num_targets(), req.max_response_bytes()));
   // This call is part of a larger batch: its denominators are the whole batch's.
   if (req.has_batch_totals()) LORASTEP_RETURN_IF_ERROR(ApplyWholeBatchTotals(req.batch_totals(), &*totals));
-  LORASTEP_RETURN_IF_ERROR(split_.CheckShardable(static_cast<int>(datums.size())));
-  const auto shards = split_.ShardsByTokens(datums);
-  ShardWireForms wire(shards.size());  // each shard packed once, for all its ranks
+  LORASTEP_RETURN_IF_ERROR(batch.Split(split_));
   const v1::MeshCall mesh = MeshHeader(*run, req.request_id(), true);
   LORASTEP_ASSIGN_OR_RETURN(
       auto per_rank,
@@ -355,10 +358,9 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
             *wreq.mutable_mesh() = mesh;
             mesh_.StampMesh(wreq.mutable_mesh());
             wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max());
-        return w->ForwardBackward(wreq, BatchShard{&datums, &split_.ShardOfRank(shards, rank), deadline, &wire,
-                                                 split_.ShardIndexOfRank(rank)});
+            return w->ForwardBackward(wreq, batch.ShardOfRank(split_, rank, deadline));
           }));
-  resp = split_.MergeForward(shards, static_cast<int>(datums.size()), per_rank);
+  resp = split_.MergeForward(batch.shards(), batch.num_datums(), per_rank);
   {
     std::lock_guard<std::mutex> view(run->view_mu);
     run->run.set_pending_forward_backward(run->run.pending_forward_backward() + 1);
@@ -371,12 +373,13 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
 absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::ForwardRequest& req, Deadline deadline) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, runs_.Find(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
-  LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
-  if (!WorkerValidatesAlone(*run)) LORASTEP_RETURN_IF_ERROR(ValidateForwardBatch(datums, pool_.vocab_size(), options_.limits));
-  LORASTEP_RETURN_IF_ERROR(CheckResponseFits(datums, req.max_response_bytes()));
-  LORASTEP_RETURN_IF_ERROR(split_.CheckShardable(static_cast<int>(datums.size())));
-  const auto shards = split_.ShardsByTokens(datums);
-  ShardWireForms wire(shards.size());  // each shard packed once, for all its ranks
+  LORASTEP_ASSIGN_OR_RETURN(CallBatch batch, CallBatch::Read(req.datums(), req.packed_datums(),
+                                                             PassesBatchAsSent(*run, /*values_needed=*/false)));
+  if (!WorkerValidatesAlone(*run)) {
+    LORASTEP_RETURN_IF_ERROR(ValidateForwardBatch(batch.datums(), pool_.vocab_size(), options_.limits));
+  }
+  LORASTEP_RETURN_IF_ERROR(CheckResponseFits(batch.num_datums(), batch.num_targets(), req.max_response_bytes()));
+  LORASTEP_RETURN_IF_ERROR(batch.Split(split_));
   LORASTEP_ASSIGN_OR_RETURN(
       auto per_rank,
       FanOut<v1::WorkerForwardBackwardResponse>(
@@ -386,10 +389,9 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::Forwa
             wreq.mutable_mesh()->set_expected_learner_version(-1);
             mesh_.StampMesh(wreq.mutable_mesh());
             wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max());
-        return w->Forward(wreq, BatchShard{&datums, &split_.ShardOfRank(shards, rank), deadline, &wire,
-                                                 split_.ShardIndexOfRank(rank)});
+            return w->Forward(wreq, batch.ShardOfRank(split_, rank, deadline));
           }));
-  return split_.MergeForward(shards, static_cast<int>(datums.size()), per_rank);
+  return split_.MergeForward(batch.shards(), batch.num_datums(), per_rank);
 }
 
 absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepRequest& req) {
@@ -435,12 +437,11 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
   LORASTEP_RETURN_IF_ERROR(CheckActivationRecompute(req.activation_recompute()));
   LORASTEP_RETURN_IF_ERROR(AdamWParamsFromProto(req.adamw()).status());
   LORASTEP_RETURN_IF_ERROR(ValidateClientMetrics(req.client_metrics()));
-  LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum> datums, RequestDatums(req.datums(), req.packed_datums()));
+  LORASTEP_ASSIGN_OR_RETURN(CallBatch batch, CallBatch::Read(req.datums(), req.packed_datums(),
+                                                             PassesBatchAsSent(*run, /*values_needed=*/false)));
   LORASTEP_ASSIGN_OR_RETURN(const std::optional<BatchTotals> totals,
-                            ValidatedTotals(*run, datums, req.loss(), /*own_totals_needed=*/false));
-  LORASTEP_RETURN_IF_ERROR(split_.CheckShardable(static_cast<int>(datums.size())));
-  const auto shards = split_.ShardsByTokens(datums);
-  ShardWireForms wire(shards.size());  // each shard packed once, for all its ranks
+                            ValidatedTotals(*run, batch, req.loss(), /*own_totals_needed=*/false));
+  LORASTEP_RETURN_IF_ERROR(batch.Split(split_));
   const v1::MeshCall mesh = MeshHeader(*run, req.request_id(), true);
   auto per_rank = FanOut<v1::WorkerStepResponse>(*run, run->AllRanks(), [&](int rank, WorkerClient* w) {
         v1::WorkerTrainStepRequest wreq;
@@ -456,8 +457,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
         *wreq.mutable_mesh() = mesh;
         mesh_.StampMesh(wreq.mutable_mesh());
         wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max());
-        return w->TrainStep(wreq, BatchShard{&datums, &split_.ShardOfRank(shards, rank), deadline, &wire,
-                                                 split_.ShardIndexOfRank(rank)});
+        return w->TrainStep(wreq, batch.ShardOfRank(split_, rank, deadline));
       });
   if (absl::IsDataLoss(per_rank.status())) return AfterCommitFailure(*run, per_rank.status());
   LORASTEP_RETURN_IF_ERROR(per_rank.status());

@@ -216,12 +216,16 @@ class Coordinator {
   int64_t AppendStep(RunState& run, const std::string& kind, const v1::StepResponse& step);
   // The batch validated and its denominators; none when the run's only worker validates
   // alone (WorkerValidatesAlone) and the call's own totals are not needed.
-  absl::StatusOr<std::optional<BatchTotals>> ValidatedTotals(const RunState& run, const std::vector<Datum>& datums,
+  absl::StatusOr<std::optional<BatchTotals>> ValidatedTotals(const RunState& run, const CallBatch& batch,
                                                              const v1::LossConfig& loss, bool own_totals_needed);
-  // At world size 1 with an in-process worker, its trainer runs the coordinator's checks with
-  // the same limits before any work, so validating here as well would only repeat them on
-  // the step's path.
+  // At world size 1 with a worker that validates as the coordinator (in process, or a
+  // process it spawned), its trainer runs the coordinator's checks with the same limits
+  // before any work, so validating here as well would only repeat them on the step's path.
   bool WorkerValidatesAlone(const RunState& run) const;
+  // Whether a call's batch goes to the run's one worker as the client sent it (CallBatch):
+  // that worker takes it so, and the coordinator needs none of its values (`values_needed`:
+  // the call's own totals, say).
+  bool PassesBatchAsSent(const RunState& run, bool values_needed) const;
   absl::Status CheckNotDiverged(const RunState& run);
   // A step that failed on a rank after the commit vote (DATA_LOSS; the others applied it):
   // the run is marked diverged and, with a journal, restored from its autosave. Returns the

@@ -487,11 +487,11 @@ int main(int argc, char** argv) {
   }
   // A client of the worker at `address`, once it accepts connections (UNAVAILABLE after
   // `wait_s` seconds: nothing answers there).
-  // `pipe_fd`: the call pipe of a worker this coordinator spawned (-1: none).
-  auto connect_worker = [&](const std::string& address, int wait_s,
+  // `spawned`: a worker this coordinator started; `pipe_fd`: its call pipe (-1: none).
+  auto connect_worker = [&](const std::string& address, int wait_s, bool spawned = false,
                             int pipe_fd = -1) -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
     auto client = std::make_unique<GrpcWorkerClient>(address, std::chrono::seconds(worker_call_timeout), worker_token,
-                                                     worker_tls, pipe_fd);
+                                                     worker_tls, pipe_fd, spawned);
     LORASTEP_RETURN_IF_ERROR(client->WaitReady(wait_s));
     return std::unique_ptr<WorkerClient>(std::move(client));
   };
@@ -506,7 +506,7 @@ int main(int argc, char** argv) {
             ChildServer fresh,
             ChildServer::Start(binary, per_rank[i], absl::GetFlag(FLAGS_worker_start_timeout_s), worker_pipe));
         local[i] = std::move(fresh);
-        return connect_worker(local[i].address(), 60, local[i].TakePipeFd());
+        return connect_worker(local[i].address(), 60, true, local[i].TakePipeFd());
       }
       return absl::NotFoundError(absl::StrCat("no local worker at ", address));
     };
@@ -535,7 +535,7 @@ int main(int argc, char** argv) {
       std::vector<std::unique_ptr<WorkerClient>> clients;
       for (ChildServer& child : local) {
         LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<WorkerClient> client,
-                                  connect_worker(child.address(), 60, child.TakePipeFd()));
+                                  connect_worker(child.address(), 60, true, child.TakePipeFd()));
         clients.push_back(std::move(client));
       }
       return clients;
@@ -562,7 +562,8 @@ int main(int argc, char** argv) {
     if (auto s = core.AddWorker(std::move(in_process)); !s.ok()) return fail(s);
   }
   for (size_t i = 0; i < addresses.size(); ++i) {
-    auto client = connect_worker(addresses[i], 60, i < local_pipe_fds.size() ? local_pipe_fds[i] : -1);
+    const bool spawned = i < local_pipe_fds.size();  // one per spawned worker; none with --workers
+    auto client = connect_worker(addresses[i], 60, spawned, spawned ? local_pipe_fds[i] : -1);
     if (!client.ok()) return fail(client.status());
     if (auto s = core.AddWorker(std::move(client).value()); !s.ok()) return fail(s);
   }

@@ -46,6 +46,10 @@ template <typename Req>
 Req WithDatums(const Req& req, const BatchShard& batch) {
   Req full = req;
   if constexpr (CarriesDatums<Req>::value) {
+    if (batch.as_sent != nullptr) {
+      *full.mutable_packed_datums() = *batch.as_sent;
+      return full;
+    }
     ShardWireForms::Form local;
     if (const ShardWireForms::Form* form = WireFormOf(batch, &local)) {
       *full.mutable_datums() = form->datums;
@@ -63,10 +67,15 @@ std::string SerializedWithDatums(const Req& req, const BatchShard& batch) {
   std::string bytes = req.SerializeAsString();
   if constexpr (CarriesDatums<Req>::value) {
     ShardWireForms::Form local;
-    if (const ShardWireForms::Form* form = WireFormOf(batch, &local)) {
-      google::protobuf::io::StringOutputStream stream(&bytes);
-      google::protobuf::io::CodedOutputStream out(&stream);
-      using google::protobuf::internal::WireFormatLite;
+    const ShardWireForms::Form* form = batch.as_sent == nullptr ? WireFormOf(batch, &local) : nullptr;
+    if (batch.as_sent == nullptr && form == nullptr) return bytes;
+    google::protobuf::io::StringOutputStream stream(&bytes);
+    google::protobuf::io::CodedOutputStream out(&stream);
+    using google::protobuf::internal::WireFormatLite;
+    if (batch.as_sent != nullptr) {
+      batch.as_sent->ByteSizeLong();  // WriteMessage writes with the cached sizes
+      WireFormatLite::WriteMessage(Req::kPackedDatumsFieldNumber, *batch.as_sent, &out);
+    } else {
       for (const v1::Datum& datum : form->datums) WireFormatLite::WriteMessage(Req::kDatumsFieldNumber, datum, &out);
       WireFormatLite::WriteMessage(Req::kPackedDatumsFieldNumber, form->packed, &out);
     }
@@ -77,8 +86,8 @@ std::string SerializedWithDatums(const Req& req, const BatchShard& batch) {
 }  // namespace
 
 GrpcWorkerClient::GrpcWorkerClient(const std::string& address, std::chrono::seconds call_timeout,
-                                   std::string worker_token, const WorkerTls& tls, int call_pipe_fd)
-    : address_(address), call_timeout_(call_timeout),
+                                   std::string worker_token, const WorkerTls& tls, int call_pipe_fd, bool spawned)
+    : address_(address), call_timeout_(call_timeout), spawned_(spawned),
       pipe_(call_pipe_fd >= 0 ? std::make_unique<CallPipeClient>(call_pipe_fd, address) : nullptr),
       authorization_(worker_token.empty() ? "" : "Bearer " + worker_token) {
   grpc::ChannelArguments args;

@@ -30,9 +30,13 @@ class GrpcWorkerClient final : public WorkerClient {
   // `call_pipe_fd`: this side of the call pipe of a worker this coordinator spawned
   // (ChildServer::TakePipeFd; owned from here on): the per-step calls (TrainStep,
   // ForwardBackward, Forward, OptimStep) go over it instead of gRPC. -1: none.
+  // `spawned`: a worker this coordinator started from its own build and model (ChildServer):
+  // its trainer checks a batch with the coordinator's limits and vocabulary, so it validates
+  // alone and takes whole batches as the client sent them.
   explicit GrpcWorkerClient(const std::string& address,
                             std::chrono::seconds call_timeout = std::chrono::seconds(3600),
-                            std::string worker_token = "", const WorkerTls& tls = {}, int call_pipe_fd = -1);
+                            std::string worker_token = "", const WorkerTls& tls = {}, int call_pipe_fd = -1,
+                            bool spawned = false);
   // Waits until the channel is ready (or the deadline passes).
   absl::Status WaitReady(int timeout_seconds);
 
@@ -55,6 +59,8 @@ class GrpcWorkerClient final : public WorkerClient {
   absl::StatusOr<v1::WorkerPathResponse> StoreAdapter(const v1::WorkerStoreAdapterRequest& req) override;
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& req) override;
   absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) override;
+  bool ValidatesBatchesAsCoordinator() const override { return spawned_; }
+  bool TakesBatchAsSent() const override { return spawned_; }
   void CancelInFlight() override;
 
  private:
@@ -71,6 +77,7 @@ class GrpcWorkerClient final : public WorkerClient {
 
   std::string address_;
   std::chrono::seconds call_timeout_;
+  const bool spawned_;
   std::unique_ptr<CallPipeClient> pipe_;
   std::string authorization_;
   std::shared_ptr<grpc::Channel> channel_;

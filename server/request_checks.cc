@@ -38,17 +38,13 @@ void AddClientMetrics(const google::protobuf::Map<std::string, double>& m, v1::S
 }
 
 // The size from above: per datum a float per target (packed) plus framing, and the metrics.
-absl::Status CheckResponseFits(const std::vector<Datum>& datums, int64_t max_bytes) {
+absl::Status CheckResponseFits(int64_t num_datums, int64_t num_targets, int64_t max_bytes) {
   if (max_bytes == 0) return absl::OkStatus();
   if (max_bytes < 0) return absl::InvalidArgumentError("max_response_bytes: must be >= 0");
-  int64_t bytes = 16 << 10, tokens = 0;
-  for (const auto& d : datums) {
-    tokens += static_cast<int64_t>(d.target_tokens.size());
-    bytes += 4 * static_cast<int64_t>(d.target_tokens.size()) + 16;
-  }
+  const int64_t bytes = (16 << 10) + 4 * num_targets + 16 * num_datums;
   if (bytes <= max_bytes) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
-      "max_response_bytes: the response would take up to ", bytes, " bytes (log-probs of ", tokens,
+      "max_response_bytes: the response would take up to ", bytes, " bytes (log-probs of ", num_targets,
       " targets), over the caller's limit of ", max_bytes, "; split the batch or raise the limit (nothing was run)"));
 }
 

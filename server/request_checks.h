@@ -20,9 +20,10 @@ absl::Status ValidateClientMetrics(const google::protobuf::Map<std::string, doub
 absl::Status CheckActivationRecompute(const std::string& value);
 // Adds them to the step's metrics as client:<name>.
 void AddClientMetrics(const google::protobuf::Map<std::string, double>& metrics, v1::StepResponse* resp);
-// RESOURCE_EXHAUSTED naming max_response_bytes when a Forward(Backward) answer for `datums`
-// may exceed it (0: no limit); INVALID_ARGUMENT when it is negative.
-absl::Status CheckResponseFits(const std::vector<Datum>& datums, int64_t max_bytes);
+// RESOURCE_EXHAUSTED naming max_response_bytes when a Forward(Backward) answer for
+// `num_datums` datums of `num_targets` targets in all may exceed it (0: no limit);
+// INVALID_ARGUMENT when it is negative.
+absl::Status CheckResponseFits(int64_t num_datums, int64_t num_targets, int64_t max_bytes);
 // The whole batch's denominators sent with one call of it (batch_totals): finite and at
 // least the call's own; INVALID_ARGUMENT naming the field otherwise.
 absl::Status ApplyWholeBatchTotals(const v1::BatchTotals& whole, BatchTotals* own);

@@ -40,7 +40,9 @@ class ShardWireForms {
 // A call's share of a batch the coordinator has parsed and validated: datums[i] for i in
 // indices, in that order. A worker process gets it packed into the request (once per shard
 // when `wire` is given); an in-process worker gets the datums themselves (no packing and
-// parsing again). Empty (datums null): the request carries its datums.
+// parsing again). Or, for a worker that TakesBatchAsSent and has the whole batch, `as_sent`:
+// the client's packed batch, passed on as it came. Empty (both null): the request carries
+// its datums.
 struct BatchShard {
   const std::vector<Datum>* datums = nullptr;
   const std::vector<int>* indices = nullptr;
@@ -49,6 +51,7 @@ struct BatchShard {
   std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max();
   ShardWireForms* wire = nullptr;  // shared by the call's ranks; null: packed per rank
   size_t shard = 0;                // which of wire's shards this is
+  const v1::PackedDatums* as_sent = nullptr;  // instead of datums: unparsed, unchecked
 };
 
 class WorkerClient {
@@ -76,8 +79,14 @@ class WorkerClient {
   virtual absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& req) = 0;
   virtual absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) = 0;
   // True when the worker checks a batch with this coordinator's own limits before any work
-  // and returns the same errors (an in-process worker): alone on a run, it validates alone.
+  // and returns the same errors (an in-process worker, or a worker process the coordinator
+  // spawned): alone on a run, it validates alone.
   virtual bool ValidatesBatchesAsCoordinator() const { return false; }
+  // True when a batch this worker gets whole is best passed on as the client packed it
+  // (BatchShard::as_sent): a worker process parses its request anyway, so the coordinator
+  // parsing and packing it again would only repeat the work. Implies
+  // ValidatesBatchesAsCoordinator.
+  virtual bool TakesBatchAsSent() const { return false; }
   // Makes every call in flight on this client return CANCELLED now (the coordinator gives
   // up on a rank that does not answer after a peer failed).
   virtual void CancelInFlight() = 0;

@@ -670,6 +670,11 @@ TEST_F(ServiceTest, EveryValidationErrorNamesTheField) {
   for (const auto& d : Batch(0)) *too_big.add_datums() = d;
   too_big.set_max_response_bytes(1000);
   EXPECT_THAT(client_->Forward(too_big), StatusIs(absl::StatusCode::kResourceExhausted, "max_response_bytes"));
+  // The same bound when the batch comes packed (the spawned worker takes it as sent: the
+  // coordinator counts its targets from the packed lengths).
+  v1::ForwardRequest too_big_packed = too_big;
+  ASSERT_TRUE(ToPacked(&too_big_packed));
+  EXPECT_EQ(client_->Forward(too_big_packed).status(), client_->Forward(too_big).status());
   v1::ForwardBackwardRequest too_big_fb;
   too_big_fb.set_run_id(run.run_id());
   too_big_fb.set_request_id("too-big");
@@ -678,6 +683,9 @@ TEST_F(ServiceTest, EveryValidationErrorNamesTheField) {
   *too_big_fb.mutable_loss() = Ppo();
   too_big_fb.set_max_response_bytes(1000);
   EXPECT_THAT(client_->ForwardBackward(too_big_fb), StatusIs(absl::StatusCode::kResourceExhausted, "max_response_bytes"));
+  v1::ForwardBackwardRequest too_big_fb_packed = too_big_fb;
+  ASSERT_TRUE(ToPacked(&too_big_fb_packed));
+  EXPECT_EQ(client_->ForwardBackward(too_big_fb_packed).status(), client_->ForwardBackward(too_big_fb).status());
   too_big_fb.set_max_response_bytes(-1);
   EXPECT_THAT(client_->ForwardBackward(too_big_fb), StatusIs(absl::StatusCode::kInvalidArgument, "max_response_bytes"));
   ASSERT_OK_AND_ASSIGN(v1::Run unchanged, client_->GetRun(run.run_id()));
@@ -778,6 +786,45 @@ TEST_F(ServiceTest, ReadOnlyCallsDoNotWaitForATrainingStep) {
   EXPECT_EQ(during.learner_version(), 0);
   ASSERT_OK_AND_ASSIGN(v1::Run after, client_->GetRun(run.run_id()));
   EXPECT_EQ(after.learner_version(), 1);
+}
+
+// A spawned worker takes a batch the client packed as it came (the coordinator neither parses
+// nor checks it; the worker does both, once), over gRPC (--noworker_pipe) as over the call
+// pipe: the same steps, log-probs and refusals as the same datums sent one by one.
+TEST_F(ServiceTest, SpawnedWorkerTakesThePackedBatchAsSentOverEitherTransport) {
+  ASSERT_OK_AND_ASSIGN(ChildServer grpc_only,
+                       ChildServer::Start(Binary("server/lorastep_coordinator"),
+                                          {"--model", *dir_ + "/model", "--worker_binary",
+                                           Binary("worker/lorastep_worker"), "--allow_plain_paths", "--noworker_pipe"},
+                                          120));
+  ASSERT_OK_AND_ASSIGN(auto grpc_client, TrainerClient::Connect(grpc_only.address()));
+  RunSession piped = NewRun(/*seed=*/41);
+  ASSERT_OK_AND_ASSIGN(RunSession packed, RunSession::Create(grpc_client.get(), Lora(), 41));
+  ASSERT_OK_AND_ASSIGN(RunSession repeated, RunSession::Create(grpc_client.get(), Lora(), 41));
+  repeated.pack_datums = false;
+  for (int step = 0; step < 2; ++step) {
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse a, piped.TrainStep(Batch(step), Ppo(), Adam()));
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse b, packed.TrainStep(Batch(step), Ppo(), Adam()));
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse c, repeated.TrainStep(Batch(step), Ppo(), Adam()));
+    EXPECT_EQ(a.adapter_sha256(), b.adapter_sha256()) << step;
+    EXPECT_EQ(b.adapter_sha256(), c.adapter_sha256()) << step;
+    EXPECT_EQ(a.metrics().at("loss:sum"), b.metrics().at("loss:sum")) << step;
+  }
+  ASSERT_OK_AND_ASSIGN(v1::ForwardBackwardResponse fa, piped.Forward(Batch(5)));
+  ASSERT_OK_AND_ASSIGN(v1::ForwardBackwardResponse fb, packed.Forward(Batch(5)));
+  ASSERT_EQ(fa.logprobs_size(), fb.logprobs_size());
+  for (int i = 0; i < fa.logprobs_size(); ++i) {
+    ASSERT_EQ(fa.logprobs(i).values_size(), fb.logprobs(i).values_size());
+    for (int j = 0; j < fa.logprobs(i).values_size(); ++j) EXPECT_EQ(fa.logprobs(i).values(j), fb.logprobs(i).values(j));
+  }
+  for (const ValidationCase& c : ValidationCases()) {
+    v1::TrainStepRequest bad = BadTrainStep(packed.run_id(), c);
+    bad.set_sequence_id(packed.next_sequence_id());
+    EXPECT_THAT(grpc_client->TrainStep(bad), StatusIs(absl::StatusCode::kInvalidArgument, c.message)) << c.what;
+  }
+  ASSERT_OK_AND_ASSIGN(v1::Run after, grpc_client->GetRun(packed.run_id()));
+  EXPECT_EQ(after.learner_version(), 2);
+  EXPECT_EQ(after.next_sequence_id(), packed.next_sequence_id());
 }
 
 // lorastep_coordinator_with_worker --in_process_worker starts no child process and answers

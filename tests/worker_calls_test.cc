@@ -230,8 +230,8 @@ TEST_F(WorkerPipeTest, StepsAndRefusalsTravelAsWorkerCallsAnswers) {
 }
 
 // A shard of parsed datums (as the coordinator hands them over) travels written after the rest
-// of the request, from a wire form of its own or one its ranks share, and steps as the same
-// datums inside the request do.
+// of the request, from a wire form of its own or one its ranks share, or as the client packed
+// them, and steps as the same datums inside the request do.
 TEST_F(WorkerPipeTest, AShardOfParsedDatumsStepsAsTheRequestsOwn) {
   GrpcWorkerClient client("127.0.0.1:1", std::chrono::seconds(600), "", {}, client_fd_);
   const v1::WorkerTrainStepRequest whole = Step(0, "");
@@ -254,6 +254,15 @@ TEST_F(WorkerPipeTest, AShardOfParsedDatumsStepsAsTheRequestsOwn) {
     ASSERT_OK_AND_ASSIGN(v1::WorkerStepResponse piped, client.TrainStep(bare, shard));
     EXPECT_EQ(piped.result().adapter_sha256(), direct.result().adapter_sha256()) << run;
   }
+  // The client's packed batch passed on as it came (BatchShard::as_sent).
+  ASSERT_OK(CreateRun("as_sent"));
+  v1::WorkerTrainStepRequest bare = whole;
+  bare.set_run_id("as_sent");
+  bare.clear_packed_datums();
+  BatchShard shard;
+  shard.as_sent = &whole.packed_datums();
+  ASSERT_OK_AND_ASSIGN(v1::WorkerStepResponse piped, client.TrainStep(bare, shard));
+  EXPECT_EQ(piped.result().adapter_sha256(), direct.result().adapter_sha256());
 }
 
 TEST_F(WorkerPipeTest, RefusesWhatItCannotTake) {
