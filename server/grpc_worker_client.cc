@@ -64,23 +64,35 @@ Req WithDatums(const Req& req, const BatchShard& batch) {
 // a request first.
 template <typename Req>
 std::string SerializedWithDatums(const Req& req, const BatchShard& batch) {
-  std::string bytes = req.SerializeAsString();
   if constexpr (CarriesDatums<Req>::value) {
     ShardWireForms::Form local;
     const ShardWireForms::Form* form = batch.as_sent == nullptr ? WireFormOf(batch, &local) : nullptr;
-    if (batch.as_sent == nullptr && form == nullptr) return bytes;
-    google::protobuf::io::StringOutputStream stream(&bytes);
-    google::protobuf::io::CodedOutputStream out(&stream);
-    using google::protobuf::internal::WireFormatLite;
+    if (batch.as_sent == nullptr && form == nullptr) return req.SerializeAsString();
+    // One buffer of the final size: the datums are copied once, not again as it grows.
+    size_t size = req.ByteSizeLong() + 16;  // 16: a field's tag and length at most
     if (batch.as_sent != nullptr) {
-      batch.as_sent->ByteSizeLong();  // WriteMessage writes with the cached sizes
-      WireFormatLite::WriteMessage(Req::kPackedDatumsFieldNumber, *batch.as_sent, &out);
+      size += batch.as_sent->ByteSizeLong();
     } else {
-      for (const v1::Datum& datum : form->datums) WireFormatLite::WriteMessage(Req::kDatumsFieldNumber, datum, &out);
-      WireFormatLite::WriteMessage(Req::kPackedDatumsFieldNumber, form->packed, &out);
+      for (const v1::Datum& datum : form->datums) size += datum.GetCachedSize() + 16;
+      size += form->packed.GetCachedSize();
     }
+    std::string bytes;
+    bytes.reserve(size);
+    req.SerializeToString(&bytes);
+    {  // the streams trim `bytes` to what was written when they go
+      google::protobuf::io::StringOutputStream stream(&bytes);
+      google::protobuf::io::CodedOutputStream out(&stream);
+      using google::protobuf::internal::WireFormatLite;
+      if (batch.as_sent != nullptr) {  // its sizes cached above: WriteMessage writes with them
+        WireFormatLite::WriteMessage(Req::kPackedDatumsFieldNumber, *batch.as_sent, &out);
+      } else {
+        for (const v1::Datum& datum : form->datums) WireFormatLite::WriteMessage(Req::kDatumsFieldNumber, datum, &out);
+        WireFormatLite::WriteMessage(Req::kPackedDatumsFieldNumber, form->packed, &out);
+      }
+    }
+    return bytes;
   }
-  return bytes;
+  return req.SerializeAsString();
 }
 
 }  // namespace
