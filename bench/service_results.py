@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Puts one `scripts/bench.py ... suite service` call's figures into bench/results/step.json:
+service_overhead_lora (the default deployment's median overhead), service_overhead_deployment,
+the other deployments' figures beside it, and service_overhead_source (each deployment's raw
+per-step figures and, with --service-log, the split of bench/service_split.py). The figures it
+replaces move into service_overhead_source.before (date, commit, headline fractions).
+  service_results.py RESULTS_DIR STEP_JSON --commit C --command CMD [--raw RAW_DIR]
+RESULTS_DIR holds service_overhead_<deployment>[_v2].json; RAW_DIR (default RESULTS_DIR)
+holds service_<deployment>_v2.server.log (the --v=2 pass's server log) where the split
+JSONs did not come back."""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import service_split  # noqa: E402
+
+DEPLOYMENTS = ("process", "process_grpc", "in_process")
+DEFAULT = "process"  # what the README starts: the coordinator spawns its worker process
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("results")
+    ap.add_argument("step_json")
+    ap.add_argument("--commit", required=True)
+    ap.add_argument("--command", required=True)
+    ap.add_argument("--raw", help="folder with the --v=2 server logs (default: RESULTS)")
+    args = ap.parse_args()
+    raw = args.raw or args.results
+    per = {}
+    for d in DEPLOYMENTS:
+        path = os.path.join(args.results, f"service_overhead_{d}.json")
+        if os.path.exists(path):
+            per[d] = load(path)
+    if DEFAULT not in per:
+        raise SystemExit(f"{args.results}: no service_overhead_{DEFAULT}.json (the default deployment)")
+    splits = {}
+    for d in per:
+        split_json = os.path.join(args.results, f"service_split_{d}.json")
+        v2 = os.path.join(args.results, f"service_overhead_{d}_v2.json")
+        log = os.path.join(raw, f"service_{d}_v2.server.log")
+        if os.path.exists(split_json):
+            splits[d] = load(split_json)["medians_ms"]
+        elif os.path.exists(v2) and os.path.exists(log):
+            with open(log) as f:
+                splits[d] = service_split.split(load(v2), f.read())["medians_ms"]
+    step = load(args.step_json)
+    old = step.get("service_overhead_source")
+    before = []
+    if old:
+        before = old.pop("before", [])
+        before.append({"date": old.get("date"), "commit": old.get("commit"),
+                       **{d: {k: old[d][k] for k in ("overhead_fraction", "worker_step_median_s") if k in old[d]}
+                          for d in DEPLOYMENTS if d in old}})
+    first = per[DEFAULT]
+    source = {"date": first.get("date"), "machine": first.get("machine"), "versions": first.get("versions") or first.get("library_versions"),
+              "commit": args.commit, "command": args.command}
+    for d, r in per.items():
+        source[d] = {k: r[k] for k in ("overhead_fraction", "worker_step_median_s", "overhead_fractions",
+                                       "client_minor_faults") if k in r}
+    if splits:
+        source["split_medians_ms"] = splits
+        source["split"] = (old or {}).get("split", "bench/service_split.py over the --v=2 pass of the same call")
+    for key in ("deployments", "method"):
+        if old and key in old:
+            source[key] = old[key]
+    source["method"] = first.get("method", source.get("method"))
+    source["before"] = before
+    step["service_overhead_lora"] = first["overhead_fraction"]
+    step["service_overhead_deployment"] = DEFAULT
+    for d in per:
+        if d != DEFAULT:
+            step[f"service_overhead_lora_{d}"] = per[d]["overhead_fraction"]
+    step["service_overhead_source"] = source
+    with open(args.step_json, "w") as f:
+        json.dump(step, f, indent=2)
+        f.write("\n")
+    print(" ".join(f"{d} {per[d]['overhead_fraction']:.4f}" for d in per))
+    for d, s in splits.items():
+        print(d, " ".join(f"{k} {v:.3f}" for k, v in s.items()))
+
+
+if __name__ == "__main__":
+    main()
