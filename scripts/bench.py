@@ -470,9 +470,10 @@ SUITES = {
     "digest": ("the digest check's share of the LoRA step (after 'step')", suite_digest,
                lambda a: ["digest_cost.json"], lambda a: []),
     "service": ("service overhead per deployment (0.5B, 64 x 512)", suite_service,
-                lambda a: [f"service_overhead_{d}{v}.json"
-                           for v in [""] + ["_v2"] * a.service_log + ["_tuned_client"] * a.service_tuned_client
-                           for d in a.deployment] + [f"service_split_{d}.json" for d in a.deployment if a.service_log],
+                lambda a: [f"service_overhead_{d}.json" for d in a.deployment]
+                + [f"service_split_{d}.json" for d in a.deployment if a.service_log]
+                + [f"service_overhead_{d}{v}.json" for v in ["_tuned_client"] * a.service_tuned_client
+                   + ["_v2"] * a.service_log for d in a.deployment],
                 lambda a: []),
     "autosave": ("autosave's cost on the step", suite_autosave,
                  lambda a: [f"autosave_{d}.json" for d in a.deployment], lambda a: []),
@@ -503,15 +504,20 @@ def cmd_suite(ctx, names):
 
 
 def pack_raw(ctx, names):
-    """Leaves in OUT only the named suites' result files, env.txt and bench.log; every other
-    top-level file goes into OUT/raw.tgz (generated batch files are dropped), so a caller that
-    gets back only a few files (the device tool returns at most 8) still gets the results."""
-    keep = {"env.txt", "bench.log", "raw.tgz"}
+    """Leaves in OUT only env.txt, the named suites' result files (in the order the suites
+    name them, the headline figures first) and bench.log, at most --keep-files files with
+    raw.tgz; every other top-level file goes into OUT/raw.tgz (generated batch files are
+    dropped), so a caller that gets back only a few files (the device tool returns at most 8)
+    still gets the results that matter most."""
+    wanted = ["env.txt"]
     for name in names:
         _, _, outputs, passing = SUITES[name]
-        keep.update(outputs(ctx.args) + passing(ctx.args))
+        wanted += [f for f in outputs(ctx.args) + passing(ctx.args) if f not in wanted]
+    wanted.append("bench.log")
+    present = [f for f in wanted if os.path.isfile(os.path.join(ctx.out, f))]
+    keep = set(present[:max(ctx.args.keep_files - 1, 0)])  # one place for raw.tgz
     extra = sorted(f for f in os.listdir(ctx.out)
-                   if os.path.isfile(os.path.join(ctx.out, f)) and f not in keep)
+                   if os.path.isfile(os.path.join(ctx.out, f)) and f not in keep and f != "raw.tgz")
     packed = [f for f in extra if not f.startswith("batch_")]
     if packed:
         import tarfile
@@ -520,7 +526,10 @@ def pack_raw(ctx, names):
                 tar.add(os.path.join(ctx.out, f), arcname=f)
     for f in extra:
         os.remove(os.path.join(ctx.out, f))
-    print(f"pack-raw: {len(packed)} file(s) into raw.tgz, {len(extra) - len(packed)} batch file(s) dropped", flush=True)
+    over = [f for f in present if f not in keep]
+    print(f"pack-raw: {len(packed)} file(s) into raw.tgz, {len(extra) - len(packed)} batch file(s) dropped"
+          + (f"; results over --keep-files {ctx.args.keep_files} packed too: {' '.join(over)}" if over else ""),
+          flush=True)
 
 
 def main(argv=None):
@@ -560,6 +569,8 @@ def main(argv=None):
                     choices=["shared_outer", "per_expert"], help="moe-bench: expert LoRA layouts")
     ap.add_argument("--pack-raw", action="store_true",
                     help="afterwards keep only the suites' results, env.txt and bench.log in OUT; the rest into raw.tgz")
+    ap.add_argument("--keep-files", type=int, default=8,
+                    help="--pack-raw: files left in OUT at most, raw.tgz included (the device tool returns 8)")
     ap.add_argument("command", choices=["build", "check", "suite", "all", "verify", "list"])
     ap.add_argument("names", nargs="*", help="suite names (suite, verify)")
     args = ap.parse_args(argv)

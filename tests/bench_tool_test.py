@@ -91,6 +91,23 @@ class BenchToolTest(unittest.TestCase):
         with tarfile.open(os.path.join(out_dir, "raw.tgz")) as tar:
             self.assertEqual(sorted(tar.getnames()), ["ours_raw.json", "parity.log"])
 
+    def test_pack_raw_keeps_the_headline_results_within_the_file_limit(self):
+        import tarfile
+        out_dir = folder("out_pack_limit")
+        deployments = ["process", "process_grpc", "in_process"]
+        names = ([f"service_overhead_{d}.json" for d in deployments] + [f"service_split_{d}.json" for d in deployments]
+                 + [f"service_overhead_{d}_v2.json" for d in deployments])
+        for name in names + ["env.txt", "bench.log", "service_process.log"]:
+            write(os.path.join(out_dir, name), {"x": 1})
+        rc, out = bench("--deployment", *deployments, "--out", out_dir, "--pack-raw", "--service-log",
+                        "verify", "service")
+        self.assertEqual(rc, 0, out)
+        kept = ["env.txt"] + names[:6] + ["raw.tgz"]
+        self.assertEqual(sorted(os.listdir(out_dir)), sorted(kept))
+        with tarfile.open(os.path.join(out_dir, "raw.tgz")) as tar:
+            self.assertEqual(sorted(tar.getnames()), sorted(names[6:] + ["bench.log", "service_process.log"]))
+        self.assertIn("results over --keep-files 8 packed too", out)
+
     def test_unknown_suites_are_refused_by_name(self):
         rc, out = bench("--out", folder("out_unknown"), "suite", "stepp")
         self.assertEqual(rc, 2, out)
