@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -61,6 +62,8 @@ void WidenSendBuffer(int fd) {
 }  // namespace
 
 absl::Status WriteCallFrame(int fd, const CallFrame& frame) {
+  size_t payload_bytes = frame.payload.size();
+  for (absl::string_view piece : frame.payload_tail) payload_bytes += piece.size();
   FrameHeader header{kFrameMagic,
                      static_cast<uint8_t>(frame.kind),
                      frame.method,
@@ -69,16 +72,17 @@ absl::Status WriteCallFrame(int fd, const CallFrame& frame) {
                      static_cast<uint32_t>(std::min<size_t>(frame.message.size(), kMaxMessageBytes)),
                      frame.call_id,
                      frame.deadline_unix_us,
-                     frame.payload.size()};
-  iovec parts[3] = {{&header, sizeof(header)},
-                    {const_cast<char*>(frame.message.data()), header.message_bytes},
-                    {const_cast<char*>(frame.payload.data()), frame.payload.size()}};
-  iovec* next = parts;
-  int left = 3;
+                     payload_bytes};
+  std::vector<iovec> parts = {{&header, sizeof(header)},
+                              {const_cast<char*>(frame.message.data()), header.message_bytes},
+                              {const_cast<char*>(frame.payload.data()), frame.payload.size()}};
+  for (absl::string_view piece : frame.payload_tail) parts.push_back({const_cast<char*>(piece.data()), piece.size()});
+  iovec* next = parts.data();
+  size_t left = parts.size();
   while (left > 0) {
     msghdr msg{};
     msg.msg_iov = next;
-    msg.msg_iovlen = left;
+    msg.msg_iovlen = std::min<size_t>(left, IOV_MAX);
     const ssize_t sent = sendmsg(fd, &msg, MSG_NOSIGNAL);  // a closed peer: EPIPE, not SIGPIPE
     if (sent < 0 && errno == EINTR) continue;
     if (sent < 0) return absl::UnavailableError(absl::StrCat("pipe write: ", std::strerror(errno)));
@@ -178,7 +182,8 @@ void CallPipeClient::SendCancel(uint64_t call_id) {
 }
 
 absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string payload,
-                                                 std::chrono::system_clock::time_point deadline) {
+                                                 std::chrono::system_clock::time_point deadline,
+                                                 std::vector<absl::string_view> payload_tail) {
   auto pending = std::make_shared<Pending>();
   uint64_t id = 0;
   {
@@ -195,6 +200,7 @@ absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string pay
                               ? 0
                               : std::chrono::duration_cast<std::chrono::microseconds>(deadline.time_since_epoch()).count();
   call.payload = std::move(payload);
+  call.payload_tail = std::move(payload_tail);
   absl::Status sent;
   {
     std::lock_guard<std::mutex> lock(write_mu_);

@@ -20,9 +20,11 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace lorastep {
 
@@ -40,6 +42,9 @@ struct CallFrame {
   int64_t deadline_unix_us = 0;                    // kCall; 0: none
   std::string message;                             // kAnswer: a failure's message
   std::string payload;                             // kCall: the request; kAnswer (OK): the response
+  // Written after `payload` as part of it (the reader gets one payload): bytes the writer
+  // does not own and need not copy, valid until WriteCallFrame returns.
+  std::vector<absl::string_view> payload_tail;
 };
 
 // Writes the whole frame (the caller serializes writers of one socket). UNAVAILABLE when the
@@ -65,9 +70,11 @@ class CallPipeClient {
   // Sends `payload` as a call of `method` and waits for the answer: its payload, or the
   // callee's status. At `deadline` the call returns DEADLINE_EXCEEDED and the callee is told to
   // cancel it (as it is told the deadline itself). UNAVAILABLE once the pipe has closed (the
-  // callee exited).
+  // callee exited). `payload_tail`: more of the payload, written after it uncopied (the
+  // callee reads one payload); it need only outlive the write, which ends before the wait.
   absl::StatusOr<std::string> Call(uint8_t method, std::string payload,
-                                   std::chrono::system_clock::time_point deadline);
+                                   std::chrono::system_clock::time_point deadline,
+                                   std::vector<absl::string_view> payload_tail = {});
   // Every call in flight returns CANCELLED now; the callee is told to cancel each.
   void CancelAll();
 

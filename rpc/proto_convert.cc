@@ -7,6 +7,9 @@
 #include <tuple>
 #include <type_traits>
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/wire_format_lite.h>
+
 #include "lib/status_macros.h"
 
 namespace lorastep {
@@ -237,6 +240,47 @@ void SetRequestDatums(const std::vector<Datum>& datums, const std::vector<int>& 
     out->mutable_advantages()->Add(d.advantages.begin(), d.advantages.end());
     out->mutable_ref_logprobs()->Add(d.ref_logprobs.begin(), d.ref_logprobs.end());
     out->mutable_old_logprobs()->Add(d.old_logprobs.begin(), d.old_logprobs.end());
+  }
+}
+
+PackedDatumsField::PackedDatumsField(int field_number, const v1::PackedDatums& packed) {
+  constexpr size_t kMaxFieldHeaderBytes = 10;  // a tag and a length, five bytes of varint each at most
+  using google::protobuf::FieldDescriptor;
+  using google::protobuf::io::CodedOutputStream;
+  using google::protobuf::internal::WireFormatLite;
+  // Every field but `lengths` is a byte array (trainer.proto); `lengths` goes in the head.
+  v1::PackedDatums small;
+  *small.mutable_lengths() = packed.lengths();
+  const std::string small_bytes = small.SerializeAsString();
+  const google::protobuf::Descriptor* descriptor = v1::PackedDatums::descriptor();
+  const google::protobuf::Reflection* reflection = v1::PackedDatums::GetReflection();
+  array_headers_.reserve(static_cast<size_t>(descriptor->field_count()));
+  size_t total = small_bytes.size();
+  std::vector<absl::string_view> arrays;
+  for (int i = 0; i < descriptor->field_count(); ++i) {
+    const FieldDescriptor* field = descriptor->field(i);
+    if (field->type() != FieldDescriptor::TYPE_BYTES || field->is_repeated()) continue;
+    std::string scratch;
+    const std::string& bytes = reflection->GetStringReference(packed, field, &scratch);
+    if (bytes.empty()) continue;
+    std::string header(kMaxFieldHeaderBytes, '\0');
+    uint8_t* at = reinterpret_cast<uint8_t*>(header.data());
+    at = WireFormatLite::WriteTagToArray(field->number(), WireFormatLite::WIRETYPE_LENGTH_DELIMITED, at);
+    at = CodedOutputStream::WriteVarint32ToArray(static_cast<uint32_t>(bytes.size()), at);
+    header.resize(static_cast<size_t>(at - reinterpret_cast<uint8_t*>(header.data())));
+    total += header.size() + bytes.size();
+    array_headers_.push_back(std::move(header));
+    arrays.push_back(bytes);
+  }
+  head_.resize(kMaxFieldHeaderBytes);
+  uint8_t* at = reinterpret_cast<uint8_t*>(head_.data());
+  at = WireFormatLite::WriteTagToArray(field_number, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, at);
+  at = CodedOutputStream::WriteVarint32ToArray(static_cast<uint32_t>(total), at);
+  head_.resize(static_cast<size_t>(at - reinterpret_cast<uint8_t*>(head_.data())));
+  head_ += small_bytes;
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    pieces_.push_back(array_headers_[i]);
+    pieces_.push_back(arrays[i]);
   }
 }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "lib/training/adamw_params.h"
 #include "lib/training/batch.h"
 #include "lib/training/loss_config.h"
@@ -35,6 +36,24 @@ void SetRequestDatums(const std::vector<Datum>& datums, const std::vector<int>& 
 // array of another length than its tokens, a token id outside int32): send them as datums,
 // and the server names the problem.
 bool PackDatums(const std::vector<v1::Datum>& datums, v1::PackedDatums* packed);
+// `packed` in wire form as field `field_number` of an enclosing message, its arrays not
+// copied: head() is the field's tag and length and the small fields, pieces() the rest in
+// order (each array's tag and length, then the array's own bytes in `packed`). Appended to
+// the enclosing message's bytes they parse as that field. `packed` must outlive it; it does
+// not move (pieces point into it).
+class PackedDatumsField {
+ public:
+  PackedDatumsField(int field_number, const v1::PackedDatums& packed);
+  PackedDatumsField(const PackedDatumsField&) = delete;
+  PackedDatumsField& operator=(const PackedDatumsField&) = delete;
+  const std::string& head() const { return head_; }
+  const std::vector<absl::string_view>& pieces() const { return pieces_; }
+
+ private:
+  std::string head_;
+  std::vector<std::string> array_headers_;  // reserved up front: pieces_ point into them
+  std::vector<absl::string_view> pieces_;
+};
 absl::StatusOr<LossConfig> LossConfigFromProto(const v1::LossConfig& proto);
 // Unset fields take AdamWParams' defaults; the result is validated.
 absl::StatusOr<AdamWParams> AdamWParamsFromProto(const v1::AdamWParams& proto);

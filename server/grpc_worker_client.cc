@@ -8,6 +8,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <optional>
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
@@ -61,21 +62,17 @@ Req WithDatums(const Req& req, const BatchShard& batch) {
 
 // The same request serialized for the call pipe, the datums written after the rest straight
 // from their wire form (protobuf merges what follows into the message) instead of copied into
-// a request first.
+// a request first. The client's packed batch (as_sent) is not written here: the pipe sends
+// its arrays from where they are (PackedDatumsField).
 template <typename Req>
 std::string SerializedWithDatums(const Req& req, const BatchShard& batch) {
   if constexpr (CarriesDatums<Req>::value) {
     ShardWireForms::Form local;
     const ShardWireForms::Form* form = batch.as_sent == nullptr ? WireFormOf(batch, &local) : nullptr;
-    if (batch.as_sent == nullptr && form == nullptr) return req.SerializeAsString();
+    if (form == nullptr) return req.SerializeAsString();
     // One buffer of the final size: the datums are copied once, not again as it grows.
-    size_t size = req.ByteSizeLong() + 16;  // 16: a field's tag and length at most
-    if (batch.as_sent != nullptr) {
-      size += batch.as_sent->ByteSizeLong();
-    } else {
-      for (const v1::Datum& datum : form->datums) size += datum.GetCachedSize() + 16;
-      size += form->packed.GetCachedSize();
-    }
+    size_t size = req.ByteSizeLong() + 16 + form->packed.GetCachedSize();  // 16: a field's tag and length at most
+    for (const v1::Datum& datum : form->datums) size += datum.GetCachedSize() + 16;
     std::string bytes;
     bytes.reserve(size);
     req.SerializeToString(&bytes);
@@ -83,12 +80,8 @@ std::string SerializedWithDatums(const Req& req, const BatchShard& batch) {
       google::protobuf::io::StringOutputStream stream(&bytes);
       google::protobuf::io::CodedOutputStream out(&stream);
       using google::protobuf::internal::WireFormatLite;
-      if (batch.as_sent != nullptr) {  // its sizes cached above: WriteMessage writes with them
-        WireFormatLite::WriteMessage(Req::kPackedDatumsFieldNumber, *batch.as_sent, &out);
-      } else {
-        for (const v1::Datum& datum : form->datums) WireFormatLite::WriteMessage(Req::kDatumsFieldNumber, datum, &out);
-        WireFormatLite::WriteMessage(Req::kPackedDatumsFieldNumber, form->packed, &out);
-      }
+      for (const v1::Datum& datum : form->datums) WireFormatLite::WriteMessage(Req::kDatumsFieldNumber, datum, &out);
+      WireFormatLite::WriteMessage(Req::kPackedDatumsFieldNumber, form->packed, &out);
     }
     return bytes;
   }
@@ -146,9 +139,18 @@ template <typename Resp, typename Req, typename Method>
 absl::StatusOr<Resp> GrpcWorkerClient::StepCall(Method method, WorkerPipeMethod pipe_method, const Req& req,
                                                  const BatchShard& batch) {
   if (pipe_ == nullptr) return Call<Resp>(method, WithDatums(req, batch), std::chrono::seconds(0), batch.deadline);
+  std::string payload = SerializedWithDatums(req, batch);
+  std::optional<PackedDatumsField> as_sent;
+  if constexpr (CarriesDatums<Req>::value) {
+    if (batch.as_sent != nullptr) {
+      as_sent.emplace(Req::kPackedDatumsFieldNumber, *batch.as_sent);
+      payload += as_sent->head();
+    }
+  }
   LORASTEP_ASSIGN_OR_RETURN(std::string answer,
-                            pipe_->Call(static_cast<uint8_t>(pipe_method), SerializedWithDatums(req, batch),
-                                        std::min(batch.deadline, std::chrono::system_clock::now() + call_timeout_)));
+                            pipe_->Call(static_cast<uint8_t>(pipe_method), std::move(payload),
+                                        std::min(batch.deadline, std::chrono::system_clock::now() + call_timeout_),
+                                        as_sent ? as_sent->pieces() : std::vector<absl::string_view>()));
   Resp resp;
   if (!resp.ParseFromString(answer)) {
     return absl::DataLossError(absl::StrCat("worker ", address_, ": an answer that does not parse as ",

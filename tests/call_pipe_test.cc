@@ -155,6 +155,8 @@ TEST(CallPipeTest, AFrameRoundTripsWithItsFields) {
   frame.deadline_unix_us = 1234567;
   frame.message = "too big";
   frame.payload = std::string(300000, 'p');  // larger than the socket's buffer: written in parts
+  const std::string tail(70000, 't');
+  frame.payload_tail = {"-head-", tail, "", "-end"};  // written uncopied after the payload
   std::thread writer([&] { EXPECT_TRUE(WriteCallFrame(pair.fds[0], frame).ok()); });
   absl::StatusOr<CallFrame> read = ReadCallFrame(pair.fds[1], 1 << 20);
   writer.join();
@@ -165,7 +167,7 @@ TEST(CallPipeTest, AFrameRoundTripsWithItsFields) {
   EXPECT_EQ(read->call_id, frame.call_id);
   EXPECT_EQ(read->deadline_unix_us, frame.deadline_unix_us);
   EXPECT_EQ(read->message, frame.message);
-  EXPECT_EQ(read->payload, frame.payload);
+  EXPECT_EQ(read->payload, frame.payload + "-head-" + tail + "-end");
   close(pair.fds[0]);
   close(pair.fds[1]);
 }

@@ -272,6 +272,45 @@ TEST(FuzzTest, PackedDatumsNeverCrashOrMisalign) {
 // Packing into a message that held another batch (as RunSession does every step, to keep the
 // arrays' buffers) leaves exactly the new batch; a batch the packed form cannot say leaves it
 // empty.
+// PackedDatumsField: appended to an enclosing message's bytes, its head and pieces parse as
+// that message's packed_datums, with either target form and absent optional arrays; every
+// field of PackedDatums but `lengths` is a byte array it sends from where it is.
+TEST(PackDatumsTest, APackedBatchWrittenFromItsOwnArraysParsesAsTheField) {
+  for (const char* targets : {"own", "next-token"}) {
+    std::vector<v1::Datum> datums(3);
+    for (int i = 0; i < 3; ++i) {
+      for (int t = 0; t < 5 + 200 * i; ++t) {
+        datums[i].add_tokens(t % 96);
+        datums[i].add_target_tokens(std::string(targets) == "own" ? (t * 7) % 96 : (t + 1) % 96);
+        datums[i].add_logprobs(-0.25f * static_cast<float>(t % 5));
+      }
+      if (std::string(targets) == "next-token") datums[i].set_target_tokens(datums[i].tokens_size() - 1, 3);
+    }
+    v1::WorkerTrainStepRequest req;
+    req.set_run_id("run");
+    ASSERT_TRUE(PackDatums(datums, req.mutable_packed_datums()));
+    v1::WorkerTrainStepRequest bare = req;
+    bare.clear_packed_datums();
+    std::string bytes = bare.SerializeAsString();
+    {
+      PackedDatumsField field(v1::WorkerTrainStepRequest::kPackedDatumsFieldNumber, req.packed_datums());
+      bytes += field.head();
+      for (absl::string_view piece : field.pieces()) bytes.append(piece.data(), piece.size());
+    }
+    v1::WorkerTrainStepRequest parsed;
+    ASSERT_TRUE(parsed.ParseFromString(bytes)) << targets;
+    EXPECT_EQ(parsed.SerializeAsString(), req.SerializeAsString()) << targets;
+    EXPECT_EQ(parsed.packed_datums().last_target_tokens().empty(), std::string(targets) == "own");
+  }
+  const google::protobuf::Descriptor* d = v1::PackedDatums::descriptor();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* f = d->field(i);
+    EXPECT_TRUE(f->name() == "lengths" ||
+                (f->type() == google::protobuf::FieldDescriptor::TYPE_BYTES && !f->is_repeated()))
+        << f->name() << ": PackedDatumsField sends only lengths and byte arrays";
+  }
+}
+
 TEST(PackDatumsTest, AReusedMessageHoldsOnlyTheLatestBatch) {
   auto datum = [](int n, int64_t first, bool with_logprobs) {
     v1::Datum d;
