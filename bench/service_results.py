@@ -68,10 +68,9 @@ def main():
     if splits:
         source["split_medians_ms"] = splits
         source["split"] = (old or {}).get("split", "bench/service_split.py over the --v=2 pass of the same call")
-    for key in ("deployments", "method"):
-        if old and key in old:
-            source[key] = old[key]
-    source["method"] = first.get("method", source.get("method"))
+    if old and "deployments" in old:
+        source["deployments"] = old["deployments"]
+    source["method"] = first.get("method", (old or {}).get("method"))
     source["before"] = before
     step["service_overhead_lora"] = first["overhead_fraction"]
     step["service_overhead_deployment"] = DEFAULT

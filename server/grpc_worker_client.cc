@@ -25,9 +25,8 @@ const ShardWireForms::Form* WireFormOf(const BatchShard& batch, ShardWireForms::
   if (batch.datums == nullptr) return nullptr;
   auto build = [&](ShardWireForms::Form* out) {
     SetRequestDatums(*batch.datums, *batch.indices, &out->datums, &out->packed);
-    // Sizes cached once, before ranks share the form: SerializedWithDatums writes with them.
+    // Sizes cached once, before ranks share the form: the pipe's payload is written with them.
     for (const v1::Datum& datum : out->datums) datum.ByteSizeLong();
-    out->packed.ByteSizeLong();
   };
   if (batch.wire == nullptr) {
     build(local);
@@ -60,32 +59,31 @@ Req WithDatums(const Req& req, const BatchShard& batch) {
   return full;
 }
 
-// The same request serialized for the call pipe, the datums written after the rest straight
-// from their wire form (protobuf merges what follows into the message) instead of copied into
-// a request first. The client's packed batch (as_sent) is not written here: the pipe sends
-// its arrays from where they are (PackedDatumsField).
+// The same request as the call pipe sends it: its own bytes, then the shard's datums written
+// after them (protobuf merges what follows into the message) instead of copied into a request
+// first. Datums the packed form cannot say are serialized into `payload`; packed ones (the
+// client's as it sent them, or the shard's wire form) go from where they lie as `packed`'s
+// pieces. `local` holds a wire form made for this call alone; it and the batch must outlive
+// the write.
 template <typename Req>
-std::string SerializedWithDatums(const Req& req, const BatchShard& batch) {
+std::string PipePayload(const Req& req, const BatchShard& batch, ShardWireForms::Form* local,
+                        std::optional<PackedDatumsField>* packed) {
+  std::string payload = req.SerializeAsString();
   if constexpr (CarriesDatums<Req>::value) {
-    ShardWireForms::Form local;
-    const ShardWireForms::Form* form = batch.as_sent == nullptr ? WireFormOf(batch, &local) : nullptr;
-    if (form == nullptr) return req.SerializeAsString();
-    // One buffer of the final size: the datums are copied once, not again as it grows.
-    size_t size = req.ByteSizeLong() + 16 + form->packed.GetCachedSize();  // 16: a field's tag and length at most
-    for (const v1::Datum& datum : form->datums) size += datum.GetCachedSize() + 16;
-    std::string bytes;
-    bytes.reserve(size);
-    req.SerializeToString(&bytes);
-    {  // the streams trim `bytes` to what was written when they go
-      google::protobuf::io::StringOutputStream stream(&bytes);
+    const ShardWireForms::Form* form = batch.as_sent == nullptr ? WireFormOf(batch, local) : nullptr;
+    if (form != nullptr && !form->datums.empty()) {
+      google::protobuf::io::StringOutputStream stream(&payload);
       google::protobuf::io::CodedOutputStream out(&stream);
       using google::protobuf::internal::WireFormatLite;
       for (const v1::Datum& datum : form->datums) WireFormatLite::WriteMessage(Req::kDatumsFieldNumber, datum, &out);
-      WireFormatLite::WriteMessage(Req::kPackedDatumsFieldNumber, form->packed, &out);
+    }  // the streams trim `payload` to what was written when they go
+    const v1::PackedDatums* arrays = batch.as_sent != nullptr ? batch.as_sent : form != nullptr ? &form->packed : nullptr;
+    if (arrays != nullptr && arrays->lengths_size() > 0) {
+      packed->emplace(Req::kPackedDatumsFieldNumber, *arrays);
+      payload += (*packed)->head();
     }
-    return bytes;
   }
-  return req.SerializeAsString();
+  return payload;
 }
 
 }  // namespace
@@ -139,18 +137,13 @@ template <typename Resp, typename Req, typename Method>
 absl::StatusOr<Resp> GrpcWorkerClient::StepCall(Method method, WorkerPipeMethod pipe_method, const Req& req,
                                                  const BatchShard& batch) {
   if (pipe_ == nullptr) return Call<Resp>(method, WithDatums(req, batch), std::chrono::seconds(0), batch.deadline);
-  std::string payload = SerializedWithDatums(req, batch);
-  std::optional<PackedDatumsField> as_sent;
-  if constexpr (CarriesDatums<Req>::value) {
-    if (batch.as_sent != nullptr) {
-      as_sent.emplace(Req::kPackedDatumsFieldNumber, *batch.as_sent);
-      payload += as_sent->head();
-    }
-  }
+  ShardWireForms::Form local;
+  std::optional<PackedDatumsField> packed;
+  std::string payload = PipePayload(req, batch, &local, &packed);
   LORASTEP_ASSIGN_OR_RETURN(std::string answer,
                             pipe_->Call(static_cast<uint8_t>(pipe_method), std::move(payload),
                                         std::min(batch.deadline, std::chrono::system_clock::now() + call_timeout_),
-                                        as_sent ? as_sent->pieces() : std::vector<absl::string_view>()));
+                                        packed ? packed->pieces() : std::vector<absl::string_view>()));
   Resp resp;
   if (!resp.ParseFromString(answer)) {
     return absl::DataLossError(absl::StrCat("worker ", address_, ": an answer that does not parse as ",
