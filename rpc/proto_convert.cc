@@ -46,7 +46,7 @@ constexpr char kPacked[] = "packed_datums";
 // Sets `out` to the `n` 4-byte values of type `Wire` from `bytes` at element `offset`
 // (leaves it empty when `bytes` is: an absent optional field).
 template <typename Wire, typename T>
-void UnpackInto(const std::string& bytes, int64_t offset, int64_t n, std::vector<T>* out) {
+void UnpackInto(absl::string_view bytes, int64_t offset, int64_t n, std::vector<T>* out) {
   if (bytes.empty()) return;
   out->resize(static_cast<size_t>(n));
   const char* from = bytes.data() + offset * 4;
@@ -63,69 +63,94 @@ void UnpackInto(const std::string& bytes, int64_t offset, int64_t n, std::vector
 
 }  // namespace
 
+bool PackedArrays::empty() const {
+  return lengths.empty() && tokens.empty() && target_tokens.empty() && weights.empty() && logprobs.empty() &&
+         advantages.empty() && ref_logprobs.empty() && old_logprobs.empty() && last_target_tokens.empty();
+}
+
+PackedArrays ArraysOf(const v1::PackedDatums& packed) {
+  PackedArrays arrays;
+  arrays.lengths.assign(packed.lengths().begin(), packed.lengths().end());
+  arrays.tokens = packed.tokens();
+  arrays.target_tokens = packed.target_tokens();
+  arrays.weights = packed.weights();
+  arrays.logprobs = packed.logprobs();
+  arrays.advantages = packed.advantages();
+  arrays.ref_logprobs = packed.ref_logprobs();
+  arrays.old_logprobs = packed.old_logprobs();
+  arrays.last_target_tokens = packed.last_target_tokens();
+  return arrays;
+}
+
 absl::StatusOr<std::vector<Datum>> RequestDatums(const google::protobuf::RepeatedPtrField<v1::Datum>& datums,
-                                                 const v1::PackedDatums& packed) {
+                                                 const PackedArrays& packed) {
   static_assert(sizeof(float) == 4, "packed float32");
-  if (packed.ByteSizeLong() == 0) return DatumsFromProto(datums);
+  if (packed.empty()) return DatumsFromProto(datums);
   if (!datums.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(kPacked, ": set together with datums; send one form"));
   }
   int64_t total = 0;
-  for (int i = 0; i < packed.lengths_size(); ++i) {
-    if (packed.lengths(i) < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(kPacked, ".lengths[", i, "]: ", packed.lengths(i), " is negative"));
+  for (size_t i = 0; i < packed.lengths.size(); ++i) {
+    if (packed.lengths[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(kPacked, ".lengths[", i, "]: ", packed.lengths[i], " is negative"));
     }
-    total += packed.lengths(i);
+    total += packed.lengths[i];
   }
-  const bool next_token_targets = !packed.last_target_tokens().empty();
+  const bool next_token_targets = !packed.last_target_tokens.empty();
   if (next_token_targets) {
-    if (!packed.target_tokens().empty()) {
+    if (!packed.target_tokens.empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat(kPacked, ".last_target_tokens: set together with target_tokens; send one"));
     }
-    const int64_t expected = 4 * static_cast<int64_t>(packed.lengths_size());
-    if (static_cast<int64_t>(packed.last_target_tokens().size()) != expected) {
-      return absl::InvalidArgumentError(absl::StrCat(kPacked, ".last_target_tokens: ", packed.last_target_tokens().size(),
+    const int64_t expected = 4 * static_cast<int64_t>(packed.lengths.size());
+    if (static_cast<int64_t>(packed.last_target_tokens.size()) != expected) {
+      return absl::InvalidArgumentError(absl::StrCat(kPacked, ".last_target_tokens: ", packed.last_target_tokens.size(),
                                                      " bytes; expected 4 per datum, ", expected, " for the ",
-                                                     packed.lengths_size(), " datums in lengths"));
+                                                     packed.lengths.size(), " datums in lengths"));
     }
   }
-  const std::tuple<const char*, const std::string*, bool> arrays[] = {
-      {"tokens", &packed.tokens(), true},          {"target_tokens", &packed.target_tokens(), !next_token_targets},
-      {"weights", &packed.weights(), false},       {"logprobs", &packed.logprobs(), false},
-      {"advantages", &packed.advantages(), false}, {"ref_logprobs", &packed.ref_logprobs(), false},
-      {"old_logprobs", &packed.old_logprobs(), false}};
+  const std::tuple<const char*, const absl::string_view*, bool> arrays[] = {
+      {"tokens", &packed.tokens, true},          {"target_tokens", &packed.target_tokens, !next_token_targets},
+      {"weights", &packed.weights, false},       {"logprobs", &packed.logprobs, false},
+      {"advantages", &packed.advantages, false}, {"ref_logprobs", &packed.ref_logprobs, false},
+      {"old_logprobs", &packed.old_logprobs, false}};
   for (const auto& [name, bytes, required] : arrays) {
     if (static_cast<int64_t>(bytes->size()) == 4 * total || (!required && bytes->empty())) continue;
     return absl::InvalidArgumentError(absl::StrCat(kPacked, ".", name, ": ", bytes->size(), " bytes; expected 4 per position, ",
                                                    4 * total, " for the ", total, " positions in lengths",
                                                    required ? "" : " (or none)"));
   }
-  std::vector<Datum> out(static_cast<size_t>(packed.lengths_size()));
+  std::vector<Datum> out(packed.lengths.size());
   int64_t offset = 0;
   for (size_t i = 0; i < out.size(); ++i) {
-    const int64_t n = packed.lengths(static_cast<int>(i));
+    const int64_t n = packed.lengths[i];
     Datum& d = out[i];
-    UnpackInto<int32_t>(packed.tokens(), offset, n, &d.tokens);
+    UnpackInto<int32_t>(packed.tokens, offset, n, &d.tokens);
     if (next_token_targets) {
       d.target_tokens.resize(static_cast<size_t>(n));
       if (n > 0) {
         std::copy(d.tokens.begin() + 1, d.tokens.end(), d.target_tokens.begin());
         int32_t last;
-        std::memcpy(&last, packed.last_target_tokens().data() + 4 * i, 4);
+        std::memcpy(&last, packed.last_target_tokens.data() + 4 * i, 4);
         d.target_tokens[static_cast<size_t>(n - 1)] = last;
       }
     } else {
-      UnpackInto<int32_t>(packed.target_tokens(), offset, n, &d.target_tokens);
+      UnpackInto<int32_t>(packed.target_tokens, offset, n, &d.target_tokens);
     }
-    UnpackInto<float>(packed.weights(), offset, n, &d.weights);
-    UnpackInto<float>(packed.logprobs(), offset, n, &d.logprobs);
-    UnpackInto<float>(packed.advantages(), offset, n, &d.advantages);
-    UnpackInto<float>(packed.ref_logprobs(), offset, n, &d.ref_logprobs);
-    UnpackInto<float>(packed.old_logprobs(), offset, n, &d.old_logprobs);
+    UnpackInto<float>(packed.weights, offset, n, &d.weights);
+    UnpackInto<float>(packed.logprobs, offset, n, &d.logprobs);
+    UnpackInto<float>(packed.advantages, offset, n, &d.advantages);
+    UnpackInto<float>(packed.ref_logprobs, offset, n, &d.ref_logprobs);
+    UnpackInto<float>(packed.old_logprobs, offset, n, &d.old_logprobs);
     offset += n;
   }
   return out;
+}
+
+absl::StatusOr<std::vector<Datum>> RequestDatums(const google::protobuf::RepeatedPtrField<v1::Datum>& datums,
+                                                 const v1::PackedDatums& packed) {
+  if (packed.ByteSizeLong() == 0) return DatumsFromProto(datums);
+  return RequestDatums(datums, ArraysOf(packed));
 }
 
 namespace {

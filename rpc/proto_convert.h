@@ -21,9 +21,20 @@
 namespace lorastep {
 
 std::vector<Datum> DatumsFromProto(const google::protobuf::RepeatedPtrField<v1::Datum>& datums);
+// A PackedDatums' fields as views of bytes held elsewhere: a parsed message's, or a request's
+// bytes as they came (PackedDatumsWire).
+struct PackedArrays {
+  std::vector<int32_t> lengths;
+  absl::string_view tokens, target_tokens, weights, logprobs, advantages, ref_logprobs, old_logprobs,
+      last_target_tokens;
+  bool empty() const;
+};
+PackedArrays ArraysOf(const v1::PackedDatums& packed);
 // The datums of a request in either form: `datums`, or `packed_datums` (checked: every array
 // 4 bytes per position, optional ones empty or full). Both set is INVALID_ARGUMENT naming
 // packed_datums.
+absl::StatusOr<std::vector<Datum>> RequestDatums(const google::protobuf::RepeatedPtrField<v1::Datum>& datums,
+                                                 const PackedArrays& packed);
 absl::StatusOr<std::vector<Datum>> RequestDatums(const google::protobuf::RepeatedPtrField<v1::Datum>& datums,
                                                  const v1::PackedDatums& packed);
 // datums[i] for i in `indices` into a worker request: packed (tokens narrowed to int32:

@@ -7,31 +7,43 @@
 #include <grpcpp/support/byte_buffer.h>
 
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
 
 #include <google/protobuf/message.h>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "rpc/packed_wire.h"
 
 namespace lorastep {
 
-// INVALID_ARGUMENT naming `field_name` when the top-level field `field_number` occurs more
-// than `max_count` times in the serialized message `raw`, or when `raw` is not a well-formed
-// message (nesting deeper than protobuf's recursion limit included).
-absl::Status CheckRepeatedCountOnWire(const grpc::ByteBuffer& raw, int field_number, const std::string& field_name,
-                                      int64_t max_count);
 // Parses `raw` into `message`; INVALID_ARGUMENT naming the message type when it does not parse.
 absl::Status ParseFromByteBuffer(const grpc::ByteBuffer& raw, google::protobuf::Message* message);
+// `raw`'s bytes where gRPC holds them; `*owner` keeps them alive. Empty when gRPC cannot say.
+WirePieces PiecesOf(const grpc::ByteBuffer& raw, std::shared_ptr<const void>* owner);
 
-// A Trainer request with a `datums` field: its datums counted on the wire (at most
-// `max_datums`), then parsed into `request`.
+// A Trainer request with `datums` and `packed_datums` fields: its datums counted on the wire
+// (at most `max_datums`; INVALID_ARGUMENT naming datums, or saying that the bytes are not a
+// well-formed message, nesting deeper than protobuf's limit included), then parsed into `request`, except its packed_datums, which stay
+// where gRPC holds them, read by `*packed` (set only when the request has them, in one field).
 template <typename Req>
-absl::Status ParseBoundedRequest(const grpc::ByteBuffer& raw, int64_t max_datums, Req* request) {
-  if (const auto* datums = Req::descriptor()->FindFieldByName("datums"); datums != nullptr) {
-    absl::Status counted = CheckRepeatedCountOnWire(raw, datums->number(), "datums", max_datums);
-    if (!counted.ok()) return counted;
+absl::Status ParseBoundedRequest(const grpc::ByteBuffer& raw, int64_t max_datums, Req* request,
+                                 std::optional<PackedDatumsWire>* packed) {
+  std::shared_ptr<const void> owner;
+  const WirePieces pieces = PiecesOf(raw, &owner);
+  const CountedField datums{Req::kDatumsFieldNumber, "datums", max_datums};
+  absl::StatusOr<FieldCut> cut = ScanTopLevelFields(pieces, Req::kPackedDatumsFieldNumber, datums);
+  if (!cut.ok()) return cut.status();
+  if (!cut->cut) return ParseFromByteBuffer(raw, request);
+  absl::StatusOr<PackedDatumsWire> wire;
+  if (request->ParseFromString(cut->rest)) wire = PackedDatumsWire::Read(std::move(cut->field), std::move(owner));
+  if (!wire.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("request: does not parse as ", Req::descriptor()->full_name()));
   }
-  return ParseFromByteBuffer(raw, request);
+  packed->emplace(*std::move(wire));
+  return absl::OkStatus();
 }
 
 }  // namespace lorastep

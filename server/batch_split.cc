@@ -130,28 +130,26 @@ void BatchSplit::CompareReplicas(const std::vector<v1::WorkerStepResponse>& per_
 }
 
 absl::StatusOr<CallBatch> CallBatch::Read(const google::protobuf::RepeatedPtrField<v1::Datum>& datums,
-                                          const v1::PackedDatums& packed, bool as_sent) {
+                                          const v1::PackedDatums& packed, const PackedDatumsWire* packed_wire,
+                                          bool as_sent) {
   CallBatch batch;
-  if (as_sent && datums.empty() && packed.lengths_size() > 0) {
-    batch.as_sent_ = &packed;
+  if (packed_wire != nullptr && as_sent && datums.empty() && packed_wire->num_datums() > 0) {
+    batch.as_sent_ = packed_wire;
     return batch;
   }
-  auto parsed = RequestDatums(datums, packed);
+  auto parsed = packed_wire != nullptr ? packed_wire->Datums(datums) : RequestDatums(datums, packed);
   if (!parsed.ok()) return parsed.status();
   batch.datums_ = *std::move(parsed);
   return batch;
 }
 
 int CallBatch::num_datums() const {
-  return parsed() ? static_cast<int>(datums_.size()) : as_sent_->lengths_size();
+  return parsed() ? static_cast<int>(datums_.size()) : as_sent_->num_datums();
 }
 
 int64_t CallBatch::num_targets() const {
+  if (!parsed()) return as_sent_->num_positions();
   int64_t targets = 0;
-  if (!parsed()) {
-    for (int32_t length : as_sent_->lengths()) targets += length;
-    return targets;
-  }
   for (const Datum& d : datums_) targets += static_cast<int64_t>(d.target_tokens.size());
   return targets;
 }

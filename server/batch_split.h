@@ -50,13 +50,15 @@ class BatchSplit {
 // A call's batch on its way to the run's ranks: parsed and split into the replicas' shards
 // (each packed once for all the ranks that share it), or, when the run's one worker takes the
 // batch as the client sent it (WorkerClient::TakesBatchAsSent), the client's packed form
-// passed on unread: the worker parses and checks it, once.
+// passed on unread in the bytes it came in: the worker parses and checks it, once.
 class CallBatch {
  public:
-  // Parses the request's datums (INVALID_ARGUMENT naming the field), unless `as_sent` and
-  // the client sent them packed.
+  // Parses the request's datums (INVALID_ARGUMENT naming the field): `datums`, `packed`, or
+  // `packed_wire` (the request's packed_datums left in its bytes; null when none), unless
+  // `as_sent` and the client's datums are in packed_wire.
   static absl::StatusOr<CallBatch> Read(const google::protobuf::RepeatedPtrField<v1::Datum>& datums,
-                                        const v1::PackedDatums& packed, bool as_sent);
+                                        const v1::PackedDatums& packed, const PackedDatumsWire* packed_wire,
+                                        bool as_sent);
   // Whether the coordinator holds the datums (else it passes the client's packed form on).
   bool parsed() const { return as_sent_ == nullptr; }
   const std::vector<Datum>& datums() const { return datums_; }  // parsed() only
@@ -71,7 +73,7 @@ class CallBatch {
 
  private:
   std::vector<Datum> datums_;
-  const v1::PackedDatums* as_sent_ = nullptr;
+  const PackedDatumsWire* as_sent_ = nullptr;
   std::vector<std::vector<int>> shards_;
   std::optional<ShardWireForms> wire_;
 };

@@ -191,11 +191,12 @@ std::vector<v1::Run> Coordinator::ListRuns() {
 
 absl::StatusOr<bool> Coordinator::Replay(RunState& run, const std::string& method, const std::string& request_id,
                                          int64_t sequence_id, const google::protobuf::Message& request,
-                                         google::protobuf::Message* out, bool defer_fingerprint) {
+                                         google::protobuf::Message* out, bool defer_fingerprint,
+                                         const PackedField& packed) {
   LORASTEP_RETURN_IF_ERROR(RequireRequestId(request_id));
   const bool known = run.records.Contains(request_id);
   // A new request's fingerprint is only stored (by Record): a caller may defer it.
-  run.current_fingerprint = known || !defer_fingerprint ? RequestFingerprint(request) : "";
+  run.current_fingerprint = known || !defer_fingerprint ? RequestFingerprint(request, packed) : "";
   if (known) {
     LORASTEP_ASSIGN_OR_RETURN(const std::string* response, run.records.Find(method, request_id, run.current_fingerprint));
     out->ParseFromString(*response);
@@ -323,18 +324,19 @@ void Coordinator::CommitStep(RunState& run, const std::string& method, const std
 }
 
 absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
-    const v1::ForwardBackwardRequest& req, Deadline deadline) {
+    const v1::ForwardBackwardRequest& req, Deadline deadline, const PackedDatumsWire* packed) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, runs_.Find(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
   v1::ForwardBackwardResponse resp;
-  LORASTEP_ASSIGN_OR_RETURN(bool replayed, Replay(*run, "ForwardBackward", req.request_id(),
-                                                  req.sequence_id(), req, &resp, /*defer_fingerprint=*/true));
+  const PackedField packed_field{v1::ForwardBackwardRequest::kPackedDatumsFieldNumber, packed};
+  LORASTEP_ASSIGN_OR_RETURN(bool replayed, Replay(*run, "ForwardBackward", req.request_id(), req.sequence_id(), req,
+                                                  &resp, /*defer_fingerprint=*/true, packed_field));
   if (replayed) return resp;
-  FingerprintTask fingerprint(req.run_id(), req);
+  FingerprintTask fingerprint(req.run_id(), req, packed_field);
   LORASTEP_RETURN_IF_ERROR(CheckNotDiverged(*run));
   LORASTEP_RETURN_IF_ERROR(CheckActivationRecompute(req.activation_recompute()));
   LORASTEP_ASSIGN_OR_RETURN(
-      CallBatch batch, CallBatch::Read(req.datums(), req.packed_datums(),
+      CallBatch batch, CallBatch::Read(req.datums(), req.packed_datums(), packed,
                                        PassesBatchAsSent(*run, /*values_needed=*/req.has_batch_totals())));
   LORASTEP_ASSIGN_OR_RETURN(std::optional<BatchTotals> totals,
                             ValidatedTotals(*run, batch, req.loss(), /*own_totals_needed=*/req.has_batch_totals()));
@@ -370,10 +372,11 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
   return resp;
 }
 
-absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::ForwardRequest& req, Deadline deadline) {
+absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::ForwardRequest& req, Deadline deadline,
+                                                                 const PackedDatumsWire* packed) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, runs_.Find(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
-  LORASTEP_ASSIGN_OR_RETURN(CallBatch batch, CallBatch::Read(req.datums(), req.packed_datums(),
+  LORASTEP_ASSIGN_OR_RETURN(CallBatch batch, CallBatch::Read(req.datums(), req.packed_datums(), packed,
                                                              PassesBatchAsSent(*run, /*values_needed=*/false)));
   if (!WorkerValidatesAlone(*run)) {
     LORASTEP_RETURN_IF_ERROR(ValidateForwardBatch(batch.datums(), pool_.vocab_size(), options_.limits));
@@ -421,15 +424,17 @@ absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepReque
   return resp;
 }
 
-absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepRequest& req, Deadline deadline) {
+absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepRequest& req, Deadline deadline,
+                                                        const PackedDatumsWire* packed) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, runs_.Find(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
   v1::StepResponse resp;
+  const PackedField packed_field{v1::TrainStepRequest::kPackedDatumsFieldNumber, packed};
   LORASTEP_ASSIGN_OR_RETURN(bool replayed,
                             Replay(*run, "TrainStep", req.request_id(), req.sequence_id(), req, &resp,
-                                   /*defer_fingerprint=*/true));
+                                   /*defer_fingerprint=*/true, packed_field));
   if (replayed) return resp;
-  FingerprintTask fingerprint(req.run_id(), req);
+  FingerprintTask fingerprint(req.run_id(), req, packed_field);
   LORASTEP_RETURN_IF_ERROR(CheckNotDiverged(*run));
   if (req.max_tokens_per_microbatch() < 0) {
     return absl::InvalidArgumentError("max_tokens_per_microbatch: must be >= 0");
@@ -437,7 +442,7 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
   LORASTEP_RETURN_IF_ERROR(CheckActivationRecompute(req.activation_recompute()));
   LORASTEP_RETURN_IF_ERROR(AdamWParamsFromProto(req.adamw()).status());
   LORASTEP_RETURN_IF_ERROR(ValidateClientMetrics(req.client_metrics()));
-  LORASTEP_ASSIGN_OR_RETURN(CallBatch batch, CallBatch::Read(req.datums(), req.packed_datums(),
+  LORASTEP_ASSIGN_OR_RETURN(CallBatch batch, CallBatch::Read(req.datums(), req.packed_datums(), packed,
                                                              PassesBatchAsSent(*run, /*values_needed=*/false)));
   LORASTEP_ASSIGN_OR_RETURN(const std::optional<BatchTotals> totals,
                             ValidatedTotals(*run, batch, req.loss(), /*own_totals_needed=*/false));

@@ -41,6 +41,7 @@
 #include "lorastep/v1/trainer.pb.h"
 #include "server/batch_split.h"
 #include "server/mesh_executor.h"
+#include "server/request_records.h"
 #include "server/run_journal.h"
 #include "server/run_persistence.h"
 #include "server/run_registry.h"
@@ -152,13 +153,17 @@ class Coordinator {
   absl::Status DeleteRun(const std::string& run_id);
   std::vector<v1::Run> ListRuns();
   // `deadline`: the client's; the workers' calls end then too (a worker stops at its next
-  // micro-batch), so no batch work outlives the call that asked for it.
+  // micro-batch), so no batch work outlives the call that asked for it. `packed`: the
+  // request's packed_datums left in the bytes they came in (then absent from `req`), or null.
   using Deadline = std::chrono::system_clock::time_point;
   absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(const v1::ForwardBackwardRequest& req,
-                                                              Deadline deadline = Deadline::max());
-  absl::StatusOr<v1::ForwardBackwardResponse> Forward(const v1::ForwardRequest& req, Deadline deadline = Deadline::max());
+                                                              Deadline deadline = Deadline::max(),
+                                                              const PackedDatumsWire* packed = nullptr);
+  absl::StatusOr<v1::ForwardBackwardResponse> Forward(const v1::ForwardRequest& req, Deadline deadline = Deadline::max(),
+                                                      const PackedDatumsWire* packed = nullptr);
   absl::StatusOr<v1::StepResponse> OptimStep(const v1::OptimStepRequest& req);
-  absl::StatusOr<v1::StepResponse> TrainStep(const v1::TrainStepRequest& req, Deadline deadline = Deadline::max());
+  absl::StatusOr<v1::StepResponse> TrainStep(const v1::TrainStepRequest& req, Deadline deadline = Deadline::max(),
+                                             const PackedDatumsWire* packed = nullptr);
   absl::StatusOr<v1::SaveStateResponse> SaveState(const v1::SaveStateRequest& req);
   absl::StatusOr<v1::Run> LoadState(const v1::LoadStateRequest& req);
   absl::StatusOr<v1::ExportAdapterResponse> ExportAdapter(const v1::ExportAdapterRequest& req);
@@ -205,7 +210,8 @@ class Coordinator {
   // (FingerprintTask, overlapped with the workers' call), to set before Record.
   absl::StatusOr<bool> Replay(RunState& run, const std::string& method, const std::string& request_id,
                               int64_t sequence_id, const google::protobuf::Message& request,
-                              google::protobuf::Message* out, bool defer_fingerprint = false);
+                              google::protobuf::Message* out, bool defer_fingerprint = false,
+                              const PackedField& packed = {});
   // Records and journals an applied call (with the run's newest step when `with_step`) and
   // advances next_sequence_id.
   void Record(RunState& run, const std::string& method, const std::string& request_id,

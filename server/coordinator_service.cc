@@ -279,15 +279,18 @@ grpc::ServerUnaryReactor* CoordinatorService::DeferRaw(grpc::CallbackServerConte
   if (auto caller = Authenticate(ctx); !caller.ok()) return Refuse(ctx, caller.status());
   struct Owned {
     Req req;
+    std::optional<PackedDatumsWire> packed;  // left where gRPC holds them
     Resp resp;
   };
   auto owned = std::make_shared<Owned>();
-  if (absl::Status s = ParseBoundedRequest(raw_req, BatchLimits().max_datums, &owned->req); !s.ok()) {
+  if (absl::Status s = ParseBoundedRequest(raw_req, BatchLimits().max_datums, &owned->req, &owned->packed); !s.ok()) {
     return Refuse(ctx, s);
   }
   return Defer(
       ctx, owned->req.run_id(), &owned->resp,
-      [owned, call = std::move(call)](const Caller& who, const std::string& id) { return call(who, id, owned->req); },
+      [owned, call = std::move(call)](const Caller& who, const std::string& id) {
+        return call(who, id, owned->req, owned->packed ? &*owned->packed : nullptr);
+      },
       /*run_scoped=*/true, [owned, raw_resp] {
         bool own_buffer = false;
         (void)grpc::SerializationTraits<Resp>::Serialize(owned->resp, raw_resp, &own_buffer);
@@ -348,17 +351,20 @@ grpc::ServerUnaryReactor* CoordinatorService::ListRuns(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* CoordinatorService::ForwardBackward(grpc::CallbackServerContext* ctx,
                                                               const grpc::ByteBuffer* req, grpc::ByteBuffer* resp) {
   return DeferRaw<v1::ForwardBackwardRequest, v1::ForwardBackwardResponse>(
-      ctx, *req, resp, [this, ctx](const Caller& who, const std::string& id, const v1::ForwardBackwardRequest& r) {
+      ctx, *req, resp,
+      [this, ctx](const Caller& who, const std::string& id, const v1::ForwardBackwardRequest& r,
+                  const PackedDatumsWire* packed) {
         std::optional<v1::ForwardBackwardRequest> copy;
-        return core_->ForwardBackward(ServerRequest(r, who, id, &copy), ctx->deadline());
+        return core_->ForwardBackward(ServerRequest(r, who, id, &copy), ctx->deadline(), packed);
       });
 }
 grpc::ServerUnaryReactor* CoordinatorService::Forward(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
                                                       grpc::ByteBuffer* resp) {
   return DeferRaw<v1::ForwardRequest, v1::ForwardBackwardResponse>(
-      ctx, *req, resp, [this, ctx](const Caller& who, const std::string& id, const v1::ForwardRequest& r) {
+      ctx, *req, resp,
+      [this, ctx](const Caller& who, const std::string& id, const v1::ForwardRequest& r, const PackedDatumsWire* packed) {
         std::optional<v1::ForwardRequest> copy;
-        return core_->Forward(ServerRequest(r, who, id, &copy), ctx->deadline());
+        return core_->Forward(ServerRequest(r, who, id, &copy), ctx->deadline(), packed);
       });
 }
 grpc::ServerUnaryReactor* CoordinatorService::OptimStep(grpc::CallbackServerContext* ctx,
@@ -372,9 +378,11 @@ grpc::ServerUnaryReactor* CoordinatorService::OptimStep(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* CoordinatorService::TrainStep(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
                                                         grpc::ByteBuffer* resp) {
   return DeferRaw<v1::TrainStepRequest, v1::StepResponse>(
-      ctx, *req, resp, [this, ctx](const Caller& who, const std::string& id, const v1::TrainStepRequest& r) {
-        std::optional<v1::TrainStepRequest> copy;  // with API keys: a copy of the batch
-        return core_->TrainStep(ServerRequest(r, who, id, &copy), ctx->deadline());
+      ctx, *req, resp,
+      [this, ctx](const Caller& who, const std::string& id, const v1::TrainStepRequest& r,
+                  const PackedDatumsWire* packed) {
+        std::optional<v1::TrainStepRequest> copy;  // with API keys, of the request without its packed datums
+        return core_->TrainStep(ServerRequest(r, who, id, &copy), ctx->deadline(), packed);
       });
 }
 grpc::ServerUnaryReactor* CoordinatorService::SaveState(grpc::CallbackServerContext* ctx,

@@ -9,7 +9,6 @@
 
 #include <chrono>
 #include <optional>
-#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "lib/status_macros.h"
@@ -35,19 +34,13 @@ const ShardWireForms::Form* WireFormOf(const BatchShard& batch, ShardWireForms::
   return &batch.wire->Get(batch.shard, build);
 }
 
-// Whether a worker request carries datums (OptimStep's does not).
-template <typename Req, typename = void>
-struct CarriesDatums : std::false_type {};
-template <typename Req>
-struct CarriesDatums<Req, std::void_t<decltype(Req::kPackedDatumsFieldNumber)>> : std::true_type {};
-
 // The request as gRPC sends it: with the shard's datums.
 template <typename Req>
-Req WithDatums(const Req& req, const BatchShard& batch) {
+absl::StatusOr<Req> WithDatums(const Req& req, const BatchShard& batch) {
   Req full = req;
-  if constexpr (CarriesDatums<Req>::value) {
+  if constexpr (HasPackedDatums<Req>::value) {
     if (batch.as_sent != nullptr) {
-      *full.mutable_packed_datums() = *batch.as_sent;
+      LORASTEP_RETURN_IF_ERROR(batch.as_sent->ParseInto(full.mutable_packed_datums()));
       return full;
     }
     ShardWireForms::Form local;
@@ -61,26 +54,37 @@ Req WithDatums(const Req& req, const BatchShard& batch) {
 
 // The same request as the call pipe sends it: its own bytes, then the shard's datums written
 // after them (protobuf merges what follows into the message) instead of copied into a request
-// first. Datums the packed form cannot say are serialized into `payload`; packed ones (the
-// client's as it sent them, or the shard's wire form) go from where they lie as `packed`'s
-// pieces. `local` holds a wire form made for this call alone; it and the batch must outlive
-// the write.
+// first. Datums the packed form cannot say are serialized into `payload`; packed ones go from
+// where they lie as `*pieces`: the client's in the bytes they came in, or the shard's wire
+// form's arrays (`packed`). `local` holds a wire form made for this call alone; it and the
+// batch must outlive the write.
 template <typename Req>
 std::string PipePayload(const Req& req, const BatchShard& batch, ShardWireForms::Form* local,
-                        std::optional<PackedDatumsField>* packed) {
+                        std::optional<PackedDatumsField>* packed, std::vector<absl::string_view>* pieces) {
   std::string payload = req.SerializeAsString();
-  if constexpr (CarriesDatums<Req>::value) {
-    const ShardWireForms::Form* form = batch.as_sent == nullptr ? WireFormOf(batch, local) : nullptr;
+  if constexpr (HasPackedDatums<Req>::value) {
+    if (batch.as_sent != nullptr) {
+      {
+        using google::protobuf::internal::WireFormatLite;
+        google::protobuf::io::StringOutputStream stream(&payload);
+        google::protobuf::io::CodedOutputStream out(&stream);
+        WireFormatLite::WriteTag(Req::kPackedDatumsFieldNumber, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &out);
+        out.WriteVarint32(static_cast<uint32_t>(batch.as_sent->size()));
+      }  // the streams trim `payload` to what was written when they go
+      *pieces = batch.as_sent->pieces();
+      return payload;
+    }
+    const ShardWireForms::Form* form = WireFormOf(batch, local);
     if (form != nullptr && !form->datums.empty()) {
       google::protobuf::io::StringOutputStream stream(&payload);
       google::protobuf::io::CodedOutputStream out(&stream);
       using google::protobuf::internal::WireFormatLite;
       for (const v1::Datum& datum : form->datums) WireFormatLite::WriteMessage(Req::kDatumsFieldNumber, datum, &out);
     }  // the streams trim `payload` to what was written when they go
-    const v1::PackedDatums* arrays = batch.as_sent != nullptr ? batch.as_sent : form != nullptr ? &form->packed : nullptr;
-    if (arrays != nullptr && arrays->lengths_size() > 0) {
-      packed->emplace(Req::kPackedDatumsFieldNumber, *arrays);
+    if (form != nullptr && form->packed.lengths_size() > 0) {
+      packed->emplace(Req::kPackedDatumsFieldNumber, form->packed);
       payload += (*packed)->head();
+      *pieces = (*packed)->pieces();
     }
   }
   return payload;
@@ -136,14 +140,18 @@ absl::StatusOr<Resp> GrpcWorkerClient::Call(Method method, const Req& req, std::
 template <typename Resp, typename Req, typename Method>
 absl::StatusOr<Resp> GrpcWorkerClient::StepCall(Method method, WorkerPipeMethod pipe_method, const Req& req,
                                                  const BatchShard& batch) {
-  if (pipe_ == nullptr) return Call<Resp>(method, WithDatums(req, batch), std::chrono::seconds(0), batch.deadline);
+  if (pipe_ == nullptr) {
+    LORASTEP_ASSIGN_OR_RETURN(Req full, WithDatums(req, batch));
+    return Call<Resp>(method, full, std::chrono::seconds(0), batch.deadline);
+  }
   ShardWireForms::Form local;
   std::optional<PackedDatumsField> packed;
-  std::string payload = PipePayload(req, batch, &local, &packed);
+  std::vector<absl::string_view> pieces;
+  std::string payload = PipePayload(req, batch, &local, &packed, &pieces);
   LORASTEP_ASSIGN_OR_RETURN(std::string answer,
                             pipe_->Call(static_cast<uint8_t>(pipe_method), std::move(payload),
                                         std::min(batch.deadline, std::chrono::system_clock::now() + call_timeout_),
-                                        packed ? packed->pieces() : std::vector<absl::string_view>()));
+                                        std::move(pieces)));
   Resp resp;
   if (!resp.ParseFromString(answer)) {
     return absl::DataLossError(absl::StrCat("worker ", address_, ": an answer that does not parse as ",

@@ -23,17 +23,24 @@ KeyedExecutor& FingerprintThreads() {
 
 }  // namespace
 
-std::string RequestFingerprint(const google::protobuf::Message& request) {
+std::string RequestFingerprint(const google::protobuf::Message& request, const PackedField& packed) {
   std::string bytes;
-  {
+  WirePieces pieces;
+  if (packed.wire != nullptr) {
+    pieces = SerializationWithPackedField(request, packed.number, *packed.wire, &bytes);
+  } else {
     google::protobuf::io::StringOutputStream stream(&bytes);
     google::protobuf::io::CodedOutputStream out(&stream);
     out.SetSerializationDeterministic(true);
     request.SerializeToCodedStream(&out);
-  }
+  }  // the streams trim `bytes` to what was written when they go
+  if (packed.wire == nullptr) pieces.push_back(bytes);
+  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), &EVP_MD_CTX_free);
+  EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr);
+  for (absl::string_view piece : pieces) EVP_DigestUpdate(ctx.get(), piece.data(), piece.size());
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
-  EVP_Digest(bytes.data(), bytes.size(), digest, &len, EVP_sha256(), nullptr);
+  EVP_DigestFinal_ex(ctx.get(), digest, &len);
   return std::string(reinterpret_cast<const char*>(digest), len);
 }
 
@@ -42,10 +49,12 @@ absl::Status RequireRequestId(const std::string& request_id) {
   return absl::OkStatus();
 }
 
-FingerprintTask::FingerprintTask(const std::string& run_id, const google::protobuf::Message& request) {
+FingerprintTask::FingerprintTask(const std::string& run_id, const google::protobuf::Message& request,
+                                 const PackedField& packed) {
   auto promise = std::make_shared<std::promise<std::string>>();
   done_ = promise->get_future();
-  FingerprintThreads().Submit(run_id, [promise, &request] { promise->set_value(RequestFingerprint(request)); });
+  FingerprintThreads().Submit(run_id,
+                              [promise, &request, packed] { promise->set_value(RequestFingerprint(request, packed)); });
 }
 
 FingerprintTask::~FingerprintTask() {

@@ -12,21 +12,31 @@
 
 #include "absl/status/statusor.h"
 #include "google/protobuf/message.h"
+#include "rpc/packed_wire.h"
 
 namespace lorastep {
 
-// SHA-256 of the request's deterministic serialization (map fields in key order).
-std::string RequestFingerprint(const google::protobuf::Message& request);
+// A request's packed_datums left where they came (PackedDatumsWire), and their field number.
+struct PackedField {
+  int number = -1;
+  const PackedDatumsWire* wire = nullptr;  // null: none apart from the request
+};
+
+// SHA-256 of the request's deterministic serialization (map fields in key order), with
+// `packed` hashed where that serialization places it: a request hashes the same whether its
+// packed datums were parsed into it or left on the wire (when the client serialized them
+// canonically, as protobuf's own serializers do).
+std::string RequestFingerprint(const google::protobuf::Message& request, const PackedField& packed = {});
 
 // INVALID_ARGUMENT naming request_id when it is empty.
 absl::Status RequireRequestId(const std::string& request_id);
 
 // A request's fingerprint computed on another thread while the workers run: serializing and
-// hashing a 450 KB batch is about a millisecond of a step. The task reads the request, so the
-// destructor waits for it: construct it in the scope that holds the request.
+// hashing a 450 KB batch is about a millisecond of a step. The task reads the request (and
+// `packed`), so the destructor waits for it: construct it in the scope that holds them.
 class FingerprintTask {
  public:
-  FingerprintTask(const std::string& run_id, const google::protobuf::Message& request);
+  FingerprintTask(const std::string& run_id, const google::protobuf::Message& request, const PackedField& packed = {});
   ~FingerprintTask();  // an early return must not leave the hash reading a request that is gone
   std::string Get() { return done_.get(); }
 

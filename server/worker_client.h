@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "lib/training/batch.h"
+#include "rpc/packed_wire.h"
 #include "lorastep/v1/worker.pb.h"
 
 namespace lorastep {
@@ -41,7 +42,7 @@ class ShardWireForms {
 // indices, in that order. A worker process gets it packed into the request (once per shard
 // when `wire` is given); an in-process worker gets the datums themselves (no packing and
 // parsing again). Or, for a worker that TakesBatchAsSent and has the whole batch, `as_sent`:
-// the client's packed batch, passed on as it came. Empty (both null): the request carries
+// the client's packed batch, passed on in the bytes it came in. Empty (both null): the request carries
 // its datums.
 struct BatchShard {
   const std::vector<Datum>* datums = nullptr;
@@ -51,7 +52,7 @@ struct BatchShard {
   std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max();
   ShardWireForms* wire = nullptr;  // shared by the call's ranks; null: packed per rank
   size_t shard = 0;                // which of wire's shards this is
-  const v1::PackedDatums* as_sent = nullptr;  // instead of datums: unparsed, unchecked
+  const PackedDatumsWire* as_sent = nullptr;  // instead of datums: unparsed, unchecked
 };
 
 class WorkerClient {

@@ -20,6 +20,7 @@
 #include "tests/proto_test_util.h"
 #include "tests/test_util.h"
 #include "rpc/call_pipe.h"
+#include "rpc/packed_wire.h"
 #include "server/grpc_worker_client.h"
 #include "worker/worker_calls.h"
 #include "worker/worker_core.h"
@@ -254,13 +255,19 @@ TEST_F(WorkerPipeTest, AShardOfParsedDatumsStepsAsTheRequestsOwn) {
     ASSERT_OK_AND_ASSIGN(v1::WorkerStepResponse piped, client.TrainStep(bare, shard));
     EXPECT_EQ(piped.result().adapter_sha256(), direct.result().adapter_sha256()) << run;
   }
-  // The client's packed batch passed on as it came (BatchShard::as_sent).
+  // The client's packed batch passed on in the bytes it came in (BatchShard::as_sent), here
+  // in pieces of 64 bytes as gRPC's slices hold it.
   ASSERT_OK(CreateRun("as_sent"));
   v1::WorkerTrainStepRequest bare = whole;
   bare.set_run_id("as_sent");
   bare.clear_packed_datums();
+  auto bytes = std::make_shared<const std::string>(whole.packed_datums().SerializeAsString());
+  WirePieces pieces;
+  for (size_t at = 0; at < bytes->size(); at += 64) pieces.push_back(absl::string_view(*bytes).substr(at, 64));
+  ASSERT_GT(pieces.size(), 1u);
+  ASSERT_OK_AND_ASSIGN(const PackedDatumsWire as_sent, PackedDatumsWire::Read(pieces, bytes));
   BatchShard shard;
-  shard.as_sent = &whole.packed_datums();
+  shard.as_sent = &as_sent;
   ASSERT_OK_AND_ASSIGN(v1::WorkerStepResponse piped, client.TrainStep(bare, shard));
   EXPECT_EQ(piped.result().adapter_sha256(), direct.result().adapter_sha256());
 }
@@ -270,6 +277,21 @@ TEST_F(WorkerPipeTest, RefusesWhatItCannotTake) {
   const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(60);
   EXPECT_THAT(raw.Call(static_cast<uint8_t>(WorkerPipeMethod::kTrainStep), "\xff\xff\xff", deadline).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, "does not parse as lorastep.v1.WorkerTrainStepRequest"));
+  // The packed datums are read where they lie in the payload: a malformed PackedDatums inside
+  // a well-formed request does not parse either, and a batch whose arrays do not match its
+  // lengths is refused naming the array, as a parsed one is.
+  v1::WorkerTrainStepRequest step = Step(0, "");
+  const std::string packed = step.packed_datums().SerializeAsString();
+  step.clear_packed_datums();
+  std::string garbled = step.SerializeAsString();
+  garbled += std::string("\x42\x02\x12\xff", 4);  // field 8, 2 bytes: a tokens field cut short
+  EXPECT_THAT(raw.Call(static_cast<uint8_t>(WorkerPipeMethod::kTrainStep), garbled, deadline).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "does not parse as lorastep.v1.WorkerTrainStepRequest"));
+  v1::WorkerTrainStepRequest short_tokens = Step(0, "");
+  short_tokens.mutable_packed_datums()->mutable_tokens()->resize(8);
+  EXPECT_THAT(raw.Call(static_cast<uint8_t>(WorkerPipeMethod::kTrainStep), short_tokens.SerializeAsString(), deadline)
+                  .status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "packed_datums.tokens: 8 bytes"));
   EXPECT_THAT(raw.Call(99, "", deadline).status(), StatusIs(absl::StatusCode::kInvalidArgument, "method: 99"));
   EXPECT_THAT(WorkerPipeService::Start(-1, dispatch_.get(), &observers_).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, "coordinator_pipe_fd"));

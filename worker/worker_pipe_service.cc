@@ -4,9 +4,12 @@
 #include <sys/stat.h>
 
 #include <chrono>
+#include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "rpc/packed_wire.h"
 
 namespace lorastep {
 
@@ -32,24 +35,56 @@ WorkerPipeService::WorkerPipeService(int fd, WorkerDispatch* dispatch, const Cal
                 Handle(method, std::move(payload), std::move(cancelled), std::move(respond));
               }) {}
 
+namespace {
+
+// `payload` parsed into `req`; a packed_datums field stays in the payload's bytes, read by
+// `*packed`, and is converted to datums where they lie (one pass instead of a copy into the
+// message and another into the datums).
+template <typename Req>
+absl::Status ParsePipeRequest(std::string payload, Req* req, std::optional<PackedDatumsWire>* packed) {
+  auto not_parsed = [] {
+    return absl::InvalidArgumentError(absl::StrCat("request: does not parse as ", Req::descriptor()->full_name()));
+  };
+  if constexpr (HasPackedDatums<Req>::value) {
+    auto bytes = std::make_shared<const std::string>(std::move(payload));
+    absl::StatusOr<FieldCut> cut = ScanTopLevelFields({*bytes}, Req::kPackedDatumsFieldNumber, CountedField{});
+    if (!cut.ok()) return not_parsed();
+    if (!cut->cut) return req->ParseFromString(*bytes) ? absl::OkStatus() : not_parsed();
+    if (!req->ParseFromString(cut->rest)) return not_parsed();
+    absl::StatusOr<PackedDatumsWire> wire = PackedDatumsWire::Read(std::move(cut->field), bytes);
+    if (!wire.ok()) return not_parsed();
+    packed->emplace(*std::move(wire));
+    return absl::OkStatus();
+  } else {
+    return req->ParseFromString(payload) ? absl::OkStatus() : not_parsed();
+  }
+}
+
+}  // namespace
+
 template <typename Req, typename Resp, typename Work>
-void WorkerPipeService::Run(const char* method, const std::string& payload, std::function<bool()> cancelled,
+void WorkerPipeService::Run(const char* method, std::string payload, std::function<bool()> cancelled,
                             CallPipeServer::Respond respond, Work work) {
   const auto start = std::chrono::steady_clock::now();
   auto req = std::make_shared<Req>();
-  if (!req->ParseFromString(payload)) {
-    absl::Status bad = absl::InvalidArgumentError(
-        absl::StrCat("request: does not parse as ", Req::descriptor()->full_name()));
+  auto packed = std::make_shared<std::optional<PackedDatumsWire>>();
+  if (absl::Status bad = ParsePipeRequest(std::move(payload), req.get(), packed.get()); !bad.ok()) {
     ObserveCall(*observers_, method, bad, 0, "", "");
     respond(bad, "");
     return;
   }
   const std::string run_id = req->run_id();
   // Captures no `this`: a task still queued when the service goes runs at the dispatch's end.
-  dispatch_->device_calls.Submit(run_id, [dispatch = dispatch_, observers = observers_, method, start, req,
+  dispatch_->device_calls.Submit(run_id, [dispatch = dispatch_, observers = observers_, method, start, req, packed,
                                           cancelled = std::move(cancelled), respond = std::move(respond), work]() {
     Resp resp;
-    const absl::Status s = work(&dispatch->calls, *req, &resp, cancelled);
+    absl::StatusOr<std::vector<Datum>> datums = std::vector<Datum>();
+    if constexpr (HasPackedDatums<Req>::value) {
+      if (packed->has_value()) datums = (*packed)->Datums(req->datums());
+    }
+    const absl::Status s = !datums.ok() ? datums.status()
+                                        : work(&dispatch->calls, *req, packed->has_value() ? &*datums : nullptr, &resp,
+                                               cancelled);
     std::string answer;
     if (s.ok()) resp.SerializeToString(&answer);
     ObserveCall(*observers, method, s, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
@@ -63,26 +98,28 @@ void WorkerPipeService::Handle(uint8_t method, std::string payload, std::functio
   switch (static_cast<WorkerPipeMethod>(method)) {
     case WorkerPipeMethod::kTrainStep:
       return Run<v1::WorkerTrainStepRequest, v1::WorkerStepResponse>(
-          "Worker/TrainStep", payload, std::move(cancelled), std::move(respond),
-          [](WorkerCalls* calls, const auto& req, auto* resp, const auto& cancelled) {
-            return calls->TrainStep(req, resp, nullptr, cancelled);
+          "Worker/TrainStep", std::move(payload), std::move(cancelled), std::move(respond),
+          [](WorkerCalls* calls, const auto& req, const auto* datums, auto* resp, const auto& cancelled) {
+            return calls->TrainStep(req, resp, datums, cancelled);
           });
     case WorkerPipeMethod::kForwardBackward:
       return Run<v1::WorkerForwardBackwardRequest, v1::WorkerForwardBackwardResponse>(
-          "Worker/ForwardBackward", payload, std::move(cancelled), std::move(respond),
-          [](WorkerCalls* calls, const auto& req, auto* resp, const auto& cancelled) {
-            return calls->ForwardBackward(req, resp, nullptr, cancelled);
+          "Worker/ForwardBackward", std::move(payload), std::move(cancelled), std::move(respond),
+          [](WorkerCalls* calls, const auto& req, const auto* datums, auto* resp, const auto& cancelled) {
+            return calls->ForwardBackward(req, resp, datums, cancelled);
           });
     case WorkerPipeMethod::kForward:
       return Run<v1::WorkerForwardRequest, v1::WorkerForwardBackwardResponse>(
-          "Worker/Forward", payload, std::move(cancelled), std::move(respond),
-          [](WorkerCalls* calls, const auto& req, auto* resp, const auto& cancelled) {
-            return calls->Forward(req, resp, nullptr, cancelled);
+          "Worker/Forward", std::move(payload), std::move(cancelled), std::move(respond),
+          [](WorkerCalls* calls, const auto& req, const auto* datums, auto* resp, const auto& cancelled) {
+            return calls->Forward(req, resp, datums, cancelled);
           });
     case WorkerPipeMethod::kOptimStep:
       return Run<v1::WorkerOptimStepRequest, v1::WorkerStepResponse>(
-          "Worker/OptimStep", payload, std::move(cancelled), std::move(respond),
-          [](WorkerCalls* calls, const auto& req, auto* resp, const auto&) { return calls->OptimStep(req, resp); });
+          "Worker/OptimStep", std::move(payload), std::move(cancelled), std::move(respond),
+          [](WorkerCalls* calls, const auto& req, const auto*, auto* resp, const auto&) {
+            return calls->OptimStep(req, resp);
+          });
   }
   respond(absl::InvalidArgumentError(absl::StrCat("method: ", static_cast<int>(method), " is not a pipe call")), "");
 }
