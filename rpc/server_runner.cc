@@ -122,7 +122,8 @@ std::map<std::string, std::string> StringFieldsFromWire(const grpc::ByteBuffer& 
 }  // namespace
 
 void ObserveCall(const CallObservers& observers, const std::string& method, const absl::Status& status,
-                 double seconds, const std::string& run_id, const std::string& request_id) {
+                 double seconds, const std::string& run_id, const std::string& request_id,
+                 std::optional<std::chrono::steady_clock::time_point> end) {
   const std::string code = absl::StatusCodeToString(status.code());
   if (PrometheusRegistry* metrics = observers.metrics) {
     metrics->Add("lorastep_requests_total", {{"method", method}, {"code", code}});
@@ -138,7 +139,7 @@ void ObserveCall(const CallObservers& observers, const std::string& method, cons
   if (v >= 2) {  // the call's end on the host's monotonic clock, which every process here shares
     absl::StrAppend(&line, " end_mono_us=",
                     std::chrono::duration_cast<std::chrono::microseconds>(
-                        std::chrono::steady_clock::now().time_since_epoch()).count());
+                        end.value_or(std::chrono::steady_clock::now()).time_since_epoch()).count());
   }
   if (!run_id.empty()) absl::StrAppend(&line, " run_id=", LogValue(run_id));
   if (!request_id.empty()) absl::StrAppend(&line, " request_id=", LogValue(request_id));

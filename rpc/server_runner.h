@@ -8,6 +8,7 @@
 #include <map>
 #include <set>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,9 +60,11 @@ struct CallObservers {
 
 // Counts, times and logs one answered call as every gRPC server's interceptor does (by
 // `observers`), for calls that reach a server another way (the worker's pipe from the
-// coordinator that spawned it). `method`: "Worker/TrainStep".
+// coordinator that spawned it). `method`: "Worker/TrainStep". `end`: when the call was answered
+// (its log line's end_mono_us); null: now.
 void ObserveCall(const CallObservers& observers, const std::string& method, const absl::Status& status,
-                 double seconds, const std::string& run_id, const std::string& request_id);
+                 double seconds, const std::string& run_id, const std::string& request_id,
+                 std::optional<std::chrono::steady_clock::time_point> end = std::nullopt);
 
 // Whether `host` names this machine's loopback interface only (127.0.0.0/8, ::1, localhost).
 bool IsLoopbackHost(const std::string& host);

@@ -87,9 +87,10 @@ void WorkerPipeService::Run(const char* method, std::string payload, std::functi
                                                cancelled);
     std::string answer;
     if (s.ok()) resp.SerializeToString(&answer);
-    ObserveCall(*observers, method, s, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
-                req->run_id(), req->mesh().request_id());
-    respond(s, std::move(answer));
+    const auto end = std::chrono::steady_clock::now();
+    respond(s, std::move(answer));  // then the metrics and the log line: the coordinator waits for the answer only
+    ObserveCall(*observers, method, s, std::chrono::duration<double>(end - start).count(), req->run_id(),
+                req->mesh().request_id(), end);
   });
 }
 
