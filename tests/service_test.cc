@@ -409,8 +409,27 @@ TEST_F(ServiceTest, RetriedRequestIdAppliesOnce) {
   changed.mutable_lora()->set_rank(create.lora().rank() + 1);
   EXPECT_THAT(client_->CreateRun(changed), StatusIs(absl::StatusCode::kInvalidArgument,
                                                     "already created run '" + r1.run_id() + "' from a different CreateRun"));
+  // Packed datums: the coordinator leaves them where gRPC holds them and hashes them in their
+  // place, so the same request matches its record whether the batch came after the other
+  // fields (the C++ client's raw call) or in field order (a whole serialized message).
+  v1::TrainStepRequest packed_req = req;
+  packed_req.clear_datums();
+  packed_req.set_request_id("retry-packed");
+  packed_req.set_sequence_id(2);
+  packed_req.set_activation_recompute("none");  // a field numbered after packed_datums
+  v1::PackedDatums packed;
+  ASSERT_TRUE(PackDatums(Batch(1), &packed));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse raw, client_->TrainStep(packed_req, packed));
+  v1::TrainStepRequest whole = packed_req;
+  *whole.mutable_packed_datums() = packed;
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse replayed, client_->TrainStep(whole));
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(raw, replayed));
+  v1::PackedDatums changed_batch = packed;
+  changed_batch.mutable_advantages()->back() ^= 1;
+  EXPECT_THAT(client_->TrainStep(packed_req, changed_batch),
+              StatusIs(absl::StatusCode::kInvalidArgument, "'retry-packed' was already used for a different TrainStep"));
   ASSERT_OK_AND_ASSIGN(v1::Run after, client_->GetRun(run.run_id()));
-  EXPECT_EQ(after.learner_version(), 1);
+  EXPECT_EQ(after.learner_version(), 2);
 }
 
 TEST_F(ServiceTest, OutOfOrderSequenceIdsAreRefused) {

@@ -4,6 +4,7 @@
 
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/client_unary_call.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -39,7 +40,36 @@ std::string NewRequestId() {
 }
 
 TrainerClient::TrainerClient(std::shared_ptr<grpc::Channel> channel, std::string authorization)
-    : channel_(std::move(channel)), authorization_(std::move(authorization)), stub_(v1::Trainer::NewStub(channel_)) {}
+    : channel_(std::move(channel)),
+      authorization_(std::move(authorization)),
+      stub_(v1::Trainer::NewStub(channel_)),
+      train_step_method_("/lorastep.v1.Trainer/TrainStep", grpc::internal::RpcMethod::NORMAL_RPC, channel_) {}
+
+absl::StatusOr<v1::StepResponse> TrainerClient::TrainStep(const v1::TrainStepRequest& req,
+                                                          const v1::PackedDatums& packed) {
+  // The request's bytes: its own fields, then packed_datums' head and its arrays, each a slice
+  // of bytes that `req` and `packed` hold (gRPC takes static slices as they are). They and
+  // `head` outlive the call, which ends with the context.
+  std::string head = req.SerializeAsString();
+  const PackedDatumsField field(v1::TrainStepRequest::kPackedDatumsFieldNumber, packed);
+  head += field.head();
+  std::vector<grpc::Slice> slices;
+  slices.reserve(field.pieces().size() + 1);
+  slices.emplace_back(head.data(), head.size(), grpc::Slice::STATIC_SLICE);
+  for (absl::string_view piece : field.pieces()) slices.emplace_back(piece.data(), piece.size(), grpc::Slice::STATIC_SLICE);
+  const grpc::ByteBuffer request(slices.data(), slices.size());
+  v1::StepResponse resp;
+  grpc::Status s;
+  {
+    grpc::ClientContext ctx;
+    if (!authorization_.empty()) ctx.AddMetadata("authorization", authorization_);
+    s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, v1::StepResponse, grpc::ByteBuffer,
+                                          grpc::protobuf::MessageLite>(channel_.get(), train_step_method_, &ctx,
+                                                                       request, &resp);
+  }
+  if (!s.ok()) return FromGrpcStatus(s);
+  return resp;
+}
 
 absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const std::string& address,
                                                                       int timeout_seconds,
@@ -226,16 +256,19 @@ absl::StatusOr<v1::StepResponse> RunSession::TrainStep(const std::vector<v1::Dat
                                                        const v1::LossConfig& loss,
                                                        const v1::AdamWParams& adamw,
                                                        int64_t max_tokens_per_microbatch) {
-  v1::TrainStepRequest& req = train_step_request_;  // its packed arrays' buffers from the last step
+  v1::TrainStepRequest& req = train_step_request_;
   req.set_run_id(run_id_);
-  SetDatums(datums, &req);
+  req.clear_datums();
+  // Packed beside the request, into the arrays' buffers of the last step.
+  const bool packed = pack_datums && PackDatums(datums, &train_step_packed_);
+  if (!packed) req.mutable_datums()->Assign(datums.begin(), datums.end());
   *req.mutable_loss() = loss;
   *req.mutable_adamw() = adamw;
   req.set_max_tokens_per_microbatch(max_tokens_per_microbatch);
   return Mutate<v1::StepResponse>([&](const std::string& rid, int64_t seq) {
     req.set_request_id(rid);
     req.set_sequence_id(seq);
-    return client_->TrainStep(req);
+    return packed ? client_->TrainStep(req, train_step_packed_) : client_->TrainStep(req);
   });
 }
 
