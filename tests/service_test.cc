@@ -974,6 +974,13 @@ TEST(InProcessWorkerTest, AnswersLikeTheWorkerProcess) {
     EXPECT_NE(system(bad.c_str()), 0) << bad;
     ASSERT_OK_AND_ASSIGN(std::string why, ReadFileToString(dir + "/spin.txt"));
     EXPECT_THAT(why, ::testing::HasSubstr("executor_spin_us: must be in [0, 100000]")) << why;
+    // The worker's device-call threads poll too, within the same bounds.
+    const std::string worker = Binary("worker/lorastep_worker") + " --model " + dir +
+                               "/model --allow_plain_paths --port 0 --executor_spin_us " + spin + " 2> " + dir +
+                               "/worker_spin.txt";
+    EXPECT_NE(system(worker.c_str()), 0) << worker;
+    ASSERT_OK_AND_ASSIGN(std::string worker_why, ReadFileToString(dir + "/worker_spin.txt"));
+    EXPECT_THAT(worker_why, ::testing::HasSubstr("--executor_spin_us: must be in [0, 100000]")) << worker_why;
   }
   // So is the co-scheduling window (no negative wait).
   {

@@ -5,6 +5,7 @@
 #ifndef LORASTEP_WORKER_WORKER_DISPATCH_H_
 #define LORASTEP_WORKER_WORKER_DISPATCH_H_
 
+#include <chrono>
 #include <cstddef>
 
 #include "lib/prometheus_registry.h"
@@ -18,8 +19,11 @@ struct WorkerDispatch {
   // `metrics`: this rank's step figures (rpc/step_metrics.h), labelled by run; may be null.
   // `device_call_threads`: how many runs' calls may wait for the device at once (a run's
   // calls run one at a time, in order); co-scheduling joins only calls that wait together.
-  explicit WorkerDispatch(WorkerCore* core, PrometheusRegistry* metrics = nullptr, size_t device_call_threads = 64)
-      : calls(core, metrics), device_calls(device_call_threads) {}
+  // `device_call_spin`: how long a device-call thread polls for its run's next call after
+  // each before it sleeps (KeyedExecutor).
+  explicit WorkerDispatch(WorkerCore* core, PrometheusRegistry* metrics = nullptr, size_t device_call_threads = 64,
+                          std::chrono::microseconds device_call_spin = std::chrono::microseconds(0))
+      : calls(core, metrics), device_calls(device_call_threads, device_call_spin) {}
 
   WorkerCalls calls;
   KeyedExecutor device_calls;  // the device's calls, by run (WorkerCore's lock orders the device)
