@@ -1,9 +1,12 @@
 #include "rpc/call_pipe.h"
 
+#include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -128,49 +131,74 @@ absl::StatusOr<CallFrame> ReadCallFrame(int fd, uint64_t max_payload_bytes) {
 }
 
 CallPipeClient::CallPipeClient(int fd, std::string peer, uint64_t max_answer_bytes)
-    : fd_(fd), peer_(std::move(peer)), max_answer_bytes_(max_answer_bytes) {
+    : fd_(fd), wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)), peer_(std::move(peer)),
+      max_answer_bytes_(max_answer_bytes) {
   WidenSendBuffer(fd_);
-  reader_ = std::thread([this] { ReadAnswers(); });
 }
 
 CallPipeClient::~CallPipeClient() {
-  shutdown(fd_, SHUT_RDWR);  // the reader sees the end of the stream
-  reader_.join();
+  std::unique_lock<std::mutex> lock(mu_);
+  Close(absl::UnavailableError("the coordinator closed it"));
+  shutdown(fd_, SHUT_RDWR);  // a reader in its wait sees the end of the stream
+  Wake();
+  changed_.wait(lock, [this] { return active_calls_ == 0; });
+  lock.unlock();
   close(fd_);
+  if (wake_fd_ >= 0) close(wake_fd_);
 }
 
-void CallPipeClient::ReadAnswers() {
-  absl::Status why;
-  while (true) {
-    absl::StatusOr<CallFrame> frame = ReadCallFrame(fd_, max_answer_bytes_);
-    if (!frame.ok()) {
-      why = frame.status();
-      break;
-    }
-    if (frame->kind != CallFrameKind::kAnswer) {
-      why = absl::DataLossError("pipe: the callee sent a frame that is not an answer");
-      break;
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = pending_.find(frame->call_id);
-    if (it == pending_.end()) continue;  // its caller gave up (deadline, cancel)
-    Pending& p = *it->second;
-    p.status = frame->code == absl::StatusCode::kOk ? absl::OkStatus() : absl::Status(frame->code, frame->message);
-    p.payload = std::move(frame->payload);
-    p.done = true;
-    p.cv.notify_one();
-    pending_.erase(it);
-  }
-  shutdown(fd_, SHUT_RDWR);  // a stream out of step is not read again, nor written
-  std::lock_guard<std::mutex> lock(mu_);
+void CallPipeClient::Close(const absl::Status& why) {
+  if (closed_) return;
   closed_ = true;
   closed_status_ = absl::UnavailableError(absl::StrCat("worker ", peer_, ": its pipe closed (", why.message(), ")"));
   for (auto& [id, p] : pending_) {
     p->status = closed_status_;
     p->done = true;
-    p->cv.notify_one();
   }
   pending_.clear();
+  changed_.notify_all();
+}
+
+void CallPipeClient::Wake() {
+  const uint64_t one = 1;
+  if (wake_fd_ >= 0) (void)!write(wake_fd_, &one, sizeof(one));
+}
+
+void CallPipeClient::ReadAnswer(std::unique_lock<std::mutex>& lock, std::chrono::system_clock::time_point deadline) {
+  lock.unlock();
+  pollfd fds[2] = {{fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+  int timeout_ms = -1;
+  if (deadline != std::chrono::system_clock::time_point::max()) {
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::system_clock::now());
+    timeout_ms = static_cast<int>(std::clamp<int64_t>(left.count(), 0, INT_MAX));
+  }
+  if (wake_fd_ < 0 && (timeout_ms < 0 || timeout_ms > 100)) timeout_ms = 100;  // no eventfd: look again often
+  const int ready = poll(fds, wake_fd_ >= 0 ? 2 : 1, timeout_ms);
+  if (ready > 0 && (fds[1].revents & POLLIN)) {
+    uint64_t count;
+    (void)!read(wake_fd_, &count, sizeof(count));  // drained: the next wait blocks again
+  }
+  absl::StatusOr<CallFrame> frame = absl::UnavailableError("");
+  const bool readable = ready > 0 && (fds[0].revents & (POLLIN | POLLHUP | POLLERR));
+  if (readable) frame = ReadCallFrame(fd_, max_answer_bytes_);
+  lock.lock();
+  if (!readable) return;  // the deadline, a wake-up or EINTR: the caller looks again
+  if (frame.ok() && frame->kind != CallFrameKind::kAnswer) {
+    frame = absl::DataLossError("pipe: the callee sent a frame that is not an answer");
+  }
+  if (!frame.ok()) {
+    shutdown(fd_, SHUT_RDWR);  // a stream out of step is not read again, nor written
+    Close(frame.status());
+    return;
+  }
+  auto it = pending_.find(frame->call_id);
+  if (it == pending_.end()) return;  // its caller gave up (deadline, cancel)
+  Pending& p = *it->second;
+  p.status = frame->code == absl::StatusCode::kOk ? absl::OkStatus() : absl::Status(frame->code, frame->message);
+  p.payload = std::move(frame->payload);
+  p.done = true;
+  pending_.erase(it);
+  changed_.notify_all();
 }
 
 void CallPipeClient::SendCancel(uint64_t call_id) {
@@ -191,6 +219,7 @@ absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string pay
     if (closed_) return closed_status_;
     id = next_id_++;
     pending_[id] = pending;
+    ++active_calls_;
   }
   CallFrame call;
   call.kind = CallFrameKind::kCall;
@@ -207,21 +236,37 @@ absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string pay
     sent = WriteCallFrame(fd_, call);
   }
   std::unique_lock<std::mutex> lock(mu_);
+  auto leave = [&](absl::StatusOr<std::string> result) {
+    --active_calls_;
+    changed_.notify_all();  // the reader's turn is free; the destructor may be waiting
+    return result;
+  };
   if (!sent.ok() && !pending->done) {
     pending_.erase(id);
-    return absl::UnavailableError(absl::StrCat("worker ", peer_, ": ", sent.message()));
+    return leave(absl::UnavailableError(absl::StrCat("worker ", peer_, ": ", sent.message())));
   }
-  const bool answered = deadline == std::chrono::system_clock::time_point::max()
-                            ? (pending->cv.wait(lock, [&] { return pending->done; }), true)
-                            : pending->cv.wait_until(lock, deadline, [&] { return pending->done; });
-  if (!answered) {
-    pending_.erase(id);
-    lock.unlock();
-    SendCancel(id);
-    return absl::DeadlineExceededError(absl::StrCat("worker ", peer_, ": no answer before the call's deadline"));
+  // One waiting caller reads at a time; the others wait for it to hand their answers over.
+  while (!pending->done) {
+    if (std::chrono::system_clock::now() >= deadline) {
+      pending_.erase(id);
+      lock.unlock();
+      SendCancel(id);
+      lock.lock();
+      return leave(absl::DeadlineExceededError(absl::StrCat("worker ", peer_, ": no answer before the call's deadline")));
+    }
+    if (!reading_) {
+      reading_ = true;
+      ReadAnswer(lock, deadline);
+      reading_ = false;
+      changed_.notify_all();
+    } else if (deadline == std::chrono::system_clock::time_point::max()) {
+      changed_.wait(lock);
+    } else {
+      changed_.wait_until(lock, deadline);
+    }
   }
-  if (!pending->status.ok()) return pending->status;
-  return std::move(pending->payload);
+  if (!pending->status.ok()) return leave(pending->status);
+  return leave(std::move(pending->payload));
 }
 
 void CallPipeClient::CancelAll() {
@@ -231,11 +276,12 @@ void CallPipeClient::CancelAll() {
     for (auto& [id, p] : pending_) {
       p->status = absl::CancelledError(absl::StrCat("worker ", peer_, ": call cancelled"));
       p->done = true;
-      p->cv.notify_one();
       ids.push_back(id);
     }
     pending_.clear();
+    changed_.notify_all();
   }
+  Wake();  // the reader stops waiting for answers nobody waits for now
   for (uint64_t id : ids) SendCancel(id);
 }
 

@@ -56,13 +56,15 @@ absl::Status WriteCallFrame(int fd, const CallFrame& frame);
 // the caller closes it).
 absl::StatusOr<CallFrame> ReadCallFrame(int fd, uint64_t max_payload_bytes);
 
-// The caller's side: sends calls, and reads answers on its own thread. Thread-safe; calls
-// from several threads are in flight together.
+// The caller's side: sends calls, and reads answers on the waiting callers' own threads (one
+// of them reads at a time and hands each answer to its caller), so an answer wakes the thread
+// that waits for it and no other. Thread-safe; calls from several threads are in flight
+// together.
 class CallPipeClient {
  public:
   // Owns `fd` (closed on destruction). `peer` names the callee in errors.
   CallPipeClient(int fd, std::string peer, uint64_t max_answer_bytes = 1ull << 30);
-  // Closes the pipe; calls still waiting return UNAVAILABLE.
+  // Closes the pipe; calls still waiting return UNAVAILABLE, and it waits for them to return.
   ~CallPipeClient();
   CallPipeClient(const CallPipeClient&) = delete;
   CallPipeClient& operator=(const CallPipeClient&) = delete;
@@ -83,21 +85,27 @@ class CallPipeClient {
     bool done = false;
     absl::Status status;
     std::string payload;
-    std::condition_variable cv;
   };
-  void ReadAnswers();
-  void SendCancel(uint64_t call_id);  // best effort
+  // As the reader (reading_ held, `lock` released meanwhile): waits for a frame until
+  // `deadline` or a wake-up (CancelAll, the destructor), reads it and hands it to its caller.
+  void ReadAnswer(std::unique_lock<std::mutex>& lock, std::chrono::system_clock::time_point deadline);
+  void Close(const absl::Status& why);  // under mu_: every waiting call fails
+  void Wake();                          // the reader's wait returns
+  void SendCancel(uint64_t call_id);    // best effort
 
   const int fd_;
+  const int wake_fd_;  // an eventfd beside fd_ in the reader's poll
   const std::string peer_;
   const uint64_t max_answer_bytes_;
   std::mutex write_mu_;
   std::mutex mu_;
-  bool closed_ = false;          // under mu_
-  absl::Status closed_status_;   // under mu_: why
-  uint64_t next_id_ = 1;         // under mu_
+  std::condition_variable changed_;  // under mu_: an answer handed over, the reader's turn free, closed
+  bool reading_ = false;             // under mu_: a caller is reading the pipe
+  int active_calls_ = 0;             // under mu_: threads inside Call (the destructor waits for them)
+  bool closed_ = false;              // under mu_
+  absl::Status closed_status_;       // under mu_: why
+  uint64_t next_id_ = 1;             // under mu_
   std::map<uint64_t, std::shared_ptr<Pending>> pending_;  // under mu_
-  std::thread reader_;
 };
 
 // The callee's side: reads calls on its own thread and hands each to `handler`, which

@@ -60,6 +60,32 @@ TEST(CallPipeTest, AnswersReachTheirCallersInAnyOrder) {
   }
 }
 
+// The callers read the pipe themselves, one at a time: when the reading caller's deadline
+// passes, a caller still waiting takes over and gets its answer.
+TEST(CallPipeTest, AWaitingCallerTakesOverReadingWhenTheReaderGivesUp) {
+  Pair pair;
+  std::mutex mu;
+  std::vector<std::thread> answering;
+  CallPipeServer server(pair.fds[1], 1 << 20, [&](uint8_t method, std::string payload, std::function<bool()>,
+                                                  CallPipeServer::Respond respond) {
+    if (method != 2) return;  // the first call is never answered
+    std::lock_guard<std::mutex> lock(mu);
+    answering.emplace_back([respond, payload] {
+      std::this_thread::sleep_for(milliseconds(500));
+      respond(absl::OkStatus(), "late:" + payload);
+    });
+  });
+  CallPipeClient client(pair.fds[0], "test");
+  auto gives_up = std::async(std::launch::async, [&] { return client.Call(1, "a", In(milliseconds(150))); });
+  std::this_thread::sleep_for(milliseconds(20));  // the first call is reading by now
+  absl::StatusOr<std::string> answered = client.Call(2, "b", In(milliseconds(20000)));
+  EXPECT_EQ(gives_up.get().status().code(), absl::StatusCode::kDeadlineExceeded);
+  ASSERT_TRUE(answered.ok()) << answered.status();
+  EXPECT_EQ(*answered, "late:b");
+  std::lock_guard<std::mutex> lock(mu);
+  for (std::thread& t : answering) t.join();
+}
+
 TEST(CallPipeTest, TheCalleesFailureReachesTheCaller) {
   Pair pair;
   CallPipeServer server(pair.fds[1], 1 << 20, [](uint8_t, std::string, std::function<bool()>,
