@@ -15,19 +15,21 @@
 namespace lorastep {
 namespace {
 
-void FillForwardResponse(const ForwardBackwardResult& r, v1::WorkerForwardBackwardResponse* resp) {
+// `partials`: the metrics as sums, counts and maxima too, which the coordinator merges over a
+// mesh's ranks (a worker alone: its metrics are the answer's).
+void FillForwardResponse(const ForwardBackwardResult& r, bool partials, v1::WorkerForwardBackwardResponse* resp) {
   for (const auto& lp : r.logprobs) {
     resp->mutable_result()->add_logprobs()->mutable_values()->Add(lp.begin(), lp.end());
   }
   MetricsToProto(r.metrics, resp->mutable_result()->mutable_metrics());
-  MetricPartialsToProto(r.metrics, resp->mutable_partials());
+  if (partials) MetricPartialsToProto(r.metrics, resp->mutable_partials());
 }
 
-void FillStepResponse(const OptimStepResult& r, v1::WorkerStepResponse* resp) {
+void FillStepResponse(const OptimStepResult& r, bool partials, v1::WorkerStepResponse* resp) {
   resp->mutable_result()->set_learner_version(r.learner_version);
   resp->mutable_result()->set_adapter_sha256(r.adapter_sha256);
   MetricsToProto(r.metrics, resp->mutable_result()->mutable_metrics());
-  MetricPartialsToProto(r.metrics, resp->mutable_partials());
+  if (partials) MetricPartialsToProto(r.metrics, resp->mutable_partials());
   for (const auto& [family, sha] : r.replica_digests) (*resp->mutable_replica_digests())[family] = sha;
 }
 
@@ -178,7 +180,7 @@ absl::Status WorkerCalls::ForwardBackward(const v1::WorkerForwardBackwardRequest
     LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult r,
                               core_->ForwardBackward(req.run_id(), *datums, loss, totals ? &*totals : nullptr,
                                                      recompute, MeshFromProto(req.mesh()), cancelled));
-    FillForwardResponse(r, resp);
+    FillForwardResponse(r, OnMesh(), resp);
     return absl::OkStatus();
   });
 }
@@ -188,7 +190,7 @@ absl::Status WorkerCalls::Forward(const v1::WorkerForwardRequest& req, v1::Worke
   std::vector<Datum> parsed;
   LORASTEP_ASSIGN_OR_RETURN(const std::vector<Datum>* datums, DatumsOf(req, given, &parsed));
   LORASTEP_ASSIGN_OR_RETURN(ForwardBackwardResult r, core_->Forward(req.run_id(), *datums, MeshFromProto(req.mesh()), cancelled));
-  FillForwardResponse(r, resp);
+  FillForwardResponse(r, OnMesh(), resp);
   return absl::OkStatus();
 }
 
@@ -196,7 +198,7 @@ absl::Status WorkerCalls::OptimStep(const v1::WorkerOptimStepRequest& req, v1::W
   return Once(req.run_id(), req.mesh(), "OptimStep", resp, [&]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(AdamWParams adamw, AdamWParamsFromProto(req.adamw()));
     LORASTEP_ASSIGN_OR_RETURN(OptimStepResult r, core_->OptimStep(req.run_id(), adamw, MeshFromProto(req.mesh())));
-    FillStepResponse(r, resp);
+    FillStepResponse(r, OnMesh(), resp);
     RecordStepMetrics(metrics_, req.run_id(), "optim_step", resp->result().metrics(), r.learner_version);
     return absl::OkStatus();
   });
@@ -216,7 +218,7 @@ absl::Status WorkerCalls::TrainStep(const v1::WorkerTrainStepRequest& req, v1::W
                               core_->TrainStep(req.run_id(), *datums, loss, adamw, totals ? &*totals : nullptr,
                                                req.max_tokens_per_microbatch(), recompute, MeshFromProto(req.mesh()),
                                                cancelled));
-    FillStepResponse(r, resp);
+    FillStepResponse(r, OnMesh(), resp);
     RecordStepMetrics(metrics_, req.run_id(), "train_step", resp->result().metrics(), r.learner_version);
     return absl::OkStatus();
   });

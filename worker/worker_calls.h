@@ -67,6 +67,8 @@ class WorkerCalls {
   // must apply a retried request_id, not answer it from the earlier run's record.
   void ForgetRecords(const std::string& run_id);
 
+  bool OnMesh() const { return core_->options().sizes.world() > 1; }
+
   WorkerCore* core_;
   PrometheusRegistry* metrics_;
   const bool record_calls_;
