@@ -174,11 +174,14 @@ absl::Status PackedDatumsWire::ParseInto(v1::PackedDatums* packed) const {
 
 absl::StatusOr<std::vector<Datum>> PackedDatumsWire::Datums(
     const google::protobuf::RepeatedPtrField<v1::Datum>& unpacked) const {
-  if (pieces_.size() > 1) {
-    v1::PackedDatums parsed;
-    if (absl::Status s = ParseInto(&parsed); !s.ok()) return s;
-    return RequestDatums(unpacked, parsed);
-  }
+  if (std::optional<PackedArrays> arrays = Arrays()) return RequestDatums(unpacked, *arrays);
+  v1::PackedDatums parsed;
+  if (absl::Status s = ParseInto(&parsed); !s.ok()) return s;
+  return RequestDatums(unpacked, parsed);
+}
+
+std::optional<PackedArrays> PackedDatumsWire::Arrays() const {
+  if (pieces_.size() > 1) return std::nullopt;
   const absl::string_view bytes = pieces_.empty() ? absl::string_view() : pieces_[0];
   auto array = [&](int number) { return bytes.substr(arrays_[number].begin, arrays_[number].end - arrays_[number].begin); };
   PackedArrays arrays;
@@ -191,7 +194,7 @@ absl::StatusOr<std::vector<Datum>> PackedDatumsWire::Datums(
   arrays.ref_logprobs = array(v1::PackedDatums::kRefLogprobsFieldNumber);
   arrays.old_logprobs = array(v1::PackedDatums::kOldLogprobsFieldNumber);
   arrays.last_target_tokens = array(v1::PackedDatums::kLastTargetTokensFieldNumber);
-  return RequestDatums(unpacked, arrays);
+  return arrays;
 }
 
 WirePieces SerializationWithPackedField(const google::protobuf::Message& request, int packed_field,

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -70,6 +71,8 @@ class PackedDatumsWire {
   absl::StatusOr<std::vector<Datum>> Datums(const google::protobuf::RepeatedPtrField<v1::Datum>& unpacked) const;
   // A parsed copy.
   absl::Status ParseInto(v1::PackedDatums* packed) const;
+  // The arrays as views of the bytes, when those are contiguous (one piece); else none.
+  std::optional<PackedArrays> Arrays() const;
 
  private:
   struct Span {

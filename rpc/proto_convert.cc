@@ -82,22 +82,21 @@ PackedArrays ArraysOf(const v1::PackedDatums& packed) {
   return arrays;
 }
 
-absl::StatusOr<std::vector<Datum>> RequestDatums(const google::protobuf::RepeatedPtrField<v1::Datum>& datums,
-                                                 const PackedArrays& packed) {
+absl::StatusOr<PackedLayout> CheckPackedArrays(const PackedArrays& packed) {
   static_assert(sizeof(float) == 4, "packed float32");
-  if (packed.empty()) return DatumsFromProto(datums);
-  if (!datums.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(kPacked, ": set together with datums; send one form"));
-  }
+  PackedLayout layout;
+  layout.offsets.reserve(packed.lengths.size() + 1);
   int64_t total = 0;
   for (size_t i = 0; i < packed.lengths.size(); ++i) {
     if (packed.lengths[i] < 0) {
       return absl::InvalidArgumentError(absl::StrCat(kPacked, ".lengths[", i, "]: ", packed.lengths[i], " is negative"));
     }
+    layout.offsets.push_back(total);
     total += packed.lengths[i];
   }
-  const bool next_token_targets = !packed.last_target_tokens.empty();
-  if (next_token_targets) {
+  layout.offsets.push_back(total);
+  layout.next_token_targets = !packed.last_target_tokens.empty();
+  if (layout.next_token_targets) {
     if (!packed.target_tokens.empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat(kPacked, ".last_target_tokens: set together with target_tokens; send one"));
@@ -110,7 +109,7 @@ absl::StatusOr<std::vector<Datum>> RequestDatums(const google::protobuf::Repeate
     }
   }
   const std::tuple<const char*, const absl::string_view*, bool> arrays[] = {
-      {"tokens", &packed.tokens, true},          {"target_tokens", &packed.target_tokens, !next_token_targets},
+      {"tokens", &packed.tokens, true},          {"target_tokens", &packed.target_tokens, !layout.next_token_targets},
       {"weights", &packed.weights, false},       {"logprobs", &packed.logprobs, false},
       {"advantages", &packed.advantages, false}, {"ref_logprobs", &packed.ref_logprobs, false},
       {"old_logprobs", &packed.old_logprobs, false}};
@@ -120,13 +119,17 @@ absl::StatusOr<std::vector<Datum>> RequestDatums(const google::protobuf::Repeate
                                                    4 * total, " for the ", total, " positions in lengths",
                                                    required ? "" : " (or none)"));
   }
-  std::vector<Datum> out(packed.lengths.size());
-  int64_t offset = 0;
-  for (size_t i = 0; i < out.size(); ++i) {
-    const int64_t n = packed.lengths[i];
-    Datum& d = out[i];
+  return layout;
+}
+
+void UnpackDatums(const PackedArrays& packed, const PackedLayout& layout, size_t begin, size_t end,
+                  std::vector<Datum>* out) {
+  for (size_t i = begin; i < end; ++i) {
+    const int64_t offset = layout.offsets[i];
+    const int64_t n = layout.offsets[i + 1] - offset;
+    Datum& d = (*out)[i];
     UnpackInto<int32_t>(packed.tokens, offset, n, &d.tokens);
-    if (next_token_targets) {
+    if (layout.next_token_targets) {
       d.target_tokens.resize(static_cast<size_t>(n));
       if (n > 0) {
         std::copy(d.tokens.begin() + 1, d.tokens.end(), d.target_tokens.begin());
@@ -142,8 +145,19 @@ absl::StatusOr<std::vector<Datum>> RequestDatums(const google::protobuf::Repeate
     UnpackInto<float>(packed.advantages, offset, n, &d.advantages);
     UnpackInto<float>(packed.ref_logprobs, offset, n, &d.ref_logprobs);
     UnpackInto<float>(packed.old_logprobs, offset, n, &d.old_logprobs);
-    offset += n;
   }
+}
+
+absl::StatusOr<std::vector<Datum>> RequestDatums(const google::protobuf::RepeatedPtrField<v1::Datum>& datums,
+                                                 const PackedArrays& packed) {
+  if (packed.empty()) return DatumsFromProto(datums);
+  if (!datums.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(kPacked, ": set together with datums; send one form"));
+  }
+  absl::StatusOr<PackedLayout> layout = CheckPackedArrays(packed);
+  if (!layout.ok()) return layout.status();
+  std::vector<Datum> out(packed.lengths.size());
+  UnpackDatums(packed, *layout, 0, out.size(), &out);
   return out;
 }
 

@@ -30,6 +30,17 @@ struct PackedArrays {
   bool empty() const;
 };
 PackedArrays ArraysOf(const v1::PackedDatums& packed);
+// Where each datum's positions begin in a packed batch's arrays (offsets: one per datum and
+// the total last), once CheckPackedArrays has refused what RequestDatums refuses.
+struct PackedLayout {
+  std::vector<int64_t> offsets;
+  bool next_token_targets = false;  // last_target_tokens instead of target_tokens
+};
+absl::StatusOr<PackedLayout> CheckPackedArrays(const PackedArrays& packed);
+// (*out)[i] for i in [begin, end) from checked arrays; `out` holds a datum per length. Disjoint
+// ranges may be unpacked on different threads.
+void UnpackDatums(const PackedArrays& packed, const PackedLayout& layout, size_t begin, size_t end,
+                  std::vector<Datum>* out);
 // The datums of a request in either form: `datums`, or `packed_datums` (checked: every array
 // 4 bytes per position, optional ones empty or full). Both set is INVALID_ARGUMENT naming
 // packed_datums.

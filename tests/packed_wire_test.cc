@@ -2,6 +2,7 @@
 // rest of the request as it came, the datums convert as the parsed message's do (same
 // refusals), and the request's fingerprint is the one of the whole request parsed.
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -140,6 +141,20 @@ void ExpectConvertsAsParsed(const std::string& bytes) {
       positions += static_cast<int64_t>(a.tokens.size());
     }
     EXPECT_EQ(wire->num_positions(), positions);
+    // Unpacked in two ranges (as the worker does on two threads): the same datums.
+    std::optional<PackedArrays> arrays = wire->Arrays();
+    ASSERT_EQ(arrays.has_value(), piece > bytes.size());
+    if (!arrays) continue;
+    absl::StatusOr<PackedLayout> layout = CheckPackedArrays(*arrays);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    std::vector<Datum> halves(got->size());
+    UnpackDatums(*arrays, *layout, halves.size() / 2, halves.size(), &halves);
+    UnpackDatums(*arrays, *layout, 0, halves.size() / 2, &halves);
+    for (size_t i = 0; i < halves.size(); ++i) {
+      EXPECT_EQ(halves[i].tokens, (*got)[i].tokens);
+      EXPECT_EQ(halves[i].target_tokens, (*got)[i].target_tokens);
+      EXPECT_EQ(halves[i].advantages, (*got)[i].advantages);
+    }
   }
 }
 

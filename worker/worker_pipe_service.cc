@@ -4,6 +4,8 @@
 #include <sys/stat.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -60,6 +62,33 @@ absl::Status ParsePipeRequest(std::string payload, Req* req, std::optional<Packe
   }
 }
 
+// A call's packed datums converted in two halves at once: the first on the pipe's reader
+// thread, the rest on the device thread that runs the call, each a pass over half the batch
+// on its own core. Checked first (on the reader thread); a batch the check refuses, or one
+// not in one piece, is converted whole on the device thread, which then refuses it.
+struct SplitDatums {
+  std::optional<PackedArrays> arrays;
+  absl::StatusOr<PackedLayout> layout = absl::FailedPreconditionError("not split");
+  std::vector<Datum> datums;
+  size_t half = 0;
+  std::mutex mu;
+  std::condition_variable first_done_cv;
+  bool first_done = false;  // under mu
+
+  bool split() const { return layout.ok(); }
+  void ConvertFirstHalf() {
+    UnpackDatums(*arrays, *layout, 0, half, &datums);
+    std::lock_guard<std::mutex> lock(mu);
+    first_done = true;
+    first_done_cv.notify_one();
+  }
+  void ConvertSecondHalf() {
+    UnpackDatums(*arrays, *layout, half, datums.size(), &datums);
+    std::unique_lock<std::mutex> lock(mu);
+    first_done_cv.wait(lock, [this] { return first_done; });
+  }
+};
+
 }  // namespace
 
 template <typename Req, typename Resp, typename Work>
@@ -73,18 +102,32 @@ void WorkerPipeService::Run(const char* method, std::string payload, std::functi
     respond(bad, "");
     return;
   }
+  auto split = std::make_shared<SplitDatums>();
+  if constexpr (HasPackedDatums<Req>::value) {
+    if (packed->has_value() && req->datums().empty()) split->arrays = (*packed)->Arrays();
+    if (split->arrays && !split->arrays->empty()) {
+      split->layout = CheckPackedArrays(*split->arrays);
+      split->datums.resize(split->arrays->lengths.size());
+      split->half = split->datums.size() / 2;
+    }
+  }
   const std::string run_id = req->run_id();
   // Captures no `this`: a task still queued when the service goes runs at the dispatch's end.
   dispatch_->device_calls.Submit(run_id, [dispatch = dispatch_, observers = observers_, method, start, req, packed,
-                                          cancelled = std::move(cancelled), respond = std::move(respond), work]() {
+                                          split, cancelled = std::move(cancelled), respond = std::move(respond),
+                                          work]() {
     Resp resp;
-    absl::StatusOr<std::vector<Datum>> datums = std::vector<Datum>();
-    if constexpr (HasPackedDatums<Req>::value) {
-      if (packed->has_value()) datums = (*packed)->Datums(req->datums());
+    absl::StatusOr<std::vector<Datum>> whole = std::vector<Datum>();
+    const std::vector<Datum>* datums = nullptr;  // none: the request carries its own
+    if (split->split()) {
+      split->ConvertSecondHalf();
+      datums = &split->datums;
+    } else if (packed->has_value()) {
+      if constexpr (HasPackedDatums<Req>::value) whole = (*packed)->Datums(req->datums());
+      if (whole.ok()) datums = &*whole;
     }
-    const absl::Status s = !datums.ok() ? datums.status()
-                                        : work(&dispatch->calls, *req, packed->has_value() ? &*datums : nullptr, &resp,
-                                               cancelled);
+    const absl::Status s =
+        !whole.ok() ? whole.status() : work(&dispatch->calls, *req, datums, &resp, cancelled);
     std::string answer;
     if (s.ok()) resp.SerializeToString(&answer);
     const auto end = std::chrono::steady_clock::now();
@@ -92,6 +135,7 @@ void WorkerPipeService::Run(const char* method, std::string payload, std::functi
     ObserveCall(*observers, method, s, std::chrono::duration<double>(end - start).count(), req->run_id(),
                 req->mesh().request_id(), end);
   });
+  if (split->split()) split->ConvertFirstHalf();
 }
 
 void WorkerPipeService::Handle(uint8_t method, std::string payload, std::function<bool()> cancelled,
