@@ -1,5 +1,7 @@
 #include "rpc/serial_executor.h"
 
+#include <future>
+
 #include <algorithm>
 
 namespace lorastep {
@@ -131,6 +133,18 @@ void KeyedExecutor::Loop() {
     }
     ran = true;
   }
+}
+
+SerialExecutor& BookkeepingExecutor() {
+  static SerialExecutor* executor = new SerialExecutor();
+  return *executor;
+}
+
+void WaitForBookkeeping() {
+  std::promise<void> done;
+  std::future<void> ran = done.get_future();
+  BookkeepingExecutor().Submit([&done] { done.set_value(); });
+  ran.wait();
 }
 
 }  // namespace lorastep

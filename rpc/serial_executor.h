@@ -43,6 +43,12 @@ class SerialExecutor {
   std::thread thread_;
 };
 
+// One process-wide thread for the bookkeeping an answer need not wait for (Prometheus
+// updates, per-call log lines), run in the order submitted; never joined, it lives as long
+// as the process. WaitForBookkeeping returns once everything submitted before it has run.
+SerialExecutor& BookkeepingExecutor();
+void WaitForBookkeeping();
+
 // Polls `submitted` until it moves past `seen` or `spin` has passed (see SerialExecutor).
 void SpinForWork(const std::atomic<uint64_t>& submitted, uint64_t seen, std::chrono::microseconds spin);
 

@@ -33,6 +33,7 @@
 #include "absl/synchronization/mutex.h"
 #include "lib/io/file_util.h"
 #include "lib/status_macros.h"
+#include "rpc/serial_executor.h"
 #include "rpc/grpc_status.h"
 
 namespace lorastep {
@@ -203,8 +204,14 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
                                                            " (malformed, or nested more deeply than protobuf allows)"));
         methods->ModifySendStatus(status);
       }
-      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-      ObserveCall(*observers_, method_, FromGrpcStatus(status), seconds, run_id_, request_id_);
+      // Counted and logged on the bookkeeping thread: the answer does not wait for it.
+      const auto end = std::chrono::steady_clock::now();
+      const double seconds = std::chrono::duration<double>(end - start_).count();
+      CallObservers observers{observers_->metrics, observers_->log_verbosity, observers_->component, observers_->rank};
+      BookkeepingExecutor().Submit([observers = std::move(observers), method = method_, status = FromGrpcStatus(status),
+                                    seconds, run_id = run_id_, request_id = request_id_, end] {
+        ObserveCall(observers, method, status, seconds, run_id, request_id, end);
+      });
     }
     methods->Proceed();
   }

@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "rpc/serial_executor.h"
+
 #include "absl/strings/match.h"
 
 namespace lorastep {
@@ -31,9 +33,23 @@ void DeclareStepMetrics(PrometheusRegistry* m) {
 }
 
 void RecordStepMetrics(PrometheusRegistry* m, const std::string& run_id, const std::string& kind,
-                       const google::protobuf::Map<std::string, double>& metrics, int64_t learner_version,
+                       const google::protobuf::Map<std::string, double>& step_metrics, int64_t learner_version,
                        int replicas_equal) {
   if (m == nullptr) return;
+  std::map<std::string, double> metrics(step_metrics.begin(), step_metrics.end());
+  BookkeepingExecutor().Submit([m, run_id, kind, metrics = std::move(metrics), learner_version, replicas_equal] {
+    PublishStepMetrics(m, run_id, kind, metrics, learner_version, replicas_equal);
+  });
+}
+
+void RemoveRunSeries(PrometheusRegistry* m, const std::string& run_id) {
+  if (m == nullptr) return;
+  WaitForBookkeeping();  // a step's figures still queued do not bring the series back
+  m->RemoveSeries("run", run_id);
+}
+
+void PublishStepMetrics(PrometheusRegistry* m, const std::string& run_id, const std::string& kind,
+                        const std::map<std::string, double>& metrics, int64_t learner_version, int replicas_equal) {
   const PrometheusRegistry::Labels run = {{"run", run_id}};
   m->Add("lorastep_steps_total", {{"run", run_id}, {"kind", kind}});
   m->Set("lorastep_learner_version", run, static_cast<double>(learner_version));

@@ -11,7 +11,9 @@
 
 #include "gtest/gtest.h"
 #include "lib/io/background_writer.h"
+#include "lib/prometheus_registry.h"
 #include "rpc/serial_executor.h"
+#include "rpc/step_metrics.h"
 #include "lib/fair_mutex.h"
 
 namespace lorastep {
@@ -108,6 +110,26 @@ TEST(ExecutorSpinTest, CallsDuringAndAfterTheSpinRunInOrder) {
     EXPECT_EQ(keyed, expected) << spin.count();
     EXPECT_LT(s, 2.0) << spin.count();
   }
+}
+
+// The bookkeeping thread: a step's figures are published after the answer, in order, and a
+// run's series removed once the figures queued before are out (they do not come back).
+TEST(BookkeepingTest, StepFiguresArePublishedInOrderAndARemovedRunStaysRemoved) {
+  PrometheusRegistry registry;
+  DeclareStepMetrics(&registry);
+  google::protobuf::Map<std::string, double> metrics;
+  for (int step = 1; step <= 50; ++step) {
+    metrics["loss:sum"] = step;
+    RecordStepMetrics(&registry, "r", "train_step", metrics, step);
+  }
+  WaitForBookkeeping();
+  const std::string rendered = registry.Render();
+  EXPECT_NE(rendered.find("lorastep_steps_total{run=\"r\",kind=\"train_step\"} 50"), std::string::npos) << rendered;
+  EXPECT_NE(rendered.find("lorastep_loss{run=\"r\"} 50"), std::string::npos) << rendered;
+  for (int step = 51; step <= 60; ++step) RecordStepMetrics(&registry, "r", "train_step", metrics, step);
+  RemoveRunSeries(&registry, "r");
+  WaitForBookkeeping();
+  EXPECT_EQ(registry.Render().find("run=\"r\""), std::string::npos) << registry.Render();
 }
 
 TEST(FairMutexTest, WaitersAreAdmittedInArrivalOrder) {
