@@ -1,7 +1,5 @@
 #include "rpc/serial_executor.h"
 
-#include <future>
-
 #include <algorithm>
 
 namespace lorastep {
@@ -135,16 +133,23 @@ void KeyedExecutor::Loop() {
   }
 }
 
-SerialExecutor& BookkeepingExecutor() {
-  static SerialExecutor* executor = new SerialExecutor();
-  return *executor;
+namespace {
+thread_local std::vector<std::function<void()>>* after_answer = nullptr;  // the innermost scope's
+}  // namespace
+
+void RunAfterAnswer(std::function<void()> work) {
+  if (after_answer == nullptr) {
+    work();
+    return;
+  }
+  after_answer->push_back(std::move(work));
 }
 
-void WaitForBookkeeping() {
-  std::promise<void> done;
-  std::future<void> ran = done.get_future();
-  BookkeepingExecutor().Submit([&done] { done.set_value(); });
-  ran.wait();
+AfterAnswerScope::AfterAnswerScope() : outer_(after_answer) { after_answer = &deferred_; }
+
+AfterAnswerScope::~AfterAnswerScope() {
+  after_answer = outer_;
+  for (auto& work : deferred_) work();
 }
 
 }  // namespace lorastep

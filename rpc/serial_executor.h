@@ -43,11 +43,22 @@ class SerialExecutor {
   std::thread thread_;
 };
 
-// One process-wide thread for the bookkeeping an answer need not wait for (Prometheus
-// updates, per-call log lines), run in the order submitted; never joined, it lives as long
-// as the process. WaitForBookkeeping returns once everything submitted before it has run.
-SerialExecutor& BookkeepingExecutor();
-void WaitForBookkeeping();
+// Bookkeeping a call's answer need not wait for (Prometheus updates, the call's log line): on
+// a thread inside an AfterAnswerScope (one that answers a call, then leaves the scope) it runs
+// when the scope ends, after the answer has gone, in the order deferred; elsewhere at once.
+// No other thread is woken for it.
+void RunAfterAnswer(std::function<void()> work);
+class AfterAnswerScope {
+ public:
+  AfterAnswerScope();
+  ~AfterAnswerScope();  // runs what was deferred inside it
+  AfterAnswerScope(const AfterAnswerScope&) = delete;
+  AfterAnswerScope& operator=(const AfterAnswerScope&) = delete;
+
+ private:
+  std::vector<std::function<void()>>* outer_;  // the enclosing scope's (nested scopes run their own)
+  std::vector<std::function<void()>> deferred_;
+};
 
 // Polls `submitted` until it moves past `seen` or `spin` has passed (see SerialExecutor).
 void SpinForWork(const std::atomic<uint64_t>& submitted, uint64_t seen, std::chrono::microseconds spin);

@@ -204,13 +204,12 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
                                                            " (malformed, or nested more deeply than protobuf allows)"));
         methods->ModifySendStatus(status);
       }
-      // Counted and logged on the bookkeeping thread: the answer does not wait for it.
+      // Counted and logged after the answer where the answering thread defers it.
       const auto end = std::chrono::steady_clock::now();
       const double seconds = std::chrono::duration<double>(end - start_).count();
-      CallObservers observers{observers_->metrics, observers_->log_verbosity, observers_->component, observers_->rank};
-      BookkeepingExecutor().Submit([observers = std::move(observers), method = method_, status = FromGrpcStatus(status),
-                                    seconds, run_id = run_id_, request_id = request_id_, end] {
-        ObserveCall(observers, method, status, seconds, run_id, request_id, end);
+      RunAfterAnswer([observers = observers_, method = method_, status = FromGrpcStatus(status), seconds,
+                      run_id = run_id_, request_id = request_id_, end] {
+        ObserveCall(*observers, method, status, seconds, run_id, request_id, end);
       });
     }
     methods->Proceed();

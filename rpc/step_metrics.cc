@@ -37,15 +37,9 @@ void RecordStepMetrics(PrometheusRegistry* m, const std::string& run_id, const s
                        int replicas_equal) {
   if (m == nullptr) return;
   std::map<std::string, double> metrics(step_metrics.begin(), step_metrics.end());
-  BookkeepingExecutor().Submit([m, run_id, kind, metrics = std::move(metrics), learner_version, replicas_equal] {
+  RunAfterAnswer([m, run_id, kind, metrics = std::move(metrics), learner_version, replicas_equal] {
     PublishStepMetrics(m, run_id, kind, metrics, learner_version, replicas_equal);
   });
-}
-
-void RemoveRunSeries(PrometheusRegistry* m, const std::string& run_id) {
-  if (m == nullptr) return;
-  WaitForBookkeeping();  // a step's figures still queued do not bring the series back
-  m->RemoveSeries("run", run_id);
 }
 
 void PublishStepMetrics(PrometheusRegistry* m, const std::string& run_id, const std::string& kind,

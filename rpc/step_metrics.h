@@ -17,16 +17,14 @@ namespace lorastep {
 void DeclareStepMetrics(PrometheusRegistry* registry);
 // `metrics`: the step's metric map (time_<phase>_s:sum, tokens_per_s:sum, mfu:sum,
 // peak_cuda_memory_bytes:max, loss:sum, grad_norm:sum). `replicas_equal`: 1/0 on a mesh,
-// -1 to leave the gauge alone. Published on the bookkeeping thread (BookkeepingExecutor), in
-// order, so the call's answer does not wait for it; a scrape sees it microseconds later.
+// -1 to leave the gauge alone. Published after the call's answer (RunAfterAnswer), on the
+// thread that answered it; a scrape sees it microseconds later.
 void RecordStepMetrics(PrometheusRegistry* registry, const std::string& run_id, const std::string& kind,
                        const google::protobuf::Map<std::string, double>& metrics, int64_t learner_version,
                        int replicas_equal = -1);
-// The same, at once, on the calling thread.
+// The same, at once.
 void PublishStepMetrics(PrometheusRegistry* registry, const std::string& run_id, const std::string& kind,
                         const std::map<std::string, double>& metrics, int64_t learner_version, int replicas_equal);
-// Removes the run's series once the step figures queued before have been published.
-void RemoveRunSeries(PrometheusRegistry* registry, const std::string& run_id);
 
 }  // namespace lorastep
 

@@ -13,7 +13,6 @@
 #include "lib/status_macros.h"
 #include "lib/training/adamw_params.h"
 #include "rpc/proto_convert.h"
-#include "rpc/serial_executor.h"
 #include "rpc/step_metrics.h"
 #include "server/request_checks.h"
 #include "server/worker_requests.h"
@@ -70,7 +69,6 @@ Coordinator::Coordinator(CoordinatorOptions options)
 Coordinator::~Coordinator() {
   pool_.Stop();  // its restart thread restores runs through persistence_
   persistence_.Stop();
-  WaitForBookkeeping();  // step figures still queued for options_.metrics, which goes after this
 }
 
 absl::Status Coordinator::AddWorker(std::unique_ptr<WorkerClient> worker) { return pool_.Add(std::move(worker)); }
@@ -166,7 +164,7 @@ absl::Status Coordinator::DeleteRun(const std::string& run_id) {
   }
   LORASTEP_RETURN_IF_ERROR(persistence_.Forget(*run));
   runs_.Remove(*run, /*forget_request=*/true);
-  RemoveRunSeries(options_.metrics, run_id);
+  if (options_.metrics != nullptr) options_.metrics->RemoveSeries("run", run_id);
   // A deleted run's history and records go back to the OS, not just to malloc: trimmed once
   // they are freed (this was the last reference; trimming before it returns nothing, and a
   // long-lived coordinator's footprint grows with every run it ever served).

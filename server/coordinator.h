@@ -127,9 +127,7 @@ class Coordinator {
   using Watcher = StepWatcher;
 
   explicit Coordinator(CoordinatorOptions options);
-  // Waits for worker restarts in progress, then for autosave confirmations, then for its step
-  // figures still queued for the registry.
-  ~Coordinator();
+  ~Coordinator();  // waits for worker restarts in progress, then for autosave confirmations
   // Adds a worker (at start-up, or when a remote worker registers). Reads its model and
   // vocabulary; every worker must serve the same model. New runs are spread over workers.
   // On a mesh the worker's reported rank and sizes must fit `options.mesh`.

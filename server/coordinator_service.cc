@@ -15,6 +15,7 @@
 #include "server/run_names.h"
 #include "lib/training/batch.h"
 #include "rpc/grpc_status.h"
+#include "rpc/serial_executor.h"
 #include "rpc/wire_limits.h"
 
 namespace lorastep {
@@ -255,6 +256,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext*
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   executor_.Submit(server_id, [this, reactor, resp, server_id, call = std::move(call), who = *caller,
                                before_finish = std::move(before_finish)]() mutable {
+    AfterAnswerScope after_answer;  // metrics and the call's log line once Finish has sent the answer
     auto result = call(who, server_id);
     if (result.ok()) {
       *resp = std::move(result).value();

@@ -112,24 +112,37 @@ TEST(ExecutorSpinTest, CallsDuringAndAfterTheSpinRunInOrder) {
   }
 }
 
-// The bookkeeping thread: a step's figures are published after the answer, in order, and a
-// run's series removed once the figures queued before are out (they do not come back).
-TEST(BookkeepingTest, StepFiguresArePublishedInOrderAndARemovedRunStaysRemoved) {
+// Bookkeeping after the answer: deferred work runs when the answering thread leaves its scope,
+// in order; outside a scope at once; a nested scope runs its own.
+TEST(AfterAnswerTest, DeferredWorkRunsWhenTheScopeEndsInOrder) {
+  std::vector<int> ran;
+  RunAfterAnswer([&] { ran.push_back(0); });
+  EXPECT_EQ(ran, std::vector<int>{0});
+  {
+    AfterAnswerScope scope;
+    RunAfterAnswer([&] { ran.push_back(1); });
+    {
+      AfterAnswerScope inner;
+      RunAfterAnswer([&] { ran.push_back(2); });
+    }
+    EXPECT_EQ(ran, (std::vector<int>{0, 2}));
+    RunAfterAnswer([&] { ran.push_back(3); });
+    std::thread other([&] { RunAfterAnswer([&] { ran.push_back(4); }); });  // no scope there: at once
+    other.join();
+    EXPECT_EQ(ran, (std::vector<int>{0, 2, 4}));
+  }
+  EXPECT_EQ(ran, (std::vector<int>{0, 2, 4, 1, 3}));
+  // A step's figures recorded inside a scope reach the registry when it ends.
   PrometheusRegistry registry;
   DeclareStepMetrics(&registry);
   google::protobuf::Map<std::string, double> metrics;
-  for (int step = 1; step <= 50; ++step) {
-    metrics["loss:sum"] = step;
-    RecordStepMetrics(&registry, "r", "train_step", metrics, step);
+  metrics["loss:sum"] = 0.5;
+  {
+    AfterAnswerScope scope;
+    RecordStepMetrics(&registry, "r", "train_step", metrics, 7);
+    EXPECT_EQ(registry.Render().find("lorastep_loss{run=\"r\"}"), std::string::npos);
   }
-  WaitForBookkeeping();
-  const std::string rendered = registry.Render();
-  EXPECT_NE(rendered.find("lorastep_steps_total{run=\"r\",kind=\"train_step\"} 50"), std::string::npos) << rendered;
-  EXPECT_NE(rendered.find("lorastep_loss{run=\"r\"} 50"), std::string::npos) << rendered;
-  for (int step = 51; step <= 60; ++step) RecordStepMetrics(&registry, "r", "train_step", metrics, step);
-  RemoveRunSeries(&registry, "r");
-  WaitForBookkeeping();
-  EXPECT_EQ(registry.Render().find("run=\"r\""), std::string::npos) << registry.Render();
+  EXPECT_NE(registry.Render().find("lorastep_loss{run=\"r\"} 0.5"), std::string::npos) << registry.Render();
 }
 
 TEST(FairMutexTest, WaitersAreAdmittedInArrivalOrder) {

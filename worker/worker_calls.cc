@@ -10,7 +10,6 @@
 #include "lib/status_macros.h"
 #include "lib/training/adamw.h"
 #include "rpc/proto_convert.h"
-#include "rpc/serial_executor.h"
 #include "rpc/step_metrics.h"
 
 namespace lorastep {
@@ -73,8 +72,6 @@ WorkerCalls::WorkerCalls(WorkerCore* core, PrometheusRegistry* metrics, bool rec
     : core_(core), metrics_(metrics), record_calls_(record_calls), instance_id_(RandomInstanceId()) {
   if (metrics_ != nullptr) DeclareStepMetrics(metrics_);
 }
-
-WorkerCalls::~WorkerCalls() { WaitForBookkeeping(); }
 
 template <typename Work>
 absl::Status WorkerCalls::Once(const std::string& run_id, const v1::MeshCall& mesh, const char* method,
@@ -155,7 +152,7 @@ void WorkerCalls::ForgetRecords(const std::string& run_id) {
 absl::Status WorkerCalls::DeleteRun(const v1::WorkerDeleteRunRequest& req) {
   ForgetRecords(req.run_id());
   absl::Status deleted = core_->DeleteRun(req.run_id());
-  if (deleted.ok()) RemoveRunSeries(metrics_, req.run_id());
+  if (deleted.ok() && metrics_ != nullptr) metrics_->RemoveSeries("run", req.run_id());
   return deleted;
 }
 

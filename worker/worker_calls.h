@@ -31,7 +31,6 @@ class WorkerCalls {
   // false: its calls cannot be lost in transit, so it never re-sends one, and copying each
   // response into the record is work on every step's path.
   explicit WorkerCalls(WorkerCore* core, PrometheusRegistry* metrics = nullptr, bool record_calls = true);
-  ~WorkerCalls();  // waits for its step figures still queued for `metrics` (BookkeepingExecutor)
 
   void Info(v1::WorkerInfo* resp) const;
   absl::Status CreateRun(const v1::WorkerCreateRunRequest& req, v1::WorkerCreateRunResponse* resp);

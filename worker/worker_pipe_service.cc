@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "rpc/packed_wire.h"
+#include "rpc/serial_executor.h"
 
 namespace lorastep {
 
@@ -116,6 +117,7 @@ void WorkerPipeService::Run(const char* method, std::string payload, std::functi
   dispatch_->device_calls.Submit(run_id, [dispatch = dispatch_, observers = observers_, method, start, req, packed,
                                           split, cancelled = std::move(cancelled), respond = std::move(respond),
                                           work]() {
+    AfterAnswerScope after_answer;  // the step's figures once the answer is written
     Resp resp;
     absl::StatusOr<std::vector<Datum>> whole = std::vector<Datum>();
     const std::vector<Datum>* datums = nullptr;  // none: the request carries its own
