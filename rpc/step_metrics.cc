@@ -2,9 +2,8 @@
 
 #include <utility>
 
-#include "rpc/serial_executor.h"
-
 #include "absl/strings/match.h"
+#include "rpc/serial_executor.h"
 
 namespace lorastep {
 
