@@ -2,6 +2,7 @@
 
 #include "rpc/bearer_token.h"
 #include "rpc/grpc_status.h"
+#include "rpc/serial_executor.h"
 
 namespace lorastep {
 
@@ -19,7 +20,10 @@ grpc::ServerUnaryReactor* WorkerService::Defer(grpc::CallbackServerContext* ctx,
     reactor->Finish(ToGrpcStatus(s));
     return reactor;
   }
-  auto task = [reactor, work = std::move(work)]() mutable { reactor->Finish(ToGrpcStatus(work())); };
+  auto task = [reactor, work = std::move(work)]() mutable {
+    AfterAnswerScope after_answer;  // the step's figures and the call's log line once Finish has sent the answer
+    reactor->Finish(ToGrpcStatus(work()));
+  };
   if (run_id != nullptr) {
     dispatch_->device_calls.Submit(*run_id, std::move(task));
   } else {
