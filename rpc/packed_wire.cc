@@ -224,10 +224,7 @@ WirePieces SerializationWithPackedField(const google::protobuf::Message& request
       if (!WireFormatLite::SkipField(&in, tag)) break;
     }
   }
-  uint8_t head[10];
-  uint8_t* end = WireFormatLite::WriteTagToArray(packed_field, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, head);
-  end = CodedOutputStream::WriteVarint32ToArray(static_cast<uint32_t>(packed.size()), end);
-  storage->append(reinterpret_cast<const char*>(head), static_cast<size_t>(end - head));
+  *storage += LengthDelimitedHead(packed_field, packed.size());
   const absl::string_view all(*storage);  // no more appends: the views stay valid
   WirePieces out{all.substr(0, insert_at), all.substr(serialized)};
   out.insert(out.end(), packed.pieces().begin(), packed.pieces().end());

@@ -282,11 +282,16 @@ void SetRequestDatums(const std::vector<Datum>& datums, const std::vector<int>& 
   }
 }
 
-PackedDatumsField::PackedDatumsField(int field_number, const v1::PackedDatums& packed) {
-  constexpr size_t kMaxFieldHeaderBytes = 10;  // a tag and a length, five bytes of varint each at most
-  using google::protobuf::FieldDescriptor;
-  using google::protobuf::io::CodedOutputStream;
+std::string LengthDelimitedHead(int field_number, size_t length) {
   using google::protobuf::internal::WireFormatLite;
+  uint8_t head[10];  // a tag and a length, five bytes of varint each at most
+  uint8_t* end = WireFormatLite::WriteTagToArray(field_number, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, head);
+  end = google::protobuf::io::CodedOutputStream::WriteVarint32ToArray(static_cast<uint32_t>(length), end);
+  return std::string(reinterpret_cast<const char*>(head), static_cast<size_t>(end - head));
+}
+
+PackedDatumsField::PackedDatumsField(int field_number, const v1::PackedDatums& packed) {
+  using google::protobuf::FieldDescriptor;
   // Every field but `lengths` is a byte array (trainer.proto); `lengths` goes in the head.
   v1::PackedDatums small;
   *small.mutable_lengths() = packed.lengths();
@@ -302,21 +307,12 @@ PackedDatumsField::PackedDatumsField(int field_number, const v1::PackedDatums& p
     std::string scratch;
     const std::string& bytes = reflection->GetStringReference(packed, field, &scratch);
     if (bytes.empty()) continue;
-    std::string header(kMaxFieldHeaderBytes, '\0');
-    uint8_t* at = reinterpret_cast<uint8_t*>(header.data());
-    at = WireFormatLite::WriteTagToArray(field->number(), WireFormatLite::WIRETYPE_LENGTH_DELIMITED, at);
-    at = CodedOutputStream::WriteVarint32ToArray(static_cast<uint32_t>(bytes.size()), at);
-    header.resize(static_cast<size_t>(at - reinterpret_cast<uint8_t*>(header.data())));
+    std::string header = LengthDelimitedHead(field->number(), bytes.size());
     total += header.size() + bytes.size();
     array_headers_.push_back(std::move(header));
     arrays.push_back(bytes);
   }
-  head_.resize(kMaxFieldHeaderBytes);
-  uint8_t* at = reinterpret_cast<uint8_t*>(head_.data());
-  at = WireFormatLite::WriteTagToArray(field_number, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, at);
-  at = CodedOutputStream::WriteVarint32ToArray(static_cast<uint32_t>(total), at);
-  head_.resize(static_cast<size_t>(at - reinterpret_cast<uint8_t*>(head_.data())));
-  head_ += small_bytes;
+  head_ = LengthDelimitedHead(field_number, total) + small_bytes;
   for (size_t i = 0; i < arrays.size(); ++i) {
     pieces_.push_back(array_headers_[i]);
     pieces_.push_back(arrays[i]);

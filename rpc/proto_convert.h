@@ -58,6 +58,8 @@ void SetRequestDatums(const std::vector<Datum>& datums, const std::vector<int>& 
 // array of another length than its tokens, a token id outside int32): send them as datums,
 // and the server names the problem.
 bool PackDatums(const std::vector<v1::Datum>& datums, v1::PackedDatums* packed);
+// The tag and length that start length-delimited field `field_number` of `length` bytes.
+std::string LengthDelimitedHead(int field_number, size_t length);
 // `packed` in wire form as field `field_number` of an enclosing message, its arrays not
 // copied: head() is the field's tag and length and the small fields, pieces() the rest in
 // order (each array's tag and length, then the array's own bytes in `packed`). Appended to

@@ -1,5 +1,6 @@
 #include "rpc/step_metrics.h"
 
+#include <map>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -31,15 +32,7 @@ void DeclareStepMetrics(PrometheusRegistry* m) {
              "mesh: 1 when every replica of every family was bitwise equal after the run's last step, else 0");
 }
 
-void RecordStepMetrics(PrometheusRegistry* m, const std::string& run_id, const std::string& kind,
-                       const google::protobuf::Map<std::string, double>& step_metrics, int64_t learner_version,
-                       int replicas_equal) {
-  if (m == nullptr) return;
-  std::map<std::string, double> metrics(step_metrics.begin(), step_metrics.end());
-  RunAfterAnswer([m, run_id, kind, metrics = std::move(metrics), learner_version, replicas_equal] {
-    PublishStepMetrics(m, run_id, kind, metrics, learner_version, replicas_equal);
-  });
-}
+namespace {
 
 void PublishStepMetrics(PrometheusRegistry* m, const std::string& run_id, const std::string& kind,
                         const std::map<std::string, double>& metrics, int64_t learner_version, int replicas_equal) {
@@ -63,6 +56,18 @@ void PublishStepMetrics(PrometheusRegistry* m, const std::string& run_id, const 
     if (it != metrics.end()) m->Set(gauge, run, it->second);
   }
   if (replicas_equal >= 0) m->Set("lorastep_replicas_equal", run, replicas_equal);
+}
+
+}  // namespace
+
+void RecordStepMetrics(PrometheusRegistry* m, const std::string& run_id, const std::string& kind,
+                       const google::protobuf::Map<std::string, double>& step_metrics, int64_t learner_version,
+                       int replicas_equal) {
+  if (m == nullptr) return;
+  std::map<std::string, double> metrics(step_metrics.begin(), step_metrics.end());
+  RunAfterAnswer([m, run_id, kind, metrics = std::move(metrics), learner_version, replicas_equal] {
+    PublishStepMetrics(m, run_id, kind, metrics, learner_version, replicas_equal);
+  });
 }
 
 }  // namespace lorastep

@@ -5,7 +5,6 @@
 #define LORASTEP_RPC_STEP_METRICS_H_
 
 #include <cstdint>
-#include <map>
 #include <string>
 
 #include <google/protobuf/map.h>
@@ -22,9 +21,6 @@ void DeclareStepMetrics(PrometheusRegistry* registry);
 void RecordStepMetrics(PrometheusRegistry* registry, const std::string& run_id, const std::string& kind,
                        const google::protobuf::Map<std::string, double>& metrics, int64_t learner_version,
                        int replicas_equal = -1);
-// The same, at once.
-void PublishStepMetrics(PrometheusRegistry* registry, const std::string& run_id, const std::string& kind,
-                        const std::map<std::string, double>& metrics, int64_t learner_version, int replicas_equal);
 
 }  // namespace lorastep
 

@@ -64,13 +64,7 @@ std::string PipePayload(const Req& req, const BatchShard& batch, ShardWireForms:
   std::string payload = req.SerializeAsString();
   if constexpr (HasPackedDatums<Req>::value) {
     if (batch.as_sent != nullptr) {
-      {
-        using google::protobuf::internal::WireFormatLite;
-        google::protobuf::io::StringOutputStream stream(&payload);
-        google::protobuf::io::CodedOutputStream out(&stream);
-        WireFormatLite::WriteTag(Req::kPackedDatumsFieldNumber, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &out);
-        out.WriteVarint32(static_cast<uint32_t>(batch.as_sent->size()));
-      }  // the streams trim `payload` to what was written when they go
+      payload += LengthDelimitedHead(Req::kPackedDatumsFieldNumber, batch.as_sent->size());
       *pieces = batch.as_sent->pieces();
       return payload;
     }
