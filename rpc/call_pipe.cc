@@ -1,15 +1,20 @@
 #include "rpc/call_pipe.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <cstring>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -20,13 +25,17 @@ namespace {
 
 constexpr uint32_t kFrameMagic = 0x3150534c;  // "LSP1" read as little-endian
 constexpr uint32_t kMaxMessageBytes = 64 << 10;
+constexpr uint16_t kPayloadInRegion = 1;  // the frame's flags
+// Smaller payloads go inline: the socket's copies of them cost less than holding a span.
+constexpr uint64_t kRegionMinPayloadBytes = 16 << 10;
+constexpr uint64_t kRegionAlignment = 64;
 
 #pragma pack(push, 1)
 struct FrameHeader {
   uint32_t magic;
   uint8_t kind;
   uint8_t method;
-  uint16_t reserved;
+  uint16_t flags;
   uint32_t code;
   uint32_t message_bytes;
   uint64_t call_id;
@@ -35,6 +44,13 @@ struct FrameHeader {
 };
 #pragma pack(pop)
 static_assert(sizeof(FrameHeader) == 40, "the frame header is 40 bytes");
+
+// Where a payload in the shared region lies: the whole inline payload of such a frame.
+struct RegionSpan {
+  uint64_t offset;
+  uint64_t bytes;
+};
+static_assert(sizeof(RegionSpan) == 16, "a region span is 16 bytes");
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "frames are little-endian, as this host");
 
 int64_t NowUnixUs() {
@@ -54,6 +70,39 @@ bool ReadFully(int fd, char* out, size_t n) {
   return true;
 }
 
+// Reads exactly `n` bytes, taking a descriptor passed with them (SCM_RIGHTS) into
+// `*passed_fd` (one at most; more are closed); false at the end of the stream or on an error.
+bool ReadFullyWithDescriptor(int fd, char* out, size_t n, int* passed_fd) {
+  while (n > 0) {
+    iovec iov{out, n};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    const ssize_t got = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int received;
+        std::memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        if (*passed_fd < 0) {
+          *passed_fd = received;
+        } else {
+          close(received);
+        }
+      }
+    }
+    out += got;
+    n -= static_cast<size_t>(got);
+  }
+  return true;
+}
+
 // Lets one write take a whole step's frame (a 64 x 512 batch is about 0.5 MB): with the
 // socket's default buffer (about 200 KB) the writer and the reader take turns waking each
 // other several times a frame. The kernel caps it at net.core.wmem_max.
@@ -65,30 +114,48 @@ void WidenSendBuffer(int fd) {
 }  // namespace
 
 absl::Status WriteCallFrame(int fd, const CallFrame& frame) {
+  const RegionSpan span{frame.region_offset, frame.region_bytes};
   size_t payload_bytes = frame.payload.size();
   for (absl::string_view piece : frame.payload_tail) payload_bytes += piece.size();
+  if (frame.payload_in_region) payload_bytes = sizeof(span);
   FrameHeader header{kFrameMagic,
                      static_cast<uint8_t>(frame.kind),
                      frame.method,
-                     0,
+                     frame.payload_in_region ? kPayloadInRegion : uint16_t{0},
                      static_cast<uint32_t>(frame.code),
                      static_cast<uint32_t>(std::min<size_t>(frame.message.size(), kMaxMessageBytes)),
                      frame.call_id,
                      frame.deadline_unix_us,
                      payload_bytes};
   std::vector<iovec> parts = {{&header, sizeof(header)},
-                              {const_cast<char*>(frame.message.data()), header.message_bytes},
-                              {const_cast<char*>(frame.payload.data()), frame.payload.size()}};
-  for (absl::string_view piece : frame.payload_tail) parts.push_back({const_cast<char*>(piece.data()), piece.size()});
+                              {const_cast<char*>(frame.message.data()), header.message_bytes}};
+  if (frame.payload_in_region) {
+    parts.push_back({const_cast<RegionSpan*>(&span), sizeof(span)});
+  } else {
+    parts.push_back({const_cast<char*>(frame.payload.data()), frame.payload.size()});
+    for (absl::string_view piece : frame.payload_tail) parts.push_back({const_cast<char*>(piece.data()), piece.size()});
+  }
   iovec* next = parts.data();
   size_t left = parts.size();
+  bool descriptor_sent = frame.passed_fd < 0;
   while (left > 0) {
     msghdr msg{};
     msg.msg_iov = next;
     msg.msg_iovlen = std::min<size_t>(left, IOV_MAX);
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+    if (!descriptor_sent) {  // with the frame's first bytes, so it arrives with its header
+      msg.msg_control = control;
+      msg.msg_controllen = sizeof(control);
+      cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int));
+      std::memcpy(CMSG_DATA(c), &frame.passed_fd, sizeof(int));
+    }
     const ssize_t sent = sendmsg(fd, &msg, MSG_NOSIGNAL);  // a closed peer: EPIPE, not SIGPIPE
     if (sent < 0 && errno == EINTR) continue;
     if (sent < 0) return absl::UnavailableError(absl::StrCat("pipe write: ", std::strerror(errno)));
+    descriptor_sent = true;
     size_t done = static_cast<size_t>(sent);
     while (left > 0 && done >= next->iov_len) {
       done -= next->iov_len;
@@ -105,17 +172,25 @@ absl::Status WriteCallFrame(int fd, const CallFrame& frame) {
 
 absl::StatusOr<CallFrame> ReadCallFrame(int fd, uint64_t max_payload_bytes) {
   FrameHeader header;
-  if (!ReadFully(fd, reinterpret_cast<char*>(&header), sizeof(header))) {
-    return absl::UnavailableError("pipe closed");
-  }
-  if (header.magic != kFrameMagic || header.kind < 1 || header.kind > 3 || header.message_bytes > kMaxMessageBytes) {
+  int passed_fd = -1;
+  const bool read = ReadFullyWithDescriptor(fd, reinterpret_cast<char*>(&header), sizeof(header), &passed_fd);
+  const auto kind = static_cast<CallFrameKind>(header.kind);
+  if (passed_fd >= 0 && (!read || kind != CallFrameKind::kRegion)) close(std::exchange(passed_fd, -1));
+  if (!read) return absl::UnavailableError("pipe closed");
+  const bool in_region = (header.flags & kPayloadInRegion) != 0;
+  if (header.magic != kFrameMagic || header.kind < 1 || header.kind > 4 || header.message_bytes > kMaxMessageBytes ||
+      (header.flags & ~kPayloadInRegion) != 0 ||
+      (in_region && (kind != CallFrameKind::kCall || header.payload_bytes != sizeof(RegionSpan)))) {
+    if (passed_fd >= 0) close(passed_fd);
     return absl::DataLossError("pipe: a header that is not a call frame's");
   }
   if (header.payload_bytes > max_payload_bytes) {
+    if (passed_fd >= 0) close(passed_fd);
     return absl::ResourceExhaustedError(
         absl::StrCat("pipe: a payload of ", header.payload_bytes, " bytes is over the limit of ", max_payload_bytes));
   }
   CallFrame frame;
+  frame.passed_fd = passed_fd;
   frame.kind = static_cast<CallFrameKind>(header.kind);
   frame.method = header.method;
   frame.code = static_cast<absl::StatusCode>(header.code);
@@ -125,15 +200,112 @@ absl::StatusOr<CallFrame> ReadCallFrame(int fd, uint64_t max_payload_bytes) {
   frame.payload.resize(header.payload_bytes);
   if (!ReadFully(fd, frame.message.data(), frame.message.size()) ||
       !ReadFully(fd, frame.payload.data(), frame.payload.size())) {
+    if (frame.passed_fd >= 0) close(frame.passed_fd);
     return absl::UnavailableError("pipe closed within a frame");
+  }
+  if (in_region) {
+    RegionSpan span;
+    std::memcpy(&span, frame.payload.data(), sizeof(span));
+    frame.payload.clear();
+    frame.payload_in_region = true;
+    frame.region_offset = span.offset;
+    frame.region_bytes = span.bytes;
+    if (span.bytes > max_payload_bytes) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("pipe: a payload of ", span.bytes, " bytes is over the limit of ", max_payload_bytes));
+    }
   }
   return frame;
 }
 
-CallPipeClient::CallPipeClient(int fd, std::string peer, uint64_t max_answer_bytes)
+// The caller's side of the shared region: a sealed memfd mapped for writing, and which of
+// its spans hold the payloads of calls not answered yet.
+class CallPipeClient::Region {
+ public:
+  // Null where the region cannot be made (no memfd, no memory): calls then go inline.
+  static std::unique_ptr<Region> Make(uint64_t bytes) {
+    const int fd = memfd_create("lorastep-call-pipe", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) return nullptr;
+    void* data = MAP_FAILED;
+    if (ftruncate(fd, static_cast<off_t>(bytes)) == 0) {
+      data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    }
+    if (data == MAP_FAILED) {
+      close(fd);
+      return nullptr;
+    }
+    // Its size is fixed, so the callee cannot make this side's writes fault; where the kernel
+    // knows the seal, nobody maps it writable again either.
+#ifdef F_SEAL_FUTURE_WRITE
+    fcntl(fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE);  // best effort: kernels before 5.1 refuse it
+#endif
+    fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+    return std::unique_ptr<Region>(new Region(fd, static_cast<char*>(data), bytes));
+  }
+  ~Region() {
+    munmap(data_, bytes_);
+    if (fd_ >= 0) close(fd_);
+  }
+  int fd() const { return fd_; }
+  void CloseFd() { close(std::exchange(fd_, -1)); }  // once the callee has it
+  char* data() const { return data_; }
+
+  // A span of `bytes` for `call_id`'s payload (first fit), or none when no free span fits.
+  std::optional<uint64_t> Hold(uint64_t call_id, uint64_t bytes) {
+    const uint64_t rounded = (bytes + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment;
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second < rounded) continue;
+      const uint64_t offset = it->first;
+      const uint64_t left = it->second - rounded;
+      free_.erase(it);
+      if (left > 0) free_[offset + rounded] = left;
+      held_[call_id] = {offset, rounded};
+      return offset;
+    }
+    return std::nullopt;
+  }
+  // The callee has answered `call_id` (or the payload never went): its span is free again.
+  void Release(uint64_t call_id) {
+    auto held = held_.find(call_id);
+    if (held == held_.end()) return;
+    auto [offset, bytes] = held->second;
+    held_.erase(held);
+    auto next = free_.lower_bound(offset);
+    if (next != free_.end() && offset + bytes == next->first) {  // joins the span after it
+      bytes += next->second;
+      next = free_.erase(next);
+    }
+    if (next != free_.begin()) {  // and the one before it
+      auto before = std::prev(next);
+      if (before->first + before->second == offset) {
+        before->second += bytes;
+        return;
+      }
+    }
+    free_[offset] = bytes;
+  }
+
+ private:
+  Region(int fd, char* data, uint64_t bytes) : fd_(fd), data_(data), bytes_(bytes) { free_[0] = bytes; }
+  int fd_;
+  char* const data_;
+  const uint64_t bytes_;
+  std::map<uint64_t, uint64_t> free_;                          // offset -> bytes
+  std::map<uint64_t, std::pair<uint64_t, uint64_t>> held_;     // call id -> (offset, bytes)
+};
+
+CallPipeClient::CallPipeClient(int fd, std::string peer, uint64_t max_answer_bytes, uint64_t region_bytes)
     : fd_(fd), wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)), peer_(std::move(peer)),
       max_answer_bytes_(max_answer_bytes) {
   WidenSendBuffer(fd_);
+  if (region_bytes == 0) return;
+  region_ = Region::Make(region_bytes);
+  if (region_ == nullptr) return;
+  CallFrame offer;
+  offer.kind = CallFrameKind::kRegion;
+  offer.passed_fd = region_->fd();
+  if (!WriteCallFrame(fd_, offer).ok()) region_.reset();  // a closed pipe fails every call anyway
+  if (region_ != nullptr) region_->CloseFd();  // the callee holds its own; the mapping stays
 }
 
 CallPipeClient::~CallPipeClient() {
@@ -191,6 +363,7 @@ void CallPipeClient::ReadAnswer(std::unique_lock<std::mutex>& lock, std::chrono:
     Close(frame.status());
     return;
   }
+  if (region_ != nullptr) region_->Release(frame->call_id);  // the callee is done reading it
   auto it = pending_.find(frame->call_id);
   if (it == pending_.end()) return;  // its caller gave up (deadline, cancel)
   Pending& p = *it->second;
@@ -214,12 +387,16 @@ absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string pay
                                                  std::vector<absl::string_view> payload_tail) {
   auto pending = std::make_shared<Pending>();
   uint64_t id = 0;
+  uint64_t payload_bytes = payload.size();
+  for (absl::string_view piece : payload_tail) payload_bytes += piece.size();
+  std::optional<uint64_t> span;  // where the payload goes in the shared region
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return closed_status_;
     id = next_id_++;
     pending_[id] = pending;
     ++active_calls_;
+    if (region_ != nullptr && payload_bytes >= kRegionMinPayloadBytes) span = region_->Hold(id, payload_bytes);
   }
   CallFrame call;
   call.kind = CallFrameKind::kCall;
@@ -228,8 +405,21 @@ absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string pay
   call.deadline_unix_us = deadline == std::chrono::system_clock::time_point::max()
                               ? 0
                               : std::chrono::duration_cast<std::chrono::microseconds>(deadline.time_since_epoch()).count();
-  call.payload = std::move(payload);
-  call.payload_tail = std::move(payload_tail);
+  if (span) {  // the span is this call's alone until the callee answers it
+    char* out = region_->data() + *span;
+    std::memcpy(out, payload.data(), payload.size());
+    out += payload.size();
+    for (absl::string_view piece : payload_tail) {
+      std::memcpy(out, piece.data(), piece.size());
+      out += piece.size();
+    }
+    call.payload_in_region = true;
+    call.region_offset = *span;
+    call.region_bytes = payload_bytes;
+  } else {
+    call.payload = std::move(payload);
+    call.payload_tail = std::move(payload_tail);
+  }
   absl::Status sent;
   {
     std::lock_guard<std::mutex> lock(write_mu_);
@@ -243,6 +433,7 @@ absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string pay
   };
   if (!sent.ok() && !pending->done) {
     pending_.erase(id);
+    if (region_ != nullptr) region_->Release(id);
     return leave(absl::UnavailableError(absl::StrCat("worker ", peer_, ": ", sent.message())));
   }
   // One waiting caller reads at a time; the others wait for it to hand their answers over.
@@ -285,6 +476,32 @@ void CallPipeClient::CancelAll() {
   for (uint64_t id : ids) SendCancel(id);
 }
 
+namespace {
+
+// The callee's read-only mapping of the caller's region, alive while a payload points into it.
+struct RegionMapping {
+  RegionMapping(const char* data, size_t bytes) : data(data), bytes(bytes) {}
+  ~RegionMapping() { munmap(const_cast<char*>(data), bytes); }
+  const char* const data;
+  const size_t bytes;
+};
+
+// Maps the region the caller passed (and closes its descriptor); null where it cannot.
+std::shared_ptr<const RegionMapping> MapRegion(int fd) {
+  struct stat st;
+  void* data = MAP_FAILED;
+  if (fstat(fd, &st) == 0 && st.st_size > 0) {
+    data = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
+  }
+  const int error = errno;
+  close(fd);
+  errno = error;
+  if (data == MAP_FAILED) return nullptr;
+  return std::make_shared<const RegionMapping>(static_cast<const char*>(data), static_cast<size_t>(st.st_size));
+}
+
+}  // namespace
+
 // What the reader and every answer still to come share: the socket stays open until the
 // last of them is done with it.
 struct CallPipeServer::Shared {
@@ -301,9 +518,32 @@ CallPipeServer::CallPipeServer(int fd, uint64_t max_call_bytes, Handler handler)
     : shared_(std::make_shared<Shared>(fd)) {
   WidenSendBuffer(fd);
   reader_ = std::thread([shared = shared_, max_call_bytes, handler = std::move(handler)] {
+    std::shared_ptr<const RegionMapping> region;
     while (true) {
       absl::StatusOr<CallFrame> frame = ReadCallFrame(shared->fd, max_call_bytes);
       if (!frame.ok() || frame->kind == CallFrameKind::kAnswer) break;
+      if (frame->kind == CallFrameKind::kRegion) {
+        if (region != nullptr || frame->passed_fd < 0) {
+          if (frame->passed_fd >= 0) close(frame->passed_fd);
+          break;  // one region a pipe, offered with its descriptor
+        }
+        region = MapRegion(frame->passed_fd);
+        if (region == nullptr) {
+          std::fprintf(stderr, "call pipe: the caller's shared region could not be mapped: %s\n", std::strerror(errno));
+          break;
+        }
+        continue;
+      }
+      CallPayload payload;
+      if (frame->payload_in_region) {
+        if (region == nullptr || frame->region_offset > region->bytes ||
+            frame->region_bytes > region->bytes - frame->region_offset) {
+          break;  // out of step with the caller
+        }
+        payload = CallPayload(absl::string_view(region->data + frame->region_offset, frame->region_bytes), region);
+      } else {
+        payload = CallPayload(std::move(frame->payload));
+      }
       std::unique_lock<std::mutex> lock(shared->mu);
       if (frame->kind == CallFrameKind::kCancel) {
         if (auto it = shared->cancelled.find(frame->call_id); it != shared->cancelled.end()) *it->second = true;
@@ -329,7 +569,7 @@ CallPipeServer::CallPipeServer(int fd, uint64_t max_call_bytes, Handler handler)
         std::lock_guard<std::mutex> lock(shared->write_mu);
         WriteCallFrame(shared->fd, answer).IgnoreError();  // the caller is gone: nobody to tell
       };
-      handler(frame->method, std::move(frame->payload), std::move(cancelled), std::move(respond));
+      handler(frame->method, std::move(payload), std::move(cancelled), std::move(respond));
     }
     // The caller closed the pipe (or broke its framing): nobody waits for the calls still running.
     shutdown(shared->fd, SHUT_RDWR);

@@ -4,9 +4,15 @@
 // processes hold the socket (it is inherited at spawn, never named in the filesystem), so
 // nothing else can reach the calls it carries.
 //
-// A frame is a fixed little-endian header (magic, kind, method, status code, call id,
+// A frame is a fixed little-endian header (magic, kind, method, flags, status code, call id,
 // deadline, the lengths of a message and a payload) followed by the message and the payload.
 // The reader checks the header's lengths against its limits before it reads the rest.
+//
+// The caller may share a memory region with the callee (a sealed memfd it passes over the
+// socket in a first frame): a call's payload is then copied once into a span of the region
+// and the frame carries only where it lies, instead of the kernel copying it into the socket
+// and out again. The caller alone writes the region; a span is reused only once the callee
+// has answered the call that used it, so the callee reads it in place until it answers.
 #ifndef LORASTEP_RPC_CALL_PIPE_H_
 #define LORASTEP_RPC_CALL_PIPE_H_
 
@@ -32,7 +38,8 @@ namespace lorastep {
 // every other call stays on gRPC.
 enum class WorkerPipeMethod : uint8_t { kTrainStep = 1, kForwardBackward = 2, kForward = 3, kOptimStep = 4 };
 
-enum class CallFrameKind : uint8_t { kCall = 1, kAnswer = 2, kCancel = 3 };
+// kRegion: the caller's shared region, its descriptor passed with the frame (SCM_RIGHTS).
+enum class CallFrameKind : uint8_t { kCall = 1, kAnswer = 2, kCancel = 3, kRegion = 4 };
 
 struct CallFrame {
   CallFrameKind kind = CallFrameKind::kCall;
@@ -45,6 +52,32 @@ struct CallFrame {
   // Written after `payload` as part of it (the reader gets one payload): bytes the writer
   // does not own and need not copy, valid until WriteCallFrame returns.
   std::vector<absl::string_view> payload_tail;
+  // kCall: the payload lies in the caller's shared region at [region_offset, region_offset +
+  // region_bytes) and `payload` is empty.
+  bool payload_in_region = false;
+  uint64_t region_offset = 0;
+  uint64_t region_bytes = 0;
+  // kRegion: the descriptor sent with the frame, or received with it (the reader owns and
+  // closes it; descriptors that come with other frames are closed on arrival).
+  int passed_fd = -1;
+};
+
+// A call's payload as the callee gets it: a buffer of its own, or a span of the caller's
+// shared region, read in place (valid until the callee answers the call).
+class CallPayload {
+ public:
+  CallPayload() = default;
+  explicit CallPayload(std::string owned) : owned_(std::move(owned)) {}
+  // `bytes` lies in the mapping `region` keeps alive.
+  CallPayload(absl::string_view bytes, std::shared_ptr<const void> region)
+      : shared_(bytes), region_(std::move(region)) {}
+  absl::string_view bytes() const { return region_ ? shared_ : absl::string_view(owned_); }
+  bool in_shared_region() const { return region_ != nullptr; }
+
+ private:
+  std::string owned_;
+  absl::string_view shared_;
+  std::shared_ptr<const void> region_;
 };
 
 // Writes the whole frame (the caller serializes writers of one socket). UNAVAILABLE when the
@@ -62,8 +95,10 @@ absl::StatusOr<CallFrame> ReadCallFrame(int fd, uint64_t max_payload_bytes);
 // together.
 class CallPipeClient {
  public:
-  // Owns `fd` (closed on destruction). `peer` names the callee in errors.
-  CallPipeClient(int fd, std::string peer, uint64_t max_answer_bytes = 1ull << 30);
+  // Owns `fd` (closed on destruction). `peer` names the callee in errors. `region_bytes` > 0:
+  // shares a region of that size with the callee for call payloads (a payload that does not
+  // fit in its free spans goes inline; so do all where the region cannot be made).
+  CallPipeClient(int fd, std::string peer, uint64_t max_answer_bytes = 1ull << 30, uint64_t region_bytes = 0);
   // Closes the pipe; calls still waiting return UNAVAILABLE, and it waits for them to return.
   ~CallPipeClient();
   CallPipeClient(const CallPipeClient&) = delete;
@@ -79,8 +114,11 @@ class CallPipeClient {
                                    std::vector<absl::string_view> payload_tail = {});
   // Every call in flight returns CANCELLED now; the callee is told to cancel each.
   void CancelAll();
+  // Whether calls' payloads go through a shared region.
+  bool shares_region() const { return region_ != nullptr; }
 
  private:
+  class Region;
   struct Pending {
     bool done = false;
     absl::Status status;
@@ -106,6 +144,7 @@ class CallPipeClient {
   absl::Status closed_status_;       // under mu_: why
   uint64_t next_id_ = 1;             // under mu_
   std::map<uint64_t, std::shared_ptr<Pending>> pending_;  // under mu_
+  std::unique_ptr<Region> region_;                        // its spans under mu_; null: none
 };
 
 // The callee's side: reads calls on its own thread and hands each to `handler`, which
@@ -116,10 +155,11 @@ class CallPipeServer {
   using Respond = std::function<void(const absl::Status& status, std::string payload)>;
   // `cancelled` turns true once the caller cancels the call, its deadline passes, or the pipe
   // closes.
-  using Handler = std::function<void(uint8_t method, std::string payload, std::function<bool()> cancelled,
+  // A payload in the caller's shared region is read in place: only until `respond` is called.
+  using Handler = std::function<void(uint8_t method, CallPayload payload, std::function<bool()> cancelled,
                                      Respond respond)>;
-  // Owns `fd`. Calls with payloads over `max_call_bytes` close the pipe (the caller's calls
-  // in flight then fail UNAVAILABLE).
+  // Owns `fd`. Calls with payloads over `max_call_bytes`, a second region, and a payload
+  // outside the region close the pipe (the caller's calls in flight then fail UNAVAILABLE).
   CallPipeServer(int fd, uint64_t max_call_bytes, Handler handler);
   // Stops reading and closes the pipe; answers still to come are dropped.
   ~CallPipeServer();

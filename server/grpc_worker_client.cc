@@ -18,6 +18,11 @@
 namespace lorastep {
 namespace {
 
+// The pipe's shared region for call payloads: several 64 x 512 batches (0.5 MB each) of the
+// runs a worker serves at once; a larger payload, or one that finds no free span, goes inline.
+// Its pages are allocated as payloads first reach them.
+constexpr uint64_t kPipeRegionBytes = 64ull << 20;
+
 // The shard's datums as a request carries them (packed where that form can say them): the
 // wire form its ranks share, or one made into `local`. Null when the request carries its own.
 const ShardWireForms::Form* WireFormOf(const BatchShard& batch, ShardWireForms::Form* local) {
@@ -89,7 +94,7 @@ std::string PipePayload(const Req& req, const BatchShard& batch, ShardWireForms:
 GrpcWorkerClient::GrpcWorkerClient(const std::string& address, std::chrono::seconds call_timeout,
                                    std::string worker_token, const WorkerTls& tls, int call_pipe_fd, bool spawned)
     : address_(address), call_timeout_(call_timeout), spawned_(spawned),
-      pipe_(call_pipe_fd >= 0 ? std::make_unique<CallPipeClient>(call_pipe_fd, address) : nullptr),
+      pipe_(call_pipe_fd >= 0 ? std::make_unique<CallPipeClient>(call_pipe_fd, address, 1ull << 30, kPipeRegionBytes) : nullptr),
       authorization_(worker_token.empty() ? "" : "Bearer " + worker_token) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);

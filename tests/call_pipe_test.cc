@@ -3,8 +3,10 @@
 // the framing fails the calls in flight instead of leaving them waiting.
 #include "rpc/call_pipe.h"
 
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -36,11 +38,11 @@ TEST(CallPipeTest, AnswersReachTheirCallersInAnyOrder) {
   Pair pair;
   std::mutex mu;
   std::vector<CallPipeServer::Respond> held;  // answered in reverse arrival order
-  CallPipeServer server(pair.fds[1], 1 << 20, [&](uint8_t method, std::string payload, std::function<bool()>,
+  CallPipeServer server(pair.fds[1], 1 << 20, [&](uint8_t method, CallPayload payload, std::function<bool()>,
                                                   CallPipeServer::Respond respond) {
     std::lock_guard<std::mutex> lock(mu);
-    held.push_back([respond, method, payload](const absl::Status&, std::string) {
-      respond(absl::OkStatus(), std::to_string(method) + ":" + payload);
+    held.push_back([respond, method, text = std::string(payload.bytes())](const absl::Status&, std::string) {
+      respond(absl::OkStatus(), std::to_string(method) + ":" + text);
     });
     if (held.size() == 3) {
       for (auto it = held.rbegin(); it != held.rend(); ++it) (*it)(absl::OkStatus(), "");
@@ -66,13 +68,13 @@ TEST(CallPipeTest, AWaitingCallerTakesOverReadingWhenTheReaderGivesUp) {
   Pair pair;
   std::mutex mu;
   std::vector<std::thread> answering;
-  CallPipeServer server(pair.fds[1], 1 << 20, [&](uint8_t method, std::string payload, std::function<bool()>,
+  CallPipeServer server(pair.fds[1], 1 << 20, [&](uint8_t method, CallPayload payload, std::function<bool()>,
                                                   CallPipeServer::Respond respond) {
     if (method != 2) return;  // the first call is never answered
     std::lock_guard<std::mutex> lock(mu);
-    answering.emplace_back([respond, payload] {
+    answering.emplace_back([respond, text = std::string(payload.bytes())] {
       std::this_thread::sleep_for(milliseconds(500));
-      respond(absl::OkStatus(), "late:" + payload);
+      respond(absl::OkStatus(), "late:" + text);
     });
   });
   CallPipeClient client(pair.fds[0], "test");
@@ -88,7 +90,7 @@ TEST(CallPipeTest, AWaitingCallerTakesOverReadingWhenTheReaderGivesUp) {
 
 TEST(CallPipeTest, TheCalleesFailureReachesTheCaller) {
   Pair pair;
-  CallPipeServer server(pair.fds[1], 1 << 20, [](uint8_t, std::string, std::function<bool()>,
+  CallPipeServer server(pair.fds[1], 1 << 20, [](uint8_t, CallPayload, std::function<bool()>,
                                                  CallPipeServer::Respond respond) {
     respond(absl::FailedPreconditionError("learner_version: 3 is not 4"), "ignored");
   });
@@ -100,7 +102,7 @@ TEST(CallPipeTest, TheCalleesFailureReachesTheCaller) {
 TEST(CallPipeTest, DeadlineEndsTheCallAndTheCalleeSeesItCancelled) {
   Pair pair;
   std::promise<std::function<bool()>> seen;
-  CallPipeServer server(pair.fds[1], 1 << 20, [&](uint8_t, std::string, std::function<bool()> cancelled,
+  CallPipeServer server(pair.fds[1], 1 << 20, [&](uint8_t, CallPayload, std::function<bool()> cancelled,
                                                   CallPipeServer::Respond) { seen.set_value(cancelled); });
   CallPipeClient client(pair.fds[0], "test");
   absl::StatusOr<std::string> answer = client.Call(1, "x", In(milliseconds(200)));
@@ -113,7 +115,7 @@ TEST(CallPipeTest, CancelAllEndsEveryCallAndTellsTheCallee) {
   Pair pair;
   std::promise<std::function<bool()>> seen;
   CallPipeServer::Respond kept;
-  CallPipeServer server(pair.fds[1], 1 << 20, [&](uint8_t method, std::string, std::function<bool()> cancelled,
+  CallPipeServer server(pair.fds[1], 1 << 20, [&](uint8_t method, CallPayload, std::function<bool()> cancelled,
                                                   CallPipeServer::Respond respond) {
     if (method != 1) return;  // the second call is left unanswered
     kept = respond;
@@ -135,7 +137,7 @@ TEST(CallPipeTest, CancelAllEndsEveryCallAndTellsTheCallee) {
 TEST(CallPipeTest, ACalleeThatGoesAwayFailsTheCallsInFlightAndLater) {
   Pair pair;
   auto server = std::make_unique<CallPipeServer>(
-      pair.fds[1], 1 << 20, [](uint8_t, std::string, std::function<bool()>, CallPipeServer::Respond) {});
+      pair.fds[1], 1 << 20, [](uint8_t, CallPayload, std::function<bool()>, CallPipeServer::Respond) {});
   CallPipeClient client(pair.fds[0], "127.0.0.1:1");
   auto call = std::async(std::launch::async, [&] { return client.Call(1, "x", In(milliseconds(60000))); });
   std::this_thread::sleep_for(milliseconds(50));
@@ -149,7 +151,7 @@ TEST(CallPipeTest, ACalleeThatGoesAwayFailsTheCallsInFlightAndLater) {
 TEST(CallPipeTest, ACallOverTheLimitClosesThePipeBeforeItsPayloadIsRead) {
   Pair pair;
   std::atomic<int> handled{0};
-  CallPipeServer server(pair.fds[1], 1000, [&](uint8_t, std::string, std::function<bool()>,
+  CallPipeServer server(pair.fds[1], 1000, [&](uint8_t, CallPayload, std::function<bool()>,
                                                CallPipeServer::Respond respond) {
     ++handled;
     respond(absl::OkStatus(), "");
@@ -194,6 +196,178 @@ TEST(CallPipeTest, AFrameRoundTripsWithItsFields) {
   EXPECT_EQ(read->deadline_unix_us, frame.deadline_unix_us);
   EXPECT_EQ(read->message, frame.message);
   EXPECT_EQ(read->payload, frame.payload + "-head-" + tail + "-end");
+  close(pair.fds[0]);
+  close(pair.fds[1]);
+}
+
+// With a shared region, a large payload is copied into a span of it and read in place by the
+// callee; spans come back as calls are answered (a call whose caller gave up included), a
+// payload that finds no free span goes inline, and so does a small one.
+TEST(CallPipeTest, LargePayloadsTravelThroughTheSharedRegion) {
+  Pair pair;
+  std::mutex mu;
+  std::vector<std::pair<std::string, CallPipeServer::Respond>> held;  // answered once three arrive
+  std::atomic<int> in_region{0}, inline_payloads{0};
+  CallPipeServer server(pair.fds[1], 4 << 20, [&](uint8_t method, CallPayload payload, std::function<bool()>,
+                                                  CallPipeServer::Respond respond) {
+    (payload.in_shared_region() ? in_region : inline_payloads)++;
+    std::string text(payload.bytes());
+    if (method != 9) return respond(absl::OkStatus(), std::to_string(text.size()) + ":" + text.substr(0, 3));
+    std::lock_guard<std::mutex> lock(mu);
+    held.emplace_back(std::move(text), std::move(respond));
+    if (held.size() < 3) return;
+    for (auto& [t, r] : held) r(absl::OkStatus(), t);
+    held.clear();
+  });
+  CallPipeClient client(pair.fds[0], "test", 1 << 20, /*region_bytes=*/1 << 20);
+  ASSERT_TRUE(client.shares_region());
+  // Three calls in flight at once: two fit in the region's MiB, the third goes inline.
+  std::vector<std::future<absl::StatusOr<std::string>>> calls;
+  for (int i = 0; i < 3; ++i) {
+    calls.push_back(std::async(std::launch::async, [&client, i] {
+      const std::string tail(100000, 'A' + i);
+      return client.Call(9, std::string(300000, 'a' + i), In(milliseconds(20000)), {"|", tail});
+    }));
+  }
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<std::string> answer = calls[i].get();
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    EXPECT_EQ(*answer, std::string(300000, 'a' + i) + "|" + std::string(100000, 'A' + i)) << i;
+  }
+  EXPECT_EQ(in_region.load(), 2);
+  EXPECT_EQ(inline_payloads.load(), 1);
+  // The spans are free again: one after another, calls of most of the region all go through it.
+  for (int i = 0; i < 20; ++i) {
+    absl::StatusOr<std::string> answer = client.Call(1, std::string(900000, 'x' + i % 2), In(milliseconds(20000)));
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    EXPECT_EQ(*answer, std::string("900000:") + std::string(3, 'x' + i % 2));
+  }
+  EXPECT_EQ(in_region.load(), 22);
+  // A small payload goes inline.
+  ASSERT_TRUE(client.Call(1, "tiny", In(milliseconds(20000))).ok());
+  EXPECT_EQ(inline_payloads.load(), 2);
+}
+
+// A callee answers late, after its caller gave up: the span is held until that answer comes,
+// then reused.
+TEST(CallPipeTest, ASpanIsHeldUntilTheCalleeAnswersEvenAfterTheCallerGaveUp) {
+  Pair pair;
+  std::promise<CallPipeServer::Respond> first;
+  std::atomic<int> in_region{0};
+  std::atomic<bool> first_seen{false};
+  CallPipeServer server(pair.fds[1], 4 << 20, [&](uint8_t method, CallPayload payload, std::function<bool()>,
+                                                  CallPipeServer::Respond respond) {
+    if (payload.in_shared_region()) ++in_region;
+    if (method == 1 && !first_seen.exchange(true)) return first.set_value(std::move(respond));
+    respond(absl::OkStatus(), std::string(payload.bytes().substr(0, 1)));
+  });
+  CallPipeClient client(pair.fds[0], "test", 1 << 20, /*region_bytes=*/1 << 20);
+  EXPECT_EQ(client.Call(1, std::string(700000, 'a'), In(milliseconds(100))).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  // The first span is still the callee's: this one does not fit beside it and goes inline.
+  absl::StatusOr<std::string> second = client.Call(2, std::string(700000, 'b'), In(milliseconds(20000)));
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(*second, "b");
+  EXPECT_EQ(in_region.load(), 1);
+  first.get_future().get()(absl::OkStatus(), "late");  // read (and dropped) by the next caller
+  for (int i = 0; i < 2; ++i) {  // the first answers "late" is taken while this one waits; then the span is free
+    absl::StatusOr<std::string> next = client.Call(2, std::string(700000, 'c'), In(milliseconds(20000)));
+    ASSERT_TRUE(next.ok()) << next.status();
+  }
+  EXPECT_EQ(in_region.load(), 2);
+}
+
+// What the callee refuses of a region: a span outside it, a payload in a region never offered,
+// a second region, a span over the callee's limit. Each closes the pipe before any handler runs.
+TEST(CallPipeTest, ASpanTheRegionDoesNotHoldClosesThePipe) {
+  auto memfd_of = [](size_t bytes) {
+    const int fd = memfd_create("test-region", MFD_CLOEXEC);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
+    return fd;
+  };
+  struct Case {
+    const char* what;
+    bool offer_region;
+    bool offer_twice;
+    uint64_t offset, bytes;
+  };
+  for (const Case& c : {Case{"past the end", true, false, 4000, 200}, Case{"offset past the end", true, false, 5000, 0},
+                        Case{"no region offered", false, false, 0, 100}, Case{"a second region", true, true, 0, 100},
+                        Case{"over the limit", true, false, 0, 2000}}) {
+    Pair pair;
+    std::atomic<int> handled{0};
+    CallPipeServer server(pair.fds[1], 1000, [&](uint8_t, CallPayload, std::function<bool()>,
+                                                 CallPipeServer::Respond respond) {
+      ++handled;
+      respond(absl::OkStatus(), "");
+    });
+    for (int i = 0; i < (c.offer_region ? (c.offer_twice ? 2 : 1) : 0); ++i) {
+      CallFrame offer;
+      offer.kind = CallFrameKind::kRegion;
+      offer.passed_fd = memfd_of(4096);
+      ASSERT_TRUE(WriteCallFrame(pair.fds[0], offer).ok());
+      close(offer.passed_fd);
+    }
+    CallFrame call;
+    call.kind = CallFrameKind::kCall;
+    call.method = 1;
+    call.call_id = 1;
+    call.payload_in_region = true;
+    call.region_offset = c.offset;
+    call.region_bytes = c.bytes;
+    if (!c.offer_twice) ASSERT_TRUE(WriteCallFrame(pair.fds[0], call).ok());
+    char byte;
+    EXPECT_EQ(read(pair.fds[0], &byte, 1), 0) << c.what;  // the callee closed its end
+    EXPECT_EQ(handled.load(), 0) << c.what;
+    close(pair.fds[0]);
+  }
+}
+
+// A region's descriptor travels with its frame; one sent with any other frame is dropped; a
+// payload in the region is a 16-byte span on the wire, read back as a span.
+TEST(CallPipeTest, ARegionsDescriptorTravelsWithItsFrame) {
+  Pair pair;
+  const int memfd = memfd_create("test-region", MFD_CLOEXEC);
+  ASSERT_GE(memfd, 0);
+  CallFrame offer;
+  offer.kind = CallFrameKind::kRegion;
+  offer.passed_fd = memfd;
+  ASSERT_TRUE(WriteCallFrame(pair.fds[0], offer).ok());
+  CallFrame stray;
+  stray.kind = CallFrameKind::kCancel;
+  stray.call_id = 5;
+  stray.passed_fd = memfd;
+  ASSERT_TRUE(WriteCallFrame(pair.fds[0], stray).ok());
+  CallFrame call;
+  call.kind = CallFrameKind::kCall;
+  call.call_id = 6;
+  call.payload_in_region = true;
+  call.region_offset = 128;
+  call.region_bytes = 70000;
+  ASSERT_TRUE(WriteCallFrame(pair.fds[0], call).ok());
+  absl::StatusOr<CallFrame> read_offer = ReadCallFrame(pair.fds[1], 1 << 20);
+  ASSERT_TRUE(read_offer.ok()) << read_offer.status();
+  EXPECT_EQ(read_offer->kind, CallFrameKind::kRegion);
+  ASSERT_GE(read_offer->passed_fd, 0);
+  struct stat sent_st, got_st;
+  ASSERT_EQ(fstat(memfd, &sent_st), 0);
+  ASSERT_EQ(fstat(read_offer->passed_fd, &got_st), 0);
+  EXPECT_EQ(sent_st.st_ino, got_st.st_ino);
+  close(read_offer->passed_fd);
+  absl::StatusOr<CallFrame> read_stray = ReadCallFrame(pair.fds[1], 1 << 20);
+  ASSERT_TRUE(read_stray.ok()) << read_stray.status();
+  EXPECT_EQ(read_stray->passed_fd, -1);
+  absl::StatusOr<CallFrame> read_call = ReadCallFrame(pair.fds[1], 1 << 20);
+  ASSERT_TRUE(read_call.ok()) << read_call.status();
+  EXPECT_TRUE(read_call->payload_in_region);
+  EXPECT_EQ(read_call->region_offset, 128u);
+  EXPECT_EQ(read_call->region_bytes, 70000u);
+  EXPECT_TRUE(read_call->payload.empty());
+  // The span's size is held to the reader's limit, as an inline payload's is.
+  ASSERT_TRUE(WriteCallFrame(pair.fds[0], call).ok());
+  EXPECT_EQ(ReadCallFrame(pair.fds[1], 1000).status().code(), absl::StatusCode::kResourceExhausted);
+  close(memfd);
   close(pair.fds[0]);
   close(pair.fds[1]);
 }

@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <fstream>
+#include <iterator>
 #include <thread>
 #include <vector>
 
@@ -56,15 +58,16 @@ class WorkerCallsTest : public ::testing::Test {
     return calls_->CreateRun(create, &created);
   }
 
-  // A TrainStep of batch `step` under `request_id` ("" = not recorded), expected to find
-  // the run at learner version `step` (as the coordinator says with every recorded call).
-  static v1::WorkerTrainStepRequest Step(int step, const std::string& request_id) {
+  // A TrainStep of batch `step` (`sequences` x `length` tokens) under `request_id` ("" = not
+  // recorded), expected to find the run at learner version `step` (as the coordinator says
+  // with every recorded call).
+  static v1::WorkerTrainStepRequest Step(int step, const std::string& request_id, int sequences = 4, int length = 8) {
     v1::WorkerTrainStepRequest req;
     req.set_run_id("r");
     req.mutable_mesh()->set_request_id(request_id);
     req.mutable_mesh()->set_expected_learner_version(step);
     std::vector<v1::Datum> batch;
-    for (int i = 0; i < 4; ++i) batch.push_back(lorastep::testing::RlDatum(i, step, 8, 96));
+    for (int i = 0; i < sequences; ++i) batch.push_back(lorastep::testing::RlDatum(i, step, length, 96));
     EXPECT_TRUE(PackDatums(batch, req.mutable_packed_datums()));
     google::protobuf::RepeatedPtrField<v1::Datum> as_proto(batch.begin(), batch.end());
     const BatchTotals totals = ComputeBatchTotals(DatumsFromProto(as_proto));
@@ -272,6 +275,34 @@ TEST_F(WorkerPipeTest, AShardOfParsedDatumsStepsAsTheRequestsOwn) {
   EXPECT_EQ(piped.result().adapter_sha256(), direct.result().adapter_sha256());
 }
 
+// A batch too large to be worth copying through the socket twice (here 16 x 96 tokens, 24 KB)
+// lies in the region the coordinator's side shares with the worker (mapped by both, here in
+// one process), and steps as the same batch through WorkerCalls directly, step after step as
+// its span is reused.
+TEST_F(WorkerPipeTest, ALargeBatchTravelsThroughTheSharedRegion) {
+  GrpcWorkerClient client("127.0.0.1:1", std::chrono::seconds(600), "", {}, client_fd_);
+  ASSERT_OK(CreateRun("twin"));
+  for (int step = 0; step < 3; ++step) {
+    const v1::WorkerTrainStepRequest req = Step(step, "", 16, 96);
+    ASSERT_GT(req.ByteSizeLong(), 16u << 10);
+    ASSERT_OK_AND_ASSIGN(v1::WorkerStepResponse piped, client.TrainStep(req, BatchShard{}));
+    v1::WorkerTrainStepRequest twin = req;
+    twin.set_run_id("twin");
+    v1::WorkerStepResponse direct;
+    ASSERT_OK(calls_->TrainStep(twin, &direct));
+    EXPECT_EQ(piped.result().adapter_sha256(), direct.result().adapter_sha256()) << step;
+    EXPECT_EQ(piped.result().metrics().at("loss:sum"), direct.result().metrics().at("loss:sum")) << step;
+  }
+  std::ifstream maps("/proc/self/maps");
+  const std::string all((std::istreambuf_iterator<char>(maps)), std::istreambuf_iterator<char>());
+  size_t mappings = 0;
+  for (size_t at = all.find("memfd:lorastep-call-pipe"); at != std::string::npos;
+       at = all.find("memfd:lorastep-call-pipe", at + 1)) {
+    ++mappings;
+  }
+  EXPECT_EQ(mappings, 2u) << "the coordinator's side writes it, the worker's reads it";
+}
+
 TEST_F(WorkerPipeTest, RefusesWhatItCannotTake) {
   CallPipeClient raw(client_fd_, "worker");
   const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(60);
@@ -307,7 +338,7 @@ TEST_F(WorkerPipeTest, RefusesWhatItCannotTake) {
 TEST(WorkerPipeClientTest, AnAnswerThatDoesNotParseIsDataLoss) {
   int pair[2];
   ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
-  CallPipeServer garbled(pair[1], 1 << 20, [](uint8_t, std::string, std::function<bool()>,
+  CallPipeServer garbled(pair[1], 1 << 20, [](uint8_t, CallPayload, std::function<bool()>,
                                               CallPipeServer::Respond respond) { respond(absl::OkStatus(), "\xff\xff"); });
   GrpcWorkerClient client("127.0.0.1:1", std::chrono::seconds(60), "", {}, pair[0]);
   v1::WorkerOptimStepRequest optim;

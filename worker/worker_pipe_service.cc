@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <chrono>
+#include <climits>
 #include <condition_variable>
 #include <mutex>
 #include <optional>
@@ -33,33 +34,36 @@ WorkerPipeService::WorkerPipeService(int fd, WorkerDispatch* dispatch, const Cal
     : dispatch_(dispatch),
       observers_(observers),
       server_(fd, max_call_bytes,
-              [this](uint8_t method, std::string payload, std::function<bool()> cancelled,
+              [this](uint8_t method, CallPayload payload, std::function<bool()> cancelled,
                      CallPipeServer::Respond respond) {
                 Handle(method, std::move(payload), std::move(cancelled), std::move(respond));
               }) {}
 
 namespace {
 
-// `payload` parsed into `req`; a packed_datums field stays in the payload's bytes, read by
-// `*packed`, and is converted to datums where they lie (one pass instead of a copy into the
-// message and another into the datums).
+// `payload` parsed into `req`; a packed_datums field stays in the payload's bytes (its own
+// buffer or the coordinator's shared region), read by `*packed`, and is converted to datums
+// where they lie (one pass instead of a copy into the message and another into the datums).
 template <typename Req>
-absl::Status ParsePipeRequest(std::string payload, Req* req, std::optional<PackedDatumsWire>* packed) {
+absl::Status ParsePipeRequest(CallPayload payload, Req* req, std::optional<PackedDatumsWire>* packed) {
   auto not_parsed = [] {
     return absl::InvalidArgumentError(absl::StrCat("request: does not parse as ", Req::descriptor()->full_name()));
   };
+  auto parse = [req](absl::string_view bytes) {
+    return bytes.size() <= static_cast<size_t>(INT_MAX) && req->ParseFromArray(bytes.data(), static_cast<int>(bytes.size()));
+  };
   if constexpr (HasPackedDatums<Req>::value) {
-    auto bytes = std::make_shared<const std::string>(std::move(payload));
-    absl::StatusOr<FieldCut> cut = ScanTopLevelFields({*bytes}, Req::kPackedDatumsFieldNumber, CountedField{});
+    auto owner = std::make_shared<const CallPayload>(std::move(payload));
+    absl::StatusOr<FieldCut> cut = ScanTopLevelFields({owner->bytes()}, Req::kPackedDatumsFieldNumber, CountedField{});
     if (!cut.ok()) return not_parsed();
-    if (!cut->cut) return req->ParseFromString(*bytes) ? absl::OkStatus() : not_parsed();
-    if (!req->ParseFromString(cut->rest)) return not_parsed();
-    absl::StatusOr<PackedDatumsWire> wire = PackedDatumsWire::Read(std::move(cut->field), bytes);
+    if (!cut->cut) return parse(owner->bytes()) ? absl::OkStatus() : not_parsed();
+    if (!parse(cut->rest)) return not_parsed();
+    absl::StatusOr<PackedDatumsWire> wire = PackedDatumsWire::Read(std::move(cut->field), owner);
     if (!wire.ok()) return not_parsed();
     packed->emplace(*std::move(wire));
     return absl::OkStatus();
   } else {
-    return req->ParseFromString(payload) ? absl::OkStatus() : not_parsed();
+    return parse(payload.bytes()) ? absl::OkStatus() : not_parsed();
   }
 }
 
@@ -93,7 +97,7 @@ struct SplitDatums {
 }  // namespace
 
 template <typename Req, typename Resp, typename Work>
-void WorkerPipeService::Run(const char* method, std::string payload, std::function<bool()> cancelled,
+void WorkerPipeService::Run(const char* method, CallPayload payload, std::function<bool()> cancelled,
                             CallPipeServer::Respond respond, Work work) {
   const auto start = std::chrono::steady_clock::now();
   auto req = std::make_shared<Req>();
@@ -140,7 +144,7 @@ void WorkerPipeService::Run(const char* method, std::string payload, std::functi
   if (split->split()) split->ConvertFirstHalf();
 }
 
-void WorkerPipeService::Handle(uint8_t method, std::string payload, std::function<bool()> cancelled,
+void WorkerPipeService::Handle(uint8_t method, CallPayload payload, std::function<bool()> cancelled,
                                CallPipeServer::Respond respond) {
   switch (static_cast<WorkerPipeMethod>(method)) {
     case WorkerPipeMethod::kTrainStep:

@@ -27,12 +27,12 @@ class WorkerPipeService {
 
  private:
   WorkerPipeService(int fd, WorkerDispatch* dispatch, const CallObservers* observers, uint64_t max_call_bytes);
-  void Handle(uint8_t method, std::string payload, std::function<bool()> cancelled, CallPipeServer::Respond respond);
+  void Handle(uint8_t method, CallPayload payload, std::function<bool()> cancelled, CallPipeServer::Respond respond);
   // Parses `payload` as a Req (its packed datums, if any, left in the payload's bytes and
   // converted on the device queue), then runs `work(calls, req, datums, resp, cancelled)` on
   // its run's queue of device calls; `datums` is null when the request carries its own.
   template <typename Req, typename Resp, typename Work>
-  void Run(const char* method, std::string payload, std::function<bool()> cancelled,
+  void Run(const char* method, CallPayload payload, std::function<bool()> cancelled,
            CallPipeServer::Respond respond, Work work);
 
   WorkerDispatch* dispatch_;
