@@ -3,6 +3,8 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <condition_variable>
@@ -67,30 +69,41 @@ absl::Status ParsePipeRequest(CallPayload payload, Req* req, std::optional<Packe
   }
 }
 
-// A call's packed datums converted in two halves at once: the first on the pipe's reader
-// thread, the rest on the device thread that runs the call, each a pass over half the batch
-// on its own core. Checked first (on the reader thread); a batch the check refuses, or one
-// not in one piece, is converted whole on the device thread, which then refuses it.
-struct SplitDatums {
+// A call's packed datums converted by two threads at once: the pipe's reader thread starts on
+// them as soon as they are checked, and the device thread that runs the call joins in when it
+// starts; each takes the next few datums until none are left, so neither waits on a fixed
+// share the other has not finished. Checked first (on the reader thread); a batch the check
+// refuses, or one not in one piece, is converted whole on the device thread, which then
+// refuses it.
+struct SharedConversion {
+  static constexpr size_t kDatumsPerTake = 4;
   std::optional<PackedArrays> arrays;
-  absl::StatusOr<PackedLayout> layout = absl::FailedPreconditionError("not split");
+  absl::StatusOr<PackedLayout> layout = absl::FailedPreconditionError("not shared");
   std::vector<Datum> datums;
-  size_t half = 0;
+  std::atomic<size_t> next{0};  // the first datum nobody has taken
   std::mutex mu;
-  std::condition_variable first_done_cv;
-  bool first_done = false;  // under mu
+  std::condition_variable all_done_cv;
+  size_t converted = 0;  // under mu
 
-  bool split() const { return layout.ok(); }
-  void ConvertFirstHalf() {
-    UnpackDatums(*arrays, *layout, 0, half, &datums);
+  bool shared() const { return layout.ok(); }
+  // Converts datums until none are left to take.
+  void Help() {
+    size_t mine = 0;
+    for (size_t begin = next.fetch_add(kDatumsPerTake); begin < datums.size();
+         begin = next.fetch_add(kDatumsPerTake)) {
+      const size_t end = std::min(begin + kDatumsPerTake, datums.size());
+      UnpackDatums(*arrays, *layout, begin, end, &datums);
+      mine += end - begin;
+    }
     std::lock_guard<std::mutex> lock(mu);
-    first_done = true;
-    first_done_cv.notify_one();
+    converted += mine;
+    if (converted == datums.size()) all_done_cv.notify_all();
   }
-  void ConvertSecondHalf() {
-    UnpackDatums(*arrays, *layout, half, datums.size(), &datums);
+  // Helps, then waits for the other thread's last datums.
+  void HelpAndWait() {
+    Help();
     std::unique_lock<std::mutex> lock(mu);
-    first_done_cv.wait(lock, [this] { return first_done; });
+    all_done_cv.wait(lock, [this] { return converted == datums.size(); });
   }
 };
 
@@ -107,27 +120,26 @@ void WorkerPipeService::Run(const char* method, CallPayload payload, std::functi
     respond(bad, "");
     return;
   }
-  auto split = std::make_shared<SplitDatums>();
+  auto conversion = std::make_shared<SharedConversion>();
   if constexpr (HasPackedDatums<Req>::value) {
-    if (packed->has_value() && req->datums().empty()) split->arrays = (*packed)->Arrays();
-    if (split->arrays && !split->arrays->empty()) {
-      split->layout = CheckPackedArrays(*split->arrays);
-      split->datums.resize(split->arrays->lengths.size());
-      split->half = split->datums.size() / 2;
+    if (packed->has_value() && req->datums().empty()) conversion->arrays = (*packed)->Arrays();
+    if (conversion->arrays && !conversion->arrays->empty()) {
+      conversion->layout = CheckPackedArrays(*conversion->arrays);
+      conversion->datums.resize(conversion->arrays->lengths.size());
     }
   }
   const std::string run_id = req->run_id();
   // Captures no `this`: a task still queued when the service goes runs at the dispatch's end.
   dispatch_->device_calls.Submit(run_id, [dispatch = dispatch_, observers = observers_, method, start, req, packed,
-                                          split, cancelled = std::move(cancelled), respond = std::move(respond),
+                                          conversion, cancelled = std::move(cancelled), respond = std::move(respond),
                                           work]() {
     AfterAnswerScope after_answer;  // the step's figures once the answer is written
     Resp resp;
     absl::StatusOr<std::vector<Datum>> whole = std::vector<Datum>();
     const std::vector<Datum>* datums = nullptr;  // none: the request carries its own
-    if (split->split()) {
-      split->ConvertSecondHalf();
-      datums = &split->datums;
+    if (conversion->shared()) {
+      conversion->HelpAndWait();
+      datums = &conversion->datums;
     } else if (packed->has_value()) {
       if constexpr (HasPackedDatums<Req>::value) whole = (*packed)->Datums(req->datums());
       if (whole.ok()) datums = &*whole;
@@ -141,7 +153,7 @@ void WorkerPipeService::Run(const char* method, CallPayload payload, std::functi
     ObserveCall(*observers, method, s, std::chrono::duration<double>(end - start).count(), req->run_id(),
                 req->mesh().request_id(), end);
   });
-  if (split->split()) split->ConvertFirstHalf();
+  if (conversion->shared()) conversion->Help();
 }
 
 void WorkerPipeService::Handle(uint8_t method, CallPayload payload, std::function<bool()> cancelled,
