@@ -219,11 +219,14 @@ absl::StatusOr<CallFrame> ReadCallFrame(int fd, uint64_t max_payload_bytes) {
 }
 
 // The caller's side of the shared region: a sealed memfd mapped for writing, and which of
-// its spans hold the payloads of calls not answered yet.
+// its spans hold the payloads of calls not answered yet, or staged tails not taken yet
+// (keyed by holder: a call id, or a staged tail's id with kStagedHolder set). Thread-safe.
 class CallPipeClient::Region {
  public:
+  static constexpr uint64_t kStagedHolder = 1ull << 63;
+
   // Null where the region cannot be made (no memfd, no memory): calls then go inline.
-  static std::unique_ptr<Region> Make(uint64_t bytes) {
+  static std::shared_ptr<Region> Make(uint64_t bytes) {
     const int fd = memfd_create("lorastep-call-pipe", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0) return nullptr;
     void* data = MAP_FAILED;
@@ -240,7 +243,7 @@ class CallPipeClient::Region {
     fcntl(fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE);  // best effort: kernels before 5.1 refuse it
 #endif
     fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
-    return std::unique_ptr<Region>(new Region(fd, static_cast<char*>(data), bytes));
+    return std::shared_ptr<Region>(new Region(fd, static_cast<char*>(data), bytes));
   }
   ~Region() {
     munmap(data_, bytes_);
@@ -250,8 +253,9 @@ class CallPipeClient::Region {
   void CloseFd() { close(std::exchange(fd_, -1)); }  // once the callee has it
   char* data() const { return data_; }
 
-  // A span of `bytes` for `call_id`'s payload (first fit), or none when no free span fits.
-  std::optional<uint64_t> Hold(uint64_t call_id, uint64_t bytes) {
+  // A span of `bytes` for `holder` (first fit), or none when no free span fits.
+  std::optional<uint64_t> Hold(uint64_t holder, uint64_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
     const uint64_t rounded = (bytes + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment;
     for (auto it = free_.begin(); it != free_.end(); ++it) {
       if (it->second < rounded) continue;
@@ -259,14 +263,25 @@ class CallPipeClient::Region {
       const uint64_t left = it->second - rounded;
       free_.erase(it);
       if (left > 0) free_[offset + rounded] = left;
-      held_[call_id] = {offset, rounded};
+      held_[holder] = {offset, rounded};
       return offset;
     }
     return std::nullopt;
   }
-  // The callee has answered `call_id` (or the payload never went): its span is free again.
-  void Release(uint64_t call_id) {
-    auto held = held_.find(call_id);
+  // `from`'s span is `to`'s now (a staged tail taken by a call).
+  void Rekey(uint64_t from, uint64_t to) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto node = held_.extract(from);
+    if (node.empty()) return;
+    node.key() = to;
+    held_.insert(std::move(node));
+  }
+  uint64_t NextStagedId() { return kStagedHolder | next_staged_.fetch_add(1); }
+  // `holder` is done with its span (the callee has answered its call, the payload never went,
+  // a staged tail was dropped): it is free again.
+  void Release(uint64_t holder) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto held = held_.find(holder);
     if (held == held_.end()) return;
     auto [offset, bytes] = held->second;
     held_.erase(held);
@@ -290,9 +305,25 @@ class CallPipeClient::Region {
   int fd_;
   char* const data_;
   const uint64_t bytes_;
-  std::map<uint64_t, uint64_t> free_;                          // offset -> bytes
-  std::map<uint64_t, std::pair<uint64_t, uint64_t>> held_;     // call id -> (offset, bytes)
+  std::atomic<uint64_t> next_staged_{1};
+  std::mutex mu_;
+  std::map<uint64_t, uint64_t> free_;                       // under mu_: offset -> bytes
+  std::map<uint64_t, std::pair<uint64_t, uint64_t>> held_;  // under mu_: holder -> (offset, bytes)
 };
+
+// Where a staged tail lies, and whether a call has taken it.
+struct StagedTail::Place {
+  std::shared_ptr<CallPipeClient::Region> region;
+  uint64_t holder = 0;
+  uint64_t offset = 0;      // the span's start; the tail begins `front` bytes in
+  uint64_t front = 0;
+  uint64_t tail_bytes = 0;
+  std::atomic<bool> taken{false};
+};
+
+StagedTail::~StagedTail() {
+  if (!place_->taken.exchange(true)) place_->region->Release(place_->holder);
+}
 
 CallPipeClient::CallPipeClient(int fd, std::string peer, uint64_t max_answer_bytes, uint64_t region_bytes)
     : fd_(fd), wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)), peer_(std::move(peer)),
@@ -382,21 +413,58 @@ void CallPipeClient::SendCancel(uint64_t call_id) {
   WriteCallFrame(fd_, cancel).IgnoreError();  // a closed pipe fails every call anyway
 }
 
+std::shared_ptr<const StagedTail> CallPipeClient::Stage(uint64_t front_bytes,
+                                                       const std::vector<absl::string_view>& tail) {
+  uint64_t tail_bytes = 0;
+  for (absl::string_view piece : tail) tail_bytes += piece.size();
+  if (region_ == nullptr || tail_bytes < kRegionMinPayloadBytes) return nullptr;
+  auto place = std::make_shared<StagedTail::Place>();
+  place->region = region_;
+  place->holder = region_->NextStagedId();
+  place->front = front_bytes;
+  place->tail_bytes = tail_bytes;
+  const std::optional<uint64_t> span = region_->Hold(place->holder, front_bytes + tail_bytes);
+  if (!span) return nullptr;
+  place->offset = *span;
+  char* out = region_->data() + *span + front_bytes;
+  for (absl::string_view piece : tail) {
+    std::memcpy(out, piece.data(), piece.size());
+    out += piece.size();
+  }
+  return std::shared_ptr<const StagedTail>(new StagedTail(std::move(place)));
+}
+
 absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string payload,
                                                  std::chrono::system_clock::time_point deadline,
-                                                 std::vector<absl::string_view> payload_tail) {
+                                                 std::vector<absl::string_view> payload_tail,
+                                                 const StagedTail* staged) {
   auto pending = std::make_shared<Pending>();
   uint64_t id = 0;
   uint64_t payload_bytes = payload.size();
   for (absl::string_view piece : payload_tail) payload_bytes += piece.size();
+  // A staged tail this call can take: the payload goes in front of it, and its span is the call's.
+  StagedTail::Place* place = staged != nullptr ? staged->place_.get() : nullptr;
+  if (place != nullptr && (place->region != region_ || payload.size() > place->front || place->taken.exchange(true))) {
+    place = nullptr;
+  }
   std::optional<uint64_t> span;  // where the payload goes in the shared region
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) return closed_status_;
+    if (closed_) {
+      if (place != nullptr) region_->Release(place->holder);
+      return closed_status_;
+    }
     id = next_id_++;
     pending_[id] = pending;
     ++active_calls_;
-    if (region_ != nullptr && payload_bytes >= kRegionMinPayloadBytes) span = region_->Hold(id, payload_bytes);
+    if (place != nullptr) {
+      region_->Rekey(place->holder, id);
+      span = place->offset + place->front - payload.size();
+      payload_tail.clear();  // already there
+      payload_bytes = payload.size() + place->tail_bytes;
+    } else if (region_ != nullptr && payload_bytes >= kRegionMinPayloadBytes) {
+      span = region_->Hold(id, payload_bytes);
+    }
   }
   CallFrame call;
   call.kind = CallFrameKind::kCall;

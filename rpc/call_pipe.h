@@ -89,6 +89,25 @@ absl::Status WriteCallFrame(int fd, const CallFrame& frame);
 // the caller closes it).
 absl::StatusOr<CallFrame> ReadCallFrame(int fd, uint64_t max_payload_bytes);
 
+class CallPipeClient;
+
+// The tail of a call's payload copied into the caller's shared region ahead of the call
+// (CallPipeClient::Stage), by a thread that has the bytes at hand, with room before it for the
+// call's own bytes. A call of the same client takes the span over; dropped untaken, it frees
+// the span.
+class StagedTail {
+ public:
+  ~StagedTail();
+  StagedTail(const StagedTail&) = delete;
+  StagedTail& operator=(const StagedTail&) = delete;
+
+ private:
+  friend class CallPipeClient;
+  struct Place;
+  explicit StagedTail(std::shared_ptr<Place> place) : place_(std::move(place)) {}
+  std::shared_ptr<Place> place_;
+};
+
 // The caller's side: sends calls, and reads answers on the waiting callers' own threads (one
 // of them reads at a time and hands each answer to its caller), so an answer wakes the thread
 // that waits for it and no other. Thread-safe; calls from several threads are in flight
@@ -109,15 +128,24 @@ class CallPipeClient {
   // cancel it (as it is told the deadline itself). UNAVAILABLE once the pipe has closed (the
   // callee exited). `payload_tail`: more of the payload, written after it uncopied (the
   // callee reads one payload); it need only outlive the write, which ends before the wait.
+  // `staged`: `payload_tail` already copied into the region by Stage; the call copies only
+  // `payload` in front of it (or, where that does not fit or `staged` is another client's or
+  // already taken, copies the whole payload as without it).
   absl::StatusOr<std::string> Call(uint8_t method, std::string payload,
                                    std::chrono::system_clock::time_point deadline,
-                                   std::vector<absl::string_view> payload_tail = {});
+                                   std::vector<absl::string_view> payload_tail = {},
+                                   const StagedTail* staged = nullptr);
+  // Copies `tail` into the shared region now, with `front_bytes` free before it for the
+  // payload of the call that will send it. Null without a region, for a tail smaller than
+  // calls send through the region, or when no free span fits.
+  std::shared_ptr<const StagedTail> Stage(uint64_t front_bytes, const std::vector<absl::string_view>& tail);
   // Every call in flight returns CANCELLED now; the callee is told to cancel each.
   void CancelAll();
   // Whether calls' payloads go through a shared region.
   bool shares_region() const { return region_ != nullptr; }
 
  private:
+  friend class StagedTail;
   class Region;
   struct Pending {
     bool done = false;
@@ -144,7 +172,7 @@ class CallPipeClient {
   absl::Status closed_status_;       // under mu_: why
   uint64_t next_id_ = 1;             // under mu_
   std::map<uint64_t, std::shared_ptr<Pending>> pending_;  // under mu_
-  std::unique_ptr<Region> region_;                        // its spans under mu_; null: none
+  std::shared_ptr<Region> region_;                        // null: none (thread-safe; staged tails share it)
 };
 
 // The callee's side: reads calls on its own thread and hands each to `handler`, which

@@ -53,6 +53,8 @@ struct FieldCut {
 // often (protobuf merges the occurrences), nothing is cut.
 absl::StatusOr<FieldCut> ScanTopLevelFields(const WirePieces& message, int cut_field, const CountedField& counted);
 
+class StagedTail;  // rpc/call_pipe.h
+
 // The content of a `packed_datums` field, left in the bytes it came in. Read() checks its
 // structure and reads `lengths`; the arrays' bytes are only located, not read.
 class PackedDatumsWire {
@@ -73,6 +75,10 @@ class PackedDatumsWire {
   absl::Status ParseInto(v1::PackedDatums* packed) const;
   // The arrays as views of the bytes, when those are contiguous (one piece); else none.
   std::optional<PackedArrays> Arrays() const;
+  // A copy of these bytes already made where their next hop reads them (a spawned worker's
+  // shared region, by the thread that received them); null: none. Kept with the wire.
+  const StagedTail* staged() const { return staged_.get(); }
+  void set_staged(std::shared_ptr<const StagedTail> staged) { staged_ = std::move(staged); }
 
  private:
   struct Span {
@@ -84,6 +90,7 @@ class PackedDatumsWire {
   size_t size_ = 0;
   std::vector<int32_t> lengths_;
   Span arrays_[10];  // by PackedDatums field number (2..9): the last occurrence, as protobuf keeps it
+  std::shared_ptr<const StagedTail> staged_;
 };
 
 // `request`'s deterministic serialization with field `packed_field` (absent from `request`)

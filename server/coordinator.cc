@@ -424,6 +424,14 @@ absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepReque
   return resp;
 }
 
+void Coordinator::StageBatch(const std::string& run_id, PackedDatumsWire* packed, bool values_needed) {
+  absl::StatusOr<RunRef> run = runs_.Find(run_id);
+  if (!run.ok()) return;  // the call itself says so
+  std::unique_lock<std::mutex> lock((*run)->mu, std::try_to_lock);
+  if (!lock.owns_lock() || !PassesBatchAsSent(**run, values_needed)) return;
+  (*(*run)->ranks[0])->StageBatch(packed);
+}
+
 absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepRequest& req, Deadline deadline,
                                                         const PackedDatumsWire* packed) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, runs_.Find(req.run_id()));

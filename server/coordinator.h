@@ -164,6 +164,11 @@ class Coordinator {
   absl::StatusOr<v1::StepResponse> OptimStep(const v1::OptimStepRequest& req);
   absl::StatusOr<v1::StepResponse> TrainStep(const v1::TrainStepRequest& req, Deadline deadline = Deadline::max(),
                                              const PackedDatumsWire* packed = nullptr);
+  // Before a batch call of `run_id` is queued, on the thread that received it: where the
+  // run's one worker will take `packed` as sent, copies it to where that worker's call reads
+  // it (WorkerClient::StageBatch). Skipped while the run is busy (the copy is then made by the
+  // call); `values_needed` as the call will ask (a batch the coordinator reads is not passed on).
+  void StageBatch(const std::string& run_id, PackedDatumsWire* packed, bool values_needed);
   absl::StatusOr<v1::SaveStateResponse> SaveState(const v1::SaveStateRequest& req);
   absl::StatusOr<v1::Run> LoadState(const v1::LoadStateRequest& req);
   absl::StatusOr<v1::ExportAdapterResponse> ExportAdapter(const v1::ExportAdapterRequest& req);

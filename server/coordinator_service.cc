@@ -5,6 +5,7 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -245,7 +246,8 @@ template <typename Resp, typename Call>
 grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext* ctx,
                                                     const std::string& run_id, Resp* resp,
                                                     Call call, bool run_scoped,
-                                                    std::function<void()> before_finish) {
+                                                    std::function<void()> before_finish,
+                                                    std::function<void(const std::string&)> before_queue) {
   // Authentication and ownership are checked before the call is queued, on the server's
   // id of the run (per owner with API keys).
   std::string server_id;
@@ -253,6 +255,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext*
   if (!caller.ok()) return Refuse(ctx, caller.status());
   if (!run_scoped) server_id = ServerRunId(*caller, run_id);
   if (absl::Status admitted = Admit(server_id); !admitted.ok()) return Refuse(ctx, admitted);
+  if (before_queue) before_queue(server_id);
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   executor_.Submit(server_id, [this, reactor, resp, server_id, call = std::move(call), who = *caller,
                                before_finish = std::move(before_finish)]() mutable {
@@ -293,9 +296,16 @@ grpc::ServerUnaryReactor* CoordinatorService::DeferRaw(grpc::CallbackServerConte
       [owned, call = std::move(call)](const Caller& who, const std::string& id) {
         return call(who, id, owned->req, owned->packed ? &*owned->packed : nullptr);
       },
-      /*run_scoped=*/true, [owned, raw_resp] {
+      /*run_scoped=*/true,
+      [owned, raw_resp] {
         bool own_buffer = false;
         (void)grpc::SerializationTraits<Resp>::Serialize(owned->resp, raw_resp, &own_buffer);
+      },
+      [this, owned](const std::string& server_id) {
+        if (!owned->packed) return;
+        bool values_needed = false;  // ForwardBackward reads a batch that carries whole-batch totals
+        if constexpr (std::is_same_v<Req, v1::ForwardBackwardRequest>) values_needed = owned->req.has_batch_totals();
+        core_->StageBatch(server_id, &*owned->packed, values_needed);
       });
 }
 

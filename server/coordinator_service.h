@@ -102,13 +102,16 @@ class CoordinatorService final : public TrainerServiceBase {
   // executor and finishes with it. After authentication (and, when `run_scoped`, the
   // caller's access to the run).
   // `before_finish`: run after a successful call filled `*resp`, before the reactor finishes
-  // (a raw method serializes its response there).
+  // (a raw method serializes its response there). `before_queue(server run id)`: run on
+  // this thread once the call is admitted, before it is queued.
   template <typename Resp, typename Call>
   grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, const std::string& run_id,
                                   Resp* resp, Call call, bool run_scoped = true,
-                                  std::function<void()> before_finish = nullptr);
+                                  std::function<void()> before_finish = nullptr,
+                                  std::function<void(const std::string&)> before_queue = nullptr);
   // A raw method: authenticates, counts the datums on the wire, parses into a request it
-  // owns, runs `call(caller, server run id, request)` like Defer and serializes the response.
+  // owns, has the core stage its packed batch (Coordinator::StageBatch) while the bytes are
+  // at hand, runs `call(caller, server run id, request)` like Defer and serializes the response.
   template <typename Req, typename Resp, typename Call>
   grpc::ServerUnaryReactor* DeferRaw(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer& raw_req,
                                      grpc::ByteBuffer* raw_resp, Call call);

@@ -22,6 +22,10 @@ namespace {
 // runs a worker serves at once; a larger payload, or one that finds no free span, goes inline.
 // Its pages are allocated as payloads first reach them.
 constexpr uint64_t kPipeRegionBytes = 64ull << 20;
+// Room before a staged batch for the rest of its call's payload: the worker request's own
+// fields and the batch field's head (a few hundred bytes; a call whose bytes do not fit copies
+// the batch again).
+constexpr uint64_t kStagedFrontBytes = 4096;
 
 // The shard's datums as a request carries them (packed where that form can say them): the
 // wire form its ranks share, or one made into `local`. Null when the request carries its own.
@@ -147,16 +151,21 @@ absl::StatusOr<Resp> GrpcWorkerClient::StepCall(Method method, WorkerPipeMethod 
   std::optional<PackedDatumsField> packed;
   std::vector<absl::string_view> pieces;
   std::string payload = PipePayload(req, batch, &local, &packed, &pieces);
+  const StagedTail* staged = batch.as_sent != nullptr ? batch.as_sent->staged() : nullptr;
   LORASTEP_ASSIGN_OR_RETURN(std::string answer,
                             pipe_->Call(static_cast<uint8_t>(pipe_method), std::move(payload),
                                         std::min(batch.deadline, std::chrono::system_clock::now() + call_timeout_),
-                                        std::move(pieces)));
+                                        std::move(pieces), staged));
   Resp resp;
   if (!resp.ParseFromString(answer)) {
     return absl::DataLossError(absl::StrCat("worker ", address_, ": an answer that does not parse as ",
                                             Resp::descriptor()->full_name()));
   }
   return resp;
+}
+
+void GrpcWorkerClient::StageBatch(PackedDatumsWire* batch) {
+  if (pipe_ != nullptr) batch->set_staged(pipe_->Stage(kStagedFrontBytes, batch->pieces()));
 }
 
 void GrpcWorkerClient::CancelInFlight() {

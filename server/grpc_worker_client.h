@@ -61,6 +61,7 @@ class GrpcWorkerClient final : public WorkerClient {
   absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) override;
   bool ValidatesBatchesAsCoordinator() const override { return spawned_; }
   bool TakesBatchAsSent() const override { return spawned_; }
+  void StageBatch(PackedDatumsWire* batch) override;
   void CancelInFlight() override;
 
  private:

@@ -88,6 +88,10 @@ class WorkerClient {
   // parsing and packing it again would only repeat the work. Implies
   // ValidatesBatchesAsCoordinator.
   virtual bool TakesBatchAsSent() const { return false; }
+  // Copies a batch it will take as sent to where its call reads it, ahead of the call, on the
+  // thread that has the bytes at hand (the pipe's shared region: PackedDatumsWire::staged);
+  // the call copies only its own few bytes then. Nothing where there is no such place.
+  virtual void StageBatch(PackedDatumsWire* batch) {}
   // Makes every call in flight on this client return CANCELLED now (the coordinator gives
   // up on a rank that does not answer after a peer failed).
   virtual void CancelInFlight() = 0;

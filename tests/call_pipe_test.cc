@@ -271,7 +271,7 @@ TEST(CallPipeTest, ASpanIsHeldUntilTheCalleeAnswersEvenAfterTheCallerGaveUp) {
   EXPECT_EQ(in_region.load(), 1);
   first.get_future().get()(absl::OkStatus(), "late");  // read (and dropped) by the next caller
   for (int i = 0; i < 2; ++i) {  // the first answers "late" is taken while this one waits; then the span is free
-    absl::StatusOr<std::string> next = client.Call(2, std::string(700000, 'c'), In(milliseconds(20000)));
+    absl::StatusOr<std::string> next = client.Call(2, std::string(800000, 'c'), In(milliseconds(20000)));
     ASSERT_TRUE(next.ok()) << next.status();
   }
   EXPECT_EQ(in_region.load(), 2);
@@ -370,6 +370,55 @@ TEST(CallPipeTest, ARegionsDescriptorTravelsWithItsFrame) {
   close(memfd);
   close(pair.fds[0]);
   close(pair.fds[1]);
+}
+
+// A tail staged ahead of its call lies in the region already: the call copies only its own
+// bytes in front of it and the callee reads one payload. A staged tail the call cannot use
+// (front too small, already taken, another client's) leaves the call to copy everything; one
+// dropped untaken frees its span.
+TEST(CallPipeTest, AStagedTailIsSentWithoutCopyingItAgain) {
+  Pair pair;
+  std::atomic<int> in_region{0};
+  CallPipeServer server(pair.fds[1], 4 << 20, [&](uint8_t, CallPayload payload, std::function<bool()>,
+                                                  CallPipeServer::Respond respond) {
+    if (payload.in_shared_region()) ++in_region;
+    respond(absl::OkStatus(), std::string(payload.bytes()));
+  });
+  CallPipeClient client(pair.fds[0], "test", 4 << 20, /*region_bytes=*/1 << 20);
+  const std::string a(300000, 'a'), b(100000, 'b');
+  std::shared_ptr<const StagedTail> staged = client.Stage(64, {a, b});
+  ASSERT_NE(staged, nullptr);
+  absl::StatusOr<std::string> answer = client.Call(1, "head:", In(milliseconds(20000)), {a, b}, staged.get());
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(*answer, "head:" + a + b);
+  // Taken once: a second call with it copies its whole payload afresh (and still reads right).
+  answer = client.Call(1, "again:", In(milliseconds(20000)), {a, b}, staged.get());
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(*answer, "again:" + a + b);
+  // A payload longer than the room in front goes the ordinary way; the span is freed once the
+  // staged tail is dropped.
+  std::shared_ptr<const StagedTail> narrow = client.Stage(4, {a});
+  ASSERT_NE(narrow, nullptr);
+  answer = client.Call(1, "too long a head:", In(milliseconds(20000)), {a}, narrow.get());
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(*answer, "too long a head:" + a);
+  EXPECT_EQ(client.Stage(0, {std::string(800000, 'c')}), nullptr) << "the narrow tail's span is still held";
+  narrow.reset();
+  EXPECT_NE(client.Stage(0, {std::string(800000, 'c')}), nullptr) << "freed when the tail was dropped";
+  // Another client's staged tail is not this one's to take.
+  Pair other_pair;
+  CallPipeClient other(other_pair.fds[0], "other", 4 << 20, /*region_bytes=*/1 << 20);
+  std::shared_ptr<const StagedTail> foreign = other.Stage(64, {a});
+  ASSERT_NE(foreign, nullptr);
+  answer = client.Call(1, "mine:", In(milliseconds(20000)), {a}, foreign.get());
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(*answer, "mine:" + a);
+  EXPECT_EQ(in_region.load(), 4);
+  // Nothing to stage without a region, or for a tail small enough to go inline.
+  Pair plain_pair;
+  CallPipeClient plain(plain_pair.fds[0], "plain");
+  EXPECT_EQ(plain.Stage(64, {a}), nullptr);
+  EXPECT_EQ(client.Stage(64, {"small"}), nullptr);
 }
 
 // A worker's call pipe that cannot be made (no descriptor left) fails the start, naming what

@@ -278,7 +278,7 @@ TEST_F(WorkerPipeTest, AShardOfParsedDatumsStepsAsTheRequestsOwn) {
 // A batch too large to be worth copying through the socket twice (here 16 x 96 tokens, 24 KB)
 // lies in the region the coordinator's side shares with the worker (mapped by both, here in
 // one process), and steps as the same batch through WorkerCalls directly, step after step as
-// its span is reused.
+// its span is reused, staged ahead of its call or not.
 TEST_F(WorkerPipeTest, ALargeBatchTravelsThroughTheSharedRegion) {
   GrpcWorkerClient client("127.0.0.1:1", std::chrono::seconds(600), "", {}, client_fd_);
   ASSERT_OK(CreateRun("twin"));
@@ -293,6 +293,24 @@ TEST_F(WorkerPipeTest, ALargeBatchTravelsThroughTheSharedRegion) {
     EXPECT_EQ(piped.result().adapter_sha256(), direct.result().adapter_sha256()) << step;
     EXPECT_EQ(piped.result().metrics().at("loss:sum"), direct.result().metrics().at("loss:sum")) << step;
   }
+  // The client's packed batch passed on as sent and staged ahead of the call
+  // (GrpcWorkerClient::StageBatch, as the coordinator does on the thread that received it):
+  // the call sends it from where it was staged.
+  const v1::WorkerTrainStepRequest whole = Step(3, "", 16, 96);
+  v1::WorkerTrainStepRequest bare = whole;
+  bare.clear_packed_datums();
+  auto bytes = std::make_shared<const std::string>(whole.packed_datums().SerializeAsString());
+  ASSERT_OK_AND_ASSIGN(PackedDatumsWire as_sent, PackedDatumsWire::Read({*bytes}, bytes));
+  client.StageBatch(&as_sent);
+  ASSERT_NE(as_sent.staged(), nullptr);
+  BatchShard shard;
+  shard.as_sent = &as_sent;
+  ASSERT_OK_AND_ASSIGN(v1::WorkerStepResponse piped, client.TrainStep(bare, shard));
+  v1::WorkerTrainStepRequest twin = whole;
+  twin.set_run_id("twin");
+  v1::WorkerStepResponse direct;
+  ASSERT_OK(calls_->TrainStep(twin, &direct));
+  EXPECT_EQ(piped.result().adapter_sha256(), direct.result().adapter_sha256());
   std::ifstream maps("/proc/self/maps");
   const std::string all((std::istreambuf_iterator<char>(maps)), std::istreambuf_iterator<char>());
   size_t mappings = 0;
