@@ -192,13 +192,40 @@ DatumView ViewOf(const v1::Datum& d) {
                    {&d.weights(), &d.logprobs(), &d.advantages(), &d.ref_logprobs(), &d.old_logprobs()});
 }
 
+// Narrows `n` token ids to int32 and appends them to `out`, through a small buffer that stays
+// in L1; false when one does not fit. `shifted` (may be null) is and-ed with whether
+// targets[j] == ids[j + 1] for each j < n - 1, checked chunk by chunk while the ids are in L1.
+bool AppendNarrowed(const int64_t* ids, size_t n, const int64_t* targets, bool* shifted, std::string* out) {
+  constexpr size_t kChunk = 1024;
+  int32_t narrowed[kChunk];
+  for (size_t start = 0; start < n; start += kChunk) {
+    const size_t m = std::min(kChunk, n - start);
+    bool fits = true;
+    for (size_t i = 0; i < m; ++i) {
+      const int64_t id = ids[start + i];
+      narrowed[i] = static_cast<int32_t>(id);
+      fits &= narrowed[i] == id;
+    }
+    if (!fits) return false;
+    if (shifted != nullptr && *shifted) {
+      const size_t end = std::min(start + m, n - 1);
+      bool same = true;
+      for (size_t j = start; j < end; ++j) same &= targets[j] == ids[j + 1];
+      *shifted = same;
+    }
+    out->append(reinterpret_cast<const char*>(narrowed), m * 4);
+  }
+  return true;
+}
+
 // Packs `views` into `out`, whose arrays keep their buffers (a caller that packs every step
 // into the same message allocates them once: a fresh 128 KB array is mapped and faulted in
 // page by page); false (and `out` empty) when the packed form cannot say the same: an
 // optional field on some datums only, an array of another length than its tokens, or a
 // token id outside int32. One pass over the data: floats appended as they are, token ids
-// narrowed and range-checked together (the client's packing took 0.2-0.3 ms of a step on
-// the H200 host with a separate check pass and zero-filled arrays).
+// narrowed and range-checked together, and next-token targets (each datum's targets its
+// tokens shifted by one, sent as one last target per datum) recognized on the way; a batch
+// whose targets are not those takes a second pass for them.
 bool PackViews(const std::vector<DatumView>& views, v1::PackedDatums* out) {
   out->Clear();  // keeps the arrays' buffers
   for (int f = 0; f < 5; ++f) {
@@ -210,18 +237,13 @@ bool PackViews(const std::vector<DatumView>& views, v1::PackedDatums* out) {
     if (with != 0 && with != views.size()) return false;
   }
   size_t total = 0;
-  // Next-token targets (each datum's targets its tokens shifted by one) travel as one last
-  // target per datum instead of a second array.
-  bool next_token_targets = !views.empty();
+  bool next_token_targets = !views.empty();  // until a datum shows otherwise
   for (const DatumView& v : views) {
     if (v.targets_n != v.n || v.n > static_cast<size_t>(INT32_MAX)) return false;
     total += v.n;
-    next_token_targets = next_token_targets && v.n > 0 &&
-                         std::equal(v.targets, v.targets + v.n - 1, v.tokens + 1);
+    next_token_targets = next_token_targets && v.n > 0;
   }
   v1::PackedDatums& packed = *out;
-  std::string* int_fields[] = {packed.mutable_tokens(),
-                               next_token_targets ? packed.mutable_last_target_tokens() : packed.mutable_target_tokens()};
   std::string* float_fields[] = {packed.mutable_weights(), packed.mutable_logprobs(), packed.mutable_advantages(),
                                  packed.mutable_ref_logprobs(), packed.mutable_old_logprobs()};
   bool has_float[5];  // all datums have the field, or none (checked above)
@@ -229,34 +251,31 @@ bool PackViews(const std::vector<DatumView>& views, v1::PackedDatums* out) {
     has_float[f] = !views.empty() && views[0].floats[f].second != 0;
     if (has_float[f]) float_fields[f]->reserve(total * 4);
   }
-  int_fields[0]->reserve(total * 4);
-  int_fields[1]->reserve(next_token_targets ? views.size() * 4 : total * 4);
+  packed.mutable_tokens()->reserve(total * 4);
+  if (next_token_targets) packed.mutable_last_target_tokens()->reserve(views.size() * 4);
   packed.mutable_lengths()->Reserve(static_cast<int>(views.size()));
-  constexpr size_t kChunk = 1024;  // token ids narrowed through a small buffer that stays in L1
-  int32_t narrowed[kChunk];
   for (const DatumView& v : views) {
     packed.add_lengths(static_cast<int32_t>(v.n));
-    const int64_t* ints[] = {v.tokens, v.targets};
-    for (int k = 0; k < 2; ++k) {
-      // The last target only; its others were compared against the tokens above.
-      const size_t from = k == 1 && next_token_targets ? v.n - 1 : 0;
-      for (size_t start = from; start < v.n; start += kChunk) {
-        const size_t m = std::min(kChunk, v.n - start);
-        bool fits = true;
-        for (size_t i = 0; i < m; ++i) {
-          const int64_t id = ints[k][start + i];
-          narrowed[i] = static_cast<int32_t>(id);
-          fits &= narrowed[i] == id;
-        }
-        if (!fits) {
-          out->Clear();
-          return false;
-        }
-        int_fields[k]->append(reinterpret_cast<const char*>(narrowed), m * 4);
-      }
+    bool ok = AppendNarrowed(v.tokens, v.n, v.targets, next_token_targets ? &next_token_targets : nullptr,
+                             packed.mutable_tokens());
+    if (ok && next_token_targets) ok = AppendNarrowed(v.targets + v.n - 1, 1, nullptr, nullptr, packed.mutable_last_target_tokens());
+    if (!ok) {
+      out->Clear();
+      return false;
     }
     for (int f = 0; f < 5; ++f) {
       if (has_float[f]) float_fields[f]->append(reinterpret_cast<const char*>(v.floats[f].first), v.n * 4);
+    }
+  }
+  if (!next_token_targets) {  // the targets as an array of their own
+    packed.clear_last_target_tokens();
+    std::string* targets = packed.mutable_target_tokens();
+    targets->reserve(total * 4);
+    for (const DatumView& v : views) {
+      if (!AppendNarrowed(v.targets, v.n, nullptr, nullptr, targets)) {
+        out->Clear();
+        return false;
+      }
     }
   }
   return true;

@@ -341,6 +341,43 @@ TEST(PackDatumsTest, AReusedMessageHoldsOnlyTheLatestBatch) {
   too_wide.set_tokens(1, int64_t{1} << 40);  // outside int32: only the repeated form can say it
   EXPECT_FALSE(PackDatums({datum(4, 1, false), too_wide}, &packed));
   EXPECT_EQ(packed.ByteSizeLong(), 0u);
+  v1::Datum wide_last_target = datum(3, 1, false);
+  wide_last_target.set_target_tokens(2, int64_t{1} << 40);
+  EXPECT_FALSE(PackDatums({datum(4, 1, false), wide_last_target}, &packed));
+  EXPECT_EQ(packed.ByteSizeLong(), 0u);
+}
+
+// Next-token targets are recognized while the tokens are packed: a batch whose targets stop
+// being the tokens shifted by one late (the last datum, past its first 1024 positions) packs
+// its targets as an array of their own, and both forms unpack to the datums sent.
+TEST(PackDatumsTest, TargetsThatStopBeingShiftedLatePackAsTheirOwnArray) {
+  auto datum = [](int n, int64_t first) {
+    v1::Datum d;
+    for (int i = 0; i < n; ++i) {
+      d.add_tokens(first + i);
+      d.add_target_tokens(first + i + 1);
+      d.add_advantages(0.5f * i);
+    }
+    return d;
+  };
+  for (const bool shifted : {true, false}) {
+    std::vector<v1::Datum> batch = {datum(40, 3), datum(1500, 7), datum(2100, 9)};
+    if (!shifted) batch[2].set_target_tokens(1700, 5);
+    v1::PackedDatums packed;
+    ASSERT_TRUE(PackDatums(batch, &packed));
+    EXPECT_EQ(packed.last_target_tokens().empty(), !shifted);
+    EXPECT_EQ(packed.target_tokens().empty(), shifted);
+    google::protobuf::RepeatedPtrField<v1::Datum> none;
+    absl::StatusOr<std::vector<Datum>> got = RequestDatums(none, packed);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->size(), batch.size());
+    for (size_t i = 0; i < batch.size(); ++i) {
+      EXPECT_EQ((*got)[i].tokens, std::vector<int64_t>(batch[i].tokens().begin(), batch[i].tokens().end()));
+      EXPECT_EQ((*got)[i].target_tokens,
+                std::vector<int64_t>(batch[i].target_tokens().begin(), batch[i].target_tokens().end()))
+          << "shifted " << shifted << ", datum " << i;
+    }
+  }
 }
 
 }  // namespace
