@@ -85,7 +85,7 @@ absl::Status WorkerCalls::Once(const std::string& run_id, const v1::MeshCall& me
       if (it->second.method != method) {
         return absl::InvalidArgumentError(absl::StrCat("request_id: '", id, "' was used for ", it->second.method));
       }
-      resp->CopyFrom(*it->second.response);
+      (void)resp->ParseFromString(it->second.response);  // this method's response, serialized by Once
       return absl::OkStatus();
     }
     running_.insert(id);
@@ -95,9 +95,7 @@ absl::Status WorkerCalls::Once(const std::string& run_id, const v1::MeshCall& me
     std::lock_guard<std::mutex> lock(record_mu_);
     running_.erase(id);
     if (s.ok()) {
-      std::unique_ptr<google::protobuf::Message> copy(resp->New());
-      copy->CopyFrom(*resp);
-      recorded_[id] = Recorded{run_id, method, std::move(copy)};
+      recorded_[id] = Recorded{run_id, method, resp->SerializeAsString()};
       recorded_order_.push_back(id);
       while (recorded_order_.size() > kRecordedCalls) {
         recorded_.erase(recorded_order_.front());

@@ -73,12 +73,13 @@ class WorkerCalls {
   PrometheusRegistry* metrics_;
   const bool record_calls_;
   const std::string instance_id_;  // random per process (WorkerInfo.instance_id)
-  // request_id -> (method, response), the most recent kRecordedCalls.
+  // request_id -> (method, response serialized), the most recent kRecordedCalls. Kept
+  // serialized: writing the bytes costs less than copying the message, and only a retry reads them.
   static constexpr size_t kRecordedCalls = 256;
   struct Recorded {
     std::string run_id;
     std::string method;
-    std::unique_ptr<google::protobuf::Message> response;
+    std::string response;
   };
   std::mutex record_mu_;
   std::condition_variable record_cv_;  // a running request_id finished
