@@ -12,13 +12,13 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
-#include <cstdio>
 #include <cstring>
 #include <optional>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "lib/log.h"
 
 namespace lorastep {
 namespace {
@@ -554,17 +554,21 @@ struct RegionMapping {
   const size_t bytes;
 };
 
-// Maps the region the caller passed (and closes its descriptor); null where it cannot.
-std::shared_ptr<const RegionMapping> MapRegion(int fd) {
+// Maps the region the caller passed, read-only, and closes its descriptor.
+absl::StatusOr<std::shared_ptr<const RegionMapping>> MapRegion(int fd) {
   struct stat st;
+  absl::Status failed;
   void* data = MAP_FAILED;
-  if (fstat(fd, &st) == 0 && st.st_size > 0) {
+  if (fstat(fd, &st) != 0) {
+    failed = absl::InternalError(absl::StrCat("fstat: ", std::strerror(errno)));
+  } else if (st.st_size <= 0) {
+    failed = absl::InvalidArgumentError("the region is empty");
+  } else {
     data = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
+    if (data == MAP_FAILED) failed = absl::ResourceExhaustedError(absl::StrCat("mmap: ", std::strerror(errno)));
   }
-  const int error = errno;
   close(fd);
-  errno = error;
-  if (data == MAP_FAILED) return nullptr;
+  if (!failed.ok()) return failed;
   return std::make_shared<const RegionMapping>(static_cast<const char*>(data), static_cast<size_t>(st.st_size));
 }
 
@@ -595,11 +599,13 @@ CallPipeServer::CallPipeServer(int fd, uint64_t max_call_bytes, Handler handler)
           if (frame->passed_fd >= 0) close(frame->passed_fd);
           break;  // one region a pipe, offered with its descriptor
         }
-        region = MapRegion(frame->passed_fd);
-        if (region == nullptr) {
-          std::fprintf(stderr, "call pipe: the caller's shared region could not be mapped: %s\n", std::strerror(errno));
+        absl::StatusOr<std::shared_ptr<const RegionMapping>> mapped = MapRegion(frame->passed_fd);
+        if (!mapped.ok()) {
+          LORASTEP_LOG(Error) << "call pipe: the caller's shared region could not be mapped ("
+                              << mapped.status().message() << "); closing the pipe";
           break;
         }
+        region = *std::move(mapped);
         continue;
       }
       CallPayload payload;

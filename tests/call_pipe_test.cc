@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -173,6 +174,65 @@ TEST(CallPipeTest, ReadingRefusesWhatIsNotAFrame) {
   close(pair.fds[1]);
 }
 
+// A header as the pipe lays it out (rpc/call_pipe.cc's FrameHeader, 40 bytes little-endian).
+std::string Header(uint8_t kind, uint16_t flags, uint64_t payload_bytes) {
+  std::string h(40, '\0');
+  const uint32_t magic = 0x3150534c;
+  std::memcpy(&h[0], &magic, 4);
+  h[4] = static_cast<char>(kind);
+  std::memcpy(&h[6], &flags, 2);
+  std::memcpy(&h[32], &payload_bytes, 8);
+  return h;
+}
+
+// Flags the reader does not know, and a payload-in-region flag on anything but a call or with
+// anything but a 16-byte span after it, are not frames.
+TEST(CallPipeTest, ReadingRefusesFlagsItDoesNotKnow) {
+  for (const std::string& header : {Header(1, 2, 0), Header(2, 1, 16), Header(1, 1, 15), Header(1, 1, 17)}) {
+    Pair pair;
+    const std::string bytes = header + std::string(17, 'x');
+    ASSERT_EQ(write(pair.fds[0], bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+    EXPECT_EQ(ReadCallFrame(pair.fds[1], 1 << 20).status().code(), absl::StatusCode::kDataLoss);
+    close(pair.fds[0]);
+    close(pair.fds[1]);
+  }
+  Pair pair;  // the well-formed one
+  const std::string bytes = Header(1, 1, 16) + std::string(16, '\0');
+  ASSERT_EQ(write(pair.fds[0], bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+  absl::StatusOr<CallFrame> frame = ReadCallFrame(pair.fds[1], 1 << 20);
+  ASSERT_TRUE(frame.ok()) << frame.status();
+  EXPECT_TRUE(frame->payload_in_region);
+  close(pair.fds[0]);
+  close(pair.fds[1]);
+}
+
+// Where the region cannot be made (here: no descriptor left for the memfd), calls go through
+// the socket as without one.
+TEST(CallPipeTest, WithoutARegionCallsGoInline) {
+  Pair pair;
+  std::atomic<int> in_region{0};
+  CallPipeServer server(pair.fds[1], 4 << 20, [&](uint8_t, CallPayload payload, std::function<bool()>,
+                                                  CallPipeServer::Respond respond) {
+    if (payload.in_shared_region()) ++in_region;
+    respond(absl::OkStatus(), std::string(payload.bytes().substr(0, 1)));
+  });
+  rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit low = saved;
+  low.rlim_cur = 256;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<int> filler;  // every descriptor below the limit taken
+  for (int fd = dup(0); fd >= 0; fd = dup(0)) filler.push_back(fd);
+  auto client = std::make_unique<CallPipeClient>(pair.fds[0], "test", 4 << 20, /*region_bytes=*/1 << 20);
+  for (int fd : filler) close(fd);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  EXPECT_FALSE(client->shares_region());
+  absl::StatusOr<std::string> answer = client->Call(1, std::string(300000, 'q'), In(milliseconds(20000)));
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(*answer, "q");
+  EXPECT_EQ(in_region.load(), 0);
+}
+
 TEST(CallPipeTest, AFrameRoundTripsWithItsFields) {
   Pair pair;
   CallFrame frame;
@@ -277,8 +337,9 @@ TEST(CallPipeTest, ASpanIsHeldUntilTheCalleeAnswersEvenAfterTheCallerGaveUp) {
   EXPECT_EQ(in_region.load(), 2);
 }
 
-// What the callee refuses of a region: a span outside it, a payload in a region never offered,
-// a second region, a span over the callee's limit. Each closes the pipe before any handler runs.
+// What the callee refuses of a region: one it cannot map (empty), a span outside it, a payload
+// in a region never offered, a second region, a span over the callee's limit. Each closes the
+// pipe before any handler runs.
 TEST(CallPipeTest, ASpanTheRegionDoesNotHoldClosesThePipe) {
   auto memfd_of = [](size_t bytes) {
     const int fd = memfd_create("test-region", MFD_CLOEXEC);
@@ -292,7 +353,8 @@ TEST(CallPipeTest, ASpanTheRegionDoesNotHoldClosesThePipe) {
     bool offer_twice;
     uint64_t offset, bytes;
   };
-  for (const Case& c : {Case{"past the end", true, false, 4000, 200}, Case{"offset past the end", true, false, 5000, 0},
+  for (const Case& c : {Case{"an empty region", true, false, 0, 0}, Case{"past the end", true, false, 4000, 200},
+                        Case{"offset past the end", true, false, 5000, 0},
                         Case{"no region offered", false, false, 0, 100}, Case{"a second region", true, true, 0, 100},
                         Case{"over the limit", true, false, 0, 2000}}) {
     Pair pair;
@@ -305,7 +367,7 @@ TEST(CallPipeTest, ASpanTheRegionDoesNotHoldClosesThePipe) {
     for (int i = 0; i < (c.offer_region ? (c.offer_twice ? 2 : 1) : 0); ++i) {
       CallFrame offer;
       offer.kind = CallFrameKind::kRegion;
-      offer.passed_fd = memfd_of(4096);
+      offer.passed_fd = memfd_of(std::string(c.what) == "an empty region" ? 0 : 4096);  // empty: nothing to map
       ASSERT_TRUE(WriteCallFrame(pair.fds[0], offer).ok());
       close(offer.passed_fd);
     }
