@@ -35,6 +35,39 @@ struct Pair {
   int fds[2] = {-1, -1};
 };
 
+// Runs `f` with every file descriptor taken (the limit lowered to 256 and the rest filled),
+// then gives them back.
+template <typename F>
+void WithNoDescriptorLeft(F f) {
+  rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit low = saved;
+  low.rlim_cur = 256;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<int> filler;
+  for (int fd = dup(0); fd >= 0; fd = dup(0)) filler.push_back(fd);
+  f();
+  for (int fd : filler) close(fd);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+}
+
+// A callee that answers each call with `answer(payload)` and counts the calls it got and the
+// payloads it read from the caller's shared region.
+struct CountingCallee {
+  CountingCallee(int fd, std::function<std::string(absl::string_view)> answer, uint64_t max_call_bytes = 4 << 20)
+      : server(fd, max_call_bytes, [this, answer](uint8_t, CallPayload payload, std::function<bool()>,
+                                                  CallPipeServer::Respond respond) {
+          ++calls;
+          if (payload.in_shared_region()) ++in_region;
+          respond(absl::OkStatus(), answer(payload.bytes()));
+        }) {}
+  std::atomic<int> calls{0};
+  std::atomic<int> in_region{0};
+  CallPipeServer server;
+};
+
+std::string Nothing(absl::string_view) { return ""; }
+
 TEST(CallPipeTest, AnswersReachTheirCallersInAnyOrder) {
   Pair pair;
   std::mutex mu;
@@ -151,17 +184,12 @@ TEST(CallPipeTest, ACalleeThatGoesAwayFailsTheCallsInFlightAndLater) {
 
 TEST(CallPipeTest, ACallOverTheLimitClosesThePipeBeforeItsPayloadIsRead) {
   Pair pair;
-  std::atomic<int> handled{0};
-  CallPipeServer server(pair.fds[1], 1000, [&](uint8_t, CallPayload, std::function<bool()>,
-                                               CallPipeServer::Respond respond) {
-    ++handled;
-    respond(absl::OkStatus(), "");
-  });
+  CountingCallee callee(pair.fds[1], Nothing, 1000);
   CallPipeClient client(pair.fds[0], "test");
   EXPECT_TRUE(client.Call(1, std::string(1000, 'x'), In(milliseconds(20000))).ok());
   absl::Status over = client.Call(1, std::string(1001, 'x'), In(milliseconds(20000))).status();
   EXPECT_EQ(over.code(), absl::StatusCode::kUnavailable) << over;
-  EXPECT_EQ(handled.load(), 1);
+  EXPECT_EQ(callee.calls.load(), 1);
 }
 
 TEST(CallPipeTest, ReadingRefusesWhatIsNotAFrame) {
@@ -210,27 +238,14 @@ TEST(CallPipeTest, ReadingRefusesFlagsItDoesNotKnow) {
 // the socket as without one.
 TEST(CallPipeTest, WithoutARegionCallsGoInline) {
   Pair pair;
-  std::atomic<int> in_region{0};
-  CallPipeServer server(pair.fds[1], 4 << 20, [&](uint8_t, CallPayload payload, std::function<bool()>,
-                                                  CallPipeServer::Respond respond) {
-    if (payload.in_shared_region()) ++in_region;
-    respond(absl::OkStatus(), std::string(payload.bytes().substr(0, 1)));
-  });
-  rlimit saved;
-  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
-  rlimit low = saved;
-  low.rlim_cur = 256;
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
-  std::vector<int> filler;  // every descriptor below the limit taken
-  for (int fd = dup(0); fd >= 0; fd = dup(0)) filler.push_back(fd);
-  auto client = std::make_unique<CallPipeClient>(pair.fds[0], "test", 4 << 20, /*region_bytes=*/1 << 20);
-  for (int fd : filler) close(fd);
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  CountingCallee callee(pair.fds[1], [](absl::string_view payload) { return std::string(payload.substr(0, 1)); });
+  std::unique_ptr<CallPipeClient> client;
+  WithNoDescriptorLeft([&] { client = std::make_unique<CallPipeClient>(pair.fds[0], "test", 4 << 20, 1 << 20); });
   EXPECT_FALSE(client->shares_region());
   absl::StatusOr<std::string> answer = client->Call(1, std::string(300000, 'q'), In(milliseconds(20000)));
   ASSERT_TRUE(answer.ok()) << answer.status();
   EXPECT_EQ(*answer, "q");
-  EXPECT_EQ(in_region.load(), 0);
+  EXPECT_EQ(callee.in_region.load(), 0);
 }
 
 TEST(CallPipeTest, AFrameRoundTripsWithItsFields) {
@@ -358,12 +373,7 @@ TEST(CallPipeTest, ASpanTheRegionDoesNotHoldClosesThePipe) {
                         Case{"no region offered", false, false, 0, 100}, Case{"a second region", true, true, 0, 100},
                         Case{"over the limit", true, false, 0, 2000}}) {
     Pair pair;
-    std::atomic<int> handled{0};
-    CallPipeServer server(pair.fds[1], 1000, [&](uint8_t, CallPayload, std::function<bool()>,
-                                                 CallPipeServer::Respond respond) {
-      ++handled;
-      respond(absl::OkStatus(), "");
-    });
+    CountingCallee callee(pair.fds[1], Nothing, 1000);
     for (int i = 0; i < (c.offer_region ? (c.offer_twice ? 2 : 1) : 0); ++i) {
       CallFrame offer;
       offer.kind = CallFrameKind::kRegion;
@@ -381,7 +391,7 @@ TEST(CallPipeTest, ASpanTheRegionDoesNotHoldClosesThePipe) {
     if (!c.offer_twice) ASSERT_TRUE(WriteCallFrame(pair.fds[0], call).ok());
     char byte;
     EXPECT_EQ(read(pair.fds[0], &byte, 1), 0) << c.what;  // the callee closed its end
-    EXPECT_EQ(handled.load(), 0) << c.what;
+    EXPECT_EQ(callee.calls.load(), 0) << c.what;
     close(pair.fds[0]);
   }
 }
@@ -440,12 +450,7 @@ TEST(CallPipeTest, ARegionsDescriptorTravelsWithItsFrame) {
 // dropped untaken frees its span.
 TEST(CallPipeTest, AStagedTailIsSentWithoutCopyingItAgain) {
   Pair pair;
-  std::atomic<int> in_region{0};
-  CallPipeServer server(pair.fds[1], 4 << 20, [&](uint8_t, CallPayload payload, std::function<bool()>,
-                                                  CallPipeServer::Respond respond) {
-    if (payload.in_shared_region()) ++in_region;
-    respond(absl::OkStatus(), std::string(payload.bytes()));
-  });
+  CountingCallee callee(pair.fds[1], [](absl::string_view payload) { return std::string(payload); });
   CallPipeClient client(pair.fds[0], "test", 4 << 20, /*region_bytes=*/1 << 20);
   const std::string a(300000, 'a'), b(100000, 'b');
   std::shared_ptr<const StagedTail> staged = client.Stage(64, {a, b});
@@ -475,7 +480,7 @@ TEST(CallPipeTest, AStagedTailIsSentWithoutCopyingItAgain) {
   answer = client.Call(1, "mine:", In(milliseconds(20000)), {a}, foreign.get());
   ASSERT_TRUE(answer.ok()) << answer.status();
   EXPECT_EQ(*answer, "mine:" + a);
-  EXPECT_EQ(in_region.load(), 4);
+  EXPECT_EQ(callee.in_region.load(), 4);
   // Nothing to stage without a region, or for a tail small enough to go inline.
   Pair plain_pair;
   CallPipeClient plain(plain_pair.fds[0], "plain");
@@ -487,16 +492,8 @@ TEST(CallPipeTest, AStagedTailIsSentWithoutCopyingItAgain) {
 // failed, and starts no child. The binary exists (this test's own), so the start gets as far
 // as the pipe.
 TEST(CallPipeTest, AStartWhosePipeCannotBeMadeFails) {
-  rlimit saved;
-  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
-  rlimit low = saved;
-  low.rlim_cur = 256;
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
-  std::vector<int> filler;  // every descriptor below the limit taken
-  for (int fd = dup(0); fd >= 0; fd = dup(0)) filler.push_back(fd);
-  absl::StatusOr<ChildServer> child = ChildServer::Start("/proc/self/exe", {}, 5, /*call_pipe=*/true);
-  for (int fd : filler) close(fd);
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  absl::StatusOr<ChildServer> child = absl::UnknownError("not started");
+  WithNoDescriptorLeft([&] { child = ChildServer::Start("/proc/self/exe", {}, 5, /*call_pipe=*/true); });
   ASSERT_FALSE(child.ok());
   EXPECT_NE(child.status().message().find("socketpair for a child's call pipe"), std::string::npos) << child.status();
 }
