@@ -8,7 +8,8 @@
 # PACKED (true: datums as packed_datums, the client's default; false: repeated Datum),
 # COORD_FLAGS (extra coordinator flags, e.g. --max_tokens_per_microbatch N for Forward),
 # CLIENT_FLAGS (extra service_overhead flags), IN_PROCESS_WORKER (true: lorastep_coordinator_with_worker --in_process_worker, the worker in
-# the coordinator's process; BIN_DIR must hold that binary too).
+# the coordinator's process; BIN_DIR must hold that binary too), SERVER_CPUS and CLIENT_CPUS
+# (taskset CPU lists: the coordinator, with the worker it spawns, and the client pinned there).
 set -euo pipefail
 BIN=$1 PRESET=$2 DEVICE=$3 DTYPE=$4 OUT=$5 KEY=$6
 find_bin() { for p in "$BIN/$1" "$BIN/server/$1" "$BIN/worker/$1" "$BIN/tools/$1" "$BIN/bench/$1"; do
@@ -23,12 +24,12 @@ VOCAB=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['vocab_si
 COORDINATOR=lorastep_coordinator
 if [ "${IN_PROCESS_WORKER:-false}" = true ]; then COORDINATOR=lorastep_coordinator_with_worker WORKER_FLAGS=--in_process_worker
 else WORKER_FLAGS="--worker_binary $(find_bin lorastep_worker)"; fi
-"$(find_bin $COORDINATOR)" --model "$MODEL" --device "$DEVICE" --port 0 \
+${SERVER_CPUS:+taskset -c $SERVER_CPUS} "$(find_bin $COORDINATOR)" --model "$MODEL" --device "$DEVICE" --port 0 \
   --port_file "$WORK/port" $WORKER_FLAGS ${COORD_FLAGS:-} 2> "$WORK/server.log" &
 PID=$!
 for _ in $(seq 1200); do [ -s "$WORK/port" ] && break; sleep 0.1; done
 [ -s "$WORK/port" ] || { cat "$WORK/server.log"; exit 1; }
-"$(find_bin service_overhead)" --address "127.0.0.1:$(cat "$WORK/port")" --vocab "$VOCAB" \
+${CLIENT_CPUS:+taskset -c $CLIENT_CPUS} "$(find_bin service_overhead)" --address "127.0.0.1:$(cat "$WORK/port")" --vocab "$VOCAB" \
   --seqs "${SEQS:-64}" --len "${LEN:-512}" --steps "${STEPS:-5}" --out "$OUT" --key "$KEY" \
   --rank "${RANK:-32}" --max_tokens "${MAX_TOKENS:-0}" --expert_lora "${EXPERT_LORA:-}" \
   ${BATCH_FILE:+--batch_file "$BATCH_FILE"} --mode "${MODE:-train}" --packed="${PACKED:-true}" --server_pid $PID ${CLIENT_FLAGS:-} \

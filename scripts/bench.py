@@ -342,15 +342,22 @@ def suite_service(ctx):
     # (--v=2), to split the overhead; the logging's own cost stays out of the headline figures.
     # --service-tuned-client: once more with the benchmark client keeping large buffers in its
     # heap as the servers do (service_overhead --tune_malloc), to show its page faults' share.
-    passes = ([("", "", "")] + ([("_v2", "--v=2", "")] if ctx.args.service_log else [])
-              + ([("_tuned_client", "", "--tune_malloc")] if ctx.args.service_tuned_client else []))
-    for suffix, flags, client_flags in passes:
+    # --service-pin S/C: once more with the servers on CPUs S and the client on CPUs C (taskset),
+    # after the unpinned passes, to show what threads moving between cores cost.
+    pin = {}
+    if ctx.args.service_pin:
+        server_cpus, client_cpus = ctx.args.service_pin.split("/")
+        pin = {"SERVER_CPUS": server_cpus, "CLIENT_CPUS": client_cpus}
+    passes = ([("", "", "", {})] + ([("_pinned", "", "", pin)] if pin else [])
+              + ([("_v2", "--v=2", "", {})] if ctx.args.service_log else [])
+              + ([("_tuned_client", "", "--tune_malloc", {})] if ctx.args.service_tuned_client else []))
+    for suffix, flags, client_flags, extra_env in passes:
         for deployment in ctx.args.deployment:
             d = DEPLOYMENTS[deployment]
             name = f"{deployment}{suffix}"
             env = dict(model_env, IN_PROCESS_WORKER=d["IN_PROCESS_WORKER"],
                        COORD_FLAGS=f"{d['COORD_FLAGS']} {flags}".strip(), CLIENT_FLAGS=client_flags,
-                       SERVER_LOG=os.path.join(ctx.out, f"service_{name}.server.log"))
+                       SERVER_LOG=os.path.join(ctx.out, f"service_{name}.server.log"), **extra_env)
             result = os.path.join(ctx.out, f"service_overhead_{name}.json")
             if run(["bash", "bench/service_overhead.sh", ctx.build, "qwen2.5-0.5b", "cuda", "bfloat16", result,
                     "overhead_fraction"], ctx.fails, f"service overhead ({name})", env=env,
@@ -473,7 +480,7 @@ SUITES = {
                 lambda a: [f"service_overhead_{d}.json" for d in a.deployment]
                 + [f"service_split_{d}.json" for d in a.deployment if a.service_log]
                 + [f"service_overhead_{d}{v}.json" for v in ["_tuned_client"] * a.service_tuned_client
-                   + ["_v2"] * a.service_log for d in a.deployment],
+                   + ["_v2"] * a.service_log + ["_pinned"] * bool(a.service_pin) for d in a.deployment],
                 lambda a: []),
     "autosave": ("autosave's cost on the step", suite_autosave,
                  lambda a: [f"autosave_{d}.json" for d in a.deployment], lambda a: []),
@@ -562,6 +569,9 @@ def main(argv=None):
     ap.add_argument("--service-tuned-client", action="store_true",
                     help="service: each deployment once more with the client's large buffers kept in its heap "
                          "(service_overhead --tune_malloc)")
+    ap.add_argument("--service-pin", metavar="SERVER_CPUS/CLIENT_CPUS",
+                    help="service: each deployment once more with the coordinator (and the worker it spawns) "
+                         "pinned to SERVER_CPUS and the client to CLIENT_CPUS (taskset lists, e.g. 0-7/8)")
     ap.add_argument("--service-log", action="store_true",
                     help="service: each deployment once more with --v=2 call durations, split per step by "
                          "bench/service_split.py into service_split_<deployment>.json")
