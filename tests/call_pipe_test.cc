@@ -182,6 +182,32 @@ TEST(CallPipeTest, ACalleeThatGoesAwayFailsTheCallsInFlightAndLater) {
   EXPECT_EQ(client.Call(1, "x", In(milliseconds(60000))).status().code(), absl::StatusCode::kUnavailable);
 }
 
+// A staged tail whose call finds the pipe closed frees its span, whether the client already
+// knew (a call in flight saw the end of the stream) or learns it writing.
+TEST(CallPipeTest, AStagedTailWhoseCallFindsThePipeClosedFreesItsSpan) {
+  for (const bool known : {true, false}) {
+    Pair pair;
+    auto callee = std::make_unique<CallPipeServer>(
+        pair.fds[1], 4 << 20, [](uint8_t, CallPayload, std::function<bool()>, CallPipeServer::Respond) {});
+    CallPipeClient client(pair.fds[0], "test", 4 << 20, /*region_bytes=*/1 << 20);
+    const std::string big(800000, 'z');
+    std::shared_ptr<const StagedTail> staged = client.Stage(64, {big});
+    ASSERT_NE(staged, nullptr);
+    if (known) {
+      auto in_flight = std::async(std::launch::async, [&] { return client.Call(1, "x", In(milliseconds(60000))); });
+      std::this_thread::sleep_for(milliseconds(50));
+      callee.reset();  // the worker's end closes; the waiting call reads the end of the stream
+      EXPECT_EQ(in_flight.get().status().code(), absl::StatusCode::kUnavailable);
+    } else {
+      callee.reset();
+    }
+    EXPECT_EQ(client.Call(1, "x", In(milliseconds(20000)), {big}, staged.get()).status().code(),
+              absl::StatusCode::kUnavailable)
+        << known;
+    EXPECT_NE(client.Stage(64, {big}), nullptr) << "the staged tail's span is free again; known " << known;
+  }
+}
+
 TEST(CallPipeTest, ACallOverTheLimitClosesThePipeBeforeItsPayloadIsRead) {
   Pair pair;
   CountingCallee callee(pair.fds[1], Nothing, 1000);
