@@ -218,6 +218,19 @@ absl::StatusOr<CallFrame> ReadCallFrame(int fd, uint64_t max_payload_bytes) {
   return frame;
 }
 
+namespace {
+
+// Copies `pieces` one after another to `out`; returns the end of what it wrote.
+char* CopyPieces(const std::vector<absl::string_view>& pieces, char* out) {
+  for (absl::string_view piece : pieces) {
+    std::memcpy(out, piece.data(), piece.size());
+    out += piece.size();
+  }
+  return out;
+}
+
+}  // namespace
+
 // The caller's side of the shared region: a sealed memfd mapped for writing, and which of
 // its spans hold the payloads of calls not answered yet, or staged tails not taken yet
 // (keyed by holder: a call id, or a staged tail's id with kStagedHolder set). Thread-safe.
@@ -426,11 +439,7 @@ std::shared_ptr<const StagedTail> CallPipeClient::Stage(uint64_t front_bytes,
   const std::optional<uint64_t> span = region_->Hold(place->holder, front_bytes + tail_bytes);
   if (!span) return nullptr;
   place->offset = *span;
-  char* out = region_->data() + *span + front_bytes;
-  for (absl::string_view piece : tail) {
-    std::memcpy(out, piece.data(), piece.size());
-    out += piece.size();
-  }
+  CopyPieces(tail, region_->data() + *span + front_bytes);
   return std::shared_ptr<const StagedTail>(new StagedTail(std::move(place)));
 }
 
@@ -474,13 +483,7 @@ absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string pay
                               ? 0
                               : std::chrono::duration_cast<std::chrono::microseconds>(deadline.time_since_epoch()).count();
   if (span) {  // the span is this call's alone until the callee answers it
-    char* out = region_->data() + *span;
-    std::memcpy(out, payload.data(), payload.size());
-    out += payload.size();
-    for (absl::string_view piece : payload_tail) {
-      std::memcpy(out, piece.data(), piece.size());
-      out += piece.size();
-    }
+    CopyPieces(payload_tail, CopyPieces({payload}, region_->data() + *span));
     call.payload_in_region = true;
     call.region_offset = *span;
     call.region_bytes = payload_bytes;
