@@ -40,6 +40,8 @@ ABSL_FLAG(std::string, mode, "train", "train or forward");
 ABSL_FLAG(std::string, key, "overhead_fraction", "JSON key of the median overhead");
 ABSL_FLAG(bool, tune_malloc, false, "keep large buffers in this process's heap, as the servers do (TuneProcessForServing)");
 ABSL_FLAG(int, server_pid, 0, "the coordinator's pid: its minor page faults per step go into the JSON too");
+ABSL_FLAG(bool, client_poll, true,
+          "the client polls for each step's answer inside the window it is expected in (TrainerClient::set_poll_for_answers)");
 ABSL_FLAG(bool, packed, true, "send datums as packed_datums (false: repeated Datum messages)");
 ABSL_FLAG(bool, first_step_logprobs, false,
           "train: run the warm-up step as ForwardBackward + OptimStep and record its loss, grad_norm and log-probs");
@@ -80,6 +82,7 @@ int main(int argc, char** argv) {
     std::cerr << client.status() << "\n";
     return 1;
   }
+  (*client)->set_poll_for_answers(absl::GetFlag(FLAGS_client_poll));
   v1::LoraConfig lora;
   lora.set_rank(absl::GetFlag(FLAGS_rank));  // 0 = full fine-tuning
   lora.set_alpha(32);

@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <climits>
 #include <cstring>
+#include <ctime>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -101,6 +102,27 @@ bool ReadFullyWithDescriptor(int fd, char* out, size_t n, int* passed_fd) {
     n -= static_cast<size_t>(got);
   }
   return true;
+}
+
+// Waits until one of `fds` is ready or `wait` has passed, as poll does. Inside `window` it
+// polls without blocking (until the window closes or `wait` passes); before the window it
+// blocks until the window opens at the latest (0 then: the caller looks again).
+int PollUntilAnswer(pollfd* fds, nfds_t count, std::chrono::nanoseconds wait, const AnswerWindows::Window& window) {
+  using Steady = std::chrono::steady_clock;
+  const Steady::time_point now = Steady::now();
+  if (window.known && now >= window.opens && now < window.closes) {
+    const Steady::time_point until = wait < window.closes - now ? now + wait : window.closes;
+    int ready = 0;
+    do {
+      ready = poll(fds, count, 0);
+    } while (ready == 0 && Steady::now() < until);
+    return ready;
+  }
+  if (window.known && now < window.opens) wait = std::min<std::chrono::nanoseconds>(wait, window.opens - now);
+  if (wait == std::chrono::nanoseconds::max()) return ppoll(fds, count, nullptr, nullptr);
+  const int64_t ns = std::min<int64_t>(wait.count(), int64_t{INT_MAX} * 1'000'000'000);
+  const timespec ts{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
+  return ppoll(fds, count, &ts, nullptr);
 }
 
 // Lets one write take a whole step's frame (a 64 x 512 batch is about 0.5 MB): with the
@@ -380,16 +402,17 @@ void CallPipeClient::Wake() {
   if (wake_fd_ >= 0) (void)!write(wake_fd_, &one, sizeof(one));
 }
 
-void CallPipeClient::ReadAnswer(std::unique_lock<std::mutex>& lock, std::chrono::system_clock::time_point deadline) {
+void CallPipeClient::ReadAnswer(std::unique_lock<std::mutex>& lock, std::chrono::system_clock::time_point deadline,
+                                const AnswerWindows::Window& window) {
   lock.unlock();
   pollfd fds[2] = {{fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-  int timeout_ms = -1;
+  std::chrono::nanoseconds wait = std::chrono::nanoseconds::max();  // how long to block
   if (deadline != std::chrono::system_clock::time_point::max()) {
-    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::system_clock::now());
-    timeout_ms = static_cast<int>(std::clamp<int64_t>(left.count(), 0, INT_MAX));
+    wait = std::max(std::chrono::nanoseconds(0), std::chrono::ceil<std::chrono::nanoseconds>(
+                                                     deadline - std::chrono::system_clock::now()));
   }
-  if (wake_fd_ < 0 && (timeout_ms < 0 || timeout_ms > 100)) timeout_ms = 100;  // no eventfd: look again often
-  const int ready = poll(fds, wake_fd_ >= 0 ? 2 : 1, timeout_ms);
+  if (wake_fd_ < 0) wait = std::min<std::chrono::nanoseconds>(wait, std::chrono::milliseconds(100));  // look again often
+  const int ready = PollUntilAnswer(fds, wake_fd_ >= 0 ? 2 : 1, wait, window);
   if (ready > 0 && (fds[1].revents & POLLIN)) {
     uint64_t count;
     (void)!read(wake_fd_, &count, sizeof(count));  // drained: the next wait blocks again
@@ -507,6 +530,8 @@ absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string pay
     if (region_ != nullptr) region_->Release(id);
     return leave(absl::UnavailableError(absl::StrCat("worker ", peer_, ": ", sent.message())));
   }
+  const AnswerWindows::Clock::time_point sent_at = AnswerWindows::Clock::now();
+  const AnswerWindows::Window window = poll_for_answers_ ? windows_.For(method, sent_at) : AnswerWindows::Window();
   // One waiting caller reads at a time; the others wait for it to hand their answers over.
   while (!pending->done) {
     if (std::chrono::system_clock::now() >= deadline) {
@@ -518,7 +543,7 @@ absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string pay
     }
     if (!reading_) {
       reading_ = true;
-      ReadAnswer(lock, deadline);
+      ReadAnswer(lock, deadline, window);
       reading_ = false;
       changed_.notify_all();
     } else if (deadline == std::chrono::system_clock::time_point::max()) {
@@ -528,6 +553,7 @@ absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string pay
     }
   }
   if (!pending->status.ok()) return leave(pending->status);
+  windows_.Record(method, AnswerWindows::Clock::now() - sent_at);
   return leave(std::move(pending->payload));
 }
 

@@ -31,6 +31,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "rpc/answer_window.h"
 
 namespace lorastep {
 
@@ -143,6 +144,10 @@ class CallPipeClient {
   void CancelAll();
   // Whether calls' payloads go through a shared region.
   bool shares_region() const { return region_ != nullptr; }
+  // The waiting caller polls the socket for its answer inside the window the answer is
+  // expected in (the method's recent durations, rpc/answer_window.h) instead of sleeping
+  // through it, and blocks before and after it. Off by default.
+  void set_poll_for_answers(bool on) { poll_for_answers_ = on; }
 
  private:
   friend class StagedTail;
@@ -153,8 +158,10 @@ class CallPipeClient {
     std::string payload;
   };
   // As the reader (reading_ held, `lock` released meanwhile): waits for a frame until
-  // `deadline` or a wake-up (CancelAll, the destructor), reads it and hands it to its caller.
-  void ReadAnswer(std::unique_lock<std::mutex>& lock, std::chrono::system_clock::time_point deadline);
+  // `deadline`, a wake-up (CancelAll, the destructor) or the opening of `window` (polling
+  // inside it), reads it and hands it to its caller.
+  void ReadAnswer(std::unique_lock<std::mutex>& lock, std::chrono::system_clock::time_point deadline,
+                  const AnswerWindows::Window& window);
   void Close(const absl::Status& why);  // under mu_: every waiting call fails
   void Wake();                          // the reader's wait returns
   void SendCancel(uint64_t call_id);    // best effort
@@ -173,6 +180,8 @@ class CallPipeClient {
   uint64_t next_id_ = 1;             // under mu_
   std::map<uint64_t, std::shared_ptr<Pending>> pending_;  // under mu_
   std::shared_ptr<Region> region_;                        // null: none (thread-safe; staged tails share it)
+  std::atomic<bool> poll_for_answers_{false};
+  AnswerWindows windows_;  // by method
 };
 
 // The callee's side: reads calls on its own thread and hands each to `handler`, which

@@ -328,9 +328,13 @@ def suite_attention(ctx):
 
 # How each worker deployment starts: the worker inside the coordinator's process, or spawned
 # (its per-step calls over the inherited call pipe, or, process_grpc, over gRPC).
+# process_sleeping: the default deployment with every caller blocking for its answer (the
+# client and the pipe's waiting caller do not poll near the expected time).
 DEPLOYMENTS = {
     "process": {"IN_PROCESS_WORKER": "false", "COORD_FLAGS": ""},
     "process_grpc": {"IN_PROCESS_WORKER": "false", "COORD_FLAGS": "--noworker_pipe"},
+    "process_sleeping": {"IN_PROCESS_WORKER": "false", "COORD_FLAGS": "--worker_pipe_poll=false",
+                         "CLIENT_FLAGS": "--client_poll=false"},
     "in_process": {"IN_PROCESS_WORKER": "true", "COORD_FLAGS": ""},
 }
 
@@ -356,7 +360,8 @@ def suite_service(ctx):
             d = DEPLOYMENTS[deployment]
             name = f"{deployment}{suffix}"
             env = dict(model_env, IN_PROCESS_WORKER=d["IN_PROCESS_WORKER"],
-                       COORD_FLAGS=f"{d['COORD_FLAGS']} {flags}".strip(), CLIENT_FLAGS=client_flags,
+                       COORD_FLAGS=f"{d['COORD_FLAGS']} {flags}".strip(),
+                       CLIENT_FLAGS=f"{d.get('CLIENT_FLAGS', '')} {client_flags}".strip(),
                        SERVER_LOG=os.path.join(ctx.out, f"service_{name}.server.log"), **extra_env)
             result = os.path.join(ctx.out, f"service_overhead_{name}.json")
             if run(["bash", "bench/service_overhead.sh", ctx.build, "qwen2.5-0.5b", "cuda", "bfloat16", result,

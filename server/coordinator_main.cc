@@ -41,6 +41,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "lib/training/batch.h"
 #include "lib/parent_death.h"
@@ -79,6 +80,10 @@ ABSL_FLAG(bool, in_process_worker, false,
 ABSL_FLAG(bool, worker_pipe, true,
           "local worker processes: their per-step calls (TrainStep, ForwardBackward, Forward, OptimStep) travel over a "
           "socket pair each inherits at spawn instead of gRPC (every other call stays on gRPC)");
+ABSL_FLAG(std::optional<bool>, worker_pipe_poll, std::nullopt,
+          "the call pipe's waiting caller polls for each answer inside the window it is expected in (the method's "
+          "last three durations, at most 20 ms wide) instead of sleeping through the step, at the cost of up to that "
+          "window of one core per call (default: on with --device cuda)");
 ABSL_FLAG(std::optional<int64_t>, max_tokens_per_microbatch, std::nullopt, "local workers: padded tokens per micro-batch");
 ABSL_FLAG(int, worker_start_timeout_s, 300, "seconds local workers may take to start");
 ABSL_FLAG(int, tp, 1, "tensor-parallel size of the mesh");
@@ -401,6 +406,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> addresses;
   std::vector<int> local_pipe_fds;  // of the local workers' call pipes, by address (-1: none)
   const bool worker_pipe = absl::GetFlag(FLAGS_worker_pipe);
+  const bool pipe_poll = absl::GetFlag(FLAGS_worker_pipe_poll).value_or(absl::StartsWith(absl::GetFlag(FLAGS_device), "cuda"));
   std::vector<ChildServer> local;
   std::mutex local_mu;  // `local` is also changed by worker restarts
   std::vector<std::vector<std::string>> per_rank;  // each local worker's flags
@@ -492,6 +498,7 @@ int main(int argc, char** argv) {
                             int pipe_fd = -1) -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
     auto client = std::make_unique<GrpcWorkerClient>(address, std::chrono::seconds(worker_call_timeout), worker_token,
                                                      worker_tls, pipe_fd, spawned);
+    client->set_poll_pipe_answers(pipe_poll);
     LORASTEP_RETURN_IF_ERROR(client->WaitReady(wait_s));
     return std::unique_ptr<WorkerClient>(std::move(client));
   };

@@ -39,6 +39,11 @@ class GrpcWorkerClient final : public WorkerClient {
                             bool spawned = false);
   // Waits until the channel is ready (or the deadline passes).
   absl::Status WaitReady(int timeout_seconds);
+  // With a call pipe: its waiting callers poll for answers near their expected time
+  // (CallPipeClient::set_poll_for_answers).
+  void set_poll_pipe_answers(bool on) {
+    if (pipe_ != nullptr) pipe_->set_poll_for_answers(on);
+  }
 
   std::string address() const override { return address_; }
   absl::StatusOr<v1::WorkerInfo> Info() override;

@@ -7,6 +7,7 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -118,6 +119,68 @@ TEST(CallPipeTest, AWaitingCallerTakesOverReadingWhenTheReaderGivesUp) {
   EXPECT_EQ(gives_up.get().status().code(), absl::StatusCode::kDeadlineExceeded);
   ASSERT_TRUE(answered.ok()) << answered.status();
   EXPECT_EQ(*answered, "late:b");
+  std::lock_guard<std::mutex> lock(mu);
+  for (std::thread& t : answering) t.join();
+}
+
+TEST(AnswerWindowsTest, TheWindowSpansTheRecentDurationsWithMargins) {
+  AnswerWindows windows;
+  const AnswerWindows::Clock::time_point start{};
+  EXPECT_FALSE(windows.For(1, start).known);  // nothing answered yet
+  windows.Record(1, milliseconds(190));
+  windows.Record(1, milliseconds(195));
+  windows.Record(1, milliseconds(192));
+  AnswerWindows::Window w = windows.For(1, start);
+  ASSERT_TRUE(w.known);
+  // 1% (1.9 ms) before the shortest, 1% (1.95 ms, less than 2 ms) after the longest
+  EXPECT_EQ(w.opens - start, std::chrono::microseconds(190000 - 1900));
+  EXPECT_EQ(w.closes - start, std::chrono::microseconds(195000 + 2000));
+  EXPECT_FALSE(windows.For(2, start).known);  // another kind
+  windows.Record(1, milliseconds(240));  // replaces the oldest (190): too spread to poll through
+  EXPECT_FALSE(windows.For(1, start).known);
+  windows.Record(9, milliseconds(5));  // no such kind: ignored
+  EXPECT_FALSE(windows.For(9, start).known);
+}
+
+double ThreadCpuMs() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+// With polling on, the waiting caller polls near the answer's expected time (it spends CPU
+// time there) and still gets every answer; with it off, it sleeps through the call. A deadline
+// inside the window still ends the call.
+TEST(CallPipeTest, AWaitingCallerPollsForItsAnswerNearItsExpectedTime) {
+  Pair pair;
+  std::vector<std::thread> answering;
+  std::mutex mu;
+  CallPipeServer server(pair.fds[1], 1 << 20, [&](uint8_t, CallPayload payload, std::function<bool()>,
+                                                  CallPipeServer::Respond respond) {
+    std::lock_guard<std::mutex> lock(mu);
+    answering.emplace_back([respond, text = std::string(payload.bytes())] {
+      std::this_thread::sleep_for(milliseconds(text == "never" ? 300 : 40));
+      respond(absl::OkStatus(), "re:" + text);
+    });
+  });
+  CallPipeClient client(pair.fds[0], "test");
+  auto call_cpu_ms = [&](const std::string& text) {
+    const double before = ThreadCpuMs();
+    absl::StatusOr<std::string> answer = client.Call(1, text, In(milliseconds(20000)));
+    EXPECT_TRUE(answer.ok()) << answer.status();
+    if (answer.ok()) EXPECT_EQ(*answer, "re:" + text);
+    return ThreadCpuMs() - before;
+  };
+  for (int i = 0; i < 3; ++i) EXPECT_LT(call_cpu_ms("sleeping" + std::to_string(i)), 1.0);
+  client.set_poll_for_answers(true);
+  double most = 0;
+  for (int i = 0; i < 3; ++i) most = std::max(most, call_cpu_ms("polling" + std::to_string(i)));
+  EXPECT_GT(most, 0.3);  // polled from about a millisecond before the answer landed
+  // The window opens about 39 ms after the call: a deadline at 41 ms passes while polling.
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<std::string> late = client.Call(1, "never", In(milliseconds(41)));
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(1000));
   std::lock_guard<std::mutex> lock(mu);
   for (std::thread& t : answering) t.join();
 }

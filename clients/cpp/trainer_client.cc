@@ -4,7 +4,6 @@
 
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/impl/client_unary_call.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -40,16 +39,68 @@ std::string NewRequestId() {
 }
 
 TrainerClient::TrainerClient(std::shared_ptr<grpc::Channel> channel, std::string authorization)
-    : channel_(std::move(channel)),
-      authorization_(std::move(authorization)),
-      stub_(v1::Trainer::NewStub(channel_)),
-      train_step_method_("/lorastep.v1.Trainer/TrainStep", grpc::internal::RpcMethod::NORMAL_RPC, channel_) {}
+    : channel_(std::move(channel)), authorization_(std::move(authorization)), stub_(v1::Trainer::NewStub(channel_)) {}
+
+namespace {
+
+// The step calls' indices into the client's answer windows, and their methods.
+enum StepKind { kForwardBackward = 0, kForward = 1, kOptimStep = 2, kTrainStep = 3 };
+constexpr const char* kTrainStepMethod = "/lorastep.v1.Trainer/TrainStep";
+
+}  // namespace
+
+template <typename Resp>
+absl::StatusOr<Resp> TrainerClient::StepCall(int kind, const char* method, const grpc::ByteBuffer& request) {
+  using Clock = AnswerWindows::Clock;
+  grpc::ClientContext ctx;
+  if (!authorization_.empty()) ctx.AddMetadata("authorization", authorization_);
+  grpc::CompletionQueue cq;
+  grpc::GenericStub generic(channel_);
+  grpc::ByteBuffer answer;
+  grpc::Status status;
+  const Clock::time_point start = Clock::now();
+  std::unique_ptr<grpc::GenericClientAsyncResponseReader> call = generic.PrepareUnaryCall(&ctx, method, request, &cq);
+  call->StartCall();
+  call->Finish(&answer, &status, &status);
+  void* tag = nullptr;
+  bool ok = false;
+  bool done = false;
+  if (const AnswerWindows::Window w = windows_.For(kind, start); poll_for_answers_ && w.known) {
+    if (Clock::now() < w.opens) {  // sleeps until the window opens (or the answer comes first)
+      done = cq.AsyncNext(&tag, &ok, std::chrono::system_clock::now() + (w.opens - Clock::now())) ==
+             grpc::CompletionQueue::GOT_EVENT;
+    }
+    while (!done && Clock::now() < w.closes) {  // polls without blocking: the answer is read as it lands
+      done = cq.AsyncNext(&tag, &ok, std::chrono::system_clock::time_point()) == grpc::CompletionQueue::GOT_EVENT;
+    }
+  }
+  if (!done) cq.Next(&tag, &ok);
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {}
+  if (!status.ok()) return FromGrpcStatus(status);
+  windows_.Record(kind, Clock::now() - start);
+  Resp resp;
+  if (grpc::Status parsed = grpc::SerializationTraits<Resp>::Deserialize(&answer, &resp); !parsed.ok()) {
+    return FromGrpcStatus(parsed);
+  }
+  return resp;
+}
+
+template <typename Resp, typename Req>
+absl::StatusOr<Resp> TrainerClient::StepCall(int kind, const char* method, const Req& req) {
+  grpc::ByteBuffer request;
+  bool own_buffer = false;
+  if (grpc::Status s = grpc::SerializationTraits<Req>::Serialize(req, &request, &own_buffer); !s.ok()) {
+    return FromGrpcStatus(s);
+  }
+  return StepCall<Resp>(kind, method, request);
+}
 
 absl::StatusOr<v1::StepResponse> TrainerClient::TrainStep(const v1::TrainStepRequest& req,
                                                           const v1::PackedDatums& packed) {
   // The request's bytes: its own fields, then packed_datums' head and its arrays, each a slice
   // of bytes that `req` and `packed` hold (gRPC takes static slices as they are). They and
-  // `head` outlive the call, which ends with the context.
+  // `head` outlive the call.
   std::string head = req.SerializeAsString();
   const PackedDatumsField field(v1::TrainStepRequest::kPackedDatumsFieldNumber, packed);
   head += field.head();
@@ -58,17 +109,20 @@ absl::StatusOr<v1::StepResponse> TrainerClient::TrainStep(const v1::TrainStepReq
   slices.emplace_back(head.data(), head.size(), grpc::Slice::STATIC_SLICE);
   for (absl::string_view piece : field.pieces()) slices.emplace_back(piece.data(), piece.size(), grpc::Slice::STATIC_SLICE);
   const grpc::ByteBuffer request(slices.data(), slices.size());
-  v1::StepResponse resp;
-  grpc::Status s;
-  {
-    grpc::ClientContext ctx;
-    if (!authorization_.empty()) ctx.AddMetadata("authorization", authorization_);
-    s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, v1::StepResponse, grpc::ByteBuffer,
-                                          grpc::protobuf::MessageLite>(channel_.get(), train_step_method_, &ctx,
-                                                                       request, &resp);
-  }
-  if (!s.ok()) return FromGrpcStatus(s);
-  return resp;
+  return StepCall<v1::StepResponse>(kTrainStep, kTrainStepMethod, request);
+}
+
+absl::StatusOr<v1::StepResponse> TrainerClient::TrainStep(const v1::TrainStepRequest& req) {
+  return StepCall<v1::StepResponse>(kTrainStep, kTrainStepMethod, req);
+}
+absl::StatusOr<v1::ForwardBackwardResponse> TrainerClient::ForwardBackward(const v1::ForwardBackwardRequest& req) {
+  return StepCall<v1::ForwardBackwardResponse>(kForwardBackward, "/lorastep.v1.Trainer/ForwardBackward", req);
+}
+absl::StatusOr<v1::ForwardBackwardResponse> TrainerClient::Forward(const v1::ForwardRequest& req) {
+  return StepCall<v1::ForwardBackwardResponse>(kForward, "/lorastep.v1.Trainer/Forward", req);
+}
+absl::StatusOr<v1::StepResponse> TrainerClient::OptimStep(const v1::OptimStepRequest& req) {
+  return StepCall<v1::StepResponse>(kOptimStep, "/lorastep.v1.Trainer/OptimStep", req);
 }
 
 absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const std::string& address,
@@ -97,10 +151,6 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const std:
     return CallUnary<v1::Resp>(stub_.get(), &v1::Trainer::Stub::Method, req, std::chrono::seconds(0), authorization_); \
   }
 LORASTEP_CLIENT_CALL(CreateRun, CreateRunRequest, Run)
-LORASTEP_CLIENT_CALL(ForwardBackward, ForwardBackwardRequest, ForwardBackwardResponse)
-LORASTEP_CLIENT_CALL(Forward, ForwardRequest, ForwardBackwardResponse)
-LORASTEP_CLIENT_CALL(OptimStep, OptimStepRequest, StepResponse)
-LORASTEP_CLIENT_CALL(TrainStep, TrainStepRequest, StepResponse)
 LORASTEP_CLIENT_CALL(SaveState, SaveStateRequest, SaveStateResponse)
 LORASTEP_CLIENT_CALL(LoadState, LoadStateRequest, Run)
 LORASTEP_CLIENT_CALL(ExportAdapter, ExportAdapterRequest, ExportAdapterResponse)

@@ -14,6 +14,7 @@
 #ifndef LORASTEP_CLIENTS_CPP_TRAINER_CLIENT_H_
 #define LORASTEP_CLIENTS_CPP_TRAINER_CLIENT_H_
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,9 +22,10 @@
 #include "absl/status/statusor.h"
 #include <functional>
 
-#include <grpcpp/impl/rpc_method.h>
+#include <grpcpp/support/byte_buffer.h>
 
 #include "lorastep/v1/trainer.grpc.pb.h"
+#include "rpc/answer_window.h"
 
 namespace lorastep {
 
@@ -60,12 +62,27 @@ class TrainerClient {
   // grpc.health.v1 status of the server ("" = overall): true when SERVING.
   absl::StatusOr<bool> Healthy();
 
+  // The per-step calls (TrainStep, ForwardBackward, Forward, OptimStep) poll the connection
+  // for their answer from the calling thread inside the window the answer is expected in
+  // (rpc/answer_window.h), and block before and after it: a thread that slept through a
+  // training step wakes late. The cost is at most that window (20 ms) of one core per call.
+  // On by default; false: they block throughout, as every other call does.
+  void set_poll_for_answers(bool on) { poll_for_answers_ = on; }
+
  private:
   TrainerClient(std::shared_ptr<grpc::Channel> channel, std::string authorization);
+  // One per-step call of `method` (`kind`: which of the four, for its answer window) with the
+  // serialized `request`, on a completion queue of its own, waited for as
+  // set_poll_for_answers says; the response deserialized into a `Resp`.
+  template <typename Resp>
+  absl::StatusOr<Resp> StepCall(int kind, const char* method, const grpc::ByteBuffer& request);
+  template <typename Resp, typename Req>
+  absl::StatusOr<Resp> StepCall(int kind, const char* method, const Req& req);
   std::shared_ptr<grpc::Channel> channel_;
   std::string authorization_;  // "Bearer <key>" or empty
   std::unique_ptr<v1::Trainer::Stub> stub_;
-  const grpc::internal::RpcMethod train_step_method_;  // TrainStep as a raw call
+  std::atomic<bool> poll_for_answers_{true};
+  AnswerWindows windows_;  // by the kind of step call
 };
 
 // A random 128-bit hex id for request_id.
