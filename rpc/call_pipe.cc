@@ -606,21 +606,49 @@ absl::StatusOr<std::shared_ptr<const RegionMapping>> MapRegion(int fd) {
 // What the reader and every answer still to come share: the socket stays open until the
 // last of them is done with it.
 struct CallPipeServer::Shared {
-  explicit Shared(int fd) : fd(fd) {}
-  ~Shared() { close(fd); }
+  explicit Shared(int fd, bool poll_after_answer)
+      : fd(fd), answered_fd(poll_after_answer ? eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC) : -1) {}
+  ~Shared() {
+    close(fd);
+    if (answered_fd >= 0) close(answered_fd);
+  }
   const int fd;
+  const int answered_fd;  // an eventfd the answers count up (-1: the reader does not poll after them)
   std::mutex write_mu;
   std::mutex mu;
   bool closed = false;                                                 // under mu
   std::map<uint64_t, std::shared_ptr<std::atomic<bool>>> cancelled;  // calls not answered yet, under mu
 };
 
-CallPipeServer::CallPipeServer(int fd, uint64_t max_call_bytes, Handler handler)
-    : shared_(std::make_shared<Shared>(fd)) {
+namespace {
+
+// Waits until `fd` has something to read (or is closed). Each time `answered_fd` (-1: none)
+// counts an answer, polls `fd` without blocking for up to `poll_for` before blocking again.
+void WaitForNextCall(int fd, int answered_fd, std::chrono::microseconds poll_for) {
+  pollfd fds[2] = {{fd, POLLIN, 0}, {answered_fd, POLLIN, 0}};
+  while (true) {
+    const int ready = poll(fds, answered_fd >= 0 ? 2 : 1, -1);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0 || fds[0].revents != 0) return;  // readable, closed, or poll failed: the read says which
+    uint64_t count;
+    (void)!read(answered_fd, &count, sizeof(count));
+    const auto until = std::chrono::steady_clock::now() + poll_for;
+    do {
+      if (poll(fds, 1, 0) != 0) return;
+    } while (std::chrono::steady_clock::now() < until);
+  }
+}
+
+}  // namespace
+
+CallPipeServer::CallPipeServer(int fd, uint64_t max_call_bytes, Handler handler,
+                               std::chrono::microseconds poll_after_answer)
+    : shared_(std::make_shared<Shared>(fd, poll_after_answer.count() > 0)) {
   WidenSendBuffer(fd);
-  reader_ = std::thread([shared = shared_, max_call_bytes, handler = std::move(handler)] {
+  reader_ = std::thread([shared = shared_, max_call_bytes, handler = std::move(handler), poll_after_answer] {
     std::shared_ptr<const RegionMapping> region;
     while (true) {
+      WaitForNextCall(shared->fd, shared->answered_fd, poll_after_answer);
       absl::StatusOr<CallFrame> frame = ReadCallFrame(shared->fd, max_call_bytes);
       if (!frame.ok() || frame->kind == CallFrameKind::kAnswer) break;
       if (frame->kind == CallFrameKind::kRegion) {
@@ -669,8 +697,12 @@ CallPipeServer::CallPipeServer(int fd, uint64_t max_call_bytes, Handler handler)
         answer.code = status.code();
         answer.message = std::string(status.message());
         if (status.ok()) answer.payload = std::move(payload);
-        std::lock_guard<std::mutex> lock(shared->write_mu);
-        WriteCallFrame(shared->fd, answer).IgnoreError();  // the caller is gone: nobody to tell
+        {
+          std::lock_guard<std::mutex> lock(shared->write_mu);
+          WriteCallFrame(shared->fd, answer).IgnoreError();  // the caller is gone: nobody to tell
+        }
+        const uint64_t one = 1;
+        if (shared->answered_fd >= 0) (void)!write(shared->answered_fd, &one, sizeof(one));
       };
       handler(frame->method, std::move(payload), std::move(cancelled), std::move(respond));
     }

@@ -197,7 +197,11 @@ class CallPipeServer {
                                      Respond respond)>;
   // Owns `fd`. Calls with payloads over `max_call_bytes`, a second region, and a payload
   // outside the region close the pipe (the caller's calls in flight then fail UNAVAILABLE).
-  CallPipeServer(int fd, uint64_t max_call_bytes, Handler handler);
+  // `poll_after_answer` > 0: after each answer the reader polls for the next call this long
+  // before it blocks again (a training loop calls again soon after each answer; a reader that
+  // slept through the step would wake late).
+  CallPipeServer(int fd, uint64_t max_call_bytes, Handler handler,
+                 std::chrono::microseconds poll_after_answer = std::chrono::microseconds(0));
   // Stops reading and closes the pipe; answers still to come are dropped.
   ~CallPipeServer();
   CallPipeServer(const CallPipeServer&) = delete;

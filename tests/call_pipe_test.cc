@@ -55,13 +55,16 @@ void WithNoDescriptorLeft(F f) {
 // A callee that answers each call with `answer(payload)` and counts the calls it got and the
 // payloads it read from the caller's shared region.
 struct CountingCallee {
-  CountingCallee(int fd, std::function<std::string(absl::string_view)> answer, uint64_t max_call_bytes = 4 << 20)
-      : server(fd, max_call_bytes, [this, answer](uint8_t, CallPayload payload, std::function<bool()>,
-                                                  CallPipeServer::Respond respond) {
-          ++calls;
-          if (payload.in_shared_region()) ++in_region;
-          respond(absl::OkStatus(), answer(payload.bytes()));
-        }) {}
+  CountingCallee(int fd, std::function<std::string(absl::string_view)> answer, uint64_t max_call_bytes = 4 << 20,
+                 milliseconds poll_after_answer = milliseconds(0))
+      : server(
+            fd, max_call_bytes,
+            [this, answer](uint8_t, CallPayload payload, std::function<bool()>, CallPipeServer::Respond respond) {
+              ++calls;
+              if (payload.in_shared_region()) ++in_region;
+              respond(absl::OkStatus(), answer(payload.bytes()));
+            },
+            poll_after_answer) {}
   std::atomic<int> calls{0};
   std::atomic<int> in_region{0};
   CallPipeServer server;
@@ -183,6 +186,39 @@ TEST(CallPipeTest, AWaitingCallerPollsForItsAnswerNearItsExpectedTime) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(1000));
   std::lock_guard<std::mutex> lock(mu);
   for (std::thread& t : answering) t.join();
+}
+
+double ProcessCpuMs() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+// With poll_after_answer, the callee's reader polls for the next call after each answer (the
+// process spends CPU time while the caller idles) and serves the calls that come meanwhile and
+// after; without it, it sleeps. Destroying the callee while its reader polls ends it.
+TEST(CallPipeTest, TheCalleesReaderPollsForTheNextCallAfterEachAnswer) {
+  for (const int poll_ms : {0, 200}) {
+    SCOPED_TRACE(poll_ms);
+    Pair pair;
+    auto callee = std::make_unique<CountingCallee>(
+        pair.fds[1], [](absl::string_view p) { return "re:" + std::string(p); }, 1 << 20, milliseconds(poll_ms));
+    CallPipeClient client(pair.fds[0], "test");
+    ASSERT_EQ(client.Call(1, "a", In(milliseconds(20000))).value_or(""), "re:a");
+    const double before = ProcessCpuMs();
+    std::this_thread::sleep_for(milliseconds(60));
+    const double idle_cpu_ms = ProcessCpuMs() - before;
+    if (poll_ms > 0) {
+      EXPECT_GT(idle_cpu_ms, 10);  // the reader polled through most of the 60 ms
+    } else {
+      EXPECT_LT(idle_cpu_ms, 10);
+    }
+    EXPECT_EQ(client.Call(1, "b", In(milliseconds(20000))).value_or(""), "re:b");  // during its polling, or after
+    std::this_thread::sleep_for(milliseconds(300));
+    EXPECT_EQ(client.Call(1, "c", In(milliseconds(20000))).value_or(""), "re:c");
+    callee.reset();  // polling again after "c": ends anyway
+    EXPECT_EQ(client.Call(1, "d", In(milliseconds(20000))).status().code(), absl::StatusCode::kUnavailable);
+  }
 }
 
 TEST(CallPipeTest, TheCalleesFailureReachesTheCaller) {

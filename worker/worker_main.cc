@@ -58,7 +58,8 @@ ABSL_FLAG(int64_t, coschedule_window_us, 5000,
           "TrainSteps of different runs queued while the device is busy run as one step; with several runs, a call "
           "finding the device idle waits up to this many microseconds for the others (0: off, every call alone)");
 ABSL_FLAG(std::optional<int>, executor_spin_us, std::nullopt,
-          "after each call, the thread that ran it polls this long for the run's next call before it sleeps "
+          "after each call, the thread that ran it polls this long for the run's next call before it sleeps, and so "
+          "does the coordinator's call pipe's reader after each answer "
           "(a training loop's next call comes within a few milliseconds; waking a sleeping thread costs more). "
           "Default: 5000 on a CUDA device, whose host cores idle through the step; 0 on the CPU, whose step "
           "needs them");
@@ -377,7 +378,8 @@ int main(int argc, char** argv) {
   }
   std::unique_ptr<WorkerPipeService> pipe;
   if (const int fd = absl::GetFlag(FLAGS_coordinator_pipe_fd); fd != -1) {
-    auto started = WorkerPipeService::Start(fd, &dispatch, &observers);
+    auto started = WorkerPipeService::Start(fd, &dispatch, &observers, 1ull << 30,
+                                            std::chrono::microseconds(executor_spin_us));
     if (!started.ok()) {
       LORASTEP_LOG(Error) << "lorastep_worker: " << started.status();
       return 2;

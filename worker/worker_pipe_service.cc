@@ -19,27 +19,28 @@
 
 namespace lorastep {
 
-absl::StatusOr<std::unique_ptr<WorkerPipeService>> WorkerPipeService::Start(int fd, WorkerDispatch* dispatch,
-                                                                           const CallObservers* observers,
-                                                                           uint64_t max_call_bytes) {
+absl::StatusOr<std::unique_ptr<WorkerPipeService>> WorkerPipeService::Start(
+    int fd, WorkerDispatch* dispatch, const CallObservers* observers, uint64_t max_call_bytes,
+    std::chrono::microseconds poll_after_answer) {
   struct stat st;
   if (fd < 0 || fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) {
     return absl::InvalidArgumentError(
         absl::StrCat("coordinator_pipe_fd: ", fd, " is not an open socket (the coordinator passes it when it spawns the worker)"));
   }
   fcntl(fd, F_SETFD, FD_CLOEXEC);  // nothing this worker starts holds it
-  return std::unique_ptr<WorkerPipeService>(new WorkerPipeService(fd, dispatch, observers, max_call_bytes));
+  return std::unique_ptr<WorkerPipeService>(new WorkerPipeService(fd, dispatch, observers, max_call_bytes, poll_after_answer));
 }
 
 WorkerPipeService::WorkerPipeService(int fd, WorkerDispatch* dispatch, const CallObservers* observers,
-                                     uint64_t max_call_bytes)
+                                     uint64_t max_call_bytes, std::chrono::microseconds poll_after_answer)
     : dispatch_(dispatch),
       observers_(observers),
       server_(fd, max_call_bytes,
               [this](uint8_t method, CallPayload payload, std::function<bool()> cancelled,
                      CallPipeServer::Respond respond) {
                 Handle(method, std::move(payload), std::move(cancelled), std::move(respond));
-              }) {}
+              },
+              poll_after_answer) {}
 
 namespace {
 

@@ -6,6 +6,7 @@
 #ifndef LORASTEP_WORKER_WORKER_PIPE_SERVICE_H_
 #define LORASTEP_WORKER_WORKER_PIPE_SERVICE_H_
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 
@@ -21,12 +22,15 @@ class WorkerPipeService {
   // Serves the pipe at `fd` (the worker's --coordinator_pipe_fd) until destroyed; calls over
   // `max_call_bytes` close it. INVALID_ARGUMENT naming the flag when `fd` is not an open
   // socket. `dispatch` and `observers` outlive the service.
-  static absl::StatusOr<std::unique_ptr<WorkerPipeService>> Start(int fd, WorkerDispatch* dispatch,
-                                                                  const CallObservers* observers,
-                                                                  uint64_t max_call_bytes = 1ull << 30);
+  // `poll_after_answer`: how long the pipe's reader polls for the next call after each answer
+  // (CallPipeServer).
+  static absl::StatusOr<std::unique_ptr<WorkerPipeService>> Start(
+      int fd, WorkerDispatch* dispatch, const CallObservers* observers, uint64_t max_call_bytes = 1ull << 30,
+      std::chrono::microseconds poll_after_answer = std::chrono::microseconds(0));
 
  private:
-  WorkerPipeService(int fd, WorkerDispatch* dispatch, const CallObservers* observers, uint64_t max_call_bytes);
+  WorkerPipeService(int fd, WorkerDispatch* dispatch, const CallObservers* observers, uint64_t max_call_bytes,
+                    std::chrono::microseconds poll_after_answer);
   void Handle(uint8_t method, CallPayload payload, std::function<bool()> cancelled, CallPipeServer::Respond respond);
   // Parses `payload` as a Req (its packed datums, if any, left in the payload's bytes and
   // converted on the device queue), then runs `work(calls, req, datums, resp, cancelled)` on
