@@ -982,15 +982,6 @@ TEST(InProcessWorkerTest, AnswersLikeTheWorkerProcess) {
     ASSERT_OK_AND_ASSIGN(std::string worker_why, ReadFileToString(dir + "/worker_spin.txt"));
     EXPECT_THAT(worker_why, ::testing::HasSubstr("--executor_spin_us: must be in [0, 100000]")) << worker_why;
   }
-  // So is the count of the worker's pipe conversion threads.
-  for (const char* threads : {"-1", "17"}) {
-    const std::string worker = Binary("worker/lorastep_worker") + " --model " + dir +
-                               "/model --allow_plain_paths --port 0 --pipe_conversion_threads " + threads + " 2> " +
-                               dir + "/worker_threads.txt";
-    EXPECT_NE(system(worker.c_str()), 0) << worker;
-    ASSERT_OK_AND_ASSIGN(std::string why, ReadFileToString(dir + "/worker_threads.txt"));
-    EXPECT_THAT(why, ::testing::HasSubstr("--pipe_conversion_threads: must be in [0, 16]")) << why;
-  }
   // So is the co-scheduling window (no negative wait).
   {
     const std::string bad = coordinator + " --model " + dir + "/model --port 0 --coschedule_window_us -5 2> " + dir +

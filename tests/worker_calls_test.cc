@@ -192,8 +192,7 @@ class WorkerPipeTest : public WorkerCallsTest {
     dispatch_ = std::make_unique<WorkerDispatch>(core_.get());
     int pair[2];
     ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
-    ASSERT_OK_AND_ASSIGN(service_, WorkerPipeService::Start(pair[1], dispatch_.get(), &observers_, 1ull << 30,
-                                                            poll_after_answer_, conversion_helpers_));
+    ASSERT_OK_AND_ASSIGN(service_, WorkerPipeService::Start(pair[1], dispatch_.get(), &observers_));
     client_fd_ = pair[0];
   }
   void TearDown() override {
@@ -205,39 +204,7 @@ class WorkerPipeTest : public WorkerCallsTest {
   std::unique_ptr<WorkerDispatch> dispatch_;
   std::unique_ptr<WorkerPipeService> service_;
   int client_fd_ = -1;  // taken by the client the test makes
-  std::chrono::microseconds poll_after_answer_{0};
-  int conversion_helpers_ = 0;
 };
-
-// The same service with its reader and two conversion helpers polling after each answer, as
-// on a CUDA device.
-class WorkerPipeWithHelpersTest : public WorkerPipeTest {
- protected:
-  void SetUp() override {
-    poll_after_answer_ = std::chrono::milliseconds(20);
-    conversion_helpers_ = 2;
-    WorkerPipeTest::SetUp();
-  }
-};
-
-// A batch converted by the reader, the device thread and the helpers together steps as the
-// same batch through WorkerCalls directly, step after step, with pauses between steps (the
-// helpers asleep) and without (polling).
-TEST_F(WorkerPipeWithHelpersTest, ABatchConvertedWithHelpersStepsAsWorkerCallsDirectly) {
-  GrpcWorkerClient client("127.0.0.1:1", std::chrono::seconds(600), "", {}, client_fd_);
-  ASSERT_OK(CreateRun("twin"));
-  for (int step = 0; step < 4; ++step) {
-    const v1::WorkerTrainStepRequest req = Step(step, "", 16, 96);
-    ASSERT_OK_AND_ASSIGN(v1::WorkerStepResponse piped, client.TrainStep(req, BatchShard{}));
-    v1::WorkerTrainStepRequest twin = req;
-    twin.set_run_id("twin");
-    v1::WorkerStepResponse direct;
-    ASSERT_OK(calls_->TrainStep(twin, &direct));
-    EXPECT_EQ(piped.result().adapter_sha256(), direct.result().adapter_sha256()) << step;
-    EXPECT_EQ(piped.result().metrics().at("loss:sum"), direct.result().metrics().at("loss:sum")) << step;
-    if (step == 1) std::this_thread::sleep_for(std::chrono::milliseconds(50));  // past the polling
-  }
-}
 
 TEST_F(WorkerPipeTest, StepsAndRefusalsTravelAsWorkerCallsAnswers) {
   GrpcWorkerClient client("127.0.0.1:1", std::chrono::seconds(600), "", {}, client_fd_);  // no gRPC server there

@@ -57,10 +57,6 @@ ABSL_FLAG(std::optional<int64_t>, max_tokens_per_microbatch, std::nullopt, "padd
 ABSL_FLAG(int64_t, coschedule_window_us, 5000,
           "TrainSteps of different runs queued while the device is busy run as one step; with several runs, a call "
           "finding the device idle waits up to this many microseconds for the others (0: off, every call alone)");
-ABSL_FLAG(std::optional<int>, pipe_conversion_threads, std::nullopt,
-          "threads that convert a call's packed datums from the coordinator's pipe beside its reader and the device "
-          "thread, polling for the next call for --executor_spin_us after each answer. Default: 2 on a CUDA device, "
-          "0 on the CPU");
 ABSL_FLAG(std::optional<int>, executor_spin_us, std::nullopt,
           "after each call, the thread that ran it polls this long for the run's next call before it sleeps, and so "
           "does the coordinator's call pipe's reader after each answer "
@@ -229,12 +225,6 @@ int main(int argc, char** argv) {
   options.coschedule_window = std::chrono::microseconds(absl::GetFlag(FLAGS_coschedule_window_us));
   const int executor_spin_us =
       absl::GetFlag(FLAGS_executor_spin_us).value_or(absl::StartsWith(absl::GetFlag(FLAGS_device), "cuda") ? 5000 : 0);
-  const int pipe_conversion_threads =
-      absl::GetFlag(FLAGS_pipe_conversion_threads).value_or(absl::StartsWith(absl::GetFlag(FLAGS_device), "cuda") ? 2 : 0);
-  if (pipe_conversion_threads < 0 || pipe_conversion_threads > 16) {
-    LORASTEP_LOG(Error) << "lorastep_worker: --pipe_conversion_threads: must be in [0, 16]";
-    return 2;
-  }
   if (executor_spin_us < 0 || executor_spin_us > 100000) {
     LORASTEP_LOG(Error) << "lorastep_worker: --executor_spin_us: must be in [0, 100000]";
     return 2;
@@ -389,7 +379,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<WorkerPipeService> pipe;
   if (const int fd = absl::GetFlag(FLAGS_coordinator_pipe_fd); fd != -1) {
     auto started = WorkerPipeService::Start(fd, &dispatch, &observers, 1ull << 30,
-                                            std::chrono::microseconds(executor_spin_us), pipe_conversion_threads);
+                                            std::chrono::microseconds(executor_spin_us));
     if (!started.ok()) {
       LORASTEP_LOG(Error) << "lorastep_worker: " << started.status();
       return 2;

@@ -21,22 +21,20 @@ namespace lorastep {
 
 absl::StatusOr<std::unique_ptr<WorkerPipeService>> WorkerPipeService::Start(
     int fd, WorkerDispatch* dispatch, const CallObservers* observers, uint64_t max_call_bytes,
-    std::chrono::microseconds poll_after_answer, int conversion_helpers) {
+    std::chrono::microseconds poll_after_answer) {
   struct stat st;
   if (fd < 0 || fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) {
     return absl::InvalidArgumentError(
         absl::StrCat("coordinator_pipe_fd: ", fd, " is not an open socket (the coordinator passes it when it spawns the worker)"));
   }
   fcntl(fd, F_SETFD, FD_CLOEXEC);  // nothing this worker starts holds it
-  return std::unique_ptr<WorkerPipeService>(new WorkerPipeService(fd, dispatch, observers, max_call_bytes, poll_after_answer, conversion_helpers));
+  return std::unique_ptr<WorkerPipeService>(new WorkerPipeService(fd, dispatch, observers, max_call_bytes, poll_after_answer));
 }
 
 WorkerPipeService::WorkerPipeService(int fd, WorkerDispatch* dispatch, const CallObservers* observers,
-                                     uint64_t max_call_bytes, std::chrono::microseconds poll_after_answer,
-                                     int conversion_helpers)
+                                     uint64_t max_call_bytes, std::chrono::microseconds poll_after_answer)
     : dispatch_(dispatch),
       observers_(observers),
-      helpers_(std::make_shared<ConversionHelpers>(conversion_helpers, poll_after_answer)),
       server_(fd, max_call_bytes,
               [this](uint8_t method, CallPayload payload, std::function<bool()> cancelled,
                      CallPipeServer::Respond respond) {
@@ -112,77 +110,6 @@ struct SharedConversion {
 
 }  // namespace
 
-// Threads that join each call's shared conversion beside the reader and the device thread.
-// They poll for the next call's conversion for a while after each answer (when the training
-// loop's next call comes) and sleep otherwise; a conversion offered while they sleep is done
-// without them.
-class WorkerPipeService::ConversionHelpers {
- public:
-  ConversionHelpers(int threads, std::chrono::microseconds poll_after_answer) : poll_after_answer_(poll_after_answer) {
-    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Loop(); });
-  }
-  ~ConversionHelpers() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (std::thread& t : threads_) t.join();
-  }
-  bool any() const { return !threads_.empty(); }
-  // A call's conversion, for the helpers polling now (sleeping ones are not woken for it).
-  void Offer(std::shared_ptr<SharedConversion> conversion) {
-    std::lock_guard<std::mutex> lock(mu_);
-    job_ = std::move(conversion);
-    generation_.fetch_add(1, std::memory_order_release);
-  }
-  // An answer went out: poll for the next call's conversion from now on.
-  void Answered() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      poll_until_ns_.store(NowNs() + std::chrono::duration_cast<std::chrono::nanoseconds>(poll_after_answer_).count(),
-                           std::memory_order_relaxed);
-    }
-    cv_.notify_all();
-  }
-
- private:
-  static int64_t NowNs() {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
-  void Loop() {
-    uint64_t seen = 0;
-    while (true) {
-      if (const uint64_t g = generation_.load(std::memory_order_acquire); g != seen) {
-        seen = g;
-        std::shared_ptr<SharedConversion> job;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          job = job_;
-        }
-        if (job != nullptr) job->Help();
-        continue;
-      }
-      if (NowNs() < poll_until_ns_.load(std::memory_order_relaxed)) continue;
-      std::unique_lock<std::mutex> lock(mu_);
-      const int64_t polled_until = poll_until_ns_.load(std::memory_order_relaxed);
-      cv_.wait(lock, [&] { return stop_ || poll_until_ns_.load(std::memory_order_relaxed) != polled_until; });
-      if (stop_) return;
-      seen = generation_.load(std::memory_order_acquire);  // what was offered while asleep is done by now
-    }
-  }
-
-  const std::chrono::microseconds poll_after_answer_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;                          // under mu_
-  std::atomic<uint64_t> generation_{0};        // conversions offered (changed under mu_)
-  std::shared_ptr<SharedConversion> job_;      // under mu_: the last one offered
-  std::atomic<int64_t> poll_until_ns_{0};      // changed under mu_
-  std::vector<std::thread> threads_;
-};
-
 template <typename Req, typename Resp, typename Work>
 void WorkerPipeService::Run(const char* method, CallPayload payload, std::function<bool()> cancelled,
                             CallPipeServer::Respond respond, Work work) {
@@ -204,10 +131,9 @@ void WorkerPipeService::Run(const char* method, CallPayload payload, std::functi
   }
   const std::string run_id = req->run_id();
   // Captures no `this`: a task still queued when the service goes runs at the dispatch's end.
-  if (conversion->shared() && helpers_->any()) helpers_->Offer(conversion);
   dispatch_->device_calls.Submit(run_id, [dispatch = dispatch_, observers = observers_, method, start, req, packed,
                                           conversion, cancelled = std::move(cancelled), respond = std::move(respond),
-                                          work, helpers = helpers_->any() ? helpers_ : nullptr]() {
+                                          work]() {
     AfterAnswerScope after_answer;  // the step's figures once the answer is written
     Resp resp;
     absl::StatusOr<std::vector<Datum>> whole = std::vector<Datum>();
@@ -225,7 +151,6 @@ void WorkerPipeService::Run(const char* method, CallPayload payload, std::functi
     if (s.ok()) resp.SerializeToString(&answer);
     const auto end = std::chrono::steady_clock::now();
     respond(s, std::move(answer));  // then the metrics and the log line: the coordinator waits for the answer only
-    if (helpers != nullptr) helpers->Answered();
     ObserveCall(*observers, method, s, std::chrono::duration<double>(end - start).count(), req->run_id(),
                 req->mesh().request_id(), end);
   });

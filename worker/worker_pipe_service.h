@@ -23,16 +23,14 @@ class WorkerPipeService {
   // `max_call_bytes` close it. INVALID_ARGUMENT naming the flag when `fd` is not an open
   // socket. `dispatch` and `observers` outlive the service.
   // `poll_after_answer`: how long the pipe's reader polls for the next call after each answer
-  // (CallPipeServer). `conversion_helpers`: threads that convert a call's packed datums beside
-  // the reader and the device thread, polling for the next call as long after each answer.
+  // (CallPipeServer).
   static absl::StatusOr<std::unique_ptr<WorkerPipeService>> Start(
       int fd, WorkerDispatch* dispatch, const CallObservers* observers, uint64_t max_call_bytes = 1ull << 30,
-      std::chrono::microseconds poll_after_answer = std::chrono::microseconds(0), int conversion_helpers = 0);
+      std::chrono::microseconds poll_after_answer = std::chrono::microseconds(0));
 
  private:
-  class ConversionHelpers;
   WorkerPipeService(int fd, WorkerDispatch* dispatch, const CallObservers* observers, uint64_t max_call_bytes,
-                    std::chrono::microseconds poll_after_answer, int conversion_helpers);
+                    std::chrono::microseconds poll_after_answer);
   void Handle(uint8_t method, CallPayload payload, std::function<bool()> cancelled, CallPipeServer::Respond respond);
   // Parses `payload` as a Req (its packed datums, if any, left in the payload's bytes and
   // converted on the device queue), then runs `work(calls, req, datums, resp, cancelled)` on
@@ -43,7 +41,6 @@ class WorkerPipeService {
 
   WorkerDispatch* dispatch_;
   const CallObservers* observers_;
-  std::shared_ptr<ConversionHelpers> helpers_;  // shared with the calls still queued when the service goes
   CallPipeServer server_;  // last: its reader stops before the rest goes
 };
 
