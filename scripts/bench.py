@@ -328,12 +328,14 @@ def suite_attention(ctx):
 
 # How each worker deployment starts: the worker inside the coordinator's process, or spawned
 # (its per-step calls over the inherited call pipe, or, process_grpc, over gRPC).
-# process_sleeping: the default deployment with every caller blocking for its answer (the
-# client and the pipe's waiting caller do not poll near the expected time).
+# process_cold_poller: the default deployment without the gRPC poller kept warm after answers.
+# process_sleeping: nor any caller polling for its answer near the expected time (the client,
+# the pipe's waiting caller).
 DEPLOYMENTS = {
     "process": {"IN_PROCESS_WORKER": "false", "COORD_FLAGS": ""},
     "process_grpc": {"IN_PROCESS_WORKER": "false", "COORD_FLAGS": "--noworker_pipe"},
-    "process_sleeping": {"IN_PROCESS_WORKER": "false", "COORD_FLAGS": "--worker_pipe_poll=false",
+    "process_cold_poller": {"IN_PROCESS_WORKER": "false", "COORD_FLAGS": "--grpc_poller_warm_us=0"},
+    "process_sleeping": {"IN_PROCESS_WORKER": "false", "COORD_FLAGS": "--worker_pipe_poll=false --grpc_poller_warm_us=0",
                          "CLIENT_FLAGS": "--client_poll=false"},
     "in_process": {"IN_PROCESS_WORKER": "true", "COORD_FLAGS": ""},
 }

@@ -267,6 +267,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext*
     }
     Done(server_id);
     reactor->Finish(ToGrpcStatus(ClientStatus(who, result.status())));
+    if (warmth_ != nullptr) warmth_->Answered();
   });
   return reactor;
 }

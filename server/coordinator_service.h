@@ -18,6 +18,7 @@
 
 #include "lib/prometheus_registry.h"
 #include "server/api_keys.h"
+#include "rpc/poller_warmth.h"
 #include "rpc/serial_executor.h"
 
 namespace lorastep {
@@ -53,6 +54,9 @@ class CoordinatorService final : public TrainerServiceBase {
   // Step records a WatchMetrics stream holds for a client that reads slower than steps are
   // made; beyond it the stream ends with RESOURCE_EXHAUSTED (--max_watch_backlog).
   void SetWatchBacklog(size_t records) { max_watch_backlog_ = records; }
+  // After each answer, keeps the server's poller stirring for `window` (rpc/poller_warmth.h;
+  // --grpc_poller_warm_us). Zero: off. Call before serving.
+  void SetPollerWarmth(std::chrono::microseconds window) { warmth_ = std::make_unique<PollerWarmth>(window); }
 
   grpc::ServerUnaryReactor* CreateRun(grpc::CallbackServerContext* ctx,
                                       const v1::CreateRunRequest* req, v1::Run* resp) override;
@@ -138,6 +142,7 @@ class CoordinatorService final : public TrainerServiceBase {
   size_t max_watch_backlog_ = 1024;
   int64_t max_upload_bytes_ = int64_t{512} << 20;
   friend class UploadAdapterReactor;
+  std::unique_ptr<PollerWarmth> warmth_;  // null: off (outlives the executor's calls)
   KeyedExecutor executor_;  // per-run order, runs served in turn (last: joined first)
 };
 

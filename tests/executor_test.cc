@@ -2,6 +2,7 @@
 // Both executors with spinning on.
 #include <atomic>
 #include <future>
+#include <memory>
 #include <optional>
 #include <chrono>
 #include <mutex>
@@ -12,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "lib/io/background_writer.h"
 #include "lib/prometheus_registry.h"
+#include "rpc/poller_warmth.h"
 #include "rpc/serial_executor.h"
 #include "rpc/step_metrics.h"
 #include "lib/fair_mutex.h"
@@ -223,4 +225,31 @@ TEST(BackgroundWriterTest, OutcomesAreForgottenBeyondTheBound) {
 }
 
 }  // namespace
+// PollerWarmth: after an answer, alarms fire until its window has passed, and stop; a later
+// answer starts them again; a zero window sets none; it can go while they run.
+TEST(PollerWarmthTest, AlarmsFireForTheWindowAfterEachAnswer) {
+  PollerWarmth off(std::chrono::microseconds(0));
+  off.Answered();
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(off.ticks(), 0);
+
+  PollerWarmth warmth(std::chrono::milliseconds(10), std::chrono::microseconds(200));
+  warmth.Answered();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the window and more
+  const int64_t first = warmth.ticks();
+  EXPECT_GE(first, 3);   // 50 at most in 10 ms; a loaded machine fires fewer
+  EXPECT_LE(first, 60);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(warmth.ticks(), first);  // stopped after the window
+  warmth.Answered();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_GT(warmth.ticks(), first);
+  auto going = std::make_unique<PollerWarmth>(std::chrono::seconds(10), std::chrono::microseconds(100));
+  going->Answered();
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const auto start = std::chrono::steady_clock::now();
+  going.reset();  // while its alarms run
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+}
+
 }  // namespace lorastep

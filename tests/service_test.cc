@@ -982,6 +982,14 @@ TEST(InProcessWorkerTest, AnswersLikeTheWorkerProcess) {
     ASSERT_OK_AND_ASSIGN(std::string worker_why, ReadFileToString(dir + "/worker_spin.txt"));
     EXPECT_THAT(worker_why, ::testing::HasSubstr("--executor_spin_us: must be in [0, 100000]")) << worker_why;
   }
+  // So is the gRPC poller's warm window after each answer.
+  for (const char* warm : {"-1", "100001"}) {
+    const std::string bad = coordinator + " --model " + dir + "/model --port 0 --grpc_poller_warm_us " + warm + " 2> " +
+                            dir + "/warm.txt";
+    EXPECT_NE(system(bad.c_str()), 0) << bad;
+    ASSERT_OK_AND_ASSIGN(std::string why, ReadFileToString(dir + "/warm.txt"));
+    EXPECT_THAT(why, ::testing::HasSubstr("grpc_poller_warm_us: must be in [0, 100000]")) << why;
+  }
   // So is the co-scheduling window (no negative wait).
   {
     const std::string bad = coordinator + " --model " + dir + "/model --port 0 --coschedule_window_us -5 2> " + dir +
