@@ -5,9 +5,12 @@ the other deployments' figures beside it, and service_overhead_source (each depl
 per-step figures and, with --service-log, the split of bench/service_split.py). The figures it
 replaces move into service_overhead_source.before (date, commit, headline fractions).
   service_results.py RESULTS_DIR STEP_JSON --commit C --command CMD [--raw RAW_DIR]
+                     [--repeat DIR --repeat-command CMD]...
 RESULTS_DIR holds service_overhead_<deployment>[_v2].json; RAW_DIR (default RESULTS_DIR)
 holds service_<deployment>_v2.server.log (the --v=2 pass's server log) where the split
-JSONs did not come back."""
+JSONs did not come back. Each --repeat DIR is a later call on the same code: its deployments'
+figures go under service_overhead_source.repeats, and service_overhead_lora_calls lists the
+default deployment's figure of every call (the headline is the first call's)."""
 import argparse
 import json
 import os
@@ -16,7 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import service_split  # noqa: E402
 
-DEPLOYMENTS = ("process", "process_grpc", "in_process")
+DEPLOYMENTS = ("process", "process_grpc", "in_process", "process_cold_poller", "process_sleeping")
 DEFAULT = "process"  # what the README starts: the coordinator spawns its worker process
 
 
@@ -32,6 +35,8 @@ def main():
     ap.add_argument("--commit", required=True)
     ap.add_argument("--command", required=True)
     ap.add_argument("--raw", help="folder with the --v=2 server logs (default: RESULTS)")
+    ap.add_argument("--repeat", action="append", default=[], help="a later call's results folder (same code)")
+    ap.add_argument("--repeat-command", action="append", default=[], help="the command of each --repeat call")
     args = ap.parse_args()
     raw = args.raw or args.results
     per = {}
@@ -77,6 +82,23 @@ def main():
     for d in per:
         if d != DEFAULT:
             step[f"service_overhead_lora_{d}"] = per[d]["overhead_fraction"]
+    if len(args.repeat_command) != len(args.repeat):
+        raise SystemExit("each --repeat needs its --repeat-command")
+    repeats = []
+    for folder, command in zip(args.repeat, args.repeat_command):
+        runs = {d: load(os.path.join(folder, f"service_overhead_{d}.json")) for d in DEPLOYMENTS
+                if os.path.exists(os.path.join(folder, f"service_overhead_{d}.json"))}
+        if DEFAULT not in runs:
+            raise SystemExit(f"{folder}: no service_overhead_{DEFAULT}.json (the default deployment)")
+        repeats.append({"date": runs[DEFAULT].get("date"), "command": command,
+                        **{d: {k: r[k] for k in ("overhead_fraction", "worker_step_median_s", "overhead_fractions")
+                               if k in r} for d, r in runs.items()}})
+    if repeats:
+        source["repeats"] = repeats
+        step["service_overhead_lora_calls"] = [first["overhead_fraction"]] + [r[DEFAULT]["overhead_fraction"]
+                                                                             for r in repeats]
+    else:
+        step.pop("service_overhead_lora_calls", None)
     step["service_overhead_source"] = source
     # The target is the default deployment's (the step suite's own figures are its rows').
     step.setdefault("ratios", {})["service_overhead_lora (target < 0.01)"] = first["overhead_fraction"]

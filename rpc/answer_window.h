@@ -1,10 +1,11 @@
 // When a call's answer is expected, from the last three durations of calls of its kind. A
 // caller waiting for a training step's answer polls for it inside that window instead of
 // sleeping through it: on a virtual machine's idle CPU, a thread that blocked for the length
-// of a step is woken about 0.08 ms later than one that polls (bench/host_costs.cc), and each
-// hop of an answer back to the client pays that once. Before the window the caller blocks;
-// after it, or when the durations spread too widely to say (a window wider than kMaxSpan), it
-// blocks as any other caller does. The cost is at most the window of one core per call.
+// of a step is woken later than one that polls (bench/host_costs.cc measures by how much),
+// and each hop of an answer back to the client pays that. Before the window the caller
+// blocks; after it, or when the durations spread too widely to say (a window wider than
+// kMaxSpan), it blocks as any other caller does. The cost is at most the window of one core
+// per call.
 #ifndef LORASTEP_RPC_ANSWER_WINDOW_H_
 #define LORASTEP_RPC_ANSWER_WINDOW_H_
 

@@ -1,10 +1,10 @@
 // Keeps a gRPC server's polling thread stirring for a while after each answer. A training
 // loop sends its next call a millisecond or two after an answer; a poller that has slept
-// since the previous request (a whole training step) is woken late on a virtual machine's
-// idle CPU (bench/host_costs.cc: ~0.1 ms against ~0.03 ms for a thread that ran moments
-// before). Alarms set every `period` until `window` after the last answer kick the poller each
-// time (a new earliest timer wakes it), so its CPU is still warm when the call arrives. The
-// cost is a few microseconds of CPU per period inside the window.
+// since the previous request (a whole training step) is woken later on a virtual machine's
+// idle CPU than one that ran moments before (bench/host_costs.cc). Alarms set every `period`
+// until `window` after the last answer kick the poller each time (a new earliest timer wakes
+// it), so its CPU is still warm when the call arrives. The cost is a few microseconds of CPU
+// per period inside the window.
 #ifndef LORASTEP_RPC_POLLER_WARMTH_H_
 #define LORASTEP_RPC_POLLER_WARMTH_H_
 
