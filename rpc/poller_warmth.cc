@@ -8,8 +8,15 @@ PollerWarmth::PollerWarmth(std::chrono::microseconds window, std::chrono::micros
     : window_(window), period_(period) {}
 
 PollerWarmth::~PollerWarmth() {
+  grpc::Alarm* armed = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;  // no alarm is set from here on
+    if (armed_) armed = alarms_[next_ ^ 1].get();
+  }
+  // Outside the lock: a cancelled alarm's callback may run on this thread.
+  if (armed != nullptr) armed->Cancel();
   std::unique_lock<std::mutex> lock(mu_);
-  stopping_ = true;
   idle_.wait(lock, [this] { return !armed_; });
   lock.unlock();
   for (auto& alarm : alarms_) alarm.reset();  // none armed: their callbacks have returned
