@@ -265,8 +265,8 @@ int main(int argc, char** argv) {
                           << (worker_token.empty() ? ", and the Registry admits any worker without a cluster secret"
                                                    : "");
   }
-  const int poller_warm_us = absl::GetFlag(FLAGS_grpc_poller_warm_us)
-                                 .value_or(absl::StartsWith(absl::GetFlag(FLAGS_device), "cuda") ? 3000 : 0);
+  const bool on_cuda = absl::StartsWith(absl::GetFlag(FLAGS_device), "cuda");  // the defaults of the polling flags
+  const int poller_warm_us = absl::GetFlag(FLAGS_grpc_poller_warm_us).value_or(on_cuda ? 3000 : 0);
   if (poller_warm_us < 0 || poller_warm_us > 100000) {
     return fail(absl::InvalidArgumentError("grpc_poller_warm_us: must be in [0, 100000]"));
   }
@@ -415,7 +415,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> addresses;
   std::vector<int> local_pipe_fds;  // of the local workers' call pipes, by address (-1: none)
   const bool worker_pipe = absl::GetFlag(FLAGS_worker_pipe);
-  const bool pipe_poll = absl::GetFlag(FLAGS_worker_pipe_poll).value_or(absl::StartsWith(absl::GetFlag(FLAGS_device), "cuda"));
+  const bool pipe_poll = absl::GetFlag(FLAGS_worker_pipe_poll).value_or(on_cuda);
   std::vector<ChildServer> local;
   std::mutex local_mu;  // `local` is also changed by worker restarts
   std::vector<std::vector<std::string>> per_rank;  // each local worker's flags

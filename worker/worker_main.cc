@@ -59,7 +59,7 @@ ABSL_FLAG(int64_t, coschedule_window_us, 5000,
           "finding the device idle waits up to this many microseconds for the others (0: off, every call alone)");
 ABSL_FLAG(std::optional<int>, executor_spin_us, std::nullopt,
           "after each call, the thread that ran it polls this long for the run's next call before it sleeps, and so "
-          "does the coordinator's call pipe's reader after each answer "
+          "does this worker's reader of the coordinator's call pipe after each answer "
           "(a training loop's next call comes within a few milliseconds; waking a sleeping thread costs more). "
           "Default: 5000 on a CUDA device, whose host cores idle through the step; 0 on the CPU, whose step "
           "needs them");
