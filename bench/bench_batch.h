@@ -32,13 +32,19 @@ inline std::vector<v1::Datum> LoadBatchFile(const std::string& path) {
 }
 
 // `seqs` x `len` random tokens; the first quarter of each sequence is prompt (advantage 0).
-inline std::vector<v1::Datum> RandomBatch(int seqs, int len, int64_t vocab, uint32_t seed = 1) {
+// next_token_targets: each sequence is a random stream of len + 1 tokens, its targets its
+// tokens shifted by one, as in an RL rollout (the client then sends only each datum's last
+// target); otherwise the targets are random tokens of their own.
+inline std::vector<v1::Datum> RandomBatch(int seqs, int len, int64_t vocab, uint32_t seed = 1,
+                                          bool next_token_targets = false) {
   std::mt19937 rng(seed);
   std::vector<v1::Datum> batch(seqs);
   for (auto& d : batch) {
+    int64_t next = next_token_targets ? rng() % vocab : 0;
     for (int i = 0; i < len; ++i) {
-      d.add_tokens(rng() % vocab);
-      d.add_target_tokens(rng() % vocab);
+      d.add_tokens(next_token_targets ? next : rng() % vocab);
+      next = rng() % vocab;
+      d.add_target_tokens(next);
       d.add_logprobs(-5.0f);
       d.add_advantages(i < len / 4 ? 0.0f : ((rng() % 2) ? 1.0f : -1.0f));
     }

@@ -7,6 +7,8 @@
 //                    [--rank 32 (0 = full fine-tuning)] [--max_tokens 0 (worker default)]
 //                    [--expert_lora per_expert|shared_outer (MoE)]
 //                    [--batch_file B.json (bench/make_batch.py; else random --seqs x --len)]
+//                    [--targets next|random (random batch: next-token targets, as RL sends, or
+//                     targets of their own, sent whole)]
 //                    [--mode train|forward (Forward: log-probs only, no gradient)]
 //                    [--packed=false (datums as repeated Datum messages, not packed_datums)]
 //                    [--first_step_logprobs (train: the warm-up step as ForwardBackward +
@@ -36,6 +38,9 @@ ABSL_FLAG(int64_t, rank, 32, "LoRA rank (0 = full fine-tuning)");
 ABSL_FLAG(std::string, expert_lora, "", "MoE: per_expert (default) or shared_outer");
 ABSL_FLAG(int64_t, max_tokens, 0, "padded tokens per micro-batch (0: the server's)");
 ABSL_FLAG(std::string, batch_file, "", "a JSON batch instead of a random one");
+ABSL_FLAG(std::string, targets, "next",
+          "random batch: next (each sequence's targets are its tokens shifted by one, as in an RL rollout) "
+          "or random (targets drawn apart from the tokens, so the client sends them whole)");
 ABSL_FLAG(std::string, mode, "train", "train or forward");
 ABSL_FLAG(std::string, key, "overhead_fraction", "JSON key of the median overhead");
 ABSL_FLAG(bool, tune_malloc, false, "keep large buffers in this process's heap, as the servers do (TuneProcessForServing)");
@@ -69,7 +74,12 @@ int64_t MinorFaults(int pid) {
 
 int main(int argc, char** argv) {
   using namespace lorastep;
-  ParseCommandLineOrExit(argc, argv, "service_overhead --address A --vocab V [--seqs 64] [--len 512] [--steps 5] [--out F.json]");
+  ParseCommandLineOrExit(argc, argv, "service_overhead --address A --vocab V [--seqs 64] [--len 512] [--steps 5] [--targets next|random] [--out F.json]");
+  const std::string targets = absl::GetFlag(FLAGS_targets);
+  if (targets != "next" && targets != "random") {
+    std::cerr << "--targets: " << targets << " is neither next nor random\n";
+    return 1;
+  }
   if (absl::GetFlag(FLAGS_tune_malloc)) {  // as TuneProcessForServing (rpc/server_runner.cc)
     mallopt(M_MMAP_THRESHOLD, 32 << 20);
     mallopt(M_TRIM_THRESHOLD, 256 << 20);
@@ -96,7 +106,7 @@ int main(int argc, char** argv) {
   run->pack_datums = absl::GetFlag(FLAGS_packed);
   const std::vector<v1::Datum> batch = !absl::GetFlag(FLAGS_batch_file).empty()
                                             ? LoadBatchFile(absl::GetFlag(FLAGS_batch_file))
-                                            : RandomBatch(seqs, len, vocab);
+                                            : RandomBatch(seqs, len, vocab, /*seed=*/1, targets == "next");
   const bool forward_only = absl::GetFlag(FLAGS_mode) == "forward";
   int64_t batch_tokens = 0;
   for (const auto& d : batch) batch_tokens += d.tokens_size();
@@ -174,7 +184,8 @@ int main(int argc, char** argv) {
   j["batch"] = {{"sequences", batch.size()}, {"tokens", batch_tokens},
                 {"batch_file", absl::GetFlag(FLAGS_batch_file)}, {"lora_rank", lora.rank()},
                 {"max_tokens_per_microbatch", max_tokens}, {"mode", forward_only ? "forward" : "train"},
-                {"datums_form", run->pack_datums ? "packed_datums" : "datums"}};
+                {"datums_form", run->pack_datums ? "packed_datums" : "datums"},
+                {"targets", absl::GetFlag(FLAGS_batch_file).empty() ? targets : "batch_file"}};
   j[absl::GetFlag(FLAGS_key)] = median;
   std::vector<double> worker_sorted = worker_s;
   std::sort(worker_sorted.begin(), worker_sorted.end());

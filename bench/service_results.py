@@ -19,7 +19,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import service_split  # noqa: E402
 
-DEPLOYMENTS = ("process", "process_grpc", "in_process", "process_cold_poller", "process_sleeping")
+DEPLOYMENTS = ("process", "process_grpc", "in_process", "process_cold_poller", "process_sleeping",
+               "process_random_targets")
 DEFAULT = "process"  # what the README starts: the coordinator spawns its worker process
 
 
@@ -69,7 +70,7 @@ def main():
               "commit": args.commit, "command": args.command}
     for d, r in per.items():
         source[d] = {k: r[k] for k in ("overhead_fraction", "worker_step_median_s", "overhead_fractions",
-                                       "client_minor_faults") if k in r}
+                                       "client_minor_faults", "batch") if k in r}
     if splits:
         source["split_medians_ms"] = splits
         source["split"] = (old or {}).get("split", "bench/service_split.py over the --v=2 pass of the same call")

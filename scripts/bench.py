@@ -331,12 +331,15 @@ def suite_attention(ctx):
 # process_cold_poller: the default deployment without the gRPC poller kept warm after answers.
 # process_sleeping: nor any caller polling for its answer near the expected time (the client,
 # the pipe's waiting caller).
+# process_random_targets: the default deployment sent a batch whose targets are random tokens
+# of their own (sent whole) instead of the tokens shifted by one, as an RL rollout's are.
 DEPLOYMENTS = {
     "process": {"IN_PROCESS_WORKER": "false", "COORD_FLAGS": ""},
     "process_grpc": {"IN_PROCESS_WORKER": "false", "COORD_FLAGS": "--noworker_pipe"},
     "process_cold_poller": {"IN_PROCESS_WORKER": "false", "COORD_FLAGS": "--grpc_poller_warm_us=0"},
     "process_sleeping": {"IN_PROCESS_WORKER": "false", "COORD_FLAGS": "--worker_pipe_poll=false --grpc_poller_warm_us=0",
                          "CLIENT_FLAGS": "--client_poll=false"},
+    "process_random_targets": {"IN_PROCESS_WORKER": "false", "COORD_FLAGS": "", "CLIENT_FLAGS": "--targets random"},
     "in_process": {"IN_PROCESS_WORKER": "true", "COORD_FLAGS": ""},
 }
 

@@ -9,6 +9,7 @@
 #include <google/protobuf/unknown_field_set.h>
 #include <google/protobuf/util/message_differencer.h>
 
+#include "bench/bench_batch.h"
 #include "gtest/gtest.h"
 #include "rpc/packed_wire.h"
 #include "rpc/proto_convert.h"
@@ -63,6 +64,27 @@ std::string Joined(const WirePieces& pieces) {
 }
 
 const CountedField kDatums{v1::TrainStepRequest::kDatumsFieldNumber, "datums", 10};
+
+// The service benchmark's random batch: with next-token targets (an RL rollout's) the client
+// sends one last target per datum; with targets of their own it sends them whole. Both unpack
+// to the batch as generated.
+TEST(BenchBatchTest, NextTokenTargetsPackAsLastTargetsAndRandomOnesWhole) {
+  for (const bool next : {true, false}) {
+    const std::vector<v1::Datum> batch = RandomBatch(3, 7, 1000, /*seed=*/1, next);
+    v1::PackedDatums packed;
+    ASSERT_TRUE(PackDatums(batch, &packed));
+    EXPECT_EQ(packed.last_target_tokens().size(), next ? 3u * 4 : 0u) << next;
+    EXPECT_EQ(packed.target_tokens().size(), next ? 0u : 21u * 4) << next;
+    absl::StatusOr<std::vector<Datum>> unpacked = RequestDatums({}, packed);
+    ASSERT_TRUE(unpacked.ok()) << unpacked.status();
+    ASSERT_EQ(unpacked->size(), 3u);
+    for (int d = 0; d < 3; ++d) {
+      EXPECT_EQ((*unpacked)[d].tokens, std::vector<int64_t>(batch[d].tokens().begin(), batch[d].tokens().end()));
+      EXPECT_EQ((*unpacked)[d].target_tokens,
+                std::vector<int64_t>(batch[d].target_tokens().begin(), batch[d].target_tokens().end()));
+    }
+  }
+}
 
 TEST(ScanTopLevelFieldsTest, CutsThePackedFieldOutOfARequestInPieces) {
   const v1::TrainStepRequest full = Request();
