@@ -98,23 +98,39 @@ void CrossCore(bool nt, int cpu_w, int cpu_r) {
 }
 
 // 3. raw 0.5 MB over a stream socket after idle: from the sender's first byte to the reader having all.
-void Transfer(bool tcp) {
+// `buf_bytes` > 0 sets both sockets' SO_SNDBUF and SO_RCVBUF (else the kernel's autotuning);
+// `spin`: the reader polls without blocking. Also the median count of recv calls per message
+// (more than one: the data came in rounds, each waiting on the socket's buffer space).
+void Transfer(bool tcp, int buf_bytes = 0, bool spin = false) {
   int ls = -1, a, b;
   if (tcp) {
     ls = socket(AF_INET, SOCK_STREAM, 0); sockaddr_in ad{}; ad.sin_family = AF_INET; ad.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     bind(ls, (sockaddr*)&ad, sizeof ad); listen(ls, 1); socklen_t l = sizeof ad; getsockname(ls, (sockaddr*)&ad, &l);
-    a = socket(AF_INET, SOCK_STREAM, 0); connect(a, (sockaddr*)&ad, sizeof ad); b = accept(ls, nullptr, nullptr);
+    a = socket(AF_INET, SOCK_STREAM, 0);
+    if (buf_bytes > 0) {  // before connect, so the window scale allows them
+      setsockopt(a, SOL_SOCKET, SO_SNDBUF, &buf_bytes, sizeof buf_bytes);
+      setsockopt(a, SOL_SOCKET, SO_RCVBUF, &buf_bytes, sizeof buf_bytes);
+      setsockopt(ls, SOL_SOCKET, SO_RCVBUF, &buf_bytes, sizeof buf_bytes);
+      setsockopt(ls, SOL_SOCKET, SO_SNDBUF, &buf_bytes, sizeof buf_bytes);
+    }
+    connect(a, (sockaddr*)&ad, sizeof ad); b = accept(ls, nullptr, nullptr);
     int one = 1; setsockopt(a, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   } else { int sv[2]; socketpair(AF_UNIX, SOCK_STREAM, 0, sv); a = sv[0]; b = sv[1]; }
   const size_t n = 512 << 10;
   std::vector<char> msg(n, 3), buf(1 << 20);
   std::atomic<int64_t> sent{0};
-  std::vector<double> lat;
+  std::vector<double> lat, recvs;
   std::thread reader([&] {
     for (int r = 0; r < kReps; ++r) {
       size_t got = 0;
-      while (got < n) { pollfd p{b, POLLIN, 0}; poll(&p, 1, -1); ssize_t k = recv(b, buf.data(), buf.size(), 0); if (k > 0) got += k; }
+      int calls = 0;
+      while (got < n) {
+        if (!spin) { pollfd p{b, POLLIN, 0}; poll(&p, 1, -1); }
+        ssize_t k = recv(b, buf.data(), buf.size(), spin ? MSG_DONTWAIT : 0);
+        if (k > 0) { got += k; ++calls; }
+      }
       lat.push_back((Ns() - sent.load()) / 1e3);
+      recvs.push_back(calls);
     }
   });
   for (int r = 0; r < kReps; ++r) {
@@ -123,7 +139,11 @@ void Transfer(bool tcp) {
     size_t off = 0; while (off < n) { ssize_t k = send(a, msg.data() + off, n - off, 0); if (k > 0) off += k; }
   }
   reader.join();
-  printf("transfer 0.5 MB %s after idle: median %.1f us\n", tcp ? "tcp " : "unix", Med(lat));
+  int sb = 0, rb = 0; socklen_t sl = sizeof sb;
+  getsockopt(a, SOL_SOCKET, SO_SNDBUF, &sb, &sl); sl = sizeof rb; getsockopt(b, SOL_SOCKET, SO_RCVBUF, &rb, &sl);
+  printf("transfer 0.5 MB %s after idle (buffers %s, reader %s): median %.1f us, %.0f recv calls; sndbuf %d rcvbuf %d\n",
+         tcp ? "tcp " : "unix", buf_bytes > 0 ? "4 MB" : "auto", spin ? "polls" : "blocks", Med(lat), Med(recvs), sb, rb);
+  close(a); close(b); if (ls >= 0) close(ls);
 }
 
 int main(int argc, char** argv) {
@@ -132,4 +152,5 @@ int main(int argc, char** argv) {
   Wake(false, -1, -1); Wake(true, -1, -1); Wake(false, c1, c2); Wake(true, c1, c2);
   CrossCore(false, c1, c2); CrossCore(true, c1, c2); CrossCore(false, c1, c1 + 1); CrossCore(true, c1, c1 + 1);
   Transfer(true); Transfer(false);
+  Transfer(true, 4 << 20); Transfer(true, 0, true); Transfer(true, 4 << 20, true);
 }
