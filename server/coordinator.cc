@@ -2,6 +2,7 @@
 
 #include <malloc.h>
 
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <tuple>
@@ -235,15 +236,18 @@ int64_t Coordinator::AppendStep(RunState& run, const std::string& kind, const v1
                     on_mesh() ? (step.replicas_equal() ? 1 : 0) : -1);
   // The watch lock is taken before the view lock is let go, as Watch takes them: a record
   // is either in a new watcher's backlog or reaches the watcher, never both or neither.
+  // Moved into the history (the newest record always stays), and read there: only calls
+  // holding the run's lock, as this one does, change the history.
   std::unique_lock<std::mutex> view(run.view_mu);
-  run.history.push_back(record);
-  while (run.history.size() > options_.max_step_history) run.history.pop_front();
-  run.run.set_last_step(record.step());
-  run.run.set_last_step_unix_ms(record.unix_time_ms());
+  run.history.push_back(std::move(record));
+  while (run.history.size() > std::max<size_t>(1, options_.max_step_history)) run.history.pop_front();
+  const v1::StepRecord& stored = run.history.back();
+  run.run.set_last_step(stored.step());
+  run.run.set_last_step_unix_ms(stored.unix_time_ms());
   std::lock_guard<std::mutex> watch(run.watch_mu);
   view.unlock();
-  for (auto& [id, w] : run.watchers) w(record);
-  return record.step();
+  for (auto& [id, w] : run.watchers) w(stored);
+  return stored.step();
 }
 
 bool Coordinator::WorkerValidatesAlone(const RunState& run) const {
