@@ -22,6 +22,13 @@ import service_split  # noqa: E402
 DEPLOYMENTS = ("process", "process_grpc", "in_process", "process_cold_poller", "process_sleeping",
                "process_random_targets")
 DEFAULT = "process"  # what the README starts: the coordinator spawns its worker process
+DEPLOYMENT_NOTES = (
+    "process: the coordinator spawns its worker, whose per-step calls travel over the call pipe (the default); "
+    "process_grpc: the same with --noworker_pipe (the second gRPC hop); process_cold_poller: without the gRPC "
+    "poller kept warm after answers; process_sleeping: nor any caller polling for its answer; "
+    "process_random_targets: the default deployment sent a batch whose targets are random tokens of their own "
+    "(sent whole) instead of the tokens shifted by one, as an RL rollout's are (each call's batch is under its "
+    "deployment's batch); in_process: lorastep_coordinator_with_worker --in_process_worker")
 
 
 def load(path):
@@ -74,15 +81,17 @@ def main():
     if splits:
         source["split_medians_ms"] = splits
         source["split"] = (old or {}).get("split", "bench/service_split.py over the --v=2 pass of the same call")
-    if old and "deployments" in old:
-        source["deployments"] = old["deployments"]
+    source["deployments"] = DEPLOYMENT_NOTES
     source["method"] = first.get("method", (old or {}).get("method"))
     source["before"] = before
     step["service_overhead_lora"] = first["overhead_fraction"]
     step["service_overhead_deployment"] = DEFAULT
-    for d in per:
+    for d in DEPLOYMENTS:  # beside the headline: this call's deployments only (older ones are under before)
         if d != DEFAULT:
-            step[f"service_overhead_lora_{d}"] = per[d]["overhead_fraction"]
+            if d in per:
+                step[f"service_overhead_lora_{d}"] = per[d]["overhead_fraction"]
+            else:
+                step.pop(f"service_overhead_lora_{d}", None)
     if len(args.repeat_command) != len(args.repeat):
         raise SystemExit("each --repeat needs its --repeat-command")
     repeats = []
