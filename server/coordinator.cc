@@ -234,10 +234,10 @@ int64_t Coordinator::AppendStep(RunState& run, const std::string& kind, const v1
   record.set_replicas_equal(step.replicas_equal());
   RecordStepMetrics(options_.metrics, run.run.run_id(), kind, step.metrics(), step.learner_version(),
                     on_mesh() ? (step.replicas_equal() ? 1 : 0) : -1);
-  // The watch lock is taken before the view lock is let go, as Watch takes them: a record
-  // is either in a new watcher's backlog or reaches the watcher, never both or neither.
-  // Moved into the history (the newest record always stays), and read there: only calls
-  // holding the run's lock, as this one does, change the history.
+  // The record moves into the history (which always keeps the newest) and is read there:
+  // only calls holding the run's lock, as this one does, change the history. The watch lock
+  // is taken before the view lock is let go, as Watch takes them: a record is either in a new
+  // watcher's backlog or reaches the watcher, never both or neither.
   std::unique_lock<std::mutex> view(run.view_mu);
   run.history.push_back(std::move(record));
   while (run.history.size() > std::max<size_t>(1, options_.max_step_history)) run.history.pop_front();
