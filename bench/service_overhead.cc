@@ -143,6 +143,7 @@ int main(int argc, char** argv) {
         return 1;
       }
       auto r = run->OptimStep(adamw);
+      t1 = std::chrono::steady_clock::now();
       if (!r.ok()) {
         std::cerr << r.status() << "\n";
         return 1;

@@ -378,7 +378,7 @@ int main(int argc, char** argv) {
   }
   std::unique_ptr<WorkerPipeService> pipe;
   if (const int fd = absl::GetFlag(FLAGS_coordinator_pipe_fd); fd != -1) {
-    auto started = WorkerPipeService::Start(fd, &dispatch, &observers, 1ull << 30,
+    auto started = WorkerPipeService::Start(fd, &dispatch, &observers, WorkerPipeService::kMaxCallBytes,
                                             std::chrono::microseconds(executor_spin_us));
     if (!started.ok()) {
       LORASTEP_LOG(Error) << "lorastep_worker: " << started.status();

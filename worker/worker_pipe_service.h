@@ -24,8 +24,9 @@ class WorkerPipeService {
   // socket. `dispatch` and `observers` outlive the service.
   // `poll_after_answer`: how long the pipe's reader polls for the next call after each answer
   // (CallPipeServer).
+  static constexpr uint64_t kMaxCallBytes = 1ull << 30;  // as a worker's gRPC message limit
   static absl::StatusOr<std::unique_ptr<WorkerPipeService>> Start(
-      int fd, WorkerDispatch* dispatch, const CallObservers* observers, uint64_t max_call_bytes = 1ull << 30,
+      int fd, WorkerDispatch* dispatch, const CallObservers* observers, uint64_t max_call_bytes = kMaxCallBytes,
       std::chrono::microseconds poll_after_answer = std::chrono::microseconds(0));
 
  private:
