@@ -205,10 +205,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SegmentedForwardBackward(const at
 
 // SegmentedLoraLinear against the fp64 dense reference of each segment alone: output, input
 // gradient and every factor's main_grad; a segment's factors get nothing from other rows.
-// Two layouts over one packed row of 1 x 24 rows: three runs of ranks 16, none and 8 (mixed
-// ranks and scales, a run without a branch), and two runs of rank 8 with one scale. On CUDA
-// in bf16 both take the grouped path (two grouped GEMMs each way); elsewhere one GEMM pair per
-// segment.
+// Three layouts over one packed row of 1 x 24 rows: three runs of ranks 16, none and 8 (mixed
+// ranks and scales, a run without a branch), two runs of rank 8 with one scale, and two runs
+// of equal rows with ranks 16 and 8 (the batched route, on every device: the smaller rank's
+// factors padded with zeros). On CUDA in bf16 the first two take the grouped path (two
+// grouped GEMMs each way); elsewhere one GEMM pair per segment.
 TEST(SegmentedLoraLinearTest, EachSegmentMatchesItsOwnDenseReference) {
   const auto opts = at::TensorOptions().device(TestDevice()).dtype(TestDtype());
   const int64_t in = 32, out = 48;
@@ -218,7 +219,8 @@ TEST(SegmentedLoraLinearTest, EachSegmentMatchesItsOwnDenseReference) {
     at::Tensor a, b, a_grad, b_grad;
   };
   const std::vector<std::vector<Run>> layouts{{{0, 9, 16, 2.5}, {9, 13, 0, 0}, {13, 24, 8, 0.5}},
-                                              {{0, 10, 8, 2.0}, {10, 24, 8, 2.0}}};
+                                              {{0, 10, 8, 2.0}, {10, 24, 8, 2.0}},
+                                              {{0, 12, 16, 2.5}, {12, 24, 8, 0.5}}};
   for (size_t l = 0; l < layouts.size(); ++l) {
     std::vector<Run> runs = layouts[l];
     at::Tensor w = at::randn({out, in}, opts), bias = at::randn({out}, opts);
@@ -263,7 +265,7 @@ TEST(SegmentedLoraLinearTest, EachSegmentMatchesItsOwnDenseReference) {
 // segment alone. Layouts: runs with different parts (one skipping the middle projection, one
 // with a single part) and a gap row range; and two runs with the same parts and scale (on
 // CUDA in bf16 the grouped path's single-concatenation form), once more with equal row counts
-// (one batched GEMM for the branches). The first and last have no bias.
+// (batched GEMMs for the branches, on every device). The first and last have no bias.
 TEST(SegmentedLoraLinearTest, PartsAddIntoTheirOwnColumns) {
   const auto opts = at::TensorOptions().device(TestDevice()).dtype(TestDtype());
   const int64_t in = 32, out = 48;

@@ -169,18 +169,48 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
   }
 };
 
-// The grouped form of SegmentedLoraLinear's branches (CUDA, bf16, torch >= 2.8, sizes in
-// multiples of 8): the row as consecutive groups, one per segment plus a zero group for any
-// rows between or after them, so two grouped GEMMs run every run's branch each way.
+// The grouped form of SegmentedLoraLinear's branches: the row as consecutive groups, one per
+// segment plus a zero group for any rows between or after them, so two GEMMs run every run's
+// branch each way. Where the segments cover the row in equal parts the narrow-side products
+// run as strided batched GEMMs (`batched_rows`, any device); else as grouped GEMMs (CUDA,
+// bf16, torch >= 2.8, sizes in multiples of 8).
 struct SegmentGroups {
-  at::Tensor a;       // [G, r, in]: each segment's parts' A concatenated, zero rows up to the largest rank (a multiple of 8)
+  at::Tensor a;       // [G, r, in]: each segment's parts' A concatenated, zero rows up to the largest rank (grouped: a multiple of 8)
   at::Tensor b;       // [G, out, r]: each segment's B block-diagonal over its parts' columns, times its scale
   at::Tensor offs;    // int32 [G], cumulative row ends
   at::Tensor scales;  // float [G, 1, 1]: each group's scale (0 for a zero group)
   std::vector<int64_t> group_of;  // each segment's group
   std::vector<int64_t> ends;      // offs on the host
   std::vector<int64_t> real;      // each group's segment, -1 for a zero group
+  int64_t batched_rows = 0;       // every group's rows where all are equal segments; 0: grouped GEMMs
 };
+
+// Whether equal segments take the batched route (LORASTEP_SEGMENT_BMM=0 turns it off, for A/B
+// measurements against the grouped GEMMs).
+bool BatchedSegmentsEnabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("LORASTEP_SEGMENT_BMM");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  return enabled;
+}
+
+// The narrow-side products of SegmentGroups' branches. RowsTimesGroup: each group's rows of
+// `left` [n, k] times its `right` [G, k, r] -> [n, r]. GroupRowsProduct: each group's rows of
+// `left` [n, p] transposed times its rows of `right` [n, q] -> [G, p, q] (the factors'
+// gradients). With `batched_rows` one strided batched GEMM (the cuBLAS kernels of a run's own
+// plain GEMMs), else one grouped GEMM over `offs`.
+at::Tensor RowsTimesGroup(const at::Tensor& left, const at::Tensor& right, const at::Tensor& offs,
+                          int64_t batched_rows) {
+  if (batched_rows == 0) return compat::GroupedMm(left, right, offs);
+  return at::bmm(left.reshape({-1, batched_rows, left.size(1)}), right).view({left.size(0), right.size(2)});
+}
+at::Tensor GroupRowsProduct(const at::Tensor& left, const at::Tensor& right, const at::Tensor& offs,
+                            int64_t batched_rows) {
+  if (batched_rows == 0) return compat::GroupedMm(left.t(), right, offs);
+  return at::bmm(left.reshape({-1, batched_rows, left.size(1)}).transpose(1, 2),
+                 right.reshape({-1, batched_rows, right.size(1)}));
+}
 
 // y = left @ right (+ bias) plus, on each group's rows (`ends`, `real` as SegmentGroups has
 // them), low[rows] @ low_right[group] for low_right [G, r, N]: the wide output is never
@@ -269,21 +299,28 @@ std::pair<at::Tensor, at::Tensor> SegmentBranch(const LoraSegment& s, int64_t ou
 std::optional<SegmentGroups> GroupSegments(const at::Tensor& x2d, const at::Tensor& weight,
                                            const std::vector<LoraSegment>& segments) {
   const int64_t n = x2d.size(0), in = weight.size(1), out = weight.size(0);
-  if (segments.size() < 2 || !GroupedLinearAvailable(x2d, {in, out})) return std::nullopt;
+  if (segments.size() < 2) return std::nullopt;
   int64_t rank = 0;
-  // One layout of parts and one scale, no gaps: A is one concatenation and B one stack per part.
-  bool uniform = true;
+  // Back to back from the first row to the last: no zero groups. Then `uniform`: one layout of
+  // parts and one scale (A is one concatenation and B one stack per part); `equal`: all of
+  // one size (batched GEMMs).
+  bool tiled = true, uniform = true, equal = true;
   const LoraSegment& first = segments.front();
   for (size_t i = 0; i < segments.size(); ++i) {
     const LoraSegment& s = segments[i];
     if (s.begin < (i == 0 ? 0 : segments[i - 1].end) || s.end > n || s.end < s.begin) return std::nullopt;
-    uniform = uniform && SameParts(s, first) && s.scale == first.scale &&
-              s.begin == (i == 0 ? 0 : segments[i - 1].end);
+    tiled = tiled && s.begin == (i == 0 ? 0 : segments[i - 1].end);
+    uniform = uniform && SameParts(s, first) && s.scale == first.scale;
+    equal = equal && s.end - s.begin == first.end - first.begin;
     rank = std::max(rank, SegmentRank(s));
   }
-  uniform = uniform && segments.back().end == n && rank % 8 == 0;
-  rank = (rank + 7) / 8 * 8;
+  tiled = tiled && segments.back().end == n;
+  const bool batched = tiled && equal && first.end > first.begin && BatchedSegmentsEnabled();
+  if (!batched && !GroupedLinearAvailable(x2d, {in, out})) return std::nullopt;
+  uniform = uniform && tiled && (batched || rank % 8 == 0);
+  if (!batched) rank = (rank + 7) / 8 * 8;  // the grouped kernel's 16-byte rows
   SegmentGroups g;
+  g.batched_rows = batched ? first.end - first.begin : 0;
   std::vector<int32_t> ends;
   std::vector<float> scales;
   std::vector<int64_t> real;  // each group's segment, -1 for a zero group
@@ -341,8 +378,8 @@ std::optional<SegmentGroups> GroupSegments(const at::Tensor& x2d, const at::Tens
   return g;
 }
 
-// x W^T (+ bias) over every row, then each segment's branch on its own rows: where grouped
-// GEMMs run (GroupSegments), x A^T for every segment as one grouped GEMM and the wide
+// x W^T (+ bias) over every row, then each segment's branch on its own rows: where the
+// segments form groups (GroupSegments), x A^T for every segment as one GEMM and the wide
 // products (the branch's output, backward's input gradient) added inside the output's own
 // GEMMs (LargeGemmOverGroupedLowRank); elsewhere added into its rows in place (1 + 2 GEMMs per
 // segment forward, 1 + 2 + 2 per part backward). No full-size temporaries. Segments ride as
@@ -385,10 +422,11 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
     ctx->saved_data["a_grads"] = a_grads;
     ctx->saved_data["b_grads"] = b_grads;
     if (std::optional<SegmentGroups> g = GroupSegments(x2d, weight, segments)) {
-      const at::Tensor xa = compat::GroupedMm(x2d, g->a.transpose(1, 2), g->offs);  // [n, r]
+      const at::Tensor xa = RowsTimesGroup(x2d, g->a.transpose(1, 2), g->offs, g->batched_rows);  // [n, r]
       const at::Tensor y =
           LargeGemmOverGroupedLowRank(x2d, weight.t(), bias, xa, g->b.transpose(1, 2), g->ends, g->real);
       ctx->saved_data["group_of"] = g->group_of;
+      ctx->saved_data["group_rows"] = g->batched_rows;
       ctx->saved_data["group_ends"] = g->ends;
       ctx->saved_data["group_real"] = g->real;
       ctx->save_for_backward({kept, weight, xa, g->a, g->b, g->offs, g->scales});
@@ -431,7 +469,7 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
     std::vector<at::Tensor> segment_gbs;  // per segment, d(xa) / scale (the per-segment form)
     if (grouped) {
       const at::Tensor &a = saved[3], &b = saved[4], &offs = saved[5];
-      gb = compat::GroupedMm(g, b, offs);  // d(xa): the scale is in b
+      gb = RowsTimesGroup(g, b, offs, ctx->saved_data["group_rows"].toInt());  // d(xa): the scale is in b
       if (input_grad) {
         grad_x = LargeGemmOverGroupedLowRank(g, weight, at::Tensor(), gb, a, ctx->saved_data["group_ends"].toIntVector(),
                                              ctx->saved_data["group_real"].toIntVector());
@@ -459,9 +497,10 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
     if (grouped) {
       const std::vector<int64_t> group_of = ctx->saved_data["group_of"].toIntVector();
       const at::Tensor &xa = saved[2], &offs = saved[5], &group_scales = saved[6];
-      // Each group's factor gradients (bf16, the grouped kernel's output), to fp32 and scaled.
-      const at::Tensor grad_b = compat::GroupedMm(g.t(), xa, offs).to(at::kFloat).mul_(group_scales);
-      const at::Tensor grad_a = compat::GroupedMm(gb.t(), x2d, offs).to(at::kFloat);
+      // Each group's factor gradients (in x's dtype, the kernels' output), to fp32 and scaled.
+      const int64_t rows = ctx->saved_data["group_rows"].toInt();
+      const at::Tensor grad_b = GroupRowsProduct(g, xa, offs, rows).to(at::kFloat).mul_(group_scales);
+      const at::Tensor grad_a = GroupRowsProduct(gb, x2d, offs, rows).to(at::kFloat);
       // Each part layout's B gradients over every group made contiguous once, so that every
       // value below is contiguous like its target and _foreach_add_ runs its fused kernels
       // instead of one add per part.
