@@ -8,7 +8,8 @@
 # or bazel-bin). Environment: WINDOW_US (the co-scheduled side's window), RANKS (comma list,
 # cycled over the runs), COORD_FLAGS, MACHINE, VERSIONS, BENCH_COMMAND, PROFILE (non-empty:
 # afterwards one more short pass per side, its second step traced with Kineto and summarized
-# by bench/profile_summary.py into OUT_DIR/profile_NAME_SIDE.json; the timed passes run untraced).
+# by bench/profile_summary.py into OUT_DIR/profile_NAME_SIDE.json, its PROFILE_TOP kernels, default
+# 20, listed; the timed passes run untraced).
 set -euo pipefail
 BIN=$1 MODEL=$2 DEVICE=$3 OUT=$4 NAME=$5 RUNS=$6 SEQS=$7 LEN=$8 STEPS=${9:-5}
 find_bin() { for p in "$BIN/$1" "$BIN/server/$1" "$BIN/worker/$1" "$BIN/bench/$1"; do
@@ -40,7 +41,7 @@ for side in $sides; do
   kill $PID; wait $PID 2>/dev/null || true; PID=
   if [ -n "$trace" ]; then
     [ -s "$trace" ] || { echo "no trace from $side" >&2; tail -5 "$WORK/$side.log" >&2; exit 1; }
-    python3 "$(dirname "$0")/profile_summary.py" "$trace" --label "$NAME $side: one traced step ($RUNS runs x $SEQS x $LEN)" \
+    python3 "$(dirname "$0")/profile_summary.py" "$trace" --top "${PROFILE_TOP:-20}" --label "$NAME $side: one traced step ($RUNS runs x $SEQS x $LEN)" \
       --machine "${MACHINE:-$(uname -n)}" --command "${BENCH_COMMAND:-bench/multi_tenant.sh $*} (PROFILE=1)" \
       --out "$OUT/profile_${NAME}_${side%_profiled}.json" | tail -3
   fi
