@@ -38,7 +38,8 @@ namespace {
 // Per-call metrics averaged over every timed call of every run (where a response has them).
 const char* const kPhaseMetrics[] = {"time_step_s:sum", "time_coschedule_wait_s:sum",
                                      "time_forward_backward_joint_s:sum", "time_optimizer_s:sum",
-                                     "time_grad_finalize_s:sum", "time_digest_s:sum", "co_scheduled_rows:sum", "co_scheduled_tokens:max"};
+                                     "time_grad_finalize_s:sum", "time_digest_s:sum", "co_scheduled_rows:sum",
+                                     "co_scheduled_row_tokens:max", "co_scheduled_tokens:max"};
 
 struct RunRecord {
   std::vector<double> latencies_s;  // timed steps

@@ -551,6 +551,36 @@ TEST_F(TrainerTest, JointTrainStepEqualsEachRunAlone) {
     EXPECT_EQ(rows[i]->metrics.Get("co_scheduled_runs:max"), 3.0) << "run " << i;
   }
 
+  // Rows evened out: four runs of one batch's length at a budget three of them fit take two
+  // rows of two runs (packed up to the budget they would be three and one).
+  {
+    int64_t tokens = 0;
+    std::vector<int64_t> lengths;
+    for (const Datum& d : batches[0]) lengths.push_back(static_cast<int64_t>(d.tokens.size())), tokens += lengths.back();
+    auto need = [&](int runs) {
+      std::vector<int64_t> all;
+      for (int i = 0; i < runs; ++i) all.insert(all.end(), lengths.begin(), lengths.end());
+      return EstimatePackedActivationBytes(config, joint[0]->base().shard, all, /*backward=*/true,
+                                           static_cast<int64_t>(c10::elementSize(joint[0]->base().dtype)),
+                                           Options().logprob_chunk_tokens, LayerRecompute::kNone,
+                                           /*mlp_activation_kept=*/true);
+    };
+    std::vector<std::unique_ptr<Trainer>> four;
+    std::vector<JointTrainCall> even_calls;
+    for (size_t i = 0; i < 4; ++i) {
+      TrainerOptions o = options_of(i % specs.size());
+      o.max_activation_bytes = static_cast<int64_t>((need(3) + need(4)) / 2);
+      four.push_back(NewTrainer(o));
+      even_calls.push_back({four.back().get(), &batches[0], &loss, Adam(), /*max_tokens_per_microbatch=*/1 << 20});
+    }
+    const auto even = Trainer::JointTrainStep(even_calls);
+    for (size_t i = 0; i < even.size(); ++i) {
+      ASSERT_TRUE(even[i].ok()) << even[i].status();
+      EXPECT_EQ(even[i]->metrics.Get("co_scheduled_rows:sum"), 2.0) << "run " << i;
+      EXPECT_EQ(even[i]->metrics.Get("co_scheduled_row_tokens:max"), 2.0 * static_cast<double>(tokens)) << "run " << i;
+    }
+  }
+
   // Cancellation between rows: run 1 asks to stop after its first micro-batch; it is
   // CANCELLED with nothing applied (its gradients so far dropped), and run 0 steps.
   auto keeps = NewTrainer(options_of(0)), stops = NewTrainer(options_of(2));

@@ -8,8 +8,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <optional>
 #include <set>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "lib/device_stats.h"
@@ -28,6 +30,16 @@
 
 namespace lorastep {
 namespace {
+
+// Whether PackJointRows evens out its rows (LORASTEP_JOINT_ROWS_EVEN=0 keeps the rows packed
+// up to the budget, for A/B measurements).
+bool BalancedJointRows() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("LORASTEP_JOINT_ROWS_EVEN");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  return enabled;
+}
 
 // Packed micro-batches of several runs as one row, in order; each run's segment of it.
 struct JointRow {
@@ -124,28 +136,52 @@ std::vector<std::vector<Trainer::JointPart>> Trainer::PackJointRows(
     steps = std::max(steps, splits[r].size());
   }
   const int64_t element_bytes = static_cast<int64_t>(c10::elementSize(base.dtype));
-  std::vector<std::vector<JointPart>> rows;
-  std::vector<int64_t> lengths;  // the current row's sequences
-  for (size_t k = 0; k < steps; ++k) {
-    for (size_t r = 0; r < trainers.size(); ++r) {
-      if (k >= splits[r].size()) continue;
-      std::vector<int64_t> with = lengths;
-      for (size_t d : splits[r][k]) with.push_back(static_cast<int64_t>((*datums[r])[d].tokens.size()));
-      // A run appears once per row: its micro-batches run one after another, as alone (its
-      // dropout stream draws in the same order).
-      const bool run_in_row = !rows.empty() && std::any_of(rows.back().begin(), rows.back().end(),
-                                                           [&](const JointPart& p) { return p.first == r; });
-      if (rows.empty() || run_in_row ||
-          (budget >= 0 && EstimatePackedActivationBytes(base.config, base.shard, with, backward, element_bytes, chunk,
-                                                        LayerRecompute::kNone, mlp_kept) > static_cast<double>(budget))) {
-        rows.emplace_back();
-        with.erase(with.begin(), with.begin() + static_cast<std::ptrdiff_t>(lengths.size()));
+  auto part_tokens = [&](size_t r, size_t k) {
+    int64_t n = 0;
+    for (size_t d : splits[r][k]) n += static_cast<int64_t>((*datums[r])[d].tokens.size());
+    return n;
+  };
+  // In order, a new row where the next part would not fit the budget or `cap` tokens (0: no cap).
+  auto pack = [&](int64_t cap) {
+    std::vector<std::vector<JointPart>> rows;
+    std::vector<int64_t> lengths;  // the current row's sequences
+    int64_t row_tokens = 0;
+    for (size_t k = 0; k < steps; ++k) {
+      for (size_t r = 0; r < trainers.size(); ++r) {
+        if (k >= splits[r].size()) continue;
+        std::vector<int64_t> with = lengths;
+        for (size_t d : splits[r][k]) with.push_back(static_cast<int64_t>((*datums[r])[d].tokens.size()));
+        const int64_t tokens = part_tokens(r, k);
+        // A run appears once per row: its micro-batches run one after another, as alone (its
+        // dropout stream draws in the same order).
+        const bool run_in_row = !rows.empty() && std::any_of(rows.back().begin(), rows.back().end(),
+                                                             [&](const JointPart& p) { return p.first == r; });
+        if (rows.empty() || run_in_row || (cap > 0 && row_tokens + tokens > cap) ||
+            (budget >= 0 && EstimatePackedActivationBytes(base.config, base.shard, with, backward, element_bytes, chunk,
+                                                          LayerRecompute::kNone, mlp_kept) > static_cast<double>(budget))) {
+          rows.emplace_back();
+          with.erase(with.begin(), with.begin() + static_cast<std::ptrdiff_t>(lengths.size()));
+          row_tokens = 0;
+        }
+        rows.back().push_back({r, k});
+        row_tokens += tokens;
+        lengths = std::move(with);
       }
-      rows.back().push_back({r, k});
-      lengths = std::move(with);
     }
+    return rows;
+  };
+  std::vector<std::vector<JointPart>> rows = pack(0);
+  if (rows.size() < 2 || !BalancedJointRows()) return rows;
+  // As many rows, of even length where the parts allow: packing up to the budget leaves a
+  // short last row (8 calls of 4,096 tokens as 5 + 3 calls), and rows of one length run the
+  // same GEMM shapes and hold less activation memory at once.
+  int64_t total = 0;
+  for (const auto& row : rows) {
+    for (const auto& [r, k] : row) total += part_tokens(r, k);
   }
-  return rows;
+  const auto count = static_cast<int64_t>(rows.size());
+  std::vector<std::vector<JointPart>> even = pack((total + count - 1) / count);
+  return even.size() == rows.size() ? even : rows;
 }
 
 namespace {
@@ -225,6 +261,7 @@ struct Trainer::JointPass {
   // Each run's log-probs per micro-batch (datum order, on the device), when returned.
   std::vector<std::vector<std::pair<std::vector<size_t>, at::Tensor>>> logprobs;
   size_t rows = 0;
+  int64_t longest_row = 0;  // the longest joint row's tokens
   double seconds = 0, joint_tokens = 0;
   absl::Status ran;
 };
@@ -330,6 +367,7 @@ Trainer::JointPass Trainer::RunJointPass(const std::vector<JointTrainCall>& call
       std::vector<const MicroBatch*> parts;
       for (const MicroBatch& mb : mbs) parts.push_back(&mb);
       const JointRow row = JoinPackedRows(parts);
+      pass.longest_row = std::max(pass.longest_row, row.tokens.size(1));
       std::vector<RunSegment> segments;
       for (size_t j = 0; j < runs.size(); ++j) {
         Trainer& t = *trainers[runs[j]];
@@ -398,6 +436,7 @@ void Trainer::AddJointMetrics(JointPass& pass, size_t r, Metrics* m) {
   m->Add("co_scheduled_runs:max", static_cast<double>(pass.admitted.size()));
   m->Add("co_scheduled_tokens:max", pass.joint_tokens);
   m->Add("co_scheduled_rows:sum", static_cast<double>(pass.rows));
+  m->Add("co_scheduled_row_tokens:max", static_cast<double>(pass.longest_row));
   m->Add("time_forward_backward_joint_s:sum", pass.seconds);
 }
 
@@ -641,6 +680,7 @@ std::vector<absl::StatusOr<ForwardBackwardResult>> Trainer::JointForward(const s
     m.Add("co_scheduled_runs:max", static_cast<double>(pass.admitted.size()));
     m.Add("co_scheduled_tokens:max", pass.joint_tokens);
     m.Add("co_scheduled_rows:sum", static_cast<double>(pass.rows));
+    m.Add("co_scheduled_row_tokens:max", static_cast<double>(pass.longest_row));
     m.Set("peak_host_memory_bytes:max", PeakHostMemoryBytes());
     calls[c].trainer->AddCudaPeakMemory(&m);
     results[c] = std::move(out);

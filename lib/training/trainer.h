@@ -326,7 +326,9 @@ class Trainer {
   // The joint rows of a co-scheduled step: the runs' micro-batches (every run's first, then
   // every run's second, ...) one after another, a new row where the next would not fit the
   // activation budget or its run already has a part in the row (a micro-batch alone fits:
-  // admission checked it). Fewer, longer rows launch fewer kernels.
+  // admission checked it). Fewer, longer rows launch fewer kernels and read the frozen
+  // weights fewer times. Then the same number of rows evened out where the parts allow
+  // (each row up to the mean row's tokens).
   static std::vector<std::vector<JointPart>> PackJointRows(const std::vector<Trainer*>& trainers,
                                                            const std::vector<const std::vector<Datum>*>& datums,
                                                            const std::vector<std::vector<std::vector<size_t>>>& splits,
