@@ -404,6 +404,15 @@ def suite_attention_gqa(ctx):
         "attention: repeated K/V against grouped heads", env=ctx.env, log=os.path.join(ctx.out, "attention_gqa.log"))
 
 
+def suite_gemm_rows(ctx):
+    """The 7B shape's frozen GEMMs per row count, one GEMM against chunks (co-scheduled rows
+    against a lone run's)."""
+    run([sys.executable, "bench/gemm_rows.py", "--shape", "qwen2.5-7b", "--rows", "4096", "8192", "16384", "20480",
+         "24576", "--chunks", "4096", "8192", "--out", os.path.join(ctx.out, "gemm_rows.json"),
+         "--machine", ctx.machine_line(), "--versions", ctx.versions_line(), "--command", ctx.command_line()],
+        ctx.fails, "GEMM shapes by rows", env=ctx.env, log=os.path.join(ctx.out, "gemm_rows.log"))
+
+
 def suite_moe_bench(ctx):
     """Reduced Qwen3-30B-A3B (4 layers, 128 experts, top-8), bf16, 64 x 512: transformers' step
     beside lorastep's per expert-LoRA layout."""
@@ -479,6 +488,8 @@ SUITES = {
              lambda a: []),
     "attention": ("attention kernels (SDPA backends, flash varlen)", suite_attention,
                   lambda a: ["attention_backends.json"], lambda a: []),
+    "gemm-rows": ("the 7B layer's frozen GEMMs by row count: one GEMM against 4,096- and 8,192-row chunks",
+                  suite_gemm_rows, lambda a: ["gemm_rows.json"], lambda a: []),
     "attention-gqa": ("SDPA reading grouped K/V heads against repeating them", suite_attention_gqa,
                       lambda a: ["attention.json"], lambda a: []),
     "moe-bench": ("the MoE step (reduced Qwen3-30B-A3B) against transformers", suite_moe_bench,
