@@ -474,6 +474,33 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
       EXPECT_EQ(got[i]->metrics.Get("co_scheduled_runs:max"), 3.0) << "run " << i;
     }
   }
+  // After a long step the window waits longer for stragglers (a tenth of that step, beyond
+  // four windows): eight runs' calls 100 ms apart under a 150 ms window, the last 700 ms after
+  // the first (past four windows, 600 ms), all join the step that follows a 10 s step.
+  {
+    WorkerOptions options;
+    options.model_path = dir + "/model";
+    options.coschedule_window = std::chrono::milliseconds(150);
+    options.test_coscheduled_step_min = std::chrono::seconds(10);
+    ASSERT_OK_AND_ASSIGN(auto slow, WorkerCore::Create(options));
+    const int runs = 8;
+    for (int i = 0; i < runs; ++i) ASSERT_OK(slow->CreateRun(std::string(1, static_cast<char>('a' + i)), lora_a, 3).status());
+    for (int round = 0; round < 2; ++round) {  // the first round's step lasts 10 s; the second's window follows it
+      std::vector<absl::StatusOr<OptimStepResult>> got(runs, absl::UnknownError(""));
+      std::vector<std::thread> threads;
+      for (int i = 0; i < runs; ++i) {
+        threads.emplace_back([&, i] {
+          if (round == 1) std::this_thread::sleep_for(std::chrono::milliseconds(100 * i));
+          got[i] = slow->TrainStep(std::string(1, static_cast<char>('a' + i)), batch(i), ppo, adam, nullptr, 0);
+        });
+      }
+      for (std::thread& t : threads) t.join();
+      for (int i = 0; i < runs; ++i) {
+        ASSERT_OK(got[i].status());
+        if (round == 1) EXPECT_EQ(got[i]->metrics.Get("co_scheduled_runs:max"), runs) << "run " << i;
+      }
+    }
+  }
   // One run on the worker: nothing to wait for, the call runs alone at once.
   ASSERT_OK_AND_ASSIGN(auto single, make_core(std::chrono::seconds(2)));
   ASSERT_OK(single->CreateRun("only", lora_a, 3).status());

@@ -353,9 +353,13 @@ void WorkerCore::LeadCoscheduledStep() {
       return std::includes(queued.begin(), queued.end(), expected_runs_.begin(), expected_runs_.end());
     };
     // The window stays open `window` past the latest arrival while the expected runs' calls
-    // keep coming (their answers and next calls travel back one by one), at most four windows.
+    // keep coming (their answers and next calls travel back one by one), at most four windows
+    // or a tenth of the last step, whichever is longer: a run that misses a step waits a whole
+    // step, so on a busy host (many runs' answers and next calls in turn) waiting a little
+    // longer for the stragglers costs the others far less than it saves them.
     const auto opened = std::chrono::steady_clock::now();
-    const auto cap = opened + 4 * options_.coschedule_window;
+    const auto cap = opened + std::max<std::chrono::steady_clock::duration>(4 * options_.coschedule_window,
+                                                                            last_coscheduled_step_ / 10);
     while (!queue_.empty() && !all_expected_queued()) {
       auto latest = opened;
       for (const QueuedStep* s : queue_) latest = std::max(latest, s->queued);
@@ -404,9 +408,12 @@ void WorkerCore::LeadCoscheduledStep() {
   const double waited = taken.empty() ? 0.0
                                       : std::chrono::duration<double>(std::chrono::steady_clock::now() -
                                                                       taken.front()->queued).count();
+  const auto step_began = std::chrono::steady_clock::now();
   RunCoscheduled(CallKind::kForward, forwards);
   RunCoscheduled(CallKind::kForwardBackward, forward_backwards);
   RunCoscheduled(CallKind::kTrainStep, trains);
+  std::this_thread::sleep_until(step_began + options_.test_coscheduled_step_min);
+  last_coscheduled_step_ = std::chrono::steady_clock::now() - step_began;
   for (QueuedStep* s : taken) {
     if (s->kind == CallKind::kTrainStep ? s->result.ok() : s->forward.ok()) {
       (s->kind == CallKind::kTrainStep ? s->result->metrics : s->forward->metrics)

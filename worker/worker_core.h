@@ -65,6 +65,8 @@ struct WorkerOptions {
   std::chrono::microseconds coschedule_window{0};
   // Tests only: background SaveStates wait this long before writing (a slow disk).
   std::chrono::milliseconds test_background_write_delay{0};
+  // Tests only: every co-scheduled step lasts at least this long (a long step on a small model).
+  std::chrono::milliseconds test_coscheduled_step_min{0};
   // Tests only, "CALL:RANK": rank RANK refuses its first CALL (ForwardBackward, Forward,
   // OptimStep, TrainStep) at admission, as a rank-local check would (the others must answer
   // at once, not wait in a collective); "AdamW:RANK": each run's first staged optimizer
@@ -227,6 +229,9 @@ class WorkerCore {
   std::map<std::string, bool> coschedulable_;
   // The runs a step's window waits for: those of the previous step, and runs created since.
   std::set<std::string> expected_runs_;
+  // The last co-scheduled step's duration (co-scheduling thread only): it bounds how long the
+  // window waits for expected runs (LeadCoscheduledStep).
+  std::chrono::steady_clock::duration last_coscheduled_step_{0};
   std::map<std::string, std::unique_ptr<Trainer>> runs_;
   // Background SaveStates. Last, so it is destroyed first: queued writes finish before the
   // core goes.
