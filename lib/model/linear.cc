@@ -212,6 +212,37 @@ at::Tensor GroupRowsProduct(const at::Tensor& left, const at::Tensor& right, con
                  right.reshape({-1, batched_rows, right.size(1)}));
 }
 
+// Rows per frozen GEMM in a joint row (LORASTEP_JOINT_GEMM_ROWS; unset or 0: one GEMM over
+// every row). An experiment switch: cuBLAS picks other kernels for a 16,384-row row than for a
+// lone run's 4,096 rows, and the long rows' GEMMs measured slower per FLOP (docs/PERFORMANCE.md);
+// chunking keeps the row and gives each GEMM the short shape.
+int64_t JointGemmRows() {
+  static const int64_t rows = [] {
+    const char* env = std::getenv("LORASTEP_JOINT_GEMM_ROWS");
+    return env == nullptr ? int64_t{0} : std::max<int64_t>(0, std::atoll(env));
+  }();
+  return rows;
+}
+
+// y (+)= left @ right (+ bias) over consecutive chunks of JointGemmRows() rows: `accumulate`
+// adds into y (beta 1), else y is written (y may be uninitialized). Bias only when writing.
+void FrozenGemmInto(at::Tensor& y, const at::Tensor& left, const at::Tensor& right, const at::Tensor& bias,
+                    bool accumulate) {
+  const int64_t n = left.size(0), chunk = JointGemmRows() > 0 ? JointGemmRows() : n;
+  for (int64_t begin = 0; begin < n; begin += chunk) {
+    const int64_t rows = std::min(chunk, n - begin);
+    at::Tensor out = y.narrow(0, begin, rows);
+    const at::Tensor in = left.narrow(0, begin, rows);
+    if (accumulate) {
+      out.addmm_(in, right);
+    } else if (bias.defined()) {
+      at::addmm_out(out, bias, in, right);
+    } else {
+      at::mm_out(out, in, right);
+    }
+  }
+}
+
 // y = left @ right (+ bias) plus, on each group's rows (`ends`, `real` as SegmentGroups has
 // them), low[rows] @ low_right[group] for low_right [G, r, N]: the wide output is never
 // materialized twice. As LargeGemmOverLowRank, the low-rank products write the output first
@@ -225,8 +256,15 @@ at::Tensor LargeGemmOverGroupedLowRank(const at::Tensor& left, const at::Tensor&
   const bool low_first = left.size(1) < right.size(1) && !bias.defined();
   bool equal = true;
   for (int64_t k = 0; k < groups; ++k) equal = equal && real[k] >= 0 && ends[k] - (k == 0 ? 0 : ends[k - 1]) == ends[0];
-  at::Tensor y = low_first ? at::empty({n, width}, left.options())
-                           : (bias.defined() ? at::addmm(bias, left, right) : at::mm(left, right));
+  at::Tensor y;
+  if (low_first) {
+    y = at::empty({n, width}, left.options());
+  } else if (JointGemmRows() > 0) {
+    y = at::empty({n, width}, left.options());
+    FrozenGemmInto(y, left, right, bias, /*accumulate=*/false);
+  } else {
+    y = bias.defined() ? at::addmm(bias, left, right) : at::mm(left, right);
+  }
   const int beta = low_first ? 0 : 1;  // beta 0: the empty output's garbage is not read
   if (equal && groups * ends[0] == n) {
     y.view({groups, ends[0], width}).baddbmm_(low.view({groups, ends[0], low.size(1)}), low_right, beta, 1);
@@ -240,7 +278,7 @@ at::Tensor LargeGemmOverGroupedLowRank(const at::Tensor& left, const at::Tensor&
       rows.addmm_(low.narrow(0, begin, ends[k] - begin), low_right[k], beta, 1);
     }
   }
-  if (low_first) y.addmm_(left, right);
+  if (low_first) FrozenGemmInto(y, left, right, at::Tensor(), /*accumulate=*/true);
   return y;
 }
 
