@@ -412,7 +412,9 @@ void WorkerCore::LeadCoscheduledStep() {
   RunCoscheduled(CallKind::kForward, forwards);
   RunCoscheduled(CallKind::kForwardBackward, forward_backwards);
   RunCoscheduled(CallKind::kTrainStep, trains);
-  std::this_thread::sleep_until(step_began + options_.test_coscheduled_step_min);
+  if (options_.test_coscheduled_step_min.count() > 0) {
+    std::this_thread::sleep_until(step_began + options_.test_coscheduled_step_min);
+  }
   last_coscheduled_step_ = std::chrono::steady_clock::now() - step_began;
   for (QueuedStep* s : taken) {
     if (s->kind == CallKind::kTrainStep ? s->result.ok() : s->forward.ok()) {

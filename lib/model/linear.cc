@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "lib/env_switch.h"
 #include "lib/torch_compat.h"
 
 namespace lorastep {
@@ -188,10 +189,7 @@ struct SegmentGroups {
 // Whether equal segments take the batched route (LORASTEP_SEGMENT_BMM=0 turns it off, for A/B
 // measurements against the grouped GEMMs).
 bool BatchedSegmentsEnabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("LORASTEP_SEGMENT_BMM");
-    return env == nullptr || std::string(env) != "0";
-  }();
+  static const bool enabled = EnvSwitchOn("LORASTEP_SEGMENT_BMM");
   return enabled;
 }
 
@@ -256,15 +254,8 @@ at::Tensor LargeGemmOverGroupedLowRank(const at::Tensor& left, const at::Tensor&
   const bool low_first = left.size(1) < right.size(1) && !bias.defined();
   bool equal = true;
   for (int64_t k = 0; k < groups; ++k) equal = equal && real[k] >= 0 && ends[k] - (k == 0 ? 0 : ends[k - 1]) == ends[0];
-  at::Tensor y;
-  if (low_first) {
-    y = at::empty({n, width}, left.options());
-  } else if (JointGemmRows() > 0) {
-    y = at::empty({n, width}, left.options());
-    FrozenGemmInto(y, left, right, bias, /*accumulate=*/false);
-  } else {
-    y = bias.defined() ? at::addmm(bias, left, right) : at::mm(left, right);
-  }
+  at::Tensor y = at::empty({n, width}, left.options());
+  if (!low_first) FrozenGemmInto(y, left, right, bias, /*accumulate=*/false);
   const int beta = low_first ? 0 : 1;  // beta 0: the empty output's garbage is not read
   if (equal && groups * ends[0] == n) {
     y.view({groups, ends[0], width}).baddbmm_(low.view({groups, ends[0], low.size(1)}), low_right, beta, 1);
@@ -850,10 +841,7 @@ namespace {
 // Whether the fold is on for this weight's device: options.fold_lora_b, else CUDA's default.
 bool FoldEnabled(const at::Tensor& weight, const GradOptions& options) {
   if (options.fold_lora_b >= 0) return options.fold_lora_b == 1;
-  static const bool cuda_default = [] {
-    const char* env = std::getenv("LORASTEP_FOLD_LORA_B");
-    return env == nullptr || std::string(env) != "0";
-  }();
+  static const bool cuda_default = EnvSwitchOn("LORASTEP_FOLD_LORA_B");
   return weight.is_cuda() && cuda_default;
 }
 

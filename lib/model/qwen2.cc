@@ -20,9 +20,7 @@
 #include "lib/torch_compat.h"
 
 #ifdef LORASTEP_WITH_CUDA_KERNELS
-#include <cstdlib>
-#include <cstring>
-
+#include "lib/env_switch.h"
 #include "lib/kernels/fused_layer.h"
 #include "lib/kernels/kernel_launch.h"
 #endif
@@ -35,10 +33,7 @@ namespace {
 // LORASTEP_FUSED_KERNELS=0 turns the kernels off (for side-by-side benchmarks).
 bool UseFusedKernels(const at::Tensor& x, const at::Tensor& other) {
 #ifdef LORASTEP_WITH_CUDA_KERNELS
-  static const bool enabled = [] {
-    const char* v = std::getenv("LORASTEP_FUSED_KERNELS");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+  static const bool enabled = EnvSwitchOn("LORASTEP_FUSED_KERNELS");
   return enabled && x.is_cuda() && x.scalar_type() == other.scalar_type() &&
          (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat);
 #else

@@ -8,13 +8,13 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <optional>
 #include <set>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "lib/device_stats.h"
+#include "lib/env_switch.h"
 #include "lib/io/digest.h"
 #include "lib/log.h"
 #include "lib/model/logprobs.h"
@@ -34,10 +34,7 @@ namespace {
 // Whether PackJointRows evens out its rows (LORASTEP_JOINT_ROWS_EVEN=0 keeps the rows packed
 // up to the budget, for A/B measurements).
 bool EvenJointRows() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("LORASTEP_JOINT_ROWS_EVEN");
-    return env == nullptr || std::string(env) != "0";
-  }();
+  static const bool enabled = EnvSwitchOn("LORASTEP_JOINT_ROWS_EVEN");
   return enabled;
 }
 
