@@ -66,15 +66,12 @@ ChunkList SplitIntoChunks(const std::vector<at::Tensor>& tensors) {
 
 #ifdef LORASTEP_WITH_CUDA_KERNELS
 // Fills the chunk digests of the device tensors `members` on the device, reading each tensor
-// where it lies: one kernel per storage (an adapter's values share one), no copy of the bytes;
+// where it lies (no copy of the bytes): one kernel over every member's chunks, whatever
+// buffers they are in (several runs' adapters after a joint step fill the GPU together);
 // only 32 bytes per chunk come back, with one wait for all of them.
 void HashOnDevice(const std::vector<at::Tensor>& tensors, const std::vector<size_t>& members, ChunkList* chunks) {
-  struct Storage {
-    const uint8_t* base = nullptr;
-    std::vector<int64_t> offsets, sizes, chunk_ids;
-  };
-  std::map<const void*, Storage> storages;
-  std::deque<at::Tensor> kept;  // contiguous copies of strided members (stable addresses)
+  std::vector<int64_t> starts, sizes, chunk_ids;
+  std::deque<at::Tensor> kept;  // contiguous copies of strided members (alive until the wait)
   for (size_t i : members) {
     // No per-tensor detach or view: for over a thousand tensors a run, making them costs more
     // than hashing their bytes.
@@ -84,45 +81,30 @@ void HashOnDevice(const std::vector<at::Tensor>& tensors, const std::vector<size
       kept.push_back(t->detach().contiguous());
       t = &kept.back();
     }
-    Storage& s = storages[t->storage().data()];
-    s.base = static_cast<const uint8_t*>(t->storage().data());
-    int64_t at = static_cast<const uint8_t*>(t->data_ptr()) - s.base;
+    auto at = static_cast<int64_t>(reinterpret_cast<uintptr_t>(t->data_ptr()));
     for (int64_t c = chunks->first[i]; c < chunks->first[i + 1]; ++c) {
-      s.offsets.push_back(at);
-      s.sizes.push_back(chunks->size[c]);
-      s.chunk_ids.push_back(c);
+      starts.push_back(at);
+      sizes.push_back(chunks->size[c]);
+      chunk_ids.push_back(c);
       at += chunks->size[c];
     }
   }
-  if (storages.empty()) return;
-  std::vector<int64_t> table;  // every storage's offsets, then its sizes
-  int64_t count = 0;
-  for (const auto& [key, s] : storages) {
-    table.insert(table.end(), s.offsets.begin(), s.offsets.end());
-    table.insert(table.end(), s.sizes.begin(), s.sizes.end());
-    count += static_cast<int64_t>(s.offsets.size());
-  }
+  if (starts.empty()) return;
+  const auto count = static_cast<int64_t>(starts.size());
+  starts.insert(starts.end(), sizes.begin(), sizes.end());  // one table: starts, then sizes
   const at::Tensor& any = tensors[members.front()];
-  const at::Tensor on_device = at::tensor(table, at::kLong).to(any.device());
+  const at::Tensor table = at::tensor(starts, at::kLong).to(any.device());
   const at::Tensor digests = at::empty({count, 32}, any.options().dtype(at::kByte));
   kernels::KernelLaunch launch(any);
-  int64_t at_table = 0, at_chunk = 0;
-  for (const auto& [key, s] : storages) {
-    const auto n = static_cast<int64_t>(s.offsets.size());
-    const int64_t* offsets = on_device.data_ptr<int64_t>() + at_table;
-    kernels::CheckLaunch(kernels::LaunchRangeSha256(s.base, offsets, offsets + n, n,
-                                                    digests.data_ptr<uint8_t>() + 32 * at_chunk, launch.stream),
-                         "sha256");
-    at_table += 2 * n;
-    at_chunk += n;
-  }
+  const int64_t* on_device = table.data_ptr<int64_t>();
+  kernels::CheckLaunch(kernels::LaunchRangeSha256(on_device, on_device + count, count, digests.data_ptr<uint8_t>(),
+                                                  launch.stream),
+                       "sha256");
   const at::Tensor host = digests.to(at::kCPU);
   const uint8_t* d = host.data_ptr<uint8_t>();
-  for (const auto& [key, s] : storages) {
-    for (int64_t c : s.chunk_ids) {
-      std::copy(d, d + 32, chunks->digest[c].begin());
-      d += 32;
-    }
+  for (int64_t c : chunk_ids) {
+    std::copy(d, d + 32, chunks->digest[c].begin());
+    d += 32;
   }
 }
 #endif
