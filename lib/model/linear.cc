@@ -210,34 +210,16 @@ at::Tensor GroupRowsProduct(const at::Tensor& left, const at::Tensor& right, con
                  right.reshape({-1, batched_rows, right.size(1)}));
 }
 
-// Rows per frozen GEMM in a joint row (LORASTEP_JOINT_GEMM_ROWS; unset or 0: one GEMM over
-// every row). An experiment switch: cuBLAS picks other kernels for a 16,384-row row than for a
-// lone run's 4,096 rows, and the long rows' GEMMs measured slower per FLOP (docs/PERFORMANCE.md);
-// chunking keeps the row and gives each GEMM the short shape.
-int64_t JointGemmRows() {
-  static const int64_t rows = [] {
-    const char* env = std::getenv("LORASTEP_JOINT_GEMM_ROWS");
-    return env == nullptr ? int64_t{0} : std::max<int64_t>(0, std::atoll(env));
-  }();
-  return rows;
-}
-
-// y (+)= left @ right (+ bias) over consecutive chunks of JointGemmRows() rows: `accumulate`
-// adds into y (beta 1), else y is written (y may be uninitialized). Bias only when writing.
+// y (+)= left @ right (+ bias): `accumulate` adds into y (beta 1), else y is written (y may be
+// uninitialized). Bias only when writing.
 void FrozenGemmInto(at::Tensor& y, const at::Tensor& left, const at::Tensor& right, const at::Tensor& bias,
                     bool accumulate) {
-  const int64_t n = left.size(0), chunk = JointGemmRows() > 0 ? JointGemmRows() : n;
-  for (int64_t begin = 0; begin < n; begin += chunk) {
-    const int64_t rows = std::min(chunk, n - begin);
-    at::Tensor out = y.narrow(0, begin, rows);
-    const at::Tensor in = left.narrow(0, begin, rows);
-    if (accumulate) {
-      out.addmm_(in, right);
-    } else if (bias.defined()) {
-      at::addmm_out(out, bias, in, right);
-    } else {
-      at::mm_out(out, in, right);
-    }
+  if (accumulate) {
+    y.addmm_(left, right);
+  } else if (bias.defined()) {
+    at::addmm_out(y, bias, left, right);
+  } else {
+    at::mm_out(y, left, right);
   }
 }
 
