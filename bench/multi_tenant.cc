@@ -172,7 +172,15 @@ int main(int argc, char** argv) {
   j["per_run"] = per_run;
   j["method"] = "every run sends its steps back to back from its own thread, all runs at once; aggregate tokens/s "
                 "over the timed steps' wall time (after one warm-up step per run); latency per call, all runs";
-  if (!absl::GetFlag(FLAGS_out).empty()) std::ofstream(absl::GetFlag(FLAGS_out)) << j.dump(2) << "\n";
+  if (const std::string out = absl::GetFlag(FLAGS_out); !out.empty()) {
+    std::ofstream file(out);
+    file << j.dump(2) << "\n";
+    file.close();
+    if (!file) {
+      std::cerr << "multi_tenant: --out " << out << ": cannot write the result file\n";
+      return 1;
+    }
+  }
   nlohmann::ordered_json summary = j;
   summary.erase("per_run");
   std::cout << summary.dump(2) << "\n";

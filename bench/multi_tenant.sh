@@ -15,6 +15,7 @@ BIN=$1 MODEL=$2 DEVICE=$3 OUT=$4 NAME=$5 RUNS=$6 SEQS=$7 LEN=$8 STEPS=${9:-5}
 find_bin() { for p in "$BIN/$1" "$BIN/server/$1" "$BIN/worker/$1" "$BIN/bench/$1"; do
   [ -x "$p" ] && { echo "$p"; return; }; done; echo "missing $1" >&2; exit 1; }
 VOCAB=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['vocab_size'])" "$MODEL/config.json")
+mkdir -p "$OUT"
 WORK=$(mktemp -d)
 PID=
 trap '[ -n "$PID" ] && { kill $PID 2>/dev/null; wait $PID 2>/dev/null || true; }; rm -rf "$WORK"' EXIT
