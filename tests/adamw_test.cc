@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "tests/test_util.h"
+#include "tests/torch_test_util.h"
 
 namespace lorastep {
 namespace {
@@ -206,6 +207,70 @@ TEST(AdamWTest, BucketOrderedStateGivesEachParameterItsOwnUpdate) {
                                               "would make " + adapter.parameters()[nan_at].name + " non-finite"));
   opt.master()[nan_at].fill_(0.5f);
   EXPECT_TRUE(opt.CheckStep(p, 1.0).ok());
+}
+
+// The optimizer on the device under test (on CUDA, one fused kernel that checks the update
+// without writing and then recomputes it in place) against the same steps on the host (the
+// ATen composition): three steps with clipping, decay and bias correction agree within fp32
+// rounding; a refused update (an overflow in bf16, a NaN) names its parameter and changes
+// nothing, and a step after it goes through.
+TEST(AdamWTest, OnTheTestDeviceAsOnTheHost) {
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  c.num_hidden_layers = 2;
+  LoraConfig lora;
+  lora.rank = 4;
+  lora.target_modules = {"q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"};
+  const at::Device dev = ::lorastep::testing::TestDevice();
+  Adapter host = Adapter::CreateLora(c, lora, at::kCPU, at::kBFloat16, 5).value();
+  Adapter device = Adapter::CreateLora(c, lora, dev, at::kBFloat16, 5).value();
+  AdamW host_opt(&host), device_opt(&device);
+  AdamWParams p;
+  p.lr = 0.01;
+  p.weight_decay = 0.1;
+  p.max_grad_norm = 0.5;
+  auto fill_grads = [&](int step) {
+    for (size_t i = 0; i < host.parameters().size(); ++i) {
+      const at::Tensor g = at::randn(host.parameters()[i].main_grad.sizes(),
+                                     at::TensorOptions().dtype(at::kFloat)) * (0.1 * (step + 1));
+      host.parameters()[i].main_grad.copy_(g);
+      device.parameters()[i].main_grad.copy_(g);
+    }
+  };
+  at::manual_seed(11);
+  for (int step = 0; step < 3; ++step) {
+    fill_grads(step);
+    ASSERT_OK_AND_ASSIGN(OptimizerStepResult h, host_opt.Step(p));
+    ASSERT_OK_AND_ASSIGN(OptimizerStepResult d, device_opt.Step(p));
+    EXPECT_NEAR(d.grad_norm, h.grad_norm, 1e-6 * h.grad_norm) << step;
+    for (size_t i = 0; i < host.parameters().size(); ++i) {
+      const std::string& name = host.parameters()[i].name;
+      EXPECT_LT(::lorastep::testing::RelErr(device_opt.master()[i], host_opt.master()[i]), 1e-6) << name << " " << step;
+      EXPECT_LT(::lorastep::testing::RelErr(device_opt.exp_avg_sq()[i], host_opt.exp_avg_sq()[i]), 1e-6) << name;
+      EXPECT_TRUE(at::equal(device.parameters()[i].value.cpu(), device_opt.master()[i].cpu().to(at::kBFloat16))) << name;
+      EXPECT_EQ(device.parameters()[i].main_grad.abs().max().item<float>(), 0.0f) << name;
+    }
+  }
+  const std::vector<int> order = device.BucketOrder();
+  const int bad = order[1], nan_at = order[2];
+  auto expect_refused_unchanged = [&](int named) {
+    const at::Tensor master = device_opt.master()[named].clone(), avg = device_opt.exp_avg()[named].clone();
+    EXPECT_THAT(device_opt.Step(p, 1.0), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                                  "would make " + device.parameters()[named].name + " non-finite"));
+    // Bit for bit (a NaN the test planted compares unequal to itself as a float).
+    EXPECT_TRUE(at::equal(device_opt.master()[named].view(at::kInt), master.view(at::kInt)));
+    EXPECT_TRUE(at::equal(device_opt.exp_avg()[named].view(at::kInt), avg.view(at::kInt)));
+    EXPECT_EQ(device_opt.steps_taken(), 3);
+  };
+  fill_grads(3);
+  device_opt.master()[bad].fill_(3.4e38f);  // finite in fp32, past bf16's largest
+  expect_refused_unchanged(bad);
+  device_opt.master()[bad].fill_(0.5f);
+  device_opt.master()[nan_at].view({-1})[1] = NAN;
+  expect_refused_unchanged(nan_at);
+  device_opt.master()[nan_at].fill_(0.5f);
+  ASSERT_OK_AND_ASSIGN(OptimizerStepResult after, device_opt.Step(p, 1.0));
+  EXPECT_EQ(after.step, 4);
+  EXPECT_TRUE(at::isfinite(device_opt.master()[nan_at]).all().item<bool>());
 }
 
 // Parameters of different dtypes (each checked in its own): a step goes through, and an

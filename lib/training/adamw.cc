@@ -9,6 +9,11 @@
 #include "absl/strings/str_cat.h"
 #include "lib/status_macros.h"
 
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+#include "lib/kernels/adamw_flat.h"
+#include "lib/kernels/kernel_launch.h"
+#endif
+
 namespace lorastep {
 
 AdamW::AdamW(Adapter* adapter) : adapter_(adapter) {
@@ -57,6 +62,10 @@ AdamW::AdamW(Adapter* adapter) : adapter_(adapter) {
     const at::Tensor& bucket = adapter_->grad_bucket(static_cast<GradBucket>(b));
     grads_packed_ = bucket.defined() ? bucket.numel() == in_bucket[b] : in_bucket[b] == 0;
   }
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+  static_assert(kNumGradBuckets <= kernels::FlatParts::kMaxParts, "a part per bucket");
+  fused_ = flat_master_.is_cuda() && same_dtype_ && grads_packed_;
+#endif
   const at::Tensor& packed = adapter_->packed_values();
   values_packed_ = packed.defined() && packed.numel() == total;
   for (size_t i = 0; i < params.size() && values_packed_; ++i) {
@@ -101,6 +110,49 @@ AdamW::Update AdamW::CandidateUpdate(const AdamWParams& p, const Coefficients& k
   return u;
 }
 
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+namespace {
+
+// The flat gradient's parts for the kernel: the grad buckets, end to end.
+kernels::FlatParts GradientParts(const Adapter& adapter) {
+  kernels::FlatParts out;
+  int64_t end = 0;
+  for (int b = 0; b < kNumGradBuckets; ++b) {
+    const at::Tensor& bucket = adapter.grad_bucket(static_cast<GradBucket>(b));
+    if (!bucket.defined() || bucket.numel() == 0) continue;
+    TORCH_CHECK(bucket.scalar_type() == at::kFloat && bucket.is_contiguous(), "AdamW: grad buckets must be contiguous fp32");
+    end += bucket.numel();
+    out.data[out.count] = bucket.data_ptr<float>();
+    out.ends[out.count++] = end;
+  }
+  return out;
+}
+
+}  // namespace
+
+// One pass of the fused kernel: `write` false leaves the state alone and returns the new
+// values' largest magnitude on the device; true writes the step in place (allocating nothing).
+at::Tensor AdamW::FusedPass(const AdamWParams& p, const Coefficients& k, bool write) const {
+  kernels::AdamWScalars s;
+  s.beta1 = static_cast<float>(p.beta1);
+  s.beta2 = static_cast<float>(p.beta2);
+  s.grad_weight = static_cast<float>((1.0 - p.beta1) * k.clip);
+  s.square_weight = static_cast<float>((1.0 - p.beta2) * k.clip * k.clip);
+  s.sqrt_bc2 = static_cast<float>(std::sqrt(k.bc2));
+  s.eps = static_cast<float>(p.eps);
+  s.decay = static_cast<float>(1.0 - k.lr * p.weight_decay);
+  s.step = static_cast<float>(-k.lr / k.bc1);
+  at::Tensor largest = write ? at::Tensor() : at::zeros({}, flat_master_.options());
+  kernels::KernelLaunch launch(flat_master_);
+  kernels::CheckLaunch(kernels::LaunchAdamWFlat(GradientParts(*adapter_), flat_avg_.data_ptr<float>(),
+                                                flat_avg_sq_.data_ptr<float>(), flat_master_.data_ptr<float>(),
+                                                flat_master_.numel(), s, write,
+                                                write ? nullptr : largest.data_ptr<float>(), launch.stream),
+                       "AdamW");
+  return largest;
+}
+#endif
+
 absl::Status AdamW::CheckStep(const AdamWParams& p, double norm) const { return Stage(p, norm).status(); }
 
 absl::StatusOr<AdamW::StagedStep> AdamW::Stage(const AdamWParams& p, double norm) const {
@@ -116,11 +168,18 @@ absl::StatusOr<AdamW::StagedStep> AdamW::StageOnDevice(const AdamWParams& p, dou
         "optimizer: non-finite gradient norm; step refused, parameters unchanged");
   }
   StagedStep staged;
+  staged.p = p;
   staged.k = StepCoefficients(p, norm);
   staged.grad_norm = norm;
   const auto& params = adapter_->parameters();
   if (params.empty()) return staged;
   at::NoGradGuard no_grad;
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+  if (fused_) {
+    staged.largest = FusedPass(p, staged.k, /*write=*/false);
+    return staged;
+  }
+#endif
   staged.u = CandidateUpdate(p, staged.k);
   // One dtype: the largest magnitude (NaN if any is NaN) says whether every value stays finite
   // once rounded to that dtype (rounding is monotonic). Mixed dtypes: each part checked in its own.
@@ -143,10 +202,12 @@ absl::Status AdamW::CheckStaged(const StagedStep& staged, std::optional<float> l
   const float value = largest.has_value() ? *largest : staged.largest.item<float>();
   const at::Tensor rounded = at::scalar_tensor(value, at::kFloat).to(params.front().value.scalar_type());
   if (same_dtype_ ? at::isfinite(rounded).item<bool>() : value == 0.0f) return absl::OkStatus();
-  // The refusal names the first parameter (flat order) the update would leave non-finite.
+  // The refusal names the first parameter (flat order) the update would leave non-finite (on
+  // the fused path the update is computed aside for that, once refused).
+  const at::Tensor candidate = staged.u.master.defined() ? staged.u.master : CandidateUpdate(staged.p, staged.k).master;
   std::string name = "a parameter";
   for (int i : order_) {
-    const at::Tensor part = staged.u.master.narrow(0, offsets_[i], params[i].value.numel());
+    const at::Tensor part = candidate.narrow(0, offsets_[i], params[i].value.numel());
     if (!at::isfinite(part.to(params[i].value.scalar_type())).all().item<bool>()) {
       name = params[i].name;
       break;
@@ -181,9 +242,14 @@ OptimizerStepResult AdamW::Commit(StagedStep staged) {
   at::NoGradGuard no_grad;
   auto& params = adapter_->parameters();
   if (!params.empty()) {
-    flat_avg_.copy_(staged.u.exp_avg);
-    flat_avg_sq_.copy_(staged.u.exp_avg_sq);
-    flat_master_.copy_(staged.u.master);
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+    if (fused_) FusedPass(staged.p, staged.k, /*write=*/true);
+#endif
+    if (!fused_) {
+      flat_avg_.copy_(staged.u.exp_avg);
+      flat_avg_sq_.copy_(staged.u.exp_avg_sq);
+      flat_master_.copy_(staged.u.master);
+    }
     if (values_packed_) {
       adapter_->packed_values().copy_(flat_master_);  // every value, one kernel
     } else {

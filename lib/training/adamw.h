@@ -54,8 +54,9 @@ class AdamW {
   // takes their values and the moments restart at zero, so the next step keeps them.
   void ResyncFromParameters();
 
-  // Device bytes a StagedStep holds (the new moments and master copy, fp32).
-  int64_t StagedBytes() const { return flat_master_.defined() ? 3 * 4 * flat_master_.numel() : 0; }
+  // Device bytes a StagedStep holds (the new moments and master copy, fp32; none where one
+  // kernel checks the update and Commit recomputes it in place).
+  int64_t StagedBytes() const { return flat_master_.defined() && !fused_ ? 3 * 4 * flat_master_.numel() : 0; }
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t steps) { steps_ = steps; }
   // Optimizer state in parameter order (for checkpoints): views of the flat fp32 buffers,
@@ -77,8 +78,9 @@ class AdamW {
 
  public:
   struct StagedStep {
+    AdamWParams p;
     Coefficients k;
-    Update u;  // undefined tensors when the adapter has no parameters
+    Update u;  // undefined tensors when the adapter has no parameters, or on the fused path
     double grad_norm = 0;
     // fp32 scalar on the device: the new values' largest magnitude (NaN when one is NaN); with
     // mixed dtypes 0, or 1 when a value is non-finite in its own dtype. Undefined: no parameters.
@@ -88,6 +90,7 @@ class AdamW {
  private:
   Coefficients StepCoefficients(const AdamWParams& p, double norm) const;
   Update CandidateUpdate(const AdamWParams& p, const Coefficients& k) const;
+  at::Tensor FusedPass(const AdamWParams& p, const Coefficients& k, bool write) const;  // CUDA build only
 
   // Every main_grad flattened in the flat buffers' order (on packed buckets, the buckets
   // end to end: a few tensors, not one per parameter).
@@ -103,6 +106,10 @@ class AdamW {
   bool grads_packed_ = false;     // main_grads are the grad buckets end to end, in order_
   bool values_packed_ = false;    // the adapter's packed_values hold the values in order_
   bool same_dtype_ = true;
+  // The CUDA build's one-pass kernel (lib/kernels/adamw_flat.h) for state on the GPU with one
+  // value dtype and the gradients in the buckets: Stage checks without writing, Commit
+  // recomputes the same bits in place.
+  bool fused_ = false;
   int64_t steps_ = 0;
 };
 
