@@ -37,10 +37,12 @@ class AdamW {
   // dtype (computed aside; changes nothing). FAILED_PRECONDITION naming the parameter.
   absl::Status CheckStep(const AdamWParams& params, double grad_norm) const;
 
-  // A step in two halves, for a mesh's commit vote between them. Stage computes the new
-  // moments and master copy aside (every allocation, and the finiteness check of every
-  // parameter in its dtype) and changes nothing; Commit copies them into place and zeroes
-  // the gradients, allocating nothing. Step is Stage then Commit.
+  // A step in two halves, for a mesh's commit vote between them. Stage checks that every
+  // parameter stays finite in its dtype (every allocation is made here) and changes nothing;
+  // Commit writes the new moments, master copy and values and zeroes the gradients,
+  // allocating nothing. The ATen path computes the new state aside in Stage and copies it in
+  // Commit; the CUDA build's fused kernel computes it twice, the same bits both times, and
+  // keeps no copy. Step is Stage then Commit.
   struct StagedStep;
   absl::StatusOr<StagedStep> Stage(const AdamWParams& params, double grad_norm) const;
   // Stage without the host wait: the finiteness check's figure stays on the device
