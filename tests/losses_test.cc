@@ -343,5 +343,77 @@ TEST(BatchTest, PackedMicroBatchesFillTheRealTokenBudgetFirstFit) {
   EXPECT_EQ(seen, std::vector<int>(ds.size(), 1));
 }
 
+// Co-scheduled runs under one loss compute it as one (ComputeJointLoss): each run's loss,
+// gradient and metrics equal that run's ComputeLoss alone, for every normalization and for
+// PPO with every term on (dual clip, TIS, KL to a reference, entropy bonus). The runs differ
+// in length, masking, samples and denominators (as different batches do).
+TEST(LossesTest, JointLossGivesEachRunItsOwnLossGradientAndMetrics) {
+  at::manual_seed(3);
+  const std::vector<int64_t> lengths = {5, 9, 3};
+  for (LossNormalization norm : {LossNormalization::kToken, LossNormalization::kSequence, LossNormalization::kSum}) {
+    LossConfig cfg;
+    cfg.kind = LossKind::kPpo;
+    cfg.dual_clip_c = 3.0;
+    cfg.tis_cap = 2.0;
+    cfg.kl_coef = 0.1;
+    cfg.entropy_coef = 0.01;
+    cfg.normalization = norm;
+    std::vector<LossInputs> alone, together;
+    std::vector<LossDenominators> dens;
+    for (size_t j = 0; j < lengths.size(); ++j) {
+      const int64_t n = lengths[j];
+      LossInputs in;
+      in.logprobs = (at::randn({n}) * 0.3 - 1.0).requires_grad_(true);
+      in.entropy = at::rand({n});
+      in.mask = (at::rand({n}) > 0.3).to(at::kFloat);
+      in.mask[0] = 1.0;
+      in.sample_index = at::arange(n, at::kLong).div(2, "floor");  // two positions a sample
+      in.advantages = at::randn({n});
+      in.sampler_logprobs = in.logprobs.detach() + at::randn({n}) * 0.2;
+      in.old_logprobs = in.logprobs.detach() + at::randn({n}) * 0.1;
+      in.ref_logprobs = in.logprobs.detach() + at::randn({n}) * 0.1;
+      LossDenominators den;
+      den.loss_tokens = in.mask.sum().item<double>() + static_cast<double>(j);  // other micro-batches too
+      den.sample_tokens = at::zeros({(n + 1) / 2}).index_add_(0, in.sample_index, in.mask) + 1.0;
+      den.samples = static_cast<double>((n + 1) / 2 + j);
+      LossInputs copy = in;
+      copy.logprobs = in.logprobs.detach().clone().requires_grad_(true);
+      alone.push_back(in);
+      together.push_back(copy);
+      dens.push_back(den);
+    }
+    std::vector<PendingMetrics> pending(lengths.size());
+    std::vector<const LossDenominators*> den_ptrs;
+    std::vector<PendingMetrics*> pending_ptrs;
+    for (size_t j = 0; j < lengths.size(); ++j) {
+      den_ptrs.push_back(&dens[j]);
+      pending_ptrs.push_back(&pending[j]);
+    }
+    const at::Tensor joint = ComputeJointLoss(cfg, together, den_ptrs, pending_ptrs);
+    joint.backward();
+    double sum = 0;
+    for (size_t j = 0; j < lengths.size(); ++j) {
+      Metrics solo_metrics, joint_metrics;
+      const at::Tensor solo = ComputeLoss(cfg, alone[j], dens[j], &solo_metrics);
+      solo.backward();
+      sum += solo.item<double>();
+      pending[j].Resolve(&joint_metrics);
+      const std::string what = "run " + std::to_string(j) + " normalization " + std::to_string(static_cast<int>(norm));
+      EXPECT_TRUE(at::allclose(together[j].logprobs.grad(), alone[j].logprobs.grad(), 1e-6, 1e-9)) << what;
+      ASSERT_EQ(joint_metrics.Reduced().size(), solo_metrics.Reduced().size()) << what;
+      for (const auto& [name, value] : solo_metrics.Reduced()) {
+        ASSERT_TRUE(joint_metrics.Has(name)) << what << " " << name;
+        EXPECT_NEAR(joint_metrics.Get(name), value, 1e-6 * std::max(1.0, std::abs(value))) << what << " " << name;
+      }
+    }
+    EXPECT_NEAR(joint.item<double>(), sum, 1e-6 * std::max(1.0, std::abs(sum)));
+  }
+  // Runs whose inputs differ in kind are not one loss.
+  LossInputs a = TwoTokens({-1.0f, -2.0f}, {0, 0}, {1, 1}).in, b = a;
+  b.ref_logprobs = a.logprobs.detach();
+  EXPECT_FALSE(SameLossInputsDefined(a, b));
+  EXPECT_TRUE(SameLossInputsDefined(a, a));
+}
+
 }  // namespace
 }  // namespace lorastep

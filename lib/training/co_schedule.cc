@@ -380,7 +380,16 @@ Trainer::JointPass Trainer::RunJointPass(const std::vector<JointTrainCall>& call
                          backward ? &t.dropout_generator_ : nullptr, backward && call.loss->entropy_coef != 0});
       }
       const std::vector<TokenScores> shared = SharedHeadScores(*base, heads, x, segments, mbs);
-      at::Tensor total;
+      // Runs under the same loss (options and kinds of inputs alike) compute it as one
+      // (ComputeJointLoss: one set of kernels for all of them, each run normalized by its own
+      // denominators, its metrics its own); a run with a loss of its own, on its own.
+      struct LossGroup {
+        const LossConfig* config;
+        std::vector<LossInputs> ins;
+        std::vector<const LossDenominators*> dens;
+        std::vector<PendingMetrics*> metrics;
+      };
+      std::vector<LossGroup> groups;
       for (size_t j = 0; j < runs.size(); ++j) {
         const size_t r = runs[j];
         const JointTrainCall& call = calls[pass.admitted[r]];
@@ -395,7 +404,17 @@ Trainer::JointPass Trainer::RunJointPass(const std::vector<JointTrainCall>& call
         LossInputs in = mbs[j].loss_in;
         in.logprobs = scores.logprobs;
         in.entropy = scores.entropy;
-        const at::Tensor loss = ComputeLoss(*call.loss, in, pass.dens[r], &pass.pending[r]);
+        auto group = std::find_if(groups.begin(), groups.end(), [&](const LossGroup& g) {
+          return *g.config == *call.loss && SameLossInputsDefined(g.ins.front(), in);
+        });
+        if (group == groups.end()) group = groups.insert(groups.end(), LossGroup{call.loss, {}, {}, {}});
+        group->ins.push_back(std::move(in));
+        group->dens.push_back(&pass.dens[r]);
+        group->metrics.push_back(&pass.pending[r]);
+      }
+      at::Tensor total;
+      for (const LossGroup& g : groups) {
+        const at::Tensor loss = ComputeJointLoss(*g.config, g.ins, g.dens, g.metrics);
         total = total.defined() ? total + loss : loss;
       }
       if (total.defined()) total.backward();

@@ -28,6 +28,12 @@ struct LossConfig {
   LossNormalization normalization = LossNormalization::kToken;
 
   bool is_rl() const { return kind != LossKind::kCrossEntropy; }
+  bool operator==(const LossConfig& o) const {
+    return kind == o.kind && clip_eps_low == o.clip_eps_low && clip_eps_high == o.clip_eps_high &&
+           dual_clip_c == o.dual_clip_c && cispo_ratio_low == o.cispo_ratio_low &&
+           cispo_ratio_high == o.cispo_ratio_high && tis_cap == o.tis_cap && kl_coef == o.kl_coef &&
+           kl_estimator == o.kl_estimator && entropy_coef == o.entropy_coef && normalization == o.normalization;
+  }
 };
 
 absl::StatusOr<LossKind> ParseLossKind(const std::string& name);  // "ppo", ...

@@ -39,6 +39,8 @@ class PendingMetrics {
  public:
   void Add(const std::string& name, const at::Tensor& sum, const at::Tensor& count);
   void Add(const std::string& name, const at::Tensor& sum);  // count 1
+  // `pair`: fp64 [2] (sum, count), kept as given (a row of several runs' partials: no kernel).
+  void AddPair(const std::string& name, const at::Tensor& pair);
   void Resolve(Metrics* metrics);  // adds every partial to `metrics`, then empties
 
  private:
@@ -55,6 +57,17 @@ at::Tensor ComputeLoss(const LossConfig& config, const LossInputs& in,
 // The same, its metrics resolved at once.
 at::Tensor ComputeLoss(const LossConfig& config, const LossInputs& in,
                        const LossDenominators& denominators, Metrics* metrics);
+
+// Several runs' losses of one co-scheduled micro-batch under one LossConfig, computed as one:
+// run j's inputs, denominators and metrics are ins[j], dens[j] and metrics[j] (the same
+// inputs defined for every run). Each run's positions are normalized by its own denominators
+// and its metrics are its own (reduced per run with one kernel each for all runs); returns the
+// sum of the runs' losses, each equal to ComputeLoss of that run alone up to summation order.
+at::Tensor ComputeJointLoss(const LossConfig& config, const std::vector<LossInputs>& ins,
+                            const std::vector<const LossDenominators*>& dens,
+                            const std::vector<PendingMetrics*>& metrics);
+// Whether ComputeJointLoss takes these inputs: the same tensors defined in each.
+bool SameLossInputsDefined(const LossInputs& a, const LossInputs& b);
 
 }  // namespace lorastep
 
