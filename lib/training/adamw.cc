@@ -75,13 +75,19 @@ AdamW::AdamW(Adapter* adapter) : adapter_(adapter) {
   }
 }
 
+std::vector<at::Tensor> AdamW::GradBuckets() const {
+  std::vector<at::Tensor> buckets;
+  for (int b = 0; b < kNumGradBuckets; ++b) {
+    const at::Tensor& bucket = adapter_->grad_bucket(static_cast<GradBucket>(b));
+    if (bucket.defined() && bucket.numel() > 0) buckets.push_back(bucket);
+  }
+  return buckets;
+}
+
 at::Tensor AdamW::FlatGradients() const {
   std::vector<at::Tensor> parts;
   if (grads_packed_) {
-    for (int b = 0; b < kNumGradBuckets; ++b) {
-      const at::Tensor& bucket = adapter_->grad_bucket(static_cast<GradBucket>(b));
-      if (bucket.defined()) parts.push_back(bucket);
-    }
+    parts = GradBuckets();
   } else {
     for (int i : order_) parts.push_back(adapter_->parameters()[i].main_grad.reshape({-1}));
   }
@@ -114,12 +120,10 @@ AdamW::Update AdamW::CandidateUpdate(const AdamWParams& p, const Coefficients& k
 namespace {
 
 // The flat gradient's parts for the kernel: the grad buckets, end to end.
-kernels::FlatParts GradientParts(const Adapter& adapter) {
+kernels::FlatParts GradientParts(const std::vector<at::Tensor>& buckets) {
   kernels::FlatParts out;
   int64_t end = 0;
-  for (int b = 0; b < kNumGradBuckets; ++b) {
-    const at::Tensor& bucket = adapter.grad_bucket(static_cast<GradBucket>(b));
-    if (!bucket.defined() || bucket.numel() == 0) continue;
+  for (const at::Tensor& bucket : buckets) {
     TORCH_CHECK(bucket.scalar_type() == at::kFloat && bucket.is_contiguous(), "AdamW: grad buckets must be contiguous fp32");
     end += bucket.numel();
     out.data[out.count] = bucket.data_ptr<float>();
@@ -144,7 +148,7 @@ at::Tensor AdamW::FusedPass(const AdamWParams& p, const Coefficients& k, bool wr
   s.step = static_cast<float>(-k.lr / k.bc1);
   at::Tensor largest = write ? at::Tensor() : at::zeros({}, flat_master_.options());
   kernels::KernelLaunch launch(flat_master_);
-  kernels::CheckLaunch(kernels::LaunchAdamWFlat(GradientParts(*adapter_), flat_avg_.data_ptr<float>(),
+  kernels::CheckLaunch(kernels::LaunchAdamWFlat(GradientParts(GradBuckets()), flat_avg_.data_ptr<float>(),
                                                 flat_avg_sq_.data_ptr<float>(), flat_master_.data_ptr<float>(),
                                                 flat_master_.numel(), s, write,
                                                 write ? nullptr : largest.data_ptr<float>(), launch.stream),
@@ -242,10 +246,11 @@ OptimizerStepResult AdamW::Commit(StagedStep staged) {
   at::NoGradGuard no_grad;
   auto& params = adapter_->parameters();
   if (!params.empty()) {
+    if (fused_) {
 #ifdef LORASTEP_WITH_CUDA_KERNELS
-    if (fused_) FusedPass(staged.p, staged.k, /*write=*/true);
+      FusedPass(staged.p, staged.k, /*write=*/true);
 #endif
-    if (!fused_) {
+    } else {
       flat_avg_.copy_(staged.u.exp_avg);
       flat_avg_sq_.copy_(staged.u.exp_avg_sq);
       flat_master_.copy_(staged.u.master);

@@ -97,6 +97,8 @@ class AdamW {
   // Every main_grad flattened in the flat buffers' order (on packed buckets, the buckets
   // end to end: a few tensors, not one per parameter).
   at::Tensor FlatGradients() const;
+  // The adapter's grad buckets that hold gradients, in bucket order.
+  std::vector<at::Tensor> GradBuckets() const;
 
   Adapter* adapter_;
   // fp32, parameters in the adapter's BucketOrder: the grad buckets and the packed values

@@ -229,28 +229,23 @@ at::Tensor ComputeJointLoss(const LossConfig& c, const std::vector<LossInputs>& 
   const at::Tensor run_of = at::repeat_interleave(at::arange(static_cast<int64_t>(ins.size()), at::kLong),
                                                   at::tensor(lengths, at::kLong))
                                 .to(device);
-  at::Tensor scale;
-  switch (c.normalization) {
-    case LossNormalization::kToken:
-      scale = joint.mask * at::tensor(per_run, at::kDouble).to(device).index_select(0, run_of).to(joint.mask.scalar_type());
-      break;
-    case LossNormalization::kSequence: {
-      // Each run's sample_index names its own samples: offset into the runs' samples end to end.
-      std::vector<at::Tensor> tokens, index;
-      int64_t offset = 0;
-      for (size_t j = 0; j < ins.size(); ++j) {
-        tokens.push_back(dens[j]->sample_tokens);
-        index.push_back(ins[j].sample_index + offset);
-        offset += dens[j]->sample_tokens.size(0);
-      }
-      const at::Tensor per_position = at::cat(tokens).index_select(0, at::cat(index)).clamp_min(1.0);
-      scale = joint.mask / per_position *
-              at::tensor(per_run, at::kDouble).to(device).index_select(0, run_of).to(joint.mask.scalar_type());
-      break;
+  // Each position's share of its run's normalizer (unused by sum normalization).
+  const auto run_share = [&] {
+    return at::tensor(per_run, at::kDouble).to(device).index_select(0, run_of).to(joint.mask.scalar_type());
+  };
+  at::Tensor scale = joint.mask;
+  if (c.normalization == LossNormalization::kToken) {
+    scale = joint.mask * run_share();
+  } else if (c.normalization == LossNormalization::kSequence) {
+    // Each run's sample_index names its own samples: offset into the runs' samples end to end.
+    std::vector<at::Tensor> tokens, index;
+    int64_t offset = 0;
+    for (size_t j = 0; j < ins.size(); ++j) {
+      tokens.push_back(dens[j]->sample_tokens);
+      index.push_back(ins[j].sample_index + offset);
+      offset += dens[j]->sample_tokens.size(0);
     }
-    case LossNormalization::kSum:
-      scale = joint.mask;
-      break;
+    scale = joint.mask / at::cat(tokens).index_select(0, at::cat(index)).clamp_min(1.0) * run_share();
   }
   PositionSums sums(metrics, run_of);
   return ScaledLoss(c, joint, scale, &sums);
