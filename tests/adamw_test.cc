@@ -8,6 +8,7 @@
 #include <cmath>
 #include <vector>
 
+#include "lib/training/sums_of_squares.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
 
@@ -308,6 +309,39 @@ TEST(AdamWTest, HyperParametersAreBounded) {
   lora.alpha = 32;
   lora.rank = 20000;
   EXPECT_THAT(ValidateLoraConfig(lora), StatusIs(absl::StatusCode::kInvalidArgument, "lora.rank: 20000 exceeds the limit of 1024"));
+}
+
+// The squared norms of several groups in one pass (on CUDA one launch for every run's grad
+// buckets) against a dense fp64 sum per group; each group's value is the same bits whether it
+// is summed alone or with others, and undefined, negative and strided terms count as stated.
+TEST(GroupSumsOfSquaresTest, EachGroupAsADenseSumAloneOrTogether) {
+  const at::Device dev = ::lorastep::testing::TestDevice();
+  at::manual_seed(3);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor big = at::randn({200003}, f32), small = at::randn({7, 5}, f32), other = at::randn({65536}, f32);
+  auto on = [&](const at::Tensor& t) { return t.to(dev); };
+  const std::vector<std::vector<SquareTerm>> groups{
+      {{on(big)}, {on(small), /*negative=*/true}},
+      {},
+      {{at::Tensor()}, {on(other)}},
+  };
+  auto dense = [](const at::Tensor& t) { return t.to(at::kDouble).pow(2).sum().item<double>(); };
+  const std::vector<double> expected{dense(big) - dense(small), 0.0, dense(other)};
+  const at::Tensor together = GroupSumsOfSquares(groups, dev);
+  ASSERT_EQ(together.numel(), 3);
+  EXPECT_EQ(together.scalar_type(), at::kDouble);
+  EXPECT_EQ(together.device().type(), dev.type());
+  const at::Tensor host = together.cpu();
+  for (int g = 0; g < 3; ++g) {
+    EXPECT_NEAR(host[g].item<double>(), expected[g], 1e-12 * std::abs(expected[g])) << g;
+    const at::Tensor alone = GroupSumsOfSquares({groups[g]}, dev).cpu();
+    EXPECT_TRUE(at::equal(alone[0], host[g])) << g;
+  }
+  // A strided term is summed as its elements are.
+  const at::Tensor wide = on(at::randn({64, 48}, f32));
+  const at::Tensor strided = GroupSumsOfSquares({{{wide.t()}}}, dev).cpu();
+  EXPECT_NEAR(strided[0].item<double>(), dense(wide.cpu()), 1e-12 * dense(wide.cpu()));
+  EXPECT_EQ(GroupSumsOfSquares({}, dev).numel(), 0);
 }
 
 }  // namespace

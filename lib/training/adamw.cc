@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lib/status_macros.h"
+#include "lib/training/sums_of_squares.h"
 
 #ifdef LORASTEP_WITH_CUDA_KERNELS
 #include "lib/kernels/adamw_flat.h"
@@ -233,10 +234,10 @@ absl::StatusOr<OptimizerStepResult> AdamW::Step(const AdamWParams& p,
     norm = *grad_norm;
   } else {
     // Summed on the device: one host synchronization, not one per parameter.
-    at::Tensor sq = at::zeros({}, params.empty() ? at::TensorOptions().dtype(at::kDouble)
-                                                 : params.front().main_grad.options().dtype(at::kDouble));
-    for (const Parameter& prm : params) sq = sq + prm.main_grad.to(at::kDouble).pow(2).sum();
-    norm = std::sqrt(sq.item<double>());
+    std::vector<SquareTerm> terms;
+    for (const Parameter& prm : params) terms.push_back({prm.main_grad});
+    const at::Device device = params.empty() ? at::Device(at::kCPU) : params.front().main_grad.device();
+    norm = std::sqrt(GroupSumsOfSquares({terms}, device)[0].item<double>());
   }
   LORASTEP_ASSIGN_OR_RETURN(StagedStep staged, Stage(p, norm));
   return Commit(std::move(staged));

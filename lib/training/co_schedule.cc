@@ -465,28 +465,23 @@ void Trainer::StepJointOptimizers(JointPass& pass, const std::vector<size_t>& ru
     calls[c].trainer->Restore(pass.snapshots[c]);
     (*results)[c] = why;
   };
-  // Every run's gradient norm on the device, then one wait for all of them.
+  // Every run's gradient norm in one pass on the device, then one wait for all of them.
   std::vector<size_t> normed;
-  std::vector<at::Tensor> squares;
+  std::vector<std::vector<SquareTerm>> terms;
   for (size_t r : runs) {
     Trainer& t = *calls[pass.admitted[r]].trainer;
-    absl::Status folded = FoldLocalGradients(t.adapter_.get());
-    absl::StatusOr<at::Tensor> square =
-        folded.ok() ? GuardTorch([&]() -> absl::StatusOr<at::Tensor> {
-          at::NoGradGuard no_grad;
-          return SquaredGradNormOnDevice(*t.adapter_, nullptr);
-        })
-                    : absl::StatusOr<at::Tensor>(folded);
-    if (!square.ok()) {
-      refuse(r, square.status());
+    if (absl::Status folded = FoldLocalGradients(t.adapter_.get()); !folded.ok()) {
+      refuse(r, folded);
       continue;
     }
     normed.push_back(r);
-    squares.push_back(*std::move(square));
+    terms.push_back(SquaredGradNormTerms(*t.adapter_, nullptr));
   }
   if (normed.empty()) return;
   absl::StatusOr<at::Tensor> norms_or = GuardTorch([&]() -> absl::StatusOr<at::Tensor> {
-    return at::stack(squares).sqrt_().to(at::kCPU).contiguous();
+    at::NoGradGuard no_grad;
+    const at::Device device = calls[pass.admitted[normed.front()]].trainer->base_->device;
+    return GroupSumsOfSquares(terms, device).sqrt_().to(at::kCPU).contiguous();
   });
   if (!norms_or.ok()) {
     for (size_t r : normed) refuse(r, norms_or.status());

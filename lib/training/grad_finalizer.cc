@@ -40,11 +40,6 @@ namespace {
 
 constexpr int kDigestWords = 32;  // one SHA-256, a byte per element
 
-at::Tensor SumOfSquares(const at::Tensor& t, const at::Device& device) {
-  if (!t.defined()) return at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
-  return t.to(at::kDouble).pow(2).sum();  // fp64: small terms are not lost
-}
-
 // A hex SHA-256 as 32 doubles (every backend gathers doubles); absent: -1s.
 at::Tensor DigestWords(const std::string& hex, const at::Device& device) {
   at::Tensor t = at::full({kDigestWords}, -1.0, at::kDouble);
@@ -87,21 +82,19 @@ std::vector<std::string> Disagreements(const ParallelLayout& layout, GroupKind k
 
 }  // namespace
 
-at::Tensor SquaredGradNormOnDevice(const Adapter& adapter, ProcessGroups* groups) {
-  const at::Device device =
-      adapter.parameters().empty() ? at::Device(at::kCPU) : adapter.parameters()[0].main_grad.device();
+std::vector<SquareTerm> SquaredGradNormTerms(const Adapter& adapter, ProcessGroups* groups) {
   const RankCoords c = groups != nullptr ? groups->coords() : RankCoords{};
   const int ep = groups != nullptr ? groups->layout().sizes().ep : 1;
   // One copy of each reduced gradient counts: data replica 0's, its context rank 0's.
   const bool first_replica = c.dp == 0 && c.cp == 0, first_expert_replica = c.dp / ep == 0 && c.cp == 0;
-  at::Tensor sq = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
+  std::vector<SquareTerm> terms;
   auto add = [&](GradBucket b, bool counted) {
-    if (counted) sq = sq + SumOfSquares(adapter.grad_bucket(b), device);
+    if (counted) terms.push_back({adapter.grad_bucket(b)});
   };
   add(GradBucket::kSplit, first_replica);
   if (first_replica) {
     for (const Parameter& p : adapter.parameters()) {  // another stage counts its copy
-      if (p.stage_copy) sq = sq - SumOfSquares(p.main_grad, device);
+      if (p.stage_copy) terms.push_back({p.main_grad, /*negative=*/true});
     }
   }
   add(GradBucket::kReplicatedPartial, c.tp == 0 && first_replica);
@@ -109,7 +102,13 @@ at::Tensor SquaredGradNormOnDevice(const Adapter& adapter, ProcessGroups* groups
   add(GradBucket::kSharedExpert, c.tp == 0 && first_replica);
   add(GradBucket::kExpertSplit, first_expert_replica);
   add(GradBucket::kExpertReplicatedPartial, c.tp == 0 && first_expert_replica);
-  return sq;
+  return terms;
+}
+
+at::Tensor SquaredGradNormOnDevice(const Adapter& adapter, ProcessGroups* groups) {
+  const at::Device device =
+      adapter.parameters().empty() ? at::Device(at::kCPU) : adapter.parameters()[0].main_grad.device();
+  return GroupSumsOfSquares({SquaredGradNormTerms(adapter, groups)}, device).select(0, 0);
 }
 
 namespace {

@@ -42,6 +42,7 @@
 #include "absl/status/statusor.h"
 #include "lib/model/adapter.h"
 #include "lib/parallel/process_groups.h"
+#include "lib/training/sums_of_squares.h"
 
 namespace lorastep {
 
@@ -96,6 +97,10 @@ absl::StatusOr<GradFinalizeOptions::Fault> ParseGradFault(const std::string& tex
 // one rank), an fp64 scalar left on the device: no host wait, no communication. World size 1
 // (`groups` null): the whole squared norm, summed as FinalizeStepGradients sums it.
 at::Tensor SquaredGradNormOnDevice(const Adapter& adapter, ProcessGroups* groups);
+
+// The terms of SquaredGradNormOnDevice (GroupSumsOfSquares of one group of them is its
+// value), for summing several adapters' norms in one pass.
+std::vector<SquareTerm> SquaredGradNormTerms(const Adapter& adapter, ProcessGroups* groups);
 
 // `groups` null = world size 1 (no communication). The norm is identical on every rank.
 absl::StatusOr<GradFinalizeReport> FinalizeStepGradients(Adapter* adapter, ProcessGroups* groups,
