@@ -16,8 +16,8 @@ namespace lorastep {
 // every device.
 std::string TensorsSha256(const std::vector<at::Tensor>& tensors);
 // TensorsSha256 of each group, with the hashing of every group's bytes done together (on the
-// GPU one kernel per storage, read in place, and one wait): several runs' adapter digests
-// after a shared step.
+// GPU one kernel for every chunk of every group, read in place, and one wait; the groups' own
+// digests on host threads side by side): several runs' adapter digests after a shared step.
 std::vector<std::string> TensorGroupsSha256(const std::vector<std::vector<at::Tensor>>& groups);
 
 }  // namespace lorastep
