@@ -17,6 +17,11 @@
 #include "lib/env_switch.h"
 #include "lib/torch_compat.h"
 
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+#include "lib/kernels/add_blocks.h"
+#include "lib/kernels/kernel_launch.h"
+#endif
+
 namespace lorastep {
 namespace {
 
@@ -389,6 +394,60 @@ std::optional<SegmentGroups> GroupSegments(const at::Tensor& x2d, const at::Tens
   return g;
 }
 
+// Adds each part's factor gradients (its group's rows of grad_a [G, R, in] and block of grad_b
+// [G, out, R], fp32) into the part's main_grads with one kernel for every part (CUDA build,
+// every main_grad a contiguous fp32 tensor on grad_a's GPU): on a joint row of many runs the
+// views a fused foreach add needs, several per run and part, cost more host time than the
+// adds. `slots` as SegmentedLoraLinearFunction keeps them (segment, column, width, first rank
+// row, rank per part). False where it does not apply (nothing added).
+bool AddPartGradsOnDevice(const at::Tensor& grad_a, const at::Tensor& grad_b, const std::vector<int64_t>& group_of,
+                          const std::vector<int64_t>& slots, const c10::List<at::Tensor>& a_grads,
+                          const c10::List<at::Tensor>& b_grads) {
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+  if (!grad_a.is_cuda() || !grad_a.is_contiguous() || !grad_b.is_contiguous() ||
+      grad_a.scalar_type() != at::kFloat || grad_b.scalar_type() != at::kFloat) {
+    return false;
+  }
+  const size_t parts = slots.size() / 5;
+  std::vector<at::Tensor> targets;  // held until the launch
+  targets.reserve(2 * parts);
+  for (size_t k = 0; k < parts; ++k) {
+    for (const at::Tensor& t : {a_grads.get(k), b_grads.get(k)}) {
+      if (!t.is_contiguous() || t.scalar_type() != at::kFloat || t.device() != grad_a.device()) return false;
+      targets.push_back(t);
+    }
+  }
+  const int64_t ranks = grad_a.size(1), in = grad_a.size(2), out = grad_b.size(1);
+  const at::Tensor table = at::empty({static_cast<int64_t>(parts) * 2 * kernels::kAddBlockFields},
+                                     at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* e = table.data_ptr<int64_t>();
+  const float* a_base = grad_a.data_ptr<float>();
+  const float* b_base = grad_b.data_ptr<float>();
+  auto address = [](const void* p) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)); };
+  int64_t largest = 0;
+  for (size_t k = 0; k < parts; ++k) {
+    const int64_t group = group_of[slots[5 * k]], column = slots[5 * k + 1], width = slots[5 * k + 2];
+    const int64_t r0 = slots[5 * k + 3], r = slots[5 * k + 4];
+    const int64_t a_block[] = {address(targets[2 * k].data_ptr()), address(a_base + (group * ranks + r0) * in), r, in,
+                               in};
+    const int64_t b_block[] = {address(targets[2 * k + 1].data_ptr()),
+                               address(b_base + (group * out + column) * ranks + r0), width, r, ranks};
+    e = std::copy(std::begin(a_block), std::end(a_block), e);
+    e = std::copy(std::begin(b_block), std::end(b_block), e);
+    largest = std::max({largest, r * in, width * r});
+  }
+  const at::Tensor on_device = table.to(grad_a.device(), /*non_blocking=*/true);
+  kernels::KernelLaunch launch(grad_a);
+  kernels::CheckLaunch(kernels::LaunchAddBlocks(on_device.data_ptr<int64_t>(), static_cast<int64_t>(parts) * 2,
+                                                largest, launch.stream),
+                       "add blocks");
+  return true;
+#else
+  (void)grad_a, (void)grad_b, (void)group_of, (void)slots, (void)a_grads, (void)b_grads;
+  return false;
+#endif
+}
+
 // x W^T (+ bias) over every row, then each segment's branch on its own rows: where the
 // segments form groups (GroupSegments), x A^T for every segment as one GEMM and the wide
 // products (the branch's output, backward's input gradient) added inside the output's own
@@ -512,6 +571,9 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
       const int64_t rows = ctx->saved_data["group_rows"].toInt();
       const at::Tensor grad_b = GroupRowsProduct(g, xa, offs, rows).to(at::kFloat).mul_(group_scales);
       const at::Tensor grad_a = GroupRowsProduct(gb, x2d, offs, rows).to(at::kFloat);
+      if (AddPartGradsOnDevice(grad_a, grad_b, group_of, slots, a_grads, b_grads)) {
+        return {grad_input, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+      }
       // Each part layout's B gradients over every group made contiguous once, so that every
       // value below is contiguous like its target and _foreach_add_ runs its fused kernels
       // instead of one add per part.
