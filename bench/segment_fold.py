@@ -11,9 +11,11 @@ For gate/up's forward (output 2 x intermediate wide) and down's input gradient (
 intermediate wide), where the output is several times wider than the input.
     python3 bench/segment_fold.py --out F.json [--machine M --versions V --command C]
 """
-import argparse, datetime, json, statistics
+import argparse, datetime, json
 
 import torch
+
+from gemm_rows import timed  # the same timing as the frozen GEMMs alone
 
 SHAPES = {  # hidden, intermediate
     "qwen2.5-7b": (3584, 18944),
@@ -23,22 +25,6 @@ SHAPES = {  # hidden, intermediate
 ROWS = [("qwen2.5-7b", 4, 4096), ("qwen2.5-7b", 1, 4096), ("qwen2.5-0.5b", 16, 4096),
         ("qwen2.5-0.5b", 32, 1024), ("qwen2.5-0.5b", 1, 4096), ("qwen2.5-0.5b", 1, 1024)]
 RANK = 32
-
-
-def timed(fn, repeats=5, timings=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(timings):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / repeats)
-    return statistics.median(times)
 
 
 def forms(k, n, r, segments, seg_rows, grad):
