@@ -28,6 +28,8 @@ void DeclareStepMetrics(PrometheusRegistry* m) {
              "co-scheduling: runs whose TrainSteps shared the run's last co-scheduled step");
   m->Declare("lorastep_co_scheduled_tokens", T::kGauge,
              "co-scheduling: non-padding tokens of every run in the run's last co-scheduled step");
+  m->Declare("lorastep_co_scheduled_missed_runs", T::kGauge,
+             "co-scheduling: runs the run's last co-scheduled step expected that sent no call in time");
   m->Declare("lorastep_replicas_equal", T::kGauge,
              "mesh: 1 when every replica of every family was bitwise equal after the run's last step, else 0");
 }
@@ -50,7 +52,8 @@ void PublishStepMetrics(PrometheusRegistry* m, const std::string& run_id, const 
       {"tokens_per_s:sum", "lorastep_tokens_per_second"}, {"mfu:sum", "lorastep_mfu_ratio"},
       {"peak_cuda_memory_bytes:max", "lorastep_peak_cuda_memory_bytes"}, {"loss:sum", "lorastep_loss"},
       {"grad_norm:sum", "lorastep_grad_norm"}, {"co_scheduled_runs:max", "lorastep_co_scheduled_runs"},
-      {"co_scheduled_tokens:max", "lorastep_co_scheduled_tokens"}};
+      {"co_scheduled_tokens:max", "lorastep_co_scheduled_tokens"},
+      {"co_scheduled_missed_runs:max", "lorastep_co_scheduled_missed_runs"}};
   for (const auto& [metric, gauge] : gauges) {
     auto it = metrics.find(metric);
     if (it != metrics.end()) m->Set(gauge, run, it->second);

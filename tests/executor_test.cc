@@ -139,12 +139,17 @@ TEST(AfterAnswerTest, DeferredWorkRunsWhenTheScopeEndsInOrder) {
   DeclareStepMetrics(&registry);
   google::protobuf::Map<std::string, double> metrics;
   metrics["loss:sum"] = 0.5;
+  metrics["co_scheduled_missed_runs:max"] = 2;
+  metrics["time_coschedule_last_arrival_s:sum"] = 0.004;
   {
     AfterAnswerScope scope;
     RecordStepMetrics(&registry, "r", "train_step", metrics, 7);
     EXPECT_EQ(registry.Render().find("lorastep_loss{run=\"r\"}"), std::string::npos);
   }
-  EXPECT_NE(registry.Render().find("lorastep_loss{run=\"r\"} 0.5"), std::string::npos) << registry.Render();
+  const std::string rendered = registry.Render();
+  EXPECT_NE(rendered.find("lorastep_loss{run=\"r\"} 0.5"), std::string::npos) << rendered;
+  EXPECT_NE(rendered.find("lorastep_co_scheduled_missed_runs{run=\"r\"} 2"), std::string::npos) << rendered;
+  EXPECT_NE(rendered.find("phase=\"coschedule_last_arrival\""), std::string::npos) << rendered;
 }
 
 TEST(FairMutexTest, WaitersAreAdmittedInArrivalOrder) {

@@ -449,11 +449,16 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
   ASSERT_OK_AND_ASSIGN(auto idle, make_core(std::chrono::seconds(2)));
   ASSERT_OK(idle->CreateRun("a", lora_a, 3).status());
   ASSERT_OK(idle->CreateRun("b", lora_b, 5).status());
-  ASSERT_OK(idle->TrainStep("a", batch_a, ppo, adam, nullptr, 0).status());
+  {  // the step b missed says so (co_scheduled_missed_runs), the later ones expect b no more
+    ASSERT_OK_AND_ASSIGN(OptimStepResult first, idle->TrainStep("a", batch_a, ppo, adam, nullptr, 0));
+    EXPECT_EQ(first.metrics.Get("co_scheduled_missed_runs:max"), 1.0);
+  }
   for (int i = 0; i < 2; ++i) {
     const auto began = std::chrono::steady_clock::now();
-    ASSERT_OK(idle->TrainStep("a", batch_a, ppo, adam, nullptr, 0).status());
+    ASSERT_OK_AND_ASSIGN(OptimStepResult next, idle->TrainStep("a", batch_a, ppo, adam, nullptr, 0));
     EXPECT_LT(std::chrono::steady_clock::now() - began, std::chrono::seconds(1)) << "step " << i + 2;
+    EXPECT_TRUE(next.metrics.Has("co_scheduled_missed_runs:max")) << "step " << i + 2;
+    EXPECT_EQ(next.metrics.Get("co_scheduled_missed_runs:max"), 0.0) << "step " << i + 2;
   }
   // The window stays open past its first length while the expected runs keep arriving: calls
   // 0.6 s apart under a 1 s window all join the step, though the last comes 1.2 s after the first.
@@ -472,6 +477,11 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
     for (int i = 0; i < 3; ++i) {
       ASSERT_OK(got[i].status());
       EXPECT_EQ(got[i]->metrics.Get("co_scheduled_runs:max"), 3.0) << "run " << i;
+      EXPECT_TRUE(got[i]->metrics.Has("co_scheduled_missed_runs:max")) << "run " << i;
+      EXPECT_EQ(got[i]->metrics.Get("co_scheduled_missed_runs:max"), 0.0) << "run " << i;
+      // The window opened at the first call; the last came about 1.2 s later.
+      EXPECT_GT(got[i]->metrics.Get("time_coschedule_last_arrival_s:sum"), 1.0) << "run " << i;
+      EXPECT_LT(got[i]->metrics.Get("time_coschedule_last_arrival_s:sum"), 2.0) << "run " << i;
     }
   }
   // After a long step the window waits longer for stragglers (a tenth of that step, beyond

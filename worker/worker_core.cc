@@ -340,6 +340,7 @@ void WorkerCore::RunCoscheduled(CallKind kind, const std::vector<QueuedStep*>& s
 }
 
 void WorkerCore::LeadCoscheduledStep() {
+  std::chrono::steady_clock::time_point opened;  // when the window opened
   {  // the window: while an expected run (one of the previous step's, or created since) has no
      // call queued, from when the device is free for this step (the runs of the previous step
      // send their next calls as it ends; timed from the first call's arrival instead, a call
@@ -357,7 +358,7 @@ void WorkerCore::LeadCoscheduledStep() {
     // or a tenth of the last step, whichever is longer: a run that misses a step waits a whole
     // step, so on a busy host (many runs' answers and next calls in turn) waiting a little
     // longer for the stragglers costs the others far less than it saves them.
-    const auto opened = std::chrono::steady_clock::now();
+    opened = std::chrono::steady_clock::now();
     const auto cap = opened + std::max<std::chrono::steady_clock::duration>(4 * options_.coschedule_window,
                                                                             last_coscheduled_step_ / 10);
     while (!queue_.empty() && !all_expected_queued()) {
@@ -370,6 +371,7 @@ void WorkerCore::LeadCoscheduledStep() {
   }
   std::lock_guard<FairMutex> device(mu_);
   std::vector<QueuedStep*> taken;
+  int64_t missed = 0;  // expected runs with no call in this step (stragglers, or idle runs)
   {  // arrival order, one call per run (JointTrainStep packs them into rows that fit the
      // activation budget); a run's next call waits for the next step
     std::lock_guard<std::mutex> q(queue_mu_);
@@ -383,8 +385,13 @@ void WorkerCore::LeadCoscheduledStep() {
       taken.push_back(s);
       it = queue_.erase(it);
     }
+    for (const std::string& run : expected_runs_) missed += runs_taken.count(run) == 0 ? 1 : 0;
     expected_runs_ = runs_taken;  // the runs likely to send again as this step ends
   }
+  // From the window's opening to the last taken call's arrival (0 when all were queued before).
+  auto last_arrival = opened;
+  for (const QueuedStep* s : taken) last_arrival = std::max(last_arrival, s->queued);
+  const double arrivals = std::chrono::duration<double>(last_arrival - opened).count();
   std::vector<QueuedStep*> trains, forwards, forward_backwards;
   for (QueuedStep* s : taken) {
     const char* method = s->kind == CallKind::kTrainStep         ? "TrainStep"
@@ -418,8 +425,10 @@ void WorkerCore::LeadCoscheduledStep() {
   last_coscheduled_step_ = std::chrono::steady_clock::now() - step_began;
   for (QueuedStep* s : taken) {
     if (s->kind == CallKind::kTrainStep ? s->result.ok() : s->forward.ok()) {
-      (s->kind == CallKind::kTrainStep ? s->result->metrics : s->forward->metrics)
-          .Add("time_coschedule_wait_s:sum", waited);
+      Metrics& m = s->kind == CallKind::kTrainStep ? s->result->metrics : s->forward->metrics;
+      m.Add("time_coschedule_wait_s:sum", waited);
+      m.Add("time_coschedule_last_arrival_s:sum", arrivals);
+      m.Add("co_scheduled_missed_runs:max", static_cast<double>(missed));
     }
   }
   std::lock_guard<std::mutex> q(queue_mu_);
