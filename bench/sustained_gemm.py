@@ -15,7 +15,7 @@ import argparse, datetime, json, statistics, subprocess, tempfile, time
 
 import torch
 
-from gemm_rows import SHAPES, gemms
+from gemm_rows import SHAPES, gemms, result_header
 
 LAYERS = 28
 
@@ -104,9 +104,7 @@ def main():
         print(name, {k: round(v, 1) if isinstance(v, float) else v for k, v in m.items() if k not in ("start", "end")},
               flush=True)
         del m["start"], m["end"]
-    out = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-           "machine": args.machine or torch.cuda.get_device_name(), "library_versions": args.versions,
-           "command": args.command, "shape": args.shape, "seconds_per_mode": args.seconds,
+    out = {**result_header(args), "shape": args.shape, "seconds_per_mode": args.seconds,
            "method": f"one decoder layer's eight frozen GEMMs (bench/gemm_rows.py) x {LAYERS} layers per step, bf16 "
                      "random data; TFLOP/s over the steps' CUDA-event time; gaps: the host sleeps the given "
                      "fraction of each step; nvidia-smi clocks.sm and power.draw every 100 ms inside each mode",
