@@ -108,7 +108,7 @@ void HashOnDevice(const std::vector<const at::Tensor*>& tensors, const std::vect
   if (count == 0) return;
   const at::Tensor& any = *tensors[members.front()];
   // One table: every chunk's start address, then every chunk's size.
-  const at::Tensor table = at::empty({2 * count}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  const at::Tensor table = kernels::HostTable(2 * count);
   int64_t* starts = table.data_ptr<int64_t>();
   int64_t* sizes = starts + count;
   int64_t n = 0;

@@ -29,6 +29,12 @@ struct KernelLaunch {
   cudaStream_t stream;
 };
 
+// A table of `count` int64 fields that the host fills for a kernel: page-locked, so that its
+// copy to the device (`.to(device, /*non_blocking=*/true)`) does not wait.
+inline at::Tensor HostTable(int64_t count) {
+  return at::empty({count}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+}
+
 // Stops the caller (as a c10::Error, which the status layer maps) when a launch failed.
 inline void CheckLaunch(const char* error, const char* what) {
   TORCH_CHECK(error == nullptr, what, " kernel: ", error);

@@ -14,7 +14,7 @@ __global__ void ChunkSquaresKernel(const int64_t* table, double* partials) {
   const int64_t chunk = blockIdx.x;
   const float* data = reinterpret_cast<const float*>(table[3 * chunk]);
   const int64_t n = table[3 * chunk + 1];
-  const bool negative = (table[3 * chunk + 2] & 1) != 0;
+  const bool negative = table[3 * chunk + 2] != 0;
   double sum = 0;
   for (int64_t i = threadIdx.x; i < n; i += kThreads) {
     const double x = data[i];

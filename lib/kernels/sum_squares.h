@@ -13,8 +13,8 @@ namespace kernels {
 constexpr int64_t kSquareChunkElements = int64_t{1} << 16;
 
 // `table` (device, 3 int64 per chunk): the fp32 address of the chunk's first element, its
-// element count (<= kSquareChunkElements), and (group << 1) | negative. Chunks of a group are
-// consecutive; `group_ends` (device, `groups` int64) holds each group's end in chunks.
+// element count (<= kSquareChunkElements), and 1 where it counts negatively, else 0. Chunks of
+// a group are consecutive; `group_ends` (device, `groups` int64) holds each group's end in chunks.
 // out[g] (device, fp64) = the sum over g's chunks of +-(sum of the squares of its elements),
 // each chunk reduced in a fixed order and the chunks added in table order: the same ranges give
 // the same bits whatever other groups share the launch. `partials`: device scratch, one double

@@ -394,12 +394,10 @@ std::optional<SegmentGroups> GroupSegments(const at::Tensor& x2d, const at::Tens
   return g;
 }
 
-// Adds each part's factor gradients (its group's rows of grad_a [G, R, in] and block of grad_b
-// [G, out, R], fp32) into the part's main_grads with one kernel for every part (CUDA build,
-// every main_grad a contiguous fp32 tensor on grad_a's GPU): on a joint row of many runs the
-// views a fused foreach add needs, several per run and part, cost more host time than the
-// adds. `slots` as SegmentedLoraLinearFunction keeps them (segment, column, width, first rank
-// row, rank per part). False where it does not apply (nothing added).
+// AddPartGrads on the GPU: one kernel for every part (CUDA build, every main_grad a contiguous
+// fp32 tensor on grad_a's GPU), where the views a fused foreach add needs, several per run and
+// part, cost more host time than the adds on a joint row of many runs. False where it does not
+// apply (nothing added).
 bool AddPartGradsOnDevice(const at::Tensor& grad_a, const at::Tensor& grad_b, const std::vector<int64_t>& group_of,
                           const std::vector<int64_t>& slots, const c10::List<at::Tensor>& a_grads,
                           const c10::List<at::Tensor>& b_grads) {
@@ -418,8 +416,7 @@ bool AddPartGradsOnDevice(const at::Tensor& grad_a, const at::Tensor& grad_b, co
     }
   }
   const int64_t ranks = grad_a.size(1), in = grad_a.size(2), out = grad_b.size(1);
-  const at::Tensor table = at::empty({static_cast<int64_t>(parts) * 2 * kernels::kAddBlockFields},
-                                     at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  const at::Tensor table = kernels::HostTable(static_cast<int64_t>(parts) * 2 * kernels::kAddBlockFields);
   int64_t* e = table.data_ptr<int64_t>();
   const float* a_base = grad_a.data_ptr<float>();
   const float* b_base = grad_b.data_ptr<float>();
@@ -446,6 +443,32 @@ bool AddPartGradsOnDevice(const at::Tensor& grad_a, const at::Tensor& grad_b, co
   (void)grad_a, (void)grad_b, (void)group_of, (void)slots, (void)a_grads, (void)b_grads;
   return false;
 #endif
+}
+
+// Adds each part's factor gradients (its group's rows of grad_a [G, R, in] and block of grad_b
+// [G, out, R], fp32) into the part's main_grads. `slots` as SegmentedLoraLinearFunction keeps
+// them (segment, column, width, first rank row, rank per part).
+void AddPartGrads(const at::Tensor& grad_a, const at::Tensor& grad_b, const std::vector<int64_t>& group_of,
+                  const std::vector<int64_t>& slots, const c10::List<at::Tensor>& a_grads,
+                  const c10::List<at::Tensor>& b_grads) {
+  if (AddPartGradsOnDevice(grad_a, grad_b, group_of, slots, a_grads, b_grads)) return;
+  // Each part layout's B gradients over every group made contiguous once, so that every value
+  // below is contiguous like its target and _foreach_add_ runs its fused kernels instead of one
+  // add per part.
+  std::map<std::array<int64_t, 4>, at::Tensor> b_blocks;
+  std::vector<at::Tensor> targets, values;
+  for (size_t k = 0; k < slots.size() / 5; ++k) {
+    const int64_t group = group_of[slots[5 * k]], r0 = slots[5 * k + 3], r = slots[5 * k + 4];
+    const std::array<int64_t, 4> layout{slots[5 * k + 1], slots[5 * k + 2], r0, r};
+    auto block = b_blocks.find(layout);
+    if (block == b_blocks.end()) {
+      block = b_blocks.emplace(layout, grad_b.narrow(1, layout[0], layout[1]).narrow(2, r0, r).contiguous()).first;
+    }
+    targets.insert(targets.end(), {a_grads.get(k), b_grads.get(k)});
+    values.push_back(grad_a[group].narrow(0, r0, r));
+    values.push_back(block->second[group]);
+  }
+  if (!targets.empty()) at::_foreach_add_(targets, values);
 }
 
 // x W^T (+ bias) over every row, then each segment's branch on its own rows: where the
@@ -571,26 +594,7 @@ class SegmentedLoraLinearFunction : public torch::autograd::Function<SegmentedLo
       const int64_t rows = ctx->saved_data["group_rows"].toInt();
       const at::Tensor grad_b = GroupRowsProduct(g, xa, offs, rows).to(at::kFloat).mul_(group_scales);
       const at::Tensor grad_a = GroupRowsProduct(gb, x2d, offs, rows).to(at::kFloat);
-      if (AddPartGradsOnDevice(grad_a, grad_b, group_of, slots, a_grads, b_grads)) {
-        return {grad_input, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-      }
-      // Each part layout's B gradients over every group made contiguous once, so that every
-      // value below is contiguous like its target and _foreach_add_ runs its fused kernels
-      // instead of one add per part.
-      std::map<std::array<int64_t, 4>, at::Tensor> b_blocks;
-      std::vector<at::Tensor> targets, values;
-      for (size_t k = 0; k < parts; ++k) {
-        const int64_t group = group_of[slot(k, 0)], r0 = slot(k, 3), r = slot(k, 4);
-        const std::array<int64_t, 4> layout{slot(k, 1), slot(k, 2), r0, r};
-        auto block = b_blocks.find(layout);
-        if (block == b_blocks.end()) {
-          block = b_blocks.emplace(layout, grad_b.narrow(1, layout[0], layout[1]).narrow(2, r0, r).contiguous()).first;
-        }
-        targets.insert(targets.end(), {a_grads.get(k), b_grads.get(k)});
-        values.push_back(grad_a[group].narrow(0, r0, r));
-        values.push_back(block->second[group]);
-      }
-      if (!targets.empty()) at::_foreach_add_(targets, values);
+      AddPartGrads(grad_a, grad_b, group_of, slots, a_grads, b_grads);
     } else {
       for (size_t i = 0, k = 0; i < scales.size(); ++i) {
         const int64_t begin = bounds[2 * i], rows = bounds[2 * i + 1] - begin;

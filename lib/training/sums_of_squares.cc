@@ -1,5 +1,6 @@
 #include "lib/training/sums_of_squares.h"
 
+#include <algorithm>
 #include <optional>
 
 #ifdef LORASTEP_WITH_CUDA_KERNELS
@@ -27,26 +28,32 @@ std::optional<at::Device> KernelDevice(const std::vector<std::vector<SquareTerm>
   return device;
 }
 
-// Every term cut into chunks of kSquareChunkElements; the table, each group's end and the
-// scratch go to the device together in one copy.
+// Every term cut into chunks of kSquareChunkElements; the chunk table and each group's end go
+// to the device in one copy.
 at::Tensor OnDevice(const std::vector<std::vector<SquareTerm>>& groups, const at::Device& device) {
-  std::vector<int64_t> table, ends;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    for (const SquareTerm& t : groups[g]) {
+  constexpr int64_t kStep = kernels::kSquareChunkElements;
+  int64_t chunks = 0;
+  for (const auto& group : groups) {
+    for (const SquareTerm& t : group) chunks += t.values.defined() ? (t.values.numel() + kStep - 1) / kStep : 0;
+  }
+  const auto count = static_cast<int64_t>(groups.size());
+  const at::Tensor host = kernels::HostTable(3 * chunks + count);  // the chunks, then the groups' ends
+  int64_t* e = host.data_ptr<int64_t>();
+  int64_t* ends = e + 3 * chunks;
+  for (const auto& group : groups) {
+    for (const SquareTerm& t : group) {
       if (!t.values.defined()) continue;
       const auto base = static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.values.data_ptr<float>()));
       const int64_t n = t.values.numel();
-      for (int64_t at = 0; at < n; at += kernels::kSquareChunkElements) {
-        table.insert(table.end(), {base + at * static_cast<int64_t>(sizeof(float)),
-                                   std::min(kernels::kSquareChunkElements, n - at),
-                                   static_cast<int64_t>(g) << 1 | (t.negative ? 1 : 0)});
+      for (int64_t at = 0; at < n; at += kStep) {
+        *e++ = base + at * static_cast<int64_t>(sizeof(float));
+        *e++ = std::min(kStep, n - at);
+        *e++ = t.negative ? 1 : 0;
       }
     }
-    ends.push_back(static_cast<int64_t>(table.size() / 3));
+    *ends++ = (e - host.data_ptr<int64_t>()) / 3;
   }
-  const auto chunks = static_cast<int64_t>(table.size() / 3), count = static_cast<int64_t>(groups.size());
-  table.insert(table.end(), ends.begin(), ends.end());
-  const at::Tensor meta = at::tensor(table, at::kLong).to(device);
+  const at::Tensor meta = host.to(device, /*non_blocking=*/true);
   const at::Tensor scratch = at::empty({chunks + count}, at::TensorOptions().dtype(at::kDouble).device(device));
   kernels::KernelLaunch launch(scratch);
   const int64_t* m = meta.data_ptr<int64_t>();
