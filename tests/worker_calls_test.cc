@@ -507,9 +507,46 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
       for (std::thread& t : threads) t.join();
       for (int i = 0; i < runs; ++i) {
         ASSERT_OK(got[i].status());
-        if (round == 1) EXPECT_EQ(got[i]->metrics.Get("co_scheduled_runs:max"), runs) << "run " << i;
+        if (round == 1) {
+          EXPECT_EQ(got[i]->metrics.Get("co_scheduled_runs:max"), runs) << "run " << i;
+        }
       }
     }
+  }
+  // Runs that answer in lock step are not split by a straggler: "a" and "b" each send their
+  // next call 300 ms after their answer, longer than the 150 ms window, and b's first call
+  // misses a's first step. The steps then alternate (a, b, a) while the waiting run's
+  // turnaround is unknown; once a's is known (300 ms, within the 600 ms cap), the window b's
+  // queued call opens holds for a, and the fourth step takes both.
+  {
+    WorkerOptions options;
+    options.model_path = dir + "/model";
+    options.coschedule_window = std::chrono::milliseconds(150);
+    options.test_coscheduled_step_min = std::chrono::seconds(1);
+    ASSERT_OK_AND_ASSIGN(auto paired, WorkerCore::Create(options));
+    for (const char* run : {"a", "b"}) ASSERT_OK(paired->CreateRun(run, lora_a, 3).status());
+    std::vector<std::vector<absl::StatusOr<OptimStepResult>>> got(2);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < 2; ++i) {
+      threads.emplace_back([&, i] {
+        if (i == 1) std::this_thread::sleep_for(std::chrono::milliseconds(400));
+        for (int call = 0; call < 3; ++call) {
+          if (call > 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+          got[i].push_back(paired->TrainStep(i == 0 ? "a" : "b", batch(call), ppo, adam, nullptr, 0));
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    std::vector<std::vector<double>> runs_a_step(2);
+    for (int i = 0; i < 2; ++i) {
+      for (const auto& call : got[i]) {
+        ASSERT_OK(call.status());
+        // A call that ran alone has no co_scheduled_runs.
+        runs_a_step[i].push_back(call->metrics.Has("co_scheduled_runs:max") ? call->metrics.Get("co_scheduled_runs:max") : 1.0);
+      }
+    }
+    EXPECT_THAT(runs_a_step[0], ::testing::ElementsAre(1.0, 1.0, 2.0));  // a: steps 1, 3, 4
+    EXPECT_THAT(runs_a_step[1], ::testing::ElementsAre(1.0, 2.0, 1.0));  // b: steps 2, 4, 5
   }
   // One run on the worker: nothing to wait for, the call runs alone at once.
   ASSERT_OK_AND_ASSIGN(auto single, make_core(std::chrono::seconds(2)));

@@ -185,6 +185,7 @@ absl::Status WorkerCore::DeleteRun(const std::string& run_id) {
     std::lock_guard<std::mutex> q(queue_mu_);
     coschedulable_.erase(run_id);
     expected_runs_.erase(run_id);
+    returns_.erase(run_id);
   }
   malloc_trim(0);  // the run's adapter and optimizer state go back to the OS
   return absl::OkStatus();
@@ -285,6 +286,7 @@ void WorkerCore::AwaitCoscheduled(QueuedStep* step) {
   std::call_once(scheduler_started_, [this] { scheduler_ = std::thread([this] { CoscheduleLoop(); }); });
   std::unique_lock<std::mutex> q(queue_mu_);
   queue_.push_back(step);
+  returns_[*step->run_id].Arrived(step->queued);
   queue_cv_.notify_one();  // the scheduler, idle or in its window, counts the runs queued
   done_cv_.wait(q, [step] { return step->done; });
 }
@@ -358,13 +360,23 @@ void WorkerCore::LeadCoscheduledStep() {
     // or a tenth of the last step, whichever is longer: a run that misses a step waits a whole
     // step, so on a busy host (many runs' answers and next calls in turn) waiting a little
     // longer for the stragglers costs the others far less than it saves them.
+    // Expected runs that answer in lock step hold it open a little longer still
+    // (CoscheduleWindowClose): the runs of the last step must not lose this one to its stragglers.
     opened = std::chrono::steady_clock::now();
-    const auto cap = opened + std::max<std::chrono::steady_clock::duration>(4 * options_.coschedule_window,
-                                                                            last_coscheduled_step_ / 10);
+    const auto cap = std::max<std::chrono::steady_clock::duration>(4 * options_.coschedule_window,
+                                                                   last_coscheduled_step_ / 10);
     while (!queue_.empty() && !all_expected_queued()) {
       auto latest = opened;
-      for (const QueuedStep* s : queue_) latest = std::max(latest, s->queued);
-      const auto close = std::min(latest + options_.coschedule_window, cap);
+      std::set<std::string> queued;
+      for (const QueuedStep* s : queue_) {
+        latest = std::max(latest, s->queued);
+        queued.insert(*s->run_id);
+      }
+      std::vector<const RunReturns*> awaited;
+      for (const std::string& run : expected_runs_) {
+        if (queued.count(run) == 0) awaited.push_back(&returns_[run]);
+      }
+      const auto close = CoscheduleWindowClose(opened, options_.coschedule_window, cap, latest, awaited);
       if (std::chrono::steady_clock::now() >= close) break;
       queue_cv_.wait_until(q, close);
     }
@@ -432,7 +444,11 @@ void WorkerCore::LeadCoscheduledStep() {
     }
   }
   std::lock_guard<std::mutex> q(queue_mu_);
-  for (QueuedStep* s : taken) s->done = true;
+  const auto answered = std::chrono::steady_clock::now();
+  for (QueuedStep* s : taken) {
+    s->done = true;
+    returns_[*s->run_id].Answered(answered);
+  }
   done_cv_.notify_all();
 }
 

@@ -25,6 +25,7 @@
 #include "lib/io/state_store.h"
 #include "lib/parallel/process_groups.h"
 #include "lib/training/trainer.h"
+#include "worker/coschedule_window.h"
 
 namespace lorastep {
 
@@ -229,6 +230,9 @@ class WorkerCore {
   std::map<std::string, bool> coschedulable_;
   // The runs a step's window waits for: those of the previous step, and runs created since.
   std::set<std::string> expected_runs_;
+  // When each co-scheduled run's last step ended and how soon its next call followed: the
+  // window holds for runs that answer in lock step (CoscheduleWindowClose).
+  std::map<std::string, RunReturns> returns_;
   // The last co-scheduled step's duration (co-scheduling thread only): it bounds how long the
   // window waits for expected runs (LeadCoscheduledStep).
   std::chrono::steady_clock::duration last_coscheduled_step_{0};
