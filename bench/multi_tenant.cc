@@ -37,7 +37,8 @@ namespace {
 
 // Per-call metrics averaged over every timed call of every run (where a response has them).
 const char* const kPhaseMetrics[] = {"time_step_s:sum", "time_coschedule_wait_s:sum",
-                                     "time_coschedule_last_arrival_s:sum", "co_scheduled_missed_runs:max",
+                                     "time_coschedule_last_arrival_s:sum", "time_coschedule_between_steps_s:sum",
+                                     "co_scheduled_missed_runs:max",
                                      "time_forward_backward_joint_s:sum", "time_optimizer_s:sum",
                                      "time_grad_finalize_s:sum", "time_digest_s:sum", "co_scheduled_rows:sum",
                                      "co_scheduled_row_tokens:max", "co_scheduled_tokens:max"};

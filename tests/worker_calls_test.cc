@@ -547,6 +547,12 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
     }
     EXPECT_THAT(runs_a_step[0], ::testing::ElementsAre(1.0, 1.0, 2.0));  // a: steps 1, 3, 4
     EXPECT_THAT(runs_a_step[1], ::testing::ElementsAre(1.0, 2.0, 1.0));  // b: steps 2, 4, 5
+    // The device's time between steps: none before the worker's first; before the fourth, a's
+    // way back (300 ms after step 3 ended).
+    EXPECT_FALSE(got[0][0]->metrics.Has("time_coschedule_between_steps_s:sum"));
+    ASSERT_TRUE(got[0][2]->metrics.Has("time_coschedule_between_steps_s:sum"));
+    EXPECT_GT(got[0][2]->metrics.Get("time_coschedule_between_steps_s:sum"), 0.25);
+    EXPECT_LT(got[0][2]->metrics.Get("time_coschedule_between_steps_s:sum"), 0.6);
   }
   // One run on the worker: nothing to wait for, the call runs alone at once.
   ASSERT_OK_AND_ASSIGN(auto single, make_core(std::chrono::seconds(2)));

@@ -434,12 +434,18 @@ void WorkerCore::LeadCoscheduledStep() {
   if (options_.test_coscheduled_step_min.count() > 0) {
     std::this_thread::sleep_until(step_began + options_.test_coscheduled_step_min);
   }
-  last_coscheduled_step_ = std::chrono::steady_clock::now() - step_began;
+  // From the previous shared step's end to this one's start: answers out, next calls in, the
+  // window (and the device time of calls that ran alone meanwhile, if any).
+  const double between_steps =
+      last_coscheduled_end_.has_value() ? std::chrono::duration<double>(step_began - *last_coscheduled_end_).count() : 0.0;
+  last_coscheduled_end_ = std::chrono::steady_clock::now();
+  last_coscheduled_step_ = *last_coscheduled_end_ - step_began;
   for (QueuedStep* s : taken) {
     if (s->kind == CallKind::kTrainStep ? s->result.ok() : s->forward.ok()) {
       Metrics& m = s->kind == CallKind::kTrainStep ? s->result->metrics : s->forward->metrics;
       m.Add("time_coschedule_wait_s:sum", waited);
       m.Add("time_coschedule_last_arrival_s:sum", arrivals);
+      if (between_steps > 0) m.Add("time_coschedule_between_steps_s:sum", between_steps);
       m.Add("co_scheduled_missed_runs:max", static_cast<double>(missed));
     }
   }

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -236,6 +237,8 @@ class WorkerCore {
   // The last co-scheduled step's duration (co-scheduling thread only): it bounds how long the
   // window waits for expected runs (LeadCoscheduledStep).
   std::chrono::steady_clock::duration last_coscheduled_step_{0};
+  // When the last co-scheduled step ended (co-scheduling thread only; none before the first).
+  std::optional<std::chrono::steady_clock::time_point> last_coscheduled_end_;
   std::map<std::string, std::unique_ptr<Trainer>> runs_;
   // Background SaveStates. Last, so it is destroyed first: queued writes finish before the
   // core goes.
