@@ -392,9 +392,13 @@ void CallPipeClient::Close(const absl::Status& why) {
   for (auto& [id, p] : pending_) {
     p->status = closed_status_;
     p->done = true;
+    p->handed.notify_one();
   }
   pending_.clear();
-  changed_.notify_all();
+}
+
+void CallPipeClient::HandOverReading() {
+  if (!reading_ && !pending_.empty()) pending_.begin()->second->handed.notify_one();
 }
 
 void CallPipeClient::Wake() {
@@ -437,8 +441,8 @@ void CallPipeClient::ReadAnswer(std::unique_lock<std::mutex>& lock, std::chrono:
   p.status = frame->code == absl::StatusCode::kOk ? absl::OkStatus() : absl::Status(frame->code, frame->message);
   p.payload = std::move(frame->payload);
   p.done = true;
+  p.handed.notify_one();
   pending_.erase(it);
-  changed_.notify_all();
 }
 
 void CallPipeClient::SendCancel(uint64_t call_id) {
@@ -522,7 +526,8 @@ absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string pay
   std::unique_lock<std::mutex> lock(mu_);
   auto leave = [&](absl::StatusOr<std::string> result) {
     --active_calls_;
-    changed_.notify_all();  // the reader's turn is free; the destructor may be waiting
+    HandOverReading();      // this caller may have been the reader
+    changed_.notify_all();  // the destructor may be waiting
     return result;
   };
   if (!sent.ok() && !pending->done) {
@@ -541,15 +546,14 @@ absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string pay
       lock.lock();
       return leave(absl::DeadlineExceededError(absl::StrCat("worker ", peer_, ": no answer before the call's deadline")));
     }
-    if (!reading_) {
+    if (!reading_) {  // the reader's turn: it reads on until its own answer came
       reading_ = true;
       ReadAnswer(lock, deadline, window);
       reading_ = false;
-      changed_.notify_all();
     } else if (deadline == std::chrono::system_clock::time_point::max()) {
-      changed_.wait(lock);
+      pending->handed.wait(lock);
     } else {
-      changed_.wait_until(lock, deadline);
+      pending->handed.wait_until(lock, deadline);
     }
   }
   if (!pending->status.ok()) return leave(pending->status);
@@ -564,10 +568,10 @@ void CallPipeClient::CancelAll() {
     for (auto& [id, p] : pending_) {
       p->status = absl::CancelledError(absl::StrCat("worker ", peer_, ": call cancelled"));
       p->done = true;
+      p->handed.notify_one();
       ids.push_back(id);
     }
     pending_.clear();
-    changed_.notify_all();
   }
   Wake();  // the reader stops waiting for answers nobody waits for now
   for (uint64_t id : ids) SendCancel(id);

@@ -156,6 +156,10 @@ class CallPipeClient {
     bool done = false;
     absl::Status status;
     std::string payload;
+    // Under mu_: its caller waits here, woken alone when its answer is handed over, when the
+    // reader's turn passes to it, or when the pipe closes (many calls answered together
+    // would otherwise wake every waiting caller once per answer).
+    std::condition_variable handed;
   };
   // As the reader (reading_ held, `lock` released meanwhile): waits for a frame until
   // `deadline`, a wake-up (CancelAll, the destructor) or the opening of `window` (polling
@@ -163,6 +167,7 @@ class CallPipeClient {
   void ReadAnswer(std::unique_lock<std::mutex>& lock, std::chrono::system_clock::time_point deadline,
                   const AnswerWindows::Window& window);
   void Close(const absl::Status& why);  // under mu_: every waiting call fails
+  void HandOverReading();               // under mu_: a waiting caller, if any, takes the reader's turn
   void Wake();                          // the reader's wait returns
   void SendCancel(uint64_t call_id);    // best effort
 
@@ -172,7 +177,7 @@ class CallPipeClient {
   const uint64_t max_answer_bytes_;
   std::mutex write_mu_;
   std::mutex mu_;
-  std::condition_variable changed_;  // under mu_: an answer handed over, the reader's turn free, closed
+  std::condition_variable changed_;  // under mu_: a call left (the destructor waits for the last)
   bool reading_ = false;             // under mu_: a caller is reading the pipe
   int active_calls_ = 0;             // under mu_: threads inside Call (the destructor waits for them)
   bool closed_ = false;              // under mu_

@@ -100,6 +100,37 @@ TEST(CallPipeTest, AnswersReachTheirCallersInAnyOrder) {
   }
 }
 
+// Many calls answered together, in the order they came, none with a deadline: the reading
+// caller's own answer comes first, and it hands the reader's turn to a caller still waiting
+// (each waiting caller is woken alone, for its answer or for the turn), so every call returns.
+TEST(CallPipeTest, TheReaderHandsItsTurnOnWhenItsOwnAnswerCame) {
+  Pair pair;
+  constexpr int kCalls = 16;
+  std::mutex mu;
+  std::vector<std::pair<CallPipeServer::Respond, std::string>> held;
+  CallPipeServer server(pair.fds[1], 1 << 20, [&](uint8_t, CallPayload payload, std::function<bool()>,
+                                                  CallPipeServer::Respond respond) {
+    std::lock_guard<std::mutex> lock(mu);
+    held.emplace_back(std::move(respond), std::string(payload.bytes()));
+    if (held.size() == kCalls) {
+      for (auto& [answer, text] : held) answer(absl::OkStatus(), "re:" + text);
+    }
+  });
+  CallPipeClient client(pair.fds[0], "test");
+  std::vector<std::future<absl::StatusOr<std::string>>> calls;
+  for (int i = 0; i < kCalls; ++i) {
+    calls.push_back(std::async(std::launch::async, [&client, i] {
+      return client.Call(1, std::to_string(i), std::chrono::system_clock::time_point::max());
+    }));
+  }
+  for (int i = 0; i < kCalls; ++i) {
+    ASSERT_EQ(calls[i].wait_for(std::chrono::seconds(60)), std::future_status::ready) << "call " << i;
+    absl::StatusOr<std::string> answer = calls[i].get();
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    EXPECT_EQ(*answer, "re:" + std::to_string(i));
+  }
+}
+
 // The callers read the pipe themselves, one at a time: when the reading caller's deadline
 // passes, a caller still waiting takes over and gets its answer.
 TEST(CallPipeTest, AWaitingCallerTakesOverReadingWhenTheReaderGivesUp) {
