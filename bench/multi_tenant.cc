@@ -4,6 +4,7 @@
 // one at a time); bench/multi_tenant_results.py compares the two.
 //   multi_tenant --address A --vocab V [--runs 16] [--seqs 8] [--len 512] [--steps 5]
 //                [--ranks 32 (comma list, cycled over the runs)] [--label L] [--out F.json]
+//                [--connection_per_run=false (one client connection for every run)]
 // Every run first takes one warm-up step (all at once, not timed); then each thread sends
 // --steps steps. Reported: aggregate tokens/s = runs x steps x tokens per call / the wall time
 // from the start of the timed steps until the last answer; every call's latency (p50, p99);
@@ -32,6 +33,8 @@ ABSL_FLAG(int, len, 512, "tokens per sequence");
 ABSL_FLAG(int, steps, 5, "timed steps per run (after one warm-up step)");
 ABSL_FLAG(std::string, ranks, "32", "LoRA ranks, comma-separated, cycled over the runs");
 ABSL_FLAG(std::string, label, "", "recorded in the JSON (for example the window)");
+ABSL_FLAG(bool, connection_per_run, true,
+          "each run its own client and connection, as separate tenants' loops have; false: one shared by all");
 
 namespace {
 
@@ -82,13 +85,25 @@ int main(int argc, char** argv) {
     std::cerr << client.status() << "\n";
     return 1;
   }
+  const bool connection_per_run = absl::GetFlag(FLAGS_connection_per_run);
+  std::vector<std::unique_ptr<TrainerClient>> run_clients;  // --connection_per_run
   std::vector<RunSession> sessions;
   std::vector<std::vector<v1::Datum>> batches;
   for (int r = 0; r < runs; ++r) {
     v1::LoraConfig lora;
     lora.set_rank(ranks[static_cast<size_t>(r) % ranks.size()]);
     lora.set_alpha(32);
-    auto run = RunSession::Create(client->get(), lora, /*seed=*/static_cast<uint64_t>(r + 1));
+    TrainerClient* via = client->get();
+    if (connection_per_run) {
+      auto own = TrainerClient::Connect(absl::GetFlag(FLAGS_address), 60);
+      if (!own.ok()) {
+        std::cerr << "run " << r << ": " << own.status() << "\n";
+        return 1;
+      }
+      run_clients.push_back(*std::move(own));
+      via = run_clients.back().get();
+    }
+    auto run = RunSession::Create(via, lora, /*seed=*/static_cast<uint64_t>(r + 1));
     if (!run.ok()) {
       std::cerr << "run " << r << ": " << run.status() << "\n";
       return 1;
@@ -172,8 +187,11 @@ int main(int argc, char** argv) {
   j["co_scheduled_runs_mean"] = occupancy_mean;
   j["per_call_metric_means"] = phase_means;
   j["per_run"] = per_run;
-  j["method"] = "every run sends its steps back to back from its own thread, all runs at once; aggregate tokens/s "
-                "over the timed steps' wall time (after one warm-up step per run); latency per call, all runs";
+  j["connection_per_run"] = connection_per_run;
+  j["method"] = std::string("every run sends its steps back to back from its own thread, all runs at once, ") +
+                (connection_per_run ? "each over its own client connection" : "all over one client connection") +
+                "; aggregate tokens/s over the timed steps' wall time (after one warm-up step per run); latency per "
+                "call, all runs";
   if (const std::string out = absl::GetFlag(FLAGS_out); !out.empty()) {
     std::ofstream file(out);
     file << j.dump(2) << "\n";

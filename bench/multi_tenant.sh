@@ -6,7 +6,7 @@
 #   bench/multi_tenant.sh BIN_DIR MODEL_DIR DEVICE OUT_DIR NAME RUNS SEQS LEN [STEPS]
 # BIN_DIR holds lorastep_coordinator, lorastep_worker and multi_tenant (a CMake build folder,
 # or bazel-bin). Environment: WINDOW_US (the co-scheduled side's window), RANKS (comma list,
-# cycled over the runs), COORD_FLAGS, MACHINE, VERSIONS, BENCH_COMMAND, PROFILE (non-empty:
+# cycled over the runs), COORD_FLAGS, MT_FLAGS (more flags for the multi_tenant client), MACHINE, VERSIONS, BENCH_COMMAND, PROFILE (non-empty:
 # afterwards one more short pass per side, its second step traced with Kineto and summarized
 # by bench/profile_summary.py into OUT_DIR/profile_NAME_SIDE.json, its PROFILE_TOP kernels, default
 # 20, listed; the timed passes run untraced).
@@ -37,7 +37,7 @@ for side in $sides; do
   "$(find_bin multi_tenant)" --address "127.0.0.1:$(cat "$WORK/port")" --vocab "$VOCAB" --runs "$RUNS" \
     --seqs "$SEQS" --len "$LEN" --steps "$steps" --ranks "${RANKS:-32}" --label "$side (coschedule_window_us $window)" \
     --machine "${MACHINE:-$(uname -n) $(nproc) cores}" --versions "${VERSIONS:-}" --model "$(basename "$MODEL") on $DEVICE" \
-    --command "${BENCH_COMMAND:-bench/multi_tenant.sh $*}" --out "$result" | \
+    --command "${BENCH_COMMAND:-bench/multi_tenant.sh $*}" --out "$result" ${MT_FLAGS:-} | \
     python3 -c "import json,sys;d=json.load(sys.stdin);print('$NAME $side: %.0f tokens/s, p50 %.3f s, p99 %.3f s, runs per step %.2f' % (d['aggregate_tokens_per_s'], d['latency_p50_s'], d['latency_p99_s'], d['co_scheduled_runs_mean']))"
   kill $PID; wait $PID 2>/dev/null || true; PID=
   if [ -n "$trace" ]; then

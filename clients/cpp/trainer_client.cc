@@ -132,6 +132,10 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Connect(const std:
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxResponseBytes);
   args.SetMaxSendMessageSize(1 << 30);
+  // Each client its own connection: gRPC would otherwise share one between clients of the
+  // same address and arguments, and clients made for separate runs would take turns on its
+  // one HTTP/2 stream of frames and its reading thread.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   if (!ca_pem.empty()) {
     grpc::SslCredentialsOptions tls;
