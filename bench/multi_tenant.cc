@@ -4,7 +4,7 @@
 // one at a time); bench/multi_tenant_results.py compares the two.
 //   multi_tenant --address A --vocab V [--runs 16] [--seqs 8] [--len 512] [--steps 5]
 //                [--ranks 32 (comma list, cycled over the runs)] [--label L] [--out F.json]
-//                [--connection_per_run=false (one client connection for every run)]
+//                [--connection_per_run=false (one client connection for every run)] [--poll_for_answers]
 // Every run first takes one warm-up step (all at once, not timed); then each thread sends
 // --steps steps. Reported: aggregate tokens/s = runs x steps x tokens per call / the wall time
 // from the start of the timed steps until the last answer; every call's latency (p50, p99);
@@ -35,6 +35,10 @@ ABSL_FLAG(std::string, ranks, "32", "LoRA ranks, comma-separated, cycled over th
 ABSL_FLAG(std::string, label, "", "recorded in the JSON (for example the window)");
 ABSL_FLAG(bool, connection_per_run, true,
           "each run its own client and connection, as separate tenants' loops have; false: one shared by all");
+ABSL_FLAG(bool, poll_for_answers, false,
+          "the clients poll for their answers near the expected time (TrainerClient's default); off by default "
+          "here: the bench's clients share the service's host, and many of them polling at once take the cores "
+          "the service answers with, where separate tenants' loops run on their own machines");
 
 namespace {
 
@@ -94,6 +98,7 @@ int main(int argc, char** argv) {
     lora.set_rank(ranks[static_cast<size_t>(r) % ranks.size()]);
     lora.set_alpha(32);
     TrainerClient* via = client->get();
+    (*client)->set_poll_for_answers(absl::GetFlag(FLAGS_poll_for_answers));
     if (connection_per_run) {
       auto own = TrainerClient::Connect(absl::GetFlag(FLAGS_address), 60);
       if (!own.ok()) {
@@ -102,6 +107,7 @@ int main(int argc, char** argv) {
       }
       run_clients.push_back(*std::move(own));
       via = run_clients.back().get();
+      via->set_poll_for_answers(absl::GetFlag(FLAGS_poll_for_answers));
     }
     auto run = RunSession::Create(via, lora, /*seed=*/static_cast<uint64_t>(r + 1));
     if (!run.ok()) {
@@ -188,8 +194,11 @@ int main(int argc, char** argv) {
   j["per_call_metric_means"] = phase_means;
   j["per_run"] = per_run;
   j["connection_per_run"] = connection_per_run;
+  j["clients_poll_for_answers"] = absl::GetFlag(FLAGS_poll_for_answers);
   j["method"] = std::string("every run sends its steps back to back from its own thread, all runs at once, ") +
                 (connection_per_run ? "each over its own client connection" : "all over one client connection") +
+                (absl::GetFlag(FLAGS_poll_for_answers) ? ", the clients polling for their answers"
+                                                        : ", the clients blocking for their answers") +
                 "; aggregate tokens/s over the timed steps' wall time (after one warm-up step per run); latency per "
                 "call, all runs";
   if (const std::string out = absl::GetFlag(FLAGS_out); !out.empty()) {
