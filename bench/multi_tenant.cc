@@ -25,6 +25,7 @@
 #include "bench/bench_flags.h"
 #include "clients/cpp/trainer_client.h"
 #include "lib/flags_util.h"
+#include "lib/hop_trace.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(int, runs, 16, "runs, one sending thread each");
@@ -127,7 +128,9 @@ int main(int argc, char** argv) {
     RunRecord& rec = records[static_cast<size_t>(r)];
     for (int s = 0; s < count && rec.error.empty(); ++s) {
       const auto t0 = std::chrono::steady_clock::now();
+      MarkHop("client_sent", sessions[static_cast<size_t>(r)].run_id());
       auto resp = sessions[static_cast<size_t>(r)].TrainStep(batches[static_cast<size_t>(r)], loss, adamw);
+      MarkHop("client_answered", sessions[static_cast<size_t>(r)].run_id());
       const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (!resp.ok()) {
         rec.error = resp.status().ToString();

@@ -9,7 +9,9 @@
 # cycled over the runs), COORD_FLAGS, MT_FLAGS (more flags for the multi_tenant client), MACHINE, VERSIONS, BENCH_COMMAND, PROFILE (non-empty:
 # afterwards one more short pass per side, its second step traced with Kineto and summarized
 # by bench/profile_summary.py into OUT_DIR/profile_NAME_SIDE.json, its PROFILE_TOP kernels, default
-# 20, listed; the timed passes run untraced).
+# 20, listed; the timed passes run untraced), HOP_TRACE (a folder: each timed side's processes
+# write their hop timestamps to HOP_TRACE/NAME_SIDE, lib/hop_trace.h; bench/hop_timeline.py
+# reads them).
 set -euo pipefail
 BIN=$1 MODEL=$2 DEVICE=$3 OUT=$4 NAME=$5 RUNS=$6 SEQS=$7 LEN=$8 STEPS=${9:-5}
 find_bin() { for p in "$BIN/$1" "$BIN/server/$1" "$BIN/worker/$1" "$BIN/bench/$1"; do
@@ -28,6 +30,9 @@ for side in $sides; do
     steps=1 result="$WORK/${NAME}_$side.json" trace="$WORK/${NAME}_$side.trace.json"
   fi
   rm -f "$WORK/port"
+  hops=
+  if [ -n "${HOP_TRACE:-}" ] && [ "$side" = "${side%_profiled}" ]; then hops="$HOP_TRACE/${NAME}_$side"; mkdir -p "$hops"; fi
+  export LORASTEP_HOP_TRACE_DIR=$hops
   LORASTEP_PROFILE_TRACE=$trace LORASTEP_PROFILE_STEP=2 \
   "$(find_bin lorastep_coordinator)" --model "$MODEL" --device "$DEVICE" --port 0 --port_file "$WORK/port" \
     --worker_binary "$(find_bin lorastep_worker)" --coschedule_window_us $window ${COORD_FLAGS:-} 2> "$WORK/$side.log" &

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "lib/hop_trace.h"
 #include "lib/log.h"
 #include "lib/model/lora_config.h"
 #include "lib/status_macros.h"
@@ -438,6 +439,7 @@ void Coordinator::StageBatch(const std::string& run_id, PackedDatumsWire* packed
 
 absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepRequest& req, Deadline deadline,
                                                         const PackedDatumsWire* packed) {
+  MarkHop("coordinator_in", req.run_id());
   LORASTEP_ASSIGN_OR_RETURN(auto run, runs_.Find(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
   v1::StepResponse resp;
@@ -476,12 +478,14 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
         wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max());
         return w->TrainStep(wreq, batch.ShardOfRank(split_, rank, deadline));
       });
+  MarkHop("coordinator_worker_answered", req.run_id());
   if (absl::IsDataLoss(per_rank.status())) return AfterCommitFailure(*run, per_rank.status());
   LORASTEP_RETURN_IF_ERROR(per_rank.status());
   resp = MergeSteps(*run, *std::move(per_rank));
   AddClientMetrics(req.client_metrics(), &resp);
   run->current_fingerprint = fingerprint.Get();
   CommitStep(*run, "TrainStep", "train_step", req.request_id(), &resp);
+  MarkHop("coordinator_out", req.run_id());
   return resp;
 }
 

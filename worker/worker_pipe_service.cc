@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "lib/hop_trace.h"
 #include "rpc/packed_wire.h"
 #include "rpc/serial_executor.h"
 
@@ -134,6 +135,7 @@ void WorkerPipeService::Run(const char* method, CallPayload payload, std::functi
   dispatch_->device_calls.Submit(run_id, [dispatch = dispatch_, observers = observers_, method, start, req, packed,
                                           conversion, cancelled = std::move(cancelled), respond = std::move(respond),
                                           work]() {
+    MarkHop("worker_call_started", req->run_id());
     AfterAnswerScope after_answer;  // the step's figures once the answer is written
     Resp resp;
     absl::StatusOr<std::vector<Datum>> whole = std::vector<Datum>();
@@ -150,6 +152,7 @@ void WorkerPipeService::Run(const char* method, CallPayload payload, std::functi
     std::string answer;
     if (s.ok()) resp.SerializeToString(&answer);
     const auto end = std::chrono::steady_clock::now();
+    MarkHop("worker_answer_out", req->run_id());
     respond(s, std::move(answer));  // then the metrics and the log line: the coordinator waits for the answer only
     ObserveCall(*observers, method, s, std::chrono::duration<double>(end - start).count(), req->run_id(),
                 req->mesh().request_id(), end);
