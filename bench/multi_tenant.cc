@@ -11,6 +11,7 @@
 // from the start of the timed steps until the last answer; every call's latency (p50, p99);
 // every run's loss and grad_norm per step (the warm-up step's first), for comparing the modes.
 #include <poll.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -227,17 +228,36 @@ absl::Status DriveRunsInProcesses(const DriveOptions& o, int runs, int procs, st
   }
   close(ready[1]);
   close(go[0]);
+  // Every process's warm-up done; a process that exits before the barrier failed, and the
+  // others are stopped rather than left waiting for it.
   int arrived = 0;
-  while (arrived < procs && ReadByte(ready[0], std::chrono::seconds(3600))) ++arrived;
+  bool ended_early = false;
+  std::vector<bool> reaped(children.size(), false);
+  while (arrived < procs && !ended_early) {
+    if (ReadByte(ready[0], std::chrono::seconds(1))) {
+      ++arrived;
+      continue;
+    }
+    for (size_t k = 0; k < children.size(); ++k) {
+      int exit_status = 0;
+      if (!reaped[k] && waitpid(children[k], &exit_status, WNOHANG) == children[k]) reaped[k] = ended_early = true;
+    }
+  }
+  if (ended_early) {
+    for (size_t k = 0; k < children.size(); ++k) {
+      if (!reaped[k]) kill(children[k], SIGKILL);
+    }
+  }
   for (int k = 0; k < procs; ++k) (void)!write(go[1], "g", 1);
   close(go[1]);
   close(ready[0]);
-  absl::Status status = arrived == procs ? absl::OkStatus() : absl::InternalError("a client process ended early");
+  absl::Status status = ended_early ? absl::InternalError("a client process ended before the timed steps")
+                                    : absl::OkStatus();
   *t0 = std::numeric_limits<int64_t>::max();
   *t1 = 0;
   for (int k = 0; k < procs; ++k) {
     int exit_status = 0;
-    waitpid(children[static_cast<size_t>(k)], &exit_status, 0);
+    if (!reaped[static_cast<size_t>(k)]) waitpid(children[static_cast<size_t>(k)], &exit_status, 0);
     std::ifstream file(absl::StrCat(folder, "/", k, ".json"));
     nlohmann::json part = nlohmann::json::parse(file, nullptr, /*allow_exceptions=*/false);
     if (part.is_discarded() || !part.contains("records")) {
