@@ -11,9 +11,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "lib/hop_trace.h"
 #include "lib/io/checkpoint_dir.h"
 #include "lib/io/file_util.h"
-#include "lib/hop_trace.h"
 #include "lib/log.h"
 #include "lib/status_macros.h"
 
@@ -285,8 +285,8 @@ WorkerCore::~WorkerCore() {
 
 void WorkerCore::AwaitCoscheduled(QueuedStep* step) {
   std::call_once(scheduler_started_, [this] { scheduler_ = std::thread([this] { CoscheduleLoop(); }); });
-  std::unique_lock<std::mutex> q(queue_mu_);
   MarkHop("worker_queued", *step->run_id);
+  std::unique_lock<std::mutex> q(queue_mu_);
   queue_.push_back(step);
   returns_[*step->run_id].Arrived(step->queued);
   queue_cv_.notify_one();  // the scheduler, idle or in its window, counts the runs queued
@@ -451,10 +451,10 @@ void WorkerCore::LeadCoscheduledStep() {
       m.Add("co_scheduled_missed_runs:max", static_cast<double>(missed));
     }
   }
+  for (const QueuedStep* s : taken) MarkHop("worker_step_done", *s->run_id);
   std::lock_guard<std::mutex> q(queue_mu_);
   const auto answered = std::chrono::steady_clock::now();
   for (QueuedStep* s : taken) {
-    MarkHop("worker_step_done", *s->run_id);
     s->done = true;
     returns_[*s->run_id].Answered(answered);
   }
