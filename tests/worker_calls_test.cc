@@ -553,6 +553,11 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
     ASSERT_TRUE(got[0][2]->metrics.Has("time_coschedule_between_steps_s:sum"));
     EXPECT_GT(got[0][2]->metrics.Get("time_coschedule_between_steps_s:sum"), 0.25);
     EXPECT_LT(got[0][2]->metrics.Get("time_coschedule_between_steps_s:sum"), 0.6);
+    // a sent no fourth call: b's last step waited for it once, until twice a's turnaround plus
+    // the window past a's answer (0.75 s after it, 0.45 s after b's call), within the cap.
+    ASSERT_TRUE(got[1][2]->metrics.Has("time_coschedule_wait_s:sum"));
+    EXPECT_GT(got[1][2]->metrics.Get("time_coschedule_wait_s:sum"), 0.3);
+    EXPECT_LT(got[1][2]->metrics.Get("time_coschedule_wait_s:sum"), 0.7);
   }
   // One run on the worker: nothing to wait for, the call runs alone at once.
   ASSERT_OK_AND_ASSIGN(auto single, make_core(std::chrono::seconds(2)));

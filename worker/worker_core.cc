@@ -350,7 +350,8 @@ void WorkerCore::LeadCoscheduledStep() {
      // send their next calls as it ends; timed from the first call's arrival instead, a call
      // that waited through that step would open an already closed window and they would miss
      // this step). A run that sent nothing for a step is no longer expected: an idle run costs
-     // the others at most one window past their last arrival.
+     // the others, once, at most one window past their last arrival, or twice its turnaround
+     // plus one window past its answer where it answered in lock step (CoscheduleWindowClose).
     std::unique_lock<std::mutex> q(queue_mu_);
     auto all_expected_queued = [&] {
       std::set<std::string> queued;
