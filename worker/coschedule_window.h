@@ -31,11 +31,12 @@ class RunReturns {
 // When a co-scheduled step's window closes. It opened at `opened` (the device free for the
 // step) and closes `window` past the latest arrival (`latest`, no earlier than `opened`; a call
 // queued before the window opened arrives at its opening), never later than `opened + cap`.
-// Expected runs with no call queued yet (`awaited`) whose last turnaround fit within the cap
-// hold it open until twice that turnaround plus `window` past their answer: on a busy host
-// the runs of the last step may take longer than `window` to send again, and the window must
-// not close on the previous step's stragglers alone. Runs of unknown or longer turnaround
-// (back after their rollouts) hold nothing.
+// Expected runs with no call queued yet (`awaited`; the worker passes them where calls that
+// waited through the previous step are queued) whose last turnaround fit within the cap hold
+// it open until twice that turnaround plus `window` past their answer: on a busy host the runs
+// of the last step may take longer than `window` to send again, and the window must not close
+// on the previous step's stragglers alone. Runs of unknown or longer turnaround (back after
+// their rollouts) hold nothing.
 RunReturns::Clock::time_point CoscheduleWindowClose(RunReturns::Clock::time_point opened,
                                                     RunReturns::Clock::duration window,
                                                     RunReturns::Clock::duration cap,

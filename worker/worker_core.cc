@@ -350,8 +350,8 @@ void WorkerCore::LeadCoscheduledStep() {
      // send their next calls as it ends; timed from the first call's arrival instead, a call
      // that waited through that step would open an already closed window and they would miss
      // this step). A run that sent nothing for a step is no longer expected: an idle run costs
-     // the others, once, at most one window past their last arrival, or twice its turnaround
-     // plus one window past its answer where it answered in lock step (CoscheduleWindowClose).
+     // the others at most one window past their last arrival (the lock-step hold below only
+     // keeps calls that already waited through the previous step a little longer).
     std::unique_lock<std::mutex> q(queue_mu_);
     auto all_expected_queued = [&] {
       std::set<std::string> queued;
@@ -363,11 +363,17 @@ void WorkerCore::LeadCoscheduledStep() {
     // or a tenth of the last step, whichever is longer: a run that misses a step waits a whole
     // step, so on a busy host (many runs' answers and next calls in turn) waiting a little
     // longer for the stragglers costs the others far less than it saves them.
-    // Expected runs that answer in lock step hold it open a little longer still
-    // (CoscheduleWindowClose): the runs of the last step must not lose this one to its stragglers.
+    // Where the previous step's stragglers are queued, expected runs that answer in lock step
+    // hold it open a little longer still (CoscheduleWindowClose): the runs of the last step
+    // must not lose this one to those stragglers.
     opened = std::chrono::steady_clock::now();
     const auto cap = std::max<std::chrono::steady_clock::duration>(4 * options_.coschedule_window,
                                                                    last_coscheduled_step_ / 10);
+    // Only where calls that waited through the previous step are queued: a call that found
+    // the device free waits at most the window for runs that do not come.
+    const bool stragglers_queued =
+        last_coscheduled_end_.has_value() &&
+        std::any_of(queue_.begin(), queue_.end(), [&](const QueuedStep* s) { return s->queued < *last_coscheduled_end_; });
     while (!queue_.empty() && !all_expected_queued()) {
       auto latest = opened;
       std::set<std::string> queued;
@@ -377,7 +383,7 @@ void WorkerCore::LeadCoscheduledStep() {
       }
       std::vector<const RunReturns*> awaited;
       for (const std::string& run : expected_runs_) {
-        if (queued.count(run) == 0) awaited.push_back(&returns_[run]);
+        if (stragglers_queued && queued.count(run) == 0) awaited.push_back(&returns_[run]);
       }
       const auto close = CoscheduleWindowClose(opened, options_.coschedule_window, cap, latest, awaited);
       if (std::chrono::steady_clock::now() >= close) break;
