@@ -9,6 +9,8 @@ each run's call from the step's end through the answer's way out and the next ca
 
 Per hop, over steps: the median of the step's fastest run, of its median run and of its slowest
 run (ms after the step ended). Usage: hop_timeline.py DIR/NAME_coscheduled [--out F.json]
+[--header OUT/NAME_coscheduled.json] (the side's bench result: its date, machine, library
+versions and command head the output)
 """
 import argparse
 import glob
@@ -24,6 +26,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("folder")
     ap.add_argument("--out")
+    ap.add_argument("--header", help="a bench result JSON whose date, machine, library_versions and command to record")
     args = ap.parse_args()
     events = []
     for path in glob.glob(os.path.join(args.folder, "*.log")):
@@ -58,7 +61,12 @@ def main():
                 per_hop[hop]["median"].append(statistics.median(after))
                 per_hop[hop]["slowest"].append(max(after))
     summary = {hop: {k: round(statistics.median(v), 3) for k, v in d.items() if v} for hop, d in per_hop.items()}
-    result = {"folder": args.folder, "steps": len(steps), "runs_per_step": statistics.median(len(ends[e]) for e in steps),
+    result = {}
+    if args.header:
+        with open(args.header) as f:
+            head = json.load(f)
+        result = {k: head.get(k, "") for k in ("date", "machine", "library_versions", "command")}
+    result |= {"folder": args.folder, "steps": len(steps), "runs_per_step": statistics.median(len(ends[e]) for e in steps),
               "ms_after_step_end": summary,
               "method": "median over shared steps (all but the first two and the last) of each step's fastest, median "
                         "and slowest run at each hop, ms after the step's end (worker_step_done)"}
