@@ -546,7 +546,12 @@ TEST(CallPipeTest, ASpanTheRegionDoesNotHoldClosesThePipe) {
     call.payload_in_region = true;
     call.region_offset = c.offset;
     call.region_bytes = c.bytes;
-    if (!c.offer_twice) ASSERT_TRUE(WriteCallFrame(pair.fds[0], call).ok());
+    // An empty region closes the pipe at its offer: the call's write may then find it closed.
+    const bool closes_at_offer = std::string(c.what) == "an empty region";
+    if (!c.offer_twice) {
+      const bool sent = WriteCallFrame(pair.fds[0], call).ok();
+      if (!closes_at_offer) ASSERT_TRUE(sent) << c.what;
+    }
     char byte;
     EXPECT_EQ(read(pair.fds[0], &byte, 1), 0) << c.what;  // the callee closed its end
     EXPECT_EQ(callee.calls.load(), 0) << c.what;

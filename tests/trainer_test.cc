@@ -458,7 +458,9 @@ TEST_F(TrainerTest, JointTrainStepEqualsEachRunAlone) {
       ASSERT_TRUE(together[i].ok()) << together[i].status();
       most_micro_batches = std::max(most_micro_batches, together[i]->metrics.Get("micro_batches:sum"));
     }
-    if (step == 1) EXPECT_EQ(most_micro_batches, 3.0);
+    if (step == 1) {
+      EXPECT_EQ(most_micro_batches, 3.0);
+    }
     for (size_t i = 0; i < specs.size(); ++i) {
       const std::string what = "step " + std::to_string(step) + " run " + std::to_string(i);
       BatchOptions own;
