@@ -33,11 +33,14 @@ def gemms(hidden, qkv, inner):
     }
 
 
-def result_header(args):
-    """What every committed result file records first: when, on what, with which libraries, how."""
-    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "machine": args.machine or torch.cuda.get_device_name(), "library_versions": args.versions,
-            "command": args.command}
+def write_result(args, fields):
+    """Writes `fields` to args.out after what every committed result file records first: when,
+    on what, with which libraries, how."""
+    header = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+              "machine": args.machine or torch.cuda.get_device_name(), "library_versions": args.versions,
+              "command": args.command}
+    with open(args.out, "w") as f:
+        json.dump({**header, **fields}, f, indent=2)
 
 
 def timed(fn, repeats=5, timings=10):
@@ -110,12 +113,11 @@ def main():
             print(f"{args.shape} rows {rows} chunk {chunk}: layer {layer * 1e3:.3f} ms, "
                   f"{flops / layer / 1e12:.0f} TFLOP/s", flush=True)
         table[str(rows)] = entry
-    out = {**result_header(args), "shape": args.shape,
-           "method": "each frozen GEMM of one decoder layer (forward and input gradient) in bf16 on random data, "
-                     "median of 10 timings of 5 repeats after 3 warm-ups, CUDA events; chunks: the same rows "
-                     "as consecutive GEMMs of that many rows",
-           "rows": table}
-    json.dump(out, open(args.out, "w"), indent=2)
+    write_result(args, {"shape": args.shape,
+                        "method": "each frozen GEMM of one decoder layer (forward and input gradient) in bf16 on "
+                                  "random data, median of 10 timings of 5 repeats after 3 warm-ups, CUDA events; "
+                                  "chunks: the same rows as consecutive GEMMs of that many rows",
+                        "rows": table})
 
 
 if __name__ == "__main__":

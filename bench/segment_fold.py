@@ -11,11 +11,11 @@ For gate/up's forward (output 2 x intermediate wide) and down's input gradient (
 intermediate wide), where the output is several times wider than the input.
     python3 bench/segment_fold.py --out F.json [--machine M --versions V --command C]
 """
-import argparse, json
+import argparse
 
 import torch
 
-from gemm_rows import result_header, timed  # the same timing as the frozen GEMMs alone
+from gemm_rows import timed, write_result  # the same timing as the frozen GEMMs alone
 
 SHAPES = {  # hidden, intermediate
     "qwen2.5-7b": (3584, 18944),
@@ -89,11 +89,9 @@ def main():
                   f"; grouped/fold {entry['fold_vs_grouped']:.3f}", flush=True)
             table.append(entry)
             torch.cuda.empty_cache()
-    out = {**result_header(args),
-           "method": "bf16 random data; median of 10 timings of 5 repeats after 3 warm-ups, CUDA events; "
-                     "fold includes its copies of x, W and each segment's B",
-           "rows": table}
-    json.dump(out, open(args.out, "w"), indent=2)
+    write_result(args, {"method": "bf16 random data; median of 10 timings of 5 repeats after 3 warm-ups, CUDA "
+                                  "events; fold includes its copies of x, W and each segment's B",
+                        "rows": table})
 
 
 if __name__ == "__main__":

@@ -11,11 +11,11 @@ Reported per mode: the GEMMs' TFLOP/s over the time the GPU had work (CUDA event
 step's GEMMs), and the SM clock and board power that nvidia-smi sampled meanwhile.
     python3 bench/sustained_gemm.py --out F.json [--seconds 8] [--machine M --versions V --command C]
 """
-import argparse, datetime, json, statistics, subprocess, tempfile, time
+import argparse, datetime, statistics, subprocess, tempfile, time
 
 import torch
 
-from gemm_rows import SHAPES, gemms, result_header
+from gemm_rows import SHAPES, gemms, write_result
 
 LAYERS = 28
 
@@ -104,12 +104,12 @@ def main():
         print(name, {k: round(v, 1) if isinstance(v, float) else v for k, v in m.items() if k not in ("start", "end")},
               flush=True)
         del m["start"], m["end"]
-    out = {**result_header(args), "shape": args.shape, "seconds_per_mode": args.seconds,
-           "method": f"one decoder layer's eight frozen GEMMs (bench/gemm_rows.py) x {LAYERS} layers per step, bf16 "
-                     "random data; TFLOP/s over the steps' CUDA-event time; gaps: the host sleeps the given "
-                     "fraction of each step; nvidia-smi clocks.sm and power.draw every 100 ms inside each mode",
-           "modes": modes}
-    json.dump(out, open(args.out, "w"), indent=2)
+    write_result(args, {"shape": args.shape, "seconds_per_mode": args.seconds,
+                        "method": f"one decoder layer's eight frozen GEMMs (bench/gemm_rows.py) x {LAYERS} layers "
+                                  "per step, bf16 random data; TFLOP/s over the steps' CUDA-event time; gaps: the "
+                                  "host sleeps the given fraction of each step; nvidia-smi clocks.sm and "
+                                  "power.draw every 100 ms inside each mode",
+                        "modes": modes})
 
 
 if __name__ == "__main__":
