@@ -55,6 +55,17 @@ def scrape(port):
     return samples
 
 
+def scrape_until(port, ready, seconds=10):
+    """A scrape once `ready(samples)` holds, or the last one after `seconds`: a step's figures
+    are recorded after its answer is written, so a scrape right after the answer may miss them."""
+    deadline = time.time() + seconds
+    samples = scrape(port)
+    while not ready(samples) and time.time() < deadline:
+        time.sleep(0.05)
+        samples = scrape(port)
+    return samples
+
+
 def value(samples, name, **labels):
     return samples.get((name, tuple(sorted(labels.items()))))
 
@@ -180,7 +191,10 @@ def main():
             t.join()
         check(not errors, f"both co-scheduled calls answered: {errors}")
         tokens = sum(len(d["tokens"]) for d in batch)
-        c, w = scrape(metrics_port), scrape(worker_port)
+        def shared_step_recorded(samples):
+            return all(value(samples, "lorastep_step_phase_seconds_count", run=r.run_id, phase="coschedule_wait")
+                       for r in (run, other))
+        c, w = scrape_until(metrics_port, shared_step_recorded), scrape_until(worker_port, shared_step_recorded)
         for r in (run, other):
             m = answers[r.run_id]["metrics"]
             check(m.get("co_scheduled_runs:max") == 2 and m.get("co_scheduled_tokens:max") == 2 * tokens,
