@@ -556,6 +556,91 @@ TEST_P(LoraLinearTest, GroupMatchesDenseReferenceFoldedOrNot) {
   }
 }
 
+// The fold over a weight with spare columns (as PackProjections leaves gate/up): a run's
+// cached operands lie over the weight's own buffer (no copy of W) and its scaled B goes into
+// the spare columns. Runs with their own caches taking turns on one weight each get their own
+// branch, forward and backward, also where another run's forward wrote the spare columns
+// between a run's forward and its backward; the weight's version counter never moves. A
+// branch wider than the spare columns folds over a copy of W.
+TEST_P(LoraLinearTest, FoldOverSpareColumnsKeepsEachRunsBranch) {
+  const bool fused = GetParam();
+  const auto opts = at::TensorOptions().device(TestDevice()).dtype(TestDtype());
+  const int64_t in = 8, r = 4;
+  const std::vector<int64_t> widths{56, 48};  // wide enough for every run to fold (FoldBranchIntoBaseGemm)
+  const int64_t out = widths[0] + widths[1];
+  const double scale = 1.5;
+  const at::Tensor buffer = at::zeros({out, in + 2 * r}, opts);
+  const at::Tensor w = buffer.narrow(1, 0, in);
+  w.copy_(at::randn({out, in}, opts));
+  ASSERT_EQ(SpareColumns(w), 2 * r);
+  EXPECT_EQ(SpareColumns(w.contiguous()), 0);
+  EXPECT_EQ(SpareColumns(buffer.narrow(0, 0, out - 1).narrow(1, 0, in)), 2 * r);
+  EXPECT_EQ(SpareColumns(buffer.narrow(1, 2, in)), 0);  // the last row's spare columns would pass the buffer's end
+  GradOptions options{fused, false};
+  options.fold_lora_b = 1;
+  struct Run {
+    std::vector<LoraGroupPart> parts;
+    LoraGroupOperandCache cache;
+    std::vector<at::Tensor> want_a, want_b;  // fp64 reference gradients, summed over its calls
+  };
+  std::vector<Run> runs(3);
+  for (size_t k = 0; k < runs.size(); ++k) {
+    const int64_t rank = k == 2 ? 2 * r : r;  // run 2: 4r ranks in all, beyond the 2r spare columns
+    for (int64_t width : widths) {
+      LoraGroupPart part;
+      part.width = width;
+      part.a = (at::randn({rank, in}, opts) * 0.3).requires_grad_(true);
+      part.b = (at::randn({width, rank}, opts) * 0.3).requires_grad_(true);
+      part.a_main_grad = at::zeros({rank, in}, opts.dtype(at::kFloat));
+      part.b_main_grad = at::zeros({width, rank}, opts.dtype(at::kFloat));
+      runs[k].parts.push_back(part);
+      runs[k].want_a.push_back(at::zeros({rank, in}, at::kDouble));
+      runs[k].want_b.push_back(at::zeros({width, rank}, at::kDouble));
+    }
+  }
+  // Run 0, run 1, run 0 again, run 2: every forward first, then every backward.
+  const std::vector<size_t> order{0, 1, 0, 2};
+  const int64_t version = w._version();
+  std::vector<at::Tensor> xs, ys, upstreams;
+  for (size_t call = 0; call < order.size(); ++call) {
+    Run& run = runs[order[call]];
+    xs.push_back(at::randn({5, in}, opts).requires_grad_(true));
+    upstreams.push_back(at::randn({5, out}, opts));
+    ys.push_back(LoraLinearGroup(xs.back(), w, at::Tensor(), run.parts, scale, options, &run.cache));
+    at::Tensor xr = F64Leaf(xs.back());
+    std::vector<at::Tensor> cols, ar, br;
+    for (size_t i = 0, col = 0; i < widths.size(); col += widths[i], ++i) {
+      ar.push_back(F64Leaf(run.parts[i].a));
+      br.push_back(F64Leaf(run.parts[i].b));
+      cols.push_back(at::matmul(xr, w.narrow(0, col, widths[i]).to(at::kDouble).t()) +
+                     at::matmul(at::matmul(xr, ar[i].t()), br[i].t()) * scale);
+    }
+    const at::Tensor yr = at::cat(cols, -1);
+    (yr * upstreams.back().to(at::kDouble)).sum().backward();
+    EXPECT_LT(RelErr(ys.back(), yr), Tol(1e-6)) << "call " << call;
+    for (size_t i = 0; i < widths.size(); ++i) {
+      run.want_a[i] += ar[i].grad();
+      run.want_b[i] += br[i].grad();
+    }
+  }
+  for (size_t call = 0; call < order.size(); ++call) (ys[call] * upstreams[call]).sum().backward();
+  EXPECT_EQ(w._version(), version);
+  for (size_t k = 0; k < runs.size(); ++k) {
+    const Run& run = runs[k];
+    std::vector<at::Tensor> as, bs;
+    for (const LoraGroupPart& part : run.parts) as.push_back(part.a), bs.push_back(part.b);
+    const LoraGroupOperandCache::Entry* entry = run.cache.Find(w, as, bs, scale, /*fold=*/true);
+    ASSERT_NE(entry, nullptr) << "run " << k;
+    EXPECT_EQ(entry->w_cat.storage().is_alias_of(w.storage()), k != 2) << "run " << k;
+    EXPECT_EQ(entry->spare_id != 0, k != 2) << "run " << k;
+    for (size_t i = 0; i < widths.size(); ++i) {
+      const LoraGroupPart& part = run.parts[i];
+      EXPECT_LT(RelErr(fused ? part.a_main_grad : part.a.grad(), run.want_a[i]), Tol(1e-6)) << "run " << k << " part " << i;
+      EXPECT_LT(RelErr(fused ? part.b_main_grad : part.b.grad(), run.want_b[i]), Tol(1e-6)) << "run " << k << " part " << i;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(FusedAndUnfused, LoraLinearTest, ::testing::Bool());
 
 }  // namespace

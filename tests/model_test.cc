@@ -205,7 +205,8 @@ TEST(ModelTest, LoraHeadLeavesTheLayersFactorsUnchanged) {
 // added into their columns, k without a branch) give the per-projection path's hidden
 // states and LoRA gradients, fused and unfused; so do they with gate/up's branches folded
 // into its base GEMM (fold_lora_b 1; the MLP widened so that gate/up qualifies), where the
-// norm before it leaves the room its fold writes x A^T into.
+// norm before it leaves the room its fold writes x A^T into and gate/up's spare columns hold
+// its B (PackProjections).
 TEST(ModelTest, PackedProjectionsMatchSeparateOnes) {
   ModelConfig c = ModelConfigPreset("tiny").value();
   c.intermediate_size = 96;  // gate/up: 192 columns >= 4 x (32 inputs + 8 ranks)
@@ -217,6 +218,10 @@ TEST(ModelTest, PackedProjectionsMatchSeparateOnes) {
   ASSERT_TRUE(AdjacentRows({l.linear[kGateProj], l.linear[kUpProj]}).defined());
   ASSERT_FALSE(AdjacentRows({separate.layers[0].linear[kQProj], separate.layers[0].linear[kKProj]}).defined());
   EXPECT_TRUE(at::equal(l.linear[kVProj], separate.layers[0].linear[kVProj]));
+  EXPECT_TRUE(at::equal(l.linear[kUpProj], separate.layers[0].linear[kUpProj]));
+  // gate/up's rows leave spare columns for the fold; q/k/v's do not.
+  EXPECT_EQ(SpareColumns(AdjacentRows({l.linear[kGateProj], l.linear[kUpProj]})), kFoldSpareColumns);
+  EXPECT_EQ(SpareColumns(l.linear[kQProj]), 0);
   LoraConfig lora;
   lora.rank = 4;
   lora.alpha = 8;
@@ -245,10 +250,11 @@ TEST(ModelTest, PackedProjectionsMatchSeparateOnes) {
         const LoraFactors* gate = adapter.lora(0, kGateProj);
         const LoraFactors* up = adapter.lora(0, kUpProj);
         const auto& p = adapter.parameters();
-        EXPECT_NE(operands.Find(AdjacentRows({l.linear[kGateProj], l.linear[kUpProj]}),
-                                {p[gate->a].value, p[up->a].value}, {p[gate->b].value, p[up->b].value},
-                                adapter.lora_config().scale(), /*fold=*/true),
-                  nullptr);
+        const LoraGroupOperandCache::Entry* entry =
+            operands.Find(AdjacentRows({l.linear[kGateProj], l.linear[kUpProj]}), {p[gate->a].value, p[up->a].value},
+                          {p[gate->b].value, p[up->b].value}, adapter.lora_config().scale(), /*fold=*/true);
+        ASSERT_NE(entry, nullptr);
+        EXPECT_TRUE(entry->w_cat.storage().is_alias_of(l.linear[kGateProj].storage())) << "folded over the weight's buffer";
       }
       (h * g).sum().backward();
       ASSERT_OK(FoldLocalGradients(&adapter));

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -11,6 +12,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -670,7 +672,9 @@ std::vector<int64_t> ColumnStarts(const std::vector<int64_t>& widths) {
 
 // The parameter-only operands of one group (see LoraGroupOperandCache), built from its
 // factors: A concatenated (a view when they lie back to back), scale * B block-diagonal, and
-// for the fold [W | scale * B_blockdiag] with b_blockdiag a view of its right columns.
+// for the fold [W | scale * B_blockdiag]: over the weight's buffer where its spare columns
+// hold the branch (b_blockdiag then its own tensor), else a copy of W with b_blockdiag a
+// view of its right columns.
 LoraGroupOperandCache::Entry BuildGroupOperands(const at::Tensor& weight, at::TensorList as, at::TensorList bs,
                                                 const LoraGroupMeta& meta, double scale, bool fold) {
   LoraGroupOperandCache::Entry e;
@@ -681,7 +685,16 @@ LoraGroupOperandCache::Entry BuildGroupOperands(const at::Tensor& weight, at::Te
   if (!e.a_cat.defined()) e.a_cat = as.size() == 1 ? as[0] : at::cat(as, 0);  // [sum r, in]
   e.a_grads_joined = AdjacentRows(meta.a_grads);
   const int64_t in = weight.size(1), out = weight.size(0), rank_sum = e.a_cat.size(0);
-  if (fold) {
+  if (fold && SpareColumns(weight) >= rank_sum) {
+    // [W | scale * B] over the weight's own buffer, B written into its spare columns before
+    // each use (UseSpareColumns). A fresh alias, not a view: writing B then leaves the
+    // weight's version counter alone (autograd checks the weight it saved).
+    e.w_cat = at::empty({0}, weight.options());
+    e.w_cat.set_(weight.storage(), weight.storage_offset(), {out, in + rank_sum}, {weight.stride(0), 1});
+    e.b_blockdiag = at::empty({out, rank_sum}, weight.options());
+    static std::atomic<uint64_t> last_id{0};
+    e.spare_id = ++last_id;
+  } else if (fold) {
     e.w_cat = at::empty({out, in + rank_sum}, weight.options());
     e.w_cat.narrow(1, 0, in).copy_(weight);
     e.b_blockdiag = e.w_cat.narrow(1, in, rank_sum);
@@ -701,6 +714,22 @@ LoraGroupOperandCache::Entry BuildGroupOperands(const at::Tensor& weight, at::Te
   for (const at::Tensor& t : as) e.versions.emplace_back(t.unsafeGetTensorImpl(), t._version());
   for (const at::Tensor& t : bs) e.versions.emplace_back(t.unsafeGetTensorImpl(), t._version());
   return e;
+}
+
+// Makes the spare columns of `entry`'s weight hold its scale * B (entry.w_cat's right
+// columns). Which entry wrote a weight's spare columns last is kept per weight buffer, so
+// a run's calls write its B once per call while runs take turns on one base, whatever
+// their order; the writes and the GEMMs that read them follow each other on the device's
+// stream, as the base's calls run one at a time.
+void UseSpareColumns(const LoraGroupOperandCache::Entry& entry) {
+  static std::mutex mu;
+  static std::unordered_map<const void*, uint64_t> written_by;
+  const int64_t rank_sum = entry.b_blockdiag.size(1), in = entry.w_cat.size(1) - rank_sum;
+  std::lock_guard<std::mutex> lock(mu);
+  uint64_t& last = written_by[entry.w_cat.data_ptr()];
+  if (last == entry.spare_id) return;
+  entry.w_cat.narrow(1, in, rank_sum).copy_(entry.b_blockdiag);
+  last = entry.spare_id;
 }
 
 // y = x W^T (+ bias) + scale * (x A_i^T) B_i^T into each part's columns, as
@@ -729,6 +758,7 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
     const int64_t in = weight.size(1), rank_sum = ops->a_cat.size(0);
     at::Tensor xa, y;
     if (fold) {
+      if (ops->spare_id != 0) UseSpareColumns(*ops);
       // The input's own buffer where the caller left room after it (input_has_room), else a
       // copy. Over a detached alias: the views this forward writes through and saves are then
       // not autograd views of the input.
@@ -756,9 +786,10 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
       ctx->saved_data["a_grads_joined"] = ops->a_grads_joined;
       ctx->saved_data["b_grads"] = meta.b_grads;
     }
-    // Without a cache the fold's B block is copied out, so backward does not keep all of
-    // [W | B] alive per micro-batch.
-    const at::Tensor b_blockdiag = cache == nullptr && fold ? ops->b_blockdiag.clone() : ops->b_blockdiag;
+    // Without a cache the fold's B block (a view of its copy of W) is copied out, so
+    // backward does not keep all of [W | B] alive per micro-batch.
+    const at::Tensor b_blockdiag =
+        cache == nullptr && fold && ops->spare_id == 0 ? ops->b_blockdiag.clone() : ops->b_blockdiag;
     ctx->save_for_backward({x2d, xa, ops->a_cat, weight, b_blockdiag});
     return y.view(ShapeWithLastDim(x, weight.size(0)));
   }
@@ -1011,12 +1042,19 @@ int64_t GroupFoldRoom(const at::Tensor& weight, const std::vector<LoraGroupPart>
 at::Tensor AdjacentRows(const std::vector<at::Tensor>& parts) {
   if (parts.empty() || !parts[0].defined() || parts[0].dim() == 0) return at::Tensor();
   const at::Tensor& first = parts[0];
-  const int64_t row_elems = first.size(0) > 0 ? first.numel() / first.size(0) : 0;
+  // Rows dense but for dim 0's stride, which may leave spare columns after each row.
+  int64_t dense = 1;
+  for (int64_t d = first.dim() - 1; d >= 1; --d) {
+    if (first.size(d) != 1 && first.stride(d) != dense) return at::Tensor();
+    dense *= first.size(d);
+  }
+  if (first.stride(0) < dense) return at::Tensor();
   int64_t rows = 0;
   for (const at::Tensor& p : parts) {
-    if (!p.defined() || p.dim() != first.dim() || !p.is_contiguous() || p.sizes().slice(1) != first.sizes().slice(1) ||
+    if (!p.defined() || p.dim() != first.dim() || p.sizes().slice(1) != first.sizes().slice(1) ||
+        p.strides() != first.strides() ||
         p.scalar_type() != first.scalar_type() || p.device() != first.device() ||
-        !p.storage().is_alias_of(first.storage()) || p.storage_offset() != first.storage_offset() + rows * row_elems) {
+        !p.storage().is_alias_of(first.storage()) || p.storage_offset() != first.storage_offset() + rows * first.stride(0)) {
       return at::Tensor();
     }
     rows += p.size(0);
@@ -1024,6 +1062,16 @@ at::Tensor AdjacentRows(const std::vector<at::Tensor>& parts) {
   std::vector<int64_t> sizes(first.sizes().begin(), first.sizes().end());
   sizes[0] = rows;
   return first.as_strided(sizes, first.strides());
+}
+
+int64_t SpareColumns(const at::Tensor& weight) {
+  if (!weight.defined() || weight.dim() != 2 || weight.size(0) == 0 || weight.stride(1) != 1 ||
+      weight.stride(0) <= weight.size(1)) {
+    return 0;
+  }
+  const int64_t spare = weight.stride(0) - weight.size(1);
+  const int64_t end = weight.storage_offset() + (weight.size(0) - 1) * weight.stride(0) + weight.size(1) + spare;
+  return end * static_cast<int64_t>(weight.element_size()) <= static_cast<int64_t>(weight.storage().nbytes()) ? spare : 0;
 }
 
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& main_grad,

@@ -138,7 +138,8 @@ int64_t GroupFoldRoom(const at::Tensor& weight, const std::vector<LoraGroupPart>
 
 // The operands of LoraLinearGroup that depend on the parameters only: A factors
 // concatenated, scale * B block-diagonal ([sum of widths, sum of ranks], zero outside each
-// part's block) and, for the fold, [W | scale * B_blockdiag]. Building them is a handful of
+// part's block) and, for the fold, [W | scale * B_blockdiag]: over the weight's own buffer
+// where it has the spare columns (PackProjections), else a copy of W. Building them is a handful of
 // small kernels per group; without a cache every micro-batch of every layer repeats them,
 // and on the H200 those launches, not the GPU, bound the LoRA step. Entries are keyed by the
 // packed weight and rebuilt when a factor changed in place (its version counter moved), so a
@@ -148,6 +149,9 @@ class LoraGroupOperandCache {
   struct Entry {
     at::Tensor a_cat, b_blockdiag, w_cat;
     at::Tensor a_grads_joined;  // the A factors' main_grads as one view, when back to back
+    // Non-zero: w_cat lies over the weight's buffer and b_blockdiag is its own tensor, written
+    // into the spare columns before use; the id tells this entry's writes from others'.
+    uint64_t spare_id = 0;
     bool fold = false;
     double scale = 0;
     std::vector<std::pair<const void*, int64_t>> versions;  // each factor's impl and version
@@ -165,15 +169,22 @@ class LoraGroupOperandCache {
 // Whether LoraLinearGroup runs the branches inside the base GEMM, as
 // [x | x A^T] @ [W | scale * B_blockdiag]^T (K-concatenated), for a packed `weight` and the
 // parts' total rank. It pays on CUDA where the output is much wider than the input (gate/up
-// is several times wider than the hidden size): copying x (and W, once per call) is then far
-// cheaper than the B addmm re-reading and re-writing the output. Not on CPU, where the GEMMs
+// is several times wider than the hidden size): copying x (and, where the weight has no
+// spare columns, W once per call) is then far cheaper than the B addmm re-reading and
+// re-writing the output. Not on CPU, where the GEMMs
 // are compute-bound and the copies gain nothing. Backward is the same either way.
 // LORASTEP_FOLD_LORA_B=0 switches the CUDA default off (for A/B measurements).
 bool FoldBranchIntoBaseGemm(const at::Tensor& weight, int64_t rank_sum, const GradOptions& options);
 
-// `parts` (contiguous, equal trailing sizes) as one tensor along dim 0 when they lie back to
-// back in one buffer, as PackProjections leaves them; undefined otherwise.
+// `parts` (equal trailing sizes and strides, dense but for dim 0's stride) as one tensor
+// along dim 0 when they lie back to back in one buffer, as PackProjections leaves them;
+// undefined otherwise.
 at::Tensor AdjacentRows(const std::vector<at::Tensor>& parts);
+
+// The columns after each row of a 2-D row-major `weight` that lie inside its storage but
+// outside the weight (its row stride minus its width; 0 for a dense weight): PackProjections'
+// spare columns, where a fold writes its B instead of copying W.
+int64_t SpareColumns(const at::Tensor& weight);
 
 // x.index_select(0, perm) for a permutation `perm` of x's rows, whose backward gathers with
 // `inverse` (inverse[perm[i]] = i) instead of scatter-adding (no atomics: the MoE dispatch

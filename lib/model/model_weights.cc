@@ -288,25 +288,38 @@ absl::Status SaveModel(const std::string& folder, const ModelConfig& config,
   return WriteStringToFile(folder + "/model.safetensors.index.json", index.dump(2) + "\n");
 }
 
-void PackProjections(ModelWeights* weights) {
-  auto pack = [](std::initializer_list<at::Tensor*> members) {
+void PackProjections(ModelWeights* weights, int64_t spare_columns) {
+  auto pack = [](std::initializer_list<at::Tensor*> members, int64_t spare) {
     std::vector<at::Tensor> parts;
+    int64_t rows = 0;
     for (const at::Tensor* t : members) {
       if (!t->defined()) return;
       parts.push_back(*t);
+      rows += t->size(0);
     }
-    const at::Tensor packed = at::cat(parts, 0);
+    if (spare > 0 && parts[0].dim() != 2) spare = 0;
+    at::Tensor packed;
+    if (spare == 0) {
+      packed = at::cat(parts, 0);
+    } else {  // each row `spare` columns wider than the weights; the spare columns zero
+      const int64_t in = parts[0].size(1);
+      packed = at::empty({rows, in + spare}, parts[0].options());
+      packed.narrow(1, in, spare).zero_();
+      packed = packed.narrow(1, 0, in);
+    }
     int64_t row = 0;
     for (at::Tensor* t : members) {
       const int64_t n = t->size(0);
-      *t = packed.narrow(0, row, n);
+      at::Tensor slot = packed.narrow(0, row, n);
+      if (spare > 0) slot.copy_(*t);
+      *t = slot;
       row += n;
     }
   };
   for (LayerWeights& l : weights->layers) {
-    pack({&l.linear[kQProj], &l.linear[kKProj], &l.linear[kVProj]});
-    pack({&l.qkv_bias[0], &l.qkv_bias[1], &l.qkv_bias[2]});
-    pack({&l.linear[kGateProj], &l.linear[kUpProj]});
+    pack({&l.linear[kQProj], &l.linear[kKProj], &l.linear[kVProj]}, 0);
+    pack({&l.qkv_bias[0], &l.qkv_bias[1], &l.qkv_bias[2]}, 0);
+    pack({&l.linear[kGateProj], &l.linear[kUpProj]}, spare_columns);
   }
 }
 

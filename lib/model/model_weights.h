@@ -99,7 +99,13 @@ ModelWeights ModelSkeleton(const ModelConfig& config);
 // buffer per group, leaving the slots as views into it, so that the layer can run each
 // group as one GEMM (LoraLinearGroup); values are unchanged. A group with a missing member
 // (a MoE layer without a shared expert) stays as it is.
-void PackProjections(ModelWeights* weights);
+//
+// gate/up's buffer leaves `spare_columns` zero columns after each row (the weights are then
+// row-strided views, SpareColumns): a LoRA fold writes its scaled B there and runs
+// [x | x A^T] @ [W | s B]^T over the buffer itself, instead of a copy of W per call
+// (LoraLinearGroup). kFoldSpareColumns covers gate/up's branches up to rank 64.
+inline constexpr int64_t kFoldSpareColumns = 128;
+void PackProjections(ModelWeights* weights, int64_t spare_columns = kFoldSpareColumns);
 
 ModelWeights RandomModelWeights(const ModelConfig& config, uint64_t seed);
 
