@@ -77,7 +77,11 @@ void KeyedExecutor::Submit(const std::string& key, std::function<void()> task) {
     if (queue.empty() && !running_[key]) turns_.push_back(key);
     queue.push_back(std::move(task));
     submitted_.fetch_add(1, std::memory_order_release);
-    WakeOne();
+    if (spinner_free_) {
+      spinner_free_ = false;  // the spinning thread takes it
+    } else {
+      WakeOne();
+    }
   }
 }
 
@@ -97,11 +101,13 @@ void KeyedExecutor::Loop() {
     std::function<void()> task;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      if (ran && turns_.empty() && !stopping_) {
+      if (ran && turns_.empty() && !stopping_ && spin_.count() > 0 && !spinning_) {
+        spinning_ = spinner_free_ = true;
         const uint64_t seen = submitted_.load(std::memory_order_relaxed);
         lock.unlock();
         SpinForWork(submitted_, seen, spin_);
         lock.lock();
+        spinning_ = spinner_free_ = false;
       }
       while (!stopping_ && turns_.empty()) {  // idle until Submit picks this thread
         me.woken = false;

@@ -69,6 +69,12 @@ void SpinForWork(const std::atomic<uint64_t>& submitted, uint64_t seen, std::chr
 // recently idle thread (last in, first out): a steady caller keeps landing on the same warm
 // thread, whose per-thread state (CUDA handles and workspaces set up on first use) is ready,
 // however many threads the pool has.
+//
+// Spinning (`spin`): one thread at a time. The thread that finishes a task first while no
+// other spins polls for the next submission, which it then takes itself; every other thread
+// that runs out of work sleeps at once. A step that answers many runs together would
+// otherwise leave as many threads spinning, on the cores their clients need to receive those
+// answers and send the next calls (32 runs on a 16-core host: 32 threads x the spin).
 class KeyedExecutor {
  public:
   explicit KeyedExecutor(size_t threads, std::chrono::microseconds spin = std::chrono::microseconds(0));
@@ -88,6 +94,8 @@ class KeyedExecutor {
   const std::chrono::microseconds spin_;
   std::atomic<uint64_t> submitted_{0};
   std::mutex mu_;
+  bool spinning_ = false;      // a thread spins
+  bool spinner_free_ = false;  // ... and no submission has claimed it yet
   std::vector<Idle*> idle_;  // waiting threads, the most recently idle last
   std::map<std::string, std::deque<std::function<void()>>> queued_;  // keys with work
   std::deque<std::string> turns_;  // keys with work and none running, in turn order

@@ -1,5 +1,8 @@
 // KeyedExecutor: one key's tasks in order and never two at once; keys with work take turns.
 // Both executors with spinning on.
+#include <pthread.h>
+#include <time.h>
+
 #include <atomic>
 #include <future>
 #include <memory>
@@ -111,6 +114,59 @@ TEST(ExecutorSpinTest, CallsDuringAndAfterTheSpinRunInOrder) {
     EXPECT_EQ(serial, expected) << spin.count();
     EXPECT_EQ(keyed, expected) << spin.count();
     EXPECT_LT(s, 2.0) << spin.count();
+  }
+}
+
+// Eight keys' tasks that end together leave one thread spinning, not eight: over the next
+// 200 ms (inside the 2 s spin) one pool thread uses CPU time and the others sleep. Then the
+// next task lands on the thread that spun, and a second key's task sent with it runs too (a
+// sleeping thread is woken for it).
+TEST(ExecutorSpinTest, OneThreadSpinsAtATime) {
+  const int keys = 8;
+  KeyedExecutor ex(keys, std::chrono::seconds(2));
+  std::mutex mu;
+  std::vector<clockid_t> clocks;
+  std::vector<std::thread::id> ids;
+  std::atomic<int> started{0};
+  std::vector<std::promise<void>> finished(keys);
+  for (int k = 0; k < keys; ++k) {
+    ex.Submit("run" + std::to_string(k), [&, k] {
+      clockid_t clock;
+      ASSERT_EQ(pthread_getcpuclockid(pthread_self(), &clock), 0);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        clocks.push_back(clock);
+        ids.push_back(std::this_thread::get_id());
+      }
+      ++started;
+      while (started.load() < keys) std::this_thread::yield();  // all eight run side by side, then end together
+      finished[k].set_value();
+    });
+  }
+  for (auto& f : finished) f.get_future().wait();
+  auto cpu_ms = [](clockid_t clock) {
+    timespec t{};
+    clock_gettime(clock, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+  };
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // each thread spins or sleeps by now
+  std::vector<double> before;
+  for (clockid_t clock : clocks) before.push_back(cpu_ms(clock));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  int busy = 0;
+  std::optional<std::thread::id> spinner;
+  for (size_t i = 0; i < clocks.size(); ++i) {
+    if (cpu_ms(clocks[i]) - before[i] > 20.0) ++busy, spinner = ids[i];
+  }
+  EXPECT_LE(busy, 1) << "threads that used more than 20 ms of CPU in 200 ms";
+  std::promise<std::thread::id> next;
+  std::promise<void> other;
+  ex.Submit("run0", [&] { next.set_value(std::this_thread::get_id()); });
+  ex.Submit("run1", [&] { other.set_value(); });
+  const std::thread::id ran_on = next.get_future().get();
+  other.get_future().wait();
+  if (spinner) {
+    EXPECT_EQ(ran_on, *spinner) << "the spinning thread takes the next task";
   }
 }
 
