@@ -160,9 +160,11 @@ ABSL_FLAG(bool, autosave_in_background, true,
           "autosave afterwards (--noautosave_in_background: the step waits for the disk)");
 ABSL_FLAG(int, autosave_every_full_steps, 50,
           "with a journal: the same for full fine-tuning runs (rank 0: the whole model and its optimizer)");
-ABSL_FLAG(int, executor_spin_us, 2000,
+ABSL_FLAG(std::optional<int>, executor_spin_us, std::nullopt,
           "after each training call, an executor thread polls this long for the run's next call before it "
-          "sleeps (a training loop sends the next call at once; waking a sleeping thread costs more)");
+          "sleeps (a training loop sends the next call at once; waking a sleeping thread costs more); one "
+          "thread polls at a time. Default: 2000 with --device cuda, 0 on the CPU (a CPU worker's step needs "
+          "the cores)");
 ABSL_FLAG(std::optional<int>, autosave_every_steps, std::nullopt,
           "with a journal: save a run's worker state after every N optimizer steps; 0: spaced by cost, so "
           "autosaves take at most --autosave_max_share of a run's time (one taking d seconds comes at most every "
@@ -270,7 +272,8 @@ int main(int argc, char** argv) {
   if (poller_warm_us < 0 || poller_warm_us > 100000) {
     return fail(absl::InvalidArgumentError("grpc_poller_warm_us: must be in [0, 100000]"));
   }
-  if (absl::GetFlag(FLAGS_executor_spin_us) < 0 || absl::GetFlag(FLAGS_executor_spin_us) > 100000) {
+  const int executor_spin_us = absl::GetFlag(FLAGS_executor_spin_us).value_or(on_cuda ? 2000 : 0);
+  if (executor_spin_us < 0 || executor_spin_us > 100000) {
     return fail(absl::InvalidArgumentError("executor_spin_us: must be in [0, 100000]"));
   }
   if (absl::GetFlag(FLAGS_coschedule_window_us) < 0) {
@@ -597,7 +600,7 @@ int main(int argc, char** argv) {
   // caller keeps one warm thread.
   const size_t executors = 64;
   CoordinatorService service(&core, executors, &metrics, api_keys ? &*api_keys : nullptr,
-                             std::chrono::microseconds(absl::GetFlag(FLAGS_executor_spin_us)));
+                             std::chrono::microseconds(executor_spin_us));
   service.SetQueueLimits(absl::GetFlag(FLAGS_max_queued_per_run), absl::GetFlag(FLAGS_max_queued));
   service.SetWatchBacklog(static_cast<size_t>(std::max<int64_t>(absl::GetFlag(FLAGS_max_watch_backlog), 1)));
   service.SetPollerWarmth(std::chrono::microseconds(poller_warm_us));
