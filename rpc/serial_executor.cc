@@ -20,6 +20,7 @@ SerialExecutor::~SerialExecutor() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
+    submitted_.fetch_add(1, std::memory_order_release);  // ends a spin at once
   }
   cv_.notify_all();
   thread_.join();
@@ -64,6 +65,7 @@ KeyedExecutor::~KeyedExecutor() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
+    submitted_.fetch_add(1, std::memory_order_release);  // ends a spin at once
     for (Idle* thread : idle_) thread->cv.notify_one();
   }
   for (auto& t : threads_) t.join();

@@ -119,18 +119,18 @@ TEST(ExecutorSpinTest, CallsDuringAndAfterTheSpinRunInOrder) {
 
 // Eight keys' tasks that end together leave one thread spinning, not eight: over the next
 // 200 ms (inside the 2 s spin) one pool thread uses CPU time and the others sleep. Then the
-// next task lands on the thread that spun, and a second key's task sent with it runs too (a
-// sleeping thread is woken for it).
+// next task lands on the thread that spun, and two tasks sent at once run side by side (the
+// polling thread takes one, a sleeping thread is woken for the other).
 TEST(ExecutorSpinTest, OneThreadSpinsAtATime) {
   const int keys = 8;
-  KeyedExecutor ex(keys, std::chrono::seconds(2));
+  auto ex = std::make_unique<KeyedExecutor>(keys, std::chrono::seconds(2));
   std::mutex mu;
   std::vector<clockid_t> clocks;
   std::vector<std::thread::id> ids;
   std::atomic<int> started{0};
   std::vector<std::promise<void>> finished(keys);
   for (int k = 0; k < keys; ++k) {
-    ex.Submit("run" + std::to_string(k), [&, k] {
+    ex->Submit("run" + std::to_string(k), [&, k] {
       clockid_t clock;
       ASSERT_EQ(pthread_getcpuclockid(pthread_self(), &clock), 0);
       {
@@ -160,14 +160,29 @@ TEST(ExecutorSpinTest, OneThreadSpinsAtATime) {
   }
   EXPECT_LE(busy, 1) << "threads that used more than 20 ms of CPU in 200 ms";
   std::promise<std::thread::id> next;
-  std::promise<void> other;
-  ex.Submit("run0", [&] { next.set_value(std::this_thread::get_id()); });
-  ex.Submit("run1", [&] { other.set_value(); });
+  ex->Submit("run0", [&] { next.set_value(std::this_thread::get_id()); });
   const std::thread::id ran_on = next.get_future().get();
-  other.get_future().wait();
   if (spinner) {
     EXPECT_EQ(ran_on, *spinner) << "the spinning thread takes the next task";
   }
+  // Two tasks that can only finish together: one goes to the thread that polls (it ran run0
+  // and polls again), the other wakes a sleeping thread.
+  std::atomic<int> together{0};
+  std::vector<std::promise<bool>> both(2);  // whether the task saw the other one running
+  for (int k = 0; k < 2; ++k) {
+    ex->Submit("run" + std::to_string(k + 1), [&, k] {
+      ++together;
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      while (together.load() < 2 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+      both[k].set_value(together.load() == 2);
+    });
+  }
+  for (auto& b : both) EXPECT_TRUE(b.get_future().get()) << "the two tasks ran one after the other";
+  // The destructor ends the polling thread's spin instead of waiting it out (2 s).
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a thread polls again
+  const auto destroying = std::chrono::steady_clock::now();
+  ex.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - destroying, std::chrono::milliseconds(500));
 }
 
 // Bookkeeping after the answer: deferred work runs when the answering thread leaves its scope,
