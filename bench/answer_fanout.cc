@@ -16,7 +16,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
-#include <ctime>
+#include <fstream>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -27,6 +27,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "bench/bench_flags.h"
+#include "bench/bench_stats.h"
 #include "clients/cpp/trainer_client.h"
 #include "lib/flags_util.h"
 #include "lorastep/v1/trainer.grpc.pb.h"
@@ -44,19 +46,11 @@ ABSL_FLAG(int, busy_threads, 0,
 ABSL_FLAG(int, busy_ms, 5, "how long each --busy_threads thread polls after a release");
 ABSL_FLAG(std::vector<std::string>, layouts, std::vector<std::string>({"threads", "processes"}),
           "client layouts to measure, in turn");
-ABSL_FLAG(std::string, out, "", "write the results as JSON here");
-ABSL_FLAG(std::string, machine, "", "the machine, for the JSON (default: the host name and its cores)");
-ABSL_FLAG(std::string, command, "", "the command that ran this, for the JSON");
 
 namespace lorastep {
 namespace {
 
 constexpr int kWarmup = 5;
-
-int64_t SteadyNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 bool WriteAll(int fd, const std::string& text) {
   size_t done = 0;
@@ -202,12 +196,6 @@ int DriveRuns(const std::string& address, const std::vector<int>& mine, int roun
   return failed ? 1 : 0;
 }
 
-double Quantile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
-}
-
 // One layout against a fresh server process: per round, each answer's delay after the release.
 absl::StatusOr<nlohmann::json> Measure(const std::string& layout, int runs, int rounds) {
   int report[2], stop[2], recv[2];
@@ -306,29 +294,24 @@ int Main() {
     results.push_back(*r);
   }
   if (const std::string out = absl::GetFlag(FLAGS_out); !out.empty()) {
-    char host[256] = {};
-    gethostname(host, sizeof(host) - 1);
-    const std::time_t now = std::time(nullptr);
-    char date[32];
-    std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-    const std::string machine = absl::GetFlag(FLAGS_machine);
-    nlohmann::json doc{{"date", date},
-                       {"machine", machine.empty() ? absl::StrCat(host, ", ", std::thread::hardware_concurrency(), " cores")
-                                                   : machine},
-                       {"library_versions", absl::StrCat("gRPC ", grpc::Version())},
-                       {"command", absl::GetFlag(FLAGS_command)},
-                       {"runs", runs},
-                       {"rounds", rounds},
-                       {"hold_ms", absl::GetFlag(FLAGS_hold_ms)},
-                       {"metrics_per_answer", absl::GetFlag(FLAGS_metrics)},
-                       {"busy_threads", absl::GetFlag(FLAGS_busy_threads)},
-                       {"busy_ms", absl::GetFlag(FLAGS_busy_ms)},
-                       {"method", "median over rounds of the median and the last run's delay from the server's "
-                                  "release to the client's receipt; a fresh server process per layout"},
-                       {"layouts", results}};
-    if (FILE* f = std::fopen(out.c_str(), "w")) {
-      std::fputs(doc.dump(1).c_str(), f);
-      std::fclose(f);
+    nlohmann::ordered_json doc = BenchResultHeader();
+    if (absl::GetFlag(FLAGS_versions).empty()) doc["library_versions"] = absl::StrCat("gRPC ", grpc::Version());
+    doc["runs"] = runs;
+    doc["rounds"] = rounds;
+    doc["hold_ms"] = absl::GetFlag(FLAGS_hold_ms);
+    doc["metrics_per_answer"] = absl::GetFlag(FLAGS_metrics);
+    doc["busy_threads"] = absl::GetFlag(FLAGS_busy_threads);
+    doc["busy_ms"] = absl::GetFlag(FLAGS_busy_ms);
+    doc["method"] =
+        "median over rounds of the median and the last run's delay from the server's release to the client's "
+        "receipt; a fresh server process per layout";
+    doc["layouts"] = results;
+    std::ofstream file(out);
+    file << doc.dump(1) << "\n";
+    file.close();
+    if (!file) {
+      std::fprintf(stderr, "answer_fanout: --out %s: cannot write the result file\n", out.c_str());
+      return 1;
     }
   }
   return 0;

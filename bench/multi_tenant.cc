@@ -35,6 +35,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/bench_batch.h"
 #include "bench/bench_flags.h"
+#include "bench/bench_stats.h"
 #include "clients/cpp/trainer_client.h"
 #include "lib/flags_util.h"
 #include "lib/hop_trace.h"
@@ -78,17 +79,8 @@ struct RunRecord {
   std::string error;
 };
 
-double Quantile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t i = std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5));
-  return v[i];
-}
-
-int64_t SteadyNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+using lorastep::Quantile;
+using lorastep::SteadyNs;
 
 // What every client process needs to drive its runs.
 struct DriveOptions {
@@ -104,22 +96,19 @@ struct DriveOptions {
 // then the timed steps; [*t0, *t1] the timed phase on the steady clock (ns).
 absl::Status DriveRuns(const DriveOptions& o, const std::vector<int>& mine, const std::function<void()>& between,
                        std::vector<RunRecord>* records, int64_t* t0, int64_t* t1) {
-  LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<TrainerClient> client, TrainerClient::Connect(o.address, 60));
-  client->set_poll_for_answers(o.poll_for_answers);
-  std::vector<std::unique_ptr<TrainerClient>> run_clients;  // connection_per_run
+  std::vector<std::unique_ptr<TrainerClient>> clients;  // one per run, or one for all
   std::map<int, RunSession> sessions;
   std::map<int, std::vector<v1::Datum>> batches;
   for (int r : mine) {
     v1::LoraConfig lora;
     lora.set_rank(o.ranks[static_cast<size_t>(r) % o.ranks.size()]);
     lora.set_alpha(32);
-    TrainerClient* via = client.get();
-    if (o.connection_per_run) {
-      LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<TrainerClient> own, TrainerClient::Connect(o.address, 60));
-      run_clients.push_back(std::move(own));
-      via = run_clients.back().get();
-      via->set_poll_for_answers(o.poll_for_answers);
+    if (clients.empty() || o.connection_per_run) {
+      LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<TrainerClient> client, TrainerClient::Connect(o.address, 60));
+      client->set_poll_for_answers(o.poll_for_answers);
+      clients.push_back(std::move(client));
     }
+    TrainerClient* via = clients.back().get();
     absl::StatusOr<RunSession> run = RunSession::Create(via, lora, /*seed=*/static_cast<uint64_t>(r + 1));
     if (!run.ok()) return absl::Status(run.status().code(), absl::StrCat("run ", r, ": ", run.status().message()));
     sessions.emplace(r, *std::move(run));
