@@ -20,8 +20,9 @@
 //                        Bearer KEY" and see only their owner's runs] [--insecure]
 //                        [--worker_token_file F: shared secret for the Worker port and the Registry]
 //                        [--tls_cert_file C --tls_key_file K: the Trainer API over TLS (PEM)]
-//                        [--max_queued_per_run 64] [--max_queued 4096]: calls in flight beyond them
-//                        are RESOURCE_EXHAUSTED with retry advice
+//                        [--max_queued_per_run 64] [--max_queued_per_key 1024] [--max_queued 4096]
+//                        [--max_queued_mb_per_key 512] [--max_queued_mb 2048]: calls and request bytes
+//                        in flight beyond them are RESOURCE_EXHAUSTED naming the flag, with retry advice
 //                        [--max_watch_backlog 1024]: step records held for a slow WatchMetrics client
 // With --wait_for_workers and --tp/--pp/--dp, workers started with --register_with and no
 // --rank get their ranks here in the order they ask (JoinMesh); rank 0 serves the
@@ -133,7 +134,13 @@ ABSL_FLAG(std::string, worker_tls_client_cert_file, "",
           "one signed by --worker_tls_ca_file)");
 ABSL_FLAG(std::string, worker_tls_client_key_file, "", "mutual TLS: the private key of --worker_tls_client_cert_file");
 ABSL_FLAG(int64_t, max_queued_per_run, 64, "calls queued on one run beyond which RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_queued_per_key, 1024,
+          "calls one API key's owner (every caller, without --api_keys_file) may have queued; below --max_queued");
 ABSL_FLAG(int64_t, max_queued, 4096, "calls queued in all beyond which RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_queued_mb_per_key, 512,
+          "MiB of request bodies one API key's calls may hold from the moment each is read until it is answered; "
+          "below --max_queued_mb, at least --max_upload_mb");
+ABSL_FLAG(int64_t, max_queued_mb, 2048, "MiB of request bodies all calls in flight may hold");
 ABSL_FLAG(int64_t, max_watch_backlog, 1024,
           "step records a WatchMetrics stream holds for a slow client; beyond it the stream ends (RESOURCE_EXHAUSTED)");
 ABSL_FLAG(int, max_runs, 256, "runs that may exist");
@@ -326,6 +333,30 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_max_runs) < 1 || !(absl::GetFlag(FLAGS_max_recorded_mb) >= 0)) {
     LORASTEP_LOG(Error) << "lorastep_coordinator: --max_runs must be >= 1 and --max_recorded_mb >= 0";
     return 2;
+  }
+  // Admission (server/admission.h): a key's shares below the whole, an upload within a key's bytes.
+  AdmissionLimits admission_limits;
+  admission_limits.calls_per_run = absl::GetFlag(FLAGS_max_queued_per_run);
+  admission_limits.calls_per_key = absl::GetFlag(FLAGS_max_queued_per_key);
+  admission_limits.calls_total = absl::GetFlag(FLAGS_max_queued);
+  for (const auto& [mb, flag, out] :
+       {std::tuple<int64_t, const char*, int64_t*>{absl::GetFlag(FLAGS_max_queued_mb_per_key), "max_queued_mb_per_key",
+                                                  &admission_limits.bytes_per_key},
+        {absl::GetFlag(FLAGS_max_queued_mb), "max_queued_mb", &admission_limits.bytes_total}}) {
+    if (mb < 1 || mb > (int64_t{1} << 30)) return fail(absl::InvalidArgumentError(absl::StrCat(flag, ": must be in [1, 2^30] MiB")));
+    *out = mb << 20;
+  }
+  if (absl::Status s = admission_limits.Check(); !s.ok()) return fail(s);
+  // A worker receives the adapter in one message (its limit is 1 GiB).
+  const int max_upload_mb = absl::GetFlag(FLAGS_max_upload_mb);
+  if (max_upload_mb < 1 || max_upload_mb > 1000) {
+    return fail(absl::InvalidArgumentError("max_upload_mb: must be in [1, 1000]"));
+  }
+  if ((int64_t{max_upload_mb} << 20) > admission_limits.bytes_per_key) {
+    return fail(absl::InvalidArgumentError(absl::StrCat("max_upload_mb: ", max_upload_mb,
+                                                        " is more than --max_queued_mb_per_key (",
+                                                        admission_limits.bytes_per_key >> 20,
+                                                        "): an upload counts against its key's bytes")));
   }
   options.max_runs = static_cast<size_t>(absl::GetFlag(FLAGS_max_runs));
   options.max_runs_per_owner = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_runs_per_key)));
@@ -601,14 +632,9 @@ int main(int argc, char** argv) {
   const size_t executors = 64;
   CoordinatorService service(&core, executors, &metrics, api_keys ? &*api_keys : nullptr,
                              std::chrono::microseconds(executor_spin_us));
-  service.SetQueueLimits(absl::GetFlag(FLAGS_max_queued_per_run), absl::GetFlag(FLAGS_max_queued));
+  service.SetAdmissionLimits(admission_limits);
   service.SetWatchBacklog(static_cast<size_t>(std::max<int64_t>(absl::GetFlag(FLAGS_max_watch_backlog), 1)));
   service.SetPollerWarmth(std::chrono::microseconds(poller_warm_us));
-  // A worker receives the adapter in one message (its limit is 1 GiB).
-  const int max_upload_mb = absl::GetFlag(FLAGS_max_upload_mb);
-  if (max_upload_mb < 1 || max_upload_mb > 1000) {
-    return fail(absl::InvalidArgumentError("max_upload_mb: must be in [1, 1000]"));
-  }
   service.SetUploadLimit(int64_t{max_upload_mb} << 20);
   RegistryService registry(&core, worker_token, worker_tls);
   int port = 0;

@@ -134,42 +134,11 @@ class MetricsWatchReactor final : public grpc::ServerWriteReactor<v1::StepRecord
 
 CoordinatorService::CoordinatorService(Coordinator* core, size_t executors, PrometheusRegistry* metrics,
                                        const ApiKeys* api_keys, std::chrono::microseconds executor_spin)
-    : core_(core), api_keys_(api_keys), metrics_(metrics), executor_(executors, executor_spin) {
-  if (metrics_ != nullptr) {
-    metrics_->Declare("lorastep_queue_depth", PrometheusRegistry::Type::kGauge,
-                      "Trainer calls accepted and not yet answered (queued behind their run, or running)");
-    metrics_->Set("lorastep_queue_depth", {}, 0);
-  }
-}
-
-absl::Status CoordinatorService::Admit(const std::string& run_id) {
-  std::lock_guard<std::mutex> lock(depth_mu_);
-  int64_t& mine = in_flight_by_run_[run_id];
-  if (in_flight_ >= max_total_ || mine >= max_per_run_) {
-    const bool run_full = mine >= max_per_run_;
-    if (mine == 0) in_flight_by_run_.erase(run_id);
-    return absl::ResourceExhaustedError(
-        run_full ? absl::StrCat("max_queued_per_run: run '", run_id, "' has ", max_per_run_,
-                                " calls in flight; retry after some are answered (they run in order)")
-                 : absl::StrCat("max_queued: ", max_total_, " calls in flight on this coordinator; retry with "
-                                "backoff (from about ", std::max<int64_t>(100, in_flight_), " ms)"));
-  }
-  ++mine;
-  ++in_flight_;
-  PublishDepth();
-  return absl::OkStatus();
-}
-
-void CoordinatorService::Done(const std::string& run_id) {
-  std::lock_guard<std::mutex> lock(depth_mu_);
-  if (--in_flight_by_run_[run_id] <= 0) in_flight_by_run_.erase(run_id);
-  --in_flight_;
-  PublishDepth();
-}
-
-void CoordinatorService::PublishDepth() {
-  if (metrics_ != nullptr) metrics_->Set("lorastep_queue_depth", {}, static_cast<double>(in_flight_));
-}
+    : core_(core),
+      api_keys_(api_keys),
+      metrics_(metrics),
+      admission_(std::make_unique<Admission>(AdmissionLimits(), metrics)),
+      executor_(executors, executor_spin) {}
 
 absl::StatusOr<Caller> CoordinatorService::Authenticate(grpc::CallbackServerContext* ctx) const {
   if (api_keys_ == nullptr) return Caller{"", /*admin=*/true};  // no --api_keys_file
@@ -247,25 +216,32 @@ grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext*
                                                     const std::string& run_id, Resp* resp,
                                                     Call call, bool run_scoped,
                                                     std::function<void()> before_finish,
-                                                    std::function<void(const std::string&)> before_queue) {
+                                                    std::function<void(const std::string&)> before_queue,
+                                                    int64_t request_bytes, AdmissionTicket ticket) {
   // Authentication and ownership are checked before the call is queued, on the server's
   // id of the run (per owner with API keys).
   std::string server_id;
   auto caller = run_scoped ? Authorize(ctx, run_id, &server_id) : Authenticate(ctx);
   if (!caller.ok()) return Refuse(ctx, caller.status());
   if (!run_scoped) server_id = ServerRunId(*caller, run_id);
-  if (absl::Status admitted = Admit(server_id); !admitted.ok()) return Refuse(ctx, admitted);
+  if (!ticket.held()) {
+    auto admitted = admission_->Admit(caller->owner, request_bytes);
+    if (!admitted.ok()) return Refuse(ctx, admitted.status());
+    ticket = *std::move(admitted);
+  }
+  if (absl::Status joined = ticket.JoinRun(server_id); !joined.ok()) return Refuse(ctx, joined);
   if (before_queue) before_queue(server_id);
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  auto held = std::make_shared<AdmissionTicket>(std::move(ticket));  // released once answered
   executor_.Submit(server_id, [this, reactor, resp, server_id, call = std::move(call), who = *caller,
-                               before_finish = std::move(before_finish)]() mutable {
+                               before_finish = std::move(before_finish), held]() mutable {
     AfterAnswerScope after_answer;  // metrics and the call's log line once Finish has sent the answer
     auto result = call(who, server_id);
     if (result.ok()) {
       *resp = std::move(result).value();
       if (before_finish) before_finish();
     }
-    Done(server_id);
+    held->Release();
     reactor->Finish(ToGrpcStatus(ClientStatus(who, result.status())));
     if (warmth_ != nullptr) warmth_->Answered();
   });
@@ -281,8 +257,12 @@ grpc::ServerUnaryReactor* CoordinatorService::DeferRaw(grpc::CallbackServerConte
                                                        const grpc::ByteBuffer& raw_req, grpc::ByteBuffer* raw_resp,
                                                        Call call) {
   // The key first (also checked on the headers where the credentials carry the check), then
-  // the datums counted on the wire, then the parse.
-  if (auto caller = Authenticate(ctx); !caller.ok()) return Refuse(ctx, caller.status());
+  // its share of the queue and of the bytes held (the body is in memory already: it counts
+  // from here), then the datums counted on the wire, then the parse.
+  auto caller = Authenticate(ctx);
+  if (!caller.ok()) return Refuse(ctx, caller.status());
+  auto ticket = admission_->Admit(caller->owner, static_cast<int64_t>(raw_req.Length()));
+  if (!ticket.ok()) return Refuse(ctx, ticket.status());
   struct Owned {
     Req req;
     std::optional<PackedDatumsWire> packed;  // left where gRPC holds them
@@ -307,7 +287,8 @@ grpc::ServerUnaryReactor* CoordinatorService::DeferRaw(grpc::CallbackServerConte
         bool values_needed = false;  // ForwardBackward reads a batch that carries whole-batch totals
         if constexpr (std::is_same_v<Req, v1::ForwardBackwardRequest>) values_needed = owned->req.has_batch_totals();
         core_->StageBatch(server_id, &*owned->packed, values_needed);
-      });
+      },
+      /*request_bytes=*/0, *std::move(ticket));
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::CreateRun(grpc::CallbackServerContext* ctx,
@@ -497,6 +478,14 @@ class UploadAdapterReactor final : public grpc::ServerReadReactor<v1::UploadAdap
       Finish(ToGrpcStatus(caller.status()));
       return;
     }
+    // Counted as a call of its key from the first chunk on; each chunk's bytes are charged
+    // to the key's share as they arrive.
+    auto admitted = service_->admission_->Admit(caller->owner, 0);
+    if (!admitted.ok()) {
+      Finish(ToGrpcStatus(admitted.status()));
+      return;
+    }
+    ticket_ = *std::move(admitted);
     StartRead(&chunk_);
   }
 
@@ -536,6 +525,7 @@ class UploadAdapterReactor final : public grpc::ServerReadReactor<v1::UploadAdap
       return absl::ResourceExhaustedError(absl::StrCat("max_upload_mb: the adapter is larger than ",
                                                        service_->max_upload_bytes_ >> 20, " MiB"));
     }
+    LORASTEP_RETURN_IF_ERROR(ticket_.AddBytes(static_cast<int64_t>(chunk_.data().size())));
     file->append(chunk_.data());
     chunk_.Clear();
     return absl::OkStatus();
@@ -550,7 +540,7 @@ class UploadAdapterReactor final : public grpc::ServerReadReactor<v1::UploadAdap
       return Finish(ToGrpcStatus(absl::InvalidArgumentError(
           "file: both adapter_config.json and adapter_model.safetensors are required")));
     }
-    if (absl::Status admitted = service_->Admit(server_id); !admitted.ok()) return Finish(ToGrpcStatus(admitted));
+    if (absl::Status joined = ticket_.JoinRun(server_id); !joined.ok()) return Finish(ToGrpcStatus(joined));
     service_->executor_.Submit(server_id, [this, server_id, who = *caller] {
       auto stored = service_->core_->UploadAdapter(server_id, ServerRef(who, path_), config_, model_);
       if (stored.ok()) {
@@ -559,7 +549,7 @@ class UploadAdapterReactor final : public grpc::ServerReadReactor<v1::UploadAdap
       }
       config_.clear();
       model_.clear();
-      service_->Done(server_id);
+      ticket_.Release();
       Finish(ToGrpcStatus(ClientStatus(who, stored.status())));
     });
   }
@@ -570,6 +560,7 @@ class UploadAdapterReactor final : public grpc::ServerReadReactor<v1::UploadAdap
   v1::UploadAdapterChunk chunk_;
   bool first_ = true;
   std::string run_id_, path_, config_, model_;
+  AdmissionTicket ticket_;  // released once answered (or with the reactor)
 };
 
 grpc::ServerReadReactor<v1::UploadAdapterChunk>* CoordinatorService::UploadAdapter(grpc::CallbackServerContext* ctx,

@@ -17,6 +17,7 @@
 #include <mutex>
 
 #include "lib/prometheus_registry.h"
+#include "server/admission.h"
 #include "server/api_keys.h"
 #include "rpc/poller_warmth.h"
 #include "rpc/serial_executor.h"
@@ -44,12 +45,12 @@ class CoordinatorService final : public TrainerServiceBase {
   explicit CoordinatorService(Coordinator* core, size_t executors = 4, PrometheusRegistry* metrics = nullptr,
                               const ApiKeys* api_keys = nullptr,
                               std::chrono::microseconds executor_spin = std::chrono::microseconds(0));
-  // Bounded queues: calls accepted and not yet answered, per run and in all; beyond them a
-  // call is RESOURCE_EXHAUSTED at once, with retry advice (--max_queued_per_run,
-  // --max_queued).
-  void SetQueueLimits(int64_t per_run, int64_t total) {
-    max_per_run_ = per_run;
-    max_total_ = total;
+  // Bounded queues (server/admission.h): calls accepted and not yet answered and the bytes
+  // of their requests, per API key first, then per run and in all; beyond them a call is
+  // RESOURCE_EXHAUSTED at once, naming the limit, with retry advice. Call before serving;
+  // `limits` must pass AdmissionLimits::Check.
+  void SetAdmissionLimits(const AdmissionLimits& limits) {
+    admission_ = std::make_unique<Admission>(limits, metrics_);
   }
   // Step records a WatchMetrics stream holds for a client that reads slower than steps are
   // made; beyond it the stream ends with RESOURCE_EXHAUSTED (--max_watch_backlog).
@@ -109,10 +110,13 @@ class CoordinatorService final : public TrainerServiceBase {
   // (a raw method serializes its response there). `before_queue(server run id)`: run on
   // this thread once the call is admitted, before it is queued.
   template <typename Resp, typename Call>
+  // `ticket`: the call's admission when the caller admitted it already (a raw method, before
+  // parsing); else the call is admitted here with `request_bytes`.
   grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, const std::string& run_id,
                                   Resp* resp, Call call, bool run_scoped = true,
                                   std::function<void()> before_finish = nullptr,
-                                  std::function<void(const std::string&)> before_queue = nullptr);
+                                  std::function<void(const std::string&)> before_queue = nullptr,
+                                  int64_t request_bytes = 0, AdmissionTicket ticket = AdmissionTicket());
   // A raw method: authenticates, counts the datums on the wire, parses into a request it
   // owns, has the core stage its packed batch (Coordinator::StageBatch) while the bytes are
   // at hand, runs `call(caller, server run id, request)` like Defer and serializes the response.
@@ -131,14 +135,8 @@ class CoordinatorService final : public TrainerServiceBase {
 
   Coordinator* core_;
   const ApiKeys* api_keys_;
-  absl::Status Admit(const std::string& run_id);  // counts the call in, or refuses it
-  void Done(const std::string& run_id);
-  void PublishDepth();  // under depth_mu_
   PrometheusRegistry* metrics_;
-  std::mutex depth_mu_;  // guards the counts; the gauge is set under it, so sets land in order
-  int64_t in_flight_ = 0;
-  std::map<std::string, int64_t> in_flight_by_run_;
-  int64_t max_per_run_ = 64, max_total_ = 4096;
+  std::unique_ptr<Admission> admission_;  // calls and request bytes in flight
   size_t max_watch_backlog_ = 1024;
   int64_t max_upload_bytes_ = int64_t{512} << 20;
   friend class UploadAdapterReactor;

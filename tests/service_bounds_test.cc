@@ -456,6 +456,86 @@ TEST(BoundsTest, QueuePerRunIsBoundedWithRetryAdvice) {
   EXPECT_TRUE(busy->TrainStep(Batch(0), Ppo(), Adam()).ok()) << "the run takes calls again once its queue drains";
 }
 
+// Admission per tenant (API key): a key at its share of the queue (--max_queued_per_key) or
+// of the bytes its calls hold (--max_queued_mb_per_key) is refused by that name, while another
+// key's calls are served; the per-key limits must stay below the whole, and an upload must fit
+// a key's bytes (checked at start).
+TEST(BoundsTest, AGreedyKeyCannotLockAnotherKeyOut) {
+  const std::string dir = ScratchDir("tenant_share_keys");
+  const std::string keys = dir + "/keys";
+  ASSERT_TRUE(WriteStringToFile(keys, "greedy-key-0123456789 greedy\nother-key-0123456789 other\n").ok());
+  for (const auto& [flags, named] : std::vector<std::pair<std::string, std::string>>{
+           {"--max_queued_per_run 8 --max_queued_per_key 8 --max_queued 8", "max_queued_per_key: 8 must be below --max_queued"},
+           {"--max_queued_per_run 9 --max_queued_per_key 8", "max_queued_per_run: 9 is more than"},
+           {"--max_queued_mb_per_key 4 --max_queued_mb 4", "max_queued_mb_per_key: 4 MiB must be below"},
+           {"--max_queued_mb_per_key 4 --max_upload_mb 5", "max_upload_mb: 5 is more than --max_queued_mb_per_key"}}) {
+    auto refused = testing::RunProcesses(
+        {{"/bin/sh", "-c",
+          absl::StrCat(Binary("server/lorastep_coordinator"), " --model ", dir, "/none --port 0 --api_keys_file ", keys,
+                       " ", flags, " 2>&1")}},
+        dir, 60);
+    EXPECT_NE(refused[0].exit_code, 0) << flags;
+    EXPECT_TRUE(absl::StrContains(refused[0].output, named)) << refused[0].output;
+  }
+  auto server = StartTinyCoordinator("tenant_share", {"--api_keys_file", keys, "--max_queued_per_key", "2",
+                                                      "--max_queued", "3", "--max_queued_per_run", "2",
+                                                      "--max_queued_mb_per_key", "1", "--max_queued_mb", "2",
+                                                      "--max_upload_mb", "1"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto greedy = TrainerClient::Connect(server->address(), 30, "greedy-key-0123456789");
+  auto other = TrainerClient::Connect(server->address(), 30, "other-key-0123456789");
+  ASSERT_TRUE(greedy.ok() && other.ok());
+  auto g1 = RunSession::Create(greedy->get(), Lora(), 1);
+  auto g2 = RunSession::Create(greedy->get(), Lora(), 2);
+  auto o = RunSession::Create(other->get(), Lora(), 3);
+  ASSERT_TRUE(g1.ok() && g2.ok() && o.ok());
+  // Over 1 MiB in one request: past the key's bytes before it is parsed.
+  {
+    v1::ForwardRequest huge;
+    huge.set_run_id(g1->run_id());
+    for (int i = 0; i < 6; ++i) *huge.add_datums() = testing::RlDatum(i, 0, 50000, 96);
+    auto r = (*greedy)->Forward(huge);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+    EXPECT_TRUE(absl::StrContains(r.status().message(), "max_queued_mb_per_key")) << r.status();
+  }
+  // The greedy key keeps slow calls in flight on both its runs, as fast as it can.
+  v1::ForwardRequest slow;
+  for (int i = 0; i < 128; ++i) *slow.add_datums() = testing::RlDatum(i, 0, 200, 96);
+  std::atomic<bool> stop{false};
+  std::atomic<int> greedy_ok{0}, greedy_refused{0}, greedy_wrong{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] {
+      v1::ForwardRequest req = slow;
+      req.set_run_id(t % 2 == 0 ? g1->run_id() : g2->run_id());
+      while (!stop) {
+        auto r = (*greedy)->Forward(req);
+        if (r.ok()) {
+          ++greedy_ok;
+        } else if (r.status().code() == absl::StatusCode::kResourceExhausted &&
+                   absl::StartsWith(r.status().message(), "max_queued_per_key: this key has 2 calls in flight")) {
+          ++greedy_refused;
+        } else {
+          ++greedy_wrong;
+        }
+      }
+    });
+  }
+  // Meanwhile the other key steps: every call admitted (the whole is 3, the greedy key's share 2).
+  int other_ok = 0;
+  for (int step = 0; step < 6; ++step) {
+    auto r = o->TrainStep(Batch(step), Ppo(), Adam());
+    EXPECT_TRUE(r.ok()) << r.status();
+    other_ok += r.ok();
+  }
+  stop = true;
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(other_ok, 6);
+  EXPECT_GE(greedy_ok.load(), 1);
+  EXPECT_GE(greedy_refused.load(), 1);
+  EXPECT_EQ(greedy_wrong.load(), 0);
+}
+
 // A WatchMetrics client that stops reading holds at most --max_watch_backlog records on the
 // coordinator: once the transport's window is full and the backlog too, the stream ends
 // with RESOURCE_EXHAUSTED naming the first record it dropped, and watching again from
