@@ -106,6 +106,7 @@ absl::StatusOr<FieldCut> ScanTopLevelFields(const WirePieces& message, int cut_f
   }
   if (!in.ConsumedEntireMessage()) return Malformed(false);
   FieldCut cut;
+  cut.count = count;
   if (occurrences != 1) return cut;
   const size_t total = static_cast<size_t>(in.CurrentPosition());
   cut.cut = true;

@@ -42,6 +42,7 @@ struct CountedField {
 // A serialized message with one length-delimited top-level field cut out.
 struct FieldCut {
   bool cut = false;   // the field occurred exactly once and was cut out
+  int64_t count = 0;  // occurrences of the counted field
   std::string rest;   // the other fields as they came (only when cut)
   WirePieces field;   // the cut field's content, after its tag and length (only when cut)
 };

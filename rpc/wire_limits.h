@@ -7,6 +7,7 @@
 #include <grpcpp/support/byte_buffer.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -19,6 +20,11 @@
 
 namespace lorastep {
 
+// The most memory parsing `wire_bytes` of a Trainer request holding `datums` datums may
+// take: a repeated integer of one-byte varints becomes 8 bytes a value, and each datum is a
+// message of its own (packed_datums are read where they lie and are not counted here).
+inline int64_t ParsedBytesBound(int64_t wire_bytes, int64_t datums) { return 8 * wire_bytes + 512 * datums; }
+
 // Parses `raw` into `message`; INVALID_ARGUMENT naming the message type when it does not parse.
 absl::Status ParseFromByteBuffer(const grpc::ByteBuffer& raw, google::protobuf::Message* message);
 // `raw`'s bytes where gRPC holds them; `*owner` keeps them alive. Empty when gRPC cannot say.
@@ -28,14 +34,23 @@ WirePieces PiecesOf(const grpc::ByteBuffer& raw, std::shared_ptr<const void>* ow
 // (at most `max_datums`; INVALID_ARGUMENT naming datums, or saying that the bytes are not a
 // well-formed message, nesting deeper than protobuf's limit included), then parsed into `request`, except its packed_datums, which stay
 // where gRPC holds them, read by `*packed` (set only when the request has them, in one field).
+//
+// `before_parse` (may be empty) is told, once the datums are counted and before anything is
+// parsed, how many bytes the parse may take at most (ParsedBytesBound); an error from it is
+// returned and nothing is parsed.
 template <typename Req>
 absl::Status ParseBoundedRequest(const grpc::ByteBuffer& raw, int64_t max_datums, Req* request,
-                                 std::optional<PackedDatumsWire>* packed) {
+                                 std::optional<PackedDatumsWire>* packed,
+                                 const std::function<absl::Status(int64_t)>& before_parse = nullptr) {
   std::shared_ptr<const void> owner;
   const WirePieces pieces = PiecesOf(raw, &owner);
   const CountedField datums{Req::kDatumsFieldNumber, "datums", max_datums};
   absl::StatusOr<FieldCut> cut = ScanTopLevelFields(pieces, Req::kPackedDatumsFieldNumber, datums);
   if (!cut.ok()) return cut.status();
+  if (before_parse) {
+    const int64_t parsed = static_cast<int64_t>(cut->cut ? cut->rest.size() : raw.Length());
+    if (absl::Status s = before_parse(ParsedBytesBound(parsed, cut->count)); !s.ok()) return s;
+  }
   if (!cut->cut) return ParseFromByteBuffer(raw, request);
   absl::StatusOr<PackedDatumsWire> wire;
   if (request->ParseFromString(cut->rest)) wire = PackedDatumsWire::Read(std::move(cut->field), std::move(owner));

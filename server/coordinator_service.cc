@@ -269,7 +269,12 @@ grpc::ServerUnaryReactor* CoordinatorService::DeferRaw(grpc::CallbackServerConte
     Resp resp;
   };
   auto owned = std::make_shared<Owned>();
-  if (absl::Status s = ParseBoundedRequest(raw_req, BatchLimits().max_datums, &owned->req, &owned->packed); !s.ok()) {
+  // What parsing may take is charged before the parse (a batch of one-byte tokens in `datums`
+  // parses to 8 bytes a token).
+  AdmissionTicket* held = &*ticket;
+  if (absl::Status s = ParseBoundedRequest(raw_req, BatchLimits().max_datums, &owned->req, &owned->packed,
+                                           [held](int64_t parse_bytes) { return held->AddBytes(parse_bytes); });
+      !s.ok()) {
     return Refuse(ctx, s);
   }
   return Defer(

@@ -479,7 +479,7 @@ TEST(BoundsTest, AGreedyKeyCannotLockAnotherKeyOut) {
   }
   auto server = StartTinyCoordinator("tenant_share", {"--api_keys_file", keys, "--max_queued_per_key", "2",
                                                       "--max_queued", "3", "--max_queued_per_run", "2",
-                                                      "--max_queued_mb_per_key", "1", "--max_queued_mb", "2",
+                                                      "--max_queued_mb_per_key", "8", "--max_queued_mb", "16",
                                                       "--max_upload_mb", "1"});
   ASSERT_TRUE(server.ok()) << server.status();
   auto greedy = TrainerClient::Connect(server->address(), 30, "greedy-key-0123456789");
@@ -489,7 +489,7 @@ TEST(BoundsTest, AGreedyKeyCannotLockAnotherKeyOut) {
   auto g2 = RunSession::Create(greedy->get(), Lora(), 2);
   auto o = RunSession::Create(other->get(), Lora(), 3);
   ASSERT_TRUE(g1.ok() && g2.ok() && o.ok());
-  // Over 1 MiB in one request: past the key's bytes before it is parsed.
+  // A request whose parse may take over 8 MiB: past the key's bytes before it is parsed.
   {
     v1::ForwardRequest huge;
     huge.set_run_id(g1->run_id());

@@ -1,0 +1,245 @@
+"""Tenants that cannot starve or exhaust each other, measured on a real coordinator and its
+local worker (tiny model, CPU), with two API keys:
+
+  tenant_lockout: the greedy key creates runs up to --max_runs_per_key and keeps calls in
+    flight on all of them as fast as it can (each refusal sent again at once: the key sits at
+    its --max_queued_per_key share), while the other key runs TrainSteps one after another.
+    One case per kind of greedy call (small Forwards; TrainSteps). A case is a lockout when the
+    other key gets any RESOURCE_EXHAUSTED or its p99 step time passes 2x its p99 alone.
+  queued_bytes: the greedy key sends 64 MiB TrainStep bodies from 16 threads for 30 s; the
+    coordinator's peak RSS (VmHWM) is reported.
+
+Prints `name=value` lines (bench/reliability.sh collects them).
+  PYTHONPATH=bazel-bin/clients/python /usr/bin/python3 bench/tenant_isolation.py \
+      COORDINATOR WORKER GENMODEL TMPDIR [--quick]"""
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import grpc
+from lorastep.v1 import trainer_pb2, trainer_pb2_grpc
+
+KEYS = {"greedy": "greedy-key-0123456789abcdef", "other": "other-key-0123456789abcdef0"}
+
+
+def meta(owner):
+    return (("authorization", "Bearer " + KEYS[owner]),)
+
+
+def datum(i, n=16):
+    return trainer_pb2.Datum(tokens=[(i * 7 + j * 3) % 96 for j in range(n)],
+                             target_tokens=[(i * 5 + j) % 96 for j in range(n)],
+                             logprobs=[-2.0] * n, advantages=[1.0 if (i + j) % 2 else -1.0 for j in range(n)])
+
+
+def batch(step):
+    return [datum(step * 4 + i) for i in range(4)]
+
+
+def peak_rss_mb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def wait_port(path, proc):
+    for _ in range(600):
+        if os.path.exists(path) and open(path).read().strip():
+            return int(open(path).read())
+        if proc.poll() is not None:
+            raise SystemExit("coordinator exited at start")
+        time.sleep(0.1)
+    raise SystemExit("no port")
+
+
+def create_run(stub, owner):
+    return stub.CreateRun(trainer_pb2.CreateRunRequest(request_id=uuid.uuid4().hex,
+                                                       lora=trainer_pb2.LoraConfig(rank=4, alpha=8)),
+                          metadata=meta(owner), timeout=60).run_id
+
+
+def train_step(stub, owner, run_id, seq, step):
+    req = trainer_pb2.TrainStepRequest(run_id=run_id, request_id=uuid.uuid4().hex, sequence_id=seq,
+                                       datums=batch(step), loss=trainer_pb2.LossConfig(loss_fn="ppo"),
+                                       adamw=trainer_pb2.AdamWParams(lr=1e-4))
+    return stub.TrainStep(req, metadata=meta(owner), timeout=120)
+
+
+def other_steps(stub, run_id, first_seq, n):
+    """Times n TrainSteps of the other key; returns (durations, refusals)."""
+    durations, refusals, seq = [], 0, first_seq
+    for step in range(n):
+        t0 = time.perf_counter()
+        try:
+            train_step(stub, "other", run_id, seq, step)
+            seq += 1
+            durations.append(time.perf_counter() - t0)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                refusals += 1
+            else:
+                raise
+    return durations, refusals, seq
+
+
+def p99(xs):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
+class Greedy:
+    """Keeps `in_flight` calls of `kind` going on the greedy key's runs until stopped."""
+
+    def __init__(self, stub, runs, kind, in_flight, retry_after_s):
+        self.stub, self.runs, self.kind, self.retry_after_s = stub, runs, kind, retry_after_s
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.seq = {r: 1 for r in runs}
+        self.ok = self.refused = self.other_errors = 0
+        self.pending = threading.Semaphore(0)
+        self.sent = 0
+        for i in range(in_flight):
+            self.send(i)
+
+    def send(self, i):
+        if self.stop.is_set():
+            self.pending.release()
+            return
+        run = self.runs[i % len(self.runs)]
+        if self.kind == "forward":
+            fut = self.stub.Forward.future(trainer_pb2.ForwardRequest(run_id=run, datums=batch(i % 7)),
+                                           metadata=meta("greedy"), timeout=300)
+        else:  # a TrainStep with a sequence id the run may not be at yet: refused or applied in order
+            with self.lock:
+                seq = self.seq[run]
+            fut = self.stub.TrainStep.future(
+                trainer_pb2.TrainStepRequest(run_id=run, request_id=uuid.uuid4().hex, sequence_id=seq,
+                                             datums=batch(i % 7), loss=trainer_pb2.LossConfig(loss_fn="ppo"),
+                                             adamw=trainer_pb2.AdamWParams(lr=1e-4)),
+                metadata=meta("greedy"), timeout=300)
+        fut.add_done_callback(lambda f, i=i, run=run: self.done(f, i, run))
+
+    def done(self, fut, i, run):
+        e = fut.exception()
+        with self.lock:
+            if e is None:
+                self.ok += 1
+                if self.kind == "train_step":
+                    self.seq[run] += 1
+            elif e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.refused += 1
+            else:
+                self.other_errors += 1  # out-of-order sequence ids of the TrainStep flood
+        if e is not None and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and self.retry_after_s > 0:
+            # As the refusal advises: sent again after a pause, so the key stays at its share
+            # without the client's own CPU (the same two cores here) deciding the figure.
+            threading.Timer(self.retry_after_s, self.send, (i + len(self.runs),)).start()
+            return
+        self.send(i + len(self.runs))
+
+    def finish(self, in_flight):
+        self.stop.set()
+        for _ in range(in_flight):
+            self.pending.acquire(timeout=300)
+
+
+def main():
+    coordinator, worker, genmodel, tmp = sys.argv[1:5]
+    quick = "--quick" in sys.argv
+    extra = [a for a in sys.argv[5:] if a not in ("--quick", "--bytes-only")]  # coordinator flags
+    model = os.path.join(tmp, "model")
+    subprocess.run([genmodel, "--preset", "tiny", "--out", model], check=True, stdout=subprocess.DEVNULL)
+    keys_file = os.path.join(tmp, "keys")
+    with open(keys_file, "w") as f:
+        f.write("".join(f"{k} {owner}\n" for owner, k in KEYS.items()))
+    port_file = os.path.join(tmp, "port")
+    if os.path.exists(port_file):
+        os.remove(port_file)
+    log = open(os.path.join(tmp, "coordinator.log"), "w")
+    proc = subprocess.Popen([coordinator, "--model", model, "--worker_binary", worker, "--port", "0", "--port_file",
+                             port_file, "--api_keys_file", keys_file, "--nojournal"] + extra, stderr=log)
+    try:
+        address = f"127.0.0.1:{wait_port(port_file, proc)}"
+        channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 256 << 20)])
+        stub = trainer_pb2_grpc.TrainerStub(channel)
+        other_run = create_run(stub, "other")
+        if "--bytes-only" in sys.argv:
+            return queued_bytes(proc, channel, create_run(stub, "greedy"), quick)
+        steps = 10 if quick else 40
+        other_steps(stub, other_run, 1, 5)  # warm-up
+        alone, refused_alone, seq = other_steps(stub, other_run, 6, steps)
+        print(f"other_p99_alone_s={p99(alone):.4f} (p50 {sorted(alone)[len(alone) // 2]:.4f})")
+        runs = [create_run(stub, "greedy") for _ in range(8 if quick else 64)]
+        cases = lockouts = 0
+        for kind in ("forward", "train_step"):
+            in_flight = 1100  # past the key's share of 1024
+            greedy = Greedy(stub, runs, kind, in_flight, retry_after_s=0.05)
+            time.sleep(2)
+            loaded, refused, seq = other_steps(stub, other_run, seq, steps)
+            greedy.finish(in_flight)
+            ratio = p99(loaded) / p99(alone)
+            locked = refused > 0 or ratio > 2
+            cases += 1
+            lockouts += locked
+            print(f"case {kind}: other p99 {p99(loaded):.4f} s ({ratio:.2f}x alone), other refused {refused}, greedy "
+                  f"ok {greedy.ok} refused {greedy.refused} other errors {greedy.other_errors}"
+                  f"{' LOCKOUT' if locked else ''}")
+        print(f"tenant_lockout_cases={cases}")
+        print(f"tenant_lockouts={lockouts}")
+        queued_bytes(proc, channel, runs[0], quick)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def queued_bytes(proc, channel, run, quick):
+    if True:
+        # Bodies of 64 MiB as fast as 16 threads can send them, for 30 s.
+        # A valid packed batch of just under 64 MiB (2040 datums x 4096 tokens, int32 tokens and targets),
+        # with a sequence id the run is not at: each call holds its body while queued behind
+        # the run, then is refused FAILED_PRECONDITION without reaching the worker.
+        n, per = 2040, 4096
+        tokens = (b"\x01\x00\x00\x00" * per) * n
+        packed = trainer_pb2.PackedDatums(lengths=[per] * n, tokens=tokens, target_tokens=tokens)
+        body = trainer_pb2.TrainStepRequest(run_id=run, request_id="x", sequence_id=99, packed_datums=packed,
+                                            loss=trainer_pb2.LossConfig(loss_fn="cross_entropy")).SerializeToString()
+        raw = channel.unary_unary("/lorastep.v1.Trainer/TrainStep")
+        codes = {}
+        stop = time.time() + (5 if quick else 30)
+        warm = peak_rss_mb(proc.pid)
+
+        def flood():
+            while time.time() < stop:
+                try:
+                    raw(body, metadata=meta("greedy"), timeout=120)
+                    code = "OK"
+                except grpc.RpcError as e:
+                    code = e.code().name
+                codes[code] = codes.get(code, 0) + 1
+        threads = [threading.Thread(target=flood) for _ in range(16)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        peak = peak_rss_mb(proc.pid)
+        print(f"queued_bytes body {len(body) / 2**20:.1f} MiB, answers {codes}, warm {warm:.1f} MB")
+        print(f"queued_bytes_peak_rss_mb={peak:.1f}")
+
+
+def _varint(n):
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+if __name__ == "__main__":
+    main()
