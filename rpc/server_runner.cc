@@ -280,6 +280,26 @@ void BlockShutdownSignals() {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
 }
 
+StartupSignalWatcher::StartupSignalWatcher(std::string who) {
+  thread_ = std::thread([this, who = std::move(who)] {
+    const sigset_t set = ShutdownSignals();
+    const timespec poll{0, 50 * 1000 * 1000};
+    siginfo_t info{};
+    while (!serving_.load()) {
+      if (sigtimedwait(&set, &info, &poll) < 0) continue;
+      const char* name = info.si_signo == SIGTERM ? "SIGTERM" : info.si_signo == SIGINT ? "SIGINT" : "SIGHUP";
+      LORASTEP_LOG(Warning) << who << ": " << name << " from pid " << info.si_pid << " during start-up; exiting";
+      std::fflush(nullptr);
+      _exit(128 + info.si_signo);
+    }
+  });
+}
+
+void StartupSignalWatcher::Serving() {
+  serving_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
 void ExitAfter(std::chrono::seconds deadline, const std::string& who) {
   std::thread([deadline, who] {
     std::this_thread::sleep_for(deadline);

@@ -4,7 +4,9 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <chrono>
+#include <thread>
 #include <map>
 #include <set>
 #include <memory>
@@ -23,6 +25,23 @@ void BlockShutdownSignals();
 // Waits until SIGINT or SIGTERM arrives; returns which and from whom ("SIGTERM from pid 12"),
 // for the shutdown's log line.
 std::string WaitForShutdownSignal();
+// Start-up (loading a model, starting and waiting for workers) takes minutes; a shutdown
+// signal then ends the process at once (exit status 143), so nothing it started is left
+// running: its local workers follow it through their parent-death signal. Construct right
+// after BlockShutdownSignals; Serving() hands the signals over to WaitForShutdownSignal once
+// the process serves (a signal in between stays pending for it).
+class StartupSignalWatcher {
+ public:
+  explicit StartupSignalWatcher(std::string who);
+  ~StartupSignalWatcher() { Serving(); }
+  StartupSignalWatcher(const StartupSignalWatcher&) = delete;
+  StartupSignalWatcher& operator=(const StartupSignalWatcher&) = delete;
+  void Serving();
+
+ private:
+  std::atomic<bool> serving_{false};
+  std::thread thread_;
+};
 // Called once a shutdown has begun: if the process is still running `deadline` from now
 // (a call stuck in a device kernel or a collective), it logs that and exits with status 1.
 void ExitAfter(std::chrono::seconds deadline, const std::string& who);

@@ -55,6 +55,7 @@
 #include "server/coordinator.h"
 #include "server/coordinator_service.h"
 #include "server/grpc_worker_client.h"
+#include "server/local_mesh.h"
 #include "server/registry_service.h"
 #include "server/run_journal.h"
 #include "server/child_server.h"
@@ -95,6 +96,9 @@ ABSL_FLAG(int, tp, 1, "tensor-parallel size of the mesh");
 ABSL_FLAG(int, pp, 1, "pipeline-parallel size of the mesh");
 ABSL_FLAG(int, dp, 1, "data-parallel size of the mesh");
 ABSL_FLAG(int, ep, 1, "expert-parallel size of the mesh");
+ABSL_FLAG(int, max_local_workers, 16,
+          "CPU: the most local worker processes a mesh may start (each holds a copy of its model shard); with "
+          "--device cuda the visible GPUs bound it (one per rank)");
 ABSL_FLAG(int, cp, 1, "context-parallel size of the mesh (each sequence's tokens split over cp ranks)");
 ABSL_FLAG(std::optional<int>, collective_timeout_s, std::nullopt, "local workers: seconds a collective may take (default 120)");
 ABSL_FLAG(std::optional<int>, peer_failure_grace_s, std::nullopt,
@@ -239,6 +243,7 @@ int main(int argc, char** argv) {
                    "lorastep_coordinator [--model DIR | --workers A,B | --wait_for_workers] [flags]: the "
                    "public Trainer API over local or registered workers. See --help for the flags.");
   InitLogging(argv[0]);
+  StartupSignalWatcher startup("lorastep_coordinator");  // a signal before serving ends the process at once
   auto fail = [](const absl::Status& s) {
     LORASTEP_LOG(Error) << "lorastep_coordinator: " << s;
     return 1;
@@ -318,6 +323,7 @@ int main(int argc, char** argv) {
   options.metrics = &metrics;
   options.mesh = {absl::GetFlag(FLAGS_tp), absl::GetFlag(FLAGS_pp), absl::GetFlag(FLAGS_dp), absl::GetFlag(FLAGS_ep),
                   absl::GetFlag(FLAGS_cp)};
+  if (absl::Status s = CheckMeshSizes(options.mesh); !s.ok()) return fail(s);
   if (auto layout = ParallelLayout::Create(options.mesh, options.mesh.world()); !layout.ok()) {
     return fail(layout.status());
   }
@@ -499,6 +505,16 @@ int main(int argc, char** argv) {
       }
     }
     const std::string device = absl::GetFlag(FLAGS_device);
+    // The mesh's sizes against the machine and the model, before any worker starts.
+    if (world > 1 || options.mesh.ep > 1) {
+      const bool cuda = device.rfind("cuda", 0) == 0;
+      const int slots = cuda ? VisibleCudaDevices() : absl::GetFlag(FLAGS_max_local_workers);
+      if (absl::Status s = CheckLocalMesh(options.mesh, absl::GetFlag(FLAGS_model), slots,
+                                          cuda ? "the GPUs this machine shows" : "--max_local_workers");
+          !s.ok()) {
+        return fail(s);
+      }
+    }
     // One worker per rank (one per GPU: rank r on cuda:r), meeting at a c10d FileStore in a
     // folder only this user can enter: nothing listens for the rendezvous.
     std::string rendezvous;
@@ -676,6 +692,7 @@ int main(int argc, char** argv) {
     LORASTEP_LOG(Info) << "lorastep_coordinator: serving " << core.model_path() << " on port " << port
                        << " with " << num_workers << " worker(s)" << (absl::GetFlag(FLAGS_in_process_worker) ? " (in process)" : "");
   }
+  startup.Serving();
   const std::string signal = WaitForShutdownSignal();
   LORASTEP_LOG(Info) << "lorastep_coordinator: shutting down (" << signal << ")";
   // 3 s for open calls, up to 30 s for autosaves, 10 s for each worker's SIGTERM: past this

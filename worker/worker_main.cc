@@ -160,6 +160,7 @@ int main(int argc, char** argv) {
                    "lorastep_worker --model DIR [flags]: one per GPU (or CPU process); serves the internal "
                    "Worker API. See --help for the flags.");
   InitLogging(argv[0]);
+  StartupSignalWatcher startup("lorastep_worker");  // a signal before serving ends the process at once
   // Prometheus: off unless --metrics_port (loopback only without --metrics_allow_remote).
   PrometheusRegistry metrics;
   auto metrics_endpoint = StartMetricsEndpointFromFlags(&metrics);
@@ -425,6 +426,7 @@ int main(int argc, char** argv) {
       }
     });
   }
+  startup.Serving();
   const std::string signal = WaitForShutdownSignal();
   LORASTEP_LOG(Info) << "lorastep_worker: shutting down (" << signal << ")";
   // Calls still open after 3 s are cancelled, and a cancelled batch call stops at its next
