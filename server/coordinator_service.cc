@@ -22,6 +22,19 @@
 namespace lorastep {
 namespace {
 
+// A response as `caller` may see it (HideOtherTenantsFigures); other responses as they are.
+template <typename Resp>
+void ForCaller(const Caller&, Resp*) {}
+void ForCaller(const Caller& caller, v1::StepResponse* r) { HideOtherTenantsFigures(caller, r->mutable_metrics()); }
+void ForCaller(const Caller& caller, v1::ForwardBackwardResponse* r) {
+  HideOtherTenantsFigures(caller, r->mutable_metrics());
+}
+void ForCaller(const Caller& caller, v1::StepRecord* r) { HideOtherTenantsFigures(caller, r->mutable_metrics()); }
+void ForCaller(const Caller& caller, v1::GetStepMetricsResponse* r) {
+  for (v1::StepRecord& step : *r->mutable_steps()) ForCaller(caller, &step);
+}
+
+
 // Streams a run's step records: the kept backlog first, then each new record. Deletes
 // itself in OnDone, after unregistering from the coordinator.
 class MetricsWatchReactor final : public grpc::ServerWriteReactor<v1::StepRecord> {
@@ -29,9 +42,10 @@ class MetricsWatchReactor final : public grpc::ServerWriteReactor<v1::StepRecord
   // `allowed`: the caller's authentication and access to the run; an error ends the stream.
   // `max_backlog`: records waiting for a slow client beyond which the stream ends
   // (RESOURCE_EXHAUSTED, naming the step to resume from) instead of growing without bound.
+  // `caller`: whose stream it is (the records as that caller may see them, ForCaller).
   MetricsWatchReactor(Coordinator* core, const v1::WatchMetricsRequest& req, const absl::Status& allowed,
-                      size_t max_backlog)
-      : core_(core), run_id_(req.run_id()), max_backlog_(std::max<size_t>(max_backlog, 1)) {
+                      size_t max_backlog, Caller caller)
+      : core_(core), run_id_(req.run_id()), max_backlog_(std::max<size_t>(max_backlog, 1)), caller_(std::move(caller)) {
     if (!allowed.ok()) {
       Finish(ToGrpcStatus(allowed));
       return;
@@ -42,7 +56,10 @@ class MetricsWatchReactor final : public grpc::ServerWriteReactor<v1::StepRecord
           // Kept by the run anyway: not counted against max_backlog, only written first.
           std::lock_guard<std::mutex> lock(mu_);
           backlog_queued_ = backlog.size();
-          for (auto& r : backlog) queue_.push_back(std::move(r));
+          for (auto& r : backlog) {
+            ForCaller(caller_, &r);
+            queue_.push_back(std::move(r));
+          }
           StartNextWrite();
         });
     if (!id.ok()) {
@@ -98,6 +115,7 @@ class MetricsWatchReactor final : public grpc::ServerWriteReactor<v1::StepRecord
       return;  // the stream ends once the front is written; unregistered in OnDone
     }
     queue_.push_back(record);
+    ForCaller(caller_, &queue_.back());
     StartNextWrite();
   }
 
@@ -121,6 +139,7 @@ class MetricsWatchReactor final : public grpc::ServerWriteReactor<v1::StepRecord
   int64_t watch_id_ = 0;
   std::mutex mu_;
   const size_t max_backlog_;
+  const Caller caller_;
   // Front is being written while writing_; then the backlog's records (backlog_queued_ of
   // them), then at most max_backlog_ new ones.
   std::deque<v1::StepRecord> queue_;
@@ -239,6 +258,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext*
     auto result = call(who, server_id);
     if (result.ok()) {
       *resp = std::move(result).value();
+      ForCaller(who, resp);
       if (before_finish) before_finish();
     }
     held->Release();
@@ -458,7 +478,10 @@ grpc::ServerUnaryReactor* CoordinatorService::GetStepMetrics(grpc::CallbackServe
   auto* reactor = ctx->DefaultReactor();
   std::optional<v1::GetStepMetricsRequest> copy;
   auto r = core_->GetStepMetrics(ServerRequest(*req, *caller, id, &copy));
-  if (r.ok()) *resp = *r;
+  if (r.ok()) {
+    *resp = *r;
+    ForCaller(*caller, resp);
+  }
   reactor->Finish(ToGrpcStatus(ClientStatus(*caller, r.status())));
   return reactor;
 }
@@ -468,7 +491,8 @@ grpc::ServerWriteReactor<v1::StepRecord>* CoordinatorService::WatchMetrics(
   auto caller = Authorize(ctx, req->run_id(), &id);
   v1::WatchMetricsRequest server_req = *req;
   server_req.set_run_id(id);
-  return new MetricsWatchReactor(core_, server_req, caller.status(), max_watch_backlog_);
+  return new MetricsWatchReactor(core_, server_req, caller.status(), max_watch_backlog_,
+                                 caller.ok() ? *caller : Caller{});
 }
 
 // UploadAdapter: authenticates, reads the chunks (the two files, at most the upload limit),

@@ -67,4 +67,9 @@ absl::Status ClientStatus(const Caller& caller, const absl::Status& status) {
   return absl::Status(status.code(), absl::StrReplaceAll(status.message(), {{prefix, ""}}));
 }
 
+void HideOtherTenantsFigures(const Caller& caller, google::protobuf::Map<std::string, double>* metrics) {
+  if (caller.admin) return;
+  for (const char* name : {"co_scheduled_tokens:max", "co_scheduled_row_tokens:max"}) metrics->erase(name);
+}
+
 }  // namespace lorastep

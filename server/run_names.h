@@ -11,6 +11,8 @@
 
 #include <string>
 
+#include <google/protobuf/map.h>
+
 #include "absl/status/status.h"
 
 #include "server/coordinator.h"
@@ -31,6 +33,12 @@ std::string ClientRef(const Caller& caller, const std::string& path);
 // `status` with the caller's own runs named as the caller knows them: the core's messages
 // name server ids ("run_id: 'k0123456789.alpha' exists", lorastep://k0123456789.alpha/ck).
 absl::Status ClientStatus(const Caller& caller, const absl::Status& status);
+
+// A co-scheduled step's figures that count other runs' tokens (`co_scheduled_tokens:max`,
+// `co_scheduled_row_tokens:max`: other tenants' batch sizes) are dropped from what a caller
+// without an admin key sees; the counts of runs that shared the step stay. Operators keep
+// every figure in Prometheus. Without API keys every caller is an admin.
+void HideOtherTenantsFigures(const Caller& caller, google::protobuf::Map<std::string, double>* metrics);
 
 }  // namespace lorastep
 

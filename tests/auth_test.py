@@ -127,6 +127,33 @@ def main():
         refused(lambda: ops.attach(a_run.run_id), "NOT_FOUND", "no run",
                 "the admin's own ids are its own: alice's id names no run of the admin")
         check(alice.get_run(a_run.run_id).learner_version == 1, "alice's run is untouched")
+        # Co-scheduled steps of two tenants: each sees how many runs shared its step, never the
+        # other tenant's tokens (issue 55, point 8); the admin's view of the history keeps them.
+        import threading
+        shared_seen = False
+        for attempt in range(20):
+            answers = {}
+            steps = [threading.Thread(target=lambda who, r: answers.__setitem__(
+                who, r.train_step([datum(i + attempt) for i in range(4)], adamw={"lr": 1e-3})),
+                args=(who, r)) for who, r in (("alice", a_run), ("bob", b_run))]
+            [t.start() for t in steps]
+            [t.join() for t in steps]
+            for who, answer in answers.items():
+                m = answer["metrics"]
+                check("co_scheduled_tokens:max" not in m and "co_scheduled_row_tokens:max" not in m,
+                      f"{who} sees no other tenant's tokens: {sorted(k for k in m if k.startswith('co_'))}")
+                shared_seen = shared_seen or m.get("co_scheduled_runs:max") == 2
+            if shared_seen:
+                break
+        check(shared_seen, "and the count of runs that shared a step")
+        for who, client, run in (("alice", alice, a_run), ("bob", bob, b_run)):
+            history = client.attach(run.run_id).metrics()
+            check(all("co_scheduled_tokens:max" not in rec.metrics for rec in history),
+                  f"{who}'s step history hides them too")
+        admin_history = ops.attach(server_id("alice", a_run.run_id)).metrics()
+        check(any("co_scheduled_tokens:max" in rec.metrics for rec in admin_history),
+              "the admin key sees every figure")
+
         # Run ids are per owner: the same id chosen by two keys names two runs, and neither
         # learns the other's exists (the second used to be refused as ALREADY_EXISTS).
         a_shared = alice.create_run(rank=4, alpha=8, seed=11, run_id="shared")
