@@ -558,7 +558,7 @@ absl::StatusOr<v1::ExportAdapterResponse> Coordinator::ExportAdapter(
 
 absl::StatusOr<v1::UploadAdapterResponse> Coordinator::UploadAdapter(const std::string& run_id, const std::string& path,
                                                                      const std::string& adapter_config,
-                                                                     const std::string& adapter_model) {
+                                                                     const std::string& adapter_model, bool replace) {
   if (path.empty()) return absl::InvalidArgumentError("path: required");
   LORASTEP_RETURN_IF_ERROR(persistence_.CheckNotAutosavePath(run_id, path, "path"));
   LORASTEP_ASSIGN_OR_RETURN(auto run, runs_.Find(run_id));
@@ -570,6 +570,7 @@ absl::StatusOr<v1::UploadAdapterResponse> Coordinator::UploadAdapter(const std::
     wreq.set_path(path);
     wreq.set_adapter_config(adapter_config);
     wreq.set_adapter_model(adapter_model);
+    wreq.set_replace(replace);
     mesh_.StampMesh(wreq.mutable_mesh());
     return w->StoreAdapter(wreq);
   }));

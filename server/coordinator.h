@@ -176,7 +176,7 @@ class Coordinator {
   // worker, once they load into the run's LoRA config (worker.proto's StoreAdapter).
   absl::StatusOr<v1::UploadAdapterResponse> UploadAdapter(const std::string& run_id, const std::string& path,
                                                           const std::string& adapter_config,
-                                                          const std::string& adapter_model);
+                                                          const std::string& adapter_model, bool replace = false);
   // The state store of the run's rank 0 (the rank that writes checkpoints and exports).
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& req);
   absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req);

@@ -538,10 +538,11 @@ class UploadAdapterReactor final : public grpc::ServerReadReactor<v1::UploadAdap
       first_ = false;
       run_id_ = chunk_.run_id();
       path_ = chunk_.path();
+      replace_ = chunk_.replace();
       if (run_id_.empty()) return absl::InvalidArgumentError("run_id: required in the first message");
       if (path_.empty()) return absl::InvalidArgumentError("path: required in the first message");
-    } else if (!chunk_.run_id().empty() || !chunk_.path().empty()) {
-      return absl::InvalidArgumentError("run_id, path: only in the first message");
+    } else if (!chunk_.run_id().empty() || !chunk_.path().empty() || chunk_.replace()) {
+      return absl::InvalidArgumentError("run_id, path, replace: only in the first message");
     }
     std::string* file = chunk_.file() == "adapter_config.json"         ? &config_
                         : chunk_.file() == "adapter_model.safetensors" ? &model_
@@ -571,7 +572,7 @@ class UploadAdapterReactor final : public grpc::ServerReadReactor<v1::UploadAdap
     }
     if (absl::Status joined = ticket_.JoinRun(server_id); !joined.ok()) return Finish(ToGrpcStatus(joined));
     service_->executor_.Submit(server_id, [this, server_id, who = *caller] {
-      auto stored = service_->core_->UploadAdapter(server_id, ServerRef(who, path_), config_, model_);
+      auto stored = service_->core_->UploadAdapter(server_id, ServerRef(who, path_), config_, model_, replace_);
       if (stored.ok()) {
         *resp_ = *std::move(stored);
         resp_->set_path(ClientRef(who, resp_->path()));
@@ -588,6 +589,7 @@ class UploadAdapterReactor final : public grpc::ServerReadReactor<v1::UploadAdap
   v1::UploadAdapterResponse* resp_;
   v1::UploadAdapterChunk chunk_;
   bool first_ = true;
+  bool replace_ = false;
   std::string run_id_, path_, config_, model_;
   AdmissionTicket ticket_;  // released once answered (or with the reactor)
 };

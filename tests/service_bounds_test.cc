@@ -58,7 +58,8 @@ using namespace ::lorastep::service_testing;  // NOLINT: the shared helpers, unq
 absl::StatusOr<v1::UploadAdapterResponse> Upload(const std::string& address, const std::string& run_id,
                                                  const std::string& path, const std::string& config,
                                                  const std::string& model, size_t piece = 1 << 16,
-                                                 const std::vector<v1::UploadAdapterChunk>& extra = {}) {
+                                                 const std::vector<v1::UploadAdapterChunk>& extra = {},
+                                                 bool replace = false) {
   auto stub = v1::Trainer::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   v1::UploadAdapterResponse resp;
@@ -71,6 +72,7 @@ absl::StatusOr<v1::UploadAdapterResponse> Upload(const std::string& address, con
       if (first) {
         chunk.set_run_id(run_id);
         chunk.set_path(path);
+        chunk.set_replace(replace);
         first = false;
       }
       chunk.set_file(file);
@@ -147,6 +149,20 @@ TEST(StateStoreServiceTest, UploadedAdapterIsCheckedStoredAndStartsARun) {
     EXPECT_FALSE(PathExists(absl::StrCat(root, "/runs/holder/", name))) << name;
   }
   EXPECT_FALSE(PathExists(root + "/runs/rank2/imported"));
+  // An existing name: ALREADY_EXISTS unless replace, which replaces a PEFT folder and never a
+  // SaveState checkpoint (that one used to be replaced silently, and LoadState then failed).
+  EXPECT_THAT(Upload(server.address(), "holder", "lorastep://holder/imported", config, model),
+              StatusIs(absl::StatusCode::kAlreadyExists, "path: lorastep://holder/imported exists"));
+  ASSERT_OK(Upload(server.address(), "holder", "lorastep://holder/imported", config, model, 1 << 16, {},
+                   /*replace=*/true)
+                .status());
+  v1::SaveStateRequest save;
+  save.set_run_id("holder");
+  save.set_path("lorastep://holder/ck");
+  ASSERT_OK(t->SaveState(save).status());
+  EXPECT_THAT(Upload(server.address(), "holder", "lorastep://holder/ck", config, model, 1 << 16, {}, true),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "holds a SaveState checkpoint"));
+  ASSERT_OK(holder.LoadState("lorastep://holder/ck").status());  // the checkpoint is whole
 }
 
 // Issue 8's state store: with --state_dir, SaveState / ExportAdapter / LoadState take

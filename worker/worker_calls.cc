@@ -231,7 +231,8 @@ absl::Status WorkerCalls::SaveState(const v1::WorkerPathRequest& req, v1::Worker
 
 absl::Status WorkerCalls::StoreAdapter(const v1::WorkerStoreAdapterRequest& req, v1::WorkerPathResponse* resp) {
   LORASTEP_ASSIGN_OR_RETURN(WorkerCore::PathResult r,
-                            core_->StoreAdapter(req.run_id(), req.path(), req.adapter_config(), req.adapter_model()));
+                            core_->StoreAdapter(req.run_id(), req.path(), req.adapter_config(), req.adapter_model(),
+                                                        req.replace()));
   FillPathResponse(r, resp);
   return absl::OkStatus();
 }

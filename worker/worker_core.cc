@@ -519,7 +519,7 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::ExportAdapter(const std::stri
 
 absl::StatusOr<WorkerCore::PathResult> WorkerCore::StoreAdapter(const std::string& run_id, const std::string& path,
                                                                 const std::string& adapter_config,
-                                                                const std::string& adapter_model) {
+                                                                const std::string& adapter_model, bool replace) {
   std::lock_guard<FairMutex> lock(mu_);
   if (options_.sizes.world() > 1) {
     return absl::FailedPreconditionError(
@@ -528,6 +528,19 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::StoreAdapter(const std::strin
   }
   LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/true));
   LORASTEP_ASSIGN_OR_RETURN(Trainer * run, Find(run_id));
+  // An existing name is replaced only when asked, and only when it holds a PEFT adapter
+  // folder (an upload or an export): a SaveState checkpoint (trainer_state.json) stays.
+  if (PathExists(folder)) {
+    if (!replace) {
+      return absl::AlreadyExistsError(absl::StrCat("path: ", path, " exists; choose another name, or set replace to "
+                                                   "replace an uploaded PEFT adapter"));
+    }
+    if (PathExists(folder + "/trainer_state.json") || !PathExists(folder + "/adapter_config.json")) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "path: ", path, " holds a SaveState checkpoint, not a PEFT adapter folder; replace applies only to "
+          "uploaded or exported adapters"));
+    }
+  }
   TrainerOptions o;
   o.lora = run->adapter().lora_config();
   o.grad = options_.grad;

@@ -142,7 +142,8 @@ class WorkerCore {
   // config, as init_from loads one; nothing is stored otherwise. World size 1 only (like a
   // PEFT init_from). `learner_version` is the run's; `adapter_sha256` is empty.
   absl::StatusOr<PathResult> StoreAdapter(const std::string& run_id, const std::string& path,
-                                          const std::string& adapter_config, const std::string& adapter_model);
+                                          const std::string& adapter_config, const std::string& adapter_model,
+                                          bool replace = false);
   // `background`: the state is copied to host memory here and the folder written afterwards
   // on the writer thread (adapter_sha256 is then empty); AwaitSaved tells how that ended.
   absl::StatusOr<PathResult> SaveState(const std::string& run_id, const std::string& path,

@@ -214,10 +214,12 @@ class Run:
             run_id=self.run_id, path=path))
         return ExportResult(r.path, r.adapter_sha256, r.learner_version)
 
-    def upload_adapter(self, folder, name, piece_bytes=4 << 20):
+    def upload_adapter(self, folder, name, piece_bytes=4 << 20, replace=False):
         """Sends a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) on this
         machine to the server's state store as lorastep://<run>/<name>, checked first like
-        init_from; start a run from it with create_run(init_from=...). Returns the reference."""
+        init_from; start a run from it with create_run(init_from=...). Returns the reference.
+        An existing name is ALREADY_EXISTS unless `replace`, which replaces a PEFT adapter folder
+        there (never a SaveState checkpoint)."""
         def chunks():
             first = True
             for file in ("adapter_config.json", "adapter_model.safetensors"):
@@ -226,7 +228,8 @@ class Run:
                         data = f.read(piece_bytes)
                         if not data:
                             break
-                        head = {"run_id": self.run_id, "path": f"lorastep://{self.run_id}/{name}"} if first else {}
+                        head = ({"run_id": self.run_id, "path": f"lorastep://{self.run_id}/{name}", "replace": replace}
+                                if first else {})
                         first = False
                         yield trainer_pb2.UploadAdapterChunk(file=file, data=data, **head)
         try:
