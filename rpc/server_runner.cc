@@ -198,10 +198,13 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
           allowed = authenticator_->Check(
               path_, it == ctx_->client_metadata().end() ? "" : std::string(it->second.data(), it->second.size()));
         }
+        // A caller that gives up (its deadline, a cancel) before its message is read ends the
+        // same way, with nothing to tell it apart here: the message says both.
         status = !allowed.ok() ? grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(allowed.message()))
                                : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                              absl::StrCat("request: does not parse as ", request_type_->full_name(),
-                                                           " (malformed, or nested more deeply than protobuf allows)"));
+                                              absl::StrCat("request: no whole ", request_type_->full_name(),
+                                                           " was read (the caller gave up before sending it, or it is "
+                                                           "malformed or nested more deeply than protobuf allows)"));
         methods->ModifySendStatus(status);
       }
       // Counted and logged after the answer where the answering thread defers it.

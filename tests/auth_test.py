@@ -682,8 +682,8 @@ def preauth_memory_checks(coordinator, worker, model, keys_file, tmp):
         # A request nested past protobuf's limit is INVALID_ARGUMENT, not a bare UNIMPLEMENTED
         # (issue 26, defect 8): the raw methods count it on the wire, the others answer for gRPC.
         nested = b"\x0b" * 100000
-        for method, text in (("CreateRun", "does not parse as lorastep.v1.CreateRunRequest"),
-                             ("GetRun", "does not parse as lorastep.v1.GetRunRequest"),
+        for method, text in (("CreateRun", "no whole lorastep.v1.CreateRunRequest was read"),
+                             ("GetRun", "no whole lorastep.v1.GetRunRequest was read"),
                              ("TrainStep", "not a well-formed protobuf message")):
             try:
                 channel.unary_unary(f"/lorastep.v1.Trainer/{method}")(
