@@ -51,6 +51,7 @@
 #include "lib/parallel/parallel_layout.h"
 #include "rpc/metrics_http_server.h"
 #include "rpc/bearer_token.h"
+#include "rpc/security_policy.h"
 #include "server/api_keys.h"
 #include "server/coordinator.h"
 #include "server/coordinator_service.h"
@@ -121,8 +122,8 @@ ABSL_FLAG(std::optional<double>, state_ttl_hours, std::nullopt, "local workers: 
 ABSL_FLAG(std::optional<int>, worker_metrics_port_base, std::nullopt, "local worker r serves Prometheus metrics on this + r");
 ABSL_FLAG(std::string, api_keys_file, "", "lines \"KEY OWNER [admin]\"; calls then need a key and see only their owner's runs");
 ABSL_FLAG(bool, insecure, false,
-          "serve a non-loopback --host without API keys or without TLS, and workers started apart from this "
-          "coordinator without a cluster secret (trusted networks only)");
+          "serve the Trainer API on a non-loopback --host (over TLS) without API keys (trusted networks only); it opens "
+          "nothing else: the Registry and workers always need the cluster secret or mutual TLS");
 ABSL_FLAG(bool, allow_unauthenticated_remote, false, "the former name of --insecure");
 ABSL_FLAG(std::string, worker_token_file, "",
           "the cluster secret (>= 16 characters) for the Worker ports and the Registry; default: "
@@ -262,23 +263,7 @@ int main(int argc, char** argv) {
     if (!made.ok()) return fail(made.status());
     worker_token = *made;
   }
-  // Workers started apart from this coordinator must hold the same secret (listed workers
-  // may instead verify this coordinator's certificate: mutual TLS).
-  const bool listed_mtls = listed && !absl::GetFlag(FLAGS_worker_tls_client_cert_file).empty();
-  if (worker_token.empty() && !insecure && (registered || !listed_mtls)) {
-    return fail(absl::InvalidArgumentError(absl::StrCat(
-        "worker_token_file: workers started apart from this coordinator (--workers, --wait_for_workers) must share "
-        "a cluster secret with it: --worker_token_file FILE (or $", kClusterSecretVariable,
-        ") on the coordinator and on every worker, or mutual TLS for --workers; --insecure serves them without "
-        "authentication (trusted networks only)")));
-  }
   if (!worker_token.empty()) setenv(kClusterSecretVariable, worker_token.c_str(), /*overwrite=*/1);
-  if (insecure) {
-    LORASTEP_LOG(Warning) << "lorastep_coordinator: --insecure: a non-loopback --host is served without API keys or "
-                             "TLS"
-                          << (worker_token.empty() ? ", and the Registry admits any worker without a cluster secret"
-                                                   : "");
-  }
   const bool on_cuda = absl::StartsWith(absl::GetFlag(FLAGS_device), "cuda");  // the defaults of the polling flags
   const int poller_warm_us = absl::GetFlag(FLAGS_grpc_poller_warm_us).value_or(on_cuda ? 3000 : 0);
   if (poller_warm_us < 0 || poller_warm_us > 100000) {
@@ -310,13 +295,20 @@ int main(int argc, char** argv) {
     api_keys = std::move(loaded).value();
   }
   const std::string host = absl::GetFlag(FLAGS_host);
-  // Other interfaces need authentication and TLS, or an explicit --insecure.
+  // One decision from every security flag, before anything listens (rpc/security_policy.h).
   const bool tls = !absl::GetFlag(FLAGS_tls_cert_file).empty();
-  if ((!api_keys || !tls) && !IsLoopbackHost(host) && !insecure) {
-    return fail(absl::InvalidArgumentError(absl::StrCat(
-        "host: '", host, "' is reachable from other machines; start with --api_keys_file and "
-        "--tls_cert_file/--tls_key_file (or, on a trusted network only, --insecure)")));
-  }
+  SecurityFlags security;
+  security.role = ServerRole::kCoordinator;
+  security.loopback_host = IsLoopbackHost(host);
+  security.tls = tls;
+  security.secret = !worker_token.empty();
+  security.api_keys = api_keys.has_value();
+  security.insecure = insecure;
+  security.workers = listed ? WorkerSource::kListed : registered ? WorkerSource::kRegistered : WorkerSource::kLocal;
+  security.listed_workers_mtls = !absl::GetFlag(FLAGS_worker_tls_client_cert_file).empty();
+  auto policy = DecideSecurity(security);
+  if (!policy.ok()) return fail(policy.status());
+  if (!policy->warning.empty()) LORASTEP_LOG(Warning) << "lorastep_coordinator: " << policy->warning;
   // --v: per-call log lines (0 = failures only, 1 = every call, 2 = with health checks).
   const int log_verbosity = VerbosityFlag();
   CoordinatorOptions options;
@@ -665,12 +657,16 @@ int main(int argc, char** argv) {
   // Checked on each call's headers, before its message is read: the Registry needs the
   // cluster secret; with API keys the Trainer API and reflection need a key.
   auto authenticator = std::make_shared<CallAuthenticator>();
-  if (!worker_token.empty()) {
+  if (policy->cluster_needs_secret) {
     authenticator->Require("/lorastep.v1.Registry/", [digest = Sha256Hex(worker_token)](const std::string& auth) {
       return CheckBearerToken(auth, digest);
     });
+  } else if (policy->registry_closed) {
+    authenticator->Require("/lorastep.v1.Registry/", [](const std::string&) {
+      return absl::UnauthenticatedError("this coordinator holds no cluster secret: its Registry admits no worker");
+    });
   }
-  if (api_keys) {
+  if (policy->trainer_needs_api_key) {
     auto key_check = [keys = &*api_keys](const std::string& auth) { return keys->Authenticate(auth).status(); };
     authenticator->Require("/lorastep.v1.Trainer/", key_check);
     authenticator->Require("/grpc.reflection.", key_check);

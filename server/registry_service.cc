@@ -8,7 +8,11 @@
 namespace lorastep {
 
 absl::Status RegistryService::CheckToken(grpc::CallbackServerContext* ctx) const {
-  return token_sha256_.empty() ? absl::OkStatus() : CheckBearerToken(AuthorizationOf(*ctx), token_sha256_);
+  // Without a secret the Registry admits no one (rpc/security_policy.h).
+  if (token_sha256_.empty()) {
+    return absl::UnauthenticatedError("this coordinator holds no cluster secret: its Registry admits no worker");
+  }
+  return CheckBearerToken(AuthorizationOf(*ctx), token_sha256_);
 }
 
 grpc::ServerUnaryReactor* RegistryService::RegisterWorker(grpc::CallbackServerContext* ctx,

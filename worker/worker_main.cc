@@ -31,6 +31,7 @@
 #include "lib/parent_death.h"
 #include "lib/io/state_store.h"
 #include "rpc/bearer_token.h"
+#include "rpc/security_policy.h"
 #include "rpc/metrics_http_server.h"
 #include "lib/flags_util.h"
 #include "lib/log.h"
@@ -95,7 +96,8 @@ ABSL_FLAG(std::string, worker_token_file, "",
           "the cluster secret (>= 16 characters) every call to this worker must present (default: "
           "$LORASTEP_CLUSTER_SECRET)");
 ABSL_FLAG(bool, insecure, false,
-          "serve without a cluster secret, or a non-loopback --host without TLS (trusted networks only)");
+          "refused: a worker's calls always need the cluster secret or a client certificate, and a non-loopback "
+          "--host TLS (kept so that scripts passing it are told so)");
 ABSL_FLAG(std::string, tls_cert_file, "", "serve the Worker API over TLS: certificate chain (PEM)");
 ABSL_FLAG(std::string, tls_key_file, "", "serve the Worker API over TLS: private key (PEM)");
 ABSL_FLAG(std::string, tls_client_ca_file, "",
@@ -171,36 +173,27 @@ int main(int argc, char** argv) {
   // The cluster secret (--worker_token_file, else $LORASTEP_CLUSTER_SECRET, which the
   // coordinator sets for its local workers): every call to this worker must present it, and
   // the worker presents it when registering or joining a mesh. Without one the worker serves
-  // only callers with a certificate its --tls_client_ca_file signed, or, with --insecure, anyone.
+  // only callers with a certificate its --tls_client_ca_file signed (rpc/security_policy.h).
   auto secret = ClusterSecretFromFileOrEnvironment(absl::GetFlag(FLAGS_worker_token_file));
   unsetenv(kClusterSecretVariable);  // nothing this process starts inherits it
   if (!secret.ok()) {
     LORASTEP_LOG(Error) << "lorastep_worker: " << secret.status();
     return 2;
   }
-  const bool insecure = absl::GetFlag(FLAGS_insecure);
-  const bool mutual_tls = !absl::GetFlag(FLAGS_tls_client_ca_file).empty();
-  if (secret->empty() && !mutual_tls && !insecure) {
-    LORASTEP_LOG(Error) << "lorastep_worker: worker_token_file: a worker needs the cluster secret its coordinator "
-                           "holds (--worker_token_file FILE, or $"
-                        << kClusterSecretVariable
-                        << "), or mutual TLS (--tls_client_ca_file); --insecure serves every caller (trusted networks "
-                           "only)";
-    return 2;
-  }
-  // Other interfaces need TLS and the secret, or an explicit --insecure.
+  // One decision from every security flag, before anything listens (rpc/security_policy.h).
   const std::string host = absl::GetFlag(FLAGS_host);
   const bool tls = !absl::GetFlag(FLAGS_tls_cert_file).empty();
-  if (!IsLoopbackHost(host) && (!tls || secret->empty()) && !insecure) {
-    LORASTEP_LOG(Error) << "lorastep_worker: host: '" << host
-                        << "' is reachable from other machines; start with --tls_cert_file/--tls_key_file and the "
-                           "cluster secret (or, on a trusted network only, --insecure)";
+  SecurityFlags security;
+  security.role = ServerRole::kWorker;
+  security.loopback_host = IsLoopbackHost(host);
+  security.tls = tls;
+  security.client_ca = !absl::GetFlag(FLAGS_tls_client_ca_file).empty();
+  security.secret = !secret->empty();
+  security.insecure = absl::GetFlag(FLAGS_insecure);
+  auto policy = DecideSecurity(security);
+  if (!policy.ok()) {
+    LORASTEP_LOG(Error) << "lorastep_worker: " << policy.status();
     return 2;
-  }
-  if (insecure) {
-    LORASTEP_LOG(Warning) << "lorastep_worker: --insecure: "
-                          << (secret->empty() && !mutual_tls ? "every caller is served without a cluster secret"
-                                                             : "a non-loopback --host is served without TLS");
   }
   std::string token_sha256, authorization;
   if (!secret->empty()) {
@@ -302,7 +295,7 @@ int main(int argc, char** argv) {
   // The secret is checked on each call's headers, before its message is read: the Worker
   // API, reflection and (rank 0 of a mesh across hosts) the rendezvous store.
   auto authenticator = std::make_shared<CallAuthenticator>();
-  if (!token_sha256.empty()) {
+  if (policy->cluster_needs_secret) {
     auto secret_check = [token_sha256](const std::string& auth) { return CheckBearerToken(auth, token_sha256); };
     authenticator->Require("/lorastep.v1.Worker/", secret_check);
     authenticator->Require("/lorastep.v1.RendezvousStore/", secret_check);
@@ -330,7 +323,7 @@ int main(int argc, char** argv) {
       }
       rendezvous_server = *std::move(started);
       LORASTEP_LOG(Info) << "lorastep_worker: rank 0 serves the mesh's rendezvous store on " << host << ":" << bound
-                         << (token_sha256.empty() ? " (no cluster secret: --insecure)" : " (cluster secret required)");
+                         << (token_sha256.empty() ? " (client certificate required)" : " (cluster secret required)");
       options.store_transport_for = [&rendezvous_host](const std::string&) { return rendezvous_host.LocalTransport(); };
     } else {
       std::string ca_file = absl::GetFlag(FLAGS_peer_tls_ca_file);
