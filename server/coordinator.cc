@@ -141,6 +141,22 @@ absl::StatusOr<v1::Run> Coordinator::CreateRun(const v1::CreateRunRequest& req, 
     return release(created.status());
   }
   state->run.set_learner_version((*created)[0].learner_version());  // a checkpoint's, with its optimizer
+  // The journal names the run's weights, never a reference that can be replaced or deleted:
+  // a run made from one is saved at once, and a restore loads that copy.
+  if (!req.init_from().empty()) {
+    if (absl::Status saved = persistence_.SaveDurably(*state); !saved.ok()) {
+      v1::WorkerDeleteRunRequest del;
+      del.set_run_id(run_id);
+      FanOut<bool>(*state, state->AllRanks(), [&](int, WorkerClient* w) -> absl::StatusOr<bool> {
+        LORASTEP_RETURN_IF_ERROR(w->DeleteRun(del));
+        return true;
+      }).IgnoreError();
+      persistence_.JournalCreateFailed(run_id);
+      return release(absl::UnavailableError(absl::StrCat(
+          "init_from: the run's copy of ", req.init_from(), " could not be saved (", saved.message(),
+          "); nothing was created, retry")));
+    }
+  }
   v1::Run out = state->run;
   runs_.Commit(reserved, req.request_id(), owner, fingerprint, state);
   if (options_.metrics != nullptr) {

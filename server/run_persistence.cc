@@ -99,7 +99,13 @@ void RunPersistence::JournalCall(RunState& run, const std::string& method, const
 }
 
 void RunPersistence::MaybeAutosave(RunState& run, bool force) {
-  if (!journaled()) return;
+  Autosave(run, force, options_.autosave_in_background).IgnoreError();  // logged there; the step stands
+}
+
+absl::Status RunPersistence::SaveDurably(RunState& run) { return Autosave(run, /*force=*/true, /*background=*/false); }
+
+absl::Status RunPersistence::Autosave(RunState& run, bool force, bool background) {
+  if (!journaled()) return absl::OkStatus();
   const int64_t version = run.run.learner_version();
   const int every = run.run.lora().rank() == 0 ? options_.autosave_every_full_steps : options_.autosave_every_steps;
   const auto started = std::chrono::steady_clock::now();
@@ -117,12 +123,11 @@ void RunPersistence::MaybeAutosave(RunState& run, bool force) {
                             : a.last_s < 0 ||  // spaced by cost: not too soon after the last one
                                   std::chrono::duration<double>(started - a.last_end).count() *
                                           options_.autosave_max_share >= a.last_s);
-    if (!due || (a.in_flight && !force && every <= 0)) return;
+    if (!due || (a.in_flight && !force && every <= 0)) return absl::OkStatus();
     run.autosave_cv.wait(lock, [&] { return !run.autosave.in_flight; });
     name = absl::StrCat("autosave-", a.next++);
   }
   const std::string& run_id = run.run.run_id();
-  const bool background = options_.autosave_in_background;
   auto saved = mesh_->FanOut<v1::WorkerPathResponse>(run.ranks, run.AllRanks(), [&](int, WorkerClient* w) {
     v1::WorkerPathRequest wreq = PathRequest(run_id, AutosaveRef(run_id, name));
     wreq.set_background(background);
@@ -131,7 +136,7 @@ void RunPersistence::MaybeAutosave(RunState& run, bool force) {
   });
   if (!saved.ok()) {  // the step stands; a restart would resume from the previous autosave
     LORASTEP_LOG(Error) << "autosave of run " << run_id << " at learner_version " << version << ": " << saved.status();
-    return;
+    return saved.status();
   }
   run.step_since_autosave = false;
   // The marker goes where the state was taken, between this call's record and the next's;
@@ -146,7 +151,7 @@ void RunPersistence::MaybeAutosave(RunState& run, bool force) {
   }
   if (absl::Status s = options_.journal->Append(run_id, marker, /*sync=*/!background); !s.ok()) {
     LORASTEP_LOG(Error) << "journal: run " << run_id << ": " << s;
-    return;
+    return s;
   }
   std::unique_lock<std::mutex> lock(run.autosave_mu);
   if (!background) {
@@ -154,7 +159,8 @@ void RunPersistence::MaybeAutosave(RunState& run, bool force) {
     run.autosave.last_s = std::chrono::duration<double>(run.autosave.last_end - started).count();
     const std::string previous = RecordDurableAutosave(run, name, version);
     lock.unlock();
-    return RemoveAutosave(run, previous);
+    RemoveAutosave(run, previous);
+    return absl::OkStatus();
   }
   run.autosave.in_flight = true;
   ++autosaves_submitted_;
@@ -186,6 +192,7 @@ void RunPersistence::MaybeAutosave(RunState& run, bool force) {
     // `previous` again.
     RemoveAutosave(*state, previous);
   });
+  return absl::OkStatus();
 }
 
 std::string RunPersistence::RecordDurableAutosave(RunState& run, const std::string& name, int64_t version) {

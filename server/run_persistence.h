@@ -58,6 +58,9 @@ class RunPersistence {
                    const std::string& response, bool with_step);
   // Saves the run's worker state to a new autosave when due (`force`: now). Requires the
   // run's call lock; the step stands if it fails.
+  // Saves the run now and journals the save as durable before returning (a run created from
+  // a reference: a restore then loads this copy, never the reference, which can change or go).
+  absl::Status SaveDurably(RunState& run);
   void MaybeAutosave(RunState& run, bool force);
   // DeleteRun's part: waits (a while) for the run's background autosave, retires the run
   // (late confirmations change nothing), removes its autosaves (when its workers are up)
@@ -96,6 +99,7 @@ class RunPersistence {
   absl::Status RestoreOne(RunState& old, const WorkerRef& onto);
   // `name` (the state at learner `version`) is the run's durable autosave now; returns the
   // previous one ("" if none). Requires the run's autosave_mu.
+  absl::Status Autosave(RunState& run, bool force, bool background);  // MaybeAutosave, SaveDurably
   std::string RecordDurableAutosave(RunState& run, const std::string& name, int64_t version);
   void RemoveAutosave(RunState& run, const std::string& name);  // best effort; "" : nothing
   void DeleteAutosaves(RunState& run, const std::string& keep);  // all but `keep`; best effort

@@ -473,6 +473,68 @@ TEST(ProcessTest, KilledCoordinatorRestartsItsRunsFromTheJournal) {
   EXPECT_FALSE(refused.ok()) << "--journal_dir without a state store is refused";
 }
 
+// Issue 55, point 7: a run created from a reference (init_from) and not yet stepped was
+// restored after a restart from whatever the reference then held: a replaced adapter changed
+// its Forward silently, a deleted one made the acknowledged run NOT_FOUND. It is now saved
+// durably at creation, and a restore loads that copy.
+TEST(ProcessTest, RunCreatedFromAReferenceIsRestoredFromItsOwnCopy) {
+  ASSERT_OK_AND_ASSIGN(const std::string dir, TinyModelDir("init_from_journal"));
+  const std::vector<std::string> args = {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker"),
+                                         "--state_dir", dir + "/store", "--journal_dir", dir + "/journal"};
+  auto forward = [](TrainerClient* client, const std::string& run_id) -> absl::StatusOr<std::vector<float>> {
+    v1::ForwardRequest f;
+    f.set_run_id(run_id);
+    for (const auto& d : Batch(5)) *f.add_datums() = d;
+    LORASTEP_ASSIGN_OR_RETURN(v1::ForwardBackwardResponse r, client->Forward(f));
+    std::vector<float> out;
+    for (const auto& row : r.logprobs()) out.insert(out.end(), row.values().begin(), row.values().end());
+    return out;
+  };
+  std::vector<float> before;
+  for (const bool delete_source : {false, true}) {
+    SCOPED_TRACE(delete_source ? "source deleted" : "source replaced");
+    const std::string made = delete_source ? "made-del" : "made-rep";
+    {
+      ASSERT_OK_AND_ASSIGN(ChildServer first, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));
+      ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(first.address()));
+      const std::string src_id = delete_source ? "src-del" : "src-rep";
+      ASSERT_OK_AND_ASSIGN(RunSession src, RunSession::Create(client.get(), Lora(), 7, src_id));
+      ASSERT_OK(src.TrainStep(Batch(0), Ppo(), Adam()).status());
+      v1::ExportAdapterRequest exp;
+      exp.set_run_id(src_id);
+      exp.set_path("lorastep://" + src_id + "/peft");
+      ASSERT_OK(client->ExportAdapter(exp).status());
+      v1::CreateRunRequest from;
+      from.set_request_id("from-" + made);
+      *from.mutable_lora() = Lora();
+      from.set_run_id(made);
+      from.set_init_from("lorastep://" + src_id + "/peft");
+      ASSERT_OK(client->CreateRun(from).status());
+      ASSERT_OK_AND_ASSIGN(before, forward(client.get(), made));
+      // The reference changes under the unstepped run: another step exported over it, or deleted.
+      if (delete_source) {
+        v1::DeleteCheckpointRequest del;
+        del.set_run_id(src_id);
+        del.set_name("peft");
+        ASSERT_OK(client->DeleteCheckpoint(del).status());
+      } else {
+        ASSERT_OK(src.TrainStep(Batch(1), Ppo(), Adam()).status());
+        ASSERT_OK(client->ExportAdapter(exp).status());
+      }
+      ASSERT_EQ(kill(first.pid(), SIGKILL), 0);
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+    ASSERT_OK_AND_ASSIGN(ChildServer second, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));
+    ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(second.address()));
+    ASSERT_OK_AND_ASSIGN(v1::Run back, client->GetRun(made));
+    EXPECT_EQ(back.learner_version(), 0);
+    ASSERT_OK_AND_ASSIGN(std::vector<float> after, forward(client.get(), made));
+    EXPECT_EQ(after, before) << "the restored run holds the weights it was created from";
+    ASSERT_EQ(kill(second.pid(), SIGTERM), 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+}
+
 // Background autosaves (the default): each one gets a fresh name and, once durable, replaces
 // the one before in the store; one whose write fails is never journaled as durable, so the
 // run reports the last one that is and a restart resumes there.
