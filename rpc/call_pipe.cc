@@ -473,7 +473,7 @@ std::shared_ptr<const StagedTail> CallPipeClient::Stage(uint64_t front_bytes,
 absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string payload,
                                                  std::chrono::system_clock::time_point deadline,
                                                  std::vector<absl::string_view> payload_tail,
-                                                 const StagedTail* staged) {
+                                                 const StagedTail* staged, CancelToken* cancel) {
   auto pending = std::make_shared<Pending>();
   uint64_t id = 0;
   uint64_t payload_bytes = payload.size();
@@ -523,6 +523,9 @@ absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string pay
     std::lock_guard<std::mutex> lock(write_mu_);
     sent = WriteCallFrame(fd_, call);
   }
+  // Cancellation ends the wait below as CancelAll would, for this call alone (registered
+  // before mu_ is taken: a token cancelled already runs the callback at once).
+  CancelToken::Registration on_cancel(cancel, [this, id] { Cancel(id); });
   std::unique_lock<std::mutex> lock(mu_);
   auto leave = [&](absl::StatusOr<std::string> result) {
     --active_calls_;
@@ -559,6 +562,20 @@ absl::StatusOr<std::string> CallPipeClient::Call(uint8_t method, std::string pay
   if (!pending->status.ok()) return leave(pending->status);
   windows_.Record(method, AnswerWindows::Clock::now() - sent_at);
   return leave(std::move(pending->payload));
+}
+
+void CallPipeClient::Cancel(uint64_t id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pending_.find(id);
+    if (it == pending_.end()) return;  // answered, or given up already
+    it->second->status = absl::CancelledError(absl::StrCat("worker ", peer_, ": call cancelled (its caller went away)"));
+    it->second->done = true;
+    it->second->handed.notify_one();
+    pending_.erase(it);
+  }
+  Wake();
+  SendCancel(id);
 }
 
 void CallPipeClient::CancelAll() {

@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "lib/cancel_token.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -132,16 +133,20 @@ class CallPipeClient {
   // `staged`: `payload_tail` already copied into the region by Stage; the call copies only
   // `payload` in front of it (or, where that does not fit or `staged` is another client's or
   // already taken, copies the whole payload as without it).
+  // `cancel`: when it is cancelled the call returns CANCELLED at once and the callee is told
+  // to cancel it.
   absl::StatusOr<std::string> Call(uint8_t method, std::string payload,
                                    std::chrono::system_clock::time_point deadline,
                                    std::vector<absl::string_view> payload_tail = {},
-                                   const StagedTail* staged = nullptr);
+                                   const StagedTail* staged = nullptr, CancelToken* cancel = nullptr);
   // Copies `tail` into the shared region now, with `front_bytes` free before it for the
   // payload of the call that will send it. Null without a region, for a tail smaller than
   // calls send through the region, or when no free span fits.
   std::shared_ptr<const StagedTail> Stage(uint64_t front_bytes, const std::vector<absl::string_view>& tail);
   // Every call in flight returns CANCELLED now; the callee is told to cancel each.
   void CancelAll();
+  // The same for call `id` alone (Call's `cancel`).
+  void Cancel(uint64_t id);
   // Whether calls' payloads go through a shared region.
   bool shares_region() const { return region_ != nullptr; }
   // The waiting caller polls the socket for its answer inside the window the answer is

@@ -345,7 +345,7 @@ void Coordinator::CommitStep(RunState& run, const std::string& method, const std
 }
 
 absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
-    const v1::ForwardBackwardRequest& req, Deadline deadline, const PackedDatumsWire* packed) {
+    const v1::ForwardBackwardRequest& req, Deadline deadline, const PackedDatumsWire* packed, CancelToken* cancel) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, runs_.Find(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
   v1::ForwardBackwardResponse resp;
@@ -380,8 +380,10 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
             }
             *wreq.mutable_mesh() = mesh;
             mesh_.StampMesh(wreq.mutable_mesh());
-            wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max());
-            return w->ForwardBackward(wreq, batch.ShardOfRank(split_, rank, deadline));
+            wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max() || cancel != nullptr);
+            BatchShard shard = batch.ShardOfRank(split_, rank, deadline);
+            shard.cancel = cancel;
+            return w->ForwardBackward(wreq, shard);
           }));
   resp = split_.MergeForward(batch.shards(), batch.num_datums(), per_rank);
   {
@@ -394,7 +396,7 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::ForwardBackward(
 }
 
 absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::ForwardRequest& req, Deadline deadline,
-                                                                 const PackedDatumsWire* packed) {
+                                                                 const PackedDatumsWire* packed, CancelToken* cancel) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, runs_.Find(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
   LORASTEP_ASSIGN_OR_RETURN(CallBatch batch, CallBatch::Read(req.datums(), req.packed_datums(), packed,
@@ -412,8 +414,10 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::Forwa
             wreq.set_run_id(req.run_id());
             wreq.mutable_mesh()->set_expected_learner_version(-1);
             mesh_.StampMesh(wreq.mutable_mesh());
-            wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max());
-            return w->Forward(wreq, batch.ShardOfRank(split_, rank, deadline));
+            wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max() || cancel != nullptr);
+            BatchShard shard = batch.ShardOfRank(split_, rank, deadline);
+            shard.cancel = cancel;
+            return w->Forward(wreq, shard);
           }));
   return split_.MergeForward(batch.shards(), batch.num_datums(), per_rank);
 }
@@ -454,7 +458,7 @@ void Coordinator::StageBatch(const std::string& run_id, PackedDatumsWire* packed
 }
 
 absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepRequest& req, Deadline deadline,
-                                                        const PackedDatumsWire* packed) {
+                                                        const PackedDatumsWire* packed, CancelToken* cancel) {
   MarkHop("coordinator_in", req.run_id());
   LORASTEP_ASSIGN_OR_RETURN(auto run, runs_.Find(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
@@ -491,8 +495,10 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
         wreq.set_activation_recompute(req.activation_recompute());
         *wreq.mutable_mesh() = mesh;
         mesh_.StampMesh(wreq.mutable_mesh());
-        wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max());
-        return w->TrainStep(wreq, batch.ShardOfRank(split_, rank, deadline));
+        wreq.mutable_mesh()->set_client_deadline(deadline != Deadline::max() || cancel != nullptr);
+        BatchShard shard = batch.ShardOfRank(split_, rank, deadline);
+        shard.cancel = cancel;
+        return w->TrainStep(wreq, shard);
       });
   MarkHop("coordinator_worker_answered", req.run_id());
   if (absl::IsDataLoss(per_rank.status())) return AfterCommitFailure(*run, per_rank.status());

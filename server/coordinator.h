@@ -155,15 +155,19 @@ class Coordinator {
   // `deadline`: the client's; the workers' calls end then too (a worker stops at its next
   // micro-batch), so no batch work outlives the call that asked for it. `packed`: the
   // request's packed_datums left in the bytes they came in (then absent from `req`), or null.
+  // `cancel`: the client's call (gone, or the server shutting down); the workers' calls are
+  // cancelled with it and stop at their next micro-batch, and the run's lock is released.
   using Deadline = std::chrono::system_clock::time_point;
   absl::StatusOr<v1::ForwardBackwardResponse> ForwardBackward(const v1::ForwardBackwardRequest& req,
                                                               Deadline deadline = Deadline::max(),
-                                                              const PackedDatumsWire* packed = nullptr);
+                                                              const PackedDatumsWire* packed = nullptr,
+                                                              CancelToken* cancel = nullptr);
   absl::StatusOr<v1::ForwardBackwardResponse> Forward(const v1::ForwardRequest& req, Deadline deadline = Deadline::max(),
-                                                      const PackedDatumsWire* packed = nullptr);
+                                                      const PackedDatumsWire* packed = nullptr,
+                                                      CancelToken* cancel = nullptr);
   absl::StatusOr<v1::StepResponse> OptimStep(const v1::OptimStepRequest& req);
   absl::StatusOr<v1::StepResponse> TrainStep(const v1::TrainStepRequest& req, Deadline deadline = Deadline::max(),
-                                             const PackedDatumsWire* packed = nullptr);
+                                             const PackedDatumsWire* packed = nullptr, CancelToken* cancel = nullptr);
   // Before a batch call of `run_id` is queued, on the thread that received it: where the
   // run's one worker will take `packed` as sent, copies it to where that worker's call reads
   // it (WorkerClient::StageBatch). Skipped while the run is busy (the copy is then made by the

@@ -22,6 +22,18 @@
 namespace lorastep {
 namespace {
 
+// A unary call whose cancellation (the client went away, its deadline passed, the server
+// shuts down) cancels `token`: the work it queued stops, its worker calls are cancelled.
+class CancellableReactor final : public grpc::ServerUnaryReactor {
+ public:
+  explicit CancellableReactor(std::shared_ptr<CancelToken> token) : token_(std::move(token)) {}
+  void OnCancel() override { token_->Cancel(); }
+  void OnDone() override { delete this; }
+
+ private:
+  std::shared_ptr<CancelToken> token_;
+};
+
 // A response as `caller` may see it (HideOtherTenantsFigures); other responses as they are.
 template <typename Resp>
 void ForCaller(const Caller&, Resp*) {}
@@ -236,7 +248,8 @@ grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext*
                                                     Call call, bool run_scoped,
                                                     std::function<void()> before_finish,
                                                     std::function<void(const std::string&)> before_queue,
-                                                    int64_t request_bytes, AdmissionTicket ticket) {
+                                                    int64_t request_bytes, AdmissionTicket ticket,
+                                                    std::shared_ptr<CancelToken> cancel) {
   // Authentication and ownership are checked before the call is queued, on the server's
   // id of the run (per owner with API keys).
   std::string server_id;
@@ -250,12 +263,16 @@ grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext*
   }
   if (absl::Status joined = ticket.JoinRun(server_id); !joined.ok()) return Refuse(ctx, joined);
   if (before_queue) before_queue(server_id);
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (cancel == nullptr) cancel = std::make_shared<CancelToken>();
+  grpc::ServerUnaryReactor* reactor = new CancellableReactor(cancel);
   auto held = std::make_shared<AdmissionTicket>(std::move(ticket));  // released once answered
   executor_.Submit(server_id, [this, reactor, resp, server_id, call = std::move(call), who = *caller,
-                               before_finish = std::move(before_finish), held]() mutable {
+                               before_finish = std::move(before_finish), held, cancel]() mutable {
     AfterAnswerScope after_answer;  // metrics and the call's log line once Finish has sent the answer
-    auto result = call(who, server_id);
+    // A call whose client went away while it waited for its turn is not started.
+    auto result = cancel->cancelled()
+                      ? decltype(call(who, server_id))(absl::CancelledError("the caller went away before the call ran"))
+                      : call(who, server_id);
     if (result.ok()) {
       *resp = std::move(result).value();
       ForCaller(who, resp);
@@ -287,6 +304,7 @@ grpc::ServerUnaryReactor* CoordinatorService::DeferRaw(grpc::CallbackServerConte
     Req req;
     std::optional<PackedDatumsWire> packed;  // left where gRPC holds them
     Resp resp;
+    std::shared_ptr<CancelToken> cancel = std::make_shared<CancelToken>();  // the client's call
   };
   auto owned = std::make_shared<Owned>();
   // What parsing may take is charged before the parse (a batch of one-byte tokens in `datums`
@@ -300,7 +318,7 @@ grpc::ServerUnaryReactor* CoordinatorService::DeferRaw(grpc::CallbackServerConte
   return Defer(
       ctx, owned->req.run_id(), &owned->resp,
       [owned, call = std::move(call)](const Caller& who, const std::string& id) {
-        return call(who, id, owned->req, owned->packed ? &*owned->packed : nullptr);
+        return call(who, id, owned->req, owned->packed ? &*owned->packed : nullptr, owned->cancel.get());
       },
       /*run_scoped=*/true,
       [owned, raw_resp] {
@@ -313,7 +331,7 @@ grpc::ServerUnaryReactor* CoordinatorService::DeferRaw(grpc::CallbackServerConte
         if constexpr (std::is_same_v<Req, v1::ForwardBackwardRequest>) values_needed = owned->req.has_batch_totals();
         core_->StageBatch(server_id, &*owned->packed, values_needed);
       },
-      /*request_bytes=*/0, *std::move(ticket));
+      /*request_bytes=*/0, *std::move(ticket), owned->cancel);
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::CreateRun(grpc::CallbackServerContext* ctx,
@@ -372,18 +390,19 @@ grpc::ServerUnaryReactor* CoordinatorService::ForwardBackward(grpc::CallbackServ
   return DeferRaw<v1::ForwardBackwardRequest, v1::ForwardBackwardResponse>(
       ctx, *req, resp,
       [this, ctx](const Caller& who, const std::string& id, const v1::ForwardBackwardRequest& r,
-                  const PackedDatumsWire* packed) {
+                  const PackedDatumsWire* packed, CancelToken* cancel) {
         std::optional<v1::ForwardBackwardRequest> copy;
-        return core_->ForwardBackward(ServerRequest(r, who, id, &copy), ctx->deadline(), packed);
+        return core_->ForwardBackward(ServerRequest(r, who, id, &copy), ctx->deadline(), packed, cancel);
       });
 }
 grpc::ServerUnaryReactor* CoordinatorService::Forward(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
                                                       grpc::ByteBuffer* resp) {
   return DeferRaw<v1::ForwardRequest, v1::ForwardBackwardResponse>(
       ctx, *req, resp,
-      [this, ctx](const Caller& who, const std::string& id, const v1::ForwardRequest& r, const PackedDatumsWire* packed) {
+      [this, ctx](const Caller& who, const std::string& id, const v1::ForwardRequest& r, const PackedDatumsWire* packed,
+                  CancelToken* cancel) {
         std::optional<v1::ForwardRequest> copy;
-        return core_->Forward(ServerRequest(r, who, id, &copy), ctx->deadline(), packed);
+        return core_->Forward(ServerRequest(r, who, id, &copy), ctx->deadline(), packed, cancel);
       });
 }
 grpc::ServerUnaryReactor* CoordinatorService::OptimStep(grpc::CallbackServerContext* ctx,
@@ -399,9 +418,9 @@ grpc::ServerUnaryReactor* CoordinatorService::TrainStep(grpc::CallbackServerCont
   return DeferRaw<v1::TrainStepRequest, v1::StepResponse>(
       ctx, *req, resp,
       [this, ctx](const Caller& who, const std::string& id, const v1::TrainStepRequest& r,
-                  const PackedDatumsWire* packed) {
+                  const PackedDatumsWire* packed, CancelToken* cancel) {
         std::optional<v1::TrainStepRequest> copy;  // with API keys, of the request without its packed datums
-        return core_->TrainStep(ServerRequest(r, who, id, &copy), ctx->deadline(), packed);
+        return core_->TrainStep(ServerRequest(r, who, id, &copy), ctx->deadline(), packed, cancel);
       });
 }
 grpc::ServerUnaryReactor* CoordinatorService::SaveState(grpc::CallbackServerContext* ctx,

@@ -122,8 +122,9 @@ absl::Status GrpcWorkerClient::WaitReady(int timeout_seconds) {
 
 template <typename Resp, typename Req, typename Method>
 absl::StatusOr<Resp> GrpcWorkerClient::Call(Method method, const Req& req, std::chrono::seconds timeout,
-                                             std::chrono::system_clock::time_point deadline) {
+                                             std::chrono::system_clock::time_point deadline, CancelToken* cancel) {
   grpc::ClientContext ctx;
+  CancelToken::Registration on_cancel(cancel, [&ctx] { ctx.TryCancel(); });
   ctx.set_deadline(std::min(deadline, std::chrono::system_clock::now() + (timeout.count() > 0 ? timeout : call_timeout_)));
   if (!authorization_.empty()) ctx.AddMetadata("authorization", authorization_);
   {
@@ -145,7 +146,7 @@ absl::StatusOr<Resp> GrpcWorkerClient::StepCall(Method method, WorkerPipeMethod 
                                                  const BatchShard& batch) {
   if (pipe_ == nullptr) {
     LORASTEP_ASSIGN_OR_RETURN(Req full, WithDatums(req, batch));
-    return Call<Resp>(method, full, std::chrono::seconds(0), batch.deadline);
+    return Call<Resp>(method, full, std::chrono::seconds(0), batch.deadline, batch.cancel);
   }
   ShardWireForms::Form local;
   std::optional<PackedDatumsField> packed;
@@ -155,7 +156,7 @@ absl::StatusOr<Resp> GrpcWorkerClient::StepCall(Method method, WorkerPipeMethod 
   LORASTEP_ASSIGN_OR_RETURN(std::string answer,
                             pipe_->Call(static_cast<uint8_t>(pipe_method), std::move(payload),
                                         std::min(batch.deadline, std::chrono::system_clock::now() + call_timeout_),
-                                        std::move(pieces), staged));
+                                        std::move(pieces), staged, batch.cancel));
   Resp resp;
   if (!resp.ParseFromString(answer)) {
     return absl::DataLossError(absl::StrCat("worker ", address_, ": an answer that does not parse as ",

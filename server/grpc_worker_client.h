@@ -72,9 +72,11 @@ class GrpcWorkerClient final : public WorkerClient {
  private:
   // One unary call with the deadline, registered so CancelInFlight can reach it.
   template <typename Resp, typename Req, typename Method>
-  // `timeout` 0: the client's call timeout; the call ends at `deadline` if that comes first.
+  // `timeout` 0: the client's call timeout; the call ends at `deadline` if that comes first,
+  // or when `cancel` is cancelled.
   absl::StatusOr<Resp> Call(Method method, const Req& req, std::chrono::seconds timeout = std::chrono::seconds(0),
-                            std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max());
+                            std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max(),
+                            CancelToken* cancel = nullptr);
 
   // A per-step call with the shard's datums (none: BatchShard{}), ending at its deadline: over
   // the call pipe when there is one, else as Call does.

@@ -19,9 +19,10 @@ absl::StatusOr<Response> Answer(WorkerCalls* calls, Method method, const Request
 template <typename Response, typename Request, typename Method>
 absl::StatusOr<Response> AnswerBatch(WorkerCalls* calls, Method method, const Request& req, const BatchShard& batch) {
   Response resp;
-  // Past the client's deadline nobody waits: stop at the next micro-batch, as a worker does.
-  const WorkerCore::Cancelled cancelled = [deadline = batch.deadline] {
-    return std::chrono::system_clock::now() > deadline;
+  // Past the client's deadline, or once the client went away, nobody waits: stop at the next
+  // micro-batch, as a worker does.
+  const WorkerCore::Cancelled cancelled = [deadline = batch.deadline, cancel = batch.cancel] {
+    return std::chrono::system_clock::now() > deadline || (cancel != nullptr && cancel->cancelled());
   };
   if (batch.datums == nullptr) {
     LORASTEP_RETURN_IF_ERROR((calls->*method)(req, &resp, nullptr, cancelled));

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "lib/cancel_token.h"
 #include "lib/training/batch.h"
 #include "rpc/packed_wire.h"
 #include "lorastep/v1/worker.pb.h"
@@ -50,6 +51,9 @@ struct BatchShard {
   // The client's deadline: the worker's call ends then too, and the worker stops at its next
   // micro-batch (max: only the client's worker-call timeout applies).
   std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max();
+  // The client's call: cancelled when the client goes away (or the server shuts down); the
+  // worker's call is cancelled then and stops at its next micro-batch. Null: never.
+  CancelToken* cancel = nullptr;
   ShardWireForms* wire = nullptr;  // shared by the call's ranks; null: packed per rank
   size_t shard = 0;                // which of wire's shards this is
   const PackedDatumsWire* as_sent = nullptr;  // instead of datums: unparsed, unchecked

@@ -185,6 +185,55 @@ TEST(ProcessTest, AbandonedCallStopsAtTheNextMicroBatchAndAppliesNothing) {
   EXPECT_EQ(next.learner_version(), 1);
 }
 
+// Issue 55, point 3: a client that goes away without a deadline (its call cancelled, its
+// connection closed) cancels its call on every worker and rank: they stop at the next
+// micro-batch, nothing is applied, and the run's lock is released, so another run is served
+// within seconds (before, only the client's deadline reached the workers: the step ran on).
+// Prints disconnect_to_idle_s and mesh_disconnect_to_idle_s.
+TEST(ProcessTest, DisconnectedClientWithoutADeadlineStopsItsCall) {
+  for (const bool mesh : {false, true}) {
+    if (mesh && !CpuCollectivesAvailable()) continue;
+    SCOPED_TRACE(mesh ? "DP2 mesh" : "one worker");
+    ASSERT_OK_AND_ASSIGN(ChildServer server,
+                         StartTinyCoordinator(mesh ? "disconnect_mesh" : "disconnect",
+                                              mesh ? std::vector<std::string>{"--dp", "2"} : std::vector<std::string>{}));
+    ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
+    ASSERT_OK_AND_ASSIGN(RunSession big, RunSession::Create(client.get(), Lora(), 1));
+    ASSERT_OK_AND_ASSIGN(RunSession small, RunSession::Create(client.get(), Lora(), 2));
+    const std::string pid_dir = ScratchDir("disconnect_pid");
+    const std::string list = absl::StrCat("pgrep -P ", server.pid(), " | head -1 > ", pid_dir, "/pid");
+    ASSERT_EQ(system(list.c_str()), 0);
+    ASSERT_OK_AND_ASSIGN(std::string pid_text, ReadFileToString(pid_dir + "/pid"));
+    const int worker = std::atoi(pid_text.c_str());
+    // The disconnecting client: its own connection, no deadline.
+    auto channel = grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials());
+    auto stub = v1::Trainer::NewStub(channel);
+    grpc::ClientContext ctx;
+    v1::StepResponse resp;
+    grpc::Status status;
+    const double cpu0 = testing::ProcessCpuSeconds(worker);
+    std::thread caller([&] { status = stub->TrainStep(&ctx, LongTrainStep(big.run_id(), 4096), &resp); });
+    const bool computing = testing::WaitUntilComputing(worker, cpu0, 1.5, std::chrono::seconds(60));
+    const auto gone = std::chrono::steady_clock::now();
+    ctx.TryCancel();
+    caller.join();
+    stub.reset();
+    channel.reset();
+    ASSERT_TRUE(computing) << "the long step never started";
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED);
+    ASSERT_OK(small.TrainStep(Batch(0), Ppo(), Adam()));
+    const double to_idle = std::chrono::duration<double>(std::chrono::steady_clock::now() - gone).count();
+    std::printf("%s=%.3f\n", mesh ? "mesh_disconnect_to_idle_s" : "disconnect_to_idle_s", to_idle);
+    EXPECT_LT(to_idle, mesh ? 10.0 : 9.0);  // one micro-batch (2.6-2.9 s on the two-core dev machine)
+    ASSERT_OK_AND_ASSIGN(v1::Run state, client->GetRun(big.run_id()));
+    EXPECT_EQ(state.learner_version(), 0) << "the abandoned step was applied";
+    EXPECT_EQ(state.next_sequence_id(), 1);
+    ASSERT_OK_AND_ASSIGN(v1::StepResponse next, big.TrainStep(Batch(0), Ppo(), Adam()));
+    EXPECT_EQ(next.learner_version(), 1);
+    if (mesh) EXPECT_TRUE(next.replicas_equal());
+  }
+}
+
 // The same on a mesh: with a client deadline the ranks agree before each micro-batch whether
 // to stop (one all-reduce; in a pipeline, before each stage receives the micro-batch's input),
 // so all stop at the same one with no send or receive half done and nothing applied on any
