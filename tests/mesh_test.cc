@@ -3,16 +3,20 @@
 // one worker (world size 1): per-step loss and grad_norm, Forward log-probs, and the
 // exported adapter, within 1e-5 relative. Replicas must be bitwise equal after every step.
 #include <algorithm>
+#include <cstring>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <map>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "clients/cpp/trainer_client.h"
 #include "lib/io/file_util.h"
+#include "lib/status_macros.h"
 #include "lib/model/model_weights.h"
 #include "lib/io/safetensors.h"
 #include "lib/io/tensor_bytes.h"
@@ -419,6 +423,60 @@ TEST_F(MeshTest, RankLocalRefusalIsAnsweredAtOnceByEveryRank) {
     EXPECT_EQ(next.learner_version(), 1) << call;
     EXPECT_TRUE(next.replicas_equal()) << call;
   }
+}
+
+// Writes NaN over the last value of tensor `name` (F32) in the safetensors file at `path`:
+// in a tensor split over two tensor-parallel ranks by its first dimension, rank 1's half.
+absl::Status PoisonLastValue(const std::string& path, const std::string& name) {
+  LORASTEP_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, bytes.data(), 8);
+  nlohmann::json header = nlohmann::json::parse(bytes.substr(8, header_len), nullptr, false);
+  if (header.is_discarded() || !header.contains(name)) return absl::NotFoundError(absl::StrCat(path, ": no ", name));
+  if (header[name]["dtype"] != "F32") return absl::InvalidArgumentError(absl::StrCat(name, ": not F32"));
+  const uint64_t end = header[name]["data_offsets"][1].get<uint64_t>();
+  const float nan = std::nanf("");
+  std::memcpy(bytes.data() + 8 + header_len + end - sizeof(float), &nan, sizeof(float));
+  return WriteStringToFile(path, bytes);
+}
+
+// Issue 55, point 4: a LoadState that one rank refuses on its own (a non-finite value in its
+// shard of a tensor-parallel tensor) is answered at once by every rank, nothing applied: the
+// rank's early return casts its "no" (MeshVote). The others used to wait in the vote until
+// the collective timeout (60 s here).
+TEST_F(MeshTest, LoadStateRefusedByOneRankIsAnsweredAtOnceByEveryRank) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
+  Coordinator tp2 = Start({"--tp", "2"});
+  v1::LoraConfig lora;
+  lora.set_rank(4);
+  lora.set_alpha(8);
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(tp2.client.get(), lora, 21));
+  ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
+  v1::SaveStateRequest save;
+  save.set_run_id(run.run_id());
+  save.set_path(*dir_ + "/state_poisoned");
+  ASSERT_OK(tp2.client->SaveState(save).status());
+  ASSERT_OK_AND_ASSIGN(SafetensorsFile trainable, SafetensorsFile::Open(save.path() + "/trainable.safetensors"));
+  std::string target;
+  for (const auto& e : trainable.entries()) {
+    if (target.empty() && e.name.find("q_proj") != std::string::npos && e.name.find("lora_B") != std::string::npos) {
+      target = e.name;
+    }
+  }
+  ASSERT_FALSE(target.empty()) << "no q_proj lora_B tensor in the checkpoint";
+  ASSERT_OK(PoisonLastValue(save.path() + "/trainable.safetensors", target));
+  ASSERT_OK(PoisonLastValue(save.path() + "/optimizer.safetensors", target + ".master"));
+  const auto t0 = std::chrono::steady_clock::now();
+  auto loaded = run.LoadState(save.path());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_THAT(loaded, StatusIs(absl::StatusCode::kInvalidArgument, "holds non-finite values"));
+  EXPECT_LT(seconds, 10.0) << "the other rank waited out its collective timeout";
+  std::printf("load_state_refusal_s=%.3f\n", seconds);
+  ASSERT_OK_AND_ASSIGN(v1::Run state, tp2.client->GetRun(run.run_id()));
+  EXPECT_EQ(state.learner_version(), 1) << "nothing applied";
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse next, run.TrainStep(Batch(1), Ppo(), Adam()));
+  EXPECT_EQ(next.learner_version(), 2);
+  EXPECT_TRUE(next.replicas_equal());
 }
 
 // Issue 27, defect 3: AdamW stages its update on every rank (every allocation, the

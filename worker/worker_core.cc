@@ -500,9 +500,13 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::LoadState(const std::string& 
                                                              const MeshCallInfo& mesh) {
   std::lock_guard<FairMutex> lock(mu_);
   writer_.Await(ResolveRequestPath(store_.get(), path, "path").value_or(""));  // a write there finishes first
+  // One vote on every path once the communicators are formed: a rank that fails on its own
+  // (the path, the run, a value in its shard) votes "no" as it returns.
+  LORASTEP_RETURN_IF_ERROR(FormGroups(mesh.Unchecked()));
+  MeshVote vote(groups_.get(), base_->device);
   LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/false));
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh.Unchecked()));
-  LORASTEP_RETURN_IF_ERROR(AsReference(t->LoadState(folder), folder, path));
+  LORASTEP_RETURN_IF_ERROR(AsReference(t->LoadState(folder, &vote), folder, path));
   return PathResult{t->FullAdapterSha256(), t->learner_version()};
 }
 

@@ -1031,7 +1031,11 @@ absl::Status Trainer::SaveState(
   return WriteStateSnapshot(*snapshot, folder, fault_point);
 }
 
-absl::Status Trainer::LoadState(const std::string& folder) {
+absl::Status Trainer::LoadState(const std::string& folder, MeshVote* caller_vote) {
+  // Every early return below votes "no" through the guard: the other ranks learn at once.
+  std::optional<MeshVote> own_vote;
+  if (caller_vote == nullptr) own_vote.emplace(options_.groups, base_->device);
+  MeshVote& vote = caller_vote != nullptr ? *caller_vote : *own_vote;
   return GuardTorch([&]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(std::string text, ReadFileToString(folder + "/trainer_state.json"));
     nlohmann::json state = nlohmann::json::parse(text, nullptr, false);
@@ -1115,7 +1119,7 @@ absl::Status Trainer::LoadState(const std::string& folder) {
     }
     LORASTEP_ASSIGN_OR_RETURN(const SafetensorsEntry* rng, optimizer.Find("rng.dropout"));
     LORASTEP_ASSIGN_OR_RETURN(at::Tensor rng_state, TensorFromEntry(*rng));
-    LORASTEP_RETURN_IF_ERROR(AgreeOnOutcome(absl::OkStatus()));
+    LORASTEP_RETURN_IF_ERROR(vote.Cast(absl::OkStatus()));
     // Commit.
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {

@@ -139,6 +139,32 @@ struct TrainerStateSnapshot;
 // Every rank of the mesh calls it at the same point of the call. `groups` null: `local`.
 absl::Status AgreeOnMesh(ProcessGroups* groups, const at::Device& device, const absl::Status& local);
 
+// The one outcome vote of a mesh call, cast exactly once on every path: Cast(local) votes and
+// returns the mesh's verdict (AgreeOnMesh); a vote destroyed without having been cast casts
+// "no", so a rank that returns early on an error of its own (a missing file, a non-finite
+// value in its shard) still answers its peers at once instead of leaving them in the vote
+// until the collective timeout. Every path of a call must reach the same single vote point
+// or return early; nothing is applied before Cast has returned OK.
+class MeshVote {
+ public:
+  MeshVote(ProcessGroups* groups, const at::Device& device) : groups_(groups), device_(device) {}
+  ~MeshVote() {
+    if (!cast_) (void)AgreeOnMesh(groups_, device_, absl::AbortedError("this rank failed the call before its vote"));
+  }
+  MeshVote(const MeshVote&) = delete;
+  MeshVote& operator=(const MeshVote&) = delete;
+  absl::Status Cast(const absl::Status& local) {
+    cast_ = true;
+    return AgreeOnMesh(groups_, device_, local);
+  }
+  bool cast() const { return cast_; }
+
+ private:
+  ProcessGroups* groups_;
+  at::Device device_;
+  bool cast_ = false;
+};
+
 class Trainer;
 
 // One run's TrainStep in a co-scheduled step (Trainer::JointTrainStep).
@@ -226,7 +252,9 @@ class Trainer {
   static absl::Status WriteStateSnapshot(const TrainerStateSnapshot& snapshot, const std::string& folder,
                                          const std::function<absl::Status(const std::string&)>& fault_point =
                                              nullptr);
-  absl::Status LoadState(const std::string& folder);
+  // `vote`: the call's outcome vote on a mesh (cast here once the checkpoint is staged; an
+  // early return leaves it to the caller's guard). Null: this trainer's own.
+  absl::Status LoadState(const std::string& folder, MeshVote* vote = nullptr);
   // PEFT adapter folder (LoRA runs).
   // PEFT folder (lib/model/peft_io.h); `expand_experts`: shared-outer factors copied per expert.
   absl::Status ExportAdapter(const std::string& folder, bool expand_experts = false) const;
