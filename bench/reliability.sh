@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8's reliability figures on this machine, written to bench/results/reliability.json:
+# Reliability figures on this machine, written to bench/results/reliability.json:
 #  - load: bench/load_test (16 clients, one run each, 10,000 small TrainSteps against one
 #    coordinator + local worker on the tiny model, CPU, journal on: every step autosaved in
 #    the background): throughput, p99 step, fairness,
@@ -16,7 +16,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench/results/reliability.json}
 STEPS=${LOAD_STEPS:-10000} CLIENTS=${LOAD_CLIENTS:-16}
-bazel build //bench:load_test //server:lorastep_coordinator //worker:lorastep_worker //tools:lorastep_genmodel >/dev/null 2>&1 || { echo "build failed"; exit 1; }
+bazel build //bench:load_test //server:lorastep_coordinator //worker:lorastep_worker //tools:lorastep_genmodel \
+  //clients/python:python_client >/dev/null 2>&1 || { echo "build failed"; exit 1; }
 W=$(mktemp -d); trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null; rm -rf "$W"' EXIT
 ./bazel-bin/tools/lorastep_genmodel --preset tiny --seed 1 --out "$W/model" >/dev/null
 # With a state dir: the journal on, every step of every run autosaved (in the background).
@@ -46,6 +47,16 @@ fuzz=$(bazel test //tests:fuzz_test --test_output=all --cache_test_results=no 2>
 # ProcessTest.AbandonedMeshCallStopsOnEveryRankAtTheSameMicroBatch).
 bazel test //tests:auth_test //tests:run_journal_test --test_output=all --cache_test_results=no > "$W/issue26.log" 2>&1
 cat "$W/process_tests.log" >> "$W/issue26.log"
+# Issue 55's figures: tenants (bench/tenant_isolation.py: a greedy key at its limits while
+# another key steps; 64 MiB bodies from 16 threads for 30 s), the security policy's table,
+# oversized meshes refused before any worker starts, a rank-local LoadState refusal on TP2
+# (disconnect_to_idle_s and mesh_disconnect_to_idle_s come from process_test above).
+bazel test //tests:security_policy_test //tests:startup_test --test_output=all --cache_test_results=no >> "$W/issue26.log" 2>&1
+bazel test //tests:mesh_test --test_filter='MeshTest.LoadStateRefused*' --test_output=all --cache_test_results=no \
+  >> "$W/issue26.log" 2>&1
+mkdir -p "$W/tenants"
+PYTHONPATH=bazel-bin/clients/python /usr/bin/python3 bench/tenant_isolation.py bazel-bin/server/lorastep_coordinator \
+  bazel-bin/worker/lorastep_worker bazel-bin/tools/lorastep_genmodel "$W/tenants" >> "$W/issue26.log" 2>&1
 python3 - "$W/load.json" "$OUT" "$passed" "$failed" "$fuzz" "$W/issue26.log" <<'PY'
 import datetime, json, os, platform, re, subprocess, sys
 load = json.load(open(sys.argv[1])); passed, failed, fuzz = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
@@ -73,7 +84,19 @@ out = {"date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
        "journal_silent_rollbacks": figure("journal_silent_rollbacks", int),
        "cancel_to_idle_s": figure("cancel_to_idle_s"),
        "mesh_cancel_to_idle_s": figure("mesh_cancel_to_idle_s"),
-       "pipeline_cancel_to_idle_s": figure("pipeline_cancel_to_idle_s")}
+       "pipeline_cancel_to_idle_s": figure("pipeline_cancel_to_idle_s"),
+       "tenant_lockout_cases": figure("tenant_lockout_cases", int),
+       "tenant_lockouts": figure("tenant_lockouts", int),
+       "tenant_lockout_rule": "a case is a lockout when the other key gets RESOURCE_EXHAUSTED or its p99 step passes 2x its p99 alone",
+       "other_key_p99_alone_s": figure("other_p99_alone_s"),
+       "queued_bytes_peak_rss_mb": figure("queued_bytes_peak_rss_mb"),
+       "disconnect_to_idle_s": figure("disconnect_to_idle_s"),
+       "mesh_disconnect_to_idle_s": figure("mesh_disconnect_to_idle_s"),
+       "load_state_refusal_s": figure("load_state_refusal_s"),
+       "security_policy_cases": figure("security_policy_cases", int),
+       "security_policy_open": figure("security_policy_open", int),
+       "oversized_mesh_refused_s": figure("oversized_mesh_refused_s")}
+out["tenant_cases"] = re.findall(r"^case .*$", log, re.M)
 json.dump(out, open(sys.argv[2], "w"), indent=2)
 print(json.dumps(out, indent=2))
 PY
