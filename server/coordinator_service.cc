@@ -46,7 +46,6 @@ void ForCaller(const Caller& caller, v1::GetStepMetricsResponse* r) {
   for (v1::StepRecord& step : *r->mutable_steps()) ForCaller(caller, &step);
 }
 
-
 // Streams a run's step records: the kept backlog first, then each new record. Deletes
 // itself in OnDone, after unregistering from the coordinator.
 class MetricsWatchReactor final : public grpc::ServerWriteReactor<v1::StepRecord> {
@@ -248,8 +247,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext*
                                                     Call call, bool run_scoped,
                                                     std::function<void()> before_finish,
                                                     std::function<void(const std::string&)> before_queue,
-                                                    int64_t request_bytes, AdmissionTicket ticket,
-                                                    std::shared_ptr<CancelToken> cancel) {
+                                                    AdmissionTicket ticket, std::shared_ptr<CancelToken> cancel) {
   // Authentication and ownership are checked before the call is queued, on the server's
   // id of the run (per owner with API keys).
   std::string server_id;
@@ -257,7 +255,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext*
   if (!caller.ok()) return Refuse(ctx, caller.status());
   if (!run_scoped) server_id = ServerRunId(*caller, run_id);
   if (!ticket.held()) {
-    auto admitted = admission_->Admit(caller->owner, request_bytes);
+    auto admitted = admission_->Admit(caller->owner, /*bytes=*/0);  // parsed by gRPC already: small
     if (!admitted.ok()) return Refuse(ctx, admitted.status());
     ticket = *std::move(admitted);
   }
@@ -331,7 +329,7 @@ grpc::ServerUnaryReactor* CoordinatorService::DeferRaw(grpc::CallbackServerConte
         if constexpr (std::is_same_v<Req, v1::ForwardBackwardRequest>) values_needed = owned->req.has_batch_totals();
         core_->StageBatch(server_id, &*owned->packed, values_needed);
       },
-      /*request_bytes=*/0, *std::move(ticket), owned->cancel);
+      *std::move(ticket), owned->cancel);
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::CreateRun(grpc::CallbackServerContext* ctx,

@@ -110,15 +110,15 @@ class CoordinatorService final : public TrainerServiceBase {
   // (a raw method serializes its response there). `before_queue(server run id)`: run on
   // this thread once the call is admitted, before it is queued.
   template <typename Resp, typename Call>
-  // `ticket`: the call's admission when the caller admitted it already (a raw method, before
-  // parsing); else the call is admitted here with `request_bytes`. `cancel`: cancelled when
-  // the client's call is (made here when null); a call still queued then is not started.
+  // `ticket`: the call's admission when the caller admitted it already with its bytes (a raw
+  // method, before parsing); else the call is admitted here as a call of its key. `cancel`:
+  // cancelled when the client's call is (made here when null); a call still queued then is
+  // not started.
   grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, const std::string& run_id,
                                   Resp* resp, Call call, bool run_scoped = true,
                                   std::function<void()> before_finish = nullptr,
                                   std::function<void(const std::string&)> before_queue = nullptr,
-                                  int64_t request_bytes = 0, AdmissionTicket ticket = AdmissionTicket(),
-                                  std::shared_ptr<CancelToken> cancel = nullptr);
+                                  AdmissionTicket ticket = AdmissionTicket(), std::shared_ptr<CancelToken> cancel = nullptr);
   // A raw method: authenticates, counts the datums on the wire, parses into a request it
   // owns, has the core stage its packed batch (Coordinator::StageBatch) while the bytes are
   // at hand, runs `call(caller, server run id, request)` like Defer and serializes the response.
