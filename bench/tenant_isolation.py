@@ -102,7 +102,6 @@ class Greedy:
         self.seq = {r: 1 for r in runs}
         self.ok = self.refused = self.other_errors = 0
         self.pending = threading.Semaphore(0)
-        self.sent = 0
         for i in range(in_flight):
             self.send(i)
 
@@ -198,47 +197,34 @@ def main():
 
 
 def queued_bytes(proc, channel, run, quick):
-    if True:
-        # Bodies of 64 MiB as fast as 16 threads can send them, for 30 s.
-        # A valid packed batch of just under 64 MiB (2040 datums x 4096 tokens, int32 tokens and targets),
-        # with a sequence id the run is not at: each call holds its body while queued behind
-        # the run, then is refused FAILED_PRECONDITION without reaching the worker.
-        n, per = 2040, 4096
-        tokens = (b"\x01\x00\x00\x00" * per) * n
-        packed = trainer_pb2.PackedDatums(lengths=[per] * n, tokens=tokens, target_tokens=tokens)
-        body = trainer_pb2.TrainStepRequest(run_id=run, request_id="x", sequence_id=99, packed_datums=packed,
-                                            loss=trainer_pb2.LossConfig(loss_fn="cross_entropy")).SerializeToString()
-        raw = channel.unary_unary("/lorastep.v1.Trainer/TrainStep")
-        codes = {}
-        stop = time.time() + (5 if quick else 30)
-        warm = peak_rss_mb(proc.pid)
+    """64 MiB bodies from 16 threads for 30 s; prints the coordinator's peak RSS."""
+    # A valid packed batch of just under 64 MiB (2040 datums x 4096 tokens, int32 tokens and targets),
+    # with a sequence id the run is not at: each call holds its body while queued behind
+    # the run, then is refused FAILED_PRECONDITION without reaching the worker.
+    n, per = 2040, 4096
+    tokens = (b"\x01\x00\x00\x00" * per) * n
+    packed = trainer_pb2.PackedDatums(lengths=[per] * n, tokens=tokens, target_tokens=tokens)
+    body = trainer_pb2.TrainStepRequest(run_id=run, request_id="x", sequence_id=99, packed_datums=packed,
+                                        loss=trainer_pb2.LossConfig(loss_fn="cross_entropy")).SerializeToString()
+    raw = channel.unary_unary("/lorastep.v1.Trainer/TrainStep")
+    codes = {}
+    stop = time.time() + (5 if quick else 30)
+    warm = peak_rss_mb(proc.pid)
 
-        def flood():
-            while time.time() < stop:
-                try:
-                    raw(body, metadata=meta("greedy"), timeout=120)
-                    code = "OK"
-                except grpc.RpcError as e:
-                    code = e.code().name
-                codes[code] = codes.get(code, 0) + 1
-        threads = [threading.Thread(target=flood) for _ in range(16)]
-        [t.start() for t in threads]
-        [t.join() for t in threads]
-        peak = peak_rss_mb(proc.pid)
-        print(f"queued_bytes body {len(body) / 2**20:.1f} MiB, answers {codes}, warm {warm:.1f} MB")
-        print(f"queued_bytes_peak_rss_mb={peak:.1f}")
-
-
-def _varint(n):
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
+    def flood():
+        while time.time() < stop:
+            try:
+                raw(body, metadata=meta("greedy"), timeout=120)
+                code = "OK"
+            except grpc.RpcError as e:
+                code = e.code().name
+            codes[code] = codes.get(code, 0) + 1
+    threads = [threading.Thread(target=flood) for _ in range(16)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    peak = peak_rss_mb(proc.pid)
+    print(f"queued_bytes body {len(body) / 2**20:.1f} MiB, answers {codes}, warm {warm:.1f} MB")
+    print(f"queued_bytes_peak_rss_mb={peak:.1f}")
 
 
 if __name__ == "__main__":

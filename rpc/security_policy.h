@@ -46,7 +46,6 @@ struct SecurityPolicy {
   bool cluster_needs_secret = false;       // Registry / Worker / RendezvousStore calls need the secret
   bool cluster_needs_certificate = false;  // worker: the TLS handshake requires a client certificate
   bool registry_closed = false;            // coordinator without a secret: the Registry refuses every call
-  bool header_check = true;                // credentials are checked before a message is read
   std::string warning;                     // what --insecure opened, for the start-up log; empty: nothing
 };
 

@@ -157,7 +157,6 @@ class MeshVote {
     cast_ = true;
     return AgreeOnMesh(groups_, device_, local);
   }
-  bool cast() const { return cast_; }
 
  private:
   ProcessGroups* groups_;
