@@ -49,10 +49,11 @@ bazel test //tests:auth_test //tests:run_journal_test --test_output=all --cache_
 cat "$W/process_tests.log" >> "$W/issue26.log"
 # Issue 55's figures: tenants (bench/tenant_isolation.py: a greedy key at its limits while
 # another key steps; 64 MiB bodies from 16 threads for 30 s), the security policy's table,
-# oversized meshes refused before any worker starts, a rank-local LoadState refusal on TP2
-# (disconnect_to_idle_s and mesh_disconnect_to_idle_s come from process_test above).
+# oversized meshes refused before any worker starts, a rank-local LoadState refusal on TP2,
+# every collective path refused by one rank (its transaction_path lines); disconnect_to_idle_s
+# and mesh_disconnect_to_idle_s come from process_test above.
 bazel test //tests:security_policy_test //tests:startup_test --test_output=all --cache_test_results=no >> "$W/issue26.log" 2>&1
-bazel test //tests:mesh_test --test_filter='MeshTest.LoadStateRefused*' --test_output=all --cache_test_results=no \
+bazel test //tests:mesh_test --test_filter='MeshTest.LoadStateRefused*:MeshTest.EveryCollectivePath*' --test_output=all --cache_test_results=no \
   >> "$W/issue26.log" 2>&1
 mkdir -p "$W/tenants"
 PYTHONPATH=bazel-bin/clients/python /usr/bin/python3 bench/tenant_isolation.py bazel-bin/server/lorastep_coordinator \
@@ -97,6 +98,12 @@ out = {"date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
        "security_policy_open": figure("security_policy_open", int),
        "oversized_mesh_refused_s": figure("oversized_mesh_refused_s")}
 out["tenant_cases"] = re.findall(r"^case .*$", log, re.M)
+# A path fails when its answer took 5 s or more, or when any check under its trace failed.
+paths = {name: float(s) for name, s in re.findall(r"^transaction_path (.+) ([0-9.]+)$", log, re.M)}
+traced = set(re.findall(r"Google Test trace:\n[^\n]*mesh_test\.cc:\d+: (.+)$", log, re.M))
+out["transaction_paths"] = len(paths | {n: 0 for n in traced})
+out["transaction_path_failures"] = len({n for n, s in paths.items() if s >= 5} | traced)
+out["transaction_path_seconds"] = paths
 json.dump(out, open(sys.argv[2], "w"), indent=2)
 print(json.dumps(out, indent=2))
 PY

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -65,7 +66,11 @@ void SpinForWork(const std::atomic<uint64_t>& submitted, uint64_t seen, std::chr
 
 // Tasks grouped by key (a run id) on a pool of threads: one key's tasks run one at a time in
 // submission order, and keys with work take turns (round robin), so a busy run cannot starve
-// another and runs do not share a fate through a hash of their ids. New work wakes the most
+// another and runs do not share a fate through a hash of their ids. With `group_of` (a run's
+// tenant), groups take turns first and their keys within them, and once a second group has
+// been seen no group holds more than all but an eighth of the threads: a tenant with many
+// busy runs cannot take every thread (their tasks wait on the device) and leave another
+// tenant's call waiting for one. New work wakes the most
 // recently idle thread (last in, first out): a steady caller keeps landing on the same warm
 // thread, whose per-thread state (CUDA handles and workspaces set up on first use) is ready,
 // however many threads the pool has.
@@ -77,7 +82,8 @@ void SpinForWork(const std::atomic<uint64_t>& submitted, uint64_t seen, std::chr
 // answers and send the next calls (32 runs on a 16-core host: 32 threads x the spin).
 class KeyedExecutor {
  public:
-  explicit KeyedExecutor(size_t threads, std::chrono::microseconds spin = std::chrono::microseconds(0));
+  explicit KeyedExecutor(size_t threads, std::chrono::microseconds spin = std::chrono::microseconds(0),
+                         std::function<std::string(const std::string&)> group_of = nullptr);
   ~KeyedExecutor();  // runs what is queued, then joins
   KeyedExecutor(const KeyedExecutor&) = delete;
   KeyedExecutor& operator=(const KeyedExecutor&) = delete;
@@ -91,15 +97,25 @@ class KeyedExecutor {
   };
   void Loop();
   void WakeOne();  // under mu_
+  void AddTurn(const std::string& key);  // under mu_: `key` waits for a turn
+  // Under mu_: the next key whose group may take a thread, taken out of the turns; false if none.
+  bool TakeTurn(std::string* key);
+  bool HasTurn() const;  // under mu_: whether TakeTurn would find one
+  std::string GroupOf(const std::string& key) const { return group_of_ ? group_of_(key) : std::string(); }
   const std::chrono::microseconds spin_;
+  const std::function<std::string(const std::string&)> group_of_;
+  const size_t max_per_group_;  // threads one group may hold once a second group is seen
   std::atomic<uint64_t> submitted_{0};
   std::mutex mu_;
   bool spinning_ = false;      // a thread spins
   bool spinner_free_ = false;  // ... and no submission has claimed it yet
   std::vector<Idle*> idle_;  // waiting threads, the most recently idle last
   std::map<std::string, std::deque<std::function<void()>>> queued_;  // keys with work
-  std::deque<std::string> turns_;  // keys with work and none running, in turn order
+  std::map<std::string, std::deque<std::string>> turns_;  // by group: keys with work, none running
+  std::deque<std::string> group_turns_;  // groups with keys in turns_, in turn order
   std::map<std::string, bool> running_;
+  std::map<std::string, size_t> group_running_;  // tasks running per group
+  std::set<std::string> groups_seen_;
   bool stopping_ = false;
   std::vector<std::thread> threads_;
 };

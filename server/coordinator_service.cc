@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "lib/run_tenant.h"
 #include "lib/io/state_store.h"
 #include "lib/status_macros.h"
 #include "server/run_names.h"
@@ -168,7 +169,7 @@ CoordinatorService::CoordinatorService(Coordinator* core, size_t executors, Prom
       api_keys_(api_keys),
       metrics_(metrics),
       admission_(std::make_unique<Admission>(AdmissionLimits(), metrics)),
-      executor_(executors, executor_spin) {}
+      executor_(executors, executor_spin, TenantOfRun) {}
 
 absl::StatusOr<Caller> CoordinatorService::Authenticate(grpc::CallbackServerContext* ctx) const {
   if (api_keys_ == nullptr) return Caller{"", /*admin=*/true};  // no --api_keys_file

@@ -1,27 +1,14 @@
 #include "server/run_names.h"
 
-#include <cctype>
-
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "lib/io/state_store.h"
+#include "lib/run_tenant.h"
 #include "rpc/bearer_token.h"
 
 namespace lorastep {
 namespace {
-
-constexpr size_t kPrefixBytes = 12;  // "k" + 10 hex digits + "."
-
-// Whether `id` starts like a server id of some owner: "k", 10 lowercase hex digits, ".".
-bool HasOwnerPrefix(const std::string& id) {
-  if (id.size() <= kPrefixBytes || id[0] != 'k' || id[kPrefixBytes - 1] != '.') return false;
-  for (size_t i = 1; i + 1 < kPrefixBytes; ++i) {
-    const char c = id[i];
-    if (!std::isdigit(static_cast<unsigned char>(c)) && (c < 'a' || c > 'f')) return false;
-  }
-  return true;
-}
 
 // Applies `map` to the run of a lorastep://<run>/<name> reference.
 template <typename Map>
@@ -37,12 +24,12 @@ std::string MapRef(const std::string& path, Map map) {
 
 std::string OwnerRunPrefix(const std::string& owner) {
   if (owner.empty()) return "";
-  return absl::StrCat("k", Sha256Hex(owner).substr(0, kPrefixBytes - 2), ".");
+  return absl::StrCat("k", Sha256Hex(owner).substr(0, kTenantPrefixBytes - 2), ".");
 }
 
 std::string ServerRunId(const Caller& caller, const std::string& id) {
   if (caller.owner.empty() || id.empty()) return id;
-  if (caller.admin && HasOwnerPrefix(id)) return id;
+  if (caller.admin && HasTenantPrefix(id)) return id;
   return OwnerRunPrefix(caller.owner) + id;
 }
 

@@ -2,6 +2,9 @@
 #include "worker/coschedule_window.h"
 
 #include <chrono>
+#include <map>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -73,6 +76,75 @@ TEST(CoscheduleWindowTest, ATurnaroundIsMeasuredFromTheLastAnswer) {
   EXPECT_EQ(*run.turnaround(), milliseconds(1000));
   run.Arrived(kOpened + milliseconds(200));  // a call stamped before the answer measures nothing
   EXPECT_EQ(*run.turnaround(), milliseconds(1000));
+}
+
+// Issue 55: a co-scheduled step shares the device per tenant.
+std::vector<size_t> Within(const std::vector<WaitingCall>& waiting, const std::map<std::string, int64_t>& expected) {
+  return ShareStep(waiting, expected).within;
+}
+
+TEST(ShareStepTest, OneTenantTakesEveryRunsFirstCall) {
+  const std::vector<WaitingCall> waiting = {{"r1", "", 64}, {"r2", "", 64}, {"r1", "", 64}, {"r3", "", 900}};
+  EXPECT_EQ(Within(waiting, {}), (std::vector<size_t>{0, 1, 3}));
+  EXPECT_EQ(Within(waiting, {{"", 64}}), (std::vector<size_t>{0, 1, 3})) << "its own expected runs change nothing";
+  const StepShares shares = ShareStep(waiting, {});
+  EXPECT_TRUE(shares.heavy.empty());
+  EXPECT_EQ(TakeForStep(waiting, shares, false).taken, (std::vector<size_t>{0, 1, 3}));
+}
+
+TEST(ShareStepTest, ATenantWithManyRunsGetsAShareLikeATenantWithOne) {
+  std::vector<WaitingCall> waiting;
+  for (int r = 0; r < 64; ++r) waiting.push_back({"kgreedy." + std::to_string(r), "kgreedy", 64});
+  waiting.push_back({"kother.run", "kother", 64});
+  const StepShares shares = ShareStep(waiting, {});
+  EXPECT_EQ(shares.within, (std::vector<size_t>{0, 64}));
+  EXPECT_EQ(shares.heavy, (std::set<std::string>{"kgreedy"}));
+  // Smaller calls: as many as fit the other tenant's call.
+  for (auto& c : waiting) c.tokens = c.tenant == "kgreedy" ? 16 : 64;
+  EXPECT_EQ(Within(waiting, {}), (std::vector<size_t>{0, 1, 2, 3, 64}));
+}
+
+TEST(ShareStepTest, AnExpectedTenantKeepsItsShareBeforeItsCallArrives) {
+  std::vector<WaitingCall> waiting;
+  for (int r = 0; r < 8; ++r) waiting.push_back({"kgreedy." + std::to_string(r), "kgreedy", 64});
+  // The other tenant's run was in the last step (its last call 128 tokens) and has not sent
+  // its next call yet: the greedy tenant takes 128 tokens' worth, not all eight runs.
+  EXPECT_EQ(Within(waiting, {{"kother", 128}}), (std::vector<size_t>{0, 1}));
+  // A first call larger than the quantum is still taken alone.
+  waiting[0].tokens = 4096;
+  EXPECT_EQ(Within(waiting, {{"kother", 128}}), (std::vector<size_t>{0}));
+}
+
+TEST(TakeForStepTest, HeavyAndLightTenantsTakeTurns) {
+  std::vector<WaitingCall> waiting;
+  for (int r = 0; r < 8; ++r) waiting.push_back({"kgreedy." + std::to_string(r), "kgreedy", 64});
+  waiting.push_back({"kother.run", "kother", 64});
+  waiting.push_back({"kthird.run", "kthird", 32});
+  const StepShares shares = ShareStep(waiting, {});
+  // After a heavy step the light tenants' calls run alone; after a light step, the heavy share.
+  const StepChoice light = TakeForStep(waiting, shares, /*last_step_heavy=*/true);
+  EXPECT_EQ(light.taken, (std::vector<size_t>{8, 9}));
+  EXPECT_FALSE(light.heavy);
+  const StepChoice heavy = TakeForStep(waiting, shares, /*last_step_heavy=*/false);
+  EXPECT_EQ(heavy.taken, (std::vector<size_t>{0}));
+  EXPECT_TRUE(heavy.heavy);
+  // No light call waiting: the heavy share runs whatever the last step was.
+  waiting.resize(8);
+  EXPECT_EQ(TakeForStep(waiting, ShareStep(waiting, {{"kother", 64}}), true).taken, (std::vector<size_t>{0}));
+}
+
+TEST(RunsToAwaitTest, AWindowNeverIdlesTheDeviceForATenantThatHasCallsWaiting) {
+  auto tenant_of = [](const std::string& run) { return run.substr(0, run.find('.')); };
+  // One tenant: its expected runs without a call are awaited (they join the step).
+  std::vector<WaitingCall> waiting = {{"a.1", "a", 64}};
+  EXPECT_EQ(RunsToAwait(waiting, ShareStep(waiting, {}), {"a.1", "a.2"}, tenant_of), (std::vector<std::string>{"a.2"}));
+  // Two light tenants: b's run is awaited; a's other run is not (a has a call waiting).
+  waiting = {{"a.1", "a", 64}};
+  EXPECT_EQ(RunsToAwait(waiting, ShareStep(waiting, {{"b", 64}}), {"a.2", "b.1"}, tenant_of),
+            (std::vector<std::string>{"b.1"}));
+  // A heavy tenant with calls beyond its share: nothing is awaited.
+  waiting = {{"a.1", "a", 64}, {"a.2", "a", 64}};
+  EXPECT_TRUE(RunsToAwait(waiting, ShareStep(waiting, {{"b", 64}}), {"b.1"}, tenant_of).empty());
 }
 
 }  // namespace

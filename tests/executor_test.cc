@@ -42,6 +42,69 @@ TEST(KeyedExecutorTest, KeysTakeTurnsAndEachKeysTasksStayInOrder) {
   EXPECT_EQ(ran, (std::vector<std::string>{"a0", "b0", "a1", "b1", "a2", "a3"}));
 }
 
+// Issue 55: with a group per key (a run's tenant), groups take turns before keys: tenant
+// "b"'s one run is served after one task of tenant "a", however many runs "a" has waiting.
+TEST(KeyedExecutorTest, GroupsTakeTurnsBeforeTheirKeys) {
+  std::mutex mu;
+  std::vector<std::string> ran;
+  {
+    KeyedExecutor ex(1, std::chrono::microseconds(0), [](const std::string& key) { return key.substr(0, 1); });
+    std::promise<void> release;
+    std::shared_future<void> released = release.get_future().share();
+    ex.Submit("block", [released] { released.wait(); });
+    for (const char* key : {"a1", "a2", "a3", "a4", "b1"}) {
+      ex.Submit(key, [&, key] { std::lock_guard<std::mutex> l(mu); ran.push_back(key); });
+    }
+    release.set_value();
+  }
+  // Without groups: a1 a2 a3 a4 b1.
+  EXPECT_EQ(ran, (std::vector<std::string>{"a1", "b1", "a2", "a3", "a4"}));
+}
+
+// Issue 55: once a second group has been seen, one group holds at most all but an eighth of
+// the threads, so a tenant whose runs all wait on the device leaves a thread for another
+// tenant's call; with one group only, every thread serves it.
+TEST(KeyedExecutorTest, OneGroupLeavesAThreadForAnother) {
+  auto group_of = [](const std::string& key) { return key.substr(0, 1); };
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> started{0};
+  {
+    KeyedExecutor alone(8, std::chrono::microseconds(0), group_of);
+    std::promise<void> release_alone;
+    std::shared_future<void> alone_released = release_alone.get_future().share();
+    std::atomic<int> alone_started{0};
+    for (int i = 0; i < 8; ++i) {
+      alone.Submit("a" + std::to_string(i), [&, alone_released] {
+        ++alone_started;
+        alone_released.wait();
+      });
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (alone_started < 8 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+    EXPECT_EQ(alone_started, 8) << "one group alone takes every thread";
+    release_alone.set_value();
+  }
+  KeyedExecutor ex(8, std::chrono::microseconds(0), group_of);
+  std::promise<void> b0_done;
+  ex.Submit("b0", [&] { b0_done.set_value(); });
+  b0_done.get_future().wait();
+  for (int i = 0; i < 8; ++i) {
+    ex.Submit("a" + std::to_string(i), [&, released] {
+      ++started;
+      released.wait();
+    });
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (started < 7 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+  std::promise<void> b1_done;
+  ex.Submit("b1", [&] { b1_done.set_value(); });
+  // b1 runs while seven a tasks hold their threads; the eighth waits for one of them.
+  EXPECT_EQ(b1_done.get_future().wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  EXPECT_EQ(started, 7) << "the eighth a task waits for one of its group's threads";
+  release.set_value();
+}
+
 TEST(KeyedExecutorTest, OneKeyNeverRunsTwiceAtOnce) {
   std::atomic<int> inside{0}, most{0}, done{0};
   {

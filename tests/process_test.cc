@@ -560,6 +560,13 @@ TEST(ProcessTest, RunCreatedFromAReferenceIsRestoredFromItsOwnCopy) {
       from.set_init_from("lorastep://" + src_id + "/peft");
       ASSERT_OK(client->CreateRun(from).status());
       ASSERT_OK_AND_ASSIGN(before, forward(client.get(), made));
+      // A run whose copy cannot be saved (its store folder is a file) is not created at all.
+      const std::string blocked = "blocked-" + made;
+      ASSERT_OK(WriteStringToFile(dir + "/store/runs/" + blocked, "not a folder"));
+      from.set_request_id("from-" + blocked);
+      from.set_run_id(blocked);
+      EXPECT_THAT(client->CreateRun(from), StatusIs(absl::StatusCode::kUnavailable, "could not be saved"));
+      EXPECT_THAT(client->GetRun(blocked), StatusIs(absl::StatusCode::kNotFound, ""));
       // The reference changes under the unstepped run: another step exported over it, or deleted.
       if (delete_source) {
         v1::DeleteCheckpointRequest del;
@@ -577,6 +584,7 @@ TEST(ProcessTest, RunCreatedFromAReferenceIsRestoredFromItsOwnCopy) {
     ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(second.address()));
     ASSERT_OK_AND_ASSIGN(v1::Run back, client->GetRun(made));
     EXPECT_EQ(back.learner_version(), 0);
+    EXPECT_THAT(client->GetRun("blocked-" + made), StatusIs(absl::StatusCode::kNotFound, "")) << "nothing journaled";
     ASSERT_OK_AND_ASSIGN(std::vector<float> after, forward(client.get(), made));
     EXPECT_EQ(after, before) << "the restored run holds the weights it was created from";
     ASSERT_EQ(kill(second.pid(), SIGTERM), 0);

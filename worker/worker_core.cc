@@ -15,6 +15,7 @@
 #include "lib/io/checkpoint_dir.h"
 #include "lib/io/file_util.h"
 #include "lib/log.h"
+#include "lib/run_tenant.h"
 #include "lib/status_macros.h"
 
 namespace lorastep {
@@ -84,11 +85,16 @@ absl::StatusOr<Trainer*> WorkerCore::Prepare(const std::string& run_id, const Me
   return t;
 }
 
+absl::Status WorkerCore::TestRefusal(const char* call) {
+  if (test_refused_ || options_.test_refuse != absl::StrCat(call, ":", options_.rank)) return absl::OkStatus();
+  test_refused_ = true;
+  return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank, " refuses this ", call, " (test_refuse)"));
+}
+
 absl::StatusOr<Trainer*> WorkerCore::Admit(const std::string& run_id, const MeshCallInfo& mesh, const char* call) {
   absl::StatusOr<Trainer*> t = Prepare(run_id, mesh);
-  if (t.ok() && !test_refused_ && options_.test_refuse == absl::StrCat(call, ":", options_.rank)) {
-    test_refused_ = true;
-    t = absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank, " refuses this ", call, " (test_refuse)"));
+  if (t.ok()) {
+    if (absl::Status refused = TestRefusal(call); !refused.ok()) t = refused;
   }
   if (!t.ok() && groups_ != nullptr && !groups_->broken()) {
     // The other ranks' trainers vote at admission: this rank's "no" stops them all there.
@@ -119,8 +125,14 @@ absl::StatusOr<int64_t> WorkerCore::CreateRun(const std::string& run_id, const L
                                               uint64_t seed, const std::string& init_from,
                                               bool init_with_optimizer, const MeshCallInfo& mesh) {
   std::lock_guard<FairMutex> lock(mu_);
-  // Before anything that may differ between ranks (the run existing): the load is collective.
-  if (!init_from.empty()) LORASTEP_RETURN_IF_ERROR(FormGroups(mesh));
+  // Before anything that may differ between ranks (the run existing): the load is collective,
+  // and one vote settles it (a rank that fails on its own votes "no" as it returns).
+  std::optional<MeshVote> vote;
+  if (!init_from.empty()) {
+    LORASTEP_RETURN_IF_ERROR(FormGroups(mesh));
+    vote.emplace(groups_.get(), base_->device);
+    LORASTEP_RETURN_IF_ERROR(TestRefusal("CreateRun"));
+  }
   if (runs_.count(run_id)) {
     return absl::AlreadyExistsError(absl::StrCat("run_id: '", run_id, "' exists"));
   }
@@ -144,7 +156,7 @@ absl::StatusOr<int64_t> WorkerCore::CreateRun(const std::string& run_id, const L
   }
   LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(base_, o));
   if (!init_from.empty()) {
-    LORASTEP_RETURN_IF_ERROR(InitRun(trainer.get(), run_id, init_from, init_with_optimizer));
+    LORASTEP_RETURN_IF_ERROR(InitRun(trainer.get(), run_id, init_from, init_with_optimizer, &*vote));
   }
   const int64_t version = trainer->learner_version();
   {
@@ -157,7 +169,7 @@ absl::StatusOr<int64_t> WorkerCore::CreateRun(const std::string& run_id, const L
 }
 
 absl::Status WorkerCore::InitRun(Trainer* trainer, const std::string& run_id, const std::string& init_from,
-                                 bool with_optimizer) const {
+                                 bool with_optimizer, MeshVote* vote) const {
   auto prefixed = [](const absl::Status& s) {
     return s.ok() ? s : absl::Status(s.code(), absl::StrCat("init_from: ", s.message()));
   };
@@ -168,13 +180,14 @@ absl::Status WorkerCore::InitRun(Trainer* trainer, const std::string& run_id, co
       return absl::InvalidArgumentError("init_with_optimizer: a PEFT adapter has no optimizer state; "
                                         "start from a SaveState checkpoint for that");
     }
-    return prefixed(AsReference(trainer->ImportAdapter(*folder), *folder, init_from));
+    LORASTEP_RETURN_IF_ERROR(prefixed(AsReference(trainer->ImportAdapter(*folder), *folder, init_from)));
+    return vote->Cast(absl::OkStatus());
   }
   if (!PathExists(*folder + "/trainer_state.json")) {
     return absl::NotFoundError(absl::StrCat("init_from: ", init_from,
                                             " holds neither adapter_config.json (PEFT) nor trainer_state.json (a checkpoint)"));
   }
-  LORASTEP_RETURN_IF_ERROR(prefixed(AsReference(trainer->LoadState(*folder), *folder, init_from)));
+  LORASTEP_RETURN_IF_ERROR(prefixed(AsReference(trainer->LoadState(*folder, vote), *folder, init_from)));
   if (!with_optimizer) trainer->ResetOptimizer();
   return absl::OkStatus();
 }
@@ -187,6 +200,7 @@ absl::Status WorkerCore::DeleteRun(const std::string& run_id) {
     coschedulable_.erase(run_id);
     expected_runs_.erase(run_id);
     returns_.erase(run_id);
+    last_call_tokens_.erase(run_id);
   }
   malloc_trim(0);  // the run's adapter and optimizer state go back to the OS
   return absl::OkStatus();
@@ -343,6 +357,31 @@ void WorkerCore::RunCoscheduled(CallKind kind, const std::vector<QueuedStep*>& s
   for (size_t i = 0; i < steps.size(); ++i) steps[i]->forward = std::move(results[i]);
 }
 
+std::map<std::string, int64_t> WorkerCore::ExpectedTenants() {
+  // Tenants active without a call queued: those of the last step's runs, and of runs
+  // answered within the last 20 windows (a tenant whose client is slow to send again, on a
+  // busy host, keeps its share rather than finding a step of every other tenant's runs).
+  std::map<std::string, int64_t> expected;
+  const auto recent = std::chrono::steady_clock::now() - 20 * options_.coschedule_window;
+  for (const auto& [run, tokens] : last_call_tokens_) {
+    const auto& answered = returns_[run].answered();
+    if (expected_runs_.count(run) == 0 && (!answered.has_value() || *answered < recent)) continue;
+    int64_t& share = expected[TenantOfRun(run)];
+    share = std::max(share, tokens);
+  }
+  return expected;
+}
+
+std::vector<WaitingCall> WorkerCore::WaitingCalls() const {
+  std::vector<WaitingCall> waiting;
+  for (const QueuedStep* s : queue_) {
+    int64_t tokens = 0;
+    for (const Datum& d : *s->call.datums) tokens += static_cast<int64_t>(d.tokens.size());
+    waiting.push_back({*s->run_id, TenantOfRun(*s->run_id), tokens});
+  }
+  return waiting;
+}
+
 void WorkerCore::LeadCoscheduledStep() {
   std::chrono::steady_clock::time_point opened;  // when the window opened
   {  // the window: while an expected run (one of the previous step's, or created since) has no
@@ -353,10 +392,9 @@ void WorkerCore::LeadCoscheduledStep() {
      // the others at most one window past their last arrival (the lock-step hold below only
      // keeps calls that already waited through the previous step a little longer).
     std::unique_lock<std::mutex> q(queue_mu_);
-    auto all_expected_queued = [&] {
-      std::set<std::string> queued;
-      for (const QueuedStep* s : queue_) queued.insert(*s->run_id);
-      return std::includes(queued.begin(), queued.end(), expected_runs_.begin(), expected_runs_.end());
+    auto awaited_runs = [&] {
+      const std::vector<WaitingCall> waiting = WaitingCalls();
+      return RunsToAwait(waiting, ShareStep(waiting, ExpectedTenants()), expected_runs_, TenantOfRun);
     };
     // The window stays open `window` past the latest arrival while the expected runs' calls
     // keep coming (their answers and next calls travel back one by one), at most four windows
@@ -374,16 +412,14 @@ void WorkerCore::LeadCoscheduledStep() {
     const bool stragglers_queued =
         last_coscheduled_end_.has_value() &&
         std::any_of(queue_.begin(), queue_.end(), [&](const QueuedStep* s) { return s->queued < *last_coscheduled_end_; });
-    while (!queue_.empty() && !all_expected_queued()) {
+    while (!queue_.empty()) {
+      const std::vector<std::string> runs = awaited_runs();
+      if (runs.empty()) break;
       auto latest = opened;
-      std::set<std::string> queued;
-      for (const QueuedStep* s : queue_) {
-        latest = std::max(latest, s->queued);
-        queued.insert(*s->run_id);
-      }
+      for (const QueuedStep* s : queue_) latest = std::max(latest, s->queued);
       std::vector<const RunReturns*> awaited;
-      for (const std::string& run : expected_runs_) {
-        if (stragglers_queued && queued.count(run) == 0) awaited.push_back(&returns_[run]);
+      if (stragglers_queued) {
+        for (const std::string& run : runs) awaited.push_back(&returns_[run]);
       }
       const auto close = CoscheduleWindowClose(opened, options_.coschedule_window, cap, latest, awaited);
       if (std::chrono::steady_clock::now() >= close) break;
@@ -393,19 +429,29 @@ void WorkerCore::LeadCoscheduledStep() {
   std::lock_guard<FairMutex> device(mu_);
   std::vector<QueuedStep*> taken;
   int64_t missed = 0;  // expected runs with no call in this step (stragglers, or idle runs)
-  {  // arrival order, one call per run (JointTrainStep packs them into rows that fit the
-     // activation budget); a run's next call waits for the next step
+  {  // arrival order, one call per run, each tenant within its share of the step
+     // (ShareStep, TakeForStep; JointTrainStep packs them into rows that fit the activation budget); a
+     // run's next call waits for the next step
     std::lock_guard<std::mutex> q(queue_mu_);
+    const std::vector<WaitingCall> waiting = WaitingCalls();
+    const StepChoice choice = TakeForStep(waiting, ShareStep(waiting, ExpectedTenants()), last_step_heavy_);
+    last_step_heavy_ = choice.heavy;
     std::set<std::string> runs_taken;
-    for (auto it = queue_.begin(); it != queue_.end();) {
-      QueuedStep* s = *it;
-      if (!runs_taken.insert(*s->run_id).second) {
-        ++it;
-        continue;
-      }
-      taken.push_back(s);
-      it = queue_.erase(it);
+    std::vector<bool> take(queue_.size(), false);
+    for (size_t i : choice.taken) {
+      take[i] = true;
+      runs_taken.insert(waiting[i].run);
+      last_call_tokens_[waiting[i].run] = waiting[i].tokens;
     }
+    std::deque<QueuedStep*> left;
+    for (size_t i = 0; i < queue_.size(); ++i) {
+      if (take[i]) {
+        taken.push_back(queue_[i]);
+      } else {
+        left.push_back(queue_[i]);
+      }
+    }
+    queue_ = std::move(left);
     for (const std::string& run : expected_runs_) missed += runs_taken.count(run) == 0 ? 1 : 0;
     expected_runs_ = runs_taken;  // the runs likely to send again as this step ends
   }
@@ -468,12 +514,23 @@ void WorkerCore::LeadCoscheduledStep() {
   done_cv_.notify_all();
 }
 
+absl::StatusOr<Trainer*> WorkerCore::AdmitGather(const std::string& run_id, const std::string& path,
+                                                 const MeshCallInfo& mesh, const char* call) {
+  LORASTEP_RETURN_IF_ERROR(FormGroups(mesh.Unchecked()));
+  MeshVote vote(groups_.get(), base_->device);  // an early return below votes "no"
+  LORASTEP_RETURN_IF_ERROR(ResolvePath(run_id, path, /*write=*/true).status());
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh.Unchecked()));
+  LORASTEP_RETURN_IF_ERROR(TestRefusal(call));
+  LORASTEP_RETURN_IF_ERROR(vote.Cast(absl::OkStatus()));
+  return t;
+}
+
 absl::StatusOr<WorkerCore::PathResult> WorkerCore::SaveState(const std::string& run_id,
                                                              const std::string& path,
                                                              const MeshCallInfo& mesh, bool background) {
   std::lock_guard<FairMutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/true));
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh.Unchecked()));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, AdmitGather(run_id, path, mesh, "SaveState"));
+  const std::string folder = *ResolvePath(run_id, path, /*write=*/true);
   if (background) {
     LORASTEP_ASSIGN_OR_RETURN(std::shared_ptr<const TrainerStateSnapshot> snapshot, t->SnapshotState());
     writer_.Submit(folder, [snapshot, folder, path, delay = options_.test_background_write_delay] {
@@ -506,6 +563,7 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::LoadState(const std::string& 
   MeshVote vote(groups_.get(), base_->device);
   LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/false));
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh.Unchecked()));
+  LORASTEP_RETURN_IF_ERROR(TestRefusal("LoadState"));
   LORASTEP_RETURN_IF_ERROR(AsReference(t->LoadState(folder, &vote), folder, path));
   return PathResult{t->FullAdapterSha256(), t->learner_version()};
 }
@@ -515,8 +573,8 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::ExportAdapter(const std::stri
                                                                  const MeshCallInfo& mesh,
                                                                  bool expand_experts) {
   std::lock_guard<FairMutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/true));
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh.Unchecked()));
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, AdmitGather(run_id, path, mesh, "ExportAdapter"));
+  const std::string folder = *ResolvePath(run_id, path, /*write=*/true);
   LORASTEP_RETURN_IF_ERROR(AsReference(t->ExportAdapter(folder, expand_experts), folder, path));
   return PathResult{t->FullAdapterSha256(), t->learner_version()};
 }

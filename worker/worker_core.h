@@ -70,9 +70,9 @@ struct WorkerOptions {
   // Tests only: every co-scheduled step lasts at least this long (a long step on a small model).
   std::chrono::milliseconds test_coscheduled_step_min{0};
   // Tests only, "CALL:RANK": rank RANK refuses its first CALL (ForwardBackward, Forward,
-  // OptimStep, TrainStep) at admission, as a rank-local check would (the others must answer
-  // at once, not wait in a collective); "AdamW:RANK": each run's first staged optimizer
-  // update fails on that rank.
+  // OptimStep, TrainStep, CreateRun with init_from, SaveState, LoadState, ExportAdapter)
+  // before its vote, as a rank-local check would (the others must answer at once, not wait
+  // in a collective); "AdamW:RANK": each run's first staged optimizer update fails there.
   std::string test_refuse;
 };
 
@@ -170,6 +170,13 @@ class WorkerCore {
   // this rank refuses (no such run, another learner version), it casts the same vote, so
   // every rank answers at once instead of waiting in a collective.
   absl::StatusOr<Trainer*> Admit(const std::string& run_id, const MeshCallInfo& mesh, const char* call);
+  // Admission of a call that gathers the run's state to one rank (SaveState, ExportAdapter):
+  // the path and the run are checked on every rank, then one vote, before any collective.
+  // Requires mu_.
+  absl::StatusOr<Trainer*> AdmitGather(const std::string& run_id, const std::string& path, const MeshCallInfo& mesh,
+                                       const char* call);
+  // WorkerOptions::test_refuse: this rank's one refusal of `call`, else OK.
+  absl::Status TestRefusal(const char* call);
   bool test_refused_ = false;  // test_refuse's one refusal was made
   // Forms the communicators of the call's generation (through the store at its rendezvous)
   // unless they are formed and unbroken. Every rank gets the same generation with the same
@@ -180,8 +187,10 @@ class WorkerCore {
   absl::StatusOr<std::string> ResolvePath(const std::string& run_id, const std::string& path, bool write) const;
   absl::StatusOr<const StateStore*> Store() const;
   // Loads `init_from` into a new run's trainer (CreateRun).
+  // `vote`: the call's one vote, cast once the weights are checked and staged (at world
+  // size 1 a MeshVote without groups decides alone).
   absl::Status InitRun(Trainer* trainer, const std::string& run_id, const std::string& init_from,
-                       bool with_optimizer) const;
+                       bool with_optimizer, MeshVote* vote) const;
 
   // A TrainStep waiting to be co-scheduled; its caller's thread waits for `done`.
   enum class CallKind { kTrainStep, kForwardBackward, kForward };
@@ -211,6 +220,10 @@ class WorkerCore {
   // order, admits them and runs the TrainSteps as one joint step and the Forwards as one
   // joint forward.
   void LeadCoscheduledStep();
+  // The queued calls as the step's choice sees them (run, tenant, tokens). Requires queue_mu_.
+  std::vector<WaitingCall> WaitingCalls() const;
+  // The tenants active without a call queued, with their last call's tokens. Requires queue_mu_.
+  std::map<std::string, int64_t> ExpectedTenants();
   // A step's taken calls of one kind (admitted, trainers set): alone, the run's own call;
   // several, one Trainer::JointTrainStep / JointForwardBackward / JointForward. Under the
   // device lock.
@@ -235,6 +248,9 @@ class WorkerCore {
   // When each co-scheduled run's last step ended and how soon its next call followed: the
   // window holds for runs that answer in lock step (CoscheduleWindowClose).
   std::map<std::string, RunReturns> returns_;
+  // Each co-scheduled run's last call's tokens: an expected tenant's share of the next step.
+  std::map<std::string, int64_t> last_call_tokens_;
+  bool last_step_heavy_ = false;  // the last step took a heavy tenant's calls (TakeForStep)
   // The last co-scheduled step's duration (co-scheduling thread only): it bounds how long the
   // window waits for expected runs (LeadCoscheduledStep).
   std::chrono::steady_clock::duration last_coscheduled_step_{0};

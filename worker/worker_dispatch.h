@@ -9,6 +9,7 @@
 #include <cstddef>
 
 #include "lib/prometheus_registry.h"
+#include "lib/run_tenant.h"
 #include "rpc/serial_executor.h"
 #include "worker/worker_calls.h"
 #include "worker/worker_core.h"
@@ -23,10 +24,10 @@ struct WorkerDispatch {
   // each before it sleeps (KeyedExecutor).
   explicit WorkerDispatch(WorkerCore* core, PrometheusRegistry* metrics = nullptr, size_t device_call_threads = 64,
                           std::chrono::microseconds device_call_spin = std::chrono::microseconds(0))
-      : calls(core, metrics), device_calls(device_call_threads, device_call_spin) {}
+      : calls(core, metrics), device_calls(device_call_threads, device_call_spin, TenantOfRun) {}
 
   WorkerCalls calls;
-  KeyedExecutor device_calls;  // the device's calls, by run (WorkerCore's lock orders the device)
+  KeyedExecutor device_calls;  // the device's calls, by tenant, then run (WorkerCore's lock orders the device)
   SerialExecutor files;        // AwaitSaved and the store's files: the disk, never the device
 };
 

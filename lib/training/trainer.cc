@@ -24,6 +24,7 @@
 #include "lib/model/qwen2.h"
 #include "lib/parallel/context_parallel.h"
 #include "lib/training/micro_batch.h"
+#include "lib/training/stage_gather.h"
 #include "lib/io/safetensors.h"
 #include "lib/status_macros.h"
 #include "lib/io/tensor_bytes.h"
@@ -842,65 +843,15 @@ absl::StatusOr<std::vector<at::Tensor>> Trainer::GatherTensorSplits(
   return full;
 }
 
-absl::StatusOr<std::vector<Trainer::NamedTensor>> Trainer::GatherStages(
+absl::StatusOr<std::vector<NamedTensor>> Trainer::GatherStages(
     std::vector<NamedTensor> local) const {
   if (options_.groups == nullptr || base_->shard.pp == 1) return local;
   const RankCoords c = options_.groups->coords();
   if (c.tp != 0 || c.dp != 0 || c.cp != 0) return local;  // replica 0's tensor rank 0 of each stage takes part
-  CommGroup& pipe = options_.groups->group(GroupKind::kPipeline);
-  // Each later stage sends its tensors to stage 0 as one safetensors blob (a size, then
-  // the bytes): stages hold different tensors, so a shape-agreeing collective cannot.
-  char path_template[] = "/tmp/lorastep-stage-XXXXXX";
-  const int fd = mkstemp(path_template);
-  if (fd < 0) return absl::InternalError("gathering stages: cannot make a temp file");
-  close(fd);
-  const std::string path = path_template;
-  auto cleanup = [&] { unlink(path.c_str()); };
-  if (pipe.rank() != 0) {
-    TensorWriteList list;
-    for (const auto& [name, t] : local) LORASTEP_RETURN_IF_ERROR(list.Add(name, t));
-    LORASTEP_RETURN_IF_ERROR(list.WriteTo(path));
-    auto bytes = ReadFileToString(path);
-    cleanup();
-    if (!bytes.ok()) return bytes.status();
-    at::Tensor size = at::full({1}, static_cast<double>(bytes->size()), at::kDouble);
-    at::Tensor blob = at::empty({static_cast<int64_t>(bytes->size())}, at::kByte);
-    std::memcpy(blob.data_ptr(), bytes->data(), bytes->size());
-    const at::Device device = base_->device;
-    LORASTEP_RETURN_IF_ERROR(pipe.Send(size.to(device), 0, 2));
-    LORASTEP_RETURN_IF_ERROR(pipe.Send(blob.to(device), 0, 3));
-    return local;
-  }
-  std::vector<NamedTensor> all = std::move(local);
-  for (int stage = 1; stage < pipe.size(); ++stage) {
-    at::Tensor size = at::empty({1}, at::TensorOptions().dtype(at::kDouble).device(base_->device));
-    LORASTEP_RETURN_IF_ERROR(pipe.Recv(size, stage, 2));
-    at::Tensor blob = at::empty({static_cast<int64_t>(size.item<double>())},
-                                at::TensorOptions().dtype(at::kByte).device(base_->device));
-    LORASTEP_RETURN_IF_ERROR(pipe.Recv(blob, stage, 3));
-    blob = blob.to(at::kCPU);
-    LORASTEP_RETURN_IF_ERROR(WriteStringToFile(
-        path, std::string(static_cast<const char*>(blob.data_ptr()), blob.numel())));
-    auto file = SafetensorsFile::Open(path);
-    if (!file.ok()) {
-      cleanup();
-      return file.status();
-    }
-    // The header's JSON object has no order; the sender wrote the tensors in its order.
-    std::vector<const SafetensorsEntry*> in_file_order;
-    for (const auto& e : file->entries()) in_file_order.push_back(&e);
-    std::sort(in_file_order.begin(), in_file_order.end(),
-              [](const SafetensorsEntry* a, const SafetensorsEntry* b) { return a->data < b->data; });
-    for (const SafetensorsEntry* e : in_file_order) {
-      LORASTEP_ASSIGN_OR_RETURN(at::Tensor t, TensorFromEntry(*e));
-      all.push_back({e->name, t.clone().to(base_->device)});
-    }
-  }
-  cleanup();
-  return all;
+  return GatherStagesToFirst(options_.groups->group(GroupKind::kPipeline), std::move(local), base_->device);
 }
 
-absl::StatusOr<std::vector<Trainer::NamedTensor>> Trainer::WholeAdapter() const {
+absl::StatusOr<std::vector<NamedTensor>> Trainer::WholeAdapter() const {
   std::vector<at::Tensor> local;
   for (const Parameter& p : adapter_->parameters()) local.push_back(p.value);
   LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> full, GatherTensorSplits(local));

@@ -33,6 +33,7 @@
 #include "lib/model/linear.h"
 #include "lib/training/loss_config.h"
 #include "lib/training/metrics.h"
+#include "lib/training/stage_gather.h"
 #include "lib/model/model_weights.h"
 
 namespace lorastep {
@@ -379,7 +380,6 @@ class Trainer {
   // Whole tensors from this rank's slices (tensor ranks all-gather split parameters; a
   // collective every rank of the tensor group makes). `local` is in parameter order.
   absl::StatusOr<std::vector<at::Tensor>> GatherTensorSplits(const std::vector<at::Tensor>& local) const;
-  using NamedTensor = std::pair<std::string, at::Tensor>;
   // Pipeline stages' whole tensors in stage order, on stage 0 (of replica 0, tensor rank 0);
   // other ranks get their own list back. A point-to-point exchange over the pipeline group.
   absl::StatusOr<std::vector<NamedTensor>> GatherStages(std::vector<NamedTensor> local) const;
