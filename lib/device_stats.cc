@@ -42,6 +42,13 @@ int64_t CudaAvailableBytes(const c10::Device& device) {
   return static_cast<int64_t>(free) + std::max<int64_t>(0, cached_unused);
 }
 
+std::string CudaDeviceName(const c10::Device& device) {
+  if (!device.is_cuda()) return "";
+  cudaDeviceProp properties;
+  if (cudaGetDeviceProperties(&properties, device.has_index() ? device.index() : 0) != cudaSuccess) return "";
+  return properties.name;
+}
+
 absl::Status StartKernelProfile() {
   namespace impl = torch::profiler::impl;
   const impl::ProfilerConfig config(impl::ProfilerState::KINETO);
@@ -123,6 +130,7 @@ double DeviceMark::SecondsSince(const DeviceMark& earlier) const {
 
 int64_t CudaPeakAllocatedBytes(const c10::Device&) { return -1; }
 int64_t CudaAvailableBytes(const c10::Device&) { return -1; }
+std::string CudaDeviceName(const c10::Device&) { return ""; }
 void ResetCudaPeakAllocated(const c10::Device&) {}
 absl::Status StartKernelProfile() {
   return absl::UnimplementedError("kernel profiles need the CUDA build");

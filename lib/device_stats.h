@@ -23,6 +23,8 @@ void ResetCudaPeakAllocated(const c10::Device& device);
 // Bytes a new allocation on `device` can still get: the driver's free memory plus what the
 // caching allocator holds unused; -1 for a CPU device or a build without CUDA.
 int64_t CudaAvailableBytes(const c10::Device& device);
+// The driver's name of a CUDA device ("NVIDIA H200"); "" for a CPU device or a build without CUDA.
+std::string CudaDeviceName(const c10::Device& device);
 
 // A Kineto trace (CPU operators and CUDA kernels) of everything run between Start and Stop,
 // saved as a Chrome trace JSON (bench/profile_summary.py turns it into a per-kernel table).

@@ -19,7 +19,8 @@ void DeclareStepMetrics(PrometheusRegistry* m) {
              PrometheusRegistry::SecondsBuckets());
   m->Declare("lorastep_tokens_per_second", T::kGauge, "non-padding tokens per second of the run's last step");
   m->Declare("lorastep_mfu_ratio", T::kGauge,
-             "model FLOPs utilization of the run's last step, 0-1 (CUDA: against the H200 bf16 dense peak)");
+             "model FLOPs utilization of the run's last step, 0-1 (CUDA: against the dense bf16 peak of the device, "
+             "by its name; 0 for a device with no known peak)");
   m->Declare("lorastep_peak_cuda_memory_bytes", T::kGauge,
              "largest CUDA memory allocated during the run's last step, bytes");
   m->Declare("lorastep_loss", T::kGauge, "loss of the run's last step (its loss:sum metric)");

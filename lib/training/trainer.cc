@@ -10,10 +10,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "lib/device_peaks.h"
 #include "lib/device_stats.h"
+#include "lib/log.h"
 #include "lib/io/checkpoint_dir.h"
 #include "lib/io/digest.h"
 #include "lib/io/file_util.h"
@@ -88,7 +92,24 @@ struct SnapshotList {
   }
 };
 
-constexpr double kH200DenseBf16Flops = 989e12;  // datasheet; MFU's denominator on CUDA
+// MFU's denominator on a CUDA device: its dense bf16 peak (lib/device_peaks.h), looked up
+// once per device; 0 where the device is unknown, said once in the log.
+double DevicePeakFlops(const at::Device& device) {
+  if (!device.is_cuda()) return 0;
+  static std::mutex mu;
+  static std::map<int, double> peaks;
+  std::lock_guard<std::mutex> lock(mu);
+  const int index = device.has_index() ? device.index() : 0;
+  auto it = peaks.find(index);
+  if (it != peaks.end()) return it->second;
+  const std::string name = CudaDeviceName(device);
+  const double peak = DenseBf16PeakFlops(name);
+  if (peak == 0) {
+    LORASTEP_LOG(Warning) << "MFU: no dense bf16 peak is known for CUDA device " << index << " ('" << name
+                          << "'); mfu is reported as 0";
+  }
+  return peaks[index] = peak;
+}
 
 using Clock = std::chrono::steady_clock;
 double SecondsSince(Clock::time_point start) {
@@ -539,9 +560,10 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   const double compute_s = t_forward + t_backward;
   m.Add("model_flops:sum", counts.flops);
   if (compute_s > 0) m.Add("tokens_per_s:sum", counts.real_tokens / compute_s);
-  const double peak = options_.peak_flops > 0 ? options_.peak_flops
-                                              : (base_->device.is_cuda() ? kH200DenseBf16Flops : 0);
-  if (peak > 0 && compute_s > 0) m.Add("mfu:sum", counts.flops / compute_s / peak);
+  const double peak = options_.peak_flops > 0 ? options_.peak_flops : DevicePeakFlops(base_->device);
+  if (compute_s > 0 && (peak > 0 || base_->device.is_cuda())) {
+    m.Add("mfu:sum", peak > 0 ? counts.flops / compute_s / peak : 0.0);
+  }
   m.Set("peak_host_memory_bytes:max", PeakHostMemoryBytes());
   AddCudaPeakMemory(&m);
   return result;

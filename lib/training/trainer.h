@@ -64,7 +64,7 @@ struct TrainerOptions {
   // varlen kernels on CUDA); false: one padded row per datum.
   bool pack_sequences = true;
   int64_t logprob_chunk_tokens = 1024;        // tokens per chunk of the fp32 logits
-  double peak_flops = 0;                      // for MFU; 0 = 989e12 on CUDA, none on CPU
+  double peak_flops = 0;                      // for MFU; 0 = the CUDA device's (lib/device_peaks.h), none on CPU
   // SHA-256 of the trainable tensors after each step. LoRA adapters are small; a full
   // fine-tune's copy and hash of every weight costs a large share of a step, so it is off
   // there unless asked for (SaveState/ExportAdapter still report it).
