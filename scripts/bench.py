@@ -535,8 +535,8 @@ def pack_raw(ctx, names):
     """Leaves in OUT only env.txt, the named suites' result files (in the order the suites
     name them, the headline figures first) and bench.log, at most --keep-files files with
     raw.tgz; every other top-level file goes into OUT/raw.tgz (generated batch files are
-    dropped), so a caller that gets back only a few files (the device tool returns at most 8)
-    still gets the results that matter most."""
+    dropped), so a caller that copies back only a few files from a remote machine still gets
+    the results that matter most."""
     wanted = ["env.txt"]
     for name in names:
         _, _, outputs, passing = SUITES[name]
@@ -566,7 +566,7 @@ def main(argv=None):
                                  epilog="suites:\n" + "\n".join(f"  {n:14} {s[0]}" for n, s in SUITES.items()))
     ap.add_argument("--build-dir", default=os.path.join(REPO, "build-gpu"), help="CMake build folder")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "out"),
-                    help="where results and logs go (default: $OUT where the device tool sets it, else ./out)")
+                    help="where results and logs go (default: $OUT where set, else ./out)")
     ap.add_argument("--models-dir", default=os.path.join(tempfile.gettempdir(), "lorastep-models"),
                     help="generated models, one folder per preset, dtype and seed")
     ap.add_argument("--sysroot", default=os.path.join(REPO, ".sysroot"), help="the carried Debian sysroot")
@@ -601,7 +601,7 @@ def main(argv=None):
     ap.add_argument("--pack-raw", action="store_true",
                     help="afterwards keep only the suites' results, env.txt and bench.log in OUT; the rest into raw.tgz")
     ap.add_argument("--keep-files", type=int, default=8,
-                    help="--pack-raw: files left in OUT at most, raw.tgz included (the device tool returns 8)")
+                    help="--pack-raw: files left in OUT at most, raw.tgz included")
     ap.add_argument("command", choices=["build", "check", "suite", "all", "verify", "list"])
     ap.add_argument("names", nargs="*", help="suite names (suite, verify)")
     args = ap.parse_args(argv)

@@ -1,7 +1,7 @@
 // A decoder layer's memory-bound steps as one kernel each way (CUDA build only): RMSNorm,
 // SwiGLU and rotary embeddings. As ATen compositions each is several kernels with fp32
-// temporaries written and read back, most of a LoRA step's copy/cast time (the before and
-// after are in docs/PERFORMANCE.md). Each kernel computes in fp32 and rounds to the storage
+// temporaries written and read back, most of a LoRA step's copy/cast time (docs/PERFORMANCE.md,
+// the 7B step). Each kernel computes in fp32 and rounds to the storage
 // type wherever the ATen composition stores a tensor, so both paths round alike (the
 // RMSNorm row sums may add in another order).
 //

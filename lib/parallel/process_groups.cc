@@ -483,7 +483,7 @@ absl::Status ProcessGroups::Build() {
     try {
       if (device.is_cuda()) {
 #if defined(LORASTEP_WITH_NCCL)
-        // wait() honours the timeout and throws instead of hanging (DESIGN.md, H200 notes).
+        // Blocking wait: wait() honours the timeout and throws instead of hanging.
         setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);
         auto opts = ::c10d::ProcessGroupNCCL::Options::create();
         opts->timeout = options_.timeout;
