@@ -1,7 +1,10 @@
 #include "rpc/server_flags.h"
 
+#include <algorithm>
+
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "rpc/server_runner.h"
 
@@ -41,10 +44,16 @@ std::vector<std::string> NonDefaultFlagArgs(const std::vector<std::string>& name
 }
 
 const std::vector<std::string>& WorkerTestFlagNames() {
-  static const auto* names = new std::vector<std::string>{
-      "test_grad_fault",            "test_skip_shared_reduction", "test_shared_reductions",
-      "test_check_grad_digests",    "test_corrupt_main_grad_rank", "test_inventory_mismatch_rank",
-      "test_autosave_write_delay_ms", "test_refuse"};
+  // The testing binaries register the --test_* flags (rpc/test_flags.cc); production ones
+  // register none, so they pass nothing on.
+  static const auto* names = [] {
+    auto* found = new std::vector<std::string>;
+    for (const auto& [name, flag] : absl::GetAllFlags()) {
+      if (absl::StartsWith(name, "test_")) found->emplace_back(name);
+    }
+    std::sort(found->begin(), found->end());
+    return found;
+  }();
   return *names;
 }
 

@@ -32,9 +32,10 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetricsEndpointFromFlags
 // a child that has the same flags with the same defaults.
 std::vector<std::string> NonDefaultFlagArgs(const std::vector<std::string>& names);
 
-// The worker's test-only flags (rpc/test_flags.h), as NonDefaultFlagArgs takes them: a
-// testing coordinator passes them on to its local workers; in a production build none of
-// them exists, and the binaries refuse them as unknown.
+// The worker's test-only flags: every registered flag named test_* (rpc/test_flags.cc,
+// linked only into the testing binaries), as NonDefaultFlagArgs takes them: a testing
+// coordinator passes them on to its local workers; a production build registers none, and
+// its binaries refuse them as unknown.
 const std::vector<std::string>& WorkerTestFlagNames();
 
 }  // namespace lorastep

@@ -496,8 +496,15 @@ TEST_F(TrainerTest, JointTrainStepEqualsEachRunAlone) {
   }
   // Isolation: run 1's batch is refused by name, run 0 appears twice (the second refused),
   // and a fourth run's optimizer fails its staged update; runs 0 and 2 commit.
+  // Its staged update fails as an allocation would (the fault point the optimizer passes).
+  class FailStage : public FaultPoints {
+   public:
+    absl::Status At(absl::string_view point) override {
+      return point == "AdamWStage" ? absl::ResourceExhaustedError("injected") : absl::OkStatus();
+    }
+  } fail_stage;
   TrainerOptions failing = options_of(2);
-  failing.test_fail_first_stage = true;
+  failing.faults = &fail_stage;
   auto fourth = NewTrainer(failing);
   std::vector<Datum> oov = RlBatch(7, 96);
   oov[0].tokens[0] = 96;

@@ -16,6 +16,7 @@
 
 #include <google/protobuf/util/message_differencer.h>
 
+#include "absl/strings/match.h"
 #include "lib/model/model_weights.h"
 #include "lib/training/batch.h"
 #include "rpc/proto_convert.h"
@@ -31,6 +32,22 @@
 
 namespace lorastep {
 namespace {
+
+// Every co-scheduled step lasts at least `min` (a long step on a small model), through the
+// core's fault points around a step's work.
+class StepsLastAtLeast : public FaultPoints {
+ public:
+  explicit StepsLastAtLeast(std::chrono::milliseconds min) : min_(min) {}
+  absl::Status At(absl::string_view point) override {
+    if (absl::StartsWith(point, "CoscheduledStepBegan:")) began_ = std::chrono::steady_clock::now();
+    if (absl::StartsWith(point, "CoscheduledStepEnded:")) std::this_thread::sleep_until(began_ + min_);
+    return absl::OkStatus();
+  }
+
+ private:
+  const std::chrono::milliseconds min_;
+  std::chrono::steady_clock::time_point began_;  // the co-scheduling thread's own
+};
 
 using ::lorastep::testing::StatusIs;
 
@@ -491,7 +508,7 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
     WorkerOptions options;
     options.model_path = dir + "/model";
     options.coschedule_window = std::chrono::milliseconds(150);
-    options.test_coscheduled_step_min = std::chrono::seconds(10);
+    options.faults = std::make_shared<StepsLastAtLeast>(std::chrono::seconds(10));
     ASSERT_OK_AND_ASSIGN(auto slow, WorkerCore::Create(options));
     const int runs = 8;
     for (int i = 0; i < runs; ++i) ASSERT_OK(slow->CreateRun(std::string(1, static_cast<char>('a' + i)), lora_a, 3).status());
@@ -522,7 +539,7 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
     WorkerOptions options;
     options.model_path = dir + "/model";
     options.coschedule_window = std::chrono::milliseconds(150);
-    options.test_coscheduled_step_min = std::chrono::seconds(1);
+    options.faults = std::make_shared<StepsLastAtLeast>(std::chrono::seconds(1));
     ASSERT_OK_AND_ASSIGN(auto paired, WorkerCore::Create(options));
     for (const char* run : {"a", "b"}) ASSERT_OK(paired->CreateRun(run, lora_a, 3).status());
     std::vector<std::vector<absl::StatusOr<OptimStepResult>>> got(2);

@@ -37,6 +37,7 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerOptio
                             LoadBaseModel(options.model_path, options.device, options.dtype,
                                           options.sizes, layout.Coords(options.rank)));
   auto core = std::unique_ptr<WorkerCore>(new WorkerCore(options, std::move(base)));
+  if (options.faults != nullptr) core->ranked_faults_ = std::make_unique<RankedFaultPoints>(options.faults, options.rank);
   if (!options.state_dir.empty()) {
     LORASTEP_ASSIGN_OR_RETURN(StateStore store, StateStore::Open(options.state_dir));
     core->store_ = std::make_unique<StateStore>(std::move(store));
@@ -85,16 +86,14 @@ absl::StatusOr<Trainer*> WorkerCore::Prepare(const std::string& run_id, const Me
   return t;
 }
 
-absl::Status WorkerCore::TestRefusal(const char* call) {
-  if (test_refused_ || options_.test_refuse != absl::StrCat(call, ":", options_.rank)) return absl::OkStatus();
-  test_refused_ = true;
-  return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank, " refuses this ", call, " (test_refuse)"));
+absl::Status WorkerCore::AdmissionFault(const char* call) {
+  return AtFaultPoint(ranked_faults_.get(), absl::StrCat("Admit", call));
 }
 
 absl::StatusOr<Trainer*> WorkerCore::Admit(const std::string& run_id, const MeshCallInfo& mesh, const char* call) {
   absl::StatusOr<Trainer*> t = Prepare(run_id, mesh);
   if (t.ok()) {
-    if (absl::Status refused = TestRefusal(call); !refused.ok()) t = refused;
+    if (absl::Status refused = AdmissionFault(call); !refused.ok()) t = refused;
   }
   if (!t.ok() && groups_ != nullptr && !groups_->broken()) {
     // The other ranks' trainers vote at admission: this rank's "no" stops them all there.
@@ -131,7 +130,7 @@ absl::StatusOr<int64_t> WorkerCore::CreateRun(const std::string& run_id, const L
   if (!init_from.empty()) {
     LORASTEP_RETURN_IF_ERROR(FormGroups(mesh));
     vote.emplace(groups_.get(), base_->device);
-    LORASTEP_RETURN_IF_ERROR(TestRefusal("CreateRun"));
+    LORASTEP_RETURN_IF_ERROR(AdmissionFault("CreateRun"));
   }
   if (runs_.count(run_id)) {
     return absl::AlreadyExistsError(absl::StrCat("run_id: '", run_id, "' exists"));
@@ -149,11 +148,7 @@ absl::StatusOr<int64_t> WorkerCore::CreateRun(const std::string& run_id, const L
   o.profile_train_step = options_.profile_train_step;
   o.max_activation_bytes = options_.max_activation_bytes;
   o.activation_recompute = options_.activation_recompute;
-  o.test_fail_first_stage = options_.test_refuse == absl::StrCat("AdamW:", options_.rank);
-  if (options_.test_refuse == absl::StrCat("AdamWCommit:", options_.rank)) {
-    static const auto once = std::make_shared<std::atomic<bool>>(false);  // the process's first commit
-    o.test_fail_commit_once = once;
-  }
+  o.faults = ranked_faults_.get();
   LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(base_, o));
   if (!init_from.empty()) {
     LORASTEP_RETURN_IF_ERROR(InitRun(trainer.get(), run_id, init_from, init_with_optimizer, &*vote));
@@ -483,12 +478,11 @@ void WorkerCore::LeadCoscheduledStep() {
                                       : std::chrono::duration<double>(std::chrono::steady_clock::now() -
                                                                       taken.front()->queued).count();
   const auto step_began = std::chrono::steady_clock::now();
+  AtFaultPoint(ranked_faults_.get(), "CoscheduledStepBegan").IgnoreError();
   RunCoscheduled(CallKind::kForward, forwards);
   RunCoscheduled(CallKind::kForwardBackward, forward_backwards);
   RunCoscheduled(CallKind::kTrainStep, trains);
-  if (options_.test_coscheduled_step_min.count() > 0) {
-    std::this_thread::sleep_until(step_began + options_.test_coscheduled_step_min);
-  }
+  AtFaultPoint(ranked_faults_.get(), "CoscheduledStepEnded").IgnoreError();
   // From the previous shared step's end to this one's start: answers out, next calls in, the
   // window (and the device time of calls that ran alone meanwhile, if any).
   const double between_steps =
@@ -520,7 +514,7 @@ absl::StatusOr<Trainer*> WorkerCore::AdmitGather(const std::string& run_id, cons
   MeshVote vote(groups_.get(), base_->device);  // an early return below votes "no"
   LORASTEP_RETURN_IF_ERROR(ResolvePath(run_id, path, /*write=*/true).status());
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh.Unchecked()));
-  LORASTEP_RETURN_IF_ERROR(TestRefusal(call));
+  LORASTEP_RETURN_IF_ERROR(AdmissionFault(call));
   LORASTEP_RETURN_IF_ERROR(vote.Cast(absl::OkStatus()));
   return t;
 }
@@ -533,9 +527,9 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::SaveState(const std::string& 
   const std::string folder = *ResolvePath(run_id, path, /*write=*/true);
   if (background) {
     LORASTEP_ASSIGN_OR_RETURN(std::shared_ptr<const TrainerStateSnapshot> snapshot, t->SnapshotState());
-    writer_.Submit(folder, [snapshot, folder, path, delay = options_.test_background_write_delay] {
-      std::this_thread::sleep_for(delay);
-      absl::Status s = AsReference(Trainer::WriteStateSnapshot(*snapshot, folder), folder, path);
+    writer_.Submit(folder, [snapshot, folder, path, faults = ranked_faults_.get()] {
+      absl::Status s = AtFaultPoint(faults, "BackgroundWrite");
+      if (s.ok()) s = AsReference(Trainer::WriteStateSnapshot(*snapshot, folder), folder, path);
       if (!s.ok()) LORASTEP_LOG(Error) << "background SaveState of " << path << ": " << s;
       return s;
     });
@@ -563,7 +557,7 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::LoadState(const std::string& 
   MeshVote vote(groups_.get(), base_->device);
   LORASTEP_ASSIGN_OR_RETURN(std::string folder, ResolvePath(run_id, path, /*write=*/false));
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh.Unchecked()));
-  LORASTEP_RETURN_IF_ERROR(TestRefusal("LoadState"));
+  LORASTEP_RETURN_IF_ERROR(AdmissionFault("LoadState"));
   LORASTEP_RETURN_IF_ERROR(AsReference(t->LoadState(folder, &vote), folder, path));
   return PathResult{t->FullAdapterSha256(), t->learner_version()};
 }

@@ -22,6 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "lib/fair_mutex.h"
+#include "lib/fault_points.h"
 #include "lib/io/background_writer.h"
 #include "lib/io/state_store.h"
 #include "lib/parallel/process_groups.h"
@@ -65,15 +66,10 @@ struct WorkerOptions {
   // waits). A co-scheduled call's cancellation is asked once, when the step takes it.
   // Zero turns co-scheduling off: every call runs alone, in arrival order.
   std::chrono::microseconds coschedule_window{0};
-  // Tests only: background SaveStates wait this long before writing (a slow disk).
-  std::chrono::milliseconds test_background_write_delay{0};
-  // Tests only: every co-scheduled step lasts at least this long (a long step on a small model).
-  std::chrono::milliseconds test_coscheduled_step_min{0};
-  // Tests only, "CALL:RANK": rank RANK refuses its first CALL (ForwardBackward, Forward,
-  // OptimStep, TrainStep, CreateRun with init_from, SaveState, LoadState, ExportAdapter)
-  // before its vote, as a rank-local check would (the others must answer at once, not wait
-  // in a collective); "AdamW:RANK": each run's first staged optimizer update fails there.
-  std::string test_refuse;
+  // Testing builds only (null in production): the core's fault points (lib/fault_points.h),
+  // each passed as "<point>:<rank>" (e.g. "AdmitTrainStep:1": rank 1's own checks of a
+  // TrainStep, before its vote), so one injector can serve every rank of a local mesh.
+  std::shared_ptr<FaultPoints> faults;
 };
 
 // --max_activation_mb in bytes: negative turns the budget off (-1), 0 is the default (80%
@@ -175,9 +171,11 @@ class WorkerCore {
   // Requires mu_.
   absl::StatusOr<Trainer*> AdmitGather(const std::string& run_id, const std::string& path, const MeshCallInfo& mesh,
                                        const char* call);
-  // WorkerOptions::test_refuse: this rank's one refusal of `call`, else OK.
-  absl::Status TestRefusal(const char* call);
-  bool test_refused_ = false;  // test_refuse's one refusal was made
+  // WorkerOptions::faults at "Admit<call>" for this rank: a fault in the rank's own checks
+  // of `call` (OK without an injector).
+  absl::Status AdmissionFault(const char* call);
+  // WorkerOptions::faults with this rank's number added to each point; null without one.
+  std::unique_ptr<FaultPoints> ranked_faults_;
   // Forms the communicators of the call's generation (through the store at its rendezvous)
   // unless they are formed and unbroken. Every rank gets the same generation with the same
   // call, so all form them together. Requires mu_.

@@ -506,7 +506,7 @@ void Trainer::StepJointOptimizers(JointPass& pass, const std::vector<size_t>& ru
       absl::StatusOr<AdamW::StagedStep> step = GuardTorch([&]() -> absl::StatusOr<AdamW::StagedStep> {
         return t.optimizer_->StageOnDevice(calls[pass.admitted[r]].adamw, norms[next]);
       });
-      t.ApplyTestStageFailure(&step);
+      t.AtStageFaultPoint(&step);
       if (!step.ok()) {
         refuse(r, step.status());
         continue;

@@ -678,10 +678,12 @@ absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWParams& params) {
   return StepOptimizer(params, /*restore_on_failure=*/true);
 }
 
-void Trainer::ApplyTestStageFailure(absl::StatusOr<AdamW::StagedStep>* staged) {
-  if (!staged->ok() || !options_.test_fail_first_stage || test_stage_failed_) return;
-  test_stage_failed_ = true;
-  *staged = absl::ResourceExhaustedError("optimizer: the staged update could not be allocated (test switch)");
+void Trainer::AtStageFaultPoint(absl::StatusOr<AdamW::StagedStep>* staged) {
+  if (!staged->ok()) return;
+  if (absl::Status fault = AtFaultPoint(options_.faults, "AdamWStage"); !fault.ok()) {
+    *staged = absl::ResourceExhaustedError(
+        absl::StrCat("optimizer: the staged update could not be allocated (", fault.message(), ")"));
+  }
 }
 
 absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params,
@@ -706,7 +708,7 @@ absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params
   absl::StatusOr<AdamW::StagedStep> staged =
       finalized.ok() ? GuardTorch([&] { return optimizer_->Stage(params, finalized->grad_norm); })
                      : absl::StatusOr<AdamW::StagedStep>(finalized.status());
-  ApplyTestStageFailure(&staged);
+  AtStageFaultPoint(&staged);
   if (absl::Status agreed = AgreeOnOutcome(staged.status()); !agreed.ok()) {
     if (restore) Restore(snapshot);
     return agreed;
@@ -717,11 +719,12 @@ absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params
   // The commit copies the staged state into place and allocates nothing; a failure here,
   // after the vote, is DATA_LOSS: the other ranks committed, so the run's copies differ (the
   // coordinator restores the run from its autosave).
-  auto step = options_.test_fail_commit_once != nullptr && !options_.test_fail_commit_once->exchange(true)
-                  ? absl::StatusOr<OptimizerStepResult>(absl::InternalError("the commit failed (test switch)"))
-                  : GuardTorch([&]() -> absl::StatusOr<OptimizerStepResult> {
-                      return optimizer_->Commit(*std::move(staged));
-                    });
+  const absl::Status commit_fault = AtFaultPoint(options_.faults, "AdamWCommit");
+  auto step = !commit_fault.ok() ? absl::StatusOr<OptimizerStepResult>(absl::InternalError(absl::StrCat(
+                                       "the commit failed (", commit_fault.message(), ")")))
+                                 : GuardTorch([&]() -> absl::StatusOr<OptimizerStepResult> {
+                                     return optimizer_->Commit(*std::move(staged));
+                                   });
   if (!step.ok()) {
     return absl::DataLossError(absl::StrCat("optimizer: the step failed after the mesh's commit vote",
                                             options_.groups != nullptr ? absl::StrCat(" on rank ", options_.groups->rank()) : "",

@@ -32,6 +32,7 @@
 #include "lib/training/grad_finalizer.h"
 #include "lib/model/linear.h"
 #include "lib/training/loss_config.h"
+#include "lib/fault_points.h"
 #include "lib/training/metrics.h"
 #include "lib/training/stage_gather.h"
 #include "lib/model/model_weights.h"
@@ -88,12 +89,9 @@ struct TrainerOptions {
   // at once; more runs are staged, checked and committed in batches of at most this much
   // (a run over it alone). Each batch costs one device wait.
   int64_t joint_optimizer_stage_bytes = int64_t{2} << 30;
-  // Tests only: the first optimizer step's staged update fails on this rank, as an
-  // allocation that runs out of device memory would (the mesh must apply nothing anywhere).
-  bool test_fail_first_stage = false;
-  // Tests only: the first commit that takes this token (one per worker process) fails on
-  // this rank after the commit vote, as a device error there would; the other ranks commit.
-  std::shared_ptr<std::atomic<bool>> test_fail_commit_once;
+  // Testing builds only (null in production): "AdamWStage" and "AdamWCommit"
+  // (lib/fault_points.h). Not owned; outlives the trainer.
+  FaultPoints* faults = nullptr;
 };
 
 // Per-call overrides for how a batch is run.
@@ -285,9 +283,9 @@ class Trainer {
   // 1 only (a mesh's replica digests are part of its step).
   absl::StatusOr<OptimStepResult> StepOptimizer(const AdamWParams& params, bool restore_on_failure,
                                                 bool digest = true);
-  // TrainerOptions::test_fail_first_stage: the first successfully staged update becomes the
-  // allocation failure it stands for.
-  void ApplyTestStageFailure(absl::StatusOr<AdamW::StagedStep>* staged);
+  // TrainerOptions::faults' "AdamWStage": a staged update that the fault point fails becomes
+  // the allocation failure it stands for.
+  void AtStageFaultPoint(absl::StatusOr<AdamW::StagedStep>* staged);
   // recompute[i]: how much of micro-batch i's layer activations is recomputed.
   absl::StatusOr<ForwardBackwardResult> RunMicroBatches(const std::vector<Datum>& datums,
                                                         const LossConfig* loss,
@@ -395,7 +393,6 @@ class Trainer {
   at::Generator dropout_generator_;
   int64_t train_steps_run_ = 0;  // TrainStep calls, for profile_train_step
   int64_t pending_backward_calls_ = 0;  // ForwardBackward calls since the last OptimStep
-  bool test_stage_failed_ = false;  // TrainerOptions::test_fail_first_stage was used
 };
 
 }  // namespace lorastep
