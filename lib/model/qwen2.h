@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "lib/model/adapter.h"
+#include "lib/model/layer_ops.h"
 #include "lib/model/linear.h"
 #include "lib/model/logprobs.h"
-#include "lib/training/metrics.h"
 #include "lib/model/layer_recompute.h"
 #include "lib/model/model_config.h"
 #include "lib/model/model_weights.h"
@@ -106,20 +106,6 @@ at::Tensor Qwen2FinalNorm(const ModelConfig& config, const ModelWeights& base,
 TokenScores Qwen2HeadScores(const ModelWeights& base, const Adapter* adapter, const at::Tensor& hidden,
                             const at::Tensor& targets, int64_t chunk_tokens, const ForwardOptions& options,
                             const VocabShard& vocab, bool entropy_grad);
-
-// moe_experts_hit:mean (share of a layer's experts that got tokens) and
-// moe_load_max_over_mean:max (the busiest expert's tokens over the mean), one value per
-// entry of `counts` (ForwardOptions::routing_counts).
-void AddRoutingMetrics(const std::vector<at::Tensor>& counts, Metrics* metrics);
-
-// Hugging Face's Qwen2RMSNorm: normalize in fp32, cast back, then scale. With `room` > 0 the
-// result is the left block of a buffer `room` columns wider, which the next projection may
-// write (LoraLinearGroup's input_has_room).
-at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t room = 0);
-// (x + y, RmsNorm(x + y)) as one autograd node (the residual add before a norm; see
-// AddRmsNormFunction); with y undefined, (x, RmsNorm(x)).
-std::pair<at::Tensor, at::Tensor> AddRmsNorm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
-                                             double eps, int64_t room = 0);
 
 }  // namespace lorastep
 

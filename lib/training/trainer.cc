@@ -1,3 +1,8 @@
+// The step pipeline: the micro-batch loop of ForwardBackward, Forward and TrainStep (each a
+// mesh transaction: admission vote, micro-batches, outcome vote, staged commit), the call
+// snapshot that undoes a failed call, and loading the base model. The activation planner,
+// the votes and commit, and checkpoint I/O are in activation_plan.cc, trainer_commit.cc and
+// trainer_state_io.cc.
 #include "lib/training/trainer.h"
 #include <ATen/core/grad_mode.h>
 
@@ -14,7 +19,6 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "lib/device_peaks.h"
 #include "lib/device_stats.h"
 #include "lib/log.h"
@@ -58,6 +62,21 @@ double DevicePeakFlops(const at::Device& device) {
   return peaks[index] = peak;
 }
 
+// moe_experts_hit:mean (share of a layer's experts that got tokens) and
+// moe_load_max_over_mean:max (the busiest expert's tokens over the mean), one value per
+// entry of `counts` (ForwardOptions::routing_counts).
+void AddRoutingMetrics(const std::vector<at::Tensor>& counts, Metrics* metrics);
+void AddRoutingMetrics(const std::vector<at::Tensor>& counts, Metrics* metrics) {
+  if (counts.empty()) return;
+  at::Tensor all = at::stack(counts).to(at::kCPU).to(at::kDouble);  // [layers x calls, E]
+  for (int64_t row = 0; row < all.size(0); ++row) {
+    at::Tensor c = all[row];
+    const double mean = c.mean().item<double>();
+    metrics->Add("moe_experts_hit:mean", (c > 0).to(at::kDouble).mean().item<double>(), 1.0);
+    metrics->Add("moe_load_max_over_mean:max", mean > 0 ? c.max().item<double>() / mean : 0.0);
+  }
+}
+
 using Clock = std::chrono::steady_clock;
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -83,145 +102,6 @@ std::vector<std::vector<size_t>> Trainer::SplitMicroBatches(const std::vector<Da
                                                             int64_t max_tokens) const {
   return options_.pack_sequences ? PackIntoMicroBatches(datums, max_tokens)
                                  : SplitIntoMicroBatches(datums, max_tokens);
-}
-
-namespace {
-
-const char* RecomputeName(LayerRecompute level) {
-  switch (level) {
-    case LayerRecompute::kNone: return "none";
-    case LayerRecompute::kSelective: return "selective";
-    case LayerRecompute::kFull: return "full";
-  }
-  return "?";
-}
-
-}  // namespace
-
-int64_t Trainer::ActivationBudgetBytes() const {
-  const int64_t budget = options_.max_activation_bytes;
-  if (budget != 0) return budget < 0 ? -1 : budget;
-  // What the device (CUDA) or this process (CPU) can still allocate.
-  const int64_t available = base_->device.is_cuda() ? CudaAvailableBytes(base_->device) : AvailableHostMemoryBytes();
-  if (available < 0) return -1;
-  return available / 10 * 8;  // room for the allocator and everything else
-}
-
-bool Trainer::MlpActivationKept() const {
-  // LoRA on down_proj in the fused form rebuilds the SwiGLU activation in backward, and a
-  // frozen down_proj keeps no input: the activation stays only for full fine-tuning and for
-  // a down_proj LoRA with dropout or unfused weight gradients.
-  const bool down_lora = adapter_->lora(0, kDownProj) != nullptr;
-  return adapter_->full_finetune() || (down_lora && (options_.lora.dropout > 0 || !options_.grad.fused_wgrad));
-}
-
-absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, const BatchOptions& batch,
-                                            bool backward, std::vector<LayerRecompute>* recompute) const {
-  const ActivationRecompute mode = !backward                     ? ActivationRecompute::kNone
-                                   : batch.activation_recompute ? *batch.activation_recompute
-                                                                : options_.activation_recompute;
-  // The level a fixed mode asks for; kAuto picks per micro-batch below.
-  const LayerRecompute fixed = mode == ActivationRecompute::kFull        ? LayerRecompute::kFull
-                               : mode == ActivationRecompute::kSelective ? LayerRecompute::kSelective
-                                                                         : LayerRecompute::kNone;
-  const int64_t max_tokens = batch.max_tokens_per_microbatch > 0 ? batch.max_tokens_per_microbatch
-                                                                 : options_.max_tokens_per_microbatch;
-  const auto micro_batches = SplitMicroBatches(datums, max_tokens);
-  if (recompute != nullptr) recompute->assign(micro_batches.size(), fixed);
-  const int64_t budget = ActivationBudgetBytes();
-  if (budget < 0) return absl::OkStatus();
-  const int64_t element_bytes = static_cast<int64_t>(c10::elementSize(base_->dtype));
-  const bool mlp_activation_kept = MlpActivationKept();
-  const double b = static_cast<double>(budget);
-  // Context parallelism: each rank holds 1/cp of every sequence, always packed.
-  const int64_t cp = options_.groups != nullptr ? options_.groups->layout().sizes().cp : 1;
-  const bool packed = options_.pack_sequences || cp > 1;
-  for (size_t m = 0; m < micro_batches.size(); ++m) {
-    const auto& mb = micro_batches[m];
-    int64_t longest = 0, total = 0, sent = 0;
-    std::vector<int64_t> lengths;  // this rank's tokens of each sequence
-    for (size_t d : mb) {
-      sent += static_cast<int64_t>(datums[d].tokens.size());
-      lengths.push_back((static_cast<int64_t>(datums[d].tokens.size()) + cp - 1) / cp);
-      longest = std::max(longest, lengths.back());
-      total += lengths.back();
-    }
-    const int64_t count = static_cast<int64_t>(mb.size());
-    auto need = [&](LayerRecompute level) {
-      if (!backward) level = LayerRecompute::kNone;  // a forward keeps nothing to recompute
-      return packed
-                 ? EstimatePackedActivationBytes(base_->config, base_->shard, lengths, backward, element_bytes,
-                                                 options_.logprob_chunk_tokens, level, mlp_activation_kept)
-                 : EstimateActivationBytes(base_->config, base_->shard, count, longest, backward, element_bytes,
-                                           options_.logprob_chunk_tokens, level, mlp_activation_kept);
-    };
-    // kAuto: the least recomputation that fits. Selective never costs more time than full
-    // (its replay skips attention's forward where the kernel keeps its statistics, and
-    // otherwise runs attention once in backward as full does), only the kept attention.
-    const double plain = need(LayerRecompute::kNone);
-    LayerRecompute level = fixed;
-    if (mode == ActivationRecompute::kAuto) {
-      level = plain <= b                                 ? LayerRecompute::kNone
-              : need(LayerRecompute::kSelective) <= b ? LayerRecompute::kSelective
-                                                         : LayerRecompute::kFull;
-    }
-    if (recompute != nullptr) (*recompute)[m] = level;
-    const double used = level == LayerRecompute::kNone ? plain : need(level);
-    if (used <= b) continue;
-    // Refused: say what more recomputation would need, and how long a micro-batch fits.
-    std::string hint;
-    if (backward && level != LayerRecompute::kFull) {
-      const LayerRecompute more = level == LayerRecompute::kNone && need(LayerRecompute::kSelective) <= b
-                                      ? LayerRecompute::kSelective
-                                      : LayerRecompute::kFull;
-      hint = need(more) <= b ? absl::StrFormat("; with %s activation recomputation it needs about %.4g MiB and fits "
-                                               "(activation_recompute %s)",
-                                               RecomputeName(more), need(more) / (1 << 20),
-                                               more == LayerRecompute::kFull ? "\"auto\" or \"full\"" : "\"auto\" or \"selective\"")
-                             : absl::StrFormat("; even with full activation recomputation it needs about %.4g MiB",
-                                               need(LayerRecompute::kFull) / (1 << 20));
-    } else if (backward) {
-      hint = " with full activation recomputation";
-    }
-    // The longest single sequence that fits at this budget (the estimate grows with the
-    // tokens, so a bisection finds it; cp ranks hold 1/cp of it each).
-    auto longest_fitting = [&](LayerRecompute with) {
-      int64_t lo = 0, hi = std::max(total, count * longest);
-      while (lo < hi) {
-        const int64_t mid = (lo + hi + 1) / 2;
-        const double n = EstimatePackedActivationBytes(base_->config, base_->shard, {mid}, backward, element_bytes,
-                                                       options_.logprob_chunk_tokens, with, mlp_activation_kept);
-        if (n <= b) lo = mid; else hi = mid - 1;
-      }
-      return lo * cp;
-    };
-    std::string fits = absl::StrFormat("; at this budget about %d tokens fit in one micro-batch",
-                                       longest_fitting(backward ? level : LayerRecompute::kNone));
-    if (backward && level != LayerRecompute::kFull) {
-      absl::StrAppend(&fits, absl::StrFormat(" (%d with full activation recomputation)",
-                                             longest_fitting(LayerRecompute::kFull)));
-    }
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "datums[%d]: a micro-batch of %d sequence(s), %d tokens%s, needs about %.4g MiB of "
-        "activations, over this worker's budget of %.4g MiB%s%s; send shorter sequences, a smaller "
-        "max_tokens_per_microbatch, use a larger cp (each context rank holds 1/cp of every sequence), or raise "
-        "the worker's --max_activation_mb",
-        mb.front(), count, packed ? sent : count * longest, packed ? " packed" : " padded",
-        used / (1 << 20), b / (1 << 20), hint, fits));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Trainer::AgreeOnRecompute(std::vector<LayerRecompute>* recompute) {
-  if (options_.groups == nullptr || recompute->empty()) return absl::OkStatus();
-  std::vector<float> local;  // the levels in order: every rank takes the most any rank needs
-  for (LayerRecompute level : *recompute) local.push_back(static_cast<float>(level));
-  at::Tensor levels = at::tensor(local, at::kFloat).to(base_->device);
-  LORASTEP_RETURN_IF_ERROR(options_.groups->group(GroupKind::kWorld).AllReduce(levels, ReduceKind::kMax));
-  const at::Tensor host = levels.to(at::kCPU).contiguous();
-  const float* most = host.data_ptr<float>();
-  for (size_t i = 0; i < recompute->size(); ++i) (*recompute)[i] = static_cast<LayerRecompute>(static_cast<int>(most[i]));
-  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<const BaseModel>> LoadBaseModel(const std::string& folder,
@@ -577,37 +457,6 @@ absl::StatusOr<ForwardBackwardResult> Trainer::AdmittedForwardBackward(const std
   return result;
 }
 
-absl::StatusOr<bool> Trainer::CallCancelled(const BatchOptions& batch) {
-  if (!batch.cancelled) return false;
-  if (options_.groups == nullptr) return batch.cancelled();
-  if (!batch.agree_on_cancel) return false;
-  // Every rank asks at the same micro-batch; any rank's yes stops them all there.
-  at::Tensor any = at::full({1}, batch.cancelled() ? 1.0f : 0.0f,
-                            at::TensorOptions().device(base_->device).dtype(at::kFloat));
-  LORASTEP_RETURN_IF_ERROR(options_.groups->group(GroupKind::kWorld).AllReduce(any, ReduceKind::kMax));
-  return any.item<float>() > 0;
-}
-
-absl::Status AgreeOnMesh(ProcessGroups* groups, const at::Device& device, const absl::Status& local) {
-  if (groups == nullptr) return local;
-  return GuardTorch([&]() -> absl::Status {
-    at::Tensor ok = at::full({1}, local.ok() ? 1.0f : 0.0f, at::TensorOptions().device(device).dtype(at::kFloat));
-    absl::Status vote = groups->group(GroupKind::kWorld).AllReduce(ok, ReduceKind::kMin);
-    if (!local.ok()) return local;
-    if (!vote.ok()) return vote;
-    if (ok.item<float>() < 1.0f) {
-      return absl::AbortedError(absl::StrCat("rank ", groups->rank(),
-                                             ": another rank of the mesh failed this call; "
-                                             "nothing was applied"));
-    }
-    return absl::OkStatus();
-  });
-}
-
-absl::Status Trainer::AgreeOnOutcome(const absl::Status& local) {
-  return AgreeOnMesh(options_.groups, base_->device, local);
-}
-
 absl::StatusOr<ForwardBackwardResult> Trainer::Forward(const std::vector<Datum>& datums, const BatchOptions& batch) {
   absl::Status local = ValidateForwardBatch(datums, base_->config.vocab_size, options_.limits);
   if (local.ok()) local = CheckActivationBudget(datums, BatchOptions{}, /*backward=*/false);
@@ -619,118 +468,6 @@ absl::StatusOr<ForwardBackwardResult> Trainer::Forward(const std::vector<Datum>&
       GuardTorch([&] { return RunMicroBatches(datums, nullptr, forward_only); });
   LORASTEP_RETURN_IF_ERROR(AgreeOnOutcome(result.status()));
   return result;
-}
-
-absl::StatusOr<OptimStepResult> Trainer::OptimStep(const AdamWParams& params) {
-  return StepOptimizer(params, /*restore_on_failure=*/true);
-}
-
-void Trainer::AtStageFaultPoint(absl::StatusOr<AdamW::StagedStep>* staged) {
-  if (!staged->ok()) return;
-  if (absl::Status fault = AtFaultPoint(options_.faults, "AdamWStage"); !fault.ok()) {
-    *staged = absl::ResourceExhaustedError(
-        absl::StrCat("optimizer: the staged update could not be allocated (", fault.message(), ")"));
-  }
-}
-
-absl::StatusOr<OptimStepResult> Trainer::StepOptimizer(const AdamWParams& params,
-                                                       bool restore_on_failure, bool digest) {
-  absl::Status local = ValidateAdamWParams(params);
-  OptimStepResult result;
-  auto t0 = Clock::now();
-  if (local.ok()) local = FoldLocalGradients(adapter_.get());
-  // On a mesh the reduction rewrites main_grad: keep the local gradients so a step refused
-  // after it (non-finite norm, a peer's failure) leaves them as they were.
-  const bool restore = restore_on_failure && options_.groups != nullptr;
-  absl::StatusOr<CallSnapshot> taken =
-      !local.ok() ? absl::StatusOr<CallSnapshot>(local) : restore ? Snapshot() : CallSnapshot{};
-  // Admission: all ranks vote before the first gradient collective.
-  LORASTEP_RETURN_IF_ERROR(AgreeOnOutcome(taken.status()));
-  const CallSnapshot snapshot = *std::move(taken);
-  GradFinalizeOptions finalize = options_.finalize;
-  finalize.expert_lora = base_->config.is_moe() && !adapter_->full_finetune();
-  auto finalized = FinalizeStepGradients(adapter_.get(), options_.groups, finalize);
-  // Every rank stages its update aside (every allocation, and the check that each parameter
-  // stays finite in its dtype), then the world votes: all commit it or none does.
-  absl::StatusOr<AdamW::StagedStep> staged =
-      finalized.ok() ? GuardTorch([&] { return optimizer_->Stage(params, finalized->grad_norm); })
-                     : absl::StatusOr<AdamW::StagedStep>(finalized.status());
-  AtStageFaultPoint(&staged);
-  if (absl::Status agreed = AgreeOnOutcome(staged.status()); !agreed.ok()) {
-    if (restore) Restore(snapshot);
-    return agreed;
-  }
-  SyncDevice();
-  result.metrics.Add("time_grad_finalize_s:sum", SecondsSince(t0));
-  t0 = Clock::now();
-  // The commit copies the staged state into place and allocates nothing; a failure here,
-  // after the vote, is DATA_LOSS: the other ranks committed, so the run's copies differ (the
-  // coordinator restores the run from its autosave).
-  const absl::Status commit_fault = AtFaultPoint(options_.faults, "AdamWCommit");
-  auto step = !commit_fault.ok() ? absl::StatusOr<OptimizerStepResult>(absl::InternalError(absl::StrCat(
-                                       "the commit failed (", commit_fault.message(), ")")))
-                                 : GuardTorch([&]() -> absl::StatusOr<OptimizerStepResult> {
-                                     return optimizer_->Commit(*std::move(staged));
-                                   });
-  if (!step.ok()) {
-    return absl::DataLossError(absl::StrCat("optimizer: the step failed after the mesh's commit vote",
-                                            options_.groups != nullptr ? absl::StrCat(" on rank ", options_.groups->rank()) : "",
-                                            " (", step.status().message(),
-                                            "); this copy of the run may differ from its replicas"));
-  }
-  SyncDevice();
-  result.metrics.Add("time_optimizer_s:sum", SecondsSince(t0));
-  result.metrics.Add("grad_norm:sum", step->grad_norm);
-  result.metrics.Add("lr:sum", step->lr);
-  for (const auto& [family, agree] : finalized->family_digests_agree) {
-    result.metrics.Add(absl::StrCat(family, "_digests_agree:mean"), agree ? 1.0 : 0.0, 1.0);
-  }
-  pending_backward_calls_ = 0;
-  result.learner_version = optimizer_->steps_taken();
-  const bool mesh = options_.groups != nullptr && options_.groups->layout().world_size() > 1;
-  if (mesh || (digest && (!adapter_->full_finetune() || options_.digest_full_finetune_steps))) {
-    t0 = Clock::now();
-    const std::string local_sha = AdapterSha256();
-    if (mesh) {  // one copy has nothing to compare
-      result.replica_digests = ReplicaDigests(local_sha);
-      for (const auto& [family, sha] : finalized->family_digests) result.replica_digests[family] = sha;
-    }
-    // The reported adapter digest is of whole tensors, the same at every layout.
-    const bool sliced = options_.groups != nullptr && !base_->shard.whole();
-    result.adapter_sha256 = !sliced ? local_sha : adapter_->full_finetune() ? "" : FullAdapterSha256();
-    result.metrics.Add("time_digest_s:sum", SecondsSince(t0));
-  }
-  return result;
-}
-
-std::map<std::string, std::string> Trainer::ReplicaDigests(const std::string& trainable_sha256) const {
-  // Each family is compared over the ranks that must hold equal copies of it (see
-  // ReplicaFamilyScope): routed-expert factors only among holders of the same experts.
-  std::map<std::string, std::vector<at::Tensor>> families;
-  bool any_expert = false;
-  // The tensor-replicated families are compared across tensor ranks; with one tensor rank
-  // they are a subset of "trainable" (compared across replicas): not hashed twice.
-  const int tp = base_->shard.tp;
-  for (const Parameter& p : adapter_->parameters()) {
-    if (p.role == kSharedExpert) {
-      families["shared_" + p.family].push_back(p.value);
-    } else if (p.expert_split) {
-      any_expert = true;
-      families["experts"].push_back(p.value);
-      if (p.role == kExpertReplicatedPartial && tp > 1) families["experts_tensor_replicated"].push_back(p.value);
-    } else {
-      families["trainable"].push_back(p.value);
-      if (TensorReplicated(p.role) && tp > 1) families["tensor_replicated"].push_back(p.value);
-    }
-  }
-  std::map<std::string, std::string> digests;
-  for (const auto& [family, tensors] : families) {
-    const bool all = family == "trainable" && !any_expert && !families.count("shared_fc1") &&
-                     !families.count("shared_fc2");
-    digests[family] = all ? trainable_sha256 : TensorsSha256(tensors);
-  }
-  if (digests.empty()) digests["trainable"] = trainable_sha256;
-  return digests;
 }
 
 absl::StatusOr<OptimStepResult> Trainer::TrainStep(const std::vector<Datum>& datums,

@@ -1,0 +1,51 @@
+// The element-wise pieces of a decoder layer, each one autograd node: SwiGLU, RoPE, RMSNorm
+// (with the residual add before it) and LoRA dropout. On CUDA they run as lorastep's fused
+// kernels (lib/kernels/fused_layer.h) where UseFusedKernels says so.
+#ifndef LORASTEP_LIB_MODEL_LAYER_OPS_H_
+#define LORASTEP_LIB_MODEL_LAYER_OPS_H_
+
+#include <ATen/ATen.h>
+
+#include <utility>
+#include <vector>
+
+#include "lib/model/linear.h"
+
+namespace lorastep {
+
+// Whether RMSNorm, SwiGLU and RoPE on these tensors run as lorastep's fused CUDA kernels;
+// elsewhere they are ATen compositions with the same rounding. LORASTEP_FUSED_KERNELS=0 turns
+// the kernels off (for side-by-side benchmarks).
+bool UseFusedKernels(const at::Tensor& x, const at::Tensor& other);
+
+// silu(gate) * up.
+at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up);
+// gate_up [.., 2f]: the gate half, then the up half.
+at::Tensor SwiGluPacked(const at::Tensor& gate_up);
+// down_proj's input as a RecomputedInput of a packed gate_up (see its definition).
+extern const RecomputedInput kSwiGluOfPacked;
+
+// Rotary embedding of x [b, s, heads, d] with cos/sin tables [s, d].
+at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+// (RoPE(q), RoPE(k), v) from one packed projection qkv [b, s, (heads + 2 kv_heads) d], read
+// in place; backward writes one packed gradient. CUDA tensors with unit stride along d.
+std::vector<at::Tensor> QkvRope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                                int64_t kv_heads);
+#endif
+
+// Inverted dropout drawing from `generator` (null: the global one).
+at::Tensor LoraDropout(const at::Tensor& x, double p, at::Generator* generator);
+
+// Hugging Face's Qwen2RMSNorm: normalize in fp32, cast back, then scale. With `room` > 0 the
+// result is the left block of a buffer `room` columns wider, which the next projection may
+// write (LoraLinearGroup's input_has_room).
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t room = 0);
+// (x + y, RmsNorm(x + y)) as one autograd node (the residual add before a norm; see
+// AddRmsNormFunction); with y undefined, (x, RmsNorm(x)).
+std::pair<at::Tensor, at::Tensor> AddRmsNorm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
+                                             double eps, int64_t room = 0);
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_MODEL_LAYER_OPS_H_
