@@ -10,13 +10,14 @@
 # files (and the models' configs) in OUT_DIR; bench/long_context_results.py writes
 # OUT_DIR/long_context.json from them. RUN names some of the runs (default: all five), for
 # splitting them over calls; the results script then reads the raw files of all of them.
+# A failed run is reported and the others go on; the script then fails.
 #   bench/long_context.sh BUILD_DIR OUT_DIR [RUN ...]
-set -uo pipefail
+set -euo pipefail
 BIN=$1 OUT=$2; shift 2
 RUNS=" ${*:-q7b_32768 recompute q05_131072 q7b_131072} "
 Q7=/tmp/q7b_yarn Q05=/tmp/q05_yarn
-python3 bench/make_hf_model.py --shape qwen2.5-7b-yarn --out $Q7 || exit 1
-python3 bench/make_hf_model.py --shape qwen2.5-0.5b-yarn --out $Q05 || exit 1
+python3 bench/make_hf_model.py --shape qwen2.5-7b-yarn --out $Q7
+python3 bench/make_hf_model.py --shape qwen2.5-0.5b-yarn --out $Q05
 cp $Q7/config.json "$OUT/config_q7b.json"; cp $Q05/config.json "$OUT/config_q05.json"
 vocab() { python3 -c "import json,sys;print(json.load(open(sys.argv[1]+'/config.json'))['vocab_size'])" "$1"; }
 [ -f "$OUT/gemm_peak.json" ] || python3 bench/gemm_peak.py --out "$OUT/gemm_peak.json"
@@ -29,18 +30,20 @@ train() {  # train NAME MODEL BATCH MICRO_BATCH STEPS [extra coordinator flags] 
   MODEL_DIR=$model RANK=32 MAX_TOKENS=$mb STEPS=$steps MODE=train BATCH_FILE="$OUT/batch_$b.json" \
     COORD_FLAGS="--max_tokens_per_microbatch $mb $*" MACHINE="$(head -1 "$OUT/env.txt")" VERSIONS="$(tail -1 "$OUT/env.txt")" \
     bench/service_overhead.sh "$BIN" "$name" cuda bfloat16 "$OUT/$name.json" overhead_fraction \
-    > "/tmp/$name.log" 2>&1 || { echo "$name failed:"; tail -5 "/tmp/$name.log"; }
+    > "/tmp/$name.log" 2>&1 || { echo "$name failed:"; tail -5 "/tmp/$name.log"; FAILED="$FAILED $name"; }
 }
+FAILED=
 batch $Q7 1 32768 q7b_32768
 batch $Q7 2 16384 q7b_2x16384
 batch $Q7 1 131072 q7b_131072
 batch $Q05 1 131072 q05_131072
-[[ $RUNS == *" q7b_32768 "* ]] && train q7b_32768 $Q7 q7b_32768 32768 3
+if [[ $RUNS == *" q7b_32768 "* ]]; then train q7b_32768 $Q7 q7b_32768 32768 3; fi
 if [[ $RUNS == *" recompute "* ]]; then
   CLIENT_FLAGS=--first_step_logprobs train recompute_none $Q7 q7b_2x16384 16384 3 --activation_recompute none
   CLIENT_FLAGS=--first_step_logprobs train recompute_selective $Q7 q7b_2x16384 16384 3 --activation_recompute selective
   CLIENT_FLAGS=--first_step_logprobs train recompute_full $Q7 q7b_2x16384 16384 3 --activation_recompute full
 fi
-[[ $RUNS == *" q05_131072 "* ]] && train q05_131072 $Q05 q05_131072 131072 2
-[[ $RUNS == *" q7b_131072 "* ]] && train q7b_131072 $Q7 q7b_131072 131072 2
+if [[ $RUNS == *" q05_131072 "* ]]; then train q05_131072 $Q05 q05_131072 131072 2; fi
+if [[ $RUNS == *" q7b_131072 "* ]]; then train q7b_131072 $Q7 q7b_131072 131072 2; fi
 python3 bench/long_context_results.py "$OUT" "$OUT/long_context.json"
+[ -z "$FAILED" ] || { echo "failed:$FAILED"; exit 1; }

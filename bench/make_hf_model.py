@@ -1,8 +1,10 @@
 """A random model of a named shape written by transformers itself (its config class, its
-own save_pretrained: sharded safetensors and their index), on the GPU in bf16.
+own save_pretrained: sharded safetensors and their index), on the GPU in bf16. A folder this
+script wrote for the same shape (its stamp file, written last, matches) is kept; anything else
+at --out is replaced.
     python3 bench/make_hf_model.py --shape qwen2.5-7b --out DIR
 """
-import argparse, os
+import argparse, json, os, shutil
 
 import torch
 
@@ -31,8 +33,11 @@ def main():
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    if os.path.exists(os.path.join(args.out, "config.json")):
+    stamp_path = os.path.join(args.out, ".make_hf_model.json")
+    stamp = json.dumps({"shape": args.shape, "config": SHAPES[args.shape], "seed": 0}, sort_keys=True)
+    if os.path.exists(stamp_path) and open(stamp_path).read() == stamp:
         return
+    shutil.rmtree(args.out, ignore_errors=True)
     from transformers import AutoConfig, AutoModelForCausalLM
     model_type, kwargs = SHAPES[args.shape]
     config = AutoConfig.for_model(model_type, **kwargs)
@@ -40,6 +45,8 @@ def main():
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(args.out, max_shard_size="4GB", safe_serialization=True)
+    with open(stamp_path, "w") as f:
+        f.write(stamp)
     print("wrote", args.out, sum(p.numel() for p in model.parameters()), "parameters")
 
 

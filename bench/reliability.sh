@@ -11,14 +11,16 @@
 #    registered meshes that come back, registered workers replaced) -> faults_survived;
 #  - bad inputs: tests/fuzz_test's mutated files and requests -> bad_inputs_tried.
 # state_lost = runs that lost a step under load + fault tests that failed.
+# Fault and figure tests that fail are counted in the figures (fault_tests_failed, state_lost,
+# the transaction paths), not fatal; anything else that fails stops the script.
 #   bash bench/reliability.sh [OUT_JSON]
-set -uo pipefail
+set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench/results/reliability.json}
 STEPS=${LOAD_STEPS:-10000} CLIENTS=${LOAD_CLIENTS:-16}
 bazel build //bench:load_test //server:lorastep_coordinator //worker:lorastep_worker //tools:lorastep_genmodel \
   //clients/python:python_client >/dev/null 2>&1 || { echo "build failed"; exit 1; }
-W=$(mktemp -d); trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null; rm -rf "$W"' EXIT
+W=$(mktemp -d); PID=; trap '[ -z "$PID" ] || { kill $PID 2>/dev/null; wait $PID 2>/dev/null; }; rm -rf "$W"' EXIT
 ./bazel-bin/tools/lorastep_genmodel --preset tiny --seed 1 --out "$W/model" >/dev/null
 # With a state dir: the journal on, every step of every run autosaved (in the background).
 ./bazel-bin/server/lorastep_coordinator --model "$W/model" --port 0 --port_file "$W/port" --state_dir "$W/state" \
@@ -28,33 +30,33 @@ for _ in $(seq 300); do [ -s "$W/port" ] && break; sleep 0.2; done
 WPID=$(pgrep -P $PID | head -1)
 ./bazel-bin/bench/load_test --address "127.0.0.1:$(cat "$W/port")" --vocab 96 --clients "$CLIENTS" \
   --total_steps "$STEPS" --warmup_steps 500 --pids "$PID,$WPID" --out "$W/load.json" > /dev/null
-kill $PID; wait $PID 2>/dev/null
+kill $PID; wait $PID 2>/dev/null || true; PID=
 FAULTS="//tests:process_test:ProcessTest.* //tests:registration_test:RegistrationTest.* //tests:file_util_test:FileUtilTest.FullDiskIsResourceExhausted:CheckpointDirTest.* //tests:trainer_test:TrainerTest.InterruptedSaveLeavesThePreviousCheckpointLoadable //tests:mesh_test:MeshTest.KilledWorkerFailsTheCallNamingTheRankAndNothingIsApplied //tests:run_journal_test:RunJournalIntegrityTest.*"
 passed=0 failed=0
 for spec in $FAULTS; do
   target=${spec%%:[A-Z]*}; filter=${spec#"$target":}
-  log=$(bazel test "$target" --test_filter="$filter" --test_output=all --cache_test_results=no 2>&1)
-  passed=$((passed + $(grep -c '^\[       OK \]' <<< "$log")))
-  failed=$((failed + $(grep -c '^\[  FAILED  \] [A-Za-z]*\.[A-Za-z]* (' <<< "$log")))
+  log=$(bazel test "$target" --test_filter="$filter" --test_output=all --cache_test_results=no 2>&1 || true)
+  passed=$((passed + $(grep -c '^\[       OK \]' <<< "$log" || true)))
+  failed=$((failed + $(grep -c '^\[  FAILED  \] [A-Za-z]*\.[A-Za-z]* (' <<< "$log" || true)))
   [ "$target" = "//tests:process_test" ] && echo "$log" > "$W/process_tests.log"
 done
-fuzz=$(bazel test //tests:fuzz_test --test_output=all --cache_test_results=no 2>&1 | grep -o 'bad_inputs_tried [a-z]* [0-9]*' | awk '{s += $3} END {print s + 0}')
+fuzz=$( (bazel test //tests:fuzz_test --test_output=all --cache_test_results=no 2>&1 || true) | { grep -o 'bad_inputs_tried [a-z]* [0-9]*' || true; } | awk '{s += $3} END {print s + 0}')
 # Issue 26's figures, as the tests that check them print them: unauthenticated paths tried
 # and accepted, the coordinator's peak RSS under three 63 MB unauthenticated requests
 # (tests/auth_test.py), journal damage cases and silent rollbacks (tests/run_journal_test.cc),
 # the time from an abandoned 2M-token TrainStep's deadline to another run's answered step
 # (ProcessTest.AbandonedCallStopsAtTheNextMicroBatchAndAppliesNothing; on a DP2 mesh,
 # ProcessTest.AbandonedMeshCallStopsOnEveryRankAtTheSameMicroBatch).
-bazel test //tests:auth_test //tests:run_journal_test --test_output=all --cache_test_results=no > "$W/issue26.log" 2>&1
+bazel test //tests:auth_test //tests:run_journal_test --test_output=all --cache_test_results=no > "$W/issue26.log" 2>&1 || true
 cat "$W/process_tests.log" >> "$W/issue26.log"
 # Issue 55's figures: tenants (bench/tenant_isolation.py: a greedy key at its limits while
 # another key steps; 64 MiB bodies from 16 threads for 30 s), the security policy's table,
 # oversized meshes refused before any worker starts, a rank-local LoadState refusal on TP2,
 # every collective path refused by one rank (its transaction_path lines); disconnect_to_idle_s
 # and mesh_disconnect_to_idle_s come from process_test above.
-bazel test //tests:security_policy_test //tests:startup_test --test_output=all --cache_test_results=no >> "$W/issue26.log" 2>&1
+bazel test //tests:security_policy_test //tests:startup_test --test_output=all --cache_test_results=no >> "$W/issue26.log" 2>&1 || true
 bazel test //tests:mesh_test --test_filter='MeshTest.LoadStateRefused*:MeshTest.EveryCollectivePath*' --test_output=all --cache_test_results=no \
-  >> "$W/issue26.log" 2>&1
+  >> "$W/issue26.log" 2>&1 || true
 mkdir -p "$W/tenants"
 PYTHONPATH=bazel-bin/clients/python /usr/bin/python3 bench/tenant_isolation.py bazel-bin/server/lorastep_coordinator \
   bazel-bin/worker/lorastep_worker bazel-bin/tools/lorastep_genmodel "$W/tenants" >> "$W/issue26.log" 2>&1

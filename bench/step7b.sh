@@ -5,10 +5,10 @@
 # one call, beside the measured bf16 GEMM peak. Raw files in OUT_DIR; bench/step7b_results.py
 # adds the lora_7b_* keys to OUT_DIR/step_7b.json.
 #   bench/step7b.sh BUILD_DIR OUT_DIR
-set -uo pipefail
+set -euo pipefail
 BIN=$1 OUT=$2
 MODEL=/tmp/q7b_hf
-python3 bench/make_hf_model.py --shape qwen2.5-7b --out $MODEL || exit 1
+python3 bench/make_hf_model.py --shape qwen2.5-7b --out $MODEL
 VOCAB=$(python3 -c "import json;print(json.load(open('$MODEL/config.json'))['vocab_size'])")
 [ -f "$OUT/gemm_peak.json" ] || python3 bench/gemm_peak.py --out "$OUT/gemm_peak.json"
 python3 bench/make_batch.py --vocab "$VOCAB" --workload fixed --out "$OUT/batch_fixed_7b.json"
@@ -30,7 +30,7 @@ if [ -n "${STEP7B_PROFILE:-}" ]; then
   LORASTEP_PROFILE_TRACE=/tmp/lora_7b_trace.json LORASTEP_PROFILE_STEP=2 MODEL_DIR=$MODEL RANK=32 MAX_TOKENS=$mb STEPS=2 \
     MODE=train BATCH_FILE="$OUT/batch_fixed_7b.json" COORD_FLAGS="--max_tokens_per_microbatch $mb" \
     bench/service_overhead.sh "$BIN" qwen2.5-0.5b cuda bfloat16 /tmp/profiled_7b.json x > /tmp/profiled_7b.log 2>&1 \
-    || tail -5 /tmp/profiled_7b.log
+    || { echo "the profiled 7b step failed"; tail -5 /tmp/profiled_7b.log; exit 1; }
   python3 bench/profile_summary.py /tmp/lora_7b_trace.json --label "lorastep LoRA r32 train step, Qwen2.5-7B shape, 64 x 512, micro-batch $mb" \
     --machine "$(head -1 "$OUT/env.txt")" --command "${BENCH_COMMAND:-python3 scripts/bench.py --profile suite step7b}" \
     --out "$OUT/profile_lora_7b_step.json" | tail -3

@@ -6,11 +6,13 @@
 #   transformers (+ PEFT): the same three, bench/peft_step.py
 # plus the bf16 GEMM peak, and a Kineto profile of one LoRA step (separate run, so the
 # profiler does not perturb the timed ones). Raw files in OUT_DIR, then step_results.py.
+# Any failed row fails the script.
 #   bench/step_bench.sh BUILD_DIR OUT_DIR
-set -uo pipefail
+set -euo pipefail
 BIN=$1 OUT=$2
 MODEL=/tmp/q05
-[ -d $MODEL ] || "$BIN/lorastep_genmodel" --preset qwen2.5-0.5b --dtype bfloat16 --seed 1 --out $MODEL >/dev/null
+source "$(dirname "$0")/gen_model.sh"
+gen_model "$BIN/lorastep_genmodel" qwen2.5-0.5b bfloat16 $MODEL
 VOCAB=$(python3 -c "import json;print(json.load(open('$MODEL/config.json'))['vocab_size'])")
 MT=${STEP_MAX_TOKENS:-8192}  # lorastep's micro-batch (padded tokens): the worker default
 python3 bench/gemm_peak.py --out "$OUT/gemm_peak.json"
@@ -23,9 +25,9 @@ run_ours() {  # mode workload rank [micro-batch: an extra row, file ours_MODE_W_
   MODEL_DIR=$MODEL RANK=$rank MAX_TOKENS=$mt STEPS=${STEP_COUNT:-5} MODE=$m BATCH_FILE="$OUT/batch_$w.json" \
     COORD_FLAGS="--max_tokens_per_microbatch $mt" MACHINE="$(head -1 "$OUT/env.txt")" VERSIONS="$(tail -1 "$OUT/env.txt")" \
     bench/service_overhead.sh "$BIN" qwen2.5-0.5b cuda bfloat16 "$OUT/$name.json" overhead_fraction \
-    > "/tmp/$name.log" 2>&1 || { echo "lorastep $name failed"; tail -20 "/tmp/$name.log"; }
+    > "/tmp/$name.log" 2>&1 || { echo "lorastep $name failed"; tail -20 "/tmp/$name.log"; exit 1; }
   python3 -c "import json,sys;d=json.load(open(sys.argv[1]));m=d['last_step_metrics'];print('lorastep',sys.argv[2],round(d['worker_step_median_s'],4),'s',{k:round(v,4) for k,v in m.items() if k.startswith('time_') or k.startswith('peak_cuda')})" \
-    "$OUT/$name.json" "$name mb=$mt" 2>/dev/null
+    "$OUT/$name.json" "$name mb=$mt"
 }
 for spec in ${STEP_OURS:-lora:fixed:32 full:fixed:0 logprobs:fixed:32 lora:varlen:32 full:varlen:0}; do
   IFS=: read -r mode w rank mt <<< "$spec"; run_ours "$mode" "$w" "$rank" "$mt"
@@ -58,7 +60,7 @@ for mode in ${STEP_PROFILE:-lora}; do
   rank=32; [ "$mode" = full ] && rank=0
   LORASTEP_PROFILE_TRACE=/tmp/${mode}_trace.json LORASTEP_PROFILE_STEP=2 MODEL_DIR=$MODEL RANK=$rank MAX_TOKENS=$MT STEPS=2 \
     BATCH_FILE="$OUT/batch_fixed.json" bench/service_overhead.sh "$BIN" qwen2.5-0.5b cuda bfloat16 /tmp/profiled.json x > /tmp/profiled.log 2>&1 \
-    || tail -5 /tmp/profiled.log
+    || { echo "the profiled $mode step failed"; tail -5 /tmp/profiled.log; exit 1; }
   python3 bench/profile_summary.py /tmp/${mode}_trace.json --label "lorastep $mode (rank $rank) train step, 64 x 512, micro-batch $MT" \
     --machine "$(head -1 "$OUT/env.txt") / $(tail -1 "$OUT/env.txt")" \
     --command "LORASTEP_PROFILE_TRACE=... LORASTEP_PROFILE_STEP=2 bench/service_overhead.sh (bench/step_bench.sh, micro-batch $MT)" \

@@ -6,7 +6,7 @@
 #   bash bench/transactions.sh [OUT_JSON] [--quick] [--recovery N] [--recovery_only]
 # The recovery trials (--recovery N): rank 1 of a DP2 mesh SIGKILLed mid-step beside two
 # CPU-bound processes, the client retrying until its step is applied.
-set -uo pipefail
+set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench/results/transactions.json}
 bazel build //server:lorastep_coordinator_testing //worker:lorastep_worker_testing //tools:lorastep_genmodel \
