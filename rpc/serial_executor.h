@@ -90,6 +90,12 @@ class KeyedExecutor {
 
   void Submit(const std::string& key, std::function<void()> task);
 
+  // Threads waiting for work: neither running a task nor spinning.
+  size_t IdleThreads() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return idle_.size();
+  }
+
  private:
   struct Idle {  // a thread waiting for work
     std::condition_variable cv;

@@ -13,7 +13,7 @@ check() {  # folder, the folders it must not reach
   done < <(grep -rnE "#include \"(${forbidden})/" "$from" --include=*.h --include=*.cc --include=*.cu 2>/dev/null;
            grep -rnE "\"//(${forbidden})[:/]" "$from" --include=BUILD 2>/dev/null)
 }
-check lib "rpc|worker|server|clients"
-check rpc "worker|server|clients"
-check worker "server|clients"
+check lib "rpc|worker|server|clients|tools"
+check rpc "worker|server|clients|tools"
+check worker "server|clients|tools"
 exit $bad

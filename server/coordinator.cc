@@ -511,6 +511,19 @@ absl::StatusOr<v1::StepResponse> Coordinator::TrainStep(const v1::TrainStepReque
   return resp;
 }
 
+absl::StatusOr<v1::WorkerPathResponse> Coordinator::PathCallOnEveryRank(
+    RunState& run, const std::string& run_id, const std::string& path, const v1::MeshCall* mesh,
+    const std::function<absl::StatusOr<v1::WorkerPathResponse>(WorkerClient*, v1::WorkerPathRequest)>& send) {
+  LORASTEP_ASSIGN_OR_RETURN(
+      auto per_rank, FanOut<v1::WorkerPathResponse>(run, run.AllRanks(), [&](int, WorkerClient* w) {
+        v1::WorkerPathRequest wreq = PathRequest(run_id, path);
+        if (mesh != nullptr) *wreq.mutable_mesh() = *mesh;
+        mesh_.StampMesh(wreq.mutable_mesh());
+        return send(w, std::move(wreq));
+      }));
+  return std::move(per_rank[0]);
+}
+
 absl::StatusOr<v1::SaveStateResponse> Coordinator::SaveState(const v1::SaveStateRequest& req) {
   if (req.path().empty()) return absl::InvalidArgumentError("path: required");
   LORASTEP_RETURN_IF_ERROR(persistence_.CheckNotAutosavePath(req.run_id(), req.path(), "path"));
@@ -518,15 +531,14 @@ absl::StatusOr<v1::SaveStateResponse> Coordinator::SaveState(const v1::SaveState
   std::lock_guard<std::mutex> lock(run->mu);
   // Every rank takes part (tensor ranks gather their slices); rank 0 writes one
   // layout-independent checkpoint, the same as at world size 1.
-  LORASTEP_ASSIGN_OR_RETURN(
-      auto per_rank, FanOut<v1::WorkerPathResponse>(*run, run->AllRanks(), [&](int, WorkerClient* w) {
-        v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
-        mesh_.StampMesh(wreq.mutable_mesh());
-        return w->SaveState(wreq);
-      }));
+  LORASTEP_ASSIGN_OR_RETURN(v1::WorkerPathResponse first,
+                            PathCallOnEveryRank(*run, req.run_id(), req.path(), nullptr,
+                                                [](WorkerClient* w, const v1::WorkerPathRequest& wreq) {
+                                                  return w->SaveState(wreq);
+                                                }));
   v1::SaveStateResponse resp;
   resp.set_path(req.path());
-  resp.set_learner_version(per_rank[0].learner_version());
+  resp.set_learner_version(first.learner_version());
   return resp;
 }
 
@@ -539,16 +551,14 @@ absl::StatusOr<v1::Run> Coordinator::LoadState(const v1::LoadStateRequest& req) 
                             Replay(*run, "LoadState", req.request_id(), req.sequence_id(), req, &resp));
   if (replayed) return resp;
   const v1::MeshCall mesh = MeshHeader(*run, req.request_id(), false);
-  LORASTEP_ASSIGN_OR_RETURN(
-      auto per_rank, FanOut<v1::WorkerPathResponse>(*run, run->AllRanks(), [&](int, WorkerClient* w) {
-        v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
-        *wreq.mutable_mesh() = mesh;
-        mesh_.StampMesh(wreq.mutable_mesh());
-        return w->LoadState(wreq);
-      }));
+  LORASTEP_ASSIGN_OR_RETURN(v1::WorkerPathResponse first,
+                            PathCallOnEveryRank(*run, req.run_id(), req.path(), &mesh,
+                                                [](WorkerClient* w, const v1::WorkerPathRequest& wreq) {
+                                                  return w->LoadState(wreq);
+                                                }));
   {
     std::lock_guard<std::mutex> view(run->view_mu);
-    run->run.set_learner_version(per_rank[0].learner_version());
+    run->run.set_learner_version(first.learner_version());
     run->run.set_pending_forward_backward(0);
     run->run.clear_diverged();  // every rank now holds the checkpoint's state
   }
@@ -564,17 +574,16 @@ absl::StatusOr<v1::ExportAdapterResponse> Coordinator::ExportAdapter(
   LORASTEP_RETURN_IF_ERROR(persistence_.CheckNotAutosavePath(req.run_id(), req.path(), "path"));
   LORASTEP_ASSIGN_OR_RETURN(auto run, runs_.Find(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
-  LORASTEP_ASSIGN_OR_RETURN(
-      auto per_rank, FanOut<v1::WorkerPathResponse>(*run, run->AllRanks(), [&](int, WorkerClient* w) {
-        v1::WorkerPathRequest wreq = PathRequest(req.run_id(), req.path());
-        mesh_.StampMesh(wreq.mutable_mesh());
-        wreq.set_expand_experts(req.expand_experts());
-        return w->ExportAdapter(wreq);
-      }));
+  LORASTEP_ASSIGN_OR_RETURN(v1::WorkerPathResponse first,
+                            PathCallOnEveryRank(*run, req.run_id(), req.path(), nullptr,
+                                                [&](WorkerClient* w, v1::WorkerPathRequest wreq) {
+                                                  wreq.set_expand_experts(req.expand_experts());
+                                                  return w->ExportAdapter(wreq);
+                                                }));
   v1::ExportAdapterResponse resp;
   resp.set_path(req.path());
-  resp.set_adapter_sha256(per_rank[0].adapter_sha256());
-  resp.set_learner_version(per_rank[0].learner_version());
+  resp.set_adapter_sha256(first.adapter_sha256());
+  resp.set_learner_version(first.learner_version());
   return resp;
 }
 

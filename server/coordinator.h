@@ -250,6 +250,12 @@ class Coordinator {
   v1::StepResponse MergeSteps(RunState& run, std::vector<v1::WorkerStepResponse> per_rank);
   // The mesh header of a call: request id, expected learner version (-1: not checked).
   v1::MeshCall MeshHeader(const RunState& run, const std::string& request_id, bool check_version);
+  // A path call (SaveState, LoadState, ExportAdapter) on every rank of `run` (its call lock
+  // held): each rank's request carries the run, the path, `mesh` (when given) and the mesh's
+  // stamp; `send` adds the call's own fields and sends it. Returns rank 0's answer.
+  absl::StatusOr<v1::WorkerPathResponse> PathCallOnEveryRank(
+      RunState& run, const std::string& run_id, const std::string& path, const v1::MeshCall* mesh,
+      const std::function<absl::StatusOr<v1::WorkerPathResponse>(WorkerClient*, v1::WorkerPathRequest)>& send);
   template <typename Resp>
   absl::StatusOr<std::vector<Resp>> FanOut(RunState& run, const std::vector<int>& ranks,
                                            const std::function<absl::StatusOr<Resp>(int rank, WorkerClient*)>& call) {

@@ -32,7 +32,9 @@
 // of such a mesh (started with matching --rank/--tp/--pp/--dp/--rendezvous).
 #include <algorithm>
 #include <atomic>
+#include <future>
 #include <thread>
+#include <tuple>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -57,6 +59,7 @@
 #include "server/coordinator_service.h"
 #include "server/grpc_worker_client.h"
 #include "server/local_mesh.h"
+#include "server/local_workers.h"
 #include "server/registry_service.h"
 #include "server/run_journal.h"
 #include "server/child_server.h"
@@ -66,6 +69,7 @@
 #include "lib/log.h"
 #include "lib/status_macros.h"
 #include "rpc/server_flags.h"
+#include "rpc/server_process.h"
 #include "rpc/server_runner.h"
 
 ABSL_FLAG(std::string, model, "", "model folder for the local worker(s)");
@@ -233,194 +237,173 @@ absl::StatusOr<std::chrono::milliseconds> SecondsFlag(double seconds, const char
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// The cluster secret (--worker_token_file, else $LORASTEP_CLUSTER_SECRET, else made here for
+// local workers): RegisterWorker, JoinMesh and every Worker call need it. Local workers
+// inherit it through the environment, set before any thread starts.
+absl::StatusOr<std::string> ClusterSecretForWorkers() {
   using namespace lorastep;
-  ExitWithSpawningParent();  // a local worker (or a test's server) goes with its parent
-  TuneProcessForServing();
-  BlockShutdownSignals();
-  ParseCommandLineOrExit(argc, argv,
-                   "lorastep_coordinator [--model DIR | --workers A,B | --wait_for_workers] [flags]: the "
-                   "public Trainer API over local or registered workers. See --help for the flags.");
-  InitLogging(argv[0]);
-  StartupSignalWatcher startup("lorastep_coordinator");  // a signal before serving ends the process at once
-  auto fail = [](const absl::Status& s) {
-    LORASTEP_LOG(Error) << "lorastep_coordinator: " << s;
-    return 1;
-  };
-  const bool insecure = absl::GetFlag(FLAGS_insecure) || absl::GetFlag(FLAGS_allow_unauthenticated_remote);
-  // The cluster secret (--worker_token_file, else $LORASTEP_CLUSTER_SECRET, else made here
-  // for local workers): RegisterWorker, JoinMesh and every Worker call need it. Local workers
-  // inherit it through the environment, set before any thread starts.
-  auto given_secret = ClusterSecretFromFileOrEnvironment(absl::GetFlag(FLAGS_worker_token_file));
-  if (!given_secret.ok()) return fail(given_secret.status());
-  std::string worker_token = *given_secret;
-  const bool listed = !absl::GetFlag(FLAGS_workers).empty();
-  const bool registered = absl::GetFlag(FLAGS_wait_for_workers);
-  if (worker_token.empty() && !listed && !registered) {
-    auto made = NewClusterSecret();
-    if (!made.ok()) return fail(made.status());
-    worker_token = *made;
+  LORASTEP_ASSIGN_OR_RETURN(std::string secret, ClusterSecretFromFileOrEnvironment(absl::GetFlag(FLAGS_worker_token_file)));
+  if (secret.empty() && absl::GetFlag(FLAGS_workers).empty() && !absl::GetFlag(FLAGS_wait_for_workers)) {
+    LORASTEP_ASSIGN_OR_RETURN(secret, NewClusterSecret());
   }
-  if (!worker_token.empty()) setenv(kClusterSecretVariable, worker_token.c_str(), /*overwrite=*/1);
-  const bool on_cuda = absl::StartsWith(absl::GetFlag(FLAGS_device), "cuda");  // the defaults of the polling flags
-  const int poller_warm_us = absl::GetFlag(FLAGS_grpc_poller_warm_us).value_or(on_cuda ? 3000 : 0);
-  if (poller_warm_us < 0 || poller_warm_us > 100000) {
-    return fail(absl::InvalidArgumentError("grpc_poller_warm_us: must be in [0, 100000]"));
+  if (!secret.empty()) setenv(kClusterSecretVariable, secret.c_str(), /*overwrite=*/1);
+  return secret;
+}
+
+bool OnCuda() { return absl::StartsWith(absl::GetFlag(FLAGS_device), "cuda"); }
+
+// The serving threads' polling, the call limits and the upload bound, from the flags.
+struct ServiceSettings {
+  int poller_warm_us = 0, executor_spin_us = 0;
+  int max_request_bytes = 0;
+  lorastep::AdmissionLimits admission;
+  int64_t max_upload_bytes = 0;
+};
+
+absl::StatusOr<ServiceSettings> ServiceSettingsFromFlags() {
+  using namespace lorastep;
+  ServiceSettings s;
+  s.poller_warm_us = absl::GetFlag(FLAGS_grpc_poller_warm_us).value_or(OnCuda() ? 3000 : 0);
+  if (s.poller_warm_us < 0 || s.poller_warm_us > 100000) {
+    return absl::InvalidArgumentError("grpc_poller_warm_us: must be in [0, 100000]");
   }
-  const int executor_spin_us = absl::GetFlag(FLAGS_executor_spin_us).value_or(on_cuda ? 2000 : 0);
-  if (executor_spin_us < 0 || executor_spin_us > 100000) {
-    return fail(absl::InvalidArgumentError("executor_spin_us: must be in [0, 100000]"));
+  s.executor_spin_us = absl::GetFlag(FLAGS_executor_spin_us).value_or(OnCuda() ? 2000 : 0);
+  if (s.executor_spin_us < 0 || s.executor_spin_us > 100000) {
+    return absl::InvalidArgumentError("executor_spin_us: must be in [0, 100000]");
   }
   if (absl::GetFlag(FLAGS_coschedule_window_us) < 0) {
-    return fail(absl::InvalidArgumentError("coschedule_window_us: must be >= 0 microseconds"));
+    return absl::InvalidArgumentError("coschedule_window_us: must be >= 0 microseconds");
   }
   // The local worker parses it too; checked here so a bad value stops the coordinator at once.
-  if (auto recompute = ParseActivationRecompute(absl::GetFlag(FLAGS_activation_recompute), "activation_recompute");
-      !recompute.ok()) {
-    return fail(recompute.status());
-  }
-  // Prometheus: off unless --metrics_port; refused on a non-loopback host without
-  // --metrics_allow_remote (checked before any worker starts).
-  PrometheusRegistry metrics;
-  auto metrics_endpoint = StartMetricsEndpointFromFlags(&metrics);
-  if (!metrics_endpoint.ok()) return fail(metrics_endpoint.status());
-  // --api_keys_file: every Trainer call needs a key, and callers see only their own runs.
-  // Without it the coordinator listens on loopback only, unless told otherwise.
-  std::optional<ApiKeys> api_keys;
-  if (!absl::GetFlag(FLAGS_api_keys_file).empty()) {
-    auto loaded = ApiKeys::Load(absl::GetFlag(FLAGS_api_keys_file));
-    if (!loaded.ok()) return fail(loaded.status());
-    api_keys = std::move(loaded).value();
-  }
-  const std::string host = absl::GetFlag(FLAGS_host);
-  // One decision from every security flag, before anything listens (rpc/security_policy.h).
-  const bool tls = !absl::GetFlag(FLAGS_tls_cert_file).empty();
-  SecurityFlags security;
-  security.role = ServerRole::kCoordinator;
-  security.loopback_host = IsLoopbackHost(host);
-  security.tls = tls;
-  security.secret = !worker_token.empty();
-  security.api_keys = api_keys.has_value();
-  security.insecure = insecure;
-  security.workers = listed ? WorkerSource::kListed : registered ? WorkerSource::kRegistered : WorkerSource::kLocal;
-  security.listed_workers_mtls = !absl::GetFlag(FLAGS_worker_tls_client_cert_file).empty();
-  auto policy = DecideSecurity(security);
-  if (!policy.ok()) return fail(policy.status());
-  if (!policy->warning.empty()) LORASTEP_LOG(Warning) << "lorastep_coordinator: " << policy->warning;
-  // --v: per-call log lines (0 = failures only, 1 = every call, 2 = with health checks).
-  const int log_verbosity = VerbosityFlag();
-  CoordinatorOptions options;
-  options.metrics = &metrics;
-  options.mesh = {absl::GetFlag(FLAGS_tp), absl::GetFlag(FLAGS_pp), absl::GetFlag(FLAGS_dp), absl::GetFlag(FLAGS_ep),
-                  absl::GetFlag(FLAGS_cp)};
-  if (absl::Status s = CheckMeshSizes(options.mesh); !s.ok()) return fail(s);
-  if (auto layout = ParallelLayout::Create(options.mesh, options.mesh.world()); !layout.ok()) {
-    return fail(layout.status());
-  }
-  options.rendezvous_port = absl::GetFlag(FLAGS_rendezvous_port);
-  options.mesh_by_registration = options.mesh.world() > 1 && absl::GetFlag(FLAGS_wait_for_workers);
-  // Bounds: the largest request a client may send (MiB), and how many runs may exist.
+  LORASTEP_RETURN_IF_ERROR(
+      ParseActivationRecompute(absl::GetFlag(FLAGS_activation_recompute), "activation_recompute").status());
+  // The largest request a client may send (MiB).
   const int max_request_mb = absl::GetFlag(FLAGS_max_request_mb);
-  if (max_request_mb < 1 || max_request_mb > 1024) {
-    LORASTEP_LOG(Error) << "lorastep_coordinator: --max_request_mb: must be in [1, 1024]";
-    return 2;
-  }
-  const int max_request_bytes = max_request_mb << 20;
-  if (absl::GetFlag(FLAGS_max_runs) < 1 || !(absl::GetFlag(FLAGS_max_recorded_mb) >= 0)) {
-    LORASTEP_LOG(Error) << "lorastep_coordinator: --max_runs must be >= 1 and --max_recorded_mb >= 0";
-    return 2;
-  }
+  if (max_request_mb < 1 || max_request_mb > 1024) return absl::InvalidArgumentError("--max_request_mb: must be in [1, 1024]");
+  s.max_request_bytes = max_request_mb << 20;
   // Admission (server/admission.h): a key's shares below the whole, an upload within a key's bytes.
-  AdmissionLimits admission_limits;
-  admission_limits.calls_per_run = absl::GetFlag(FLAGS_max_queued_per_run);
-  admission_limits.calls_per_key = absl::GetFlag(FLAGS_max_queued_per_key);
-  admission_limits.calls_total = absl::GetFlag(FLAGS_max_queued);
+  s.admission.calls_per_run = absl::GetFlag(FLAGS_max_queued_per_run);
+  s.admission.calls_per_key = absl::GetFlag(FLAGS_max_queued_per_key);
+  s.admission.calls_total = absl::GetFlag(FLAGS_max_queued);
   for (const auto& [mb, flag, out] :
        {std::tuple<int64_t, const char*, int64_t*>{absl::GetFlag(FLAGS_max_queued_mb_per_key), "max_queued_mb_per_key",
-                                                  &admission_limits.bytes_per_key},
-        {absl::GetFlag(FLAGS_max_queued_mb), "max_queued_mb", &admission_limits.bytes_total}}) {
-    if (mb < 1 || mb > (int64_t{1} << 30)) return fail(absl::InvalidArgumentError(absl::StrCat(flag, ": must be in [1, 2^30] MiB")));
+                                                  &s.admission.bytes_per_key},
+        {absl::GetFlag(FLAGS_max_queued_mb), "max_queued_mb", &s.admission.bytes_total}}) {
+    if (mb < 1 || mb > (int64_t{1} << 30)) return absl::InvalidArgumentError(absl::StrCat(flag, ": must be in [1, 2^30] MiB"));
     *out = mb << 20;
   }
-  if (absl::Status s = admission_limits.Check(); !s.ok()) return fail(s);
+  LORASTEP_RETURN_IF_ERROR(s.admission.Check());
   // A worker receives the adapter in one message (its limit is 1 GiB).
   const int max_upload_mb = absl::GetFlag(FLAGS_max_upload_mb);
-  if (max_upload_mb < 1 || max_upload_mb > 1000) {
-    return fail(absl::InvalidArgumentError("max_upload_mb: must be in [1, 1000]"));
+  if (max_upload_mb < 1 || max_upload_mb > 1000) return absl::InvalidArgumentError("max_upload_mb: must be in [1, 1000]");
+  s.max_upload_bytes = int64_t{max_upload_mb} << 20;
+  if (s.max_upload_bytes > s.admission.bytes_per_key) {
+    return absl::InvalidArgumentError(absl::StrCat("max_upload_mb: ", max_upload_mb, " is more than --max_queued_mb_per_key (",
+                                                   s.admission.bytes_per_key >> 20,
+                                                   "): an upload counts against its key's bytes"));
   }
-  if ((int64_t{max_upload_mb} << 20) > admission_limits.bytes_per_key) {
-    return fail(absl::InvalidArgumentError(absl::StrCat("max_upload_mb: ", max_upload_mb,
-                                                        " is more than --max_queued_mb_per_key (",
-                                                        admission_limits.bytes_per_key >> 20,
-                                                        "): an upload counts against its key's bytes")));
+  return s;
+}
+
+// One decision from every security flag, before anything listens (rpc/security_policy.h).
+absl::StatusOr<lorastep::SecurityPolicy> SecurityFromFlags(const std::string& worker_token, bool api_keys) {
+  using namespace lorastep;
+  const bool listed = !absl::GetFlag(FLAGS_workers).empty();
+  SecurityFlags security;
+  security.role = ServerRole::kCoordinator;
+  security.loopback_host = IsLoopbackHost(absl::GetFlag(FLAGS_host));
+  security.tls = !absl::GetFlag(FLAGS_tls_cert_file).empty();
+  security.secret = !worker_token.empty();
+  security.api_keys = api_keys;
+  security.insecure = absl::GetFlag(FLAGS_insecure) || absl::GetFlag(FLAGS_allow_unauthenticated_remote);
+  security.workers = listed                                ? WorkerSource::kListed
+                     : absl::GetFlag(FLAGS_wait_for_workers) ? WorkerSource::kRegistered
+                                                             : WorkerSource::kLocal;
+  security.listed_workers_mtls = !absl::GetFlag(FLAGS_worker_tls_client_cert_file).empty();
+  return DecideSecurity(security);
+}
+
+// The Coordinator's mesh, bounds and failure handling from the flags.
+absl::StatusOr<lorastep::CoordinatorOptions> CoordinatorOptionsFromFlags() {
+  using namespace lorastep;
+  CoordinatorOptions options;
+  options.mesh = {absl::GetFlag(FLAGS_tp), absl::GetFlag(FLAGS_pp), absl::GetFlag(FLAGS_dp), absl::GetFlag(FLAGS_ep),
+                  absl::GetFlag(FLAGS_cp)};
+  LORASTEP_RETURN_IF_ERROR(CheckMeshSizes(options.mesh));
+  LORASTEP_RETURN_IF_ERROR(ParallelLayout::Create(options.mesh, options.mesh.world()).status());
+  options.rendezvous_port = absl::GetFlag(FLAGS_rendezvous_port);
+  options.mesh_by_registration = options.mesh.world() > 1 && absl::GetFlag(FLAGS_wait_for_workers);
+  if (absl::GetFlag(FLAGS_max_runs) < 1 || !(absl::GetFlag(FLAGS_max_recorded_mb) >= 0)) {
+    return absl::InvalidArgumentError("--max_runs must be >= 1 and --max_recorded_mb >= 0");
   }
   options.max_runs = static_cast<size_t>(absl::GetFlag(FLAGS_max_runs));
   options.max_runs_per_owner = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_runs_per_key)));
   options.max_recorded_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_recorded_mb) * (1 << 20));
-  const int world = options.mesh.world();
   // A rank that fails on its own makes its peers fail at their collective timeout (the
   // worker's default is 120 s); past that plus 30 s their calls are cancelled.
   options.peer_failure_grace = std::chrono::seconds(absl::GetFlag(FLAGS_peer_failure_grace_s).value_or(
       absl::GetFlag(FLAGS_collective_timeout_s).value_or(120) + 30));
-  const int worker_call_timeout = absl::GetFlag(FLAGS_worker_call_timeout_s);
-  auto health_interval = SecondsFlag(absl::GetFlag(FLAGS_worker_health_interval_s), "worker_health_interval_s", 3600);
-  if (!health_interval.ok()) return fail(health_interval.status());
-  options.worker_health_interval = *health_interval;
-  // The local workers' state store: --state_dir, the default one, or none with
-  // --allow_plain_paths. Without --state_dir a coordinator on a fixed port keeps its store
-  // and journal under <default root>/port-<port>: started again on that port it finds its
-  // runs, and two coordinators on one machine never restore each other's runs or overwrite
-  // each other's autosaves. --port 0 names no instance: the default root, no journal.
+  LORASTEP_ASSIGN_OR_RETURN(options.worker_health_interval,
+                            SecondsFlag(absl::GetFlag(FLAGS_worker_health_interval_s), "worker_health_interval_s", 3600));
+  return options;
+}
+
+// Where runs are kept: the local workers' state store and, with a journal, the autosaves a
+// restart resumes from. Without --state_dir a coordinator on a fixed port keeps its store and
+// journal under <default root>/port-<port>: started again on that port it finds its runs, and
+// two coordinators on one machine never restore each other's runs or overwrite each other's
+// autosaves. --port 0 names no instance: the default root, no journal.
+struct RunStorage {
+  std::string state_dir;  // empty with --allow_plain_paths
+  std::optional<lorastep::RunJournal> journal;
+};
+
+absl::Status OpenRunStorage(lorastep::CoordinatorOptions* options, RunStorage* storage) {
+  using namespace lorastep;
   const bool explicit_state = !absl::GetFlag(FLAGS_state_dir).empty() || !absl::GetFlag(FLAGS_journal_dir).empty();
   std::string state_root = absl::GetFlag(FLAGS_state_dir);
   if (state_root.empty() && !absl::GetFlag(FLAGS_allow_plain_paths) && absl::GetFlag(FLAGS_port) != 0) {
     state_root = absl::StrCat(DefaultStateDir(), "/port-", absl::GetFlag(FLAGS_port));
   }
-  auto state_dir_or = ServerStateDir(state_root, absl::GetFlag(FLAGS_allow_plain_paths));
-  if (!state_dir_or.ok()) return fail(state_dir_or.status());
-  const std::string state_dir = *state_dir_or;
-  // --journal_dir: runs, their request records and histories survive a restart.
-  std::optional<RunJournal> journal;
+  LORASTEP_ASSIGN_OR_RETURN(storage->state_dir, ServerStateDir(state_root, absl::GetFlag(FLAGS_allow_plain_paths)));
+  const bool registered = absl::GetFlag(FLAGS_wait_for_workers);
+  const bool listed = !absl::GetFlag(FLAGS_workers).empty();
   std::string journal_dir = absl::GetFlag(FLAGS_journal_dir);
-  if (journal_dir.empty() && absl::GetFlag(FLAGS_journal) && !state_root.empty() &&
-      absl::GetFlag(FLAGS_workers).empty() && !absl::GetFlag(FLAGS_wait_for_workers)) {
+  if (journal_dir.empty() && absl::GetFlag(FLAGS_journal) && !state_root.empty() && !listed && !registered) {
     journal_dir = state_root + "/.journal";  // on by default with a state root
   }
   const int autosave_every = absl::GetFlag(FLAGS_autosave_every_steps).value_or(explicit_state ? 1 : 0);
   const double autosave_share = absl::GetFlag(FLAGS_autosave_max_share);
   if (!(autosave_share > 0 && autosave_share <= 1)) {
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("autosave_max_share: ", autosave_share, " must be in (0, 1]")));
+    return absl::InvalidArgumentError(absl::StrCat("autosave_max_share: ", autosave_share, " must be in (0, 1]"));
   }
-  auto autosave_idle = SecondsFlag(absl::GetFlag(FLAGS_autosave_when_idle_s), "autosave_when_idle_s", 86400);
-  if (!autosave_idle.ok()) return fail(autosave_idle.status());
-  if (!journal_dir.empty()) {
-    // Registered and listed workers bring their own state stores (a mesh's ranks share one).
-    const bool registered = absl::GetFlag(FLAGS_wait_for_workers);
-    if (autosave_every < 0 || (absl::GetFlag(FLAGS_workers).empty() && !registered && state_dir.empty())) {
-      return fail(absl::InvalidArgumentError(
-          "journal_dir: needs --state_dir (where the local workers autosave runs), --workers or "
-          "--wait_for_workers (workers started with their own --state_dir), and --autosave_every_steps >= 0"));
-    }
-    auto opened = RunJournal::Open(journal_dir);
-    if (!opened.ok()) return fail(opened.status());
-    journal = std::move(opened).value();
-    options.journal = &*journal;
-    options.autosave_every_steps = autosave_every;
-    options.autosave_max_share = autosave_share;
-    LORASTEP_LOG(Info) << "lorastep_coordinator: journal " << journal_dir << ", state store " << state_dir
-                       << ", autosave every " << (autosave_every > 0 ? absl::StrCat(autosave_every) : "cost-spaced")
-                       << " LoRA / "
-                       << std::max(1, absl::GetFlag(FLAGS_autosave_every_full_steps)) << " full fine-tuning steps"
-                       << (absl::GetFlag(FLAGS_autosave_in_background) ? ", written in the background" : "");
-    options.autosave_every_full_steps = std::max(1, absl::GetFlag(FLAGS_autosave_every_full_steps));
-    options.autosave_in_background = absl::GetFlag(FLAGS_autosave_in_background);
-    options.autosave_when_idle = *autosave_idle;
+  LORASTEP_ASSIGN_OR_RETURN(auto autosave_idle,
+                            SecondsFlag(absl::GetFlag(FLAGS_autosave_when_idle_s), "autosave_when_idle_s", 86400));
+  if (journal_dir.empty()) return absl::OkStatus();
+  // Registered and listed workers bring their own state stores (a mesh's ranks share one).
+  if (autosave_every < 0 || (!listed && !registered && storage->state_dir.empty())) {
+    return absl::InvalidArgumentError(
+        "journal_dir: needs --state_dir (where the local workers autosave runs), --workers or "
+        "--wait_for_workers (workers started with their own --state_dir), and --autosave_every_steps >= 0");
   }
-  // Worker-port TLS: the CA the coordinator verifies workers with, and (mutual TLS) the
-  // certificate it presents to them.
+  LORASTEP_ASSIGN_OR_RETURN(storage->journal, RunJournal::Open(journal_dir));
+  options->journal = &*storage->journal;
+  options->autosave_every_steps = autosave_every;
+  options->autosave_max_share = autosave_share;
+  options->autosave_every_full_steps = std::max(1, absl::GetFlag(FLAGS_autosave_every_full_steps));
+  options->autosave_in_background = absl::GetFlag(FLAGS_autosave_in_background);
+  options->autosave_when_idle = autosave_idle;
+  LORASTEP_LOG(Info) << "lorastep_coordinator: journal " << journal_dir << ", state store " << storage->state_dir
+                     << ", autosave every " << (autosave_every > 0 ? absl::StrCat(autosave_every) : "cost-spaced")
+                     << " LoRA / " << options->autosave_every_full_steps << " full fine-tuning steps"
+                     << (options->autosave_in_background ? ", written in the background" : "");
+  return absl::OkStatus();
+}
+
+// Worker-port TLS: the CA the coordinator verifies workers with, and (mutual TLS) the
+// certificate it presents to them.
+absl::StatusOr<lorastep::WorkerTls> WorkerTlsFromFlags() {
+  using namespace lorastep;
   WorkerTls worker_tls;
   for (const auto& [path, flag, kind, out] :
        {std::tuple<std::string, const char*, PemKind, std::string*>{
@@ -430,222 +413,209 @@ int main(int argc, char** argv) {
         {absl::GetFlag(FLAGS_worker_tls_client_key_file), "worker_tls_client_key_file", PemKind::kPrivateKey,
          &worker_tls.client_key_pem}}) {
     if (path.empty()) continue;
-    auto pem = ReadPemFile(path, flag, kind);
-    if (!pem.ok()) return fail(pem.status());
-    *out = *std::move(pem);
+    LORASTEP_ASSIGN_OR_RETURN(*out, ReadPemFile(path, flag, kind));
   }
   if (worker_tls.client_cert_pem.empty() != worker_tls.client_key_pem.empty() ||
       (!worker_tls.client_cert_pem.empty() && worker_tls.ca_pem.empty())) {
-    return fail(absl::InvalidArgumentError(
-        "worker_tls_client_cert_file: needs --worker_tls_client_key_file and --worker_tls_ca_file"));
+    return absl::InvalidArgumentError(
+        "worker_tls_client_cert_file: needs --worker_tls_client_key_file and --worker_tls_ca_file");
   }
   if (absl::GetFlag(FLAGS_worker_tls_cert_file).empty() != absl::GetFlag(FLAGS_worker_tls_key_file).empty() ||
       (!absl::GetFlag(FLAGS_worker_tls_cert_file).empty() && worker_tls.ca_pem.empty())) {
-    return fail(absl::InvalidArgumentError(
-        "worker_tls_cert_file: needs --worker_tls_key_file and --worker_tls_ca_file (to verify the local workers)"));
+    return absl::InvalidArgumentError(
+        "worker_tls_cert_file: needs --worker_tls_key_file and --worker_tls_ca_file (to verify the local workers)");
   }
-  std::vector<std::string> addresses;
-  std::vector<int> local_pipe_fds;  // of the local workers' call pipes, by address (-1: none)
-  const bool worker_pipe = absl::GetFlag(FLAGS_worker_pipe);
-  const bool pipe_poll = absl::GetFlag(FLAGS_worker_pipe_poll).value_or(on_cuda);
-  std::vector<ChildServer> local;
-  std::mutex local_mu;  // `local` is also changed by worker restarts
-  std::vector<std::vector<std::string>> per_rank;  // each local worker's flags
-  std::string binary;
-  // A local mesh's rendezvous: a fresh store file in a private folder for every start.
-  std::string rendezvous_dir;
-  int rendezvous_count = 0;
-  auto local_rendezvous = [&] { return absl::StrCat("file://", rendezvous_dir, "/store-", rendezvous_count++); };
-  if (!absl::GetFlag(FLAGS_workers).empty()) {
-    addresses = absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty());
-  } else if (!absl::GetFlag(FLAGS_wait_for_workers)) {
-    if (absl::GetFlag(FLAGS_model).empty()) {
-      LORASTEP_LOG(Error) << "lorastep_coordinator: --model (for the local worker) or --workers is required";
-      return 2;
+  return worker_tls;
+}
+
+// The local workers' flags, rank by rank (the mesh's rendezvous is LocalWorkers'), after the
+// mesh's sizes are checked against the machine and the model: nothing starts that cannot run.
+absl::StatusOr<std::vector<std::vector<std::string>>> LocalWorkerFlags(const lorastep::ParallelSizes& mesh,
+                                                                       const std::string& state_dir,
+                                                                       const lorastep::WorkerTls& worker_tls) {
+  using namespace lorastep;
+  std::vector<std::string> args = {"--model", absl::GetFlag(FLAGS_model)};
+  std::vector<std::string> passed = WorkerTestFlagNames();
+  passed.insert(passed.end(), {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "v", "state_ttl_hours",
+                               "max_activation_mb", "activation_recompute", "coschedule_window_us", "unfused_wgrad",
+                               "pack_sequences", "cpu_threads"});
+  for (std::string& arg : NonDefaultFlagArgs(passed)) args.push_back(std::move(arg));
+  if (state_dir.empty()) {
+    args.push_back("--allow_plain_paths");
+  } else {
+    args.insert(args.end(), {"--state_dir", state_dir});
+  }
+  if (!absl::GetFlag(FLAGS_worker_tls_cert_file).empty()) {
+    args.insert(args.end(), {"--tls_cert_file", absl::GetFlag(FLAGS_worker_tls_cert_file), "--tls_key_file",
+                             absl::GetFlag(FLAGS_worker_tls_key_file)});
+    if (!worker_tls.client_cert_pem.empty()) {  // mutual TLS: only this coordinator's certificate
+      args.insert(args.end(), {"--tls_client_ca_file", absl::GetFlag(FLAGS_worker_tls_ca_file)});
     }
   }
-  std::unique_ptr<WorkerClient> in_process;
-  std::optional<StatePruner> in_process_pruner;  // --state_ttl_hours, as a worker process would run it
-  if (absl::GetFlag(FLAGS_in_process_worker)) {
-    auto created = StartLocalWorkerInProcess(world, state_dir);
-    if (!created.ok()) return fail(created.status());
-    in_process = std::move(created).value();
-    if (const auto ttl = absl::GetFlag(FLAGS_state_ttl_hours)) {
-      if (!(*ttl > 0) || state_dir.empty()) {
-        return fail(absl::InvalidArgumentError(absl::StrCat(
-            "state_ttl_hours: '", *ttl, "' must be a positive number of hours, with a state store (not --allow_plain_paths)")));
-      }
-      in_process_pruner.emplace(state_dir, static_cast<int64_t>(*ttl * 3600));
-    }
-  } else if (absl::GetFlag(FLAGS_workers).empty() && !absl::GetFlag(FLAGS_wait_for_workers)) {
-    std::vector<std::string> args = {"--model", absl::GetFlag(FLAGS_model)};
-    std::vector<std::string> passed = WorkerTestFlagNames();
-    passed.insert(passed.end(), {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "v",
-                                 "state_ttl_hours", "max_activation_mb", "activation_recompute", "coschedule_window_us", "unfused_wgrad",
-                                 "pack_sequences", "cpu_threads"});
-    for (std::string& arg : NonDefaultFlagArgs(passed)) args.push_back(std::move(arg));
-    if (state_dir.empty()) {
-      args.push_back("--allow_plain_paths");
-    } else {
-      args.insert(args.end(), {"--state_dir", state_dir});
-    }
-    if (!absl::GetFlag(FLAGS_worker_tls_cert_file).empty()) {
-      args.insert(args.end(), {"--tls_cert_file", absl::GetFlag(FLAGS_worker_tls_cert_file), "--tls_key_file",
-                               absl::GetFlag(FLAGS_worker_tls_key_file)});
-      if (!worker_tls.client_cert_pem.empty()) {  // mutual TLS: only this coordinator's certificate
-        args.insert(args.end(), {"--tls_client_ca_file", absl::GetFlag(FLAGS_worker_tls_ca_file)});
-      }
-    }
-    const std::string device = absl::GetFlag(FLAGS_device);
-    // The mesh's sizes against the machine and the model, before any worker starts.
-    if (world > 1 || options.mesh.ep > 1) {
-      const bool cuda = device.rfind("cuda", 0) == 0;
-      const int slots = cuda ? VisibleCudaDevices() : absl::GetFlag(FLAGS_max_local_workers);
-      if (absl::Status s = CheckLocalMesh(options.mesh, absl::GetFlag(FLAGS_model), slots,
-                                          cuda ? "the GPUs this machine shows" : "--max_local_workers");
-          !s.ok()) {
-        return fail(s);
-      }
-    }
-    // One worker per rank (one per GPU: rank r on cuda:r), meeting at a c10d FileStore in a
-    // folder only this user can enter: nothing listens for the rendezvous.
-    std::string rendezvous;
+  const std::string device = absl::GetFlag(FLAGS_device);
+  const bool cuda = OnCuda();
+  const int world = mesh.world();
+  if (world > 1 || mesh.ep > 1) {
+    const int slots = cuda ? VisibleCudaDevices() : absl::GetFlag(FLAGS_max_local_workers);
+    LORASTEP_RETURN_IF_ERROR(
+        CheckLocalMesh(mesh, absl::GetFlag(FLAGS_model), slots, cuda ? "the GPUs this machine shows" : "--max_local_workers"));
+  }
+  std::vector<std::vector<std::string>> per_rank;
+  for (int r = 0; r < world; ++r) {
+    std::vector<std::string> a = args;
+    a.insert(a.end(), {"--device", cuda && world > 1 ? absl::StrCat("cuda:", r) : device});
     if (world > 1) {
-      auto dir = MakePrivateDirectory("lorastep-rendezvous-");
-      if (!dir.ok()) return fail(dir.status());
-      rendezvous_dir = *dir;
-      rendezvous = local_rendezvous();
+      a.insert(a.end(), {"--rank", std::to_string(r), "--tp", std::to_string(mesh.tp), "--pp", std::to_string(mesh.pp),
+                         "--dp", std::to_string(mesh.dp), "--ep", std::to_string(mesh.ep), "--cp",
+                         std::to_string(mesh.cp)});
     }
-    for (int r = 0; r < world; ++r) {
-      std::vector<std::string> a = args;
-      const bool cuda = device.rfind("cuda", 0) == 0;
-      a.insert(a.end(), {"--device", cuda && world > 1 ? absl::StrCat("cuda:", r) : device});
-      if (world > 1) {
-        a.insert(a.end(), {"--rank", std::to_string(r), "--tp", std::to_string(options.mesh.tp),
-                           "--pp", std::to_string(options.mesh.pp), "--dp",
-                           std::to_string(options.mesh.dp), "--ep", std::to_string(options.mesh.ep),
-                           "--cp", std::to_string(options.mesh.cp), "--rendezvous", rendezvous});
-      }
-      if (auto base = absl::GetFlag(FLAGS_worker_metrics_port_base)) {  // local worker r: Prometheus on base + r
-        a.insert(a.end(), {"--metrics_port", std::to_string(*base + r)});
-      }
-      per_rank.push_back(std::move(a));
+    if (auto base = absl::GetFlag(FLAGS_worker_metrics_port_base)) {  // local worker r: Prometheus on base + r
+      a.insert(a.end(), {"--metrics_port", std::to_string(*base + r)});
     }
-    binary =
-        !absl::GetFlag(FLAGS_worker_binary).empty() ? absl::GetFlag(FLAGS_worker_binary) : FindWorkerBinary(argv[0]);
-    const int timeout = absl::GetFlag(FLAGS_worker_start_timeout_s);
-    auto started = ChildServer::StartAll(binary, per_rank, timeout, worker_pipe);
-    if (!started.ok()) return fail(started.status());
-    local = std::move(started).value();
-    for (auto& child : local) {
-      addresses.push_back(child.address());
-      local_pipe_fds.push_back(child.TakePipeFd());
-    }
+    per_rank.push_back(std::move(a));
   }
-  // A client of the worker at `address`, once it accepts connections (UNAVAILABLE after
-  // `wait_s` seconds: nothing answers there).
-  // `spawned`: a worker this coordinator started; `pipe_fd`: its call pipe (-1: none).
-  auto connect_worker = [&](const std::string& address, int wait_s, bool spawned = false,
-                            int pipe_fd = -1) -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
-    auto client = std::make_unique<GrpcWorkerClient>(address, std::chrono::seconds(worker_call_timeout), worker_token,
-                                                     worker_tls, pipe_fd, spawned);
-    client->set_poll_pipe_answers(pipe_poll);
+  return per_rank;
+}
+
+// A client of the worker at an address, once it accepts connections (UNAVAILABLE after
+// `wait_s` seconds: nothing answers there); `spawned`: a worker this coordinator started,
+// `pipe_fd`: its call pipe (-1: none).
+struct WorkerConnector {
+  std::chrono::seconds call_timeout;
+  std::string worker_token;
+  lorastep::WorkerTls worker_tls;
+  bool poll_pipe_answers = false;
+
+  absl::StatusOr<std::unique_ptr<lorastep::WorkerClient>> Connect(const std::string& address, int wait_s,
+                                                                  bool spawned = false, int pipe_fd = -1) const {
+    using namespace lorastep;
+    auto client = std::make_unique<GrpcWorkerClient>(address, call_timeout, worker_token, worker_tls, pipe_fd, spawned);
+    client->set_poll_pipe_answers(poll_pipe_answers);
     LORASTEP_RETURN_IF_ERROR(client->WaitReady(wait_s));
     return std::unique_ptr<WorkerClient>(std::move(client));
-  };
-  // A local worker that dies is started again; with a journal its runs come back from their
-  // autosaves (a mesh: see restart_mesh below), without one they are lost.
-  if (world == 1 && !local.empty()) {
-    options.restart_worker = [&](const std::string& address) -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
-      std::lock_guard<std::mutex> lock(local_mu);
-      for (size_t i = 0; i < local.size(); ++i) {
-        if (local[i].address() != address) continue;
-        LORASTEP_ASSIGN_OR_RETURN(
-            ChildServer fresh,
-            ChildServer::Start(binary, per_rank[i], absl::GetFlag(FLAGS_worker_start_timeout_s), worker_pipe));
-        local[i] = std::move(fresh);
-        return connect_worker(local[i].address(), 60, true, local[i].TakePipeFd());
-      }
-      return absl::NotFoundError(absl::StrCat("no local worker at ", address));
-    };
   }
-  // Listed workers belong to someone else's supervisor: with a journal, a dead one is awaited
-  // at its address, and when a process answers there again its runs come back from their
-  // autosaves in its state store.
-  if (journal && world == 1 && local.empty() && !addresses.empty()) {
-    options.restart_worker = [&](const std::string& address) -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
-      return connect_worker(address, 2);  // UNAVAILABLE: not back yet
+};
+
+// How the coordinator gets a dead worker back (CoordinatorOptions::restart_worker and
+// restart_mesh): a local worker is started again (a mesh: every rank, at a fresh rendezvous);
+// with a journal, listed workers belong to someone else's supervisor and are awaited at their
+// addresses (a mesh: at every address, then a new generation of communicators). Runs come back
+// from their autosaves; without a journal they are lost.
+void SetWorkerRestarts(lorastep::LocalWorkers* local, const std::vector<std::string>* listed, bool journal,
+                       const WorkerConnector* connector, lorastep::CoordinatorOptions* options) {
+  using namespace lorastep;
+  const bool mesh = options->mesh.world() > 1;
+  if (local != nullptr && !mesh) {
+    options->restart_worker = [=](const std::string& address) -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
+      LORASTEP_ASSIGN_OR_RETURN(LocalWorker fresh, local->RestartOne(address));
+      return connector->Connect(fresh.address, 60, true, fresh.pipe_fd);
     };
-  }
-  // A mesh comes back whole: every local rank is stopped and started again at a fresh
-  // rendezvous (a process group cannot take a new member alone).
-  if (journal && world > 1 && !local.empty()) {
-    options.restart_mesh = [&]() -> absl::StatusOr<std::vector<std::unique_ptr<WorkerClient>>> {
-      std::lock_guard<std::mutex> lock(local_mu);
-      local.clear();  // stops and reaps the ranks still running
-      const std::string rendezvous = local_rendezvous();
-      for (auto& args : per_rank) {
-        auto flag = std::find(args.begin(), args.end(), "--rendezvous");
-        if (flag != args.end() && std::next(flag) != args.end()) *std::next(flag) = rendezvous;
-      }
-      LORASTEP_ASSIGN_OR_RETURN(
-          local, ChildServer::StartAll(binary, per_rank, absl::GetFlag(FLAGS_worker_start_timeout_s), worker_pipe));
+  } else if (local != nullptr && journal) {
+    options->restart_mesh = [=]() -> absl::StatusOr<std::vector<std::unique_ptr<WorkerClient>>> {
+      LORASTEP_ASSIGN_OR_RETURN(std::vector<LocalWorker> fresh, local->RestartAll());
       std::vector<std::unique_ptr<WorkerClient>> clients;
-      for (ChildServer& child : local) {
-        LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<WorkerClient> client,
-                                  connect_worker(child.address(), 60, true, child.TakePipeFd()));
+      for (const LocalWorker& w : fresh) {
+        LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<WorkerClient> client, connector->Connect(w.address, 60, true, w.pipe_fd));
+        clients.push_back(std::move(client));
+      }
+      return clients;
+    };
+  } else if (local == nullptr && journal && !listed->empty() && !mesh) {
+    options->restart_worker = [=](const std::string& address) -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
+      return connector->Connect(address, 2);  // UNAVAILABLE: not back yet
+    };
+  } else if (local == nullptr && journal && !listed->empty()) {
+    options->restart_mesh = [=]() -> absl::StatusOr<std::vector<std::unique_ptr<WorkerClient>>> {
+      std::vector<std::unique_ptr<WorkerClient>> clients;
+      for (const std::string& address : *listed) {
+        LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<WorkerClient> client, connector->Connect(address, 2));
         clients.push_back(std::move(client));
       }
       return clients;
     };
   }
-  // A listed mesh belongs to someone else's supervisor too: after a rank's death the
-  // coordinator waits until a process answers at every listed address (the dead rank's
-  // replacement with its old flags), then every rank forms a new generation of
-  // communicators and the runs come back from their autosaves in the shared state store.
-  if (journal && world > 1 && local.empty() && !addresses.empty()) {
-    options.restart_mesh = [&]() -> absl::StatusOr<std::vector<std::unique_ptr<WorkerClient>>> {
-      std::vector<std::unique_ptr<WorkerClient>> clients;
-      for (const std::string& address : addresses) {
-        // UNAVAILABLE: not back yet
-        LORASTEP_ASSIGN_OR_RETURN(std::unique_ptr<WorkerClient> client, connect_worker(address, 2));
-        clients.push_back(std::move(client));
-      }
-      return clients;
-    };
+}
+
+// Checked on each call's headers, before its message is read: the Registry needs the cluster
+// secret; with API keys the Trainer API and reflection need a key.
+std::shared_ptr<lorastep::CallAuthenticator> AuthenticatorFor(const lorastep::SecurityPolicy& policy,
+                                                              const std::string& worker_token,
+                                                              const lorastep::ApiKeys* api_keys) {
+  using namespace lorastep;
+  auto authenticator = std::make_shared<CallAuthenticator>();
+  if (policy.cluster_needs_secret) {
+    authenticator->Require("/lorastep.v1.Registry/", [digest = Sha256Hex(worker_token)](const std::string& auth) {
+      return CheckBearerToken(auth, digest);
+    });
+  } else if (policy.registry_closed) {
+    authenticator->Require("/lorastep.v1.Registry/", [](const std::string&) {
+      return absl::UnauthenticatedError("this coordinator holds no cluster secret: its Registry admits no worker");
+    });
   }
-  Coordinator core{options};
-  const size_t num_workers = addresses.size() + (in_process != nullptr ? 1 : 0);
-  if (in_process != nullptr) {
-    if (auto s = core.AddWorker(std::move(in_process)); !s.ok()) return fail(s);
+  if (policy.trainer_needs_api_key) {
+    auto key_check = [api_keys](const std::string& auth) { return api_keys->Authenticate(auth).status(); };
+    authenticator->Require("/lorastep.v1.Trainer/", key_check);
+    authenticator->Require("/grpc.reflection.", key_check);
   }
-  for (size_t i = 0; i < addresses.size(); ++i) {
-    const bool spawned = i < local_pipe_fds.size();  // one per spawned worker; none with --workers
-    auto client = connect_worker(addresses[i], 60, spawned, spawned ? local_pipe_fds[i] : -1);
-    if (!client.ok()) return fail(client.status());
-    if (auto s = core.AddWorker(std::move(client).value()); !s.ok()) return fail(s);
+  return authenticator;
+}
+
+// The shutdown after the signal: open calls get 3 s, then are cancelled (Shutdown returns once
+// every handler has finished, so a step's worker calls are cancelled too, and the worker stops
+// at its next micro-batch); autosaves still being written become durable (up to 30 s); then
+// the workers stop.
+void DrainAndStop(grpc::Server* server, lorastep::Coordinator* core, bool journal, lorastep::LocalWorkers* local) {
+  using namespace lorastep;
+  const auto grace_end = std::chrono::system_clock::now() + std::chrono::seconds(3);
+  std::promise<void> stopped;
+  std::future<void> stopped_future = stopped.get_future();
+  std::thread stopper([&] {
+    server->Shutdown(grace_end);
+    stopped.set_value();
+  });
+  if (stopped_future.wait_until(grace_end) != std::future_status::ready) core->CancelWorkerCalls();
+  stopper.join();
+  if (journal && !core->WaitForAutosaves(std::chrono::seconds(30))) {
+    LORASTEP_LOG(Warning) << "lorastep_coordinator: background autosaves still unfinished after 30 s; runs resume "
+                             "from the autosave before";
   }
-  // Registered workers are not here yet: their runs come back as they register (Reattach,
-  // RejoinMesh).
-  if (!absl::GetFlag(FLAGS_wait_for_workers)) {
-    auto restored = core.RestoreRuns();
-    if (!restored.ok()) return fail(restored.status());
-    if (journal) LORASTEP_LOG(Info) << "lorastep_coordinator: " << *restored << " run(s) restored from " << journal->dir();
+  core->CancelWorkerCalls();  // the steps still running have no client left
+  core->StopWorkerUpkeep();   // the workers' exit below is no death to restart
+  if (local != nullptr) local->StopAll();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace lorastep;
+  ServerProcess process(argc, argv, "lorastep_coordinator",
+                        "lorastep_coordinator [--model DIR | --workers A,B | --wait_for_workers] [flags]: the "
+                        "public Trainer API over local or registered workers. See --help for the flags.");
+  auto fail = [&process](const absl::Status& s) { return process.Fail(s, 1); };
+  // Every flag is read and checked, and every security decision made, before a worker starts.
+  auto worker_token = ClusterSecretForWorkers();
+  if (!worker_token.ok()) return fail(worker_token.status());
+  auto settings = ServiceSettingsFromFlags();
+  if (!settings.ok()) return fail(settings.status());
+  if (!process.metrics_status().ok()) return fail(process.metrics_status());
+  // --api_keys_file: every Trainer call needs a key, and callers see only their own runs.
+  // Without it the coordinator listens on loopback only, unless told otherwise.
+  std::optional<ApiKeys> api_keys;
+  if (!absl::GetFlag(FLAGS_api_keys_file).empty()) {
+    auto loaded = ApiKeys::Load(absl::GetFlag(FLAGS_api_keys_file));
+    if (!loaded.ok()) return fail(loaded.status());
+    api_keys = std::move(loaded).value();
   }
-  // One thread per run with a call in flight, up to 64: the worker co-schedules only the
-  // calls of different runs that reach it together. An in-process worker's calls run on these
-  // threads; LibTorch sets up CUDA state per thread (cuBLAS handles and workspaces) on its
-  // first call, and the executor hands work to the most recently idle thread, so a steady
-  // caller keeps one warm thread.
-  const size_t executors = 64;
-  CoordinatorService service(&core, executors, &metrics, api_keys ? &*api_keys : nullptr,
-                             std::chrono::microseconds(executor_spin_us));
-  service.SetAdmissionLimits(admission_limits);
-  service.SetWatchBacklog(static_cast<size_t>(std::max<int64_t>(absl::GetFlag(FLAGS_max_watch_backlog), 1)));
-  service.SetPollerWarmth(std::chrono::microseconds(poller_warm_us));
-  service.SetUploadLimit(int64_t{max_upload_mb} << 20);
-  RegistryService registry(&core, worker_token, worker_tls);
-  int port = 0;
+  auto policy = SecurityFromFlags(*worker_token, api_keys.has_value());
+  if (!policy.ok()) return fail(policy.status());
+  if (!policy->warning.empty()) LORASTEP_LOG(Warning) << "lorastep_coordinator: " << policy->warning;
+  auto options = CoordinatorOptionsFromFlags();
+  if (!options.ok()) return fail(options.status());
+  options->metrics = process.metrics();
+  RunStorage storage;
+  if (absl::Status s = OpenRunStorage(&*options, &storage); !s.ok()) return fail(s);
+  auto worker_tls = WorkerTlsFromFlags();
+  if (!worker_tls.ok()) return fail(worker_tls.status());
   // --tls_cert_file/--tls_key_file: the Trainer API over TLS (workers stay on plaintext
   // loopback or a private network, authenticated by the worker token).
   std::shared_ptr<grpc::ServerCredentials> credentials;
@@ -654,28 +624,85 @@ int main(int argc, char** argv) {
     if (!tls.ok()) return fail(tls.status());
     credentials = *tls;
   }
-  // Checked on each call's headers, before its message is read: the Registry needs the
-  // cluster secret; with API keys the Trainer API and reflection need a key.
-  auto authenticator = std::make_shared<CallAuthenticator>();
-  if (policy->cluster_needs_secret) {
-    authenticator->Require("/lorastep.v1.Registry/", [digest = Sha256Hex(worker_token)](const std::string& auth) {
-      return CheckBearerToken(auth, digest);
-    });
-  } else if (policy->registry_closed) {
-    authenticator->Require("/lorastep.v1.Registry/", [](const std::string&) {
-      return absl::UnauthenticatedError("this coordinator holds no cluster secret: its Registry admits no worker");
-    });
+  const bool listed = !absl::GetFlag(FLAGS_workers).empty(), registered = absl::GetFlag(FLAGS_wait_for_workers);
+  if (!listed && !registered && absl::GetFlag(FLAGS_model).empty()) {
+    return process.Fail(absl::InvalidArgumentError("--model (for the local worker) or --workers is required"));
   }
-  if (policy->trainer_needs_api_key) {
-    auto key_check = [keys = &*api_keys](const std::string& auth) { return keys->Authenticate(auth).status(); };
-    authenticator->Require("/lorastep.v1.Trainer/", key_check);
-    authenticator->Require("/grpc.reflection.", key_check);
+  const WorkerConnector connector{std::chrono::seconds(absl::GetFlag(FLAGS_worker_call_timeout_s)), *worker_token,
+                                  *worker_tls, absl::GetFlag(FLAGS_worker_pipe_poll).value_or(OnCuda())};
+  // The workers: listed, registered later, in this process, or started here (one per rank).
+  std::vector<std::string> addresses;
+  if (listed) addresses = absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty());
+  std::vector<LocalWorker> spawned;
+  std::unique_ptr<LocalWorkers> local;
+  std::unique_ptr<WorkerClient> in_process;
+  std::optional<StatePruner> in_process_pruner;  // --state_ttl_hours, as a worker process would run it
+  if (absl::GetFlag(FLAGS_in_process_worker)) {
+    auto created = StartLocalWorkerInProcess(options->mesh.world(), storage.state_dir);
+    if (!created.ok()) return fail(created.status());
+    in_process = std::move(created).value();
+    if (const auto ttl = absl::GetFlag(FLAGS_state_ttl_hours)) {
+      if (!(*ttl > 0) || storage.state_dir.empty()) {
+        return fail(absl::InvalidArgumentError(absl::StrCat(
+            "state_ttl_hours: '", *ttl, "' must be a positive number of hours, with a state store (not --allow_plain_paths)")));
+      }
+      in_process_pruner.emplace(storage.state_dir, static_cast<int64_t>(*ttl * 3600));
+    }
+  } else if (!listed && !registered) {
+    auto per_rank = LocalWorkerFlags(options->mesh, storage.state_dir, *worker_tls);
+    if (!per_rank.ok()) return fail(per_rank.status());
+    const std::string binary =
+        !absl::GetFlag(FLAGS_worker_binary).empty() ? absl::GetFlag(FLAGS_worker_binary) : FindWorkerBinary(argv[0]);
+    auto started = LocalWorkers::Start(binary, *std::move(per_rank), absl::GetFlag(FLAGS_worker_start_timeout_s),
+                                       absl::GetFlag(FLAGS_worker_pipe));
+    if (!started.ok()) return fail(started.status());
+    local = *std::move(started);
+    spawned = local->TakeStarted();
   }
-  CallObservers observers{&metrics, log_verbosity, "coordinator", -1};
+  SetWorkerRestarts(local.get(), &addresses, storage.journal.has_value(), &connector, &*options);
+  Coordinator core{*options};
+  const size_t num_workers = addresses.size() + spawned.size() + (in_process != nullptr ? 1 : 0);
+  if (in_process != nullptr) {
+    if (auto s = core.AddWorker(std::move(in_process)); !s.ok()) return fail(s);
+  }
+  for (const LocalWorker& w : spawned) {
+    auto client = connector.Connect(w.address, 60, /*spawned=*/true, w.pipe_fd);
+    if (!client.ok()) return fail(client.status());
+    if (auto s = core.AddWorker(std::move(client).value()); !s.ok()) return fail(s);
+  }
+  for (const std::string& address : addresses) {
+    auto client = connector.Connect(address, 60);
+    if (!client.ok()) return fail(client.status());
+    if (auto s = core.AddWorker(std::move(client).value()); !s.ok()) return fail(s);
+  }
+  // Registered workers are not here yet: their runs come back as they register (Reattach,
+  // RejoinMesh).
+  if (!registered) {
+    auto restored = core.RestoreRuns();
+    if (!restored.ok()) return fail(restored.status());
+    if (storage.journal) {
+      LORASTEP_LOG(Info) << "lorastep_coordinator: " << *restored << " run(s) restored from " << storage.journal->dir();
+    }
+  }
+  // One thread per run with a call in flight, up to 64: the worker co-schedules only the
+  // calls of different runs that reach it together. An in-process worker's calls run on these
+  // threads; LibTorch sets up CUDA state per thread (cuBLAS handles and workspaces) on its
+  // first call, and the executor hands work to the most recently idle thread, so a steady
+  // caller keeps one warm thread.
+  CoordinatorService service(&core, /*executors=*/64, process.metrics(), api_keys ? &*api_keys : nullptr,
+                             std::chrono::microseconds(settings->executor_spin_us));
+  service.SetAdmissionLimits(settings->admission);
+  service.SetWatchBacklog(static_cast<size_t>(std::max<int64_t>(absl::GetFlag(FLAGS_max_watch_backlog), 1)));
+  service.SetPollerWarmth(std::chrono::microseconds(settings->poller_warm_us));
+  service.SetUploadLimit(settings->max_upload_bytes);
+  RegistryService registry(&core, *worker_token, *worker_tls);
+  CallObservers observers{process.metrics(), VerbosityFlag(), "coordinator", -1};
   observers.raw_methods = CoordinatorService::RawMethods();
   observers.services = {"lorastep.v1.Trainer", "lorastep.v1.Registry"};
-  auto server = StartGrpcServer(host, absl::GetFlag(FLAGS_port), {&service, &registry}, &port, max_request_bytes,
-                                observers, credentials, authenticator);
+  int port = 0;
+  auto server = StartGrpcServer(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_port), {&service, &registry}, &port,
+                                settings->max_request_bytes, observers, credentials,
+                                AuthenticatorFor(*policy, *worker_token, api_keys ? &*api_keys : nullptr));
   if (!server.ok()) return fail(server.status());
   // grpc.health.v1 follows the workers: NOT_SERVING while none is up (a mesh: any rank down).
   core.OnServingChange([srv = server->get()](bool serving) { srv->GetHealthCheckService()->SetServingStatus(serving); });
@@ -685,38 +712,12 @@ int main(int argc, char** argv) {
   if (num_workers == 0) {
     LORASTEP_LOG(Info) << "lorastep_coordinator: port " << port << ", waiting for workers to register";
   } else {
-    LORASTEP_LOG(Info) << "lorastep_coordinator: serving " << core.model_path() << " on port " << port
-                       << " with " << num_workers << " worker(s)" << (absl::GetFlag(FLAGS_in_process_worker) ? " (in process)" : "");
+    LORASTEP_LOG(Info) << "lorastep_coordinator: serving " << core.model_path() << " on port " << port << " with "
+                       << num_workers << " worker(s)" << (absl::GetFlag(FLAGS_in_process_worker) ? " (in process)" : "");
   }
-  startup.Serving();
-  const std::string signal = WaitForShutdownSignal();
-  LORASTEP_LOG(Info) << "lorastep_coordinator: shutting down (" << signal << ")";
   // 3 s for open calls, up to 30 s for autosaves, 10 s for each worker's SIGTERM: past this
   // the process exits anyway.
-  ExitAfter(std::chrono::seconds(kShutdownDeadlineSeconds), "lorastep_coordinator");
-  // Calls still open after the grace period (an idle WatchMetrics stream, a step) are
-  // cancelled. Shutdown returns once every handler has finished, so a step's worker calls are
-  // cancelled at the deadline too (the worker stops at its next micro-batch).
-  const auto grace_end = std::chrono::system_clock::now() + std::chrono::seconds(3);
-  std::atomic<bool> stopped{false};
-  std::thread stopper([&] {
-    (*server)->Shutdown(grace_end);
-    stopped = true;
-  });
-  while (!stopped && std::chrono::system_clock::now() < grace_end) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  if (!stopped) core.CancelWorkerCalls();
-  stopper.join();
-  // Autosaves still being written become durable before the workers stop.
-  if (journal && !core.WaitForAutosaves(std::chrono::seconds(30))) {
-    LORASTEP_LOG(Warning) << "lorastep_coordinator: background autosaves still unfinished after 30 s; runs resume "
-                             "from the autosave before";
-  }
-  core.CancelWorkerCalls();  // the steps still running have no client left
-  core.StopWorkerUpkeep();   // the workers' exit below is no death to restart
-  std::lock_guard<std::mutex> lock(local_mu);
-  for (auto& child : local) child.Stop();
-  if (!rendezvous_dir.empty()) (void)RemoveAll(rendezvous_dir);
+  process.ServeUntilShutdownSignal(std::chrono::seconds(kShutdownDeadlineSeconds));
+  DrainAndStop(server->get(), &core, storage.journal.has_value(), local.get());
   return 0;
 }

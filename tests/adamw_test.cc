@@ -11,6 +11,7 @@
 #include "lib/training/sums_of_squares.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
+#include "tools/model_presets.h"
 
 namespace lorastep {
 namespace {

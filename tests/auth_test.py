@@ -11,6 +11,7 @@ import sys
 import time
 
 from lorastep import LorastepError, TrainingClient
+from wait_for import wait_for
 
 SECRET_VARIABLE = "LORASTEP_CLUSTER_SECRET"
 SECRET = "auth-test-cluster-secret-0123456789"
@@ -84,10 +85,7 @@ def main():
                              "--port_file", port_file, "--api_keys_file", keys_file, "--max_runs_per_key", "3",
                              "--state_dir", os.path.join(tmp, "state")])
     try:
-        for _ in range(600):
-            if os.path.exists(port_file) and open(port_file).read().strip():
-                break
-            time.sleep(0.1)
+        wait_for(lambda: os.path.exists(port_file) and open(port_file).read().strip())
         address = f"127.0.0.1:{open(port_file).read().strip()}"
         anon = TrainingClient(address, api_key="")
         refused(anon.list_runs, "UNAUTHENTICATED", "requires an API key", "no key")
@@ -167,10 +165,8 @@ def main():
         check(alice.get_run("shared").learner_version == 0 and alice.get_run("shared").owner == "alice" and
               bob.get_run("shared").learner_version == 1, "two runs: bob's step did not touch alice's")
         check(b_shared.save("lorastep://shared/ck") == 1, "bob saves to his run's reference")
-        for _ in range(300):  # the journal's background autosave of his step becomes durable
-            if bob.get_run("shared").autosaved_learner_version == 1:
-                break
-            time.sleep(0.05)
+        # The journal's background autosave of his step becomes durable.
+        wait_for(lambda: bob.get_run("shared").autosaved_learner_version == 1, seconds=15, poll=0.05)
         check(bob.get_run("shared").autosaved_learner_version == 1 and
               alice.get_run("shared").autosaved_learner_version is None,
               "get_run says where a restart would resume: bob's step, nothing of alice's yet")
@@ -363,12 +359,13 @@ def first_step_once_registered(address, n, what, **client_args):
     """Creates a run on a coordinator whose workers are still registering (retried while it
     answers UNAVAILABLE), then checks that one step of `n` datums applies."""
     client = TrainingClient(address, **client_args)
-    for _ in range(600):
+
+    def created():
         try:
-            run = client.create_run(rank=4, alpha=8)
-            break
+            return client.create_run(rank=4, alpha=8)
         except LorastepError:
-            time.sleep(0.2)
+            return None
+    run = wait_for(created, seconds=120, poll=0.2)
     check(run.train_step([datum(i) for i in range(n)], adamw={"lr": 1e-3}).learner_version == 1, what)
     client.close()
 
@@ -392,13 +389,13 @@ def free_port():
 
 
 def wait_port(path, proc):
-    for _ in range(1200):
-        if os.path.exists(path) and open(path).read().strip():
-            return int(open(path).read())
-        if proc.poll() is not None:
-            raise AssertionError(f"exited with {proc.returncode} before writing {path}")
-        time.sleep(0.1)
-    raise AssertionError(f"{path} not written")
+    written = wait_for(lambda: (os.path.exists(path) and open(path).read().strip()) or proc.poll() is not None,
+                       seconds=120)
+    if proc.poll() is not None and not (os.path.exists(path) and open(path).read().strip()):
+        raise AssertionError(f"exited with {proc.returncode} before writing {path}")
+    if not written:
+        raise AssertionError(f"{path} not written")
+    return int(open(path).read())
 
 
 def child_pids(pid):

@@ -22,6 +22,7 @@
 
 #include "gtest/gtest.h"
 #include "server/child_server.h"
+#include "tests/test_util.h"
 
 namespace lorastep {
 namespace {
@@ -137,18 +138,23 @@ TEST(CallPipeTest, AWaitingCallerTakesOverReadingWhenTheReaderGivesUp) {
   Pair pair;
   std::mutex mu;
   std::vector<std::thread> answering;
+  std::atomic<bool> first_arrived{false};
+  std::shared_future<absl::StatusOr<std::string>> gives_up;
   CallPipeServer server(pair.fds[1], 1 << 20, [&](uint8_t method, CallPayload payload, std::function<bool()>,
                                                   CallPipeServer::Respond respond) {
-    if (method != 2) return;  // the first call is never answered
+    if (method != 2) {  // the first call is never answered
+      first_arrived = true;
+      return;
+    }
     std::lock_guard<std::mutex> lock(mu);
-    answering.emplace_back([respond, text = std::string(payload.bytes())] {
-      std::this_thread::sleep_for(milliseconds(500));
+    answering.emplace_back([respond, text = std::string(payload.bytes()), gives_up] {
+      gives_up.wait();  // answered after the first call gave up
       respond(absl::OkStatus(), "late:" + text);
     });
   });
   CallPipeClient client(pair.fds[0], "test");
-  auto gives_up = std::async(std::launch::async, [&] { return client.Call(1, "a", In(milliseconds(150))); });
-  std::this_thread::sleep_for(milliseconds(20));  // the first call is reading by now
+  gives_up = std::async(std::launch::async, [&] { return client.Call(1, "a", In(milliseconds(150))); }).share();
+  ASSERT_TRUE(testing::WaitFor([&] { return first_arrived.load(); }));  // the first call is reading by now
   absl::StatusOr<std::string> answered = client.Call(2, "b", In(milliseconds(20000)));
   EXPECT_EQ(gives_up.get().status().code(), absl::StatusCode::kDeadlineExceeded);
   ASSERT_TRUE(answered.ok()) << answered.status();
@@ -193,6 +199,7 @@ TEST(CallPipeTest, AWaitingCallerPollsForItsAnswerNearItsExpectedTime) {
                                                   CallPipeServer::Respond respond) {
     std::lock_guard<std::mutex> lock(mu);
     answering.emplace_back([respond, text = std::string(payload.bytes())] {
+      // Answers late on purpose: the test is about when a waiting caller polls, which is time.
       std::this_thread::sleep_for(milliseconds(text == "never" ? 300 : 40));
       respond(absl::OkStatus(), "re:" + text);
     });
@@ -202,7 +209,9 @@ TEST(CallPipeTest, AWaitingCallerPollsForItsAnswerNearItsExpectedTime) {
     const double before = ThreadCpuMs();
     absl::StatusOr<std::string> answer = client.Call(1, text, In(milliseconds(20000)));
     EXPECT_TRUE(answer.ok()) << answer.status();
-    if (answer.ok()) EXPECT_EQ(*answer, "re:" + text);
+    if (answer.ok()) {
+      EXPECT_EQ(*answer, "re:" + text);
+    }
     return ThreadCpuMs() - before;
   };
   for (int i = 0; i < 3; ++i) EXPECT_LT(call_cpu_ms("sleeping" + std::to_string(i)), 1.0);
@@ -239,7 +248,7 @@ TEST(CallPipeTest, TheCalleesReaderPollsForTheNextCallAfterEachAnswer) {
     CallPipeClient client(pair.fds[0], "test");
     ASSERT_EQ(client.Call(1, "a", In(milliseconds(20000))).value_or(""), "re:a");
     const double before = ProcessCpuMs();
-    std::this_thread::sleep_for(milliseconds(60));
+    std::this_thread::sleep_for(milliseconds(60));  // the CPU the reader uses over an idle 60 ms is the figure
     const double idle_cpu_ms = ProcessCpuMs() - before;
     if (poll_ms > 0) {
       EXPECT_GT(idle_cpu_ms, 5);  // the reader polled through the 60 ms (a loaded machine gives it less of them)
@@ -247,7 +256,7 @@ TEST(CallPipeTest, TheCalleesReaderPollsForTheNextCallAfterEachAnswer) {
       EXPECT_LT(idle_cpu_ms, 5);
     }
     EXPECT_EQ(client.Call(1, "b", In(milliseconds(20000))).value_or(""), "re:b");  // during its polling, or after
-    std::this_thread::sleep_for(milliseconds(300));
+    std::this_thread::sleep_for(milliseconds(300));  // past the 200 ms polling window: the reader sleeps
     EXPECT_EQ(client.Call(1, "c", In(milliseconds(20000))).value_or(""), "re:c");
     callee.reset();  // polling again after "c": ends anyway
     EXPECT_EQ(client.Call(1, "d", In(milliseconds(20000))).status().code(), absl::StatusCode::kUnavailable);
@@ -293,7 +302,7 @@ TEST(CallPipeTest, CancelAllEndsEveryCallAndTellsTheCallee) {
   EXPECT_FALSE(cancelled());
   client.CancelAll();
   EXPECT_EQ(call.get().status().code(), absl::StatusCode::kCancelled);
-  for (int i = 0; i < 500 && !cancelled(); ++i) std::this_thread::sleep_for(milliseconds(2));
+  testing::WaitFor([&] { return cancelled(); }, std::chrono::seconds(5), milliseconds(2));
   EXPECT_TRUE(cancelled());
   kept(absl::OkStatus(), "late");  // an answer nobody waits for is dropped
   absl::StatusOr<std::string> next = client.Call(2, "y", In(milliseconds(200)));
@@ -302,11 +311,12 @@ TEST(CallPipeTest, CancelAllEndsEveryCallAndTellsTheCallee) {
 
 TEST(CallPipeTest, ACalleeThatGoesAwayFailsTheCallsInFlightAndLater) {
   Pair pair;
+  std::atomic<bool> arrived{false};
   auto server = std::make_unique<CallPipeServer>(
-      pair.fds[1], 1 << 20, [](uint8_t, CallPayload, std::function<bool()>, CallPipeServer::Respond) {});
+      pair.fds[1], 1 << 20, [&](uint8_t, CallPayload, std::function<bool()>, CallPipeServer::Respond) { arrived = true; });
   CallPipeClient client(pair.fds[0], "127.0.0.1:1");
   auto call = std::async(std::launch::async, [&] { return client.Call(1, "x", In(milliseconds(60000))); });
-  std::this_thread::sleep_for(milliseconds(50));
+  ASSERT_TRUE(testing::WaitFor([&] { return arrived.load(); }));  // the call is in flight
   server.reset();  // as the worker's exit closes its end
   absl::Status status = call.get().status();
   EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
@@ -319,15 +329,16 @@ TEST(CallPipeTest, ACalleeThatGoesAwayFailsTheCallsInFlightAndLater) {
 TEST(CallPipeTest, AStagedTailWhoseCallFindsThePipeClosedFreesItsSpan) {
   for (const bool known : {true, false}) {
     Pair pair;
+    std::atomic<bool> arrived{false};
     auto callee = std::make_unique<CallPipeServer>(
-        pair.fds[1], 4 << 20, [](uint8_t, CallPayload, std::function<bool()>, CallPipeServer::Respond) {});
+        pair.fds[1], 4 << 20, [&](uint8_t, CallPayload, std::function<bool()>, CallPipeServer::Respond) { arrived = true; });
     CallPipeClient client(pair.fds[0], "test", 4 << 20, /*region_bytes=*/1 << 20);
     const std::string big(800000, 'z');
     std::shared_ptr<const StagedTail> staged = client.Stage(64, {big});
     ASSERT_NE(staged, nullptr);
     if (known) {
       auto in_flight = std::async(std::launch::async, [&] { return client.Call(1, "x", In(milliseconds(60000))); });
-      std::this_thread::sleep_for(milliseconds(50));
+      ASSERT_TRUE(testing::WaitFor([&] { return arrived.load(); }));  // the call is in flight
       callee.reset();  // the worker's end closes; the waiting call reads the end of the stream
       EXPECT_EQ(in_flight.get().status().code(), absl::StatusCode::kUnavailable);
     } else {
@@ -550,7 +561,9 @@ TEST(CallPipeTest, ASpanTheRegionDoesNotHoldClosesThePipe) {
     const bool closes_at_offer = std::string(c.what) == "an empty region";
     if (!c.offer_twice) {
       const bool sent = WriteCallFrame(pair.fds[0], call).ok();
-      if (!closes_at_offer) ASSERT_TRUE(sent) << c.what;
+      if (!closes_at_offer) {
+        ASSERT_TRUE(sent) << c.what;
+      }
     }
     char byte;
     EXPECT_EQ(read(pair.fds[0], &byte, 1), 0) << c.what;  // the callee closed its end

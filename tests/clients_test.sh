@@ -10,7 +10,7 @@ TMP="${TEST_TMPDIR:-$(mktemp -d)}"
   --worker_binary "$R/worker/lorastep_worker" --allow_plain_paths &
 PID=$!
 trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
-for _ in $(seq 600); do [ -s "$TMP/port" ] && break; sleep 0.1; done
+/usr/bin/python3 "$R/tests/wait_for.py" "$TMP/port"
 PORT=$(cat "$TMP/port")
 export PYTHONPATH="$R/clients/python:$(dirname "$R")/lorastep/clients/python"
 /usr/bin/python3 "$R/tests/python_client_test.py" "127.0.0.1:$PORT" "$TMP"
@@ -92,5 +92,5 @@ echo "cli: 1 passed, 0 failed"
   --worker_binary "$R/worker/lorastep_worker" --tp 2 --pp 2 --dp 2 --collective_timeout_s 60 &
 PID8=$!
 trap 'kill $PID $PID8 2>/dev/null; wait $PID $PID8 2>/dev/null || true' EXIT
-for _ in $(seq 1200); do [ -s "$TMP/port8" ] && break; sleep 0.1; done
+/usr/bin/python3 "$R/tests/wait_for.py" "$TMP/port8"
 /usr/bin/python3 "$R/tests/python_mesh_test.py" "127.0.0.1:$(cat "$TMP/port8")"

@@ -23,6 +23,7 @@
 #include "tests/gloo_threads.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
+#include "tools/model_presets.h"
 
 namespace lorastep {
 namespace {

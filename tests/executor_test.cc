@@ -20,6 +20,7 @@
 #include "rpc/serial_executor.h"
 #include "rpc/step_metrics.h"
 #include "lib/fair_mutex.h"
+#include "tests/test_util.h"
 
 namespace lorastep {
 namespace {
@@ -29,14 +30,15 @@ TEST(KeyedExecutorTest, KeysTakeTurnsAndEachKeysTasksStayInOrder) {
   std::vector<std::string> ran;
   {
     KeyedExecutor ex(1);
-    std::atomic<bool> release{false};
-    ex.Submit("block", [&] { while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1)); });
+    std::promise<void> release;
+    std::shared_future<void> released = release.get_future().share();
+    ex.Submit("block", [released] { released.wait(); });
     for (int i = 0; i < 4; ++i) {
       ex.Submit("a", [&, i] { std::lock_guard<std::mutex> l(mu); ran.push_back("a" + std::to_string(i)); });
     }
     ex.Submit("b", [&] { std::lock_guard<std::mutex> l(mu); ran.push_back("b0"); });
     ex.Submit("b", [&] { std::lock_guard<std::mutex> l(mu); ran.push_back("b1"); });
-    release = true;
+    release.set_value();
   }  // the destructor drains
   // Not a0 a1 a2 a3 b0 b1 (what one FIFO per hashed executor does): the runs alternate.
   EXPECT_EQ(ran, (std::vector<std::string>{"a0", "b0", "a1", "b1", "a2", "a3"}));
@@ -114,7 +116,8 @@ TEST(KeyedExecutorTest, OneKeyNeverRunsTwiceAtOnce) {
         const int n = ++inside;  // at most one x and one y at a time
         int m = most.load();
         while (n > m && !most.compare_exchange_weak(m, n)) {}
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        // Held until another task is inside (a second x would show as three), or briefly.
+        testing::WaitFor([&] { return inside.load() >= 2; }, std::chrono::milliseconds(5), std::chrono::milliseconds(0));
         --inside;
         ++done;
       });
@@ -129,13 +132,13 @@ TEST(KeyedExecutorTest, OneKeyNeverRunsTwiceAtOnce) {
 // thread), while calls of different keys sent at once still run side by side.
 TEST(KeyedExecutorTest, SteadyCallsLandOnOneWarmThread) {
   KeyedExecutor ex(8);
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // every thread has started
+  ASSERT_TRUE(testing::WaitFor([&] { return ex.IdleThreads() == 8; }));  // every thread has started
   std::vector<std::thread::id> ran_on;
   for (int i = 0; i < 6; ++i) {
     std::promise<std::thread::id> where;
     ex.Submit("run", [&] { where.set_value(std::this_thread::get_id()); });
     ran_on.push_back(where.get_future().get());
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the thread is idle again
+    ASSERT_TRUE(testing::WaitFor([&] { return ex.IdleThreads() == 8; }));  // the thread is idle again
   }
   for (const auto& id : ran_on) EXPECT_EQ(id, ran_on.front());
   std::atomic<int> inside{0}, most{0};
@@ -145,7 +148,7 @@ TEST(KeyedExecutorTest, SteadyCallsLandOnOneWarmThread) {
       const int n = ++inside;
       int m = most.load();
       while (n > m && !most.compare_exchange_weak(m, n)) {}
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      testing::WaitFor([&] { return inside.load() == 4; }, std::chrono::seconds(10));  // side by side, or not at all
       --inside;
       finished[k].set_value();
     });
@@ -167,7 +170,7 @@ TEST(ExecutorSpinTest, CallsDuringAndAfterTheSpinRunInOrder) {
       for (int i = 0; i < 12; ++i) {
         ex.Submit([&, i] { std::lock_guard<std::mutex> l(mu); serial.push_back(i); });
         kx.Submit("run", [&, i] { std::lock_guard<std::mutex> l(mu); keyed.push_back(i); });
-        // Inside the spin (1 ms), after it (8 ms), or at once.
+        // Inside the spin (1 ms), after it (8 ms), or at once: when a call comes is the subject.
         std::this_thread::sleep_for(std::chrono::milliseconds(i % 3 == 0 ? 1 : i % 3 == 1 ? 8 : 0));
       }
     }
@@ -212,10 +215,11 @@ TEST(ExecutorSpinTest, OneThreadSpinsAtATime) {
     clock_gettime(clock, &t);
     return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
   };
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // each thread spins or sleeps by now
+  // Each thread spins or sleeps by now: all but the spinner wait for work.
+  ASSERT_TRUE(testing::WaitFor([&] { return ex->IdleThreads() == keys - 1; }));
   std::vector<double> before;
   for (clockid_t clock : clocks) before.push_back(cpu_ms(clock));
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the CPU each thread uses in 200 ms is the figure
   int busy = 0;
   std::optional<std::thread::id> spinner;
   for (size_t i = 0; i < clocks.size(); ++i) {
@@ -242,7 +246,7 @@ TEST(ExecutorSpinTest, OneThreadSpinsAtATime) {
   }
   for (auto& b : both) EXPECT_TRUE(b.get_future().get()) << "the two tasks ran one after the other";
   // The destructor ends the polling thread's spin instead of waiting it out (2 s).
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a thread polls again
+  ASSERT_TRUE(testing::WaitFor([&] { return ex->IdleThreads() == keys - 1; }));  // a thread polls again
   const auto destroying = std::chrono::steady_clock::now();
   ex.reset();
   EXPECT_LT(std::chrono::steady_clock::now() - destroying, std::chrono::milliseconds(500));
@@ -298,7 +302,7 @@ TEST(FairMutexTest, WaitersAreAdmittedInArrivalOrder) {
     });
     // Thread i holds its ticket before thread i + 1 starts (a fixed sleep was not enough on a
     // loaded 2-core machine: CI saw {1, 2, 3, 0}).
-    while (m.queued() < static_cast<uint64_t>(i) + 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    ASSERT_TRUE(testing::WaitFor([&] { return m.queued() >= static_cast<uint64_t>(i) + 2; }));
   }
   m.unlock();
   for (auto& t : threads) t.join();
@@ -308,7 +312,8 @@ TEST(FairMutexTest, WaitersAreAdmittedInArrivalOrder) {
 // BackgroundWriter: jobs run in order on its thread; Await returns how the latest job under
 // a key ended, waiting for it; the destructor finishes queued jobs.
 TEST(BackgroundWriterTest, AwaitWaitsForTheLatestJobUnderAKey) {
-  std::atomic<bool> release{false};
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
   std::vector<std::string> ran;
   std::mutex mu;
   auto note = [&](const std::string& what) {
@@ -319,7 +324,7 @@ TEST(BackgroundWriterTest, AwaitWaitsForTheLatestJobUnderAKey) {
     BackgroundWriter writer;
     EXPECT_FALSE(writer.Await("never").has_value());
     writer.Submit("a", [&] {
-      while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      released.wait();
       note("a1");
       return absl::OkStatus();
     });
@@ -334,7 +339,7 @@ TEST(BackgroundWriterTest, AwaitWaitsForTheLatestJobUnderAKey) {
     EXPECT_EQ(writer.pending(), 3u);
     auto waiting = std::async(std::launch::async, [&] { return writer.Await("a"); });
     EXPECT_EQ(waiting.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout);
-    release = true;
+    release.set_value();
     const std::optional<absl::Status> a = waiting.get();
     ASSERT_TRUE(a.has_value());
     EXPECT_TRUE(absl::IsDataLoss(*a)) << *a;  // the latest job under "a", not the first
@@ -342,12 +347,18 @@ TEST(BackgroundWriterTest, AwaitWaitsForTheLatestJobUnderAKey) {
     ASSERT_TRUE(b.has_value());
     EXPECT_TRUE(absl::IsResourceExhausted(*b)) << *b;
     EXPECT_EQ(writer.pending(), 0u);
+    std::promise<void> gate;
+    std::shared_future<void> opened = gate.get_future().share();
+    writer.Submit("blocker", [opened] {
+      opened.wait();
+      return absl::OkStatus();
+    });
     writer.Submit("c", [&] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
       note("c");
       return absl::OkStatus();
     });
-  }  // the destructor finishes "c"
+    gate.set_value();
+  }  // the destructor finishes "c" (queued behind the blocker until just now)
   EXPECT_EQ(ran, (std::vector<std::string>{"a1", "b", "a2", "c"}));
 }
 
@@ -369,23 +380,21 @@ TEST(BackgroundWriterTest, OutcomesAreForgottenBeyondTheBound) {
 TEST(PollerWarmthTest, AlarmsFireForTheWindowAfterEachAnswer) {
   PollerWarmth off(std::chrono::microseconds(0));
   off.Answered();
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  EXPECT_EQ(off.ticks(), 0);
-
   PollerWarmth warmth(std::chrono::milliseconds(10), std::chrono::microseconds(200));
   warmth.Answered();
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the window and more
+  // Windows are the subject: both pass (the zero one sets no alarm, the 10 ms one fires and stops).
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(off.ticks(), 0);
   const int64_t first = warmth.ticks();
   EXPECT_GE(first, 3);   // 50 at most in 10 ms; a loaded machine fires fewer
   EXPECT_LE(first, 60);
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // no alarm comes after the window: time must pass
   EXPECT_EQ(warmth.ticks(), first);  // stopped after the window
   warmth.Answered();
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  EXPECT_GT(warmth.ticks(), first);
+  EXPECT_TRUE(testing::WaitFor([&] { return warmth.ticks() > first; }));
   auto going = std::make_unique<PollerWarmth>(std::chrono::seconds(10), std::chrono::microseconds(100));
   going->Answered();
-  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_TRUE(testing::WaitFor([&] { return going->ticks() > 0; }));  // its alarms run
   const auto start = std::chrono::steady_clock::now();
   going.reset();  // while its alarms run
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));

@@ -23,6 +23,7 @@
 #include "lib/training/trainer.h"
 #include "rpc/proto_convert.h"
 #include "tests/test_util.h"
+#include "tools/model_presets.h"
 
 namespace lorastep {
 namespace {

@@ -15,6 +15,7 @@
 #include "lib/training/grad_finalizer.h"
 #include "tests/gloo_threads.h"
 #include "tests/test_util.h"
+#include "tools/model_presets.h"
 
 namespace lorastep {
 namespace {

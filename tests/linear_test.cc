@@ -18,6 +18,7 @@
 #include "lib/torch_compat.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
+#include "tools/model_presets.h"
 
 namespace lorastep {
 namespace {

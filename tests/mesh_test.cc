@@ -24,6 +24,7 @@
 #include "server/child_server.h"
 #include "tests/proto_test_util.h"
 #include "tests/test_util.h"
+#include "tools/model_presets.h"
 
 namespace lorastep {
 namespace {

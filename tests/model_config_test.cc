@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tests/test_util.h"
+#include "tools/model_presets.h"
 
 namespace lorastep {
 namespace {

@@ -21,6 +21,7 @@
 #include "lib/training/grad_finalizer.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
+#include "tools/model_presets.h"
 
 namespace lorastep {
 namespace {

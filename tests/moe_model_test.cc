@@ -20,6 +20,7 @@
 #include "lib/training/trainer.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
+#include "tools/model_presets.h"
 
 namespace lorastep {
 namespace {

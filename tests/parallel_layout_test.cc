@@ -3,6 +3,7 @@
 #include <set>
 
 #include "tests/test_util.h"
+#include "tools/model_presets.h"
 
 namespace lorastep {
 namespace {

@@ -144,11 +144,13 @@ int main(int argc, char** argv) {
       // Rank 0 "dies" and a new process takes its place: its store goes, a fresh one
       // serves at the same address.
       groups->reset();
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the dead rank's gap: its peers see no store
       groups = ProcessGroups::Create(o);
       if (!groups.ok()) return Fail("replacement: " + groups.status().ToString());
     } else {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // until the new store serves
+      // Until the new store serves: it is another process's, and this rank's only view of it
+      // is the rebuild under test, which must not be what finds it.
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
     }
     // The others reconnect to the new store when they form the next generation.
     if (auto s = (*groups)->Rebuild(8); !s.ok()) return Fail("after the replacement: " + s.ToString());
@@ -167,6 +169,7 @@ int main(int argc, char** argv) {
     if (rank == world - 1) {
       std::cout << "LEFT" << std::endl;
       // dead: exits (its sockets close); absent: stays alive but never reaches the collective.
+      // Absent: alive and silent past the others' timeouts (what the scenario is).
       if (scenario == "absent_peer") std::this_thread::sleep_for(3 * o.timeout + std::chrono::seconds(2));
       return 0;
     }

@@ -17,6 +17,8 @@
 #include <thread>
 #include <vector>
 
+#include "tests/test_util.h"
+
 namespace lorastep {
 namespace testing {
 
@@ -59,14 +61,15 @@ inline double ProcessCpuSeconds(int pid) {
 // Waits until process `pid` has used `cpu_seconds` more CPU than `since` (a
 // ProcessCpuSeconds reading): it is computing, not idle. False after `timeout`.
 inline bool WaitUntilComputing(int pid, double since, double cpu_seconds, std::chrono::seconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < deadline) {
-    const double used = ProcessCpuSeconds(pid);
-    if (used < 0) return false;
-    if (used - since >= cpu_seconds) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return false;
+  bool computing = false;
+  WaitFor(
+      [&] {
+        const double used = ProcessCpuSeconds(pid);
+        computing = used >= 0 && used - since >= cpu_seconds;
+        return used < 0 || computing;
+      },
+      timeout);
+  return computing;
 }
 
 // Starts every command line at once; returns their results in order.
@@ -90,29 +93,27 @@ inline std::vector<ProcessResult> RunProcesses(const std::vector<std::vector<std
   }
   std::vector<ProcessResult> results(commands.size());
   std::vector<bool> done(commands.size(), false);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_seconds);
   size_t remaining = commands.size();
-  while (remaining > 0) {
-    for (size_t i = 0; i < pids.size(); ++i) {
-      if (done[i]) continue;
-      int status = 0;
-      if (waitpid(pids[i], &status, WNOHANG) == pids[i]) {
-        done[i] = true;
-        --remaining;
-        results[i].exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-      }
-    }
-    if (remaining == 0) break;
-    if (std::chrono::steady_clock::now() > deadline) {
-      for (size_t i = 0; i < pids.size(); ++i) {
-        if (!done[i]) {
-          kill(pids[i], SIGKILL);
-          waitpid(pids[i], nullptr, 0);
+  const bool all_exited = WaitFor(
+      [&] {
+        for (size_t i = 0; i < pids.size(); ++i) {
+          int status = 0;
+          if (!done[i] && waitpid(pids[i], &status, WNOHANG) == pids[i]) {
+            done[i] = true;
+            --remaining;
+            results[i].exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+          }
         }
+        return remaining == 0;
+      },
+      std::chrono::seconds(timeout_seconds), std::chrono::milliseconds(20));
+  if (!all_exited) {
+    for (size_t i = 0; i < pids.size(); ++i) {
+      if (!done[i]) {
+        kill(pids[i], SIGKILL);
+        waitpid(pids[i], nullptr, 0);
       }
-      break;
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   for (size_t i = 0; i < outs.size(); ++i) {
     std::ifstream in(outs[i]);

@@ -64,14 +64,8 @@ TEST(ProcessTest, KilledCoordinatorTakesItsWorkerDown) {
   ASSERT_GT(worker, 0);
   ASSERT_EQ(kill(worker, 0), 0);
   ASSERT_EQ(kill(server->pid(), SIGKILL), 0);
-  bool gone = false;
-  for (int i = 0; i < 100 && !gone; ++i) {  // up to 10 s
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    // Gone, or a zombie nobody reaps yet (its parent was killed): /proc says which.
-    auto stat = ReadFileToString(absl::StrCat("/proc/", worker, "/stat"));
-    gone = !stat.ok() || stat->find(") Z ") != std::string::npos;
-  }
-  EXPECT_TRUE(gone) << "worker " << worker << " outlived its coordinator";
+  EXPECT_TRUE(testing::WaitFor([&] { return testing::ProcessGone(worker); }, std::chrono::seconds(10)))
+      << "worker " << worker << " outlived its coordinator";
 }
 
 // A TrainStep request of `datums` datums of 512 tokens on `run_id` (the tiny model's longest).
@@ -128,11 +122,9 @@ TEST(ProcessTest, StoppedRankFailsTheCallWithinTheTimeouts) {
   EXPECT_EQ(state.learner_version(), 1);
   // Resumed, the rank finishes its abandoned call (a mesh call without a client deadline runs
   // to its end) and the mesh forms a new generation: the run trains on.
-  absl::StatusOr<v1::StepResponse> next = absl::UnknownError("not tried");
-  for (int i = 0; i < 30 && !next.ok(); ++i) {
-    next = run.TrainStep(Batch(1), Ppo(), Adam());
-    if (!next.ok()) std::this_thread::sleep_for(std::chrono::seconds(1));
-  }
+  // Each try that meets the rank still busy fails after the collective timeout and grace.
+  absl::StatusOr<v1::StepResponse> next = RetryUntilOk([&] { return run.TrainStep(Batch(1), Ppo(), Adam()); },
+                                                       std::chrono::minutes(4), std::chrono::seconds(1));
   ASSERT_OK(next.status());
   EXPECT_EQ(next->learner_version(), 2);
   EXPECT_TRUE(next->replicas_equal());
@@ -303,22 +295,21 @@ TEST(ProcessTest, OrphanedWorkerExitsMidStepAndSigtermExitsMidStep) {
     ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 1));
     auto stub = v1::Trainer::NewStub(grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
     const v1::TrainStepRequest long_step = LongTrainStep(run.run_id(), 4096);
+    const double idle_cpu = testing::ProcessCpuSeconds(worker);
     std::thread stepping([&] {
       (void)CallUnary<v1::StepResponse>(stub.get(), &v1::Trainer::Stub::TrainStep, long_step, std::chrono::seconds(120));
     });
-    std::this_thread::sleep_for(std::chrono::seconds(3));  // the worker is computing now
+    EXPECT_TRUE(testing::WaitUntilComputing(worker, idle_cpu, 0.5, std::chrono::seconds(60)));
     const auto t0 = std::chrono::steady_clock::now();
     ASSERT_EQ(kill(server.pid(), signal), 0);
-    auto gone = [](int pid) {  // gone, or a zombie nobody reaps yet
-      auto stat = ReadFileToString(absl::StrCat("/proc/", pid, "/stat"));
-      return !stat.ok() || stat->find(") Z ") != std::string::npos;
-    };
-    bool worker_gone = false, server_gone = signal == SIGKILL;
-    for (int i = 0; i < 300 && !(worker_gone && server_gone); ++i) {  // up to 30 s
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      worker_gone = gone(worker);
-      if (!server_gone) server_gone = waitpid(server.pid(), nullptr, WNOHANG) == server.pid();
-    }
+    bool worker_gone = false, server_gone = false;
+    testing::WaitFor(
+        [&] {
+          worker_gone = testing::ProcessGone(worker);
+          server_gone = testing::ProcessGone(server.pid());
+          return worker_gone && server_gone;
+        },
+        std::chrono::seconds(30), std::chrono::milliseconds(100));
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("%s mid-step: worker gone after %.2f s\n", signal == SIGKILL ? "SIGKILL" : "SIGTERM", seconds);
     EXPECT_TRUE(worker_gone) << "worker " << worker << " outlived its coordinator mid-step";
@@ -359,8 +350,7 @@ TEST(ProcessTest, DefaultJournalIsPerPort) {
       ASSERT_OK(run.TrainStep(Batch(1), Ppo(), Adam()).status());
       EXPECT_TRUE(PathExists(xdg + "/lorastep/port-" + port + "/.journal/" + run_id));
       WaitUntilAutosaved(client.get(), run_id, every_step ? 2 : 1);
-      ASSERT_EQ(kill(first.pid(), SIGKILL), 0);
-      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      SignalAndAwaitExit(&first, SIGKILL);
     }
     ASSERT_OK_AND_ASSIGN(ChildServer again, start(port, extra));
     ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(again.address()));
@@ -409,7 +399,7 @@ TEST(ProcessTest, TornOrDamagedJournalNeverRollsARunBackSilently) {
     ASSERT_OK(run.TrainStep(Batch(1), Ppo(), Adam()).status());
     WaitUntilAutosaved(client.get(), run_id, 2);
     const std::string older = absl::StrCat(dir, "/store/runs/", run_id, "/autosave-1");
-    for (int i = 0; i < 100 && PathExists(older); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    testing::WaitFor([&] { return !PathExists(older); }, std::chrono::seconds(5));
     ASSERT_FALSE(PathExists(older)) << "autosave-1 outlived autosave-2's durable record";
     ASSERT_EQ(kill(first.pid(), SIGKILL), 0);
   }
@@ -470,8 +460,7 @@ TEST(ProcessTest, KilledCoordinatorRestartsItsRunsFromTheJournal) {
     history_before.assign(h.steps().begin(), h.steps().end());
     ASSERT_EQ(history_before.size(), 2u);
     WaitUntilAutosaved(client.get(), run_id, 2);
-    ASSERT_EQ(kill(first.pid(), SIGKILL), 0);
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    SignalAndAwaitExit(&first, SIGKILL);
   }
   // A torn record at the end (a crash mid-append) is ignored.
   {
@@ -577,8 +566,7 @@ TEST(ProcessTest, RunCreatedFromAReferenceIsRestoredFromItsOwnCopy) {
         ASSERT_OK(src.TrainStep(Batch(1), Ppo(), Adam()).status());
         ASSERT_OK(client->ExportAdapter(exp).status());
       }
-      ASSERT_EQ(kill(first.pid(), SIGKILL), 0);
-      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      SignalAndAwaitExit(&first, SIGKILL);
     }
     ASSERT_OK_AND_ASSIGN(ChildServer second, ChildServer::Start(Binary("server/lorastep_coordinator"), args, 120));
     ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(second.address()));
@@ -587,8 +575,7 @@ TEST(ProcessTest, RunCreatedFromAReferenceIsRestoredFromItsOwnCopy) {
     EXPECT_THAT(client->GetRun("blocked-" + made), StatusIs(absl::StatusCode::kNotFound, "")) << "nothing journaled";
     ASSERT_OK_AND_ASSIGN(std::vector<float> after, forward(client.get(), made));
     EXPECT_EQ(after, before) << "the restored run holds the weights it was created from";
-    ASSERT_EQ(kill(second.pid(), SIGTERM), 0);
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    SignalAndAwaitExit(&second, SIGTERM);
   }
 }
 
@@ -618,12 +605,13 @@ TEST(ProcessTest, FailedBackgroundAutosaveIsNotDurable) {
     ASSERT_OK_AND_ASSIGN(v1::StepResponse third, run.TrainStep(Batch(2), Ppo(), Adam()));
     EXPECT_EQ(third.learner_version(), 3);
     third_sha = third.adapter_sha256();
+    // Time for the third step's background autosave to be tried and fail: a failed attempt
+    // leaves nothing a client can see (the point is that the durable version stays 2).
     std::this_thread::sleep_for(std::chrono::seconds(1));
     ASSERT_OK_AND_ASSIGN(v1::Run now, client->GetRun("bg"));
     EXPECT_EQ(now.learner_version(), 3);
     EXPECT_EQ(now.autosaved_learner_version(), 2) << "the failed autosave is not durable";
-    ASSERT_EQ(kill(first.pid(), SIGKILL), 0);
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    SignalAndAwaitExit(&first, SIGKILL);
     ASSERT_EQ(unlink((runs + "/bg").c_str()), 0);
     ASSERT_EQ(rename((runs + "/bg.away").c_str(), (runs + "/bg").c_str()), 0);
   }
@@ -666,8 +654,7 @@ TEST(ProcessTest, BackgroundAutosavesKeepEveryStepOnASlowDisk) {
     ASSERT_OK_AND_ASSIGN(v1::Run saved, client->GetRun("slow"));
     next_sequence_id = saved.next_sequence_id();
     ASSERT_OK(run.TrainStep(Batch(3), Ppo(), Adam()).status());  // version 4, being written: killed
-    ASSERT_EQ(kill(first.pid(), SIGKILL), 0);
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    SignalAndAwaitExit(&first, SIGKILL);
   }
   ASSERT_OK_AND_ASSIGN(ChildServer second, ChildServer::Start(Binary("server/lorastep_coordinator_testing"), args, 120));
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(second.address()));
@@ -710,19 +697,21 @@ TEST(ProcessTest, CostSpacedAutosavesCountTheDisksTime) {
   ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());  // the first is always saved
   WaitUntilAutosaved(client.get(), "spaced", 1);
   for (int i = 1; i < 3; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
+  // The policy under test is about time (saves spaced by their cost): that no save came needs
+  // the time in which one would have.
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
   ASSERT_OK_AND_ASSIGN(v1::Run soon, client->GetRun("spaced"));
   EXPECT_EQ(soon.learner_version(), 3);
   EXPECT_EQ(soon.autosaved_learner_version(), 1) << "too soon after a write of ~1 s at share 0.5";
   // Once twice the first autosave's cost has passed, a step is saved again. The cost is the
   // write's second plus the load's share of it, so steps keep coming until one is (at most
-  // eight, half a second apart).
+  // eight, 1.5 s apart).
   int64_t version = 3;
   for (int i = 0; i < 8; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
     ASSERT_OK_AND_ASSIGN(v1::StepResponse step, run.TrainStep(Batch(version % 4), Ppo(), Adam()));
     version = step.learner_version();
-    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // a due autosave is durable by then
+    // A due autosave is durable by then; one not due never comes, so no condition ends the wait.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
     ASSERT_OK_AND_ASSIGN(v1::Run now, client->GetRun("spaced"));
     if (now.autosaved_learner_version() > 1) {
       EXPECT_GE(now.autosaved_learner_version(), 4) << "a step after the spaced ones";
@@ -752,9 +741,8 @@ TEST(ProcessTest, IdleRunsLastStepIsAutosaved) {
     ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3, "idle"));
     for (int i = 0; i < 3; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
     WaitUntilAutosaved(client.get(), "idle", 3);
-    ASSERT_EQ(kill(first.pid(), SIGKILL), 0);
+    SignalAndAwaitExit(&first, SIGKILL);
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
   ASSERT_OK_AND_ASSIGN(ChildServer second, start());
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(second.address()));
   ASSERT_OK_AND_ASSIGN(v1::Run back, client->GetRun("idle"));
@@ -850,20 +838,19 @@ TEST(ProcessTest, IdleWorkerDeathIsFoundWithoutACall) {
   ASSERT_EQ(kill(first, SIGKILL), 0);
   bool saw_not_serving = false;
   int second = first;
-  for (int i = 0; i < 300 && (second == first || second <= 0 || !saw_not_serving); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    ASSERT_OK_AND_ASSIGN(bool serving, client->Healthy());  // the coordinator's health: no worker call
-    saw_not_serving = saw_not_serving || !serving;
-    second = worker_pid();
-  }
+  testing::WaitFor(
+      [&] {
+        absl::StatusOr<bool> serving = client->Healthy();  // the coordinator's health: no worker call
+        saw_not_serving = saw_not_serving || (serving.ok() && !*serving);
+        second = worker_pid();
+        return second != first && second > 0 && saw_not_serving;
+      },
+      std::chrono::seconds(30), std::chrono::milliseconds(100));
   EXPECT_TRUE(saw_not_serving);
   ASSERT_NE(second, first) << "the dead worker was not started again";
   run.max_attempts = 1;
-  absl::StatusOr<v1::StepResponse> next = absl::UnknownError("not tried");
-  for (int i = 0; i < 100 && !next.ok(); ++i) {  // until the run is restored (NOT_FOUND/UNAVAILABLE before)
-    next = run.TrainStep(Batch(1), Ppo(), Adam());
-    if (!next.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  // Until the run is restored (NOT_FOUND/UNAVAILABLE before).
+  absl::StatusOr<v1::StepResponse> next = RetryUntilOk([&] { return run.TrainStep(Batch(1), Ppo(), Adam()); });
   ASSERT_OK(next.status());
   EXPECT_EQ(next->learner_version(), 2);
   for (const char* interval : {"-1", "nan"}) {  // refused, naming the flag
@@ -895,11 +882,12 @@ TEST(ProcessTest, KilledWorkerWithoutJournalIsStartedAgain) {
   run.max_attempts = 1;
   absl::Status lost = run.TrainStep(Batch(1), Ppo(), Adam()).status();
   EXPECT_EQ(lost.code(), absl::StatusCode::kUnavailable) << lost;
-  bool serving = false;
-  for (int i = 0; i < 300 && !serving; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    ASSERT_OK_AND_ASSIGN(serving, client->Healthy());
-  }
+  const bool serving = testing::WaitFor(
+      [&] {
+        absl::StatusOr<bool> healthy = client->Healthy();
+        return healthy.ok() && *healthy;
+      },
+      std::chrono::seconds(30), std::chrono::milliseconds(100));
   ASSERT_TRUE(serving) << "the worker was not started again";
   EXPECT_THAT(run.TrainStep(Batch(1), Ppo(), Adam()).status(),
               StatusIs(absl::StatusCode::kUnavailable, "without a journal"));
@@ -1000,24 +988,22 @@ TEST(ProcessTest, KilledMeshRankMidStepIsRestartedOnceWhileTheClientRetries) {
   std::mutex seen_mu;
   std::set<int> seen;
   std::atomic<bool> watching{true};
-  std::thread watcher([&] {
-    while (watching) {
-      const std::string list = absl::StrCat("pgrep -P ", server.pid(), " > ", dir, "/children");
-      if (system(list.c_str()) == 0) {
-        auto children = ReadFileToString(dir + "/children");
-        std::istringstream lines(children.ok() ? *children : "");
-        std::lock_guard<std::mutex> lock(seen_mu);
-        for (int pid = 0; lines >> pid;) seen.insert(pid);
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+  std::thread watcher([&] {  // looks every 20 ms until the test ends
+    testing::WaitFor(
+        [&] {
+          const std::vector<int> children = ChildPids(server.pid());
+          std::lock_guard<std::mutex> lock(seen_mu);
+          seen.insert(children.begin(), children.end());
+          return !watching;
+        },
+        std::chrono::minutes(10), std::chrono::milliseconds(20));
   });
   std::vector<int> before;
-  for (int i = 0; i < 500 && before.size() < 2; ++i) {  // the watcher's first look
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  testing::WaitFor([&] {  // the watcher's first look
     std::lock_guard<std::mutex> lock(seen_mu);
     before.assign(seen.begin(), seen.end());
-  }
+    return before.size() >= 2;
+  });
   ASSERT_EQ(before.size(), 2u);
   v1::TrainStepRequest long_step = LongTrainStep(run.run_id(), 128);
   long_step.set_sequence_id(3);
@@ -1149,11 +1135,7 @@ TEST(ProcessTest, HungWorkerMeetsTheDeadlineAndTheRetryAppliesOnce) {
   ASSERT_EQ(kill(worker, SIGCONT), 0);
   EXPECT_THAT(hung, StatusIs(absl::StatusCode::kDeadlineExceeded, ""));
   EXPECT_LT(waited, 30.0);
-  absl::StatusOr<v1::StepResponse> retried = absl::UnknownError("not tried");
-  for (int i = 0; i < 50 && !retried.ok(); ++i) {
-    retried = client->TrainStep(req);
-    if (!retried.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  }
+  absl::StatusOr<v1::StepResponse> retried = RetryUntilOk([&] { return client->TrainStep(req); });
   ASSERT_OK(retried.status());
   EXPECT_EQ(retried->learner_version(), 1);
   ASSERT_OK_AND_ASSIGN(v1::StepResponse again, client->TrainStep(req));
@@ -1197,7 +1179,9 @@ TEST(ProcessTest, CallsOnDifferentWorkersDoNotWaitForEachOther) {
   ASSERT_EQ(runs_on(1), 1);
   ASSERT_EQ(kill(workers[0].pid(), SIGSTOP), 0);
   std::thread stuck([&] { (void)a.TrainStep(Batch(0), Ppo(), Adam()); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // A's call is on worker 0 now
+  // A's call reaches stopped worker 0 (it cannot answer, and the coordinator shows no sign of a
+  // call in flight to a worker), so B's step is sent while A's waits there.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
   const auto t0 = std::chrono::steady_clock::now();
   absl::StatusOr<v1::StepResponse> other = b.TrainStep(Batch(1), Ppo(), Adam());
   const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -1224,8 +1208,10 @@ TEST(ProcessTest, SigtermExitsWithAnIdleWatchStreamOpen) {
     watching = true;
     (void)(*client)->WatchMetrics(req, [](const v1::StepRecord&) { return true; });
   });
-  while (!watching) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the stream is open and idle
+  ASSERT_TRUE(testing::WaitFor([&] { return watching.load(); }));
+  // The stream is open and idle on the server: nothing on the client's side says when the
+  // server has accepted it.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_TRUE(server->Stop()) << "needed SIGKILL";
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(9));

@@ -20,6 +20,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from lorastep import LorastepError, TrainingClient
+from wait_for import wait_for
 
 
 def check(cond, what):
@@ -35,13 +36,13 @@ def free_port():
 
 
 def wait_file(path, proc, seconds=120):
-    for _ in range(seconds * 10):
-        if os.path.exists(path) and open(path).read().strip():
-            return int(open(path).read())
-        if proc.poll() is not None:
-            raise AssertionError(f"process exited with {proc.returncode} before writing {path}")
-        time.sleep(0.1)
-    raise AssertionError(f"{path} not written")
+    written = wait_for(lambda: (os.path.exists(path) and open(path).read().strip()) or proc.poll() is not None,
+                       seconds=seconds)
+    if proc.poll() is not None and not (os.path.exists(path) and open(path).read().strip()):
+        raise AssertionError(f"process exited with {proc.returncode} before writing {path}")
+    if not written:
+        raise AssertionError(f"{path} not written")
+    return int(open(path).read())
 
 
 def scrape(port):
@@ -58,12 +59,13 @@ def scrape(port):
 def scrape_until(port, ready, seconds=10):
     """A scrape once `ready(samples)` holds, or the last one after `seconds`: a step's figures
     are recorded after its answer is written, so a scrape right after the answer may miss them."""
-    deadline = time.time() + seconds
-    samples = scrape(port)
-    while not ready(samples) and time.time() < deadline:
-        time.sleep(0.05)
-        samples = scrape(port)
-    return samples
+    samples = [None]
+
+    def scraped():
+        samples[0] = scrape(port)
+        return ready(samples[0])
+    wait_for(scraped, seconds=seconds, poll=0.05)
+    return samples[0]
 
 
 def value(samples, name, **labels):

@@ -47,6 +47,7 @@
 #include "tests/proto_test_util.h"
 #include "tests/test_util.h"
 #include "tests/service_test_util.h"
+#include "tools/model_presets.h"
 
 namespace lorastep {
 namespace {
@@ -70,22 +71,25 @@ TEST(RegistrationTest, DeadWorkerIsMarkedDownSkippedAndReplaced) {
   ASSERT_OK_AND_ASSIGN(ChildServer a, start_worker({"--port", port_a}));
   ASSERT_OK_AND_ASSIGN(RunSession run_a, RunSession::Create(client.get(), Lora(), 1));  // on a
   ASSERT_OK_AND_ASSIGN(ChildServer b, start_worker({}));
-  std::this_thread::sleep_for(std::chrono::seconds(1));  // b registers right after it serves
   ASSERT_OK(run_a.TrainStep(Batch(0), Ppo(), Adam()).status());
 
   ASSERT_EQ(kill(a.pid(), SIGKILL), 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ASSERT_TRUE(testing::WaitFor([&] { return testing::ProcessGone(a.pid()); }));
   run_a.max_attempts = 1;
   EXPECT_THAT(run_a.TrainStep(Batch(1), Ppo(), Adam()).status(),
               StatusIs(absl::StatusCode::kUnavailable, absl::StrCat("127.0.0.1:", port_a, " is down")));
-  ASSERT_OK_AND_ASSIGN(bool serving, client->Healthy());
+  // Health says a worker is up once b has registered (right after it serves).
+  bool serving = testing::WaitFor([&] {
+    absl::StatusOr<bool> healthy = client->Healthy();
+    return healthy.ok() && *healthy;
+  });
   EXPECT_TRUE(serving) << "b is up";
   for (int i = 0; i < 3; ++i) {  // every new run lands on b, and trains
     ASSERT_OK_AND_ASSIGN(RunSession r, RunSession::Create(client.get(), Lora(), 2 + i));
     ASSERT_OK(r.TrainStep(Batch(0), Ppo(), Adam()).status());
   }
   ASSERT_EQ(kill(b.pid(), SIGKILL), 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ASSERT_TRUE(testing::WaitFor([&] { return testing::ProcessGone(b.pid()); }));
   ASSERT_OK_AND_ASSIGN(RunSession r, RunSession::Attach(client.get(), "run-2"));
   r.max_attempts = 1;
   EXPECT_THAT(r.TrainStep(Batch(1), Ppo(), Adam()).status(), StatusIs(absl::StatusCode::kUnavailable, "is down"));
@@ -97,10 +101,10 @@ TEST(RegistrationTest, DeadWorkerIsMarkedDownSkippedAndReplaced) {
   EXPECT_THAT(client->CreateRun(none), StatusIs(absl::StatusCode::kUnavailable, "no worker is up"));
 
   ASSERT_OK_AND_ASSIGN(ChildServer a2, start_worker({"--port", port_a}));  // restarted at a's address
-  for (int i = 0; i < 50 && !serving; ++i) {  // it registers right after it serves
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    ASSERT_OK_AND_ASSIGN(serving, client->Healthy());
-  }
+  serving = testing::WaitFor([&] {  // it registers right after it serves
+    absl::StatusOr<bool> healthy = client->Healthy();
+    return healthy.ok() && *healthy;
+  });
   EXPECT_TRUE(serving);
   ASSERT_OK_AND_ASSIGN(RunSession fresh, RunSession::Create(client.get(), Lora(), 9));
   ASSERT_OK(fresh.TrainStep(Batch(0), Ppo(), Adam()).status());
@@ -135,11 +139,8 @@ TEST(RegistrationTest, JournaledRunsComeBackWhenTheirWorkerRegistersAgain) {
   };
   ASSERT_OK_AND_ASSIGN(ChildServer worker, start_worker());
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<TrainerClient> client, TrainerClient::Connect(coordinator.address()));
-  absl::StatusOr<RunSession> created = absl::UnknownError("not tried");
-  for (int i = 0; i < 50 && !created.ok(); ++i) {  // the worker registers right after it serves
-    created = RunSession::Create(client.get(), Lora(), 3);
-    if (!created.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  // The worker registers right after it serves.
+  absl::StatusOr<RunSession> created = RetryUntilOk([&] { return RunSession::Create(client.get(), Lora(), 3); });
   ASSERT_OK(created.status());
   RunSession run = *std::move(created);
   for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
@@ -156,15 +157,11 @@ TEST(RegistrationTest, JournaledRunsComeBackWhenTheirWorkerRegistersAgain) {
   EXPECT_EQ(r->learner_version(), 3);
 
   WaitUntilAutosaved(client.get(), run.run_id(), 3);
-  ASSERT_EQ(kill(coordinator.pid(), SIGKILL), 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  SignalAndAwaitExit(&coordinator, SIGKILL);
   ASSERT_OK_AND_ASSIGN(ChildServer restarted, start_coordinator());
   ASSERT_OK_AND_ASSIGN(client, TrainerClient::Connect(restarted.address()));
-  absl::StatusOr<v1::Run> found = absl::UnknownError("not tried");
-  for (int i = 0; i < 100 && !found.ok(); ++i) {  // until the worker registers again
-    found = client->GetRun(run.run_id());
-    if (!found.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  // Until the worker registers again.
+  absl::StatusOr<v1::Run> found = RetryUntilOk([&] { return client->GetRun(run.run_id()); });
   ASSERT_OK(found.status());
   EXPECT_EQ(found->learner_version(), 3);
   v1::TrainStepRequest step4 = StepAfterTheKill(run.run_id());
@@ -211,12 +208,8 @@ struct RegisteredMesh {
 };
 
 absl::StatusOr<RunSession> CreateOnceRegistered(TrainerClient* client) {
-  absl::StatusOr<RunSession> created = absl::UnknownError("not tried");
-  for (int i = 0; i < 100 && !created.ok(); ++i) {  // workers register right after they serve
-    created = RunSession::Create(client, Lora(), 3);
-    if (!created.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  return created;
+  // Workers register right after they serve.
+  return RetryUntilOk([&] { return RunSession::Create(client, Lora(), 3); });
 }
 
 // A coordinator and both ranks of `mesh`, and a run with two steps, the second autosaved.
@@ -322,8 +315,7 @@ TEST(RegistrationTest, RegisteredMeshOutlivesItsCoordinatorAndAQuietRankDeath) {
   std::unique_ptr<TrainerClient>& client = m.client;
   RunSession& run = *m.run;
 
-  ASSERT_EQ(kill(m.coordinator->pid(), SIGKILL), 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  SignalAndAwaitExit(&*m.coordinator, SIGKILL);
   ASSERT_OK_AND_ASSIGN(ChildServer restarted, mesh.StartCoordinator());
   ASSERT_OK_AND_ASSIGN(client, TrainerClient::Connect(restarted.address()));
   const v1::TrainStepRequest step3 = StepAfterTheKill(run.run_id());

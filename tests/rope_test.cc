@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "gtest/gtest.h"
+#include "tools/model_presets.h"
 
 namespace lorastep {
 namespace {

@@ -417,11 +417,8 @@ TEST(BoundsTest, StateStoreTtlRemovesExpiredFolders) {
   for (const std::string& p : {old + "/w", old + "/.lorastep", old}) utimes(p.c_str(), two_days_ago);
   auto server = StartTinyCoordinator("ttl_coord", {"--state_dir", root, "--state_ttl_hours", "24"});
   ASSERT_TRUE(server.ok()) << server.status();
-  bool gone = false;
-  for (int i = 0; i < 100 && !gone; ++i) {  // the pruner runs at start, then every 2.4 h
-    gone = !PathExists(old);
-    if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  // The pruner runs at start, then every 2.4 h.
+  const bool gone = testing::WaitFor([&] { return !PathExists(old); }, std::chrono::seconds(10));
   EXPECT_TRUE(gone) << old << " outlived its TTL";
   EXPECT_TRUE(PathExists(root + "/runs/old-run/fresh"));
   auto refused = StartTinyCoordinator("ttl_nostore", {"--allow_plain_paths", "--state_ttl_hours", "24"});
@@ -463,7 +460,8 @@ TEST(BoundsTest, QueuePerRunIsBoundedWithRetryAdvice) {
     });
   }
   go = true;
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // The busy run has a call in flight once one of the burst is refused for it.
+  EXPECT_TRUE(testing::WaitFor([&] { return refused.load() >= 1; }, std::chrono::seconds(30)));
   EXPECT_TRUE(other->TrainStep(Batch(0), Ppo(), Adam()).ok()) << "another run is served meanwhile";
   for (auto& t : threads) t.join();
   EXPECT_GE(ok.load(), 1);

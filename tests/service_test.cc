@@ -45,6 +45,7 @@
 #include "tests/proto_test_util.h"
 #include "tests/test_util.h"
 #include "tests/service_test_util.h"
+#include "tools/model_presets.h"
 
 namespace lorastep {
 namespace {
@@ -792,6 +793,8 @@ TEST_F(ServiceTest, ReadOnlyCallsDoNotWaitForATrainingStep) {
     step_finished_ns = std::chrono::steady_clock::now().time_since_epoch().count();
     step_done = true;
   });
+  // Into the step: the probes below run while it computes (checked after them), and no state
+  // a client can read says the step has begun.
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   ASSERT_FALSE(step_done.load()) << "the step ended before the probe: make it longer";
   ASSERT_OK_AND_ASSIGN(v1::Run during, client_->GetRun(run.run_id()));

@@ -4,17 +4,22 @@
 #ifndef LORASTEP_TESTS_SERVICE_TEST_UTIL_H_
 #define LORASTEP_TESTS_SERVICE_TEST_UTIL_H_
 
+#include <signal.h>
+
 #include <chrono>
+#include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "clients/cpp/trainer_client.h"
 #include "lib/model/model_weights.h"
 #include "server/child_server.h"
 #include "tests/process_runner.h"
 #include "tests/proto_test_util.h"
 #include "tests/test_util.h"
+#include "tools/model_presets.h"
 
 namespace lorastep {
 namespace service_testing {
@@ -96,13 +101,58 @@ inline absl::StatusOr<ChildServer> StartTinyCoordinator(const std::string& name,
 // process and expects the run back at `version` waits for that first.
 inline void WaitUntilAutosaved(TrainerClient* client, const std::string& run_id, int64_t version) {
   absl::StatusOr<v1::Run> run = absl::UnknownError("not asked");
-  for (int i = 0; i < 600; ++i) {
-    run = client->GetRun(run_id);
-    if (run.ok() && run->has_autosaved_learner_version() && run->autosaved_learner_version() >= version) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (testing::WaitFor(
+          [&] {
+            run = client->GetRun(run_id);
+            return run.ok() && run->has_autosaved_learner_version() && run->autosaved_learner_version() >= version;
+          },
+          std::chrono::seconds(30), std::chrono::milliseconds(50))) {
+    return;
   }
   ADD_FAILURE() << run_id << " was not autosaved at learner_version " << version << ": "
                 << (run.ok() ? run->DebugString() : run.status().ToString());
+}
+
+// The child processes of `pid` (a coordinator's local workers).
+inline std::vector<int> ChildPids(int pid) {
+  std::vector<int> pids;
+  FILE* pipe = popen(absl::StrCat("pgrep -P ", pid).c_str(), "r");
+  if (pipe == nullptr) return pids;
+  for (int child = 0; fscanf(pipe, "%d", &child) == 1;) pids.push_back(child);
+  pclose(pipe);
+  return pids;
+}
+
+// Sends `signal` to `server` and waits until it and the workers it started have exited (a
+// restarted server then finds its port, journal and state folders free).
+inline void SignalAndAwaitExit(ChildServer* server, int signal) {
+  const std::vector<int> children = ChildPids(server->pid());
+  ASSERT_EQ(kill(server->pid(), signal), 0);
+  EXPECT_TRUE(testing::WaitFor(
+      [&] {
+        if (!testing::ProcessGone(server->pid())) return false;
+        for (int child : children) {
+          if (!testing::ProcessGone(child)) return false;
+        }
+        return true;
+      },
+      std::chrono::seconds(30)))
+      << "the server or one of its workers is still running";
+}
+
+// Calls `call` until it succeeds or `timeout` passes (a restarted worker or mesh serving
+// again), `pause` apart; returns its last answer.
+template <typename Call>
+auto RetryUntilOk(Call call, std::chrono::milliseconds timeout = std::chrono::seconds(30),
+                  std::chrono::milliseconds pause = std::chrono::milliseconds(100)) -> decltype(call()) {
+  decltype(call()) answer = absl::UnknownError("not tried");
+  testing::WaitFor(
+      [&] {
+        answer = call();
+        return answer.ok();
+      },
+      timeout, pause);
+  return answer;
 }
 
 // Restarts (process_test, registration_test).
@@ -123,14 +173,15 @@ inline v1::TrainStepRequest StepAfterTheKill(const std::string& run_id) {
 inline absl::StatusOr<v1::StepResponse> RetryWhileRestarting(TrainerClient* client, const v1::TrainStepRequest& step,
                                                      int seconds, int* failures) {
   absl::StatusOr<v1::StepResponse> r = absl::UnknownError("not tried");
-  for (int i = 0; i < seconds * 5 && !r.ok(); ++i) {
-    r = client->TrainStep(step);
-    if (!r.ok()) {
-      ++*failures;
-      EXPECT_TRUE(absl::IsUnavailable(r.status()) || absl::IsNotFound(r.status())) << r.status();
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    }
-  }
+  testing::WaitFor(
+      [&] {
+        r = client->TrainStep(step);
+        if (r.ok()) return true;
+        ++*failures;
+        EXPECT_TRUE(absl::IsUnavailable(r.status()) || absl::IsNotFound(r.status())) << r.status();
+        return false;
+      },
+      std::chrono::seconds(seconds), std::chrono::milliseconds(200));
   return r;
 }
 

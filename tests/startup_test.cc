@@ -24,6 +24,7 @@
 #include "tests/process_runner.h"
 #include "tests/service_test_util.h"
 #include "tests/test_util.h"
+#include "tools/model_presets.h"
 
 namespace lorastep {
 namespace {
@@ -155,31 +156,26 @@ TEST(StartupTest, SigtermDuringStartUpEndsEveryProcessAtOnce) {
     }
     ASSERT_GT(pid, 0);
     // Until the worker blocks on its config (it has started and is loading).
-    bool loading = false;
-    for (int i = 0; i < 100 && !loading; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      loading = WorkerProcessesUnder(dir) >= (worker_alone ? 1 : 2);
-    }
+    const bool loading = testing::WaitFor([&] { return WorkerProcessesUnder(dir) >= (worker_alone ? 1 : 2); },
+                                          std::chrono::seconds(10), std::chrono::milliseconds(100));
     ASSERT_TRUE(loading) << (worker_alone ? "worker" : "coordinator + worker");
+    // Into its loading: the process shows no state between "started" and "blocked on the
+    // config" that a test could read.
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     const auto t0 = Clock::now();
     ASSERT_EQ(kill(pid, SIGTERM), 0);
     int status = 0;
     pid_t done = 0;
-    while (done == 0 && SecondsSince(t0) < 10) {
-      done = waitpid(pid, &status, WNOHANG);
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+    testing::WaitFor([&] { return (done = waitpid(pid, &status, WNOHANG)) != 0; }, std::chrono::seconds(10),
+                     std::chrono::milliseconds(20));
     const double exited_s = SecondsSince(t0);
     if (done == 0) kill(pid, SIGKILL), waitpid(pid, &status, 0);
     EXPECT_NE(done, 0) << "still starting 10 s after SIGTERM";
     EXPECT_LT(exited_s, 2.0);
     // Nothing it started outlives it.
     int left = -1;
-    for (int i = 0; i < 50 && left != 0; ++i) {
-      left = WorkerProcessesUnder(dir);
-      if (left != 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
+    testing::WaitFor([&] { return (left = WorkerProcessesUnder(dir)) == 0; }, std::chrono::seconds(5),
+                     std::chrono::milliseconds(100));
     EXPECT_EQ(left, 0) << "processes left behind";
   }
 }

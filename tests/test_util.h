@@ -6,8 +6,10 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <string>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -70,6 +72,26 @@ inline std::string ScratchDir(const std::string& name) {
   EXPECT_TRUE(RemoveAll(dir).ok());
   EXPECT_TRUE(MakeDirectories(dir).ok());
   return dir;
+}
+
+// Polls `done` until it returns true or `timeout` passes; returns whether it did. For what
+// tests wait on that has no event to block on: another process's state, a file, a server's
+// answer, a counter another thread moves.
+template <typename Done>
+bool WaitFor(Done done, std::chrono::milliseconds timeout = std::chrono::seconds(60),
+             std::chrono::milliseconds poll = std::chrono::milliseconds(10)) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(poll);  // the poll interval: the condition has no event to wait on
+  }
+  return true;
+}
+
+// Whether process `pid` has exited: gone, or a zombie its parent has not reaped yet.
+inline bool ProcessGone(int pid) {
+  auto stat = ReadFileToString(absl::StrCat("/proc/", pid, "/stat"));
+  return !stat.ok() || stat->find(") Z ") != std::string::npos;
 }
 
 }  // namespace testing

@@ -14,6 +14,7 @@
 #include "lib/status_macros.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
+#include "tools/model_presets.h"
 
 namespace lorastep {
 namespace {

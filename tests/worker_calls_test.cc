@@ -29,6 +29,7 @@
 #include "worker/worker_core.h"
 #include "worker/worker_dispatch.h"
 #include "worker/worker_pipe_service.h"
+#include "tools/model_presets.h"
 
 namespace lorastep {
 namespace {
@@ -40,6 +41,7 @@ class StepsLastAtLeast : public FaultPoints {
   explicit StepsLastAtLeast(std::chrono::milliseconds min) : min_(min) {}
   absl::Status At(absl::string_view point) override {
     if (absl::StartsWith(point, "CoscheduledStepBegan:")) began_ = std::chrono::steady_clock::now();
+    // A long step is what the tests below need (the window's behaviour around one): time is the subject.
     if (absl::StartsWith(point, "CoscheduledStepEnded:")) std::this_thread::sleep_until(began_ + min_);
     return absl::OkStatus();
   }
@@ -486,7 +488,7 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
     std::vector<std::thread> threads;
     for (int i = 0; i < 3; ++i) {
       threads.emplace_back([&, i] {
-        std::this_thread::sleep_for(std::chrono::milliseconds(600 * i));
+        std::this_thread::sleep_for(std::chrono::milliseconds(600 * i));  // arrivals spaced in time: the subject
         got[i] = staggered->TrainStep(std::string(1, static_cast<char>('a' + i)), batch(i), ppo, adam, nullptr, 0);
       });
     }
@@ -517,6 +519,7 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
       std::vector<std::thread> threads;
       for (int i = 0; i < runs; ++i) {
         threads.emplace_back([&, i] {
+          // Arrivals spaced in time within the window: the subject.
           if (round == 1) std::this_thread::sleep_for(std::chrono::milliseconds(100 * i));
           got[i] = slow->TrainStep(std::string(1, static_cast<char>('a' + i)), batch(i), ppo, adam, nullptr, 0);
         });
@@ -546,6 +549,7 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
     std::vector<std::thread> threads;
     for (int i = 0; i < 2; ++i) {
       threads.emplace_back([&, i] {
+        // Arrival times are the subject: b joins late, and each run's calls come 300 ms apart.
         if (i == 1) std::this_thread::sleep_for(std::chrono::milliseconds(400));
         for (int call = 0; call < 3; ++call) {
           if (call > 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));

@@ -14,6 +14,7 @@
 #include "lib/flags_util.h"
 #include "lib/model/model_weights.h"
 #include "lib/training/trainer.h"
+#include "tools/model_presets.h"
 
 using namespace lorastep;
 

@@ -3,6 +3,7 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <atomic>
 #include <cstdlib>
 #include <memory>
@@ -201,43 +202,48 @@ absl::Status WorkerCore::DeleteRun(const std::string& run_id) {
   return absl::OkStatus();
 }
 
+template <typename Result>
+absl::StatusOr<Result> WorkerCore::RunBatchCall(CallKind kind, const char* name, const std::string& run_id,
+                                                JointTrainCall call, std::optional<ActivationRecompute> recompute,
+                                                const MeshCallInfo& mesh, const Cancelled& cancelled,
+                                                absl::FunctionRef<absl::StatusOr<Result>(Trainer*, const BatchOptions&)> alone) {
+  if (groups_ == nullptr && CoSchedules(run_id, recompute)) {
+    call.cancelled = cancelled;
+    QueuedStep step{&run_id, kind, std::move(call), mesh, cancelled, std::chrono::steady_clock::now()};
+    AwaitCoscheduled(&step);
+    if constexpr (std::is_same_v<Result, OptimStepResult>) {
+      return std::move(step.result);
+    } else {
+      return std::move(step.forward);
+    }
+  }
+  std::lock_guard<FairMutex> lock(mu_);
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Admit(run_id, mesh, name));
+  BatchOptions batch;
+  batch.totals = call.totals;
+  batch.max_tokens_per_microbatch = call.max_tokens_per_microbatch;
+  batch.activation_recompute = recompute;
+  batch.cancelled = cancelled;
+  batch.agree_on_cancel = mesh.agree_on_cancel;
+  return alone(t, batch);
+}
+
 absl::StatusOr<ForwardBackwardResult> WorkerCore::ForwardBackward(
     const std::string& run_id, const std::vector<Datum>& datums, const LossConfig& loss,
     const BatchTotals* totals, std::optional<ActivationRecompute> recompute,
     const MeshCallInfo& mesh, const Cancelled& cancelled) {
-  if (groups_ == nullptr && CoSchedules(run_id, recompute)) {
-    QueuedStep step{&run_id, CallKind::kForwardBackward,
-                    JointTrainCall{nullptr, &datums, &loss, AdamWParams{}, 0, totals, cancelled}, mesh, cancelled,
-                    std::chrono::steady_clock::now()};
-    AwaitCoscheduled(&step);
-    return std::move(step.forward);
-  }
-  std::lock_guard<FairMutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Admit(run_id, mesh, "ForwardBackward"));
-  BatchOptions batch;
-  batch.totals = totals;
-  batch.activation_recompute = recompute;
-  batch.cancelled = cancelled;
-  batch.agree_on_cancel = mesh.agree_on_cancel;
-  return t->ForwardBackward(datums, loss, batch);
+  return RunBatchCall<ForwardBackwardResult>(
+      CallKind::kForwardBackward, "ForwardBackward", run_id,
+      JointTrainCall{nullptr, &datums, &loss, AdamWParams{}, 0, totals, nullptr}, recompute, mesh, cancelled,
+      [&](Trainer* t, const BatchOptions& batch) { return t->ForwardBackward(datums, loss, batch); });
 }
 
 absl::StatusOr<ForwardBackwardResult> WorkerCore::Forward(const std::string& run_id,
                                                           const std::vector<Datum>& datums,
                                                           const MeshCallInfo& mesh, const Cancelled& cancelled) {
-  if (groups_ == nullptr && CoSchedules(run_id, std::nullopt)) {
-    QueuedStep step{&run_id, CallKind::kForward,
-                    JointTrainCall{nullptr, &datums, nullptr, AdamWParams{}, 0, nullptr, cancelled}, mesh, cancelled,
-                    std::chrono::steady_clock::now()};
-    AwaitCoscheduled(&step);
-    return std::move(step.forward);
-  }
-  std::lock_guard<FairMutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Admit(run_id, mesh, "Forward"));
-  BatchOptions batch;
-  batch.cancelled = cancelled;
-  batch.agree_on_cancel = mesh.agree_on_cancel;
-  return t->Forward(datums, batch);
+  return RunBatchCall<ForwardBackwardResult>(
+      CallKind::kForward, "Forward", run_id, JointTrainCall{nullptr, &datums, nullptr, AdamWParams{}, 0, nullptr, nullptr},
+      std::nullopt, mesh, cancelled, [&](Trainer* t, const BatchOptions& batch) { return t->Forward(datums, batch); });
 }
 
 absl::StatusOr<OptimStepResult> WorkerCore::OptimStep(const std::string& run_id,
@@ -256,21 +262,10 @@ absl::StatusOr<OptimStepResult> WorkerCore::TrainStep(const std::string& run_id,
                                                       int64_t max_tokens,
                                                       std::optional<ActivationRecompute> recompute,
                                                       const MeshCallInfo& mesh, const Cancelled& cancelled) {
-  if (groups_ == nullptr && CoSchedules(run_id, recompute)) {
-    QueuedStep step{&run_id, CallKind::kTrainStep, JointTrainCall{nullptr, &datums, &loss, params, max_tokens, totals, cancelled}, mesh, cancelled,
-                    std::chrono::steady_clock::now()};
-    AwaitCoscheduled(&step);
-    return std::move(step.result);
-  }
-  std::lock_guard<FairMutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Admit(run_id, mesh, "TrainStep"));
-  BatchOptions batch;
-  batch.totals = totals;
-  batch.max_tokens_per_microbatch = max_tokens;
-  batch.activation_recompute = recompute;
-  batch.cancelled = cancelled;
-  batch.agree_on_cancel = mesh.agree_on_cancel;
-  return t->TrainStep(datums, loss, params, batch);
+  return RunBatchCall<OptimStepResult>(
+      CallKind::kTrainStep, "TrainStep", run_id,
+      JointTrainCall{nullptr, &datums, &loss, params, max_tokens, totals, nullptr}, recompute, mesh, cancelled,
+      [&](Trainer* t, const BatchOptions& batch) { return t->TrainStep(datums, loss, params, batch); });
 }
 
 bool WorkerCore::CoSchedules(const std::string& run_id, std::optional<ActivationRecompute> recompute) {
@@ -508,23 +503,25 @@ void WorkerCore::LeadCoscheduledStep() {
   done_cv_.notify_all();
 }
 
-absl::StatusOr<Trainer*> WorkerCore::AdmitGather(const std::string& run_id, const std::string& path,
-                                                 const MeshCallInfo& mesh, const char* call) {
+absl::StatusOr<WorkerCore::GatherAdmitted> WorkerCore::AdmitGather(const std::string& run_id, const std::string& path,
+                                                                    const MeshCallInfo& mesh, const char* call) {
   LORASTEP_RETURN_IF_ERROR(FormGroups(mesh.Unchecked()));
   MeshVote vote(groups_.get(), base_->device);  // an early return below votes "no"
-  LORASTEP_RETURN_IF_ERROR(ResolvePath(run_id, path, /*write=*/true).status());
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh.Unchecked()));
+  GatherAdmitted admitted;
+  LORASTEP_ASSIGN_OR_RETURN(admitted.folder, ResolvePath(run_id, path, /*write=*/true));
+  LORASTEP_ASSIGN_OR_RETURN(admitted.trainer, Prepare(run_id, mesh.Unchecked()));
   LORASTEP_RETURN_IF_ERROR(AdmissionFault(call));
   LORASTEP_RETURN_IF_ERROR(vote.Cast(absl::OkStatus()));
-  return t;
+  return admitted;
 }
 
 absl::StatusOr<WorkerCore::PathResult> WorkerCore::SaveState(const std::string& run_id,
                                                              const std::string& path,
                                                              const MeshCallInfo& mesh, bool background) {
   std::lock_guard<FairMutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, AdmitGather(run_id, path, mesh, "SaveState"));
-  const std::string folder = *ResolvePath(run_id, path, /*write=*/true);
+  LORASTEP_ASSIGN_OR_RETURN(GatherAdmitted admitted, AdmitGather(run_id, path, mesh, "SaveState"));
+  Trainer* t = admitted.trainer;
+  const std::string folder = admitted.folder;
   if (background) {
     LORASTEP_ASSIGN_OR_RETURN(std::shared_ptr<const TrainerStateSnapshot> snapshot, t->SnapshotState());
     writer_.Submit(folder, [snapshot, folder, path, faults = ranked_faults_.get()] {
@@ -567,8 +564,9 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::ExportAdapter(const std::stri
                                                                  const MeshCallInfo& mesh,
                                                                  bool expand_experts) {
   std::lock_guard<FairMutex> lock(mu_);
-  LORASTEP_ASSIGN_OR_RETURN(Trainer * t, AdmitGather(run_id, path, mesh, "ExportAdapter"));
-  const std::string folder = *ResolvePath(run_id, path, /*write=*/true);
+  LORASTEP_ASSIGN_OR_RETURN(GatherAdmitted admitted, AdmitGather(run_id, path, mesh, "ExportAdapter"));
+  Trainer* t = admitted.trainer;
+  const std::string& folder = admitted.folder;
   LORASTEP_RETURN_IF_ERROR(AsReference(t->ExportAdapter(folder, expand_experts), folder, path));
   return PathResult{t->FullAdapterSha256(), t->learner_version()};
 }

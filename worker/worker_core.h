@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "lib/fair_mutex.h"
 #include "lib/fault_points.h"
@@ -168,9 +169,13 @@ class WorkerCore {
   absl::StatusOr<Trainer*> Admit(const std::string& run_id, const MeshCallInfo& mesh, const char* call);
   // Admission of a call that gathers the run's state to one rank (SaveState, ExportAdapter):
   // the path and the run are checked on every rank, then one vote, before any collective.
-  // Requires mu_.
-  absl::StatusOr<Trainer*> AdmitGather(const std::string& run_id, const std::string& path, const MeshCallInfo& mesh,
-                                       const char* call);
+  // Returns the run's trainer and the path's folder. Requires mu_.
+  struct GatherAdmitted {
+    Trainer* trainer = nullptr;
+    std::string folder;
+  };
+  absl::StatusOr<GatherAdmitted> AdmitGather(const std::string& run_id, const std::string& path,
+                                             const MeshCallInfo& mesh, const char* call);
   // WorkerOptions::faults at "Admit<call>" for this rank: a fault in the rank's own checks
   // of `call` (OK without an injector).
   absl::Status AdmissionFault(const char* call);
@@ -209,6 +214,14 @@ class WorkerCore {
   bool CoSchedules(const std::string& run_id, std::optional<ActivationRecompute> recompute);
   // Queues `step` and returns once the co-scheduling thread ran it.
   void AwaitCoscheduled(QueuedStep* step);
+  // A TrainStep, ForwardBackward or Forward: co-scheduled with other runs' calls where this
+  // run takes part (CoSchedules), else admitted and run alone under the core's lock by `alone`
+  // with the call's BatchOptions.
+  template <typename Result>
+  absl::StatusOr<Result> RunBatchCall(CallKind kind, const char* name, const std::string& run_id, JointTrainCall call,
+                                      std::optional<ActivationRecompute> recompute, const MeshCallInfo& mesh,
+                                      const Cancelled& cancelled,
+                                      absl::FunctionRef<absl::StatusOr<Result>(Trainer*, const BatchOptions&)> alone);
   // The co-scheduling thread (started by the first queued call, stopped by the destructor):
   // leads every co-scheduled step, so the device's per-thread state (cuDNN's attention plans
   // and cuBLAS's workspaces are cached per thread in LibTorch) is built once, not again on

@@ -35,7 +35,9 @@
 #include "rpc/metrics_http_server.h"
 #include "lib/flags_util.h"
 #include "lib/log.h"
+#include "lib/status_macros.h"
 #include "rpc/server_flags.h"
+#include "rpc/server_process.h"
 #include "rpc/server_runner.h"
 #include "worker/worker_core.h"
 #include "lib/io/state_pruner.h"
@@ -151,287 +153,278 @@ absl::StatusOr<lorastep::v1::JoinMeshResponse> JoinMesh(const std::string& coord
   return absl::DeadlineExceededError(absl::StrCat("joining the mesh of ", coordinator, ": ", last.message()));
 }
 
-}  // namespace
+// The host the coordinator and peers reach this worker at.
+std::string AdvertisedHost() {
+  return !absl::GetFlag(FLAGS_advertise_host).empty() ? absl::GetFlag(FLAGS_advertise_host) : absl::GetFlag(FLAGS_host);
+}
 
-int main(int argc, char** argv) {
+// Every security decision from the flags, before anything listens: the one policy
+// (rpc/security_policy.h), the cluster secret's digest and header, this server's TLS
+// credentials and those that verify the coordinator.
+struct WorkerSecurity {
+  lorastep::SecurityPolicy policy;
+  std::string token_sha256, authorization;  // empty without a secret
+  std::shared_ptr<grpc::ServerCredentials> server_credentials;  // null: plaintext
+  std::shared_ptr<grpc::ChannelCredentials> coordinator_credentials;
+};
+
+// The cluster secret (--worker_token_file, else $LORASTEP_CLUSTER_SECRET, which the
+// coordinator sets for its local workers): every call to this worker must present it, and the
+// worker presents it when registering or joining a mesh. Without one the worker serves only
+// callers with a certificate its --tls_client_ca_file signed.
+absl::StatusOr<WorkerSecurity> SecurityFromFlags(const std::string& secret) {
   using namespace lorastep;
-  ExitWithSpawningParent();  // a local worker (or a test's server) goes with its parent
-  TuneProcessForServing();
-  BlockShutdownSignals();
-  ParseCommandLineOrExit(argc, argv,
-                   "lorastep_worker --model DIR [flags]: one per GPU (or CPU process); serves the internal "
-                   "Worker API. See --help for the flags.");
-  InitLogging(argv[0]);
-  StartupSignalWatcher startup("lorastep_worker");  // a signal before serving ends the process at once
-  // Prometheus: off unless --metrics_port (loopback only without --metrics_allow_remote).
-  PrometheusRegistry metrics;
-  auto metrics_endpoint = StartMetricsEndpointFromFlags(&metrics);
-  if (!metrics_endpoint.ok()) {
-    LORASTEP_LOG(Error) << "lorastep_worker: " << metrics_endpoint.status();
-    return 2;
-  }
-  // The cluster secret (--worker_token_file, else $LORASTEP_CLUSTER_SECRET, which the
-  // coordinator sets for its local workers): every call to this worker must present it, and
-  // the worker presents it when registering or joining a mesh. Without one the worker serves
-  // only callers with a certificate its --tls_client_ca_file signed (rpc/security_policy.h).
-  auto secret = ClusterSecretFromFileOrEnvironment(absl::GetFlag(FLAGS_worker_token_file));
-  unsetenv(kClusterSecretVariable);  // nothing this process starts inherits it
-  if (!secret.ok()) {
-    LORASTEP_LOG(Error) << "lorastep_worker: " << secret.status();
-    return 2;
-  }
-  // One decision from every security flag, before anything listens (rpc/security_policy.h).
-  const std::string host = absl::GetFlag(FLAGS_host);
-  const bool tls = !absl::GetFlag(FLAGS_tls_cert_file).empty();
   SecurityFlags security;
   security.role = ServerRole::kWorker;
-  security.loopback_host = IsLoopbackHost(host);
-  security.tls = tls;
+  security.loopback_host = IsLoopbackHost(absl::GetFlag(FLAGS_host));
+  security.tls = !absl::GetFlag(FLAGS_tls_cert_file).empty();
   security.client_ca = !absl::GetFlag(FLAGS_tls_client_ca_file).empty();
-  security.secret = !secret->empty();
+  security.secret = !secret.empty();
   security.insecure = absl::GetFlag(FLAGS_insecure);
-  auto policy = DecideSecurity(security);
-  if (!policy.ok()) {
-    LORASTEP_LOG(Error) << "lorastep_worker: " << policy.status();
-    return 2;
+  WorkerSecurity out;
+  LORASTEP_ASSIGN_OR_RETURN(out.policy, DecideSecurity(security));
+  if (!secret.empty()) {
+    out.token_sha256 = Sha256Hex(secret);
+    out.authorization = "Bearer " + secret;
   }
-  std::string token_sha256, authorization;
-  if (!secret->empty()) {
-    token_sha256 = Sha256Hex(*secret);
-    authorization = "Bearer " + *secret;
+  // --coordinator_tls_ca_file: the coordinator's port (its Registry) is TLS.
+  LORASTEP_ASSIGN_OR_RETURN(out.coordinator_credentials, ChannelCredentialsFromCa(absl::GetFlag(FLAGS_coordinator_tls_ca_file),
+                                                                                  "coordinator_tls_ca_file"));
+  // --tls_cert_file/--tls_key_file: the Worker API over TLS.
+  if (!absl::GetFlag(FLAGS_tls_cert_file).empty() || !absl::GetFlag(FLAGS_tls_key_file).empty() ||
+      !absl::GetFlag(FLAGS_tls_client_ca_file).empty()) {
+    LORASTEP_ASSIGN_OR_RETURN(out.server_credentials,
+                              TlsServerCredentials(absl::GetFlag(FLAGS_tls_cert_file), absl::GetFlag(FLAGS_tls_key_file),
+                                                   absl::GetFlag(FLAGS_tls_client_ca_file)));
   }
+  return out;
+}
+
+// The WorkerCore's options from the flags (and, in the testing build, its fault points).
+absl::StatusOr<lorastep::WorkerOptions> OptionsFromFlags(const std::string& secret) {
+  using namespace lorastep;
   WorkerOptions options;
   options.model_path = absl::GetFlag(FLAGS_model);
-  if (options.model_path.empty()) {
-    LORASTEP_LOG(Error) << "lorastep_worker: --model is required";
-    return 2;
-  }
+  if (options.model_path.empty()) return absl::InvalidArgumentError("--model is required");
   options.device = absl::GetFlag(FLAGS_device);
-  // A side-by-side run on two H200s (docs/PERFORMANCE.md) showed no gain from 4 threads on
-  // CUDA ranks over the default: left to the operator.
-  if (const int threads = absl::GetFlag(FLAGS_cpu_threads); threads > 0) at::set_num_threads(threads);
   options.dtype = absl::GetFlag(FLAGS_dtype);
   if (auto n = absl::GetFlag(FLAGS_max_tokens_per_microbatch)) options.max_tokens_per_microbatch = *n;
   if (absl::GetFlag(FLAGS_coschedule_window_us) < 0) {
-    LORASTEP_LOG(Error) << "lorastep_worker: --coschedule_window_us: must be >= 0 microseconds";
-    return 2;
+    return absl::InvalidArgumentError("--coschedule_window_us: must be >= 0 microseconds");
   }
   options.coschedule_window = std::chrono::microseconds(absl::GetFlag(FLAGS_coschedule_window_us));
-  const int executor_spin_us =
-      absl::GetFlag(FLAGS_executor_spin_us).value_or(absl::StartsWith(absl::GetFlag(FLAGS_device), "cuda") ? 5000 : 0);
-  if (executor_spin_us < 0 || executor_spin_us > 100000) {
-    LORASTEP_LOG(Error) << "lorastep_worker: --executor_spin_us: must be in [0, 100000]";
-    return 2;
-  }
   options.grad.fused_wgrad = !absl::GetFlag(FLAGS_unfused_wgrad);
   options.pack_sequences = absl::GetFlag(FLAGS_pack_sequences);
-  auto state_dir = ServerStateDir(absl::GetFlag(FLAGS_state_dir), absl::GetFlag(FLAGS_allow_plain_paths));
-  if (!state_dir.ok()) {
-    LORASTEP_LOG(Error) << "lorastep_worker: " << state_dir.status();
-    return 2;
-  }
-  options.state_dir = *state_dir;
+  LORASTEP_ASSIGN_OR_RETURN(options.state_dir,
+                            ServerStateDir(absl::GetFlag(FLAGS_state_dir), absl::GetFlag(FLAGS_allow_plain_paths)));
   // MiB one micro-batch's activations may take (estimated before running; over it the call is
   // RESOURCE_EXHAUSTED). 0 (default): 80% of the available host memory on CPU; -1: off.
   if (const auto mb = absl::GetFlag(FLAGS_max_activation_mb)) options.max_activation_bytes = ActivationBytesFromMb(*mb);
-  if (auto recompute = ParseActivationRecompute(absl::GetFlag(FLAGS_activation_recompute), "--activation_recompute");
-      recompute.ok()) {
-    options.activation_recompute = *recompute;
-  } else {
-    LORASTEP_LOG(Error) << "lorastep_worker: " << recompute.status();
-    return 2;
-  }
+  LORASTEP_ASSIGN_OR_RETURN(options.activation_recompute,
+                            ParseActivationRecompute(absl::GetFlag(FLAGS_activation_recompute), "--activation_recompute"));
   ProfileFromEnvironment(&options);
   // Mesh: --rank R --tp T --pp P --dp D --rendezvous HOST:PORT [--collective_timeout_s S].
   if (auto rank = absl::GetFlag(FLAGS_rank)) options.rank = *rank;
   options.sizes = {absl::GetFlag(FLAGS_tp), absl::GetFlag(FLAGS_pp), absl::GetFlag(FLAGS_dp), absl::GetFlag(FLAGS_ep),
                    absl::GetFlag(FLAGS_cp)};
   options.rendezvous = absl::GetFlag(FLAGS_rendezvous);
-  if (!secret->empty()) options.rendezvous_key_prefix = RendezvousKeyPrefix(*secret);
+  if (!secret.empty()) options.rendezvous_key_prefix = RendezvousKeyPrefix(secret);
   if (auto timeout = absl::GetFlag(FLAGS_collective_timeout_s)) options.collective_timeout = std::chrono::seconds(*timeout);
+  options.gloo_host = AdvertisedHost();
+  if (const auto ttl = absl::GetFlag(FLAGS_state_ttl_hours); ttl && (!(*ttl > 0) || options.state_dir.empty())) {
+    return absl::InvalidArgumentError(absl::StrCat("state_ttl_hours: '", *ttl,
+                                                   "' must be a positive number of hours, with a state store (not "
+                                                   "--allow_plain_paths)"));
+  }
   // Fault injection, in the testing build only (worker/test_hooks.h).
-  if (absl::Status hooks = ApplyTestFlags(&options); !hooks.ok()) {
-    LORASTEP_LOG(Error) << "lorastep_worker: " << hooks;
-    return 2;
-  }
+  LORASTEP_RETURN_IF_ERROR(ApplyTestFlags(&options));
+  return options;
+}
+
+// --register_with without --rank: a coordinator running a mesh hands out the rank (and sizes,
+// rendezvous); one that runs no mesh leaves the worker at world size 1.
+absl::Status JoinMeshIfOffered(const WorkerSecurity& security, lorastep::WorkerOptions* options) {
+  using namespace lorastep;
   const std::string register_with = absl::GetFlag(FLAGS_register_with);
-  // --coordinator_tls_ca_file: the coordinator's port (its Registry) is TLS.
-  auto coordinator_credentials =
-      ChannelCredentialsFromCa(absl::GetFlag(FLAGS_coordinator_tls_ca_file), "coordinator_tls_ca_file");
-  if (!coordinator_credentials.ok()) {
-    LORASTEP_LOG(Error) << "lorastep_worker: " << coordinator_credentials.status();
-    return 2;
+  if (register_with.empty() || absl::GetFlag(FLAGS_rank)) return absl::OkStatus();
+  auto joined = JoinMesh(register_with, AdvertisedHost(), 60, security.authorization, security.coordinator_credentials);
+  if (!joined.ok()) {
+    const bool no_mesh = absl::IsFailedPrecondition(joined.status()) &&
+                         joined.status().message().find("runs no mesh") != absl::string_view::npos;
+    return no_mesh ? absl::OkStatus() : joined.status();
   }
-  // --tls_cert_file/--tls_key_file: the Worker API over TLS.
-  std::shared_ptr<grpc::ServerCredentials> server_credentials;
-  if (!absl::GetFlag(FLAGS_tls_cert_file).empty() || !absl::GetFlag(FLAGS_tls_key_file).empty() ||
-      !absl::GetFlag(FLAGS_tls_client_ca_file).empty()) {
-    auto tls = TlsServerCredentials(absl::GetFlag(FLAGS_tls_cert_file), absl::GetFlag(FLAGS_tls_key_file),
-                                    absl::GetFlag(FLAGS_tls_client_ca_file));
-    if (!tls.ok()) {
-      LORASTEP_LOG(Error) << "lorastep_worker: " << tls.status();
-      return 2;
-    }
-    server_credentials = *tls;
-  }
-  const std::string advertise_host =
-      !absl::GetFlag(FLAGS_advertise_host).empty() ? absl::GetFlag(FLAGS_advertise_host) : absl::GetFlag(FLAGS_host);
-  options.gloo_host = advertise_host;
-  if (!register_with.empty() && !absl::GetFlag(FLAGS_rank)) {
-    // A coordinator running a mesh hands out the rank (and sizes, rendezvous) first.
-    auto joined = JoinMesh(register_with, advertise_host, 60, authorization, *coordinator_credentials);
-    if (joined.ok()) {
-      options.rank = joined->rank();
-      options.sizes = {joined->tp(), joined->pp(), joined->dp(), std::max(1, joined->ep()), std::max(1, joined->cp())};
-      options.rendezvous = joined->rendezvous();
-      LORASTEP_LOG(Info) << "lorastep_worker: rank " << options.rank << " of " << options.sizes.world()
-                << ", rendezvous " << options.rendezvous;
-    } else if (!absl::IsFailedPrecondition(joined.status()) ||
-               joined.status().message().find("runs no mesh") == absl::string_view::npos) {
-      LORASTEP_LOG(Error) << "lorastep_worker: " << joined.status();
-      return 1;
-    }
-  }
-  // The secret is checked on each call's headers, before its message is read: the Worker
-  // API, reflection and (rank 0 of a mesh across hosts) the rendezvous store.
+  options->rank = joined->rank();
+  options->sizes = {joined->tp(), joined->pp(), joined->dp(), std::max(1, joined->ep()), std::max(1, joined->cp())};
+  options->rendezvous = joined->rendezvous();
+  LORASTEP_LOG(Info) << "lorastep_worker: rank " << options->rank << " of " << options->sizes.world() << ", rendezvous "
+                     << options->rendezvous;
+  return absl::OkStatus();
+}
+
+// The secret is checked on each call's headers, before its message is read: the Worker API,
+// reflection and (rank 0 of a mesh across hosts) the rendezvous store.
+std::shared_ptr<lorastep::CallAuthenticator> AuthenticatorFor(const WorkerSecurity& security) {
+  using namespace lorastep;
   auto authenticator = std::make_shared<CallAuthenticator>();
-  if (policy->cluster_needs_secret) {
-    auto secret_check = [token_sha256](const std::string& auth) { return CheckBearerToken(auth, token_sha256); };
+  if (security.policy.cluster_needs_secret) {
+    auto secret_check = [digest = security.token_sha256](const std::string& auth) { return CheckBearerToken(auth, digest); };
     authenticator->Require("/lorastep.v1.Worker/", secret_check);
     authenticator->Require("/lorastep.v1.RendezvousStore/", secret_check);
     authenticator->Require("/grpc.reflection.", secret_check);
   }
-  // A mesh across hosts meets at rank 0's rendezvous store, served on the rendezvous port with
-  // the Worker API's credentials and cluster secret (c10d's TCPStore would answer anyone).
-  RendezvousStoreHost rendezvous_host;
-  RendezvousStoreService rendezvous_service(&rendezvous_host);
-  std::unique_ptr<grpc::Server> rendezvous_server;
-  if (options.sizes.world() > 1 && !options.rendezvous.empty() && !absl::StartsWith(options.rendezvous, "file://")) {
-    if (options.rank == 0) {
-      int store_port = 0;
-      const size_t colon = options.rendezvous.rfind(':');
-      if (colon == std::string::npos || !absl::SimpleAtoi(options.rendezvous.substr(colon + 1), &store_port)) {
-        LORASTEP_LOG(Error) << "lorastep_worker: rendezvous: '" << options.rendezvous << "' is not host:port";
-        return 2;
-      }
-      int bound = 0;
-      auto started = StartGrpcServer(host, store_port, {&rendezvous_service}, &bound, 4 << 20, CallObservers{},
-                                     server_credentials, authenticator);
-      if (!started.ok()) {
-        LORASTEP_LOG(Error) << "lorastep_worker: rendezvous store: " << started.status();
-        return 1;
-      }
-      rendezvous_server = *std::move(started);
-      LORASTEP_LOG(Info) << "lorastep_worker: rank 0 serves the mesh's rendezvous store on " << host << ":" << bound
-                         << (token_sha256.empty() ? " (client certificate required)" : " (cluster secret required)");
-      options.store_transport_for = [&rendezvous_host](const std::string&) { return rendezvous_host.LocalTransport(); };
-    } else {
-      std::string ca_file = absl::GetFlag(FLAGS_peer_tls_ca_file);
-      if (ca_file.empty() && tls) ca_file = absl::GetFlag(FLAGS_coordinator_tls_ca_file);
-      auto peer_credentials = ChannelCredentialsFromCa(ca_file, "peer_tls_ca_file");
-      if (!peer_credentials.ok()) {
-        LORASTEP_LOG(Error) << "lorastep_worker: " << peer_credentials.status();
-        return 2;
-      }
-      options.store_transport_for = [credentials = *peer_credentials, authorization](const std::string& address) {
-        return GrpcStoreTransport(address, credentials, authorization);
-      };
-    }
+  return authenticator;
+}
+
+// A mesh across hosts meets at rank 0's rendezvous store, served on the rendezvous port with
+// the Worker API's credentials and cluster secret (c10d's TCPStore would answer anyone); the
+// other ranks reach it over gRPC. Sets options->store_transport_for; returns rank 0's server
+// (null elsewhere, and for local meshes, which meet in a file).
+absl::StatusOr<std::unique_ptr<grpc::Server>> ConnectRendezvousStore(
+    const WorkerSecurity& security, const std::shared_ptr<lorastep::CallAuthenticator>& authenticator,
+    lorastep::RendezvousStoreHost* store_host, lorastep::RendezvousStoreService* store_service,
+    lorastep::WorkerOptions* options) {
+  using namespace lorastep;
+  if (options->sizes.world() <= 1 || options->rendezvous.empty() || absl::StartsWith(options->rendezvous, "file://")) {
+    return nullptr;
   }
-  // Every rank of a mesh traces its own step: rank r > 0 writes TRACE.rank<r>.
-  if (!options.profile_trace_path.empty() && options.rank > 0) {
-    options.profile_trace_path += absl::StrCat(".rank", options.rank);
+  if (options->rank != 0) {
+    std::string ca_file = absl::GetFlag(FLAGS_peer_tls_ca_file);
+    if (ca_file.empty() && !absl::GetFlag(FLAGS_tls_cert_file).empty()) ca_file = absl::GetFlag(FLAGS_coordinator_tls_ca_file);
+    LORASTEP_ASSIGN_OR_RETURN(auto peer_credentials, ChannelCredentialsFromCa(ca_file, "peer_tls_ca_file"));
+    options->store_transport_for = [credentials = peer_credentials, authorization = security.authorization](
+                                       const std::string& address) {
+      return GrpcStoreTransport(address, credentials, authorization);
+    };
+    return nullptr;
   }
-  auto core = WorkerCore::Create(options);
-  if (!core.ok()) {
-    LORASTEP_LOG(Error) << "lorastep_worker: " << core.status();
-    return 1;
+  int store_port = 0;
+  const size_t colon = options->rendezvous.rfind(':');
+  if (colon == std::string::npos || !absl::SimpleAtoi(options->rendezvous.substr(colon + 1), &store_port)) {
+    return absl::InvalidArgumentError(absl::StrCat("rendezvous: '", options->rendezvous, "' is not host:port"));
   }
-  // --state_ttl_hours: lorastep's folders in the state store older than this are removed,
-  // checked every tenth of the TTL (1 s to 10 min); one pruner per store (rank 0).
-  double ttl_hours = 0;
-  if (const auto ttl = absl::GetFlag(FLAGS_state_ttl_hours)) {
-    ttl_hours = *ttl;
-    if (!(ttl_hours > 0) || options.state_dir.empty()) {
-      LORASTEP_LOG(Error) << "lorastep_worker: state_ttl_hours: '" << ttl_hours
-                << "' must be a positive number of hours, with a state store (not --allow_plain_paths)";
-      return 2;
-    }
-  }
-  WorkerDispatch dispatch(core->get(), &metrics, /*device_call_threads=*/64,
-                          std::chrono::microseconds(executor_spin_us));
-  WorkerService service(&dispatch, token_sha256);
-  int port = 0;
-  CallObservers observers{&metrics, VerbosityFlag(), "worker", options.sizes.world() > 1 ? options.rank : -1};
-  observers.services = {"lorastep.v1.Worker"};
-  auto server = StartGrpcServer(host, absl::GetFlag(FLAGS_port), {&service}, &port, 1 << 30, observers,
-                                server_credentials, authenticator);
-  if (!server.ok()) {
-    LORASTEP_LOG(Error) << "lorastep_worker: " << server.status();
-    return 1;
-  }
-  std::unique_ptr<WorkerPipeService> pipe;
-  if (const int fd = absl::GetFlag(FLAGS_coordinator_pipe_fd); fd != -1) {
-    auto started = WorkerPipeService::Start(fd, &dispatch, &observers, WorkerPipeService::kMaxCallBytes,
-                                            std::chrono::microseconds(executor_spin_us));
-    if (!started.ok()) {
-      LORASTEP_LOG(Error) << "lorastep_worker: " << started.status();
-      return 2;
-    }
-    pipe = *std::move(started);
-  }
-  if (!absl::GetFlag(FLAGS_port_file).empty()) {
-    if (auto s = WritePortFile(absl::GetFlag(FLAGS_port_file), port); !s.ok()) {
-      LORASTEP_LOG(Error) << "lorastep_worker: " << s;
-      return 1;
-    }
-  }
-  LORASTEP_LOG(Info) << "lorastep_worker: serving " << options.model_path << " on port " << port << " ("
-            << (*core)->base().device.str() << ")";
-  if (!register_with.empty()) {
-    const std::string self = absl::StrCat(advertise_host, ":", port);
-    if (auto s = RegisterWithCoordinator(register_with, self, 60, authorization, *coordinator_credentials); !s.ok()) {
-      LORASTEP_LOG(Error) << "lorastep_worker: " << s;
-      (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
-      return 1;
-    }
-  }
-  // Shutdown for the announcer below.
-  std::mutex stop_mu;
-  std::condition_variable stop_cv;
-  bool stopping = false;
-  std::optional<StatePruner> pruner;
-  if (ttl_hours > 0 && options.rank == 0) pruner.emplace(options.state_dir, static_cast<int64_t>(ttl_hours * 3600));
-  // Registered again every --register_every_s: a coordinator that restarted (and lost its
-  // list of workers) finds this worker again and re-attaches its journaled runs; one that
-  // knows the worker keeps it as it is.
-  std::thread announcer;
-  const int register_every_s = absl::GetFlag(FLAGS_register_every_s);
-  if (!register_with.empty() && register_every_s > 0) {
-    announcer = std::thread([&, register_every_s] {
-      const std::string self = absl::StrCat(advertise_host, ":", port);
-      std::unique_lock<std::mutex> lock(stop_mu);
-      while (!stop_cv.wait_for(lock, std::chrono::seconds(register_every_s), [&] { return stopping; })) {
+  const std::string host = absl::GetFlag(FLAGS_host);
+  int bound = 0;
+  auto started = StartGrpcServer(host, store_port, {store_service}, &bound, 4 << 20, CallObservers{},
+                                 security.server_credentials, authenticator);
+  if (!started.ok()) return absl::Status(started.status().code(), absl::StrCat("rendezvous store: ", started.status().message()));
+  LORASTEP_LOG(Info) << "lorastep_worker: rank 0 serves the mesh's rendezvous store on " << host << ":" << bound
+                     << (security.token_sha256.empty() ? " (client certificate required)" : " (cluster secret required)");
+  options->store_transport_for = [store_host](const std::string&) { return store_host->LocalTransport(); };
+  return started;
+}
+
+// With --register_with, registers again every --register_every_s until destroyed: a
+// coordinator that restarted (and lost its list of workers) finds this worker again and
+// re-attaches its journaled runs; one that knows the worker keeps it as it is.
+class Reannouncer {
+ public:
+  Reannouncer(std::string coordinator, std::string self, const WorkerSecurity* security, int every_s) {
+    if (coordinator.empty() || every_s <= 0) return;
+    thread_ = std::thread([this, coordinator, self, security, every_s] {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (!cv_.wait_for(lock, std::chrono::seconds(every_s), [&] { return stopping_; })) {
         lock.unlock();
-        absl::Status s = RegisterWithCoordinator(register_with, self, 1, authorization, *coordinator_credentials);
+        absl::Status s = RegisterWithCoordinator(coordinator, self, 1, security->authorization,
+                                                 security->coordinator_credentials);
         if (!s.ok() && !absl::IsAlreadyExists(s)) LORASTEP_LOG(Warning) << "lorastep_worker: registering again: " << s;
         lock.lock();
       }
     });
   }
-  startup.Serving();
-  const std::string signal = WaitForShutdownSignal();
-  LORASTEP_LOG(Info) << "lorastep_worker: shutting down (" << signal << ")";
+  ~Reannouncer() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace lorastep;
+  ServerProcess process(argc, argv, "lorastep_worker",
+                        "lorastep_worker --model DIR [flags]: one per GPU (or CPU process); serves the internal "
+                        "Worker API. See --help for the flags.");
+  if (!process.metrics_status().ok()) return process.Fail(process.metrics_status());
+  auto secret = ClusterSecretFromFileOrEnvironment(absl::GetFlag(FLAGS_worker_token_file));
+  unsetenv(kClusterSecretVariable);  // nothing this process starts inherits it
+  if (!secret.ok()) return process.Fail(secret.status());
+  auto security = SecurityFromFlags(*secret);
+  if (!security.ok()) return process.Fail(security.status());
+  auto options = OptionsFromFlags(*secret);
+  if (!options.ok()) return process.Fail(options.status());
+  const int executor_spin_us =
+      absl::GetFlag(FLAGS_executor_spin_us).value_or(absl::StartsWith(absl::GetFlag(FLAGS_device), "cuda") ? 5000 : 0);
+  if (executor_spin_us < 0 || executor_spin_us > 100000) {
+    return process.Fail(absl::InvalidArgumentError("--executor_spin_us: must be in [0, 100000]"));
+  }
+  // A side-by-side run on two H200s (docs/PERFORMANCE.md) showed no gain from 4 threads on
+  // CUDA ranks over the default: left to the operator.
+  if (const int threads = absl::GetFlag(FLAGS_cpu_threads); threads > 0) at::set_num_threads(threads);
+  if (absl::Status joined = JoinMeshIfOffered(*security, &*options); !joined.ok()) return process.Fail(joined, 1);
+  auto authenticator = AuthenticatorFor(*security);
+  RendezvousStoreHost rendezvous_host;
+  RendezvousStoreService rendezvous_service(&rendezvous_host);
+  auto rendezvous_server = ConnectRendezvousStore(*security, authenticator, &rendezvous_host, &rendezvous_service, &*options);
+  if (!rendezvous_server.ok()) return process.Fail(rendezvous_server.status(), 1);
+  // Every rank of a mesh traces its own step: rank r > 0 writes TRACE.rank<r>.
+  if (!options->profile_trace_path.empty() && options->rank > 0) {
+    options->profile_trace_path += absl::StrCat(".rank", options->rank);
+  }
+  auto core = WorkerCore::Create(*options);
+  if (!core.ok()) return process.Fail(core.status(), 1);
+  WorkerDispatch dispatch(core->get(), process.metrics(), /*device_call_threads=*/64,
+                          std::chrono::microseconds(executor_spin_us));
+  WorkerService service(&dispatch, security->token_sha256);
+  int port = 0;
+  CallObservers observers{process.metrics(), VerbosityFlag(), "worker", options->sizes.world() > 1 ? options->rank : -1};
+  observers.services = {"lorastep.v1.Worker"};
+  auto server = StartGrpcServer(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_port), {&service}, &port, 1 << 30,
+                                observers, security->server_credentials, authenticator);
+  if (!server.ok()) return process.Fail(server.status(), 1);
+  std::unique_ptr<WorkerPipeService> pipe;
+  if (const int fd = absl::GetFlag(FLAGS_coordinator_pipe_fd); fd != -1) {
+    auto started = WorkerPipeService::Start(fd, &dispatch, &observers, WorkerPipeService::kMaxCallBytes,
+                                            std::chrono::microseconds(executor_spin_us));
+    if (!started.ok()) return process.Fail(started.status());
+    pipe = *std::move(started);
+  }
+  if (!absl::GetFlag(FLAGS_port_file).empty()) {
+    if (auto s = WritePortFile(absl::GetFlag(FLAGS_port_file), port); !s.ok()) return process.Fail(s, 1);
+  }
+  LORASTEP_LOG(Info) << "lorastep_worker: serving " << options->model_path << " on port " << port << " ("
+                     << (*core)->base().device.str() << ")";
+  const std::string register_with = absl::GetFlag(FLAGS_register_with);
+  const std::string self = absl::StrCat(AdvertisedHost(), ":", port);
+  if (!register_with.empty()) {
+    if (auto s = RegisterWithCoordinator(register_with, self, 60, security->authorization,
+                                         security->coordinator_credentials);
+        !s.ok()) {
+      (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
+      return process.Fail(s, 1);
+    }
+  }
+  // --state_ttl_hours: lorastep's folders in the state store older than this are removed,
+  // checked every tenth of the TTL (1 s to 10 min); one pruner per store (rank 0).
+  std::optional<StatePruner> pruner;
+  if (const auto ttl = absl::GetFlag(FLAGS_state_ttl_hours); ttl && options->rank == 0) {
+    pruner.emplace(options->state_dir, static_cast<int64_t>(*ttl * 3600));
+  }
+  auto announcer = std::make_unique<Reannouncer>(register_with, self, &*security, absl::GetFlag(FLAGS_register_every_s));
   // Calls still open after 3 s are cancelled, and a cancelled batch call stops at its next
   // micro-batch; a call stuck in a collective or a device kernel does not hold the exit.
-  ExitAfter(std::chrono::seconds(10), "lorastep_worker");
-  {
-    std::lock_guard<std::mutex> lock(stop_mu);
-    stopping = true;
-  }
-  stop_cv.notify_all();
+  process.ServeUntilShutdownSignal(std::chrono::seconds(10));
+  announcer.reset();
   pruner.reset();
-  if (announcer.joinable()) announcer.join();
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
   pipe.reset();  // its calls still running are cancelled, and stop at their next micro-batch
   return 0;

@@ -78,15 +78,6 @@ absl::StatusOr<ModelConfig> ParseModelConfigJson(const std::string& json_text);
 // Serializes to a Hugging Face config.json that transformers' class of the family loads.
 std::string ModelConfigToJson(const ModelConfig& config);
 
-// Named shapes: "tiny" (fast CPU tests), "small" (CPU demo), "qwen2.5-0.5b" (the miles
-// example's shape: 24 layers, H 896, FFN 4864, 14 heads, 2 KV groups, vocab 151936);
-// MoE: "tiny-moe" (Qwen2-MoE with a shared expert, 4 experts, top-2), "tiny-qwen3-moe"
-// (q/k norms, head_dim 16 != 32/4, layer 0 dense), and
-// "qwen3-30b-a3b-reduced" (Qwen3-30B-A3B's width, 128 experts, top-8; 4 layers).
-// Qwen3 dense: "tiny-qwen3", "qwen3-0.6b", "qwen3-8b"; Llama 3: "tiny-llama" (llama3 RoPE),
-// "llama-3.2-1b" (tied), "llama-3.1-8b".
-absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name);
-
 }  // namespace lorastep
 
 #endif  // LORASTEP_LIB_MODEL_MODEL_CONFIG_H_

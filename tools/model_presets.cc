@@ -1,0 +1,119 @@
+#include "tools/model_presets.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace lorastep {
+
+absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name) {
+  ModelConfig c;
+  if (name == "tiny") {
+    c.vocab_size = 96;
+    c.hidden_size = 32;
+    c.intermediate_size = 64;
+    c.num_hidden_layers = 2;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.max_position_embeddings = 512;
+    c.rope_theta = 10000.0;
+    c.torch_dtype = "float32";
+  } else if (name == "small") {
+    c.vocab_size = 512;
+    c.hidden_size = 128;
+    c.intermediate_size = 352;
+    c.num_hidden_layers = 4;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.max_position_embeddings = 2048;
+    c.torch_dtype = "float32";
+  } else if (name == "qwen2.5-0.5b") {
+    c.vocab_size = 151936;
+    c.hidden_size = 896;
+    c.intermediate_size = 4864;
+    c.num_hidden_layers = 24;
+    c.num_attention_heads = 14;
+    c.num_key_value_heads = 2;
+    c.max_position_embeddings = 32768;
+    c.rope_theta = 1000000.0;
+    c.torch_dtype = "bfloat16";
+  } else if (name == "tiny-moe") {
+    c = ModelConfigPreset("tiny").value();  // tiny's attention, routed experts in every layer
+    c.model_type = "qwen2_moe";
+    c.moe.num_experts = 4;
+    c.moe.num_experts_per_tok = 2;
+    c.moe.moe_intermediate_size = 16;
+    c.moe.norm_topk_prob = true;
+    c.moe.shared_expert_intermediate_size = 32;
+  } else if (name == "tiny-qwen3-moe") {
+    c = ModelConfigPreset("tiny-moe").value();  // same widths; Qwen3's attention, no shared expert
+    c.model_type = "qwen3_moe";
+    c.head_dim_override = 16;
+    c.tie_word_embeddings = false;
+    c.moe.shared_expert_intermediate_size = 0;
+    c.moe.mlp_only_layers = {0};
+  } else if (name == "qwen3-30b-a3b-reduced") {
+    c.model_type = "qwen3_moe";
+    c.vocab_size = 151936;
+    c.hidden_size = 2048;
+    c.intermediate_size = 6144;
+    c.num_hidden_layers = 4;  // 48 in the full model
+    c.num_attention_heads = 32;
+    c.num_key_value_heads = 4;
+    c.head_dim_override = 128;
+    c.max_position_embeddings = 40960;
+    c.rope_theta = 1000000.0;
+    c.tie_word_embeddings = false;
+    c.torch_dtype = "bfloat16";
+    c.moe.num_experts = 128;
+    c.moe.num_experts_per_tok = 8;
+    c.moe.moe_intermediate_size = 768;
+    c.moe.norm_topk_prob = true;
+  } else if (name == "tiny-qwen3") {
+    c = ModelConfigPreset("tiny").value();  // Qwen3's attention: q/k norms, no biases, head_dim given
+    c.model_type = "qwen3";
+    c.head_dim_override = 16;
+  } else if (name == "tiny-llama") {
+    c = ModelConfigPreset("tiny").value();  // Llama 3.1's RoPE, untied head
+    c.model_type = "llama";
+    c.tie_word_embeddings = false;
+    c.rope.type = "llama3";
+    c.rope.factor = 8;
+    c.rope.original_max_position_embeddings = 64;  // tiny: the smoothing touches the test's lengths
+  } else if (name == "qwen3-0.6b" || name == "qwen3-8b") {
+    const bool small = name == "qwen3-0.6b";
+    c.model_type = "qwen3";
+    c.vocab_size = 151936;
+    c.hidden_size = small ? 1024 : 4096;
+    c.intermediate_size = small ? 3072 : 12288;
+    c.num_hidden_layers = small ? 28 : 36;
+    c.num_attention_heads = small ? 16 : 32;
+    c.num_key_value_heads = 8;
+    c.head_dim_override = 128;
+    c.max_position_embeddings = 40960;
+    c.rope_theta = 1000000.0;
+    c.tie_word_embeddings = small;
+    c.torch_dtype = "bfloat16";
+  } else if (name == "llama-3.2-1b" || name == "llama-3.1-8b") {
+    const bool small = name == "llama-3.2-1b";
+    c.model_type = "llama";
+    c.vocab_size = 128256;
+    c.hidden_size = small ? 2048 : 4096;
+    c.intermediate_size = small ? 8192 : 14336;
+    c.num_hidden_layers = small ? 16 : 32;
+    c.num_attention_heads = 32;
+    c.num_key_value_heads = 8;
+    c.head_dim_override = small ? 64 : 128;
+    c.max_position_embeddings = 131072;
+    c.rms_norm_eps = 1e-5;
+    c.rope_theta = 500000.0;
+    c.tie_word_embeddings = small;
+    c.torch_dtype = "bfloat16";
+    c.rope.type = "llama3";
+    c.rope.factor = small ? 32 : 8;
+    c.rope.original_max_position_embeddings = 8192;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("preset: unknown model preset '", name, "'"));
+  }
+  return c;
+}
+
+}  // namespace lorastep
