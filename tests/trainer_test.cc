@@ -273,6 +273,41 @@ TEST_F(TrainerTest, ForwardBackwardCallsThenOptimStepEqualOneTrainStep) {
   EXPECT_EQ(a.adapter_sha256.size(), 64u);
 }
 
+// A call cancelled inside its first micro-batch, between layers in forward or as backward
+// passes a layer, stops there: CANCELLED naming the micro-batch, nothing applied (adapter,
+// learner version, accumulated gradients), and the next call trains as if it had not happened.
+TEST_F(TrainerTest, CancelledInsideAMicroBatchStopsBetweenLayersAndAppliesNothing) {
+  const std::vector<Datum> batch = RlBatch(3, 96);
+  auto reference = NewTrainer();
+  ASSERT_OK_AND_ASSIGN(OptimStepResult expected, reference->TrainStep(batch, Ppo(), Adam()));
+  // Asked before the micro-batch (1), before each of the 2 layers (2, 3), then once per layer
+  // in backward (4, 5): stopping at the 2nd ask stops in forward, at the 4th in backward.
+  for (const int stop_at : {2, 3, 4, 5}) {
+    SCOPED_TRACE(stop_at);
+    auto trainer = NewTrainer();
+    const std::string before = trainer->AdapterSha256();
+    int asked = 0;
+    BatchOptions options;
+    options.cancelled = [&] { return ++asked >= stop_at; };
+    EXPECT_THAT(trainer->TrainStep(batch, Ppo(), Adam(), options).status(),
+                StatusIs(absl::StatusCode::kCancelled, "during micro-batch 1 of 2; nothing was applied"));
+    EXPECT_EQ(asked, stop_at + 1) << "asked once more by the catch, then no more";
+    EXPECT_EQ(trainer->AdapterSha256(), before);
+    EXPECT_EQ(trainer->learner_version(), 0);
+    EXPECT_EQ(trainer->pending_backward_calls(), 0);
+    for (const Parameter& p : trainer->adapter().parameters()) {
+      EXPECT_EQ(p.main_grad.abs().max().item<double>(), 0.0) << p.name;
+    }
+    ASSERT_OK_AND_ASSIGN(OptimStepResult next, trainer->TrainStep(batch, Ppo(), Adam()));
+    EXPECT_EQ(next.adapter_sha256, expected.adapter_sha256) << "the step after equals a first step";
+  }
+  // Forward alone stops too.
+  auto forward = NewTrainer();
+  BatchOptions stop;
+  stop.cancelled = [] { return true; };
+  EXPECT_THAT(forward->Forward(batch, stop).status(), StatusIs(absl::StatusCode::kCancelled, "before micro-batch 1"));
+}
+
 // A TrainStep returns no log-probs, so its head scores only the loss-bearing positions
 // (here the first two of each datum are prompt, and one datum has no loss-bearing position
 // at all, alone in its micro-batch); ForwardBackward scores every position for the log-probs

@@ -753,12 +753,19 @@ at::Tensor Qwen2Layers(const ModelConfig& config, const ModelWeights& base, cons
   LayerRunner runner(config, weights, main_grads, full ? nullptr : adapter, options);
   at::Tensor pending;  // the last layer's MLP output, added after the loop
   const bool recompute = options.recompute_layers != LayerRecompute::kNone && at::GradMode::is_enabled();
+  const std::function<bool()>* cancelled = options.cancelled;
   for (size_t i = 0; i < weights.layers.size(); ++i) {
+    if (cancelled != nullptr && (*cancelled)()) throw LayersCancelled();
     if (recompute) {  // keep one tensor per layer: its input, the stream with the last MLP added
       if (pending.defined()) x = x + pending;
       std::tie(x, pending) = runner.RecomputedLayer(i, x, cos, sin, options.recompute_layers);
     } else {
       std::tie(x, pending) = runner.Layer(i, x, pending, cos, sin);
+    }
+    if (cancelled != nullptr && x.requires_grad()) {  // asked again as backward passes this layer
+      x.register_hook([cancelled](const at::Tensor&) {
+        if ((*cancelled)()) throw LayersCancelled();
+      });
     }
   }
   return pending.defined() ? x + pending : x;

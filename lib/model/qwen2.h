@@ -7,6 +7,8 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
+#include <stdexcept>
 #include <utility>
 #include <vector>
 
@@ -81,6 +83,15 @@ struct ForwardOptions {
   // `adapter`, segments covering the row in order, dense layers and no recomputation; the
   // LM head is scored per run (Qwen2HeadScores with its own adapter on its rows).
   const std::vector<RunSegment>* run_segments = nullptr;
+  // Asked before each decoder layer and, in training, as each layer's output gradient arrives
+  // in backward; true stops the pass by throwing LayersCancelled (through autograd in
+  // backward), which the caller that set it catches. Null: never asked.
+  const std::function<bool()>* cancelled = nullptr;
+};
+
+// What Qwen2Layers throws when ForwardOptions::cancelled says stop.
+struct LayersCancelled : std::runtime_error {
+  LayersCancelled() : std::runtime_error("the call was cancelled inside the decoder layers") {}
 };
 
 // tokens: int64 [b, s] (right-padded; causal attention keeps padding out of real positions).

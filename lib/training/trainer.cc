@@ -92,6 +92,11 @@ absl::Status CancelledBeforeMicroBatch(size_t micro_batch, size_t micro_batches)
       "; nothing was applied"));
 }
 
+absl::Status CancelledInMicroBatch(size_t micro_batch, size_t micro_batches) {
+  return absl::CancelledError(absl::StrCat("call cancelled (its caller went away or its deadline passed) during micro-batch ",
+                                           micro_batch + 1, " of ", micro_batches, "; nothing was applied"));
+}
+
 double PeakHostMemoryBytes() {
   struct rusage usage;
   getrusage(RUSAGE_SELF, &usage);
@@ -303,18 +308,27 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     // No host synchronization between micro-batches: the phases are timed by marks in the
     // device's queue, read once after the last micro-batch.
     std::vector<DeviceMark> marks{DeviceMark::Now(device)};
+    // One process: a cancelled call also stops between the layers of a micro-batch, in
+    // forward and in backward (a mesh's ranks stop together, between micro-batches).
+    fwd_options.cancelled = options_.groups == nullptr && batch.cancelled ? &batch.cancelled : nullptr;
     for (size_t i = 0; i < mbs.size(); ++i) {
       const MicroBatch& mb = mbs[i];
       LORASTEP_RETURN_IF_ERROR(stop_before(i));
       fwd_options.packed = mb.is_packed ? &mb.packed : nullptr;
       fwd_options.recompute_layers = recomputes(i);
-      at::Tensor x = Qwen2Embed(config, base_->weights, adapter_.get(), mb.tokens, fwd_options);
-      x = Qwen2Layers(config, base_->weights, adapter_.get(), x, fwd_options);
-      at::Tensor loss_value = head(mb, x);
-      marks.push_back(DeviceMark::Now(device));
-      if (backward) {
-        loss_value.backward();
+      try {
+        at::Tensor x = Qwen2Embed(config, base_->weights, adapter_.get(), mb.tokens, fwd_options);
+        x = Qwen2Layers(config, base_->weights, adapter_.get(), x, fwd_options);
+        at::Tensor loss_value = head(mb, x);
         marks.push_back(DeviceMark::Now(device));
+        if (backward) {
+          loss_value.backward();
+          marks.push_back(DeviceMark::Now(device));
+        }
+      } catch (const std::exception&) {
+        // LayersCancelled, possibly rethrown by autograd as another type: the token says.
+        if (fwd_options.cancelled == nullptr || !batch.cancelled()) throw;
+        return CancelledInMicroBatch(i, mbs.size());
       }
     }
     const size_t per_mb = backward ? 2 : 1;

@@ -101,7 +101,8 @@ struct BatchOptions {
   const BatchTotals* totals = nullptr;
   int64_t max_tokens_per_microbatch = 0;  // 0 = TrainerOptions' value
   std::optional<ActivationRecompute> activation_recompute;  // unset: TrainerOptions' value
-  // Asked before each micro-batch: true stops the call there with CANCELLED and nothing
+  // Asked before each micro-batch (in one process also between the layers of a micro-batch,
+  // in forward and backward): true stops the call there with CANCELLED and nothing
   // applied (its caller went away or its deadline passed). On a mesh only with
   // `agree_on_cancel`: the ranks then all-reduce their answers before each micro-batch (in a
   // pipeline, before each stage receives the micro-batch's input) and stop together (a rank
@@ -184,6 +185,8 @@ double PeakHostMemoryBytes();
 // CANCELLED for a call stopped before micro-batch `micro_batch` (0-based) of `micro_batches`
 // (`micro_batch` past the last: another rank stopped it); nothing of it applies.
 absl::Status CancelledBeforeMicroBatch(size_t micro_batch, size_t micro_batches);
+// CANCELLED for a call stopped inside micro-batch `micro_batch` (0-based), between its layers.
+absl::Status CancelledInMicroBatch(size_t micro_batch, size_t micro_batches);
 
 // One run's Forward in a co-scheduled step (Trainer::JointForward).
 struct JointForwardCall {
