@@ -57,10 +57,9 @@ TEST(ProcessTest, KilledCoordinatorTakesItsWorkerDown) {
   const std::string dir = ScratchDir("orphan");
   auto server = StartTinyCoordinator("orphan_model");
   ASSERT_TRUE(server.ok()) << server.status();
-  const std::string list = absl::StrCat("pgrep -P ", server->pid(), " > ", dir, "/children");
-  ASSERT_EQ(system(list.c_str()), 0);
-  ASSERT_OK_AND_ASSIGN(std::string children, ReadFileToString(dir + "/children"));
-  const int worker = std::atoi(children.c_str());
+  const std::vector<int> children = ChildPids(server->pid());
+  ASSERT_FALSE(children.empty());
+  const int worker = children.front();
   ASSERT_GT(worker, 0);
   ASSERT_EQ(kill(worker, 0), 0);
   ASSERT_EQ(kill(server->pid(), SIGKILL), 0);
@@ -92,12 +91,8 @@ TEST(ProcessTest, StoppedRankFailsTheCallWithinTheTimeouts) {
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
   ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 1));
   ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());  // the communicators are formed
-  const std::string list = absl::StrCat("pgrep -P ", server.pid(), " > ", dir, "/children");
-  ASSERT_EQ(system(list.c_str()), 0);
-  ASSERT_OK_AND_ASSIGN(std::string children, ReadFileToString(dir + "/children"));
-  std::vector<int> workers;
-  for (absl::string_view line : absl::StrSplit(children, '\n', absl::SkipEmpty())) workers.push_back(std::atoi(std::string(line).c_str()));
-  ASSERT_EQ(workers.size(), 2u) << children;
+  const std::vector<int> workers = ChildPids(server.pid());
+  ASSERT_EQ(workers.size(), 2u);
   v1::TrainStepRequest step = LongTrainStep(run.run_id(), 32);  // 16,384 tokens: about two seconds
   step.set_sequence_id(run.next_sequence_id());
   absl::StatusOr<v1::StepResponse> answer = absl::UnknownError("not answered");
@@ -193,11 +188,9 @@ TEST(ProcessTest, DisconnectedClientWithoutADeadlineStopsItsCall) {
     ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
     ASSERT_OK_AND_ASSIGN(RunSession big, RunSession::Create(client.get(), Lora(), 1));
     ASSERT_OK_AND_ASSIGN(RunSession small, RunSession::Create(client.get(), Lora(), 2));
-    const std::string pid_dir = ScratchDir("disconnect_pid");
-    const std::string list = absl::StrCat("pgrep -P ", server.pid(), " | head -1 > ", pid_dir, "/pid");
-    ASSERT_EQ(system(list.c_str()), 0);
-    ASSERT_OK_AND_ASSIGN(std::string pid_text, ReadFileToString(pid_dir + "/pid"));
-    const int worker = std::atoi(pid_text.c_str());
+    const std::vector<int> children = ChildPids(server.pid());
+    ASSERT_FALSE(children.empty());
+    const int worker = children.front();
     // The disconnecting client: its own connection, no deadline.
     auto channel = grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials());
     auto stub = v1::Trainer::NewStub(channel);
@@ -288,10 +281,9 @@ TEST(ProcessTest, OrphanedWorkerExitsMidStepAndSigtermExitsMidStep) {
     SCOPED_TRACE(signal == SIGKILL ? "SIGKILL" : "SIGTERM");
     const std::string dir = ScratchDir(absl::StrCat("orphan_mid_step_", signal));
     ASSERT_OK_AND_ASSIGN(ChildServer server, StartTinyCoordinator(absl::StrCat("orphan_mid_step_model_", signal)));
-    const std::string list = absl::StrCat("pgrep -P ", server.pid(), " > ", dir, "/children");
-    ASSERT_EQ(system(list.c_str()), 0);
-    ASSERT_OK_AND_ASSIGN(std::string children, ReadFileToString(dir + "/children"));
-    const int worker = std::atoi(children.c_str());
+    const std::vector<int> children = ChildPids(server.pid());
+    ASSERT_FALSE(children.empty());
+    const int worker = children.front();
     ASSERT_GT(worker, 0);
     ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
     ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 1));
@@ -783,12 +775,10 @@ TEST(ProcessTest, FullFinetuneRunsAutosaveLessOften) {
   EXPECT_EQ(after_two.checkpoints(0).name(), "autosave-1");
 }
 
-// The pid of `server`'s (first) child process, its local worker; -1 if none. `dir`: scratch.
-int LocalWorkerPid(const ChildServer& server, const std::string& dir) {
-  const std::string list = absl::StrCat("pgrep -P ", server.pid(), " > ", dir, "/children");
-  if (system(list.c_str()) != 0) return -1;
-  auto children = ReadFileToString(dir + "/children");
-  return children.ok() ? std::atoi(children->c_str()) : -1;
+// The pid of `server`'s (first) child process, its local worker; -1 if none.
+int LocalWorkerPid(const ChildServer& server) {
+  const std::vector<int> children = ChildPids(server.pid());
+  return children.empty() ? -1 : children.front();
 }
 
 // Issue 8: with --journal_dir, a local worker killed with SIGKILL is started again by the
@@ -803,7 +793,7 @@ TEST(ProcessTest, KilledWorkerIsRestartedAndItsRunsResume) {
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
   ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
   for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
-  auto worker_pid = [&] { return LocalWorkerPid(server, dir); };
+  auto worker_pid = [&] { return LocalWorkerPid(server); };
   const int first = worker_pid();
   ASSERT_GT(first, 0);
   WaitUntilAutosaved(client.get(), run.run_id(), 2);
@@ -834,7 +824,7 @@ TEST(ProcessTest, IdleWorkerDeathIsFoundWithoutACall) {
   ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
   ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
   WaitUntilAutosaved(client.get(), run.run_id(), 1);
-  auto worker_pid = [&] { return LocalWorkerPid(server, dir); };
+  auto worker_pid = [&] { return LocalWorkerPid(server); };
   const int first = worker_pid();
   ASSERT_GT(first, 0);
   ASSERT_EQ(kill(first, SIGKILL), 0);
@@ -877,10 +867,9 @@ TEST(ProcessTest, KilledWorkerWithoutJournalIsStartedAgain) {
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
   ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
   ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
-  const std::string list = absl::StrCat("pgrep -P ", server.pid(), " > ", dir, "/children");
-  ASSERT_EQ(system(list.c_str()), 0);
-  ASSERT_OK_AND_ASSIGN(std::string children, ReadFileToString(dir + "/children"));
-  ASSERT_EQ(kill(std::atoi(children.c_str()), SIGKILL), 0);
+  const std::vector<int> children = ChildPids(server.pid());
+  ASSERT_FALSE(children.empty());
+  ASSERT_EQ(kill(children.front(), SIGKILL), 0);
   run.max_attempts = 1;
   absl::Status lost = run.TrainStep(Batch(1), Ppo(), Adam()).status();
   EXPECT_EQ(lost.code(), absl::StatusCode::kUnavailable) << lost;
@@ -943,16 +932,7 @@ TEST(ProcessTest, KilledMeshRankRestartsTheMeshAndItsRunsResume) {
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
   ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
   for (int i = 0; i < 2; ++i) ASSERT_OK(run.TrainStep(Batch(i), Ppo(), Adam()).status());
-  auto worker_pids = [&]() -> std::vector<int> {
-    const std::string list = absl::StrCat("pgrep -P ", server.pid(), " > ", dir, "/children");
-    std::vector<int> pids;
-    if (system(list.c_str()) != 0) return pids;
-    auto children = ReadFileToString(dir + "/children");
-    if (!children.ok()) return pids;
-    std::istringstream lines(*children);
-    for (int pid = 0; lines >> pid;) pids.push_back(pid);
-    return pids;
-  };
+  auto worker_pids = [&] { return ChildPids(server.pid()); };
   const std::vector<int> before = worker_pids();
   ASSERT_EQ(before.size(), 2u);
   WaitUntilAutosaved(client.get(), run.run_id(), 2);
@@ -1118,10 +1098,9 @@ TEST(ProcessTest, HungWorkerMeetsTheDeadlineAndTheRetryAppliesOnce) {
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server->address()));
   ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
   const std::string dir = ScratchDir("hung_pids");
-  const std::string list = absl::StrCat("pgrep -P ", server->pid(), " > ", dir, "/children");
-  ASSERT_EQ(system(list.c_str()), 0);
-  ASSERT_OK_AND_ASSIGN(std::string children, ReadFileToString(dir + "/children"));
-  const int worker = std::atoi(children.c_str());
+  const std::vector<int> children = ChildPids(server->pid());
+  ASSERT_FALSE(children.empty());
+  const int worker = children.front();
   ASSERT_GT(worker, 0);
   v1::TrainStepRequest req;
   req.set_run_id(run.run_id());
