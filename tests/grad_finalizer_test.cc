@@ -4,6 +4,8 @@
 // rank is refused on every rank, before any optimizer, with the parameters untouched.
 #include <ATen/ATen.h>
 
+#include <atomic>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -12,6 +14,7 @@
 #include "lib/model/model_config.h"
 #include "lib/parallel/parallel_layout.h"
 #include "lib/parallel/process_groups.h"
+#include "lib/training/grad_faults.h"
 #include "lib/training/grad_finalizer.h"
 #include "tests/gloo_threads.h"
 #include "tests/test_util.h"
@@ -33,7 +36,7 @@ at::Tensor FakeGradient(int rank, int bucket, int64_t n) {
   return (at::arange(n, at::kFloat).remainder(7) - 3 + bucket) * 0.25 * (rank + 1);
 }
 
-std::vector<RankResult> Finalize(const ParallelSizes& sizes, const GradFinalizeOptions::Fault& fault,
+std::vector<RankResult> Finalize(const ParallelSizes& sizes, const GradFaultSpec& fault,
                                  const std::string& name) {
   const ModelConfig config = ModelConfigPreset("tiny").value();
   const ParallelLayout layout = ParallelLayout::Create(sizes, sizes.world()).value();
@@ -58,7 +61,7 @@ std::vector<RankResult> Finalize(const ParallelSizes& sizes, const GradFinalizeO
       for (const auto& p : adapter->parameters()) before.push_back(p.value.clone());
       GradFinalizeOptions options;
       options.expert_lora = false;
-      options.fault = fault;
+      options.faults = MakeGradFaults(fault);
       auto report = FinalizeStepGradients(&*adapter, groups, options);
       out.status = report.status();
       if (report.ok()) out.grad_norm = report->grad_norm;
@@ -103,7 +106,7 @@ TEST(GradFinalizerTest, EachBucketSkippedDoubledOrCorruptedIsRefusedOnEveryRank)
   for (const char* bucket : {"replicated_partial", "split"}) {
     for (const char* kind : {"skip", "double", "corrupt"}) {
       SCOPED_TRACE(std::string(bucket) + ":" + kind);
-      GradFinalizeOptions::Fault fault;
+      GradFaultSpec fault;
       fault.bucket = bucket;
       fault.kind = kind;
       fault.rank = 1;  // corrupt: rank 1's sums only
@@ -122,7 +125,7 @@ TEST(GradFinalizerTest, EachBucketSkippedDoubledOrCorruptedIsRefusedOnEveryRank)
 TEST(GradFinalizerTest, ADifferingReductionPlanIsRefusedBeforeAnyCollective) {
   for (const char* bucket : {"replicated_partial", "split"}) {
     SCOPED_TRACE(bucket);
-    GradFinalizeOptions::Fault fault;
+    GradFaultSpec fault;
     fault.bucket = bucket;
     fault.kind = "plan";
     fault.rank = 2;
@@ -140,12 +143,37 @@ TEST(GradFinalizerTest, ADifferingReductionPlanIsRefusedBeforeAnyCollective) {
   }
 }
 
+// A bucket fault shared through `once` strikes the first finalization that begins and no
+// other; the shared-factor faults hold in every one.
+TEST(GradFinalizerTest, AOnceFaultStrikesOnlyTheFirstFinalization) {
+  GradFaultSpec spec;
+  spec.bucket = "split";
+  spec.kind = "skip";
+  spec.skip_shared_family = "fc2";
+  spec.once = std::make_shared<std::atomic<bool>>(false);
+  const std::shared_ptr<FinalizeFaultSource> source = MakeGradFaults(spec);
+  ASSERT_NE(source, nullptr);
+  const std::unique_ptr<FinalizeFaults> first = source->Begin(0), second = source->Begin(0);
+  EXPECT_EQ(first->Reductions("split"), 0);
+  EXPECT_EQ(second->Reductions("split"), 1);
+  EXPECT_EQ(first->Reductions("shared_fc2"), 0);
+  EXPECT_EQ(second->Reductions("shared_fc2"), 0);
+  EXPECT_EQ(second->Reductions("shared_fc1"), 1);
+  EXPECT_EQ(MakeGradFaults(GradFaultSpec()), nullptr);
+}
+
 TEST(GradFinalizerTest, FaultTextIsCheckedNamingTheFlag) {
-  EXPECT_TRUE(ParseGradFault("split:plan:1", "test_grad_fault").ok());
+  GradFaultSpec spec;
+  EXPECT_TRUE(ParseBucketFault("split:plan:1", "test_grad_fault", &spec).ok());
+  EXPECT_EQ(spec.bucket, "split");
+  EXPECT_EQ(spec.kind, "plan");
+  EXPECT_EQ(spec.rank, 1);
   for (const char* bad : {"split:plan", "split:corrupt:-1", "nothing:skip", "split:twice"}) {
-    const auto parsed = ParseGradFault(bad, "test_grad_fault");
-    EXPECT_TRUE(absl::IsInvalidArgument(parsed.status())) << bad;
-    EXPECT_NE(std::string(parsed.status().message()).find("test_grad_fault"), std::string::npos) << bad;
+    GradFaultSpec unchanged;
+    const absl::Status parsed = ParseBucketFault(bad, "test_grad_fault", &unchanged);
+    EXPECT_TRUE(absl::IsInvalidArgument(parsed)) << bad;
+    EXPECT_NE(std::string(parsed.message()).find("test_grad_fault"), std::string::npos) << bad;
+    EXPECT_TRUE(unchanged.empty()) << bad;
   }
 }
 

@@ -11,7 +11,8 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "lib/training/grad_finalizer.h"
+#include "lib/status_macros.h"
+#include "lib/training/grad_faults.h"
 #include "rpc/test_flags.h"
 
 namespace lorastep {
@@ -56,22 +57,20 @@ class TestFlagFaults : public FaultPoints {
 
 absl::Status ApplyTestFlags(WorkerOptions* options) {
   // A fault in one gradient bucket's reduction (skipped, doubled, or corrupted on one rank),
-  // which the finalizer must refuse before the optimizer.
-  absl::StatusOr<GradFinalizeOptions::Fault> fault =
-      ParseGradFault(absl::GetFlag(FLAGS_test_grad_fault), "test_grad_fault");
-  if (!fault.ok()) return fault.status();
-  options->finalize.fault = *fault;
-  // The first finalization of the process only: every rank of a mesh finalizes the same step first.
+  // which the finalizer must refuse before the optimizer; the first finalization of the
+  // process only: every rank of a mesh finalizes the same step first.
+  GradFaultSpec grad;
+  LORASTEP_RETURN_IF_ERROR(ParseBucketFault(absl::GetFlag(FLAGS_test_grad_fault), "test_grad_fault", &grad));
   static const auto once = std::make_shared<std::atomic<bool>>(false);
-  options->finalize.fault.once = once;
-  // Shared-outer expert factors (the second seed): skip one family's reduction, reduce
-  // twice, run without the digest checks, corrupt one rank's main_grad, or alter one rank's
-  // factor inventory.
-  options->finalize.skip_shared_family = absl::GetFlag(FLAGS_test_skip_shared_reduction);
-  if (auto n = absl::GetFlag(FLAGS_test_shared_reductions)) options->finalize.shared_reductions = *n;
-  options->finalize.check_digests = absl::GetFlag(FLAGS_test_check_grad_digests) != 0;
-  options->finalize.corrupt_main_grad_rank = absl::GetFlag(FLAGS_test_corrupt_main_grad_rank);
-  options->finalize.inventory_mismatch_rank = absl::GetFlag(FLAGS_test_inventory_mismatch_rank);
+  grad.once = once;
+  // Shared-outer expert factors: skip one family's reduction, reduce twice, run without the
+  // digest checks, corrupt one rank's family gradients, or alter one rank's factor inventory.
+  grad.skip_shared_family = absl::GetFlag(FLAGS_test_skip_shared_reduction);
+  if (auto n = absl::GetFlag(FLAGS_test_shared_reductions)) grad.shared_reductions = *n;
+  grad.check_digests = absl::GetFlag(FLAGS_test_check_grad_digests) != 0;
+  grad.corrupt_family_rank = absl::GetFlag(FLAGS_test_corrupt_main_grad_rank);
+  grad.inventory_mismatch_rank = absl::GetFlag(FLAGS_test_inventory_mismatch_rank);
+  options->finalize.faults = MakeGradFaults(grad);
   const std::string refuse = absl::GetFlag(FLAGS_test_refuse);
   const std::chrono::milliseconds write_delay(absl::GetFlag(FLAGS_test_autosave_write_delay_ms));
   if (!refuse.empty() || write_delay.count() > 0) options->faults = std::make_shared<TestFlagFaults>(refuse, write_delay);

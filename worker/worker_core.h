@@ -50,7 +50,7 @@ struct WorkerOptions {
   std::string rendezvous_key_prefix;  // before every store key (RendezvousKeyPrefix of the secret)
   std::string gloo_host = "127.0.0.1";  // this host's address for CPU (gloo) meshes
   std::chrono::milliseconds collective_timeout{std::chrono::seconds(120)};
-  GradFinalizeOptions finalize;  // test-only switches
+  GradFinalizeOptions finalize;  // its faults: set by the testing build only
   // Benchmarks: save a Kineto trace of each run's train step `profile_train_step` to
   // `profile_trace_path` (CUDA build). Set from LORASTEP_PROFILE_TRACE / _STEP.
   std::string profile_trace_path;

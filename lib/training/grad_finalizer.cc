@@ -2,16 +2,13 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "lib/io/digest.h"
 #include "lib/status_macros.h"
 #include "lib/torch_status.h"
@@ -116,14 +113,10 @@ namespace {
 class Finalizer {
  public:
   Finalizer(Adapter* adapter, ProcessGroups* groups, const GradFinalizeOptions& options)
-      : adapter_(adapter), groups_(groups), options_(options), fault_(TakeFault(options.fault)),
+      : adapter_(adapter), groups_(groups), options_(options),
+        faults_(options.faults == nullptr ? nullptr : options.faults->Begin(groups == nullptr ? 0 : groups->rank())),
         device_(adapter->parameters().empty() ? at::Device(at::kCPU)
                                               : adapter->parameters()[0].main_grad.device()) {}
-
-  static GradFinalizeOptions::Fault TakeFault(const GradFinalizeOptions::Fault& fault) {
-    if (fault.bucket.empty() || (fault.once != nullptr && fault.once->exchange(true))) return {};
-    return fault;
-  }
 
   absl::StatusOr<GradFinalizeReport> Run() {
     if (groups_ != nullptr) {
@@ -231,7 +224,7 @@ class Finalizer {
       absl::StrAppend(&inventory, f.key, " [", absl::StrJoin(f.shape, ","), "] stage{",
                       absl::StrJoin(groups_->group(GroupKind::kStage).ranks(), ","), "}\n");
     }
-    if (options_.inventory_mismatch_rank == groups_->rank()) inventory += "test-only extra factor\n";
+    if (faults_ != nullptr) inventory += faults_->PlanSuffix("shared-factor inventory");
     checked.push_back({"shared-factor inventory", GroupKind::kStage});
     words.push_back(DigestWords(inventory.empty() ? "" : StringSha256(inventory), device_));
     for (const PlannedBucket& b : plan) {
@@ -240,7 +233,7 @@ class Finalizer {
         absl::StrAppend(&text, "\n", b.kind == GroupKind::kEmbedding ? "" : params[i].name, " [",
                         absl::StrJoin(params[i].value.sizes(), ","), "]");
       }
-      if (fault_.kind == "plan" && fault_.bucket == b.name && fault_.rank == groups_->rank()) text += "\ntest-only";
+      if (faults_ != nullptr) text += faults_->PlanSuffix(b.name);
       checked.push_back({b.name, b.kind});
       words.push_back(DigestWords(StringSha256(text), device_));
     }
@@ -270,14 +263,10 @@ class Finalizer {
   }
 
   absl::Status Reduce(std::vector<PlannedBucket>& plan) {
-    auto reductions = [&](const PlannedBucket& b) {
-      if (fault_.bucket != b.name) return 1;
-      return fault_.kind == "skip" ? 0 : fault_.kind == "double" ? 2 : 1;
-    };
     for (PlannedBucket& b : plan) {
       if (b.expert_family) LORASTEP_RETURN_IF_ERROR(ReduceSharedFactors());
       if (b.grads.empty()) continue;
-      for (int n = 0; n < reductions(b); ++n) {
+      for (int n = 0; n < Reductions(b.name); ++n) {
         if (b.grads.size() == 1) {
           LORASTEP_RETURN_IF_ERROR(ReduceOnce(b.kind, b.grads[0], b.params));
         } else {
@@ -285,9 +274,7 @@ class Finalizer {
           LORASTEP_RETURN_IF_ERROR(groups_->group(b.kind).AllReduceCoalesced(b.grads));
         }
       }
-      if (fault_.kind == "corrupt" && fault_.bucket == b.name && fault_.rank == groups_->rank()) {
-        b.grads[0].view({-1})[0].add_(1e-3);  // test only: one rank's optimizer-facing sums
-      }
+      if (faults_ != nullptr) faults_->AfterReduction(b.name, b.grads);
     }
     return absl::OkStatus();
   }
@@ -312,7 +299,7 @@ class Finalizer {
       std::vector<at::Tensor> column;
       for (const auto& t : per_rank) column.push_back(t[k]);
       const auto bad = Disagreements(layout, plan[k].kind, column);
-      if (bad.empty() || !options_.check_digests) continue;
+      if (bad.empty() || !CheckDigests()) continue;
       return absl::FailedPreconditionError(absl::StrCat(
           "post-reduction gradient digests of the ", plan[k].name, " bucket differ within its ",
           GroupKindName(plan[k].kind), " group (", absl::StrJoin(bad, "; "),
@@ -339,8 +326,8 @@ class Finalizer {
         grads.push_back(adapter_->parameters()[f.param].main_grad);
         params.push_back(f.param);
       }
-      if (grads.empty() || options_.skip_shared_family == family) continue;
-      for (int k = 0; k < options_.shared_reductions; ++k) {
+      if (grads.empty()) continue;
+      for (int k = 0; k < Reductions(absl::StrCat("shared_", family)); ++k) {
         LORASTEP_RETURN_IF_ERROR(MarkAllReduced(params, GroupKind::kStage));
         LORASTEP_RETURN_IF_ERROR(groups_->group(GroupKind::kStage).AllReduceCoalesced(grads));
       }
@@ -356,7 +343,6 @@ class Finalizer {
     // the expert-stage group (the same on every rank: one adapter config, one layout).
     const GroupKind kind = adapter_->lora_config().shared_outer() ? GroupKind::kStage : GroupKind::kExpertStage;
     if (groups_->layout().Group(kind, 0).size() < 2) return absl::OkStatus();
-    const int rank = groups_->rank();
     for (const char* family : {"fc1", "fc2"}) {
       std::vector<at::Tensor> grads;
       std::vector<int> params;
@@ -375,12 +361,9 @@ class Finalizer {
           params.push_back(static_cast<int>(i));
         }
       }
-      if (options_.corrupt_main_grad_rank == rank && !grads.empty()) {
-        at::NoGradGuard no_grad;
-        grads[0].view({-1})[0].add_(1e-3);  // test only: one rank's optimizer-facing buffer
-      }
-      const std::string hex = grads.empty() ? "" : TensorsSha256(grads);
       const std::string name = absl::StrCat(shared ? "grad_shared_" : "grad_experts_", family);
+      if (faults_ != nullptr && !grads.empty()) faults_->AfterReduction(name, grads);
+      const std::string hex = grads.empty() ? "" : TensorsSha256(grads);
       if (!hex.empty()) report_.family_digests[name] = hex;
       // Every rank takes part (a rank without the family sends -1s), so all reach one verdict.
       LORASTEP_ASSIGN_OR_RETURN(std::vector<at::Tensor> gathered,
@@ -394,7 +377,7 @@ class Finalizer {
       if (!present) continue;
       const auto bad = Disagreements(groups_->layout(), kind, cpu);
       if (!hex.empty()) report_.family_digests_agree[name] = bad.empty();
-      if (!bad.empty() && options_.check_digests) {
+      if (!bad.empty() && CheckDigests()) {
         std::vector<std::string> names;
         for (int i : params) names.push_back(all[i].name);
         return absl::FailedPreconditionError(absl::StrCat(
@@ -407,6 +390,9 @@ class Finalizer {
     return absl::OkStatus();
   }
 
+  int Reductions(const std::string& group) const { return faults_ == nullptr ? 1 : faults_->Reductions(group); }
+  bool CheckDigests() const { return faults_ == nullptr || faults_->CheckDigests(); }
+
   // Squares of every distinct element, each counted by exactly one rank, summed over the world.
   absl::StatusOr<double> GlobalNorm() {
     at::Tensor sq = SquaredGradNormOnDevice(*adapter_, groups_).reshape({1});
@@ -417,34 +403,12 @@ class Finalizer {
   Adapter* adapter_;
   ProcessGroups* groups_;
   const GradFinalizeOptions& options_;
-  const GradFinalizeOptions::Fault fault_;
+  const std::unique_ptr<FinalizeFaults> faults_;  // null: none (production)
   const at::Device device_;
   GradFinalizeReport report_;
 };
 
 }  // namespace
-
-absl::StatusOr<GradFinalizeOptions::Fault> ParseGradFault(const std::string& text, const std::string& field) {
-  GradFinalizeOptions::Fault fault;
-  if (text.empty()) return fault;
-  const std::vector<std::string> parts = absl::StrSplit(text, ':');
-  static const char* kBuckets[] = {"embedding",    "replicated_partial", "expert_replicated_partial",
-                                   "expert_split", "split",              "replicated_full"};
-  const bool bucket_known = std::any_of(std::begin(kBuckets), std::end(kBuckets),
-                                        [&](const char* b) { return parts[0] == b; });
-  const bool on_rank = parts.size() == 3 && (parts[1] == "corrupt" || parts[1] == "plan") &&
-                       absl::SimpleAtoi(parts[2], &fault.rank) && fault.rank >= 0;
-  const bool whole = parts.size() == 2 && (parts[1] == "skip" || parts[1] == "double");
-  if (!bucket_known || !(on_rank || whole)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": '", text,
-        "' is not BUCKET:skip, BUCKET:double, BUCKET:corrupt:RANK or BUCKET:plan:RANK with BUCKET one of ",
-        absl::StrJoin(kBuckets, ", ")));
-  }
-  fault.bucket = parts[0];
-  fault.kind = parts[1];
-  return fault;
-}
 
 absl::StatusOr<GradFinalizeReport> FinalizeStepGradients(Adapter* adapter, ProcessGroups* groups,
                                                          const GradFinalizeOptions& options) {

@@ -34,10 +34,10 @@
 #ifndef LORASTEP_LIB_TRAINING_GRAD_FINALIZER_H_
 #define LORASTEP_LIB_TRAINING_GRAD_FINALIZER_H_
 
-#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "lib/model/adapter.h"
@@ -48,34 +48,40 @@ namespace lorastep {
 
 absl::Status FoldLocalGradients(Adapter* adapter);
 
+// Faults a test injects into one finalization, at the points the finalizer names; the
+// finalizer asks and does as told. Production passes none (GradFinalizeOptions::faults).
+// Implementations: lib/training/grad_faults.h (testing targets only).
+class FinalizeFaults {
+ public:
+  virtual ~FinalizeFaults() = default;
+  // How many times `group` is reduced: a bucket ("embedding", "replicated_partial",
+  // "expert_replicated_partial", "expert_split", "split", "replicated_full") or a family of
+  // shared-outer expert factors ("shared_fc1", "shared_fc2"). Normally 1.
+  virtual int Reductions(const std::string& group) { return 1; }
+  // Appended to this rank's reduction-plan text of a bucket, or of "shared-factor inventory".
+  virtual std::string PlanSuffix(const std::string& bucket) { return ""; }
+  // This rank's sums of a bucket after its reduction, or of a family of replicated expert
+  // factors before their digest ("grad_shared_fc1", "grad_experts_fc2", ...): a test may
+  // change them.
+  virtual void AfterReduction(const std::string& group, std::vector<at::Tensor>& grads) {}
+  // Whether differing post-reduction digests refuse the step (false: a test that shows what
+  // goes wrong without the check).
+  virtual bool CheckDigests() { return true; }
+};
+
+class FinalizeFaultSource {
+ public:
+  virtual ~FinalizeFaultSource() = default;
+  // The faults of one finalization on rank `rank` (null: none), as it begins; from any thread.
+  virtual std::unique_ptr<FinalizeFaults> Begin(int rank) = 0;
+};
+
 struct GradFinalizeOptions {
   // Whether the model may hold routed-expert LoRA factors on any rank (a MoE model's LoRA).
   // Without them the family digests (two world all-gathers) are skipped, on every rank
   // alike; set from the model, never from what this rank happens to hold.
   bool expert_lora = true;
-  // Test only: one fault in one bucket's reduction, on every rank (skip: the dense form of
-  // the second seed's bug; double: reduced twice) or on `rank` alone (corrupt: its sums
-  // changed after the reduction; plan: its reduction plan of the bucket differs). With `once`, only the first finalization that shares it
-  // (a worker process shares one: every rank of a mesh finalizes the same step first, and
-  // the next step shows the run unharmed); without, every finalization. Each is refused
-  // before the optimizer. Parsed from "BUCKET:skip", "BUCKET:double" or
-  // "BUCKET:corrupt:RANK" by ParseGradFault.
-  struct Fault {
-    std::string bucket;  // "embedding", "replicated_partial", "expert_replicated_partial", "expert_split",
-                         // "split", "replicated_full"
-    std::string kind;    // "skip", "double", "corrupt", "plan"
-    int rank = -1;
-    std::shared_ptr<std::atomic<bool>> once;  // set: spent by the first finalization
-  } fault;
-  // Test only, shared-outer factors: a family ("fc1", "fc2") whose reduction is skipped
-  // (the seed: the optimizer then reads rank-local gradients), how many times the others
-  // are reduced (2: a doubled reduction, refused), whether the digest checks run, a rank
-  // whose main_grad is corrupted after the reduction, a rank whose inventory is altered.
-  std::string skip_shared_family;
-  int shared_reductions = 1;
-  bool check_digests = true;
-  int corrupt_main_grad_rank = -1;
-  int inventory_mismatch_rank = -1;
+  std::shared_ptr<FinalizeFaultSource> faults;  // null: none
 };
 
 // Evidence of one finalization, for the step's metrics.
@@ -88,10 +94,6 @@ struct GradFinalizeReport {
   std::map<std::string, bool> family_digests_agree;
   std::map<std::string, std::string> family_digests;
 };
-
-// "BUCKET:skip|double", "BUCKET:corrupt|plan:RANK" (GradFinalizeOptions::Fault); INVALID_ARGUMENT naming
-// `field` otherwise. Empty text: no fault.
-absl::StatusOr<GradFinalizeOptions::Fault> ParseGradFault(const std::string& text, const std::string& field);
 
 // This rank's share of the squared global gradient norm (each distinct element counted by
 // one rank), an fp64 scalar left on the device: no host wait, no communication. World size 1

@@ -74,7 +74,7 @@ struct TrainerOptions {
   // The mesh this run trains on (not owned; outlives the Trainer). Null = world size 1.
   // Every rank of the mesh makes the same calls in the same order.
   ProcessGroups* groups = nullptr;
-  GradFinalizeOptions finalize;  // test-only switches of the gradient finalization
+  GradFinalizeOptions finalize;  // its faults: set by tests only (FinalizeFaultSource)
   // Benchmarks: a Kineto trace of the train step numbered `profile_train_step` (1-based,
   // counted per Trainer) is saved to `profile_trace_path` (CUDA build only).
   std::string profile_trace_path;
