@@ -21,8 +21,8 @@ namespace lorastep {
 
 // Spinning: after a task, an idle thread polls for the next one for up to `spin` before it
 // sleeps. A client that sends its next call as soon as it has the answer (a training loop)
-// then finds the thread awake: waking a thread that slept through a 0.2 s step cost 0.05-0.3
-// ms on the H200 host. The cost is at most `spin` of one core per task.
+// then finds the thread awake instead of paying a wake-up, which on a busy host costs more
+// than the poll. The cost is at most `spin` of one core per task.
 class SerialExecutor {
  public:
   explicit SerialExecutor(std::chrono::microseconds spin = std::chrono::microseconds(0));

@@ -367,8 +367,7 @@ int main(int argc, char** argv) {
   if (executor_spin_us < 0 || executor_spin_us > 100000) {
     return process.Fail(absl::InvalidArgumentError("--executor_spin_us: must be in [0, 100000]"));
   }
-  // A side-by-side run on two H200s (docs/PERFORMANCE.md) showed no gain from 4 threads on
-  // CUDA ranks over the default: left to the operator.
+  // More intra-op threads do not speed up CUDA ranks (docs/PERFORMANCE.md): left to the operator.
   if (const int threads = absl::GetFlag(FLAGS_cpu_threads); threads > 0) at::set_num_threads(threads);
   if (absl::Status joined = JoinMeshIfOffered(*security, &*options); !joined.ok()) return process.Fail(joined, 1);
   auto authenticator = AuthenticatorFor(*security);

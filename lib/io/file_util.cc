@@ -92,7 +92,7 @@ bool PathExists(const std::string& path) {
 }
 
 // POSIX rather than std::filesystem on purpose: torch 2.11's libtorch.so exports its own
-// std::filesystem symbols, and calls bound to them crashed (seen on the H200 build).
+// std::filesystem symbols, and calls bound to them crash in the CUDA build.
 absl::Status RemoveAll(const std::string& path) {
   struct stat st;
   if (lstat(path.c_str(), &st) != 0) return absl::OkStatus();  // already absent

@@ -44,8 +44,8 @@ struct Parameter {
 //    complete on the rank: SUM over the data group only.
 //  kReplicatedPartial: every rank holds the same value but computes only a partial gradient
 //    -- the LoRA factor on the unsplit side of a split linear (A of q/k/v/gate/up, B of
-//    o/down). SUM over the stage's tensor+data group, exactly once: the dense form of the
-//    second seed's bug is skipping (or repeating) that reduction.
+//    o/down). SUM over the stage's tensor+data group, exactly once (skipping or repeating it leaves
+//    the tensor ranks' copies diverging).
 //  kReplicatedFull: same value, and the same complete gradient on every rank (norm weights
 //    under full fine-tuning): SUM over the data group; counted once in the norm.
 // Routed-expert factors (expert_split: dim 0 cut over the expert group):
@@ -56,7 +56,7 @@ struct Parameter {
 //  kSharedExpert: a factor shared by all of a layer's experts (shared-outer fc1 A, fc2 B):
 //    every rank of the stage holds it, each with the gradient of its own experts, tokens
 //    and tensor slice: SUM over the stage's tensor+data group, exactly once, at final
-//    gradient processing (the second seed's fix), checked by digests.
+//    gradient processing, checked by digests.
 enum TensorRole {
   kSplit = 0,
   kReplicatedPartial = 1,

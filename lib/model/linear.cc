@@ -372,8 +372,8 @@ class LoraLinearGroupFunction : public torch::autograd::Function<LoraLinearGroup
     const size_t k = lora_parts.size();
     const std::vector<int64_t> col = ColumnStarts(widths);
     at::Tensor g = FoldLeadingDims(grads[0]).contiguous();
-    // scale * d(xa), all parts side by side: [n, sum r]. (One GEMM over [W | scale * B]
-    // giving g W and d(xa) together ran slower on the H200: its 3,648 columns tile worse.)
+    // scale * d(xa), all parts side by side: [n, sum r]. (Not one GEMM over [W | scale * B]
+    // giving g W and d(xa) together: its odd column count tiles worse on a GPU.)
     const at::Tensor gb = at::mm(g, b_blockdiag);
     at::Tensor grad_x;
     if (ctx->needs_input_grad(0)) {

@@ -1,6 +1,6 @@
 // Linear layers whose backward never dispatches a batched GEMM.
 //
-// The first seed: a frozen linear's input gradient is grad_output @ W. When grad_output is a
+// A frozen linear's input gradient is grad_output @ W. When grad_output is a
 // [s, b, V] view of a [b, s, V] tensor, at::matmul cannot fold the leading dims by stride and
 // runs one mat-vec per token (bmm), re-reading W each time; is_contiguous() cannot tell.
 // Every linear here folds all leading dims into one, runs exactly one 2-D GEMM, and restores
@@ -11,8 +11,8 @@
 //             (C = A·B + 1·C with fp32 C); the autograd-visible grad is left empty.
 //  - unfused: backward returns the weight gradient to autograd (param.grad), and the
 //             gradient finalizer adds it into main_grad afterwards.
-// Both give the same main_grad; the second seed's failure mode is exactly a hook that only
-// sees param.grad while the real gradient went to main_grad.
+// Both give the same main_grad; a hook that reads only param.grad misses the fused path's
+// gradient, which is in main_grad.
 #ifndef LORASTEP_LIB_MODEL_LINEAR_H_
 #define LORASTEP_LIB_MODEL_LINEAR_H_
 
@@ -132,8 +132,8 @@ at::Tensor LoraLinearGroup(const at::Tensor& x, const at::Tensor& weight, const 
 
 // The columns LoraLinearGroup's fold wants free after its input, so that it runs without
 // copying x: the parts' total rank where the group folds (FoldBranchIntoBaseGemm), else 0.
-// Narrow groups (q/k/v) do not fold even with the copy gone: on the H200 the folded q/k/v
-// GEMM with its bias epilogue ran slower than the plain GEMM and the branch's addmm.
+// Narrow groups (q/k/v) do not fold even with the copy gone: their folded GEMM with its bias
+// epilogue is slower on a GPU than the plain GEMM and the branch's addmm.
 int64_t GroupFoldRoom(const at::Tensor& weight, const std::vector<LoraGroupPart>& parts, const GradOptions& options);
 
 // The operands of LoraLinearGroup that depend on the parameters only: A factors
@@ -141,7 +141,7 @@ int64_t GroupFoldRoom(const at::Tensor& weight, const std::vector<LoraGroupPart>
 // part's block) and, for the fold, [W | scale * B_blockdiag]: over the weight's own buffer
 // where it has the spare columns (PackProjections), else a copy of W. Building them is a handful of
 // small kernels per group; without a cache every micro-batch of every layer repeats them,
-// and on the H200 those launches, not the GPU, bound the LoRA step. Entries are keyed by the
+// and on a GPU those launches, not its arithmetic, bound the LoRA step. Entries are keyed by the
 // packed weight and rebuilt when a factor changed in place (its version counter moved), so a
 // stale operand is never used; a trainer keeps one cache per call.
 class LoraGroupOperandCache {

@@ -24,7 +24,7 @@ std::pair<at::Tensor, double> RopeFrequencies(const ModelConfig& c, int64_t leng
 // its original length: a table per length). Built once, not per micro-batch: the build ends
 // in a host-to-device copy, which waits for the device queue, so per micro-batch it drained
 // the previous backward before each forward could launch anything (the LoRA forward is
-// launch-bound on the H200). Never freed: device tensors must not outlive their runtime.
+// launch-bound on a GPU). Never freed: device tensors must not outlive their runtime.
 std::pair<at::Tensor, at::Tensor> RopeTables(const ModelConfig& c, int64_t s, const at::TensorOptions& options);
 
 }  // namespace lorastep

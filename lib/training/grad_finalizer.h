@@ -9,14 +9,14 @@
 //       kReplicatedPartial  -> stage (tensor+data) group: the dense LoRA factors on the
 //                              unsplit side of a split linear
 //       kSharedExpert       -> stage group, per family (fc1, fc2), factors in key order: the
-//                              second seed's shared-outer factors, exactly once, with the
-//                              fail-closed checks below
+//                              shared-outer factors, exactly once, with the fail-closed
+//                              checks below
 //       kExpertReplicatedPartial -> expert-stage group; kExpertSplit -> expert-data group
 //       kSplit, kReplicatedFull  -> data group
 //     then the global gradient norm: one world all-reduce in which every distinct element
 //     is counted by exactly one rank, so every rank clips by the same factor.
 //
-// Fail-closed (the second seed): before any gradient collective, every rank all-gathers a
+// Fail-closed: before any gradient collective, every rank all-gathers a
 // SHA-256 of its reduction plan per bucket (the parameters' names and shapes in order) and
 // of its ordered shared-factor inventory (key, whole shape, reduction group), and the step
 // fails if two members of a bucket's group (of a stage, for the inventory) disagree. After the reductions every member of a
