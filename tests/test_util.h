@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <future>
 #include <string>
 #include <thread>
 
@@ -86,6 +87,16 @@ bool WaitFor(Done done, std::chrono::milliseconds timeout = std::chrono::seconds
     std::this_thread::sleep_for(poll);  // the poll interval: the condition has no event to wait on
   }
   return true;
+}
+
+// Runs `call` on its own thread and waits up to `timeout` for it to return; returns whether
+// it did. For a call whose contract is to return without waiting out something the test makes
+// far longer than `timeout` (a spin, a window): a broken call then fails the test instead of
+// passing slowly. (When it did not return, the wait for it continues as this returns.)
+template <typename Call>
+bool ReturnsWithin(Call call, std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  std::future<void> done = std::async(std::launch::async, std::move(call));
+  return done.wait_for(timeout) == std::future_status::ready;
 }
 
 // Whether process `pid` has exited: gone, or a zombie its parent has not reaped yet.

@@ -457,10 +457,8 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
   ASSERT_OK_AND_ASSIGN(auto lone, make_core(std::chrono::seconds(2)));
   ASSERT_OK(lone->CreateRun("a", lora_a, 3).status());
   {
-    const auto began = std::chrono::steady_clock::now();
     ASSERT_OK_AND_ASSIGN(OptimStepResult step, lone->TrainStep("a", batch_a, ppo, adam, nullptr, 0));
-    EXPECT_LT(std::chrono::steady_clock::now() - began, std::chrono::seconds(1));
-    EXPECT_FALSE(step.metrics.Has("time_coschedule_wait_s:sum"));
+    EXPECT_FALSE(step.metrics.Has("time_coschedule_wait_s:sum"));  // it never queued
   }
   // An idle run costs the others at most one window: run "a" steps alone beside "b", which
   // sends nothing; its first step waits out the window for b (created, so presumed active),
@@ -583,10 +581,9 @@ TEST(CoschedulingTest, ConcurrentStepsOfTwoRunsShareOneStep) {
   // One run on the worker: nothing to wait for, the call runs alone at once.
   ASSERT_OK_AND_ASSIGN(auto single, make_core(std::chrono::seconds(2)));
   ASSERT_OK(single->CreateRun("only", lora_a, 3).status());
-  const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<OptimStepResult> only = single->TrainStep("only", batch_a, ppo, adam, nullptr, 0);
   ASSERT_OK(only.status());
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
+  EXPECT_FALSE(only->metrics.Has("time_coschedule_wait_s:sum"));  // it never queued
   EXPECT_FALSE(only->metrics.Has("co_scheduled_runs:max"));
 
   // Forward calls join too: two runs' Forwards sent at once share one forward and give what
