@@ -432,7 +432,9 @@ class LayerRunner {
     const int64_t qkv_room = FoldRoom(qkv_group);
     std::tie(x, h) = AddRmsNorm(x, pending, lw.input_norm, c_.rms_norm_eps, qkv_room);
     auto [q, k, v] = QueryKeyValue(i, CopyToTensorRegion(h, tp), cos, sin, nh, nkv, qkv_group, qkv_room > 0);
-    at::Tensor attn = Attend(q, k, v);
+    at::Tensor attn = options_.cached_attention != nullptr
+                          ? options_.cached_attention->Attend(weights_.first_layer + static_cast<int64_t>(i), q, k, v)
+                          : Attend(q, k, v);
     // Row-parallel o/down give partial sums (LoRA's B(A_i x_i) included): one all-reduce each.
     const std::optional<PackedGroup> mlp_group =
         lw.layout.moe ? std::nullopt : GroupOf(i, {kGateProj, kUpProj});

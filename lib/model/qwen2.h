@@ -50,6 +50,17 @@ struct RunSegment {
   at::Generator* dropout_generator = nullptr;
 };
 
+// Attention over keys and values cached from earlier forwards (the sampler's prefill and
+// decode): the layers hand each layer's q, k and v of the packed row to it instead of
+// attending within the row. Its implementation keeps this rank's key/value heads.
+class CachedAttention {
+ public:
+  virtual ~CachedAttention() = default;
+  // q [1, T, heads, d], k/v [1, T, kv_heads, d] (RoPE applied) of decoder layer `layer`
+  // (its index in the model) -> [1, T, heads * d].
+  virtual at::Tensor Attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) = 0;
+};
+
 struct ForwardOptions {
   GradOptions grad;
   bool training = true;  // LoRA dropout is active only while training
@@ -87,6 +98,9 @@ struct ForwardOptions {
   // in backward; true stops the pass by throwing LayersCancelled (through autograd in
   // backward), which the caller that set it catches. Null: never asked.
   const std::function<bool()>* cancelled = nullptr;
+  // Attention through a cache (no grad; needs `packed`, whose positions are each token's
+  // position in its whole sequence). Null: attention within the row.
+  CachedAttention* cached_attention = nullptr;
 };
 
 // What Qwen2Layers throws when ForwardOptions::cancelled says stop.

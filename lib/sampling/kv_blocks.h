@@ -1,0 +1,90 @@
+// The sampler's key/value cache: fixed-size blocks in one pool per model shard, and the
+// cached attention of one forward over them.
+//
+// The pool holds, per decoder layer, keys and values [blocks, block_size, kv_heads, head_dim]
+// on the model's device, allocated once for a budget of blocks. A sequence holds a table of
+// block ids (KvSequence); blocks are reference counted, so the samples of one prompt share
+// the prompt's full blocks (prefix sharing) and copy only its last, partial one.
+#ifndef LORASTEP_LIB_SAMPLING_KV_BLOCKS_H_
+#define LORASTEP_LIB_SAMPLING_KV_BLOCKS_H_
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "lib/model/qwen2.h"
+
+namespace lorastep {
+
+struct KvShape {
+  int64_t layers = 0;      // decoder layers this shard holds
+  int64_t first_layer = 0;  // global index of the first
+  int64_t kv_heads = 0;    // this shard's key/value heads
+  int64_t head_dim = 0;
+  int64_t block_size = 16;  // positions per block
+};
+
+class KvBlockPool {
+ public:
+  // Bytes one block takes over all layers (keys and values).
+  static int64_t BytesPerBlock(const KvShape& shape, at::ScalarType dtype);
+  // A pool of `blocks` blocks; INVALID_ARGUMENT naming the field for a bad shape or count.
+  static absl::StatusOr<KvBlockPool> Create(const KvShape& shape, int64_t blocks, at::ScalarType dtype,
+                                            at::Device device);
+
+  const KvShape& shape() const { return shape_; }
+  int64_t total_blocks() const { return static_cast<int64_t>(refs_.size()); }
+  int64_t free_blocks() const { return static_cast<int64_t>(free_.size()); }
+  // Blocks that hold `positions` positions.
+  int64_t BlocksFor(int64_t positions) const { return (positions + shape_.block_size - 1) / shape_.block_size; }
+
+  // `n` fresh blocks (one reference each), or RESOURCE_EXHAUSTED with nothing taken.
+  absl::StatusOr<std::vector<int32_t>> Allocate(int64_t n);
+  void Retain(int32_t block) { ++refs_[block]; }
+  // Drops one reference; the block is free when none is left.
+  void Release(int32_t block);
+  int32_t references(int32_t block) const { return refs_[block]; }
+  // Copies every layer's keys and values of block `from` into block `to`.
+  void CopyBlock(int32_t from, int32_t to);
+
+  // Layer `layer` (global index) as [blocks * block_size, kv_heads, head_dim].
+  at::Tensor& keys(int64_t layer) { return keys_[layer - shape_.first_layer]; }
+  at::Tensor& values(int64_t layer) { return values_[layer - shape_.first_layer]; }
+
+ private:
+  KvShape shape_;
+  std::vector<at::Tensor> keys_, values_;
+  std::vector<int32_t> refs_;
+  std::vector<int32_t> free_;  // free block ids, taken from the back
+};
+
+// One sequence's cache: its blocks, in position order, and how many positions they hold.
+struct KvSequence {
+  std::vector<int32_t> blocks;
+  int64_t length = 0;
+};
+
+// The cached attention of one forward whose packed row holds, in order, `new_tokens[s]`
+// tokens of each sequence s at positions sequences[s]->length onwards (their blocks must
+// already cover those positions). Each layer's new keys and values are written into the
+// blocks, then each sequence's new queries attend over all of its positions, causally (fp32
+// softmax, 1/sqrt(head_dim) scale; grouped-query heads share their key/value head). No grad.
+class KvStepAttention : public CachedAttention {
+ public:
+  KvStepAttention(KvBlockPool* pool, const std::vector<const KvSequence*>& sequences,
+                  const std::vector<int64_t>& new_tokens);
+  at::Tensor Attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) override;
+
+ private:
+  KvBlockPool* pool_;
+  std::vector<int64_t> starts_, new_tokens_;  // each sequence's first new position, and count
+  at::Tensor write_slots_;                    // int64 [T]: the pool slot of each new token
+  std::vector<at::Tensor> read_slots_;        // per sequence, int64 [length after]: its slots
+};
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_SAMPLING_KV_BLOCKS_H_

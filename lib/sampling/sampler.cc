@@ -1,0 +1,328 @@
+#include "lib/sampling/sampler.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "lib/model/qwen2.h"
+
+namespace lorastep {
+
+struct SamplerEngine::Sample {
+  KvSequence kv;
+  SampleStream stream{0};
+  SampledSequence out;
+  int64_t next_input = -1;  // the token fed at position kv.length in the next step
+  bool done = false;
+};
+
+struct SamplerEngine::Request {
+  int64_t id = 0;
+  const Adapter* adapter = nullptr;
+  SampleRequest request;
+  int64_t worst_blocks = 0;
+  KvSequence prompt;    // the prompt's blocks until its samples fork
+  std::vector<Sample> samples;  // empty while the prompt is prefilled
+  SampleResult result;
+};
+
+SamplerEngine::SamplerEngine(const ModelConfig& config, const ModelWeights& weights, KvBlockPool* pool,
+                             SamplerOptions options)
+    : config_(config), weights_(weights), pool_(pool), options_(options) {}
+
+SamplerEngine::~SamplerEngine() {
+  std::vector<int64_t> ids;
+  for (const auto& r : running_) ids.push_back(r->id);
+  for (int64_t id : ids) Cancel(id);
+}
+
+int64_t SamplerEngine::WorstCaseBlocks(const SampleRequest& r) const {
+  const int64_t p = static_cast<int64_t>(r.prompt.size());
+  const int64_t shared = p / pool_->shape().block_size;  // the prompt's full blocks
+  return pool_->BlocksFor(p) + r.num_samples * (pool_->BlocksFor(p + r.params.max_tokens) - shared);
+}
+
+absl::StatusOr<int64_t> SamplerEngine::Add(const Adapter* adapter, SampleRequest request) {
+  const int64_t vocab = config_.vocab_size;
+  if (request.prompt.empty()) return absl::InvalidArgumentError("prompt: empty");
+  for (size_t i = 0; i < request.prompt.size(); ++i) {
+    if (request.prompt[i] < 0 || request.prompt[i] >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt[", i, "]: token ", request.prompt[i],
+                                                     " is outside the vocabulary [0, ", vocab, ")"));
+    }
+  }
+  if (request.num_samples < 1 || request.num_samples > kMaxSamplesPerPrompt) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_samples: ", request.num_samples, " is not in [1, ", kMaxSamplesPerPrompt, "]"));
+  }
+  if (absl::Status s = CheckSamplingParams(request.params, vocab, ""); !s.ok()) return s;
+  const int64_t positions = static_cast<int64_t>(request.prompt.size()) + request.params.max_tokens;
+  if (positions > config_.max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens: ", request.prompt.size(), " prompt tokens + ",
+                                                   request.params.max_tokens, " is more than the model's ",
+                                                   config_.max_position_embeddings, " positions"));
+  }
+  const int64_t worst = WorstCaseBlocks(request);
+  if (worst > pool_->total_blocks()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "kv cache: this request can need ", worst, " blocks of ", pool_->shape().block_size,
+        " positions and the cache holds ", pool_->total_blocks(),
+        " (fewer samples, a shorter prompt or max_tokens, or a larger --kv_cache_mb)"));
+  }
+  if (static_cast<int64_t>(waiting_.size()) >= options_.max_waiting) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("max_waiting: ", options_.max_waiting, " sample requests already wait for the kv cache"));
+  }
+  auto r = std::make_unique<Request>();
+  r->id = next_id_++;
+  r->adapter = adapter;
+  r->request = std::move(request);
+  r->worst_blocks = worst;
+  waiting_.push_back(std::move(r));
+  return waiting_.back()->id;
+}
+
+void SamplerEngine::Admit() {
+  while (!waiting_.empty() && reserved_blocks_ + waiting_.front()->worst_blocks <= pool_->total_blocks()) {
+    reserved_blocks_ += waiting_.front()->worst_blocks;
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+  }
+}
+
+void SamplerEngine::Release(KvSequence& kv) {
+  for (int32_t b : kv.blocks) pool_->Release(b);
+  kv.blocks.clear();
+  kv.length = 0;
+}
+
+at::Tensor SamplerEngine::Logits(const Adapter* adapter, const at::Tensor& hidden) const {
+  const bool full = adapter != nullptr && adapter->full_finetune();
+  const at::Tensor& weight = full ? adapter->full_weights().output_weight() : weights_.output_weight();
+  const LoraFactors* f = adapter != nullptr && !full ? adapter->head_lora() : nullptr;
+  if (f == nullptr) return at::mm(hidden, weight.t()).to(at::kFloat);
+  const at::Tensor& a = adapter->parameters()[f->a].value;
+  const at::Tensor& b = adapter->parameters()[f->b].value;
+  const at::Tensor u = at::mm(hidden, a.t()) * adapter->lora_config().scale();
+  return at::mm(at::cat({hidden, u}, 1), at::cat({weight, b}, 1).t()).to(at::kFloat);
+}
+
+bool SamplerEngine::Choose(Request& r, Sample& s, const at::Tensor& logits) {
+  const SamplingParams& p = r.request.params;
+  const at::Tensor model = at::log_softmax(logits, 0);
+  const at::Tensor sampling = SamplingLogProbs(logits, p);
+  const int64_t token = DrawToken(sampling, s.stream.Uniform());
+  SampledSequence& out = s.out;
+  out.tokens.push_back(token);
+  out.logprobs.push_back(model[token].item<float>());
+  out.sampling_logprobs.push_back(sampling[token].item<float>());
+  if (p.top_logprobs > 0) {
+    auto [values, ids] = model.topk(std::min<int64_t>(p.top_logprobs, model.size(0)));
+    std::vector<TopLogprob> top;
+    for (int64_t i = 0; i < ids.size(0); ++i) top.push_back({ids[i].item<int64_t>(), values[i].item<float>()});
+    out.top_logprobs.push_back(std::move(top));
+  }
+  bool stop = std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) != p.stop_token_ids.end();
+  for (const std::vector<int64_t>& seq : p.stop_sequences) {
+    stop = stop || (out.tokens.size() >= seq.size() && std::equal(seq.rbegin(), seq.rend(), out.tokens.rbegin()));
+  }
+  if (stop || static_cast<int64_t>(out.tokens.size()) >= p.max_tokens) {
+    out.stop_reason = stop ? "stop" : "length";
+    s.done = true;
+    Release(s.kv);
+    return true;
+  }
+  s.next_input = token;
+  return false;
+}
+
+absl::Status SamplerEngine::Fork(Request& r, const at::Tensor& logits) {
+  const int64_t p = r.prompt.length, bs = pool_->shape().block_size, shared = p / bs;
+  r.samples.resize(r.request.num_samples);
+  for (int64_t i = 0; i < r.request.num_samples; ++i) {
+    Sample& s = r.samples[i];
+    s.stream = SampleStream(r.request.params.seed + static_cast<uint64_t>(i));
+    for (int64_t b = 0; b < shared; ++b) {
+      pool_->Retain(r.prompt.blocks[b]);
+      s.kv.blocks.push_back(r.prompt.blocks[b]);
+    }
+    if (p % bs != 0) {  // the prompt's partial block: each sample writes on after it
+      absl::StatusOr<std::vector<int32_t>> own = pool_->Allocate(1);
+      if (!own.ok()) return absl::InternalError(absl::StrCat("sampler: admitted request short of blocks: ", own.status().message()));
+      pool_->CopyBlock(r.prompt.blocks[shared], own->front());
+      s.kv.blocks.push_back(own->front());
+    }
+    s.kv.length = p;
+    Choose(r, s, logits);
+  }
+  Release(r.prompt);
+  return absl::OkStatus();
+}
+
+void SamplerEngine::Finish(Request& r) {
+  for (Sample& s : r.samples) r.result.sequences.push_back(std::move(s.out));
+  reserved_blocks_ -= r.worst_blocks;
+  finished_[r.id] = std::move(r.result);
+}
+
+absl::Status SamplerEngine::Step() {
+  Admit();
+  if (running_.empty()) return absl::OkStatus();
+  at::NoGradGuard no_grad;
+  // This step's work: one decode token of every running sample, then prompt chunks.
+  struct Item {
+    Request* request;
+    Sample* sample;  // null: a prompt chunk
+    int64_t tokens;
+  };
+  int64_t budget = options_.max_tokens_per_step;
+  std::vector<Item> items;
+  for (auto& r : running_) {
+    for (Sample& s : r->samples) {
+      if (!s.done && budget > 0) items.push_back({r.get(), &s, 1}), --budget;
+    }
+  }
+  for (auto& r : running_) {
+    if (!r->samples.empty() || budget == 0) continue;
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(r->request.prompt.size()) - r->prompt.length, budget);
+    items.push_back({r.get(), nullptr, n});
+    budget -= n;
+  }
+  // One forward per adapter (the order of first appearance).
+  std::vector<const Adapter*> adapters;
+  for (const Item& it : items) {
+    if (std::find(adapters.begin(), adapters.end(), it.request->adapter) == adapters.end()) {
+      adapters.push_back(it.request->adapter);
+    }
+  }
+  const at::Device device = weights_.output_weight().device();
+  for (const Adapter* adapter : adapters) {
+    std::vector<int64_t> tokens, positions, rows;
+    std::vector<int32_t> starts = {0};
+    std::vector<const KvSequence*> sequences;
+    std::vector<int64_t> new_tokens;
+    std::vector<const Item*> group;
+    int64_t max_position = 0;
+    for (const Item& it : items) {
+      if (it.request->adapter != adapter) continue;
+      KvSequence& kv = it.sample != nullptr ? it.sample->kv : it.request->prompt;
+      const int64_t end = kv.length + it.tokens;
+      if (pool_->BlocksFor(end) > static_cast<int64_t>(kv.blocks.size())) {
+        absl::StatusOr<std::vector<int32_t>> more =
+            pool_->Allocate(pool_->BlocksFor(end) - static_cast<int64_t>(kv.blocks.size()));
+        if (!more.ok()) {
+          return absl::InternalError(absl::StrCat("sampler: admitted request short of blocks: ", more.status().message()));
+        }
+        kv.blocks.insert(kv.blocks.end(), more->begin(), more->end());
+      }
+      for (int64_t j = 0; j < it.tokens; ++j) {
+        tokens.push_back(it.sample != nullptr ? it.sample->next_input : it.request->request.prompt[kv.length + j]);
+        positions.push_back(kv.length + j);
+      }
+      max_position = std::max(max_position, end);
+      starts.push_back(starts.back() + static_cast<int32_t>(it.tokens));
+      sequences.push_back(&kv);
+      new_tokens.push_back(it.tokens);
+      group.push_back(&it);
+    }
+    PackedSequences packed;
+    packed.cu_seqlens = at::tensor(starts, at::kInt).to(device);
+    packed.positions = at::tensor(positions, at::kLong).to(device);
+    packed.lengths = new_tokens;
+    packed.max_length = max_position;
+    KvStepAttention attention(pool_, sequences, new_tokens);
+    ForwardOptions forward;
+    forward.training = false;
+    forward.packed = &packed;
+    forward.cached_attention = &attention;
+    const at::Tensor row = at::tensor(tokens, at::kLong).to(device).unsqueeze(0);
+    const at::Tensor hidden = Qwen2Hidden(config_, weights_, adapter, row, forward)[0];  // [T, H]
+    // The rows whose logits are wanted: every decode row; a prompt chunk's rows when its
+    // prompt log-probs are asked, else only the prompt's last row.
+    std::vector<int64_t> wanted;
+    int64_t first = 0;
+    for (const Item* it : group) {
+      const bool last_chunk = it->sample == nullptr && it->request->prompt.length + it->tokens ==
+                                                           static_cast<int64_t>(it->request->request.prompt.size());
+      if (it->sample != nullptr || (last_chunk && !it->request->request.params.prompt_logprobs)) {
+        wanted.push_back(first + it->tokens - 1);
+      } else if (it->request->request.params.prompt_logprobs) {
+        for (int64_t j = 0; j < it->tokens; ++j) wanted.push_back(first + j);
+      }
+      first += it->tokens;
+    }
+    const at::Tensor logits =
+        Logits(adapter, hidden.index_select(0, at::tensor(wanted, at::kLong).to(device))).to(at::kCPU);
+    int64_t at_row = 0;
+    for (const Item* it : group) {
+      Request& r = *it->request;
+      if (it->sample != nullptr) {
+        it->sample->kv.length += 1;
+        Choose(r, *it->sample, logits[at_row++]);
+        continue;
+      }
+      const int64_t begin = r.prompt.length;
+      r.prompt.length += it->tokens;
+      r.result.prefill_tokens += it->tokens;
+      const int64_t prompt_length = static_cast<int64_t>(r.request.prompt.size());
+      if (r.request.params.prompt_logprobs) {
+        for (int64_t j = 0; j < it->tokens; ++j, ++at_row) {
+          if (begin + j + 1 < prompt_length) {
+            r.result.prompt_logprobs.push_back(
+                at::log_softmax(logits[at_row], 0)[r.request.prompt[begin + j + 1]].item<float>());
+          }
+        }
+        if (r.prompt.length == prompt_length) {
+          if (absl::Status s = Fork(r, logits[at_row - 1]); !s.ok()) return s;
+        }
+      } else if (r.prompt.length == prompt_length) {
+        if (absl::Status s = Fork(r, logits[at_row++]); !s.ok()) return s;
+      }
+    }
+  }
+  // Requests whose samples all finished.
+  std::vector<std::unique_ptr<Request>> still;
+  for (auto& r : running_) {
+    const bool done = !r->samples.empty() && std::all_of(r->samples.begin(), r->samples.end(),
+                                                         [](const Sample& s) { return s.done; });
+    if (done) {
+      Finish(*r);
+    } else {
+      still.push_back(std::move(r));
+    }
+  }
+  running_ = std::move(still);
+  return absl::OkStatus();
+}
+
+std::optional<SampleResult> SamplerEngine::Take(int64_t id) {
+  auto it = finished_.find(id);
+  if (it == finished_.end()) return std::nullopt;
+  SampleResult out = std::move(it->second);
+  finished_.erase(it);
+  return out;
+}
+
+void SamplerEngine::Cancel(int64_t id) {
+  finished_.erase(id);
+  waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(), [&](const auto& r) { return r->id == id; }),
+                 waiting_.end());
+  for (auto it = running_.begin(); it != running_.end(); ++it) {
+    if ((*it)->id != id) continue;
+    Release((*it)->prompt);
+    for (Sample& s : (*it)->samples) Release(s.kv);
+    reserved_blocks_ -= (*it)->worst_blocks;
+    running_.erase(it);
+    return;
+  }
+}
+
+int64_t SamplerEngine::running_sequences() const {
+  int64_t n = 0;
+  for (const auto& r : running_) {
+    n += r->samples.empty() ? 1 : std::count_if(r->samples.begin(), r->samples.end(), [](const Sample& s) { return !s.done; });
+  }
+  return n;
+}
+
+}  // namespace lorastep

@@ -1,0 +1,118 @@
+// The sampler's engine: requests of prompts as token ids, each with `num_samples`
+// completions, sampled from a model (the base, or a run's LoRA adapter over it) through the
+// same decoder forward the trainer runs, with keys and values kept in a KvBlockPool.
+//
+// Each Step() is one forward per adapter over the tokens the engine has ready: one decode
+// token of every running sample, then prompt chunks (chunked prefill) up to the step's token
+// budget, so a long prompt does not stall running decodes. A request's prompt is prefilled
+// once; its samples share the prompt's full blocks and copy its last, partial one (prefix
+// sharing). A request is admitted when the blocks it can need at most (its prompt, and each
+// sample's own blocks up to max_tokens) fit beside those of the admitted ones, so a step
+// never runs out of blocks; until then it waits, in arrival order, in a bounded queue.
+//
+// Reported per sampled token: its log-prob under the model at temperature 1 with nothing cut
+// (what the trainer computes for it) and under the sampling distribution
+// (lib/sampling/sampling_params.h). World size 1 (a whole, unsharded model).
+#ifndef LORASTEP_LIB_SAMPLING_SAMPLER_H_
+#define LORASTEP_LIB_SAMPLING_SAMPLER_H_
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "lib/model/adapter.h"
+#include "lib/model/model_config.h"
+#include "lib/model/model_weights.h"
+#include "lib/sampling/kv_blocks.h"
+#include "lib/sampling/sampling_params.h"
+
+namespace lorastep {
+
+struct SampleRequest {
+  std::vector<int64_t> prompt;
+  int64_t num_samples = 1;
+  SamplingParams params;
+};
+
+struct TopLogprob {
+  int64_t token = 0;
+  float logprob = 0;  // under the model, temperature 1
+};
+
+struct SampledSequence {
+  std::vector<int64_t> tokens;
+  std::vector<float> logprobs;           // under the model at temperature 1, nothing cut
+  std::vector<float> sampling_logprobs;  // under the sampling distribution
+  std::vector<std::vector<TopLogprob>> top_logprobs;  // per token, when asked
+  std::string stop_reason;                            // "stop" or "length"
+};
+
+struct SampleResult {
+  std::vector<SampledSequence> sequences;  // num_samples, in sample order
+  std::vector<float> prompt_logprobs;      // when asked: token i + 1 given tokens 0..i
+  int64_t prefill_tokens = 0;              // prompt tokens run through the model (once per prompt)
+};
+
+struct SamplerOptions {
+  int64_t max_tokens_per_step = 2048;  // decode tokens plus prefill chunks in one step
+  int64_t max_waiting = 1024;          // requests waiting for blocks; beyond, RESOURCE_EXHAUSTED
+};
+
+class SamplerEngine {
+ public:
+  // `weights` and `pool` outlive the engine; `pool` is its alone.
+  SamplerEngine(const ModelConfig& config, const ModelWeights& weights, KvBlockPool* pool, SamplerOptions options);
+  ~SamplerEngine();
+
+  // Queues a request for `adapter`'s model (null: the base model; it must outlive the
+  // request). INVALID_ARGUMENT naming the field for a bad request; RESOURCE_EXHAUSTED when it
+  // could never fit the pool, or the queue is full. Nothing is queued on an error.
+  absl::StatusOr<int64_t> Add(const Adapter* adapter, SampleRequest request);
+  // Admits what fits and runs one step; does nothing when idle.
+  absl::Status Step();
+  bool Idle() const { return waiting_.empty() && running_.empty(); }
+  // Request `id`'s result once it finished (then forgotten); nullopt before.
+  std::optional<SampleResult> Take(int64_t id);
+  // Drops request `id`, waiting, running or finished; its blocks are free at once.
+  void Cancel(int64_t id);
+
+  int64_t running_sequences() const;
+  int64_t waiting_requests() const { return static_cast<int64_t>(waiting_.size()); }
+
+ private:
+  struct Request;
+  struct Sample;
+  void Admit();
+  // Blocks `r` can need at most.
+  int64_t WorstCaseBlocks(const SampleRequest& r) const;
+  // The logits [rows, V] (fp32) of final hidden states [rows, H] under `adapter`'s head.
+  at::Tensor Logits(const Adapter* adapter, const at::Tensor& hidden) const;
+  // Samples the next token of `s` from `logits` [V]; true when it finished.
+  bool Choose(Request& r, Sample& s, const at::Tensor& logits);
+  // After the prompt's last chunk: each sample's first token from `logits`, and its blocks.
+  absl::Status Fork(Request& r, const at::Tensor& logits);
+  void Finish(Request& r);
+  void Release(KvSequence& kv);
+
+  const ModelConfig config_;
+  const ModelWeights& weights_;
+  KvBlockPool* pool_;
+  const SamplerOptions options_;
+  int64_t next_id_ = 1;
+  int64_t reserved_blocks_ = 0;  // the admitted requests' worst cases
+  std::deque<std::unique_ptr<Request>> waiting_;
+  std::vector<std::unique_ptr<Request>> running_;
+  std::map<int64_t, SampleResult> finished_;
+};
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_SAMPLING_SAMPLER_H_
