@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lib/model/qwen2.h"
+#include "lib/torch_status.h"
 
 namespace lorastep {
 
@@ -166,6 +167,11 @@ void SamplerEngine::Finish(Request& r) {
 }
 
 absl::Status SamplerEngine::Step() {
+  // A LibTorch error inside the forward becomes a status; it leaves no sequence advanced.
+  return GuardTorch([&] { return StepOnce(); });
+}
+
+absl::Status SamplerEngine::StepOnce() {
   Admit();
   if (running_.empty()) return absl::OkStatus();
   at::NoGradGuard no_grad;
@@ -188,42 +194,63 @@ absl::Status SamplerEngine::Step() {
     items.push_back({r.get(), nullptr, n});
     budget -= n;
   }
-  // One forward per adapter (the order of first appearance).
+  // The adapters of this step's items, in order of first appearance; their items' rows lie
+  // together, adapter after adapter. Several adapters share one forward as run segments
+  // (each its own LoRA over its rows, the frozen base once over all) where the model allows
+  // it (dense layers, LoRA adapters); else one forward each.
   std::vector<const Adapter*> adapters;
   for (const Item& it : items) {
     if (std::find(adapters.begin(), adapters.end(), it.request->adapter) == adapters.end()) {
       adapters.push_back(it.request->adapter);
     }
   }
+  bool segmented = adapters.size() > 1 && !config_.is_moe();
+  for (const Adapter* a : adapters) segmented = segmented && (a == nullptr || !a->full_finetune());
+  std::vector<std::vector<const Adapter*>> forwards;
+  if (segmented) {
+    forwards.push_back(adapters);
+  } else {
+    for (const Adapter* a : adapters) forwards.push_back({a});
+  }
   const at::Device device = weights_.output_weight().device();
-  for (const Adapter* adapter : adapters) {
-    std::vector<int64_t> tokens, positions, rows;
+  for (const std::vector<const Adapter*>& forward_adapters : forwards) {
+    std::vector<int64_t> tokens, positions;
     std::vector<int32_t> starts = {0};
     std::vector<const KvSequence*> sequences;
     std::vector<int64_t> new_tokens;
     std::vector<const Item*> group;
+    std::vector<RunSegment> segments;
     int64_t max_position = 0;
-    for (const Item& it : items) {
-      if (it.request->adapter != adapter) continue;
-      KvSequence& kv = it.sample != nullptr ? it.sample->kv : it.request->prompt;
-      const int64_t end = kv.length + it.tokens;
-      if (pool_->BlocksFor(end) > static_cast<int64_t>(kv.blocks.size())) {
-        absl::StatusOr<std::vector<int32_t>> more =
-            pool_->Allocate(pool_->BlocksFor(end) - static_cast<int64_t>(kv.blocks.size()));
-        if (!more.ok()) {
-          return absl::InternalError(absl::StrCat("sampler: admitted request short of blocks: ", more.status().message()));
+    for (const Adapter* adapter : forward_adapters) {
+      const int64_t segment_begin = static_cast<int64_t>(tokens.size());
+      for (const Item& it : items) {
+        if (it.request->adapter != adapter) continue;
+        KvSequence& kv = it.sample != nullptr ? it.sample->kv : it.request->prompt;
+        const int64_t end = kv.length + it.tokens;
+        if (pool_->BlocksFor(end) > static_cast<int64_t>(kv.blocks.size())) {
+          absl::StatusOr<std::vector<int32_t>> more =
+              pool_->Allocate(pool_->BlocksFor(end) - static_cast<int64_t>(kv.blocks.size()));
+          if (!more.ok()) {
+            return absl::InternalError(
+                absl::StrCat("sampler: admitted request short of blocks: ", more.status().message()));
+          }
+          kv.blocks.insert(kv.blocks.end(), more->begin(), more->end());
         }
-        kv.blocks.insert(kv.blocks.end(), more->begin(), more->end());
+        for (int64_t j = 0; j < it.tokens; ++j) {
+          tokens.push_back(it.sample != nullptr ? it.sample->next_input : it.request->request.prompt[kv.length + j]);
+          positions.push_back(kv.length + j);
+        }
+        max_position = std::max(max_position, end);
+        starts.push_back(starts.back() + static_cast<int32_t>(it.tokens));
+        sequences.push_back(&kv);
+        new_tokens.push_back(it.tokens);
+        group.push_back(&it);
       }
-      for (int64_t j = 0; j < it.tokens; ++j) {
-        tokens.push_back(it.sample != nullptr ? it.sample->next_input : it.request->request.prompt[kv.length + j]);
-        positions.push_back(kv.length + j);
-      }
-      max_position = std::max(max_position, end);
-      starts.push_back(starts.back() + static_cast<int32_t>(it.tokens));
-      sequences.push_back(&kv);
-      new_tokens.push_back(it.tokens);
-      group.push_back(&it);
+      RunSegment segment;
+      segment.adapter = adapter;
+      segment.begin = segment_begin;
+      segment.end = static_cast<int64_t>(tokens.size());
+      segments.push_back(segment);
     }
     PackedSequences packed;
     packed.cu_seqlens = at::tensor(starts, at::kInt).to(device);
@@ -235,11 +262,14 @@ absl::Status SamplerEngine::Step() {
     forward.training = false;
     forward.packed = &packed;
     forward.cached_attention = &attention;
+    if (segmented) forward.run_segments = &segments;
     const at::Tensor row = at::tensor(tokens, at::kLong).to(device).unsqueeze(0);
-    const at::Tensor hidden = Qwen2Hidden(config_, weights_, adapter, row, forward)[0];  // [T, H]
+    const Adapter* model_adapter = segmented ? nullptr : forward_adapters.front();
+    const at::Tensor hidden = Qwen2Hidden(config_, weights_, model_adapter, row, forward)[0];  // [T, H]
     // The rows whose logits are wanted: every decode row; a prompt chunk's rows when its
-    // prompt log-probs are asked, else only the prompt's last row.
+    // prompt log-probs are asked, else only the prompt's last row. Each under its adapter's head.
     std::vector<int64_t> wanted;
+    std::vector<const Adapter*> wanted_adapter;
     int64_t first = 0;
     for (const Item* it : group) {
       const bool last_chunk = it->sample == nullptr && it->request->prompt.length + it->tokens ==
@@ -249,10 +279,19 @@ absl::Status SamplerEngine::Step() {
       } else if (it->request->request.params.prompt_logprobs) {
         for (int64_t j = 0; j < it->tokens; ++j) wanted.push_back(first + j);
       }
+      wanted_adapter.resize(wanted.size(), it->request->adapter);
       first += it->tokens;
     }
-    const at::Tensor logits =
-        Logits(adapter, hidden.index_select(0, at::tensor(wanted, at::kLong).to(device))).to(at::kCPU);
+    std::vector<at::Tensor> parts;
+    for (const Adapter* adapter : forward_adapters) {
+      std::vector<int64_t> rows;
+      for (size_t w = 0; w < wanted.size(); ++w) {
+        if (wanted_adapter[w] == adapter) rows.push_back(wanted[w]);
+      }
+      if (!rows.empty()) parts.push_back(Logits(adapter, hidden.index_select(0, at::tensor(rows, at::kLong).to(device))));
+    }
+    // The adapters' rows lie in adapter order, so the parts concatenate in `wanted` order.
+    const at::Tensor logits = parts.empty() ? at::Tensor() : at::cat(parts, 0).to(at::kCPU);
     int64_t at_row = 0;
     for (const Item* it : group) {
       Request& r = *it->request;

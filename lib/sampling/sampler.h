@@ -90,6 +90,7 @@ class SamplerEngine {
  private:
   struct Request;
   struct Sample;
+  absl::Status StepOnce();
   void Admit();
   // Blocks `r` can need at most.
   int64_t WorstCaseBlocks(const SampleRequest& r) const;
