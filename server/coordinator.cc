@@ -422,6 +422,29 @@ absl::StatusOr<v1::ForwardBackwardResponse> Coordinator::Forward(const v1::Forwa
   return split_.MergeForward(batch.shards(), batch.num_datums(), per_rank);
 }
 
+absl::StatusOr<v1::SampleResponse> Coordinator::Sample(const v1::SampleRequest& req, CancelToken* cancel) {
+  LORASTEP_ASSIGN_OR_RETURN(auto run, runs_.Find(req.run_id()));
+  std::lock_guard<std::mutex> lock(run->mu);
+  if (run->ranks.size() > 1) {
+    return absl::FailedPreconditionError(
+        "Sample: sampling on a mesh (tp, pp, dp, cp or ep > 1) is not built yet; sample on a world-size-1 coordinator");
+  }
+  constexpr int kMaxPrompts = 4096;
+  if (req.prompts_size() < 1 || req.prompts_size() > kMaxPrompts) {
+    return absl::InvalidArgumentError(absl::StrCat("prompts: ", req.prompts_size(), " is not in [1, ", kMaxPrompts, "]"));
+  }
+  v1::WorkerSampleRequest wreq;
+  wreq.set_run_id(req.run_id());
+  wreq.set_base_model(req.base_model());
+  *wreq.mutable_prompts() = req.prompts();
+  wreq.set_num_samples(req.num_samples());
+  *wreq.mutable_params() = req.params();
+  LORASTEP_ASSIGN_OR_RETURN(auto per_rank, FanOut<v1::SampleResponse>(*run, run->AllRanks(), [&](int, WorkerClient* w) {
+    return w->Sample(wreq, cancel);
+  }));
+  return per_rank[0];
+}
+
 absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepRequest& req) {
   LORASTEP_ASSIGN_OR_RETURN(auto run, runs_.Find(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);

@@ -176,6 +176,10 @@ class Coordinator {
   absl::StatusOr<v1::SaveStateResponse> SaveState(const v1::SaveStateRequest& req);
   absl::StatusOr<v1::Run> LoadState(const v1::LoadStateRequest& req);
   absl::StatusOr<v1::ExportAdapterResponse> ExportAdapter(const v1::ExportAdapterRequest& req);
+  // Completions from the run's current adapter (or, with base_model, the base model on the
+  // run's worker), ordered with the run's other calls; the learner version sampled is in the
+  // answer. World size 1. `cancel`: the client's call.
+  absl::StatusOr<v1::SampleResponse> Sample(const v1::SampleRequest& req, CancelToken* cancel = nullptr);
   // An outside PEFT adapter's files stored at `path` (a reference of the run) by the run's
   // worker, once they load into the run's LoRA config (worker.proto's StoreAdapter).
   absl::StatusOr<v1::UploadAdapterResponse> UploadAdapter(const std::string& run_id, const std::string& path,

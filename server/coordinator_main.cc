@@ -165,6 +165,7 @@ ABSL_FLAG(int64_t, coschedule_window_us, 5000,
 ABSL_FLAG(bool, unfused_wgrad, false, "local workers: unfused weight gradients");
 ABSL_FLAG(bool, pack_sequences, true, "local workers: pack each micro-batch's datums back to back (no padding)");
 ABSL_FLAG(int, cpu_threads, 0, "local workers: intra-op CPU threads (0: the worker's default)");
+ABSL_FLAG(int64_t, kv_cache_mb, 0, "local workers: the sampler's key/value cache, MiB (0: the worker's default)");
 ABSL_FLAG(std::string, journal_dir, "",
           "journal runs here so a restarted coordinator brings them back (needs --state_dir for the "
           "workers' autosaves; not with --wait_for_workers)");
@@ -438,7 +439,7 @@ absl::StatusOr<std::vector<std::vector<std::string>>> LocalWorkerFlags(const lor
   std::vector<std::string> passed = WorkerTestFlagNames();
   passed.insert(passed.end(), {"dtype", "max_tokens_per_microbatch", "collective_timeout_s", "v", "state_ttl_hours",
                                "max_activation_mb", "activation_recompute", "coschedule_window_us", "unfused_wgrad",
-                               "pack_sequences", "cpu_threads"});
+                               "pack_sequences", "cpu_threads", "kv_cache_mb"});
   for (std::string& arg : NonDefaultFlagArgs(passed)) args.push_back(std::move(arg));
   if (state_dir.empty()) {
     args.push_back("--allow_plain_paths");

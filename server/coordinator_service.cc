@@ -487,6 +487,18 @@ grpc::ServerUnaryReactor* CoordinatorService::ExportAdapter(grpc::CallbackServer
                  return exported;
                });
 }
+grpc::ServerUnaryReactor* CoordinatorService::Sample(grpc::CallbackServerContext* ctx, const v1::SampleRequest* req,
+                                                     v1::SampleResponse* resp) {
+  auto cancel = std::make_shared<CancelToken>();
+  return Defer(
+      ctx, req->run_id(), resp,
+      [this, req, cancel](const Caller& who, const std::string& id) -> absl::StatusOr<v1::SampleResponse> {
+        std::optional<v1::SampleRequest> copy;
+        return core_->Sample(ServerRequest(*req, who, id, &copy), cancel.get());
+      },
+      /*run_scoped=*/true, nullptr, nullptr, AdmissionTicket(), cancel);
+}
+
 grpc::ServerUnaryReactor* CoordinatorService::GetStepMetrics(grpc::CallbackServerContext* ctx,
                                                              const v1::GetStepMetricsRequest* req,
                                                              v1::GetStepMetricsResponse* resp) {

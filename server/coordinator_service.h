@@ -91,6 +91,8 @@ class CoordinatorService final : public TrainerServiceBase {
   grpc::ServerUnaryReactor* DeleteCheckpoint(grpc::CallbackServerContext* ctx,
                                              const v1::DeleteCheckpointRequest* req,
                                              v1::DeleteCheckpointResponse* resp) override;
+  grpc::ServerUnaryReactor* Sample(grpc::CallbackServerContext* ctx, const v1::SampleRequest* req,
+                                   v1::SampleResponse* resp) override;
   grpc::ServerUnaryReactor* GetStepMetrics(grpc::CallbackServerContext* ctx,
                                            const v1::GetStepMetricsRequest* req,
                                            v1::GetStepMetricsResponse* resp) override;

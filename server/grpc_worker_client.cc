@@ -214,6 +214,12 @@ absl::StatusOr<v1::WorkerStepResponse> GrpcWorkerClient::TrainStep(const v1::Wor
                                                                     const BatchShard& batch) {
   return StepCall<v1::WorkerStepResponse>(&v1::Worker::Stub::TrainStep, WorkerPipeMethod::kTrainStep, req, batch);
 }
+absl::StatusOr<v1::SampleResponse> GrpcWorkerClient::Sample(const v1::WorkerSampleRequest& req, CancelToken* cancel) {
+  // The worker-call timeout applies; the client's call, cancelled, ends it sooner.
+  return Call<v1::SampleResponse>(&v1::Worker::Stub::Sample, req, std::chrono::seconds(0),
+                                  std::chrono::system_clock::time_point::max(), cancel);
+}
+
 absl::StatusOr<v1::WorkerPathResponse> GrpcWorkerClient::SaveState(const v1::WorkerPathRequest& req) {
   return Call<v1::WorkerPathResponse>(&v1::Worker::Stub::SaveState, req);
 }

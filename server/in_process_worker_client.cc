@@ -83,6 +83,12 @@ absl::StatusOr<v1::WorkerStepResponse> InProcessWorkerClient::TrainStep(const v1
   return AnswerBatch<v1::WorkerStepResponse>(&calls_, &WorkerCalls::TrainStep, req, batch);
 }
 
+absl::StatusOr<v1::SampleResponse> InProcessWorkerClient::Sample(const v1::WorkerSampleRequest& req, CancelToken* cancel) {
+  v1::SampleResponse resp;
+  LORASTEP_RETURN_IF_ERROR(calls_.Sample(req, &resp, [cancel] { return cancel != nullptr && cancel->cancelled(); }));
+  return resp;
+}
+
 absl::StatusOr<v1::WorkerPathResponse> InProcessWorkerClient::SaveState(const v1::WorkerPathRequest& req) {
   return Answer<v1::WorkerPathResponse>(&calls_, &WorkerCalls::SaveState, req);
 }

@@ -35,6 +35,7 @@ class InProcessWorkerClient final : public WorkerClient {
   absl::StatusOr<v1::WorkerStepResponse> TrainStep(const v1::WorkerTrainStepRequest& req,
                                                    const BatchShard& batch) override;
   absl::StatusOr<v1::WorkerPathResponse> SaveState(const v1::WorkerPathRequest& req) override;
+  absl::StatusOr<v1::SampleResponse> Sample(const v1::WorkerSampleRequest& req, CancelToken* cancel) override;
   absl::Status AwaitSaved(const v1::WorkerPathRequest& req) override;
   absl::StatusOr<v1::WorkerPathResponse> LoadState(const v1::WorkerPathRequest& req) override;
   absl::StatusOr<v1::WorkerPathResponse> ExportAdapter(const v1::WorkerPathRequest& req) override;

@@ -83,6 +83,9 @@ class WorkerClient {
   virtual absl::StatusOr<v1::WorkerPathResponse> StoreAdapter(const v1::WorkerStoreAdapterRequest& req) = 0;
   virtual absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& req) = 0;
   virtual absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& req) = 0;
+  // Completions from the run's adapter or the base model; `cancel` (may be null) ends the
+  // call when the client's call is cancelled.
+  virtual absl::StatusOr<v1::SampleResponse> Sample(const v1::WorkerSampleRequest& req, CancelToken* cancel) = 0;
   // True when the worker checks a batch with this coordinator's own limits before any work
   // and returns the same errors (an in-process worker, or a worker process the coordinator
   // spawned): alone on a run, it validates alone.

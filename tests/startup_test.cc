@@ -87,6 +87,20 @@ Outcome RunCoordinator(const std::string& dir, const std::string& flags) {
   return {r[0].exit_code, r[0].output, SecondsSince(t0)};
 }
 
+// A worker refuses a sampler cache size out of range, naming the flag, before it serves.
+TEST(StartupTest, WorkerRefusesABadKvCacheSize) {
+  ASSERT_OK_AND_ASSIGN(std::string dir, TinyModelDir("kv_cache_flag"));
+  for (const char* mb : {"-1", "1048577"}) {
+    auto r = testing::RunProcesses({{"/bin/sh", "-c",
+                                     absl::StrCat(Binary("worker/lorastep_worker"), " --port 0 --model ", dir,
+                                                  "/model --kv_cache_mb ", mb, " 2>&1")}},
+                                   dir, 60);
+    EXPECT_NE(r[0].exit_code, 0) << mb;
+    EXPECT_TRUE(absl::StrContains(r[0].output, "--kv_cache_mb: " + std::string(mb) + " is not in")) << r[0].output;
+    EXPECT_FALSE(absl::StrContains(r[0].output, "serving")) << r[0].output;
+  }
+}
+
 // Processes (other than zombies) whose arguments include `--model <dir>/model`.
 int WorkerProcessesUnder(const std::string& dir) {
   const std::string model = dir + "/model";

@@ -192,6 +192,60 @@ absl::Status WorkerCalls::Forward(const v1::WorkerForwardRequest& req, v1::Worke
   return absl::OkStatus();
 }
 
+absl::Status WorkerCalls::Sample(const v1::WorkerSampleRequest& req, v1::SampleResponse* resp,
+                                 const WorkerCore::Cancelled& cancelled) {
+  if (req.prompts_size() == 0) return absl::InvalidArgumentError("prompts: empty");
+  SamplingParams params;
+  const v1::SamplingParams& p = req.params();
+  params.max_tokens = p.max_tokens();
+  params.temperature = p.temperature();
+  params.top_k = p.top_k();
+  params.top_p = p.has_top_p() ? p.top_p() : 1.0;
+  params.min_p = p.min_p();
+  params.seed = p.seed();
+  params.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
+  for (const v1::TokenSequence& stop : p.stop_sequences()) params.stop_sequences.emplace_back(stop.tokens().begin(), stop.tokens().end());
+  params.top_logprobs = p.top_logprobs();
+  params.prompt_logprobs = p.prompt_logprobs();
+  if (absl::Status s = CheckSamplingParams(params, core_->base().config.vocab_size, "params."); !s.ok()) return s;
+  std::vector<SampleRequest> requests;
+  for (const v1::TokenSequence& prompt : req.prompts()) {
+    SampleRequest r;
+    r.prompt.assign(prompt.tokens().begin(), prompt.tokens().end());
+    r.num_samples = req.num_samples();
+    r.params = params;
+    requests.push_back(std::move(r));
+  }
+  LORASTEP_ASSIGN_OR_RETURN(WorkerCore::SampleOutcome outcome,
+                            core_->Sample(req.run_id(), req.base_model(), std::move(requests), cancelled));
+  int64_t sampled = 0, prefilled = 0;
+  for (const SampleResult& r : outcome.results) {
+    v1::PromptSamples* out = resp->add_prompts();
+    out->mutable_prompt_logprobs()->Add(r.prompt_logprobs.begin(), r.prompt_logprobs.end());
+    prefilled += r.prefill_tokens;
+    for (const SampledSequence& seq : r.sequences) {
+      v1::SampledSequence* s = out->add_sequences();
+      s->mutable_tokens()->Add(seq.tokens.begin(), seq.tokens.end());
+      s->mutable_logprobs()->Add(seq.logprobs.begin(), seq.logprobs.end());
+      s->mutable_sampling_logprobs()->Add(seq.sampling_logprobs.begin(), seq.sampling_logprobs.end());
+      s->set_stop_reason(seq.stop_reason);
+      for (const std::vector<TopLogprob>& top : seq.top_logprobs) {
+        v1::TopLogprobs* t = s->add_top_logprobs();
+        for (const TopLogprob& e : top) {
+          t->add_tokens(e.token);
+          t->add_logprobs(e.logprob);
+        }
+      }
+      sampled += static_cast<int64_t>(seq.tokens.size());
+    }
+  }
+  resp->set_learner_version(outcome.learner_version);
+  (*resp->mutable_metrics())["sampled_tokens:sum"] = static_cast<double>(sampled);
+  (*resp->mutable_metrics())["prefill_tokens:sum"] = static_cast<double>(prefilled);
+  (*resp->mutable_metrics())["sampler_steps:sum"] = static_cast<double>(outcome.engine_steps);
+  return absl::OkStatus();
+}
+
 absl::Status WorkerCalls::OptimStep(const v1::WorkerOptimStepRequest& req, v1::WorkerStepResponse* resp) {
   return Once(req.run_id(), req.mesh(), "OptimStep", resp, [&]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(AdamWParams adamw, AdamWParamsFromProto(req.adamw()));

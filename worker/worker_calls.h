@@ -45,6 +45,10 @@ class WorkerCalls {
   absl::Status Forward(const v1::WorkerForwardRequest& req, v1::WorkerForwardBackwardResponse* resp,
                        const std::vector<Datum>* datums = nullptr, const WorkerCore::Cancelled& cancelled = {});
   absl::Status OptimStep(const v1::WorkerOptimStepRequest& req, v1::WorkerStepResponse* resp);
+  // Completions from the run's adapter or the base model (WorkerCore::Sample); reads
+  // nothing it changes, so it keeps no record. `cancelled`: asked between engine steps.
+  absl::Status Sample(const v1::WorkerSampleRequest& req, v1::SampleResponse* resp,
+                      const WorkerCore::Cancelled& cancelled = {});
   absl::Status TrainStep(const v1::WorkerTrainStepRequest& req, v1::WorkerStepResponse* resp,
                          const std::vector<Datum>* datums = nullptr, const WorkerCore::Cancelled& cancelled = {});
   absl::Status SaveState(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp);

@@ -27,6 +27,8 @@
 #include "lib/io/background_writer.h"
 #include "lib/io/state_store.h"
 #include "lib/parallel/process_groups.h"
+#include "lib/sampling/kv_blocks.h"
+#include "lib/sampling/sampler.h"
 #include "lib/training/trainer.h"
 #include "worker/coschedule_window.h"
 
@@ -67,6 +69,9 @@ struct WorkerOptions {
   // waits). A co-scheduled call's cancellation is asked once, when the step takes it.
   // Zero turns co-scheduling off: every call runs alone, in arrival order.
   std::chrono::microseconds coschedule_window{0};
+  // The sampler's key/value cache in bytes (--kv_cache_mb); 0: a tenth of the memory
+  // available at the first Sample (the device's, or the host's on CPU), at most 4 GiB.
+  int64_t kv_cache_bytes = 0;
   // Testing builds only (null in production): the core's fault points (lib/fault_points.h),
   // each passed as "<point>:<rank>" (e.g. "AdmitTrainStep:1": rank 1's own checks of a
   // TrainStep, before its vote), so one injector can serve every rank of a local mesh.
@@ -130,6 +135,23 @@ class WorkerCore {
                                             int64_t max_tokens,
                                             std::optional<ActivationRecompute> recompute = std::nullopt,
                                             const MeshCallInfo& mesh = {}, const Cancelled& cancelled = {});
+  // Completions of `requests` from run `run_id`'s current adapter (`base_model`: the base
+  // model alone, `run_id` unused) through the worker's one sampler engine: the sequences of
+  // concurrent Sample calls decode together, each caller stepping the engine (under the
+  // device lock, step by step) until its own requests are done. World size 1. `cancelled`:
+  // asked between steps; the call's requests are then dropped, their blocks freed at once.
+  struct SampleOutcome {
+    std::vector<SampleResult> results;  // in request order
+    int64_t learner_version = 0;
+    int64_t engine_steps = 0;  // steps this caller ran
+  };
+  absl::StatusOr<SampleOutcome> Sample(const std::string& run_id, bool base_model, std::vector<SampleRequest> requests,
+                                       const Cancelled& cancelled = {});
+  // The sampler's figures: kv blocks in all and in use, sequences running, requests waiting.
+  struct SamplerFigures {
+    int64_t kv_blocks = 0, kv_blocks_used = 0, running_sequences = 0, waiting_requests = 0;
+  };
+  SamplerFigures SamplerState();
   struct PathResult {
     std::string adapter_sha256;
     int64_t learner_version = 0;
@@ -240,8 +262,14 @@ class WorkerCore {
   // device lock.
   void RunCoscheduled(CallKind kind, const std::vector<QueuedStep*>& steps);
 
+  // The sampler's pool and engine, made at the first Sample. Requires sampler_mu_.
+  absl::Status EnsureSampler();
+
   WorkerOptions options_;
   std::shared_ptr<const BaseModel> base_;
+  std::mutex sampler_mu_;  // the engine and its pool; taken after mu_ when both are held
+  std::unique_ptr<KvBlockPool> kv_pool_;
+  std::unique_ptr<SamplerEngine> sampler_;
   std::unique_ptr<ProcessGroups> groups_;  // null at world size 1
   std::unique_ptr<StateStore> store_;      // null without --state_dir
   mutable FairMutex mu_;  // calls of all runs, admitted in arrival order

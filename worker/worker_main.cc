@@ -107,6 +107,9 @@ ABSL_FLAG(std::string, tls_client_ca_file, "",
 ABSL_FLAG(std::string, coordinator_tls_ca_file, "",
           "the coordinator (--register_with) serves TLS: verify it against this CA (PEM)");
 ABSL_FLAG(int, cpu_threads, 0, "intra-op CPU threads (0: LibTorch's default)");
+ABSL_FLAG(int64_t, kv_cache_mb, 0,
+          "the sampler's key/value cache, MiB, in [0, 1048576] (0: a tenth of the memory available at the first "
+          "Sample, the device's or on CPU the host's, at most 4096)");
 
 namespace {
 
@@ -220,6 +223,11 @@ absl::StatusOr<lorastep::WorkerOptions> OptionsFromFlags(const std::string& secr
   // MiB one micro-batch's activations may take (estimated before running; over it the call is
   // RESOURCE_EXHAUSTED). 0 (default): 80% of the available host memory on CPU; -1: off.
   if (const auto mb = absl::GetFlag(FLAGS_max_activation_mb)) options.max_activation_bytes = ActivationBytesFromMb(*mb);
+  const int64_t kv_cache_mb = absl::GetFlag(FLAGS_kv_cache_mb);
+  if (kv_cache_mb < 0 || kv_cache_mb > (int64_t{1} << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat("--kv_cache_mb: ", kv_cache_mb, " is not in [0, 1048576]"));
+  }
+  options.kv_cache_bytes = kv_cache_mb << 20;
   LORASTEP_ASSIGN_OR_RETURN(options.activation_recompute,
                             ParseActivationRecompute(absl::GetFlag(FLAGS_activation_recompute), "--activation_recompute"));
   ProfileFromEnvironment(&options);

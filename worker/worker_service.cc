@@ -74,6 +74,13 @@ LORASTEP_WORKER_CALL_NO_RESPONSE(DeleteRun, v1::WorkerDeleteRunRequest, v1::Work
 LORASTEP_WORKER_BATCH_CALL(ForwardBackward, v1::WorkerForwardBackwardRequest, v1::WorkerForwardBackwardResponse)
 LORASTEP_WORKER_BATCH_CALL(Forward, v1::WorkerForwardRequest, v1::WorkerForwardBackwardResponse)
 LORASTEP_WORKER_CALL(OptimStep, v1::WorkerOptimStepRequest, v1::WorkerStepResponse)
+// Ordered with the run's calls; stops between sampler steps once the caller's call is cancelled.
+grpc::ServerUnaryReactor* WorkerService::Sample(grpc::CallbackServerContext* ctx, const v1::WorkerSampleRequest* req,
+                                                v1::SampleResponse* resp) {
+  return Defer(ctx, &req->run_id(), [this, ctx, req, resp] {
+    return calls_.Sample(*req, resp, [ctx] { return ctx->IsCancelled(); });
+  });
+}
 LORASTEP_WORKER_BATCH_CALL(TrainStep, v1::WorkerTrainStepRequest, v1::WorkerStepResponse)
 LORASTEP_WORKER_CALL(SaveState, v1::WorkerPathRequest, v1::WorkerPathResponse)
 LORASTEP_WORKER_CALL(LoadState, v1::WorkerPathRequest, v1::WorkerPathResponse)

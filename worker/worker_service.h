@@ -31,6 +31,8 @@ class WorkerService final : public v1::Worker::CallbackService {
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx,
                                     const v1::WorkerForwardRequest* req,
                                     v1::WorkerForwardBackwardResponse* resp) override;
+  grpc::ServerUnaryReactor* Sample(grpc::CallbackServerContext* ctx, const v1::WorkerSampleRequest* req,
+                                   v1::SampleResponse* resp) override;
   grpc::ServerUnaryReactor* OptimStep(grpc::CallbackServerContext* ctx,
                                       const v1::WorkerOptimStepRequest* req,
                                       v1::WorkerStepResponse* resp) override;

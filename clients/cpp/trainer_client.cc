@@ -161,6 +161,7 @@ LORASTEP_CLIENT_CALL(ExportAdapter, ExportAdapterRequest, ExportAdapterResponse)
 LORASTEP_CLIENT_CALL(ListCheckpoints, ListCheckpointsRequest, ListCheckpointsResponse)
 LORASTEP_CLIENT_CALL(DeleteCheckpoint, DeleteCheckpointRequest, DeleteCheckpointResponse)
 LORASTEP_CLIENT_CALL(GetStepMetrics, GetStepMetricsRequest, GetStepMetricsResponse)
+LORASTEP_CLIENT_CALL(Sample, SampleRequest, SampleResponse)
 #undef LORASTEP_CLIENT_CALL
 
 absl::Status TrainerClient::DeleteRun(const std::string& run_id) {

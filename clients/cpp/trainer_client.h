@@ -56,6 +56,9 @@ class TrainerClient {
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& req);
   absl::StatusOr<v1::DeleteCheckpointResponse> DeleteCheckpoint(const v1::DeleteCheckpointRequest& req);
   absl::StatusOr<v1::GetStepMetricsResponse> GetStepMetrics(const v1::GetStepMetricsRequest& req);
+  // Completions of prompts from the run's current adapter (or the base model), ordered after
+  // the run's earlier calls.
+  absl::StatusOr<v1::SampleResponse> Sample(const v1::SampleRequest& req);
   // Streams step records to `on_record` until it returns false or the stream ends.
   absl::Status WatchMetrics(const v1::WatchMetricsRequest& req,
                             const std::function<bool(const v1::StepRecord&)>& on_record);
