@@ -1,11 +1,12 @@
 """The Python client drives a full loop against a running coordinator (started by
 python_client_test.sh): create, forward, forward_backward + optim_step, train_step,
-metrics, watch, save/load, export, and a validation error."""
+metrics, watch, save/load, export, sampling, and validation errors."""
 import os
 import sys
 import threading
 
-from lorastep import AdamWParams, Datum, LorastepError, LossConfig, StepResult, TrainingClient
+from lorastep import (AdamWParams, Datum, LorastepError, LossConfig, SampleResult, SamplingParams, StepResult,
+                      TrainingClient)
 
 
 def datum(i, n=10, vocab=96):
@@ -151,6 +152,26 @@ def main():
         raise AssertionError("an unknown datum field was accepted")
     except ValueError as e:
         check("unknown fields ['bogus']" in str(e), "a future carries the call's error")
+    # Sampling: a sample_async queued after a train_step_async sees that step; its tokens'
+    # log-probs are what forward gives on the returned sequence.
+    prompt = [3, 14, 15, 92]
+    stepped = again.train_step_async(typed, loss=LossConfig(loss_fn="ppo"), adamw=AdamWParams(lr=1e-3))
+    sampled = again.sample_async([prompt], num_samples=2, params=SamplingParams(max_tokens=6, temperature=1.0, seed=9))
+    got = sampled.result(60)
+    check(isinstance(got, SampleResult) and got.learner_version == stepped.result().learner_version,
+          "sample_async after train_step_async samples that step's weights")
+    for s in got.sequences[0]:
+        full = prompt + s.tokens
+        fwd = again.forward([{"tokens": full[:-1], "target_tokens": full[1:]}]).logprobs[0][len(prompt) - 1:]
+        check(len(s.tokens) == 6 and s.stop_reason == "length" and
+              max(abs(a - b) for a, b in zip(s.logprobs, fwd)) < 1e-5, "sampled log-probs are forward's")
+    greedy = again.sample([prompt], params={"max_tokens": 3, "temperature": 0.0})
+    check(greedy.sequences[0][0].sampling_logprobs == [0.0] * 3, "greedy: each token with probability 1")
+    try:
+        again.sample([prompt], params=SamplingParams(top_p=1.5))
+        raise AssertionError("top_p 1.5 was accepted")
+    except LorastepError as e:
+        check("params.top_p" in str(e), f"a bad sampling parameter is refused naming it: {e}")
     again.close()
     client.close()
     print("1 passed, 0 failed")

@@ -27,9 +27,11 @@ absl::StatusOr<KvBlockPool> KvBlockPool::Create(const KvShape& shape, int64_t bl
   KvBlockPool pool;
   pool.shape_ = shape;
   const auto options = at::TensorOptions().dtype(dtype).device(device);
+  // Uninitialized: attention reads only positions a forward wrote (and on CPU untouched
+  // pages cost nothing until a sequence reaches them).
   for (int64_t l = 0; l < shape.layers; ++l) {
-    pool.keys_.push_back(at::zeros({blocks * shape.block_size, shape.kv_heads, shape.head_dim}, options));
-    pool.values_.push_back(at::zeros({blocks * shape.block_size, shape.kv_heads, shape.head_dim}, options));
+    pool.keys_.push_back(at::empty({blocks * shape.block_size, shape.kv_heads, shape.head_dim}, options));
+    pool.values_.push_back(at::empty({blocks * shape.block_size, shape.kv_heads, shape.head_dim}, options));
   }
   pool.refs_.assign(blocks, 0);
   for (int64_t b = blocks - 1; b >= 0; --b) pool.free_.push_back(static_cast<int32_t>(b));

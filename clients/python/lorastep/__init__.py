@@ -12,7 +12,9 @@ __path__ = __import__("pkgutil").extend_path(__path__, __name__)
 
 from lorastep.client import LorastepError, Run, TrainingClient  # noqa: E402
 from lorastep.types import (AdamWParams, BatchTotals, Checkpoint, Datum, ExportResult,  # noqa: E402
-                            ForwardResult, LossConfig, ReplicaHash, RunInfo, StepRecord, StepResult)
+                            ForwardResult, LossConfig, ReplicaHash, RunInfo, SampledSequence, SampleResult,
+                            SamplingParams, StepRecord, StepResult)
 
 __all__ = ["AdamWParams", "BatchTotals", "Checkpoint", "Datum", "ExportResult", "ForwardResult", "LorastepError",
-           "LossConfig", "ReplicaHash", "Run", "RunInfo", "StepRecord", "StepResult", "TrainingClient"]
+           "LossConfig", "ReplicaHash", "Run", "RunInfo", "SampledSequence", "SampleResult", "SamplingParams",
+           "StepRecord", "StepResult", "TrainingClient"]

@@ -20,8 +20,8 @@ import uuid
 import grpc
 
 from lorastep.types import (AdamWParams, BatchTotals, Checkpoint, ExportResult, ForwardResult, LossConfig,
-                            StepRecord, StepResult, batch_fields, message_proto, metrics_dict,
-                            replica_hashes, run_info)
+                            SamplingParams, StepRecord, StepResult, batch_fields, message_proto, metrics_dict,
+                            replica_hashes, run_info, sample_result)
 from lorastep.v1 import trainer_pb2, trainer_pb2_grpc
 
 # The channel's message limit; Forward(Backward) requests state it, so a call whose
@@ -160,6 +160,17 @@ class Run:
             run_id=self.run_id, **batch_fields(datums, self.pack_datums), max_response_bytes=MAX_MESSAGE_BYTES))
         return ForwardResult([list(x.values) for x in r.logprobs], metrics_dict(r.metrics))
 
+    def sample(self, prompts, num_samples=1, params=None, base_model=False):
+        """Completions of each prompt (a list of token ids) from the run's current adapter (or
+        the base model), after the run's earlier calls. params: SamplingParams or a dict.
+        Returns SampleResult (sequences[prompt][sample], with the trainer's and the sampling
+        distribution's log-prob of every token, and the learner_version sampled)."""
+        r = self._client._call("Sample", trainer_pb2.SampleRequest(
+            run_id=self.run_id, base_model=base_model, num_samples=num_samples,
+            prompts=[trainer_pb2.TokenSequence(tokens=list(p)) for p in prompts],
+            params=message_proto(trainer_pb2.SamplingParams, SamplingParams, params)))
+        return sample_result(r)
+
     def optim_step(self, adamw=None, client_metrics=None):
         """client_metrics: {name: value} of the orchestrator's own (reward, ...), kept in the
         step history as "client:<name>". Returns StepResult."""
@@ -185,6 +196,9 @@ class Run:
 
     def forward_async(self, *args, **kwargs):
         return self._submit(self.forward, *args, **kwargs)
+
+    def sample_async(self, *args, **kwargs):
+        return self._submit(self.sample, *args, **kwargs)
 
     def optim_step_async(self, *args, **kwargs):
         return self._submit(self.optim_step, *args, **kwargs)

@@ -99,6 +99,33 @@ class BatchTotals(_Mapping):
         return trainer_pb2.BatchTotals(loss_tokens=self.loss_tokens, samples=self.samples)
 
 
+@dataclass
+class SamplingParams(_Mapping):
+    """How tokens are drawn (docs/API.md, Sample): logits / temperature, then top_k (0 off),
+    top_p (None: 1), min_p (0 off); temperature 0 is greedy. Sample i of a prompt draws from
+    seed + i. stop_token_ids / stop_sequences end a completion after them (included)."""
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: Optional[float] = None
+    min_p: float = 0.0
+    seed: int = 0
+    stop_token_ids: List[int] = field(default_factory=list)
+    stop_sequences: List[List[int]] = field(default_factory=list)
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+
+    def to_proto(self):
+        p = trainer_pb2.SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, min_p=self.min_p,
+            seed=self.seed, stop_token_ids=list(self.stop_token_ids), top_logprobs=self.top_logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            stop_sequences=[trainer_pb2.TokenSequence(tokens=list(s)) for s in self.stop_sequences])
+        if self.top_p is not None:
+            p.top_p = self.top_p
+        return p
+
+
 _DATUM_KEYS = {f.name for f in fields(Datum)}
 
 
@@ -198,6 +225,30 @@ class ReplicaHash(_Mapping):
 class ForwardResult(_Mapping):
     logprobs: List[List[float]]  # per datum, per target position
     metrics: Dict[str, float]
+
+
+@dataclass
+class SampledSequence(_Mapping):
+    tokens: List[int]
+    logprobs: List[float]           # under the model at temperature 1: what the trainer computes
+    sampling_logprobs: List[float]  # under the distribution the token was drawn from
+    stop_reason: str                # "stop" or "length"
+    top_logprobs: List[List[tuple]] = field(default_factory=list)  # per token: [(token, logprob)]
+
+
+@dataclass
+class SampleResult(_Mapping):
+    sequences: List[List[SampledSequence]]  # per prompt, its num_samples completions
+    prompt_logprobs: List[List[float]]      # per prompt, when asked
+    learner_version: int
+    metrics: Dict[str, float]
+
+
+def sample_result(r):
+    seqs = [[SampledSequence(list(s.tokens), list(s.logprobs), list(s.sampling_logprobs), s.stop_reason,
+                             [list(zip(t.tokens, t.logprobs)) for t in s.top_logprobs])
+             for s in p.sequences] for p in r.prompts]
+    return SampleResult(seqs, [list(p.prompt_logprobs) for p in r.prompts], r.learner_version, dict(r.metrics))
 
 
 @dataclass
