@@ -69,6 +69,11 @@ $CLI watch --run "$RUN" --count 2 > "$TMP/watch.txt"
 [ "$(grep -c '^ *[0-9]' "$TMP/watch.txt")" = 2 ] || { echo "watch: expected 2 rows"; exit 1; }
 $CLI top --iterations 1 | grep -q "^$RUN "
 $CLI get --run "$RUN" | grep -q '"learner_version"'
+# sample: completions as JSON, the learner version sampled; a bad id refused naming it.
+$CLI sample --run "$RUN" --prompts "1,2,3;4,5" --num_samples 2 --max_tokens 4 --seed 7 > "$TMP/sample.json"
+python3 -c "import json,sys; r=json.load(open(sys.argv[1])); assert len(r['prompts'])==2 and all(len(p['sequences'])==2 and all(len(s['tokens'])==4 for s in p['sequences']) for p in r['prompts']) and int(r['learner_version'])>0, r" "$TMP/sample.json"
+if $CLI sample --run "$RUN" --prompts "1,x" 2> "$TMP/e4.txt"; then echo "bad prompt accepted"; exit 1; fi
+grep -q "'x' is not a token id" "$TMP/e4.txt"
 $CLI export --run "$RUN" --path "$TMP/cli-peft" | grep -q "sha256"
 # plot: the example loop's run (it sent client:reward and client:good_logprob)
 $CLI plot --run "$GRPO_RUN" --out "$TMP/run.png" | tee "$TMP/plot.txt"

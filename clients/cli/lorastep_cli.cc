@@ -43,7 +43,7 @@ ABSL_FLAG(std::string, rank, "", "create: LoRA rank (default 32; 0 = full fine-t
 ABSL_FLAG(std::string, alpha, "", "create: LoRA alpha (default 32)");
 ABSL_FLAG(std::string, dropout, "", "create: LoRA dropout (default 0)");
 ABSL_FLAG(std::string, target_modules, "", "create: comma-separated module names (default: all linear layers)");
-ABSL_FLAG(std::string, seed, "", "create: adapter initialization seed (default 0)");
+ABSL_FLAG(std::string, seed, "", "create: adapter initialization seed; sample: sampling seed (default 0)");
 ABSL_FLAG(std::string, train_attn, "", "create: true|false, LoRA on attention (Tinker's switch; with any switch given, "
           "unset ones are true and --target_modules must be empty)");
 ABSL_FLAG(std::string, train_mlp, "", "create: true|false, LoRA on the MLP (a MoE layer's experts)");
@@ -66,6 +66,14 @@ ABSL_FLAG(std::string, name, "", "delete-checkpoint: checkpoint name");
 ABSL_FLAG(std::string, interval, "", "top: seconds between refreshes (default 2)");
 ABSL_FLAG(std::string, iterations, "", "top: refreshes before exiting (default: until interrupted)");
 ABSL_FLAG(std::string, out, "", "plot: PNG file to write (default <run>.png); needs gnuplot");
+ABSL_FLAG(std::string, prompts, "", "sample: prompts as token ids, ids comma-separated, prompts ';'-separated");
+ABSL_FLAG(std::string, num_samples, "", "sample: completions per prompt (default 1)");
+ABSL_FLAG(std::string, max_tokens, "", "sample: tokens per completion (default 16)");
+ABSL_FLAG(std::string, temperature, "", "sample: 0 = greedy (default 1)");
+ABSL_FLAG(std::string, top_k, "", "sample: keep the k most likely tokens (default 0 = off)");
+ABSL_FLAG(std::string, top_p, "", "sample: nucleus mass in (0, 1] (default 1)");
+ABSL_FLAG(std::string, min_p, "", "sample: keep tokens at least this share of the most likely one (default 0)");
+ABSL_FLAG(bool, base_model, false, "sample: the base model instead of the run's adapter");
 
 namespace lorastep {
 namespace {
@@ -88,7 +96,9 @@ constexpr char kUsage[] =
     "  save|load|export --run R --path P      state and PEFT adapter\n"
     "  checkpoints --run R / delete-checkpoint --run R --name N   the state store\n"
     "  top [--interval 2 --iterations N --names]   live table of runs and their last step\n"
-    "  plot --run R [--out R.png --since]     loss, reward, KL, grad norm, tokens/s against step\n";
+    "  plot --run R [--out R.png --since]     loss, reward, KL, grad norm, tokens/s against step\n"
+    "  sample --run R --prompts '1,2,3;4,5' [--num_samples --max_tokens --temperature --top_k --top_p --min_p\n"
+    "         --seed --base_model]           completions from the run's adapter (JSON)\n";
 
 // The flags each command reads (besides --address and --json).
 const std::map<std::string, std::set<std::string>>& CommandFlags() {
@@ -112,6 +122,8 @@ const std::map<std::string, std::set<std::string>>& CommandFlags() {
       {"delete-checkpoint", {"run", "name"}},
       {"top", {"interval", "iterations", "names"}},
       {"plot", {"run", "out", "since"}},
+      {"sample", {"run", "prompts", "num_samples", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
+                  "base_model"}},
   };
   return *m;
 }
@@ -145,7 +157,15 @@ std::map<std::string, bool> GivenFlags() {
           {"name", !absl::GetFlag(FLAGS_name).empty()},
           {"interval", !absl::GetFlag(FLAGS_interval).empty()},
           {"iterations", !absl::GetFlag(FLAGS_iterations).empty()},
-          {"out", !absl::GetFlag(FLAGS_out).empty()}};
+          {"out", !absl::GetFlag(FLAGS_out).empty()},
+          {"prompts", !absl::GetFlag(FLAGS_prompts).empty()},
+          {"num_samples", !absl::GetFlag(FLAGS_num_samples).empty()},
+          {"max_tokens", !absl::GetFlag(FLAGS_max_tokens).empty()},
+          {"temperature", !absl::GetFlag(FLAGS_temperature).empty()},
+          {"top_k", !absl::GetFlag(FLAGS_top_k).empty()},
+          {"top_p", !absl::GetFlag(FLAGS_top_p).empty()},
+          {"min_p", !absl::GetFlag(FLAGS_min_p).empty()},
+          {"base_model", absl::GetFlag(FLAGS_base_model)}};
 }
 
 int Fail(const absl::Status& s) {
@@ -650,6 +670,39 @@ int Main(int argc, char** argv) {
     return 0;
   }
   if (command == "top") return Top(c);
+  if (command == "sample") {
+    v1::SampleRequest req;
+    req.set_run_id(run_id);
+    req.set_base_model(absl::GetFlag(FLAGS_base_model));
+    if (absl::GetFlag(FLAGS_prompts).empty()) return Usage("--prompts is required for sample");
+    for (absl::string_view prompt : absl::StrSplit(absl::GetFlag(FLAGS_prompts), ';')) {
+      v1::TokenSequence* p = req.add_prompts();
+      for (absl::string_view id : absl::StrSplit(prompt, ',', absl::SkipWhitespace())) {
+        int64_t token = 0;
+        if (!absl::SimpleAtoi(id, &token)) return Usage(absl::StrCat("--prompts: '", id, "' is not a token id"));
+        p->add_tokens(token);
+      }
+    }
+    v1::SamplingParams* params = req.mutable_params();
+    LORASTEP_CLI_ASSIGN(num_samples, Number<int64_t>("num_samples", absl::GetFlag(FLAGS_num_samples), 1));
+    LORASTEP_CLI_ASSIGN(max_tokens, Number<int64_t>("max_tokens", absl::GetFlag(FLAGS_max_tokens), 16));
+    LORASTEP_CLI_ASSIGN(temperature, Number<double>("temperature", absl::GetFlag(FLAGS_temperature), 1.0));
+    LORASTEP_CLI_ASSIGN(top_k, Number<int64_t>("top_k", absl::GetFlag(FLAGS_top_k), 0));
+    LORASTEP_CLI_ASSIGN(top_p, Number<double>("top_p", absl::GetFlag(FLAGS_top_p), 1.0));
+    LORASTEP_CLI_ASSIGN(min_p, Number<double>("min_p", absl::GetFlag(FLAGS_min_p), 0.0));
+    LORASTEP_CLI_ASSIGN(seed, Number<uint64_t>("seed", absl::GetFlag(FLAGS_seed), 0));
+    req.set_num_samples(num_samples);
+    params->set_max_tokens(max_tokens);
+    params->set_temperature(temperature);
+    params->set_top_k(top_k);
+    params->set_top_p(top_p);
+    params->set_min_p(min_p);
+    params->set_seed(seed);
+    auto r = c.Sample(req);
+    if (!r.ok()) return Fail(r.status());
+    std::cout << Json(*r) << "\n";
+    return 0;
+  }
   return Plot(c, run_id, since);  // "plot": the last command of the table
 }
 
