@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job, from a fresh Debian 12 machine: installs dependencies, builds, starts a
 # coordinator with one local worker on a generated small Qwen2-shaped model, runs the
-# example GRPO orchestrator loop (Python client) for a few real training steps, shows the
+# example GRPO loop (Python client: rollouts sampled through the service, a verifiable
+# reward, PPO on the sampler's log-probs) for a few real RL steps, shows the
 # step metrics with the CLI, exports the adapter, plots the run's curves (PNG through
 # gnuplot, and a terminal sketch) and shuts everything down.
 set -euo pipefail
@@ -26,9 +27,9 @@ PYTHONPATH="$PWD/clients/python:$PWD/bazel-bin/clients/python" /usr/bin/python3 
 echo
 echo "step metrics kept by the coordinator (lorastep metrics):"
 ./bazel-bin/clients/cli/lorastep --address "$ADDRESS" metrics --run run-1 \
-  --names loss:sum,grad_norm:sum,entropy:mean,tokens_per_s:sum,model_flops:sum,time_step_s:sum
+  --names client:reward,client:mismatch_max,loss:sum,grad_norm:sum,entropy:mean,tokens_per_s:sum
 echo
-echo "the run's curves (lorastep plot; the orchestrator sent reward and good-token log-prob):"
+echo "the run's curves (lorastep plot; the loop sent its reward and the train/sample mismatch):"
 ./bazel-bin/clients/cli/lorastep --address "$ADDRESS" plot --run run-1 --out "$WORK/run-1.png"
 kill $PID && wait $PID 2>/dev/null || true
 trap - EXIT

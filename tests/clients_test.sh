@@ -75,9 +75,9 @@ python3 -c "import json,sys; r=json.load(open(sys.argv[1])); assert len(r['promp
 if $CLI sample --run "$RUN" --prompts "1,x" 2> "$TMP/e4.txt"; then echo "bad prompt accepted"; exit 1; fi
 grep -q "'x' is not a token id" "$TMP/e4.txt"
 $CLI export --run "$RUN" --path "$TMP/cli-peft" | grep -q "sha256"
-# plot: the example loop's run (it sent client:reward and client:good_logprob)
+# plot: the example loop's run (it sent client:reward and client:mismatch_max)
 $CLI plot --run "$GRPO_RUN" --out "$TMP/run.png" | tee "$TMP/plot.txt"
-grep -q "good-token log-prob" "$TMP/plot.txt"
+grep -q "train/sample log-prob mismatch" "$TMP/plot.txt"
 if command -v gnuplot > /dev/null; then
   grep -q "written to $TMP/run.png" "$TMP/plot.txt"
   head -c 8 "$TMP/run.png" | od -An -tx1 | grep -q "89 50 4e 47"

@@ -356,7 +356,8 @@ int Plot(TrainerClient& c, const std::string& run_id, int64_t since) {
   // The trainer's figures, and the orchestrator's where it sent them (client_metrics).
   const std::vector<std::pair<std::string, std::string>> series = {
       {"loss:sum", "loss"}, {"client:reward", "reward"}, {"client:good_logprob", "good-token log-prob"},
-      {"ppo_kl:mean", "KL (ppo_kl)"}, {"grad_norm:sum", "grad norm"}, {"tokens_per_s:sum", "tokens/s"}};
+      {"client:mismatch_max", "train/sample log-prob mismatch (max)"}, {"ppo_kl:mean", "KL (ppo_kl)"},
+      {"grad_norm:sum", "grad norm"}, {"tokens_per_s:sum", "tokens/s"}};
   std::vector<std::pair<std::string, std::string>> present;
   for (const auto& s : series) {
     if (r->steps(0).metrics().count(s.first)) present.push_back(s);
