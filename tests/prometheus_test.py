@@ -4,7 +4,8 @@ parsed with prometheus_client's exposition-format parser (Debian's python3-prome
 the values equal what the step responses said; requests are counted by method and status
 code; two runs' TrainSteps sent at once share one step (occupancy gauges), and a batch whose
 gradient would overflow, sent beside another run's step, is refused alone; a deleted run's
-series go away; other paths and methods are refused; a non-loopback host without
+series go away; the sampler's figures (tokens, prefill once per prompt, cache blocks back to
+free, also after a call abandoned by its deadline); other paths and methods are refused; a non-loopback host without
 --metrics_allow_remote is refused at start-up.
   prometheus_test.py COORDINATOR WORKER GENMODEL TMPDIR   (PYTHONPATH holds the client)"""
 import os
@@ -19,7 +20,9 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+import grpc
 from lorastep import LorastepError, TrainingClient
+from lorastep.v1 import trainer_pb2, trainer_pb2_grpc
 from wait_for import wait_for
 
 
@@ -233,6 +236,29 @@ def main():
               f"the overflowing batch is refused by name: {refused}")
         check(client.get_run(other.run_id).learner_version == versions[other.run_id],
               "and changes nothing of its run")
+        # Sampling: tokens and prefill counted, blocks back to free once answered; a call
+        # abandoned by its deadline frees its sequences' blocks at once.
+        sampled = run.sample([[1, 2, 3, 4, 5], [6, 7, 8]], num_samples=4, params={"max_tokens": 6, "seed": 1})
+        w = scrape_until(worker_port, lambda w: value(w, "lorastep_sampled_tokens_total") == 48)
+        check(value(w, "lorastep_sampled_tokens_total") == 48 and value(w, "lorastep_prefill_tokens_total") == 8,
+              "sampled and prefill tokens counted (each prompt prefilled once for its 4 samples)")
+        check(value(w, "lorastep_kv_blocks") > 0 and value(w, "lorastep_kv_blocks_used") == 0 and
+              value(w, "lorastep_sampler_running_sequences") == 0, "the cache is free once the call is answered")
+        check(value(w, "lorastep_sample_time_to_first_token_seconds_count") == 2, "time to first token per prompt")
+        check(len(sampled.sequences) == 2, "two prompts answered")
+        stub = trainer_pb2_grpc.TrainerStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        long = trainer_pb2.SampleRequest(run_id=rid, num_samples=16, prompts=[
+            trainer_pb2.TokenSequence(tokens=[i % 90 + 1] * 8) for i in range(32)],
+            params=trainer_pb2.SamplingParams(max_tokens=500, temperature=1.0))
+        try:
+            stub.Sample(long, timeout=2)
+            raise AssertionError("a 256k-token sample answered within 2 s")
+        except grpc.RpcError as e:
+            check(e.code() == grpc.StatusCode.DEADLINE_EXCEEDED, f"the long sample passed its deadline: {e.code()}")
+        w = scrape_until(worker_port, lambda w: value(w, "lorastep_kv_blocks_used") == 0 and
+                         value(w, "lorastep_sampler_running_sequences") == 0, seconds=30)
+        check(value(w, "lorastep_kv_blocks_used") == 0 and value(w, "lorastep_sampler_running_sequences") == 0,
+              "the abandoned sample's blocks are free")
         client.delete_run(other.run_id)
         client.delete_run(rid)
         c = scrape(metrics_port)

@@ -15,6 +15,31 @@
 namespace lorastep {
 namespace {
 
+// The sampler's figures on this worker's metrics endpoint.
+void DeclareSamplerMetrics(PrometheusRegistry* m) {
+  using T = PrometheusRegistry::Type;
+  m->Declare("lorastep_kv_blocks", T::kGauge, "the sampler's key/value cache blocks (0 before the first Sample)");
+  m->Declare("lorastep_kv_blocks_used", T::kGauge, "key/value cache blocks held by sequences being sampled");
+  m->Declare("lorastep_sampler_running_sequences", T::kGauge, "sequences being prefilled or decoded");
+  m->Declare("lorastep_sampler_waiting_requests", T::kGauge, "sample requests waiting for cache blocks");
+  m->Declare("lorastep_sampled_tokens_total", T::kCounter, "tokens sampled (rate(): decode tokens per second)");
+  m->Declare("lorastep_prefill_tokens_total", T::kCounter,
+             "prompt tokens prefilled, once per prompt (rate(): prefill tokens per second)");
+  const std::vector<double> seconds = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30};
+  m->Declare("lorastep_sample_time_to_first_token_seconds", T::kHistogram,
+             "per prompt, from its arrival at the sampler to its samples' first tokens", seconds);
+  m->Declare("lorastep_sample_time_per_output_token_seconds", T::kHistogram,
+             "per prompt, time per token after the first (its longest sample)", seconds);
+}
+
+void PublishSamplerState(PrometheusRegistry* m, const WorkerCore::SamplerFigures& f) {
+  if (m == nullptr) return;
+  m->Set("lorastep_kv_blocks", {}, static_cast<double>(f.kv_blocks));
+  m->Set("lorastep_kv_blocks_used", {}, static_cast<double>(f.kv_blocks_used));
+  m->Set("lorastep_sampler_running_sequences", {}, static_cast<double>(f.running_sequences));
+  m->Set("lorastep_sampler_waiting_requests", {}, static_cast<double>(f.waiting_requests));
+}
+
 // `partials`: the metrics as sums, counts and maxima too, which the coordinator merges over a
 // mesh's ranks (a worker alone: its metrics are the answer's).
 void FillForwardResponse(const ForwardBackwardResult& r, bool partials, v1::WorkerForwardBackwardResponse* resp) {
@@ -70,7 +95,10 @@ std::string RandomInstanceId() {
 
 WorkerCalls::WorkerCalls(WorkerCore* core, PrometheusRegistry* metrics, bool record_calls)
     : core_(core), metrics_(metrics), record_calls_(record_calls), instance_id_(RandomInstanceId()) {
-  if (metrics_ != nullptr) DeclareStepMetrics(metrics_);
+  if (metrics_ != nullptr) {
+    DeclareStepMetrics(metrics_);
+    DeclareSamplerMetrics(metrics_);
+  }
 }
 
 template <typename Work>
@@ -216,8 +244,11 @@ absl::Status WorkerCalls::Sample(const v1::WorkerSampleRequest& req, v1::SampleR
     r.params = params;
     requests.push_back(std::move(r));
   }
-  LORASTEP_ASSIGN_OR_RETURN(WorkerCore::SampleOutcome outcome,
-                            core_->Sample(req.run_id(), req.base_model(), std::move(requests), cancelled));
+  absl::StatusOr<WorkerCore::SampleOutcome> done =
+      core_->Sample(req.run_id(), req.base_model(), std::move(requests), cancelled);
+  PublishSamplerState(metrics_, core_->SamplerState());  // also after a refusal or a cancel
+  LORASTEP_RETURN_IF_ERROR(done.status());
+  WorkerCore::SampleOutcome& outcome = *done;
   int64_t sampled = 0, prefilled = 0;
   for (const SampleResult& r : outcome.results) {
     v1::PromptSamples* out = resp->add_prompts();
@@ -240,6 +271,16 @@ absl::Status WorkerCalls::Sample(const v1::WorkerSampleRequest& req, v1::SampleR
     }
   }
   resp->set_learner_version(outcome.learner_version);
+  if (metrics_ != nullptr) {
+    metrics_->Add("lorastep_sampled_tokens_total", {}, static_cast<double>(sampled));
+    metrics_->Add("lorastep_prefill_tokens_total", {}, static_cast<double>(prefilled));
+    for (const SampleResult& r : outcome.results) {
+      metrics_->Observe("lorastep_sample_time_to_first_token_seconds", {}, r.time_to_first_token_s);
+      if (r.time_per_output_token_s > 0) {
+        metrics_->Observe("lorastep_sample_time_per_output_token_seconds", {}, r.time_per_output_token_s);
+      }
+    }
+  }
   (*resp->mutable_metrics())["sampled_tokens:sum"] = static_cast<double>(sampled);
   (*resp->mutable_metrics())["prefill_tokens:sum"] = static_cast<double>(prefilled);
   (*resp->mutable_metrics())["sampler_steps:sum"] = static_cast<double>(outcome.engine_steps);

@@ -1,6 +1,7 @@
 #include "lib/sampling/sampler.h"
 
 #include <algorithm>
+#include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -25,6 +26,7 @@ struct SamplerEngine::Request {
   KvSequence prompt;    // the prompt's blocks until its samples fork
   std::vector<Sample> samples;  // empty while the prompt is prefilled
   SampleResult result;
+  std::chrono::steady_clock::time_point added, first_token;
 };
 
 SamplerEngine::SamplerEngine(const ModelConfig& config, const ModelWeights& weights, KvBlockPool* pool,
@@ -79,6 +81,7 @@ absl::StatusOr<int64_t> SamplerEngine::Add(const Adapter* adapter, SampleRequest
   r->adapter = adapter;
   r->request = std::move(request);
   r->worst_blocks = worst;
+  r->added = std::chrono::steady_clock::now();
   waiting_.push_back(std::move(r));
   return waiting_.back()->id;
 }
@@ -139,6 +142,8 @@ bool SamplerEngine::Choose(Request& r, Sample& s, const at::Tensor& logits) {
 
 absl::Status SamplerEngine::Fork(Request& r, const at::Tensor& logits) {
   const int64_t p = r.prompt.length, bs = pool_->shape().block_size, shared = p / bs;
+  r.first_token = std::chrono::steady_clock::now();
+  r.result.time_to_first_token_s = std::chrono::duration<double>(r.first_token - r.added).count();
   r.samples.resize(r.request.num_samples);
   for (int64_t i = 0; i < r.request.num_samples; ++i) {
     Sample& s = r.samples[i];
@@ -161,6 +166,13 @@ absl::Status SamplerEngine::Fork(Request& r, const at::Tensor& logits) {
 }
 
 void SamplerEngine::Finish(Request& r) {
+  size_t longest = 0;
+  for (const Sample& s : r.samples) longest = std::max(longest, s.out.tokens.size());
+  if (longest > 1) {
+    r.result.time_per_output_token_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - r.first_token).count() /
+        static_cast<double>(longest - 1);
+  }
   for (Sample& s : r.samples) r.result.sequences.push_back(std::move(s.out));
   reserved_blocks_ -= r.worst_blocks;
   finished_[r.id] = std::move(r.result);
