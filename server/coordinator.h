@@ -178,7 +178,8 @@ class Coordinator {
   absl::StatusOr<v1::ExportAdapterResponse> ExportAdapter(const v1::ExportAdapterRequest& req);
   // Completions from the run's current adapter (or, with base_model, the base model on the
   // run's worker), ordered with the run's other calls; the learner version sampled is in the
-  // answer. World size 1. `cancel`: the client's call.
+  // answer. World size 1, or a data-parallel mesh (each replica a share of the prompts).
+  // `cancel`: the client's call.
   absl::StatusOr<v1::SampleResponse> Sample(const v1::SampleRequest& req, CancelToken* cancel = nullptr);
   // An outside PEFT adapter's files stored at `path` (a reference of the run) by the run's
   // worker, once they load into the run's LoRA config (worker.proto's StoreAdapter).

@@ -138,7 +138,8 @@ class WorkerCore {
   // Completions of `requests` from run `run_id`'s current adapter (`base_model`: the base
   // model alone, `run_id` unused) through the worker's one sampler engine: the sequences of
   // concurrent Sample calls decode together, each caller stepping the engine (under the
-  // device lock, step by step) until its own requests are done. World size 1. `cancelled`:
+  // device lock, step by step) until its own requests are done. tp = pp = cp = ep = 1 (a
+  // data-parallel replica samples alone, without collectives). `cancelled`:
   // asked between steps; the call's requests are then dropped, their blocks freed at once.
   struct SampleOutcome {
     std::vector<SampleResult> results;  // in request order

@@ -38,9 +38,10 @@ absl::Status WorkerCore::EnsureSampler() {
 absl::StatusOr<WorkerCore::SampleOutcome> WorkerCore::Sample(const std::string& run_id, bool base_model,
                                                              std::vector<SampleRequest> requests,
                                                              const Cancelled& cancelled) {
-  if (options_.sizes.world() > 1) {
+  const ParallelSizes& sizes = options_.sizes;
+  if (sizes.tp > 1 || sizes.pp > 1 || sizes.cp > 1 || sizes.ep > 1) {
     return absl::FailedPreconditionError(
-        "Sample: sampling on a mesh (tp, pp, dp, cp or ep > 1) is not built yet; this worker is one rank of a mesh");
+        "Sample: sampling with tp, pp, cp or ep > 1 is not built yet; a data-parallel replica (dp only) samples alone");
   }
   SampleOutcome outcome;
   std::vector<int64_t> ids;

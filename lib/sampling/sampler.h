@@ -12,7 +12,7 @@
 //
 // Reported per sampled token: its log-prob under the model at temperature 1 with nothing cut
 // (what the trainer computes for it) and under the sampling distribution
-// (lib/sampling/sampling_params.h). World size 1 (a whole, unsharded model).
+// (lib/sampling/sampling_params.h). A whole, unsharded model (tensor parallelism is not built).
 #ifndef LORASTEP_LIB_SAMPLING_SAMPLER_H_
 #define LORASTEP_LIB_SAMPLING_SAMPLER_H_
 
