@@ -447,6 +447,7 @@ absl::StatusOr<v1::SampleResponse> Coordinator::Sample(const v1::SampleRequest& 
         v1::WorkerSampleRequest wreq;
         wreq.set_run_id(req.run_id());
         wreq.set_base_model(req.base_model());
+        wreq.set_checkpoint(req.checkpoint());
         const int end = std::min(req.prompts_size(), (rank + 1) * per_replica);
         for (int i = rank * per_replica; i < end; ++i) *wreq.add_prompts() = req.prompts(i);
         wreq.set_num_samples(req.num_samples());

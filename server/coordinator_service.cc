@@ -494,7 +494,11 @@ grpc::ServerUnaryReactor* CoordinatorService::Sample(grpc::CallbackServerContext
       ctx, req->run_id(), resp,
       [this, req, cancel](const Caller& who, const std::string& id) -> absl::StatusOr<v1::SampleResponse> {
         std::optional<v1::SampleRequest> copy;
-        return core_->Sample(ServerRequest(*req, who, id, &copy), cancel.get());
+        if (req->checkpoint().empty()) return core_->Sample(ServerRequest(*req, who, id, &copy), cancel.get());
+        if (absl::Status s = CheckPathAccess("checkpoint", req->checkpoint(), who); !s.ok()) return s;
+        return core_->Sample(
+            ServerRequest(*req, who, id, &v1::SampleRequest::mutable_checkpoint, req->checkpoint(), &copy),
+            cancel.get());
       },
       /*run_scoped=*/true, nullptr, nullptr, AdmissionTicket(), cancel);
 }

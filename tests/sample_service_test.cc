@@ -86,6 +86,51 @@ TEST(SampleServiceTest, SampledLogProbsAreForwardsAndFollowTheRunsSteps) {
   EXPECT_EQ(from_base.prompts(0).sequences(0).sampling_logprobs(0), 0.0f);  // greedy
 }
 
+// A saved adapter samples as the run did when it was saved: an exported PEFT folder and a
+// SaveState checkpoint give the tokens the live run gave at that version (same request),
+// after the run has moved on; the checkpoint reports its version, the PEFT folder 0.
+TEST(SampleServiceTest, SavedAdaptersSampleAsTheRunDidThen) {
+  ASSERT_OK_AND_ASSIGN(ChildServer server, StartTinyCoordinator("sample_saved"));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
+  ASSERT_OK(run.TrainStep(Batch(0), Ppo(), Adam()).status());
+  const v1::SampleRequest req = SampleOf(run.run_id(), {{5, 17, 3, 42, 9}, {1, 2, 3}}, 8, 1.0, 42, 2);
+  ASSERT_OK_AND_ASSIGN(v1::SampleResponse then, client->Sample(req));
+  const std::string dir = "lorastep://" + run.run_id();  // the server's state store
+  v1::ExportAdapterRequest exported;
+  exported.set_run_id(run.run_id());
+  exported.set_path(dir + "/peft");
+  ASSERT_OK(client->ExportAdapter(exported).status());
+  v1::SaveStateRequest saved;
+  saved.set_run_id(run.run_id());
+  saved.set_path(dir + "/state");
+  ASSERT_OK(client->SaveState(saved).status());
+  ASSERT_OK(run.TrainStep(Batch(1), Ppo(), Adam()).status());
+  auto tokens = [](const v1::SampleResponse& r) {
+    std::vector<std::vector<int64_t>> out;
+    for (const auto& p : r.prompts()) {
+      for (const auto& s : p.sequences()) out.emplace_back(s.tokens().begin(), s.tokens().end());
+    }
+    return out;
+  };
+  for (const auto& [path, version] : std::vector<std::pair<std::string, int64_t>>{{dir + "/peft", 0}, {dir + "/state", 1}}) {
+    v1::SampleRequest from = req;
+    from.set_checkpoint(path);
+    ASSERT_OK_AND_ASSIGN(v1::SampleResponse got, client->Sample(from));
+    EXPECT_EQ(tokens(got), tokens(then)) << path;
+    EXPECT_EQ(got.learner_version(), version) << path;
+  }
+  v1::SampleRequest both = req;
+  both.set_checkpoint(dir + "/peft");
+  both.set_base_model(true);
+  EXPECT_THAT(client->Sample(both), StatusIs(absl::StatusCode::kInvalidArgument, "checkpoint"));
+  v1::SampleRequest missing = req;
+  missing.set_checkpoint(dir + "/nothing");
+  absl::StatusOr<v1::SampleResponse> none = client->Sample(missing);
+  EXPECT_FALSE(none.ok());
+  EXPECT_THAT(std::string(none.status().message()), ::testing::HasSubstr("checkpoint"));
+}
+
 TEST(SampleServiceTest, BadRequestsAreRefusedNamingTheField) {
   ASSERT_OK_AND_ASSIGN(ChildServer server, StartTinyCoordinator("sample_bad"));
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));

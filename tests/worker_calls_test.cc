@@ -101,6 +101,16 @@ class WorkerCallsTest : public ::testing::Test {
   std::unique_ptr<WorkerCalls> calls_;
 };
 
+// A call its caller gave up on before it reached the device is dropped at once, applying
+// nothing; the run's next call steps it.
+TEST_F(WorkerCallsTest, ACallCancelledBeforeItRunsIsDroppedAndAppliesNothing) {
+  v1::WorkerStepResponse resp;
+  const absl::Status dropped = calls_->TrainStep(Step(0, "gone"), &resp, nullptr, [] { return true; });
+  EXPECT_THAT(dropped, StatusIs(absl::StatusCode::kCancelled, "before it reached the device; nothing was applied"));
+  ASSERT_OK(calls_->TrainStep(Step(0, "next"), &resp));
+  EXPECT_EQ(resp.result().learner_version(), 1);
+}
+
 TEST_F(WorkerCallsTest, ConcurrentRetriesOfOneRequestIdApplyOnce) {
   const v1::WorkerTrainStepRequest req = Step(0, "once");
   std::vector<v1::WorkerStepResponse> responses(4);

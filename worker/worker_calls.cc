@@ -245,7 +245,7 @@ absl::Status WorkerCalls::Sample(const v1::WorkerSampleRequest& req, v1::SampleR
     requests.push_back(std::move(r));
   }
   absl::StatusOr<WorkerCore::SampleOutcome> done =
-      core_->Sample(req.run_id(), req.base_model(), std::move(requests), cancelled);
+      core_->Sample(req.run_id(), req.base_model(), std::move(requests), cancelled, req.checkpoint());
   PublishSamplerState(metrics_, core_->SamplerState());  // also after a refusal or a cancel
   LORASTEP_RETURN_IF_ERROR(done.status());
   WorkerCore::SampleOutcome& outcome = *done;

@@ -218,6 +218,14 @@ absl::StatusOr<Result> WorkerCore::RunBatchCall(CallKind kind, const char* name,
     }
   }
   std::lock_guard<FairMutex> lock(mu_);
+  // A call its caller gave up on while it waited for the device is dropped before anything
+  // (forming communicators included): a rank slowed down (stopped, then resumed) would
+  // otherwise work through every abandoned retry, each failing slowly against a mesh
+  // generation its peers have left, and never catch up with the next live call.
+  if (cancelled && cancelled()) {
+    return absl::CancelledError(absl::StrCat(name, ": cancelled (its caller went away or its deadline passed) "
+                                             "before it reached the device; nothing was applied"));
+  }
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Admit(run_id, mesh, name));
   BatchOptions batch;
   batch.totals = call.totals;

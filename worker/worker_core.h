@@ -146,8 +146,11 @@ class WorkerCore {
     int64_t learner_version = 0;
     int64_t engine_steps = 0;  // steps this caller ran
   };
+  // `checkpoint` (a reference of the run, or a path): an adapter saved there (a PEFT folder
+  // or a SaveState checkpoint, loaded into the run's LoRA config for this call) instead of
+  // the run's current one; its learner version is reported.
   absl::StatusOr<SampleOutcome> Sample(const std::string& run_id, bool base_model, std::vector<SampleRequest> requests,
-                                       const Cancelled& cancelled = {});
+                                       const Cancelled& cancelled = {}, const std::string& checkpoint = "");
   // The sampler's figures: kv blocks in all and in use, sequences running, requests waiting.
   struct SamplerFigures {
     int64_t kv_blocks = 0, kv_blocks_used = 0, running_sequences = 0, waiting_requests = 0;

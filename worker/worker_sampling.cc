@@ -4,7 +4,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "lib/device_stats.h"
+#include "lib/io/file_util.h"
 #include "lib/status_macros.h"
 #include "lib/training/activation_memory.h"
 #include "worker/worker_core.h"
@@ -37,14 +39,18 @@ absl::Status WorkerCore::EnsureSampler() {
 
 absl::StatusOr<WorkerCore::SampleOutcome> WorkerCore::Sample(const std::string& run_id, bool base_model,
                                                              std::vector<SampleRequest> requests,
-                                                             const Cancelled& cancelled) {
+                                                             const Cancelled& cancelled, const std::string& checkpoint) {
   const ParallelSizes& sizes = options_.sizes;
   if (sizes.tp > 1 || sizes.pp > 1 || sizes.cp > 1 || sizes.ep > 1) {
     return absl::FailedPreconditionError(
         "Sample: sampling with tp, pp, cp or ep > 1 is not built yet; a data-parallel replica (dp only) samples alone");
   }
+  if (base_model && !checkpoint.empty()) {
+    return absl::InvalidArgumentError("checkpoint: a saved adapter and base_model exclude each other");
+  }
   SampleOutcome outcome;
   std::vector<int64_t> ids;
+  std::unique_ptr<Trainer> saved;  // the checkpoint's adapter, for this call
   {
     std::lock_guard<FairMutex> device(mu_);
     const Adapter* adapter = nullptr;
@@ -52,6 +58,22 @@ absl::StatusOr<WorkerCore::SampleOutcome> WorkerCore::Sample(const std::string& 
       LORASTEP_ASSIGN_OR_RETURN(Trainer * trainer, Find(run_id));
       adapter = &trainer->adapter();
       outcome.learner_version = trainer->learner_version();
+      if (!checkpoint.empty()) {
+        // Loaded alone on this rank (no communicators: a data-parallel replica samples alone).
+        TrainerOptions o;
+        o.lora = trainer->adapter().lora_config();
+        LORASTEP_ASSIGN_OR_RETURN(saved, Trainer::Create(base_, o));
+        MeshVote local(nullptr, base_->device);
+        // A SaveState checkpoint keeps its step count (the version reported); a PEFT folder has none.
+        absl::StatusOr<std::string> folder = ResolvePath(run_id, checkpoint, /*write=*/false);
+        const bool state = folder.ok() && PathExists(*folder + "/trainer_state.json");
+        absl::Status loaded = InitRun(saved.get(), run_id, checkpoint, /*with_optimizer=*/state, &local);
+        if (!loaded.ok()) {
+          return absl::Status(loaded.code(), absl::StrReplaceAll(loaded.message(), {{"init_from", "checkpoint"}}));
+        }
+        adapter = &saved->adapter();
+        outcome.learner_version = saved->learner_version();
+      }
     }
     std::lock_guard<std::mutex> lock(sampler_mu_);
     LORASTEP_RETURN_IF_ERROR(EnsureSampler());
