@@ -12,6 +12,7 @@
 //     tokens prefilled against 16 separate one-sample requests; and the two wall times.
 // Prints name=value lines.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <chrono>
 #include <cmath>

@@ -3,6 +3,7 @@
 // outputs and q/k/v gradients on every rank equal those rows of plain causal attention over
 // each whole sequence.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>

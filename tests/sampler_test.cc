@@ -5,6 +5,7 @@
 // only its set and temperature sampling follows the softmax; bad requests and the cache
 // budget are refused naming the field, and cancelled requests free their blocks.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
 #include <cmath>

@@ -1,5 +1,7 @@
 #include "lib/sampling/kv_blocks.h"
 
+#include <ATen/core/grad_mode.h>
+
 #include <cmath>
 #include <limits>
 #include <utility>

@@ -1,5 +1,7 @@
 #include "lib/sampling/sampler.h"
 
+#include <ATen/core/grad_mode.h>
+
 #include <algorithm>
 #include <chrono>
 #include <utility>

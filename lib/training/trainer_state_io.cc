@@ -3,6 +3,7 @@
 // adapters (ExportAdapter, ImportAdapter); the adapter's digest. Members of Trainer
 // (lib/training/trainer.h), apart from its step.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
 #include <memory>
