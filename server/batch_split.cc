@@ -49,6 +49,33 @@ bool BatchSplit::Reports(int rank) const {
   return c.tp == 0 && c.pp == layout_.sizes().pp - 1;
 }
 
+std::pair<int, int> BatchSplit::PromptShareOfRank(int num_prompts, int rank) const {
+  const int replicas = on_mesh() ? layout_.sizes().dp : 1;
+  const int per_replica = (num_prompts + replicas - 1) / replicas;
+  const int replica = static_cast<int>(ShardIndexOfRank(rank));
+  const int begin = std::min(num_prompts, replica * per_replica);
+  return {begin, std::min(num_prompts, begin + per_replica)};
+}
+
+v1::SampleResponse BatchSplit::MergeSamples(int num_prompts, std::vector<v1::SampleResponse> per_rank) const {
+  // Replicas in prompt order: their shares are contiguous and ascending.
+  std::vector<std::pair<int, int>> reporters;  // (first prompt, rank)
+  for (size_t r = 0; r < per_rank.size(); ++r) {
+    const int rank = static_cast<int>(r);
+    const auto [begin, end] = PromptShareOfRank(num_prompts, rank);
+    if (begin < end && (!on_mesh() || Reports(rank))) reporters.emplace_back(begin, rank);
+  }
+  std::sort(reporters.begin(), reporters.end());
+  v1::SampleResponse merged;
+  for (const auto& [begin, rank] : reporters) {
+    v1::SampleResponse& part = per_rank[rank];
+    if (merged.prompts_size() == 0) merged.set_learner_version(part.learner_version());
+    for (v1::PromptSamples& p : *part.mutable_prompts()) *merged.add_prompts() = std::move(p);
+    for (const auto& [name, value] : part.metrics()) (*merged.mutable_metrics())[name] += value;
+  }
+  return merged;
+}
+
 v1::ForwardBackwardResponse BatchSplit::MergeForward(const std::vector<std::vector<int>>& shards, int num_datums,
                                                      const std::vector<v1::WorkerForwardBackwardResponse>& per_rank) const {
   if (!on_mesh()) return per_rank[0].result();

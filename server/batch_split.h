@@ -7,6 +7,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -32,6 +33,12 @@ class BatchSplit {
   // The shard that `rank` trains on, and its index.
   const std::vector<int>& ShardOfRank(const std::vector<std::vector<int>>& shards, int rank) const;
   size_t ShardIndexOfRank(int rank) const { return on_mesh() ? layout_.Coords(rank).dp : 0; }
+  // The prompts [begin, end) of a Sample's `num_prompts` that `rank`'s replica samples: each
+  // data-parallel replica a contiguous share, in replica order (the last ones maybe none).
+  std::pair<int, int> PromptShareOfRank(int num_prompts, int rank) const;
+  // One Sample answer from the ranks' (in rank order): the reporting rank of each replica
+  // gives its prompts' samples and its metrics.
+  v1::SampleResponse MergeSamples(int num_prompts, std::vector<v1::SampleResponse> per_rank) const;
   v1::ForwardBackwardResponse MergeForward(const std::vector<std::vector<int>>& shards, int num_datums,
                                            const std::vector<v1::WorkerForwardBackwardResponse>& per_rank) const;
   // One step answer with the replica hashes filled in; `diverged` names the families whose

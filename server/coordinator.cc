@@ -426,40 +426,34 @@ absl::StatusOr<v1::SampleResponse> Coordinator::Sample(const v1::SampleRequest& 
   LORASTEP_ASSIGN_OR_RETURN(auto run, runs_.Find(req.run_id()));
   std::lock_guard<std::mutex> lock(run->mu);
   const ParallelSizes& mesh = options_.mesh;
-  if (mesh.tp > 1 || mesh.pp > 1 || mesh.cp > 1 || mesh.ep > 1) {
+  if (mesh.pp > 1 || mesh.cp > 1 || mesh.ep > 1) {
     return absl::FailedPreconditionError(
-        "Sample: sampling with tp, pp, cp or ep > 1 is not built yet; a data-parallel mesh (dp only) samples, "
-        "each replica its share of the prompts");
+        "Sample: sampling with pp, cp or ep > 1 is not built yet; data-parallel and tensor-parallel meshes sample");
   }
   constexpr int kMaxPrompts = 4096;
-  if (req.prompts_size() < 1 || req.prompts_size() > kMaxPrompts) {
-    return absl::InvalidArgumentError(absl::StrCat("prompts: ", req.prompts_size(), " is not in [1, ", kMaxPrompts, "]"));
+  const int prompts = req.prompts_size();
+  if (prompts < 1 || prompts > kMaxPrompts) {
+    return absl::InvalidArgumentError(absl::StrCat("prompts: ", prompts, " is not in [1, ", kMaxPrompts, "]"));
   }
-  // Data parallelism: each replica (rank) samples a contiguous share of the prompts from its
-  // copy of the adapter; every sample draws from its own seed, so the answer is the same as
-  // one worker's.
-  const int replicas = static_cast<int>(run->ranks.size());
-  const int per_replica = (req.prompts_size() + replicas - 1) / replicas;
-  std::vector<int> ranks;
-  for (int r = 0; r < replicas && r * per_replica < req.prompts_size(); ++r) ranks.push_back(r);
+  // Each data-parallel replica samples a contiguous share of the prompts from its copy of the
+  // adapter (every rank of it, on tensor ranks); every sample draws from its own seed, so the
+  // answer is the same as one worker's.
   LORASTEP_ASSIGN_OR_RETURN(
-      auto per_rank, FanOut<v1::SampleResponse>(*run, ranks, [&](int rank, WorkerClient* w) {
+      auto per_rank, FanOut<v1::SampleResponse>(*run, run->AllRanks(), [&](int rank, WorkerClient* w) {
         v1::WorkerSampleRequest wreq;
         wreq.set_run_id(req.run_id());
         wreq.set_base_model(req.base_model());
         wreq.set_checkpoint(req.checkpoint());
-        const int end = std::min(req.prompts_size(), (rank + 1) * per_replica);
-        for (int i = rank * per_replica; i < end; ++i) *wreq.add_prompts() = req.prompts(i);
+        const auto [begin, end] = split_.PromptShareOfRank(prompts, rank);
+        for (int i = begin; i < end; ++i) *wreq.add_prompts() = req.prompts(i);
         wreq.set_num_samples(req.num_samples());
         *wreq.mutable_params() = req.params();
+        wreq.mutable_mesh()->set_expected_learner_version(-1);
+        mesh_.StampMesh(wreq.mutable_mesh());
+        wreq.mutable_mesh()->set_client_deadline(cancel != nullptr);
         return w->Sample(wreq, cancel);
       }));
-  v1::SampleResponse merged = std::move(per_rank[0]);
-  for (size_t i = 1; i < per_rank.size(); ++i) {
-    for (v1::PromptSamples& p : *per_rank[i].mutable_prompts()) *merged.add_prompts() = std::move(p);
-    for (const auto& [name, value] : per_rank[i].metrics()) (*merged.mutable_metrics())[name] += value;
-  }
-  return merged;
+  return split_.MergeSamples(prompts, std::move(per_rank));
 }
 
 absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepRequest& req) {

@@ -13,6 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <grpcpp/grpcpp.h>
+
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "clients/cpp/trainer_client.h"
@@ -321,11 +323,16 @@ TEST_F(MeshTest, DataParallelEqualsWorldOneForLoraAndFullFinetuneFusedAndUnfused
 // Sampling on a data-parallel mesh: each replica samples its share of the prompts; after the
 // same step the tokens equal world size 1's and the log-probs agree within 1e-5. Tensor
 // parallelism is refused naming what is built.
-TEST_F(MeshTest, DataParallelSamplesEqualWorldOne) {
+// A mesh's replicas sample contiguous shares of the prompts, and tensor ranks sample through
+// their sharded layers with the vocabulary's logits gathered: after the same TrainStep, DP2's
+// and TP2's tokens equal world size 1's and their log-probs agree within 1e-5; pipeline stages
+// refuse naming what is built.
+TEST_F(MeshTest, DataAndTensorParallelSamplesEqualWorldOne) {
   if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
   v1::LoraConfig lora;
   lora.set_rank(4);
   lora.set_alpha(8);
+  lora.set_train_unembed(true);  // the LM head's LoRA, vocab-parallel on tensor ranks
   v1::SampleRequest req;
   for (int p = 0; p < 3; ++p) {
     v1::TokenSequence* prompt = req.add_prompts();
@@ -335,9 +342,11 @@ TEST_F(MeshTest, DataParallelSamplesEqualWorldOne) {
   req.mutable_params()->set_max_tokens(6);
   req.mutable_params()->set_temperature(1.0);
   req.mutable_params()->set_seed(21);
+  req.mutable_params()->set_prompt_logprobs(true);
   auto sample = [&](Coordinator& c) {
     auto run = RunSession::Create(c.client.get(), lora, 11);
     EXPECT_TRUE(run.ok()) << run.status();
+    if (!run.ok()) return v1::SampleResponse();
     EXPECT_TRUE(run->TrainStep(Batch(0), Ppo(), Adam()).ok());
     v1::SampleRequest r = req;
     r.set_run_id(run->run_id());
@@ -347,25 +356,63 @@ TEST_F(MeshTest, DataParallelSamplesEqualWorldOne) {
   };
   Coordinator one = Start({});
   const v1::SampleResponse want = sample(one);
-  Coordinator dp2 = Start({"--dp", "2"});
-  const v1::SampleResponse got = sample(dp2);
-  ASSERT_EQ(got.prompts_size(), 3);
-  EXPECT_EQ(got.learner_version(), 1);
-  for (int p = 0; p < 3; ++p) {
-    for (int s = 0; s < 2; ++s) {
-      const v1::SampledSequence& a = want.prompts(p).sequences(s);
-      const v1::SampledSequence& b = got.prompts(p).sequences(s);
-      ASSERT_EQ(std::vector<int64_t>(a.tokens().begin(), a.tokens().end()),
-                std::vector<int64_t>(b.tokens().begin(), b.tokens().end())) << "prompt " << p << " sample " << s;
-      for (int t = 0; t < a.logprobs_size(); ++t) EXPECT_NEAR(a.logprobs(t), b.logprobs(t), 1e-5);
+  ASSERT_EQ(want.prompts_size(), 3);
+  auto expect_same = [&](const v1::SampleResponse& got, const std::string& label) {
+    ASSERT_EQ(got.prompts_size(), 3) << label;
+    EXPECT_EQ(got.learner_version(), 1) << label;
+    EXPECT_EQ(got.metrics().at("sampled_tokens:sum"), want.metrics().at("sampled_tokens:sum")) << label;
+    for (int p = 0; p < 3; ++p) {
+      ASSERT_EQ(got.prompts(p).prompt_logprobs_size(), want.prompts(p).prompt_logprobs_size()) << label;
+      for (int t = 0; t < want.prompts(p).prompt_logprobs_size(); ++t) {
+        EXPECT_NEAR(got.prompts(p).prompt_logprobs(t), want.prompts(p).prompt_logprobs(t), 1e-5) << label;
+      }
+      for (int s = 0; s < 2; ++s) {
+        const v1::SampledSequence& a = want.prompts(p).sequences(s);
+        const v1::SampledSequence& b = got.prompts(p).sequences(s);
+        ASSERT_EQ(std::vector<int64_t>(a.tokens().begin(), a.tokens().end()),
+                  std::vector<int64_t>(b.tokens().begin(), b.tokens().end()))
+            << label << " prompt " << p << " sample " << s;
+        for (int t = 0; t < a.logprobs_size(); ++t) {
+          EXPECT_NEAR(a.logprobs(t), b.logprobs(t), 1e-5) << label;
+          EXPECT_NEAR(a.sampling_logprobs(t), b.sampling_logprobs(t), 1e-5) << label;
+        }
+      }
     }
-  }
+  };
+  Coordinator dp2 = Start({"--dp", "2"});
+  expect_same(sample(dp2), "dp2");
   Coordinator tp2 = Start({"--tp", "2"});
-  auto run = RunSession::Create(tp2.client.get(), lora, 11);
+  expect_same(sample(tp2), "tp2");
+  // A Sample abandoned at its deadline stops both tensor ranks at the same step (they vote
+  // between steps); the mesh then serves the next Sample as before.
+  ASSERT_OK_AND_ASSIGN(v1::ListRunsResponse runs, tp2.client->ListRuns());
+  ASSERT_EQ(runs.runs_size(), 1);
+  v1::SampleRequest long_req;
+  long_req.set_run_id(runs.runs(0).run_id());
+  for (int p = 0; p < 32; ++p) {
+    v1::TokenSequence* prompt = long_req.add_prompts();
+    for (int t = 0; t < 8; ++t) prompt->add_tokens(p % 90 + 1);
+  }
+  long_req.set_num_samples(16);
+  long_req.mutable_params()->set_max_tokens(400);
+  long_req.mutable_params()->set_temperature(1.0);
+  {
+    auto stub = v1::Trainer::NewStub(grpc::CreateChannel(tp2.server->address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    v1::SampleResponse ignored;
+    EXPECT_EQ(stub->Sample(&ctx, long_req, &ignored).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  v1::SampleRequest again = req;
+  again.set_run_id(runs.runs(0).run_id());
+  ASSERT_OK_AND_ASSIGN(v1::SampleResponse after, tp2.client->Sample(again));
+  expect_same(after, "tp2 after a cancelled sample");
+  Coordinator pp2 = Start({"--pp", "2"});
+  auto run = RunSession::Create(pp2.client.get(), lora, 11);
   ASSERT_TRUE(run.ok()) << run.status();
   v1::SampleRequest r = req;
   r.set_run_id(run->run_id());
-  EXPECT_THAT(tp2.client->Sample(r), StatusIs(absl::StatusCode::kFailedPrecondition, "tp, pp, cp or ep > 1"));
+  EXPECT_THAT(pp2.client->Sample(r), StatusIs(absl::StatusCode::kFailedPrecondition, "pp, cp or ep > 1"));
 }
 
 TEST_F(MeshTest, TensorParallelEqualsWorldOne) {

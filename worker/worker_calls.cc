@@ -222,7 +222,8 @@ absl::Status WorkerCalls::Forward(const v1::WorkerForwardRequest& req, v1::Worke
 
 absl::Status WorkerCalls::Sample(const v1::WorkerSampleRequest& req, v1::SampleResponse* resp,
                                  const WorkerCore::Cancelled& cancelled) {
-  if (req.prompts_size() == 0) return absl::InvalidArgumentError("prompts: empty");
+  // On a mesh a replica without a share of the prompts still takes part (its ranks vote).
+  if (req.prompts_size() == 0 && !OnMesh()) return absl::InvalidArgumentError("prompts: empty");
   SamplingParams params;
   const v1::SamplingParams& p = req.params();
   params.max_tokens = p.max_tokens();
@@ -245,7 +246,8 @@ absl::Status WorkerCalls::Sample(const v1::WorkerSampleRequest& req, v1::SampleR
     requests.push_back(std::move(r));
   }
   absl::StatusOr<WorkerCore::SampleOutcome> done =
-      core_->Sample(req.run_id(), req.base_model(), std::move(requests), cancelled, req.checkpoint());
+      core_->Sample(req.run_id(), req.base_model(), std::move(requests), cancelled, req.checkpoint(),
+                    MeshFromProto(req.mesh()).Unchecked());
   PublishSamplerState(metrics_, core_->SamplerState());  // also after a refusal or a cancel
   LORASTEP_RETURN_IF_ERROR(done.status());
   WorkerCore::SampleOutcome& outcome = *done;

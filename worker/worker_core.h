@@ -138,9 +138,13 @@ class WorkerCore {
   // Completions of `requests` from run `run_id`'s current adapter (`base_model`: the base
   // model alone, `run_id` unused) through the worker's one sampler engine: the sequences of
   // concurrent Sample calls decode together, each caller stepping the engine (under the
-  // device lock, step by step) until its own requests are done. tp = pp = cp = ep = 1 (a
-  // data-parallel replica samples alone, without collectives). `cancelled`:
-  // asked between steps; the call's requests are then dropped, their blocks freed at once.
+  // device lock, step by step) until its own requests are done. A data-parallel replica
+  // (dp only) samples alone, without collectives; on tensor ranks (tp > 1) every rank of the
+  // mesh gets the call (its replica's share of the prompts, maybe none), the ranks vote once
+  // that all are ready, and each tensor group steps its engines together (the coordinator's
+  // mesh order keeps other calls out). pp, cp or ep > 1: FAILED_PRECONDITION. `cancelled`:
+  // asked between steps (on tensor ranks, voted on when `mesh.agree_on_cancel`); the call's
+  // requests are then dropped, their blocks freed at once.
   struct SampleOutcome {
     std::vector<SampleResult> results;  // in request order
     int64_t learner_version = 0;
@@ -150,7 +154,8 @@ class WorkerCore {
   // or a SaveState checkpoint, loaded into the run's LoRA config for this call) instead of
   // the run's current one; its learner version is reported.
   absl::StatusOr<SampleOutcome> Sample(const std::string& run_id, bool base_model, std::vector<SampleRequest> requests,
-                                       const Cancelled& cancelled = {}, const std::string& checkpoint = "");
+                                       const Cancelled& cancelled = {}, const std::string& checkpoint = "",
+                                       const MeshCallInfo& mesh = {});
   // The sampler's figures: kv blocks in all and in use, sequences running, requests waiting.
   struct SamplerFigures {
     int64_t kv_blocks = 0, kv_blocks_used = 0, running_sequences = 0, waiting_requests = 0;
@@ -268,6 +273,14 @@ class WorkerCore {
 
   // The sampler's pool and engine, made at the first Sample. Requires sampler_mu_.
   absl::Status EnsureSampler();
+  // What a Sample samples from: null (the base model), the run's adapter, or `checkpoint`'s
+  // loaded into `saved` (this call's alone); `version` gets its learner version. Requires mu_.
+  absl::StatusOr<const Adapter*> SamplingAdapter(const std::string& run_id, bool base_model,
+                                                 const std::string& checkpoint, std::unique_ptr<Trainer>* saved,
+                                                 int64_t* version);
+  // Whether a Sample stops before its next step: its own caller's word alone, or on tensor
+  // ranks the group's (any rank's yes) when the coordinator asked for a vote.
+  absl::StatusOr<bool> SampleCancelled(const Cancelled& cancelled, CommGroup* tensor_group, bool agree_on_cancel);
 
   WorkerOptions options_;
   std::shared_ptr<const BaseModel> base_;

@@ -8,6 +8,7 @@
 #include "lib/device_stats.h"
 #include "lib/io/file_util.h"
 #include "lib/status_macros.h"
+#include "lib/torch_status.h"
 #include "lib/training/activation_memory.h"
 #include "worker/worker_core.h"
 
@@ -19,7 +20,11 @@ absl::Status WorkerCore::EnsureSampler() {
   KvShape shape;
   shape.layers = static_cast<int64_t>(base.weights.layers.size());
   shape.first_layer = base.weights.first_layer;
-  shape.kv_heads = base.shard.kv_heads > 0 ? base.shard.kv_heads : base.config.num_key_value_heads;
+  // A tensor rank caches the key/value heads it attends with: its share, or the one head it
+  // reads when the heads are replicated over the tensor group.
+  shape.kv_heads = base.shard.kv_select >= 0 ? 1
+                   : base.shard.kv_heads > 0 ? base.shard.kv_heads
+                                             : base.config.num_key_value_heads;
   shape.head_dim = base.config.head_dim();
   int64_t bytes = options_.kv_cache_bytes;
   if (bytes <= 0) {
@@ -33,57 +38,79 @@ absl::Status WorkerCore::EnsureSampler() {
   }
   LORASTEP_ASSIGN_OR_RETURN(KvBlockPool pool, KvBlockPool::Create(shape, blocks, base.dtype, base.device));
   kv_pool_ = std::make_unique<KvBlockPool>(std::move(pool));
-  sampler_ = std::make_unique<SamplerEngine>(base.config, base.weights, kv_pool_.get(), SamplerOptions());
+  sampler_ = std::make_unique<SamplerEngine>(base.config, base.weights, kv_pool_.get(), SamplerOptions(),
+                                             base.shard.tp > 1 ? &base.shard : nullptr);
   return absl::OkStatus();
+}
+
+absl::StatusOr<const Adapter*> WorkerCore::SamplingAdapter(const std::string& run_id, bool base_model,
+                                                           const std::string& checkpoint,
+                                                           std::unique_ptr<Trainer>* saved, int64_t* version) {
+  if (base_model && !checkpoint.empty()) {
+    return absl::InvalidArgumentError("checkpoint: a saved adapter and base_model exclude each other");
+  }
+  if (base_model) return nullptr;
+  LORASTEP_ASSIGN_OR_RETURN(Trainer * trainer, Find(run_id));
+  *version = trainer->learner_version();
+  if (checkpoint.empty()) return &trainer->adapter();
+  // Loaded for this call alone, into this rank's shard, without collectives.
+  TrainerOptions o;
+  o.lora = trainer->adapter().lora_config();
+  LORASTEP_ASSIGN_OR_RETURN(*saved, Trainer::Create(base_, o));
+  MeshVote local(nullptr, base_->device);
+  // A SaveState checkpoint keeps its step count (the version reported); a PEFT folder has none.
+  absl::StatusOr<std::string> folder = ResolvePath(run_id, checkpoint, /*write=*/false);
+  const bool state = folder.ok() && PathExists(*folder + "/trainer_state.json");
+  absl::Status loaded = InitRun(saved->get(), run_id, checkpoint, /*with_optimizer=*/state, &local);
+  if (!loaded.ok()) {
+    return absl::Status(loaded.code(), absl::StrReplaceAll(loaded.message(), {{"init_from", "checkpoint"}}));
+  }
+  *version = (*saved)->learner_version();
+  return &(*saved)->adapter();
 }
 
 absl::StatusOr<WorkerCore::SampleOutcome> WorkerCore::Sample(const std::string& run_id, bool base_model,
                                                              std::vector<SampleRequest> requests,
-                                                             const Cancelled& cancelled, const std::string& checkpoint) {
+                                                             const Cancelled& cancelled, const std::string& checkpoint,
+                                                             const MeshCallInfo& mesh) {
   const ParallelSizes& sizes = options_.sizes;
-  if (sizes.tp > 1 || sizes.pp > 1 || sizes.cp > 1 || sizes.ep > 1) {
+  if (sizes.pp > 1 || sizes.cp > 1 || sizes.ep > 1) {
     return absl::FailedPreconditionError(
-        "Sample: sampling with tp, pp, cp or ep > 1 is not built yet; a data-parallel replica (dp only) samples alone");
+        "Sample: sampling with pp, cp or ep > 1 is not built yet; data-parallel and tensor-parallel meshes sample");
   }
-  if (base_model && !checkpoint.empty()) {
-    return absl::InvalidArgumentError("checkpoint: a saved adapter and base_model exclude each other");
-  }
+  // Tensor ranks step their engines together: the whole mesh votes once that every rank is
+  // ready, and each tensor group agrees on a cancel between steps.
+  const bool tensor = sizes.tp > 1 && groups_ != nullptr;
   SampleOutcome outcome;
   std::vector<int64_t> ids;
   std::unique_ptr<Trainer> saved;  // the checkpoint's adapter, for this call
+  CommGroup* tensor_group = nullptr;
   {
     std::lock_guard<FairMutex> device(mu_);
-    const Adapter* adapter = nullptr;
-    if (!base_model) {
-      LORASTEP_ASSIGN_OR_RETURN(Trainer * trainer, Find(run_id));
-      adapter = &trainer->adapter();
-      outcome.learner_version = trainer->learner_version();
-      if (!checkpoint.empty()) {
-        // Loaded alone on this rank (no communicators: a data-parallel replica samples alone).
-        TrainerOptions o;
-        o.lora = trainer->adapter().lora_config();
-        LORASTEP_ASSIGN_OR_RETURN(saved, Trainer::Create(base_, o));
-        MeshVote local(nullptr, base_->device);
-        // A SaveState checkpoint keeps its step count (the version reported); a PEFT folder has none.
-        absl::StatusOr<std::string> folder = ResolvePath(run_id, checkpoint, /*write=*/false);
-        const bool state = folder.ok() && PathExists(*folder + "/trainer_state.json");
-        absl::Status loaded = InitRun(saved.get(), run_id, checkpoint, /*with_optimizer=*/state, &local);
-        if (!loaded.ok()) {
-          return absl::Status(loaded.code(), absl::StrReplaceAll(loaded.message(), {{"init_from", "checkpoint"}}));
-        }
-        adapter = &saved->adapter();
-        outcome.learner_version = saved->learner_version();
-      }
-    }
     std::lock_guard<std::mutex> lock(sampler_mu_);
-    LORASTEP_RETURN_IF_ERROR(EnsureSampler());
-    for (size_t i = 0; i < requests.size(); ++i) {
-      absl::StatusOr<int64_t> id = sampler_->Add(adapter, std::move(requests[i]));
-      if (!id.ok()) {
-        for (int64_t queued : ids) sampler_->Cancel(queued);
-        return absl::Status(id.status().code(), absl::StrCat("prompts[", i, "].", id.status().message()));
+    absl::Status ready = [&]() -> absl::Status {
+      if (tensor) {
+        LORASTEP_RETURN_IF_ERROR(FormGroups(mesh));
+        tensor_group = &groups_->group(GroupKind::kTensor);
       }
-      ids.push_back(*id);
+      if (requests.empty()) return absl::OkStatus();  // a replica without a share: only its vote
+      LORASTEP_ASSIGN_OR_RETURN(const Adapter* adapter,
+                                SamplingAdapter(run_id, base_model, checkpoint, &saved, &outcome.learner_version));
+      LORASTEP_RETURN_IF_ERROR(EnsureSampler());
+      if (tensor && !sampler_->Idle()) {
+        return absl::FailedPreconditionError("Sample: the engine of a tensor rank holds another call's requests");
+      }
+      for (size_t i = 0; i < requests.size(); ++i) {
+        absl::StatusOr<int64_t> id = sampler_->Add(adapter, std::move(requests[i]));
+        if (!id.ok()) return absl::Status(id.status().code(), absl::StrCat("prompts[", i, "].", id.status().message()));
+        ids.push_back(*id);
+      }
+      return absl::OkStatus();
+    }();
+    if (tensor && !groups_->broken()) ready = AgreeOnMesh(groups_.get(), base_->device, ready);
+    if (!ready.ok()) {
+      for (int64_t queued : ids) sampler_->Cancel(queued);
+      return ready;
     }
   }
   outcome.results.resize(ids.size());
@@ -98,18 +125,33 @@ absl::StatusOr<WorkerCore::SampleOutcome> WorkerCore::Sample(const std::string& 
         have[i] = true;
       }
     }
+    // A tensor group's ranks finish the same requests at the same step (they draw the same tokens).
     if (std::all_of(have.begin(), have.end(), [](bool b) { return b; })) return outcome;
-    if (cancelled && cancelled()) {
+    absl::StatusOr<bool> stop = SampleCancelled(cancelled, tensor ? tensor_group : nullptr, mesh.agree_on_cancel);
+    if (!stop.ok() || *stop) {
       for (int64_t id : ids) sampler_->Cancel(id);
+      if (!stop.ok()) return stop.status();
       return absl::CancelledError("Sample: cancelled (its caller went away or its deadline passed); its sequences were dropped");
     }
-    absl::Status stepped = sampler_->Step();
+    absl::Status stepped = sampler_->Step(tensor_group);
     ++outcome.engine_steps;
     if (!stepped.ok()) {
       for (int64_t id : ids) sampler_->Cancel(id);
       return stepped;
     }
   }
+}
+
+absl::StatusOr<bool> WorkerCore::SampleCancelled(const Cancelled& cancelled, CommGroup* tensor_group,
+                                                 bool agree_on_cancel) {
+  if (tensor_group == nullptr) return cancelled && cancelled();
+  if (!agree_on_cancel || !cancelled) return false;
+  // Every rank of the group asks before the same step; any rank's yes stops them all there.
+  return GuardTorch([&]() -> absl::StatusOr<bool> {
+    at::Tensor any = at::full({1}, cancelled() ? 1.0f : 0.0f, at::TensorOptions().device(base_->device).dtype(at::kFloat));
+    LORASTEP_RETURN_IF_ERROR(tensor_group->AllReduce(any, ReduceKind::kMax));
+    return any.item<float>() > 0;
+  });
 }
 
 WorkerCore::SamplerFigures WorkerCore::SamplerState() {

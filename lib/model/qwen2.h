@@ -132,6 +132,13 @@ TokenScores Qwen2HeadScores(const ModelWeights& base, const Adapter* adapter, co
                             const at::Tensor& targets, int64_t chunk_tokens, const ForwardOptions& options,
                             const VocabShard& vocab, bool entropy_grad);
 
+// The logits [T, V] (fp32, the whole vocabulary) of final hidden states [T, H] under the same
+// head as Qwen2HeadScores (no dropout, no grad). With the vocabulary split over `vocab.group`
+// (`vocab_size` rows in all, EvenRange shares), each rank computes its share and one
+// all-gather assembles the rows on every rank.
+at::Tensor Qwen2HeadLogits(const ModelWeights& base, const Adapter* adapter, const at::Tensor& hidden,
+                           const VocabShard& vocab, int64_t vocab_size);
+
 }  // namespace lorastep
 
 #endif  // LORASTEP_LIB_MODEL_QWEN2_H_

@@ -32,8 +32,8 @@ struct SamplerEngine::Request {
 };
 
 SamplerEngine::SamplerEngine(const ModelConfig& config, const ModelWeights& weights, KvBlockPool* pool,
-                             SamplerOptions options)
-    : config_(config), weights_(weights), pool_(pool), options_(options) {}
+                             SamplerOptions options, const ModelShard* shard)
+    : config_(config), weights_(weights), pool_(pool), options_(options), shard_(shard) {}
 
 SamplerEngine::~SamplerEngine() {
   std::vector<int64_t> ids;
@@ -102,21 +102,8 @@ void SamplerEngine::Release(KvSequence& kv) {
   kv.length = 0;
 }
 
-at::Tensor SamplerEngine::Logits(const Adapter* adapter, const at::Tensor& hidden) const {
-  const bool full = adapter != nullptr && adapter->full_finetune();
-  const at::Tensor& weight = full ? adapter->full_weights().output_weight() : weights_.output_weight();
-  const LoraFactors* f = adapter != nullptr && !full ? adapter->head_lora() : nullptr;
-  if (f == nullptr) return at::mm(hidden, weight.t()).to(at::kFloat);
-  const at::Tensor& a = adapter->parameters()[f->a].value;
-  const at::Tensor& b = adapter->parameters()[f->b].value;
-  const at::Tensor u = at::mm(hidden, a.t()) * adapter->lora_config().scale();
-  return at::mm(at::cat({hidden, u}, 1), at::cat({weight, b}, 1).t()).to(at::kFloat);
-}
-
-bool SamplerEngine::Choose(Request& r, Sample& s, const at::Tensor& logits) {
+bool SamplerEngine::Choose(Request& r, Sample& s, const at::Tensor& model, const at::Tensor& sampling) {
   const SamplingParams& p = r.request.params;
-  const at::Tensor model = at::log_softmax(logits, 0);
-  const at::Tensor sampling = SamplingLogProbs(logits, p);
   const int64_t token = DrawToken(sampling, s.stream.Uniform());
   SampledSequence& out = s.out;
   out.tokens.push_back(token);
@@ -147,6 +134,9 @@ absl::Status SamplerEngine::Fork(Request& r, const at::Tensor& logits) {
   r.first_token = std::chrono::steady_clock::now();
   r.result.time_to_first_token_s = std::chrono::duration<double>(r.first_token - r.added).count();
   r.samples.resize(r.request.num_samples);
+  // Every sample's first token comes from the same distribution: computed once.
+  const at::Tensor model = at::log_softmax(logits, 0);
+  const at::Tensor sampling = SamplingLogProbs(logits, r.request.params);
   for (int64_t i = 0; i < r.request.num_samples; ++i) {
     Sample& s = r.samples[i];
     s.stream = SampleStream(r.request.params.seed + static_cast<uint64_t>(i));
@@ -161,7 +151,7 @@ absl::Status SamplerEngine::Fork(Request& r, const at::Tensor& logits) {
       s.kv.blocks.push_back(own->front());
     }
     s.kv.length = p;
-    Choose(r, s, logits);
+    Choose(r, s, model, sampling);
   }
   Release(r.prompt);
   return absl::OkStatus();
@@ -180,12 +170,12 @@ void SamplerEngine::Finish(Request& r) {
   finished_[r.id] = std::move(r.result);
 }
 
-absl::Status SamplerEngine::Step() {
-  // A LibTorch error inside the forward becomes a status; it leaves no sequence advanced.
-  return GuardTorch([&] { return StepOnce(); });
+absl::Status SamplerEngine::Step(CommGroup* tensor_group) {
+  // A LibTorch error (or a failed collective) inside the forward becomes a status.
+  return GuardTorch([&] { return StepOnce(tensor_group); });
 }
 
-absl::Status SamplerEngine::StepOnce() {
+absl::Status SamplerEngine::StepOnce(CommGroup* tensor_group) {
   Admit();
   if (running_.empty()) return absl::OkStatus();
   at::NoGradGuard no_grad;
@@ -277,6 +267,11 @@ absl::Status SamplerEngine::StepOnce() {
     forward.packed = &packed;
     forward.cached_attention = &attention;
     if (segmented) forward.run_segments = &segments;
+    if (tensor_group != nullptr && shard_ != nullptr && shard_->tp > 1) {
+      forward.shard = shard_;
+      forward.tensor_group = tensor_group;
+    }
+    const VocabShard vocab{forward.tensor_group, shard_ != nullptr ? shard_->vocab_begin : 0};
     const at::Tensor row = at::tensor(tokens, at::kLong).to(device).unsqueeze(0);
     const Adapter* model_adapter = segmented ? nullptr : forward_adapters.front();
     const at::Tensor hidden = Qwen2Hidden(config_, weights_, model_adapter, row, forward)[0];  // [T, H]
@@ -302,7 +297,9 @@ absl::Status SamplerEngine::StepOnce() {
       for (size_t w = 0; w < wanted.size(); ++w) {
         if (wanted_adapter[w] == adapter) rows.push_back(wanted[w]);
       }
-      if (!rows.empty()) parts.push_back(Logits(adapter, hidden.index_select(0, at::tensor(rows, at::kLong).to(device))));
+      if (rows.empty()) continue;
+      const at::Tensor picked = hidden.index_select(0, at::tensor(rows, at::kLong).to(device));
+      parts.push_back(Qwen2HeadLogits(weights_, adapter, picked, vocab, config_.vocab_size));
     }
     // The adapters' rows lie in adapter order, so the parts concatenate in `wanted` order.
     const at::Tensor logits = parts.empty() ? at::Tensor() : at::cat(parts, 0).to(at::kCPU);
@@ -311,7 +308,8 @@ absl::Status SamplerEngine::StepOnce() {
       Request& r = *it->request;
       if (it->sample != nullptr) {
         it->sample->kv.length += 1;
-        Choose(r, *it->sample, logits[at_row++]);
+        const at::Tensor row_logits = logits[at_row++];
+        Choose(r, *it->sample, at::log_softmax(row_logits, 0), SamplingLogProbs(row_logits, r.request.params));
         continue;
       }
       const int64_t begin = r.prompt.length;

@@ -12,7 +12,12 @@
 //
 // Reported per sampled token: its log-prob under the model at temperature 1 with nothing cut
 // (what the trainer computes for it) and under the sampling distribution
-// (lib/sampling/sampling_params.h). A whole, unsharded model (tensor parallelism is not built).
+// (lib/sampling/sampling_params.h).
+//
+// Tensor parallelism: the weights and adapters hold this rank's shard (`shard`), and every
+// rank of the tensor group runs the same engine over the same requests in the same order;
+// each step's forward runs the trainer's sharded layers and gathers the whole vocabulary's
+// logits, so every rank draws the same tokens and its cache holds its own key/value heads.
 #ifndef LORASTEP_LIB_SAMPLING_SAMPLER_H_
 #define LORASTEP_LIB_SAMPLING_SAMPLER_H_
 
@@ -31,6 +36,8 @@
 #include "lib/model/adapter.h"
 #include "lib/model/model_config.h"
 #include "lib/model/model_weights.h"
+#include "lib/parallel/parallel_layout.h"
+#include "lib/parallel/process_groups.h"
 #include "lib/sampling/kv_blocks.h"
 #include "lib/sampling/sampling_params.h"
 
@@ -70,16 +77,19 @@ struct SamplerOptions {
 
 class SamplerEngine {
  public:
-  // `weights` and `pool` outlive the engine; `pool` is its alone.
-  SamplerEngine(const ModelConfig& config, const ModelWeights& weights, KvBlockPool* pool, SamplerOptions options);
+  // `weights`, `pool` and `shard` outlive the engine; `pool` is its alone. `shard`: this
+  // rank's part of a tensor-parallel model (null: the whole model).
+  SamplerEngine(const ModelConfig& config, const ModelWeights& weights, KvBlockPool* pool, SamplerOptions options,
+                const ModelShard* shard = nullptr);
   ~SamplerEngine();
 
   // Queues a request for `adapter`'s model (null: the base model; it must outlive the
   // request). INVALID_ARGUMENT naming the field for a bad request; RESOURCE_EXHAUSTED when it
   // could never fit the pool, or the queue is full. Nothing is queued on an error.
   absl::StatusOr<int64_t> Add(const Adapter* adapter, SampleRequest request);
-  // Admits what fits and runs one step; does nothing when idle.
-  absl::Status Step();
+  // Admits what fits and runs one step; does nothing when idle. With a sharded model every
+  // rank of `tensor_group` steps together (same requests, same order).
+  absl::Status Step(CommGroup* tensor_group = nullptr);
   bool Idle() const { return waiting_.empty() && running_.empty(); }
   // Request `id`'s result once it finished (then forgotten); nullopt before.
   std::optional<SampleResult> Take(int64_t id);
@@ -92,14 +102,13 @@ class SamplerEngine {
  private:
   struct Request;
   struct Sample;
-  absl::Status StepOnce();
+  absl::Status StepOnce(CommGroup* tensor_group);
   void Admit();
   // Blocks `r` can need at most.
   int64_t WorstCaseBlocks(const SampleRequest& r) const;
-  // The logits [rows, V] (fp32) of final hidden states [rows, H] under `adapter`'s head.
-  at::Tensor Logits(const Adapter* adapter, const at::Tensor& hidden) const;
-  // Samples the next token of `s` from `logits` [V]; true when it finished.
-  bool Choose(Request& r, Sample& s, const at::Tensor& logits);
+  // Samples the next token of `s` from its model log-probs [V] (temperature 1) and its
+  // sampling distribution's log-probs [V]; true when it finished.
+  bool Choose(Request& r, Sample& s, const at::Tensor& model, const at::Tensor& sampling);
   // After the prompt's last chunk: each sample's first token from `logits`, and its blocks.
   absl::Status Fork(Request& r, const at::Tensor& logits);
   void Finish(Request& r);
@@ -109,6 +118,7 @@ class SamplerEngine {
   const ModelWeights& weights_;
   KvBlockPool* pool_;
   const SamplerOptions options_;
+  const ModelShard* shard_;
   int64_t next_id_ = 1;
   int64_t reserved_blocks_ = 0;  // the admitted requests' worst cases
   std::deque<std::unique_ptr<Request>> waiting_;
