@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -83,7 +84,8 @@ KvStepAttention::KvStepAttention(KvBlockPool* pool, const std::vector<const KvSe
     : pool_(pool), new_tokens_(new_tokens) {
   const int64_t bs = pool->shape().block_size;
   const at::Device device = pool->keys(pool->shape().first_layer).device();
-  std::vector<int64_t> writes;
+  std::vector<int64_t> writes, decoding;
+  int64_t longest = 0;
   for (size_t s = 0; s < sequences.size(); ++s) {
     const KvSequence& seq = *sequences[s];
     starts_.push_back(seq.length);
@@ -92,9 +94,32 @@ KvStepAttention::KvStepAttention(KvBlockPool* pool, const std::vector<const KvSe
                 "KvStepAttention: a sequence's blocks do not cover its new positions");
     const std::vector<int64_t> fresh = Slots(seq, seq.length, end, bs);
     writes.insert(writes.end(), fresh.begin(), fresh.end());
-    read_slots_.push_back(at::tensor(Slots(seq, 0, end, bs), at::kLong).to(device));
+    if (new_tokens[s] == 1) {
+      decoding.push_back(static_cast<int64_t>(s));
+      longest = std::max(longest, end);
+      read_slots_.emplace_back();
+    } else {
+      read_slots_.push_back(at::tensor(Slots(seq, 0, end, bs), at::kLong).to(device));
+    }
   }
   write_slots_ = at::tensor(writes, at::kLong).to(device);
+  if (decoding.empty()) return;
+  // The decoding sequences' slots as one [S, longest] table (padding: slot 0, masked).
+  std::vector<int64_t> rows, table, padding;
+  std::vector<int64_t> first_row(sequences.size() + 1, 0);
+  for (size_t s = 0; s < sequences.size(); ++s) first_row[s + 1] = first_row[s] + new_tokens[s];
+  for (int64_t s : decoding) {
+    const int64_t end = sequences[s]->length + 1;
+    std::vector<int64_t> slots = Slots(*sequences[s], 0, end, bs);
+    slots.resize(longest, 0);
+    table.insert(table.end(), slots.begin(), slots.end());
+    for (int64_t p = 0; p < longest; ++p) padding.push_back(p >= end ? 1 : 0);
+    rows.push_back(first_row[s]);
+  }
+  decode_sequences_ = decoding;
+  decode_rows_ = at::tensor(rows, at::kLong).to(device);
+  decode_slots_ = at::tensor(table, at::kLong).view({static_cast<int64_t>(decoding.size()), longest}).to(device);
+  decode_padding_ = at::tensor(padding, at::kLong).view({static_cast<int64_t>(decoding.size()), longest}).to(at::kBool).to(device);
 }
 
 at::Tensor KvStepAttention::Attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -103,24 +128,42 @@ at::Tensor KvStepAttention::Attend(int64_t layer, const at::Tensor& q, const at:
   at::Tensor& values = pool_->values(layer);
   keys.index_copy_(0, write_slots_, k[0].to(keys.scalar_type()));
   values.index_copy_(0, write_slots_, v[0].to(values.scalar_type()));
-  const int64_t heads = q.size(2), kv_heads = k.size(2), d = q.size(3);
+  const int64_t heads = q.size(2), kv_heads = k.size(2), d = q.size(3), group = heads / kv_heads;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  std::vector<at::Tensor> outs;
+  std::vector<at::Tensor> outs(new_tokens_.size());
+  // Decoding sequences (one new token each) attend together: their keys and values gathered
+  // into [S, L, kv_heads, d] (L: the longest; the padding masked out), each key/value head
+  // against its group of query heads, without repeating it.
+  if (decode_rows_.defined()) {
+    const int64_t n = decode_rows_.size(0), longest = decode_slots_.size(1);
+    const at::Tensor qd = q[0].index_select(0, decode_rows_).to(at::kFloat).view({n, kv_heads, group, d});
+    const at::Tensor kd = keys.index_select(0, decode_slots_.reshape({-1})).to(at::kFloat).view({n, longest, kv_heads, d});
+    const at::Tensor vd = values.index_select(0, decode_slots_.reshape({-1})).to(at::kFloat).view({n, longest, kv_heads, d});
+    at::Tensor scores = at::matmul(qd, kd.permute({0, 2, 3, 1})) * scale;  // [S, kv_heads, group, L]
+    scores = scores.masked_fill(decode_padding_.view({n, 1, 1, longest}), -std::numeric_limits<float>::infinity());
+    const at::Tensor out = at::matmul(at::softmax(scores, -1), vd.permute({0, 2, 1, 3}));  // [S, kv_heads, group, d]
+    const at::Tensor rows = out.reshape({n, heads * d});
+    for (int64_t i = 0; i < n; ++i) outs[decode_sequences_[i]] = rows.narrow(0, i, 1);
+  }
   int64_t row = 0;
   for (size_t s = 0; s < new_tokens_.size(); ++s) {
     const int64_t n = new_tokens_[s], length = starts_[s] + n;
+    if (outs[s].defined()) {
+      row += n;
+      continue;
+    }
     // [heads, n, d] queries over [heads, length, d] keys and values (GQA: each key/value head
-    // serves heads / kv_heads query heads).
+    // serves `group` query heads).
     const at::Tensor qs = q[0].narrow(0, row, n).transpose(0, 1).to(at::kFloat);
-    const at::Tensor ks = keys.index_select(0, read_slots_[s]).to(at::kFloat).repeat_interleave(heads / kv_heads, 1);
-    const at::Tensor vs = values.index_select(0, read_slots_[s]).to(at::kFloat).repeat_interleave(heads / kv_heads, 1);
+    const at::Tensor ks = keys.index_select(0, read_slots_[s]).to(at::kFloat).repeat_interleave(group, 1);
+    const at::Tensor vs = values.index_select(0, read_slots_[s]).to(at::kFloat).repeat_interleave(group, 1);
     at::Tensor scores = at::matmul(qs, ks.permute({1, 2, 0})) * scale;  // [heads, n, length]
     // Query j sits at position starts_[s] + j and sees positions up to it.
     const at::Tensor query_pos = at::arange(starts_[s], length, at::TensorOptions().dtype(at::kLong).device(q.device()));
     const at::Tensor key_pos = at::arange(length, at::TensorOptions().dtype(at::kLong).device(q.device()));
     scores = scores.masked_fill(key_pos.unsqueeze(0) > query_pos.unsqueeze(1), -std::numeric_limits<float>::infinity());
     const at::Tensor out = at::matmul(at::softmax(scores, -1), vs.transpose(0, 1));  // [heads, n, d]
-    outs.push_back(out.transpose(0, 1).reshape({n, heads * d}));
+    outs[s] = out.transpose(0, 1).reshape({n, heads * d});
     row += n;
   }
   return at::cat(outs, 0).to(q.scalar_type()).unsqueeze(0);

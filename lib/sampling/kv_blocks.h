@@ -71,7 +71,9 @@ struct KvSequence {
 // tokens of each sequence s at positions sequences[s]->length onwards (their blocks must
 // already cover those positions). Each layer's new keys and values are written into the
 // blocks, then each sequence's new queries attend over all of its positions, causally (fp32
-// softmax, 1/sqrt(head_dim) scale; grouped-query heads share their key/value head). No grad.
+// softmax, 1/sqrt(head_dim) scale; grouped-query heads share their key/value head). The
+// sequences that decode (one new token) attend in one batched product; prompt chunks one by
+// one. No grad.
 class KvStepAttention : public CachedAttention {
  public:
   KvStepAttention(KvBlockPool* pool, const std::vector<const KvSequence*>& sequences,
@@ -82,7 +84,11 @@ class KvStepAttention : public CachedAttention {
   KvBlockPool* pool_;
   std::vector<int64_t> starts_, new_tokens_;  // each sequence's first new position, and count
   at::Tensor write_slots_;                    // int64 [T]: the pool slot of each new token
-  std::vector<at::Tensor> read_slots_;        // per sequence, int64 [length after]: its slots
+  std::vector<at::Tensor> read_slots_;        // per sequence with several new tokens: its slots
+  // The sequences with one new token (decoding), attended together: their indices, their
+  // rows in the packed row, their slots [S, longest] and which of those are padding.
+  std::vector<int64_t> decode_sequences_;
+  at::Tensor decode_rows_, decode_slots_, decode_padding_;
 };
 
 }  // namespace lorastep
