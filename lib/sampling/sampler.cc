@@ -102,19 +102,14 @@ void SamplerEngine::Release(KvSequence& kv) {
   kv.length = 0;
 }
 
-bool SamplerEngine::Choose(Request& r, Sample& s, const at::Tensor& model, const at::Tensor& sampling) {
+void SamplerEngine::Append(Request& r, Sample& s, int64_t token, float logprob, float sampling_logprob,
+                           std::vector<TopLogprob> top) {
   const SamplingParams& p = r.request.params;
-  const int64_t token = DrawToken(sampling, s.stream.Uniform());
   SampledSequence& out = s.out;
   out.tokens.push_back(token);
-  out.logprobs.push_back(model[token].item<float>());
-  out.sampling_logprobs.push_back(sampling[token].item<float>());
-  if (p.top_logprobs > 0) {
-    auto [values, ids] = model.topk(std::min<int64_t>(p.top_logprobs, model.size(0)));
-    std::vector<TopLogprob> top;
-    for (int64_t i = 0; i < ids.size(0); ++i) top.push_back({ids[i].item<int64_t>(), values[i].item<float>()});
-    out.top_logprobs.push_back(std::move(top));
-  }
+  out.logprobs.push_back(logprob);
+  out.sampling_logprobs.push_back(sampling_logprob);
+  if (p.top_logprobs > 0) out.top_logprobs.push_back(std::move(top));
   bool stop = std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) != p.stop_token_ids.end();
   for (const std::vector<int64_t>& seq : p.stop_sequences) {
     stop = stop || (out.tokens.size() >= seq.size() && std::equal(seq.rbegin(), seq.rend(), out.tokens.rbegin()));
@@ -123,23 +118,25 @@ bool SamplerEngine::Choose(Request& r, Sample& s, const at::Tensor& model, const
     out.stop_reason = stop ? "stop" : "length";
     s.done = true;
     Release(s.kv);
-    return true;
+    return;
   }
   s.next_input = token;
-  return false;
 }
 
-absl::Status SamplerEngine::Fork(Request& r, const at::Tensor& logits) {
+absl::Status SamplerEngine::Fork(Request& r) {
   const int64_t p = r.prompt.length, bs = pool_->shape().block_size, shared = p / bs;
   r.first_token = std::chrono::steady_clock::now();
   r.result.time_to_first_token_s = std::chrono::duration<double>(r.first_token - r.added).count();
   r.samples.resize(r.request.num_samples);
-  // Every sample's first token comes from the same distribution: computed once.
-  const at::Tensor model = at::log_softmax(logits, 0);
-  const at::Tensor sampling = SamplingLogProbs(logits, r.request.params);
   for (int64_t i = 0; i < r.request.num_samples; ++i) {
-    Sample& s = r.samples[i];
-    s.stream = SampleStream(r.request.params.seed + static_cast<uint64_t>(i));
+    r.samples[i].stream = SampleStream(r.request.params.seed + static_cast<uint64_t>(i));
+  }
+  if (r.request.num_samples == 1) {  // the one sample writes on in the prompt's own blocks
+    r.samples[0].kv = std::move(r.prompt);
+    r.prompt = KvSequence();
+    return absl::OkStatus();
+  }
+  for (Sample& s : r.samples) {
     for (int64_t b = 0; b < shared; ++b) {
       pool_->Retain(r.prompt.blocks[b]);
       s.kv.blocks.push_back(r.prompt.blocks[b]);
@@ -151,10 +148,82 @@ absl::Status SamplerEngine::Fork(Request& r, const at::Tensor& logits) {
       s.kv.blocks.push_back(own->front());
     }
     s.kv.length = p;
-    Choose(r, s, model, sampling);
   }
   Release(r.prompt);
   return absl::OkStatus();
+}
+
+void SamplerEngine::ApplyDraws(const at::Tensor& logits, const std::vector<Draw>& draws,
+                               const std::vector<PromptLogprob>& prompt_lps) {
+  if (draws.empty() && prompt_lps.empty()) return;
+  const at::Device device = logits.device();
+  const auto on_device = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(device); };
+  const at::Tensor model = at::log_softmax(logits, -1);
+  if (!prompt_lps.empty()) {
+    std::vector<int64_t> rows, targets;
+    for (const PromptLogprob& p : prompt_lps) rows.push_back(p.row), targets.push_back(p.target);
+    const at::Tensor lp =
+        model.index_select(0, on_device(rows)).gather(1, on_device(targets).unsqueeze(1)).squeeze(1).to(at::kCPU);
+    for (size_t i = 0; i < prompt_lps.size(); ++i) prompt_lps[i].request->result.prompt_logprobs.push_back(lp[i].item<float>());
+  }
+  if (draws.empty()) return;
+  // Each distinct row's sampling distribution once (a forked prompt's samples share one),
+  // computed for all rows with the same parameters together.
+  std::vector<int64_t> distinct;          // rows, in first-use order
+  std::vector<int64_t> draw_distinct;     // per draw, its index in `distinct`
+  for (const Draw& d : draws) {
+    auto at = std::find(distinct.begin(), distinct.end(), d.row);
+    draw_distinct.push_back(at - distinct.begin());
+    if (at == distinct.end()) distinct.push_back(d.row);
+  }
+  std::vector<const SamplingParams*> distinct_params(distinct.size());
+  for (size_t i = 0; i < draws.size(); ++i) distinct_params[draw_distinct[i]] = &draws[i].request->request.params;
+  const auto same = [](const SamplingParams& a, const SamplingParams& b) {
+    return a.temperature == b.temperature && a.top_k == b.top_k && a.top_p == b.top_p && a.min_p == b.min_p;
+  };
+  at::Tensor sampling = at::empty({static_cast<int64_t>(distinct.size()), logits.size(1)}, logits.options());
+  std::vector<bool> done(distinct.size(), false);
+  for (size_t i = 0; i < distinct.size(); ++i) {
+    if (done[i]) continue;
+    std::vector<int64_t> members, rows;
+    for (size_t j = i; j < distinct.size(); ++j) {
+      if (!done[j] && same(*distinct_params[j], *distinct_params[i])) {
+        done[j] = true;
+        members.push_back(static_cast<int64_t>(j));
+        rows.push_back(distinct[j]);
+      }
+    }
+    sampling.index_copy_(0, on_device(members), SamplingLogProbs(logits.index_select(0, on_device(rows)), *distinct_params[i]));
+  }
+  std::vector<int64_t> rows;
+  std::vector<double> u;
+  int64_t top = 0;
+  for (const Draw& d : draws) {
+    rows.push_back(d.row);
+    u.push_back(d.sample->stream.Uniform());
+    top = std::max(top, d.request->request.params.top_logprobs);
+  }
+  const at::Tensor drawn_sampling = sampling.index_select(0, on_device(draw_distinct));
+  const at::Tensor drawn_model = model.index_select(0, on_device(rows));
+  const at::Tensor tokens = DrawTokens(drawn_sampling, u);
+  const at::Tensor picked = tokens.unsqueeze(1);
+  const at::Tensor host_tokens = tokens.to(at::kCPU);
+  const at::Tensor host_model = drawn_model.gather(1, picked).squeeze(1).to(at::kCPU);
+  const at::Tensor host_sampling = drawn_sampling.gather(1, picked).squeeze(1).to(at::kCPU);
+  at::Tensor top_values, top_ids;
+  if (top > 0) {
+    auto [values, ids] = drawn_model.topk(std::min<int64_t>(top, drawn_model.size(1)), -1);
+    top_values = values.to(at::kCPU);
+    top_ids = ids.to(at::kCPU);
+  }
+  for (size_t i = 0; i < draws.size(); ++i) {
+    const Draw& d = draws[i];
+    std::vector<TopLogprob> best;
+    const int64_t k = std::min<int64_t>(d.request->request.params.top_logprobs, top > 0 ? top_ids.size(1) : 0);
+    for (int64_t j = 0; j < k; ++j) best.push_back({top_ids[i][j].item<int64_t>(), top_values[i][j].item<float>()});
+    Append(*d.request, *d.sample, host_tokens[i].item<int64_t>(), host_model[i].item<float>(),
+           host_sampling[i].item<float>(), std::move(best));
+  }
 }
 
 void SamplerEngine::Finish(Request& r) {
@@ -302,14 +371,18 @@ absl::Status SamplerEngine::StepOnce(CommGroup* tensor_group) {
       parts.push_back(Qwen2HeadLogits(weights_, adapter, picked, vocab, config_.vocab_size));
     }
     // The adapters' rows lie in adapter order, so the parts concatenate in `wanted` order.
-    const at::Tensor logits = parts.empty() ? at::Tensor() : at::cat(parts, 0).to(at::kCPU);
+    const at::Tensor logits = parts.empty() ? at::Tensor() : at::cat(parts, 0);
+    // The positions advance; prompts whose last chunk ran fork into their samples. Then
+    // every draw of this forward (a decoding sample's next token, a forked sample's first)
+    // and every prompt log-prob asked for is computed on the device together.
+    std::vector<Draw> draws;
+    std::vector<PromptLogprob> prompt_lps;
     int64_t at_row = 0;
     for (const Item* it : group) {
       Request& r = *it->request;
       if (it->sample != nullptr) {
         it->sample->kv.length += 1;
-        const at::Tensor row_logits = logits[at_row++];
-        Choose(r, *it->sample, at::log_softmax(row_logits, 0), SamplingLogProbs(row_logits, r.request.params));
+        draws.push_back({&r, it->sample, at_row++});
         continue;
       }
       const int64_t begin = r.prompt.length;
@@ -318,18 +391,17 @@ absl::Status SamplerEngine::StepOnce(CommGroup* tensor_group) {
       const int64_t prompt_length = static_cast<int64_t>(r.request.prompt.size());
       if (r.request.params.prompt_logprobs) {
         for (int64_t j = 0; j < it->tokens; ++j, ++at_row) {
-          if (begin + j + 1 < prompt_length) {
-            r.result.prompt_logprobs.push_back(
-                at::log_softmax(logits[at_row], 0)[r.request.prompt[begin + j + 1]].item<float>());
-          }
-        }
-        if (r.prompt.length == prompt_length) {
-          if (absl::Status s = Fork(r, logits[at_row - 1]); !s.ok()) return s;
+          if (begin + j + 1 < prompt_length) prompt_lps.push_back({&r, at_row, r.request.prompt[begin + j + 1]});
         }
       } else if (r.prompt.length == prompt_length) {
-        if (absl::Status s = Fork(r, logits[at_row++]); !s.ok()) return s;
+        ++at_row;
+      }
+      if (r.prompt.length == prompt_length) {
+        if (absl::Status s = Fork(r); !s.ok()) return s;
+        for (Sample& s : r.samples) draws.push_back({&r, &s, at_row - 1});
       }
     }
+    ApplyDraws(logits, draws, prompt_lps);
   }
   // Requests whose samples all finished.
   std::vector<std::unique_ptr<Request>> still;

@@ -106,11 +106,26 @@ class SamplerEngine {
   void Admit();
   // Blocks `r` can need at most.
   int64_t WorstCaseBlocks(const SampleRequest& r) const;
-  // Samples the next token of `s` from its model log-probs [V] (temperature 1) and its
-  // sampling distribution's log-probs [V]; true when it finished.
-  bool Choose(Request& r, Sample& s, const at::Tensor& model, const at::Tensor& sampling);
-  // After the prompt's last chunk: each sample's first token from `logits`, and its blocks.
-  absl::Status Fork(Request& r, const at::Tensor& logits);
+  // A token to draw for `sample` from row `row` of a forward's logits.
+  struct Draw {
+    Request* request;
+    Sample* sample;
+    int64_t row;
+  };
+  // A prompt log-prob to read: token `target` at row `row`.
+  struct PromptLogprob {
+    Request* request;
+    int64_t row;
+    int64_t target;
+  };
+  // The draws and prompt log-probs of one forward's logits [rows, V] (fp32, on the device),
+  // computed together, one copy to the host; then each sample gets its token.
+  void ApplyDraws(const at::Tensor& logits, const std::vector<Draw>& draws, const std::vector<PromptLogprob>& prompt_lps);
+  // Appends a drawn token to `s` and checks its stops (a finished sample frees its blocks).
+  void Append(Request& r, Sample& s, int64_t token, float logprob, float sampling_logprob, std::vector<TopLogprob> top);
+  // After the prompt's last chunk: the samples, each with its blocks (the prompt's full
+  // blocks shared, its partial one copied; a single sample takes the prompt's blocks).
+  absl::Status Fork(Request& r);
   void Finish(Request& r);
   void Release(KvSequence& kv);
 

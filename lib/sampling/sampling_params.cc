@@ -41,33 +41,31 @@ absl::Status CheckSamplingParams(const SamplingParams& p, int64_t vocab, const s
 
 at::Tensor SamplingLogProbs(const at::Tensor& logits, const SamplingParams& p) {
   const at::Tensor x = logits.to(at::kFloat).contiguous();
-  const int64_t vocab = x.size(0);
+  const int64_t vocab = x.size(-1);
   const float minus_inf = -std::numeric_limits<float>::infinity();
   if (p.temperature == 0) {
-    at::Tensor out = at::full({vocab}, minus_inf, x.options());
-    out.index_put_({x.argmax()}, 0.0f);  // argmax: the first of equal maxima
-    return out;
+    // The argmax (the first of equal maxima) with probability 1.
+    return at::full_like(x, minus_inf).scatter_(-1, x.argmax(-1, /*keepdim=*/true), 0.0f);
   }
   at::Tensor scaled = x / p.temperature;
-  at::Tensor keep = at::ones({vocab}, x.options().dtype(at::kBool));
+  at::Tensor keep = at::ones_like(x, x.options().dtype(at::kBool));
   if (p.top_k > 0 && p.top_k < vocab) {
-    const at::Tensor kth = std::get<0>(scaled.topk(p.top_k)).min();
+    const at::Tensor kth = std::get<0>(scaled.topk(p.top_k, -1)).narrow(-1, p.top_k - 1, 1);
     keep &= scaled >= kth;
   }
   if (p.top_p < 1) {
     // The most likely tokens, in descending order, until their mass reaches top_p (the one
     // that crosses it kept).
-    const at::Tensor probs = at::softmax(scaled.masked_fill(~keep, minus_inf), 0);
-    auto [sorted, order] = probs.sort(0, /*descending=*/true);
-    const at::Tensor before = sorted.cumsum(0) - sorted;  // mass of the more likely tokens
-    const at::Tensor kept_sorted = before < p.top_p;
-    keep &= at::zeros_like(keep).index_put_({order}, kept_sorted);
+    const at::Tensor probs = at::softmax(scaled.masked_fill(~keep, minus_inf), -1);
+    auto [sorted, order] = probs.sort(-1, /*descending=*/true);
+    const at::Tensor before = sorted.cumsum(-1) - sorted;  // mass of the more likely tokens
+    keep &= at::zeros_like(keep).scatter_(-1, order, before < p.top_p);
   }
   if (p.min_p > 0) {
-    const at::Tensor probs = at::softmax(scaled.masked_fill(~keep, minus_inf), 0);
-    keep &= probs >= probs.max() * p.min_p;
+    const at::Tensor probs = at::softmax(scaled.masked_fill(~keep, minus_inf), -1);
+    keep &= probs >= std::get<0>(probs.max(-1, /*keepdim=*/true)) * p.min_p;
   }
-  return at::log_softmax(scaled.masked_fill(~keep, minus_inf), 0);
+  return at::log_softmax(scaled.masked_fill(~keep, minus_inf), -1);
 }
 
 namespace {
@@ -85,22 +83,22 @@ SampleStream::SampleStream(uint64_t seed) : state_(seed) { SplitMix64(state_); }
 
 double SampleStream::Uniform() { return static_cast<double>(SplitMix64(state_) >> 11) * 0x1.0p-53; }
 
+at::Tensor DrawTokens(const at::Tensor& sampling_logprobs, const std::vector<double>& u) {
+  const at::Tensor probs = sampling_logprobs.to(at::kDouble).exp();
+  const at::Tensor cumulative = probs.cumsum(-1);
+  const int64_t vocab = probs.size(-1);
+  const at::Tensor target = at::tensor(u, at::kDouble).to(probs.device()) * cumulative.select(-1, vocab - 1);
+  // The first position whose cumulative mass passes the target (its probability is > 0, as
+  // the mass rises there); none when u * total rounds up to the whole mass: the last kept.
+  const at::Tensor crossed = cumulative > target.unsqueeze(-1);
+  const at::Tensor first = crossed.to(at::kByte).argmax(-1);
+  const at::Tensor ids = at::arange(vocab, probs.options().dtype(at::kLong));
+  const at::Tensor last_kept = at::where(probs > 0, ids, at::zeros_like(ids)).amax(-1);
+  return at::where(crossed.any(-1), first, last_kept);
+}
+
 int64_t DrawToken(const at::Tensor& sampling_logprobs, double u) {
-  const at::Tensor probs = sampling_logprobs.to(at::kCPU).to(at::kDouble).exp().contiguous();
-  const double* p = probs.data_ptr<double>();
-  const int64_t n = probs.numel();
-  double total = 0;
-  for (int64_t i = 0; i < n; ++i) total += p[i];
-  const double target = u * total;
-  double cumulative = 0;
-  int64_t last = -1;
-  for (int64_t i = 0; i < n; ++i) {
-    if (p[i] <= 0) continue;
-    cumulative += p[i];
-    last = i;
-    if (cumulative > target) return i;
-  }
-  return last;  // u * total rounded up to the whole mass: the last kept token
+  return DrawTokens(sampling_logprobs.unsqueeze(0), {u})[0].item<int64_t>();
 }
 
 }  // namespace lorastep

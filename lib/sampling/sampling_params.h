@@ -40,8 +40,8 @@ inline constexpr int64_t kMaxTopLogprobs = 64;
 // `vocab` bounds the stop token ids.
 absl::Status CheckSamplingParams(const SamplingParams& p, int64_t vocab, const std::string& field);
 
-// The log-probs of the sampling distribution for one row of logits (fp32 [V]): -inf outside
-// the kept set. Deterministic for equal logits.
+// The log-probs of the sampling distribution for logits [V] or rows of logits [n, V], each
+// row on its own: -inf outside the kept set. Deterministic for equal logits.
 at::Tensor SamplingLogProbs(const at::Tensor& logits, const SamplingParams& p);
 
 // A sequence's own stream of uniform draws in [0, 1), from its seed alone, so its draws do
@@ -56,8 +56,11 @@ class SampleStream {
   uint64_t state_;
 };
 
-// Draws a token id from sampling log-probs (fp32 [V]): the first id whose cumulative
-// probability (in id order, fp64) passes u.
+// Draws one token id per row of sampling log-probs [n, V] (on their device), row i with
+// uniform u[i]: the first id whose cumulative probability (in id order, fp64) passes u[i]
+// times the row's mass. int64 [n] on the same device; each row's draw depends on that row alone.
+at::Tensor DrawTokens(const at::Tensor& sampling_logprobs, const std::vector<double>& u);
+// The same for one row [V].
 int64_t DrawToken(const at::Tensor& sampling_logprobs, double u);
 
 }  // namespace lorastep
