@@ -469,6 +469,12 @@ def suite_multi_tenant(ctx):
         ctx.fails, "multi-tenant results", env=ctx.env)
 
 
+def suite_sampler(ctx):
+    run(["bash", "bench/sampler_gpu.sh", ctx.build, ctx.out, " ".join(ctx.args.sampler_shapes),
+         ",".join(str(b) for b in ctx.args.sampler_batches), str(ctx.args.sampler_prompt), str(ctx.args.sampler_new)],
+        ctx.fails, "sampler against transformers generate", env=bench_env(ctx), log=os.path.join(ctx.out, "sampler.log"))
+
+
 SUITES = {
     "dgrad": ("the flattened dgrad microbenchmark", suite_dgrad, lambda a: ["dgrad.json"], lambda a: []),
     "parity": ("0.5B log-probs and LoRA gradients against transformers + PEFT", suite_parity,
@@ -507,6 +513,8 @@ SUITES = {
                  lambda a: [f"autosave_{d}.json" for d in a.deployment], lambda a: []),
     "multi-tenant": ("many runs on one base: co-scheduled against one at a time", suite_multi_tenant,
                      lambda a: ["multi_tenant.json"], lambda a: []),
+    "sampler": ("the sampler's decode against transformers generate + PEFT", suite_sampler,
+                lambda a: ["sampler_gpu.json"], lambda a: []),
     "multi-gpu": ("NCCL layouts against world size 1 and their speedups", suite_multi_gpu,
                   lambda a: ["multi_gpu.json"], lambda a: []),
 }
@@ -602,6 +610,10 @@ def main(argv=None):
                     help="afterwards keep only the suites' results, env.txt and bench.log in OUT; the rest into raw.tgz")
     ap.add_argument("--keep-files", type=int, default=8,
                     help="--pack-raw: files left in OUT at most, raw.tgz included")
+    ap.add_argument("--sampler-shapes", nargs="+", default=["0.5b", "7b"], choices=["0.5b", "7b"], help="sampler: shapes")
+    ap.add_argument("--sampler-batches", nargs="+", type=int, default=[1, 16, 64, 256], help="sampler: batch sizes")
+    ap.add_argument("--sampler-prompt", type=int, default=512, help="sampler: prompt tokens")
+    ap.add_argument("--sampler-new", type=int, default=512, help="sampler: new tokens per sequence")
     ap.add_argument("command", choices=["build", "check", "suite", "all", "verify", "list"])
     ap.add_argument("names", nargs="*", help="suite names (suite, verify)")
     args = ap.parse_args(argv)

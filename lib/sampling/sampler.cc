@@ -246,6 +246,7 @@ absl::Status SamplerEngine::Step(CommGroup* tensor_group) {
 
 absl::Status SamplerEngine::StepOnce(CommGroup* tensor_group) {
   Admit();
+  last_step_ = StepFigures();
   if (running_.empty()) return absl::OkStatus();
   at::NoGradGuard no_grad;
   // This step's work: one decode token of every running sample, then prompt chunks.
@@ -267,6 +268,7 @@ absl::Status SamplerEngine::StepOnce(CommGroup* tensor_group) {
     items.push_back({r.get(), nullptr, n});
     budget -= n;
   }
+  for (const Item& it : items) (it.sample != nullptr ? last_step_.decode_tokens : last_step_.prefill_tokens) += it.tokens;
   // The adapters of this step's items, in order of first appearance; their items' rows lie
   // together, adapter after adapter. Several adapters share one forward as run segments
   // (each its own LoRA over its rows, the frozen base once over all) where the model allows

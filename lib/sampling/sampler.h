@@ -96,6 +96,11 @@ class SamplerEngine {
   // Drops request `id`, waiting, running or finished; its blocks are free at once.
   void Cancel(int64_t id);
 
+  // What the last Step() ran: decode tokens (one per running sample) and prompt tokens.
+  struct StepFigures {
+    int64_t decode_tokens = 0, prefill_tokens = 0;
+  };
+  const StepFigures& last_step() const { return last_step_; }
   int64_t running_sequences() const;
   int64_t waiting_requests() const { return static_cast<int64_t>(waiting_.size()); }
 
@@ -139,6 +144,7 @@ class SamplerEngine {
   std::deque<std::unique_ptr<Request>> waiting_;
   std::vector<std::unique_ptr<Request>> running_;
   std::map<int64_t, SampleResult> finished_;
+  StepFigures last_step_;
 };
 
 }  // namespace lorastep
