@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The sampler's CPU figures (bench/sampler_bench.cc says what each is), written with the
-# date, machine, library versions and command to bench/results/sampler.json (or OUT_JSON).
+# date, machine, library versions and command to bench/results/sampler.json (or OUT_JSON);
+# a "gpu" entry already there (the GPU suite's sampler_gpu.json) is kept.
 #   bash bench/sampler.sh [OUT_JSON]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,10 @@ out = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%
        "command": "bash bench/sampler.sh",
        "workload": "tiny Qwen2-shaped model, fp32 on CPU, LoRA r8 on every linear and the LM head (random factors)"}
 out.update({k: (int(v) if k in ("same_seed_identical", "cpu_parity_tokens") else v) for k, v in figures.items()})
+try:  # the GPU figures (scripts/bench.py suite sampler) stay, with their own date and machine
+    out["gpu"] = json.load(open(sys.argv[1]))["gpu"]
+except (OSError, KeyError, ValueError):
+    pass
 json.dump(out, open(sys.argv[1], "w"), indent=2)
 print("wrote", sys.argv[1])
 PY
