@@ -438,6 +438,7 @@ absl::StatusOr<v1::SampleResponse> Coordinator::Sample(const v1::SampleRequest& 
   // Each data-parallel replica samples a contiguous share of the prompts from its copy of the
   // adapter (every rank of it, on tensor ranks); every sample draws from its own seed, so the
   // answer is the same as one worker's.
+  const auto started = std::chrono::steady_clock::now();
   LORASTEP_ASSIGN_OR_RETURN(
       auto per_rank, FanOut<v1::SampleResponse>(*run, run->AllRanks(), [&](int rank, WorkerClient* w) {
         v1::WorkerSampleRequest wreq;
@@ -453,7 +454,22 @@ absl::StatusOr<v1::SampleResponse> Coordinator::Sample(const v1::SampleRequest& 
         wreq.mutable_mesh()->set_client_deadline(cancel != nullptr);
         return w->Sample(wreq, cancel);
       }));
-  return split_.MergeSamples(prompts, std::move(per_rank));
+  v1::SampleResponse merged = split_.MergeSamples(prompts, std::move(per_rank));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  const auto figure = [&](const char* name) {
+    auto it = merged.metrics().find(name);
+    return it == merged.metrics().end() ? int64_t{0} : static_cast<int64_t>(it->second);
+  };
+  {
+    std::lock_guard<std::mutex> view(run->view_mu);
+    v1::RunSampling* s = run->run.mutable_sampling();
+    s->set_calls(s->calls() + 1);
+    s->set_sampled_tokens(s->sampled_tokens() + figure("sampled_tokens:sum"));
+    s->set_prefill_tokens(s->prefill_tokens() + figure("prefill_tokens:sum"));
+    s->set_last_tokens_per_s(seconds > 0 ? static_cast<double>(figure("sampled_tokens:sum")) / seconds : 0);
+    s->set_last_unix_ms(NowUnixMs());
+  }
+  return merged;
 }
 
 absl::StatusOr<v1::StepResponse> Coordinator::OptimStep(const v1::OptimStepRequest& req) {

@@ -72,6 +72,11 @@ $CLI get --run "$RUN" | grep -q '"learner_version"'
 # sample: completions as JSON, the learner version sampled; a bad id refused naming it.
 $CLI sample --run "$RUN" --prompts "1,2,3;4,5" --num_samples 2 --max_tokens 4 --seed 7 > "$TMP/sample.json"
 python3 -c "import json,sys; r=json.load(open(sys.argv[1])); assert len(r['prompts'])==2 and all(len(p['sequences'])==2 and all(len(s['tokens'])==4 for s in p['sequences']) for p in r['prompts']) and int(r['learner_version'])>0, r" "$TMP/sample.json"
+# top shows sampling beside training: one Sample call, 2 prompts x 2 samples x 4 tokens.
+$CLI top --iterations 1 > "$TMP/top.txt"
+grep -q "sample_tok/s" "$TMP/top.txt"
+awk -v run="$RUN" '$1 == run && $5 == 1 && $6 == 16 { found = 1 } END { exit !found }' "$TMP/top.txt" \
+  || { echo "top: expected 1 Sample call and 16 sampled tokens for $RUN"; cat "$TMP/top.txt"; exit 1; }
 if $CLI sample --run "$RUN" --prompts "1,x" 2> "$TMP/e4.txt"; then echo "bad prompt accepted"; exit 1; fi
 grep -q "'x' is not a token id" "$TMP/e4.txt"
 $CLI export --run "$RUN" --path "$TMP/cli-peft" | grep -q "sha256"

@@ -595,8 +595,8 @@ TEST_P(LoraLinearTest, FoldOverSpareColumnsKeepsEachRunsBranch) {
       part.a_main_grad = at::zeros({rank, in}, opts.dtype(at::kFloat));
       part.b_main_grad = at::zeros({width, rank}, opts.dtype(at::kFloat));
       runs[k].parts.push_back(part);
-      runs[k].want_a.push_back(at::zeros({rank, in}, at::kDouble));
-      runs[k].want_b.push_back(at::zeros({width, rank}, at::kDouble));
+      runs[k].want_a.push_back(at::zeros({rank, in}, opts.dtype(at::kDouble)));  // beside the grads (CUDA too)
+      runs[k].want_b.push_back(at::zeros({width, rank}, opts.dtype(at::kDouble)));
     }
   }
   // Run 0, run 1, run 0 again, run 2: every forward first, then every backward.

@@ -95,7 +95,7 @@ constexpr char kUsage[] =
     "  watch --run R [--since --count --names]   follow new steps\n"
     "  save|load|export --run R --path P      state and PEFT adapter\n"
     "  checkpoints --run R / delete-checkpoint --run R --name N   the state store\n"
-    "  top [--interval 2 --iterations N --names]   live table of runs and their last step\n"
+    "  top [--interval 2 --iterations N --names]   live table of runs: their last step and their sampling\n"
     "  plot --run R [--out R.png --since]     loss, reward, KL, grad norm, tokens/s against step\n"
     "  sample --run R --prompts '1,2,3;4,5' [--num_samples --max_tokens --temperature --top_k --top_p --min_p\n"
     "         --seed --base_model]           completions from the run's adapter (JSON)\n";
@@ -425,12 +425,18 @@ int Top(TrainerClient& c) {
     auto runs = c.ListRuns();
     if (!runs.ok()) return Fail(runs.status());
     if (tty) std::printf("\033[H\033[2J");
-    std::printf("%-14s %8s %6s %-9s", "run", "version", "step", "status");
+    std::printf("%-14s %8s %6s %-9s %8s %10s %12s", "run", "version", "step", "status", "samples", "sampled",
+                "sample_tok/s");
     for (const auto& n : names) std::printf(" %16s", n.c_str());
     std::printf("\n");
     for (const auto& run : runs->runs()) {
       std::printf("%-14s %8lld %6lld %-9s", run.run_id().c_str(), static_cast<long long>(run.learner_version()),
                   static_cast<long long>(run.last_step()), run.diverged().empty() ? "active" : "diverged");
+      // Sampling beside training: the run's Sample calls, tokens sampled, the latest call's rate.
+      const v1::RunSampling& sampling = run.sampling();
+      std::printf(" %8lld %10lld %12s", static_cast<long long>(sampling.calls()),
+                  static_cast<long long>(sampling.sampled_tokens()),
+                  sampling.calls() > 0 ? Cell(sampling.last_tokens_per_s()).c_str() : "-");
       v1::GetStepMetricsRequest req;
       req.set_run_id(run.run_id());
       req.set_since_step(std::max<int64_t>(0, run.last_step()));
