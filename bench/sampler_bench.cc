@@ -19,11 +19,13 @@
 #include <cstdio>
 #include <vector>
 
+#include "bench/sample_requests.h"
 #include "lib/model/adapter.h"
 #include "lib/model/qwen2.h"
 #include "lib/sampling/kv_blocks.h"
 #include "lib/sampling/sampler.h"
 #include "tools/model_presets.h"
+#include "tools/random_lora.h"
 
 namespace lorastep {
 namespace {
@@ -34,9 +36,7 @@ Adapter RandomAdapter(const ModelConfig& config, uint64_t seed) {
   lora.alpha = 16;
   lora.target_modules = {"all-linear", "lm_head"};
   Adapter a = Adapter::CreateLora(config, lora, at::kCPU, at::kFloat, seed).value();
-  at::NoGradGuard no_grad;
-  at::manual_seed(seed);
-  for (Parameter& p : a.parameters()) p.value.copy_(at::randn_like(p.value) * 0.2);
+  DrawLoraFactors(a, seed, 0.2);
   return a;
 }
 
@@ -57,16 +57,6 @@ std::vector<SampleResult> Run(const ModelConfig& config, const ModelWeights& wei
   return out;
 }
 
-SampleRequest Request(std::vector<int64_t> prompt, int64_t samples, int64_t max_tokens, uint64_t seed) {
-  SampleRequest r;
-  r.prompt = std::move(prompt);
-  r.num_samples = samples;
-  r.params.max_tokens = max_tokens;
-  r.params.temperature = 1.0;
-  r.params.seed = seed;
-  return r;
-}
-
 int Main() {
   const ModelConfig config = ModelConfigPreset("tiny").value();
   const ModelWeights weights = RandomModelWeights(config, 1);
@@ -84,7 +74,7 @@ int Main() {
   };
   // Parity with the trainer's scores.
   std::vector<std::pair<const Adapter*, SampleRequest>> parity;
-  for (int i = 0; i < 16; ++i) parity.push_back({&adapter, Request(prompt(10 + i), 8, 32, 100 + i)});
+  for (int i = 0; i < 16; ++i) parity.push_back({&adapter, TemperatureOneRequest(prompt(10 + i), 8, 32, 100 + i)});
   const std::vector<SampleResult> sampled = Run(config, weights, &pool, parity);
   double parity_max = 0;
   for (size_t i = 0; i < parity.size(); ++i) {
@@ -107,14 +97,14 @@ int Main() {
   std::printf("cpu_parity_max_abs_logprob_diff=%.3g\n", parity_max);
   std::printf("cpu_parity_tokens=%d\n", 16 * 8 * 32);
   // Same seed, and batched with others.
-  const SampleRequest mine = Request(prompt(20), 4, 32, 5);
+  const SampleRequest mine = TemperatureOneRequest(prompt(20), 4, 32, 5);
   const SampleResult alone = Run(config, weights, &pool, {{&adapter, mine}})[0];
   const SampleResult again = Run(config, weights, &pool, {{&adapter, mine}})[0];
   bool identical = true;
   for (size_t s = 0; s < alone.sequences.size(); ++s) identical &= alone.sequences[s].tokens == again.sequences[s].tokens;
   std::printf("same_seed_identical=%d\n", identical ? 1 : 0);
   const SampleResult batched =
-      Run(config, weights, &pool, {{&other, Request(prompt(15), 4, 32, 9)}, {&adapter, mine}, {nullptr, Request(prompt(7), 4, 32, 11)}})[1];
+      Run(config, weights, &pool, {{&other, TemperatureOneRequest(prompt(15), 4, 32, 9)}, {&adapter, mine}, {nullptr, TemperatureOneRequest(prompt(7), 4, 32, 11)}})[1];
   double batch_max = 0;
   for (size_t s = 0; s < alone.sequences.size(); ++s) {
     if (batched.sequences[s].tokens != alone.sequences[s].tokens) batch_max = -1;
@@ -133,10 +123,10 @@ int Main() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
   std::vector<std::pair<const Adapter*, SampleRequest>> separate;
-  for (int i = 0; i < 16; ++i) separate.push_back({&adapter, Request(long_prompt, 1, 16, 40 + i)});
+  for (int i = 0; i < 16; ++i) separate.push_back({&adapter, TemperatureOneRequest(long_prompt, 1, 16, 40 + i)});
   int64_t shared_prefill = 0, separate_prefill = 0;
-  timed({{&adapter, Request(long_prompt, 16, 16, 40)}}, &shared_prefill);  // warm-up
-  const double shared_s = timed({{&adapter, Request(long_prompt, 16, 16, 40)}}, &shared_prefill);
+  timed({{&adapter, TemperatureOneRequest(long_prompt, 16, 16, 40)}}, &shared_prefill);  // warm-up
+  const double shared_s = timed({{&adapter, TemperatureOneRequest(long_prompt, 16, 16, 40)}}, &shared_prefill);
   const double separate_s = timed(separate, &separate_prefill);
   std::printf("prefix_sharing_prefill_tokens_saved_fraction=%.4f\n",
               1.0 - static_cast<double>(shared_prefill) / static_cast<double>(separate_prefill));

@@ -32,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench/sample_requests.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "lib/model/adapter.h"
@@ -39,6 +40,7 @@
 #include "lib/model/qwen2.h"
 #include "lib/sampling/kv_blocks.h"
 #include "lib/sampling/sampler.h"
+#include "tools/random_lora.h"
 
 namespace lorastep {
 namespace {
@@ -64,9 +66,7 @@ Adapter RandomLora(const ModelConfig& config, int64_t rank, const at::Device& de
   lora.target_modules = {"all-linear"};
   absl::StatusOr<Adapter> a = Adapter::CreateLora(config, lora, device, dtype, seed);
   if (!a.ok()) Die(a.status().ToString());
-  at::NoGradGuard no_grad;
-  at::manual_seed(seed);
-  for (Parameter& p : a->parameters()) p.value.copy_(at::randn_like(p.value) * 0.01);
+  DrawLoraFactors(*a, seed, 0.01);
   return std::move(*a);
 }
 
@@ -103,16 +103,6 @@ Timed Run(const ModelConfig& config, const ModelWeights& weights, KvBlockPool* p
   t.wall_s = Seconds(start);
   for (int64_t id : ids) t.results.push_back(*engine.Take(id));
   return t;
-}
-
-SampleRequest Request(std::vector<int64_t> prompt, int64_t samples, int64_t new_tokens, uint64_t seed) {
-  SampleRequest r;
-  r.prompt = std::move(prompt);
-  r.num_samples = samples;
-  r.params.max_tokens = new_tokens;
-  r.params.temperature = 1.0;
-  r.params.seed = seed;
-  return r;
 }
 
 double Median(std::vector<double> v) {
@@ -184,13 +174,13 @@ int Main(int argc, char** argv) {
   // Warm-up: kernels chosen, allocator grown.
   {
     std::vector<std::pair<const Adapter*, SampleRequest>> warm;
-    for (int i = 0; i < 8; ++i) warm.push_back({&adapter, Request(prompt(prompt_tokens), 1, 8, i)});
+    for (int i = 0; i < 8; ++i) warm.push_back({&adapter, TemperatureOneRequest(prompt(prompt_tokens), 1, 8, i)});
     Run(config, weights, &*pool, warm);
   }
   bool mismatch_done = false;
   for (int64_t batch : batches) {
     std::vector<std::pair<const Adapter*, SampleRequest>> requests;
-    for (int64_t i = 0; i < batch; ++i) requests.push_back({&adapter, Request(prompt(prompt_tokens), 1, new_tokens, 1000 + i)});
+    for (int64_t i = 0; i < batch; ++i) requests.push_back({&adapter, TemperatureOneRequest(prompt(prompt_tokens), 1, new_tokens, 1000 + i)});
     const Timed t = Run(config, weights, &*pool, requests);
     const double step_s = Median(t.decode_step_s);
     // The median decode step reads, per sequence, about the prompt and half the new tokens.
@@ -237,8 +227,8 @@ int Main(int argc, char** argv) {
     std::vector<std::pair<const Adapter*, SampleRequest>> one, eight;
     for (int64_t i = 0; i < 64; ++i) {
       const std::vector<int64_t> p = prompt(prompt_tokens);
-      one.push_back({&adapter, Request(p, 1, side_new, 2000 + i)});
-      eight.push_back({&adapters[i % 8], Request(p, 1, side_new, 2000 + i)});
+      one.push_back({&adapter, TemperatureOneRequest(p, 1, side_new, 2000 + i)});
+      eight.push_back({&adapters[i % 8], TemperatureOneRequest(p, 1, side_new, 2000 + i)});
     }
     std::printf("adapters1_wall_s=%.4f\n", Run(config, weights, &*pool, one).wall_s);
     std::printf("adapters8_wall_s=%.4f\n", Run(config, weights, &*pool, eight).wall_s);
@@ -248,8 +238,8 @@ int Main(int argc, char** argv) {
     std::vector<std::pair<const Adapter*, SampleRequest>> shared, separate;
     for (int64_t i = 0; i < 4; ++i) {
       const std::vector<int64_t> p = prompt(prompt_tokens);
-      shared.push_back({&adapter, Request(p, 16, side_new, 3000 + 16 * i)});
-      for (int64_t j = 0; j < 16; ++j) separate.push_back({&adapter, Request(p, 1, side_new, 3000 + 16 * i + j)});
+      shared.push_back({&adapter, TemperatureOneRequest(p, 16, side_new, 3000 + 16 * i)});
+      for (int64_t j = 0; j < 16; ++j) separate.push_back({&adapter, TemperatureOneRequest(p, 1, side_new, 3000 + 16 * i + j)});
     }
     std::printf("prefix16_wall_s=%.4f\n", Run(config, weights, &*pool, shared).wall_s);
     std::printf("separate16_wall_s=%.4f\n", Run(config, weights, &*pool, separate).wall_s);

@@ -23,6 +23,7 @@
 #include "lib/sampling/sampling_params.h"
 #include "tests/test_util.h"
 #include "tools/model_presets.h"
+#include "tools/random_lora.h"
 
 namespace lorastep {
 namespace {
@@ -41,9 +42,7 @@ struct Fixture {
     lora.alpha = 8;
     lora.target_modules = {"all-linear", "lm_head"};
     Adapter a = Adapter::CreateLora(config, lora, at::kCPU, at::kFloat, seed).value();
-    at::NoGradGuard no_grad;
-    at::manual_seed(seed);
-    for (Parameter& p : a.parameters()) p.value.copy_(at::randn_like(p.value) * 0.2);  // B = 0 would hide LoRA
+    DrawLoraFactors(a, seed, 0.2);
     return a;
   }
   KvBlockPool Pool(int64_t blocks, int64_t block_size = 4) const {
