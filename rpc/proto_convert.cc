@@ -352,6 +352,7 @@ absl::StatusOr<LossConfig> LossConfigFromProto(const v1::LossConfig& p) {
   if (p.has_dual_clip_c()) c.dual_clip_c = p.dual_clip_c();
   if (p.has_cispo_ratio_low()) c.cispo_ratio_low = p.cispo_ratio_low();
   if (p.has_cispo_ratio_high()) c.cispo_ratio_high = p.cispo_ratio_high();
+  if (p.has_dro_beta()) c.dro_beta = p.dro_beta();
   if (p.has_tis_cap()) c.tis_cap = p.tis_cap();
   if (p.has_kl_coef()) c.kl_coef = p.kl_coef();
   if (!p.kl_estimator().empty()) {

@@ -144,6 +144,41 @@ TEST_F(ServiceTest, TrainStepOverGrpcEqualsLibDirectly) {
   }
 }
 
+// DRO (Tinker's loss, summed) with its beta reaches the trainer as sent: one step over gRPC
+// equals the library's, adapter and metrics.
+TEST_F(ServiceTest, DroStepOverGrpcEqualsLibDirectly) {
+  RunSession run = NewRun(/*seed=*/23);
+  auto base = LoadBaseModel(*dir_ + "/model", "cpu", "");
+  ASSERT_TRUE(base.ok()) << base.status();
+  TrainerOptions options;
+  options.lora.rank = 4;
+  options.lora.alpha = 8;
+  options.seed = 23;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Trainer> local, Trainer::Create(*base, options));
+  LossConfig loss;
+  loss.kind = LossKind::kDro;
+  loss.dro_beta = 0.3;
+  loss.normalization = LossNormalization::kSum;
+  AdamWParams adam;
+  adam.lr = 1e-2;
+  adam.beta2 = 0.98;
+  adam.weight_decay = 0.1;
+  adam.max_grad_norm = 1.0;
+  v1::LossConfig dro;
+  dro.set_loss_fn("dro");
+  dro.set_dro_beta(0.3);
+  dro.set_normalization("sum");
+  std::vector<v1::Datum> batch = Batch(0);
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse remote, run.TrainStep(batch, dro, Adam()));
+  google::protobuf::RepeatedPtrField<v1::Datum> batch_proto(batch.begin(), batch.end());
+  ASSERT_OK_AND_ASSIGN(OptimStepResult direct, local->TrainStep(DatumsFromProto(batch_proto), loss, adam));
+  EXPECT_EQ(remote.adapter_sha256(), direct.adapter_sha256);
+  for (const char* m : {"loss:sum", "pg_loss:sum", "dro_penalty:mean", "grad_norm:sum"}) {
+    ASSERT_TRUE(remote.metrics().count(m)) << m;
+    EXPECT_DOUBLE_EQ(remote.metrics().at(m), direct.metrics.Get(m)) << m;
+  }
+}
+
 // Packed datums (the client's default) and repeated Datum messages train bitwise alike,
 // including a batch the packed form cannot carry (weights on one datum only: the client and
 // the coordinator's worker call fall back to datums), and Forward gives the same log-probs.
@@ -541,6 +576,10 @@ std::vector<ValidationCase> ValidationCases() {
        "datums[0].ref_logprobs: required"},
       {"normalization", [](auto* r) { r->mutable_loss()->set_normalization("mean"); }, "loss.normalization"},
       {"tis cap", [](auto* r) { r->mutable_loss()->set_tis_cap(-1); }, "loss.tis_cap"},
+      {"dro beta", [](auto* r) {
+         r->mutable_loss()->set_loss_fn("dro");
+         r->mutable_loss()->set_dro_beta(-0.5);
+       }, "loss.dro_beta: must be in [0, "},
       {"beta2", [](auto* r) { r->mutable_adamw()->set_beta2(1.5); }, "adamw.beta2"},
       {"lr", [](auto* r) { r->mutable_adamw()->set_lr(-1); }, "adamw.lr"},
       {"schedule", [](auto* r) { r->mutable_adamw()->set_schedule("linear"); }, "adamw.schedule"},

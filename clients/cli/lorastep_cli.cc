@@ -52,7 +52,7 @@ ABSL_FLAG(std::string, init_from, "", "create: a PEFT adapter folder or a saved 
 ABSL_FLAG(bool, init_with_optimizer, false, "create: with --init_from a saved state, also its optimizer state");
 ABSL_FLAG(std::string, data, "", "train, forward, forward-backward: JSONL file, one datum per line (Tinker fields)");
 ABSL_FLAG(std::string, batch, "", "train: datums per TrainStep (default 64)");
-ABSL_FLAG(std::string, loss, "", "loss_fn: cross_entropy (API default) | importance_sampling | ppo | cispo");
+ABSL_FLAG(std::string, loss, "", "loss_fn: cross_entropy (API default) | importance_sampling | ppo | cispo | dro");
 ABSL_FLAG(std::string, normalization, "", "loss normalization: token (API default) | sequence | sum");
 ABSL_FLAG(std::string, lr, "", "AdamW learning rate (API default 1e-5)");
 ABSL_FLAG(std::string, weight_decay, "", "AdamW decoupled weight decay (API default 0)");

@@ -11,8 +11,9 @@ absl::StatusOr<LossKind> ParseLossKind(const std::string& name) {
   if (name == "importance_sampling") return LossKind::kImportanceSampling;
   if (name == "ppo") return LossKind::kPpo;
   if (name == "cispo") return LossKind::kCispo;
+  if (name == "dro") return LossKind::kDro;
   return absl::InvalidArgumentError(absl::StrCat(
-      "loss.loss_fn: unknown '", name, "' (cross_entropy, importance_sampling, ppo, cispo)"));
+      "loss.loss_fn: unknown '", name, "' (cross_entropy, importance_sampling, ppo, cispo, dro)"));
 }
 
 const char* LossKindName(LossKind kind) {
@@ -21,6 +22,7 @@ const char* LossKindName(LossKind kind) {
     case LossKind::kImportanceSampling: return "importance_sampling";
     case LossKind::kPpo: return "ppo";
     case LossKind::kCispo: return "cispo";
+    case LossKind::kDro: return "dro";
   }
   return "?";
 }
@@ -57,6 +59,9 @@ absl::Status ValidateLossConfig(const LossConfig& c) {
       c.cispo_ratio_high <= c.cispo_ratio_low || c.cispo_ratio_high > kMaxClipBound) {
     return absl::InvalidArgumentError(absl::StrCat(
         "loss.cispo_ratio_high: need 0 <= cispo_ratio_low < cispo_ratio_high <= ", kMaxClipBound));
+  }
+  if (!finite(c.dro_beta) || c.dro_beta < 0 || c.dro_beta > kMaxLossCoefficient) {
+    return absl::InvalidArgumentError(absl::StrCat("loss.dro_beta: must be in [0, ", kMaxLossCoefficient, "]"));
   }
   if (!finite(c.tis_cap) || c.tis_cap < 0 || c.tis_cap > kMaxLossCoefficient) {
     return absl::InvalidArgumentError(

@@ -134,6 +134,14 @@ at::Tensor ScaledLoss(const LossConfig& c, const LossInputs& in, const at::Tenso
       pg = -(weight * lp * in.advantages);
       break;
     }
+    case LossKind::kDro: {
+      // The advantage-weighted log-prob minus a quadratic penalty for moving off the
+      // sampling policy: -(lp * A - beta / 2 * (lp - old)^2).
+      const at::Tensor penalty = 0.5 * (lp - old).pow(2);
+      metrics->AddMaskedMean("dro_penalty:mean", penalty.detach(), bearing);
+      pg = -(lp * in.advantages - c.dro_beta * penalty);
+      break;
+    }
   }
   if (c.tis_cap > 0) {
     // Truncated importance sampling corrects the trainer/sampler mismatch:

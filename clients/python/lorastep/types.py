@@ -53,7 +53,7 @@ class Datum(_Mapping):
 @dataclass
 class LossConfig(_Mapping):
     """Unset (None) fields take the API's defaults (docs/API.md)."""
-    loss_fn: str = ""  # cross_entropy (default) | importance_sampling | ppo | cispo
+    loss_fn: str = ""  # cross_entropy (default) | importance_sampling | ppo | cispo | dro
     clip_eps_low: Optional[float] = None
     clip_eps_high: Optional[float] = None
     dual_clip_c: Optional[float] = None
@@ -64,6 +64,7 @@ class LossConfig(_Mapping):
     kl_estimator: str = ""
     entropy_coef: Optional[float] = None
     normalization: str = ""  # token (default) | sequence | sum
+    dro_beta: Optional[float] = None
 
     def to_proto(self):
         return trainer_pb2.LossConfig(**{k: v for k, v in asdict(self).items() if v is not None and v != ""})
