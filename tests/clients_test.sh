@@ -28,11 +28,20 @@ PIP_ROOT_USER_ACTION=ignore /usr/bin/python3 -m pip install -q --disable-pip-ver
   "import lorastep, lorastep.v1.trainer_pb2 as t; assert lorastep.__file__.startswith('$TMP/pip'), lorastep.__file__")
 PYTHONPATH="$TMP/pip" /usr/bin/python3 "$SRC/clients/python/examples/sft_loop.py" --address "127.0.0.1:$PORT" \
   --data "$TMP/sft.jsonl" --make_data 64 --epochs 3
+# Whether a command succeeds and its whole output (stdout and stderr) matches a pattern. Not
+# `cmd | grep -q`: grep exits at its first match, and under pipefail a command still writing
+# then dies of SIGPIPE and fails the test.
+outputs() {
+  local pattern=$1 out
+  shift
+  out=$("$@" 2>&1) || { echo "failed: $*"; echo "$out"; return 1; }
+  grep -q -- "$pattern" <<< "$out" || { echo "no '$pattern' in the output of: $*"; echo "$out"; return 1; }
+}
 # The CLI against the same coordinator.
 CLI="$R/clients/cli/lorastep --address 127.0.0.1:$PORT"
-$CLI runs | grep -q "^run-1 "
+outputs "^run-1 " $CLI runs
 # absl flags: --help, unknown flags and flags of another command are errors.
-$R/clients/cli/lorastep --help 2>&1 | grep -q "plot --run R"
+outputs "plot --run R" $R/clients/cli/lorastep --help
 if $CLI --bogus_flag runs 2> "$TMP/e0.txt"; then echo "unknown flag accepted"; exit 1; fi
 grep -q "Unknown command line flag 'bogus_flag'" "$TMP/e0.txt"
 if $CLI runs --target_modules q_proj 2> "$TMP/e1.txt"; then echo "inapplicable flag accepted"; exit 1; fi
@@ -60,15 +69,15 @@ assert r["learner_version"] == "3" or r["learner_version"] == 3, r
 assert "ppo_kl:mean" in r["metrics"], r["metrics"]  # --loss ppo reached the server
 assert len(repr(r["metrics"]["loss:sum"])) > 10, r["metrics"]["loss:sum"]  # full precision
 PY
-$CLI forward --run "$RUN" --data "$TMP/data.jsonl" | grep -q '"logprobs"'
-$CLI forward-backward --run "$RUN" --data "$TMP/data.jsonl" | grep -q '"metrics"'
-$CLI optim-step --run "$RUN" --lr 1e-3 --names loss:sum,grad_norm:sum | grep -q "^ *3 *4 "
+outputs '"logprobs"' $CLI forward --run "$RUN" --data "$TMP/data.jsonl"
+outputs '"metrics"' $CLI forward-backward --run "$RUN" --data "$TMP/data.jsonl"
+outputs "^ *3 *4 " $CLI optim-step --run "$RUN" --lr 1e-3 --names loss:sum,grad_norm:sum
 $CLI metrics --run "$RUN" --names loss:sum,grad_norm:sum | tee "$TMP/metrics.txt"
 [ "$(grep -c '^ *[0-9]' "$TMP/metrics.txt")" = 4 ] || { echo "expected 4 metric rows"; exit 1; }
 $CLI watch --run "$RUN" --count 2 > "$TMP/watch.txt"
 [ "$(grep -c '^ *[0-9]' "$TMP/watch.txt")" = 2 ] || { echo "watch: expected 2 rows"; exit 1; }
-$CLI top --iterations 1 | grep -q "^$RUN "
-$CLI get --run "$RUN" | grep -q '"learner_version"'
+outputs "^$RUN " $CLI top --iterations 1
+outputs '"learner_version"' $CLI get --run "$RUN"
 # sample: completions as JSON, the learner version sampled; a bad id refused naming it.
 $CLI sample --run "$RUN" --prompts "1,2,3;4,5" --num_samples 2 --max_tokens 4 --seed 7 > "$TMP/sample.json"
 python3 -c "import json,sys; r=json.load(open(sys.argv[1])); assert len(r['prompts'])==2 and all(len(p['sequences'])==2 and all(len(s['tokens'])==4 for s in p['sequences']) for p in r['prompts']) and int(r['learner_version'])>0, r" "$TMP/sample.json"
@@ -79,7 +88,7 @@ awk -v run="$RUN" '$1 == run && $5 == 1 && $6 == 16 { found = 1 } END { exit !fo
   || { echo "top: expected 1 Sample call and 16 sampled tokens for $RUN"; cat "$TMP/top.txt"; exit 1; }
 if $CLI sample --run "$RUN" --prompts "1,x" 2> "$TMP/e4.txt"; then echo "bad prompt accepted"; exit 1; fi
 grep -q "'x' is not a token id" "$TMP/e4.txt"
-$CLI export --run "$RUN" --path "$TMP/cli-peft" | grep -q "sha256"
+outputs "sha256" $CLI export --run "$RUN" --path "$TMP/cli-peft"
 # plot: the example loop's run (it sent client:reward and client:mismatch_max)
 $CLI plot --run "$GRPO_RUN" --out "$TMP/run.png" | tee "$TMP/plot.txt"
 grep -q "train/sample log-prob mismatch" "$TMP/plot.txt"
@@ -95,7 +104,7 @@ if $CLI train --run "$RUN" --data "$TMP/bad2.jsonl" 2> "$TMP/err2.txt"; then ech
 grep -q "line 1: unknown field bogus" "$TMP/err2.txt"
 if $CLI train --run "$RUN" --data "$TMP/data.jsonl" --lr fast 2> "$TMP/err3.txt"; then echo "bad number accepted"; exit 1; fi
 grep -q "\-\-lr: 'fast' is not a number" "$TMP/err3.txt"
-$CLI delete --run "$RUN" | grep -q "deleted $RUN"
+outputs "deleted $RUN" $CLI delete --run "$RUN"
 echo "cli: 1 passed, 0 failed"
 # A TP2 x PP2 x DP2 mesh of 8 CPU worker processes behind a second coordinator.
 "$R/server/lorastep_coordinator" --model "$TMP/model" --port 0 --port_file "$TMP/port8" \
