@@ -78,6 +78,18 @@ class ServiceTest : public ::testing::Test {
     EXPECT_TRUE(run.ok()) << run.status();
     return std::move(run).value();
   }
+  // The same run (LoRA r4, alpha 8, `seed`) built through lib/ directly, in this process.
+  static std::unique_ptr<Trainer> LibTwin(uint64_t seed) {
+    auto base = LoadBaseModel(*dir_ + "/model", "cpu", "");
+    EXPECT_TRUE(base.ok()) << base.status();
+    TrainerOptions options;
+    options.lora.rank = 4;
+    options.lora.alpha = 8;
+    options.seed = seed;
+    auto trainer = base.ok() ? Trainer::Create(*base, options) : absl::StatusOr<std::unique_ptr<Trainer>>(base.status());
+    EXPECT_TRUE(trainer.ok()) << trainer.status();
+    return trainer.ok() ? std::move(trainer).value() : nullptr;
+  }
 
   static std::string* dir_;
   static ChildServer* server_;
@@ -114,20 +126,11 @@ TEST_F(ServiceTest, HealthAndRunRegistry) {
 
 TEST_F(ServiceTest, TrainStepOverGrpcEqualsLibDirectly) {
   RunSession run = NewRun(/*seed=*/21);
-  auto base = LoadBaseModel(*dir_ + "/model", "cpu", "");
-  ASSERT_TRUE(base.ok()) << base.status();
-  TrainerOptions options;
-  options.lora.rank = 4;
-  options.lora.alpha = 8;
-  options.seed = 21;
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Trainer> local, Trainer::Create(*base, options));
+  std::unique_ptr<Trainer> local = LibTwin(21);
+  ASSERT_NE(local, nullptr);
   LossConfig loss;
   loss.kind = LossKind::kPpo;
-  AdamWParams adam;
-  adam.lr = 1e-2;
-  adam.beta2 = 0.98;
-  adam.weight_decay = 0.1;
-  adam.max_grad_norm = 1.0;
+  ASSERT_OK_AND_ASSIGN(AdamWParams adam, AdamWParamsFromProto(Adam()));
   for (int step = 0; step < 3; ++step) {
     std::vector<v1::Datum> batch = Batch(step);
     ASSERT_OK_AND_ASSIGN(v1::StepResponse remote, run.TrainStep(batch, Ppo(), Adam()));
@@ -148,22 +151,13 @@ TEST_F(ServiceTest, TrainStepOverGrpcEqualsLibDirectly) {
 // equals the library's, adapter and metrics.
 TEST_F(ServiceTest, DroStepOverGrpcEqualsLibDirectly) {
   RunSession run = NewRun(/*seed=*/23);
-  auto base = LoadBaseModel(*dir_ + "/model", "cpu", "");
-  ASSERT_TRUE(base.ok()) << base.status();
-  TrainerOptions options;
-  options.lora.rank = 4;
-  options.lora.alpha = 8;
-  options.seed = 23;
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Trainer> local, Trainer::Create(*base, options));
+  std::unique_ptr<Trainer> local = LibTwin(23);
+  ASSERT_NE(local, nullptr);
   LossConfig loss;
   loss.kind = LossKind::kDro;
   loss.dro_beta = 0.3;
   loss.normalization = LossNormalization::kSum;
-  AdamWParams adam;
-  adam.lr = 1e-2;
-  adam.beta2 = 0.98;
-  adam.weight_decay = 0.1;
-  adam.max_grad_norm = 1.0;
+  ASSERT_OK_AND_ASSIGN(AdamWParams adam, AdamWParamsFromProto(Adam()));
   v1::LossConfig dro;
   dro.set_loss_fn("dro");
   dro.set_dro_beta(0.3);

@@ -147,11 +147,7 @@ absl::StatusOr<bool> WorkerCore::SampleCancelled(const Cancelled& cancelled, Com
   if (tensor_group == nullptr) return cancelled && cancelled();
   if (!agree_on_cancel || !cancelled) return false;
   // Every rank of the group asks before the same step; any rank's yes stops them all there.
-  return GuardTorch([&]() -> absl::StatusOr<bool> {
-    at::Tensor any = at::full({1}, cancelled() ? 1.0f : 0.0f, at::TensorOptions().device(base_->device).dtype(at::kFloat));
-    LORASTEP_RETURN_IF_ERROR(tensor_group->AllReduce(any, ReduceKind::kMax));
-    return any.item<float>() > 0;
-  });
+  return GuardTorch([&] { return AnyMemberSaysYes(*tensor_group, base_->device, cancelled()); });
 }
 
 WorkerCore::SamplerFigures WorkerCore::SamplerState() {

@@ -163,8 +163,9 @@ void SamplerEngine::ApplyDraws(const at::Tensor& logits, const std::vector<Draw>
     std::vector<int64_t> rows, targets;
     for (const PromptLogprob& p : prompt_lps) rows.push_back(p.row), targets.push_back(p.target);
     const at::Tensor lp =
-        model.index_select(0, on_device(rows)).gather(1, on_device(targets).unsqueeze(1)).squeeze(1).to(at::kCPU);
-    for (size_t i = 0; i < prompt_lps.size(); ++i) prompt_lps[i].request->result.prompt_logprobs.push_back(lp[i].item<float>());
+        model.index_select(0, on_device(rows)).gather(1, on_device(targets).unsqueeze(1)).squeeze(1).to(at::kCPU).contiguous();
+    const float* v = lp.data_ptr<float>();
+    for (size_t i = 0; i < prompt_lps.size(); ++i) prompt_lps[i].request->result.prompt_logprobs.push_back(v[i]);
   }
   if (draws.empty()) return;
   // Each distinct row's sampling distribution once (a forked prompt's samples share one),
@@ -207,22 +208,29 @@ void SamplerEngine::ApplyDraws(const at::Tensor& logits, const std::vector<Draw>
   const at::Tensor drawn_model = model.index_select(0, on_device(rows));
   const at::Tensor tokens = DrawTokens(drawn_sampling, u);
   const at::Tensor picked = tokens.unsqueeze(1);
-  const at::Tensor host_tokens = tokens.to(at::kCPU);
-  const at::Tensor host_model = drawn_model.gather(1, picked).squeeze(1).to(at::kCPU);
-  const at::Tensor host_sampling = drawn_sampling.gather(1, picked).squeeze(1).to(at::kCPU);
+  // On the host, read in place (one element tensor per value would cost more than the draw).
+  const at::Tensor host_tokens = tokens.to(at::kCPU).contiguous();
+  const at::Tensor host_model = drawn_model.gather(1, picked).squeeze(1).to(at::kCPU).contiguous();
+  const at::Tensor host_sampling = drawn_sampling.gather(1, picked).squeeze(1).to(at::kCPU).contiguous();
   at::Tensor top_values, top_ids;
+  int64_t top_width = 0;
   if (top > 0) {
-    auto [values, ids] = drawn_model.topk(std::min<int64_t>(top, drawn_model.size(1)), -1);
-    top_values = values.to(at::kCPU);
-    top_ids = ids.to(at::kCPU);
+    top_width = std::min<int64_t>(top, drawn_model.size(1));
+    auto [values, ids] = drawn_model.topk(top_width, -1);
+    top_values = values.to(at::kCPU).contiguous();
+    top_ids = ids.to(at::kCPU).contiguous();
   }
+  const int64_t* token = host_tokens.data_ptr<int64_t>();
+  const float* model_lp = host_model.data_ptr<float>();
+  const float* sampling_lp = host_sampling.data_ptr<float>();
   for (size_t i = 0; i < draws.size(); ++i) {
     const Draw& d = draws[i];
     std::vector<TopLogprob> best;
-    const int64_t k = std::min<int64_t>(d.request->request.params.top_logprobs, top > 0 ? top_ids.size(1) : 0);
-    for (int64_t j = 0; j < k; ++j) best.push_back({top_ids[i][j].item<int64_t>(), top_values[i][j].item<float>()});
-    Append(*d.request, *d.sample, host_tokens[i].item<int64_t>(), host_model[i].item<float>(),
-           host_sampling[i].item<float>(), std::move(best));
+    const int64_t k = std::min<int64_t>(d.request->request.params.top_logprobs, top_width);
+    for (int64_t j = 0; j < k; ++j) {
+      best.push_back({top_ids.data_ptr<int64_t>()[i * top_width + j], top_values.data_ptr<float>()[i * top_width + j]});
+    }
+    Append(*d.request, *d.sample, token[i], model_lp[i], sampling_lp[i], std::move(best));
   }
 }
 

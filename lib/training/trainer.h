@@ -139,6 +139,10 @@ struct TrainerStateSnapshot;
 // Every rank of the mesh calls it at the same point of the call. `groups` null: `local`.
 absl::Status AgreeOnMesh(ProcessGroups* groups, const at::Device& device, const absl::Status& local);
 
+// Whether any member of `group` says yes (a MAX all-reduce of one flag): every member asks at
+// the same point, so all stop there together (a cancelled call).
+absl::StatusOr<bool> AnyMemberSaysYes(CommGroup& group, const at::Device& device, bool yes);
+
 // The one outcome vote of a mesh call, cast exactly once on every path: Cast(local) votes and
 // returns the mesh's verdict (AgreeOnMesh); a vote destroyed without having been cast casts
 // "no", so a rank that returns early on an error of its own (a missing file, a non-finite

@@ -30,9 +30,12 @@ absl::StatusOr<bool> Trainer::CallCancelled(const BatchOptions& batch) {
   if (options_.groups == nullptr) return batch.cancelled();
   if (!batch.agree_on_cancel) return false;
   // Every rank asks at the same micro-batch; any rank's yes stops them all there.
-  at::Tensor any = at::full({1}, batch.cancelled() ? 1.0f : 0.0f,
-                            at::TensorOptions().device(base_->device).dtype(at::kFloat));
-  LORASTEP_RETURN_IF_ERROR(options_.groups->group(GroupKind::kWorld).AllReduce(any, ReduceKind::kMax));
+  return AnyMemberSaysYes(options_.groups->group(GroupKind::kWorld), base_->device, batch.cancelled());
+}
+
+absl::StatusOr<bool> AnyMemberSaysYes(CommGroup& group, const at::Device& device, bool yes) {
+  at::Tensor any = at::full({1}, yes ? 1.0f : 0.0f, at::TensorOptions().device(device).dtype(at::kFloat));
+  LORASTEP_RETURN_IF_ERROR(group.AllReduce(any, ReduceKind::kMax));
   return any.item<float>() > 0;
 }
 
