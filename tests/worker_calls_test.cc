@@ -152,6 +152,31 @@ TEST_F(WorkerCallsTest, ReusedRequestIdAndFailedCalls) {
   EXPECT_NE(second.result().adapter_sha256(), first.result().adapter_sha256());
 }
 
+// Request ids are the clients' own: another run's call with the same request_id is its own
+// call, applied to it, never answered with the first run's record (its log-probs and digest).
+TEST_F(WorkerCallsTest, TheSameRequestIdOnTwoRunsIsTwoCalls) {
+  ASSERT_OK(CreateRun("other"));
+  v1::WorkerStepResponse first, second, next;
+  ASSERT_OK(calls_->TrainStep(Step(0, "step-1"), &first));
+  v1::WorkerTrainStepRequest on_other = Step(0, "step-1");
+  on_other.set_run_id("other");
+  ASSERT_OK(calls_->TrainStep(on_other, &second));
+  // Applied on "other" (an answer from r's record would leave it at version 0 and refuse this).
+  v1::WorkerTrainStepRequest then = Step(1, "step-2");
+  then.set_run_id("other");
+  ASSERT_OK(calls_->TrainStep(then, &next));
+  EXPECT_EQ(next.result().learner_version(), 2);
+  // An id r used for a TrainStep is free for another method on "other".
+  v1::WorkerOptimStepRequest optim;
+  optim.set_run_id("other");
+  optim.mutable_mesh()->set_request_id("step-1-optim");
+  ASSERT_OK(calls_->TrainStep(Step(1, "step-1-optim"), &next));
+  optim.mutable_mesh()->set_expected_learner_version(2);
+  optim.mutable_adamw()->set_lr(1e-2);
+  const absl::Status s = calls_->OptimStep(optim, &next);
+  EXPECT_THAT(std::string(s.message()), ::testing::Not(::testing::HasSubstr("was used for")));
+}
+
 // A run deleted and created again (the coordinator restoring it from its autosave) applies
 // a retried request_id: the earlier run's record of it is gone with that run.
 TEST_F(WorkerCallsTest, ARunCreatedAgainAppliesARetriedRequestId) {

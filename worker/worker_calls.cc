@@ -104,14 +104,16 @@ WorkerCalls::WorkerCalls(WorkerCore* core, PrometheusRegistry* metrics, bool rec
 template <typename Work>
 absl::Status WorkerCalls::Once(const std::string& run_id, const v1::MeshCall& mesh, const char* method,
                                google::protobuf::Message* resp, Work work) {
-  const std::string& id = mesh.request_id();
-  if (id.empty() || !record_calls_) return work();
+  if (mesh.request_id().empty() || !record_calls_) return work();
+  // Per run: request ids are the clients' own, and two tenants may well pick the same one.
+  const std::string id = absl::StrCat(run_id, "\n", mesh.request_id());
   {
     std::unique_lock<std::mutex> lock(record_mu_);
     record_cv_.wait(lock, [&] { return running_.count(id) == 0; });
     if (auto it = recorded_.find(id); it != recorded_.end()) {
       if (it->second.method != method) {
-        return absl::InvalidArgumentError(absl::StrCat("request_id: '", id, "' was used for ", it->second.method));
+        return absl::InvalidArgumentError(
+            absl::StrCat("request_id: '", mesh.request_id(), "' was used for ", it->second.method));
       }
       (void)resp->ParseFromString(it->second.response);  // this method's response, serialized by Once
       return absl::OkStatus();

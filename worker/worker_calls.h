@@ -77,7 +77,7 @@ class WorkerCalls {
   PrometheusRegistry* metrics_;
   const bool record_calls_;
   const std::string instance_id_;  // random per process (WorkerInfo.instance_id)
-  // request_id -> (method, response serialized), the most recent kRecordedCalls. Kept
+  // (run, request_id) -> (method, response serialized), the most recent kRecordedCalls. Kept
   // serialized: writing the bytes costs less than copying the message, and only a retry reads them.
   static constexpr size_t kRecordedCalls = 256;
   struct Recorded {
