@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds .sysroot/ (git-ignored): Debian 12's gRPC, protobuf (+ protoc, grpc_cpp_plugin),
-# absl, nlohmann-json, gtest/gmock, OpenSSL, glog and gflags extracted from their .debs, for the GPU
+# absl, nlohmann-json, gtest/gmock, OpenSSL, glog, gflags, libmicrohttpd and zstd extracted from their .debs, for the GPU
 # machine, which has none of them for C++.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +10,8 @@ tmp=$(mktemp -d)
    libgrpc++-dev libgrpc++1.51 libgrpc-dev libgrpc29 protobuf-compiler-grpc \
    libprotobuf-dev libprotobuf32 libprotobuf-lite32 libprotoc32 protobuf-compiler \
    libc-ares-dev libc-ares2 libre2-dev libre2-9 zlib1g-dev zlib1g \
-   libgoogle-glog-dev libgoogle-glog0v6 libgflags-dev libgflags2.2 libunwind8 >/dev/null 2>&1)
+   libgoogle-glog-dev libgoogle-glog0v6 libgflags-dev libgflags2.2 libunwind8 \
+   libmicrohttpd-dev libmicrohttpd12 libzstd-dev >/dev/null 2>&1)
 rm -rf .sysroot && mkdir -p .sysroot
 for f in "$tmp"/*.deb; do dpkg-deb -x "$f" .sysroot; done
 # Shared absl/OpenSSL libraries are enough; gtest/gmock ship only static archives.

@@ -12,7 +12,8 @@ PACKAGES=(
   libabsl-dev libgoogle-glog-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libssl-dev openssl
-  python3-grpcio python3-protobuf python3-numpy python3-prometheus-client
+  libmicrohttpd-dev libzstd-dev
+  python3-grpcio python3-protobuf python3-numpy python3-prometheus-client python3-zstandard
   gnuplot-nox
 )
 missing=()

@@ -54,6 +54,7 @@
 #include "rpc/metrics_http_server.h"
 #include "rpc/bearer_token.h"
 #include "rpc/security_policy.h"
+#include "server/tinker_serving.h"
 #include "server/api_keys.h"
 #include "server/coordinator.h"
 #include "server/coordinator_service.h"
@@ -705,6 +706,10 @@ int main(int argc, char** argv) {
                                 settings->max_request_bytes, observers, credentials,
                                 AuthenticatorFor(*policy, *worker_token, api_keys ? &*api_keys : nullptr));
   if (!server.ok()) return fail(server.status());
+  auto tinker = StartTinkerFromFlags(&core, api_keys ? &*api_keys : nullptr, service.admission(),
+                                     absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_tls_cert_file),
+                                     absl::GetFlag(FLAGS_tls_key_file));
+  if (!tinker.ok()) return fail(tinker.status());
   // grpc.health.v1 follows the workers: NOT_SERVING while none is up (a mesh: any rank down).
   core.OnServingChange([srv = server->get()](bool serving) { srv->GetHealthCheckService()->SetServingStatus(serving); });
   if (!absl::GetFlag(FLAGS_port_file).empty()) {
@@ -719,6 +724,8 @@ int main(int argc, char** argv) {
   // 3 s for open calls, up to 30 s for autosaves, 10 s for each worker's SIGTERM: past this
   // the process exits anyway.
   process.ServeUntilShutdownSignal(std::chrono::seconds(kShutdownDeadlineSeconds));
+  tinker->server.reset();  // no new Tinker calls; those queued fail fast once the workers stop
   DrainAndStop(server->get(), &core, storage.journal.has_value(), local.get());
+  tinker->front.reset();
   return 0;
 }

@@ -52,6 +52,9 @@ class CoordinatorService final : public TrainerServiceBase {
   void SetAdmissionLimits(const AdmissionLimits& limits) {
     admission_ = std::make_unique<Admission>(limits, metrics_);
   }
+  // The queue shares this service counts calls against (the Tinker front shares them: one
+  // key's calls through either count together).
+  Admission* admission() { return admission_.get(); }
   // Step records a WatchMetrics stream holds for a client that reads slower than steps are
   // made; beyond it the stream ends with RESOURCE_EXHAUSTED (--max_watch_backlog).
   void SetWatchBacklog(size_t records) { max_watch_backlog_ = records; }

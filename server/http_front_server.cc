@@ -1,0 +1,249 @@
+#include "server/http_front_server.h"
+
+#include <arpa/inet.h>
+#include <microhttpd.h>
+#include <netinet/in.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <zstd.h>
+
+#include <cstring>
+#include <mutex>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace lorastep {
+namespace {
+
+constexpr char kApiPrefix[] = "/api/v1/";
+
+// One request on one connection, from its headers until MHD closes it.
+struct Call {
+  std::mutex mu;
+  bool started = false;     // handed to the front
+  bool suspended = false;   // waiting for the front's answer
+  bool closed = false;      // MHD is done with the connection
+  bool has_answer = false;
+  HttpAnswer answer;
+  TinkerRequest request;
+  Caller caller;
+  AdmissionTicket ticket;
+  std::string encoding;
+};
+
+absl::StatusOr<std::string> Zstd(const std::string& in, int64_t limit) {
+  ZSTD_DStream* s = ZSTD_createDStream();
+  std::string out;
+  ZSTD_inBuffer src{in.data(), in.size(), 0};
+  std::string chunk(ZSTD_DStreamOutSize(), '\0');
+  size_t r = 1;
+  while (src.pos < src.size || r != 0) {
+    ZSTD_outBuffer dst{chunk.data(), chunk.size(), 0};
+    r = ZSTD_decompressStream(s, &dst, &src);
+    if (ZSTD_isError(r)) {
+      ZSTD_freeDStream(s);
+      return absl::InvalidArgumentError(absl::StrCat("body: not a zstd frame (", ZSTD_getErrorName(r), ")"));
+    }
+    out.append(chunk.data(), dst.pos);
+    if (static_cast<int64_t>(out.size()) > limit) {
+      ZSTD_freeDStream(s);
+      return absl::ResourceExhaustedError(
+          absl::StrCat("body: more than ", limit, " bytes once decompressed (--tinker_max_request_mb)"));
+    }
+    if (dst.pos == 0 && src.pos == src.size && r != 0) {
+      ZSTD_freeDStream(s);
+      return absl::InvalidArgumentError("body: truncated zstd frame");
+    }
+  }
+  ZSTD_freeDStream(s);
+  return out;
+}
+
+MHD_Result QueueAnswer(MHD_Connection* connection, const HttpAnswer& a) {
+  MHD_Response* response =
+      MHD_create_response_from_buffer(a.body.size(), const_cast<char*>(a.body.data()), MHD_RESPMEM_MUST_COPY);
+  MHD_add_response_header(response, MHD_HTTP_HEADER_CONTENT_TYPE, a.content_type.c_str());
+  const MHD_Result r = MHD_queue_response(connection, a.status, response);
+  MHD_destroy_response(response);
+  return r;
+}
+
+MHD_Result CollectQuery(void* cls, MHD_ValueKind, const char* key, const char* value) {
+  (*static_cast<std::map<std::string, std::string>*>(cls))[key] = value == nullptr ? "" : value;
+  return MHD_YES;
+}
+
+const char* Header(MHD_Connection* c, const char* name) {
+  const char* v = MHD_lookup_connection_value(c, MHD_HEADER_KIND, name);
+  return v == nullptr ? "" : v;
+}
+
+}  // namespace
+
+struct HttpFrontCalls {
+  static MHD_Result Access(void* cls, MHD_Connection* connection, const char* url, const char* method,
+                           const char*, const char* upload_data, size_t* upload_data_size, void** con_cls) {
+    auto* server = static_cast<HttpFrontServer*>(cls);
+    if (*con_cls == nullptr) {  // headers only: everything that is checked before a body is read
+      auto* holder = new std::shared_ptr<Call>(std::make_shared<Call>());
+      *con_cls = holder;
+      Call& call = **holder;
+      std::string path = url;
+      if (!absl::StartsWith(path, kApiPrefix)) {
+        return Refuse(connection, call, absl::NotFoundError(absl::StrCat("not served: ", path)));
+      }
+      call.request.method = method;
+      call.request.route = path.substr(std::strlen(kApiPrefix));
+      call.request.idempotency_key = Header(connection, "X-Idempotency-Key");
+      call.encoding = Header(connection, MHD_HTTP_HEADER_CONTENT_ENCODING);
+      MHD_get_connection_values(connection, MHD_GET_ARGUMENT_KIND, CollectQuery, &call.request.query);
+      auto caller = server->front_->Authenticate(Header(connection, "X-API-Key"));
+      if (!caller.ok()) return Refuse(connection, call, caller.status());
+      call.caller = *caller;
+      int64_t declared = 0;
+      if (const char* length = MHD_lookup_connection_value(connection, MHD_HEADER_KIND,
+                                                           MHD_HTTP_HEADER_CONTENT_LENGTH);
+          length != nullptr && !absl::SimpleAtoi(length, &declared)) {
+        declared = -1;
+      }
+      if (declared < 0 || declared > server->options_.max_body_bytes) {
+        return Refuse(connection, call,
+                      absl::InvalidArgumentError(absl::StrCat("body: ", declared, " bytes declared; at most ",
+                                                              server->options_.max_body_bytes,
+                                                              " are read (--tinker_max_request_mb)")));
+      }
+      auto ticket = server->front_->Admit(call.caller, declared);
+      if (!ticket.ok()) return Refuse(connection, call, ticket.status());
+      call.ticket = std::move(*ticket);
+      call.request.body.reserve(declared);
+      return MHD_YES;
+    }
+    std::shared_ptr<Call> call = *static_cast<std::shared_ptr<Call>*>(*con_cls);
+    if (*upload_data_size > 0) {
+      if (!call->has_answer) {
+        if (static_cast<int64_t>(call->request.body.size() + *upload_data_size) > server->options_.max_body_bytes) {
+          call->has_answer = true;
+          call->answer = ErrorAnswer(absl::InvalidArgumentError(absl::StrCat(
+              "body: more than ", server->options_.max_body_bytes, " bytes (--tinker_max_request_mb)")));
+        } else {
+          call->request.body.append(upload_data, *upload_data_size);
+        }
+      }
+      *upload_data_size = 0;
+      return MHD_YES;
+    }
+    std::unique_lock<std::mutex> lock(call->mu);
+    if (call->has_answer) return QueueAnswer(connection, call->answer);
+    if (call->started) return MHD_YES;  // resumed spuriously: the answer is still to come
+    call->started = true;
+    if (absl::EqualsIgnoreCase(call->encoding, "zstd")) {
+      auto plain = Zstd(call->request.body, server->options_.max_body_bytes);
+      if (!plain.ok()) return QueueAnswer(connection, ErrorAnswer(plain.status()));
+      call->request.body = std::move(*plain);
+    } else if (!call->encoding.empty() && !absl::EqualsIgnoreCase(call->encoding, "identity")) {
+      return QueueAnswer(connection, ErrorAnswer(absl::InvalidArgumentError(absl::StrCat(
+                                         "Content-Encoding: '", call->encoding, "' is not supported (zstd is)"))));
+    }
+    lock.unlock();
+    std::weak_ptr<Call> weak = call;
+    server->front_->Handle(call->caller, std::move(call->request), std::move(call->ticket),
+                           [weak, connection](HttpAnswer answer) {
+                             std::shared_ptr<Call> c = weak.lock();
+                             if (c == nullptr) return;
+                             std::lock_guard<std::mutex> l(c->mu);
+                             if (c->closed || c->has_answer) return;
+                             c->has_answer = true;
+                             c->answer = std::move(answer);
+                             if (c->suspended) {
+                               c->suspended = false;
+                               MHD_resume_connection(connection);
+                             }
+                           });
+    lock.lock();
+    if (call->has_answer) return QueueAnswer(connection, call->answer);
+    call->suspended = true;
+    MHD_suspend_connection(connection);
+    return MHD_YES;
+  }
+
+  static MHD_Result Refuse(MHD_Connection* connection, Call& call, const absl::Status& why) {
+    call.has_answer = true;
+    call.answer = ErrorAnswer(why);
+    return QueueAnswer(connection, call.answer);
+  }
+
+  static void Completed(void*, MHD_Connection*, void** con_cls, MHD_RequestTerminationCode) {
+    auto* holder = static_cast<std::shared_ptr<Call>*>(*con_cls);
+    if (holder == nullptr) return;
+    {
+      std::lock_guard<std::mutex> lock((*holder)->mu);
+      (*holder)->closed = true;
+    }
+    delete holder;
+    *con_cls = nullptr;
+  }
+};
+
+absl::StatusOr<std::unique_ptr<HttpFrontServer>> HttpFrontServer::Start(TinkerFront* front, HttpFrontOptions options) {
+  const bool tls = !options.tls_cert_pem.empty();
+  if (tls != !options.tls_key_pem.empty()) {
+    return absl::InvalidArgumentError("tinker_port: TLS needs both --tls_cert_file and --tls_key_file");
+  }
+  if (tls && MHD_is_feature_supported(MHD_FEATURE_TLS) != MHD_YES) {
+    return absl::InvalidArgumentError("tinker_port: this libmicrohttpd has no TLS; serve it on a loopback host");
+  }
+  sockaddr_in6 addr6{};
+  sockaddr_in addr4{};
+  sockaddr* addr = nullptr;
+  unsigned int flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
+  if (inet_pton(AF_INET, options.host.c_str(), &addr4.sin_addr) == 1) {
+    addr4.sin_family = AF_INET;
+    addr4.sin_port = htons(options.port);
+    addr = reinterpret_cast<sockaddr*>(&addr4);
+  } else if (inet_pton(AF_INET6, options.host.c_str(), &addr6.sin6_addr) == 1) {
+    addr6.sin6_family = AF_INET6;
+    addr6.sin6_port = htons(options.port);
+    addr = reinterpret_cast<sockaddr*>(&addr6);
+    flags |= MHD_USE_IPv6;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("host: '", options.host, "' is not a numeric address"));
+  }
+  if (tls) flags |= MHD_USE_TLS;
+  // Each held poll is a socket: make room for the connection limit.
+  rlimit files{};
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max &&
+      files.rlim_cur < rlim_t(options.max_connections) + 1024) {
+    files.rlim_cur = std::min<rlim_t>(files.rlim_max, options.max_connections + 1024);
+    setrlimit(RLIMIT_NOFILE, &files);
+  }
+  std::unique_ptr<HttpFrontServer> server(new HttpFrontServer(front, options));
+  if (tls) {
+    server->daemon_ = MHD_start_daemon(
+        flags, options.port, nullptr, nullptr, &HttpFrontCalls::Access, server.get(), MHD_OPTION_SOCK_ADDR, addr,
+        MHD_OPTION_THREAD_POOL_SIZE, static_cast<unsigned int>(options.threads), MHD_OPTION_CONNECTION_LIMIT,
+        static_cast<unsigned int>(options.max_connections), MHD_OPTION_CONNECTION_TIMEOUT, 120u,
+        MHD_OPTION_NOTIFY_COMPLETED, &HttpFrontCalls::Completed, nullptr, MHD_OPTION_HTTPS_MEM_KEY,
+        server->options_.tls_key_pem.c_str(), MHD_OPTION_HTTPS_MEM_CERT, server->options_.tls_cert_pem.c_str(),
+        MHD_OPTION_END);
+  } else {
+    server->daemon_ = MHD_start_daemon(
+        flags, options.port, nullptr, nullptr, &HttpFrontCalls::Access, server.get(), MHD_OPTION_SOCK_ADDR, addr,
+        MHD_OPTION_THREAD_POOL_SIZE, static_cast<unsigned int>(options.threads), MHD_OPTION_CONNECTION_LIMIT,
+        static_cast<unsigned int>(options.max_connections), MHD_OPTION_CONNECTION_TIMEOUT, 120u,
+        MHD_OPTION_NOTIFY_COMPLETED, &HttpFrontCalls::Completed, nullptr, MHD_OPTION_END);
+  }
+  if (server->daemon_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat("tinker_port: cannot serve HTTP on ", options.host, ":", options.port));
+  }
+  const MHD_DaemonInfo* info = MHD_get_daemon_info(server->daemon_, MHD_DAEMON_INFO_BIND_PORT);
+  server->port_ = info != nullptr ? info->port : options.port;
+  return server;
+}
+
+HttpFrontServer::~HttpFrontServer() {
+  if (daemon_ != nullptr) MHD_stop_daemon(daemon_);
+}
+
+}  // namespace lorastep

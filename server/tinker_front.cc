@@ -1,0 +1,427 @@
+#include "server/tinker_front.h"
+
+#include <random>
+
+#include <nlohmann/json.hpp>
+#include <openssl/sha.h>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "server/run_names.h"
+#include "server/tinker_losses.h"
+#include "server/tinker_wire.h"
+#include "tinker/tinker_public.pb.h"
+
+namespace lorastep {
+namespace {
+
+using Json = nlohmann::json;
+
+absl::StatusOr<Json> ParseObject(const std::string& body) {
+  Json j = Json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError("body: expected a JSON object");
+  return j;
+}
+
+absl::StatusOr<std::string> StringField(const Json& j, const char* key) {
+  auto it = j.find(key);
+  if (it == j.end() || !it->is_string()) return absl::InvalidArgumentError(absl::StrCat(key, ": expected a string"));
+  return it->get<std::string>();
+}
+
+absl::StatusOr<int64_t> IntField(const Json& j, const char* key) {
+  auto it = j.find(key);
+  if (it == j.end() || !it->is_number_integer()) {
+    return absl::InvalidArgumentError(absl::StrCat(key, ": expected an integer"));
+  }
+  return it->get<int64_t>();
+}
+
+std::string Digest(const std::string& bytes) {
+  unsigned char d[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), d);
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(d), sizeof(d)));
+}
+
+// "<session>:train:<n>" <-> "<session>-train-<n>".
+absl::StatusOr<std::string> RunIdOfModel(const std::string& model_id) {
+  std::vector<std::string> parts = absl::StrSplit(model_id, ':');
+  int64_t n;
+  if (parts.size() != 3 || parts[1] != "train" || parts[0].empty() || !absl::SimpleAtoi(parts[2], &n) || n < 0) {
+    return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+  }
+  return absl::StrCat(parts[0], "-train-", n);
+}
+
+std::string ModelIdOf(const std::string& session, int64_t model_seq_id) {
+  return absl::StrCat(session, ":train:", model_seq_id);
+}
+
+HttpAnswer Failed(const absl::Status& status) {
+  return JsonAnswer(Json{{"error", std::string(status.message())}, {"category", FailureCategoryOf(status)}}.dump());
+}
+
+HttpAnswer ProtobufAnswer(const google::protobuf::Message& m) {
+  HttpAnswer a;
+  a.content_type = "application/x-protobuf";
+  a.body = m.SerializeAsString();
+  return a;
+}
+
+std::string TenantOfRun(const std::string& run) {
+  const size_t dot = run.find('.');
+  return dot == std::string::npos ? std::string() : run.substr(0, dot);
+}
+
+}  // namespace
+
+TinkerFront::TinkerFront(Coordinator* core, const ApiKeys* api_keys, Admission* admission, TinkerFrontOptions options)
+    : core_(core),
+      api_keys_(api_keys),
+      admission_(admission),
+      options_(std::move(options)),
+      futures_(options_.futures),
+      executor_(options_.executors, std::chrono::microseconds(0), TenantOfRun) {
+  housekeeper_ = std::thread([this] { Housekeep(); });
+}
+
+TinkerFront::~TinkerFront() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  housekeeper_.join();
+}
+
+absl::StatusOr<Caller> TinkerFront::Authenticate(const std::string& api_key) const {
+  if (api_keys_ == nullptr) return Caller{"", /*admin=*/true};
+  if (api_key.empty()) return absl::UnauthenticatedError("X-API-Key: missing");
+  return api_keys_->Authenticate("Bearer " + api_key);
+}
+
+absl::StatusOr<AdmissionTicket> TinkerFront::Admit(const Caller& caller, int64_t bytes) {
+  if (admission_ == nullptr) return AdmissionTicket();
+  return admission_->Admit(caller.owner, bytes);
+}
+
+void TinkerFront::Handle(const Caller& caller, TinkerRequest req, AdmissionTicket ticket, HttpReply reply) {
+  if (req.method == "GET") {
+    if (req.route == "healthz") return reply(JsonAnswer(R"({"status":"ok"})"));
+    if (req.route == "get_server_capabilities") {
+      return reply(JsonAnswer(Json{{"supported_models", Json::array({Json{{"model_name", options_.model_name},
+                                                                          {"max_context_length",
+                                                                           options_.max_context_length}}})}}
+                                  .dump()));
+    }
+  } else if (req.method == "POST") {
+    return Post(caller, req, std::move(ticket), std::move(reply));
+  }
+  reply(JsonAnswer(Json{{"detail", absl::StrCat("not served: ", req.method, " /api/v1/", req.route)}}.dump(), 404));
+}
+
+void TinkerFront::Post(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket, HttpReply reply) {
+  const std::string& r = req.route;
+  if (r == "client/config") {
+    // The stock HTTP client, plain bodies, chunks of one forward_backward sent concurrently.
+    return reply(JsonAnswer(Json{{"use_pyqwest_transport", false},
+                                 {"pjwt_auth_enabled", false},
+                                 {"parallel_fwdbwd_chunks", true},
+                                 {"proto_compress_fwdbwd", false}}
+                                .dump()));
+  }
+  if (r == "client/dynamic_config") return reply(JsonAnswer(R"({"refresh_interval_sec":300})"));
+  if (r == "telemetry") return reply(JsonAnswer(R"({"status":"accepted"})"));  // dropped
+  if (r == "create_session") return reply(CreateSession(caller, req.body));
+  if (r == "session_heartbeat") return reply(Heartbeat(caller, req.body));
+  if (r == "get_info") return reply(GetInfo(caller, req.body));
+  if (r == "create_model") return CreateModel(caller, req, std::move(ticket), std::move(reply));
+  if (r == "forward_backward") return ForwardBackward(caller, req, std::move(ticket), std::move(reply));
+  if (r == "optim_step") return OptimStep(caller, req, std::move(ticket), std::move(reply));
+  if (r == "retrieve_future") {
+    auto body = ParseObject(req.body);
+    if (!body.ok()) return reply(ErrorAnswer(body.status()));
+    auto id = StringField(*body, "request_id");
+    if (!id.ok()) return reply(ErrorAnswer(id.status()));
+    return futures_.Retrieve(caller.owner, *id, std::move(reply));
+  }
+  reply(JsonAnswer(Json{{"detail", absl::StrCat("not served: POST /api/v1/", r)}}.dump(), 404));
+}
+
+HttpAnswer TinkerFront::CreateSession(const Caller& caller, const std::string& body) {
+  if (auto parsed = ParseObject(body); !parsed.ok()) return ErrorAnswer(parsed.status());
+  std::random_device rd;
+  const std::string id = absl::StrFormat("t%08x%08x", rd(), rd());
+  std::lock_guard<std::mutex> lock(mu_);
+  Session& s = sessions_[id];
+  s.owner = caller.owner;
+  s.last_seen = std::chrono::steady_clock::now();
+  return JsonAnswer(Json{{"session_id", id}}.dump());
+}
+
+HttpAnswer TinkerFront::Heartbeat(const Caller& caller, const std::string& body) {
+  auto parsed = ParseObject(body);
+  if (!parsed.ok()) return ErrorAnswer(parsed.status());
+  auto id = StringField(*parsed, "session_id");
+  if (!id.ok()) return ErrorAnswer(id.status());
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(*id);
+  if (it == sessions_.end() || it->second.owner != caller.owner) {
+    return ErrorAnswer(absl::NotFoundError(absl::StrCat("session_id: no session '", *id, "' (expired?)")));
+  }
+  it->second.last_seen = std::chrono::steady_clock::now();
+  return JsonAnswer("{}");
+}
+
+void TinkerFront::CreateModel(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket,
+                              HttpReply reply) {
+  auto body = ParseObject(req.body);
+  if (!body.ok()) return reply(ErrorAnswer(body.status()));
+  auto session = StringField(*body, "session_id");
+  if (!session.ok()) return reply(ErrorAnswer(session.status()));
+  auto model_seq = IntField(*body, "model_seq_id");
+  if (!model_seq.ok()) return reply(ErrorAnswer(model_seq.status()));
+  if (*model_seq < 0) return reply(ErrorAnswer(absl::InvalidArgumentError("model_seq_id: must be >= 0")));
+  if (auto it = body->find("base_model"); it != body->end() && !it->is_null() &&
+                                          (!it->is_string() || it->get<std::string>() != options_.model_name)) {
+    return reply(ErrorAnswer(absl::InvalidArgumentError(
+        absl::StrCat("base_model: ", it->dump(), " is not served here; this server serves '", options_.model_name,
+                     "'"))));
+  }
+  v1::CreateRunRequest create;
+  const Json lora = body->value("lora_config", Json::object());
+  if (!lora.is_object()) return reply(ErrorAnswer(absl::InvalidArgumentError("lora_config: expected an object")));
+  const Json rank = lora.value("rank", Json(32));
+  if (!rank.is_number_integer() || rank.get<int64_t>() < 1) {
+    return reply(ErrorAnswer(absl::InvalidArgumentError("lora_config.rank: expected an integer >= 1")));
+  }
+  create.mutable_lora()->set_rank(rank.get<int64_t>());
+  create.mutable_lora()->set_alpha(options_.lora_alpha);
+  for (const char* key : {"train_attn", "train_mlp", "train_unembed"}) {
+    const Json v = lora.value(key, Json(true));
+    if (!v.is_boolean()) {
+      return reply(ErrorAnswer(absl::InvalidArgumentError(absl::StrCat("lora_config.", key, ": expected a boolean"))));
+    }
+    const std::string k = key;
+    if (k == "train_attn") create.mutable_lora()->set_train_attn(v.get<bool>());
+    if (k == "train_mlp") create.mutable_lora()->set_train_mlp(v.get<bool>());
+    if (k == "train_unembed") create.mutable_lora()->set_train_unembed(v.get<bool>());
+  }
+  if (const Json seed = lora.value("seed", Json()); !seed.is_null()) {
+    if (!seed.is_number_integer()) {
+      return reply(ErrorAnswer(absl::InvalidArgumentError("lora_config.seed: expected an integer")));
+    }
+    create.set_seed(seed.get<uint64_t>());
+  } else {
+    std::random_device rd;
+    create.set_seed((uint64_t{rd()} << 32) | rd());
+  }
+  const std::string model_id = ModelIdOf(*session, *model_seq);
+  const std::string client_run = *RunIdOfModel(model_id);
+  create.set_run_id(client_run);
+  create.set_request_id(absl::StrCat("tinker-create-", client_run));
+  std::string future;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sessions_.find(*session);
+    if (it == sessions_.end() || it->second.owner != caller.owner) {
+      return reply(ErrorAnswer(absl::NotFoundError(absl::StrCat("session_id: no session '", *session, "'"))));
+    }
+    it->second.last_seen = std::chrono::steady_clock::now();
+    if (auto done = it->second.create_requests.find(*model_seq); done != it->second.create_requests.end()) {
+      return reply(JsonAnswer(Json{{"request_id", done->second}, {"model_id", model_id}}.dump()));  // a replay
+    }
+    auto id = futures_.Create(caller.owner);
+    if (!id.ok()) return reply(ErrorAnswer(id.status()));
+    future = *id;
+    it->second.create_requests[*model_seq] = future;
+  }
+  const std::string run = ServerRunId(caller, client_run);
+  executor_.Submit(run, [this, caller, create, run, model_id, future, ticket = std::make_shared<AdmissionTicket>(
+                                                                               std::move(ticket))] {
+    auto created = core_->CreateRun(create, caller.owner, OwnerRunPrefix(caller.owner));
+    if (!created.ok()) return futures_.Finish(future, Failed(ClientStatus(caller, created.status())));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      models_[run].known = true;  // seq_id 1 comes next
+    }
+    futures_.Finish(future, JsonAnswer(Json{{"model_id", model_id}}.dump()));
+  });
+  reply(JsonAnswer(Json{{"request_id", future}, {"model_id", model_id}}.dump()));
+}
+
+absl::StatusOr<std::string> TinkerFront::ModelRun(const Caller& caller, const std::string& model_id) {
+  auto client_run = RunIdOfModel(model_id);
+  if (!client_run.ok()) return client_run.status();
+  const std::string run = ServerRunId(caller, *client_run);
+  if (!core_->CheckAccess(run, caller).ok()) {
+    return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+  }
+  return run;
+}
+
+HttpAnswer TinkerFront::GetInfo(const Caller& caller, const std::string& body) {
+  auto parsed = ParseObject(body);
+  if (!parsed.ok()) return ErrorAnswer(parsed.status());
+  auto model_id = StringField(*parsed, "model_id");
+  if (!model_id.ok()) return ErrorAnswer(model_id.status());
+  auto run = ModelRun(caller, *model_id);
+  if (!run.ok()) return ErrorAnswer(run.status());
+  Json info = {{"model_id", *model_id},
+               {"model_data", {{"model_name", options_.model_name}, {"tokenizer_id", options_.model_name}}},
+               {"is_lora", true}};
+  return JsonAnswer(info.dump());
+}
+
+void TinkerFront::Sequenced(const Caller& caller, const std::string& run, int64_t seq_id,
+                            const std::string& body_digest, AdmissionTicket ticket, std::function<HttpAnswer()> work,
+                            HttpReply reply) {
+  if (seq_id < 1) return reply(ErrorAnswer(absl::InvalidArgumentError("seq_id: must be >= 1")));
+  std::unique_lock<std::mutex> lock(mu_);
+  ModelQueue& q = models_[run];
+  if (!q.known) {  // a model made before this process started: it goes on from this call
+    q.known = true;
+    q.next_seq = seq_id;
+  }
+  if (auto it = q.submitted.find(seq_id); it != q.submitted.end()) {
+    if (it->second.body_digest != body_digest) {
+      return reply(ErrorAnswer(absl::InvalidArgumentError(
+          absl::StrCat("seq_id: ", seq_id, " was already used by this model with another body"))));
+    }
+    return reply(JsonAnswer(Json{{"request_id", it->second.request_id}}.dump()));  // a replay
+  }
+  if (seq_id < q.next_seq) {
+    return reply(ErrorAnswer(absl::InvalidArgumentError(absl::StrCat(
+        "seq_id: ", seq_id, " came after this model's later calls ran (next is ", q.next_seq, ")"))));
+  }
+  if (q.early.size() >= options_.max_early_per_model) {
+    return reply(ErrorAnswer(absl::InvalidArgumentError(absl::StrCat(
+        "seq_id: ", options_.max_early_per_model, " calls of this model wait for seq_id ", q.next_seq,
+        " already (--tinker_max_early_per_model)"))));
+  }
+  auto future = futures_.Create(caller.owner);
+  if (!future.ok()) return reply(ErrorAnswer(future.status()));
+  q.submitted[seq_id] = Submitted{body_digest, *future};
+  while (q.submitted.size() > 4096) q.submitted.erase(q.submitted.begin());
+  auto held = std::make_shared<AdmissionTicket>(std::move(ticket));
+  q.early[seq_id] = Early{std::chrono::steady_clock::now(), [this, id = *future, work = std::move(work), held] {
+                            futures_.Finish(id, work());
+                            held->Release();
+                          }};
+  Release(run, q);
+  lock.unlock();
+  reply(JsonAnswer(Json{{"request_id", *future}}.dump()));
+}
+
+void TinkerFront::Release(const std::string& run, ModelQueue& q) {
+  while (!q.early.empty() && q.early.begin()->first == q.next_seq) {
+    executor_.Submit(run, std::move(q.early.begin()->second.run));
+    q.early.erase(q.early.begin());
+    ++q.next_seq;
+  }
+}
+
+void TinkerFront::ForwardBackward(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket,
+                                  HttpReply reply) {
+  auto fb = std::make_shared<tinker_public::ForwardBackwardRequest>();
+  if (!fb->ParseFromString(req.body)) {
+    return reply(ErrorAnswer(absl::InvalidArgumentError("body: not a tinker_public.ForwardBackwardRequest")));
+  }
+  auto run = ModelRun(caller, fb->model_id());
+  if (!run.ok()) return reply(ErrorAnswer(run.status()));
+  std::map<std::string, double> config(fb->loss_fn_config().begin(), fb->loss_fn_config().end());
+  auto loss = LossConfigFromTinker(fb->loss_fn(), config);
+  if (!loss.ok()) return reply(ErrorAnswer(loss.status()));
+  auto datums = DatumsFromTinker(*fb);
+  if (!datums.ok()) return reply(ErrorAnswer(datums.status()));
+  auto shared = std::make_shared<std::vector<v1::Datum>>(std::move(*datums));
+  const int64_t seq = fb->seq_id();
+  const bool forward_only = fb->forward_only();
+  auto work = [this, caller, run = *run, seq, forward_only, loss = *loss, shared]() -> HttpAnswer {
+    absl::StatusOr<v1::ForwardBackwardResponse> out;
+    if (forward_only) {
+      v1::ForwardRequest f;
+      f.set_run_id(run);
+      for (v1::Datum& d : *shared) *f.add_datums() = std::move(d);
+      out = core_->Forward(f);
+    } else {
+      auto state = core_->GetRun(run);
+      if (!state.ok()) return Failed(ClientStatus(caller, state.status()));
+      v1::ForwardBackwardRequest fb;
+      fb.set_run_id(run);
+      fb.set_request_id(absl::StrCat("tinker-seq-", seq));
+      fb.set_sequence_id(state->next_sequence_id());
+      *fb.mutable_loss() = loss;
+      for (v1::Datum& d : *shared) *fb.add_datums() = std::move(d);
+      out = core_->ForwardBackward(fb);
+    }
+    if (!out.ok()) return Failed(ClientStatus(caller, out.status()));
+    return ProtobufAnswer(TinkerForwardBackwardOutput(*out));
+  };
+  Sequenced(caller, *run, seq, Digest(req.body), std::move(ticket), std::move(work), std::move(reply));
+}
+
+void TinkerFront::OptimStep(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket,
+                            HttpReply reply) {
+  auto body = ParseObject(req.body);
+  if (!body.ok()) return reply(ErrorAnswer(body.status()));
+  auto model_id = StringField(*body, "model_id");
+  if (!model_id.ok()) return reply(ErrorAnswer(model_id.status()));
+  auto seq = IntField(*body, "seq_id");
+  if (!seq.ok()) return reply(ErrorAnswer(seq.status()));
+  auto run = ModelRun(caller, *model_id);
+  if (!run.ok()) return reply(ErrorAnswer(run.status()));
+  auto adam = AdamWFromTinker(body->value("adam_params", Json::object()));
+  if (!adam.ok()) return reply(ErrorAnswer(adam.status()));
+  auto work = [this, caller, run = *run, seq = *seq, adam = *adam]() -> HttpAnswer {
+    auto state = core_->GetRun(run);
+    if (!state.ok()) return Failed(ClientStatus(caller, state.status()));
+    v1::OptimStepRequest step;
+    step.set_run_id(run);
+    step.set_request_id(absl::StrCat("tinker-seq-", seq));
+    step.set_sequence_id(state->next_sequence_id());
+    *step.mutable_adamw() = adam;
+    auto out = core_->OptimStep(step);
+    if (!out.ok()) return Failed(ClientStatus(caller, out.status()));
+    return JsonAnswer(Json{{"metrics", TinkerMetrics(out->metrics())}}.dump());
+  };
+  Sequenced(caller, *run, *seq, Digest(req.body), std::move(ticket), std::move(work), std::move(reply));
+}
+
+void TinkerFront::Housekeep() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    cv_.wait_for(lock, std::chrono::milliseconds(100));
+    const auto now = std::chrono::steady_clock::now();
+    // A model whose next seq_id has not come within gap_wait of its successor goes on.
+    for (auto& [run, q] : models_) {
+      if (!q.early.empty() && now - q.early.begin()->second.arrived >= options_.gap_wait) {
+        q.next_seq = q.early.begin()->first;
+        Release(run, q);
+      }
+    }
+    if (options_.session_ttl.count() == 0) continue;
+    std::vector<std::string> expired_runs;
+    for (auto it = sessions_.begin(); it != sessions_.end();) {
+      if (now - it->second.last_seen < options_.session_ttl) {
+        ++it;
+        continue;
+      }
+      const std::string prefix = absl::StrCat(OwnerRunPrefix(it->second.owner), it->first, "-train-");
+      for (auto m = models_.lower_bound(prefix); m != models_.end() && absl::StartsWith(m->first, prefix);) {
+        expired_runs.push_back(m->first);
+        m = models_.erase(m);
+      }
+      it = sessions_.erase(it);
+    }
+    for (const std::string& run : expired_runs) {
+      executor_.Submit(run, [this, run] { (void)core_->DeleteRun(run); });
+    }
+  }
+}
+
+}  // namespace lorastep

@@ -1,0 +1,531 @@
+"""The Tinker-compatible front spoken to as the Tinker SDK 0.25.0 speaks: its routes, headers,
+body forms (JSON; protobuf forward_backward, optionally zstd), call order and futures, against a
+real coordinator and worker on loopback (tiny model, CPU), with two API keys.
+
+  python3 tests/tinker_conformance_test.py COORDINATOR WORKER GENMODEL PB2_DIR [TMPDIR]
+
+PB2_DIR holds tinker_public_pb2.py (protoc --python_out of proto/tinker/tinker_public.proto).
+Prints one line per case and `conformance_cases=N`, `conformance_passed=M`; exits 1 unless all pass."""
+import concurrent.futures
+import http.client
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+
+import numpy as np
+
+COORDINATOR, WORKER, GENMODEL, PB2_DIR = sys.argv[1:5]
+sys.path.insert(0, PB2_DIR)
+import tinker_public_pb2 as pb  # noqa: E402
+
+KEYS = {"alice": "tml-alice-0123456789abcdef", "bob": "tml-bob-0123456789abcdef000"}
+VOCAB = 96  # the tiny preset's vocabulary
+
+
+class Front:
+    def __init__(self, port, key):
+        self.port, self.key = port, key
+
+    def request(self, method, route, body=None, content_type="application/json", accept="application/json",
+                extra=None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        headers = {"Accept": accept, "User-Agent": "AsyncTinker/Python 0.25.0"}
+        if self.key is not None:
+            headers["X-API-Key"] = self.key
+        if method != "GET":
+            headers["X-Idempotency-Key"] = f"stainless-python-retry-{uuid.uuid4()}"
+        if body is not None:
+            if not isinstance(body, bytes):
+                body = json.dumps(body).encode()
+            headers["Content-Type"] = content_type
+        headers.update(extra or {})
+        conn.request(method, "/api/v1/" + route, body=body, headers=headers)
+        r = conn.getresponse()
+        data = r.read()
+        out = (r.status, r.getheader("Content-Type"), data, r.getheader("Content-Length"))
+        conn.close()
+        return out
+
+    def post(self, route, body, **kw):
+        status, ctype, data, _ = self.request("POST", route, body, **kw)
+        return status, (json.loads(data) if ctype and "json" in ctype else data)
+
+    def get(self, route):
+        status, _, data, _ = self.request("GET", route)
+        return status, json.loads(data)
+
+    def submit(self, route, body, **kw):
+        status, answer = self.post(route, body, **kw)
+        assert status == 200, (route, status, answer)
+        assert isinstance(answer["request_id"], str), answer
+        return answer["request_id"]
+
+    def retrieve(self, request_id, request_type):
+        """The SDK's future loop: re-poll on try_again; protobuf for ForwardBackward."""
+        accept = "application/x-protobuf" if request_type in ("ForwardBackward", "Forward", "Sample") else \
+            "application/json"
+        for iteration in range(200):
+            status, ctype, data, _ = self.request("POST", "retrieve_future",
+                                                  {"request_id": request_id, "allow_metadata_only": True},
+                                                  accept=accept,
+                                                  extra={"X-Tinker-Request-Iteration": str(iteration),
+                                                         "X-Tinker-Request-Type": request_type})
+            assert status == 200, (status, data)
+            if ctype == "application/x-protobuf":
+                return ("proto", data)
+            answer = json.loads(data)
+            if answer.get("type") == "try_again":
+                continue
+            if "error" in answer:
+                return ("failed", answer)
+            return ("json", answer)
+        raise AssertionError("future never finished")
+
+    def result(self, request_id, request_type):
+        kind, value = self.retrieve(request_id, request_type)
+        assert kind != "failed", value
+        return value
+
+
+def tensor(values, dtype):
+    arr = np.asarray(values, dtype={pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64,
+                                    pb.DTYPE_INT32: np.int32}[dtype])
+    return pb.Tensor(dense=arr.tobytes(), dtype=dtype, shape=list(arr.shape))
+
+
+def datum(tokens, targets, **floats):
+    d = pb.Datum(model_input=[pb.Chunk(encoded_text=pb.EncodedTextChunk(
+        tokens=np.asarray(tokens, np.int32).tobytes()))])
+    d.loss_fn_inputs["target_tokens"].CopyFrom(tensor(targets, pb.DTYPE_INT64))
+    for k, v in floats.items():
+        d.loss_fn_inputs[k].CopyFrom(tensor(v, pb.DTYPE_FLOAT32))
+    return d
+
+
+def sft_batch(step, n=4, length=12):
+    rng = np.random.default_rng(step)
+    out = []
+    for _ in range(n):
+        toks = rng.integers(0, VOCAB, length + 1)
+        w = np.ones(length, np.float32)
+        w[: length // 3] = 0  # a prompt part
+        out.append(datum(toks[:-1], toks[1:], weights=w))
+    return out
+
+
+def fwdbwd_body(model_id, seq_id, data, loss_fn="cross_entropy", config=None, forward_only=False):
+    req = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, data=data, loss_fn=loss_fn,
+                                    forward_only=forward_only)
+    for k, v in (config or {}).items():
+        req.loss_fn_config[k] = v
+    return req.SerializeToString()
+
+
+def decode_output(raw):
+    out = pb.ForwardBackwardOutput()
+    out.ParseFromString(raw)
+    rec = out.loss_fn_outputs[0]
+    lp = rec.fields["logprobs"]
+    offsets = np.frombuffer(lp.offsets, np.int64)
+    data = np.frombuffer(lp.data, np.float32)
+    per = [data[offsets[i] // 4: offsets[i + 1] // 4] for i in range(len(offsets) - 1)]
+    assert rec.num_datums == len(per)
+    return per, dict(out.metrics)
+
+
+class Model:
+    """A TrainingClient's state: its id and seq_id counter."""
+
+    def __init__(self, front, session, model_seq_id=0, rank=4, seed=7):
+        self.front = front
+        rid = front.submit("create_model", {"session_id": session, "model_seq_id": model_seq_id,
+                                            "base_model": front.base_model, "user_metadata": {},
+                                            "lora_config": {"rank": rank, "seed": seed, "train_unembed": False,
+                                                            "train_mlp": True, "train_attn": True},
+                                            "type": "create_model"})
+        self.model_id = front.result(rid, "CreateModel")["model_id"]
+        self.seq = 0
+
+    def next_seq(self):
+        self.seq += 1
+        return self.seq
+
+    def forward_backward(self, data, loss_fn="cross_entropy", config=None, forward_only=False):
+        rid = self.front.submit("forward_backward", fwdbwd_body(self.model_id, self.next_seq(), data, loss_fn, config,
+                                                                forward_only),
+                                content_type="application/x-protobuf")
+        return decode_output(self.front.result(rid, "ForwardBackward"))
+
+    def optim_step(self, lr=1e-2):
+        rid = self.front.submit("optim_step", {"adam_params": {"learning_rate": lr, "beta1": 0.9, "beta2": 0.95,
+                                                               "eps": 1e-12, "weight_decay": 0.0,
+                                                               "grad_clip_norm": 0.0},
+                                               "model_id": self.model_id, "seq_id": self.next_seq(),
+                                               "type": "optim_step"})
+        return self.front.result(rid, "OptimStep")
+
+
+def session(front):
+    status, answer = front.post("create_session", {"tags": [], "user_metadata": {}, "sdk_version": "0.25.0",
+                                                   "type": "create_session"})
+    assert status == 200 and isinstance(answer["session_id"], str), answer
+    return answer["session_id"]
+
+
+CASES = []
+
+
+def case(fn):
+    CASES.append(fn)
+    return fn
+
+
+@case
+def client_config(ctx):
+    status, answer = ctx.alice.post("client/config", {"sdk_version": "0.25.0"})
+    assert status == 200 and answer["use_pyqwest_transport"] is False and answer["pjwt_auth_enabled"] is False
+    status, answer = ctx.alice.post("client/dynamic_config", {"sdk_version": "0.25.0"})
+    assert status == 200 and answer["refresh_interval_sec"] > 0
+
+
+@case
+def telemetry_and_health(ctx):
+    status, answer = ctx.alice.post("telemetry", {"events": [], "platform": "linux", "sdk_version": "0.25.0",
+                                                  "session_id": "sessionless-x", "process_uuid": "u"})
+    assert (status, answer) == (200, {"status": "accepted"}), answer
+    assert ctx.alice.get("healthz") == (200, {"status": "ok"})
+
+
+@case
+def server_capabilities(ctx):
+    status, answer = ctx.alice.get("get_server_capabilities")
+    assert status == 200
+    [model] = answer["supported_models"]
+    assert model["model_name"] == ctx.alice.base_model and model["max_context_length"] > 0, answer
+
+
+@case
+def session_and_heartbeat(ctx):
+    s = session(ctx.alice)
+    assert ctx.alice.post("session_heartbeat", {"session_id": s, "type": "session_heartbeat"}) == (200, {})
+    status, answer = ctx.alice.post("session_heartbeat", {"session_id": "tnope", "type": "session_heartbeat"})
+    assert status == 404 and "session_id" in answer["detail"], answer
+    status, answer = ctx.bob.post("session_heartbeat", {"session_id": s, "type": "session_heartbeat"})
+    assert status == 404, "another key's session is not found"
+
+
+@case
+def create_model_and_info(ctx):
+    s = session(ctx.alice)
+    m = Model(ctx.alice, s, 0)
+    assert m.model_id == f"{s}:train:0", m.model_id
+    status, info = ctx.alice.post("get_info", {"model_id": m.model_id, "type": "get_info"})
+    assert status == 200 and info["model_data"]["model_name"] == ctx.alice.base_model, info
+    # The SDK re-sends create_model with the same (session, model_seq_id): the same future.
+    body = {"session_id": s, "model_seq_id": 0, "lora_config": {"rank": 4}, "type": "create_model"}
+    again = ctx.alice.submit("create_model", body)
+    assert ctx.alice.result(again, "CreateModel")["model_id"] == m.model_id
+
+
+@case
+def supervised_loop(ctx):
+    m = Model(ctx.alice, session(ctx.alice))
+    losses = []
+    for step in range(4):
+        data = sft_batch(0)
+        logprobs, metrics = m.forward_backward(data)
+        assert len(logprobs) == len(data) and all(len(lp) == 12 for lp in logprobs)
+        assert all(k.count(":") == 1 for k in metrics), metrics
+        # loss:sum is the weighted negative log-likelihood summed over tokens.
+        w = [np.frombuffer(d.loss_fn_inputs["weights"].dense, np.float32) for d in data]
+        expected = -sum(float(np.dot(a.astype(np.float64), b)) for a, b in zip(logprobs, w))
+        assert math.isclose(metrics["loss:sum"], expected, rel_tol=1e-5), (metrics["loss:sum"], expected)
+        losses.append(metrics["loss:sum"])
+        answer = m.optim_step()
+        assert isinstance(answer["metrics"], dict)
+    assert losses[-1] < losses[0], losses
+
+
+@case
+def chunks_out_of_order(ctx):
+    """forward_backward in two chunks, the second posted first (the SDK's parallel chunks): the
+    step equals one request with every datum."""
+    s = session(ctx.alice)
+    whole, chunked = Model(ctx.alice, s, 0, seed=11), Model(ctx.alice, s, 1, seed=11)
+    data = sft_batch(3, n=6)
+    whole.forward_backward(data)
+    whole.optim_step()
+    first, second = chunked.next_seq(), chunked.next_seq()
+    r2 = ctx.alice.submit("forward_backward", fwdbwd_body(chunked.model_id, second, data[3:]),
+                          content_type="application/x-protobuf")
+    r1 = ctx.alice.submit("forward_backward", fwdbwd_body(chunked.model_id, first, data[:3]),
+                          content_type="application/x-protobuf")
+    lp1, _ = decode_output(ctx.alice.result(r1, "ForwardBackward"))
+    lp2, _ = decode_output(ctx.alice.result(r2, "ForwardBackward"))
+    assert len(lp1) == 3 and len(lp2) == 3
+    chunked.optim_step()
+    after_whole, _ = whole.forward_backward(data, forward_only=True)
+    after_chunked, _ = chunked.forward_backward(data, forward_only=True)
+    for a, b in zip(after_whole, after_chunked):
+        assert np.allclose(a, b, atol=1e-6), np.abs(a - b).max()
+
+
+@case
+def concurrent_chunks(ctx):
+    """Eight chunks posted at once from threads, the first last."""
+    m = Model(ctx.alice, session(ctx.alice))
+    data = sft_batch(5, n=8)
+    seqs = [m.next_seq() for _ in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(7) as pool:
+        later = list(pool.map(lambda i: ctx.alice.submit("forward_backward", fwdbwd_body(m.model_id, seqs[i],
+                                                                                      [data[i]]),
+                                                         content_type="application/x-protobuf"), range(1, 8)))
+    first = ctx.alice.submit("forward_backward", fwdbwd_body(m.model_id, seqs[0], [data[0]]),
+                             content_type="application/x-protobuf")
+    for rid in [first] + later:
+        lp, metrics = decode_output(ctx.alice.result(rid, "ForwardBackward"))
+        assert len(lp) == 1 and "loss:sum" in metrics
+    m.optim_step()
+
+
+@case
+def replayed_request(ctx):
+    m = Model(ctx.alice, session(ctx.alice))
+    body = fwdbwd_body(m.model_id, m.next_seq(), sft_batch(1))
+    r1 = ctx.alice.submit("forward_backward", body, content_type="application/x-protobuf")
+    r2 = ctx.alice.submit("forward_backward", body, content_type="application/x-protobuf")
+    assert r1 == r2, "a retried request gets the first one's future"
+    ctx.alice.result(r1, "ForwardBackward")
+    other = fwdbwd_body(m.model_id, m.seq, sft_batch(2))
+    status, answer = ctx.alice.post("forward_backward", other, content_type="application/x-protobuf")
+    assert status == 400 and "seq_id" in answer["detail"], (status, answer)
+
+
+@case
+def zstd_body(ctx):
+    import zstandard
+    m = Model(ctx.alice, session(ctx.alice))
+    body = zstandard.ZstdCompressor().compress(fwdbwd_body(m.model_id, m.next_seq(), sft_batch(1)))
+    rid = ctx.alice.submit("forward_backward", body, content_type="application/x-protobuf",
+                           extra={"Content-Encoding": "zstd"})
+    lp, metrics = decode_output(ctx.alice.result(rid, "ForwardBackward"))
+    assert len(lp) == 4 and "loss:sum" in metrics
+
+
+def rl_inputs(m, step):
+    """Datums with the sampler's log-probs taken from a forward pass and random advantages."""
+    base = sft_batch(10 + step)
+    logprobs, _ = m.forward_backward(base, forward_only=True)
+    rng = np.random.default_rng(step)
+    out = []
+    for d, lp in zip(base, logprobs):
+        toks = np.frombuffer(d.model_input[0].encoded_text.tokens, np.int32)
+        targets = np.frombuffer(d.loss_fn_inputs["target_tokens"].dense, np.int64)
+        q = lp - rng.uniform(0, 0.1, lp.shape).astype(np.float32)
+        out.append(datum(toks, targets, logprobs=q, advantages=rng.normal(size=lp.shape).astype(np.float32)))
+    return out
+
+
+def rl_loss(loss_fn, lp, q, a, config):
+    lp, q, a = (np.asarray(x, np.float64) for x in (lp, q, a))
+    r = np.exp(lp - q)
+    lo, hi = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+    if loss_fn == "importance_sampling":
+        return -(r * a).sum()
+    if loss_fn == "ppo":
+        return -np.minimum(r * a, np.clip(r, lo, hi) * a).sum()
+    if loss_fn == "cispo":
+        return -(np.clip(r, lo, hi) * lp * a).sum()
+    beta = config.get("beta", 0.05)
+    return -(lp * a - beta / 2 * (lp - q) ** 2).sum()
+
+
+for _loss, _config in [("importance_sampling", {}), ("ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+                       ("cispo", {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}), ("dro", {"beta": 0.1})]:
+    def _rl_case(ctx, loss_fn=_loss, config=_config):
+        m = Model(ctx.alice, session(ctx.alice))
+        for step in range(2):
+            data = rl_inputs(m, step)
+            logprobs, metrics = m.forward_backward(data, loss_fn, config)
+            expected = sum(rl_loss(loss_fn, lp, np.frombuffer(d.loss_fn_inputs["logprobs"].dense, np.float32),
+                                   np.frombuffer(d.loss_fn_inputs["advantages"].dense, np.float32), config)
+                           for d, lp in zip(data, logprobs))
+            assert math.isclose(metrics["loss:sum"], expected, rel_tol=1e-4, abs_tol=1e-4), \
+                (metrics["loss:sum"], expected)
+            m.optim_step(lr=1e-3)
+    _rl_case.__name__ = f"rl_loop_{_loss}"
+    case(_rl_case)
+
+
+def refused(front, body, want_status, want_text, content_type="application/x-protobuf", route="forward_backward"):
+    status, answer = front.post(route, body, content_type=content_type)
+    assert status == want_status, (status, answer)
+    assert want_text in answer["detail"], answer
+    return answer
+
+
+@case
+def bad_unknown_loss(ctx):
+    m = Model(ctx.alice, session(ctx.alice))
+    refused(ctx.alice, fwdbwd_body(m.model_id, 1, sft_batch(1), loss_fn="gspo"), 400, "loss_fn")
+
+
+@case
+def bad_dtype(ctx):
+    m = Model(ctx.alice, session(ctx.alice))
+    data = sft_batch(1)
+    data[1].loss_fn_inputs["weights"].CopyFrom(tensor([1] * 12, pb.DTYPE_INT64))
+    refused(ctx.alice, fwdbwd_body(m.model_id, 1, data), 400, "data[1].loss_fn_inputs.weights")
+
+
+@case
+def bad_shape(ctx):
+    m = Model(ctx.alice, session(ctx.alice))
+    data = sft_batch(1)
+    data[2].loss_fn_inputs["target_tokens"].CopyFrom(tensor([1] * 11, pb.DTYPE_INT64))
+    refused(ctx.alice, fwdbwd_body(m.model_id, 1, data), 400, "data[2].loss_fn_inputs.target_tokens")
+    data = sft_batch(1)
+    data[0].loss_fn_inputs["target_tokens"].CopyFrom(tensor(np.ones((12, 3)), pb.DTYPE_INT64))
+    refused(ctx.alice, fwdbwd_body(m.model_id, 1, data), 400, "top-K")
+
+
+@case
+def bad_token_out_of_vocabulary(ctx):
+    """Found by the coordinator after submission: the future fails with category user, and the
+    model goes on (the next seq_id runs)."""
+    m = Model(ctx.alice, session(ctx.alice))
+    data = sft_batch(1)
+    data[0] = datum([1, 2, VOCAB + 5], [2, 3, 4], weights=[1, 1, 1])
+    rid = ctx.alice.submit("forward_backward", fwdbwd_body(m.model_id, m.next_seq(), data),
+                           content_type="application/x-protobuf")
+    kind, answer = ctx.alice.retrieve(rid, "ForwardBackward")
+    assert kind == "failed" and answer["category"] == "user" and "outside [0, 96)" in answer["error"], answer
+    m.forward_backward(sft_batch(1))
+    m.optim_step()
+
+
+@case
+def bad_unknown_model(ctx):
+    refused(ctx.alice, fwdbwd_body("tnope:train:0", 1, sft_batch(1)), 404, "model_id")
+    status, answer = ctx.alice.post("get_info", {"model_id": "not-a-model", "type": "get_info"})
+    assert status == 404, answer
+
+
+@case
+def another_keys_model(ctx):
+    m = Model(ctx.alice, session(ctx.alice))
+    refused(ctx.bob, fwdbwd_body(m.model_id, 1, sft_batch(1)), 404, "model_id")
+    status, _ = ctx.bob.post("optim_step", {"model_id": m.model_id, "seq_id": 1, "adam_params": {},
+                                            "type": "optim_step"})
+    assert status == 404
+    rid = ctx.alice.submit("forward_backward", fwdbwd_body(m.model_id, m.next_seq(), sft_batch(1)),
+                           content_type="application/x-protobuf")
+    status, _, data, _ = ctx.bob.request("POST", "retrieve_future", {"request_id": rid})
+    assert status == 404, "another key's future is not found"
+    ctx.alice.result(rid, "ForwardBackward")
+
+
+@case
+def bad_key(ctx):
+    nokey = Front(ctx.alice.port, None)
+    status, ctype, data, length = nokey.request("POST", "create_session", {"tags": []})
+    assert status == 401 and int(length) > 0 and "X-API-Key" in json.loads(data)["detail"]
+    wrong = Front(ctx.alice.port, "tml-wrong-0123456789abcdef")
+    assert wrong.request("POST", "create_session", {"tags": []})[0] == 401
+
+
+@case
+def unknown_route(ctx):
+    status, _, data, length = ctx.alice.request("POST", "publish_everything", {})
+    assert status == 404 and int(length) > 0 and json.loads(data)["detail"]
+
+
+@case
+def bad_adam_params(ctx):
+    m = Model(ctx.alice, session(ctx.alice))
+    status, answer = ctx.alice.post("optim_step", {"model_id": m.model_id, "seq_id": 1,
+                                                   "adam_params": {"learning_rate": "fast"}, "type": "optim_step"})
+    assert status == 400 and "adam_params.learning_rate" in answer["detail"], answer
+
+
+@case
+def oversized_body_refused_before_read(ctx):
+    """Headers declaring 9 MiB (the limit is 8): answered before any body byte is sent."""
+    conn = http.client.HTTPConnection("127.0.0.1", ctx.alice.port, timeout=60)
+    conn.putrequest("POST", "/api/v1/forward_backward")
+    for k, v in {"X-API-Key": ctx.alice.key, "Content-Type": "application/x-protobuf",
+                 "Content-Length": str(9 << 20)}.items():
+        conn.putheader(k, v)
+    conn.endheaders()
+    r = conn.getresponse()
+    detail = json.loads(r.read())["detail"]
+    assert r.status == 400 and "tinker_max_request_mb" in detail, (r.status, detail)
+    conn.close()
+
+
+@case
+def seq_gap(ctx):
+    """A seq_id that never comes: the model goes on after the gap wait; when it comes late it
+    is refused (category user, by the submission's 400)."""
+    m = Model(ctx.alice, session(ctx.alice))
+    skipped, used = m.next_seq(), m.next_seq()
+    rid = ctx.alice.submit("forward_backward", fwdbwd_body(m.model_id, used, sft_batch(1)),
+                           content_type="application/x-protobuf")
+    ctx.alice.result(rid, "ForwardBackward")
+    refused(ctx.alice, fwdbwd_body(m.model_id, skipped, sft_batch(1)), 400, "seq_id")
+
+
+class Ctx:
+    pass
+
+
+def main():
+    tmp = sys.argv[5] if len(sys.argv) > 5 else tempfile.mkdtemp()
+    model = os.path.join(tmp, "model")
+    subprocess.run([GENMODEL, "--preset", "tiny", "--out", model], check=True, stdout=subprocess.DEVNULL)
+    keys = os.path.join(tmp, "keys")
+    with open(keys, "w") as f:
+        f.write("".join(f"{k} {owner}\n" for owner, k in KEYS.items()))
+    port_file = os.path.join(tmp, "tinker_port")
+    if os.path.exists(port_file):
+        os.remove(port_file)
+    log = open(os.path.join(tmp, "coordinator.log"), "w")
+    proc = subprocess.Popen([COORDINATOR, "--model", model, "--worker_binary", WORKER, "--port", "0", "--nojournal",
+                             "--api_keys_file", keys, "--tinker_port", "0", "--tinker_port_file", port_file,
+                             "--tinker_model_name", "tiny/base", "--tinker_max_request_mb", "8",
+                             "--tinker_gap_wait_ms", "500"], stderr=log)
+    try:
+        for _ in range(600):
+            if os.path.exists(port_file) and open(port_file).read().strip():
+                break
+            if proc.poll() is not None:
+                raise SystemExit("coordinator exited at start: see " + log.name)
+            time.sleep(0.1)
+        port = int(open(port_file).read())
+        ctx = Ctx()
+        ctx.alice, ctx.bob = Front(port, KEYS["alice"]), Front(port, KEYS["bob"])
+        ctx.alice.base_model = ctx.bob.base_model = "tiny/base"
+        passed = 0
+        for fn in CASES:
+            try:
+                fn(ctx)
+                passed += 1
+                print(f"case {fn.__name__}: ok", flush=True)
+            except Exception:
+                print(f"case {fn.__name__}: FAILED\n{traceback.format_exc()}", flush=True)
+        print(f"conformance_cases={len(CASES)}")
+        print(f"conformance_passed={passed}")
+        return 0 if passed == len(CASES) else 1
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
