@@ -603,7 +603,8 @@ absl::StatusOr<v1::Run> Coordinator::LoadState(const v1::LoadStateRequest& req) 
   const v1::MeshCall mesh = MeshHeader(*run, req.request_id(), false);
   LORASTEP_ASSIGN_OR_RETURN(v1::WorkerPathResponse first,
                             PathCallOnEveryRank(*run, req.run_id(), req.path(), &mesh,
-                                                [](WorkerClient* w, const v1::WorkerPathRequest& wreq) {
+                                                [&](WorkerClient* w, v1::WorkerPathRequest wreq) {
+                                                  wreq.set_weights_only(req.weights_only());
                                                   return w->LoadState(wreq);
                                                 }));
   {

@@ -97,9 +97,11 @@ struct HttpFrontCalls {
       call.request.method = method;
       call.request.route = path.substr(std::strlen(kApiPrefix));
       call.request.idempotency_key = Header(connection, "X-Idempotency-Key");
+      call.request.base_url = absl::StrCat(server->options_.tls_cert_pem.empty() ? "http://" : "https://",
+                                           Header(connection, MHD_HTTP_HEADER_HOST));
       call.encoding = Header(connection, MHD_HTTP_HEADER_CONTENT_ENCODING);
       MHD_get_connection_values(connection, MHD_GET_ARGUMENT_KIND, CollectQuery, &call.request.query);
-      auto caller = server->front_->Authenticate(Header(connection, "X-API-Key"));
+      auto caller = server->front_->Authenticate(call.request.route, Header(connection, "X-API-Key"));
       if (!caller.ok()) return Refuse(connection, call, caller.status());
       call.caller = *caller;
       int64_t declared = 0;

@@ -7,19 +7,20 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "lib/status_macros.h"
 #include "server/run_names.h"
+#include "server/tinker_front_internal.h"
 #include "server/tinker_losses.h"
 #include "server/tinker_wire.h"
 #include "tinker/tinker_public.pb.h"
 
 namespace lorastep {
-namespace {
-
-using Json = nlohmann::json;
+namespace tinker_internal {
 
 absl::StatusOr<Json> ParseObject(const std::string& body) {
   Json j = Json::parse(body, nullptr, /*allow_exceptions=*/false);
@@ -47,11 +48,11 @@ std::string Digest(const std::string& bytes) {
   return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(d), sizeof(d)));
 }
 
-// "<session>:train:<n>" <-> "<session>-train-<n>".
 absl::StatusOr<std::string> RunIdOfModel(const std::string& model_id) {
   std::vector<std::string> parts = absl::StrSplit(model_id, ':');
   int64_t n;
-  if (parts.size() != 3 || parts[1] != "train" || parts[0].empty() || !absl::SimpleAtoi(parts[2], &n) || n < 0) {
+  if (parts.size() != 3 || parts[1] != "train" || parts[0].empty() || !absl::SimpleAtoi(parts[2], &n) || n < 0 ||
+      !ValidateStoreName(parts[0], "model_id").ok()) {
     return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
   }
   return absl::StrCat(parts[0], "-train-", n);
@@ -72,6 +73,53 @@ HttpAnswer ProtobufAnswer(const google::protobuf::Message& m) {
   return a;
 }
 
+std::string RandomHex(int bytes) {
+  std::random_device rd;
+  std::string out;
+  for (int i = 0; i < bytes; i += 4) out += absl::StrFormat("%08x", rd());
+  return out.substr(0, 2 * bytes);
+}
+
+absl::Status CheckName(const std::string& name, const char* field) {
+  if (name.empty() || name.size() > 100 || name.front() == '.' || absl::StrContains(name, ".tmp-") ||
+      name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") !=
+          std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": '", name, "' must be 1-100 characters of [A-Za-z0-9._-], not starting with '.'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TinkerPath> ParseTinkerPath(const std::string& path, const char* field) {
+  absl::string_view rest = path;
+  std::vector<std::string> parts;
+  if (absl::ConsumePrefix(&rest, "tinker://")) parts = absl::StrSplit(rest, '/');
+  if (parts.size() != 3 || (parts[1] != "weights" && parts[1] != "sampler_weights")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": '", path, "' is not tinker://<model_id>/weights/<name> or tinker://<model_id>/sampler_weights/<name>"));
+  }
+  TinkerPath p{parts[0], parts[1] == "sampler_weights", parts[2]};
+  if (auto run = RunIdOfModel(p.model_id); !run.ok()) {
+    return absl::NotFoundError(absl::StrCat(field, ": no checkpoint '", path, "'"));
+  }
+  LORASTEP_RETURN_IF_ERROR(CheckName(p.name, field));
+  return p;
+}
+
+std::string TinkerPathString(const TinkerPath& p) {
+  return absl::StrCat("tinker://", p.model_id, p.sampler ? "/sampler_weights/" : "/weights/", p.name);
+}
+
+std::string StoreName(const TinkerPath& p) {
+  return absl::StrCat(p.sampler ? "tinker-sampler." : "tinker-weights.", p.name);
+}
+
+}  // namespace tinker_internal
+
+namespace {
+
+using namespace tinker_internal;
+
 std::string TenantOfRun(const std::string& run) {
   const size_t dot = run.find('.');
   return dot == std::string::npos ? std::string() : run.substr(0, dot);
@@ -85,6 +133,7 @@ TinkerFront::TinkerFront(Coordinator* core, const ApiKeys* api_keys, Admission* 
       admission_(admission),
       options_(std::move(options)),
       futures_(options_.futures),
+      sampling_executor_(options_.sampling_executors),
       executor_(options_.executors, std::chrono::microseconds(0), TenantOfRun) {
   housekeeper_ = std::thread([this] { Housekeep(); });
 }
@@ -98,7 +147,8 @@ TinkerFront::~TinkerFront() {
   housekeeper_.join();
 }
 
-absl::StatusOr<Caller> TinkerFront::Authenticate(const std::string& api_key) const {
+absl::StatusOr<Caller> TinkerFront::Authenticate(const std::string& route, const std::string& api_key) const {
+  if (absl::StartsWith(route, "archive_download/")) return Caller{"", /*admin=*/false};  // the token decides
   if (api_keys_ == nullptr) return Caller{"", /*admin=*/true};
   if (api_key.empty()) return absl::UnauthenticatedError("X-API-Key: missing");
   return api_keys_->Authenticate("Bearer " + api_key);
@@ -118,8 +168,15 @@ void TinkerFront::Handle(const Caller& caller, TinkerRequest req, AdmissionTicke
                                                                            options_.max_context_length}}})}}
                                   .dump()));
     }
+    if (absl::StartsWith(req.route, "training_runs") || absl::StartsWith(req.route, "checkpoints")) {
+      return reply(TrainingRuns(caller, req));
+    }
+    if (absl::StartsWith(req.route, "samplers/")) return reply(GetSampler(caller, req.route.substr(9)));
+    if (absl::StartsWith(req.route, "archive_download/")) return reply(ArchiveDownload(req));
   } else if (req.method == "POST") {
     return Post(caller, req, std::move(ticket), std::move(reply));
+  } else if (req.method == "DELETE" && absl::StartsWith(req.route, "training_runs/")) {
+    return reply(DeleteCheckpoint(caller, req));
   }
   reply(JsonAnswer(Json{{"detail", absl::StrCat("not served: ", req.method, " /api/v1/", req.route)}}.dump(), 404));
 }
@@ -142,6 +199,14 @@ void TinkerFront::Post(const Caller& caller, const TinkerRequest& req, Admission
   if (r == "create_model") return CreateModel(caller, req, std::move(ticket), std::move(reply));
   if (r == "forward_backward") return ForwardBackward(caller, req, std::move(ticket), std::move(reply));
   if (r == "optim_step") return OptimStep(caller, req, std::move(ticket), std::move(reply));
+  if (r == "save_weights") return SaveWeights(caller, req, /*for_sampler=*/false, std::move(ticket), std::move(reply));
+  if (r == "save_weights_for_sampler") {
+    return SaveWeights(caller, req, /*for_sampler=*/true, std::move(ticket), std::move(reply));
+  }
+  if (r == "load_weights") return LoadWeights(caller, req, std::move(ticket), std::move(reply));
+  if (r == "weights_info") return reply(WeightsInfo(caller, req.body));
+  if (r == "create_sampling_session") return CreateSamplingSession(caller, req.body, std::move(reply));
+  if (r == "asample") return ASample(caller, req, std::move(ticket), std::move(reply));
   if (r == "retrieve_future") {
     auto body = ParseObject(req.body);
     if (!body.ok()) return reply(ErrorAnswer(body.status()));
@@ -154,8 +219,7 @@ void TinkerFront::Post(const Caller& caller, const TinkerRequest& req, Admission
 
 HttpAnswer TinkerFront::CreateSession(const Caller& caller, const std::string& body) {
   if (auto parsed = ParseObject(body); !parsed.ok()) return ErrorAnswer(parsed.status());
-  std::random_device rd;
-  const std::string id = absl::StrFormat("t%08x%08x", rd(), rd());
+  const std::string id = "t" + RandomHex(8);
   std::lock_guard<std::mutex> lock(mu_);
   Session& s = sessions_[id];
   s.owner = caller.owner;
@@ -404,12 +468,19 @@ void TinkerFront::Housekeep() {
         Release(run, q);
       }
     }
+    for (auto it = archive_links_.begin(); it != archive_links_.end();) {
+      it = it->second.until <= now ? archive_links_.erase(it) : std::next(it);
+    }
     if (options_.session_ttl.count() == 0) continue;
     std::vector<std::string> expired_runs;
     for (auto it = sessions_.begin(); it != sessions_.end();) {
       if (now - it->second.last_seen < options_.session_ttl) {
         ++it;
         continue;
+      }
+      if (!it->second.base_run.empty()) expired_runs.push_back(it->second.base_run);
+      for (auto sampler = samplers_.begin(); sampler != samplers_.end();) {
+        sampler = sampler->second.session == it->first ? samplers_.erase(sampler) : std::next(sampler);
       }
       const std::string prefix = absl::StrCat(OwnerRunPrefix(it->second.owner), it->first, "-train-");
       for (auto m = models_.lower_bound(prefix); m != models_.end() && absl::StartsWith(m->first, prefix);) {

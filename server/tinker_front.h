@@ -13,10 +13,18 @@
 // with the same (model, seq_id) and body gets the first call's future; with another body, 400.
 // Sessions expire `session_ttl` after their last heartbeat; their models are then deleted
 // (saved checkpoints stay).
+// Checkpoints: tinker://<model>/weights/<name> is the SaveState checkpoint
+// lorastep://<run>/tinker-weights.<name> (with a PEFT export beside it, <...>.peft, for the
+// archive download); tinker://<model>/sampler_weights/<name> the PEFT export
+// lorastep://<run>/tinker-sampler.<name>. A path is the caller's when its run is in the
+// caller's namespace, whether or not the run still exists.
+// Sampling: a sampling session samples a sampler checkpoint through its model's run, or the
+// base model through a run of its own made for the session (<session>-base, rank 1).
 #ifndef LORASTEP_SERVER_TINKER_FRONT_H_
 #define LORASTEP_SERVER_TINKER_FRONT_H_
 
 #include <chrono>
+#include <deque>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -31,6 +39,7 @@
 #include "server/admission.h"
 #include "server/api_keys.h"
 #include "server/coordinator.h"
+#include "lib/io/state_store.h"
 #include "server/tinker_futures.h"
 
 namespace lorastep {
@@ -41,6 +50,7 @@ struct TinkerRequest {
   std::string route;   // the path after /api/v1/, as sent
   std::map<std::string, std::string> query;
   std::string idempotency_key;  // X-Idempotency-Key
+  std::string base_url;         // scheme://host as the client reached this server
   std::string body;             // decoded (zstd undone)
 };
 
@@ -52,6 +62,12 @@ struct TinkerFrontOptions {
   std::chrono::milliseconds gap_wait{10000};
   size_t max_early_per_model = 1024;
   size_t executors = 4;
+  size_t sampling_executors = 64;  // asample calls in flight at once (the worker batches them)
+  size_t ephemeral_samplers_kept = 8;  // per model: unnamed sampler saves kept on disk
+  std::chrono::milliseconds archive_link_ttl{15 * 60 * 1000};
+  // The state store, when this process shares the workers' (--state_dir): checkpoint lists,
+  // deletes and archive downloads read it directly. Not owned; null: those routes are 404.
+  const StateStore* store = nullptr;
   TinkerFutureOptions futures;
 };
 
@@ -63,9 +79,10 @@ class TinkerFront {
   TinkerFront(Coordinator* core, const ApiKeys* api_keys, Admission* admission, TinkerFrontOptions options);
   ~TinkerFront();  // finishes queued calls, then answers held polls
 
-  // The caller of an X-API-Key value, checked before a body is read. UNAUTHENTICATED when
-  // keys are configured and this one is missing or unknown.
-  absl::StatusOr<Caller> Authenticate(const std::string& api_key) const;
+  // The caller of an X-API-Key value on `route`, checked before a body is read.
+  // UNAUTHENTICATED when keys are configured and this one is missing or unknown. An archive
+  // link (archive_download/<token>) needs no key: its token is the credential.
+  absl::StatusOr<Caller> Authenticate(const std::string& route, const std::string& api_key) const;
   // Admits one call of `caller` whose body is `bytes` long, before the body is read.
   absl::StatusOr<AdmissionTicket> Admit(const Caller& caller, int64_t bytes);
   // Serves one request; `reply` is called exactly once, on this thread or later on another.
@@ -78,6 +95,18 @@ class TinkerFront {
     std::string owner;
     std::chrono::steady_clock::time_point last_seen;
     std::map<int64_t, std::string> create_requests;  // model_seq_id -> the create_model future
+    std::string base_run;                            // server run id sampling the base model
+  };
+  struct Sampler {
+    std::string owner, session;
+    std::string run;         // server run id it samples through
+    std::string checkpoint;  // lorastep://<run>/<name>; empty: the base model
+    std::string model_path;  // tinker:// path it was made from ("" for the base model)
+    std::map<int64_t, std::string> samples;  // seq_id -> future, for replays
+  };
+  struct ArchiveLink {
+    std::string folder;
+    std::chrono::steady_clock::time_point until;
   };
   struct Early {
     std::chrono::steady_clock::time_point arrived;
@@ -92,6 +121,7 @@ class TinkerFront {
     int64_t next_seq = 1;
     std::map<int64_t, Early> early;
     std::map<int64_t, Submitted> submitted;  // the latest seq_ids, for replays
+    std::deque<std::string> ephemeral;       // unnamed sampler saves on disk, oldest first
   };
 
   void Post(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket, HttpReply reply);
@@ -101,6 +131,21 @@ class TinkerFront {
   HttpAnswer GetInfo(const Caller& caller, const std::string& body);
   void ForwardBackward(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket, HttpReply reply);
   void OptimStep(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket, HttpReply reply);
+  // tinker_front_state.cc: checkpoints.
+  void SaveWeights(const Caller& caller, const TinkerRequest& req, bool for_sampler, AdmissionTicket ticket,
+                   HttpReply reply);
+  void LoadWeights(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket, HttpReply reply);
+  HttpAnswer WeightsInfo(const Caller& caller, const std::string& body);
+  HttpAnswer TrainingRuns(const Caller& caller, const TinkerRequest& req);
+  HttpAnswer DeleteCheckpoint(const Caller& caller, const TinkerRequest& req);
+  HttpAnswer ArchiveDownload(const TinkerRequest& req);
+  // tinker_front_sampling.cc.
+  void CreateSamplingSession(const Caller& caller, const std::string& body, HttpReply reply);
+  void ASample(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket, HttpReply reply);
+  HttpAnswer GetSampler(const Caller& caller, const std::string& id);
+  // A sampling session `id` over `checkpoint` of `run` (or the base model); under mu_.
+  void AddSampler(const std::string& id, const Caller& caller, const std::string& session, const std::string& run,
+                  const std::string& checkpoint, const std::string& model_path);
 
   // The server's run id of model `model_id` once the caller may use it; NOT_FOUND otherwise.
   absl::StatusOr<std::string> ModelRun(const Caller& caller, const std::string& model_id);
@@ -122,7 +167,10 @@ class TinkerFront {
   bool stopping_ = false;
   std::map<std::string, Session> sessions_;
   std::map<std::string, ModelQueue> models_;  // by server run id
+  std::map<std::string, Sampler> samplers_;   // by sampling session id
+  std::map<std::string, ArchiveLink> archive_links_;  // by token
   std::thread housekeeper_;
+  KeyedExecutor sampling_executor_;  // asample calls, concurrently
   KeyedExecutor executor_;  // a model's calls in order; declared last: joined first
 };
 

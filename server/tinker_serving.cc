@@ -40,7 +40,7 @@ int64_t MaxContextLength(const std::string& model_path) {
 
 absl::StatusOr<TinkerServing> StartTinkerFromFlags(Coordinator* core, const ApiKeys* api_keys, Admission* admission,
                                                    const std::string& host, const std::string& tls_cert_file,
-                                                   const std::string& tls_key_file) {
+                                                   const std::string& tls_key_file, const std::string& state_dir) {
   TinkerServing serving;
   const int port = absl::GetFlag(FLAGS_tinker_port);
   if (port < 0) return serving;
@@ -70,6 +70,12 @@ absl::StatusOr<TinkerServing> StartTinkerFromFlags(Coordinator* core, const ApiK
     if (!key.ok()) return key.status();
     http.tls_cert_pem = *cert;
     http.tls_key_pem = *key;
+  }
+  if (!state_dir.empty()) {
+    auto store = StateStore::Open(state_dir);
+    if (!store.ok()) return store.status();
+    serving.store = std::make_unique<StateStore>(std::move(store).value());
+    options.store = serving.store.get();
   }
   serving.front = std::make_unique<TinkerFront>(core, api_keys, admission, options);
   auto server = HttpFrontServer::Start(serving.front.get(), http);

@@ -14,6 +14,7 @@
 namespace lorastep {
 
 struct TinkerServing {
+  std::unique_ptr<StateStore> store;  // the coordinator's view of the workers' store (null: none)
   std::unique_ptr<TinkerFront> front;
   std::unique_ptr<HttpFrontServer> server;  // reset before the front: it calls into it
 };
@@ -21,9 +22,10 @@ struct TinkerServing {
 // Nothing (both null) unless --tinker_port is set. `host`, `tls_cert_file`, `tls_key_file`:
 // the Trainer API's --host, --tls_cert_file, --tls_key_file. Writes --tinker_port_file once
 // listening.
+// `state_dir`: the coordinator's state store root ("" for none), which local workers share.
 absl::StatusOr<TinkerServing> StartTinkerFromFlags(Coordinator* core, const ApiKeys* api_keys, Admission* admission,
                                                    const std::string& host, const std::string& tls_cert_file,
-                                                   const std::string& tls_key_file);
+                                                   const std::string& tls_key_file, const std::string& state_dir);
 
 }  // namespace lorastep
 

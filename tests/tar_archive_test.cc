@@ -48,6 +48,8 @@ TEST(TarArchiveTest, SystemTarExtractsTheFolderByteForByte) {
   ASSERT_OK(WriteStringToFile(folder + "/adapter_model.safetensors", weights));
   ASSERT_OK(WriteStringToFile(folder + "/" + deep + "/" + file, odd));  // 8 + 60 + 1 + 74 bytes: a split name
   ASSERT_OK(WriteStringToFile(folder + "/empty", empty));
+  ASSERT_OK(WriteStringToFile(folder + "/.lorastep", "marker"));  // hidden: left out
+  ASSERT_OK(WriteStringToFile(folder + "/" + deep + "/.hidden", "x"));
   ASSERT_OK_AND_ASSIGN(std::string archive, Archive(folder, "adapter"));
   EXPECT_EQ(archive.size() % 512, 0u);
   ASSERT_OK_AND_ASSIGN(std::string again, Archive(folder, "adapter"));

@@ -481,6 +481,193 @@ def seq_gap(ctx):
     refused(ctx.alice, fwdbwd_body(m.model_id, skipped, sft_batch(1)), 400, "seq_id")
 
 
+def save(m, route, **fields):
+    body = {"model_id": m.model_id, "seq_id": m.next_seq(), "type": route}
+    body.update(fields)
+    rid = m.front.submit(route, body)
+    return m.front.result(rid, "SaveWeights" if route == "save_weights" else "SaveWeightsForSampler")
+
+
+def load(m, path, optimizer):
+    rid = m.front.submit("load_weights", {"model_id": m.model_id, "seq_id": m.next_seq(), "path": path,
+                                          "optimizer": optimizer, "type": "load_weights"})
+    return m.front.result(rid, "LoadWeights")
+
+
+def sample(front, sampler_id, seq_id, tokens, num_samples=2, max_tokens=6, **extra):
+    body = {"num_samples": num_samples, "prompt": {"chunks": [{"tokens": tokens, "type": "encoded_text"}]},
+            "sampling_params": {"max_tokens": max_tokens, "seed": 5, "temperature": 1.0, "top_k": -1, "top_p": 1.0},
+            "sampling_session_id": sampler_id, "seq_id": seq_id, "prompt_logprobs": False,
+            "topk_prompt_logprobs": 0, "type": "sample"}
+    body.update(extra)
+    rid = front.submit("asample", body, extra={"X-Tinker-Sampling-Backpressure": "1"})
+    kind, raw = front.retrieve(rid, "Sample")
+    assert kind == "proto", raw
+    out = pb.SampleResponse()
+    out.ParseFromString(raw)
+    return out
+
+
+@case
+def save_and_resume_bitwise(ctx):
+    """save_weights, then (as a new process would) weights_info, create_model with that rank,
+    load_weights with the optimizer at seq_id 1: the next step equals the uninterrupted run's."""
+    m = Model(ctx.alice, session(ctx.alice), rank=4, seed=3)
+    for step in range(2):
+        m.forward_backward(sft_batch(step))
+        m.optim_step()
+    path = save(m, "save_weights", path="step-2")["path"]
+    assert path == f"tinker://{m.model_id}/weights/step-2", path
+    s2 = session(ctx.alice)
+    status, info = ctx.alice.post("weights_info", {"tinker_path": path})
+    assert status == 200 and info["lora_rank"] == 4 and info["is_lora"] is True, info
+    resumed = Model(ctx.alice, s2, 0, rank=info["lora_rank"], seed=99)
+    assert load(resumed, path, optimizer=True) == {}
+    for model in (m, resumed):
+        model.forward_backward(sft_batch(7))
+        model.optim_step()
+    a, _ = m.forward_backward(sft_batch(8), forward_only=True)
+    b, _ = resumed.forward_backward(sft_batch(8), forward_only=True)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b)), "the resumed run's step is bitwise the same"
+    # Without the optimizer: the same weights, fresh moments, so the next step differs.
+    fresh = Model(ctx.alice, s2, 1, rank=4, seed=5)
+    load(fresh, path, optimizer=False)
+    c, _ = fresh.forward_backward(sft_batch(8), forward_only=True)
+    m2, _ = Model(ctx.alice, s2, 2, rank=4, seed=3), None
+    load(m2, path, optimizer=True)
+    d, _ = m2.forward_backward(sft_batch(8), forward_only=True)
+    assert all(np.array_equal(x, y) for x, y in zip(c, d)), "weights load either way"
+    for model in (fresh, m2):
+        model.forward_backward(sft_batch(7))
+        model.optim_step()
+    c, _ = fresh.forward_backward(sft_batch(8), forward_only=True)
+    d, _ = m2.forward_backward(sft_batch(8), forward_only=True)
+    assert not all(np.array_equal(x, y) for x, y in zip(c, d)), "optimizer=false starts the moments afresh"
+
+
+@case
+def save_name_clash(ctx):
+    m = Model(ctx.alice, session(ctx.alice))
+    save(m, "save_weights", path="dup")
+    rid = ctx.alice.submit("save_weights", {"model_id": m.model_id, "seq_id": m.next_seq(), "path": "dup",
+                                            "type": "save_weights"})
+    kind, answer = ctx.alice.retrieve(rid, "SaveWeights")
+    assert kind == "failed" and answer["category"] == "user" and "dup" in answer["error"], answer
+    status, answer = ctx.alice.post("save_weights", {"model_id": m.model_id, "seq_id": m.next_seq(),
+                                                     "path": "../x", "type": "save_weights"})
+    assert status == 400 and "path" in answer["detail"], answer
+
+
+@case
+def sampler_from_training(ctx):
+    """The RL loop's unnamed save_weights_for_sampler, then asample on it: tokens and log-probs
+    of the trained weights; a named one through create_sampling_session; compute_logprobs."""
+    s = session(ctx.alice)
+    m = Model(ctx.alice, s)
+    m.forward_backward(sft_batch(0))
+    m.optim_step()
+    answer = save(m, "save_weights_for_sampler", sampling_session_seq_id=0)
+    sampler = answer["sampling_session_id"]
+    assert sampler == f"{s}:sample:0", answer
+    out = sample(ctx.alice, sampler, 0, [1, 2, 3], num_samples=3, max_tokens=5)
+    assert len(out.sequences) == 3
+    for seq in out.sequences:
+        toks = np.frombuffer(seq.tokens, np.int32)
+        lps = np.frombuffer(seq.logprobs, np.float32)
+        assert 1 <= len(toks) <= 5 and len(lps) == len(toks) and np.all(lps <= 0), (toks, lps)
+        assert seq.stop_reason in (pb.STOP_REASON_STOP, pb.STOP_REASON_LENGTH)
+    # The sampled tokens' log-probs are the trainer's: a forward pass over prompt + completion.
+    seq = out.sequences[0]
+    toks = [1, 2, 3] + [int(t) for t in np.frombuffer(seq.tokens, np.int32)]
+    lp, _ = m.forward_backward([datum(toks[:-1], toks[1:], weights=[0.0] * (len(toks) - 1))], forward_only=True)
+    want = lp[0][-len(np.frombuffer(seq.tokens, np.int32)):]
+    assert np.allclose(want, np.frombuffer(seq.logprobs, np.float32), atol=1e-5), (want, seq.logprobs)
+    # compute_logprobs: one token, prompt_logprobs, NaN first.
+    out = sample(ctx.alice, sampler, 1, toks, num_samples=1, max_tokens=1, prompt_logprobs=True)
+    plp = np.frombuffer(out.prompt_logprobs, np.float32)
+    assert len(plp) == len(toks) and math.isnan(plp[0]), plp
+    assert np.allclose(plp[1:], lp[0], atol=1e-5), (plp[1:], lp[0])
+    # A named sampler checkpoint, through create_sampling_session.
+    path = save(m, "save_weights_for_sampler", path="for-eval")["path"]
+    assert path == f"tinker://{m.model_id}/sampler_weights/for-eval"
+    status, answer = ctx.alice.post("create_sampling_session", {"session_id": s, "sampling_session_seq_id": 1,
+                                                                "model_path": path,
+                                                                "type": "create_sampling_session"})
+    assert status == 200, answer
+    named = answer["sampling_session_id"]
+    again = sample(ctx.alice, named, 0, [1, 2, 3], num_samples=3, max_tokens=5)
+    first = sample(ctx.alice, sampler, 2, [1, 2, 3], num_samples=3, max_tokens=5)
+    assert [x.tokens for x in again.sequences] == [x.tokens for x in first.sequences], "same weights, same seed"
+    assert ctx.alice.get(f"samplers/{named}") == (200, {"sampler_id": named, "base_model": "tiny/base",
+                                                         "model_path": path})
+
+
+@case
+def base_model_sampler(ctx):
+    s = session(ctx.alice)
+    status, answer = ctx.alice.post("create_sampling_session", {"session_id": s, "sampling_session_seq_id": 0,
+                                                                "base_model": "tiny/base",
+                                                                "type": "create_sampling_session"})
+    assert status == 200, answer
+    out = sample(ctx.alice, answer["sampling_session_id"], 0, [4, 5], num_samples=2, max_tokens=4,
+                 sampling_params={"max_tokens": 4, "seed": 1, "temperature": 0.0, "top_k": -1, "top_p": 1.0})
+    assert out.sequences[0].tokens == out.sequences[1].tokens, "greedy"
+    status, answer = ctx.alice.post("create_sampling_session", {"session_id": s, "sampling_session_seq_id": 1,
+                                                                "base_model": "Qwen/Qwen3-8B",
+                                                                "type": "create_sampling_session"})
+    assert status == 400 and "base_model" in answer["detail"], answer
+    status, answer = ctx.alice.post("asample", {"num_samples": 1, "prompt": {"chunks": [{"tokens": [1],
+                                                                                         "type": "encoded_text"}]},
+                                                "sampling_params": {"max_tokens": 2, "stop": ["\n\n"]},
+                                                "sampling_session_id": f"{s}:sample:0", "seq_id": 9})
+    assert status == 400 and "stop" in answer["detail"], answer
+    status, _ = ctx.bob.post("asample", {"num_samples": 1, "prompt": {"chunks": [{"tokens": [1]}]},
+                                         "sampling_params": {"max_tokens": 2},
+                                         "sampling_session_id": f"{s}:sample:0", "seq_id": 10})
+    assert status == 404, "another key's sampler"
+
+
+@case
+def rest_runs_checkpoints_archive(ctx):
+    import io
+    import tarfile
+    m = Model(ctx.alice, session(ctx.alice), rank=4)
+    m.forward_backward(sft_batch(0))
+    m.optim_step()
+    save(m, "save_weights", path="ck")
+    save(m, "save_weights_for_sampler", path="ck")
+    status, runs = ctx.alice.get("training_runs?limit=1000&offset=0&access_scope=owned")
+    assert status == 200 and m.model_id in [r["training_run_id"] for r in runs["training_runs"]], runs
+    assert runs["cursor"]["total_count"] >= 1
+    status, run = ctx.alice.get(f"training_runs/{m.model_id}?access_scope=owned")
+    assert status == 200 and run["lora_rank"] == 4 and run["is_lora"] is True and "T" in run["last_request_time"]
+    assert ctx.bob.get(f"training_runs/{m.model_id}")[0] == 404
+    status, listed = ctx.alice.get(f"training_runs/{m.model_id}/checkpoints")
+    ids = sorted(c["checkpoint_id"] for c in listed["checkpoints"])
+    assert status == 200 and ids == ["sampler_weights/ck", "weights/ck"], listed
+    for kind in ("sampler_weights", "weights"):
+        status, link = ctx.alice.get(f"training_runs/{m.model_id}/checkpoints/{kind}/ck/archive")
+        assert status == 200 and link["url"].startswith("http://") and link["expires"], link
+        url = link["url"].split("/api/v1/", 1)[1]
+        status, ctype, data, _ = Front(ctx.alice.port, None).request("GET", url)
+        assert status == 200 and ctype == "application/x-tar", (status, data[:200])
+        files = tarfile.open(fileobj=io.BytesIO(data)).getnames()
+        assert sorted(files) == ["adapter_config.json", "adapter_model.safetensors"], files
+        tar = tarfile.open(fileobj=io.BytesIO(data))
+        config = json.load(tar.extractfile("adapter_config.json"))
+        assert config["r"] == 4 and config["peft_type"] == "LORA", config
+        st = tar.extractfile("adapter_model.safetensors").read()
+        header = json.loads(st[8:8 + int.from_bytes(st[:8], "little")])
+        assert any(k.endswith("lora_A.weight") for k in header) and any(k.endswith("lora_B.weight") for k in header)
+    assert ctx.bob.get(f"training_runs/{m.model_id}/checkpoints/weights/ck/archive")[0] == 404
+    status, _, _, _ = ctx.alice.request("DELETE", f"training_runs/{m.model_id}/checkpoints/weights/ck")
+    assert status == 200
+    status, listed = ctx.alice.get(f"training_runs/{m.model_id}/checkpoints")
+    assert [c["checkpoint_id"] for c in listed["checkpoints"]] == ["sampler_weights/ck"], listed
+    status, _, _, _ = ctx.alice.request("DELETE", f"training_runs/{m.model_id}/checkpoints/weights/ck")
+    assert status == 404
+
+
 class Ctx:
     pass
 
@@ -497,6 +684,7 @@ def main():
         os.remove(port_file)
     log = open(os.path.join(tmp, "coordinator.log"), "w")
     proc = subprocess.Popen([COORDINATOR, "--model", model, "--worker_binary", WORKER, "--port", "0", "--nojournal",
+                             "--state_dir", os.path.join(tmp, "state"),
                              "--api_keys_file", keys, "--tinker_port", "0", "--tinker_port_file", port_file,
                              "--tinker_model_name", "tiny/base", "--tinker_max_request_mb", "8",
                              "--tinker_gap_wait_ms", "500"], stderr=log)

@@ -343,7 +343,8 @@ absl::Status WorkerCalls::AwaitSaved(const v1::WorkerPathRequest& req) {
 absl::Status WorkerCalls::LoadState(const v1::WorkerPathRequest& req, v1::WorkerPathResponse* resp) {
   return Once(req.run_id(), req.mesh(), "LoadState", resp, [&]() -> absl::Status {
     LORASTEP_ASSIGN_OR_RETURN(WorkerCore::PathResult r,
-                              core_->LoadState(req.run_id(), req.path(), MeshFromProto(req.mesh())));
+                              core_->LoadState(req.run_id(), req.path(), MeshFromProto(req.mesh()),
+                                                              req.weights_only()));
     FillPathResponse(r, resp);
     return absl::OkStatus();
   });

@@ -553,7 +553,7 @@ absl::Status WorkerCore::AwaitSaved(const std::string& run_id, const std::string
 
 absl::StatusOr<WorkerCore::PathResult> WorkerCore::LoadState(const std::string& run_id,
                                                              const std::string& path,
-                                                             const MeshCallInfo& mesh) {
+                                                             const MeshCallInfo& mesh, bool weights_only) {
   std::lock_guard<FairMutex> lock(mu_);
   writer_.Await(ResolveRequestPath(store_.get(), path, "path").value_or(""));  // a write there finishes first
   // One vote on every path once the communicators are formed: a rank that fails on its own
@@ -564,6 +564,7 @@ absl::StatusOr<WorkerCore::PathResult> WorkerCore::LoadState(const std::string& 
   LORASTEP_ASSIGN_OR_RETURN(Trainer * t, Prepare(run_id, mesh.Unchecked()));
   LORASTEP_RETURN_IF_ERROR(AdmissionFault("LoadState"));
   LORASTEP_RETURN_IF_ERROR(AsReference(t->LoadState(folder, &vote), folder, path));
+  if (weights_only) t->ResetOptimizer();
   return PathResult{t->FullAdapterSha256(), t->learner_version()};
 }
 

@@ -179,8 +179,9 @@ class WorkerCore {
   // Waits for the latest background SaveState of `path`: its outcome; without one, OK if a
   // folder is saved there, else NOT_FOUND. Does not wait for other calls.
   absl::Status AwaitSaved(const std::string& run_id, const std::string& path);
+  // `weights_only`: the checkpoint's adapter, then a fresh optimizer (ResetOptimizer).
   absl::StatusOr<PathResult> LoadState(const std::string& run_id, const std::string& path,
-                                       const MeshCallInfo& mesh = {});
+                                       const MeshCallInfo& mesh = {}, bool weights_only = false);
   absl::StatusOr<PathResult> ExportAdapter(const std::string& run_id, const std::string& path,
                                            const MeshCallInfo& mesh = {}, bool expand_experts = false);
   // The state store's folders of a run / removing one (FAILED_PRECONDITION without a store).

@@ -101,7 +101,7 @@ absl::Status AddFolder(const std::string& path, const std::string& name,
   std::vector<std::string> entries;
   while (const dirent* e = readdir(dir)) {
     const std::string n = e->d_name;
-    if (n != "." && n != "..") entries.push_back(n);
+    if (n.empty() || n[0] != '.') entries.push_back(n);  // hidden: the store's marker, "." and ".."
   }
   closedir(dir);
   std::sort(entries.begin(), entries.end());

@@ -1,7 +1,8 @@
 // A folder as a POSIX tar archive (ustar), streamed to a sink: how a checkpoint (a PEFT
 // adapter folder) leaves the state store as one download.
 //
-// The archive holds the folder's regular files and subfolders, in name order, under
+// The archive holds the folder's regular files and subfolders, in name order (hidden ones,
+// named ".*", left out: the state store's own marker is one), under
 // `prefix` ("adapter/"): mode 0644 (files) or 0755 (folders), owner 0, modification time 0,
 // so the same folder gives the same bytes. A symbolic link or any other kind of entry is
 // refused naming it (an archive never reaches outside the folder), as is a path longer than
