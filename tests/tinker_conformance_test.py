@@ -668,6 +668,44 @@ def rest_runs_checkpoints_archive(ctx):
     assert status == 404
 
 
+@case
+def bitwise_equal_to_grpc(ctx):
+    """The same run driven through the front and through the gRPC API ends with the same
+    adapter, bit for bit (its SHA-256 after every step)."""
+    import grpc
+    from lorastep.v1 import trainer_pb2 as v1, trainer_pb2_grpc
+    stub = trainer_pb2_grpc.TrainerStub(grpc.insecure_channel(f"127.0.0.1:{ctx.grpc_port}"))
+    meta = (("authorization", "Bearer " + KEYS["alice"]),)
+    m = Model(ctx.alice, session(ctx.alice), rank=4, seed=21)
+    run = stub.CreateRun(v1.CreateRunRequest(request_id=uuid.uuid4().hex, seed=21, lora=v1.LoraConfig(
+        rank=4, alpha=32, train_attn=True, train_mlp=True, train_unembed=False)), metadata=meta).run_id
+    seq = 1
+    tinker_digests, grpc_digests = [], []
+    for step in range(3):
+        data = sft_batch(40 + step)
+        m.forward_backward(data)
+        m.optim_step(lr=1e-2)
+        datums = [v1.Datum(tokens=np.frombuffer(d.model_input[0].encoded_text.tokens, np.int32).tolist(),
+                           target_tokens=np.frombuffer(d.loss_fn_inputs["target_tokens"].dense, np.int64).tolist(),
+                           weights=np.frombuffer(d.loss_fn_inputs["weights"].dense, np.float32).tolist())
+                  for d in data]
+        stub.ForwardBackward(v1.ForwardBackwardRequest(run_id=run, request_id=uuid.uuid4().hex, sequence_id=seq,
+                                                       datums=datums, loss=v1.LossConfig(loss_fn="cross_entropy",
+                                                                                         normalization="sum")),
+                             metadata=meta)
+        answer = stub.OptimStep(v1.OptimStepRequest(run_id=run, request_id=uuid.uuid4().hex, sequence_id=seq + 1,
+                                                    adamw=v1.AdamWParams(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-12,
+                                                                         weight_decay=0.0, max_grad_norm=0.0)),
+                                metadata=meta)
+        seq += 2
+        grpc_digests.append(answer.adapter_sha256)
+    steps = stub.GetStepMetrics(v1.GetStepMetricsRequest(run_id=m.model_id.replace(":train:", "-train-")),
+                                metadata=meta).steps
+    tinker_digests = [s.adapter_sha256 for s in steps]
+    assert tinker_digests == grpc_digests and len(set(grpc_digests)) == 3, (tinker_digests, grpc_digests)
+    ctx.bitwise_equal_to_grpc = True
+
+
 class Ctx:
     pass
 
@@ -679,11 +717,13 @@ def main():
     keys = os.path.join(tmp, "keys")
     with open(keys, "w") as f:
         f.write("".join(f"{k} {owner}\n" for owner, k in KEYS.items()))
-    port_file = os.path.join(tmp, "tinker_port")
-    if os.path.exists(port_file):
-        os.remove(port_file)
+    port_file, grpc_port_file = os.path.join(tmp, "tinker_port"), os.path.join(tmp, "port")
+    for f in (port_file, grpc_port_file):
+        if os.path.exists(f):
+            os.remove(f)
     log = open(os.path.join(tmp, "coordinator.log"), "w")
     proc = subprocess.Popen([COORDINATOR, "--model", model, "--worker_binary", WORKER, "--port", "0", "--nojournal",
+                             "--port_file", grpc_port_file,
                              "--state_dir", os.path.join(tmp, "state"),
                              "--api_keys_file", keys, "--tinker_port", "0", "--tinker_port_file", port_file,
                              "--tinker_model_name", "tiny/base", "--tinker_max_request_mb", "8",
@@ -697,6 +737,8 @@ def main():
             time.sleep(0.1)
         port = int(open(port_file).read())
         ctx = Ctx()
+        ctx.grpc_port = int(open(grpc_port_file).read())
+        ctx.bitwise_equal_to_grpc = False
         ctx.alice, ctx.bob = Front(port, KEYS["alice"]), Front(port, KEYS["bob"])
         ctx.alice.base_model = ctx.bob.base_model = "tiny/base"
         passed = 0
@@ -707,6 +749,7 @@ def main():
                 print(f"case {fn.__name__}: ok", flush=True)
             except Exception:
                 print(f"case {fn.__name__}: FAILED\n{traceback.format_exc()}", flush=True)
+        print(f"bitwise_equal_to_grpc={str(ctx.bitwise_equal_to_grpc).lower()}")
         print(f"conformance_cases={len(CASES)}")
         print(f"conformance_passed={passed}")
         return 0 if passed == len(CASES) else 1
