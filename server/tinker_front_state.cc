@@ -373,10 +373,14 @@ HttpAnswer TinkerFront::ArchiveDownload(const TinkerRequest& req) {
   }
   HttpAnswer a;
   a.content_type = "application/x-tar";
-  absl::Status s = WriteTarArchive(folder, "", [&a](absl::string_view bytes) {
-    a.body.append(bytes.data(), bytes.size());
-    return absl::OkStatus();
-  });
+  // The SDK's `tinker checkpoint download` wants the PEFT files and an empty checkpoint_complete.
+  absl::Status s = WriteTarArchive(
+      folder, "",
+      [&a](absl::string_view bytes) {
+        a.body.append(bytes.data(), bytes.size());
+        return absl::OkStatus();
+      },
+      {{"checkpoint_complete", ""}});
   if (!s.ok()) return ErrorAnswer(s);
   return a;
 }

@@ -71,6 +71,23 @@ TEST(TarArchiveTest, SystemTarExtractsTheFolderByteForByte) {
   ASSERT_OK(WriteStringToFile(dir + "/b.tar", bare));
   ASSERT_EQ(std::system(("tar -tf " + dir + "/b.tar | head -1 > " + dir + "/first.txt").c_str()), 0);
   EXPECT_EQ(ReadFileToString(dir + "/first.txt").value_or("?"), "adapter_config.json\n");
+  // Files from memory come after the folder's, as if they were in it.
+  std::string with_extra;
+  ASSERT_OK(WriteTarArchive(
+      folder, "",
+      [&](absl::string_view bytes) {
+        with_extra.append(bytes.data(), bytes.size());
+        return absl::OkStatus();
+      },
+      {{"checkpoint_complete", ""}, {"note.txt", odd}}));
+  ASSERT_OK(WriteStringToFile(dir + "/c.tar", with_extra));
+  ASSERT_EQ(mkdir((dir + "/out_c").c_str(), 0755), 0);
+  ASSERT_EQ(std::system(("tar -tf " + dir + "/c.tar | tail -2 > " + dir + "/last.txt && tar -xf " + dir +
+                         "/c.tar -C " + dir + "/out_c").c_str()),
+            0);
+  EXPECT_EQ(ReadFileToString(dir + "/last.txt").value_or("?"), "checkpoint_complete\nnote.txt\n");
+  EXPECT_EQ(ReadFileToString(dir + "/out_c/note.txt").value_or("?"), odd);
+  EXPECT_EQ(ReadFileToString(dir + "/out_c/checkpoint_complete").value_or("?"), "");
 }
 
 TEST(TarArchiveTest, RefusesLinksMissingFoldersAndPassesTheSinksError) {

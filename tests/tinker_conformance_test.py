@@ -652,7 +652,7 @@ def rest_runs_checkpoints_archive(ctx):
         status, ctype, data, _ = Front(ctx.alice.port, None).request("GET", url)
         assert status == 200 and ctype == "application/x-tar", (status, data[:200])
         files = tarfile.open(fileobj=io.BytesIO(data)).getnames()
-        assert sorted(files) == ["adapter_config.json", "adapter_model.safetensors"], files
+        assert sorted(files) == ["adapter_config.json", "adapter_model.safetensors", "checkpoint_complete"], files
         tar = tarfile.open(fileobj=io.BytesIO(data))
         config = json.load(tar.extractfile("adapter_config.json"))
         assert config["r"] == 4 and config["peft_type"] == "LORA", config

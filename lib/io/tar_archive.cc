@@ -127,7 +127,8 @@ absl::Status AddFolder(const std::string& path, const std::string& name,
 }  // namespace
 
 absl::Status WriteTarArchive(const std::string& folder, const std::string& prefix,
-                             const std::function<absl::Status(absl::string_view)>& sink) {
+                             const std::function<absl::Status(absl::string_view)>& sink,
+                             const std::map<std::string, std::string>& extra) {
   struct stat st;
   if (lstat(folder.c_str(), &st) != 0) return ErrnoError("lstat", folder);
   if (!S_ISDIR(st.st_mode)) {
@@ -140,6 +141,13 @@ absl::Status WriteTarArchive(const std::string& folder, const std::string& prefi
     LORASTEP_RETURN_IF_ERROR(sink(header));
   }
   LORASTEP_RETURN_IF_ERROR(AddFolder(folder, root, sink));
+  for (const auto& [name, contents] : extra) {
+    LORASTEP_ASSIGN_OR_RETURN(std::string header, Header(root + name, false, contents.size()));
+    LORASTEP_RETURN_IF_ERROR(sink(header));
+    LORASTEP_RETURN_IF_ERROR(sink(contents));
+    const size_t pad = (kBlock - contents.size() % kBlock) % kBlock;
+    if (pad > 0) LORASTEP_RETURN_IF_ERROR(sink(std::string(pad, '\0')));
+  }
   return sink(std::string(2 * kBlock, '\0'));  // the end: two zero blocks
 }
 

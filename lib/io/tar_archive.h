@@ -11,6 +11,7 @@
 #define LORASTEP_LIB_IO_TAR_ARCHIVE_H_
 
 #include <functional>
+#include <map>
 #include <string>
 
 #include "absl/status/status.h"
@@ -21,8 +22,11 @@ namespace lorastep {
 // The bytes of the archive, in order, to `sink` (its error ends the archive and is
 // returned). NOT_FOUND when `folder` is missing; FAILED_PRECONDITION naming an entry it
 // cannot archive. The sink may have received part of an archive when an error is returned.
+// `extra`: files (name -> contents) added after the folder's, as if they were in it (a marker
+// its reader expects, say).
 absl::Status WriteTarArchive(const std::string& folder, const std::string& prefix,
-                             const std::function<absl::Status(absl::string_view)>& sink);
+                             const std::function<absl::Status(absl::string_view)>& sink,
+                             const std::map<std::string, std::string>& extra = {});
 
 }  // namespace lorastep
 
