@@ -199,6 +199,7 @@ void TinkerFront::Post(const Caller& caller, const TinkerRequest& req, Admission
   if (r == "create_model") return CreateModel(caller, req, std::move(ticket), std::move(reply));
   if (r == "forward_backward") return ForwardBackward(caller, req, std::move(ticket), std::move(reply));
   if (r == "optim_step") return OptimStep(caller, req, std::move(ticket), std::move(reply));
+  if (r == "unload_model") return UnloadModel(caller, req, std::move(reply));
   if (r == "save_weights") return SaveWeights(caller, req, /*for_sampler=*/false, std::move(ticket), std::move(reply));
   if (r == "save_weights_for_sampler") {
     return SaveWeights(caller, req, /*for_sampler=*/true, std::move(ticket), std::move(reply));
@@ -322,10 +323,12 @@ absl::StatusOr<std::string> TinkerFront::ModelRun(const Caller& caller, const st
   auto client_run = RunIdOfModel(model_id);
   if (!client_run.ok()) return client_run.status();
   const std::string run = ServerRunId(caller, *client_run);
-  if (!core_->CheckAccess(run, caller).ok()) {
-    return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
-  }
+  if (!Reaches(run, caller)) return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
   return run;
+}
+
+bool TinkerFront::Reaches(const std::string& run, const Caller& caller) {
+  return core_->CheckAccess(run, caller).ok() && core_->GetRun(run).ok();
 }
 
 HttpAnswer TinkerFront::GetInfo(const Caller& caller, const std::string& body) {
@@ -454,6 +457,27 @@ void TinkerFront::OptimStep(const Caller& caller, const TinkerRequest& req, Admi
     return JsonAnswer(Json{{"metrics", TinkerMetrics(out->metrics())}}.dump());
   };
   Sequenced(caller, *run, *seq, Digest(req.body), std::move(ticket), std::move(work), std::move(reply));
+}
+
+void TinkerFront::UnloadModel(const Caller& caller, const TinkerRequest& req, HttpReply reply) {
+  auto body = ParseObject(req.body);
+  if (!body.ok()) return reply(ErrorAnswer(body.status()));
+  auto model_id = StringField(*body, "model_id");
+  if (!model_id.ok()) return reply(ErrorAnswer(model_id.status()));
+  auto run = ModelRun(caller, *model_id);
+  if (!run.ok()) return reply(ErrorAnswer(run.status()));
+  auto future = futures_.Create(caller.owner);
+  if (!future.ok()) return reply(ErrorAnswer(future.status()));
+  executor_.Submit(*run, [this, caller, run = *run, model_id = *model_id, id = *future] {
+    absl::Status deleted = core_->DeleteRun(run);
+    if (deleted.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      models_.erase(run);
+    }
+    futures_.Finish(id, deleted.ok() ? JsonAnswer(Json{{"model_id", model_id}}.dump())
+                                     : Failed(ClientStatus(caller, deleted)));
+  });
+  reply(JsonAnswer(Json{{"request_id", *future}}.dump()));
 }
 
 void TinkerFront::Housekeep() {

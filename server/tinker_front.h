@@ -131,6 +131,8 @@ class TinkerFront {
   HttpAnswer GetInfo(const Caller& caller, const std::string& body);
   void ForwardBackward(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket, HttpReply reply);
   void OptimStep(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket, HttpReply reply);
+  // Deletes the model's run after the calls queued before it (its checkpoints stay).
+  void UnloadModel(const Caller& caller, const TinkerRequest& req, HttpReply reply);
   // tinker_front_state.cc: checkpoints.
   void SaveWeights(const Caller& caller, const TinkerRequest& req, bool for_sampler, AdmissionTicket ticket,
                    HttpReply reply);
@@ -147,6 +149,8 @@ class TinkerFront {
   void AddSampler(const std::string& id, const Caller& caller, const std::string& session, const std::string& run,
                   const std::string& checkpoint, const std::string& model_path);
 
+  // Whether run `run` exists and `caller` may use it (an admin may use any, but only one that exists).
+  bool Reaches(const std::string& run, const Caller& caller);
   // The server's run id of model `model_id` once the caller may use it; NOT_FOUND otherwise.
   absl::StatusOr<std::string> ModelRun(const Caller& caller, const std::string& model_id);
   // Queues `work(run)` as call `seq_id` of the model with run `run`, in seq_id order, and

@@ -120,7 +120,7 @@ void TinkerFront::CreateSamplingSession(const Caller& caller, const std::string&
     auto path = ParseTinkerPath(model_path, "model_path");
     if (!path.ok()) return reply(ErrorAnswer(path.status()));
     run = ServerRunId(caller, *RunIdOfModel(path->model_id));
-    if (!core_->CheckAccess(run, caller).ok()) {
+    if (!Reaches(run, caller)) {
       return reply(ErrorAnswer(absl::NotFoundError(absl::StrCat(
           "model_path: the model of '", model_path,
           "' is gone (its session expired); load_weights it into a model and save_weights_for_sampler again"))));

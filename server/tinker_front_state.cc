@@ -176,7 +176,7 @@ HttpAnswer TinkerFront::WeightsInfo(const Caller& caller, const std::string& bod
   if (!path.ok()) return ErrorAnswer(path.status());
   const std::string run = ServerRunId(caller, *RunIdOfModel(path->model_id));
   Json info = {{"base_model", options_.model_name}, {"is_lora", true}};
-  if (auto state = core_->GetRun(run); state.ok() && core_->CheckAccess(run, caller).ok()) {
+  if (auto state = core_->GetRun(run); state.ok() && Reaches(run, caller)) {
     info["lora_rank"] = state->lora().rank();
     if (state->lora().has_train_attn()) info["train_attn"] = state->lora().train_attn();
     if (state->lora().has_train_mlp()) info["train_mlp"] = state->lora().train_mlp();
@@ -218,7 +218,7 @@ HttpAnswer TinkerFront::TrainingRuns(const Caller& caller, const TinkerRequest& 
         c.set_modified_unix_s(f.modified_unix_s);
         found.push_back(c);
       }
-    } else if (core_->CheckAccess(run, caller).ok()) {
+    } else if (Reaches(run, caller)) {
       v1::ListCheckpointsRequest list;
       list.set_run_id(run);
       auto listed = core_->ListCheckpoints(list);
@@ -253,7 +253,7 @@ HttpAnswer TinkerFront::TrainingRuns(const Caller& caller, const TinkerRequest& 
   auto models = [&] {
     std::vector<std::pair<std::string, v1::Run>> out;
     for (const v1::Run& r : core_->ListRuns()) {
-      if (!core_->CheckAccess(r.run_id(), caller).ok()) continue;
+      if (!Reaches(r.run_id(), caller)) continue;
       const std::string id = ClientRunId(caller, r.run_id());
       const size_t at = id.rfind("-train-");
       if (at == std::string::npos || at == 0) continue;
@@ -342,7 +342,7 @@ HttpAnswer TinkerFront::DeleteCheckpoint(const Caller& caller, const TinkerReque
   if (!path->sampler) names.push_back(PeftExportName(path->name));
   for (const std::string& name : names) {
     absl::Status s;
-    if (core_->CheckAccess(run, caller).ok()) {
+    if (Reaches(run, caller)) {
       v1::DeleteCheckpointRequest del;
       del.set_run_id(run);
       del.set_name(name);

@@ -706,6 +706,54 @@ def bitwise_equal_to_grpc(ctx):
     ctx.bitwise_equal_to_grpc = True
 
 
+@case
+def unload_model(ctx):
+    m = Model(ctx.alice, session(ctx.alice))
+    rid = ctx.alice.submit("unload_model", {"model_id": m.model_id, "type": "unload_model"})
+    assert ctx.alice.result(rid, "UnloadModel") == {"model_id": m.model_id}
+    status, _ = ctx.alice.post("get_info", {"model_id": m.model_id, "type": "get_info"})
+    assert status == 404
+
+
+@case
+def session_expiry(ctx):
+    """A session without heartbeats expires (--tinker_session_ttl_s, 1 s here): its heartbeat and
+    new models are refused and its models deleted; a session that beats stays."""
+    tmp = tempfile.mkdtemp(dir=ctx.tmp)
+    port_file = os.path.join(tmp, "port")
+    proc = subprocess.Popen([COORDINATOR, "--model", ctx.model, "--worker_binary", WORKER, "--port", "0",
+                             "--nojournal", "--tinker_port", "0", "--tinker_port_file", port_file,
+                             "--tinker_model_name", "tiny/base", "--tinker_session_ttl_s", "1",
+                             "--state_dir", os.path.join(tmp, "state")],
+                            stderr=open(os.path.join(tmp, "log"), "w"))
+    try:
+        for _ in range(600):
+            if os.path.exists(port_file) and open(port_file).read().strip():
+                break
+            time.sleep(0.1)
+        front = Front(int(open(port_file).read()), None)
+        front.base_model = "tiny/base"
+        idle, beating = session(front), session(front)
+        m = Model(front, idle)
+        kept = Model(front, beating)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            assert front.post("session_heartbeat", {"session_id": beating})[0] == 200
+            if front.post("get_info", {"model_id": m.model_id})[0] == 404:
+                break
+            time.sleep(0.3)
+        status, answer = front.post("get_info", {"model_id": m.model_id})
+        assert status == 404, "the idle session's model is deleted"
+        status, answer = front.post("session_heartbeat", {"session_id": idle})
+        assert status == 404 and "expired" in answer["detail"], answer
+        status, answer = front.post("create_model", {"session_id": idle, "model_seq_id": 1, "lora_config": {"rank": 2}})
+        assert status == 404, answer
+        assert front.post("get_info", {"model_id": kept.model_id})[0] == 200, "a beating session keeps its models"
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 class Ctx:
     pass
 
@@ -737,6 +785,7 @@ def main():
             time.sleep(0.1)
         port = int(open(port_file).read())
         ctx = Ctx()
+        ctx.tmp, ctx.model = tmp, model
         ctx.grpc_port = int(open(grpc_port_file).read())
         ctx.bitwise_equal_to_grpc = False
         ctx.alice, ctx.bob = Front(port, KEYS["alice"]), Front(port, KEYS["bob"])
