@@ -715,23 +715,58 @@ def unload_model(ctx):
     assert status == 404
 
 
-@case
-def session_expiry(ctx):
-    """A session without heartbeats expires (--tinker_session_ttl_s, 1 s here): its heartbeat and
-    new models are refused and its models deleted; a session that beats stays."""
+def start_coordinator(ctx, *flags):
+    """A second coordinator on the test's model with `flags`; returns (process, tinker port)."""
     tmp = tempfile.mkdtemp(dir=ctx.tmp)
     port_file = os.path.join(tmp, "port")
     proc = subprocess.Popen([COORDINATOR, "--model", ctx.model, "--worker_binary", WORKER, "--port", "0",
                              "--nojournal", "--tinker_port", "0", "--tinker_port_file", port_file,
-                             "--tinker_model_name", "tiny/base", "--tinker_session_ttl_s", "1",
-                             "--state_dir", os.path.join(tmp, "state")],
-                            stderr=open(os.path.join(tmp, "log"), "w"))
+                             "--tinker_model_name", "tiny/base", "--state_dir", os.path.join(tmp, "state")] +
+                            list(flags), stderr=open(os.path.join(tmp, "log"), "w"))
+    for _ in range(600):
+        if os.path.exists(port_file) and open(port_file).read().strip():
+            return proc, int(open(port_file).read())
+        if proc.poll() is not None:
+            raise AssertionError("coordinator exited: " + open(os.path.join(tmp, "log")).read()[-2000:])
+        time.sleep(0.1)
+    raise AssertionError("no port")
+
+
+@case
+def tls(ctx):
+    """With the Trainer API's certificate the front speaks HTTPS only."""
+    import ssl
+    tmp = tempfile.mkdtemp(dir=ctx.tmp)
+    cert, key = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days",
+                    "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"], check=True,
+                   capture_output=True)
+    proc, port = start_coordinator(ctx, "--tls_cert_file", cert, "--tls_key_file", key)
     try:
-        for _ in range(600):
-            if os.path.exists(port_file) and open(port_file).read().strip():
-                break
-            time.sleep(0.1)
-        front = Front(int(open(port_file).read()), None)
+        conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=30,
+                                           context=ssl.create_default_context(cafile=cert))
+        conn.request("GET", "/api/v1/healthz")
+        r = conn.getresponse()
+        assert (r.status, json.loads(r.read())) == (200, {"status": "ok"})
+        plain = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            plain.request("GET", "/api/v1/healthz")
+            plain.getresponse()
+            raise AssertionError("plain HTTP was answered")
+        except (http.client.HTTPException, ConnectionError):
+            pass
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+@case
+def session_expiry(ctx):
+    """A session without heartbeats expires (--tinker_session_ttl_s, 1 s here): its heartbeat and
+    new models are refused and its models deleted; a session that beats stays."""
+    proc, port = start_coordinator(ctx, "--tinker_session_ttl_s", "1")
+    try:
+        front = Front(port, None)
         front.base_model = "tiny/base"
         idle, beating = session(front), session(front)
         m = Model(front, idle)
