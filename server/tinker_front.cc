@@ -327,6 +327,15 @@ absl::StatusOr<std::string> TinkerFront::ModelRun(const Caller& caller, const st
   return run;
 }
 
+absl::StatusOr<TinkerFront::ModelCall> TinkerFront::ParseModelCall(const Caller& caller, const std::string& body) {
+  ModelCall call;
+  LORASTEP_ASSIGN_OR_RETURN(call.body, ParseObject(body));
+  LORASTEP_ASSIGN_OR_RETURN(call.model_id, StringField(call.body, "model_id"));
+  LORASTEP_ASSIGN_OR_RETURN(call.seq, IntField(call.body, "seq_id"));
+  LORASTEP_ASSIGN_OR_RETURN(call.run, ModelRun(caller, call.model_id));
+  return call;
+}
+
 bool TinkerFront::Reaches(const std::string& run, const Caller& caller) {
   return core_->CheckAccess(run, caller).ok() && core_->GetRun(run).ok();
 }
@@ -416,12 +425,8 @@ void TinkerFront::ForwardBackward(const Caller& caller, const TinkerRequest& req
       for (v1::Datum& d : *shared) *f.add_datums() = std::move(d);
       out = core_->Forward(f);
     } else {
-      auto state = core_->GetRun(run);
-      if (!state.ok()) return Failed(ClientStatus(caller, state.status()));
       v1::ForwardBackwardRequest fb;
-      fb.set_run_id(run);
-      fb.set_request_id(absl::StrCat("tinker-seq-", seq));
-      fb.set_sequence_id(state->next_sequence_id());
+      if (absl::Status s = Stamp(run, seq, &fb); !s.ok()) return Failed(ClientStatus(caller, s));
       *fb.mutable_loss() = loss;
       for (v1::Datum& d : *shared) *fb.add_datums() = std::move(d);
       out = core_->ForwardBackward(fb);
@@ -434,29 +439,19 @@ void TinkerFront::ForwardBackward(const Caller& caller, const TinkerRequest& req
 
 void TinkerFront::OptimStep(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket,
                             HttpReply reply) {
-  auto body = ParseObject(req.body);
-  if (!body.ok()) return reply(ErrorAnswer(body.status()));
-  auto model_id = StringField(*body, "model_id");
-  if (!model_id.ok()) return reply(ErrorAnswer(model_id.status()));
-  auto seq = IntField(*body, "seq_id");
-  if (!seq.ok()) return reply(ErrorAnswer(seq.status()));
-  auto run = ModelRun(caller, *model_id);
-  if (!run.ok()) return reply(ErrorAnswer(run.status()));
-  auto adam = AdamWFromTinker(body->value("adam_params", Json::object()));
+  auto call = ParseModelCall(caller, req.body);
+  if (!call.ok()) return reply(ErrorAnswer(call.status()));
+  auto adam = AdamWFromTinker(call->body.value("adam_params", Json::object()));
   if (!adam.ok()) return reply(ErrorAnswer(adam.status()));
-  auto work = [this, caller, run = *run, seq = *seq, adam = *adam]() -> HttpAnswer {
-    auto state = core_->GetRun(run);
-    if (!state.ok()) return Failed(ClientStatus(caller, state.status()));
+  auto work = [this, caller, run = call->run, seq = call->seq, adam = *adam]() -> HttpAnswer {
     v1::OptimStepRequest step;
-    step.set_run_id(run);
-    step.set_request_id(absl::StrCat("tinker-seq-", seq));
-    step.set_sequence_id(state->next_sequence_id());
+    if (absl::Status s = Stamp(run, seq, &step); !s.ok()) return Failed(ClientStatus(caller, s));
     *step.mutable_adamw() = adam;
     auto out = core_->OptimStep(step);
     if (!out.ok()) return Failed(ClientStatus(caller, out.status()));
     return JsonAnswer(Json{{"metrics", TinkerMetrics(out->metrics())}}.dump());
   };
-  Sequenced(caller, *run, *seq, Digest(req.body), std::move(ticket), std::move(work), std::move(reply));
+  Sequenced(caller, call->run, call->seq, Digest(req.body), std::move(ticket), std::move(work), std::move(reply));
 }
 
 void TinkerFront::UnloadModel(const Caller& caller, const TinkerRequest& req, HttpReply reply) {

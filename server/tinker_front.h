@@ -34,6 +34,8 @@
 #include <string>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/status/statusor.h"
 #include "rpc/serial_executor.h"
 #include "server/admission.h"
@@ -149,6 +151,24 @@ class TinkerFront {
   void AddSampler(const std::string& id, const Caller& caller, const std::string& session, const std::string& run,
                   const std::string& checkpoint, const std::string& model_path);
 
+  // A model call's JSON body with its model_id, seq_id and the model's run (the caller's).
+  struct ModelCall {
+    nlohmann::json body;
+    std::string model_id, run;
+    int64_t seq = 0;
+  };
+  absl::StatusOr<ModelCall> ParseModelCall(const Caller& caller, const std::string& body);
+  // Gives a core call of the model's call `seq` its exactly-once id ("tinker-seq-<seq>": a
+  // retried call is answered from the run's record) and the run's next sequence id.
+  template <typename Request>
+  absl::Status Stamp(const std::string& run, int64_t seq, Request* req) {
+    auto state = core_->GetRun(run);
+    if (!state.ok()) return state.status();
+    req->set_run_id(run);
+    req->set_request_id("tinker-seq-" + std::to_string(seq));
+    req->set_sequence_id(state->next_sequence_id());
+    return absl::OkStatus();
+  }
   // Whether run `run` exists and `caller` may use it (an admin may use any, but only one that exists).
   bool Reaches(const std::string& run, const Caller& caller);
   // The server's run id of model `model_id` once the caller may use it; NOT_FOUND otherwise.

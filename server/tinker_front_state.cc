@@ -49,26 +49,23 @@ bool AsTinkerCheckpoint(const std::string& stored, bool* sampler, std::string* n
 
 void TinkerFront::SaveWeights(const Caller& caller, const TinkerRequest& req, bool for_sampler, AdmissionTicket ticket,
                               HttpReply reply) {
-  auto body = ParseObject(req.body);
-  if (!body.ok()) return reply(ErrorAnswer(body.status()));
-  auto model_id = StringField(*body, "model_id");
-  if (!model_id.ok()) return reply(ErrorAnswer(model_id.status()));
-  auto seq = IntField(*body, "seq_id");
-  if (!seq.ok()) return reply(ErrorAnswer(seq.status()));
-  auto run = ModelRun(caller, *model_id);
-  if (!run.ok()) return reply(ErrorAnswer(run.status()));
-  if (auto ttl = body->find("ttl_seconds"); ttl != body->end() && !ttl->is_null()) {
+  auto call = ParseModelCall(caller, req.body);
+  if (!call.ok()) return reply(ErrorAnswer(call.status()));
+  const Json& body = call->body;
+  const std::string &model_id = call->model_id, &run = call->run;
+  const int64_t seq = call->seq;
+  if (auto ttl = body.find("ttl_seconds"); ttl != body.end() && !ttl->is_null()) {
     return reply(ErrorAnswer(absl::InvalidArgumentError(
         "ttl_seconds: not supported; checkpoints live until deleted or the server's --state_ttl_hours")));
   }
-  TinkerPath path{*model_id, for_sampler, ""};
+  TinkerPath path{model_id, for_sampler, ""};
   int64_t sampling_seq = -1;  // an unnamed sampler save: the sampling session it makes
-  if (auto p = body->find("path"); p != body->end() && !p->is_null()) {
+  if (auto p = body.find("path"); p != body.end() && !p->is_null()) {
     if (!p->is_string()) return reply(ErrorAnswer(absl::InvalidArgumentError("path: expected a string")));
     path.name = p->get<std::string>();
     if (absl::Status s = CheckName(path.name, "path"); !s.ok()) return reply(ErrorAnswer(s));
   } else if (for_sampler) {
-    auto n = IntField(*body, "sampling_session_seq_id");
+    auto n = IntField(body, "sampling_session_seq_id");
     if (!n.ok()) {
       return reply(ErrorAnswer(absl::InvalidArgumentError("path or sampling_session_seq_id: one is required")));
     }
@@ -76,9 +73,9 @@ void TinkerFront::SaveWeights(const Caller& caller, const TinkerRequest& req, bo
   } else {
     return reply(ErrorAnswer(absl::InvalidArgumentError("path: required")));
   }
-  const bool overwrite = body->value("overwrite", false);
-  const std::string session = model_id->substr(0, model_id->find(':'));
-  auto work = [this, caller, run = *run, path, seq = *seq, sampling_seq, overwrite, session]() -> HttpAnswer {
+  const bool overwrite = body.value("overwrite", false);
+  const std::string session = model_id.substr(0, model_id.find(':'));
+  auto work = [this, caller, run, path, seq, sampling_seq, overwrite, session]() -> HttpAnswer {
     const std::string stored = sampling_seq >= 0 ? EphemeralName(seq) : StoreName(path);
     if (!overwrite && sampling_seq < 0) {
       v1::ListCheckpointsRequest list;
@@ -126,20 +123,17 @@ void TinkerFront::SaveWeights(const Caller& caller, const TinkerRequest& req, bo
     }
     return JsonAnswer(Json{{"sampling_session_id", sampler}}.dump());
   };
-  Sequenced(caller, *run, *seq, Digest(req.body), std::move(ticket), std::move(work), std::move(reply));
+  Sequenced(caller, run, seq, Digest(req.body), std::move(ticket), std::move(work), std::move(reply));
 }
 
 void TinkerFront::LoadWeights(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket,
                               HttpReply reply) {
-  auto body = ParseObject(req.body);
-  if (!body.ok()) return reply(ErrorAnswer(body.status()));
-  auto model_id = StringField(*body, "model_id");
-  if (!model_id.ok()) return reply(ErrorAnswer(model_id.status()));
-  auto seq = IntField(*body, "seq_id");
-  if (!seq.ok()) return reply(ErrorAnswer(seq.status()));
-  auto run = ModelRun(caller, *model_id);
-  if (!run.ok()) return reply(ErrorAnswer(run.status()));
-  auto path_text = StringField(*body, "path");
+  auto call = ParseModelCall(caller, req.body);
+  if (!call.ok()) return reply(ErrorAnswer(call.status()));
+  const Json& body = call->body;
+  const std::string& run = call->run;
+  const int64_t seq = call->seq;
+  auto path_text = StringField(body, "path");
   if (!path_text.ok()) return reply(ErrorAnswer(path_text.status()));
   auto path = ParseTinkerPath(*path_text, "path");
   if (!path.ok()) return reply(ErrorAnswer(path.status()));
@@ -147,24 +141,20 @@ void TinkerFront::LoadWeights(const Caller& caller, const TinkerRequest& req, Ad
     return reply(ErrorAnswer(absl::InvalidArgumentError(
         "path: a sampler_weights checkpoint holds no training state; load_weights takes a weights/ checkpoint")));
   }
-  if (auto token = body->find("weights_access_token"); token != body->end() && !token->is_null()) {
+  if (auto token = body.find("weights_access_token"); token != body.end() && !token->is_null()) {
     return reply(ErrorAnswer(absl::InvalidArgumentError("weights_access_token: not supported (no shared checkpoints)")));
   }
-  const bool optimizer = body->value("optimizer", false);
+  const bool optimizer = body.value("optimizer", false);
   const std::string source = ServerRunId(caller, *RunIdOfModel(path->model_id));
-  auto work = [this, caller, run = *run, seq = *seq, optimizer, ref = Ref(source, StoreName(*path))]() -> HttpAnswer {
-    auto state = core_->GetRun(run);
-    if (!state.ok()) return Failed(ClientStatus(caller, state.status()));
+  auto work = [this, caller, run, seq, optimizer, ref = Ref(source, StoreName(*path))]() -> HttpAnswer {
     v1::LoadStateRequest load;
-    load.set_run_id(run);
-    load.set_request_id(absl::StrCat("tinker-seq-", seq));
-    load.set_sequence_id(state->next_sequence_id());
+    if (absl::Status s = Stamp(run, seq, &load); !s.ok()) return Failed(ClientStatus(caller, s));
     load.set_path(ref);
     load.set_weights_only(!optimizer);
     if (auto loaded = core_->LoadState(load); !loaded.ok()) return Failed(ClientStatus(caller, loaded.status()));
     return JsonAnswer("{}");
   };
-  Sequenced(caller, *run, *seq, Digest(req.body), std::move(ticket), std::move(work), std::move(reply));
+  Sequenced(caller, run, seq, Digest(req.body), std::move(ticket), std::move(work), std::move(reply));
 }
 
 HttpAnswer TinkerFront::WeightsInfo(const Caller& caller, const std::string& body) {
