@@ -603,6 +603,44 @@ def sampler_from_training(ctx):
 
 
 @case
+def rl_loop_with_sampling(ctx):
+    """The RL loop as tinker-cookbook runs it: each iteration saves the weights for a sampler,
+    samples a group per prompt, scores the completions, and trains on them with the sampler's
+    log-probs (importance_sampling, ppo, cispo, dro in turn); the sampler's log-probs equal the
+    learner's on the first pass, so each loss starts at ratio 1."""
+    s = session(ctx.alice)
+    m = Model(ctx.alice, s, rank=4)
+    prompts = [[1, 2, 3], [7, 8], [20, 21, 22, 23]]
+    for it, loss_fn in enumerate(["importance_sampling", "ppo", "cispo", "dro"]):
+        sampler = save(m, "save_weights_for_sampler", sampling_session_seq_id=it)["sampling_session_id"]
+        data, rewards = [], []
+        for p, prompt in enumerate(prompts):
+            out = sample(ctx.alice, sampler, p, prompt, num_samples=4, max_tokens=6)
+            group = []
+            for seq in out.sequences:
+                toks = [int(t) for t in np.frombuffer(seq.tokens, np.int32)]
+                group.append((toks, np.frombuffer(seq.logprobs, np.float32),
+                              float(np.mean(np.asarray(toks) < VOCAB // 8))))
+            mean = np.mean([r for _, _, r in group])
+            for toks, lps, reward in group:
+                full = prompt + toks
+                n = len(full) - 1
+                q = np.zeros(n, np.float32)
+                q[len(prompt) - 1:] = lps
+                adv = np.zeros(n, np.float32)
+                adv[len(prompt) - 1:] = reward - mean
+                data.append(datum(full[:-1], full[1:], logprobs=q, advantages=adv))
+        logprobs, metrics = m.forward_backward(data, loss_fn, {"beta": 0.05} if loss_fn == "dro" else {})
+        for d, lp in zip(data, logprobs):
+            q = np.frombuffer(d.loss_fn_inputs["logprobs"].dense, np.float32)
+            adv = np.frombuffer(d.loss_fn_inputs["advantages"].dense, np.float32)
+            sampled = adv != 0
+            assert np.allclose(lp[sampled], q[sampled], atol=1e-5), "sampler log-probs are the learner's"
+        assert math.isfinite(metrics["loss:sum"])
+        m.optim_step(lr=1e-3)
+
+
+@case
 def base_model_sampler(ctx):
     s = session(ctx.alice)
     status, answer = ctx.alice.post("create_sampling_session", {"session_id": s, "sampling_session_seq_id": 0,
