@@ -15,8 +15,11 @@ mkdir -p "$W/conformance" "$W/pb2" "$W/cost"
 cp bazel-bin/proto/tinker_public_pb2.py "$W/pb2/"
 /usr/bin/python3 tests/tinker_conformance_test.py bazel-bin/server/lorastep_coordinator bazel-bin/worker/lorastep_worker \
   bazel-bin/tools/lorastep_genmodel "$W/pb2" "$W/conformance" > "$W/conformance.log" 2>&1 || true
-/usr/bin/python3 bench/tinker_front.py bazel-bin/server/lorastep_coordinator bazel-bin/worker/lorastep_worker \
-  bazel-bin/tools/lorastep_genmodel "$W/cost" "$@" > "$W/cost.log" 2>&1
+if ! /usr/bin/python3 bench/tinker_front.py bazel-bin/server/lorastep_coordinator bazel-bin/worker/lorastep_worker \
+  bazel-bin/tools/lorastep_genmodel "$W/cost" "$@" > "$W/cost.log" 2>&1; then
+  tail -n 30 "$W/cost.log" "$W/cost/coordinator.log" >&2
+  exit 1
+fi
 /usr/bin/python3 - "$W/conformance.log" "$W/cost.log" "$OUT" "$*" <<'PY'
 import datetime, json, os, platform, re, subprocess, sys
 log = open(sys.argv[1]).read() + open(sys.argv[2]).read()
@@ -41,6 +44,8 @@ out = {"date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
        "step_front_all_s": json.loads(figure("step_front_all_s", str)),
        "step_grpc_all_s": json.loads(figure("step_grpc_all_s", str)),
        "overhead_fraction": figure("overhead_fraction"),
+       "overhead_fraction_per_step": json.loads(figure("overhead_fraction_per_step", str)),
+       "front_submit_s": figure("front_submit_s"),
        "idle_polls": figure("idle_polls", int),
        "idle_polls_answered_early": figure("idle_polls_answered_early", int),
        "rss_before_polls_mb": figure("rss_before_polls_mb"), "rss_with_polls_mb": figure("rss_with_polls_mb"),

@@ -414,10 +414,11 @@ void TinkerFront::ForwardBackward(const Caller& caller, const TinkerRequest& req
   if (!loss.ok()) return reply(ErrorAnswer(loss.status()));
   auto datums = DatumsFromTinker(*fb);
   if (!datums.ok()) return reply(ErrorAnswer(datums.status()));
-  auto shared = std::make_shared<std::vector<v1::Datum>>(std::move(*datums));
+  const int64_t top_k = datums->top_k;
+  auto shared = std::make_shared<std::vector<v1::Datum>>(std::move(datums->datums));
   const int64_t seq = fb->seq_id();
   const bool forward_only = fb->forward_only();
-  auto work = [this, caller, run = *run, seq, forward_only, loss = *loss, shared]() -> HttpAnswer {
+  auto work = [this, caller, run = *run, seq, forward_only, top_k, loss = *loss, shared]() -> HttpAnswer {
     absl::StatusOr<v1::ForwardBackwardResponse> out;
     if (forward_only) {
       v1::ForwardRequest f;
@@ -432,7 +433,7 @@ void TinkerFront::ForwardBackward(const Caller& caller, const TinkerRequest& req
       out = core_->ForwardBackward(fb);
     }
     if (!out.ok()) return Failed(ClientStatus(caller, out.status()));
-    return ProtobufAnswer(TinkerForwardBackwardOutput(*out));
+    return ProtobufAnswer(TinkerForwardBackwardOutput(*out, top_k));
   };
   Sequenced(caller, *run, seq, Digest(req.body), std::move(ticket), std::move(work), std::move(reply));
 }

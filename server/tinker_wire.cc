@@ -4,12 +4,15 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
 namespace lorastep {
 namespace {
+
+constexpr int64_t kMaxTopK = 64;
 
 template <typename T>
 std::vector<T> LittleEndianArray(const std::string& bytes) {
@@ -33,59 +36,91 @@ const char* DTypeName(tinker_public::DType d) {
   }
 }
 
-// One dense one-dimensional input of `tokens` values: its shape, encoding and byte length.
-absl::Status CheckVector(const tinker_public::Tensor& t, const std::string& field, size_t tokens, size_t elem_bytes) {
+// An input's values, row-major, with its columns (0: one value per token; K: K per token).
+template <typename T>
+struct Input {
+  std::vector<T> values;
+  int64_t cols = 0;
+};
+
+// A tensor of `tokens` rows as values of T (its dtype read as `Wire`): dense, or sparse CSR
+// (the SDK's form for mostly-zero two-dimensional inputs).
+template <typename T, typename Wire>
+absl::StatusOr<Input<T>> Decode(const tinker_public::Tensor& t, const std::string& field, size_t tokens) {
+  if (t.shape_size() > 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": shape [", absl::StrJoin(t.shape(), ","), "]; one or two dimensions are taken"));
+  }
+  Input<T> in;
+  in.cols = t.shape_size() == 2 ? t.shape(1) : 0;
+  if (t.shape_size() >= 1 && t.shape(0) != int64_t(tokens)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", t.shape(0), " rows for ", tokens, " tokens (one per token)"));
+  }
+  if (in.cols < 0 || in.cols > kMaxTopK || (t.shape_size() == 2 && in.cols == 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", in.cols, " values per token; 1-", kMaxTopK, " are taken"));
+  }
+  const size_t width = in.cols == 0 ? 1 : size_t(in.cols), n = tokens * width;
   if (t.encoding_case() == tinker_public::Tensor::kSparseCsr) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": sparse tensors are not supported; send it dense"));
+    if (in.cols == 0) return absl::InvalidArgumentError(absl::StrCat(field, ": a sparse tensor needs a shape [N, K]"));
+    const auto& csr = t.sparse_csr();
+    const std::vector<Wire> values = LittleEndianArray<Wire>(csr.values());
+    const std::vector<int64_t> rows = LittleEndianArray<int64_t>(csr.crow_indices());
+    const std::vector<int64_t> cols = LittleEndianArray<int64_t>(csr.col_indices());
+    if (csr.values().size() % sizeof(Wire) != 0 || rows.size() != tokens + 1 || rows.front() != 0 ||
+        rows.back() != int64_t(values.size()) || cols.size() != values.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": sparse_csr: crow_indices, col_indices and values do not describe ", tokens, " rows"));
+    }
+    in.values.assign(n, T(0));
+    for (size_t r = 0; r < tokens; ++r) {
+      if (rows[r + 1] < rows[r]) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ": sparse_csr: crow_indices decrease"));
+      }
+      for (int64_t i = rows[r]; i < rows[r + 1]; ++i) {
+        if (cols[i] < 0 || cols[i] >= in.cols) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(field, ": sparse_csr: column ", cols[i], " outside [0, ", in.cols, ")"));
+        }
+        in.values[r * width + size_t(cols[i])] = static_cast<T>(values[size_t(i)]);
+      }
+    }
+    return in;
   }
-  if (t.shape_size() > 1) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": shape [", absl::StrJoin(t.shape(), ","),
-                                                   "] is not supported (one value per token; top-K targets are not "
-                                                   "built)"));
+  if (t.dense().size() != n * sizeof(Wire)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", t.dense().size() / sizeof(Wire), " values for ",
+                                                   tokens, " tokens",
+                                                   in.cols ? absl::StrCat(" x ", in.cols) : std::string(),
+                                                   " (one per token)"));
   }
-  const size_t n = t.dense().size() / elem_bytes;
-  if (t.dense().size() % elem_bytes != 0 || n != tokens || (t.shape_size() == 1 && t.shape(0) != int64_t(tokens))) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": ", t.shape_size() == 1 ? t.shape(0) : int64_t(n),
-                                                   " values for ", tokens, " tokens (one per token)"));
-  }
-  return absl::OkStatus();
+  for (Wire v : LittleEndianArray<Wire>(t.dense())) in.values.push_back(static_cast<T>(v));
+  return in;
 }
 
-absl::Status FloatInput(const tinker_public::Tensor& t, const std::string& field, size_t tokens,
-                        google::protobuf::RepeatedField<float>* out) {
+absl::StatusOr<Input<float>> FloatInput(const tinker_public::Tensor& t, const std::string& field, size_t tokens) {
   if (t.dtype() != tinker_public::DTYPE_FLOAT32) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": dtype ", DTypeName(t.dtype()), ", expected float32"));
   }
-  if (absl::Status s = CheckVector(t, field, tokens, sizeof(float)); !s.ok()) return s;
-  for (float v : LittleEndianArray<float>(t.dense())) out->Add(v);
-  return absl::OkStatus();
+  return Decode<float, float>(t, field, tokens);
 }
 
-absl::Status TokenInput(const tinker_public::Tensor& t, const std::string& field, size_t tokens,
-                        google::protobuf::RepeatedField<int64_t>* out) {
-  if (t.dtype() == tinker_public::DTYPE_INT64) {
-    if (absl::Status s = CheckVector(t, field, tokens, sizeof(int64_t)); !s.ok()) return s;
-    for (int64_t v : LittleEndianArray<int64_t>(t.dense())) out->Add(v);
-    return absl::OkStatus();
-  }
-  if (t.dtype() == tinker_public::DTYPE_INT32) {
-    if (absl::Status s = CheckVector(t, field, tokens, sizeof(int32_t)); !s.ok()) return s;
-    for (int32_t v : LittleEndianArray<int32_t>(t.dense())) out->Add(v);
-    return absl::OkStatus();
-  }
+absl::StatusOr<Input<int64_t>> TokenInput(const tinker_public::Tensor& t, const std::string& field, size_t tokens) {
+  if (t.dtype() == tinker_public::DTYPE_INT64) return Decode<int64_t, int64_t>(t, field, tokens);
+  if (t.dtype() == tinker_public::DTYPE_INT32) return Decode<int64_t, int32_t>(t, field, tokens);
   return absl::InvalidArgumentError(absl::StrCat(field, ": dtype ", DTypeName(t.dtype()), ", expected int64"));
 }
 
 }  // namespace
 
-absl::StatusOr<std::vector<v1::Datum>> DatumsFromTinker(const tinker_public::ForwardBackwardRequest& req) {
+absl::StatusOr<TinkerDatums> DatumsFromTinker(const tinker_public::ForwardBackwardRequest& req) {
   const bool supervised = req.loss_fn() == "cross_entropy";
-  std::vector<v1::Datum> datums;
-  datums.reserve(req.data_size());
+  TinkerDatums out;
+  int64_t request_k = -1;  // set by the first datum
   for (int i = 0; i < req.data_size(); ++i) {
     const tinker_public::Datum& in = req.data(i);
     const std::string where = absl::StrCat("data[", i, "]");
-    v1::Datum d;
+    std::vector<int64_t> tokens;
     for (int c = 0; c < in.model_input_size(); ++c) {
       const tinker_public::Chunk& chunk = in.model_input(c);
       if (chunk.chunk_case() != tinker_public::Chunk::kEncodedText) {
@@ -97,52 +132,97 @@ absl::StatusOr<std::vector<v1::Datum>> DatumsFromTinker(const tinker_public::For
         return absl::InvalidArgumentError(
             absl::StrCat(where, ".model_input[", c, "].tokens: ", bytes.size(), " bytes, not int32 values"));
       }
-      for (int32_t t : LittleEndianArray<int32_t>(bytes)) d.add_tokens(t);
+      for (int32_t t : LittleEndianArray<int32_t>(bytes)) tokens.push_back(t);
     }
-    const size_t n = d.tokens_size();
+    const size_t n = tokens.size();
     if (n == 0) return absl::InvalidArgumentError(absl::StrCat(where, ".model_input: no tokens"));
+    std::optional<Input<int64_t>> targets;
+    std::map<std::string, Input<float>> floats;
     for (const auto& [key, tensor] : in.loss_fn_inputs()) {
       const std::string field = absl::StrCat(where, ".loss_fn_inputs.", key);
-      absl::Status s;
       if (key == "target_tokens") {
-        s = TokenInput(tensor, field, n, d.mutable_target_tokens());
-      } else if (key == "weights") {
-        s = FloatInput(tensor, field, n, d.mutable_weights());
-      } else if (key == "logprobs") {
-        s = FloatInput(tensor, field, n, d.mutable_logprobs());
-      } else if (key == "advantages") {
-        s = FloatInput(tensor, field, n, d.mutable_advantages());
+        auto decoded = TokenInput(tensor, field, n);
+        if (!decoded.ok()) return decoded.status();
+        targets = std::move(*decoded);
+      } else if (key == "weights" || key == "logprobs" || key == "advantages") {
+        auto decoded = FloatInput(tensor, field, n);
+        if (!decoded.ok()) return decoded.status();
+        floats[key] = std::move(*decoded);
       } else {
-        s = absl::InvalidArgumentError(
+        return absl::InvalidArgumentError(
             absl::StrCat(field, ": unknown input (target_tokens, weights, logprobs, advantages are taken)"));
       }
-      if (!s.ok()) return s;
     }
-    std::vector<const char*> required = {"target_tokens"};
+    std::vector<std::string> required = {"target_tokens"};
     if (!supervised) required.insert(required.end(), {"logprobs", "advantages"});
-    for (const char* key : required) {
-      if (!in.loss_fn_inputs().contains(key)) {
+    for (const std::string& key : required) {
+      if (key == "target_tokens" ? !targets.has_value() : floats.count(key) == 0) {
         return absl::InvalidArgumentError(
             absl::StrCat(where, ".loss_fn_inputs.", key, ": required by loss_fn '", req.loss_fn(), "'"));
       }
     }
-    datums.push_back(std::move(d));
+    // Top-K targets ([N, K]): cross_entropy only, its weights of the same shape, one K per
+    // request (the result's log-probs share one trailing shape).
+    const int64_t k = targets->cols;
+    if (k > 0 && !supervised) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ".loss_fn_inputs.target_tokens: top-K targets [N, K] are taken by cross_entropy only"));
+    }
+    for (const auto& [key, input] : floats) {
+      if (input.cols != k) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ".loss_fn_inputs.", key, ": ", input.cols,
+                                                       " values per token, but target_tokens has ", k));
+      }
+    }
+    if (request_k >= 0 && k != request_k) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".loss_fn_inputs.target_tokens: ", k,
+                                                     " targets per token, data[0] has ", request_k,
+                                                     "; a request's datums share one shape"));
+    }
+    request_k = k;
+    // One lorastep datum per target column: with token losses summed, the K datums of one
+    // column each add up to the top-K loss and its gradient.
+    const int64_t columns = std::max<int64_t>(k, 1);
+    for (int64_t col = 0; col < columns; ++col) {
+      v1::Datum d;
+      for (size_t p = 0; p < n; ++p) {
+        d.add_tokens(tokens[p]);
+        d.add_target_tokens(targets->values[p * columns + col]);
+      }
+      for (const auto& [key, input] : floats) {
+        google::protobuf::RepeatedField<float>* field =
+            key == "weights" ? d.mutable_weights() : key == "logprobs" ? d.mutable_logprobs() : d.mutable_advantages();
+        for (size_t p = 0; p < n; ++p) field->Add(input.values[p * columns + col]);
+      }
+      out.datums.push_back(std::move(d));
+    }
   }
-  if (datums.empty()) return absl::InvalidArgumentError("data: no datums");
-  return datums;
+  if (out.datums.empty()) return absl::InvalidArgumentError("data: no datums");
+  out.top_k = std::max<int64_t>(request_k, 0);
+  return out;
 }
 
-tinker_public::ForwardBackwardOutput TinkerForwardBackwardOutput(const v1::ForwardBackwardResponse& resp) {
+tinker_public::ForwardBackwardOutput TinkerForwardBackwardOutput(const v1::ForwardBackwardResponse& resp,
+                                                                int64_t top_k) {
   tinker_public::ForwardBackwardOutput out;
   out.set_loss_fn_output_type("TensorData");
   tinker_public::ArrayRecord* record = out.add_loss_fn_outputs();
   record->set_type_tag("TensorData");
-  record->set_num_datums(resp.logprobs_size());
+  const int64_t columns = std::max<int64_t>(top_k, 1);
+  record->set_num_datums(resp.logprobs_size() / columns);
   tinker_public::BatchedTensor& logprobs = (*record->mutable_fields())["logprobs"];
   logprobs.set_dtype(tinker_public::DTYPE_FLOAT32);
+  if (top_k > 0) logprobs.add_trailing_shape(top_k);
   std::vector<int64_t> offsets = {0};
-  for (const v1::TokenLogprobs& datum : resp.logprobs()) {
-    AppendBytes(datum.values().data(), datum.values_size(), logprobs.mutable_data());
+  for (int64_t datum = 0; datum + columns <= resp.logprobs_size(); datum += columns) {
+    // Position-major: [N, K], column k from the datum's k-th expansion.
+    const int n = resp.logprobs(datum).values_size();
+    std::vector<float> rows(size_t(n) * columns);
+    for (int64_t col = 0; col < columns; ++col) {
+      const auto& values = resp.logprobs(datum + col).values();
+      for (int p = 0; p < n && p < values.size(); ++p) rows[size_t(p) * columns + col] = values[p];
+    }
+    AppendBytes(rows.data(), rows.size(), logprobs.mutable_data());
     offsets.push_back(static_cast<int64_t>(logprobs.data().size()));
   }
   AppendBytes(offsets.data(), offsets.size(), logprobs.mutable_offsets());

@@ -17,19 +17,29 @@
 
 namespace lorastep {
 
-// The datums of a forward_backward body: each datum's encoded_text chunks joined into its
-// tokens, and its `loss_fn_inputs` (dense FLOAT32 `weights` / `logprobs` / `advantages`,
-// INT64 or INT32 `target_tokens`, each one-dimensional with one value per token) as the
-// datum's fields. `loss_fn` decides which inputs are required (cross_entropy: target_tokens,
-// weights defaulting to 1; the others: target_tokens, logprobs, advantages). INVALID_ARGUMENT
-// naming `data[i].<field>` for anything else: image or audio chunks, sparse or 2-D tensors
-// (top-K targets), a wrong dtype or length, an unknown input.
-absl::StatusOr<std::vector<v1::Datum>> DatumsFromTinker(const tinker_public::ForwardBackwardRequest& req);
+// A forward_backward body's datums in lorastep's terms.
+struct TinkerDatums {
+  std::vector<v1::Datum> datums;
+  // 0: one target per token. K: top-K targets ([N, K] target_tokens and weights, with
+  // cross_entropy): each Tinker datum became K lorastep datums in a row, one per target column,
+  // whose summed token losses are the top-K loss (at K times the compute of one target).
+  int64_t top_k = 0;
+};
 
-// A forward_backward result for `datums` datums: one record with each datum's "logprobs"
-// (FLOAT32, one per token), and the metrics whose keys have the SDK's `name:reduction` form
-// (exactly one colon; others are left out, the SDK refuses them).
-tinker_public::ForwardBackwardOutput TinkerForwardBackwardOutput(const v1::ForwardBackwardResponse& resp);
+// Each datum's encoded_text chunks joined into its tokens, and its `loss_fn_inputs` (FLOAT32
+// `weights` / `logprobs` / `advantages`, INT64 or INT32 `target_tokens`; dense, or sparse CSR
+// for two-dimensional ones) as the datum's fields. `loss_fn` decides which inputs are required
+// (cross_entropy: target_tokens, weights defaulting to 1; the others: target_tokens, logprobs,
+// advantages). INVALID_ARGUMENT naming `data[i].<field>` for anything else: image or audio
+// chunks, a wrong dtype or row count, K outside 1-64 or differing between datums or inputs,
+// two-dimensional inputs of another loss, an unknown input.
+absl::StatusOr<TinkerDatums> DatumsFromTinker(const tinker_public::ForwardBackwardRequest& req);
+
+// A forward_backward result: one record with each Tinker datum's "logprobs" (FLOAT32, one
+// per token, or [N, K] for top-K targets), and the metrics whose keys have the SDK's
+// `name:reduction` form (exactly one colon; others are left out, the SDK refuses them).
+tinker_public::ForwardBackwardOutput TinkerForwardBackwardOutput(const v1::ForwardBackwardResponse& resp,
+                                                                int64_t top_k = 0);
 
 // An optim_step's `adam_params` as lorastep's AdamW, with the SDK's defaults for what is
 // absent (learning_rate 1e-4, beta1 0.9, beta2 0.95, eps 1e-12, weight_decay 0,

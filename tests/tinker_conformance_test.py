@@ -370,6 +370,60 @@ def refused(front, body, want_status, want_text, content_type="application/x-pro
     return answer
 
 
+def sparse(arr, dtype):
+    """A 2-D array as the SDK's sparse CSR tensor."""
+    arr = np.asarray(arr)
+    rows, cols, vals = [0], [], []
+    for row in arr:
+        nz = np.nonzero(row)[0]
+        cols += nz.tolist()
+        vals += row[nz].tolist()
+        rows.append(len(cols))
+    np_dtype = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64}[dtype]
+    return pb.Tensor(sparse_csr=pb.SparseCsr(values=np.asarray(vals, np_dtype).tobytes(),
+                                             crow_indices=np.asarray(rows, np.int64).tobytes(),
+                                             col_indices=np.asarray(cols, np.int64).tobytes()),
+                     dtype=dtype, shape=list(arr.shape))
+
+
+@case
+def top_k_cross_entropy(ctx):
+    """cross_entropy with [N, K] targets and weights (dense, and the weights sparse): the result
+    holds [N, K] log-probs, each column the log-prob a one-target pass gives, and loss:sum is
+    -sum(w * lp) over every target."""
+    s = session(ctx.alice)
+    dense_m, sparse_m, single = (Model(ctx.alice, s, i, seed=31) for i in range(3))
+    rng = np.random.default_rng(4)
+    tokens = [rng.integers(0, VOCAB, 10) for _ in range(2)]
+    targets = [rng.integers(0, VOCAB, (10, 3)) for _ in range(2)]
+    weights = [np.where(rng.random((10, 3)) < 0.5, rng.random((10, 3)), 0).astype(np.float32) for _ in range(2)]
+
+    def topk_datum(t, y, w, sparse_weights=False):
+        d = pb.Datum(model_input=[pb.Chunk(encoded_text=pb.EncodedTextChunk(tokens=t.astype(np.int32).tobytes()))])
+        d.loss_fn_inputs["target_tokens"].CopyFrom(tensor(y, pb.DTYPE_INT64))
+        d.loss_fn_inputs["weights"].CopyFrom(sparse(w, pb.DTYPE_FLOAT32) if sparse_weights else
+                                             tensor(w, pb.DTYPE_FLOAT32))
+        return d
+    lp_dense, metrics = dense_m.forward_backward([topk_datum(*x) for x in zip(tokens, targets, weights)])
+    lp_sparse, metrics_sparse = sparse_m.forward_backward(
+        [topk_datum(*x, sparse_weights=True) for x in zip(tokens, targets, weights)])
+    per_datum = [lp.reshape(10, 3) for lp in lp_dense]
+    expected = -sum(float((w.astype(np.float64) * lp).sum()) for w, lp in zip(weights, per_datum))
+    assert math.isclose(metrics["loss:sum"], expected, rel_tol=1e-5), (metrics["loss:sum"], expected)
+    assert metrics_sparse["loss:sum"] == metrics["loss:sum"], "sparse weights are the same weights"
+    assert all(np.array_equal(a, b) for a, b in zip(lp_dense, lp_sparse))
+    for k in range(3):
+        one, _ = single.forward_backward([datum(t, y[:, k], weights=np.ones(10)) for t, y in zip(tokens, targets)],
+                                         forward_only=True)
+        for a, b in zip(per_datum, one):
+            assert np.allclose(a[:, k], b, atol=1e-6), (a[:, k], b)
+    mixed = [topk_datum(tokens[0], targets[0], weights[0]), topk_datum(tokens[1], targets[1][:, :2], weights[1][:, :2])]
+    refused(ctx.alice, fwdbwd_body(dense_m.model_id, 2, mixed), 400, "data[1].loss_fn_inputs.target_tokens")
+    rl = datum(tokens[0], targets[0][:, 0], logprobs=np.zeros(10), advantages=np.ones(10))
+    rl.loss_fn_inputs["target_tokens"].CopyFrom(tensor(targets[0], pb.DTYPE_INT64))
+    refused(ctx.alice, fwdbwd_body(dense_m.model_id, 2, [rl], loss_fn="ppo"), 400, "cross_entropy only")
+
+
 @case
 def bad_unknown_loss(ctx):
     m = Model(ctx.alice, session(ctx.alice))
@@ -392,7 +446,7 @@ def bad_shape(ctx):
     refused(ctx.alice, fwdbwd_body(m.model_id, 1, data), 400, "data[2].loss_fn_inputs.target_tokens")
     data = sft_batch(1)
     data[0].loss_fn_inputs["target_tokens"].CopyFrom(tensor(np.ones((12, 3)), pb.DTYPE_INT64))
-    refused(ctx.alice, fwdbwd_body(m.model_id, 1, data), 400, "top-K")
+    refused(ctx.alice, fwdbwd_body(m.model_id, 1, data), 400, "data[0].loss_fn_inputs.weights: 0 values per token")
 
 
 @case
