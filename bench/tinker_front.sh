@@ -24,7 +24,7 @@ fi
 import datetime, json, os, platform, re, subprocess, sys
 log = open(sys.argv[1]).read() + open(sys.argv[2]).read()
 def figure(name, kind=float):
-    found = re.findall(r"^" + name + r"=(\S+)$", log, re.M)
+    found = re.findall(r"^" + name + r"=(.+)$", log, re.M)
     if not found:
         raise SystemExit(f"no {name} in the logs:\n{log[-3000:]}")
     return kind(found[-1])

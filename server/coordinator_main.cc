@@ -708,7 +708,7 @@ int main(int argc, char** argv) {
   if (!server.ok()) return fail(server.status());
   auto tinker = StartTinkerFromFlags(&core, api_keys ? &*api_keys : nullptr, service.admission(),
                                      absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_tls_cert_file),
-                                     absl::GetFlag(FLAGS_tls_key_file), storage.state_dir);
+                                     absl::GetFlag(FLAGS_tls_key_file), storage.state_dir, observers);
   if (!tinker.ok()) return fail(tinker.status());
   // grpc.health.v1 follows the workers: NOT_SERVING while none is up (a mesh: any rank down).
   core.OnServingChange([srv = server->get()](bool serving) { srv->GetHealthCheckService()->SetServingStatus(serving); });

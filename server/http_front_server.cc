@@ -13,6 +13,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "server/tinker_wire.h"
 
 namespace lorastep {
 namespace {
@@ -21,6 +23,8 @@ constexpr char kApiPrefix[] = "/api/v1/";
 
 // One request on one connection, from its headers until MHD closes it.
 struct Call {
+  std::chrono::steady_clock::time_point arrived = std::chrono::steady_clock::now();
+  std::string method = "Tinker/unknown";  // how it is counted: Tinker/<route without ids>
   std::mutex mu;
   bool started = false;     // handed to the front
   bool suspended = false;   // waiting for the front's answer
@@ -61,6 +65,15 @@ absl::StatusOr<std::string> Zstd(const std::string& in, int64_t limit) {
   return out;
 }
 
+// The route without the ids in it, for counting: training_runs/s:train:0/checkpoints -> training_runs.
+std::string RouteName(const std::string& route) {
+  for (const char* prefix : {"training_runs", "samplers/", "archive_download/", "checkpoints"}) {
+    if (absl::StartsWith(route, prefix)) return std::string(absl::StripSuffix(prefix, "/"));
+  }
+  return route.size() <= 64 && route.find_first_not_of("abcdefghijklmnopqrstuvwxyz_/") == std::string::npos ? route
+                                                                                                       : "other";
+}
+
 MHD_Result QueueAnswer(MHD_Connection* connection, const HttpAnswer& a) {
   MHD_Response* response =
       MHD_create_response_from_buffer(a.body.size(), const_cast<char*>(a.body.data()), MHD_RESPMEM_MUST_COPY);
@@ -92,17 +105,18 @@ struct HttpFrontCalls {
       Call& call = **holder;
       std::string path = url;
       if (!absl::StartsWith(path, kApiPrefix)) {
-        return Refuse(connection, call, absl::NotFoundError(absl::StrCat("not served: ", path)));
+        return Refuse(server, connection, call, absl::NotFoundError(absl::StrCat("not served: ", path)));
       }
       call.request.method = method;
       call.request.route = path.substr(std::strlen(kApiPrefix));
+      call.method = "Tinker/" + RouteName(call.request.route);
       call.request.idempotency_key = Header(connection, "X-Idempotency-Key");
       call.request.base_url = absl::StrCat(server->options_.tls_cert_pem.empty() ? "http://" : "https://",
                                            Header(connection, MHD_HTTP_HEADER_HOST));
       call.encoding = Header(connection, MHD_HTTP_HEADER_CONTENT_ENCODING);
       MHD_get_connection_values(connection, MHD_GET_ARGUMENT_KIND, CollectQuery, &call.request.query);
       auto caller = server->front_->Authenticate(call.request.route, Header(connection, "X-API-Key"));
-      if (!caller.ok()) return Refuse(connection, call, caller.status());
+      if (!caller.ok()) return Refuse(server, connection, call, caller.status());
       call.caller = *caller;
       int64_t declared = 0;
       if (const char* length = MHD_lookup_connection_value(connection, MHD_HEADER_KIND,
@@ -111,13 +125,13 @@ struct HttpFrontCalls {
         declared = -1;
       }
       if (declared < 0 || declared > server->options_.max_body_bytes) {
-        return Refuse(connection, call,
+        return Refuse(server, connection, call,
                       absl::InvalidArgumentError(absl::StrCat("body: ", declared, " bytes declared; at most ",
                                                               server->options_.max_body_bytes,
                                                               " are read (--tinker_max_request_mb)")));
       }
       auto ticket = server->front_->Admit(call.caller, declared);
-      if (!ticket.ok()) return Refuse(connection, call, ticket.status());
+      if (!ticket.ok()) return Refuse(server, connection, call, ticket.status());
       call.ticket = std::move(*ticket);
       call.request.body.reserve(declared);
       return MHD_YES;
@@ -137,16 +151,16 @@ struct HttpFrontCalls {
       return MHD_YES;
     }
     std::unique_lock<std::mutex> lock(call->mu);
-    if (call->has_answer) return QueueAnswer(connection, call->answer);
+    if (call->has_answer) return Answer(server, connection, *call, call->answer);
     if (call->started) return MHD_YES;  // resumed spuriously: the answer is still to come
     call->started = true;
     if (absl::EqualsIgnoreCase(call->encoding, "zstd")) {
       auto plain = Zstd(call->request.body, server->options_.max_body_bytes);
-      if (!plain.ok()) return QueueAnswer(connection, ErrorAnswer(plain.status()));
+      if (!plain.ok()) return Answer(server, connection, *call, ErrorAnswer(plain.status()));
       call->request.body = std::move(*plain);
     } else if (!call->encoding.empty() && !absl::EqualsIgnoreCase(call->encoding, "identity")) {
-      return QueueAnswer(connection, ErrorAnswer(absl::InvalidArgumentError(absl::StrCat(
-                                         "Content-Encoding: '", call->encoding, "' is not supported (zstd is)"))));
+      return Answer(server, connection, *call, ErrorAnswer(absl::InvalidArgumentError(absl::StrCat(
+                                                   "Content-Encoding: '", call->encoding, "' is not supported (zstd is)"))));
     }
     lock.unlock();
     std::weak_ptr<Call> weak = call;
@@ -164,16 +178,22 @@ struct HttpFrontCalls {
                              }
                            });
     lock.lock();
-    if (call->has_answer) return QueueAnswer(connection, call->answer);
+    if (call->has_answer) return Answer(server, connection, *call, call->answer);
     call->suspended = true;
     MHD_suspend_connection(connection);
     return MHD_YES;
   }
 
-  static MHD_Result Refuse(MHD_Connection* connection, Call& call, const absl::Status& why) {
+  static MHD_Result Refuse(HttpFrontServer* server, MHD_Connection* connection, Call& call, const absl::Status& why) {
     call.has_answer = true;
     call.answer = ErrorAnswer(why);
-    return QueueAnswer(connection, call.answer);
+    return Answer(server, connection, call, call.answer);
+  }
+
+  static MHD_Result Answer(HttpFrontServer* server, MHD_Connection* connection, const Call& call, const HttpAnswer& a) {
+    ObserveCall(server->options_.observers, call.method, StatusOfHttp(a.status, a.body),
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - call.arrived).count(), "", "");
+    return QueueAnswer(connection, a);
   }
 
   static void Completed(void*, MHD_Connection*, void** con_cls, MHD_RequestTerminationCode) {

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "rpc/server_runner.h"
 #include "server/tinker_front.h"
 
 struct MHD_Daemon;
@@ -30,6 +31,9 @@ struct HttpFrontOptions {
   int64_t max_body_bytes = int64_t{64} << 20;  // one request's body, decoded (--tinker_max_request_mb)
   int threads = 4;
   int max_connections = 4096;
+  // Each answered request counted, timed and logged as a gRPC call is (method
+  // "Tinker/<route>", the HTTP status as its code; rpc/server_runner.h).
+  CallObservers observers;
 };
 
 class HttpFrontServer {

@@ -40,7 +40,8 @@ int64_t MaxContextLength(const std::string& model_path) {
 
 absl::StatusOr<TinkerServing> StartTinkerFromFlags(Coordinator* core, const ApiKeys* api_keys, Admission* admission,
                                                    const std::string& host, const std::string& tls_cert_file,
-                                                   const std::string& tls_key_file, const std::string& state_dir) {
+                                                   const std::string& tls_key_file, const std::string& state_dir,
+                                                   const CallObservers& observers) {
   TinkerServing serving;
   const int port = absl::GetFlag(FLAGS_tinker_port);
   if (port < 0) return serving;
@@ -59,6 +60,7 @@ absl::StatusOr<TinkerServing> StartTinkerFromFlags(Coordinator* core, const ApiK
   options.gap_wait = std::chrono::milliseconds(absl::GetFlag(FLAGS_tinker_gap_wait_ms));
   HttpFrontOptions http;
   http.host = host;
+  http.observers = observers;
   http.port = port;
   const int64_t mb = absl::GetFlag(FLAGS_tinker_max_request_mb);
   if (mb < 1 || mb > 4096) return absl::InvalidArgumentError("tinker_max_request_mb: must be in [1, 4096]");

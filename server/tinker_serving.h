@@ -23,9 +23,11 @@ struct TinkerServing {
 // the Trainer API's --host, --tls_cert_file, --tls_key_file. Writes --tinker_port_file once
 // listening.
 // `state_dir`: the coordinator's state store root ("" for none), which local workers share.
+// `observers`: the gRPC port's, so the front's requests are counted and logged the same way.
 absl::StatusOr<TinkerServing> StartTinkerFromFlags(Coordinator* core, const ApiKeys* api_keys, Admission* admission,
                                                    const std::string& host, const std::string& tls_cert_file,
-                                                   const std::string& tls_key_file, const std::string& state_dir);
+                                                   const std::string& tls_key_file, const std::string& state_dir,
+                                                   const CallObservers& observers);
 
 }  // namespace lorastep
 

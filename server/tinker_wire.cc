@@ -283,6 +283,23 @@ int HttpStatusOf(const absl::Status& status) {
   }
 }
 
+absl::Status StatusOfHttp(int http_status, const std::string& body) {
+  if (http_status < 300) return absl::OkStatus();
+  const nlohmann::json j = nlohmann::json::parse(body, nullptr, /*allow_exceptions=*/false);
+  const std::string message = j.is_object() && j.contains("detail") && j["detail"].is_string()
+                                  ? j["detail"].get<std::string>()
+                                  : absl::StrCat("HTTP ", http_status);
+  switch (http_status) {
+    case 400: return absl::InvalidArgumentError(message);
+    case 401: return absl::UnauthenticatedError(message);
+    case 403: return absl::PermissionDeniedError(message);
+    case 404: return absl::NotFoundError(message);
+    case 429: return absl::ResourceExhaustedError(message);
+    case 503: return absl::UnavailableError(message);
+    default: return absl::InternalError(message);
+  }
+}
+
 const char* FailureCategoryOf(const absl::Status& status) {
   switch (status.code()) {
     case absl::StatusCode::kInvalidArgument:

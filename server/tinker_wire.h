@@ -54,6 +54,9 @@ nlohmann::json TinkerMetrics(const google::protobuf::Map<std::string, double>& m
 // FAILED_PRECONDITION, OUT_OF_RANGE, ALREADY_EXISTS), 401, 403, 404, 429 for a full queue
 // (the SDK waits and sends again), 503 while the coordinator cannot serve, else 500.
 int HttpStatusOf(const absl::Status& status);
+// The other way, for counting and logging an answer like a gRPC call: the status an HTTP
+// status stands for, with the body's "detail" as its message.
+absl::Status StatusOfHttp(int http_status, const std::string& body);
 // A failed future's category: "user" for the caller's own mistakes, else "server".
 const char* FailureCategoryOf(const absl::Status& status);
 

@@ -881,6 +881,26 @@ def session_expiry(ctx):
         proc.wait(60)
 
 
+@case
+def requests_counted_in_prometheus(ctx):
+    """The front's requests are counted like gRPC calls: Tinker/<route> by the status code
+    their HTTP status stands for (this case runs after the others)."""
+    ctx.alice.post("get_info", {"model_id": "tnope:train:0"})
+    conn = http.client.HTTPConnection("127.0.0.1", ctx.metrics_port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("lorastep_requests_total{") and 'method="Tinker/' in line:
+            labels, value = line.rsplit(" ", 1)
+            counts[labels] = float(value)
+    def count(method, code):
+        return sum(v for k, v in counts.items() if f'method="Tinker/{method}"' in k and f'code="{code}"' in k)
+    assert count("forward_backward", "OK") >= 10 and count("retrieve_future", "OK") >= 10, counts
+    assert count("get_info", "NOT_FOUND") >= 1 and count("create_session", "UNAUTHENTICATED") >= 1, counts
+    assert count("training_runs", "OK") >= 1, "ids are left out of the route"
+
+
 class Ctx:
     pass
 
@@ -893,12 +913,14 @@ def main():
     with open(keys, "w") as f:
         f.write("".join(f"{k} {owner}\n" for owner, k in KEYS.items()))
     port_file, grpc_port_file = os.path.join(tmp, "tinker_port"), os.path.join(tmp, "port")
-    for f in (port_file, grpc_port_file):
+    metrics_port_file = os.path.join(tmp, "metrics_port")
+    for f in (port_file, grpc_port_file, metrics_port_file):
         if os.path.exists(f):
             os.remove(f)
     log = open(os.path.join(tmp, "coordinator.log"), "w")
     proc = subprocess.Popen([COORDINATOR, "--model", model, "--worker_binary", WORKER, "--port", "0", "--nojournal",
-                             "--port_file", grpc_port_file,
+                             "--port_file", grpc_port_file, "--metrics_port", "0",
+                             "--metrics_port_file", metrics_port_file,
                              "--state_dir", os.path.join(tmp, "state"),
                              "--api_keys_file", keys, "--tinker_port", "0", "--tinker_port_file", port_file,
                              "--tinker_model_name", "tiny/base", "--tinker_max_request_mb", "8",
@@ -914,6 +936,7 @@ def main():
         ctx = Ctx()
         ctx.tmp, ctx.model = tmp, model
         ctx.grpc_port = int(open(grpc_port_file).read())
+        ctx.metrics_port = int(open(metrics_port_file).read())
         ctx.bitwise_equal_to_grpc = False
         ctx.alice, ctx.bob = Front(port, KEYS["alice"]), Front(port, KEYS["bob"])
         ctx.alice.base_model = ctx.bob.base_model = "tiny/base"
