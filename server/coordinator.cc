@@ -207,6 +207,46 @@ std::vector<v1::Run> Coordinator::ListRuns() {
   return out;
 }
 
+Coordinator::SequenceClaim& Coordinator::SequenceClaim::operator=(SequenceClaim&& other) noexcept {
+  if (this != &other) {
+    Release();
+    run_ = std::move(other.run_);
+    sequence_id_ = other.sequence_id_;
+    request_id_ = std::move(other.request_id_);
+    other.run_ = nullptr;
+  }
+  return *this;
+}
+
+Coordinator::SequenceClaim::~SequenceClaim() { Release(); }
+
+void Coordinator::SequenceClaim::Release() {
+  if (run_ == nullptr) return;
+  std::lock_guard<std::mutex> view(run_->view_mu);
+  auto it = run_->claimed_sequences.find(sequence_id_);
+  if (it != run_->claimed_sequences.end() && it->second == request_id_) run_->claimed_sequences.erase(it);
+  run_ = nullptr;
+}
+
+absl::StatusOr<Coordinator::SequenceClaim> Coordinator::ClaimSequence(const std::string& run_id, int64_t sequence_id,
+                                                                      const std::string& request_id) {
+  SequenceClaim claim;
+  if (request_id.empty()) return claim;  // refused by the call itself (RequireRequestId)
+  LORASTEP_ASSIGN_OR_RETURN(RunRef run, runs_.Find(run_id));
+  std::lock_guard<std::mutex> view(run->view_mu);
+  auto [it, added] = run->claimed_sequences.emplace(sequence_id, request_id);
+  if (!added) {
+    if (it->second == request_id) return claim;  // a retry of the call queued: it waits for that one
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence_id: ", sequence_id, " is taken by a call queued before this one (request_id '", it->second,
+        "'); one call per sequence id at a time, nothing was applied"));
+  }
+  claim.run_ = run;
+  claim.sequence_id_ = sequence_id;
+  claim.request_id_ = request_id;
+  return claim;
+}
+
 absl::StatusOr<bool> Coordinator::Replay(RunState& run, const std::string& method, const std::string& request_id,
                                          int64_t sequence_id, const google::protobuf::Message& request,
                                          google::protobuf::Message* out, bool defer_fingerprint,

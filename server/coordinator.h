@@ -166,6 +166,28 @@ class Coordinator {
                                                       const PackedDatumsWire* packed = nullptr,
                                                       CancelToken* cancel = nullptr);
   absl::StatusOr<v1::StepResponse> OptimStep(const v1::OptimStepRequest& req);
+  // One call per sequence id at a time: before a mutating call is queued (on the thread that
+  // received it), claims `sequence_id` of the run for `request_id` until the returned claim
+  // is destroyed. A call whose sequence id is claimed by another request_id (a call queued
+  // or running that will take it, or fail) is FAILED_PRECONDITION at once, naming it; it
+  // costs no queue slot and no turn. The same request_id (a retry while the first is still
+  // queued) gets an empty claim and waits for the first's answer as before.
+  class SequenceClaim {
+   public:
+    SequenceClaim() = default;
+    SequenceClaim(SequenceClaim&& other) noexcept { *this = std::move(other); }
+    SequenceClaim& operator=(SequenceClaim&& other) noexcept;
+    ~SequenceClaim();
+
+   private:
+    void Release();
+    friend class Coordinator;
+    std::shared_ptr<RunState> run_;
+    int64_t sequence_id_ = 0;
+    std::string request_id_;
+  };
+  absl::StatusOr<SequenceClaim> ClaimSequence(const std::string& run_id, int64_t sequence_id,
+                                              const std::string& request_id);
   absl::StatusOr<v1::StepResponse> TrainStep(const v1::TrainStepRequest& req, Deadline deadline = Deadline::max(),
                                              const PackedDatumsWire* packed = nullptr, CancelToken* cancel = nullptr);
   // Before a batch call of `run_id` is queued, on the thread that received it: where the

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "lib/run_tenant.h"
@@ -247,7 +248,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext*
                                                     const std::string& run_id, Resp* resp,
                                                     Call call, bool run_scoped,
                                                     std::function<void()> before_finish,
-                                                    std::function<void(const std::string&)> before_queue,
+                                                    std::function<absl::Status(const std::string&)> before_queue,
                                                     AdmissionTicket ticket, std::shared_ptr<CancelToken> cancel) {
   // Authentication and ownership are checked before the call is queued, on the server's
   // id of the run (per owner with API keys).
@@ -261,7 +262,9 @@ grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext*
     ticket = *std::move(admitted);
   }
   if (absl::Status joined = ticket.JoinRun(server_id); !joined.ok()) return Refuse(ctx, joined);
-  if (before_queue) before_queue(server_id);
+  if (before_queue) {
+    if (absl::Status s = before_queue(server_id); !s.ok()) return Refuse(ctx, ClientStatus(*caller, s));
+  }
   if (cancel == nullptr) cancel = std::make_shared<CancelToken>();
   grpc::ServerUnaryReactor* reactor = new CancellableReactor(cancel);
   auto held = std::make_shared<AdmissionTicket>(std::move(ticket));  // released once answered
@@ -284,6 +287,14 @@ grpc::ServerUnaryReactor* CoordinatorService::Defer(grpc::CallbackServerContext*
   return reactor;
 }
 
+std::function<absl::Status(const std::string&)> CoordinatorService::ClaimBeforeQueue(
+    int64_t sequence_id, const std::string& request_id, std::shared_ptr<Coordinator::SequenceClaim> claim) {
+  return [this, sequence_id, request_id, claim](const std::string& server_id) -> absl::Status {
+    LORASTEP_ASSIGN_OR_RETURN(*claim, core_->ClaimSequence(server_id, sequence_id, request_id));
+    return absl::OkStatus();
+  };
+}
+
 std::set<std::string> CoordinatorService::RawMethods() {
   return {"/lorastep.v1.Trainer/TrainStep", "/lorastep.v1.Trainer/ForwardBackward", "/lorastep.v1.Trainer/Forward"};
 }
@@ -304,6 +315,7 @@ grpc::ServerUnaryReactor* CoordinatorService::DeferRaw(grpc::CallbackServerConte
     std::optional<PackedDatumsWire> packed;  // left where gRPC holds them
     Resp resp;
     std::shared_ptr<CancelToken> cancel = std::make_shared<CancelToken>();  // the client's call
+    Coordinator::SequenceClaim claim;  // held until the call is answered
   };
   auto owned = std::make_shared<Owned>();
   // What parsing may take is charged before the parse (a batch of one-byte tokens in `datums`
@@ -317,18 +329,25 @@ grpc::ServerUnaryReactor* CoordinatorService::DeferRaw(grpc::CallbackServerConte
   return Defer(
       ctx, owned->req.run_id(), &owned->resp,
       [owned, call = std::move(call)](const Caller& who, const std::string& id) {
-        return call(who, id, owned->req, owned->packed ? &*owned->packed : nullptr, owned->cancel.get());
+        auto result = call(who, id, owned->req, owned->packed ? &*owned->packed : nullptr, owned->cancel.get());
+        owned->claim = {};  // before the answer leaves: the client's next call may take the id
+        return result;
       },
       /*run_scoped=*/true,
       [owned, raw_resp] {
         bool own_buffer = false;
         (void)grpc::SerializationTraits<Resp>::Serialize(owned->resp, raw_resp, &own_buffer);
       },
-      [this, owned](const std::string& server_id) {
-        if (!owned->packed) return;
+      [this, owned](const std::string& server_id) -> absl::Status {
+        if constexpr (!std::is_same_v<Req, v1::ForwardRequest>) {  // a mutating call: its sequence id
+          LORASTEP_ASSIGN_OR_RETURN(owned->claim,
+                                    core_->ClaimSequence(server_id, owned->req.sequence_id(), owned->req.request_id()));
+        }
+        if (!owned->packed) return absl::OkStatus();
         bool values_needed = false;  // ForwardBackward reads a batch that carries whole-batch totals
         if constexpr (std::is_same_v<Req, v1::ForwardBackwardRequest>) values_needed = owned->req.has_batch_totals();
         core_->StageBatch(server_id, &*owned->packed, values_needed);
+        return absl::OkStatus();
       },
       *std::move(ticket), owned->cancel);
 }
@@ -407,10 +426,16 @@ grpc::ServerUnaryReactor* CoordinatorService::Forward(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* CoordinatorService::OptimStep(grpc::CallbackServerContext* ctx,
                                                         const v1::OptimStepRequest* req,
                                                         v1::StepResponse* resp) {
-  return Defer(ctx, req->run_id(), resp, [this, req](const Caller& who, const std::string& id) {
-    std::optional<v1::OptimStepRequest> copy;
-    return core_->OptimStep(ServerRequest(*req, who, id, &copy));
-  });
+  auto claim = std::make_shared<Coordinator::SequenceClaim>();  // held until the call is answered
+  return Defer(
+      ctx, req->run_id(), resp,
+      [this, req, claim](const Caller& who, const std::string& id) {
+        std::optional<v1::OptimStepRequest> copy;
+        auto result = core_->OptimStep(ServerRequest(*req, who, id, &copy));
+        *claim = {};  // before the answer leaves: the client's next call may take the id
+        return result;
+      },
+      /*run_scoped=*/true, nullptr, ClaimBeforeQueue(req->sequence_id(), req->request_id(), claim));
 }
 grpc::ServerUnaryReactor* CoordinatorService::TrainStep(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
                                                         grpc::ByteBuffer* resp) {
@@ -439,13 +464,18 @@ grpc::ServerUnaryReactor* CoordinatorService::SaveState(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* CoordinatorService::LoadState(grpc::CallbackServerContext* ctx,
                                                         const v1::LoadStateRequest* req,
                                                         v1::Run* resp) {
-  return Defer(ctx, req->run_id(), resp, [this, req](const Caller& who, const std::string& id) -> absl::StatusOr<v1::Run> {
-    if (absl::Status s = CheckPathAccess("path", req->path(), who); !s.ok()) return s;
-    std::optional<v1::LoadStateRequest> copy;
-    LORASTEP_ASSIGN_OR_RETURN(
-        v1::Run run, core_->LoadState(ServerRequest(*req, who, id, &v1::LoadStateRequest::mutable_path, req->path(), &copy)));
-    return ClientRun(std::move(run), who);
-  });
+  auto claim = std::make_shared<Coordinator::SequenceClaim>();  // held until the call is answered
+  return Defer(
+      ctx, req->run_id(), resp,
+      [this, req, claim](const Caller& who, const std::string& id) -> absl::StatusOr<v1::Run> {
+        absl::Cleanup release = [&] { *claim = {}; };  // before the answer leaves: the next call may take the id
+        if (absl::Status s = CheckPathAccess("path", req->path(), who); !s.ok()) return s;
+        std::optional<v1::LoadStateRequest> copy;
+        LORASTEP_ASSIGN_OR_RETURN(v1::Run run, core_->LoadState(ServerRequest(
+                                                   *req, who, id, &v1::LoadStateRequest::mutable_path, req->path(), &copy)));
+        return ClientRun(std::move(run), who);
+      },
+      /*run_scoped=*/true, nullptr, ClaimBeforeQueue(req->sequence_id(), req->request_id(), claim));
 }
 grpc::ServerUnaryReactor* CoordinatorService::ListCheckpoints(grpc::CallbackServerContext* ctx,
                                                               const v1::ListCheckpointsRequest* req,

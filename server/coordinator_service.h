@@ -113,7 +113,7 @@ class CoordinatorService final : public TrainerServiceBase {
   // caller's access to the run).
   // `before_finish`: run after a successful call filled `*resp`, before the reactor finishes
   // (a raw method serializes its response there). `before_queue(server run id)`: run on
-  // this thread once the call is admitted, before it is queued.
+  // this thread once the call is admitted, before it is queued; its error refuses the call.
   template <typename Resp, typename Call>
   // `ticket`: the call's admission when the caller admitted it already with its bytes (a raw
   // method, before parsing); else the call is admitted here as a call of its key. `cancel`:
@@ -122,7 +122,7 @@ class CoordinatorService final : public TrainerServiceBase {
   grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, const std::string& run_id,
                                   Resp* resp, Call call, bool run_scoped = true,
                                   std::function<void()> before_finish = nullptr,
-                                  std::function<void(const std::string&)> before_queue = nullptr,
+                                  std::function<absl::Status(const std::string&)> before_queue = nullptr,
                                   AdmissionTicket ticket = AdmissionTicket(), std::shared_ptr<CancelToken> cancel = nullptr);
   // A raw method: authenticates, counts the datums on the wire, parses into a request it
   // owns, has the core stage its packed batch (Coordinator::StageBatch) while the bytes are
@@ -130,6 +130,9 @@ class CoordinatorService final : public TrainerServiceBase {
   template <typename Req, typename Resp, typename Call>
   grpc::ServerUnaryReactor* DeferRaw(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer& raw_req,
                                      grpc::ByteBuffer* raw_resp, Call call);
+  // A `before_queue` that claims the call's sequence id into `claim` (Coordinator::ClaimSequence).
+  std::function<absl::Status(const std::string&)> ClaimBeforeQueue(int64_t sequence_id, const std::string& request_id,
+                                                                    std::shared_ptr<Coordinator::SequenceClaim> claim);
   absl::StatusOr<Caller> Authenticate(grpc::CallbackServerContext* ctx) const;
   // Authenticates, translates the run id the caller names into the server's
   // (`server_id`, run_names.h) and checks the caller's access to that run.

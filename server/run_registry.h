@@ -62,6 +62,9 @@ struct RunState : std::enable_shared_from_this<RunState> {
   mutable std::mutex view_mu;
   v1::Run run;
   std::deque<v1::StepRecord> history;
+  // Sequence ids of the mutating calls queued or running on the run -> their request_id
+  // (Coordinator::ClaimSequence), guarded by view_mu.
+  std::map<int64_t, std::string> claimed_sequences;
   std::vector<WorkerRef> ranks;  // rank -> worker (one worker when not on a mesh)
   std::mutex autosave_mu;  // held while a confirmation journals an autosave as durable
   std::condition_variable autosave_cv;  // a background autosave ended

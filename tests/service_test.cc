@@ -480,6 +480,48 @@ TEST_F(ServiceTest, OutOfOrderSequenceIdsAreRefused) {
   EXPECT_THAT(client_->ForwardBackward(req), StatusIs(absl::StatusCode::kFailedPrecondition, "expected 2"));
 }
 
+// One call per sequence id at a time: of two calls sent together with one sequence id under
+// different request_ids, the one received first takes it and applies; the other, arriving
+// while the first is queued or running, is refused at once naming the first (not queued
+// behind it to be refused later). Once the first is answered the id is consumed.
+TEST_F(ServiceTest, ASecondCallWithAQueuedSequenceIdIsRefusedAtOnce) {
+  RunSession run = NewRun();
+  auto step = [&](const std::string& request_id, int64_t seq, int datums, int length) {
+    v1::TrainStepRequest req;
+    req.set_run_id(run.run_id());
+    req.set_request_id(request_id);
+    req.set_sequence_id(seq);
+    for (int i = 0; i < datums; ++i) *req.add_datums() = MakeDatum(i, int(seq), length, 96);
+    *req.mutable_loss() = Ppo();
+    *req.mutable_adamw() = Adam();
+    return req;
+  };
+  bool caught = false;
+  for (int64_t seq = 1; seq <= 10 && !caught; ++seq) {
+    // A long call and a short one together; which arrives first is the transport's choice.
+    const v1::TrainStepRequest slow = step(absl::StrCat("slow-", seq), seq, 16, 256), quick = step(absl::StrCat("quick-", seq), seq, 4, 8);
+    absl::StatusOr<v1::StepResponse> a, b;
+    std::thread sender([&] { a = client_->TrainStep(slow); });
+    b = client_->TrainStep(quick);
+    sender.join();
+    ASSERT_NE(a.ok(), b.ok()) << a.status() << " / " << b.status();
+    const absl::Status& loser = a.ok() ? b.status() : a.status();
+    const std::string winner = a.ok() ? slow.request_id() : quick.request_id();
+    if (absl::StrContains(loser.message(), "expected")) continue;  // the winner was answered first: again
+    EXPECT_THAT(loser, StatusIs(absl::StatusCode::kFailedPrecondition,
+                                absl::StrCat("sequence_id: ", seq, " is taken by a call queued before this one (request_id '",
+                                             winner, "')")));
+    caught = true;
+    ASSERT_OK_AND_ASSIGN(v1::Run state, client_->GetRun(run.run_id()));
+    EXPECT_EQ(state.learner_version(), seq);
+    EXPECT_EQ(state.next_sequence_id(), seq + 1);
+    // Consumed: the loser sent again is refused as any late call is.
+    EXPECT_THAT(client_->TrainStep(a.ok() ? quick : slow),
+                StatusIs(absl::StatusCode::kFailedPrecondition, absl::StrCat("expected ", seq + 1)));
+  }
+  EXPECT_TRUE(caught) << "in 10 tries the second call never arrived while the first was queued or running";
+}
+
 TEST_F(ServiceTest, InterleavedRunsOnOneWorkerEachEqualThatRunAlone) {
   RunSession a = NewRun(11, 0.1), b = NewRun(12, 0.1), alone = NewRun(11, 0.1);
   std::string a_sha, alone_sha;
