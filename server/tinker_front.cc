@@ -222,6 +222,13 @@ HttpAnswer TinkerFront::CreateSession(const Caller& caller, const std::string& b
   if (auto parsed = ParseObject(body); !parsed.ok()) return ErrorAnswer(parsed.status());
   const std::string id = "t" + RandomHex(8);
   std::lock_guard<std::mutex> lock(mu_);
+  size_t& live = sessions_of_owner_[caller.owner];
+  if (live >= options_.max_sessions_per_owner) {
+    return ErrorAnswer(absl::ResourceExhaustedError(absl::StrCat(
+        "create_session: this key holds ", live, " live sessions, the most one key may; they expire ",
+        options_.session_ttl.count() / 1000, " s after their last heartbeat")));
+  }
+  ++live;
   Session& s = sessions_[id];
   s.owner = caller.owner;
   s.last_seen = std::chrono::steady_clock::now();
@@ -499,6 +506,7 @@ void TinkerFront::Housekeep() {
         continue;
       }
       if (!it->second.base_run.empty()) expired_runs.push_back(it->second.base_run);
+      if (--sessions_of_owner_[it->second.owner] == 0) sessions_of_owner_.erase(it->second.owner);
       for (auto sampler = samplers_.begin(); sampler != samplers_.end();) {
         sampler = sampler->second.session == it->first ? samplers_.erase(sampler) : std::next(sampler);
       }

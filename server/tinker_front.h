@@ -66,6 +66,8 @@ struct TinkerFrontOptions {
   size_t executors = 32;  // models with a call running at once (the worker co-schedules those of different runs)
   size_t sampling_executors = 16;  // asample calls in flight at once (the worker batches them)
   size_t ephemeral_samplers_kept = 8;  // per model: unnamed sampler saves kept on disk
+  size_t max_sessions_per_owner = 256;  // live sessions of one key; beyond: RESOURCE_EXHAUSTED
+  size_t samplers_per_session = 64;     // sampling sessions kept per session (the oldest go first)
   std::chrono::milliseconds archive_link_ttl{15 * 60 * 1000};
   // The state store, when this process shares the workers' (--state_dir): checkpoint lists,
   // deletes and archive downloads read it directly. Not owned; null: those routes are 404.
@@ -98,6 +100,7 @@ class TinkerFront {
     std::chrono::steady_clock::time_point last_seen;
     std::map<int64_t, std::string> create_requests;  // model_seq_id -> the create_model future
     std::string base_run;                            // server run id sampling the base model
+    std::deque<std::string> samplers;                // its sampling sessions, oldest first
   };
   struct Sampler {
     std::string owner, session;
@@ -190,6 +193,7 @@ class TinkerFront {
   std::condition_variable cv_;
   bool stopping_ = false;
   std::map<std::string, Session> sessions_;
+  std::map<std::string, size_t> sessions_of_owner_;
   std::map<std::string, ModelQueue> models_;  // by server run id
   std::map<std::string, Sampler> samplers_;   // by sampling session id
   std::map<std::string, ArchiveLink> archive_links_;  // by token

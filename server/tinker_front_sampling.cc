@@ -97,6 +97,14 @@ tinker_public::SampleResponse TinkerSampleResponse(const v1::PromptSamples& prom
 
 void TinkerFront::AddSampler(const std::string& id, const Caller& caller, const std::string& session,
                              const std::string& run, const std::string& checkpoint, const std::string& model_path) {
+  if (auto owning = sessions_.find(session); owning != sessions_.end()) {
+    std::deque<std::string>& kept = owning->second.samplers;
+    kept.push_back(id);
+    while (kept.size() > options_.samplers_per_session) {  // the oldest sampler is forgotten
+      samplers_.erase(kept.front());
+      kept.pop_front();
+    }
+  }
   Sampler& s = samplers_[id];
   s.owner = caller.owner;
   s.session = session;

@@ -24,7 +24,8 @@ COORDINATOR, WORKER, GENMODEL, PB2_DIR = sys.argv[1:5]
 sys.path.insert(0, PB2_DIR)
 import tinker_public_pb2 as pb  # noqa: E402
 
-KEYS = {"alice": "tml-alice-0123456789abcdef", "bob": "tml-bob-0123456789abcdef000"}
+KEYS = {"alice": "tml-alice-0123456789abcdef", "bob": "tml-bob-0123456789abcdef000",
+        "carol": "tml-carol-0123456789abcdef"}
 VOCAB = 96  # the tiny preset's vocabulary
 
 
@@ -879,6 +880,18 @@ def session_expiry(ctx):
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+@case
+def sessions_per_key_bounded(ctx):
+    """One key holds at most 256 live sessions; the 257th is 429 (the SDK waits and retries)
+    naming the bound, and another key is not affected."""
+    carol = Front(ctx.alice.port, KEYS["carol"])
+    for _ in range(256):
+        session(carol)
+    status, answer = carol.post("create_session", {"tags": [], "type": "create_session"})
+    assert status == 429 and "256 live sessions" in answer["detail"], (status, answer)
+    session(ctx.bob)
 
 
 @case
