@@ -9,6 +9,8 @@
 
 #include <cstring>
 #include <mutex>
+#include <set>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -28,7 +30,9 @@ struct Call {
   std::mutex mu;
   bool started = false;     // handed to the front
   bool suspended = false;   // waiting for the front's answer
+  bool delivered = false;   // its answer is queued on the connection
   bool closed = false;      // MHD is done with the connection
+  MHD_Connection* connection = nullptr;
   bool has_answer = false;
   HttpAnswer answer;
   TinkerRequest request;
@@ -95,6 +99,14 @@ const char* Header(MHD_Connection* c, const char* name) {
 
 }  // namespace
 
+// The calls waiting for the front's answer as suspended connections (MHD may not stop while
+// one is), and whether the server is stopping (then new requests are not handed on).
+struct HttpFrontServer::Suspended {
+  std::mutex mu;
+  bool stopping = false;
+  std::set<std::shared_ptr<Call>> calls;
+};
+
 struct HttpFrontCalls {
   static MHD_Result Access(void* cls, MHD_Connection* connection, const char* url, const char* method,
                            const char*, const char* upload_data, size_t* upload_data_size, void** con_cls) {
@@ -151,9 +163,20 @@ struct HttpFrontCalls {
       return MHD_YES;
     }
     std::unique_lock<std::mutex> lock(call->mu);
-    if (call->has_answer) return Answer(server, connection, *call, call->answer);
+    if (call->has_answer) {
+      call->delivered = true;
+      return Answer(server, connection, *call, call->answer);
+    }
     if (call->started) return MHD_YES;  // resumed spuriously: the answer is still to come
     call->started = true;
+    call->connection = connection;
+    {
+      std::lock_guard<std::mutex> s(server->suspended_->mu);
+      if (server->suspended_->stopping) {
+        return Answer(server, connection, *call,
+                      ErrorAnswer(absl::UnavailableError("the server is shutting down; retry elsewhere or later")));
+      }
+    }
     if (absl::EqualsIgnoreCase(call->encoding, "zstd")) {
       auto plain = Zstd(call->request.body, server->options_.max_body_bytes);
       if (!plain.ok()) return Answer(server, connection, *call, ErrorAnswer(plain.status()));
@@ -165,23 +188,37 @@ struct HttpFrontCalls {
     lock.unlock();
     std::weak_ptr<Call> weak = call;
     server->front_->Handle(call->caller, std::move(call->request), std::move(call->ticket),
-                           [weak, connection](HttpAnswer answer) {
-                             std::shared_ptr<Call> c = weak.lock();
-                             if (c == nullptr) return;
-                             std::lock_guard<std::mutex> l(c->mu);
-                             if (c->closed || c->has_answer) return;
-                             c->has_answer = true;
-                             c->answer = std::move(answer);
-                             if (c->suspended) {
-                               c->suspended = false;
-                               MHD_resume_connection(connection);
-                             }
+                           [weak, suspended = server->suspended_](HttpAnswer answer) {
+                             if (std::shared_ptr<Call> c = weak.lock()) Deliver(*suspended, c, std::move(answer));
                            });
     lock.lock();
-    if (call->has_answer) return Answer(server, connection, *call, call->answer);
+    if (call->has_answer) {
+      call->delivered = true;
+      return Answer(server, connection, *call, call->answer);
+    }
     call->suspended = true;
+    {
+      std::lock_guard<std::mutex> s(server->suspended_->mu);
+      server->suspended_->calls.insert(call);
+    }
     MHD_suspend_connection(connection);
     return MHD_YES;
+  }
+
+  // Hands `answer` to a call (once); a suspended one is resumed to send it. Call's lock first,
+  // then the suspended set's.
+  static void Deliver(HttpFrontServer::Suspended& suspended, const std::shared_ptr<Call>& c, HttpAnswer answer) {
+    std::lock_guard<std::mutex> l(c->mu);
+    if (c->closed || c->has_answer) return;
+    c->has_answer = true;
+    c->answer = std::move(answer);
+    if (!c->suspended) return;
+    c->suspended = false;
+    {
+      std::lock_guard<std::mutex> s(suspended.mu);
+      suspended.calls.erase(c);
+    }
+    MHD_resume_connection(c->connection);
   }
 
   static MHD_Result Refuse(HttpFrontServer* server, MHD_Connection* connection, Call& call, const absl::Status& why) {
@@ -264,8 +301,40 @@ absl::StatusOr<std::unique_ptr<HttpFrontServer>> HttpFrontServer::Start(TinkerFr
   return server;
 }
 
+HttpFrontServer::HttpFrontServer(TinkerFront* front, HttpFrontOptions options)
+    : front_(front), options_(std::move(options)), suspended_(std::make_shared<Suspended>()) {}
+
 HttpFrontServer::~HttpFrontServer() {
-  if (daemon_ != nullptr) MHD_stop_daemon(daemon_);
+  if (daemon_ == nullptr) return;
+  // libmicrohttpd may not stop while a connection is suspended: new requests are answered 503
+  // from here, held polls are answered try_again, calls still running are answered 503, and
+  // the resumed connections are given up to 5 s to send their answers.
+  std::set<std::shared_ptr<Call>> waiting;
+  {
+    std::lock_guard<std::mutex> s(suspended_->mu);
+    suspended_->stopping = true;
+    waiting = suspended_->calls;
+  }
+  front_->futures().AnswerHeldPolls();
+  std::set<std::shared_ptr<Call>> left;
+  {
+    std::lock_guard<std::mutex> s(suspended_->mu);
+    left = suspended_->calls;
+  }
+  for (const std::shared_ptr<Call>& c : left) {
+    HttpFrontCalls::Deliver(*suspended_, c, ErrorAnswer(absl::UnavailableError("the server is shutting down; retry")));
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (const std::shared_ptr<Call>& c : waiting) {
+    while (std::chrono::steady_clock::now() < until) {
+      {
+        std::lock_guard<std::mutex> l(c->mu);
+        if (c->delivered || c->closed) break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  MHD_stop_daemon(daemon_);
 }
 
 }  // namespace lorastep

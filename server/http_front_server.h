@@ -41,13 +41,17 @@ class HttpFrontServer {
   // Listens at once; INVALID_ARGUMENT naming the option that is wrong, UNAVAILABLE when the
   // port cannot be bound.
   static absl::StatusOr<std::unique_ptr<HttpFrontServer>> Start(TinkerFront* front, HttpFrontOptions options);
-  ~HttpFrontServer();  // stops accepting; the front must be destroyed after this
+  // Answers every request still waiting (held polls try_again, calls in progress 503), then
+  // stops; the front must be destroyed after this.
+  ~HttpFrontServer();
   int port() const { return port_; }
 
  private:
-  HttpFrontServer(TinkerFront* front, HttpFrontOptions options) : front_(front), options_(std::move(options)) {}
+  struct Suspended;
+  HttpFrontServer(TinkerFront* front, HttpFrontOptions options);
   TinkerFront* front_;
   HttpFrontOptions options_;
+  std::shared_ptr<Suspended> suspended_;
   MHD_Daemon* daemon_ = nullptr;
   int port_ = 0;
   friend struct HttpFrontCalls;

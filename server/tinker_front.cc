@@ -135,6 +135,12 @@ TinkerFront::TinkerFront(Coordinator* core, const ApiKeys* api_keys, Admission* 
       futures_(options_.futures),
       sampling_executor_(options_.sampling_executors),
       executor_(options_.executors, std::chrono::microseconds(0), TenantOfRun) {
+  if (options_.metrics != nullptr) {
+    options_.metrics->Declare("lorastep_tinker_sessions", PrometheusRegistry::Type::kGauge,
+                              "live sessions of the Tinker front");
+    options_.metrics->Declare("lorastep_tinker_held_polls", PrometheusRegistry::Type::kGauge,
+                              "retrieve_future long-polls held open by the Tinker front");
+  }
   housekeeper_ = std::thread([this] { Housekeep(); });
 }
 
@@ -488,6 +494,10 @@ void TinkerFront::Housekeep() {
   while (!stopping_) {
     cv_.wait_for(lock, std::chrono::milliseconds(100));
     const auto now = std::chrono::steady_clock::now();
+    if (options_.metrics != nullptr) {
+      options_.metrics->Set("lorastep_tinker_sessions", {}, static_cast<double>(sessions_.size()));
+      options_.metrics->Set("lorastep_tinker_held_polls", {}, static_cast<double>(futures_.held_polls()));
+    }
     // A model whose next seq_id has not come within gap_wait of its successor goes on.
     for (auto& [run, q] : models_) {
       if (!q.early.empty() && now - q.early.begin()->second.arrived >= options_.gap_wait) {

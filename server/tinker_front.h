@@ -42,6 +42,7 @@
 #include "server/api_keys.h"
 #include "server/coordinator.h"
 #include "lib/io/state_store.h"
+#include "lib/prometheus_registry.h"
 #include "server/tinker_futures.h"
 
 namespace lorastep {
@@ -72,6 +73,8 @@ struct TinkerFrontOptions {
   // The state store, when this process shares the workers' (--state_dir): checkpoint lists,
   // deletes and archive downloads read it directly. Not owned; null: those routes are 404.
   const StateStore* store = nullptr;
+  // Where lorastep_tinker_sessions and lorastep_tinker_held_polls are published (not owned; may be null).
+  PrometheusRegistry* metrics = nullptr;
   TinkerFutureOptions futures;
 };
 

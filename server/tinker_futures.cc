@@ -113,6 +113,22 @@ size_t TinkerFutures::held_polls() {
   return n;
 }
 
+void TinkerFutures::AnswerHeldPolls() {
+  std::vector<std::pair<std::string, HttpReply>> held;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& poll : held_) {
+      if (poll->reply) held.emplace_back(poll->id, std::move(poll->reply));
+      poll->reply = nullptr;
+    }
+    held_.clear();
+    for (auto& [id, f] : futures_) f.polls.clear();
+  }
+  for (auto& [id, reply] : held) {
+    reply(JsonAnswer(nlohmann::json{{"type", "try_again"}, {"request_id", id}, {"queue_state", "active"}}.dump()));
+  }
+}
+
 void TinkerFutures::Housekeep() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {

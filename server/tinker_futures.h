@@ -58,6 +58,8 @@ class TinkerFutures {
   void Retrieve(const std::string& owner, const std::string& id, HttpReply reply);
 
   size_t held_polls();  // retrieves waiting now
+  // Answers every held retrieve try_again now (the server is stopping).
+  void AnswerHeldPolls();
 
  private:
   struct HeldPoll {

@@ -61,6 +61,7 @@ absl::StatusOr<TinkerServing> StartTinkerFromFlags(Coordinator* core, const ApiK
   HttpFrontOptions http;
   http.host = host;
   http.observers = observers;
+  options.metrics = observers.metrics;
   http.port = port;
   const int64_t mb = absl::GetFlag(FLAGS_tinker_max_request_mb);
   if (mb < 1 || mb > 4096) return absl::InvalidArgumentError("tinker_max_request_mb: must be in [1, 4096]");

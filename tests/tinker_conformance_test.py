@@ -808,16 +808,29 @@ def unload_model(ctx):
     assert status == 404
 
 
+def metric(port, name):
+    """A gauge's value on the Prometheus endpoint at `port`."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    for line in conn.getresponse().read().decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
 def start_coordinator(ctx, *flags):
-    """A second coordinator on the test's model with `flags`; returns (process, tinker port)."""
+    """A second coordinator on the test's model with `flags`; returns (process, tinker port);
+    its Prometheus port is then in ctx.second_metrics_port."""
     tmp = tempfile.mkdtemp(dir=ctx.tmp)
-    port_file = os.path.join(tmp, "port")
+    port_file, metrics_file = os.path.join(tmp, "port"), os.path.join(tmp, "metrics_port")
     proc = subprocess.Popen([COORDINATOR, "--model", ctx.model, "--worker_binary", WORKER, "--port", "0",
                              "--nojournal", "--tinker_port", "0", "--tinker_port_file", port_file,
-                             "--tinker_model_name", "tiny/base", "--state_dir", os.path.join(tmp, "state")] +
+                             "--tinker_model_name", "tiny/base", "--state_dir", os.path.join(tmp, "state"),
+                             "--metrics_port", "0", "--metrics_port_file", metrics_file] +
                             list(flags), stderr=open(os.path.join(tmp, "log"), "w"))
     for _ in range(600):
-        if os.path.exists(port_file) and open(port_file).read().strip():
+        if all(os.path.exists(f) and open(f).read().strip() for f in (port_file, metrics_file)):
+            ctx.second_metrics_port = int(open(metrics_file).read())
             return proc, int(open(port_file).read())
         if proc.poll() is not None:
             raise AssertionError("coordinator exited: " + open(os.path.join(tmp, "log")).read()[-2000:])
@@ -851,6 +864,34 @@ def tls(ctx):
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+@case
+def shutdown_with_held_polls(ctx):
+    """SIGTERM while retrieves are held on pending futures: each is answered (try_again) and
+    the coordinator exits cleanly (libmicrohttpd aborts the process if it is stopped with a
+    suspended connection)."""
+    import threading
+    proc, port = start_coordinator(ctx, "--tinker_gap_wait_ms", "600000")
+    front = Front(port, None)
+    front.base_model = "tiny/base"
+    m = Model(front, session(front))
+    pending = front.submit("forward_backward", fwdbwd_body(m.model_id, 5, sft_batch(0)),
+                           content_type="application/x-protobuf")  # seq_id 1-4 never come
+    answers = []
+    polls = [threading.Thread(target=lambda: answers.append(front.request("POST", "retrieve_future",
+                                                                          {"request_id": pending})))
+             for _ in range(3)]
+    for t in polls:
+        t.start()
+    deadline = time.time() + 60
+    while time.time() < deadline and metric(ctx.second_metrics_port, "lorastep_tinker_held_polls") < 3:
+        time.sleep(0.05)
+    proc.terminate()
+    assert proc.wait(60) == 0, "the coordinator exits cleanly"
+    for t in polls:
+        t.join(60)
+    assert len(answers) == 3 and all(json.loads(a[2])["type"] == "try_again" for a in answers), answers
 
 
 @case
