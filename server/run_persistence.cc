@@ -20,9 +20,6 @@ namespace {
 // Where a journaled run's worker state is saved after its steps: autosave-<n>, a fresh name
 // each time, so a background write never replaces the autosave a restart would need.
 // ("autosave" alone: journals written before the names.) Reserved for the journal.
-std::string AutosaveRef(const std::string& run_id, const std::string& name) {
-  return absl::StrCat(kStateRefScheme, run_id, "/", name);
-}
 bool IsAutosaveName(absl::string_view name) {
   if (name == "autosave") return true;
   if (!absl::ConsumePrefix(&name, "autosave-") || name.empty()) return false;
@@ -129,7 +126,7 @@ absl::Status RunPersistence::Autosave(RunState& run, bool force, bool background
   }
   const std::string& run_id = run.run.run_id();
   auto saved = mesh_->FanOut<v1::WorkerPathResponse>(run.ranks, run.AllRanks(), [&](int, WorkerClient* w) {
-    v1::WorkerPathRequest wreq = PathRequest(run_id, AutosaveRef(run_id, name));
+    v1::WorkerPathRequest wreq = PathRequest(run_id, StateRef(run_id, name));
     wreq.set_background(background);
     mesh_->StampMesh(wreq.mutable_mesh());
     return w->SaveState(wreq);
@@ -167,7 +164,7 @@ absl::Status RunPersistence::Autosave(RunState& run, bool force, bool background
   // Rank 0 writes the (gathered) state; the others copied nothing to write.
   confirmations_.Submit([this, state = run.shared_from_this(), writer = run.ranks[0], id = run_id, name, version,
                          started] {
-    absl::Status written = (*writer)->AwaitSaved(PathRequest(id, AutosaveRef(id, name)));
+    absl::Status written = (*writer)->AwaitSaved(PathRequest(id, StateRef(id, name)));
     std::unique_lock<std::mutex> lock(state->autosave_mu);
     AutosaveState& a = state->autosave;
     a.last_end = std::chrono::steady_clock::now();
@@ -252,7 +249,7 @@ bool RunPersistence::WaitForAutosaves(std::chrono::milliseconds timeout) {
 absl::Status RunPersistence::CheckNotAutosaveName(const std::string& run_id, const std::string& name,
                                                   const char* field) const {
   if (!journaled() || !IsAutosaveName(name)) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(field, ": ", AutosaveRef(run_id, name),
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", StateRef(run_id, name),
                                                  " is a name the journal keeps for the run's autosaves; use another"));
 }
 
@@ -453,7 +450,7 @@ absl::Status RunPersistence::RestoreRun(const JournaledRun& j, const WorkerRef& 
     // Unique per restore: a worker answers a request_id it has seen from its record.
     const std::string request_id = absl::StrCat("restore-", run_id, "-", NowUnixMs(), "-", ++restore_count_);
     auto loaded = mesh_->FanOut<v1::WorkerPathResponse>(state->ranks, state->AllRanks(), [&](int, WorkerClient* w) {
-      v1::WorkerPathRequest wreq = PathRequest(run_id, AutosaveRef(run_id, j.autosave_name));
+      v1::WorkerPathRequest wreq = PathRequest(run_id, StateRef(run_id, j.autosave_name));
       wreq.mutable_mesh()->set_request_id(request_id);
       wreq.mutable_mesh()->set_expected_learner_version(-1);
       mesh_->StampMesh(wreq.mutable_mesh());
@@ -464,13 +461,13 @@ absl::Status RunPersistence::RestoreRun(const JournaledRun& j, const WorkerRef& 
       if (absl::IsNotFound(loaded.status()) && j.newer_pending != nullptr) {
         // The journal's tail was torn, and with it, it seems, the record that made the newer
         // autosave durable (the older one is removed once a newer one is): restore from it.
-        LORASTEP_LOG(Warning) << "run " << run_id << ": " << AutosaveRef(run_id, j.autosave_name)
-                              << " is gone; restoring from " << AutosaveRef(run_id, j.newer_pending->autosave_name)
+        LORASTEP_LOG(Warning) << "run " << run_id << ": " << StateRef(run_id, j.autosave_name)
+                              << " is gone; restoring from " << StateRef(run_id, j.newer_pending->autosave_name)
                               << ", whose durable record the torn journal tail held";
         return RestoreRun(*j.newer_pending, onto);
       }
       if (!loaded.ok()) return loaded.status();
-      return absl::DataLossError(absl::StrCat(AutosaveRef(run_id, j.autosave_name), " holds learner_version ",
+      return absl::DataLossError(absl::StrCat(StateRef(run_id, j.autosave_name), " holds learner_version ",
                                               (*loaded)[0].learner_version(), ", the journal ",
                                               j.run.learner_version()));
     }

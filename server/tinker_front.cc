@@ -3,16 +3,16 @@
 #include <random>
 
 #include <nlohmann/json.hpp>
-#include <openssl/sha.h>
 
-#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "lib/run_tenant.h"
 #include "lib/status_macros.h"
+#include "rpc/bearer_token.h"
 #include "server/run_names.h"
 #include "server/tinker_front_internal.h"
 #include "server/tinker_losses.h"
@@ -40,12 +40,6 @@ absl::StatusOr<int64_t> IntField(const Json& j, const char* key) {
     return absl::InvalidArgumentError(absl::StrCat(key, ": expected an integer"));
   }
   return it->get<int64_t>();
-}
-
-std::string Digest(const std::string& bytes) {
-  unsigned char d[SHA256_DIGEST_LENGTH];
-  SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), d);
-  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(d), sizeof(d)));
 }
 
 absl::StatusOr<std::string> RunIdOfModel(const std::string& model_id) {
@@ -119,11 +113,6 @@ std::string StoreName(const TinkerPath& p) {
 namespace {
 
 using namespace tinker_internal;
-
-std::string TenantOfRun(const std::string& run) {
-  const size_t dot = run.find('.');
-  return dot == std::string::npos ? std::string() : run.substr(0, dot);
-}
 
 }  // namespace
 
@@ -279,15 +268,15 @@ void TinkerFront::CreateModel(const Caller& caller, const TinkerRequest& req, Ad
   }
   create.mutable_lora()->set_rank(rank.get<int64_t>());
   create.mutable_lora()->set_alpha(options_.lora_alpha);
-  for (const char* key : {"train_attn", "train_mlp", "train_unembed"}) {
+  using Setter = void (v1::LoraConfig::*)(bool);
+  for (const auto& [key, set] : {std::pair<const char*, Setter>{"train_attn", &v1::LoraConfig::set_train_attn},
+                                 {"train_mlp", &v1::LoraConfig::set_train_mlp},
+                                 {"train_unembed", &v1::LoraConfig::set_train_unembed}}) {
     const Json v = lora.value(key, Json(true));
     if (!v.is_boolean()) {
       return reply(ErrorAnswer(absl::InvalidArgumentError(absl::StrCat("lora_config.", key, ": expected a boolean"))));
     }
-    const std::string k = key;
-    if (k == "train_attn") create.mutable_lora()->set_train_attn(v.get<bool>());
-    if (k == "train_mlp") create.mutable_lora()->set_train_mlp(v.get<bool>());
-    if (k == "train_unembed") create.mutable_lora()->set_train_unembed(v.get<bool>());
+    (create.mutable_lora()->*set)(v.get<bool>());
   }
   if (const Json seed = lora.value("seed", Json()); !seed.is_null()) {
     if (!seed.is_number_integer()) {
@@ -448,7 +437,7 @@ void TinkerFront::ForwardBackward(const Caller& caller, const TinkerRequest& req
     if (!out.ok()) return Failed(ClientStatus(caller, out.status()));
     return ProtobufAnswer(TinkerForwardBackwardOutput(*out, top_k));
   };
-  Sequenced(caller, *run, seq, Digest(req.body), std::move(ticket), std::move(work), std::move(reply));
+  Sequenced(caller, *run, seq, Sha256Hex(req.body), std::move(ticket), std::move(work), std::move(reply));
 }
 
 void TinkerFront::OptimStep(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket,
@@ -465,7 +454,7 @@ void TinkerFront::OptimStep(const Caller& caller, const TinkerRequest& req, Admi
     if (!out.ok()) return Failed(ClientStatus(caller, out.status()));
     return JsonAnswer(Json{{"metrics", TinkerMetrics(out->metrics())}}.dump());
   };
-  Sequenced(caller, call->run, call->seq, Digest(req.body), std::move(ticket), std::move(work), std::move(reply));
+  Sequenced(caller, call->run, call->seq, Sha256Hex(req.body), std::move(ticket), std::move(work), std::move(reply));
 }
 
 void TinkerFront::UnloadModel(const Caller& caller, const TinkerRequest& req, HttpReply reply) {

@@ -63,7 +63,7 @@ struct TinkerFrontOptions {
   double lora_alpha = 32;          // the SDK sends only a rank (--tinker_lora_alpha)
   std::chrono::milliseconds session_ttl{300000};  // 0: sessions never expire
   std::chrono::milliseconds gap_wait{10000};
-  size_t max_early_per_model = 1024;
+  size_t max_early_per_model = 1024;  // --tinker_max_early_per_model
   size_t executors = 32;  // models with a call running at once (the worker co-schedules those of different runs)
   size_t sampling_executors = 16;  // asample calls in flight at once (the worker batches them)
   size_t ephemeral_samplers_kept = 8;  // per model: unnamed sampler saves kept on disk

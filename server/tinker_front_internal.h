@@ -18,7 +18,6 @@ using Json = nlohmann::json;
 absl::StatusOr<Json> ParseObject(const std::string& body);
 absl::StatusOr<std::string> StringField(const Json& j, const char* key);
 absl::StatusOr<int64_t> IntField(const Json& j, const char* key);
-std::string Digest(const std::string& bytes);  // SHA-256, hex
 // "<session>:train:<n>" -> "<session>-train-<n>"; NOT_FOUND naming model_id otherwise.
 absl::StatusOr<std::string> RunIdOfModel(const std::string& model_id);
 std::string ModelIdOf(const std::string& session, int64_t model_seq_id);

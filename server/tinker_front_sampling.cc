@@ -39,13 +39,12 @@ absl::Status ParamsFromTinker(const Json& params, int64_t prompt_tokens, int64_t
     *value = it->get<double>();
     return absl::OkStatus();
   };
-  double max_tokens, temperature, top_k, top_p, seed;
+  double max_tokens, temperature, top_k, top_p;
   const double room = max_context > prompt_tokens ? double(max_context - prompt_tokens) : 1.0;
   LORASTEP_RETURN_IF_ERROR(number("max_tokens", room, &max_tokens));
   LORASTEP_RETURN_IF_ERROR(number("temperature", 1.0, &temperature));
   LORASTEP_RETURN_IF_ERROR(number("top_k", -1, &top_k));
   LORASTEP_RETURN_IF_ERROR(number("top_p", 1.0, &top_p));
-  LORASTEP_RETURN_IF_ERROR(number("seed", -1, &seed));
   if (max_tokens < 1 || max_tokens != std::floor(max_tokens)) {
     return absl::InvalidArgumentError("sampling_params.max_tokens: expected an integer >= 1");
   }
@@ -56,8 +55,11 @@ absl::Status ParamsFromTinker(const Json& params, int64_t prompt_tokens, int64_t
   out->set_temperature(temperature);
   out->set_top_k(top_k > 0 ? static_cast<int64_t>(top_k) : 0);
   out->set_top_p(top_p);
-  if (seed >= 0) {
-    out->set_seed(static_cast<uint64_t>(seed));
+  if (auto seed = params.find("seed"); seed != params.end() && !seed->is_null()) {
+    if (!seed->is_number_integer() || (!seed->is_number_unsigned() && seed->get<int64_t>() < 0)) {
+      return absl::InvalidArgumentError("sampling_params.seed: expected an integer >= 0");
+    }
+    out->set_seed(seed->get<uint64_t>());  // read as an integer: seeds past 2^53 stay exact
   } else {
     out->set_seed((uint64_t{std::random_device{}()} << 32) | std::random_device{}());
   }
@@ -133,7 +135,7 @@ void TinkerFront::CreateSamplingSession(const Caller& caller, const std::string&
           "model_path: the model of '", model_path,
           "' is gone (its session expired); load_weights it into a model and save_weights_for_sampler again"))));
     }
-    checkpoint = absl::StrCat(kStateRefScheme, run, "/", StoreName(*path));
+    checkpoint = StateRef(run, StoreName(*path));
   } else if (auto b = parsed->find("base_model"); b != parsed->end() && b->is_string()) {
     if (b->get<std::string>() != options_.model_name) {
       return reply(ErrorAnswer(absl::InvalidArgumentError(absl::StrCat(

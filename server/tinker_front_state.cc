@@ -9,6 +9,7 @@
 #include "absl/time/time.h"
 #include "lib/io/file_util.h"
 #include "lib/io/tar_archive.h"
+#include "rpc/bearer_token.h"
 #include "server/run_names.h"
 #include "server/tinker_front.h"
 #include "server/tinker_front_internal.h"
@@ -22,10 +23,6 @@ using namespace tinker_internal;
 // The PEFT export beside a weights/ checkpoint, which its archive serves.
 std::string PeftExportName(const std::string& name) { return absl::StrCat("tinker-weights-peft.", name); }
 std::string EphemeralName(int64_t seq_id) { return absl::StrCat("tinker-ephemeral.", seq_id); }
-
-std::string Ref(const std::string& run, const std::string& name) {
-  return absl::StrCat(kStateRefScheme, run, "/", name);
-}
 
 std::string IsoTime(int64_t unix_s) {
   return absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::FromUnixSeconds(unix_s), absl::UTCTimeZone());
@@ -92,11 +89,11 @@ void TinkerFront::SaveWeights(const Caller& caller, const TinkerRequest& req, bo
     }
     v1::ExportAdapterRequest export_req;
     export_req.set_run_id(run);
-    export_req.set_path(Ref(run, path.sampler ? stored : PeftExportName(path.name)));
+    export_req.set_path(StateRef(run, path.sampler ? stored : PeftExportName(path.name)));
     if (!path.sampler) {
       v1::SaveStateRequest save;
       save.set_run_id(run);
-      save.set_path(Ref(run, stored));
+      save.set_path(StateRef(run, stored));
       if (auto saved = core_->SaveState(save); !saved.ok()) return Failed(ClientStatus(caller, saved.status()));
     }
     if (auto exported = core_->ExportAdapter(export_req); !exported.ok()) {
@@ -107,7 +104,7 @@ void TinkerFront::SaveWeights(const Caller& caller, const TinkerRequest& req, bo
     std::string drop;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      AddSampler(sampler, caller, session, run, Ref(run, stored), "");
+      AddSampler(sampler, caller, session, run, StateRef(run, stored), "");
       ModelQueue& q = models_[run];
       q.ephemeral.push_back(stored);
       if (q.ephemeral.size() > options_.ephemeral_samplers_kept) {
@@ -123,7 +120,7 @@ void TinkerFront::SaveWeights(const Caller& caller, const TinkerRequest& req, bo
     }
     return JsonAnswer(Json{{"sampling_session_id", sampler}}.dump());
   };
-  Sequenced(caller, run, seq, Digest(req.body), std::move(ticket), std::move(work), std::move(reply));
+  Sequenced(caller, run, seq, Sha256Hex(req.body), std::move(ticket), std::move(work), std::move(reply));
 }
 
 void TinkerFront::LoadWeights(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket,
@@ -146,7 +143,7 @@ void TinkerFront::LoadWeights(const Caller& caller, const TinkerRequest& req, Ad
   }
   const bool optimizer = body.value("optimizer", false);
   const std::string source = ServerRunId(caller, *RunIdOfModel(path->model_id));
-  auto work = [this, caller, run, seq, optimizer, ref = Ref(source, StoreName(*path))]() -> HttpAnswer {
+  auto work = [this, caller, run, seq, optimizer, ref = StateRef(source, StoreName(*path))]() -> HttpAnswer {
     v1::LoadStateRequest load;
     if (absl::Status s = Stamp(run, seq, &load); !s.ok()) return Failed(ClientStatus(caller, s));
     load.set_path(ref);
@@ -154,7 +151,7 @@ void TinkerFront::LoadWeights(const Caller& caller, const TinkerRequest& req, Ad
     if (auto loaded = core_->LoadState(load); !loaded.ok()) return Failed(ClientStatus(caller, loaded.status()));
     return JsonAnswer("{}");
   };
-  Sequenced(caller, run, seq, Digest(req.body), std::move(ticket), std::move(work), std::move(reply));
+  Sequenced(caller, run, seq, Sha256Hex(req.body), std::move(ticket), std::move(work), std::move(reply));
 }
 
 HttpAnswer TinkerFront::WeightsInfo(const Caller& caller, const std::string& body) {
@@ -166,7 +163,7 @@ HttpAnswer TinkerFront::WeightsInfo(const Caller& caller, const std::string& bod
   if (!path.ok()) return ErrorAnswer(path.status());
   const std::string run = ServerRunId(caller, *RunIdOfModel(path->model_id));
   Json info = {{"base_model", options_.model_name}, {"is_lora", true}};
-  if (auto state = core_->GetRun(run); state.ok() && Reaches(run, caller)) {
+  if (auto state = core_->CheckAccess(run, caller).ok() ? core_->GetRun(run) : absl::NotFoundError(""); state.ok()) {
     info["lora_rank"] = state->lora().rank();
     if (state->lora().has_train_attn()) info["train_attn"] = state->lora().train_attn();
     if (state->lora().has_train_mlp()) info["train_mlp"] = state->lora().train_mlp();
@@ -175,7 +172,7 @@ HttpAnswer TinkerFront::WeightsInfo(const Caller& caller, const std::string& bod
   }
   // The model is gone (its session expired): its checkpoint in the store says its rank.
   if (options_.store != nullptr) {
-    if (auto folder = options_.store->Resolve(Ref(run, StoreName(*path)), "tinker_path"); folder.ok()) {
+    if (auto folder = options_.store->Resolve(StateRef(run, StoreName(*path)), "tinker_path"); folder.ok()) {
       const std::string file = *folder + (path->sampler ? "/adapter_config.json" : "/trainer_state.json");
       if (auto text = ReadFileToString(file); text.ok()) {
         Json state = Json::parse(*text, nullptr, false);
@@ -243,7 +240,7 @@ HttpAnswer TinkerFront::TrainingRuns(const Caller& caller, const TinkerRequest& 
   auto models = [&] {
     std::vector<std::pair<std::string, v1::Run>> out;
     for (const v1::Run& r : core_->ListRuns()) {
-      if (!Reaches(r.run_id(), caller)) continue;
+      if (!core_->CheckAccess(r.run_id(), caller).ok()) continue;  // listed: it exists
       const std::string id = ClientRunId(caller, r.run_id());
       const size_t at = id.rfind("-train-");
       if (at == std::string::npos || at == 0) continue;
@@ -301,7 +298,7 @@ HttpAnswer TinkerFront::TrainingRuns(const Caller& caller, const TinkerRequest& 
       }
       const std::string run = ServerRunId(caller, *RunIdOfModel(model_id));
       auto folder = options_.store->Resolve(
-          Ref(run, path->sampler ? StoreName(*path) : PeftExportName(path->name)), "checkpoint");
+          StateRef(run, path->sampler ? StoreName(*path) : PeftExportName(path->name)), "checkpoint");
       if (!folder.ok() || !PathExists(*folder + "/adapter_config.json")) {
         return ErrorAnswer(absl::NotFoundError(absl::StrCat("checkpoint: no checkpoint '", TinkerPathString(*path), "'")));
       }

@@ -40,7 +40,7 @@ HttpAnswer ErrorAnswer(const absl::Status& status);
 struct TinkerFutureOptions {
   std::chrono::milliseconds poll_window{30000};      // a held retrieve answers try_again after it
   std::chrono::milliseconds keep_done{15 * 60 * 1000};  // finished futures kept this long
-  size_t max_per_owner = 4096;                        // futures one owner holds, pending or finished
+  size_t max_per_owner = 4096;  // futures one owner holds, pending or finished (--tinker_max_futures_per_key)
 };
 
 class TinkerFutures {

@@ -1,6 +1,7 @@
 #include "server/tinker_serving.h"
 
 #include <fstream>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -20,6 +21,10 @@ ABSL_FLAG(double, tinker_lora_alpha, 32, "LoRA alpha of models made through the 
 ABSL_FLAG(int64_t, tinker_session_ttl_s, 300,
           "a Tinker session without a heartbeat for this long expires and its models are deleted (0: never)");
 ABSL_FLAG(int64_t, tinker_max_request_mb, 64, "the largest Tinker request body read, decoded");
+ABSL_FLAG(int64_t, tinker_max_early_per_model, 1024,
+          "calls of one Tinker model that may wait for a missing seq_id; more are refused");
+ABSL_FLAG(int64_t, tinker_max_futures_per_key, 4096,
+          "unfinished Tinker calls one API key may hold (finished ones are forgotten first to make room)");
 ABSL_FLAG(int64_t, tinker_gap_wait_ms, 10000,
           "how long a Tinker model's early calls wait for a missing seq_id before it goes on without it");
 
@@ -58,6 +63,14 @@ absl::StatusOr<TinkerServing> StartTinkerFromFlags(Coordinator* core, const ApiK
   options.session_ttl = std::chrono::seconds(absl::GetFlag(FLAGS_tinker_session_ttl_s));
   if (absl::GetFlag(FLAGS_tinker_gap_wait_ms) < 0) return absl::InvalidArgumentError("tinker_gap_wait_ms: must be >= 0");
   options.gap_wait = std::chrono::milliseconds(absl::GetFlag(FLAGS_tinker_gap_wait_ms));
+  for (const auto& [value, name, into] :
+       {std::tuple{absl::GetFlag(FLAGS_tinker_max_early_per_model), "tinker_max_early_per_model",
+                   &options.max_early_per_model},
+        std::tuple{absl::GetFlag(FLAGS_tinker_max_futures_per_key), "tinker_max_futures_per_key",
+                   &options.futures.max_per_owner}}) {
+    if (value < 1) return absl::InvalidArgumentError(absl::StrCat(name, ": must be >= 1"));
+    *into = static_cast<size_t>(value);
+  }
   HttpFrontOptions http;
   http.host = host;
   http.observers = observers;

@@ -157,7 +157,7 @@ absl::StatusOr<std::vector<StoredFolder>> StateStore::List(absl::string_view run
     if (!PathExists(path + "/" + kFolderMarker)) continue;
     StoredFolder f;
     f.name = name;
-    f.ref = absl::StrCat(kStateRefScheme, run, "/", name);
+    f.ref = StateRef(run, name);
     Measure(path, &f.bytes, &f.modified_unix_s);
     out.push_back(std::move(f));
   }

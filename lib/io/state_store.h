@@ -12,11 +12,16 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
 namespace lorastep {
 
 inline constexpr char kStateRefScheme[] = "lorastep://";
+// The reference lorastep://<run>/<name>.
+inline std::string StateRef(absl::string_view run, absl::string_view name) {
+  return absl::StrCat(kStateRefScheme, run, "/", name);
+}
 inline constexpr size_t kMaxStoreNameBytes = 128;
 
 // A run id or stored name: 1-128 bytes of [A-Za-z0-9._-], not starting with '.'.
