@@ -15,7 +15,10 @@ local worker (tiny model, CPU), with two API keys:
 
 Prints `name=value` lines (bench/reliability.sh collects them).
   PYTHONPATH=bazel-bin/clients/python /usr/bin/python3 bench/tenant_isolation.py \
-      COORDINATOR WORKER GENMODEL TMPDIR [--quick] [--bytes-only | --tenants-only]"""
+      COORDINATOR WORKER GENMODEL TMPDIR [--quick] [--bytes-only | --tenants-only]
+      [--kinds=forward,train_step] [--greedy-in-flight=1100]
+  --kinds: the cases run; --greedy-in-flight: the calls the greedy client keeps in flight (64, one
+  per run, sends only calls that apply: the case without a flood of refusals)."""
 import os
 import re
 import signal
@@ -222,12 +225,12 @@ class Greedy:
             self.pending.acquire(timeout=300)
 
 
-def greedy_child(address, kind, runs):
-    """The greedy tenant's client: keeps 1,100 calls in flight (past the key's share of 1,024)
-    until its stdin closes, then prints its counts."""
+def greedy_child(address, kind, runs, in_flight):
+    """The greedy tenant's client: keeps `in_flight` calls in flight (by default 1,100, past the
+    key's share of 1,024) until its stdin closes, then prints its counts."""
     channel = grpc.insecure_channel(address)
     stub = trainer_pb2_grpc.TrainerStub(channel)
-    in_flight = 1100
+    in_flight = int(in_flight)
     greedy = Greedy(stub, runs.split(","), kind, in_flight, retry_after_s=0.05)
     print("ready", flush=True)
     sys.stdin.read()
@@ -237,10 +240,14 @@ def greedy_child(address, kind, runs):
 
 def main():
     if sys.argv[1] == "--greedy-child":
-        return greedy_child(*sys.argv[2:5])
+        return greedy_child(*sys.argv[2:6])
     coordinator, worker, genmodel, tmp = sys.argv[1:5]
     quick = "--quick" in sys.argv
-    extra = [a for a in sys.argv[5:] if a not in ("--quick", "--bytes-only", "--tenants-only")]  # coordinator flags
+    options = dict(a[2:].split("=", 1) for a in sys.argv[5:] if a.startswith(("--kinds=", "--greedy-in-flight=")))
+    kinds = options.get("kinds", "forward,train_step").split(",")
+    greedy_in_flight = options.get("greedy-in-flight", "1100")
+    extra = [a for a in sys.argv[5:] if a not in ("--quick", "--bytes-only", "--tenants-only") and
+             not a.startswith(("--kinds=", "--greedy-in-flight="))]  # coordinator flags
     model = os.path.join(tmp, "model")
     subprocess.run([genmodel, "--preset", "tiny", "--out", model], check=True, stdout=subprocess.DEVNULL)
     keys_file = os.path.join(tmp, "keys")
@@ -271,7 +278,7 @@ def main():
         metrics = f"http://127.0.0.1:{wait_port(metrics_port_file, proc)}/metrics"
         cases = lockouts = 0
         all_alone = []
-        for kind in ("forward", "train_step"):
+        for kind in kinds:
             # The other key steps throughout the case, one TrainStep after another.
             stepper = OtherStepper(stub, other_run, seq)
             # The greedy tenant is its own client process, as another tenant would be (in one
@@ -280,7 +287,7 @@ def main():
             # machine; here its CPU would otherwise come out of the two cores the server runs
             # on (at nice 19 it still took about half a core).
             greedy = subprocess.Popen(["chrt", "--idle", "0", sys.executable, __file__, "--greedy-child", address, kind,
-                                       ",".join(runs)],
+                                       ",".join(runs), greedy_in_flight],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             if greedy.stdout.readline().strip() != "ready":
                 raise SystemExit("greedy client did not start")
