@@ -122,7 +122,6 @@ struct HttpFrontCalls {
       call.request.method = method;
       call.request.route = path.substr(std::strlen(kApiPrefix));
       call.method = "Tinker/" + RouteName(call.request.route);
-      call.request.idempotency_key = Header(connection, "X-Idempotency-Key");
       call.request.base_url = absl::StrCat(server->options_.tls_cert_pem.empty() ? "http://" : "https://",
                                            Header(connection, MHD_HTTP_HEADER_HOST));
       call.encoding = Header(connection, MHD_HTTP_HEADER_CONTENT_ENCODING);

@@ -52,7 +52,6 @@ struct TinkerRequest {
   std::string method;  // GET, POST, DELETE
   std::string route;   // the path after /api/v1/, as sent
   std::map<std::string, std::string> query;
-  std::string idempotency_key;  // X-Idempotency-Key
   std::string base_url;         // scheme://host as the client reached this server
   std::string body;             // decoded (zstd undone)
 };
