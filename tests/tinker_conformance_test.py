@@ -14,8 +14,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from wait_for import wait_for  # noqa: E402
 import uuid
 
 import numpy as np
@@ -828,14 +830,12 @@ def start_coordinator(ctx, *flags):
                              "--tinker_model_name", "tiny/base", "--state_dir", os.path.join(tmp, "state"),
                              "--metrics_port", "0", "--metrics_port_file", metrics_file] +
                             list(flags), stderr=open(os.path.join(tmp, "log"), "w"))
-    for _ in range(600):
-        if all(os.path.exists(f) and open(f).read().strip() for f in (port_file, metrics_file)):
-            ctx.second_metrics_port = int(open(metrics_file).read())
-            return proc, int(open(port_file).read())
-        if proc.poll() is not None:
-            raise AssertionError("coordinator exited: " + open(os.path.join(tmp, "log")).read()[-2000:])
-        time.sleep(0.1)
-    raise AssertionError("no port")
+    written = lambda: all(os.path.exists(f) and open(f).read().strip() for f in (port_file, metrics_file))
+    wait_for(lambda: written() or proc.poll() is not None)
+    if not written():
+        raise AssertionError("coordinator exited or wrote no port: " + open(os.path.join(tmp, "log")).read()[-2000:])
+    ctx.second_metrics_port = int(open(metrics_file).read())
+    return proc, int(open(port_file).read())
 
 
 @case
@@ -884,9 +884,7 @@ def shutdown_with_held_polls(ctx):
              for _ in range(3)]
     for t in polls:
         t.start()
-    deadline = time.time() + 60
-    while time.time() < deadline and metric(ctx.second_metrics_port, "lorastep_tinker_held_polls") < 3:
-        time.sleep(0.05)
+    wait_for(lambda: metric(ctx.second_metrics_port, "lorastep_tinker_held_polls") >= 3, poll=0.05)
     proc.terminate()
     assert proc.wait(60) == 0, "the coordinator exits cleanly"
     for t in polls:
@@ -905,12 +903,10 @@ def session_expiry(ctx):
         idle, beating = session(front), session(front)
         m = Model(front, idle)
         kept = Model(front, beating)
-        deadline = time.time() + 60
-        while time.time() < deadline:
+        def idle_model_gone():
             assert front.post("session_heartbeat", {"session_id": beating})[0] == 200
-            if front.post("get_info", {"model_id": m.model_id})[0] == 404:
-                break
-            time.sleep(0.3)
+            return front.post("get_info", {"model_id": m.model_id})[0] == 404
+        wait_for(idle_model_gone, poll=0.3)
         status, answer = front.post("get_info", {"model_id": m.model_id})
         assert status == 404, "the idle session's model is deleted"
         status, answer = front.post("session_heartbeat", {"session_id": idle})
@@ -980,12 +976,9 @@ def main():
                              "--tinker_model_name", "tiny/base", "--tinker_max_request_mb", "8",
                              "--tinker_gap_wait_ms", "500"], stderr=log)
     try:
-        for _ in range(600):
-            if os.path.exists(port_file) and open(port_file).read().strip():
-                break
-            if proc.poll() is not None:
-                raise SystemExit("coordinator exited at start: see " + log.name)
-            time.sleep(0.1)
+        if not wait_for(lambda: (os.path.exists(port_file) and open(port_file).read().strip()) or
+                        proc.poll() is not None) or proc.poll() is not None:
+            raise SystemExit("coordinator exited at start or wrote no port: see " + log.name)
         port = int(open(port_file).read())
         ctx = Ctx()
         ctx.tmp, ctx.model = tmp, model
