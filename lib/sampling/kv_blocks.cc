@@ -9,6 +9,11 @@
 
 #include "absl/strings/str_cat.h"
 
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+#include "lib/kernels/kernel_launch.h"
+#include "lib/kernels/paged_decode.h"
+#endif
+
 namespace lorastep {
 
 int64_t KvBlockPool::BytesPerBlock(const KvShape& shape, at::ScalarType dtype) {
@@ -103,23 +108,61 @@ KvStepAttention::KvStepAttention(KvBlockPool* pool, const std::vector<const KvSe
     }
   }
   write_slots_ = at::tensor(writes, at::kLong).to(device);
-  if (decoding.empty()) return;
-  // The decoding sequences' slots as one [S, longest] table (padding: slot 0, masked).
-  std::vector<int64_t> rows, table, padding;
-  std::vector<int64_t> first_row(sequences.size() + 1, 0);
-  for (size_t s = 0; s < sequences.size(); ++s) first_row[s + 1] = first_row[s] + new_tokens[s];
   for (int64_t s : decoding) {
-    const int64_t end = sequences[s]->length + 1;
-    std::vector<int64_t> slots = Slots(*sequences[s], 0, end, bs);
-    slots.resize(longest, 0);
-    table.insert(table.end(), slots.begin(), slots.end());
-    for (int64_t p = 0; p < longest; ++p) padding.push_back(p >= end ? 1 : 0);
-    rows.push_back(first_row[s]);
+    decode_sequences_.push_back(s);
+    decode_lengths_.push_back(sequences[s]->length + 1);
+    decode_blocks_.push_back(sequences[s]->blocks);
   }
-  decode_sequences_ = decoding;
-  decode_rows_ = at::tensor(rows, at::kLong).to(device);
-  decode_slots_ = at::tensor(table, at::kLong).view({static_cast<int64_t>(decoding.size()), longest}).to(device);
-  decode_padding_ = at::tensor(padding, at::kLong).view({static_cast<int64_t>(decoding.size()), longest}).to(at::kBool).to(device);
+  decode_longest_ = longest;
+  // The decoding sequences' rows in the packed row.
+  std::vector<int64_t> rows;
+  int64_t row = 0;
+  for (size_t s = 0, d = 0; s < sequences.size(); ++s) {
+    if (d < decoding.size() && decoding[d] == static_cast<int64_t>(s)) {
+      rows.push_back(row);
+      ++d;
+    }
+    row += new_tokens[s];
+  }
+  if (!rows.empty()) decode_rows_ = at::tensor(rows, at::kLong).to(device);
+}
+
+void KvStepAttention::PrepareDecode(int64_t group, bool same_dtype) {
+  decode_prepared_ = true;
+  if (decode_sequences_.empty()) return;
+  const int64_t bs = pool_->shape().block_size, n = static_cast<int64_t>(decode_sequences_.size());
+  const at::Device device = pool_->keys(pool_->shape().first_layer).device();
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+  decode_kernel_ = same_dtype && device.is_cuda() && kernels::PagedDecodeSupported(group, pool_->shape().head_dim);
+  if (decode_kernel_) {  // lengths, then each sequence's blocks padded to the longest list
+    decode_table_stride_ = pool_->BlocksFor(decode_longest_);
+    at::Tensor host = at::zeros({n + n * decode_table_stride_},
+                                at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+    int32_t* h = host.data_ptr<int32_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      h[i] = static_cast<int32_t>(decode_lengths_[i]);
+      const std::vector<int32_t>& blocks = decode_blocks_[i];
+      const int64_t used = std::min<int64_t>(pool_->BlocksFor(decode_lengths_[i]), static_cast<int64_t>(blocks.size()));
+      std::copy(blocks.begin(), blocks.begin() + used, h + n + i * decode_table_stride_);
+    }
+    decode_table_ = host.to(device, /*non_blocking=*/true);
+    return;
+  }
+#else
+  (void)group;
+  (void)same_dtype;
+#endif
+  // The ATen composition: the slots as one [S, longest] table (padding: slot 0, masked).
+  std::vector<int64_t> table, padding;
+  for (int64_t i = 0; i < n; ++i) {
+    KvSequence seq{decode_blocks_[i], 0};
+    std::vector<int64_t> slots = Slots(seq, 0, decode_lengths_[i], bs);
+    slots.resize(decode_longest_, 0);
+    table.insert(table.end(), slots.begin(), slots.end());
+    for (int64_t p = 0; p < decode_longest_; ++p) padding.push_back(p >= decode_lengths_[i] ? 1 : 0);
+  }
+  decode_slots_ = at::tensor(table, at::kLong).view({n, decode_longest_}).to(device);
+  decode_padding_ = at::tensor(padding, at::kLong).view({n, decode_longest_}).to(at::kBool).to(device);
 }
 
 at::Tensor KvStepAttention::Attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -131,9 +174,33 @@ at::Tensor KvStepAttention::Attend(int64_t layer, const at::Tensor& q, const at:
   const int64_t heads = q.size(2), kv_heads = k.size(2), d = q.size(3), group = heads / kv_heads;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   std::vector<at::Tensor> outs(new_tokens_.size());
-  // Decoding sequences (one new token each) attend together: their keys and values gathered
-  // into [S, L, kv_heads, d] (L: the longest; the padding masked out), each key/value head
-  // against its group of query heads, without repeating it.
+  // Decoding sequences (one new token each) attend together, each key/value head against its
+  // group of query heads without repeating it: through the paged kernel, or with their keys
+  // and values gathered into [S, L, kv_heads, d] (L: the longest; the padding masked out).
+  if (!decode_prepared_) PrepareDecode(group, q.scalar_type() == keys.scalar_type());
+  const bool all_decode = decode_sequences_.size() == new_tokens_.size();  // rows 0..S-1 in order
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+  if (decode_kernel_) {
+    const int64_t n = decode_rows_.size(0);
+    const at::Tensor qd = (all_decode ? q[0] : q[0].index_select(0, decode_rows_)).contiguous();  // [S, heads, d]
+    at::Tensor out = at::empty_like(qd);
+    const kernels::PagedDecodePlan plan = kernels::PlanPagedDecode(n, kv_heads, group, d, decode_longest_);
+    at::Tensor workspace;
+    if (plan.workspace_floats > 0) workspace = at::empty({plan.workspace_floats}, qd.options().dtype(at::kFloat));
+    const kernels::KernelLaunch launch(qd);
+    kernels::CheckLaunch(
+        kernels::LaunchPagedDecode(qd.data_ptr(), keys.data_ptr(), values.data_ptr(), kernels::ElementTypeOf(qd),
+                                   decode_table_.data_ptr<int32_t>() + n, decode_table_stride_,
+                                   decode_table_.data_ptr<int32_t>(), n, kv_heads, group, d,
+                                   pool_->shape().block_size, static_cast<float>(scale), plan,
+                                   workspace.defined() ? workspace.data_ptr<float>() : nullptr, out.data_ptr(),
+                                   launch.stream),
+        "paged decode");
+    const at::Tensor rows = out.view({n, heads * d});
+    if (all_decode) return rows.unsqueeze(0);
+    for (int64_t i = 0; i < n; ++i) outs[decode_sequences_[i]] = rows.narrow(0, i, 1);
+  } else
+#endif
   if (decode_rows_.defined()) {
     const int64_t n = decode_rows_.size(0), longest = decode_slots_.size(1);
     const at::Tensor qd = q[0].index_select(0, decode_rows_).to(at::kFloat).view({n, kv_heads, group, d});

@@ -85,10 +85,19 @@ class KvStepAttention : public CachedAttention {
   std::vector<int64_t> starts_, new_tokens_;  // each sequence's first new position, and count
   at::Tensor write_slots_;                    // int64 [T]: the pool slot of each new token
   std::vector<at::Tensor> read_slots_;        // per sequence with several new tokens: its slots
-  // The sequences with one new token (decoding), attended together: their indices, their
-  // rows in the packed row, their slots [S, longest] and which of those are padding.
-  std::vector<int64_t> decode_sequences_;
+  // The sequences with one new token (decoding), attended together: their indices and their
+  // rows in the packed row; made at the first layer's Attend, by which of the two paths runs
+  // it: lorastep's paged decode kernel (CUDA, a supported head shape) reads the pool through
+  // a block table and lengths, the ATen composition gathers their slots [S, longest] and
+  // masks the padding.
+  void PrepareDecode(int64_t group, bool same_dtype);
+  std::vector<std::vector<int32_t>> decode_blocks_;  // each decoding sequence's blocks
+  std::vector<int64_t> decode_sequences_, decode_lengths_;
+  int64_t decode_longest_ = 0;
+  bool decode_prepared_ = false, decode_kernel_ = false;
   at::Tensor decode_rows_, decode_slots_, decode_padding_;
+  at::Tensor decode_table_;  // int32: the lengths [S], then the block table [S, blocks]
+  int64_t decode_table_stride_ = 0;
 };
 
 }  // namespace lorastep
