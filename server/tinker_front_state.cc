@@ -288,6 +288,10 @@ HttpAnswer TinkerFront::TrainingRuns(const Caller& caller, const TinkerRequest& 
     if (parts.size() == 3 && parts[2] == "checkpoints") {
       auto listed = checkpoints_of(model_id);
       if (!listed.ok()) return ErrorAnswer(listed.status());
+      if (listed->empty()) {  // no checkpoint and no model of this caller's by that id: unknown
+        auto run = ModelRun(caller, model_id);
+        if (!run.ok()) return ErrorAnswer(run.status());
+      }
       return JsonAnswer(Json{{"checkpoints", *listed}}.dump());
     }
     if (parts.size() == 6 && parts[2] == "checkpoints" && parts[5] == "archive") {

@@ -486,6 +486,10 @@ def another_keys_model(ctx):
     status, _, data, _ = ctx.bob.request("POST", "retrieve_future", {"request_id": rid})
     assert status == 404, "another key's future is not found"
     ctx.alice.result(rid, "ForwardBackward")
+    status, _ = ctx.bob.get(f"training_runs/{m.model_id}/checkpoints")
+    assert status == 404, "another key's model's checkpoints are not found"
+    status, _ = ctx.alice.get(f"training_runs/{m.model_id}/checkpoints")
+    assert status == 200
 
 
 @case
