@@ -134,6 +134,21 @@ def resume_with_optimizer_is_bitwise(ctx):
 
 
 @case
+def from_state_keeps_the_lora_targets(ctx):
+    # A model without attention LoRA but with the LM head's: create_training_client_from_state
+    # makes the new model from weights_info's switches, and the load needs the same targets.
+    tc = ctx.service.create_lora_training_client(base_model="tiny/base", rank=4, seed=9, train_attn=False,
+                                                 train_unembed=True)
+    tc.forward_backward([datum(i) for i in range(4)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    path = tc.save_state("targets").result().path
+    info = ctx.rest.get_weights_info_by_tinker_path(path).result()
+    assert (info.train_attn, info.train_mlp, info.train_unembed, info.lora_rank) == (False, True, True, 4), info
+    resumed = ctx.service.create_training_client_from_state(path)
+    assert resumed.get_info().model_id != tc.get_info().model_id
+
+
+@case
 def sampler_checkpoint_archive_and_listing(ctx):
     tc = ctx.service.create_lora_training_client(base_model="tiny/base", rank=4, seed=5)
     path = tc.save_weights_for_sampler("kept").result().path

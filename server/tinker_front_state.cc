@@ -9,6 +9,7 @@
 #include "absl/time/time.h"
 #include "lib/io/file_util.h"
 #include "lib/io/tar_archive.h"
+#include "lib/model/lora_config.h"
 #include "rpc/bearer_token.h"
 #include "server/run_names.h"
 #include "server/tinker_front.h"
@@ -163,11 +164,18 @@ HttpAnswer TinkerFront::WeightsInfo(const Caller& caller, const std::string& bod
   if (!path.ok()) return ErrorAnswer(path.status());
   const std::string run = ServerRunId(caller, *RunIdOfModel(path->model_id));
   Json info = {{"base_model", options_.model_name}, {"is_lora", true}};
+  // The switches as the targets say them: the SDK's create_training_client_from_state makes
+  // the new model with these (true where absent), and a load into other targets fails.
+  auto set_switches = [&info](const std::vector<std::string>& targets) {
+    if (const std::optional<TinkerSwitches> s = SwitchesFromTargets(targets)) {
+      info["train_attn"] = s->train_attn;
+      info["train_mlp"] = s->train_mlp;
+      info["train_unembed"] = s->train_unembed;
+    }
+  };
   if (auto state = core_->CheckAccess(run, caller).ok() ? core_->GetRun(run) : absl::NotFoundError(""); state.ok()) {
     info["lora_rank"] = state->lora().rank();
-    if (state->lora().has_train_attn()) info["train_attn"] = state->lora().train_attn();
-    if (state->lora().has_train_mlp()) info["train_mlp"] = state->lora().train_mlp();
-    if (state->lora().has_train_unembed()) info["train_unembed"] = state->lora().train_unembed();
+    set_switches({state->lora().target_modules().begin(), state->lora().target_modules().end()});
     return JsonAnswer(info.dump());
   }
   // The model is gone (its session expired): its checkpoint in the store says its rank.
@@ -176,10 +184,15 @@ HttpAnswer TinkerFront::WeightsInfo(const Caller& caller, const std::string& bod
       const std::string file = *folder + (path->sampler ? "/adapter_config.json" : "/trainer_state.json");
       if (auto text = ReadFileToString(file); text.ok()) {
         Json state = Json::parse(*text, nullptr, false);
-        const Json rank = state.is_object() ? (path->sampler ? state.value("r", Json()) : state["lora"].value("rank", Json()))
-                                            : Json();
+        const Json lora = state.is_object() ? (path->sampler ? state : state.value("lora", Json::object())) : Json();
+        const Json rank = lora.is_object() ? lora.value(path->sampler ? "r" : "rank", Json()) : Json();
         if (rank.is_number_integer()) {
           info["lora_rank"] = rank;
+          std::vector<std::string> targets;
+          for (const Json& t : lora.value("target_modules", Json::array())) {
+            if (t.is_string()) targets.push_back(t.get<std::string>());
+          }
+          set_switches(targets);
           return JsonAnswer(info.dump());
         }
       }

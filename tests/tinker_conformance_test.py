@@ -582,6 +582,8 @@ def save_and_resume_bitwise(ctx):
     s2 = session(ctx.alice)
     status, info = ctx.alice.post("weights_info", {"tinker_path": path})
     assert status == 200 and info["lora_rank"] == 4 and info["is_lora"] is True, info
+    # The model's switches (train_unembed false here): the SDK makes the new model with them.
+    assert (info.get("train_attn"), info.get("train_mlp"), info.get("train_unembed")) == (True, True, False), info
     resumed = Model(ctx.alice, s2, 0, rank=info["lora_rank"], seed=99)
     assert load(resumed, path, optimizer=True) == {}
     for model in (m, resumed):

@@ -1,6 +1,8 @@
 #include "lib/model/lora_config.h"
 
+#include <algorithm>
 #include <cmath>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "lib/status_macros.h"
@@ -73,6 +75,34 @@ absl::StatusOr<std::vector<std::string>> TargetsFromSwitches(bool train_attn, bo
         "lora.train_attn, lora.train_mlp, lora.train_unembed: all false, nothing to train");
   }
   return names;
+}
+
+std::optional<TinkerSwitches> SwitchesFromTargets(const std::vector<std::string>& target_modules) {
+  const std::set<std::string> attn = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  const std::set<std::string> mlp = {"gate_proj", "up_proj", "down_proj"};
+  std::set<std::string> names;
+  for (const std::string& name : target_modules) {
+    if (name == "all-linear") {
+      names.insert(attn.begin(), attn.end());
+      names.insert(mlp.begin(), mlp.end());
+    } else {
+      names.insert(name);
+    }
+  }
+  auto all_in = [&](const std::set<std::string>& group) {
+    return std::all_of(group.begin(), group.end(), [&](const std::string& n) { return names.count(n) > 0; });
+  };
+  auto none_in = [&](const std::set<std::string>& group) {
+    return std::none_of(group.begin(), group.end(), [&](const std::string& n) { return names.count(n) > 0; });
+  };
+  if (!(all_in(attn) || none_in(attn)) || !(all_in(mlp) || none_in(mlp))) return std::nullopt;
+  TinkerSwitches s;
+  s.train_attn = all_in(attn);
+  s.train_mlp = all_in(mlp);
+  s.train_unembed = names.count(kHeadName) > 0;
+  const size_t expected = (s.train_attn ? attn.size() : 0) + (s.train_mlp ? mlp.size() : 0) + (s.train_unembed ? 1 : 0);
+  if (names.size() != expected || expected == 0) return std::nullopt;  // a name outside the groups
+  return s;
 }
 
 absl::Status ValidateLoraConfig(const LoraConfig& config) {

@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,14 @@ absl::StatusOr<std::vector<std::string>> LoraTargetModuleNames(const LoraConfig&
 // INVALID_ARGUMENT naming the field when nothing would be trained.
 absl::StatusOr<std::vector<std::string>> TargetsFromSwitches(bool train_attn, bool train_mlp,
                                                              bool train_unembed);
+
+// The inverse, for a run's or checkpoint's resolved target modules: the switches when the
+// targets are exactly a union of those groups ("all-linear" is attention and the MLP), else
+// nullopt (targets Tinker's switches cannot express, such as q_proj alone).
+struct TinkerSwitches {
+  bool train_attn = false, train_mlp = false, train_unembed = false;
+};
+std::optional<TinkerSwitches> SwitchesFromTargets(const std::vector<std::string>& target_modules);
 
 }  // namespace lorastep
 
