@@ -117,6 +117,11 @@ def rl_loop_every_loss(ctx):
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     lp = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT + [9])).result()
     assert lp[0] is None and len(lp) == 5 and all(x < 0 for x in lp[1:]), lp
+    top = sampler.sample(prompt=types.ModelInput.from_ints(PROMPT + [9]), num_samples=1,
+                         sampling_params=types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+                         topk_prompt_logprobs=3).result()
+    assert top.topk_prompt_logprobs[0] is None and len(top.topk_prompt_logprobs) == 5, top.topk_prompt_logprobs
+    assert all(len(row) == 3 and row[0][1] >= row[1][1] >= row[2][1] for row in top.topk_prompt_logprobs[1:])
 
 
 @case

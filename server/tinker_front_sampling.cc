@@ -7,6 +7,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "lib/sampling/sampling_bounds.h"
 #include "lib/status_macros.h"
 #include "server/run_names.h"
 #include "server/tinker_front.h"
@@ -75,7 +76,11 @@ absl::Status ParamsFromTinker(const Json& params, int64_t prompt_tokens, int64_t
   return absl::OkStatus();
 }
 
-tinker_public::SampleResponse TinkerSampleResponse(const v1::PromptSamples& prompt, bool with_prompt_logprobs) {
+// The SDK's answer; `topk` > 0: each prompt position's k most likely tokens as one N x k
+// matrix (N prompt tokens; the first position and positions with fewer than k are padded
+// with token 0 at -99999, which the SDK reads as empty).
+tinker_public::SampleResponse TinkerSampleResponse(const v1::PromptSamples& prompt, bool with_prompt_logprobs,
+                                                   int64_t topk) {
   tinker_public::SampleResponse out;
   for (const v1::SampledSequence& seq : prompt.sequences()) {
     tinker_public::SampledSequence* s = out.add_sequences();
@@ -91,6 +96,20 @@ tinker_public::SampleResponse TinkerSampleResponse(const v1::PromptSamples& prom
     AppendBytes(std::numeric_limits<float>::quiet_NaN(), &lp);  // the first token has none
     for (float v : prompt.prompt_logprobs()) AppendBytes(v, &lp);
     out.set_prompt_logprobs(lp);
+  }
+  if (topk > 0) {
+    const int64_t n = prompt.prompt_top_logprobs_size() + 1;
+    tinker_public::TopkPromptLogprobs* top = out.mutable_topk_prompt_logprobs();
+    top->set_k(static_cast<uint32_t>(topk));
+    top->set_prompt_length(static_cast<uint32_t>(n));
+    for (int64_t row = 0; row < n; ++row) {
+      const v1::TopLogprobs* best = row > 0 ? &prompt.prompt_top_logprobs(static_cast<int>(row - 1)) : nullptr;
+      for (int64_t j = 0; j < topk; ++j) {
+        const bool have = best != nullptr && j < best->tokens_size();
+        AppendBytes(static_cast<int32_t>(have ? best->tokens(static_cast<int>(j)) : 0), top->mutable_token_ids());
+        AppendBytes(have ? best->logprobs(static_cast<int>(j)) : -99999.0f, top->mutable_logprobs());
+      }
+    }
   }
   return out;
 }
@@ -215,16 +234,21 @@ void TinkerFront::ASample(const Caller& caller, const TinkerRequest& req, Admiss
     }
   }
   if (prompt->tokens_size() == 0) return reply(ErrorAnswer(absl::InvalidArgumentError("prompt: no tokens")));
-  if (body->value("topk_prompt_logprobs", 0) != 0) {
-    return reply(ErrorAnswer(absl::InvalidArgumentError("topk_prompt_logprobs: not supported; use prompt_logprobs")));
+  const Json topk_field = body->value("topk_prompt_logprobs", Json(0));
+  if (!topk_field.is_number_integer() || topk_field.get<int64_t>() < 0 ||
+      topk_field.get<int64_t>() > kMaxTopLogprobs) {
+    return reply(ErrorAnswer(absl::InvalidArgumentError(
+        absl::StrCat("topk_prompt_logprobs: expected an integer in [0, ", kMaxTopLogprobs, "]"))));
   }
+  const int64_t topk = topk_field.get<int64_t>();
   const bool prompt_logprobs = body->value("prompt_logprobs", false);
   if (absl::Status s = ParamsFromTinker(body->value("sampling_params", Json::object()), prompt->tokens_size(),
                                         options_.max_context_length, sample.mutable_params());
       !s.ok()) {
     return reply(ErrorAnswer(s));
   }
-  sample.mutable_params()->set_prompt_logprobs(prompt_logprobs);
+  sample.mutable_params()->set_prompt_logprobs(prompt_logprobs || topk > 0);
+  sample.mutable_params()->set_prompt_top_logprobs(topk);
   std::string future;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -244,10 +268,10 @@ void TinkerFront::ASample(const Caller& caller, const TinkerRequest& req, Admiss
     sample.set_base_model(it->second.checkpoint.empty());
     sample.set_checkpoint(it->second.checkpoint);
   }
-  sampling_executor_.Submit(future, [this, caller, future, sample, prompt_logprobs,
+  sampling_executor_.Submit(future, [this, caller, future, sample, prompt_logprobs, topk,
                                      held = std::make_shared<AdmissionTicket>(std::move(ticket))] {
     auto out = core_->Sample(sample);
-    futures_.Finish(future, out.ok() ? ProtobufAnswer(TinkerSampleResponse(out->prompts(0), prompt_logprobs))
+    futures_.Finish(future, out.ok() ? ProtobufAnswer(TinkerSampleResponse(out->prompts(0), prompt_logprobs, topk))
                                      : Failed(ClientStatus(caller, out.status())));
     held->Release();
   });

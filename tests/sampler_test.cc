@@ -130,8 +130,20 @@ TEST(SamplerTest, ReportedLogProbsAreTheTrainersScoresOfTheReturnedSequence) {
   const std::vector<int64_t> prompt = {1, 2, 3, 4, 5};
   SampleRequest r = Request(prompt, 10, 1.0, 7, 3);
   r.params.prompt_logprobs = true;
+  r.params.prompt_top_logprobs = 5;
   const SampleResult got = RunAll(f, &pool, {{&f.adapter, r}})[0];
   ASSERT_EQ(got.sequences.size(), 3u);
+  // Each prompt position's 5 most likely tokens: the plain forward's top 5, in order.
+  ASSERT_EQ(got.prompt_top_logprobs.size(), prompt.size() - 1);
+  const at::Tensor plain = at::log_softmax(PlainLogits(f, &f.adapter, prompt), -1);
+  for (size_t i = 0; i + 1 < prompt.size(); ++i) {
+    auto [values, ids] = plain[static_cast<int64_t>(i)].topk(5);
+    ASSERT_EQ(got.prompt_top_logprobs[i].size(), 5u);
+    for (int64_t j = 0; j < 5; ++j) {
+      EXPECT_EQ(got.prompt_top_logprobs[i][j].token, ids[j].item<int64_t>()) << "prompt " << i << " rank " << j;
+      EXPECT_NEAR(got.prompt_top_logprobs[i][j].logprob, values[j].item<float>(), 1e-5) << "prompt " << i;
+    }
+  }
   for (const SampledSequence& s : got.sequences) {
     std::vector<int64_t> seq = prompt;
     seq.insert(seq.end(), s.tokens.begin(), s.tokens.end());
@@ -299,6 +311,12 @@ TEST(SamplerTest, BadRequestsAreRefusedNamingTheFieldAndNothingIsQueued) {
   r = Request({1}, 4, 1.0, 1);
   r.params.top_logprobs = kMaxTopLogprobs + 1;
   refused(r, "top_logprobs");
+  r.params.top_logprobs = 0;
+  r.params.prompt_top_logprobs = 3;  // without prompt_logprobs
+  refused(r, "prompt_top_logprobs: needs prompt_logprobs");
+  r.params.prompt_logprobs = true;
+  r.params.prompt_top_logprobs = kMaxTopLogprobs + 1;
+  refused(r, "prompt_top_logprobs");
   EXPECT_TRUE(engine.Idle());
 }
 

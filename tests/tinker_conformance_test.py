@@ -650,6 +650,25 @@ def sampler_from_training(ctx):
     plp = np.frombuffer(out.prompt_logprobs, np.float32)
     assert len(plp) == len(toks) and math.isnan(plp[0]), plp
     assert np.allclose(plp[1:], lp[0], atol=1e-5), (plp[1:], lp[0])
+    # topk_prompt_logprobs: an N x k matrix, the first row padding, each row in falling order,
+    # and a prompt token among its row's k has the prompt log-prob found above.
+    out = sample(ctx.alice, sampler, 3, toks, num_samples=1, max_tokens=1, prompt_logprobs=True,
+                 topk_prompt_logprobs=4)
+    top = out.topk_prompt_logprobs
+    assert (top.k, top.prompt_length) == (4, len(toks)), (top.k, top.prompt_length)
+    ids = np.frombuffer(top.token_ids, np.int32).reshape(len(toks), 4)
+    vals = np.frombuffer(top.logprobs, np.float32).reshape(len(toks), 4)
+    assert np.all(ids[0] == 0) and np.all(vals[0] == -99999.0), (ids[0], vals[0])
+    assert np.all(np.diff(vals[1:], axis=1) <= 0) and np.all(vals[1:] <= 0), vals
+    for i in range(1, len(toks)):
+        assert vals[i][0] >= plp[i] - 1e-6, (i, vals[i], plp[i])
+        if toks[i] in ids[i]:
+            assert abs(vals[i][list(ids[i]).index(toks[i])] - plp[i]) <= 1e-5, (i, ids[i], vals[i], plp[i])
+    status, answer = ctx.alice.post("asample", {
+        "num_samples": 1, "prompt": {"chunks": [{"tokens": toks, "type": "encoded_text"}]},
+        "sampling_params": {"max_tokens": 1}, "sampling_session_id": sampler, "seq_id": 4,
+        "topk_prompt_logprobs": 65, "type": "sample"})
+    assert status == 400 and "topk_prompt_logprobs" in answer["detail"], (status, answer)
     # A named sampler checkpoint, through create_sampling_session.
     path = save(m, "save_weights_for_sampler", path="for-eval")["path"]
     assert path == f"tinker://{m.model_id}/sampler_weights/for-eval"

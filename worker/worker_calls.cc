@@ -193,6 +193,18 @@ absl::StatusOr<std::optional<ActivationRecompute>> CallRecompute(const std::stri
   return std::optional<ActivationRecompute>(mode);
 }
 
+// Each position's k most likely tokens, as the answer carries them.
+void AddTopLogprobs(const std::vector<std::vector<TopLogprob>>& positions,
+                    google::protobuf::RepeatedPtrField<v1::TopLogprobs>* out) {
+  for (const std::vector<TopLogprob>& top : positions) {
+    v1::TopLogprobs* t = out->Add();
+    for (const TopLogprob& e : top) {
+      t->add_tokens(e.token);
+      t->add_logprobs(e.logprob);
+    }
+  }
+}
+
 }  // namespace
 
 absl::Status WorkerCalls::ForwardBackward(const v1::WorkerForwardBackwardRequest& req,
@@ -238,6 +250,7 @@ absl::Status WorkerCalls::Sample(const v1::WorkerSampleRequest& req, v1::SampleR
   for (const v1::TokenSequence& stop : p.stop_sequences()) params.stop_sequences.emplace_back(stop.tokens().begin(), stop.tokens().end());
   params.top_logprobs = p.top_logprobs();
   params.prompt_logprobs = p.prompt_logprobs();
+  params.prompt_top_logprobs = p.prompt_top_logprobs();
   if (absl::Status s = CheckSamplingParams(params, core_->base().config.vocab_size, "params."); !s.ok()) return s;
   std::vector<SampleRequest> requests;
   for (const v1::TokenSequence& prompt : req.prompts()) {
@@ -257,6 +270,7 @@ absl::Status WorkerCalls::Sample(const v1::WorkerSampleRequest& req, v1::SampleR
   for (const SampleResult& r : outcome.results) {
     v1::PromptSamples* out = resp->add_prompts();
     out->mutable_prompt_logprobs()->Add(r.prompt_logprobs.begin(), r.prompt_logprobs.end());
+    AddTopLogprobs(r.prompt_top_logprobs, out->mutable_prompt_top_logprobs());
     prefilled += r.prefill_tokens;
     for (const SampledSequence& seq : r.sequences) {
       v1::SampledSequence* s = out->add_sequences();
@@ -264,13 +278,7 @@ absl::Status WorkerCalls::Sample(const v1::WorkerSampleRequest& req, v1::SampleR
       s->mutable_logprobs()->Add(seq.logprobs.begin(), seq.logprobs.end());
       s->mutable_sampling_logprobs()->Add(seq.sampling_logprobs.begin(), seq.sampling_logprobs.end());
       s->set_stop_reason(seq.stop_reason);
-      for (const std::vector<TopLogprob>& top : seq.top_logprobs) {
-        v1::TopLogprobs* t = s->add_top_logprobs();
-        for (const TopLogprob& e : top) {
-          t->add_tokens(e.token);
-          t->add_logprobs(e.logprob);
-        }
-      }
+      AddTopLogprobs(seq.top_logprobs, s->mutable_top_logprobs());
       sampled += static_cast<int64_t>(seq.tokens.size());
     }
   }

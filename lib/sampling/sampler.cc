@@ -166,6 +166,23 @@ void SamplerEngine::ApplyDraws(const at::Tensor& logits, const std::vector<Draw>
         model.index_select(0, on_device(rows)).gather(1, on_device(targets).unsqueeze(1)).squeeze(1).to(at::kCPU).contiguous();
     const float* v = lp.data_ptr<float>();
     for (size_t i = 0; i < prompt_lps.size(); ++i) prompt_lps[i].request->result.prompt_logprobs.push_back(v[i]);
+    int64_t k = 0;
+    for (const PromptLogprob& p : prompt_lps) k = std::max(k, p.request->request.params.prompt_top_logprobs);
+    if (k > 0) {
+      k = std::min<int64_t>(k, model.size(1));
+      auto [values, ids] = model.index_select(0, on_device(rows)).topk(k, -1);
+      const at::Tensor host_values = values.to(at::kCPU).contiguous(), host_ids = ids.to(at::kCPU).contiguous();
+      for (size_t i = 0; i < prompt_lps.size(); ++i) {
+        SampleResult& result = prompt_lps[i].request->result;
+        const int64_t mine = std::min(k, prompt_lps[i].request->request.params.prompt_top_logprobs);
+        if (mine == 0) continue;
+        std::vector<TopLogprob> best;
+        for (int64_t j = 0; j < mine; ++j) {
+          best.push_back({host_ids.data_ptr<int64_t>()[i * k + j], host_values.data_ptr<float>()[i * k + j]});
+        }
+        result.prompt_top_logprobs.push_back(std::move(best));
+      }
+    }
   }
   if (draws.empty()) return;
   // Each distinct row's sampling distribution once (a forked prompt's samples share one),

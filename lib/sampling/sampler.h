@@ -65,6 +65,7 @@ struct SampledSequence {
 struct SampleResult {
   std::vector<SampledSequence> sequences;  // num_samples, in sample order
   std::vector<float> prompt_logprobs;      // when asked: token i + 1 given tokens 0..i
+  std::vector<std::vector<TopLogprob>> prompt_top_logprobs;  // when asked: at token i + 1
   int64_t prefill_tokens = 0;              // prompt tokens run through the model (once per prompt)
   double time_to_first_token_s = 0;        // from Add to the samples' first tokens
   double time_per_output_token_s = 0;      // after the first token, per token of the longest sample

@@ -21,6 +21,12 @@ absl::Status CheckSamplingParams(const SamplingParams& p, int64_t vocab, const s
   if (p.top_logprobs < 0 || p.top_logprobs > kMaxTopLogprobs) {
     return bad("top_logprobs", absl::StrCat(p.top_logprobs, " is not in [0, ", kMaxTopLogprobs, "]"));
   }
+  if (p.prompt_top_logprobs < 0 || p.prompt_top_logprobs > kMaxTopLogprobs) {
+    return bad("prompt_top_logprobs", absl::StrCat(p.prompt_top_logprobs, " is not in [0, ", kMaxTopLogprobs, "]"));
+  }
+  if (p.prompt_top_logprobs > 0 && !p.prompt_logprobs) {
+    return bad("prompt_top_logprobs", "needs prompt_logprobs");
+  }
   for (size_t i = 0; i < p.stop_token_ids.size(); ++i) {
     if (p.stop_token_ids[i] < 0 || p.stop_token_ids[i] >= vocab) {
       return bad(absl::StrCat("stop_token_ids[", i, "]").c_str(),

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "lib/sampling/sampling_bounds.h"
 
 namespace lorastep {
 
@@ -30,11 +31,8 @@ struct SamplingParams {
   std::vector<std::vector<int64_t>> stop_sequences;  // the completion ends after any of these
   int64_t top_logprobs = 0;                          // per sampled position, the k most likely tokens
   bool prompt_logprobs = false;
+  int64_t prompt_top_logprobs = 0;  // with prompt_logprobs: per prompt position, the k most likely tokens
 };
-
-// The most samples one prompt may ask for, and the most top log-probs per position.
-inline constexpr int64_t kMaxSamplesPerPrompt = 256;
-inline constexpr int64_t kMaxTopLogprobs = 64;
 
 // INVALID_ARGUMENT naming the field (prefixed with `field`) for a value outside its range;
 // `vocab` bounds the stop token ids.

@@ -115,12 +115,13 @@ class SamplingParams(_Mapping):
     stop_sequences: List[List[int]] = field(default_factory=list)
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    prompt_top_logprobs: int = 0  # with prompt_logprobs: per prompt position, the k most likely
 
     def to_proto(self):
         p = trainer_pb2.SamplingParams(
             max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, stop_token_ids=list(self.stop_token_ids), top_logprobs=self.top_logprobs,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.prompt_logprobs, prompt_top_logprobs=self.prompt_top_logprobs,
             stop_sequences=[trainer_pb2.TokenSequence(tokens=list(s)) for s in self.stop_sequences])
         if self.top_p is not None:
             p.top_p = self.top_p
@@ -243,13 +244,15 @@ class SampleResult(_Mapping):
     prompt_logprobs: List[List[float]]      # per prompt, when asked
     learner_version: int
     metrics: Dict[str, float]
+    prompt_top_logprobs: List[List[List[tuple]]] = field(default_factory=list)  # per prompt, per position
 
 
 def sample_result(r):
     seqs = [[SampledSequence(list(s.tokens), list(s.logprobs), list(s.sampling_logprobs), s.stop_reason,
                              [list(zip(t.tokens, t.logprobs)) for t in s.top_logprobs])
              for s in p.sequences] for p in r.prompts]
-    return SampleResult(seqs, [list(p.prompt_logprobs) for p in r.prompts], r.learner_version, dict(r.metrics))
+    return SampleResult(seqs, [list(p.prompt_logprobs) for p in r.prompts], r.learner_version, dict(r.metrics),
+                        [[list(zip(t.tokens, t.logprobs)) for t in p.prompt_top_logprobs] for p in r.prompts])
 
 
 @dataclass
