@@ -125,6 +125,7 @@ struct HttpFrontCalls {
       call.request.base_url = absl::StrCat(server->options_.tls_cert_pem.empty() ? "http://" : "https://",
                                            Header(connection, MHD_HTTP_HEADER_HOST));
       call.encoding = Header(connection, MHD_HTTP_HEADER_CONTENT_ENCODING);
+      call.request.idempotency_key = Header(connection, "X-Idempotency-Key");
       MHD_get_connection_values(connection, MHD_GET_ARGUMENT_KIND, CollectQuery, &call.request.query);
       auto caller = server->front_->Authenticate(call.request.route, Header(connection, "X-API-Key"));
       if (!caller.ok()) return Refuse(server, connection, call, caller.status());

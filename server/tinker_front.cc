@@ -188,7 +188,7 @@ void TinkerFront::Post(const Caller& caller, const TinkerRequest& req, Admission
   }
   if (r == "client/dynamic_config") return reply(JsonAnswer(R"({"refresh_interval_sec":300})"));
   if (r == "telemetry") return reply(JsonAnswer(R"({"status":"accepted"})"));  // dropped
-  if (r == "create_session") return reply(CreateSession(caller, req.body));
+  if (r == "create_session") return reply(CreateSession(caller, req));
   if (r == "session_heartbeat") return reply(Heartbeat(caller, req.body));
   if (r == "get_info") return reply(GetInfo(caller, req.body));
   if (r == "create_model") return CreateModel(caller, req, std::move(ticket), std::move(reply));
@@ -213,10 +213,21 @@ void TinkerFront::Post(const Caller& caller, const TinkerRequest& req, Admission
   reply(JsonAnswer(Json{{"detail", absl::StrCat("not served: POST /api/v1/", r)}}.dump(), 404));
 }
 
-HttpAnswer TinkerFront::CreateSession(const Caller& caller, const std::string& body) {
-  if (auto parsed = ParseObject(body); !parsed.ok()) return ErrorAnswer(parsed.status());
-  const std::string id = "t" + RandomHex(8);
+HttpAnswer TinkerFront::CreateSession(const Caller& caller, const TinkerRequest& req) {
+  if (auto parsed = ParseObject(req.body); !parsed.ok()) return ErrorAnswer(parsed.status());
+  const std::string digest = Sha256Hex(req.body);
   std::lock_guard<std::mutex> lock(mu_);
+  if (!req.idempotency_key.empty()) {  // a live session of this key's made by the same call
+    for (const auto& [sid, s] : sessions_) {
+      if (s.owner != caller.owner || s.idempotency_key != req.idempotency_key) continue;
+      if (s.body_digest != digest) {
+        return ErrorAnswer(absl::InvalidArgumentError(
+            "X-Idempotency-Key: already used by a create_session with another body"));
+      }
+      return JsonAnswer(Json{{"session_id", sid}}.dump());
+    }
+  }
+  const std::string id = "t" + RandomHex(8);
   size_t& live = sessions_of_owner_[caller.owner];
   if (live >= options_.max_sessions_per_owner) {
     return ErrorAnswer(absl::ResourceExhaustedError(absl::StrCat(
@@ -227,6 +238,8 @@ HttpAnswer TinkerFront::CreateSession(const Caller& caller, const std::string& b
   Session& s = sessions_[id];
   s.owner = caller.owner;
   s.last_seen = std::chrono::steady_clock::now();
+  s.idempotency_key = req.idempotency_key;
+  s.body_digest = digest;
   return JsonAnswer(Json{{"session_id", id}}.dump());
 }
 

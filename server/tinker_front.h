@@ -54,6 +54,7 @@ struct TinkerRequest {
   std::map<std::string, std::string> query;
   std::string base_url;         // scheme://host as the client reached this server
   std::string body;             // decoded (zstd undone)
+  std::string idempotency_key;  // X-Idempotency-Key: the same across one call's transport retries
 };
 
 struct TinkerFrontOptions {
@@ -103,6 +104,7 @@ class TinkerFront {
     std::map<int64_t, std::string> create_requests;  // model_seq_id -> the create_model future
     std::string base_run;                            // server run id sampling the base model
     std::deque<std::string> samplers;                // its sampling sessions, oldest first
+    std::string idempotency_key, body_digest;        // of the create_session that made it
   };
   struct Sampler {
     std::string owner, session;
@@ -132,7 +134,8 @@ class TinkerFront {
   };
 
   void Post(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket, HttpReply reply);
-  HttpAnswer CreateSession(const Caller& caller, const std::string& body);
+  // A retried create_session (the same X-Idempotency-Key and body) gets the session it made.
+  HttpAnswer CreateSession(const Caller& caller, const TinkerRequest& req);
   HttpAnswer Heartbeat(const Caller& caller, const std::string& body);
   void CreateModel(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket, HttpReply reply);
   HttpAnswer GetInfo(const Caller& caller, const std::string& body);

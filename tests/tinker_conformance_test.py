@@ -221,6 +221,16 @@ def session_and_heartbeat(ctx):
     assert status == 404 and "session_id" in answer["detail"], answer
     status, answer = ctx.bob.post("session_heartbeat", {"session_id": s, "type": "session_heartbeat"})
     assert status == 404, "another key's session is not found"
+    # A transport retry of create_session (same X-Idempotency-Key, same body) gets the same
+    # session; the key with another body is refused; another API key's same header is its own.
+    body = {"tags": ["retry"], "user_metadata": {}, "sdk_version": "0.25.0", "type": "create_session"}
+    retry = {"X-Idempotency-Key": "stainless-python-retry-conformance-1"}
+    first = ctx.alice.post("create_session", body, extra=retry)
+    assert first[0] == 200 and ctx.alice.post("create_session", body, extra=retry) == first, first
+    status, answer = ctx.alice.post("create_session", dict(body, tags=["other"]), extra=retry)
+    assert status == 400 and "X-Idempotency-Key" in answer["detail"], (status, answer)
+    other = ctx.bob.post("create_session", body, extra=retry)
+    assert other[0] == 200 and other[1]["session_id"] != first[1]["session_id"], other
 
 
 @case
