@@ -178,9 +178,9 @@ at::Tensor KvStepAttention::Attend(int64_t layer, const at::Tensor& q, const at:
   // group of query heads without repeating it: through the paged kernel, or with their keys
   // and values gathered into [S, L, kv_heads, d] (L: the longest; the padding masked out).
   if (!decode_prepared_) PrepareDecode(group, q.scalar_type() == keys.scalar_type());
-  const bool all_decode = decode_sequences_.size() == new_tokens_.size();  // rows 0..S-1 in order
 #ifdef LORASTEP_WITH_CUDA_KERNELS
   if (decode_kernel_) {
+    const bool all_decode = decode_sequences_.size() == new_tokens_.size();  // rows 0..S-1 in order
     const int64_t n = decode_rows_.size(0);
     const at::Tensor qd = (all_decode ? q[0] : q[0].index_select(0, decode_rows_)).contiguous();  // [S, heads, d]
     at::Tensor out = at::empty_like(qd);
