@@ -65,6 +65,7 @@ int Main() {
   shape.layers = config.num_hidden_layers;
   shape.kv_heads = config.num_key_value_heads;
   shape.head_dim = config.head_dim();
+  shape.window = LayerWindows(config, 0, shape.layers);
   KvBlockPool pool = KvBlockPool::Create(shape, 4096, at::kFloat, at::kCPU).value();
   at::manual_seed(7);
   auto prompt = [&](int64_t n) {

@@ -8,6 +8,7 @@
 #include <torch/version.h>
 
 #include <cmath>
+#include <limits>
 #include <tuple>
 
 #define LORASTEP_TORCH_AT_LEAST(major, minor) \
@@ -57,6 +58,29 @@ inline at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, cons
   at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
   return at::matmul(probs, vr);
 #endif
+#endif
+}
+
+// Causal self-attention within a sliding window: query i sees keys i - window < j <= i
+// (transformers' sliding_window_overlay). q, k, v as CausalAttention. An explicit [s, s] mask
+// with K/V heads repeated: correct on every build, at full attention's cost (no block of the
+// mask is skipped).
+inline at::Tensor WindowedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                          int64_t window) {
+  const int64_t groups = q.size(1) / k.size(1), s = q.size(-2);
+  const at::Tensor kr = groups > 1 ? k.repeat_interleave(groups, 1) : k;
+  const at::Tensor vr = groups > 1 ? v.repeat_interleave(groups, 1) : v;
+  const at::Tensor pos = at::arange(s, q.options().dtype(at::kLong));
+  const at::Tensor back = pos.unsqueeze(1) - pos.unsqueeze(0);  // i - j
+  const at::Tensor seen = back.ge(0).logical_and(back.lt(window));
+#if LORASTEP_TORCH_AT_LEAST(2, 0)
+  return at::scaled_dot_product_attention(q, kr, vr, /*attn_mask=*/seen, /*dropout_p=*/0.0, /*is_causal=*/false);
+#else
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  at::Tensor scores = at::matmul(q, kr.transpose(-2, -1)) * scale;
+  scores = scores.masked_fill(seen.logical_not(), -std::numeric_limits<float>::infinity());
+  at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  return at::matmul(probs, vr);
 #endif
 }
 

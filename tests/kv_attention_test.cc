@@ -24,8 +24,9 @@ struct Shape {
 };
 
 // One forward's attention: `lengths[s]` cached positions, then `new_tokens[s]` new ones.
+// `window` > 0: a sliding-window layer's (each query sees its last `window` positions).
 void CheckAgainstDense(const Shape& shape, const std::vector<int64_t>& cached, const std::vector<int64_t>& fresh,
-                       double tolerance) {
+                       double tolerance, int64_t window = 0) {
   const at::Device device = TestDevice();
   const at::ScalarType dtype = TestDtype();
   const int64_t heads = shape.kv_heads * shape.group, d = shape.head_dim, n = static_cast<int64_t>(cached.size());
@@ -34,6 +35,7 @@ void CheckAgainstDense(const Shape& shape, const std::vector<int64_t>& cached, c
   kv.kv_heads = shape.kv_heads;
   kv.head_dim = d;
   kv.block_size = shape.block_size;
+  kv.window = {window};
   int64_t blocks_needed = 0;
   for (int64_t s = 0; s < n; ++s) blocks_needed += (cached[s] + fresh[s] + shape.block_size - 1) / shape.block_size;
   absl::StatusOr<KvBlockPool> made = KvBlockPool::Create(kv, blocks_needed + 3, dtype, device);
@@ -77,10 +79,11 @@ void CheckAgainstDense(const Shape& shape, const std::vector<int64_t>& cached, c
     const at::Tensor qd = qs[s].to(at::kCPU, at::kDouble), kd = all_k[s].to(at::kCPU, at::kDouble),
                      vd = all_v[s].to(at::kCPU, at::kDouble);
     for (int64_t j = 0; j < fresh[s]; ++j) {
-      const int64_t visible = cached[s] + j + 1;
+      const int64_t end = cached[s] + j + 1;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, end - window) : 0;
       for (int64_t h = 0; h < heads; ++h) {
-        const at::Tensor keys = kd.narrow(0, 0, visible).select(1, h / shape.group);      // [visible, d]
-        const at::Tensor values = vd.narrow(0, 0, visible).select(1, h / shape.group);
+        const at::Tensor keys = kd.narrow(0, first, end - first).select(1, h / shape.group);  // [visible, d]
+        const at::Tensor values = vd.narrow(0, first, end - first).select(1, h / shape.group);
         const at::Tensor scores = at::mv(keys, qd[j][h]) / std::sqrt(static_cast<double>(d));
         const at::Tensor want = at::mv(values.t(), at::softmax(scores, 0));
         const at::Tensor got = out[0][row + j].narrow(0, h * d, d);
@@ -107,6 +110,15 @@ TEST(KvAttentionTest, LongSequencesSplitIntoPartsEqualDenseAttention) {
   // Few sequences with thousands of positions: the kernel splits each into parts.
   CheckAgainstDense(Shape{2, 7, 128, 16}, {3000, 777}, {1, 1}, Tolerance());
   CheckAgainstDense(Shape{1, 4, 64, 16}, {4095}, {1}, Tolerance());
+}
+
+TEST(KvAttentionTest, SlidingWindowSeesOnlyTheLastPositions) {
+  // Windows shorter and longer than the sequences, in decode (one part and split into parts)
+  // and beside prompt chunks.
+  CheckAgainstDense(Shape{2, 7, 64, 16}, {0, 1, 15, 16, 17, 40, 63, 100}, std::vector<int64_t>(8, 1), Tolerance(), 17);
+  CheckAgainstDense(Shape{2, 7, 128, 16}, {3000, 777}, {1, 1}, Tolerance(), 1000);
+  CheckAgainstDense(Shape{2, 7, 64, 16}, {20, 0, 33, 5, 300}, {1, 12, 1, 7, 1}, Tolerance(), 9);
+  CheckAgainstDense(Shape{1, 4, 64, 8}, {50}, {1}, Tolerance(), 1);  // itself only
 }
 
 TEST(KvAttentionTest, DecodeBesidePromptChunksEqualsDenseAttention) {

@@ -107,8 +107,9 @@ class MeshTest : public ::testing::Test {
     // Qwen2-MoE (4 experts, top-2, a gated shared expert), fp32.
     ModelConfig moe = ModelConfigPreset("tiny-moe").value();
     ASSERT_OK(SaveModel(*dir_ + "/moe", moe, RandomModelWeights(moe, 4)));
-    // Qwen3 dense (q/k norms, no biases) and Llama 3 (llama3 RoPE, untied head).
-    for (const char* family : {"tiny-qwen3", "tiny-llama"}) {
+    // Qwen3 dense (q/k norms, no biases), Llama 3 (llama3 RoPE, untied head), and Qwen2 with
+    // a sliding-window layer.
+    for (const char* family : {"tiny-qwen3", "tiny-llama", "tiny-qwen2-swa"}) {
       ModelConfig c = ModelConfigPreset(family).value();
       ASSERT_OK(SaveModel(*dir_ + "/" + family, c, RandomModelWeights(c, 5)));
     }
@@ -425,10 +426,11 @@ TEST_F(MeshTest, TensorParallelEqualsWorldOne) {
   ExpectLayoutEqualsWorldOne({"--tp", "4"}, "tp4 (replicated KV heads)", want, /*unfused_only=*/true);
 }
 
-// Qwen3 dense and Llama 3 follow Qwen2's layout rules: TP2 x PP2 equals world size 1.
+// Qwen3 dense, Llama 3 and Qwen2 with a sliding-window layer follow Qwen2's layout rules:
+// TP2 x PP2 equals world size 1.
 TEST_F(MeshTest, Qwen3AndLlamaOnTensorAndPipelineRanksEqualWorldOne) {
   if (!Fits(4)) GTEST_SKIP() << "needs 4 GPUs";
-  for (const char* family : {"tiny-qwen3", "tiny-llama"}) {
+  for (const char* family : {"tiny-qwen3", "tiny-llama", "tiny-qwen2-swa"}) {
     Coordinator one = Start({}, family);
     const Trace want = Train(one, 4, std::string(family) + "_w1");
     Coordinator mesh = Start({"--tp", "2", "--pp", "2"}, family);

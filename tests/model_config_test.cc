@@ -75,7 +75,7 @@ TEST(ModelConfigTest, DecoderSparseStep) {
 }
 
 TEST(ModelConfigTest, PresetsRoundTripThroughJson) {
-  for (const char* name : {"tiny", "qwen2.5-0.5b", "tiny-moe", "qwen3-30b-a3b-reduced"}) {
+  for (const char* name : {"tiny", "qwen2.5-0.5b", "tiny-moe", "qwen3-30b-a3b-reduced", "tiny-qwen2-swa"}) {
     ASSERT_OK_AND_ASSIGN(ModelConfig c, ModelConfigPreset(name));
     ASSERT_OK_AND_ASSIGN(ModelConfig back, ParseModelConfigJson(ModelConfigToJson(c)));
     EXPECT_EQ(back.model_type, c.model_type) << name;
@@ -85,6 +85,8 @@ TEST(ModelConfigTest, PresetsRoundTripThroughJson) {
     EXPECT_EQ(back.moe.moe_intermediate_size, c.moe.moe_intermediate_size) << name;
     EXPECT_EQ(back.moe.shared_expert_intermediate_size, c.moe.shared_expert_intermediate_size) << name;
     EXPECT_EQ(back.moe.norm_topk_prob, c.moe.norm_topk_prob) << name;
+    EXPECT_EQ(back.sliding_layers, c.sliding_layers) << name;
+    EXPECT_EQ(back.sliding_window, c.sliding_window) << name;
   }
   ASSERT_OK_AND_ASSIGN(ModelConfig q3, ModelConfigPreset("qwen3-30b-a3b-reduced"));
   EXPECT_EQ(q3.hidden_size, 2048);
@@ -164,14 +166,46 @@ TEST(ModelConfigTest, EveryKeyOfAHubConfigIsAccountedFor) {
   }
 }
 
+// Sliding-window layers as transformers' Qwen2Config decides them: with use_sliding_window,
+// the layers from max_window_layers on, in a window of sliding_window; layer_types when given.
+TEST(ModelConfigTest, SlidingWindowLayersAsTransformersReadsThem) {
+  auto set = [](std::string text, const std::string& from, const std::string& to) {
+    return text.replace(text.find(from), from.size(), to);
+  };
+  std::string text = set(kQwen25, "\"use_sliding_window\": false", "\"use_sliding_window\": true");
+  text = set(text, "\"max_window_layers\": 24", "\"max_window_layers\": 20");
+  text = set(text, "\"sliding_window\": 32768", "\"sliding_window\": 4096");
+  ASSERT_OK_AND_ASSIGN(ModelConfig c, ParseModelConfigJson(text));
+  EXPECT_EQ(c.sliding_window, 4096);
+  for (int64_t l = 0; l < 24; ++l) EXPECT_EQ(c.AttentionWindow(l), l >= 20 ? 4096 : 0) << l;
+  // The Hub's Qwen2.5 (use_sliding_window false): no window anywhere, sliding_window ignored.
+  ASSERT_OK_AND_ASSIGN(ModelConfig hub, ParseModelConfigJson(kQwen25));
+  EXPECT_FALSE(hub.HasSlidingLayers());
+  // layer_types over max_window_layers; written back as transformers reads it.
+  std::string typed = text;
+  std::string types = "[";
+  for (int l = 0; l < 24; ++l) types += std::string(l > 0 ? ", " : "") + (l % 2 ? "\"sliding_attention\"" : "\"full_attention\"");
+  typed.insert(typed.rfind('}'), ", \"layer_types\": " + types + "]");
+  ASSERT_OK_AND_ASSIGN(ModelConfig alternating, ParseModelConfigJson(typed));
+  for (int64_t l = 0; l < 24; ++l) EXPECT_EQ(alternating.AttentionWindow(l), l % 2 ? 4096 : 0) << l;
+  ASSERT_OK_AND_ASSIGN(ModelConfig back, ParseModelConfigJson(ModelConfigToJson(alternating)));
+  EXPECT_EQ(back.sliding_layers, alternating.sliding_layers);
+  EXPECT_EQ(back.sliding_window, 4096);
+  // A window that cannot be, and a list of the wrong length, are refused by name.
+  const std::string zero = set(text, "\"sliding_window\": 4096", "\"sliding_window\": 0");
+  EXPECT_THAT(ParseModelConfigJson(zero), StatusIs(absl::StatusCode::kInvalidArgument, "sliding_window: 0 must be >= 1"));
+  typed.insert(typed.rfind(']'), ", \"sliding_attention\"");
+  EXPECT_THAT(ParseModelConfigJson(typed), StatusIs(absl::StatusCode::kInvalidArgument, "layer_types: 25 entries for 24"));
+}
+
 // A key that changes the model and is not built is refused at load, naming it; so is a key
 // lorastep does not know (it might change the model).
 TEST(ModelConfigTest, KeysThatChangeTheModelAreRefusedByName) {
   const std::vector<std::tuple<std::string, std::string, std::string>> refused = {
       {"hidden_act", "\"gelu\"", "hidden_act: \"gelu\" is not supported"},
       {"attention_dropout", "0.1", "attention_dropout: 0.1 is not supported"},
-      {"use_sliding_window", "true", "use_sliding_window: sliding-window attention is not built"},
-      {"layer_types", R"(["sliding_attention"])", "layer_types: \"sliding_attention\" layers are not built"},
+      {"layer_types", R"(["chunked_attention"])", "layer_types: \"chunked_attention\" is not sliding_attention"},
+      {"layer_types", R"(["sliding_attention"])", "layer_types: sliding_attention layers without use_sliding_window"},
       {"rope_scaling", R"({"type": "longrope", "factor": 4.0})", "rope_scaling.type: \"longrope\" RoPE is not built"},
       {"rope_scaling", R"({"rope_type": "linear", "factor": 4.0, "beta_fast": 8})",
        "rope_scaling.beta_fast: not read by linear RoPE"},

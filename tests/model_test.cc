@@ -5,6 +5,8 @@
 #include <ATen/core/grad_mode.h>
 
 #include <cmath>
+#include <functional>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -34,8 +36,12 @@ using ::lorastep::testing::StatusIs;
 // Reference decoder in fp64, written independently of lib/: explicit loops over heads,
 // explicit causal mask, explicit RoPE pairs. Default RoPE's frequencies are computed here;
 // a scaled variant's come from RopeFrequencies (checked on their own in rope_test and
-// against transformers on the GPU).
-at::Tensor ReferenceLogits(const ModelConfig& c, const ModelWeights& w, const at::Tensor& tokens) {
+// against transformers on the GPU). A sliding layer's query i sees keys i - window < j <= i
+// (transformers' sliding_window_overlay). `lora`, when given, adds a LoRA branch's output to
+// a projection: lora(layer, slot, input).
+using ReferenceLora = std::function<at::Tensor(int64_t layer, int slot, const at::Tensor& input)>;
+at::Tensor ReferenceLogits(const ModelConfig& c, const ModelWeights& w, const at::Tensor& tokens,
+                           const ReferenceLora& lora = nullptr) {
   auto f64 = [](const at::Tensor& t) { return t.to(at::kCPU, at::kDouble); };
   const int64_t s = tokens.size(1), nh = c.num_attention_heads, nkv = c.num_key_value_heads,
                 d = c.head_dim();
@@ -55,11 +61,17 @@ at::Tensor ReferenceLogits(const ModelConfig& c, const ModelWeights& w, const at
     return at::cat({a * cos - b * sin, b * cos + a * sin}, 1);
   };
   auto bias = [&](const LayerWeights& l, int i) { return l.qkv_bias[i].defined() ? f64(l.qkv_bias[i]) : at::zeros({}, at::kDouble); };
+  int64_t layer = 0;
   for (const LayerWeights& l : w.layers) {
+    const int64_t window = c.AttentionWindow(layer);
+    auto project = [&](const at::Tensor& in, int slot) {
+      at::Tensor out = in.matmul(f64(l.linear[slot]).t());
+      return lora ? out + lora(layer, slot, in) : out;
+    };
     at::Tensor h = norm(x, l.input_norm);
-    at::Tensor q = h.matmul(f64(l.linear[kQProj]).t()) + bias(l, 0);
-    at::Tensor k = h.matmul(f64(l.linear[kKProj]).t()) + bias(l, 1);
-    at::Tensor v = h.matmul(f64(l.linear[kVProj]).t()) + bias(l, 2);
+    at::Tensor q = project(h, kQProj) + bias(l, 0);
+    at::Tensor k = project(h, kKProj) + bias(l, 1);
+    at::Tensor v = project(h, kVProj) + bias(l, 2);
     // Qwen3: RMSNorm over each head's query and key before RoPE.
     auto head_norm = [&](const at::Tensor& t, const at::Tensor& g) { return g.defined() ? norm(t, g) : t; };
     std::vector<at::Tensor> heads;
@@ -69,15 +81,17 @@ at::Tensor ReferenceLogits(const ModelConfig& c, const ModelWeights& w, const at
       at::Tensor kh = rope(head_norm(k.narrow(1, g * d, d), l.k_norm));
       at::Tensor vh = v.narrow(1, g * d, d);
       at::Tensor scores = qh.matmul(kh.t()) / std::sqrt(static_cast<double>(d));
+      at::Tensor hidden = at::zeros({s, s}, at::kBool);
       for (int64_t i = 0; i < s; ++i)
-        for (int64_t j = i + 1; j < s; ++j) scores[i][j] = -INFINITY;
-      heads.push_back(at::softmax(scores, 1).matmul(vh));
+        for (int64_t j = 0; j < s; ++j) hidden[i][j] = j > i || (window > 0 && j <= i - window);
+      heads.push_back(at::softmax(scores.masked_fill(hidden, -INFINITY), 1).matmul(vh));
     }
-    x = x + at::cat(heads, 1).matmul(f64(l.linear[kOProj]).t());
+    x = x + project(at::cat(heads, 1), kOProj);
     h = norm(x, l.post_attention_norm);
-    at::Tensor gate = h.matmul(f64(l.linear[kGateProj]).t());
-    at::Tensor up = h.matmul(f64(l.linear[kUpProj]).t());
-    x = x + (gate * at::sigmoid(gate) * up).matmul(f64(l.linear[kDownProj]).t());
+    at::Tensor gate = project(h, kGateProj);
+    at::Tensor up = project(h, kUpProj);
+    x = x + project(gate * at::sigmoid(gate) * up, kDownProj);
+    ++layer;
   }
   x = norm(x, w.final_norm);
   return x.matmul(f64(w.output_weight()).t());
@@ -88,6 +102,12 @@ at::Tensor ReferenceLogits(const ModelConfig& c, const ModelWeights& w, const at
 TEST(ModelTest, LogitsMatchPlainReferenceFp32) {
   std::vector<std::pair<std::string, ModelConfig>> cases;
   for (const char* preset : {"tiny", "tiny-qwen3", "tiny-llama"}) cases.push_back({preset, ModelConfigPreset(preset).value()});
+  for (const char* preset : {"tiny", "tiny-qwen3"}) {  // the second layer in a window of 4 (of the 13 tokens)
+    ModelConfig c = ModelConfigPreset(preset).value();
+    c.sliding_window = 4;
+    c.sliding_layers = {false, true};
+    cases.push_back({std::string(preset) + " sliding window", c});
+  }
   for (const char* type : {"linear", "dynamic", "yarn"}) {
     ModelConfig c = ModelConfigPreset("tiny").value();
     c.rope.type = type;
@@ -276,8 +296,15 @@ TEST(ModelTest, PackedProjectionsMatchSeparateOnes) {
 // Sequences packed back to back (one row, attention within each sequence, RoPE from each
 // sequence's own start) give each sequence's hidden states and the LoRA gradients of running
 // them one at a time.
-TEST(ModelTest, PackedSequencesMatchOneAtATime) {
-  const ModelConfig c = ModelConfigPreset("tiny").value();
+// Also with a sliding-window layer: its window restarts with each packed sequence.
+class PackedSequencesTest : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(PackedSequencesTest, MatchOneAtATime) {
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  if (GetParam() > 0) {
+    c.sliding_window = GetParam();
+    c.sliding_layers = {false, true};
+  }
   ModelWeights w = RandomModelWeights(c, 13);
   PackProjections(&w);
   LoraConfig lora;
@@ -323,6 +350,66 @@ TEST(ModelTest, PackedSequencesMatchOneAtATime) {
   for (size_t i = 0; i < adapters[0].parameters().size(); ++i) {
     const Parameter& want = adapters[1].parameters()[i];
     EXPECT_LT(RelErr(adapters[0].parameters()[i].main_grad, want.main_grad), 1e-5) << want.name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(FullAndSlidingWindow, PackedSequencesTest, ::testing::Values(0, 4));
+
+// A sliding-window layer's log-probs and LoRA gradients (q, v and down projections) against
+// the fp64 reference above with the same LoRA branches, differentiated by autograd.
+TEST(ModelTest, SlidingWindowLogprobsAndLoraGradientsMatchPlainReference) {
+  for (const char* preset : {"tiny", "tiny-qwen3"}) {
+    ModelConfig c = ModelConfigPreset(preset).value();
+    c.sliding_window = 5;
+    c.sliding_layers = {true, false};
+    const ModelWeights w = RandomModelWeights(c, 9);
+    LoraConfig lora;
+    lora.rank = 4;
+    lora.alpha = 8;
+    lora.target_modules = {"q_proj", "v_proj", "down_proj"};
+    ASSERT_OK_AND_ASSIGN(Adapter adapter, Adapter::CreateLora(c, lora, at::kCPU, at::kFloat, 3));
+    {
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
+      at::NoGradGuard no_grad;
+      for (Parameter& p : adapter.parameters()) {
+        if (p.name.find("lora_B") != std::string::npos) p.value.normal_(0.0, 0.1, gen);
+      }
+    }
+    const at::Tensor tokens = at::randint(0, c.vocab_size, {1, 14}, at::kLong);
+    const at::Tensor targets = at::randint(0, c.vocab_size, {14}, at::kLong);
+    const at::Tensor g = at::randn({14}, at::kDouble);
+    ForwardOptions options;
+    const at::Tensor hidden = Qwen2Hidden(c, w, &adapter, tokens, options)[0];
+    const at::Tensor lp = at::log_softmax(hidden.matmul(w.output_weight().t()), 1).gather(1, targets.unsqueeze(1)).squeeze(1);
+    (lp.to(at::kDouble) * g).sum().backward();
+    ASSERT_OK(FoldLocalGradients(&adapter));
+
+    // The reference's factors: fp64 copies that autograd differentiates.
+    std::map<std::pair<int64_t, int>, std::pair<at::Tensor, at::Tensor>> factors;
+    for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
+      for (int slot : {kQProj, kVProj, kDownProj}) {
+        const LoraFactors* f = adapter.lora(layer, slot);
+        ASSERT_NE(f, nullptr);
+        factors[{layer, slot}] = {adapter.parameters()[f->a].value.detach().to(at::kDouble).requires_grad_(true),
+                                  adapter.parameters()[f->b].value.detach().to(at::kDouble).requires_grad_(true)};
+      }
+    }
+    const ReferenceLora branch = [&](int64_t layer, int slot, const at::Tensor& in) {
+      auto it = factors.find({layer, slot});
+      if (it == factors.end()) return at::zeros({}, at::kDouble);
+      return in.matmul(it->second.first.t()).matmul(it->second.second.t()) * lora.scale();
+    };
+    const at::Tensor ref_lp =
+        at::log_softmax(ReferenceLogits(c, w, tokens, branch), 1).gather(1, targets.unsqueeze(1)).squeeze(1);
+    (ref_lp * g).sum().backward();
+    EXPECT_LT(MaxAbsDiff(lp, ref_lp.detach()), 1e-5) << preset;
+    for (const auto& [key, ab] : factors) {
+      const LoraFactors* f = adapter.lora(key.first, key.second);
+      EXPECT_LT(RelErr(adapter.parameters()[f->a].main_grad, ab.first.grad()), 1e-5)
+          << preset << " layer " << key.first << " slot " << key.second << " A";
+      EXPECT_LT(RelErr(adapter.parameters()[f->b].main_grad, ab.second.grad()), 1e-5)
+          << preset << " layer " << key.first << " slot " << key.second << " B";
+    }
   }
 }
 
@@ -505,13 +592,21 @@ TEST(ModelTest, RecomputedLayersGiveThePlainForwardsResults) {
     const char* preset;
     bool fused, packed, full;
     double dropout;
+    bool sliding = false;  // the second layer in a window of 4
   };
   for (const Case& k : {Case{"tiny", true, false, false, 0.0}, Case{"tiny", false, false, false, 0.0},
                         Case{"tiny", true, true, false, 0.0}, Case{"tiny", true, false, false, 0.2},
-                        Case{"tiny", true, false, true, 0.0}, Case{"tiny-moe", true, true, false, 0.0}}) {
+                        Case{"tiny", true, false, true, 0.0}, Case{"tiny-moe", true, true, false, 0.0},
+                        Case{"tiny", true, true, false, 0.0, true}, Case{"tiny", true, false, false, 0.0, true},
+                        Case{"tiny", true, true, true, 0.0, true}}) {
     const std::string what = std::string(k.preset) + (k.fused ? " fused" : " unfused") + (k.packed ? " packed" : "") +
-                             (k.full ? " full" : "") + (k.dropout > 0 ? " dropout" : "");
-    const ModelConfig c = ModelConfigPreset(k.preset).value();
+                             (k.full ? " full" : "") + (k.dropout > 0 ? " dropout" : "") +
+                             (k.sliding ? " sliding window" : "");
+    ModelConfig c = ModelConfigPreset(k.preset).value();
+    if (k.sliding) {
+      c.sliding_window = 4;
+      c.sliding_layers = {false, true};
+    }
     const at::Device dev = ::lorastep::testing::TestDevice();
     const at::ScalarType dtype = ::lorastep::testing::TestDtype();
     ModelWeights w = RandomModelWeights(c, 21);

@@ -30,8 +30,18 @@ namespace {
 
 using ::testing::HasSubstr;
 
+// The tiny preset with its second layer attending in a window of 3 positions.
+ModelConfig TinySlidingWindow() {
+  ModelConfig c = ModelConfigPreset("tiny").value();
+  c.sliding_window = 3;
+  c.sliding_layers = {false, true};
+  return c;
+}
+
 struct Fixture {
-  ModelConfig config = ModelConfigPreset("tiny").value();
+  Fixture() : Fixture(ModelConfigPreset("tiny").value()) {}
+  explicit Fixture(ModelConfig c) : config(std::move(c)) {}
+  ModelConfig config;
   ModelWeights weights = RandomModelWeights(config, 11);
   Adapter adapter = MakeAdapter(3);
   Adapter other = MakeAdapter(4);
@@ -50,6 +60,7 @@ struct Fixture {
     shape.layers = config.num_hidden_layers;
     shape.kv_heads = config.num_key_value_heads;
     shape.head_dim = config.head_dim();
+    shape.window = LayerWindows(config, 0, shape.layers);
     shape.block_size = block_size;
     return KvBlockPool::Create(shape, blocks, at::kFloat, at::kCPU).value();
   }
@@ -98,27 +109,31 @@ SampleRequest Request(std::vector<int64_t> prompt, int64_t max_tokens, double te
   return r;
 }
 
+// Also with a sliding-window layer: the cached attention's window (prompt chunks and decode)
+// against the uncached forward's.
 TEST(SamplerTest, GreedyEqualsAnArgmaxDecodeWithoutACache) {
-  Fixture f;
-  KvBlockPool pool = f.Pool(64);
-  const std::vector<int64_t> prompt = {5, 17, 3, 42, 9, 11, 60};  // 7 tokens: a partial block of 4
-  for (const Adapter* adapter : std::vector<const Adapter*>{nullptr, &f.adapter}) {
-    SCOPED_TRACE(adapter == nullptr ? "base" : "lora");
-    const SampleResult got = RunAll(f, &pool, {{adapter, Request(prompt, 12, 0.0, 1)}})[0];
-    ASSERT_EQ(got.sequences.size(), 1u);
-    const SampledSequence& s = got.sequences[0];
-    std::vector<int64_t> seq = prompt;
-    for (int step = 0; step < 12; ++step) {
-      const at::Tensor logits = PlainLogits(f, adapter, seq)[-1];
-      const int64_t want = logits.argmax().item<int64_t>();
-      ASSERT_EQ(s.tokens[step], want) << "step " << step;
-      EXPECT_NEAR(s.logprobs[step], at::log_softmax(logits, 0)[want].item<float>(), 1e-5) << "step " << step;
-      EXPECT_EQ(s.sampling_logprobs[step], 0.0f);  // greedy: probability 1
-      seq.push_back(want);
+  for (bool sliding : {false, true}) {
+    Fixture f = sliding ? Fixture(TinySlidingWindow()) : Fixture();
+    KvBlockPool pool = f.Pool(64);
+    const std::vector<int64_t> prompt = {5, 17, 3, 42, 9, 11, 60};  // 7 tokens: a partial block of 4
+    for (const Adapter* adapter : std::vector<const Adapter*>{nullptr, &f.adapter}) {
+      SCOPED_TRACE(std::string(adapter == nullptr ? "base" : "lora") + (sliding ? ", sliding window" : ""));
+      const SampleResult got = RunAll(f, &pool, {{adapter, Request(prompt, 12, 0.0, 1)}})[0];
+      ASSERT_EQ(got.sequences.size(), 1u);
+      const SampledSequence& s = got.sequences[0];
+      std::vector<int64_t> seq = prompt;
+      for (int step = 0; step < 12; ++step) {
+        const at::Tensor logits = PlainLogits(f, adapter, seq)[-1];
+        const int64_t want = logits.argmax().item<int64_t>();
+        ASSERT_EQ(s.tokens[step], want) << "step " << step;
+        EXPECT_NEAR(s.logprobs[step], at::log_softmax(logits, 0)[want].item<float>(), 1e-5) << "step " << step;
+        EXPECT_EQ(s.sampling_logprobs[step], 0.0f);  // greedy: probability 1
+        seq.push_back(want);
+      }
+      EXPECT_EQ(s.stop_reason, "length");
     }
-    EXPECT_EQ(s.stop_reason, "length");
+    EXPECT_EQ(pool.free_blocks(), pool.total_blocks());
   }
-  EXPECT_EQ(pool.free_blocks(), pool.total_blocks());
 }
 
 // Every sampled token's model log-prob is what the trainer computes on the returned sequence

@@ -10,7 +10,7 @@
 #include "lib/model/model_weights.h"
 #include "tools/model_presets.h"
 
-ABSL_FLAG(std::string, preset, "tiny", "model shape: tiny, small, qwen2.5-0.5b, tiny-qwen3, qwen3-0.6b, qwen3-8b, tiny-llama, llama-3.2-1b, llama-3.1-8b, tiny-moe, tiny-qwen3-moe, qwen3-30b-a3b-reduced (lib/model/model_config.h)");
+ABSL_FLAG(std::string, preset, "tiny", "model shape: tiny, small, qwen2.5-0.5b, tiny-qwen3, tiny-qwen2-swa, qwen3-0.6b, qwen3-8b, tiny-llama, llama-3.2-1b, llama-3.1-8b, tiny-moe, tiny-qwen3-moe, qwen3-30b-a3b-reduced (lib/model/model_config.h)");
 ABSL_FLAG(std::string, out, "", "folder to write (config.json + safetensors); required");
 ABSL_FLAG(uint64_t, seed, 0, "seed of the random weights");
 ABSL_FLAG(std::string, dtype, "", "torch_dtype of the written weights (default: the preset's)");

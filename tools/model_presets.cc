@@ -71,6 +71,10 @@ absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name) {
     c = ModelConfigPreset("tiny").value();  // Qwen3's attention: q/k norms, no biases, head_dim given
     c.model_type = "qwen3";
     c.head_dim_override = 16;
+  } else if (name == "tiny-qwen2-swa") {
+    c = ModelConfigPreset("tiny").value();  // its second layer in a sliding window of 4 positions
+    c.sliding_window = 4;
+    c.sliding_layers = {false, true};
   } else if (name == "tiny-llama") {
     c = ModelConfigPreset("tiny").value();  // Llama 3.1's RoPE, untied head
     c.model_type = "llama";

@@ -26,6 +26,7 @@ absl::Status WorkerCore::EnsureSampler() {
                    : base.shard.kv_heads > 0 ? base.shard.kv_heads
                                              : base.config.num_key_value_heads;
   shape.head_dim = base.config.head_dim();
+  shape.window = LayerWindows(base.config, shape.first_layer, shape.layers);
   int64_t bytes = options_.kv_cache_bytes;
   if (bytes <= 0) {
     const int64_t available = base.device.is_cuda() ? CudaAvailableBytes(base.device) : AvailableHostMemoryBytes();

@@ -22,14 +22,15 @@ template <typename T, int E, int G>
 __global__ void __launch_bounds__(kWarps * 32)
     PagedDecodeKernel(const T* __restrict__ q, const T* __restrict__ keys, const T* __restrict__ values,
                       const int32_t* __restrict__ table, int64_t table_stride, const int32_t* __restrict__ lengths,
-                      int block_size, int kv_heads, int group, float scale, int split_length,
+                      int block_size, int kv_heads, int group, int window, float scale, int split_length,
                       float* __restrict__ part, T* __restrict__ out) {
   constexpr int D = 32 * E;
   const int s = blockIdx.x, h = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int heads = kv_heads * group;
-  const int begin = split * split_length;
-  const int end = min(lengths[s], begin + split_length);
+  const int first = window > 0 ? max(0, lengths[s] - window) : 0;  // a sliding layer's oldest key
+  const int begin = max(first, split * split_length);
+  const int end = min(lengths[s], split * split_length + split_length);
   float qr[G][E], acc[G][E], m[G], l[G];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -194,8 +195,8 @@ PagedDecodePlan PlanPagedDecode(int64_t sequences, int64_t kv_heads, int64_t gro
 const char* LaunchPagedDecode(const void* q, const void* keys, const void* values, ElementType type,
                               const int32_t* table, int64_t table_stride, const int32_t* lengths,
                               int64_t sequences, int64_t kv_heads, int64_t group, int64_t head_dim,
-                              int64_t block_size, float scale, const PagedDecodePlan& plan, float* workspace,
-                              void* out, void* stream) {
+                              int64_t block_size, int64_t window, float scale, const PagedDecodePlan& plan,
+                              float* workspace, void* out, void* stream) {
   if (!PagedDecodeSupported(group, head_dim)) return "paged decode: head shape not supported";
   if (sequences == 0) return nullptr;
   auto st = static_cast<cudaStream_t>(stream);
@@ -206,7 +207,8 @@ const char* LaunchPagedDecode(const void* q, const void* keys, const void* value
     DispatchShape(group, head_dim, [&](auto e, auto g) {
       PagedDecodeKernel<T, decltype(e)::value, decltype(g)::value><<<grid, kWarps * 32, 0, st>>>(
           static_cast<const T*>(q), static_cast<const T*>(keys), static_cast<const T*>(values), table, table_stride,
-          lengths, static_cast<int>(block_size), static_cast<int>(kv_heads), static_cast<int>(group), scale,
+          lengths, static_cast<int>(block_size), static_cast<int>(kv_heads), static_cast<int>(group),
+          static_cast<int>(window), scale,
           static_cast<int>(plan.split_length), workspace, static_cast<T*>(out));
     });
     if (plan.splits > 1) {

@@ -32,13 +32,15 @@ PagedDecodePlan PlanPagedDecode(int64_t sequences, int64_t kv_heads, int64_t gro
 // table: int32 [sequences, table_stride], sequence s's block ids in position order (slot of
 // position p: table[s][p / block_size] * block_size + p % block_size); lengths: int32
 // [sequences], the positions each attends over (at most plan.splits * plan.split_length).
-// Writes out [sequences, kv_heads * group, head_dim] of `type`:
-//   softmax(scale * q . k_p over p < length) . v_p
+// `window` > 0 (a sliding-window layer): only the last `window` positions. Writes out
+// [sequences, kv_heads * group, head_dim] of `type`:
+//   softmax(scale * q . k_p over length - window <= p < length) . v_p
 // Runs on `stream` (a cudaStream_t). Returns a CUDA error string, or nullptr.
 const char* LaunchPagedDecode(const void* q, const void* keys, const void* values, ElementType type,
                               const int32_t* table, int64_t table_stride, const int32_t* lengths,
                               int64_t sequences, int64_t kv_heads, int64_t group, int64_t head_dim,
-                              int64_t block_size, float scale, const PagedDecodePlan& plan, float* workspace,
+                              int64_t block_size, int64_t window, float scale, const PagedDecodePlan& plan,
+                              float* workspace,
                               void* out, void* stream);
 
 }  // namespace kernels

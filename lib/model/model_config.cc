@@ -143,6 +143,17 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrCat("torch_dtype: unsupported '", c.torch_dtype, "'"));
   }
+  if (!c.sliding_layers.empty() && static_cast<int64_t>(c.sliding_layers.size()) != c.num_hidden_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer_types: ", c.sliding_layers.size(), " entries for ",
+                                                   c.num_hidden_layers, " layers"));
+  }
+  if (c.HasSlidingLayers() && c.sliding_window < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("sliding_window: ", c.sliding_window,
+                                                   " must be >= 1 where layers attend in a sliding window"));
+  }
+  if (c.HasSlidingLayers() && c.model_type == "llama") {
+    return absl::InvalidArgumentError("layer_types: llama has no sliding-window layers");
+  }
   return ValidateMoeConfig(c);
 }
 
@@ -201,15 +212,8 @@ absl::Status CheckConfigKeys(const nlohmann::json& j, const std::string& model_t
   if (is("attention_dropout") && !(j["attention_dropout"].is_number() && j["attention_dropout"].get<double>() == 0)) {
     return refuse("attention_dropout", absl::StrCat(j["attention_dropout"].dump(), " is not supported (0 only)"));
   }
-  if (is("use_sliding_window") && j["use_sliding_window"] != false) {
-    return refuse("use_sliding_window", "sliding-window attention is not built (every layer attends to its whole sequence)");
-  }
-  if (is("layer_types")) {
-    for (const auto& t : j["layer_types"]) {
-      if (t != "full_attention") {
-        return refuse("layer_types", absl::StrCat(t.dump(), " layers are not built (full_attention only)"));
-      }
-    }
+  if (model_type == "llama" && is("use_sliding_window") && j["use_sliding_window"] != false) {
+    return refuse("use_sliding_window", "llama has no sliding-window attention");
   }
   // RoPE, in either spelling: a variant transformers computes, with only the keys it reads.
   static const std::map<std::string, std::set<std::string>> kRopeKeys = {
@@ -250,6 +254,59 @@ absl::Status CheckConfigKeys(const nlohmann::json& j, const std::string& model_t
   }
   if (is("mlp_bias") && j["mlp_bias"] != false) return refuse("mlp_bias", "MLP biases are not built");
   if (is("use_mrope") && j["use_mrope"] != false) return refuse("use_mrope", "multimodal RoPE is not built");
+  return absl::OkStatus();
+}
+
+// Which layers attend in a sliding window, as transformers' Qwen2 / Qwen3 configs decide:
+// `layer_types` when given; else, with use_sliding_window, the layers from max_window_layers
+// on (sliding_window and max_window_layers default to 4096 and 28 there). Without
+// use_sliding_window transformers drops sliding_window, so a sliding layer then has none.
+absl::Status ReadSlidingWindow(const nlohmann::json& j, ModelConfig* c) {
+  auto bad = [](const std::string& key, const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, ": ", why));
+  };
+  auto present = [&](const char* key) { return j.contains(key) && !j[key].is_null(); };
+  if (present("use_sliding_window") && !j["use_sliding_window"].is_boolean()) {
+    return bad("use_sliding_window", "not a boolean");
+  }
+  const bool use = present("use_sliding_window") && j["use_sliding_window"].get<bool>();
+  int64_t window = 0;
+  if (use) {
+    window = 4096;
+    if (present("sliding_window")) {
+      if (!j["sliding_window"].is_number_integer()) return bad("sliding_window", "not an integer");
+      window = j["sliding_window"].get<int64_t>();
+    }
+  }
+  std::vector<bool> sliding;
+  if (present("layer_types")) {
+    if (!j["layer_types"].is_array()) return bad("layer_types", "not a list");
+    for (const auto& t : j["layer_types"]) {
+      if (t == "sliding_attention") {
+        sliding.push_back(true);
+      } else if (t == "full_attention") {
+        sliding.push_back(false);
+      } else {
+        return bad("layer_types", absl::StrCat(t.dump(), " is not sliding_attention or full_attention"));
+      }
+    }
+  } else if (use) {
+    int64_t first = 28;
+    if (present("max_window_layers")) {
+      if (!j["max_window_layers"].is_number_integer()) return bad("max_window_layers", "not an integer");
+      first = j["max_window_layers"].get<int64_t>();
+    }
+    for (int64_t i = 0; i < c->num_hidden_layers; ++i) sliding.push_back(i >= first);
+  }
+  c->sliding_layers = std::move(sliding);
+  c->sliding_window = window;
+  if (c->HasSlidingLayers() && !use) {
+    return bad("layer_types", "sliding_attention layers without use_sliding_window (transformers then has no window)");
+  }
+  if (!c->HasSlidingLayers()) {  // all full: nothing to keep
+    c->sliding_layers.clear();
+    c->sliding_window = 0;
+  }
   return absl::OkStatus();
 }
 
@@ -352,6 +409,7 @@ absl::StatusOr<ModelConfig> ParseModelConfigJson(const std::string& json_text) {
   if (j.contains(dtype_key) && j[dtype_key].is_string()) {
     c.torch_dtype = j[dtype_key].get<std::string>();
   }
+  LORASTEP_RETURN_IF_ERROR(ReadSlidingWindow(j, &c));
   auto s = ValidateModelConfig(c);
   if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("config.json: ", s.message()));
   LORASTEP_RETURN_IF_ERROR(CheckConfigKeys(j, c.model_type));
@@ -379,9 +437,14 @@ std::string ModelConfigToJson(const ModelConfig& c) {
   j["torch_dtype"] = c.torch_dtype;
   j["hidden_act"] = "silu";
   j["attention_dropout"] = 0.0;
-  j["use_sliding_window"] = false;
-  j["sliding_window"] = nullptr;
+  j["use_sliding_window"] = c.HasSlidingLayers();
+  j["sliding_window"] = c.HasSlidingLayers() ? nlohmann::ordered_json(c.sliding_window) : nlohmann::ordered_json();
   j["max_window_layers"] = c.num_hidden_layers;
+  if (c.HasSlidingLayers()) {
+    nlohmann::ordered_json types = nlohmann::ordered_json::array();
+    for (bool s : c.sliding_layers) types.push_back(s ? "sliding_attention" : "full_attention");
+    j["layer_types"] = types;
+  }
   j["initializer_range"] = 0.02;
   j["use_cache"] = false;
   j["bos_token_id"] = 0;

@@ -53,6 +53,11 @@ struct ModelConfig {
   int64_t head_dim_override = 0;  // Qwen3's explicit head_dim; 0 = hidden_size / heads
   RopeConfig rope;
   MoeConfig moe;
+  // Sliding-window attention (transformers' layer_types, or Qwen's use_sliding_window,
+  // sliding_window and max_window_layers): in a sliding layer, query i sees keys
+  // i - sliding_window < j <= i. Empty: every layer attends to its whole sequence.
+  int64_t sliding_window = 0;
+  std::vector<bool> sliding_layers;  // per decoder layer
 
   // Biases on q/k/v (Qwen2's attention), RMSNorm on each head's q and k (Qwen3's).
   bool qkv_bias() const { return model_type == "qwen2" || model_type == "qwen2_moe"; }
@@ -63,6 +68,17 @@ struct ModelConfig {
     return head_dim_override > 0 ? head_dim_override : hidden_size / num_attention_heads;
   }
   bool is_moe() const { return moe.num_experts > 0; }
+  // The keys a query of decoder layer `layer` sees (itself included); 0: all before it.
+  int64_t AttentionWindow(int64_t layer) const {
+    return layer >= 0 && layer < static_cast<int64_t>(sliding_layers.size()) && sliding_layers[layer] ? sliding_window
+                                                                                                       : 0;
+  }
+  bool HasSlidingLayers() const {
+    for (bool s : sliding_layers) {
+      if (s) return true;
+    }
+    return false;
+  }
   // Whether decoder layer `layer` has routed experts (transformers' rule).
   bool IsMoeLayer(int64_t layer) const;
   // Parameters that enter a matmul per token (the 'M' of 6M / 4M FLOPs), LM head included.

@@ -260,12 +260,13 @@ class LayerRunner {
   // [1, total, heads * d]. Sequences all of one length run as padded rows without padding
   // where SDPA picks cuDNN's kernel for them (faster than the flash kernels at head dim 128:
   // docs/PERFORMANCE.md); else one varlen kernel where available, else each sequence alone.
+  // `window` > 0: a sliding layer's, each sequence alone through its mask.
   static at::Tensor PackedAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const PackedSequences& packed) {
+                                    const PackedSequences& packed, int64_t window) {
     const int64_t total = q.size(1), width = q.size(2) * q.size(3);
     const int64_t length = packed.lengths.empty() ? 0 : packed.lengths.front();
     const auto count = static_cast<int64_t>(packed.lengths.size());
-    if (length > 0 && count * length == total &&
+    if (window == 0 && length > 0 && count * length == total &&
         std::all_of(packed.lengths.begin(), packed.lengths.end(), [&](int64_t n) { return n == length; })) {
       auto rows = [&](const at::Tensor& t) { return t.reshape({count, length, t.size(2), t.size(3)}).transpose(1, 2); };
       const at::Tensor qr = rows(q), kr = rows(k), vr = rows(v);
@@ -273,7 +274,7 @@ class LayerRunner {
         return compat::CausalAttention(qr, kr, vr).transpose(1, 2).reshape({1, total, width});
       }
     }
-    if (compat::HasVarlenAttention(q)) {
+    if (window == 0 && compat::HasVarlenAttention(q)) {
       return compat::VarlenCausalAttention(q[0], k[0], v[0].contiguous(), packed.cu_seqlens, packed.max_length)
           .reshape({1, total, width});
     }
@@ -281,7 +282,9 @@ class LayerRunner {
     int64_t start = 0;
     for (int64_t n : packed.lengths) {
       auto heads_first = [&](const at::Tensor& t) { return t.narrow(1, start, n).transpose(1, 2); };
-      parts.push_back(compat::CausalAttention(heads_first(q), heads_first(k), heads_first(v)).transpose(1, 2));
+      const at::Tensor qs = heads_first(q), ks = heads_first(k), vs = heads_first(v);
+      parts.push_back((window > 0 ? compat::WindowedCausalAttention(qs, ks, vs, window) : compat::CausalAttention(qs, ks, vs))
+                          .transpose(1, 2));
       start += n;
     }
     return at::cat(parts, 1).reshape({1, total, width});
@@ -303,16 +306,22 @@ class LayerRunner {
   // through KeptAttentionFunction. The packed layout's flash kernel and cuDNN's kernel on
   // padded rows (where SDPA picks it) keep their statistics, and backward runs from them;
   // elsewhere backward runs attention again.
-  at::Tensor Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
+  // `window` > 0: a sliding-window layer (ModelConfig::AttentionWindow), through an explicit
+  // mask on every path (context parallelism refuses such models: ValidateLayoutForModel).
+  at::Tensor Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window) const {
     const int64_t b = q.size(0), s = q.size(1), width = q.size(2) * q.size(3);
     const PackedSequences* packed = options_.packed;
-    AttentionFn attend = [packed, b, s, width](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    AttentionFn attend = [packed, b, s, width, window](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
       if (packed == nullptr) {
-        return compat::CausalAttention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        const at::Tensor qt = q.transpose(1, 2), kt = k.transpose(1, 2), vt = v.transpose(1, 2);
+        return (window > 0 ? compat::WindowedCausalAttention(qt, kt, vt, window) : compat::CausalAttention(qt, kt, vt))
             .transpose(1, 2)
             .reshape({b, s, width});
       }
-      return packed->context_group != nullptr ? ContextAttention(q, k, v, *packed) : PackedAttention(q, k, v, *packed);
+      TORCH_CHECK(window == 0 || packed->context_group == nullptr,
+                  "sliding-window attention with context parallelism is not built");
+      return packed->context_group != nullptr ? ContextAttention(q, k, v, *packed)
+                                              : PackedAttention(q, k, v, *packed, window);
     };
     KeptAttention* kept = kept_attention_;
     if (kept == nullptr) return attend(q, k, v);
@@ -320,7 +329,8 @@ class LayerRunner {
     const auto kept_output = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
       return KeptAttentionFunction::apply(q, k, v, reinterpret_cast<int64_t>(kept));
     };
-    if (packed != nullptr && packed->context_group == nullptr && compat::HasVarlenAttention(q)) {
+    // A windowed layer keeps no kernel statistics: its attention is replayed whole.
+    if (window == 0 && packed != nullptr && packed->context_group == nullptr && compat::HasVarlenAttention(q)) {
       const at::Tensor q0 = q[0], k0 = k[0], v0 = v[0].contiguous();
       if (!replay) {
         kept->kernel = KeptAttention::Kernel::kFlash;
@@ -330,7 +340,7 @@ class LayerRunner {
       }
       return (replay ? kept_output(q0, k0, v0) : kept->out).reshape({1, s, width});
     }
-    if (packed == nullptr) {
+    if (window == 0 && packed == nullptr) {
       const at::Tensor qt = q.transpose(1, 2), kt = k.transpose(1, 2), vt = v.transpose(1, 2);
       if (replay ? kept->kernel == KeptAttention::Kernel::kCudnn : compat::UsesCudnnAttention(qt, kt, vt)) {
         if (!replay) {
@@ -434,7 +444,7 @@ class LayerRunner {
     auto [q, k, v] = QueryKeyValue(i, CopyToTensorRegion(h, tp), cos, sin, nh, nkv, qkv_group, qkv_room > 0);
     at::Tensor attn = options_.cached_attention != nullptr
                           ? options_.cached_attention->Attend(weights_.first_layer + static_cast<int64_t>(i), q, k, v)
-                          : Attend(q, k, v);
+                          : Attend(q, k, v, c_.AttentionWindow(weights_.first_layer + static_cast<int64_t>(i)));
     // Row-parallel o/down give partial sums (LoRA's B(A_i x_i) included): one all-reduce each.
     const std::optional<PackedGroup> mlp_group =
         lw.layout.moe ? std::nullopt : GroupOf(i, {kGateProj, kUpProj});

@@ -16,6 +16,12 @@
 
 namespace lorastep {
 
+std::vector<int64_t> LayerWindows(const ModelConfig& config, int64_t first_layer, int64_t layers) {
+  std::vector<int64_t> out;
+  for (int64_t l = first_layer; l < first_layer + layers; ++l) out.push_back(config.AttentionWindow(l));
+  return out;
+}
+
 int64_t KvBlockPool::BytesPerBlock(const KvShape& shape, at::ScalarType dtype) {
   return 2 * shape.layers * shape.block_size * shape.kv_heads * shape.head_dim *
          static_cast<int64_t>(at::elementSize(dtype));
@@ -162,6 +168,7 @@ void KvStepAttention::PrepareDecode(int64_t group, bool same_dtype) {
     for (int64_t p = 0; p < decode_longest_; ++p) padding.push_back(p >= decode_lengths_[i] ? 1 : 0);
   }
   decode_slots_ = at::tensor(table, at::kLong).view({n, decode_longest_}).to(device);
+  decode_lengths_on_device_ = at::tensor(decode_lengths_, at::kLong).to(device);
   decode_padding_ = at::tensor(padding, at::kLong).view({n, decode_longest_}).to(at::kBool).to(device);
 }
 
@@ -172,6 +179,7 @@ at::Tensor KvStepAttention::Attend(int64_t layer, const at::Tensor& q, const at:
   keys.index_copy_(0, write_slots_, k[0].to(keys.scalar_type()));
   values.index_copy_(0, write_slots_, v[0].to(values.scalar_type()));
   const int64_t heads = q.size(2), kv_heads = k.size(2), d = q.size(3), group = heads / kv_heads;
+  const int64_t window = pool_->shape().WindowOf(layer);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   std::vector<at::Tensor> outs(new_tokens_.size());
   // Decoding sequences (one new token each) attend together, each key/value head against its
@@ -192,7 +200,7 @@ at::Tensor KvStepAttention::Attend(int64_t layer, const at::Tensor& q, const at:
         kernels::LaunchPagedDecode(qd.data_ptr(), keys.data_ptr(), values.data_ptr(), kernels::ElementTypeOf(qd),
                                    decode_table_.data_ptr<int32_t>() + n, decode_table_stride_,
                                    decode_table_.data_ptr<int32_t>(), n, kv_heads, group, d,
-                                   pool_->shape().block_size, static_cast<float>(scale), plan,
+                                   pool_->shape().block_size, window, static_cast<float>(scale), plan,
                                    workspace.defined() ? workspace.data_ptr<float>() : nullptr, out.data_ptr(),
                                    launch.stream),
         "paged decode");
@@ -207,7 +215,12 @@ at::Tensor KvStepAttention::Attend(int64_t layer, const at::Tensor& q, const at:
     const at::Tensor kd = keys.index_select(0, decode_slots_.reshape({-1})).to(at::kFloat).view({n, longest, kv_heads, d});
     const at::Tensor vd = values.index_select(0, decode_slots_.reshape({-1})).to(at::kFloat).view({n, longest, kv_heads, d});
     at::Tensor scores = at::matmul(qd, kd.permute({0, 2, 3, 1})) * scale;  // [S, kv_heads, group, L]
-    scores = scores.masked_fill(decode_padding_.view({n, 1, 1, longest}), -std::numeric_limits<float>::infinity());
+    at::Tensor hidden = decode_padding_;
+    if (window > 0) {  // a sliding layer: positions before each sequence's last `window` too
+      const at::Tensor pos = at::arange(longest, decode_padding_.options().dtype(at::kLong));
+      hidden = hidden.logical_or(pos.unsqueeze(0) < (decode_lengths_on_device_ - window).unsqueeze(1));
+    }
+    scores = scores.masked_fill(hidden.view({n, 1, 1, longest}), -std::numeric_limits<float>::infinity());
     const at::Tensor out = at::matmul(at::softmax(scores, -1), vd.permute({0, 2, 1, 3}));  // [S, kv_heads, group, d]
     const at::Tensor rows = out.reshape({n, heads * d});
     for (int64_t i = 0; i < n; ++i) outs[decode_sequences_[i]] = rows.narrow(0, i, 1);
@@ -228,7 +241,9 @@ at::Tensor KvStepAttention::Attend(int64_t layer, const at::Tensor& q, const at:
     // Query j sits at position starts_[s] + j and sees positions up to it.
     const at::Tensor query_pos = at::arange(starts_[s], length, at::TensorOptions().dtype(at::kLong).device(q.device()));
     const at::Tensor key_pos = at::arange(length, at::TensorOptions().dtype(at::kLong).device(q.device()));
-    scores = scores.masked_fill(key_pos.unsqueeze(0) > query_pos.unsqueeze(1), -std::numeric_limits<float>::infinity());
+    at::Tensor hidden = key_pos.unsqueeze(0) > query_pos.unsqueeze(1);
+    if (window > 0) hidden = hidden.logical_or(key_pos.unsqueeze(0) <= query_pos.unsqueeze(1) - window);
+    scores = scores.masked_fill(hidden, -std::numeric_limits<float>::infinity());
     const at::Tensor out = at::matmul(at::softmax(scores, -1), vs.transpose(0, 1));  // [heads, n, d]
     outs[s] = out.transpose(0, 1).reshape({n, heads * d});
     row += n;

@@ -25,7 +25,17 @@ struct KvShape {
   int64_t kv_heads = 0;    // this shard's key/value heads
   int64_t head_dim = 0;
   int64_t block_size = 16;  // positions per block
+  // Per layer of this shard, the keys a query sees (ModelConfig::AttentionWindow; 0 or
+  // absent: every position before it).
+  std::vector<int64_t> window;
+  int64_t WindowOf(int64_t layer) const {
+    const int64_t i = layer - first_layer;
+    return i >= 0 && i < static_cast<int64_t>(window.size()) ? window[i] : 0;
+  }
 };
+
+// ModelConfig::AttentionWindow of layers [first_layer, first_layer + layers), for KvShape::window.
+std::vector<int64_t> LayerWindows(const ModelConfig& config, int64_t first_layer, int64_t layers);
 
 class KvBlockPool {
  public:
@@ -70,7 +80,8 @@ struct KvSequence {
 // The cached attention of one forward whose packed row holds, in order, `new_tokens[s]`
 // tokens of each sequence s at positions sequences[s]->length onwards (their blocks must
 // already cover those positions). Each layer's new keys and values are written into the
-// blocks, then each sequence's new queries attend over all of its positions, causally (fp32
+// blocks, then each sequence's new queries attend over all of its positions (a sliding layer's:
+// the last KvShape::window of them), causally (fp32
 // softmax, 1/sqrt(head_dim) scale; grouped-query heads share their key/value head). The
 // sequences that decode (one new token) attend in one batched product; prompt chunks one by
 // one. No grad.
@@ -96,6 +107,7 @@ class KvStepAttention : public CachedAttention {
   int64_t decode_longest_ = 0;
   bool decode_prepared_ = false, decode_kernel_ = false;
   at::Tensor decode_rows_, decode_slots_, decode_padding_;
+  at::Tensor decode_lengths_on_device_;  // int64 [S]: the ATen composition's window mask
   at::Tensor decode_table_;  // int32: the lengths [S], then the block table [S, blocks]
   int64_t decode_table_stride_ = 0;
 };
