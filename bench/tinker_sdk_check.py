@@ -21,10 +21,10 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import traceback
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from case_runner import run_cases  # noqa: E402
 from wait_for import wait_for  # noqa: E402
 
 try:
@@ -259,13 +259,7 @@ def main():
         ctx.base_url = f"http://127.0.0.1:{open(port_file).read().strip()}"
         ctx.service = tinker.ServiceClient(base_url=ctx.base_url, api_key=KEY)
         ctx.rest = ctx.service.create_rest_client()
-        for fn in CASES:
-            try:
-                fn(ctx)
-                passed += 1
-                print(f"PASS {fn.__name__}", flush=True)
-            except Exception:
-                print(f"FAIL {fn.__name__}\n{traceback.format_exc()}", flush=True)
+        passed = run_cases(CASES, ctx, passed="PASS {}", failed="FAIL {}\n{}")
     finally:
         proc.terminate()
         proc.wait(60)

@@ -14,9 +14,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from case_runner import run_cases  # noqa: E402
 from wait_for import wait_for  # noqa: E402
 import uuid
 
@@ -1022,14 +1022,7 @@ def main():
         ctx.bitwise_equal_to_grpc = False
         ctx.alice, ctx.bob = Front(port, KEYS["alice"]), Front(port, KEYS["bob"])
         ctx.alice.base_model = ctx.bob.base_model = "tiny/base"
-        passed = 0
-        for fn in CASES:
-            try:
-                fn(ctx)
-                passed += 1
-                print(f"case {fn.__name__}: ok", flush=True)
-            except Exception:
-                print(f"case {fn.__name__}: FAILED\n{traceback.format_exc()}", flush=True)
+        passed = run_cases(CASES, ctx)
         print(f"bitwise_equal_to_grpc={str(ctx.bitwise_equal_to_grpc).lower()}")
         print(f"conformance_cases={len(CASES)}")
         print(f"conformance_passed={passed}")
