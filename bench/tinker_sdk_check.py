@@ -173,6 +173,17 @@ def sampler_checkpoint_archive_and_listing(ctx):
 
 
 @case
+def sessions_list_their_models(ctx):
+    tc = ctx.service.create_lora_training_client(base_model="tiny/base", rank=4, seed=10)
+    model_id = tc.get_info().model_id
+    sessions = ctx.rest.list_sessions(limit=1000).result().sessions
+    owning = [s for s in sessions if model_id in ctx.rest.get_session(s).result().training_run_ids]
+    assert len(owning) == 1, (sessions, model_id)
+    other = tinker.ServiceClient(base_url=ctx.base_url, api_key=OTHER_KEY).create_rest_client()
+    refused(lambda: other.get_session(owning[0]).result(), tinker.NotFoundError, "")
+
+
+@case
 def async_api(ctx):
     async def go():
         tc = await ctx.service.create_lora_training_client_async(base_model="tiny/base", rank=4, seed=6)

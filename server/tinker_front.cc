@@ -1,5 +1,6 @@
 #include "server/tinker_front.h"
 
+#include <algorithm>
 #include <random>
 
 #include <nlohmann/json.hpp>
@@ -167,6 +168,7 @@ void TinkerFront::Handle(const Caller& caller, TinkerRequest req, AdmissionTicke
       return reply(TrainingRuns(caller, req));
     }
     if (absl::StartsWith(req.route, "samplers/")) return reply(GetSampler(caller, req.route.substr(9)));
+    if (req.route == "sessions" || absl::StartsWith(req.route, "sessions/")) return reply(Sessions(caller, req));
     if (absl::StartsWith(req.route, "archive_download/")) return reply(ArchiveDownload(req));
   } else if (req.method == "POST") {
     return Post(caller, req, std::move(ticket), std::move(reply));
@@ -241,6 +243,33 @@ HttpAnswer TinkerFront::CreateSession(const Caller& caller, const TinkerRequest&
   s.idempotency_key = req.idempotency_key;
   s.body_digest = digest;
   return JsonAnswer(Json{{"session_id", id}}.dump());
+}
+
+HttpAnswer TinkerFront::Sessions(const Caller& caller, const TinkerRequest& req) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (req.route == "sessions") {
+    int64_t limit = 20, offset = 0;
+    if (auto it = req.query.find("limit"); it != req.query.end()) (void)absl::SimpleAtoi(it->second, &limit);
+    if (auto it = req.query.find("offset"); it != req.query.end()) (void)absl::SimpleAtoi(it->second, &offset);
+    limit = std::max<int64_t>(1, std::min<int64_t>(limit, 1000));
+    Json ids = Json::array();
+    int64_t index = 0;
+    for (const auto& [id, s] : sessions_) {
+      if (s.owner != caller.owner) continue;
+      if (index >= offset && index < offset + limit) ids.push_back(id);
+      ++index;
+    }
+    return JsonAnswer(Json{{"sessions", ids}}.dump());
+  }
+  const std::string id = req.route.substr(9);  // after "sessions/"
+  auto it = sessions_.find(id);
+  if (it == sessions_.end() || it->second.owner != caller.owner) {
+    return ErrorAnswer(absl::NotFoundError(absl::StrCat("session_id: no session '", id, "' (expired?)")));
+  }
+  Json models = Json::array(), samplers = Json::array();
+  for (const auto& [seq, future] : it->second.create_requests) models.push_back(ModelIdOf(id, seq));
+  for (const std::string& sampler : it->second.samplers) samplers.push_back(sampler);
+  return JsonAnswer(Json{{"training_run_ids", models}, {"sampler_ids", samplers}}.dump());
 }
 
 HttpAnswer TinkerFront::Heartbeat(const Caller& caller, const std::string& body) {

@@ -155,6 +155,9 @@ class TinkerFront {
   void CreateSamplingSession(const Caller& caller, const std::string& body, HttpReply reply);
   void ASample(const Caller& caller, const TinkerRequest& req, AdmissionTicket ticket, HttpReply reply);
   HttpAnswer GetSampler(const Caller& caller, const std::string& id);
+  // GET sessions (the caller's live sessions, paged by limit / offset) and sessions/{id} (its
+  // models and sampling sessions); another key's session is not found.
+  HttpAnswer Sessions(const Caller& caller, const TinkerRequest& req);
   // A sampling session `id` over `checkpoint` of `run` (or the base model); under mu_.
   void AddSampler(const std::string& id, const Caller& caller, const std::string& session, const std::string& run,
                   const std::string& checkpoint, const std::string& model_path);

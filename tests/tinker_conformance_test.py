@@ -231,6 +231,15 @@ def session_and_heartbeat(ctx):
     assert status == 400 and "X-Idempotency-Key" in answer["detail"], (status, answer)
     other = ctx.bob.post("create_session", body, extra=retry)
     assert other[0] == 200 and other[1]["session_id"] != first[1]["session_id"], other
+    # The REST client's sessions: the key's own live ones, paged; one session's models and
+    # samplers; another key's session not found.
+    status, listed = ctx.alice.get("sessions?limit=1000")
+    assert status == 200 and s in listed["sessions"] and other[1]["session_id"] not in listed["sessions"], listed
+    status, page = ctx.alice.get("sessions?limit=1&offset=1")
+    assert status == 200 and page["sessions"] == listed["sessions"][1:2], (page, listed)
+    m = Model(ctx.alice, s)
+    assert ctx.alice.get(f"sessions/{s}") == (200, {"training_run_ids": [m.model_id], "sampler_ids": []})
+    assert ctx.bob.get(f"sessions/{s}")[0] == 404
 
 
 @case
