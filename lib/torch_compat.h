@@ -33,6 +33,21 @@ inline void AddMatmulFp32(at::Tensor& out_fp32, const at::Tensor& a, const at::T
   out_fp32.addmm_(a.to(at::kFloat), b.to(at::kFloat), /*beta=*/1, /*alpha=*/alpha);
 }
 
+// Attention of q over k, v [b, heads, s, d] (heads already repeated) where `seen` [s, s]
+// (bool) is true: SDPA with the mask on torch >= 2.0, else the product with an fp32 softmax.
+inline at::Tensor MaskedAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& seen) {
+#if LORASTEP_TORCH_AT_LEAST(2, 0)
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/seen, /*dropout_p=*/0.0, /*is_causal=*/false);
+#else
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * scale;
+  scores = scores.masked_fill(seen.logical_not(), -std::numeric_limits<float>::infinity());
+  at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  return at::matmul(probs, v);
+#endif
+}
+
 // Causal self-attention. q: [b, heads, s, d]; k, v: [b, kv_heads, s, d] with kv_heads
 // dividing heads (grouped-query attention: each K/V head serves heads/kv_heads query heads).
 // torch >= 2.5: fused SDPA reading the K/V heads in place (enable_gqa: bitwise equal to
@@ -51,12 +66,7 @@ inline at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, cons
                                           /*is_causal=*/true);
 #else
   const int64_t s = q.size(-2);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  at::Tensor scores = at::matmul(q, kr.transpose(-2, -1)) * scale;
-  at::Tensor mask = at::ones({s, s}, q.options().dtype(at::kBool)).triu(1);
-  scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
-  at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
-  return at::matmul(probs, vr);
+  return MaskedAttention(q, kr, vr, at::ones({s, s}, q.options().dtype(at::kBool)).tril());
 #endif
 #endif
 }
@@ -72,16 +82,7 @@ inline at::Tensor WindowedCausalAttention(const at::Tensor& q, const at::Tensor&
   const at::Tensor vr = groups > 1 ? v.repeat_interleave(groups, 1) : v;
   const at::Tensor pos = at::arange(s, q.options().dtype(at::kLong));
   const at::Tensor back = pos.unsqueeze(1) - pos.unsqueeze(0);  // i - j
-  const at::Tensor seen = back.ge(0).logical_and(back.lt(window));
-#if LORASTEP_TORCH_AT_LEAST(2, 0)
-  return at::scaled_dot_product_attention(q, kr, vr, /*attn_mask=*/seen, /*dropout_p=*/0.0, /*is_causal=*/false);
-#else
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  at::Tensor scores = at::matmul(q, kr.transpose(-2, -1)) * scale;
-  scores = scores.masked_fill(seen.logical_not(), -std::numeric_limits<float>::infinity());
-  at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
-  return at::matmul(probs, vr);
-#endif
+  return MaskedAttention(q, kr, vr, back.ge(0).logical_and(back.lt(window)));
 }
 
 // Causal attention over sequences packed back to back: q [total, heads, d], k/v [total,

@@ -43,6 +43,15 @@ absl::StatusOr<int64_t> IntField(const Json& j, const char* key) {
   return it->get<int64_t>();
 }
 
+Page PageOf(const std::map<std::string, std::string>& query) {
+  Page p;
+  if (auto it = query.find("limit"); it != query.end()) (void)absl::SimpleAtoi(it->second, &p.limit);
+  if (auto it = query.find("offset"); it != query.end()) (void)absl::SimpleAtoi(it->second, &p.offset);
+  p.limit = std::max<int64_t>(1, std::min<int64_t>(p.limit, 1000));
+  p.offset = std::max<int64_t>(0, p.offset);
+  return p;
+}
+
 absl::StatusOr<std::string> RunIdOfModel(const std::string& model_id) {
   std::vector<std::string> parts = absl::StrSplit(model_id, ':');
   int64_t n;
@@ -248,15 +257,12 @@ HttpAnswer TinkerFront::CreateSession(const Caller& caller, const TinkerRequest&
 HttpAnswer TinkerFront::Sessions(const Caller& caller, const TinkerRequest& req) {
   std::lock_guard<std::mutex> lock(mu_);
   if (req.route == "sessions") {
-    int64_t limit = 20, offset = 0;
-    if (auto it = req.query.find("limit"); it != req.query.end()) (void)absl::SimpleAtoi(it->second, &limit);
-    if (auto it = req.query.find("offset"); it != req.query.end()) (void)absl::SimpleAtoi(it->second, &offset);
-    limit = std::max<int64_t>(1, std::min<int64_t>(limit, 1000));
+    const Page page = PageOf(req.query);
     Json ids = Json::array();
     int64_t index = 0;
     for (const auto& [id, s] : sessions_) {
       if (s.owner != caller.owner) continue;
-      if (index >= offset && index < offset + limit) ids.push_back(id);
+      if (index >= page.offset && index < page.offset + page.limit) ids.push_back(id);
       ++index;
     }
     return JsonAnswer(Json{{"sessions", ids}}.dump());

@@ -3,6 +3,7 @@
 #define LORASTEP_SERVER_TINKER_FRONT_INTERNAL_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include <google/protobuf/message.h>
@@ -25,6 +26,11 @@ std::string ModelIdOf(const std::string& session, int64_t model_seq_id);
 HttpAnswer Failed(const absl::Status& status);
 HttpAnswer ProtobufAnswer(const google::protobuf::Message& m);
 std::string RandomHex(int bytes);
+// A listing's `limit` (default 20, in [1, 1000]) and `offset` (default 0, >= 0) from its query.
+struct Page {
+  int64_t limit = 20, offset = 0;
+};
+Page PageOf(const std::map<std::string, std::string>& query);
 
 // A checkpoint path tinker://<model_id>/<weights|sampler_weights>/<name>.
 struct TinkerPath {

@@ -3,7 +3,6 @@
 #include <ctime>
 
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
@@ -264,15 +263,12 @@ HttpAnswer TinkerFront::TrainingRuns(const Caller& caller, const TinkerRequest& 
     return out;
   };
   auto page = [&](const Json& items, const char* key) {
-    int64_t limit = 20, offset = 0;
-    if (auto it = req.query.find("limit"); it != req.query.end()) (void)absl::SimpleAtoi(it->second, &limit);
-    if (auto it = req.query.find("offset"); it != req.query.end()) (void)absl::SimpleAtoi(it->second, &offset);
-    limit = std::max<int64_t>(1, std::min<int64_t>(limit, 1000));
-    offset = std::max<int64_t>(0, offset);
+    const Page p = PageOf(req.query);
     Json out = Json::array();
-    for (int64_t i = offset; i < static_cast<int64_t>(items.size()) && i < offset + limit; ++i) out.push_back(items[i]);
-    return Json{{key, out},
-                {"cursor", {{"offset", offset}, {"limit", limit}, {"total_count", items.size()}}}};
+    for (int64_t i = p.offset; i < static_cast<int64_t>(items.size()) && i < p.offset + p.limit; ++i) {
+      out.push_back(items[i]);
+    }
+    return Json{{key, out}, {"cursor", {{"offset", p.offset}, {"limit", p.limit}, {"total_count", items.size()}}}};
   };
   if (parts.size() == 1 && parts[0] == "training_runs") {
     Json all = Json::array();

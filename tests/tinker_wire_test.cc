@@ -23,20 +23,21 @@ std::string Bytes(const std::vector<T>& v) {
   return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
 }
 
-tinker_public::Tensor Dense(const std::vector<float>& v, std::vector<int64_t> shape = {}) {
+template <typename T>
+tinker_public::Tensor DenseOf(const std::vector<T>& v, tinker_public::DType dtype, const std::vector<int64_t>& shape) {
   tinker_public::Tensor t;
   t.set_dense(Bytes(v));
-  t.set_dtype(tinker_public::DTYPE_FLOAT32);
+  t.set_dtype(dtype);
   for (int64_t d : shape) t.add_shape(d);
   return t;
 }
 
-tinker_public::Tensor Tokens(const std::vector<int64_t>& v, std::vector<int64_t> shape = {}) {
-  tinker_public::Tensor t;
-  t.set_dense(Bytes(v));
-  t.set_dtype(tinker_public::DTYPE_INT64);
-  for (int64_t d : shape) t.add_shape(d);
-  return t;
+tinker_public::Tensor Dense(const std::vector<float>& v, const std::vector<int64_t>& shape = {}) {
+  return DenseOf(v, tinker_public::DTYPE_FLOAT32, shape);
+}
+
+tinker_public::Tensor Tokens(const std::vector<int64_t>& v, const std::vector<int64_t>& shape = {}) {
+  return DenseOf(v, tinker_public::DTYPE_INT64, shape);
 }
 
 tinker_public::Datum Text(const std::vector<int32_t>& tokens) {

@@ -117,7 +117,7 @@ KvStepAttention::KvStepAttention(KvBlockPool* pool, const std::vector<const KvSe
   for (int64_t s : decoding) {
     decode_sequences_.push_back(s);
     decode_lengths_.push_back(sequences[s]->length + 1);
-    decode_blocks_.push_back(sequences[s]->blocks);
+    decode_seqs_.push_back(sequences[s]);
   }
   decode_longest_ = longest;
   // The decoding sequences' rows in the packed row.
@@ -147,7 +147,7 @@ void KvStepAttention::PrepareDecode(int64_t group, bool same_dtype) {
     int32_t* h = host.data_ptr<int32_t>();
     for (int64_t i = 0; i < n; ++i) {
       h[i] = static_cast<int32_t>(decode_lengths_[i]);
-      const std::vector<int32_t>& blocks = decode_blocks_[i];
+      const std::vector<int32_t>& blocks = decode_seqs_[i]->blocks;
       const int64_t used = std::min<int64_t>(pool_->BlocksFor(decode_lengths_[i]), static_cast<int64_t>(blocks.size()));
       std::copy(blocks.begin(), blocks.begin() + used, h + n + i * decode_table_stride_);
     }
@@ -159,17 +159,16 @@ void KvStepAttention::PrepareDecode(int64_t group, bool same_dtype) {
   (void)same_dtype;
 #endif
   // The ATen composition: the slots as one [S, longest] table (padding: slot 0, masked).
-  std::vector<int64_t> table, padding;
+  std::vector<int64_t> table;
   for (int64_t i = 0; i < n; ++i) {
-    KvSequence seq{decode_blocks_[i], 0};
-    std::vector<int64_t> slots = Slots(seq, 0, decode_lengths_[i], bs);
+    std::vector<int64_t> slots = Slots(*decode_seqs_[i], 0, decode_lengths_[i], bs);
     slots.resize(decode_longest_, 0);
     table.insert(table.end(), slots.begin(), slots.end());
-    for (int64_t p = 0; p < decode_longest_; ++p) padding.push_back(p >= decode_lengths_[i] ? 1 : 0);
   }
   decode_slots_ = at::tensor(table, at::kLong).view({n, decode_longest_}).to(device);
   decode_lengths_on_device_ = at::tensor(decode_lengths_, at::kLong).to(device);
-  decode_padding_ = at::tensor(padding, at::kLong).view({n, decode_longest_}).to(at::kBool).to(device);
+  const at::Tensor pos = at::arange(decode_longest_, decode_lengths_on_device_.options());
+  decode_padding_ = pos.unsqueeze(0) >= decode_lengths_on_device_.unsqueeze(1);
 }
 
 at::Tensor KvStepAttention::Attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -217,7 +216,7 @@ at::Tensor KvStepAttention::Attend(int64_t layer, const at::Tensor& q, const at:
     at::Tensor scores = at::matmul(qd, kd.permute({0, 2, 3, 1})) * scale;  // [S, kv_heads, group, L]
     at::Tensor hidden = decode_padding_;
     if (window > 0) {  // a sliding layer: positions before each sequence's last `window` too
-      const at::Tensor pos = at::arange(longest, decode_padding_.options().dtype(at::kLong));
+      const at::Tensor pos = at::arange(longest, decode_lengths_on_device_.options());
       hidden = hidden.logical_or(pos.unsqueeze(0) < (decode_lengths_on_device_ - window).unsqueeze(1));
     }
     scores = scores.masked_fill(hidden.view({n, 1, 1, longest}), -std::numeric_limits<float>::infinity());

@@ -84,7 +84,7 @@ struct KvSequence {
 // the last KvShape::window of them), causally (fp32
 // softmax, 1/sqrt(head_dim) scale; grouped-query heads share their key/value head). The
 // sequences that decode (one new token) attend in one batched product; prompt chunks one by
-// one. No grad.
+// one. No grad. `sequences` outlive it (their blocks are read at the first layer).
 class KvStepAttention : public CachedAttention {
  public:
   KvStepAttention(KvBlockPool* pool, const std::vector<const KvSequence*>& sequences,
@@ -102,12 +102,12 @@ class KvStepAttention : public CachedAttention {
   // a block table and lengths, the ATen composition gathers their slots [S, longest] and
   // masks the padding.
   void PrepareDecode(int64_t group, bool same_dtype);
-  std::vector<std::vector<int32_t>> decode_blocks_;  // each decoding sequence's blocks
+  std::vector<const KvSequence*> decode_seqs_;  // each decoding sequence (its blocks)
   std::vector<int64_t> decode_sequences_, decode_lengths_;
   int64_t decode_longest_ = 0;
   bool decode_prepared_ = false, decode_kernel_ = false;
   at::Tensor decode_rows_, decode_slots_, decode_padding_;
-  at::Tensor decode_lengths_on_device_;  // int64 [S]: the ATen composition's window mask
+  at::Tensor decode_lengths_on_device_;  // int64 [S]: the ATen composition's masks
   at::Tensor decode_table_;  // int32: the lengths [S], then the block table [S, blocks]
   int64_t decode_table_stride_ = 0;
 };

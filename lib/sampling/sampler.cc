@@ -162,15 +162,15 @@ void SamplerEngine::ApplyDraws(const at::Tensor& logits, const std::vector<Draw>
   if (!prompt_lps.empty()) {
     std::vector<int64_t> rows, targets;
     for (const PromptLogprob& p : prompt_lps) rows.push_back(p.row), targets.push_back(p.target);
-    const at::Tensor lp =
-        model.index_select(0, on_device(rows)).gather(1, on_device(targets).unsqueeze(1)).squeeze(1).to(at::kCPU).contiguous();
+    const at::Tensor prompt_rows = model.index_select(0, on_device(rows));
+    const at::Tensor lp = prompt_rows.gather(1, on_device(targets).unsqueeze(1)).squeeze(1).to(at::kCPU).contiguous();
     const float* v = lp.data_ptr<float>();
     for (size_t i = 0; i < prompt_lps.size(); ++i) prompt_lps[i].request->result.prompt_logprobs.push_back(v[i]);
     int64_t k = 0;
     for (const PromptLogprob& p : prompt_lps) k = std::max(k, p.request->request.params.prompt_top_logprobs);
     if (k > 0) {
       k = std::min<int64_t>(k, model.size(1));
-      auto [values, ids] = model.index_select(0, on_device(rows)).topk(k, -1);
+      auto [values, ids] = prompt_rows.topk(k, -1);
       const at::Tensor host_values = values.to(at::kCPU).contiguous(), host_ids = ids.to(at::kCPU).contiguous();
       for (size_t i = 0; i < prompt_lps.size(); ++i) {
         SampleResult& result = prompt_lps[i].request->result;
