@@ -17,7 +17,8 @@ SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_l
 
 # LoRA targets per case (default all-linear). The MoE rows put LoRA on the attention: the
 # routed experts' LoRA is checked against PEFT by the MoE harness (bench/moe_results.py).
-TARGETS = {"qwen3_moe": "q_proj,k_proj,v_proj,o_proj", "qwen3_moe_num_experts": "q_proj,k_proj,v_proj,o_proj"}
+TARGETS = {"qwen3_moe": "q_proj,k_proj,v_proj,o_proj", "qwen3_moe_num_experts": "q_proj,k_proj,v_proj,o_proj",
+           "gpt_oss": "q_proj,k_proj,v_proj,o_proj"}
 
 
 def cases():
@@ -40,6 +41,13 @@ def cases():
     yield "qwen2_linear", "qwen2", {}, dict(rope_type="linear", factor=4.0)
     yield "qwen2_dynamic", "qwen2", dict(max_position_embeddings=64), dict(rope_type="dynamic", factor=4.0)
     yield "qwen2_yarn", "qwen2", {}, dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
+    # Qwen2 with its older sliding-window keys: layers from max_window_layers on slide.
+    yield "qwen2_swa", "qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1), None
+    # gpt-oss: sinks, a sliding layer (layer 0), biased router and experts, clamped SwiGLU, YaRN.
+    yield "gpt_oss", "gpt_oss", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                                     sliding_window=6, tie_word_embeddings=False, rms_norm_eps=1e-5), \
+        dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+             original_max_position_embeddings=128)
 
 
 def build(model_type, kwargs, rope, folder):

@@ -33,6 +33,13 @@ inline void AddMatmulFp32(at::Tensor& out_fp32, const at::Tensor& a, const at::T
   out_fp32.addmm_(a.to(at::kFloat), b.to(at::kFloat), /*beta=*/1, /*alpha=*/alpha);
 }
 
+// [s, s] bool: query i sees key j when 0 <= i - j, and i - j < window where window > 0.
+inline at::Tensor CausalMask(int64_t s, int64_t window, const at::Device& device) {
+  const at::Tensor pos = at::arange(s, at::TensorOptions().dtype(at::kLong).device(device));
+  const at::Tensor back = pos.unsqueeze(1) - pos.unsqueeze(0);  // i - j
+  return window > 0 ? back.ge(0).logical_and(back.lt(window)) : back.ge(0);
+}
+
 // Attention of q over k, v [b, heads, s, d] (heads already repeated) where `seen` [s, s]
 // (bool) is true: SDPA with the mask on torch >= 2.0, else the product with an fp32 softmax.
 inline at::Tensor MaskedAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -80,9 +87,24 @@ inline at::Tensor WindowedCausalAttention(const at::Tensor& q, const at::Tensor&
   const int64_t groups = q.size(1) / k.size(1), s = q.size(-2);
   const at::Tensor kr = groups > 1 ? k.repeat_interleave(groups, 1) : k;
   const at::Tensor vr = groups > 1 ? v.repeat_interleave(groups, 1) : v;
-  const at::Tensor pos = at::arange(s, q.options().dtype(at::kLong));
-  const at::Tensor back = pos.unsqueeze(1) - pos.unsqueeze(0);  // i - j
-  return MaskedAttention(q, kr, vr, back.ge(0).logical_and(back.lt(window)));
+  return MaskedAttention(q, kr, vr, CausalMask(s, window, q.device()));
+}
+
+// Causal attention (window 0: every earlier key; else the sliding window) with gpt-oss's
+// attention sinks: a learned logit per query head, sinks [heads], joins each softmax's
+// denominator and takes no value. q, k, v as CausalAttention. Scores and softmax in fp32,
+// through an explicit mask; gradients reach the sinks when they require them.
+inline at::Tensor SinkCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      int64_t window, const at::Tensor& sinks) {
+  const int64_t groups = q.size(1) / k.size(1), s = q.size(-2);
+  const at::Tensor kr = groups > 1 ? k.repeat_interleave(groups, 1) : k;
+  const at::Tensor vr = groups > 1 ? v.repeat_interleave(groups, 1) : v;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  at::Tensor scores = at::matmul(q, kr.transpose(-2, -1)).to(at::kFloat) * scale;
+  scores = scores.masked_fill(CausalMask(s, window, q.device()).logical_not(), -std::numeric_limits<float>::infinity());
+  const at::Tensor sink = sinks.to(at::kFloat).view({1, -1, 1, 1}).expand({scores.size(0), scores.size(1), s, 1});
+  const at::Tensor probs = at::softmax(at::cat({scores, sink}, -1), -1).narrow(-1, 0, s);
+  return at::matmul(probs.to(q.scalar_type()), vr);
 }
 
 // Causal attention over sequences packed back to back: q [total, heads, d], k/v [total,

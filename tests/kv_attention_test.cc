@@ -25,8 +25,9 @@ struct Shape {
 
 // One forward's attention: `lengths[s]` cached positions, then `new_tokens[s]` new ones.
 // `window` > 0: a sliding-window layer's (each query sees its last `window` positions).
+// `sinks`: gpt-oss's sink logit per query head in each softmax's denominator.
 void CheckAgainstDense(const Shape& shape, const std::vector<int64_t>& cached, const std::vector<int64_t>& fresh,
-                       double tolerance, int64_t window = 0) {
+                       double tolerance, int64_t window = 0, bool sinks = false) {
   const at::Device device = TestDevice();
   const at::ScalarType dtype = TestDtype();
   const int64_t heads = shape.kv_heads * shape.group, d = shape.head_dim, n = static_cast<int64_t>(cached.size());
@@ -72,7 +73,8 @@ void CheckAgainstDense(const Shape& shape, const std::vector<int64_t>& cached, c
   }
   const at::Tensor q = at::cat(qs, 0).unsqueeze(0), k = at::cat(ks, 0).unsqueeze(0), v = at::cat(vs, 0).unsqueeze(0);
   KvStepAttention attention(&pool, ptrs, fresh);
-  const at::Tensor out = attention.Attend(0, q, k, v).to(at::kCPU, at::kDouble);
+  const at::Tensor sink = sinks ? at::randn({heads}, opt) : at::Tensor();
+  const at::Tensor out = attention.Attend(0, q, k, v, sink).to(at::kCPU, at::kDouble);
   ASSERT_EQ(out.sizes(), (std::vector<int64_t>{1, q.size(1), heads * d}));
   int64_t row = 0;
   for (int64_t s = 0; s < n; ++s) {
@@ -85,7 +87,10 @@ void CheckAgainstDense(const Shape& shape, const std::vector<int64_t>& cached, c
         const at::Tensor keys = kd.narrow(0, first, end - first).select(1, h / shape.group);  // [visible, d]
         const at::Tensor values = vd.narrow(0, first, end - first).select(1, h / shape.group);
         const at::Tensor scores = at::mv(keys, qd[j][h]) / std::sqrt(static_cast<double>(d));
-        const at::Tensor want = at::mv(values.t(), at::softmax(scores, 0));
+        const at::Tensor probs =
+            sinks ? at::softmax(at::cat({scores, sink[h].to(at::kCPU, at::kDouble).view({1})}), 0).narrow(0, 0, end - first)
+                  : at::softmax(scores, 0);
+        const at::Tensor want = at::mv(values.t(), probs);
         const at::Tensor got = out[0][row + j].narrow(0, h * d, d);
         ASSERT_LE(testing::MaxAbsDiff(got, want), tolerance)
             << "sequence " << s << " (" << cached[s] << " cached, " << fresh[s] << " new), query " << j << ", head " << h;
@@ -103,6 +108,15 @@ TEST(KvAttentionTest, DecodeOfManySequencesEqualsDenseAttention) {
     SCOPED_TRACE(::testing::Message() << "kv_heads " << shape.kv_heads << " group " << shape.group << " head_dim "
                                       << shape.head_dim << " block " << shape.block_size);
     CheckAgainstDense(shape, {0, 1, 15, 16, 17, 40, 63, 100}, std::vector<int64_t>(8, 1), Tolerance());
+  }
+}
+
+// gpt-oss's attention sinks: decoding and prefill rows, full and sliding layers.
+TEST(KvAttentionTest, SinksJoinEachSoftmax) {
+  for (const int64_t window : {0, 5}) {
+    SCOPED_TRACE(::testing::Message() << "window " << window);
+    CheckAgainstDense(Shape{2, 4, 64, 16}, {0, 3, 17, 40}, {1, 1, 1, 1}, Tolerance(), window, /*sinks=*/true);
+    CheckAgainstDense(Shape{2, 4, 64, 16}, {0, 9, 2}, {7, 1, 12}, Tolerance(), window, /*sinks=*/true);
   }
 }
 

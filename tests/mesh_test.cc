@@ -107,9 +107,9 @@ class MeshTest : public ::testing::Test {
     // Qwen2-MoE (4 experts, top-2, a gated shared expert), fp32.
     ModelConfig moe = ModelConfigPreset("tiny-moe").value();
     ASSERT_OK(SaveModel(*dir_ + "/moe", moe, RandomModelWeights(moe, 4)));
-    // Qwen3 dense (q/k norms, no biases), Llama 3 (llama3 RoPE, untied head), and Qwen2 with
-    // a sliding-window layer.
-    for (const char* family : {"tiny-qwen3", "tiny-llama", "tiny-qwen2-swa"}) {
+    // Qwen3 dense (q/k norms, no biases), Llama 3 (llama3 RoPE, untied head), Qwen2 with
+    // a sliding-window layer, and gpt-oss (sinks, biased router and experts).
+    for (const char* family : {"tiny-qwen3", "tiny-llama", "tiny-qwen2-swa", "tiny-gpt-oss"}) {
       ModelConfig c = ModelConfigPreset(family).value();
       ASSERT_OK(SaveModel(*dir_ + "/" + family, c, RandomModelWeights(c, 5)));
     }
@@ -987,6 +987,17 @@ TEST_F(MeshTest, MoeExpertParallelEqualsWorldOne) {
       ExpectSame(Train(mesh, 4, what, layout), want[layout], what);
     }
   }
+}
+
+// gpt-oss: sinks split with the query heads, o_proj's and the experts' down biases added once
+// over the tensor ranks, expert biases moving with their experts: TP2 x EP2 (x DP2) equals
+// world size 1 (where the machine has 8 ranks' room; CPU always).
+TEST_F(MeshTest, GptOssOnTensorAndExpertRanksEqualsWorldOne) {
+  if (!Fits(8)) GTEST_SKIP() << "needs 8 GPUs";
+  Coordinator one = Start({}, "tiny-gpt-oss");
+  const Trace want = Train(one, 4, "gpt_oss w1", "per_expert");
+  Coordinator mesh = Start({"--tp", "2", "--dp", "2", "--ep", "2"}, "tiny-gpt-oss");
+  ExpectSame(Train(mesh, 4, "gpt_oss tp2 x ep2 (dp2)", "per_expert"), want, "gpt_oss tp2 x ep2 x dp2");
 }
 
 TEST_F(MeshTest, MoePipelineWithExpertParallelEqualsWorldOne) {

@@ -148,6 +148,13 @@ absl::StatusOr<ModelConfig> Qwen25With(const std::string& key, const std::string
   return ParseModelConfigJson(text);
 }
 
+// A layer_types list of `n` entries of `type`, as JSON.
+std::string LayerTypes(int n, const std::string& type) {
+  std::string out = "[";
+  for (int i = 0; i < n; ++i) out += (i > 0 ? ", \"" : "\"") + type + "\"";
+  return out + "]";
+}
+
 TEST(ModelConfigTest, EveryKeyOfAHubConfigIsAccountedFor) {
   ASSERT_OK(ParseModelConfigJson(kQwen25).status());
   // Keys without effect on the maths, and keys at the value lorastep computes with.
@@ -157,7 +164,7 @@ TEST(ModelConfigTest, EveryKeyOfAHubConfigIsAccountedFor) {
                                                         {"rope_scaling", "null"},
                                                         {"rope_scaling", R"({"type": "default"})"},
                                                         {"rope_parameters", R"({"rope_type": "default", "rope_theta": 1e6})"},
-                                                        {"layer_types", R"(["full_attention", "full_attention"])"},
+                                                        {"layer_types", LayerTypes(24, "full_attention")},
                                                         {"hidden_act", "\"swish\""},
                                                         {"mlp_bias", "false"},
                                                         {"use_sliding_window", "null"}}) {
@@ -205,7 +212,8 @@ TEST(ModelConfigTest, KeysThatChangeTheModelAreRefusedByName) {
       {"hidden_act", "\"gelu\"", "hidden_act: \"gelu\" is not supported"},
       {"attention_dropout", "0.1", "attention_dropout: 0.1 is not supported"},
       {"layer_types", R"(["chunked_attention"])", "layer_types: \"chunked_attention\" is not sliding_attention"},
-      {"layer_types", R"(["sliding_attention"])", "layer_types: sliding_attention layers without use_sliding_window"},
+      {"layer_types", LayerTypes(24, "sliding_attention"), "layer_types: sliding_attention layers without use_sliding_window"},
+      {"layer_types", R"(["full_attention"])", "layer_types: 1 entries for 24 layers"},
       {"rope_scaling", R"({"type": "longrope", "factor": 4.0})", "rope_scaling.type: \"longrope\" RoPE is not built"},
       {"rope_scaling", R"({"rope_type": "linear", "factor": 4.0, "beta_fast": 8})",
        "rope_scaling.beta_fast: not read by linear RoPE"},

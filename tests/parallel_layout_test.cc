@@ -104,6 +104,11 @@ TEST(ParallelLayoutTest, ModelChecks) {
   EXPECT_THAT(ValidateLayoutForModel(cp2, sliding),
               StatusIs(absl::StatusCode::kInvalidArgument, "cp: 2: context parallelism with sliding-window attention"));
   EXPECT_TRUE(ValidateLayoutForModel({2, 2, 1}, sliding).ok());
+  // Nor attention sinks (gpt-oss), even without a sliding layer.
+  ASSERT_OK_AND_ASSIGN(ModelConfig gpt_oss, ModelConfigPreset("tiny-gpt-oss"));
+  gpt_oss.sliding_layers.clear();
+  EXPECT_THAT(ValidateLayoutForModel(cp2, gpt_oss),
+              StatusIs(absl::StatusCode::kInvalidArgument, "cp: 2: context parallelism with attention sinks"));
 }
 
 // Expert parallelism is carved out of the data axis (ep_rank = dp_rank % ep).

@@ -110,14 +110,17 @@ SampleRequest Request(std::vector<int64_t> prompt, int64_t max_tokens, double te
 }
 
 // Also with a sliding-window layer: the cached attention's window (prompt chunks and decode)
-// against the uncached forward's.
+// against the uncached forward's; and gpt-oss (sinks in the cached softmax, its MoE).
 TEST(SamplerTest, GreedyEqualsAnArgmaxDecodeWithoutACache) {
-  for (bool sliding : {false, true}) {
-    Fixture f = sliding ? Fixture(TinySlidingWindow()) : Fixture();
+  for (const std::string family : {"tiny", "sliding", "tiny-gpt-oss"}) {
+    Fixture f = family == "sliding" ? Fixture(TinySlidingWindow()) : Fixture(ModelConfigPreset(family).value());
+    for (LayerWeights& l : f.weights.layers) {
+      if (l.sinks.defined()) l.sinks = at::randn(l.sinks.sizes()) * 2;  // sinks of a visible size
+    }
     KvBlockPool pool = f.Pool(64);
     const std::vector<int64_t> prompt = {5, 17, 3, 42, 9, 11, 60};  // 7 tokens: a partial block of 4
     for (const Adapter* adapter : std::vector<const Adapter*>{nullptr, &f.adapter}) {
-      SCOPED_TRACE(std::string(adapter == nullptr ? "base" : "lora") + (sliding ? ", sliding window" : ""));
+      SCOPED_TRACE(std::string(adapter == nullptr ? "base" : "lora") + ", " + family);
       const SampleResult got = RunAll(f, &pool, {{adapter, Request(prompt, 12, 0.0, 1)}})[0];
       ASSERT_EQ(got.sequences.size(), 1u);
       const SampledSequence& s = got.sequences[0];

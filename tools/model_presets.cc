@@ -4,6 +4,22 @@
 
 namespace lorastep {
 
+namespace {
+
+// gpt-oss's YaRN: beta_fast 32, beta_slow 1, the correction range not rounded.
+RopeConfig GptOssRope(double factor, int64_t original) {
+  RopeConfig r;
+  r.type = "yarn";
+  r.factor = factor;
+  r.beta_fast = 32;
+  r.beta_slow = 1;
+  r.truncate = false;
+  r.original_max_position_embeddings = original;
+  return r;
+}
+
+}  // namespace
+
 absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name) {
   ModelConfig c;
   if (name == "tiny") {
@@ -75,6 +91,41 @@ absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name) {
     c = ModelConfigPreset("tiny").value();  // its second layer in a sliding window of 4 positions
     c.sliding_window = 4;
     c.sliding_layers = {false, true};
+  } else if (name == "tiny-gpt-oss") {
+    c = ModelConfigPreset("tiny").value();  // gpt-oss's shape at tiny's size: layer 0 slides (window 4)
+    c.model_type = "gpt_oss";
+    c.head_dim_override = 16;  // 4 heads x 16 != hidden 32
+    c.tie_word_embeddings = false;
+    c.rms_norm_eps = 1e-5;
+    c.intermediate_size = 16;
+    c.moe.num_experts = 4;
+    c.moe.num_experts_per_tok = 2;
+    c.moe.moe_intermediate_size = 16;
+    c.moe.norm_topk_prob = true;
+    c.sliding_window = 4;
+    c.sliding_layers = {true, false};
+    c.rope = GptOssRope(4, 128);
+  } else if (name == "gpt-oss-20b-reduced") {
+    c.model_type = "gpt_oss";  // gpt-oss-20b's widths, 4 of its 24 layers
+    c.vocab_size = 201088;
+    c.hidden_size = 2880;
+    c.intermediate_size = 2880;
+    c.num_hidden_layers = 4;
+    c.num_attention_heads = 64;
+    c.num_key_value_heads = 8;
+    c.head_dim_override = 64;
+    c.max_position_embeddings = 131072;
+    c.rms_norm_eps = 1e-5;
+    c.rope_theta = 150000;
+    c.tie_word_embeddings = false;
+    c.torch_dtype = "bfloat16";
+    c.moe.num_experts = 32;
+    c.moe.num_experts_per_tok = 4;
+    c.moe.moe_intermediate_size = 2880;
+    c.moe.norm_topk_prob = true;
+    c.sliding_window = 128;
+    c.sliding_layers = {true, false, true, false};
+    c.rope = GptOssRope(32, 4096);
   } else if (name == "tiny-llama") {
     c = ModelConfigPreset("tiny").value();  // Llama 3.1's RoPE, untied head
     c.model_type = "llama";

@@ -16,7 +16,8 @@ namespace lorastep {
 // "qwen3-30b-a3b-reduced" (Qwen3-30B-A3B's width, 128 experts, top-8; 4 layers).
 // Qwen3 dense: "tiny-qwen3", "qwen3-0.6b", "qwen3-8b"; Llama 3: "tiny-llama" (llama3 RoPE),
 // "llama-3.2-1b" (tied), "llama-3.1-8b"; sliding-window attention: "tiny-qwen2-swa" (tiny,
-// its second layer in a window of 4).
+// its second layer in a window of 4); gpt-oss: "tiny-gpt-oss" (4 experts, top-2, sinks,
+// layer 0 in a window of 4, YaRN) and "gpt-oss-20b-reduced" (gpt-oss-20b's widths, 4 layers).
 absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name);
 
 }  // namespace lorastep

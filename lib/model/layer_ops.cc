@@ -340,6 +340,13 @@ at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) { return SwiGluF
 // gate_up [.., 2f]: the gate half, then the up half.
 at::Tensor SwiGluPacked(const at::Tensor& gate_up) { return SwiGluFunction::apply(gate_up, gate_up, true); }
 
+at::Tensor ClampedSwiGluPacked(const at::Tensor& gate_up, double alpha, double limit) {
+  const int64_t f = gate_up.size(-1) / 2;
+  const at::Tensor gate = gate_up.narrow(-1, 0, f).clamp_max(limit);
+  const at::Tensor up = gate_up.narrow(-1, f, f).clamp(-limit, limit);
+  return (up + 1) * (gate * at::sigmoid(gate * alpha));
+}
+
 // down_proj's input as a RecomputedInput of a packed gate_up: LoraLinearRecomputed then keeps
 // gate_up (which the SwiGLU gradient needs anyway) and not the activation, a third of a
 // dense layer's saved activations; SwiGluGrads rewrites the activation in its pass.

@@ -22,6 +22,10 @@ bool UseFusedKernels(const at::Tensor& x, const at::Tensor& other);
 at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up);
 // gate_up [.., 2f]: the gate half, then the up half.
 at::Tensor SwiGluPacked(const at::Tensor& gate_up);
+// gpt-oss's experts over gate_up [.., 2f] (gate half, then up half): with g = min(gate, limit)
+// and u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha * g), in the input's dtype
+// (as transformers computes it); ATen operations, so autograd gives the gradient.
+at::Tensor ClampedSwiGluPacked(const at::Tensor& gate_up, double alpha, double limit);
 // down_proj's input as a RecomputedInput of a packed gate_up (see its definition).
 extern const RecomputedInput kSwiGluOfPacked;
 

@@ -32,6 +32,10 @@ absl::StatusOr<std::array<bool, kNumLinearSlots>> ResolveLoraTargets(const LoraC
       targeted.fill(true);
       continue;
     }
+    if (name == "gate_up_proj") {  // gpt-oss's fused expert projection: gate_proj and up_proj
+      targeted[kGateProj] = targeted[kUpProj] = true;
+      continue;
+    }
     bool found = false;
     for (int s = 0; s < kNumLinearSlots; ++s) {
       if (name == kSlotNames[s]) targeted[s] = found = true;
@@ -39,7 +43,7 @@ absl::StatusOr<std::array<bool, kNumLinearSlots>> ResolveLoraTargets(const LoraC
     if (!found) {
       return absl::InvalidArgumentError(
           absl::StrCat("lora.target_modules[", i, "]: unknown module '", name,
-                       "' (expected all-linear, q/k/v/o/gate/up/down_proj or lm_head)"));
+                       "' (expected all-linear, q/k/v/o/gate/up/down_proj, gate_up_proj or lm_head)"));
     }
   }
   return targeted;

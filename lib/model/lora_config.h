@@ -26,7 +26,8 @@ struct LoraConfig {
   // Module names ("q_proj", ..., "lm_head") or "all-linear" (every linear of the decoder
   // layers: PEFT's meaning, which leaves the LM head out). "lm_head" puts LoRA on the
   // unembedding (Tinker's train_unembed); it is exported under PEFT's key
-  // base_model.model.lm_head.lora_{A,B}.weight.
+  // base_model.model.lm_head.lora_{A,B}.weight.  "gate_up_proj" (gpt-oss's fused expert
+  // projection) is gate_proj and up_proj together.
   std::vector<std::string> target_modules = {"all-linear"};
   // LoRA on the routed experts of a MoE layer (gate_proj + up_proj = fc1, down_proj = fc2):
   //  "per_expert":   A_e and B_e for every expert, on fc1 and fc2.

@@ -36,11 +36,15 @@ int64_t ModelConfig::TotalParameterCount() const {
     total += 2 * h * q + 2 * h * kv + 2 * h /*norms*/;
     if (qk_norm()) total += 2 * d;        // q/k norms
     if (qkv_bias()) total += q + 2 * kv;  // q/k/v biases
+    if (o_bias()) total += h;
+    if (attention_sinks()) total += num_attention_heads;
     if (!IsMoeLayer(layer)) {
       total += 3 * h * intermediate_size;
       continue;
     }
     total += moe.num_experts * (h + 3 * h * moe.moe_intermediate_size);  // router + experts
+    if (router_bias()) total += moe.num_experts;
+    if (expert_bias()) total += moe.num_experts * (2 * moe.moe_intermediate_size + h);
     if (moe.shared_expert_intermediate_size > 0) total += 3 * h * moe.shared_expert_intermediate_size + h;
   }
   return total;
@@ -86,6 +90,13 @@ absl::Status ValidateMoeConfig(const ModelConfig& c) {
   }
   if (c.model_type == "qwen3_moe" && m.shared_expert_intermediate_size != 0) {
     return absl::InvalidArgumentError("shared_expert_intermediate_size: qwen3_moe has no shared expert");
+  }
+  if (c.gpt_oss()) {
+    if (m.shared_expert_intermediate_size != 0 || m.decoder_sparse_step != 1 || !m.mlp_only_layers.empty()) {
+      return absl::InvalidArgumentError("num_local_experts: gpt_oss has routed experts on every layer and no shared one");
+    }
+    if (!(m.swiglu_limit > 0)) return absl::InvalidArgumentError("swiglu_limit: must be > 0");
+    if (!(m.swiglu_alpha > 0)) return absl::InvalidArgumentError("swiglu_alpha: must be > 0");
   }
   return absl::OkStatus();
 }
@@ -154,6 +165,10 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
   if (c.HasSlidingLayers() && c.model_type == "llama") {
     return absl::InvalidArgumentError("layer_types: llama has no sliding-window layers");
   }
+  if (!c.quantization.empty() && !(c.quantization == "mxfp4" && c.gpt_oss())) {
+    return absl::InvalidArgumentError(absl::StrCat("quantization_config.quant_method: '", c.quantization,
+                                                   "' is not built (mxfp4 on gpt_oss experts only)"));
+  }
   return ValidateMoeConfig(c);
 }
 
@@ -173,6 +188,11 @@ absl::Status CheckConfigKeys(const nlohmann::json& j, const std::string& model_t
   static const std::set<std::string> kMoeRead = {
       "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
       "shared_expert_intermediate_size", "norm_topk_prob", "mlp_only_layers", "qkv_bias"};
+  // gpt-oss's own keys; Qwen's sliding-window and MoE keys mean nothing to it and are refused.
+  static const std::set<std::string> kGptOssRead = {"num_local_experts", "num_experts_per_tok", "swiglu_limit",
+                                                    "swiglu_alpha", "quantization_config"};
+  static const std::set<std::string> kNotGptOss = {"use_sliding_window", "max_window_layers", "mlp_bias",
+                                                   "use_mrope", "pretraining_tp"};
   // No effect on the log-probs or gradients lorastep computes: bookkeeping, generation
   // defaults, initialization of new weights, token ids, and the MoE auxiliary loss (which
   // transformers adds only to its own language-modelling loss).
@@ -191,12 +211,15 @@ absl::Status CheckConfigKeys(const nlohmann::json& j, const std::string& model_t
       "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
       "base_model_tp_plan", "base_model_pp_plan", "output_router_logits", "router_aux_loss_coef"};
   const bool moe = model_type == "qwen2_moe" || model_type == "qwen3_moe";
+  const bool gpt_oss = model_type == "gpt_oss";
   auto refuse = [](const std::string& key, const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, ": ", why));
   };
   for (const auto& [key, value] : j.items()) {
     if (kNoEffect.count(key)) continue;
-    if (!kRead.count(key) && !(moe && kMoeRead.count(key))) {
+    const bool read = gpt_oss ? (kRead.count(key) && !kNotGptOss.count(key)) || kGptOssRead.count(key)
+                              : kRead.count(key) || (moe && kMoeRead.count(key));
+    if (!read) {
       return refuse(key, absl::StrCat("not a key lorastep reads for ", model_type,
                                       "; it may change the model, so the folder is refused rather than the key "
                                       "ignored (docs/API.md lists the keys read and those without effect)"));
@@ -243,8 +266,24 @@ absl::Status CheckConfigKeys(const nlohmann::json& j, const std::string& model_t
     }
   }
   // Qwen2's attention has q/k/v biases; Qwen3's and Llama's none (their attention_bias also
-  // puts one on o_proj: not built).
-  const bool qkv_bias = model_type == "qwen2" || model_type == "qwen2_moe";
+  // puts one on o_proj: not built); gpt-oss's q/k/v and o biases are its attention_bias.
+  const bool qkv_bias = model_type == "qwen2" || model_type == "qwen2_moe" || gpt_oss;
+  if (is("quantization_config")) {
+    const nlohmann::json& q = j["quantization_config"];
+    if (!q.is_object() || !q.contains("quant_method") || q["quant_method"] != "mxfp4") {
+      return refuse("quantization_config.quant_method",
+                    absl::StrCat(q.is_object() && q.contains("quant_method") ? q["quant_method"].dump() : "(none)",
+                                 " is not built (mxfp4 experts are dequantized at load)"));
+    }
+    for (const auto& [name, v] : q.items()) {
+      if (name != "quant_method" && name != "modules_to_not_convert") {
+        return refuse(absl::StrCat("quantization_config.", name), "not read by the mxfp4 loader");
+      }
+    }
+  }
+  for (const char* key : {"swiglu_limit", "swiglu_alpha"}) {
+    if (is(key) && !j[key].is_number()) return refuse(key, "not a number");
+  }
   if (is("pretraining_tp") && j["pretraining_tp"] != 1) return refuse("pretraining_tp", "only 1 (the exact matmuls)");
   if (is("attention_bias") && j["attention_bias"] != qkv_bias) {
     return refuse("attention_bias", absl::StrCat(j["attention_bias"].dump(), " is not ", model_type, "'s attention"));
@@ -261,6 +300,8 @@ absl::Status CheckConfigKeys(const nlohmann::json& j, const std::string& model_t
 // `layer_types` when given; else, with use_sliding_window, the layers from max_window_layers
 // on (sliding_window and max_window_layers default to 4096 and 28 there). Without
 // use_sliding_window transformers drops sliding_window, so a sliding layer then has none.
+// gpt-oss: the window always applies (sliding_window, default 128) and layer_types defaults
+// to sliding layers at even indices.
 absl::Status ReadSlidingWindow(const nlohmann::json& j, ModelConfig* c) {
   auto bad = [](const std::string& key, const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, ": ", why));
@@ -269,10 +310,10 @@ absl::Status ReadSlidingWindow(const nlohmann::json& j, ModelConfig* c) {
   if (present("use_sliding_window") && !j["use_sliding_window"].is_boolean()) {
     return bad("use_sliding_window", "not a boolean");
   }
-  const bool use = present("use_sliding_window") && j["use_sliding_window"].get<bool>();
+  const bool use = c->gpt_oss() || (present("use_sliding_window") && j["use_sliding_window"].get<bool>());
   int64_t window = 0;
   if (use) {
-    window = 4096;
+    window = c->gpt_oss() ? 128 : 4096;
     if (present("sliding_window")) {
       if (!j["sliding_window"].is_number_integer()) return bad("sliding_window", "not an integer");
       window = j["sliding_window"].get<int64_t>();
@@ -290,6 +331,8 @@ absl::Status ReadSlidingWindow(const nlohmann::json& j, ModelConfig* c) {
         return bad("layer_types", absl::StrCat(t.dump(), " is not sliding_attention or full_attention"));
       }
     }
+  } else if (c->gpt_oss()) {
+    for (int64_t i = 0; i < c->num_hidden_layers; ++i) sliding.push_back(i % 2 == 0);
   } else if (use) {
     int64_t first = 28;
     if (present("max_window_layers")) {
@@ -297,6 +340,11 @@ absl::Status ReadSlidingWindow(const nlohmann::json& j, ModelConfig* c) {
       first = j["max_window_layers"].get<int64_t>();
     }
     for (int64_t i = 0; i < c->num_hidden_layers; ++i) sliding.push_back(i >= first);
+  }
+  // gpt-oss with `sliding_window: null`: transformers gives its sliding layers no window.
+  if (c->gpt_oss() && j.contains("sliding_window") && j["sliding_window"].is_null()) sliding.clear();
+  if (present("layer_types") && static_cast<int64_t>(sliding.size()) != c->num_hidden_layers) {
+    return bad("layer_types", absl::StrCat(sliding.size(), " entries for ", c->num_hidden_layers, " layers"));
   }
   c->sliding_layers = std::move(sliding);
   c->sliding_window = window;
@@ -358,6 +406,26 @@ absl::StatusOr<ModelConfig> ParseModelConfigJson(const std::string& json_text) {
     if (!s.ok()) return s;
   }
   if (!c.moe_family()) c.moe = MoeConfig();  // (a dense config's expert keys are refused by name below)
+  if (c.gpt_oss()) {  // GptOssConfig's defaults, and its MoE in Qwen-MoE terms
+    c.moe.moe_intermediate_size = c.intermediate_size;
+    c.moe.norm_topk_prob = true;  // softmax over the top-k router logits
+    if (c.moe.num_experts_per_tok == 0) c.moe.num_experts_per_tok = 4;
+    if (c.head_dim_override == 0) c.head_dim_override = 64;
+    c.tie_word_embeddings = false;
+    c.rms_norm_eps = 1e-5;
+    c.rope_theta = 150000;
+    c.rope.type = "yarn", c.rope.factor = 32, c.rope.beta_fast = 32, c.rope.beta_slow = 1, c.rope.truncate = false;
+    c.rope.original_max_position_embeddings = 4096;
+    c.max_position_embeddings = j.contains("max_position_embeddings") ? c.max_position_embeddings : 131072;
+    for (const auto& [key, out] : {std::pair<const char*, double*>{"swiglu_limit", &c.moe.swiglu_limit},
+                                   {"swiglu_alpha", &c.moe.swiglu_alpha}}) {
+      if (j.contains(key) && j[key].is_number()) *out = j[key].get<double>();
+    }
+    if (j.contains("quantization_config") && j["quantization_config"].is_object() &&
+        j["quantization_config"].contains("quant_method") && j["quantization_config"]["quant_method"].is_string()) {
+      c.quantization = j["quantization_config"]["quant_method"].get<std::string>();
+    }
+  }
   if (j.contains("norm_topk_prob") && !j["norm_topk_prob"].is_null()) {
     if (!j["norm_topk_prob"].is_boolean()) {
       return absl::InvalidArgumentError("config.json: norm_topk_prob: not a boolean");
@@ -384,6 +452,7 @@ absl::StatusOr<ModelConfig> ParseModelConfigJson(const std::string& json_text) {
   for (const char* key : {"rope_parameters", "rope_scaling"}) {  // transformers 5's spelling first
     if (!j.contains(key) || !j[key].is_object()) continue;
     const nlohmann::json& r = j[key];
+    if (c.gpt_oss()) c.rope = RopeConfig();  // given: its own keys only
     auto number = [&](const char* name, double* out) {
       if (r.contains(name) && r[name].is_number()) *out = r[name].get<double>();
     };
@@ -416,7 +485,64 @@ absl::StatusOr<ModelConfig> ParseModelConfigJson(const std::string& json_text) {
   return c;
 }
 
+namespace {
+
+// gpt-oss's config.json, with the keys GptOssConfig has.
+std::string GptOssConfigToJson(const ModelConfig& c) {
+  nlohmann::ordered_json j;
+  j["architectures"] = {"GptOssForCausalLM"};
+  j["model_type"] = c.model_type;
+  j["vocab_size"] = c.vocab_size;
+  j["hidden_size"] = c.hidden_size;
+  j["intermediate_size"] = c.moe.moe_intermediate_size;
+  j["num_hidden_layers"] = c.num_hidden_layers;
+  j["num_attention_heads"] = c.num_attention_heads;
+  j["num_key_value_heads"] = c.num_key_value_heads;
+  j["head_dim"] = c.head_dim();
+  j["num_local_experts"] = c.moe.num_experts;
+  j["num_experts_per_tok"] = c.moe.num_experts_per_tok;
+  j["swiglu_limit"] = c.moe.swiglu_limit;
+  j["swiglu_alpha"] = c.moe.swiglu_alpha;
+  j["max_position_embeddings"] = c.max_position_embeddings;
+  j["rms_norm_eps"] = c.rms_norm_eps;
+  j["rope_theta"] = c.rope_theta;
+  nlohmann::ordered_json r;
+  r["rope_type"] = c.rope.type;
+  if (c.rope.type != "default") r["factor"] = c.rope.factor;
+  if (c.rope.type == "yarn") {
+    r["beta_fast"] = c.rope.beta_fast;
+    r["beta_slow"] = c.rope.beta_slow;
+    r["truncate"] = c.rope.truncate;
+    if (c.rope.attention_factor > 0) r["attention_factor"] = c.rope.attention_factor;
+  }
+  if (c.rope.original_max_position_embeddings > 0) {
+    r["original_max_position_embeddings"] = c.rope.original_max_position_embeddings;
+  }
+  j["rope_scaling"] = r;
+  j["sliding_window"] = c.HasSlidingLayers() ? nlohmann::ordered_json(c.sliding_window) : nlohmann::ordered_json();
+  nlohmann::ordered_json types = nlohmann::ordered_json::array();
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    types.push_back(c.AttentionWindow(i) > 0 ? "sliding_attention" : "full_attention");
+  }
+  j["layer_types"] = types;
+  j["attention_bias"] = true;
+  j["attention_dropout"] = 0.0;
+  j["hidden_act"] = "silu";
+  j["tie_word_embeddings"] = false;
+  j["torch_dtype"] = c.torch_dtype;
+  j["router_aux_loss_coef"] = 0.0;
+  j["output_router_logits"] = false;
+  j["initializer_range"] = 0.02;
+  j["use_cache"] = false;
+  j["bos_token_id"] = 0;
+  j["eos_token_id"] = 1;
+  return j.dump(2) + "\n";
+}
+
+}  // namespace
+
 std::string ModelConfigToJson(const ModelConfig& c) {
+  if (c.gpt_oss()) return GptOssConfigToJson(c);
   nlohmann::ordered_json j;
   j["architectures"] = {c.model_type == "qwen2_moe"   ? "Qwen2MoeForCausalLM"
                         : c.model_type == "qwen3_moe" ? "Qwen3MoeForCausalLM"

@@ -1,4 +1,5 @@
-// Shape of a Qwen2 / Qwen2.5 decoder, read from (and written as) a Hugging Face config.json.
+// Shape of a decoder (Qwen2 / Qwen2.5 / Qwen3 / Llama, their MoE variants and gpt-oss), read
+// from (and written as) a Hugging Face config.json.
 #ifndef LORASTEP_LIB_MODEL_MODEL_CONFIG_H_
 #define LORASTEP_LIB_MODEL_MODEL_CONFIG_H_
 
@@ -10,8 +11,8 @@
 
 namespace lorastep {
 
-// Routed-expert (MoE) MLP settings, as transformers' Qwen2-MoE / Qwen3-MoE configs name them.
-// num_experts 0: every layer is a dense MLP.
+// Routed-expert (MoE) MLP settings, as transformers' Qwen2-MoE / Qwen3-MoE configs name them
+// (gpt-oss: num_local_experts and intermediate_size). num_experts 0: every layer is a dense MLP.
 struct MoeConfig {
   int64_t num_experts = 0;
   int64_t num_experts_per_tok = 0;     // top-k of the router's softmax
@@ -21,6 +22,10 @@ struct MoeConfig {
   std::vector<int64_t> mlp_only_layers;  // ... except these, which stay dense
   // Qwen2-MoE's shared expert (always on, gated by sigmoid(x . w)); 0 = none (Qwen3-MoE).
   int64_t shared_expert_intermediate_size = 0;
+  // gpt-oss's experts: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+  // g = min(gate, limit), in place of SiLU(gate) * up (ModelConfig::clamped_swiglu()).
+  double swiglu_alpha = 1.702;
+  double swiglu_limit = 7.0;
 };
 
 // Rotary position embedding as transformers computes it for `type` (its rope_type): the
@@ -37,7 +42,7 @@ struct RopeConfig {
 
 struct ModelConfig {
   // Dense: "qwen2" (Qwen2, Qwen2.5), "qwen3", "llama" (Llama 3.x); MoE: "qwen2_moe",
-  // "qwen3_moe".
+  // "qwen3_moe", "gpt_oss".
   std::string model_type = "qwen2";
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;        // H
@@ -58,11 +63,23 @@ struct ModelConfig {
   // i - sliding_window < j <= i. Empty: every layer attends to its whole sequence.
   int64_t sliding_window = 0;
   std::vector<bool> sliding_layers;  // per decoder layer
+  // How the folder's routed-expert weights are stored: "" (bf16/fp16/fp32 tensors) or
+  // "mxfp4" (gpt-oss's blocks and scales, dequantized at load).
+  std::string quantization;
 
-  // Biases on q/k/v (Qwen2's attention), RMSNorm on each head's q and k (Qwen3's).
-  bool qkv_bias() const { return model_type == "qwen2" || model_type == "qwen2_moe"; }
+  // Biases on q/k/v (Qwen2's and gpt-oss's attention), RMSNorm on each head's q and k (Qwen3's).
+  bool qkv_bias() const { return model_type == "qwen2" || model_type == "qwen2_moe" || gpt_oss(); }
   bool qk_norm() const { return model_type == "qwen3" || model_type == "qwen3_moe"; }
-  bool moe_family() const { return model_type == "qwen2_moe" || model_type == "qwen3_moe"; }
+  bool moe_family() const { return model_type == "qwen2_moe" || model_type == "qwen3_moe" || gpt_oss(); }
+  // gpt-oss: a bias on o_proj too; a learned logit per query head that joins each softmax's
+  // denominator (the attention sink); a router with a bias; experts with biases, stored
+  // [E, in, out] with gate and up columns interleaved, through the clamped SwiGLU.
+  bool gpt_oss() const { return model_type == "gpt_oss"; }
+  bool o_bias() const { return gpt_oss(); }
+  bool attention_sinks() const { return gpt_oss(); }
+  bool router_bias() const { return gpt_oss(); }
+  bool expert_bias() const { return gpt_oss(); }
+  bool clamped_swiglu() const { return gpt_oss(); }
 
   int64_t head_dim() const {
     return head_dim_override > 0 ? head_dim_override : hidden_size / num_attention_heads;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "lib/io/file_util.h"
+#include "lib/model/gpt_oss_layout.h"
 #include "lib/io/safetensors.h"
 #include "lib/status_macros.h"
 #include "lib/io/tensor_bytes.h"
@@ -41,12 +42,21 @@ void VisitNamed(Weights& w, Fn&& fn) {
       }
       fn(absl::StrCat(prefix, LinearSlotModulePath(s), ".weight"), layer.linear[s]);
       if (s < 3 && lay.qkv_bias) fn(absl::StrCat(prefix, "self_attn.", kBiasNames[s], ".bias"), layer.qkv_bias[s]);
+      if (s == kOProj && lay.o_bias) fn(prefix + "self_attn.o_proj.bias", layer.o_bias);
     }
+    if (lay.sinks) fn(prefix + "self_attn.sinks", layer.sinks);
     if (lay.qk_norm) {
       fn(prefix + "self_attn.q_norm.weight", layer.q_norm);
       fn(prefix + "self_attn.k_norm.weight", layer.k_norm);
     }
-    if (lay.moe) {
+    if (lay.moe && lay.gpt_oss) {
+      fn(prefix + "mlp.router.weight", layer.router);
+      fn(prefix + "mlp.router.bias", layer.router_bias);
+      fn(prefix + "mlp.experts.gate_up_proj", layer.experts_gate_up);
+      fn(prefix + "mlp.experts.gate_up_proj_bias", layer.experts_gate_up_bias);
+      fn(prefix + "mlp.experts.down_proj", layer.experts_down);
+      fn(prefix + "mlp.experts.down_proj_bias", layer.experts_down_bias);
+    } else if (lay.moe) {
       fn(prefix + "mlp.gate.weight", layer.router);
       fn(prefix + "mlp.experts.gate_up_proj", layer.experts_gate_up);
       fn(prefix + "mlp.experts.down_proj", layer.experts_down);
@@ -103,6 +113,9 @@ LayerLayout LayoutOfLayer(const ModelConfig& c, int64_t layer) {
   l.moe = c.IsMoeLayer(layer);
   l.mlp_slots = !l.moe || c.moe.shared_expert_intermediate_size > 0;
   l.shared_expert_gate = l.moe && c.moe.shared_expert_intermediate_size > 0;
+  l.o_bias = c.o_bias();
+  l.sinks = c.attention_sinks();
+  l.gpt_oss = c.gpt_oss();
   return l;
 }
 
@@ -125,6 +138,8 @@ ModelWeights ModelSkeleton(const ModelConfig& c) {
     l.linear[kVProj] = t({kv, h});
     l.linear[kOProj] = t({h, q});
     if (l.layout.qkv_bias) l.qkv_bias = {t({q}), t({kv}), t({kv})};
+    if (l.layout.o_bias) l.o_bias = t({h});
+    if (l.layout.sinks) l.sinks = t({c.num_attention_heads});
     if (l.layout.qk_norm) {
       l.q_norm = t({d});
       l.k_norm = t({d});
@@ -141,6 +156,11 @@ ModelWeights ModelSkeleton(const ModelConfig& c) {
       l.experts_gate_up = t({e, 2 * f, h});
       l.experts_down = t({e, h, f});
       if (l.layout.shared_expert_gate) l.shared_expert_gate = t({1, h});
+      if (c.router_bias()) l.router_bias = t({e});
+      if (c.expert_bias()) {
+        l.experts_gate_up_bias = t({e, 2 * f});
+        l.experts_down_bias = t({e, h});
+      }
     }
     w.layers.push_back(std::move(l));
   }
@@ -180,7 +200,9 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& folder, const at::Devic
   };
 
   // One tensor by name, shape-checked, on the device in the model dtype.
-  auto load = [&](const std::string& name, const std::vector<int64_t>& shape) -> absl::StatusOr<at::Tensor> {
+  // keep_type: as stored (MXFP4's uint8 blocks and scales), else in the model dtype.
+  auto load = [&](const std::string& name, const std::vector<int64_t>& shape,
+                  bool keep_type = false) -> absl::StatusOr<at::Tensor> {
     auto file_it = files.count("*") ? files.find("*") : files.find(name);
     if (file_it == files.end()) {
       return absl::InvalidArgumentError(absl::StrCat(folder, ": tensor '", name,
@@ -197,7 +219,7 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& folder, const at::Devic
           absl::StrJoin(shape, ", "), "], file has [", absl::StrJoin((*entry)->shape, ", "), "]"));
     }
     LORASTEP_ASSIGN_OR_RETURN(at::Tensor cpu, TensorFromEntry(**entry));
-    return GuardTorch([&]() -> absl::StatusOr<at::Tensor> { return cpu.to(device, type); });
+    return GuardTorch([&]() -> absl::StatusOr<at::Tensor> { return keep_type ? cpu.to(device) : cpu.to(device, type); });
   };
   auto has = [&](const std::string& name) {
     if (!files.count("*")) return files.count(name) > 0;
@@ -225,10 +247,41 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& folder, const at::Devic
     return GuardTorch([&]() -> absl::StatusOr<at::Tensor> { return at::stack(experts); });
   };
 
+  // gpt-oss's experts: stored [E, in, out] (interleaved gate/up), or MXFP4 blocks and scales
+  // of the [E, out, in] layout, whichever the folder has.
+  auto load_gpt_oss = [&](const std::string& name, GptOssExpertTensor which,
+                          const std::vector<int64_t>& shape) -> absl::StatusOr<at::Tensor> {
+    const bool matrix = which == GptOssExpertTensor::kGateUp || which == GptOssExpertTensor::kDown;
+    if (matrix && !has(name) && has(name + "_blocks")) {
+      // shape: lorastep's [E, out, in], the blocks' layout before the interleave is undone
+      const int64_t groups = shape[2] / 32;
+      if (shape[2] % 32 != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(name, "_blocks: in-features ", shape[2], " not a multiple of 32"));
+      }
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor blocks, load(name + "_blocks", {shape[0], shape[1], groups, 16}, true));
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor scales, load(name + "_scales", {shape[0], shape[1], groups}, true));
+      return GuardTorch([&]() -> absl::StatusOr<at::Tensor> {
+        if (blocks.scalar_type() != at::kByte || scales.scalar_type() != at::kByte) {
+          return absl::InvalidArgumentError(absl::StrCat(name, "_blocks / _scales: MXFP4 tensors must be U8"));
+        }
+        at::Tensor dense = DequantizeMxfp4(blocks, scales, type);  // [E, out (interleaved), in]
+        return GptOssFromStored(which, dense.transpose(1, 2));
+      });
+    }
+    LORASTEP_ASSIGN_OR_RETURN(at::Tensor stored, load(name, GptOssStoredShape(which, shape)));
+    return GuardTorch([&]() -> absl::StatusOr<at::Tensor> { return GptOssFromStored(which, stored); });
+  };
+
   std::map<std::string, at::Tensor> loaded;
   for (const auto& [name, shape] : ExpectedTensorShapes(model.config)) {
+    const GptOssExpertTensor gpt_oss =
+        model.config.gpt_oss() ? GptOssExpertTensorOf(name) : GptOssExpertTensor::kNone;
     const bool experts = absl::EndsWith(name, "mlp.experts.gate_up_proj") ||
                          absl::EndsWith(name, "mlp.experts.down_proj");
+    if (gpt_oss != GptOssExpertTensor::kNone) {
+      LORASTEP_ASSIGN_OR_RETURN(loaded[name], load_gpt_oss(name, gpt_oss, shape));
+      continue;
+    }
     LORASTEP_ASSIGN_OR_RETURN(loaded[name], experts ? load_experts(name, shape) : load(name, shape));
   }
   model.weights = ModelSkeleton(model.config);
@@ -246,6 +299,11 @@ absl::Status SaveModel(const std::string& folder, const ModelConfig& config,
   std::vector<std::pair<std::string, at::Tensor>> named;
   ForEachNamedTensor(weights, [&](const std::string& name, const at::Tensor& t) {
     if (!t.defined()) return;
+    if (config.gpt_oss()) {  // gpt-oss's own stacked layout
+      const GptOssExpertTensor which = GptOssExpertTensorOf(name);
+      named.emplace_back(name, which == GptOssExpertTensor::kNone ? t : GptOssToStored(which, t));
+      return;
+    }
     const bool gate_up = absl::EndsWith(name, "mlp.experts.gate_up_proj");
     if (!gate_up && !absl::EndsWith(name, "mlp.experts.down_proj")) {
       named.emplace_back(name, t);
@@ -358,6 +416,8 @@ ModelWeights ShardModelWeights(const ModelWeights& full, const ModelConfig& conf
     dst.post_attention_norm = src.post_attention_norm;
     dst.q_norm = src.q_norm;
     dst.k_norm = src.k_norm;
+    dst.o_bias = src.o_bias;  // added once, after o_proj's all-reduce
+    if (src.sinks.defined()) dst.sinks = cut(src.sinks, 0, shard.head_begin, shard.head_begin + shard.heads);
     for (int slot = 0; slot < kNumLinearSlots; ++slot) {
       if (!src.linear[slot].defined()) continue;  // no shared expert on this MoE layer
       const LinearSplit split = LinearSplitOf(shard, slot, config, src.layout.moe);
@@ -376,7 +436,13 @@ ModelWeights ShardModelWeights(const ModelWeights& full, const ModelConfig& conf
       dst.experts_gate_up = at::cat({gate_up.narrow(1, fb, fe - fb), gate_up.narrow(1, f + fb, fe - fb)}, 1);
       dst.experts_down = cut(src.experts_down.narrow(0, eb, ee - eb), 2, fb, fe);
       dst.router = src.router;
+      dst.router_bias = src.router_bias;
       dst.shared_expert_gate = src.shared_expert_gate;
+      if (src.experts_gate_up_bias.defined()) {
+        at::Tensor bias = src.experts_gate_up_bias.narrow(0, eb, ee - eb);
+        dst.experts_gate_up_bias = at::cat({bias.narrow(1, fb, fe - fb), bias.narrow(1, f + fb, fe - fb)}, 1);
+        dst.experts_down_bias = cut(src.experts_down_bias, 0, eb, ee);  // added by tensor rank 0 alone
+      }
     }
     out.layers.push_back(std::move(dst));
   }

@@ -27,6 +27,11 @@ struct LayerLayout {
   // gate/up/down slots hold the dense MLP, or on a MoE layer Qwen2-MoE's shared expert.
   bool mlp_slots = true;
   bool shared_expert_gate = false;
+  // gpt-oss: o_proj bias, attention sinks, router bias, expert biases, and its tensor names
+  // (mlp.router, mlp.experts.*_bias).
+  bool o_bias = false;
+  bool sinks = false;
+  bool gpt_oss = false;
 };
 LayerLayout LayoutOfLayer(const ModelConfig& config, int64_t layer);
 
@@ -42,6 +47,11 @@ struct LayerWeights {
   at::Tensor experts_gate_up;    // [E, 2I, H]: gate rows, then up rows
   at::Tensor experts_down;       // [E, H, I]
   at::Tensor shared_expert_gate;  // [1, H] (Qwen2-MoE)
+  // gpt-oss (layout.gpt_oss): o_proj's bias [H], the sink logit of each query head [heads],
+  // the router's bias [E], and the experts' biases in the same layout as their weights.
+  at::Tensor o_bias, sinks, router_bias;
+  at::Tensor experts_gate_up_bias;  // [E, 2I]: gate, then up
+  at::Tensor experts_down_bias;     // [E, H]
 };
 
 struct ModelWeights {
@@ -75,6 +85,10 @@ struct LoadedModel {
 // experts load from either layout transformers writes: stacked
 // (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) or one module
 // per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`, what save_pretrained writes).
+// gpt-oss stores its experts [E, in, out] with gate and up columns interleaved
+// (`gate_up_proj` [E, H, 2I], `down_proj` [E, I, H], biases alike), or MXFP4-quantized as
+// `*_blocks` [E, out, in / 32, 16] and `*_scales` [E, out, in / 32]: both are brought to the
+// layout above (gate rows, then up rows) at load, and SaveModel writes the first form back.
 absl::StatusOr<LoadedModel> LoadModel(const std::string& folder, const at::Device& device,
                                       c10::optional<at::ScalarType> dtype = c10::nullopt);
 

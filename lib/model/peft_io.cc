@@ -16,6 +16,43 @@
 
 namespace lorastep {
 
+PeftExportOptions PeftOptionsFor(const ModelConfig& model, const LoraConfig& lora, bool expand_experts) {
+  PeftExportOptions options{expand_experts, model.moe.num_experts};
+  if (model.gpt_oss()) {
+    options.expert_parameters = true;
+    auto targeted = ResolveLoraTargets(lora);
+    options.gate_up_nested = targeted.ok() && (*targeted)[kGateProj] && (*targeted)[kDownProj];
+  }
+  return options;
+}
+
+namespace {
+
+// An expert factor in lorastep's layout (per expert, or shared by the layer's experts: `whole`
+// of dim 2) as the one tensor PEFT's target_parameters form holds (PeftExportOptions).
+at::Tensor ParameterTargetOf(bool fc1, bool b, const at::Tensor& whole, int64_t num_experts) {
+  at::Tensor t = whole;
+  if (whole.dim() == 2) t = whole.unsqueeze(0).expand({num_experts, whole.size(0), whole.size(1)});
+  const int64_t e = t.size(0);
+  if (!b) return t.reshape({-1, t.size(-1)});  // [E, r, in] -> [E * r, in]
+  if (fc1) {                                    // [E, 2, I, r] -> [E, 2I (gate, up alternating), r]
+    t = t.permute({0, 2, 1, 3}).reshape({e, -1, t.size(-1)});
+  }
+  return t.permute({1, 2, 0}).reshape({t.size(1), -1});  // [E, out, r] -> [out, r * E]
+}
+
+// The inverse for one expert layout: `shape` is the lorastep factor's per-expert shape
+// ([E, r, in], [E, 2, I, r] or [E, out, r]).
+at::Tensor ParameterTargetToFactor(bool fc1, bool b, const at::Tensor& peft, at::IntArrayRef shape) {
+  const int64_t e = shape[0];
+  if (!b) return peft.reshape(shape);
+  at::Tensor t = peft.reshape({peft.size(0), -1, e}).permute({2, 0, 1});  // [E, out, r]
+  if (fc1) t = t.reshape({e, shape[2], 2, shape[3]}).permute({0, 2, 1, 3});
+  return t.contiguous();
+}
+
+}  // namespace
+
 std::vector<std::pair<std::string, at::Tensor>> PeftTensorsOf(const std::string& name, const at::Tensor& whole,
                                                               const PeftExportOptions& options) {
   // Expert factors are named "<prefix>mlp.experts.fc1.lora_A.weight" (checkpoint form).
@@ -25,6 +62,10 @@ std::vector<std::pair<std::string, at::Tensor>> PeftTensorsOf(const std::string&
   const bool fc1 = name.compare(at, 15, "mlp.experts.fc1") == 0;
   const bool b = absl::EndsWith(name, ".lora_B.weight");
   const char* factor = b ? "lora_B.weight" : "lora_A.weight";
+  if (options.expert_parameters) {
+    const std::string nest = fc1 && options.gate_up_nested ? "base_layer." : "";
+    return {{absl::StrCat(prefix, nest, factor), ParameterTargetOf(fc1, b, whole, options.num_experts)}};
+  }
   // fc1's A serves gate_proj and up_proj alike; its B holds gate rows then up rows.
   const std::vector<std::string> modules =
       fc1 ? std::vector<std::string>{"gate_proj", "up_proj"} : std::vector<std::string>{"down_proj"};
@@ -57,6 +98,16 @@ absl::Status ExportPeftAdapter(
   }
   const LoraConfig& lora = adapter.lora_config();
   LORASTEP_ASSIGN_OR_RETURN(std::vector<std::string> modules, LoraTargetModuleNames(lora));
+  std::vector<std::string> parameters;  // gpt-oss: the experts as PEFT's target_parameters
+  if (options.expert_parameters) {
+    std::vector<std::string> attention;
+    for (const std::string& m : modules) {
+      if (m == "gate_proj") parameters.push_back("mlp.experts.gate_up_proj");
+      if (m == "down_proj") parameters.push_back("mlp.experts.down_proj");
+      if (m != "gate_proj" && m != "up_proj" && m != "down_proj") attention.push_back(m);
+    }
+    modules = attention;
+  }
   nlohmann::ordered_json config;
   config["peft_type"] = "LORA";
   config["task_type"] = "CAUSAL_LM";
@@ -65,6 +116,7 @@ absl::Status ExportPeftAdapter(
   config["lora_alpha"] = lora.alpha;
   config["lora_dropout"] = lora.dropout;
   config["target_modules"] = modules;
+  if (options.expert_parameters) config["target_parameters"] = parameters;
   config["bias"] = "none";
   config["fan_in_fan_out"] = false;
   config["inference_mode"] = true;
@@ -98,7 +150,7 @@ absl::Status ExportPeftAdapter(
   return list.WriteTo(folder + "/adapter_model.safetensors", {{"format", "pt"}});
 }
 
-absl::Status ImportPeftAdapter(const std::string& folder, Adapter* adapter) {
+absl::Status ImportPeftAdapter(const std::string& folder, Adapter* adapter, const PeftExportOptions& options) {
   if (adapter->full_finetune()) {
     return absl::FailedPreconditionError("import: a rank-0 run has no adapter to load into");
   }
@@ -128,6 +180,27 @@ absl::Status ImportPeftAdapter(const std::string& folder, Adapter* adapter) {
   // The same modules: a run with fewer targets would drop trained factors without a word.
   LORASTEP_ASSIGN_OR_RETURN(std::vector<std::string> want, LoraTargetModuleNames(lora));
   std::set<std::string> have;
+  if (options.expert_parameters) {  // gpt-oss: experts through target_parameters
+    std::set<std::string> params;
+    if (config.contains("target_parameters") && config["target_parameters"].is_array()) {
+      for (const auto& m : config["target_parameters"]) {
+        if (m.is_string()) params.insert(m.get<std::string>());
+      }
+    }
+    std::set<std::string> want_params;
+    std::vector<std::string> attention;
+    for (const std::string& m : want) {
+      if (m == "gate_proj") want_params.insert("mlp.experts.gate_up_proj");
+      if (m == "down_proj") want_params.insert("mlp.experts.down_proj");
+      if (m != "gate_proj" && m != "up_proj" && m != "down_proj") attention.push_back(m);
+    }
+    if (params != want_params) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "adapter_config.json: target_parameters: ", config.value("target_parameters", nlohmann::json()).dump(),
+          " does not match the run's [", absl::StrJoin(want_params, ", "), "]"));
+    }
+    want = attention;
+  }
   if (config.contains("target_modules") && config["target_modules"].is_string()) {
     have.insert(config["target_modules"].get<std::string>());  // PEFT also allows one string
   } else if (config.contains("target_modules") && config["target_modules"].is_array()) {
@@ -178,8 +251,22 @@ absl::Status ImportPeftAdapter(const std::string& folder, Adapter* adapter) {
       staged.push_back(t);
       continue;
     }
-    // An expert factor: its per-module keys, in (expert, module) order.
     const bool shared = p.value.dim() == 2;
+    if (options.expert_parameters) {  // one PEFT tensor per factor; per-expert layout inside
+      const bool fc1 = p.family == "fc1", b = absl::EndsWith(p.name, ".lora_B.weight");
+      const auto key = PeftTensorsOf(p.name, p.value, options).front();
+      LORASTEP_ASSIGN_OR_RETURN(at::Tensor t, read(key.first, key.second.sizes()));
+      std::vector<int64_t> per_expert(p.value.sizes().begin(), p.value.sizes().end());
+      if (shared) per_expert.insert(per_expert.begin(), options.num_experts);
+      at::Tensor value = ParameterTargetToFactor(fc1, b, t, per_expert);
+      if (shared) {  // every expert's copy must be the one shared factor
+        for (int64_t e = 1; e < value.size(0); ++e) LORASTEP_RETURN_IF_ERROR(same(value[e], value[0], key.first));
+        value = value[0];
+      }
+      staged.push_back(value);
+      continue;
+    }
+    // An expert factor: its per-module keys, in (expert, module) order.
     PeftExportOptions compact;
     auto keys = PeftTensorsOf(p.name, p.value, compact);
     if (shared && !file.Find(keys[0].first).ok()) {  // the expanded form: one copy per expert

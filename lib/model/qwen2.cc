@@ -260,13 +260,14 @@ class LayerRunner {
   // [1, total, heads * d]. Sequences all of one length run as padded rows without padding
   // where SDPA picks cuDNN's kernel for them (faster than the flash kernels at head dim 128:
   // docs/PERFORMANCE.md); else one varlen kernel where available, else each sequence alone.
-  // `window` > 0: a sliding layer's, each sequence alone through its mask.
+  // `window` > 0 (a sliding layer's) or attention sinks: each sequence alone through its mask.
   static at::Tensor PackedAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const PackedSequences& packed, int64_t window) {
+                                    const PackedSequences& packed, int64_t window, const at::Tensor& sinks) {
     const int64_t total = q.size(1), width = q.size(2) * q.size(3);
     const int64_t length = packed.lengths.empty() ? 0 : packed.lengths.front();
     const auto count = static_cast<int64_t>(packed.lengths.size());
-    if (window == 0 && length > 0 && count * length == total &&
+    const bool plain = window == 0 && !sinks.defined();
+    if (plain && length > 0 && count * length == total &&
         std::all_of(packed.lengths.begin(), packed.lengths.end(), [&](int64_t n) { return n == length; })) {
       auto rows = [&](const at::Tensor& t) { return t.reshape({count, length, t.size(2), t.size(3)}).transpose(1, 2); };
       const at::Tensor qr = rows(q), kr = rows(k), vr = rows(v);
@@ -274,7 +275,7 @@ class LayerRunner {
         return compat::CausalAttention(qr, kr, vr).transpose(1, 2).reshape({1, total, width});
       }
     }
-    if (window == 0 && compat::HasVarlenAttention(q)) {
+    if (plain && compat::HasVarlenAttention(q)) {
       return compat::VarlenCausalAttention(q[0], k[0], v[0].contiguous(), packed.cu_seqlens, packed.max_length)
           .reshape({1, total, width});
     }
@@ -283,11 +284,18 @@ class LayerRunner {
     for (int64_t n : packed.lengths) {
       auto heads_first = [&](const at::Tensor& t) { return t.narrow(1, start, n).transpose(1, 2); };
       const at::Tensor qs = heads_first(q), ks = heads_first(k), vs = heads_first(v);
-      parts.push_back((window > 0 ? compat::WindowedCausalAttention(qs, ks, vs, window) : compat::CausalAttention(qs, ks, vs))
-                          .transpose(1, 2));
+      parts.push_back(CausalOrMasked(qs, ks, vs, window, sinks).transpose(1, 2));
       start += n;
     }
     return at::cat(parts, 1).reshape({1, total, width});
+  }
+
+  // q [b, heads, s, d] over k/v [b, kv, s, d]: causal, in a sliding window (window > 0), and
+  // with attention sinks [heads] where defined.
+  static at::Tensor CausalOrMasked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window,
+                                   const at::Tensor& sinks) {
+    if (sinks.defined()) return compat::SinkCausalAttention(q, k, v, window, sinks);
+    return window > 0 ? compat::WindowedCausalAttention(q, k, v, window) : compat::CausalAttention(q, k, v);
   }
 
   // Causal attention of this context rank's tokens over every rank's (packed.context_group):
@@ -306,22 +314,24 @@ class LayerRunner {
   // through KeptAttentionFunction. The packed layout's flash kernel and cuDNN's kernel on
   // padded rows (where SDPA picks it) keep their statistics, and backward runs from them;
   // elsewhere backward runs attention again.
-  // `window` > 0: a sliding-window layer (ModelConfig::AttentionWindow), through an explicit
-  // mask on every path (context parallelism refuses such models: ValidateLayoutForModel).
-  at::Tensor Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window) const {
+  // `window` > 0: a sliding-window layer (ModelConfig::AttentionWindow), and `sinks` (this
+  // rank's heads' sink logits, gpt-oss) where defined, through an explicit mask on every path
+  // (context parallelism refuses such models: ValidateLayoutForModel).
+  at::Tensor Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window,
+                    const at::Tensor& sinks) const {
     const int64_t b = q.size(0), s = q.size(1), width = q.size(2) * q.size(3);
     const PackedSequences* packed = options_.packed;
-    AttentionFn attend = [packed, b, s, width, window](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    const bool plain = window == 0 && !sinks.defined();
+    AttentionFn attend = [packed, b, s, width, window, sinks](const at::Tensor& q, const at::Tensor& k,
+                                                              const at::Tensor& v) {
       if (packed == nullptr) {
         const at::Tensor qt = q.transpose(1, 2), kt = k.transpose(1, 2), vt = v.transpose(1, 2);
-        return (window > 0 ? compat::WindowedCausalAttention(qt, kt, vt, window) : compat::CausalAttention(qt, kt, vt))
-            .transpose(1, 2)
-            .reshape({b, s, width});
+        return CausalOrMasked(qt, kt, vt, window, sinks).transpose(1, 2).reshape({b, s, width});
       }
-      TORCH_CHECK(window == 0 || packed->context_group == nullptr,
-                  "sliding-window attention with context parallelism is not built");
+      TORCH_CHECK((window == 0 && !sinks.defined()) || packed->context_group == nullptr,
+                  "sliding-window attention or attention sinks with context parallelism are not built");
       return packed->context_group != nullptr ? ContextAttention(q, k, v, *packed)
-                                              : PackedAttention(q, k, v, *packed, window);
+                                              : PackedAttention(q, k, v, *packed, window, sinks);
     };
     KeptAttention* kept = kept_attention_;
     if (kept == nullptr) return attend(q, k, v);
@@ -329,8 +339,8 @@ class LayerRunner {
     const auto kept_output = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
       return KeptAttentionFunction::apply(q, k, v, reinterpret_cast<int64_t>(kept));
     };
-    // A windowed layer keeps no kernel statistics: its attention is replayed whole.
-    if (window == 0 && packed != nullptr && packed->context_group == nullptr && compat::HasVarlenAttention(q)) {
+    // A windowed layer or one with sinks keeps no kernel statistics: its attention is replayed whole.
+    if (plain && packed != nullptr && packed->context_group == nullptr && compat::HasVarlenAttention(q)) {
       const at::Tensor q0 = q[0], k0 = k[0], v0 = v[0].contiguous();
       if (!replay) {
         kept->kernel = KeptAttention::Kernel::kFlash;
@@ -340,7 +350,7 @@ class LayerRunner {
       }
       return (replay ? kept_output(q0, k0, v0) : kept->out).reshape({1, s, width});
     }
-    if (window == 0 && packed == nullptr) {
+    if (plain && packed == nullptr) {
       const at::Tensor qt = q.transpose(1, 2), kt = k.transpose(1, 2), vt = v.transpose(1, 2);
       if (replay ? kept->kernel == KeptAttention::Kernel::kCudnn : compat::UsesCudnnAttention(qt, kt, vt)) {
         if (!replay) {
@@ -443,14 +453,15 @@ class LayerRunner {
     std::tie(x, h) = AddRmsNorm(x, pending, lw.input_norm, c_.rms_norm_eps, qkv_room);
     auto [q, k, v] = QueryKeyValue(i, CopyToTensorRegion(h, tp), cos, sin, nh, nkv, qkv_group, qkv_room > 0);
     at::Tensor attn = options_.cached_attention != nullptr
-                          ? options_.cached_attention->Attend(weights_.first_layer + static_cast<int64_t>(i), q, k, v)
-                          : Attend(q, k, v, c_.AttentionWindow(weights_.first_layer + static_cast<int64_t>(i)));
+                          ? options_.cached_attention->Attend(weights_.first_layer + static_cast<int64_t>(i), q, k, v, lw.sinks)
+                          : Attend(q, k, v, c_.AttentionWindow(weights_.first_layer + static_cast<int64_t>(i)), lw.sinks);
     // Row-parallel o/down give partial sums (LoRA's B(A_i x_i) included): one all-reduce each.
     const std::optional<PackedGroup> mlp_group =
         lw.layout.moe ? std::nullopt : GroupOf(i, {kGateProj, kUpProj});
     const int64_t mlp_room = FoldRoom(mlp_group);
-    std::tie(x, h) = AddRmsNorm(x, ReduceFromTensorRegion(Project(i, kOProj, attn), tp), lw.post_attention_norm,
-                                c_.rms_norm_eps, mlp_room);
+    at::Tensor attn_out = ReduceFromTensorRegion(Project(i, kOProj, attn), tp);
+    if (lw.o_bias.defined()) attn_out = attn_out + lw.o_bias;  // once, after the tensor ranks' sum
+    std::tie(x, h) = AddRmsNorm(x, attn_out, lw.post_attention_norm, c_.rms_norm_eps, mlp_room);
     h = CopyToTensorRegion(h, tp);
     if (lw.layout.moe) return {x, MoeMlp(i, h)};
     at::Tensor gate_up = ProjectPacked(mlp_group, h, mlp_room > 0);
@@ -470,6 +481,9 @@ class LayerRunner {
     const int64_t hidden = h.size(-1), top_k = c_.moe.num_experts_per_tok, experts = c_.moe.num_experts;
     at::Tensor x = h.reshape({-1, hidden});
     at::Tensor logits = Linear(x, lw.router, at::Tensor(), options_.grad);
+    if (lw.router_bias.defined()) logits = logits + lw.router_bias;
+    // gpt-oss takes a softmax over the top-k logits: the same as the top-k of the softmax,
+    // renormalized (norm_topk_prob), which is how it is configured here.
     at::Tensor probs = at::softmax(logits.to(at::kFloat), -1);
     auto [top_p, top_e] = probs.topk(top_k, -1);
     if (c_.moe.norm_topk_prob) top_p = top_p / top_p.sum(-1, /*keepdim=*/true);
@@ -536,6 +550,12 @@ class LayerRunner {
     return AllToAllRows(y, group, out_splits, in_splits);
   }
 
+  // An expert's activation of its packed [gate | up] output: SwiGLU, or gpt-oss's clamped form.
+  at::Tensor ExpertActivation(const at::Tensor& gate_up) const {
+    if (!c_.clamped_swiglu()) return SwiGluPacked(gate_up);
+    return ClampedSwiGluPacked(gate_up, c_.moe.swiglu_alpha, c_.moe.swiglu_limit);
+  }
+
   // This rank's experts over rows grouped by local expert (counts[e] rows each, int64 on any
   // device): frozen gate/up and down plus expert LoRA when the adapter has it, as grouped
   // GEMMs (CUDA bf16: no host synchronization) or one 2-D GEMM each way per expert.
@@ -560,6 +580,11 @@ class LayerRunner {
     };
     const bool shared_a = fc1_a != nullptr && fc1_a->value.dim() == 2;
     const bool shared_b = fc2_b != nullptr && fc2_b->value.dim() == 2;
+    // gpt-oss's expert biases; down's is a full output, so only tensor rank 0 adds it (the
+    // others' partial sums join it in the all-reduce).
+    const at::Tensor& up_bias = lw.experts_gate_up_bias;
+    const at::Tensor down_bias = options_.shard == nullptr || options_.shard->tp_rank == 0 ? lw.experts_down_bias
+                                                                                          : at::Tensor();
     const int64_t rank = fc1_a != nullptr ? fc1_a->value.size(-2) : fc2_a != nullptr ? fc2_a->value.size(-2) : 8;
     if (options_.grouped_experts && GroupedLinearAvailable(rows, {rows.size(1), f, rank})) {
       // One grouped GEMM per projection over all experts (CUDA, bf16): no per-expert loop.
@@ -569,13 +594,20 @@ class LayerRunner {
         return q->main_grad.reshape({q->main_grad.size(0), -1, q->main_grad.size(-1)});
       };
       at::Tensor gate_up = GroupedLinear(rows, lw.experts_gate_up, at::Tensor(), offs, options_.grad);
+      at::Tensor row_expert;  // each row's local expert, for the biases
+      if (up_bias.defined()) {
+        const at::Tensor counts = counts_any.to(rows.device());
+        row_expert = at::repeat_interleave(at::arange(counts.numel(), counts.options()), counts);
+        gate_up = gate_up + up_bias.index_select(0, row_expert);
+      }
       if (fc1_a != nullptr) {
         at::Tensor inner = shared_a ? Linear(lora_input(rows), fc1_a->value, fc1_a->main_grad, options_.grad)
                                     : GroupedLinear(lora_input(rows), fc1_a->value, fc1_a->main_grad, offs, options_.grad);
         gate_up = gate_up + GroupedLinear(inner, stacked(fc1_b), stacked_grad(fc1_b), offs, options_.grad) * scale;
       }
-      at::Tensor act = SwiGluPacked(gate_up);
+      at::Tensor act = ExpertActivation(gate_up);
       at::Tensor y = GroupedLinear(act, lw.experts_down, at::Tensor(), offs, options_.grad);
+      if (down_bias.defined()) y = y + down_bias.index_select(0, row_expert);
       if (fc2_a != nullptr) {
         at::Tensor inner = GroupedLinear(lora_input(act), fc2_a->value, fc2_a->main_grad, offs, options_.grad);
         y = y + (shared_b ? Linear(inner, fc2_b->value, fc2_b->main_grad, options_.grad)
@@ -594,6 +626,7 @@ class LayerRunner {
       if (n == 0) continue;
       at::Tensor xs = rows.narrow(0, start, n);
       at::Tensor gate_up = Linear(xs, lw.experts_gate_up[e], at::Tensor(), options_.grad);
+      if (up_bias.defined()) gate_up = gate_up + up_bias[e];
       if (fc1_a != nullptr) {
         at::Tensor inner = shared_a ? fc1_inner_all.narrow(0, start, n)
                                     : Linear(lora_input(xs), value(fc1_a, e), grad(fc1_a, e), options_.grad);
@@ -601,8 +634,9 @@ class LayerRunner {
         gate_up = gate_up + Linear(inner, value(fc1_b, e).view({2 * f, r}), grad(fc1_b, e).view({2 * f, r}),
                                    options_.grad) * scale;
       }
-      at::Tensor act = SwiGluPacked(gate_up);
+      at::Tensor act = ExpertActivation(gate_up);
       at::Tensor y = Linear(act, lw.experts_down[e], at::Tensor(), options_.grad);
+      if (down_bias.defined()) y = y + down_bias[e];
       if (fc2_a != nullptr) {
         at::Tensor inner = Linear(lora_input(act), value(fc2_a, e), grad(fc2_a, e), options_.grad);
         if (shared_b) {

@@ -57,8 +57,10 @@ class CachedAttention {
  public:
   virtual ~CachedAttention() = default;
   // q [1, T, heads, d], k/v [1, T, kv_heads, d] (RoPE applied) of decoder layer `layer`
-  // (its index in the model) -> [1, T, heads * d].
-  virtual at::Tensor Attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) = 0;
+  // (its index in the model) -> [1, T, heads * d]. `sinks` [heads]: gpt-oss's sink logits
+  // (joining each softmax's denominator), undefined for other models.
+  virtual at::Tensor Attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& sinks) = 0;
 };
 
 struct ForwardOptions {

@@ -133,13 +133,13 @@ KvStepAttention::KvStepAttention(KvBlockPool* pool, const std::vector<const KvSe
   if (!rows.empty()) decode_rows_ = at::tensor(rows, at::kLong).to(device);
 }
 
-void KvStepAttention::PrepareDecode(int64_t group, bool same_dtype) {
+void KvStepAttention::PrepareDecode(int64_t group, bool kernel_allowed) {
   decode_prepared_ = true;
   if (decode_sequences_.empty()) return;
   const int64_t bs = pool_->shape().block_size, n = static_cast<int64_t>(decode_sequences_.size());
   const at::Device device = pool_->keys(pool_->shape().first_layer).device();
 #ifdef LORASTEP_WITH_CUDA_KERNELS
-  decode_kernel_ = same_dtype && device.is_cuda() && kernels::PagedDecodeSupported(group, pool_->shape().head_dim);
+  decode_kernel_ = kernel_allowed && device.is_cuda() && kernels::PagedDecodeSupported(group, pool_->shape().head_dim);
   if (decode_kernel_) {  // lengths, then each sequence's blocks padded to the longest list
     decode_table_stride_ = pool_->BlocksFor(decode_longest_);
     at::Tensor host = at::zeros({n + n * decode_table_stride_},
@@ -156,7 +156,7 @@ void KvStepAttention::PrepareDecode(int64_t group, bool same_dtype) {
   }
 #else
   (void)group;
-  (void)same_dtype;
+  (void)kernel_allowed;
 #endif
   // The ATen composition: the slots as one [S, longest] table (padding: slot 0, masked).
   std::vector<int64_t> table;
@@ -171,7 +171,8 @@ void KvStepAttention::PrepareDecode(int64_t group, bool same_dtype) {
   decode_padding_ = pos.unsqueeze(0) >= decode_lengths_on_device_.unsqueeze(1);
 }
 
-at::Tensor KvStepAttention::Attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+at::Tensor KvStepAttention::Attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& sinks) {
   at::NoGradGuard no_grad;
   at::Tensor& keys = pool_->keys(layer);
   at::Tensor& values = pool_->values(layer);
@@ -184,7 +185,16 @@ at::Tensor KvStepAttention::Attend(int64_t layer, const at::Tensor& q, const at:
   // Decoding sequences (one new token each) attend together, each key/value head against its
   // group of query heads without repeating it: through the paged kernel, or with their keys
   // and values gathered into [S, L, kv_heads, d] (L: the longest; the padding masked out).
-  if (!decode_prepared_) PrepareDecode(group, q.scalar_type() == keys.scalar_type());
+  if (!decode_prepared_) PrepareDecode(group, q.scalar_type() == keys.scalar_type() && !sinks.defined());
+  // gpt-oss's sinks: one more logit per query head in each softmax, with no value.
+  const at::Tensor sink = sinks.defined() ? sinks.to(at::kFloat) : at::Tensor();
+  auto softmax = [&](const at::Tensor& scores, at::IntArrayRef sink_shape) {
+    if (!sink.defined()) return at::softmax(scores, -1);
+    std::vector<int64_t> shape(scores.sizes().begin(), scores.sizes().end());
+    shape.back() = 1;
+    const at::Tensor column = sink.view(sink_shape).expand(shape);
+    return at::softmax(at::cat({scores, column}, -1), -1).narrow(-1, 0, scores.size(-1));
+  };
 #ifdef LORASTEP_WITH_CUDA_KERNELS
   if (decode_kernel_) {
     const bool all_decode = decode_sequences_.size() == new_tokens_.size();  // rows 0..S-1 in order
@@ -220,7 +230,7 @@ at::Tensor KvStepAttention::Attend(int64_t layer, const at::Tensor& q, const at:
       hidden = hidden.logical_or(pos.unsqueeze(0) < (decode_lengths_on_device_ - window).unsqueeze(1));
     }
     scores = scores.masked_fill(hidden.view({n, 1, 1, longest}), -std::numeric_limits<float>::infinity());
-    const at::Tensor out = at::matmul(at::softmax(scores, -1), vd.permute({0, 2, 1, 3}));  // [S, kv_heads, group, d]
+    const at::Tensor out = at::matmul(softmax(scores, {1, kv_heads, group, 1}), vd.permute({0, 2, 1, 3}));  // [S, kv_heads, group, d]
     const at::Tensor rows = out.reshape({n, heads * d});
     for (int64_t i = 0; i < n; ++i) outs[decode_sequences_[i]] = rows.narrow(0, i, 1);
   }
@@ -243,7 +253,7 @@ at::Tensor KvStepAttention::Attend(int64_t layer, const at::Tensor& q, const at:
     at::Tensor hidden = key_pos.unsqueeze(0) > query_pos.unsqueeze(1);
     if (window > 0) hidden = hidden.logical_or(key_pos.unsqueeze(0) <= query_pos.unsqueeze(1) - window);
     scores = scores.masked_fill(hidden, -std::numeric_limits<float>::infinity());
-    const at::Tensor out = at::matmul(at::softmax(scores, -1), vs.transpose(0, 1));  // [heads, n, d]
+    const at::Tensor out = at::matmul(softmax(scores, {heads, 1, 1}), vs.transpose(0, 1));  // [heads, n, d]
     outs[s] = out.transpose(0, 1).reshape({n, heads * d});
     row += n;
   }

@@ -89,7 +89,8 @@ class KvStepAttention : public CachedAttention {
  public:
   KvStepAttention(KvBlockPool* pool, const std::vector<const KvSequence*>& sequences,
                   const std::vector<int64_t>& new_tokens);
-  at::Tensor Attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) override;
+  at::Tensor Attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& sinks) override;
 
  private:
   KvBlockPool* pool_;
@@ -98,10 +99,11 @@ class KvStepAttention : public CachedAttention {
   std::vector<at::Tensor> read_slots_;        // per sequence with several new tokens: its slots
   // The sequences with one new token (decoding), attended together: their indices and their
   // rows in the packed row; made at the first layer's Attend, by which of the two paths runs
-  // it: lorastep's paged decode kernel (CUDA, a supported head shape) reads the pool through
+  // it: lorastep's paged decode kernel (CUDA, a supported head shape, no sinks) reads the pool through
   // a block table and lengths, the ATen composition gathers their slots [S, longest] and
   // masks the padding.
-  void PrepareDecode(int64_t group, bool same_dtype);
+  // kernel_allowed: the query and cache dtypes agree and the layer has no sinks.
+  void PrepareDecode(int64_t group, bool kernel_allowed);
   std::vector<const KvSequence*> decode_seqs_;  // each decoding sequence (its blocks)
   std::vector<int64_t> decode_sequences_, decode_lengths_;
   int64_t decode_longest_ = 0;

@@ -156,7 +156,7 @@ absl::Status Trainer::ExportAdapter(const std::string& folder, bool expand_exper
     // Written aside and renamed into place: a failed export leaves no partial folder.
     return WriteFolderAtomically(folder, [&](const std::string& tmp) {
       return ExportPeftAdapter(tmp, *adapter_, base_->path, &whole,
-                               PeftExportOptions{expand_experts, base_->config.moe.num_experts});
+                               PeftOptionsFor(base_->config, adapter_->lora_config(), expand_experts));
     });
   });
 }
@@ -174,7 +174,8 @@ absl::Status Trainer::ImportAdapter(const std::string& folder) {
                                          "import at world size 1 and SaveState/LoadState");
   }
   return GuardTorch([&]() -> absl::Status {
-    LORASTEP_RETURN_IF_ERROR(ImportPeftAdapter(folder, adapter_.get()));
+    LORASTEP_RETURN_IF_ERROR(
+        ImportPeftAdapter(folder, adapter_.get(), PeftOptionsFor(base_->config, adapter_->lora_config(), false)));
     optimizer_->ResyncFromParameters();
     adapter_->ZeroMainGrads();
     pending_backward_calls_ = 0;
