@@ -122,13 +122,17 @@ TEST(ContextParallelAttentionTest, EveryRankMatchesWholeSequenceAttention) {
 
 // The decoder layers over context ranks (PackedSequences::context_group): each rank's hidden
 // states are those rows of the whole sequences' forward, and the LoRA gradients summed over
-// the ranks are the whole forward's (dense and MoE layers; RoPE by each token's position).
+// the ranks are the whole forward's (dense and MoE layers; RoPE by each token's position; a
+// sliding-window layer, and gpt-oss's sinks with its window).
 TEST(ContextParallelAttentionTest, LayersOverContextRanksMatchTheWholeSequences) {
   const std::vector<int64_t> lengths{7, 12, 5};
   const int64_t total = 24;
-  for (const char* preset : {"tiny", "tiny-moe"}) {
+  for (const char* preset : {"tiny", "tiny-moe", "tiny-qwen2-swa", "tiny-gpt-oss"}) {
     const ModelConfig c = ModelConfigPreset(preset).value();
     ModelWeights w = RandomModelWeights(c, 5);
+    for (LayerWeights& l : w.layers) {
+      if (l.sinks.defined()) l.sinks = at::randn(l.sinks.sizes()) * 2;  // sinks of a visible size
+    }
     PackProjections(&w);
     LoraConfig lora;
     lora.rank = 4;

@@ -1000,6 +1000,19 @@ TEST_F(MeshTest, GptOssOnTensorAndExpertRanksEqualsWorldOne) {
   ExpectSame(Train(mesh, 4, "gpt_oss tp2 x ep2 (dp2)", "per_expert"), want, "gpt_oss tp2 x ep2 x dp2");
 }
 
+// Context parallelism over sliding-window layers and attention sinks (its mask has both):
+// Qwen2 with a sliding layer and gpt-oss on two context ranks equal world size 1.
+TEST_F(MeshTest, SlidingWindowAndSinksOnContextRanksEqualWorldOne) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
+  for (const char* family : {"tiny-qwen2-swa", "tiny-gpt-oss"}) {
+    Coordinator one = Start({}, family);
+    const std::string experts = std::string(family) == "tiny-gpt-oss" ? "per_expert" : "";
+    const Trace want = Train(one, 4, std::string(family) + " cp w1", experts);
+    Coordinator cp2 = Start({"--cp", "2"}, family);
+    ExpectSame(Train(cp2, 4, std::string(family) + " cp2", experts), want, std::string(family) + " cp2");
+  }
+}
+
 TEST_F(MeshTest, MoePipelineWithExpertParallelEqualsWorldOne) {
   if (!Fits(4)) GTEST_SKIP() << "needs 4 GPUs";
   Coordinator world1 = Start({}, "moe");

@@ -95,20 +95,11 @@ TEST(ParallelLayoutTest, ModelChecks) {
   c.intermediate_size = 66;
   EXPECT_THAT(ValidateLayoutForModel({4, 1, 1}, c),
               StatusIs(absl::StatusCode::kInvalidArgument, "intermediate_size"));
-  // Context parallelism has no sliding window yet: refused before any worker starts.
-  ASSERT_OK_AND_ASSIGN(ModelConfig sliding, ModelConfigPreset("tiny"));
-  sliding.sliding_window = 4;
-  sliding.sliding_layers = {false, true};
+  // Context parallelism takes sliding windows and attention sinks (its mask has both).
   ParallelSizes cp2;
   cp2.cp = 2;
-  EXPECT_THAT(ValidateLayoutForModel(cp2, sliding),
-              StatusIs(absl::StatusCode::kInvalidArgument, "cp: 2: context parallelism with sliding-window attention"));
-  EXPECT_TRUE(ValidateLayoutForModel({2, 2, 1}, sliding).ok());
-  // Nor attention sinks (gpt-oss), even without a sliding layer.
-  ASSERT_OK_AND_ASSIGN(ModelConfig gpt_oss, ModelConfigPreset("tiny-gpt-oss"));
-  gpt_oss.sliding_layers.clear();
-  EXPECT_THAT(ValidateLayoutForModel(cp2, gpt_oss),
-              StatusIs(absl::StatusCode::kInvalidArgument, "cp: 2: context parallelism with attention sinks"));
+  EXPECT_TRUE(ValidateLayoutForModel(cp2, ModelConfigPreset("tiny-qwen2-swa").value()).ok());
+  EXPECT_TRUE(ValidateLayoutForModel(cp2, ModelConfigPreset("tiny-gpt-oss").value()).ok());
 }
 
 // Expert parallelism is carved out of the data axis (ep_rank = dp_rank % ep).

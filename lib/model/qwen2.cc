@@ -301,10 +301,10 @@ class LayerRunner {
   // Causal attention of this context rank's tokens over every rank's (packed.context_group):
   // q [1, t, heads, d], k/v [1, t, kv, d] -> [1, t, heads * d].
   static at::Tensor ContextAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                     const PackedSequences& packed) {
+                                     const PackedSequences& packed, int64_t window, const at::Tensor& sinks) {
     const int64_t t = q.size(1), width = q.size(2) * q.size(3);
     return ContextParallelAttention(q[0], k[0], v[0], packed.sequence_ids, packed.positions, packed.context_group,
-                                    packed.context_counts)
+                                    packed.context_counts, window, sinks)
         .reshape({1, t, width});
   }
 
@@ -316,7 +316,7 @@ class LayerRunner {
   // elsewhere backward runs attention again.
   // `window` > 0: a sliding-window layer (ModelConfig::AttentionWindow), and `sinks` (this
   // rank's heads' sink logits, gpt-oss) where defined, through an explicit mask on every path
-  // (context parallelism refuses such models: ValidateLayoutForModel).
+  // (context parallelism's included).
   at::Tensor Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window,
                     const at::Tensor& sinks) const {
     const int64_t b = q.size(0), s = q.size(1), width = q.size(2) * q.size(3);
@@ -328,9 +328,7 @@ class LayerRunner {
         const at::Tensor qt = q.transpose(1, 2), kt = k.transpose(1, 2), vt = v.transpose(1, 2);
         return CausalOrMasked(qt, kt, vt, window, sinks).transpose(1, 2).reshape({b, s, width});
       }
-      TORCH_CHECK((window == 0 && !sinks.defined()) || packed->context_group == nullptr,
-                  "sliding-window attention or attention sinks with context parallelism are not built");
-      return packed->context_group != nullptr ? ContextAttention(q, k, v, *packed)
+      return packed->context_group != nullptr ? ContextAttention(q, k, v, *packed, window, sinks)
                                               : PackedAttention(q, k, v, *packed, window, sinks);
     };
     KeptAttention* kept = kept_attention_;

@@ -96,7 +96,7 @@ at::Tensor GatherContextShares(const at::Tensor& x, CommGroup* group, const Cont
 
 at::Tensor ContextParallelAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const at::Tensor& seq, const at::Tensor& pos, CommGroup* group,
-                                    const std::vector<int64_t>& counts) {
+                                    const std::vector<int64_t>& counts, int64_t window, const at::Tensor& sinks) {
   const at::Tensor k_all = GatherContextRows(k, group, counts), v_all = GatherContextRows(v, group, counts);
   at::Tensor seq_all, pos_all;
   {
@@ -110,9 +110,16 @@ at::Tensor ContextParallelAttention(const at::Tensor& q, const at::Tensor& k, co
   const at::Tensor kh = k_all.transpose(0, 1).to(at::kFloat).repeat_interleave(groups, 0);
   const at::Tensor vh = v_all.transpose(0, 1).to(at::kFloat).repeat_interleave(groups, 0);
   at::Tensor scores = at::matmul(qh, kh.transpose(1, 2)) / std::sqrt(static_cast<double>(d));
-  const at::Tensor allowed = seq.unsqueeze(1).eq(seq_all.unsqueeze(0)) & pos_all.unsqueeze(0).le(pos.unsqueeze(1));
+  at::Tensor allowed = seq.unsqueeze(1).eq(seq_all.unsqueeze(0)) & pos_all.unsqueeze(0).le(pos.unsqueeze(1));
+  if (window > 0) allowed = allowed & pos_all.unsqueeze(0).gt(pos.unsqueeze(1) - window);
   scores = scores.masked_fill(allowed.logical_not().unsqueeze(0), -std::numeric_limits<float>::infinity());
-  const at::Tensor probs = at::softmax(scores, -1);
+  at::Tensor probs;
+  if (sinks.defined()) {  // one more logit per head, with no value
+    const at::Tensor column = sinks.to(at::kFloat).view({heads, 1, 1}).expand({heads, scores.size(1), 1});
+    probs = at::softmax(at::cat({scores, column}, -1), -1).narrow(-1, 0, scores.size(-1));
+  } else {
+    probs = at::softmax(scores, -1);
+  }
   return at::matmul(probs, vh).transpose(0, 1).to(q.scalar_type());
 }
 

@@ -51,10 +51,12 @@ at::Tensor GatherContextRows(const at::Tensor& x, CommGroup* group, const std::v
 // (of any rank) iff they share the sequence and pos_j <= pos_i. Returns [t, heads, d].
 // Differentiable in q, k and v; the keys' and values' gradients go back to the ranks that hold
 // them (GatherContextRows). The scores are materialized ([heads, t, total], fp32) on every
-// device.
+// device. `window` > 0: a sliding layer's, where query i also needs pos_i - pos_j < window;
+// `sinks` [heads] (defined: gpt-oss): a sink logit per head joins each softmax's denominator.
 at::Tensor ContextParallelAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const at::Tensor& seq, const at::Tensor& pos, CommGroup* group,
-                                    const std::vector<int64_t>& counts);
+                                    const std::vector<int64_t>& counts, int64_t window = 0,
+                                    const at::Tensor& sinks = at::Tensor());
 
 }  // namespace lorastep
 

@@ -189,15 +189,6 @@ absl::Status ValidateLayoutForModel(const ParallelSizes& sizes, const ModelConfi
     return absl::InvalidArgumentError(
         absl::StrCat("ep: ", sizes.ep, " needs a MoE model (this one has no routed experts)"));
   }
-  if (sizes.cp > 1 && c.HasSlidingLayers()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cp: ", sizes.cp, ": context parallelism with sliding-window attention is not built (this model has "
-        "sliding_attention layers); use cp 1"));
-  }
-  if (sizes.cp > 1 && c.attention_sinks()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cp: ", sizes.cp, ": context parallelism with attention sinks (gpt_oss) is not built; use cp 1"));
-  }
   if (sizes.tp > c.vocab_size) {
     return absl::InvalidArgumentError(absl::StrCat("tp: ", sizes.tp, " exceeds vocab_size ", c.vocab_size));
   }
