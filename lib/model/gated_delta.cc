@@ -1,0 +1,147 @@
+#include "lib/model/gated_delta.h"
+
+#include <cmath>
+#include <limits>
+
+namespace lorastep {
+namespace {
+
+// x / sqrt(sum x^2 + 1e-6) over the last dim (the normalization the FLA kernels use).
+at::Tensor L2Normalized(const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, /*keepdim=*/true) + 1e-6); }
+
+// The rule's operands in fp32, heads first: q (normalized, scaled by 1/sqrt(dk)) and k
+// (normalized) repeated up to the value heads, v, g and beta.
+struct RuleOperands {
+  at::Tensor q, k, v, g, beta;  // [b, hv, T, d] / [b, hv, T]
+};
+
+RuleOperands Prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                     const at::Tensor& beta) {
+  const int64_t hk = q.size(2), hv = v.size(2);
+  TORCH_CHECK(hv % hk == 0, "gated delta rule: ", hk, " query/key heads do not divide ", hv, " value heads");
+  auto heads_first = [](const at::Tensor& x) { return x.transpose(1, 2).to(at::kFloat).contiguous(); };
+  at::Tensor qr = hk == hv ? q : q.repeat_interleave(hv / hk, 2);
+  at::Tensor kr = hk == hv ? k : k.repeat_interleave(hv / hk, 2);
+  RuleOperands o;
+  o.q = L2Normalized(heads_first(qr)) * (1.0 / std::sqrt(static_cast<double>(q.size(3))));
+  o.k = L2Normalized(heads_first(kr));
+  o.v = heads_first(v);
+  o.g = g.transpose(1, 2).to(at::kFloat);
+  o.beta = beta.transpose(1, 2).to(at::kFloat);
+  return o;
+}
+
+at::Tensor InitialState(const at::Tensor& state, const RuleOperands& o) {
+  if (state.defined()) return state.to(at::kFloat);
+  return at::zeros({o.v.size(0), o.v.size(1), o.q.size(3), o.v.size(3)}, o.v.options());
+}
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> GatedDeltaRule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size,
+                                                 const at::Tensor& state) {
+  TORCH_CHECK(chunk_size >= 1, "gated delta rule: chunk_size must be >= 1");
+  RuleOperands o = Prepare(q, k, v, g, beta);
+  const int64_t b = o.v.size(0), h = o.v.size(1), length = o.v.size(2), dv = o.v.size(3);
+  const int64_t c = chunk_size, pad = (c - length % c) % c, chunks = (length + pad) / c;
+  at::Tensor query = o.q, key = o.k, value = o.v, decay = o.g, write = o.beta;
+  if (pad > 0) {  // padded tokens: no decay (g 0), no write (beta 0), zero keys
+    query = at::constant_pad_nd(query, {0, 0, 0, pad});
+    key = at::constant_pad_nd(key, {0, 0, 0, pad});
+    value = at::constant_pad_nd(value, {0, 0, 0, pad});
+    decay = at::constant_pad_nd(decay, {0, pad});
+    write = at::constant_pad_nd(write, {0, pad});
+  }
+  auto chunked = [&](const at::Tensor& x) { return x.reshape({b, h, chunks, c, x.size(-1)}); };
+  const at::Tensor k_beta = chunked(key * write.unsqueeze(-1)), v_beta = chunked(value * write.unsqueeze(-1));
+  query = chunked(query);
+  key = chunked(key);
+  // Within a chunk: cumulative log decay, and exp(cum_i - cum_j) for j <= i (0 above).
+  const at::Tensor cum = decay.reshape({b, h, chunks, c}).cumsum(-1);
+  const at::Tensor upper = at::ones({c, c}, cum.options().dtype(at::kBool)).triu(1);
+  const at::Tensor pairwise =
+      (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, -std::numeric_limits<float>::infinity()).exp();
+  // The delta rule's updates within a chunk as one unit-lower-triangular system (its strictly
+  // lower part: beta_i k_i . k_j decayed), solved for the new values and the decayed keys that
+  // read the chunk's starting state.
+  const at::Tensor system = at::matmul(k_beta, key.transpose(-1, -2)) * pairwise;
+  const at::Tensor intra = at::matmul(query, key.transpose(-1, -2)) * pairwise;
+  const at::Tensor new_values =
+      at::linalg_solve_triangular(system, v_beta, /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
+  const at::Tensor k_cumdecay = at::linalg_solve_triangular(system, k_beta * cum.exp().unsqueeze(-1),
+                                                            /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
+  const at::Tensor q_decayed = query * cum.exp().unsqueeze(-1);
+  const at::Tensor k_to_end = key * (cum.narrow(-1, c - 1, 1) - cum).exp().unsqueeze(-1);
+  const at::Tensor chunk_decay = cum.select(-1, c - 1).exp().unsqueeze(-1).unsqueeze(-1);  // [b, h, n, 1, 1]
+  at::Tensor s = InitialState(state, o);
+  std::vector<at::Tensor> outs;
+  outs.reserve(chunks);
+  for (int64_t i = 0; i < chunks; ++i) {  // one state read and one update per chunk
+    const at::Tensor v_new = new_values.select(2, i) - at::matmul(k_cumdecay.select(2, i), s);
+    outs.push_back(at::matmul(q_decayed.select(2, i), s) + at::matmul(intra.select(2, i), v_new));
+    s = s * chunk_decay.select(2, i) + at::matmul(k_to_end.select(2, i).transpose(-1, -2), v_new);
+  }
+  at::Tensor out = at::stack(outs, 2).reshape({b, h, chunks * c, dv}).narrow(2, 0, length);
+  return {out.transpose(1, 2).to(q.scalar_type()).contiguous(), s};
+}
+
+std::pair<at::Tensor, at::Tensor> GatedDeltaRuleStep(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& g, const at::Tensor& beta,
+                                                     const at::Tensor& state) {
+  RuleOperands o = Prepare(q, k, v, g, beta);
+  at::Tensor s = InitialState(state, o);
+  std::vector<at::Tensor> outs;
+  for (int64_t t = 0; t < o.v.size(2); ++t) {
+    const at::Tensor kt = o.k.select(2, t).unsqueeze(-1);  // [b, h, dk, 1]
+    s = s * o.g.select(2, t).exp().unsqueeze(-1).unsqueeze(-1);
+    const at::Tensor predicted = (s * kt).sum(-2);  // S^T k: [b, h, dv]
+    const at::Tensor delta = (o.v.select(2, t) - predicted) * o.beta.select(2, t).unsqueeze(-1);
+    s = s + kt * delta.unsqueeze(-2);
+    outs.push_back((s * o.q.select(2, t).unsqueeze(-1)).sum(-2));
+  }
+  return {at::stack(outs, 1).to(q.scalar_type()), s};
+}
+
+at::Tensor PackedGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                const at::Tensor& beta, const std::vector<int64_t>& lengths, int64_t chunk_size) {
+  std::vector<at::Tensor> parts;
+  int64_t start = 0;
+  for (int64_t n : lengths) {
+    auto part = [&](const at::Tensor& x) { return x.narrow(1, start, n); };
+    parts.push_back(GatedDeltaRule(part(q), part(k), part(v), part(g), part(beta), chunk_size).first);
+    start += n;
+  }
+  return at::cat(parts, 1);
+}
+
+at::Tensor CausalConv1dSilu(const at::Tensor& x, const at::Tensor& weight, const std::vector<int64_t>& lengths) {
+  auto conv = [&](const at::Tensor& part) {  // [b, T, C] from zeros
+    const int64_t length = part.size(1), kernel = weight.size(1);
+    const at::Tensor y = at::conv1d(part.transpose(1, 2).to(weight.scalar_type()), weight.unsqueeze(1), {},
+                                    /*stride=*/1, /*padding=*/kernel - 1, /*dilation=*/1, /*groups=*/weight.size(0));
+    return at::silu(y.narrow(2, 0, length)).transpose(1, 2).to(x.scalar_type());
+  };
+  if (lengths.empty()) return conv(x);
+  std::vector<at::Tensor> parts;
+  int64_t start = 0;
+  for (int64_t n : lengths) {
+    parts.push_back(conv(x.narrow(1, start, n)));
+    start += n;
+  }
+  return at::cat(parts, 1);
+}
+
+at::Tensor GatedRmsNorm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight, double eps) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor normed = (xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(x.scalar_type());
+  return ((weight * normed).to(at::kFloat) * at::silu(z.to(at::kFloat))).to(x.scalar_type());
+}
+
+std::pair<at::Tensor, at::Tensor> GatedDeltaGates(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
+                                                  const at::Tensor& dt_bias) {
+  const at::Tensor g = -a_log.to(at::kFloat).exp() * at::softplus(a.to(at::kFloat) + dt_bias.to(at::kFloat));
+  return {g, at::sigmoid(b)};
+}
+
+}  // namespace lorastep

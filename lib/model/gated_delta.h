@@ -1,0 +1,58 @@
+// The Gated DeltaNet pieces of Qwen3.5 / Qwen3-Next's linear-attention layers, as ATen
+// compositions (autograd gives every backward), in transformers' order of operations:
+//  - the gated delta rule: a state S [dk, dv] per value head; at each token
+//      S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  out = S^T (q / sqrt(dk)),
+//    with q and k L2-normalized first. GatedDeltaRule runs it in chunks of `chunk_size`
+//    tokens (a unit-triangular solve within each chunk, one state update per chunk); the
+//    same numbers as the token-by-token recurrence (GatedDeltaRuleStep), to rounding.
+//  - the short causal depthwise convolution over q/k/v's projections, with SiLU;
+//  - the gated RMSNorm on the output: RMSNorm(x) * w * SiLU(z).
+// Packed rows: every sequence starts from a zero state and a zero convolution history.
+#ifndef LORASTEP_LIB_MODEL_GATED_DELTA_H_
+#define LORASTEP_LIB_MODEL_GATED_DELTA_H_
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace lorastep {
+
+// One sequence (or a batch of equal-length ones): q, k [b, T, hk, dk], v [b, T, hv, dv] with hk
+// dividing hv (each query/key head serves hv / hk consecutive value heads), g (log decay, <= 0)
+// and beta [b, T, hv]; `state` [b, hv, dk, dv] or undefined (zeros). Computes in fp32 and returns
+// the output [b, T, hv, dv] in q's dtype and the final state (fp32).
+std::pair<at::Tensor, at::Tensor> GatedDeltaRule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size,
+                                                 const at::Tensor& state = at::Tensor());
+
+// The same rule one token at a time (decoding: T is usually 1), from `state` (undefined: zeros).
+std::pair<at::Tensor, at::Tensor> GatedDeltaRuleStep(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& g, const at::Tensor& beta,
+                                                     const at::Tensor& state = at::Tensor());
+
+// GatedDeltaRule over sequences packed back to back in one row (q ... [1, total, ...], `lengths`
+// summing to total), each from a zero state. Returns the output [1, total, hv, dv].
+at::Tensor PackedGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                const at::Tensor& beta, const std::vector<int64_t>& lengths, int64_t chunk_size);
+
+// Causal depthwise convolution with SiLU: x [b, T, C], weight [C, K] (transformers' conv1d
+// weight [C, 1, K] squeezed), no bias: out[t] = silu(sum_j w[:, j] x[t - K + 1 + j]), with zeros
+// before the start. `lengths` (non-empty: b = 1, sequences back to back): each sequence starts
+// from zeros.
+at::Tensor CausalConv1dSilu(const at::Tensor& x, const at::Tensor& weight,
+                            const std::vector<int64_t>& lengths = {});
+
+// RMSNorm(x) * weight * silu(z) over the last dim (Qwen3.5's gated norm): the normalization in
+// fp32, the weight applied in x's dtype, the gate in fp32, the result in x's dtype.
+at::Tensor GatedRmsNorm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight, double eps);
+
+// The log decay and the write strength from the layer's per-head projections a and b [.., hv]:
+// g = -exp(A_log) softplus(a + dt_bias) (fp32), beta = sigmoid(b).
+std::pair<at::Tensor, at::Tensor> GatedDeltaGates(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
+                                                  const at::Tensor& dt_bias);
+
+}  // namespace lorastep
+
+#endif  // LORASTEP_LIB_MODEL_GATED_DELTA_H_
