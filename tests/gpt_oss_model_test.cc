@@ -21,6 +21,7 @@
 #include "lib/model/qwen2.h"
 #include "lib/model/rope.h"
 #include "lib/training/grad_finalizer.h"
+#include "tests/model_test_util.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
 #include "tools/model_presets.h"
@@ -28,10 +29,12 @@
 namespace lorastep {
 namespace {
 
+using ::lorastep::testing::ExpectPackedRowsEqualAlone;
 using ::lorastep::testing::MaxAbsDiff;
 using ::lorastep::testing::RelErr;
 using ::lorastep::testing::ScratchDir;
 using ::lorastep::testing::StatusIs;
+using ::lorastep::testing::StoredTensors;
 
 // The tiny preset with a low clamp (random weights give small activations; this makes the
 // clamp of both gate and up cut some of them) and sinks of a visible size.
@@ -49,14 +52,6 @@ ModelWeights TinyWeights(const ModelConfig& c, uint64_t seed) {
     l.router = l.router * 50;  // a real preference, so the top-k matters
   }
   return w;
-}
-
-// The folder's tensors by name, as stored.
-std::map<std::string, at::Tensor> StoredTensors(const std::string& folder) {
-  std::map<std::string, at::Tensor> out;
-  SafetensorsFile file = SafetensorsFile::Open(folder + "/model.safetensors").value();
-  for (const auto& e : file.entries()) out[e.name] = TensorFromEntry(e).value().to(at::kDouble);
-  return out;
 }
 
 // LoRA leaves of the reference (fp64, requiring grad), per layer: q, k, v, o as {A, B}, and
@@ -377,22 +372,7 @@ TEST(GptOssModelTest, LogitsAndLoraGradientsMatchPlainReference) {
 // Packed rows (windowed layer and sinks included) equal each sequence alone.
 TEST(GptOssModelTest, PackedRowsEqualEachSequenceAlone) {
   const ModelConfig c = TinyGptOss();
-  const ModelWeights w = TinyWeights(c, 6);
-  const at::Tensor a = at::randint(c.vocab_size, {1, 9}, at::kLong), b = at::randint(c.vocab_size, {1, 6}, at::kLong);
-  at::NoGradGuard no_grad;
-  ForwardOptions alone;
-  alone.training = false;
-  const at::Tensor ha = Qwen2Hidden(c, w, nullptr, a, alone), hb = Qwen2Hidden(c, w, nullptr, b, alone);
-  PackedSequences packed;
-  packed.lengths = {9, 6};
-  packed.max_length = 9;
-  packed.cu_seqlens = at::tensor(std::vector<int32_t>{0, 9, 15}, at::kInt);
-  packed.positions = at::cat({at::arange(9, at::kLong), at::arange(6, at::kLong)});
-  ForwardOptions options = alone;
-  options.packed = &packed;
-  const at::Tensor h = Qwen2Hidden(c, w, nullptr, at::cat({a, b}, 1), options);
-  EXPECT_LT(MaxAbsDiff(h.narrow(1, 0, 9), ha), 1e-6);
-  EXPECT_LT(MaxAbsDiff(h.narrow(1, 9, 6), hb), 1e-6);
+  ExpectPackedRowsEqualAlone(c, TinyWeights(c, 6), 1e-6);
 }
 
 // PEFT's target_parameters form: the keys PEFT writes for gpt-oss's stacked experts, the

@@ -139,6 +139,18 @@ TEST(SamplerTest, GreedyEqualsAnArgmaxDecodeWithoutACache) {
   }
 }
 
+// A model with linear-attention layers (Qwen3.5) keeps a recurrent state per sequence, not KV
+// blocks: its requests are refused by name, and nothing is queued.
+TEST(SamplerTest, LinearAttentionModelsAreRefused) {
+  Fixture f(ModelConfigPreset("tiny-qwen3.5").value());
+  KvBlockPool pool = f.Pool(16);
+  SamplerEngine engine(f.config, f.weights, &pool, SamplerOptions{});
+  const absl::StatusOr<int64_t> added = engine.Add(nullptr, Request({1, 2, 3}, 4, 0.0, 1));
+  EXPECT_EQ(added.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(added.status().message()), HasSubstr("linear-attention layers"));
+  EXPECT_TRUE(engine.Idle());
+}
+
 // Every sampled token's model log-prob is what the trainer computes on the returned sequence
 // (Qwen2HeadScores after the forward); at temperature 1 with nothing cut, the sampling
 // distribution is the model's.

@@ -105,6 +105,18 @@ absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name) {
     c.sliding_window = 4;
     c.sliding_layers = {true, false};
     c.rope = GptOssRope(4, 128);
+  } else if (name == "tiny-qwen3.5") {
+    c = ModelConfigPreset("tiny").value();  // Qwen3.5's hybrid at tiny's size: Gated DeltaNet, then full attention
+    c.model_type = "qwen3_5_text";
+    c.head_dim_override = 16;
+    c.partial_rotary_factor = 0.25;
+    c.tie_word_embeddings = false;
+    c.linear_layers = {true, false};
+    c.linear_attention.conv_kernel = 4;
+    c.linear_attention.key_head_dim = 8;
+    c.linear_attention.value_head_dim = 8;
+    c.linear_attention.num_key_heads = 2;
+    c.linear_attention.num_value_heads = 4;
   } else if (name == "gpt-oss-20b-reduced") {
     c.model_type = "gpt_oss";  // gpt-oss-20b's widths, 4 of its 24 layers
     c.vocab_size = 201088;

@@ -17,7 +17,8 @@ namespace lorastep {
 // Qwen3 dense: "tiny-qwen3", "qwen3-0.6b", "qwen3-8b"; Llama 3: "tiny-llama" (llama3 RoPE),
 // "llama-3.2-1b" (tied), "llama-3.1-8b"; sliding-window attention: "tiny-qwen2-swa" (tiny,
 // its second layer in a window of 4); gpt-oss: "tiny-gpt-oss" (4 experts, top-2, sinks,
-// layer 0 in a window of 4, YaRN) and "gpt-oss-20b-reduced" (gpt-oss-20b's widths, 4 layers).
+// layer 0 in a window of 4, YaRN) and "gpt-oss-20b-reduced" (gpt-oss-20b's widths, 4 layers);
+// Qwen3.5: "tiny-qwen3.5" (a Gated DeltaNet layer, then gated full attention).
 absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name);
 
 }  // namespace lorastep

@@ -18,12 +18,21 @@ std::array<int64_t, 2> LinearShape(const ModelConfig& c, int slot) {
   const int64_t h = c.hidden_size, q = c.num_attention_heads * c.head_dim(),
                 kv = c.num_key_value_heads * c.head_dim(), f = c.intermediate_size;
   switch (slot) {
-    case kQProj: return {q, h};
+    case kQProj: return {c.gated_attention() ? 2 * q : q, h};
     case kOProj: return {h, q};
     case kKProj: case kVProj: return {kv, h};
     case kGateProj: case kUpProj: return {f, h};
-    default: return {h, f};  // down_proj
+    case kDownProj: return {h, f};
+    case kOutProj: return {h, c.LinearAttentionWidth(slot)};
+    default: return {c.LinearAttentionWidth(slot), h};  // Gated DeltaNet's input projections
   }
+}
+
+// Whether decoder layer `layer` has linear `slot` (Qwen3.5's layers have either attention's
+// q/k/v/o or Gated DeltaNet's five projections).
+bool LayerHasLinear(const ModelConfig& c, int64_t layer, int slot) {
+  if (IsMlpSlot(slot)) return true;
+  return IsLinearAttentionSlot(slot) == c.IsLinearAttentionLayer(layer);
 }
 
 }  // namespace
@@ -45,6 +54,17 @@ absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const Lora
     return absl::InvalidArgumentError("lora.rank: 0 means full fine-tuning, not LoRA");
   }
   LORASTEP_ASSIGN_OR_RETURN(auto targeted, ResolveLoraTargets(lora));
+  if (!model.HasLinearAttention()) {
+    for (size_t i = 0; i < lora.target_modules.size(); ++i) {
+      for (int slot = kInProjQkv; slot < kNumLinearSlots; ++slot) {
+        if (lora.target_modules[i] == LinearSlotName(slot)) {
+          return absl::InvalidArgumentError(absl::StrCat("lora.target_modules[", i, "]: ", LinearSlotName(slot),
+                                                         " is a linear-attention projection; ", model.model_type,
+                                                         " has none"));
+        }
+      }
+    }
+  }
   if (model.is_moe() && targeted[kGateProj] != targeted[kUpProj]) {
     return absl::InvalidArgumentError(
         "lora.target_modules: on a MoE model gate_proj and up_proj go together (the "
@@ -66,10 +86,10 @@ absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const Lora
     const bool moe_layer = model.IsMoeLayer(layer);
     const bool mine = layer >= s.layer_begin && layer < s.layer_end;
     for (int slot = 0; slot < kNumLinearSlots; ++slot) {
-      if (!targeted[slot]) continue;
+      if (!targeted[slot] || !LayerHasLinear(model, layer, slot)) continue;
       // On a MoE layer gate/up/down mean the routed experts (below); the shared expert of
       // Qwen2-MoE gets no adapter.
-      if (moe_layer && slot >= kGateProj) continue;
+      if (moe_layer && IsMlpSlot(slot)) continue;
       const auto [out, in] = LinearShape(model, slot);
       const double bound = 1.0 / std::sqrt(static_cast<double>(in));
       // Drawn for every layer so each rank's stream matches world size 1.

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <limits>
 
+#include "lib/model/lora_config.h"
+
 namespace lorastep {
 namespace {
 
@@ -142,6 +144,22 @@ std::pair<at::Tensor, at::Tensor> GatedDeltaGates(const at::Tensor& a, const at:
                                                   const at::Tensor& dt_bias) {
   const at::Tensor g = -a_log.to(at::kFloat).exp() * at::softplus(a.to(at::kFloat) + dt_bias.to(at::kFloat));
   return {g, at::sigmoid(b)};
+}
+
+at::Tensor GatedDeltaNetMix(const LinearAttentionConfig& config, const GatedDeltaWeights& weights,
+                            const std::function<at::Tensor(int, const at::Tensor&)>& project, const at::Tensor& h,
+                            const std::vector<int64_t>& lengths, double eps) {
+  const int64_t b = h.size(0), s = h.size(1), kd = config.key_dim(), dv = config.value_head_dim;
+  const at::Tensor mixed = CausalConv1dSilu(project(kInProjQkv, h), weights.conv1d.squeeze(1), lengths);
+  const at::Tensor q = mixed.narrow(-1, 0, kd).reshape({b, s, config.num_key_heads, config.key_head_dim});
+  const at::Tensor k = mixed.narrow(-1, kd, kd).reshape({b, s, config.num_key_heads, config.key_head_dim});
+  const at::Tensor v = mixed.narrow(-1, 2 * kd, config.value_dim()).reshape({b, s, config.num_value_heads, dv});
+  auto [g, beta] = GatedDeltaGates(project(kInProjA, h), project(kInProjB, h), weights.a_log, weights.dt_bias);
+  const at::Tensor out = lengths.empty() ? GatedDeltaRule(q, k, v, g, beta, kGatedDeltaChunk).first
+                                         : PackedGatedDeltaRule(q, k, v, g, beta, lengths, kGatedDeltaChunk);
+  const at::Tensor z = project(kInProjZ, h);
+  const at::Tensor normed = GatedRmsNorm(out.reshape({-1, dv}), z.reshape({-1, dv}), weights.norm, eps);
+  return project(kOutProj, normed.reshape({b, s, config.value_dim()}));
 }
 
 }  // namespace lorastep

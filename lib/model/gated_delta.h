@@ -14,8 +14,11 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <utility>
 #include <vector>
+
+#include "lib/model/model_config.h"
 
 namespace lorastep {
 
@@ -52,6 +55,23 @@ at::Tensor GatedRmsNorm(const at::Tensor& x, const at::Tensor& z, const at::Tens
 // g = -exp(A_log) softplus(a + dt_bias) (fp32), beta = sigmoid(b).
 std::pair<at::Tensor, at::Tensor> GatedDeltaGates(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
                                                   const at::Tensor& dt_bias);
+
+// A Gated DeltaNet layer's own tensors (transformers' linear_attn.conv1d.weight [C, 1, K],
+// A_log and dt_bias [value heads], norm.weight [value head dim]).
+struct GatedDeltaWeights {
+  at::Tensor conv1d, a_log, dt_bias, norm;
+};
+
+// Chunk length of the rule in training and Forward (transformers' default).
+inline constexpr int64_t kGatedDeltaChunk = 64;
+
+// The token mixer of a Gated DeltaNet layer over the normed input h [b, s, H]: `project(slot,
+// x)` applies the layer's projection `slot` (a LinearSlot from kInProjQkv on, LoRA included):
+// q/k/v through the convolution, the gates from a and b, the rule, the gated norm with z, then
+// out_proj. `lengths` (non-empty: b = 1, sequences packed back to back): each restarts.
+at::Tensor GatedDeltaNetMix(const LinearAttentionConfig& config, const GatedDeltaWeights& weights,
+                            const std::function<at::Tensor(int, const at::Tensor&)>& project, const at::Tensor& h,
+                            const std::vector<int64_t>& lengths, double eps);
 
 }  // namespace lorastep
 

@@ -9,12 +9,14 @@
 
 namespace lorastep {
 namespace {
-constexpr const char* kSlotNames[kNumLinearSlots] = {"q_proj",    "k_proj", "v_proj", "o_proj",
-                                                     "gate_proj", "up_proj", "down_proj"};
+constexpr const char* kSlotNames[kNumLinearSlots] = {
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"};
 constexpr const char* kHeadName = "lm_head";
 constexpr const char* kSlotPaths[kNumLinearSlots] = {
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
+    "self_attn.q_proj",      "self_attn.k_proj",    "self_attn.v_proj",    "self_attn.o_proj",
+    "mlp.gate_proj",         "mlp.up_proj",         "mlp.down_proj",       "linear_attn.in_proj_qkv",
+    "linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a", "linear_attn.out_proj"};
 }  // namespace
 
 const char* LinearSlotName(int slot) { return kSlotNames[slot]; }
@@ -43,7 +45,8 @@ absl::StatusOr<std::array<bool, kNumLinearSlots>> ResolveLoraTargets(const LoraC
     if (!found) {
       return absl::InvalidArgumentError(
           absl::StrCat("lora.target_modules[", i, "]: unknown module '", name,
-                       "' (expected all-linear, q/k/v/o/gate/up/down_proj, gate_up_proj or lm_head)"));
+                       "' (expected all-linear, q/k/v/o/gate/up/down_proj, gate_up_proj, "
+                       "in_proj_qkv/z/b/a, out_proj or lm_head)"));
     }
   }
   return targeted;
@@ -56,13 +59,13 @@ bool LoraTargetsHead(const LoraConfig& config) {
   return false;
 }
 
-absl::StatusOr<std::vector<std::string>> LoraTargetModuleNames(const LoraConfig& config) {
+absl::StatusOr<std::vector<std::string>> LoraTargetModuleNames(const LoraConfig& config, bool linear_attention) {
   std::array<bool, kNumLinearSlots> targeted{};
   // lm_head alone targets no decoder linear; ResolveLoraTargets reports unknown names.
   LORASTEP_ASSIGN_OR_RETURN(targeted, ResolveLoraTargets(config));
   std::vector<std::string> names;
   for (int s = 0; s < kNumLinearSlots; ++s) {
-    if (targeted[s]) names.push_back(kSlotNames[s]);
+    if (targeted[s] && (linear_attention || !IsLinearAttentionSlot(s))) names.push_back(kSlotNames[s]);
   }
   if (LoraTargetsHead(config)) names.push_back(kHeadName);
   return names;

@@ -12,9 +12,16 @@
 
 namespace lorastep {
 
-// The seven linears of a Qwen2 layer, in PEFT/HF module-name order.
-enum LinearSlot { kQProj = 0, kKProj, kVProj, kOProj, kGateProj, kUpProj, kDownProj };
-constexpr int kNumLinearSlots = 7;
+// The linears of a decoder layer, in PEFT/HF module-name order: the seven of a Qwen2 layer,
+// then the five of Qwen3.5's linear-attention (Gated DeltaNet) layers, which have them in
+// place of q/k/v/o.
+enum LinearSlot {
+  kQProj = 0, kKProj, kVProj, kOProj, kGateProj, kUpProj, kDownProj,
+  kInProjQkv, kInProjZ, kInProjB, kInProjA, kOutProj
+};
+constexpr int kNumLinearSlots = 12;
+inline bool IsMlpSlot(int slot) { return slot >= kGateProj && slot <= kDownProj; }
+inline bool IsLinearAttentionSlot(int slot) { return slot >= kInProjQkv; }
 // "q_proj", ... ; and the module path inside a layer: "self_attn.q_proj", "mlp.gate_proj".
 const char* LinearSlotName(int slot);
 const char* LinearSlotModulePath(int slot);
@@ -52,7 +59,10 @@ absl::StatusOr<std::array<bool, kNumLinearSlots>> ResolveLoraTargets(const LoraC
 bool LoraTargetsHead(const LoraConfig& config);
 // The targeted modules as PEFT's adapter_config.json lists them, in a fixed order
 // (q_proj .. down_proj, then lm_head).
-absl::StatusOr<std::vector<std::string>> LoraTargetModuleNames(const LoraConfig& config);
+// `linear_attention`: the model has Gated DeltaNet layers (their five projections count as
+// targets of "all-linear" and are listed); else they are left out.
+absl::StatusOr<std::vector<std::string>> LoraTargetModuleNames(const LoraConfig& config,
+                                                               bool linear_attention = false);
 
 // Tinker's switches (train_attn, train_mlp, train_unembed) as target modules: attention is
 // q/k/v/o_proj, the MLP gate/up/down_proj (a MoE layer's experts), the unembedding lm_head.

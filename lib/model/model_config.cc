@@ -1,4 +1,5 @@
 #include "lib/model/model_config.h"
+#include "lib/model/model_config_families.h"
 
 #include <map>
 #include <set>
@@ -14,8 +15,13 @@ int64_t ModelConfig::MatmulParameterCount() const {
   const int64_t h = hidden_size, q = num_attention_heads * head_dim(),
                 kv = num_key_value_heads * head_dim();
   int64_t total = vocab_size * h;  // LM head
+  const LinearAttentionConfig& la = linear_attention;
   for (int64_t layer = 0; layer < num_hidden_layers; ++layer) {
-    total += 2 * h * q /*q,o*/ + 2 * h * kv /*k,v*/;
+    if (IsLinearAttentionLayer(layer)) {  // in_proj_qkv, z, b, a; out_proj
+      total += h * (la.conv_dim() + la.value_dim() + 2 * la.num_value_heads) + la.value_dim() * h;
+    } else {
+      total += (gated_attention() ? 3 : 2) * h * q /*q (and its gate), o*/ + 2 * h * kv /*k,v*/;
+    }
     if (!IsMoeLayer(layer)) {
       total += 3 * h * intermediate_size;  // gate, up, down
       continue;
@@ -32,8 +38,16 @@ int64_t ModelConfig::TotalParameterCount() const {
                 kv = num_key_value_heads * d;
   int64_t total = vocab_size * h /*embedding*/ + h /*final norm*/;
   if (!tie_word_embeddings) total += vocab_size * h;
+  const LinearAttentionConfig& la = linear_attention;
   for (int64_t layer = 0; layer < num_hidden_layers; ++layer) {
-    total += 2 * h * q + 2 * h * kv + 2 * h /*norms*/;
+    total += 2 * h /*norms*/;
+    if (IsLinearAttentionLayer(layer)) {  // projections, convolution, A_log, dt_bias, gated norm
+      total += h * (la.conv_dim() + la.value_dim() + 2 * la.num_value_heads) + la.value_dim() * h +
+               la.conv_dim() * la.conv_kernel + 2 * la.num_value_heads + la.value_head_dim;
+      total += 3 * h * intermediate_size;
+      continue;
+    }
+    total += (gated_attention() ? 3 : 2) * h * q + 2 * h * kv;
     if (qk_norm()) total += 2 * d;        // q/k norms
     if (qkv_bias()) total += q + 2 * kv;  // q/k/v biases
     if (o_bias()) total += h;
@@ -48,6 +62,14 @@ int64_t ModelConfig::TotalParameterCount() const {
     if (moe.shared_expert_intermediate_size > 0) total += 3 * h * moe.shared_expert_intermediate_size + h;
   }
   return total;
+}
+
+int64_t ModelConfig::LinearAttentionWidth(int slot) const {
+  switch (slot) {
+    case 7: return linear_attention.conv_dim();     // in_proj_qkv
+    case 8: case 11: return linear_attention.value_dim();  // in_proj_z; out_proj's input
+    default: return linear_attention.num_value_heads;       // in_proj_b, in_proj_a
+  }
 }
 
 bool ModelConfig::IsMoeLayer(int64_t layer) const {
@@ -104,7 +126,8 @@ absl::Status ValidateMoeConfig(const ModelConfig& c) {
 }  // namespace
 
 absl::Status ValidateModelConfig(const ModelConfig& c) {
-  if (c.model_type != "qwen2" && c.model_type != "qwen3" && c.model_type != "llama" && !c.moe_family()) {
+  if (c.model_type != "qwen2" && c.model_type != "qwen3" && c.model_type != "llama" && !c.moe_family() &&
+      !c.qwen3_5()) {
     return absl::InvalidArgumentError(absl::StrCat("model_type: unsupported '", c.model_type, "'"));
   }
   auto positive = [](const char* field, int64_t v) -> absl::Status {
@@ -165,6 +188,7 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
   if (c.HasSlidingLayers() && c.model_type == "llama") {
     return absl::InvalidArgumentError("layer_types: llama has no sliding-window layers");
   }
+  if (c.qwen3_5()) LORASTEP_RETURN_IF_ERROR(ValidateLinearAttention(c));
   if (!c.quantization.empty() && !(c.quantization == "mxfp4" && c.gpt_oss())) {
     return absl::InvalidArgumentError(absl::StrCat("quantization_config.quant_method: '", c.quantization,
                                                    "' is not built (mxfp4 on gpt_oss experts only)"));
@@ -193,6 +217,13 @@ absl::Status CheckConfigKeys(const nlohmann::json& j, const std::string& model_t
                                                     "swiglu_alpha", "quantization_config"};
   static const std::set<std::string> kNotGptOss = {"use_sliding_window", "max_window_layers", "mlp_bias",
                                                    "use_mrope", "pretraining_tp"};
+  // Qwen3.5's own keys; Qwen2's sliding-window keys mean nothing to it and are refused.
+  static const std::set<std::string> kQwen35Read = {"linear_conv_kernel_dim", "linear_key_head_dim",
+                                                    "linear_value_head_dim",  "linear_num_key_heads",
+                                                    "linear_num_value_heads", "full_attention_interval",
+                                                    "partial_rotary_factor"};
+  static const std::set<std::string> kNotQwen35 = {"use_sliding_window", "max_window_layers", "sliding_window",
+                                                   "mlp_bias", "use_mrope", "pretraining_tp"};
   // No effect on the log-probs or gradients lorastep computes: bookkeeping, generation
   // defaults, initialization of new weights, token ids, and the MoE auxiliary loss (which
   // transformers adds only to its own language-modelling loss).
@@ -212,13 +243,15 @@ absl::Status CheckConfigKeys(const nlohmann::json& j, const std::string& model_t
       "base_model_tp_plan", "base_model_pp_plan", "output_router_logits", "router_aux_loss_coef"};
   const bool moe = model_type == "qwen2_moe" || model_type == "qwen3_moe";
   const bool gpt_oss = model_type == "gpt_oss";
+  const bool qwen3_5 = model_type == "qwen3_5_text";
   auto refuse = [](const std::string& key, const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, ": ", why));
   };
   for (const auto& [key, value] : j.items()) {
     if (kNoEffect.count(key)) continue;
-    const bool read = gpt_oss ? (kRead.count(key) && !kNotGptOss.count(key)) || kGptOssRead.count(key)
-                              : kRead.count(key) || (moe && kMoeRead.count(key));
+    const bool read = gpt_oss   ? (kRead.count(key) && !kNotGptOss.count(key)) || kGptOssRead.count(key)
+                      : qwen3_5 ? (kRead.count(key) && !kNotQwen35.count(key)) || kQwen35Read.count(key)
+                                : kRead.count(key) || (moe && kMoeRead.count(key));
     if (!read) {
       return refuse(key, absl::StrCat("not a key lorastep reads for ", model_type,
                                       "; it may change the model, so the folder is refused rather than the key "
@@ -257,6 +290,13 @@ absl::Status CheckConfigKeys(const nlohmann::json& j, const std::string& model_t
     }
     for (const auto& [name, v] : j[key].items()) {
       if (name == "rope_theta" || name == "rope_type" || name == "type" || v.is_null()) continue;
+      // Qwen3.5: the rotated share of each head; multimodal RoPE's sections, which give text
+      // tokens (one position for all three axes) plain RoPE.
+      if (qwen3_5 && (name == "mrope_section" || name == "mrope_interleaved")) continue;
+      if (qwen3_5 && name == "partial_rotary_factor") {
+        if (!v.is_number()) return refuse(absl::StrCat(key, ".", name), "not a number");
+        continue;
+      }
       if (!known->second.count(name)) {
         return refuse(absl::StrCat(key, ".", name), absl::StrCat("not read by ", known->first, " RoPE"));
       }
@@ -478,84 +518,26 @@ absl::StatusOr<ModelConfig> ParseModelConfigJson(const std::string& json_text) {
   if (j.contains(dtype_key) && j[dtype_key].is_string()) {
     c.torch_dtype = j[dtype_key].get<std::string>();
   }
-  LORASTEP_RETURN_IF_ERROR(ReadSlidingWindow(j, &c));
+  if (c.qwen3_5()) {
+    LORASTEP_RETURN_IF_ERROR(ReadQwen35(j, &c));
+  } else {
+    LORASTEP_RETURN_IF_ERROR(ReadSlidingWindow(j, &c));
+  }
   auto s = ValidateModelConfig(c);
   if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("config.json: ", s.message()));
   LORASTEP_RETURN_IF_ERROR(CheckConfigKeys(j, c.model_type));
   return c;
 }
 
-namespace {
-
-// gpt-oss's config.json, with the keys GptOssConfig has.
-std::string GptOssConfigToJson(const ModelConfig& c) {
-  nlohmann::ordered_json j;
-  j["architectures"] = {"GptOssForCausalLM"};
-  j["model_type"] = c.model_type;
-  j["vocab_size"] = c.vocab_size;
-  j["hidden_size"] = c.hidden_size;
-  j["intermediate_size"] = c.moe.moe_intermediate_size;
-  j["num_hidden_layers"] = c.num_hidden_layers;
-  j["num_attention_heads"] = c.num_attention_heads;
-  j["num_key_value_heads"] = c.num_key_value_heads;
-  j["head_dim"] = c.head_dim();
-  j["num_local_experts"] = c.moe.num_experts;
-  j["num_experts_per_tok"] = c.moe.num_experts_per_tok;
-  j["swiglu_limit"] = c.moe.swiglu_limit;
-  j["swiglu_alpha"] = c.moe.swiglu_alpha;
-  j["max_position_embeddings"] = c.max_position_embeddings;
-  j["rms_norm_eps"] = c.rms_norm_eps;
-  j["rope_theta"] = c.rope_theta;
-  nlohmann::ordered_json r;
-  r["rope_type"] = c.rope.type;
-  if (c.rope.type != "default") r["factor"] = c.rope.factor;
-  if (c.rope.type == "yarn") {
-    r["beta_fast"] = c.rope.beta_fast;
-    r["beta_slow"] = c.rope.beta_slow;
-    r["truncate"] = c.rope.truncate;
-    if (c.rope.attention_factor > 0) r["attention_factor"] = c.rope.attention_factor;
-  }
-  if (c.rope.original_max_position_embeddings > 0) {
-    r["original_max_position_embeddings"] = c.rope.original_max_position_embeddings;
-  }
-  j["rope_scaling"] = r;
-  j["sliding_window"] = c.HasSlidingLayers() ? nlohmann::ordered_json(c.sliding_window) : nlohmann::ordered_json();
-  nlohmann::ordered_json types = nlohmann::ordered_json::array();
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    types.push_back(c.AttentionWindow(i) > 0 ? "sliding_attention" : "full_attention");
-  }
-  j["layer_types"] = types;
-  j["attention_bias"] = true;
-  j["attention_dropout"] = 0.0;
-  j["hidden_act"] = "silu";
-  j["tie_word_embeddings"] = false;
-  j["torch_dtype"] = c.torch_dtype;
-  j["router_aux_loss_coef"] = 0.0;
-  j["output_router_logits"] = false;
-  j["initializer_range"] = 0.02;
-  j["use_cache"] = false;
-  j["bos_token_id"] = 0;
-  j["eos_token_id"] = 1;
-  return j.dump(2) + "\n";
-}
-
-}  // namespace
 
 std::string ModelConfigToJson(const ModelConfig& c) {
   if (c.gpt_oss()) return GptOssConfigToJson(c);
-  nlohmann::ordered_json j;
-  j["architectures"] = {c.model_type == "qwen2_moe"   ? "Qwen2MoeForCausalLM"
-                        : c.model_type == "qwen3_moe" ? "Qwen3MoeForCausalLM"
-                        : c.model_type == "qwen3"     ? "Qwen3ForCausalLM"
-                        : c.model_type == "llama"     ? "LlamaForCausalLM"
-                                                      : "Qwen2ForCausalLM"};
-  j["model_type"] = c.model_type;
-  j["vocab_size"] = c.vocab_size;
-  j["hidden_size"] = c.hidden_size;
-  j["intermediate_size"] = c.intermediate_size;
-  j["num_hidden_layers"] = c.num_hidden_layers;
-  j["num_attention_heads"] = c.num_attention_heads;
-  j["num_key_value_heads"] = c.num_key_value_heads;
+  if (c.qwen3_5()) return Qwen35ConfigToJson(c);
+  nlohmann::ordered_json j = ShapeKeys(c, c.model_type == "qwen2_moe"   ? "Qwen2MoeForCausalLM"
+                                         : c.model_type == "qwen3_moe" ? "Qwen3MoeForCausalLM"
+                                         : c.model_type == "qwen3"     ? "Qwen3ForCausalLM"
+                                         : c.model_type == "llama"     ? "LlamaForCausalLM"
+                                                                       : "Qwen2ForCausalLM");
   j["max_position_embeddings"] = c.max_position_embeddings;
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["rope_theta"] = c.rope_theta;

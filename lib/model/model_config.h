@@ -40,9 +40,20 @@ struct RopeConfig {
   bool truncate = true;                               // yarn: round the correction range outwards
 };
 
+// Qwen3.5's linear-attention (Gated DeltaNet) layers, as transformers names the settings
+// (linear_conv_kernel_dim, linear_key_head_dim, ...).
+struct LinearAttentionConfig {
+  int64_t conv_kernel = 4;
+  int64_t key_head_dim = 128, value_head_dim = 128;
+  int64_t num_key_heads = 16, num_value_heads = 32;
+  int64_t key_dim() const { return key_head_dim * num_key_heads; }
+  int64_t value_dim() const { return value_head_dim * num_value_heads; }
+  int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }  // q, k and v through the convolution
+};
+
 struct ModelConfig {
   // Dense: "qwen2" (Qwen2, Qwen2.5), "qwen3", "llama" (Llama 3.x); MoE: "qwen2_moe",
-  // "qwen3_moe", "gpt_oss".
+  // "qwen3_moe", "gpt_oss"; hybrid linear attention: "qwen3_5_text" (Qwen3.5 dense).
   std::string model_type = "qwen2";
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;        // H
@@ -63,13 +74,18 @@ struct ModelConfig {
   // i - sliding_window < j <= i. Empty: every layer attends to its whole sequence.
   int64_t sliding_window = 0;
   std::vector<bool> sliding_layers;  // per decoder layer
+  // Qwen3.5: which layers are Gated DeltaNet (true) and which full attention, their settings,
+  // and the share of each attention head's dimensions RoPE rotates (the first ones).
+  std::vector<bool> linear_layers;
+  LinearAttentionConfig linear_attention;
+  double partial_rotary_factor = 1.0;
   // How the folder's routed-expert weights are stored: "" (bf16/fp16/fp32 tensors) or
   // "mxfp4" (gpt-oss's blocks and scales, dequantized at load).
   std::string quantization;
 
   // Biases on q/k/v (Qwen2's and gpt-oss's attention), RMSNorm on each head's q and k (Qwen3's).
   bool qkv_bias() const { return model_type == "qwen2" || model_type == "qwen2_moe" || gpt_oss(); }
-  bool qk_norm() const { return model_type == "qwen3" || model_type == "qwen3_moe"; }
+  bool qk_norm() const { return model_type == "qwen3" || model_type == "qwen3_moe" || qwen3_5(); }
   bool moe_family() const { return model_type == "qwen2_moe" || model_type == "qwen3_moe" || gpt_oss(); }
   // gpt-oss: a bias on o_proj too; a learned logit per query head that joins each softmax's
   // denominator (the attention sink); a router with a bias; experts with biases, stored
@@ -80,6 +96,27 @@ struct ModelConfig {
   bool router_bias() const { return gpt_oss(); }
   bool expert_bias() const { return gpt_oss(); }
   bool clamped_swiglu() const { return gpt_oss(); }
+  // Qwen3.5: RMSNorm weights stored as offsets from 1 (the norm multiplies by 1 + w), and
+  // full attention whose q_proj also gives a per-head output gate (sigmoid, before o_proj).
+  bool qwen3_5() const { return model_type == "qwen3_5_text"; }
+  bool zero_centered_norm() const { return qwen3_5(); }
+  bool gated_attention() const { return qwen3_5(); }
+  bool IsLinearAttentionLayer(int64_t layer) const {
+    return layer >= 0 && layer < static_cast<int64_t>(linear_layers.size()) && linear_layers[layer];
+  }
+  bool HasLinearAttention() const {
+    for (bool l : linear_layers) {
+      if (l) return true;
+    }
+    return false;
+  }
+  // The output width of a Gated DeltaNet projection (a LinearSlot from kInProjQkv on; out_proj:
+  // its input width).
+  int64_t LinearAttentionWidth(int slot) const;
+  // The dimensions of each head RoPE rotates (partial rotary: the first ones).
+  int64_t rotary_dim() const {
+    return static_cast<int64_t>(static_cast<double>(head_dim()) * partial_rotary_factor);
+  }
 
   int64_t head_dim() const {
     return head_dim_override > 0 ? head_dim_override : hidden_size / num_attention_heads;

@@ -32,6 +32,11 @@ void VisitNamed(Weights& w, Fn&& fn) {
     const std::string prefix = absl::StrCat("model.layers.", w.first_layer + static_cast<int64_t>(i), ".");
     fn(prefix + "input_layernorm.weight", layer.input_norm);
     for (int s = 0; s < kNumLinearSlots; ++s) {
+      if (IsLinearAttentionSlot(s) != lay.linear_attention && !IsMlpSlot(s)) continue;  // attention kind
+      if (IsLinearAttentionSlot(s)) {
+        fn(absl::StrCat(prefix, LinearSlotModulePath(s), ".weight"), layer.linear[s]);
+        continue;
+      }
       if (s >= kGateProj) {
         if (!lay.mlp_slots) continue;
         // On a MoE layer these slots are Qwen2-MoE's shared expert.
@@ -45,7 +50,13 @@ void VisitNamed(Weights& w, Fn&& fn) {
       if (s == kOProj && lay.o_bias) fn(prefix + "self_attn.o_proj.bias", layer.o_bias);
     }
     if (lay.sinks) fn(prefix + "self_attn.sinks", layer.sinks);
-    if (lay.qk_norm) {
+    if (lay.linear_attention) {
+      fn(prefix + "linear_attn.conv1d.weight", layer.conv1d);
+      fn(prefix + "linear_attn.A_log", layer.a_log);
+      fn(prefix + "linear_attn.dt_bias", layer.dt_bias);
+      fn(prefix + "linear_attn.norm.weight", layer.linear_norm);
+    }
+    if (lay.qk_norm && !lay.linear_attention) {
       fn(prefix + "self_attn.q_norm.weight", layer.q_norm);
       fn(prefix + "self_attn.k_norm.weight", layer.k_norm);
     }
@@ -116,6 +127,7 @@ LayerLayout LayoutOfLayer(const ModelConfig& c, int64_t layer) {
   l.o_bias = c.o_bias();
   l.sinks = c.attention_sinks();
   l.gpt_oss = c.gpt_oss();
+  l.linear_attention = c.IsLinearAttentionLayer(layer);
   return l;
 }
 
@@ -133,14 +145,24 @@ ModelWeights ModelSkeleton(const ModelConfig& c) {
     l.layout = LayoutOfLayer(c, i);
     l.input_norm = t({h});
     l.post_attention_norm = t({h});
-    l.linear[kQProj] = t({q, h});
-    l.linear[kKProj] = t({kv, h});
-    l.linear[kVProj] = t({kv, h});
-    l.linear[kOProj] = t({h, q});
+    if (l.layout.linear_attention) {
+      const LinearAttentionConfig& la = c.linear_attention;
+      for (int slot = kInProjQkv; slot < kOutProj; ++slot) l.linear[slot] = t({c.LinearAttentionWidth(slot), h});
+      l.linear[kOutProj] = t({h, la.value_dim()});
+      l.conv1d = t({la.conv_dim(), 1, la.conv_kernel});
+      l.a_log = t({la.num_value_heads});
+      l.dt_bias = t({la.num_value_heads});
+      l.linear_norm = t({la.value_head_dim});
+    } else {
+      l.linear[kQProj] = t({c.gated_attention() ? 2 * q : q, h});  // Qwen3.5: each head's query, then its gate
+      l.linear[kKProj] = t({kv, h});
+      l.linear[kVProj] = t({kv, h});
+      l.linear[kOProj] = t({h, q});
+    }
     if (l.layout.qkv_bias) l.qkv_bias = {t({q}), t({kv}), t({kv})};
     if (l.layout.o_bias) l.o_bias = t({h});
     if (l.layout.sinks) l.sinks = t({c.num_attention_heads});
-    if (l.layout.qk_norm) {
+    if (l.layout.qk_norm && !l.layout.linear_attention) {
       l.q_norm = t({d});
       l.k_norm = t({d});
     }
@@ -388,7 +410,9 @@ ModelWeights RandomModelWeights(const ModelConfig& config, uint64_t seed) {
   ForEachNamedTensor(w, [&](const std::string& name, at::Tensor& t) {
     at::Tensor f = at::empty(t.sizes(), at::kFloat);
     if (name.find("norm") != std::string::npos) {
-      f.normal_(1.0, 0.1, gen);  // near 1, but not exactly: tests see the norm weights
+      // Near 1, but not exactly (tests see the norm weights); zero-centered norms store w - 1.
+      const bool offset = config.zero_centered_norm() && name.find("linear_attn.norm") == std::string::npos;
+      f.normal_(offset ? 0.0 : 1.0, 0.1, gen);
     } else {
       f.normal_(0.0, 0.02, gen);  // matrices and biases alike
     }
@@ -417,6 +441,10 @@ ModelWeights ShardModelWeights(const ModelWeights& full, const ModelConfig& conf
     dst.q_norm = src.q_norm;
     dst.k_norm = src.k_norm;
     dst.o_bias = src.o_bias;  // added once, after o_proj's all-reduce
+    dst.conv1d = src.conv1d;  // Gated DeltaNet: whole (tensor parallelism refuses such models)
+    dst.a_log = src.a_log;
+    dst.dt_bias = src.dt_bias;
+    dst.linear_norm = src.linear_norm;
     if (src.sinks.defined()) dst.sinks = cut(src.sinks, 0, shard.head_begin, shard.head_begin + shard.heads);
     for (int slot = 0; slot < kNumLinearSlots; ++slot) {
       if (!src.linear[slot].defined()) continue;  // no shared expert on this MoE layer

@@ -32,6 +32,9 @@ struct LayerLayout {
   bool o_bias = false;
   bool sinks = false;
   bool gpt_oss = false;
+  // Qwen3.5: a Gated DeltaNet layer (linear_attn.*: the five projection slots from kInProjQkv,
+  // the convolution, A_log, dt_bias, the gated norm) in place of q/k/v/o.
+  bool linear_attention = false;
 };
 LayerLayout LayoutOfLayer(const ModelConfig& config, int64_t layer);
 
@@ -52,6 +55,9 @@ struct LayerWeights {
   at::Tensor o_bias, sinks, router_bias;
   at::Tensor experts_gate_up_bias;  // [E, 2I]: gate, then up
   at::Tensor experts_down_bias;     // [E, H]
+  // Qwen3.5's Gated DeltaNet (layout.linear_attention): conv1d [C, 1, K] (C: q, k and v
+  // channels), A_log and dt_bias [value heads], the gated norm's weight [value head dim].
+  at::Tensor conv1d, a_log, dt_bias, linear_norm;
 };
 
 struct ModelWeights {

@@ -18,6 +18,7 @@ namespace lorastep {
 
 PeftExportOptions PeftOptionsFor(const ModelConfig& model, const LoraConfig& lora, bool expand_experts) {
   PeftExportOptions options{expand_experts, model.moe.num_experts};
+  options.linear_attention = model.HasLinearAttention();
   if (model.gpt_oss()) {
     options.expert_parameters = true;
     auto targeted = ResolveLoraTargets(lora);
@@ -97,7 +98,7 @@ absl::Status ExportPeftAdapter(
         "export: a rank-0 (full fine-tuning) run has no adapter; save the model instead");
   }
   const LoraConfig& lora = adapter.lora_config();
-  LORASTEP_ASSIGN_OR_RETURN(std::vector<std::string> modules, LoraTargetModuleNames(lora));
+  LORASTEP_ASSIGN_OR_RETURN(std::vector<std::string> modules, LoraTargetModuleNames(lora, options.linear_attention));
   std::vector<std::string> parameters;  // gpt-oss: the experts as PEFT's target_parameters
   if (options.expert_parameters) {
     std::vector<std::string> attention;
@@ -178,7 +179,7 @@ absl::Status ImportPeftAdapter(const std::string& folder, Adapter* adapter, cons
     }
   }
   // The same modules: a run with fewer targets would drop trained factors without a word.
-  LORASTEP_ASSIGN_OR_RETURN(std::vector<std::string> want, LoraTargetModuleNames(lora));
+  LORASTEP_ASSIGN_OR_RETURN(std::vector<std::string> want, LoraTargetModuleNames(lora, options.linear_attention));
   std::set<std::string> have;
   if (options.expert_parameters) {  // gpt-oss: experts through target_parameters
     std::set<std::string> params;
@@ -210,7 +211,9 @@ absl::Status ImportPeftAdapter(const std::string& folder, Adapter* adapter, cons
   }
   if (have == std::set<std::string>{"all-linear"}) {
     have = {};
-    for (int s = 0; s < kNumLinearSlots; ++s) have.insert(LinearSlotName(s));
+    for (int s = 0; s < kNumLinearSlots; ++s) {
+      if (options.linear_attention || !IsLinearAttentionSlot(s)) have.insert(LinearSlotName(s));
+    }
   }
   if (have != std::set<std::string>(want.begin(), want.end())) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -37,6 +37,7 @@ struct PeftExportOptions {
   int64_t num_experts = 0;  // the model's routed experts (for expanding shared factors)
   bool expert_parameters = false;  // gpt-oss: the target_parameters form above
   bool gate_up_nested = false;     // expert_parameters with down_proj targeted too
+  bool linear_attention = false;   // Qwen3.5: Gated DeltaNet projections among the targets
 };
 // The export options of an adapter over `model` (the gpt-oss form where it applies).
 PeftExportOptions PeftOptionsFor(const ModelConfig& model, const LoraConfig& lora, bool expand_experts);

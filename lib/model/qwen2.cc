@@ -15,6 +15,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include "lib/model/attention_paths.h"
+#include "lib/model/gated_delta.h"
 #include "lib/model/rope.h"
 #include "lib/parallel/context_parallel.h"
 #include "lib/torch_compat.h"
@@ -22,64 +24,6 @@
 namespace lorastep {
 namespace {
 
-using AttentionFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
-
-// A selectively recomputed layer's attention (LayerRecompute::kSelective): the no-grad forward
-// fills it, the replay reads it. With a fused kernel that exposes its softmax statistics (the
-// packed layout's flash kernel, or cuDNN's on padded rows) it holds them, and backward runs
-// the kernel's own backward; otherwise it holds the output, and backward runs `attend` once
-// more with autograd. Owned by the layer's RecomputedLayerNode, which outlives every use.
-struct KeptAttention {
-  enum class Kernel { kReplay, kFlash, kCudnn };
-  Kernel kernel = Kernel::kReplay;
-  at::Tensor out;                            // the attention output the replay returns
-  compat::VarlenAttentionSaved flash;        // kFlash: out [total, heads, d], log-sum-exp, rng state
-  at::Tensor cu_seqlens;                     // kFlash
-  int64_t max_length = 0;                    // kFlash
-  compat::CudnnAttentionSaved cudnn;         // kCudnn: out [b, heads, s, d], log-sum-exp, ...
-  AttentionFn attend;                        // kReplay: the replay's attention (set by the replay)
-};
-
-// Attention in a selective replay: returns the kept output for (q, k, v) without running
-// attention, and back-propagates as attention does. q/k/v are laid out as the kept kernel
-// took them.
-class KeptAttentionFunction : public torch::autograd::Function<KeptAttentionFunction> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, int64_t kept_address) {
-    ctx->save_for_backward({q, k, v});
-    ctx->saved_data["kept"] = kept_address;
-    // A fresh tensor over the kept storage (not a view): autograd records this node as its history.
-    return reinterpret_cast<const KeptAttention*>(kept_address)->out.detach();
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto saved = ctx->get_saved_variables();
-    const auto* kept = reinterpret_cast<const KeptAttention*>(ctx->saved_data["kept"].toInt());
-    switch (kept->kernel) {
-      case KeptAttention::Kernel::kFlash: {
-        auto [dq, dk, dv] = compat::VarlenCausalAttentionBackward(grads[0], saved[0], saved[1], saved[2], kept->flash,
-                                                                  kept->cu_seqlens, kept->max_length);
-        return {dq, dk, dv, at::Tensor()};
-      }
-      case KeptAttention::Kernel::kCudnn: {
-        auto [dq, dk, dv] = compat::CudnnCausalAttentionBackward(grads[0], saved[0], saved[1], saved[2], kept->cudnn);
-        return {dq, dk, dv, at::Tensor()};
-      }
-      case KeptAttention::Kernel::kReplay:
-        break;
-    }
-    torch::autograd::variable_list inputs;
-    for (int j = 0; j < 3; ++j) inputs.push_back(saved[j].detach().requires_grad_(true));
-    at::Tensor y;
-    {
-      at::AutoGradMode enable(true);
-      y = kept->attend(inputs[0], inputs[1], inputs[2]);
-    }
-    torch::autograd::variable_list g = torch::autograd::grad({y}, inputs, {grads[0]});
-    return {g[0], g[1], g[2], at::Tensor()};
-  }
-};
 
 class LayerRunner {
  public:
@@ -256,58 +200,6 @@ class LayerRunner {
                            options_.lora_operands, input_has_room);
   }
 
-  // Causal attention of packed sequences: q [1, total, heads, d], k/v [1, total, kv, d] ->
-  // [1, total, heads * d]. Sequences all of one length run as padded rows without padding
-  // where SDPA picks cuDNN's kernel for them (faster than the flash kernels at head dim 128:
-  // docs/PERFORMANCE.md); else one varlen kernel where available, else each sequence alone.
-  // `window` > 0 (a sliding layer's) or attention sinks: each sequence alone through its mask.
-  static at::Tensor PackedAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const PackedSequences& packed, int64_t window, const at::Tensor& sinks) {
-    const int64_t total = q.size(1), width = q.size(2) * q.size(3);
-    const int64_t length = packed.lengths.empty() ? 0 : packed.lengths.front();
-    const auto count = static_cast<int64_t>(packed.lengths.size());
-    const bool plain = window == 0 && !sinks.defined();
-    if (plain && length > 0 && count * length == total &&
-        std::all_of(packed.lengths.begin(), packed.lengths.end(), [&](int64_t n) { return n == length; })) {
-      auto rows = [&](const at::Tensor& t) { return t.reshape({count, length, t.size(2), t.size(3)}).transpose(1, 2); };
-      const at::Tensor qr = rows(q), kr = rows(k), vr = rows(v);
-      if (compat::UsesCudnnAttention(qr, kr, vr)) {
-        return compat::CausalAttention(qr, kr, vr).transpose(1, 2).reshape({1, total, width});
-      }
-    }
-    if (plain && compat::HasVarlenAttention(q)) {
-      return compat::VarlenCausalAttention(q[0], k[0], v[0].contiguous(), packed.cu_seqlens, packed.max_length)
-          .reshape({1, total, width});
-    }
-    std::vector<at::Tensor> parts;
-    int64_t start = 0;
-    for (int64_t n : packed.lengths) {
-      auto heads_first = [&](const at::Tensor& t) { return t.narrow(1, start, n).transpose(1, 2); };
-      const at::Tensor qs = heads_first(q), ks = heads_first(k), vs = heads_first(v);
-      parts.push_back(CausalOrMasked(qs, ks, vs, window, sinks).transpose(1, 2));
-      start += n;
-    }
-    return at::cat(parts, 1).reshape({1, total, width});
-  }
-
-  // q [b, heads, s, d] over k/v [b, kv, s, d]: causal, in a sliding window (window > 0), and
-  // with attention sinks [heads] where defined.
-  static at::Tensor CausalOrMasked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window,
-                                   const at::Tensor& sinks) {
-    if (sinks.defined()) return compat::SinkCausalAttention(q, k, v, window, sinks);
-    return window > 0 ? compat::WindowedCausalAttention(q, k, v, window) : compat::CausalAttention(q, k, v);
-  }
-
-  // Causal attention of this context rank's tokens over every rank's (packed.context_group):
-  // q [1, t, heads, d], k/v [1, t, kv, d] -> [1, t, heads * d].
-  static at::Tensor ContextAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                     const PackedSequences& packed, int64_t window, const at::Tensor& sinks) {
-    const int64_t t = q.size(1), width = q.size(2) * q.size(3);
-    return ContextParallelAttention(q[0], k[0], v[0], packed.sequence_ids, packed.positions, packed.context_group,
-                                    packed.context_counts, window, sinks)
-        .reshape({1, t, width});
-  }
-
   // Causal attention of q [b, s, heads, d] over k/v [b, s, kv, d] -> [b, s, heads * d], as the
   // call's layout says (packed, context-parallel or padded). In a selectively recomputed
   // layer (kept_attention_) the no-grad forward keeps the result and the replay returns it
@@ -335,7 +227,7 @@ class LayerRunner {
     if (kept == nullptr) return attend(q, k, v);
     const bool replay = kept->out.defined();
     const auto kept_output = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-      return KeptAttentionFunction::apply(q, k, v, reinterpret_cast<int64_t>(kept));
+      return KeptAttentionOutput(q, k, v, kept);
     };
     // A windowed layer or one with sinks keeps no kernel statistics: its attention is replayed whole.
     if (plain && packed != nullptr && packed->context_group == nullptr && compat::HasVarlenAttention(q)) {
@@ -390,41 +282,70 @@ class LayerRunner {
 
   // q, k (with RoPE) and v of layer i from the normed input h, each [b, s, heads, d].
   // `qkv_group`: GroupOf(i, q/k/v); `input_has_room`: h came from a norm given its FoldRoom.
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> QueryKeyValue(size_t i, const at::Tensor& h, const at::Tensor& cos,
-                                                               const at::Tensor& sin, int64_t nh, int64_t nkv,
-                                                               const std::optional<PackedGroup>& qkv_group,
-                                                               bool input_has_room) const {
+  // Qwen3.5's gated attention also gives each head's output gate [b, s, heads * d] (else undefined).
+  struct Qkv {
+    at::Tensor q, k, v, gate;
+  };
+  Qkv QueryKeyValue(size_t i, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, int64_t nh,
+                    int64_t nkv, const std::optional<PackedGroup>& qkv_group, bool input_has_room) const {
     const LayerWeights& lw = weights_.layers[i];
     const ModelShard* shard = options_.shard;
     const int64_t b = h.size(0), s = h.size(1), d = c_.head_dim();
-    at::Tensor q, k, v;
+    const int64_t qd = c_.gated_attention() ? 2 * d : d;  // each head's query (and gate) width
+    at::Tensor q, k, v, gate;
     at::Tensor qkv = ProjectPacked(qkv_group, h, input_has_room);
 #ifdef LORASTEP_WITH_CUDA_KERNELS
     const bool plain_heads = !lw.layout.qk_norm && !(shard != nullptr && shard->kv_select >= 0);
     if (qkv.defined() && plain_heads && UseFusedKernels(qkv, cos) && qkv.stride(-1) == 1) {
       auto out = QkvRope(qkv, cos, sin, nh, nkv);
-      return {out[0], out[1], out[2]};
+      return {out[0], out[1], out[2], at::Tensor()};
     }
 #endif
     if (qkv.defined()) {
-      q = qkv.narrow(-1, 0, nh * d).view({b, s, nh, d});
-      k = qkv.narrow(-1, nh * d, nkv * d).view({b, s, nkv, d});
-      v = qkv.narrow(-1, (nh + nkv) * d, nkv * d).view({b, s, nkv, d});
+      q = qkv.narrow(-1, 0, nh * qd).view({b, s, nh, qd});
+      k = qkv.narrow(-1, nh * qd, nkv * d).view({b, s, nkv, d});
+      v = qkv.narrow(-1, nh * qd + nkv * d, nkv * d).view({b, s, nkv, d});
     } else {
-      q = Project(i, kQProj, h).view({b, s, nh, d});
+      q = Project(i, kQProj, h).view({b, s, nh, qd});
       k = Project(i, kKProj, h).view({b, s, nkv, d});
       v = Project(i, kVProj, h).view({b, s, nkv, d});
     }
+    if (qd != d) {  // each head: its query, then its gate
+      gate = q.narrow(-1, d, d).reshape({b, s, nh * d});
+      q = q.narrow(-1, 0, d);
+    }
     if (lw.layout.qk_norm) {  // Qwen3: RMSNorm over each head, before RoPE
-      q = RmsNorm(q, lw.q_norm, c_.rms_norm_eps);
-      k = RmsNorm(k, lw.k_norm, c_.rms_norm_eps);
+      q = RmsNorm(q, NormWeight(lw.q_norm), c_.rms_norm_eps);
+      k = RmsNorm(k, NormWeight(lw.k_norm), c_.rms_norm_eps);
     }
     if (shard != nullptr && shard->kv_select >= 0) {  // replicated KV heads: the one we read
       k = k.narrow(2, shard->kv_select, 1);
       v = v.narrow(2, shard->kv_select, 1);
     }
-    // RoPE on the projections' own [b, s, heads, d] layout.
-    return {ApplyRope(q, cos, sin), ApplyRope(k, cos, sin), v};
+    // RoPE on the projections' own [b, s, heads, d] layout (partial: the first rotary_dim).
+    const int64_t rd = cos.size(-1);
+    auto rope = [&](const at::Tensor& t) {
+      if (rd == d) return ApplyRope(t, cos, sin);
+      return at::cat({ApplyRope(t.narrow(-1, 0, rd).contiguous(), cos, sin), t.narrow(-1, rd, d - rd)}, -1);
+    };
+    return {rope(q), rope(k), v, gate};
+  }
+
+  // A norm's weight as stored, or 1 + the stored offset (Qwen3.5's zero-centered RMSNorm).
+  at::Tensor NormWeight(const at::Tensor& w) const { return c_.zero_centered_norm() ? w + 1 : w; }
+
+  // Qwen3.5's Gated DeltaNet over the normed input h [b, s, H] (GatedDeltaNetMix), its
+  // projections through Project (LoRA included); each packed sequence from a zero state.
+  at::Tensor LinearAttention(size_t i, const at::Tensor& h) const {
+    const LayerWeights& lw = weights_.layers[i];
+    TORCH_CHECK(options_.cached_attention == nullptr, "sampling a model with linear-attention layers is not built");
+    const PackedSequences* packed = options_.packed;
+    TORCH_CHECK(packed == nullptr || packed->context_group == nullptr,
+                "context parallelism over linear-attention layers is not built");
+    GatedDeltaWeights weights{lw.conv1d, lw.a_log, lw.dt_bias, lw.linear_norm};
+    auto project = [&](int slot, const at::Tensor& x) { return Project(i, slot, x); };
+    return GatedDeltaNetMix(c_.linear_attention, weights, project, h,
+                            packed != nullptr ? packed->lengths : std::vector<int64_t>{}, c_.rms_norm_eps);
   }
 
   // Layer i over x as a RecomputedLayerNode (activation recomputation): like Layer, with both
@@ -444,22 +365,29 @@ class LayerRunner {
     // Heads of this tensor rank (all of them without tensor parallelism).
     const int64_t nh = shard != nullptr ? shard->heads : c_.num_attention_heads,
                   nkv = shard != nullptr ? shard->kv_heads : c_.num_key_value_heads;
-    at::Tensor h;
-    // Each norm leaves room after its output for the next group's fold (FoldRoom).
-    const std::optional<PackedGroup> qkv_group = GroupOf(i, {kQProj, kKProj, kVProj});
-    const int64_t qkv_room = FoldRoom(qkv_group);
-    std::tie(x, h) = AddRmsNorm(x, pending, lw.input_norm, c_.rms_norm_eps, qkv_room);
-    auto [q, k, v] = QueryKeyValue(i, CopyToTensorRegion(h, tp), cos, sin, nh, nkv, qkv_group, qkv_room > 0);
-    at::Tensor attn = options_.cached_attention != nullptr
-                          ? options_.cached_attention->Attend(weights_.first_layer + static_cast<int64_t>(i), q, k, v, lw.sinks)
-                          : Attend(q, k, v, c_.AttentionWindow(weights_.first_layer + static_cast<int64_t>(i)), lw.sinks);
+    at::Tensor h, attn_out;
     // Row-parallel o/down give partial sums (LoRA's B(A_i x_i) included): one all-reduce each.
     const std::optional<PackedGroup> mlp_group =
         lw.layout.moe ? std::nullopt : GroupOf(i, {kGateProj, kUpProj});
     const int64_t mlp_room = FoldRoom(mlp_group);
-    at::Tensor attn_out = ReduceFromTensorRegion(Project(i, kOProj, attn), tp);
-    if (lw.o_bias.defined()) attn_out = attn_out + lw.o_bias;  // once, after the tensor ranks' sum
-    std::tie(x, h) = AddRmsNorm(x, attn_out, lw.post_attention_norm, c_.rms_norm_eps, mlp_room);
+    if (lw.layout.linear_attention) {
+      std::tie(x, h) = AddRmsNorm(x, pending, NormWeight(lw.input_norm), c_.rms_norm_eps, 0);
+      attn_out = LinearAttention(i, h);
+    } else {
+      // Each norm leaves room after its output for the next group's fold (FoldRoom).
+      const std::optional<PackedGroup> qkv_group = GroupOf(i, {kQProj, kKProj, kVProj});
+      const int64_t qkv_room = FoldRoom(qkv_group);
+      std::tie(x, h) = AddRmsNorm(x, pending, NormWeight(lw.input_norm), c_.rms_norm_eps, qkv_room);
+      auto [q, k, v, gate] = QueryKeyValue(i, CopyToTensorRegion(h, tp), cos, sin, nh, nkv, qkv_group, qkv_room > 0);
+      const int64_t layer = weights_.first_layer + static_cast<int64_t>(i);
+      at::Tensor attn = options_.cached_attention != nullptr
+                            ? options_.cached_attention->Attend(layer, q, k, v, lw.sinks)
+                            : Attend(q, k, v, c_.AttentionWindow(layer), lw.sinks);
+      if (gate.defined()) attn = attn * at::sigmoid(gate);  // Qwen3.5's output gate
+      attn_out = ReduceFromTensorRegion(Project(i, kOProj, attn), tp);
+      if (lw.o_bias.defined()) attn_out = attn_out + lw.o_bias;  // once, after the tensor ranks' sum
+    }
+    std::tie(x, h) = AddRmsNorm(x, attn_out, NormWeight(lw.post_attention_norm), c_.rms_norm_eps, mlp_room);
     h = CopyToTensorRegion(h, tp);
     if (lw.layout.moe) return {x, MoeMlp(i, h)};
     at::Tensor gate_up = ProjectPacked(mlp_group, h, mlp_room > 0);
@@ -807,7 +735,8 @@ at::Tensor Qwen2Layers(const ModelConfig& config, const ModelWeights& base, cons
 
 at::Tensor Qwen2FinalNorm(const ModelConfig& config, const ModelWeights& base,
                           const Adapter* adapter, const at::Tensor& x) {
-  return RmsNorm(x, WeightsFor(base, adapter).final_norm, config.rms_norm_eps);
+  const at::Tensor& w = WeightsFor(base, adapter).final_norm;
+  return RmsNorm(x, config.zero_centered_norm() ? w + 1 : w, config.rms_norm_eps);
 }
 
 at::Tensor Qwen2Hidden(const ModelConfig& config, const ModelWeights& base, const Adapter* adapter,

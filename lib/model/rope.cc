@@ -21,7 +21,7 @@ int64_t OriginalLength(const ModelConfig& c) {
 }  // namespace
 
 std::pair<at::Tensor, double> RopeFrequencies(const ModelConfig& c, int64_t length) {
-  const int64_t d = c.head_dim();
+  const int64_t d = c.rotary_dim();  // partial rotary (Qwen3.5): the first dimensions only
   const RopeConfig& r = c.rope;
   const at::Tensor exponents = at::arange(0, d, 2, at::kLong).to(at::kFloat) / static_cast<double>(d);
   auto inverse = [&](double base) { return 1.0 / at::pow(base, exponents); };
@@ -80,11 +80,11 @@ std::pair<at::Tensor, at::Tensor> RopeTables(const ModelConfig& c, int64_t s,
   static std::mutex mu;
   using Key = std::tuple<std::string, int64_t, std::string, int, int64_t>;
   static auto* tables = new std::map<Key, std::pair<at::Tensor, at::Tensor>>();
-  const std::string rope = absl::StrCat(c.rope_theta, ":", c.head_dim(), ":", r.type, ":", r.factor, ":",
+  const std::string rope = absl::StrCat(c.rope_theta, ":", c.rotary_dim(), ":", r.type, ":", r.factor, ":",
                                         r.original_max_position_embeddings, ":", r.low_freq_factor, ":",
                                         r.high_freq_factor, ":", r.beta_fast, ":", r.beta_slow, ":",
                                         r.attention_factor, ":", r.truncate, ":", c.max_position_embeddings);
-  const Key key{rope, c.head_dim(), options.device().str(), static_cast<int>(options.dtype().toScalarType()),
+  const Key key{rope, c.rotary_dim(), options.device().str(), static_cast<int>(options.dtype().toScalarType()),
                 own_length};
   std::lock_guard<std::mutex> lock(mu);
   auto& [cos, sin] = (*tables)[key];

@@ -189,6 +189,15 @@ absl::Status ValidateLayoutForModel(const ParallelSizes& sizes, const ModelConfi
     return absl::InvalidArgumentError(
         absl::StrCat("ep: ", sizes.ep, " needs a MoE model (this one has no routed experts)"));
   }
+  if (c.HasLinearAttention() && sizes.tp > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tp: ", sizes.tp, ": tensor parallelism over linear-attention (Gated DeltaNet) layers is not built yet; use tp 1"));
+  }
+  if (c.HasLinearAttention() && sizes.cp > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cp: ", sizes.cp, ": context parallelism over linear-attention (Gated DeltaNet) layers would pass the "
+        "recurrent state between ranks, which is not built; use cp 1"));
+  }
   if (sizes.tp > c.vocab_size) {
     return absl::InvalidArgumentError(absl::StrCat("tp: ", sizes.tp, " exceeds vocab_size ", c.vocab_size));
   }
@@ -231,14 +240,20 @@ ModelShard MakeModelShard(const ParallelSizes& sizes, const RankCoords& coords,
   return s;
 }
 
-bool IsColumnParallel(int slot) { return slot != 3 && slot != 6; }  // kOProj, kDownProj
+bool IsColumnParallel(int slot) { return slot != 3 && slot != 6 && slot != 11; }  // o, down, out_proj
 
 LinearSplit LinearSplitOf(const ModelShard& s, int slot, const ModelConfig& c, bool moe_layer) {
   const int64_t d = c.head_dim();
   LinearSplit split;
   split.dim = IsColumnParallel(slot) ? 0 : 1;
   switch (slot) {
-    case 0: case 3:  // q rows, o columns: this rank's query heads
+    case 0: {  // q rows: this rank's query heads (with their output gates: Qwen3.5)
+      const int64_t width = c.gated_attention() ? 2 * d : d;
+      split.begin = s.head_begin * width;
+      split.end = (s.head_begin + s.heads) * width;
+      break;
+    }
+    case 3:  // o columns: this rank's query heads
       split.begin = s.head_begin * d;
       split.end = (s.head_begin + s.heads) * d;
       break;
@@ -247,9 +262,13 @@ LinearSplit LinearSplitOf(const ModelShard& s, int slot, const ModelConfig& c, b
       split.end = (s.kv_head_begin + s.kv_heads) * d;
       split.replicated = s.kv_replicated;
       break;
-    default:  // gate, up rows; down columns (of the shared expert on a MoE layer)
+    case 4: case 5: case 6:  // gate, up rows; down columns (of the shared expert on a MoE layer)
       split.begin = moe_layer ? s.shared_ffn_begin : s.ffn_begin;
       split.end = moe_layer ? s.shared_ffn_end : s.ffn_end;
+      break;
+    default:  // Gated DeltaNet projections: whole (tensor parallelism refuses such models)
+      split.begin = 0;
+      split.end = c.LinearAttentionWidth(slot);
       break;
   }
   return split;

@@ -48,6 +48,10 @@ int64_t SamplerEngine::WorstCaseBlocks(const SampleRequest& r) const {
 }
 
 absl::StatusOr<int64_t> SamplerEngine::Add(const Adapter* adapter, SampleRequest request) {
+  if (config_.HasLinearAttention()) {  // their state is a recurrence per sequence, not KV blocks
+    return absl::UnimplementedError(absl::StrCat("sample: ", config_.model_type,
+                                                 " has linear-attention layers, whose sampling is not built yet"));
+  }
   const int64_t vocab = config_.vocab_size;
   if (request.prompt.empty()) return absl::InvalidArgumentError("prompt: empty");
   for (size_t i = 0; i < request.prompt.size(); ++i) {

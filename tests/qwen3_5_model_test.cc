@@ -1,0 +1,278 @@
+// Qwen3.5 (model_type qwen3_5_text, dense) against a plain fp64 reference written here from
+// transformers' Qwen3_5 definitions, over the tensors as stored in the folder: a Gated DeltaNet
+// layer (projections, causal convolution with SiLU, L2-normalized q/k, the gated delta rule
+// token by token, the gated RMSNorm with z, out_proj) and a full-attention layer (q_proj giving
+// each head's query and output gate, zero-centered q/k norms, partial RoPE, causal softmax,
+// sigmoid gate before o_proj), zero-centered RMSNorms, SwiGLU MLPs, untied head. Also its
+// config.json keys, packed rows, and what is refused.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
+
+#include <array>
+#include <cmath>
+#include <map>
+
+#include "lib/model/model_weights.h"
+#include "lib/model/qwen2.h"
+#include "lib/parallel/parallel_layout.h"
+#include "lib/training/grad_finalizer.h"
+#include "tests/model_test_util.h"
+#include "tests/test_util.h"
+#include "tests/torch_test_util.h"
+#include "tools/model_presets.h"
+
+namespace lorastep {
+namespace {
+
+using ::lorastep::testing::ExpectPackedRowsEqualAlone;
+using ::lorastep::testing::MaxAbsDiff;
+using ::lorastep::testing::RelErr;
+using ::lorastep::testing::ScratchDir;
+using ::lorastep::testing::StatusIs;
+using ::lorastep::testing::StoredTensors;
+
+// The tiny preset's weights with values that make every piece matter: a convolution of
+// visible size, decays spread out, norms' offsets away from 0.
+ModelWeights TinyWeights(const ModelConfig& c, uint64_t seed) {
+  ModelWeights w = RandomModelWeights(c, seed);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed + 1);
+  auto draw = [&](const at::Tensor& like, double mean, double std) {
+    return at::empty(like.sizes(), at::kFloat).normal_(mean, std, gen).to(like.scalar_type());
+  };
+  for (LayerWeights& l : w.layers) {
+    if (!l.layout.linear_attention) continue;
+    l.conv1d = draw(l.conv1d, 0, 0.5);
+    l.a_log = draw(l.a_log, -1, 0.5);
+    l.dt_bias = draw(l.dt_bias, 0, 0.5);
+  }
+  return w;
+}
+
+// LoRA leaves (fp64, requiring grad) per layer and slot: {A, B}, undefined where none.
+struct ReferenceLora {
+  std::vector<std::array<std::array<at::Tensor, 2>, kNumLinearSlots>> layers;
+  double scale = 1;
+};
+
+at::Tensor ReferenceLogits(const ModelConfig& c, std::map<std::string, at::Tensor>& t, const at::Tensor& tokens,
+                           const ReferenceLora* lora = nullptr) {
+  const int64_t s = tokens.size(0), nh = c.num_attention_heads, nkv = c.num_key_value_heads, d = c.head_dim(),
+                rd = c.rotary_dim();
+  const LinearAttentionConfig& la = c.linear_attention;
+  auto norm = [&](const at::Tensor& x, const at::Tensor& offset) {  // zero-centered RMSNorm
+    return x / at::sqrt(x.pow(2).mean({-1}, true) + c.rms_norm_eps) * (1 + offset);
+  };
+  auto silu = [](const at::Tensor& x) { return x * at::sigmoid(x); };
+  at::Tensor inv_freq = at::empty({rd / 2}, at::kDouble);
+  for (int64_t j = 0; j < rd / 2; ++j) inv_freq[j] = std::pow(c.rope_theta, -2.0 * j / rd);
+  const at::Tensor angle = at::outer(at::arange(s, at::kDouble), inv_freq);
+  auto rope = [&](const at::Tensor& v) {  // [s, d]: the first rd dims rotated in halves
+    at::Tensor a = v.narrow(1, 0, rd / 2), b = v.narrow(1, rd / 2, rd / 2);
+    return at::cat({a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin(), v.narrow(1, rd, d - rd)}, 1);
+  };
+  at::Tensor x = t.at("model.embed_tokens.weight").index_select(0, tokens);
+  for (int64_t li = 0; li < c.num_hidden_layers; ++li) {
+    const std::string p = "model.layers." + std::to_string(li) + ".";
+    at::Tensor h = norm(x, t.at(p + "input_layernorm.weight"));
+    auto linear = [&](int slot, const at::Tensor& in) {
+      at::Tensor y = in.matmul(t.at(p + LinearSlotModulePath(slot) + ".weight").t());
+      if (lora != nullptr && lora->layers[li][slot][0].defined()) {
+        y = y + lora->scale * in.matmul(lora->layers[li][slot][0].t()).matmul(lora->layers[li][slot][1].t());
+      }
+      return y;
+    };
+    if (c.IsLinearAttentionLayer(li)) {
+      const at::Tensor qkv = linear(kInProjQkv, h);  // [s, C]
+      const at::Tensor w = t.at(p + "linear_attn.conv1d.weight").squeeze(1);  // [C, K]
+      const int64_t kernel = w.size(1);
+      std::vector<at::Tensor> conv_rows;
+      for (int64_t i = 0; i < s; ++i) {
+        at::Tensor sum = at::zeros({qkv.size(1)}, at::kDouble);
+        for (int64_t j = 0; j < kernel; ++j) {
+          if (i - kernel + 1 + j >= 0) sum = sum + w.select(1, j) * qkv[i - kernel + 1 + j];
+        }
+        conv_rows.push_back(silu(sum));
+      }
+      const at::Tensor mixed = at::stack(conv_rows);
+      const at::Tensor a = linear(kInProjA, h), b = linear(kInProjB, h), z = linear(kInProjZ, h);
+      const at::Tensor g = -t.at(p + "linear_attn.A_log").exp() * at::log1p(at::exp(a + t.at(p + "linear_attn.dt_bias")));
+      const at::Tensor beta = at::sigmoid(b);
+      const int64_t kd = la.key_dim(), dk = la.key_head_dim, dv = la.value_head_dim;
+      std::vector<at::Tensor> heads;
+      for (int64_t hv = 0; hv < la.num_value_heads; ++hv) {
+        const int64_t hk = hv / (la.num_value_heads / la.num_key_heads);
+        at::Tensor state = at::zeros({dk, dv}, at::kDouble);
+        std::vector<at::Tensor> outs;
+        for (int64_t i = 0; i < s; ++i) {
+          at::Tensor q = mixed[i].narrow(0, hk * dk, dk), k = mixed[i].narrow(0, kd + hk * dk, dk);
+          const at::Tensor v = mixed[i].narrow(0, 2 * kd + hv * dv, dv);
+          q = q / at::sqrt(q.dot(q) + 1e-6) / std::sqrt(static_cast<double>(dk));
+          k = k / at::sqrt(k.dot(k) + 1e-6);
+          state = state * at::exp(g[i][hv]);
+          state = state + at::outer(k, (v - at::mv(state.t(), k)) * beta[i][hv]);
+          const at::Tensor o = at::mv(state.t(), q);
+          const at::Tensor zz = z[i].narrow(0, hv * dv, dv);
+          outs.push_back(o / at::sqrt(o.pow(2).mean() + c.rms_norm_eps) * t.at(p + "linear_attn.norm.weight") * silu(zz));
+        }
+        heads.push_back(at::stack(outs));  // [s, dv]
+      }
+      x = x + linear(kOutProj, at::cat(heads, 1));
+    } else {
+      const at::Tensor qg = linear(kQProj, h).view({s, nh, 2 * d});
+      const at::Tensor k = linear(kKProj, h), v = linear(kVProj, h);
+      std::vector<at::Tensor> heads;
+      for (int64_t hd = 0; hd < nh; ++hd) {
+        const int64_t grp = hd / (nh / nkv);
+        const at::Tensor q = norm(qg.select(1, hd).narrow(1, 0, d), t.at(p + "self_attn.q_norm.weight"));
+        const at::Tensor kh = norm(k.narrow(1, grp * d, d), t.at(p + "self_attn.k_norm.weight"));
+        at::Tensor scores = rope(q).matmul(rope(kh).t()) / std::sqrt(static_cast<double>(d));
+        for (int64_t i = 0; i < s; ++i)
+          for (int64_t j = i + 1; j < s; ++j) scores[i][j] = -INFINITY;
+        const at::Tensor out = at::softmax(scores, 1).matmul(v.narrow(1, grp * d, d));
+        heads.push_back(out * at::sigmoid(qg.select(1, hd).narrow(1, d, d)));  // the output gate
+      }
+      x = x + linear(kOProj, at::cat(heads, 1));
+    }
+    h = norm(x, t.at(p + "post_attention_layernorm.weight"));
+    x = x + linear(kDownProj, silu(linear(kGateProj, h)) * linear(kUpProj, h));
+  }
+  return norm(x, t.at("model.norm.weight")).matmul(t.at("lm_head.weight").t());
+}
+
+TEST(Qwen35ModelTest, ConfigReadsTransformersKeys) {
+  const std::string text = R"({
+    "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 248320,
+    "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16,
+    "num_key_value_heads": 4, "head_dim": 256, "hidden_act": "silu", "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-06, "tie_word_embeddings": false, "attention_bias": false, "attention_dropout": 0.0,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": true},
+    "torch_dtype": "bfloat16", "use_cache": true, "eos_token_id": 248044})";
+  ASSERT_OK_AND_ASSIGN(ModelConfig c, ParseModelConfigJson(text));
+  EXPECT_TRUE(c.qwen3_5() && c.HasLinearAttention() && c.zero_centered_norm() && c.gated_attention());
+  EXPECT_TRUE(c.IsLinearAttentionLayer(0) && c.IsLinearAttentionLayer(2) && !c.IsLinearAttentionLayer(3));
+  EXPECT_EQ(c.linear_attention.num_value_heads, 32);
+  EXPECT_EQ(c.rotary_dim(), 64);
+  EXPECT_EQ(c.rope_theta, 1e7);
+  ASSERT_OK_AND_ASSIGN(ModelConfig again, ParseModelConfigJson(ModelConfigToJson(c)));
+  EXPECT_EQ(again.linear_layers, c.linear_layers);
+  EXPECT_EQ(again.TotalParameterCount(), c.TotalParameterCount());
+  auto with = [&](const std::string& from, const std::string& to) {
+    std::string edited = text;
+    edited.replace(edited.find(from), from.size(), to);
+    return ParseModelConfigJson(edited);
+  };
+  EXPECT_THAT(with(R"("attention_bias": false)", R"("attention_bias": true)"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "attention_bias"));
+  EXPECT_THAT(with(R"("full_attention_interval": 4)", R"("layer_types": ["linear_attention"])"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "layer_types: 1 entries for 32 layers"));
+  EXPECT_THAT(with(R"("full_attention_interval": 4)", R"("use_sliding_window": true)"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "use_sliding_window"));
+  EXPECT_THAT(with(R"("linear_num_value_heads": 32)", R"("linear_num_value_heads": 24)"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "linear_num_value_heads"));
+  // Not built yet, refused by name before any worker starts: tensor and context parallelism.
+  ParallelSizes tp2;
+  tp2.tp = 2;
+  EXPECT_THAT(ValidateLayoutForModel(tp2, c), StatusIs(absl::StatusCode::kInvalidArgument, "tp: 2"));
+  ParallelSizes cp2;
+  cp2.cp = 2;
+  EXPECT_THAT(ValidateLayoutForModel(cp2, c), StatusIs(absl::StatusCode::kInvalidArgument, "cp: 2"));
+  EXPECT_TRUE(ValidateLayoutForModel({1, 2, 2}, c).ok());  // pipeline and data parallelism
+}
+
+// Log-probs and every LoRA factor's gradient (the Gated DeltaNet projections, q/k/v/o, the
+// MLP), fused and unfused weight gradients, against the reference over the stored tensors.
+TEST(Qwen35ModelTest, LogitsAndLoraGradientsMatchPlainReference) {
+  const ModelConfig c = ModelConfigPreset("tiny-qwen3.5").value();
+  const ModelWeights w = TinyWeights(c, 5);
+  const std::string dir = ScratchDir("qwen3_5_ref");
+  ASSERT_OK(SaveModel(dir, c, w));
+  std::map<std::string, at::Tensor> stored = StoredTensors(dir);
+  ASSERT_OK_AND_ASSIGN(LoadedModel model, LoadModel(dir, at::kCPU));
+  EXPECT_TRUE(stored.count("model.layers.0.linear_attn.in_proj_qkv.weight") &&
+              stored.count("model.layers.0.linear_attn.A_log") && stored.count("model.layers.1.self_attn.q_norm.weight"));
+  EXPECT_EQ(stored.at("model.layers.1.self_attn.q_proj.weight").size(0), 2 * 4 * 16);  // queries and gates
+  const at::Tensor tokens = at::randint(c.vocab_size, {1, 13}, at::kLong);
+  {
+    at::NoGradGuard no_grad;
+    ForwardOptions options;
+    options.training = false;
+    const at::Tensor logits = Qwen2Hidden(c, model.weights, nullptr, tokens, options).matmul(w.output_weight().t())[0];
+    EXPECT_LT(MaxAbsDiff(logits.to(at::kDouble), ReferenceLogits(c, stored, tokens[0])), 1e-5);
+  }
+  for (const bool fused : {true, false}) {
+    SCOPED_TRACE(fused ? "fused" : "unfused");
+    LoraConfig lc;
+    lc.rank = 4;
+    lc.alpha = 8;
+    ASSERT_OK_AND_ASSIGN(Adapter adapter, Adapter::CreateLora(c, lc, at::kCPU, at::kFloat, 9));
+    ReferenceLora ref;
+    ref.scale = lc.scale();
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(21);
+    int factors = 0;
+    for (size_t layer = 0; layer < w.layers.size(); ++layer) {
+      std::array<std::array<at::Tensor, 2>, kNumLinearSlots> slots;
+      for (int slot = 0; slot < kNumLinearSlots; ++slot) {
+        const LoraFactors* f = adapter.lora(layer, slot);
+        if (f == nullptr) continue;
+        Parameter& b = adapter.parameters()[f->b];
+        {  // nonzero B: the zero init would hide A's gradient
+          at::NoGradGuard no_grad;
+          b.value.copy_(at::empty(b.value.sizes(), at::kFloat).normal_(0, 0.3, gen));
+        }
+        slots[slot] = {adapter.parameters()[f->a].value.detach().to(at::kDouble).requires_grad_(true),
+                       b.value.detach().to(at::kDouble).requires_grad_(true)};
+        ++factors;
+      }
+      ref.layers.push_back(slots);
+    }
+    EXPECT_EQ(factors, (5 + 3) + (4 + 3));  // all-linear: DeltaNet's 5 or attention's 4, and the MLP
+    const at::Tensor weights = at::randn({13, c.vocab_size}, at::kDouble);
+    ForwardOptions options;
+    options.grad.fused_wgrad = fused;
+    const at::Tensor logits = Qwen2Hidden(c, model.weights, &adapter, tokens, options).matmul(w.output_weight().t())[0];
+    const at::Tensor want = ReferenceLogits(c, stored, tokens[0], &ref);
+    EXPECT_LT(MaxAbsDiff(logits.to(at::kDouble), want), 1e-5);
+    (logits.to(at::kDouble) * weights).sum().backward();
+    (want * weights).sum().backward();
+    ASSERT_OK(FoldLocalGradients(&adapter));
+    for (size_t layer = 0; layer < w.layers.size(); ++layer) {
+      for (int slot = 0; slot < kNumLinearSlots; ++slot) {
+        const LoraFactors* f = adapter.lora(layer, slot);
+        if (f == nullptr) continue;
+        for (int k = 0; k < 2; ++k) {
+          const Parameter& p = adapter.parameters()[k == 0 ? f->a : f->b];
+          const at::Tensor& g = ref.layers[layer][slot][k].grad();
+          SCOPED_TRACE(p.name);
+          ASSERT_TRUE(g.defined());
+          EXPECT_GT(g.abs().max().item<double>(), 0);
+          EXPECT_LT(RelErr(p.main_grad.to(at::kDouble), g), 1e-5);
+        }
+      }
+    }
+  }
+}
+
+// Packed rows: the recurrence and the convolution restart at each sequence.
+TEST(Qwen35ModelTest, PackedRowsEqualEachSequenceAlone) {
+  const ModelConfig c = ModelConfigPreset("tiny-qwen3.5").value();
+  ExpectPackedRowsEqualAlone(c, TinyWeights(c, 6), 1e-5);
+}
+
+// Linear-attention targets on a model without such layers are refused by name.
+TEST(Qwen35ModelTest, LinearAttentionTargetsNeedSuchLayers) {
+  LoraConfig lc;
+  lc.rank = 4;
+  lc.target_modules = {"q_proj", "in_proj_qkv"};
+  EXPECT_THAT(Adapter::CreateLora(ModelConfigPreset("tiny").value(), lc, at::kCPU, at::kFloat, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, "lora.target_modules[1]: in_proj_qkv"));
+  lc.target_modules = {"all-linear"};
+  ASSERT_OK_AND_ASSIGN(Adapter dense, Adapter::CreateLora(ModelConfigPreset("tiny").value(), lc, at::kCPU, at::kFloat, 1));
+  EXPECT_EQ(dense.parameters().size(), 2u * 2 * 7);  // all-linear on Qwen2: its seven linears only
+}
+
+}  // namespace
+}  // namespace lorastep
