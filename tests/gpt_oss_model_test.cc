@@ -283,6 +283,7 @@ TEST(GptOssModelTest, StoredExpertLayoutAndMxfp4) {
 // Log-probs, and every LoRA factor's gradient (attention projections and experts, both expert
 // layouts), against the reference over the stored tensors.
 TEST(GptOssModelTest, LogitsAndLoraGradientsMatchPlainReference) {
+  at::manual_seed(0);
   const ModelConfig c = TinyGptOss();
   const ModelWeights w = TinyWeights(c, 5);
   const std::string dir = ScratchDir("gpt_oss_ref");

@@ -185,7 +185,13 @@ TEST(Qwen35ModelTest, ConfigReadsTransformersKeys) {
 
 // Log-probs and every LoRA factor's gradient (the Gated DeltaNet projections, q/k/v/o, the
 // MLP), fused and unfused weight gradients, against the reference over the stored tensors.
+//
+// The A factors' gradients of the Gated DeltaNet projections are sums with much cancellation
+// (through the decay and the recurrence), and the fp32 main_grads carry that: over ten token
+// draws their largest relative error was 4.5e-5 (one draw; the other nine under 1e-5), with the
+// model, the rule and the adapter in fp64 still 1.5e-5. The draw here is fixed.
 TEST(Qwen35ModelTest, LogitsAndLoraGradientsMatchPlainReference) {
+  at::manual_seed(0);
   const ModelConfig c = ModelConfigPreset("tiny-qwen3.5").value();
   const ModelWeights w = TinyWeights(c, 5);
   const std::string dir = ScratchDir("qwen3_5_ref");

@@ -21,20 +21,22 @@ RuleOperands Prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const at::Tensor& beta) {
   const int64_t hk = q.size(2), hv = v.size(2);
   TORCH_CHECK(hv % hk == 0, "gated delta rule: ", hk, " query/key heads do not divide ", hv, " value heads");
-  auto heads_first = [](const at::Tensor& x) { return x.transpose(1, 2).to(at::kFloat).contiguous(); };
+  // fp32 (as transformers), or fp64 where the inputs are (checks against fp64 references).
+  const at::ScalarType type = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  auto heads_first = [type](const at::Tensor& x) { return x.transpose(1, 2).to(type).contiguous(); };
   at::Tensor qr = hk == hv ? q : q.repeat_interleave(hv / hk, 2);
   at::Tensor kr = hk == hv ? k : k.repeat_interleave(hv / hk, 2);
   RuleOperands o;
   o.q = L2Normalized(heads_first(qr)) * (1.0 / std::sqrt(static_cast<double>(q.size(3))));
   o.k = L2Normalized(heads_first(kr));
   o.v = heads_first(v);
-  o.g = g.transpose(1, 2).to(at::kFloat);
-  o.beta = beta.transpose(1, 2).to(at::kFloat);
+  o.g = g.transpose(1, 2).to(type);
+  o.beta = beta.transpose(1, 2).to(type);
   return o;
 }
 
 at::Tensor InitialState(const at::Tensor& state, const RuleOperands& o) {
-  if (state.defined()) return state.to(at::kFloat);
+  if (state.defined()) return state.to(o.v.scalar_type());
   return at::zeros({o.v.size(0), o.v.size(1), o.q.size(3), o.v.size(3)}, o.v.options());
 }
 
@@ -134,29 +136,73 @@ at::Tensor CausalConv1dSilu(const at::Tensor& x, const at::Tensor& weight, const
   return at::cat(parts, 1);
 }
 
+// fp32 (as transformers), or fp64 for fp64 inputs.
+at::ScalarType WideType(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
 at::Tensor GatedRmsNorm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight, double eps) {
-  const at::Tensor xf = x.to(at::kFloat);
+  const at::ScalarType wide = WideType(x);
+  const at::Tensor xf = x.to(wide);
   const at::Tensor normed = (xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(x.scalar_type());
-  return ((weight * normed).to(at::kFloat) * at::silu(z.to(at::kFloat))).to(x.scalar_type());
+  return ((weight * normed).to(wide) * at::silu(z.to(wide))).to(x.scalar_type());
 }
 
 std::pair<at::Tensor, at::Tensor> GatedDeltaGates(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
                                                   const at::Tensor& dt_bias) {
-  const at::Tensor g = -a_log.to(at::kFloat).exp() * at::softplus(a.to(at::kFloat) + dt_bias.to(at::kFloat));
+  const at::ScalarType wide = WideType(a);
+  const at::Tensor g = -a_log.to(wide).exp() * at::softplus(a.to(wide) + dt_bias.to(wide));
   return {g, at::sigmoid(b)};
 }
 
+namespace {
+
+// The rule over each packed sequence continuing from its state in `states` (the convolution
+// first, over its history and the new rows), leaving the new state there.
+at::Tensor ContinuedRule(const LinearAttentionConfig& config, const at::Tensor& qkv, const at::Tensor& conv_weight,
+                         const at::Tensor& g, const at::Tensor& beta, const std::vector<int64_t>& lengths,
+                         RecurrentStates* states, int64_t layer) {
+  const int64_t kd = config.key_dim(), history = conv_weight.size(1) - 1;
+  std::vector<at::Tensor> outs;
+  int64_t start = 0;
+  for (size_t j = 0; j < lengths.size(); ++j) {
+    const int64_t n = lengths[j];
+    auto [past, state] = states->Get(layer, j);
+    if (!past.defined()) past = at::zeros({history, qkv.size(2)}, qkv.options());
+    const at::Tensor rows = at::cat({past.unsqueeze(0), qkv.narrow(1, start, n)}, 1);  // [1, K - 1 + n, C]
+    const at::Tensor mixed = CausalConv1dSilu(rows, conv_weight).narrow(1, history, n);
+    const at::Tensor q = mixed.narrow(-1, 0, kd).reshape({1, n, config.num_key_heads, config.key_head_dim});
+    const at::Tensor k = mixed.narrow(-1, kd, kd).reshape({1, n, config.num_key_heads, config.key_head_dim});
+    const at::Tensor v =
+        mixed.narrow(-1, 2 * kd, config.value_dim()).reshape({1, n, config.num_value_heads, config.value_head_dim});
+    auto [out, next] = GatedDeltaRule(q, k, v, g.narrow(1, start, n), beta.narrow(1, start, n), kGatedDeltaChunk,
+                                      state.defined() ? state.unsqueeze(0) : at::Tensor());
+    states->Set(layer, j, rows.narrow(1, rows.size(1) - history, history)[0].clone(), next[0]);
+    outs.push_back(out);
+    start += n;
+  }
+  return at::cat(outs, 1);
+}
+
+}  // namespace
+
 at::Tensor GatedDeltaNetMix(const LinearAttentionConfig& config, const GatedDeltaWeights& weights,
                             const std::function<at::Tensor(int, const at::Tensor&)>& project, const at::Tensor& h,
-                            const std::vector<int64_t>& lengths, double eps) {
+                            const std::vector<int64_t>& lengths, double eps, RecurrentStates* states,
+                            int64_t layer) {
   const int64_t b = h.size(0), s = h.size(1), kd = config.key_dim(), dv = config.value_head_dim;
-  const at::Tensor mixed = CausalConv1dSilu(project(kInProjQkv, h), weights.conv1d.squeeze(1), lengths);
-  const at::Tensor q = mixed.narrow(-1, 0, kd).reshape({b, s, config.num_key_heads, config.key_head_dim});
-  const at::Tensor k = mixed.narrow(-1, kd, kd).reshape({b, s, config.num_key_heads, config.key_head_dim});
-  const at::Tensor v = mixed.narrow(-1, 2 * kd, config.value_dim()).reshape({b, s, config.num_value_heads, dv});
+  const at::Tensor qkv = project(kInProjQkv, h);
   auto [g, beta] = GatedDeltaGates(project(kInProjA, h), project(kInProjB, h), weights.a_log, weights.dt_bias);
-  const at::Tensor out = lengths.empty() ? GatedDeltaRule(q, k, v, g, beta, kGatedDeltaChunk).first
-                                         : PackedGatedDeltaRule(q, k, v, g, beta, lengths, kGatedDeltaChunk);
+  at::Tensor out;
+  if (states != nullptr) {
+    TORCH_CHECK(b == 1 && !lengths.empty(), "gated delta net: states need packed sequences");
+    out = ContinuedRule(config, qkv, weights.conv1d.squeeze(1), g, beta, lengths, states, layer);
+  } else {
+    const at::Tensor mixed = CausalConv1dSilu(qkv, weights.conv1d.squeeze(1), lengths);
+    const at::Tensor q = mixed.narrow(-1, 0, kd).reshape({b, s, config.num_key_heads, config.key_head_dim});
+    const at::Tensor k = mixed.narrow(-1, kd, kd).reshape({b, s, config.num_key_heads, config.key_head_dim});
+    const at::Tensor v = mixed.narrow(-1, 2 * kd, config.value_dim()).reshape({b, s, config.num_value_heads, dv});
+    out = lengths.empty() ? GatedDeltaRule(q, k, v, g, beta, kGatedDeltaChunk).first
+                          : PackedGatedDeltaRule(q, k, v, g, beta, lengths, kGatedDeltaChunk);
+  }
   const at::Tensor z = project(kInProjZ, h);
   const at::Tensor normed = GatedRmsNorm(out.reshape({-1, dv}), z.reshape({-1, dv}), weights.norm, eps);
   return project(kOutProj, normed.reshape({b, s, config.value_dim()}));

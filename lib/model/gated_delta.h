@@ -24,8 +24,8 @@ namespace lorastep {
 
 // One sequence (or a batch of equal-length ones): q, k [b, T, hk, dk], v [b, T, hv, dv] with hk
 // dividing hv (each query/key head serves hv / hk consecutive value heads), g (log decay, <= 0)
-// and beta [b, T, hv]; `state` [b, hv, dk, dv] or undefined (zeros). Computes in fp32 and returns
-// the output [b, T, hv, dv] in q's dtype and the final state (fp32).
+// and beta [b, T, hv]; `state` [b, hv, dk, dv] or undefined (zeros). Computes in fp32 (fp64 for
+// fp64 inputs) and returns the output [b, T, hv, dv] in q's dtype and the final state.
 std::pair<at::Tensor, at::Tensor> GatedDeltaRule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size,
                                                  const at::Tensor& state = at::Tensor());
@@ -62,16 +62,29 @@ struct GatedDeltaWeights {
   at::Tensor conv1d, a_log, dt_bias, norm;
 };
 
+// The sampler's per-sequence state of the linear-attention layers, beside its cached attention:
+// for sequence `index` of a packed row at decoder layer `layer`, the convolution's input
+// history (the last K - 1 rows of in_proj_qkv's output, [K - 1, C], in the model dtype) and
+// the rule's state ([value heads, dk, dv], fp32). Undefined: a sequence's start (zeros).
+class RecurrentStates {
+ public:
+  virtual ~RecurrentStates() = default;
+  virtual std::pair<at::Tensor, at::Tensor> Get(int64_t layer, size_t index) = 0;
+  virtual void Set(int64_t layer, size_t index, at::Tensor history, at::Tensor state) = 0;
+};
+
 // Chunk length of the rule in training and Forward (transformers' default).
 inline constexpr int64_t kGatedDeltaChunk = 64;
 
 // The token mixer of a Gated DeltaNet layer over the normed input h [b, s, H]: `project(slot,
 // x)` applies the layer's projection `slot` (a LinearSlot from kInProjQkv on, LoRA included):
 // q/k/v through the convolution, the gates from a and b, the rule, the gated norm with z, then
-// out_proj. `lengths` (non-empty: b = 1, sequences packed back to back): each restarts.
+// out_proj. `lengths` (non-empty: b = 1, sequences packed back to back): each restarts, or
+// with `states` continues from its state at decoder layer `layer` and leaves the new one there.
 at::Tensor GatedDeltaNetMix(const LinearAttentionConfig& config, const GatedDeltaWeights& weights,
                             const std::function<at::Tensor(int, const at::Tensor&)>& project, const at::Tensor& h,
-                            const std::vector<int64_t>& lengths, double eps);
+                            const std::vector<int64_t>& lengths, double eps, RecurrentStates* states = nullptr,
+                            int64_t layer = 0);
 
 }  // namespace lorastep
 

@@ -338,14 +338,16 @@ class LayerRunner {
   // projections through Project (LoRA included); each packed sequence from a zero state.
   at::Tensor LinearAttention(size_t i, const at::Tensor& h) const {
     const LayerWeights& lw = weights_.layers[i];
-    TORCH_CHECK(options_.cached_attention == nullptr, "sampling a model with linear-attention layers is not built");
+    TORCH_CHECK(options_.cached_attention == nullptr || options_.recurrent_states != nullptr,
+                "cached attention without the linear-attention layers' recurrent states");
     const PackedSequences* packed = options_.packed;
     TORCH_CHECK(packed == nullptr || packed->context_group == nullptr,
                 "context parallelism over linear-attention layers is not built");
     GatedDeltaWeights weights{lw.conv1d, lw.a_log, lw.dt_bias, lw.linear_norm};
     auto project = [&](int slot, const at::Tensor& x) { return Project(i, slot, x); };
     return GatedDeltaNetMix(c_.linear_attention, weights, project, h,
-                            packed != nullptr ? packed->lengths : std::vector<int64_t>{}, c_.rms_norm_eps);
+                            packed != nullptr ? packed->lengths : std::vector<int64_t>{}, c_.rms_norm_eps,
+                            options_.recurrent_states, weights_.first_layer + static_cast<int64_t>(i));
   }
 
   // Layer i over x as a RecomputedLayerNode (activation recomputation): like Layer, with both

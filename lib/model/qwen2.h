@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "lib/model/adapter.h"
+#include "lib/model/gated_delta.h"
 #include "lib/model/layer_ops.h"
 #include "lib/model/linear.h"
 #include "lib/model/logprobs.h"
@@ -103,6 +104,10 @@ struct ForwardOptions {
   // Attention through a cache (no grad; needs `packed`, whose positions are each token's
   // position in its whole sequence). Null: attention within the row.
   CachedAttention* cached_attention = nullptr;
+  // The packed sequences' states in the linear-attention layers (the sampler's, with
+  // cached_attention): each continues from its state and leaves the new one. Null: each
+  // sequence starts from zeros.
+  RecurrentStates* recurrent_states = nullptr;
 };
 
 // What Qwen2Layers throws when ForwardOptions::cancelled says stop.

@@ -11,6 +11,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <map>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -75,6 +77,9 @@ class KvBlockPool {
 struct KvSequence {
   std::vector<int32_t> blocks;
   int64_t length = 0;
+  // Linear-attention layers (Qwen3.5), by decoder layer: the convolution's input history and
+  // the rule's state after `length` positions (RecurrentStates); empty until first written.
+  std::map<int64_t, std::pair<at::Tensor, at::Tensor>> recurrent;
 };
 
 // The cached attention of one forward whose packed row holds, in order, `new_tokens[s]`

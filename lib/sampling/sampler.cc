@@ -48,10 +48,6 @@ int64_t SamplerEngine::WorstCaseBlocks(const SampleRequest& r) const {
 }
 
 absl::StatusOr<int64_t> SamplerEngine::Add(const Adapter* adapter, SampleRequest request) {
-  if (config_.HasLinearAttention()) {  // their state is a recurrence per sequence, not KV blocks
-    return absl::UnimplementedError(absl::StrCat("sample: ", config_.model_type,
-                                                 " has linear-attention layers, whose sampling is not built yet"));
-  }
   const int64_t vocab = config_.vocab_size;
   if (request.prompt.empty()) return absl::InvalidArgumentError("prompt: empty");
   for (size_t i = 0; i < request.prompt.size(); ++i) {
@@ -103,6 +99,7 @@ void SamplerEngine::Admit() {
 void SamplerEngine::Release(KvSequence& kv) {
   for (int32_t b : kv.blocks) pool_->Release(b);
   kv.blocks.clear();
+  kv.recurrent.clear();
   kv.length = 0;
 }
 
@@ -127,6 +124,22 @@ void SamplerEngine::Append(Request& r, Sample& s, int64_t token, float logprob, 
   s.next_input = token;
 }
 
+namespace {
+
+// The states of a step's sequences in the linear-attention layers, kept on each KvSequence.
+struct SequenceRecurrence : RecurrentStates {
+  std::vector<KvSequence*> sequences;  // in the packed row's order
+  std::pair<at::Tensor, at::Tensor> Get(int64_t layer, size_t index) override {
+    auto it = sequences[index]->recurrent.find(layer);
+    return it == sequences[index]->recurrent.end() ? std::pair<at::Tensor, at::Tensor>() : it->second;
+  }
+  void Set(int64_t layer, size_t index, at::Tensor history, at::Tensor state) override {
+    sequences[index]->recurrent[layer] = {std::move(history), std::move(state)};
+  }
+};
+
+}  // namespace
+
 absl::Status SamplerEngine::Fork(Request& r) {
   const int64_t p = r.prompt.length, bs = pool_->shape().block_size, shared = p / bs;
   r.first_token = std::chrono::steady_clock::now();
@@ -144,6 +157,9 @@ absl::Status SamplerEngine::Fork(Request& r) {
     for (int64_t b = 0; b < shared; ++b) {
       pool_->Retain(r.prompt.blocks[b]);
       s.kv.blocks.push_back(r.prompt.blocks[b]);
+    }
+    for (const auto& [layer, state] : r.prompt.recurrent) {  // each sample's own copy of the prompt's
+      s.kv.recurrent[layer] = {state.first.clone(), state.second.clone()};
     }
     if (p % bs != 0) {  // the prompt's partial block: each sample writes on after it
       absl::StatusOr<std::vector<int32_t>> own = pool_->Allocate(1);
@@ -321,6 +337,7 @@ absl::Status SamplerEngine::StepOnce(CommGroup* tensor_group) {
     std::vector<int64_t> tokens, positions;
     std::vector<int32_t> starts = {0};
     std::vector<const KvSequence*> sequences;
+    SequenceRecurrence recurrence;  // the linear-attention layers' states (Qwen3.5)
     std::vector<int64_t> new_tokens;
     std::vector<const Item*> group;
     std::vector<RunSegment> segments;
@@ -347,6 +364,7 @@ absl::Status SamplerEngine::StepOnce(CommGroup* tensor_group) {
         max_position = std::max(max_position, end);
         starts.push_back(starts.back() + static_cast<int32_t>(it.tokens));
         sequences.push_back(&kv);
+        recurrence.sequences.push_back(&kv);
         new_tokens.push_back(it.tokens);
         group.push_back(&it);
       }
@@ -366,6 +384,7 @@ absl::Status SamplerEngine::StepOnce(CommGroup* tensor_group) {
     forward.training = false;
     forward.packed = &packed;
     forward.cached_attention = &attention;
+    if (config_.HasLinearAttention()) forward.recurrent_states = &recurrence;
     if (segmented) forward.run_segments = &segments;
     if (tensor_group != nullptr && shard_ != nullptr && shard_->tp > 1) {
       forward.shard = shard_;
