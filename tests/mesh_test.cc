@@ -108,8 +108,9 @@ class MeshTest : public ::testing::Test {
     ModelConfig moe = ModelConfigPreset("tiny-moe").value();
     ASSERT_OK(SaveModel(*dir_ + "/moe", moe, RandomModelWeights(moe, 4)));
     // Qwen3 dense (q/k norms, no biases), Llama 3 (llama3 RoPE, untied head), Qwen2 with
-    // a sliding-window layer, and gpt-oss (sinks, biased router and experts).
-    for (const char* family : {"tiny-qwen3", "tiny-llama", "tiny-qwen2-swa", "tiny-gpt-oss"}) {
+    // a sliding-window layer, gpt-oss (sinks, biased router and experts), Qwen3.5 (a Gated
+    // DeltaNet layer, then gated attention).
+    for (const char* family : {"tiny-qwen3", "tiny-llama", "tiny-qwen2-swa", "tiny-gpt-oss", "tiny-qwen3.5"}) {
       ModelConfig c = ModelConfigPreset(family).value();
       ASSERT_OK(SaveModel(*dir_ + "/" + family, c, RandomModelWeights(c, 5)));
     }
@@ -1011,6 +1012,16 @@ TEST_F(MeshTest, SlidingWindowAndSinksOnContextRanksEqualWorldOne) {
     Coordinator cp2 = Start({"--cp", "2"}, family);
     ExpectSame(Train(cp2, 4, std::string(family) + " cp2", experts), want, std::string(family) + " cp2");
   }
+}
+
+// Qwen3.5: its Gated DeltaNet layer on the first pipeline stage, its gated attention on the
+// second, over two data replicas: equals world size 1.
+TEST_F(MeshTest, Qwen35OnPipelineAndDataRanksEqualsWorldOne) {
+  if (!Fits(4)) GTEST_SKIP() << "needs 4 GPUs";
+  Coordinator one = Start({}, "tiny-qwen3.5");
+  const Trace want = Train(one, 4, "qwen3.5 w1");
+  Coordinator mesh = Start({"--pp", "2", "--dp", "2"}, "tiny-qwen3.5");
+  ExpectSame(Train(mesh, 4, "qwen3.5 pp2 x dp2"), want, "qwen3.5 pp2 x dp2");
 }
 
 TEST_F(MeshTest, MoePipelineWithExpertParallelEqualsWorldOne) {
