@@ -110,7 +110,8 @@ class MeshTest : public ::testing::Test {
     // Qwen3 dense (q/k norms, no biases), Llama 3 (llama3 RoPE, untied head), Qwen2 with
     // a sliding-window layer, gpt-oss (sinks, biased router and experts), Qwen3.5 (a Gated
     // DeltaNet layer, then gated attention).
-    for (const char* family : {"tiny-qwen3", "tiny-llama", "tiny-qwen2-swa", "tiny-gpt-oss", "tiny-qwen3.5"}) {
+    for (const char* family :
+         {"tiny-qwen3", "tiny-llama", "tiny-qwen2-swa", "tiny-gpt-oss", "tiny-qwen3.5", "tiny-qwen3.5-moe"}) {
       ModelConfig c = ModelConfigPreset(family).value();
       ASSERT_OK(SaveModel(*dir_ + "/" + family, c, RandomModelWeights(c, 5)));
     }
@@ -1022,6 +1023,15 @@ TEST_F(MeshTest, Qwen35OnPipelineAndDataRanksEqualsWorldOne) {
   const Trace want = Train(one, 4, "qwen3.5 w1");
   Coordinator mesh = Start({"--pp", "2", "--dp", "2"}, "tiny-qwen3.5");
   ExpectSame(Train(mesh, 4, "qwen3.5 pp2 x dp2"), want, "qwen3.5 pp2 x dp2");
+}
+
+// Qwen3.5-MoE: its experts over two expert ranks (two data replicas) equal world size 1.
+TEST_F(MeshTest, Qwen35MoeOnExpertRanksEqualsWorldOne) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
+  Coordinator one = Start({}, "tiny-qwen3.5-moe");
+  const Trace want = Train(one, 4, "qwen3.5-moe w1", "per_expert");
+  Coordinator mesh = Start({"--dp", "2", "--ep", "2"}, "tiny-qwen3.5-moe");
+  ExpectSame(Train(mesh, 4, "qwen3.5-moe ep2 (dp2)", "per_expert"), want, "qwen3.5-moe ep2 x dp2");
 }
 
 TEST_F(MeshTest, MoePipelineWithExpertParallelEqualsWorldOne) {

@@ -41,6 +41,7 @@ ModelWeights TinyWeights(const ModelConfig& c, uint64_t seed) {
     return at::empty(like.sizes(), at::kFloat).normal_(mean, std, gen).to(like.scalar_type());
   };
   for (LayerWeights& l : w.layers) {
+    if (l.layout.moe) l.router = l.router * 50;  // a real preference, so the top-k matters
     if (!l.layout.linear_attention) continue;
     l.conv1d = draw(l.conv1d, 0, 0.5);
     l.a_log = draw(l.a_log, -1, 0.5);
@@ -135,7 +136,29 @@ at::Tensor ReferenceLogits(const ModelConfig& c, std::map<std::string, at::Tenso
       x = x + linear(kOProj, at::cat(heads, 1));
     }
     h = norm(x, t.at(p + "post_attention_layernorm.weight"));
-    x = x + linear(kDownProj, silu(linear(kGateProj, h)) * linear(kUpProj, h));
+    if (!c.is_moe()) {
+      x = x + linear(kDownProj, silu(linear(kGateProj, h)) * linear(kUpProj, h));
+      continue;
+    }
+    // Qwen3.5-MoE: softmax over the experts, the top-k renormalized, one token and expert at a
+    // time; the shared expert gated by sigmoid(h . w).
+    auto mlp = [&](const std::string& m, const at::Tensor& in) {
+      return (silu(in.matmul(t.at(m + "gate_proj.weight").t())) * in.matmul(t.at(m + "up_proj.weight").t()))
+          .matmul(t.at(m + "down_proj.weight").t());
+    };
+    const at::Tensor probs = at::softmax(h.matmul(t.at(p + "mlp.gate.weight").t()), 1);
+    at::Tensor routed = at::zeros_like(h);
+    for (int64_t i = 0; i < s; ++i) {
+      auto [top, experts] = probs[i].topk(c.moe.num_experts_per_tok);
+      top = top / top.sum();
+      for (int64_t j = 0; j < top.size(0); ++j) {
+        const std::string e = p + "mlp.experts." + std::to_string(experts[j].item<int64_t>()) + ".";
+        routed[i] = routed[i] + top[j] * mlp(e, h.narrow(0, i, 1))[0];
+      }
+    }
+    const at::Tensor shared = at::sigmoid(h.matmul(t.at(p + "mlp.shared_expert_gate.weight").t())) *
+                              mlp(p + "mlp.shared_expert.", h);
+    x = x + routed + shared;
   }
   return norm(x, t.at("model.norm.weight")).matmul(t.at("lm_head.weight").t());
 }
@@ -183,6 +206,23 @@ TEST(Qwen35ModelTest, ConfigReadsTransformersKeys) {
   EXPECT_TRUE(ValidateLayoutForModel({1, 2, 2}, c).ok());  // pipeline and data parallelism
 }
 
+// Qwen3.5-MoE's keys: the experts' instead of intermediate_size; Qwen-MoE keys it lacks refused.
+TEST(Qwen35ModelTest, MoeConfigReadsTransformersKeys) {
+  const std::string text = R"({"model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048,
+    "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "router_aux_loss_coef": 0.001, "output_router_logits": false,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25}})";
+  ASSERT_OK_AND_ASSIGN(ModelConfig c, ParseModelConfigJson(text));
+  EXPECT_TRUE(c.qwen3_5() && c.is_moe() && c.IsMoeLayer(0) && c.IsMoeLayer(39) && c.moe.norm_topk_prob);
+  EXPECT_EQ(c.moe.shared_expert_intermediate_size, 512);
+  ASSERT_OK_AND_ASSIGN(ModelConfig again, ParseModelConfigJson(ModelConfigToJson(c)));
+  EXPECT_EQ(again.TotalParameterCount(), c.TotalParameterCount());
+  std::string with_norm = text;
+  with_norm.insert(with_norm.size() - 1, R"(, "norm_topk_prob": false)");
+  EXPECT_THAT(ParseModelConfigJson(with_norm), StatusIs(absl::StatusCode::kInvalidArgument, "norm_topk_prob"));
+}
+
 // Log-probs and every LoRA factor's gradient (the Gated DeltaNet projections, q/k/v/o, the
 // MLP), fused and unfused weight gradients, against the reference over the stored tensors.
 //
@@ -191,8 +231,10 @@ TEST(Qwen35ModelTest, ConfigReadsTransformersKeys) {
 // draws their largest relative error was 4.5e-5 (one draw; the other nine under 1e-5), with the
 // model, the rule and the adapter in fp64 still 1.5e-5. The draw here is fixed.
 TEST(Qwen35ModelTest, LogitsAndLoraGradientsMatchPlainReference) {
+  for (const std::string preset : {"tiny-qwen3.5", "tiny-qwen3.5-moe"}) {
+  SCOPED_TRACE(preset);
   at::manual_seed(0);
-  const ModelConfig c = ModelConfigPreset("tiny-qwen3.5").value();
+  const ModelConfig c = ModelConfigPreset(preset).value();
   const ModelWeights w = TinyWeights(c, 5);
   const std::string dir = ScratchDir("qwen3_5_ref");
   ASSERT_OK(SaveModel(dir, c, w));
@@ -214,6 +256,11 @@ TEST(Qwen35ModelTest, LogitsAndLoraGradientsMatchPlainReference) {
     LoraConfig lc;
     lc.rank = 4;
     lc.alpha = 8;
+    // The MoE model: the attention and DeltaNet projections (expert LoRA has its own tests).
+    if (c.is_moe()) {
+      lc.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
+                           "in_proj_b", "in_proj_a", "out_proj"};
+    }
     ASSERT_OK_AND_ASSIGN(Adapter adapter, Adapter::CreateLora(c, lc, at::kCPU, at::kFloat, 9));
     ReferenceLora ref;
     ref.scale = lc.scale();
@@ -235,7 +282,7 @@ TEST(Qwen35ModelTest, LogitsAndLoraGradientsMatchPlainReference) {
       }
       ref.layers.push_back(slots);
     }
-    EXPECT_EQ(factors, (5 + 3) + (4 + 3));  // all-linear: DeltaNet's 5 or attention's 4, and the MLP
+    EXPECT_EQ(factors, c.is_moe() ? 5 + 4 : (5 + 3) + (4 + 3));  // DeltaNet's 5 or attention's 4 (and the MLP)
     const at::Tensor weights = at::randn({13, c.vocab_size}, at::kDouble);
     ForwardOptions options;
     options.grad.fused_wgrad = fused;
@@ -259,6 +306,7 @@ TEST(Qwen35ModelTest, LogitsAndLoraGradientsMatchPlainReference) {
         }
       }
     }
+  }
   }
 }
 

@@ -113,7 +113,7 @@ SampleRequest Request(std::vector<int64_t> prompt, int64_t max_tokens, double te
 // against the uncached forward's; gpt-oss (sinks in the cached softmax, its MoE); Qwen3.5 (the
 // Gated DeltaNet layers' convolution history and rule state carried per sequence).
 TEST(SamplerTest, GreedyEqualsAnArgmaxDecodeWithoutACache) {
-  for (const std::string family : {"tiny", "sliding", "tiny-gpt-oss", "tiny-qwen3.5"}) {
+  for (const std::string family : {"tiny", "sliding", "tiny-gpt-oss", "tiny-qwen3.5", "tiny-qwen3.5-moe"}) {
     Fixture f = family == "sliding" ? Fixture(TinySlidingWindow()) : Fixture(ModelConfigPreset(family).value());
     for (LayerWeights& l : f.weights.layers) {
       if (l.sinks.defined()) l.sinks = at::randn(l.sinks.sizes()) * 2;  // sinks of a visible size

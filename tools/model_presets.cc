@@ -117,6 +117,15 @@ absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name) {
     c.linear_attention.value_head_dim = 8;
     c.linear_attention.num_key_heads = 2;
     c.linear_attention.num_value_heads = 4;
+  } else if (name == "tiny-qwen3.5-moe") {
+    c = ModelConfigPreset("tiny-qwen3.5").value();  // Qwen3.5-MoE: routed experts and a gated shared expert
+    c.model_type = "qwen3_5_moe_text";
+    c.moe.num_experts = 4;
+    c.moe.num_experts_per_tok = 2;
+    c.moe.moe_intermediate_size = 16;
+    c.moe.shared_expert_intermediate_size = 32;
+    c.moe.norm_topk_prob = true;
+    c.intermediate_size = 16;
   } else if (name == "gpt-oss-20b-reduced") {
     c.model_type = "gpt_oss";  // gpt-oss-20b's widths, 4 of its 24 layers
     c.vocab_size = 201088;

@@ -44,11 +44,10 @@ int64_t ModelConfig::TotalParameterCount() const {
     if (IsLinearAttentionLayer(layer)) {  // projections, convolution, A_log, dt_bias, gated norm
       total += h * (la.conv_dim() + la.value_dim() + 2 * la.num_value_heads) + la.value_dim() * h +
                la.conv_dim() * la.conv_kernel + 2 * la.num_value_heads + la.value_head_dim;
-      total += 3 * h * intermediate_size;
-      continue;
+    } else {
+      total += (gated_attention() ? 3 : 2) * h * q + 2 * h * kv;
+      if (qk_norm()) total += 2 * d;  // q/k norms
     }
-    total += (gated_attention() ? 3 : 2) * h * q + 2 * h * kv;
-    if (qk_norm()) total += 2 * d;        // q/k norms
     if (qkv_bias()) total += q + 2 * kv;  // q/k/v biases
     if (o_bias()) total += h;
     if (attention_sinks()) total += num_attention_heads;
@@ -243,14 +242,18 @@ absl::Status CheckConfigKeys(const nlohmann::json& j, const std::string& model_t
       "base_model_tp_plan", "base_model_pp_plan", "output_router_logits", "router_aux_loss_coef"};
   const bool moe = model_type == "qwen2_moe" || model_type == "qwen3_moe";
   const bool gpt_oss = model_type == "gpt_oss";
-  const bool qwen3_5 = model_type == "qwen3_5_text";
+  const bool qwen3_5 = model_type == "qwen3_5_text" || model_type == "qwen3_5_moe_text";
+  // Qwen3.5-MoE's experts: a shared expert and its gate always, the top-k renormalized.
+  static const std::set<std::string> kQwen35MoeRead = {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                       "shared_expert_intermediate_size"};
   auto refuse = [](const std::string& key, const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, ": ", why));
   };
   for (const auto& [key, value] : j.items()) {
     if (kNoEffect.count(key)) continue;
     const bool read = gpt_oss   ? (kRead.count(key) && !kNotGptOss.count(key)) || kGptOssRead.count(key)
-                      : qwen3_5 ? (kRead.count(key) && !kNotQwen35.count(key)) || kQwen35Read.count(key)
+                      : qwen3_5 ? (kRead.count(key) && !kNotQwen35.count(key)) || kQwen35Read.count(key) ||
+                                      (model_type == "qwen3_5_moe_text" && kQwen35MoeRead.count(key))
                                 : kRead.count(key) || (moe && kMoeRead.count(key));
     if (!read) {
       return refuse(key, absl::StrCat("not a key lorastep reads for ", model_type,
@@ -428,7 +431,8 @@ absl::StatusOr<ModelConfig> ParseModelConfigJson(const std::string& json_text) {
                                  {"intermediate_size", &c.intermediate_size},
                                  {"num_hidden_layers", &c.num_hidden_layers},
                                  {"num_attention_heads", &c.num_attention_heads}}) {
-    auto s = get_int(key, out, true);
+    // Qwen3.5-MoE has no dense MLP, hence no intermediate_size (it takes the experts' width).
+    auto s = get_int(key, out, !(c.model_type == "qwen3_5_moe_text" && std::string(key) == "intermediate_size"));
     if (!s.ok()) return s;
   }
   c.num_key_value_heads = c.num_attention_heads;
@@ -446,6 +450,10 @@ absl::StatusOr<ModelConfig> ParseModelConfigJson(const std::string& json_text) {
     if (!s.ok()) return s;
   }
   if (!c.moe_family()) c.moe = MoeConfig();  // (a dense config's expert keys are refused by name below)
+  if (c.model_type == "qwen3_5_moe_text") {
+    c.moe.norm_topk_prob = true;
+    if (c.intermediate_size == 0) c.intermediate_size = c.moe.moe_intermediate_size;
+  }
   if (c.gpt_oss()) {  // GptOssConfig's defaults, and its MoE in Qwen-MoE terms
     c.moe.moe_intermediate_size = c.intermediate_size;
     c.moe.norm_topk_prob = true;  // softmax over the top-k router logits

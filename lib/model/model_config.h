@@ -53,7 +53,8 @@ struct LinearAttentionConfig {
 
 struct ModelConfig {
   // Dense: "qwen2" (Qwen2, Qwen2.5), "qwen3", "llama" (Llama 3.x); MoE: "qwen2_moe",
-  // "qwen3_moe", "gpt_oss"; hybrid linear attention: "qwen3_5_text" (Qwen3.5 dense).
+  // "qwen3_moe", "gpt_oss"; hybrid linear attention: "qwen3_5_text" (Qwen3.5 dense),
+  // "qwen3_5_moe_text" (Qwen3.5-MoE).
   std::string model_type = "qwen2";
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;        // H
@@ -86,7 +87,9 @@ struct ModelConfig {
   // Biases on q/k/v (Qwen2's and gpt-oss's attention), RMSNorm on each head's q and k (Qwen3's).
   bool qkv_bias() const { return model_type == "qwen2" || model_type == "qwen2_moe" || gpt_oss(); }
   bool qk_norm() const { return model_type == "qwen3" || model_type == "qwen3_moe" || qwen3_5(); }
-  bool moe_family() const { return model_type == "qwen2_moe" || model_type == "qwen3_moe" || gpt_oss(); }
+  bool moe_family() const {
+    return model_type == "qwen2_moe" || model_type == "qwen3_moe" || gpt_oss() || model_type == "qwen3_5_moe_text";
+  }
   // gpt-oss: a bias on o_proj too; a learned logit per query head that joins each softmax's
   // denominator (the attention sink); a router with a bias; experts with biases, stored
   // [E, in, out] with gate and up columns interleaved, through the clamped SwiGLU.
@@ -98,7 +101,7 @@ struct ModelConfig {
   bool clamped_swiglu() const { return gpt_oss(); }
   // Qwen3.5: RMSNorm weights stored as offsets from 1 (the norm multiplies by 1 + w), and
   // full attention whose q_proj also gives a per-head output gate (sigmoid, before o_proj).
-  bool qwen3_5() const { return model_type == "qwen3_5_text"; }
+  bool qwen3_5() const { return model_type == "qwen3_5_text" || model_type == "qwen3_5_moe_text"; }
   bool zero_centered_norm() const { return qwen3_5(); }
   bool gated_attention() const { return qwen3_5(); }
   bool IsLinearAttentionLayer(int64_t layer) const {

@@ -40,7 +40,6 @@ absl::Status ValidateLinearAttention(const ModelConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat("partial_rotary_factor: ", c.partial_rotary_factor,
                                                    " must give an even, nonzero share of head_dim ", c.head_dim()));
   }
-  if (c.is_moe()) return absl::InvalidArgumentError("num_experts: qwen3_5_moe is not built yet");
   return absl::OkStatus();
 }
 
@@ -148,7 +147,15 @@ std::string GptOssConfigToJson(const ModelConfig& c) {
 
 // Qwen3.5's config.json (Qwen3_5TextConfig's keys).
 std::string Qwen35ConfigToJson(const ModelConfig& c) {
-  nlohmann::ordered_json j = ShapeKeys(c, "Qwen3_5ForCausalLM");
+  nlohmann::ordered_json j = ShapeKeys(c, c.is_moe() ? "Qwen3_5MoeForCausalLM" : "Qwen3_5ForCausalLM");
+  if (c.is_moe()) {  // no dense MLP: the experts' keys instead of intermediate_size
+    j.erase("intermediate_size");
+    j["num_experts"] = c.moe.num_experts;
+    j["num_experts_per_tok"] = c.moe.num_experts_per_tok;
+    j["moe_intermediate_size"] = c.moe.moe_intermediate_size;
+    j["shared_expert_intermediate_size"] = c.moe.shared_expert_intermediate_size;
+    j["router_aux_loss_coef"] = 0.0;
+  }
   j["head_dim"] = c.head_dim();
   j["max_position_embeddings"] = c.max_position_embeddings;
   j["rms_norm_eps"] = c.rms_norm_eps;
