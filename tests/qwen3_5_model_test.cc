@@ -13,6 +13,9 @@
 #include <cmath>
 #include <map>
 
+#include "lib/io/file_util.h"
+#include "lib/io/safetensors.h"
+#include "lib/io/tensor_bytes.h"
 #include "lib/model/model_weights.h"
 #include "lib/model/qwen2.h"
 #include "lib/parallel/parallel_layout.h"
@@ -314,6 +317,49 @@ TEST(Qwen35ModelTest, LogitsAndLoraGradientsMatchPlainReference) {
 TEST(Qwen35ModelTest, PackedRowsEqualEachSequenceAlone) {
   const ModelConfig c = ModelConfigPreset("tiny-qwen3.5").value();
   ExpectPackedRowsEqualAlone(c, TinyWeights(c, 6), 1e-5);
+}
+
+// A vision-language folder (model_type qwen3_5, its text model under model.language_model.,
+// a vision tower and other tensors beside it) loads as its text model.
+TEST(Qwen35ModelTest, VisionLanguageFolderLoadsItsTextModel) {
+  const ModelConfig c = ModelConfigPreset("tiny-qwen3.5").value();
+  const std::string dir = ScratchDir("qwen3_5_vl");
+  ASSERT_OK(SaveModel(dir + "/text", c, TinyWeights(c, 7)));
+  ASSERT_OK(MakeDirectories(dir + "/vl"));
+  ASSERT_OK_AND_ASSIGN(SafetensorsFile text, SafetensorsFile::Open(dir + "/text/model.safetensors"));
+  TensorWriteList list;
+  std::vector<at::Tensor> keep;
+  for (const auto& e : text.entries()) {
+    keep.push_back(TensorFromEntry(e).value().clone());
+    const std::string name = e.name.rfind("model.", 0) == 0 ? "model.language_model." + e.name.substr(6) : e.name;
+    ASSERT_OK(list.Add(name, keep.back()));
+  }
+  keep.push_back(at::ones({4, 3}));
+  ASSERT_OK(list.Add("model.visual.patch_embed.proj.weight", keep.back()));
+  ASSERT_OK(list.Add("mtp.fc.weight", keep.back()));
+  ASSERT_OK(list.WriteTo(dir + "/vl/model.safetensors"));
+  ASSERT_OK_AND_ASSIGN(std::string text_config, ReadFileToString(dir + "/text/config.json"));
+  auto write_wrapper = [&](const std::string& extra) {
+    return WriteStringToFile(dir + "/vl/config.json",
+                             R"({"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+                                 "vision_config": {"depth": 1}, "image_token_id": 5, "tie_word_embeddings": false,)" +
+                                 extra + R"( "text_config": )" + text_config + "}");
+  };
+  ASSERT_OK(write_wrapper(""));
+  ASSERT_OK_AND_ASSIGN(LoadedModel vl, LoadModel(dir + "/vl", at::kCPU));
+  ASSERT_OK_AND_ASSIGN(LoadedModel alone, LoadModel(dir + "/text", at::kCPU));
+  EXPECT_TRUE(vl.config.language_model_of_vl && vl.config.qwen3_5());
+  std::map<std::string, at::Tensor> want;
+  ForEachNamedTensor(alone.weights, [&](const std::string& name, const at::Tensor& t) { want[name] = t; });
+  int compared = 0;
+  ForEachNamedTensor(vl.weights, [&](const std::string& name, const at::Tensor& t) {
+    EXPECT_EQ(MaxAbsDiff(t, want.at(name)), 0) << name;
+    ++compared;
+  });
+  EXPECT_EQ(compared, static_cast<int>(want.size()));
+  // The wrapper's keys are the vision tower's and its token ids; another is refused by name.
+  ASSERT_OK(write_wrapper(R"( "rope_scaling": {"type": "linear", "factor": 2},)"));
+  EXPECT_THAT(LoadModel(dir + "/vl", at::kCPU), StatusIs(absl::StatusCode::kInvalidArgument, "rope_scaling"));
 }
 
 // Linear-attention targets on a model without such layers are refused by name.

@@ -408,6 +408,12 @@ absl::StatusOr<ModelConfig> ParseModelConfigJson(const std::string& json_text) {
   if (j.is_discarded() || !j.is_object()) {
     return absl::InvalidArgumentError("config.json: not a JSON object");
   }
+  if (j.contains("model_type") && (j["model_type"] == "qwen3_5" || j["model_type"] == "qwen3_5_moe")) {
+    LORASTEP_ASSIGN_OR_RETURN(nlohmann::json text, TextConfigOfVl(j));
+    LORASTEP_ASSIGN_OR_RETURN(ModelConfig c, ParseModelConfigJson(text.dump()));
+    c.language_model_of_vl = true;
+    return c;
+  }
   ModelConfig c;
   if (j.contains("model_type")) {
     if (!j["model_type"].is_string()) {

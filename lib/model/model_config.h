@@ -80,6 +80,9 @@ struct ModelConfig {
   std::vector<bool> linear_layers;
   LinearAttentionConfig linear_attention;
   double partial_rotary_factor = 1.0;
+  // A vision-language folder's text model (Qwen3.5's qwen3_5 / qwen3_5_moe): its tensors sit
+  // under "model.language_model." instead of "model."; the vision tower is not loaded.
+  bool language_model_of_vl = false;
   // How the folder's routed-expert weights are stored: "" (bf16/fp16/fp32 tensors) or
   // "mxfp4" (gpt-oss's blocks and scales, dequantized at load).
   std::string quantization;

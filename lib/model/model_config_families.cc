@@ -1,9 +1,38 @@
 #include "lib/model/model_config_families.h"
 
+#include <set>
+
 #include "absl/strings/str_cat.h"
 #include "lib/status_macros.h"
 
 namespace lorastep {
+
+absl::StatusOr<nlohmann::json> TextConfigOfVl(const nlohmann::json& j) {
+  static const std::set<std::string> kWrapper = {
+      "model_type", "text_config", "vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
+      "vision_end_token_id", "tie_word_embeddings", "torch_dtype", "dtype", "architectures", "transformers_version",
+      "_name_or_path", "bos_token_id", "eos_token_id", "pad_token_id", "use_cache"};
+  for (const auto& [key, value] : j.items()) {
+    if (!kWrapper.count(key)) {
+      return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, ": not a key of the ",
+                                                     j["model_type"].get<std::string>(), " wrapper lorastep reads"));
+    }
+  }
+  if (!j.contains("text_config") || !j["text_config"].is_object()) {
+    return absl::InvalidArgumentError("config.json: text_config: missing (the vision-language folder's text model)");
+  }
+  nlohmann::json text = j["text_config"];
+  const bool moe = j["model_type"] == "qwen3_5_moe";
+  if (!text.contains("model_type")) text["model_type"] = moe ? "qwen3_5_moe_text" : "qwen3_5_text";
+  if (text["model_type"] != (moe ? "qwen3_5_moe_text" : "qwen3_5_text")) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: text_config.model_type: ", text["model_type"].dump(),
+                                                   " is not ", moe ? "qwen3_5_moe_text" : "qwen3_5_text"));
+  }
+  for (const char* key : {"tie_word_embeddings", "torch_dtype", "dtype"}) {
+    if (j.contains(key) && !text.contains(key)) text[key] = j[key];
+  }
+  return text;
+}
 
 nlohmann::ordered_json ShapeKeys(const ModelConfig& c, const char* architecture) {
   nlohmann::ordered_json j;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "lib/io/file_util.h"
+#include "lib/log.h"
 #include "lib/model/gpt_oss_layout.h"
 #include "lib/io/safetensors.h"
 #include "lib/status_macros.h"
@@ -223,8 +224,15 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& folder, const at::Devic
 
   // One tensor by name, shape-checked, on the device in the model dtype.
   // keep_type: as stored (MXFP4's uint8 blocks and scales), else in the model dtype.
-  auto load = [&](const std::string& name, const std::vector<int64_t>& shape,
+  // A vision-language folder keeps its text model under model.language_model.
+  auto stored_name = [&](const std::string& name) {
+    return model.config.language_model_of_vl && absl::StartsWith(name, "model.")
+               ? absl::StrCat("model.language_model.", name.substr(6))
+               : name;
+  };
+  auto load = [&](const std::string& wanted, const std::vector<int64_t>& shape,
                   bool keep_type = false) -> absl::StatusOr<at::Tensor> {
+    const std::string name = stored_name(wanted);
     auto file_it = files.count("*") ? files.find("*") : files.find(name);
     if (file_it == files.end()) {
       return absl::InvalidArgumentError(absl::StrCat(folder, ": tensor '", name,
@@ -243,7 +251,8 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& folder, const at::Devic
     LORASTEP_ASSIGN_OR_RETURN(at::Tensor cpu, TensorFromEntry(**entry));
     return GuardTorch([&]() -> absl::StatusOr<at::Tensor> { return keep_type ? cpu.to(device) : cpu.to(device, type); });
   };
-  auto has = [&](const std::string& name) {
+  auto has = [&](const std::string& wanted) {
+    const std::string name = stored_name(wanted);
     if (!files.count("*")) return files.count(name) > 0;
     auto file = open_file(files.at("*"));
     return file.ok() && (*file)->Find(name).ok();
@@ -305,6 +314,10 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& folder, const at::Devic
       continue;
     }
     LORASTEP_ASSIGN_OR_RETURN(loaded[name], experts ? load_experts(name, shape) : load(name, shape));
+  }
+  if (model.config.language_model_of_vl) {
+    LORASTEP_LOG(Info) << folder << ": loaded the text model of a vision-language folder ("
+                       << model.config.model_type << "); its vision tower is not loaded";
   }
   model.weights = ModelSkeleton(model.config);
   ForEachNamedTensor(model.weights,
