@@ -18,7 +18,8 @@ SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_l
 # LoRA targets per case (default all-linear). The MoE rows put LoRA on the attention: the
 # routed experts' LoRA is checked against PEFT by the MoE harness (bench/moe_results.py).
 TARGETS = {"qwen3_moe": "q_proj,k_proj,v_proj,o_proj", "qwen3_moe_num_experts": "q_proj,k_proj,v_proj,o_proj",
-           "gpt_oss": "q_proj,k_proj,v_proj,o_proj"}
+           "gpt_oss": "q_proj,k_proj,v_proj,o_proj",
+           "qwen3_5_moe": "q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj"}
 
 
 def cases():
@@ -48,11 +49,20 @@ def cases():
                                      sliding_window=6, tie_word_embeddings=False, rms_norm_eps=1e-5), \
         dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
              original_max_position_embeddings=128)
+    # Qwen3.5: a Gated DeltaNet layer, then gated attention (partial RoPE, zero-centered norms);
+    # and its MoE variant (routed experts, gated shared expert; no intermediate_size).
+    hybrid = dict(head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4, tie_word_embeddings=False,
+                  layer_types=["linear_attention", "full_attention"])
+    yield "qwen3_5", "qwen3_5_text", hybrid, dict(rope_type="default", partial_rotary_factor=0.25)
+    yield "qwen3_5_moe", "qwen3_5_moe_text", dict(hybrid, intermediate_size=None, num_experts=4, num_experts_per_tok=2,
+                                                  moe_intermediate_size=32, shared_expert_intermediate_size=32), \
+        dict(rope_type="default", partial_rotary_factor=0.25)
 
 
 def build(model_type, kwargs, rope, folder):
     from transformers import AutoConfig, AutoModelForCausalLM
-    args = dict(SMALL, **kwargs)
+    args = {k: v for k, v in dict(SMALL, **kwargs).items() if v is not None}  # None: a key the class lacks
     theta = args.pop("rope_theta", 10000.0)
     config = None
     if rope is not None:
