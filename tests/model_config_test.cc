@@ -75,7 +75,8 @@ TEST(ModelConfigTest, DecoderSparseStep) {
 }
 
 TEST(ModelConfigTest, PresetsRoundTripThroughJson) {
-  for (const char* name : {"tiny", "qwen2.5-0.5b", "tiny-moe", "qwen3-30b-a3b-reduced", "tiny-qwen2-swa"}) {
+  for (const char* name : {"tiny", "qwen2.5-0.5b", "tiny-moe", "qwen3-30b-a3b-reduced", "tiny-qwen2-swa", "tiny-gpt-oss",
+                           "gpt-oss-20b-reduced", "tiny-qwen3.5", "tiny-qwen3.5-moe", "qwen3.5-9b"}) {
     ASSERT_OK_AND_ASSIGN(ModelConfig c, ModelConfigPreset(name));
     ASSERT_OK_AND_ASSIGN(ModelConfig back, ParseModelConfigJson(ModelConfigToJson(c)));
     EXPECT_EQ(back.model_type, c.model_type) << name;
@@ -87,6 +88,9 @@ TEST(ModelConfigTest, PresetsRoundTripThroughJson) {
     EXPECT_EQ(back.moe.norm_topk_prob, c.moe.norm_topk_prob) << name;
     EXPECT_EQ(back.sliding_layers, c.sliding_layers) << name;
     EXPECT_EQ(back.sliding_window, c.sliding_window) << name;
+    EXPECT_EQ(back.linear_layers, c.linear_layers) << name;
+    EXPECT_EQ(back.rotary_dim(), c.rotary_dim()) << name;
+    EXPECT_EQ(back.TotalParameterCount(), c.TotalParameterCount()) << name;
   }
   ASSERT_OK_AND_ASSIGN(ModelConfig q3, ModelConfigPreset("qwen3-30b-a3b-reduced"));
   EXPECT_EQ(q3.hidden_size, 2048);

@@ -126,6 +126,21 @@ absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name) {
     c.moe.shared_expert_intermediate_size = 32;
     c.moe.norm_topk_prob = true;
     c.intermediate_size = 16;
+  } else if (name == "qwen3.5-9b") {
+    c.model_type = "qwen3_5_text";  // Qwen3_5TextConfig's defaults (its Qwen3.5-9B-style shape)
+    c.vocab_size = 248320;
+    c.hidden_size = 4096;
+    c.intermediate_size = 12288;
+    c.num_hidden_layers = 32;
+    c.num_attention_heads = 16;
+    c.num_key_value_heads = 4;
+    c.head_dim_override = 256;
+    c.max_position_embeddings = 32768;
+    c.rope_theta = 10000000;
+    c.partial_rotary_factor = 0.25;
+    c.tie_word_embeddings = false;
+    c.torch_dtype = "bfloat16";
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) c.linear_layers.push_back((i + 1) % 4 != 0);
   } else if (name == "gpt-oss-20b-reduced") {
     c.model_type = "gpt_oss";  // gpt-oss-20b's widths, 4 of its 24 layers
     c.vocab_size = 201088;

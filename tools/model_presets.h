@@ -19,7 +19,8 @@ namespace lorastep {
 // its second layer in a window of 4); gpt-oss: "tiny-gpt-oss" (4 experts, top-2, sinks,
 // layer 0 in a window of 4, YaRN) and "gpt-oss-20b-reduced" (gpt-oss-20b's widths, 4 layers);
 // Qwen3.5: "tiny-qwen3.5" (a Gated DeltaNet layer, then gated full attention) and
-// "tiny-qwen3.5-moe" (the same with 4 experts, top-2, and a gated shared expert).
+// "tiny-qwen3.5-moe" (the same with 4 experts, top-2, and a gated shared expert), "qwen3.5-9b"
+// (Qwen3_5TextConfig's default shape: 32 layers, every fourth full attention).
 absl::StatusOr<ModelConfig> ModelConfigPreset(const std::string& name);
 
 }  // namespace lorastep
