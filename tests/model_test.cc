@@ -598,7 +598,8 @@ TEST(ModelTest, RecomputedLayersGiveThePlainForwardsResults) {
                         Case{"tiny", true, true, false, 0.0}, Case{"tiny", true, false, false, 0.2},
                         Case{"tiny", true, false, true, 0.0}, Case{"tiny-moe", true, true, false, 0.0},
                         Case{"tiny", true, true, false, 0.0, true}, Case{"tiny", true, false, false, 0.0, true},
-                        Case{"tiny", true, true, true, 0.0, true}}) {
+                        Case{"tiny", true, true, true, 0.0, true}, Case{"tiny-gpt-oss", true, true, false, 0.0},
+                        Case{"tiny-qwen3.5", true, true, false, 0.0}, Case{"tiny-qwen3.5", true, false, true, 0.0}}) {
     const std::string what = std::string(k.preset) + (k.fused ? " fused" : " unfused") + (k.packed ? " packed" : "") +
                              (k.full ? " full" : "") + (k.dropout > 0 ? " dropout" : "") +
                              (k.sliding ? " sliding window" : "");
