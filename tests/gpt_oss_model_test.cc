@@ -271,6 +271,37 @@ TEST(GptOssModelTest, StoredExpertLayoutAndMxfp4) {
   }
   ASSERT_OK(list.WriteTo(dir + "/mx/model.safetensors"));
   ASSERT_OK_AND_ASSIGN(LoadedModel mx, LoadModel(dir + "/mx", at::kCPU, at::kFloat));
+  {  // blocks of another dtype are refused by name
+    TensorWriteList bad;
+    ASSERT_OK_AND_ASSIGN(SafetensorsFile good, SafetensorsFile::Open(dir + "/mx/model.safetensors"));
+    std::vector<at::Tensor> held;
+    for (const auto& e : good.entries()) {
+      at::Tensor t = TensorFromEntry(e).value().clone();
+      if (e.name.find("down_proj_blocks") != std::string::npos) t = t.to(at::kChar);
+      held.push_back(t);
+      ASSERT_OK(bad.Add(e.name, held.back()));
+    }
+    ASSERT_OK(MakeDirectories(dir + "/mx_bad"));
+    ASSERT_OK(bad.WriteTo(dir + "/mx_bad/model.safetensors"));
+    ASSERT_OK(WriteStringToFile(dir + "/mx_bad/config.json", ReadFileToString(dir + "/mx/config.json").value()));
+    EXPECT_THAT(LoadModel(dir + "/mx_bad", at::kCPU, at::kFloat),
+                StatusIs(absl::StatusCode::kInvalidArgument, "MXFP4 tensors must be U8"));
+  }
+  {  // MXFP4 groups of 32 values: an expert width that is not a multiple of 32 is refused
+    ASSERT_OK_AND_ASSIGN(SafetensorsFile bf, SafetensorsFile::Open(dir + "/bf/model.safetensors"));
+    TensorWriteList odd;
+    std::vector<at::Tensor> held;
+    for (const auto& e : bf.entries()) {
+      const bool down = GptOssExpertTensorOf(e.name) == GptOssExpertTensor::kDown;
+      held.push_back(down ? at::zeros({4, 32, 1, 16}, at::kByte) : TensorFromEntry(e).value().clone());
+      ASSERT_OK(odd.Add(down ? e.name + "_blocks" : e.name, held.back()));
+    }
+    ASSERT_OK(MakeDirectories(dir + "/mx_odd"));
+    ASSERT_OK(odd.WriteTo(dir + "/mx_odd/model.safetensors"));
+    ASSERT_OK(WriteStringToFile(dir + "/mx_odd/config.json", ReadFileToString(dir + "/bf/config.json").value()));
+    EXPECT_THAT(LoadModel(dir + "/mx_odd", at::kCPU),
+                StatusIs(absl::StatusCode::kInvalidArgument, "in-features 16 not a multiple of 32"));
+  }
   int checked = 0;
   ForEachNamedTensor(mx.weights, [&](const std::string& name, const at::Tensor& t) {
     if (!want.count(name)) return;
@@ -452,6 +483,11 @@ TEST(GptOssModelTest, PeftTargetParametersForm) {
   PeftExportOptions modules;
   EXPECT_THAT(ImportPeftAdapter(dir + "/per_expert", &other, modules),
               StatusIs(absl::StatusCode::kInvalidArgument, "target_modules"));
+  // A run with down_proj alone on the experts does not take an adapter of both.
+  lc.target_modules = {"q_proj", "v_proj", "down_proj"};
+  Adapter down_only = Adapter::CreateLora(c, lc, at::kCPU, at::kFloat, 3).value();
+  EXPECT_THAT(ImportPeftAdapter(dir + "/per_expert", &down_only, PeftOptionsFor(c, lc, false)),
+              StatusIs(absl::StatusCode::kInvalidArgument, "target_parameters"));
 }
 
 }  // namespace

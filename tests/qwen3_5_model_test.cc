@@ -199,6 +199,14 @@ TEST(Qwen35ModelTest, ConfigReadsTransformersKeys) {
               StatusIs(absl::StatusCode::kInvalidArgument, "use_sliding_window"));
   EXPECT_THAT(with(R"("linear_num_value_heads": 32)", R"("linear_num_value_heads": 24)"),
               StatusIs(absl::StatusCode::kInvalidArgument, "linear_num_value_heads"));
+  EXPECT_THAT(with(R"("full_attention_interval": 4)", R"("layer_types": ["linear_attention", "sliding_attention"])"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "\"sliding_attention\" is not linear_attention or full_attention"));
+  EXPECT_THAT(with(R"("full_attention_interval": 4)", R"("full_attention_interval": 0)"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "full_attention_interval"));
+  EXPECT_THAT(with(R"("linear_conv_kernel_dim": 4)", R"("linear_conv_kernel_dim": "4")"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "linear_conv_kernel_dim: not an integer"));
+  EXPECT_THAT(with(R"("partial_rotary_factor": 0.25)", R"("partial_rotary_factor": 0.001)"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "partial_rotary_factor"));
   // Not built yet, refused by name before any worker starts: tensor and context parallelism.
   ParallelSizes tp2;
   tp2.tp = 2;
@@ -360,6 +368,13 @@ TEST(Qwen35ModelTest, VisionLanguageFolderLoadsItsTextModel) {
   // The wrapper's keys are the vision tower's and its token ids; another is refused by name.
   ASSERT_OK(write_wrapper(R"( "rope_scaling": {"type": "linear", "factor": 2},)"));
   EXPECT_THAT(LoadModel(dir + "/vl", at::kCPU), StatusIs(absl::StatusCode::kInvalidArgument, "rope_scaling"));
+  // Without a text_config, or with another model's, nothing loads.
+  ASSERT_OK(WriteStringToFile(dir + "/vl/config.json", R"({"model_type": "qwen3_5", "vision_config": {}})"));
+  EXPECT_THAT(LoadModel(dir + "/vl", at::kCPU), StatusIs(absl::StatusCode::kInvalidArgument, "text_config: missing"));
+  ASSERT_OK(WriteStringToFile(dir + "/vl/config.json",
+                              R"({"model_type": "qwen3_5_moe", "text_config": )" + text_config + "}"));
+  EXPECT_THAT(LoadModel(dir + "/vl", at::kCPU),
+              StatusIs(absl::StatusCode::kInvalidArgument, "text_config.model_type: \"qwen3_5_text\" is not qwen3_5_moe_text"));
 }
 
 // Linear-attention targets on a model without such layers are refused by name.
