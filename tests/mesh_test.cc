@@ -1016,22 +1016,34 @@ TEST_F(MeshTest, SlidingWindowAndSinksOnContextRanksEqualWorldOne) {
 }
 
 // Qwen3.5: its Gated DeltaNet layer on the first pipeline stage, its gated attention on the
-// second, over two data replicas: equals world size 1.
-TEST_F(MeshTest, Qwen35OnPipelineAndDataRanksEqualsWorldOne) {
+// second, over two data replicas; and over two tensor ranks (the DeltaNet's key and value heads
+// split, in_proj_qkv's q, k and v rows each cut, out_proj row-parallel): equal world size 1.
+// Full fine-tuning over tensor ranks is refused by name.
+TEST_F(MeshTest, Qwen35OnTensorPipelineAndDataRanksEqualsWorldOne) {
   if (!Fits(4)) GTEST_SKIP() << "needs 4 GPUs";
   Coordinator one = Start({}, "tiny-qwen3.5");
   const Trace want = Train(one, 4, "qwen3.5 w1");
   Coordinator mesh = Start({"--pp", "2", "--dp", "2"}, "tiny-qwen3.5");
   ExpectSame(Train(mesh, 4, "qwen3.5 pp2 x dp2"), want, "qwen3.5 pp2 x dp2");
+  Coordinator tp = Start({"--tp", "2", "--pp", "2"}, "tiny-qwen3.5");
+  ExpectSame(Train(tp, 4, "qwen3.5 tp2 x pp2"), want, "qwen3.5 tp2 x pp2");
+  v1::LoraConfig full;
+  full.set_rank(0);
+  EXPECT_THAT(RunSession::Create(tp.client.get(), full, 1).status(),
+              StatusIs(absl::StatusCode::kUnimplemented, "linear-attention layers over tensor ranks"));
 }
 
-// Qwen3.5-MoE: its experts over two expert ranks (two data replicas) equal world size 1.
+// Qwen3.5-MoE: its experts over two expert ranks (two data replicas), and with two tensor
+// ranks besides, equal world size 1.
 TEST_F(MeshTest, Qwen35MoeOnExpertRanksEqualsWorldOne) {
   if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
   Coordinator one = Start({}, "tiny-qwen3.5-moe");
   const Trace want = Train(one, 4, "qwen3.5-moe w1", "per_expert");
   Coordinator mesh = Start({"--dp", "2", "--ep", "2"}, "tiny-qwen3.5-moe");
   ExpectSame(Train(mesh, 4, "qwen3.5-moe ep2 (dp2)", "per_expert"), want, "qwen3.5-moe ep2 x dp2");
+  if (!Fits(8)) return;
+  Coordinator tp = Start({"--tp", "2", "--dp", "2", "--ep", "2"}, "tiny-qwen3.5-moe");
+  ExpectSame(Train(tp, 4, "qwen3.5-moe tp2 x ep2 (dp2)", "per_expert"), want, "qwen3.5-moe tp2 x ep2 x dp2");
 }
 
 TEST_F(MeshTest, MoePipelineWithExpertParallelEqualsWorldOne) {

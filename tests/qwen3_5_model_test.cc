@@ -207,10 +207,18 @@ TEST(Qwen35ModelTest, ConfigReadsTransformersKeys) {
               StatusIs(absl::StatusCode::kInvalidArgument, "linear_conv_kernel_dim: not an integer"));
   EXPECT_THAT(with(R"("partial_rotary_factor": 0.25)", R"("partial_rotary_factor": 0.001)"),
               StatusIs(absl::StatusCode::kInvalidArgument, "partial_rotary_factor"));
-  // Not built yet, refused by name before any worker starts: tensor and context parallelism.
+  // Tensor ranks split the DeltaNet's key heads (with their value heads): a count that does not
+  // divide them is refused before any worker starts, as is context parallelism (not built).
   ParallelSizes tp2;
   tp2.tp = 2;
-  EXPECT_THAT(ValidateLayoutForModel(tp2, c), StatusIs(absl::StatusCode::kInvalidArgument, "tp: 2"));
+  EXPECT_TRUE(ValidateLayoutForModel(tp2, c).ok());
+  ParallelSizes tp32;
+  tp32.tp = 32;
+  ModelConfig few_keys = c;
+  few_keys.num_attention_heads = 32;
+  few_keys.num_key_value_heads = 32;
+  EXPECT_THAT(ValidateLayoutForModel(tp32, few_keys),
+              StatusIs(absl::StatusCode::kInvalidArgument, "tp: 32 does not divide linear_num_key_heads 16"));
   ParallelSizes cp2;
   cp2.cp = 2;
   EXPECT_THAT(ValidateLayoutForModel(cp2, c), StatusIs(absl::StatusCode::kInvalidArgument, "cp: 2"));

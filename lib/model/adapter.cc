@@ -101,9 +101,10 @@ absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const Lora
       Parameter pb{PeftKey(layer, slot, true), {}, {}};
       pa.layer = pb.layer = layer;
       if (IsColumnParallel(slot)) {  // y_i = W_i x + s B_i (A x)
-        b = b.narrow(0, split.begin, split.end - split.begin);
+        b = CutLinearSplit(b, split, s.tp, s.tp_rank);
         pa.role = kReplicatedPartial;
         pb.split_dim = 0;
+        pb.split_groups = split.groups;
         // k/v held whole on every tensor rank (tp > KV heads): B too, with partial gradients.
         if (split.replicated) pb.role = kReplicatedPartial;
       } else {  // y = sum_i (W_i x_i + s B (A_i x_i))

@@ -37,6 +37,9 @@ struct Parameter {
   int64_t layer = -1;     // global decoder layer of a LoRA factor
   std::string family;     // expert factors: "fc1" (gate+up) or "fc2" (down)
   bool expert_split = false;  // dim 0 holds experts, cut over the expert group
+  // kSplit along split_dim in groups (LinearSplit::groups: in_proj_qkv's B): each group cut
+  // evenly over the tensor ranks. Empty: one contiguous cut.
+  std::vector<int64_t> split_groups;
 };
 
 // How a trainable tensor sits on the tensor-parallel ranks, which decides its reduction.

@@ -434,6 +434,32 @@ ModelWeights RandomModelWeights(const ModelConfig& config, uint64_t seed) {
   return w;
 }
 
+at::Tensor CutLinearSplit(const at::Tensor& whole, const LinearSplit& split, int tp, int tp_rank) {
+  if (split.groups.empty()) return whole.narrow(split.dim, split.begin, split.end - split.begin);
+  std::vector<at::Tensor> parts;
+  int64_t start = 0;
+  for (int64_t size : split.groups) {
+    const auto [begin, end] = EvenRange(size, tp, tp_rank);
+    parts.push_back(whole.narrow(split.dim, start + begin, end - begin));
+    start += size;
+  }
+  return at::cat(parts, split.dim);
+}
+
+at::Tensor JoinGroupedSplit(const std::vector<at::Tensor>& parts, const std::vector<int64_t>& groups, int dim) {
+  const int tp = static_cast<int>(parts.size());
+  std::vector<at::Tensor> pieces;
+  std::vector<int64_t> offset(tp, 0);  // where each rank's next group starts in its part
+  for (int64_t size : groups) {
+    for (int r = 0; r < tp; ++r) {
+      const auto [begin, end] = EvenRange(size, tp, r);
+      pieces.push_back(parts[r].narrow(dim, offset[r], end - begin));
+      offset[r] += end - begin;
+    }
+  }
+  return at::cat(pieces, dim);
+}
+
 ModelWeights ShardModelWeights(const ModelWeights& full, const ModelConfig& config,
                                const ModelShard& shard) {
   if (shard.whole()) return full;
@@ -454,15 +480,18 @@ ModelWeights ShardModelWeights(const ModelWeights& full, const ModelConfig& conf
     dst.q_norm = src.q_norm;
     dst.k_norm = src.k_norm;
     dst.o_bias = src.o_bias;  // added once, after o_proj's all-reduce
-    dst.conv1d = src.conv1d;  // Gated DeltaNet: whole (tensor parallelism refuses such models)
-    dst.a_log = src.a_log;
-    dst.dt_bias = src.dt_bias;
-    dst.linear_norm = src.linear_norm;
+    if (src.conv1d.defined()) {  // Gated DeltaNet: q/k/v channels as in_proj_qkv's rows, per-head tensors
+      dst.conv1d = CutLinearSplit(src.conv1d, LinearSplitOf(shard, kInProjQkv, config), shard.tp, shard.tp_rank).clone();
+      dst.a_log = cut(src.a_log, 0, shard.linear_value_head_begin, shard.linear_value_head_begin + shard.linear_value_heads);
+      dst.dt_bias =
+          cut(src.dt_bias, 0, shard.linear_value_head_begin, shard.linear_value_head_begin + shard.linear_value_heads);
+      dst.linear_norm = src.linear_norm;  // over each value head's dimensions: whole
+    }
     if (src.sinks.defined()) dst.sinks = cut(src.sinks, 0, shard.head_begin, shard.head_begin + shard.heads);
     for (int slot = 0; slot < kNumLinearSlots; ++slot) {
       if (!src.linear[slot].defined()) continue;  // no shared expert on this MoE layer
       const LinearSplit split = LinearSplitOf(shard, slot, config, src.layout.moe);
-      dst.linear[slot] = cut(src.linear[slot], split.dim, split.begin, split.end);
+      dst.linear[slot] = CutLinearSplit(src.linear[slot], split, shard.tp, shard.tp_rank).clone();
       if (slot < 3 && src.qkv_bias[slot].defined()) {
         dst.qkv_bias[slot] = cut(src.qkv_bias[slot], 0, split.begin, split.end);
       }

@@ -109,6 +109,13 @@ absl::Status SaveModel(const std::string& folder, const ModelConfig& config,
 ModelWeights ShardModelWeights(const ModelWeights& full, const ModelConfig& config,
                                const ModelShard& shard);
 
+// Tensor rank `tp_rank`'s part (of `tp`) of `whole` as `split` cuts a linear: the range
+// [begin, end) of dim split.dim, or each group's even share, in group order (split.groups).
+at::Tensor CutLinearSplit(const at::Tensor& whole, const LinearSplit& split, int tp, int tp_rank);
+// The whole tensor from every tensor rank's part (in rank order) of a grouped split along `dim`
+// (LinearSplit::groups; Parameter::split_groups): group by group, rank by rank.
+at::Tensor JoinGroupedSplit(const std::vector<at::Tensor>& parts, const std::vector<int64_t>& groups, int dim);
+
 // A model of `config` whose tensors are shape-only (meta device): the names and shapes
 // every loader and generator fills.
 ModelWeights ModelSkeleton(const ModelConfig& config);

@@ -345,7 +345,12 @@ class LayerRunner {
                 "context parallelism over linear-attention layers is not built");
     GatedDeltaWeights weights{lw.conv1d, lw.a_log, lw.dt_bias, lw.linear_norm};
     auto project = [&](int slot, const at::Tensor& x) { return Project(i, slot, x); };
-    return GatedDeltaNetMix(c_.linear_attention, weights, project, h,
+    LinearAttentionConfig local = c_.linear_attention;  // this tensor rank's heads
+    if (options_.shard != nullptr) {
+      local.num_key_heads = options_.shard->linear_key_heads;
+      local.num_value_heads = options_.shard->linear_value_heads;
+    }
+    return GatedDeltaNetMix(local, weights, project, h,
                             packed != nullptr ? packed->lengths : std::vector<int64_t>{}, c_.rms_norm_eps,
                             options_.recurrent_states, weights_.first_layer + static_cast<int64_t>(i));
   }
@@ -374,7 +379,8 @@ class LayerRunner {
     const int64_t mlp_room = FoldRoom(mlp_group);
     if (lw.layout.linear_attention) {
       std::tie(x, h) = AddRmsNorm(x, pending, NormWeight(lw.input_norm), c_.rms_norm_eps, 0);
-      attn_out = LinearAttention(i, h);
+      // Heads split over the tensor ranks; out_proj is row-parallel: one all-reduce.
+      attn_out = ReduceFromTensorRegion(LinearAttention(i, CopyToTensorRegion(h, tp)), tp);
     } else {
       // Each norm leaves room after its output for the next group's fold (FoldRoom).
       const std::optional<PackedGroup> qkv_group = GroupOf(i, {kQProj, kKProj, kVProj});

@@ -189,9 +189,9 @@ absl::Status ValidateLayoutForModel(const ParallelSizes& sizes, const ModelConfi
     return absl::InvalidArgumentError(
         absl::StrCat("ep: ", sizes.ep, " needs a MoE model (this one has no routed experts)"));
   }
-  if (c.HasLinearAttention() && sizes.tp > 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tp: ", sizes.tp, ": tensor parallelism over linear-attention (Gated DeltaNet) layers is not built yet; use tp 1"));
+  if (c.HasLinearAttention() && c.linear_attention.num_key_heads % sizes.tp != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("tp: ", sizes.tp, " does not divide linear_num_key_heads ",
+                                                   c.linear_attention.num_key_heads));
   }
   if (c.HasLinearAttention() && sizes.cp > 1) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -237,6 +237,10 @@ ModelShard MakeModelShard(const ParallelSizes& sizes, const RankCoords& coords,
   std::tie(s.moe_ffn_begin, s.moe_ffn_end) = EvenRange(c.moe.moe_intermediate_size, sizes.tp, coords.tp);
   std::tie(s.shared_ffn_begin, s.shared_ffn_end) =
       EvenRange(c.moe.shared_expert_intermediate_size, sizes.tp, coords.tp);
+  s.linear_key_heads = c.linear_attention.num_key_heads / sizes.tp;
+  s.linear_key_head_begin = s.linear_key_heads * coords.tp;
+  s.linear_value_heads = c.linear_attention.num_value_heads / sizes.tp;
+  s.linear_value_head_begin = s.linear_value_heads * coords.tp;
   return s;
 }
 
@@ -266,10 +270,17 @@ LinearSplit LinearSplitOf(const ModelShard& s, int slot, const ModelConfig& c, b
       split.begin = moe_layer ? s.shared_ffn_begin : s.ffn_begin;
       split.end = moe_layer ? s.shared_ffn_end : s.ffn_end;
       break;
-    default:  // Gated DeltaNet projections: whole (tensor parallelism refuses such models)
-      split.begin = 0;
-      split.end = c.LinearAttentionWidth(slot);
+    case 7: {  // in_proj_qkv rows: this rank's key heads' q and k rows, and its value heads' v rows
+      const LinearAttentionConfig& la = c.linear_attention;
+      split.groups = {la.key_dim(), la.key_dim(), la.value_dim()};
       break;
+    }
+    default: {  // in_proj_z rows, in_proj_b / in_proj_a rows, out_proj columns: this rank's value heads
+      const int64_t per_head = slot == 9 || slot == 10 ? 1 : c.linear_attention.value_head_dim;
+      split.begin = s.linear_value_head_begin * per_head;
+      split.end = (s.linear_value_head_begin + s.linear_value_heads) * per_head;
+      break;
+    }
   }
   return split;
 }

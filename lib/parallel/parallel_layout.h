@@ -165,6 +165,10 @@ struct ModelShard {
   int64_t expert_begin = 0, expert_end = 0;
   int64_t moe_ffn_begin = 0, moe_ffn_end = 0;
   int64_t shared_ffn_begin = 0, shared_ffn_end = 0;
+  // Qwen3.5's Gated DeltaNet layers: this rank's key heads and value heads (split over the
+  // tensor group, a key head with the value heads it serves).
+  int64_t linear_key_head_begin = 0, linear_key_heads = 0;
+  int64_t linear_value_head_begin = 0, linear_value_heads = 0;
   bool first_stage() const { return pp_rank == 0; }
   bool last_stage() const { return pp_rank == pp - 1; }
   bool whole() const { return tp == 1 && pp == 1 && ep == 1; }
@@ -178,6 +182,10 @@ struct LinearSplit {
   int dim = 0;           // 0: output rows (column-parallel), 1: input columns (row-parallel)
   int64_t begin = 0, end = 0;
   bool replicated = false;  // whole on every tensor rank (k/v when tp > KV heads)
+  // Rows in groups (Gated DeltaNet's in_proj_qkv: its q, k and v rows): each group is split
+  // evenly over the tensor ranks and this rank holds its share of each, in group order
+  // (begin/end unused). Empty: one contiguous range.
+  std::vector<int64_t> groups;
 };
 // On a MoE layer the gate/up/down slots are the shared expert's (its own width).
 LinearSplit LinearSplitOf(const ModelShard& shard, int slot, const ModelConfig& config,

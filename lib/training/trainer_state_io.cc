@@ -126,7 +126,8 @@ absl::StatusOr<std::vector<at::Tensor>> Trainer::GatherTensorSplits(
     for (size_t r = 0; r < parts.size(); ++r) {
       parts[r] = parts[r].narrow(dim, 0, static_cast<int64_t>(sizes[r].item<double>()));
     }
-    full.push_back(at::cat(parts, dim));
+    full.push_back(params[i].split_groups.empty() ? at::cat(parts, dim)
+                                                  : JoinGroupedSplit(parts, params[i].split_groups, dim));
   }
   return full;
 }
@@ -326,8 +327,15 @@ absl::Status Trainer::LoadState(const std::string& folder, MeshVote* caller_vote
         t = t.narrow(0, base_->shard.expert_begin, base_->shard.expert_end - base_->shard.expert_begin);
       }
       if (tp > 1 && !TensorReplicated(param.role) && t.dim() == like.dim() && t.dim() > param.split_dim) {
-        const auto [begin, end] = EvenRange(t.size(param.split_dim), tp, tp_rank);
-        t = t.narrow(param.split_dim, begin, end - begin);
+        if (!param.split_groups.empty()) {  // each group's even share (in_proj_qkv's B)
+          LinearSplit split;
+          split.dim = param.split_dim;
+          split.groups = param.split_groups;
+          t = CutLinearSplit(t, split, tp, tp_rank);
+        } else {
+          const auto [begin, end] = EvenRange(t.size(param.split_dim), tp, tp_rank);
+          t = t.narrow(param.split_dim, begin, end - begin);
+        }
       }
       if (!t.sizes().equals(like.sizes())) {
         return absl::InvalidArgumentError(
