@@ -18,7 +18,8 @@ SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_l
 # LoRA targets per case (default all-linear). The MoE rows put LoRA on the attention: the
 # routed experts' LoRA is checked against PEFT by the MoE harness (bench/moe_results.py).
 TARGETS = {"qwen3_moe": "q_proj,k_proj,v_proj,o_proj", "qwen3_moe_num_experts": "q_proj,k_proj,v_proj,o_proj",
-           "gpt_oss": "q_proj,k_proj,v_proj,o_proj",
+           # gpt-oss's experts through PEFT's target_parameters (the exported adapter's form)
+           "gpt_oss": "q_proj,k_proj,v_proj,o_proj,gate_up_proj,down_proj",
            "qwen3_5_moe": "q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj"}
 
 

@@ -4,7 +4,8 @@
 //   tokens        int64 [b, s]      the inputs (seeded)
 //   logits        fp32  [b, s, V]   base-model logits (no adapter)
 //   loss          fp32  []          mean next-token cross entropy with the adapter
-//   <PEFT key>    fp32              the adapter's main_grad for that loss
+//   <PEFT key>    fp32              the adapter's main_grad for that loss, in the exported
+//                                   adapter's form (gpt-oss experts: target_parameters)
 //   lorastep_parity --model DIR --workdir DIR [--device cuda] [--dtype bfloat16] [--rank 32]
 //                   [--targets q_proj,k_proj,v_proj,o_proj]  (default all-linear)
 #include <ATen/ATen.h>
@@ -66,9 +67,12 @@ int main(int argc, char** argv) {
       }
     }
   }
-  if (auto s = ExportPeftAdapter(workdir + "/adapter", adapter, model); !s.ok()) return Fail(s);
-
   const ModelConfig& c = (*base)->config;
+  // The model's PEFT form: Qwen3.5's DeltaNet projections listed, gpt-oss's experts as PEFT's
+  // target_parameters (whose factors' gradients are the same reshapes of lorastep's).
+  const PeftExportOptions peft = PeftOptionsFor(c, options.lora, false);
+  if (auto s = ExportPeftAdapter(workdir + "/adapter", adapter, model, nullptr, peft); !s.ok()) return Fail(s);
+
   at::manual_seed(3);
   at::Tensor tokens = at::randint(0, c.vocab_size, {batch, seq}, at::kLong);
   at::Tensor tokens_dev = tokens.to((*base)->device);
@@ -93,7 +97,9 @@ int main(int argc, char** argv) {
   if (auto s = out.Add("tokens", tokens); !s.ok()) return Fail(s);
   if (auto s = out.Add("loss", loss.detach().to(at::kFloat)); !s.ok()) return Fail(s);
   for (const auto& p : adapter.parameters()) {
-    if (auto s = out.Add(p.name, p.main_grad); !s.ok()) return Fail(s);
+    for (const auto& [key, grad] : PeftTensorsOf(p.name, p.main_grad, peft)) {
+      if (auto s = out.Add(key, grad.contiguous()); !s.ok()) return Fail(s);
+    }
   }
   if (auto s = out.WriteTo(workdir + "/ours.safetensors"); !s.ok()) return Fail(s);
   std::cout << "loss " << loss.item<double>() << "; wrote " << workdir << "/ours.safetensors\n";
