@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <vector>
 
 #define LORASTEP_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||           \
@@ -90,6 +91,17 @@ inline at::Tensor WindowedCausalAttention(const at::Tensor& q, const at::Tensor&
   return MaskedAttention(q, kr, vr, CausalMask(s, window, q.device()));
 }
 
+// Softmax over the last dim of `scores` with one more logit per row that takes no value
+// (gpt-oss's attention sink): `sink` broadcasts to scores' shape with a last dim of 1, its
+// column dropped after the softmax. Undefined `sink`: the plain softmax. In scores' dtype.
+inline at::Tensor SoftmaxWithSink(const at::Tensor& scores, const at::Tensor& sink) {
+  if (!sink.defined()) return at::softmax(scores, -1);
+  std::vector<int64_t> shape(scores.sizes().begin(), scores.sizes().end());
+  shape.back() = 1;
+  const at::Tensor column = sink.to(scores.scalar_type()).expand(shape);
+  return at::softmax(at::cat({scores, column}, -1), -1).narrow(-1, 0, scores.size(-1));
+}
+
 // Causal attention (window 0: every earlier key; else the sliding window) with gpt-oss's
 // attention sinks: a learned logit per query head, sinks [heads], joins each softmax's
 // denominator and takes no value. q, k, v as CausalAttention. Scores and softmax in fp32,
@@ -102,8 +114,7 @@ inline at::Tensor SinkCausalAttention(const at::Tensor& q, const at::Tensor& k, 
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   at::Tensor scores = at::matmul(q, kr.transpose(-2, -1)).to(at::kFloat) * scale;
   scores = scores.masked_fill(CausalMask(s, window, q.device()).logical_not(), -std::numeric_limits<float>::infinity());
-  const at::Tensor sink = sinks.to(at::kFloat).view({1, -1, 1, 1}).expand({scores.size(0), scores.size(1), s, 1});
-  const at::Tensor probs = at::softmax(at::cat({scores, sink}, -1), -1).narrow(-1, 0, s);
+  const at::Tensor probs = SoftmaxWithSink(scores, sinks.view({1, -1, 1, 1}));
   return at::matmul(probs.to(q.scalar_type()), vr);
 }
 

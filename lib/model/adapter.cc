@@ -28,13 +28,6 @@ std::array<int64_t, 2> LinearShape(const ModelConfig& c, int slot) {
   }
 }
 
-// Whether decoder layer `layer` has linear `slot` (Qwen3.5's layers have either attention's
-// q/k/v/o or Gated DeltaNet's five projections).
-bool LayerHasLinear(const ModelConfig& c, int64_t layer, int slot) {
-  if (IsMlpSlot(slot)) return true;
-  return IsLinearAttentionSlot(slot) == c.IsLinearAttentionLayer(layer);
-}
-
 }  // namespace
 
 std::string Adapter::PeftKey(size_t layer, int slot, bool is_b) {
@@ -85,8 +78,9 @@ absl::StatusOr<Adapter> Adapter::CreateLora(const ModelConfig& model, const Lora
   for (int64_t layer = 0; layer < model.num_hidden_layers; ++layer) {
     const bool moe_layer = model.IsMoeLayer(layer);
     const bool mine = layer >= s.layer_begin && layer < s.layer_end;
+    const LayerLayout layout = LayoutOfLayer(model, layer);
     for (int slot = 0; slot < kNumLinearSlots; ++slot) {
-      if (!targeted[slot] || !LayerHasLinear(model, layer, slot)) continue;
+      if (!targeted[slot] || !layout.HasLinear(slot)) continue;
       // On a MoE layer gate/up/down mean the routed experts (below); the shared expert of
       // Qwen2-MoE gets no adapter.
       if (moe_layer && IsMlpSlot(slot)) continue;

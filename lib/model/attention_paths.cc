@@ -58,13 +58,8 @@ at::Tensor KeptAttentionOutput(const at::Tensor& q, const at::Tensor& k, const a
   return KeptAttentionFunction::apply(q, k, v, reinterpret_cast<int64_t>(kept));
 }
 
-// Causal attention of packed sequences: q [1, total, heads, d], k/v [1, total, kv, d] ->
-// [1, total, heads * d]. Sequences all of one length run as padded rows without padding
-// where SDPA picks cuDNN's kernel for them (faster than the flash kernels at head dim 128:
-// docs/PERFORMANCE.md); else one varlen kernel where available, else each sequence alone.
-// `window` > 0 (a sliding layer's) or attention sinks: each sequence alone through its mask.
 at::Tensor PackedAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const PackedSequences& packed, int64_t window, const at::Tensor& sinks) {
+                           const PackedSequences& packed, int64_t window, const at::Tensor& sinks) {
   const int64_t total = q.size(1), width = q.size(2) * q.size(3);
   const int64_t length = packed.lengths.empty() ? 0 : packed.lengths.front();
   const auto count = static_cast<int64_t>(packed.lengths.size());
@@ -92,18 +87,14 @@ at::Tensor PackedAttention(const at::Tensor& q, const at::Tensor& k, const at::T
   return at::cat(parts, 1).reshape({1, total, width});
 }
 
-// q [b, heads, s, d] over k/v [b, kv, s, d]: causal, in a sliding window (window > 0), and
-// with attention sinks [heads] where defined.
 at::Tensor CausalOrMasked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window,
-                                 const at::Tensor& sinks) {
+                          const at::Tensor& sinks) {
   if (sinks.defined()) return compat::SinkCausalAttention(q, k, v, window, sinks);
   return window > 0 ? compat::WindowedCausalAttention(q, k, v, window) : compat::CausalAttention(q, k, v);
 }
 
-// Causal attention of this context rank's tokens over every rank's (packed.context_group):
-// q [1, t, heads, d], k/v [1, t, kv, d] -> [1, t, heads * d].
 at::Tensor ContextAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const PackedSequences& packed, int64_t window, const at::Tensor& sinks) {
+                            const PackedSequences& packed, int64_t window, const at::Tensor& sinks) {
   const int64_t t = q.size(1), width = q.size(2) * q.size(3);
   return ContextParallelAttention(q[0], k[0], v[0], packed.sequence_ids, packed.positions, packed.context_group,
                                   packed.context_counts, window, sinks)

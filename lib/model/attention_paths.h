@@ -43,17 +43,17 @@ at::Tensor KeptAttentionOutput(const at::Tensor& q, const at::Tensor& k, const a
 // docs/PERFORMANCE.md); else one varlen kernel where available, else each sequence alone.
 // `window` > 0 (a sliding layer's) or attention sinks: each sequence alone through its mask.
 at::Tensor PackedAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const PackedSequences& packed, int64_t window, const at::Tensor& sinks);
+                           const PackedSequences& packed, int64_t window, const at::Tensor& sinks);
 
 // q [b, heads, s, d] over k/v [b, kv, s, d]: causal, in a sliding window (window > 0), and
 // with attention sinks [heads] where defined.
 at::Tensor CausalOrMasked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window,
-                                 const at::Tensor& sinks);
+                          const at::Tensor& sinks);
 
 // Causal attention of this context rank's tokens over every rank's (packed.context_group):
 // q [1, t, heads, d], k/v [1, t, kv, d] -> [1, t, heads * d].
 at::Tensor ContextAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const PackedSequences& packed, int64_t window, const at::Tensor& sinks);
+                            const PackedSequences& packed, int64_t window, const at::Tensor& sinks);
 
 }  // namespace lorastep
 

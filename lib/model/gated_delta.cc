@@ -1,5 +1,7 @@
 #include "lib/model/gated_delta.h"
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 
@@ -48,7 +50,9 @@ std::pair<at::Tensor, at::Tensor> GatedDeltaRule(const at::Tensor& q, const at::
   TORCH_CHECK(chunk_size >= 1, "gated delta rule: chunk_size must be >= 1");
   RuleOperands o = Prepare(q, k, v, g, beta);
   const int64_t b = o.v.size(0), h = o.v.size(1), length = o.v.size(2), dv = o.v.size(3);
-  const int64_t c = chunk_size, pad = (c - length % c) % c, chunks = (length + pad) / c;
+  // A sequence shorter than a chunk is one chunk of its own length (no padding to solve).
+  const int64_t c = std::max<int64_t>(1, std::min(chunk_size, length));
+  const int64_t pad = (c - length % c) % c, chunks = (length + pad) / c;
   at::Tensor query = o.q, key = o.k, value = o.v, decay = o.g, write = o.beta;
   if (pad > 0) {  // padded tokens: no decay (g 0), no write (beta 0), zero keys
     query = at::constant_pad_nd(query, {0, 0, 0, pad});
@@ -155,12 +159,22 @@ std::pair<at::Tensor, at::Tensor> GatedDeltaGates(const at::Tensor& a, const at:
 
 namespace {
 
+// The convolution's output [b, s, C] split into q, k [b, s, key heads, dk] and v [b, s, value
+// heads, dv].
+std::array<at::Tensor, 3> SplitQkv(const LinearAttentionConfig& config, const at::Tensor& mixed) {
+  const int64_t b = mixed.size(0), s = mixed.size(1), kd = config.key_dim();
+  return {mixed.narrow(-1, 0, kd).reshape({b, s, config.num_key_heads, config.key_head_dim}),
+          mixed.narrow(-1, kd, kd).reshape({b, s, config.num_key_heads, config.key_head_dim}),
+          mixed.narrow(-1, 2 * kd, config.value_dim()).reshape({b, s, config.num_value_heads, config.value_head_dim})};
+}
+
 // The rule over each packed sequence continuing from its state in `states` (the convolution
-// first, over its history and the new rows), leaving the new state there.
+// first, over its history and the new rows), leaving the new state there. A decoding
+// sequence (one new token) takes the token-by-token form: one state update, no solve.
 at::Tensor ContinuedRule(const LinearAttentionConfig& config, const at::Tensor& qkv, const at::Tensor& conv_weight,
                          const at::Tensor& g, const at::Tensor& beta, const std::vector<int64_t>& lengths,
                          RecurrentStates* states, int64_t layer) {
-  const int64_t kd = config.key_dim(), history = conv_weight.size(1) - 1;
+  const int64_t history = conv_weight.size(1) - 1;
   std::vector<at::Tensor> outs;
   int64_t start = 0;
   for (size_t j = 0; j < lengths.size(); ++j) {
@@ -168,13 +182,11 @@ at::Tensor ContinuedRule(const LinearAttentionConfig& config, const at::Tensor& 
     auto [past, state] = states->Get(layer, j);
     if (!past.defined()) past = at::zeros({history, qkv.size(2)}, qkv.options());
     const at::Tensor rows = at::cat({past.unsqueeze(0), qkv.narrow(1, start, n)}, 1);  // [1, K - 1 + n, C]
-    const at::Tensor mixed = CausalConv1dSilu(rows, conv_weight).narrow(1, history, n);
-    const at::Tensor q = mixed.narrow(-1, 0, kd).reshape({1, n, config.num_key_heads, config.key_head_dim});
-    const at::Tensor k = mixed.narrow(-1, kd, kd).reshape({1, n, config.num_key_heads, config.key_head_dim});
-    const at::Tensor v =
-        mixed.narrow(-1, 2 * kd, config.value_dim()).reshape({1, n, config.num_value_heads, config.value_head_dim});
-    auto [out, next] = GatedDeltaRule(q, k, v, g.narrow(1, start, n), beta.narrow(1, start, n), kGatedDeltaChunk,
-                                      state.defined() ? state.unsqueeze(0) : at::Tensor());
+    const auto [q, k, v] = SplitQkv(config, CausalConv1dSilu(rows, conv_weight).narrow(1, history, n));
+    const at::Tensor gj = g.narrow(1, start, n), betaj = beta.narrow(1, start, n);
+    const at::Tensor from = state.defined() ? state.unsqueeze(0) : at::Tensor();
+    auto [out, next] = n == 1 ? GatedDeltaRuleStep(q, k, v, gj, betaj, from)
+                              : GatedDeltaRule(q, k, v, gj, betaj, kGatedDeltaChunk, from);
     states->Set(layer, j, rows.narrow(1, rows.size(1) - history, history)[0].clone(), next[0]);
     outs.push_back(out);
     start += n;
@@ -188,7 +200,7 @@ at::Tensor GatedDeltaNetMix(const LinearAttentionConfig& config, const GatedDelt
                             const std::function<at::Tensor(int, const at::Tensor&)>& project, const at::Tensor& h,
                             const std::vector<int64_t>& lengths, double eps, RecurrentStates* states,
                             int64_t layer) {
-  const int64_t b = h.size(0), s = h.size(1), kd = config.key_dim(), dv = config.value_head_dim;
+  const int64_t b = h.size(0), s = h.size(1), dv = config.value_head_dim;
   const at::Tensor qkv = project(kInProjQkv, h);
   auto [g, beta] = GatedDeltaGates(project(kInProjA, h), project(kInProjB, h), weights.a_log, weights.dt_bias);
   at::Tensor out;
@@ -196,10 +208,7 @@ at::Tensor GatedDeltaNetMix(const LinearAttentionConfig& config, const GatedDelt
     TORCH_CHECK(b == 1 && !lengths.empty(), "gated delta net: states need packed sequences");
     out = ContinuedRule(config, qkv, weights.conv1d.squeeze(1), g, beta, lengths, states, layer);
   } else {
-    const at::Tensor mixed = CausalConv1dSilu(qkv, weights.conv1d.squeeze(1), lengths);
-    const at::Tensor q = mixed.narrow(-1, 0, kd).reshape({b, s, config.num_key_heads, config.key_head_dim});
-    const at::Tensor k = mixed.narrow(-1, kd, kd).reshape({b, s, config.num_key_heads, config.key_head_dim});
-    const at::Tensor v = mixed.narrow(-1, 2 * kd, config.value_dim()).reshape({b, s, config.num_value_heads, dv});
+    const auto [q, k, v] = SplitQkv(config, CausalConv1dSilu(qkv, weights.conv1d.squeeze(1), lengths));
     out = lengths.empty() ? GatedDeltaRule(q, k, v, g, beta, kGatedDeltaChunk).first
                           : PackedGatedDeltaRule(q, k, v, g, beta, lengths, kGatedDeltaChunk);
   }

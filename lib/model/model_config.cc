@@ -17,8 +17,8 @@ int64_t ModelConfig::MatmulParameterCount() const {
   int64_t total = vocab_size * h;  // LM head
   const LinearAttentionConfig& la = linear_attention;
   for (int64_t layer = 0; layer < num_hidden_layers; ++layer) {
-    if (IsLinearAttentionLayer(layer)) {  // in_proj_qkv, z, b, a; out_proj
-      total += h * (la.conv_dim() + la.value_dim() + 2 * la.num_value_heads) + la.value_dim() * h;
+    if (IsLinearAttentionLayer(layer)) {
+      total += la.projection_parameters(h);
     } else {
       total += (gated_attention() ? 3 : 2) * h * q /*q (and its gate), o*/ + 2 * h * kv /*k,v*/;
     }
@@ -42,8 +42,8 @@ int64_t ModelConfig::TotalParameterCount() const {
   for (int64_t layer = 0; layer < num_hidden_layers; ++layer) {
     total += 2 * h /*norms*/;
     if (IsLinearAttentionLayer(layer)) {  // projections, convolution, A_log, dt_bias, gated norm
-      total += h * (la.conv_dim() + la.value_dim() + 2 * la.num_value_heads) + la.value_dim() * h +
-               la.conv_dim() * la.conv_kernel + 2 * la.num_value_heads + la.value_head_dim;
+      total += la.projection_parameters(h) + la.conv_dim() * la.conv_kernel + 2 * la.num_value_heads +
+               la.value_head_dim;
     } else {
       total += (gated_attention() ? 3 : 2) * h * q + 2 * h * kv;
       if (qk_norm()) total += 2 * d;  // q/k norms

@@ -49,6 +49,10 @@ struct LinearAttentionConfig {
   int64_t key_dim() const { return key_head_dim * num_key_heads; }
   int64_t value_dim() const { return value_head_dim * num_value_heads; }
   int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }  // q, k and v through the convolution
+  // Weights of in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj for hidden size h.
+  int64_t projection_parameters(int64_t h) const {
+    return h * (conv_dim() + value_dim() + 2 * num_value_heads) + value_dim() * h;
+  }
 };
 
 struct ModelConfig {

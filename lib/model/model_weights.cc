@@ -33,7 +33,7 @@ void VisitNamed(Weights& w, Fn&& fn) {
     const std::string prefix = absl::StrCat("model.layers.", w.first_layer + static_cast<int64_t>(i), ".");
     fn(prefix + "input_layernorm.weight", layer.input_norm);
     for (int s = 0; s < kNumLinearSlots; ++s) {
-      if (IsLinearAttentionSlot(s) != lay.linear_attention && !IsMlpSlot(s)) continue;  // attention kind
+      if (!lay.HasLinear(s)) continue;
       if (IsLinearAttentionSlot(s)) {
         fn(absl::StrCat(prefix, LinearSlotModulePath(s), ".weight"), layer.linear[s]);
         continue;

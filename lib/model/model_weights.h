@@ -35,6 +35,11 @@ struct LayerLayout {
   // Qwen3.5: a Gated DeltaNet layer (linear_attn.*: the five projection slots from kInProjQkv,
   // the convolution, A_log, dt_bias, the gated norm) in place of q/k/v/o.
   bool linear_attention = false;
+  // Whether the layer's attention kind has linear `slot` (a LinearSlot): q/k/v/o or Gated
+  // DeltaNet's five; the MLP slots always pass (mlp_slots and `moe` say what they hold).
+  bool HasLinear(int slot) const {
+    return IsMlpSlot(slot) || IsLinearAttentionSlot(slot) == linear_attention;
+  }
 };
 LayerLayout LayoutOfLayer(const ModelConfig& config, int64_t layer);
 

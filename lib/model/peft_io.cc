@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <set>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -50,6 +51,20 @@ at::Tensor ParameterTargetToFactor(bool fc1, bool b, const at::Tensor& peft, at:
   at::Tensor t = peft.reshape({peft.size(0), -1, e}).permute({2, 0, 1});  // [E, out, r]
   if (fc1) t = t.reshape({e, shape[2], 2, shape[3]}).permute({0, 2, 1, 3});
   return t.contiguous();
+}
+
+// gpt-oss's target modules as PEFT names them: the module targets (the attention's) and the
+// expert parameters (gate_proj, with up_proj, as mlp.experts.gate_up_proj; down_proj as
+// mlp.experts.down_proj).
+std::pair<std::vector<std::string>, std::vector<std::string>> SplitExpertParameters(
+    const std::vector<std::string>& modules) {
+  std::vector<std::string> attention, parameters;
+  for (const std::string& m : modules) {
+    if (m == "gate_proj") parameters.push_back("mlp.experts.gate_up_proj");
+    if (m == "down_proj") parameters.push_back("mlp.experts.down_proj");
+    if (m != "gate_proj" && m != "up_proj" && m != "down_proj") attention.push_back(m);
+  }
+  return {attention, parameters};
 }
 
 }  // namespace
@@ -100,15 +115,7 @@ absl::Status ExportPeftAdapter(
   const LoraConfig& lora = adapter.lora_config();
   LORASTEP_ASSIGN_OR_RETURN(std::vector<std::string> modules, LoraTargetModuleNames(lora, options.linear_attention));
   std::vector<std::string> parameters;  // gpt-oss: the experts as PEFT's target_parameters
-  if (options.expert_parameters) {
-    std::vector<std::string> attention;
-    for (const std::string& m : modules) {
-      if (m == "gate_proj") parameters.push_back("mlp.experts.gate_up_proj");
-      if (m == "down_proj") parameters.push_back("mlp.experts.down_proj");
-      if (m != "gate_proj" && m != "up_proj" && m != "down_proj") attention.push_back(m);
-    }
-    modules = attention;
-  }
+  if (options.expert_parameters) std::tie(modules, parameters) = SplitExpertParameters(modules);
   nlohmann::ordered_json config;
   config["peft_type"] = "LORA";
   config["task_type"] = "CAUSAL_LM";
@@ -188,19 +195,14 @@ absl::Status ImportPeftAdapter(const std::string& folder, Adapter* adapter, cons
         if (m.is_string()) params.insert(m.get<std::string>());
       }
     }
-    std::set<std::string> want_params;
-    std::vector<std::string> attention;
-    for (const std::string& m : want) {
-      if (m == "gate_proj") want_params.insert("mlp.experts.gate_up_proj");
-      if (m == "down_proj") want_params.insert("mlp.experts.down_proj");
-      if (m != "gate_proj" && m != "up_proj" && m != "down_proj") attention.push_back(m);
-    }
+    std::vector<std::string> wanted;
+    std::tie(want, wanted) = SplitExpertParameters(want);
+    const std::set<std::string> want_params(wanted.begin(), wanted.end());
     if (params != want_params) {
       return absl::InvalidArgumentError(absl::StrCat(
           "adapter_config.json: target_parameters: ", config.value("target_parameters", nlohmann::json()).dump(),
           " does not match the run's [", absl::StrJoin(want_params, ", "), "]"));
     }
-    want = attention;
   }
   if (config.contains("target_modules") && config["target_modules"].is_string()) {
     have.insert(config["target_modules"].get<std::string>());  // PEFT also allows one string

@@ -24,6 +24,8 @@
 namespace lorastep {
 namespace {
 
+// A norm's weight as stored, or 1 + the stored offset (Qwen3.5's zero-centered RMSNorm).
+at::Tensor NormWeightOf(const ModelConfig& c, const at::Tensor& w) { return c.zero_centered_norm() ? w + 1 : w; }
 
 class LayerRunner {
  public:
@@ -331,8 +333,7 @@ class LayerRunner {
     return {rope(q), rope(k), v, gate};
   }
 
-  // A norm's weight as stored, or 1 + the stored offset (Qwen3.5's zero-centered RMSNorm).
-  at::Tensor NormWeight(const at::Tensor& w) const { return c_.zero_centered_norm() ? w + 1 : w; }
+  at::Tensor NormWeight(const at::Tensor& w) const { return NormWeightOf(c_, w); }
 
   // Qwen3.5's Gated DeltaNet over the normed input h [b, s, H] (GatedDeltaNetMix), its
   // projections through Project (LoRA included); each packed sequence from a zero state.
@@ -743,8 +744,7 @@ at::Tensor Qwen2Layers(const ModelConfig& config, const ModelWeights& base, cons
 
 at::Tensor Qwen2FinalNorm(const ModelConfig& config, const ModelWeights& base,
                           const Adapter* adapter, const at::Tensor& x) {
-  const at::Tensor& w = WeightsFor(base, adapter).final_norm;
-  return RmsNorm(x, config.zero_centered_norm() ? w + 1 : w, config.rms_norm_eps);
+  return RmsNorm(x, NormWeightOf(config, WeightsFor(base, adapter).final_norm), config.rms_norm_eps);
 }
 
 at::Tensor Qwen2Hidden(const ModelConfig& config, const ModelWeights& base, const Adapter* adapter,

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "lib/torch_status.h"
+#include "lib/torch_compat.h"
 
 namespace lorastep {
 
@@ -113,13 +114,7 @@ at::Tensor ContextParallelAttention(const at::Tensor& q, const at::Tensor& k, co
   at::Tensor allowed = seq.unsqueeze(1).eq(seq_all.unsqueeze(0)) & pos_all.unsqueeze(0).le(pos.unsqueeze(1));
   if (window > 0) allowed = allowed & pos_all.unsqueeze(0).gt(pos.unsqueeze(1) - window);
   scores = scores.masked_fill(allowed.logical_not().unsqueeze(0), -std::numeric_limits<float>::infinity());
-  at::Tensor probs;
-  if (sinks.defined()) {  // one more logit per head, with no value
-    const at::Tensor column = sinks.to(at::kFloat).view({heads, 1, 1}).expand({heads, scores.size(1), 1});
-    probs = at::softmax(at::cat({scores, column}, -1), -1).narrow(-1, 0, scores.size(-1));
-  } else {
-    probs = at::softmax(scores, -1);
-  }
+  const at::Tensor probs = compat::SoftmaxWithSink(scores, sinks.defined() ? sinks.view({heads, 1, 1}) : sinks);
   return at::matmul(probs, vh).transpose(0, 1).to(q.scalar_type());
 }
 

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "lib/torch_compat.h"
 
 #ifdef LORASTEP_WITH_CUDA_KERNELS
 #include "lib/kernels/kernel_launch.h"
@@ -186,14 +187,9 @@ at::Tensor KvStepAttention::Attend(int64_t layer, const at::Tensor& q, const at:
   // group of query heads without repeating it: through the paged kernel, or with their keys
   // and values gathered into [S, L, kv_heads, d] (L: the longest; the padding masked out).
   if (!decode_prepared_) PrepareDecode(group, q.scalar_type() == keys.scalar_type() && !sinks.defined());
-  // gpt-oss's sinks: one more logit per query head in each softmax, with no value.
-  const at::Tensor sink = sinks.defined() ? sinks.to(at::kFloat) : at::Tensor();
+  // gpt-oss's sinks (one more logit per query head in each softmax), laid out for the scores.
   auto softmax = [&](const at::Tensor& scores, at::IntArrayRef sink_shape) {
-    if (!sink.defined()) return at::softmax(scores, -1);
-    std::vector<int64_t> shape(scores.sizes().begin(), scores.sizes().end());
-    shape.back() = 1;
-    const at::Tensor column = sink.view(sink_shape).expand(shape);
-    return at::softmax(at::cat({scores, column}, -1), -1).narrow(-1, 0, scores.size(-1));
+    return compat::SoftmaxWithSink(scores, sinks.defined() ? sinks.view(sink_shape) : sinks);
   };
 #ifdef LORASTEP_WITH_CUDA_KERNELS
   if (decode_kernel_) {
