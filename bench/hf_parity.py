@@ -12,6 +12,13 @@ import torch
 from safetensors.torch import load_file
 
 
+def attn_implementation(model_dir):
+    """transformers' attention for the folder: eager for gpt-oss (its sinks have no SDPA path
+    in transformers), SDPA for the rest."""
+    model_type = json.load(open(os.path.join(model_dir, "config.json"))).get("model_type")
+    return "eager" if model_type == "gpt_oss" else "sdpa"
+
+
 def lora_grads(pm, tokens):
     """Mean next-token cross entropy and the gradient of every LoRA factor, by PEFT key."""
     pm.train()
@@ -61,7 +68,7 @@ def main():
     from peft import PeftModel
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype,
-                                                 attn_implementation="sdpa").to(args.device)
+                                                 attn_implementation=attn_implementation(args.model)).to(args.device)
     model.eval()
     tokens = ours["tokens"].to(args.device)
     with torch.no_grad():
@@ -71,7 +78,7 @@ def main():
     floor = None
     if dtype != torch.float32:
         model32 = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,
-                                                       attn_implementation="sdpa").to(args.device)
+                                                       attn_implementation=attn_implementation(args.model)).to(args.device)
         with torch.no_grad():
             logits32 = model32(input_ids=tokens).logits.float()
         floor = ((ref_logits - logits32).norm() / logits32.norm()).item()

@@ -36,6 +36,21 @@ def pad(rows, value):
     return out
 
 
+def lora_targets(model_type):
+    """PEFT's targets for lorastep's all-linear LoRA of this family: every projection; gpt-oss's
+    experts through target_parameters (PEFT's form for its stored expert tensors); Qwen3.5's
+    Gated DeltaNet projections besides attention and MLP."""
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    if model_type == "gpt_oss":
+        return {"target_modules": attention,
+                "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    mlp = ["gate_proj", "up_proj", "down_proj"]
+    if model_type.startswith("qwen3_5"):
+        return {"target_modules": attention + mlp + ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                                     "out_proj"]}
+    return {"target_modules": attention + mlp}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -46,14 +61,13 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
+    from hf_parity import attn_implementation
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16,
-                                                 attn_implementation="sdpa").cuda()
+                                                 attn_implementation=attn_implementation(args.model)).cuda()
     if args.mode == "lora":
         from peft import LoraConfig, get_peft_model
-        model = get_peft_model(model, LoraConfig(
-            r=32, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                            "down_proj"]))
+        model = get_peft_model(model, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                 **lora_targets(model.config.model_type)))
     model.train(args.mode != "logprobs")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.98), weight_decay=0.1)
@@ -102,13 +116,13 @@ def main():
     import datetime, sys, transformers
     out = {"date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
            "machine": torch.cuda.get_device_name(), "command": "python3 " + " ".join(sys.argv),
-           "mode": args.mode, "batch": args.batch or "64 x 512 random", "batch_tokens": batch_tokens,
+           "mode": args.mode, "batch": args.batch or "64 x 512 random", "micro": args.micro, "batch_tokens": batch_tokens,
            "padded_tokens": sum(m[0].numel() for m in micro),
            "step_s": statistics.median(times), "step_s_all": times,
            "tokens_per_s": batch_tokens / statistics.median(times),
            "torch": torch.__version__, "transformers": transformers.__version__,
            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-           "trainable_params": sum(p.numel() for p in params)}
+           "trainable_params": sum(p.numel() for p in params), "model_type": model.config.model_type}
     json.dump(out, open(args.out, "w"), indent=2)
     print(json.dumps({k: v for k, v in out.items() if k != "step_s_all"}))
 

@@ -316,6 +316,15 @@ def suite_step7b(ctx):
         log=os.path.join(ctx.out, "step7b.log"))
 
 
+STEP_FAMILIES = {"gpt_oss": "gpt-oss-20b-reduced", "qwen3_5": "qwen3.5-9b"}
+
+
+def suite_step_families(ctx):
+    for prefix in ctx.args.step_families:
+        run(["bash", "bench/step_family.sh", ctx.build, ctx.out, STEP_FAMILIES[prefix], prefix], ctx.fails,
+            f"{prefix} step benchmark", env=bench_env(ctx), log=os.path.join(ctx.out, f"step_{prefix}.log"))
+
+
 def suite_long(ctx):
     run(["bash", "bench/long_context.sh", ctx.build, ctx.out] + list(ctx.args.long_runs), ctx.fails,
         "long-context benchmark", env=bench_env(ctx), log=os.path.join(ctx.out, "long.log"))
@@ -488,6 +497,8 @@ SUITES = {
                  lambda a: [], lambda a: ["families.json"]),
     "step": ("0.5B LoRA and full steps against transformers + PEFT", suite_step, lambda a: ["step.json"],
              lambda a: []),
+    "step-families": ("gpt-oss and Qwen3.5 LoRA steps against transformers + PEFT (and the Gated DeltaNet share)",
+                      suite_step_families, lambda a: [f"step_{p}.json" for p in a.step_families], lambda a: []),
     "step7b": ("the 7B-class LoRA step against transformers + PEFT", suite_step7b, lambda a: ["step_7b.json"],
                lambda a: []),
     "long": ("32k-131k-token sequences and recomputation's cost", suite_long, lambda a: ["long_context.json"],
@@ -592,6 +603,8 @@ def main(argv=None):
     ap.add_argument("--long-runs", nargs="*", default=[], help="long: runs (default all: q7b_32768 recompute "
                                                                "q05_131072 q7b_131072)")
     ap.add_argument("--families-only", help="families: comma-separated subset")
+    ap.add_argument("--step-families", nargs="+", default=sorted(STEP_FAMILIES), choices=sorted(STEP_FAMILIES),
+                    help="step-families: which models (gpt_oss: gpt-oss-20b-reduced, qwen3_5: qwen3.5-9b)")
     ap.add_argument("--deployment", nargs="+", default=["process", "in_process"], choices=sorted(DEPLOYMENTS),
                     help="service/autosave: worker deployments (process_grpc: spawned, per-step calls over gRPC)")
     ap.add_argument("--steps", type=int, default=10, help="service: timed steps")

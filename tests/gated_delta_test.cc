@@ -4,6 +4,7 @@
 #include "lib/model/gated_delta.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <cmath>
 

@@ -245,10 +245,12 @@ TEST(Qwen35ModelTest, MoeConfigReadsTransformersKeys) {
 // Log-probs and every LoRA factor's gradient (the Gated DeltaNet projections, q/k/v/o, the
 // MLP), fused and unfused weight gradients, against the reference over the stored tensors.
 //
-// The A factors' gradients of the Gated DeltaNet projections are sums with much cancellation
-// (through the decay and the recurrence), and the fp32 main_grads carry that: over ten token
-// draws their largest relative error was 4.5e-5 (one draw; the other nine under 1e-5), with the
-// model, the rule and the adapter in fp64 still 1.5e-5. The draw here is fixed.
+// All factors' gradients together within 1e-5 (relative, the families suite's measure against
+// transformers + PEFT), each factor's within 3e-5: the Gated DeltaNet gate projections'
+// gradients (in_proj_a, in_proj_b) are sums with much cancellation through the decay and the
+// recurrence, and the fp32 main_grads carry it: this draw's worst factor is 6e-6 with Debian's
+// LibTorch 1.13 and 1.2e-5 with LibTorch 2.11's CPU kernels (other summation orders); over ten
+// draws one reached 4.5e-5. The draw here is fixed.
 TEST(Qwen35ModelTest, LogitsAndLoraGradientsMatchPlainReference) {
   for (const std::string preset : {"tiny-qwen3.5", "tiny-qwen3.5-moe"}) {
   SCOPED_TRACE(preset);
@@ -311,6 +313,7 @@ TEST(Qwen35ModelTest, LogitsAndLoraGradientsMatchPlainReference) {
     (logits.to(at::kDouble) * weights).sum().backward();
     (want * weights).sum().backward();
     ASSERT_OK(FoldLocalGradients(&adapter));
+    double diff2 = 0, norm2 = 0;  // over every factor: the global relative error
     for (size_t layer = 0; layer < w.layers.size(); ++layer) {
       for (int slot = 0; slot < kNumLinearSlots; ++slot) {
         const LoraFactors* f = adapter.lora(layer, slot);
@@ -321,10 +324,13 @@ TEST(Qwen35ModelTest, LogitsAndLoraGradientsMatchPlainReference) {
           SCOPED_TRACE(p.name);
           ASSERT_TRUE(g.defined());
           EXPECT_GT(g.abs().max().item<double>(), 0);
-          EXPECT_LT(RelErr(p.main_grad.to(at::kDouble), g), 1e-5);
+          EXPECT_LT(RelErr(p.main_grad.to(at::kDouble), g), 3e-5);
+          diff2 += (p.main_grad.to(at::kDouble) - g).pow(2).sum().item<double>();
+          norm2 += g.pow(2).sum().item<double>();
         }
       }
     }
+    EXPECT_LT(std::sqrt(diff2 / norm2), 1e-5);
   }
   }
 }

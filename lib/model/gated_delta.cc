@@ -4,6 +4,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "lib/model/lora_config.h"
 
@@ -41,6 +42,51 @@ at::Tensor InitialState(const at::Tensor& state, const RuleOperands& o) {
   if (state.defined()) return state.to(o.v.scalar_type());
   return at::zeros({o.v.size(0), o.v.size(1), o.q.size(3), o.v.size(3)}, o.v.options());
 }
+
+// Sequences packed back to back along dim 1 of [1, total, ...] as a batch [n, longest, ...]
+// with zeros after each sequence's end, and back: the rule and the convolution are causal, so
+// a sequence's outputs do not see the zeros after it, and one batched pass runs
+// longest / chunk chunk steps instead of one pass per sequence. One index kernel each way
+// (autograd passes through), none when the lengths are equal.
+class PackedBatch {
+ public:
+  PackedBatch(const std::vector<int64_t>& lengths, const at::Device& device)
+      : n_(static_cast<int64_t>(lengths.size())),
+        longest_(lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end())) {
+    TORCH_CHECK(n_ > 0, "packed sequences: no lengths");
+    total_ = 0;
+    std::vector<int64_t> rows;
+    for (int64_t j = 0; j < n_; ++j) {
+      for (int64_t t = 0; t < lengths[j]; ++t) rows.push_back(j * longest_ + t);
+      total_ += lengths[j];
+    }
+    if (total_ != n_ * longest_) {
+      index_ = at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(device);
+    }
+  }
+
+  at::Tensor Batch(const at::Tensor& x) const {  // [1, total, rest...] -> [n, longest, rest...]
+    TORCH_CHECK(x.size(0) == 1 && x.size(1) == total_, "packed sequences: ", total_, " tokens expected");
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape[0] = n_;
+    shape[1] = longest_;
+    if (!index_.defined()) return x.reshape(shape);
+    const at::Tensor rows = x.reshape({total_, -1});
+    return at::zeros({n_ * longest_, rows.size(1)}, x.options()).index_copy(0, index_, rows).reshape(shape);
+  }
+
+  at::Tensor Unbatch(const at::Tensor& y) const {  // [n, longest, rest...] -> [1, total, rest...]
+    std::vector<int64_t> shape = y.sizes().vec();
+    shape[0] = 1;
+    shape[1] = total_;
+    if (!index_.defined()) return y.reshape(shape);
+    return y.reshape({n_ * longest_, -1}).index_select(0, index_).reshape(shape);
+  }
+
+ private:
+  int64_t n_, longest_, total_;
+  at::Tensor index_;  // rows of the batch that hold tokens; undefined when none is padding
+};
 
 }  // namespace
 
@@ -113,31 +159,21 @@ std::pair<at::Tensor, at::Tensor> GatedDeltaRuleStep(const at::Tensor& q, const 
 
 at::Tensor PackedGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                 const at::Tensor& beta, const std::vector<int64_t>& lengths, int64_t chunk_size) {
-  std::vector<at::Tensor> parts;
-  int64_t start = 0;
-  for (int64_t n : lengths) {
-    auto part = [&](const at::Tensor& x) { return x.narrow(1, start, n); };
-    parts.push_back(GatedDeltaRule(part(q), part(k), part(v), part(g), part(beta), chunk_size).first);
-    start += n;
-  }
-  return at::cat(parts, 1);
+  const PackedBatch batch(lengths, q.device());
+  return batch.Unbatch(GatedDeltaRule(batch.Batch(q), batch.Batch(k), batch.Batch(v), batch.Batch(g),
+                                      batch.Batch(beta), chunk_size)
+                           .first);
 }
 
 at::Tensor CausalConv1dSilu(const at::Tensor& x, const at::Tensor& weight, const std::vector<int64_t>& lengths) {
-  auto conv = [&](const at::Tensor& part) {  // [b, T, C] from zeros
-    const int64_t length = part.size(1), kernel = weight.size(1);
-    const at::Tensor y = at::conv1d(part.transpose(1, 2).to(weight.scalar_type()), weight.unsqueeze(1), {},
-                                    /*stride=*/1, /*padding=*/kernel - 1, /*dilation=*/1, /*groups=*/weight.size(0));
-    return at::silu(y.narrow(2, 0, length)).transpose(1, 2).to(x.scalar_type());
-  };
-  if (lengths.empty()) return conv(x);
-  std::vector<at::Tensor> parts;
-  int64_t start = 0;
-  for (int64_t n : lengths) {
-    parts.push_back(conv(x.narrow(1, start, n)));
-    start += n;
+  if (!lengths.empty()) {
+    const PackedBatch batch(lengths, x.device());
+    return batch.Unbatch(CausalConv1dSilu(batch.Batch(x), weight));
   }
-  return at::cat(parts, 1);
+  const int64_t length = x.size(1), kernel = weight.size(1);
+  const at::Tensor y = at::conv1d(x.transpose(1, 2).to(weight.scalar_type()), weight.unsqueeze(1), {},
+                                  /*stride=*/1, /*padding=*/kernel - 1, /*dilation=*/1, /*groups=*/weight.size(0));
+  return at::silu(y.narrow(2, 0, length)).transpose(1, 2).to(x.scalar_type());
 }
 
 // fp32 (as transformers), or fp64 for fp64 inputs.
@@ -208,9 +244,13 @@ at::Tensor GatedDeltaNetMix(const LinearAttentionConfig& config, const GatedDelt
     TORCH_CHECK(b == 1 && !lengths.empty(), "gated delta net: states need packed sequences");
     out = ContinuedRule(config, qkv, weights.conv1d.squeeze(1), g, beta, lengths, states, layer);
   } else {
-    const auto [q, k, v] = SplitQkv(config, CausalConv1dSilu(qkv, weights.conv1d.squeeze(1), lengths));
-    out = lengths.empty() ? GatedDeltaRule(q, k, v, g, beta, kGatedDeltaChunk).first
-                          : PackedGatedDeltaRule(q, k, v, g, beta, lengths, kGatedDeltaChunk);
+    // Packed sequences run as one batch (PackedBatch): conv, split and rule on [n, longest, ..].
+    const std::optional<PackedBatch> batch =
+        lengths.empty() ? std::nullopt : std::make_optional<PackedBatch>(lengths, h.device());
+    auto batched = [&](const at::Tensor& x) { return batch ? batch->Batch(x) : x; };
+    const auto [q, k, v] = SplitQkv(config, CausalConv1dSilu(batched(qkv), weights.conv1d.squeeze(1)));
+    out = GatedDeltaRule(q, k, v, batched(g), batched(beta), kGatedDeltaChunk).first;
+    if (batch) out = batch->Unbatch(out);
   }
   const at::Tensor z = project(kInProjZ, h);
   const at::Tensor normed = GatedRmsNorm(out.reshape({-1, dv}), z.reshape({-1, dv}), weights.norm, eps);

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# A LoRA step of one model family against transformers + PEFT, side by side on the same random
+# model (a lorastep_genmodel preset, bf16) and the same batch (bench/make_batch.py fixed: 64 x
+# 512 tokens): lorastep (coordinator + worker, r32 on every projection; MoE experts per expert)
+# and bench/peft_step.py (PEFT r32 on the same projections: its lora_targets). For a Qwen3.5
+# preset also the Gated DeltaNet mixer's cost per micro-batch (bench/gated_delta_bench.cc).
+# Raw files in OUT_DIR, then step_family_results.py writes OUT_DIR/step_PREFIX.json.
+#   bench/step_family.sh BUILD_DIR OUT_DIR PRESET PREFIX
+set -euo pipefail
+BIN=$1 OUT=$2 PRESET=$3 PREFIX=$4
+MODEL=/tmp/family_$PREFIX
+source "$(dirname "$0")/gen_model.sh"
+gen_model "$BIN/lorastep_genmodel" "$PRESET" bfloat16 $MODEL
+VOCAB=$(python3 -c "import json;print(json.load(open('$MODEL/config.json'))['vocab_size'])")
+MT=${STEP_MAX_TOKENS:-8192}
+python3 bench/make_batch.py --vocab "$VOCAB" --workload fixed --out "$OUT/batch_$PREFIX.json"
+MODEL_DIR=$MODEL RANK=32 MAX_TOKENS=$MT STEPS=${STEP_COUNT:-5} MODE=train BATCH_FILE="$OUT/batch_$PREFIX.json" \
+  COORD_FLAGS="--max_tokens_per_microbatch $MT" MACHINE="$(head -1 "$OUT/env.txt")" VERSIONS="$(tail -1 "$OUT/env.txt")" \
+  bench/service_overhead.sh "$BIN" "$PRESET" cuda bfloat16 "$OUT/${PREFIX}_ours_lora.json" overhead_fraction \
+  > "$OUT/${PREFIX}_ours.log" 2>&1 || { echo "lorastep $PREFIX failed"; tail -20 "$OUT/${PREFIX}_ours.log"; exit 1; }
+python3 bench/peft_step.py --model $MODEL --mode lora --steps "${HF_STEPS:-3}" --micro "${HF_MICRO:-8}" --batch "$OUT/batch_$PREFIX.json" \
+  --out "$OUT/${PREFIX}_hf_lora.json" > "$OUT/${PREFIX}_hf.log" 2>&1 \
+  || { echo "transformers + PEFT $PREFIX failed"; tail -20 "$OUT/${PREFIX}_hf.log"; exit 1; }
+if python3 -c "import json,sys;sys.exit(0 if json.load(open('$MODEL/config.json')).get('layer_types') and 'linear_attention' in json.load(open('$MODEL/config.json'))['layer_types'] else 1)"; then
+  read -r H KH VH HD < <(python3 -c "import json;c=json.load(open('$MODEL/config.json'));print(c['hidden_size'],c['linear_num_key_heads'],c['linear_num_value_heads'],c['linear_key_head_dim'])")
+  "$BIN/gated_delta_bench" --device cuda --seqs $((MT / 512)) --len 512 --hidden "$H" --key_heads "$KH" \
+    --value_heads "$VH" --head_dim "$HD" --machine "$(head -1 "$OUT/env.txt")" \
+    --command "bench/step_family.sh (gated_delta_bench --seqs $((MT / 512)) --len 512)" --out "$OUT/${PREFIX}_gdn.json" > /dev/null
+fi
+if [ -n "${STEP_FAMILY_PROFILE:-}" ]; then  # a Kineto profile of lorastep's second step, summarized
+  LORASTEP_PROFILE_TRACE=/tmp/${PREFIX}_trace.json LORASTEP_PROFILE_STEP=2 MODEL_DIR=$MODEL RANK=32 MAX_TOKENS=$MT STEPS=2 \
+    COORD_FLAGS="--max_tokens_per_microbatch $MT" BATCH_FILE="$OUT/batch_$PREFIX.json" \
+    bench/service_overhead.sh "$BIN" "$PRESET" cuda bfloat16 /tmp/${PREFIX}_profiled.json x > /tmp/${PREFIX}_profiled.log 2>&1 \
+    || { echo "the profiled $PREFIX step failed"; tail -5 /tmp/${PREFIX}_profiled.log; exit 1; }
+  python3 bench/profile_summary.py /tmp/${PREFIX}_trace.json --label "lorastep $PRESET LoRA step, 64 x 512, micro-batch $MT" \
+    --machine "$(head -1 "$OUT/env.txt")" --command "STEP_FAMILY_PROFILE=1 bench/step_family.sh" --out "$OUT/profile_$PREFIX.json"
+fi
+python3 bench/step_family_results.py "$OUT" "$MODEL" "$PRESET" "$PREFIX" --micro_batch "$MT"

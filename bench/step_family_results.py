@@ -1,0 +1,53 @@
+"""Turns bench/step_family.sh's raw files into OUT_DIR/step_PREFIX.json: lorastep's and
+transformers + PEFT's LoRA step on the same model and batch, their tokens/s ratio and peak
+memory, and for a Qwen3.5 model the Gated DeltaNet mixer's share of lorastep's step (the
+mixer's forward + backward per micro-batch without its projections, times the linear layers
+and the micro-batches of the step, over the step's median time).
+    python3 bench/step_family_results.py RAW_DIR MODEL_DIR PRESET PREFIX [--micro_batch N]
+"""
+import argparse, json, math, os
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("raw")
+    ap.add_argument("model")
+    ap.add_argument("preset")
+    ap.add_argument("prefix")
+    ap.add_argument("--micro_batch", type=int, default=8192)
+    args = ap.parse_args()
+    raw = lambda name: json.load(open(os.path.join(args.raw, name)))
+    p = args.prefix
+    ours, hf = raw(f"{p}_ours_lora.json"), raw(f"{p}_hf_lora.json")
+    cfg = json.load(open(os.path.join(args.model, "config.json")))
+    env = open(os.path.join(args.raw, "env.txt")).read().splitlines()
+    tokens = sum(len(s["tokens"]) for s in raw(f"batch_{p}.json")["sequences"])
+    out = {f"{p}_source": {"date": ours["date"] if "date" in ours else hf["date"], "machine": env[0],
+                           "library_versions": env[-1], "commit": env[1],
+                           "command": f"python3 scripts/bench.py suite step-families (bench/step_family.sh BUILD OUT {args.preset} {p})",
+                           "model": f"{args.preset} (random, bf16): {cfg['num_hidden_layers']} layers, model_type {cfg['model_type']}",
+                           "batch": f"64 x 512 tokens ({tokens}), micro-batch {args.micro_batch} tokens; transformers: {hf.get('micro', 8)} sequences per micro-batch",
+                           "lora": "r32 on every projection (MoE experts per expert; PEFT: bench/peft_step.py lora_targets)"},
+           f"{p}_lora_step_s_ours": ours["worker_step_median_s"], f"{p}_lora_step_s_peft": hf["step_s"],
+           f"{p}_lora_tokens_per_s_ours": tokens / ours["worker_step_median_s"],
+           f"{p}_lora_tokens_per_s_peft": hf["tokens_per_s"],
+           f"{p}_lora_tokens_per_s_over_peft": hf["step_s"] / ours["worker_step_median_s"],
+           f"{p}_lora_peak_gib_ours": ours.get("peak_cuda_gib"), f"{p}_lora_peak_gib_peft": hf["peak_memory_gib"]}
+    gdn = os.path.join(args.raw, f"{p}_gdn.json")
+    if os.path.exists(gdn):
+        g = json.load(open(gdn))
+        linear = sum(1 for t in cfg.get("layer_types", []) if t == "linear_attention")
+        micro = math.ceil(tokens / args.micro_batch)
+        per_step = g["mixer_without_projections_ms"] * linear * micro / 1000
+        out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch"] = g["mixer_without_projections_ms"]
+        out[f"{p}_gated_delta_rule_ms_per_layer_microbatch"] = g["rule_ms"]
+        out[f"{p}_gated_delta_share_of_step"] = per_step / ours["worker_step_median_s"]
+        out[f"{p}_gated_delta_method"] = (f"gated_delta_bench: the mixer without its projections, {g['mixer_without_projections_ms']:.2f} ms "
+                                          f"per layer and micro-batch, x {linear} linear layers x {micro} micro-batches, "
+                                          f"over lorastep's step median")
+    json.dump(out, open(os.path.join(args.raw, f"step_{p}.json"), "w"), indent=2)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
