@@ -19,6 +19,7 @@
 #include "lib/model/model_weights.h"
 #include "lib/model/qwen2.h"
 #include "lib/parallel/parallel_layout.h"
+#include "lib/training/activation_memory.h"
 #include "lib/training/grad_finalizer.h"
 #include "tests/model_test_util.h"
 #include "tests/test_util.h"
@@ -401,6 +402,32 @@ TEST(Qwen35ModelTest, LinearAttentionTargetsNeedSuchLayers) {
   lc.target_modules = {"all-linear"};
   ASSERT_OK_AND_ASSIGN(Adapter dense, Adapter::CreateLora(ModelConfigPreset("tiny").value(), lc, at::kCPU, at::kFloat, 1));
   EXPECT_EQ(dense.parameters().size(), 2u * 2 * 7);  // all-linear on Qwen2: its seven linears only
+}
+
+
+// The activation estimate counts what Gated DeltaNet layers keep beyond attention layers (the
+// trainer's micro-batch and recomputation choices rest on it), only for this stage's layers.
+TEST(Qwen35ModelTest, ActivationEstimateCountsTheLinearAttentionLayers) {
+  const ModelConfig c = ModelConfigPreset("qwen3.5-9b").value();
+  ModelConfig all_attention = c;
+  all_attention.linear_layers.assign(c.num_hidden_layers, false);
+  const ModelShard whole;
+  auto estimate = [](const ModelConfig& config, const ModelShard& shard, LayerRecompute recompute) {
+    return EstimateActivationBytes(config, shard, 8, 512, /*backward=*/true, 2, 1024, recompute);
+  };
+  const double hybrid = estimate(c, whole, LayerRecompute::kNone);
+  const double attention = estimate(all_attention, whole, LayerRecompute::kNone);
+  // 24 linear layers x 4,096 tokens x (the convolution, z, gates, rule output and norm
+  // operands: 106,880 bytes) plus one layer's rule intermediates (32 heads x 2,624 fp32).
+  EXPECT_NEAR(hybrid - attention, 24.0 * 4096 * 106880 + 4096.0 * 32 * 2624 * 4, 1.0);
+  // A stage of attention layers only (layer 3 of the 3:1 pattern) counts none of it.
+  ModelShard stage;
+  stage.layer_begin = 3;
+  stage.layer_end = 4;
+  EXPECT_EQ(estimate(c, stage, LayerRecompute::kNone), estimate(all_attention, stage, LayerRecompute::kNone));
+  // Recomputation keeps one layer's worth.
+  EXPECT_LT(estimate(c, whole, LayerRecompute::kFull), hybrid / 4);
+  EXPECT_GT(estimate(c, whole, LayerRecompute::kFull), estimate(all_attention, whole, LayerRecompute::kFull));
 }
 
 }  // namespace

@@ -6,6 +6,10 @@
 #include <limits>
 #include <optional>
 
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
 #include "lib/model/lora_config.h"
 
 namespace lorastep {
@@ -195,6 +199,42 @@ std::pair<at::Tensor, at::Tensor> GatedDeltaGates(const at::Tensor& a, const at:
 
 namespace {
 
+// GatedDeltaRule keeping only its inputs for backward and running its forward again there:
+// the chunked composition keeps about 80 fp32 values per token and value head (the solves,
+// the decayed keys, each chunk's state), several times a layer's other activations, and a
+// second forward of the rule costs little beside the layer's projections.
+class RecomputedRuleFunction : public torch::autograd::Function<RecomputedRuleFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size) {
+    ctx->save_for_backward({q, k, v, g, beta});
+    ctx->saved_data["chunk"] = chunk_size;
+    return GatedDeltaRule(q, k, v, g, beta, chunk_size).first;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    std::vector<at::Tensor> inputs;
+    for (const at::Tensor& saved : ctx->get_saved_variables()) inputs.push_back(saved.detach().requires_grad_(true));
+    at::Tensor out;
+    {
+      at::AutoGradMode enable(true);
+      out = GatedDeltaRule(inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], ctx->saved_data["chunk"].toInt()).first;
+    }
+    torch::autograd::variable_list result = torch::autograd::grad({out}, inputs, {grads[0]});
+    result.emplace_back();  // chunk_size
+    return result;
+  }
+};
+
+// The rule in training (grad mode on): recomputed in backward (RecomputedRuleFunction).
+at::Tensor TrainedRule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                       const at::Tensor& beta) {
+  const bool grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                                                   g.requires_grad() || beta.requires_grad());
+  if (!grad) return GatedDeltaRule(q, k, v, g, beta, kGatedDeltaChunk).first;
+  return RecomputedRuleFunction::apply(q, k, v, g, beta, kGatedDeltaChunk);
+}
+
 // The convolution's output [b, s, C] split into q, k [b, s, key heads, dk] and v [b, s, value
 // heads, dv].
 std::array<at::Tensor, 3> SplitQkv(const LinearAttentionConfig& config, const at::Tensor& mixed) {
@@ -249,7 +289,7 @@ at::Tensor GatedDeltaNetMix(const LinearAttentionConfig& config, const GatedDelt
         lengths.empty() ? std::nullopt : std::make_optional<PackedBatch>(lengths, h.device());
     auto batched = [&](const at::Tensor& x) { return batch ? batch->Batch(x) : x; };
     const auto [q, k, v] = SplitQkv(config, CausalConv1dSilu(batched(qkv), weights.conv1d.squeeze(1)));
-    out = GatedDeltaRule(q, k, v, batched(g), batched(beta), kGatedDeltaChunk).first;
+    out = TrainedRule(q, k, v, batched(g), batched(beta));
     if (batch) out = batch->Unbatch(out);
   }
   const at::Tensor z = project(kInProjZ, h);

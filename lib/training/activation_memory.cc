@@ -34,15 +34,35 @@ double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tok
 #else
   (void)attention_pairs;
 #endif
-  const double per_layer = tokens * per_token_layer + attention_scores;
+  // Gated DeltaNet layers keep more than attention ones: the convolution's input and output,
+  // z, the gates, the rule's output and the gated norm's fp32 operands; the chunked rule's own
+  // intermediates (fp32: ~10 key-, 6 value- and 5 chunk-sized rows per value head and token,
+  // and each chunk's state) exist for one layer at a time, as its backward runs it again.
+  const LinearAttentionConfig& la = c.linear_attention;
+  double linear_layers = 0;
+  const int64_t first = shard.layer_end > shard.layer_begin ? shard.layer_begin : 0;
+  const int64_t last = shard.layer_end > shard.layer_begin ? shard.layer_end : c.num_hidden_layers;
+  for (int64_t i = first; i < last; ++i) linear_layers += c.IsLinearAttentionLayer(i) ? 1.0 : 0.0;
+  double linear_extra = 0, rule_transient = 0;
+  if (linear_layers > 0) {
+    const double value_heads = static_cast<double>(la.num_value_heads) / tp;
+    const double conv = static_cast<double>(la.conv_dim()) / tp, value = static_cast<double>(la.value_dim()) / tp;
+    const double dk = static_cast<double>(la.key_head_dim), dv = static_cast<double>(la.value_head_dim), chunk = 64;
+    linear_extra = (2.0 * conv + 3.0 * value + 2.0 * value_heads) * static_cast<double>(element_bytes) +
+                   (3.0 * value + 2.0 * value_heads) * 4.0;
+    rule_transient = tokens * value_heads * (10.0 * dk + 6.0 * dv + 5.0 * chunk + dk * dv / chunk) * 4.0;
+  }
+  const double per_layer = tokens * per_token_layer + attention_scores + rule_transient;
   const double head = std::min(static_cast<double>(logprob_chunk_tokens), tokens) *
                       static_cast<double>(c.vocab_size) / tp * (static_cast<double>(element_bytes) + 12.0);
   if (backward && recompute != LayerRecompute::kNone) {  // every layer's input, plus one layer replayed at a time
     double kept = h * static_cast<double>(element_bytes);
     if (recompute == LayerRecompute::kSelective) kept += heads * d * static_cast<double>(element_bytes) + heads * 4.0;
-    return layers * tokens * kept + per_layer + head;
+    return layers * tokens * kept + per_layer + tokens * linear_extra + head;
   }
-  return (backward ? layers : 1.0) * per_layer + head;
+  if (!backward) return per_layer + tokens * linear_extra + head;
+  return layers * (tokens * per_token_layer + attention_scores) + linear_layers * tokens * linear_extra +
+         rule_transient + head;
 }
 
 }  // namespace

@@ -21,7 +21,10 @@ namespace lorastep {
 // the LM head's chunk (logits, log-softmax and probabilities over the vocabulary).
 // With `recompute` kFull the layers keep only their inputs (H per token and layer) and one
 // layer's activations exist at a time (its replay in backward); kSelective also keeps each
-// layer's attention output (heads·d) and softmax statistics (heads fp32). Without `mlp_activation_kept` the
+// layer's attention output (heads·d) and softmax statistics (heads fp32). Gated DeltaNet
+// layers keep their convolution's input and output, z, the gates, the rule's output and the
+// gated norm's fp32 operands on top, and one layer's chunked-rule intermediates exist at a
+// time (its backward runs the rule again). Without `mlp_activation_kept` the
 // MLP keeps 2I, not 3I (LoRA runs whose down_proj rebuilds its input, or keeps none).
 double EstimateActivationBytes(const ModelConfig& config, const ModelShard& shard, int64_t b, int64_t s,
                                bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens,
