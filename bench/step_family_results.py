@@ -42,6 +42,11 @@ def main():
         out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch"] = g["mixer_without_projections_ms"]
         out[f"{p}_gated_delta_rule_ms_per_layer_microbatch"] = g["rule_ms"]
         out[f"{p}_gated_delta_share_of_step"] = per_step / ours["worker_step_median_s"]
+        inverse = os.path.join(args.raw, f"{p}_gdn_inverse.json")
+        if os.path.exists(inverse):  # the A/B: the chunk system's inverse for the triangular solves
+            gi = json.load(open(inverse))
+            out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch_inverse"] = gi["mixer_without_projections_ms"]
+            out[f"{p}_gated_delta_rule_ms_per_layer_microbatch_inverse"] = gi["rule_ms"]
         out[f"{p}_gated_delta_method"] = (f"gated_delta_bench: the mixer without its projections, {g['mixer_without_projections_ms']:.2f} ms "
                                           f"per layer and micro-batch, x {linear} linear layers x {micro} micro-batches, "
                                           f"over lorastep's step median")

@@ -152,6 +152,29 @@ TEST(GatedDeltaTest, PackedSequencesRestartTheRecurrence) {
   }
 }
 
+// The chunk system's inverse by doubling (the rule's path with
+// LORASTEP_GDN_TRIANGULAR_SOLVE=0; gated_delta_inverse_test runs this file so) against the
+// triangular solve, for every chunk length up to 64 and a system shaped like the rule's
+// (beta_i k_i . k_j decayed, normalized keys).
+TEST(GatedDeltaTest, UnitLowerInverseEqualsTheTriangularSolve) {
+  at::manual_seed(6);
+  for (const int64_t c : {1, 2, 3, 5, 16, 33, 64}) {
+    SCOPED_TRACE(c);
+    const at::Tensor k = at::randn({3, c, 16}, at::kDouble);
+    const at::Tensor kn = k / k.norm(2, -1, true);
+    const at::Tensor beta = at::rand({3, c, 1}, at::kDouble);
+    const at::Tensor cum = (-at::rand({3, c}, at::kDouble) * 0.1).cumsum(-1);
+    const at::Tensor decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).clamp_max(0).exp();
+    const at::Tensor lower = (at::matmul(kn * beta, kn.transpose(-1, -2)) * decay).tril(-1);
+    const at::Tensor rhs = at::randn({3, c, 8}, at::kDouble);
+    const at::Tensor want = at::linalg_solve_triangular(lower, rhs, /*upper=*/false, /*left=*/true,
+                                                        /*unitriangular=*/true);
+    EXPECT_LT(RelErr(at::matmul(UnitLowerInverse(lower), rhs), want), 1e-12);
+    const at::Tensor fp32 = at::matmul(UnitLowerInverse(lower.to(at::kFloat)), rhs.to(at::kFloat));
+    EXPECT_LT(RelErr(fp32.to(at::kDouble), want), 1e-5);
+  }
+}
+
 // The causal depthwise convolution: out[t] = silu(sum_j w[:, j] x[t - K + 1 + j]), zeros before
 // each sequence's start.
 TEST(GatedDeltaTest, CausalConvolutionSeesOnlyItsOwnPast) {

@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "lib/env_switch.h"
 #include "lib/model/lora_config.h"
 
 namespace lorastep {
@@ -94,6 +95,17 @@ class PackedBatch {
 
 }  // namespace
 
+at::Tensor UnitLowerInverse(const at::Tensor& strictly_lower) {
+  const int64_t c = strictly_lower.size(-1);
+  at::Tensor power = -strictly_lower;
+  at::Tensor inverse = power + at::eye(c, power.options());
+  for (int64_t span = 2; span < c; span *= 2) {  // (I + X)(I + X^2)(I + X^4)..., X = -L
+    power = at::matmul(power, power);
+    inverse = inverse + at::matmul(inverse, power);
+  }
+  return inverse;
+}
+
 std::pair<at::Tensor, at::Tensor> GatedDeltaRule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size,
                                                  const at::Tensor& state) {
@@ -122,13 +134,22 @@ std::pair<at::Tensor, at::Tensor> GatedDeltaRule(const at::Tensor& q, const at::
       (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, -std::numeric_limits<float>::infinity()).exp();
   // The delta rule's updates within a chunk as one unit-lower-triangular system (its strictly
   // lower part: beta_i k_i . k_j decayed), solved for the new values and the decayed keys that
-  // read the chunk's starting state.
-  const at::Tensor system = at::matmul(k_beta, key.transpose(-1, -2)) * pairwise;
+  // read the chunk's starting state: by triangular solves, or (LORASTEP_GDN_TRIANGULAR_SOLVE=0)
+  // through the system's inverse in batched matmuls, for side-by-side timing on a GPU.
+  static const bool triangular_solve = EnvSwitchOn("LORASTEP_GDN_TRIANGULAR_SOLVE");
+  const at::Tensor system = (at::matmul(k_beta, key.transpose(-1, -2)) * pairwise).tril(-1);
   const at::Tensor intra = at::matmul(query, key.transpose(-1, -2)) * pairwise;
-  const at::Tensor new_values =
-      at::linalg_solve_triangular(system, v_beta, /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
-  const at::Tensor k_cumdecay = at::linalg_solve_triangular(system, k_beta * cum.exp().unsqueeze(-1),
-                                                            /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
+  const at::Tensor decayed_keys = k_beta * cum.exp().unsqueeze(-1);
+  at::Tensor new_values, k_cumdecay;
+  if (triangular_solve) {
+    new_values = at::linalg_solve_triangular(system, v_beta, /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
+    k_cumdecay = at::linalg_solve_triangular(system, decayed_keys, /*upper=*/false, /*left=*/true,
+                                             /*unitriangular=*/true);
+  } else {
+    const at::Tensor inverse = UnitLowerInverse(system);
+    new_values = at::matmul(inverse, v_beta);
+    k_cumdecay = at::matmul(inverse, decayed_keys);
+  }
   const at::Tensor q_decayed = query * cum.exp().unsqueeze(-1);
   const at::Tensor k_to_end = key * (cum.narrow(-1, c - 1, 1) - cum).exp().unsqueeze(-1);
   const at::Tensor chunk_decay = cum.select(-1, c - 1).exp().unsqueeze(-1).unsqueeze(-1);  // [b, h, n, 1, 1]

@@ -40,6 +40,11 @@ std::pair<at::Tensor, at::Tensor> GatedDeltaRuleStep(const at::Tensor& q, const 
 at::Tensor PackedGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                 const at::Tensor& beta, const std::vector<int64_t>& lengths, int64_t chunk_size);
 
+// (I + L)^-1 for strictly lower-triangular L [.., c, c]: the series sum_k (-L)^k ends at
+// k = c - 1 (L is nilpotent), summed as (I + X)(I + X^2)(I + X^4)... with X = -L, in
+// ceil(log2 c) steps of two matmuls.
+at::Tensor UnitLowerInverse(const at::Tensor& strictly_lower);
+
 // Causal depthwise convolution with SiLU: x [b, T, C], weight [C, K] (transformers' conv1d
 // weight [C, 1, K] squeezed), no bias: out[t] = silu(sum_j w[:, j] x[t - K + 1 + j]), with zeros
 // before the start. `lengths` (non-empty: b = 1, sequences back to back): each sequence starts
