@@ -61,11 +61,7 @@ int Main() {
   const ModelConfig config = ModelConfigPreset("tiny").value();
   const ModelWeights weights = RandomModelWeights(config, 1);
   const Adapter adapter = RandomAdapter(config, 3), other = RandomAdapter(config, 4);
-  KvShape shape;
-  shape.layers = config.num_hidden_layers;
-  shape.kv_heads = config.num_key_value_heads;
-  shape.head_dim = config.head_dim();
-  shape.window = LayerWindows(config, 0, shape.layers);
+  const KvShape shape = KvShapeFor(config, 0, config.num_hidden_layers, config.num_key_value_heads);
   KvBlockPool pool = KvBlockPool::Create(shape, 4096, at::kFloat, at::kCPU).value();
   at::manual_seed(7);
   auto prompt = [&](int64_t n) {

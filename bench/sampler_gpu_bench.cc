@@ -139,11 +139,7 @@ int Main(int argc, char** argv) {
   ForEachNamedTensor(weights, [&](const std::string&, const at::Tensor& t) { weight_bytes += t.nbytes(); });
   if (weights.lm_head.defined()) weight_bytes -= weights.embed_tokens.nbytes();
   for (const Parameter& p : adapter.parameters()) weight_bytes += p.value.nbytes();
-  KvShape shape;
-  shape.layers = config.num_hidden_layers;
-  shape.kv_heads = config.num_key_value_heads;
-  shape.head_dim = config.head_dim();
-  shape.window = LayerWindows(config, 0, shape.layers);
+  const KvShape shape = KvShapeFor(config, 0, config.num_hidden_layers, config.num_key_value_heads);
   const int64_t kv_position_bytes = KvBlockPool::BytesPerBlock(shape, dtype) / shape.block_size;
   std::printf("weight_bytes=%lld\nkv_bytes_per_position=%lld\n", static_cast<long long>(weight_bytes),
               static_cast<long long>(kv_position_bytes));

@@ -89,6 +89,24 @@ TEST(SampleServiceTest, SampledLogProbsAreForwardsAndFollowTheRunsSteps) {
 // A saved adapter samples as the run did when it was saved: an exported PEFT folder and a
 // SaveState checkpoint give the tokens the live run gave at that version (same request),
 // after the run has moved on; the checkpoint reports its version, the PEFT folder 0.
+// Qwen3.5 through the worker: its cache keeps the attention layer's keys and values and each
+// sequence's Gated DeltaNet state beside them (budgeted); the log-probs are Forward's.
+TEST(SampleServiceTest, HybridLinearAttentionModelSamplesTheTrainersLogProbs) {
+  ASSERT_OK_AND_ASSIGN(ChildServer server, StartTinyCoordinator("sample_service_qwen3_5", {"--kv_cache_mb", "1"},
+                                                                "tiny-qwen3.5"));
+  ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));
+  ASSERT_OK_AND_ASSIGN(RunSession run, RunSession::Create(client.get(), Lora(), 3));
+  const std::vector<int64_t> prompt = {5, 17, 3, 42, 9, 11, 2};
+  ASSERT_OK_AND_ASSIGN(v1::SampleResponse got, client->Sample(SampleOf(run.run_id(), {prompt}, 6, 1.0, 7, 4)));
+  ASSERT_EQ(got.prompts(0).sequences_size(), 4);
+  for (const v1::SampledSequence& s : got.prompts(0).sequences()) {
+    ASSERT_EQ(s.tokens_size(), 6);
+    const std::vector<float> want = ForwardLogprobs(&run, prompt, s);
+    ASSERT_EQ(want.size(), 6u);
+    for (int i = 0; i < 6; ++i) EXPECT_NEAR(s.logprobs(i), want[i], 1e-5) << "token " << i;
+  }
+}
+
 TEST(SampleServiceTest, SavedAdaptersSampleAsTheRunDidThen) {
   ASSERT_OK_AND_ASSIGN(ChildServer server, StartTinyCoordinator("sample_saved"));
   ASSERT_OK_AND_ASSIGN(auto client, TrainerClient::Connect(server.address()));

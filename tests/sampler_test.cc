@@ -29,6 +29,7 @@ namespace lorastep {
 namespace {
 
 using ::testing::HasSubstr;
+using ::lorastep::testing::StatusIs;
 
 // The tiny preset with its second layer attending in a window of 3 positions.
 ModelConfig TinySlidingWindow() {
@@ -56,11 +57,7 @@ struct Fixture {
     return a;
   }
   KvBlockPool Pool(int64_t blocks, int64_t block_size = 4) const {
-    KvShape shape;
-    shape.layers = config.num_hidden_layers;
-    shape.kv_heads = config.num_key_value_heads;
-    shape.head_dim = config.head_dim();
-    shape.window = LayerWindows(config, 0, shape.layers);
+    KvShape shape = KvShapeFor(config, 0, config.num_hidden_layers, config.num_key_value_heads);
     shape.block_size = block_size;
     return KvBlockPool::Create(shape, blocks, at::kFloat, at::kCPU).value();
   }
@@ -369,6 +366,66 @@ TEST(SamplerTest, TheCacheBudgetIsKeptAndCancellingFreesBlocks) {
   std::optional<SampleResult> done = engine.Take(second);
   ASSERT_TRUE(done.has_value());
   EXPECT_EQ(done->sequences[0].tokens.size(), 14u);
+  EXPECT_EQ(pool.free_blocks(), pool.total_blocks());
+}
+
+// Qwen3.5's linear-attention layers keep no keys or values (their state is per sequence):
+// the pool holds the attention layers only, and the budget splits between blocks and states.
+TEST(SamplerTest, LinearAttentionLayersKeepStatesNotBlocks) {
+  const ModelConfig c = ModelConfigPreset("tiny-qwen3.5").value();  // layer 0 linear, layer 1 attention
+  const KvShape shape = KvShapeFor(c, 0, c.num_hidden_layers, c.num_key_value_heads);
+  KvShape every_layer = shape;
+  every_layer.cached.clear();
+  EXPECT_EQ(KvBlockPool::BytesPerBlock(every_layer, at::kFloat), 2 * KvBlockPool::BytesPerBlock(shape, at::kFloat));
+  ASSERT_OK_AND_ASSIGN(KvBlockPool pool, KvBlockPool::Create(shape, 4, at::kFloat, at::kCPU));
+  EXPECT_FALSE(pool.keys(0).defined());
+  EXPECT_TRUE(pool.keys(1).defined());
+  KvShape linear_only = shape;
+  linear_only.layers = 1;  // layer 0 alone: nothing to cache
+  EXPECT_THAT(KvBlockPool::Create(linear_only, 4, at::kFloat, at::kCPU).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "no layer of this shard keeps keys and values"));
+  // One linear layer: the convolution's last 3 rows of 2 x 2 x 8 + 4 x 8 channels, and a
+  // 4 x 8 x 8 fp32 state.
+  EXPECT_EQ(RecurrentStateBytes(c, nullptr, 0, 2, at::kFloat), 3 * 64 * 4 + 4 * 8 * 8 * 4);
+  EXPECT_EQ(RecurrentStateBytes(c, nullptr, 1, 1, at::kFloat), 0);
+  EXPECT_EQ(RecurrentStateBytes(ModelConfigPreset("tiny").value(), nullptr, 0, 2, at::kFloat), 0);
+  // 1,000 bytes, 10 a block of 4, 100 a state: 8 sequences of 8 positions (2 blocks and a
+  // state each) and the rest in blocks; without states, all blocks.
+  SamplingBudget b = SplitSamplingBudget(1000, 10, 4, 100, 8);
+  EXPECT_EQ(b.recurrent_sequences, 8);
+  EXPECT_EQ(b.blocks, 20);
+  b = SplitSamplingBudget(1000, 10, 4, 0, 8);
+  EXPECT_EQ(b.recurrent_sequences, 0);
+  EXPECT_EQ(b.blocks, 100);
+  b = SplitSamplingBudget(115, 10, 4, 100, 2048);  // short of a typical sequence: one shorter one
+  EXPECT_EQ(b.recurrent_sequences, 1);
+  EXPECT_EQ(b.blocks, 1);
+  b = SplitSamplingBudget(105, 10, 4, 100, 2048);  // not even a block beside one state: the worker refuses
+  EXPECT_EQ(b.recurrent_sequences, 0);
+}
+
+// A request waits until its sequences' recurrent states fit beside the admitted ones', one
+// that could never fit is refused naming the limit, and the results are those of each alone.
+TEST(SamplerTest, RecurrentStatesAreBudgetedLikeBlocks) {
+  Fixture f(ModelConfigPreset("tiny-qwen3.5").value());
+  KvBlockPool pool = f.Pool(64, 4);
+  SamplerOptions options;
+  options.max_recurrent_sequences = 3;
+  SamplerEngine engine(f.config, f.weights, &pool, options);
+  absl::StatusOr<int64_t> too_many = engine.Add(&f.adapter, Request({1, 2, 3}, 4, 1.0, 1, /*num_samples=*/3));
+  EXPECT_THAT(too_many.status(), StatusIs(absl::StatusCode::kResourceExhausted, "linear-attention state"));
+  EXPECT_EQ(engine.waiting_requests(), 0);
+  // Two samples and their prompt: 3 states; the next request's one waits for them.
+  const SampleRequest pair = Request({1, 2, 3}, 6, 0.0, 1, 2), single = Request({4, 5, 6, 7}, 5, 0.0, 2);
+  ASSERT_OK_AND_ASSIGN(int64_t first, engine.Add(&f.adapter, pair));
+  ASSERT_OK_AND_ASSIGN(int64_t second, engine.Add(&f.adapter, single));
+  ASSERT_OK(engine.Step());
+  EXPECT_EQ(engine.waiting_requests(), 1);
+  for (int steps = 0; !engine.Idle() && steps < 100; ++steps) ASSERT_OK(engine.Step());
+  std::optional<SampleResult> a = engine.Take(first), b = engine.Take(second);
+  ASSERT_TRUE(a.has_value() && b.has_value());
+  EXPECT_EQ(a->sequences[1].tokens, RunAll(f, &pool, {{&f.adapter, pair}})[0].sequences[1].tokens);
+  EXPECT_EQ(b->sequences[0].tokens, RunAll(f, &pool, {{&f.adapter, single}})[0].sequences[0].tokens);
   EXPECT_EQ(pool.free_blocks(), pool.total_blocks());
 }
 

@@ -77,19 +77,20 @@ inline v1::LoraConfig Lora(double dropout = 0.0) {
   return l;
 }
 
-// ScratchDir(name), with a fresh tiny model (seed 1) written to its "model" folder.
-inline absl::StatusOr<std::string> TinyModelDir(const std::string& name) {
+// ScratchDir(name), with a fresh model of `preset` (seed 1) written to its "model" folder.
+inline absl::StatusOr<std::string> TinyModelDir(const std::string& name, const std::string& preset = "tiny") {
   const std::string dir = ScratchDir(name);
-  const ModelConfig c = ModelConfigPreset("tiny").value();
+  const ModelConfig c = ModelConfigPreset(preset).value();
   if (absl::Status saved = SaveModel(dir + "/model", c, RandomModelWeights(c, 1)); !saved.ok()) return saved;
   return dir;
 }
 
-// A coordinator (and its local worker) serving a fresh tiny model under ScratchDir(name),
-// with `extra` flags.
+// A coordinator (and its local worker) serving a fresh model of `preset` (the tiny one by
+// default) under ScratchDir(name), with `extra` flags.
 inline absl::StatusOr<ChildServer> StartTinyCoordinator(const std::string& name,
-                                                 const std::vector<std::string>& extra = {}) {
-  absl::StatusOr<std::string> made = TinyModelDir(name);
+                                                 const std::vector<std::string>& extra = {},
+                                                 const std::string& preset = "tiny") {
+  absl::StatusOr<std::string> made = TinyModelDir(name, preset);
   if (!made.ok()) return made.status();
   const std::string& dir = *made;
   std::vector<std::string> args = {"--model", dir + "/model", "--worker_binary", Binary("worker/lorastep_worker")};

@@ -17,29 +17,36 @@ namespace lorastep {
 absl::Status WorkerCore::EnsureSampler() {
   if (sampler_ != nullptr) return absl::OkStatus();
   const BaseModel& base = *base_;
-  KvShape shape;
-  shape.layers = static_cast<int64_t>(base.weights.layers.size());
-  shape.first_layer = base.weights.first_layer;
   // A tensor rank caches the key/value heads it attends with: its share, or the one head it
   // reads when the heads are replicated over the tensor group.
-  shape.kv_heads = base.shard.kv_select >= 0 ? 1
-                   : base.shard.kv_heads > 0 ? base.shard.kv_heads
-                                             : base.config.num_key_value_heads;
-  shape.head_dim = base.config.head_dim();
-  shape.window = LayerWindows(base.config, shape.first_layer, shape.layers);
+  const int64_t kv_heads = base.shard.kv_select >= 0 ? 1
+                           : base.shard.kv_heads > 0 ? base.shard.kv_heads
+                                                     : base.config.num_key_value_heads;
+  const int64_t layers = static_cast<int64_t>(base.weights.layers.size());
+  const KvShape shape = KvShapeFor(base.config, base.weights.first_layer, layers, kv_heads);
   int64_t bytes = options_.kv_cache_bytes;
   if (bytes <= 0) {
     const int64_t available = base.device.is_cuda() ? CudaAvailableBytes(base.device) : AvailableHostMemoryBytes();
     bytes = std::min<int64_t>(std::max<int64_t>(available, 0) / 10, int64_t{4} << 30);
   }
-  const int64_t blocks = bytes / KvBlockPool::BytesPerBlock(shape, base.dtype);
-  if (blocks < 1) {
+  // Linear-attention layers keep a state per sequence instead of blocks: the budget holds both.
+  const int64_t state_bytes = RecurrentStateBytes(base.config, base.shard.tp > 1 ? &base.shard : nullptr,
+                                                  base.weights.first_layer, layers, base.dtype);
+  const SamplingBudget budget =
+      SplitSamplingBudget(bytes, KvBlockPool::BytesPerBlock(shape, base.dtype), shape.block_size, state_bytes,
+                          std::min<int64_t>(2048, base.config.max_position_embeddings));
+  if (budget.blocks < 1 || (state_bytes > 0 && budget.recurrent_sequences < 1)) {
     return absl::ResourceExhaustedError(absl::StrCat("kv_cache_mb: ", bytes >> 20, " MiB holds no block of ",
-                                                     shape.block_size, " positions for this model"));
+                                                     shape.block_size, " positions",
+                                                     state_bytes > 0 ? " beside one sequence's linear-attention state"
+                                                                     : "",
+                                                     " for this model"));
   }
-  LORASTEP_ASSIGN_OR_RETURN(KvBlockPool pool, KvBlockPool::Create(shape, blocks, base.dtype, base.device));
+  LORASTEP_ASSIGN_OR_RETURN(KvBlockPool pool, KvBlockPool::Create(shape, budget.blocks, base.dtype, base.device));
   kv_pool_ = std::make_unique<KvBlockPool>(std::move(pool));
-  sampler_ = std::make_unique<SamplerEngine>(base.config, base.weights, kv_pool_.get(), SamplerOptions(),
+  SamplerOptions sampler_options;
+  sampler_options.max_recurrent_sequences = budget.recurrent_sequences;
+  sampler_ = std::make_unique<SamplerEngine>(base.config, base.weights, kv_pool_.get(), sampler_options,
                                              base.shard.tp > 1 ? &base.shard : nullptr);
   return absl::OkStatus();
 }

@@ -23,8 +23,48 @@ std::vector<int64_t> LayerWindows(const ModelConfig& config, int64_t first_layer
   return out;
 }
 
+KvShape KvShapeFor(const ModelConfig& config, int64_t first_layer, int64_t layers, int64_t kv_heads) {
+  KvShape shape;
+  shape.layers = layers;
+  shape.first_layer = first_layer;
+  shape.kv_heads = kv_heads;
+  shape.head_dim = config.head_dim();
+  shape.window = LayerWindows(config, first_layer, layers);
+  for (int64_t l = first_layer; l < first_layer + layers; ++l) shape.cached.push_back(!config.IsLinearAttentionLayer(l));
+  return shape;
+}
+
+int64_t RecurrentStateBytes(const ModelConfig& config, const ModelShard* shard, int64_t first_layer, int64_t layers,
+                            at::ScalarType dtype) {
+  const LinearAttentionConfig& la = config.linear_attention;
+  const bool split = shard != nullptr && shard->tp > 1;
+  const int64_t key_heads = split ? shard->linear_key_heads : la.num_key_heads;
+  const int64_t value_heads = split ? shard->linear_value_heads : la.num_value_heads;
+  const int64_t conv = 2 * key_heads * la.key_head_dim + value_heads * la.value_head_dim;
+  const int64_t per_layer = (la.conv_kernel - 1) * conv * static_cast<int64_t>(at::elementSize(dtype)) +
+                            value_heads * la.key_head_dim * la.value_head_dim * 4;
+  int64_t bytes = 0;
+  for (int64_t l = first_layer; l < first_layer + layers; ++l) bytes += config.IsLinearAttentionLayer(l) ? per_layer : 0;
+  return bytes;
+}
+
+SamplingBudget SplitSamplingBudget(int64_t bytes, int64_t bytes_per_block, int64_t block_size, int64_t state_bytes,
+                                   int64_t typical_positions) {
+  SamplingBudget budget;
+  if (state_bytes <= 0) {
+    budget.blocks = bytes / bytes_per_block;
+    return budget;
+  }
+  const int64_t blocks_per_sequence = (typical_positions + block_size - 1) / block_size;
+  budget.recurrent_sequences = bytes / (blocks_per_sequence * bytes_per_block + state_bytes);
+  // A budget short of one typical sequence still serves one shorter one.
+  if (budget.recurrent_sequences < 1 && bytes >= state_bytes + bytes_per_block) budget.recurrent_sequences = 1;
+  budget.blocks = (bytes - budget.recurrent_sequences * state_bytes) / bytes_per_block;
+  return budget;
+}
+
 int64_t KvBlockPool::BytesPerBlock(const KvShape& shape, at::ScalarType dtype) {
-  return 2 * shape.layers * shape.block_size * shape.kv_heads * shape.head_dim *
+  return 2 * shape.CachedLayers() * shape.block_size * shape.kv_heads * shape.head_dim *
          static_cast<int64_t>(at::elementSize(dtype));
 }
 
@@ -32,6 +72,9 @@ absl::StatusOr<KvBlockPool> KvBlockPool::Create(const KvShape& shape, int64_t bl
                                                 at::Device device) {
   if (shape.layers < 1 || shape.kv_heads < 1 || shape.head_dim < 1) {
     return absl::InvalidArgumentError("kv cache: layers, kv_heads and head_dim must be >= 1");
+  }
+  if (shape.CachedLayers() < 1) {
+    return absl::InvalidArgumentError("kv cache: no layer of this shard keeps keys and values");
   }
   if (shape.block_size < 1 || shape.block_size > 4096) {
     return absl::InvalidArgumentError(absl::StrCat("kv_block_size: ", shape.block_size, " is not in [1, 4096]"));
@@ -41,12 +84,16 @@ absl::StatusOr<KvBlockPool> KvBlockPool::Create(const KvShape& shape, int64_t bl
   }
   KvBlockPool pool;
   pool.shape_ = shape;
+  pool.device_ = device;
   const auto options = at::TensorOptions().dtype(dtype).device(device);
   // Uninitialized: attention reads only positions a forward wrote (and on CPU untouched
-  // pages cost nothing until a sequence reaches them).
+  // pages cost nothing until a sequence reaches them). None for a layer that keeps none.
   for (int64_t l = 0; l < shape.layers; ++l) {
-    pool.keys_.push_back(at::empty({blocks * shape.block_size, shape.kv_heads, shape.head_dim}, options));
-    pool.values_.push_back(at::empty({blocks * shape.block_size, shape.kv_heads, shape.head_dim}, options));
+    const bool cached = shape.Cached(shape.first_layer + l);
+    pool.keys_.push_back(cached ? at::empty({blocks * shape.block_size, shape.kv_heads, shape.head_dim}, options)
+                                : at::Tensor());
+    pool.values_.push_back(cached ? at::empty({blocks * shape.block_size, shape.kv_heads, shape.head_dim}, options)
+                                  : at::Tensor());
   }
   pool.refs_.assign(blocks, 0);
   for (int64_t b = blocks - 1; b >= 0; --b) pool.free_.push_back(static_cast<int32_t>(b));
@@ -74,6 +121,7 @@ void KvBlockPool::Release(int32_t block) {
 void KvBlockPool::CopyBlock(int32_t from, int32_t to) {
   const int64_t bs = shape_.block_size;
   for (size_t l = 0; l < keys_.size(); ++l) {
+    if (!keys_[l].defined()) continue;
     keys_[l].narrow(0, to * bs, bs).copy_(keys_[l].narrow(0, from * bs, bs));
     values_[l].narrow(0, to * bs, bs).copy_(values_[l].narrow(0, from * bs, bs));
   }
@@ -95,7 +143,7 @@ KvStepAttention::KvStepAttention(KvBlockPool* pool, const std::vector<const KvSe
                                  const std::vector<int64_t>& new_tokens)
     : pool_(pool), new_tokens_(new_tokens) {
   const int64_t bs = pool->shape().block_size;
-  const at::Device device = pool->keys(pool->shape().first_layer).device();
+  const at::Device device = pool->device();
   std::vector<int64_t> writes, decoding;
   int64_t longest = 0;
   for (size_t s = 0; s < sequences.size(); ++s) {
@@ -138,7 +186,7 @@ void KvStepAttention::PrepareDecode(int64_t group, bool kernel_allowed) {
   decode_prepared_ = true;
   if (decode_sequences_.empty()) return;
   const int64_t bs = pool_->shape().block_size, n = static_cast<int64_t>(decode_sequences_.size());
-  const at::Device device = pool_->keys(pool_->shape().first_layer).device();
+  const at::Device device = pool_->device();
 #ifdef LORASTEP_WITH_CUDA_KERNELS
   decode_kernel_ = kernel_allowed && device.is_cuda() && kernels::PagedDecodeSupported(group, pool_->shape().head_dim);
   if (decode_kernel_) {  // lengths, then each sequence's blocks padded to the longest list

@@ -30,6 +30,18 @@ struct KvShape {
   // Per layer of this shard, the keys a query sees (ModelConfig::AttentionWindow; 0 or
   // absent: every position before it).
   std::vector<int64_t> window;
+  // Per layer of this shard, whether it keeps keys and values (absent: every layer does; a
+  // linear-attention layer does not).
+  std::vector<bool> cached;
+  bool Cached(int64_t layer) const {
+    const int64_t i = layer - first_layer;
+    return i < 0 || i >= static_cast<int64_t>(cached.size()) || cached[i];
+  }
+  int64_t CachedLayers() const {
+    int64_t n = 0;
+    for (int64_t l = first_layer; l < first_layer + layers; ++l) n += Cached(l) ? 1 : 0;
+    return n;
+  }
   int64_t WindowOf(int64_t layer) const {
     const int64_t i = layer - first_layer;
     return i >= 0 && i < static_cast<int64_t>(window.size()) ? window[i] : 0;
@@ -39,9 +51,31 @@ struct KvShape {
 // ModelConfig::AttentionWindow of layers [first_layer, first_layer + layers), for KvShape::window.
 std::vector<int64_t> LayerWindows(const ModelConfig& config, int64_t first_layer, int64_t layers);
 
+// The cache's shape for layers [first_layer, first_layer + layers) of `config` with
+// `kv_heads` key/value heads per layer: their windows, and which of them keep keys and
+// values (not the linear-attention layers, whose state is per sequence: RecurrentStateBytes).
+KvShape KvShapeFor(const ModelConfig& config, int64_t first_layer, int64_t layers, int64_t kv_heads);
+
+// Bytes one sequence's linear-attention state takes over those layers (the convolution's
+// input history in `dtype`, the rule's state in fp32), with this tensor rank's heads
+// (`shard`; null: all of them); 0 for a model without such layers.
+int64_t RecurrentStateBytes(const ModelConfig& config, const ModelShard* shard, int64_t first_layer, int64_t layers,
+                            at::ScalarType dtype);
+
+// A sampling memory budget split between the pool's blocks and the sequences' recurrent
+// states (`state_bytes` each): as many sequences of `typical_positions` positions (the
+// worker: 2,048 or the model's length if shorter) fit in both, the rest of the budget in
+// blocks. Without recurrent state, every byte is blocks.
+struct SamplingBudget {
+  int64_t blocks = 0;
+  int64_t recurrent_sequences = 0;  // 0: no limit (no recurrent state)
+};
+SamplingBudget SplitSamplingBudget(int64_t bytes, int64_t bytes_per_block, int64_t block_size, int64_t state_bytes,
+                                   int64_t typical_positions = 2048);
+
 class KvBlockPool {
  public:
-  // Bytes one block takes over all layers (keys and values).
+  // Bytes one block takes over the layers that keep keys and values.
   static int64_t BytesPerBlock(const KvShape& shape, at::ScalarType dtype);
   // A pool of `blocks` blocks; INVALID_ARGUMENT naming the field for a bad shape or count.
   static absl::StatusOr<KvBlockPool> Create(const KvShape& shape, int64_t blocks, at::ScalarType dtype,
@@ -62,12 +96,15 @@ class KvBlockPool {
   // Copies every layer's keys and values of block `from` into block `to`.
   void CopyBlock(int32_t from, int32_t to);
 
-  // Layer `layer` (global index) as [blocks * block_size, kv_heads, head_dim].
+  const at::Device& device() const { return device_; }
+  // Layer `layer` (global index) as [blocks * block_size, kv_heads, head_dim] (undefined for
+  // a layer that keeps none).
   at::Tensor& keys(int64_t layer) { return keys_[layer - shape_.first_layer]; }
   at::Tensor& values(int64_t layer) { return values_[layer - shape_.first_layer]; }
 
  private:
   KvShape shape_;
+  at::Device device_ = at::kCPU;
   std::vector<at::Tensor> keys_, values_;
   std::vector<int32_t> refs_;
   std::vector<int32_t> free_;  // free block ids, taken from the back

@@ -25,6 +25,7 @@ struct SamplerEngine::Request {
   const Adapter* adapter = nullptr;
   SampleRequest request;
   int64_t worst_blocks = 0;
+  int64_t worst_states = 0;
   KvSequence prompt;    // the prompt's blocks until its samples fork
   std::vector<Sample> samples;  // empty while the prompt is prefilled
   SampleResult result;
@@ -45,6 +46,11 @@ int64_t SamplerEngine::WorstCaseBlocks(const SampleRequest& r) const {
   const int64_t p = static_cast<int64_t>(r.prompt.size());
   const int64_t shared = p / pool_->shape().block_size;  // the prompt's full blocks
   return pool_->BlocksFor(p) + r.num_samples * (pool_->BlocksFor(p + r.params.max_tokens) - shared);
+}
+
+int64_t SamplerEngine::WorstCaseStates(const SampleRequest& r) const {
+  if (options_.max_recurrent_sequences <= 0 || !config_.HasLinearAttention()) return 0;
+  return r.num_samples == 1 ? 1 : r.num_samples + 1;
 }
 
 absl::StatusOr<int64_t> SamplerEngine::Add(const Adapter* adapter, SampleRequest request) {
@@ -74,6 +80,13 @@ absl::StatusOr<int64_t> SamplerEngine::Add(const Adapter* adapter, SampleRequest
         " positions and the cache holds ", pool_->total_blocks(),
         " (fewer samples, a shorter prompt or max_tokens, or a larger --kv_cache_mb)"));
   }
+  const int64_t states = WorstCaseStates(request);
+  if (states > options_.max_recurrent_sequences && states > 0) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "kv cache: this request's ", states, " sequences (its prompt and ", request.num_samples,
+        " samples) each hold a linear-attention state and the cache's budget holds ",
+        options_.max_recurrent_sequences, " (fewer samples, or a larger --kv_cache_mb)"));
+  }
   if (static_cast<int64_t>(waiting_.size()) >= options_.max_waiting) {
     return absl::ResourceExhaustedError(
         absl::StrCat("max_waiting: ", options_.max_waiting, " sample requests already wait for the kv cache"));
@@ -83,14 +96,20 @@ absl::StatusOr<int64_t> SamplerEngine::Add(const Adapter* adapter, SampleRequest
   r->adapter = adapter;
   r->request = std::move(request);
   r->worst_blocks = worst;
+  r->worst_states = states;
   r->added = std::chrono::steady_clock::now();
   waiting_.push_back(std::move(r));
   return waiting_.back()->id;
 }
 
 void SamplerEngine::Admit() {
-  while (!waiting_.empty() && reserved_blocks_ + waiting_.front()->worst_blocks <= pool_->total_blocks()) {
+  auto fits = [&](const Request& r) {
+    return reserved_blocks_ + r.worst_blocks <= pool_->total_blocks() &&
+           (r.worst_states == 0 || reserved_states_ + r.worst_states <= options_.max_recurrent_sequences);
+  };
+  while (!waiting_.empty() && fits(*waiting_.front())) {
     reserved_blocks_ += waiting_.front()->worst_blocks;
+    reserved_states_ += waiting_.front()->worst_states;
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
   }
@@ -281,6 +300,7 @@ void SamplerEngine::Finish(Request& r) {
   }
   for (Sample& s : r.samples) r.result.sequences.push_back(std::move(s.out));
   reserved_blocks_ -= r.worst_blocks;
+  reserved_states_ -= r.worst_states;
   finished_[r.id] = std::move(r.result);
 }
 
@@ -485,6 +505,7 @@ void SamplerEngine::Cancel(int64_t id) {
     Release((*it)->prompt);
     for (Sample& s : (*it)->samples) Release(s.kv);
     reserved_blocks_ -= (*it)->worst_blocks;
+    reserved_states_ -= (*it)->worst_states;
     running_.erase(it);
     return;
   }

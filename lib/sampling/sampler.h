@@ -7,8 +7,10 @@
 // budget, so a long prompt does not stall running decodes. A request's prompt is prefilled
 // once; its samples share the prompt's full blocks and copy its last, partial one (prefix
 // sharing). A request is admitted when the blocks it can need at most (its prompt, and each
-// sample's own blocks up to max_tokens) fit beside those of the admitted ones, so a step
-// never runs out of blocks; until then it waits, in arrival order, in a bounded queue.
+// sample's own blocks up to max_tokens) fit beside those of the admitted ones, and for a
+// model with linear-attention layers its sequences' recurrent states fit the states' share
+// of the budget, so a step never runs out of memory; until then it waits, in arrival order,
+// in a bounded queue.
 //
 // Reported per sampled token: its log-prob under the model at temperature 1 with nothing cut
 // (what the trainer computes for it) and under the sampling distribution
@@ -74,6 +76,9 @@ struct SampleResult {
 struct SamplerOptions {
   int64_t max_tokens_per_step = 2048;  // decode tokens plus prefill chunks in one step
   int64_t max_waiting = 1024;          // requests waiting for blocks; beyond, RESOURCE_EXHAUSTED
+  // Models with linear-attention layers: how many sequences may hold a recurrent state at
+  // once (its memory is budgeted beside the blocks: SplitSamplingBudget); 0: no limit.
+  int64_t max_recurrent_sequences = 0;
 };
 
 class SamplerEngine {
@@ -112,6 +117,9 @@ class SamplerEngine {
   void Admit();
   // Blocks `r` can need at most.
   int64_t WorstCaseBlocks(const SampleRequest& r) const;
+  // Recurrent states `r` can hold at once: its prompt's and each sample's copy while they
+  // fork (none for a model without linear-attention layers).
+  int64_t WorstCaseStates(const SampleRequest& r) const;
   // A token to draw for `sample` from row `row` of a forward's logits.
   struct Draw {
     Request* request;
@@ -142,6 +150,7 @@ class SamplerEngine {
   const ModelShard* shard_;
   int64_t next_id_ = 1;
   int64_t reserved_blocks_ = 0;  // the admitted requests' worst cases
+  int64_t reserved_states_ = 0;
   std::deque<std::unique_ptr<Request>> waiting_;
   std::vector<std::unique_ptr<Request>> running_;
   std::map<int64_t, SampleResult> finished_;
