@@ -5,10 +5,10 @@
 #define LORASTEP_BENCH_BENCH_FLAGS_H_
 
 #include <cstdint>
-#include <ctime>
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "bench/bench_stats.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, address, "127.0.0.1:50051", "coordinator host:port");
@@ -23,11 +23,8 @@ namespace lorastep {
 
 // The head of a benchmark's JSON result: the date (UTC) and what the flags record.
 inline nlohmann::ordered_json BenchResultHeader() {
-  std::time_t now = std::time(nullptr);
-  char date[32];
-  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   nlohmann::ordered_json j;
-  j["date"] = date;
+  j["date"] = UtcNowIso();
   j["machine"] = absl::GetFlag(FLAGS_machine);
   j["library_versions"] = absl::GetFlag(FLAGS_versions);
   j["command"] = absl::GetFlag(FLAGS_command);

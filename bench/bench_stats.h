@@ -1,12 +1,14 @@
-// Small helpers the service benchmark clients share: a nearest-rank quantile and the steady
-// clock in nanoseconds (one clock for every process of a host, so several processes' times
-// line up).
+// Small helpers the benchmarks share: a nearest-rank quantile, the steady clock in
+// nanoseconds (one clock for every process of a host, so several processes' times line up)
+// and the date a result file records.
 #ifndef LORASTEP_BENCH_BENCH_STATS_H_
 #define LORASTEP_BENCH_BENCH_STATS_H_
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <ctime>
+#include <string>
 #include <vector>
 
 namespace lorastep {
@@ -21,6 +23,14 @@ inline double Quantile(std::vector<double> v, double q) {
 inline int64_t SteadyNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+// Now, UTC, as "2026-12-06T05:06:55Z" (a result file's date).
+inline std::string UtcNowIso() {
+  const std::time_t now = std::time(nullptr);
+  char date[32];
+  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  return date;
 }
 
 }  // namespace lorastep

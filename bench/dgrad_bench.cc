@@ -22,30 +22,11 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_stats.h"
+#include "bench/device_timing.h"
 #include "lib/model/linear.h"
 #include "nlohmann/json.hpp"
 
-namespace {
-
-void Sync(const at::Device& device) {
-  if (device.is_cuda()) at::zeros({1}, at::TensorOptions().device(device)).item<float>();
-}
-
-double MedianMs(const at::Device& device, int reps, int inner, const std::function<void()>& fn) {
-  for (int i = 0; i < 3; ++i) fn();  // warm-up: handles, workspaces, autotuning
-  std::vector<double> ms;
-  for (int r = 0; r < reps; ++r) {
-    Sync(device);
-    auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < inner; ++i) fn();
-    Sync(device);
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / inner);
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
-}  // namespace
 
 // (Not --v for the vocabulary: glog, which Debian's LibTorch uses, owns FLAGS_v.)
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda");
@@ -73,19 +54,16 @@ int main(int argc, char** argv) {
   at::Tensor strided = at::randn({b, s, v}, options).transpose(0, 1);
   const bool cuda = device.is_cuda();
   const int reps = cuda ? 21 : 5;
-  const double contiguous_ms = MedianMs(device, reps, cuda ? 50 : 2, [&] { at::matmul(contiguous, w); });
+  const double contiguous_ms = lorastep::DeviceMedianMs(device, reps, cuda ? 50 : 2, [&] { at::matmul(contiguous, w); });
   const double flattened_ms =
-      MedianMs(device, reps, cuda ? 50 : 2, [&] { lorastep::LinearInputGrad(strided, w, false); });
-  const double naive_ms = MedianMs(device, reps, cuda ? 3 : 1, [&] { at::matmul(strided, w); });
+      lorastep::DeviceMedianMs(device, reps, cuda ? 50 : 2, [&] { lorastep::LinearInputGrad(strided, w, false); });
+  const double naive_ms = lorastep::DeviceMedianMs(device, reps, cuda ? 3 : 1, [&] { at::matmul(strided, w); });
   // The three must agree (same data through different kernels).
   at::Tensor ref = at::matmul(strided.contiguous(), w).to(at::kFloat);
   const double err_flat = ((lorastep::LinearInputGrad(strided, w, false).to(at::kFloat) - ref).norm() / ref.norm()).item<double>();
 
-  std::time_t now = std::time(nullptr);
-  char date[32];
-  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   nlohmann::ordered_json j;
-  j["date"] = date;
+  j["date"] = lorastep::UtcNowIso();
   j["machine"] = machine;
   j["device"] = device_name;
   j["torch_version"] = TORCH_VERSION;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "bench/bench_stats.h"
 #include "lib/flags_util.h"
 #include "lib/io/digest.h"
 #include "lib/model/adapter.h"
@@ -105,10 +106,7 @@ int main(int argc, char** argv) {
   }
   std::sort(ms.begin(), ms.end());
   const double median = ms[ms.size() / 2];
-  char date[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  nlohmann::json out = {{"date", date},
+  nlohmann::json out = {{"date", lorastep::UtcNowIso()},
                         {"machine", absl::GetFlag(FLAGS_machine)},
                         {"command", absl::GetFlag(FLAGS_command)},
                         {"libtorch", TORCH_VERSION},

@@ -24,6 +24,8 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "bench/bench_stats.h"
+#include "bench/device_timing.h"
 #include "lib/flags_util.h"
 #include "lib/model/gated_delta.h"
 #include "lib/model/lora_config.h"
@@ -43,24 +45,6 @@ ABSL_FLAG(int64_t, reps, 11, "timed repetitions (the median is reported)");
 ABSL_FLAG(std::string, dtype, "bfloat16", "bfloat16 or float32");
 
 namespace {
-
-void Sync(const at::Device& device) {
-  if (device.is_cuda()) at::zeros({1}, at::TensorOptions().device(device)).item<float>();
-}
-
-double MedianMs(const at::Device& device, int reps, const std::function<void()>& fn) {
-  for (int i = 0; i < 2; ++i) fn();  // warm-up: handles, workspaces, allocator
-  std::vector<double> ms;
-  for (int r = 0; r < reps; ++r) {
-    Sync(device);
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    Sync(device);
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
 
 void Backward(const at::Tensor& out, const at::Tensor& input) {
   torch::autograd::grad({out}, {input}, {at::ones_like(out)});
@@ -99,11 +83,11 @@ int main(int argc, char** argv) {
   };
   const at::Tensor input = at::randn({1, tokens, h}, options).requires_grad_(true);
 
-  const double mixer_ms = MedianMs(device, reps, [&] {
+  const double mixer_ms = lorastep::DeviceMedianMs(device, reps, 1, [&] {
     Backward(lorastep::GatedDeltaNetMix(config, own, project, input, lengths, 1e-6), input);
   });
   const at::Tensor mixed = at::randn({1, tokens, config.value_dim()}, options).requires_grad_(true);
-  const double projections_ms = MedianMs(device, reps, [&] {
+  const double projections_ms = lorastep::DeviceMedianMs(device, reps, 1, [&] {
     for (size_t i = 0; i < outs.size(); ++i) {
       const at::Tensor& x = i + 1 == outs.size() ? mixed : input;
       Backward(project(lorastep::kInProjQkv + static_cast<int>(i), x), x);
@@ -117,17 +101,14 @@ int main(int argc, char** argv) {
   const at::Tensor v = rule_input({1, tokens, hv, config.value_head_dim});
   const at::Tensor g = (-at::rand({1, tokens, hv}, options.dtype(at::kFloat)) * 0.1).requires_grad_(true);
   const at::Tensor beta = at::rand({1, tokens, hv}, options).requires_grad_(true);
-  const double rule_ms = MedianMs(device, reps, [&] {
+  const double rule_ms = lorastep::DeviceMedianMs(device, reps, 1, [&] {
     const at::Tensor out = lorastep::PackedGatedDeltaRule(q / q.norm(2, -1, true), k / k.norm(2, -1, true), v, g,
                                                           beta, lengths, lorastep::kGatedDeltaChunk);
     torch::autograd::grad({out}, {q, k, v, g, beta}, {at::ones_like(out)});
   });
 
-  std::time_t now = std::time(nullptr);
-  char date[32];
-  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   nlohmann::ordered_json j;
-  j["date"] = date;
+  j["date"] = lorastep::UtcNowIso();
   j["machine"] = absl::GetFlag(FLAGS_machine);
   j["torch_version"] = TORCH_VERSION;
   j["command"] = absl::GetFlag(FLAGS_command);

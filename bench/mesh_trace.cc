@@ -23,6 +23,7 @@
 #include "clients/cpp/trainer_client.h"
 #include "nlohmann/json.hpp"
 #include "absl/flags/flag.h"
+#include "bench/bench_stats.h"
 #include "lib/flags_util.h"
 
 ABSL_FLAG(std::string, address, "127.0.0.1:50051", "coordinator host:port");
@@ -89,10 +90,7 @@ int Main(int argc, char** argv) {
   const int64_t max_tokens = absl::GetFlag(FLAGS_max_tokens);
 
   nlohmann::ordered_json j;
-  char date[32];
-  std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  j["date"] = date;
+  j["date"] = lorastep::UtcNowIso();
   j["label"] = absl::GetFlag(FLAGS_label);
   j["batch"] = {{"sequences", batch.size()}, {"tokens", batch_tokens}, {"batch_file", absl::GetFlag(FLAGS_batch_file)},
                 {"lora_rank", lora.rank()}, {"expert_lora", lora.expert_lora()},
