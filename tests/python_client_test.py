@@ -28,7 +28,8 @@ def main():
     run = client.create_run(rank=4, alpha=8, seed=3)
     head = client.create_run(rank=4, alpha=8, seed=3, train_unembed=True, train_mlp=False)
     info = [r for r in client.list_runs() if r.run_id == head.run_id]
-    check(len(info) == 1 and info[0].target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"],
+    check(len(info) == 1 and info[0].target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "linear_attn",
+                                                        "lm_head"],
           "train_unembed=True, train_mlp=False: attention and the LM head")
     client.delete_run(head.run_id)
     check(any(r.run_id == run.run_id for r in client.list_runs()), "run listed")

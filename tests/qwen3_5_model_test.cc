@@ -402,6 +402,14 @@ TEST(Qwen35ModelTest, LinearAttentionTargetsNeedSuchLayers) {
   lc.target_modules = {"all-linear"};
   ASSERT_OK_AND_ASSIGN(Adapter dense, Adapter::CreateLora(ModelConfigPreset("tiny").value(), lc, at::kCPU, at::kFloat, 1));
   EXPECT_EQ(dense.parameters().size(), 2u * 2 * 7);  // all-linear on Qwen2: its seven linears only
+  // Tinker's train_attn: the token mixer of every layer, the group linear_attn included.
+  lc.target_modules = TargetsFromSwitches(true, false, false).value();
+  ASSERT_OK_AND_ASSIGN(Adapter attention, Adapter::CreateLora(ModelConfigPreset("tiny").value(), lc, at::kCPU,
+                                                              at::kFloat, 1));
+  EXPECT_EQ(attention.parameters().size(), 2u * 2 * 4);  // q/k/v/o of both layers
+  ASSERT_OK_AND_ASSIGN(Adapter hybrid, Adapter::CreateLora(ModelConfigPreset("tiny-qwen3.5").value(), lc, at::kCPU,
+                                                           at::kFloat, 1));
+  EXPECT_EQ(hybrid.parameters().size(), 2u * (5 + 4));  // layer 0's DeltaNet projections, layer 1's q/k/v/o
 }
 
 

@@ -13,6 +13,10 @@ constexpr const char* kSlotNames[kNumLinearSlots] = {
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
     "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"};
 constexpr const char* kHeadName = "lm_head";
+// The Gated DeltaNet projections of a model's linear-attention layers, where it has them (a
+// group like all-linear: nothing on a model without such layers). Tinker's train_attn uses
+// it, so that attention means every layer's token mixer.
+constexpr const char* kLinearAttentionGroup = "linear_attn";
 constexpr const char* kSlotPaths[kNumLinearSlots] = {
     "self_attn.q_proj",      "self_attn.k_proj",    "self_attn.v_proj",    "self_attn.o_proj",
     "mlp.gate_proj",         "mlp.up_proj",         "mlp.down_proj",       "linear_attn.in_proj_qkv",
@@ -34,6 +38,10 @@ absl::StatusOr<std::array<bool, kNumLinearSlots>> ResolveLoraTargets(const LoraC
       targeted.fill(true);
       continue;
     }
+    if (name == kLinearAttentionGroup) {
+      for (int s = kInProjQkv; s < kNumLinearSlots; ++s) targeted[s] = true;
+      continue;
+    }
     if (name == "gate_up_proj") {  // gpt-oss's fused expert projection: gate_proj and up_proj
       targeted[kGateProj] = targeted[kUpProj] = true;
       continue;
@@ -46,7 +54,7 @@ absl::StatusOr<std::array<bool, kNumLinearSlots>> ResolveLoraTargets(const LoraC
       return absl::InvalidArgumentError(
           absl::StrCat("lora.target_modules[", i, "]: unknown module '", name,
                        "' (expected all-linear, q/k/v/o/gate/up/down_proj, gate_up_proj, "
-                       "in_proj_qkv/z/b/a, out_proj or lm_head)"));
+                       "in_proj_qkv/z/b/a, out_proj, linear_attn or lm_head)"));
     }
   }
   return targeted;
@@ -74,7 +82,7 @@ absl::StatusOr<std::vector<std::string>> LoraTargetModuleNames(const LoraConfig&
 absl::StatusOr<std::vector<std::string>> TargetsFromSwitches(bool train_attn, bool train_mlp,
                                                              bool train_unembed) {
   std::vector<std::string> names;
-  if (train_attn) names.insert(names.end(), {"q_proj", "k_proj", "v_proj", "o_proj"});
+  if (train_attn) names.insert(names.end(), {"q_proj", "k_proj", "v_proj", "o_proj", kLinearAttentionGroup});
   if (train_mlp) names.insert(names.end(), {"gate_proj", "up_proj", "down_proj"});
   if (train_unembed) names.push_back(kHeadName);
   if (names.empty()) {
@@ -88,14 +96,22 @@ std::optional<TinkerSwitches> SwitchesFromTargets(const std::vector<std::string>
   const std::set<std::string> attn = {"q_proj", "k_proj", "v_proj", "o_proj"};
   const std::set<std::string> mlp = {"gate_proj", "up_proj", "down_proj"};
   std::set<std::string> names;
+  bool linear = false;  // the linear-attention projections, as the group or all five by name
   for (const std::string& name : target_modules) {
     if (name == "all-linear") {
       names.insert(attn.begin(), attn.end());
       names.insert(mlp.begin(), mlp.end());
+      linear = true;
+    } else if (name == kLinearAttentionGroup) {
+      linear = true;
     } else {
       names.insert(name);
     }
   }
+  int named_linear = 0;
+  for (int s = kInProjQkv; s < kNumLinearSlots; ++s) named_linear += names.erase(kSlotNames[s]) > 0 ? 1 : 0;
+  if (named_linear != 0 && named_linear != kNumLinearSlots - kInProjQkv) return std::nullopt;  // some of them
+  linear = linear || named_linear > 0;
   auto all_in = [&](const std::set<std::string>& group) {
     return std::all_of(group.begin(), group.end(), [&](const std::string& n) { return names.count(n) > 0; });
   };
@@ -109,6 +125,7 @@ std::optional<TinkerSwitches> SwitchesFromTargets(const std::vector<std::string>
   s.train_unembed = names.count(kHeadName) > 0;
   const size_t expected = (s.train_attn ? attn.size() : 0) + (s.train_mlp ? mlp.size() : 0) + (s.train_unembed ? 1 : 0);
   if (names.size() != expected || expected == 0) return std::nullopt;  // a name outside the groups
+  if (linear && !s.train_attn) return std::nullopt;                     // a token mixer without attention
   return s;
 }
 

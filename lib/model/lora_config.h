@@ -65,13 +65,16 @@ absl::StatusOr<std::vector<std::string>> LoraTargetModuleNames(const LoraConfig&
                                                                bool linear_attention = false);
 
 // Tinker's switches (train_attn, train_mlp, train_unembed) as target modules: attention is
-// q/k/v/o_proj, the MLP gate/up/down_proj (a MoE layer's experts), the unembedding lm_head.
+// every layer's token mixer, q/k/v/o_proj and the group linear_attn (the Gated DeltaNet
+// projections where the model has them), the MLP gate/up/down_proj (a MoE layer's experts),
+// the unembedding lm_head.
 // INVALID_ARGUMENT naming the field when nothing would be trained.
 absl::StatusOr<std::vector<std::string>> TargetsFromSwitches(bool train_attn, bool train_mlp,
                                                              bool train_unembed);
 
 // The inverse, for a run's or checkpoint's resolved target modules: the switches when the
-// targets are exactly a union of those groups ("all-linear" is attention and the MLP), else
+// targets are exactly a union of those groups ("all-linear" is attention and the MLP; the
+// linear-attention projections, by group or all five by name, belong to attention), else
 // nullopt (targets Tinker's switches cannot express, such as q_proj alone).
 struct TinkerSwitches {
   bool train_attn = false, train_mlp = false, train_unembed = false;
