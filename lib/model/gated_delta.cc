@@ -266,27 +266,62 @@ std::array<at::Tensor, 3> SplitQkv(const LinearAttentionConfig& config, const at
 }
 
 // The rule over each packed sequence continuing from its state in `states` (the convolution
-// first, over its history and the new rows), leaving the new state there. A decoding
-// sequence (one new token) takes the token-by-token form: one state update, no solve.
+// first, over its history and the new rows), leaving the new state there. Decoding
+// sequences (one new token each) run together as one batch of the token-by-token form: one
+// state update each, no solve, and a handful of kernels for all of them; longer ones (prompt
+// chunks) one at a time through the chunked form.
 at::Tensor ContinuedRule(const LinearAttentionConfig& config, const at::Tensor& qkv, const at::Tensor& conv_weight,
                          const at::Tensor& g, const at::Tensor& beta, const std::vector<int64_t>& lengths,
                          RecurrentStates* states, int64_t layer) {
-  const int64_t history = conv_weight.size(1) - 1;
-  std::vector<at::Tensor> outs;
+  const int64_t history = conv_weight.size(1) - 1, channels = qkv.size(2);
+  std::vector<at::Tensor> outs(lengths.size());
+  std::vector<int64_t> starts;
   int64_t start = 0;
+  for (int64_t n : lengths) starts.push_back(start), start += n;
+  std::vector<size_t> decoding;
   for (size_t j = 0; j < lengths.size(); ++j) {
     const int64_t n = lengths[j];
+    if (n == 1) {
+      decoding.push_back(j);
+      continue;
+    }
     auto [past, state] = states->Get(layer, j);
-    if (!past.defined()) past = at::zeros({history, qkv.size(2)}, qkv.options());
-    const at::Tensor rows = at::cat({past.unsqueeze(0), qkv.narrow(1, start, n)}, 1);  // [1, K - 1 + n, C]
+    if (!past.defined()) past = at::zeros({history, channels}, qkv.options());
+    const at::Tensor rows = at::cat({past.unsqueeze(0), qkv.narrow(1, starts[j], n)}, 1);  // [1, K - 1 + n, C]
     const auto [q, k, v] = SplitQkv(config, CausalConv1dSilu(rows, conv_weight).narrow(1, history, n));
-    const at::Tensor gj = g.narrow(1, start, n), betaj = beta.narrow(1, start, n);
     const at::Tensor from = state.defined() ? state.unsqueeze(0) : at::Tensor();
-    auto [out, next] = n == 1 ? GatedDeltaRuleStep(q, k, v, gj, betaj, from)
-                              : GatedDeltaRule(q, k, v, gj, betaj, kGatedDeltaChunk, from);
+    auto [out, next] = GatedDeltaRule(q, k, v, g.narrow(1, starts[j], n), beta.narrow(1, starts[j], n),
+                                      kGatedDeltaChunk, from);
     states->Set(layer, j, rows.narrow(1, rows.size(1) - history, history)[0].clone(), next[0]);
-    outs.push_back(out);
-    start += n;
+    outs[j] = out;
+  }
+  if (!decoding.empty()) {
+    std::vector<at::Tensor> pasts, froms;
+    std::vector<int64_t> rows_of;
+    at::Tensor fresh_state;  // a sequence's first token: zeros
+    for (size_t j : decoding) {
+      auto [past, state] = states->Get(layer, j);
+      pasts.push_back(past.defined() ? past : at::zeros({history, channels}, qkv.options()));
+      if (!state.defined()) {
+        if (!fresh_state.defined()) {
+          fresh_state = at::zeros({config.num_value_heads, config.key_head_dim, config.value_head_dim},
+                                  qkv.options().dtype(g.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
+        }
+        state = fresh_state;
+      }
+      froms.push_back(state);
+      rows_of.push_back(starts[j]);
+    }
+    const at::Tensor index = at::tensor(rows_of, at::kLong).to(qkv.device());
+    auto tokens = [&](const at::Tensor& x) { return x[0].index_select(0, index).unsqueeze(1); };  // [N, 1, ...]
+    const at::Tensor rows = at::cat({at::stack(pasts), tokens(qkv)}, 1);                       // [N, K, C]
+    const auto [q, k, v] = SplitQkv(config, CausalConv1dSilu(rows, conv_weight).narrow(1, history, 1));
+    auto [out, next] = GatedDeltaRuleStep(q, k, v, tokens(g), tokens(beta), at::stack(froms));
+    for (size_t i = 0; i < decoding.size(); ++i) {
+      const int64_t row = static_cast<int64_t>(i);
+      states->Set(layer, decoding[i], rows[row].narrow(0, 1, history).clone(), next[row]);
+      outs[decoding[i]] = out.narrow(0, row, 1);
+    }
   }
   return at::cat(outs, 1);
 }
