@@ -440,6 +440,52 @@ TEST_F(MeshTest, Qwen3AndLlamaOnTensorAndPipelineRanksEqualWorldOne) {
   }
 }
 
+// Full fine-tuning over tensor ranks of families with per-head norms shared by every head
+// (Qwen3's q/k norms): each rank's heads give part of the norm's gradient.
+TEST_F(MeshTest, FullFinetuneOfQwen3OnTensorRanksEqualsWorldOne) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
+  Coordinator one = Start({}, "tiny-qwen3");
+  const Trace want = Train(one, 0, "qwen3 full w1");
+  Coordinator tp = Start({"--tp", "2"}, "tiny-qwen3");
+  ExpectSame(Train(tp, 0, "qwen3 full tp2"), want, "qwen3 tp2 full fine-tuning");
+}
+
+// Qwen3.5 fully fine-tuned over tensor ranks: in_proj_qkv's and the convolution's q, k and v
+// rows cut per rank (grouped splits), out_proj row-parallel, A_log / dt_bias / z / b / a by
+// value heads, the gated norm and the attention's q/k norms partial per rank.
+TEST_F(MeshTest, FullFinetuneOfQwen35OnTensorRanksEqualsWorldOne) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
+  Coordinator one = Start({}, "tiny-qwen3.5");
+  const Trace want = Train(one, 0, "qwen3.5 full w1");
+  Coordinator tp = Start({"--tp", "2"}, "tiny-qwen3.5");
+  ExpectSame(Train(tp, 0, "qwen3.5 full tp2"), want, "qwen3.5 tp2 full fine-tuning");
+  // Its state saved on the tensor ranks (the grouped splits joined) loads at world size 1,
+  // and the reverse: each continues as the other.
+  v1::LoraConfig full;
+  full.set_rank(0);
+  ASSERT_OK_AND_ASSIGN(RunSession mesh_run, RunSession::Create(tp.client.get(), full, 5));
+  ASSERT_OK(mesh_run.TrainStep(Batch(0), Ppo(), Adam()).status());
+  v1::SaveStateRequest save;
+  save.set_run_id(mesh_run.run_id());
+  save.set_path(*dir_ + "/qwen35_full_tp2");
+  ASSERT_OK(tp.client->SaveState(save).status());
+  ASSERT_OK_AND_ASSIGN(RunSession single, RunSession::Create(one.client.get(), full, 99));
+  ASSERT_OK(single.LoadState(save.path()).status());
+  save.set_run_id(single.run_id());
+  save.set_path(*dir_ + "/qwen35_full_w1");
+  ASSERT_OK(one.client->SaveState(save).status());
+  ASSERT_OK_AND_ASSIGN(RunSession back, RunSession::Create(tp.client.get(), full, 77));
+  ASSERT_OK(back.LoadState(save.path()).status());
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse a, mesh_run.TrainStep(Batch(1), Ppo(), Adam()));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse b, single.TrainStep(Batch(1), Ppo(), Adam()));
+  ASSERT_OK_AND_ASSIGN(v1::StepResponse c, back.TrainStep(Batch(1), Ppo(), Adam()));
+  EXPECT_TRUE(a.replicas_equal() && c.replicas_equal());
+  for (const v1::StepResponse* r : {&b, &c}) {
+    EXPECT_LT(RelErr(r->metrics().at("loss:sum"), a.metrics().at("loss:sum")), kRelTol);
+    EXPECT_LT(RelErr(r->metrics().at("grad_norm:sum"), a.metrics().at("grad_norm:sum")), kRelTol);
+  }
+}
+
 // Activation recomputation replays each layer's tensor-parallel collectives in backward and
 // keeps each pipeline stage's layer inputs: TP2 x PP2 with every layer recomputed equals world
 // size 1 without recomputation.
@@ -1018,7 +1064,6 @@ TEST_F(MeshTest, SlidingWindowAndSinksOnContextRanksEqualWorldOne) {
 // Qwen3.5: its Gated DeltaNet layer on the first pipeline stage, its gated attention on the
 // second, over two data replicas; and over two tensor ranks (the DeltaNet's key and value heads
 // split, in_proj_qkv's q, k and v rows each cut, out_proj row-parallel): equal world size 1.
-// Full fine-tuning over tensor ranks is refused by name.
 TEST_F(MeshTest, Qwen35OnTensorPipelineAndDataRanksEqualsWorldOne) {
   if (!Fits(4)) GTEST_SKIP() << "needs 4 GPUs";
   Coordinator one = Start({}, "tiny-qwen3.5");
@@ -1027,10 +1072,6 @@ TEST_F(MeshTest, Qwen35OnTensorPipelineAndDataRanksEqualsWorldOne) {
   ExpectSame(Train(mesh, 4, "qwen3.5 pp2 x dp2"), want, "qwen3.5 pp2 x dp2");
   Coordinator tp = Start({"--tp", "2", "--pp", "2"}, "tiny-qwen3.5");
   ExpectSame(Train(tp, 4, "qwen3.5 tp2 x pp2"), want, "qwen3.5 tp2 x pp2");
-  v1::LoraConfig full;
-  full.set_rank(0);
-  EXPECT_THAT(RunSession::Create(tp.client.get(), full, 1).status(),
-              StatusIs(absl::StatusCode::kUnimplemented, "linear-attention layers over tensor ranks"));
 }
 
 // Qwen3.5-MoE: its experts over two expert ranks (two data replicas), and with two tensor

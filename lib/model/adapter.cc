@@ -197,7 +197,7 @@ absl::Status Adapter::AddExpertLora(
 }
 
 Adapter Adapter::CreateFullFinetune(const ModelWeights& base, const ModelShard* shard,
-                                    bool tied_embeddings) {
+                                    bool tied_embeddings, const ModelConfig* config) {
   Adapter adapter;
   adapter.lora_.rank = 0;
   adapter.full_weights_ = base;
@@ -217,13 +217,25 @@ Adapter Adapter::CreateFullFinetune(const ModelWeights& base, const ModelShard* 
     t = t.detach().clone().requires_grad_(true);
     Parameter p{name, t, {}};
     const bool kv = absl::StrContains(name, "k_proj.") || absl::StrContains(name, "v_proj.");
-    if (absl::EndsWith(name, "norm.weight")) {
+    const bool per_head_norm = absl::EndsWith(name, "q_norm.weight") || absl::EndsWith(name, "k_norm.weight") ||
+                               absl::EndsWith(name, "linear_attn.norm.weight");
+    if (per_head_norm) {
+      p.role = kReplicatedPartial;  // applied to each of this rank's heads: part of the gradient
+    } else if (absl::EndsWith(name, "norm.weight")) {
       p.role = kReplicatedFull;  // same input and upstream gradient on every tensor rank
     } else if (kv && shard != nullptr && shard->kv_replicated) {
       p.role = kReplicatedPartial;  // whole k/v on every rank; each uses one head's part
     } else {
-      const bool row_parallel = absl::StrContains(name, "o_proj.weight") || absl::StrContains(name, "down_proj.weight");
+      const bool row_parallel = absl::StrContains(name, "o_proj.weight") ||
+                                absl::StrContains(name, "down_proj.weight") ||
+                                absl::StrContains(name, "linear_attn.out_proj.weight");
       p.split_dim = row_parallel ? 1 : 0;
+      // in_proj_qkv's rows and the convolution's channels: q, k and v each cut per rank.
+      if (config != nullptr && (absl::StrContains(name, "linear_attn.in_proj_qkv.weight") ||
+                                absl::StrContains(name, "linear_attn.conv1d.weight"))) {
+        const LinearAttentionConfig& la = config->linear_attention;
+        p.split_groups = {la.key_dim(), la.key_dim(), la.value_dim()};
+      }
     }
     if (staged && tied_embeddings && name == "model.embed_tokens.weight") {
       p.tied_across_stages = true;

@@ -116,9 +116,12 @@ class Adapter {
                                             uint64_t seed, const ModelShard* shard = nullptr);
   // rank 0: a trainable copy of every base tensor this rank's stage uses (of its shard of
   // the base): its layers; the embedding on the first stage; the final norm and LM head on
-  // the last (a tied embedding there too). Norm weights are kReplicatedFull; the rest kSplit.
+  // the last (a tied embedding there too). Norms over the hidden size are kReplicatedFull;
+  // per-head norms shared by every head (q/k norms, the Gated DeltaNet's gated norm) are
+  // kReplicatedPartial, as each tensor rank's heads give part of their gradient; the rest
+  // kSplit as the shard cut it (`config`: the model, for the Gated DeltaNet's grouped splits).
   static Adapter CreateFullFinetune(const ModelWeights& base, const ModelShard* shard = nullptr,
-                                    bool tied_embeddings = false);
+                                    bool tied_embeddings = false, const ModelConfig* config = nullptr);
 
   const LoraConfig& lora_config() const { return lora_; }
   bool full_finetune() const { return lora_.full_finetune(); }

@@ -161,14 +161,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(std::shared_ptr<const B
     if (options.lora.full_finetune() && base->config.is_moe()) {
     return absl::UnimplementedError("lora.rank: full fine-tuning of a MoE model is not built yet");
   }
-  if (options.lora.full_finetune() && base->config.HasLinearAttention() && base->shard.tp > 1) {
-    return absl::UnimplementedError(
-        "lora.rank: full fine-tuning of a model with linear-attention layers over tensor ranks is not built yet "
-        "(use tp 1)");
-  }
   if (options.lora.full_finetune()) {
       adapter = Adapter::CreateFullFinetune(base->weights, &base->shard,
-                                            base->config.tie_word_embeddings);
+                                            base->config.tie_word_embeddings, &base->config);
     } else {
       LORASTEP_ASSIGN_OR_RETURN(adapter, Adapter::CreateLora(base->config, options.lora,
                                                              base->device, base->dtype,
