@@ -136,24 +136,31 @@ inline bool HasVarlenAttention(const at::Tensor& q) {
 // log-sum-exp (fp32) and the kernel's random-number state (unused without dropout).
 // With these, VarlenCausalAttentionBackward gives the input gradients without a second
 // forward (selective activation recomputation keeps them instead of replaying attention).
+// `window` > 0: each query sees itself and the window - 1 keys before it (a sliding layer,
+// CausalMask's rule), and the kernel skips the blocks outside the window.
 struct VarlenAttentionSaved {
   at::Tensor out, logsumexp, rng_state, rng_unused;
+  int64_t window = 0;
 };
 inline VarlenAttentionSaved VarlenCausalAttentionSaved(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                       const at::Tensor& cu_seqlens, int64_t max_length) {
+                                                       const at::Tensor& cu_seqlens, int64_t max_length,
+                                                       int64_t window = 0) {
 #if LORASTEP_TORCH_AT_LEAST(2, 5)
+  const c10::optional<int64_t> left = window > 0 ? c10::optional<int64_t>(window - 1) : c10::nullopt;
+  const c10::optional<int64_t> right = window > 0 ? c10::optional<int64_t>(0) : c10::nullopt;
   auto r = at::_flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, /*dropout_p=*/0.0,
-                                        /*is_causal=*/true, /*return_debug_mask=*/false);
-  return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)};
+                                        /*is_causal=*/true, /*return_debug_mask=*/false, /*scale=*/c10::nullopt,
+                                        left, right);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r), window};
 #else
-  (void)q, (void)k, (void)v, (void)cu_seqlens, (void)max_length;
+  (void)q, (void)k, (void)v, (void)cu_seqlens, (void)max_length, (void)window;
   return {};
 #endif
 }
 // Its output only.
 inline at::Tensor VarlenCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                        const at::Tensor& cu_seqlens, int64_t max_length) {
-  return VarlenCausalAttentionSaved(q, k, v, cu_seqlens, max_length).out;
+                                        const at::Tensor& cu_seqlens, int64_t max_length, int64_t window = 0) {
+  return VarlenCausalAttentionSaved(q, k, v, cu_seqlens, max_length, window).out;
 }
 
 // (dq, dk, dv) of VarlenCausalAttentionSaved's output for its gradient `grad_out`.
@@ -161,9 +168,12 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> VarlenCausalAttentionBackw
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const VarlenAttentionSaved& saved, const at::Tensor& cu_seqlens, int64_t max_length) {
 #if LORASTEP_TORCH_AT_LEAST(2, 5)
+  const int64_t window = saved.window;
+  const c10::optional<int64_t> left = window > 0 ? c10::optional<int64_t>(window - 1) : c10::nullopt;
+  const c10::optional<int64_t> right = window > 0 ? c10::optional<int64_t>(0) : c10::nullopt;
   return at::_flash_attention_backward(grad_out.contiguous(), q, k, v, saved.out, saved.logsumexp, cu_seqlens,
                                        cu_seqlens, max_length, max_length, /*dropout_p=*/0.0, /*is_causal=*/true,
-                                       saved.rng_state, saved.rng_unused);
+                                       saved.rng_state, saved.rng_unused, /*scale=*/c10::nullopt, left, right);
 #else
   (void)grad_out, (void)q, (void)k, (void)v, (void)saved, (void)cu_seqlens, (void)max_length;
   return {};

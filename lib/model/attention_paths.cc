@@ -72,8 +72,8 @@ at::Tensor PackedAttention(const at::Tensor& q, const at::Tensor& k, const at::T
       return compat::CausalAttention(qr, kr, vr).transpose(1, 2).reshape({1, total, width});
     }
   }
-  if (plain && compat::HasVarlenAttention(q)) {
-    return compat::VarlenCausalAttention(q[0], k[0], v[0].contiguous(), packed.cu_seqlens, packed.max_length)
+  if (!sinks.defined() && compat::HasVarlenAttention(q)) {  // a sliding window skips the blocks outside it
+    return compat::VarlenCausalAttention(q[0], k[0], v[0].contiguous(), packed.cu_seqlens, packed.max_length, window)
         .reshape({1, total, width});
   }
   std::vector<at::Tensor> parts;

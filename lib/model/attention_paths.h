@@ -40,8 +40,9 @@ at::Tensor KeptAttentionOutput(const at::Tensor& q, const at::Tensor& k, const a
 // Causal attention of packed sequences: q [1, total, heads, d], k/v [1, total, kv, d] ->
 // [1, total, heads * d]. Sequences all of one length run as padded rows without padding
 // where SDPA picks cuDNN's kernel for them (faster than the flash kernels at head dim 128:
-// docs/PERFORMANCE.md); else one varlen kernel where available, else each sequence alone.
-// `window` > 0 (a sliding layer's) or attention sinks: each sequence alone through its mask.
+// docs/PERFORMANCE.md); else one varlen kernel where available (a sliding layer's `window` >
+// 0 too, its masked blocks skipped), else each sequence alone. Attention sinks, or a window
+// without the varlen kernel: each sequence alone through its mask.
 at::Tensor PackedAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const PackedSequences& packed, int64_t window, const at::Tensor& sinks);
 

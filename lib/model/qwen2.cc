@@ -208,8 +208,9 @@ class LayerRunner {
   // through KeptAttentionFunction. The packed layout's flash kernel and cuDNN's kernel on
   // padded rows (where SDPA picks it) keep their statistics, and backward runs from them;
   // elsewhere backward runs attention again.
-  // `window` > 0: a sliding-window layer (ModelConfig::AttentionWindow), and `sinks` (this
-  // rank's heads' sink logits, gpt-oss) where defined, through an explicit mask on every path
+  // `window` > 0: a sliding-window layer (ModelConfig::AttentionWindow): through the varlen
+  // kernel's window on packed rows where it runs, else an explicit mask; `sinks` (this rank's
+  // heads' sink logits, gpt-oss) where defined, through an explicit mask on every path
   // (context parallelism's included).
   at::Tensor Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window,
                     const at::Tensor& sinks) const {
@@ -231,13 +232,14 @@ class LayerRunner {
     const auto kept_output = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
       return KeptAttentionOutput(q, k, v, kept);
     };
-    // A windowed layer or one with sinks keeps no kernel statistics: its attention is replayed whole.
-    if (plain && packed != nullptr && packed->context_group == nullptr && compat::HasVarlenAttention(q)) {
+    // A layer with sinks, or a windowed one off the varlen kernel, keeps no kernel statistics:
+    // its attention is replayed whole.
+    if (!sinks.defined() && packed != nullptr && packed->context_group == nullptr && compat::HasVarlenAttention(q)) {
       const at::Tensor q0 = q[0], k0 = k[0], v0 = v[0].contiguous();
       if (!replay) {
         kept->kernel = KeptAttention::Kernel::kFlash;
         kept->cu_seqlens = packed->cu_seqlens, kept->max_length = packed->max_length;
-        kept->flash = compat::VarlenCausalAttentionSaved(q0, k0, v0, packed->cu_seqlens, packed->max_length);
+        kept->flash = compat::VarlenCausalAttentionSaved(q0, k0, v0, packed->cu_seqlens, packed->max_length, window);
         kept->out = kept->flash.out;
       }
       return (replay ? kept_output(q0, k0, v0) : kept->out).reshape({1, s, width});
