@@ -1074,6 +1074,21 @@ TEST_F(MeshTest, Qwen35OnTensorPipelineAndDataRanksEqualsWorldOne) {
   ExpectSame(Train(tp, 4, "qwen3.5 tp2 x pp2"), want, "qwen3.5 tp2 x pp2");
 }
 
+// Qwen3.5 on two context ranks: each holds half of every sequence's tokens (load-balanced
+// chunks), its Gated DeltaNet layers run the rule over the whole row gathered from both and
+// keep their own tokens' outputs, its attention layers attend across the split: LoRA and full
+// fine-tuning equal world size 1.
+TEST_F(MeshTest, Qwen35OnContextRanksEqualsWorldOne) {
+  if (!Fits(2)) GTEST_SKIP() << "needs 2 GPUs";
+  Coordinator one = Start({}, "tiny-qwen3.5");
+  Coordinator cp = Start({"--cp", "2"}, "tiny-qwen3.5");
+  for (const int64_t rank : {4, 0}) {
+    const std::string what = rank > 0 ? "qwen3.5 cp2 lora" : "qwen3.5 cp2 full";
+    const Trace want = Train(one, rank, what + " w1");
+    ExpectSame(Train(cp, rank, what), want, what);
+  }
+}
+
 // Qwen3.5-MoE: its experts over two expert ranks (two data replicas), and with two tensor
 // ranks besides, equal world size 1.
 TEST_F(MeshTest, Qwen35MoeOnExpertRanksEqualsWorldOne) {

@@ -222,7 +222,7 @@ TEST(Qwen35ModelTest, ConfigReadsTransformersKeys) {
               StatusIs(absl::StatusCode::kInvalidArgument, "tp: 32 does not divide linear_num_key_heads 16"));
   ParallelSizes cp2;
   cp2.cp = 2;
-  EXPECT_THAT(ValidateLayoutForModel(cp2, c), StatusIs(absl::StatusCode::kInvalidArgument, "cp: 2"));
+  EXPECT_TRUE(ValidateLayoutForModel(cp2, c).ok());  // context ranks gather the row for the rule
   EXPECT_TRUE(ValidateLayoutForModel({1, 2, 2}, c).ok());  // pipeline and data parallelism
 }
 
@@ -433,6 +433,14 @@ TEST(Qwen35ModelTest, ActivationEstimateCountsTheLinearAttentionLayers) {
   stage.layer_begin = 3;
   stage.layer_end = 4;
   EXPECT_EQ(estimate(c, stage, LayerRecompute::kNone), estimate(all_attention, stage, LayerRecompute::kNone));
+  // Two context ranks of 2,048 tokens each: the rule's intermediates are the whole row's, and
+  // each linear layer keeps the gathered convolution, gates and rule output on top.
+  ModelShard context = whole;
+  context.cp = 2;
+  const double half = EstimateActivationBytes(c, whole, 4, 512, true, 2, 1024, LayerRecompute::kNone);
+  const double half_attention = EstimateActivationBytes(all_attention, whole, 4, 512, true, 2, 1024, LayerRecompute::kNone);
+  EXPECT_NEAR(EstimateActivationBytes(c, context, 4, 512, true, 2, 1024, LayerRecompute::kNone) - half_attention,
+              (half - half_attention) + 2048.0 * 32 * 2624 * 4 + 24.0 * 2048 * (2 * 8192 + 4096 + 64) * 2, 1.0);
   // Recomputation keeps one layer's worth.
   EXPECT_LT(estimate(c, whole, LayerRecompute::kFull), hybrid / 4);
   EXPECT_GT(estimate(c, whole, LayerRecompute::kFull), estimate(all_attention, whole, LayerRecompute::kFull));

@@ -331,7 +331,7 @@ at::Tensor ContinuedRule(const LinearAttentionConfig& config, const at::Tensor& 
 at::Tensor GatedDeltaNetMix(const LinearAttentionConfig& config, const GatedDeltaWeights& weights,
                             const std::function<at::Tensor(int, const at::Tensor&)>& project, const at::Tensor& h,
                             const std::vector<int64_t>& lengths, double eps, RecurrentStates* states,
-                            int64_t layer) {
+                            int64_t layer, const ContextRows* context) {
   const int64_t b = h.size(0), s = h.size(1), dv = config.value_head_dim;
   const at::Tensor qkv = project(kInProjQkv, h);
   auto [g, beta] = GatedDeltaGates(project(kInProjA, h), project(kInProjB, h), weights.a_log, weights.dt_bias);
@@ -340,13 +340,19 @@ at::Tensor GatedDeltaNetMix(const LinearAttentionConfig& config, const GatedDelt
     TORCH_CHECK(b == 1 && !lengths.empty(), "gated delta net: states need packed sequences");
     out = ContinuedRule(config, qkv, weights.conv1d.squeeze(1), g, beta, lengths, states, layer);
   } else {
-    // Packed sequences run as one batch (PackedBatch): conv, split and rule on [n, longest, ..].
+    TORCH_CHECK(context == nullptr || !lengths.empty(), "gated delta net: context parallelism needs packed sequences");
+    // Packed sequences run as one batch (PackedBatch): conv, split and rule on [n, longest, ..],
+    // over the whole row when this rank holds part of it (context).
     const std::optional<PackedBatch> batch =
         lengths.empty() ? std::nullopt : std::make_optional<PackedBatch>(lengths, h.device());
-    auto batched = [&](const at::Tensor& x) { return batch ? batch->Batch(x) : x; };
+    auto batched = [&](const at::Tensor& x) {
+      const at::Tensor row = context != nullptr ? context->whole(x) : x;
+      return batch ? batch->Batch(row) : row;
+    };
     const auto [q, k, v] = SplitQkv(config, CausalConv1dSilu(batched(qkv), weights.conv1d.squeeze(1)));
     out = TrainedRule(q, k, v, batched(g), batched(beta));
     if (batch) out = batch->Unbatch(out);
+    if (context != nullptr) out = out.index_select(1, context->own);
   }
   const at::Tensor z = project(kInProjZ, h);
   const at::Tensor normed = GatedRmsNorm(out.reshape({-1, dv}), z.reshape({-1, dv}), weights.norm, eps);

@@ -78,6 +78,15 @@ class RecurrentStates {
   virtual void Set(int64_t layer, size_t index, at::Tensor history, at::Tensor state) = 0;
 };
 
+// Context parallelism: this rank holds some tokens of the packed row. `whole` turns a
+// per-token tensor of its tokens [1, t, ...] into the whole row's [1, total, ...] (every
+// rank's tokens gathered, differentiable: its backward sums the ranks' gradients), `own`
+// (int64 [t]) is its tokens' positions in the whole row.
+struct ContextRows {
+  std::function<at::Tensor(const at::Tensor&)> whole;
+  at::Tensor own;
+};
+
 // Chunk length of the rule in training and Forward (transformers' default).
 inline constexpr int64_t kGatedDeltaChunk = 64;
 
@@ -86,10 +95,13 @@ inline constexpr int64_t kGatedDeltaChunk = 64;
 // q/k/v through the convolution, the gates from a and b, the rule, the gated norm with z, then
 // out_proj. `lengths` (non-empty: b = 1, sequences packed back to back): each restarts, or
 // with `states` continues from its state at decoder layer `layer` and leaves the new one there.
+// `context` (h holds this rank's tokens; `lengths` are the whole sequences'): the projections
+// and the gated norm run on this rank's tokens, the convolution and the rule over the whole
+// row gathered from every rank (each rank computes it, and keeps its tokens' outputs).
 at::Tensor GatedDeltaNetMix(const LinearAttentionConfig& config, const GatedDeltaWeights& weights,
                             const std::function<at::Tensor(int, const at::Tensor&)>& project, const at::Tensor& h,
                             const std::vector<int64_t>& lengths, double eps, RecurrentStates* states = nullptr,
-                            int64_t layer = 0);
+                            int64_t layer = 0, const ContextRows* context = nullptr);
 
 }  // namespace lorastep
 

@@ -338,14 +338,23 @@ class LayerRunner {
   at::Tensor NormWeight(const at::Tensor& w) const { return NormWeightOf(c_, w); }
 
   // Qwen3.5's Gated DeltaNet over the normed input h [b, s, H] (GatedDeltaNetMix), its
-  // projections through Project (LoRA included); each packed sequence from a zero state.
+  // projections through Project (LoRA included); each packed sequence from a zero state; on
+  // context ranks the rule over the whole row gathered from the group.
   at::Tensor LinearAttention(size_t i, const at::Tensor& h) const {
     const LayerWeights& lw = weights_.layers[i];
     TORCH_CHECK(options_.cached_attention == nullptr || options_.recurrent_states != nullptr,
                 "cached attention without the linear-attention layers' recurrent states");
     const PackedSequences* packed = options_.packed;
-    TORCH_CHECK(packed == nullptr || packed->context_group == nullptr,
-                "context parallelism over linear-attention layers is not built");
+    std::optional<ContextRows> context;  // this rank holds part of the row: the rule sees it whole
+    if (packed != nullptr && packed->context_group != nullptr) {
+      context.emplace();
+      context->whole = [packed](const at::Tensor& x) {
+        return GatherContextRows(x[0], packed->context_group, packed->context_counts)
+            .index_select(0, packed->context_order)
+            .unsqueeze(0);
+      };
+      context->own = packed->context_tokens;
+    }
     GatedDeltaWeights weights{lw.conv1d, lw.a_log, lw.dt_bias, lw.linear_norm};
     auto project = [&](int slot, const at::Tensor& x) { return Project(i, slot, x); };
     LinearAttentionConfig local = c_.linear_attention;  // this tensor rank's heads
@@ -355,7 +364,8 @@ class LayerRunner {
     }
     return GatedDeltaNetMix(local, weights, project, h,
                             packed != nullptr ? packed->lengths : std::vector<int64_t>{}, c_.rms_norm_eps,
-                            options_.recurrent_states, weights_.first_layer + static_cast<int64_t>(i));
+                            options_.recurrent_states, weights_.first_layer + static_cast<int64_t>(i),
+                            context ? &*context : nullptr);
   }
 
   // Layer i over x as a RecomputedLayerNode (activation recomputation): like Layer, with both

@@ -40,6 +40,11 @@ struct PackedSequences {
   CommGroup* context_group = nullptr;
   at::Tensor sequence_ids;
   std::vector<int64_t> context_counts;
+  // Context parallelism, for layers that need whole sequences (Gated DeltaNet): this rank's
+  // tokens' positions in the whole packed row (int64 [t]), and for each position of the
+  // whole row its row in the group's gather (GatherContextRows order; int64 [whole total]).
+  at::Tensor context_tokens;
+  at::Tensor context_order;
 };
 
 // One run's tokens in a forward shared by several runs of the same base (co-scheduling):

@@ -193,11 +193,6 @@ absl::Status ValidateLayoutForModel(const ParallelSizes& sizes, const ModelConfi
     return absl::InvalidArgumentError(absl::StrCat("tp: ", sizes.tp, " does not divide linear_num_key_heads ",
                                                    c.linear_attention.num_key_heads));
   }
-  if (c.HasLinearAttention() && sizes.cp > 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cp: ", sizes.cp, ": context parallelism over linear-attention (Gated DeltaNet) layers would pass the "
-        "recurrent state between ranks, which is not built; use cp 1"));
-  }
   if (sizes.tp > c.vocab_size) {
     return absl::InvalidArgumentError(absl::StrCat("tp: ", sizes.tp, " exceeds vocab_size ", c.vocab_size));
   }
@@ -215,6 +210,7 @@ ModelShard MakeModelShard(const ParallelSizes& sizes, const RankCoords& coords,
   s.tp_rank = coords.tp;
   s.pp = sizes.pp;
   s.pp_rank = coords.pp;
+  s.cp = sizes.cp;
   std::tie(s.layer_begin, s.layer_end) = EvenRange(c.num_hidden_layers, sizes.pp, coords.pp);
   s.heads = c.num_attention_heads / sizes.tp;
   s.head_begin = s.heads * coords.tp;

@@ -147,6 +147,7 @@ absl::Status ValidateLayoutForModel(const ParallelSizes& sizes, const ModelConfi
 struct ModelShard {
   int tp = 1, tp_rank = 0;
   int pp = 1, pp_rank = 0;
+  int cp = 1;  // context ranks sharing each sequence's tokens (the weights are whole on each)
   int64_t layer_begin = 0, layer_end = 0;  // this stage's decoder layers
   int64_t heads = 0;                       // query heads on this rank
   int64_t kv_heads = 0;                    // key/value heads on this rank

@@ -114,6 +114,10 @@ MicroBatch BuildMicroBatch(const std::vector<Datum>& datums, const std::vector<s
     data.packed.sequence_ids = at::tensor(data.context.sequence_ids, at::kLong).to(device);
     data.packed.context_group = context_group;
     data.packed.context_counts = data.context.counts;
+    data.packed.context_tokens = mine;
+    std::vector<int64_t> order(data.context.gather_order.size());
+    for (size_t i = 0; i < order.size(); ++i) order[data.context.gather_order[i]] = static_cast<int64_t>(i);
+    data.packed.context_order = at::tensor(order, at::kLong).to(device);
     data.longest = held;
     // Token and FLOP counts: this rank's share (the mesh sums the ranks').
     part = total > 0 ? static_cast<double>(held) / static_cast<double>(total) : 0.0;
