@@ -21,6 +21,7 @@
 #include "lib/model/rope.h"
 #include "lib/torch_compat.h"
 #include "lib/training/grad_finalizer.h"
+#include "tests/model_test_util.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
 #include "tools/model_presets.h"
@@ -30,6 +31,7 @@ namespace {
 
 using ::lorastep::testing::RelErr;
 using ::lorastep::testing::MaxAbsDiff;
+using ::lorastep::testing::PackedSequencesOf;
 using ::lorastep::testing::ScratchDir;
 using ::lorastep::testing::StatusIs;
 
@@ -324,14 +326,7 @@ TEST_P(PackedSequencesTest, MatchOneAtATime) {
     }
     adapters.push_back(std::move(adapter));
   }
-  PackedSequences packed;
-  packed.lengths = lengths;
-  packed.max_length = 9;
-  packed.cu_seqlens = at::tensor(std::vector<int32_t>{0, 5, 14, 17}, at::kInt);
-  std::vector<int64_t> positions;
-  for (int64_t n : lengths)
-    for (int64_t i = 0; i < n; ++i) positions.push_back(i);
-  packed.positions = at::tensor(positions, at::kLong);
+  PackedSequences packed = PackedSequencesOf(lengths);
   ForwardOptions options;
   options.packed = &packed;
   at::Tensor h = Qwen2Hidden(c, w, &adapters[0], at::cat(seqs, 1), options);
@@ -368,14 +363,7 @@ TEST(ModelTest, PackedSlidingWindowOnTheTestDeviceMatchesEachSequenceAlone) {
   ModelWeights w = RandomModelWeights(c, 13);
   ForEachNamedTensor(w, [&](const std::string&, at::Tensor& t) { t = t.to(dev, dtype); });
   const std::vector<int64_t> lengths{5, 11, 3};
-  PackedSequences packed;
-  packed.lengths = lengths;
-  packed.max_length = 11;
-  packed.cu_seqlens = at::tensor(std::vector<int32_t>{0, 5, 16, 19}, at::kInt).to(dev);
-  std::vector<int64_t> positions;
-  for (int64_t n : lengths)
-    for (int64_t i = 0; i < n; ++i) positions.push_back(i);
-  packed.positions = at::tensor(positions, at::kLong).to(dev);
+  PackedSequences packed = PackedSequencesOf(lengths, dev);
   const at::Tensor tokens = at::randint(0, c.vocab_size, {1, 19}, at::kLong).to(dev);
   const at::Tensor g = at::randn({1, 19, c.hidden_size}, at::kFloat).to(dev, dtype);
   LoraConfig lora;
@@ -672,15 +660,7 @@ TEST(ModelTest, RecomputedLayersGiveThePlainForwardsResults) {
     ModelWeights w = RandomModelWeights(c, 21);
     ForEachNamedTensor(w, [&](const std::string&, at::Tensor& t) { t = t.to(dev, dtype); });
     PackProjections(&w);
-    const std::vector<int64_t> lengths{6, 9, 4};
-    PackedSequences packed;
-    packed.lengths = lengths;
-    packed.max_length = 9;
-    packed.cu_seqlens = at::tensor(std::vector<int32_t>{0, 6, 15, 19}, at::kInt).to(dev);
-    std::vector<int64_t> positions;
-    for (int64_t n : lengths)
-      for (int64_t i = 0; i < n; ++i) positions.push_back(i);
-    packed.positions = at::tensor(positions, at::kLong).to(dev);
+    PackedSequences packed = PackedSequencesOf({6, 9, 4}, dev);
     const at::Tensor tokens = (k.packed ? at::randint(0, c.vocab_size, {1, 19}, at::kLong)
                                         : at::randint(0, c.vocab_size, {2, 9}, at::kLong))
                                   .to(dev);
