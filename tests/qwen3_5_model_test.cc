@@ -441,6 +441,12 @@ TEST(Qwen35ModelTest, ActivationEstimateCountsTheLinearAttentionLayers) {
   const double half_attention = EstimateActivationBytes(all_attention, whole, 4, 512, true, 2, 1024, LayerRecompute::kNone);
   EXPECT_NEAR(EstimateActivationBytes(c, context, 4, 512, true, 2, 1024, LayerRecompute::kNone) - half_attention,
               (half - half_attention) + 2048.0 * 32 * 2624 * 4 + 24.0 * 2048 * (2 * 8192 + 4096 + 64) * 2, 1.0);
+  // Packed sequences: the rule runs them padded to the longest (2 x 3,072 rows for 4,096 tokens).
+  auto linear_part = [&](const std::vector<int64_t>& lengths) {  // what the linear layers add
+    return EstimatePackedActivationBytes(c, whole, lengths, true, 2, 1024, LayerRecompute::kNone) -
+           EstimatePackedActivationBytes(all_attention, whole, lengths, true, 2, 1024, LayerRecompute::kNone);
+  };
+  EXPECT_NEAR(linear_part({3072, 1024}) - linear_part({2048, 2048}), (6144.0 - 4096) * 32 * 2624 * 4, 1.0);
   // Recomputation keeps one layer's worth.
   EXPECT_LT(estimate(c, whole, LayerRecompute::kFull), hybrid / 4);
   EXPECT_GT(estimate(c, whole, LayerRecompute::kFull), estimate(all_attention, whole, LayerRecompute::kFull));

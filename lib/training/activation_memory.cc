@@ -11,10 +11,11 @@ namespace lorastep {
 
 namespace {
 
-// tokens: rows the layers see; attention_pairs: sum over sequences of length^2.
+// tokens: rows the layers see; attention_pairs: sum over sequences of length^2; rule_rows:
+// rows of the Gated DeltaNet rule's batch (packed sequences padded to the longest).
 double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tokens, double attention_pairs,
-                       bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens, LayerRecompute recompute,
-                       bool mlp_activation_kept) {
+                       double rule_rows, bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens,
+                       LayerRecompute recompute, bool mlp_activation_kept) {
   const int64_t tp = std::max(1, shard.tp);
   const double layers = shard.layer_end > shard.layer_begin ? static_cast<double>(shard.layer_end - shard.layer_begin)
                                                             : static_cast<double>(c.num_hidden_layers);
@@ -45,7 +46,7 @@ double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tok
   for (int64_t i = first; i < last; ++i) linear_layers += c.IsLinearAttentionLayer(i) ? 1.0 : 0.0;
   double linear_extra = 0, rule_transient = 0;
   // On context ranks the convolution and the rule run over the whole row (every rank's tokens).
-  const double row = tokens * static_cast<double>(std::max(1, shard.cp));
+  const double row = rule_rows * static_cast<double>(std::max(1, shard.cp));
   if (linear_layers > 0) {
     const double value_heads = static_cast<double>(la.num_value_heads) / tp;
     const double conv = static_cast<double>(la.conv_dim()) / tp, value = static_cast<double>(la.value_dim()) / tp;
@@ -76,19 +77,21 @@ double EstimateActivationBytes(const ModelConfig& c, const ModelShard& shard, in
                                bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens, LayerRecompute recompute,
                                bool mlp_activation_kept) {
   const double tokens = static_cast<double>(b) * static_cast<double>(s);
-  return ActivationBytes(c, shard, tokens, tokens * static_cast<double>(s), backward, element_bytes,
+  return ActivationBytes(c, shard, tokens, tokens * static_cast<double>(s), tokens, backward, element_bytes,
                          logprob_chunk_tokens, recompute, mlp_activation_kept);
 }
 
 double EstimatePackedActivationBytes(const ModelConfig& c, const ModelShard& shard,
                                      const std::vector<int64_t>& lengths, bool backward, int64_t element_bytes,
                                      int64_t logprob_chunk_tokens, LayerRecompute recompute, bool mlp_activation_kept) {
-  double tokens = 0, pairs = 0;
+  double tokens = 0, pairs = 0, longest = 0;
   for (int64_t n : lengths) {
     tokens += static_cast<double>(n);
     pairs += static_cast<double>(n) * static_cast<double>(n);
+    longest = std::max(longest, static_cast<double>(n));
   }
-  return ActivationBytes(c, shard, tokens, pairs, backward, element_bytes, logprob_chunk_tokens, recompute,
+  const double rule_rows = longest * static_cast<double>(lengths.size());
+  return ActivationBytes(c, shard, tokens, pairs, rule_rows, backward, element_bytes, logprob_chunk_tokens, recompute,
                          mlp_activation_kept);
 }
 

@@ -24,7 +24,7 @@ namespace lorastep {
 // layer's attention output (heads·d) and softmax statistics (heads fp32). Gated DeltaNet
 // layers keep their convolution's input and output, z, the gates, the rule's output and the
 // gated norm's fp32 operands on top, and one layer's chunked-rule intermediates exist at a
-// time (its backward runs the rule again). Without `mlp_activation_kept` the
+// time (its backward runs the rule again), over the sequences padded to the longest. Without `mlp_activation_kept` the
 // MLP keeps 2I, not 3I (LoRA runs whose down_proj rebuilds its input, or keeps none).
 double EstimateActivationBytes(const ModelConfig& config, const ModelShard& shard, int64_t b, int64_t s,
                                bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens,
