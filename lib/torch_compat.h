@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #define LORASTEP_TORCH_AT_LEAST(major, minor) \
@@ -142,12 +143,16 @@ struct VarlenAttentionSaved {
   at::Tensor out, logsumexp, rng_state, rng_unused;
   int64_t window = 0;
 };
+// The flash kernel's (window_size_left, window_size_right) for `window` (unset: unbounded).
+inline std::pair<c10::optional<int64_t>, c10::optional<int64_t>> FlashWindow(int64_t window) {
+  if (window <= 0) return {c10::nullopt, c10::nullopt};
+  return {window - 1, 0};
+}
 inline VarlenAttentionSaved VarlenCausalAttentionSaved(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        const at::Tensor& cu_seqlens, int64_t max_length,
                                                        int64_t window = 0) {
 #if LORASTEP_TORCH_AT_LEAST(2, 5)
-  const c10::optional<int64_t> left = window > 0 ? c10::optional<int64_t>(window - 1) : c10::nullopt;
-  const c10::optional<int64_t> right = window > 0 ? c10::optional<int64_t>(0) : c10::nullopt;
+  const auto [left, right] = FlashWindow(window);
   auto r = at::_flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, /*dropout_p=*/0.0,
                                         /*is_causal=*/true, /*return_debug_mask=*/false, /*scale=*/c10::nullopt,
                                         left, right);
@@ -168,9 +173,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> VarlenCausalAttentionBackw
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const VarlenAttentionSaved& saved, const at::Tensor& cu_seqlens, int64_t max_length) {
 #if LORASTEP_TORCH_AT_LEAST(2, 5)
-  const int64_t window = saved.window;
-  const c10::optional<int64_t> left = window > 0 ? c10::optional<int64_t>(window - 1) : c10::nullopt;
-  const c10::optional<int64_t> right = window > 0 ? c10::optional<int64_t>(0) : c10::nullopt;
+  const auto [left, right] = FlashWindow(saved.window);
   return at::_flash_attention_backward(grad_out.contiguous(), q, k, v, saved.out, saved.logsumexp, cu_seqlens,
                                        cu_seqlens, max_length, max_length, /*dropout_p=*/0.0, /*is_causal=*/true,
                                        saved.rng_state, saved.rng_unused, /*scale=*/c10::nullopt, left, right);

@@ -482,20 +482,6 @@ TEST_P(RunSegmentsTest, GiveEachRunsSoloResults) {
   const std::vector<Run> runs{{4, 8, 0.0, {"all-linear"}, {5, 7}},
                               {2, 4, GetParam(), {"q_proj", "v_proj", "down_proj"}, {6}},
                               {8, 8, 0.0, {"o_proj", "gate_proj", "up_proj"}, {3, 4}}};
-  auto packed_of = [](const std::vector<int64_t>& lengths) {
-    PackedSequences packed;
-    packed.lengths = lengths;
-    std::vector<int32_t> cu{0};
-    std::vector<int64_t> positions;
-    for (int64_t n : lengths) {
-      cu.push_back(cu.back() + static_cast<int32_t>(n));
-      packed.max_length = std::max(packed.max_length, n);
-      for (int64_t i = 0; i < n; ++i) positions.push_back(i);
-    }
-    packed.cu_seqlens = at::tensor(cu, at::kInt);
-    packed.positions = at::tensor(positions, at::kLong);
-    return packed;
-  };
   auto make_adapter = [&](const Run& r) {
     LoraConfig lora;
     lora.rank = r.rank, lora.alpha = r.alpha, lora.dropout = r.dropout, lora.target_modules = r.targets;
@@ -520,7 +506,7 @@ TEST_P(RunSegmentsTest, GiveEachRunsSoloResults) {
   std::vector<at::Tensor> solo_hidden;
   for (size_t r = 0; r < runs.size(); ++r) {
     solo.push_back(make_adapter(runs[r]));
-    const PackedSequences packed = packed_of(runs[r].lengths);
+    const PackedSequences packed = PackedSequencesOf(runs[r].lengths);
     at::Generator dropout = at::make_generator<at::CPUGeneratorImpl>(100 + r);
     ForwardOptions options;
     options.packed = &packed;
@@ -543,7 +529,7 @@ TEST_P(RunSegmentsTest, GiveEachRunsSoloResults) {
     segments.push_back({&joint[r], begin, begin + tokens[r].size(1), &streams[r]});
     begin += tokens[r].size(1);
   }
-  const PackedSequences packed = packed_of(all_lengths);
+  const PackedSequences packed = PackedSequencesOf(all_lengths);
   ForwardOptions options;
   options.packed = &packed;
   options.run_segments = &segments;

@@ -30,8 +30,7 @@ absl::Status WorkerCore::EnsureSampler() {
     bytes = std::min<int64_t>(std::max<int64_t>(available, 0) / 10, int64_t{4} << 30);
   }
   // Linear-attention layers keep a state per sequence instead of blocks: the budget holds both.
-  const int64_t state_bytes = RecurrentStateBytes(base.config, base.shard.tp > 1 ? &base.shard : nullptr,
-                                                  base.weights.first_layer, layers, base.dtype);
+  const int64_t state_bytes = RecurrentStateBytes(base.config, &base.shard, base.weights.first_layer, layers, base.dtype);
   const SamplingBudget budget =
       SplitSamplingBudget(bytes, KvBlockPool::BytesPerBlock(shape, base.dtype), shape.block_size, state_bytes,
                           std::min<int64_t>(2048, base.config.max_position_embeddings));

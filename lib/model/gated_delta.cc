@@ -278,6 +278,12 @@ at::Tensor ContinuedRule(const LinearAttentionConfig& config, const at::Tensor& 
   std::vector<int64_t> starts;
   int64_t start = 0;
   for (int64_t n : lengths) starts.push_back(start), start += n;
+  // Sequence j's convolution history (zeros at its start) and rule state (undefined there).
+  auto state_of = [&](size_t j) {
+    auto [past, state] = states->Get(layer, j);
+    if (!past.defined()) past = at::zeros({history, channels}, qkv.options());
+    return std::make_pair(past, state);
+  };
   std::vector<size_t> decoding;
   for (size_t j = 0; j < lengths.size(); ++j) {
     const int64_t n = lengths[j];
@@ -285,8 +291,7 @@ at::Tensor ContinuedRule(const LinearAttentionConfig& config, const at::Tensor& 
       decoding.push_back(j);
       continue;
     }
-    auto [past, state] = states->Get(layer, j);
-    if (!past.defined()) past = at::zeros({history, channels}, qkv.options());
+    const auto [past, state] = state_of(j);
     const at::Tensor rows = at::cat({past.unsqueeze(0), qkv.narrow(1, starts[j], n)}, 1);  // [1, K - 1 + n, C]
     const auto [q, k, v] = SplitQkv(config, CausalConv1dSilu(rows, conv_weight).narrow(1, history, n));
     const at::Tensor from = state.defined() ? state.unsqueeze(0) : at::Tensor();
@@ -300,15 +305,15 @@ at::Tensor ContinuedRule(const LinearAttentionConfig& config, const at::Tensor& 
     std::vector<int64_t> rows_of;
     at::Tensor fresh_state;  // a sequence's first token: zeros
     for (size_t j : decoding) {
-      auto [past, state] = states->Get(layer, j);
-      pasts.push_back(past.defined() ? past : at::zeros({history, channels}, qkv.options()));
+      auto [past, state] = state_of(j);
       if (!state.defined()) {
         if (!fresh_state.defined()) {
           fresh_state = at::zeros({config.num_value_heads, config.key_head_dim, config.value_head_dim},
-                                  qkv.options().dtype(g.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
+                                  qkv.options().dtype(WideType(g)));
         }
         state = fresh_state;
       }
+      pasts.push_back(past);
       froms.push_back(state);
       rows_of.push_back(starts[j]);
     }
@@ -319,7 +324,8 @@ at::Tensor ContinuedRule(const LinearAttentionConfig& config, const at::Tensor& 
     auto [out, next] = GatedDeltaRuleStep(q, k, v, tokens(g), tokens(beta), at::stack(froms));
     for (size_t i = 0; i < decoding.size(); ++i) {
       const int64_t row = static_cast<int64_t>(i);
-      states->Set(layer, decoding[i], rows[row].narrow(0, 1, history).clone(), next[row]);
+      // Views into this step's small batched tensors (the next step stacks them again).
+      states->Set(layer, decoding[i], rows[row].narrow(0, 1, history), next[row]);
       outs[decoding[i]] = out.narrow(0, row, 1);
     }
   }

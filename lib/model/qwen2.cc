@@ -357,12 +357,7 @@ class LayerRunner {
     }
     GatedDeltaWeights weights{lw.conv1d, lw.a_log, lw.dt_bias, lw.linear_norm};
     auto project = [&](int slot, const at::Tensor& x) { return Project(i, slot, x); };
-    LinearAttentionConfig local = c_.linear_attention;  // this tensor rank's heads
-    if (options_.shard != nullptr) {
-      local.num_key_heads = options_.shard->linear_key_heads;
-      local.num_value_heads = options_.shard->linear_value_heads;
-    }
-    return GatedDeltaNetMix(local, weights, project, h,
+    return GatedDeltaNetMix(LocalLinearAttention(c_, options_.shard), weights, project, h,
                             packed != nullptr ? packed->lengths : std::vector<int64_t>{}, c_.rms_norm_eps,
                             options_.recurrent_states, weights_.first_layer + static_cast<int64_t>(i),
                             context ? &*context : nullptr);

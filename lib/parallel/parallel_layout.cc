@@ -281,4 +281,13 @@ LinearSplit LinearSplitOf(const ModelShard& s, int slot, const ModelConfig& c, b
   return split;
 }
 
+LinearAttentionConfig LocalLinearAttention(const ModelConfig& config, const ModelShard* shard) {
+  LinearAttentionConfig local = config.linear_attention;
+  if (shard != nullptr) {
+    local.num_key_heads = shard->linear_key_heads;
+    local.num_value_heads = shard->linear_value_heads;
+  }
+  return local;
+}
+
 }  // namespace lorastep

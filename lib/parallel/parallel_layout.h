@@ -193,6 +193,10 @@ LinearSplit LinearSplitOf(const ModelShard& shard, int slot, const ModelConfig& 
                           bool moe_layer = false);
 bool IsColumnParallel(int slot);  // q, k, v, gate, up
 
+// The Gated DeltaNet widths a tensor rank computes with: its key and value heads (`shard`
+// null: the whole model's).
+LinearAttentionConfig LocalLinearAttention(const ModelConfig& config, const ModelShard* shard);
+
 }  // namespace lorastep
 
 #endif  // LORASTEP_LIB_PARALLEL_PARALLEL_LAYOUT_H_

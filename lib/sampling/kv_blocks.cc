@@ -36,13 +36,9 @@ KvShape KvShapeFor(const ModelConfig& config, int64_t first_layer, int64_t layer
 
 int64_t RecurrentStateBytes(const ModelConfig& config, const ModelShard* shard, int64_t first_layer, int64_t layers,
                             at::ScalarType dtype) {
-  const LinearAttentionConfig& la = config.linear_attention;
-  const bool split = shard != nullptr && shard->tp > 1;
-  const int64_t key_heads = split ? shard->linear_key_heads : la.num_key_heads;
-  const int64_t value_heads = split ? shard->linear_value_heads : la.num_value_heads;
-  const int64_t conv = 2 * key_heads * la.key_head_dim + value_heads * la.value_head_dim;
-  const int64_t per_layer = (la.conv_kernel - 1) * conv * static_cast<int64_t>(at::elementSize(dtype)) +
-                            value_heads * la.key_head_dim * la.value_head_dim * 4;
+  const LinearAttentionConfig la = LocalLinearAttention(config, shard);
+  const int64_t per_layer = (la.conv_kernel - 1) * la.conv_dim() * static_cast<int64_t>(at::elementSize(dtype)) +
+                            la.num_value_heads * la.key_head_dim * la.value_head_dim * 4;
   int64_t bytes = 0;
   for (int64_t l = first_layer; l < first_layer + layers; ++l) bytes += config.IsLinearAttentionLayer(l) ? per_layer : 0;
   return bytes;

@@ -81,7 +81,7 @@ absl::StatusOr<int64_t> SamplerEngine::Add(const Adapter* adapter, SampleRequest
         " (fewer samples, a shorter prompt or max_tokens, or a larger --kv_cache_mb)"));
   }
   const int64_t states = WorstCaseStates(request);
-  if (states > options_.max_recurrent_sequences && states > 0) {
+  if (states > options_.max_recurrent_sequences) {  // 0 where no state is budgeted
     return absl::ResourceExhaustedError(absl::StrCat(
         "kv cache: this request's ", states, " sequences (its prompt and ", request.num_samples,
         " samples) each hold a linear-attention state and the cache's budget holds ",
@@ -105,7 +105,7 @@ absl::StatusOr<int64_t> SamplerEngine::Add(const Adapter* adapter, SampleRequest
 void SamplerEngine::Admit() {
   auto fits = [&](const Request& r) {
     return reserved_blocks_ + r.worst_blocks <= pool_->total_blocks() &&
-           (r.worst_states == 0 || reserved_states_ + r.worst_states <= options_.max_recurrent_sequences);
+           reserved_states_ + r.worst_states <= options_.max_recurrent_sequences;
   };
   while (!waiting_.empty() && fits(*waiting_.front())) {
     reserved_blocks_ += waiting_.front()->worst_blocks;

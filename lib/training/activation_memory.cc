@@ -46,7 +46,7 @@ double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tok
   for (int64_t i = first; i < last; ++i) linear_layers += c.IsLinearAttentionLayer(i) ? 1.0 : 0.0;
   double linear_extra = 0, rule_transient = 0;
   // On context ranks the convolution and the rule run over the whole row (every rank's tokens).
-  const double row = rule_rows * static_cast<double>(std::max(1, shard.cp));
+  const double cp = static_cast<double>(std::max(1, shard.cp));
   if (linear_layers > 0) {
     const double value_heads = static_cast<double>(la.num_value_heads) / tp;
     const double conv = static_cast<double>(la.conv_dim()) / tp, value = static_cast<double>(la.value_dim()) / tp;
@@ -55,8 +55,8 @@ double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tok
                    (3.0 * value + 2.0 * value_heads) * 4.0;
     // Per token of this rank; the gathered row's convolution input and output, gates and rule
     // output add (cp - 1) times theirs.
-    linear_extra += static_cast<double>(std::max(1, shard.cp) - 1) * (2.0 * conv + value + 2.0 * value_heads) * static_cast<double>(element_bytes);
-    rule_transient = row * value_heads * (10.0 * dk + 6.0 * dv + 5.0 * chunk + dk * dv / chunk) * 4.0;
+    linear_extra += (cp - 1.0) * (2.0 * conv + value + 2.0 * value_heads) * static_cast<double>(element_bytes);
+    rule_transient = rule_rows * cp * value_heads * (10.0 * dk + 6.0 * dv + 5.0 * chunk + dk * dv / chunk) * 4.0;
   }
   const double per_layer = tokens * per_token_layer + attention_scores + rule_transient;
   const double head = std::min(static_cast<double>(logprob_chunk_tokens), tokens) *
