@@ -43,6 +43,8 @@ ABSL_FLAG(int64_t, value_heads, 32, "linear_num_value_heads");
 ABSL_FLAG(int64_t, head_dim, 128, "linear key and value head dim");
 ABSL_FLAG(int64_t, reps, 11, "timed repetitions (the median is reported)");
 ABSL_FLAG(std::string, dtype, "bfloat16", "bfloat16 or float32");
+ABSL_FLAG(std::string, matmul_precision, "highest",
+          "fp32 matmul precision (highest: fp32; high: TF32 tensor cores on CUDA), for an A/B of the rule");
 
 namespace {
 
@@ -55,6 +57,7 @@ void Backward(const at::Tensor& out, const at::Tensor& input) {
 int main(int argc, char** argv) {
   lorastep::ParseCommandLineOrExit(argc, argv, "gated_delta_bench --device cuda --out gdn.json");
   const at::Device device(absl::GetFlag(FLAGS_device));
+  at::globalContext().setFloat32MatmulPrecision(absl::GetFlag(FLAGS_matmul_precision));
   const std::string dtype = absl::GetFlag(FLAGS_dtype);
   const auto options = at::TensorOptions().device(device).dtype(dtype == "float32" ? at::kFloat : at::kBFloat16);
   const int64_t seqs = absl::GetFlag(FLAGS_seqs), len = absl::GetFlag(FLAGS_len), h = absl::GetFlag(FLAGS_hidden);
@@ -115,6 +118,7 @@ int main(int argc, char** argv) {
   j["shape"] = {{"seqs", seqs}, {"len", len}, {"hidden", h}, {"key_heads", config.num_key_heads},
                 {"value_heads", hv}, {"head_dim", config.key_head_dim}, {"chunk", lorastep::kGatedDeltaChunk},
                 {"dtype", dtype}};
+  j["matmul_precision"] = absl::GetFlag(FLAGS_matmul_precision);
   j["mixer_ms"] = mixer_ms;
   j["projections_ms"] = projections_ms;
   j["rule_ms"] = rule_ms;

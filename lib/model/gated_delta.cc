@@ -106,12 +106,70 @@ at::Tensor UnitLowerInverse(const at::Tensor& strictly_lower) {
   return inverse;
 }
 
+namespace {
+
+// The sequential part of the chunked rule, chunk-major ([n chunks, B = b * heads, ...]): from
+// the state S_0 at the first chunk's start,
+//   V_i = NV_i - KC_i S_i,   S_{i+1} = d_i S_i + KE_i^T V_i
+// (NV the chunk's solved values, KC its decayed keys read through the solve, KE its keys
+// decayed to the chunk's end, d its whole decay). Returns every S_i (i = 0..n: the chunk
+// starts and the final state) and every V_i; the outputs (Q S_i + A V_i) are one batched
+// matmul outside. Its backward runs the reverse recurrence in three kernels per chunk and
+// every other gradient as batched matmuls over all chunks, where autograd through the loop
+// would keep and replay about ten small kernels per chunk each way.
+class ChunkRecurrence : public torch::autograd::Function<ChunkRecurrence> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& nv,
+                                                const at::Tensor& kc, const at::Tensor& ke,
+                                                const at::Tensor& decay, const at::Tensor& s0) {
+    at::NoGradGuard no_grad;
+    const int64_t n = nv.size(0), batch = nv.size(1);
+    at::Tensor states = at::empty({n + 1, batch, kc.size(-1), nv.size(-1)}, nv.options());
+    at::Tensor values = at::empty_like(nv);
+    states.select(0, 0).copy_(s0);
+    for (int64_t i = 0; i < n; ++i) {
+      at::Tensor s = states.select(0, i), v = values.select(0, i), next = states.select(0, i + 1);
+      at::baddbmm_out(v, nv.select(0, i), kc.select(0, i), s, /*beta=*/1, /*alpha=*/-1);
+      at::mul_out(next, s, decay.select(0, i).view({batch, 1, 1}));
+      next.baddbmm_(ke.select(0, i).transpose(-1, -2), v);
+    }
+    ctx->save_for_backward({kc, ke, decay, states, values});
+    return {states, values};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &kc = saved[0], &ke = saved[1], &decay = saved[2], &states = saved[3], &values = saved[4];
+    const int64_t n = values.size(0), batch = values.size(1);
+    const at::Tensor d_states = grads[0].defined() ? grads[0] : at::zeros_like(states);
+    const at::Tensor d_values = grads[1].defined() ? grads[1] : at::zeros_like(values);
+    // arriving[i]: the whole gradient reaching S_{i+1} (its own and through every later chunk).
+    at::Tensor arriving = at::empty({n, batch, states.size(-2), states.size(-1)}, states.options());
+    at::Tensor d_v = at::empty_like(values);
+    at::Tensor d_s0 = at::empty_like(states.select(0, 0));
+    arriving.select(0, n - 1).copy_(d_states.select(0, n));
+    for (int64_t i = n - 1; i >= 0; --i) {
+      at::Tensor ds = arriving.select(0, i), dv = d_v.select(0, i);
+      at::baddbmm_out(dv, d_values.select(0, i), ke.select(0, i), ds);
+      at::Tensor into = i > 0 ? arriving.select(0, i - 1) : d_s0;
+      at::addcmul_out(into, d_states.select(0, i), ds, decay.select(0, i).view({batch, 1, 1}));
+      into.baddbmm_(kc.select(0, i).transpose(-1, -2), dv, /*beta=*/1, /*alpha=*/-1);
+    }
+    const at::Tensor starts = states.narrow(0, 0, n);
+    return {d_v, -at::matmul(d_v, starts.transpose(-1, -2)), at::matmul(values, arriving.transpose(-1, -2)),
+            (starts * arriving).sum({-2, -1}), d_s0};
+  }
+};
+
+}  // namespace
+
 std::pair<at::Tensor, at::Tensor> GatedDeltaRule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size,
                                                  const at::Tensor& state) {
   TORCH_CHECK(chunk_size >= 1, "gated delta rule: chunk_size must be >= 1");
   RuleOperands o = Prepare(q, k, v, g, beta);
-  const int64_t b = o.v.size(0), h = o.v.size(1), length = o.v.size(2), dv = o.v.size(3);
+  const int64_t b = o.v.size(0), h = o.v.size(1), length = o.v.size(2), dk = o.q.size(3), dv = o.v.size(3);
   // A sequence shorter than a chunk is one chunk of its own length (no padding to solve).
   const int64_t c = std::max<int64_t>(1, std::min(chunk_size, length));
   const int64_t pad = (c - length % c) % c, chunks = (length + pad) / c;
@@ -123,46 +181,41 @@ std::pair<at::Tensor, at::Tensor> GatedDeltaRule(const at::Tensor& q, const at::
     decay = at::constant_pad_nd(decay, {0, pad});
     write = at::constant_pad_nd(write, {0, pad});
   }
-  auto chunked = [&](const at::Tensor& x) { return x.reshape({b, h, chunks, c, x.size(-1)}); };
+  // Chunk-major [chunks, b * h, c, ...]: the recurrence steps along dim 0.
+  auto chunked = [&](const at::Tensor& x) {
+    return x.reshape({b * h, chunks, c, -1}).transpose(0, 1).contiguous();
+  };
   const at::Tensor k_beta = chunked(key * write.unsqueeze(-1)), v_beta = chunked(value * write.unsqueeze(-1));
   query = chunked(query);
   key = chunked(key);
   // Within a chunk: cumulative log decay, and exp(cum_i - cum_j) for j <= i (0 above).
-  const at::Tensor cum = decay.reshape({b, h, chunks, c}).cumsum(-1);
+  const at::Tensor cum = chunked(decay.unsqueeze(-1)).squeeze(-1).cumsum(-1);  // [chunks, b * h, c]
   const at::Tensor upper = at::ones({c, c}, cum.options().dtype(at::kBool)).triu(1);
   const at::Tensor pairwise =
       (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, -std::numeric_limits<float>::infinity()).exp();
   // The delta rule's updates within a chunk as one unit-lower-triangular system (its strictly
-  // lower part: beta_i k_i . k_j decayed), solved for the new values and the decayed keys that
-  // read the chunk's starting state: by triangular solves, or (LORASTEP_GDN_TRIANGULAR_SOLVE=0)
-  // through the system's inverse in batched matmuls, for side-by-side timing on a GPU.
+  // lower part: beta_i k_i . k_j decayed), solved at once for the new values and the decayed
+  // keys that read the chunk's starting state: by a triangular solve, or
+  // (LORASTEP_GDN_TRIANGULAR_SOLVE=0) through the system's inverse in batched matmuls, for
+  // side-by-side timing on a GPU.
   static const bool triangular_solve = EnvSwitchOn("LORASTEP_GDN_TRIANGULAR_SOLVE");
   const at::Tensor system = (at::matmul(k_beta, key.transpose(-1, -2)) * pairwise).tril(-1);
   const at::Tensor intra = at::matmul(query, key.transpose(-1, -2)) * pairwise;
-  const at::Tensor decayed_keys = k_beta * cum.exp().unsqueeze(-1);
-  at::Tensor new_values, k_cumdecay;
-  if (triangular_solve) {
-    new_values = at::linalg_solve_triangular(system, v_beta, /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
-    k_cumdecay = at::linalg_solve_triangular(system, decayed_keys, /*upper=*/false, /*left=*/true,
-                                             /*unitriangular=*/true);
-  } else {
-    const at::Tensor inverse = UnitLowerInverse(system);
-    new_values = at::matmul(inverse, v_beta);
-    k_cumdecay = at::matmul(inverse, decayed_keys);
-  }
+  const at::Tensor rhs = at::cat({v_beta, k_beta * cum.exp().unsqueeze(-1)}, -1);
+  const at::Tensor solved =
+      triangular_solve
+          ? at::linalg_solve_triangular(system, rhs, /*upper=*/false, /*left=*/true, /*unitriangular=*/true)
+          : at::matmul(UnitLowerInverse(system), rhs);
+  const at::Tensor new_values = solved.narrow(-1, 0, dv), k_cumdecay = solved.narrow(-1, dv, dk);
   const at::Tensor q_decayed = query * cum.exp().unsqueeze(-1);
   const at::Tensor k_to_end = key * (cum.narrow(-1, c - 1, 1) - cum).exp().unsqueeze(-1);
-  const at::Tensor chunk_decay = cum.select(-1, c - 1).exp().unsqueeze(-1).unsqueeze(-1);  // [b, h, n, 1, 1]
-  at::Tensor s = InitialState(state, o);
-  std::vector<at::Tensor> outs;
-  outs.reserve(chunks);
-  for (int64_t i = 0; i < chunks; ++i) {  // one state read and one update per chunk
-    const at::Tensor v_new = new_values.select(2, i) - at::matmul(k_cumdecay.select(2, i), s);
-    outs.push_back(at::matmul(q_decayed.select(2, i), s) + at::matmul(intra.select(2, i), v_new));
-    s = s * chunk_decay.select(2, i) + at::matmul(k_to_end.select(2, i).transpose(-1, -2), v_new);
-  }
-  at::Tensor out = at::stack(outs, 2).reshape({b, h, chunks * c, dv}).narrow(2, 0, length);
-  return {out.transpose(1, 2).to(q.scalar_type()).contiguous(), s};
+  const at::Tensor chunk_decay = cum.select(-1, c - 1).exp();  // [chunks, b * h]
+  const at::Tensor start = InitialState(state, o).reshape({b * h, dk, dv});
+  const torch::autograd::variable_list run =
+      ChunkRecurrence::apply(new_values.contiguous(), k_cumdecay.contiguous(), k_to_end, chunk_decay, start);
+  const at::Tensor out = at::matmul(q_decayed, run[0].narrow(0, 0, chunks)) + at::matmul(intra, run[1]);
+  const at::Tensor rows = out.transpose(0, 1).reshape({b, h, chunks * c, dv}).narrow(2, 0, length);
+  return {rows.transpose(1, 2).to(q.scalar_type()).contiguous(), run[0].select(0, chunks).reshape({b, h, dk, dv})};
 }
 
 std::pair<at::Tensor, at::Tensor> GatedDeltaRuleStep(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
