@@ -26,6 +26,7 @@
 #include "absl/flags/flag.h"
 #include "bench/bench_stats.h"
 #include "bench/device_timing.h"
+#include "lib/device_stats.h"
 #include "lib/flags_util.h"
 #include "lib/model/gated_delta.h"
 #include "lib/model/lora_config.h"
@@ -43,6 +44,7 @@ ABSL_FLAG(int64_t, value_heads, 32, "linear_num_value_heads");
 ABSL_FLAG(int64_t, head_dim, 128, "linear key and value head dim");
 ABSL_FLAG(int64_t, reps, 11, "timed repetitions (the median is reported)");
 ABSL_FLAG(std::string, dtype, "bfloat16", "bfloat16 or float32");
+ABSL_FLAG(std::string, trace, "", "if set: a Kineto trace of one more mixer pass, forward and backward, saved here");
 ABSL_FLAG(std::string, matmul_precision, "highest",
           "fp32 matmul precision (highest: fp32; high: TF32 tensor cores on CUDA), for an A/B of the rule");
 
@@ -109,6 +111,19 @@ int main(int argc, char** argv) {
                                                           beta, lengths, lorastep::kGatedDeltaChunk);
     torch::autograd::grad({out}, {q, k, v, g, beta}, {at::ones_like(out)});
   });
+
+  if (const std::string trace = absl::GetFlag(FLAGS_trace); !trace.empty()) {
+    const absl::Status started = lorastep::StartKernelProfile();
+    if (!started.ok()) {
+      std::cerr << started << "\n";
+      return 1;
+    }
+    Backward(lorastep::GatedDeltaNetMix(config, own, project, input, lengths, 1e-6), input);
+    if (const absl::Status stopped = lorastep::StopKernelProfile(trace); !stopped.ok()) {
+      std::cerr << stopped << "\n";
+      return 1;
+    }
+  }
 
   nlohmann::ordered_json j;
   j["date"] = lorastep::UtcNowIso();

@@ -168,28 +168,36 @@ std::pair<at::Tensor, at::Tensor> GatedDeltaRule(const at::Tensor& q, const at::
                                                  const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size,
                                                  const at::Tensor& state) {
   TORCH_CHECK(chunk_size >= 1, "gated delta rule: chunk_size must be >= 1");
-  RuleOperands o = Prepare(q, k, v, g, beta);
-  const int64_t b = o.v.size(0), h = o.v.size(1), length = o.v.size(2), dk = o.q.size(3), dv = o.v.size(3);
+  const int64_t b = v.size(0), length = v.size(1), hk = q.size(2), dk = q.size(3), h = v.size(2), dv = v.size(3);
+  TORCH_CHECK(h % hk == 0, "gated delta rule: ", hk, " query/key heads do not divide ", h, " value heads");
+  // fp32 (as transformers), or fp64 where the inputs are (checks against fp64 references).
+  const at::ScalarType type = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   // A sequence shorter than a chunk is one chunk of its own length (no padding to solve).
   const int64_t c = std::max<int64_t>(1, std::min(chunk_size, length));
   const int64_t pad = (c - length % c) % c, chunks = (length + pad) / c;
-  at::Tensor query = o.q, key = o.k, value = o.v, decay = o.g, write = o.beta;
-  if (pad > 0) {  // padded tokens: no decay (g 0), no write (beta 0), zero keys
-    query = at::constant_pad_nd(query, {0, 0, 0, pad});
-    key = at::constant_pad_nd(key, {0, 0, 0, pad});
-    value = at::constant_pad_nd(value, {0, 0, 0, pad});
-    decay = at::constant_pad_nd(decay, {0, pad});
-    write = at::constant_pad_nd(write, {0, pad});
-  }
-  // Chunk-major [chunks, b * h, c, ...]: the recurrence steps along dim 0.
-  auto chunked = [&](const at::Tensor& x) {
-    return x.reshape({b * h, chunks, c, -1}).transpose(0, 1).contiguous();
+  // [b, T, heads, d] (padded tokens: zero keys, values, decay and write) in chunk-major order
+  // [chunks, b * h, c, d], each query/key head repeated for the h / heads value heads it
+  // serves: one copy (with the cast) per operand; the recurrence steps along dim 0.
+  auto chunk_major = [&](const at::Tensor& x) {
+    const at::Tensor padded = pad > 0 ? at::constant_pad_nd(x, {0, 0, 0, 0, 0, pad}) : x;
+    const int64_t heads = x.size(2), rep = h / heads, d = x.size(3);
+    const at::Tensor src =
+        padded.reshape({b, chunks, c, heads, 1, d}).expand({b, chunks, c, heads, rep, d}).permute({1, 0, 3, 4, 2, 5});
+    return at::empty({chunks, b, heads, rep, c, d}, x.options().dtype(type)).copy_(src).view({chunks, b * h, c, d});
   };
-  const at::Tensor k_beta = chunked(key * write.unsqueeze(-1)), v_beta = chunked(value * write.unsqueeze(-1));
-  query = chunked(query);
-  key = chunked(key);
-  // Within a chunk: cumulative log decay, and exp(cum_i - cum_j) for j <= i (0 above).
-  const at::Tensor cum = chunked(decay.unsqueeze(-1)).squeeze(-1).cumsum(-1);  // [chunks, b * h, c]
+  // q and k L2-normalized over the head dim (as the FLA kernels: x / sqrt(sum x^2 + 1e-6)),
+  // q also scaled by 1 / sqrt(dk), before the heads are repeated.
+  auto unit = [&](const at::Tensor& x, double scale) {
+    const at::Tensor norm = at::linalg_vector_norm(x, 2, {-1}, /*keepdim=*/true, type);
+    return x * (at::rsqrt(norm * norm + 1e-6) * scale);
+  };
+  const at::Tensor query = chunk_major(unit(q, 1.0 / std::sqrt(static_cast<double>(dk))));
+  const at::Tensor key = chunk_major(unit(k, 1.0));
+  const at::Tensor value = chunk_major(v);
+  const at::Tensor write = chunk_major(beta.unsqueeze(-1));               // [chunks, b * h, c, 1]
+  const at::Tensor cum = chunk_major(g.unsqueeze(-1)).squeeze(-1).cumsum(-1);  // cumulative log decay
+  const at::Tensor k_beta = key * write, v_beta = value * write;
+  // Within a chunk: exp(cum_i - cum_j) for j <= i (0 above).
   const at::Tensor upper = at::ones({c, c}, cum.options().dtype(at::kBool)).triu(1);
   const at::Tensor pairwise =
       (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, -std::numeric_limits<float>::infinity()).exp();
@@ -206,16 +214,21 @@ std::pair<at::Tensor, at::Tensor> GatedDeltaRule(const at::Tensor& q, const at::
       triangular_solve
           ? at::linalg_solve_triangular(system, rhs, /*upper=*/false, /*left=*/true, /*unitriangular=*/true)
           : at::matmul(UnitLowerInverse(system), rhs);
-  const at::Tensor new_values = solved.narrow(-1, 0, dv), k_cumdecay = solved.narrow(-1, dv, dk);
   const at::Tensor q_decayed = query * cum.exp().unsqueeze(-1);
   const at::Tensor k_to_end = key * (cum.narrow(-1, c - 1, 1) - cum).exp().unsqueeze(-1);
   const at::Tensor chunk_decay = cum.select(-1, c - 1).exp();  // [chunks, b * h]
-  const at::Tensor start = InitialState(state, o).reshape({b * h, dk, dv});
-  const torch::autograd::variable_list run =
-      ChunkRecurrence::apply(new_values.contiguous(), k_cumdecay.contiguous(), k_to_end, chunk_decay, start);
-  const at::Tensor out = at::matmul(q_decayed, run[0].narrow(0, 0, chunks)) + at::matmul(intra, run[1]);
-  const at::Tensor rows = out.transpose(0, 1).reshape({b, h, chunks * c, dv}).narrow(2, 0, length);
-  return {rows.transpose(1, 2).to(q.scalar_type()).contiguous(), run[0].select(0, chunks).reshape({b, h, dk, dv})};
+  const at::Tensor start = state.defined() ? state.to(type).reshape({b * h, dk, dv})
+                                           : at::zeros({b * h, dk, dv}, value.options());
+  const torch::autograd::variable_list run = ChunkRecurrence::apply(
+      solved.narrow(-1, 0, dv), solved.narrow(-1, dv, dk), k_to_end, chunk_decay, start);
+  auto flat = [&](const at::Tensor& x) { return x.reshape({-1, x.size(-2), x.size(-1)}); };
+  const at::Tensor out = at::baddbmm(at::bmm(flat(q_decayed), flat(run[0].narrow(0, 0, chunks))), flat(intra),
+                                     flat(run[1]));
+  // Back to [b, T, h, dv] in q's dtype: one copy with the cast.
+  const at::Tensor rows = at::empty({b, chunks, c, h, dv}, q.options())
+                              .copy_(out.view({chunks, b, h, c, dv}).permute({1, 0, 3, 2, 4}))
+                              .view({b, chunks * c, h, dv});
+  return {pad > 0 ? rows.narrow(1, 0, length).contiguous() : rows, run[0].select(0, chunks).view({b, h, dk, dv})};
 }
 
 std::pair<at::Tensor, at::Tensor> GatedDeltaRuleStep(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
