@@ -162,6 +162,35 @@ class ChunkRecurrence : public torch::autograd::Function<ChunkRecurrence> {
   }
 };
 
+// X = (I + L)^-1 R for strictly lower-triangular L [.., c, c] and R [.., c, m], through the
+// explicit inverse (one triangular solve against the identity, c columns where R has m,
+// or the doubling series with LORASTEP_GDN_TRIANGULAR_SOLVE=0), which backward reuses:
+// dR = (I + L)^-T dX and dL = -(dR X^T) below the diagonal, two batched matmuls where
+// autograd would solve again.
+class UnitLowerSolve : public torch::autograd::Function<UnitLowerSolve> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& strictly_lower,
+                            const at::Tensor& rhs) {
+    at::NoGradGuard no_grad;
+    static const bool triangular_solve = EnvSwitchOn("LORASTEP_GDN_TRIANGULAR_SOLVE");
+    const int64_t c = strictly_lower.size(-1);
+    const at::Tensor inverse =
+        triangular_solve
+            ? at::linalg_solve_triangular(strictly_lower, at::eye(c, rhs.options()).expand(strictly_lower.sizes()),
+                                          /*upper=*/false, /*left=*/true, /*unitriangular=*/true)
+            : UnitLowerInverse(strictly_lower);
+    at::Tensor solved = at::matmul(inverse, rhs);
+    ctx->save_for_backward({inverse, solved});
+    return solved;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor d_rhs = at::matmul(saved[0].transpose(-1, -2), grads[0]);
+    return {-at::matmul(d_rhs, saved[1].transpose(-1, -2)).tril(-1), d_rhs};
+  }
+};
+
 }  // namespace
 
 std::pair<at::Tensor, at::Tensor> GatedDeltaRule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -203,17 +232,11 @@ std::pair<at::Tensor, at::Tensor> GatedDeltaRule(const at::Tensor& q, const at::
       (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, -std::numeric_limits<float>::infinity()).exp();
   // The delta rule's updates within a chunk as one unit-lower-triangular system (its strictly
   // lower part: beta_i k_i . k_j decayed), solved at once for the new values and the decayed
-  // keys that read the chunk's starting state: by a triangular solve, or
-  // (LORASTEP_GDN_TRIANGULAR_SOLVE=0) through the system's inverse in batched matmuls, for
-  // side-by-side timing on a GPU.
-  static const bool triangular_solve = EnvSwitchOn("LORASTEP_GDN_TRIANGULAR_SOLVE");
+  // keys that read the chunk's starting state (UnitLowerSolve).
   const at::Tensor system = (at::matmul(k_beta, key.transpose(-1, -2)) * pairwise).tril(-1);
   const at::Tensor intra = at::matmul(query, key.transpose(-1, -2)) * pairwise;
   const at::Tensor rhs = at::cat({v_beta, k_beta * cum.exp().unsqueeze(-1)}, -1);
-  const at::Tensor solved =
-      triangular_solve
-          ? at::linalg_solve_triangular(system, rhs, /*upper=*/false, /*left=*/true, /*unitriangular=*/true)
-          : at::matmul(UnitLowerInverse(system), rhs);
+  const at::Tensor solved = UnitLowerSolve::apply(system, rhs);
   const at::Tensor q_decayed = query * cum.exp().unsqueeze(-1);
   const at::Tensor k_to_end = key * (cum.narrow(-1, c - 1, 1) - cum).exp().unsqueeze(-1);
   const at::Tensor chunk_decay = cum.select(-1, c - 1).exp();  // [chunks, b * h]
