@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
+#include <array>
 #include <cmath>
 
 #include "gtest/gtest.h"
@@ -209,6 +210,34 @@ TEST(GatedDeltaTest, GatesAndGatedNorm) {
   const at::Tensor x = at::randn({5, 8}), z = at::randn({5, 8}), w = at::randn({8});
   const at::Tensor want = x / at::sqrt(x.pow(2).mean(-1, true) + 1e-6) * w * (z / (1 + at::exp(-z)));
   EXPECT_LT(RelErr(GatedRmsNorm(x, z, w, 1e-6), want), 1e-6);
+}
+
+// The gated norm on the test device (on CUDA its fused kernel) against the composition written
+// out in transformers' order with its casts: values and the gradients of x and z. The kernel
+// rounds where the composition stores, so only the row sums' order differs.
+TEST(GatedDeltaTest, GatedNormOnTheTestDeviceMatchesTheComposition) {
+  at::manual_seed(6);
+  const auto options = at::TensorOptions().device(testing::TestDevice()).dtype(testing::TestDtype());
+  const double eps = 1e-6, tol = testing::TestDtype() == at::kBFloat16 ? 1e-2 : 1e-6;
+  const at::Tensor x0 = (at::randn({96, 128}) * 3).to(options), z0 = at::randn({96, 128}).to(options);
+  const at::Tensor w = (at::randn({128}) * 0.5 + 1).to(options), grad = at::randn({96, 128}).to(options);
+  auto run = [&](bool reference) {
+    const at::Tensor x = x0.clone().requires_grad_(true), z = z0.clone().requires_grad_(true);
+    at::Tensor y;
+    if (reference) {
+      const at::Tensor xf = x.to(at::kFloat);
+      const at::Tensor normed = (xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps)).to(x.scalar_type());
+      y = ((w * normed).to(at::kFloat) * at::silu(z.to(at::kFloat))).to(x.scalar_type());
+    } else {
+      y = GatedRmsNorm(x, z, w, eps);
+    }
+    y.backward(grad);
+    return std::array<at::Tensor, 3>{y.detach(), x.grad(), z.grad()};
+  };
+  const auto got = run(false), want = run(true);
+  EXPECT_LT(RelErr(got[0], want[0]), tol);
+  EXPECT_LT(RelErr(got[1], want[1]), tol);
+  EXPECT_LT(RelErr(got[2], want[2]), tol);
 }
 
 }  // namespace

@@ -104,6 +104,81 @@ __global__ void RmsNormGradKernel(const T* __restrict__ g, const T* __restrict__
 
 __device__ __forceinline__ float Sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
 
+// Qwen3.5's gated norm per row: y = (a * silu(z)).to(T) with a = (weight * (x * rstd).to(T)).to(T),
+// the gate and the product in fp32 (rows of `hidden`, contiguous).
+template <typename T, int V>
+__global__ void GatedRmsNormKernel(const T* __restrict__ x, const T* __restrict__ z, const T* __restrict__ weight,
+                                   int64_t hidden, float eps, T* __restrict__ y, float* __restrict__ rstd) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x, packs = hidden / V;
+  const T* xr = x + row * hidden;
+  const T* zr = z + row * hidden;
+  float sum = 0.f;
+  for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
+    const Pack<T, V> p = Load<T, V>(xr, i);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float v = ToFloat(p.v[k]);
+      sum += v * v;
+    }
+  }
+  sum = BlockSum(sum, scratch);
+  const float r = rsqrtf(sum / static_cast<float>(hidden) + eps);
+  if (threadIdx.x == 0) rstd[row] = r;
+  for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
+    const Pack<T, V> xp = Load<T, V>(xr, i), zp = Load<T, V>(zr, i), wp = Load<T, V>(weight, i);
+    Pack<T, V> o;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float a = Round<T>(ToFloat(wp.v[k]) * Round<T>(ToFloat(xp.v[k]) * r)), g = ToFloat(zp.v[k]);
+      o.v[k] = FromFloat<T>(a * (g * Sigmoid(g)));
+    }
+    Store<T, V>(y + row * hidden, i, o);
+  }
+}
+
+// GatedRmsNormKernel's input gradients, rounded where autograd of the composition stores:
+//   da = (g * silu(z)).to(T), gn = (da * weight).to(T), dx = (gn - n * mean(gn * n)) * rstd,
+//   dz = g * a * silu'(z)   (n = x * rstd, a as in forward).
+template <typename T, int V>
+__global__ void GatedRmsNormGradKernel(const T* __restrict__ g, const T* __restrict__ x, const T* __restrict__ z,
+                                       const T* __restrict__ weight, const float* __restrict__ rstd, int64_t hidden,
+                                       T* __restrict__ dx, T* __restrict__ dz) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x, packs = hidden / V;
+  const T* gr = g + row * hidden;
+  const T* xr = x + row * hidden;
+  const T* zr = z + row * hidden;
+  const float r = rstd[row];
+  float dot = 0.f;
+  for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
+    const Pack<T, V> gp = Load<T, V>(gr, i), xp = Load<T, V>(xr, i), zp = Load<T, V>(zr, i),
+                     wp = Load<T, V>(weight, i);
+    Pack<T, V> dzp;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float gate = ToFloat(zp.v[k]), s = Sigmoid(gate), n = ToFloat(xp.v[k]) * r;
+      const float a = Round<T>(ToFloat(wp.v[k]) * Round<T>(n)), gi = ToFloat(gp.v[k]);
+      dot += Round<T>(Round<T>(gi * gate * s) * ToFloat(wp.v[k])) * n;
+      dzp.v[k] = FromFloat<T>(gi * a * s * (1.f + gate * (1.f - s)));
+    }
+    Store<T, V>(dz + row * hidden, i, dzp);
+  }
+  dot = BlockSum(dot, scratch) / static_cast<float>(hidden);
+  for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
+    const Pack<T, V> gp = Load<T, V>(gr, i), xp = Load<T, V>(xr, i), zp = Load<T, V>(zr, i),
+                     wp = Load<T, V>(weight, i);
+    Pack<T, V> o;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float gate = ToFloat(zp.v[k]), n = ToFloat(xp.v[k]) * r;
+      const float gn = Round<T>(Round<T>(ToFloat(gp.v[k]) * gate * Sigmoid(gate)) * ToFloat(wp.v[k]));
+      o.v[k] = FromFloat<T>((gn - n * dot) * r);
+    }
+    Store<T, V>(dx + row * hidden, i, o);
+  }
+}
+
 // rows x f elements in packs of V (f, the strides and every pointer a multiple of the pack):
 // gate/up rows `in_ld` apart (gate_up's halves: up = gate + f, in_ld = 2f), out contiguous.
 template <typename T, int V>
@@ -242,6 +317,51 @@ const char* LaunchRmsNormGrad(const void* grad_y, const void* x, const void* wei
       RmsNormGradKernel<T, V><<<blocks, RowThreads(hidden / V), 0, s>>>(gp, xp, wp, rstd, rp, hidden, dp);
     } else {
       RmsNormGradKernel<T, 1><<<blocks, RowThreads(hidden), 0, s>>>(gp, xp, wp, rstd, rp, hidden, dp);
+    }
+  });
+  return LastLaunchError();
+}
+
+const char* LaunchGatedRmsNorm(const void* x, const void* z, const void* weight, ElementType type, int64_t rows,
+                               int64_t hidden, float eps, void* y, float* rstd, void* stream) {
+  if (rows == 0) return nullptr;
+  DispatchElementType(type, [&](auto t) {
+    using T = decltype(t);
+    constexpr int V = 16 / sizeof(T);
+    const auto s = static_cast<cudaStream_t>(stream);
+    const auto* xp = static_cast<const T*>(x);
+    const auto* zp = static_cast<const T*>(z);
+    const auto* wp = static_cast<const T*>(weight);
+    auto* yp = static_cast<T*>(y);
+    const auto blocks = static_cast<unsigned>(rows);
+    if (Packable<T>({hidden}, {x, z, weight, y})) {
+      GatedRmsNormKernel<T, V><<<blocks, RowThreads(hidden / V), 0, s>>>(xp, zp, wp, hidden, eps, yp, rstd);
+    } else {
+      GatedRmsNormKernel<T, 1><<<blocks, RowThreads(hidden), 0, s>>>(xp, zp, wp, hidden, eps, yp, rstd);
+    }
+  });
+  return LastLaunchError();
+}
+
+const char* LaunchGatedRmsNormGrad(const void* grad_y, const void* x, const void* z, const void* weight,
+                                   const float* rstd, ElementType type, int64_t rows, int64_t hidden, void* grad_x,
+                                   void* grad_z, void* stream) {
+  if (rows == 0) return nullptr;
+  DispatchElementType(type, [&](auto t) {
+    using T = decltype(t);
+    constexpr int V = 16 / sizeof(T);
+    const auto s = static_cast<cudaStream_t>(stream);
+    const auto* gp = static_cast<const T*>(grad_y);
+    const auto* xp = static_cast<const T*>(x);
+    const auto* zp = static_cast<const T*>(z);
+    const auto* wp = static_cast<const T*>(weight);
+    auto* dxp = static_cast<T*>(grad_x);
+    auto* dzp = static_cast<T*>(grad_z);
+    const auto blocks = static_cast<unsigned>(rows);
+    if (Packable<T>({hidden}, {grad_y, x, z, weight, grad_x, grad_z})) {
+      GatedRmsNormGradKernel<T, V><<<blocks, RowThreads(hidden / V), 0, s>>>(gp, xp, zp, wp, rstd, hidden, dxp, dzp);
+    } else {
+      GatedRmsNormGradKernel<T, 1><<<blocks, RowThreads(hidden), 0, s>>>(gp, xp, zp, wp, rstd, hidden, dxp, dzp);
     }
   });
   return LastLaunchError();

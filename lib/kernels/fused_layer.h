@@ -1,5 +1,5 @@
-// A decoder layer's memory-bound steps as one kernel each way (CUDA build only): RMSNorm,
-// SwiGLU and rotary embeddings. As ATen compositions each is several kernels with fp32
+// A decoder layer's memory-bound steps as one kernel each way (CUDA build only): RMSNorm
+// (and Qwen3.5's gated form), SwiGLU and rotary embeddings. As ATen compositions each is several kernels with fp32
 // temporaries written and read back, most of a LoRA step's copy/cast time (docs/PERFORMANCE.md,
 // the 7B step). Each kernel computes in fp32 and rounds to the storage
 // type wherever the ATen composition stores a tensor, so both paths round alike (the
@@ -32,6 +32,16 @@ const char* LaunchRmsNorm(const void* x, const void* residual, const void* weigh
 const char* LaunchRmsNormGrad(const void* grad_y, const void* x, const void* weight,
                               const float* rstd, const void* residual_grad, ElementType type, int64_t rows,
                               int64_t hidden, void* grad_x, void* stream);
+
+// Qwen3.5's gated norm, y = ((weight * (x * rstd).to(type)) * silu(z)).to(type) with the gate
+// and the product in fp32; x, z, y: rows x hidden; rstd as LaunchRmsNorm's.
+const char* LaunchGatedRmsNorm(const void* x, const void* z, const void* weight, ElementType type, int64_t rows,
+                               int64_t hidden, float eps, void* y, float* rstd, void* stream);
+
+// The input gradients of LaunchGatedRmsNorm's y for x and z (the weight's is not computed).
+const char* LaunchGatedRmsNormGrad(const void* grad_y, const void* x, const void* z, const void* weight,
+                                   const float* rstd, ElementType type, int64_t rows, int64_t hidden, void* grad_x,
+                                   void* grad_z, void* stream);
 
 // out = silu(gate).to(type) * up over rows x f: gate and up rows `in_ld` elements apart (the
 // two halves of one [rows, 2f] projection: up = gate + f, in_ld = 2f); out contiguous.

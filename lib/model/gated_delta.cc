@@ -12,6 +12,10 @@
 
 #include "lib/env_switch.h"
 #include "lib/model/lora_config.h"
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+#include "lib/kernels/fused_layer.h"
+#include "lib/kernels/kernel_launch.h"
+#endif
 
 namespace lorastep {
 namespace {
@@ -293,7 +297,61 @@ at::Tensor CausalConv1dSilu(const at::Tensor& x, const at::Tensor& weight, const
 // fp32 (as transformers), or fp64 for fp64 inputs.
 at::ScalarType WideType(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
+namespace {
+
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+// The gated norm as one CUDA kernel each way (kernels::LaunchGatedRmsNorm), keeping x, z and
+// the per-row 1/rms for backward; the same rounding as the composition below.
+class GatedRmsNormFunction : public torch::autograd::Function<GatedRmsNormFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& z,
+                            const at::Tensor& weight, double eps) {
+    const at::Tensor xc = x.contiguous(), zc = z.contiguous(), w = weight.contiguous();
+    const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+    at::Tensor y = at::empty_like(xc);
+    at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+    const kernels::KernelLaunch launch(xc);
+    kernels::CheckLaunch(kernels::LaunchGatedRmsNorm(xc.data_ptr(), zc.data_ptr(), w.data_ptr(),
+                                                     kernels::ElementTypeOf(xc), rows, hidden,
+                                                     static_cast<float>(eps), y.data_ptr(), rstd.data_ptr<float>(),
+                                                     launch.stream),
+                         "gated rmsnorm");
+    ctx->save_for_backward({xc, zc, w, rstd});
+    return y;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &z = saved[1], &w = saved[2], &rstd = saved[3];
+    const at::Tensor g = grads[0].contiguous();
+    at::Tensor dx = at::empty_like(x), dz = at::empty_like(z);
+    const kernels::KernelLaunch launch(x);
+    kernels::CheckLaunch(kernels::LaunchGatedRmsNormGrad(g.data_ptr(), x.data_ptr(), z.data_ptr(), w.data_ptr(),
+                                                         rstd.data_ptr<float>(), kernels::ElementTypeOf(x),
+                                                         x.numel() / x.size(-1), x.size(-1), dx.data_ptr(),
+                                                         dz.data_ptr(), launch.stream),
+                         "gated rmsnorm gradient");
+    return {dx, dz, at::Tensor(), at::Tensor()};
+  }
+};
+
+// The kernel serves CUDA tensors of one float type with a frozen weight (full fine-tuning,
+// which trains the norm, takes the composition); LORASTEP_FUSED_KERNELS=0 turns it off.
+bool UseGatedNormKernel(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight) {
+  static const bool enabled = EnvSwitchOn("LORASTEP_FUSED_KERNELS");
+  const at::ScalarType t = x.scalar_type();
+  return enabled && x.is_cuda() && z.scalar_type() == t && weight.scalar_type() == t &&
+         (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat) && x.sizes() == z.sizes() &&
+         !(at::GradMode::is_enabled() && weight.requires_grad());
+}
+#endif
+
+}  // namespace
+
 at::Tensor GatedRmsNorm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight, double eps) {
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+  if (UseGatedNormKernel(x, z, weight)) return GatedRmsNormFunction::apply(x, z, weight, eps);
+#endif
   const at::ScalarType wide = WideType(x);
   const at::Tensor xf = x.to(wide);
   const at::Tensor normed = (xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(x.scalar_type());

@@ -55,6 +55,7 @@ at::Tensor CausalConv1dSilu(const at::Tensor& x, const at::Tensor& weight,
 
 // RMSNorm(x) * weight * silu(z) over the last dim (Qwen3.5's gated norm): the normalization in
 // fp32, the weight applied in x's dtype, the gate in fp32, the result in x's dtype.
+// On CUDA one fused kernel each way (lib/kernels/fused_layer.h) with the same rounding.
 at::Tensor GatedRmsNorm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight, double eps);
 
 // The log decay and the write strength from the layer's per-head projections a and b [.., hv]:
