@@ -19,14 +19,19 @@ unsigned ElementwiseBlocks(int64_t n, int threads) {
   return static_cast<unsigned>(blocks < 65535 * 16 ? blocks : 65535 * 16);
 }
 
+__device__ __forceinline__ float Sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
+__device__ __forceinline__ float Silu(float v) { return v * Sigmoid(v); }
+
 // Rows are read in packs of V elements (hidden and every pointer a multiple of the pack;
 // V = 1 otherwise): the scalar form leaves most of the memory bandwidth unused.
 // With `residual` non-null the normed row is x + residual (rounded to T, as an add that
 // stores T would), and that sum is written to `sum`: the residual add costs no pass of its own.
+// With `gate` non-null (Qwen3.5's gated norm) the output is (y * silu(gate)).to(T), the gate
+// and the product in fp32.
 template <typename T, int V>
-__global__ void RmsNormKernel(const T* __restrict__ x, const T* __restrict__ residual, const T* __restrict__ weight,
-                              int64_t hidden, float eps, T* __restrict__ sum_out, T* __restrict__ y, int64_t y_ld,
-                              float* __restrict__ rstd) {
+__global__ void RmsNormKernel(const T* __restrict__ x, const T* __restrict__ residual, const T* __restrict__ gate,
+                              const T* __restrict__ weight, int64_t hidden, float eps, T* __restrict__ sum_out,
+                              T* __restrict__ y, int64_t y_ld, float* __restrict__ rstd) {
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x, packs = hidden / V;
   const T* xr = x + row * hidden;
@@ -60,36 +65,63 @@ __global__ void RmsNormKernel(const T* __restrict__ x, const T* __restrict__ res
     Pack<T, V> o;
 #pragma unroll
     for (int k = 0; k < V; ++k) o.v[k] = FromFloat<T>(ToFloat(wp.v[k]) * Round<T>(ToFloat(xp.v[k]) * r));
+    if (gate != nullptr) {
+      const Pack<T, V> zp = Load<T, V>(gate + row * hidden, i);
+#pragma unroll
+      for (int k = 0; k < V; ++k) o.v[k] = FromFloat<T>(ToFloat(o.v[k]) * Silu(ToFloat(zp.v[k])));
+    }
     Store<T, V>(yr, i, o);
   }
 }
 
-// dx = (gn - n * mean(gn * n)) * rstd, plus `residual` (the gradient arriving at x along the
-// residual stream) when non-null: the add then costs no pass of its own.
+// dx = (gn - n * mean(gn * n)) * rstd with gn = (g * weight).to(T), plus `residual` (the
+// gradient arriving at x along the residual stream) when non-null: the add then costs no pass
+// of its own. With `gate` non-null (RmsNormKernel's gated form) g reaches the norm as
+// (g * silu(gate)).to(T), and dgate = g * y_norm * silu'(gate) is written as well.
 template <typename T, int V>
-__global__ void RmsNormGradKernel(const T* __restrict__ g, const T* __restrict__ x, const T* __restrict__ weight,
-                                  const float* __restrict__ rstd, const T* __restrict__ residual, int64_t hidden,
-                                  T* __restrict__ dx) {
+__global__ void RmsNormGradKernel(const T* __restrict__ g, const T* __restrict__ x, const T* __restrict__ gate,
+                                  const T* __restrict__ weight, const float* __restrict__ rstd,
+                                  const T* __restrict__ residual, int64_t hidden, T* __restrict__ dx,
+                                  T* __restrict__ dgate) {
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x, packs = hidden / V;
   const T* gr = g + row * hidden;
   const T* xr = x + row * hidden;
+  const T* zr = gate != nullptr ? gate + row * hidden : nullptr;
   const float r = rstd[row];
+  // The gradient reaching the norm's output ((weight * n).to(T)) for element k of a pack.
+  auto arriving = [&](const Pack<T, V>& gp, const Pack<T, V>& zp, int k) {
+    if (zr == nullptr) return ToFloat(gp.v[k]);
+    const float z = ToFloat(zp.v[k]);
+    return Round<T>(ToFloat(gp.v[k]) * Silu(z));
+  };
   float dot = 0.f;
   for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
     const Pack<T, V> gp = Load<T, V>(gr, i), xp = Load<T, V>(xr, i), wp = Load<T, V>(weight, i);
+    const Pack<T, V> zp = zr != nullptr ? Load<T, V>(zr, i) : gp;
 #pragma unroll
-    for (int k = 0; k < V; ++k) dot += Round<T>(ToFloat(gp.v[k]) * ToFloat(wp.v[k])) * (ToFloat(xp.v[k]) * r);
+    for (int k = 0; k < V; ++k) dot += Round<T>(arriving(gp, zp, k) * ToFloat(wp.v[k])) * (ToFloat(xp.v[k]) * r);
+    if (zr != nullptr) {
+      Pack<T, V> dz;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float z = ToFloat(zp.v[k]), s = Sigmoid(z);
+        const float normed = Round<T>(ToFloat(wp.v[k]) * Round<T>(ToFloat(xp.v[k]) * r));
+        dz.v[k] = FromFloat<T>(ToFloat(gp.v[k]) * normed * s * (1.f + z * (1.f - s)));
+      }
+      Store<T, V>(dgate + row * hidden, i, dz);
+    }
   }
   dot = BlockSum(dot, scratch) / static_cast<float>(hidden);
   T* out = dx + row * hidden;
   const T* res = residual != nullptr ? residual + row * hidden : nullptr;
   for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
     const Pack<T, V> gp = Load<T, V>(gr, i), xp = Load<T, V>(xr, i), wp = Load<T, V>(weight, i);
+    const Pack<T, V> zp = zr != nullptr ? Load<T, V>(zr, i) : gp;
     Pack<T, V> o;
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      const float gn = Round<T>(ToFloat(gp.v[k]) * ToFloat(wp.v[k]));
+      const float gn = Round<T>(arriving(gp, zp, k) * ToFloat(wp.v[k]));
       const float n = ToFloat(xp.v[k]) * r;
       o.v[k] = FromFloat<T>((gn - n * dot) * r);
     }
@@ -102,82 +134,6 @@ __global__ void RmsNormGradKernel(const T* __restrict__ g, const T* __restrict__
   }
 }
 
-__device__ __forceinline__ float Sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
-
-// Qwen3.5's gated norm per row: y = (a * silu(z)).to(T) with a = (weight * (x * rstd).to(T)).to(T),
-// the gate and the product in fp32 (rows of `hidden`, contiguous).
-template <typename T, int V>
-__global__ void GatedRmsNormKernel(const T* __restrict__ x, const T* __restrict__ z, const T* __restrict__ weight,
-                                   int64_t hidden, float eps, T* __restrict__ y, float* __restrict__ rstd) {
-  __shared__ float scratch[32];
-  const int64_t row = blockIdx.x, packs = hidden / V;
-  const T* xr = x + row * hidden;
-  const T* zr = z + row * hidden;
-  float sum = 0.f;
-  for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
-    const Pack<T, V> p = Load<T, V>(xr, i);
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const float v = ToFloat(p.v[k]);
-      sum += v * v;
-    }
-  }
-  sum = BlockSum(sum, scratch);
-  const float r = rsqrtf(sum / static_cast<float>(hidden) + eps);
-  if (threadIdx.x == 0) rstd[row] = r;
-  for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
-    const Pack<T, V> xp = Load<T, V>(xr, i), zp = Load<T, V>(zr, i), wp = Load<T, V>(weight, i);
-    Pack<T, V> o;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const float a = Round<T>(ToFloat(wp.v[k]) * Round<T>(ToFloat(xp.v[k]) * r)), g = ToFloat(zp.v[k]);
-      o.v[k] = FromFloat<T>(a * (g * Sigmoid(g)));
-    }
-    Store<T, V>(y + row * hidden, i, o);
-  }
-}
-
-// GatedRmsNormKernel's input gradients, rounded where autograd of the composition stores:
-//   da = (g * silu(z)).to(T), gn = (da * weight).to(T), dx = (gn - n * mean(gn * n)) * rstd,
-//   dz = g * a * silu'(z)   (n = x * rstd, a as in forward).
-template <typename T, int V>
-__global__ void GatedRmsNormGradKernel(const T* __restrict__ g, const T* __restrict__ x, const T* __restrict__ z,
-                                       const T* __restrict__ weight, const float* __restrict__ rstd, int64_t hidden,
-                                       T* __restrict__ dx, T* __restrict__ dz) {
-  __shared__ float scratch[32];
-  const int64_t row = blockIdx.x, packs = hidden / V;
-  const T* gr = g + row * hidden;
-  const T* xr = x + row * hidden;
-  const T* zr = z + row * hidden;
-  const float r = rstd[row];
-  float dot = 0.f;
-  for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
-    const Pack<T, V> gp = Load<T, V>(gr, i), xp = Load<T, V>(xr, i), zp = Load<T, V>(zr, i),
-                     wp = Load<T, V>(weight, i);
-    Pack<T, V> dzp;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const float gate = ToFloat(zp.v[k]), s = Sigmoid(gate), n = ToFloat(xp.v[k]) * r;
-      const float a = Round<T>(ToFloat(wp.v[k]) * Round<T>(n)), gi = ToFloat(gp.v[k]);
-      dot += Round<T>(Round<T>(gi * gate * s) * ToFloat(wp.v[k])) * n;
-      dzp.v[k] = FromFloat<T>(gi * a * s * (1.f + gate * (1.f - s)));
-    }
-    Store<T, V>(dz + row * hidden, i, dzp);
-  }
-  dot = BlockSum(dot, scratch) / static_cast<float>(hidden);
-  for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
-    const Pack<T, V> gp = Load<T, V>(gr, i), xp = Load<T, V>(xr, i), zp = Load<T, V>(zr, i),
-                     wp = Load<T, V>(weight, i);
-    Pack<T, V> o;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const float gate = ToFloat(zp.v[k]), n = ToFloat(xp.v[k]) * r;
-      const float gn = Round<T>(Round<T>(ToFloat(gp.v[k]) * gate * Sigmoid(gate)) * ToFloat(wp.v[k]));
-      o.v[k] = FromFloat<T>((gn - n * dot) * r);
-    }
-    Store<T, V>(dx + row * hidden, i, o);
-  }
-}
 
 // rows x f elements in packs of V (f, the strides and every pointer a multiple of the pack):
 // gate/up rows `in_ld` apart (gate_up's halves: up = gate + f, in_ld = 2f), out contiguous.
@@ -275,10 +231,9 @@ __global__ void RopeKernel(const T* __restrict__ x, RopeStrides st, const T* __r
 
 constexpr int kElementwiseThreads = 256;
 
-}  // namespace
-
-const char* LaunchRmsNorm(const void* x, const void* residual, const void* weight, ElementType type, int64_t rows,
-                          int64_t hidden, float eps, void* sum, void* y, int64_t y_ld, float* rstd, void* stream) {
+const char* LaunchNorm(const void* x, const void* residual, const void* gate, const void* weight, ElementType type,
+                       int64_t rows, int64_t hidden, float eps, void* sum, void* y, int64_t y_ld, float* rstd,
+                       void* stream) {
   if (rows == 0) return nullptr;
   DispatchElementType(type, [&](auto t) {
     using T = decltype(t);
@@ -286,85 +241,67 @@ const char* LaunchRmsNorm(const void* x, const void* residual, const void* weigh
     const auto s = static_cast<cudaStream_t>(stream);
     const auto* xp = static_cast<const T*>(x);
     const auto* rp = static_cast<const T*>(residual);
+    const auto* zp = static_cast<const T*>(gate);
     const auto* wp = static_cast<const T*>(weight);
     auto* sp = static_cast<T*>(sum);
     auto* yp = static_cast<T*>(y);
     const auto blocks = static_cast<unsigned>(rows);
-    if (Packable<T>({hidden, y_ld}, {x, residual, weight, sum, y})) {
-      RmsNormKernel<T, V><<<blocks, RowThreads(hidden / V), 0, s>>>(xp, rp, wp, hidden, eps, sp, yp, y_ld, rstd);
+    if (Packable<T>({hidden, y_ld}, {x, residual, gate, weight, sum, y})) {
+      RmsNormKernel<T, V><<<blocks, RowThreads(hidden / V), 0, s>>>(xp, rp, zp, wp, hidden, eps, sp, yp, y_ld, rstd);
     } else {
-      RmsNormKernel<T, 1><<<blocks, RowThreads(hidden), 0, s>>>(xp, rp, wp, hidden, eps, sp, yp, y_ld, rstd);
+      RmsNormKernel<T, 1><<<blocks, RowThreads(hidden), 0, s>>>(xp, rp, zp, wp, hidden, eps, sp, yp, y_ld, rstd);
     }
   });
   return LastLaunchError();
+}
+
+const char* LaunchNormGrad(const void* grad_y, const void* x, const void* gate, const void* weight, const float* rstd,
+                           const void* residual_grad, ElementType type, int64_t rows, int64_t hidden, void* grad_x,
+                           void* grad_gate, void* stream) {
+  if (rows == 0) return nullptr;
+  DispatchElementType(type, [&](auto t) {
+    using T = decltype(t);
+    constexpr int V = 16 / sizeof(T);
+    const auto s = static_cast<cudaStream_t>(stream);
+    const auto* gp = static_cast<const T*>(grad_y);
+    const auto* xp = static_cast<const T*>(x);
+    const auto* zp = static_cast<const T*>(gate);
+    const auto* wp = static_cast<const T*>(weight);
+    const auto* rp = static_cast<const T*>(residual_grad);
+    auto* dp = static_cast<T*>(grad_x);
+    auto* dzp = static_cast<T*>(grad_gate);
+    const auto blocks = static_cast<unsigned>(rows);
+    if (Packable<T>({hidden}, {grad_y, x, weight, grad_x}) && Packable<T>({}, {residual_grad, gate, grad_gate})) {
+      RmsNormGradKernel<T, V><<<blocks, RowThreads(hidden / V), 0, s>>>(gp, xp, zp, wp, rstd, rp, hidden, dp, dzp);
+    } else {
+      RmsNormGradKernel<T, 1><<<blocks, RowThreads(hidden), 0, s>>>(gp, xp, zp, wp, rstd, rp, hidden, dp, dzp);
+    }
+  });
+  return LastLaunchError();
+}
+
+}  // namespace
+
+const char* LaunchRmsNorm(const void* x, const void* residual, const void* weight, ElementType type, int64_t rows,
+                          int64_t hidden, float eps, void* sum, void* y, int64_t y_ld, float* rstd, void* stream) {
+  return LaunchNorm(x, residual, nullptr, weight, type, rows, hidden, eps, sum, y, y_ld, rstd, stream);
 }
 
 const char* LaunchRmsNormGrad(const void* grad_y, const void* x, const void* weight, const float* rstd,
                               const void* residual_grad, ElementType type, int64_t rows, int64_t hidden,
                               void* grad_x, void* stream) {
-  if (rows == 0) return nullptr;
-  DispatchElementType(type, [&](auto t) {
-    using T = decltype(t);
-    constexpr int V = 16 / sizeof(T);
-    const auto s = static_cast<cudaStream_t>(stream);
-    const auto* gp = static_cast<const T*>(grad_y);
-    const auto* xp = static_cast<const T*>(x);
-    const auto* wp = static_cast<const T*>(weight);
-    const auto* rp = static_cast<const T*>(residual_grad);
-    auto* dp = static_cast<T*>(grad_x);
-    const auto blocks = static_cast<unsigned>(rows);
-    if (Packable<T>({hidden}, {grad_y, x, weight, grad_x}) && Packable<T>({}, {residual_grad})) {
-      RmsNormGradKernel<T, V><<<blocks, RowThreads(hidden / V), 0, s>>>(gp, xp, wp, rstd, rp, hidden, dp);
-    } else {
-      RmsNormGradKernel<T, 1><<<blocks, RowThreads(hidden), 0, s>>>(gp, xp, wp, rstd, rp, hidden, dp);
-    }
-  });
-  return LastLaunchError();
+  return LaunchNormGrad(grad_y, x, nullptr, weight, rstd, residual_grad, type, rows, hidden, grad_x, nullptr, stream);
 }
 
 const char* LaunchGatedRmsNorm(const void* x, const void* z, const void* weight, ElementType type, int64_t rows,
                                int64_t hidden, float eps, void* y, float* rstd, void* stream) {
-  if (rows == 0) return nullptr;
-  DispatchElementType(type, [&](auto t) {
-    using T = decltype(t);
-    constexpr int V = 16 / sizeof(T);
-    const auto s = static_cast<cudaStream_t>(stream);
-    const auto* xp = static_cast<const T*>(x);
-    const auto* zp = static_cast<const T*>(z);
-    const auto* wp = static_cast<const T*>(weight);
-    auto* yp = static_cast<T*>(y);
-    const auto blocks = static_cast<unsigned>(rows);
-    if (Packable<T>({hidden}, {x, z, weight, y})) {
-      GatedRmsNormKernel<T, V><<<blocks, RowThreads(hidden / V), 0, s>>>(xp, zp, wp, hidden, eps, yp, rstd);
-    } else {
-      GatedRmsNormKernel<T, 1><<<blocks, RowThreads(hidden), 0, s>>>(xp, zp, wp, hidden, eps, yp, rstd);
-    }
-  });
-  return LastLaunchError();
+  return LaunchNorm(x, nullptr, z, weight, type, rows, hidden, eps, nullptr, y, hidden, rstd, stream);
 }
 
 const char* LaunchGatedRmsNormGrad(const void* grad_y, const void* x, const void* z, const void* weight,
                                    const float* rstd, ElementType type, int64_t rows, int64_t hidden, void* grad_x,
                                    void* grad_z, void* stream) {
-  if (rows == 0) return nullptr;
-  DispatchElementType(type, [&](auto t) {
-    using T = decltype(t);
-    constexpr int V = 16 / sizeof(T);
-    const auto s = static_cast<cudaStream_t>(stream);
-    const auto* gp = static_cast<const T*>(grad_y);
-    const auto* xp = static_cast<const T*>(x);
-    const auto* zp = static_cast<const T*>(z);
-    const auto* wp = static_cast<const T*>(weight);
-    auto* dxp = static_cast<T*>(grad_x);
-    auto* dzp = static_cast<T*>(grad_z);
-    const auto blocks = static_cast<unsigned>(rows);
-    if (Packable<T>({hidden}, {grad_y, x, z, weight, grad_x, grad_z})) {
-      GatedRmsNormGradKernel<T, V><<<blocks, RowThreads(hidden / V), 0, s>>>(gp, xp, zp, wp, rstd, hidden, dxp, dzp);
-    } else {
-      GatedRmsNormGradKernel<T, 1><<<blocks, RowThreads(hidden), 0, s>>>(gp, xp, zp, wp, rstd, hidden, dxp, dzp);
-    }
-  });
-  return LastLaunchError();
+  return LaunchNormGrad(grad_y, x, z, weight, rstd, nullptr, type, rows, hidden, grad_x, grad_z, stream);
 }
 
 const char* LaunchSwiGlu(const void* gate, const void* up, ElementType type, int64_t rows, int64_t f, int64_t in_ld,
