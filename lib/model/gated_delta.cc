@@ -117,81 +117,141 @@ namespace {
 //   V_i = NV_i - KC_i S_i,   S_{i+1} = d_i S_i + KE_i^T V_i
 // (NV the chunk's solved values, KC its decayed keys read through the solve, KE its keys
 // decayed to the chunk's end, d its whole decay). Returns every S_i (i = 0..n: the chunk
-// starts and the final state) and every V_i; the outputs (Q S_i + A V_i) are one batched
-// matmul outside. Its backward runs the reverse recurrence in three kernels per chunk and
-// every other gradient as batched matmuls over all chunks, where autograd through the loop
-// would keep and replay about ten small kernels per chunk each way.
-class ChunkRecurrence : public torch::autograd::Function<ChunkRecurrence> {
+// starts and the final state) and every V_i, in three kernels per chunk.
+std::pair<at::Tensor, at::Tensor> RecurrenceForward(const at::Tensor& nv, const at::Tensor& kc, const at::Tensor& ke,
+                                                    const at::Tensor& decay, const at::Tensor& s0) {
+  const int64_t n = nv.size(0), batch = nv.size(1);
+  at::Tensor states = at::empty({n + 1, batch, kc.size(-1), nv.size(-1)}, nv.options());
+  at::Tensor values = at::empty_like(nv);
+  states.select(0, 0).copy_(s0);
+  for (int64_t i = 0; i < n; ++i) {
+    at::Tensor s = states.select(0, i), v = values.select(0, i), next = states.select(0, i + 1);
+    at::baddbmm_out(v, nv.select(0, i), kc.select(0, i), s, /*beta=*/1, /*alpha=*/-1);
+    at::mul_out(next, s, decay.select(0, i).view({batch, 1, 1}));
+    next.baddbmm_(ke.select(0, i).transpose(-1, -2), v);
+  }
+  return {states, values};
+}
+
+// The recurrence's gradients from those of every S_i (d_states, i = 0..n) and V_i
+// (d_values): the reverse recurrence in three kernels per chunk, the rest as batched matmuls
+// over all chunks. Returns d NV, d KC, d KE, d decay and d S_0.
+std::array<at::Tensor, 5> RecurrenceBackward(const at::Tensor& kc, const at::Tensor& ke, const at::Tensor& decay,
+                                             const at::Tensor& states, const at::Tensor& values,
+                                             const at::Tensor& d_states, const at::Tensor& d_values) {
+  const int64_t n = values.size(0), batch = values.size(1);
+  // arriving[i]: the whole gradient reaching S_{i+1} (its own and through every later chunk).
+  at::Tensor arriving = at::empty({n, batch, states.size(-2), states.size(-1)}, states.options());
+  at::Tensor d_v = at::empty_like(values);
+  at::Tensor d_s0 = at::empty_like(states.select(0, 0));
+  arriving.select(0, n - 1).copy_(d_states.select(0, n));
+  for (int64_t i = n - 1; i >= 0; --i) {
+    at::Tensor ds = arriving.select(0, i), dv = d_v.select(0, i);
+    at::baddbmm_out(dv, d_values.select(0, i), ke.select(0, i), ds);
+    at::Tensor into = i > 0 ? arriving.select(0, i - 1) : d_s0;
+    at::addcmul_out(into, d_states.select(0, i), ds, decay.select(0, i).view({batch, 1, 1}));
+    into.baddbmm_(kc.select(0, i).transpose(-1, -2), dv, /*beta=*/1, /*alpha=*/-1);
+  }
+  const at::Tensor starts = states.narrow(0, 0, n);
+  return {d_v, -at::matmul(d_v, starts.transpose(-1, -2)), at::matmul(values, arriving.transpose(-1, -2)),
+          (starts * arriving).sum({-2, -1}), d_s0};
+}
+
+// (I + L)^-1 for strictly lower-triangular L: one triangular solve against the identity, or
+// the doubling series (LORASTEP_GDN_TRIANGULAR_SOLVE=0), for side-by-side timing.
+at::Tensor UnitLowerInverseOf(const at::Tensor& strictly_lower) {
+  static const bool triangular_solve = EnvSwitchOn("LORASTEP_GDN_TRIANGULAR_SOLVE");
+  if (!triangular_solve) return UnitLowerInverse(strictly_lower);
+  const int64_t c = strictly_lower.size(-1);
+  return at::linalg_solve_triangular(strictly_lower,
+                                     at::eye(c, strictly_lower.options()).expand(strictly_lower.sizes()),
+                                     /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
+}
+
+// The chunked rule on chunk-major operands ([n, B, c, d]; beta and g [n, B, c]; padded tokens
+// with zero keys, values, write and decay), from state S_0 [B, dk, dv]: returns the outputs
+// [n, B, c, dv] and the final state. Within a chunk, with cum the cumulative log decay,
+// E = exp(cum), P_ij = exp(cum_i - cum_j) (i >= j, 0 above):
+//   Sys = tril(beta K K^T . P, -1), A = (I + Sys)^-1,
+//   [NV | KC] = A [beta V | beta K . E]   (the delta rule's updates as one unit-lower system),
+//   O = (Q . E) S_i + (Q K^T . P) V_i     with S_i, V_i from the recurrence (RecurrenceForward),
+// KE = K . exp(cum_last - cum) and d = exp(cum_last). The backward is written out (Backward
+// below): about forty batched operations and the reverse recurrence, where autograd through
+// the same composition keeps and replays about a hundred, with their copies.
+class ChunkedRule : public torch::autograd::Function<ChunkedRule> {
  public:
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& nv,
-                                                const at::Tensor& kc, const at::Tensor& ke,
-                                                const at::Tensor& decay, const at::Tensor& s0) {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                                                const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
+                                                const at::Tensor& g, const at::Tensor& s0) {
     at::NoGradGuard no_grad;
-    const int64_t n = nv.size(0), batch = nv.size(1);
-    at::Tensor states = at::empty({n + 1, batch, kc.size(-1), nv.size(-1)}, nv.options());
-    at::Tensor values = at::empty_like(nv);
-    states.select(0, 0).copy_(s0);
-    for (int64_t i = 0; i < n; ++i) {
-      at::Tensor s = states.select(0, i), v = values.select(0, i), next = states.select(0, i + 1);
-      at::baddbmm_out(v, nv.select(0, i), kc.select(0, i), s, /*beta=*/1, /*alpha=*/-1);
-      at::mul_out(next, s, decay.select(0, i).view({batch, 1, 1}));
-      next.baddbmm_(ke.select(0, i).transpose(-1, -2), v);
-    }
-    ctx->save_for_backward({kc, ke, decay, states, values});
-    return {states, values};
+    const int64_t c = q.size(-2), dv = v.size(-1), dk = k.size(-1), n = q.size(0);
+    const at::Tensor cum = g.cumsum(-1), e = cum.exp();
+    const at::Tensor upper = at::ones({c, c}, cum.options().dtype(at::kBool)).triu(1);
+    const at::Tensor p =
+        (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, -std::numeric_limits<float>::infinity()).exp();
+    const at::Tensor kb = k * beta.unsqueeze(-1);
+    const at::Tensor kk = at::matmul(kb, k.transpose(-1, -2));
+    const at::Tensor qk = at::matmul(q, k.transpose(-1, -2));
+    const at::Tensor intra = qk * p;
+    const at::Tensor inverse = UnitLowerInverseOf((kk * p).tril(-1));
+    const at::Tensor solved = at::matmul(inverse, at::cat({v * beta.unsqueeze(-1), kb * e.unsqueeze(-1)}, -1));
+    const at::Tensor to_end = (cum.narrow(-1, c - 1, 1) - cum).exp();
+    const at::Tensor ke = k * to_end.unsqueeze(-1), decay = cum.select(-1, c - 1).exp();
+    const at::Tensor kc = solved.narrow(-1, dv, dk);
+    auto [states, values] = RecurrenceForward(solved.narrow(-1, 0, dv), kc, ke, decay, s0);
+    const at::Tensor qd = q * e.unsqueeze(-1);
+    at::Tensor out = at::matmul(qd, states.narrow(0, 0, n)).add_(at::matmul(intra, values));
+    ctx->save_for_backward({q, k, v, beta, e, p, kb, kk, qk, intra, inverse, solved, to_end, ke, decay, qd, states,
+                            values});
+    return {out, states.select(0, n)};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &kc = saved[0], &ke = saved[1], &decay = saved[2], &states = saved[3], &values = saved[4];
-    const int64_t n = values.size(0), batch = values.size(1);
-    const at::Tensor d_states = grads[0].defined() ? grads[0] : at::zeros_like(states);
-    const at::Tensor d_values = grads[1].defined() ? grads[1] : at::zeros_like(values);
-    // arriving[i]: the whole gradient reaching S_{i+1} (its own and through every later chunk).
-    at::Tensor arriving = at::empty({n, batch, states.size(-2), states.size(-1)}, states.options());
-    at::Tensor d_v = at::empty_like(values);
-    at::Tensor d_s0 = at::empty_like(states.select(0, 0));
-    arriving.select(0, n - 1).copy_(d_states.select(0, n));
-    for (int64_t i = n - 1; i >= 0; --i) {
-      at::Tensor ds = arriving.select(0, i), dv = d_v.select(0, i);
-      at::baddbmm_out(dv, d_values.select(0, i), ke.select(0, i), ds);
-      at::Tensor into = i > 0 ? arriving.select(0, i - 1) : d_s0;
-      at::addcmul_out(into, d_states.select(0, i), ds, decay.select(0, i).view({batch, 1, 1}));
-      into.baddbmm_(kc.select(0, i).transpose(-1, -2), dv, /*beta=*/1, /*alpha=*/-1);
-    }
+    const auto t = ctx->get_saved_variables();
+    const at::Tensor &q = t[0], &k = t[1], &v = t[2], &beta = t[3], &e = t[4], &p = t[5], &kb = t[6], &kk = t[7],
+                     &qk = t[8], &intra = t[9], &inverse = t[10], &solved = t[11], &to_end = t[12], &ke = t[13],
+                     &decay = t[14], &qd = t[15], &states = t[16], &values = t[17];
+    const int64_t n = q.size(0), c = q.size(-2), dv = v.size(-1), dk = k.size(-1);
+    const at::Tensor d_out = grads[0].defined() ? grads[0] : at::zeros_like(values);
     const at::Tensor starts = states.narrow(0, 0, n);
-    return {d_v, -at::matmul(d_v, starts.transpose(-1, -2)), at::matmul(values, arriving.transpose(-1, -2)),
-            (starts * arriving).sum({-2, -1}), d_s0};
-  }
-};
-
-// X = (I + L)^-1 R for strictly lower-triangular L [.., c, c] and R [.., c, m], through the
-// explicit inverse (one triangular solve against the identity, c columns where R has m,
-// or the doubling series with LORASTEP_GDN_TRIANGULAR_SOLVE=0), which backward reuses:
-// dR = (I + L)^-T dX and dL = -(dR X^T) below the diagonal, two batched matmuls where
-// autograd would solve again.
-class UnitLowerSolve : public torch::autograd::Function<UnitLowerSolve> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& strictly_lower,
-                            const at::Tensor& rhs) {
-    at::NoGradGuard no_grad;
-    static const bool triangular_solve = EnvSwitchOn("LORASTEP_GDN_TRIANGULAR_SOLVE");
-    const int64_t c = strictly_lower.size(-1);
-    const at::Tensor inverse =
-        triangular_solve
-            ? at::linalg_solve_triangular(strictly_lower, at::eye(c, rhs.options()).expand(strictly_lower.sizes()),
-                                          /*upper=*/false, /*left=*/true, /*unitriangular=*/true)
-            : UnitLowerInverse(strictly_lower);
-    at::Tensor solved = at::matmul(inverse, rhs);
-    ctx->save_for_backward({inverse, solved});
-    return solved;
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor d_rhs = at::matmul(saved[0].transpose(-1, -2), grads[0]);
-    return {-at::matmul(d_rhs, saved[1].transpose(-1, -2)).tril(-1), d_rhs};
+    // O = QD S + Intra V.
+    at::Tensor d_states = at::zeros_like(states);
+    d_states.narrow(0, 0, n).copy_(at::matmul(qd.transpose(-1, -2), d_out));
+    if (grads[1].defined()) d_states.select(0, n).copy_(grads[1]);
+    const at::Tensor d_qd = at::matmul(d_out, starts.transpose(-1, -2));
+    const at::Tensor d_intra = at::matmul(d_out, values.transpose(-1, -2));
+    const at::Tensor d_values = at::matmul(intra.transpose(-1, -2), d_out);
+    auto [d_nv, d_kc, d_ke, d_decay, d_s0] =
+        RecurrenceBackward(solved.narrow(-1, dv, dk), ke, decay, states, values, d_states, d_values);
+    // [NV | KC] = A R, A = (I + Sys)^-1: dR = A^T d[NV | KC], dSys = -(dR [NV | KC]^T) below the diagonal.
+    const at::Tensor d_rhs = at::matmul(inverse.transpose(-1, -2), at::cat({d_nv, d_kc}, -1));
+    const at::Tensor d_sys = at::matmul(d_rhs, solved.transpose(-1, -2)).neg_().tril_(-1);
+    const at::Tensor d_vb = d_rhs.narrow(-1, 0, dv), d_kbe = d_rhs.narrow(-1, dv, dk);
+    at::Tensor d_kb = d_kbe * e.unsqueeze(-1);
+    at::Tensor d_e = (d_kbe * kb).sum(-1);
+    // Sys = tril(KK . P, -1) and Intra = QK . P.
+    const at::Tensor d_kk = d_sys * p, d_qk = d_intra * p;
+    const at::Tensor d_p = d_sys * kk + d_intra * qk;
+    d_kb.add_(at::matmul(d_kk, k));
+    at::Tensor d_k = at::matmul(d_kk.transpose(-1, -2), kb).add_(at::matmul(d_qk.transpose(-1, -2), q));
+    at::Tensor d_q = at::matmul(d_qk, k).add_(d_qd * e.unsqueeze(-1));
+    d_e.add_((d_qd * q).sum(-1));
+    // KE = K . F, F = exp(cum_last - cum).
+    d_k.add_(d_ke * to_end.unsqueeze(-1));
+    const at::Tensor d_ff = (d_ke * k).sum(-1) * to_end;
+    // The cumulative log decay: through E, P, F and d.
+    at::Tensor d_cum = d_e * e;
+    const at::Tensor d_pp = d_p * p;  // P is 0 above the diagonal: only i >= j contribute
+    d_cum.add_(d_pp.sum(-1)).sub_(d_pp.sum(-2)).sub_(d_ff);
+    d_cum.select(-1, c - 1).add_(d_ff.sum(-1)).add_(d_decay * decay);
+    // Kb = K . beta, Vb = V . beta.
+    d_k.add_(d_kb * beta.unsqueeze(-1));
+    const at::Tensor d_beta = (d_kb * k).sum(-1).add_((d_vb * v).sum(-1));
+    const at::Tensor d_v = d_vb * beta.unsqueeze(-1);
+    // cum = cumsum(g): dg_j = sum over i >= j of d_cum_i.
+    const at::Tensor d_g = d_cum.flip(-1).cumsum(-1).flip(-1);
+    return {d_q, d_k, d_v, d_beta, d_g, d_s0};
   }
 };
 
@@ -225,37 +285,16 @@ std::pair<at::Tensor, at::Tensor> GatedDeltaRule(const at::Tensor& q, const at::
     return x * (at::rsqrt(norm * norm + 1e-6) * scale);
   };
   const at::Tensor query = chunk_major(unit(q, 1.0 / std::sqrt(static_cast<double>(dk))));
-  const at::Tensor key = chunk_major(unit(k, 1.0));
-  const at::Tensor value = chunk_major(v);
-  const at::Tensor write = chunk_major(beta.unsqueeze(-1));               // [chunks, b * h, c, 1]
-  const at::Tensor cum = chunk_major(g.unsqueeze(-1)).squeeze(-1).cumsum(-1);  // cumulative log decay
-  const at::Tensor k_beta = key * write, v_beta = value * write;
-  // Within a chunk: exp(cum_i - cum_j) for j <= i (0 above).
-  const at::Tensor upper = at::ones({c, c}, cum.options().dtype(at::kBool)).triu(1);
-  const at::Tensor pairwise =
-      (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, -std::numeric_limits<float>::infinity()).exp();
-  // The delta rule's updates within a chunk as one unit-lower-triangular system (its strictly
-  // lower part: beta_i k_i . k_j decayed), solved at once for the new values and the decayed
-  // keys that read the chunk's starting state (UnitLowerSolve).
-  const at::Tensor system = (at::matmul(k_beta, key.transpose(-1, -2)) * pairwise).tril(-1);
-  const at::Tensor intra = at::matmul(query, key.transpose(-1, -2)) * pairwise;
-  const at::Tensor rhs = at::cat({v_beta, k_beta * cum.exp().unsqueeze(-1)}, -1);
-  const at::Tensor solved = UnitLowerSolve::apply(system, rhs);
-  const at::Tensor q_decayed = query * cum.exp().unsqueeze(-1);
-  const at::Tensor k_to_end = key * (cum.narrow(-1, c - 1, 1) - cum).exp().unsqueeze(-1);
-  const at::Tensor chunk_decay = cum.select(-1, c - 1).exp();  // [chunks, b * h]
   const at::Tensor start = state.defined() ? state.to(type).reshape({b * h, dk, dv})
-                                           : at::zeros({b * h, dk, dv}, value.options());
-  const torch::autograd::variable_list run = ChunkRecurrence::apply(
-      solved.narrow(-1, 0, dv), solved.narrow(-1, dv, dk), k_to_end, chunk_decay, start);
-  auto flat = [&](const at::Tensor& x) { return x.reshape({-1, x.size(-2), x.size(-1)}); };
-  const at::Tensor out = at::baddbmm(at::bmm(flat(q_decayed), flat(run[0].narrow(0, 0, chunks))), flat(intra),
-                                     flat(run[1]));
+                                           : at::zeros({b * h, dk, dv}, query.options());
+  const torch::autograd::variable_list run =
+      ChunkedRule::apply(query, chunk_major(unit(k, 1.0)), chunk_major(v), chunk_major(beta.unsqueeze(-1)).squeeze(-1),
+                         chunk_major(g.unsqueeze(-1)).squeeze(-1), start);
   // Back to [b, T, h, dv] in q's dtype: one copy with the cast.
   const at::Tensor rows = at::empty({b, chunks, c, h, dv}, q.options())
-                              .copy_(out.view({chunks, b, h, c, dv}).permute({1, 0, 3, 2, 4}))
+                              .copy_(run[0].view({chunks, b, h, c, dv}).permute({1, 0, 3, 2, 4}))
                               .view({b, chunks * c, h, dv});
-  return {pad > 0 ? rows.narrow(1, 0, length).contiguous() : rows, run[0].select(0, chunks).view({b, h, dk, dv})};
+  return {pad > 0 ? rows.narrow(1, 0, length).contiguous() : rows, run[1].view({b, h, dk, dv})};
 }
 
 std::pair<at::Tensor, at::Tensor> GatedDeltaRuleStep(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

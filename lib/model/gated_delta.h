@@ -1,5 +1,5 @@
 // The Gated DeltaNet pieces of Qwen3.5 / Qwen3-Next's linear-attention layers, as ATen
-// compositions (autograd gives every backward but the chunks' state pass, which has its own),
+// compositions (autograd gives every backward but the chunked rule's, which is written out),
 // in transformers' order of operations:
 //  - the gated delta rule: a state S [dk, dv] per value head; at each token
 //      S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  out = S^T (q / sqrt(dk)),
