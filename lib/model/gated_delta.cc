@@ -407,9 +407,10 @@ std::pair<at::Tensor, at::Tensor> GatedDeltaGates(const at::Tensor& a, const at:
 namespace {
 
 // GatedDeltaRule keeping only its inputs for backward and running its forward again there:
-// the chunked composition keeps about 80 fp32 values per token and value head (the solves,
-// the decayed keys, each chunk's state), several times a layer's other activations, and a
-// second forward of the rule costs little beside the layer's projections.
+// the chunked rule keeps its operands, the chunk system's inverse and solution and each
+// chunk's state for backward, about 7 dk + 4 dv + 5 c + dk dv / c fp32 values per token and
+// value head (about 1,700 at Qwen3.5's widths), several times a layer's other activations,
+// and a second forward of the rule costs little beside the layer's projections.
 class RecomputedRuleFunction : public torch::autograd::Function<RecomputedRuleFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
