@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "lib/env_switch.h"
+#include "lib/model/fused_kernels.h"
 #include "lib/model/lora_config.h"
 #ifdef LORASTEP_WITH_CUDA_KERNELS
 #include "lib/kernels/fused_layer.h"
@@ -19,6 +20,9 @@
 
 namespace lorastep {
 namespace {
+
+// fp32 (as transformers), or fp64 for fp64 inputs.
+at::ScalarType WideType(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
 // x / sqrt(sum x^2 + 1e-6) over the last dim (the normalization the FLA kernels use).
 at::Tensor L2Normalized(const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, /*keepdim=*/true) + 1e-6); }
@@ -33,8 +37,7 @@ RuleOperands Prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const at::Tensor& beta) {
   const int64_t hk = q.size(2), hv = v.size(2);
   TORCH_CHECK(hv % hk == 0, "gated delta rule: ", hk, " query/key heads do not divide ", hv, " value heads");
-  // fp32 (as transformers), or fp64 where the inputs are (checks against fp64 references).
-  const at::ScalarType type = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType type = WideType(q);
   auto heads_first = [type](const at::Tensor& x) { return x.transpose(1, 2).to(type).contiguous(); };
   at::Tensor qr = hk == hv ? q : q.repeat_interleave(hv / hk, 2);
   at::Tensor kr = hk == hv ? k : k.repeat_interleave(hv / hk, 2);
@@ -263,8 +266,7 @@ std::pair<at::Tensor, at::Tensor> GatedDeltaRule(const at::Tensor& q, const at::
   TORCH_CHECK(chunk_size >= 1, "gated delta rule: chunk_size must be >= 1");
   const int64_t b = v.size(0), length = v.size(1), hk = q.size(2), dk = q.size(3), h = v.size(2), dv = v.size(3);
   TORCH_CHECK(h % hk == 0, "gated delta rule: ", hk, " query/key heads do not divide ", h, " value heads");
-  // fp32 (as transformers), or fp64 where the inputs are (checks against fp64 references).
-  const at::ScalarType type = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType type = WideType(q);
   // A sequence shorter than a chunk is one chunk of its own length (no padding to solve).
   const int64_t c = std::max<int64_t>(1, std::min(chunk_size, length));
   const int64_t pad = (c - length % c) % c, chunks = (length + pad) / c;
@@ -333,9 +335,6 @@ at::Tensor CausalConv1dSilu(const at::Tensor& x, const at::Tensor& weight, const
   return at::silu(y.narrow(2, 0, length)).transpose(1, 2).to(x.scalar_type());
 }
 
-// fp32 (as transformers), or fp64 for fp64 inputs.
-at::ScalarType WideType(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
-
 namespace {
 
 #ifdef LORASTEP_WITH_CUDA_KERNELS
@@ -374,22 +373,17 @@ class GatedRmsNormFunction : public torch::autograd::Function<GatedRmsNormFuncti
   }
 };
 
-// The kernel serves CUDA tensors of one float type with a frozen weight (full fine-tuning,
-// which trains the norm, takes the composition); LORASTEP_FUSED_KERNELS=0 turns it off.
-bool UseGatedNormKernel(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight) {
-  static const bool enabled = EnvSwitchOn("LORASTEP_FUSED_KERNELS");
-  const at::ScalarType t = x.scalar_type();
-  return enabled && x.is_cuda() && z.scalar_type() == t && weight.scalar_type() == t &&
-         (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat) && x.sizes() == z.sizes() &&
-         !(at::GradMode::is_enabled() && weight.requires_grad());
-}
 #endif
 
 }  // namespace
 
 at::Tensor GatedRmsNorm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight, double eps) {
 #ifdef LORASTEP_WITH_CUDA_KERNELS
-  if (UseGatedNormKernel(x, z, weight)) return GatedRmsNormFunction::apply(x, z, weight, eps);
+  // The kernel keeps the weight frozen: full fine-tuning, which trains the norm, takes the composition.
+  if (UseFusedKernels(x, z) && UseFusedKernels(x, weight) && x.sizes() == z.sizes() &&
+      !(at::GradMode::is_enabled() && weight.requires_grad())) {
+    return GatedRmsNormFunction::apply(x, z, weight, eps);
+  }
 #endif
   const at::ScalarType wide = WideType(x);
   const at::Tensor xf = x.to(wide);

@@ -16,20 +16,6 @@
 
 namespace lorastep {
 
-// Whether RMSNorm, SwiGLU and RoPE on these tensors run as lorastep's fused CUDA kernels
-// (lib/kernels/fused_layer.h); elsewhere they are ATen compositions with the same rounding.
-// LORASTEP_FUSED_KERNELS=0 turns the kernels off (for side-by-side benchmarks).
-bool UseFusedKernels(const at::Tensor& x, const at::Tensor& other) {
-#ifdef LORASTEP_WITH_CUDA_KERNELS
-  static const bool enabled = EnvSwitchOn("LORASTEP_FUSED_KERNELS");
-  return enabled && x.is_cuda() && x.scalar_type() == other.scalar_type() &&
-         (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat);
-#else
-  (void)x, (void)other;
-  return false;
-#endif
-}
-
 namespace {
 
 at::Tensor RotateHalf(const at::Tensor& x) {

@@ -9,14 +9,10 @@
 #include <utility>
 #include <vector>
 
+#include "lib/model/fused_kernels.h"
 #include "lib/model/linear.h"
 
 namespace lorastep {
-
-// Whether RMSNorm, SwiGLU and RoPE on these tensors run as lorastep's fused CUDA kernels;
-// elsewhere they are ATen compositions with the same rounding. LORASTEP_FUSED_KERNELS=0 turns
-// the kernels off (for side-by-side benchmarks).
-bool UseFusedKernels(const at::Tensor& x, const at::Tensor& other);
 
 // silu(gate) * up.
 at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up);
