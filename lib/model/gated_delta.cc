@@ -204,17 +204,18 @@ class ChunkedRule : public torch::autograd::Function<ChunkedRule> {
     auto [states, values] = RecurrenceForward(solved.narrow(-1, 0, dv), kc, ke, decay, s0);
     const at::Tensor qd = q * e.unsqueeze(-1);
     at::Tensor out = at::matmul(qd, states.narrow(0, 0, n)).add_(at::matmul(intra, values));
-    ctx->save_for_backward({q, k, v, beta, e, p, kb, kk, qk, intra, inverse, solved, to_end, ke, decay, qd, states,
-                            values});
+    // K . beta, Q . E and KE are one multiply each from what is kept: backward forms them again.
+    ctx->save_for_backward({q, k, v, beta, e, p, kk, qk, intra, inverse, solved, to_end, decay, states, values});
     return {out, states.select(0, n)};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto t = ctx->get_saved_variables();
-    const at::Tensor &q = t[0], &k = t[1], &v = t[2], &beta = t[3], &e = t[4], &p = t[5], &kb = t[6], &kk = t[7],
-                     &qk = t[8], &intra = t[9], &inverse = t[10], &solved = t[11], &to_end = t[12], &ke = t[13],
-                     &decay = t[14], &qd = t[15], &states = t[16], &values = t[17];
+    const at::Tensor &q = t[0], &k = t[1], &v = t[2], &beta = t[3], &e = t[4], &p = t[5], &kk = t[6], &qk = t[7],
+                     &intra = t[8], &inverse = t[9], &solved = t[10], &to_end = t[11], &decay = t[12],
+                     &states = t[13], &values = t[14];
+    const at::Tensor kb = k * beta.unsqueeze(-1), qd = q * e.unsqueeze(-1), ke = k * to_end.unsqueeze(-1);
     const int64_t n = q.size(0), c = q.size(-2), dv = v.size(-1), dk = k.size(-1);
     const at::Tensor d_out = grads[0].defined() ? grads[0] : at::zeros_like(values);
     const at::Tensor starts = states.narrow(0, 0, n);
@@ -402,8 +403,8 @@ namespace {
 
 // GatedDeltaRule keeping only its inputs for backward and running its forward again there:
 // the chunked rule keeps its operands, the chunk system's inverse and solution and each
-// chunk's state for backward, about 7 dk + 4 dv + 5 c + dk dv / c fp32 values per token and
-// value head (about 1,700 at Qwen3.5's widths), several times a layer's other activations,
+// chunk's state for backward, about 3 dk + 3 dv + 5 c + dk dv / c fp32 values per token and
+// value head (about 1,300 at Qwen3.5's widths), several times a layer's other activations,
 // and a second forward of the rule costs little beside the layer's projections.
 class RecomputedRuleFunction : public torch::autograd::Function<RecomputedRuleFunction> {
  public:
