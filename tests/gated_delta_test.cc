@@ -109,7 +109,9 @@ TEST(GatedDeltaTest, ChunkedAndStepwiseEqualTheRecurrence) {
       EXPECT_LT(RelErr(got.dv.to(at::kDouble), want.dv), 1e-5);
       EXPECT_LT(RelErr(got.dg.to(at::kDouble), want.dg), 1e-5);
       EXPECT_LT(RelErr(got.dbeta.to(at::kDouble), want.dbeta), 1e-5);
-      if (with_state) EXPECT_LT(RelErr(got.dstate.to(at::kDouble), want.dstate), 1e-5);
+      if (with_state) {
+        EXPECT_LT(RelErr(got.dstate.to(at::kDouble), want.dstate), 1e-5);
+      }
     }
   }
 }

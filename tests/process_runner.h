@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -24,7 +25,8 @@ namespace testing {
 
 struct ProcessResult {
   int exit_code = -1;  // -1: killed at the deadline or by a signal
-  std::string output;  // stdout
+  int signal = 0;       // the signal that ended it, if one did
+  std::string output;  // stdout, then a line naming that signal
 };
 
 // A TCP port free right now on 127.0.0.1.
@@ -102,6 +104,7 @@ inline std::vector<ProcessResult> RunProcesses(const std::vector<std::vector<std
             done[i] = true;
             --remaining;
             results[i].exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+            if (WIFSIGNALED(status)) results[i].signal = WTERMSIG(status);
           }
         }
         return remaining == 0;
@@ -120,6 +123,10 @@ inline std::vector<ProcessResult> RunProcesses(const std::vector<std::vector<std
     std::stringstream ss;
     ss << in.rdbuf();
     results[i].output = ss.str();
+    if (results[i].signal != 0) {
+      results[i].output += "[ended by signal " + std::to_string(results[i].signal) + " (" +
+                           strsignal(results[i].signal) + ")]\n";
+    }
   }
   return results;
 }

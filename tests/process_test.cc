@@ -217,7 +217,9 @@ TEST(ProcessTest, DisconnectedClientWithoutADeadlineStopsItsCall) {
     EXPECT_EQ(state.next_sequence_id(), 1);
     ASSERT_OK_AND_ASSIGN(v1::StepResponse next, big.TrainStep(Batch(0), Ppo(), Adam()));
     EXPECT_EQ(next.learner_version(), 1);
-    if (mesh) EXPECT_TRUE(next.replicas_equal());
+    if (mesh) {
+      EXPECT_TRUE(next.replicas_equal());
+    }
   }
 }
 

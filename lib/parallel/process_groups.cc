@@ -1,7 +1,10 @@
 #include "lib/parallel/process_groups.h"
 
+#include <signal.h>
+
 #include <algorithm>
 #include <cstdlib>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 #include <utility>
@@ -77,6 +80,21 @@ absl::Status RunWork(CommGroup* group, const char* op, std::chrono::milliseconds
 bool GlooNeedsFp32(const at::Tensor& t) { return !t.is_cuda() && t.scalar_type() == at::kBFloat16; }
 
 constexpr absl::string_view kFileStoreScheme = "file://";
+
+// Gloo writes its peer sockets with writev, which raises SIGPIPE once the peer has gone; the
+// default action would end this rank instead of failing its collective with EPIPE. Done once
+// per process, and only where nothing else has set a disposition for the signal.
+void IgnoreBrokenPipeSignal() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current {};
+    if (sigaction(SIGPIPE, nullptr, &current) != 0 || current.sa_handler != SIG_DFL) return;
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    sigemptyset(&ignore.sa_mask);
+    sigaction(SIGPIPE, &ignore, nullptr);
+  });
+}
 
 absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& address) {
   const size_t colon = address.rfind(':');
@@ -357,6 +375,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroups>> ProcessGroups::Create(const Proce
   }
   auto groups = std::unique_ptr<ProcessGroups>(new ProcessGroups(options));
   if (world > 1) {
+    IgnoreBrokenPipeSignal();
     LORASTEP_RETURN_IF_ERROR(CheckStoreAddress(options.store_address));
     groups->store_address_ = options.store_address;
     // Rank 0 serves the store from the start, so that its port is taken (or the error

@@ -123,7 +123,9 @@ struct ProcessGroupsOptions {
 class ProcessGroups {
  public:
   // Connects to the store and builds every group containing this rank (all ranks build the
-  // groups in the same kind order, so the rendezvous cannot deadlock).
+  // groups in the same kind order, so the rendezvous cannot deadlock). With world > 1 the
+  // process ignores SIGPIPE from then on (unless it had set its own disposition): a peer that
+  // has gone is an error of the collective, not the end of this rank.
   static absl::StatusOr<std::unique_ptr<ProcessGroups>> Create(const ProcessGroupsOptions& options);
   ~ProcessGroups();
 
