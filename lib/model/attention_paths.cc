@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "lib/model/sink_attention.h"
 #include "lib/parallel/context_parallel.h"
 
 namespace lorastep {
@@ -71,6 +72,11 @@ at::Tensor PackedAttention(const at::Tensor& q, const at::Tensor& k, const at::T
     if (compat::UsesCudnnAttention(qr, kr, vr)) {
       return compat::CausalAttention(qr, kr, vr).transpose(1, 2).reshape({1, total, width});
     }
+  }
+  if (sinks.defined() && UseSinkFlash(q)) {  // the sinks through the kernel's log-sum-exp
+    return SinkAttentionThroughLse(q[0], k[0], v[0].contiguous(), sinks,
+                                   VarlenFlashLseKernel(packed.cu_seqlens, packed.max_length, window))
+        .reshape({1, total, width});
   }
   if (!sinks.defined() && compat::HasVarlenAttention(q)) {  // a sliding window skips the blocks outside it
     return compat::VarlenCausalAttention(q[0], k[0], v[0].contiguous(), packed.cu_seqlens, packed.max_length, window)

@@ -41,8 +41,9 @@ at::Tensor KeptAttentionOutput(const at::Tensor& q, const at::Tensor& k, const a
 // [1, total, heads * d]. Sequences all of one length run as padded rows without padding
 // where SDPA picks cuDNN's kernel for them (faster than the flash kernels at head dim 128:
 // docs/PERFORMANCE.md); else one varlen kernel where available (a sliding layer's `window` >
-// 0 too, its masked blocks skipped), else each sequence alone. Attention sinks, or a window
-// without the varlen kernel: each sequence alone through its mask.
+// 0 too, its masked blocks skipped), else each sequence alone. Attention sinks: the varlen
+// kernel through its log-sum-exp where UseSinkFlash says so (lib/model/sink_attention.h),
+// else each sequence alone through its mask, as a window without the varlen kernel.
 at::Tensor PackedAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const PackedSequences& packed, int64_t window, const at::Tensor& sinks);
 

@@ -1,0 +1,109 @@
+#include "lib/model/sink_attention.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "lib/torch_compat.h"
+
+namespace lorastep {
+namespace {
+
+// The kernel object through autograd's saved data, which holds IValues.
+struct KernelCapsule : public torch::CustomClassHolder {
+  explicit KernelCapsule(std::shared_ptr<LseAttentionKernel> k) : kernel(std::move(k)) {}
+  std::shared_ptr<LseAttentionKernel> kernel;
+};
+
+class SinkThroughLseFunction : public torch::autograd::Function<SinkThroughLseFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const at::Tensor& sinks,
+                            const std::shared_ptr<LseAttentionKernel>& kernel) {
+    auto [o, lse] = kernel->Forward(q, k, v);
+    const at::ScalarType wide = at::promote_types(q.scalar_type(), at::kFloat);
+    // [t, heads, 1]: the share of each softmax's mass that stays with the keys.
+    const at::Tensor kept = at::sigmoid(lse.to(wide) - sinks.to(wide).view({-1, 1})).t().unsqueeze(-1);
+    const at::Tensor out = (o.to(wide) * kept).to(o.scalar_type());
+    ctx->save_for_backward({q, k, v, out, lse, kept});
+    ctx->saved_data["kernel"] = c10::IValue::make_capsule(c10::make_intrusive<KernelCapsule>(kernel));
+    ctx->saved_data["sinks_grad"] = sinks.requires_grad();
+    ctx->saved_data["sinks_dtype"] = static_cast<int64_t>(sinks.scalar_type());
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4], &kept = saved[5];
+    auto capsule = c10::static_intrusive_pointer_cast<KernelCapsule>(ctx->saved_data["kernel"].toCapsule());
+    const at::Tensor g = grads[0].to(kept.scalar_type());
+    auto [dq, dk, dv] = capsule->kernel->Backward((g * kept).to(q.scalar_type()), q, k, v, out, lse);
+    at::Tensor dsinks;
+    if (ctx->saved_data["sinks_grad"].toBool()) {
+      dsinks = -((1 - kept) * (g * out.to(kept.scalar_type())).sum(-1, /*keepdim=*/true)).sum(at::IntArrayRef{0, 2});
+      dsinks = dsinks.to(static_cast<at::ScalarType>(ctx->saved_data["sinks_dtype"].toInt()));
+    }
+    return {dq, dk, dv, dsinks, at::Tensor()};
+  }
+};
+
+class VarlenFlashKernel : public LseAttentionKernel {
+ public:
+  VarlenFlashKernel(at::Tensor cu_seqlens, int64_t max_length, int64_t window)
+      : cu_seqlens_(std::move(cu_seqlens)), max_length_(max_length), window_(window) {}
+
+  std::pair<at::Tensor, at::Tensor> Forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) override {
+    saved_ = compat::VarlenCausalAttentionSaved(q, k, v, cu_seqlens_, max_length_, window_);
+    at::Tensor o = std::move(saved_.out);  // backward gets the sink-scaled output instead
+    const int64_t t = q.size(0);
+    if (saved_.logsumexp.dim() == 2 && saved_.logsumexp.size(1) == t) return {o, saved_.logsumexp};
+    // Builds whose varlen kernel pads its log-sum-exp per sequence: [count, heads, max_length].
+    TORCH_CHECK(saved_.logsumexp.dim() == 3, "flash varlen log-sum-exp of unknown layout ",
+                saved_.logsumexp.sizes());
+    const at::Tensor token = at::arange(t, cu_seqlens_.options().dtype(at::kLong));
+    const at::Tensor ends = cu_seqlens_.narrow(0, 1, cu_seqlens_.size(0) - 1).to(at::kLong);
+    const at::Tensor sequence = at::searchsorted(ends, token, /*out_int32=*/false, /*right=*/true);
+    const at::Tensor position = token - cu_seqlens_.to(at::kLong).index_select(0, sequence);
+    const at::Tensor by_token = saved_.logsumexp.permute({0, 2, 1}).index({sequence, position});  // [t, heads]
+    return {o, by_token.t().contiguous()};
+  }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> Backward(const at::Tensor& grad, const at::Tensor& q,
+                                                          const at::Tensor& k, const at::Tensor& v,
+                                                          const at::Tensor& out, const at::Tensor& lse) override {
+    (void)lse;  // the kernel's own layout of it is kept in saved_
+    compat::VarlenAttentionSaved with_out = saved_;
+    with_out.out = out;
+    return compat::VarlenCausalAttentionBackward(grad, q, k, v, with_out, cu_seqlens_, max_length_);
+  }
+
+ private:
+  at::Tensor cu_seqlens_;
+  int64_t max_length_ = 0, window_ = 0;
+  compat::VarlenAttentionSaved saved_;
+};
+
+}  // namespace
+
+at::Tensor SinkAttentionThroughLse(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& sinks, std::shared_ptr<LseAttentionKernel> kernel) {
+  return SinkThroughLseFunction::apply(q, k, v, sinks, kernel);
+}
+
+bool UseSinkFlash(const at::Tensor& q) {
+  static const bool on = [] {
+    const char* value = std::getenv("LORASTEP_SINK_FLASH");
+    return value != nullptr && std::strcmp(value, "1") == 0;
+  }();
+  return on && compat::HasVarlenAttention(q);
+}
+
+std::shared_ptr<LseAttentionKernel> VarlenFlashLseKernel(at::Tensor cu_seqlens, int64_t max_length, int64_t window) {
+  return std::make_shared<VarlenFlashKernel>(std::move(cu_seqlens), max_length, window);
+}
+
+}  // namespace lorastep
