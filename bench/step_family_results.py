@@ -54,6 +54,10 @@ def main():
             gi = json.load(open(inverse))
             out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch_inverse"] = gi["mixer_without_projections_ms"]
             out[f"{p}_gated_delta_rule_ms_per_layer_microbatch_inverse"] = gi["rule_ms"]
+        fused_conv = os.path.join(args.raw, f"{p}_gdn_fused_conv.json")
+        if os.path.exists(fused_conv):  # the A/B: the convolution's CUDA kernel (LORASTEP_FUSED_CONV=1)
+            gc = json.load(open(fused_conv))
+            out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch_fused_conv"] = gc["mixer_without_projections_ms"]
         out[f"{p}_gated_delta_method"] = (f"gated_delta_bench: the mixer without its projections, {g['mixer_without_projections_ms']:.2f} ms "
                                           f"per layer and micro-batch, x {linear} linear layers x {micro} micro-batches, "
                                           f"over lorastep's step median")

@@ -242,5 +242,39 @@ TEST(GatedDeltaTest, GatedNormOnTheTestDeviceMatchesTheComposition) {
   EXPECT_LT(RelErr(got[2], want[2]), tol);
 }
 
+// The convolution's CUDA kernel (on a CUDA test device in a build with lorastep's kernels)
+// against the composition written here: ATen's depthwise convolution in the weight's type,
+// then SiLU; outputs and input gradients, over several sequences, with channels that fill
+// 16-byte packs and channels that do not.
+TEST(GatedDeltaTest, ConvolutionKernelOnTheTestDeviceMatchesTheComposition) {
+  const auto options = at::TensorOptions().device(testing::TestDevice()).dtype(testing::TestDtype());
+  const double tol = testing::TestDtype() == at::kBFloat16 ? 1e-2 : 1e-6;
+  for (int64_t channels : {96, 13}) {
+    at::manual_seed(8);
+    const int64_t sequences = 3, length = 37, taps = 4;
+    const at::Tensor x0 = at::randn({sequences, length, channels}).to(options);
+    const at::Tensor w = (at::randn({channels, taps}) * 0.5).to(options);
+    const at::Tensor grad = at::randn({sequences, length, channels}).to(options);
+    auto run = [&](bool reference) {
+      const at::Tensor x = x0.clone().requires_grad_(true);
+      at::Tensor y;
+      if (reference) {
+        const at::Tensor u = at::conv1d(x.transpose(1, 2), w.unsqueeze(1), {}, 1, taps - 1, 1, channels);
+        y = at::silu(u.narrow(2, 0, length)).transpose(1, 2);
+      } else {
+        y = FusedCausalConv1dSilu(x, w);
+        if (!y.defined()) return std::array<at::Tensor, 2>{};
+      }
+      y.backward(grad);
+      return std::array<at::Tensor, 2>{y.detach(), x.grad()};
+    };
+    const auto got = run(false);
+    if (!got[0].defined()) GTEST_SKIP() << "no convolution kernel for this build and device";
+    const auto want = run(true);
+    EXPECT_LT(RelErr(got[0], want[0]), tol) << channels << " channels";
+    EXPECT_LT(RelErr(got[1], want[1]), tol) << channels << " channels";
+  }
+}
+
 }  // namespace
 }  // namespace lorastep

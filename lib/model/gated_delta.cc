@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <optional>
+#include <string>
 
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -14,6 +16,7 @@
 #include "lib/model/fused_kernels.h"
 #include "lib/model/lora_config.h"
 #ifdef LORASTEP_WITH_CUDA_KERNELS
+#include "lib/kernels/causal_conv.h"
 #include "lib/kernels/fused_layer.h"
 #include "lib/kernels/kernel_launch.h"
 #endif
@@ -325,10 +328,72 @@ at::Tensor PackedGatedDeltaRule(const at::Tensor& q, const at::Tensor& k, const 
                            .first);
 }
 
+namespace {
+
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+// The convolution as one CUDA kernel each way (kernels::LaunchCausalConvSilu), keeping x for
+// backward (which forms the pre-activation again); the weight is frozen.
+class CausalConvSiluFunction : public torch::autograd::Function<CausalConvSiluFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
+    const at::Tensor xc = x.contiguous(), w = weight.contiguous();
+    at::Tensor y = at::empty_like(xc);
+    const kernels::KernelLaunch launch(xc);
+    kernels::CheckLaunch(kernels::LaunchCausalConvSilu(xc.data_ptr(), w.data_ptr(), kernels::ElementTypeOf(xc),
+                                                       xc.size(0), xc.size(1), xc.size(2),
+                                                       static_cast<int>(w.size(1)), y.data_ptr(), launch.stream),
+                         "causal conv");
+    ctx->save_for_backward({xc, w});
+    return y;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1];
+    const at::Tensor g = grads[0].contiguous();
+    at::Tensor dx = at::empty_like(x);
+    const kernels::KernelLaunch launch(x);
+    kernels::CheckLaunch(kernels::LaunchCausalConvSiluGrad(g.data_ptr(), x.data_ptr(), w.data_ptr(),
+                                                           kernels::ElementTypeOf(x), x.size(0), x.size(1),
+                                                           x.size(2), static_cast<int>(w.size(1)), dx.data_ptr(),
+                                                           launch.stream),
+                         "causal conv gradient");
+    return {dx, at::Tensor()};
+  }
+};
+#endif
+
+// Whether CausalConv1dSilu takes the kernel: LORASTEP_FUSED_CONV=1 (off until the kernel has
+// run on a GPU) and what FusedCausalConv1dSilu needs.
+bool UseFusedConv() {
+  static const bool on = [] {
+    const char* value = std::getenv("LORASTEP_FUSED_CONV");
+    return value != nullptr && std::string(value) == "1";
+  }();
+  return on;
+}
+
+}  // namespace
+
+at::Tensor FusedCausalConv1dSilu(const at::Tensor& x, const at::Tensor& weight) {
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+  if (x.dim() == 3 && weight.dim() == 2 && x.size(2) == weight.size(0) && weight.size(1) <= kernels::kMaxConvTaps &&
+      UseFusedKernels(x, weight) && !(at::GradMode::is_enabled() && weight.requires_grad())) {
+    return CausalConvSiluFunction::apply(x, weight);
+  }
+#else
+  (void)x, (void)weight;
+#endif
+  return at::Tensor();
+}
+
 at::Tensor CausalConv1dSilu(const at::Tensor& x, const at::Tensor& weight, const std::vector<int64_t>& lengths) {
   if (!lengths.empty()) {
     const PackedBatch batch(lengths, x.device());
     return batch.Unbatch(CausalConv1dSilu(batch.Batch(x), weight));
+  }
+  if (UseFusedConv()) {
+    if (at::Tensor fused = FusedCausalConv1dSilu(x, weight); fused.defined()) return fused;
   }
   const int64_t length = x.size(1), kernel = weight.size(1);
   const at::Tensor y = at::conv1d(x.transpose(1, 2).to(weight.scalar_type()), weight.unsqueeze(1), {},

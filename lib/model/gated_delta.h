@@ -53,6 +53,12 @@ at::Tensor UnitLowerInverse(const at::Tensor& strictly_lower);
 at::Tensor CausalConv1dSilu(const at::Tensor& x, const at::Tensor& weight,
                             const std::vector<int64_t>& lengths = {});
 
+// The same over x [b, T, C] (b sequences of T) as one CUDA kernel each way
+// (lib/kernels/causal_conv.h), for a weight of x's type with at most 8 taps that takes no
+// gradient; undefined where the build or the tensors do not allow it. CausalConv1dSilu takes
+// it with LORASTEP_FUSED_CONV=1 (off until the kernel has run on a GPU).
+at::Tensor FusedCausalConv1dSilu(const at::Tensor& x, const at::Tensor& weight);
+
 // RMSNorm(x) * weight * silu(z) over the last dim (Qwen3.5's gated norm): the normalization in
 // fp32, the weight applied in x's dtype, the gate in fp32, the result in x's dtype.
 // On CUDA one fused kernel each way (lib/kernels/fused_layer.h) with the same rounding.
