@@ -4,7 +4,7 @@
 # 512 tokens): lorastep (coordinator + worker, r32 on every projection; MoE experts per expert)
 # and bench/peft_step.py (PEFT r32 on the same projections: its lora_targets). For a Qwen3.5
 # preset also the Gated DeltaNet mixer's cost per micro-batch (bench/gated_delta_bench.cc); for
-# gpt-oss also lorastep's step with LORASTEP_SINK_FLASH=1.
+# gpt-oss also lorastep's step with LORASTEP_SINK_FLASH=1 LORASTEP_FUSED_CLAMPED_SWIGLU=1.
 # Raw files in OUT_DIR, then step_family_results.py writes OUT_DIR/step_PREFIX.json.
 #   bench/step_family.sh BUILD_DIR OUT_DIR PRESET PREFIX
 set -euo pipefail
@@ -20,12 +20,14 @@ MODEL_DIR=$MODEL RANK=32 MAX_TOKENS=$MT STEPS=${STEP_COUNT:-5} MODE=train BATCH_
   bench/service_overhead.sh "$BIN" "$PRESET" cuda bfloat16 "$OUT/${PREFIX}_ours_lora.json" overhead_fraction \
   > "$OUT/${PREFIX}_ours.log" 2>&1 || { echo "lorastep $PREFIX failed"; tail -20 "$OUT/${PREFIX}_ours.log"; exit 1; }
 if python3 -c "import json,sys;sys.exit(0 if json.load(open('$MODEL/config.json'))['model_type'] == 'gpt_oss' else 1)"; then
-  # Layers with sinks through the flash varlen kernel and its log-sum-exp (an A/B beside the
-  # explicit mask above; lib/model/sink_attention.h).
-  LORASTEP_SINK_FLASH=1 MODEL_DIR=$MODEL RANK=32 MAX_TOKENS=$MT STEPS=${STEP_COUNT:-5} MODE=train BATCH_FILE="$OUT/batch_$PREFIX.json" \
+  # Layers with sinks through the flash varlen kernel and its log-sum-exp, and the experts'
+  # clamped SwiGLU as one kernel each way: an A/B beside the default paths above
+  # (lib/model/sink_attention.h, lib/kernels/fused_layer.h).
+  LORASTEP_SINK_FLASH=1 LORASTEP_FUSED_CLAMPED_SWIGLU=1 \
+    MODEL_DIR=$MODEL RANK=32 MAX_TOKENS=$MT STEPS=${STEP_COUNT:-5} MODE=train BATCH_FILE="$OUT/batch_$PREFIX.json" \
     COORD_FLAGS="--max_tokens_per_microbatch $MT" MACHINE="$(head -1 "$OUT/env.txt")" VERSIONS="$(tail -1 "$OUT/env.txt")" \
-    bench/service_overhead.sh "$BIN" "$PRESET" cuda bfloat16 "$OUT/${PREFIX}_ours_lora_sink_flash.json" overhead_fraction \
-    > "$OUT/${PREFIX}_ours_sink_flash.log" 2>&1 || { echo "lorastep $PREFIX (LORASTEP_SINK_FLASH=1) failed"; tail -20 "$OUT/${PREFIX}_ours_sink_flash.log"; exit 1; }
+    bench/service_overhead.sh "$BIN" "$PRESET" cuda bfloat16 "$OUT/${PREFIX}_ours_lora_fused_paths.json" overhead_fraction \
+    > "$OUT/${PREFIX}_ours_fused_paths.log" 2>&1 || { echo "lorastep $PREFIX (fused paths) failed"; tail -20 "$OUT/${PREFIX}_ours_fused_paths.log"; exit 1; }
 fi
 python3 bench/peft_step.py --model $MODEL --mode lora --steps "${HF_STEPS:-3}" --micro "${HF_MICRO:-8}" --batch "$OUT/batch_$PREFIX.json" \
   --out "$OUT/${PREFIX}_hf_lora.json" > "$OUT/${PREFIX}_hf.log" 2>&1 \

@@ -3,7 +3,7 @@ transformers + PEFT's LoRA step on the same model and batch, their tokens/s rati
 memory, and for a Qwen3.5 model the Gated DeltaNet mixer's share of lorastep's step (the
 mixer's forward + backward per micro-batch without its projections, times the linear layers
 and the micro-batches of the step, over the step's median time); for gpt-oss also lorastep's
-step with LORASTEP_SINK_FLASH=1 (`*_sink_flash` keys).
+step with LORASTEP_SINK_FLASH=1 LORASTEP_FUSED_CLAMPED_SWIGLU=1 (`*_fused_paths` keys).
     python3 bench/step_family_results.py RAW_DIR MODEL_DIR PRESET PREFIX [--micro_batch N]
 """
 import argparse, json, math, os
@@ -34,12 +34,12 @@ def main():
            f"{p}_lora_tokens_per_s_peft": hf["tokens_per_s"],
            f"{p}_lora_tokens_per_s_over_peft": hf["step_s"] / ours["worker_step_median_s"],
            f"{p}_lora_peak_gib_ours": ours.get("peak_cuda_gib"), f"{p}_lora_peak_gib_peft": hf["peak_memory_gib"]}
-    sink_flash = os.path.join(args.raw, f"{p}_ours_lora_sink_flash.json")
-    if os.path.exists(sink_flash):  # the A/B: sinks through the flash kernel's log-sum-exp
-        flash = json.load(open(sink_flash))
-        out[f"{p}_lora_step_s_ours_sink_flash"] = flash["worker_step_median_s"]
-        out[f"{p}_lora_tokens_per_s_over_peft_sink_flash"] = hf["step_s"] / flash["worker_step_median_s"]
-        out[f"{p}_lora_peak_gib_ours_sink_flash"] = flash.get("peak_cuda_gib")
+    fused_paths = os.path.join(args.raw, f"{p}_ours_lora_fused_paths.json")
+    if os.path.exists(fused_paths):  # the A/B: LORASTEP_SINK_FLASH=1 LORASTEP_FUSED_CLAMPED_SWIGLU=1
+        fused = json.load(open(fused_paths))
+        out[f"{p}_lora_step_s_ours_fused_paths"] = fused["worker_step_median_s"]
+        out[f"{p}_lora_tokens_per_s_over_peft_fused_paths"] = hf["step_s"] / fused["worker_step_median_s"]
+        out[f"{p}_lora_peak_gib_ours_fused_paths"] = fused.get("peak_cuda_gib")
     gdn = os.path.join(args.raw, f"{p}_gdn.json")
     if os.path.exists(gdn):
         g = json.load(open(gdn))

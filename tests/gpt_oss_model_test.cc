@@ -16,6 +16,7 @@
 #include "lib/io/safetensors.h"
 #include "lib/io/tensor_bytes.h"
 #include "lib/model/gpt_oss_layout.h"
+#include "lib/model/layer_ops.h"
 #include "lib/model/model_weights.h"
 #include "lib/model/peft_io.h"
 #include "lib/model/qwen2.h"
@@ -488,6 +489,41 @@ TEST(GptOssModelTest, PeftTargetParametersForm) {
   Adapter down_only = Adapter::CreateLora(c, lc, at::kCPU, at::kFloat, 3).value();
   EXPECT_THAT(ImportPeftAdapter(dir + "/per_expert", &down_only, PeftOptionsFor(c, lc, false)),
               StatusIs(absl::StatusCode::kInvalidArgument, "target_parameters"));
+}
+
+// The clamped SwiGLU's CUDA kernel (a CUDA test device, a build with lorastep's kernels)
+// against the composition written here, each operation storing the input's type as
+// transformers computes it: values and gate_up's gradient, with inputs past the limit on
+// both sides (the clamps' zero gradients), rows that fill 16-byte packs and rows that do not.
+TEST(GptOssModelTest, ClampedSwiGluKernelOnTheTestDeviceMatchesTheComposition) {
+  const auto options = at::TensorOptions().device(testing::TestDevice()).dtype(testing::TestDtype());
+  const double alpha = 1.702, limit = 7.0, tol = testing::TestDtype() == at::kBFloat16 ? 1e-2 : 1e-6;
+  for (int64_t f : {64, 10}) {
+    at::manual_seed(12);
+    const at::Tensor gate_up0 = (at::randn({5, 7, 2 * f}) * 5).to(options);
+    const at::Tensor grad = at::randn({5, 7, f}).to(options);
+    auto run = [&](bool reference) {
+      const at::Tensor gate_up = gate_up0.clone().requires_grad_(true);
+      at::Tensor y;
+      if (reference) {
+        const at::Tensor gate = gate_up.narrow(-1, 0, f).clamp_max(limit);
+        const at::Tensor up = gate_up.narrow(-1, f, f).clamp(-limit, limit);
+        y = (up + 1) * (gate * at::sigmoid(gate * alpha));
+      } else {
+        y = ClampedSwiGluKernel(gate_up, alpha, limit);
+        if (!y.defined()) return std::array<at::Tensor, 2>{};
+      }
+      y.backward(grad);
+      return std::array<at::Tensor, 2>{y.detach(), gate_up.grad()};
+    };
+    const auto got = run(false);
+    if (!got[0].defined()) GTEST_SKIP() << "no clamped SwiGLU kernel for this build and device";
+    const auto want = run(true);
+    EXPECT_LT(RelErr(got[0], want[0]), tol) << f;
+    EXPECT_LT(RelErr(got[1], want[1]), tol) << f;
+    // The clamps' zeros land where the composition's do.
+    EXPECT_TRUE(at::equal(got[1].eq(0), want[1].eq(0))) << f;
+  }
 }
 
 }  // namespace

@@ -184,6 +184,62 @@ __global__ void SwiGluGradKernel(const T* __restrict__ g, const T* __restrict__ 
   }
 }
 
+// gpt-oss's clamped SwiGLU with the ATen composition's roundings (each of its operations
+// stores T): g = min(gate, limit), u = clamp(up, -limit, limit), s = sigmoid((g * alpha).to(T)).to(T),
+// out = ((u + 1).to(T) * (g * s).to(T)).to(T). Layout as SwiGluKernel's.
+template <typename T, int V>
+__global__ void ClampedSwiGluKernel(const T* __restrict__ gate, const T* __restrict__ up, int64_t rows, int64_t f,
+                                    int64_t in_ld, float alpha, float limit, T* __restrict__ out) {
+  const int64_t packs_per_row = f / V;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows * packs_per_row;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / packs_per_row, c = i % packs_per_row;
+    const int64_t in = (r * in_ld) / V + c;
+    const Pack<T, V> gp = Load<T, V>(gate, in), up_p = Load<T, V>(up, in);
+    Pack<T, V> o;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float g = fminf(ToFloat(gp.v[k]), limit), u = fminf(fmaxf(ToFloat(up_p.v[k]), -limit), limit);
+      const float s = Round<T>(Sigmoid(Round<T>(g * alpha)));
+      o.v[k] = FromFloat<T>(Round<T>(u + 1.f) * Round<T>(g * s));
+    }
+    Store<T, V>(out, i, o);
+  }
+}
+
+// Its gradient for gate and up as autograd forms it through the composition (each product
+// rounded to T; the gate's two paths summed, then rounded), zero where a clamp held the
+// input. grad_gate/grad_up rows `out_ld` apart.
+template <typename T, int V>
+__global__ void ClampedSwiGluGradKernel(const T* __restrict__ grad, const T* __restrict__ gate,
+                                        const T* __restrict__ up, int64_t rows, int64_t f, int64_t in_ld,
+                                        int64_t out_ld, float alpha, float limit, T* __restrict__ grad_gate,
+                                        T* __restrict__ grad_up) {
+  const int64_t packs_per_row = f / V;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows * packs_per_row;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / packs_per_row, c = i % packs_per_row;
+    const int64_t in = (r * in_ld) / V + c, out = (r * out_ld) / V + c;
+    const Pack<T, V> dp = Load<T, V>(grad, i), gp = Load<T, V>(gate, in), up_p = Load<T, V>(up, in);
+    Pack<T, V> dg, du;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float gate_in = ToFloat(gp.v[k]), up_in = ToFloat(up_p.v[k]), d = ToFloat(dp.v[k]);
+      const float g = fminf(gate_in, limit), u = fminf(fmaxf(up_in, -limit), limit);
+      const float s = Round<T>(Sigmoid(Round<T>(g * alpha)));
+      const float gs = Round<T>(g * s), u1 = Round<T>(u + 1.f);
+      const float d_u1 = Round<T>(d * gs), d_gs = Round<T>(d * u1);
+      const float d_s = Round<T>(d_gs * g);
+      const float d_ga = Round<T>(d_s * (1.f - s) * s);
+      const float d_g = Round<T>(Round<T>(d_gs * s) + Round<T>(d_ga * alpha));
+      dg.v[k] = FromFloat<T>(gate_in <= limit ? d_g : 0.f);
+      du.v[k] = FromFloat<T>(up_in >= -limit && up_in <= limit ? d_u1 : 0.f);
+    }
+    Store<T, V>(grad_gate, out, dg);
+    Store<T, V>(grad_up, out, du);
+  }
+}
+
 // Strides of x in elements along batch, seq and heads (unit stride along dim).
 struct RopeStrides {
   int64_t batch, seq, head;
@@ -345,6 +401,51 @@ const char* LaunchSwiGluGrad(const void* grad_out, const void* gate, const void*
     } else {
       SwiGluGradKernel<T, 1><<<ElementwiseBlocks(rows * f, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
           go, ga, u, rows, f, in_ld, out_ld, dg, du, y);
+    }
+  });
+  return LastLaunchError();
+}
+
+const char* LaunchClampedSwiGlu(const void* gate, const void* up, ElementType type, int64_t rows, int64_t f,
+                                int64_t in_ld, float alpha, float limit, void* out, void* stream) {
+  if (rows * f == 0) return nullptr;
+  DispatchElementType(type, [&](auto t) {
+    using T = decltype(t);
+    constexpr int V = 16 / sizeof(T);
+    const auto s = static_cast<cudaStream_t>(stream);
+    const auto* g = static_cast<const T*>(gate);
+    const auto* u = static_cast<const T*>(up);
+    auto* o = static_cast<T*>(out);
+    if (Packable<T>({f, in_ld}, {gate, up, out})) {
+      ClampedSwiGluKernel<T, V><<<ElementwiseBlocks(rows * f / V, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
+          g, u, rows, f, in_ld, alpha, limit, o);
+    } else {
+      ClampedSwiGluKernel<T, 1><<<ElementwiseBlocks(rows * f, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
+          g, u, rows, f, in_ld, alpha, limit, o);
+    }
+  });
+  return LastLaunchError();
+}
+
+const char* LaunchClampedSwiGluGrad(const void* grad_out, const void* gate, const void* up, ElementType type,
+                                    int64_t rows, int64_t f, int64_t in_ld, int64_t out_ld, float alpha, float limit,
+                                    void* grad_gate, void* grad_up, void* stream) {
+  if (rows * f == 0) return nullptr;
+  DispatchElementType(type, [&](auto t) {
+    using T = decltype(t);
+    constexpr int V = 16 / sizeof(T);
+    const auto s = static_cast<cudaStream_t>(stream);
+    const auto* go = static_cast<const T*>(grad_out);
+    const auto* ga = static_cast<const T*>(gate);
+    const auto* u = static_cast<const T*>(up);
+    auto* dg = static_cast<T*>(grad_gate);
+    auto* du = static_cast<T*>(grad_up);
+    if (Packable<T>({f, in_ld, out_ld}, {grad_out, gate, up, grad_gate, grad_up})) {
+      ClampedSwiGluGradKernel<T, V><<<ElementwiseBlocks(rows * f / V, kElementwiseThreads), kElementwiseThreads, 0,
+                                      s>>>(go, ga, u, rows, f, in_ld, out_ld, alpha, limit, dg, du);
+    } else {
+      ClampedSwiGluGradKernel<T, 1><<<ElementwiseBlocks(rows * f, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
+          go, ga, u, rows, f, in_ld, out_ld, alpha, limit, dg, du);
     }
   });
   return LastLaunchError();

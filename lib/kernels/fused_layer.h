@@ -1,9 +1,9 @@
-// A decoder layer's memory-bound steps as one kernel each way (CUDA build only): RMSNorm
-// (and Qwen3.5's gated form), SwiGLU and rotary embeddings. As ATen compositions each is several kernels with fp32
-// temporaries written and read back, most of a LoRA step's copy/cast time (docs/PERFORMANCE.md,
-// the 7B step). Each kernel computes in fp32 and rounds to the storage
-// type wherever the ATen composition stores a tensor, so both paths round alike (the
-// RMSNorm row sums may add in another order).
+// A decoder layer's memory-bound steps as one kernel each way (CUDA build only): RMSNorm (and
+// Qwen3.5's gated form), SwiGLU (and gpt-oss's clamped form) and rotary embeddings. As ATen
+// compositions each is several kernels with fp32 temporaries written and read back, most of a
+// LoRA step's copy/cast time (docs/PERFORMANCE.md, the 7B step). Each kernel computes in fp32
+// and rounds to the storage type wherever the ATen composition stores a tensor, so both paths
+// round alike (the RMSNorm row sums may add in another order).
 //
 // All tensors are contiguous, of `type`, unless said otherwise; every function runs on
 // `stream` (a cudaStream_t) and returns a CUDA error string, or nullptr.
@@ -55,6 +55,18 @@ const char* LaunchSwiGlu(const void* gate, const void* up, ElementType type, int
 const char* LaunchSwiGluGrad(const void* grad_out, const void* gate, const void* up, ElementType type,
                              int64_t rows, int64_t f, int64_t in_ld, int64_t out_ld, void* grad_gate,
                              void* grad_up, void* act, void* stream);
+
+// gpt-oss's clamped SwiGLU, out = ((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)).to(type)
+// with g = min(gate, limit), rounded to type after each operation as the ATen composition
+// stores it; layout as LaunchSwiGlu's.
+const char* LaunchClampedSwiGlu(const void* gate, const void* up, ElementType type, int64_t rows, int64_t f,
+                                int64_t in_ld, float alpha, float limit, void* out, void* stream);
+
+// Its gradients for gate and up (zero where a clamp held the input), as autograd through that
+// composition rounds them; layout as LaunchSwiGluGrad's.
+const char* LaunchClampedSwiGluGrad(const void* grad_out, const void* gate, const void* up, ElementType type,
+                                    int64_t rows, int64_t f, int64_t in_ld, int64_t out_ld, float alpha, float limit,
+                                    void* grad_gate, void* grad_up, void* stream);
 
 // Rotary embedding of x: batch x seq_len x heads x dim (dim even; x may be strided, with
 // unit stride along dim: x_strides gives its batch, seq and head strides in elements), with

@@ -4,6 +4,8 @@
 // rounding.
 #include "lib/model/layer_ops.h"
 
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include <torch/csrc/autograd/custom_function.h>
@@ -326,7 +328,74 @@ at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) { return SwiGluF
 // gate_up [.., 2f]: the gate half, then the up half.
 at::Tensor SwiGluPacked(const at::Tensor& gate_up) { return SwiGluFunction::apply(gate_up, gate_up, true); }
 
+namespace {
+
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+// gpt-oss's clamped SwiGLU as one kernel each way (kernels::LaunchClampedSwiGlu), keeping
+// gate_up for backward; the same rounding as ClampedSwiGluPacked's composition.
+class ClampedSwiGluFunction : public torch::autograd::Function<ClampedSwiGluFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate_up, double alpha,
+                            double limit) {
+    const at::Tensor in = gate_up.contiguous();
+    const int64_t f = in.size(-1) / 2;
+    std::vector<int64_t> shape(in.sizes().begin(), in.sizes().end());
+    shape.back() = f;
+    at::Tensor out = at::empty(shape, in.options());
+    const auto* base = static_cast<const char*>(in.data_ptr());
+    const kernels::KernelLaunch launch(in);
+    kernels::CheckLaunch(kernels::LaunchClampedSwiGlu(in.data_ptr(), base + f * in.element_size(),
+                                                      kernels::ElementTypeOf(in), out.numel() / f, f, 2 * f,
+                                                      static_cast<float>(alpha), static_cast<float>(limit),
+                                                      out.data_ptr(), launch.stream),
+                         "clamped swiglu");
+    ctx->save_for_backward({in});
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["limit"] = limit;
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor in = ctx->get_saved_variables()[0];
+    const at::Tensor g = grads[0].contiguous();
+    const int64_t f = in.size(-1) / 2;
+    at::Tensor grad = at::empty_like(in);
+    const auto* base = static_cast<const char*>(in.data_ptr());
+    auto* grad_base = static_cast<char*>(grad.data_ptr());
+    const kernels::KernelLaunch launch(in);
+    kernels::CheckLaunch(
+        kernels::LaunchClampedSwiGluGrad(g.data_ptr(), in.data_ptr(), base + f * in.element_size(),
+                                         kernels::ElementTypeOf(in), g.numel() / f, f, 2 * f, 2 * f,
+                                         static_cast<float>(ctx->saved_data["alpha"].toDouble()),
+                                         static_cast<float>(ctx->saved_data["limit"].toDouble()), grad_base,
+                                         grad_base + f * in.element_size(), launch.stream),
+        "clamped swiglu gradient");
+    return {grad, at::Tensor(), at::Tensor()};
+  }
+};
+#endif
+
+}  // namespace
+
+at::Tensor ClampedSwiGluKernel(const at::Tensor& gate_up, double alpha, double limit) {
+#ifdef LORASTEP_WITH_CUDA_KERNELS
+  if (gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0 && UseFusedKernels(gate_up, gate_up)) {
+    return ClampedSwiGluFunction::apply(gate_up, alpha, limit);
+  }
+#else
+  (void)gate_up, (void)alpha, (void)limit;
+#endif
+  return at::Tensor();
+}
+
 at::Tensor ClampedSwiGluPacked(const at::Tensor& gate_up, double alpha, double limit) {
+  static const bool fused = [] {
+    const char* value = std::getenv("LORASTEP_FUSED_CLAMPED_SWIGLU");
+    return value != nullptr && std::string(value) == "1";
+  }();
+  if (fused) {
+    if (at::Tensor out = ClampedSwiGluKernel(gate_up, alpha, limit); out.defined()) return out;
+  }
   const int64_t f = gate_up.size(-1) / 2;
   const at::Tensor gate = gate_up.narrow(-1, 0, f).clamp_max(limit);
   const at::Tensor up = gate_up.narrow(-1, f, f).clamp(-limit, limit);
