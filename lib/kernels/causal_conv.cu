@@ -1,6 +1,7 @@
 #include "lib/kernels/causal_conv.h"
 
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "lib/kernels/cuda_math.cuh"
@@ -89,6 +90,22 @@ const char* CheckShape(int64_t sequences, int64_t length, int64_t channels, int 
   return nullptr;
 }
 
+// Calls launch(T{}, V) for `type`'s storage type T, with V = 16 / sizeof(T) channels a thread
+// where the channel count and `pointers` allow 16-byte packs, else V = 1.
+template <typename F>
+const char* LaunchOverPacks(ElementType type, int64_t channels, std::initializer_list<const void*> pointers,
+                            F&& launch) {
+  DispatchElementType(type, [&](auto t) {
+    using T = decltype(t);
+    if (Packable<T>({channels}, pointers)) {
+      launch(t, std::integral_constant<int, 16 / sizeof(T)>{});
+    } else {
+      launch(t, std::integral_constant<int, 1>{});
+    }
+  });
+  return LastLaunchError();
+}
+
 }  // namespace
 
 const char* LaunchCausalConvSilu(const void* x, const void* weight, ElementType type, int64_t sequences,
@@ -96,22 +113,13 @@ const char* LaunchCausalConvSilu(const void* x, const void* weight, ElementType 
   if (const char* bad = CheckShape(sequences, length, channels, taps)) return bad;
   const int64_t rows = sequences * length;
   if (rows * channels == 0) return nullptr;
-  DispatchElementType(type, [&](auto e) {
-    using T = decltype(e);
-    constexpr int V = 16 / sizeof(T);
-    const auto s = static_cast<cudaStream_t>(stream);
-    const auto* xp = static_cast<const T*>(x);
-    const auto* wp = static_cast<const T*>(weight);
-    auto* yp = static_cast<T*>(y);
-    if (Packable<T>({channels}, {x, y})) {
-      CausalConvSiluKernel<T, V><<<Blocks(rows * channels / V), kThreads, 0, s>>>(xp, wp, rows, length,
-                                                                                  channels / V, taps, yp);
-    } else {
-      CausalConvSiluKernel<T, 1><<<Blocks(rows * channels), kThreads, 0, s>>>(xp, wp, rows, length, channels,
-                                                                              taps, yp);
-    }
+  return LaunchOverPacks(type, channels, {x, y}, [&](auto t, auto v) {
+    using T = decltype(t);
+    constexpr int V = decltype(v)::value;
+    CausalConvSiluKernel<T, V><<<Blocks(rows * channels / V), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<const T*>(x), static_cast<const T*>(weight), rows, length, channels / V, taps,
+        static_cast<T*>(y));
   });
-  return LastLaunchError();
 }
 
 const char* LaunchCausalConvSiluGrad(const void* grad_y, const void* x, const void* weight, ElementType type,
@@ -120,23 +128,13 @@ const char* LaunchCausalConvSiluGrad(const void* grad_y, const void* x, const vo
   if (const char* bad = CheckShape(sequences, length, channels, taps)) return bad;
   const int64_t rows = sequences * length;
   if (rows * channels == 0) return nullptr;
-  DispatchElementType(type, [&](auto e) {
-    using T = decltype(e);
-    constexpr int V = 16 / sizeof(T);
-    const auto s = static_cast<cudaStream_t>(stream);
-    const auto* gp = static_cast<const T*>(grad_y);
-    const auto* xp = static_cast<const T*>(x);
-    const auto* wp = static_cast<const T*>(weight);
-    auto* dp = static_cast<T*>(grad_x);
-    if (Packable<T>({channels}, {grad_y, x, grad_x})) {
-      CausalConvSiluGradKernel<T, V><<<Blocks(rows * channels / V), kThreads, 0, s>>>(gp, xp, wp, rows, length,
-                                                                                      channels / V, taps, dp);
-    } else {
-      CausalConvSiluGradKernel<T, 1><<<Blocks(rows * channels), kThreads, 0, s>>>(gp, xp, wp, rows, length,
-                                                                                  channels, taps, dp);
-    }
+  return LaunchOverPacks(type, channels, {grad_y, x, grad_x}, [&](auto t, auto v) {
+    using T = decltype(t);
+    constexpr int V = decltype(v)::value;
+    CausalConvSiluGradKernel<T, V><<<Blocks(rows * channels / V), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<const T*>(grad_y), static_cast<const T*>(x), static_cast<const T*>(weight), rows, length,
+        channels / V, taps, static_cast<T*>(grad_x));
   });
-  return LastLaunchError();
 }
 
 }  // namespace kernels

@@ -135,11 +135,56 @@ __global__ void RmsNormGradKernel(const T* __restrict__ g, const T* __restrict__
 }
 
 
+// The gated activations over a gate half and an up half, each with the ATen composition's
+// roundings (compute in fp32, round to T wherever the composition stores a tensor).
+// Forward(a, u): the output for gate a and up u; Backward(d, a, u, ...): the gradients for
+// gate and up of the output's gradient d, and the output itself (backward may rewrite it).
+struct SiluGate {  // silu(gate) * up
+  template <typename T>
+  __device__ __forceinline__ float Forward(float a, float u) const {
+    return Round<T>(a / (1.f + expf(-a))) * u;
+  }
+  template <typename T>
+  __device__ __forceinline__ void Backward(float d, float a, float u, float& dg, float& du, float& y) const {
+    const float s = Sigmoid(a);
+    const float dy = Round<T>(d * u);
+    const float silu = Round<T>(a / (1.f + expf(-a)));  // as Forward rounds it
+    dg = dy * s * (1.f + a * (1.f - s));
+    du = d * silu;
+    y = silu * u;
+  }
+};
+
+// gpt-oss's clamped form: g = min(gate, limit), u = clamp(up, -limit, limit),
+// s = sigmoid((g * alpha).to(T)).to(T), out = ((u + 1).to(T) * (g * s).to(T)).to(T); its
+// gradient as autograd forms it through that composition (the gate's two paths summed, then
+// rounded), zero where a clamp held the input.
+struct ClampedSiluGate {
+  float alpha, limit;
+  template <typename T>
+  __device__ __forceinline__ float Forward(float a, float up) const {
+    const float g = fminf(a, limit), u = fminf(fmaxf(up, -limit), limit);
+    const float s = Round<T>(Sigmoid(Round<T>(g * alpha)));
+    return Round<T>(u + 1.f) * Round<T>(g * s);
+  }
+  template <typename T>
+  __device__ __forceinline__ void Backward(float d, float a, float up, float& dg, float& du, float& y) const {
+    const float g = fminf(a, limit), u = fminf(fmaxf(up, -limit), limit);
+    const float s = Round<T>(Sigmoid(Round<T>(g * alpha)));
+    const float gs = Round<T>(g * s), u1 = Round<T>(u + 1.f);
+    const float d_u1 = Round<T>(d * gs), d_gs = Round<T>(d * u1);
+    const float d_ga = Round<T>(Round<T>(d_gs * g) * (1.f - s) * s);
+    dg = a <= limit ? Round<T>(Round<T>(d_gs * s) + Round<T>(d_ga * alpha)) : 0.f;
+    du = up >= -limit && up <= limit ? d_u1 : 0.f;
+    y = u1 * gs;
+  }
+};
+
 // rows x f elements in packs of V (f, the strides and every pointer a multiple of the pack):
 // gate/up rows `in_ld` apart (gate_up's halves: up = gate + f, in_ld = 2f), out contiguous.
-template <typename T, int V>
-__global__ void SwiGluKernel(const T* __restrict__ gate, const T* __restrict__ up, int64_t rows, int64_t f,
-                             int64_t in_ld, T* __restrict__ out) {
+template <typename T, int V, typename Act>
+__global__ void GluKernel(const T* __restrict__ gate, const T* __restrict__ up, int64_t rows, int64_t f,
+                          int64_t in_ld, Act act, T* __restrict__ out) {
   const int64_t packs_per_row = f / V;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows * packs_per_row;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -148,95 +193,35 @@ __global__ void SwiGluKernel(const T* __restrict__ gate, const T* __restrict__ u
     const Pack<T, V> g = Load<T, V>(gate, in), u = Load<T, V>(up, in);
     Pack<T, V> o;
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const float a = ToFloat(g.v[k]);
-      o.v[k] = FromFloat<T>(Round<T>(a / (1.f + expf(-a))) * ToFloat(u.v[k]));
-    }
+    for (int k = 0; k < V; ++k) o.v[k] = FromFloat<T>(act.template Forward<T>(ToFloat(g.v[k]), ToFloat(u.v[k])));
     Store<T, V>(out, i, o);
   }
 }
 
-// grad_gate/grad_up rows `out_ld` apart (the halves of gate_up's gradient: out_ld = 2f).
-template <typename T, int V>
-__global__ void SwiGluGradKernel(const T* __restrict__ g, const T* __restrict__ gate, const T* __restrict__ up,
-                                 int64_t rows, int64_t f, int64_t in_ld, int64_t out_ld, T* __restrict__ grad_gate,
-                                 T* __restrict__ grad_up, T* __restrict__ act) {
+// grad_gate/grad_up rows `out_ld` apart (the halves of gate_up's gradient: out_ld = 2f); the
+// output into `y` (contiguous) when non-null.
+template <typename T, int V, typename Act>
+__global__ void GluGradKernel(const T* __restrict__ g, const T* __restrict__ gate, const T* __restrict__ up,
+                              int64_t rows, int64_t f, int64_t in_ld, int64_t out_ld, Act act,
+                              T* __restrict__ grad_gate, T* __restrict__ grad_up, T* __restrict__ y) {
   const int64_t packs_per_row = f / V;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows * packs_per_row;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / packs_per_row, c = i % packs_per_row;
     const int64_t in = (r * in_ld) / V + c, out = (r * out_ld) / V + c;
     const Pack<T, V> gp = Load<T, V>(g, i), ap = Load<T, V>(gate, in), up_p = Load<T, V>(up, in);
-    Pack<T, V> dg, du, y;
+    Pack<T, V> dg, du, yp;
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      const float a = ToFloat(ap.v[k]), gi = ToFloat(gp.v[k]);
-      const float s = Sigmoid(a);
-      const float dy = Round<T>(gi * ToFloat(up_p.v[k]));
-      const float silu = Round<T>(a / (1.f + expf(-a)));  // as SwiGluKernel rounds it
-      dg.v[k] = FromFloat<T>(dy * s * (1.f + a * (1.f - s)));
-      du.v[k] = FromFloat<T>(gi * silu);
-      y.v[k] = FromFloat<T>(silu * ToFloat(up_p.v[k]));
+      float dgk, duk, yk;
+      act.template Backward<T>(ToFloat(gp.v[k]), ToFloat(ap.v[k]), ToFloat(up_p.v[k]), dgk, duk, yk);
+      dg.v[k] = FromFloat<T>(dgk);
+      du.v[k] = FromFloat<T>(duk);
+      yp.v[k] = FromFloat<T>(yk);
     }
     Store<T, V>(grad_gate, out, dg);
     Store<T, V>(grad_up, out, du);
-    if (act != nullptr) Store<T, V>(act, i, y);
-  }
-}
-
-// gpt-oss's clamped SwiGLU with the ATen composition's roundings (each of its operations
-// stores T): g = min(gate, limit), u = clamp(up, -limit, limit), s = sigmoid((g * alpha).to(T)).to(T),
-// out = ((u + 1).to(T) * (g * s).to(T)).to(T). Layout as SwiGluKernel's.
-template <typename T, int V>
-__global__ void ClampedSwiGluKernel(const T* __restrict__ gate, const T* __restrict__ up, int64_t rows, int64_t f,
-                                    int64_t in_ld, float alpha, float limit, T* __restrict__ out) {
-  const int64_t packs_per_row = f / V;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows * packs_per_row;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / packs_per_row, c = i % packs_per_row;
-    const int64_t in = (r * in_ld) / V + c;
-    const Pack<T, V> gp = Load<T, V>(gate, in), up_p = Load<T, V>(up, in);
-    Pack<T, V> o;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const float g = fminf(ToFloat(gp.v[k]), limit), u = fminf(fmaxf(ToFloat(up_p.v[k]), -limit), limit);
-      const float s = Round<T>(Sigmoid(Round<T>(g * alpha)));
-      o.v[k] = FromFloat<T>(Round<T>(u + 1.f) * Round<T>(g * s));
-    }
-    Store<T, V>(out, i, o);
-  }
-}
-
-// Its gradient for gate and up as autograd forms it through the composition (each product
-// rounded to T; the gate's two paths summed, then rounded), zero where a clamp held the
-// input. grad_gate/grad_up rows `out_ld` apart.
-template <typename T, int V>
-__global__ void ClampedSwiGluGradKernel(const T* __restrict__ grad, const T* __restrict__ gate,
-                                        const T* __restrict__ up, int64_t rows, int64_t f, int64_t in_ld,
-                                        int64_t out_ld, float alpha, float limit, T* __restrict__ grad_gate,
-                                        T* __restrict__ grad_up) {
-  const int64_t packs_per_row = f / V;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows * packs_per_row;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / packs_per_row, c = i % packs_per_row;
-    const int64_t in = (r * in_ld) / V + c, out = (r * out_ld) / V + c;
-    const Pack<T, V> dp = Load<T, V>(grad, i), gp = Load<T, V>(gate, in), up_p = Load<T, V>(up, in);
-    Pack<T, V> dg, du;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const float gate_in = ToFloat(gp.v[k]), up_in = ToFloat(up_p.v[k]), d = ToFloat(dp.v[k]);
-      const float g = fminf(gate_in, limit), u = fminf(fmaxf(up_in, -limit), limit);
-      const float s = Round<T>(Sigmoid(Round<T>(g * alpha)));
-      const float gs = Round<T>(g * s), u1 = Round<T>(u + 1.f);
-      const float d_u1 = Round<T>(d * gs), d_gs = Round<T>(d * u1);
-      const float d_s = Round<T>(d_gs * g);
-      const float d_ga = Round<T>(d_s * (1.f - s) * s);
-      const float d_g = Round<T>(Round<T>(d_gs * s) + Round<T>(d_ga * alpha));
-      dg.v[k] = FromFloat<T>(gate_in <= limit ? d_g : 0.f);
-      du.v[k] = FromFloat<T>(up_in >= -limit && up_in <= limit ? d_u1 : 0.f);
-    }
-    Store<T, V>(grad_gate, out, dg);
-    Store<T, V>(grad_up, out, du);
+    if (y != nullptr) Store<T, V>(y, i, yp);
   }
 }
 
@@ -360,8 +345,11 @@ const char* LaunchGatedRmsNormGrad(const void* grad_y, const void* x, const void
   return LaunchNormGrad(grad_y, x, z, weight, rstd, nullptr, type, rows, hidden, grad_x, grad_z, stream);
 }
 
-const char* LaunchSwiGlu(const void* gate, const void* up, ElementType type, int64_t rows, int64_t f, int64_t in_ld,
-                         void* out, void* stream) {
+namespace {
+
+template <typename Act>
+const char* LaunchGlu(const void* gate, const void* up, ElementType type, int64_t rows, int64_t f, int64_t in_ld,
+                      Act act, void* out, void* stream) {
   if (rows * f == 0) return nullptr;
   DispatchElementType(type, [&](auto t) {
     using T = decltype(t);
@@ -371,84 +359,65 @@ const char* LaunchSwiGlu(const void* gate, const void* up, ElementType type, int
     const auto* u = static_cast<const T*>(up);
     auto* o = static_cast<T*>(out);
     if (Packable<T>({f, in_ld}, {gate, up, out})) {
-      SwiGluKernel<T, V><<<ElementwiseBlocks(rows * f / V, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
-          g, u, rows, f, in_ld, o);
+      GluKernel<T, V><<<ElementwiseBlocks(rows * f / V, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
+          g, u, rows, f, in_ld, act, o);
     } else {
-      SwiGluKernel<T, 1><<<ElementwiseBlocks(rows * f, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
-          g, u, rows, f, in_ld, o);
+      GluKernel<T, 1><<<ElementwiseBlocks(rows * f, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
+          g, u, rows, f, in_ld, act, o);
     }
   });
   return LastLaunchError();
+}
+
+template <typename Act>
+const char* LaunchGluGrad(const void* grad_out, const void* gate, const void* up, ElementType type, int64_t rows,
+                          int64_t f, int64_t in_ld, int64_t out_ld, Act act, void* grad_gate, void* grad_up, void* y,
+                          void* stream) {
+  if (rows * f == 0) return nullptr;
+  DispatchElementType(type, [&](auto t) {
+    using T = decltype(t);
+    constexpr int V = 16 / sizeof(T);
+    const auto s = static_cast<cudaStream_t>(stream);
+    const auto* go = static_cast<const T*>(grad_out);
+    const auto* ga = static_cast<const T*>(gate);
+    const auto* u = static_cast<const T*>(up);
+    auto* dg = static_cast<T*>(grad_gate);
+    auto* du = static_cast<T*>(grad_up);
+    auto* yp = static_cast<T*>(y);
+    if (Packable<T>({f, in_ld, out_ld}, {grad_out, gate, up, grad_gate, grad_up, y})) {
+      GluGradKernel<T, V><<<ElementwiseBlocks(rows * f / V, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
+          go, ga, u, rows, f, in_ld, out_ld, act, dg, du, yp);
+    } else {
+      GluGradKernel<T, 1><<<ElementwiseBlocks(rows * f, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
+          go, ga, u, rows, f, in_ld, out_ld, act, dg, du, yp);
+    }
+  });
+  return LastLaunchError();
+}
+
+}  // namespace
+
+const char* LaunchSwiGlu(const void* gate, const void* up, ElementType type, int64_t rows, int64_t f, int64_t in_ld,
+                         void* out, void* stream) {
+  return LaunchGlu(gate, up, type, rows, f, in_ld, SiluGate{}, out, stream);
 }
 
 const char* LaunchSwiGluGrad(const void* grad_out, const void* gate, const void* up, ElementType type, int64_t rows,
                              int64_t f, int64_t in_ld, int64_t out_ld, void* grad_gate, void* grad_up, void* act,
                              void* stream) {
-  if (rows * f == 0) return nullptr;
-  DispatchElementType(type, [&](auto t) {
-    using T = decltype(t);
-    constexpr int V = 16 / sizeof(T);
-    const auto s = static_cast<cudaStream_t>(stream);
-    const auto* go = static_cast<const T*>(grad_out);
-    const auto* ga = static_cast<const T*>(gate);
-    const auto* u = static_cast<const T*>(up);
-    auto* dg = static_cast<T*>(grad_gate);
-    auto* du = static_cast<T*>(grad_up);
-    auto* y = static_cast<T*>(act);
-    if (Packable<T>({f, in_ld, out_ld}, {grad_out, gate, up, grad_gate, grad_up, act})) {
-      SwiGluGradKernel<T, V><<<ElementwiseBlocks(rows * f / V, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
-          go, ga, u, rows, f, in_ld, out_ld, dg, du, y);
-    } else {
-      SwiGluGradKernel<T, 1><<<ElementwiseBlocks(rows * f, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
-          go, ga, u, rows, f, in_ld, out_ld, dg, du, y);
-    }
-  });
-  return LastLaunchError();
+  return LaunchGluGrad(grad_out, gate, up, type, rows, f, in_ld, out_ld, SiluGate{}, grad_gate, grad_up, act, stream);
 }
 
 const char* LaunchClampedSwiGlu(const void* gate, const void* up, ElementType type, int64_t rows, int64_t f,
                                 int64_t in_ld, float alpha, float limit, void* out, void* stream) {
-  if (rows * f == 0) return nullptr;
-  DispatchElementType(type, [&](auto t) {
-    using T = decltype(t);
-    constexpr int V = 16 / sizeof(T);
-    const auto s = static_cast<cudaStream_t>(stream);
-    const auto* g = static_cast<const T*>(gate);
-    const auto* u = static_cast<const T*>(up);
-    auto* o = static_cast<T*>(out);
-    if (Packable<T>({f, in_ld}, {gate, up, out})) {
-      ClampedSwiGluKernel<T, V><<<ElementwiseBlocks(rows * f / V, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
-          g, u, rows, f, in_ld, alpha, limit, o);
-    } else {
-      ClampedSwiGluKernel<T, 1><<<ElementwiseBlocks(rows * f, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
-          g, u, rows, f, in_ld, alpha, limit, o);
-    }
-  });
-  return LastLaunchError();
+  return LaunchGlu(gate, up, type, rows, f, in_ld, ClampedSiluGate{alpha, limit}, out, stream);
 }
 
 const char* LaunchClampedSwiGluGrad(const void* grad_out, const void* gate, const void* up, ElementType type,
                                     int64_t rows, int64_t f, int64_t in_ld, int64_t out_ld, float alpha, float limit,
                                     void* grad_gate, void* grad_up, void* stream) {
-  if (rows * f == 0) return nullptr;
-  DispatchElementType(type, [&](auto t) {
-    using T = decltype(t);
-    constexpr int V = 16 / sizeof(T);
-    const auto s = static_cast<cudaStream_t>(stream);
-    const auto* go = static_cast<const T*>(grad_out);
-    const auto* ga = static_cast<const T*>(gate);
-    const auto* u = static_cast<const T*>(up);
-    auto* dg = static_cast<T*>(grad_gate);
-    auto* du = static_cast<T*>(grad_up);
-    if (Packable<T>({f, in_ld, out_ld}, {grad_out, gate, up, grad_gate, grad_up})) {
-      ClampedSwiGluGradKernel<T, V><<<ElementwiseBlocks(rows * f / V, kElementwiseThreads), kElementwiseThreads, 0,
-                                      s>>>(go, ga, u, rows, f, in_ld, out_ld, alpha, limit, dg, du);
-    } else {
-      ClampedSwiGluGradKernel<T, 1><<<ElementwiseBlocks(rows * f, kElementwiseThreads), kElementwiseThreads, 0, s>>>(
-          go, ga, u, rows, f, in_ld, out_ld, alpha, limit, dg, du);
-    }
-  });
-  return LastLaunchError();
+  return LaunchGluGrad(grad_out, gate, up, type, rows, f, in_ld, out_ld, ClampedSiluGate{alpha, limit}, grad_gate,
+                       grad_up, /*y=*/nullptr, stream);
 }
 
 const char* LaunchRope(const void* x, const int64_t* x_strides, const void* cos, const void* sin,
