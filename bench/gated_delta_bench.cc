@@ -45,6 +45,9 @@ ABSL_FLAG(int64_t, head_dim, 128, "linear key and value head dim");
 ABSL_FLAG(int64_t, reps, 11, "timed repetitions (the median is reported)");
 ABSL_FLAG(std::string, dtype, "bfloat16", "bfloat16 or float32");
 ABSL_FLAG(std::string, trace, "", "if set: a Kineto trace of one more mixer pass, forward and backward, saved here");
+ABSL_FLAG(bool, keep_rule, false,
+          "the mixer's rule keeps its intermediates for backward (ForwardOptions::keep_linear_attention_rule) "
+          "instead of running again there");
 ABSL_FLAG(std::string, matmul_precision, "highest",
           "fp32 matmul precision (highest: fp32; high: TF32 tensor cores on CUDA), for an A/B of the rule");
 
@@ -87,9 +90,11 @@ int main(int argc, char** argv) {
     return at::matmul(x, weights[slot - lorastep::kInProjQkv].t());
   };
   const at::Tensor input = at::randn({1, tokens, h}, options).requires_grad_(true);
+  const bool keep_rule = absl::GetFlag(FLAGS_keep_rule);
 
   const double mixer_ms = lorastep::DeviceMedianMs(device, reps, 1, [&] {
-    Backward(lorastep::GatedDeltaNetMix(config, own, project, input, lengths, 1e-6), input);
+    Backward(lorastep::GatedDeltaNetMix(config, own, project, input, lengths, 1e-6, nullptr, 0, nullptr, keep_rule),
+             input);
   });
   const at::Tensor mixed = at::randn({1, tokens, config.value_dim()}, options).requires_grad_(true);
   const double projections_ms = lorastep::DeviceMedianMs(device, reps, 1, [&] {
@@ -118,7 +123,8 @@ int main(int argc, char** argv) {
       std::cerr << started << "\n";
       return 1;
     }
-    Backward(lorastep::GatedDeltaNetMix(config, own, project, input, lengths, 1e-6), input);
+    Backward(lorastep::GatedDeltaNetMix(config, own, project, input, lengths, 1e-6, nullptr, 0, nullptr, keep_rule),
+             input);
     if (const absl::Status stopped = lorastep::StopKernelProfile(trace); !stopped.ok()) {
       std::cerr << stopped << "\n";
       return 1;
@@ -134,6 +140,7 @@ int main(int argc, char** argv) {
                 {"value_heads", hv}, {"head_dim", config.key_head_dim}, {"chunk", lorastep::kGatedDeltaChunk},
                 {"dtype", dtype}};
   j["matmul_precision"] = absl::GetFlag(FLAGS_matmul_precision);
+  j["keep_rule"] = keep_rule;
   j["mixer_ms"] = mixer_ms;
   j["projections_ms"] = projections_ms;
   j["rule_ms"] = rule_ms;

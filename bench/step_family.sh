@@ -47,6 +47,10 @@ if python3 -c "import json,sys;sys.exit(0 if json.load(open('$MODEL/config.json'
     --key_heads "$KH" --value_heads "$VH" --head_dim "$HD" --machine "$(head -1 "$OUT/env.txt")" \
     --command "LORASTEP_FUSED_CONV=1 gated_delta_bench --seqs $((MT / 512)) --len 512" \
     --out "$OUT/${PREFIX}_gdn_fused_conv.json" > /dev/null
+  # And with the rule keeping its intermediates instead of running again in backward.
+  "$BIN/gated_delta_bench" --device cuda --seqs $((MT / 512)) --len 512 --hidden "$H" --key_heads "$KH" \
+    --value_heads "$VH" --head_dim "$HD" --keep_rule --machine "$(head -1 "$OUT/env.txt")" \
+    --command "gated_delta_bench --seqs $((MT / 512)) --len 512 --keep_rule" --out "$OUT/${PREFIX}_gdn_keep_rule.json" > /dev/null
 fi
 if [ -n "${STEP_FAMILY_PROFILE:-}" ]; then  # a Kineto profile of lorastep's second step, summarized
   LORASTEP_PROFILE_TRACE=/tmp/${PREFIX}_trace.json LORASTEP_PROFILE_STEP=2 MODEL_DIR=$MODEL RANK=32 MAX_TOKENS=$MT STEPS=2 \

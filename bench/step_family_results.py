@@ -58,6 +58,10 @@ def main():
         if os.path.exists(fused_conv):  # the A/B: the convolution's CUDA kernel (LORASTEP_FUSED_CONV=1)
             gc = json.load(open(fused_conv))
             out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch_fused_conv"] = gc["mixer_without_projections_ms"]
+        keep_rule = os.path.join(args.raw, f"{p}_gdn_keep_rule.json")
+        if os.path.exists(keep_rule):  # the A/B: the rule keeping its intermediates (--keep_rule)
+            gk = json.load(open(keep_rule))
+            out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch_keep_rule"] = gk["mixer_without_projections_ms"]
         out[f"{p}_gated_delta_method"] = (f"gated_delta_bench: the mixer without its projections, {g['mixer_without_projections_ms']:.2f} ms "
                                           f"per layer and micro-batch, x {linear} linear layers x {micro} micro-batches, "
                                           f"over lorastep's step median")

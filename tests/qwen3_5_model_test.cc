@@ -8,10 +8,12 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/function.h>
 
 #include <array>
 #include <cmath>
 #include <map>
+#include <set>
 
 #include "lib/io/file_util.h"
 #include "lib/io/safetensors.h"
@@ -336,6 +338,59 @@ TEST(Qwen35ModelTest, LogitsAndLoraGradientsMatchPlainReference) {
   }
 }
 
+// The rule keeping its intermediates for backward and the rule run again there give the
+// same logits and LoRA gradients (two padded rows over two chunks each).
+TEST(Qwen35ModelTest, KeptAndRecomputedRuleGiveTheSameGradients) {
+  const ModelConfig c = ModelConfigPreset("tiny-qwen3.5").value();
+  const ModelWeights w = TinyWeights(c, 7);
+  const std::string dir = ScratchDir("qwen3_5_keep_rule");
+  ASSERT_OK(SaveModel(dir, c, w));
+  ASSERT_OK_AND_ASSIGN(LoadedModel model, LoadModel(dir, at::kCPU));
+  at::manual_seed(3);
+  const at::Tensor tokens = at::randint(c.vocab_size, {2, 70}, at::kLong);  // more than one chunk
+  const at::Tensor weights = at::randn({2, 70, c.vocab_size});
+  auto run = [&](bool keep) {
+    LoraConfig lc;
+    lc.rank = 4;
+    lc.alpha = 8;
+    Adapter adapter = Adapter::CreateLora(c, lc, at::kCPU, at::kFloat, 9).value();
+    {
+      at::NoGradGuard no_grad;
+      at::manual_seed(11);  // the same factors in both runs
+      for (Parameter& p : adapter.parameters()) p.value.normal_(0, 0.2);
+    }
+    ForwardOptions options;
+    options.keep_linear_attention_rule = keep;
+    const at::Tensor logits = Qwen2Hidden(c, model.weights, &adapter, tokens, options).matmul(w.output_weight().t());
+    // Which rule node the graph holds: the chunked rule's own (keeping its intermediates) or
+    // the one that runs it again in backward.
+    std::set<torch::autograd::Node*> seen;
+    std::vector<torch::autograd::Node*> todo = {logits.grad_fn().get()};
+    bool chunked = false, rerun = false;
+    while (!todo.empty()) {
+      torch::autograd::Node* node = todo.back();
+      todo.pop_back();
+      if (node == nullptr || !seen.insert(node).second) continue;
+      chunked |= node->name().find("ChunkedRule") != std::string::npos;
+      rerun |= node->name().find("RecomputedRuleFunction") != std::string::npos;
+      for (const torch::autograd::Edge& e : node->next_edges()) todo.push_back(e.function.get());
+    }
+    EXPECT_EQ(chunked, keep);
+    EXPECT_EQ(rerun, !keep);
+    (logits * weights).sum().backward();
+    EXPECT_TRUE(FoldLocalGradients(&adapter).ok());
+    std::vector<at::Tensor> out = {logits.detach()};
+    for (const Parameter& p : adapter.parameters()) out.push_back(p.main_grad.clone());
+    return out;
+  };
+  const std::vector<at::Tensor> recomputed = run(false), kept = run(true);
+  ASSERT_EQ(recomputed.size(), kept.size());
+  for (size_t i = 0; i < kept.size(); ++i) {
+    EXPECT_GT(kept[i].abs().max().item<double>(), 0) << i;
+    EXPECT_LT(RelErr(kept[i], recomputed[i]), 1e-6) << i;
+  }
+}
+
 // Packed rows: the recurrence and the convolution restart at each sequence.
 TEST(Qwen35ModelTest, PackedRowsEqualEachSequenceAlone) {
   const ModelConfig c = ModelConfigPreset("tiny-qwen3.5").value();
@@ -447,6 +502,14 @@ TEST(Qwen35ModelTest, ActivationEstimateCountsTheLinearAttentionLayers) {
            EstimatePackedActivationBytes(all_attention, whole, lengths, true, 2, 1024, LayerRecompute::kNone);
   };
   EXPECT_NEAR(linear_part({3072, 1024}) - linear_part({2048, 2048}), (6144.0 - 4096) * 32 * 2624 * 4, 1.0);
+  // Each linear layer's rule keeping its intermediates for backward (not run again): 3 dk + 3 dv
+  // + 5 chunk + dk dv / chunk + 3 fp32 values per row and value head (1,347), on top.
+  EXPECT_NEAR(EstimateActivationBytes(c, whole, 8, 512, true, 2, 1024, LayerRecompute::kNone, true, true) -
+                  EstimateActivationBytes(c, whole, 8, 512, true, 2, 1024, LayerRecompute::kNone, true, false),
+              24.0 * 4096 * 32 * 1347 * 4, 1.0);
+  // A replayed layer's rule lives only as long as its replay: nothing on top.
+  EXPECT_EQ(EstimateActivationBytes(c, whole, 8, 512, true, 2, 1024, LayerRecompute::kFull, true, true),
+            estimate(c, whole, LayerRecompute::kFull));
   // Recomputation keeps one layer's worth.
   EXPECT_LT(estimate(c, whole, LayerRecompute::kFull), hybrid / 4);
   EXPECT_GT(estimate(c, whole, LayerRecompute::kFull), estimate(all_attention, whole, LayerRecompute::kFull));

@@ -850,10 +850,11 @@ TEST_F(TrainerTest, FullFinetuneRankZeroTrainsEveryWeight) {
 namespace lorastep {
 namespace {
 
-// The tiny model saved under a scratch folder and loaded on CPU in fp32.
-absl::StatusOr<std::shared_ptr<const BaseModel>> TinyBase(const std::string& name, ModelConfig* config) {
+// The tiny model (or `preset`) saved under a scratch folder and loaded on CPU in fp32.
+absl::StatusOr<std::shared_ptr<const BaseModel>> TinyBase(const std::string& name, ModelConfig* config,
+                                                          const std::string& preset = "tiny") {
   const std::string dir = ::lorastep::testing::ScratchDir(name);
-  *config = ModelConfigPreset("tiny").value();
+  *config = ModelConfigPreset(preset).value();
   LORASTEP_RETURN_IF_ERROR(SaveModel(dir + "/model", *config, RandomModelWeights(*config, 1)));
   return LoadBaseModel(dir + "/model", "cpu", "float32");
 }
@@ -900,6 +901,54 @@ TEST(ActivationBudgetTest, OverBudgetMicroBatchIsRefusedBeforeAnyWork) {
   EXPECT_LT(EstimatePackedActivationBytes(c, base->shard, {500, 6, 6}, true, 4, 1024),
             EstimateActivationBytes(c, base->shard, 3, 500, true, 4, 1024));
   EXPECT_GT(AvailableHostMemoryBytes(), 0);
+}
+
+// Gated DeltaNet layers keep their chunked rule's intermediates for backward where the budget
+// allows it without layer recomputation, and run the rule again in backward where only that
+// fits: the same step either way, and the step's metrics say which micro-batches ran it again.
+TEST(ActivationBudgetTest, LinearAttentionRuleIsRecomputedOnlyWhereKeepingItDoesNotFit) {
+  ModelConfig c;
+  ASSERT_OK_AND_ASSIGN(auto base, TinyBase("act_rule", &c, "tiny-qwen3.5"));
+  TrainerOptions o;
+  o.lora.rank = 4;
+  o.lora.alpha = 8;
+  o.activation_recompute = ActivationRecompute::kAuto;
+  const std::vector<Datum> batch = RlBatch(0, c.vocab_size);
+  std::vector<int64_t> lengths;
+  for (const Datum& d : batch) lengths.push_back(static_cast<int64_t>(d.tokens.size()));
+  auto estimate = [&](bool rule_kept) {
+    return EstimatePackedActivationBytes(c, base->shard, lengths, true, 4, o.logprob_chunk_tokens,
+                                         LayerRecompute::kNone, /*mlp_activation_kept=*/false, rule_kept);
+  };
+  ASSERT_GT(estimate(true), estimate(false));
+  auto make = [&](int64_t max_bytes) {
+    TrainerOptions t = o;
+    t.max_activation_bytes = max_bytes;
+    return Trainer::Create(base, t);
+  };
+  ASSERT_OK_AND_ASSIGN(auto unlimited, make(-1));
+  ASSERT_OK_AND_ASSIGN(auto roomy, make(static_cast<int64_t>(estimate(true)) + 1));
+  ASSERT_OK_AND_ASSIGN(auto tight, make(static_cast<int64_t>((estimate(true) + estimate(false)) / 2)));
+  ASSERT_OK_AND_ASSIGN(OptimStepResult want, unlimited->TrainStep(batch, Ppo(), Adam()));
+  EXPECT_EQ(want.metrics.Get("micro_batches_rule_recomputed:sum"), 0);
+  for (auto* trainer : {roomy.get(), tight.get()}) {
+    ASSERT_OK_AND_ASSIGN(OptimStepResult got, trainer->TrainStep(batch, Ppo(), Adam()));
+    EXPECT_EQ(got.metrics.Get("micro_batches_recomputed:sum"), 0);  // no layer recomputation
+    EXPECT_EQ(got.metrics.Get("micro_batches_rule_recomputed:sum"),
+              trainer == tight.get() ? got.metrics.Get("micro_batches:sum") : 0.0);
+    EXPECT_NEAR(got.metrics.Get("loss:sum"), want.metrics.Get("loss:sum"), 1e-6 * std::abs(want.metrics.Get("loss:sum")));
+    const auto& pa = trainer->adapter().parameters();
+    const auto& pb = unlimited->adapter().parameters();
+    for (size_t i = 0; i < pa.size(); ++i) {
+      EXPECT_LT(::lorastep::testing::RelErr(pa[i].value, pb[i].value), 1e-6) << pa[i].name;
+    }
+  }
+  // A model without linear-attention layers reports no such figure.
+  ModelConfig dense;
+  ASSERT_OK_AND_ASSIGN(auto dense_base, TinyBase("act_rule_dense", &dense));
+  ASSERT_OK_AND_ASSIGN(auto dense_trainer, Trainer::Create(dense_base, o));
+  ASSERT_OK_AND_ASSIGN(OptimStepResult plain, dense_trainer->TrainStep(RlBatch(0, dense.vocab_size), Ppo(), Adam()));
+  EXPECT_FALSE(plain.metrics.Has("micro_batches_rule_recomputed:sum"));
 }
 
 // Activation recomputation (issue 29): a micro-batch whose activations would exceed the

@@ -494,12 +494,13 @@ class RecomputedRuleFunction : public torch::autograd::Function<RecomputedRuleFu
   }
 };
 
-// The rule in training (grad mode on): recomputed in backward (RecomputedRuleFunction).
+// The rule in training (grad mode on): keeping its intermediates (`keep`: ChunkedRule's) or
+// recomputed in backward (RecomputedRuleFunction).
 at::Tensor TrainedRule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                       const at::Tensor& beta) {
+                       const at::Tensor& beta, bool keep) {
   const bool grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
                                                    g.requires_grad() || beta.requires_grad());
-  if (!grad) return GatedDeltaRule(q, k, v, g, beta, kGatedDeltaChunk).first;
+  if (!grad || keep) return GatedDeltaRule(q, k, v, g, beta, kGatedDeltaChunk).first;
   return RecomputedRuleFunction::apply(q, k, v, g, beta, kGatedDeltaChunk);
 }
 
@@ -584,7 +585,7 @@ at::Tensor ContinuedRule(const LinearAttentionConfig& config, const at::Tensor& 
 at::Tensor GatedDeltaNetMix(const LinearAttentionConfig& config, const GatedDeltaWeights& weights,
                             const std::function<at::Tensor(int, const at::Tensor&)>& project, const at::Tensor& h,
                             const std::vector<int64_t>& lengths, double eps, RecurrentStates* states,
-                            int64_t layer, const ContextRows* context) {
+                            int64_t layer, const ContextRows* context, bool keep_rule) {
   const int64_t b = h.size(0), s = h.size(1), dv = config.value_head_dim;
   const at::Tensor qkv = project(kInProjQkv, h);
   auto [g, beta] = GatedDeltaGates(project(kInProjA, h), project(kInProjB, h), weights.a_log, weights.dt_bias);
@@ -603,7 +604,7 @@ at::Tensor GatedDeltaNetMix(const LinearAttentionConfig& config, const GatedDelt
       return batch ? batch->Batch(row) : row;
     };
     const auto [q, k, v] = SplitQkv(config, CausalConv1dSilu(batched(qkv), weights.conv1d.squeeze(1)));
-    out = TrainedRule(q, k, v, batched(g), batched(beta));
+    out = TrainedRule(q, k, v, batched(g), batched(beta), keep_rule);
     if (batch) out = batch->Unbatch(out);
     if (context != nullptr) out = out.index_select(1, context->own);
   }

@@ -106,10 +106,12 @@ inline constexpr int64_t kGatedDeltaChunk = 64;
 // `context` (h holds this rank's tokens; `lengths` are the whole sequences'): the projections
 // and the gated norm run on this rank's tokens, the convolution and the rule over the whole
 // row gathered from every rank (each rank computes it, and keeps its tokens' outputs).
+// In training the rule keeps its intermediates for backward with `keep_rule`, else only its
+// inputs, running again in backward (the same results).
 at::Tensor GatedDeltaNetMix(const LinearAttentionConfig& config, const GatedDeltaWeights& weights,
                             const std::function<at::Tensor(int, const at::Tensor&)>& project, const at::Tensor& h,
                             const std::vector<int64_t>& lengths, double eps, RecurrentStates* states = nullptr,
-                            int64_t layer = 0, const ContextRows* context = nullptr);
+                            int64_t layer = 0, const ContextRows* context = nullptr, bool keep_rule = false);
 
 }  // namespace lorastep
 

@@ -360,7 +360,7 @@ class LayerRunner {
     return GatedDeltaNetMix(LocalLinearAttention(c_, options_.shard), weights, project, h,
                             packed != nullptr ? packed->lengths : std::vector<int64_t>{}, c_.rms_norm_eps,
                             options_.recurrent_states, weights_.first_layer + static_cast<int64_t>(i),
-                            context ? &*context : nullptr);
+                            context ? &*context : nullptr, options_.keep_linear_attention_rule);
   }
 
   // Layer i over x as a RecomputedLayerNode (activation recomputation): like Layer, with both

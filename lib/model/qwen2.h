@@ -96,6 +96,10 @@ struct ForwardOptions {
   // Activation recomputation of the decoder layers in training (RecomputedLayerNode): the
   // same results for a second forward of the layers.
   LayerRecompute recompute_layers = LayerRecompute::kNone;
+  // In training, Gated DeltaNet layers' chunked rules keep their intermediates for backward;
+  // false: each keeps only its inputs and runs again in its backward (less memory, one more
+  // forward of the rule). The same results either way.
+  bool keep_linear_attention_rule = false;
   // Several runs' LoRA over one packed row (issue 30's co-scheduling): each projection runs
   // the frozen base over every row and each segment's LoRA branch over its own rows, so a
   // run's hidden states and gradients are those of the run alone. Needs `packed`, a null

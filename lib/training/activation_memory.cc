@@ -15,7 +15,7 @@ namespace {
 // rows of the Gated DeltaNet rule's batch (packed sequences padded to the longest).
 double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tokens, double attention_pairs,
                        double rule_rows, bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens,
-                       LayerRecompute recompute, bool mlp_activation_kept) {
+                       LayerRecompute recompute, bool mlp_activation_kept, bool rule_kept) {
   const int64_t tp = std::max(1, shard.tp);
   const double layers = shard.layer_end > shard.layer_begin ? static_cast<double>(shard.layer_end - shard.layer_begin)
                                                             : static_cast<double>(c.num_hidden_layers);
@@ -44,7 +44,7 @@ double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tok
   const int64_t first = shard.layer_end > shard.layer_begin ? shard.layer_begin : 0;
   const int64_t last = shard.layer_end > shard.layer_begin ? shard.layer_end : c.num_hidden_layers;
   for (int64_t i = first; i < last; ++i) linear_layers += c.IsLinearAttentionLayer(i) ? 1.0 : 0.0;
-  double linear_extra = 0, rule_transient = 0;
+  double linear_extra = 0, rule_transient = 0, rule_saved = 0;
   // On context ranks the convolution and the rule run over the whole row (every rank's tokens).
   const double cp = static_cast<double>(std::max(1, shard.cp));
   if (linear_layers > 0) {
@@ -57,6 +57,9 @@ double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tok
     // output add (cp - 1) times theirs.
     linear_extra += (cp - 1.0) * (2.0 * conv + value + 2.0 * value_heads) * static_cast<double>(element_bytes);
     rule_transient = rule_rows * cp * value_heads * (10.0 * dk + 6.0 * dv + 5.0 * chunk + dk * dv / chunk) * 4.0;
+    // What the chunked rule keeps for backward when it is not run again (fp32 per row and value
+    // head: its operands, the chunk system and its inverse and solution, each chunk's state).
+    rule_saved = rule_rows * cp * value_heads * (3.0 * dk + 3.0 * dv + 5.0 * chunk + dk * dv / chunk + 3.0) * 4.0;
   }
   const double per_layer = tokens * per_token_layer + attention_scores + rule_transient;
   const double head = std::min(static_cast<double>(logprob_chunk_tokens), tokens) *
@@ -68,22 +71,23 @@ double ActivationBytes(const ModelConfig& c, const ModelShard& shard, double tok
   }
   if (!backward) return per_layer + tokens * linear_extra + head;
   return layers * (tokens * per_token_layer + attention_scores) + linear_layers * tokens * linear_extra +
-         rule_transient + head;
+         rule_transient + (rule_kept ? linear_layers * rule_saved : 0.0) + head;
 }
 
 }  // namespace
 
 double EstimateActivationBytes(const ModelConfig& c, const ModelShard& shard, int64_t b, int64_t s,
                                bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens, LayerRecompute recompute,
-                               bool mlp_activation_kept) {
+                               bool mlp_activation_kept, bool rule_kept) {
   const double tokens = static_cast<double>(b) * static_cast<double>(s);
   return ActivationBytes(c, shard, tokens, tokens * static_cast<double>(s), tokens, backward, element_bytes,
-                         logprob_chunk_tokens, recompute, mlp_activation_kept);
+                         logprob_chunk_tokens, recompute, mlp_activation_kept, rule_kept);
 }
 
 double EstimatePackedActivationBytes(const ModelConfig& c, const ModelShard& shard,
                                      const std::vector<int64_t>& lengths, bool backward, int64_t element_bytes,
-                                     int64_t logprob_chunk_tokens, LayerRecompute recompute, bool mlp_activation_kept) {
+                                     int64_t logprob_chunk_tokens, LayerRecompute recompute, bool mlp_activation_kept,
+                                     bool rule_kept) {
   double tokens = 0, pairs = 0, longest = 0;
   for (int64_t n : lengths) {
     tokens += static_cast<double>(n);
@@ -92,7 +96,7 @@ double EstimatePackedActivationBytes(const ModelConfig& c, const ModelShard& sha
   }
   const double rule_rows = longest * static_cast<double>(lengths.size());
   return ActivationBytes(c, shard, tokens, pairs, rule_rows, backward, element_bytes, logprob_chunk_tokens, recompute,
-                         mlp_activation_kept);
+                         mlp_activation_kept, rule_kept);
 }
 
 int64_t AvailableHostMemoryBytes() {

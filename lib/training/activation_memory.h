@@ -24,17 +24,21 @@ namespace lorastep {
 // layer's attention output (heads·d) and softmax statistics (heads fp32). Gated DeltaNet
 // layers keep their convolution's input and output, z, the gates, the rule's output and the
 // gated norm's fp32 operands on top, and one layer's chunked-rule intermediates exist at a
-// time (its backward runs the rule again), over the sequences padded to the longest. Without `mlp_activation_kept` the
-// MLP keeps 2I, not 3I (LoRA runs whose down_proj rebuilds its input, or keeps none).
+// time (its backward runs the rule again), over the sequences padded to the longest; with
+// `rule_kept` (kNone only: a replayed layer's rule lives as long as its replay) every such
+// layer keeps what the chunked rule saves for backward instead (ForwardOptions::
+// keep_linear_attention_rule). Without `mlp_activation_kept` the MLP keeps 2I, not 3I (LoRA
+// runs whose down_proj rebuilds its input, or keeps none).
 double EstimateActivationBytes(const ModelConfig& config, const ModelShard& shard, int64_t b, int64_t s,
                                bool backward, int64_t element_bytes, int64_t logprob_chunk_tokens,
-                               LayerRecompute recompute = LayerRecompute::kNone, bool mlp_activation_kept = true);
+                               LayerRecompute recompute = LayerRecompute::kNone, bool mlp_activation_kept = true,
+                               bool rule_kept = false);
 // The same for sequences of these lengths packed back to back (no padding).
 double EstimatePackedActivationBytes(const ModelConfig& config, const ModelShard& shard,
                                      const std::vector<int64_t>& lengths, bool backward, int64_t element_bytes,
                                      int64_t logprob_chunk_tokens,
                                      LayerRecompute recompute = LayerRecompute::kNone,
-                                     bool mlp_activation_kept = true);
+                                     bool mlp_activation_kept = true, bool rule_kept = false);
 // Host memory this process may still allocate: MemAvailable, capped by the room its cgroup
 // limits leave (CgroupMemoryRoom).
 int64_t AvailableHostMemoryBytes();

@@ -47,7 +47,8 @@ bool Trainer::MlpActivationKept() const {
 }
 
 absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, const BatchOptions& batch,
-                                            bool backward, std::vector<LayerRecompute>* recompute) const {
+                                            bool backward, std::vector<LayerRecompute>* recompute,
+                                            std::vector<bool>* rule_kept_fits) const {
   const ActivationRecompute mode = !backward                     ? ActivationRecompute::kNone
                                    : batch.activation_recompute ? *batch.activation_recompute
                                                                 : options_.activation_recompute;
@@ -60,6 +61,8 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
   const auto micro_batches = SplitMicroBatches(datums, max_tokens);
   if (recompute != nullptr) recompute->assign(micro_batches.size(), fixed);
   const int64_t budget = ActivationBudgetBytes();
+  // Without a budget every linear-attention rule keeps its intermediates (no second run).
+  if (rule_kept_fits != nullptr) rule_kept_fits->assign(micro_batches.size(), budget < 0);
   if (budget < 0) return absl::OkStatus();
   const int64_t element_bytes = static_cast<int64_t>(c10::elementSize(base_->dtype));
   const bool mlp_activation_kept = MlpActivationKept();
@@ -78,14 +81,19 @@ absl::Status Trainer::CheckActivationBudget(const std::vector<Datum>& datums, co
       total += lengths.back();
     }
     const int64_t count = static_cast<int64_t>(mb.size());
-    auto need = [&](LayerRecompute level) {
+    auto need = [&](LayerRecompute level, bool rule_kept = false) {
       if (!backward) level = LayerRecompute::kNone;  // a forward keeps nothing to recompute
       return packed
                  ? EstimatePackedActivationBytes(base_->config, base_->shard, lengths, backward, element_bytes,
-                                                 options_.logprob_chunk_tokens, level, mlp_activation_kept)
+                                                 options_.logprob_chunk_tokens, level, mlp_activation_kept, rule_kept)
                  : EstimateActivationBytes(base_->config, base_->shard, count, longest, backward, element_bytes,
-                                           options_.logprob_chunk_tokens, level, mlp_activation_kept);
+                                           options_.logprob_chunk_tokens, level, mlp_activation_kept, rule_kept);
     };
+    // Whether the layers' linear-attention rules may keep their intermediates at level kNone
+    // (else each runs again in its backward); the other levels keep them in the replay.
+    if (rule_kept_fits != nullptr && backward) {
+      (*rule_kept_fits)[m] = need(LayerRecompute::kNone, /*rule_kept=*/true) <= b;
+    }
     // kAuto: the least recomputation that fits. Selective never costs more time than full
     // (its replay skips attention's forward where the kernel keeps its statistics, and
     // otherwise runs attention once in backward as full does), only the kept attention.

@@ -187,8 +187,14 @@ std::string Trainer::AdapterSha256() const {
 absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector<Datum>& datums,
                                                                const LossConfig* loss,
                                                                const BatchOptions& batch,
-                                                               const std::vector<LayerRecompute>& recompute) {
+                                                               const std::vector<LayerRecompute>& recompute,
+                                                               const std::vector<bool>& rule_kept_fits) {
   auto recomputes = [&](size_t i) { return i < recompute.size() ? recompute[i] : LayerRecompute::kNone; };
+  // A replayed layer's rule keeps its intermediates for the replay's short life; otherwise
+  // where the budget allows (rule_kept_fits).
+  auto keeps_rule = [&](size_t i) {
+    return recomputes(i) != LayerRecompute::kNone || (i < rule_kept_fits.size() && rule_kept_fits[i]);
+  };
   const ModelConfig& config = base_->config;
   const bool backward = loss != nullptr;
   ForwardBackwardResult result;
@@ -316,6 +322,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
       LORASTEP_RETURN_IF_ERROR(stop_before(i));
       fwd_options.packed = mb.is_packed ? &mb.packed : nullptr;
       fwd_options.recompute_layers = recomputes(i);
+      fwd_options.keep_linear_attention_rule = keeps_rule(i);
       try {
         at::Tensor x = Qwen2Embed(config, base_->weights, adapter_.get(), mb.tokens, fwd_options);
         x = Qwen2Layers(config, base_->weights, adapter_.get(), x, fwd_options);
@@ -343,6 +350,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
         [&](int i, const at::Tensor& x_in) -> at::Tensor {  // this stage's forward
           fwd_options.packed = mbs[i].is_packed ? &mbs[i].packed : nullptr;
           fwd_options.recompute_layers = recomputes(static_cast<size_t>(i));
+          fwd_options.keep_linear_attention_rule = keeps_rule(static_cast<size_t>(i));
           at::Tensor x = base_->shard.first_stage()
                              ? Qwen2Embed(config, base_->weights, adapter_.get(), mbs[i].tokens, fwd_options)
                              : x_in;
@@ -394,6 +402,11 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
     }
     m.Add("micro_batches_recomputed:sum", counts_batch ? recomputed : 0.0);
     m.Add("micro_batches_recomputed_selective:sum", counts_batch ? selective : 0.0);
+    if (config.HasLinearAttention()) {
+      double rule_rerun = 0;
+      for (size_t i = 0; i < micro_batches.size(); ++i) rule_rerun += keeps_rule(i) ? 0 : 1;
+      m.Add("micro_batches_rule_recomputed:sum", counts_batch ? rule_rerun : 0.0);
+    }
   }
   m.Add("time_data_s:sum", t_data);
   m.Add("time_forward_s:sum", t_forward);
@@ -450,7 +463,8 @@ absl::StatusOr<ForwardBackwardResult> Trainer::AdmittedForwardBackward(const std
   absl::Status local = caller_checks;
   if (local.ok()) local = ValidateBatch(datums, loss, base_->config.vocab_size, options_.limits);
   std::vector<LayerRecompute> recompute;
-  if (local.ok()) local = CheckActivationBudget(datums, batch, /*backward=*/true, &recompute);
+  std::vector<bool> rule_kept_fits;
+  if (local.ok()) local = CheckActivationBudget(datums, batch, /*backward=*/true, &recompute, &rule_kept_fits);
   // Keep what earlier calls accumulated so a failure mid-call can restore it exactly.
   absl::StatusOr<CallSnapshot> snapshot = local.ok() ? Snapshot() : absl::StatusOr<CallSnapshot>(local);
   // Admission: every rank's own checks are done; the world votes before any collective of the
@@ -461,7 +475,7 @@ absl::StatusOr<ForwardBackwardResult> Trainer::AdmittedForwardBackward(const std
     return agreed;
   }
   absl::StatusOr<ForwardBackwardResult> result =
-      GuardTorch([&] { return RunMicroBatches(datums, &loss, batch, recompute); });
+      GuardTorch([&] { return RunMicroBatches(datums, &loss, batch, recompute, rule_kept_fits); });
   absl::Status agreed = AgreeOnOutcome(result.status());
   if (!agreed.ok()) {
     Restore(*snapshot);

@@ -293,11 +293,14 @@ class Trainer {
   // TrainerOptions::faults' "AdamWStage": a staged update that the fault point fails becomes
   // the allocation failure it stands for.
   void AtStageFaultPoint(absl::StatusOr<AdamW::StagedStep>* staged);
-  // recompute[i]: how much of micro-batch i's layer activations is recomputed.
+  // recompute[i]: how much of micro-batch i's layer activations is recomputed; rule_kept_fits[i]:
+  // whether its linear-attention rules keep their intermediates without layer recomputation
+  // (CheckActivationBudget; absent: they run again in backward).
   absl::StatusOr<ForwardBackwardResult> RunMicroBatches(const std::vector<Datum>& datums,
                                                         const LossConfig* loss,
                                                         const BatchOptions& batch,
-                                                        const std::vector<LayerRecompute>& recompute = {});
+                                                        const std::vector<LayerRecompute>& recompute = {},
+                                                        const std::vector<bool>& rule_kept_fits = {});
   // What a mutating call may change before it fails: accumulated gradients (after folding
   // autograd grads in) and the dropout stream. Restored so a failed call changes nothing.
   struct CallSnapshot {
@@ -325,9 +328,13 @@ class Trainer {
   // RESOURCE_EXHAUSTED when a micro-batch of `datums` would need more activation memory than
   // this worker's budget (TrainerOptions::max_activation_bytes) even with what recomputation
   // allows; checked before any work. `recompute` (backward calls) receives, per micro-batch,
-  // how much its layers recompute (TrainerOptions::activation_recompute; auto: the least that fits).
+  // how much its layers recompute (TrainerOptions::activation_recompute; auto: the least that fits),
+  // and `rule_kept_fits` whether, without layer recomputation, its linear-attention rules may
+  // keep their intermediates for backward (EstimateActivationBytes' `rule_kept`) instead of
+  // running again there: a local choice that changes no result, so the ranks need not agree.
   absl::Status CheckActivationBudget(const std::vector<Datum>& datums, const BatchOptions& batch, bool backward,
-                                     std::vector<LayerRecompute>* recompute = nullptr) const;
+                                     std::vector<LayerRecompute>* recompute = nullptr,
+                                     std::vector<bool>* rule_kept_fits = nullptr) const;
   // The activation memory one micro-batch may use (TrainerOptions::max_activation_bytes; 0
   // there: 80% of what the device or this process can still allocate); -1: no limit.
   int64_t ActivationBudgetBytes() const;
