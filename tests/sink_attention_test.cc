@@ -130,6 +130,22 @@ TEST(SinkAttentionTest, FrozenSinksGetNoGradient) {
   EXPECT_FALSE(sinks.grad().defined());
 }
 
+// A padded per-sequence log-sum-exp read back by token: token t of sequence j is padded[j, :, t - start_j].
+TEST(SinkAttentionTest, PaddedLogSumExpReadsBackByToken) {
+  const std::vector<int32_t> cu = {0, 3, 4, 9};
+  const int64_t heads = 2, longest = 5, total = 9;
+  const at::Tensor padded = at::arange(3 * heads * longest, at::kFloat).reshape({3, heads, longest});
+  const at::Tensor got = PaddedLseByToken(padded, at::tensor(cu, at::TensorOptions().dtype(at::kInt)), total);
+  ASSERT_EQ(got.sizes(), (std::vector<int64_t>{heads, total}));
+  for (int64_t j = 0; j < 3; ++j) {
+    for (int64_t t = cu[j]; t < cu[j + 1]; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        EXPECT_EQ(got[h][t].item<float>(), padded[j][h][t - cu[j]].item<float>()) << j << " " << t << " " << h;
+      }
+    }
+  }
+}
+
 // The flash varlen kernel itself (CUDA, bf16/fp16), over sequences packed back to back,
 // against each sequence through the explicit mask in fp32 from the same rounded inputs.
 TEST(SinkAttentionTest, FlashKernelOnPackedRowsMatchesTheMask) {

@@ -64,12 +64,7 @@ class VarlenFlashKernel : public LseAttentionKernel {
     // Builds whose varlen kernel pads its log-sum-exp per sequence: [count, heads, max_length].
     TORCH_CHECK(saved_.logsumexp.dim() == 3, "flash varlen log-sum-exp of unknown layout ",
                 saved_.logsumexp.sizes());
-    const at::Tensor token = at::arange(t, cu_seqlens_.options().dtype(at::kLong));
-    const at::Tensor ends = cu_seqlens_.narrow(0, 1, cu_seqlens_.size(0) - 1).to(at::kLong);
-    const at::Tensor sequence = at::searchsorted(ends, token, /*out_int32=*/false, /*right=*/true);
-    const at::Tensor position = token - cu_seqlens_.to(at::kLong).index_select(0, sequence);
-    const at::Tensor by_token = saved_.logsumexp.permute({0, 2, 1}).index({sequence, position});  // [t, heads]
-    return {o, by_token.t().contiguous()};
+    return {o, PaddedLseByToken(saved_.logsumexp, cu_seqlens_, t)};
   }
 
   std::tuple<at::Tensor, at::Tensor, at::Tensor> Backward(const at::Tensor& grad, const at::Tensor& q,
@@ -88,6 +83,15 @@ class VarlenFlashKernel : public LseAttentionKernel {
 };
 
 }  // namespace
+
+at::Tensor PaddedLseByToken(const at::Tensor& padded, const at::Tensor& cu_seqlens, int64_t total) {
+  const at::Tensor token = at::arange(total, cu_seqlens.options().dtype(at::kLong));
+  const at::Tensor starts = cu_seqlens.to(at::kLong);
+  const at::Tensor sequence =
+      at::searchsorted(starts.narrow(0, 1, starts.size(0) - 1), token, /*out_int32=*/false, /*right=*/true);
+  const at::Tensor position = token - starts.index_select(0, sequence);
+  return padded.permute({0, 2, 1}).index({sequence, position}).t().contiguous();  // [heads, total]
+}
 
 at::Tensor SinkAttentionThroughLse(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& sinks, std::shared_ptr<LseAttentionKernel> kernel) {

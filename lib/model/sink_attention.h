@@ -51,6 +51,10 @@ at::Tensor SinkAttentionThroughLse(const at::Tensor& q, const at::Tensor& k, con
 // yet run on a GPU (docs/PERFORMANCE.md, "Not measured yet").
 bool UseSinkFlash(const at::Tensor& q);
 
+// A log-sum-exp padded per sequence, [count, heads, longest] (what some builds' varlen kernel
+// returns), by token: [heads, total] for the sequences of cu_seqlens (int32 [count + 1]).
+at::Tensor PaddedLseByToken(const at::Tensor& padded, const at::Tensor& cu_seqlens, int64_t total);
+
 // The flash varlen kernel over packed sequences (cu_seqlens int32 [count + 1], the longest
 // `max_length`), causal, in a sliding window where `window` > 0.
 std::shared_ptr<LseAttentionKernel> VarlenFlashLseKernel(at::Tensor cu_seqlens, int64_t max_length, int64_t window);
