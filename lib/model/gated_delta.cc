@@ -3,10 +3,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 #include <optional>
-#include <string>
 
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -366,10 +364,7 @@ class CausalConvSiluFunction : public torch::autograd::Function<CausalConvSiluFu
 // Whether CausalConv1dSilu takes the kernel: LORASTEP_FUSED_CONV=1 (off until the kernel has
 // run on a GPU) and what FusedCausalConv1dSilu needs.
 bool UseFusedConv() {
-  static const bool on = [] {
-    const char* value = std::getenv("LORASTEP_FUSED_CONV");
-    return value != nullptr && std::string(value) == "1";
-  }();
+  static const bool on = EnvSwitchSet("LORASTEP_FUSED_CONV");
   return on;
 }
 

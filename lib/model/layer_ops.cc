@@ -4,14 +4,13 @@
 // rounding.
 #include "lib/model/layer_ops.h"
 
-#include <cstdlib>
-#include <string>
 #include <vector>
 
 #include <torch/csrc/autograd/custom_function.h>
 
-#ifdef LORASTEP_WITH_CUDA_KERNELS
 #include "lib/env_switch.h"
+
+#ifdef LORASTEP_WITH_CUDA_KERNELS
 #include "lib/kernels/fused_layer.h"
 #include "lib/kernels/kernel_launch.h"
 #endif
@@ -389,10 +388,7 @@ at::Tensor ClampedSwiGluKernel(const at::Tensor& gate_up, double alpha, double l
 }
 
 at::Tensor ClampedSwiGluPacked(const at::Tensor& gate_up, double alpha, double limit) {
-  static const bool fused = [] {
-    const char* value = std::getenv("LORASTEP_FUSED_CLAMPED_SWIGLU");
-    return value != nullptr && std::string(value) == "1";
-  }();
+  static const bool fused = EnvSwitchSet("LORASTEP_FUSED_CLAMPED_SWIGLU");
   if (fused) {
     if (at::Tensor out = ClampedSwiGluKernel(gate_up, alpha, limit); out.defined()) return out;
   }

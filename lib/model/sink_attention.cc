@@ -1,12 +1,11 @@
 #include "lib/model/sink_attention.h"
 
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "lib/env_switch.h"
 #include "lib/torch_compat.h"
 
 namespace lorastep {
@@ -99,10 +98,7 @@ at::Tensor SinkAttentionThroughLse(const at::Tensor& q, const at::Tensor& k, con
 }
 
 bool UseSinkFlash(const at::Tensor& q) {
-  static const bool on = [] {
-    const char* value = std::getenv("LORASTEP_SINK_FLASH");
-    return value != nullptr && std::strcmp(value, "1") == 0;
-  }();
+  static const bool on = EnvSwitchSet("LORASTEP_SINK_FLASH");
   return on && compat::HasVarlenAttention(q);
 }
 
