@@ -38,6 +38,10 @@ class KeptAttentionFunction : public torch::autograd::Function<KeptAttentionFunc
         auto [dq, dk, dv] = compat::CudnnCausalAttentionBackward(grads[0], saved[0], saved[1], saved[2], kept->cudnn);
         return {dq, dk, dv, at::Tensor()};
       }
+      case KeptAttention::Kernel::kSinkFlash: {
+        auto g = SinkAttentionBackward(kept->sink, grads[0], saved[0], saved[1], saved[2], /*sinks_grad=*/false);
+        return {g[0], g[1], g[2], at::Tensor()};
+      }
       case KeptAttention::Kernel::kReplay:
         break;
     }

@@ -10,6 +10,7 @@
 #include <functional>
 
 #include "lib/model/qwen2.h"
+#include "lib/model/sink_attention.h"
 #include "lib/torch_compat.h"
 
 namespace lorastep {
@@ -22,10 +23,11 @@ using AttentionFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor
 // the kernel's own backward; otherwise it holds the output, and backward runs `attend` once
 // more with autograd. Owned by the layer's RecomputedLayerNode, which outlives every use.
 struct KeptAttention {
-  enum class Kernel { kReplay, kFlash, kCudnn };
+  enum class Kernel { kReplay, kFlash, kCudnn, kSinkFlash };
   Kernel kernel = Kernel::kReplay;
   at::Tensor out;                            // the attention output the replay returns
   compat::VarlenAttentionSaved flash;        // kFlash: out [total, heads, d], log-sum-exp, rng state
+  SinkAttentionSaved sink;                   // kSinkFlash: frozen sinks through the flash kernel's log-sum-exp
   at::Tensor cu_seqlens;                     // kFlash
   int64_t max_length = 0;                    // kFlash
   compat::CudnnAttentionSaved cudnn;         // kCudnn: out [b, heads, s, d], log-sum-exp, ...

@@ -210,8 +210,9 @@ class LayerRunner {
   // elsewhere backward runs attention again.
   // `window` > 0: a sliding-window layer (ModelConfig::AttentionWindow): through the varlen
   // kernel's window on packed rows where it runs, else an explicit mask; `sinks` (this rank's
-  // heads' sink logits, gpt-oss) where defined, through an explicit mask on every path
-  // (context parallelism's included).
+  // heads' sink logits, gpt-oss) where defined: on packed rows through the flash kernel's
+  // log-sum-exp where UseSinkFlash says so, elsewhere through an explicit mask (context
+  // parallelism's included).
   at::Tensor Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window,
                     const at::Tensor& sinks) const {
     const int64_t b = q.size(0), s = q.size(1), width = q.size(2) * q.size(3);
@@ -232,8 +233,20 @@ class LayerRunner {
     const auto kept_output = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
       return KeptAttentionOutput(q, k, v, kept);
     };
-    // A layer with sinks, or a windowed one off the varlen kernel, keeps no kernel statistics:
-    // its attention is replayed whole.
+    // Frozen sinks on the flash path (UseSinkFlash): the kernel's statistics and the sink factor.
+    if (sinks.defined() && !sinks.requires_grad() && packed != nullptr && packed->context_group == nullptr &&
+        UseSinkFlash(q)) {
+      const at::Tensor q0 = q[0], k0 = k[0], v0 = v[0].contiguous();
+      if (!replay) {
+        kept->kernel = KeptAttention::Kernel::kSinkFlash;
+        kept->sink = SinkAttentionForward(q0, k0, v0, sinks,
+                                          VarlenFlashLseKernel(packed->cu_seqlens, packed->max_length, window));
+        kept->out = kept->sink.out;
+      }
+      return (replay ? kept_output(q0, k0, v0) : kept->out).reshape({1, s, width});
+    }
+    // Other layers with sinks, and windowed ones off the varlen kernel, keep no kernel
+    // statistics: their attention is replayed whole.
     if (!sinks.defined() && packed != nullptr && packed->context_group == nullptr && compat::HasVarlenAttention(q)) {
       const at::Tensor q0 = q[0], k0 = k[0], v0 = v[0].contiguous();
       if (!replay) {

@@ -1,5 +1,6 @@
 #include "lib/model/sink_attention.h"
 
+#include <array>
 #include <string>
 
 #include <ATen/core/ivalue.h>
@@ -22,30 +23,23 @@ class SinkThroughLseFunction : public torch::autograd::Function<SinkThroughLseFu
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const at::Tensor& sinks,
                             const std::shared_ptr<LseAttentionKernel>& kernel) {
-    auto [o, lse] = kernel->Forward(q, k, v);
-    const at::ScalarType wide = at::promote_types(q.scalar_type(), at::kFloat);
-    // [t, heads, 1]: the share of each softmax's mass that stays with the keys.
-    const at::Tensor kept = at::sigmoid(lse.to(wide) - sinks.to(wide).view({-1, 1})).t().unsqueeze(-1);
-    const at::Tensor out = (o.to(wide) * kept).to(o.scalar_type());
-    ctx->save_for_backward({q, k, v, out, lse, kept});
+    const SinkAttentionSaved saved = SinkAttentionForward(q, k, v, sinks, kernel);
+    ctx->save_for_backward({q, k, v, saved.out, saved.lse, saved.kept});
     ctx->saved_data["kernel"] = c10::IValue::make_capsule(c10::make_intrusive<KernelCapsule>(kernel));
     ctx->saved_data["sinks_grad"] = sinks.requires_grad();
     ctx->saved_data["sinks_dtype"] = static_cast<int64_t>(sinks.scalar_type());
-    return out;
+    return saved.out;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4], &kept = saved[5];
-    auto capsule = c10::static_intrusive_pointer_cast<KernelCapsule>(ctx->saved_data["kernel"].toCapsule());
-    const at::Tensor g = grads[0].to(kept.scalar_type());
-    auto [dq, dk, dv] = capsule->kernel->Backward((g * kept).to(q.scalar_type()), q, k, v, out, lse);
-    at::Tensor dsinks;
-    if (ctx->saved_data["sinks_grad"].toBool()) {
-      dsinks = -((1 - kept) * (g * out.to(kept.scalar_type())).sum(-1, /*keepdim=*/true)).sum(at::IntArrayRef{0, 2});
-      dsinks = dsinks.to(static_cast<at::ScalarType>(ctx->saved_data["sinks_dtype"].toInt()));
-    }
+    const auto t = ctx->get_saved_variables();
+    SinkAttentionSaved saved;
+    saved.out = t[3], saved.lse = t[4], saved.kept = t[5];
+    saved.kernel = c10::static_intrusive_pointer_cast<KernelCapsule>(ctx->saved_data["kernel"].toCapsule())->kernel;
+    const bool sinks_grad = ctx->saved_data["sinks_grad"].toBool();
+    auto [dq, dk, dv, dsinks] = SinkAttentionBackward(saved, grads[0], t[0], t[1], t[2], sinks_grad);
+    if (sinks_grad) dsinks = dsinks.to(static_cast<at::ScalarType>(ctx->saved_data["sinks_dtype"].toInt()));
     return {dq, dk, dv, dsinks, at::Tensor()};
   }
 };
@@ -90,6 +84,34 @@ at::Tensor PaddedLseByToken(const at::Tensor& padded, const at::Tensor& cu_seqle
       at::searchsorted(starts.narrow(0, 1, starts.size(0) - 1), token, /*out_int32=*/false, /*right=*/true);
   const at::Tensor position = token - starts.index_select(0, sequence);
   return padded.permute({0, 2, 1}).index({sequence, position}).t().contiguous();  // [heads, total]
+}
+
+SinkAttentionSaved SinkAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& sinks, std::shared_ptr<LseAttentionKernel> kernel) {
+  at::NoGradGuard no_grad;
+  auto [o, lse] = kernel->Forward(q, k, v);
+  const at::ScalarType wide = at::promote_types(q.scalar_type(), at::kFloat);
+  SinkAttentionSaved saved;
+  // [t, heads, 1]: the share of each softmax's mass that stays with the keys.
+  saved.kept = at::sigmoid(lse.to(wide) - sinks.to(wide).view({-1, 1})).t().unsqueeze(-1);
+  saved.out = (o.to(wide) * saved.kept).to(o.scalar_type());
+  saved.lse = lse;
+  saved.kernel = std::move(kernel);
+  return saved;
+}
+
+std::array<at::Tensor, 4> SinkAttentionBackward(const SinkAttentionSaved& saved, const at::Tensor& grad,
+                                                const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                bool sinks_grad) {
+  at::NoGradGuard no_grad;
+  const at::Tensor g = grad.to(saved.kept.scalar_type());
+  auto [dq, dk, dv] = saved.kernel->Backward((g * saved.kept).to(q.scalar_type()), q, k, v, saved.out, saved.lse);
+  at::Tensor dsinks;
+  if (sinks_grad) {
+    dsinks = -((1 - saved.kept) * (g * saved.out.to(g.scalar_type())).sum(-1, /*keepdim=*/true))
+                  .sum(at::IntArrayRef{0, 2});
+  }
+  return {dq, dk, dv, dsinks};
 }
 
 at::Tensor SinkAttentionThroughLse(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -16,6 +16,7 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <tuple>
@@ -44,6 +45,19 @@ class LseAttentionKernel {
 // is formed in fp32 (fp64 for fp64 inputs).
 at::Tensor SinkAttentionThroughLse(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& sinks, std::shared_ptr<LseAttentionKernel> kernel);
+
+// The same in two pieces without autograd, for a caller that keeps the forward's results
+// itself (a selectively recomputed layer's attention): the output and what backward needs,
+// then (dq, dk, dv, dsinks; dsinks fp32 and only with `sinks_grad`) for the output's gradient.
+struct SinkAttentionSaved {
+  at::Tensor out, lse, kept;  // kept: sigmoid(lse - sink) [t, heads, 1]
+  std::shared_ptr<LseAttentionKernel> kernel;
+};
+SinkAttentionSaved SinkAttentionForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& sinks, std::shared_ptr<LseAttentionKernel> kernel);
+std::array<at::Tensor, 4> SinkAttentionBackward(const SinkAttentionSaved& saved, const at::Tensor& grad,
+                                                const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                bool sinks_grad);
 
 // Whether packed rows with sinks run the flash varlen kernel through SinkAttentionThroughLse
 // (CUDA, where compat::HasVarlenAttention holds). Off until LORASTEP_SINK_FLASH=1: the
