@@ -163,7 +163,9 @@ TEST(FuzzTest, SafetensorsParserNeverCrashes) {
     ++accepted;
     for (const SafetensorsEntry& e : f->entries()) {  // every accepted entry must convert
       auto t = TensorFromEntry(e);
-      if (t.ok()) EXPECT_EQ(t->numel(), e.numel());
+      if (t.ok()) {
+        EXPECT_EQ(t->numel(), e.numel());
+      }
     }
   }
   std::cout << "bad_inputs_tried safetensors " << tried << " (accepted " << accepted << ")\n";
