@@ -15,42 +15,42 @@ gen_model "$BIN/lorastep_genmodel" "$PRESET" bfloat16 $MODEL
 VOCAB=$(python3 -c "import json;print(json.load(open('$MODEL/config.json'))['vocab_size'])")
 MT=${STEP_MAX_TOKENS:-8192}
 python3 bench/make_batch.py --vocab "$VOCAB" --workload fixed --out "$OUT/batch_$PREFIX.json"
-MODEL_DIR=$MODEL RANK=32 MAX_TOKENS=$MT STEPS=${STEP_COUNT:-5} MODE=train BATCH_FILE="$OUT/batch_$PREFIX.json" \
-  COORD_FLAGS="--max_tokens_per_microbatch $MT" MACHINE="$(head -1 "$OUT/env.txt")" VERSIONS="$(tail -1 "$OUT/env.txt")" \
-  bench/service_overhead.sh "$BIN" "$PRESET" cuda bfloat16 "$OUT/${PREFIX}_ours_lora.json" overhead_fraction \
-  > "$OUT/${PREFIX}_ours.log" 2>&1 || { echo "lorastep $PREFIX failed"; tail -20 "$OUT/${PREFIX}_ours.log"; exit 1; }
+# lorastep's step into $OUT/${PREFIX}_ours_lora$1.json (the environment may switch paths).
+ours_step() {
+  MODEL_DIR=$MODEL RANK=32 MAX_TOKENS=$MT STEPS=${STEP_COUNT:-5} MODE=train BATCH_FILE="$OUT/batch_$PREFIX.json" \
+    COORD_FLAGS="--max_tokens_per_microbatch $MT" MACHINE="$(head -1 "$OUT/env.txt")" VERSIONS="$(tail -1 "$OUT/env.txt")" \
+    bench/service_overhead.sh "$BIN" "$PRESET" cuda bfloat16 "$OUT/${PREFIX}_ours_lora$1.json" overhead_fraction \
+    > "$OUT/${PREFIX}_ours$1.log" 2>&1 || { echo "lorastep $PREFIX$1 failed"; tail -20 "$OUT/${PREFIX}_ours$1.log"; exit 1; }
+}
+ours_step ""
 if python3 -c "import json,sys;sys.exit(0 if json.load(open('$MODEL/config.json'))['model_type'] == 'gpt_oss' else 1)"; then
   # Layers with sinks through the flash varlen kernel and its log-sum-exp, and the experts'
   # clamped SwiGLU as one kernel each way: an A/B beside the default paths above
   # (lib/model/sink_attention.h, lib/kernels/fused_layer.h).
-  LORASTEP_SINK_FLASH=1 LORASTEP_FUSED_CLAMPED_SWIGLU=1 \
-    MODEL_DIR=$MODEL RANK=32 MAX_TOKENS=$MT STEPS=${STEP_COUNT:-5} MODE=train BATCH_FILE="$OUT/batch_$PREFIX.json" \
-    COORD_FLAGS="--max_tokens_per_microbatch $MT" MACHINE="$(head -1 "$OUT/env.txt")" VERSIONS="$(tail -1 "$OUT/env.txt")" \
-    bench/service_overhead.sh "$BIN" "$PRESET" cuda bfloat16 "$OUT/${PREFIX}_ours_lora_fused_paths.json" overhead_fraction \
-    > "$OUT/${PREFIX}_ours_fused_paths.log" 2>&1 || { echo "lorastep $PREFIX (fused paths) failed"; tail -20 "$OUT/${PREFIX}_ours_fused_paths.log"; exit 1; }
+  LORASTEP_SINK_FLASH=1 LORASTEP_FUSED_CLAMPED_SWIGLU=1 ours_step _fused_paths
 fi
 python3 bench/peft_step.py --model $MODEL --mode lora --steps "${HF_STEPS:-3}" --micro "${HF_MICRO:-8}" --batch "$OUT/batch_$PREFIX.json" \
   --out "$OUT/${PREFIX}_hf_lora.json" > "$OUT/${PREFIX}_hf.log" 2>&1 \
   || { echo "transformers + PEFT $PREFIX failed"; tail -20 "$OUT/${PREFIX}_hf.log"; exit 1; }
 if python3 -c "import json,sys;sys.exit(0 if json.load(open('$MODEL/config.json')).get('layer_types') and 'linear_attention' in json.load(open('$MODEL/config.json'))['layer_types'] else 1)"; then
   read -r H KH VH HD < <(python3 -c "import json;c=json.load(open('$MODEL/config.json'));print(c['hidden_size'],c['linear_num_key_heads'],c['linear_num_value_heads'],c['linear_key_head_dim'])")
-  "$BIN/gated_delta_bench" --device cuda --seqs $((MT / 512)) --len 512 --hidden "$H" --key_heads "$KH" \
-    --value_heads "$VH" --head_dim "$HD" --machine "$(head -1 "$OUT/env.txt")" \
-    --command "bench/step_family.sh (gated_delta_bench --seqs $((MT / 512)) --len 512)" --out "$OUT/${PREFIX}_gdn.json" > /dev/null
+  # The mixer's cost into $OUT/${PREFIX}_gdn$1.json; $2: what the environment or flags change
+  # (recorded as the command), then any further flags.
+  gdn_bench() {
+    local suffix=$1 what=$2
+    shift 2
+    "$BIN/gated_delta_bench" --device cuda --seqs $((MT / 512)) --len 512 --hidden "$H" --key_heads "$KH" \
+      --value_heads "$VH" --head_dim "$HD" --machine "$(head -1 "$OUT/env.txt")" "$@" \
+      --command "bench/step_family.sh (${what:+$what }gated_delta_bench --seqs $((MT / 512)) --len 512${*:+ $*})" \
+      --out "$OUT/${PREFIX}_gdn$suffix.json" > /dev/null
+  }
+  gdn_bench "" ""
   # The same with the chunk system's inverse in place of the triangular solves (an A/B).
-  LORASTEP_GDN_TRIANGULAR_SOLVE=0 "$BIN/gated_delta_bench" --device cuda --seqs $((MT / 512)) --len 512 --hidden "$H" \
-    --key_heads "$KH" --value_heads "$VH" --head_dim "$HD" --machine "$(head -1 "$OUT/env.txt")" \
-    --command "LORASTEP_GDN_TRIANGULAR_SOLVE=0 gated_delta_bench --seqs $((MT / 512)) --len 512" \
-    --out "$OUT/${PREFIX}_gdn_inverse.json" > /dev/null
+  LORASTEP_GDN_TRIANGULAR_SOLVE=0 gdn_bench _inverse LORASTEP_GDN_TRIANGULAR_SOLVE=0
   # And with the convolution's CUDA kernel (lib/kernels/causal_conv.h) in place of ATen's.
-  LORASTEP_FUSED_CONV=1 "$BIN/gated_delta_bench" --device cuda --seqs $((MT / 512)) --len 512 --hidden "$H" \
-    --key_heads "$KH" --value_heads "$VH" --head_dim "$HD" --machine "$(head -1 "$OUT/env.txt")" \
-    --command "LORASTEP_FUSED_CONV=1 gated_delta_bench --seqs $((MT / 512)) --len 512" \
-    --out "$OUT/${PREFIX}_gdn_fused_conv.json" > /dev/null
+  LORASTEP_FUSED_CONV=1 gdn_bench _fused_conv LORASTEP_FUSED_CONV=1
   # And with the rule keeping its intermediates instead of running again in backward.
-  "$BIN/gated_delta_bench" --device cuda --seqs $((MT / 512)) --len 512 --hidden "$H" --key_heads "$KH" \
-    --value_heads "$VH" --head_dim "$HD" --keep_rule --machine "$(head -1 "$OUT/env.txt")" \
-    --command "gated_delta_bench --seqs $((MT / 512)) --len 512 --keep_rule" --out "$OUT/${PREFIX}_gdn_keep_rule.json" > /dev/null
+  gdn_bench _keep_rule "" --keep_rule
 fi
 if [ -n "${STEP_FAMILY_PROFILE:-}" ]; then  # a Kineto profile of lorastep's second step, summarized
   LORASTEP_PROFILE_TRACE=/tmp/${PREFIX}_trace.json LORASTEP_PROFILE_STEP=2 MODEL_DIR=$MODEL RANK=32 MAX_TOKENS=$MT STEPS=2 \

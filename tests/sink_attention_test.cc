@@ -118,7 +118,8 @@ TEST(SinkAttentionTest, ThroughTheLogSumExpEqualsTheExplicitMaskAndItsGradients)
   }
 }
 
-// Frozen sinks (the default): no gradient is formed for them, the others are unchanged.
+// Frozen sinks (the default): no gradient is formed for them, and q's is the one trainable
+// sinks give.
 TEST(SinkAttentionTest, FrozenSinksGetNoGradient) {
   const auto opt = at::TensorOptions().dtype(at::kDouble);
   at::manual_seed(5);
@@ -128,6 +129,11 @@ TEST(SinkAttentionTest, FrozenSinksGetNoGradient) {
   out.sum().backward();
   EXPECT_TRUE(q.grad().defined());
   EXPECT_FALSE(sinks.grad().defined());
+  const Grads trainable = OutputAndGrads(q, k, v, sinks, at::ones_like(out), [](auto q, auto k, auto v, auto s) {
+    return SinkAttentionThroughLse(q, k, v, s, std::make_shared<DenseLseKernel>(0));
+  });
+  EXPECT_TRUE(at::equal(q.grad(), trainable.dq));
+  EXPECT_TRUE(trainable.dsinks.defined());
 }
 
 // A padded per-sequence log-sum-exp read back by token: token t of sequence j is padded[j, :, t - start_j].

@@ -134,7 +134,6 @@ __global__ void RmsNormGradKernel(const T* __restrict__ g, const T* __restrict__
   }
 }
 
-
 // The gated activations over a gate half and an up half, each with the ATen composition's
 // roundings (compute in fp32, round to T wherever the composition stores a tensor).
 // Forward(a, u): the output for gate a and up u; Backward(d, a, u, ...): the gradients for

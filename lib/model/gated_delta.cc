@@ -361,13 +361,6 @@ class CausalConvSiluFunction : public torch::autograd::Function<CausalConvSiluFu
 };
 #endif
 
-// Whether CausalConv1dSilu takes the kernel: LORASTEP_FUSED_CONV=1 (off until the kernel has
-// run on a GPU) and what FusedCausalConv1dSilu needs.
-bool UseFusedConv() {
-  static const bool on = EnvSwitchSet("LORASTEP_FUSED_CONV");
-  return on;
-}
-
 }  // namespace
 
 at::Tensor FusedCausalConv1dSilu(const at::Tensor& x, const at::Tensor& weight) {
@@ -387,7 +380,8 @@ at::Tensor CausalConv1dSilu(const at::Tensor& x, const at::Tensor& weight, const
     const PackedBatch batch(lengths, x.device());
     return batch.Unbatch(CausalConv1dSilu(batch.Batch(x), weight));
   }
-  if (UseFusedConv()) {
+  static const bool fused_kernel = EnvSwitchSet("LORASTEP_FUSED_CONV");  // off until run on a GPU
+  if (fused_kernel) {
     if (at::Tensor fused = FusedCausalConv1dSilu(x, weight); fused.defined()) return fused;
   }
   const int64_t length = x.size(1), kernel = weight.size(1);

@@ -233,23 +233,19 @@ class LayerRunner {
     const auto kept_output = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
       return KeptAttentionOutput(q, k, v, kept);
     };
-    // Frozen sinks on the flash path (UseSinkFlash): the kernel's statistics and the sink factor.
-    if (sinks.defined() && !sinks.requires_grad() && packed != nullptr && packed->context_group == nullptr &&
-        UseSinkFlash(q)) {
+    // Packed rows on the flash kernel keep its statistics (with frozen sinks under UseSinkFlash,
+    // and the sink factor); other layers with sinks, and windowed ones off the varlen kernel,
+    // keep none: their attention is replayed whole.
+    const bool sink_flash = sinks.defined() && !sinks.requires_grad() && UseSinkFlash(q);
+    if ((sink_flash || (!sinks.defined() && compat::HasVarlenAttention(q))) && packed != nullptr &&
+        packed->context_group == nullptr) {
       const at::Tensor q0 = q[0], k0 = k[0], v0 = v[0].contiguous();
-      if (!replay) {
+      if (!replay && sink_flash) {
         kept->kernel = KeptAttention::Kernel::kSinkFlash;
         kept->sink = SinkAttentionForward(q0, k0, v0, sinks,
                                           VarlenFlashLseKernel(packed->cu_seqlens, packed->max_length, window));
         kept->out = kept->sink.out;
-      }
-      return (replay ? kept_output(q0, k0, v0) : kept->out).reshape({1, s, width});
-    }
-    // Other layers with sinks, and windowed ones off the varlen kernel, keep no kernel
-    // statistics: their attention is replayed whole.
-    if (!sinks.defined() && packed != nullptr && packed->context_group == nullptr && compat::HasVarlenAttention(q)) {
-      const at::Tensor q0 = q[0], k0 = k[0], v0 = v[0].contiguous();
-      if (!replay) {
+      } else if (!replay) {
         kept->kernel = KeptAttention::Kernel::kFlash;
         kept->cu_seqlens = packed->cu_seqlens, kept->max_length = packed->max_length;
         kept->flash = compat::VarlenCausalAttentionSaved(q0, k0, v0, packed->cu_seqlens, packed->max_length, window);
