@@ -241,6 +241,18 @@ absl::StatusOr<Coordinator::SequenceClaim> Coordinator::ClaimSequence(const std:
         "sequence_id: ", sequence_id, " is taken by a call queued before this one (request_id '", it->second,
         "'); one call per sequence id at a time, nothing was applied"));
   }
+  // A call that cannot be next when its turn comes is refused now rather than after a wait in
+  // the queue: an id already passed under a new request_id (a retry of an applied one is
+  // answered from its record in turn), or one past the next with nothing queued before it.
+  // A claimed id stays claimed until its call has been recorded, so neither test races one.
+  const int64_t next = run->run.next_sequence_id();
+  const bool stale = sequence_id < next && !run->records.Contains(request_id);
+  const bool early = sequence_id > next && !run->claimed_sequences.count(sequence_id - 1);
+  if (stale || early) {
+    run->claimed_sequences.erase(it);
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence_id: expected ", next, ", got ", sequence_id, run->restored_note));
+  }
   claim.run_ = run;
   claim.sequence_id_ = sequence_id;
   claim.request_id_ = request_id;

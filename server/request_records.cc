@@ -63,6 +63,7 @@ FingerprintTask::~FingerprintTask() {
 
 absl::StatusOr<const std::string*> RequestRecords::Find(const std::string& method, const std::string& request_id,
                                                         const std::string& fingerprint) const {
+  std::lock_guard<std::mutex> lock(mu_);
   const Recorded& rec = records_.at(request_id);
   if (rec.method != method) {
     return absl::InvalidArgumentError(absl::StrCat("request_id: '", request_id, "' was used for ", rec.method));
@@ -83,6 +84,7 @@ absl::StatusOr<const std::string*> RequestRecords::Find(const std::string& metho
 
 void RequestRecords::Keep(const std::string& request_id, const std::string& method, std::string response,
                           const std::string& fingerprint) {
+  std::lock_guard<std::mutex> lock(mu_);
   if (auto known = records_.find(request_id); known != records_.end()) {  // kept once, as the newest
     bytes_ -= known->second.response.size();
     order_.erase(std::find(order_.begin(), order_.end(), request_id));

@@ -1,6 +1,7 @@
 // Exactly-once bookkeeping of one run's mutating calls: the responses of the request_ids
 // already applied (bounded by count and by bytes) and the fingerprints that tie each
-// request_id to its payload. Not thread-safe: the run's call lock guards it.
+// request_id to its payload. Contains may be called from any thread (a call is checked before
+// it is queued); Find and Keep are called under the run's call lock.
 #ifndef LORASTEP_SERVER_REQUEST_RECORDS_H_
 #define LORASTEP_SERVER_REQUEST_RECORDS_H_
 
@@ -8,6 +9,7 @@
 #include <deque>
 #include <future>
 #include <map>
+#include <mutex>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -52,7 +54,10 @@ struct RecordLimits {
 class RequestRecords {
  public:
   explicit RequestRecords(RecordLimits limits) : limits_(limits) {}
-  bool Contains(const std::string& request_id) const { return records_.count(request_id) > 0; }
+  bool Contains(const std::string& request_id) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return records_.count(request_id) > 0;
+  }
   // The serialized response recorded for `request_id`. INVALID_ARGUMENT when the id was used
   // for another method or with another payload (`fingerprint`); FAILED_PRECONDITION when its
   // response was dropped to bound memory. Requires Contains(request_id).
@@ -73,6 +78,7 @@ class RequestRecords {
     bool evicted = false;     // the body was dropped; the id stays known
   };
   RecordLimits limits_;
+  mutable std::mutex mu_;  // guards records_ and order_ against Contains from other threads
   size_t bytes_ = 0;  // sum of the kept bodies' sizes
   std::map<std::string, Recorded> records_;
   std::deque<std::string> order_;  // oldest first

@@ -522,6 +522,56 @@ TEST_F(ServiceTest, ASecondCallWithAQueuedSequenceIdIsRefusedAtOnce) {
   EXPECT_TRUE(caught) << "in 10 tries the second call never arrived while the first was queued or running";
 }
 
+// A call that cannot be next when its turn comes is refused when it arrives, not after a wait
+// behind the calls queued before it: an id already consumed under a new request_id, and one
+// past the next with nothing queued before it. Each is answered while a long step (the probe
+// shows it holds the next id) is still running.
+TEST_F(ServiceTest, CallsThatCannotBeNextAreRefusedWithoutWaitingInTheQueue) {
+  RunSession run = NewRun();
+  auto step = [&](const std::string& request_id, int64_t seq, int datums, int length) {
+    v1::TrainStepRequest req;
+    req.set_run_id(run.run_id());
+    req.set_request_id(request_id);
+    req.set_sequence_id(seq);
+    for (int i = 0; i < datums; ++i) *req.add_datums() = MakeDatum(i, int(seq), length, 96);
+    *req.mutable_loss() = Ppo();
+    *req.mutable_adamw() = Adam();
+    return req;
+  };
+  bool caught = false;
+  int64_t seq = 1;  // the run's next id
+  for (int attempt = 0; attempt < 10 && !caught; ++attempt) {
+    std::atomic<bool> slow_answered{false};
+    absl::StatusOr<v1::StepResponse> slow;
+    std::thread sender([&] {
+      slow = client_->TrainStep(step(absl::StrCat("slow-", attempt), seq, 32, 256));
+      slow_answered = true;
+    });
+    // Once a second call with the same id is refused as taken, the long one holds it. The
+    // probe's batch is invalid: one that takes the id first is refused in its turn and
+    // consumes nothing.
+    v1::TrainStepRequest probe_req = step(absl::StrCat("probe-", attempt), seq, 1, 8);
+    probe_req.mutable_datums(0)->set_advantages(0, NAN);
+    absl::Status probe;
+    do {
+      probe = client_->TrainStep(probe_req).status();
+    } while (!slow_answered && !absl::StrContains(probe.message(), "is taken"));
+    const absl::Status stale = client_->TrainStep(step(absl::StrCat("stale-", attempt), seq - 1, 1, 8)).status();
+    const absl::Status early = client_->TrainStep(step(absl::StrCat("early-", attempt), seq + 2, 1, 8)).status();
+    const bool before_slow = !slow_answered;
+    sender.join();
+    if (!slow.ok() && absl::StrContains(slow.status().message(), "is taken")) continue;  // the probe was first
+    ASSERT_OK(slow.status());
+    ++seq;
+    EXPECT_THAT(stale, StatusIs(absl::StatusCode::kFailedPrecondition, absl::StrCat("got ", seq - 2)));
+    EXPECT_THAT(early, StatusIs(absl::StatusCode::kFailedPrecondition, absl::StrCat("got ", seq + 1)));
+    caught = before_slow && absl::StrContains(probe.message(), "is taken");
+  }
+  EXPECT_TRUE(caught) << "in 10 tries the refusals never came while the long step was running";
+  ASSERT_OK_AND_ASSIGN(v1::Run state, client_->GetRun(run.run_id()));
+  EXPECT_EQ(state.learner_version(), state.next_sequence_id() - 1);  // only the long steps applied
+}
+
 TEST_F(ServiceTest, InterleavedRunsOnOneWorkerEachEqualThatRunAlone) {
   RunSession a = NewRun(11, 0.1), b = NewRun(12, 0.1), alone = NewRun(11, 0.1);
   std::string a_sha, alone_sha;
