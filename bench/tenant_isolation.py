@@ -9,16 +9,20 @@ local worker (tiny model, CPU), with two API keys:
     client stopped with SIGSTOP and every call it had in flight answered), four blocks of 50
     each way. One case per kind of greedy call (small Forwards; TrainSteps). A case is a
     lockout when the other key gets any RESOURCE_EXHAUSTED or its loaded p99 step time passes
-    2x its alone p99.
+    2x its alone p99. The greedy key's TrainSteps carry consecutive sequence ids per run, so
+    every call it holds queued can apply. A third case, train_step_duplicates, is not a key at
+    its limits but a flood of calls that cannot apply (every call of a run carries the id the
+    run is at, so all but one are refused at once): reported as tenant_flood_p99_ratio,
+    outside the lockout count.
   queued_bytes: the greedy key sends 64 MiB TrainStep bodies from 16 threads for 30 s; the
     coordinator's peak RSS (VmHWM) is reported.
 
 Prints `name=value` lines (bench/reliability.sh collects them).
   PYTHONPATH=bazel-bin/clients/python /usr/bin/python3 bench/tenant_isolation.py \
       COORDINATOR WORKER GENMODEL TMPDIR [--quick] [--bytes-only | --tenants-only]
-      [--kinds=forward,train_step] [--greedy-in-flight=1100]
-  --kinds: the cases run; --greedy-in-flight: the calls the greedy client keeps in flight (64, one
-  per run, sends only calls that apply: the case without a flood of refusals)."""
+      [--kinds=forward,train_step,train_step_duplicates] [--greedy-in-flight=1100]
+  --kinds: the cases run; --greedy-in-flight: the calls the greedy client keeps in flight (the
+  default is past the key's share of 1,024, so it sits at its limit)."""
 import os
 import re
 import signal
@@ -171,13 +175,21 @@ def spread(xs):
 
 
 class Greedy:
-    """Keeps `in_flight` calls of `kind` going on the greedy key's runs until stopped."""
+    """Keeps `in_flight` calls of `kind` going on the greedy key's runs until stopped.
 
-    def __init__(self, stub, runs, kind, in_flight, retry_after_s):
+    Forwards: any number per run. TrainSteps: each run's calls carry consecutive sequence ids
+    (a client that pipelines its steps), so every call it keeps queued can apply and the key
+    sits at its share with valid calls; a refusal breaks a run's pipeline, which then starts
+    again from the id the refusal names. With `duplicates`, instead, every call of a run
+    carries the id the run is at as the client last saw it (all but one of them are refused:
+    a flood of calls that cannot apply)."""
+
+    def __init__(self, stub, runs, kind, in_flight, retry_after_s, duplicates=False):
         self.stub, self.runs, self.kind, self.retry_after_s = stub, runs, kind, retry_after_s
+        self.duplicates = duplicates
         self.stop = threading.Event()
         self.lock = threading.Lock()
-        self.seq = {r: 1 for r in runs}
+        self.seq = {r: 1 for r in runs}  # duplicates: the id the run is at; else: the next id to send
         self.ok = self.refused = self.other_errors = 0
         self.pending = threading.Semaphore(0)
         for i in range(in_flight):
@@ -191,9 +203,11 @@ class Greedy:
         if self.kind == "forward":
             fut = self.stub.Forward.future(trainer_pb2.ForwardRequest(run_id=run, datums=batch(i % 7)),
                                            metadata=meta("greedy"), timeout=300)
-        else:  # a TrainStep with a sequence id the run may not be at yet: refused or applied in order
+        else:
             with self.lock:
                 seq = self.seq[run]
+                if not self.duplicates:
+                    self.seq[run] += 1
             fut = self.stub.TrainStep.future(
                 trainer_pb2.TrainStepRequest(run_id=run, request_id=uuid.uuid4().hex, sequence_id=seq,
                                              datums=batch(i % 7), loss=trainer_pb2.LossConfig(loss_fn="ppo"),
@@ -206,12 +220,18 @@ class Greedy:
         with self.lock:
             if e is None:
                 self.ok += 1
-                if self.kind == "train_step":
+                if self.kind == "train_step" and self.duplicates:
                     self.seq[run] += 1
             elif e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self.refused += 1
             else:
-                self.other_errors += 1  # out-of-order sequence ids of the TrainStep flood
+                self.other_errors += 1  # sequence ids out of order: duplicates, or a broken pipeline
+            if e is not None and self.kind == "train_step":
+                # A pipeline starts again where the run is (the refusal names it); duplicates
+                # take the id the run is at.
+                at = re.search(r"expected (\d+)", e.details() or "")
+                if at is not None:
+                    self.seq[run] = int(at.group(1))
         if e is not None and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and self.retry_after_s > 0:
             # As the refusal advises: sent again after a pause, so the key stays at its share
             # without the client's own CPU (the same two cores here) deciding the figure.
@@ -231,7 +251,8 @@ def greedy_child(address, kind, runs, in_flight):
     channel = grpc.insecure_channel(address)
     stub = trainer_pb2_grpc.TrainerStub(channel)
     in_flight = int(in_flight)
-    greedy = Greedy(stub, runs.split(","), kind, in_flight, retry_after_s=0.05)
+    greedy = Greedy(stub, runs.split(","), kind.removesuffix("_duplicates"), in_flight, retry_after_s=0.05,
+                    duplicates=kind.endswith("_duplicates"))
     print("ready", flush=True)
     sys.stdin.read()
     greedy.finish(in_flight)
@@ -244,7 +265,7 @@ def main():
     coordinator, worker, genmodel, tmp = sys.argv[1:5]
     quick = "--quick" in sys.argv
     options = dict(a[2:].split("=", 1) for a in sys.argv[5:] if a.startswith(("--kinds=", "--greedy-in-flight=")))
-    kinds = options.get("kinds", "forward,train_step").split(",")
+    kinds = options.get("kinds", "forward,train_step,train_step_duplicates").split(",")
     greedy_in_flight = options.get("greedy-in-flight", "1100")
     extra = [a for a in sys.argv[5:] if a not in ("--quick", "--bytes-only", "--tenants-only") and
              not a.startswith(("--kinds=", "--greedy-in-flight="))]  # coordinator flags
@@ -313,11 +334,15 @@ def main():
             all_alone += alone
             ratio = p99(loaded) / p99(alone)
             locked = refused > 0 or ratio > 2
-            cases += 1
-            lockouts += locked
+            if kind.endswith("_duplicates"):  # not a key at its limits: a flood of calls that cannot apply
+                print(f"tenant_flood_p99_ratio={ratio:.2f}")
+                print(f"tenant_flood_other_refused={refused}")
+            else:
+                cases += 1
+                lockouts += locked
             print(f"case {kind}: other p99 {p99(loaded):.4f} s against {p99(alone):.4f} s alone ({ratio:.2f}x; "
                   f"p50 / p90 / p99 / max loaded {spread(loaded)} s, alone {spread(alone)} s), "
-                  f"other refused {refused}, greedy {counts}{' LOCKOUT' if locked else ''}")
+                  f"other refused {refused}, greedy {counts}{' OVER 2X' if locked else ''}")
         print(f"other_p99_alone_s={p99(all_alone):.4f}")
         print(f"tenant_lockout_cases={cases}")
         print(f"tenant_lockouts={lockouts}")
