@@ -4,7 +4,8 @@
 # 512 tokens): lorastep (coordinator + worker, r32 on every projection; MoE experts per expert)
 # and bench/peft_step.py (PEFT r32 on the same projections: its lora_targets). For a Qwen3.5
 # preset also the Gated DeltaNet mixer's cost per micro-batch (bench/gated_delta_bench.cc); for
-# gpt-oss also lorastep's step with LORASTEP_SINK_FLASH=1 LORASTEP_FUSED_CLAMPED_SWIGLU=1.
+# gpt-oss also lorastep's step with its composed paths (LORASTEP_SINK_FLASH=0
+# LORASTEP_FUSED_CLAMPED_SWIGLU=0: the explicit sink mask, ATen's clamped SwiGLU).
 # Raw files in OUT_DIR, then step_family_results.py writes OUT_DIR/step_PREFIX.json.
 #   bench/step_family.sh BUILD_DIR OUT_DIR PRESET PREFIX
 set -euo pipefail
@@ -24,10 +25,10 @@ ours_step() {
 }
 ours_step ""
 if python3 -c "import json,sys;sys.exit(0 if json.load(open('$MODEL/config.json'))['model_type'] == 'gpt_oss' else 1)"; then
-  # Layers with sinks through the flash varlen kernel and its log-sum-exp, and the experts'
-  # clamped SwiGLU as one kernel each way: an A/B beside the default paths above
-  # (lib/model/sink_attention.h, lib/kernels/fused_layer.h).
-  LORASTEP_SINK_FLASH=1 LORASTEP_FUSED_CLAMPED_SWIGLU=1 ours_step _fused_paths
+  # Layers with sinks through the explicit mask and the experts' clamped SwiGLU as ATen's
+  # composition: an A/B beside the default kernels above (lib/model/sink_attention.h,
+  # lib/kernels/fused_layer.h).
+  LORASTEP_SINK_FLASH=0 LORASTEP_FUSED_CLAMPED_SWIGLU=0 ours_step _composed_paths
 fi
 python3 bench/peft_step.py --model $MODEL --mode lora --steps "${HF_STEPS:-3}" --micro "${HF_MICRO:-8}" --batch "$OUT/batch_$PREFIX.json" \
   --out "$OUT/${PREFIX}_hf_lora.json" > "$OUT/${PREFIX}_hf.log" 2>&1 \
@@ -47,8 +48,8 @@ if python3 -c "import json,sys;sys.exit(0 if json.load(open('$MODEL/config.json'
   gdn_bench "" ""
   # The same with the chunk system's inverse in place of the triangular solves (an A/B).
   LORASTEP_GDN_TRIANGULAR_SOLVE=0 gdn_bench _inverse LORASTEP_GDN_TRIANGULAR_SOLVE=0
-  # And with the convolution's CUDA kernel (lib/kernels/causal_conv.h) in place of ATen's.
-  LORASTEP_FUSED_CONV=1 gdn_bench _fused_conv LORASTEP_FUSED_CONV=1
+  # And with ATen's convolution in place of the CUDA kernel (lib/kernels/causal_conv.h).
+  LORASTEP_FUSED_CONV=0 gdn_bench _composed_conv LORASTEP_FUSED_CONV=0
   # And with the rule keeping its intermediates instead of running again in backward.
   gdn_bench _keep_rule "" --keep_rule
 fi

@@ -3,7 +3,8 @@ transformers + PEFT's LoRA step on the same model and batch, their tokens/s rati
 memory, and for a Qwen3.5 model the Gated DeltaNet mixer's share of lorastep's step (the
 mixer's forward + backward per micro-batch without its projections, times the linear layers
 and the micro-batches of the step, over the step's median time); for gpt-oss also lorastep's
-step with LORASTEP_SINK_FLASH=1 LORASTEP_FUSED_CLAMPED_SWIGLU=1 (`*_fused_paths` keys).
+step with LORASTEP_SINK_FLASH=0 LORASTEP_FUSED_CLAMPED_SWIGLU=0 (`*_composed_paths` keys: the
+explicit sink mask and ATen's clamped SwiGLU in place of the default kernels).
     python3 bench/step_family_results.py RAW_DIR MODEL_DIR PRESET PREFIX [--micro_batch N]
 """
 import argparse, json, math, os
@@ -34,12 +35,12 @@ def main():
            f"{p}_lora_tokens_per_s_peft": hf["tokens_per_s"],
            f"{p}_lora_tokens_per_s_over_peft": hf["step_s"] / ours["worker_step_median_s"],
            f"{p}_lora_peak_gib_ours": ours.get("peak_cuda_gib"), f"{p}_lora_peak_gib_peft": hf["peak_memory_gib"]}
-    fused_paths = os.path.join(args.raw, f"{p}_ours_lora_fused_paths.json")
-    if os.path.exists(fused_paths):  # the A/B: LORASTEP_SINK_FLASH=1 LORASTEP_FUSED_CLAMPED_SWIGLU=1
-        fused = json.load(open(fused_paths))
-        out[f"{p}_lora_step_s_ours_fused_paths"] = fused["worker_step_median_s"]
-        out[f"{p}_lora_tokens_per_s_over_peft_fused_paths"] = hf["step_s"] / fused["worker_step_median_s"]
-        out[f"{p}_lora_peak_gib_ours_fused_paths"] = fused.get("peak_cuda_gib")
+    composed_paths = os.path.join(args.raw, f"{p}_ours_lora_composed_paths.json")
+    if os.path.exists(composed_paths):  # the A/B: LORASTEP_SINK_FLASH=0 LORASTEP_FUSED_CLAMPED_SWIGLU=0
+        composed = json.load(open(composed_paths))
+        out[f"{p}_lora_step_s_ours_composed_paths"] = composed["worker_step_median_s"]
+        out[f"{p}_lora_tokens_per_s_over_peft_composed_paths"] = hf["step_s"] / composed["worker_step_median_s"]
+        out[f"{p}_lora_peak_gib_ours_composed_paths"] = composed.get("peak_cuda_gib")
     gdn = os.path.join(args.raw, f"{p}_gdn.json")
     if os.path.exists(gdn):
         g = json.load(open(gdn))
@@ -54,10 +55,10 @@ def main():
             gi = json.load(open(inverse))
             out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch_inverse"] = gi["mixer_without_projections_ms"]
             out[f"{p}_gated_delta_rule_ms_per_layer_microbatch_inverse"] = gi["rule_ms"]
-        fused_conv = os.path.join(args.raw, f"{p}_gdn_fused_conv.json")
-        if os.path.exists(fused_conv):  # the A/B: the convolution's CUDA kernel (LORASTEP_FUSED_CONV=1)
-            gc = json.load(open(fused_conv))
-            out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch_fused_conv"] = gc["mixer_without_projections_ms"]
+        composed_conv = os.path.join(args.raw, f"{p}_gdn_composed_conv.json")
+        if os.path.exists(composed_conv):  # the A/B: ATen's convolution (LORASTEP_FUSED_CONV=0)
+            gc = json.load(open(composed_conv))
+            out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch_composed_conv"] = gc["mixer_without_projections_ms"]
         keep_rule = os.path.join(args.raw, f"{p}_gdn_keep_rule.json")
         if os.path.exists(keep_rule):  # the A/B: the rule keeping its intermediates (--keep_rule)
             gk = json.load(open(keep_rule))

@@ -14,13 +14,6 @@ inline bool EnvSwitchOn(const char* name) {
   return value == nullptr || std::strcmp(value, "0") != 0;
 }
 
-// Whether the switch `name`, off by default, is on: the variable reads "1". For paths kept
-// off until they have been checked where they run (a CUDA kernel not yet run on a GPU).
-inline bool EnvSwitchSet(const char* name) {
-  const char* value = std::getenv(name);
-  return value != nullptr && std::strcmp(value, "1") == 0;
-}
-
 }  // namespace lorastep
 
 #endif  // LORASTEP_LIB_ENV_SWITCH_H_

@@ -113,7 +113,7 @@ class BenchToolTest(unittest.TestCase):
         self.assertEqual(rc, 2, out)
         self.assertIn("unknown suite(s) stepp", out)
 
-    def test_step_family_results_record_the_fused_paths_row_beside_the_default(self):
+    def test_step_family_results_record_the_composed_paths_row_beside_the_default(self):
         results = os.path.join(os.path.dirname(os.path.dirname(TOOL)), "bench", "step_family_results.py")
         raw, model = folder("family_raw"), folder("family_model")
         write(os.path.join(model, "config.json"), {"num_hidden_layers": 4, "model_type": "gpt_oss"})
@@ -129,13 +129,13 @@ class BenchToolTest(unittest.TestCase):
             self.assertEqual(out.returncode, 0, out.stderr)
             with open(os.path.join(raw, "step_g.json")) as f:
                 return json.load(f)
-        self.assertNotIn("g_lora_step_s_ours_fused_paths", run())
-        write(os.path.join(raw, "g_ours_lora_fused_paths.json"), {"worker_step_median_s": 0.4, "peak_cuda_gib": 20})
+        self.assertNotIn("g_lora_step_s_ours_composed_paths", run())
+        write(os.path.join(raw, "g_ours_lora_composed_paths.json"), {"worker_step_median_s": 0.8, "peak_cuda_gib": 20})
         got = run()
         self.assertAlmostEqual(got["g_lora_tokens_per_s_over_peft"], 2.0)
-        self.assertAlmostEqual(got["g_lora_step_s_ours_fused_paths"], 0.4)
-        self.assertAlmostEqual(got["g_lora_tokens_per_s_over_peft_fused_paths"], 3.0)
-        self.assertEqual(got["g_lora_peak_gib_ours_fused_paths"], 20)
+        self.assertAlmostEqual(got["g_lora_step_s_ours_composed_paths"], 0.8)
+        self.assertAlmostEqual(got["g_lora_tokens_per_s_over_peft_composed_paths"], 1.5)
+        self.assertEqual(got["g_lora_peak_gib_ours_composed_paths"], 20)
 
 
 if __name__ == "__main__":

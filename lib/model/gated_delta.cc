@@ -380,7 +380,7 @@ at::Tensor CausalConv1dSilu(const at::Tensor& x, const at::Tensor& weight, const
     const PackedBatch batch(lengths, x.device());
     return batch.Unbatch(CausalConv1dSilu(batch.Batch(x), weight));
   }
-  static const bool fused_kernel = EnvSwitchSet("LORASTEP_FUSED_CONV");  // off until run on a GPU
+  static const bool fused_kernel = EnvSwitchOn("LORASTEP_FUSED_CONV");
   if (fused_kernel) {
     if (at::Tensor fused = FusedCausalConv1dSilu(x, weight); fused.defined()) return fused;
   }

@@ -56,7 +56,7 @@ at::Tensor CausalConv1dSilu(const at::Tensor& x, const at::Tensor& weight,
 // The same over x [b, T, C] (b sequences of T) as one CUDA kernel each way
 // (lib/kernels/causal_conv.h), for a weight of x's type with at most 8 taps that takes no
 // gradient; undefined where the build or the tensors do not allow it. CausalConv1dSilu takes
-// it with LORASTEP_FUSED_CONV=1 (off until the kernel has run on a GPU).
+// it unless LORASTEP_FUSED_CONV=0 (the composition, for a side-by-side timing).
 at::Tensor FusedCausalConv1dSilu(const at::Tensor& x, const at::Tensor& weight);
 
 // RMSNorm(x) * weight * silu(z) over the last dim (Qwen3.5's gated norm): the normalization in

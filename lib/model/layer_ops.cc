@@ -388,7 +388,7 @@ at::Tensor ClampedSwiGluKernel(const at::Tensor& gate_up, double alpha, double l
 }
 
 at::Tensor ClampedSwiGluPacked(const at::Tensor& gate_up, double alpha, double limit) {
-  static const bool fused = EnvSwitchSet("LORASTEP_FUSED_CLAMPED_SWIGLU");
+  static const bool fused = EnvSwitchOn("LORASTEP_FUSED_CLAMPED_SWIGLU");
   if (fused) {
     if (at::Tensor out = ClampedSwiGluKernel(gate_up, alpha, limit); out.defined()) return out;
   }

@@ -21,8 +21,8 @@ at::Tensor SwiGluPacked(const at::Tensor& gate_up);
 // gpt-oss's experts over gate_up [.., 2f] (gate half, then up half): with g = min(gate, limit)
 // and u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha * g), in the input's dtype
 // (as transformers computes it); ATen operations, so autograd gives the gradient.
-// With LORASTEP_FUSED_CLAMPED_SWIGLU=1 it runs as ClampedSwiGluKernel where that is defined
-// (off until the kernel has run on a GPU).
+// It runs as ClampedSwiGluKernel where that is defined, unless LORASTEP_FUSED_CLAMPED_SWIGLU=0
+// (the composition, for a side-by-side timing).
 at::Tensor ClampedSwiGluPacked(const at::Tensor& gate_up, double alpha, double limit);
 // The same as one CUDA kernel each way (lib/kernels/fused_layer.h) with the composition's
 // rounding, where UseFusedKernels holds; undefined elsewhere.

@@ -120,7 +120,7 @@ at::Tensor SinkAttentionThroughLse(const at::Tensor& q, const at::Tensor& k, con
 }
 
 bool UseSinkFlash(const at::Tensor& q) {
-  static const bool on = EnvSwitchSet("LORASTEP_SINK_FLASH");
+  static const bool on = EnvSwitchOn("LORASTEP_SINK_FLASH");
   return on && compat::HasVarlenAttention(q);
 }
 

@@ -60,9 +60,8 @@ std::array<at::Tensor, 4> SinkAttentionBackward(const SinkAttentionSaved& saved,
                                                 bool sinks_grad);
 
 // Whether packed rows with sinks run the flash varlen kernel through SinkAttentionThroughLse
-// (CUDA, where compat::HasVarlenAttention holds). Off until LORASTEP_SINK_FLASH=1: the
-// path is checked on CPU against the explicit mask (tests/sink_attention_test.cc) but has not
-// yet run on a GPU (docs/PERFORMANCE.md, "Not measured yet").
+// (CUDA, where compat::HasVarlenAttention holds), unless LORASTEP_SINK_FLASH=0 (the explicit
+// mask, for a side-by-side timing).
 bool UseSinkFlash(const at::Tensor& q);
 
 // A log-sum-exp padded per sequence, [count, heads, longest] (what some builds' varlen kernel
