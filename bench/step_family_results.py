@@ -1,8 +1,9 @@
 """Turns bench/step_family.sh's raw files into OUT_DIR/step_PREFIX.json: lorastep's and
 transformers + PEFT's LoRA step on the same model and batch, their tokens/s ratio and peak
 memory, and for a Qwen3.5 model the Gated DeltaNet mixer's share of lorastep's step (the
-mixer's forward + backward per micro-batch without its projections, times the linear layers
-and the micro-batches of the step, over the step's median time); for gpt-oss also lorastep's
+mixer's forward + backward per micro-batch without its projections, timed with the rule run
+again in backward and with its intermediates kept, as many of each as the step's metrics
+report, times the linear layers, over the step's median time); for gpt-oss also lorastep's
 step with LORASTEP_SINK_FLASH=0 LORASTEP_FUSED_CLAMPED_SWIGLU=0 (`*_composed_paths` keys: the
 explicit sink mask and ATen's clamped SwiGLU in place of the default kernels).
     python3 bench/step_family_results.py RAW_DIR MODEL_DIR PRESET PREFIX [--micro_batch N]
@@ -45,8 +46,17 @@ def main():
     if os.path.exists(gdn):
         g = json.load(open(gdn))
         linear = sum(1 for t in cfg.get("layer_types", []) if t == "linear_attention")
-        micro = math.ceil(tokens / args.micro_batch)
-        per_step = g["mixer_without_projections_ms"] * linear * micro / 1000
+        # The step's micro-batches and how many ran the rule again in backward (the rest kept
+        # its intermediates): each costs the mixer as gated_delta_bench times it that way.
+        metrics = ours.get("last_step_metrics", {})
+        micro = int(metrics.get("micro_batches:sum", math.ceil(tokens / args.micro_batch)))
+        recomputed = int(metrics.get("micro_batches_rule_recomputed:sum", micro))
+        keep_rule = os.path.join(args.raw, f"{p}_gdn_keep_rule.json")
+        kept_ms = json.load(open(keep_rule))["mixer_without_projections_ms"] if os.path.exists(keep_rule) else None
+        if kept_ms is None:
+            recomputed = micro
+        mixer_ms = g["mixer_without_projections_ms"]
+        per_step = (recomputed * mixer_ms + (micro - recomputed) * (kept_ms or 0)) * linear / 1000
         out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch"] = g["mixer_without_projections_ms"]
         out[f"{p}_gated_delta_rule_ms_per_layer_microbatch"] = g["rule_ms"]
         out[f"{p}_gated_delta_share_of_step"] = per_step / ours["worker_step_median_s"]
@@ -59,13 +69,14 @@ def main():
         if os.path.exists(composed_conv):  # the A/B: ATen's convolution (LORASTEP_FUSED_CONV=0)
             gc = json.load(open(composed_conv))
             out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch_composed_conv"] = gc["mixer_without_projections_ms"]
-        keep_rule = os.path.join(args.raw, f"{p}_gdn_keep_rule.json")
-        if os.path.exists(keep_rule):  # the A/B: the rule keeping its intermediates (--keep_rule)
+        if os.path.exists(keep_rule):  # the rule keeping its intermediates (--keep_rule)
             gk = json.load(open(keep_rule))
             out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch_keep_rule"] = gk["mixer_without_projections_ms"]
-        out[f"{p}_gated_delta_method"] = (f"gated_delta_bench: the mixer without its projections, {g['mixer_without_projections_ms']:.2f} ms "
-                                          f"per layer and micro-batch, x {linear} linear layers x {micro} micro-batches, "
-                                          f"over lorastep's step median")
+        kept = micro - recomputed
+        out[f"{p}_gated_delta_method"] = (f"gated_delta_bench: the mixer without its projections per layer and micro-batch, "
+                                          f"{mixer_ms:.2f} ms with the rule run again in backward ({recomputed} of the step's "
+                                          f"micro-batches)" + (f" and {kept_ms:.2f} ms with its intermediates kept ({kept})" if kept else "")
+                                          + f", x {linear} linear layers, over lorastep's step median")
     json.dump(out, open(os.path.join(args.raw, f"step_{p}.json"), "w"), indent=2)
     print(json.dumps(out, indent=2))
 

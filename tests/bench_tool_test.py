@@ -137,6 +137,32 @@ class BenchToolTest(unittest.TestCase):
         self.assertAlmostEqual(got["g_lora_tokens_per_s_over_peft_composed_paths"], 1.5)
         self.assertEqual(got["g_lora_peak_gib_ours_composed_paths"], 20)
 
+    def test_step_family_results_count_the_gated_delta_mixer_as_the_step_ran_it(self):
+        results = os.path.join(os.path.dirname(os.path.dirname(TOOL)), "bench", "step_family_results.py")
+        raw, model = folder("family_gdn_raw"), folder("family_gdn_model")
+        write(os.path.join(model, "config.json"), {"num_hidden_layers": 4, "model_type": "qwen3_5_text",
+                                                   "layer_types": ["linear_attention"] * 3 + ["full_attention"]})
+        with open(os.path.join(raw, "env.txt"), "w") as f:
+            f.write("H100\nabc123\ntorch 2.11\n")
+        write(os.path.join(raw, "batch_q.json"), {"sequences": [{"tokens": [1] * 512}] * 16})
+        write(os.path.join(raw, "q_hf_lora.json"), {"step_s": 2.0, "tokens_per_s": 4096.0, "peak_memory_gib": 30})
+        write(os.path.join(raw, "q_gdn.json"), {"mixer_without_projections_ms": 10.0, "rule_ms": 6.0})
+        write(os.path.join(raw, "q_gdn_keep_rule.json"), {"mixer_without_projections_ms": 8.0, "rule_ms": 6.0})
+
+        def share(metrics):
+            write(os.path.join(raw, "q_ours_lora.json"), {"date": "2026-12-06", "worker_step_median_s": 1.0,
+                                                          "last_step_metrics": metrics})
+            out = subprocess.run([sys.executable, results, raw, model, "tiny-qwen3.5", "q", "--micro_batch", "2048"],
+                                 capture_output=True, text=True, timeout=60)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            with open(os.path.join(raw, "step_q.json")) as f:
+                return json.load(f)["q_gated_delta_share_of_step"]
+        # 4 micro-batches x 3 linear layers: rule run again in 1 of them, kept in 3.
+        self.assertAlmostEqual(share({"micro_batches:sum": 4, "micro_batches_rule_recomputed:sum": 1}),
+                               (10.0 + 3 * 8.0) * 3 / 1000)
+        # Without the step's metrics every micro-batch counts as recomputing the rule.
+        self.assertAlmostEqual(share({}), 4 * 10.0 * 3 / 1000)
+
 
 if __name__ == "__main__":
     unittest.main(argv=[sys.argv[0], "-v"])
