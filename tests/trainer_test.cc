@@ -11,6 +11,7 @@
 #include "lib/model/peft_io.h"
 #include "lib/io/safetensors.h"
 #include "lib/training/activation_memory.h"
+#include "lib/training/micro_batch.h"
 #include "lib/status_macros.h"
 #include "tests/test_util.h"
 #include "tests/torch_test_util.h"
@@ -1169,6 +1170,28 @@ TEST(DigestTest, DeviceTensorsHashLikeTheirHostCopies) {
   const at::Tensor counting = at::arange(5, at::kFloat).to(dev), halves = at::full({2, 3}, 0.5f).to(dev);
   EXPECT_EQ(TensorsSha256({counting}), "7c4f1e6f22ec7eae2e4de173a21118f580f06146ef60ee97790f582f6832e5d8");
   EXPECT_EQ(TensorsSha256({counting, halves}), "0624c9dea03389b2c302306164de295488db31c308fe24c0bcd997e5a444cddc");
+}
+
+// Datums of equal length stay padded rows (SDPA's fused kernel serves them) only where every
+// layer's attention is plain; with sliding windows or sinks they are packed for the varlen
+// kernel. Unequal lengths pack either way, and without pack_sequences nothing packs.
+TEST(MicroBatchLayoutTest, EqualLengthsStayPaddedOnlyForPlainAttention) {
+  std::vector<Datum> datums(3);
+  for (Datum& d : datums) d.tokens = d.target_tokens = {1, 2, 3, 4, 5, 6, 7, 8};
+  std::vector<Datum> unequal = datums;
+  unequal[1].tokens = unequal[1].target_tokens = {1, 2, 3};
+  const std::vector<size_t> all = {0, 1, 2};
+  for (const char* preset : {"tiny", "tiny-qwen2-swa", "tiny-gpt-oss"}) {
+    SCOPED_TRACE(preset);
+    const ModelConfig config = ModelConfigPreset(preset).value();
+    const bool plain = std::string(preset) == "tiny";
+    MicroBatchOptions options;
+    MicroBatchCounts counts;
+    EXPECT_EQ(BuildMicroBatch(datums, all, config, options, at::kCPU, &counts).is_packed, !plain);
+    EXPECT_TRUE(BuildMicroBatch(unequal, all, config, options, at::kCPU, &counts).is_packed);
+    options.pack_sequences = false;
+    EXPECT_FALSE(BuildMicroBatch(datums, all, config, options, at::kCPU, &counts).is_packed);
+  }
 }
 
 }  // namespace
