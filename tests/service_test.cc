@@ -480,6 +480,20 @@ TEST_F(ServiceTest, OutOfOrderSequenceIdsAreRefused) {
   EXPECT_THAT(client_->ForwardBackward(req), StatusIs(absl::StatusCode::kFailedPrecondition, "expected 2"));
 }
 
+// A TrainStep of `run_id` under `request_id` and sequence id `seq`: `datums` datums of
+// `length` tokens (PPO, the suite's AdamW).
+v1::TrainStepRequest SequencedStep(const std::string& run_id, const std::string& request_id, int64_t seq, int datums,
+                                   int length) {
+  v1::TrainStepRequest req;
+  req.set_run_id(run_id);
+  req.set_request_id(request_id);
+  req.set_sequence_id(seq);
+  for (int i = 0; i < datums; ++i) *req.add_datums() = MakeDatum(i, int(seq), length, 96);
+  *req.mutable_loss() = Ppo();
+  *req.mutable_adamw() = Adam();
+  return req;
+}
+
 // One call per sequence id at a time: of two calls sent together with one sequence id under
 // different request_ids, the one received first takes it and applies; the other, arriving
 // while the first is queued or running, is refused at once naming the first (not queued
@@ -487,14 +501,7 @@ TEST_F(ServiceTest, OutOfOrderSequenceIdsAreRefused) {
 TEST_F(ServiceTest, ASecondCallWithAQueuedSequenceIdIsRefusedAtOnce) {
   RunSession run = NewRun();
   auto step = [&](const std::string& request_id, int64_t seq, int datums, int length) {
-    v1::TrainStepRequest req;
-    req.set_run_id(run.run_id());
-    req.set_request_id(request_id);
-    req.set_sequence_id(seq);
-    for (int i = 0; i < datums; ++i) *req.add_datums() = MakeDatum(i, int(seq), length, 96);
-    *req.mutable_loss() = Ppo();
-    *req.mutable_adamw() = Adam();
-    return req;
+    return SequencedStep(run.run_id(), request_id, seq, datums, length);
   };
   bool caught = false;
   for (int64_t seq = 1; seq <= 10 && !caught; ++seq) {
@@ -529,14 +536,7 @@ TEST_F(ServiceTest, ASecondCallWithAQueuedSequenceIdIsRefusedAtOnce) {
 TEST_F(ServiceTest, CallsThatCannotBeNextAreRefusedWithoutWaitingInTheQueue) {
   RunSession run = NewRun();
   auto step = [&](const std::string& request_id, int64_t seq, int datums, int length) {
-    v1::TrainStepRequest req;
-    req.set_run_id(run.run_id());
-    req.set_request_id(request_id);
-    req.set_sequence_id(seq);
-    for (int i = 0; i < datums; ++i) *req.add_datums() = MakeDatum(i, int(seq), length, 96);
-    *req.mutable_loss() = Ppo();
-    *req.mutable_adamw() = Adam();
-    return req;
+    return SequencedStep(run.run_id(), request_id, seq, datums, length);
   };
   bool caught = false;
   int64_t seq = 1;  // the run's next id
