@@ -1172,25 +1172,28 @@ TEST(DigestTest, DeviceTensorsHashLikeTheirHostCopies) {
   EXPECT_EQ(TensorsSha256({counting, halves}), "0624c9dea03389b2c302306164de295488db31c308fe24c0bcd997e5a444cddc");
 }
 
-// Datums of equal length stay padded rows (SDPA's fused kernel serves them) only where every
-// layer's attention is plain; with sliding windows or sinks they are packed for the varlen
-// kernel. Unequal lengths pack either way, and without pack_sequences nothing packs.
-TEST(MicroBatchLayoutTest, EqualLengthsStayPaddedOnlyForPlainAttention) {
+// Datums of equal length stay padded rows (SDPA's fused kernel serves them) unless a layer
+// has a sliding window or sinks and the varlen kernel serves the model: then they are packed
+// for it. Unequal lengths pack either way, and without pack_sequences nothing packs.
+TEST(MicroBatchLayoutTest, EqualLengthsArePackedOnlyForTheVarlenKernelsWindowsAndSinks) {
   std::vector<Datum> datums(3);
   for (Datum& d : datums) d.tokens = d.target_tokens = {1, 2, 3, 4, 5, 6, 7, 8};
   std::vector<Datum> unequal = datums;
   unequal[1].tokens = unequal[1].target_tokens = {1, 2, 3};
   const std::vector<size_t> all = {0, 1, 2};
   for (const char* preset : {"tiny", "tiny-qwen2-swa", "tiny-gpt-oss"}) {
-    SCOPED_TRACE(preset);
-    const ModelConfig config = ModelConfigPreset(preset).value();
-    const bool plain = std::string(preset) == "tiny";
-    MicroBatchOptions options;
-    MicroBatchCounts counts;
-    EXPECT_EQ(BuildMicroBatch(datums, all, config, options, at::kCPU, &counts).is_packed, !plain);
-    EXPECT_TRUE(BuildMicroBatch(unequal, all, config, options, at::kCPU, &counts).is_packed);
-    options.pack_sequences = false;
-    EXPECT_FALSE(BuildMicroBatch(datums, all, config, options, at::kCPU, &counts).is_packed);
+    for (bool varlen : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << preset << (varlen ? " with" : " without") << " the varlen kernel");
+      const ModelConfig config = ModelConfigPreset(preset).value();
+      MicroBatchOptions options;
+      options.varlen_attention = varlen;
+      MicroBatchCounts counts;
+      EXPECT_EQ(BuildMicroBatch(datums, all, config, options, at::kCPU, &counts).is_packed,
+                varlen && std::string(preset) != "tiny");
+      EXPECT_TRUE(BuildMicroBatch(unequal, all, config, options, at::kCPU, &counts).is_packed);
+      options.pack_sequences = false;
+      EXPECT_FALSE(BuildMicroBatch(datums, all, config, options, at::kCPU, &counts).is_packed);
+    }
   }
 }
 

@@ -35,14 +35,14 @@ MicroBatch BuildMicroBatch(const std::vector<Datum>& datums, const std::vector<s
   data.b = static_cast<int64_t>(mb.size());
   std::vector<int64_t> rope_positions;
   std::vector<int32_t> cu_seqlens{0};
-  // Packed into one row unless every datum has the same length and attention is plain: rows
-  // of equal length pad nothing, and SDPA's fused kernel beats the varlen one there
-  // (docs/PERFORMANCE.md); sliding windows and sinks have no fused kernel on padded rows (an
-  // explicit mask there), so their rows are packed for the varlen kernel.
+  // Packed into one row unless every datum has the same length: rows of equal length pad
+  // nothing, and SDPA's fused kernel beats the varlen one there (docs/PERFORMANCE.md). Sliding
+  // windows and sinks have no fused kernel on padded rows (an explicit mask there), so where
+  // the varlen kernel serves them, their rows are packed for it.
   bool uniform = true;
   for (size_t d : mb) uniform = uniform && datums[d].tokens.size() == datums[mb.front()].tokens.size();
-  const bool plain_attention = !config.attention_sinks() && !config.HasSlidingLayers();
-  data.is_packed = (options.pack_sequences && !(uniform && plain_attention)) || context_group != nullptr ||
+  const bool masked_on_rows = options.varlen_attention && (config.attention_sinks() || config.HasSlidingLayers());
+  data.is_packed = (options.pack_sequences && (!uniform || masked_on_rows)) || context_group != nullptr ||
                    options.always_pack;
   if (data.is_packed) {  // one row: the datums back to back
     data.packed.max_length = data.longest;

@@ -44,6 +44,10 @@ struct MicroBatchOptions {
   bool backward = false;       // build the loss inputs
   CommGroup* context_group = nullptr;  // context parallelism: always packed, this rank's share
   bool always_pack = false;  // one packed row even when every datum has the same length (co-scheduling)
+  // The flash varlen kernel serves this model's attention on its device and dtype
+  // (compat::HasVarlenAttention): datums of equal length are then packed where a layer has a
+  // sliding window or sinks, which padded rows would take through an explicit mask.
+  bool varlen_attention = false;
   // The head scores only the loss-bearing positions (LossMask != 0): for a training call that
   // returns no log-probs, the others add nothing to its loss, gradients or metrics, and the
   // LM head over them (prompt tokens in RL) is pure cost. `positions`, `targets` and the

@@ -249,6 +249,8 @@ absl::StatusOr<ForwardBackwardResult> Trainer::RunMicroBatches(const std::vector
   mb_options.context_group = context_group;
   mb_options.matmul_passes = matmul_passes;
   mb_options.lora_params = lora_params;
+  mb_options.varlen_attention = compat::HasVarlenAttention(
+      at::empty({0, 0, config.head_dim()}, at::TensorOptions().dtype(base_->dtype).device(base_->device)));
   MicroBatchCounts counts;
   std::vector<MicroBatch> mbs;
   const auto device = base_->device;
