@@ -21,6 +21,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -213,16 +214,20 @@ def cmd_check(ctx):
     for dtype in ctx.args.dtype or ["float32", "bfloat16"]:
         banner(f"tests on {device}, {dtype}")
         log = os.path.join(ctx.out, f"ctest_{device}_{dtype}.log")
-        cmd = ["ctest", "--output-on-failure"]
+        cmd = ["ctest", "--output-on-failure", "--verbose"]  # every test's output: its skips too
         if ctx.args.tests:
             cmd += ["-R", ctx.args.tests]
         gpus = subprocess.run(["bash", "-c", "nvidia-smi -L 2>/dev/null | wc -l"], capture_output=True, text=True)
         env = dict(ctx.env, LORASTEP_TEST_DEVICE=device, LORASTEP_TEST_DTYPE=dtype,
                    LORASTEP_TEST_GPUS=gpus.stdout.strip() or "0")
         ok = run(cmd, ctx.fails, f"tests on {device} {dtype}", env=env, log=log, cwd=ctx.build)
-        summary = [l.rstrip() for l in open(log, errors="replace") if "tests passed" in l or "Failed" in l
-                   or "***" in l]
+        text = open(log, errors="replace").read()
+        summary = [l.rstrip() for l in text.splitlines() if "tests passed" in l or "Failed" in l or "***" in l]
         print("\n".join(summary[-12:]) or ("passed" if ok else "no summary"), flush=True)
+        # A test that skips (its kernel or device is absent here) passes: name them, so a GPU
+        # run shows what it did not check.
+        skipped = sorted(set(re.findall(r"\[  SKIPPED \] (\S+) \(\d+ ms\)", text)))
+        print(f"skipped on {device} {dtype}: {len(skipped)}" + "".join(f"\n  {t}" for t in skipped), flush=True)
 
 
 # ---------------------------------------------------------------- suites

@@ -46,6 +46,15 @@ class BenchToolTest(unittest.TestCase):
         self.assertEqual(rc, 0, out)
         self.assertIn("all steps passed", out)
 
+    def test_the_check_names_the_tests_that_skipped(self):
+        build = ctest_folder("build_skip", ["/bin/true"])
+        with open(os.path.join(build, "CTestTestfile.cmake"), "a") as f:
+            f.write('add_test(case_skip "/bin/sh" "-c" "echo \'[  SKIPPED ] Kernel.OnTheTestDevice (3 ms)\'")\n')
+        rc, out = bench("--build-dir", build, "--out", folder("out_skip"), "--device", "cpu", "--dtype", "float32",
+                        "check")
+        self.assertEqual(rc, 0, out)
+        self.assertIn("skipped on cpu float32: 1\n  Kernel.OnTheTestDevice", out)
+
     def test_parity_over_tolerance_fails(self):
         out_dir = folder("out_parity")
         write(os.path.join(out_dir, "hf_parity_float32.json"), {"logits_rel_err": 1e-7, "pass": True})
