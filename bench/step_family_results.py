@@ -48,16 +48,16 @@ def main():
         linear = sum(1 for t in cfg.get("layer_types", []) if t == "linear_attention")
         # The step's micro-batches and how many ran the rule again in backward (the rest kept
         # its intermediates): each costs the mixer as gated_delta_bench times it that way.
+        # Without the kept rule's timing every micro-batch counts as recomputing it.
         metrics = ours.get("last_step_metrics", {})
         micro = int(metrics.get("micro_batches:sum", math.ceil(tokens / args.micro_batch)))
-        recomputed = int(metrics.get("micro_batches_rule_recomputed:sum", micro))
         keep_rule = os.path.join(args.raw, f"{p}_gdn_keep_rule.json")
         kept_ms = json.load(open(keep_rule))["mixer_without_projections_ms"] if os.path.exists(keep_rule) else None
-        if kept_ms is None:
-            recomputed = micro
+        recomputed = int(metrics.get("micro_batches_rule_recomputed:sum", micro)) if kept_ms is not None else micro
+        kept = micro - recomputed
         mixer_ms = g["mixer_without_projections_ms"]
-        per_step = (recomputed * mixer_ms + (micro - recomputed) * (kept_ms or 0)) * linear / 1000
-        out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch"] = g["mixer_without_projections_ms"]
+        per_step = (recomputed * mixer_ms + kept * (kept_ms or 0)) * linear / 1000
+        out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch"] = mixer_ms
         out[f"{p}_gated_delta_rule_ms_per_layer_microbatch"] = g["rule_ms"]
         out[f"{p}_gated_delta_share_of_step"] = per_step / ours["worker_step_median_s"]
         inverse = os.path.join(args.raw, f"{p}_gdn_inverse.json")
@@ -69,10 +69,8 @@ def main():
         if os.path.exists(composed_conv):  # the A/B: ATen's convolution (LORASTEP_FUSED_CONV=0)
             gc = json.load(open(composed_conv))
             out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch_composed_conv"] = gc["mixer_without_projections_ms"]
-        if os.path.exists(keep_rule):  # the rule keeping its intermediates (--keep_rule)
-            gk = json.load(open(keep_rule))
-            out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch_keep_rule"] = gk["mixer_without_projections_ms"]
-        kept = micro - recomputed
+        if kept_ms is not None:  # the rule keeping its intermediates (--keep_rule)
+            out[f"{p}_gated_delta_mixer_ms_per_layer_microbatch_keep_rule"] = kept_ms
         out[f"{p}_gated_delta_method"] = (f"gated_delta_bench: the mixer without its projections per layer and micro-batch, "
                                           f"{mixer_ms:.2f} ms with the rule run again in backward ({recomputed} of the step's "
                                           f"micro-batches)" + (f" and {kept_ms:.2f} ms with its intermediates kept ({kept})" if kept else "")

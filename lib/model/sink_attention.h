@@ -48,7 +48,8 @@ at::Tensor SinkAttentionThroughLse(const at::Tensor& q, const at::Tensor& k, con
 
 // The same in two pieces without autograd, for a caller that keeps the forward's results
 // itself (a selectively recomputed layer's attention): the output and what backward needs,
-// then (dq, dk, dv, dsinks; dsinks fp32 and only with `sinks_grad`) for the output's gradient.
+// then (dq, dk, dv, dsinks; dsinks only with `sinks_grad`, in the forward's fp32 or wider type)
+// for the output's gradient.
 struct SinkAttentionSaved {
   at::Tensor out, lse, kept;  // kept: sigmoid(lse - sink) [t, heads, 1]
   std::shared_ptr<LseAttentionKernel> kernel;
